@@ -1,0 +1,35 @@
+# The two commands a newcomer runs (see README): `make up` and `make test`. Both are idempotent.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+
+.PHONY: up test lint bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --disable-pip-version-check --upgrade pip
+
+$(VENV)/.installed: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q --disable-pip-version-check -e .
+	touch $@
+
+$(VENV)/.installed-test: pyproject.toml $(VENV)/.installed
+	$(BIN)/pip install -q --disable-pip-version-check -e '.[test,dev]'
+	touch $@
+
+## Set up and start the embedded default cluster (SmolLM2 on two llama.cpp replicas, gateway on :8000).
+up: $(VENV)/.installed
+	$(BIN)/corral up
+
+## Set up everything the tests need (engines, model files, services), then run the whole suite.
+test: $(VENV)/.installed-test
+	bash scripts/test-services.sh
+	$(BIN)/corral prepare -f tests/data/cluster.yaml
+	$(BIN)/pytest -q
+
+lint: $(VENV)/.installed-test
+	$(BIN)/ruff check src tests bench
+	$(BIN)/mypy src
+
+bench: $(VENV)/.installed-test
+	$(BIN)/python bench/gateway_overhead.py

@@ -1,0 +1,117 @@
+"""The llama.cpp server binary: use one on PATH or build it once into corral's cache.
+
+The build takes llama.cpp's sources from the `llama-cpp-python` sdist on PyPI (which vendors them), and
+compiles only the `llama-server` target as a static binary, without the web UI (whose build would
+download it). On 2 cores this takes about 6 minutes, once.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+from corral.artifacts.locks import file_lock
+from corral.artifacts.models import ArtifactError, Progress
+from corral.config import Paths
+
+__all__ = ["LLAMA_CPP_SDIST", "build_llama_server", "find_llama_server", "llama_server"]
+
+LLAMA_CPP_SDIST = "llama-cpp-python==0.3.36"
+_CMAKE_FLAGS = [
+    "-DCMAKE_BUILD_TYPE=Release",
+    "-DBUILD_SHARED_LIBS=OFF",
+    "-DLLAMA_BUILD_SERVER=ON",
+    "-DLLAMA_BUILD_TOOLS=ON",
+    "-DLLAMA_BUILD_TESTS=OFF",
+    "-DLLAMA_BUILD_EXAMPLES=OFF",
+    "-DLLAMA_USE_PREBUILT_UI=OFF",
+    "-DLLAMA_BUILD_UI=OFF",
+    "-DLLAMA_CURL=OFF",
+]
+_PROGRESS_LINE = re.compile(rb"^\[\s*(\d+)%\]")
+
+
+def _cached_binary(paths: Paths) -> Path:
+    return paths.engines / f"llama.cpp-{LLAMA_CPP_SDIST.split('==')[1]}" / "llama-server"
+
+
+def find_llama_server(paths: Paths, explicit: Path | None = None) -> Path | None:
+    """An explicit binary, else `llama-server` on PATH, else corral's cached build; None if none."""
+    if explicit is not None:
+        if not (explicit.is_file() and os.access(explicit, os.X_OK)):
+            raise ArtifactError(f"llama-server binary {explicit} is missing or not executable")
+        return explicit
+    on_path = shutil.which("llama-server")
+    if on_path:
+        return Path(on_path)
+    cached = _cached_binary(paths)
+    return cached if cached.is_file() else None
+
+
+def llama_server(paths: Paths, explicit: Path | None = None, progress: Progress = lambda _: None) -> Path:
+    """A usable llama-server binary, building it if none is found."""
+    found = find_llama_server(paths, explicit)
+    return found if found is not None else build_llama_server(paths, progress)
+
+
+def build_llama_server(paths: Paths, progress: Progress = lambda _: None) -> Path:
+    """Build llama-server from the vendored llama.cpp sources into the cache (once; locked)."""
+    target = _cached_binary(paths)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with file_lock(target.parent / ".lock"):
+        if target.is_file():
+            return target
+        for tool in ("cmake", "c++"):
+            if shutil.which(tool) is None:
+                raise ArtifactError(f"building llama-server needs '{tool}'; install it or put llama-server on PATH")
+        with tempfile.TemporaryDirectory(prefix="corral-llama-") as tmp:
+            source = _fetch_sources(Path(tmp), progress)
+            log = target.parent / "build.log"
+            _run_build(source, log, progress)
+            partial = target.with_suffix(".part")
+            shutil.copy2(source / "build" / "bin" / "llama-server", partial)
+            partial.replace(target)
+    return target
+
+
+def _fetch_sources(tmp: Path, progress: Progress) -> Path:
+    progress(f"downloading llama.cpp sources ({LLAMA_CPP_SDIST} sdist)")
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+           "--disable-pip-version-check", "-q", "-d", str(tmp), LLAMA_CPP_SDIST]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    archives = list(tmp.glob("*.tar.gz"))
+    if done.returncode != 0 or not archives:
+        raise ArtifactError(f"cannot download {LLAMA_CPP_SDIST}: {done.stderr.strip()[-400:]}")
+    progress("unpacking llama.cpp sources")
+    with tarfile.open(archives[0]) as tf:
+        tf.extractall(tmp, filter="data")
+    vendored = next(tmp.glob("*/vendor/llama.cpp"), None)
+    if vendored is None:
+        raise ArtifactError(f"{archives[0].name} does not vendor llama.cpp")
+    return vendored
+
+
+def _run_build(source: Path, log: Path, progress: Progress) -> None:
+    jobs = str(max(1, os.cpu_count() or 1))
+    steps = [
+        ["cmake", "-B", "build", *_CMAKE_FLAGS],
+        ["cmake", "--build", "build", "--target", "llama-server", "-j", jobs],
+    ]
+    with log.open("wb") as out:
+        for step in steps:
+            progress("configuring llama.cpp" if "-B" in step else "compiling llama-server (about 6 min on 2 cores)")
+            proc = subprocess.Popen(step, cwd=source, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                out.write(line)
+                match = _PROGRESS_LINE.match(line)
+                if match:
+                    progress(f"compiling llama-server: {int(match.group(1))}%")
+            if proc.wait() != 0:
+                raise ArtifactError(f"building llama-server failed; see {log}")

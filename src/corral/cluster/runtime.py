@@ -1,0 +1,133 @@
+"""Replica runtimes: where and how an engine process runs.
+
+The supervisor talks only to `ReplicaRuntime`; the local runtime starts engines as child processes on this
+machine (a Ray runtime starts them as actors on a cluster's nodes). Each local replica runs in its own
+process group, so stopping it stops everything it spawned, and asks the kernel to end it if corral dies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import os
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Protocol
+
+from corral.engines import LaunchPlan
+
+__all__ = ["AttachedReplica", "LocalProcessRuntime", "ReplicaRuntime", "RunningReplica", "free_port"]
+
+_PR_SET_PDEATHSIG = 1
+
+
+class RunningReplica(Protocol):
+    """A started replica: where it listens, and how to wait for and stop it."""
+
+    url: str
+    pid: int | None
+
+    async def wait(self) -> int:
+        """Return the exit code once the replica has exited."""
+        ...
+
+    async def stop(self, timeout: float) -> None:
+        """Stop gracefully (SIGTERM), then forcefully after `timeout` seconds."""
+        ...
+
+
+class ReplicaRuntime(Protocol):
+    """Starts replicas from launch plans."""
+
+    async def start(self, replica_id: str, plan: LaunchPlan) -> RunningReplica: ...
+
+
+class AttachedReplica:
+    """A server that runs on its own (plan.url): never exits from our side, nothing to stop."""
+
+    pid = None
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self._forever = asyncio.Event()
+
+    async def wait(self) -> int:
+        await self._forever.wait()
+        return 0
+
+    async def stop(self, timeout: float) -> None:
+        return None
+
+
+class LocalProcess:
+    """An engine running as a child process group on this machine."""
+
+    def __init__(self, process: asyncio.subprocess.Process, url: str) -> None:
+        self._process = process
+        self.url = url
+        self.pid: int | None = process.pid
+
+    async def wait(self) -> int:
+        return await self._process.wait()
+
+    async def stop(self, timeout: float) -> None:
+        if self._process.returncode is not None:
+            self._signal_group(signal.SIGKILL)  # reap anything the engine left in its group
+            return
+        self._signal_group(signal.SIGTERM)
+        try:
+            await asyncio.wait_for(self._process.wait(), timeout)
+        except TimeoutError:
+            self._signal_group(signal.SIGKILL)
+            await self._process.wait()
+        self._signal_group(signal.SIGKILL)
+
+    def _signal_group(self, sig: signal.Signals) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self._process.pid, sig)
+
+
+class LocalProcessRuntime:
+    """Runs each replica as a local process on a free port, logging to `<logs>/<replica>.log`."""
+
+    def __init__(self, logs: Path, host: str = "127.0.0.1") -> None:
+        self._logs = logs
+        self._host = host
+
+    async def start(self, replica_id: str, plan: LaunchPlan) -> RunningReplica:
+        if plan.url is not None:
+            return AttachedReplica(plan.url)
+        port = free_port(self._host)
+        argv = [arg.format(host=self._host, port=port) for arg in plan.argv]
+        self._logs.mkdir(parents=True, exist_ok=True)
+        log_path = self._logs / f"{replica_id.replace('/', '_')}.log"
+        with log_path.open("ab") as log:
+            log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} starting: {' '.join(argv)}\n".encode())
+            log.flush()
+            process = await asyncio.create_subprocess_exec(
+                *argv,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=log,
+                stderr=asyncio.subprocess.STDOUT,
+                env={**os.environ, **plan.env},
+                start_new_session=True,
+                preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+            )
+        return LocalProcess(process, f"http://{self._host}:{port}")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on now (the engine binds it a moment later)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def _die_with_parent() -> None:
+    """In the child: the kernel sends SIGTERM if corral exits without stopping it (kill -9, crash)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)

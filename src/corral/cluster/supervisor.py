@@ -1,0 +1,178 @@
+"""The supervisor: keeps each declared replica running, probed and published in the replica set.
+
+Per replica, one task runs this loop: start through the runtime → wait until `/health` answers → mark
+READY → probe health and metrics every interval → on exit or repeated probe failure, stop it, back off
+exponentially (reset after a stable run) and start again. A replica leaves the routable set the moment its
+process exits or a probe fails, and comes back when it answers again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+import aiohttp
+
+from corral.cluster.runtime import ReplicaRuntime, RunningReplica
+from corral.config import SupervisorSettings
+from corral.engines import EngineAdapter, LaunchPlan
+from corral.routing import Replica, ReplicaSet, ReplicaState
+
+__all__ = ["Supervisor"]
+
+logger = logging.getLogger(__name__)
+
+_STABLE_RUN_S = 60.0  # a replica that stayed up this long restarts with the initial backoff again
+_EXPECTED_START_S = 3.0  # used for Retry-After hints while a replica is (re)starting
+
+
+@dataclass(slots=True)
+class _Slot:
+    replica: Replica
+    engine: EngineAdapter
+    plan: LaunchPlan
+    task: asyncio.Task[None] | None = None
+
+
+class Supervisor:
+    """Reconciles declared replicas with running ones through a runtime."""
+
+    def __init__(self, replicas: ReplicaSet, runtime: ReplicaRuntime, settings: SupervisorSettings) -> None:
+        self.replicas = replicas
+        self._runtime = runtime
+        self._settings = settings
+        self._slots: list[_Slot] = []
+        self._session: aiohttp.ClientSession | None = None
+        self._stopping = False
+
+    def add(self, model: str, engine: EngineAdapter, plans: list[LaunchPlan]) -> list[Replica]:
+        """Declare replicas of `model`, one per plan; they start when `start` is called."""
+        self.replicas.declare(model)
+        added = []
+        for plan in plans:
+            index = sum(1 for s in self._slots if s.replica.model == model)
+            replica = Replica(id=f"{model}-{index}", model=model, engine=engine.name)
+            self._slots.append(_Slot(replica, engine, plan))
+            self.replicas.add(replica)
+            added.append(replica)
+        return added
+
+    async def start(self) -> None:
+        """Start every declared replica's lifecycle task."""
+        timeout = aiohttp.ClientTimeout(total=self._settings.probe_timeout)
+        self._session = aiohttp.ClientSession(timeout=timeout)
+        for slot in self._slots:
+            slot.task = asyncio.create_task(self._lifecycle(slot), name=f"replica:{slot.replica.id}")
+
+    async def wait_ready(self, timeout: float) -> bool:
+        """Wait until every model has at least one ready replica; False on timeout."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if all(self.replicas.ready(m) for m in self.replicas.models()):
+                return True
+            await asyncio.sleep(0.1)
+        return False
+
+    async def stop(self) -> None:
+        """Stop all replicas (SIGTERM, then SIGKILL after the stop timeout) and end their tasks."""
+        self._stopping = True
+        tasks = [s.task for s in self._slots if s.task is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self._session is not None:
+            await self._session.close()
+
+    async def _lifecycle(self, slot: _Slot) -> None:
+        replica, settings = slot.replica, self._settings
+        backoff = settings.backoff_initial
+        while True:
+            replica.state = ReplicaState.STARTING
+            replica.ready_eta = time.time() + _EXPECTED_START_S
+            launched = time.monotonic()
+            try:
+                running = await self._runtime.start(replica.id, slot.plan)
+            except OSError as exc:
+                reason = f"launch failed: {exc}"
+            else:
+                reason = await self._run(slot, running)
+            if time.monotonic() - launched > _STABLE_RUN_S:
+                backoff = settings.backoff_initial
+            replica.restarts += 1
+            replica.last_error = reason
+            replica.state = ReplicaState.RESTARTING
+            replica.ready_eta = time.time() + backoff + _EXPECTED_START_S
+            logger.warning("replica %s: %s; restarting in %.1fs", replica.id, reason, backoff)
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, settings.backoff_max)
+
+    async def _run(self, slot: _Slot, running: RunningReplica) -> str:
+        """Serve one incarnation of the replica; the reason it ended. Always stops the process."""
+        replica = slot.replica
+        replica.url, replica.pid, replica.started_at = running.url, running.pid, time.time()
+        exited = asyncio.ensure_future(running.wait())
+        try:
+            return await self._watch(slot, running, exited)
+        finally:
+            exited.cancel()
+            if replica.state is ReplicaState.READY:
+                replica.state = ReplicaState.UNHEALTHY
+            if self._stopping:
+                replica.state = ReplicaState.STOPPING
+            await asyncio.shield(running.stop(self._settings.stop_timeout))
+            if self._stopping:
+                replica.state = ReplicaState.STOPPED
+
+    async def _watch(self, slot: _Slot, running: RunningReplica, exited: asyncio.Future[int]) -> str:
+        replica, settings = slot.replica, self._settings
+        deadline = time.monotonic() + settings.ready_timeout
+        while not await self._healthy(running.url + slot.plan.health_path):
+            if exited.done():
+                return f"exited with code {exited.result()} while starting"
+            if time.monotonic() > deadline:
+                return f"not ready within {settings.ready_timeout:.0f}s"
+            await asyncio.wait([exited], timeout=0.2)
+        replica.state, replica.ready_eta = ReplicaState.READY, None
+        logger.info("replica %s ready at %s", replica.id, running.url)
+        failures = 0
+        while True:
+            await self._scrape(slot, running)
+            await asyncio.wait([exited], timeout=settings.probe_interval)
+            if exited.done():
+                return f"exited with code {exited.result()}"
+            if await self._healthy(running.url + slot.plan.health_path):
+                failures = 0
+                replica.state = ReplicaState.READY
+                continue
+            failures += 1
+            replica.state = ReplicaState.UNHEALTHY  # out of routing at once; restarted if it persists
+            if failures >= settings.unhealthy_after:
+                return f"failed {failures} health probes in a row"
+
+    async def _healthy(self, url: str) -> bool:
+        assert self._session is not None
+        try:
+            async with self._session.get(url) as response:
+                await response.read()
+                return response.status == 200
+        except (aiohttp.ClientError, TimeoutError):
+            return False
+
+    async def _scrape(self, slot: _Slot, running: RunningReplica) -> None:
+        """Read the engine's load from its metrics endpoint; a failed scrape keeps the last value."""
+        if slot.plan.metrics_path is None:
+            return
+        assert self._session is not None
+        try:
+            async with self._session.get(running.url + slot.plan.metrics_path) as response:
+                if response.status != 200:
+                    return
+                text = await response.text()
+        except (aiohttp.ClientError, TimeoutError):
+            return
+        try:
+            slot.replica.load = slot.engine.parse_load(text)
+        except ValueError:
+            logger.warning("replica %s: unreadable metrics", slot.replica.id)

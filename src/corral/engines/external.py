@@ -1,0 +1,24 @@
+"""Servers corral does not start: any OpenAI-compatible endpoint already running at known URLs."""
+
+from __future__ import annotations
+
+from corral.artifacts import Progress
+from corral.config import DeploymentSpec, ModelSpec, Paths
+from corral.engines.base import LaunchPlan
+from corral.routing import EngineLoad
+
+__all__ = ["ExternalEngine"]
+
+
+class ExternalEngine:
+    """Probes `/health` of each URL; load is what this gateway has outstanding (no engine metrics)."""
+
+    name = "external"
+
+    def prepare(
+        self, model: ModelSpec, deployment: DeploymentSpec, paths: Paths, progress: Progress
+    ) -> list[LaunchPlan]:
+        return [LaunchPlan(url=url.rstrip("/"), metrics_path=None) for url in deployment.urls]
+
+    def parse_load(self, metrics_text: str) -> EngineLoad:
+        return EngineLoad(running=0, waiting=0)

@@ -1,0 +1,55 @@
+"""llama.cpp's `llama-server`: the embedded CPU engine.
+
+It batches continuously over `--parallel` slots, answers `/health` (503 while loading), exposes Prometheus
+`/metrics` with `--metrics`, and reports usage in streams. One thread per replica: on two busy cores, two
+threads each collapsed throughput (about 117 → 4 tokens/s) under contention.
+"""
+
+from __future__ import annotations
+
+from corral.artifacts import Progress, llama_server, resolve_model
+from corral.config import DeploymentSpec, ModelSpec, Paths
+from corral.engines.base import LaunchPlan, read_gauges
+from corral.routing import EngineLoad
+
+__all__ = ["LlamaCppEngine"]
+
+_PREFIX = "llamacpp:"
+
+
+class LlamaCppEngine:
+    """Adapter for llama.cpp's OpenAI-compatible server."""
+
+    name = "llamacpp"
+
+    def prepare(
+        self, model: ModelSpec, deployment: DeploymentSpec, paths: Paths, progress: Progress
+    ) -> list[LaunchPlan]:
+        assert model.source is not None  # the spec guarantees it for engines that load a file
+        binary = llama_server(paths, deployment.binary, progress)
+        weights = resolve_model(model.source, paths, progress)
+        argv = (
+            str(binary),
+            "--model", str(weights),
+            "--alias", model.name,
+            "--host", "{host}",
+            "--port", "{port}",
+            "--threads", str(deployment.threads),
+            "--threads-batch", str(deployment.threads),
+            "--parallel", str(deployment.parallel),
+            "--ctx-size", str(deployment.context_length * deployment.parallel),
+            "--metrics",
+            "--no-webui",
+            *deployment.engine_args,
+        )
+        return [LaunchPlan(argv=argv)] * deployment.replicas
+
+    def parse_load(self, metrics_text: str) -> EngineLoad:
+        values = read_gauges(metrics_text)
+        return EngineLoad(
+            running=int(values.get(_PREFIX + "requests_processing", 0)),
+            waiting=int(values.get(_PREFIX + "requests_deferred", 0)),
+            kv_usage=values.get(_PREFIX + "kv_cache_usage_ratio"),
+            prompt_tokens_total=values.get(_PREFIX + "prompt_tokens_total", 0.0),
+            generated_tokens_total=values.get(_PREFIX + "tokens_predicted_total", 0.0),
+        )

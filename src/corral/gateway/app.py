@@ -1,0 +1,119 @@
+"""Gateway assembly: routes, the one error boundary, and the app's long-lived objects.
+
+The app serves `/v1/chat/completions`, `/v1/completions`, `/v1/models`, `/health` (process up), `/ready`
+(every model has a ready replica) and `/corral/status` (replicas with state and load).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import aiohttp
+from aiohttp import web
+
+from corral.config import GatewaySettings
+from corral.gateway.pipeline import Pipeline
+from corral.gateway.relay import Relay, RelayTimeouts
+from corral.protocol import APIError, MethodNotAllowed, NotFound, PayloadTooLarge
+from corral.routing import ReplicaSet, Router
+
+__all__ = ["PIPELINE", "build_app"]
+
+logger = logging.getLogger(__name__)
+
+PIPELINE = web.AppKey("pipeline", Pipeline)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def build_app(settings: GatewaySettings, router: Router) -> web.Application:
+    """The gateway application over `router`'s replica set."""
+    app = web.Application(middlewares=[_error_boundary], client_max_size=settings.max_body_bytes)
+    status = _StatusViews(router.replicas, started_at=time.time())
+    app.router.add_get("/health", status.health)
+    app.router.add_get("/ready", status.ready)
+    app.router.add_get("/v1/models", status.models)
+    app.router.add_get("/corral/status", status.replica_status)
+
+    async def client_session(app: web.Application) -> AsyncIterator[None]:
+        connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=30)
+        async with aiohttp.ClientSession(connector=connector, auto_decompress=False) as session:
+            timeouts = RelayTimeouts(connect=settings.connect_timeout, read=settings.read_timeout)
+            relay = Relay(session, router, retries=settings.retries, timeouts=timeouts)
+            app[PIPELINE] = Pipeline(router.replicas, relay, settings.max_body_bytes)
+            yield
+
+    app.cleanup_ctx.append(client_session)
+    app.router.add_post("/v1/chat/completions", _chat_completions)
+    app.router.add_post("/v1/completions", _completions)
+    return app
+
+
+async def _chat_completions(request: web.Request) -> web.StreamResponse:
+    return await request.app[PIPELINE].chat_completions(request)
+
+
+async def _completions(request: web.Request) -> web.StreamResponse:
+    return await request.app[PIPELINE].completions(request)
+
+
+@web.middleware
+async def _error_boundary(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """The one place errors become OpenAI-shaped JSON responses."""
+    try:
+        return await handler(request)
+    except APIError as exc:
+        return _error_response(exc)
+    except web.HTTPRequestEntityTooLarge:
+        return _error_response(PayloadTooLarge("The request body is larger than the gateway accepts."))
+    except web.HTTPNotFound:
+        return _error_response(NotFound(f"Unknown path {request.path}."))
+    except web.HTTPMethodNotAllowed as exc:
+        return _error_response(MethodNotAllowed(f"Method {exc.method} is not allowed on {request.path}."))
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return _error_response(APIError(exc.reason or "HTTP error"), status=exc.status)
+    except Exception:
+        logger.exception("unhandled error on %s %s", request.method, request.path)
+        return _error_response(APIError("The gateway hit an internal error; it has been logged."))
+
+
+def _error_response(exc: APIError, status: int | None = None) -> web.Response:
+    return web.Response(
+        body=exc.to_json(),
+        status=status or exc.status,
+        content_type="application/json",
+        headers=exc.headers(),
+    )
+
+
+class _StatusViews:
+    """Read-only views of the replica set."""
+
+    def __init__(self, replicas: ReplicaSet, started_at: float) -> None:
+        self._replicas = replicas
+        self._started_at = started_at
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def ready(self, request: web.Request) -> web.Response:
+        counts = {m: len(self._replicas.ready(m)) for m in self._replicas.models()}
+        ok = bool(counts) and all(counts.values())
+        return web.json_response({"ready": ok, "models": counts}, status=200 if ok else 503)
+
+    async def models(self, request: web.Request) -> web.Response:
+        created = int(self._started_at)
+        data = [
+            {"id": m, "object": "model", "created": created, "owned_by": "corral"}
+            for m in self._replicas.models()
+        ]
+        return web.json_response({"object": "list", "data": data})
+
+    async def replica_status(self, request: web.Request) -> web.Response:
+        return web.json_response(
+            {"models": self._replicas.models(), "replicas": [r.snapshot() for r in self._replicas]}
+        )

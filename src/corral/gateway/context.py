@@ -1,0 +1,36 @@
+"""The typed context one request carries through the pipeline's stages."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from corral.protocol import GenerationRequest
+from corral.routing import Replica
+
+__all__ = ["RequestContext"]
+
+
+@dataclass(slots=True)
+class RequestContext:
+    """What the stages know about one generation request; stages fill in their part."""
+
+    path: str
+    body: GenerationRequest
+    upstream_body: bytes
+    received_at: float
+    replica: Replica | None = None
+    first_byte_at: float | None = None
+    usage: dict[str, Any] | None = None
+
+    @property
+    def model(self) -> str:
+        return self.body.model
+
+    @property
+    def stream(self) -> bool:
+        return self.body.stream
+
+    @property
+    def client_wants_usage(self) -> bool:
+        return self.body.include_usage

@@ -1,0 +1,157 @@
+"""Relay one generation request to a replica and its answer back, with retry before the first byte.
+
+Failures before any byte reached the client (connect refused, connection dropped, a 502/503 from the
+engine) are retried on another replica. After the first byte a failure cannot be hidden: the stream ends
+with an SSE error event and no `[DONE]`, so the client knows the answer is truncated. A client that goes
+away closes the upstream connection, which makes the engine stop generating.
+"""
+
+from __future__ import annotations
+
+import time
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import aiohttp
+from aiohttp import web
+
+from corral.gateway.context import RequestContext
+from corral.gateway.sse import SSEFilter
+from corral.protocol import NoCapacity, UpstreamError, UpstreamTimeout, error_body
+from corral.routing import Replica, Router
+
+__all__ = ["Relay"]
+
+logger = logging.getLogger(__name__)
+
+_RETRYABLE_STATUS = frozenset({502, 503})
+_UPSTREAM_HEADERS = {"Content-Type": "application/json"}
+_SEP = b"\n\n"
+_SSE_HEADERS = {
+    "Content-Type": "text/event-stream",
+    "Cache-Control": "no-cache",
+    "X-Accel-Buffering": "no",
+}
+
+
+class _Retryable(Exception):
+    """The replica failed before the client saw anything; another replica may serve the request."""
+
+
+@dataclass(frozen=True, slots=True)
+class RelayTimeouts:
+    connect: float
+    read: float
+
+
+class Relay:
+    """Sends requests upstream through one pooled HTTP client session."""
+
+    def __init__(self, session: aiohttp.ClientSession, router: Router, retries: int, timeouts: RelayTimeouts):
+        self._session = session
+        self._router = router
+        self._retries = retries
+        self._timeout = aiohttp.ClientTimeout(total=None, connect=timeouts.connect, sock_read=timeouts.read)
+
+    async def forward(self, ctx: RequestContext, request: web.Request) -> web.StreamResponse:
+        tried: list[Replica] = []
+        failure = "no attempt"
+        for _ in range(self._retries + 1):
+            try:
+                replica = self._router.acquire(ctx.model, exclude=tried)
+            except NoCapacity:
+                if not tried:
+                    raise
+                break  # every ready replica has failed this request
+            ctx.replica = replica
+            try:
+                return await self._attempt(replica, ctx, request)
+            except _Retryable as exc:
+                failure = str(exc)
+                tried.append(replica)
+                logger.warning("replica %s failed before first byte (%s); %s", replica.id, exc,
+                               "retrying" if len(tried) <= self._retries else "giving up")
+            finally:
+                self._router.release(replica)
+        raise UpstreamError(f"The model's replicas failed to answer: {failure}.")
+
+    async def _attempt(self, replica: Replica, ctx: RequestContext, request: web.Request) -> web.StreamResponse:
+        try:
+            upstream = await self._session.post(
+                replica.url + ctx.path, data=ctx.upstream_body, headers=_UPSTREAM_HEADERS, timeout=self._timeout
+            )
+        except TimeoutError as exc:
+            raise UpstreamTimeout(f"Replica {replica.id} did not answer in time.") from exc
+        except aiohttp.ClientError as exc:
+            raise _Retryable(f"{type(exc).__name__}: {exc}") from exc
+        async with upstream:
+            if upstream.status in _RETRYABLE_STATUS:
+                raise _Retryable(f"engine answered {upstream.status}")
+            if not ctx.stream or upstream.status != 200:
+                return await self._whole(replica, upstream)
+            return await self._stream(replica, ctx, upstream, request)
+
+    async def _whole(self, replica: Replica, upstream: aiohttp.ClientResponse) -> web.Response:
+        try:
+            body = await upstream.read()
+        except TimeoutError as exc:
+            raise UpstreamTimeout(f"Replica {replica.id} did not finish its answer in time.") from exc
+        except aiohttp.ClientError as exc:
+            raise _Retryable(f"{type(exc).__name__}: {exc}") from exc
+        return web.Response(
+            body=body,
+            status=upstream.status,
+            content_type=upstream.content_type,
+            headers={"x-corral-replica": replica.id},
+        )
+
+    async def _stream(
+        self, replica: Replica, ctx: RequestContext, upstream: aiohttp.ClientResponse, request: web.Request
+    ) -> web.StreamResponse:
+        sse = SSEFilter(keep_usage=ctx.client_wants_usage)
+        chunks = upstream.content.iter_any()
+        first = b""
+        try:
+            while not first:  # hold the response until the first whole event: a failure here can retry
+                first = sse.feed(await anext(chunks))
+        except StopAsyncIteration as exc:
+            raise _Retryable("stream ended before its first event") from exc
+        except TimeoutError as exc:
+            raise UpstreamTimeout(f"Replica {replica.id} sent no first token in time.") from exc
+        except aiohttp.ClientError as exc:
+            raise _Retryable(f"{type(exc).__name__}: {exc}") from exc
+
+        response = web.StreamResponse(headers={**_SSE_HEADERS, "x-corral-replica": replica.id})
+        try:
+            await response.prepare(request)
+            await response.write(first)
+            ctx.first_byte_at = time.monotonic()
+            problem = await self._pump(chunks, sse, response)
+            if problem is not None:
+                logger.warning("stream from replica %s cut: %s", replica.id, problem)
+                message = f"The response was cut short: {problem}."
+                await response.write(b"data: " + error_body(message, "upstream_error", "stream_truncated") + _SEP)
+            await response.write_eof()
+        except ConnectionResetError:
+            logger.debug("client went away; closing the upstream stream from %s", replica.id)
+        ctx.usage = sse.usage
+        return response
+
+    @staticmethod
+    async def _pump(
+        chunks: AsyncIterator[bytes], sse: SSEFilter, response: web.StreamResponse
+    ) -> str | None:
+        """Copy events until the upstream ends; the reason if it ended badly, else None."""
+        while True:
+            try:
+                data = await anext(chunks)
+            except StopAsyncIteration:
+                return None if sse.done else "the replica closed the stream before it was complete"
+            except TimeoutError:
+                return "the replica stopped sending tokens (read timeout)"
+            except aiohttp.ClientError as exc:
+                return f"the replica failed mid-stream ({type(exc).__name__})"
+            out = sse.feed(data)
+            if out:
+                await response.write(out)

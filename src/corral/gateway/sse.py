@@ -1,0 +1,69 @@
+"""Server-sent-event framing for relayed streams, without re-encoding what passes through.
+
+The relay asks every engine for usage (`stream_options.include_usage`), so it can account for tokens even
+when the client did not ask. This filter passes complete events through as the same bytes, and looks
+inside only the few events that can hold usage or the `[DONE]` marker (a fast substring test per chunk).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+__all__ = ["SSEFilter"]
+
+_USAGE = b'"usage"'
+_DONE = b"data: [DONE]"
+_SEP = b"\n\n"
+
+
+class SSEFilter:
+    """Feeds upstream bytes, returns bytes for the client; notes usage and whether the stream finished."""
+
+    __slots__ = ("_keep_usage", "_pending", "done", "usage")
+
+    def __init__(self, keep_usage: bool) -> None:
+        self._keep_usage = keep_usage
+        self._pending = b""
+        self.done = False
+        self.usage: dict[str, Any] | None = None
+
+    def feed(self, data: bytes) -> bytes:
+        """Bytes of the complete events in `pending + data`; a partial event waits for the next chunk."""
+        if self._pending:
+            data = self._pending + data
+        end = data.rfind(_SEP)
+        if end < 0:
+            self._pending = data
+            return b""
+        end += len(_SEP)
+        complete, self._pending = data[:end], data[end:]
+        if _USAGE in complete or _DONE in complete:
+            return self._inspect(complete)
+        return complete
+
+    def _inspect(self, complete: bytes) -> bytes:
+        kept: list[bytes] = []
+        for event in complete.split(_SEP):
+            if not event:
+                continue
+            if event.startswith(_DONE):
+                self.done = True
+            elif _USAGE in event and not self._take_usage(event):
+                continue
+            kept.append(event)
+        return _SEP.join(kept) + _SEP if kept else b""
+
+    def _take_usage(self, event: bytes) -> bool:
+        """Record the usage in `event`; False when the event exists only to carry it and must be dropped."""
+        payload = event[event.find(b"{") :]
+        try:
+            chunk = orjson.loads(payload)
+        except orjson.JSONDecodeError:
+            return True
+        usage = chunk.get("usage") if isinstance(chunk, dict) else None
+        if not isinstance(usage, dict):
+            return True
+        self.usage = usage
+        return self._keep_usage or bool(chunk.get("choices"))

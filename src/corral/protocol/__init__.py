@@ -1,0 +1,39 @@
+"""OpenAI wire types and errors, shared by the gateway, the simulator and bench."""
+
+from corral.protocol.errors import (
+    APIError,
+    InvalidRequest,
+    MethodNotAllowed,
+    ModelNotFound,
+    NoCapacity,
+    NotFound,
+    PayloadTooLarge,
+    UpstreamError,
+    UpstreamTimeout,
+    error_body,
+)
+from corral.protocol.types import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerationRequest,
+    StreamOptions,
+    parse_body,
+)
+
+__all__ = [
+    "APIError",
+    "ChatCompletionRequest",
+    "CompletionRequest",
+    "GenerationRequest",
+    "InvalidRequest",
+    "MethodNotAllowed",
+    "ModelNotFound",
+    "NoCapacity",
+    "NotFound",
+    "PayloadTooLarge",
+    "StreamOptions",
+    "UpstreamError",
+    "UpstreamTimeout",
+    "error_body",
+    "parse_body",
+]

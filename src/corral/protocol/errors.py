@@ -1,0 +1,118 @@
+"""OpenAI-shaped errors.
+
+Tree (every error the gateway answers with is one of these)::
+
+    APIError                      status, type, code, message, param
+    ├── InvalidRequest            400  invalid_request_error   (bad JSON, wrong field, bad value)
+    ├── ModelNotFound             404  invalid_request_error   code=model_not_found
+    ├── NotFound                  404  invalid_request_error   (unknown path)
+    ├── MethodNotAllowed          405  invalid_request_error
+    ├── PayloadTooLarge           413  invalid_request_error   code=request_too_large
+    ├── NoCapacity                503  service_unavailable     (no ready replica; carries Retry-After)
+    ├── UpstreamError             502  upstream_error          (replica failed before answering)
+    └── UpstreamTimeout           504  timeout                 (replica did not answer in time)
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import orjson
+
+__all__ = [
+    "APIError",
+    "InvalidRequest",
+    "MethodNotAllowed",
+    "ModelNotFound",
+    "NoCapacity",
+    "NotFound",
+    "PayloadTooLarge",
+    "UpstreamError",
+    "UpstreamTimeout",
+    "error_body",
+]
+
+
+class APIError(Exception):
+    """An error the client sees as `{"error": {...}}` with an HTTP status."""
+
+    status: ClassVar[int] = 500
+    type: ClassVar[str] = "server_error"
+    default_code: ClassVar[str | None] = None
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        retry_after: float | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code if code is not None else self.default_code
+        self.retry_after = retry_after
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def to_json(self) -> bytes:
+        return orjson.dumps(self.to_dict())
+
+    def headers(self) -> dict[str, str]:
+        if self.retry_after is None:
+            return {}
+        return {"Retry-After": str(max(1, round(self.retry_after)))}
+
+
+class InvalidRequest(APIError):
+    status = 400
+    type = "invalid_request_error"
+
+
+class ModelNotFound(APIError):
+    status = 404
+    type = "invalid_request_error"
+    default_code = "model_not_found"
+
+
+class NotFound(APIError):
+    status = 404
+    type = "invalid_request_error"
+    default_code = "not_found"
+
+
+class MethodNotAllowed(APIError):
+    status = 405
+    type = "invalid_request_error"
+    default_code = "method_not_allowed"
+
+
+class PayloadTooLarge(APIError):
+    status = 413
+    type = "invalid_request_error"
+    default_code = "request_too_large"
+
+
+class NoCapacity(APIError):
+    status = 503
+    type = "service_unavailable"
+    default_code = "no_ready_replica"
+
+
+class UpstreamError(APIError):
+    status = 502
+    type = "upstream_error"
+    default_code = "upstream_failed"
+
+
+class UpstreamTimeout(APIError):
+    status = 504
+    type = "timeout"
+    default_code = "upstream_timeout"
+
+
+def error_body(message: str, type_: str, code: str | None = None) -> bytes:
+    """An error object for places that have no exception, such as an SSE error event."""
+    return orjson.dumps({"error": {"message": message, "type": type_, "param": None, "code": code}})

@@ -1,0 +1,109 @@
+"""The live replica set: what the supervisor publishes and the gateway routes over."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+__all__ = ["EngineLoad", "Replica", "ReplicaSet", "ReplicaState"]
+
+
+class ReplicaState(StrEnum):
+    STARTING = "starting"
+    READY = "ready"
+    UNHEALTHY = "unhealthy"
+    RESTARTING = "restarting"
+    STOPPING = "stopping"
+    STOPPED = "stopped"
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLoad:
+    """One scrape of an engine's own load figures, in a shape common to all engines."""
+
+    running: int
+    waiting: int
+    kv_usage: float | None = None
+    prompt_tokens_total: float = 0.0
+    generated_tokens_total: float = 0.0
+    scraped_at: float = field(default_factory=time.time)
+
+
+@dataclass(slots=True, eq=False)
+class Replica:
+    """One engine replica. The supervisor owns its lifecycle fields; the gateway owns `outstanding`."""
+
+    id: str
+    model: str
+    engine: str
+    url: str = ""
+    state: ReplicaState = ReplicaState.STARTING
+    outstanding: int = 0
+    load: EngineLoad | None = None
+    pid: int | None = None
+    restarts: int = 0
+    started_at: float | None = None
+    last_error: str | None = None
+    served: int = 0
+    ready_eta: float | None = None  # when a starting/restarting replica is expected ready (epoch s)
+
+    @property
+    def ready(self) -> bool:
+        return self.state is ReplicaState.READY
+
+    def snapshot(self) -> dict[str, object]:
+        """A JSON-able view for status endpoints and the CLI."""
+        load = self.load
+        return {
+            "id": self.id,
+            "model": self.model,
+            "engine": self.engine,
+            "url": self.url,
+            "state": str(self.state),
+            "pid": self.pid,
+            "restarts": self.restarts,
+            "outstanding": self.outstanding,
+            "served": self.served,
+            "uptime_s": round(time.time() - self.started_at, 1) if self.started_at else None,
+            "running": load.running if load else None,
+            "waiting": load.waiting if load else None,
+            "kv_usage": load.kv_usage if load else None,
+            "generated_tokens_total": load.generated_tokens_total if load else None,
+            "last_error": self.last_error,
+        }
+
+
+class ReplicaSet:
+    """Replicas by model. Single event loop: no locks, readers see whole updates."""
+
+    def __init__(self, models: list[str] | None = None) -> None:
+        self._by_model: dict[str, list[Replica]] = {m: [] for m in models or []}
+
+    def declare(self, model: str) -> None:
+        self._by_model.setdefault(model, [])
+
+    def add(self, replica: Replica) -> None:
+        self._by_model.setdefault(replica.model, []).append(replica)
+
+    def remove(self, replica: Replica) -> None:
+        members = self._by_model.get(replica.model, [])
+        if replica in members:
+            members.remove(replica)
+
+    def models(self) -> list[str]:
+        return list(self._by_model)
+
+    def has_model(self, model: str) -> bool:
+        return model in self._by_model
+
+    def of(self, model: str) -> list[Replica]:
+        return self._by_model.get(model, [])
+
+    def ready(self, model: str) -> list[Replica]:
+        return [r for r in self._by_model.get(model, ()) if r.state is ReplicaState.READY]
+
+    def __iter__(self) -> Iterator[Replica]:
+        for members in self._by_model.values():
+            yield from members

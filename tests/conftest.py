@@ -1,0 +1,99 @@
+"""Shared fixtures: a real corral cluster started with the CLI, and scripted upstream servers."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from corral.cluster import free_port
+
+DATA = Path(__file__).parent / "data"
+CORRAL = [sys.executable, "-m", "corral.cli"]
+
+
+@dataclass
+class RunningCluster:
+    """A `corral up` process and where its gateway listens."""
+
+    process: subprocess.Popen[bytes]
+    url: str
+    log: Path
+
+    @property
+    def base_url(self) -> str:
+        return self.url + "/v1"
+
+    def status(self) -> dict:
+        return get_json(self.url + "/corral/status")[1]
+
+    def replica_pids(self) -> list[int]:
+        return [r["pid"] for r in self.status()["replicas"] if r["pid"]]
+
+    def stop(self, sig: int = signal.SIGINT, timeout: float = 30) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+        return self.process.wait(timeout=timeout)
+
+
+def start_cluster(tmp: Path, spec: Path = DATA / "cluster.yaml", ready_timeout: float = 120) -> RunningCluster:
+    """Run `corral up -f spec` on a free port and wait until /ready says every model can serve."""
+    port = free_port()
+    log = tmp / "corral-up.log"
+    process = subprocess.Popen(
+        [*CORRAL, "up", "-f", str(spec), "--port", str(port)],
+        stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "COLUMNS": "200"},
+    )
+    cluster = RunningCluster(process, f"http://127.0.0.1:{port}", log)
+    deadline = time.monotonic() + ready_timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"corral up exited early:\n{log.read_text()}")
+        try:
+            if get_json(cluster.url + "/ready", timeout=1)[0] == 200:
+                return cluster
+        except OSError:
+            pass
+        time.sleep(0.2)
+    cluster.stop(signal.SIGKILL)
+    raise RuntimeError(f"cluster not ready in {ready_timeout}s:\n{log.read_text()}")
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningCluster]:
+    running = start_cluster(tmp_path_factory.mktemp("cluster"))
+    yield running
+    running.stop()
+
+
+def get_json(url: str, timeout: float = 5) -> tuple[int, dict]:
+    """GET a JSON document: (status, body), for any status."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            return response.status, json.load(response)
+    except urllib.error.HTTPError as err:
+        return err.code, json.load(err)
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is gone for our purposes
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

@@ -1,0 +1,138 @@
+"""A scripted OpenAI-compatible upstream (a real aiohttp server on 127.0.0.1) and a gateway in front."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import orjson
+import pytest
+from aiohttp import web
+
+from corral.config import GatewaySettings
+from corral.gateway import GatewayServer
+from corral.routing import LeastOutstandingRequests, Replica, ReplicaSet, ReplicaState, Router
+
+
+@dataclass
+class ScriptedUpstream:
+    """Answers like llama-server, or misbehaves as `mode` says: ok, cut, fail503, hang, drop."""
+
+    mode: str = "ok"
+    chunks: int = 4
+    bodies: list[dict] = field(default_factory=list)
+    cancelled: int = 0
+    url: str = ""
+    runner: web.AppRunner | None = None
+
+    async def start(self) -> None:
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", self.handle)
+        app.router.add_post("/v1/completions", self.handle)
+        self.runner = web.AppRunner(app, handler_cancellation=True)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        self.url = f"http://127.0.0.1:{self.runner.addresses[0][1]}"
+
+    async def stop(self) -> None:
+        assert self.runner is not None
+        await self.runner.cleanup()
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.bodies.append(body)
+        if self.mode == "fail503":
+            return web.json_response({"error": {"message": "loading", "type": "unavailable"}}, status=503)
+        if self.mode == "drop":
+            assert request.transport is not None
+            request.transport.close()
+            await asyncio.sleep(1)
+        if self.mode == "hang":
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                self.cancelled += 1
+                raise
+        if not body.get("stream"):
+            return web.json_response(_completion(self.chunks))
+        return await self._stream(request, body)
+
+    async def _stream(self, request: web.Request, body: dict) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        try:
+            for i in range(self.chunks):
+                await response.write(_event(_chunk(f"tok{i} ")))
+                if self.mode == "cut" and i == 1:
+                    assert request.transport is not None
+                    request.transport.close()
+                    return response
+                await asyncio.sleep(0.01)
+            await response.write(_event(_chunk("", finish="stop")))
+            if (body.get("stream_options") or {}).get("include_usage"):
+                await response.write(_event({"choices": [], "object": "chat.completion.chunk", "usage": _usage(self.chunks)}))
+            await response.write(b"data: [DONE]\n\n")
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+        return response
+
+
+def _usage(n: int) -> dict:
+    return {"prompt_tokens": 5, "completion_tokens": n, "total_tokens": 5 + n}
+
+
+def _completion(n: int) -> dict:
+    return {
+        "id": "cmpl-1", "object": "chat.completion", "created": 1, "model": "m",
+        "choices": [{"index": 0, "finish_reason": "stop",
+                     "message": {"role": "assistant", "content": " ".join(f"tok{i}" for i in range(n))}}],
+        "usage": _usage(n),
+    }
+
+
+def _chunk(text: str, finish: str | None = None) -> dict:
+    delta = {"content": text} if text else {}
+    return {"id": "c1", "object": "chat.completion.chunk", "created": 1, "model": "m",
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+
+
+def _event(data: dict) -> bytes:
+    return b"data: " + orjson.dumps(data) + b"\n\n"
+
+
+@dataclass
+class Gateway:
+    url: str
+    replicas: ReplicaSet
+    server: GatewayServer
+
+    @property
+    def base_url(self) -> str:
+        return self.url + "/v1"
+
+    def add_replica(self, upstream_url: str, model: str = "m", state: ReplicaState = ReplicaState.READY) -> Replica:
+        replica = Replica(id=f"{model}-{len(self.replicas.of(model))}", model=model, engine="scripted",
+                          url=upstream_url, state=state)
+        self.replicas.add(replica)
+        return replica
+
+
+@pytest.fixture
+async def upstream() -> AsyncIterator[ScriptedUpstream]:
+    server = ScriptedUpstream()
+    await server.start()
+    yield server
+    await server.stop()
+
+
+@pytest.fixture
+async def gateway() -> AsyncIterator[Gateway]:
+    replicas = ReplicaSet(["m"])
+    settings = GatewaySettings(port=0, read_timeout=1.0, connect_timeout=1.0, max_body_bytes=64 * 1024)
+    server = GatewayServer(settings, Router(replicas, LeastOutstandingRequests()))
+    await server.start()
+    yield Gateway(f"http://127.0.0.1:{server.port}", replicas, server)
+    await server.stop()

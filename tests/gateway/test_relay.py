@@ -1,0 +1,159 @@
+"""The relay against scripted upstreams: retries, truncation, timeouts, disconnects, usage."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import openai
+import pytest
+
+from corral.cluster import free_port
+from corral.routing import ReplicaState
+
+from .conftest import Gateway, ScriptedUpstream
+
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+def client(gw: Gateway) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=gw.base_url, api_key="none", max_retries=0, timeout=10)
+
+
+async def test_non_streaming_answer_is_passed_through(gateway: Gateway, upstream: ScriptedUpstream) -> None:
+    gateway.add_replica(upstream.url)
+    reply = await client(gateway).chat.completions.create(model="m", messages=MESSAGES)
+    assert reply.choices[0].message.content == "tok0 tok1 tok2 tok3"
+    assert reply.usage is not None and reply.usage.completion_tokens == 4
+
+
+async def test_stream_strips_usage_the_client_did_not_ask_for(gateway: Gateway, upstream: ScriptedUpstream) -> None:
+    gateway.add_replica(upstream.url)
+    stream = await client(gateway).chat.completions.create(model="m", messages=MESSAGES, stream=True)
+    chunks = [c async for c in stream]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "tok0 tok1 tok2 tok3 "
+    assert all(c.usage is None for c in chunks)
+    assert all(c.choices for c in chunks)  # no usage-only chunk
+    assert upstream.bodies[-1]["stream_options"] == {"include_usage": True}  # asked upstream regardless
+
+
+async def test_stream_keeps_usage_when_asked(gateway: Gateway, upstream: ScriptedUpstream) -> None:
+    gateway.add_replica(upstream.url)
+    stream = await client(gateway).chat.completions.create(
+        model="m", messages=MESSAGES, stream=True, stream_options={"include_usage": True}
+    )
+    chunks = [c async for c in stream]
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 4
+    assert chunks[-1].choices == []
+
+
+async def test_connect_failure_is_retried_on_another_replica(gateway: Gateway, upstream: ScriptedUpstream) -> None:
+    dead = gateway.add_replica(f"http://127.0.0.1:{free_port()}")  # nothing listens there
+    gateway.add_replica(upstream.url)
+    for _ in range(4):  # whichever replica is picked first, every request succeeds
+        reply = await client(gateway).chat.completions.create(model="m", messages=MESSAGES)
+        assert reply.choices[0].message.content
+    assert dead.outstanding == 0
+
+
+@pytest.mark.parametrize("mode", ["fail503", "drop"])
+async def test_failure_before_first_byte_is_retried(gateway: Gateway, upstream: ScriptedUpstream, mode: str) -> None:
+    bad = ScriptedUpstream(mode=mode)
+    await bad.start()
+    try:
+        gateway.add_replica(bad.url)
+        gateway.add_replica(upstream.url)
+        for stream in (False, True, False, True):
+            if stream:
+                chunks = [c async for c in await client(gateway).chat.completions.create(
+                    model="m", messages=MESSAGES, stream=True)]
+                assert len(chunks) == 5
+            else:
+                reply = await client(gateway).chat.completions.create(model="m", messages=MESSAGES)
+                assert reply.choices[0].message.content
+        assert bad.bodies, "the failing replica was tried"
+    finally:
+        await bad.stop()
+
+
+async def test_all_replicas_failing_gives_502(gateway: Gateway) -> None:
+    bad = ScriptedUpstream(mode="fail503")
+    await bad.start()
+    try:
+        gateway.add_replica(bad.url)
+        with pytest.raises(openai.APIStatusError) as info:
+            await client(gateway).chat.completions.create(model="m", messages=MESSAGES)
+        assert info.value.status_code == 502
+        assert "failed to answer" in info.value.message
+    finally:
+        await bad.stop()
+
+
+async def test_stream_cut_after_first_byte_ends_with_error_event(gateway: Gateway) -> None:
+    cut = ScriptedUpstream(mode="cut")
+    await cut.start()
+    try:
+        gateway.add_replica(cut.url)
+        async with aiohttp.ClientSession() as session:
+            async with session.post(gateway.base_url + "/chat/completions",
+                                    json={"model": "m", "messages": MESSAGES, "stream": True}) as resp:
+                text = (await resp.read()).decode()
+        assert "tok0" in text and "tok1" in text
+        assert "[DONE]" not in text
+        assert '"stream_truncated"' in text
+        stream = await client(gateway).chat.completions.create(model="m", messages=MESSAGES, stream=True)
+        with pytest.raises(openai.APIError, match="cut short"):
+            async for _ in stream:
+                pass
+    finally:
+        await cut.stop()
+
+
+async def test_silent_upstream_gives_504(gateway: Gateway) -> None:
+    hang = ScriptedUpstream(mode="hang")
+    await hang.start()
+    try:
+        gateway.add_replica(hang.url)
+        with pytest.raises(openai.APIStatusError) as info:
+            await client(gateway).chat.completions.create(model="m", messages=MESSAGES)
+        assert info.value.status_code == 504
+        assert info.value.body["code"] == "upstream_timeout"
+    finally:
+        await hang.stop()
+
+
+async def test_client_disconnect_cancels_upstream_request(gateway: Gateway) -> None:
+    hang = ScriptedUpstream(mode="hang")
+    await hang.start()
+    gateway.server  # noqa: B018
+    try:
+        replica = gateway.add_replica(hang.url)
+        async with aiohttp.ClientSession() as session:
+            request = asyncio.create_task(session.post(gateway.base_url + "/chat/completions",
+                                                       json={"model": "m", "messages": MESSAGES}))
+            for _ in range(50):
+                await asyncio.sleep(0.02)
+                if hang.bodies:
+                    break
+            request.cancel()
+            await asyncio.gather(request, return_exceptions=True)
+        for _ in range(50):
+            await asyncio.sleep(0.02)
+            if hang.cancelled:
+                break
+        assert hang.cancelled == 1
+        assert replica.outstanding == 0
+    finally:
+        await hang.stop()
+
+
+async def test_no_ready_replica_gives_503_with_retry_after(gateway: Gateway, upstream: ScriptedUpstream) -> None:
+    gateway.add_replica(upstream.url, state=ReplicaState.STARTING)
+    async with aiohttp.ClientSession() as session:
+        async with session.post(gateway.base_url + "/chat/completions",
+                                json={"model": "m", "messages": MESSAGES}) as resp:
+            body = await resp.json()
+    assert resp.status == 503
+    assert int(resp.headers["Retry-After"]) >= 1
+    assert body["error"]["code"] == "no_ready_replica"
+    assert upstream.bodies == []
