@@ -50,20 +50,32 @@ class SSEFilter:
                 continue
             if event.startswith(_DONE):
                 self.done = True
-            elif _USAGE in event and not self._take_usage(event):
-                continue
+            elif _USAGE in event:
+                event = self._take_usage(event)
+                if not event:
+                    continue
             kept.append(event)
         return _SEP.join(kept) + _SEP if kept else b""
 
-    def _take_usage(self, event: bytes) -> bool:
-        """Record the usage in `event`; False when the event exists only to carry it and must be dropped."""
+    def _take_usage(self, event: bytes) -> bytes:
+        """Record the usage in `event`; the event as the client should see it (empty: drop it).
+
+        A client that did not ask for usage gets none: a usage-only chunk is dropped, and usage attached to
+        a content chunk (llama.cpp does this for /v1/completions) is removed from it, re-encoding that one
+        event.
+        """
         payload = event[event.find(b"{") :]
         try:
             chunk = orjson.loads(payload)
         except orjson.JSONDecodeError:
-            return True
+            return event
         usage = chunk.get("usage") if isinstance(chunk, dict) else None
         if not isinstance(usage, dict):
-            return True
+            return event
         self.usage = usage
-        return self._keep_usage or bool(chunk.get("choices"))
+        if self._keep_usage:
+            return event
+        if not chunk.get("choices"):
+            return b""
+        del chunk["usage"]
+        return b"data: " + orjson.dumps(chunk)

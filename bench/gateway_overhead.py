@@ -1,0 +1,281 @@
+"""What the gateway costs per request: direct to an upstream vs through corral vs through a bare relay.
+
+A fast local upstream answers chat completions at once (non-streaming, or a stream of N chunks with no
+delay). The same load runs, interleaved, against: the upstream directly; a bare relay (aiohttp server +
+aiohttp client on uvloop, bytes passed through, nothing else: the floor for any Python gateway); and
+corral's gateway (`corral up` with the upstream as an external replica). Each runs in its own process.
+
+Printed JSON, per (concurrency, streaming): requests/s and its ratio to direct, p50/p99 latency and the
+latency each relay adds, and each relay's CPU time per request (the steadiest figure on a shared
+machine), with corral's ratio to the bare relay.
+
+    .venv/bin/python bench/gateway_overhead.py [--chunks 64] [--requests 3000] [--rounds 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+import psutil
+import uvloop
+from aiohttp import web
+
+ROOT = Path(__file__).resolve().parent.parent
+BODY = orjson.dumps({"model": "bench", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 64})
+
+
+# ---- the upstream and the bare relay (each runs as `python gateway_overhead.py --serve ...`) ----
+
+def serve_upstream(port: int, chunks: int) -> None:
+    completion = orjson.dumps({
+        "id": "c", "object": "chat.completion", "created": 1, "model": "bench",
+        "choices": [{"index": 0, "finish_reason": "length",
+                     "message": {"role": "assistant", "content": "tok " * chunks}}],
+        "usage": {"prompt_tokens": 9, "completion_tokens": chunks, "total_tokens": 9 + chunks},
+    })
+    chunk = b"data: " + orjson.dumps({
+        "id": "c", "object": "chat.completion.chunk", "created": 1, "model": "bench",
+        "choices": [{"index": 0, "delta": {"content": "tok "}, "finish_reason": None}],
+    }) + b"\n\n"
+    usage = b"data: " + orjson.dumps({
+        "id": "c", "object": "chat.completion.chunk", "created": 1, "model": "bench", "choices": [],
+        "usage": {"prompt_tokens": 9, "completion_tokens": chunks, "total_tokens": 9 + chunks},
+    }) + b"\n\n"
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        body = orjson.loads(await request.read())
+        if not body.get("stream"):
+            return web.Response(body=completion, content_type="application/json")
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for _ in range(chunks):
+            await response.write(chunk)
+        if (body.get("stream_options") or {}).get("include_usage"):
+            await response.write(usage)
+        await response.write(b"data: [DONE]\n\n")
+        return response
+
+    async def health(request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_get("/health", health)
+    web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None, loop=uvloop.new_event_loop())
+
+
+def serve_bare_relay(port: int, upstream: str) -> None:
+    async def relay(request: web.Request) -> web.StreamResponse:
+        session: aiohttp.ClientSession = request.app["session"]
+        body = await request.read()
+        async with session.post(upstream + request.path, data=body,
+                                headers={"Content-Type": "application/json"}) as up:
+            response = web.StreamResponse(status=up.status, headers={"Content-Type": up.content_type})
+            await response.prepare(request)
+            async for data in up.content.iter_any():
+                await response.write(data)
+            await response.write_eof()
+            return response
+
+    async def session_ctx(app: web.Application) -> Any:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+            app["session"] = session
+            yield
+
+    app = web.Application()
+    app.cleanup_ctx.append(session_ctx)
+    app.router.add_post("/v1/chat/completions", relay)
+    web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None, loop=uvloop.new_event_loop())
+
+
+# ---- the load generator ----
+
+async def run_load(url: str, concurrency: int, total: int, stream: bool) -> dict[str, Any]:
+    body = orjson.loads(BODY)
+    if stream:
+        body["stream"] = True
+    payload = orjson.dumps(body)
+    latencies: list[float] = []
+    errors = 0
+    remaining = total
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector) as session:
+
+        async def worker() -> None:
+            nonlocal remaining, errors
+            while remaining > 0:
+                remaining -= 1
+                start = time.perf_counter()
+                async with session.post(url, data=payload, headers={"Content-Type": "application/json"}) as r:
+                    data = await r.read()
+                    if r.status != 200 or (stream and not data.endswith(b"data: [DONE]\n\n")):
+                        errors += 1
+                latencies.append(time.perf_counter() - start)
+
+        started = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        elapsed = time.perf_counter() - started
+    latencies.sort()
+    return {
+        "requests_per_s": len(latencies) / elapsed,
+        "p50_ms": 1000 * latencies[len(latencies) // 2],
+        "p99_ms": 1000 * latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))],
+        "errors": errors,
+        "n": len(latencies),
+    }
+
+
+def cpu_seconds(proc: psutil.Process) -> float:
+    times = proc.cpu_times()
+    return float(times.user + times.system)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_http(url: str, timeout: float = 60) -> None:
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=1) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.1)
+    raise RuntimeError(f"{url} did not come up")
+
+
+def spawn(args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={**os.environ, **(env or {})}, start_new_session=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--chunks", type=int, default=64)
+    parser.add_argument("--requests", type=int, default=3000, help="requests per measurement")
+    parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds per configuration")
+    parser.add_argument("--concurrency", default="1,32,128")
+    parser.add_argument("--output", type=Path, default=ROOT / "results" / "gateway_overhead.json")
+    parser.add_argument("--serve", nargs="+", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.serve:
+        if args.serve[0] == "upstream":
+            serve_upstream(int(args.serve[1]), int(args.serve[2]))
+        else:
+            serve_bare_relay(int(args.serve[1]), args.serve[2])
+        return
+
+    me = [sys.executable, __file__, "--serve"]
+    up_port, bare_port, gw_port = free_port(), free_port(), free_port()
+    upstream_url = f"http://127.0.0.1:{up_port}"
+    with tempfile.TemporaryDirectory() as tmp:
+        spec = Path(tmp) / "bench.yaml"
+        spec.write_text(
+            f"gateway: {{port: {gw_port}}}\n"
+            "models:\n  - name: bench\n"
+            f"    deployments: [{{engine: external, urls: ['{upstream_url}']}}]\n"
+        )
+        procs = [
+            spawn([*me, "upstream", str(up_port), str(args.chunks)]),
+            spawn([*me, "bare", str(bare_port), upstream_url]),
+            spawn([sys.executable, "-m", "corral.cli", "up", "-f", str(spec), "--log-level", "warning"],
+                  env={"CORRAL_HOME": tmp}),
+        ]
+        try:
+            wait_http(upstream_url + "/health")
+            wait_http(f"http://127.0.0.1:{gw_port}/ready")
+            time.sleep(0.5)
+            results = asyncio.run(measure(args, procs, up_port, bare_port, gw_port), debug=False)
+        finally:
+            for p in procs:
+                os.killpg(p.pid, signal.SIGINT)
+            for p in procs:
+                try:
+                    p.wait(timeout=15)
+                except subprocess.TimeoutExpired:
+                    os.killpg(p.pid, signal.SIGKILL)
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(results, indent=2))
+    print(json.dumps(results, indent=2))
+
+
+async def measure(args: argparse.Namespace, procs: list[subprocess.Popen[bytes]], up_port: int, bare_port: int,
+                  gw_port: int) -> dict[str, Any]:
+    relays = {"bare_relay": psutil.Process(procs[1].pid), "corral": psutil.Process(procs[2].pid)}
+    urls = {
+        "direct": f"http://127.0.0.1:{up_port}/v1/chat/completions",
+        "bare_relay": f"http://127.0.0.1:{bare_port}/v1/chat/completions",
+        "corral": f"http://127.0.0.1:{gw_port}/v1/chat/completions",
+    }
+    for url in urls.values():  # warm up connections and code paths
+        await run_load(url, 8, 200, False)
+        await run_load(url, 8, 200, True)
+    configs = []
+    for concurrency in (int(c) for c in args.concurrency.split(",")):
+        for stream in (False, True):
+            samples: dict[str, list[dict[str, Any]]] = {k: [] for k in urls}
+            total = max(200, args.requests // (4 if concurrency == 1 else 1))
+            for _ in range(args.rounds):
+                for target, url in urls.items():
+                    proc = relays.get(target)
+                    before = cpu_seconds(proc) if proc else 0.0
+                    result = await run_load(url, concurrency, total, stream)
+                    if proc:
+                        result["cpu_ms_per_request"] = 1000 * (cpu_seconds(proc) - before) / result["n"]
+                    samples[target].append(result)
+            configs.append(summarise(concurrency, stream, samples))
+    return {
+        "benchmark": "gateway_overhead",
+        "chunks_per_stream": args.chunks,
+        "requests_per_measurement": args.requests,
+        "rounds": args.rounds,
+        "cpus": os.cpu_count(),
+        "configs": configs,
+    }
+
+
+def summarise(concurrency: int, stream: bool, samples: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    def median(target: str, key: str) -> float:
+        return statistics.median(s[key] for s in samples[target])
+
+    out: dict[str, Any] = {"concurrency": concurrency, "stream": stream}
+    direct_rps = median("direct", "requests_per_s")
+    out["direct"] = {"requests_per_s": round(direct_rps, 1), "p50_ms": round(median("direct", "p50_ms"), 3),
+                     "p99_ms": round(median("direct", "p99_ms"), 3)}
+    for target in ("bare_relay", "corral"):
+        out[target] = {
+            "requests_per_s": round(median(target, "requests_per_s"), 1),
+            "rps_ratio_to_direct": round(median(target, "requests_per_s") / direct_rps, 3),
+            "added_p50_ms": round(median(target, "p50_ms") - median("direct", "p50_ms"), 3),
+            "added_p99_ms": round(median(target, "p99_ms") - median("direct", "p99_ms"), 3),
+            "cpu_ms_per_request": round(median(target, "cpu_ms_per_request"), 4),
+            "errors": sum(s["errors"] for s in samples[target]),
+        }
+    out["corral_cpu_ratio_to_bare_relay"] = round(
+        out["corral"]["cpu_ms_per_request"] / out["bare_relay"]["cpu_ms_per_request"], 3
+    )
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,108 @@
+"""The supervisor with the local process runtime, over real llama-server processes."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from corral.cluster import LocalProcessRuntime, Supervisor
+from corral.config import Paths, SupervisorSettings, default_spec
+from corral.engines import LaunchPlan, LlamaCppEngine
+from corral.routing import Replica, ReplicaSet, ReplicaState
+
+from ..conftest import pid_alive
+
+FAST = SupervisorSettings(probe_interval=0.3, probe_timeout=0.5, unhealthy_after=2, backoff_initial=0.2,
+                          backoff_max=1.0, stop_timeout=1.0, ready_timeout=60)
+
+
+@pytest.fixture(scope="module")
+def llama_plan() -> LaunchPlan:
+    """A real llama-server launch plan for SmolLM2 (built/fetched into the cache if missing)."""
+    model = default_spec().models[0]
+    deployment = model.deployments[0].model_copy(update={"replicas": 1, "parallel": 2, "context_length": 1024})
+    return LlamaCppEngine().prepare(model, deployment, Paths.from_env(), lambda _: None)[0]
+
+
+@pytest.fixture
+async def supervisor(tmp_path: Path) -> AsyncIterator[Supervisor]:
+    sup = Supervisor(ReplicaSet(), LocalProcessRuntime(tmp_path / "logs"), FAST)
+    yield sup
+    await sup.stop()
+
+
+async def until(condition, timeout: float = 30) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.05)
+
+
+async def start_one(sup: Supervisor, plan: LaunchPlan) -> Replica:
+    (replica,) = sup.add("smollm2", LlamaCppEngine(), [plan])
+    await sup.start()
+    await until(lambda: replica.ready)
+    return replica
+
+
+async def test_replica_becomes_ready_and_its_load_is_read(supervisor: Supervisor, llama_plan: LaunchPlan) -> None:
+    replica = await start_one(supervisor, llama_plan)
+    assert replica.url.startswith("http://127.0.0.1:") and replica.pid
+    await until(lambda: replica.load is not None, timeout=5)
+    assert replica.load is not None and replica.load.running == 0
+    assert supervisor.replicas.ready("smollm2") == [replica]
+
+
+async def test_killed_replica_leaves_routing_at_once_and_is_restarted(
+    supervisor: Supervisor, llama_plan: LaunchPlan
+) -> None:
+    replica = await start_one(supervisor, llama_plan)
+    old_pid = replica.pid
+    assert old_pid is not None
+    os.kill(old_pid, signal.SIGKILL)
+    await until(lambda: not replica.ready, timeout=1)
+    await until(lambda: replica.ready and replica.pid != old_pid)
+    assert replica.restarts == 1
+    assert replica.last_error is not None and "exited with code -9" in replica.last_error
+
+
+async def test_hung_replica_is_marked_unhealthy_then_replaced(
+    supervisor: Supervisor, llama_plan: LaunchPlan
+) -> None:
+    replica = await start_one(supervisor, llama_plan)
+    old_pid = replica.pid
+    assert old_pid is not None
+    os.kill(old_pid, signal.SIGSTOP)  # alive, accepts connections, never answers
+    await until(lambda: replica.state is ReplicaState.UNHEALTHY, timeout=FAST.probe_interval + 2)
+    await until(lambda: replica.ready and replica.pid != old_pid)
+    assert "health probes" in (replica.last_error or "")
+    assert not pid_alive(old_pid)
+
+
+async def test_stop_ends_every_replica_process(supervisor: Supervisor, llama_plan: LaunchPlan) -> None:
+    replicas = supervisor.add("smollm2", LlamaCppEngine(), [llama_plan, llama_plan])
+    await supervisor.start()
+    await until(lambda: all(r.ready for r in replicas))
+    pids = [r.pid for r in replicas]
+    await supervisor.stop()
+    assert all(r.state is ReplicaState.STOPPED for r in replicas)
+    assert not any(pid_alive(p) for p in pids if p)
+
+
+async def test_crashing_engine_backs_off_exponentially(supervisor: Supervisor) -> None:
+    crash = LaunchPlan(argv=("sh", "-c", "exit 3"))
+    (replica,) = supervisor.add("broken", LlamaCppEngine(), [crash])
+    started = time.monotonic()
+    await supervisor.start()
+    await until(lambda: replica.restarts >= 4, timeout=10)
+    # backoffs 0.2 + 0.4 + 0.8 (+ start-up) before the 4th restart: not a tight loop
+    assert time.monotonic() - started >= 1.4
+    assert replica.last_error == "exited with code 3 while starting"
+    assert replica.state is not ReplicaState.READY

