@@ -35,26 +35,58 @@ import uvloop
 from aiohttp import web
 
 ROOT = Path(__file__).resolve().parent.parent
-BODY = orjson.dumps({"model": "bench", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 64})
+BODY = orjson.dumps(
+    {"model": "bench", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 64}
+)
 
 
 # ---- the upstream and the bare relay (each runs as `python gateway_overhead.py --serve ...`) ----
 
+
 def serve_upstream(port: int, chunks: int) -> None:
-    completion = orjson.dumps({
-        "id": "c", "object": "chat.completion", "created": 1, "model": "bench",
-        "choices": [{"index": 0, "finish_reason": "length",
-                     "message": {"role": "assistant", "content": "tok " * chunks}}],
-        "usage": {"prompt_tokens": 9, "completion_tokens": chunks, "total_tokens": 9 + chunks},
-    })
-    chunk = b"data: " + orjson.dumps({
-        "id": "c", "object": "chat.completion.chunk", "created": 1, "model": "bench",
-        "choices": [{"index": 0, "delta": {"content": "tok "}, "finish_reason": None}],
-    }) + b"\n\n"
-    usage = b"data: " + orjson.dumps({
-        "id": "c", "object": "chat.completion.chunk", "created": 1, "model": "bench", "choices": [],
-        "usage": {"prompt_tokens": 9, "completion_tokens": chunks, "total_tokens": 9 + chunks},
-    }) + b"\n\n"
+    completion = orjson.dumps(
+        {
+            "id": "c",
+            "object": "chat.completion",
+            "created": 1,
+            "model": "bench",
+            "choices": [
+                {
+                    "index": 0,
+                    "finish_reason": "length",
+                    "message": {"role": "assistant", "content": "tok " * chunks},
+                }
+            ],
+            "usage": {"prompt_tokens": 9, "completion_tokens": chunks, "total_tokens": 9 + chunks},
+        }
+    )
+    chunk = (
+        b"data: "
+        + orjson.dumps(
+            {
+                "id": "c",
+                "object": "chat.completion.chunk",
+                "created": 1,
+                "model": "bench",
+                "choices": [{"index": 0, "delta": {"content": "tok "}, "finish_reason": None}],
+            }
+        )
+        + b"\n\n"
+    )
+    usage = (
+        b"data: "
+        + orjson.dumps(
+            {
+                "id": "c",
+                "object": "chat.completion.chunk",
+                "created": 1,
+                "model": "bench",
+                "choices": [],
+                "usage": {"prompt_tokens": 9, "completion_tokens": chunks, "total_tokens": 9 + chunks},
+            }
+        )
+        + b"\n\n"
+    )
 
     async def chat(request: web.Request) -> web.StreamResponse:
         body = orjson.loads(await request.read())
@@ -82,8 +114,9 @@ def serve_bare_relay(port: int, upstream: str) -> None:
     async def relay(request: web.Request) -> web.StreamResponse:
         session: aiohttp.ClientSession = request.app["session"]
         body = await request.read()
-        async with session.post(upstream + request.path, data=body,
-                                headers={"Content-Type": "application/json"}) as up:
+        async with session.post(
+            upstream + request.path, data=body, headers={"Content-Type": "application/json"}
+        ) as up:
             response = web.StreamResponse(status=up.status, headers={"Content-Type": up.content_type})
             await response.prepare(request)
             async for data in up.content.iter_any():
@@ -103,6 +136,7 @@ def serve_bare_relay(port: int, upstream: str) -> None:
 
 
 # ---- the load generator ----
+
 
 async def run_load(url: str, concurrency: int, total: int, stream: bool) -> dict[str, Any]:
     body = orjson.loads(BODY)
@@ -165,12 +199,19 @@ def wait_http(url: str, timeout: float = 60) -> None:
 
 
 def spawn(args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env={**os.environ, **(env or {})}, start_new_session=True)
+    return subprocess.Popen(
+        args,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, **(env or {})},
+        start_new_session=True,
+    )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--chunks", type=int, default=64)
     parser.add_argument("--requests", type=int, default=3000, help="requests per measurement")
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds per configuration")
@@ -198,8 +239,10 @@ def main() -> None:
         procs = [
             spawn([*me, "upstream", str(up_port), str(args.chunks)]),
             spawn([*me, "bare", str(bare_port), upstream_url]),
-            spawn([sys.executable, "-m", "corral.cli", "up", "-f", str(spec), "--log-level", "warning"],
-                  env={"CORRAL_HOME": tmp}),
+            spawn(
+                [sys.executable, "-m", "corral.cli", "up", "-f", str(spec), "--log-level", "warning"],
+                env={"CORRAL_HOME": tmp},
+            ),
         ]
         try:
             wait_http(upstream_url + "/health")
@@ -219,8 +262,9 @@ def main() -> None:
     print(json.dumps(results, indent=2))
 
 
-async def measure(args: argparse.Namespace, procs: list[subprocess.Popen[bytes]], up_port: int, bare_port: int,
-                  gw_port: int) -> dict[str, Any]:
+async def measure(
+    args: argparse.Namespace, procs: list[subprocess.Popen[bytes]], up_port: int, bare_port: int, gw_port: int
+) -> dict[str, Any]:
     relays = {"bare_relay": psutil.Process(procs[1].pid), "corral": psutil.Process(procs[2].pid)}
     urls = {
         "direct": f"http://127.0.0.1:{up_port}/v1/chat/completions",
@@ -260,8 +304,11 @@ def summarise(concurrency: int, stream: bool, samples: dict[str, list[dict[str, 
 
     out: dict[str, Any] = {"concurrency": concurrency, "stream": stream}
     direct_rps = median("direct", "requests_per_s")
-    out["direct"] = {"requests_per_s": round(direct_rps, 1), "p50_ms": round(median("direct", "p50_ms"), 3),
-                     "p99_ms": round(median("direct", "p99_ms"), 3)}
+    out["direct"] = {
+        "requests_per_s": round(direct_rps, 1),
+        "p50_ms": round(median("direct", "p50_ms"), 3),
+        "p99_ms": round(median("direct", "p99_ms"), 3),
+    }
     for target in ("bare_relay", "corral"):
         out[target] = {
             "requests_per_s": round(median(target, "requests_per_s"), 1),

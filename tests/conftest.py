@@ -46,7 +46,9 @@ class RunningCluster:
         return self.process.wait(timeout=timeout)
 
 
-def start_cluster(tmp: Path, spec: Path = DATA / "cluster.yaml", ready_timeout: float = 120) -> RunningCluster:
+def start_cluster(
+    tmp: Path, spec: Path = DATA / "cluster.yaml", ready_timeout: float = 120
+) -> RunningCluster:
     """Run `corral up -f spec` on a free port and wait until /ready says every model can serve."""
     port = free_port()
     log = tmp / "corral-up.log"

@@ -42,7 +42,9 @@ models:
 """
     with pytest.raises(SpecError) as info:
         parse_spec(text, source="c.yaml")
-    assert "c.yaml:8: models.0.deployments.0.replicas: Input should be greater than or equal to 1" in str(info.value)
+    assert "c.yaml:8: models.0.deployments.0.replicas: Input should be greater than or equal to 1" in str(
+        info.value
+    )
 
 
 def test_unknown_field_is_an_error_with_its_line() -> None:

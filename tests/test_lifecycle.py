@@ -44,10 +44,14 @@ def test_kill_9_of_a_replica_during_a_burst_loses_no_request(tmp_path: Path) -> 
 
         def restarted() -> bool:
             replica = cluster.status()["replicas"][0]
-            return replica["state"] == "ready" and replica["restarts"] == 1 and replica["pid"] != victim["pid"]
+            return (
+                replica["state"] == "ready" and replica["restarts"] == 1 and replica["pid"] != victim["pid"]
+            )
 
         assert wait_for(restarted), cluster.status()
-        shown = subprocess.run([*CORRAL, "status", "--url", cluster.url, "--json"], capture_output=True, text=True)
+        shown = subprocess.run(
+            [*CORRAL, "status", "--url", cluster.url, "--json"], capture_output=True, text=True
+        )
         assert '"restarts": 1' in shown.stdout
         assert not pid_alive(victim["pid"])
     finally:

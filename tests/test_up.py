@@ -32,21 +32,26 @@ def test_chat_completion_has_text_and_consistent_usage(client: openai.OpenAI) ->
 
 def test_max_tokens_ends_with_length(client: openai.OpenAI) -> None:
     reply = client.chat.completions.create(
-        model="smollm2", messages=[{"role": "user", "content": "Write a long story about a dragon."}], max_tokens=7
+        model="smollm2",
+        messages=[{"role": "user", "content": "Write a long story about a dragon."}],
+        max_tokens=7,
     )
     assert reply.choices[0].finish_reason == "length"
     assert reply.usage is not None and reply.usage.completion_tokens == 7
 
 
 def test_n_returns_that_many_choices(client: openai.OpenAI) -> None:
-    reply = client.chat.completions.create(model="smollm2", messages=MESSAGES, max_tokens=8, n=2, temperature=1.0)
+    reply = client.chat.completions.create(
+        model="smollm2", messages=MESSAGES, max_tokens=8, n=2, temperature=1.0
+    )
     assert sorted(c.index for c in reply.choices) == [0, 1]
     assert all(c.message.content for c in reply.choices)
 
 
 def test_stop_sequence_ends_generation_before_it(client: openai.OpenAI) -> None:
-    reply = client.completions.create(model="smollm2", prompt="1, 2, 3, 4, 5, 6,", max_tokens=30,
-                                      temperature=0, stop=[" 9"])
+    reply = client.completions.create(
+        model="smollm2", prompt="1, 2, 3, 4, 5, 6,", max_tokens=30, temperature=0, stop=[" 9"]
+    )
     assert reply.choices[0].finish_reason == "stop"
     assert " 9" not in reply.choices[0].text
     assert "7" in reply.choices[0].text
@@ -55,8 +60,11 @@ def test_stop_sequence_ends_generation_before_it(client: openai.OpenAI) -> None:
 def test_same_seed_gives_the_same_sample(client: openai.OpenAI) -> None:
     def sample(seed: int) -> str | None:
         reply = client.chat.completions.create(
-            model="smollm2", messages=[{"role": "user", "content": "Name a random animal."}],
-            max_tokens=12, temperature=1.0, seed=seed,
+            model="smollm2",
+            messages=[{"role": "user", "content": "Name a random animal."}],
+            max_tokens=12,
+            temperature=1.0,
+            seed=seed,
         )
         return reply.choices[0].message.content
 
@@ -75,7 +83,11 @@ async def test_async_chat_stream_with_usage(cluster: RunningCluster) -> None:
 
     async def one() -> tuple[str, openai.types.CompletionUsage | None]:
         stream = await aclient.chat.completions.create(
-            model="smollm2", messages=MESSAGES, max_tokens=16, stream=True, stream_options={"include_usage": True}
+            model="smollm2",
+            messages=MESSAGES,
+            max_tokens=16,
+            stream=True,
+            stream_options={"include_usage": True},
         )
         text, usage = "", None
         async for chunk in stream:
@@ -108,8 +120,11 @@ def test_requests_spread_over_both_replicas(cluster: RunningCluster, client: ope
 
 
 def test_bad_input_through_the_real_cluster(cluster: RunningCluster) -> None:
-    request = urllib.request.Request(cluster.base_url + "/chat/completions", data=b'{"model": "smollm2", "messages": [',
-                                     headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        cluster.base_url + "/chat/completions",
+        data=b'{"model": "smollm2", "messages": [',
+        headers={"Content-Type": "application/json"},
+    )
     with pytest.raises(urllib.error.HTTPError) as info:
         urllib.request.urlopen(request, timeout=10)
     assert info.value.code == 400
@@ -117,10 +132,20 @@ def test_bad_input_through_the_real_cluster(cluster: RunningCluster) -> None:
 
 
 def test_client_disconnect_stops_generation_on_the_replica(cluster: RunningCluster) -> None:
-    body = json.dumps({"model": "smollm2", "max_tokens": 2000, "stream": True, "temperature": 1.0,
-                       "messages": [{"role": "user", "content": "Write a very long essay about rivers."}]})
-    request = urllib.request.Request(cluster.base_url + "/chat/completions", data=body.encode(),
-                                     headers={"Content-Type": "application/json"})
+    body = json.dumps(
+        {
+            "model": "smollm2",
+            "max_tokens": 2000,
+            "stream": True,
+            "temperature": 1.0,
+            "messages": [{"role": "user", "content": "Write a very long essay about rivers."}],
+        }
+    )
+    request = urllib.request.Request(
+        cluster.base_url + "/chat/completions",
+        data=body.encode(),
+        headers={"Content-Type": "application/json"},
+    )
     response = urllib.request.urlopen(request, timeout=30)
     response.readline()
     replica = next(r for r in cluster.status()["replicas"] if r["outstanding"] == 1)
@@ -136,11 +161,17 @@ def test_client_disconnect_stops_generation_on_the_replica(cluster: RunningClust
 
 
 def test_status_command_shows_replicas(cluster: RunningCluster) -> None:
-    out = subprocess.run([*CORRAL, "status", "--url", cluster.url], capture_output=True, text=True, timeout=30,
-                         env={"COLUMNS": "200", "PATH": "/usr/bin:/bin"})
+    out = subprocess.run(
+        [*CORRAL, "status", "--url", cluster.url],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={"COLUMNS": "200", "PATH": "/usr/bin:/bin"},
+    )
     assert out.returncode == 0, out.stderr
     assert "smollm2-0" in out.stdout and "smollm2-1" in out.stdout
     assert out.stdout.count("ready") == 2
-    as_json = subprocess.run([*CORRAL, "status", "--url", cluster.url, "--json"], capture_output=True, text=True,
-                             timeout=30)
+    as_json = subprocess.run(
+        [*CORRAL, "status", "--url", cluster.url, "--json"], capture_output=True, text=True, timeout=30
+    )
     assert {r["state"] for r in json.loads(as_json.stdout)["replicas"]} == {"ready"}

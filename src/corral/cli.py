@@ -6,7 +6,6 @@ import asyncio
 import json
 import logging
 import signal
-import sys
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -219,4 +218,4 @@ def _setup_logging(level: str) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

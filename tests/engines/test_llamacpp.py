@@ -41,8 +41,14 @@ def test_command_line_follows_the_deployment(tmp_path: Path) -> None:
     binary.write_text("#!/bin/sh\n")
     binary.chmod(0o755)
     model = ModelSpec(name="tiny", source=LocalSource(path=weights), deployments=[DeploymentSpec()])
-    deployment = DeploymentSpec(replicas=3, threads=2, parallel=8, context_length=1024, binary=binary,
-                                engine_args=["--flash-attn", "on"])
+    deployment = DeploymentSpec(
+        replicas=3,
+        threads=2,
+        parallel=8,
+        context_length=1024,
+        binary=binary,
+        engine_args=["--flash-attn", "on"],
+    )
     plans = engine_named("llamacpp").prepare(model, deployment, Paths(tmp_path), lambda _: None)
     assert len(plans) == 3
     argv = list(plans[0].argv)

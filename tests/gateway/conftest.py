@@ -72,7 +72,9 @@ class ScriptedUpstream:
                 await asyncio.sleep(0.01)
             await response.write(_event(_chunk("", finish="stop")))
             if (body.get("stream_options") or {}).get("include_usage"):
-                await response.write(_event({"choices": [], "object": "chat.completion.chunk", "usage": _usage(self.chunks)}))
+                await response.write(
+                    _event({"choices": [], "object": "chat.completion.chunk", "usage": _usage(self.chunks)})
+                )
             await response.write(b"data: [DONE]\n\n")
         except asyncio.CancelledError:
             self.cancelled += 1
@@ -86,17 +88,30 @@ def _usage(n: int) -> dict:
 
 def _completion(n: int) -> dict:
     return {
-        "id": "cmpl-1", "object": "chat.completion", "created": 1, "model": "m",
-        "choices": [{"index": 0, "finish_reason": "stop",
-                     "message": {"role": "assistant", "content": " ".join(f"tok{i}" for i in range(n))}}],
+        "id": "cmpl-1",
+        "object": "chat.completion",
+        "created": 1,
+        "model": "m",
+        "choices": [
+            {
+                "index": 0,
+                "finish_reason": "stop",
+                "message": {"role": "assistant", "content": " ".join(f"tok{i}" for i in range(n))},
+            }
+        ],
         "usage": _usage(n),
     }
 
 
 def _chunk(text: str, finish: str | None = None) -> dict:
     delta = {"content": text} if text else {}
-    return {"id": "c1", "object": "chat.completion.chunk", "created": 1, "model": "m",
-            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+    return {
+        "id": "c1",
+        "object": "chat.completion.chunk",
+        "created": 1,
+        "model": "m",
+        "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+    }
 
 
 def _event(data: dict) -> bytes:
@@ -113,9 +128,16 @@ class Gateway:
     def base_url(self) -> str:
         return self.url + "/v1"
 
-    def add_replica(self, upstream_url: str, model: str = "m", state: ReplicaState = ReplicaState.READY) -> Replica:
-        replica = Replica(id=f"{model}-{len(self.replicas.of(model))}", model=model, engine="scripted",
-                          url=upstream_url, state=state)
+    def add_replica(
+        self, upstream_url: str, model: str = "m", state: ReplicaState = ReplicaState.READY
+    ) -> Replica:
+        replica = Replica(
+            id=f"{model}-{len(self.replicas.of(model))}",
+            model=model,
+            engine="scripted",
+            url=upstream_url,
+            state=state,
+        )
         self.replicas.add(replica)
         return replica
 

@@ -10,8 +10,9 @@ from .conftest import Gateway, ScriptedUpstream
 
 async def post(gw: Gateway, path: str, data: bytes | str, **headers: str) -> tuple[int, dict]:
     async with aiohttp.ClientSession() as session:
-        async with session.post(gw.base_url + path, data=data,
-                                headers={"Content-Type": "application/json", **headers}) as resp:
+        async with session.post(
+            gw.base_url + path, data=data, headers={"Content-Type": "application/json", **headers}
+        ) as resp:
             return resp.status, await resp.json()
 
 
@@ -32,12 +33,36 @@ def assert_openai_error(body: dict) -> dict:
         ('{"model": "m", "messages": "hello"}', "messages", "array"),
         ('{"model": "m", "messages": []}', "messages", "at least 1"),
         ('{"model": "m", "messages": [{"role": "wizard", "content": "x"}]}', "messages.0.role", "'user'"),
-        ('{"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": -5}', "max_tokens", "greater than or equal to 1"),
-        ('{"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": "ten"}', "max_tokens", "integer"),
-        ('{"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": 9}', "temperature", "2"),
-        ('{"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 0}', "n", "greater than or equal to 1"),
-        ('{"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": "yes"}', "stream", "boolean"),
-        ('{"model": "m", "messages": [{"role": "user", "content": "x"}], "stream_options": {}}', None, "stream"),
+        (
+            '{"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": -5}',
+            "max_tokens",
+            "greater than or equal to 1",
+        ),
+        (
+            '{"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": "ten"}',
+            "max_tokens",
+            "integer",
+        ),
+        (
+            '{"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": 9}',
+            "temperature",
+            "2",
+        ),
+        (
+            '{"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 0}',
+            "n",
+            "greater than or equal to 1",
+        ),
+        (
+            '{"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": "yes"}',
+            "stream",
+            "boolean",
+        ),
+        (
+            '{"model": "m", "messages": [{"role": "user", "content": "x"}], "stream_options": {}}',
+            None,
+            "stream",
+        ),
     ],
 )
 async def test_invalid_body_is_400_naming_the_field(
@@ -62,8 +87,9 @@ async def test_completions_prompt_is_validated(gateway: Gateway, upstream: Scrip
 
 async def test_unknown_model_is_404(gateway: Gateway, upstream: ScriptedUpstream) -> None:
     gateway.add_replica(upstream.url)
-    status, reply = await post(gateway, "/chat/completions",
-                               '{"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]}')
+    status, reply = await post(
+        gateway, "/chat/completions", '{"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]}'
+    )
     assert status == 404
     error = assert_openai_error(reply)
     assert error["code"] == "model_not_found" and "gpt-9" in error["message"]
@@ -87,9 +113,14 @@ async def test_unknown_path_and_wrong_method_are_openai_errors(gateway: Gateway)
             assert assert_openai_error(await resp.json())["code"] == "method_not_allowed"
 
 
-async def test_unknown_fields_pass_through_to_the_engine(gateway: Gateway, upstream: ScriptedUpstream) -> None:
+async def test_unknown_fields_pass_through_to_the_engine(
+    gateway: Gateway, upstream: ScriptedUpstream
+) -> None:
     gateway.add_replica(upstream.url)
-    status, _ = await post(gateway, "/chat/completions",
-                           '{"model": "m", "messages": [{"role": "user", "content": "x"}], "top_k": 5}')
+    status, _ = await post(
+        gateway,
+        "/chat/completions",
+        '{"model": "m", "messages": [{"role": "user", "content": "x"}], "top_k": 5}',
+    )
     assert status == 200
     assert upstream.bodies[-1]["top_k"] == 5

@@ -27,7 +27,9 @@ async def test_non_streaming_answer_is_passed_through(gateway: Gateway, upstream
     assert reply.usage is not None and reply.usage.completion_tokens == 4
 
 
-async def test_stream_strips_usage_the_client_did_not_ask_for(gateway: Gateway, upstream: ScriptedUpstream) -> None:
+async def test_stream_strips_usage_the_client_did_not_ask_for(
+    gateway: Gateway, upstream: ScriptedUpstream
+) -> None:
     gateway.add_replica(upstream.url)
     stream = await client(gateway).chat.completions.create(model="m", messages=MESSAGES, stream=True)
     chunks = [c async for c in stream]
@@ -47,7 +49,9 @@ async def test_stream_keeps_usage_when_asked(gateway: Gateway, upstream: Scripte
     assert chunks[-1].choices == []
 
 
-async def test_connect_failure_is_retried_on_another_replica(gateway: Gateway, upstream: ScriptedUpstream) -> None:
+async def test_connect_failure_is_retried_on_another_replica(
+    gateway: Gateway, upstream: ScriptedUpstream
+) -> None:
     dead = gateway.add_replica(f"http://127.0.0.1:{free_port()}")  # nothing listens there
     gateway.add_replica(upstream.url)
     for _ in range(4):  # whichever replica is picked first, every request succeeds
@@ -57,7 +61,9 @@ async def test_connect_failure_is_retried_on_another_replica(gateway: Gateway, u
 
 
 @pytest.mark.parametrize("mode", ["fail503", "drop"])
-async def test_failure_before_first_byte_is_retried(gateway: Gateway, upstream: ScriptedUpstream, mode: str) -> None:
+async def test_failure_before_first_byte_is_retried(
+    gateway: Gateway, upstream: ScriptedUpstream, mode: str
+) -> None:
     bad = ScriptedUpstream(mode=mode)
     await bad.start()
     try:
@@ -65,8 +71,12 @@ async def test_failure_before_first_byte_is_retried(gateway: Gateway, upstream: 
         gateway.add_replica(upstream.url)
         for stream in (False, True, False, True):
             if stream:
-                chunks = [c async for c in await client(gateway).chat.completions.create(
-                    model="m", messages=MESSAGES, stream=True)]
+                chunks = [
+                    c
+                    async for c in await client(gateway).chat.completions.create(
+                        model="m", messages=MESSAGES, stream=True
+                    )
+                ]
                 assert len(chunks) == 5
             else:
                 reply = await client(gateway).chat.completions.create(model="m", messages=MESSAGES)
@@ -95,8 +105,10 @@ async def test_stream_cut_after_first_byte_ends_with_error_event(gateway: Gatewa
     try:
         gateway.add_replica(cut.url)
         async with aiohttp.ClientSession() as session:
-            async with session.post(gateway.base_url + "/chat/completions",
-                                    json={"model": "m", "messages": MESSAGES, "stream": True}) as resp:
+            async with session.post(
+                gateway.base_url + "/chat/completions",
+                json={"model": "m", "messages": MESSAGES, "stream": True},
+            ) as resp:
                 text = (await resp.read()).decode()
         assert "tok0" in text and "tok1" in text
         assert "[DONE]" not in text
@@ -129,8 +141,11 @@ async def test_client_disconnect_cancels_upstream_request(gateway: Gateway) -> N
     try:
         replica = gateway.add_replica(hang.url)
         async with aiohttp.ClientSession() as session:
-            request = asyncio.create_task(session.post(gateway.base_url + "/chat/completions",
-                                                       json={"model": "m", "messages": MESSAGES}))
+            request = asyncio.create_task(
+                session.post(
+                    gateway.base_url + "/chat/completions", json={"model": "m", "messages": MESSAGES}
+                )
+            )
             for _ in range(50):
                 await asyncio.sleep(0.02)
                 if hang.bodies:
@@ -147,11 +162,14 @@ async def test_client_disconnect_cancels_upstream_request(gateway: Gateway) -> N
         await hang.stop()
 
 
-async def test_no_ready_replica_gives_503_with_retry_after(gateway: Gateway, upstream: ScriptedUpstream) -> None:
+async def test_no_ready_replica_gives_503_with_retry_after(
+    gateway: Gateway, upstream: ScriptedUpstream
+) -> None:
     gateway.add_replica(upstream.url, state=ReplicaState.STARTING)
     async with aiohttp.ClientSession() as session:
-        async with session.post(gateway.base_url + "/chat/completions",
-                                json={"model": "m", "messages": MESSAGES}) as resp:
+        async with session.post(
+            gateway.base_url + "/chat/completions", json={"model": "m", "messages": MESSAGES}
+        ) as resp:
             body = await resp.json()
     assert resp.status == 503
     assert int(resp.headers["Retry-After"]) >= 1

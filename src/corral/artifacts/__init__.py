@@ -3,4 +3,11 @@
 from corral.artifacts.llamacpp import build_llama_server, find_llama_server, llama_server
 from corral.artifacts.models import ArtifactError, Progress, resolve_model
 
-__all__ = ["ArtifactError", "Progress", "build_llama_server", "find_llama_server", "llama_server", "resolve_model"]
+__all__ = [
+    "ArtifactError",
+    "Progress",
+    "build_llama_server",
+    "find_llama_server",
+    "llama_server",
+    "resolve_model",
+]

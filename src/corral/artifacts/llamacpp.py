@@ -69,7 +69,9 @@ def build_llama_server(paths: Paths, progress: Progress = lambda _: None) -> Pat
             return target
         for tool in ("cmake", "c++"):
             if shutil.which(tool) is None:
-                raise ArtifactError(f"building llama-server needs '{tool}'; install it or put llama-server on PATH")
+                raise ArtifactError(
+                    f"building llama-server needs '{tool}'; install it or put llama-server on PATH"
+                )
         with tempfile.TemporaryDirectory(prefix="corral-llama-") as tmp:
             source = _fetch_sources(Path(tmp), progress)
             log = target.parent / "build.log"
@@ -82,8 +84,20 @@ def build_llama_server(paths: Paths, progress: Progress = lambda _: None) -> Pat
 
 def _fetch_sources(tmp: Path, progress: Progress) -> Path:
     progress(f"downloading llama.cpp sources ({LLAMA_CPP_SDIST} sdist)")
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-           "--disable-pip-version-check", "-q", "-d", str(tmp), LLAMA_CPP_SDIST]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--no-binary",
+        ":all:",
+        "--disable-pip-version-check",
+        "-q",
+        "-d",
+        str(tmp),
+        LLAMA_CPP_SDIST,
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     archives = list(tmp.glob("*.tar.gz"))
     if done.returncode != 0 or not archives:
@@ -105,7 +119,9 @@ def _run_build(source: Path, log: Path, progress: Progress) -> None:
     ]
     with log.open("wb") as out:
         for step in steps:
-            progress("configuring llama.cpp" if "-B" in step else "compiling llama-server (about 6 min on 2 cores)")
+            progress(
+                "configuring llama.cpp" if "-B" in step else "compiling llama-server (about 6 min on 2 cores)"
+            )
             proc = subprocess.Popen(step, cwd=source, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
             assert proc.stdout is not None
             for line in proc.stdout:

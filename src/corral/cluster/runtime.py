@@ -35,8 +35,8 @@ class RunningReplica(Protocol):
         """Return the exit code once the replica has exited."""
         ...
 
-    async def stop(self, timeout: float) -> None:
-        """Stop gracefully (SIGTERM), then forcefully after `timeout` seconds."""
+    async def stop(self, grace: float) -> None:
+        """Stop gracefully (SIGTERM), then forcefully after `grace` seconds."""
         ...
 
 
@@ -49,17 +49,16 @@ class ReplicaRuntime(Protocol):
 class AttachedReplica:
     """A server that runs on its own (plan.url): never exits from our side, nothing to stop."""
 
-    pid = None
-
     def __init__(self, url: str) -> None:
         self.url = url
+        self.pid: int | None = None
         self._forever = asyncio.Event()
 
     async def wait(self) -> int:
         await self._forever.wait()
         return 0
 
-    async def stop(self, timeout: float) -> None:
+    async def stop(self, grace: float) -> None:
         return None
 
 
@@ -74,13 +73,13 @@ class LocalProcess:
     async def wait(self) -> int:
         return await self._process.wait()
 
-    async def stop(self, timeout: float) -> None:
+    async def stop(self, grace: float) -> None:
         if self._process.returncode is not None:
             self._signal_group(signal.SIGKILL)  # reap anything the engine left in its group
             return
         self._signal_group(signal.SIGTERM)
         try:
-            await asyncio.wait_for(self._process.wait(), timeout)
+            await asyncio.wait_for(self._process.wait(), grace)
         except TimeoutError:
             self._signal_group(signal.SIGKILL)
             await self._process.wait()

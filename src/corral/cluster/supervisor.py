@@ -66,9 +66,9 @@ class Supervisor:
         for slot in self._slots:
             slot.task = asyncio.create_task(self._lifecycle(slot), name=f"replica:{slot.replica.id}")
 
-    async def wait_ready(self, timeout: float) -> bool:
+    async def wait_ready(self, within: float) -> bool:
         """Wait until every model has at least one ready replica; False on timeout."""
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + within
         while time.monotonic() < deadline:
             if all(self.replicas.ready(m) for m in self.replicas.models()):
                 return True

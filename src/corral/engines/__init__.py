@@ -4,7 +4,15 @@ from corral.engines.base import EngineAdapter, LaunchPlan, read_gauges
 from corral.engines.external import ExternalEngine
 from corral.engines.llamacpp import LlamaCppEngine
 
-__all__ = ["ENGINES", "EngineAdapter", "ExternalEngine", "LaunchPlan", "LlamaCppEngine", "engine_named", "read_gauges"]
+__all__ = [
+    "ENGINES",
+    "EngineAdapter",
+    "ExternalEngine",
+    "LaunchPlan",
+    "LlamaCppEngine",
+    "engine_named",
+    "read_gauges",
+]
 
 ENGINES: dict[str, type[EngineAdapter]] = {
     LlamaCppEngine.name: LlamaCppEngine,

@@ -64,8 +64,9 @@ class Pipeline:
         if not self._replicas.has_model(body.model):
             raise ModelNotFound(f"The model '{body.model}' does not exist on this server.", param="model")
         upstream = _with_usage(raw) if body.stream and not body.include_usage else raw
-        return RequestContext(path=request.path, body=body, upstream_body=upstream,
-                              received_at=time.monotonic())
+        return RequestContext(
+            path=request.path, body=body, upstream_body=upstream, received_at=time.monotonic()
+        )
 
     @staticmethod
     def settle(ctx: RequestContext) -> None:

@@ -8,8 +8,8 @@ away closes the upstream connection, which makes the engine stop generating.
 
 from __future__ import annotations
 
-import time
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -70,16 +70,25 @@ class Relay:
             except _Retryable as exc:
                 failure = str(exc)
                 tried.append(replica)
-                logger.warning("replica %s failed before first byte (%s); %s", replica.id, exc,
-                               "retrying" if len(tried) <= self._retries else "giving up")
+                logger.warning(
+                    "replica %s failed before first byte (%s); %s",
+                    replica.id,
+                    exc,
+                    "retrying" if len(tried) <= self._retries else "giving up",
+                )
             finally:
                 self._router.release(replica)
         raise UpstreamError(f"The model's replicas failed to answer: {failure}.")
 
-    async def _attempt(self, replica: Replica, ctx: RequestContext, request: web.Request) -> web.StreamResponse:
+    async def _attempt(
+        self, replica: Replica, ctx: RequestContext, request: web.Request
+    ) -> web.StreamResponse:
         try:
             upstream = await self._session.post(
-                replica.url + ctx.path, data=ctx.upstream_body, headers=_UPSTREAM_HEADERS, timeout=self._timeout
+                replica.url + ctx.path,
+                data=ctx.upstream_body,
+                headers=_UPSTREAM_HEADERS,
+                timeout=self._timeout,
             )
         except TimeoutError as exc:
             raise UpstreamTimeout(f"Replica {replica.id} did not answer in time.") from exc
@@ -131,7 +140,9 @@ class Relay:
             if problem is not None:
                 logger.warning("stream from replica %s cut: %s", replica.id, problem)
                 message = f"The response was cut short: {problem}."
-                await response.write(b"data: " + error_body(message, "upstream_error", "stream_truncated") + _SEP)
+                await response.write(
+                    b"data: " + error_body(message, "upstream_error", "stream_truncated") + _SEP
+                )
             await response.write_eof()
         except ConnectionResetError:
             logger.debug("client went away; closing the upstream stream from %s", replica.id)
@@ -139,9 +150,7 @@ class Relay:
         return response
 
     @staticmethod
-    async def _pump(
-        chunks: AsyncIterator[bytes], sse: SSEFilter, response: web.StreamResponse
-    ) -> str | None:
+    async def _pump(chunks: AsyncIterator[bytes], sse: SSEFilter, response: web.StreamResponse) -> str | None:
         """Copy events until the upstream ends; the reason if it ended badly, else None."""
         while True:
             try:

@@ -73,7 +73,7 @@ class CompletionRequest(_Generation):
 
 
 GenerationRequest = ChatCompletionRequest | CompletionRequest
-_G = TypeVar("_G", ChatCompletionRequest, CompletionRequest)
+_G = TypeVar("_G", bound=_Generation)
 
 
 def parse_body(kind: type[_G], body: bytes) -> _G:
