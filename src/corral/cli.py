@@ -138,13 +138,30 @@ def _prepare_all(spec: ClusterSpec, paths: Paths) -> list[tuple[str, Any, list[A
         for model in spec.models:
             for deployment in model.deployments:
                 engine = engine_named(deployment.engine)
-
-                def progress(message: str, model_name: str = model.name) -> None:
-                    spinner.update(f"{model_name}: {message}")
-
-                plans = engine.prepare(model, deployment, paths, progress)
-                prepared.append((model.name, engine, plans))
+                report = _ProgressReport(model.name, spinner.update)
+                prepared.append((model.name, engine, engine.prepare(model, deployment, paths, report)))
     return prepared
+
+
+class _ProgressReport:
+    """Progress messages: a live spinner on a terminal, plain lines (percentages every 10%) elsewhere."""
+
+    def __init__(self, prefix: str, update: Any) -> None:
+        self._prefix = prefix
+        self._update = update
+        self._last = ""
+
+    def __call__(self, message: str) -> None:
+        line = f"{self._prefix}: {message}"
+        if console.is_terminal:
+            self._update(line)
+            return
+        percent = message.rsplit(" ", 1)[-1]
+        if percent.endswith("%") and percent[:-1].isdigit() and int(percent[:-1]) % 10:
+            return
+        if line != self._last:
+            console.print(line, markup=False, highlight=False)
+            self._last = line
 
 
 async def _serve(spec: ClusterSpec, paths: Paths) -> None:
