@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from rich import box
 from rich.console import Console
 from rich.logging import RichHandler
 from rich.table import Table
@@ -93,8 +94,8 @@ def status(
 
 
 def _status_table(replicas: list[dict[str, Any]]) -> Table:
-    table = Table(title="corral replicas")
-    for column in ("replica", "state", "url", "pid", "restarts", "in flight", "running", "waiting", "uptime"):
+    table = Table(title="corral replicas", box=box.SIMPLE_HEAD, pad_edge=False)
+    for column in ("replica", "state", "address", "pid", "restarts", "in-flight", "run/wait"):
         table.add_column(column)
     colours = {"ready": "green", "starting": "yellow", "restarting": "yellow"}
     for r in replicas:
@@ -102,13 +103,11 @@ def _status_table(replicas: list[dict[str, Any]]) -> Table:
         table.add_row(
             r["id"],
             f"[{colour}]{r['state']}[/{colour}]",
-            r["url"] or "-",
-            str(r["pid"] or "-"),
+            (r["url"] or "-").removeprefix("http://"),
+            _dash(r["pid"]),
             str(r["restarts"]),
             str(r["outstanding"]),
-            _dash(r["running"]),
-            _dash(r["waiting"]),
-            f"{r['uptime_s']:.0f}s" if r["uptime_s"] is not None else "-",
+            f"{_dash(r['running'])}/{_dash(r['waiting'])}",
         )
     return table
 
