@@ -33,15 +33,16 @@ class SSEFilter:
         """Bytes of the complete events in `pending + data`; a partial event waits for the next chunk."""
         if self._pending:
             data = self._pending + data
-        end = data.rfind(_SEP)
-        if end < 0:
-            self._pending = data
-            return b""
-        end += len(_SEP)
-        complete, self._pending = data[:end], data[end:]
-        if _USAGE in complete or _DONE in complete:
-            return self._inspect(complete)
-        return complete
+            self._pending = b""
+        if not data.endswith(_SEP):  # rare: an event split across reads; keep its start for later
+            end = data.rfind(_SEP) + len(_SEP)
+            if end < len(_SEP):
+                self._pending = data
+                return b""
+            data, self._pending = data[:end], data[end:]
+        if _USAGE in data or _DONE in data:
+            return self._inspect(data)
+        return data
 
     def _inspect(self, complete: bytes) -> bytes:
         kept: list[bytes] = []
