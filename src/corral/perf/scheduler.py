@@ -1,0 +1,273 @@
+"""vLLM's scheduler as a model: continuous batching over paged KV blocks with automatic prefix caching.
+
+The same code drives the simulated engine (in real time) and the planner (in virtual time), so their
+answers agree by construction. Modelled after vLLM V1:
+
+- every step has a token budget (`max_num_batched_tokens`) and at most `max_num_seqs` running sequences;
+  running sequences are served first (one token each for decodes, a chunk for prefills: chunked prefill),
+  then waiting ones are admitted in arrival order while budget, sequence slots and KV blocks allow;
+- KV is allocated in blocks of `block_size` tokens; full prompt blocks are hashed (chained with their
+  prefix) and stay cached after their sequence ends until the space is needed (LRU eviction), so a new
+  prompt that shares a prefix skips computing it;
+- when a running sequence needs a block and none is free, the most recently admitted sequence is preempted
+  (its blocks freed, recomputed later), as vLLM's recompute preemption does.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict, deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+__all__ = ["Batch", "BlockPool", "Scheduler", "SchedulerConfig", "EngineSequence", "block_hashes"]
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    num_blocks: int = 4096
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+
+
+def block_hashes(tokens: Sequence[int], block_size: int) -> list[int]:
+    """Chained hashes of each full block of `tokens`: equal only when the whole prefix is equal."""
+    hashes, parent = [], 0
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        parent = hash((parent, tuple(tokens[start : start + block_size])))
+        hashes.append(parent)
+    return hashes
+
+
+@dataclass(slots=True, eq=False)
+class EngineSequence:
+    """One request inside the engine."""
+
+    id: int
+    prompt_len: int
+    max_tokens: int
+    arrival: float
+    hashes: list[int] = field(default_factory=list)
+    computed: int = 0
+    generated: int = 0
+    blocks: list[int] = field(default_factory=list)
+    cached_tokens: int = 0
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    last_token_at: float | None = None
+    preemptions: int = 0
+
+    @property
+    def pending(self) -> int:
+        """Tokens whose KV must be computed before the next token can be sampled."""
+        return self.prompt_len + self.generated - self.computed
+
+    @property
+    def finished(self) -> bool:
+        return self.generated >= self.max_tokens
+
+
+class BlockPool:
+    """Fixed KV blocks; cached (hashed) blocks with no user stay reusable until evicted, oldest first."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self._free: deque[int] = deque(range(num_blocks))
+        self._refs = [0] * num_blocks
+        self._hash_of: dict[int, int] = {}
+        self._by_hash: dict[int, int] = {}
+        self._evictable: OrderedDict[int, None] = OrderedDict()
+
+    @property
+    def available(self) -> int:
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def used(self) -> int:
+        return self.num_blocks - self.available
+
+    def allocate(self) -> int:
+        if self._free:
+            block = self._free.popleft()
+        else:
+            block, _ = self._evictable.popitem(last=False)
+            del self._by_hash[self._hash_of.pop(block)]
+        self._refs[block] = 1
+        return block
+
+    def lookup(self, block_hash: int) -> int | None:
+        """A cached block holding this prefix, now referenced by the caller; None on a miss."""
+        block = self._by_hash.get(block_hash)
+        if block is None:
+            return None
+        if self._refs[block] == 0:
+            del self._evictable[block]
+        self._refs[block] += 1
+        return block
+
+    def register(self, block: int, block_hash: int) -> None:
+        if block_hash not in self._by_hash and block not in self._hash_of:
+            self._by_hash[block_hash] = block
+            self._hash_of[block] = block_hash
+
+    def release(self, blocks: list[int]) -> None:
+        for block in reversed(blocks):  # the tail of a sequence is evicted before its shared prefix
+            self._refs[block] -= 1
+            if self._refs[block] == 0:
+                if block in self._hash_of:
+                    self._evictable[block] = None
+                else:
+                    self._free.append(block)
+
+
+@dataclass(slots=True)
+class Batch:
+    """What one step computes: (sequence, tokens) pairs and the totals the step time depends on."""
+
+    work: list[tuple[EngineSequence, int]]
+    decode_tokens: int = 0
+    decode_context: int = 0
+    prefill_tokens: int = 0
+    prefill_pairs: float = 0.0
+
+
+class Scheduler:
+    """Chooses each step's batch and applies its results."""
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.pool = BlockPool(config.num_blocks)
+        self.waiting: deque[EngineSequence] = deque()
+        self.running: list[EngineSequence] = []
+        self.preemptions = 0
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+
+    def add(self, seq: EngineSequence) -> None:
+        self.waiting.append(seq)
+
+    def abort(self, seq: EngineSequence) -> None:
+        """Drop a sequence (its client went away), freeing its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.pool.release(seq.blocks)
+        seq.blocks = []
+
+    @property
+    def kv_usage(self) -> float:
+        return self.pool.used / self.pool.num_blocks
+
+    def schedule(self) -> Batch | None:
+        budget = self.config.max_num_batched_tokens
+        batch = Batch(work=[])
+        preempted = False
+        index = 0
+        while index < len(self.running) and budget > 0:
+            seq = self.running[index]
+            count = min(seq.pending, budget)
+            if not self._grow(seq, seq.computed + count):
+                preempted = True
+                if seq not in self.running:
+                    continue  # it preempted itself; the next sequence now sits at this index
+            self._add_work(batch, seq, count)
+            budget -= count
+            index += 1
+        while self.waiting and not preempted and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            if seq.computed == 0 and not seq.blocks:
+                self._reuse_prefix(seq)
+            count = min(seq.pending, budget)
+            if not self._reserve(seq, seq.computed + count):
+                break
+            self.waiting.popleft()
+            self.running.append(seq)
+            self._add_work(batch, seq, count)
+            budget -= count
+        return batch if batch.work else None
+
+    def complete(self, batch: Batch, now: float) -> list[EngineSequence]:
+        """Apply a finished step: advance KV, sample tokens; the sequences that produced a token."""
+        produced = []
+        size = self.config.block_size
+        for seq, count in batch.work:
+            seq.computed += count
+            if self.config.enable_prefix_caching:
+                full = min(seq.computed, seq.prompt_len) // size
+                for i in range(min(full, len(seq.hashes), len(seq.blocks))):
+                    self.pool.register(seq.blocks[i], seq.hashes[i])
+            if seq.pending == 0:
+                seq.generated += 1
+                seq.last_token_at = now
+                if seq.first_token_at is None:
+                    seq.first_token_at = now
+                produced.append(seq)
+                if seq.finished:
+                    seq.finished_at = now
+                    self.running.remove(seq)
+                    self.pool.release(seq.blocks)
+                    seq.blocks = []
+        return produced
+
+    def _add_work(self, batch: Batch, seq: EngineSequence, count: int) -> None:
+        batch.work.append((seq, count))
+        if seq.computed >= seq.prompt_len and count == 1:
+            batch.decode_tokens += 1
+            batch.decode_context += seq.computed + 1
+        else:
+            batch.prefill_tokens += count
+            batch.prefill_pairs += count * seq.computed + count * (count + 1) / 2
+
+    def _reuse_prefix(self, seq: EngineSequence) -> None:
+        if not self.config.enable_prefix_caching:
+            return
+        self.prefix_queries += seq.prompt_len
+        size = self.config.block_size
+        usable = (seq.prompt_len - 1) // size  # at least one token is always computed
+        for block_hash in seq.hashes[:usable]:
+            block = self.pool.lookup(block_hash)
+            if block is None:
+                break
+            seq.blocks.append(block)
+        seq.computed = len(seq.blocks) * size
+        seq.cached_tokens = seq.computed
+        self.prefix_hits += seq.computed
+
+    def _reserve(self, seq: EngineSequence, tokens: int) -> bool:
+        """Blocks for `tokens` of KV for a waiting sequence, without preempting anyone."""
+        needed = math.ceil(tokens / self.config.block_size) - len(seq.blocks)
+        if needed > self.pool.available:
+            return False
+        for _ in range(needed):
+            seq.blocks.append(self.pool.allocate())
+        return True
+
+    def _grow(self, seq: EngineSequence, tokens: int) -> bool:
+        """Blocks for `tokens` of KV for a running sequence, preempting the newest others if needed.
+
+        False when something was preempted (the caller then admits nobody new this step); if `seq`
+        itself had to go, it is no longer running.
+        """
+        needed = math.ceil(tokens / self.config.block_size) - len(seq.blocks)
+        clean = True
+        while needed > self.pool.available:
+            victim = self.running[-1]
+            self._preempt(victim)
+            clean = False
+            if victim is seq:
+                return False
+        for _ in range(needed):
+            seq.blocks.append(self.pool.allocate())
+        return clean
+
+    def _preempt(self, seq: EngineSequence) -> None:
+        self.running.remove(seq)
+        self.pool.release(seq.blocks)
+        seq.blocks = []
+        seq.computed = 0
+        seq.preemptions += 1
+        self.preemptions += 1
+        self.waiting.appendleft(seq)
