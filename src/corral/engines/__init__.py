@@ -3,6 +3,8 @@
 from corral.engines.base import EngineAdapter, LaunchPlan, read_gauges
 from corral.engines.external import ExternalEngine
 from corral.engines.llamacpp import LlamaCppEngine
+from corral.engines.sim import SimEngineAdapter
+from corral.engines.vllm import VllmEngine, parse_vllm_load
 
 __all__ = [
     "ENGINES",
@@ -10,13 +12,18 @@ __all__ = [
     "ExternalEngine",
     "LaunchPlan",
     "LlamaCppEngine",
+    "SimEngineAdapter",
+    "VllmEngine",
     "engine_named",
+    "parse_vllm_load",
     "read_gauges",
 ]
 
 ENGINES: dict[str, type[EngineAdapter]] = {
     LlamaCppEngine.name: LlamaCppEngine,
     ExternalEngine.name: ExternalEngine,
+    SimEngineAdapter.name: SimEngineAdapter,
+    VllmEngine.name: VllmEngine,
 }
 
 

@@ -1,12 +1,14 @@
 """The performance model shared by the planner and the simulator: catalogs, memory, step time, scheduler."""
 
 from corral.perf.catalog import GPU, ApiPrice, Catalog, CatalogError, ModelArch, Quantization, load_catalog
-from corral.perf.memory import GIB, MemoryPlan, memory_plan, sequence_kv_bytes, weight_bytes
+from corral.perf.memory import BLOCK_SIZE, GIB, MemoryPlan, memory_plan, sequence_kv_bytes, weight_bytes
 from corral.perf.scheduler import Batch, BlockPool, EngineSequence, Scheduler, SchedulerConfig, block_hashes
+from corral.perf.steps import StepPipeline
 from corral.perf.timing import Efficiency, PerfModel
 from corral.perf.workload import LoadResult, closed_loop
 
 __all__ = [
+    "BLOCK_SIZE",
     "GIB",
     "GPU",
     "ApiPrice",
@@ -23,6 +25,7 @@ __all__ = [
     "Quantization",
     "Scheduler",
     "SchedulerConfig",
+    "StepPipeline",
     "block_hashes",
     "closed_loop",
     "load_catalog",

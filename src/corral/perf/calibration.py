@@ -86,17 +86,32 @@ def fit(catalog: Catalog, backend: str = "vllm") -> FitResult:
     def loss(eff: Efficiency) -> float:
         return sum(math.log(predict(p, catalog, eff) / p.output_tokens_per_s) ** 2 for p in points)
 
-    grid = {"bandwidth": [0.5, 0.6, 0.7, 0.8, 0.9, 0.95], "compute": [0.3, 0.45, 0.6, 0.75, 0.85],
-            "step_overhead_s": [0.0, 0.001, 0.002, 0.004]}
-    best = min((replace(base, **dict(zip(grid, values, strict=True))) for values in itertools.product(*grid.values())),
-               key=loss)
+    grid = {
+        "bandwidth": [0.5, 0.6, 0.7, 0.8, 0.9, 0.95],
+        "compute": [0.3, 0.45, 0.6, 0.75, 0.85],
+        "step_overhead_s": [0.0, 0.001, 0.002, 0.004],
+    }
+    best = min(
+        (
+            replace(base, **dict(zip(grid, values, strict=True)))
+            for values in itertools.product(*grid.values())
+        ),
+        key=loss,
+    )
     for _ in range(2):
         fine = {
             "bandwidth": [min(_MAX_EFFICIENCY, best.bandwidth * f) for f in (0.95, 1.0, 1.05)],
             "compute": [min(_MAX_EFFICIENCY, best.compute * f) for f in (0.9, 1.0, 1.1)],
             "step_overhead_s": [max(0.0, best.step_overhead_s + d) for d in (-0.0005, 0.0, 0.0005)],
         }
-        best = min((replace(base, **dict(zip(fine, values, strict=True))) for values in itertools.product(*fine.values())),
-                   key=loss)
-    errors = [(p, pred, pred / p.output_tokens_per_s - 1) for p in points for pred in [predict(p, catalog, best)]]
+        best = min(
+            (
+                replace(base, **dict(zip(fine, values, strict=True)))
+                for values in itertools.product(*fine.values())
+            ),
+            key=loss,
+        )
+    errors = [
+        (p, pred, pred / p.output_tokens_per_s - 1) for p in points for pred in [predict(p, catalog, best)]
+    ]
     return FitResult(backend, best, errors)

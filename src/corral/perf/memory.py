@@ -5,7 +5,7 @@ activation memory of a profiling forward pass over `max_num_batched_tokens`, and
 context, NCCL buffers, CUDA graphs). The cache is paged in blocks of `block_size` tokens. Formulas:
 
     weights/GPU  = (body/pp + embeddings/(2 if pp>1 and untied else 1)) / tp   [+ replicated KV projections]
-    KV bytes/token/layer = 2 · ceil(kv_heads/tp) · head_dim · kv_bytes     (MLA: (kv_rank + rope_dim) · kv_bytes)
+    KV bytes/token/layer = 2 · ceil(kv_heads/tp) · head_dim · kv_bytes  (MLA: (kv_rank + rope_dim) · bytes)
     KV bytes/sequence(L) = full_layers · L · b + local_layers · min(L, window) · b    (per pipeline stage)
     kv_tokens    = ⌊kv_bytes / (block_size · bytes/token over all layers)⌋ · block_size
 """
@@ -17,7 +17,14 @@ from dataclasses import dataclass
 
 from corral.perf.catalog import GPU, ModelArch, Quantization
 
-__all__ = ["GIB", "MemoryPlan", "kv_bytes_per_token_layer", "memory_plan", "sequence_kv_bytes", "weight_bytes"]
+__all__ = [
+    "GIB",
+    "MemoryPlan",
+    "kv_bytes_per_token_layer",
+    "memory_plan",
+    "sequence_kv_bytes",
+    "weight_bytes",
+]
 
 GIB = 1024**3
 BLOCK_SIZE = 16

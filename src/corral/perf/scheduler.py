@@ -20,7 +20,7 @@ from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["Batch", "BlockPool", "Scheduler", "SchedulerConfig", "EngineSequence", "block_hashes"]
+__all__ = ["Batch", "BlockPool", "EngineSequence", "Scheduler", "SchedulerConfig", "block_hashes"]
 
 
 @dataclass(frozen=True)
@@ -56,6 +56,8 @@ class EngineSequence:
     cached_tokens: int = 0
     first_token_at: float | None = None
     finished_at: float | None = None
+    in_flight: bool = False  # in a batch still going through the pipeline
+    active: bool = False  # in the running set
     last_token_at: float | None = None
     preemptions: int = 0
 
@@ -150,8 +152,9 @@ class Scheduler:
 
     def abort(self, seq: EngineSequence) -> None:
         """Drop a sequence (its client went away), freeing its blocks."""
-        if seq in self.running:
+        if seq.active:
             self.running.remove(seq)
+            seq.active = False
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.pool.release(seq.blocks)
@@ -168,10 +171,13 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
+            if seq.in_flight:  # pipeline parallelism: it is in an earlier batch still being computed
+                index += 1
+                continue
             count = min(seq.pending, budget)
             if not self._grow(seq, seq.computed + count):
                 preempted = True
-                if seq not in self.running:
+                if not seq.active:
                     continue  # it preempted itself; the next sequence now sits at this index
             self._add_work(batch, seq, count)
             budget -= count
@@ -185,6 +191,7 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self.running.append(seq)
+            seq.active = True
             self._add_work(batch, seq, count)
             budget -= count
         return batch if batch.work else None
@@ -194,6 +201,9 @@ class Scheduler:
         produced = []
         size = self.config.block_size
         for seq, count in batch.work:
+            seq.in_flight = False
+            if not seq.active:
+                continue  # aborted while its batch was in flight
             seq.computed += count
             if self.config.enable_prefix_caching:
                 full = min(seq.computed, seq.prompt_len) // size
@@ -207,6 +217,7 @@ class Scheduler:
                 produced.append(seq)
                 if seq.finished:
                     seq.finished_at = now
+                    seq.active = False
                     self.running.remove(seq)
                     self.pool.release(seq.blocks)
                     seq.blocks = []
@@ -214,6 +225,7 @@ class Scheduler:
 
     def _add_work(self, batch: Batch, seq: EngineSequence, count: int) -> None:
         batch.work.append((seq, count))
+        seq.in_flight = True
         if seq.computed >= seq.prompt_len and count == 1:
             batch.decode_tokens += 1
             batch.decode_context += seq.computed + 1
@@ -254,7 +266,7 @@ class Scheduler:
         needed = math.ceil(tokens / self.config.block_size) - len(seq.blocks)
         clean = True
         while needed > self.pool.available:
-            victim = self.running[-1]
+            victim = next(r for r in reversed(self.running) if r is seq or not r.in_flight)
             self._preempt(victim)
             clean = False
             if victim is seq:
@@ -265,6 +277,7 @@ class Scheduler:
 
     def _preempt(self, seq: EngineSequence) -> None:
         self.running.remove(seq)
+        seq.active = False
         self.pool.release(seq.blocks)
         seq.blocks = []
         seq.computed = 0

@@ -8,6 +8,7 @@ import statistics
 from dataclasses import dataclass
 
 from corral.perf.scheduler import EngineSequence, Scheduler, SchedulerConfig
+from corral.perf.steps import StepPipeline
 from corral.perf.timing import PerfModel
 
 __all__ = ["LoadResult", "closed_loop"]
@@ -53,11 +54,13 @@ def closed_loop(
     done: list[EngineSequence] = []
     window_start: float | None = None
     tokens_in_window = 0
+    pipeline = StepPipeline(perf)
     while len(done) < warmup + measured:
-        batch = scheduler.schedule()
-        if batch is None:
+        while pipeline.has_room and (batch := scheduler.schedule()) is not None:
+            pipeline.launch(batch, now)
+        if not pipeline.busy:
             raise RuntimeError("a request cannot fit in the KV cache at all")
-        now += perf.step_time(batch.decode_tokens, batch.decode_context, batch.prefill_tokens, batch.prefill_pairs)
+        now, batch = pipeline.pop()
         produced = scheduler.complete(batch, now)
         if window_start is not None:
             tokens_in_window += len(produced)

@@ -28,6 +28,9 @@ class EngineLoad:
     kv_usage: float | None = None
     prompt_tokens_total: float = 0.0
     generated_tokens_total: float = 0.0
+    prefix_cache_queries_total: float = 0.0
+    prefix_cache_hits_total: float = 0.0
+    preemptions_total: float = 0.0
     scraped_at: float = field(default_factory=time.time)
 
 

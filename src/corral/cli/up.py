@@ -1,10 +1,9 @@
-"""The `corral` command: the one place that wires configuration into objects for each command."""
+"""`corral up`, `prepare`, `status` and `version`: running a cluster from its spec."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import signal
 from pathlib import Path
 from typing import Annotated, Any
@@ -12,28 +11,16 @@ from typing import Annotated, Any
 import typer
 from rich import box
 from rich.console import Console
-from rich.logging import RichHandler
 from rich.table import Table
 
 from corral import __version__
 from corral.artifacts import ArtifactError
+from corral.cli.app import app, console, run_async, setup_logging
 from corral.config import ClusterSpec, Paths, SpecError, default_spec, load_spec
-
-app = typer.Typer(
-    help="corral: a private, OpenAI-compatible inference cluster.",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-)
-console = Console(stderr=True)
 
 SpecOption = Annotated[
     Path | None, typer.Option("--file", "-f", help="cluster spec YAML; the embedded default when omitted")
 ]
-
-
-def main() -> None:
-    app()
 
 
 @app.command()
@@ -50,10 +37,10 @@ def up(
     log_level: Annotated[str, typer.Option(help="debug, info, warning")] = "info",
 ) -> None:
     """Fetch and build what the cluster needs, start its replicas and the gateway; Ctrl-C stops all."""
-    _setup_logging(log_level)
+    setup_logging(log_level)
     spec = _spec(file, host=host, port=port)
     try:
-        _run(_serve(spec, Paths.from_env()))
+        run_async(_serve(spec, Paths.from_env()))
     except ArtifactError as exc:
         console.print(f"[red]error:[/red] {exc}")
         raise typer.Exit(1) from None
@@ -62,7 +49,7 @@ def up(
 @app.command()
 def prepare(file: SpecOption = None) -> None:
     """Fetch models and build engines for a spec without starting anything."""
-    _setup_logging("warning")
+    setup_logging("warning")
     spec = _spec(file)
     try:
         _prepare_all(spec, Paths.from_env())
@@ -214,24 +201,3 @@ def _announce(spec: ClusterSpec, port: int | None, replicas: Any, ready: bool, p
         f"  replica logs: {paths.logs}   status: corral status --url http://{spec.gateway.host}:{port}\n"
         "  Ctrl-C stops everything."
     )
-
-
-def _run(coro: Any) -> None:
-    try:
-        import uvloop
-    except ImportError:
-        asyncio.run(coro)
-        return
-    uvloop.run(coro)
-
-
-def _setup_logging(level: str) -> None:
-    logging.basicConfig(
-        level=level.upper(),
-        format="%(message)s",
-        handlers=[RichHandler(console=console, show_path=False, rich_tracebacks=False)],
-    )
-
-
-if __name__ == "__main__":
-    main()

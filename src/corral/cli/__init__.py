@@ -1,0 +1,17 @@
+"""The `corral` command: the one place that wires configuration into objects for each command.
+
+Each command module registers itself on the shared typer app; nothing else imports this package.
+"""
+
+from corral.cli import plan as _plan
+from corral.cli import sim as _sim
+from corral.cli import up as _up
+from corral.cli.app import app
+
+__all__ = ["app", "main"]
+
+_COMMANDS = (_up, _plan, _sim)
+
+
+def main() -> None:
+    app()

@@ -1,0 +1,92 @@
+"""`corral plan`: size a cluster before buying it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from corral.cli.app import app, console
+
+__all__ = ["plan_command"]
+
+
+@app.command("plan")
+def plan_command(
+    model: Annotated[str, typer.Option(help="model from the catalog (e.g. llama-3.1-8b) or its HF id")],
+    gpu: Annotated[
+        str, typer.Option(help="GPU type from the catalog, or 'all' to search every type")
+    ] = "all",
+    gpus: Annotated[int | None, typer.Option(help="use exactly this many GPUs")] = None,
+    quant: Annotated[
+        str | None, typer.Option(help="bf16, fp8, int8, awq, gptq, mxfp4, gguf-q4, gguf-q8")
+    ] = None,
+    context: Annotated[int | None, typer.Option(help="max context length per sequence (tokens)")] = None,
+    concurrency: Annotated[int, typer.Option(help="concurrent requests to serve")] = 16,
+    input_len: Annotated[int, typer.Option(help="prompt tokens per request")] = 1024,
+    output_len: Annotated[int, typer.Option(help="output tokens per request")] = 256,
+    ttft_p95_ms: Annotated[float | None, typer.Option(help="SLO: time to first token, p95 (ms)")] = None,
+    itl_ms: Annotated[float | None, typer.Option(help="SLO: mean inter-token latency (ms)")] = None,
+    api: Annotated[str, typer.Option(help="hosted API to compare costs with")] = "gpt-4o-mini",
+    max_gpus: Annotated[int, typer.Option(help="largest cluster to consider")] = 64,
+    limit: Annotated[int, typer.Option(help="how many layouts to show")] = 5,
+    as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
+    yaml_out: Annotated[
+        Path | None, typer.Option("--yaml", help="write a cluster.yaml for the best layout")
+    ] = None,
+    catalog: Annotated[
+        list[Path] | None, typer.Option(help="extra catalog YAML (your GPUs, models, prices)")
+    ] = None,
+    calibrate: Annotated[
+        bool, typer.Option(help="refit the efficiency factors and show each point's error")
+    ] = False,
+) -> None:
+    """Size a cluster: the cheapest GPU layouts that hold the model and meet the SLOs, and their cost."""
+    from corral.perf import CatalogError, load_catalog
+    from corral.perf.calibration import calibrated_efficiency, fit
+    from corral.plan import PlanRequest, plan, plan_json, plan_table, plan_yaml
+
+    try:
+        entries = load_catalog(catalog or [])
+        if calibrate:
+            fitted = fit(entries)
+            console.print(f"fitted: {fitted.efficiency}")
+            for point, predicted, error in fitted.errors:
+                console.print(
+                    f"  {point.model} on {point.gpu} c={point.concurrency}: measured "
+                    f"{point.output_tokens_per_s:.0f} tok/s, predicted {predicted:.0f} ({error:+.1%})"
+                )
+            return
+        request = PlanRequest(
+            model=model,
+            gpu=gpu,
+            gpus=gpus,
+            quant=quant,
+            context=context,
+            concurrency=concurrency,
+            input_len=input_len,
+            output_len=output_len,
+            ttft_p95_ms=ttft_p95_ms,
+            itl_ms=itl_ms,
+            api=api,
+            max_gpus=max_gpus,
+            limit=limit,
+        )
+        result = plan(request, entries, calibrated_efficiency())
+    except CatalogError as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(2) from None
+    if as_json:
+        print(json.dumps(plan_json(result), indent=2))
+    elif result.fits:
+        Console().print(plan_table(result))
+    if not result.fits:
+        console.print(f"[red]does not fit:[/red] {result.reason}")
+    if yaml_out is not None and result.fits:
+        yaml_out.write_text(plan_yaml(result))
+        console.print(f"wrote {yaml_out}")
+    if not result.fits:
+        raise typer.Exit(1)

@@ -1,0 +1,84 @@
+"""`corral sim`: simulated vLLM replicas timed by the performance model."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from typing import Annotated
+
+import typer
+
+from corral.cli.app import app, console, run_async, setup_logging
+
+__all__ = ["sim_command"]
+
+
+@app.command("sim")
+def sim_command(
+    model: Annotated[str, typer.Option(help="model from the perf catalog")],
+    gpu: Annotated[str, typer.Option(help="GPU type from the perf catalog")],
+    served_name: Annotated[
+        str | None, typer.Option(help="model name clients use (default: the catalog name)")
+    ] = None,
+    quant: Annotated[str | None, typer.Option(help="weight format")] = None,
+    tp: Annotated[int, typer.Option(help="tensor parallel size")] = 1,
+    pp: Annotated[int, typer.Option(help="pipeline parallel size")] = 1,
+    replicas: Annotated[int, typer.Option(help="replicas to run in this process, on consecutive ports")] = 1,
+    host: Annotated[str, typer.Option()] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="first port (0: any free port)")] = 9000,
+    time_scale: Annotated[float, typer.Option(help="simulated seconds per wall-clock second")] = 1.0,
+    max_model_len: Annotated[int | None, typer.Option()] = None,
+    max_num_seqs: Annotated[int, typer.Option()] = 256,
+    max_num_batched_tokens: Annotated[int, typer.Option()] = 2048,
+    gpu_memory_utilization: Annotated[float, typer.Option()] = 0.9,
+    kv_cache_gib: Annotated[
+        float | None, typer.Option(help="fix the KV cache size instead of deriving it")
+    ] = None,
+    no_prefix_caching: Annotated[bool, typer.Option("--no-prefix-caching")] = False,
+    log_level: Annotated[str, typer.Option()] = "warning",
+) -> None:
+    """Serve simulated vLLM replicas (OpenAI API, /health, /metrics) until Ctrl-C."""
+    from corral.perf import load_catalog
+    from corral.perf.calibration import calibrated_efficiency
+    from corral.sim import SimFleet, SimOptions, build_server
+
+    setup_logging(log_level)
+    options = SimOptions(
+        model=model,
+        gpu=gpu,
+        served_name=served_name,
+        quant=quant,
+        tp=tp,
+        pp=pp,
+        max_model_len=max_model_len,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        gpu_memory_utilization=gpu_memory_utilization,
+        kv_cache_gib=kv_cache_gib,
+        enable_prefix_caching=not no_prefix_caching,
+        time_scale=time_scale,
+    )
+    catalog, efficiency = load_catalog(), calibrated_efficiency()
+
+    async def serve() -> None:
+        fleet = SimFleet([build_server(options, catalog, efficiency) for _ in range(replicas)], host=host)
+        ports = [0] * replicas if port == 0 else [port + i for i in range(replicas)]
+        await fleet.start(ports)
+        console.print(
+            f"simulating {options.served_name or model} on {gpu} (TP={tp}, PP={pp}) at "
+            + ", ".join(fleet.urls)
+        )
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        try:
+            await stop.wait()
+        finally:
+            await fleet.stop()
+
+    try:
+        run_async(serve())
+    except ValueError as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(2) from None

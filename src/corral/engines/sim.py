@@ -1,0 +1,60 @@
+"""The simulated engine as a supervised replica: `corral sim` on its own port, read like vLLM."""
+
+from __future__ import annotations
+
+import sys
+
+from corral.artifacts import Progress
+from corral.config import DeploymentSpec, ModelSpec, Paths
+from corral.engines.base import LaunchPlan
+from corral.engines.vllm import parse_vllm_load
+from corral.routing import EngineLoad
+
+__all__ = ["SimEngineAdapter"]
+
+
+class SimEngineAdapter:
+    """Launches `python -m corral.cli sim` for each replica."""
+
+    name = "sim"
+
+    def prepare(
+        self, model: ModelSpec, deployment: DeploymentSpec, paths: Paths, progress: Progress
+    ) -> list[LaunchPlan]:
+        assert deployment.gpu is not None  # the spec requires it for the simulator
+        argv = [
+            sys.executable,
+            "-m",
+            "corral.cli",
+            "sim",
+            "--model",
+            model.arch or model.name,
+            "--served-name",
+            model.name,
+            "--gpu",
+            deployment.gpu,
+            "--tp",
+            str(deployment.tensor_parallel),
+            "--pp",
+            str(deployment.pipeline_parallel),
+            "--max-num-seqs",
+            str(deployment.max_num_seqs),
+            "--max-num-batched-tokens",
+            str(deployment.max_num_batched_tokens),
+            "--gpu-memory-utilization",
+            str(deployment.gpu_memory_utilization),
+            "--time-scale",
+            str(deployment.time_scale),
+            "--host",
+            "{host}",
+            "--port",
+            "{port}",
+        ]
+        if deployment.quantization:
+            argv += ["--quant", deployment.quantization]
+        if deployment.max_model_len:
+            argv += ["--max-model-len", str(deployment.max_model_len)]
+        return [LaunchPlan(argv=(*argv, *deployment.engine_args))] * deployment.replicas
+
+    def parse_load(self, metrics_text: str) -> EngineLoad:
+        return parse_vllm_load(metrics_text)

@@ -1,0 +1,264 @@
+"""Sizing search: the cheapest layouts (GPU type, TP × PP per replica, replicas) that fit and meet the SLOs.
+
+For each GPU type and each parallel layout a replica could use, memory decides whether the model fits at
+all (weights, activations and overhead, plus the KV of at least one full-context sequence: a layout that
+does not fit is never reported). Then replicas are added until the load, split evenly, meets the TTFT and
+ITL targets, each replica's latency coming from the scheduler model in virtual time.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from corral.perf import (
+    BLOCK_SIZE,
+    GPU,
+    Catalog,
+    Efficiency,
+    LoadResult,
+    MemoryPlan,
+    ModelArch,
+    PerfModel,
+    Quantization,
+    SchedulerConfig,
+    closed_loop,
+    memory_plan,
+)
+from corral.plan.cost import CostReport, cost_report
+
+__all__ = ["Layout", "PlanRequest", "PlanResult", "plan"]
+
+HOURS_PER_MONTH = 730
+_TP_CHOICES = (1, 2, 4, 8)
+_PP_CHOICES = (1, 2, 4)
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    model: str
+    gpu: str = "all"
+    gpus: int | None = None
+    quant: str | None = None
+    context: int | None = None
+    concurrency: int = 16
+    input_len: int = 1024
+    output_len: int = 256
+    ttft_p95_ms: float | None = None
+    itl_ms: float | None = None
+    api: str = "gpt-4o-mini"
+    max_gpus: int = 64
+    gpu_memory_utilization: float = 0.9
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    limit: int = 5
+
+
+@dataclass(frozen=True)
+class Layout:
+    gpu: str
+    gpus: int
+    tp: int
+    pp: int
+    replicas: int
+    weights_gib_per_gpu: float
+    kv_gib_per_gpu: float
+    kv_tokens: int
+    max_concurrency: int
+    concurrency_per_replica: int
+    ttft_ms: float
+    ttft_p95_ms: float
+    itl_ms: float
+    e2e_ms: float
+    output_tokens_per_s: float
+    requests_per_s: float
+    meets_slo: bool
+    cost: CostReport
+
+    def to_dict(self) -> dict[str, object]:
+        data = {k: v for k, v in self.__dict__.items() if k != "cost"}
+        data.update(self.cost.to_dict())
+        return data
+
+
+@dataclass(frozen=True)
+class PlanResult:
+    request: PlanRequest
+    model: ModelArch
+    quant: Quantization
+    context: int
+    layouts: list[Layout] = field(default_factory=list)
+    reason: str | None = None
+
+    @property
+    def fits(self) -> bool:
+        return bool(self.layouts)
+
+
+def plan(request: PlanRequest, catalog: Catalog, efficiency: Efficiency) -> PlanResult:
+    model = catalog.models.get(request.model)
+    quant = catalog.quantizations.get(request.quant or model.native_quant or "bf16")
+    context = request.context or min(model.max_context, 8192)
+    if context > model.max_context:
+        return PlanResult(
+            request,
+            model,
+            quant,
+            context,
+            reason=(f"{model.name} supports at most {model.max_context} tokens of context, not {context}"),
+        )
+    if request.input_len + request.output_len > context:
+        return PlanResult(
+            request,
+            model,
+            quant,
+            context,
+            reason=(
+                f"input ({request.input_len}) + output ({request.output_len}) tokens exceed "
+                f"the context ({context})"
+            ),
+        )
+    gpus = list(catalog.gpus) if request.gpu == "all" else [catalog.gpus.get(request.gpu)]
+    layouts: list[Layout] = []
+    misses: list[str] = []
+    for gpu in gpus:
+        for tp, pp in _parallel_shapes(gpu, request):
+            layout = _best_layout(request, catalog, efficiency, model, quant, context, gpu, tp, pp, misses)
+            if layout is not None:
+                layouts.append(layout)
+    layouts.sort(key=lambda lay: (not lay.meets_slo, lay.cost.monthly_usd, lay.ttft_p95_ms))
+    if not layouts:
+        return PlanResult(request, model, quant, context, reason=_why_nothing(request, misses))
+    return PlanResult(request, model, quant, context, layouts[: request.limit])
+
+
+def _parallel_shapes(gpu: GPU, request: PlanRequest) -> Iterator[tuple[int, int]]:
+    for pp in _PP_CHOICES:
+        for tp in _TP_CHOICES:
+            if tp > gpu.gpus_per_node or tp * pp > request.max_gpus:
+                continue
+            if request.gpus is not None and request.gpus % (tp * pp):
+                continue
+            yield tp, pp
+
+
+def _best_layout(
+    request: PlanRequest,
+    catalog: Catalog,
+    efficiency: Efficiency,
+    model: ModelArch,
+    quant: Quantization,
+    context: int,
+    gpu: GPU,
+    tp: int,
+    pp: int,
+    misses: list[str],
+) -> Layout | None:
+    if model.layers % pp:
+        return None
+    kv_bytes = 2.0
+    memory = memory_plan(
+        model,
+        gpu,
+        quant,
+        tp=tp,
+        pp=pp,
+        gpu_memory_utilization=request.gpu_memory_utilization,
+        kv_dtype_bytes=kv_bytes,
+        max_num_batched_tokens=request.max_num_batched_tokens,
+        max_num_seqs=request.max_num_seqs,
+    )
+    max_seqs = memory.max_sequences(model, context, tp, pp, kv_bytes)
+    if max_seqs < 1:
+        need = memory.weights + memory.activation + memory.overhead
+        misses.append(
+            f"{gpu.name} TP={tp} PP={pp}: {need / 1e9:.1f} GB of weights and runtime per GPU leave "
+            f"{memory.kv_bytes / 1e9:.2f} GB of the {memory.budget / 1e9:.1f} GB budget for KV, "
+            f"less than one {context}-token sequence"
+        )
+        return None
+    per_replica_gpus = tp * pp
+    if request.gpus is not None:
+        replica_counts: range | list[int] = [request.gpus // per_replica_gpus]
+    else:
+        replica_counts = range(1, request.max_gpus // per_replica_gpus + 1)
+    perf = PerfModel(model, gpu, quant, tp=tp, pp=pp, kv_dtype_bytes=kv_bytes, efficiency=efficiency)
+    config = SchedulerConfig(
+        max_num_seqs=request.max_num_seqs,
+        max_num_batched_tokens=request.max_num_batched_tokens,
+        num_blocks=memory.kv_tokens // BLOCK_SIZE,
+        enable_prefix_caching=False,
+    )
+    seen: dict[int, LoadResult] = {}
+    layout = None
+    for replicas in replica_counts:
+        per_replica = math.ceil(request.concurrency / replicas)
+        if per_replica not in seen:
+            seen[per_replica] = closed_loop(perf, config, per_replica, request.input_len, request.output_len)
+        load = seen[per_replica]
+        meets = _meets(request, load)
+        layout = _layout(request, catalog, gpu, tp, pp, replicas, memory, max_seqs, per_replica, load, meets)
+        if meets or per_replica == 1:
+            break
+    return layout
+
+
+def _meets(request: PlanRequest, load: LoadResult) -> bool:
+    if request.ttft_p95_ms is not None and load.ttft_p95 * 1000 > request.ttft_p95_ms:
+        return False
+    return request.itl_ms is None or load.itl_mean * 1000 <= request.itl_ms
+
+
+def _layout(
+    request: PlanRequest,
+    catalog: Catalog,
+    gpu: GPU,
+    tp: int,
+    pp: int,
+    replicas: int,
+    memory: MemoryPlan,
+    max_seqs: int,
+    per_replica: int,
+    load: LoadResult,
+    meets: bool,
+) -> Layout:
+    gpus = tp * pp * replicas
+    tokens_per_s = replicas * load.output_tokens_per_s
+    requests_per_s = replicas * load.requests_per_s
+    cost = cost_report(
+        gpu.price_per_hour * gpus,
+        requests_per_s,
+        request.input_len,
+        request.output_len,
+        catalog.apis.get(request.api),
+    )
+    return Layout(
+        gpu=gpu.name,
+        gpus=gpus,
+        tp=tp,
+        pp=pp,
+        replicas=replicas,
+        weights_gib_per_gpu=round(memory.weights / 1024**3, 2),
+        kv_gib_per_gpu=round(memory.kv_bytes / 1024**3, 2),
+        kv_tokens=memory.kv_tokens,
+        max_concurrency=max_seqs * replicas,
+        concurrency_per_replica=per_replica,
+        ttft_ms=round(load.ttft_p50 * 1000, 1),
+        ttft_p95_ms=round(load.ttft_p95 * 1000, 1),
+        itl_ms=round(load.itl_mean * 1000, 2),
+        e2e_ms=round(load.e2e_p50 * 1000, 1),
+        output_tokens_per_s=round(tokens_per_s, 1),
+        requests_per_s=round(requests_per_s, 3),
+        meets_slo=meets,
+        cost=cost,
+    )
+
+
+def _why_nothing(request: PlanRequest, misses: list[str]) -> str:
+    if request.gpus is not None:
+        head = f"no layout on exactly {request.gpus} GPU(s) of the chosen type holds the model"
+    else:
+        head = f"no layout within {request.max_gpus} GPUs holds the model"
+    detail = "; ".join(misses[:3])
+    return f"{head}: {detail}" if detail else head

@@ -1,0 +1,224 @@
+"""The simulated engine: the scheduler model stepped in real time, with vLLM's metrics.
+
+Simulated time runs `time_scale` times faster than the wall clock: a step the performance model says takes
+40 ms sleeps 4 ms at time_scale 10. Latency metrics are recorded in simulated seconds, so they read like the
+GPU's; a client timing requests by the wall clock divides them by `time_scale`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from corral.perf import (
+    Batch,
+    EngineSequence,
+    PerfModel,
+    Scheduler,
+    SchedulerConfig,
+    StepPipeline,
+    block_hashes,
+)
+
+__all__ = ["SimEngine", "SimRequest"]
+
+logger = logging.getLogger(__name__)
+
+_LATENCY_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+
+
+@dataclass(eq=False)
+class SimRequest:
+    """One sequence in the engine and the queue its tokens arrive on (None once it has finished)."""
+
+    seq: EngineSequence
+    tokens: asyncio.Queue[int | None] = field(default_factory=asyncio.Queue)
+    last_token_at: float | None = None
+
+
+class _Metrics:
+    """vLLM's metric names, so anything that reads vLLM's /metrics reads the simulator's."""
+
+    def __init__(self, model: str, config: SchedulerConfig) -> None:
+        self.registry = CollectorRegistry()
+        labels = ["model_name", "engine"]
+        r = self.registry
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, labels, registry=r)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, labels, registry=r)
+
+        self.running = gauge("vllm:num_requests_running", "Number of requests in model execution batches.")
+        self.waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
+        self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
+        self.prefix_queries = counter("vllm:prefix_cache_queries", "Prefix cache queries, in tokens.")
+        self.prefix_hits = counter("vllm:prefix_cache_hits", "Prefix cache hits, in tokens.")
+        self.preemptions = counter("vllm:num_preemptions", "Cumulative number of preemptions.")
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
+        self.success = Counter(
+            "vllm:request_success",
+            "Count of successfully processed requests.",
+            [*labels, "finished_reason"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "vllm:time_to_first_token_seconds",
+            "Time to first token in seconds.",
+            labels,
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "vllm:inter_token_latency_seconds",
+            "Inter-token latency in seconds.",
+            labels,
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "vllm:e2e_request_latency_seconds",
+            "End-to-end request latency in seconds.",
+            labels,
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        info = Gauge(
+            "vllm:cache_config_info",
+            "Information of the KV cache config.",
+            ["block_size", "num_gpu_blocks", "enable_prefix_caching"],
+            registry=r,
+        )
+        info.labels(str(config.block_size), str(config.num_blocks), str(config.enable_prefix_caching)).set(1)
+        self.values = (model, "0")
+
+
+class SimEngine:
+    """Runs the scheduler in real time; requests go in with `submit`, tokens come out on their queues."""
+
+    def __init__(self, model: str, perf: PerfModel, config: SchedulerConfig, time_scale: float = 1.0) -> None:
+        self.model = model
+        self.perf = perf
+        self.config = config
+        self.time_scale = time_scale
+        self.scheduler = Scheduler(config)
+        self.metrics = _Metrics(model, config)
+        self._requests: dict[int, SimRequest] = {}
+        self._ids = itertools.count()
+        self._wake = asyncio.Event()
+        self._t0: float | None = None
+        self._reported = (0, 0, 0)
+
+    def now(self) -> float:
+        """Simulated seconds since the engine started."""
+        loop = asyncio.get_running_loop()
+        if self._t0 is None:
+            self._t0 = loop.time()
+        return (loop.time() - self._t0) * self.time_scale
+
+    def submit(self, prompt: list[int], max_tokens: int) -> SimRequest:
+        if len(prompt) + max_tokens > self.config.num_blocks * self.config.block_size:
+            raise ValueError("the request needs more KV cache than the engine has")
+        seq = EngineSequence(
+            id=next(self._ids),
+            prompt_len=len(prompt),
+            max_tokens=max_tokens,
+            arrival=self.now(),
+            hashes=block_hashes(prompt, self.config.block_size) if self.config.enable_prefix_caching else [],
+        )
+        request = SimRequest(seq)
+        self._requests[seq.id] = request
+        self.scheduler.add(seq)
+        self._wake.set()
+        return request
+
+    def abort(self, request: SimRequest) -> None:
+        if self._requests.pop(request.seq.id, None) is not None and request.seq.finished_at is None:
+            self.scheduler.abort(request.seq)
+
+    async def run(self) -> None:
+        """The step loop; runs until cancelled."""
+        pipeline = StepPipeline(self.perf)
+        while True:
+            now = self.now()
+            while pipeline.has_room and (batch := self.scheduler.schedule()) is not None:
+                pipeline.launch(batch, now)
+            self._publish_gauges()
+            if not pipeline.busy:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            delay = max(0.0, (pipeline.next_finish - self.now()) / self.time_scale)
+            if pipeline.has_room:  # a free pipeline slot: an arrival may start a batch before this one ends
+                self._wake.clear()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), delay)
+                    continue
+                except TimeoutError:
+                    pass
+            else:
+                await asyncio.sleep(delay)
+            finished_at, batch = pipeline.pop()
+            for seq in self.scheduler.complete(batch, finished_at):
+                self._deliver(seq)
+            self._count_batch(batch)
+
+    def _deliver(self, seq: EngineSequence) -> None:
+        m, values = self.metrics, self.metrics.values
+        request = self._requests.get(seq.id)
+        if seq.generated == 1:
+            m.ttft.labels(*values).observe(seq.first_token_at - seq.arrival)  # type: ignore[operator]
+        if request is not None:
+            if request.last_token_at is not None:
+                m.itl.labels(*values).observe(seq.last_token_at - request.last_token_at)  # type: ignore[operator]
+            request.last_token_at = seq.last_token_at
+            request.tokens.put_nowait(seq.generated)
+        if seq.finished:
+            m.e2e.labels(*values).observe(seq.finished_at - seq.arrival)  # type: ignore[operator]
+            m.success.labels(*values, "length").inc()
+            if request is not None:
+                request.tokens.put_nowait(None)
+                self._requests.pop(seq.id, None)
+
+    def _count_batch(self, batch: Batch) -> None:
+        m, values = self.metrics, self.metrics.values
+        m.prompt_tokens.labels(*values).inc(batch.prefill_tokens)
+        m.generation_tokens.labels(*values).inc(batch.decode_tokens)
+
+    def _publish_gauges(self) -> None:
+        m, values, s = self.metrics, self.metrics.values, self.scheduler
+        m.running.labels(*values).set(len(s.running))
+        m.waiting.labels(*values).set(len(s.waiting))
+        m.kv_usage.labels(*values).set(s.kv_usage)
+        queries, hits, preemptions = s.prefix_queries, s.prefix_hits, s.preemptions
+        last_q, last_h, last_p = self._reported
+        m.prefix_queries.labels(*values).inc(queries - last_q)
+        m.prefix_hits.labels(*values).inc(hits - last_h)
+        m.preemptions.labels(*values).inc(preemptions - last_p)
+        self._reported = (queries, hits, preemptions)

@@ -1,0 +1,302 @@
+"""A simulated replica's HTTP face: vLLM's OpenAI-compatible API, `/health`, `/v1/models` and `/metrics`.
+
+Without `max_tokens` a request stops at a simulated end-of-sequence after 16–256 tokens (drawn from its
+seed); with it, it generates exactly `max_tokens` (like vLLM with `ignore_eos`). `stop` strings end the
+text early. Many replicas can share one process and event loop (`SimFleet`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import orjson
+from aiohttp import web
+from prometheus_client import generate_latest
+
+from corral.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    InvalidRequest,
+    ModelNotFound,
+    parse_body,
+)
+from corral.sim.engine import SimEngine, SimRequest
+from corral.sim.text import TextGenerator, chat_prompt, tokenize
+
+__all__ = ["SimFleet", "SimServer"]
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class SimServer:
+    """One simulated replica."""
+
+    def __init__(self, engine: SimEngine, max_model_len: int, vocab: int = 32000) -> None:
+        self.engine = engine
+        self.max_model_len = max_model_len
+        self.vocab = vocab
+        self._seeds = random.Random()
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[_errors])
+        app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.metrics)
+
+        async def step_loop(app: web.Application) -> AsyncIterator[None]:
+            task = asyncio.create_task(self.engine.run(), name=f"sim:{self.engine.model}")
+            yield
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+        app.cleanup_ctx.append(step_loop)
+        return app
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    async def models(self, request: web.Request) -> web.Response:
+        model = {
+            "id": self.engine.model,
+            "object": "model",
+            "created": 0,
+            "owned_by": "corral-sim",
+            "max_model_len": self.max_model_len,
+        }
+        return web.json_response({"object": "list", "data": [model]})
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        return web.Response(
+            body=generate_latest(self.engine.metrics.registry), content_type="text/plain", charset="utf-8"
+        )
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        body = parse_body(ChatCompletionRequest, await request.read())
+        prompt = chat_prompt(m.model_dump() for m in body.messages)
+        limit = body.max_completion_tokens or body.max_tokens
+        return await self._generate(request, body, prompt, limit, chat=True)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body = parse_body(CompletionRequest, await request.read())
+        prompt = body.prompt if isinstance(body.prompt, str) else " ".join(map(str, body.prompt))
+        return await self._generate(request, body, prompt, body.max_tokens, chat=False)
+
+    async def _generate(
+        self,
+        request: web.Request,
+        body: ChatCompletionRequest | CompletionRequest,
+        prompt: str,
+        limit: int | None,
+        chat: bool,
+    ) -> web.StreamResponse:
+        if body.model != self.engine.model:
+            raise ModelNotFound(f"The model `{body.model}` does not exist.", param="model")
+        tokens = tokenize(prompt, self.vocab)
+        seed = body.seed if body.seed is not None else self._seeds.getrandbits(32)
+        rng = random.Random(seed)
+        lengths = [limit or rng.randint(16, 256) for _ in range(body.n)]
+        if len(tokens) + max(lengths) > self.max_model_len:
+            raise InvalidRequest(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{len(tokens) + max(lengths)} tokens ({len(tokens)} in the messages, {max(lengths)} in the "
+                "completion).",
+                param="max_tokens",
+            )
+        choices = [
+            _Choice(i, TextGenerator(seed + i), _stops(body.stop), "length" if limit else "stop")
+            for i in range(body.n)
+        ]
+        requests = [self.engine.submit(tokens, n) for n in lengths]
+        meta = _Meta(chat=chat, model=self.engine.model, prompt_tokens=len(tokens))
+        try:
+            if body.stream:
+                return await self._stream(request, requests, choices, meta, body.include_usage)
+            return await self._whole(requests, choices, meta)
+        finally:
+            for sim_request in requests:
+                self.engine.abort(sim_request)
+
+    async def _whole(self, requests: list[SimRequest], choices: list[_Choice], meta: _Meta) -> web.Response:
+        for sim_request, choice in zip(requests, choices, strict=True):
+            while not choice.done and await sim_request.tokens.get() is not None:
+                choice.add_token()
+        return web.json_response(meta.completion(choices), dumps=lambda d: orjson.dumps(d).decode())
+
+    async def _stream(
+        self,
+        request: web.Request,
+        requests: list[SimRequest],
+        choices: list[_Choice],
+        meta: _Meta,
+        include_usage: bool,
+    ) -> web.StreamResponse:
+        response = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
+        await response.prepare(request)
+        if meta.chat:
+            for choice in choices:
+                await response.write(meta.event(choice, {"role": "assistant", "content": ""}))
+        pending = {
+            asyncio.ensure_future(r.tokens.get()): (r, c) for r, c in zip(requests, choices, strict=True)
+        }
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for future in done:
+                sim_request, choice = pending.pop(future)
+                if future.result() is None or choice.done:
+                    await response.write(meta.event(choice, {}, finish=choice.finish_reason))
+                    continue
+                piece = choice.add_token()
+                await response.write(meta.event(choice, {"content": piece} if meta.chat else piece))
+                pending[asyncio.ensure_future(sim_request.tokens.get())] = (sim_request, choice)
+        if include_usage:
+            await response.write(b"data: " + orjson.dumps(meta.usage_chunk(choices)) + b"\n\n")
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+
+class _Choice:
+    """The text of one choice as its tokens arrive; stop strings end it early."""
+
+    def __init__(self, index: int, words: TextGenerator, stops: list[str], finish_reason: str) -> None:
+        self.index = index
+        self._words = words
+        self._stops = stops
+        self.text = ""
+        self.tokens = 0
+        self.done = False
+        self.finish_reason = finish_reason
+
+    def add_token(self) -> str:
+        piece = self._words.next_word(first=not self.text)
+        self.tokens += 1
+        for stop in self._stops:
+            cut = (self.text + piece).find(stop)
+            if cut >= 0:
+                piece = (self.text + piece)[:cut][len(self.text) :]
+                self.done, self.finish_reason = True, "stop"
+        self.text += piece
+        return piece
+
+
+class _Meta:
+    def __init__(self, chat: bool, model: str, prompt_tokens: int) -> None:
+        self.chat = chat
+        self.model = model
+        self.prompt_tokens = prompt_tokens
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+
+    def _usage(self, choices: list[_Choice]) -> dict[str, int]:
+        completion = sum(c.tokens for c in choices)
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": completion,
+            "total_tokens": self.prompt_tokens + completion,
+        }
+
+    def completion(self, choices: list[_Choice]) -> dict[str, Any]:
+        if self.chat:
+            out = [
+                {
+                    "index": c.index,
+                    "message": {"role": "assistant", "content": c.text},
+                    "finish_reason": c.finish_reason,
+                    "logprobs": None,
+                }
+                for c in choices
+            ]
+            kind = "chat.completion"
+        else:
+            out = [
+                {"index": c.index, "text": c.text, "finish_reason": c.finish_reason, "logprobs": None}
+                for c in choices
+            ]
+            kind = "text_completion"
+        return {
+            "id": self.id,
+            "object": kind,
+            "created": self.created,
+            "model": self.model,
+            "choices": out,
+            "usage": self._usage(choices),
+        }
+
+    def event(self, choice: _Choice, delta: dict[str, str] | str, finish: str | None = None) -> bytes:
+        if self.chat:
+            entry: dict[str, Any] = {"index": choice.index, "delta": delta, "finish_reason": finish}
+            kind = "chat.completion.chunk"
+        else:
+            entry = {
+                "index": choice.index,
+                "text": delta if isinstance(delta, str) else "",
+                "finish_reason": finish,
+            }
+            kind = "text_completion"
+        chunk = {
+            "id": self.id,
+            "object": kind,
+            "created": self.created,
+            "model": self.model,
+            "choices": [entry],
+        }
+        return b"data: " + orjson.dumps(chunk) + b"\n\n"
+
+    def usage_chunk(self, choices: list[_Choice]) -> dict[str, Any]:
+        kind = "chat.completion.chunk" if self.chat else "text_completion"
+        return {
+            "id": self.id,
+            "object": kind,
+            "created": self.created,
+            "model": self.model,
+            "choices": [],
+            "usage": self._usage(choices),
+        }
+
+
+def _stops(stop: str | list[str] | None) -> list[str]:
+    if stop is None:
+        return []
+    return [stop] if isinstance(stop, str) else [s for s in stop if s]
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except APIError as exc:
+        return web.Response(body=exc.to_json(), status=exc.status, content_type="application/json")
+
+
+class SimFleet:
+    """Several simulated replicas in one process, each on its own port."""
+
+    def __init__(self, servers: list[SimServer], host: str = "127.0.0.1") -> None:
+        self._servers = servers
+        self._host = host
+        self._runners: list[web.AppRunner] = []
+        self.urls: list[str] = []
+
+    async def start(self, ports: list[int]) -> None:
+        for server, port in zip(self._servers, ports, strict=True):
+            runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None)
+            await runner.setup()
+            await web.TCPSite(runner, self._host, port).start()
+            self._runners.append(runner)
+            self.urls.append(f"http://{self._host}:{runner.addresses[0][1]}")
+
+    async def stop(self) -> None:
+        for runner in self._runners:
+            await runner.cleanup()
