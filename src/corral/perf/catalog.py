@@ -179,7 +179,7 @@ def _entry(cls: type, raw: Any, origin: str) -> Any:
     unknown = set(raw) - known
     if unknown:
         raise CatalogError(f"{origin}: {raw['name']}: unknown fields {', '.join(sorted(unknown))}")
-    values = {**raw, "aliases": tuple(raw.get("aliases", ()))}
+    values = {**raw, "aliases": tuple(str(a) for a in raw.get("aliases", ()))}
     if "source" not in values:
         values["source"] = f"user catalog {origin}"
     try:

@@ -1,0 +1,138 @@
+"""`corral plan`: its JSON interface, fit guarantees, and the cluster.yaml it writes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from corral.config import load_spec
+from corral.perf import load_catalog, memory_plan
+from corral.perf.calibration import calibrated_efficiency
+from corral.plan import PlanRequest, plan
+
+CORRAL = [sys.executable, "-m", "corral.cli"]
+CATALOG = load_catalog()
+EFFICIENCY = calibrated_efficiency()
+
+
+def run_plan(*args: str) -> tuple[int, dict]:
+    done = subprocess.run([*CORRAL, "plan", *args, "--json"], capture_output=True, text=True, timeout=120)
+    return done.returncode, json.loads(done.stdout)
+
+
+def test_json_interface_has_the_promised_fields() -> None:
+    code, out = run_plan(
+        "--model",
+        "llama-3.1-8b",
+        "--gpu",
+        "l40s",
+        "--concurrency",
+        "16",
+        "--input-len",
+        "1024",
+        "--output-len",
+        "256",
+        "--ttft-p95-ms",
+        "2000",
+        "--itl-ms",
+        "60",
+    )
+    assert code == 0 and out["fits"] is True and out["reason"] is None
+    layout = out["layouts"][0]
+    for key in (
+        "gpus",
+        "tp",
+        "pp",
+        "replicas",
+        "weights_gib_per_gpu",
+        "kv_tokens",
+        "max_concurrency",
+        "ttft_ms",
+        "itl_ms",
+        "output_tokens_per_s",
+        "cost_per_million_tokens",
+    ):
+        assert key in layout
+    assert layout["ttft_p95_ms"] <= 2000 and layout["itl_ms"] <= 60
+
+
+def test_gpus_flag_makes_the_first_layout_use_exactly_that_many() -> None:
+    code, out = run_plan("--model", "llama-3.1-70b", "--gpu", "l40s", "--gpus", "4")
+    assert code == 0
+    assert out["layouts"][0]["gpus"] == 4
+    assert all(lay["gpus"] == 4 for lay in out["layouts"])
+
+
+def test_a_model_that_cannot_fit_says_why() -> None:
+    code, out = run_plan("--model", "llama-4-scout", "--gpu", "l40s", "--gpus", "4", "--quant", "bf16")
+    assert code == 1
+    assert out["fits"] is False and out["layouts"] == []
+    assert "KV" in out["reason"] and "l40s" in out["reason"]
+
+
+def test_scout_fits_four_l40s_at_fp8() -> None:
+    code, out = run_plan("--model", "llama-4-scout", "--gpu", "l40s", "--gpus", "4", "--quant", "fp8")
+    assert code == 0 and out["layouts"][0]["weights_gib_per_gpu"] < 43
+
+
+@pytest.mark.parametrize(
+    "model", ["llama-3.1-70b", "qwen3-235b-a22b", "deepseek-v3", "mixtral-8x7b", "gpt-oss-120b"]
+)
+def test_no_reported_layout_overcommits_memory(model: str) -> None:
+    result = plan(
+        PlanRequest(model=model, gpu="all", concurrency=8, limit=50, max_gpus=16), CATALOG, EFFICIENCY
+    )
+    for lay in result.layouts:
+        memory = memory_plan(
+            CATALOG.models.get(model), CATALOG.gpus.get(lay.gpu), result.quant, tp=lay.tp, pp=lay.pp
+        )
+        assert (
+            memory.weights + memory.activation + memory.overhead + memory.kv_bytes <= memory.budget * 1.0001
+        )
+        assert memory.max_sequences(result.model, result.context, lay.tp, lay.pp, 2.0) >= 1
+
+
+def test_tighter_slo_needs_more_gpus() -> None:
+    loose = plan(PlanRequest(model="llama-3.1-8b", gpu="l4", concurrency=64), CATALOG, EFFICIENCY)
+    tight = plan(
+        PlanRequest(model="llama-3.1-8b", gpu="l4", concurrency=64, itl_ms=40, ttft_p95_ms=1500),
+        CATALOG,
+        EFFICIENCY,
+    )
+    assert tight.layouts[0].meets_slo
+    assert tight.layouts[0].gpus > loose.layouts[0].gpus
+
+
+def test_written_cluster_yaml_is_a_valid_spec(tmp_path: Path) -> None:
+    out = tmp_path / "cluster.yaml"
+    done = subprocess.run(
+        [
+            *CORRAL,
+            "plan",
+            "--model",
+            "llama-3.1-70b",
+            "--gpu",
+            "h100-sxm",
+            "--quant",
+            "fp8",
+            "--yaml",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    spec = load_spec(out)
+    deployment = spec.models[0].deployments[0]
+    assert deployment.engine == "vllm" and deployment.gpu == "h100-sxm" and deployment.quantization == "fp8"
+    assert spec.models[0].source is not None
+
+
+def test_unknown_model_is_a_clear_error() -> None:
+    done = subprocess.run([*CORRAL, "plan", "--model", "llama-9"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "unknown model 'llama-9'" in done.stderr
