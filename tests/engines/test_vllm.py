@@ -51,7 +51,8 @@ def test_vllm_command_follows_the_layout(tmp_path: Path) -> None:
     plans = engine_named("vllm").prepare(model, deployment, Paths(tmp_path), lambda _: None)
     argv = list(plans[0].argv)
     assert argv[:3] == ["/opt/vllm/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
-    flags = dict(zip(argv[3::2], argv[4::2], strict=False))
+    flags = {a: b for a, b in zip(argv, [*argv[1:], ""], strict=True) if a.startswith("--")}
+    assert flags["--enable-prefix-caching"].startswith("--")  # a switch, no value
     assert flags["--model"] == "meta-llama/Llama-3.1-70B-Instruct" and flags["--served-model-name"] == "llama"
     assert flags["--tensor-parallel-size"] == "2" and flags["--pipeline-parallel-size"] == "2"
     assert flags["--quantization"] == "fp8" and flags["--max-model-len"] == "8192"

@@ -69,7 +69,8 @@ def test_user_file_adds_and_overrides_entries(tmp_path: Path) -> None:
         "  - {name: l40s, memory_gb: 48, bandwidth_gbs: 864, bf16_tflops: 362, fp8_tflops: 733,\n"
         "     interconnect_gbs: 32, gpus_per_node: 8, tdp_w: 350, price_per_hour: 0.99}\n"
         "  - {name: mi300x, memory_gb: 192, bandwidth_gbs: 5300, bf16_tflops: 1307, fp8_tflops: 2615,\n"
-        "     interconnect_gbs: 448, gpus_per_node: 8, tdp_w: 750, price_per_hour: 3.0, source: AMD datasheet}\n"
+        "     interconnect_gbs: 448, gpus_per_node: 8, tdp_w: 750, price_per_hour: 3.0,\n"
+        "     source: AMD datasheet}\n"
     )
     catalog = load_catalog([extra])
     assert catalog.gpus.get("l40s").price_per_hour == 0.99
