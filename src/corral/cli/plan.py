@@ -52,13 +52,14 @@ def plan_command(
     try:
         entries = load_catalog(catalog or [])
         if calibrate:
-            fitted = fit(entries)
-            console.print(f"fitted: {fitted.efficiency}")
-            for point, predicted, error in fitted.errors:
-                console.print(
-                    f"  {point.model} on {point.gpu} c={point.concurrency}: measured "
-                    f"{point.output_tokens_per_s:.0f} tok/s, predicted {predicted:.0f} ({error:+.1%})"
-                )
+            for backend in ("vllm", "llamacpp"):
+                fitted = fit(entries, backend)
+                console.print(f"{backend}: {fitted.efficiency}")
+                for point, predicted, error in fitted.errors:
+                    console.print(
+                        f"  {point.model} on {point.gpu} c={point.concurrency}: measured "
+                        f"{point.output_tokens_per_s:.0f} tok/s, predicted {predicted:.0f} ({error:+.1%})"
+                    )
             return
         request = PlanRequest(
             model=model,

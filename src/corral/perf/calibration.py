@@ -79,17 +79,19 @@ def predict(point: CalibrationPoint, catalog: Catalog, efficiency: Efficiency) -
 
 
 def fit(catalog: Catalog, backend: str = "vllm") -> FitResult:
-    """Grid search, then a finer grid around the best cell."""
+    """A coarse grid, then a pattern search from its best cell (factors capped at _MAX_EFFICIENCY)."""
     points = load_points(backend)
-    base = calibrated_efficiency(backend)
+    if not points:
+        raise ValueError(f"no calibration points for backend {backend!r}")
+    base = Efficiency()
 
     def loss(eff: Efficiency) -> float:
         return sum(math.log(predict(p, catalog, eff) / p.output_tokens_per_s) ** 2 for p in points)
 
     grid = {
-        "bandwidth": [0.5, 0.6, 0.7, 0.8, 0.9, 0.95],
-        "compute": [0.3, 0.45, 0.6, 0.75, 0.85],
-        "step_overhead_s": [0.0, 0.001, 0.002, 0.004],
+        "bandwidth": [0.5, 0.7, 0.9],
+        "compute": [0.2, 0.45, 0.7, 0.9],
+        "step_overhead_s": [0.0, 0.001, 0.004, 0.008],
     }
     best = min(
         (
@@ -98,19 +100,30 @@ def fit(catalog: Catalog, backend: str = "vllm") -> FitResult:
         ),
         key=loss,
     )
-    for _ in range(2):
-        fine = {
-            "bandwidth": [min(_MAX_EFFICIENCY, best.bandwidth * f) for f in (0.95, 1.0, 1.05)],
-            "compute": [min(_MAX_EFFICIENCY, best.compute * f) for f in (0.9, 1.0, 1.1)],
-            "step_overhead_s": [max(0.0, best.step_overhead_s + d) for d in (-0.0005, 0.0, 0.0005)],
-        }
-        best = min(
-            (
-                replace(base, **dict(zip(fine, values, strict=True)))
-                for values in itertools.product(*fine.values())
-            ),
-            key=loss,
-        )
+    best_loss = loss(best)
+    steps = {"bandwidth": 0.1, "compute": 0.1, "step_overhead_s": 0.001}
+    for _ in range(40):
+        improved = False
+        for name, step in steps.items():
+            for sign in (1, -1):
+                value = min(
+                    _MAX_EFFICIENCY if name != "step_overhead_s" else 1.0,
+                    max(0.0, getattr(best, name) + sign * step),
+                )
+                candidate = replace(best, **{name: value})
+                candidate_loss = loss(candidate)
+                if candidate_loss < best_loss - 1e-12:
+                    best, best_loss, improved = candidate, candidate_loss, True
+        if not improved:
+            steps = {k: v / 2 for k, v in steps.items()}
+            if steps["bandwidth"] < 0.005:
+                break
+    best = replace(
+        best,
+        bandwidth=round(best.bandwidth, 3),
+        compute=round(best.compute, 3),
+        step_overhead_s=round(best.step_overhead_s, 5),
+    )
     errors = [
         (p, pred, pred / p.output_tokens_per_s - 1) for p in points for pred in [predict(p, catalog, best)]
     ]

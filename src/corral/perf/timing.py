@@ -26,9 +26,9 @@ __all__ = ["Efficiency", "PerfModel"]
 class Efficiency:
     """Calibrated factors: achieved fraction of datasheet bandwidth and compute, fixed costs per step."""
 
-    bandwidth: float = 0.855
+    bandwidth: float = 0.894
     compute: float = 0.9
-    step_overhead_s: float = 0.0005
+    step_overhead_s: float = 0.001
     comm_latency_s: float = 15e-6
 
 
