@@ -136,3 +136,33 @@ def test_written_cluster_yaml_is_a_valid_spec(tmp_path: Path) -> None:
 def test_unknown_model_is_a_clear_error() -> None:
     done = subprocess.run([*CORRAL, "plan", "--model", "llama-9"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "unknown model 'llama-9'" in done.stderr
+
+
+def test_request_rate_sizes_by_poisson_arrivals() -> None:
+    small = plan(
+        PlanRequest(model="llama-3.1-8b", gpu="l4", request_rate=0.5, ttft_p95_ms=3000, itl_ms=80),
+        CATALOG,
+        EFFICIENCY,
+    )
+    large = plan(
+        PlanRequest(model="llama-3.1-8b", gpu="l4", request_rate=8, ttft_p95_ms=3000, itl_ms=80),
+        CATALOG,
+        EFFICIENCY,
+    )
+    assert small.layouts[0].meets_slo and large.layouts[0].meets_slo
+    assert large.layouts[0].gpus > small.layouts[0].gpus
+    assert large.layouts[0].requests_per_s == pytest.approx(8, rel=0.15)
+
+
+def test_open_loop_overload_is_detected() -> None:
+    from corral.perf import BLOCK_SIZE, PerfModel, SchedulerConfig, open_loop
+
+    model, gpu, quant = (
+        CATALOG.models.get("llama-3.1-8b"),
+        CATALOG.gpus.get("l4"),
+        CATALOG.quantizations.get("bf16"),
+    )
+    perf = PerfModel(model, gpu, quant, efficiency=EFFICIENCY)
+    config = SchedulerConfig(num_blocks=memory_plan(model, gpu, quant).kv_tokens // BLOCK_SIZE)
+    assert not open_loop(perf, config, 0.2, 1024, 256).overloaded
+    assert open_loop(perf, config, 50, 1024, 256).overloaded

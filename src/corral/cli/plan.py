@@ -26,6 +26,9 @@ def plan_command(
     ] = None,
     context: Annotated[int | None, typer.Option(help="max context length per sequence (tokens)")] = None,
     concurrency: Annotated[int, typer.Option(help="concurrent requests to serve")] = 16,
+    request_rate: Annotated[
+        float | None, typer.Option(help="requests/s arriving at random (Poisson); instead of --concurrency")
+    ] = None,
     input_len: Annotated[int, typer.Option(help="prompt tokens per request")] = 1024,
     output_len: Annotated[int, typer.Option(help="output tokens per request")] = 256,
     ttft_p95_ms: Annotated[float | None, typer.Option(help="SLO: time to first token, p95 (ms)")] = None,
@@ -68,6 +71,7 @@ def plan_command(
             quant=quant,
             context=context,
             concurrency=concurrency,
+            request_rate=request_rate,
             input_len=input_len,
             output_len=output_len,
             ttft_p95_ms=ttft_p95_ms,

@@ -4,14 +4,15 @@ the step-time model. The planner's predictions come from here; the simulator run
 
 from __future__ import annotations
 
+import random
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from corral.perf.scheduler import EngineSequence, Scheduler, SchedulerConfig
 from corral.perf.steps import StepPipeline
 from corral.perf.timing import PerfModel
 
-__all__ = ["LoadResult", "closed_loop"]
+__all__ = ["LoadResult", "closed_loop", "open_loop"]
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,7 @@ class LoadResult:
     output_tokens_per_s: float
     requests_per_s: float
     preemptions: int
+    overloaded: bool = False  # open loop: requests arrive faster than the replica finishes them
 
 
 def closed_loop(
@@ -71,7 +73,65 @@ def closed_loop(
                     window_start = now
                 submit(now)
     assert window_start is not None
-    sample = done[warmup:]
+    return _summarise(concurrency, done[warmup:], tokens_in_window, now - window_start, scheduler.preemptions)
+
+
+def open_loop(
+    perf: PerfModel,
+    config: SchedulerConfig,
+    rate: float,
+    input_len: int,
+    output_len: int,
+    requests: int = 400,
+    seed: int = 0,
+) -> LoadResult:
+    """Requests arriving as a Poisson process at `rate` per second; the first tenth is warm-up."""
+    rng = random.Random(seed)
+    arrivals, t = [], 0.0
+    for _ in range(requests):
+        t += rng.expovariate(rate)
+        arrivals.append(t)
+    scheduler = Scheduler(config)
+    pipeline = StepPipeline(perf)
+    warmup = requests // 10
+    done: list[EngineSequence] = []
+    now, next_arrival, tokens_in_window = 0.0, 0, 0
+    while len(done) < requests:
+        while next_arrival < requests and arrivals[next_arrival] <= now:
+            scheduler.add(
+                EngineSequence(
+                    id=next_arrival,
+                    prompt_len=input_len,
+                    max_tokens=output_len,
+                    arrival=arrivals[next_arrival],
+                )
+            )
+            next_arrival += 1
+        while pipeline.has_room and (batch := scheduler.schedule()) is not None:
+            pipeline.launch(batch, now)
+        if pipeline.busy and (next_arrival >= requests or pipeline.next_finish <= arrivals[next_arrival]):
+            now, batch = pipeline.pop()
+            produced = scheduler.complete(batch, now)
+            tokens_in_window += sum(1 for seq in produced if seq.arrival >= arrivals[warmup])
+            done.extend(seq for seq in produced if seq.finished)
+        elif next_arrival < requests:
+            now = arrivals[next_arrival]
+        else:
+            raise RuntimeError("a request cannot fit in the KV cache at all")
+    sample = [seq for seq in done if seq.id >= warmup]
+    window = max(s.finished_at or 0.0 for s in sample) - arrivals[warmup]
+    result = _summarise(0, sample, tokens_in_window, window, scheduler.preemptions)
+    offered = (requests - warmup) / (arrivals[-1] - arrivals[warmup])
+    # Overloaded: the backlog grew, so later requests waited far longer than earlier ones.
+    ttfts = [s.first_token_at - s.arrival for s in sorted(sample, key=lambda s: s.id)]  # type: ignore[operator]
+    half = len(ttfts) // 2
+    growing = statistics.fmean(ttfts[half:]) > 2 * statistics.fmean(ttfts[:half]) + 1.0
+    return replace(result, overloaded=growing or result.requests_per_s < 0.9 * offered)
+
+
+def _summarise(
+    concurrency: int, sample: list[EngineSequence], tokens: int, window: float, preemptions: int
+) -> LoadResult:
     ttfts = sorted(s.first_token_at - s.arrival for s in sample)  # type: ignore[operator]
     tpots = [
         (s.finished_at - s.first_token_at) / (s.generated - 1)  # type: ignore[operator]
@@ -79,7 +139,6 @@ def closed_loop(
         if s.generated > 1
     ]
     e2e = sorted(s.finished_at - s.arrival for s in sample)  # type: ignore[operator]
-    window = now - window_start
     return LoadResult(
         concurrency=concurrency,
         ttft_p50=_quantile(ttfts, 0.5),
@@ -87,9 +146,9 @@ def closed_loop(
         itl_mean=statistics.fmean(tpots) if tpots else 0.0,
         tpot_mean=statistics.fmean(tpots) if tpots else 0.0,
         e2e_p50=_quantile(e2e, 0.5),
-        output_tokens_per_s=tokens_in_window / window,
-        requests_per_s=(len(done) - warmup) / window,
-        preemptions=scheduler.preemptions,
+        output_tokens_per_s=tokens / window,
+        requests_per_s=len(sample) / window,
+        preemptions=preemptions,
     )
 
 

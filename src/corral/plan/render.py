@@ -33,8 +33,9 @@ def plan_json(result: PlanResult) -> dict[str, Any]:
 
 def plan_table(result: PlanResult) -> Table:
     r = result.request
+    load = f"{r.request_rate:g} requests/s" if r.request_rate is not None else f"{r.concurrency} concurrent"
     title = (
-        f"{result.model.name} ({result.quant.name}), context {result.context}, {r.concurrency} concurrent "
+        f"{result.model.name} ({result.quant.name}), context {result.context}, {load} "
         f"× {r.input_len} in / {r.output_len} out"
     )
     table = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False)

@@ -25,6 +25,7 @@ from corral.perf import (
     SchedulerConfig,
     closed_loop,
     memory_plan,
+    open_loop,
 )
 from corral.plan.cost import CostReport, cost_report
 
@@ -43,6 +44,7 @@ class PlanRequest:
     quant: str | None = None
     context: int | None = None
     concurrency: int = 16
+    request_rate: float | None = None  # requests/s (Poisson arrivals); replaces `concurrency` when set
     input_len: int = 1024
     output_len: int = 256
     ttft_p95_ms: float | None = None
@@ -190,21 +192,29 @@ def _best_layout(
         num_blocks=memory.kv_tokens // BLOCK_SIZE,
         enable_prefix_caching=False,
     )
-    seen: dict[int, LoadResult] = {}
+    seen: dict[float, LoadResult] = {}
     layout = None
     for replicas in replica_counts:
-        per_replica = math.ceil(request.concurrency / replicas)
-        if per_replica not in seen:
-            seen[per_replica] = closed_loop(perf, config, per_replica, request.input_len, request.output_len)
-        load = seen[per_replica]
+        if request.request_rate is not None:
+            share: float = request.request_rate / replicas
+            if share not in seen:
+                seen[share] = open_loop(perf, config, share, request.input_len, request.output_len)
+        else:
+            share = math.ceil(request.concurrency / replicas)
+            if share not in seen:
+                seen[share] = closed_loop(perf, config, int(share), request.input_len, request.output_len)
+        load = seen[share]
         meets = _meets(request, load)
+        per_replica = int(share) if request.request_rate is None else max(1, round(share * load.e2e_p50))
         layout = _layout(request, catalog, gpu, tp, pp, replicas, memory, max_seqs, per_replica, load, meets)
-        if meets or per_replica == 1:
+        if meets or (request.request_rate is None and share == 1):
             break
     return layout
 
 
 def _meets(request: PlanRequest, load: LoadResult) -> bool:
+    if load.overloaded:
+        return False
     if request.ttft_p95_ms is not None and load.ttft_p95 * 1000 > request.ttft_p95_ms:
         return False
     return request.itl_ms is None or load.itl_mean * 1000 <= request.itl_ms
