@@ -113,8 +113,9 @@ def test_models_health_and_ready(cluster: RunningCluster, client: openai.OpenAI)
 
 def test_requests_spread_over_both_replicas(cluster: RunningCluster, client: openai.OpenAI) -> None:
     before = {r["id"]: r["served"] for r in cluster.status()["replicas"]}
-    for _ in range(6):
-        client.chat.completions.create(model="smollm2", messages=MESSAGES, max_tokens=2)
+    for i in range(6):
+        question = [{"role": "user", "content": f"Question {i}: name a colour."}]
+        client.chat.completions.create(model="smollm2", messages=question, max_tokens=2)
     after = {r["id"]: r["served"] for r in cluster.status()["replicas"]}
     assert all(after[k] > before[k] for k in after)
 

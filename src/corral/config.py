@@ -44,6 +44,15 @@ __all__ = [
 
 DEFAULT_MODEL_NAME = "smollm2"
 
+RoutingPolicyName = Literal[
+    "prefix_affinity",
+    "least_outstanding_requests",
+    "least_outstanding_tokens",
+    "power_of_two",
+    "round_robin",
+    "session_affinity",
+]
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -124,6 +133,9 @@ class ModelSpec(_Strict):
 
     name: Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:/-]+$")]
     arch: str | None = Field(default=None, description="perf catalog model (sim, plan); defaults to name")
+    routing: RoutingPolicyName | None = Field(
+        default=None, description="routing policy; gateway's default if unset"
+    )
     source: ModelSource | None = None
     deployments: Annotated[list[DeploymentSpec], Field(min_length=1)]
 
@@ -144,6 +156,7 @@ class GatewaySettings(_Strict):
     connect_timeout: Annotated[float, Field(gt=0)] = 3.0
     read_timeout: Annotated[float, Field(gt=0, description="longest wait for upstream bytes")] = 120.0
     retries: Annotated[int, Field(ge=0, le=5)] = 1
+    routing: RoutingPolicyName = "prefix_affinity"
     shutdown_grace: Annotated[float, Field(ge=0)] = 10.0
 
 

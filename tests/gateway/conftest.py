@@ -12,7 +12,7 @@ from aiohttp import web
 
 from corral.config import GatewaySettings
 from corral.gateway import GatewayServer
-from corral.routing import LeastOutstandingRequests, Replica, ReplicaSet, ReplicaState, Router
+from corral.routing import Replica, ReplicaSet, ReplicaState, Router
 
 
 @dataclass
@@ -30,6 +30,7 @@ class ScriptedUpstream:
         app = web.Application()
         app.router.add_post("/v1/chat/completions", self.handle)
         app.router.add_post("/v1/completions", self.handle)
+        app.router.add_get("/health", self.health)
         self.runner = web.AppRunner(app, handler_cancellation=True)
         await self.runner.setup()
         site = web.TCPSite(self.runner, "127.0.0.1", 0)
@@ -39,6 +40,11 @@ class ScriptedUpstream:
     async def stop(self) -> None:
         assert self.runner is not None
         await self.runner.cleanup()
+
+    async def health(self, request: web.Request) -> web.Response:
+        if self.mode == "hang":
+            await asyncio.sleep(3600)
+        return web.json_response({"status": "ok"})
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
@@ -154,7 +160,7 @@ async def upstream() -> AsyncIterator[ScriptedUpstream]:
 async def gateway() -> AsyncIterator[Gateway]:
     replicas = ReplicaSet(["m"])
     settings = GatewaySettings(port=0, read_timeout=1.0, connect_timeout=1.0, max_body_bytes=64 * 1024)
-    server = GatewayServer(settings, Router(replicas, LeastOutstandingRequests()))
+    server = GatewayServer(settings, Router(replicas, default_policy="least_outstanding_requests"))
     await server.start()
     yield Gateway(f"http://127.0.0.1:{server.port}", replicas, server)
     await server.stop()

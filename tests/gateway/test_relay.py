@@ -175,3 +175,17 @@ async def test_no_ready_replica_gives_503_with_retry_after(
     assert int(resp.headers["Retry-After"]) >= 1
     assert body["error"]["code"] == "no_ready_replica"
     assert upstream.bodies == []
+
+
+async def test_admin_routing_view_shows_circuits_and_decisions(
+    gateway: Gateway, upstream: ScriptedUpstream
+) -> None:
+    gateway.add_replica(upstream.url)
+    await client(gateway).chat.completions.create(model="m", messages=MESSAGES)
+    async with aiohttp.ClientSession() as session, session.get(gateway.url + "/admin/routing") as resp:
+        view = await resp.json()
+    assert view["policies"] == {"m": "least_outstanding_requests"}
+    assert view["replicas"][0]["circuit"] == "closed"
+    assert (
+        view["decisions"][-1]["replica"] == "m-0" and view["decisions"][-1]["policy"] == view["policies"]["m"]
+    )

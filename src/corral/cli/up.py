@@ -153,14 +153,16 @@ class _ProgressReport:
 async def _serve(spec: ClusterSpec, paths: Paths) -> None:
     from corral.cluster import LocalProcessRuntime, Supervisor
     from corral.gateway import GatewayServer
-    from corral.routing import ReplicaSet, Router, policy_named
+    from corral.routing import ReplicaSet, Router
 
     prepared = await asyncio.to_thread(_prepare_all, spec, paths)
     replicas = ReplicaSet()
     supervisor = Supervisor(replicas, LocalProcessRuntime(paths.logs), spec.supervisor)
     for model_name, engine, plans in prepared:
         supervisor.add(model_name, engine, plans)
-    gateway = GatewayServer(spec.gateway, Router(replicas, policy_named("least_outstanding_requests")))
+    policies = {m.name: m.routing for m in spec.models if m.routing is not None}
+    router = Router(replicas, policies, default_policy=spec.gateway.routing)
+    gateway = GatewayServer(spec.gateway, router)
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -1,7 +1,8 @@
 """Gateway assembly: routes, the one error boundary, and the app's long-lived objects.
 
 The app serves `/v1/chat/completions`, `/v1/completions`, `/v1/models`, `/health` (process up), `/ready`
-(every model has a ready replica) and `/corral/status` (replicas with state and load).
+(every model has a ready replica), `/corral/status` (replicas with state and load) and `/admin/routing`
+(policies, replicas with circuit state, recent routing decisions).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from corral.config import GatewaySettings
 from corral.gateway.pipeline import Pipeline
 from corral.gateway.relay import Relay, RelayTimeouts
 from corral.protocol import APIError, MethodNotAllowed, NotFound, PayloadTooLarge
-from corral.routing import ReplicaSet, Router
+from corral.routing import Router
 
 __all__ = ["PIPELINE", "build_app"]
 
@@ -31,18 +32,19 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 def build_app(settings: GatewaySettings, router: Router) -> web.Application:
     """The gateway application over `router`'s replica set."""
     app = web.Application(middlewares=[_error_boundary], client_max_size=settings.max_body_bytes)
-    status = _StatusViews(router.replicas, started_at=time.time())
+    status = _StatusViews(router, started_at=time.time())
     app.router.add_get("/health", status.health)
     app.router.add_get("/ready", status.ready)
     app.router.add_get("/v1/models", status.models)
     app.router.add_get("/corral/status", status.replica_status)
+    app.router.add_get("/admin/routing", status.routing)
 
     async def client_session(app: web.Application) -> AsyncIterator[None]:
         connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=30)
         async with aiohttp.ClientSession(connector=connector, auto_decompress=False) as session:
             timeouts = RelayTimeouts(connect=settings.connect_timeout, read=settings.read_timeout)
             relay = Relay(session, router, retries=settings.retries, timeouts=timeouts)
-            app[PIPELINE] = Pipeline(router.replicas, relay, settings.max_body_bytes)
+            app[PIPELINE] = Pipeline(router, relay, settings.max_body_bytes)
             yield
 
     app.cleanup_ctx.append(client_session)
@@ -93,8 +95,9 @@ def _error_response(exc: APIError, status: int | None = None) -> web.Response:
 class _StatusViews:
     """Read-only views of the replica set."""
 
-    def __init__(self, replicas: ReplicaSet, started_at: float) -> None:
-        self._replicas = replicas
+    def __init__(self, router: Router, started_at: float) -> None:
+        self._router = router
+        self._replicas = router.replicas
         self._started_at = started_at
 
     async def health(self, request: web.Request) -> web.Response:
@@ -116,4 +119,15 @@ class _StatusViews:
     async def replica_status(self, request: web.Request) -> web.Response:
         return web.json_response(
             {"models": self._replicas.models(), "replicas": [r.snapshot() for r in self._replicas]}
+        )
+
+    async def routing(self, request: web.Request) -> web.Response:
+        """Replicas with load and circuit state, each model's policy, and the latest routing decisions."""
+        policies = {m: self._router.policy_for(m).name for m in self._replicas.models()}
+        return web.json_response(
+            {
+                "policies": policies,
+                "replicas": [r.snapshot() for r in self._replicas],
+                "decisions": list(self._router.decisions)[-50:],
+            }
         )

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from corral.protocol import GenerationRequest
-from corral.routing import Replica
+from corral.routing import Replica, RouteRequest
 
 __all__ = ["RequestContext"]
 
@@ -19,6 +19,7 @@ class RequestContext:
     body: GenerationRequest
     upstream_body: bytes
     received_at: float
+    route: RouteRequest
     replica: Replica | None = None
     first_byte_at: float | None = None
     usage: dict[str, Any] | None = None

@@ -21,18 +21,21 @@ from corral.protocol import (
     PayloadTooLarge,
     parse_body,
 )
-from corral.routing import ReplicaSet
+from corral.routing import Router, RouteRequest
 
 __all__ = ["Pipeline"]
 
 logger = logging.getLogger(__name__)
 
+_DEFAULT_OUTPUT_ESTIMATE = 256  # tokens, when a request sets no max_tokens
+
 
 class Pipeline:
     """Handles the generation endpoints; one instance per app, built in the app's assembly."""
 
-    def __init__(self, replicas: ReplicaSet, relay: Relay, max_body_bytes: int) -> None:
-        self._replicas = replicas
+    def __init__(self, router: Router, relay: Relay, max_body_bytes: int) -> None:
+        self._router = router
+        self._replicas = router.replicas
         self._relay = relay
         self._max_body = max_body_bytes
 
@@ -64,8 +67,15 @@ class Pipeline:
         if not self._replicas.has_model(body.model):
             raise ModelNotFound(f"The model '{body.model}' does not exist on this server.", param="model")
         upstream = _with_usage(raw) if body.stream and not body.include_usage else raw
+        route = RouteRequest(
+            model=body.model,
+            tokens=len(raw) // 4 + (body.max_tokens or _DEFAULT_OUTPUT_ESTIMATE),
+            session=request.headers.get("x-session-id") or body.user,
+        )
+        if getattr(self._router.policy_for(body.model), "needs_prompt", False):
+            route.prompt = prompt_text(body)
         return RequestContext(
-            path=request.path, body=body, upstream_body=upstream, received_at=time.monotonic()
+            path=request.path, body=body, upstream_body=upstream, received_at=time.monotonic(), route=route
         )
 
     @staticmethod
@@ -73,6 +83,13 @@ class Pipeline:
         """Account for the finished request (usage recording and metrics arrive with admission)."""
         if ctx.usage is not None and logger.isEnabledFor(logging.DEBUG):
             logger.debug("request on %s used %s", ctx.replica.id if ctx.replica else "-", ctx.usage)
+
+
+def prompt_text(body: ChatCompletionRequest | CompletionRequest) -> str:
+    """The prompt as one string, for prefix-affinity routing."""
+    if isinstance(body, ChatCompletionRequest):
+        return "\n".join(f"{m.role}:{m.content}" for m in body.messages)
+    return body.prompt if isinstance(body.prompt, str) else str(body.prompt)
 
 
 def _with_usage(raw: bytes) -> bytes:

@@ -57,27 +57,33 @@ class Relay:
     async def forward(self, ctx: RequestContext, request: web.Request) -> web.StreamResponse:
         tried: list[Replica] = []
         failure = "no attempt"
-        for _ in range(self._retries + 1):
+        self._router.retry_budget.on_request()
+        for attempt in range(self._retries + 1):
+            if attempt and not self._router.retry_budget.try_spend():
+                failure += " (retry budget exhausted)"
+                break
             try:
-                replica = self._router.acquire(ctx.model, exclude=tried)
+                replica = self._router.acquire(ctx.route, exclude=tried)
             except NoCapacity:
                 if not tried:
                     raise
-                break  # every ready replica has failed this request
+                break  # every routable replica has failed this request
             ctx.replica = replica
+            outcome: bool | None = None
             try:
-                return await self._attempt(replica, ctx, request)
+                response = await self._attempt(replica, ctx, request)
+                outcome = response.status < 500
+                return response
             except _Retryable as exc:
+                outcome = False
                 failure = str(exc)
                 tried.append(replica)
-                logger.warning(
-                    "replica %s failed before first byte (%s); %s",
-                    replica.id,
-                    exc,
-                    "retrying" if len(tried) <= self._retries else "giving up",
-                )
+                logger.warning("replica %s failed before first byte (%s)", replica.id, exc)
+            except UpstreamTimeout:
+                outcome = False
+                raise
             finally:
-                self._router.release(replica)
+                self._router.release(replica, ctx.route, outcome)
         raise UpstreamError(f"The model's replicas failed to answer: {failure}.")
 
     async def _attempt(

@@ -7,6 +7,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from corral.routing.circuit import CircuitBreaker
+
 __all__ = ["EngineLoad", "Replica", "ReplicaSet", "ReplicaState"]
 
 
@@ -44,6 +46,8 @@ class Replica:
     url: str = ""
     state: ReplicaState = ReplicaState.STARTING
     outstanding: int = 0
+    outstanding_tokens: int = 0
+    breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
     load: EngineLoad | None = None
     pid: int | None = None
     restarts: int = 0
@@ -68,11 +72,19 @@ class Replica:
             "pid": self.pid,
             "restarts": self.restarts,
             "outstanding": self.outstanding,
+            "outstanding_tokens": self.outstanding_tokens,
+            "circuit": str(self.breaker.state),
+            "consecutive_failures": self.breaker.consecutive_failures,
             "served": self.served,
             "uptime_s": round(time.time() - self.started_at, 1) if self.started_at else None,
             "running": load.running if load else None,
             "waiting": load.waiting if load else None,
             "kv_usage": load.kv_usage if load else None,
+            "prefix_cache_hit_rate": (
+                round(load.prefix_cache_hits_total / load.prefix_cache_queries_total, 4)
+                if load and load.prefix_cache_queries_total
+                else None
+            ),
             "generated_tokens_total": load.generated_tokens_total if load else None,
             "last_error": self.last_error,
         }

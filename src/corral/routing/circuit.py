@@ -1,0 +1,90 @@
+"""Per-replica circuit breakers and a retry budget.
+
+A breaker opens after `failures` consecutive failed requests (the replica leaves routing), lets one trial
+request through after `cooldown` seconds (half-open), and closes on its success or reopens, with the
+cool-down doubled, on its failure. The retry budget caps retries to a fraction of recent requests, so a
+sick fleet is not hit with a retry storm.
+"""
+
+from __future__ import annotations
+
+import time
+from enum import StrEnum
+
+__all__ = ["CircuitBreaker", "CircuitState", "RetryBudget"]
+
+
+class CircuitState(StrEnum):
+    CLOSED = "closed"
+    OPEN = "open"
+    HALF_OPEN = "half_open"
+
+
+class CircuitBreaker:
+    def __init__(self, failures: int = 3, cooldown: float = 5.0, max_cooldown: float = 60.0) -> None:
+        self._threshold = failures
+        self._base_cooldown = cooldown
+        self._max_cooldown = max_cooldown
+        self._cooldown = cooldown
+        self.consecutive_failures = 0
+        self._opened_at: float | None = None
+        self._trial_out = False
+
+    @property
+    def state(self) -> CircuitState:
+        if self._opened_at is None:
+            return CircuitState.CLOSED
+        if time.monotonic() - self._opened_at >= self._cooldown:
+            return CircuitState.HALF_OPEN
+        return CircuitState.OPEN
+
+    def allows(self) -> bool:
+        """Whether a request may go to this replica now."""
+        state = self.state
+        return state is CircuitState.CLOSED or (state is CircuitState.HALF_OPEN and not self._trial_out)
+
+    def on_dispatch(self) -> None:
+        if self.state is CircuitState.HALF_OPEN:
+            self._trial_out = True
+
+    def on_success(self) -> None:
+        self.consecutive_failures = 0
+        self._opened_at = None
+        self._trial_out = False
+        self._cooldown = self._base_cooldown
+
+    def on_failure(self) -> None:
+        self.consecutive_failures += 1
+        if self.state is CircuitState.HALF_OPEN:
+            self._cooldown = min(self._cooldown * 2, self._max_cooldown)
+            self._opened_at = time.monotonic()
+        elif self.consecutive_failures >= self._threshold and self._opened_at is None:
+            self._opened_at = time.monotonic()
+        self._trial_out = False
+
+
+class RetryBudget:
+    """Retries allowed: `ratio` of requests, plus `floor` per second so low traffic can still retry."""
+
+    def __init__(self, ratio: float = 0.2, floor_per_s: float = 5.0, cap: float = 100.0) -> None:
+        self._ratio = ratio
+        self._floor = floor_per_s
+        self._cap = cap
+        self._tokens = cap
+        self._at = time.monotonic()
+
+    def on_request(self) -> None:
+        self._refill()
+        self._tokens = min(self._cap, self._tokens + self._ratio)
+
+    def try_spend(self) -> bool:
+        self._refill()
+        if self._tokens >= 1:
+            self._tokens -= 1
+            return True
+        return False
+
+    def _refill(self) -> None:
+        now = time.monotonic()
+        self._tokens = min(self._cap, self._tokens + (now - self._at) * self._floor)
+        self._at = now

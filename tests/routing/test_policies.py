@@ -1,0 +1,139 @@
+"""Routing policies, the prefix index, circuit breakers and the retry budget."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from corral.config import RoutingPolicyName
+from corral.protocol import NoCapacity
+from corral.routing import (
+    POLICIES,
+    CircuitBreaker,
+    CircuitState,
+    EngineLoad,
+    PrefixAffinity,
+    Replica,
+    ReplicaSet,
+    ReplicaState,
+    RetryBudget,
+    Router,
+    RouteRequest,
+    policy_named,
+)
+
+
+def fleet(n: int) -> list[Replica]:
+    return [Replica(id=f"r{i}", model="m", engine="sim", state=ReplicaState.READY) for i in range(n)]
+
+
+def test_spec_names_every_policy() -> None:
+    assert set(RoutingPolicyName.__args__) == set(POLICIES)  # type: ignore[attr-defined]
+
+
+def test_round_robin_cycles() -> None:
+    replicas, policy = fleet(3), policy_named("round_robin")
+    assert [policy.pick(replicas, RouteRequest("m")).replica.id for _ in range(6)] == ["r0", "r1", "r2"] * 2
+
+
+def test_least_outstanding_tokens_prefers_the_lightest() -> None:
+    replicas = fleet(3)
+    replicas[0].outstanding_tokens, replicas[1].outstanding_tokens, replicas[2].outstanding_tokens = (
+        900,
+        10,
+        500,
+    )
+    assert policy_named("least_outstanding_tokens").pick(replicas, RouteRequest("m")).replica.id == "r1"
+
+
+def test_power_of_two_never_picks_the_busiest_of_two() -> None:
+    replicas = fleet(2)
+    replicas[0].outstanding = 10
+    policy = policy_named("power_of_two")
+    assert {policy.pick(replicas, RouteRequest("m")).replica.id for _ in range(20)} == {"r1"}
+
+
+def test_session_affinity_is_sticky_and_moves_little_when_a_replica_goes() -> None:
+    replicas, policy = fleet(4), policy_named("session_affinity")
+    sessions = [f"user-{i}" for i in range(200)]
+    before = {s: policy.pick(replicas, RouteRequest("m", session=s)).replica.id for s in sessions}
+    assert before == {s: policy.pick(replicas, RouteRequest("m", session=s)).replica.id for s in sessions}
+    after = {s: policy.pick(replicas[1:], RouteRequest("m", session=s)).replica.id for s in sessions}
+    moved = [s for s in sessions if before[s] != after[s]]
+    assert all(before[s] == "r0" for s in moved)  # only r0's sessions move
+
+
+def test_prefix_affinity_follows_the_prefix_within_the_load_bound() -> None:
+    replicas, policy = fleet(4), PrefixAffinity()
+    document = "system: you are a contracts lawyer. " * 40
+    first = policy.pick(replicas, RouteRequest("m", prompt=document + "question A")).replica
+    first.outstanding += 1
+    again = policy.pick(replicas, RouteRequest("m", prompt=document + "question B"))
+    assert again.replica is first and again.reason.startswith("prefix match")
+    first.outstanding = 20  # far past the bound: the prefix is not worth the queue
+    assert policy.pick(replicas, RouteRequest("m", prompt=document + "question C")).replica is not first
+
+
+def test_prefix_affinity_avoids_a_replica_with_a_full_kv_cache() -> None:
+    replicas, policy = fleet(2), PrefixAffinity()
+    document = "shared context " * 100
+    first = policy.pick(replicas, RouteRequest("m", prompt=document + "1")).replica
+    first.load = EngineLoad(running=4, waiting=0, kv_usage=0.99)
+    assert policy.pick(replicas, RouteRequest("m", prompt=document + "2")).replica is not first
+
+
+def test_prefix_index_is_bounded() -> None:
+    policy = PrefixAffinity(max_blocks=50)
+    replicas = fleet(2)
+    for i in range(40):
+        policy.pick(replicas, RouteRequest("m", prompt=f"{i:04d}" + "x" * 2000))
+    assert len(policy.index) == 50
+
+
+def test_breaker_opens_after_consecutive_failures_and_half_opens_after_cooldown() -> None:
+    breaker = CircuitBreaker(failures=3, cooldown=0.05)
+    for _ in range(2):
+        breaker.on_failure()
+    assert breaker.state is CircuitState.CLOSED
+    breaker.on_failure()
+    assert breaker.state is CircuitState.OPEN and not breaker.allows()
+    time.sleep(0.06)
+    assert breaker.state is CircuitState.HALF_OPEN and breaker.allows()
+    breaker.on_dispatch()
+    assert not breaker.allows()  # one trial at a time
+    breaker.on_failure()
+    assert breaker.state is CircuitState.OPEN  # reopened, longer cool-down
+    time.sleep(0.11)
+    breaker.on_dispatch()
+    breaker.on_success()
+    assert breaker.state is CircuitState.CLOSED and breaker.consecutive_failures == 0
+
+
+def test_router_skips_open_breakers_and_logs_decisions() -> None:
+    replicas = ReplicaSet(["m"])
+    members = fleet(2)
+    for r in members:
+        replicas.add(r)
+    router = Router(replicas, default_policy="round_robin")
+    request = RouteRequest("m", tokens=100)
+    for _ in range(3):
+        members[0].breaker.on_failure()
+    picked = [router.acquire(request) for _ in range(3)]
+    assert {r.id for r in picked} == {"r1"}
+    assert members[1].outstanding == 3 and members[1].outstanding_tokens == 300
+    assert [d["replica"] for d in router.decisions] == ["r1"] * 3
+    for r in picked:
+        router.release(r, request, ok=True)
+    assert members[1].outstanding == 0 and members[1].outstanding_tokens == 0
+    members[1].breaker._opened_at = time.monotonic()  # both open now
+    with pytest.raises(NoCapacity):
+        router.acquire(request)
+
+
+def test_retry_budget_caps_retries_to_a_share_of_requests() -> None:
+    budget = RetryBudget(ratio=0.1, floor_per_s=0.0, cap=2)
+    assert budget.try_spend() and budget.try_spend() and not budget.try_spend()
+    for _ in range(11):  # 11 requests earn 1.1 retries
+        budget.on_request()
+    assert budget.try_spend() and not budget.try_spend()
