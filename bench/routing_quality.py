@@ -1,0 +1,260 @@
+"""Routing quality: each policy over a fleet of simulated GPU replicas under multi-tenant shared-prefix load.
+
+Workload: `--tenants` tenants, each with a long shared document (`--doc-words` tokens) that every one of its
+requests starts with, then a short unique question; streamed chat completions with `--output` tokens. The
+distinct documents together exceed one replica's KV cache but fit in the fleet's, which is where routing
+decides the prefix-cache hit rate.
+
+For each policy, on a fresh fleet (`corral sim`, 8 replicas of Llama-3.1-8B on L4s by default) behind a
+fresh gateway (`corral up`, external replicas):
+1. saturation: `--saturation-clients` clients in a closed loop: requests/s and output tokens/s;
+2. latency: Poisson arrivals at 80% of round robin's saturation rate: TTFT p50/p90 (simulated seconds),
+   and the fleet's prefix-cache hit rate from the engines' own metrics.
+
+Prints JSON (also written to results/routing_quality.json) with each policy's figures and the default
+policy's ratios to round robin.
+
+    .venv/bin/python bench/routing_quality.py [--replicas 8] [--time-scale 4] [--duration 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+
+ROOT = Path(__file__).resolve().parent.parent
+POLICIES = ["round_robin", "least_outstanding_requests", "least_outstanding_tokens", "power_of_two",
+            "session_affinity", "prefix_affinity"]
+DEFAULT = "prefix_affinity"
+
+
+def free_ports(n: int) -> int:
+    """A base port with n free ports after it (best effort)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = int(s.getsockname()[1])
+        if base + n < 65000 and all(_free(base + i) for i in range(n)):
+            return base
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def wait_http(url: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=1) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.2)
+    raise RuntimeError(f"{url} did not come up")
+
+
+class Workload:
+    def __init__(self, tenants: int, doc_words: int, seed: int = 7) -> None:
+        self._rng = random.Random(seed)
+        self.docs = [" ".join(f"t{t}w{i}" for i in range(doc_words)) for t in range(tenants)]
+        self._n = 0
+
+    def next_body(self, model: str, output: int) -> dict[str, Any]:
+        tenant = self._rng.randrange(len(self.docs))
+        self._n += 1
+        question = f"Question {self._n}: " + " ".join(f"q{self._rng.randrange(10**6)}" for _ in range(30))
+        return {"model": model, "max_tokens": output, "stream": True, "user": f"tenant-{tenant}",
+                "messages": [{"role": "system", "content": self.docs[tenant]},
+                             {"role": "user", "content": question}]}
+
+
+async def one_request(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> tuple[float, int]:
+    """(seconds to the first content chunk, content chunks) for one streamed request."""
+    started = time.perf_counter()
+    ttft = None
+    chunks = 0
+    async with session.post(url, data=orjson.dumps(body), headers={"Content-Type": "application/json"}) as r:
+        if r.status != 200:
+            raise RuntimeError(f"status {r.status}: {await r.text()}")
+        async for line in r.content:
+            if line.startswith(b"data: {") and b'"content":"' in line and b'"content":""' not in line:
+                if ttft is None:
+                    ttft = time.perf_counter() - started
+                chunks += 1
+    return (ttft if ttft is not None else time.perf_counter() - started), chunks
+
+
+async def saturation(url: str, work: Workload, clients: int, duration: float, output: int) -> dict[str, float]:
+    done, tokens = 0, 0
+    stop_at = time.perf_counter() + duration
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+
+        async def client() -> None:
+            nonlocal done, tokens
+            while time.perf_counter() < stop_at:
+                _, chunks = await one_request(session, url, work.next_body("llama", output))
+                done += 1
+                tokens += chunks
+
+        started = time.perf_counter()
+        await asyncio.gather(*(client() for _ in range(clients)))
+        elapsed = time.perf_counter() - started
+    return {"requests_per_s": done / elapsed, "output_tokens_per_s": tokens / elapsed}
+
+
+async def open_loop(url: str, work: Workload, rate: float, duration: float, output: int) -> list[float]:
+    rng = random.Random(11)
+    ttfts: list[float] = []
+    tasks = []
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+
+        async def fire() -> None:
+            ttft, _ = await one_request(session, url, work.next_body("llama", output))
+            ttfts.append(ttft)
+
+        started = time.perf_counter()
+        next_at = started
+        while next_at - started < duration:
+            await asyncio.sleep(max(0.0, next_at - time.perf_counter()))
+            tasks.append(asyncio.create_task(fire()))
+            next_at += rng.expovariate(rate)
+        await asyncio.gather(*tasks)
+    return ttfts
+
+
+def fleet_hit_rate(urls: list[str]) -> float:
+    queries = hits = 0.0
+    for url in urls:
+        with urllib.request.urlopen(url + "/metrics", timeout=5) as response:
+            for line in response.read().decode().splitlines():
+                if line.startswith("vllm:prefix_cache_queries_total"):
+                    queries += float(line.rsplit(" ", 1)[1])
+                elif line.startswith("vllm:prefix_cache_hits_total"):
+                    hits += float(line.rsplit(" ", 1)[1])
+    return hits / queries if queries else 0.0
+
+
+def run_policy(policy: str, args: argparse.Namespace, rate: float | None) -> dict[str, Any]:
+    base = free_ports(args.replicas + 1)
+    gw_port = base + args.replicas
+    urls = [f"http://127.0.0.1:{base + i}" for i in range(args.replicas)]
+    with tempfile.TemporaryDirectory() as tmp:
+        spec = Path(tmp) / "spec.yaml"
+        spec.write_text(
+            f"gateway: {{port: {gw_port}, routing: {policy}, read_timeout: 600}}\n"
+            "supervisor: {probe_interval: 0.5}\n"
+            "models:\n  - name: llama\n"
+            f"    deployments: [{{engine: external, urls: {json.dumps(urls)}}}]\n"
+        )
+        fleet = subprocess.Popen(
+            [sys.executable, "-m", "corral.cli", "sim", "--model", "llama-3.1-8b", "--gpu", args.gpu,
+             "--served-name", "llama", "--replicas", str(args.replicas), "--port", str(base),
+             "--time-scale", str(args.time_scale)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        gateway = subprocess.Popen(
+            [sys.executable, "-m", "corral.cli", "up", "-f", str(spec), "--log-level", "warning"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+            env={**os.environ, "CORRAL_HOME": tmp})
+        try:
+            wait_http(urls[-1] + "/health")
+            wait_http(f"http://127.0.0.1:{gw_port}/ready")
+            url = f"http://127.0.0.1:{gw_port}/v1/chat/completions"
+            work = Workload(args.tenants, args.doc_words)
+            sat = asyncio.run(saturation(url, work, args.saturation_clients, args.duration, args.output))
+            result: dict[str, Any] = {
+                "policy": policy,
+                # per simulated second: wall-clock rates divided by the time scale
+                "saturation_requests_per_s": round(sat["requests_per_s"] / args.time_scale, 3),
+                "saturation_output_tokens_per_s": round(sat["output_tokens_per_s"] / args.time_scale, 1),
+            }
+            if rate is None:  # round robin sets the rate for everyone: a share of its own saturation
+                rate = args.load * result["saturation_requests_per_s"]
+            if rate:
+                ttfts = asyncio.run(open_loop(url, work, rate * args.time_scale, args.duration, args.output))
+                ttfts = sorted(t * args.time_scale for t in ttfts)  # simulated seconds
+                result.update({
+                    "offered_requests_per_s": round(rate, 3),
+                    "ttft_p50_ms": round(1000 * statistics.median(ttfts), 1),
+                    "ttft_p90_ms": round(1000 * ttfts[int(0.9 * (len(ttfts) - 1))], 1),
+                    "requests_measured": len(ttfts),
+                })
+            result["prefix_cache_hit_rate"] = round(fleet_hit_rate(urls), 4)
+            return result
+        finally:
+            for proc in (gateway, fleet):
+                os.killpg(proc.pid, signal.SIGINT)
+            for proc in (gateway, fleet):
+                try:
+                    proc.wait(timeout=20)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--replicas", type=int, default=8)
+    parser.add_argument("--gpu", default="l4")
+    parser.add_argument("--tenants", type=int, default=32)
+    parser.add_argument("--doc-words", type=int, default=3000, help="shared document length (tokens)")
+    parser.add_argument("--output", type=int, default=32, help="output tokens per request")
+    parser.add_argument("--time-scale", type=float, default=4.0)
+    parser.add_argument("--duration", type=float, default=20.0, help="wall-clock seconds per phase")
+    parser.add_argument("--saturation-clients", type=int, default=48)
+    parser.add_argument("--load", type=float, default=0.8, help="share of round robin's saturation rate")
+    parser.add_argument("--policies", default=",".join(POLICIES))
+    parser.add_argument("--output-file", type=Path, default=ROOT / "results" / "routing_quality.json")
+    args = parser.parse_args()
+
+    policies = args.policies.split(",")
+    if "round_robin" in policies:
+        policies = ["round_robin", *[p for p in policies if p != "round_robin"]]
+    results = []
+    rate = None if policies[0] == "round_robin" else 0.0
+    for policy in policies:
+        result = run_policy(policy, args, rate)
+        rate = result.get("offered_requests_per_s", rate)
+        results.append(result)
+        print(json.dumps(result), file=sys.stderr, flush=True)
+    report: dict[str, Any] = {
+        "benchmark": "routing_quality",
+        "replicas": args.replicas, "gpu": args.gpu, "tenants": args.tenants, "doc_tokens": args.doc_words,
+        "output_tokens": args.output, "time_scale": args.time_scale, "load": args.load,
+        "policies": results,
+    }
+    by = {r["policy"]: r for r in results}
+    if "round_robin" in by and DEFAULT in by:
+        rr, best = by["round_robin"], by[DEFAULT]
+        report["default_vs_round_robin"] = {
+            "ttft_p90_lower_by": round(rr["ttft_p90_ms"] / best["ttft_p90_ms"], 2),
+            "throughput_higher_by": round(best["saturation_requests_per_s"] / rr["saturation_requests_per_s"], 2),
+            "targets": {"ttft_p90_lower_by": 3.0, "throughput_higher_by": 1.3},
+        }
+    args.output_file.parent.mkdir(parents=True, exist_ok=True)
+    args.output_file.write_text(json.dumps(report, indent=2))
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
