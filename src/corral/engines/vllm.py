@@ -79,6 +79,7 @@ class VllmEngine:
         return [
             LaunchPlan(
                 argv=tuple(argv),
+                capacity=deployment.max_num_seqs,
                 env={
                     "CUDA_VISIBLE_DEVICES": ",".join(
                         str(d) for d in range(i * per_replica, (i + 1) * per_replica)

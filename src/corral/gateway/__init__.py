@@ -2,5 +2,6 @@
 
 from corral.gateway.app import build_app
 from corral.gateway.server import GatewayServer
+from corral.gateway.services import GatewayServices
 
-__all__ = ["GatewayServer", "build_app"]
+__all__ = ["GatewayServer", "GatewayServices", "build_app"]

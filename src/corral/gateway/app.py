@@ -1,8 +1,8 @@
 """Gateway assembly: routes, the one error boundary, and the app's long-lived objects.
 
 The app serves `/v1/chat/completions`, `/v1/completions`, `/v1/models`, `/health` (process up), `/ready`
-(every model has a ready replica), `/corral/status` (replicas with state and load) and `/admin/routing`
-(policies, replicas with circuit state, recent routing decisions).
+(every model has a ready replica), `/corral/status` (replicas with state and load), `/metrics`
+(Prometheus) and the admin API under `/admin/` (keys, usage, routing state; see admin.py).
 """
 
 from __future__ import annotations
@@ -13,10 +13,15 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import aiohttp
 from aiohttp import web
+from prometheus_client import generate_latest
 
 from corral.config import GatewaySettings
+from corral.gateway.admin import AdminViews
+from corral.gateway.metrics import GatewayMetrics
 from corral.gateway.pipeline import Pipeline
 from corral.gateway.relay import Relay, RelayTimeouts
+from corral.gateway.services import GatewayServices
+from corral.gateway.usage import UsageRecorder
 from corral.protocol import APIError, MethodNotAllowed, NotFound, PayloadTooLarge
 from corral.routing import Router
 
@@ -29,25 +34,41 @@ PIPELINE = web.AppKey("pipeline", Pipeline)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-def build_app(settings: GatewaySettings, router: Router) -> web.Application:
-    """The gateway application over `router`'s replica set."""
+def build_app(settings: GatewaySettings, router: Router, services: GatewayServices) -> web.Application:
+    """The gateway application over `router`'s replica set, with the admission services given."""
     app = web.Application(middlewares=[_error_boundary], client_max_size=settings.max_body_bytes)
     status = _StatusViews(router, started_at=time.time())
+    metrics = GatewayMetrics(router, services.queue.depths)
     app.router.add_get("/health", status.health)
     app.router.add_get("/ready", status.ready)
     app.router.add_get("/v1/models", status.models)
     app.router.add_get("/corral/status", status.replica_status)
-    app.router.add_get("/admin/routing", status.routing)
 
-    async def client_session(app: web.Application) -> AsyncIterator[None]:
+    async def metrics_view(request: web.Request) -> web.Response:
+        return web.Response(
+            body=generate_latest(metrics.registry), content_type="text/plain", charset="utf-8"
+        )
+
+    app.router.add_get("/metrics", metrics_view)
+    AdminViews(services, router).add_routes(app)
+
+    async def lifecycle(app: web.Application) -> AsyncIterator[None]:
         connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=30)
+        usage = UsageRecorder(services.usage_store, services.flush_interval)
         async with aiohttp.ClientSession(connector=connector, auto_decompress=False) as session:
             timeouts = RelayTimeouts(connect=settings.connect_timeout, read=settings.read_timeout)
             relay = Relay(session, router, retries=settings.retries, timeouts=timeouts)
-            app[PIPELINE] = Pipeline(router, relay, settings.max_body_bytes)
-            yield
+            app[PIPELINE] = Pipeline(router, relay, services, usage, metrics, settings.max_body_bytes)
+            services.queue.start()
+            usage.start()
+            try:
+                yield
+            finally:
+                await services.queue.stop()
+                await usage.stop()
+                await services.limiter.close()
 
-    app.cleanup_ctx.append(client_session)
+    app.cleanup_ctx.append(lifecycle)
     app.router.add_post("/v1/chat/completions", _chat_completions)
     app.router.add_post("/v1/completions", _completions)
     return app
@@ -119,15 +140,4 @@ class _StatusViews:
     async def replica_status(self, request: web.Request) -> web.Response:
         return web.json_response(
             {"models": self._replicas.models(), "replicas": [r.snapshot() for r in self._replicas]}
-        )
-
-    async def routing(self, request: web.Request) -> web.Response:
-        """Replicas with load and circuit state, each model's policy, and the latest routing decisions."""
-        policies = {m: self._router.policy_for(m).name for m in self._replicas.models()}
-        return web.json_response(
-            {
-                "policies": policies,
-                "replicas": [r.snapshot() for r in self._replicas],
-                "decisions": list(self._router.decisions)[-50:],
-            }
         )

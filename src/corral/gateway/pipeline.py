@@ -1,20 +1,29 @@
-"""The data plane's request pipeline, composed in one place: parse → route → relay → settle.
+"""The data plane's request pipeline, composed in one place:
 
-Authentication, admission, caching and scheduling slot in between parse and relay (see ARCHITECTURE.md);
-each stage is a small function over the RequestContext.
+    authenticate → parse → authorize model → admit (budget, rate limits) → queue → route+relay → settle
+
+Each stage is a small function over the RequestContext; errors are raised as protocol errors and become
+OpenAI-shaped responses at the app's one boundary. Whatever happens after admission, `settle` runs:
+the reservation is corrected to real usage, and a usage record and metrics are written.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from datetime import UTC, datetime
 
 import orjson
 from aiohttp import web
 
+from corral.admission import Principal, Reservation
 from corral.gateway.context import RequestContext
+from corral.gateway.metrics import GatewayMetrics
 from corral.gateway.relay import Relay
+from corral.gateway.services import GatewayServices
+from corral.gateway.usage import UsageRecorder
 from corral.protocol import (
+    APIError,
     ChatCompletionRequest,
     CompletionRequest,
     ModelNotFound,
@@ -22,6 +31,7 @@ from corral.protocol import (
     parse_body,
 )
 from corral.routing import Router, RouteRequest
+from corral.store import UsageRecord
 
 __all__ = ["Pipeline"]
 
@@ -33,10 +43,21 @@ _DEFAULT_OUTPUT_ESTIMATE = 256  # tokens, when a request sets no max_tokens
 class Pipeline:
     """Handles the generation endpoints; one instance per app, built in the app's assembly."""
 
-    def __init__(self, router: Router, relay: Relay, max_body_bytes: int) -> None:
+    def __init__(
+        self,
+        router: Router,
+        relay: Relay,
+        services: GatewayServices,
+        usage: UsageRecorder,
+        metrics: GatewayMetrics,
+        max_body_bytes: int,
+    ) -> None:
         self._router = router
         self._replicas = router.replicas
         self._relay = relay
+        self._services = services
+        self._usage = usage
+        self._metrics = metrics
         self._max_body = max_body_bytes
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
@@ -48,15 +69,35 @@ class Pipeline:
     async def _handle(
         self, request: web.Request, kind: type[ChatCompletionRequest] | type[CompletionRequest]
     ) -> web.StreamResponse:
+        principal = await self._services.auth.authenticate(request.headers.get("Authorization"))
         ctx = await self.parse(request, kind)
-        response = await self._relay.forward(ctx, request)
-        self.settle(ctx)
-        return response
+        principal.check_model(ctx.model)
+        reservation = await self.admit(ctx, principal)
+        status = 500
+        try:
+            try:
+                wait = await self._services.queue.enter(ctx.model, principal)
+            except APIError as exc:
+                self._metrics.rejections.labels(ctx.model, exc.code or "queue").inc()
+                raise
+            self._metrics.queue_wait.labels(ctx.model).observe(wait)
+            try:
+                response = await self._relay.forward(ctx, request)
+            finally:
+                self._services.queue.done(ctx.model)
+            status = response.status
+            self._metrics.decisions.labels(ctx.model, self._router.policy_for(ctx.model).name).inc()
+            return response
+        except APIError as exc:
+            status = exc.status
+            raise
+        finally:
+            await self.settle(ctx, principal, reservation, status)
 
     async def parse(
         self, request: web.Request, kind: type[ChatCompletionRequest] | type[CompletionRequest]
     ) -> RequestContext:
-        """Read and validate the body; check the model exists; prepare the upstream body."""
+        """Read and validate the body; check the model exists; prepare the upstream body and routing info."""
         if request.content_length is not None and request.content_length > self._max_body:
             raise _too_large(self._max_body)
         try:
@@ -67,9 +108,12 @@ class Pipeline:
         if not self._replicas.has_model(body.model):
             raise ModelNotFound(f"The model '{body.model}' does not exist on this server.", param="model")
         upstream = _with_usage(raw) if body.stream and not body.include_usage else raw
+        max_tokens = (body.max_completion_tokens if isinstance(body, ChatCompletionRequest) else None) or (
+            body.max_tokens or _DEFAULT_OUTPUT_ESTIMATE
+        )
         route = RouteRequest(
             model=body.model,
-            tokens=len(raw) // 4 + (body.max_tokens or _DEFAULT_OUTPUT_ESTIMATE),
+            tokens=int(len(raw) * self._services.tokens_per_byte) + max_tokens * body.n,
             session=request.headers.get("x-session-id") or body.user,
         )
         if getattr(self._router.policy_for(body.model), "needs_prompt", False):
@@ -78,11 +122,63 @@ class Pipeline:
             path=request.path, body=body, upstream_body=upstream, received_at=time.monotonic(), route=route
         )
 
-    @staticmethod
-    def settle(ctx: RequestContext) -> None:
-        """Account for the finished request (usage recording and metrics arrive with admission)."""
-        if ctx.usage is not None and logger.isEnabledFor(logging.DEBUG):
-            logger.debug("request on %s used %s", ctx.replica.id if ctx.replica else "-", ctx.usage)
+    async def admit(self, ctx: RequestContext, principal: Principal) -> Reservation | None:
+        """Reserve the request and its tokens (input estimate + max output) before any work starts."""
+        try:
+            await self._services.budget.check(principal, ctx.route.tokens)
+            return await self._services.limiter.reserve(principal, ctx.route.tokens)
+        except APIError as exc:
+            self._metrics.rejections.labels(ctx.model, exc.code or "rate_limited").inc()
+            self._record(ctx, principal, exc.status)
+            raise
+
+    async def settle(
+        self, ctx: RequestContext, principal: Principal, reservation: Reservation | None, status: int
+    ) -> None:
+        """Correct the reservation to real usage; record usage and metrics."""
+        usage = ctx.usage or {}
+        used = int(usage.get("total_tokens") or 0)
+        if reservation is not None:
+            reached_engine = ctx.replica is not None
+            actual = used if used else (reservation.tokens if reached_engine and status < 500 else 0)
+            try:
+                await self._services.limiter.settle(reservation, actual)
+            except Exception:  # a Redis hiccup must not turn a served answer into an error
+                logger.exception("settling the rate-limit reservation of key %s failed", reservation.key_id)
+        self._services.budget.add(principal, used)
+        self._record(ctx, principal, status)
+
+    def _record(self, ctx: RequestContext, principal: Principal, status: int) -> None:
+        usage = ctx.usage or {}
+        now = time.monotonic()
+        latency = now - ctx.received_at
+        ttft = ctx.first_byte_at - ctx.received_at if ctx.first_byte_at is not None else None
+        input_tokens = int(usage.get("prompt_tokens") or 0)
+        output_tokens = int(usage.get("completion_tokens") or 0)
+        model = ctx.model
+        m = self._metrics
+        m.finished(model, status, latency)
+        if status < 400:
+            m.tokens.labels(model, "input").inc(input_tokens)
+            m.tokens.labels(model, "output").inc(output_tokens)
+        if ttft is not None:
+            m.ttft.labels(model).observe(ttft)
+            if output_tokens > 1:
+                m.itl.labels(model).observe((latency - ttft) / (output_tokens - 1))
+        self._usage.record(
+            UsageRecord(
+                at=datetime.now(UTC),
+                key_id=principal.key_id,
+                tenant=principal.tenant,
+                model=model,
+                input_tokens=input_tokens,
+                output_tokens=output_tokens,
+                ttft_ms=round(ttft * 1000, 2) if ttft is not None else None,
+                latency_ms=round(latency * 1000, 2),
+                status=status,
+                replica=ctx.replica.id if ctx.replica else None,
+            )
+        )
 
 
 def prompt_text(body: ChatCompletionRequest | CompletionRequest) -> str:

@@ -12,8 +12,10 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 import aiohttp
+import orjson
 from aiohttp import web
 
 from corral.gateway.context import RequestContext
@@ -104,16 +106,20 @@ class Relay:
             if upstream.status in _RETRYABLE_STATUS:
                 raise _Retryable(f"engine answered {upstream.status}")
             if not ctx.stream or upstream.status != 200:
-                return await self._whole(replica, upstream)
+                return await self._whole(replica, ctx, upstream)
             return await self._stream(replica, ctx, upstream, request)
 
-    async def _whole(self, replica: Replica, upstream: aiohttp.ClientResponse) -> web.Response:
+    async def _whole(
+        self, replica: Replica, ctx: RequestContext, upstream: aiohttp.ClientResponse
+    ) -> web.Response:
         try:
             body = await upstream.read()
         except TimeoutError as exc:
             raise UpstreamTimeout(f"Replica {replica.id} did not finish its answer in time.") from exc
         except aiohttp.ClientError as exc:
             raise _Retryable(f"{type(exc).__name__}: {exc}") from exc
+        if upstream.status == 200:
+            ctx.usage = _usage_of(body)
         return web.Response(
             body=body,
             status=upstream.status,
@@ -170,3 +176,13 @@ class Relay:
             out = sse.feed(data)
             if out:
                 await response.write(out)
+
+
+def _usage_of(body: bytes) -> dict[str, Any] | None:
+    """The `usage` object of a JSON answer (None if it has none or is not JSON)."""
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    usage = data.get("usage") if isinstance(data, dict) else None
+    return usage if isinstance(usage, dict) else None

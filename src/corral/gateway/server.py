@@ -8,6 +8,7 @@ from aiohttp import web
 
 from corral.config import GatewaySettings
 from corral.gateway.app import build_app
+from corral.gateway.services import GatewayServices
 from corral.routing import Router
 
 __all__ = ["GatewayServer"]
@@ -18,10 +19,10 @@ logger = logging.getLogger(__name__)
 class GatewayServer:
     """The gateway listening on host:port; `stop` drains in-flight requests within the grace period."""
 
-    def __init__(self, settings: GatewaySettings, router: Router) -> None:
+    def __init__(self, settings: GatewaySettings, router: Router, services: GatewayServices) -> None:
         self._settings = settings
         self._runner = web.AppRunner(
-            build_app(settings, router),
+            build_app(settings, router, services),
             handler_cancellation=True,  # a client that disconnects cancels its upstream request
             access_log=None,
             shutdown_timeout=settings.shutdown_grace,

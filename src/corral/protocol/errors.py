@@ -4,17 +4,23 @@ Tree (every error the gateway answers with is one of these)::
 
     APIError                      status, type, code, message, param
     ├── InvalidRequest            400  invalid_request_error   (bad JSON, wrong field, bad value)
+    ├── Unauthorized              401  invalid_request_error   code=invalid_api_key
+    ├── PermissionDenied          403  permission_error        (key not allowed this model / admin API)
     ├── ModelNotFound             404  invalid_request_error   code=model_not_found
     ├── NotFound                  404  invalid_request_error   (unknown path)
     ├── MethodNotAllowed          405  invalid_request_error
     ├── PayloadTooLarge           413  invalid_request_error   code=request_too_large
-    ├── NoCapacity                503  service_unavailable     (no ready replica; carries Retry-After)
+    ├── RateLimited               429  rate_limit_error        code=rate_limit_exceeded | insufficient_quota
+    │                                                          (Retry-After, x-ratelimit-* headers)
+    ├── NoCapacity                503  service_unavailable     (no ready replica, queue full or wait too long;
+    │                                                          carries Retry-After)
     ├── UpstreamError             502  upstream_error          (replica failed before answering)
     └── UpstreamTimeout           504  timeout                 (replica did not answer in time)
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any, ClassVar
 
 import orjson
@@ -27,6 +33,9 @@ __all__ = [
     "NoCapacity",
     "NotFound",
     "PayloadTooLarge",
+    "PermissionDenied",
+    "RateLimited",
+    "Unauthorized",
     "UpstreamError",
     "UpstreamTimeout",
     "error_body",
@@ -47,12 +56,14 @@ class APIError(Exception):
         param: str | None = None,
         code: str | None = None,
         retry_after: float | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
         self.code = code if code is not None else self.default_code
         self.retry_after = retry_after
+        self.extra_headers = headers or {}
 
     def to_dict(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -62,13 +73,31 @@ class APIError(Exception):
 
     def headers(self) -> dict[str, str]:
         if self.retry_after is None:
-            return {}
-        return {"Retry-After": str(max(1, round(self.retry_after)))}
+            return self.extra_headers
+        return {**self.extra_headers, "Retry-After": str(max(1, math.ceil(self.retry_after)))}
 
 
 class InvalidRequest(APIError):
     status = 400
     type = "invalid_request_error"
+
+
+class Unauthorized(APIError):
+    status = 401
+    type = "invalid_request_error"
+    default_code = "invalid_api_key"
+
+
+class PermissionDenied(APIError):
+    status = 403
+    type = "permission_error"
+    default_code = "permission_denied"
+
+
+class RateLimited(APIError):
+    status = 429
+    type = "rate_limit_error"
+    default_code = "rate_limit_exceeded"
 
 
 class ModelNotFound(APIError):

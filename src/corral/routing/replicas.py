@@ -47,6 +47,7 @@ class Replica:
     state: ReplicaState = ReplicaState.STARTING
     outstanding: int = 0
     outstanding_tokens: int = 0
+    capacity: int | None = None  # concurrent sequences the engine runs (slots, max_num_seqs); None: unknown
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
     load: EngineLoad | None = None
     pid: int | None = None
@@ -72,6 +73,7 @@ class Replica:
             "pid": self.pid,
             "restarts": self.restarts,
             "outstanding": self.outstanding,
+            "capacity": self.capacity,
             "outstanding_tokens": self.outstanding_tokens,
             "circuit": str(self.breaker.state),
             "consecutive_failures": self.breaker.consecutive_failures,
@@ -118,6 +120,12 @@ class ReplicaSet:
 
     def ready(self, model: str) -> list[Replica]:
         return [r for r in self._by_model.get(model, ()) if r.state is ReplicaState.READY]
+
+    def retry_after(self, model: str, default: float = 5.0) -> float:
+        """Seconds until the soonest (re)starting replica of `model` is expected to be ready."""
+        now = time.time()
+        etas = [r.ready_eta - now for r in self.of(model) if r.ready_eta is not None]
+        return max(1.0, min(etas)) if etas else default
 
     def __iter__(self) -> Iterator[Replica]:
         for members in self._by_model.values():

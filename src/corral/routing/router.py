@@ -15,8 +15,6 @@ from corral.routing.request import RouteRequest
 
 __all__ = ["Router"]
 
-_DEFAULT_RETRY_AFTER = 5.0
-
 
 class Router:
     """Picks a replica for each request and counts what is outstanding on each."""
@@ -48,7 +46,7 @@ class Router:
         if not candidates:
             raise NoCapacity(
                 f"No ready replica of model '{request.model}' can take the request now.",
-                retry_after=self.retry_after(request.model),
+                retry_after=self.replicas.retry_after(request.model),
             )
         policy = self.policy_for(request.model)
         decision = policy.pick(candidates, request)
@@ -78,9 +76,3 @@ class Router:
             replica.breaker.on_success()
         elif ok is False:
             replica.breaker.on_failure()
-
-    def retry_after(self, model: str) -> float:
-        """Seconds until the soonest replica of `model` is expected to be ready again."""
-        now = time.time()
-        etas = [r.ready_eta - now for r in self.replicas.of(model) if r.ready_eta is not None]
-        return max(1.0, min(etas)) if etas else _DEFAULT_RETRY_AFTER

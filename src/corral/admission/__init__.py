@@ -1,0 +1,18 @@
+"""Admission: who is asking (keys), whether they may now (limits, budgets), and when (the fair queue)."""
+
+from corral.admission.auth import ANONYMOUS, Authenticator, Principal
+from corral.admission.budget import BudgetTracker
+from corral.admission.limits import Limiter, MemoryLimiter, RedisLimiter, Reservation
+from corral.admission.queue import FairQueue
+
+__all__ = [
+    "ANONYMOUS",
+    "Authenticator",
+    "BudgetTracker",
+    "FairQueue",
+    "Limiter",
+    "MemoryLimiter",
+    "Principal",
+    "RedisLimiter",
+    "Reservation",
+]

@@ -1,0 +1,90 @@
+"""Authentication: an API key becomes a principal (tenant, allowed models, limits, priority).
+
+With open access, requests without a key, or with a key corral does not know (clients insist on sending
+one), are served as the anonymous tenant; a revoked key is refused either way. Keys are looked up by their
+SHA-256 hash in the key store, off the event loop, and cached for `ttl`
+seconds (misses too), so the database is never on the hot path; a revoked key stops working within `ttl`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+from corral.protocol import PermissionDenied, Unauthorized
+from corral.store import PRIORITIES, KeyRecord, KeyStore, hash_key
+
+__all__ = ["ANONYMOUS", "Authenticator", "Principal"]
+
+_MAX_CACHED = 100_000
+
+
+@dataclass(frozen=True, slots=True)
+class Principal:
+    """Who is asking, and what they may do."""
+
+    key_id: str | None
+    tenant: str
+    models: frozenset[str] = frozenset()  # empty: every model
+    rpm: int | None = None
+    tpm: int | None = None
+    max_concurrency: int | None = None
+    priority: int = PRIORITIES["normal"]
+    monthly_token_budget: int | None = None
+
+    def check_model(self, model: str) -> None:
+        if self.models and model not in self.models:
+            raise PermissionDenied(
+                f"This API key may not use the model '{model}'.", param="model", code="model_not_allowed"
+            )
+
+    @classmethod
+    def of(cls, record: KeyRecord) -> Principal:
+        return cls(
+            record.id,
+            record.tenant,
+            frozenset(record.models),
+            record.rpm,
+            record.tpm,
+            record.max_concurrency,
+            PRIORITIES.get(record.priority, 1),
+            record.monthly_token_budget,
+        )
+
+
+ANONYMOUS = Principal(key_id=None, tenant="anonymous")
+
+
+class Authenticator:
+    def __init__(self, keys: KeyStore, open_access: bool, ttl: float) -> None:
+        self._keys = keys
+        self._open = open_access
+        self._ttl = ttl
+        self._cache: dict[str, tuple[Principal | None, float]] = {}
+
+    async def authenticate(self, authorization: str | None) -> Principal:
+        if not authorization:
+            if self._open:
+                return ANONYMOUS
+            raise Unauthorized("Missing API key: send it as 'Authorization: Bearer <key>'.")
+        scheme, _, secret = authorization.partition(" ")
+        if scheme.lower() != "bearer" or not secret.strip():
+            raise Unauthorized("Malformed Authorization header: expected 'Bearer <key>'.")
+        key_hash = hash_key(secret.strip())
+        now = time.monotonic()
+        cached = self._cache.get(key_hash)
+        if cached is not None and cached[1] > now:
+            principal = cached[0]
+        else:
+            record = await asyncio.to_thread(self._keys.by_secret_hash, key_hash)
+            if record is None:
+                principal = ANONYMOUS if self._open else None  # open access: any placeholder key will do
+            else:
+                principal = Principal.of(record) if record.active else None
+            if len(self._cache) >= _MAX_CACHED:
+                self._cache.clear()
+            self._cache[key_hash] = (principal, now + self._ttl)
+        if principal is None:
+            raise Unauthorized("Incorrect or revoked API key.")
+        return principal

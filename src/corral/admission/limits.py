@@ -1,0 +1,224 @@
+"""Rate limits that reserve before work starts: RPM, TPM and concurrent requests per API key.
+
+A request reserves its estimated input tokens plus `max_tokens` against the key's TPM at admission; when it
+ends, the reservation is corrected to the real usage. Limits are sliding windows over a log of reservations
+(exact: the tokens admitted in any window never exceed the limit), kept in this process (`MemoryLimiter`)
+or in Redis by atomic Lua scripts (`RedisLimiter`), so they hold across gateway replicas. A refusal carries
+the time until enough of the window expires (Retry-After) and OpenAI-style `x-ratelimit-*` headers.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Protocol
+
+from corral.admission.auth import Principal
+from corral.protocol import RateLimited
+
+__all__ = ["Limiter", "MemoryLimiter", "RedisLimiter", "Reservation"]
+
+
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    key_id: str
+    entry: str
+    tokens: int
+
+
+class Limiter(Protocol):
+    async def reserve(self, principal: Principal, tokens: int) -> Reservation | None:
+        """Reserve a request and `tokens`; None for keys without limits. Raises RateLimited."""
+        ...
+
+    async def settle(self, reservation: Reservation, actual_tokens: int) -> None:
+        """The request ended: release its concurrency slot and correct its tokens."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+def _limited(principal: Principal) -> bool:
+    return bool(principal.key_id and (principal.rpm or principal.tpm or principal.max_concurrency))
+
+
+def _refusal(principal: Principal, what: str, retry_after: float, count: int, tokens: int) -> RateLimited:
+    headers = {}
+    if principal.rpm:
+        headers["x-ratelimit-limit-requests"] = str(principal.rpm)
+        headers["x-ratelimit-remaining-requests"] = str(max(0, principal.rpm - count))
+    if principal.tpm:
+        headers["x-ratelimit-limit-tokens"] = str(principal.tpm)
+        headers["x-ratelimit-remaining-tokens"] = str(max(0, principal.tpm - tokens))
+    reset = f"{max(0.0, retry_after):.3f}s"
+    headers["x-ratelimit-reset-requests" if what == "requests" else "x-ratelimit-reset-tokens"] = reset
+    messages = {
+        "requests": f"Rate limit reached: {principal.rpm} requests per minute for this key.",
+        "tokens": f"Rate limit reached: {principal.tpm} tokens per minute for this key.",
+        "concurrency": f"Too many concurrent requests: at most {principal.max_concurrency} for this key.",
+        "too_large": f"Request too large: it needs more tokens than the key's {principal.tpm} per minute.",
+    }
+    return RateLimited(
+        messages[what], retry_after=max(retry_after, 0.001) if what != "too_large" else None, headers=headers
+    )
+
+
+class _Window:
+    __slots__ = ("entries", "in_flight", "tokens")
+
+    def __init__(self) -> None:
+        self.entries: deque[list[float | str | int]] = deque()  # [at, entry id, tokens]
+        self.tokens = 0
+        self.in_flight = 0
+
+
+class MemoryLimiter:
+    """Limits within one gateway process."""
+
+    def __init__(self, window_s: float = 60.0) -> None:
+        self._window = window_s
+        self._keys: dict[str, _Window] = {}
+        self._ids = itertools.count()
+
+    async def reserve(self, principal: Principal, tokens: int) -> Reservation | None:
+        if not _limited(principal):
+            return None
+        assert principal.key_id is not None
+        now = time.monotonic()
+        w = self._keys.setdefault(principal.key_id, _Window())
+        while w.entries and float(w.entries[0][0]) <= now - self._window:
+            w.tokens -= int(w.entries.popleft()[2])
+        count = len(w.entries)
+        if principal.rpm and count + 1 > principal.rpm:
+            raise _refusal(
+                principal, "requests", float(w.entries[0][0]) + self._window - now, count, w.tokens
+            )
+        if principal.tpm and w.tokens + tokens > principal.tpm:
+            if tokens > principal.tpm:
+                raise _refusal(principal, "too_large", 0, count, w.tokens)
+            need, freed = w.tokens + tokens - principal.tpm, 0
+            for at, _, held in w.entries:
+                freed += int(held)
+                if freed >= need:
+                    raise _refusal(principal, "tokens", float(at) + self._window - now, count, w.tokens)
+        if principal.max_concurrency and w.in_flight + 1 > principal.max_concurrency:
+            raise _refusal(principal, "concurrency", 1.0, count, w.tokens)
+        entry = str(next(self._ids))
+        w.entries.append([now, entry, tokens])
+        w.tokens += tokens
+        w.in_flight += 1
+        return Reservation(principal.key_id, entry, tokens)
+
+    async def settle(self, reservation: Reservation, actual_tokens: int) -> None:
+        w = self._keys.get(reservation.key_id)
+        if w is None:
+            return
+        w.in_flight -= 1
+        for item in reversed(w.entries):  # recent requests end first
+            if item[1] == reservation.entry:
+                w.tokens += actual_tokens - int(item[2])
+                item[2] = actual_tokens
+                break
+
+    async def close(self) -> None:
+        return None
+
+
+_RESERVE = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local window = tonumber(ARGV[1])
+local rpm, tpm, maxc = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
+local tokens, id = tonumber(ARGV[5]), ARGV[6]
+local cutoff = now - window
+local old = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', cutoff)
+local freed = 0
+for _, m in ipairs(old) do freed = freed + tonumber(string.match(m, ':(%-?%d+)$')) end
+if #old > 0 then redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', cutoff) end
+local sum = tonumber(redis.call('HGET', KEYS[2], 'tokens') or '0') - freed
+if sum < 0 then sum = 0 end
+redis.call('HSET', KEYS[2], 'tokens', sum)
+local count = redis.call('ZCARD', KEYS[1])
+local inflight = tonumber(redis.call('HGET', KEYS[2], 'inflight') or '0')
+if rpm > 0 and count + 1 > rpm then
+  local first = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
+  return {0, 'requests', tonumber(first[2]) + window - now, count, sum}
+end
+if tpm > 0 and sum + tokens > tpm then
+  if tokens > tpm then return {0, 'too_large', 0, count, sum} end
+  local entries = redis.call('ZRANGE', KEYS[1], 0, -1, 'WITHSCORES')
+  local need, acc = sum + tokens - tpm, 0
+  for i = 1, #entries, 2 do
+    acc = acc + tonumber(string.match(entries[i], ':(%-?%d+)$'))
+    if acc >= need then return {0, 'tokens', tonumber(entries[i + 1]) + window - now, count, sum} end
+  end
+  return {0, 'tokens', window, count, sum}
+end
+if maxc > 0 and inflight + 1 > maxc then return {0, 'concurrency', 1000, count, sum} end
+redis.call('ZADD', KEYS[1], now, id .. ':' .. tokens)
+redis.call('HINCRBY', KEYS[2], 'tokens', tokens)
+redis.call('HINCRBY', KEYS[2], 'inflight', 1)
+redis.call('PEXPIRE', KEYS[1], window * 10)
+redis.call('PEXPIRE', KEYS[2], window * 10)
+return {1, 'ok', 0, count + 1, sum + tokens}
+"""
+
+_SETTLE = """
+local member = ARGV[1] .. ':' .. ARGV[2]
+local score = redis.call('ZSCORE', KEYS[1], member)
+redis.call('HINCRBY', KEYS[2], 'inflight', -1)
+if score then
+  redis.call('ZREM', KEYS[1], member)
+  redis.call('ZADD', KEYS[1], score, ARGV[1] .. ':' .. ARGV[3])
+  redis.call('HINCRBY', KEYS[2], 'tokens', tonumber(ARGV[3]) - tonumber(ARGV[2]))
+end
+return 1
+"""
+
+
+class RedisLimiter:
+    """Limits shared by every gateway using the same Redis; clock and counting happen inside Redis."""
+
+    def __init__(self, url: str, window_s: float = 60.0, prefix: str = "corral:rl") -> None:
+        import redis.asyncio as aioredis  # optional dependency, only with the redis backend
+
+        self._redis = aioredis.from_url(url, socket_timeout=2.0, socket_connect_timeout=2.0)
+        self._reserve = self._redis.register_script(_RESERVE)
+        self._settle = self._redis.register_script(_SETTLE)
+        self._window_ms = math.ceil(window_s * 1000)
+        self._prefix = prefix
+        self._ids = itertools.count()
+        self._instance = f"{time.time_ns():x}"
+
+    def _keys(self, key_id: str) -> list[str]:
+        return [f"{self._prefix}:{key_id}:log", f"{self._prefix}:{key_id}:sums"]
+
+    async def reserve(self, principal: Principal, tokens: int) -> Reservation | None:
+        if not _limited(principal):
+            return None
+        assert principal.key_id is not None
+        entry = f"{self._instance}.{next(self._ids)}"
+        args: list[int | str] = [
+            self._window_ms,
+            principal.rpm or 0,
+            principal.tpm or 0,
+            principal.max_concurrency or 0,
+            tokens,
+            entry,
+        ]
+        ok, what, retry_ms, count, held = await self._reserve(keys=self._keys(principal.key_id), args=args)
+        if not ok:
+            what = what.decode() if isinstance(what, bytes) else what
+            raise _refusal(principal, what, int(retry_ms) / 1000, int(count), int(held))
+        return Reservation(principal.key_id, entry, tokens)
+
+    async def settle(self, reservation: Reservation, actual_tokens: int) -> None:
+        await self._settle(
+            keys=self._keys(reservation.key_id), args=[reservation.entry, reservation.tokens, actual_tokens]
+        )
+
+    async def close(self) -> None:
+        await self._redis.aclose()

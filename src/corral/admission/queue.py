@@ -1,0 +1,178 @@
+"""The waiting room: per model, a bounded queue that lets a request through only when a replica has a free
+slot (engine slots or `max_num_seqs`), ordered by priority class and fair between tenants.
+
+Within a priority class tenants take turns (round robin over per-tenant FIFO queues), so one tenant's
+burst cannot starve another's trickle. A full queue refuses at once; a request that cannot start before
+its deadline leaves the queue; both get 503 with a Retry-After derived from the measured drain rate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+
+from corral.admission.auth import Principal
+from corral.protocol import NoCapacity
+from corral.routing import ReplicaSet
+
+__all__ = ["FairQueue"]
+
+_TICK_S = 0.25  # re-check capacity this often (replicas come and go)
+_RATE_WINDOW_S = 30.0
+
+
+@dataclass(eq=False)
+class _Waiter:
+    tenant: str
+    priority: int
+    future: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+
+
+class _ModelQueue:
+    def __init__(self) -> None:
+        self.classes: dict[int, OrderedDict[str, deque[_Waiter]]] = {}
+        self.size = 0
+        self.granted = 0  # slots handed to woken waiters that have not reached a replica yet
+        self.finished: deque[float] = deque()
+
+    def push(self, waiter: _Waiter) -> None:
+        tenants = self.classes.setdefault(waiter.priority, OrderedDict())
+        tenants.setdefault(waiter.tenant, deque()).append(waiter)
+        self.size += 1
+
+    def pop(self) -> _Waiter | None:
+        for priority in sorted(self.classes):
+            tenants = self.classes[priority]
+            while tenants:
+                tenant, waiters = next(iter(tenants.items()))
+                waiter = waiters.popleft()
+                if waiters:
+                    tenants.move_to_end(tenant)  # the next tenant's turn
+                else:
+                    del tenants[tenant]
+                self.size -= 1
+                return waiter
+        return None
+
+    def remove(self, waiter: _Waiter) -> None:
+        tenants = self.classes.get(waiter.priority)
+        waiters = tenants.get(waiter.tenant) if tenants is not None else None
+        if waiters is not None and waiter in waiters:
+            waiters.remove(waiter)
+            self.size -= 1
+            if not waiters:
+                del self.classes[waiter.priority][waiter.tenant]
+
+    def drain_rate(self) -> float:
+        now = time.monotonic()
+        while self.finished and self.finished[0] < now - _RATE_WINDOW_S:
+            self.finished.popleft()
+        if len(self.finished) < 2:
+            return 0.0
+        return len(self.finished) / max(now - self.finished[0], 1e-3)
+
+
+class FairQueue:
+    """Admits requests into replicas' free slots; one instance per gateway."""
+
+    def __init__(self, replicas: ReplicaSet, max_queued: int, timeout: float) -> None:
+        self._replicas = replicas
+        self._max = max_queued
+        self._timeout = timeout
+        self._queues: dict[str, _ModelQueue] = {}
+        self._ticker: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._ticker = asyncio.create_task(self._tick(), name="queue-ticker")
+
+    async def stop(self) -> None:
+        if self._ticker is not None:
+            self._ticker.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._ticker
+
+    def depth(self, model: str) -> int:
+        queue = self._queues.get(model)
+        return queue.size if queue else 0
+
+    def depths(self) -> dict[str, int]:
+        return {model: queue.size for model, queue in self._queues.items()}
+
+    async def enter(self, model: str, principal: Principal) -> float:
+        """Wait for a free slot; seconds waited. Raises NoCapacity when full or too late."""
+        queue = self._queues.setdefault(model, _ModelQueue())
+        if not self._replicas.ready(model):
+            raise NoCapacity(
+                f"No replica of model '{model}' is ready.",
+                code="no_ready_replica",
+                retry_after=self._replicas.retry_after(model),
+            )
+        if queue.size == 0 and self._free_slots(model, queue) > 0:
+            return 0.0
+        if queue.size >= self._max:
+            raise NoCapacity(
+                f"The queue for model '{model}' is full.",
+                code="queue_full",
+                retry_after=self._retry_after(queue, queue.size),
+            )
+        waiter = _Waiter(principal.tenant, principal.priority)
+        queue.push(waiter)
+        started = time.monotonic()
+        try:
+            await asyncio.wait_for(asyncio.shield(waiter.future), self._timeout)
+        except TimeoutError:
+            queue.remove(waiter)
+            if waiter.future.done():  # granted just as the deadline passed: hand the slot on
+                queue.granted -= 1
+                self._wake(model, queue)
+            raise NoCapacity(
+                f"No replica of model '{model}' could take the request within {self._timeout:g}s.",
+                code="queue_timeout",
+                retry_after=self._retry_after(queue, queue.size),
+            ) from None
+        except asyncio.CancelledError:
+            queue.remove(waiter)
+            if waiter.future.done():
+                queue.granted -= 1
+                self._wake(model, queue)
+            raise
+        queue.granted -= 1
+        return time.monotonic() - started
+
+    def done(self, model: str) -> None:
+        """A request of `model` left its replica: a slot is free."""
+        queue = self._queues.get(model)
+        if queue is not None:
+            queue.finished.append(time.monotonic())
+            self._wake(model, queue)
+
+    def _free_slots(self, model: str, queue: _ModelQueue) -> int:
+        free = 0
+        for replica in self._replicas.ready(model):
+            if replica.capacity is None:
+                return 1 << 30
+            free += max(0, replica.capacity - replica.outstanding)
+        return free - queue.granted
+
+    def _wake(self, model: str, queue: _ModelQueue) -> None:
+        free = self._free_slots(model, queue)
+        while free > 0 and (waiter := queue.pop()) is not None:
+            if waiter.future.done():
+                continue
+            waiter.future.set_result(None)
+            queue.granted += 1
+            free -= 1
+
+    def _retry_after(self, queue: _ModelQueue, ahead: int) -> float:
+        rate = queue.drain_rate()
+        return (ahead + 1) / rate if rate > 0 else self._timeout
+
+    async def _tick(self) -> None:
+        while True:
+            await asyncio.sleep(_TICK_S)
+            for model, queue in self._queues.items():
+                if queue.size:
+                    self._wake(model, queue)

@@ -1,0 +1,110 @@
+"""The admin HTTP API: keys, usage, routing state. Protected by the admin key (Bearer).
+
+Without an admin key configured, the admin API is open only when the gateway itself runs open (a laptop);
+otherwise it answers 403.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+from typing import Any
+
+from aiohttp import web
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from corral.gateway.services import GatewayServices
+from corral.protocol import InvalidRequest, NotFound, PermissionDenied, Unauthorized
+from corral.routing import Router
+
+__all__ = ["AdminViews"]
+
+
+class _NewKey(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    tenant: str = Field(min_length=1, max_length=128)
+    name: str = ""
+    models: list[str] = Field(default_factory=list)
+    rpm: int | None = Field(default=None, ge=1)
+    tpm: int | None = Field(default=None, ge=1)
+    max_concurrency: int | None = Field(default=None, ge=1)
+    priority: str = Field(default="normal", pattern="^(high|normal|low)$")
+    monthly_token_budget: int | None = Field(default=None, ge=1)
+
+
+class AdminViews:
+    def __init__(self, services: GatewayServices, router: Router) -> None:
+        self._services = services
+        self._router = router
+
+    def add_routes(self, app: web.Application) -> None:
+        app.router.add_get("/admin/keys", self.list_keys)
+        app.router.add_post("/admin/keys", self.create_key)
+        app.router.add_get("/admin/keys/{key_id}", self.show_key)
+        app.router.add_delete("/admin/keys/{key_id}", self.revoke_key)
+        app.router.add_get("/admin/usage", self.usage)
+        app.router.add_get("/admin/routing", self.routing)
+
+    def _check(self, request: web.Request) -> None:
+        expected = self._services.admin_key
+        if expected is None:
+            if self._services.open_access:
+                return
+            raise PermissionDenied("The admin API is disabled: set CORRAL_ADMIN_KEY (or auth.admin_key).")
+        scheme, _, given = (request.headers.get("Authorization") or "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), expected.encode()):
+            raise Unauthorized("The admin API needs 'Authorization: Bearer <admin key>'.")
+
+    async def list_keys(self, request: web.Request) -> web.Response:
+        self._check(request)
+        revoked = request.query.get("include_revoked") in {"1", "true"}
+        keys = await asyncio.to_thread(self._services.keys.list, revoked)
+        return web.json_response({"keys": [k.to_dict() for k in keys]})
+
+    async def create_key(self, request: web.Request) -> web.Response:
+        self._check(request)
+        try:
+            spec = _NewKey.model_validate_json(await request.read())
+        except ValidationError as exc:
+            err = exc.errors(include_url=False)[0]
+            param = ".".join(str(p) for p in err["loc"]) or None
+            raise InvalidRequest(f"Invalid value for '{param}': {err['msg']}.", param=param) from exc
+        secret, record = await asyncio.to_thread(lambda: self._services.keys.create(**spec.model_dump()))
+        return web.json_response({"key": secret, **record.to_dict()}, status=201)
+
+    async def show_key(self, request: web.Request) -> web.Response:
+        self._check(request)
+        record = await asyncio.to_thread(self._services.keys.get, request.match_info["key_id"])
+        if record is None:
+            raise NotFound(f"No key with id {request.match_info['key_id']}.")
+        return web.json_response(record.to_dict())
+
+    async def revoke_key(self, request: web.Request) -> web.Response:
+        self._check(request)
+        record = await asyncio.to_thread(self._services.keys.revoke, request.match_info["key_id"])
+        if record is None:
+            raise NotFound(f"No key with id {request.match_info['key_id']}.")
+        return web.json_response(record.to_dict())
+
+    async def usage(self, request: web.Request) -> web.Response:
+        self._check(request)
+        by = request.query.get("by", "key")
+        try:
+            rows = await asyncio.to_thread(self._services.usage_store.report, by)
+        except ValueError as exc:
+            raise InvalidRequest(str(exc), param="by") from exc
+        return web.json_response({"by": by, "rows": rows})
+
+    async def routing(self, request: web.Request) -> web.Response:
+        """Replicas with load and circuit state, each model's policy, and the latest routing decisions."""
+        self._check(request)
+        replicas = self._router.replicas
+        policies = {m: self._router.policy_for(m).name for m in replicas.models()}
+        body: dict[str, Any] = {
+            "policies": policies,
+            "queues": self._services.queue.depths(),
+            "replicas": [r.snapshot() for r in replicas],
+            "decisions": list(self._router.decisions)[-50:],
+        }
+        return web.json_response(body)

@@ -1,0 +1,111 @@
+"""The gateway's Prometheus metrics (`corral_` names), served at /metrics.
+
+Per-request figures are counted as requests end; replica and queue state is read at scrape time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from corral.routing import CircuitState, Router
+
+__all__ = ["GatewayMetrics"]
+
+_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_TOKEN_LATENCY = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1.0)
+_CIRCUIT = {CircuitState.CLOSED: 0, CircuitState.HALF_OPEN: 1, CircuitState.OPEN: 2}
+
+
+class GatewayMetrics:
+    def __init__(self, router: Router, queue_depths: Callable[[], dict[str, int]]) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "corral_requests", "Requests finished, by model and HTTP status.", ["model", "status"], registry=r
+        )
+        self.e2e = Histogram(
+            "corral_request_duration_seconds",
+            "End-to-end request latency.",
+            ["model"],
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "corral_time_to_first_token_seconds",
+            "Time to first token (streams).",
+            ["model"],
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "corral_inter_token_latency_seconds",
+            "Mean time between output tokens of a stream (one observation per request).",
+            ["model"],
+            buckets=_TOKEN_LATENCY,
+            registry=r,
+        )
+        self.tokens = Counter(
+            "corral_tokens",
+            "Tokens processed, by model and kind (input, output).",
+            ["model", "kind"],
+            registry=r,
+        )
+        self.queue_wait = Histogram(
+            "corral_queue_wait_seconds",
+            "Time requests waited for a replica slot.",
+            ["model"],
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.rejections = Counter(
+            "corral_rejections", "Requests refused, by reason.", ["model", "reason"], registry=r
+        )
+        self.decisions = Counter(
+            "corral_routing_decisions", "Routing decisions, by policy.", ["model", "policy"], registry=r
+        )
+        r.register(_StateCollector(router, queue_depths))
+        self._children: dict[tuple[str, ...], object] = {}
+
+    def finished(self, model: str, status: int, seconds: float) -> None:
+        key = ("done", model, str(status))
+        counter = self._children.get(key)
+        if counter is None:
+            counter = self._children[key] = self.requests.labels(model, str(status))
+        counter.inc()  # type: ignore[attr-defined]
+        self.e2e.labels(model).observe(seconds)
+
+
+class _StateCollector(Collector):
+    """Replica and queue gauges, read when Prometheus scrapes."""
+
+    def __init__(self, router: Router, queue_depths: Callable[[], dict[str, int]]) -> None:
+        self._router = router
+        self._queue_depths = queue_depths
+
+    def collect(self) -> Iterator[Metric]:
+        outstanding = GaugeMetricFamily(
+            "corral_replica_outstanding", "Requests in flight per replica.", labels=["model", "replica"]
+        )
+        ready = GaugeMetricFamily(
+            "corral_replica_ready", "1 when the replica takes traffic.", labels=["model", "replica"]
+        )
+        circuit = GaugeMetricFamily(
+            "corral_circuit_state",
+            "Circuit breaker: 0 closed, 1 half-open, 2 open.",
+            labels=["model", "replica"],
+        )
+        for replica in self._router.replicas:
+            labels = [replica.model, replica.id]
+            outstanding.add_metric(labels, replica.outstanding)
+            ready.add_metric(labels, 1.0 if replica.ready else 0.0)
+            circuit.add_metric(labels, _CIRCUIT[replica.breaker.state])
+        depth = GaugeMetricFamily(
+            "corral_queue_depth", "Requests waiting for a replica slot.", labels=["model"]
+        )
+        for model, size in self._queue_depths().items():
+            depth.add_metric([model], size)
+        yield from (outstanding, ready, circuit, depth)

@@ -1,0 +1,57 @@
+"""The long-lived parts the gateway's stages use, built once from configuration and passed in."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from corral.admission import Authenticator, BudgetTracker, FairQueue, Limiter, MemoryLimiter, RedisLimiter
+from corral.config import AuthSettings, LimitsSettings, QueueSettings, StoreSettings
+from corral.routing import ReplicaSet
+from corral.store import KeyStore, UsageStore, open_database
+
+__all__ = ["GatewayServices"]
+
+
+@dataclass
+class GatewayServices:
+    keys: KeyStore
+    usage_store: UsageStore
+    auth: Authenticator
+    limiter: Limiter
+    budget: BudgetTracker
+    queue: FairQueue
+    admin_key: str | None
+    open_access: bool
+    tokens_per_byte: float
+    flush_interval: float
+
+    @classmethod
+    def build(
+        cls,
+        replicas: ReplicaSet,
+        database_url: str,
+        auth: AuthSettings,
+        store: StoreSettings,
+        limits: LimitsSettings,
+        queue: QueueSettings,
+        admin_key: str | None,
+    ) -> GatewayServices:
+        engine = open_database(store.url or database_url)
+        keys, usage = KeyStore(engine), UsageStore(engine)
+        limiter: Limiter = (
+            RedisLimiter(limits.redis_url, limits.window_s)
+            if limits.backend == "redis"
+            else MemoryLimiter(limits.window_s)
+        )
+        return cls(
+            keys=keys,
+            usage_store=usage,
+            auth=Authenticator(keys, open_access=auth.open, ttl=auth.cache_ttl),
+            limiter=limiter,
+            budget=BudgetTracker(usage),
+            queue=FairQueue(replicas, queue.max_queued, queue.timeout),
+            admin_key=admin_key,
+            open_access=auth.open,
+            tokens_per_byte=limits.tokens_per_char,
+            flush_interval=store.flush_interval,
+        )

@@ -1,0 +1,51 @@
+"""Tables: API keys (stored hashed) and usage records."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from sqlalchemy import JSON, BigInteger, DateTime, Float, Index, Integer, String
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+__all__ = ["ApiKeyRow", "Base", "UsageRow"]
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class ApiKeyRow(Base):
+    __tablename__ = "corral_api_keys"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    key_hash: Mapped[str] = mapped_column(String(64), unique=True, index=True)
+    prefix: Mapped[str] = mapped_column(String(24))
+    tenant: Mapped[str] = mapped_column(String(128), index=True)
+    name: Mapped[str] = mapped_column(String(128), default="")
+    models: Mapped[list[str]] = mapped_column(JSON, default=list)
+    rpm: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    tpm: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    max_concurrency: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    priority: Mapped[str] = mapped_column(String(16), default="normal")
+    monthly_token_budget: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+
+
+class UsageRow(Base):
+    __tablename__ = "corral_usage"
+    __table_args__ = (Index("ix_corral_usage_key_at", "key_id", "at"),)
+
+    id: Mapped[int] = mapped_column(
+        BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True
+    )
+    at: Mapped[datetime] = mapped_column(DateTime(timezone=True), index=True)
+    key_id: Mapped[str | None] = mapped_column(String(32), nullable=True)
+    tenant: Mapped[str | None] = mapped_column(String(128), nullable=True)
+    model: Mapped[str] = mapped_column(String(128))
+    input_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    output_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    ttft_ms: Mapped[float | None] = mapped_column(Float, nullable=True)
+    latency_ms: Mapped[float] = mapped_column(Float)
+    status: Mapped[int] = mapped_column(Integer)
+    replica: Mapped[str | None] = mapped_column(String(128), nullable=True)
