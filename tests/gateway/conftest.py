@@ -22,6 +22,7 @@ class ScriptedUpstream:
 
     mode: str = "ok"
     chunks: int = 4
+    delay: float = 0.0  # seconds a non-streaming answer takes
     bodies: list[dict] = field(default_factory=list)
     cancelled: int = 0
     url: str = ""
@@ -63,6 +64,7 @@ class ScriptedUpstream:
                 self.cancelled += 1
                 raise
         if not body.get("stream"):
+            await asyncio.sleep(self.delay)
             return web.json_response(_completion(self.chunks))
         return await self._stream(request, body)
 

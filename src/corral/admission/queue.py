@@ -1,8 +1,9 @@
 """The waiting room: per model, a bounded queue that lets a request through only when a replica has a free
 slot (engine slots or `max_num_seqs`), ordered by priority class and fair between tenants.
 
-Within a priority class tenants take turns (round robin over per-tenant FIFO queues), so one tenant's
-burst cannot starve another's trickle. A full queue refuses at once; a request that cannot start before
+Within a priority class, the tenant served least recently goes next (per-tenant FIFO queues), so one
+tenant's burst cannot starve another's trickle: a request of a tenant with nothing running waits at most for
+the slots already taken. A full queue refuses at once; a request that cannot start before
 its deadline leaves the queue; both get 503 with a Retry-After derived from the measured drain rate.
 """
 
@@ -11,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from dataclasses import dataclass, field
 
 from corral.admission.auth import Principal
@@ -33,29 +34,39 @@ class _Waiter:
 
 class _ModelQueue:
     def __init__(self) -> None:
-        self.classes: dict[int, OrderedDict[str, deque[_Waiter]]] = {}
+        self.classes: dict[int, dict[str, deque[_Waiter]]] = {}
+        self.last_served: dict[str, int] = {}
+        self.turns = 0
         self.size = 0
         self.granted = 0  # slots handed to woken waiters that have not reached a replica yet
         self.finished: deque[float] = deque()
 
     def push(self, waiter: _Waiter) -> None:
-        tenants = self.classes.setdefault(waiter.priority, OrderedDict())
+        tenants = self.classes.setdefault(waiter.priority, {})
         tenants.setdefault(waiter.tenant, deque()).append(waiter)
         self.size += 1
 
     def pop(self) -> _Waiter | None:
         for priority in sorted(self.classes):
             tenants = self.classes[priority]
-            while tenants:
-                tenant, waiters = next(iter(tenants.items()))
-                waiter = waiters.popleft()
-                if waiters:
-                    tenants.move_to_end(tenant)  # the next tenant's turn
-                else:
-                    del tenants[tenant]
-                self.size -= 1
-                return waiter
+            if not tenants:
+                continue
+            tenant = min(tenants, key=lambda t: self.last_served.get(t, -1))
+            waiters = tenants[tenant]
+            waiter = waiters.popleft()
+            if not waiters:
+                del tenants[tenant]
+            self.served(tenant)
+            self.size -= 1
+            return waiter
         return None
+
+    def served(self, tenant: str) -> None:
+        self.turns += 1
+        self.last_served[tenant] = self.turns
+        if len(self.last_served) > 100_000:  # forget long-idle tenants
+            waiting = {t for tenants in self.classes.values() for t in tenants}
+            self.last_served = {t: n for t, n in self.last_served.items() if t in waiting}
 
     def remove(self, waiter: _Waiter) -> None:
         tenants = self.classes.get(waiter.priority)
@@ -111,6 +122,7 @@ class FairQueue:
                 retry_after=self._replicas.retry_after(model),
             )
         if queue.size == 0 and self._free_slots(model, queue) > 0:
+            queue.served(principal.tenant)
             return 0.0
         if queue.size >= self._max:
             raise NoCapacity(

@@ -3,6 +3,7 @@
 Each command module registers itself on the shared typer app; nothing else imports this package.
 """
 
+from corral.cli import keys as _keys
 from corral.cli import plan as _plan
 from corral.cli import sim as _sim
 from corral.cli import up as _up
@@ -10,7 +11,7 @@ from corral.cli.app import app
 
 __all__ = ["app", "main"]
 
-_COMMANDS = (_up, _plan, _sim)
+_COMMANDS = (_up, _keys, _plan, _sim)
 
 
 def main() -> None:

@@ -1,0 +1,242 @@
+"""Keys, limits, queueing, usage and metrics through a real gateway on 127.0.0.1."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import subprocess
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aiohttp
+import openai
+import pytest
+
+from corral.config import AuthSettings, GatewaySettings, QueueSettings
+from corral.gateway import GatewayServer, GatewayServices
+from corral.routing import Replica, ReplicaSet, ReplicaState, Router
+
+from ..conftest import CORRAL
+from ..gateway.conftest import ScriptedUpstream, make_services
+
+ADMIN = "admin-secret"
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+class Cluster:
+    def __init__(self, url: str, services: GatewayServices, replicas: ReplicaSet, database: Path) -> None:
+        self.url, self.services, self.replicas, self.database = url, services, replicas, database
+
+    def client(self, key: str) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0)
+
+    async def admin(
+        self, method: str, path: str, body: dict | None = None, key: str = ADMIN
+    ) -> tuple[int, dict]:
+        async with (
+            aiohttp.ClientSession() as session,
+            session.request(
+                method, self.url + path, json=body, headers={"Authorization": f"Bearer {key}"}
+            ) as response,
+        ):
+            return response.status, await response.json()
+
+
+async def start(
+    tmp_path: Path,
+    upstream: ScriptedUpstream,
+    capacity: int | None = None,
+    queue: QueueSettings | None = None,
+) -> tuple[GatewayServer, Cluster]:
+    replicas = ReplicaSet(["m"])
+    replicas.add(
+        Replica(
+            id="m-0", model="m", engine="x", url=upstream.url, state=ReplicaState.READY, capacity=capacity
+        )
+    )
+    database = tmp_path / "corral.db"
+    services = make_services(
+        replicas, database, auth=AuthSettings(open=False, cache_ttl=0.5), queue=queue, admin_key=ADMIN
+    )
+    server = GatewayServer(GatewaySettings(port=0), Router(replicas, default_policy="round_robin"), services)
+    await server.start()
+    return server, Cluster(f"http://127.0.0.1:{server.port}", services, replicas, database)
+
+
+@pytest.fixture
+async def closed(tmp_path: Path, upstream: ScriptedUpstream) -> AsyncIterator[Cluster]:
+    server, cluster = await start(tmp_path, upstream)
+    yield cluster
+    await server.stop()
+
+
+async def test_requests_need_a_valid_key(closed: Cluster) -> None:
+    with pytest.raises(openai.AuthenticationError):
+        await closed.client("sk-corral-made-up").chat.completions.create(model="m", messages=MESSAGES)
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(
+            closed.url + "/v1/chat/completions", json={"model": "m", "messages": MESSAGES}
+        ) as response,
+    ):
+        assert response.status == 401 and "Missing API key" in (await response.json())["error"]["message"]
+    status, made = await closed.admin("POST", "/admin/keys", {"tenant": "acme"})
+    assert status == 201 and made["key"].startswith("sk-corral-") and made["tenant"] == "acme"
+    reply = await closed.client(made["key"]).chat.completions.create(model="m", messages=MESSAGES)
+    assert reply.choices[0].message.content
+
+
+async def test_admin_api_needs_the_admin_key(closed: Cluster) -> None:
+    status, body = await closed.admin("GET", "/admin/keys", key="wrong")
+    assert status == 401 and body["error"]["code"] == "invalid_api_key"
+    status, body = await closed.admin("POST", "/admin/keys", {"tenant": "x", "priority": "urgent"})
+    assert status == 400 and body["error"]["param"] == "priority"
+
+
+async def test_key_limited_to_some_models_gets_403_elsewhere(closed: Cluster) -> None:
+    _, made = await closed.admin("POST", "/admin/keys", {"tenant": "acme", "models": ["other"]})
+    with pytest.raises(openai.PermissionDeniedError, match="may not use the model 'm'"):
+        await closed.client(made["key"]).chat.completions.create(model="m", messages=MESSAGES)
+
+
+async def test_revoked_key_stops_working_within_the_cache_ttl(closed: Cluster) -> None:
+    _, made = await closed.admin("POST", "/admin/keys", {"tenant": "acme"})
+    client = closed.client(made["key"])
+    await client.chat.completions.create(model="m", messages=MESSAGES)  # now cached
+    status, _ = await closed.admin("DELETE", f"/admin/keys/{made['id']}")
+    assert status == 200
+    revoked_at = time.monotonic()
+    while True:
+        try:
+            await client.chat.completions.create(model="m", messages=MESSAGES)
+        except openai.AuthenticationError:
+            break
+        await asyncio.sleep(0.05)
+    assert time.monotonic() - revoked_at <= 0.5 + 0.2  # auth.cache_ttl
+
+
+async def test_rate_limited_key_gets_429_with_headers(closed: Cluster) -> None:
+    _, made = await closed.admin("POST", "/admin/keys", {"tenant": "acme", "rpm": 2})
+    async with aiohttp.ClientSession() as session:
+        statuses, last = [], None
+        for _ in range(3):
+            async with session.post(
+                closed.url + "/v1/chat/completions",
+                json={"model": "m", "messages": MESSAGES},
+                headers={"Authorization": f"Bearer {made['key']}"},
+            ) as response:
+                statuses.append(response.status)
+                last = (dict(response.headers), await response.json())
+    assert statuses == [200, 200, 429]
+    headers, body = last
+    assert body["error"]["type"] == "rate_limit_error"
+    assert 1 <= int(headers["Retry-After"]) <= 60
+    assert headers["x-ratelimit-limit-requests"] == "2" and headers["x-ratelimit-remaining-requests"] == "0"
+
+
+async def test_usage_is_recorded_and_reported(closed: Cluster) -> None:
+    _, made = await closed.admin("POST", "/admin/keys", {"tenant": "globex"})
+    client = closed.client(made["key"])
+    for _ in range(3):
+        await client.chat.completions.create(model="m", messages=MESSAGES)
+    stream = await client.chat.completions.create(model="m", messages=MESSAGES, stream=True)
+    async for _ in stream:
+        pass
+    await asyncio.sleep(0.4)  # store.flush_interval is 0.1 s in tests
+    _, report = await closed.admin("GET", "/admin/usage?by=key")
+    row = next(r for r in report["rows"] if r["key"] == made["id"])
+    assert row["requests"] == 4 and row["output_tokens"] == 16 and row["input_tokens"] == 20
+    shown = await asyncio.to_thread(
+        subprocess.run,
+        [*CORRAL, "usage", "--by", "tenant", "--json", "--store", f"sqlite:///{closed.database}"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert any(r["tenant"] == "globex" and r["requests"] == 4 for r in json.loads(shown.stdout))
+
+
+async def test_metrics_endpoint(closed: Cluster) -> None:
+    _, made = await closed.admin("POST", "/admin/keys", {"tenant": "acme"})
+    await closed.client(made["key"]).chat.completions.create(model="m", messages=MESSAGES)
+    async with aiohttp.ClientSession() as session, session.get(closed.url + "/metrics") as response:
+        text = await response.text()
+    assert 'corral_requests_total{model="m",status="200"} 1.0' in text
+    assert 'corral_tokens_total{kind="output",model="m"} 4.0' in text
+    for name in (
+        "corral_request_duration_seconds_bucket",
+        "corral_queue_depth",
+        "corral_replica_outstanding",
+        "corral_circuit_state",
+        "corral_routing_decisions_total",
+        "corral_queue_wait_seconds_count",
+    ):
+        assert name in text
+
+
+async def test_flooding_tenant_does_not_starve_a_trickle(tmp_path: Path) -> None:
+    """Tenant A floods 20 requests at once; tenant B sends one every 0.5 s. Each request holds the single
+    slot for 0.25 s. First-come-first-served would make B wait behind all of A (~5 s); fair turns bound B's
+    wait to about two service times (the one running, then B's own)."""
+    slow = ScriptedUpstream(delay=0.25)
+    await slow.start()
+    server, cluster = await start(tmp_path, slow, capacity=1, queue=QueueSettings(max_queued=100, timeout=30))
+    try:
+        _, a = await cluster.admin("POST", "/admin/keys", {"tenant": "a"})
+        _, b = await cluster.admin("POST", "/admin/keys", {"tenant": "b"})
+        client_a, client_b = cluster.client(a["key"]), cluster.client(b["key"])
+        await client_b.chat.completions.create(model="m", messages=MESSAGES)  # warm the key cache
+        waits: list[float] = []
+
+        async def call_b() -> None:
+            started = time.monotonic()
+            await client_b.chat.completions.create(model="m", messages=MESSAGES)
+            waits.append(time.monotonic() - started)
+
+        flood = [
+            asyncio.create_task(client_a.chat.completions.create(model="m", messages=MESSAGES))
+            for _ in range(20)
+        ]
+        await asyncio.sleep(0.1)
+        trickle = []
+        for _ in range(6):
+            trickle.append(asyncio.create_task(call_b()))
+            await asyncio.sleep(0.5)
+        await asyncio.gather(*trickle, *flood)
+        waits.sort()
+        p95 = waits[int(0.95 * (len(waits) - 1))]
+        assert p95 <= 2 * 0.25 + 0.15, waits
+        assert statistics.median(waits) < 0.6
+    finally:
+        await server.stop()
+        await slow.stop()
+
+
+async def test_full_queue_and_deadline_give_503_with_retry_after(tmp_path: Path) -> None:
+    hang = ScriptedUpstream(mode="hang")
+    await hang.start()
+    server, cluster = await start(tmp_path, hang, capacity=1, queue=QueueSettings(max_queued=1, timeout=0.3))
+    try:
+        _, made = await cluster.admin("POST", "/admin/keys", {"tenant": "a"})
+        headers = {"Authorization": f"Bearer {made['key']}"}
+        body = {"model": "m", "messages": MESSAGES}
+        async with aiohttp.ClientSession() as session:
+            holder = asyncio.create_task(
+                session.post(cluster.url + "/v1/chat/completions", json=body, headers=headers)
+            )
+            await asyncio.sleep(0.1)
+            waiter = asyncio.create_task(
+                session.post(cluster.url + "/v1/chat/completions", json=body, headers=headers)
+            )
+            await asyncio.sleep(0.05)
+            async with session.post(cluster.url + "/v1/chat/completions", json=body, headers=headers) as full:
+                assert full.status == 503 and (await full.json())["error"]["code"] == "queue_full"
+                assert int(full.headers["Retry-After"]) >= 1
+            late = await waiter
+            assert late.status == 503 and (await late.json())["error"]["code"] == "queue_timeout"
+            holder.cancel()
+    finally:
+        await server.stop()
+        await hang.stop()

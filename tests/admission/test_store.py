@@ -1,0 +1,78 @@
+"""The key and usage store on SQLite and on PostgreSQL (the real server on 127.0.0.1:5432)."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+from sqlalchemy import Engine, text
+
+from corral.store import KeyStore, UsageRecord, UsageStore, hash_key, open_database
+
+POSTGRES = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def engine(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Engine]:
+    url = f"sqlite:///{tmp_path / 'corral.db'}" if request.param == "sqlite" else POSTGRES
+    db = open_database(url)
+    yield db
+    db.dispose()
+
+
+def test_keys_are_stored_hashed_and_found_by_hash(engine: Engine) -> None:
+    keys = KeyStore(engine)
+    tenant = f"acme-{uuid.uuid4().hex[:8]}"
+    secret, record = keys.create(
+        tenant,
+        models=["m"],
+        rpm=60,
+        tpm=10_000,
+        max_concurrency=4,
+        priority="high",
+        monthly_token_budget=1_000_000,
+    )
+    assert secret.startswith("sk-corral-") and len(secret) > 40
+    with engine.connect() as conn:
+        stored = conn.execute(
+            text("SELECT key_hash, prefix FROM corral_api_keys WHERE id = :id"), {"id": record.id}
+        ).one()
+    assert stored.key_hash == hash_key(secret) and secret not in stored.key_hash
+    assert len(stored.prefix) < 20  # only a short prefix is kept, for people to recognise the key
+    found = keys.by_secret_hash(hash_key(secret))
+    assert (
+        found is not None and found.tenant == tenant and found.models == ("m",) and found.priority == "high"
+    )
+    assert keys.by_secret_hash(hash_key(secret + "x")) is None
+
+
+def test_revoked_keys_leave_the_active_list(engine: Engine) -> None:
+    keys = KeyStore(engine)
+    _, record = keys.create(f"t-{uuid.uuid4().hex[:8]}")
+    assert record.id in {k.id for k in keys.list()}
+    revoked = keys.revoke(record.id)
+    assert revoked is not None and not revoked.active
+    assert record.id not in {k.id for k in keys.list()}
+    assert record.id in {k.id for k in keys.list(include_revoked=True)}
+    assert keys.revoke("no-such-id") is None
+
+
+def test_usage_is_reported_by_key_model_and_day(engine: Engine) -> None:
+    usage = UsageStore(engine)
+    key = uuid.uuid4().hex[:16]
+    now = datetime.now(UTC)
+    usage.write(
+        [
+            UsageRecord(now, key, "t", "m1", 10, 20, 5.0, 100.0, 200, "r0"),
+            UsageRecord(now, key, "t", "m1", 5, 5, None, 50.0, 502, "r1"),
+        ]
+    )
+    row = next(r for r in usage.report("key") if r["key"] == key)
+    assert (row["requests"], row["input_tokens"], row["output_tokens"], row["errors"]) == (2, 15, 25, 1)
+    assert usage.month_tokens(key) == 40
+    assert any(r["day"] == now.date().isoformat() for r in usage.report("day"))
+    with pytest.raises(ValueError, match="group by one of"):
+        usage.report("colour")
