@@ -2,8 +2,10 @@
 
 A fast local upstream answers chat completions at once (non-streaming, or a stream of N chunks with no
 delay). The same load runs, interleaved, against: the upstream directly; a bare relay (aiohttp server +
-aiohttp client on uvloop, bytes passed through, nothing else: the floor for any Python gateway); and
-corral's gateway (`corral up` with the upstream as an external replica). Each runs in its own process.
+aiohttp client on uvloop, bytes passed through, nothing else: the floor for any Python gateway); corral's
+gateway in open mode (`corral up` with the upstream as an external replica: parse, route, relay, usage
+records, metrics); and corral with API keys, rate limits (in memory), queueing and metrics all on. Each
+runs in its own process.
 
 Printed JSON, per (concurrency, streaming): requests/s and its ratio to direct, p50/p99 latency and the
 latency each relay adds, and each relay's CPU time per request (the steadiest figure on a shared
@@ -138,11 +140,16 @@ def serve_bare_relay(port: int, upstream: str) -> None:
 # ---- the load generator ----
 
 
-async def run_load(url: str, concurrency: int, total: int, stream: bool) -> dict[str, Any]:
+async def run_load(
+    url: str, concurrency: int, total: int, stream: bool, key: str | None = None
+) -> dict[str, Any]:
     body = orjson.loads(BODY)
     if stream:
         body["stream"] = True
     payload = orjson.dumps(body)
+    headers = {"Content-Type": "application/json"}
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
     latencies: list[float] = []
     errors = 0
     remaining = total
@@ -154,7 +161,7 @@ async def run_load(url: str, concurrency: int, total: int, stream: bool) -> dict
             while remaining > 0:
                 remaining -= 1
                 start = time.perf_counter()
-                async with session.post(url, data=payload, headers={"Content-Type": "application/json"}) as r:
+                async with session.post(url, data=payload, headers=headers) as r:
                     data = await r.read()
                     if r.status != 200 or (stream and not data.endswith(b"data: [DONE]\n\n")):
                         errors += 1
@@ -227,28 +234,54 @@ def main() -> None:
         return
 
     me = [sys.executable, __file__, "--serve"]
-    up_port, bare_port, gw_port = free_port(), free_port(), free_port()
+    up_port, bare_port, gw_port, keyed_port = free_port(), free_port(), free_port(), free_port()
     upstream_url = f"http://127.0.0.1:{up_port}"
     with tempfile.TemporaryDirectory() as tmp:
-        spec = Path(tmp) / "bench.yaml"
-        spec.write_text(
-            f"gateway: {{port: {gw_port}}}\n"
-            "models:\n  - name: bench\n"
-            f"    deployments: [{{engine: external, urls: ['{upstream_url}']}}]\n"
+        model = (
+            f"models:\n  - name: bench\n    deployments: [{{engine: external, urls: ['{upstream_url}']}}]\n"
         )
+        spec = Path(tmp) / "bench.yaml"
+        spec.write_text(f"gateway: {{port: {gw_port}}}\nauth: {{open: true}}\n" + model)
+        keyed = Path(tmp) / "keyed.yaml"
+        keyed.write_text(f"gateway: {{port: {keyed_port}}}\n" + model)
+        home = {"CORRAL_HOME": tmp}
+        made = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "corral.cli",
+                "keys",
+                "create",
+                "--tenant",
+                "bench",
+                "--rpm",
+                "100000000",
+                "--tpm",
+                "1000000000000",
+                "--max-concurrency",
+                "100000",
+                "--json",
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+            env={**os.environ, **home},
+        )
+        api_key = json.loads(made.stdout)["key"]
+        corral = [sys.executable, "-m", "corral.cli", "up", "--log-level", "warning", "-f"]
         procs = [
             spawn([*me, "upstream", str(up_port), str(args.chunks)]),
             spawn([*me, "bare", str(bare_port), upstream_url]),
-            spawn(
-                [sys.executable, "-m", "corral.cli", "up", "-f", str(spec), "--log-level", "warning"],
-                env={"CORRAL_HOME": tmp},
-            ),
+            spawn([*corral, str(spec)], env=home),
+            spawn([*corral, str(keyed)], env=home),
         ]
         try:
             wait_http(upstream_url + "/health")
             wait_http(f"http://127.0.0.1:{gw_port}/ready")
+            wait_http(f"http://127.0.0.1:{keyed_port}/ready")
             time.sleep(0.5)
-            results = asyncio.run(measure(args, procs, up_port, bare_port, gw_port), debug=False)
+            ports = (up_port, bare_port, gw_port, keyed_port)
+            results = asyncio.run(measure(args, procs, ports, api_key), debug=False)
         finally:
             for p in procs:
                 os.killpg(p.pid, signal.SIGINT)
@@ -263,17 +296,21 @@ def main() -> None:
 
 
 async def measure(
-    args: argparse.Namespace, procs: list[subprocess.Popen[bytes]], up_port: int, bare_port: int, gw_port: int
+    args: argparse.Namespace, procs: list[subprocess.Popen[bytes]], ports: tuple[int, ...], api_key: str
 ) -> dict[str, Any]:
-    relays = {"bare_relay": psutil.Process(procs[1].pid), "corral": psutil.Process(procs[2].pid)}
-    urls = {
-        "direct": f"http://127.0.0.1:{up_port}/v1/chat/completions",
-        "bare_relay": f"http://127.0.0.1:{bare_port}/v1/chat/completions",
-        "corral": f"http://127.0.0.1:{gw_port}/v1/chat/completions",
+    relays = {
+        "bare_relay": psutil.Process(procs[1].pid),
+        "corral": psutil.Process(procs[2].pid),
+        "corral_keys": psutil.Process(procs[3].pid),
     }
-    for url in urls.values():  # warm up connections and code paths
-        await run_load(url, 8, 200, False)
-        await run_load(url, 8, 200, True)
+    names = ("direct", "bare_relay", "corral", "corral_keys")
+    urls = {
+        name: f"http://127.0.0.1:{port}/v1/chat/completions" for name, port in zip(names, ports, strict=True)
+    }
+    keys = {"corral_keys": api_key}
+    for target, url in urls.items():  # warm up connections and code paths
+        await run_load(url, 8, 200, False, keys.get(target))
+        await run_load(url, 8, 200, True, keys.get(target))
     configs = []
     for concurrency in (int(c) for c in args.concurrency.split(",")):
         for stream in (False, True):
@@ -283,7 +320,7 @@ async def measure(
                 for target, url in urls.items():
                     proc = relays.get(target)
                     before = cpu_seconds(proc) if proc else 0.0
-                    result = await run_load(url, concurrency, total, stream)
+                    result = await run_load(url, concurrency, total, stream, keys.get(target))
                     if proc:
                         result["cpu_ms_per_request"] = 1000 * (cpu_seconds(proc) - before) / result["n"]
                     samples[target].append(result)
@@ -309,7 +346,7 @@ def summarise(concurrency: int, stream: bool, samples: dict[str, list[dict[str, 
         "p50_ms": round(median("direct", "p50_ms"), 3),
         "p99_ms": round(median("direct", "p99_ms"), 3),
     }
-    for target in ("bare_relay", "corral"):
+    for target in ("bare_relay", "corral", "corral_keys"):
         out[target] = {
             "requests_per_s": round(median(target, "requests_per_s"), 1),
             "rps_ratio_to_direct": round(median(target, "requests_per_s") / direct_rps, 3),
@@ -318,9 +355,10 @@ def summarise(concurrency: int, stream: bool, samples: dict[str, list[dict[str, 
             "cpu_ms_per_request": round(median(target, "cpu_ms_per_request"), 4),
             "errors": sum(s["errors"] for s in samples[target]),
         }
-    out["corral_cpu_ratio_to_bare_relay"] = round(
-        out["corral"]["cpu_ms_per_request"] / out["bare_relay"]["cpu_ms_per_request"], 3
-    )
+    for target in ("corral", "corral_keys"):
+        out[f"{target}_cpu_ratio_to_bare_relay"] = round(
+            out[target]["cpu_ms_per_request"] / out["bare_relay"]["cpu_ms_per_request"], 3
+        )
     return out
 
 

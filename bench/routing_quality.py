@@ -39,8 +39,14 @@ import aiohttp
 import orjson
 
 ROOT = Path(__file__).resolve().parent.parent
-POLICIES = ["round_robin", "least_outstanding_requests", "least_outstanding_tokens", "power_of_two",
-            "session_affinity", "prefix_affinity"]
+POLICIES = [
+    "round_robin",
+    "least_outstanding_requests",
+    "least_outstanding_tokens",
+    "power_of_two",
+    "session_affinity",
+    "prefix_affinity",
+]
 DEFAULT = "prefix_affinity"
 
 
@@ -85,9 +91,16 @@ class Workload:
         tenant = self._rng.randrange(len(self.docs))
         self._n += 1
         question = f"Question {self._n}: " + " ".join(f"q{self._rng.randrange(10**6)}" for _ in range(30))
-        return {"model": model, "max_tokens": output, "stream": True, "user": f"tenant-{tenant}",
-                "messages": [{"role": "system", "content": self.docs[tenant]},
-                             {"role": "user", "content": question}]}
+        return {
+            "model": model,
+            "max_tokens": output,
+            "stream": True,
+            "user": f"tenant-{tenant}",
+            "messages": [
+                {"role": "system", "content": self.docs[tenant]},
+                {"role": "user", "content": question},
+            ],
+        }
 
 
 async def one_request(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> tuple[float, int]:
@@ -106,7 +119,9 @@ async def one_request(session: aiohttp.ClientSession, url: str, body: dict[str, 
     return (ttft if ttft is not None else time.perf_counter() - started), chunks
 
 
-async def saturation(url: str, work: Workload, clients: int, duration: float, output: int) -> dict[str, float]:
+async def saturation(
+    url: str, work: Workload, clients: int, duration: float, output: int
+) -> dict[str, float]:
     done, tokens = 0, 0
     stop_at = time.perf_counter() + duration
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
@@ -164,19 +179,41 @@ def run_policy(policy: str, args: argparse.Namespace, rate: float | None) -> dic
         spec = Path(tmp) / "spec.yaml"
         spec.write_text(
             f"gateway: {{port: {gw_port}, routing: {policy}, read_timeout: 600}}\n"
+            "auth: {open: true}\n"
             "supervisor: {probe_interval: 0.5}\n"
             "models:\n  - name: llama\n"
             f"    deployments: [{{engine: external, urls: {json.dumps(urls)}}}]\n"
         )
         fleet = subprocess.Popen(
-            [sys.executable, "-m", "corral.cli", "sim", "--model", "llama-3.1-8b", "--gpu", args.gpu,
-             "--served-name", "llama", "--replicas", str(args.replicas), "--port", str(base),
-             "--time-scale", str(args.time_scale)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+            [
+                sys.executable,
+                "-m",
+                "corral.cli",
+                "sim",
+                "--model",
+                "llama-3.1-8b",
+                "--gpu",
+                args.gpu,
+                "--served-name",
+                "llama",
+                "--replicas",
+                str(args.replicas),
+                "--port",
+                str(base),
+                "--time-scale",
+                str(args.time_scale),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         gateway = subprocess.Popen(
             [sys.executable, "-m", "corral.cli", "up", "-f", str(spec), "--log-level", "warning"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-            env={**os.environ, "CORRAL_HOME": tmp})
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+            env={**os.environ, "CORRAL_HOME": tmp},
+        )
         try:
             wait_http(urls[-1] + "/health")
             wait_http(f"http://127.0.0.1:{gw_port}/ready")
@@ -194,12 +231,14 @@ def run_policy(policy: str, args: argparse.Namespace, rate: float | None) -> dic
             if rate:
                 ttfts = asyncio.run(open_loop(url, work, rate * args.time_scale, args.duration, args.output))
                 ttfts = sorted(t * args.time_scale for t in ttfts)  # simulated seconds
-                result.update({
-                    "offered_requests_per_s": round(rate, 3),
-                    "ttft_p50_ms": round(1000 * statistics.median(ttfts), 1),
-                    "ttft_p90_ms": round(1000 * ttfts[int(0.9 * (len(ttfts) - 1))], 1),
-                    "requests_measured": len(ttfts),
-                })
+                result.update(
+                    {
+                        "offered_requests_per_s": round(rate, 3),
+                        "ttft_p50_ms": round(1000 * statistics.median(ttfts), 1),
+                        "ttft_p90_ms": round(1000 * ttfts[int(0.9 * (len(ttfts) - 1))], 1),
+                        "requests_measured": len(ttfts),
+                    }
+                )
             result["prefix_cache_hit_rate"] = round(fleet_hit_rate(urls), 4)
             return result
         finally:
@@ -213,7 +252,9 @@ def run_policy(policy: str, args: argparse.Namespace, rate: float | None) -> dic
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--replicas", type=int, default=8)
     parser.add_argument("--gpu", default="l4")
     parser.add_argument("--tenants", type=int, default=32)
@@ -239,8 +280,13 @@ def main() -> None:
         print(json.dumps(result), file=sys.stderr, flush=True)
     report: dict[str, Any] = {
         "benchmark": "routing_quality",
-        "replicas": args.replicas, "gpu": args.gpu, "tenants": args.tenants, "doc_tokens": args.doc_words,
-        "output_tokens": args.output, "time_scale": args.time_scale, "load": args.load,
+        "replicas": args.replicas,
+        "gpu": args.gpu,
+        "tenants": args.tenants,
+        "doc_tokens": args.doc_words,
+        "output_tokens": args.output,
+        "time_scale": args.time_scale,
+        "load": args.load,
         "policies": results,
     }
     by = {r["policy"]: r for r in results}
@@ -248,7 +294,9 @@ def main() -> None:
         rr, best = by["round_robin"], by[DEFAULT]
         report["default_vs_round_robin"] = {
             "ttft_p90_lower_by": round(rr["ttft_p90_ms"] / best["ttft_p90_ms"], 2),
-            "throughput_higher_by": round(best["saturation_requests_per_s"] / rr["saturation_requests_per_s"], 2),
+            "throughput_higher_by": round(
+                best["saturation_requests_per_s"] / rr["saturation_requests_per_s"], 2
+            ),
             "targets": {"ttft_p90_lower_by": 3.0, "throughput_higher_by": 1.3},
         }
     args.output_file.parent.mkdir(parents=True, exist_ok=True)

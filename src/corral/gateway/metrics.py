@@ -13,7 +13,7 @@ from prometheus_client.registry import Collector
 
 from corral.routing import CircuitState, Router
 
-__all__ = ["GatewayMetrics"]
+__all__ = ["GatewayMetrics", "ModelMetrics"]
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _TOKEN_LATENCY = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1.0)
@@ -68,15 +68,48 @@ class GatewayMetrics:
             "corral_routing_decisions", "Routing decisions, by policy.", ["model", "policy"], registry=r
         )
         r.register(_StateCollector(router, queue_depths))
-        self._children: dict[tuple[str, ...], object] = {}
+        self._models: dict[str, ModelMetrics] = {}
 
-    def finished(self, model: str, status: int, seconds: float) -> None:
-        key = ("done", model, str(status))
-        counter = self._children.get(key)
+    def of(self, model: str) -> ModelMetrics:
+        """The labelled children for one model, made once (label lookups are slow on the hot path)."""
+        found = self._models.get(model)
+        if found is None:
+            found = self._models[model] = ModelMetrics(self, model)
+        return found
+
+
+class ModelMetrics:
+    """One model's metric children."""
+
+    def __init__(self, metrics: GatewayMetrics, model: str) -> None:
+        self._requests = metrics.requests
+        self._rejections = metrics.rejections
+        self._decisions = metrics.decisions
+        self.model = model
+        self.e2e = metrics.e2e.labels(model)
+        self.ttft = metrics.ttft.labels(model)
+        self.itl = metrics.itl.labels(model)
+        self.queue_wait = metrics.queue_wait.labels(model)
+        self.input_tokens = metrics.tokens.labels(model, "input")
+        self.output_tokens = metrics.tokens.labels(model, "output")
+        self._by_status: dict[int, Counter] = {}
+        self._by_policy: dict[str, Counter] = {}
+
+    def finished(self, status: int, seconds: float) -> None:
+        counter = self._by_status.get(status)
         if counter is None:
-            counter = self._children[key] = self.requests.labels(model, str(status))
-        counter.inc()  # type: ignore[attr-defined]
-        self.e2e.labels(model).observe(seconds)
+            counter = self._by_status[status] = self._requests.labels(self.model, str(status))
+        counter.inc()
+        self.e2e.observe(seconds)
+
+    def decided(self, policy: str) -> None:
+        counter = self._by_policy.get(policy)
+        if counter is None:
+            counter = self._by_policy[policy] = self._decisions.labels(self.model, policy)
+        counter.inc()
+
+    def rejected(self, reason: str) -> None:
+        self._rejections.labels(self.model, reason).inc()
 
 
 class _StateCollector(Collector):

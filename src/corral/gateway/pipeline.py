@@ -75,18 +75,19 @@ class Pipeline:
         reservation = await self.admit(ctx, principal)
         status = 500
         try:
+            metrics = self._metrics.of(ctx.model)
             try:
                 wait = await self._services.queue.enter(ctx.model, principal)
             except APIError as exc:
-                self._metrics.rejections.labels(ctx.model, exc.code or "queue").inc()
+                metrics.rejected(exc.code or "queue")
                 raise
-            self._metrics.queue_wait.labels(ctx.model).observe(wait)
+            metrics.queue_wait.observe(wait)
             try:
                 response = await self._relay.forward(ctx, request)
             finally:
                 self._services.queue.done(ctx.model)
             status = response.status
-            self._metrics.decisions.labels(ctx.model, self._router.policy_for(ctx.model).name).inc()
+            metrics.decided(self._router.policy_for(ctx.model).name)
             return response
         except APIError as exc:
             status = exc.status
@@ -128,7 +129,7 @@ class Pipeline:
             await self._services.budget.check(principal, ctx.route.tokens)
             return await self._services.limiter.reserve(principal, ctx.route.tokens)
         except APIError as exc:
-            self._metrics.rejections.labels(ctx.model, exc.code or "rate_limited").inc()
+            self._metrics.of(ctx.model).rejected(exc.code or "rate_limited")
             self._record(ctx, principal, exc.status)
             raise
 
@@ -156,15 +157,15 @@ class Pipeline:
         input_tokens = int(usage.get("prompt_tokens") or 0)
         output_tokens = int(usage.get("completion_tokens") or 0)
         model = ctx.model
-        m = self._metrics
-        m.finished(model, status, latency)
+        m = self._metrics.of(model)
+        m.finished(status, latency)
         if status < 400:
-            m.tokens.labels(model, "input").inc(input_tokens)
-            m.tokens.labels(model, "output").inc(output_tokens)
+            m.input_tokens.inc(input_tokens)
+            m.output_tokens.inc(output_tokens)
         if ttft is not None:
-            m.ttft.labels(model).observe(ttft)
+            m.ttft.observe(ttft)
             if output_tokens > 1:
-                m.itl.labels(model).observe((latency - ttft) / (output_tokens - 1))
+                m.itl.observe((latency - ttft) / (output_tokens - 1))
         self._usage.record(
             UsageRecord(
                 at=datetime.now(UTC),

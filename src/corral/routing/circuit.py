@@ -40,14 +40,18 @@ class CircuitBreaker:
 
     def allows(self) -> bool:
         """Whether a request may go to this replica now."""
+        if self._opened_at is None:  # the common case, without a clock read
+            return True
         state = self.state
         return state is CircuitState.CLOSED or (state is CircuitState.HALF_OPEN and not self._trial_out)
 
     def on_dispatch(self) -> None:
-        if self.state is CircuitState.HALF_OPEN:
+        if self._opened_at is not None and self.state is CircuitState.HALF_OPEN:
             self._trial_out = True
 
     def on_success(self) -> None:
+        if self._opened_at is None and not self.consecutive_failures:
+            return
         self.consecutive_failures = 0
         self._opened_at = None
         self._trial_out = False

@@ -148,12 +148,19 @@ class PrefixAffinity:
 
     def pick(self, candidates: Sequence[Replica], request: RouteRequest) -> Decision:
         hashes = request.hashes
+        start = next(self._turn) % len(candidates)  # equal candidates take turns
+        if not hashes:  # a prompt shorter than one block: nothing to be affine to
+            best = candidates[start]
+            for i in range(1, len(candidates)):
+                replica = candidates[(start + i) % len(candidates)]
+                if load_score(replica) < load_score(best):
+                    best = replica
+            return Decision(best, "short prompt; least loaded")
         loads = {r.id: load_score(r) for r in candidates}
         bound = (1 + self._slack) * (sum(loads.values()) / len(candidates)) + 1
-        start = next(self._turn) % len(candidates)  # equal candidates take turns
         rotated = [*candidates[start:], *candidates[:start]]
         within = [r for r in rotated if loads[r.id] <= bound and not self._pressed(r)] or rotated
-        depths = self.index.depths(hashes, within) if hashes else {}
+        depths = self.index.depths(hashes, within)
         best = max(within, key=lambda r: (depths.get(r.id, 0), -loads[r.id], -r.outstanding_tokens))
         depth = depths.get(best.id, 0)
         self.index.record(hashes, best)

@@ -30,7 +30,7 @@ class Router:
         self._default = default_policy
         self._policies: dict[str, RoutingPolicy] = {m: policy_named(p) for m, p in (policies or {}).items()}
         self.retry_budget = RetryBudget()
-        self.decisions: deque[dict[str, object]] = deque(maxlen=decisions_kept)
+        self._decisions: deque[tuple[float, str, str, str, str, bool]] = deque(maxlen=decisions_kept)
 
     def policy_for(self, model: str) -> RoutingPolicy:
         policy = self._policies.get(model)
@@ -54,17 +54,16 @@ class Router:
         replica.breaker.on_dispatch()
         replica.outstanding += 1
         replica.outstanding_tokens += request.tokens
-        self.decisions.append(
-            {
-                "at": round(time.time(), 3),
-                "model": request.model,
-                "replica": replica.id,
-                "policy": policy.name,
-                "reason": decision.reason,
-                "retry": bool(exclude),
-            }
+        self._decisions.append(
+            (time.time(), request.model, replica.id, policy.name, decision.reason, bool(exclude))
         )
         return replica
+
+    @property
+    def decisions(self) -> list[dict[str, object]]:
+        """The latest routing decisions, oldest first."""
+        keys = ("at", "model", "replica", "policy", "reason", "retry")
+        return [dict(zip(keys, d, strict=True)) for d in self._decisions]
 
     @staticmethod
     def release(replica: Replica, request: RouteRequest, ok: bool | None) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from sqlalchemy import Engine, func, insert, select
@@ -38,7 +38,7 @@ class UsageStore:
         if not records:
             return
         with Session(self._engine) as session, session.begin():
-            session.execute(insert(UsageRow), [asdict(r) for r in records])
+            session.execute(insert(UsageRow), [dict(vars(r)) for r in records])
 
     def report(self, by: str, since: datetime | None = None) -> list[dict[str, object]]:
         """Totals grouped by `key`, `model`, `tenant` or `day`."""
