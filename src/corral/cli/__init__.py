@@ -3,6 +3,7 @@
 Each command module registers itself on the shared typer app; nothing else imports this package.
 """
 
+from corral.cli import bench as _bench
 from corral.cli import keys as _keys
 from corral.cli import plan as _plan
 from corral.cli import sim as _sim
@@ -11,7 +12,7 @@ from corral.cli.app import app
 
 __all__ = ["app", "main"]
 
-_COMMANDS = (_up, _keys, _plan, _sim)
+_COMMANDS = (_up, _keys, _plan, _sim, _bench)
 
 
 def main() -> None:

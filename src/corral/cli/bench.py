@@ -1,0 +1,278 @@
+"""`corral bench`: load-test any OpenAI-compatible endpoint (flags follow vLLM's benchmark where shared)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich import box
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from corral.cli.app import app, console, run_async
+
+__all__ = ["bench_app"]
+
+bench_app = typer.Typer(help="Load-test an OpenAI-compatible endpoint.", invoke_without_command=True)
+app.add_typer(bench_app, name="bench")
+
+
+@bench_app.callback()
+def bench(
+    ctx: typer.Context,
+    base_url: Annotated[str | None, typer.Option(help="the server, e.g. http://127.0.0.1:8000")] = None,
+    model: Annotated[str | None, typer.Option(help="model name to request")] = None,
+    endpoint: Annotated[
+        str, typer.Option(help="/v1/completions or /v1/chat/completions")
+    ] = "/v1/completions",
+    api_key: Annotated[str | None, typer.Option(help="sent as Bearer token")] = None,
+    dataset_name: Annotated[
+        str, typer.Option(help="random, sharegpt or prefix (multi-tenant shared)")
+    ] = "random",
+    dataset_path: Annotated[Path | None, typer.Option(help="ShareGPT JSON file")] = None,
+    num_prompts: Annotated[int, typer.Option(help="requests to send (measured ones, after warm-up)")] = 100,
+    max_concurrency: Annotated[int | None, typer.Option(help="requests in flight at most")] = None,
+    request_rate: Annotated[float, typer.Option(help="requests/s (inf: all at once)")] = math.inf,
+    burstiness: Annotated[float, typer.Option(help="gamma shape of arrivals: 1 Poisson, <1 burstier")] = 1.0,
+    ramp_up_seconds: Annotated[float, typer.Option(help="grow the rate linearly over this long")] = 0.0,
+    duration: Annotated[
+        float | None, typer.Option(help="send for this many seconds instead of a count")
+    ] = None,
+    warmup: Annotated[int, typer.Option(help="requests sent first and left out of the figures")] = 0,
+    random_input_len: Annotated[int, typer.Option()] = 1024,
+    random_output_len: Annotated[int, typer.Option()] = 128,
+    random_range_ratio: Annotated[float, typer.Option(help="lengths vary ±this share")] = 0.0,
+    prefix_tenants: Annotated[int, typer.Option(help="prefix dataset: tenants")] = 8,
+    prefix_len: Annotated[int, typer.Option(help="prefix dataset: shared prompt words")] = 1000,
+    prefix_question_len: Annotated[int, typer.Option(help="prefix dataset: words per user turn")] = 50,
+    prefix_turns: Annotated[int, typer.Option(help="prefix dataset: turns per chat")] = 3,
+    ignore_eos: Annotated[bool, typer.Option(help="ask the server to generate exactly max_tokens")] = False,
+    seed: Annotated[int, typer.Option()] = 0,
+    sweep_concurrency: Annotated[str | None, typer.Option(help="e.g. 1,4,16,64")] = None,
+    sweep_rates: Annotated[str | None, typer.Option(help="e.g. 1,2,4,8 requests/s")] = None,
+    goodput: Annotated[
+        list[str] | None, typer.Option(help="SLO, e.g. ttft:500 tpot:50 e2el:5000 (ms)")
+    ] = None,
+    search_goodput: Annotated[bool, typer.Option(help="find the highest rate meeting the SLOs")] = False,
+    output: Annotated[Path | None, typer.Option(help="write JSON results here")] = None,
+    save_detailed: Annotated[bool, typer.Option(help="include every request in the JSON")] = False,
+    html: Annotated[Path | None, typer.Option(help="write a self-contained HTML report")] = None,
+    plots: Annotated[Path | None, typer.Option(help="write PNG plots into this folder")] = None,
+) -> None:
+    """Load-test an endpoint and report TTFT, ITL, TPOT, E2E, throughput, goodput and errors."""
+    if ctx.invoked_subcommand is not None:
+        return
+    if not base_url or not model:
+        console.print("[red]error:[/red] --base-url and --model are required")
+        raise typer.Exit(2)
+    from corral.bench import LoadPlan
+
+    slo = _slo(goodput or [])
+    plan = LoadPlan(
+        base_url=base_url,
+        model=model,
+        endpoint=endpoint,
+        api_key=api_key,
+        max_concurrency=max_concurrency,
+        request_rate=request_rate,
+        burstiness=burstiness,
+        ramp_up_s=ramp_up_seconds,
+        duration_s=duration,
+        warmup=warmup,
+        ignore_eos=ignore_eos,
+        seed=seed,
+    )
+    requests = _requests(
+        dataset_name,
+        dataset_path,
+        num_prompts + warmup,
+        random_input_len,
+        random_output_len,
+        random_range_ratio,
+        seed,
+        endpoint,
+        prefix_tenants,
+        prefix_len,
+        prefix_question_len,
+        prefix_turns,
+    )
+    detailed = save_detailed or bool(html or plots)
+    loads: list[tuple[str, LoadPlan]]
+    if sweep_concurrency:
+        loads = [(f"c={c}", _replace(plan, max_concurrency=int(c))) for c in sweep_concurrency.split(",")]
+    elif sweep_rates:
+        loads = [(f"{r}/s", _replace(plan, request_rate=float(r))) for r in sweep_rates.split(",")]
+    else:
+        loads = [("", plan)]
+    runs = [dict(_run(p, requests, slo, detailed), load=label) for label, p in loads]
+    result: dict[str, Any] = {**runs[-1], "runs": runs, "config": _config(plan, dataset_name, num_prompts)}
+    if search_goodput:
+        if not slo.any:
+            console.print("[red]error:[/red] --search-goodput needs --goodput SLOs")
+            raise typer.Exit(2)
+        result["max_goodput_rate"] = _search(plan, requests, slo)
+    _show(runs, slo)
+    for warning in runs[-1]["warnings"]:
+        console.print(f"[yellow]warning:[/yellow] {warning}")
+    if output is not None:
+        output.write_text(json.dumps(result, indent=2))
+        console.print(f"wrote {output}")
+    if plots is not None:
+        from corral.bench import write_plots
+
+        for path in write_plots(result, plots):
+            console.print(f"wrote {path}")
+    if html is not None:
+        from corral.bench import write_html
+
+        write_html(result, html)
+        console.print(f"wrote {html}")
+
+
+@bench_app.command("compare")
+def compare_command(a: Path, b: Path) -> None:
+    """Show two result files side by side, with B's change relative to A."""
+    from corral.bench import compare
+
+    rows = compare(json.loads(a.read_text()), json.loads(b.read_text()))
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
+    for column in ("metric", a.name, b.name, "change"):
+        table.add_column(column, justify="left" if column == "metric" else "right")
+    for metric, va, vb, change in rows:
+        table.add_row(metric, f"{va:,.2f}", f"{vb:,.2f}", f"{change:+.1%}" if change is not None else "-")
+    Console().print(table)
+
+
+def _run(plan: Any, requests: list[Any], slo: Any, detailed: bool) -> dict[str, Any]:
+    from corral.bench import run_load, summarise
+
+    columns = (TextColumn("[bold]bench[/bold]"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=True) as progress:
+        task = progress.add_task("requests", total=len(requests) if plan.duration_s is None else None)
+
+        def advance(done: int, total: int) -> None:
+            progress.update(task, completed=done)
+
+        outcome: list[Any] = []
+
+        async def go() -> None:
+            outcome.append(await run_load(plan, requests, advance))
+
+        run_async(go())
+    return summarise(outcome[0], slo, detailed)
+
+
+def _search(plan: Any, requests: list[Any], slo: Any) -> float:
+    """Highest request rate at which at least 90% of requests meet the SLOs (doubling, then bisection)."""
+
+    def good(rate: float) -> bool:
+        summary = _run(_replace(plan, request_rate=rate), requests, slo, False)
+        return bool(summary["completed"]) and summary["slo"]["met_share"] >= 0.9
+
+    low, high = 0.0, 1.0
+    while good(high) and high < 1024:
+        low, high = high, high * 2
+    for _ in range(4):
+        middle = (low + high) / 2
+        low, high = (middle, high) if good(middle) else (low, middle)
+    return round(low, 3)
+
+
+def _replace(plan: Any, **changes: Any) -> Any:
+    from dataclasses import replace
+
+    return replace(plan, **changes)
+
+
+def _slo(items: list[str]) -> Any:
+    from corral.bench import Slo
+
+    values: dict[str, float] = {}
+    names = {"ttft": "ttft_ms", "tpot": "tpot_ms", "e2el": "e2e_ms", "e2e": "e2e_ms"}
+    for item in items:
+        for part in item.split():
+            name, _, value = part.partition(":")
+            if name not in names or not value:
+                console.print(f"[red]error:[/red] bad --goodput {part!r}; use ttft:MS tpot:MS e2el:MS")
+                raise typer.Exit(2)
+            values[names[name]] = float(value)
+    return Slo(**values)
+
+
+def _requests(
+    name: str,
+    path: Path | None,
+    count: int,
+    input_len: int,
+    output_len: int,
+    ratio: float,
+    seed: int,
+    endpoint: str,
+    tenants: int,
+    prefix_len: int,
+    question_len: int,
+    turns: int,
+) -> list[Any]:
+    from corral.bench import random_requests, shared_prefix_requests, sharegpt_requests
+
+    if name == "random":
+        return random_requests(count, input_len, output_len, ratio, seed, chat="chat" in endpoint)
+    if name == "sharegpt":
+        if path is None:
+            console.print("[red]error:[/red] --dataset-name sharegpt needs --dataset-path")
+            raise typer.Exit(2)
+        return sharegpt_requests(path, count, seed)
+    if name == "prefix":
+        if "chat" not in endpoint:
+            console.print("[red]error:[/red] the prefix dataset is chat: use --endpoint /v1/chat/completions")
+            raise typer.Exit(2)
+        return shared_prefix_requests(count, tenants, prefix_len, question_len, output_len, turns, seed)
+    console.print(f"[red]error:[/red] unknown dataset {name!r}: random, sharegpt or prefix")
+    raise typer.Exit(2)
+
+
+def _config(plan: Any, dataset: str, num_prompts: int) -> dict[str, Any]:
+    return {
+        "base_url": plan.base_url,
+        "model": plan.model,
+        "endpoint": plan.endpoint,
+        "dataset": dataset,
+        "num_prompts": num_prompts,
+        "max_concurrency": plan.max_concurrency,
+        "request_rate": None if math.isinf(plan.request_rate) else plan.request_rate,
+        "burstiness": plan.burstiness,
+        "warmup": plan.warmup,
+    }
+
+
+def _show(runs: list[dict[str, Any]], slo: Any) -> None:
+    table = Table(title="corral bench", box=box.SIMPLE_HEAD, pad_edge=False)
+    for column in (
+        "load",
+        "req/s",
+        "out tok/s",
+        "TTFT p50/p99",
+        "TPOT p50/p99",
+        "ITL p50/p99",
+        "E2E p50",
+        "errors",
+    ):
+        table.add_column(column, justify="right")
+    for r in runs:
+        table.add_row(
+            r["load"] or "-",
+            f"{r['requests_per_s']:.2f}",
+            f"{r['output_tokens_per_s']:.1f}",
+            f"{r['ttft_ms']['p50']:.0f}/{r['ttft_ms']['p99']:.0f} ms",
+            f"{r['tpot_ms']['p50']:.1f}/{r['tpot_ms']['p99']:.1f} ms",
+            f"{r['itl_ms']['p50']:.1f}/{r['itl_ms']['p99']:.1f} ms",
+            f"{r['e2e_ms']['p50']:.0f} ms",
+            str(sum(r["errors"].values())),
+        )
+    Console().print(table)
+    if slo.any:
+        console.print(f"goodput: {runs[-1]['goodput_requests_per_s']:.2f} requests/s meeting the SLOs")

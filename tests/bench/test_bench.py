@@ -1,0 +1,195 @@
+"""`corral bench` against a server with known timing and token counts, and against real llama.cpp."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import orjson
+import pytest
+from aiohttp import web
+
+from corral.bench import LoadPlan, Slo, random_requests, run_load, shared_prefix_requests, summarise
+
+from ..conftest import CORRAL, RunningCluster
+
+TTFT, ITL, TOKENS, PROMPT_TOKENS = 0.100, 0.020, 20, 33
+
+
+class Injected:
+    """Streams TOKENS chunks after TTFT, ITL apart, then usage; prompts containing FAIL get a 500."""
+
+    def __init__(self, ttft: float = TTFT, itl: float = ITL) -> None:
+        self.ttft, self.itl = ttft, itl
+        self.url = ""
+        self.bodies: list[dict] = []
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.bodies.append(body)
+        if "FAIL" in json.dumps(body):
+            return web.json_response({"error": {"message": "boom"}}, status=500)
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await asyncio.sleep(self.ttft)
+        for i in range(TOKENS):
+            if i:
+                await asyncio.sleep(self.itl)
+            choice = {"index": 0, "text": f" t{i}", "finish_reason": None}
+            await response.write(b"data: " + orjson.dumps({"choices": [choice]}) + b"\n\n")
+        usage = {
+            "prompt_tokens": PROMPT_TOKENS,
+            "completion_tokens": TOKENS,
+            "total_tokens": PROMPT_TOKENS + TOKENS,
+        }
+        await response.write(b"data: " + orjson.dumps({"choices": [], "usage": usage}) + b"\n\n")
+        await response.write(b"data: [DONE]\n\n")
+        return response
+
+
+@pytest.fixture
+async def injected() -> AsyncIterator[Injected]:
+    server = Injected()
+    app = web.Application()
+    app.router.add_post("/v1/completions", server.handle)
+    app.router.add_post("/v1/chat/completions", server.handle)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    server.url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    yield server
+    await runner.cleanup()
+
+
+async def test_measured_latencies_match_the_injected_ones(injected: Injected) -> None:
+    plan = LoadPlan(base_url=injected.url, model="m", max_concurrency=4, warmup=2)
+    run = await run_load(plan, random_requests(14, 50, TOKENS))
+    summary = summarise(run, Slo(ttft_ms=150, tpot_ms=25))
+    assert summary["completed"] == 12 and summary["failed"] == 0  # warm-up left out
+    assert summary["ttft_ms"]["mean"] == pytest.approx(TTFT * 1000, abs=8)
+    assert summary["itl_ms"]["p50"] == pytest.approx(ITL * 1000, abs=2)
+    assert summary["tpot_ms"]["mean"] == pytest.approx(ITL * 1000, abs=2)
+    assert summary["e2e_ms"]["p50"] == pytest.approx((TTFT + (TOKENS - 1) * ITL) * 1000, abs=20)
+    assert (
+        summary["total_output_tokens"] == 12 * TOKENS and summary["total_input_tokens"] == 12 * PROMPT_TOKENS
+    )
+    assert summary["token_counts_from"] == "usage"
+    assert summary["goodput_requests_per_s"] == summary["requests_per_s"]
+    assert injected.bodies[0]["stream_options"] == {"include_usage": True}
+    assert injected.bodies[0]["max_tokens"] == TOKENS
+
+
+async def test_poisson_arrivals_reach_the_requested_rate(injected: Injected) -> None:
+    injected.ttft, injected.itl = 0.0, 0.0
+    plan = LoadPlan(base_url=injected.url, model="m", request_rate=40.0, seed=3)
+    run = await run_load(plan, random_requests(80, 10, TOKENS))
+    summary = summarise(run)
+    assert summary["requests_per_s"] == pytest.approx(40.0, rel=0.25)
+
+
+async def test_errors_are_counted_by_kind(injected: Injected) -> None:
+    requests = random_requests(6, 10, TOKENS)
+    requests[1] = type(requests[1])(prompt="FAIL please", output_len=TOKENS)
+    summary = summarise(await run_load(LoadPlan(base_url=injected.url, model="m"), requests))
+    assert summary["errors"] == {"http_500": 1} and summary["completed"] == 5
+
+
+def test_shared_prefix_workload_shares_prefixes_and_grows_chats() -> None:
+    requests = shared_prefix_requests(30, tenants=3, prefix_len=100, question_len=5, output_len=8, turns=3)
+    systems = {r.messages[0]["content"] for r in requests}
+    assert len(systems) == 3 and all(len(s.split()) > 100 for s in systems)
+    assert {len(r.messages) for r in requests} == {2, 4, 6}  # 1, 2 and 3 turns of history
+
+
+async def test_cli_writes_json_html_plots_and_compares(injected: Injected, tmp_path: Path) -> None:
+    common = [
+        *CORRAL,
+        "bench",
+        "--base-url",
+        injected.url,
+        "--model",
+        "m",
+        "--num-prompts",
+        "6",
+        "--random-input-len",
+        "20",
+        "--random-output-len",
+        str(TOKENS),
+    ]
+    first = await asyncio.to_thread(
+        subprocess.run,
+        [
+            *common,
+            "--sweep-concurrency",
+            "1,3",
+            "--output",
+            str(tmp_path / "a.json"),
+            "--html",
+            str(tmp_path / "r.html"),
+            "--plots",
+            str(tmp_path / "plots"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert first.returncode == 0, first.stderr
+    result = json.loads((tmp_path / "a.json").read_text())
+    for key in ("ttft_ms", "itl_ms", "tpot_ms", "e2e_ms"):
+        assert set(result[key]) >= {"mean", "p50", "p90", "p99"}
+    assert {"output_tokens_per_s", "requests_per_s", "errors"} <= set(result)
+    assert [r["load"] for r in result["runs"]] == ["c=1", "c=3"]
+    assert (tmp_path / "plots" / "latency_throughput.png").read_bytes()[:4] == b"\x89PNG"
+    assert "data:image/png;base64" in (tmp_path / "r.html").read_text()
+    second = await asyncio.to_thread(
+        subprocess.run,
+        [*common, "--output", str(tmp_path / "b.json")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert second.returncode == 0, second.stderr
+    shown = await asyncio.to_thread(
+        subprocess.run,
+        [*CORRAL, "bench", "compare", str(tmp_path / "a.json"), str(tmp_path / "b.json")],
+        capture_output=True,
+        text=True,
+    )
+    assert "ttft_ms.p50" in shown.stdout and "requests_per_s" in shown.stdout
+
+
+def test_against_a_real_llama_cpp_cluster(cluster: RunningCluster, tmp_path: Path) -> None:
+    out = tmp_path / "real.json"
+    done = subprocess.run(
+        [
+            *CORRAL,
+            "bench",
+            "--base-url",
+            cluster.url,
+            "--model",
+            "smollm2",
+            "--num-prompts",
+            "8",
+            "--max-concurrency",
+            "4",
+            "--random-input-len",
+            "32",
+            "--random-output-len",
+            "16",
+            "--ignore-eos",
+            "--output",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    result = json.loads(out.read_text())
+    assert result["completed"] == 8 and result["errors"] == {}
+    assert result["total_output_tokens"] == 8 * 16 and result["token_counts_from"] == "usage"
+    assert 0 < result["ttft_ms"]["p50"] < result["e2e_ms"]["p50"]
+    assert result["tpot_ms"]["mean"] > 0
