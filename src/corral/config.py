@@ -123,6 +123,13 @@ class DeploymentSpec(_Strict):
     gpu_memory_utilization: Annotated[float, Field(gt=0, le=1)] = 0.9
     time_scale: Annotated[float, Field(gt=0, description="sim: simulated seconds per real second")] = 1.0
     seed: int = 0
+    device: Literal["gpu", "cpu"] = Field(default="gpu", description="vllm: GPU build, or the CPU build")
+    gpus: list[int] | None = Field(default=None, description="vllm: GPU ids this deployment may use")
+    gpus_per_node: Annotated[int, Field(ge=1)] = 8
+    dtype: str | None = Field(default=None, description="vllm --dtype (CPU default: float32)")
+    kv_cache_gib: Annotated[float, Field(gt=0, description="vllm CPU build: KV cache size")] = 1.0
+    vllm_package: str | None = Field(default=None, description="pip requirement for a managed vLLM env")
+    engine_api_key: str | None = Field(default=None, description="vllm --api-key; the gateway sends it")
 
     @model_validator(mode="after")
     def _external_has_urls(self) -> DeploymentSpec:
@@ -130,7 +137,27 @@ class DeploymentSpec(_Strict):
             raise ValueError("engine 'external' needs 'urls': the base URLs of running servers")
         if self.engine == "sim" and self.gpu is None:
             raise ValueError("engine 'sim' needs 'gpu': the GPU type whose timing it simulates")
+        if self.engine == "vllm" and self.device == "gpu":
+            self._check_gpu_layout()
         return self
+
+    def _check_gpu_layout(self) -> None:
+        per_replica = self.tensor_parallel * self.pipeline_parallel
+        if self.tensor_parallel > self.gpus_per_node:
+            raise ValueError(
+                f"tensor_parallel={self.tensor_parallel} spans more GPUs than one node has "
+                f"(gpus_per_node={self.gpus_per_node}); tensor parallelism needs the GPUs of one machine: "
+                "use pipeline_parallel across nodes instead"
+            )
+        if self.gpus is not None:
+            if len(set(self.gpus)) != len(self.gpus):
+                raise ValueError(f"gpus lists a device twice: {self.gpus}")
+            needed = self.replicas * per_replica
+            if needed > len(self.gpus):
+                raise ValueError(
+                    f"needs {needed} GPUs (replicas {self.replicas} × TP {self.tensor_parallel} × PP "
+                    f"{self.pipeline_parallel}) but 'gpus' declares {len(self.gpus)}: {self.gpus}"
+                )
 
     @property
     def gpus_per_replica(self) -> int:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from corral.config import DeploymentSpec, HuggingFaceSource, ModelSpec, Paths
+import pytest
+
+from corral.config import DeploymentSpec, HuggingFaceSource, ModelSpec, Paths, SpecError, parse_spec
 from corral.engines import engine_named, parse_vllm_load
 
 METRICS = """\
@@ -39,21 +41,55 @@ def test_vllm_command_follows_the_layout(tmp_path: Path) -> None:
         source=HuggingFaceSource(hf="meta-llama/Llama-3.1-70B-Instruct"),
         deployments=[DeploymentSpec(engine="vllm")],
     )
+    python = tmp_path / "python"  # vLLM's own interpreter
+    python.write_text("")
     deployment = DeploymentSpec(
         engine="vllm",
         replicas=2,
         tensor_parallel=2,
         pipeline_parallel=2,
+        gpus=[4, 5, 6, 7, 0, 1, 2, 3],
         quantization="fp8",
         max_model_len=8192,
-        binary=Path("/opt/vllm/bin/python"),
+        binary=python,
+        engine_api_key="sekrit",
     )
     plans = engine_named("vllm").prepare(model, deployment, Paths(tmp_path), lambda _: None)
     argv = list(plans[0].argv)
-    assert argv[:3] == ["/opt/vllm/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
+    assert argv[:3] == [str(python), "-m", "vllm.entrypoints.openai.api_server"]
     flags = {a: b for a, b in zip(argv, [*argv[1:], ""], strict=True) if a.startswith("--")}
     assert flags["--enable-prefix-caching"].startswith("--")  # a switch, no value
     assert flags["--model"] == "meta-llama/Llama-3.1-70B-Instruct" and flags["--served-model-name"] == "llama"
     assert flags["--tensor-parallel-size"] == "2" and flags["--pipeline-parallel-size"] == "2"
     assert flags["--quantization"] == "fp8" and flags["--max-model-len"] == "8192"
-    assert [p.env["CUDA_VISIBLE_DEVICES"] for p in plans] == ["0,1,2,3", "4,5,6,7"]
+    assert flags["--api-key"] == "sekrit" and plans[0].api_key == "sekrit"
+    assert [p.env["CUDA_VISIBLE_DEVICES"] for p in plans] == ["4,5,6,7", "0,1,2,3"]
+    assert "--enforce-eager" not in argv and flags["--gpu-memory-utilization"] == "0.9"
+
+
+def test_cpu_build_flags_and_environment(tmp_path: Path) -> None:
+    python = tmp_path / "python"
+    python.write_text("")
+    model = ModelSpec(
+        name="m", source=HuggingFaceSource(hf="org/m"), deployments=[DeploymentSpec(engine="vllm")]
+    )
+    deployment = DeploymentSpec(engine="vllm", device="cpu", replicas=2, binary=python, kv_cache_gib=1)
+    plans = engine_named("vllm").prepare(model, deployment, Paths(tmp_path), lambda _: None)
+    argv = list(plans[0].argv)
+    assert "--enforce-eager" in argv and argv[argv.index("--dtype") + 1] == "float32"
+    assert "--gpu-memory-utilization" not in argv
+    assert plans[0].env == {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0"}
+    assert plans[1].env["VLLM_CPU_OMP_THREADS_BIND"] == "1"
+
+
+@pytest.mark.parametrize(
+    ("layout", "message"),
+    [
+        ("{engine: vllm, replicas: 2, tensor_parallel: 4, gpus: [0, 1, 2, 3]}", "needs 8 GPUs"),
+        ("{engine: vllm, tensor_parallel: 16}", "spans more GPUs than one node"),
+        ("{engine: vllm, gpus: [0, 0]}", "lists a device twice"),
+    ],
+)
+def test_gpu_layout_is_checked_against_the_declared_devices(layout: str, message: str) -> None:
+    with pytest.raises(SpecError, match=message):
+        parse_spec(f"models:\n  - name: m\n    source: {{hf: a/b}}\n    deployments:\n      - {layout}\n")

@@ -53,7 +53,13 @@ class Supervisor:
         added = []
         for plan in plans:
             index = sum(1 for s in self._slots if s.replica.model == model)
-            replica = Replica(id=f"{model}-{index}", model=model, engine=engine.name, capacity=plan.capacity)
+            replica = Replica(
+                id=f"{model}-{index}",
+                model=model,
+                engine=engine.name,
+                capacity=plan.capacity,
+                api_key=plan.api_key,
+            )
             self._slots.append(_Slot(replica, engine, plan))
             self.replicas.add(replica)
             added.append(replica)
@@ -127,7 +133,7 @@ class Supervisor:
 
     async def _watch(self, slot: _Slot, running: RunningReplica, exited: asyncio.Future[int]) -> str:
         replica, settings = slot.replica, self._settings
-        deadline = time.monotonic() + settings.ready_timeout
+        deadline = time.monotonic() + (slot.plan.startup_s or settings.ready_timeout)
         while not await self._healthy(running.url + slot.plan.health_path):
             if exited.done():
                 return f"exited with code {exited.result()} while starting"

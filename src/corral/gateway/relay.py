@@ -178,6 +178,10 @@ class Relay:
                 await response.write(out)
 
 
+def _with_key(key: str) -> dict[str, str]:
+    return {**_UPSTREAM_HEADERS, "Authorization": f"Bearer {key}"}
+
+
 def _usage_of(body: bytes) -> dict[str, Any] | None:
     """The `usage` object of a JSON answer (None if it has none or is not JSON)."""
     try:

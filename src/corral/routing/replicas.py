@@ -48,6 +48,9 @@ class Replica:
     outstanding: int = 0
     outstanding_tokens: int = 0
     capacity: int | None = None  # concurrent sequences the engine runs (slots, max_num_seqs); None: unknown
+    api_key: str | None = field(
+        default=None, repr=False
+    )  # the engine's own key (vLLM --api-key); never shown
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
     load: EngineLoad | None = None
     pid: int | None = None

