@@ -25,6 +25,7 @@ up: $(VENV)/.installed
 test: $(VENV)/.installed-test
 	bash scripts/test-services.sh
 	$(BIN)/corral prepare -f tests/data/cluster.yaml
+	$(BIN)/corral prepare -f tests/data/vllm-cluster.yaml
 	$(BIN)/pytest -q
 
 lint: $(VENV)/.installed-test
