@@ -41,6 +41,7 @@ __all__ = [
     "Paths",
     "PyPISource",
     "QueueSettings",
+    "RaySettings",
     "RoutingPolicyName",
     "SpecError",
     "StoreSettings",
@@ -130,6 +131,10 @@ class DeploymentSpec(_Strict):
     kv_cache_gib: Annotated[float, Field(gt=0, description="vllm CPU build: KV cache size")] = 1.0
     vllm_package: str | None = Field(default=None, description="pip requirement for a managed vLLM env")
     engine_api_key: str | None = Field(default=None, description="vllm --api-key; the gateway sends it")
+    ray_gpus: Annotated[int, Field(ge=0)] | None = Field(
+        default=None, description="Ray: GPUs a replica reserves (default: vLLM's TP × PP, else 0)"
+    )
+    span_nodes: bool = Field(default=False, description="Ray: pipeline stages may sit on different nodes")
 
     @model_validator(mode="after")
     def _external_has_urls(self) -> DeploymentSpec:
@@ -239,6 +244,13 @@ class QueueSettings(_Strict):
     timeout: Annotated[float, Field(gt=0, description="longest wait for a replica before 503")] = 30.0
 
 
+class RaySettings(_Strict):
+    """Run replicas as Ray actors: join the cluster at `address` ("auto": the local node's), or start one."""
+
+    address: str | None = None
+    placement_timeout: Annotated[float, Field(gt=0)] = 60.0
+
+
 class ClusterSpec(_Strict):
     """The whole declared cluster: models, their deployments, gateway and supervisor settings."""
 
@@ -248,6 +260,7 @@ class ClusterSpec(_Strict):
     store: StoreSettings = Field(default_factory=StoreSettings)
     limits: LimitsSettings = Field(default_factory=LimitsSettings)
     queue: QueueSettings = Field(default_factory=QueueSettings)
+    ray: RaySettings | None = None
     models: Annotated[list[ModelSpec], Field(min_length=1)]
 
     @model_validator(mode="after")

@@ -22,6 +22,14 @@ vllm:prefix_cache_queries_total{engine="0",model_name="m"} 1000.0
 vllm:prefix_cache_hits_total{engine="0",model_name="m"} 640.0
 # TYPE vllm:num_preemptions counter
 vllm:num_preemptions_total{engine="0",model_name="m"} 3.0
+# TYPE vllm:time_to_first_token_seconds histogram
+vllm:time_to_first_token_seconds_bucket{engine="0",le="+Inf",model_name="m"} 4.0
+vllm:time_to_first_token_seconds_count{engine="0",model_name="m"} 4.0
+vllm:time_to_first_token_seconds_sum{engine="0",model_name="m"} 0.8
+# TYPE vllm:inter_token_latency_seconds histogram
+vllm:inter_token_latency_seconds_bucket{engine="0",le="+Inf",model_name="m"} 100.0
+vllm:inter_token_latency_seconds_count{engine="0",model_name="m"} 100.0
+vllm:inter_token_latency_seconds_sum{engine="0",model_name="m"} 3.0
 """
 
 

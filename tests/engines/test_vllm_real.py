@@ -58,4 +58,6 @@ def test_vllm_metrics_are_read_into_the_load(vllm_cluster: RunningCluster, tmp_p
     while vllm_cluster.status()["replicas"][0]["kv_usage"] is None and time.monotonic() < deadline:
         time.sleep(0.5)
     assert vllm_cluster.status()["replicas"][0]["kv_usage"] is not None
-    assert vllm_cluster.status()["replicas"][0]["generated_tokens_total"] > 0
+    shown = vllm_cluster.status()["replicas"][0]
+    assert shown["generated_tokens_total"] > 0
+    assert shown["engine_ttft_mean_ms"] > 0 and shown["engine_itl_mean_ms"] > 0

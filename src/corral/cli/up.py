@@ -17,7 +17,15 @@ from rich.table import Table
 from corral import __version__
 from corral.artifacts import ArtifactError
 from corral.cli.app import app, console, run_async, setup_logging
-from corral.config import ClusterSpec, Paths, SpecError, admin_key_from_env, default_spec, load_spec
+from corral.config import (
+    ClusterSpec,
+    Paths,
+    RaySettings,
+    SpecError,
+    admin_key_from_env,
+    default_spec,
+    load_spec,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -37,11 +45,16 @@ def up(
     file: SpecOption = None,
     host: Annotated[str | None, typer.Option(help="gateway address (overrides the spec)")] = None,
     port: Annotated[int | None, typer.Option(help="gateway port (overrides the spec)")] = None,
+    ray: Annotated[
+        str | None, typer.Option("--ray", help="run replicas on Ray: a cluster address, 'auto', or 'local'")
+    ] = None,
     log_level: Annotated[str, typer.Option(help="debug, info, warning")] = "info",
 ) -> None:
     """Fetch and build what the cluster needs, start its replicas and the gateway; Ctrl-C stops all."""
     setup_logging(log_level)
     spec = _spec(file, host=host, port=port)
+    if ray is not None:
+        spec = spec.model_copy(update={"ray": RaySettings(address=None if ray == "local" else ray)})
     try:
         run_async(_serve(spec, Paths.from_env()))
     except ArtifactError as exc:
@@ -154,13 +167,13 @@ class _ProgressReport:
 
 
 async def _serve(spec: ClusterSpec, paths: Paths) -> None:
-    from corral.cluster import LocalProcessRuntime, Supervisor
+    from corral.cluster import Supervisor
     from corral.gateway import GatewayServer, GatewayServices
     from corral.routing import ReplicaSet, Router
 
     prepared = await asyncio.to_thread(_prepare_all, spec, paths)
     replicas = ReplicaSet()
-    supervisor = Supervisor(replicas, LocalProcessRuntime(paths.logs), spec.supervisor)
+    supervisor = Supervisor(replicas, _runtime(spec, paths), spec.supervisor)
     for model_name, engine, plans in prepared:
         supervisor.add(model_name, engine, plans)
     policies = {m.name: m.routing for m in spec.models if m.routing is not None}
@@ -195,6 +208,26 @@ async def _serve(spec: ClusterSpec, paths: Paths) -> None:
         await gateway.stop()
         await supervisor.stop()
     console.print("[green]stopped[/green]")
+
+
+def _runtime(spec: ClusterSpec, paths: Paths) -> Any:
+    """Local processes, or Ray actors when the spec (or --ray) asks for Ray."""
+    from corral.cluster import LocalProcessRuntime
+
+    if spec.ray is None:
+        return LocalProcessRuntime(paths.logs)
+    from corral.cluster.ray_runtime import RayPlacement, RayRuntime
+
+    placements = {}
+    for model in spec.models:
+        d = model.deployments[0]
+        gpus = (
+            d.ray_gpus
+            if d.ray_gpus is not None
+            else (d.gpus_per_replica if d.engine == "vllm" and d.device == "gpu" else 0)
+        )
+        placements[model.name] = RayPlacement(gpus=gpus, cpus=float(d.threads), span_nodes=d.span_nodes)
+    return RayRuntime(paths.logs, spec.ray.address, placements, spec.ray.placement_timeout)
 
 
 async def _first_of(*aws: Any) -> Any:

@@ -118,6 +118,7 @@ class Supervisor:
         """Serve one incarnation of the replica; the reason it ended. Always stops the process."""
         replica = slot.replica
         replica.url, replica.pid, replica.started_at = running.url, running.pid, time.time()
+        replica.node = getattr(running, "node_id", None)
         exited = asyncio.ensure_future(running.wait())
         try:
             return await self._watch(slot, running, exited)

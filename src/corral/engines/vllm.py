@@ -32,7 +32,15 @@ def parse_vllm_load(metrics_text: str) -> EngineLoad:
         prefix_cache_queries_total=values.get("vllm:prefix_cache_queries_total", 0.0),
         prefix_cache_hits_total=values.get("vllm:prefix_cache_hits_total", 0.0),
         preemptions_total=values.get("vllm:num_preemptions_total", 0.0),
+        ttft_mean_s=_mean(values, "vllm:time_to_first_token_seconds"),
+        itl_mean_s=_mean(values, "vllm:inter_token_latency_seconds")
+        or _mean(values, "vllm:time_per_output_token_seconds"),
     )
+
+
+def _mean(values: dict[str, float], histogram: str) -> float | None:
+    count = values.get(histogram + "_count", 0.0)
+    return values.get(histogram + "_sum", 0.0) / count if count else None
 
 
 class VllmEngine:

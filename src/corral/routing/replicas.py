@@ -33,6 +33,8 @@ class EngineLoad:
     prefix_cache_queries_total: float = 0.0
     prefix_cache_hits_total: float = 0.0
     preemptions_total: float = 0.0
+    ttft_mean_s: float | None = None  # the engine's own time-to-first-token, averaged since it started
+    itl_mean_s: float | None = None  # likewise, time between output tokens
     scraped_at: float = field(default_factory=time.time)
 
 
@@ -54,6 +56,7 @@ class Replica:
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
     load: EngineLoad | None = None
     pid: int | None = None
+    node: str | None = None  # the Ray node it runs on (None: this machine)
     restarts: int = 0
     started_at: float | None = None
     last_error: str | None = None
@@ -74,6 +77,7 @@ class Replica:
             "url": self.url,
             "state": str(self.state),
             "pid": self.pid,
+            "node": self.node,
             "restarts": self.restarts,
             "outstanding": self.outstanding,
             "capacity": self.capacity,
@@ -91,6 +95,8 @@ class Replica:
                 else None
             ),
             "generated_tokens_total": load.generated_tokens_total if load else None,
+            "engine_ttft_mean_ms": round(load.ttft_mean_s * 1000, 2) if load and load.ttft_mean_s else None,
+            "engine_itl_mean_ms": round(load.itl_mean_s * 1000, 2) if load and load.itl_mean_s else None,
             "last_error": self.last_error,
         }
 

@@ -1,0 +1,181 @@
+"""The Ray runtime: each replica is a Ray actor, placed with a placement group that reserves its GPUs (and
+CPUs) on the nodes of a Ray cluster; the actor starts and watches the engine process on its node.
+
+Placement: one bundle per GPU a replica needs (TP × PP), plus its CPUs. `STRICT_PACK` keeps a replica on one
+node (tensor parallelism needs the GPUs of one machine); a deployment that allows pipeline stages to span
+nodes uses `PACK`. The engine gets the reserved group's id in `CORRAL_RAY_PLACEMENT_GROUP` and the Ray
+address in `RAY_ADDRESS`, for engines that start their own Ray workers (vLLM's
+`--distributed-executor-backend ray`, passed through `engine_args`). When a node dies, its
+actors die with it: the supervisor sees the replica exit, stops routing to it at once, and starts it again,
+on another node if the cluster has room.
+
+The supervisor talks to this class only through the `ReplicaRuntime` interface; the gateway sees the same
+replica set as with local processes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from corral.cluster.runtime import AttachedReplica, RunningReplica
+from corral.engines import LaunchPlan
+
+__all__ = ["RayPlacement", "RayRuntime"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RayPlacement:
+    """What one replica reserves on the Ray cluster."""
+
+    gpus: int = 0
+    cpus: float = 1.0
+    span_nodes: bool = False  # pipeline stages may sit on different nodes
+
+
+class _EngineHost:
+    """Runs inside the Ray actor, on the chosen node: starts the engine and reports where it listens."""
+
+    def __init__(self) -> None:
+        self._process: subprocess.Popen[bytes] | None = None
+
+    def start(self, argv: list[str], env: dict[str, str], log_path: str) -> tuple[str, int, str]:
+        import ray
+
+        host: str = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
+        with socket.socket() as sock:
+            sock.bind((host, 0))
+            port = int(sock.getsockname()[1])
+        command = [arg.format(host=host, port=port) for arg in argv]
+        Path(log_path).parent.mkdir(parents=True, exist_ok=True)
+        with open(log_path, "ab") as log:
+            self._process = subprocess.Popen(
+                command,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, **env},
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
+        return host, port, ray.get_runtime_context().get_node_id()
+
+    def wait(self) -> int:
+        assert self._process is not None
+        return self._process.wait()
+
+    def stop(self, grace: float) -> None:
+        if self._process is None or self._process.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self._process.pid, signal.SIGTERM)
+        try:
+            self._process.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self._process.pid, signal.SIGKILL)
+            self._process.wait()
+
+
+def _die_with_parent() -> None:
+    import ctypes
+
+    ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: the engine dies with its actor
+
+
+class RayReplica:
+    """A replica running as an actor in a placement group."""
+
+    def __init__(self, actor: Any, group: Any, url: str, node_id: str) -> None:
+        self._actor = actor
+        self._group = group
+        self.url = url
+        self.pid: int | None = None
+        self.node_id = node_id
+        self._waiter = actor.wait.remote()
+
+    async def wait(self) -> int:
+        import ray
+
+        try:
+            return int(await self._waiter)
+        except ray.exceptions.RayError as exc:  # the actor or its node died
+            logger.warning("replica actor at %s is gone: %s", self.url, type(exc).__name__)
+            return -1
+
+    async def stop(self, grace: float) -> None:
+        import ray
+
+        with contextlib.suppress(ray.exceptions.RayError):
+            await asyncio.wait_for(self._actor.stop.remote(grace), grace + 5)
+        with contextlib.suppress(Exception):
+            ray.kill(self._actor)
+        with contextlib.suppress(Exception):
+            ray.util.remove_placement_group(self._group)
+
+
+class RayRuntime:
+    """Starts replicas on a Ray cluster (joined by address, or a local one started here)."""
+
+    def __init__(
+        self,
+        logs: Path,
+        address: str | None = None,
+        placements: dict[str, RayPlacement] | None = None,
+        placement_timeout: float = 60.0,
+    ) -> None:
+        import ray
+
+        if not ray.is_initialized():
+            ray.init(address=address, log_to_driver=False, include_dashboard=False)
+        self._logs = logs
+        self._placements = placements or {}
+        self._timeout = placement_timeout
+        self._host_class = ray.remote(num_cpus=0)(_EngineHost)
+
+    async def start(self, replica_id: str, plan: LaunchPlan) -> RunningReplica:
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        if plan.url is not None:
+            return AttachedReplica(plan.url)
+        placement = self._placements.get(replica_id.rsplit("-", 1)[0], RayPlacement())
+        bundles: list[dict[str, float]] = [{"GPU": 1.0} for _ in range(placement.gpus)] or [{}]
+        bundles[0] = {**bundles[0], "CPU": placement.cpus}
+        strategy = "PACK" if placement.span_nodes else "STRICT_PACK"
+        group = placement_group(bundles, strategy=strategy, name=f"corral-{replica_id}")
+        try:
+            await asyncio.wait_for(group.ready(), self._timeout)
+        except TimeoutError as exc:
+            ray.util.remove_placement_group(group)
+            raise OSError(
+                f"no Ray node has room for {bundles} ({strategy}) within {self._timeout:g}s"
+            ) from exc
+        actor: Any = self._host_class.options(
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement_group=group, placement_group_bundle_index=0
+            ),
+        ).remote()
+        env = {
+            **plan.env,
+            "CORRAL_RAY_PLACEMENT_GROUP": group.id.hex(),
+            "RAY_ADDRESS": ray.get_runtime_context().gcs_address,
+        }
+        log = str(self._logs / f"{replica_id.replace('/', '_')}.log")
+        try:
+            host, port, node_id = await actor.start.remote(list(plan.argv), env, log)
+        except ray.exceptions.RayError as exc:
+            ray.util.remove_placement_group(group)
+            raise OSError(f"the replica actor failed to start: {exc}") from exc
+        return RayReplica(actor, group, f"http://{host}:{port}", node_id)
