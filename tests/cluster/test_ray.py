@@ -4,7 +4,6 @@ declaring GPU resources, running real llama.cpp replicas as actors."""
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -37,7 +36,6 @@ MESSAGES = [{"role": "user", "content": "Say hello."}]
 
 @pytest.fixture(scope="module")
 def ray_cluster() -> Iterator[tuple[Cluster, dict[str, object]]]:
-    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"  # no reporting home from a test
     local = {"node_ip_address": "127.0.0.1"}  # every node on loopback: traffic stays on this machine
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "num_gpus": 0, **local})
     nodes = {
@@ -84,6 +82,13 @@ async def fleet(
     await supervisor.stop()
 
 
+async def all_ready(supervisor: Supervisor, within: float = 90) -> None:
+    deadline = time.monotonic() + within
+    while not all(r.ready for r in supervisor.replicas):
+        assert time.monotonic() < deadline, [(r.id, r.state, r.last_error) for r in supervisor.replicas]
+        await asyncio.sleep(0.2)
+
+
 def node_ids(nodes: dict[str, object]) -> dict[str, str]:
     return {name: node.node_id for name, node in nodes.items()}  # type: ignore[attr-defined]
 
@@ -92,7 +97,7 @@ async def test_replicas_run_as_actors_on_nodes_with_enough_gpus(
     ray_cluster: tuple[Cluster, dict[str, object]], fleet: tuple[Supervisor, str]
 ) -> None:
     supervisor, base_url = fleet
-    assert await supervisor.wait_ready(90)
+    await all_ready(supervisor)
     ids = node_ids(ray_cluster[1])
     placed = {r.node for r in supervisor.replicas.of("smollm2")}
     assert len(placed) == 2 and placed <= {ids["b"], ids["c"], ids["d"]}  # never the 1-GPU node
@@ -107,7 +112,7 @@ async def test_removing_a_node_moves_its_replica_and_traffic_keeps_flowing(
 ) -> None:
     cluster, nodes = ray_cluster
     supervisor, base_url = fleet
-    assert await supervisor.wait_ready(90)
+    await all_ready(supervisor)
     victim = supervisor.replicas.of("smollm2")[0]
     doomed = next(n for n in nodes.values() if n.node_id == victim.node)  # type: ignore[attr-defined]
     client = openai.AsyncOpenAI(base_url=base_url, api_key="none", max_retries=0, timeout=60)

@@ -116,12 +116,14 @@ class RayReplica:
     async def stop(self, grace: float) -> None:
         import ray
 
-        with contextlib.suppress(ray.exceptions.RayError):
+        try:
             await asyncio.wait_for(self._actor.stop.remote(grace), grace + 5)
-        with contextlib.suppress(Exception):
+        except (ray.exceptions.RayError, TimeoutError) as exc:
+            logger.info("replica actor at %s did not stop cleanly: %s", self.url, type(exc).__name__)
+        with contextlib.suppress(ray.exceptions.RayError, ValueError):  # already gone
             ray.kill(self._actor)
-        with contextlib.suppress(Exception):
-            ray.util.remove_placement_group(self._group)
+        with contextlib.suppress(ray.exceptions.RayError, ValueError):
+            ray.util.remove_placement_group(self._group)  # frees the GPUs for the next placement
 
 
 class RayRuntime:
@@ -154,7 +156,7 @@ class RayRuntime:
         bundles: list[dict[str, float]] = [{"GPU": 1.0} for _ in range(placement.gpus)] or [{}]
         bundles[0] = {**bundles[0], "CPU": placement.cpus}
         strategy = "PACK" if placement.span_nodes else "STRICT_PACK"
-        group = placement_group(bundles, strategy=strategy, name=f"corral-{replica_id}")
+        group = placement_group(bundles, strategy=strategy)
         try:
             await asyncio.wait_for(group.ready(), self._timeout)
         except TimeoutError as exc:

@@ -34,6 +34,7 @@ class _Slot:
     engine: EngineAdapter
     plan: LaunchPlan
     task: asyncio.Task[None] | None = None
+    running: RunningReplica | None = None
 
 
 class Supervisor:
@@ -88,6 +89,14 @@ class Supervisor:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        # A cancelled task's shielded stop may still be running: finish every stop before returning.
+        still = [s for s in self._slots if s.running is not None]
+        await asyncio.gather(
+            *(s.running.stop(self._settings.stop_timeout) for s in still if s.running), return_exceptions=True
+        )
+        for slot in still:
+            slot.running = None
+            slot.replica.state = ReplicaState.STOPPED
         if self._session is not None:
             await self._session.close()
 
@@ -100,7 +109,8 @@ class Supervisor:
             launched = time.monotonic()
             try:
                 running = await self._runtime.start(replica.id, slot.plan)
-            except OSError as exc:
+            except Exception as exc:  # any runtime failure: log it, back off, try again
+                logger.exception("replica %s: the runtime could not start it", replica.id)
                 reason = f"launch failed: {exc}"
             else:
                 reason = await self._run(slot, running)
@@ -119,6 +129,7 @@ class Supervisor:
         replica = slot.replica
         replica.url, replica.pid, replica.started_at = running.url, running.pid, time.time()
         replica.node = getattr(running, "node_id", None)
+        slot.running = running
         exited = asyncio.ensure_future(running.wait())
         try:
             return await self._watch(slot, running, exited)
@@ -129,6 +140,7 @@ class Supervisor:
             if self._stopping:
                 replica.state = ReplicaState.STOPPING
             await asyncio.shield(running.stop(self._settings.stop_timeout))
+            slot.running = None
             if self._stopping:
                 replica.state = ReplicaState.STOPPED
 
