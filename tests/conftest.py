@@ -18,7 +18,7 @@ import pytest
 
 from corral.cluster import free_port
 
-# Ray in the tests runs on one machine: on loopback only (not the machine's other addresses), reporting nothing.
+# Ray in the tests runs on one machine, on loopback only (not its other addresses), reporting nothing.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
