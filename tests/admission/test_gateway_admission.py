@@ -14,7 +14,7 @@ import aiohttp
 import openai
 import pytest
 
-from corral.config import AuthSettings, GatewaySettings, QueueSettings
+from corral.config import AuthSettings, GatewaySettings, Paths, QueueSettings
 from corral.gateway import GatewayServer, GatewayServices
 from corral.routing import Replica, ReplicaSet, ReplicaState, Router
 
@@ -240,3 +240,42 @@ async def test_full_queue_and_deadline_give_503_with_retry_after(tmp_path: Path)
     finally:
         await server.stop()
         await hang.stop()
+
+
+async def test_input_tokens_are_counted_with_the_models_tokenizer(
+    tmp_path: Path, upstream: ScriptedUpstream
+) -> None:
+    """A 60-word prompt is ~60 tokens by SmolLM2's tokenizer, but its 400-byte body estimates at 100+:
+    with the tokenizer the request fits a 100-token-per-minute key; with the estimate it is too large."""
+    tokenizer = next((Paths.from_env().models / "hf-from-gguf").glob("SmolLM2*/tokenizer.json"))
+    replicas = ReplicaSet(["m"])
+    replicas.add(Replica(id="m-0", model="m", engine="x", url=upstream.url, state=ReplicaState.READY))
+    body = {"model": "m", "max_tokens": 10, "messages": [{"role": "user", "content": "hello " * 60}]}
+    outcomes = []
+    for tokenizers in ({"m": tokenizer}, None):
+        services = make_services(
+            replicas,
+            tmp_path / f"{bool(tokenizers)}.db",
+            auth=AuthSettings(open=False),
+            admin_key=ADMIN,
+            tokenizers=tokenizers,
+        )
+        server = GatewayServer(GatewaySettings(port=0), Router(replicas), services)
+        await server.start()
+        try:
+            key, _ = services.keys.create("t", tpm=100)
+            async with (
+                aiohttp.ClientSession() as session,
+                session.post(
+                    f"http://127.0.0.1:{server.port}/v1/chat/completions",
+                    json=body,
+                    headers={"Authorization": f"Bearer {key}"},
+                ) as response,
+            ):
+                outcomes.append(
+                    (response.status, (await response.json()).get("error", {}).get("message", ""))
+                )
+        finally:
+            await server.stop()
+    assert outcomes[0][0] == 200
+    assert outcomes[1][0] == 429 and "too large" in outcomes[1][1]

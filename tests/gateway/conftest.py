@@ -166,6 +166,7 @@ def make_services(
     limits: LimitsSettings | None = None,
     queue: QueueSettings | None = None,
     admin_key: str | None = None,
+    tokenizers: dict[str, Path] | None = None,
 ) -> GatewayServices:
     """Admission services over a fresh SQLite database; open access unless `auth` says otherwise."""
     return GatewayServices.build(
@@ -176,6 +177,7 @@ def make_services(
         limits or LimitsSettings(),
         queue or QueueSettings(),
         admin_key,
+        tokenizers,
     )
 
 

@@ -4,6 +4,7 @@ from corral.admission.auth import ANONYMOUS, Authenticator, Principal
 from corral.admission.budget import BudgetTracker
 from corral.admission.limits import Limiter, MemoryLimiter, RedisLimiter, Reservation
 from corral.admission.queue import FairQueue
+from corral.admission.tokens import TokenCounter
 
 __all__ = [
     "ANONYMOUS",
@@ -15,4 +16,5 @@ __all__ = [
     "Principal",
     "RedisLimiter",
     "Reservation",
+    "TokenCounter",
 ]

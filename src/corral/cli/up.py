@@ -186,6 +186,7 @@ async def _serve(spec: ClusterSpec, paths: Paths) -> None:
         spec.limits,
         spec.queue,
         admin_key_from_env(spec.auth.admin_key),
+        {m.name: m.tokenizer for m in spec.models if m.tokenizer is not None},
     )
     if spec.auth.open:
         logger.warning("OPEN ACCESS: requests without an API key are served (auth.open is true in the spec)")

@@ -112,13 +112,18 @@ class Pipeline:
         max_tokens = (body.max_completion_tokens if isinstance(body, ChatCompletionRequest) else None) or (
             body.max_tokens or _DEFAULT_OUTPUT_ESTIMATE
         )
+        counter = self._services.token_counters.get(body.model)
+        prompt = prompt_text(body) if counter is not None else ""
+        input_tokens = (
+            counter.count(prompt) if counter is not None else int(len(raw) * self._services.tokens_per_byte)
+        )
         route = RouteRequest(
             model=body.model,
-            tokens=int(len(raw) * self._services.tokens_per_byte) + max_tokens * body.n,
+            tokens=input_tokens + max_tokens * body.n,
             session=request.headers.get("x-session-id") or body.user,
         )
         if getattr(self._router.policy_for(body.model), "needs_prompt", False):
-            route.prompt = prompt_text(body)
+            route.prompt = prompt or prompt_text(body)
         return RequestContext(
             path=request.path, body=body, upstream_body=upstream, received_at=time.monotonic(), route=route
         )

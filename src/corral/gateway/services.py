@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
-from corral.admission import Authenticator, BudgetTracker, FairQueue, Limiter, MemoryLimiter, RedisLimiter
+from corral.admission import (
+    Authenticator,
+    BudgetTracker,
+    FairQueue,
+    Limiter,
+    MemoryLimiter,
+    RedisLimiter,
+    TokenCounter,
+)
 from corral.config import AuthSettings, LimitsSettings, QueueSettings, StoreSettings
 from corral.routing import ReplicaSet
 from corral.store import KeyStore, UsageStore, open_database
@@ -24,6 +33,7 @@ class GatewayServices:
     open_access: bool
     tokens_per_byte: float
     flush_interval: float
+    token_counters: dict[str, TokenCounter] = field(default_factory=dict)
 
     @classmethod
     def build(
@@ -35,6 +45,7 @@ class GatewayServices:
         limits: LimitsSettings,
         queue: QueueSettings,
         admin_key: str | None,
+        tokenizers: dict[str, Path] | None = None,
     ) -> GatewayServices:
         engine = open_database(store.url or database_url)
         keys, usage = KeyStore(engine), UsageStore(engine)
@@ -54,4 +65,5 @@ class GatewayServices:
             open_access=auth.open,
             tokens_per_byte=limits.tokens_per_char,
             flush_interval=store.flush_interval,
+            token_counters={model: TokenCounter(path) for model, path in (tokenizers or {}).items()},
         )
