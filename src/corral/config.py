@@ -177,6 +177,7 @@ class ModelSpec(_Strict):
     routing: RoutingPolicyName | None = Field(
         default=None, description="routing policy; gateway's default if unset"
     )
+    tokenizer: Path | None = Field(default=None, description="tokenizer.json: count input tokens exactly")
     source: ModelSource | None = None
     deployments: Annotated[list[DeploymentSpec], Field(min_length=1)]
 

@@ -14,13 +14,12 @@ import platform
 import re
 import shutil
 import subprocess
-import sys
 import tarfile
 import tempfile
 from pathlib import Path
 
 from corral.artifacts.locks import file_lock
-from corral.artifacts.models import ArtifactError, Progress
+from corral.artifacts.models import ArtifactError, Progress, pip_download
 from corral.config import Paths
 
 __all__ = ["LLAMA_CPP_SDIST", "build_llama_server", "find_llama_server", "llama_server"]
@@ -99,30 +98,13 @@ def build_llama_server(paths: Paths, progress: Progress = lambda _: None) -> Pat
 
 def _fetch_sources(tmp: Path, progress: Progress) -> Path:
     progress(f"downloading llama.cpp sources ({LLAMA_CPP_SDIST} sdist)")
-    cmd = [
-        sys.executable,
-        "-m",
-        "pip",
-        "download",
-        "--no-deps",
-        "--no-binary",
-        ":all:",
-        "--disable-pip-version-check",
-        "-q",
-        "-d",
-        str(tmp),
-        LLAMA_CPP_SDIST,
-    ]
-    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    archives = list(tmp.glob("*.tar.gz"))
-    if done.returncode != 0 or not archives:
-        raise ArtifactError(f"cannot download {LLAMA_CPP_SDIST}: {done.stderr.strip()[-400:]}")
+    archive = pip_download(LLAMA_CPP_SDIST, tmp, "--no-binary", ":all:")
     progress("unpacking llama.cpp sources")
-    with tarfile.open(archives[0]) as tf:
+    with tarfile.open(archive) as tf:
         tf.extractall(tmp, filter="data")
     vendored = next(tmp.glob("*/vendor/llama.cpp"), None)
     if vendored is None:
-        raise ArtifactError(f"{archives[0].name} does not vendor llama.cpp")
+        raise ArtifactError(f"{archive.name} does not vendor llama.cpp")
     return vendored
 
 

