@@ -1,14 +1,33 @@
 #!/usr/bin/env bash
-# Start the local services the test suite talks to, if they are not running (idempotent).
-# The embedded default needs none; Redis and PostgreSQL back the shared-state tests.
+# Start the local services the test suite talks to (idempotent): Redis on 127.0.0.1:6379 and PostgreSQL on
+# 127.0.0.1:5432 (trust auth, database `test`). Installs them from Debian's packages if the machine lacks them.
+# The embedded default (`corral up`) needs neither.
 set -euo pipefail
-if command -v redis-cli >/dev/null && ! redis-cli -h 127.0.0.1 ping >/dev/null 2>&1; then
+
+install() {
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@" >/dev/null
+  else
+    echo "missing $*: install it (Debian: apt-get install $*)" >&2
+    exit 1
+  fi
+}
+
+command -v redis-server >/dev/null || install redis-server
+if ! redis-cli -h 127.0.0.1 ping >/dev/null 2>&1; then
   echo "starting redis"
+  mkdir -p /var/lib/redis /var/log/redis
   redis-server --daemonize yes --bind 127.0.0.1 -::1 --port 6379 --save "" --appendonly no \
     --dir /var/lib/redis --logfile /var/log/redis/ci.log
 fi
-if command -v pg_ctlcluster >/dev/null && ! pg_isready -h 127.0.0.1 -p 5432 -q 2>/dev/null; then
+
+command -v pg_ctlcluster >/dev/null || install postgresql
+if ! pg_isready -h 127.0.0.1 -p 5432 -q 2>/dev/null; then
   echo "starting postgresql"
   pg_ctlcluster --skip-systemctl-redirect "$(ls /etc/postgresql | head -1)" main start
+fi
+for _ in $(seq 30); do pg_isready -h 127.0.0.1 -p 5432 -q && break; sleep 1; done
+if ! psql -h 127.0.0.1 -U postgres -tAc "SELECT 1 FROM pg_database WHERE datname='test'" 2>/dev/null | grep -q 1; then
+  psql -h 127.0.0.1 -U postgres -c "CREATE DATABASE test" >/dev/null 2>&1 || true
 fi
 exit 0
