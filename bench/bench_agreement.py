@@ -14,15 +14,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
 from pathlib import Path
 from typing import Any
+
+from _harness import free_port, spawn, stop, wait_http
 
 ROOT = Path(__file__).resolve().parent.parent
 _VLLM_BENCH = """
@@ -32,12 +30,6 @@ parser = argparse.ArgumentParser()
 add_cli_args(parser)
 main(parser.parse_args(sys.argv[1:]))
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def cache_home() -> Path:
@@ -62,7 +54,7 @@ def main() -> None:
     if not vllm_python.exists() or tokenizer is None:
         sys.exit("vLLM is not prepared: run `.venv/bin/corral prepare -f tests/data/vllm-cluster.yaml` first")
     port = free_port()
-    sim = subprocess.Popen(
+    sim = spawn(
         [
             sys.executable,
             "-m",
@@ -76,14 +68,11 @@ def main() -> None:
             "llama",
             "--port",
             str(port),
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
+        ]
     )
     base = f"http://127.0.0.1:{port}"
     try:
-        _wait(base + "/health")
+        wait_http(base + "/health")
         with tempfile.TemporaryDirectory() as tmp:
             ours = Path(tmp) / "corral.json"
             common = [
@@ -131,8 +120,7 @@ def main() -> None:
             )
             corral, vllm = json.loads(ours.read_text()), json.loads((theirs_dir / "vllm.json").read_text())
     finally:
-        os.killpg(sim.pid, signal.SIGINT)
-        sim.wait(timeout=20)
+        stop(sim)
     report = compare(corral, vllm)
     report["workload"] = vars(args) | {"output": str(args.output)}
     args.output.parent.mkdir(parents=True, exist_ok=True)
@@ -155,17 +143,6 @@ def compare(corral: dict[str, Any], vllm: dict[str, Any]) -> dict[str, Any]:
     }
     worst = max(abs(r["relative_difference"]) for k, r in rows.items() if k != "median_ttft_ms")
     return {"benchmark": "bench_agreement", "metrics": rows, "max_relative_difference": worst, "target": 0.05}
-
-
-def _wait(url: str, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(url, timeout=1):
-                return
-        except OSError:
-            time.sleep(0.2)
-    raise RuntimeError(f"{url} did not come up")
 
 
 if __name__ == "__main__":

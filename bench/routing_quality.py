@@ -22,12 +22,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
-import signal
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,6 +34,7 @@ from typing import Any
 
 import aiohttp
 import orjson
+from _harness import spawn, stop, wait_http
 
 ROOT = Path(__file__).resolve().parent.parent
 POLICIES = [
@@ -67,18 +65,6 @@ def _free(port: int) -> bool:
         except OSError:
             return False
         return True
-
-
-def wait_http(url: str, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(url, timeout=1) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.2)
-    raise RuntimeError(f"{url} did not come up")
 
 
 class Workload:
@@ -184,7 +170,7 @@ def run_policy(policy: str, args: argparse.Namespace, rate: float | None) -> dic
             "models:\n  - name: llama\n"
             f"    deployments: [{{engine: external, urls: {json.dumps(urls)}}}]\n"
         )
-        fleet = subprocess.Popen(
+        fleet = spawn(
             [
                 sys.executable,
                 "-m",
@@ -203,16 +189,10 @@ def run_policy(policy: str, args: argparse.Namespace, rate: float | None) -> dic
                 "--time-scale",
                 str(args.time_scale),
             ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
         )
-        gateway = subprocess.Popen(
+        gateway = spawn(
             [sys.executable, "-m", "corral.cli", "up", "-f", str(spec), "--log-level", "warning"],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
-            env={**os.environ, "CORRAL_HOME": tmp},
+            env={"CORRAL_HOME": tmp},
         )
         try:
             wait_http(urls[-1] + "/health")
@@ -242,13 +222,7 @@ def run_policy(policy: str, args: argparse.Namespace, rate: float | None) -> dic
             result["prefix_cache_hit_rate"] = round(fleet_hit_rate(urls), 4)
             return result
         finally:
-            for proc in (gateway, fleet):
-                os.killpg(proc.pid, signal.SIGINT)
-            for proc in (gateway, fleet):
-                try:
-                    proc.wait(timeout=20)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
+            stop(gateway, fleet)
 
 
 def main() -> None:
