@@ -96,11 +96,3 @@ class PerfModel:
         size = tokens * self.model.hidden * 2
         ring = 2 * (self.tp - 1) / self.tp * size / (self.gpu.interconnect_gbs * 1e9)
         return ring + self.efficiency.comm_latency_s
-
-    def prefill_time(self, prompt_tokens: int) -> float:
-        """One prompt prefilled alone in one step (the floor of TTFT)."""
-        return self.step_time(0, 0, prompt_tokens, prompt_tokens * prompt_tokens / 2)
-
-    def decode_step_time(self, batch: int, context: int) -> float:
-        """One decode step of `batch` sequences of `context` tokens each."""
-        return self.step_time(batch, batch * context)

@@ -22,8 +22,7 @@ class LoadResult:
     concurrency: int
     ttft_p50: float
     ttft_p95: float
-    itl_mean: float
-    tpot_mean: float
+    itl_mean: float  # mean time per output token after the first (TPOT; one token per step)
     e2e_p50: float
     output_tokens_per_s: float
     requests_per_s: float
@@ -144,7 +143,6 @@ def _summarise(
         ttft_p50=_quantile(ttfts, 0.5),
         ttft_p95=_quantile(ttfts, 0.95),
         itl_mean=statistics.fmean(tpots) if tpots else 0.0,
-        tpot_mean=statistics.fmean(tpots) if tpots else 0.0,
         e2e_p50=_quantile(e2e, 0.5),
         output_tokens_per_s=tokens / window,
         requests_per_s=len(sample) / window,

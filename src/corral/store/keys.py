@@ -121,9 +121,6 @@ class KeyStore:
                 row.revoked_at = datetime.now(UTC)
             return _record(row)
 
-    def count_active(self) -> int:
-        return len(self.list())
-
 
 def _record(row: ApiKeyRow) -> KeyRecord:
     return KeyRecord(
