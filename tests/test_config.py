@@ -20,9 +20,9 @@ def test_default_spec_serves_smollm2_on_two_llamacpp_replicas() -> None:
     assert (spec.gateway.host, spec.gateway.port) == ("127.0.0.1", 8000)
 
 
-@pytest.mark.parametrize("name", ["cluster.yaml", "sources.yaml"])
-def test_example_files_are_valid(name: str) -> None:
-    assert isinstance(load_spec(ROOT / "examples" / name), ClusterSpec)
+@pytest.mark.parametrize("path", sorted((ROOT / "examples").glob("*.yaml")), ids=lambda p: p.name)
+def test_example_files_are_valid(path: Path) -> None:
+    assert isinstance(load_spec(path), ClusterSpec)
 
 
 def test_the_written_out_default_equals_the_embedded_one() -> None:
