@@ -15,7 +15,7 @@ from ray.cluster_utils import Cluster
 
 from corral.cluster import Supervisor
 from corral.cluster.ray_runtime import RayPlacement, RayRuntime
-from corral.config import GatewaySettings, Paths, SupervisorSettings, default_spec
+from corral.config import GatewaySettings, SupervisorSettings
 from corral.engines import LaunchPlan, LlamaCppEngine
 from corral.gateway import GatewayServer
 from corral.routing import ReplicaSet, ReplicaState, Router
@@ -53,25 +53,16 @@ def ray_cluster() -> Iterator[tuple[Cluster, dict[str, object]]]:
     cluster.shutdown()
 
 
-@pytest.fixture(scope="module")
-def plan() -> LaunchPlan:
-    model = default_spec().models[0]
-    deployment = model.deployments[0].model_copy(
-        update={"replicas": 1, "parallel": 2, "context_length": 1024}
-    )
-    return LlamaCppEngine().prepare(model, deployment, Paths.from_env(), lambda _: None)[0]
-
-
 @pytest.fixture
 async def fleet(
-    ray_cluster: tuple[Cluster, dict[str, object]], plan: LaunchPlan, tmp_path: Path
+    ray_cluster: tuple[Cluster, dict[str, object]], llama_plan: LaunchPlan, tmp_path: Path
 ) -> AsyncIterator[tuple[Supervisor, str]]:
     runtime = RayRuntime(
         tmp_path / "logs", placements={"smollm2": RayPlacement(gpus=2, cpus=1)}, placement_timeout=20
     )
     replicas = ReplicaSet()
     supervisor = Supervisor(replicas, runtime, SETTINGS)
-    supervisor.add("smollm2", LlamaCppEngine(), [plan, plan])
+    supervisor.add("smollm2", LlamaCppEngine(), [llama_plan, llama_plan])
     await supervisor.start()
     gateway = GatewayServer(
         GatewaySettings(port=0), Router(replicas), make_services(replicas, tmp_path / "c.db")
@@ -143,8 +134,8 @@ async def test_removing_a_node_moves_its_replica_and_traffic_keeps_flowing(
 
 
 async def test_a_replica_needing_more_gpus_than_any_node_has_is_refused(
-    ray_cluster: tuple[Cluster, dict[str, object]], plan: LaunchPlan, tmp_path: Path
+    ray_cluster: tuple[Cluster, dict[str, object]], llama_plan: LaunchPlan, tmp_path: Path
 ) -> None:
     runtime = RayRuntime(tmp_path, placements={"big": RayPlacement(gpus=3)}, placement_timeout=3)
     with pytest.raises(OSError, match="no Ray node has room"):
-        await runtime.start("big-0", plan)
+        await runtime.start("big-0", llama_plan)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from corral.cluster import LocalProcessRuntime, Supervisor
-from corral.config import Paths, SupervisorSettings, default_spec
+from corral.config import SupervisorSettings
 from corral.engines import LaunchPlan, LlamaCppEngine
 from corral.routing import Replica, ReplicaSet, ReplicaState
 
@@ -27,16 +27,6 @@ FAST = SupervisorSettings(
     stop_timeout=1.0,
     ready_timeout=60,
 )
-
-
-@pytest.fixture(scope="module")
-def llama_plan() -> LaunchPlan:
-    """A real llama-server launch plan for SmolLM2 (built/fetched into the cache if missing)."""
-    model = default_spec().models[0]
-    deployment = model.deployments[0].model_copy(
-        update={"replicas": 1, "parallel": 2, "context_length": 1024}
-    )
-    return LlamaCppEngine().prepare(model, deployment, Paths.from_env(), lambda _: None)[0]
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from corral.admission.auth import Principal
 from corral.protocol import NoCapacity
-from corral.routing import ReplicaSet
+from corral.routing import Replica, ReplicaSet
 
 __all__ = ["FairQueue"]
 
@@ -115,13 +115,14 @@ class FairQueue:
     async def enter(self, model: str, principal: Principal) -> float:
         """Wait for a free slot; seconds waited. Raises NoCapacity when full or too late."""
         queue = self._queues.setdefault(model, _ModelQueue())
-        if not self._replicas.ready(model):
+        ready = self._replicas.ready(model)
+        if not ready:
             raise NoCapacity(
                 f"No replica of model '{model}' is ready.",
                 code="no_ready_replica",
                 retry_after=self._replicas.retry_after(model),
             )
-        if queue.size == 0 and self._free_slots(model, queue) > 0:
+        if queue.size == 0 and self._free_slots(queue, ready) > 0:
             queue.served(principal.tenant)
             return 0.0
         if queue.size >= self._max:
@@ -161,16 +162,16 @@ class FairQueue:
             queue.finished.append(time.monotonic())
             self._wake(model, queue)
 
-    def _free_slots(self, model: str, queue: _ModelQueue) -> int:
+    def _free_slots(self, queue: _ModelQueue, ready: list[Replica]) -> int:
         free = 0
-        for replica in self._replicas.ready(model):
+        for replica in ready:
             if replica.capacity is None:
                 return 1 << 30
             free += max(0, replica.capacity - replica.outstanding)
         return free - queue.granted
 
     def _wake(self, model: str, queue: _ModelQueue) -> None:
-        free = self._free_slots(model, queue)
+        free = self._free_slots(queue, self._replicas.ready(model))
         while free > 0 and (waiter := queue.pop()) is not None:
             if waiter.future.done():
                 continue
