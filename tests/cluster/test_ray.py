@@ -4,10 +4,13 @@ declaring GPU resources, running real llama.cpp replicas as actors."""
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
+import aiohttp
 import openai
 import pytest
 import ray
@@ -15,11 +18,12 @@ from ray.cluster_utils import Cluster
 
 from corral.cluster import Supervisor
 from corral.cluster.ray_runtime import RayPlacement, RayRuntime
-from corral.config import GatewaySettings, SupervisorSettings
-from corral.engines import LaunchPlan, LlamaCppEngine
+from corral.config import ClusterSpec, GatewaySettings, Paths, SupervisorSettings, load_spec
+from corral.engines import LaunchPlan, LlamaCppEngine, VllmEngine
 from corral.gateway import GatewayServer
 from corral.routing import ReplicaSet, ReplicaState, Router
 
+from ..conftest import DATA
 from ..gateway.conftest import make_services
 
 SETTINGS = SupervisorSettings(
@@ -139,3 +143,106 @@ async def test_a_replica_needing_more_gpus_than_any_node_has_is_refused(
     runtime = RayRuntime(tmp_path, placements={"big": RayPlacement(gpus=3)}, placement_timeout=3)
     with pytest.raises(OSError, match="no Ray node has room"):
         await runtime.start("big-0", llama_plan)
+
+
+PROBE = Path(__file__).with_name("ray_engine_probe.py")
+
+
+@pytest.fixture(scope="module")
+def vllm_ray_plan() -> LaunchPlan:
+    """vLLM's real launch plan for a replica on its Ray executor (TP=2), its server module swapped for the
+    probe, which reports where the engine's Ray workers land."""
+    spec: ClusterSpec = load_spec(DATA / "vllm-cluster.yaml")
+    model = spec.models[0]
+    deployment = model.deployments[0].model_copy(
+        update={"tensor_parallel": 2, "engine_args": ["--distributed-executor-backend", "ray"]}
+    )
+    assert deployment.ray_workers
+    (plan,) = VllmEngine().prepare(model, deployment, Paths.from_env(), lambda _: None)
+    assert Path(plan.argv[1]).name == "vllm_ray_entry.py"
+    assert plan.argv[2] == "vllm.entrypoints.openai.api_server"
+    return LaunchPlan(argv=(*plan.argv[:2], str(PROBE), *plan.argv[3:]), env=plan.env, health_path="/health")
+
+
+async def placement_of(url: str) -> dict[str, Any]:
+    async with aiohttp.ClientSession() as session, session.get(url + "/placement") as response:
+        return dict(await response.json())
+
+
+async def start_ready(runtime: RayRuntime, replica_id: str, plan: LaunchPlan) -> Any:
+    replica = await runtime.start(replica_id, plan)
+    deadline = time.monotonic() + 180
+    async with aiohttp.ClientSession() as session:
+        while True:
+            try:
+                async with session.get(replica.url + "/health") as response:
+                    if response.status == 200:
+                        return replica
+            except aiohttp.ClientError:
+                pass
+            assert time.monotonic() < deadline, f"{replica_id} did not come up"
+            await asyncio.sleep(0.5)
+
+
+async def test_vllm_ray_workers_use_the_replicas_placement_group(
+    ray_cluster: tuple[Cluster, dict[str, object]], vllm_ray_plan: LaunchPlan, tmp_path: Path
+) -> None:
+    runtime = RayRuntime(
+        tmp_path,
+        placements={"smollm2-vllm": RayPlacement(gpus=2, cpus=1, engine_workers=True)},
+        placement_timeout=20,
+    )
+    replica = await start_ready(runtime, "smollm2-vllm-0", vllm_ray_plan)
+    try:
+        report = await placement_of(replica.url)
+        groups = ray.util.placement_group_table()
+        assert groups[report["group"]]["state"] == "CREATED"  # corral's group, not one vLLM made
+        others = [g for key, g in groups.items() if key != report["group"] and g["state"] != "REMOVED"]
+        assert not others  # vLLM reserved nothing of its own
+        assert report["bundles"] == [{"GPU": 1.0, "CPU": 1.0}, {"GPU": 1.0}]
+        workers = report["workers"]
+        assert len(workers) == 2
+        assert {w["node"] for w in workers} == {replica.node_id}  # tensor parallel ranks: one node
+        assert sorted(g for w in workers for g in w["gpus"]) == ["0", "1"]  # one GPU each
+        vllm_python = vllm_ray_plan.argv[0]
+        assert all(w["executable"] == vllm_python and w["vllm"] for w in workers)  # vLLM's interpreter
+        assert report["cuda_visible_devices"] is None  # the engine's own GPUs are its workers'
+    finally:
+        await replica.stop(5)
+    assert ray.util.placement_group_table()[report["group"]]["state"] == "REMOVED"
+
+
+async def test_pipeline_stages_may_span_nodes_when_the_spec_allows(
+    ray_cluster: tuple[Cluster, dict[str, object]], vllm_ray_plan: LaunchPlan, tmp_path: Path
+) -> None:
+    placement = RayPlacement(gpus=3, cpus=1, engine_workers=True, span_nodes=True)  # no node has 3 GPUs
+    runtime = RayRuntime(tmp_path, placements={"smollm2-vllm": placement}, placement_timeout=20)
+    replica = await start_ready(runtime, "smollm2-vllm-0", vllm_ray_plan)
+    try:
+        workers = (await placement_of(replica.url))["workers"]
+        assert len(workers) == 3 and len({w["node"] for w in workers}) >= 2
+        assert replica.node_id in {w["node"] for w in workers}  # the engine sits with its first stage
+    finally:
+        await replica.stop(5)
+
+
+async def test_engines_see_only_the_gpus_ray_assigned_them(
+    ray_cluster: tuple[Cluster, dict[str, object]], tmp_path: Path
+) -> None:
+    plan = LaunchPlan(
+        argv=(sys.executable, str(PROBE), "--host", "{host}", "--port", "{port}"),
+        env={"CUDA_VISIBLE_DEVICES": "7"},  # a local device list from the spec: wrong on a Ray node
+        health_path="/health",
+    )
+    runtime = RayRuntime(tmp_path, placements={"probe": RayPlacement(gpus=1, cpus=0.5)}, placement_timeout=20)
+    replicas = [await start_ready(runtime, f"probe-{i}", plan) for i in range(3)]
+    try:
+        seen: dict[str, list[str]] = {}
+        for replica in replicas:
+            devices = (await placement_of(replica.url))["cuda_visible_devices"]
+            assert devices is not None and len(devices.split(",")) == 1 and devices != "7"
+            seen.setdefault(replica.node_id, []).append(devices)
+        assert all(len(set(ids)) == len(ids) for ids in seen.values()), seen  # no GPU given out twice
+    finally:
+        for replica in replicas:
+            await replica.stop(5)

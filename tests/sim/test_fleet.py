@@ -8,18 +8,31 @@ import signal
 import subprocess
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import aiohttp
 import openai
 
-from corral.cluster import free_port
-
 from ..conftest import CORRAL, DATA, start_cluster
 
 
+def _read_urls(process: subprocess.Popen[str], count: int, timeout: float) -> list[str]:
+    """The URLs `corral sim` prints on stdout, one per line, once every replica listens."""
+    stdout = process.stdout
+    assert stdout is not None
+    with ThreadPoolExecutor(1) as pool:
+        lines = pool.submit(lambda: [stdout.readline().strip() for _ in range(count)])
+        try:
+            urls = lines.result(timeout)
+        except TimeoutError:
+            process.kill()  # ends the blocked read
+            raise AssertionError(f"fleet did not start within {timeout} s") from None
+    assert all(urls), f"corral sim exited: {process.stderr.read() if process.stderr else ''}"
+    return urls
+
+
 def test_sixteen_replicas_in_one_process(tmp_path: Path) -> None:
-    base = free_port()
     process = subprocess.Popen(
         [
             *CORRAL,
@@ -31,23 +44,19 @@ def test_sixteen_replicas_in_one_process(tmp_path: Path) -> None:
             "--replicas",
             "16",
             "--port",
-            str(base),
+            "0",
             "--time-scale",
             "20",
         ],
-        stdout=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
+        text=True,
     )
-    urls = [f"http://127.0.0.1:{base + i}" for i in range(16)]
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                urllib.request.urlopen(urls[-1] + "/health", timeout=1)
-                break
-            except OSError:
-                assert time.monotonic() < deadline and process.poll() is None, "fleet did not start"
-                time.sleep(0.2)
+        urls = _read_urls(process, 16, timeout=30)
+        assert len(set(urls)) == 16
+        with urllib.request.urlopen(urls[-1] + "/health", timeout=5) as response:
+            assert response.status == 200
 
         async def ask_all() -> list[int]:
             async with aiohttp.ClientSession() as session:

@@ -3,6 +3,11 @@
 The build takes llama.cpp's sources from the `llama-cpp-python` sdist on PyPI (which vendors them), and
 compiles only the `llama-server` target as a static binary tuned to this CPU, without the web UI (whose
 build would download it). On 2 cores this takes about 5 minutes, once per CPU kind.
+
+A CPU may advertise AMX (Sapphire Rapids and later) in a virtual machine that does not enable it: measured
+on such a host, ggml's AMX kernels die with SIGILL at the first matrix product (`tilezero`). So when the CPU
+lists `amx_tile`, a five-line probe is compiled and run first, and the build leaves AMX out unless the
+probe's tile instructions execute.
 """
 
 from __future__ import annotations
@@ -37,6 +42,26 @@ _CMAKE_FLAGS = [
     "-DLLAMA_CURL=OFF",
 ]
 _PROGRESS_LINE = re.compile(rb"^\[\s*(\d+)%\]")
+_RECIPE = "2"  # bumped when the build's flags change, so older cached builds are not reused
+_NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"  # explicit, so -march=native does not add them back
+_AMX_PROBE = r"""
+#include <immintrin.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+int main(void) {
+    unsigned char config[64];
+    if (syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) != 0) return 2;
+    memset(config, 0, sizeof config);
+    config[0] = 1;   /* palette 1 */
+    config[16] = 64; /* tile 0: 64 bytes a row */
+    config[48] = 16; /* tile 0: 16 rows */
+    _tile_loadconfig(config);
+    _tile_zero(0);
+    _tile_release();
+    return 0;
+}
+"""
 
 
 def _cached_binary(paths: Paths) -> Path:
@@ -45,14 +70,29 @@ def _cached_binary(paths: Paths) -> Path:
     return paths.engines / f"llama.cpp-{version}-{_cpu_tag()}" / "llama-server"
 
 
-def _cpu_tag() -> str:
-    flags = ""
+def _cpu_flags() -> str:
     with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
-                flags = line
-                break
-    return f"{platform.machine()}-{hashlib.sha256(flags.encode()).hexdigest()[:10]}"
+                return line
+    return ""
+
+
+def _cpu_tag() -> str:
+    digest = hashlib.sha256(f"{_cpu_flags()}|{_RECIPE}".encode()).hexdigest()[:10]
+    return f"{platform.machine()}-{digest}"
+
+
+def amx_runs(workdir: Path) -> bool:
+    """Whether AMX tile instructions execute here (the CPU lists them and the OS enabled them)."""
+    if "amx_tile" not in _cpu_flags().split():
+        return False
+    source, probe = workdir / "amx_probe.c", workdir / "amx_probe"
+    source.write_text(_AMX_PROBE)
+    built = subprocess.run(["cc", "-O1", "-mamx-tile", str(source), "-o", str(probe)], capture_output=True)
+    if built.returncode != 0:
+        return False
+    return subprocess.run([str(probe)], capture_output=True).returncode == 0
 
 
 def find_llama_server(paths: Paths, explicit: Path | None = None) -> Path | None:
@@ -89,7 +129,11 @@ def build_llama_server(paths: Paths, progress: Progress = lambda _: None) -> Pat
         with tempfile.TemporaryDirectory(prefix="corral-llama-") as tmp:
             source = _fetch_sources(Path(tmp), progress)
             log = target.parent / "build.log"
-            _run_build(source, log, progress)
+            flags = list(_CMAKE_FLAGS)
+            if "amx_tile" in _cpu_flags().split() and not amx_runs(Path(tmp)):
+                progress("this CPU lists AMX but cannot run it here: building without AMX")
+                flags += [f"-DCMAKE_C_FLAGS={_NO_AMX}", f"-DCMAKE_CXX_FLAGS={_NO_AMX}"]
+            _run_build(source, flags, log, progress)
             partial = target.with_suffix(".part")
             shutil.copy2(source / "build" / "bin" / "llama-server", partial)
             partial.replace(target)
@@ -108,10 +152,10 @@ def _fetch_sources(tmp: Path, progress: Progress) -> Path:
     return vendored
 
 
-def _run_build(source: Path, log: Path, progress: Progress) -> None:
+def _run_build(source: Path, cmake_flags: list[str], log: Path, progress: Progress) -> None:
     jobs = str(max(1, os.cpu_count() or 1))
     steps = [
-        ["cmake", "-B", "build", *_CMAKE_FLAGS],
+        ["cmake", "-B", "build", *cmake_flags],
         ["cmake", "--build", "build", "--target", "llama-server", "-j", jobs],
     ]
     with log.open("wb") as out:

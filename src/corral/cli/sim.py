@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import sys
 from typing import Annotated
 
 import typer
@@ -68,6 +69,9 @@ def sim_command(
             f"simulating {options.served_name or model} on {gpu} (TP={tp}, PP={pp}) at "
             + ", ".join(fleet.urls)
         )
+        # One URL per line on stdout, for scripts that start a fleet on --port 0.
+        sys.stdout.write("".join(url + "\n" for url in fleet.urls))
+        sys.stdout.flush()
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -79,6 +83,6 @@ def sim_command(
 
     try:
         run_async(serve())
-    except ValueError as exc:
+    except (ValueError, OSError) as exc:
         console.print(f"[red]error:[/red] {exc}")
         raise typer.Exit(2) from None

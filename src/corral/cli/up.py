@@ -227,7 +227,9 @@ def _runtime(spec: ClusterSpec, paths: Paths) -> Any:
             if d.ray_gpus is not None
             else (d.gpus_per_replica if d.engine == "vllm" and d.device == "gpu" else 0)
         )
-        placements[model.name] = RayPlacement(gpus=gpus, cpus=float(d.threads), span_nodes=d.span_nodes)
+        placements[model.name] = RayPlacement(
+            gpus=gpus, cpus=float(d.threads), engine_workers=d.ray_workers, span_nodes=d.span_nodes
+        )
     return RayRuntime(paths.logs, spec.ray.address, placements, spec.ray.placement_timeout)
 
 

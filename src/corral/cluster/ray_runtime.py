@@ -1,13 +1,20 @@
 """The Ray runtime: each replica is a Ray actor, placed with a placement group that reserves its GPUs (and
 CPUs) on the nodes of a Ray cluster; the actor starts and watches the engine process on its node.
 
-Placement: one bundle per GPU a replica needs (TP × PP), plus its CPUs. `STRICT_PACK` keeps a replica on one
-node (tensor parallelism needs the GPUs of one machine); a deployment that allows pipeline stages to span
-nodes uses `PACK`. The engine gets the reserved group's id in `CORRAL_RAY_PLACEMENT_GROUP` and the Ray
-address in `RAY_ADDRESS`, for engines that start their own Ray workers (vLLM's
-`--distributed-executor-backend ray`, passed through `engine_args`). When a node dies, its
-actors die with it: the supervisor sees the replica exit, stops routing to it at once, and starts it again,
-on another node if the cluster has room.
+Placement comes in two shapes:
+
+- An engine that runs all its processes itself (llama.cpp, vLLM's default multiprocessing executor) gets
+  one bundle with all its GPUs and CPUs, on one node (`STRICT_PACK`); the actor holds those GPUs, so Ray
+  sets `CUDA_VISIBLE_DEVICES` to the devices it assigned and the engine inherits it (a per-replica device
+  list from the spec would collide with other replicas Ray put on the same node, so it is dropped).
+- An engine that starts its own Ray workers (vLLM's `--distributed-executor-backend ray`) gets one bundle
+  per GPU, the form vLLM requires, plus the actor's CPUs in the first; `STRICT_PACK` keeps tensor
+  parallel ranks on one node, `span_nodes` (`PACK`) lets pipeline stages use several. The engine gets the
+  group's id in `CORRAL_RAY_PLACEMENT_GROUP` and the cluster in `RAY_ADDRESS`; vLLM's entry point
+  (`engines/vllm_ray_entry.py`) hands the group to vLLM, which puts one worker in each GPU bundle.
+
+When a node dies, its actors die with it: the supervisor sees the replica exit, stops routing to it at once,
+and starts it again, on another node if the cluster has room.
 
 The supervisor talks to this class only through the `ReplicaRuntime` interface; the gateway sees the same
 replica set as with local processes.
@@ -40,7 +47,19 @@ class RayPlacement:
 
     gpus: int = 0
     cpus: float = 1.0
-    span_nodes: bool = False  # pipeline stages may sit on different nodes
+    engine_workers: bool = False  # the engine places its own Ray worker per GPU (vLLM's Ray executor)
+    span_nodes: bool = False  # with engine_workers: pipeline stages may sit on different nodes
+
+    def bundles(self) -> list[dict[str, float]]:
+        if not self.engine_workers:
+            return [{"CPU": self.cpus, **({"GPU": float(self.gpus)} if self.gpus else {})}]
+        bundles: list[dict[str, float]] = [{"GPU": 1.0} for _ in range(self.gpus)] or [{}]
+        bundles[0] = {**bundles[0], "CPU": self.cpus}
+        return bundles
+
+    @property
+    def strategy(self) -> str:
+        return "PACK" if self.engine_workers and self.span_nodes else "STRICT_PACK"
 
 
 class _EngineHost:
@@ -153,9 +172,7 @@ class RayRuntime:
         if plan.url is not None:
             return AttachedReplica(plan.url)
         placement = self._placements.get(replica_id.rsplit("-", 1)[0], RayPlacement())
-        bundles: list[dict[str, float]] = [{"GPU": 1.0} for _ in range(placement.gpus)] or [{}]
-        bundles[0] = {**bundles[0], "CPU": placement.cpus}
-        strategy = "PACK" if placement.span_nodes else "STRICT_PACK"
+        bundles, strategy = placement.bundles(), placement.strategy
         group = placement_group(bundles, strategy=strategy)
         try:
             await asyncio.wait_for(group.ready(), self._timeout)
@@ -165,15 +182,15 @@ class RayRuntime:
                 f"no Ray node has room for {bundles} ({strategy}) within {self._timeout:g}s"
             ) from exc
         actor: Any = self._host_class.options(
+            num_gpus=0 if placement.engine_workers else placement.gpus,
             scheduling_strategy=PlacementGroupSchedulingStrategy(
                 placement_group=group, placement_group_bundle_index=0
             ),
         ).remote()
-        env = {
-            **plan.env,
-            "CORRAL_RAY_PLACEMENT_GROUP": group.id.hex(),
-            "RAY_ADDRESS": ray.get_runtime_context().gcs_address,
-        }
+        env = {key: value for key, value in plan.env.items() if key != "CUDA_VISIBLE_DEVICES"}
+        if placement.engine_workers:
+            env["CORRAL_RAY_PLACEMENT_GROUP"] = group.id.hex()
+            env["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
         log = str(self._logs / f"{replica_id.replace('/', '_')}.log")
         try:
             host, port, node_id = await actor.start.remote(list(plan.argv), env, log)

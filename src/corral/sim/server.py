@@ -293,10 +293,15 @@ class SimFleet:
         for server, port in zip(self._servers, ports, strict=True):
             runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None)
             await runner.setup()
-            await web.TCPSite(runner, self._host, port).start()
             self._runners.append(runner)
+            try:
+                await web.TCPSite(runner, self._host, port).start()
+            except OSError as exc:
+                await self.stop()
+                raise OSError(exc.errno, f"cannot listen on {self._host}:{port}: {exc.strerror}") from None
             self.urls.append(f"http://{self._host}:{runner.addresses[0][1]}")
 
     async def stop(self) -> None:
         for runner in self._runners:
             await runner.cleanup()
+        self._runners.clear()
