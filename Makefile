@@ -26,6 +26,7 @@ test: $(VENV)/.installed-test
 	bash scripts/test-services.sh
 	$(BIN)/corral prepare -f tests/data/cluster.yaml
 	$(BIN)/corral prepare -f tests/data/vllm-cluster.yaml
+	$(BIN)/corral prepare -f tests/data/vllm-ray-cluster.yaml
 	$(BIN)/pytest -q
 
 lint: $(VENV)/.installed-test

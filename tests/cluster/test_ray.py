@@ -152,11 +152,9 @@ PROBE = Path(__file__).with_name("ray_engine_probe.py")
 def vllm_ray_plan() -> LaunchPlan:
     """vLLM's real launch plan for a replica on its Ray executor (TP=2), its server module swapped for the
     probe, which reports where the engine's Ray workers land."""
-    spec: ClusterSpec = load_spec(DATA / "vllm-cluster.yaml")
+    spec: ClusterSpec = load_spec(DATA / "vllm-ray-cluster.yaml")
     model = spec.models[0]
-    deployment = model.deployments[0].model_copy(
-        update={"tensor_parallel": 2, "engine_args": ["--distributed-executor-backend", "ray"]}
-    )
+    deployment = model.deployments[0]
     assert deployment.ray_workers
     (plan,) = VllmEngine().prepare(model, deployment, Paths.from_env(), lambda _: None)
     assert Path(plan.argv[1]).name == "vllm_ray_entry.py"
