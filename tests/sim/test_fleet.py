@@ -77,16 +77,24 @@ def test_sixteen_replicas_in_one_process(tmp_path: Path) -> None:
 def test_supervised_sim_replicas_behind_the_gateway(tmp_path: Path) -> None:
     cluster = start_cluster(tmp_path, spec=DATA / "sim-cluster.yaml")
     try:
+        deadline = time.monotonic() + 30  # /ready means one replica per model; round robin needs both
+        while not all(r["state"] == "ready" for r in cluster.status()["replicas"]):
+            assert time.monotonic() < deadline, cluster.status()["replicas"]
+            time.sleep(0.2)
         client = openai.OpenAI(base_url=cluster.base_url, api_key="none", max_retries=0)
         for _ in range(4):
             reply = client.chat.completions.create(
                 model="llama-8b", max_tokens=16, messages=[{"role": "user", "content": "hi"}]
             )
             assert reply.usage is not None and reply.usage.completion_tokens == 16
-        time.sleep(1.2)  # a probe interval or two: engine metrics are scraped
-        replicas = cluster.status()["replicas"]
-        assert [r["engine"] for r in replicas] == ["sim", "sim"]
-        assert all(r["state"] == "ready" and r["generated_tokens_total"] > 0 for r in replicas)
+        deadline = time.monotonic() + 15  # engine metrics are scraped every probe interval (0.5 s)
+        while True:
+            replicas = cluster.status()["replicas"]
+            assert [r["engine"] for r in replicas] == ["sim", "sim"]
+            if all(r["state"] == "ready" and r["generated_tokens_total"] > 0 for r in replicas):
+                break
+            assert time.monotonic() < deadline, replicas
+            time.sleep(0.25)
         shown = subprocess.run(
             [*CORRAL, "status", "--url", cluster.url, "--json"], capture_output=True, text=True
         )
