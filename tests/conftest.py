@@ -53,7 +53,8 @@ class RunningCluster:
 def start_cluster(
     tmp: Path, spec: Path = DATA / "cluster.yaml", ready_timeout: float = 120
 ) -> RunningCluster:
-    """Run `corral up -f spec` on a free port and wait until /ready says every model can serve."""
+    """Run `corral up -f spec` on a free port and wait until every replica is ready (/ready alone says every
+    model can serve: one replica each)."""
     port = free_port()
     log = tmp / "corral-up.log"
     process = subprocess.Popen(
@@ -68,7 +69,9 @@ def start_cluster(
         if process.poll() is not None:
             raise RuntimeError(f"corral up exited early:\n{log.read_text()}")
         try:
-            if get_json(cluster.url + "/ready", timeout=1)[0] == 200:
+            if get_json(cluster.url + "/ready", timeout=1)[0] == 200 and all(
+                r["state"] == "ready" for r in cluster.status()["replicas"]
+            ):
                 return cluster
         except OSError:
             pass
