@@ -10,7 +10,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from corral.artifacts.locks import file_lock
+from corral.artifacts.locks import build_once
 from corral.artifacts.models import ArtifactError, Progress
 from corral.config import Paths
 
@@ -24,13 +24,8 @@ def hf_folder_from_gguf(
 ) -> Path:
     """The converted folder for `gguf` (made once, with vLLM's interpreter `python`)."""
     target = paths.models / "hf-from-gguf" / f"{gguf.stem}-{dtype}"
-    marker = target / ".complete"
-    if marker.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with file_lock(target.parent / f".{target.name}.lock"):
-        if marker.exists():
-            return target
+
+    def convert() -> str:
         partial = target.with_name(target.name + ".part")
         shutil.rmtree(partial, ignore_errors=True)
         progress(f"converting {gguf.name} for vLLM (about a minute)")
@@ -47,5 +42,7 @@ def hf_folder_from_gguf(
             )
         shutil.rmtree(target, ignore_errors=True)
         partial.rename(target)
-        (target / ".complete").write_text(gguf.name + "\n")
+        return gguf.name
+
+    build_once(target / ".complete", target.parent / f".{target.name}.lock", convert)
     return target

@@ -1,13 +1,14 @@
-"""An exclusive lock on a file, so two corral processes never fetch or build the same artifact at once."""
+"""An exclusive lock on a file, so two corral processes never fetch or build the same artifact at once, and
+`build_once` for artifacts finished by a marker file."""
 
 from __future__ import annotations
 
 import fcntl
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-__all__ = ["file_lock"]
+__all__ = ["build_once", "file_lock"]
 
 
 @contextmanager
@@ -19,3 +20,15 @@ def file_lock(path: Path) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def build_once(marker: Path, lock: Path, build: Callable[[], str]) -> None:
+    """Run `build` unless `marker` exists, under `lock` (checked again inside), then write its text to
+    `marker`: an interrupted build leaves no marker and is redone."""
+    if marker.exists():
+        return
+    with file_lock(lock):
+        if marker.exists():
+            return
+        text = build()
+        marker.write_text(text + "\n")

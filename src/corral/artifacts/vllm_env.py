@@ -19,7 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from corral.artifacts.locks import file_lock
+from corral.artifacts.locks import build_once
 from corral.artifacts.models import ArtifactError, Progress
 from corral.config import Paths
 
@@ -58,31 +58,23 @@ def _ray_requirement() -> str:
 def _add_ray(python: Path, progress: Progress) -> None:
     requirement = _ray_requirement()
     home = python.parent.parent
-    marker = home / f".{re.sub(r'[^A-Za-z0-9._-]+', '-', requirement)}"
-    if marker.exists():
-        return
-    with file_lock(home.parent / f".{home.name}.lock"):
-        if marker.exists():
-            return
+
+    def install() -> str:
         progress(f"adding {requirement} to the vLLM environment")
-        _run(
-            [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", requirement],
-            f"install {requirement}",
-        )
+        pip = [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+        _run([*pip, requirement], f"install {requirement}")
         _run([str(python), "-c", "import ray, vllm.engine.arg_utils"], "import Ray beside vLLM")
-        marker.write_text(requirement + "\n")
+        return requirement
+
+    marker = home / f".{re.sub(r'[^A-Za-z0-9._-]+', '-', requirement)}"
+    build_once(marker, home.parent / f".{home.name}.lock", install)
 
 
 def _managed_env(paths: Paths, package: str, progress: Progress) -> Path:
     home = paths.engines / re.sub(r"[^A-Za-z0-9._-]+", "-", package)
     python = home / "bin" / "python"
-    ready = home / ".ready"
-    if ready.exists():
-        return python
-    home.parent.mkdir(parents=True, exist_ok=True)
-    with file_lock(home.parent / f".{home.name}.lock"):
-        if ready.exists():
-            return python
+
+    def create() -> str:
         if home.exists():
             shutil.rmtree(home)  # a half-made environment from an interrupted run
         progress(f"creating a Python environment for {package}")
@@ -97,7 +89,9 @@ def _managed_env(paths: Paths, package: str, progress: Progress) -> Path:
         )
         progress("checking that vLLM imports")
         _run([str(python), "-c", "import vllm.entrypoints.openai.api_server"], "import vLLM")
-        ready.write_text(package + "\n")
+        return package
+
+    build_once(home / ".ready", home.parent / f".{home.name}.lock", create)
     return python
 
 
