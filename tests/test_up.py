@@ -176,3 +176,13 @@ def test_status_command_shows_replicas(cluster: RunningCluster) -> None:
         [*CORRAL, "status", "--url", cluster.url, "--json"], capture_output=True, text=True, timeout=30
     )
     assert {r["state"] for r in json.loads(as_json.stdout)["replicas"]} == {"ready"}
+
+
+def test_max_tokens_beyond_the_context_is_refused_at_once(client: openai.OpenAI) -> None:
+    started = time.monotonic()
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="smollm2", messages=MESSAGES, max_tokens=100000)
+    assert time.monotonic() - started < 5  # not held until the read timeout
+    error = info.value.body
+    assert isinstance(error, dict) and error["param"] == "max_tokens"
+    assert error["code"] == "context_length_exceeded" and "2048" in error["message"]  # tests/data context

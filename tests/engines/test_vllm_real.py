@@ -54,10 +54,12 @@ def test_vllm_metrics_are_read_into_the_load(vllm_cluster: RunningCluster, tmp_p
     with urllib.request.urlopen(replica["url"] + "/metrics", timeout=10) as response:
         load = parse_vllm_load(response.read().decode())
     assert load.kv_usage is not None and load.running >= 0
+    # The supervisor scrapes once per probe interval: wait for a scrape taken after the tokens above.
     deadline = time.monotonic() + 10
-    while vllm_cluster.status()["replicas"][0]["kv_usage"] is None and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert vllm_cluster.status()["replicas"][0]["kv_usage"] is not None
     shown = vllm_cluster.status()["replicas"][0]
+    while not shown["generated_tokens_total"] and time.monotonic() < deadline:
+        time.sleep(0.5)
+        shown = vllm_cluster.status()["replicas"][0]
+    assert shown["kv_usage"] is not None
     assert shown["generated_tokens_total"] > 0
     assert shown["engine_ttft_mean_ms"] > 0 and shown["engine_itl_mean_ms"] > 0

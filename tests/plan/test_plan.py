@@ -166,3 +166,38 @@ def test_open_loop_overload_is_detected() -> None:
     config = SchedulerConfig(num_blocks=memory_plan(model, gpu, quant).kv_tokens // BLOCK_SIZE)
     assert not open_loop(perf, config, 0.2, 1024, 256).overloaded
     assert open_loop(perf, config, 50, 1024, 256).overloaded
+
+
+def test_default_search_covers_gpu_classes_not_the_cpu_calibration_entry() -> None:
+    searched = plan(PlanRequest(model="llama-3.1-8b", limit=100), CATALOG, EFFICIENCY)
+    kinds = {CATALOG.gpus.get(layout.gpu).kind for layout in searched.layouts}
+    assert kinds == {"gpu"} and len({layout.gpu for layout in searched.layouts}) > 3
+    named = plan(PlanRequest(model="smollm2-135m", gpu="cpu-dev-1thread"), CATALOG, EFFICIENCY)
+    assert named.fits and named.layouts[0].gpu == "cpu-dev-1thread"
+
+
+def test_meets_is_only_said_against_a_stated_slo() -> None:
+    _, without = run_plan("--model", "llama-3.1-8b", "--gpu", "l40s")
+    assert {layout["meets_slo"] for layout in without["layouts"]} == {None}
+    _, stated = run_plan("--model", "llama-3.1-8b", "--gpu", "l40s", "--ttft-p95-ms", "100000")
+    assert {layout["meets_slo"] for layout in stated["layouts"]} == {True}
+    table = subprocess.run(
+        [*CORRAL, "plan", "--model", "llama-3.1-8b", "--gpu", "l40s"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    ).stdout
+    assert "meets" not in table and "l40s" in table
+
+
+def test_nothing_fits_names_the_closest_layouts_first() -> None:
+    result = plan(PlanRequest(model="llama-3.1-405b", max_gpus=1), CATALOG, EFFICIENCY)
+    assert not result.fits and result.reason is not None
+    largest = max((g for g in CATALOG.gpus if g.kind == "gpu"), key=lambda g: g.memory_gb)
+    closest = result.reason.split("closest: ", 1)[1]
+    assert closest.startswith(f"{largest.name} TP=1 PP=1"), closest
+
+
+def test_calibrate_runs_without_a_model() -> None:
+    done = subprocess.run([*CORRAL, "plan", "--calibrate"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "llamacpp:" in done.stderr and "predicted" in done.stderr

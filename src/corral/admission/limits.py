@@ -54,7 +54,13 @@ def _refusal(principal: Principal, what: str, retry_after: float, count: int, to
         headers["x-ratelimit-limit-tokens"] = str(principal.tpm)
         headers["x-ratelimit-remaining-tokens"] = str(max(0, principal.tpm - tokens))
     reset = f"{max(0.0, retry_after):.3f}s"
-    headers["x-ratelimit-reset-requests" if what == "requests" else "x-ratelimit-reset-tokens"] = reset
+    if what == "requests":
+        headers["x-ratelimit-reset-requests"] = reset
+    elif what == "tokens":
+        headers["x-ratelimit-reset-tokens"] = reset
+    elif what == "concurrency":  # no window resets: a slot frees when one of the key's requests ends
+        headers["x-ratelimit-limit-concurrency"] = str(principal.max_concurrency)
+        headers["x-ratelimit-remaining-concurrency"] = "0"
     messages = {
         "requests": f"Rate limit reached: {principal.rpm} requests per minute for this key.",
         "tokens": f"Rate limit reached: {principal.tpm} tokens per minute for this key.",

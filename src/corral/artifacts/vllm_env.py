@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 from corral.artifacts.locks import build_once
-from corral.artifacts.models import ArtifactError, Progress
+from corral.artifacts.models import ArtifactError, Progress, tool_error
 from corral.config import Paths
 
 __all__ = ["vllm_python"]
@@ -96,7 +96,7 @@ def _managed_env(paths: Paths, package: str, progress: Progress) -> Path:
 
 
 def _run(command: list[str], what: str) -> None:
+    """Run one install step in the foreground: Ctrl-C ends it (subprocess.run kills it on the interrupt)."""
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     if done.returncode != 0 and "uninstall" not in command:
-        tail = (done.stderr or done.stdout).strip()[-800:]
-        raise ArtifactError(f"could not {what}: {tail}")
+        raise ArtifactError(f"could not {what}: {tool_error(done.stderr or done.stdout)}")

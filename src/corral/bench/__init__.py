@@ -1,5 +1,6 @@
 """`corral bench`: load-test any OpenAI-compatible endpoint and report what it measured."""
 
+from corral.bench.preflight import PreflightError, preflight
 from corral.bench.report import compare, write_html, write_plots
 from corral.bench.runner import LoadPlan, RequestResult, RunResult, run_load
 from corral.bench.stats import Slo, distribution, summarise
@@ -8,11 +9,13 @@ from corral.bench.workloads import BenchRequest, random_requests, shared_prefix_
 __all__ = [
     "BenchRequest",
     "LoadPlan",
+    "PreflightError",
     "RequestResult",
     "RunResult",
     "Slo",
     "compare",
     "distribution",
+    "preflight",
     "random_requests",
     "run_load",
     "shared_prefix_requests",

@@ -7,13 +7,10 @@ from corral.cli import bench as _bench
 from corral.cli import keys as _keys
 from corral.cli import plan as _plan
 from corral.cli import sim as _sim
+from corral.cli import spec as _spec
 from corral.cli import up as _up
-from corral.cli.app import app
+from corral.cli.app import app, main
 
 __all__ = ["app", "main"]
 
-_COMMANDS = (_up, _keys, _plan, _sim, _bench)
-
-
-def main() -> None:
-    app()
+_COMMANDS = (_up, _keys, _plan, _sim, _bench, _spec)

@@ -1,20 +1,83 @@
-"""The typer app and what every command shares: the console and logging set-up."""
+"""The typer app and what every command shares: the console, logging, and the one error boundary.
+
+Every failure a user can cause ends as one line, `error: <what went wrong and what to do>`, on stderr with
+exit code 1 (2 for bad usage or a bad spec), never a traceback; `corral --debug COMMAND` shows the
+traceback of an unexpected error.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 from collections.abc import Coroutine
-from typing import Any
+from enum import StrEnum
+from typing import Any, NoReturn
 
 import typer
 from rich.console import Console
 from rich.logging import RichHandler
+from rich.markup import escape
+from typer.core import TyperCommand, TyperGroup, TyperOption
 
-__all__ = ["app", "console", "run_async", "setup_logging"]
+from corral import __version__
+
+__all__ = [
+    "COMMAND_ORDER",
+    "CliError",
+    "FlagsCommand",
+    "FlagsGroup",
+    "LogLevel",
+    "app",
+    "console",
+    "fail",
+    "main",
+    "run_async",
+    "setup_logging",
+]
+
+# The order `corral --help` lists commands in: running a cluster first, then tools, then reference.
+COMMAND_ORDER = ("up", "status", "prepare", "keys", "usage", "plan", "sim", "bench", "spec", "version")
+
+
+class CliError(Exception):
+    """A failure to report as one line; `exit_code` 2 for bad usage or input, 1 otherwise."""
+
+    def __init__(self, message: str, exit_code: int = 1) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def _hide_flag_placeholders(params: list[Any]) -> list[Any]:
+    """typer shows `<bool>` after a flag, as if it took a value; a flag takes none."""
+    for param in params:
+        if isinstance(param, TyperOption) and param.is_flag and param.metavar is None:
+            param.metavar = ""
+    return params
+
+
+class FlagsCommand(TyperCommand):
+    """A command whose help shows flags without a value placeholder."""
+
+    def get_params(self, ctx: Any) -> list[Any]:
+        return _hide_flag_placeholders(super().get_params(ctx))
+
+
+class FlagsGroup(TyperGroup):
+    """A command group with flags shown as flags and commands listed in `COMMAND_ORDER`."""
+
+    def get_params(self, ctx: Any) -> list[Any]:
+        return _hide_flag_placeholders(super().get_params(ctx))
+
+    def list_commands(self, ctx: Any) -> list[str]:
+        names = super().list_commands(ctx)
+        rank = {name: i for i, name in enumerate(COMMAND_ORDER)}
+        return sorted(names, key=lambda name: (rank.get(name, len(rank)), name))
+
 
 app = typer.Typer(
     help="corral: a private, OpenAI-compatible inference cluster.",
+    cls=FlagsGroup,
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -22,9 +85,38 @@ app = typer.Typer(
 console = Console(stderr=True)
 
 
+class LogLevel(StrEnum):
+    debug = "debug"
+    info = "info"
+    warning = "warning"
+    error = "error"
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        print(__version__)
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(
+        False, "--version", callback=_print_version, is_eager=True, help="print corral's version and exit"
+    ),
+    debug: bool = typer.Option(False, "--debug", help="show the traceback of an unexpected error"),
+) -> None:
+    """corral: a private, OpenAI-compatible inference cluster."""
+
+
+def fail(message: str, exit_code: int = 1) -> NoReturn:
+    """Print `error: message` (markup-safe, unwrapped) and end the command with `exit_code`."""
+    _error(message)
+    raise typer.Exit(exit_code)
+
+
 def setup_logging(level: str) -> None:
     logging.basicConfig(
-        level=level.upper(),
+        level=str(level).upper(),
         format="%(message)s",
         handlers=[RichHandler(console=console, show_path=False, rich_tracebacks=False)],
     )
@@ -38,3 +130,39 @@ def run_async(coro: Coroutine[Any, Any, None]) -> None:
         asyncio.run(coro)
         return
     uvloop.run(coro)
+
+
+def main(argv: list[str] | None = None) -> NoReturn:
+    """Run the `corral` command: the one error boundary between a user and a traceback."""
+    args = sys.argv[1:] if argv is None else argv
+    debug = "--debug" in args
+    try:
+        code = app(args=args, prog_name="corral", standalone_mode=False)
+    except CliError as exc:
+        if debug:
+            raise
+        _error(str(exc))
+        sys.exit(exc.exit_code)
+    except typer.Abort:
+        _error("aborted")
+        sys.exit(1)
+    except typer.TyperException as exc:  # bad usage: an unknown option, a missing or malformed value
+        message = exc.format_message() if hasattr(exc, "format_message") else str(exc)
+        context = getattr(exc, "ctx", None)
+        hint = f" (see `{context.command_path} --help`)" if context is not None else ""
+        _error(f"{message.replace('Value error, ', '')}{hint}")
+        sys.exit(int(getattr(exc, "exit_code", 2)))
+    except KeyboardInterrupt:
+        console.print("interrupted")
+        sys.exit(130)
+    except Exception as exc:
+        if debug:
+            raise
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        _error(f"{type(exc).__name__}: {first} (an unexpected error; `corral --debug …` shows where)")
+        sys.exit(1)
+    sys.exit(code if isinstance(code, int) else 0)
+
+
+def _error(message: str) -> None:
+    console.print(f"[red]error:[/red] {escape(message)}", soft_wrap=True, highlight=False)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -13,26 +14,39 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from corral.cli.app import app, console, run_async
+from corral.cli.app import FlagsCommand, FlagsGroup, app, console, fail, run_async
 
 __all__ = ["bench_app"]
 
-bench_app = typer.Typer(help="Load-test an OpenAI-compatible endpoint.", invoke_without_command=True)
+bench_app = typer.Typer(
+    help="Load-test an OpenAI-compatible endpoint.", cls=FlagsGroup, invoke_without_command=True
+)
 app.add_typer(bench_app, name="bench")
+
+
+class Endpoint(StrEnum):
+    completions = "/v1/completions"
+    chat = "/v1/chat/completions"
+
+
+class Dataset(StrEnum):
+    random = "random"
+    sharegpt = "sharegpt"
+    prefix = "prefix"
 
 
 @bench_app.callback()
 def bench(
     ctx: typer.Context,
-    base_url: Annotated[str | None, typer.Option(help="the server, e.g. http://127.0.0.1:8000")] = None,
-    model: Annotated[str | None, typer.Option(help="model name to request")] = None,
-    endpoint: Annotated[
-        str, typer.Option(help="/v1/completions or /v1/chat/completions")
-    ] = "/v1/completions",
+    base_url: Annotated[
+        str | None, typer.Option(help="the server without /v1, e.g. http://127.0.0.1:8000 [required]")
+    ] = None,
+    model: Annotated[str | None, typer.Option(help="model name to request [required]")] = None,
+    endpoint: Annotated[Endpoint, typer.Option(help="the API to load")] = Endpoint.completions,
     api_key: Annotated[str | None, typer.Option(help="sent as Bearer token")] = None,
     dataset_name: Annotated[
-        str, typer.Option(help="random, sharegpt or prefix (multi-tenant shared)")
-    ] = "random",
+        Dataset, typer.Option(help="random prompts, a ShareGPT file, or multi-tenant shared prefixes")
+    ] = Dataset.random,
     dataset_path: Annotated[Path | None, typer.Option(help="ShareGPT JSON file")] = None,
     num_prompts: Annotated[int, typer.Option(help="requests to send (measured ones, after warm-up)")] = 100,
     max_concurrency: Annotated[int | None, typer.Option(help="requests in flight at most")] = None,
@@ -43,15 +57,15 @@ def bench(
         float | None, typer.Option(help="send for this many seconds instead of a count")
     ] = None,
     warmup: Annotated[int, typer.Option(help="requests sent first and left out of the figures")] = 0,
-    random_input_len: Annotated[int, typer.Option()] = 1024,
-    random_output_len: Annotated[int, typer.Option()] = 128,
+    random_input_len: Annotated[int, typer.Option(help="random dataset: prompt tokens")] = 1024,
+    random_output_len: Annotated[int, typer.Option(help="output tokens asked for (max_tokens)")] = 128,
     random_range_ratio: Annotated[float, typer.Option(help="lengths vary ±this share")] = 0.0,
     prefix_tenants: Annotated[int, typer.Option(help="prefix dataset: tenants")] = 8,
     prefix_len: Annotated[int, typer.Option(help="prefix dataset: shared prompt words")] = 1000,
     prefix_question_len: Annotated[int, typer.Option(help="prefix dataset: words per user turn")] = 50,
     prefix_turns: Annotated[int, typer.Option(help="prefix dataset: turns per chat")] = 3,
     ignore_eos: Annotated[bool, typer.Option(help="ask the server to generate exactly max_tokens")] = False,
-    seed: Annotated[int, typer.Option()] = 0,
+    seed: Annotated[int, typer.Option(help="seed for prompts and arrival times")] = 0,
     sweep_concurrency: Annotated[str | None, typer.Option(help="e.g. 1,4,16,64")] = None,
     sweep_rates: Annotated[str | None, typer.Option(help="e.g. 1,2,4,8 requests/s")] = None,
     goodput: Annotated[
@@ -67,15 +81,14 @@ def bench(
     if ctx.invoked_subcommand is not None:
         return
     if not base_url or not model:
-        console.print("[red]error:[/red] --base-url and --model are required")
-        raise typer.Exit(2)
-    from corral.bench import LoadPlan
+        fail("--base-url and --model are required", 2)
+    from corral.bench import LoadPlan, PreflightError, preflight
 
     slo = _slo(goodput or [])
     plan = LoadPlan(
         base_url=base_url,
         model=model,
-        endpoint=endpoint,
+        endpoint=str(endpoint),
         api_key=api_key,
         max_concurrency=max_concurrency,
         request_rate=request_rate,
@@ -86,34 +99,35 @@ def bench(
         ignore_eos=ignore_eos,
         seed=seed,
     )
+    sweep = _sweep(sweep_concurrency, sweep_rates, plan)
     requests = _requests(
-        dataset_name,
+        str(dataset_name),
         dataset_path,
         num_prompts + warmup,
         random_input_len,
         random_output_len,
         random_range_ratio,
         seed,
-        endpoint,
+        str(endpoint),
         prefix_tenants,
         prefix_len,
         prefix_question_len,
         prefix_turns,
     )
+    if search_goodput and not slo.any:
+        fail("--search-goodput needs --goodput SLOs", 2)
     detailed = save_detailed or bool(html or plots)
-    loads: list[tuple[str, LoadPlan]]
-    if sweep_concurrency:
-        loads = [(f"c={c}", _replace(plan, max_concurrency=int(c))) for c in sweep_concurrency.split(",")]
-    elif sweep_rates:
-        loads = [(f"{r}/s", _replace(plan, request_rate=float(r))) for r in sweep_rates.split(",")]
-    else:
-        loads = [("", plan)]
-    runs = [dict(_run(p, requests, slo, detailed), load=label) for label, p in loads]
-    result: dict[str, Any] = {**runs[-1], "runs": runs, "config": _config(plan, dataset_name, num_prompts)}
+    try:
+        preflight(base_url, model, str(endpoint), api_key)
+    except PreflightError as exc:
+        fail(str(exc))
+    runs = [dict(_run(p, requests, slo, detailed), load=label) for label, p in sweep]
+    result: dict[str, Any] = {
+        **runs[-1],
+        "runs": runs,
+        "config": _config(plan, str(dataset_name), num_prompts),
+    }
     if search_goodput:
-        if not slo.any:
-            console.print("[red]error:[/red] --search-goodput needs --goodput SLOs")
-            raise typer.Exit(2)
         result["max_goodput_rate"] = _search(plan, requests, slo)
     _show(runs, slo)
     for warning in runs[-1]["warnings"]:
@@ -131,20 +145,64 @@ def bench(
 
         write_html(result, html)
         console.print(f"wrote {html}")
+    if not any(r["completed"] for r in runs):
+        fail(f"no request succeeded ({_error_kinds(runs[-1]['errors'])})")
 
 
-@bench_app.command("compare")
-def compare_command(a: Path, b: Path) -> None:
+def _sweep(concurrencies: str | None, rates: str | None, plan: Any) -> list[tuple[str, Any]]:
+    """The loads to run: each concurrency or rate of a sweep, or the one plan."""
+    if concurrencies:
+        values = _numbers(concurrencies, "--sweep-concurrency", int)
+        return [(f"c={c}", _replace(plan, max_concurrency=c)) for c in values]
+    if rates:
+        return [(f"{r:g}/s", _replace(plan, request_rate=r)) for r in _numbers(rates, "--sweep-rates", float)]
+    return [("", plan)]
+
+
+def _numbers(text: str, flag: str, kind: type[int] | type[float]) -> list[Any]:
+    values = []
+    for part in text.split(","):
+        try:
+            value = kind(part.strip())
+        except ValueError:
+            fail(f"{flag}: {part.strip()!r} is not a number; give a comma-separated list such as 1,4,16", 2)
+        if value <= 0:
+            fail(f"{flag}: {value} must be greater than 0", 2)
+        values.append(value)
+    return values
+
+
+def _error_kinds(errors: dict[str, int]) -> str:
+    return ", ".join(f"{kind}: {count}" for kind, count in sorted(errors.items(), key=lambda e: -e[1]))
+
+
+@bench_app.command("compare", cls=FlagsCommand)
+def compare_command(
+    a: Annotated[Path, typer.Argument(help="the baseline result (--output of a run)")],
+    b: Annotated[Path, typer.Argument(help="the result to compare with it")],
+) -> None:
     """Show two result files side by side, with B's change relative to A."""
     from corral.bench import compare
 
-    rows = compare(json.loads(a.read_text()), json.loads(b.read_text()))
+    rows = compare(_result(a), _result(b))
     table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
     for column in ("metric", a.name, b.name, "change"):
         table.add_column(column, justify="left" if column == "metric" else "right")
     for metric, va, vb, change in rows:
         table.add_row(metric, f"{va:,.2f}", f"{vb:,.2f}", f"{change:+.1%}" if change is not None else "-")
     Console().print(table)
+
+
+def _result(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except OSError as exc:
+        fail(f"cannot read {path}: {exc.strerror or exc}")
+    except ValueError as exc:
+        fail(f"{path} is not JSON ({exc}); give files written by corral bench --output")
+    if not isinstance(data, dict) or "runs" not in data:
+        fail(f"{path} is not a corral bench result (written by corral bench --output)")
+    return data
 
 
 def _run(plan: Any, requests: list[Any], slo: Any, detailed: bool) -> dict[str, Any]:
@@ -197,9 +255,11 @@ def _slo(items: list[str]) -> Any:
         for part in item.split():
             name, _, value = part.partition(":")
             if name not in names or not value:
-                console.print(f"[red]error:[/red] bad --goodput {part!r}; use ttft:MS tpot:MS e2el:MS")
-                raise typer.Exit(2)
-            values[names[name]] = float(value)
+                fail(f"bad --goodput {part!r}; use ttft:MS tpot:MS e2el:MS", 2)
+            try:
+                values[names[name]] = float(value)
+            except ValueError:
+                fail(f"bad --goodput {part!r}: {value!r} is not a number of milliseconds", 2)
     return Slo(**values)
 
 
@@ -223,16 +283,14 @@ def _requests(
         return random_requests(count, input_len, output_len, ratio, seed, chat="chat" in endpoint)
     if name == "sharegpt":
         if path is None:
-            console.print("[red]error:[/red] --dataset-name sharegpt needs --dataset-path")
-            raise typer.Exit(2)
-        return sharegpt_requests(path, count, seed)
-    if name == "prefix":
-        if "chat" not in endpoint:
-            console.print("[red]error:[/red] the prefix dataset is chat: use --endpoint /v1/chat/completions")
-            raise typer.Exit(2)
-        return shared_prefix_requests(count, tenants, prefix_len, question_len, output_len, turns, seed)
-    console.print(f"[red]error:[/red] unknown dataset {name!r}: random, sharegpt or prefix")
-    raise typer.Exit(2)
+            fail("--dataset-name sharegpt needs --dataset-path", 2)
+        try:
+            return sharegpt_requests(path, count, seed)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            fail(f"cannot use {path} as a ShareGPT file: {exc}", 2)
+    if "chat" not in endpoint:
+        fail("the prefix dataset is chat: use --endpoint /v1/chat/completions", 2)
+    return shared_prefix_requests(count, tenants, prefix_len, question_len, output_len, turns, seed)
 
 
 def _config(plan: Any, dataset: str, num_prompts: int) -> dict[str, Any]:
@@ -274,5 +332,9 @@ def _show(runs: list[dict[str, Any]], slo: Any) -> None:
             str(sum(r["errors"].values())),
         )
     Console().print(table)
+    for r in runs:
+        if r["errors"]:
+            where = f" at {r['load']}" if r["load"] else ""
+            console.print(f"[yellow]errors{where}:[/yellow] {_error_kinds(r['errors'])}", highlight=False)
     if slo.any:
         console.print(f"goodput: {runs[-1]['goodput_requests_per_s']:.2f} requests/s meeting the SLOs")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -11,52 +12,83 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from corral.cli.app import app, console
+from corral.cli.app import FlagsCommand, FlagsGroup, app, console, fail
 
 if TYPE_CHECKING:  # the store imports SQLAlchemy: only when a command needs it
-    from corral.store import KeyStore, UsageStore
+    from corral.store import KeyRecord, KeyStore, UsageStore
 
 __all__ = ["keys_app"]
 
-keys_app = typer.Typer(help="Create, list, show and revoke API keys.", no_args_is_help=True)
+keys_app = typer.Typer(help="Create, list, show and revoke API keys.", cls=FlagsGroup, no_args_is_help=True)
 app.add_typer(keys_app, name="keys")
 
 SpecOption = Annotated[Path | None, typer.Option("--file", "-f", help="cluster spec (its store.url)")]
-StoreOption = Annotated[str | None, typer.Option("--store", help="SQLAlchemy URL of the store")]
+StoreOption = Annotated[
+    str | None,
+    typer.Option(
+        "--store", help="store URL: sqlite:///PATH or postgresql://USER@HOST/DB (default: corral's)"
+    ),
+]
 JsonOption = Annotated[bool, typer.Option("--json", help="print JSON")]
 
 
-def _stores(file: Path | None, store: str | None) -> tuple[KeyStore, UsageStore]:
+class Priority(StrEnum):
+    high = "high"
+    normal = "normal"
+    low = "low"
+
+
+class UsageBy(StrEnum):
+    key = "key"
+    tenant = "tenant"
+    model = "model"
+    day = "day"
+
+
+def _stores(file: Path | None, store: str | None, create: bool = False) -> tuple[KeyStore, UsageStore]:
+    """The key and usage stores of `--store`, the spec's `store.url`, or corral's SQLite file. Read-only
+    commands (`create` false) never create a store: a missing one is an error."""
     from corral.config import Paths, SpecError, load_spec
-    from corral.store import KeyStore, UsageStore, open_database
+    from corral.store import KeyStore, StoreError, UsageStore, open_database
 
     url = store
     if url is None and file is not None:
         try:
             url = load_spec(file).store.url
         except SpecError as exc:
-            console.print(f"[red]error:[/red] {exc}", markup=False)
-            raise typer.Exit(2) from None
-    engine = open_database(url or Paths.from_env().database_url)
+            fail(str(exc), 2)
+    try:
+        engine = open_database(url or Paths.from_env().database_url, create=create)
+    except StoreError as exc:
+        fail(str(exc))
     return KeyStore(engine), UsageStore(engine)
 
 
-@keys_app.command("create")
+@keys_app.command("create", cls=FlagsCommand)
 def create(
     tenant: Annotated[str, typer.Option(help="the tenant the key belongs to")],
     name: Annotated[str, typer.Option(help="a label")] = "",
     models: Annotated[str, typer.Option(help="comma-separated models it may use (default: all)")] = "",
-    rpm: Annotated[int | None, typer.Option(help="requests per minute")] = None,
-    tpm: Annotated[int | None, typer.Option(help="tokens per minute (input + max output, reserved)")] = None,
-    max_concurrency: Annotated[int | None, typer.Option(help="requests in flight at once")] = None,
-    priority: Annotated[str, typer.Option(help="high, normal or low")] = "normal",
-    monthly_tokens: Annotated[int | None, typer.Option(help="token budget per calendar month")] = None,
+    rpm: Annotated[int | None, typer.Option(help="requests per minute (≥ 1; default: unlimited)")] = None,
+    tpm: Annotated[
+        int | None,
+        typer.Option(help="tokens per minute, input + max output reserved (≥ 1; default: unlimited)"),
+    ] = None,
+    max_concurrency: Annotated[
+        int | None, typer.Option(help="requests in flight at once (≥ 1; default: unlimited)")
+    ] = None,
+    priority: Annotated[Priority, typer.Option(help="queue priority class")] = Priority.normal,
+    monthly_tokens: Annotated[
+        int | None, typer.Option(help="token budget per calendar month (≥ 1; default: none)")
+    ] = None,
     file: SpecOption = None,
     store: StoreOption = None,
     as_json: JsonOption = False,
 ) -> None:
     """Create a key; its secret is printed once and stored only as a hash."""
-    keys, _ = _stores(file, store)
+    from corral.store import InvalidKey
+
+    keys, _ = _stores(file, store, create=True)
     try:
         secret, record = keys.create(
             tenant,
@@ -65,12 +97,12 @@ def create(
             rpm=rpm,
             tpm=tpm,
             max_concurrency=max_concurrency,
-            priority=priority,
+            priority=str(priority),
             monthly_token_budget=monthly_tokens,
         )
-    except ValueError as exc:
-        console.print(f"[red]error:[/red] {exc}")
-        raise typer.Exit(2) from None
+    except InvalidKey as exc:
+        option = {"monthly_token_budget": "monthly-tokens"}.get(exc.param or "", exc.param or "")
+        fail(f"--{option.replace('_', '-')}: {exc}" if option else str(exc), 2)
     if as_json:
         print(json.dumps({"key": secret, **record.to_dict()}, indent=2))
         return
@@ -78,7 +110,7 @@ def create(
     print(secret)
 
 
-@keys_app.command("list")
+@keys_app.command("list", cls=FlagsCommand)
 def list_keys(
     include_revoked: Annotated[bool, typer.Option("--all", help="include revoked keys")] = False,
     file: SpecOption = None,
@@ -91,13 +123,13 @@ def list_keys(
     if as_json:
         print(json.dumps([r.to_dict() for r in records], indent=2))
         return
-    table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
-    for column in ("id", "prefix", "tenant", "models", "rpm", "tpm", "conc.", "prio.", "budget", "state"):
-        table.add_column(column, no_wrap=column in {"id", "prefix"})
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False, padding=0)
+    for column in ("id", "secret", "tenant", "models", "rpm", "tpm", "conc.", "prio.", "budget", "state"):
+        table.add_column(column, no_wrap=column in {"id", "secret", "state"}, min_width=len(column))
     for r in records:
         table.add_row(
             r.id,
-            r.prefix + "…",
+            r.prefix.removeprefix("sk-corral-") + "…",
             r.tenant,
             ",".join(r.models) or "all",
             _n(r.rpm),
@@ -110,50 +142,65 @@ def list_keys(
     Console().print(table)
 
 
-@keys_app.command("show")
-def show(key_id: str, file: SpecOption = None, store: StoreOption = None) -> None:
+@keys_app.command("show", cls=FlagsCommand)
+def show(
+    key_id: Annotated[str, typer.Argument(help="the key's id (from `corral keys list`)")],
+    file: SpecOption = None,
+    store: StoreOption = None,
+    as_json: JsonOption = False,
+) -> None:
     """Show one key."""
     keys, _ = _stores(file, store)
     record = keys.get(key_id)
     if record is None:
-        console.print(f"[red]error:[/red] no key with id {key_id}")
-        raise typer.Exit(1)
-    print(json.dumps(record.to_dict(), indent=2))
+        fail(f"no key with id {key_id}")
+    if as_json:
+        print(json.dumps(record.to_dict(), indent=2))
+        return
+    Console().print(_key_table(record))
 
 
-@keys_app.command("revoke")
-def revoke(key_id: str, file: SpecOption = None, store: StoreOption = None) -> None:
+@keys_app.command("revoke", cls=FlagsCommand)
+def revoke(
+    key_id: Annotated[str, typer.Argument(help="the key's id (from `corral keys list`)")],
+    file: SpecOption = None,
+    store: StoreOption = None,
+    as_json: JsonOption = False,
+) -> None:
     """Revoke a key: gateways refuse it within their key-cache TTL (auth.cache_ttl)."""
     keys, _ = _stores(file, store)
-    if keys.revoke(key_id) is None:
-        console.print(f"[red]error:[/red] no key with id {key_id}")
-        raise typer.Exit(1)
-    console.print(f"revoked {key_id}")
+    before = keys.get(key_id)
+    if before is None:
+        fail(f"no key with id {key_id}")
+    record = keys.revoke(key_id) if before.revoked_at is None else before
+    assert record is not None and record.revoked_at is not None
+    if as_json:
+        print(json.dumps({**record.to_dict(), "already_revoked": before.revoked_at is not None}, indent=2))
+    elif before.revoked_at is not None:
+        console.print(f"{key_id} was already revoked on {before.revoked_at:%Y-%m-%d %H:%M:%S} UTC")
+    else:
+        console.print(f"revoked {key_id}")
 
 
-@app.command("usage")
+@app.command("usage", cls=FlagsCommand)
 def usage(
-    by: Annotated[str, typer.Option(help="key, tenant, model or day")] = "key",
+    by: Annotated[UsageBy, typer.Option(help="how to group the report")] = UsageBy.key,
     file: SpecOption = None,
     store: StoreOption = None,
     as_json: JsonOption = False,
 ) -> None:
     """Report recorded usage: requests, tokens, errors and latency by key, tenant, model or day."""
     _, usage_store = _stores(file, store)
-    try:
-        rows = usage_store.report(by)
-    except ValueError as exc:
-        console.print(f"[red]error:[/red] {exc}")
-        raise typer.Exit(2) from None
+    rows = usage_store.report(str(by))
     if as_json:
         print(json.dumps(rows, indent=2))
         return
     table = Table(title=f"usage by {by}", box=box.SIMPLE_HEAD, pad_edge=False)
-    for column in (by, "requests", "input tokens", "output tokens", "errors", "mean latency"):
+    for column in (str(by), "requests", "input tokens", "output tokens", "errors", "mean latency"):
         table.add_column(column, justify="left" if column == by else "right")
     for row in rows:
         table.add_row(
-            str(row[by]),
+            str(row[str(by)]),
             f"{row['requests']:,}",
             f"{row['input_tokens']:,}",
             f"{row['output_tokens']:,}",
@@ -163,5 +210,25 @@ def usage(
     Console().print(table)
 
 
+def _key_table(record: KeyRecord) -> Table:
+    table = Table(box=None, show_header=False, pad_edge=False)
+    table.add_column(style="bold")
+    table.add_column()
+    for field, value in record.to_dict().items():
+        if isinstance(value, list):
+            shown: object = ",".join(value) or "all"
+        else:
+            shown = "-" if value in (None, "") else value
+        table.add_row(field, str(shown))
+    return table
+
+
 def _n(value: int | None) -> str:
-    return "-" if value is None else f"{value:,}"
+    """A limit in a few characters: 600, 200k, 1.5M, 500M."""
+    if value is None:
+        return "-"
+    for unit, size in (("G", 10**9), ("M", 10**6), ("k", 10**3)):
+        if value >= size:
+            scaled = value / size
+            return f"{scaled:.0f}{unit}" if scaled >= 10 or scaled == int(scaled) else f"{scaled:.1f}{unit}"
+    return str(value)

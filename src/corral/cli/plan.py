@@ -8,24 +8,29 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
-from corral.cli.app import app, console
+from corral.cli.app import FlagsCommand, app, console, fail
 
 __all__ = ["plan_command"]
 
 
-@app.command("plan")
+@app.command("plan", cls=FlagsCommand)
 def plan_command(
-    model: Annotated[str, typer.Option(help="model from the catalog (e.g. llama-3.1-8b) or its HF id")],
+    model: Annotated[
+        str | None, typer.Option(help="model from the catalog (e.g. llama-3.1-8b) or its HF id [required]")
+    ] = None,
     gpu: Annotated[
-        str, typer.Option(help="GPU type from the catalog, or 'all' to search every type")
+        str, typer.Option(help="GPU type from the catalog, or 'all' to search every GPU class")
     ] = "all",
     gpus: Annotated[int | None, typer.Option(help="use exactly this many GPUs")] = None,
     quant: Annotated[
         str | None, typer.Option(help="bf16, fp8, int8, awq, gptq, mxfp4, gguf-q4, gguf-q8")
     ] = None,
     context: Annotated[int | None, typer.Option(help="max context length per sequence (tokens)")] = None,
-    concurrency: Annotated[int, typer.Option(help="concurrent requests to serve")] = 16,
+    concurrency: Annotated[
+        int | None, typer.Option(help="concurrent requests to serve (default: 16)", min=1)
+    ] = None,
     request_rate: Annotated[
         float | None, typer.Option(help="requests/s arriving at random (Poisson); instead of --concurrency")
     ] = None,
@@ -52,6 +57,10 @@ def plan_command(
     from corral.perf.calibration import calibrated_efficiency, fit
     from corral.plan import PlanRequest, plan, plan_json, plan_table, plan_yaml
 
+    if concurrency is not None and request_rate is not None:
+        fail("--concurrency and --request-rate are two ways to state the load: give one", 2)
+    if model is None and not calibrate:
+        fail("--model is required (a catalog name such as llama-3.1-8b)", 2)
     try:
         entries = load_catalog(catalog or [])
         if calibrate:
@@ -64,13 +73,14 @@ def plan_command(
                         f"{point.output_tokens_per_s:.0f} tok/s, predicted {predicted:.0f} ({error:+.1%})"
                     )
             return
+        assert model is not None
         request = PlanRequest(
             model=model,
             gpu=gpu,
             gpus=gpus,
             quant=quant,
             context=context,
-            concurrency=concurrency,
+            concurrency=concurrency or 16,
             request_rate=request_rate,
             input_len=input_len,
             output_len=output_len,
@@ -82,14 +92,13 @@ def plan_command(
         )
         result = plan(request, entries, calibrated_efficiency())
     except CatalogError as exc:
-        console.print(f"[red]error:[/red] {exc}")
-        raise typer.Exit(2) from None
+        fail(str(exc), 2)
     if as_json:
         print(json.dumps(plan_json(result), indent=2))
     elif result.fits:
         Console().print(plan_table(result))
     if not result.fits:
-        console.print(f"[red]does not fit:[/red] {result.reason}")
+        console.print(f"[red]does not fit:[/red] {escape(result.reason or '')}", soft_wrap=True)
     if yaml_out is not None and result.fits:
         yaml_out.write_text(plan_yaml(result))
         console.print(f"wrote {yaml_out}")

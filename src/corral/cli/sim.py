@@ -9,12 +9,12 @@ from typing import Annotated
 
 import typer
 
-from corral.cli.app import app, console, run_async, setup_logging
+from corral.cli.app import FlagsCommand, LogLevel, app, console, fail, run_async, setup_logging
 
 __all__ = ["sim_command"]
 
 
-@app.command("sim")
+@app.command("sim", cls=FlagsCommand)
 def sim_command(
     model: Annotated[str, typer.Option(help="model from the perf catalog")],
     gpu: Annotated[str, typer.Option(help="GPU type from the perf catalog")],
@@ -25,21 +25,29 @@ def sim_command(
     tp: Annotated[int, typer.Option(help="tensor parallel size")] = 1,
     pp: Annotated[int, typer.Option(help="pipeline parallel size")] = 1,
     replicas: Annotated[int, typer.Option(help="replicas to run in this process, on consecutive ports")] = 1,
-    host: Annotated[str, typer.Option()] = "127.0.0.1",
+    host: Annotated[str, typer.Option(help="address to listen on")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="first port (0: any free port)")] = 9000,
     time_scale: Annotated[float, typer.Option(help="simulated seconds per wall-clock second")] = 1.0,
-    max_model_len: Annotated[int | None, typer.Option()] = None,
-    max_num_seqs: Annotated[int, typer.Option()] = 256,
-    max_num_batched_tokens: Annotated[int, typer.Option()] = 2048,
-    gpu_memory_utilization: Annotated[float, typer.Option()] = 0.9,
+    max_model_len: Annotated[
+        int | None, typer.Option(help="tokens of context per sequence (default: the model's)")
+    ] = None,
+    max_num_seqs: Annotated[int, typer.Option(help="sequences batched at once, as vLLM's flag")] = 256,
+    max_num_batched_tokens: Annotated[
+        int, typer.Option(help="tokens per engine step, as vLLM's flag")
+    ] = 2048,
+    gpu_memory_utilization: Annotated[
+        float, typer.Option(help="share of GPU memory for weights and KV, as vLLM's flag")
+    ] = 0.9,
     kv_cache_gib: Annotated[
         float | None, typer.Option(help="fix the KV cache size instead of deriving it")
     ] = None,
-    no_prefix_caching: Annotated[bool, typer.Option("--no-prefix-caching")] = False,
-    log_level: Annotated[str, typer.Option()] = "warning",
+    no_prefix_caching: Annotated[
+        bool, typer.Option("--no-prefix-caching", help="simulate vLLM without its prefix cache")
+    ] = False,
+    log_level: Annotated[LogLevel, typer.Option(help="how much the simulator logs")] = LogLevel.warning,
 ) -> None:
     """Serve simulated vLLM replicas (OpenAI API, /health, /metrics) until Ctrl-C."""
-    from corral.perf import load_catalog
+    from corral.perf import CatalogError, load_catalog
     from corral.perf.calibration import calibrated_efficiency
     from corral.sim import SimFleet, SimOptions, build_server
 
@@ -59,7 +67,11 @@ def sim_command(
         enable_prefix_caching=not no_prefix_caching,
         time_scale=time_scale,
     )
-    catalog, efficiency = load_catalog(), calibrated_efficiency()
+    try:
+        catalog, efficiency = load_catalog(), calibrated_efficiency()
+        catalog.models.get(model), catalog.gpus.get(gpu)
+    except CatalogError as exc:
+        fail(str(exc), 2)
 
     async def serve() -> None:
         fleet = SimFleet([build_server(options, catalog, efficiency) for _ in range(replicas)], host=host)
@@ -84,5 +96,4 @@ def sim_command(
     try:
         run_async(serve())
     except (ValueError, OSError) as exc:
-        console.print(f"[red]error:[/red] {exc}")
-        raise typer.Exit(2) from None
+        fail(str(exc), 2)

@@ -16,7 +16,7 @@ from rich.table import Table
 
 from corral import __version__
 from corral.artifacts import ArtifactError
-from corral.cli.app import app, console, run_async, setup_logging
+from corral.cli.app import CliError, FlagsCommand, LogLevel, app, console, fail, run_async, setup_logging
 from corral.config import (
     ClusterSpec,
     Paths,
@@ -34,80 +34,89 @@ SpecOption = Annotated[
 ]
 
 
-@app.command()
+@app.command(cls=FlagsCommand)
 def version() -> None:
-    """Print corral's version."""
+    """Print corral's version (also: corral --version)."""
     print(__version__)
 
 
-@app.command()
+@app.command(cls=FlagsCommand)
 def up(
     file: SpecOption = None,
     host: Annotated[str | None, typer.Option(help="gateway address (overrides the spec)")] = None,
-    port: Annotated[int | None, typer.Option(help="gateway port (overrides the spec)")] = None,
+    port: Annotated[int | None, typer.Option(help="gateway port (overrides the spec; 0: any free)")] = None,
     ray: Annotated[
         str | None, typer.Option("--ray", help="run replicas on Ray: a cluster address, 'auto', or 'local'")
     ] = None,
-    log_level: Annotated[str, typer.Option(help="debug, info, warning")] = "info",
+    log_level: Annotated[LogLevel, typer.Option(help="how much corral logs")] = LogLevel.info,
 ) -> None:
     """Fetch and build what the cluster needs, start its replicas and the gateway; Ctrl-C stops all."""
     setup_logging(log_level)
     spec = _spec(file, host=host, port=port)
     if ray is not None:
         spec = spec.model_copy(update={"ray": RaySettings(address=None if ray == "local" else ray)})
-    try:
-        run_async(_serve(spec, Paths.from_env()))
-    except ArtifactError as exc:
-        console.print(f"[red]error:[/red] {exc}")
-        raise typer.Exit(1) from None
+    paths = Paths.from_env()
+    prepared = _prepare_or_fail(spec, paths)  # in the foreground: Ctrl-C ends an install at once
+    run_async(_serve(spec, paths, prepared))
 
 
-@app.command()
+@app.command(cls=FlagsCommand)
 def prepare(file: SpecOption = None) -> None:
     """Fetch models and build engines for a spec without starting anything."""
     setup_logging("warning")
-    spec = _spec(file)
-    try:
-        _prepare_all(spec, Paths.from_env())
-    except ArtifactError as exc:
-        console.print(f"[red]error:[/red] {exc}")
-        raise typer.Exit(1) from None
+    _prepare_or_fail(_spec(file), Paths.from_env())
     console.print("[green]ready:[/green] every model and engine is in the cache")
 
 
-@app.command()
+@app.command(cls=FlagsCommand)
 def status(
     url: Annotated[str, typer.Option(help="the gateway's base URL")] = "http://127.0.0.1:8000",
+    admin_key: Annotated[
+        str | None,
+        typer.Option(help="the admin key (default: $CORRAL_ADMIN_KEY); a tenant key sees only its models"),
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
 ) -> None:
     """Show each replica: state, load, restarts."""
     import urllib.error
     import urllib.request
 
+    request = urllib.request.Request(url.rstrip("/") + "/corral/status")
+    key = admin_key or admin_key_from_env(None)
+    if key:
+        request.add_header("Authorization", f"Bearer {key}")
     try:
-        with urllib.request.urlopen(url.rstrip("/") + "/corral/status", timeout=5) as response:
+        with urllib.request.urlopen(request, timeout=5) as response:
             data = json.load(response)
+    except urllib.error.HTTPError as exc:
+        fail(f"{url} answered {exc.code}: {_error_message(exc)}")
     except (urllib.error.URLError, OSError) as exc:
-        console.print(f"[red]error:[/red] no corral gateway answers at {url}: {exc}")
-        raise typer.Exit(1) from None
+        fail(f"no corral gateway answers at {url}: {getattr(exc, 'reason', exc)}")
     if as_json:
         print(json.dumps(data, indent=2))
         return
     Console().print(_status_table(data["replicas"]))
 
 
+def _error_message(exc: Any) -> str:
+    try:
+        return str(json.load(exc)["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return str(exc.reason)
+
+
 def _status_table(replicas: list[dict[str, Any]]) -> Table:
-    table = Table(title="corral replicas", box=box.SIMPLE_HEAD, pad_edge=False)
+    table = Table(title="corral replicas", box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
     for column in ("replica", "state", "address", "pid", "restarts", "in-flight", "run/wait"):
-        table.add_column(column)
+        table.add_column(column, no_wrap=column in {"replica", "state", "address"}, min_width=len(column))
     colours = {"ready": "green", "starting": "yellow", "restarting": "yellow"}
     for r in replicas:
         colour = colours.get(r["state"], "red")
         table.add_row(
             r["id"],
             f"[{colour}]{r['state']}[/{colour}]",
-            (r["url"] or "-").removeprefix("http://"),
-            _dash(r["pid"]),
+            (r.get("url") or "-").removeprefix("http://"),
+            _dash(r.get("pid")),
             str(r["restarts"]),
             str(r["outstanding"]),
             f"{_dash(r['running'])}/{_dash(r['waiting'])}",
@@ -123,12 +132,23 @@ def _spec(file: Path | None, host: str | None = None, port: int | None = None) -
     try:
         spec = load_spec(file) if file is not None else default_spec()
     except SpecError as exc:
-        console.print(f"[red]error:[/red] {exc}", markup=False, highlight=False)
-        raise typer.Exit(2) from None
+        fail(str(exc), 2)
     overrides = {k: v for k, v in {"host": host, "port": port}.items() if v is not None}
     if overrides:
         spec = spec.model_copy(update={"gateway": spec.gateway.model_copy(update=overrides)})
     return spec
+
+
+def _prepare_or_fail(spec: ClusterSpec, paths: Paths) -> list[tuple[str, Any, list[Any]]]:
+    """Check the devices the spec needs on this machine, then prepare; a problem is one error line."""
+    from corral.engines.devices import DeviceError, check_local_gpus, local_gpu_count
+
+    try:
+        if spec.ray is None:
+            check_local_gpus(spec, local_gpu_count())
+        return _prepare_all(spec, paths)
+    except (ArtifactError, DeviceError) as exc:
+        fail(str(exc))
 
 
 def _prepare_all(spec: ClusterSpec, paths: Paths) -> list[tuple[str, Any, list[Any]]]:
@@ -166,49 +186,102 @@ class _ProgressReport:
             self._last = line
 
 
-async def _serve(spec: ClusterSpec, paths: Paths) -> None:
+async def _serve(spec: ClusterSpec, paths: Paths, prepared: list[tuple[str, Any, list[Any]]]) -> None:
     from corral.cluster import Supervisor
-    from corral.gateway import GatewayServer, GatewayServices
+    from corral.gateway import GatewayServer
     from corral.routing import ReplicaSet, Router
 
-    prepared = await asyncio.to_thread(_prepare_all, spec, paths)
     replicas = ReplicaSet()
     supervisor = Supervisor(replicas, _runtime(spec, paths), spec.supervisor)
     for model_name, engine, plans in prepared:
         supervisor.add(model_name, engine, plans)
     policies = {m.name: m.routing for m in spec.models if m.routing is not None}
     router = Router(replicas, policies, default_policy=spec.gateway.routing)
-    services = GatewayServices.build(
-        replicas,
-        paths.database_url,
-        spec.auth,
-        spec.store,
-        spec.limits,
-        spec.queue,
-        admin_key_from_env(spec.auth.admin_key),
-        {m.name: m.tokenizer for m in spec.models if m.tokenizer is not None},
-    )
+    gateway = GatewayServer(spec.gateway, router, _services(spec, paths, replicas))
     if spec.auth.open:
         logger.warning("OPEN ACCESS: requests without an API key are served (auth.open is true in the spec)")
-    gateway = GatewayServer(spec.gateway, router, services)
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    await supervisor.start()
     try:
         await gateway.start()
-        with console.status(f"starting {sum(len(p) for _, _, p in prepared)} replicas"):
-            ready = await _first_of(supervisor.wait_ready(spec.supervisor.ready_timeout), stop.wait())
-        if not stop.is_set():
-            _announce(spec, gateway.port, replicas, ready, paths)
-            await stop.wait()
+    except OSError as exc:
+        where = f"{spec.gateway.host}:{spec.gateway.port}"
+        raise CliError(
+            f"cannot listen on {where}: {exc.strerror or exc} (choose another with --port)"
+        ) from None
+    try:
+        await supervisor.start()
+        await _until_serving(spec, gateway.port, supervisor, paths, stop)
+        await stop.wait()
         console.print("stopping: draining requests and replicas…")
     finally:
         await gateway.stop()
         await supervisor.stop()
     console.print("[green]stopped[/green]")
+
+
+def _services(spec: ClusterSpec, paths: Paths, replicas: Any) -> Any:
+    from corral.gateway import GatewayServices
+    from corral.store import StoreError
+
+    try:
+        return GatewayServices.build(
+            replicas,
+            paths.database_url,
+            spec.auth,
+            spec.store,
+            spec.limits,
+            spec.queue,
+            admin_key_from_env(spec.auth.admin_key),
+            {m.name: m.tokenizer for m in spec.models if m.tokenizer is not None},
+        )
+    except StoreError as exc:
+        raise CliError(str(exc)) from None
+
+
+async def _until_serving(
+    spec: ClusterSpec, port: int | None, supervisor: Any, paths: Paths, stop: asyncio.Event
+) -> None:
+    """Announce the cluster once every model has a ready replica; fail when a model's replicas all gave up.
+    Never says "serving" while a model has none ready."""
+    replicas = supervisor.replicas
+    waited = 0.0
+    with console.status(f"starting {sum(1 for _ in replicas)} replicas"):
+        while not stop.is_set():
+            ready = await _first_of(supervisor.wait_ready(spec.supervisor.ready_timeout), stop.wait())
+            if stop.is_set():
+                return
+            failed = supervisor.failed_models()
+            if failed:
+                raise CliError(_cannot_start(failed, replicas, paths, spec.supervisor.max_start_failures))
+            if ready:
+                break
+            waited += spec.supervisor.ready_timeout
+            pending = [m for m in replicas.models() if not replicas.ready(m)]
+            console.print(
+                f"[yellow]still starting after {waited:.0f}s:[/yellow] {', '.join(pending)} "
+                f"(logs in {paths.logs}; `corral status` shows progress)",
+                soft_wrap=True,
+            )
+    if not stop.is_set():
+        _announce(spec, port, replicas, paths)
+
+
+def _cannot_start(models: list[str], replicas: Any, paths: Paths, attempts: int) -> str:
+    lines = []
+    for model in models:
+        replica = replicas.of(model)[0]
+        lines.append(
+            f"model {model!r} cannot start: {replica.id} failed {attempts} starts in a row "
+            f"({replica.last_error})"
+        )
+        if replica.log_tail:
+            lines.append(f"  last lines of {paths.logs / (replica.id + '.log')}:")
+            lines += [f"    {line}" for line in replica.log_tail]
+    return "\n".join(lines)
 
 
 def _runtime(spec: ClusterSpec, paths: Paths) -> Any:
@@ -242,14 +315,34 @@ async def _first_of(*aws: Any) -> Any:
     return next(iter(done)).result()
 
 
-def _announce(spec: ClusterSpec, port: int | None, replicas: Any, ready: bool, paths: Paths) -> None:
+def _announce(spec: ClusterSpec, port: int | None, replicas: Any, paths: Paths) -> None:
     base = f"http://{spec.gateway.host}:{port}/v1"
-    if not ready:
-        console.print(f"[yellow]some replicas are not ready yet; logs in {paths.logs}[/yellow]")
     console.print(_status_table([r.snapshot() for r in replicas]))
     console.print(
-        f"[bold green]corral is serving[/bold green] {', '.join(replicas.models())} at [bold]{base}[/bold]\n"
-        f"  point an OpenAI client at it: OPENAI_BASE_URL={base} OPENAI_API_KEY=none\n"
-        f"  replica logs: {paths.logs}   status: corral status --url http://{spec.gateway.host}:{port}\n"
-        "  Ctrl-C stops everything."
+        f"[bold green]corral is serving[/bold green] {', '.join(replicas.models())} at [bold]{base}[/bold]"
+    )
+    # One variable per line and no wrapping, so each line can be copied whole on a narrow terminal.
+    key = "none" if spec.auth.open else "<a key from: corral keys create --tenant NAME>"
+    console.print(
+        "  point an OpenAI client at it:\n"
+        f"    export OPENAI_BASE_URL={base}\n"
+        f"    export OPENAI_API_KEY={key}",
+        soft_wrap=True,
+        highlight=False,
+        markup=False,
+    )
+    if not spec.auth.open:
+        console.print(
+            "  the gateway is closed: every request needs an API key (401 without one); create keys with "
+            "`corral keys create` using the spec's store (-f)",
+            soft_wrap=True,
+            highlight=False,
+            markup=False,
+        )
+    console.print(
+        f"  replica logs: {paths.logs}\n  status: corral status --url http://{spec.gateway.host}:{port}\n"
+        "  Ctrl-C stops everything.",
+        soft_wrap=True,
+        highlight=False,
+        markup=False,
     )

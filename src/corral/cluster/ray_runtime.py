@@ -121,6 +121,7 @@ class RayReplica:
         self.url = url
         self.pid: int | None = None
         self.node_id = node_id
+        self.log_path: Path | None = None  # on the actor's node, which may be another machine
         self._waiter = actor.wait.remote()
 
     async def wait(self) -> int:

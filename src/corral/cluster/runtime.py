@@ -20,7 +20,14 @@ from typing import Protocol
 
 from corral.engines import LaunchPlan
 
-__all__ = ["AttachedReplica", "LocalProcessRuntime", "ReplicaRuntime", "RunningReplica", "free_port"]
+__all__ = [
+    "AttachedReplica",
+    "LocalProcessRuntime",
+    "ReplicaRuntime",
+    "RunningReplica",
+    "free_port",
+    "log_tail",
+]
 
 _PR_SET_PDEATHSIG = 1
 
@@ -30,6 +37,7 @@ class RunningReplica(Protocol):
 
     url: str
     pid: int | None
+    log_path: Path | None  # where its output goes, when it is a file on this machine
 
     async def wait(self) -> int:
         """Return the exit code once the replica has exited."""
@@ -52,6 +60,7 @@ class AttachedReplica:
     def __init__(self, url: str) -> None:
         self.url = url
         self.pid: int | None = None
+        self.log_path: Path | None = None
         self._forever = asyncio.Event()
 
     async def wait(self) -> int:
@@ -65,10 +74,11 @@ class AttachedReplica:
 class LocalProcess:
     """An engine running as a child process group on this machine."""
 
-    def __init__(self, process: asyncio.subprocess.Process, url: str) -> None:
+    def __init__(self, process: asyncio.subprocess.Process, url: str, log_path: Path | None = None) -> None:
         self._process = process
         self.url = url
         self.pid: int | None = process.pid
+        self.log_path = log_path
 
     async def wait(self) -> int:
         return await self._process.wait()
@@ -116,7 +126,22 @@ class LocalProcessRuntime:
                 start_new_session=True,
                 preexec_fn=_die_with_parent if sys.platform == "linux" else None,
             )
-        return LocalProcess(process, f"http://{self._host}:{port}")
+        return LocalProcess(process, f"http://{self._host}:{port}", log_path)
+
+
+def log_tail(path: Path | None, lines: int = 6, max_bytes: int = 16384) -> list[str]:
+    """The last non-empty lines of a replica's log (of its latest start), for a failure report."""
+    if path is None:
+        return []
+    try:
+        with path.open("rb") as log:
+            log.seek(0, os.SEEK_END)
+            log.seek(max(0, log.tell() - max_bytes))
+            text = log.read().decode("utf-8", errors="replace")
+    except OSError:
+        return []
+    latest = text.rsplit("\n=== ", 1)[-1].split("\n", 1)[-1] if "\n=== " in text else text
+    return [line.rstrip() for line in latest.splitlines() if line.strip()][-lines:]
 
 
 def free_port(host: str = "127.0.0.1") -> int:

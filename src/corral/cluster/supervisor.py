@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from corral.cluster.runtime import ReplicaRuntime, RunningReplica
+from corral.cluster.runtime import ReplicaRuntime, RunningReplica, log_tail
 from corral.config import SupervisorSettings
 from corral.engines import EngineAdapter, LaunchPlan
 from corral.routing import Replica, ReplicaSet, ReplicaState
@@ -35,6 +35,7 @@ class _Slot:
     plan: LaunchPlan
     task: asyncio.Task[None] | None = None
     running: RunningReplica | None = None
+    became_ready: bool = False  # the current incarnation has answered its health check
 
 
 class Supervisor:
@@ -59,6 +60,7 @@ class Supervisor:
                 model=model,
                 engine=engine.name,
                 capacity=plan.capacity,
+                context_length=plan.context_length,
                 api_key=plan.api_key,
             )
             self._slots.append(_Slot(replica, engine, plan))
@@ -74,13 +76,24 @@ class Supervisor:
             slot.task = asyncio.create_task(self._lifecycle(slot), name=f"replica:{slot.replica.id}")
 
     async def wait_ready(self, within: float) -> bool:
-        """Wait until every model has at least one ready replica; False on timeout."""
+        """Wait until every model has at least one ready replica; False on timeout, or as soon as some
+        model's replicas have all been given up (`failed_models` names them)."""
         deadline = time.monotonic() + within
         while time.monotonic() < deadline:
             if all(self.replicas.ready(m) for m in self.replicas.models()):
                 return True
+            if self.failed_models():
+                return False
             await asyncio.sleep(0.1)
         return False
+
+    def failed_models(self) -> list[str]:
+        """Models none of whose replicas the supervisor still tries to start."""
+        return [
+            m
+            for m in self.replicas.models()
+            if self.replicas.of(m) and all(r.state is ReplicaState.FAILED for r in self.replicas.of(m))
+        ]
 
     async def stop(self) -> None:
         """Stop all replicas (SIGTERM, then SIGKILL after the stop timeout) and end their tasks."""
@@ -103,6 +116,7 @@ class Supervisor:
     async def _lifecycle(self, slot: _Slot) -> None:
         replica, settings = slot.replica, self._settings
         backoff = settings.backoff_initial
+        start_failures = 0
         while True:
             replica.state = ReplicaState.STARTING
             replica.ready_eta = time.time() + _EXPECTED_START_S
@@ -111,28 +125,46 @@ class Supervisor:
                 running = await self._runtime.start(replica.id, slot.plan)
             except Exception as exc:  # any runtime failure: log it, back off, try again
                 logger.exception("replica %s: the runtime could not start it", replica.id)
-                reason = f"launch failed: {exc}"
+                reason, was_ready = f"launch failed: {exc}", False
             else:
-                reason = await self._run(slot, running)
+                reason, was_ready = await self._run(slot, running)
             if time.monotonic() - launched > _STABLE_RUN_S:
                 backoff = settings.backoff_initial
-            replica.restarts += 1
+            start_failures = 0 if was_ready else start_failures + 1
             replica.last_error = reason
+            if start_failures >= settings.max_start_failures:
+                replica.state, replica.ready_eta = ReplicaState.FAILED, None
+                logger.error(
+                    "replica %s: gave up after %d failed starts in a row: %s",
+                    replica.id,
+                    start_failures,
+                    reason,
+                )
+                return
+            replica.restarts += 1
             replica.state = ReplicaState.RESTARTING
             replica.ready_eta = time.time() + backoff + _EXPECTED_START_S
             logger.warning("replica %s: %s; restarting in %.1fs", replica.id, reason, backoff)
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, settings.backoff_max)
 
-    async def _run(self, slot: _Slot, running: RunningReplica) -> str:
-        """Serve one incarnation of the replica; the reason it ended. Always stops the process."""
+    async def _run(self, slot: _Slot, running: RunningReplica) -> tuple[str, bool]:
+        """Serve one incarnation of the replica: why it ended, and whether it was ever ready. Always stops
+        the process."""
         replica = slot.replica
         replica.url, replica.pid, replica.started_at = running.url, running.pid, time.time()
         replica.node = getattr(running, "node_id", None)
         slot.running = running
+        slot.became_ready = False
         exited = asyncio.ensure_future(running.wait())
         try:
-            return await self._watch(slot, running, exited)
+            reason = await self._watch(slot, running, exited)
+            was_ready = slot.became_ready
+            if not was_ready:
+                replica.log_tail = tuple(log_tail(running.log_path))
+                if replica.log_tail:
+                    reason = f"{reason}: {replica.log_tail[-1]}"
+            return reason, was_ready
         finally:
             exited.cancel()
             if replica.state is ReplicaState.READY:
@@ -154,6 +186,7 @@ class Supervisor:
                 return f"not ready within {settings.ready_timeout:.0f}s"
             await asyncio.wait([exited], timeout=0.2)
         replica.state, replica.ready_eta = ReplicaState.READY, None
+        slot.became_ready = True
         logger.info("replica %s ready at %s", replica.id, running.url)
         failures = 0
         while True:

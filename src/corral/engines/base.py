@@ -28,6 +28,7 @@ class LaunchPlan:
     metrics_path: str | None = "/metrics"
     url: str | None = None
     capacity: int | None = None  # sequences the engine runs at once; the gateway queues beyond it
+    context_length: int | None = None  # tokens per sequence (prompt + output); the gateway refuses more
     api_key: str | None = None  # the engine's own API key, which the gateway sends upstream
     startup_s: float | None = None  # how long the engine may take to become ready (default: the supervisor's)
 

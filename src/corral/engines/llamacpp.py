@@ -50,7 +50,9 @@ class LlamaCppEngine:
             "--no-webui",
             *deployment.engine_args,
         )
-        return [LaunchPlan(argv=argv, capacity=deployment.parallel)] * deployment.replicas
+        return [
+            LaunchPlan(argv=argv, capacity=deployment.parallel, context_length=deployment.context_length)
+        ] * deployment.replicas
 
     def parse_load(self, metrics_text: str) -> EngineLoad:
         values = read_gauges(metrics_text)

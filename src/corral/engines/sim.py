@@ -54,7 +54,11 @@ class SimEngineAdapter:
             argv += ["--quant", deployment.quantization]
         if deployment.max_model_len:
             argv += ["--max-model-len", str(deployment.max_model_len)]
-        plan = LaunchPlan(argv=(*argv, *deployment.engine_args), capacity=deployment.max_num_seqs)
+        plan = LaunchPlan(
+            argv=(*argv, *deployment.engine_args),
+            capacity=deployment.max_num_seqs,
+            context_length=deployment.max_model_len,
+        )
         return [plan] * deployment.replicas
 
     def parse_load(self, metrics_text: str) -> EngineLoad:

@@ -105,6 +105,7 @@ class VllmEngine:
                 argv=tuple(argv),
                 env=self._env(deployment, index),
                 capacity=deployment.max_num_seqs,
+                context_length=deployment.max_model_len,
                 api_key=deployment.engine_api_key,
                 startup_s=120.0 if cpu else 600.0,
             )

@@ -11,26 +11,14 @@ import hmac
 from typing import Any
 
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import ValidationError
 
 from corral.gateway.services import GatewayServices
 from corral.protocol import InvalidRequest, NotFound, PermissionDenied, Unauthorized
 from corral.routing import Router
+from corral.store import NewKey
 
 __all__ = ["AdminViews"]
-
-
-class _NewKey(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    tenant: str = Field(min_length=1, max_length=128)
-    name: str = ""
-    models: list[str] = Field(default_factory=list)
-    rpm: int | None = Field(default=None, ge=1)
-    tpm: int | None = Field(default=None, ge=1)
-    max_concurrency: int | None = Field(default=None, ge=1)
-    priority: str = Field(default="normal", pattern="^(high|normal|low)$")
-    monthly_token_budget: int | None = Field(default=None, ge=1)
 
 
 class AdminViews:
@@ -46,15 +34,20 @@ class AdminViews:
         app.router.add_get("/admin/usage", self.usage)
         app.router.add_get("/admin/routing", self.routing)
 
-    def _check(self, request: web.Request) -> None:
+    def is_admin(self, request: web.Request) -> bool:
+        """The request carries the admin key (or needs none: an open gateway without an admin key)."""
         expected = self._services.admin_key
         if expected is None:
-            if self._services.open_access:
-                return
-            raise PermissionDenied("The admin API is disabled: set CORRAL_ADMIN_KEY (or auth.admin_key).")
+            return self._services.open_access
         scheme, _, given = (request.headers.get("Authorization") or "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), expected.encode()):
-            raise Unauthorized("The admin API needs 'Authorization: Bearer <admin key>'.")
+        return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), expected.encode())
+
+    def _check(self, request: web.Request) -> None:
+        if self.is_admin(request):
+            return
+        if self._services.admin_key is None:
+            raise PermissionDenied("The admin API is disabled: set CORRAL_ADMIN_KEY (or auth.admin_key).")
+        raise Unauthorized("The admin API needs 'Authorization: Bearer <admin key>'.")
 
     async def list_keys(self, request: web.Request) -> web.Response:
         self._check(request)
@@ -65,7 +58,7 @@ class AdminViews:
     async def create_key(self, request: web.Request) -> web.Response:
         self._check(request)
         try:
-            spec = _NewKey.model_validate_json(await request.read())
+            spec = NewKey.model_validate_json(await request.read())
         except ValidationError as exc:
             err = exc.errors(include_url=False)[0]
             param = ".".join(str(p) for p in err["loc"]) or None

@@ -37,7 +37,8 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 def build_app(settings: GatewaySettings, router: Router, services: GatewayServices) -> web.Application:
     """The gateway application over `router`'s replica set, with the admission services given."""
     app = web.Application(middlewares=[_error_boundary], client_max_size=settings.max_body_bytes)
-    status = _StatusViews(router, started_at=time.time())
+    admin = AdminViews(services, router)
+    status = _StatusViews(router, services, admin, started_at=time.time())
     metrics = GatewayMetrics(router, services.queue.depths)
     app.router.add_get("/health", status.health)
     app.router.add_get("/ready", status.ready)
@@ -50,7 +51,7 @@ def build_app(settings: GatewaySettings, router: Router, services: GatewayServic
         )
 
     app.router.add_get("/metrics", metrics_view)
-    AdminViews(services, router).add_routes(app)
+    admin.add_routes(app)
 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
         connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=30)
@@ -114,11 +115,19 @@ def _error_response(exc: APIError, status: int | None = None) -> web.Response:
 
 
 class _StatusViews:
-    """Read-only views of the replica set."""
+    """Read-only views of the replica set. On a closed gateway `/v1/models` needs an API key (and lists the
+    models it may use) and `/corral/status` the admin key, or a tenant key, which sees its models' replicas
+    without their addresses and processes."""
 
-    def __init__(self, router: Router, started_at: float) -> None:
+    _INTERNAL = ("url", "pid", "node", "log_tail", "last_error")
+
+    def __init__(
+        self, router: Router, services: GatewayServices, admin: AdminViews, started_at: float
+    ) -> None:
         self._router = router
         self._replicas = router.replicas
+        self._auth = services.auth
+        self._admin = admin
         self._started_at = started_at
 
     async def health(self, request: web.Request) -> web.Response:
@@ -130,14 +139,25 @@ class _StatusViews:
         return web.json_response({"ready": ok, "models": counts}, status=200 if ok else 503)
 
     async def models(self, request: web.Request) -> web.Response:
+        principal = await self._auth.authenticate(request.headers.get("Authorization"))
         created = int(self._started_at)
         data = [
             {"id": m, "object": "model", "created": created, "owned_by": "corral"}
             for m in self._replicas.models()
+            if not principal.models or m in principal.models
         ]
         return web.json_response({"object": "list", "data": data})
 
     async def replica_status(self, request: web.Request) -> web.Response:
-        return web.json_response(
-            {"models": self._replicas.models(), "replicas": [r.snapshot() for r in self._replicas]}
-        )
+        if self._admin.is_admin(request):
+            models = self._replicas.models()
+            replicas = [r.snapshot() for r in self._replicas]
+        else:
+            principal = await self._auth.authenticate(request.headers.get("Authorization"))
+            models = [m for m in self._replicas.models() if not principal.models or m in principal.models]
+            replicas = [
+                {k: v for k, v in r.snapshot().items() if k not in self._INTERNAL}
+                for m in models
+                for r in self._replicas.of(m)
+            ]
+        return web.json_response({"models": models, "replicas": replicas})

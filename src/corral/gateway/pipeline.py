@@ -26,6 +26,7 @@ from corral.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
+    InvalidRequest,
     ModelNotFound,
     PayloadTooLarge,
     parse_body,
@@ -71,7 +72,12 @@ class Pipeline:
     ) -> web.StreamResponse:
         principal = await self._services.auth.authenticate(request.headers.get("Authorization"))
         ctx = await self.parse(request, kind)
-        principal.check_model(ctx.model)
+        try:
+            principal.check_model(ctx.model)
+        except APIError as exc:
+            self._metrics.of(ctx.model).rejected(exc.code or "forbidden")
+            self._record(ctx, principal, exc.status)
+            raise
         reservation = await self.admit(ctx, principal)
         status = 500
         try:
@@ -109,14 +115,16 @@ class Pipeline:
         if not self._replicas.has_model(body.model):
             raise ModelNotFound(f"The model '{body.model}' does not exist on this server.", param="model")
         upstream = _with_usage(raw) if body.stream and not body.include_usage else raw
-        max_tokens = (body.max_completion_tokens if isinstance(body, ChatCompletionRequest) else None) or (
-            body.max_tokens or _DEFAULT_OUTPUT_ESTIMATE
-        )
+        asked = (
+            body.max_completion_tokens if isinstance(body, ChatCompletionRequest) else None
+        ) or body.max_tokens
+        max_tokens = asked or _DEFAULT_OUTPUT_ESTIMATE
         counter = self._services.token_counters.get(body.model)
         prompt = prompt_text(body) if counter is not None else ""
         input_tokens = (
             counter.count(prompt) if counter is not None else int(len(raw) * self._services.tokens_per_byte)
         )
+        self._check_context(body, asked, input_tokens if counter is not None else None)
         route = RouteRequest(
             model=body.model,
             tokens=input_tokens + max_tokens * body.n,
@@ -127,6 +135,34 @@ class Pipeline:
         return RequestContext(
             path=request.path, body=body, upstream_body=upstream, received_at=time.monotonic(), route=route
         )
+
+    def _check_context(
+        self,
+        body: ChatCompletionRequest | CompletionRequest,
+        max_tokens: int | None,
+        input_tokens: int | None,
+    ) -> None:
+        """Refuse output (and, where a tokenizer counts it exactly, prompt + output) beyond the context the
+        model's replicas hold per sequence: the engine would hold a slot until the read timeout."""
+        context = self._replicas.context_length(body.model)
+        if context is None:
+            return
+        param = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens"
+        if max_tokens is not None and max_tokens > context:
+            raise InvalidRequest(
+                f"{param} is too large: {max_tokens}. The model '{body.model}' holds at most {context} "
+                "tokens per request (prompt and output together).",
+                param=param,
+                code="context_length_exceeded",
+            )
+        if input_tokens is not None and input_tokens + (max_tokens or 0) > context:
+            raise InvalidRequest(
+                f"This request needs {input_tokens + (max_tokens or 0)} tokens ({input_tokens} in the prompt"
+                f"{f', {max_tokens} of output' if max_tokens else ''}), more than the {context} the model "
+                f"'{body.model}' holds per request. Shorten the prompt or lower {param}.",
+                param="messages" if isinstance(body, ChatCompletionRequest) else "prompt",
+                code="context_length_exceeded",
+            )
 
     async def admit(self, ctx: RequestContext, principal: Principal) -> Reservation | None:
         """Reserve the request and its tokens (input estimate + max output) before any work starts."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 from importlib import resources
 from pathlib import Path
 from typing import Any, Generic, TypeVar
@@ -36,6 +36,7 @@ class GPU:
     price_per_hour: float
     source: str
     aliases: tuple[str, ...] = ()
+    kind: str = "gpu"  # "cpu": a CPU measured as an accelerator, searched only when named
 
     @property
     def memory_bytes(self) -> float:
@@ -155,12 +156,19 @@ def load_catalog(extra_files: Iterable[Path] = ()) -> Catalog:
         except OSError as exc:
             raise CatalogError(f"{path}: cannot read: {exc.strerror or exc}") from exc
     for origin, text in texts:
-        document = yaml.safe_load(text) or {}
+        try:
+            document = yaml.safe_load(text) or {}
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f"{origin}:{mark.line + 1}" if mark is not None else origin
+            raise CatalogError(f"{where}: not valid YAML: {getattr(exc, 'problem', exc)}") from exc
         if not isinstance(document, dict):
             raise CatalogError(f"{origin}: expected a mapping with gpus/models/quantizations/apis lists")
         for key, entries in document.items():
             if key not in _KINDS:
                 raise CatalogError(f"{origin}: unknown section {key!r}; expected one of {', '.join(_KINDS)}")
+            if not isinstance(entries, list | None):
+                raise CatalogError(f"{origin}: {key} must be a list of entries")
             for raw in entries or []:
                 entry = _entry(_KINDS[key][1], raw, origin)
                 tables[key][entry.name] = entry
@@ -175,14 +183,26 @@ def load_catalog(extra_files: Iterable[Path] = ()) -> Catalog:
 def _entry(cls: type, raw: Any, origin: str) -> Any:
     if not isinstance(raw, dict) or "name" not in raw:
         raise CatalogError(f"{origin}: each entry needs a name: {raw!r}")
-    known = {f.name for f in fields(cls)}
-    unknown = set(raw) - known
+    known = {f.name: f for f in fields(cls)}
+    unknown = set(raw) - set(known)
     if unknown:
         raise CatalogError(f"{origin}: {raw['name']}: unknown fields {', '.join(sorted(unknown))}")
     values = {**raw, "aliases": tuple(str(a) for a in raw.get("aliases", ()))}
     if "source" not in values:
         values["source"] = f"user catalog {origin}"
-    try:
-        return cls(**values)
-    except TypeError as exc:
-        raise CatalogError(f"{origin}: {raw['name']}: {exc}") from exc
+    required = [f for f in known.values() if f.default is MISSING and f.default_factory is MISSING]
+    missing = [f.name for f in required if f.name not in values]
+    if missing:
+        raise CatalogError(f"{origin}: {raw['name']}: missing fields {', '.join(missing)}")
+    for name, value in values.items():
+        if _numeric(known[name].type) and (isinstance(value, bool) or not isinstance(value, int | float)):
+            if value is None and "None" in str(known[name].type):
+                continue
+            raise CatalogError(f"{origin}: {raw['name']}: {name} must be a number, not {value!r}")
+    return cls(**values)
+
+
+def _numeric(annotation: Any) -> bool:
+    """A dataclass field that holds a number (annotations are strings under postponed evaluation)."""
+    text = str(annotation)
+    return text.split(" |")[0] in {"float", "int"}

@@ -8,7 +8,7 @@ import yaml
 from rich import box
 from rich.table import Table
 
-from corral.plan.search import PlanResult
+from corral.plan.search import Layout, PlanResult
 
 __all__ = ["plan_json", "plan_table", "plan_yaml"]
 
@@ -22,13 +22,21 @@ def plan_json(result: PlanResult) -> dict[str, Any]:
         "quantization": result.quant.name,
         "context": result.context,
         "workload": {
-            "concurrency": request.concurrency,
+            "concurrency": request.concurrency if request.request_rate is None else None,
+            "request_rate": request.request_rate,
             "input_len": request.input_len,
             "output_len": request.output_len,
         },
         "slo": {"ttft_p95_ms": request.ttft_p95_ms, "itl_ms": request.itl_ms},
-        "layouts": [layout.to_dict() for layout in result.layouts],
+        "layouts": [_layout_json(layout, request.has_slo) for layout in result.layouts],
     }
+
+
+def _layout_json(layout: Layout, has_slo: bool) -> dict[str, Any]:
+    """`meets_slo` is null when no SLO was stated (`overloaded` says whether it keeps up at all)."""
+    data = layout.to_dict()
+    data["meets_slo"] = layout.meets_slo if has_slo else None
+    return data
 
 
 def plan_table(result: PlanResult) -> Table:
@@ -38,22 +46,24 @@ def plan_table(result: PlanResult) -> Table:
         f"{result.model.name} ({result.quant.name}), context {result.context}, {load} "
         f"× {r.input_len} in / {r.output_len} out"
     )
-    table = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False)
+    table = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
     table.add_column("GPUs (TP×PP×replicas)", no_wrap=True)
-    for column in ("weights/GPU", "KV tokens", "TTFT p95", "ITL", "out tok/s", "$/month", "$/1M tok", "SLO"):
-        table.add_column(column, justify="right")
+    # Units in the headers keep each cell short enough for an 80-column terminal.
+    headers = ("GiB\n/GPU", "KV\ntokens", "TTFT\np95 ms", "ITL\nms", "out\ntok/s", "$/mo", "$/1M\ntok", "SLO")
+    for column in headers:
+        table.add_column(column, justify="right", no_wrap=True)
     for lay in result.layouts:
         c = lay.cost
         table.add_row(
             f"{lay.gpus}× {lay.gpu} ({lay.tp}×{lay.pp}×{lay.replicas})",
-            f"{lay.weights_gib_per_gpu:.1f} GiB",
+            f"{lay.weights_gib_per_gpu:.1f}",
             f"{lay.kv_tokens:,}",
-            f"{lay.ttft_p95_ms:,.0f} ms",
-            f"{lay.itl_ms:.1f} ms",
+            f"{lay.ttft_p95_ms:,.0f}",
+            f"{lay.itl_ms:.1f}",
             f"{lay.output_tokens_per_s:,.0f}",
             f"{c.monthly_usd:,.0f}",
             f"{c.cost_per_million_tokens:.3f}",
-            "[green]meets[/green]" if lay.meets_slo else "[red]misses[/red]",
+            _verdict(lay, r.has_slo),
         )
     best = result.layouts[0].cost if result.layouts else None
     if best is not None:
@@ -64,6 +74,15 @@ def plan_table(result: PlanResult) -> Table:
             f"break-even {best.break_even_requests_per_day:,.0f} requests/day"
         )
     return table
+
+
+def _verdict(layout: Layout, has_slo: bool) -> str:
+    """'meets' only against a stated SLO; without one, only whether the layout keeps up with the load."""
+    if layout.overloaded:
+        return "[red]overloaded[/red]"
+    if not has_slo:
+        return "-"
+    return "[green]meets[/green]" if layout.meets_slo else "[red]misses[/red]"
 
 
 def plan_yaml(result: PlanResult) -> str:

@@ -26,6 +26,7 @@ from corral.perf import (
     closed_loop,
     memory_plan,
     open_loop,
+    sequence_kv_bytes,
 )
 from corral.plan.cost import CostReport, cost_report
 
@@ -45,6 +46,11 @@ class PlanRequest:
     context: int | None = None
     concurrency: int = 16
     request_rate: float | None = None  # requests/s (Poisson arrivals); replaces `concurrency` when set
+
+    @property
+    def has_slo(self) -> bool:
+        return self.ttft_p95_ms is not None or self.itl_ms is not None
+
     input_len: int = 1024
     output_len: int = 256
     ttft_p95_ms: float | None = None
@@ -76,6 +82,7 @@ class Layout:
     output_tokens_per_s: float
     requests_per_s: float
     meets_slo: bool
+    overloaded: bool  # its queue grows without bound at this load
     cost: CostReport
 
     def to_dict(self) -> dict[str, object]:
@@ -121,9 +128,14 @@ def plan(request: PlanRequest, catalog: Catalog, efficiency: Efficiency) -> Plan
                 f"the context ({context})"
             ),
         )
-    gpus = list(catalog.gpus) if request.gpu == "all" else [catalog.gpus.get(request.gpu)]
+    # "all" means every GPU class; CPU entries (kept for calibrating the CPU engine) only when named.
+    gpus = (
+        [g for g in catalog.gpus if g.kind == "gpu"]
+        if request.gpu == "all"
+        else [catalog.gpus.get(request.gpu)]
+    )
     layouts: list[Layout] = []
-    misses: list[str] = []
+    misses: list[tuple[float, str]] = []
     for gpu in gpus:
         for tp, pp in _parallel_shapes(gpu, request):
             layout = _best_layout(request, catalog, efficiency, model, quant, context, gpu, tp, pp, misses)
@@ -155,7 +167,7 @@ def _best_layout(
     gpu: GPU,
     tp: int,
     pp: int,
-    misses: list[str],
+    misses: list[tuple[float, str]],
 ) -> Layout | None:
     if model.layers % pp:
         return None
@@ -174,10 +186,15 @@ def _best_layout(
     max_seqs = memory.max_sequences(model, context, tp, pp, kv_bytes)
     if max_seqs < 1:
         need = memory.weights + memory.activation + memory.overhead
+        sequence = sequence_kv_bytes(model, context, tp, pp, kv_bytes)
+        shortfall = (need + sequence) / memory.budget  # how far from fitting: 1.0 would just fit
         misses.append(
-            f"{gpu.name} TP={tp} PP={pp}: {need / 1e9:.1f} GB of weights and runtime per GPU leave "
-            f"{memory.kv_bytes / 1e9:.2f} GB of the {memory.budget / 1e9:.1f} GB budget for KV, "
-            f"less than one {context}-token sequence"
+            (
+                shortfall,
+                f"{gpu.name} TP={tp} PP={pp}: {need / 1e9:.1f} GB of weights and runtime per GPU leave "
+                f"{memory.kv_bytes / 1e9:.2f} GB of the {memory.budget / 1e9:.1f} GB budget for KV, "
+                f"less than one {context}-token sequence",
+            )
         )
         return None
     per_replica_gpus = tp * pp
@@ -213,6 +230,7 @@ def _best_layout(
 
 
 def _meets(request: PlanRequest, load: LoadResult) -> bool:
+    """Keeps up with the load and, where SLOs are stated, meets them."""
     if load.overloaded:
         return False
     if request.ttft_p95_ms is not None and load.ttft_p95 * 1000 > request.ttft_p95_ms:
@@ -261,14 +279,16 @@ def _layout(
         output_tokens_per_s=round(tokens_per_s, 1),
         requests_per_s=round(requests_per_s, 3),
         meets_slo=meets,
+        overloaded=load.overloaded,
         cost=cost,
     )
 
 
-def _why_nothing(request: PlanRequest, misses: list[str]) -> str:
+def _why_nothing(request: PlanRequest, misses: list[tuple[float, str]]) -> str:
+    """Why nothing fits, with the three layouts that came closest."""
     if request.gpus is not None:
         head = f"no layout on exactly {request.gpus} GPU(s) of the chosen type holds the model"
     else:
         head = f"no layout within {request.max_gpus} GPUs holds the model"
-    detail = "; ".join(misses[:3])
-    return f"{head}: {detail}" if detail else head
+    closest = [text for _, text in sorted(misses)[:3]]
+    return f"{head}; closest: {'; '.join(closest)}" if closest else head

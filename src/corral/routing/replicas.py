@@ -19,6 +19,7 @@ class ReplicaState(StrEnum):
     RESTARTING = "restarting"
     STOPPING = "stopping"
     STOPPED = "stopped"
+    FAILED = "failed"  # gave up: it failed to start `supervisor.max_start_failures` times in a row
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +51,7 @@ class Replica:
     outstanding: int = 0
     outstanding_tokens: int = 0
     capacity: int | None = None  # concurrent sequences the engine runs (slots, max_num_seqs); None: unknown
+    context_length: int | None = None  # tokens per sequence (prompt + output) the engine holds; None: unknown
     api_key: str | None = field(
         default=None, repr=False
     )  # the engine's own key (vLLM --api-key); never shown
@@ -60,6 +62,7 @@ class Replica:
     restarts: int = 0
     started_at: float | None = None
     last_error: str | None = None
+    log_tail: tuple[str, ...] = ()  # the last lines of its log when it last failed to start
     served: int = 0
     ready_eta: float | None = None  # when a starting/restarting replica is expected ready (epoch s)
 
@@ -98,6 +101,7 @@ class Replica:
             "engine_ttft_mean_ms": round(load.ttft_mean_s * 1000, 2) if load and load.ttft_mean_s else None,
             "engine_itl_mean_ms": round(load.itl_mean_s * 1000, 2) if load and load.itl_mean_s else None,
             "last_error": self.last_error,
+            "log_tail": list(self.log_tail),
         }
 
 
@@ -129,6 +133,11 @@ class ReplicaSet:
 
     def ready(self, model: str) -> list[Replica]:
         return [r for r in self._by_model.get(model, ()) if r.state is ReplicaState.READY]
+
+    def context_length(self, model: str) -> int | None:
+        """The smallest per-sequence context among `model`'s replicas (None when no engine says)."""
+        known = [r.context_length for r in self.of(model) if r.context_length is not None]
+        return min(known) if known else None
 
     def retry_after(self, model: str, default: float = 5.0) -> float:
         """Seconds until the soonest (re)starting replica of `model` is expected to be ready."""

@@ -4,28 +4,100 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from sqlalchemy import Engine, create_engine, event
+from sqlalchemy import Engine, create_engine, event, inspect
+from sqlalchemy.exc import ArgumentError, NoSuchModuleError, SQLAlchemyError
 
-from corral.store.keys import PRIORITIES, KeyRecord, KeyStore, hash_key
+from corral.store.keys import PRIORITIES, InvalidKey, KeyRecord, KeyStore, NewKey, hash_key
 from corral.store.schema import Base
 from corral.store.usage import UsageRecord, UsageStore
 
-__all__ = ["PRIORITIES", "KeyRecord", "KeyStore", "UsageRecord", "UsageStore", "hash_key", "open_database"]
+__all__ = [
+    "PRIORITIES",
+    "InvalidKey",
+    "KeyRecord",
+    "KeyStore",
+    "NewKey",
+    "StoreError",
+    "UsageRecord",
+    "UsageStore",
+    "hash_key",
+    "normalise_url",
+    "open_database",
+]
+
+# The spellings people copy from PostgreSQL's docs, Heroku or psql, and the driver corral ships (psycopg 3).
+_POSTGRES_PREFIXES = ("postgres://", "postgresql://", "postgresql+psycopg2://", "postgres+psycopg://")
+_POSTGRES = "postgresql+psycopg://"
 
 
-def open_database(url: str) -> Engine:
-    """An engine for `url` with corral's tables created (SQLite folders are made as needed)."""
+class StoreError(Exception):
+    """A store URL that cannot be used: malformed, unreachable, or (read-only) not there."""
+
+
+def normalise_url(url: str) -> str:
+    """`postgres://…` and `postgresql://…` mean PostgreSQL through psycopg 3; everything else as given."""
+    for prefix in _POSTGRES_PREFIXES:
+        if url.startswith(prefix):
+            return _POSTGRES + url.removeprefix(prefix)
+    return url
+
+
+def open_database(url: str, create: bool = True) -> Engine:
+    """An engine for `url` with corral's tables. With `create` (a gateway, `keys create`) SQLite folders and
+    the tables are made as needed; without it (read-only commands) a store that is not there is an error.
+    Raises StoreError with one line saying what is wrong."""
+    url = normalise_url(url)
+    shown = _without_password(url)
     if url.startswith("sqlite:///"):
-        Path(url.removeprefix("sqlite:///")).expanduser().parent.mkdir(parents=True, exist_ok=True)
-        engine = create_engine(url)
-
-        @event.listens_for(engine, "connect")
-        def _wal(dbapi_connection, _record):  # type: ignore[no-untyped-def]
-            cursor = dbapi_connection.cursor()
-            cursor.execute("PRAGMA journal_mode=WAL")  # readers don't block the usage writer
-            cursor.execute("PRAGMA busy_timeout=5000")
-            cursor.close()
-    else:
-        engine = create_engine(url, pool_pre_ping=True)
-    Base.metadata.create_all(engine)
+        path = Path(url.removeprefix("sqlite:///")).expanduser()
+        if not create and not path.exists():
+            raise StoreError(f"no corral store at {path} (nothing has been recorded there yet)")
+        if create:
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise StoreError(f"cannot create the store's folder {path.parent}: {exc.strerror}") from exc
+    try:
+        engine = _engine(url)
+        if create:
+            Base.metadata.create_all(engine)
+        elif not set(Base.metadata.tables) <= set(inspect(engine).get_table_names()):
+            raise StoreError(f"{shown} holds no corral store (its tables are missing)")
+    except NoSuchModuleError as exc:
+        raise StoreError(
+            f"unsupported store URL {shown}: use sqlite:///PATH or postgresql://USER@HOST/DB"
+        ) from exc
+    except ArgumentError as exc:
+        raise StoreError(f"malformed store URL {shown}: {exc}") from exc
+    except SQLAlchemyError as exc:
+        cause = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]
+        raise StoreError(f"cannot open the store at {shown}: {cause}") from exc
     return engine
+
+
+def _engine(url: str) -> Engine:
+    if not url.startswith("sqlite:///"):
+        return create_engine(url, pool_pre_ping=True, connect_args=_connect_args(url))
+    engine = create_engine(url)
+
+    @event.listens_for(engine, "connect")
+    def _wal(dbapi_connection, _record):  # type: ignore[no-untyped-def]
+        cursor = dbapi_connection.cursor()
+        cursor.execute("PRAGMA journal_mode=WAL")  # readers don't block the usage writer
+        cursor.execute("PRAGMA busy_timeout=5000")
+        cursor.close()
+
+    return engine
+
+
+def _connect_args(url: str) -> dict[str, object]:
+    """A store that does not answer is reported within seconds, not after the OS's TCP timeout."""
+    return {"connect_timeout": 5} if url.startswith(_POSTGRES) else {}
+
+
+def _without_password(url: str) -> str:
+    scheme, sep, rest = url.partition("://")
+    credentials, at, host = rest.rpartition("@")
+    if not at or ":" not in credentials:
+        return url
+    return f"{scheme}{sep}{credentials.split(':', 1)[0]}:***@{host}"

@@ -7,15 +7,47 @@ import secrets
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from sqlalchemy import Engine, select
 from sqlalchemy.orm import Session
 
 from corral.store.schema import ApiKeyRow
 
-__all__ = ["PRIORITIES", "KeyRecord", "KeyStore", "hash_key"]
+__all__ = ["PRIORITIES", "InvalidKey", "KeyRecord", "KeyStore", "NewKey", "hash_key"]
 
 PRIORITIES = {"high": 0, "normal": 1, "low": 2}
 _SECRET_PREFIX = "sk-corral-"
+
+
+class NewKey(BaseModel):
+    """What a new key may say: one validation for the CLI and the admin API."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    tenant: str = Field(min_length=1, max_length=128)
+    name: str = Field(default="", max_length=256)
+    models: list[str] = Field(default_factory=list)
+    rpm: int | None = Field(default=None, ge=1)
+    tpm: int | None = Field(default=None, ge=1)
+    max_concurrency: int | None = Field(default=None, ge=1)
+    priority: str = Field(default="normal", pattern="^(high|normal|low)$")
+    monthly_token_budget: int | None = Field(default=None, ge=1)
+
+
+class InvalidKey(ValueError):
+    """A new key's settings are out of range; `param` names the field."""
+
+    def __init__(self, message: str, param: str | None) -> None:
+        super().__init__(message)
+        self.param = param
+
+    @classmethod
+    def from_validation(cls, exc: ValidationError) -> InvalidKey:
+        err = exc.errors(include_url=False)[0]
+        param = ".".join(str(p) for p in err["loc"]) or None
+        if err["type"] == "string_pattern_mismatch" and param == "priority":
+            return cls("priority must be one of high, normal, low", param)
+        return cls(f"{err['msg'].lower()} (got {err.get('input')!r})", param)
 
 
 def hash_key(secret: str) -> str:
@@ -69,11 +101,20 @@ class KeyStore:
         priority: str = "normal",
         monthly_token_budget: int | None = None,
     ) -> tuple[str, KeyRecord]:
-        """A new key: (the secret, shown only now; its record)."""
-        if priority not in PRIORITIES:
-            raise ValueError(f"priority must be one of {', '.join(PRIORITIES)}")
-        if not tenant:
-            raise ValueError("a key needs a tenant")
+        """A new key: (the secret, shown only now; its record). Raises InvalidKey."""
+        try:
+            NewKey(
+                tenant=tenant,
+                name=name,
+                models=models or [],
+                rpm=rpm,
+                tpm=tpm,
+                max_concurrency=max_concurrency,
+                priority=priority,
+                monthly_token_budget=monthly_token_budget,
+            )
+        except ValidationError as exc:
+            raise InvalidKey.from_validation(exc) from exc
         secret = _SECRET_PREFIX + secrets.token_urlsafe(32)
         row = ApiKeyRow(
             id=secrets.token_hex(8),
