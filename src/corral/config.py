@@ -19,6 +19,7 @@ A spec file looks like::
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +49,8 @@ __all__ = [
     "SupervisorSettings",
     "admin_key_from_env",
     "default_spec",
+    "exposure_problem",
+    "is_loopback",
     "load_spec",
     "parse_spec",
 ]
@@ -269,6 +272,9 @@ class GatewaySettings(_Strict):
     routing: RoutingPolicyName = Field(
         default="prefix_affinity", description="routing policy for models that name none"
     )
+    max_upstream_connections: Annotated[
+        int, Field(ge=1, description="open connections to replicas at most; more requests wait for one")
+    ] = 4096
     shutdown_grace: Annotated[
         float, Field(ge=0, description="seconds in-flight requests may finish after Ctrl-C/SIGTERM")
     ] = 10.0
@@ -303,6 +309,11 @@ class AuthSettings(_Strict):
     """API keys. With `open: true` requests without a key are served (keys, when sent, still apply)."""
 
     open: bool = Field(default=False, description="serve requests without an API key (the embedded default)")
+    open_to_network: bool = Field(
+        default=False,
+        description="let an open gateway listen beyond loopback (gateway.host); refused otherwise, since "
+        "anyone reaching it could use it",
+    )
     admin_key: str | None = Field(default=None, description="protects /admin; CORRAL_ADMIN_KEY overrides")
     cache_ttl: Annotated[float, Field(gt=0, description="seconds a key lookup is cached")] = 5.0
 
@@ -317,6 +328,12 @@ class StoreSettings(_Strict):
     flush_interval: Annotated[
         float, Field(gt=0, description="seconds between batched writes of usage records")
     ] = 1.0
+    max_pending: Annotated[
+        int,
+        Field(
+            ge=100, description="usage records held while the store is down; beyond it the oldest are dropped"
+        ),
+    ] = 100_000
 
 
 class LimitsSettings(_Strict):
@@ -326,6 +343,14 @@ class LimitsSettings(_Strict):
         default="memory", description="memory (one gateway) or redis (limits shared by gateways)"
     )
     redis_url: str = Field(default="redis://127.0.0.1:6379/0", description="Redis for backend: redis")
+    redis_timeout: Annotated[
+        float, Field(gt=0, description="seconds to connect to Redis and for each limit check")
+    ] = 0.5
+    on_redis_error: Literal["open", "closed"] = Field(
+        default="open",
+        description="when Redis does not answer: open serves the request (logged, counted in "
+        "corral_limiter_errors_total), closed refuses it with 503 limits_unavailable and Retry-After",
+    )
     window_s: Annotated[float, Field(gt=0, description="seconds over which RPM and TPM are counted")] = 60.0
     tokens_per_char: Annotated[float, Field(gt=0, description="input-token estimate per body byte")] = 0.25
 
@@ -370,7 +395,31 @@ class ClusterSpec(_Strict):
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
             raise ValueError(f"model names must be unique; repeated: {', '.join(dupes)}")
+        problem = exposure_problem(self)
+        if problem:
+            raise ValueError(problem)
         return self
+
+
+def is_loopback(host: str) -> bool:
+    """127.0.0.0/8, ::1 or localhost: only this machine can connect."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def exposure_problem(spec: ClusterSpec) -> str | None:
+    """Why the spec would serve an open gateway to the network without saying so (None: it does not)."""
+    if not spec.auth.open or spec.auth.open_to_network or is_loopback(spec.gateway.host):
+        return None
+    return (
+        f"an open gateway (auth.open: true) on {spec.gateway.host} would serve anyone who reaches it: "
+        "close it (auth.open: false, with keys from `corral keys create`), listen on 127.0.0.1, or say "
+        "auth.open_to_network: true"
+    )
 
 
 def default_spec() -> ClusterSpec:

@@ -25,6 +25,10 @@ class ScriptedUpstream:
     delay: float = 0.0  # seconds a non-streaming answer takes
     bodies: list[dict] = field(default_factory=list)
     cancelled: int = 0
+    required_key: str | None = None  # answer 401 unless `Authorization: Bearer <it>` is sent (vLLM --api-key)
+    authorizations: list[str | None] = field(default_factory=list)
+    active: int = 0
+    peak_concurrency: int = 0
     url: str = ""
     runner: web.AppRunner | None = None
 
@@ -49,8 +53,19 @@ class ScriptedUpstream:
         return web.json_response({"status": "ok"})
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
+        self.active += 1
+        self.peak_concurrency = max(self.peak_concurrency, self.active)
+        try:
+            return await self._answer(request)
+        finally:
+            self.active -= 1
+
+    async def _answer(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.bodies.append(body)
+        self.authorizations.append(request.headers.get("Authorization"))
+        if self.required_key and request.headers.get("Authorization") != f"Bearer {self.required_key}":
+            return web.json_response({"error": {"message": "Unauthorized"}}, status=401)
         if self.mode == "fail503":
             return web.json_response({"error": {"message": "loading", "type": "unavailable"}}, status=503)
         if self.mode == "drop":

@@ -2,7 +2,7 @@
 
 from corral.admission.auth import ANONYMOUS, Authenticator, Principal
 from corral.admission.budget import BudgetTracker
-from corral.admission.limits import Limiter, MemoryLimiter, RedisLimiter, Reservation
+from corral.admission.limits import Limiter, LimiterUnavailable, MemoryLimiter, RedisLimiter, Reservation
 from corral.admission.queue import FairQueue
 from corral.admission.tokens import TokenCounter
 
@@ -12,6 +12,7 @@ __all__ = [
     "BudgetTracker",
     "FairQueue",
     "Limiter",
+    "LimiterUnavailable",
     "MemoryLimiter",
     "Principal",
     "RedisLimiter",

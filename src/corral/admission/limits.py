@@ -19,7 +19,11 @@ from typing import Protocol
 from corral.admission.auth import Principal
 from corral.protocol import RateLimited
 
-__all__ = ["Limiter", "MemoryLimiter", "RedisLimiter", "Reservation"]
+__all__ = ["Limiter", "LimiterUnavailable", "MemoryLimiter", "RedisLimiter", "Reservation"]
+
+
+class LimiterUnavailable(Exception):
+    """The shared limit state (Redis) did not answer; the gateway's policy decides: serve, or 503."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,10 +192,14 @@ return 1
 class RedisLimiter:
     """Limits shared by every gateway using the same Redis; clock and counting happen inside Redis."""
 
-    def __init__(self, url: str, window_s: float = 60.0, prefix: str = "corral:rl") -> None:
+    def __init__(
+        self, url: str, window_s: float = 60.0, prefix: str = "corral:rl", timeout: float = 0.5
+    ) -> None:
         import redis.asyncio as aioredis  # optional dependency, only with the redis backend
+        from redis.exceptions import RedisError
 
-        self._redis = aioredis.from_url(url, socket_timeout=2.0, socket_connect_timeout=2.0)
+        self._errors: tuple[type[BaseException], ...] = (RedisError, OSError, TimeoutError)
+        self._redis = aioredis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
         self._reserve = self._redis.register_script(_RESERVE)
         self._settle = self._redis.register_script(_SETTLE)
         self._window_ms = math.ceil(window_s * 1000)
@@ -215,16 +223,25 @@ class RedisLimiter:
             tokens,
             entry,
         ]
-        ok, what, retry_ms, count, held = await self._reserve(keys=self._keys(principal.key_id), args=args)
+        try:
+            ok, what, retry_ms, count, held = await self._reserve(
+                keys=self._keys(principal.key_id), args=args
+            )
+        except self._errors as exc:
+            raise LimiterUnavailable(f"Redis did not answer: {type(exc).__name__}: {exc}") from exc
         if not ok:
             what = what.decode() if isinstance(what, bytes) else what
             raise _refusal(principal, what, int(retry_ms) / 1000, int(count), int(held))
         return Reservation(principal.key_id, entry, tokens)
 
     async def settle(self, reservation: Reservation, actual_tokens: int) -> None:
-        await self._settle(
-            keys=self._keys(reservation.key_id), args=[reservation.entry, reservation.tokens, actual_tokens]
-        )
+        try:
+            await self._settle(
+                keys=self._keys(reservation.key_id),
+                args=[reservation.entry, reservation.tokens, actual_tokens],
+            )
+        except self._errors as exc:
+            raise LimiterUnavailable(f"Redis did not answer: {type(exc).__name__}: {exc}") from exc
 
     async def close(self) -> None:
         await self._redis.aclose()

@@ -24,6 +24,7 @@ from corral.config import (
     SpecError,
     admin_key_from_env,
     default_spec,
+    exposure_problem,
     load_spec,
 )
 
@@ -136,6 +137,9 @@ def _spec(file: Path | None, host: str | None = None, port: int | None = None) -
     overrides = {k: v for k, v in {"host": host, "port": port}.items() if v is not None}
     if overrides:
         spec = spec.model_copy(update={"gateway": spec.gateway.model_copy(update=overrides)})
+    problem = exposure_problem(spec)
+    if problem:
+        fail(problem, 2)
     return spec
 
 

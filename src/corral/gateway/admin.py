@@ -1,7 +1,7 @@
 """The admin HTTP API: keys, usage, routing state. Protected by the admin key (Bearer).
 
-Without an admin key configured, the admin API is open only when the gateway itself runs open (a laptop);
-otherwise it answers 403.
+Without an admin key configured, the admin API answers only clients on this machine (loopback) of a gateway
+that itself runs open (a laptop); otherwise it answers 403.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from typing import Any
 from aiohttp import web
 from pydantic import ValidationError
 
+from corral.config import is_loopback
 from corral.gateway.services import GatewayServices
 from corral.protocol import InvalidRequest, NotFound, PermissionDenied, Unauthorized
 from corral.routing import Router
@@ -35,10 +36,12 @@ class AdminViews:
         app.router.add_get("/admin/routing", self.routing)
 
     def is_admin(self, request: web.Request) -> bool:
-        """The request carries the admin key (or needs none: an open gateway without an admin key)."""
+        """The request carries the admin key, or needs none: a client on this machine talking to an open
+        gateway without an admin key (a laptop). A key minted by anyone else on an open gateway would
+        outlive the gateway being closed."""
         expected = self._services.admin_key
         if expected is None:
-            return self._services.open_access
+            return self._services.open_access and is_loopback(request.remote or "")
         scheme, _, given = (request.headers.get("Authorization") or "").partition(" ")
         return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), expected.encode())
 
@@ -46,7 +49,10 @@ class AdminViews:
         if self.is_admin(request):
             return
         if self._services.admin_key is None:
-            raise PermissionDenied("The admin API is disabled: set CORRAL_ADMIN_KEY (or auth.admin_key).")
+            raise PermissionDenied(
+                "The admin API needs an admin key (CORRAL_ADMIN_KEY or auth.admin_key); without one it "
+                "answers only clients on this machine, and only while the gateway is open."
+            )
         raise Unauthorized("The admin API needs 'Authorization: Bearer <admin key>'.")
 
     async def list_keys(self, request: web.Request) -> web.Response:

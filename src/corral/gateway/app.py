@@ -22,7 +22,7 @@ from corral.gateway.pipeline import Pipeline
 from corral.gateway.relay import Relay, RelayTimeouts
 from corral.gateway.services import GatewayServices
 from corral.gateway.usage import UsageRecorder
-from corral.protocol import APIError, MethodNotAllowed, NotFound, PayloadTooLarge
+from corral.protocol import APIError, MethodNotAllowed, ModelNotFound, NotFound, PayloadTooLarge
 from corral.routing import Router
 
 __all__ = ["PIPELINE", "build_app"]
@@ -43,6 +43,7 @@ def build_app(settings: GatewaySettings, router: Router, services: GatewayServic
     app.router.add_get("/health", status.health)
     app.router.add_get("/ready", status.ready)
     app.router.add_get("/v1/models", status.models)
+    app.router.add_get("/v1/models/{model:.+}", status.model)
     app.router.add_get("/corral/status", status.replica_status)
 
     async def metrics_view(request: web.Request) -> web.Response:
@@ -54,8 +55,10 @@ def build_app(settings: GatewaySettings, router: Router, services: GatewayServic
     admin.add_routes(app)
 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
-        connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=30)
-        usage = UsageRecorder(services.usage_store, services.flush_interval)
+        connector = aiohttp.TCPConnector(
+            limit=settings.max_upstream_connections, limit_per_host=0, keepalive_timeout=30
+        )
+        usage = UsageRecorder(services.usage_store, services.flush_interval, services.max_pending_usage)
         async with aiohttp.ClientSession(connector=connector, auto_decompress=False) as session:
             timeouts = RelayTimeouts(connect=settings.connect_timeout, read=settings.read_timeout)
             relay = Relay(session, router, retries=settings.retries, timeouts=timeouts)
@@ -147,6 +150,16 @@ class _StatusViews:
             if not principal.models or m in principal.models
         ]
         return web.json_response({"object": "list", "data": data})
+
+    async def model(self, request: web.Request) -> web.Response:
+        """One model (OpenAI's retrieve); 404 for a model this key may not see."""
+        principal = await self._auth.authenticate(request.headers.get("Authorization"))
+        name = request.match_info["model"]
+        if not self._replicas.has_model(name) or (principal.models and name not in principal.models):
+            raise ModelNotFound(f"The model '{name}' does not exist on this server.", param="model")
+        return web.json_response(
+            {"id": name, "object": "model", "created": int(self._started_at), "owned_by": "corral"}
+        )
 
     async def replica_status(self, request: web.Request) -> web.Response:
         if self._admin.is_admin(request):

@@ -23,6 +23,7 @@ class RequestContext:
     replica: Replica | None = None
     first_byte_at: float | None = None
     usage: dict[str, Any] | None = None
+    client_gone: bool = False  # the client disconnected before the whole answer was written
 
     @property
     def model(self) -> str:

@@ -64,6 +64,9 @@ class GatewayMetrics:
         self.rejections = Counter(
             "corral_rejections", "Requests refused, by reason.", ["model", "reason"], registry=r
         )
+        self.limiter_errors = Counter(
+            "corral_limiter_errors", "Rate-limit checks the shared store (Redis) did not answer.", registry=r
+        )
         self.decisions = Counter(
             "corral_routing_decisions", "Routing decisions, by policy.", ["model", "policy"], registry=r
         )

@@ -9,6 +9,7 @@ the reservation is corrected to real usage, and a usage record and metrics are w
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from datetime import UTC, datetime
@@ -16,7 +17,7 @@ from datetime import UTC, datetime
 import orjson
 from aiohttp import web
 
-from corral.admission import Principal, Reservation
+from corral.admission import LimiterUnavailable, Principal, Reservation
 from corral.gateway.context import RequestContext
 from corral.gateway.metrics import GatewayMetrics
 from corral.gateway.relay import Relay
@@ -28,6 +29,7 @@ from corral.protocol import (
     CompletionRequest,
     InvalidRequest,
     ModelNotFound,
+    NoCapacity,
     PayloadTooLarge,
     parse_body,
 )
@@ -39,6 +41,8 @@ __all__ = ["Pipeline"]
 logger = logging.getLogger(__name__)
 
 _DEFAULT_OUTPUT_ESTIMATE = 256  # tokens, when a request sets no max_tokens
+_LIMITS_RETRY_S = 2.0  # Retry-After when the shared limit store is down and the gateway fails closed
+_CLIENT_GONE = 499  # recorded for a client that went away before its answer ended (nginx's code)
 
 
 class Pipeline:
@@ -92,11 +96,14 @@ class Pipeline:
                 response = await self._relay.forward(ctx, request)
             finally:
                 self._services.queue.done(ctx.model)
-            status = response.status
+            status = _CLIENT_GONE if ctx.client_gone else response.status
             metrics.decided(self._router.policy_for(ctx.model).name)
             return response
         except APIError as exc:
             status = exc.status
+            raise
+        except asyncio.CancelledError:  # the client disconnected (aiohttp cancels its handler)
+            status = _CLIENT_GONE
             raise
         finally:
             await self.settle(ctx, principal, reservation, status)
@@ -168,7 +175,18 @@ class Pipeline:
         """Reserve the request and its tokens (input estimate + max output) before any work starts."""
         try:
             await self._services.budget.check(principal, ctx.route.tokens)
-            return await self._services.limiter.reserve(principal, ctx.route.tokens)
+            try:
+                return await self._services.limiter.reserve(principal, ctx.route.tokens)
+            except LimiterUnavailable as exc:
+                self._metrics.limiter_errors.inc()
+                if self._services.limits_fail_open:
+                    logger.warning("serving key %s without its rate limits: %s", principal.key_id, exc)
+                    return None
+                raise NoCapacity(
+                    "Rate limits cannot be checked right now; try again shortly.",
+                    code="limits_unavailable",
+                    retry_after=_LIMITS_RETRY_S,
+                ) from exc
         except APIError as exc:
             self._metrics.of(ctx.model).rejected(exc.code or "rate_limited")
             self._record(ctx, principal, exc.status)
@@ -181,12 +199,17 @@ class Pipeline:
         usage = ctx.usage or {}
         used = int(usage.get("total_tokens") or 0)
         if reservation is not None:
+            # Tokens the engine reported; when it reported none but worked on the request (a client that
+            # went away mid-stream, say), the reservation stands: nothing is refunded for leaving early.
             reached_engine = ctx.replica is not None
             actual = used if used else (reservation.tokens if reached_engine and status < 500 else 0)
             try:
                 await self._services.limiter.settle(reservation, actual)
-            except Exception:  # a Redis hiccup must not turn a served answer into an error
-                logger.exception("settling the rate-limit reservation of key %s failed", reservation.key_id)
+            except LimiterUnavailable as exc:  # a Redis hiccup must not turn a served answer into an error
+                self._metrics.limiter_errors.inc()
+                logger.warning(
+                    "settling the rate-limit reservation of key %s failed: %s", reservation.key_id, exc
+                )
         self._services.budget.add(principal, used)
         self._record(ctx, principal, status)
 

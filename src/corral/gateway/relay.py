@@ -95,7 +95,7 @@ class Relay:
             upstream = await self._session.post(
                 replica.url + ctx.path,
                 data=ctx.upstream_body,
-                headers=_UPSTREAM_HEADERS,
+                headers=_with_key(replica.api_key) if replica.api_key else _UPSTREAM_HEADERS,
                 timeout=self._timeout,
             )
         except TimeoutError as exc:
@@ -157,6 +157,7 @@ class Relay:
                 )
             await response.write_eof()
         except ConnectionResetError:
+            ctx.client_gone = True
             logger.debug("client went away; closing the upstream stream from %s", replica.id)
         ctx.usage = sse.usage
         return response

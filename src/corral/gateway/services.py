@@ -33,6 +33,8 @@ class GatewayServices:
     open_access: bool
     tokens_per_byte: float
     flush_interval: float
+    limits_fail_open: bool = True
+    max_pending_usage: int = 100_000
     token_counters: dict[str, TokenCounter] = field(default_factory=dict)
 
     @classmethod
@@ -50,7 +52,7 @@ class GatewayServices:
         engine = open_database(store.url or database_url)
         keys, usage = KeyStore(engine), UsageStore(engine)
         limiter: Limiter = (
-            RedisLimiter(limits.redis_url, limits.window_s)
+            RedisLimiter(limits.redis_url, limits.window_s, timeout=limits.redis_timeout)
             if limits.backend == "redis"
             else MemoryLimiter(limits.window_s)
         )
@@ -65,5 +67,7 @@ class GatewayServices:
             open_access=auth.open,
             tokens_per_byte=limits.tokens_per_char,
             flush_interval=store.flush_interval,
+            limits_fail_open=limits.on_redis_error == "open",
+            max_pending_usage=store.max_pending,
             token_counters={model: TokenCounter(path) for model, path in (tokenizers or {}).items()},
         )

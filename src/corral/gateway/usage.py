@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections import deque
 
 from corral.store import UsageRecord, UsageStore
 
@@ -16,15 +17,32 @@ _BATCH = 500
 
 
 class UsageRecorder:
-    def __init__(self, store: UsageStore, flush_interval: float) -> None:
+    """Buffers records for the store, at most `max_pending` of them: while the store is down the oldest are
+    dropped (counted in `dropped` and logged) rather than growing the gateway's memory without bound."""
+
+    def __init__(self, store: UsageStore, flush_interval: float, max_pending: int = 100_000) -> None:
         self._store = store
         self._interval = flush_interval
-        self._pending: list[UsageRecord] = []
+        self._max = max_pending
+        self._pending: deque[UsageRecord] = deque()
         self._task: asyncio.Task[None] | None = None
-        self._flushed = asyncio.Event()
+        self.dropped = 0
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
 
     def record(self, record: UsageRecord) -> None:
         self._pending.append(record)
+        if len(self._pending) > self._max:
+            self._drop(len(self._pending) - self._max)
+
+    def _drop(self, count: int) -> None:
+        for _ in range(count):
+            self._pending.popleft()
+        if self.dropped // 1000 != (self.dropped + count) // 1000 or not self.dropped:
+            logger.error("the usage store is unreachable and %d records wait: dropping the oldest", self._max)
+        self.dropped += count
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="usage-writer")
@@ -39,14 +57,16 @@ class UsageRecorder:
             await self.flush()
 
     async def flush(self) -> None:
-        batch, self._pending = self._pending[:_BATCH], self._pending[_BATCH:]
+        batch = [self._pending.popleft() for _ in range(min(_BATCH, len(self._pending)))]
         if not batch:
             return
         try:
             await asyncio.to_thread(self._store.write, batch)
         except Exception:  # the database is down: keep the records and try again next round
             logger.exception("writing %d usage records failed; will retry", len(batch))
-            self._pending[:0] = batch
+            self._pending.extendleft(reversed(batch))
+            if len(self._pending) > self._max:
+                self._drop(len(self._pending) - self._max)
             raise
 
     async def _run(self) -> None:

@@ -1,0 +1,226 @@
+"""Defects found in review, each pinned by a test that failed before its fix (issue #10)."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+from aiohttp.test_utils import make_mocked_request
+from sqlalchemy import create_engine, select
+from sqlalchemy.orm import Session
+
+from corral.config import AuthSettings, GatewaySettings, LimitsSettings, SpecError, parse_spec
+from corral.gateway import GatewayServer, GatewayServices
+from corral.gateway.admin import AdminViews
+from corral.gateway.usage import UsageRecorder
+from corral.routing import Replica, ReplicaSet, ReplicaState, Router
+from corral.store import UsageRecord
+from corral.store.schema import UsageRow
+
+from ..conftest import CORRAL
+from .conftest import Gateway, ScriptedUpstream, make_services
+
+MESSAGES = [{"role": "user", "content": "hi"}]
+EXTERNAL = "models:\n  - name: m\n    deployments: [{engine: external, urls: ['http://127.0.0.1:9']}]\n"
+
+
+async def post(url: str, body: dict, key: str | None = None) -> tuple[int, dict, dict]:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    async with aiohttp.ClientSession() as session, session.post(url, json=body, headers=headers) as response:
+        return response.status, await response.json(), dict(response.headers)
+
+
+async def start_gateway(
+    tmp_path: Path,
+    upstream_url: str,
+    settings: GatewaySettings | None = None,
+    limits: LimitsSettings | None = None,
+    api_key: str | None = None,
+) -> tuple[GatewayServer, Gateway, GatewayServices]:
+    replicas = ReplicaSet(["m"])
+    replicas.add(
+        Replica(id="m-0", model="m", engine="x", url=upstream_url, state=ReplicaState.READY, api_key=api_key)
+    )
+    services = make_services(replicas, tmp_path / "corral.db", auth=AuthSettings(open=True), limits=limits)
+    server = GatewayServer(settings or GatewaySettings(port=0), Router(replicas), services)
+    await server.start()
+    return server, Gateway(f"http://127.0.0.1:{server.port}", replicas, server), services
+
+
+@pytest.fixture
+async def keyed_upstream() -> AsyncIterator[ScriptedUpstream]:
+    server = ScriptedUpstream(required_key="engine-secret")
+    await server.start()
+    yield server
+    await server.stop()
+
+
+async def test_engine_api_key_is_sent_to_the_replica(
+    tmp_path: Path, keyed_upstream: ScriptedUpstream
+) -> None:
+    server, gateway, _ = await start_gateway(tmp_path, keyed_upstream.url, api_key="engine-secret")
+    try:
+        status, body, _ = await post(
+            gateway.url + "/v1/chat/completions", {"model": "m", "messages": MESSAGES}
+        )
+        assert status == 200, body
+        assert keyed_upstream.authorizations == ["Bearer engine-secret"]
+    finally:
+        await server.stop()
+
+
+async def test_client_that_disconnects_is_recorded_499_and_pays_its_tokens(tmp_path: Path) -> None:
+    """A stream cut by its client must not refund its reservation: otherwise disconnecting mid-stream is a
+    way around TPM limits."""
+    slow = ScriptedUpstream(chunks=200)
+    await slow.start()
+    server, gateway, services = await start_gateway(tmp_path, slow.url)
+    try:
+        key, record = services.keys.create("t", tpm=1000)
+        body = {"model": "m", "messages": MESSAGES, "max_tokens": 600, "stream": True}
+        async with (
+            aiohttp.ClientSession() as session,
+            session.post(
+                gateway.url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"}
+            ) as response,
+        ):
+            assert response.status == 200
+            await response.content.readline()  # the first event: then the client goes away
+        engine = create_engine(f"sqlite:///{tmp_path / 'corral.db'}")
+        deadline, statuses = time.monotonic() + 5, []
+        while not statuses and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+            with Session(engine) as db:
+                statuses = list(db.scalars(select(UsageRow.status).where(UsageRow.key_id == record.id)))
+        assert statuses == [499]
+        again = {"model": "m", "messages": MESSAGES, "max_tokens": 600}
+        status, error, _ = await post(gateway.url + "/v1/chat/completions", again, key)
+        assert status == 429 and error["error"]["type"] == "rate_limit_error"
+    finally:
+        await server.stop()
+        await slow.stop()
+
+
+@pytest.mark.parametrize("on_error", ["open", "closed"])
+async def test_redis_outage_is_a_configured_choice(
+    tmp_path: Path, upstream: ScriptedUpstream, on_error: str
+) -> None:
+    limits = LimitsSettings(
+        backend="redis", redis_url="redis://127.0.0.1:1/0", redis_timeout=0.2, on_redis_error=on_error
+    )
+    server, gateway, services = await start_gateway(tmp_path, upstream.url, limits=limits)
+    try:
+        key, _ = services.keys.create("t", rpm=100)
+        status, body, headers = await post(
+            gateway.url + "/v1/chat/completions", {"model": "m", "messages": MESSAGES}, key
+        )
+        if on_error == "open":
+            assert status == 200, body
+        else:
+            assert status == 503 and body["error"]["code"] == "limits_unavailable"
+            assert int(headers["Retry-After"]) >= 1
+        async with aiohttp.ClientSession() as session, session.get(gateway.url + "/metrics") as response:
+            assert "corral_limiter_errors_total 1.0" in await response.text()
+    finally:
+        await server.stop()
+
+
+class _DownStore:
+    def write(self, records: object) -> None:
+        raise ConnectionError("the database is down")
+
+
+async def test_usage_waiting_for_a_dead_store_is_bounded() -> None:
+    recorder = UsageRecorder(_DownStore(), flush_interval=60, max_pending=10)  # type: ignore[arg-type]
+    for i in range(25):
+        recorder.record(
+            UsageRecord(
+                at=None,  # type: ignore[arg-type]
+                key_id=None,
+                tenant=None,
+                model="m",
+                input_tokens=i,
+                output_tokens=0,
+                ttft_ms=None,
+                latency_ms=1.0,
+                status=200,
+                replica=None,
+            )
+        )
+    assert recorder.pending == 10 and recorder.dropped == 15
+
+
+async def test_upstream_connections_are_bounded(tmp_path: Path) -> None:
+    slow = ScriptedUpstream(delay=0.3)
+    await slow.start()
+    settings = GatewaySettings(port=0, max_upstream_connections=2)
+    server, gateway, _ = await start_gateway(tmp_path, slow.url, settings=settings)
+    try:
+        answers = await asyncio.gather(
+            *(
+                post(gateway.url + "/v1/chat/completions", {"model": "m", "messages": MESSAGES})
+                for _ in range(5)
+            )
+        )
+        assert [status for status, _, _ in answers] == [200] * 5
+        assert slow.peak_concurrency == 2
+    finally:
+        await server.stop()
+        await slow.stop()
+
+
+async def test_a_model_can_be_retrieved_by_id(gateway: Gateway, upstream: ScriptedUpstream) -> None:
+    gateway.add_replica(upstream.url)
+    async with aiohttp.ClientSession() as session:
+        async with session.get(gateway.url + "/v1/models/m") as response:
+            assert response.status == 200
+            assert await response.json() == {
+                "id": "m",
+                "object": "model",
+                "created": (await response.json())["created"],
+                "owned_by": "corral",
+            }
+        async with session.get(gateway.url + "/v1/models/nope") as response:
+            assert response.status == 404 and (await response.json())["error"]["code"] == "model_not_found"
+
+
+def test_an_open_gateway_is_not_served_to_the_network_unless_the_spec_says_so(tmp_path: Path) -> None:
+    refused = subprocess.run(
+        [*CORRAL, "up", "--host", "0.0.0.0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        stdin=subprocess.DEVNULL,
+    )
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    assert "open_to_network" in refused.stderr and refused.stderr.startswith("error: an open gateway")
+    with pytest.raises(SpecError, match="open_to_network"):
+        parse_spec("gateway: {host: 0.0.0.0}\nauth: {open: true}\n" + EXTERNAL)
+    allowed = parse_spec("gateway: {host: 0.0.0.0}\nauth: {open: true, open_to_network: true}\n" + EXTERNAL)
+    assert allowed.auth.open_to_network
+
+
+class _Transport:
+    """Just enough of a transport for aiohttp to tell a request's peer address."""
+
+    def __init__(self, peer: str) -> None:
+        self._peer = (peer, 40000)
+
+    def get_extra_info(self, name: str, default: object = None) -> object:
+        return self._peer if name == "peername" else default
+
+    def is_closing(self) -> bool:
+        return False
+
+
+@pytest.mark.parametrize(("peer", "admin"), [("127.0.0.1", True), ("::1", True), ("10.1.2.3", False)])
+def test_open_gateway_admin_answers_only_this_machine(tmp_path: Path, peer: str, admin: bool) -> None:
+    services = make_services(ReplicaSet(["m"]), tmp_path / "c.db", auth=AuthSettings(open=True))
+    views = AdminViews(services, Router(ReplicaSet(["m"])))
+    request = make_mocked_request("GET", "/admin/keys", transport=_Transport(peer))
+    assert views.is_admin(request) is admin
