@@ -186,3 +186,43 @@ def test_max_tokens_beyond_the_context_is_refused_at_once(client: openai.OpenAI)
     error = info.value.body
     assert isinstance(error, dict) and error["param"] == "max_tokens"
     assert error["code"] == "context_length_exceeded" and "2048" in error["message"]  # tests/data context
+
+
+def test_llama_cpp_gaps_are_made_up_for_by_the_gateway(client: openai.OpenAI) -> None:
+    """llama-server alone counts one choice's usage for n > 1 and prompt lists and ignores echo."""
+    extra = {"ignore_eos": True}
+    two = client.chat.completions.create(
+        model="smollm2", messages=MESSAGES, max_tokens=5, n=2, extra_body=extra
+    )
+    assert [c.index for c in two.choices] == [0, 1]
+    assert two.usage is not None and two.usage.completion_tokens == 10
+    single = client.completions.create(model="smollm2", prompt="The sky is", max_tokens=4, extra_body=extra)
+    listed = client.completions.create(
+        model="smollm2", prompt=["Hello", "The sky is"], max_tokens=4, n=2, extra_body=extra
+    )
+    assert [c.index for c in listed.choices] == [0, 1, 2, 3]
+    assert listed.usage is not None and listed.usage.completion_tokens == 16
+    assert single.usage is not None and listed.usage.prompt_tokens > single.usage.prompt_tokens
+    plain = client.completions.create(model="smollm2", prompt="The sky is", max_tokens=6, temperature=0)
+    echoed = client.completions.create(
+        model="smollm2", prompt="The sky is", max_tokens=6, temperature=0, echo=True
+    )
+    assert echoed.choices[0].text == "The sky is" + plain.choices[0].text
+
+
+def test_what_cannot_be_made_up_for_is_a_400_naming_the_field(client: openai.OpenAI) -> None:
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
+    cases = [
+        (
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}, image]}]},
+            "messages[0].content[1]",
+        ),
+        ({"messages": MESSAGES, "n": 2, "stream": True}, "n"),
+    ]
+    for body, param in cases:
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model="smollm2", max_tokens=4, **body)
+        assert isinstance(info.value.body, dict) and info.value.body["param"] == param
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="smollm2", prompt="Hi", max_tokens=4, echo=True, stream=True)
+    assert isinstance(info.value.body, dict) and info.value.body["param"] == "echo"

@@ -18,7 +18,7 @@ from corral.routing import Replica, ReplicaSet, ReplicaState, Router
 
 @dataclass
 class ScriptedUpstream:
-    """Answers like llama-server, or misbehaves as `mode` says: ok, cut, fail503, hang, drop."""
+    """Answers like llama-server, or misbehaves as `mode` says: ok, cut, fail503, hang, drop, answer."""
 
     mode: str = "ok"
     chunks: int = 4
@@ -27,6 +27,7 @@ class ScriptedUpstream:
     cancelled: int = 0
     required_key: str | None = None  # answer 401 unless `Authorization: Bearer <it>` is sent (vLLM --api-key)
     authorizations: list[str | None] = field(default_factory=list)
+    answer: tuple[int, str, bytes] | None = None  # mode "answer": (status, content type, body) as is
     active: int = 0
     peak_concurrency: int = 0
     url: str = ""
@@ -66,6 +67,9 @@ class ScriptedUpstream:
         self.authorizations.append(request.headers.get("Authorization"))
         if self.required_key and request.headers.get("Authorization") != f"Bearer {self.required_key}":
             return web.json_response({"error": {"message": "Unauthorized"}}, status=401)
+        if self.mode == "answer" and self.answer is not None:
+            status, content_type, raw = self.answer
+            return web.Response(status=status, body=raw, content_type=content_type)
         if self.mode == "fail503":
             return web.json_response({"error": {"message": "loading", "type": "unavailable"}}, status=503)
         if self.mode == "drop":

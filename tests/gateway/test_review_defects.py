@@ -224,3 +224,36 @@ def test_open_gateway_admin_answers_only_this_machine(tmp_path: Path, peer: str,
     views = AdminViews(services, Router(ReplicaSet(["m"])))
     request = make_mocked_request("GET", "/admin/keys", transport=_Transport(peer))
     assert views.is_admin(request) is admin
+
+
+@pytest.mark.parametrize(
+    ("answer", "status", "code"),
+    [
+        ((500, "text/plain", b"Internal Server Error"), 502, "engine_error"),
+        (
+            (500, "application/json", b'{"error": {"code": 500, "message": "boom", "type": "server_error"}}'),
+            502,
+            "engine_error",
+        ),
+        ((401, "application/json", b'{"error": "Unauthorized"}'), 502, "engine_auth_failed"),
+        (
+            (400, "application/json", b'{"error": {"code": 400, "message": "bad grammar", "type": "x"}}'),
+            400,
+            None,
+        ),
+    ],
+)
+async def test_engine_errors_reach_the_client_in_openais_shape(
+    tmp_path: Path, answer: tuple[int, str, bytes], status: int, code: str | None
+) -> None:
+    engine = ScriptedUpstream(mode="answer", answer=answer)
+    await engine.start()
+    server, gateway, _ = await start_gateway(tmp_path, engine.url)
+    try:
+        got, body, _ = await post(gateway.url + "/v1/chat/completions", {"model": "m", "messages": MESSAGES})
+        assert got == status
+        assert set(body["error"]) == {"message", "type", "param", "code"} and body["error"]["code"] == code
+        assert body["error"]["message"]
+    finally:
+        await server.stop()
+        await engine.stop()

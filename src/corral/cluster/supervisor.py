@@ -61,6 +61,7 @@ class Supervisor:
                 engine=engine.name,
                 capacity=plan.capacity,
                 context_length=plan.context_length,
+                features=plan.features,
                 api_key=plan.api_key,
             )
             self._slots.append(_Slot(replica, engine, plan))

@@ -10,7 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from corral.artifacts import Progress
 from corral.config import DeploymentSpec, ModelSpec, Paths
-from corral.routing import EngineLoad
+from corral.routing import EngineFeatures, EngineLoad
 
 __all__ = ["EngineAdapter", "LaunchPlan", "read_gauges"]
 
@@ -29,6 +29,7 @@ class LaunchPlan:
     url: str | None = None
     capacity: int | None = None  # sequences the engine runs at once; the gateway queues beyond it
     context_length: int | None = None  # tokens per sequence (prompt + output); the gateway refuses more
+    features: EngineFeatures = field(default_factory=EngineFeatures)  # what the gateway must make up for
     api_key: str | None = None  # the engine's own API key, which the gateway sends upstream
     startup_s: float | None = None  # how long the engine may take to become ready (default: the supervisor's)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from corral.artifacts import Progress, llama_server, resolve_model
 from corral.config import DeploymentSpec, ModelSpec, Paths
 from corral.engines.base import LaunchPlan, read_gauges
-from corral.routing import EngineLoad
+from corral.routing import EngineFeatures, EngineLoad
 
 __all__ = ["LlamaCppEngine"]
 
@@ -50,9 +50,21 @@ class LlamaCppEngine:
             "--no-webui",
             *deployment.engine_args,
         )
-        return [
-            LaunchPlan(argv=argv, capacity=deployment.parallel, context_length=deployment.context_length)
-        ] * deployment.replicas
+        # Measured on llama-server (b1-0c1e570): n > 1 and prompt lists come back with one choice's usage,
+        # echo is ignored, and an image part without a multimodal projector is a 500.
+        features = EngineFeatures(
+            multiple_choices=False,
+            prompt_lists=False,
+            echo=False,
+            images=any(arg.startswith("--mmproj") for arg in deployment.engine_args),
+        )
+        plan = LaunchPlan(
+            argv=argv,
+            capacity=deployment.parallel,
+            context_length=deployment.context_length,
+            features=features,
+        )
+        return [plan] * deployment.replicas
 
     def parse_load(self, metrics_text: str) -> EngineLoad:
         values = read_gauges(metrics_text)

@@ -8,7 +8,7 @@ from corral.artifacts import Progress
 from corral.config import DeploymentSpec, ModelSpec, Paths
 from corral.engines.base import LaunchPlan
 from corral.engines.vllm import parse_vllm_load
-from corral.routing import EngineLoad
+from corral.routing import EngineFeatures, EngineLoad
 
 __all__ = ["SimEngineAdapter"]
 
@@ -58,6 +58,8 @@ class SimEngineAdapter:
             argv=(*argv, *deployment.engine_args),
             capacity=deployment.max_num_seqs,
             context_length=deployment.max_model_len,
+            # The simulator answers n > 1 itself; it joins a prompt list into one and has no echo or images.
+            features=EngineFeatures(prompt_lists=False, echo=False, images=False),
         )
         return [plan] * deployment.replicas
 

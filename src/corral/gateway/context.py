@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from corral.protocol import GenerationRequest
-from corral.routing import Replica, RouteRequest
+from corral.routing import EngineFeatures, Replica, RouteRequest
 
 __all__ = ["RequestContext"]
 
@@ -24,6 +24,8 @@ class RequestContext:
     first_byte_at: float | None = None
     usage: dict[str, Any] | None = None
     client_gone: bool = False  # the client disconnected before the whole answer was written
+    features: EngineFeatures = field(default_factory=EngineFeatures)  # what the model's engine does right
+    fanout: bool = False  # the gateway answers it with several single-choice engine requests
 
     @property
     def model(self) -> str:

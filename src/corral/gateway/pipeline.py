@@ -19,6 +19,7 @@ from aiohttp import web
 
 from corral.admission import LimiterUnavailable, Principal, Reservation
 from corral.gateway.context import RequestContext
+from corral.gateway.fanout import Fanout, check_features, needs_fanout
 from corral.gateway.metrics import GatewayMetrics
 from corral.gateway.relay import Relay
 from corral.gateway.services import GatewayServices
@@ -60,6 +61,7 @@ class Pipeline:
         self._router = router
         self._replicas = router.replicas
         self._relay = relay
+        self._fanout = Fanout(relay.forward)
         self._services = services
         self._usage = usage
         self._metrics = metrics
@@ -93,7 +95,10 @@ class Pipeline:
                 raise
             metrics.queue_wait.observe(wait)
             try:
-                response = await self._relay.forward(ctx, request)
+                if ctx.fanout:
+                    response = await self._fanout.answer(ctx, request, ctx.features)
+                else:
+                    response = await self._relay.forward(ctx, request)
             finally:
                 self._services.queue.done(ctx.model)
             status = _CLIENT_GONE if ctx.client_gone else response.status
@@ -121,6 +126,8 @@ class Pipeline:
         body = parse_body(kind, raw)
         if not self._replicas.has_model(body.model):
             raise ModelNotFound(f"The model '{body.model}' does not exist on this server.", param="model")
+        features = self._replicas.features(body.model)
+        check_features(body, features)
         upstream = _with_usage(raw) if body.stream and not body.include_usage else raw
         asked = (
             body.max_completion_tokens if isinstance(body, ChatCompletionRequest) else None
@@ -140,7 +147,13 @@ class Pipeline:
         if getattr(self._router.policy_for(body.model), "needs_prompt", False):
             route.prompt = prompt or prompt_text(body)
         return RequestContext(
-            path=request.path, body=body, upstream_body=upstream, received_at=time.monotonic(), route=route
+            path=request.path,
+            body=body,
+            upstream_body=upstream,
+            received_at=time.monotonic(),
+            route=route,
+            features=features,
+            fanout=not body.stream and needs_fanout(body, features),
         )
 
     def _check_context(

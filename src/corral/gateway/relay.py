@@ -118,13 +118,14 @@ class Relay:
             raise UpstreamTimeout(f"Replica {replica.id} did not finish its answer in time.") from exc
         except aiohttp.ClientError as exc:
             raise _Retryable(f"{type(exc).__name__}: {exc}") from exc
-        if upstream.status == 200:
+        status, content_type = upstream.status, upstream.content_type
+        if status == 200:
             ctx.usage = _usage_of(body)
+        elif status >= 400:
+            status, body = _engine_error(status, body)
+            content_type = "application/json"
         return web.Response(
-            body=body,
-            status=upstream.status,
-            content_type=upstream.content_type,
-            headers={"x-corral-replica": replica.id},
+            body=body, status=status, content_type=content_type, headers={"x-corral-replica": replica.id}
         )
 
     async def _stream(
@@ -181,6 +182,37 @@ class Relay:
 
 def _with_key(key: str) -> dict[str, str]:
     return {**_UPSTREAM_HEADERS, "Authorization": f"Bearer {key}"}
+
+
+def _engine_error(status: int, body: bytes) -> tuple[int, bytes]:
+    """An engine's refusal in OpenAI's shape, whatever shape the engine used (llama.cpp puts a number in
+    `code`, some servers answer plain text). A 4xx keeps its status: the request was at fault. The engine
+    refusing the gateway's own credentials (401/403: a wrong engine_api_key) and any engine failure become
+    502, so clients never mistake them for their own key or input being wrong."""
+    message, param, code = _error_fields(body)
+    message = message or f"the engine answered {status}"
+    if status in (401, 403) or status >= 500:
+        kind = "engine_auth_failed" if status in (401, 403) else "engine_error"
+        return 502, error_body(f"The model's engine failed: {message}", "upstream_error", kind)
+    refusal = {"message": message, "type": "invalid_request_error", "param": param, "code": code}
+    return status, orjson.dumps({"error": refusal})
+
+
+def _error_fields(body: bytes) -> tuple[str, str | None, str | None]:
+    """(message, param, code) from an error body in any of the shapes engines use."""
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return body.decode("utf-8", errors="replace").strip()[:1000], None, None
+    error = data.get("error", data) if isinstance(data, dict) else {}
+    if not isinstance(error, dict):
+        return str(error)[:1000], None, None
+    param, code = error.get("param"), error.get("code")
+    return (
+        str(error.get("message") or error.get("detail") or "")[:1000],
+        param if isinstance(param, str) else None,
+        code if isinstance(code, str) else None,
+    )
 
 
 def _usage_of(body: bytes) -> dict[str, Any] | None:

@@ -15,7 +15,7 @@ from corral.routing.policy import (
     policy_named,
 )
 from corral.routing.prefix import PrefixIndex
-from corral.routing.replicas import EngineLoad, Replica, ReplicaSet, ReplicaState
+from corral.routing.replicas import EngineFeatures, EngineLoad, Replica, ReplicaSet, ReplicaState
 from corral.routing.request import RouteRequest, prefix_hashes
 from corral.routing.router import Router
 
@@ -25,6 +25,7 @@ __all__ = [
     "CircuitBreaker",
     "CircuitState",
     "Decision",
+    "EngineFeatures",
     "EngineLoad",
     "LeastOutstandingRequests",
     "LeastOutstandingTokens",

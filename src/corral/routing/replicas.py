@@ -9,7 +9,7 @@ from enum import StrEnum
 
 from corral.routing.circuit import CircuitBreaker
 
-__all__ = ["EngineLoad", "Replica", "ReplicaSet", "ReplicaState"]
+__all__ = ["EngineFeatures", "EngineLoad", "Replica", "ReplicaSet", "ReplicaState"]
 
 
 class ReplicaState(StrEnum):
@@ -39,6 +39,28 @@ class EngineLoad:
     scraped_at: float = field(default_factory=time.time)
 
 
+@dataclass(frozen=True, slots=True)
+class EngineFeatures:
+    """What an engine answers correctly by itself; the gateway makes up for the rest, or refuses it.
+
+    llama.cpp, for example, answers `n > 1` and a list of prompts with the usage of one choice only, and
+    ignores `echo`: the gateway fans such requests out and adds the echo itself.
+    """
+
+    multiple_choices: bool = True  # n > 1, with usage over all choices
+    prompt_lists: bool = True  # /v1/completions with a list of prompts, with usage over all of them
+    echo: bool = True
+    images: bool = True  # image parts in chat messages
+
+    def __and__(self, other: EngineFeatures) -> EngineFeatures:
+        return EngineFeatures(
+            self.multiple_choices and other.multiple_choices,
+            self.prompt_lists and other.prompt_lists,
+            self.echo and other.echo,
+            self.images and other.images,
+        )
+
+
 @dataclass(slots=True, eq=False)
 class Replica:
     """One engine replica. The supervisor owns its lifecycle fields; the gateway owns `outstanding`."""
@@ -52,6 +74,7 @@ class Replica:
     outstanding_tokens: int = 0
     capacity: int | None = None  # concurrent sequences the engine runs (slots, max_num_seqs); None: unknown
     context_length: int | None = None  # tokens per sequence (prompt + output) the engine holds; None: unknown
+    features: EngineFeatures = field(default_factory=EngineFeatures)
     api_key: str | None = field(
         default=None, repr=False
     )  # the engine's own key (vLLM --api-key); never shown
@@ -138,6 +161,13 @@ class ReplicaSet:
         """The smallest per-sequence context among `model`'s replicas (None when no engine says)."""
         known = [r.context_length for r in self.of(model) if r.context_length is not None]
         return min(known) if known else None
+
+    def features(self, model: str) -> EngineFeatures:
+        """What every replica of `model` does right (a feature one lacks is made up for, or refused)."""
+        combined = EngineFeatures()
+        for replica in self.of(model):
+            combined &= replica.features
+        return combined
 
     def retry_after(self, model: str, default: float = 5.0) -> float:
         """Seconds until the soonest (re)starting replica of `model` is expected to be ready."""

@@ -1,0 +1,178 @@
+"""Making up for what an engine does not do right by itself (`EngineFeatures`), or refusing it cleanly.
+
+- `n > 1`, and a list of prompts to /v1/completions, go to the engine as one single-choice request per
+  choice, answered concurrently and merged into one answer: choices numbered as OpenAI numbers them (prompt
+  i, choice j → i·n + j), usage summed (each prompt's tokens once, every choice's completion tokens). A seed
+  becomes seed + j for choice j, so the choices differ and stay reproducible.
+- `echo`: the gateway puts the prompt in front of each choice's text.
+- What cannot be made up for is a 400 naming the field, never a silent ignore: image parts for an engine
+  without images, streams that would need fanning out or an echo, echo with token-id prompts or logprobs.
+
+The fanned-out requests share the one queue slot their request was admitted with.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from dataclasses import replace
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from corral.gateway.context import RequestContext
+from corral.protocol import ChatCompletionRequest, CompletionRequest, InvalidRequest
+from corral.routing import EngineFeatures, RouteRequest
+
+__all__ = ["Fanout", "check_features", "needs_fanout"]
+
+_IMAGE_PARTS = frozenset({"image_url", "input_image", "image"})
+
+Forward = Callable[[RequestContext, web.Request], Awaitable[web.StreamResponse]]
+
+
+def check_features(body: ChatCompletionRequest | CompletionRequest, features: EngineFeatures) -> None:
+    """Refuse what the model's engine cannot answer and the gateway cannot make up for (InvalidRequest)."""
+    if isinstance(body, ChatCompletionRequest):
+        if not features.images:
+            _refuse_images(body)
+        if body.stream and body.n > 1 and not features.multiple_choices:
+            raise _unavailable(body, "n", "streaming with n > 1", "send stream: false, or n: 1")
+        return
+    prompts = _prompts(body)
+    if body.stream and len(prompts) > 1 and not features.prompt_lists:
+        raise _unavailable(body, "prompt", "streaming a list of prompts", "send stream: false, or one prompt")
+    if body.stream and body.n > 1 and not features.multiple_choices:
+        raise _unavailable(body, "n", "streaming with n > 1", "send stream: false, or n: 1")
+    if body.echo and not features.echo:
+        if body.stream:
+            raise _unavailable(body, "echo", "streaming with echo", "send stream: false")
+        if not all(isinstance(p, str) for p in prompts):
+            raise _unavailable(body, "echo", "echo of a token-id prompt", "send the prompt as text")
+        if (body.model_extra or {}).get("logprobs"):
+            raise _unavailable(body, "echo", "echo with logprobs (the prompt's own)", "drop logprobs")
+
+
+def needs_fanout(body: ChatCompletionRequest | CompletionRequest, features: EngineFeatures) -> bool:
+    if body.n > 1 and not features.multiple_choices:
+        return True
+    if isinstance(body, CompletionRequest):
+        return (len(_prompts(body)) > 1 and not features.prompt_lists) or (body.echo and not features.echo)
+    return False
+
+
+class Fanout:
+    """Answers one non-streaming request with several single-choice engine requests (see the module)."""
+
+    def __init__(self, forward: Forward) -> None:
+        self._forward = forward
+
+    async def answer(
+        self, ctx: RequestContext, request: web.Request, features: EngineFeatures
+    ) -> web.StreamResponse:
+        body = ctx.body
+        data = orjson.loads(ctx.upstream_body)
+        prompts: list[Any] = _prompts(body) if isinstance(body, CompletionRequest) else [None]
+        gateway_echo = isinstance(body, CompletionRequest) and body.echo and not features.echo
+        parts = [
+            replace(
+                ctx, upstream_body=orjson.dumps(_single(data, prompt, j, gateway_echo)), route=_route(ctx)
+            )
+            for prompt in prompts
+            for j in range(body.n)
+        ]
+        responses = await asyncio.gather(*(self._forward(part, request) for part in parts))
+        answers = [_json(r) for r in responses]
+        ctx.replica = parts[-1].replica
+        ctx.usage = _usage(answers, body.n)
+        failed = next((r for r in responses if r.status != 200), None)
+        if failed is not None:
+            return failed
+        merged = answers[0]
+        merged["choices"] = [
+            _numbered(choice, k, prompts[k // body.n] if gateway_echo else None)
+            for k, answer in enumerate(answers)
+            for choice in answer.get("choices", [])[:1]
+        ]
+        merged["usage"] = ctx.usage
+        return web.Response(
+            body=orjson.dumps(merged),
+            content_type="application/json",
+            headers={"x-corral-replica": ",".join(sorted({p.replica.id for p in parts if p.replica}))},
+        )
+
+
+def _prompts(body: CompletionRequest) -> list[Any]:
+    prompt = body.prompt
+    if isinstance(prompt, str):
+        return [prompt]
+    if prompt and all(isinstance(p, int) for p in prompt):
+        return [prompt]  # one prompt given as token ids
+    return list(prompt)
+
+
+def _single(data: dict[str, Any], prompt: Any, choice: int, gateway_echo: bool) -> dict[str, Any]:
+    part = {**data, "n": 1}
+    if prompt is not None:
+        part["prompt"] = prompt
+    if gateway_echo:
+        part.pop("echo", None)
+    if choice and isinstance(data.get("seed"), int):
+        part["seed"] = data["seed"] + choice
+    return part
+
+
+def _route(ctx: RequestContext) -> RouteRequest:
+    parts = ctx.body.n * (len(_prompts(ctx.body)) if isinstance(ctx.body, CompletionRequest) else 1)
+    route = ctx.route
+    return RouteRequest(route.model, tokens=route.tokens // parts, session=route.session, prompt=route.prompt)
+
+
+def _json(response: web.StreamResponse) -> dict[str, Any]:
+    raw = response.body if isinstance(response, web.Response) else None
+    try:
+        data = orjson.loads(raw) if isinstance(raw, bytes) else {}
+    except orjson.JSONDecodeError:
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _usage(answers: list[dict[str, Any]], n: int) -> dict[str, int]:
+    """Each prompt's tokens once (its first choice's count), every choice's completion tokens."""
+    counts = [a.get("usage") or {} for a in answers]
+    prompt = sum(int(c.get("prompt_tokens") or 0) for c in counts[::n])
+    completion = sum(int(c.get("completion_tokens") or 0) for c in counts)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _numbered(choice: dict[str, Any], index: int, echo: str | None) -> dict[str, Any]:
+    choice = {**choice, "index": index}
+    if echo is not None:
+        choice["text"] = echo + (choice.get("text") or "")
+    return choice
+
+
+def _refuse_images(body: ChatCompletionRequest) -> None:
+    for i, message in enumerate(body.messages):
+        if not isinstance(message.content, list):
+            continue
+        for j, part in enumerate(message.content):
+            if isinstance(part, dict) and part.get("type") in _IMAGE_PARTS:
+                raise InvalidRequest(
+                    f"The model '{body.model}' does not accept images: its engine runs without a vision "
+                    "projector. Send text only, or use a model served with one.",
+                    param=f"messages[{i}].content[{j}]",
+                    code="unsupported_content",
+                )
+
+
+def _unavailable(
+    body: ChatCompletionRequest | CompletionRequest, param: str, what: str, instead: str
+) -> InvalidRequest:
+    return InvalidRequest(
+        f"{what[0].upper()}{what[1:]} is not available for the model '{body.model}': its engine does not "
+        f"answer it correctly and the gateway cannot make up for it; {instead}.",
+        param=param,
+        code="unsupported_parameter",
+    )
