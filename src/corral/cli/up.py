@@ -241,6 +241,7 @@ def _services(spec: ClusterSpec, paths: Paths, replicas: Any) -> Any:
             spec.queue,
             admin_key_from_env(spec.auth.admin_key),
             {m.name: m.tokenizer for m in spec.models if m.tokenizer is not None},
+            {m.name: m.mid_stream_failover for m in spec.models},
         )
     except StoreError as exc:
         raise CliError(str(exc)) from None

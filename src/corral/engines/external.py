@@ -5,7 +5,7 @@ from __future__ import annotations
 from corral.artifacts import Progress
 from corral.config import DeploymentSpec, ModelSpec, Paths
 from corral.engines.base import LaunchPlan
-from corral.routing import EngineLoad
+from corral.routing import EngineFeatures, EngineLoad
 
 __all__ = ["ExternalEngine"]
 
@@ -18,7 +18,11 @@ class ExternalEngine:
     def prepare(
         self, model: ModelSpec, deployment: DeploymentSpec, paths: Paths, progress: Progress
     ) -> list[LaunchPlan]:
-        return [LaunchPlan(url=url.rstrip("/"), metrics_path=None) for url in deployment.urls]
+        # Whether an unknown server continues a trailing assistant message is not known: no failover.
+        features = EngineFeatures(continuation=False)
+        return [
+            LaunchPlan(url=url.rstrip("/"), metrics_path=None, features=features) for url in deployment.urls
+        ]
 
     def parse_load(self, metrics_text: str) -> EngineLoad:
         return EngineLoad(running=0, waiting=0)

@@ -57,6 +57,8 @@ class LlamaCppEngine:
             prompt_lists=False,
             echo=False,
             images=any(arg.startswith("--mmproj") for arg in deployment.engine_args),
+            prefill_echo=True,
+            token_prompts=True,
         )
         plan = LaunchPlan(
             argv=argv,

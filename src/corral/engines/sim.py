@@ -59,7 +59,7 @@ class SimEngineAdapter:
             capacity=deployment.max_num_seqs,
             context_length=deployment.max_model_len,
             # The simulator answers n > 1 itself; it joins a prompt list into one and has no echo or images.
-            features=EngineFeatures(prompt_lists=False, echo=False, images=False),
+            features=EngineFeatures(prompt_lists=False, echo=False, images=False, continuation=False),
         )
         return [plan] * deployment.replicas
 

@@ -60,7 +60,9 @@ def build_app(settings: GatewaySettings, router: Router, services: GatewayServic
         )
         usage = UsageRecorder(services.usage_store, services.flush_interval, services.max_pending_usage)
         async with aiohttp.ClientSession(connector=connector, auto_decompress=False) as session:
-            timeouts = RelayTimeouts(connect=settings.connect_timeout, read=settings.read_timeout)
+            timeouts = RelayTimeouts(
+                connect=settings.connect_timeout, read=settings.read_timeout, stall=settings.stall_timeout
+            )
             relay = Relay(session, router, retries=settings.retries, timeouts=timeouts)
             app[PIPELINE] = Pipeline(router, relay, services, usage, metrics, settings.max_body_bytes)
             services.queue.start()

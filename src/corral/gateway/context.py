@@ -26,6 +26,7 @@ class RequestContext:
     client_gone: bool = False  # the client disconnected before the whole answer was written
     features: EngineFeatures = field(default_factory=EngineFeatures)  # what the model's engine does right
     fanout: bool = False  # the gateway answers it with several single-choice engine requests
+    failover: bool = False  # a stream cut after its first byte may be continued on another replica
 
     @property
     def model(self) -> str:

@@ -19,6 +19,7 @@ from aiohttp import web
 
 from corral.admission import LimiterUnavailable, Principal, Reservation
 from corral.gateway.context import RequestContext
+from corral.gateway.failover import can_fail_over
 from corral.gateway.fanout import Fanout, check_features, needs_fanout
 from corral.gateway.metrics import GatewayMetrics
 from corral.gateway.relay import Relay
@@ -154,6 +155,9 @@ class Pipeline:
             route=route,
             features=features,
             fanout=not body.stream and needs_fanout(body, features),
+            failover=can_fail_over(
+                body, self._services.failover_modes.get(body.model, "deterministic"), features.continuation
+            ),
         )
 
     def _check_context(

@@ -8,19 +8,21 @@ away closes the upstream connection, which makes the engine stop generating.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import aiohttp
 import orjson
 from aiohttp import web
 
 from corral.gateway.context import RequestContext
+from corral.gateway.failover import Continuation, Sent, Transcript, continuation_body
 from corral.gateway.sse import SSEFilter
-from corral.protocol import NoCapacity, UpstreamError, UpstreamTimeout, error_body
+from corral.protocol import ChatCompletionRequest, NoCapacity, UpstreamError, UpstreamTimeout, error_body
 from corral.routing import Replica, Router
 
 __all__ = ["Relay"]
@@ -30,6 +32,8 @@ logger = logging.getLogger(__name__)
 _RETRYABLE_STATUS = frozenset({502, 503})
 _UPSTREAM_HEADERS = {"Content-Type": "application/json"}
 _SEP = b"\n\n"
+_DONE_EVENT = b"data: [DONE]\n\n"
+_TOKENIZE_AT_ONCE = 16  # /tokenize requests in flight while a stream fails over
 _SSE_HEADERS = {
     "Content-Type": "text/event-stream",
     "Cache-Control": "no-cache",
@@ -45,6 +49,7 @@ class _Retryable(Exception):
 class RelayTimeouts:
     connect: float
     read: float
+    stall: float = 15.0  # silence after a stream's first byte that counts as a failed replica (failover)
 
 
 class Relay:
@@ -55,6 +60,7 @@ class Relay:
         self._router = router
         self._retries = retries
         self._timeout = aiohttp.ClientTimeout(total=None, connect=timeouts.connect, sock_read=timeouts.read)
+        self._stall = timeouts.stall
 
     async def forward(self, ctx: RequestContext, request: web.Request) -> web.StreamResponse:
         tried: list[Replica] = []
@@ -92,12 +98,7 @@ class Relay:
         self, replica: Replica, ctx: RequestContext, request: web.Request
     ) -> web.StreamResponse:
         try:
-            upstream = await self._session.post(
-                replica.url + ctx.path,
-                data=ctx.upstream_body,
-                headers=_with_key(replica.api_key) if replica.api_key else _UPSTREAM_HEADERS,
-                timeout=self._timeout,
-            )
+            upstream = await self._post(replica, ctx.path, ctx.upstream_body)
         except TimeoutError as exc:
             raise UpstreamTimeout(f"Replica {replica.id} did not answer in time.") from exc
         except aiohttp.ClientError as exc:
@@ -108,6 +109,19 @@ class Relay:
             if not ctx.stream or upstream.status != 200:
                 return await self._whole(replica, ctx, upstream)
             return await self._stream(replica, ctx, upstream, request)
+
+    async def _post(self, replica: Replica, path: str, body: bytes) -> aiohttp.ClientResponse:
+        """POST to the replica. An engine may close a pooled keep-alive connection just as it is reused
+        (llama-server closes them after a few seconds or requests): that one disconnect is retried at once
+        on a new connection, since it says nothing about the replica's health."""
+        headers = _with_key(replica.api_key) if replica.api_key else _UPSTREAM_HEADERS
+        try:
+            return await self._session.post(
+                replica.url + path, data=body, headers=headers, timeout=self._timeout
+            )
+        except aiohttp.ServerDisconnectedError:
+            logger.debug("replica %s closed a pooled connection; sending again", replica.id)
+        return await self._session.post(replica.url + path, data=body, headers=headers, timeout=self._timeout)
 
     async def _whole(
         self, replica: Replica, ctx: RequestContext, upstream: aiohttp.ClientResponse
@@ -145,11 +159,17 @@ class Relay:
             raise _Retryable(f"{type(exc).__name__}: {exc}") from exc
 
         response = web.StreamResponse(headers={**_SSE_HEADERS, "x-corral-replica": replica.id})
+        transcript = Transcript() if ctx.failover else None
         try:
             await response.prepare(request)
             await response.write(first)
             ctx.first_byte_at = time.monotonic()
-            problem = await self._pump(chunks, sse, response)
+            if transcript is not None:
+                transcript.add(first)
+            problem = await self._pump(chunks, sse, response, transcript)
+            ctx.usage = sse.usage
+            if problem is not None and transcript is not None:
+                problem = await self._fail_over(ctx, replica, problem, transcript, response)
             if problem is not None:
                 logger.warning("stream from replica %s cut: %s", replica.id, problem)
                 message = f"The response was cut short: {problem}."
@@ -160,24 +180,124 @@ class Relay:
         except ConnectionResetError:
             ctx.client_gone = True
             logger.debug("client went away; closing the upstream stream from %s", replica.id)
-        ctx.usage = sse.usage
+        if ctx.usage is None:
+            ctx.usage = sse.usage
         return response
 
-    @staticmethod
-    async def _pump(chunks: AsyncIterator[bytes], sse: SSEFilter, response: web.StreamResponse) -> str | None:
-        """Copy events until the upstream ends; the reason if it ended badly, else None."""
+    async def _pump(
+        self,
+        chunks: AsyncIterator[bytes],
+        events: _Events,
+        response: web.StreamResponse,
+        transcript: Transcript | None,
+    ) -> str | None:
+        """Copy events until the upstream ends; the reason if it ended badly, else None. A stream that may
+        fail over also fails when its replica goes silent for `stall_timeout`."""
+        stall = self._stall if transcript is not None else None
         while True:
             try:
-                data = await anext(chunks)
+                async with asyncio.timeout(stall):
+                    data = await anext(chunks)
             except StopAsyncIteration:
-                return None if sse.done else "the replica closed the stream before it was complete"
+                return None if events.done else "the replica closed the stream before it was complete"
             except TimeoutError:
-                return "the replica stopped sending tokens (read timeout)"
+                return "the replica stopped sending tokens"
             except aiohttp.ClientError as exc:
                 return f"the replica failed mid-stream ({type(exc).__name__})"
-            out = sse.feed(data)
+            out = events.feed(data)
             if out:
                 await response.write(out)
+                if transcript is not None:
+                    transcript.add(out)
+
+    async def _fail_over(
+        self,
+        ctx: RequestContext,
+        failed: Replica,
+        problem: str,
+        transcript: Transcript,
+        response: web.StreamResponse,
+    ) -> str | None:
+        """Continue a cut stream on other replicas (see failover.py); the last problem if none could."""
+        tried = [failed]
+        for _ in range(max(1, self._retries)):
+            sent = transcript.summary()
+            if sent.finished:  # the answer was whole; only its end was lost
+                await response.write(_DONE_EVENT)
+                return None
+            try:
+                replica = self._router.acquire(ctx.route, exclude=tried)
+            except NoCapacity:
+                return problem
+            logger.warning(
+                "stream from %s cut (%s): continuing on %s after %d tokens",
+                tried[-1].id,
+                problem,
+                replica.id,
+                sent.tokens,
+            )
+            tried.append(replica)
+            outcome = False
+            try:
+                problem_or_none = await self._continue(ctx, replica, sent, transcript, response)
+                outcome = problem_or_none is None
+            finally:
+                self._router.release(replica, ctx.route, outcome)
+            if problem_or_none is None:
+                return None
+            problem = problem_or_none
+        return problem
+
+    async def _continue(
+        self,
+        ctx: RequestContext,
+        replica: Replica,
+        sent: Sent,
+        transcript: Transcript,
+        response: web.StreamResponse,
+    ) -> str | None:
+        try:
+            token_ids = await self._token_ids(replica, sent) if _by_tokens(ctx) else None
+            upstream = await self._post(replica, ctx.path, continuation_body(ctx, sent, token_ids))
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            return f"continuing on {replica.id} failed ({type(exc).__name__})"
+        async with upstream:
+            if upstream.status != 200:
+                return f"continuing on {replica.id} was refused with {upstream.status}"
+            echoed = ctx.features.prefill_echo and isinstance(ctx.body, ChatCompletionRequest)
+            continuation = Continuation(sent, keep_usage=ctx.client_wants_usage, echoed=echoed)
+            problem = await self._pump(upstream.content.iter_any(), continuation, response, transcript)
+            if continuation.usage is not None:
+                ctx.usage = continuation.usage
+            return problem
+
+    async def _token_ids(self, replica: Replica, sent: Sent) -> list[int]:
+        """The token ids of the pieces sent, from the engine's own tokenizer (one request per piece, only
+        when a stream fails over)."""
+
+        limit = asyncio.Semaphore(_TOKENIZE_AT_ONCE)
+
+        async def tokenize(piece: str) -> list[int]:
+            async with limit, self._session.post(
+                replica.url + "/tokenize", json={"content": piece}, timeout=self._timeout
+            ) as response:
+                response.raise_for_status()
+                return [int(t) for t in (await response.json())["tokens"]]
+
+        pieces = await asyncio.gather(*(tokenize(piece) for piece in sent.pieces))
+        return [token for piece in pieces for token in piece]
+
+
+def _by_tokens(ctx: RequestContext) -> bool:
+    return ctx.features.token_prompts and not isinstance(ctx.body, ChatCompletionRequest)
+
+
+class _Events(Protocol):
+    """Turns upstream bytes into the client's events (SSEFilter, or a failover Continuation)."""
+
+    done: bool
+
+    def feed(self, data: bytes) -> bytes: ...
 
 
 def _with_key(key: str) -> dict[str, str]:

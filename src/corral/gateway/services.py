@@ -36,6 +36,7 @@ class GatewayServices:
     limits_fail_open: bool = True
     max_pending_usage: int = 100_000
     token_counters: dict[str, TokenCounter] = field(default_factory=dict)
+    failover_modes: dict[str, str] = field(default_factory=dict)  # model → mid_stream_failover
 
     @classmethod
     def build(
@@ -48,6 +49,7 @@ class GatewayServices:
         queue: QueueSettings,
         admin_key: str | None,
         tokenizers: dict[str, Path] | None = None,
+        failover_modes: dict[str, str] | None = None,
     ) -> GatewayServices:
         engine = open_database(store.url or database_url)
         keys, usage = KeyStore(engine), UsageStore(engine)
@@ -70,4 +72,5 @@ class GatewayServices:
             limits_fail_open=limits.on_redis_error == "open",
             max_pending_usage=store.max_pending,
             token_counters={model: TokenCounter(path) for model, path in (tokenizers or {}).items()},
+            failover_modes=failover_modes or {},
         )

@@ -51,6 +51,9 @@ class EngineFeatures:
     prompt_lists: bool = True  # /v1/completions with a list of prompts, with usage over all of them
     echo: bool = True
     images: bool = True  # image parts in chat messages
+    continuation: bool = True  # continues a trailing assistant message / prompt text (mid-stream failover)
+    prefill_echo: bool = False  # continuing a chat, it first sends the continued text back (llama.cpp)
+    token_prompts: bool = False  # takes prompts mixing text and token ids, tokenizes at /tokenize (llama.cpp)
 
     def __and__(self, other: EngineFeatures) -> EngineFeatures:
         return EngineFeatures(
@@ -58,6 +61,9 @@ class EngineFeatures:
             self.prompt_lists and other.prompt_lists,
             self.echo and other.echo,
             self.images and other.images,
+            self.continuation and other.continuation,
+            self.prefill_echo or other.prefill_echo,
+            self.token_prompts and other.token_prompts,
         )
 
 

@@ -1,0 +1,200 @@
+"""Mid-stream failover: a stream whose replica dies or stalls after its first byte goes on on another
+replica, and the client sees one uninterrupted stream.
+
+The relay keeps the events it sent (`Transcript`: bytes, parsed only when a continuation needs them). On a
+cut it asks another replica for the rest (`continuation_body`): a completion gets its prompt plus the text so
+far; a chat gets the text so far as a final assistant message to continue (vLLM's `continue_final_message`;
+llama.cpp continues a trailing assistant message and sends it back first, which is stripped), with
+`max_tokens` reduced by the tokens already sent. `Continuation` rewrites the new replica's events into the
+original stream: its id, no second role chunk, no echoed prefix, and usage for the whole answer (prompt = the
+continuation's prompt less the tokens sent; completion = the tokens sent plus the continuation's).
+
+It serves n = 1 streams whose answer is reproducible (temperature 0, or any request when the model's spec
+says `mid_stream_failover: always`) on engines that can continue (llama.cpp, vLLM). Otherwise a cut stream
+ends with the `stream_truncated` error event, as before.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from corral.gateway.context import RequestContext
+from corral.protocol import ChatCompletionRequest, CompletionRequest
+
+__all__ = ["Continuation", "Sent", "Transcript", "can_fail_over", "continuation_body"]
+
+_SEP = b"\n\n"
+_DONE = b"data: [DONE]"
+
+
+def can_fail_over(body: ChatCompletionRequest | CompletionRequest, mode: str, engine_can: bool) -> bool:
+    """Whether a cut stream of `body` may be continued elsewhere (see the module)."""
+    if not (body.stream and body.n == 1 and engine_can) or mode == "never":
+        return False
+    if isinstance(body, CompletionRequest):
+        prompt = body.prompt
+        if not (isinstance(prompt, str) or (len(prompt) == 1 and isinstance(prompt[0], str))):
+            return False
+    return mode == "always" or body.temperature == 0
+
+
+@dataclass(frozen=True)
+class Sent:
+    """What the client has received of a stream."""
+
+    id: str | None
+    pieces: tuple[str, ...]  # the content of each event: one token each, as llama.cpp and vLLM stream them
+    finished: bool  # a finish_reason went out: the answer is whole
+
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)
+
+    @property
+    def tokens(self) -> int:
+        return len(self.pieces)
+
+
+class Transcript:
+    """The bytes written to the client, kept so a continuation knows what was sent."""
+
+    __slots__ = ("_sent",)
+
+    def __init__(self) -> None:
+        self._sent: list[bytes] = []
+
+    def add(self, data: bytes) -> None:
+        if data:
+            self._sent.append(data)
+
+    def summary(self) -> Sent:
+        stream_id, pieces, finished = None, [], False
+        for event in b"".join(self._sent).split(_SEP):
+            chunk = _chunk(event)
+            if chunk is None:
+                continue
+            stream_id = stream_id or chunk.get("id")
+            for choice in chunk.get("choices") or []:
+                piece = _content(choice)
+                if piece:
+                    pieces.append(piece)
+                finished = finished or bool(choice.get("finish_reason"))
+        return Sent(stream_id, tuple(pieces), finished)
+
+
+def continuation_body(ctx: RequestContext, sent: Sent, token_ids: list[int] | None = None) -> bytes:
+    """The request for the rest of the answer, after `sent`. A completion continues from the exact tokens
+    generated when the engine takes `token_ids` in a prompt (llama.cpp): the text alone may tokenize
+    differently at the seams (":" + "\n" + "\n" comes back as ":" + "\n\n") and the answer change course."""
+    data = orjson.loads(ctx.upstream_body)
+    for limit in ("max_tokens", "max_completion_tokens"):
+        if isinstance(data.get(limit), int):
+            data[limit] = max(1, data[limit] - sent.tokens)
+    if isinstance(ctx.body, ChatCompletionRequest):
+        data["messages"] = [*data["messages"], {"role": "assistant", "content": sent.text}]
+        data["continue_final_message"] = True  # vLLM; llama.cpp continues a trailing assistant message itself
+        data["add_generation_prompt"] = False
+    else:
+        prompt = data["prompt"] if isinstance(data["prompt"], str) else data["prompt"][0]
+        data["prompt"] = [prompt, *token_ids] if token_ids else prompt + sent.text
+    return orjson.dumps(data)
+
+
+class Continuation:
+    """Rewrites a continuation's SSE bytes into events of the original stream."""
+
+    def __init__(self, sent: Sent, keep_usage: bool, echoed: bool) -> None:
+        self._sent = sent
+        self._keep_usage = keep_usage
+        self._echo = sent.text if echoed else ""  # llama.cpp sends a continued chat message back first
+        self._pending = b""
+        self.done = False
+        self.usage: dict[str, Any] | None = None
+
+    def feed(self, data: bytes) -> bytes:
+        data = self._pending + data
+        end = data.rfind(_SEP)
+        if end < 0:
+            self._pending = data
+            return b""
+        complete, self._pending = data[: end + len(_SEP)], data[end + len(_SEP) :]
+        out = [self._rewrite(event) for event in complete.split(_SEP) if event]
+        return b"".join(event + _SEP for event in out if event)
+
+    def _rewrite(self, event: bytes) -> bytes:
+        if event.startswith(_DONE):
+            self.done = True
+            return event
+        chunk = _chunk(event)
+        if chunk is None:
+            return event
+        chunk["id"] = self._sent.id or chunk.get("id")
+        usage = chunk.get("usage")
+        if isinstance(usage, dict):
+            self.usage = self._whole_usage(usage)
+            if not self._keep_usage:
+                if not chunk.get("choices"):
+                    return b""
+                del chunk["usage"]
+            else:
+                chunk["usage"] = self.usage
+        choices = [c for c in (self._rewrite_choice(c) for c in chunk.get("choices") or []) if c is not None]
+        if chunk.get("choices") and not choices and "usage" not in chunk:
+            return b""
+        chunk["choices"] = choices
+        return b"data: " + orjson.dumps(chunk)
+
+    def _rewrite_choice(self, choice: dict[str, Any]) -> dict[str, Any] | None:
+        """The choice without what the client already has; None when nothing is left of it."""
+        delta = choice.get("delta")
+        if isinstance(delta, dict):
+            delta.pop("role", None)
+            if delta.get("content"):
+                delta["content"] = self._strip_echo(delta["content"])
+            if not delta.get("content") and not choice.get("finish_reason") and not delta.get("tool_calls"):
+                return None
+        elif choice.get("text"):
+            choice["text"] = self._strip_echo(choice["text"])
+            if not choice["text"] and not choice.get("finish_reason"):
+                return None
+        elif "text" in choice and not choice.get("finish_reason"):
+            return None
+        return choice
+
+    def _strip_echo(self, piece: str) -> str:
+        if not self._echo or not piece:
+            return piece
+        if piece.startswith(self._echo):
+            piece, self._echo = piece[len(self._echo) :], ""
+        elif self._echo.startswith(piece):
+            piece, self._echo = "", self._echo[len(piece) :]
+        else:
+            self._echo = ""  # the engine began its continuation without sending the text back after all
+        return piece
+
+    def _whole_usage(self, usage: dict[str, Any]) -> dict[str, int]:
+        tokens = self._sent.tokens
+        prompt = max(0, int(usage.get("prompt_tokens") or 0) - tokens)
+        completion = tokens + int(usage.get("completion_tokens") or 0)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _chunk(event: bytes) -> dict[str, Any] | None:
+    start = event.find(b"{")
+    if not event.startswith(b"data:") or start < 0:
+        return None
+    try:
+        chunk = orjson.loads(event[start:])
+    except orjson.JSONDecodeError:
+        return None
+    return chunk if isinstance(chunk, dict) else None
+
+
+def _content(choice: dict[str, Any]) -> str:
+    delta = choice.get("delta")
+    if isinstance(delta, dict):
+        return str(delta.get("content") or "")
+    return str(choice.get("text") or "")

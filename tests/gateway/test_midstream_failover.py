@@ -1,0 +1,124 @@
+"""Mid-stream failover against scripted engines: when it applies, how the two halves become one stream."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import openai
+import orjson
+import pytest
+
+from corral.config import GatewaySettings
+from corral.gateway import GatewayServer
+from corral.gateway.failover import Continuation, Sent, Transcript
+from corral.routing import EngineFeatures, Replica, ReplicaSet, ReplicaState, Router
+
+from .conftest import ScriptedUpstream, make_services
+
+MESSAGES = [{"role": "user", "content": "hi"}]
+LLAMA = EngineFeatures(multiple_choices=False, prompt_lists=False, echo=False, prefill_echo=True)
+
+
+@pytest.fixture
+async def engines() -> AsyncIterator[tuple[ScriptedUpstream, ScriptedUpstream]]:
+    cutting, whole = ScriptedUpstream(mode="cut", chunks=6), ScriptedUpstream(chunks=6, echo_prefill=True)
+    await cutting.start()
+    await whole.start()
+    yield cutting, whole
+    await cutting.stop()
+    await whole.stop()
+
+
+async def _client(tmp_path: Path, engines: tuple[ScriptedUpstream, ScriptedUpstream], mode: str) -> tuple:
+    replicas = ReplicaSet(["m"])
+    for i, engine in enumerate(engines):  # round robin: the first stream starts on the cutting engine
+        replicas.add(Replica(f"m-{i}", "m", "x", url=engine.url, state=ReplicaState.READY, features=LLAMA))
+    services = make_services(replicas, tmp_path / "c.db", failover_modes={"m": mode})
+    server = GatewayServer(GatewaySettings(port=0), Router(replicas, default_policy="round_robin"), services)
+    await server.start()
+    return server, openai.AsyncOpenAI(
+        base_url=f"http://127.0.0.1:{server.port}/v1", api_key="x", max_retries=0
+    )
+
+
+async def _read(client: openai.AsyncOpenAI, temperature: float) -> tuple[str, list, object]:
+    stream = await client.chat.completions.create(
+        model="m",
+        messages=MESSAGES,
+        temperature=temperature,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    text, finishes, usage, ids = "", [], None, set()
+    async for chunk in stream:
+        ids.add(chunk.id)
+        for choice in chunk.choices:
+            text += choice.delta.content or ""
+            if choice.finish_reason:
+                finishes.append(choice.finish_reason)
+        usage = chunk.usage or usage
+    assert len(ids) == 1  # one stream id throughout
+    return text, finishes, usage
+
+
+@pytest.mark.parametrize(("mode", "temperature"), [("deterministic", 0.0), ("always", 0.7)])
+async def test_a_cut_stream_continues_on_another_replica_as_one_stream(
+    tmp_path: Path, engines: tuple[ScriptedUpstream, ScriptedUpstream], mode: str, temperature: float
+) -> None:
+    server, client = await _client(tmp_path, engines, mode)
+    try:
+        text, finishes, usage = await _read(client, temperature)
+        assert text == "tok0 tok1 tok2 tok3 tok4 tok5 "  # no repeated or missing text
+        assert finishes == ["stop"]
+        assert usage is not None and usage.completion_tokens == 6  # 2 sent before the cut + 4 after
+        continuation = engines[1].bodies[-1]
+        assert continuation["messages"][-1] == {"role": "assistant", "content": "tok0 tok1 "}
+        assert continuation["continue_final_message"] is True
+    finally:
+        await server.stop()
+
+
+@pytest.mark.parametrize(("mode", "temperature"), [("deterministic", 0.7), ("never", 0.0)])
+async def test_otherwise_a_cut_stream_ends_with_an_error_event(
+    tmp_path: Path, engines: tuple[ScriptedUpstream, ScriptedUpstream], mode: str, temperature: float
+) -> None:
+    server, client = await _client(tmp_path, engines, mode)
+    try:
+        with pytest.raises(openai.APIError, match="cut short"):
+            await _read(client, temperature)
+        assert len(engines[1].bodies) == 0
+    finally:
+        await server.stop()
+
+
+def _event(chunk: dict) -> bytes:
+    return b"data: " + orjson.dumps(chunk) + b"\n\n"
+
+
+def test_continuation_events_read_as_the_original_stream() -> None:
+    transcript = Transcript()
+    transcript.add(
+        _event({"id": "orig", "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
+    )
+    transcript.add(_event({"id": "orig", "choices": [{"index": 0, "delta": {"content": "Hello"}}]}))
+    transcript.add(_event({"id": "orig", "choices": [{"index": 0, "delta": {"content": " wor"}}]}))
+    sent = transcript.summary()
+    assert sent == Sent("orig", ("Hello", " wor"), False)
+    rewrite = Continuation(sent, keep_usage=True, echoed=True)
+    upstream = b"".join(
+        [
+            _event({"id": "new", "choices": [{"index": 0, "delta": {"role": "assistant", "content": None}}]}),
+            _event({"id": "new", "choices": [{"index": 0, "delta": {"content": "Hello wor"}}]}),
+            _event({"id": "new", "choices": [{"index": 0, "delta": {"content": "ld"}}]}),
+            _event({"id": "new", "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}),
+            _event({"id": "new", "choices": [], "usage": {"prompt_tokens": 12, "completion_tokens": 1}}),
+            b"data: [DONE]\n\n",
+        ]
+    )
+    out = rewrite.feed(upstream[:50]) + rewrite.feed(upstream[50:])  # split mid-event on purpose
+    events = [orjson.loads(e[6:]) for e in out.split(b"\n\n") if e.startswith(b"data: {")]
+    assert [e["id"] for e in events] == ["orig"] * 3
+    assert [c["delta"].get("content") for e in events for c in e["choices"]] == ["ld", None]
+    assert events[-1]["usage"] == {"prompt_tokens": 10, "completion_tokens": 3, "total_tokens": 13}
+    assert rewrite.done and out.endswith(b"data: [DONE]\n\n")
