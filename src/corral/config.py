@@ -281,6 +281,9 @@ class GatewaySettings(_Strict):
         float,
         Field(gt=0, description="seconds a replica may go silent mid-stream before the stream fails over"),
     ] = 15.0
+    body_timeout: Annotated[
+        float, Field(gt=0, description="seconds a client may take to send its request body before 408")
+    ] = 30.0
     max_upstream_connections: Annotated[
         int, Field(ge=1, description="open connections to replicas at most; more requests wait for one")
     ] = 4096

@@ -12,6 +12,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import aiohttp
+import orjson
 from aiohttp import web
 from prometheus_client import generate_latest
 
@@ -23,6 +24,7 @@ from corral.gateway.relay import Relay, RelayTimeouts
 from corral.gateway.services import GatewayServices
 from corral.gateway.usage import UsageRecorder
 from corral.protocol import APIError, MethodNotAllowed, ModelNotFound, NotFound, PayloadTooLarge
+from corral.protocol.openapi import openapi_document
 from corral.routing import Router
 
 __all__ = ["PIPELINE", "build_app"]
@@ -52,6 +54,12 @@ def build_app(settings: GatewaySettings, router: Router, services: GatewayServic
         )
 
     app.router.add_get("/metrics", metrics_view)
+    document = orjson.dumps(openapi_document(router.replicas.models()))
+
+    async def openapi_view(request: web.Request) -> web.Response:
+        return web.Response(body=document, content_type="application/json")
+
+    app.router.add_get("/openapi.json", openapi_view)
     admin.add_routes(app)
 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
@@ -64,7 +72,9 @@ def build_app(settings: GatewaySettings, router: Router, services: GatewayServic
                 connect=settings.connect_timeout, read=settings.read_timeout, stall=settings.stall_timeout
             )
             relay = Relay(session, router, retries=settings.retries, timeouts=timeouts)
-            app[PIPELINE] = Pipeline(router, relay, services, usage, metrics, settings.max_body_bytes)
+            app[PIPELINE] = Pipeline(
+                router, relay, services, usage, metrics, settings.max_body_bytes, settings.body_timeout
+            )
             services.queue.start()
             usage.start()
             try:
@@ -100,7 +110,11 @@ async def _error_boundary(request: web.Request, handler: Handler) -> web.StreamR
     except web.HTTPNotFound:
         return _error_response(NotFound(f"Unknown path {request.path}."))
     except web.HTTPMethodNotAllowed as exc:
-        return _error_response(MethodNotAllowed(f"Method {exc.method} is not allowed on {request.path}."))
+        refusal = MethodNotAllowed(
+            f"Method {exc.method} is not allowed on {request.path}.",
+            headers={"Allow": ", ".join(sorted(exc.allowed_methods))},
+        )
+        return _error_response(refusal)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise

@@ -33,6 +33,7 @@ from corral.protocol import (
     ModelNotFound,
     NoCapacity,
     PayloadTooLarge,
+    RequestTimeout,
     parse_body,
 )
 from corral.routing import Router, RouteRequest
@@ -58,6 +59,7 @@ class Pipeline:
         usage: UsageRecorder,
         metrics: GatewayMetrics,
         max_body_bytes: int,
+        body_timeout: float = 30.0,
     ) -> None:
         self._router = router
         self._replicas = router.replicas
@@ -67,6 +69,7 @@ class Pipeline:
         self._usage = usage
         self._metrics = metrics
         self._max_body = max_body_bytes
+        self._body_timeout = body_timeout
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         return await self._handle(request, ChatCompletionRequest)
@@ -121,9 +124,14 @@ class Pipeline:
         if request.content_length is not None and request.content_length > self._max_body:
             raise _too_large(self._max_body)
         try:
-            raw = await request.read()
+            async with asyncio.timeout(self._body_timeout):
+                raw = await request.read()
         except web.HTTPRequestEntityTooLarge as exc:
             raise _too_large(self._max_body) from exc
+        except TimeoutError as exc:
+            raise RequestTimeout(
+                f"The request body did not arrive within {self._body_timeout:g} s of its headers."
+            ) from exc
         body = parse_body(kind, raw)
         if not self._replicas.has_model(body.model):
             raise ModelNotFound(f"The model '{body.model}' does not exist on this server.", param="model")

@@ -278,9 +278,12 @@ class Relay:
         limit = asyncio.Semaphore(_TOKENIZE_AT_ONCE)
 
         async def tokenize(piece: str) -> list[int]:
-            async with limit, self._session.post(
-                replica.url + "/tokenize", json={"content": piece}, timeout=self._timeout
-            ) as response:
+            async with (
+                limit,
+                self._session.post(
+                    replica.url + "/tokenize", json={"content": piece}, timeout=self._timeout
+                ) as response,
+            ):
                 response.raise_for_status()
                 return [int(t) for t in (await response.json())["tokens"]]
 

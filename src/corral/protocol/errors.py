@@ -9,6 +9,7 @@ Tree (every error the gateway answers with is one of these)::
     ├── ModelNotFound             404  invalid_request_error   code=model_not_found
     ├── NotFound                  404  invalid_request_error   (unknown path)
     ├── MethodNotAllowed          405  invalid_request_error
+    ├── RequestTimeout            408  invalid_request_error   code=request_timeout (body not sent in time)
     ├── PayloadTooLarge           413  invalid_request_error   code=request_too_large
     ├── RateLimited               429  rate_limit_error        code=rate_limit_exceeded | insufficient_quota
     │                                                          (Retry-After, x-ratelimit-* headers)
@@ -35,6 +36,7 @@ __all__ = [
     "PayloadTooLarge",
     "PermissionDenied",
     "RateLimited",
+    "RequestTimeout",
     "Unauthorized",
     "UpstreamError",
     "UpstreamTimeout",
@@ -116,6 +118,12 @@ class MethodNotAllowed(APIError):
     status = 405
     type = "invalid_request_error"
     default_code = "method_not_allowed"
+
+
+class RequestTimeout(APIError):
+    status = 408
+    type = "invalid_request_error"
+    default_code = "request_timeout"
 
 
 class PayloadTooLarge(APIError):

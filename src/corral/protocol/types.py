@@ -22,7 +22,7 @@ __all__ = [
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="allow", frozen=True)
+    model_config = ConfigDict(extra="allow", frozen=True, strict=True)
 
 
 class StreamOptions(_Body):
@@ -67,8 +67,11 @@ class ChatCompletionRequest(_Generation):
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
 
 
+TokenId = Annotated[int, Field(ge=0, lt=2**31)]  # engines index vocabularies with 32-bit integers
+
+
 class CompletionRequest(_Generation):
-    prompt: str | Annotated[list[str], Field(min_length=1)] | list[int] | list[list[int]]
+    prompt: str | Annotated[list[str], Field(min_length=1)] | list[TokenId] | list[list[TokenId]]
     echo: bool = False
 
 
