@@ -257,3 +257,24 @@ async def test_engine_errors_reach_the_client_in_openais_shape(
     finally:
         await server.stop()
         await engine.stop()
+
+
+async def test_shutdown_goes_on_when_the_usage_store_is_down() -> None:
+    recorder = UsageRecorder(_DownStore(), flush_interval=60)  # type: ignore[arg-type]
+    recorder.start()
+    recorder.record(
+        UsageRecord(
+            at=None,  # type: ignore[arg-type]
+            key_id=None,
+            tenant=None,
+            model="m",
+            input_tokens=1,
+            output_tokens=0,
+            ttft_ms=None,
+            latency_ms=1.0,
+            status=200,
+            replica=None,
+        )
+    )
+    await recorder.stop()  # does not raise
+    assert recorder.pending == 0 and recorder.dropped == 1

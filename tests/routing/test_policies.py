@@ -137,3 +137,16 @@ def test_retry_budget_caps_retries_to_a_share_of_requests() -> None:
     for _ in range(11):  # 11 requests earn 1.1 retries
         budget.on_request()
     assert budget.try_spend() and not budget.try_spend()
+
+
+def test_a_models_features_are_what_all_its_replicas_have() -> None:
+    from corral.routing import EngineFeatures
+
+    llama = EngineFeatures(multiple_choices=False, echo=False, prefill_echo=True, token_prompts=True)
+    replicas = ReplicaSet(["m"])
+    for i in range(2):
+        replicas.add(Replica(id=f"m-{i}", model="m", engine="x", features=llama))
+    assert replicas.features("m") == llama  # not weakened by a default on the way
+    replicas.add(Replica(id="m-2", model="m", engine="y", features=EngineFeatures()))
+    mixed = replicas.features("m")
+    assert not mixed.multiple_choices and not mixed.token_prompts and mixed.prefill_echo

@@ -48,13 +48,19 @@ class UsageRecorder:
         self._task = asyncio.create_task(self._run(), name="usage-writer")
 
     async def stop(self) -> None:
-        """Write what is left (shutdown drains usage too)."""
+        """Write what is left (shutdown drains usage too). A store that is down by then cannot be waited for:
+        what it could not take is counted in `dropped` and logged, and shutdown goes on."""
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-        while self._pending:
-            await self.flush()
+        try:
+            while self._pending:
+                await self.flush()
+        except Exception:  # logged in flush
+            logger.error("usage store unreachable at shutdown: %d records not written", self.pending)
+            self.dropped += self.pending
+            self._pending.clear()
 
     async def flush(self) -> None:
         batch = [self._pending.popleft() for _ in range(min(_BATCH, len(self._pending)))]

@@ -170,8 +170,11 @@ class ReplicaSet:
 
     def features(self, model: str) -> EngineFeatures:
         """What every replica of `model` does right (a feature one lacks is made up for, or refused)."""
-        combined = EngineFeatures()
-        for replica in self.of(model):
+        replicas = self.of(model)
+        if not replicas:
+            return EngineFeatures()
+        combined = replicas[0].features
+        for replica in replicas[1:]:
             combined &= replica.features
         return combined
 
