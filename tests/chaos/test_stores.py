@@ -1,10 +1,13 @@
-"""A shared store goes down and comes back under traffic: Redis (rate limits).
+"""The shared stores go down and come back under traffic: Redis (rate limits) and PostgreSQL (usage).
 
-The test runs its own Redis server on a free port, so the one the rest of the suite uses is never touched.
+Neither touches what the rest of the suite uses: Redis runs as a server of its own on a free port, and
+PostgreSQL is reached through a TCP path the test cuts and restores.
 """
 
 from __future__ import annotations
 
+import asyncio
+import os
 import subprocess
 import time
 from collections.abc import Iterator
@@ -12,11 +15,14 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+from sqlalchemy import create_engine, func, select, text
+from sqlalchemy.orm import Session
 
 from corral.cluster import free_port
 from corral.config import AuthSettings, GatewaySettings, LimitsSettings, QueueSettings, StoreSettings
 from corral.gateway import GatewayServer, GatewayServices
 from corral.routing import Replica, ReplicaSet, ReplicaState, Router
+from corral.store.schema import UsageRow
 
 from ..gateway.conftest import ScriptedUpstream
 
@@ -61,7 +67,8 @@ async def _gateway(
 ) -> tuple[GatewayServer, GatewayServices, str]:
     replicas = ReplicaSet(["m"])
     replicas.add(Replica("m-0", "m", "x", url=upstream.url, state=ReplicaState.READY))
-    services = GatewayServices.build(
+    services = await asyncio.to_thread(  # off the loop: the PostgreSQL path below runs on it
+        GatewayServices.build,
         replicas,
         f"sqlite:///{tmp_path / 'c.db'}",
         auth,
@@ -100,3 +107,82 @@ async def test_redis_down_and_back(tmp_path: Path, upstream: ScriptedUpstream, r
         assert await _statuses(url, key, 4) == [200, 200, 200, 429]
     finally:
         await server.stop()
+
+
+class Outage:
+    """A TCP path to the suite's PostgreSQL that can be cut and restored: to the gateway, the database is
+    gone (connections reset, new ones refused) and back, while the real server keeps serving the suite."""
+
+    def __init__(self, target: tuple[str, int]) -> None:
+        self.target = target
+        self.port = free_port()
+        self._server: asyncio.Server | None = None
+        self._open: set[asyncio.StreamWriter] = set()
+
+    async def up(self) -> None:
+        self._server = await asyncio.start_server(self._pipe, "127.0.0.1", self.port)
+
+    async def down(self) -> None:
+        assert self._server is not None
+        self._server.close()
+        await self._server.wait_closed()
+        for writer in list(self._open):
+            writer.transport.abort()
+        self._open.clear()
+
+    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection(*self.target)
+        self._open |= {writer, up_writer}
+
+        async def copy(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
+            try:
+                while data := await source.read(65536):
+                    sink.write(data)
+                    await sink.drain()
+            except (ConnectionError, asyncio.CancelledError):
+                pass
+            finally:
+                sink.transport.abort()
+
+        await asyncio.gather(copy(reader, up_writer), copy(up_reader, writer))
+
+
+async def test_postgres_down_and_back(tmp_path: Path, upstream: ScriptedUpstream) -> None:
+    """Usage records made while PostgreSQL is unreachable wait in the gateway (bounded by
+    store.max_pending) and are all written once it is back; requests are served throughout (an open
+    gateway: no key lookups)."""
+    outage = Outage(("127.0.0.1", 5432))
+    await outage.up()
+    database = f"corral_chaos_{os.getpid()}"
+    admin = create_engine("postgresql+psycopg://postgres@127.0.0.1:5432/test", isolation_level="AUTOCOMMIT")
+    with admin.connect() as connection:
+        connection.execute(text(f"DROP DATABASE IF EXISTS {database}"))
+        connection.execute(text(f"CREATE DATABASE {database}"))
+    url = f"postgresql://postgres@127.0.0.1:{outage.port}/{database}"
+    server, _, chat = await _gateway(tmp_path, upstream, LimitsSettings(), url, AuthSettings(open=True))
+    counter = create_engine(f"postgresql+psycopg://postgres@127.0.0.1:5432/{database}")
+
+    def written() -> int:
+        with Session(counter) as session:
+            return int(session.scalar(select(func.count()).select_from(UsageRow)) or 0)
+
+    try:
+        assert await _statuses(chat, None, 5) == [200] * 5
+        await outage.down()
+        assert await _statuses(chat, None, 20) == [200] * 20
+        await asyncio.sleep(0.6)  # a few flushes fail meanwhile
+        assert await asyncio.to_thread(written) < 25
+        await outage.up()
+        deadline = time.monotonic() + 30
+        for _ in range(200):  # poll with a deadline: the writer retries every flush_interval
+            if await asyncio.to_thread(written) >= 25 or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.2)
+        assert await asyncio.to_thread(written) == 25
+    finally:
+        await server.stop()
+        await outage.down()
+        counter.dispose()
+        with admin.connect() as connection:
+            connection.execute(text(f"DROP DATABASE IF EXISTS {database} WITH (FORCE)"))
+        admin.dispose()
