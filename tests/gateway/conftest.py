@@ -18,7 +18,8 @@ from corral.routing import Replica, ReplicaSet, ReplicaState, Router
 
 @dataclass
 class ScriptedUpstream:
-    """Answers like llama-server, or misbehaves as `mode` says: ok, cut, fail503, hang, drop, answer."""
+    """Answers like llama-server, or misbehaves as `mode` says: ok, cut, cutwhole, fail503, hang, drop,
+    answer."""
 
     mode: str = "ok"
     chunks: int = 4
@@ -71,6 +72,15 @@ class ScriptedUpstream:
         if self.mode == "answer" and self.answer is not None:
             status, content_type, raw = self.answer
             return web.Response(status=status, body=raw, content_type=content_type)
+        if self.mode == "cutwhole" and not body.get("stream"):  # dies halfway through a whole answer
+            whole = orjson.dumps(_completion(self.chunks))
+            response = web.StreamResponse(headers={"Content-Type": "application/json"})
+            response.content_length = len(whole)
+            await response.prepare(request)
+            await response.write(whole[: len(whole) // 2])
+            assert request.transport is not None
+            request.transport.close()
+            return response
         if self.mode == "fail503":
             return web.json_response({"error": {"message": "loading", "type": "unavailable"}}, status=503)
         if self.mode == "drop":

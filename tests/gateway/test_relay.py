@@ -60,7 +60,7 @@ async def test_connect_failure_is_retried_on_another_replica(
     assert dead.outstanding == 0
 
 
-@pytest.mark.parametrize("mode", ["fail503", "drop"])
+@pytest.mark.parametrize("mode", ["fail503", "drop", "cutwhole"])
 async def test_failure_before_first_byte_is_retried(
     gateway: Gateway, upstream: ScriptedUpstream, mode: str
 ) -> None:

@@ -130,6 +130,21 @@ async def test_redis_outage_is_a_configured_choice(
         await server.stop()
 
 
+def _record(input_tokens: int) -> UsageRecord:
+    return UsageRecord(
+        at=None,  # type: ignore[arg-type]
+        key_id=None,
+        tenant=None,
+        model="m",
+        input_tokens=input_tokens,
+        output_tokens=0,
+        ttft_ms=None,
+        latency_ms=1.0,
+        status=200,
+        replica=None,
+    )
+
+
 class _DownStore:
     def write(self, records: object) -> None:
         raise ConnectionError("the database is down")
@@ -138,20 +153,7 @@ class _DownStore:
 async def test_usage_waiting_for_a_dead_store_is_bounded() -> None:
     recorder = UsageRecorder(_DownStore(), flush_interval=60, max_pending=10)  # type: ignore[arg-type]
     for i in range(25):
-        recorder.record(
-            UsageRecord(
-                at=None,  # type: ignore[arg-type]
-                key_id=None,
-                tenant=None,
-                model="m",
-                input_tokens=i,
-                output_tokens=0,
-                ttft_ms=None,
-                latency_ms=1.0,
-                status=200,
-                replica=None,
-            )
-        )
+        recorder.record(_record(i))
     assert recorder.pending == 10 and recorder.dropped == 15
 
 
@@ -262,19 +264,6 @@ async def test_engine_errors_reach_the_client_in_openais_shape(
 async def test_shutdown_goes_on_when_the_usage_store_is_down() -> None:
     recorder = UsageRecorder(_DownStore(), flush_interval=60)  # type: ignore[arg-type]
     recorder.start()
-    recorder.record(
-        UsageRecord(
-            at=None,  # type: ignore[arg-type]
-            key_id=None,
-            tenant=None,
-            model="m",
-            input_tokens=1,
-            output_tokens=0,
-            ttft_ms=None,
-            latency_ms=1.0,
-            status=200,
-            replica=None,
-        )
-    )
+    recorder.record(_record(1))
     await recorder.stop()  # does not raise
     assert recorder.pending == 0 and recorder.dropped == 1
