@@ -124,8 +124,11 @@ class Pipeline:
         if request.content_length is not None and request.content_length > self._max_body:
             raise _too_large(self._max_body)
         try:
-            async with asyncio.timeout(self._body_timeout):
+            if request.content.is_eof():  # the body came with the headers (most requests): no timer needed
                 raw = await request.read()
+            else:
+                async with asyncio.timeout(self._body_timeout):
+                    raw = await request.read()
         except web.HTTPRequestEntityTooLarge as exc:
             raise _too_large(self._max_body) from exc
         except TimeoutError as exc:

@@ -139,17 +139,26 @@ class ReplicaSet:
 
     def __init__(self, models: list[str] | None = None) -> None:
         self._by_model: dict[str, list[Replica]] = {m: [] for m in models or []}
+        # Per-model facts of the replicas' engines, read on every request: kept until membership changes.
+        self._features: dict[str, EngineFeatures] = {}
+        self._contexts: dict[str, int | None] = {}
 
     def declare(self, model: str) -> None:
         self._by_model.setdefault(model, [])
 
     def add(self, replica: Replica) -> None:
         self._by_model.setdefault(replica.model, []).append(replica)
+        self._forget(replica.model)
 
     def remove(self, replica: Replica) -> None:
         members = self._by_model.get(replica.model, [])
         if replica in members:
             members.remove(replica)
+        self._forget(replica.model)
+
+    def _forget(self, model: str) -> None:
+        self._features.pop(model, None)
+        self._contexts.pop(model, None)
 
     def models(self) -> list[str]:
         return list(self._by_model)
@@ -165,18 +174,21 @@ class ReplicaSet:
 
     def context_length(self, model: str) -> int | None:
         """The smallest per-sequence context among `model`'s replicas (None when no engine says)."""
-        known = [r.context_length for r in self.of(model) if r.context_length is not None]
-        return min(known) if known else None
+        if model not in self._contexts:
+            known = [r.context_length for r in self.of(model) if r.context_length is not None]
+            self._contexts[model] = min(known) if known else None
+        return self._contexts[model]
 
     def features(self, model: str) -> EngineFeatures:
         """What every replica of `model` does right (a feature one lacks is made up for, or refused)."""
-        replicas = self.of(model)
-        if not replicas:
-            return EngineFeatures()
-        combined = replicas[0].features
-        for replica in replicas[1:]:
-            combined &= replica.features
-        return combined
+        found = self._features.get(model)
+        if found is None:
+            replicas = self.of(model)
+            found = replicas[0].features if replicas else EngineFeatures()
+            for replica in replicas[1:]:
+                found &= replica.features
+            self._features[model] = found
+        return found
 
     def retry_after(self, model: str, default: float = 5.0) -> float:
         """Seconds until the soonest (re)starting replica of `model` is expected to be ready."""
