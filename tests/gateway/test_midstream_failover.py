@@ -37,9 +37,8 @@ async def _client(tmp_path: Path, engines: tuple[ScriptedUpstream, ScriptedUpstr
     services = make_services(replicas, tmp_path / "c.db", failover_modes={"m": mode})
     server = GatewayServer(GatewaySettings(port=0), Router(replicas, default_policy="round_robin"), services)
     await server.start()
-    return server, openai.AsyncOpenAI(
-        base_url=f"http://127.0.0.1:{server.port}/v1", api_key="x", max_retries=0
-    )
+    client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="x", max_retries=0)
+    return server, client, replicas
 
 
 async def _read(client: openai.AsyncOpenAI, temperature: float) -> tuple[str, list, object]:
@@ -66,7 +65,7 @@ async def _read(client: openai.AsyncOpenAI, temperature: float) -> tuple[str, li
 async def test_a_cut_stream_continues_on_another_replica_as_one_stream(
     tmp_path: Path, engines: tuple[ScriptedUpstream, ScriptedUpstream], mode: str, temperature: float
 ) -> None:
-    server, client = await _client(tmp_path, engines, mode)
+    server, client, _ = await _client(tmp_path, engines, mode)
     try:
         text, finishes, usage = await _read(client, temperature)
         assert text == "tok0 tok1 tok2 tok3 tok4 tok5 "  # no repeated or missing text
@@ -83,7 +82,7 @@ async def test_a_cut_stream_continues_on_another_replica_as_one_stream(
 async def test_otherwise_a_cut_stream_ends_with_an_error_event(
     tmp_path: Path, engines: tuple[ScriptedUpstream, ScriptedUpstream], mode: str, temperature: float
 ) -> None:
-    server, client = await _client(tmp_path, engines, mode)
+    server, client, _ = await _client(tmp_path, engines, mode)
     try:
         with pytest.raises(openai.APIError, match="cut short"):
             await _read(client, temperature)
@@ -122,3 +121,26 @@ def test_continuation_events_read_as_the_original_stream() -> None:
     assert [c["delta"].get("content") for e in events for c in e["choices"]] == ["ld", None]
     assert events[-1]["usage"] == {"prompt_tokens": 10, "completion_tokens": 3, "total_tokens": 13}
     assert rewrite.done and out.endswith(b"data: [DONE]\n\n")
+
+
+async def test_the_replica_that_failed_mid_stream_is_told_to_its_breaker(
+    tmp_path: Path, engines: tuple[ScriptedUpstream, ScriptedUpstream]
+) -> None:
+    server, client, replicas = await _client(tmp_path, engines, "deterministic")
+    try:
+        await _read(client, 0.0)
+    finally:
+        await server.stop()
+    assert [r.breaker.consecutive_failures for r in replicas] == [1, 0]
+
+
+def test_streams_with_tools_or_echo_are_not_failed_over() -> None:
+    from corral.gateway.failover import can_fail_over
+    from corral.protocol import ChatCompletionRequest, CompletionRequest
+
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    chat = ChatCompletionRequest(model="m", messages=MESSAGES, stream=True, temperature=0, tools=tools)
+    echo = CompletionRequest(model="m", prompt="p", stream=True, temperature=0, echo=True)
+    plain = CompletionRequest(model="m", prompt="p", stream=True, temperature=0)
+    assert not can_fail_over(chat, "always", True) and not can_fail_over(echo, "always", True)
+    assert can_fail_over(plain, "deterministic", True)

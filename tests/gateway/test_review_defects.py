@@ -267,3 +267,36 @@ async def test_shutdown_goes_on_when_the_usage_store_is_down() -> None:
     recorder.record(_record(1))
     await recorder.stop()  # does not raise
     assert recorder.pending == 0 and recorder.dropped == 1
+
+
+def test_admin_behind_a_proxy_on_this_machine_is_not_local(tmp_path: Path) -> None:
+    services = make_services(ReplicaSet(["m"]), tmp_path / "c.db", auth=AuthSettings(open=True))
+    views = AdminViews(services, Router(ReplicaSet(["m"])))
+    proxied = make_mocked_request(
+        "GET", "/admin/keys", headers={"X-Forwarded-For": "203.0.113.9"}, transport=_Transport("127.0.0.1")
+    )
+    assert views.is_admin(proxied) is False
+
+
+async def test_fan_out_is_bounded_and_an_empty_prompt_list_refused(
+    tmp_path: Path, upstream: ScriptedUpstream
+) -> None:
+    from corral.routing import EngineFeatures
+
+    replicas = ReplicaSet(["m"])
+    llama = EngineFeatures(multiple_choices=False, prompt_lists=False, echo=False)
+    replicas.add(Replica("m-0", "m", "x", url=upstream.url, state=ReplicaState.READY, features=llama))
+    server = GatewayServer(
+        GatewaySettings(port=0), Router(replicas), make_services(replicas, tmp_path / "c.db")
+    )
+    await server.start()
+    try:
+        url = f"http://127.0.0.1:{server.port}/v1/completions"
+        status, body, _ = await post(url, {"model": "m", "prompt": ["a", "b"], "n": 100})
+        assert status == 400 and body["error"]["code"] == "too_many_choices"
+        status, body, _ = await post(url, {"model": "m", "prompt": []})
+        assert status == 400 and body["error"]["param"] == "prompt"
+        status, body, _ = await post(url, {"model": "m", "prompt": ["a", "b"], "n": 2})
+        assert status == 200 and [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
+    finally:
+        await server.stop()

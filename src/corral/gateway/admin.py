@@ -22,6 +22,9 @@ from corral.store import NewKey
 __all__ = ["AdminViews"]
 
 
+_PROXY_HEADERS = ("Forwarded", "X-Forwarded-For", "X-Real-IP")
+
+
 class AdminViews:
     def __init__(self, services: GatewayServices, router: Router) -> None:
         self._services = services
@@ -41,7 +44,8 @@ class AdminViews:
         outlive the gateway being closed."""
         expected = self._services.admin_key
         if expected is None:
-            return self._services.open_access and is_loopback(request.remote or "")
+            proxied = any(h in request.headers for h in _PROXY_HEADERS)  # a proxy on this host: not local
+            return self._services.open_access and is_loopback(request.remote or "") and not proxied
         scheme, _, given = (request.headers.get("Authorization") or "").partition(" ")
         return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), expected.encode())
 

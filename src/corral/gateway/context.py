@@ -27,6 +27,7 @@ class RequestContext:
     features: EngineFeatures = field(default_factory=EngineFeatures)  # what the model's engine does right
     fanout: bool = False  # the gateway answers it with several single-choice engine requests
     failover: bool = False  # a stream cut after its first byte may be continued on another replica
+    replica_failed: bool = False  # its replica failed mid-answer (told to the circuit breaker)
 
     @property
     def model(self) -> str:

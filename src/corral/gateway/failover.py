@@ -10,8 +10,8 @@ original stream: its id, no second role chunk, no echoed prefix, and usage for t
 continuation's prompt less the tokens sent; completion = the tokens sent plus the continuation's).
 
 It serves n = 1 streams whose answer is reproducible (temperature 0, or any request when the model's spec
-says `mid_stream_failover: always`) on engines that can continue (llama.cpp, vLLM). Otherwise a cut stream
-ends with the `stream_truncated` error event, as before.
+says `mid_stream_failover: always`) on engines that can continue (llama.cpp, vLLM), without tools or echo.
+Otherwise a cut stream ends with the `stream_truncated` error event, as before.
 """
 
 from __future__ import annotations
@@ -34,7 +34,12 @@ def can_fail_over(body: ChatCompletionRequest | CompletionRequest, mode: str, en
     """Whether a cut stream of `body` may be continued elsewhere (see the module)."""
     if not (body.stream and body.n == 1 and engine_can) or mode == "never":
         return False
+    extra = body.model_extra or {}
+    if extra.get("tools") or extra.get("functions"):
+        return False  # a tool call cut mid-arguments cannot be continued as text
     if isinstance(body, CompletionRequest):
+        if body.echo:
+            return False  # the echoed prompt would be taken for generated text
         prompt = body.prompt
         if not (isinstance(prompt, str) or (len(prompt) == 1 and isinstance(prompt[0], str))):
             return False

@@ -8,7 +8,8 @@
 - What cannot be made up for is a 400 naming the field, never a silent ignore: image parts for an engine
   without images, streams that would need fanning out or an echo, echo with token-id prompts or logprobs.
 
-The fanned-out requests share the one queue slot their request was admitted with.
+The fanned-out requests share the one queue slot their request was admitted with; at most `MAX_PARTS` of
+them per request (a 400 beyond), 16 in flight at once, and when one fails the others are cancelled.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from corral.routing import EngineFeatures, RouteRequest
 __all__ = ["Fanout", "check_features", "needs_fanout"]
 
 _IMAGE_PARTS = frozenset({"image_url", "input_image", "image"})
+MAX_PARTS = 128  # single-choice requests one request may fan out to (n × prompts)
+_AT_ONCE = 16  # of them in flight at once
 
 Forward = Callable[[RequestContext, web.Request], Awaitable[web.StreamResponse]]
 
@@ -41,6 +44,13 @@ def check_features(body: ChatCompletionRequest | CompletionRequest, features: En
             raise _unavailable(body, "n", "streaming with n > 1", "send stream: false, or n: 1")
         return
     prompts = _prompts(body)
+    if needs_fanout(body, features) and body.n * len(prompts) > MAX_PARTS:
+        raise InvalidRequest(
+            f"n × prompts is {body.n * len(prompts)}; the model '{body.model}' answers at most {MAX_PARTS} "
+            "choices per request (its engine needs one request per choice).",
+            param="n" if body.n > 1 else "prompt",
+            code="too_many_choices",
+        )
     if body.stream and len(prompts) > 1 and not features.prompt_lists:
         raise _unavailable(body, "prompt", "streaming a list of prompts", "send stream: false, or one prompt")
     if body.stream and body.n > 1 and not features.multiple_choices:
@@ -82,7 +92,20 @@ class Fanout:
             for prompt in prompts
             for j in range(body.n)
         ]
-        responses = await asyncio.gather(*(self._forward(part, request) for part in parts))
+        limit = asyncio.Semaphore(_AT_ONCE)
+
+        async def forward(part: RequestContext) -> web.StreamResponse:
+            async with limit:
+                return await self._forward(part, request)
+
+        tasks = [asyncio.ensure_future(forward(part)) for part in parts]
+        try:
+            responses = await asyncio.gather(*tasks)
+        except BaseException:  # one part failed (or the client left): the others stop too
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
         answers = [_json(r) for r in responses]
         ctx.replica = parts[-1].replica
         ctx.usage = _usage(answers, body.n)

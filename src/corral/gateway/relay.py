@@ -80,7 +80,7 @@ class Relay:
             outcome: bool | None = None
             try:
                 response = await self._attempt(replica, ctx, request)
-                outcome = response.status < 500
+                outcome = response.status < 500 and not ctx.replica_failed
                 return response
             except _Retryable as exc:
                 outcome = False
@@ -168,7 +168,10 @@ class Relay:
                 transcript.add(first)
             problem = await self._pump(chunks, sse, response, transcript)
             ctx.usage = sse.usage
+            if problem is not None:
+                ctx.replica_failed = True  # the breaker hears of it, whatever happens to the stream
             if problem is not None and transcript is not None:
+                upstream.close()  # let go of the failed replica before asking another one
                 problem = await self._fail_over(ctx, replica, problem, transcript, response)
             if problem is not None:
                 logger.warning("stream from replica %s cut: %s", replica.id, problem)
@@ -259,19 +262,19 @@ class Relay:
         try:
             token_ids = await self._token_ids(replica, sent) if _by_tokens(ctx) else None
             upstream = await self._post(replica, ctx.path, continuation_body(ctx, sent, token_ids))
-        except (aiohttp.ClientError, TimeoutError) as exc:
+        except (aiohttp.ClientError, TimeoutError, KeyError, ValueError, TypeError) as exc:
             return f"continuing on {replica.id} failed ({type(exc).__name__})"
         async with upstream:
             if upstream.status != 200:
                 return f"continuing on {replica.id} was refused with {upstream.status}"
-            echoed = ctx.features.prefill_echo and isinstance(ctx.body, ChatCompletionRequest)
+            echoed = replica.features.prefill_echo and isinstance(ctx.body, ChatCompletionRequest)
             continuation = Continuation(sent, keep_usage=ctx.client_wants_usage, echoed=echoed)
             problem = await self._pump(upstream.content.iter_any(), continuation, response, transcript)
             if continuation.usage is not None:
                 ctx.usage = continuation.usage
             return problem
 
-    async def _token_ids(self, replica: Replica, sent: Sent) -> list[int]:
+    async def _token_ids(self, replica: Replica, sent: Sent) -> list[int] | None:
         """The token ids of the pieces sent, from the engine's own tokenizer (one request per piece, only
         when a stream fails over)."""
 
@@ -287,8 +290,23 @@ class Relay:
                 response.raise_for_status()
                 return [int(t) for t in (await response.json())["tokens"]]
 
-        pieces = await asyncio.gather(*(tokenize(piece) for piece in sent.pieces))
-        return [token for piece in pieces for token in piece]
+        tasks = [asyncio.ensure_future(tokenize(piece)) for piece in sent.pieces]
+        try:
+            pieces = await asyncio.gather(*tasks)
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+        ids = [token for piece in pieces for token in piece]
+        # Tokenized one by one, pieces may gain a space prefix (SentencePiece models): use the ids only if
+        # they read back as exactly the text sent.
+        async with self._session.post(
+            replica.url + "/detokenize", json={"tokens": ids}, timeout=self._timeout
+        ) as response:
+            response.raise_for_status()
+            text = (await response.json())["content"]
+        return ids if text == sent.text else None
 
 
 def _by_tokens(ctx: RequestContext) -> bool:

@@ -71,7 +71,12 @@ TokenId = Annotated[int, Field(ge=0, lt=2**31)]  # engines index vocabularies wi
 
 
 class CompletionRequest(_Generation):
-    prompt: str | Annotated[list[str], Field(min_length=1)] | list[TokenId] | list[list[TokenId]]
+    prompt: (
+        str
+        | Annotated[list[str], Field(min_length=1)]
+        | Annotated[list[TokenId], Field(min_length=1)]
+        | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
+    )
     echo: bool = False
 
 

@@ -67,8 +67,10 @@ def open_database(url: str, create: bool = True) -> Engine:
         raise StoreError(
             f"unsupported store URL {shown}: use sqlite:///PATH or postgresql://USER@HOST/DB"
         ) from exc
-    except ArgumentError as exc:
+    except (ArgumentError, ValueError) as exc:
         raise StoreError(f"malformed store URL {shown}: {exc}") from exc
+    except ImportError as exc:
+        raise StoreError(f"no driver for the store URL {shown}: use sqlite:/// or postgresql://") from exc
     except SQLAlchemyError as exc:
         cause = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]
         raise StoreError(f"cannot open the store at {shown}: {cause}") from exc
