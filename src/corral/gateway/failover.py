@@ -40,8 +40,7 @@ def can_fail_over(body: ChatCompletionRequest | CompletionRequest, mode: str, en
     if isinstance(body, CompletionRequest):
         if body.echo:
             return False  # the echoed prompt would be taken for generated text
-        prompt = body.prompt
-        if not (isinstance(prompt, str) or (len(prompt) == 1 and isinstance(prompt[0], str))):
+        if len(body.prompts) != 1 or not isinstance(body.prompts[0], str):
             return False
     return mode == "always" or body.temperature == 0
 

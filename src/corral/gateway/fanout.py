@@ -43,7 +43,7 @@ def check_features(body: ChatCompletionRequest | CompletionRequest, features: En
         if body.stream and body.n > 1 and not features.multiple_choices:
             raise _unavailable(body, "n", "streaming with n > 1", "send stream: false, or n: 1")
         return
-    prompts = _prompts(body)
+    prompts = body.prompts
     if needs_fanout(body, features) and body.n * len(prompts) > MAX_PARTS:
         raise InvalidRequest(
             f"n × prompts is {body.n * len(prompts)}; the model '{body.model}' answers at most {MAX_PARTS} "
@@ -68,7 +68,7 @@ def needs_fanout(body: ChatCompletionRequest | CompletionRequest, features: Engi
     if body.n > 1 and not features.multiple_choices:
         return True
     if isinstance(body, CompletionRequest):
-        return (len(_prompts(body)) > 1 and not features.prompt_lists) or (body.echo and not features.echo)
+        return (len(body.prompts) > 1 and not features.prompt_lists) or (body.echo and not features.echo)
     return False
 
 
@@ -83,7 +83,7 @@ class Fanout:
     ) -> web.StreamResponse:
         body = ctx.body
         data = orjson.loads(ctx.upstream_body)
-        prompts: list[Any] = _prompts(body) if isinstance(body, CompletionRequest) else [None]
+        prompts: list[Any] = body.prompts if isinstance(body, CompletionRequest) else [None]
         gateway_echo = isinstance(body, CompletionRequest) and body.echo and not features.echo
         parts = [
             replace(
@@ -126,15 +126,6 @@ class Fanout:
         )
 
 
-def _prompts(body: CompletionRequest) -> list[Any]:
-    prompt = body.prompt
-    if isinstance(prompt, str):
-        return [prompt]
-    if prompt and all(isinstance(p, int) for p in prompt):
-        return [prompt]  # one prompt given as token ids
-    return list(prompt)
-
-
 def _single(data: dict[str, Any], prompt: Any, choice: int, gateway_echo: bool) -> dict[str, Any]:
     part = {**data, "n": 1}
     if prompt is not None:
@@ -147,7 +138,7 @@ def _single(data: dict[str, Any], prompt: Any, choice: int, gateway_echo: bool) 
 
 
 def _route(ctx: RequestContext) -> RouteRequest:
-    parts = ctx.body.n * (len(_prompts(ctx.body)) if isinstance(ctx.body, CompletionRequest) else 1)
+    parts = ctx.body.n * (len(ctx.body.prompts) if isinstance(ctx.body, CompletionRequest) else 1)
     route = ctx.route
     return RouteRequest(route.model, tokens=route.tokens // parts, session=route.session, prompt=route.prompt)
 

@@ -151,9 +151,7 @@ class Pipeline:
             counter.count(prompt) if counter is not None else int(len(raw) * self._services.tokens_per_byte)
         )
         self._check_context(body, asked, input_tokens if counter is not None else None)
-        prompts = (
-            len(body.prompt) if isinstance(body, CompletionRequest) and _is_prompt_list(body.prompt) else 1
-        )
+        prompts = len(body.prompts) if isinstance(body, CompletionRequest) else 1
         route = RouteRequest(
             model=body.model,
             tokens=input_tokens + max_tokens * body.n * prompts,
@@ -282,11 +280,6 @@ def prompt_text(body: ChatCompletionRequest | CompletionRequest) -> str:
     if isinstance(body, ChatCompletionRequest):
         return "\n".join(f"{m.role}:{m.content}" for m in body.messages)
     return body.prompt if isinstance(body.prompt, str) else str(body.prompt)
-
-
-def _is_prompt_list(prompt: object) -> bool:
-    """A batch of prompts (strings or token lists), not one prompt given as token ids."""
-    return isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)
 
 
 def _with_usage(raw: bytes) -> bytes:

@@ -13,6 +13,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Protocol
 
 import aiohttp
@@ -33,7 +34,6 @@ _RETRYABLE_STATUS = frozenset({502, 503})
 _UPSTREAM_HEADERS = {"Content-Type": "application/json"}
 _SEP = b"\n\n"
 _DONE_EVENT = b"data: [DONE]\n\n"
-_TOKENIZE_AT_ONCE = 16  # /tokenize requests in flight while a stream fails over
 _SSE_HEADERS = {
     "Content-Type": "text/event-stream",
     "Cache-Control": "no-cache",
@@ -115,13 +115,14 @@ class Relay:
         (llama-server closes them after a few seconds or requests): that one disconnect is retried at once
         on a new connection, since it says nothing about the replica's health."""
         headers = _with_key(replica.api_key) if replica.api_key else _UPSTREAM_HEADERS
+        send = partial(
+            self._session.post, replica.url + path, data=body, headers=headers, timeout=self._timeout
+        )
         try:
-            return await self._session.post(
-                replica.url + path, data=body, headers=headers, timeout=self._timeout
-            )
+            return await send()
         except aiohttp.ServerDisconnectedError:
             logger.debug("replica %s closed a pooled connection; sending again", replica.id)
-        return await self._session.post(replica.url + path, data=body, headers=headers, timeout=self._timeout)
+        return await send()
 
     async def _whole(
         self, replica: Replica, ctx: RequestContext, upstream: aiohttp.ClientResponse
@@ -167,7 +168,6 @@ class Relay:
             if transcript is not None:
                 transcript.add(first)
             problem = await self._pump(chunks, sse, response, transcript)
-            ctx.usage = sse.usage
             if problem is not None:
                 ctx.replica_failed = True  # the breaker hears of it, whatever happens to the stream
             if problem is not None and transcript is not None:
@@ -196,11 +196,13 @@ class Relay:
     ) -> str | None:
         """Copy events until the upstream ends; the reason if it ended badly, else None. A stream that may
         fail over also fails when its replica goes silent for `stall_timeout`."""
-        stall = self._stall if transcript is not None else None
         while True:
             try:
-                async with asyncio.timeout(stall):
+                if transcript is None:  # the common case: no timer per chunk
                     data = await anext(chunks)
+                else:
+                    async with asyncio.timeout(self._stall):
+                        data = await anext(chunks)
             except StopAsyncIteration:
                 return None if events.done else "the replica closed the stream before it was complete"
             except TimeoutError:
@@ -275,30 +277,15 @@ class Relay:
             return problem
 
     async def _token_ids(self, replica: Replica, sent: Sent) -> list[int] | None:
-        """The token ids of the pieces sent, from the engine's own tokenizer (one request per piece, only
-        when a stream fails over)."""
-
-        limit = asyncio.Semaphore(_TOKENIZE_AT_ONCE)
-
-        async def tokenize(piece: str) -> list[int]:
-            async with (
-                limit,
-                self._session.post(
-                    replica.url + "/tokenize", json={"content": piece}, timeout=self._timeout
-                ) as response,
-            ):
+        """The token ids of the pieces sent, from the engine's own tokenizer: one request per piece, in turn
+        (only when a stream fails over; a loopback round trip each)."""
+        ids: list[int] = []
+        for piece in sent.pieces:
+            async with self._session.post(
+                replica.url + "/tokenize", json={"content": piece}, timeout=self._timeout
+            ) as response:
                 response.raise_for_status()
-                return [int(t) for t in (await response.json())["tokens"]]
-
-        tasks = [asyncio.ensure_future(tokenize(piece)) for piece in sent.pieces]
-        try:
-            pieces = await asyncio.gather(*tasks)
-        except BaseException:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            raise
-        ids = [token for piece in pieces for token in piece]
+                ids += [int(t) for t in (await response.json())["tokens"]]
         # Tokenized one by one, pieces may gain a space prefix (SentencePiece models): use the ids only if
         # they read back as exactly the text sent.
         async with self._session.post(

@@ -77,6 +77,15 @@ class CompletionRequest(_Generation):
         | Annotated[list[TokenId], Field(min_length=1)]
         | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
     )
+
+    @property
+    def prompts(self) -> list[Any]:
+        """The prompts this request asks about: a string or token-id list is one; a list of them, each."""
+        prompt = self.prompt
+        if isinstance(prompt, str) or isinstance(prompt[0], int):
+            return [prompt]
+        return list(prompt)
+
     echo: bool = False
 
 
