@@ -1,4 +1,5 @@
-"""A replica hung (SIGSTOP) mid-stream: its deterministic streams go on elsewhere after the stall timeout."""
+"""A replica hung (SIGSTOP) mid-stream: its streams go on elsewhere after the stall timeout, when the
+answer is reproducible or the model's spec says `mid_stream_failover: always`."""
 
 from __future__ import annotations
 
@@ -11,55 +12,89 @@ from pathlib import Path
 
 import openai
 
-from ..conftest import DATA, start_cluster
+from ..conftest import DATA, RunningCluster, start_cluster
 
 MAX_TOKENS = 16
+
+
+def _cluster(tmp_path: Path, failover: str | None = None) -> RunningCluster:
+    text = (DATA / "cluster.yaml").read_text() + "gateway: {stall_timeout: 3}\n"
+    if failover is not None:
+        text = text.replace(
+            "  - name: smollm2\n", f"  - name: smollm2\n    mid_stream_failover: {failover}\n"
+        )
+    spec = tmp_path / "stall.yaml"
+    spec.write_text(text)
+    return start_cluster(tmp_path, spec=spec)
+
+
+async def _complete(
+    client: openai.AsyncOpenAI, prompt: str, temperature: float, progress: list[int], slot: int
+) -> tuple[str, str | None]:
+    stream = await client.completions.create(
+        model="smollm2", prompt=prompt, max_tokens=MAX_TOKENS, temperature=temperature, stream=True
+    )
+    text, finish = "", None
+    async for chunk in stream:
+        for choice in chunk.choices:
+            text += choice.text
+            progress[slot] += bool(choice.text)
+            finish = choice.finish_reason or finish
+    return text, finish
+
+
+async def _hang_a_replica_during(
+    running: RunningCluster, prompts: list[str], temperature: float
+) -> list[tuple[str, str | None]]:
+    """Stream every prompt at once, SIGSTOP a replica while streams are mid-answer, return the answers."""
+    client = openai.AsyncOpenAI(base_url=running.base_url, api_key="none", max_retries=0, timeout=120)
+    progress = [0] * len(prompts)
+    tasks = [
+        asyncio.create_task(_complete(client, p, temperature, progress, i)) for i, p in enumerate(prompts)
+    ]
+    victim = None
+    deadline = time.monotonic() + 60
+    while victim is None and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+        if sum(1 for p in progress if 0 < p < MAX_TOKENS - 2) >= 2:
+            busy = [r for r in running.status()["replicas"] if r["outstanding"] and r["pid"]]
+            victim = busy[0] if busy else None
+    assert victim is not None
+    os.kill(victim["pid"], signal.SIGSTOP)
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(victim["pid"], signal.SIGCONT)
 
 
 async def test_a_hung_replica_mid_stream_is_left_after_the_stall_timeout(tmp_path: Path) -> None:
     """SIGSTOP keeps the replica's connections open and silent: the gateway gives up on it after
     `gateway.stall_timeout` and continues each completion stream elsewhere."""
-    spec = tmp_path / "stall.yaml"
-    spec.write_text((DATA / "cluster.yaml").read_text() + "gateway: {stall_timeout: 3}\n")
-    running = start_cluster(tmp_path, spec=spec)
+    running = _cluster(tmp_path)
     try:
         client = openai.AsyncOpenAI(base_url=running.base_url, api_key="none", max_retries=0, timeout=120)
         # Lists that start with "\n" "\n": re-sent as text they would come back as one "\n\n" token and
         # change the answer; the exact token ids keep it.
         prompts = [f"Count slowly from {i} to {i + 30}:" for i in range(8)]
-
-        async def complete(prompt: str, progress: list[int], slot: int) -> tuple[str, str | None]:
-            stream = await client.completions.create(
-                model="smollm2", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, stream=True
-            )
-            text, finish = "", None
-            async for chunk in stream:
-                for choice in chunk.choices:
-                    text += choice.text
-                    progress[slot] += bool(choice.text)
-                    finish = choice.finish_reason or finish
-            return text, finish
-
         unused = [0] * 8
-        reference = [await complete(p, unused, i) for i, p in enumerate(prompts)]
-        progress = [0] * 8
-        tasks = [asyncio.create_task(complete(p, progress, i)) for i, p in enumerate(prompts)]
-        victim = None
-        deadline = time.monotonic() + 60
-        while victim is None and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-            if sum(1 for p in progress if 0 < p < MAX_TOKENS - 2) >= 2:
-                busy = [r for r in running.status()["replicas"] if r["outstanding"] and r["pid"]]
-                victim = busy[0] if busy else None
-        assert victim is not None
-        os.kill(victim["pid"], signal.SIGSTOP)
-        try:
-            results = await asyncio.gather(*tasks)
-        finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(victim["pid"], signal.SIGCONT)
+        reference = [await _complete(client, p, 0, unused, i) for i, p in enumerate(prompts)]
+        results = await _hang_a_replica_during(running, prompts, temperature=0)
         assert [finish for _, finish in results].count(None) == 0
         assert [text for text, _ in results] == [text for text, _ in reference]
+        assert "continuing on" in running.log.read_text()
+    finally:
+        running.stop()
+
+
+async def test_mid_stream_failover_always_continues_sampled_streams_too(tmp_path: Path) -> None:
+    """With `mid_stream_failover: always` in the spec, sampled streams (temperature 0.9, which the default
+    would end with a stream_truncated error) are continued too: every stream ends with a finish_reason."""
+    running = _cluster(tmp_path, failover="always")
+    try:
+        prompts = [f"Write a line about the colour number {i}:" for i in range(8)]
+        results = await _hang_a_replica_during(running, prompts, temperature=0.9)
+        assert [finish for _, finish in results].count(None) == 0
         assert "continuing on" in running.log.read_text()
     finally:
         running.stop()
