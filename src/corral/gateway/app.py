@@ -143,7 +143,6 @@ class _StatusViews:
     def __init__(
         self, router: Router, services: GatewayServices, admin: AdminViews, started_at: float
     ) -> None:
-        self._router = router
         self._replicas = router.replicas
         self._auth = services.auth
         self._admin = admin

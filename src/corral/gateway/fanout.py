@@ -78,10 +78,8 @@ class Fanout:
     def __init__(self, forward: Forward) -> None:
         self._forward = forward
 
-    async def answer(
-        self, ctx: RequestContext, request: web.Request, features: EngineFeatures
-    ) -> web.StreamResponse:
-        body = ctx.body
+    async def answer(self, ctx: RequestContext, request: web.Request) -> web.StreamResponse:
+        body, features = ctx.body, ctx.features
         data = orjson.loads(ctx.upstream_body)
         prompts: list[Any] = body.prompts if isinstance(body, CompletionRequest) else [None]
         gateway_echo = isinstance(body, CompletionRequest) and body.echo and not features.echo

@@ -100,7 +100,7 @@ class Pipeline:
             metrics.queue_wait.observe(wait)
             try:
                 if ctx.fanout:
-                    response = await self._fanout.answer(ctx, request, ctx.features)
+                    response = await self._fanout.answer(ctx, request)
                 else:
                     response = await self._relay.forward(ctx, request)
             finally:
