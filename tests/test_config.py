@@ -98,3 +98,20 @@ def test_missing_file_is_a_clear_error(tmp_path: Path) -> None:
 def test_cache_home_comes_from_corral_home(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("CORRAL_HOME", str(tmp_path))
     assert Paths.from_env().models == tmp_path / "models"
+
+
+def test_several_gateway_workers_need_limits_in_redis() -> None:
+    model = "models:\n  - {name: m, deployments: [{engine: external, urls: ['http://127.0.0.1:1']}]}\n"
+    with pytest.raises(SpecError, match=r"workers: 2 needs limits\.backend: redis"):
+        parse_spec("gateway: {workers: 2}\n" + model)
+    spec = parse_spec("gateway: {workers: 2}\nlimits: {backend: redis}\n" + model)
+    assert spec.gateway_workers(cpus=16) == 2
+
+
+def test_auto_workers_are_one_per_core_on_a_server_and_one_elsewhere() -> None:
+    model = "models:\n  - {name: m, deployments: [{engine: external, urls: ['http://127.0.0.1:1']}]}\n"
+    assert default_spec().gateway_workers(cpus=16) == 1  # the embedded default: one process
+    assert parse_spec("limits: {backend: redis}\n" + model).gateway_workers(cpus=16) == 1  # loopback
+    server = parse_spec("gateway: {host: 0.0.0.0}\nlimits: {backend: redis}\n" + model)
+    assert server.gateway_workers(cpus=16) == 16
+    assert parse_spec("gateway: {host: 0.0.0.0}\n" + model).gateway_workers(cpus=16) == 1  # memory limits

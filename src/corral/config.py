@@ -290,6 +290,12 @@ class GatewaySettings(_Strict):
     shutdown_grace: Annotated[
         float, Field(ge=0, description="seconds in-flight requests may finish after Ctrl-C/SIGTERM")
     ] = 10.0
+    workers: Annotated[int, Field(ge=1, le=256)] | Literal["auto"] = Field(
+        default="auto",
+        description="gateway processes sharing the port (SO_REUSEPORT) and one supervisor's replica set; "
+        "more than 1 needs limits.backend: redis. auto: one per core when limits are in Redis and the "
+        "gateway listens beyond loopback (a server), else 1",
+    )
 
 
 class SupervisorSettings(_Strict):
@@ -410,7 +416,21 @@ class ClusterSpec(_Strict):
         problem = exposure_problem(self)
         if problem:
             raise ValueError(problem)
+        if self.gateway.workers != "auto" and self.gateway.workers > 1 and self.limits.backend != "redis":
+            raise ValueError(
+                f"gateway.workers: {self.gateway.workers} needs limits.backend: redis, so that rate limits "
+                "hold across the worker processes (or set workers: 1)"
+            )
         return self
+
+    def gateway_workers(self, cpus: int | None) -> int:
+        """How many gateway processes to run: the spec's number, or for `auto` one per core on a server
+        (limits shared in Redis, listening beyond loopback) and 1 otherwise."""
+        workers = self.gateway.workers
+        if workers != "auto":
+            return workers
+        server = self.limits.backend == "redis" and not is_loopback(self.gateway.host)
+        return max(1, cpus or 1) if server else 1
 
 
 def is_loopback(host: str) -> bool:

@@ -14,7 +14,7 @@ import openai
 
 from ..conftest import DATA, RunningCluster, start_cluster
 
-MAX_TOKENS = 16
+MAX_TOKENS = 32
 
 
 def _cluster(tmp_path: Path, failover: str | None = None) -> RunningCluster:
@@ -28,18 +28,37 @@ def _cluster(tmp_path: Path, failover: str | None = None) -> RunningCluster:
     return start_cluster(tmp_path, spec=spec)
 
 
+class _Progress:
+    """What each stream has received so far, and which replica serves it (the x-corral-replica header)."""
+
+    def __init__(self, streams: int) -> None:
+        self.tokens = [0] * streams
+        self.replica = [""] * streams
+        self.finished = [False] * streams
+
+    def mid_answer(self) -> dict[str, int]:
+        """Replica id -> how many of its streams are well short of their end."""
+        counts: dict[str, int] = {}
+        for tokens, replica, finished in zip(self.tokens, self.replica, self.finished, strict=True):
+            if replica and not finished and 0 < tokens <= MAX_TOKENS // 2:
+                counts[replica] = counts.get(replica, 0) + 1
+        return counts
+
+
 async def _complete(
-    client: openai.AsyncOpenAI, prompt: str, temperature: float, progress: list[int], slot: int
+    client: openai.AsyncOpenAI, prompt: str, temperature: float, progress: _Progress, slot: int
 ) -> tuple[str, str | None]:
-    stream = await client.completions.create(
+    raw = await client.completions.with_raw_response.create(
         model="smollm2", prompt=prompt, max_tokens=MAX_TOKENS, temperature=temperature, stream=True
     )
+    progress.replica[slot] = raw.headers.get("x-corral-replica", "")
     text, finish = "", None
-    async for chunk in stream:
+    async for chunk in await raw.parse():
         for choice in chunk.choices:
             text += choice.text
-            progress[slot] += bool(choice.text)
+            progress.tokens[slot] += bool(choice.text)
             finish = choice.finish_reason or finish
+    progress.finished[slot] = True
     return text, finish
 
 
@@ -48,17 +67,18 @@ async def _hang_a_replica_during(
 ) -> list[tuple[str, str | None]]:
     """Stream every prompt at once, SIGSTOP a replica while streams are mid-answer, return the answers."""
     client = openai.AsyncOpenAI(base_url=running.base_url, api_key="none", max_retries=0, timeout=120)
-    progress = [0] * len(prompts)
+    progress = _Progress(len(prompts))
     tasks = [
         asyncio.create_task(_complete(client, p, temperature, progress, i)) for i, p in enumerate(prompts)
     ]
+    pids = {r["id"]: r["pid"] for r in running.status()["replicas"]}
     victim = None
     deadline = time.monotonic() + 60
     while victim is None and time.monotonic() < deadline:
-        await asyncio.sleep(0.05)
-        if sum(1 for p in progress if 0 < p < MAX_TOKENS - 2) >= 2:
-            busy = [r for r in running.status()["replicas"] if r["outstanding"] and r["pid"]]
-            victim = busy[0] if busy else None
+        await asyncio.sleep(0.02)
+        busy = progress.mid_answer()
+        if busy:  # the replica with the most streams mid-answer, so that at least one is cut
+            victim = {"pid": pids[max(busy, key=busy.__getitem__)]}
     assert victim is not None
     os.kill(victim["pid"], signal.SIGSTOP)
     try:
@@ -77,7 +97,7 @@ async def test_a_hung_replica_mid_stream_is_left_after_the_stall_timeout(tmp_pat
         # Lists that start with "\n" "\n": re-sent as text they would come back as one "\n\n" token and
         # change the answer; the exact token ids keep it.
         prompts = [f"Count slowly from {i} to {i + 30}:" for i in range(8)]
-        unused = [0] * 8
+        unused = _Progress(len(prompts))
         reference = [await _complete(client, p, 0, unused, i) for i, p in enumerate(prompts)]
         results = await _hang_a_replica_during(running, prompts, temperature=0)
         assert [finish for _, finish in results].count(None) == 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -205,7 +206,7 @@ class RedisLimiter:
         self._window_ms = math.ceil(window_s * 1000)
         self._prefix = prefix
         self._ids = itertools.count()
-        self._instance = f"{time.time_ns():x}"
+        self._instance = f"{os.getpid():x}.{time.time_ns():x}"  # one per gateway process
 
     def _keys(self, key_id: str) -> list[str]:
         return [f"{self._prefix}:{key_id}:log", f"{self._prefix}:{key_id}:sums"]

@@ -9,8 +9,9 @@ from corral.cli import plan as _plan
 from corral.cli import sim as _sim
 from corral.cli import spec as _spec
 from corral.cli import up as _up
+from corral.cli import worker as _worker
 from corral.cli.app import app, main
 
 __all__ = ["app", "main"]
 
-_COMMANDS = (_up, _keys, _plan, _sim, _bench, _spec)
+_COMMANDS = (_up, _keys, _plan, _sim, _bench, _spec, _worker)

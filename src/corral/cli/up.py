@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import signal
 from pathlib import Path
 from typing import Annotated, Any
@@ -58,7 +59,11 @@ def up(
         spec = spec.model_copy(update={"ray": RaySettings(address=None if ray == "local" else ray)})
     paths = Paths.from_env()
     prepared = _prepare_or_fail(spec, paths)  # in the foreground: Ctrl-C ends an install at once
-    run_async(_serve(spec, paths, prepared))
+    workers = spec.gateway_workers(os.cpu_count())
+    if workers > 1:
+        run_async(_serve_workers(spec, paths, prepared, workers, log_level))
+    else:
+        run_async(_serve(spec, paths, prepared))
 
 
 @app.command(cls=FlagsCommand)
@@ -201,7 +206,7 @@ async def _serve(spec: ClusterSpec, paths: Paths, prepared: list[tuple[str, Any,
         supervisor.add(model_name, engine, plans)
     policies = {m.name: m.routing for m in spec.models if m.routing is not None}
     router = Router(replicas, policies, default_policy=spec.gateway.routing)
-    gateway = GatewayServer(spec.gateway, router, _services(spec, paths, replicas))
+    gateway = GatewayServer(spec.gateway, router, services_for(spec, paths, replicas))
     if spec.auth.open:
         logger.warning("OPEN ACCESS: requests without an API key are served (auth.open is true in the spec)")
 
@@ -212,10 +217,7 @@ async def _serve(spec: ClusterSpec, paths: Paths, prepared: list[tuple[str, Any,
     try:
         await gateway.start()
     except OSError as exc:
-        where = f"{spec.gateway.host}:{spec.gateway.port}"
-        raise CliError(
-            f"cannot listen on {where}: {exc.strerror or exc} (choose another with --port)"
-        ) from None
+        raise _cannot_listen(spec, exc) from None
     try:
         await supervisor.start()
         await _until_serving(spec, gateway.port, supervisor, paths, stop)
@@ -227,7 +229,52 @@ async def _serve(spec: ClusterSpec, paths: Paths, prepared: list[tuple[str, Any,
     console.print("[green]stopped[/green]")
 
 
-def _services(spec: ClusterSpec, paths: Paths, replicas: Any) -> Any:
+async def _serve_workers(
+    spec: ClusterSpec, paths: Paths, prepared: list[tuple[str, Any, list[Any]]], workers: int, log_level: str
+) -> None:
+    """The supervisor in this process, the gateway in `workers` processes on one port (cluster/workers.py)."""
+    from corral.cluster import Supervisor, WorkerError, WorkerPool
+    from corral.routing import ReplicaSet
+
+    replicas = ReplicaSet()
+    supervisor = Supervisor(replicas, _runtime(spec, paths), spec.supervisor)
+    for model_name, engine, plans in prepared:
+        supervisor.add(model_name, engine, plans)
+    services_for(spec, paths, replicas)  # the store answers and its schema exists before workers use it
+    if spec.auth.open:
+        logger.warning("OPEN ACCESS: requests without an API key are served (auth.open is true in the spec)")
+    pool = WorkerPool(
+        replicas, spec.model_dump(mode="json"), workers, str(log_level), spec.gateway.shutdown_grace
+    )
+    try:
+        port = pool.reserve(spec.gateway.host, spec.gateway.port)
+    except OSError as exc:
+        raise _cannot_listen(spec, exc) from None
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await pool.start()
+        await supervisor.start()
+        await _until_serving(spec, port, supervisor, paths, stop)
+        await stop.wait()
+        console.print("stopping: draining requests and replicas…")
+    except WorkerError as exc:
+        raise CliError(str(exc)) from None
+    finally:
+        await pool.stop()
+        await supervisor.stop()
+    console.print("[green]stopped[/green]")
+
+
+def _cannot_listen(spec: ClusterSpec, exc: OSError) -> CliError:
+    where = f"{spec.gateway.host}:{spec.gateway.port}"
+    return CliError(f"cannot listen on {where}: {exc.strerror or exc} (choose another with --port)")
+
+
+def services_for(spec: ClusterSpec, paths: Paths, replicas: Any) -> Any:
+    """The gateway's admission services for `spec` (also each gateway worker's)."""
     from corral.gateway import GatewayServices
     from corral.store import StoreError
 

@@ -8,6 +8,7 @@ from corral.cluster.runtime import (
     free_port,
 )
 from corral.cluster.supervisor import Supervisor
+from corral.cluster.workers import WorkerError, WorkerPool
 
 __all__ = [
     "AttachedReplica",
@@ -15,5 +16,7 @@ __all__ = [
     "ReplicaRuntime",
     "RunningReplica",
     "Supervisor",
+    "WorkerError",
+    "WorkerPool",
     "free_port",
 ]

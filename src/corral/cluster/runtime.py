@@ -25,6 +25,7 @@ __all__ = [
     "LocalProcessRuntime",
     "ReplicaRuntime",
     "RunningReplica",
+    "die_with_parent",
     "free_port",
     "log_tail",
 ]
@@ -124,7 +125,7 @@ class LocalProcessRuntime:
                 stderr=asyncio.subprocess.STDOUT,
                 env={**os.environ, **plan.env},
                 start_new_session=True,
-                preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+                preexec_fn=die_with_parent if sys.platform == "linux" else None,
             )
         return LocalProcess(process, f"http://{self._host}:{port}", log_path)
 
@@ -151,7 +152,7 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """In the child: the kernel sends SIGTERM if corral exits without stopping it (kill -9, crash)."""
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)

@@ -8,13 +8,14 @@ The app serves `/v1/chat/completions`, `/v1/completions`, `/v1/models`, `/health
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 
 import aiohttp
 import orjson
 from aiohttp import web
-from prometheus_client import generate_latest
 
 from corral.config import GatewaySettings
 from corral.gateway.admin import AdminViews
@@ -36,12 +37,19 @@ PIPELINE = web.AppKey("pipeline", Pipeline)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-def build_app(settings: GatewaySettings, router: Router, services: GatewayServices) -> web.Application:
-    """The gateway application over `router`'s replica set, with the admission services given."""
+def build_app(
+    settings: GatewaySettings,
+    router: Router,
+    services: GatewayServices,
+    worker: int | None = None,
+    metrics_dir: Path | None = None,
+) -> web.Application:
+    """The gateway application over `router`'s replica set, with the admission services given; `worker`
+    and `metrics_dir` when it is one of several worker processes (see cluster/workers.py)."""
     app = web.Application(middlewares=[_error_boundary], client_max_size=settings.max_body_bytes)
     admin = AdminViews(services, router)
-    status = _StatusViews(router, services, admin, started_at=time.time())
-    metrics = GatewayMetrics(router, services.queue.depths)
+    status = _StatusViews(router, services, admin, started_at=time.time(), worker=worker)
+    metrics = GatewayMetrics(router, services.queue.depths, metrics_dir)
     app.router.add_get("/health", status.health)
     app.router.add_get("/ready", status.ready)
     app.router.add_get("/v1/models", status.models)
@@ -49,9 +57,7 @@ def build_app(settings: GatewaySettings, router: Router, services: GatewayServic
     app.router.add_get("/corral/status", status.replica_status)
 
     async def metrics_view(request: web.Request) -> web.Response:
-        return web.Response(
-            body=generate_latest(metrics.registry), content_type="text/plain", charset="utf-8"
-        )
+        return web.Response(body=metrics.exposition(), content_type="text/plain", charset="utf-8")
 
     app.router.add_get("/metrics", metrics_view)
     document = orjson.dumps(openapi_document(router.replicas.models()))
@@ -77,9 +83,11 @@ def build_app(settings: GatewaySettings, router: Router, services: GatewayServic
             )
             services.queue.start()
             usage.start()
+            metrics.start()
             try:
                 yield
             finally:
+                await metrics.stop()
                 await services.queue.stop()
                 await usage.stop()
                 await services.limiter.close()
@@ -141,12 +149,18 @@ class _StatusViews:
     _INTERNAL = ("url", "pid", "node", "log_tail", "last_error")
 
     def __init__(
-        self, router: Router, services: GatewayServices, admin: AdminViews, started_at: float
+        self,
+        router: Router,
+        services: GatewayServices,
+        admin: AdminViews,
+        started_at: float,
+        worker: int | None = None,
     ) -> None:
         self._replicas = router.replicas
         self._auth = services.auth
         self._admin = admin
         self._started_at = started_at
+        self._worker = {"worker": {"index": worker, "pid": os.getpid()}} if worker is not None else {}
 
     async def health(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
@@ -188,4 +202,4 @@ class _StatusViews:
                 for m in models
                 for r in self._replicas.of(m)
             ]
-        return web.json_response({"models": models, "replicas": replicas})
+        return web.json_response({"models": models, "replicas": replicas, **self._worker})

@@ -1,14 +1,22 @@
 """The gateway's Prometheus metrics (`corral_` names), served at /metrics.
 
-Per-request figures are counted as requests end; replica and queue state is read at scrape time.
+Per-request figures are counted as requests end; replica and queue state is read at scrape time. With
+several gateway workers (`gateway.workers`), every worker writes its figures to prometheus_client's
+multiprocess files and any worker's /metrics sums them; replica and queue gauges are then published by
+each worker once a second (in flight and queued summed over workers; ready and circuit state the highest).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import ClassVar
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
 from corral.routing import CircuitState, Router
@@ -20,8 +28,15 @@ _TOKEN_LATENCY = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0
 _CIRCUIT = {CircuitState.CLOSED: 0, CircuitState.HALF_OPEN: 1, CircuitState.OPEN: 2}
 
 
+_STATE_INTERVAL_S = 1.0  # how often a worker publishes its replica and queue gauges
+
+
 class GatewayMetrics:
-    def __init__(self, router: Router, queue_depths: Callable[[], dict[str, int]]) -> None:
+    def __init__(
+        self, router: Router, queue_depths: Callable[[], dict[str, int]], shared_dir: Path | None = None
+    ) -> None:
+        self._shared_dir = shared_dir
+        self._ticker: asyncio.Task[None] | None = None
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
@@ -70,8 +85,37 @@ class GatewayMetrics:
         self.decisions = Counter(
             "corral_routing_decisions", "Routing decisions, by policy.", ["model", "policy"], registry=r
         )
-        r.register(_StateCollector(router, queue_depths))
+        self._state = _StateCollector(router, queue_depths)
+        self._published: _PublishedState | None = None
+        if shared_dir is None:
+            r.register(self._state)
+        else:
+            self._published = _PublishedState(r)
         self._models: dict[str, ModelMetrics] = {}
+
+    def exposition(self) -> bytes:
+        """The text Prometheus scrapes: this process's figures, or all workers' summed."""
+        if self._shared_dir is None:
+            return generate_latest(self.registry)
+        registry = CollectorRegistry()
+        MultiProcessCollector(registry, str(self._shared_dir))  # type: ignore[no-untyped-call]
+        return generate_latest(registry)
+
+    def start(self) -> None:
+        if self._published is not None:
+            self._ticker = asyncio.create_task(self._publish_state(), name="metrics-state")
+
+    async def stop(self) -> None:
+        if self._ticker is not None:
+            self._ticker.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._ticker
+
+    async def _publish_state(self) -> None:
+        assert self._published is not None
+        while True:
+            self._published.update(self._state.collect())
+            await asyncio.sleep(_STATE_INTERVAL_S)
 
     def of(self, model: str) -> ModelMetrics:
         """The labelled children for one model, made once (label lookups are slow on the hot path)."""
@@ -145,3 +189,42 @@ class _StateCollector(Collector):
         for model, size in self._queue_depths().items():
             depth.add_metric([model], size)
         yield from (outstanding, ready, circuit, depth)
+
+
+class _PublishedState:
+    """The state gauges as multiprocess Gauges, set from a scrape-time collection once a second."""
+
+    _MODES: ClassVar[dict[str, str]] = {
+        "corral_replica_outstanding": "livesum",
+        "corral_replica_ready": "max",
+        "corral_circuit_state": "max",
+        "corral_queue_depth": "livesum",
+    }
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self._gauges: dict[str, Gauge] = {}
+        self._registry = registry
+        self._set: dict[str, set[tuple[str, ...]]] = {}
+
+    def update(self, families: Iterator[Metric]) -> None:
+        for family in families:
+            gauge = self._gauges.get(family.name)
+            if gauge is None:
+                if not family.samples:
+                    continue
+                labels = list(family.samples[0].labels)
+                gauge = self._gauges[family.name] = Gauge(
+                    family.name,
+                    family.documentation,
+                    labels,
+                    registry=self._registry,
+                    multiprocess_mode=self._MODES[family.name],  # type: ignore[arg-type]
+                )
+            now = set()
+            for sample in family.samples:
+                key = tuple(sample.labels.values())
+                gauge.labels(*key).set(sample.value)
+                now.add(key)
+            for gone in self._set.get(family.name, set()) - now:  # a replica or queue that left: 0
+                gauge.labels(*gone).set(0)
+            self._set[family.name] = now

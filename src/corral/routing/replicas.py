@@ -148,15 +148,16 @@ class ReplicaSet:
 
     def add(self, replica: Replica) -> None:
         self._by_model.setdefault(replica.model, []).append(replica)
-        self._forget(replica.model)
+        self.changed(replica.model)
 
     def remove(self, replica: Replica) -> None:
         members = self._by_model.get(replica.model, [])
         if replica in members:
             members.remove(replica)
-        self._forget(replica.model)
+        self.changed(replica.model)
 
-    def _forget(self, model: str) -> None:
+    def changed(self, model: str) -> None:
+        """Forget what was derived from `model`'s replicas (their features or context changed)."""
         self._features.pop(model, None)
         self._contexts.pop(model, None)
 

@@ -1,0 +1,80 @@
+"""`corral gateway-worker` (hidden): one of `gateway.workers` gateway processes, started by `corral up`.
+
+It connects to the pool's control socket (cluster/workers.py), gets the spec and its index, builds the same
+gateway `corral up` runs in one process, listens on the shared port with SO_REUSEPORT, and keeps its replica
+set a mirror of the supervisor's snapshots. It drains and exits on SIGTERM/SIGINT or when the control
+socket closes (the parent is gone).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from pathlib import Path
+from typing import Annotated
+
+import orjson
+import typer
+
+from corral.cli.app import FlagsCommand, app, run_async, setup_logging
+from corral.config import ClusterSpec, Paths
+
+logger = logging.getLogger(__name__)
+
+_LINE_LIMIT = 64 * 1024 * 1024  # one snapshot is one line; replicas' log tails can make it long
+
+
+@app.command("gateway-worker", hidden=True, cls=FlagsCommand)
+def gateway_worker(
+    control: Annotated[Path, typer.Option(help="the worker pool's control socket")],
+    index: Annotated[int, typer.Option(help="this worker's index")],
+) -> None:
+    """Run one gateway worker process (started by `corral up` when gateway.workers > 1)."""
+    run_async(_work(control, index))
+
+
+async def _work(control: Path, index: int) -> None:
+    from corral.cli.up import services_for
+    from corral.gateway import GatewayServer
+    from corral.routing import ReplicaSet, Router
+    from corral.routing.sync import apply_snapshot
+
+    reader, writer = await asyncio.open_unix_connection(str(control), limit=_LINE_LIMIT)
+    writer.write(orjson.dumps({"worker": index}) + b"\n")
+    config = orjson.loads(await reader.readline())
+    setup_logging(config["log_level"])
+    spec = ClusterSpec.model_validate(config["spec"])
+    workers = int(config["workers"])
+    replicas = ReplicaSet()
+    apply_snapshot(replicas, await reader.readline(), index, workers)
+    policies = {m.name: m.routing for m in spec.models if m.routing is not None}
+    router = Router(replicas, policies, default_policy=spec.gateway.routing)
+    services = services_for(spec, Paths.from_env(), replicas)
+    metrics_dir = Path(config["metrics_dir"])
+    gateway = GatewayServer(spec.gateway, router, services, worker=index, metrics_dir=metrics_dir)
+    await gateway.start()
+    writer.write(orjson.dumps({"listening": gateway.port}) + b"\n")
+    await writer.drain()
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+
+    async def follow() -> None:
+        while line := await reader.readline():
+            apply_snapshot(replicas, line, index, workers)
+        logger.warning("gateway worker %d: the control socket closed; stopping", index)
+        stop.set()
+
+    follower = asyncio.create_task(follow())
+    try:
+        await stop.wait()
+    finally:
+        follower.cancel()
+        with contextlib.suppress(asyncio.CancelledError, ConnectionError):
+            await follower
+        await gateway.stop()
+        writer.close()

@@ -1,0 +1,238 @@
+"""Gateway worker processes: `gateway.workers: N` gateways on one port, fed by one supervisor.
+
+One Python process serves on one core. With N > 1, `corral up` keeps the supervisor (and the engines it
+runs) in its own process and starts N gateway workers, each listening on the same host:port with
+SO_REUSEPORT, so the kernel spreads connections over them. The pool:
+
+- reserves the port first (a bound, not listening, SO_REUSEPORT socket: "port in use" fails before any
+  replica starts, and port 0 resolves once for all workers);
+- serves a local control socket: a worker that connects gets the spec and its index, then every change of
+  the replica set as a snapshot (`routing/sync.py`), so workers never probe the engines themselves;
+- restarts a worker that dies (with backoff), and stops them all with SIGTERM (they drain in-flight
+  requests for `gateway.shutdown_grace`).
+
+Shared state lives where every worker reaches it: rate limits in Redis (a spec with workers > 1 must say
+`limits.backend: redis`), keys and usage in the store, and metrics in prometheus_client's multiprocess
+files (PROMETHEUS_MULTIPROC_DIR), which any worker's `/metrics` sums into one view.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from corral.cluster.runtime import die_with_parent
+from corral.routing import ReplicaSet
+from corral.routing.sync import replica_snapshot
+
+__all__ = ["WorkerError", "WorkerPool"]
+
+logger = logging.getLogger(__name__)
+
+_PUBLISH_S = 0.2  # how often the replica set is compared with the last snapshot sent
+_START_TIMEOUT_S = 60.0
+_BACKOFF_MAX_S = 30.0
+
+
+class WorkerError(RuntimeError):
+    """The workers could not start (the port, or a worker that exited before listening)."""
+
+
+@dataclass(slots=True)
+class _Worker:
+    index: int
+    process: asyncio.subprocess.Process | None = None
+    writer: asyncio.StreamWriter | None = None
+    listening: asyncio.Event = field(default_factory=asyncio.Event)
+    restarts: int = 0
+
+
+class WorkerPool:
+    """Starts, feeds, restarts and stops the gateway worker processes."""
+
+    def __init__(
+        self,
+        replicas: ReplicaSet,
+        spec: dict[str, Any],
+        count: int,
+        log_level: str,
+        shutdown_grace: float,
+    ) -> None:
+        self._replicas = replicas
+        self._spec = spec
+        self._count = count
+        self._log_level = log_level
+        self._grace = shutdown_grace
+        self._workers = [_Worker(i) for i in range(count)]
+        self._dir = Path(tempfile.mkdtemp(prefix="corral-workers-"))
+        self._metrics_dir = self._dir / "metrics"
+        self._metrics_dir.mkdir()
+        self._reserved: socket.socket | None = None
+        self._server: asyncio.Server | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._snapshot = b""
+        self._stopping = False
+        self.port: int | None = None
+
+    @property
+    def control_path(self) -> Path:
+        return self._dir / "control.sock"
+
+    def reserve(self, host: str, port: int) -> int:
+        """Hold host:port for the workers; the port (resolved when 0). OSError when it is taken."""
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            sock.bind((host, port))
+        except OSError:
+            sock.close()
+            raise
+        self._reserved = sock
+        self.port = int(sock.getsockname()[1])
+        self._spec["gateway"]["port"] = self.port
+        return self.port
+
+    async def start(self) -> None:
+        """Start every worker and wait until each listens; WorkerError when one cannot."""
+        self._server = await asyncio.start_unix_server(self._connected, path=str(self.control_path))
+        self._snapshot = replica_snapshot(self._replicas)
+        self._tasks.append(asyncio.create_task(self._publish(), name="worker-publish"))
+        for worker in self._workers:
+            await self._spawn(worker)
+        started = [asyncio.create_task(self._until_listening(w)) for w in self._workers]
+        try:
+            await asyncio.gather(*started)
+        except BaseException:
+            for task in started:
+                task.cancel()
+            raise
+        for worker in self._workers:
+            self._tasks.append(asyncio.create_task(self._keep(worker), name=f"worker-{worker.index}"))
+        logger.info("%d gateway workers listening on port %s", self._count, self.port)
+
+    async def stop(self) -> None:
+        """SIGTERM every worker (they drain), SIGKILL those still running after the grace period."""
+        self._stopping = True
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        running = [w.process for w in self._workers if w.process and w.process.returncode is None]
+        for process in running:
+            with contextlib.suppress(ProcessLookupError):
+                process.send_signal(signal.SIGTERM)
+        for process in running:
+            try:
+                await asyncio.wait_for(process.wait(), self._grace + 5)
+            except TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    process.kill()
+                await process.wait()
+        if self._server is not None:
+            self._server.close()
+        if self._reserved is not None:
+            self._reserved.close()
+        for path in sorted(self._dir.rglob("*"), reverse=True):
+            path.rmdir() if path.is_dir() else path.unlink()
+        self._dir.rmdir()
+
+    async def _spawn(self, worker: _Worker) -> None:
+        worker.listening.clear()
+        worker.process = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "corral.cli",
+            "gateway-worker",
+            "--control",
+            str(self.control_path),
+            "--index",
+            str(worker.index),
+            env={**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(self._metrics_dir)},
+            preexec_fn=die_with_parent if sys.platform == "linux" else None,
+        )
+
+    async def _until_listening(self, worker: _Worker) -> None:
+        assert worker.process is not None
+        exited = asyncio.create_task(worker.process.wait())
+        listening = asyncio.create_task(worker.listening.wait())
+        try:
+            done, _ = await asyncio.wait(
+                {exited, listening}, timeout=_START_TIMEOUT_S, return_when=asyncio.FIRST_COMPLETED
+            )
+        finally:
+            exited.cancel()
+            listening.cancel()
+        if listening not in done:
+            code = worker.process.returncode
+            why = (
+                f"exited with code {code}" if code is not None else f"not listening in {_START_TIMEOUT_S:g}s"
+            )
+            raise WorkerError(f"gateway worker {worker.index} {why}")
+
+    async def _keep(self, worker: _Worker) -> None:
+        """Restart the worker whenever it exits, after a backoff that grows with restarts in a row."""
+        while not self._stopping:
+            assert worker.process is not None
+            code = await worker.process.wait()
+            self._forget_metrics(worker.process.pid)
+            if self._stopping:
+                return
+            worker.restarts += 1
+            delay = min(_BACKOFF_MAX_S, 0.5 * 2 ** min(worker.restarts - 1, 6))
+            logger.warning("gateway worker %d exited (%s); restarting in %.1fs", worker.index, code, delay)
+            await asyncio.sleep(delay)
+            await self._spawn(worker)
+            with contextlib.suppress(WorkerError):
+                await self._until_listening(worker)
+                worker.restarts = 0
+
+    def _forget_metrics(self, pid: int) -> None:
+        """A dead worker's live gauges leave the sum; its counters stay (they count what it served)."""
+        from prometheus_client import multiprocess
+
+        multiprocess.mark_process_dead(pid, str(self._metrics_dir))  # type: ignore[no-untyped-call]
+
+    async def _connected(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """One worker's control connection: hello → config and the current snapshot → changes."""
+        try:
+            hello = orjson.loads(await reader.readline())
+            worker = self._workers[int(hello["worker"])]
+            config = {
+                "spec": self._spec,
+                "worker": worker.index,
+                "workers": self._count,
+                "log_level": self._log_level,
+                "metrics_dir": str(self._metrics_dir),
+            }
+            worker.writer = writer  # from here on it gets every change (no await before the first write)
+            writer.write(orjson.dumps(config) + b"\n" + self._snapshot + b"\n")
+            await writer.drain()
+            while line := await reader.readline():
+                if orjson.loads(line).get("listening"):
+                    worker.listening.set()
+        except (ValueError, KeyError, IndexError, ConnectionError) as exc:
+            logger.warning("gateway worker control connection failed: %s", exc)
+        finally:
+            writer.close()
+
+    async def _publish(self) -> None:
+        while True:
+            await asyncio.sleep(_PUBLISH_S)
+            snapshot = replica_snapshot(self._replicas)
+            if snapshot == self._snapshot:
+                continue
+            self._snapshot = snapshot
+            for worker in self._workers:
+                if worker.writer is not None and not worker.writer.is_closing():
+                    worker.writer.write(snapshot + b"\n")
