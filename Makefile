@@ -33,5 +33,9 @@ lint: $(VENV)/.installed-test
 	$(BIN)/ruff check src tests bench
 	$(BIN)/mypy src
 
-bench: $(VENV)/.installed-test
+$(VENV)/.installed-bench: pyproject.toml $(VENV)/.installed-test
+	$(BIN)/pip install -q --disable-pip-version-check -e '.[test,dev,bench]'
+	touch $@
+
+bench: $(VENV)/.installed-bench
 	$(BIN)/python bench/gateway_overhead.py

@@ -1,11 +1,15 @@
-"""What the gateway costs per request: direct to an upstream vs through corral vs through a bare relay.
+"""What the gateway costs per request: direct to an upstream vs through corral, a bare relay and vllm-router.
 
-A fast local upstream answers chat completions at once (non-streaming, or a stream of N chunks with no
-delay). The same load runs, interleaved, against: the upstream directly; a bare relay (aiohttp server +
-aiohttp client on uvloop, bytes passed through, nothing else: the floor for any Python gateway); corral's
-gateway in open mode (`corral up` with the upstream as an external replica: parse, route, relay, usage
-records, metrics); and corral with API keys, rate limits (in memory), queueing and metrics all on. Each
-runs in its own process.
+Two fast local upstreams (vLLM-style) answer chat completions at once (non-streaming, or a stream of N
+one-token chunks with no delay, plus a usage chunk when asked). The same load runs, interleaved, against:
+an upstream directly; a bare relay (aiohttp server + aiohttp client on uvloop, bytes passed through, round
+robin over the two, nothing else: the floor for any Python gateway); the Rust vllm-router (PyPI
+`vllm-router`, `--policy round_robin`, when installed: `pip install -e '.[bench]'`); corral's gateway in
+open mode (`corral up` with the two upstreams as one external deployment, default routing: parse, route,
+relay, usage records, metrics); and corral with API keys, rate limits (in memory), queueing and metrics all
+on. Each runs in its own process. Streaming clients ask for `stream_options.include_usage`, as the
+official clients' users do (`--no-client-usage`: they don't, and corral asks the engine for usage itself
+and strips it again).
 
 Printed JSON, per (concurrency, streaming): requests/s and its ratio to direct, p50/p99 latency and the
 latency each relay adds, and each relay's CPU time per request (the steadiest figure on a shared
@@ -18,8 +22,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -111,12 +117,14 @@ def serve_upstream(port: int, chunks: int) -> None:
     web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None, loop=uvloop.new_event_loop())
 
 
-def serve_bare_relay(port: int, upstream: str) -> None:
+def serve_bare_relay(port: int, upstreams: list[str]) -> None:
+    turn = itertools.cycle(upstreams)
+
     async def relay(request: web.Request) -> web.StreamResponse:
         session: aiohttp.ClientSession = request.app["session"]
         body = await request.read()
         async with session.post(
-            upstream + request.path, data=body, headers={"Content-Type": "application/json"}
+            next(turn) + request.path, data=body, headers={"Content-Type": "application/json"}
         ) as up:
             response = web.StreamResponse(status=up.status, headers={"Content-Type": up.content_type})
             await response.prepare(request)
@@ -140,11 +148,13 @@ def serve_bare_relay(port: int, upstream: str) -> None:
 
 
 async def run_load(
-    url: str, concurrency: int, total: int, stream: bool, key: str | None = None
+    url: str, concurrency: int, total: int, stream: bool, key: str | None = None, usage: bool = True
 ) -> dict[str, Any]:
     body = orjson.loads(BODY)
     if stream:
         body["stream"] = True
+        if usage:
+            body["stream_options"] = {"include_usage": True}
     payload = orjson.dumps(body)
     headers = {"Content-Type": "application/json"}
     if key:
@@ -192,6 +202,9 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=3000, help="requests per measurement")
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds per configuration")
     parser.add_argument("--concurrency", default="1,32,128")
+    parser.add_argument(
+        "--no-client-usage", action="store_true", help="streaming clients don't ask for include_usage"
+    )
     parser.add_argument("--output", type=Path, default=ROOT / "results" / "gateway_overhead.json")
     parser.add_argument("--serve", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -199,81 +212,96 @@ def main() -> None:
         if args.serve[0] == "upstream":
             serve_upstream(int(args.serve[1]), int(args.serve[2]))
         else:
-            serve_bare_relay(int(args.serve[1]), args.serve[2])
+            serve_bare_relay(int(args.serve[1]), args.serve[2:])
         return
-
-    me = [sys.executable, __file__, "--serve"]
-    up_port, bare_port, gw_port, keyed_port = free_port(), free_port(), free_port(), free_port()
-    upstream_url = f"http://127.0.0.1:{up_port}"
     with tempfile.TemporaryDirectory() as tmp:
-        model = (
-            f"models:\n  - name: bench\n    deployments: [{{engine: external, urls: ['{upstream_url}']}}]\n"
-        )
-        spec = Path(tmp) / "bench.yaml"
-        spec.write_text(f"gateway: {{port: {gw_port}}}\nauth: {{open: true}}\n" + model)
-        keyed = Path(tmp) / "keyed.yaml"
-        keyed.write_text(f"gateway: {{port: {keyed_port}}}\n" + model)
-        home = {"CORRAL_HOME": tmp}
-        made = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "corral.cli",
-                "keys",
-                "create",
-                "--tenant",
-                "bench",
-                "--rpm",
-                "100000000",
-                "--tpm",
-                "1000000000000",
-                "--max-concurrency",
-                "100000",
-                "--json",
-            ],
-            capture_output=True,
-            text=True,
-            check=True,
-            env={**os.environ, **home},
-        )
-        api_key = json.loads(made.stdout)["key"]
-        corral = [sys.executable, "-m", "corral.cli", "up", "--log-level", "warning", "-f"]
-        procs = [
-            spawn([*me, "upstream", str(up_port), str(args.chunks)]),
-            spawn([*me, "bare", str(bare_port), upstream_url]),
-            spawn([*corral, str(spec)], env=home),
-            spawn([*corral, str(keyed)], env=home),
-        ]
-        try:
-            wait_http(upstream_url + "/health")
-            wait_http(f"http://127.0.0.1:{gw_port}/ready")
-            wait_http(f"http://127.0.0.1:{keyed_port}/ready")
-            time.sleep(0.5)
-            ports = (up_port, bare_port, gw_port, keyed_port)
-            results = asyncio.run(measure(args, procs, ports, api_key), debug=False)
-        finally:
-            stop(*procs)
+        results = run(args, Path(tmp))
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(results, indent=2))
     print(json.dumps(results, indent=2))
 
 
+def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    me = [sys.executable, __file__, "--serve"]
+    up_ports = [free_port(), free_port()]
+    upstreams = [f"http://127.0.0.1:{p}" for p in up_ports]
+    ports = {name: free_port() for name in ("bare_relay", "vllm_router", "corral", "corral_keys")}
+    model = (
+        f"models:\n  - name: bench\n    deployments: [{{engine: external, urls: {json.dumps(upstreams)}}}]\n"
+    )
+    spec, keyed = tmp / "bench.yaml", tmp / "keyed.yaml"
+    spec.write_text(f"gateway: {{port: {ports['corral']}}}\nauth: {{open: true}}\n" + model)
+    keyed.write_text(f"gateway: {{port: {ports['corral_keys']}}}\n" + model)
+    home = {"CORRAL_HOME": str(tmp)}
+    api_key = _make_key(home)
+    corral = [sys.executable, "-m", "corral.cli", "up", "--log-level", "warning", "-f"]
+    procs = {
+        **{
+            f"upstream{i}": spawn([*me, "upstream", str(p), str(args.chunks)]) for i, p in enumerate(up_ports)
+        },
+        "bare_relay": spawn([*me, "bare", str(ports["bare_relay"]), *upstreams]),
+        "corral": spawn([*corral, str(spec)], env=home),
+        "corral_keys": spawn([*corral, str(keyed)], env=home),
+    }
+    router = shutil.which("vllm-router") or shutil.which("vllm-router", path=str(Path(sys.executable).parent))
+    if router:
+        where = [
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(ports["vllm_router"]),
+            "--prometheus-port",
+            str(free_port()),
+        ]
+        options = ["--policy", "round_robin", "--log-level", "warning", "--worker-urls", *upstreams]
+        procs["vllm_router"] = spawn([router, *where, *options])
+    else:
+        print(
+            "vllm-router is not installed (pip install -e '.[bench]'): measured without it", file=sys.stderr
+        )
+    try:
+        for url in upstreams:
+            wait_http(url + "/health")
+        for name in ("corral", "corral_keys"):
+            wait_http(f"http://127.0.0.1:{ports[name]}/ready")
+        if router:
+            wait_http(f"http://127.0.0.1:{ports['vllm_router']}/health")
+        time.sleep(0.5)
+        urls = {"direct": upstreams[0] + "/v1/chat/completions"}
+        urls.update(
+            {
+                name: f"http://127.0.0.1:{port}/v1/chat/completions"
+                for name, port in ports.items()
+                if name in procs
+            }
+        )
+        pids = {name: procs[name].pid for name in urls if name in procs}
+        return asyncio.run(measure(args, urls, pids, api_key), debug=False)
+    finally:
+        stop(*procs.values())
+
+
+def _make_key(home: dict[str, str]) -> str:
+    limits = ["--rpm", "100000000", "--tpm", "1000000000000", "--max-concurrency", "100000"]
+    made = subprocess.run(
+        [sys.executable, "-m", "corral.cli", "keys", "create", "--tenant", "bench", *limits, "--json"],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, **home},
+    )
+    return str(json.loads(made.stdout)["key"])
+
+
 async def measure(
-    args: argparse.Namespace, procs: list[subprocess.Popen[bytes]], ports: tuple[int, ...], api_key: str
+    args: argparse.Namespace, urls: dict[str, str], pids: dict[str, int], api_key: str
 ) -> dict[str, Any]:
-    relays = {
-        "bare_relay": psutil.Process(procs[1].pid),
-        "corral": psutil.Process(procs[2].pid),
-        "corral_keys": psutil.Process(procs[3].pid),
-    }
-    names = ("direct", "bare_relay", "corral", "corral_keys")
-    urls = {
-        name: f"http://127.0.0.1:{port}/v1/chat/completions" for name, port in zip(names, ports, strict=True)
-    }
+    relays = {name: psutil.Process(pid) for name, pid in pids.items()}
     keys = {"corral_keys": api_key}
+    usage = not args.no_client_usage
     for target, url in urls.items():  # warm up connections and code paths
         await run_load(url, 8, 200, False, keys.get(target))
-        await run_load(url, 8, 200, True, keys.get(target))
+        await run_load(url, 8, 200, True, keys.get(target), usage)
     configs = []
     for concurrency in (int(c) for c in args.concurrency.split(",")):
         for stream in (False, True):
@@ -283,7 +311,7 @@ async def measure(
                 for target, url in urls.items():
                     proc = relays.get(target)
                     before = cpu_seconds(proc) if proc else 0.0
-                    result = await run_load(url, concurrency, total, stream, keys.get(target))
+                    result = await run_load(url, concurrency, total, stream, keys.get(target), usage)
                     if proc:
                         result["cpu_ms_per_request"] = 1000 * (cpu_seconds(proc) - before) / result["n"]
                     samples[target].append(result)
@@ -291,6 +319,7 @@ async def measure(
     return {
         "benchmark": "gateway_overhead",
         "chunks_per_stream": args.chunks,
+        "client_asks_usage": usage,
         "requests_per_measurement": args.requests,
         "rounds": args.rounds,
         "cpus": os.cpu_count(),
@@ -309,7 +338,9 @@ def summarise(concurrency: int, stream: bool, samples: dict[str, list[dict[str, 
         "p50_ms": round(median("direct", "p50_ms"), 3),
         "p99_ms": round(median("direct", "p99_ms"), 3),
     }
-    for target in ("bare_relay", "corral", "corral_keys"):
+    for target in samples:
+        if target == "direct":
+            continue
         out[target] = {
             "requests_per_s": round(median(target, "requests_per_s"), 1),
             "rps_ratio_to_direct": round(median(target, "requests_per_s") / direct_rps, 3),
@@ -318,10 +349,11 @@ def summarise(concurrency: int, stream: bool, samples: dict[str, list[dict[str, 
             "cpu_ms_per_request": round(median(target, "cpu_ms_per_request"), 4),
             "errors": sum(s["errors"] for s in samples[target]),
         }
-    for target in ("corral", "corral_keys"):
-        out[f"{target}_cpu_ratio_to_bare_relay"] = round(
-            out[target]["cpu_ms_per_request"] / out["bare_relay"]["cpu_ms_per_request"], 3
-        )
+    for target in samples:
+        if target not in ("direct", "bare_relay"):
+            out[f"{target}_cpu_ratio_to_bare_relay"] = round(
+                out[target]["cpu_ms_per_request"] / out["bare_relay"]["cpu_ms_per_request"], 3
+            )
     return out
 
 

@@ -23,6 +23,7 @@ __all__ = ["FairQueue"]
 
 _TICK_S = 0.25  # re-check capacity this often (replicas come and go)
 _RATE_WINDOW_S = 30.0
+_RATE_SAMPLES = 4096  # completions the drain rate is measured over, at most
 
 
 @dataclass(eq=False)
@@ -39,7 +40,9 @@ class _ModelQueue:
         self.turns = 0
         self.size = 0
         self.granted = 0  # slots handed to woken waiters that have not reached a replica yet
-        self.finished: deque[float] = deque()
+        # completion times for the drain rate (Retry-After); bounded, so a queue that never refuses
+        # anyone does not keep every completion
+        self.finished: deque[float] = deque(maxlen=_RATE_SAMPLES)
 
     def push(self, waiter: _Waiter) -> None:
         tenants = self.classes.setdefault(waiter.priority, {})
@@ -114,7 +117,9 @@ class FairQueue:
 
     async def enter(self, model: str, principal: Principal) -> float:
         """Wait for a free slot; seconds waited. Raises NoCapacity when full or too late."""
-        queue = self._queues.setdefault(model, _ModelQueue())
+        queue = self._queues.get(model)
+        if queue is None:
+            queue = self._queues[model] = _ModelQueue()
         ready = self._replicas.ready(model)
         if not ready:
             raise NoCapacity(
@@ -160,7 +165,8 @@ class FairQueue:
         queue = self._queues.get(model)
         if queue is not None:
             queue.finished.append(time.monotonic())
-            self._wake(model, queue)
+            if queue.size:  # someone waits for the slot
+                self._wake(model, queue)
 
     def _free_slots(self, queue: _ModelQueue, ready: list[Replica]) -> int:
         free = 0

@@ -40,9 +40,16 @@ class SSEFilter:
                 self._pending = data
                 return b""
             data, self._pending = data[:end], data[end:]
-        if _USAGE in data or _DONE in data:
+        usage, done = data.find(_USAGE), data.find(_DONE)
+        if usage < 0 and done < 0:
+            return data
+        # Only the events from the first one that can hold usage or [DONE] are looked into (the tail of a
+        # stream); a read that holds many events passes the ones before that through as they are.
+        first = usage if done < 0 else done if usage < 0 else min(usage, done)
+        start = data.rfind(_SEP, 0, first) + len(_SEP)
+        if start < len(_SEP):
             return self._inspect(data)
-        return data
+        return data[:start] + self._inspect(data[start:])
 
     def _inspect(self, complete: bytes) -> bytes:
         kept: list[bytes] = []

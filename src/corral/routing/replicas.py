@@ -171,7 +171,8 @@ class ReplicaSet:
         return self._by_model.get(model, [])
 
     def ready(self, model: str) -> list[Replica]:
-        return [r for r in self._by_model.get(model, ()) if r.state is ReplicaState.READY]
+        ready = ReplicaState.READY
+        return [r for r in self._by_model.get(model, ()) if r.state is ready]
 
     def context_length(self, model: str) -> int | None:
         """The smallest per-sequence context among `model`'s replicas (None when no engine says)."""

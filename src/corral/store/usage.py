@@ -9,13 +9,15 @@ from datetime import UTC, datetime
 from sqlalchemy import Engine, func, insert, select
 from sqlalchemy.orm import Session
 
-from corral.store.schema import UsageRow
+from corral.store.schema import Base, UsageRow
 
 __all__ = ["UsageRecord", "UsageStore"]
 
+_INSERT = insert(Base.metadata.tables[UsageRow.__tablename__])
 
-@dataclass(frozen=True)
-class UsageRecord:
+
+@dataclass
+class UsageRecord:  # made once per request: a plain dataclass (a frozen one costs more to build)
     at: datetime
     key_id: str | None
     tenant: str | None
@@ -37,8 +39,9 @@ class UsageStore:
     def write(self, records: Sequence[UsageRecord]) -> None:
         if not records:
             return
-        with Session(self._engine) as session, session.begin():
-            session.execute(insert(UsageRow), [dict(vars(r)) for r in records])
+        # A Core insert over the table: the ORM's bulk path costs the gateway several times more CPU per row.
+        with self._engine.begin() as connection:
+            connection.execute(_INSERT, [vars(r) for r in records])
 
     def report(self, by: str, since: datetime | None = None) -> list[dict[str, object]]:
         """Totals grouped by `key`, `model`, `tenant` or `day`."""
