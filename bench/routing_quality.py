@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import random
 import socket
@@ -46,6 +47,12 @@ POLICIES = [
     "prefix_affinity",
 ]
 DEFAULT = "prefix_affinity"
+# The best peers, in front of the same fleet: (name, command before the worker URLs). Installed by
+# `pip install -e '.[bench]'`; measured when present.
+PEERS = {
+    "sglang_cache_aware": ["-m", "sglang_router.launch_router", "--policy", "cache_aware"],
+    "vllm_router_consistent_hash": ["-m", "vllm_router.launch_router", "--policy", "consistent_hash"],
+}
 
 
 def free_ports(n: int) -> int:
@@ -68,13 +75,20 @@ def _free(port: int) -> bool:
 
 
 class Workload:
-    def __init__(self, tenants: int, doc_words: int, seed: int = 7) -> None:
+    """Tenants with long shared documents; which tenant asks next is uniform or Zipf (s = 1.1)."""
+
+    def __init__(self, tenants: int, doc_words: int, distribution: str = "uniform", seed: int = 7) -> None:
         self._rng = random.Random(seed)
         self.docs = [" ".join(f"t{t}w{i}" for i in range(doc_words)) for t in range(tenants)]
+        weights = [1.0 / (rank + 1) ** 1.1 for rank in range(tenants)] if distribution == "zipf" else None
+        self._weights = weights
         self._n = 0
 
     def next_body(self, model: str, output: int) -> dict[str, Any]:
-        tenant = self._rng.randrange(len(self.docs))
+        if self._weights is None:
+            tenant = self._rng.randrange(len(self.docs))
+        else:
+            tenant = self._rng.choices(range(len(self.docs)), weights=self._weights)[0]
         self._n += 1
         question = f"Question {self._n}: " + " ".join(f"q{self._rng.randrange(10**6)}" for _ in range(30))
         return {
@@ -94,7 +108,9 @@ async def one_request(session: aiohttp.ClientSession, url: str, body: dict[str, 
     started = time.perf_counter()
     ttft = None
     chunks = 0
-    async with session.post(url, data=orjson.dumps(body), headers={"Content-Type": "application/json"}) as r:
+    # The tenant also as a header: vllm-router's consistent_hash keys on X-Tenant-ID (corral ignores it).
+    headers = {"Content-Type": "application/json", "X-Tenant-ID": body["user"]}
+    async with session.post(url, data=orjson.dumps(body), headers=headers) as r:
         if r.status != 200:
             raise RuntimeError(f"status {r.status}: {await r.text()}")
         async for line in r.content:
@@ -190,15 +206,14 @@ def run_policy(policy: str, args: argparse.Namespace, rate: float | None) -> dic
                 str(args.time_scale),
             ],
         )
-        gateway = spawn(
-            [sys.executable, "-m", "corral.cli", "up", "-f", str(spec), "--log-level", "warning"],
-            env={"CORRAL_HOME": tmp},
-        )
+        gateway = _gateway(policy, spec, tmp, gw_port, urls)
         try:
             wait_http(urls[-1] + "/health")
-            wait_http(f"http://127.0.0.1:{gw_port}/ready")
+            wait_http(f"http://127.0.0.1:{gw_port}" + ("/health" if policy in PEERS else "/ready"))
             url = f"http://127.0.0.1:{gw_port}/v1/chat/completions"
-            work = Workload(args.tenants, args.doc_words)
+            if policy in PEERS:  # a router may answer /health before it has admitted its workers
+                asyncio.run(_until_answering(url, args.replicas))
+            work = Workload(args.tenants, args.doc_words, args.distribution)
             sat = asyncio.run(saturation(url, work, args.saturation_clients, args.duration, args.output))
             result: dict[str, Any] = {
                 "policy": policy,
@@ -216,6 +231,7 @@ def run_policy(policy: str, args: argparse.Namespace, rate: float | None) -> dic
                         "offered_requests_per_s": round(rate, 3),
                         "ttft_p50_ms": round(1000 * statistics.median(ttfts), 1),
                         "ttft_p90_ms": round(1000 * ttfts[int(0.9 * (len(ttfts) - 1))], 1),
+                        "ttft_p99_ms": round(1000 * ttfts[int(0.99 * (len(ttfts) - 1))], 1),
                         "requests_measured": len(ttfts),
                     }
                 )
@@ -225,28 +241,75 @@ def run_policy(policy: str, args: argparse.Namespace, rate: float | None) -> dic
             stop(gateway, fleet)
 
 
+def _gateway(policy: str, spec: Path, tmp: str, port: int, urls: list[str]) -> Any:
+    """corral with `policy`, or a peer router, on `port` in front of the fleet."""
+    if policy in PEERS:
+        level = "warn" if policy.startswith("sglang") else "warning"
+        where = ["--host", "127.0.0.1", "--port", str(port), "--log-level", level]
+        where += ["--prometheus-port", str(free_ports(1))]
+        return spawn([sys.executable, *PEERS[policy], *where, "--worker-urls", *urls])
+    return spawn(
+        [sys.executable, "-m", "corral.cli", "up", "-f", str(spec), "--log-level", "warning"],
+        env={"CORRAL_HOME": tmp},
+    )
+
+
+async def _until_answering(url: str, replicas: int, within: float = 60) -> None:
+    """Until `replicas` requests in a row are answered 200 (every worker admitted, whichever it picks)."""
+    body = orjson.dumps({"model": "llama", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]})
+    deadline = time.monotonic() + within
+    answered = 0
+    async with aiohttp.ClientSession() as session:
+        while answered < replicas:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{url} does not answer")
+            async with session.post(url, data=body, headers={"Content-Type": "application/json"}) as r:
+                await r.read()
+                answered = answered + 1 if r.status == 200 else 0
+            if not answered:
+                await asyncio.sleep(0.5)
+
+
+def _installed(policy: str) -> bool:
+    if policy not in PEERS:
+        return True
+    module = PEERS[policy][1].split(".")[0]
+    found = importlib.util.find_spec(module) is not None
+    if not found:
+        print(f"{policy}: {module} is not installed (pip install -e '.[bench]'); skipped", file=sys.stderr)
+    return found
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--replicas", type=int, default=8)
     parser.add_argument("--gpu", default="l4")
-    parser.add_argument("--tenants", type=int, default=32)
+    parser.add_argument("--tenants", type=int, default=48)
+    parser.add_argument("--distribution", default="uniform", choices=["uniform", "zipf"])
     parser.add_argument("--doc-words", type=int, default=3000, help="shared document length (tokens)")
     parser.add_argument("--output", type=int, default=32, help="output tokens per request")
     parser.add_argument("--time-scale", type=float, default=4.0)
     parser.add_argument("--duration", type=float, default=20.0, help="wall-clock seconds per phase")
     parser.add_argument("--saturation-clients", type=int, default=48)
     parser.add_argument("--load", type=float, default=0.8, help="share of round robin's saturation rate")
-    parser.add_argument("--policies", default=",".join(POLICIES))
+    parser.add_argument(
+        "--rate", type=float, help="offered requests/s (simulated) when round robin is not run to set it"
+    )
+    parser.add_argument(
+        "--policies",
+        default=",".join(["round_robin", DEFAULT, *PEERS]),
+        help=f"of {', '.join(POLICIES + list(PEERS))}",
+    )
     parser.add_argument("--output-file", type=Path, default=ROOT / "results" / "routing_quality.json")
     args = parser.parse_args()
 
-    policies = args.policies.split(",")
+    policies = [p for p in args.policies.split(",") if _installed(p)]
     if "round_robin" in policies:
         policies = ["round_robin", *[p for p in policies if p != "round_robin"]]
     results = []
-    rate = None if policies[0] == "round_robin" else 0.0
+    rate = None if policies[0] == "round_robin" else (args.rate or 0.0)
     for policy in policies:
         result = run_policy(policy, args, rate)
         rate = result.get("offered_requests_per_s", rate)
@@ -257,6 +320,7 @@ def main() -> None:
         "replicas": args.replicas,
         "gpu": args.gpu,
         "tenants": args.tenants,
+        "distribution": args.distribution,
         "doc_tokens": args.doc_words,
         "output_tokens": args.output,
         "time_scale": args.time_scale,
@@ -273,6 +337,16 @@ def main() -> None:
             ),
             "targets": {"ttft_p90_lower_by": 3.0, "throughput_higher_by": 1.3},
         }
+    for peer in PEERS:
+        if peer in by and DEFAULT in by and "ttft_p90_ms" in by[peer]:
+            report[f"default_vs_{peer}"] = {
+                "ttft_p90_ratio": round(by[DEFAULT]["ttft_p90_ms"] / by[peer]["ttft_p90_ms"], 3),
+                "ttft_p99_ratio": round(by[DEFAULT]["ttft_p99_ms"] / by[peer]["ttft_p99_ms"], 3),
+                "throughput_ratio": round(
+                    by[DEFAULT]["saturation_requests_per_s"] / by[peer]["saturation_requests_per_s"], 3
+                ),
+                "note": "ratios below 1 mean corral's default has the lower TTFT (higher throughput above 1)",
+            }
     args.output_file.parent.mkdir(parents=True, exist_ok=True)
     args.output_file.write_text(json.dumps(report, indent=2))
     print(json.dumps(report, indent=2))

@@ -290,6 +290,12 @@ class GatewaySettings(_Strict):
     shutdown_grace: Annotated[
         float, Field(ge=0, description="seconds in-flight requests may finish after Ctrl-C/SIGTERM")
     ] = 10.0
+    prefill_coalescing: bool = Field(
+        default=False,
+        description="hold a request whose long prefix a replica is computing right now for another request "
+        "until that prefill ends, so the engine computes it once (saves fleet compute on same-document "
+        "bursts; costs TTFT when replicas have spare capacity)",
+    )
     workers: Annotated[int, Field(ge=1, le=256)] | Literal["auto"] = Field(
         default="auto",
         description="gateway processes sharing the port (SO_REUSEPORT) and one supervisor's replica set; "

@@ -150,3 +150,56 @@ def test_a_models_features_are_what_all_its_replicas_have() -> None:
     replicas.add(Replica(id="m-2", model="m", engine="y", features=EngineFeatures()))
     mixed = replicas.features("m")
     assert not mixed.multiple_choices and not mixed.token_prompts and mixed.prefill_echo
+
+
+def test_prefix_affinity_weighs_a_cache_hit_against_the_prefill_queued_behind_it() -> None:
+    replicas, policy = fleet(2), PrefixAffinity()
+    document = "a long shared tenant document. " * 100  # about 3,000 characters, 24 blocks
+    first = policy.pick(replicas, RouteRequest("m", prompt=document + "q1", prompt_tokens=800)).replica
+    first.outstanding = 1
+    first.pending_prefill = 300  # a short queue: the hit still wins
+    hit = policy.pick(replicas, RouteRequest("m", prompt=document + "q2", prompt_tokens=800))
+    assert hit.replica is first and hit.cached_blocks == 24
+    first.pending_prefill = 5000  # a long one: computing the prompt cold elsewhere is sooner
+    assert (
+        policy.pick(replicas, RouteRequest("m", prompt=document + "q3", prompt_tokens=800)).replica
+        is not first
+    )
+
+
+async def test_the_router_holds_a_request_whose_prefix_another_is_prefilling_on_its_replica() -> None:
+    replicas = ReplicaSet(["m"])
+    for replica in fleet(2):
+        replicas.add(replica)
+    router = Router(replicas, coalesce_prefills=True)  # the default policy: prefix_affinity
+    document = "the same long system prompt, word for word. " * 60
+    first = RouteRequest("m", prompt=document + "first question", prompt_tokens=700)
+    replica = router.acquire(first)
+    assert replica.pending_prefill == 700 and router.shared_prefill(replica, first) is None  # not its own
+    second = RouteRequest("m", prompt=document + "second question", prompt_tokens=700)
+    assert router.acquire(second) is replica  # the prefix is (about to be) cached there
+    assert second.prefill < 100  # only its question is new to that replica
+    done = router.shared_prefill(replica, second)
+    assert done is not None and not done.is_set()
+    router.prefilled(replica, first)  # the first token of the first request: its prefix is now cached
+    assert done.is_set() and await router.hold(done) < 0.1
+    assert router.shared_prefill(replica, second) is None
+    router.release(replica, first, ok=True)
+    router.release(replica, second, ok=True)
+    assert replica.pending_prefill == 0 and replica.outstanding == 0
+
+
+async def test_a_held_request_waits_no_longer_than_its_prefill_takes_or_ends() -> None:
+    replicas = ReplicaSet(["m"])
+    for replica in fleet(1):
+        replicas.add(replica)
+    router = Router(replicas, coalesce_prefills=True)
+    document = "x" * 2000
+    first = RouteRequest("m", prompt=document + "a", prompt_tokens=500)
+    replica = router.acquire(first)
+    second = RouteRequest("m", prompt=document + "b", prompt_tokens=500)
+    router.acquire(second)
+    done = router.shared_prefill(replica, second)
+    assert done is not None
+    router.release(replica, first, ok=False)  # the first failed before its first token: nothing to wait for
+    assert done.is_set()

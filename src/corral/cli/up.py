@@ -205,7 +205,12 @@ async def _serve(spec: ClusterSpec, paths: Paths, prepared: list[tuple[str, Any,
     for model_name, engine, plans in prepared:
         supervisor.add(model_name, engine, plans)
     policies = {m.name: m.routing for m in spec.models if m.routing is not None}
-    router = Router(replicas, policies, default_policy=spec.gateway.routing)
+    router = Router(
+        replicas,
+        policies,
+        default_policy=spec.gateway.routing,
+        coalesce_prefills=spec.gateway.prefill_coalescing,
+    )
     gateway = GatewayServer(spec.gateway, router, services_for(spec, paths, replicas))
     if spec.auth.open:
         logger.warning("OPEN ACCESS: requests without an API key are served (auth.open is true in the spec)")

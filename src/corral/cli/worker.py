@@ -50,7 +50,12 @@ async def _work(control: Path, index: int) -> None:
     replicas = ReplicaSet()
     apply_snapshot(replicas, await reader.readline(), index, workers)
     policies = {m.name: m.routing for m in spec.models if m.routing is not None}
-    router = Router(replicas, policies, default_policy=spec.gateway.routing)
+    router = Router(
+        replicas,
+        policies,
+        default_policy=spec.gateway.routing,
+        coalesce_prefills=spec.gateway.prefill_coalescing,
+    )
     services = services_for(spec, Paths.from_env(), replicas)
     metrics_dir = Path(config["metrics_dir"])
     gateway = GatewayServer(spec.gateway, router, services, worker=index, metrics_dir=metrics_dir)

@@ -50,6 +50,9 @@ def build_app(
     admin = AdminViews(services, router)
     status = _StatusViews(router, services, admin, started_at=time.time(), worker=worker)
     metrics = GatewayMetrics(router, services.queue.depths, metrics_dir)
+    # The generation routes first: aiohttp tries resources in the order they were added.
+    app.router.add_post("/v1/chat/completions", _chat_completions)
+    app.router.add_post("/v1/completions", _completions)
     app.router.add_get("/health", status.health)
     app.router.add_get("/ready", status.ready)
     app.router.add_get("/v1/models", status.models)
@@ -93,8 +96,6 @@ def build_app(
                 await services.limiter.close()
 
     app.cleanup_ctx.append(lifecycle)
-    app.router.add_post("/v1/chat/completions", _chat_completions)
-    app.router.add_post("/v1/completions", _completions)
     return app
 
 

@@ -22,6 +22,7 @@ class RequestContext:
     route: RouteRequest
     replica: Replica | None = None
     first_byte_at: float | None = None
+    held: float = 0.0  # seconds held for another request's prefill of the same prefix (prefill coalescing)
     usage: dict[str, Any] | None = None
     client_gone: bool = False  # the client disconnected before the whole answer was written
     features: EngineFeatures = field(default_factory=EngineFeatures)  # what the model's engine does right

@@ -85,6 +85,18 @@ class GatewayMetrics:
         self.decisions = Counter(
             "corral_routing_decisions", "Routing decisions, by policy.", ["model", "policy"], registry=r
         )
+        self.prefill_holds = Counter(
+            "corral_prefill_holds",
+            "Requests held until another request's prefill of their prefix ended (prefill coalescing).",
+            ["model"],
+            registry=r,
+        )
+        self.prefill_hold_seconds = Counter(
+            "corral_prefill_hold_seconds",
+            "Seconds requests were held for another request's prefill of their prefix.",
+            ["model"],
+            registry=r,
+        )
         self._state = _StateCollector(router, queue_depths)
         self._published: _PublishedState | None = None
         if shared_dir is None:
@@ -137,6 +149,8 @@ class ModelMetrics:
         self.ttft = metrics.ttft.labels(model)
         self.itl = metrics.itl.labels(model)
         self.queue_wait = metrics.queue_wait.labels(model)
+        self.prefill_holds = metrics.prefill_holds.labels(model)
+        self.prefill_hold_seconds = metrics.prefill_hold_seconds.labels(model)
         self.input_tokens = metrics.tokens.labels(model, "input")
         self.output_tokens = metrics.tokens.labels(model, "output")
         self._by_status: dict[int, Counter] = {}

@@ -156,6 +156,7 @@ class Pipeline:
             model=body.model,
             tokens=input_tokens + max_tokens * body.n * prompts,
             session=request.headers.get("x-session-id") or body.user,
+            prompt_tokens=input_tokens * prompts,
         )
         if getattr(self._router.policy_for(body.model), "needs_prompt", False):
             route.prompt = prompt or prompt_text(body)
@@ -255,6 +256,9 @@ class Pipeline:
         if status < 400:
             m.input_tokens.inc(input_tokens)
             m.output_tokens.inc(output_tokens)
+        if ctx.held:
+            m.prefill_holds.inc()
+            m.prefill_hold_seconds.inc(ctx.held)
         if ttft is not None:
             m.ttft.observe(ttft)
             if output_tokens > 1:

@@ -79,6 +79,11 @@ class Relay:
             ctx.replica = replica
             outcome: bool | None = None
             try:
+                shared = self._router.shared_prefill(replica, ctx.route)
+                if (
+                    shared is not None
+                ):  # its long prefix is being computed there now: wait, then hit the cache
+                    ctx.held += await self._router.hold(shared)
                 response = await self._attempt(replica, ctx, request)
                 outcome = response.status < 500 and not ctx.replica_failed
                 return response
@@ -159,6 +164,7 @@ class Relay:
         except aiohttp.ClientError as exc:
             raise _Retryable(f"{type(exc).__name__}: {exc}") from exc
 
+        self._router.prefilled(replica, ctx.route)  # the first token came: the prompt is in its cache
         response = web.StreamResponse(headers={**_SSE_HEADERS, "x-corral-replica": replica.id})
         transcript = Transcript() if ctx.failover else None
         try:

@@ -5,8 +5,11 @@
 - least_outstanding_tokens: the fewest estimated tokens (prompt + max output) in flight.
 - power_of_two: the less loaded of two random replicas.
 - session_affinity: the same replica for the same `user` / `x-session-id` (rendezvous hashing).
-- prefix_affinity (the default): the replica most likely to hold the prompt's prefix in its KV cache,
-  unless it is loaded past the bound; load counts the engine's own queue and KV pressure too.
+- prefix_affinity (the default): the replica where the request's first token comes soonest, by predicted
+  prefill work: the prompt tokens it would have to compute (the part not likely in that replica's prefix
+  cache) plus the prefill already waiting there, among replicas within a load bound and not under KV
+  pressure. With `gateway.prefill_coalescing` the router also holds a request whose long prefix is being
+  computed on its replica right now until that prefill ends (see router.py).
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ __all__ = [
 class Decision:
     replica: Replica
     reason: str
+    cached_blocks: int = 0  # leading prompt blocks the replica likely holds in its prefix cache
 
 
 class RoutingPolicy(Protocol):
@@ -130,19 +134,27 @@ class SessionAffinity:
 
 
 class PrefixAffinity:
-    """Prefix-cache affinity with bounded load.
+    """Prefix-cache affinity, balanced by predicted prefill work, with bounded load.
 
-    The replica that served the longest prefix of this prompt most likely still has it in its KV cache;
-    prefer it unless its load exceeds `(1 + slack) × mean load + 1` or its KV cache is nearly full, then
-    take the best-matching replica within the bound, ties and misses going to the least loaded.
+    For each replica within the load bound (`(1 + slack) × mean load + spill`, where load is requests in flight
+    plus the engine's own queue) and below the KV-pressure mark, the predicted cost of sending it the
+    request is the prefill work already waiting there plus the prompt tokens it would compute itself (the
+    part beyond the longest prefix it served before, which its cache likely still holds) counted twice,
+    once as its own wait and once as work added to the fleet, plus a whole prompt's worth per request it
+    would have to queue beyond its slots. The cheapest wins; ties go to the less loaded, then in turn. A
+    cache hit is taken while the hit replica's queue of prefill is shorter than about twice the cold prefill
+    elsewhere: past that, affinity alone loses the tail.
     """
 
     name = "prefix_affinity"
     needs_prompt = True
 
-    def __init__(self, slack: float = 0.5, kv_pressure: float = 0.95, max_blocks: int = 200_000) -> None:
+    def __init__(
+        self, slack: float = 0.5, spill: float = 4, kv_pressure: float = 0.95, max_blocks: int = 200_000
+    ) -> None:
         self._turn = itertools.count()
         self._slack = slack
+        self._spill = spill
         self._kv_pressure = kv_pressure
         self.index = PrefixIndex(max_blocks)
 
@@ -157,15 +169,29 @@ class PrefixAffinity:
                     best = replica
             return Decision(best, "short prompt; least loaded")
         loads = {r.id: load_score(r) for r in candidates}
-        bound = (1 + self._slack) * (sum(loads.values()) / len(candidates)) + 1
+        bound = (1 + self._slack) * (sum(loads.values()) / len(candidates)) + self._spill
         rotated = [*candidates[start:], *candidates[:start]]
         within = [r for r in rotated if loads[r.id] <= bound and not self._pressed(r)] or rotated
         depths = self.index.depths(hashes, within)
-        best = max(within, key=lambda r: (depths.get(r.id, 0), -loads[r.id], -r.outstanding_tokens))
+        blocks = len(hashes)
+        prompt = max(request.prompt_tokens, blocks)
+
+        def cost(replica: Replica) -> tuple[float, float]:
+            # when its first token comes (the prefill queued there, then its own) plus, once more, the work
+            # it adds to the fleet: computing a cached prefix again is waste even where it is not slower
+            uncached = prompt * (1 - depths.get(replica.id, 0) / blocks)
+            queued = max(0, replica.outstanding + 1 - replica.capacity) if replica.capacity else 0
+            return replica.pending_prefill + 2 * uncached + prompt * queued, loads[replica.id]
+
+        best = min(within, key=cost)
         depth = depths.get(best.id, 0)
         self.index.record(hashes, best)
-        reason = f"prefix match {depth} blocks" if depth else f"no cached prefix; load {loads[best.id]:g}"
-        return Decision(best, reason)
+        reason = (
+            f"prefix match {depth}/{blocks} blocks; {best.pending_prefill} tokens of prefill waiting"
+            if depth
+            else f"no cached prefix; {best.pending_prefill} tokens of prefill waiting"
+        )
+        return Decision(best, reason, depth)
 
     def _pressed(self, replica: Replica) -> bool:
         load = replica.load

@@ -6,12 +6,13 @@ engine's prefix cache evicts. It is a guess, not the engines' truth: a wrong gue
 
 from __future__ import annotations
 
+import asyncio
 from collections import OrderedDict
 from collections.abc import Sequence
 
 from corral.routing.replicas import Replica
 
-__all__ = ["PrefixIndex"]
+__all__ = ["Prefill", "PrefillTracker", "PrefixIndex"]
 
 
 class PrefixIndex:
@@ -47,3 +48,54 @@ class PrefixIndex:
                 self._owners.move_to_end(block)
         while len(self._owners) > self._max:
             self._owners.popitem(last=False)
+
+
+class Prefill:
+    """One request's prefill of some prompt blocks on one replica, until its first token (or its end)."""
+
+    __slots__ = ("blocks", "done", "replica")
+
+    def __init__(self, replica: str, blocks: Sequence[int]) -> None:
+        self.replica = replica
+        self.blocks = blocks
+        self.done = asyncio.Event()
+
+
+class PrefillTracker:
+    """The prefills running now, by the prompt blocks they compute.
+
+    A request whose long prefix another request is computing right now on the same replica can wait for
+    that prefill to finish and then find the prefix in the engine's cache, instead of computing it a second
+    time alongside (engines only reuse blocks that are complete when a request is scheduled). Duplicate cold
+    prefills of one prefix are the main waste when a tenant's requests come in bursts.
+    """
+
+    def __init__(self) -> None:
+        self._by_block: dict[int, Prefill] = {}
+
+    def start(self, replica: str, blocks: Sequence[int]) -> Prefill:
+        prefill = Prefill(replica, blocks)
+        for block in blocks:
+            self._by_block.setdefault(block, prefill)
+        return prefill
+
+    def finish(self, prefill: Prefill) -> None:
+        if prefill.done.is_set():
+            return
+        prefill.done.set()
+        for block in prefill.blocks:
+            if self._by_block.get(block) is prefill:
+                del self._by_block[block]
+
+    def covering(
+        self, hashes: Sequence[int], replica: str, mine: Prefill | None
+    ) -> tuple[Prefill | None, int]:
+        """The running prefill (not `mine`) on `replica` that computes the deepest block of `hashes`, and
+        how many leading blocks of `hashes` it reaches; (None, 0) when none does."""
+        if not self._by_block:
+            return None, 0
+        for depth in range(len(hashes), 0, -1):
+            prefill = self._by_block.get(hashes[depth - 1])
+            if prefill is not None and prefill is not mine and prefill.replica == replica:
+                return prefill, depth
+        return None, 0

@@ -78,6 +78,7 @@ class Replica:
     state: ReplicaState = ReplicaState.STARTING
     outstanding: int = 0
     outstanding_tokens: int = 0
+    pending_prefill: int = 0  # prompt tokens routed here (from this gateway) not yet prefilled, estimated
     capacity: int | None = None  # concurrent sequences the engine runs (slots, max_num_seqs); None: unknown
     context_length: int | None = None  # tokens per sequence (prompt + output) the engine holds; None: unknown
     features: EngineFeatures = field(default_factory=EngineFeatures)
@@ -114,6 +115,7 @@ class Replica:
             "outstanding": self.outstanding,
             "capacity": self.capacity,
             "outstanding_tokens": self.outstanding_tokens,
+            "pending_prefill_tokens": self.pending_prefill,
             "circuit": str(self.breaker.state),
             "consecutive_failures": self.breaker.consecutive_failures,
             "served": self.served,

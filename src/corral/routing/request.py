@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from corral.routing.prefix import Prefill
+
 __all__ = ["PREFIX_BLOCK_CHARS", "RouteRequest", "prefix_hashes"]
 
 PREFIX_BLOCK_CHARS = 128  # about 32 tokens: coarse enough to hash cheaply, fine enough to tell prompts apart
@@ -29,6 +31,9 @@ class RouteRequest:
     tokens: int = 0  # estimated input + requested output tokens
     session: str | None = None
     prompt: str = ""
+    prompt_tokens: int = 0  # estimated input tokens
+    prefill: int = 0  # tokens the chosen replica is expected to prefill (not in its cache), set by the router
+    inflight: Prefill | None = field(default=None, repr=False)  # its prefill, while it runs (router.py)
     _hashes: tuple[int, ...] | None = field(default=None, repr=False)
 
     @property

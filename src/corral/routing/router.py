@@ -1,8 +1,17 @@
 """The router: each model's policy applied to its routable replicas, with in-flight accounting,
-circuit breakers, a retry budget, and a log of recent decisions for the admin view."""
+circuit breakers, a retry budget, and a log of recent decisions for the admin view.
+
+It also keeps, per replica, the prompt tokens routed there whose prefill has not finished (the policy's
+predicted work), and the prefills running now by the prompt blocks they compute: a request sent to a
+replica that is computing its long prefix for another request right now is held until that prefill ends
+(its first token), so the engine finds the prefix in its cache instead of computing it twice, when the
+spec turns prefill coalescing on (`gateway.prefill_coalescing`).
+"""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
 from collections import deque
 from collections.abc import Collection, Mapping
@@ -10,6 +19,7 @@ from collections.abc import Collection, Mapping
 from corral.protocol import NoCapacity
 from corral.routing.circuit import RetryBudget
 from corral.routing.policy import DEFAULT_POLICY, RoutingPolicy, policy_named
+from corral.routing.prefix import PrefillTracker
 from corral.routing.replicas import Replica, ReplicaSet
 from corral.routing.request import RouteRequest
 
@@ -25,12 +35,15 @@ class Router:
         policies: Mapping[str, str] | None = None,
         default_policy: str = DEFAULT_POLICY,
         decisions_kept: int = 200,
+        coalesce_prefills: bool = False,
     ) -> None:
         self.replicas = replicas
         self._default = default_policy
         self._policies: dict[str, RoutingPolicy] = {m: policy_named(p) for m, p in (policies or {}).items()}
         self.retry_budget = RetryBudget()
         self._decisions: deque[tuple[float, str, str, str, str, bool]] = deque(maxlen=decisions_kept)
+        self._prefills = PrefillTracker()
+        self._coalesce = coalesce_prefills
 
     def policy_for(self, model: str) -> RoutingPolicy:
         policy = self._policies.get(model)
@@ -54,6 +67,14 @@ class Router:
         replica.breaker.on_dispatch()
         replica.outstanding += 1
         replica.outstanding_tokens += request.tokens
+        hashes = request.hashes  # empty unless the policy reads the prompt
+        cached = min(decision.cached_blocks, len(hashes))
+        request.prefill = (
+            round(request.prompt_tokens * (1 - cached / len(hashes))) if hashes else request.prompt_tokens
+        )
+        replica.pending_prefill += request.prefill
+        if self._coalesce and len(hashes) > cached:
+            request.inflight = self._prefills.start(replica.id, hashes[cached:])
         self._decisions.append(
             (time.time(), request.model, replica.id, policy.name, decision.reason, bool(exclude))
         )
@@ -65,9 +86,33 @@ class Router:
         keys = ("at", "model", "replica", "policy", "reason", "retry")
         return [dict(zip(keys, d, strict=True)) for d in self._decisions]
 
+    def shared_prefill(self, replica: Replica, request: RouteRequest) -> asyncio.Event | None:
+        """What to wait for before sending `request` to `replica`: the end of a prefill running there now
+        that computes at least `_MIN_SHARED_BLOCKS` leading blocks of its prompt; None when there is none."""
+        prefill, depth = self._prefills.covering(request.hashes, replica.id, request.inflight)
+        return prefill.done if prefill is not None and depth >= _MIN_SHARED_BLOCKS else None
+
     @staticmethod
-    def release(replica: Replica, request: RouteRequest, ok: bool | None) -> None:
+    async def hold(done: asyncio.Event) -> float:
+        """Wait for a shared prefill to end, `_MAX_HOLD_S` at most; seconds waited."""
+        started = time.monotonic()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(_MAX_HOLD_S):
+                await done.wait()
+        return time.monotonic() - started
+
+    def prefilled(self, replica: Replica, request: RouteRequest) -> None:
+        """The request's prefill on `replica` ended (its first token arrived, or the request did)."""
+        if request.prefill:
+            replica.pending_prefill -= request.prefill
+            request.prefill = 0
+        if request.inflight is not None:
+            self._prefills.finish(request.inflight)
+            request.inflight = None
+
+    def release(self, replica: Replica, request: RouteRequest, ok: bool | None) -> None:
         """The request is done with `replica`: ok=True success, False replica failure, None not its fault."""
+        self.prefilled(replica, request)
         replica.outstanding -= 1
         replica.outstanding_tokens -= request.tokens
         replica.served += 1
@@ -75,3 +120,7 @@ class Router:
             replica.breaker.on_success()
         elif ok is False:
             replica.breaker.on_failure()
+
+
+_MIN_SHARED_BLOCKS = 8  # about 1,000 characters: shorter shared prefixes are cheap to compute twice
+_MAX_HOLD_S = 20.0  # a request waits this long at most for another's prefill
