@@ -9,7 +9,9 @@ import subprocess
 import time
 import urllib.request
 
-__all__ = ["free_port", "spawn", "stop", "wait_http"]
+import orjson
+
+__all__ = ["free_port", "spawn", "stop", "upstream_payloads", "wait_http"]
 
 
 def free_port() -> int:
@@ -51,3 +53,24 @@ def stop(*procs: subprocess.Popen[bytes]) -> None:
             proc.wait(timeout=20)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+def upstream_payloads(tokens: int) -> tuple[bytes, bytes, bytes]:
+    """What a fast vLLM-style upstream answers for `tokens` one-token chunks: (the whole chat completion,
+    one content chunk's JSON, the usage chunk's JSON)."""
+    base = {"id": "c", "created": 1, "model": "bench"}
+    usage = {"prompt_tokens": 9, "completion_tokens": tokens, "total_tokens": 9 + tokens}
+    message = {"role": "assistant", "content": "tok " * tokens}
+    completion = {
+        **base,
+        "object": "chat.completion",
+        "choices": [{"index": 0, "finish_reason": "length", "message": message}],
+        "usage": usage,
+    }
+    chunk = {
+        **base,
+        "object": "chat.completion.chunk",
+        "choices": [{"index": 0, "delta": {"content": "tok "}, "finish_reason": None}],
+    }
+    usage_chunk = {**base, "object": "chat.completion.chunk", "choices": [], "usage": usage}
+    return orjson.dumps(completion), orjson.dumps(chunk), orjson.dumps(usage_chunk)

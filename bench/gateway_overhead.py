@@ -38,7 +38,7 @@ import aiohttp
 import orjson
 import psutil
 import uvloop
-from _harness import free_port, spawn, stop, wait_http
+from _harness import free_port, spawn, stop, upstream_payloads, wait_http
 from aiohttp import web
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -51,49 +51,8 @@ BODY = orjson.dumps(
 
 
 def serve_upstream(port: int, chunks: int) -> None:
-    completion = orjson.dumps(
-        {
-            "id": "c",
-            "object": "chat.completion",
-            "created": 1,
-            "model": "bench",
-            "choices": [
-                {
-                    "index": 0,
-                    "finish_reason": "length",
-                    "message": {"role": "assistant", "content": "tok " * chunks},
-                }
-            ],
-            "usage": {"prompt_tokens": 9, "completion_tokens": chunks, "total_tokens": 9 + chunks},
-        }
-    )
-    chunk = (
-        b"data: "
-        + orjson.dumps(
-            {
-                "id": "c",
-                "object": "chat.completion.chunk",
-                "created": 1,
-                "model": "bench",
-                "choices": [{"index": 0, "delta": {"content": "tok "}, "finish_reason": None}],
-            }
-        )
-        + b"\n\n"
-    )
-    usage = (
-        b"data: "
-        + orjson.dumps(
-            {
-                "id": "c",
-                "object": "chat.completion.chunk",
-                "created": 1,
-                "model": "bench",
-                "choices": [],
-                "usage": {"prompt_tokens": 9, "completion_tokens": chunks, "total_tokens": 9 + chunks},
-            }
-        )
-        + b"\n\n"
-    )
+    completion, one, last = upstream_payloads(chunks)
+    chunk, usage = b"data: " + one + b"\n\n", b"data: " + last + b"\n\n"
 
     async def chat(request: web.Request) -> web.StreamResponse:
         body = orjson.loads(await request.read())

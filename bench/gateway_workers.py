@@ -31,46 +31,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-import orjson
 import psutil
-from _harness import free_port, spawn, stop, wait_http
+from _harness import free_port, spawn, stop, upstream_payloads, wait_http
 
 ROOT = Path(__file__).resolve().parent.parent
 CONCURRENCY = 128
 
 
 def nginx_config(tmp: Path, port: int, stream_port: int, chunks: int) -> str:
-    completion = orjson.dumps(
-        {
-            "id": "c",
-            "object": "chat.completion",
-            "created": 1,
-            "model": "bench",
-            "choices": [
-                {"index": 0, "finish_reason": "length", "message": {"role": "assistant", "content": "tok"}}
-            ],
-            "usage": {"prompt_tokens": 9, "completion_tokens": 1, "total_tokens": 10},
-        }
-    ).decode()
-    chunk = orjson.dumps(
-        {
-            "id": "c",
-            "object": "chat.completion.chunk",
-            "created": 1,
-            "model": "bench",
-            "choices": [{"index": 0, "delta": {"content": "tok "}, "finish_reason": None}],
-        }
-    ).decode()
-    usage = orjson.dumps(
-        {
-            "id": "c",
-            "object": "chat.completion.chunk",
-            "created": 1,
-            "model": "bench",
-            "choices": [],
-            "usage": {"prompt_tokens": 9, "completion_tokens": chunks, "total_tokens": 9 + chunks},
-        }
-    ).decode()
+    completion = upstream_payloads(1)[0].decode()  # whole answers: one token
+    _, one, last = upstream_payloads(chunks)
+    chunk, usage = one.decode(), last.decode()
     events = "\n".join(f"            echo -n 'data: {chunk}\\n\\n'; echo_flush;" for _ in range(chunks))
     return f"""
 load_module /usr/lib/nginx/modules/ngx_http_echo_module.so;

@@ -71,7 +71,7 @@ def test_prefix_affinity_follows_the_prefix_within_the_load_bound() -> None:
     first.outstanding += 1
     again = policy.pick(replicas, RouteRequest("m", prompt=document + "question B"))
     assert again.replica is first and again.reason.startswith("prefix match")
-    first.outstanding = 20  # far past the bound: the prefix is not worth the queue
+    first.outstanding = 40  # far past the bound (1.5 × mean + 16): the prefix is not worth the queue
     assert policy.pick(replicas, RouteRequest("m", prompt=document + "question C")).replica is not first
 
 

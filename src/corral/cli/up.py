@@ -198,19 +198,13 @@ class _ProgressReport:
 async def _serve(spec: ClusterSpec, paths: Paths, prepared: list[tuple[str, Any, list[Any]]]) -> None:
     from corral.cluster import Supervisor
     from corral.gateway import GatewayServer
-    from corral.routing import ReplicaSet, Router
+    from corral.routing import ReplicaSet
 
     replicas = ReplicaSet()
     supervisor = Supervisor(replicas, _runtime(spec, paths), spec.supervisor)
     for model_name, engine, plans in prepared:
         supervisor.add(model_name, engine, plans)
-    policies = {m.name: m.routing for m in spec.models if m.routing is not None}
-    router = Router(
-        replicas,
-        policies,
-        default_policy=spec.gateway.routing,
-        coalesce_prefills=spec.gateway.prefill_coalescing,
-    )
+    router = router_for(spec, replicas)
     gateway = GatewayServer(spec.gateway, router, services_for(spec, paths, replicas))
     if spec.auth.open:
         logger.warning("OPEN ACCESS: requests without an API key are served (auth.open is true in the spec)")
@@ -276,6 +270,19 @@ async def _serve_workers(
 def _cannot_listen(spec: ClusterSpec, exc: OSError) -> CliError:
     where = f"{spec.gateway.host}:{spec.gateway.port}"
     return CliError(f"cannot listen on {where}: {exc.strerror or exc} (choose another with --port)")
+
+
+def router_for(spec: ClusterSpec, replicas: Any) -> Any:
+    """The router over `replicas` with the spec's policies (also each gateway worker's)."""
+    from corral.routing import Router
+
+    policies = {m.name: m.routing for m in spec.models if m.routing is not None}
+    return Router(
+        replicas,
+        policies,
+        default_policy=spec.gateway.routing,
+        coalesce_prefills=spec.gateway.prefill_coalescing,
+    )
 
 
 def services_for(spec: ClusterSpec, paths: Paths, replicas: Any) -> Any:

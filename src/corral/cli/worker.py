@@ -36,9 +36,9 @@ def gateway_worker(
 
 
 async def _work(control: Path, index: int) -> None:
-    from corral.cli.up import services_for
+    from corral.cli.up import router_for, services_for
     from corral.gateway import GatewayServer
-    from corral.routing import ReplicaSet, Router
+    from corral.routing import ReplicaSet
     from corral.routing.sync import apply_snapshot
 
     reader, writer = await asyncio.open_unix_connection(str(control), limit=_LINE_LIMIT)
@@ -49,13 +49,7 @@ async def _work(control: Path, index: int) -> None:
     workers = int(config["workers"])
     replicas = ReplicaSet()
     apply_snapshot(replicas, await reader.readline(), index, workers)
-    policies = {m.name: m.routing for m in spec.models if m.routing is not None}
-    router = Router(
-        replicas,
-        policies,
-        default_policy=spec.gateway.routing,
-        coalesce_prefills=spec.gateway.prefill_coalescing,
-    )
+    router = router_for(spec, replicas)
     services = services_for(spec, Paths.from_env(), replicas)
     metrics_dir = Path(config["metrics_dir"])
     gateway = GatewayServer(spec.gateway, router, services, worker=index, metrics_dir=metrics_dir)

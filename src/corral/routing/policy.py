@@ -136,8 +136,8 @@ class SessionAffinity:
 class PrefixAffinity:
     """Prefix-cache affinity, balanced by predicted prefill work, with bounded load.
 
-    For each replica within the load bound (`(1 + slack) × mean load + spill`, where load is requests in flight
-    plus the engine's own queue) and below the KV-pressure mark, the predicted cost of sending it the
+    For each replica within the load bound (`(1 + slack) × mean load + spill`, where load is requests in
+    flight plus the engine's own queue) and below the KV-pressure mark, the predicted cost of sending it the
     request is the prefill work already waiting there plus the prompt tokens it would compute itself (the
     part beyond the longest prefix it served before, which its cache likely still holds) counted twice,
     once as its own wait and once as work added to the fleet, plus a whole prompt's worth per request it
@@ -150,7 +150,7 @@ class PrefixAffinity:
     needs_prompt = True
 
     def __init__(
-        self, slack: float = 0.5, spill: float = 4, kv_pressure: float = 0.95, max_blocks: int = 200_000
+        self, slack: float = 0.5, spill: float = 16, kv_pressure: float = 0.95, max_blocks: int = 200_000
     ) -> None:
         self._turn = itertools.count()
         self._slack = slack
