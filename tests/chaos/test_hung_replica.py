@@ -53,7 +53,7 @@ async def _complete(
     )
     progress.replica[slot] = raw.headers.get("x-corral-replica", "")
     text, finish = "", None
-    async for chunk in await raw.parse():
+    async for chunk in raw.parse():
         for choice in chunk.choices:
             text += choice.text
             progress.tokens[slot] += bool(choice.text)
