@@ -209,10 +209,7 @@ async def _serve(spec: ClusterSpec, paths: Paths, prepared: list[tuple[str, Any,
     if spec.auth.open:
         logger.warning("OPEN ACCESS: requests without an API key are served (auth.open is true in the spec)")
 
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    stop = _stop_on_signals()
     try:
         await gateway.start()
     except OSError as exc:
@@ -249,10 +246,7 @@ async def _serve_workers(
         port = pool.reserve(spec.gateway.host, spec.gateway.port)
     except OSError as exc:
         raise _cannot_listen(spec, exc) from None
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    stop = _stop_on_signals()
     try:
         await pool.start()
         await supervisor.start()
@@ -265,6 +259,15 @@ async def _serve_workers(
         await pool.stop()
         await supervisor.stop()
     console.print("[green]stopped[/green]")
+
+
+def _stop_on_signals() -> asyncio.Event:
+    """An event set by Ctrl-C or SIGTERM (the running loop's handlers, not a KeyboardInterrupt)."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    return stop
 
 
 def _cannot_listen(spec: ClusterSpec, exc: OSError) -> CliError:
