@@ -11,6 +11,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -78,6 +79,18 @@ def start_cluster(
         time.sleep(0.2)
     cluster.stop(signal.SIGKILL)
     raise RuntimeError(f"cluster not ready in {ready_timeout}s:\n{log.read_text()}")
+
+
+@contextmanager
+def cluster_of(tmp: Path, spec_text: str, name: str = "spec.yaml") -> Iterator[RunningCluster]:
+    """`corral up` on a spec written from `spec_text`, ready, stopped (Ctrl-C) when the block ends."""
+    spec = tmp / name
+    spec.write_text(spec_text)
+    running = start_cluster(tmp, spec=spec)
+    try:
+        yield running
+    finally:
+        running.stop()
 
 
 @pytest.fixture(scope="module")

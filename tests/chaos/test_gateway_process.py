@@ -14,7 +14,7 @@ import openai
 import psutil
 import pytest
 
-from ..conftest import RunningCluster, start_cluster
+from ..conftest import RunningCluster, cluster_of
 
 SPEC = """\
 supervisor: {probe_interval: 0.5}
@@ -29,11 +29,8 @@ models:
 
 @pytest.fixture
 def sim_cluster(tmp_path: Path) -> Iterator[RunningCluster]:
-    spec = tmp_path / "sim.yaml"
-    spec.write_text(SPEC)
-    running = start_cluster(tmp_path, spec=spec)
-    yield running
-    running.stop()
+    with cluster_of(tmp_path, SPEC) as running:
+        yield running
 
 
 async def _stream(client: openai.AsyncOpenAI, started: asyncio.Event) -> tuple[int, str | None]:

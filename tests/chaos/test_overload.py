@@ -12,7 +12,7 @@ import aiohttp
 import psutil
 import pytest
 
-from ..conftest import RunningCluster, start_cluster
+from ..conftest import RunningCluster, cluster_of
 
 QUEUE_TIMEOUT = 2.0
 SPEC = f"""\
@@ -29,11 +29,8 @@ BODY = {"model": "llama-8b", "prompt": "word " * 64, "max_tokens": 32, "ignore_e
 
 @pytest.fixture
 def cluster_of_eight_slots(tmp_path: Path) -> Iterator[RunningCluster]:
-    spec = tmp_path / "overload.yaml"
-    spec.write_text(SPEC)
-    running = start_cluster(tmp_path, spec=spec)
-    yield running
-    running.stop()
+    with cluster_of(tmp_path, SPEC) as running:
+        yield running
 
 
 async def _one(session: aiohttp.ClientSession, url: str) -> tuple[int, bool, float]:

@@ -16,9 +16,15 @@ from pathlib import Path
 
 import aiohttp
 
-from ..conftest import start_cluster
+from ..conftest import cluster_of
 
 DOCUMENT = " ".join(f"clause{i}" for i in range(3000))
+# Two simulated L4s in real time: the 3,000-token document takes about half a second to prefill.
+FLEET = (
+    "supervisor: {probe_interval: 0.5}\nauth: {open: true}\n"
+    "models:\n  - name: llama-8b\n    arch: llama-3.1-8b\n"
+    "    deployments: [{engine: sim, replicas: 2, gpu: l4, time_scale: 1}]\n"
+)
 
 
 def _metric(url: str, name: str) -> float:
@@ -49,15 +55,7 @@ async def _two_at_once(url: str) -> list[str]:
 
 
 def test_a_second_request_waits_for_the_first_ones_prefill_of_their_shared_document(tmp_path: Path) -> None:
-    spec = tmp_path / "coalesce.yaml"
-    spec.write_text(
-        "gateway: {prefill_coalescing: true}\nsupervisor: {probe_interval: 0.5}\nauth: {open: true}\n"
-        "models:\n  - name: llama-8b\n    arch: llama-3.1-8b\n"
-        # an L4 in real time: the 3,000-token document takes about half a second to prefill
-        "    deployments: [{engine: sim, replicas: 2, gpu: l4, time_scale: 1}]\n"
-    )
-    cluster = start_cluster(tmp_path, spec=spec)
-    try:
+    with cluster_of(tmp_path, "gateway: {prefill_coalescing: true}\n" + FLEET) as cluster:
         replicas = asyncio.run(_two_at_once(cluster.url))
         assert replicas[0] == replicas[1]  # the document's replica, not the idle one
         assert _metric(cluster.url, "corral_prefill_holds_total") == 1
@@ -71,20 +69,9 @@ def test_a_second_request_waits_for_the_first_ones_prefill_of_their_shared_docum
             engine = next(r for r in cluster.status()["replicas"] if r["id"] == replicas[0])
             rate = engine["prefix_cache_hit_rate"] or 0.0
         assert rate >= 0.45, rate
-    finally:
-        cluster.stop()
 
 
 def test_without_coalescing_the_second_request_is_not_held(tmp_path: Path) -> None:
-    spec = tmp_path / "plain.yaml"
-    spec.write_text(
-        "supervisor: {probe_interval: 0.5}\nauth: {open: true}\n"
-        "models:\n  - name: llama-8b\n    arch: llama-3.1-8b\n"
-        "    deployments: [{engine: sim, replicas: 2, gpu: l4, time_scale: 1}]\n"
-    )
-    cluster = start_cluster(tmp_path, spec=spec)
-    try:
+    with cluster_of(tmp_path, FLEET) as cluster:
         asyncio.run(_two_at_once(cluster.url))
         assert _metric(cluster.url, "corral_prefill_holds_total") == 0
-    finally:
-        cluster.stop()

@@ -79,10 +79,9 @@ class Relay:
             ctx.replica = replica
             outcome: bool | None = None
             try:
+                # prefill coalescing: its long prefix is being computed there now; wait, then hit the cache
                 shared = self._router.shared_prefill(replica, ctx.route)
-                if (
-                    shared is not None
-                ):  # its long prefix is being computed there now: wait, then hit the cache
+                if shared is not None:
                     ctx.held += await self._router.hold(shared)
                 response = await self._attempt(replica, ctx, request)
                 outcome = response.status < 500 and not ctx.replica_failed

@@ -89,6 +89,8 @@ class Router:
     def shared_prefill(self, replica: Replica, request: RouteRequest) -> asyncio.Event | None:
         """What to wait for before sending `request` to `replica`: the end of a prefill running there now
         that computes at least `_MIN_SHARED_BLOCKS` leading blocks of its prompt; None when there is none."""
+        if not self._coalesce:
+            return None
         prefill, depth = self._prefills.covering(request.hashes, replica.id, request.inflight)
         return prefill.done if prefill is not None and depth >= _MIN_SHARED_BLOCKS else None
 

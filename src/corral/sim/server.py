@@ -145,7 +145,7 @@ class SimServer:
         )
         await response.prepare(request)
         # Like vLLM, a chat choice's first chunk (its role) comes with its first output, after the prefill.
-        unannounced = {id(c) for c in choices} if meta.chat else set()
+        unannounced = set(choices) if meta.chat else set()
         pending = {
             asyncio.ensure_future(r.tokens.get()): (r, c) for r, c in zip(requests, choices, strict=True)
         }
@@ -153,8 +153,8 @@ class SimServer:
             done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
             for future in done:
                 sim_request, choice = pending.pop(future)
-                if id(choice) in unannounced:
-                    unannounced.discard(id(choice))
+                if choice in unannounced:
+                    unannounced.discard(choice)
                     await response.write(meta.event(choice, {"role": "assistant", "content": ""}))
                 if future.result() is None or choice.done:
                     await response.write(meta.event(choice, {}, finish=choice.finish_reason))
