@@ -14,7 +14,7 @@ import aiohttp
 import openai
 import pytest
 
-from corral.config import AuthSettings, GatewaySettings, Paths, QueueSettings
+from corral.config import AuthSettings, GatewaySettings, LimitsSettings, Paths, QueueSettings
 from corral.gateway import GatewayServer, GatewayServices
 from corral.routing import Replica, ReplicaSet, ReplicaState, Router
 
@@ -49,6 +49,7 @@ async def start(
     upstream: ScriptedUpstream,
     capacity: int | None = None,
     queue: QueueSettings | None = None,
+    limits: LimitsSettings | None = None,
 ) -> tuple[GatewayServer, Cluster]:
     replicas = ReplicaSet(["m"])
     replicas.add(
@@ -58,7 +59,12 @@ async def start(
     )
     database = tmp_path / "corral.db"
     services = make_services(
-        replicas, database, auth=AuthSettings(open=False, cache_ttl=0.5), queue=queue, admin_key=ADMIN
+        replicas,
+        database,
+        auth=AuthSettings(open=False, cache_ttl=0.5),
+        queue=queue,
+        limits=limits,
+        admin_key=ADMIN,
     )
     server = GatewayServer(GatewaySettings(port=0), Router(replicas, default_policy="round_robin"), services)
     await server.start()
@@ -318,3 +324,33 @@ async def test_model_refusal_is_recorded_in_usage_and_metrics(closed: Cluster) -
             break
         await asyncio.sleep(0.1)
     assert row is not None and row["requests"] == 1 and row["errors"] == 1
+
+
+async def test_tokens_per_char_sets_the_input_estimate_reserved_against_tpm(
+    tmp_path: Path, upstream: ScriptedUpstream
+) -> None:
+    """Without a tokenizer the reservation is body bytes × `limits.tokens_per_char` + max_tokens: the same
+    2,000-character request fits a 1,000-TPM key at the default 0.25 and is refused as too large at 1.0."""
+    body = {"model": "m", "max_tokens": 10, "messages": [{"role": "user", "content": "x" * 2000}]}
+    statuses = []
+    for per_char in (0.25, 1.0):
+        server, cluster = await start(
+            tmp_path / str(per_char), upstream, limits=LimitsSettings(tokens_per_char=per_char)
+        )
+        try:
+            _, made = await cluster.admin("POST", "/admin/keys", {"tenant": "acme", "tpm": 1000})
+            async with (
+                aiohttp.ClientSession() as session,
+                session.post(
+                    cluster.url + "/v1/chat/completions",
+                    json=body,
+                    headers={"Authorization": f"Bearer {made['key']}"},
+                ) as response,
+            ):
+                statuses.append(
+                    (response.status, (await response.json()).get("error", {}).get("message", ""))
+                )
+        finally:
+            await server.stop()
+    assert statuses[0][0] == 200
+    assert statuses[1][0] == 429 and "too large" in statuses[1][1]
