@@ -32,7 +32,9 @@ __all__ = [
     "DEFAULT_MODEL_NAME",
     "AuthSettings",
     "ClusterSpec",
+    "DeploySettings",
     "DeploymentSpec",
+    "EdgeSettings",
     "GatewaySettings",
     "HuggingFaceSource",
     "LimitsSettings",
@@ -47,6 +49,7 @@ __all__ = [
     "SpecError",
     "StoreSettings",
     "SupervisorSettings",
+    "TLSSettings",
     "admin_key_from_env",
     "default_spec",
     "exposure_problem",
@@ -257,6 +260,13 @@ class ModelSpec(_Strict):
         return self
 
 
+class TLSSettings(_Strict):
+    """A certificate chain and its private key, PEM files (`corral deploy certs` makes development ones)."""
+
+    cert: Path = Field(description="PEM certificate chain: the server certificate first")
+    key: Path = Field(description="PEM private key of the certificate")
+
+
 class GatewaySettings(_Strict):
     """The gateway's listener, limits and upstream timeouts (seconds)."""
 
@@ -296,12 +306,35 @@ class GatewaySettings(_Strict):
         "until that prefill ends, so the engine computes it once (saves fleet compute on same-document "
         "bursts; costs TTFT when replicas have spare capacity)",
     )
+    tls: TLSSettings | None = Field(
+        default=None, description="serve HTTPS itself (a single box without an NGINX edge): cert and key"
+    )
+    trusted_proxies: list[str] = Field(
+        default_factory=list,
+        description="addresses or networks (CIDR) of proxies whose X-Forwarded-For names the client, e.g. "
+        "[127.0.0.1] behind an NGINX edge on this host; from any other peer the header is ignored",
+    )
+    access_log: bool = Field(
+        default=False,
+        description="log one line per request: client address (through trusted proxies), method, path, "
+        "status, bytes, seconds",
+    )
     workers: Annotated[int, Field(ge=1, le=256)] | Literal["auto"] = Field(
         default="auto",
         description="gateway processes sharing the port (SO_REUSEPORT) and one supervisor's replica set; "
         "more than 1 needs limits.backend: redis. auto: one per core when limits are in Redis and the "
         "gateway listens beyond loopback (a server), else 1",
     )
+
+    @field_validator("trusted_proxies")
+    @classmethod
+    def _networks(cls, value: list[str]) -> list[str]:
+        for entry in value:
+            try:
+                ipaddress.ip_network(entry, strict=False)
+            except ValueError:
+                raise ValueError(f"{entry!r} is not an IP address or network (e.g. 10.0.0.0/8)") from None
+        return value
 
 
 class SupervisorSettings(_Strict):
@@ -399,6 +432,53 @@ class RaySettings(_Strict):
     ] = 60.0
 
 
+class EdgeSettings(_Strict):
+    """The NGINX edge `corral deploy render --target nginx` writes: TLS, per-client limits, the gateways."""
+
+    server_name: str = Field(default="localhost", description="the edge's host name (TLS certificate name)")
+    port: Annotated[int, Field(ge=1, le=65535, description="HTTPS port the edge listens on")] = 443
+    cert: Path = Field(
+        default=Path("/etc/corral/tls/server.crt"), description="PEM certificate chain the edge serves"
+    )
+    key: Path = Field(default=Path("/etc/corral/tls/server.key"), description="its private key (PEM)")
+    gateways: list[str] = Field(
+        default_factory=list,
+        description="host:port of each corral gateway behind the edge (default: the spec's gateway)",
+    )
+    requests_per_second: Annotated[
+        float, Field(gt=0, description="requests per second one client address may send (429 beyond)")
+    ] = 20.0
+    burst: Annotated[int, Field(ge=0, description="requests over the rate a client may send at once")] = 40
+    connections_per_client: Annotated[
+        int, Field(ge=1, description="open connections per client address (429 beyond)")
+    ] = 64
+    fail_timeout: Annotated[
+        float, Field(gt=0, description="seconds the edge skips a gateway it could not connect to")
+    ] = 10.0
+    hsts_max_age: Annotated[
+        int, Field(ge=0, description="Strict-Transport-Security max-age, seconds (0: no HSTS header)")
+    ] = 63072000
+
+
+class DeploySettings(_Strict):
+    """What `corral deploy render` needs beyond the cluster itself: the edge, images, the service user."""
+
+    edge: EdgeSettings = Field(default_factory=EdgeSettings, description="the NGINX TLS edge")
+    image: str = Field(
+        default="corral:0.1.0", description="Compose/KubeRay: the image with corral (CPU engines included)"
+    )
+    vllm_image: str = Field(
+        default="corral-vllm:0.1.0",
+        description="Compose/KubeRay: the image with vLLM, Ray and corral preinstalled (never a pip "
+        "install at start-up)",
+    )
+    vllm_python: Path = Field(
+        default=Path("/usr/bin/python3"), description="the interpreter that imports vLLM in vllm_image"
+    )
+    namespace: str = Field(default="corral", description="KubeRay: the Kubernetes namespace")
+    user: str = Field(default="corral", description="systemd: the dedicated user the service runs as")
+
+
 class ClusterSpec(_Strict):
     """The whole declared cluster: models, their deployments, gateway and supervisor settings."""
 
@@ -411,6 +491,9 @@ class ClusterSpec(_Strict):
     limits: LimitsSettings = Field(default_factory=LimitsSettings, description="rate-limit state")
     queue: QueueSettings = Field(default_factory=QueueSettings, description="per-model waiting room")
     ray: RaySettings | None = Field(default=None, description="run replicas on a Ray cluster")
+    deploy: DeploySettings = Field(
+        default_factory=DeploySettings, description="production configs: `corral deploy render`"
+    )
     models: Annotated[list[ModelSpec], Field(min_length=1, description="the models the cluster serves")]
 
     @model_validator(mode="after")

@@ -37,7 +37,19 @@ __all__ = [
 ]
 
 # The order `corral --help` lists commands in: running a cluster first, then tools, then reference.
-COMMAND_ORDER = ("up", "status", "prepare", "keys", "usage", "plan", "sim", "bench", "spec", "version")
+COMMAND_ORDER = (
+    "up",
+    "status",
+    "prepare",
+    "keys",
+    "usage",
+    "plan",
+    "sim",
+    "bench",
+    "deploy",
+    "spec",
+    "version",
+)
 
 
 class CliError(Exception):

@@ -57,6 +57,7 @@ def up(
     spec = _spec(file, host=host, port=port)
     if ray is not None:
         spec = spec.model_copy(update={"ray": RaySettings(address=None if ray == "local" else ray)})
+    _check_tls(spec)
     paths = Paths.from_env()
     prepared = _prepare_or_fail(spec, paths)  # in the foreground: Ctrl-C ends an install at once
     workers = spec.gateway_workers(os.cpu_count())
@@ -82,17 +83,25 @@ def status(
         typer.Option(help="the admin key (default: $CORRAL_ADMIN_KEY); a tenant key sees only its models"),
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
+    ca_cert: Annotated[
+        Path | None, typer.Option(help="PEM CA certificate to trust for an https URL (a private CA)")
+    ] = None,
 ) -> None:
     """Show each replica: state, load, restarts."""
+    import ssl
     import urllib.error
     import urllib.request
 
+    try:
+        context = ssl.create_default_context(cafile=ca_cert) if ca_cert is not None else None
+    except (OSError, ssl.SSLError) as exc:
+        fail(f"--ca-cert {ca_cert}: {getattr(exc, 'strerror', None) or exc}", 2)
     request = urllib.request.Request(url.rstrip("/") + "/corral/status")
     key = admin_key or admin_key_from_env(None)
     if key:
         request.add_header("Authorization", f"Bearer {key}")
     try:
-        with urllib.request.urlopen(request, timeout=5) as response:
+        with urllib.request.urlopen(request, timeout=5, context=context) as response:
             data = json.load(response)
     except urllib.error.HTTPError as exc:
         fail(f"{url} answered {exc.code}: {_error_message(exc)}")
@@ -146,6 +155,17 @@ def _spec(file: Path | None, host: str | None = None, port: int | None = None) -
     if problem:
         fail(problem, 2)
     return spec
+
+
+def _check_tls(spec: ClusterSpec) -> None:
+    """A certificate that cannot be used fails before anything starts (each worker loads it again)."""
+    from corral.gateway.server import TLSError, server_tls_context
+
+    if spec.gateway.tls is not None:
+        try:
+            server_tls_context(spec.gateway.tls)
+        except TLSError as exc:
+            fail(str(exc), 2)
 
 
 def _prepare_or_fail(spec: ClusterSpec, paths: Paths) -> list[tuple[str, Any, list[Any]]]:
@@ -383,7 +403,8 @@ async def _first_of(*aws: Any) -> Any:
 
 
 def _announce(spec: ClusterSpec, port: int | None, replicas: Any, paths: Paths) -> None:
-    base = f"http://{spec.gateway.host}:{port}/v1"
+    scheme = "https" if spec.gateway.tls is not None else "http"
+    base = f"{scheme}://{spec.gateway.host}:{port}/v1"
     console.print(_status_table([r.snapshot() for r in replicas]))
     console.print(
         f"[bold green]corral is serving[/bold green] {', '.join(replicas.models())} at [bold]{base}[/bold]"
@@ -407,7 +428,7 @@ def _announce(spec: ClusterSpec, port: int | None, replicas: Any, paths: Paths) 
             markup=False,
         )
     console.print(
-        f"  replica logs: {paths.logs}\n  status: corral status --url http://{spec.gateway.host}:{port}\n"
+        f"  replica logs: {paths.logs}\n  status: corral status --url {scheme}://{spec.gateway.host}:{port}\n"
         "  Ctrl-C stops everything.",
         soft_wrap=True,
         highlight=False,

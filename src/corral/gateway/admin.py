@@ -13,7 +13,7 @@ from typing import Any
 from aiohttp import web
 from pydantic import ValidationError
 
-from corral.config import is_loopback
+from corral.gateway.clients import ClientAddresses
 from corral.gateway.services import GatewayServices
 from corral.protocol import InvalidRequest, NotFound, PermissionDenied, Unauthorized
 from corral.routing import Router
@@ -22,13 +22,11 @@ from corral.store import NewKey
 __all__ = ["AdminViews"]
 
 
-_PROXY_HEADERS = ("Forwarded", "X-Forwarded-For", "X-Real-IP")
-
-
 class AdminViews:
-    def __init__(self, services: GatewayServices, router: Router) -> None:
+    def __init__(self, services: GatewayServices, router: Router, clients: ClientAddresses) -> None:
         self._services = services
         self._router = router
+        self._clients = clients
 
     def add_routes(self, app: web.Application) -> None:
         app.router.add_get("/admin/keys", self.list_keys)
@@ -43,9 +41,8 @@ class AdminViews:
         gateway without an admin key (a laptop). A key minted by anyone else on an open gateway would
         outlive the gateway being closed."""
         expected = self._services.admin_key
-        if expected is None:
-            proxied = any(h in request.headers for h in _PROXY_HEADERS)  # a proxy on this host: not local
-            return self._services.open_access and is_loopback(request.remote or "") and not proxied
+        if expected is None:  # behind a proxy, the client it names must be local (clients.py)
+            return self._services.open_access and self._clients.is_local(request)
         scheme, _, given = (request.headers.get("Authorization") or "").partition(" ")
         return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), expected.encode())
 

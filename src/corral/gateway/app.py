@@ -19,6 +19,7 @@ from aiohttp import web
 
 from corral.config import GatewaySettings
 from corral.gateway.admin import AdminViews
+from corral.gateway.clients import ClientAddresses
 from corral.gateway.metrics import GatewayMetrics
 from corral.gateway.pipeline import Pipeline
 from corral.gateway.relay import Relay, RelayTimeouts
@@ -47,7 +48,7 @@ def build_app(
     """The gateway application over `router`'s replica set, with the admission services given; `worker`
     and `metrics_dir` when it is one of several worker processes (see cluster/workers.py)."""
     app = web.Application(middlewares=[_error_boundary], client_max_size=settings.max_body_bytes)
-    admin = AdminViews(services, router)
+    admin = AdminViews(services, router, ClientAddresses(settings.trusted_proxies))
     status = _StatusViews(router, services, admin, started_at=time.time(), worker=worker)
     metrics = GatewayMetrics(router, services.queue.depths, metrics_dir)
     # The generation routes first: aiohttp tries resources in the order they were added.

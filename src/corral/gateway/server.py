@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import logging
+import ssl
 from pathlib import Path
+from typing import Any
 
 from aiohttp import web
 
-from corral.config import GatewaySettings
+from corral.config import GatewaySettings, TLSSettings
 from corral.gateway.app import build_app
+from corral.gateway.clients import ClientAddresses, access_logger
 from corral.gateway.services import GatewayServices
 from corral.routing import Router
 
-__all__ = ["GatewayServer"]
+__all__ = ["GatewayServer", "TLSError", "server_tls_context"]
 
 logger = logging.getLogger(__name__)
 
@@ -32,11 +35,16 @@ class GatewayServer:
         metrics are summed from `metrics_dir`; None for the one gateway of a single-process cluster."""
         self._settings = settings
         self._reuse_port = worker is not None
+        self._tls = server_tls_context(settings.tls) if settings.tls is not None else None
+        logs: dict[str, Any] = {"access_log": None}
+        if settings.access_log:
+            log_class = access_logger(ClientAddresses(settings.trusted_proxies))
+            logs = {"access_log": logging.getLogger("corral.access"), "access_log_class": log_class}
         self._runner = web.AppRunner(
             build_app(settings, router, services, worker, metrics_dir),
             handler_cancellation=True,  # a client that disconnects cancels its upstream request
-            access_log=None,
             shutdown_timeout=settings.shutdown_grace,
+            **logs,
         )
         self.port: int | None = None
 
@@ -48,10 +56,34 @@ class GatewayServer:
             self._settings.port,
             backlog=1024,
             reuse_port=self._reuse_port or None,
+            ssl_context=self._tls,
         )
         await site.start()
         self.port = int(self._runner.addresses[0][1])
-        logger.info("gateway listening on http://%s:%s", self._settings.host, self.port)
+        logger.info("gateway listening on %s://%s:%s", self.scheme, self._settings.host, self.port)
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self._tls is not None else "http"
 
     async def stop(self) -> None:
         await self._runner.cleanup()
+
+
+class TLSError(ValueError):
+    """The configured certificate or key cannot be used; the message says which file and why."""
+
+
+def server_tls_context(tls: TLSSettings) -> ssl.SSLContext:
+    """A server context for TLS 1.2 and 1.3 with the spec's certificate chain and key (HTTP/1.1: aiohttp
+    speaks no HTTP/2; an NGINX edge adds it)."""
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    try:
+        context.load_cert_chain(tls.cert, tls.key)
+    except FileNotFoundError as exc:
+        raise TLSError(f"gateway.tls: {exc.filename} does not exist") from None
+    except (ssl.SSLError, OSError) as exc:
+        raise TLSError(f"gateway.tls: cannot use {tls.cert} with {tls.key}: {exc}") from None
+    context.set_alpn_protocols(["http/1.1"])
+    return context

@@ -1,0 +1,51 @@
+"""Production configs rendered from a cluster spec: the NGINX edge, systemd, Compose and KubeRay, plus
+development certificates. Tools: nothing here imports the gateway."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from corral.config import ClusterSpec
+from corral.deploy.certs import DevCertificates, write_dev_certificates
+from corral.deploy.compose import render_compose
+from corral.deploy.kuberay import render_kuberay
+from corral.deploy.nginx import render_nginx
+from corral.deploy.spec_rewrite import RenderError
+from corral.deploy.systemd import render_systemd
+
+__all__ = [
+    "TARGETS",
+    "DevCertificates",
+    "RenderError",
+    "Target",
+    "render",
+    "write_dev_certificates",
+    "write_rendered",
+]
+
+Target = Literal["nginx", "systemd", "compose", "kuberay"]
+TARGETS: tuple[Target, ...] = ("nginx", "systemd", "compose", "kuberay")
+
+
+def render(
+    spec: ClusterSpec, target: Target, source: str, spec_text: str, corral_bin: Path
+) -> dict[str, str]:
+    """The files of `target` for `spec`, keyed by their path relative to the output folder."""
+    if target == "nginx":
+        return render_nginx(spec, source)
+    if target == "systemd":
+        return render_systemd(spec, source, spec_text, corral_bin)
+    if target == "compose":
+        return render_compose(spec, source)
+    return render_kuberay(spec, source)
+
+
+def write_rendered(files: dict[str, str], directory: Path) -> list[Path]:
+    written = []
+    for relative, text in files.items():
+        path = directory / relative
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text, encoding="utf-8")
+        written.append(path)
+    return written

@@ -1,0 +1,119 @@
+"""A development certificate authority and a server certificate signed by it (`corral deploy certs`).
+
+For a test bench or a private network: clients trust `ca.crt` (the openai client through
+`httpx.Client(verify="ca.crt")`, curl through `--cacert`). For the public internet use a certificate from a
+public CA (e.g. Let's Encrypt) and point `deploy.edge.cert`/`key` or `gateway.tls` at it instead.
+"""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+__all__ = ["DevCertificates", "write_dev_certificates"]
+
+
+@dataclass(frozen=True)
+class DevCertificates:
+    """The files written: the CA's certificate and key, and the server's."""
+
+    ca_cert: Path
+    ca_key: Path
+    cert: Path
+    key: Path
+
+
+def write_dev_certificates(directory: Path, names: list[str], days: int = 825) -> DevCertificates:
+    """Write a CA and a server certificate for `names` (host names and IP addresses) into `directory`.
+    Keys are ECDSA P-256, written with mode 0600; the server certificate is valid for `days`."""
+    if not names:
+        raise ValueError("name at least one host name or address for the certificate")
+    directory.mkdir(parents=True, exist_ok=True)
+    now = datetime.datetime.now(datetime.UTC)
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "corral development CA")])
+    ca_cert = (
+        _builder(ca_name, ca_name, ca_key.public_key(), now, days + 1)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(_usage(cert_sign=True), critical=True)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
+    key = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, names[0])])
+    cert = (
+        _builder(subject, ca_name, key.public_key(), now, days)
+        .add_extension(x509.SubjectAlternativeName([_general_name(n) for n in names]), critical=False)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(_usage(cert_sign=False), critical=True)
+        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+        .add_extension(
+            x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False
+        )
+        .sign(ca_key, hashes.SHA256())
+    )
+    files = DevCertificates(
+        directory / "ca.crt", directory / "ca.key", directory / "server.crt", directory / "server.key"
+    )
+    files.ca_cert.write_bytes(ca_cert.public_bytes(serialization.Encoding.PEM))
+    _write_private(files.ca_key, ca_key)
+    files.cert.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    _write_private(files.key, key)
+    return files
+
+
+def _builder(
+    subject: x509.Name,
+    issuer: x509.Name,
+    public_key: ec.EllipticCurvePublicKey,
+    now: datetime.datetime,
+    days: int,
+) -> x509.CertificateBuilder:
+    return (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(issuer)
+        .public_key(public_key)
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=days))
+    )
+
+
+def _usage(cert_sign: bool) -> x509.KeyUsage:
+    return x509.KeyUsage(
+        digital_signature=True,
+        content_commitment=False,
+        key_encipherment=False,
+        data_encipherment=False,
+        key_agreement=False,
+        key_cert_sign=cert_sign,
+        crl_sign=cert_sign,
+        encipher_only=False,
+        decipher_only=False,
+    )
+
+
+def _general_name(name: str) -> x509.GeneralName:
+    try:
+        return x509.IPAddress(ipaddress.ip_address(name))
+    except ValueError:
+        return x509.DNSName(name)
+
+
+def _write_private(path: Path, key: ec.EllipticCurvePrivateKey) -> None:
+    data = key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as handle:
+        handle.write(data)
+    path.chmod(0o600)

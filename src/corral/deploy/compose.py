@@ -1,0 +1,168 @@
+"""Docker Compose: corral (gateway + supervised engines) and the services the spec uses.
+
+corral's supervisor runs the engines inside the corral container, as it does on a host: one service owns
+the replicas' lifecycle, probes and restarts, and the engines' metrics reach the router. A spec with vLLM
+runs in `deploy.vllm_image` (vLLM preinstalled) with the GPUs reserved for that service. Redis and
+PostgreSQL on this host become services of the project; Prometheus comes with the `watch` profile.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import yaml
+
+from corral.config import ClusterSpec
+from corral.deploy.spec_rewrite import (
+    container_spec,
+    gpu_total,
+    is_local_url,
+    local_model_paths,
+    spec_yaml,
+    uses_vllm,
+)
+
+__all__ = ["render_compose"]
+
+_PORT = 8000
+_HOME = "/var/lib/corral"
+
+
+def render_compose(spec: ClusterSpec, source: str) -> dict[str, str]:
+    services: dict[str, Any] = {}
+    dependencies: dict[str, Any] = {}
+    names: dict[str, str] = {}
+    if spec.limits.backend == "redis" and is_local_url(spec.limits.redis_url):
+        services["redis"] = _redis()
+        dependencies["redis"] = {"condition": "service_healthy"}
+        names["redis"] = "redis"
+    if spec.store.url and spec.store.url.startswith("postgres") and is_local_url(spec.store.url):
+        services["postgres"] = _postgres(spec.store.url)
+        dependencies["postgres"] = {"condition": "service_healthy"}
+        names["postgres"] = "postgres"
+    services = {"corral": _corral(spec, dependencies), **services}
+    services["prometheus"] = _prometheus()
+    volumes: dict[str, Any] = {"corral-home": {}, "huggingface": {}}
+    if "postgres" in services:
+        volumes["postgres-data"] = {}
+    document = {"services": services, "volumes": volumes}
+    header = f"Rendered by `corral deploy render --target compose` from {source}."
+    return {
+        "compose/compose.yaml": spec_yaml(document, header + "\nStart: docker compose -p corral up -d"),
+        "compose/cluster.yaml": spec_yaml(
+            container_spec(spec, port=_PORT, services=names),
+            header + "\nThe spec corral runs inside its container (services by their Compose names).",
+        ),
+        "compose/prometheus.yml": yaml.safe_dump(_prometheus_config(), sort_keys=False),
+    }
+
+
+def _corral(spec: ClusterSpec, dependencies: dict[str, Any]) -> dict[str, Any]:
+    vllm = uses_vllm(spec)
+    # An open gateway is reachable from this host only; a closed one (API keys) from the network.
+    bind = "127.0.0.1:" if spec.auth.open else ""
+    volumes = [
+        "./cluster.yaml:/etc/corral/cluster.yaml:ro",
+        f"corral-home:{_HOME}",
+        "huggingface:/root/.cache/huggingface",
+        *(f"{path}:{path}:ro" for path in local_model_paths(spec)),
+    ]
+    service: dict[str, Any] = {
+        "image": spec.deploy.vllm_image if vllm else spec.deploy.image,
+        "command": ["corral", "up", "-f", "/etc/corral/cluster.yaml"],
+        "ports": [f"{bind}{spec.gateway.port}:{_PORT}"],
+        "environment": {
+            "CORRAL_HOME": _HOME,
+            "CORRAL_ADMIN_KEY": "${CORRAL_ADMIN_KEY:-}",
+            "HF_TOKEN": "${HF_TOKEN:-}",
+        },
+        "volumes": volumes,
+        "healthcheck": {
+            "test": ["CMD", "python3", "-c", _probe(f"http://127.0.0.1:{_PORT}/ready")],
+            "interval": "10s",
+            "timeout": "5s",
+            "retries": 3,
+            "start_period": "600s" if vllm else "180s",
+        },
+        "restart": "unless-stopped",
+        "stop_grace_period": f"{int(spec.gateway.shutdown_grace + spec.supervisor.stop_timeout + 5)}s",
+    }
+    gpus = gpu_total(spec)
+    if gpus:
+        service["ipc"] = "host"  # vLLM's tensor-parallel workers share memory
+        service["deploy"] = {"resources": {"reservations": {"devices": [_gpu_reservation(spec, gpus)]}}}
+    if dependencies:
+        service["depends_on"] = dependencies
+    return service
+
+
+def _gpu_reservation(spec: ClusterSpec, count: int) -> dict[str, Any]:
+    ids = sorted(
+        {g for m in spec.models for d in m.deployments if d.engine == "vllm" and d.gpus for g in d.gpus}
+    )
+    device: dict[str, Any] = {"driver": "nvidia", "capabilities": ["gpu"]}
+    if len(ids) >= count:
+        device["device_ids"] = [str(g) for g in ids]
+    else:
+        device["count"] = count
+    return device
+
+
+def _probe(url: str) -> str:
+    return f"import urllib.request; urllib.request.urlopen('{url}', timeout=4)"
+
+
+def _redis() -> dict[str, Any]:
+    return {
+        "image": "redis:7",
+        "command": ["redis-server", "--save", "", "--appendonly", "no"],
+        "healthcheck": {
+            "test": ["CMD", "redis-cli", "ping"],
+            "interval": "5s",
+            "timeout": "3s",
+            "retries": 5,
+        },
+        "restart": "unless-stopped",
+    }
+
+
+def _postgres(url: str) -> dict[str, Any]:
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    database = parts.path.lstrip("/") or "corral"
+    user = parts.username or "postgres"
+    return {
+        "image": "postgres:16",
+        "environment": {
+            "POSTGRES_DB": database,
+            "POSTGRES_USER": user,
+            # Reached only on the project's network (no published port); set a password for anything more.
+            "POSTGRES_HOST_AUTH_METHOD": "trust",
+        },
+        "volumes": ["postgres-data:/var/lib/postgresql/data"],
+        "healthcheck": {
+            "test": ["CMD", "pg_isready", "-U", user, "-d", database],
+            "interval": "5s",
+            "timeout": "3s",
+            "retries": 10,
+        },
+        "restart": "unless-stopped",
+    }
+
+
+def _prometheus() -> dict[str, Any]:
+    return {
+        "image": "prom/prometheus:v2.53.0",
+        "profiles": ["watch"],
+        "volumes": ["./prometheus.yml:/etc/prometheus/prometheus.yml:ro"],
+        "ports": ["127.0.0.1:9090:9090"],
+        "depends_on": ["corral"],
+    }
+
+
+def _prometheus_config() -> dict[str, Any]:
+    return {
+        "global": {"scrape_interval": "15s"},
+        "scrape_configs": [{"job_name": "corral", "static_configs": [{"targets": [f"corral:{_PORT}"]}]}],
+    }

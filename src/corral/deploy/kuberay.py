@@ -1,0 +1,217 @@
+"""KubeRay: a RayCluster sized from the spec, and corral in front of it as a Kubernetes Deployment.
+
+corral's supervisor is the Ray driver: it joins the RayCluster's head through Ray Client and places each
+replica as an actor in a placement group (as `corral up --ray ADDRESS` does on hosts), so the replicas'
+lifecycle stays corral's, not Ray Serve's. Every pod runs `deploy.vllm_image`, which must hold vLLM, corral
+and the Ray version below: nothing is pip-installed at start-up.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import math
+from typing import Any
+
+from corral.config import ClusterSpec, DeploymentSpec
+from corral.deploy.spec_rewrite import RenderError, container_spec, dump_yaml, is_local_url, spec_yaml
+
+__all__ = ["render_kuberay"]
+
+_PORT = 8000
+_CLUSTER = "corral"
+_LABELS = {"app.kubernetes.io/name": "corral", "app.kubernetes.io/component": "gateway"}
+_FALLBACK_RAY = "2.40.0"
+
+
+def render_kuberay(spec: ClusterSpec, source: str) -> dict[str, str]:
+    _refuse_this_host(spec)
+    namespace = spec.deploy.namespace
+    address = f"ray://{_CLUSTER}-head-svc.{namespace}.svc.cluster.local:10001"
+    inner = container_spec(spec, port=_PORT, services={}, ray_address=address)
+    documents = [
+        {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}},
+        {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {"name": "corral-spec", "namespace": namespace},
+            "data": {"cluster.yaml": spec_yaml(inner, f"From {source}, for corral on KubeRay.")},
+        },
+        _ray_cluster(spec, namespace),
+        _deployment(spec, namespace),
+        _service(namespace),
+    ]
+    text = dump_yaml(documents, many=True)
+    header = (
+        f"# Rendered by `corral deploy render --target kuberay` from {source}.\n"
+        "# Needs the KubeRay operator (ray.io/v1) and the NVIDIA device plugin. Apply: kubectl apply -f "
+        "corral.yaml\n"
+    )
+    return {"kuberay/corral.yaml": header + text}
+
+
+def _refuse_this_host(spec: ClusterSpec) -> None:
+    """In a pod, 127.0.0.1 is the pod itself: services the spec finds on this host must be named anew."""
+    if spec.limits.backend == "redis" and is_local_url(spec.limits.redis_url):
+        raise RenderError(
+            f"kuberay: limits.redis_url {spec.limits.redis_url} is this host; in Kubernetes give the Redis "
+            "service's address, e.g. redis://redis.corral.svc.cluster.local:6379/0"
+        )
+    if spec.store.url and is_local_url(spec.store.url):
+        raise RenderError(
+            f"kuberay: store.url {spec.store.url} is this host; in Kubernetes give the database service's "
+            "address, e.g. postgresql://corral@postgres.corral.svc.cluster.local:5432/corral"
+        )
+
+
+def ray_version() -> str:
+    """The Ray version corral runs with: the image's Ray must be the same (Ray refuses other drivers)."""
+    try:
+        return importlib.metadata.version("ray")
+    except importlib.metadata.PackageNotFoundError:
+        return _FALLBACK_RAY
+
+
+def _ray_cluster(spec: ClusterSpec, namespace: str) -> dict[str, Any]:
+    image = spec.deploy.vllm_image
+    head = {
+        "rayStartParams": {"dashboard-host": "0.0.0.0", "num-gpus": "0"},
+        "template": {
+            "spec": {
+                "containers": [
+                    {
+                        "name": "ray-head",
+                        "image": image,
+                        "resources": _resources(cpu=2, memory_gib=8),
+                        "ports": [
+                            {"containerPort": 6379, "name": "gcs-server"},
+                            {"containerPort": 8265, "name": "dashboard"},
+                            {"containerPort": 10001, "name": "client"},
+                        ],
+                    }
+                ]
+            }
+        },
+    }
+    return {
+        "apiVersion": "ray.io/v1",
+        "kind": "RayCluster",
+        "metadata": {"name": _CLUSTER, "namespace": namespace},
+        "spec": {
+            "rayVersion": ray_version(),
+            "headGroupSpec": head,
+            "workerGroupSpecs": _worker_groups(spec, image),
+        },
+    }
+
+
+def _worker_groups(spec: ClusterSpec, image: str) -> list[dict[str, Any]]:
+    """One GPU group per node size (gpus_per_node) with enough nodes for every replica's TP×PP GPUs, and a
+    CPU group for engines without GPUs."""
+    gpu_need: dict[int, int] = {}
+    cpu_need = 0
+    for deployment in (d for m in spec.models for d in m.deployments):
+        if deployment.engine == "external":
+            continue
+        if _on_gpu(deployment):
+            per_node = deployment.gpus_per_node
+            gpu_need[per_node] = gpu_need.get(per_node, 0) + deployment.gpus_per_replica * deployment.replicas
+        else:
+            cpu_need += (deployment.threads or 1) * deployment.replicas
+    groups = [
+        _group(f"gpu-{per_node}", image, math.ceil(total / per_node), cpu=4 * per_node, gpus=per_node)
+        for per_node, total in sorted(gpu_need.items())
+    ]
+    if cpu_need:
+        groups.append(_group("cpu", image, 1, cpu=cpu_need + 1, gpus=0))
+    return groups
+
+
+def _on_gpu(deployment: DeploymentSpec) -> bool:
+    return deployment.engine == "vllm" and deployment.device == "gpu"
+
+
+def _group(name: str, image: str, nodes: int, cpu: int, gpus: int) -> dict[str, Any]:
+    container: dict[str, Any] = {
+        "name": "ray-worker",
+        "image": image,
+        "resources": _resources(cpu=cpu, memory_gib=max(8, 16 * gpus), gpus=gpus),
+        "volumeMounts": [{"name": "shm", "mountPath": "/dev/shm"}],
+    }
+    pod: dict[str, Any] = {
+        "containers": [container],
+        "volumes": [{"name": "shm", "emptyDir": {"medium": "Memory"}}],
+    }
+    if gpus:
+        pod["tolerations"] = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    return {
+        "groupName": name,
+        "replicas": nodes,
+        "minReplicas": nodes,
+        "maxReplicas": nodes,
+        "rayStartParams": {"num-gpus": str(gpus)},
+        "template": {"spec": pod},
+    }
+
+
+def _resources(cpu: int, memory_gib: int, gpus: int = 0) -> dict[str, Any]:
+    amounts: dict[str, Any] = {"cpu": str(cpu), "memory": f"{memory_gib}Gi"}
+    if gpus:
+        amounts["nvidia.com/gpu"] = str(gpus)
+    return {"requests": dict(amounts), "limits": dict(amounts)}
+
+
+def _deployment(spec: ClusterSpec, namespace: str) -> dict[str, Any]:
+    probe = {"httpGet": {"path": "/ready", "port": _PORT}, "periodSeconds": 10, "failureThreshold": 3}
+    container = {
+        "name": "corral",
+        "image": spec.deploy.vllm_image,
+        "command": ["corral", "up", "-f", "/etc/corral/cluster.yaml"],
+        "ports": [{"containerPort": _PORT, "name": "http"}],
+        "env": [
+            {"name": "CORRAL_HOME", "value": "/var/lib/corral"},
+            {
+                "name": "CORRAL_ADMIN_KEY",
+                "valueFrom": {"secretKeyRef": {"name": "corral-admin", "key": "key", "optional": True}},
+            },
+        ],
+        "readinessProbe": probe,
+        "startupProbe": {**probe, "failureThreshold": 90},
+        "livenessProbe": {"httpGet": {"path": "/health", "port": _PORT}, "periodSeconds": 10},
+        "volumeMounts": [
+            {"name": "spec", "mountPath": "/etc/corral"},
+            {"name": "home", "mountPath": "/var/lib/corral"},
+        ],
+        "resources": _resources(cpu=2, memory_gib=4),
+    }
+    grace = int(spec.gateway.shutdown_grace + spec.supervisor.stop_timeout + 5)
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": "corral", "namespace": namespace, "labels": _LABELS},
+        "spec": {
+            # One supervisor owns the replicas: a second would start them twice.
+            "replicas": 1,
+            "strategy": {"type": "Recreate"},
+            "selector": {"matchLabels": _LABELS},
+            "template": {
+                "metadata": {"labels": _LABELS},
+                "spec": {
+                    "terminationGracePeriodSeconds": grace,
+                    "containers": [container],
+                    "volumes": [
+                        {"name": "spec", "configMap": {"name": "corral-spec"}},
+                        {"name": "home", "emptyDir": {}},
+                    ],
+                },
+            },
+        },
+    }
+
+
+def _service(namespace: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": "corral", "namespace": namespace, "labels": _LABELS},
+        "spec": {"selector": _LABELS, "ports": [{"name": "http", "port": _PORT, "targetPort": _PORT}]},
+    }

@@ -1,0 +1,60 @@
+"""The NGINX edge: `corral.conf` (an http-block include) and a self-contained `nginx.conf` around it."""
+
+from __future__ import annotations
+
+import math
+
+from corral.config import ClusterSpec
+from corral.deploy.templates import render_template
+
+__all__ = ["render_nginx"]
+
+
+def render_nginx(spec: ClusterSpec, source: str) -> dict[str, str]:
+    """Files for the edge in front of the spec's gateway(s), keyed by their path under the output folder."""
+    edge = spec.deploy.edge
+    gateway = spec.gateway
+    default = f"{_host_for_proxy(gateway.host)}:{gateway.port}"
+    context = {
+        "source": source,
+        "gateways": edge.gateways or [default],
+        "port": edge.port,
+        "server_name": edge.server_name,
+        "cert": edge.cert,
+        "key": edge.key,
+        "hsts_max_age": edge.hsts_max_age,
+        "rate": _rate(edge.requests_per_second),
+        "requests_per_second": f"{edge.requests_per_second:g}",
+        "burst": edge.burst,
+        "connections_per_client": edge.connections_per_client,
+        "retry_after": max(1, math.ceil(1 / edge.requests_per_second)),
+        "fail_timeout": _seconds(edge.fail_timeout),
+        "max_body_bytes": gateway.max_body_bytes,
+        "body_timeout": _seconds(gateway.body_timeout),
+        "connect_timeout": _seconds(gateway.connect_timeout),
+        # The gateway answers 504 itself after read_timeout; the edge waits a little longer for that answer.
+        "read_timeout": _seconds(gateway.read_timeout + 5),
+    }
+    return {
+        "nginx/corral.conf": render_template("corral.conf.j2", context),
+        "nginx/nginx.conf": render_template("nginx.conf.j2", context),
+    }
+
+
+def _rate(per_second: float) -> str:
+    """NGINX takes whole requests per second or per minute."""
+    if per_second >= 1 and per_second == int(per_second):
+        return f"{int(per_second)}r/s"
+    return f"{max(1, round(per_second * 60))}r/m"
+
+
+def _seconds(value: float) -> int:
+    return max(1, math.ceil(value))
+
+
+def _host_for_proxy(host: str) -> str:
+    if host in {"0.0.0.0", ""}:
+        return "127.0.0.1"
+    if host == "::":
+        return "[::1]"
+    return f"[{host}]" if ":" in host else host

@@ -1,0 +1,106 @@
+"""The spec as corral sees it inside a container: services by their names, vLLM from the image."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import yaml
+
+from corral.config import ClusterSpec, LocalSource
+
+__all__ = [
+    "RenderError",
+    "container_spec",
+    "dump_yaml",
+    "gpu_total",
+    "is_local_url",
+    "local_model_paths",
+    "spec_yaml",
+    "uses_vllm",
+]
+
+
+class RenderError(ValueError):
+    """The spec cannot be rendered for this target as it is; the message says what to change."""
+
+
+class _Dumper(yaml.SafeDumper):
+    """Multi-line strings (a spec inside a ConfigMap) as readable literal blocks."""
+
+
+def _str(dumper: yaml.SafeDumper, value: str) -> yaml.Node:
+    style = "|" if "\n" in value else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
+
+
+_Dumper.add_representer(str, _str)
+
+
+def dump_yaml(data: Any, *, many: bool = False) -> str:
+    if many:
+        return yaml.dump_all(data, Dumper=_Dumper, sort_keys=False)
+    return yaml.dump(data, Dumper=_Dumper, sort_keys=False)
+
+
+def is_local_url(url: str) -> bool:
+    return (urlsplit(url).hostname or "") in {"localhost", "127.0.0.1", "::1"}
+
+
+def _with_host(url: str, host: str) -> str:
+    parts = urlsplit(url)
+    netloc = parts.netloc.rsplit("@", 1)
+    credentials = netloc[0] + "@" if len(netloc) == 2 else ""
+    port = f":{parts.port}" if parts.port else ""
+    return urlunsplit(parts._replace(netloc=f"{credentials}{host}{port}"))
+
+
+def uses_vllm(spec: ClusterSpec) -> bool:
+    return any(d.engine == "vllm" for m in spec.models for d in m.deployments)
+
+
+def gpu_total(spec: ClusterSpec) -> int:
+    return sum(
+        d.gpus_per_replica * d.replicas
+        for m in spec.models
+        for d in m.deployments
+        if d.engine == "vllm" and d.device == "gpu"
+    )
+
+
+def local_model_paths(spec: ClusterSpec) -> list[Path]:
+    return sorted({m.source.path for m in spec.models if isinstance(m.source, LocalSource)})
+
+
+def container_spec(
+    spec: ClusterSpec, *, port: int, services: dict[str, str], ray_address: str | None = None
+) -> dict[str, Any]:
+    """The spec for corral in a container: listening on all addresses (an open gateway says so: only the
+    port mapping exposes it), this host's Redis/PostgreSQL replaced by `services` (kind → host name), vLLM
+    run by the image's interpreter (never installed at start-up), and the Ray cluster's address."""
+    data = spec.model_dump(mode="json", exclude_defaults=True)
+    gateway = data.setdefault("gateway", {})
+    gateway.update(host="0.0.0.0", port=port)
+    gateway.pop("tls", None)  # TLS ends at the edge or the platform's ingress
+    if spec.auth.open:
+        data.setdefault("auth", {}).update(open=True, open_to_network=True)
+    if "redis" in services and spec.limits.backend == "redis" and is_local_url(spec.limits.redis_url):
+        data.setdefault("limits", {})["redis_url"] = _with_host(spec.limits.redis_url, services["redis"])
+    url = spec.store.url
+    if "postgres" in services and url and url.startswith("postgres") and is_local_url(url):
+        data.setdefault("store", {})["url"] = _with_host(url, services["postgres"])
+    for model in data["models"]:
+        for deployment in model["deployments"]:
+            if deployment["engine"] == "vllm":
+                deployment["binary"] = str(spec.deploy.vllm_python)
+                deployment.pop("vllm_package", None)
+    if ray_address is not None:
+        data["ray"] = {**data.get("ray", {}), "address": ray_address}
+    data.pop("deploy", None)
+    return data
+
+
+def spec_yaml(data: dict[str, Any], header: str) -> str:
+    body = dump_yaml(data)
+    return "".join(f"# {line}\n" for line in header.splitlines()) + body

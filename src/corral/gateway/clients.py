@@ -1,0 +1,80 @@
+"""Who the client is: its address through trusted proxies, and the access log that names it.
+
+Behind an NGINX edge every connection comes from the edge. The edge sets `X-Forwarded-For` to the address
+it saw; the gateway believes that header only from peers listed in `gateway.trusted_proxies`, and walks it
+from the right, skipping trusted hops, so a client cannot choose its own address by sending the header.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+
+from aiohttp.abc import AbstractAccessLogger
+from aiohttp.web_request import BaseRequest
+from aiohttp.web_response import StreamResponse
+
+__all__ = ["PROXY_HEADERS", "ClientAddresses", "access_logger"]
+
+PROXY_HEADERS = ("Forwarded", "X-Forwarded-For", "X-Real-IP")
+
+_Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+class ClientAddresses:
+    """Resolves a request's client address given the trusted proxies (addresses or CIDR networks)."""
+
+    def __init__(self, trusted: list[str]) -> None:
+        self._trusted: tuple[_Network, ...] = tuple(ipaddress.ip_network(t, strict=False) for t in trusted)
+
+    def trusts(self, address: str | None) -> bool:
+        if not self._trusted or not address:
+            return False
+        try:
+            ip = ipaddress.ip_address(address)
+        except ValueError:
+            return False
+        return any(ip in network for network in self._trusted)
+
+    def of(self, request: BaseRequest) -> str:
+        """The peer, or, when the peer is a trusted proxy, the nearest untrusted X-Forwarded-For hop."""
+        peer = request.remote or ""
+        if not self.trusts(peer):
+            return peer
+        hops = [h.strip() for h in request.headers.get("X-Forwarded-For", "").split(",") if h.strip()]
+        for hop in reversed(hops):
+            if not self.trusts(hop):
+                return hop
+        return hops[0] if hops else peer
+
+    def is_local(self, request: BaseRequest) -> bool:
+        """The client is on this machine: a loopback peer with no proxy in between, or a loopback client
+        named by a trusted proxy. A proxy the gateway does not trust makes every client remote."""
+        peer = request.remote or ""
+        if self.trusts(peer):
+            return _loopback(self.of(request))
+        return _loopback(peer) and not any(h in request.headers for h in PROXY_HEADERS)
+
+
+def _loopback(address: str) -> bool:
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return False
+
+
+def access_logger(addresses: ClientAddresses) -> type[AbstractAccessLogger]:
+    """An aiohttp access-logger class that writes one line per request under `corral.access`."""
+
+    class _AccessLogger(AbstractAccessLogger):
+        def log(self, request: BaseRequest, response: StreamResponse, time: float) -> None:
+            self.logger.info(
+                '%s "%s %s" %s %s %.3fs',
+                addresses.of(request),
+                request.method,
+                request.path,
+                response.status,
+                response.body_length,
+                time,
+            )
+
+    return _AccessLogger
