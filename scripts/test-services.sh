@@ -13,6 +13,16 @@ install() {
   fi
 }
 
+# Servers and checkers the deploy tests run for real: NGINX (the TLS edge), docker-compose (validates the
+# rendered Compose file; no Docker engine needed), systemd-analyze (verifies the rendered unit).
+missing=()
+command -v nginx >/dev/null || missing+=(nginx-light)
+command -v docker-compose >/dev/null || missing+=(docker-compose)
+command -v systemd-analyze >/dev/null || missing+=(systemd)
+if [ ${#missing[@]} -gt 0 ]; then install "${missing[@]}"; fi
+# Debian starts the packaged NGINX on port 80; the tests run their own instances.
+if [ -f /run/nginx.pid ] && command -v nginx >/dev/null; then nginx -s quit 2>/dev/null || true; fi
+
 command -v redis-server >/dev/null || install redis-server
 if ! redis-cli -h 127.0.0.1 ping >/dev/null 2>&1; then
   echo "starting redis"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import ssl
 import subprocess
 import sys
 import time
@@ -34,13 +35,14 @@ class RunningCluster:
     process: subprocess.Popen[bytes]
     url: str
     log: Path
+    tls: ssl.SSLContext | None = None
 
     @property
     def base_url(self) -> str:
         return self.url + "/v1"
 
     def status(self) -> dict:
-        return get_json(self.url + "/corral/status")[1]
+        return get_json(self.url + "/corral/status", context=self.tls)[1]
 
     def replica_pids(self) -> list[int]:
         return [r["pid"] for r in self.status()["replicas"] if r["pid"]]
@@ -52,25 +54,29 @@ class RunningCluster:
 
 
 def start_cluster(
-    tmp: Path, spec: Path = DATA / "cluster.yaml", ready_timeout: float = 120
+    tmp: Path,
+    spec: Path = DATA / "cluster.yaml",
+    ready_timeout: float = 120,
+    tls: ssl.SSLContext | None = None,
 ) -> RunningCluster:
     """Run `corral up -f spec` on a free port and wait until every replica is ready (/ready alone says every
-    model can serve: one replica each)."""
+    model can serve: one replica each). `tls`: the gateway serves HTTPS, checked with this client context."""
     port = free_port()
-    log = tmp / "corral-up.log"
+    log = tmp / f"corral-up-{spec.stem}-{port}.log"
     process = subprocess.Popen(
         [*CORRAL, "up", "-f", str(spec), "--port", str(port)],
         stdout=log.open("wb"),
         stderr=subprocess.STDOUT,
         env={**os.environ, "COLUMNS": "200"},
     )
-    cluster = RunningCluster(process, f"http://127.0.0.1:{port}", log)
+    scheme = "https" if tls is not None else "http"
+    cluster = RunningCluster(process, f"{scheme}://127.0.0.1:{port}", log, tls)
     deadline = time.monotonic() + ready_timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise RuntimeError(f"corral up exited early:\n{log.read_text()}")
         try:
-            if get_json(cluster.url + "/ready", timeout=1)[0] == 200 and all(
+            if get_json(cluster.url + "/ready", timeout=1, context=tls)[0] == 200 and all(
                 r["state"] == "ready" for r in cluster.status()["replicas"]
             ):
                 return cluster
@@ -82,11 +88,13 @@ def start_cluster(
 
 
 @contextmanager
-def cluster_of(tmp: Path, spec_text: str, name: str = "spec.yaml") -> Iterator[RunningCluster]:
+def cluster_of(
+    tmp: Path, spec_text: str, name: str = "spec.yaml", tls: ssl.SSLContext | None = None
+) -> Iterator[RunningCluster]:
     """`corral up` on a spec written from `spec_text`, ready, stopped (Ctrl-C) when the block ends."""
     spec = tmp / name
     spec.write_text(spec_text)
-    running = start_cluster(tmp, spec=spec)
+    running = start_cluster(tmp, spec=spec, tls=tls)
     try:
         yield running
     finally:
@@ -100,10 +108,10 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningCluster
     running.stop()
 
 
-def get_json(url: str, timeout: float = 5) -> tuple[int, dict]:
+def get_json(url: str, timeout: float = 5, context: ssl.SSLContext | None = None) -> tuple[int, dict]:
     """GET a JSON document: (status, body), for any status."""
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as response:
+        with urllib.request.urlopen(url, timeout=timeout, context=context) as response:
             return response.status, json.load(response)
     except urllib.error.HTTPError as err:
         return err.code, json.load(err)
@@ -119,3 +127,11 @@ def pid_alive(pid: int) -> bool:
             return f.read().split(")")[-1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def log_has(log: Path, text: str, timeout: float = 10) -> None:
+    """Wait until `text` is in the log file (a line is written after the event it reports)."""
+    deadline = time.monotonic() + timeout
+    while text not in log.read_text():
+        assert time.monotonic() < deadline, f"{text!r} not in {log}"
+        time.sleep(0.05)

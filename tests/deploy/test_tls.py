@@ -1,0 +1,135 @@
+"""Native TLS (`gateway.tls`) with the official openai client, and the client address through trusted
+proxies (`gateway.trusted_proxies`) as the access log and the admin API see it."""
+
+from __future__ import annotations
+
+import ssl
+import subprocess
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+from aiohttp.test_utils import make_mocked_request
+
+from corral.deploy import write_dev_certificates
+from corral.gateway.clients import ClientAddresses
+from tests.conftest import CORRAL, RunningCluster, cluster_of, log_has
+
+SPEC = """
+supervisor: {{probe_interval: 0.5}}
+auth: {{open: true}}
+gateway:
+  tls: {{cert: {tls}/server.crt, key: {tls}/server.key}}
+  trusted_proxies: [127.0.0.1]
+  access_log: true
+models:
+  - name: llama-8b
+    arch: llama-3.1-8b
+    deployments:
+      - {{engine: sim, replicas: 1, gpu: h100-sxm, time_scale: 20}}
+"""
+
+
+@pytest.fixture(scope="module")
+def tls_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("tls")
+    write_dev_certificates(folder, ["localhost", "127.0.0.1"])
+    return folder
+
+
+@pytest.fixture(scope="module")
+def https_cluster(tmp_path_factory: pytest.TempPathFactory, tls_dir: Path) -> Iterator[RunningCluster]:
+    context = ssl.create_default_context(cafile=tls_dir / "ca.crt")
+    with cluster_of(tmp_path_factory.mktemp("https"), SPEC.format(tls=tls_dir), tls=context) as running:
+        yield running
+
+
+def test_openai_client_verifies_the_certificate_plain_and_streamed(
+    https_cluster: RunningCluster, tls_dir: Path
+) -> None:
+    assert https_cluster.url.startswith("https://")
+    with openai.DefaultHttpxClient(verify=ssl.create_default_context(cafile=tls_dir / "ca.crt")) as http:
+        client = openai.OpenAI(base_url=https_cluster.base_url, api_key="none", http_client=http)
+        answer = client.chat.completions.create(
+            model="llama-8b", messages=[{"role": "user", "content": "hi"}], max_tokens=8
+        )
+        assert answer.choices[0].message.content and answer.usage and answer.usage.completion_tokens == 8
+        stream = client.chat.completions.create(
+            model="llama-8b", messages=[{"role": "user", "content": "hi"}], max_tokens=8, stream=True
+        )
+        text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+        assert text
+
+
+def test_a_client_that_does_not_trust_the_ca_is_refused(https_cluster: RunningCluster) -> None:
+    with openai.DefaultHttpxClient() as http:  # the system's CAs only
+        client = openai.OpenAI(
+            base_url=https_cluster.base_url, api_key="none", http_client=http, max_retries=0
+        )
+        with pytest.raises(openai.APIConnectionError) as caught:
+            client.models.list()
+    assert "CERTIFICATE_VERIFY_FAILED" in repr(caught.value.__cause__)
+
+
+def test_status_over_https_with_the_ca(https_cluster: RunningCluster, tls_dir: Path) -> None:
+    result = subprocess.run(
+        [*CORRAL, "status", "--url", https_cluster.url, "--ca-cert", str(tls_dir / "ca.crt"), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert result.returncode == 0, result.stderr
+    assert '"state": "ready"' in result.stdout
+
+
+def admin_status(cluster: RunningCluster, forwarded_for: str) -> int:
+    request = urllib.request.Request(cluster.url + "/admin/keys", headers={"X-Forwarded-For": forwarded_for})
+    try:
+        with urllib.request.urlopen(request, timeout=5, context=cluster.tls) as response:
+            return int(response.status)
+    except urllib.error.HTTPError as err:
+        return err.code
+
+
+def test_trusted_proxy_names_the_client_for_the_access_log_and_admin(https_cluster: RunningCluster) -> None:
+    # An open gateway without an admin key serves the admin API to local clients only: through the trusted
+    # proxy (this test, on 127.0.0.1) a remote client is refused and a local one served.
+    assert admin_status(https_cluster, "203.0.113.9") == 403
+    assert admin_status(https_cluster, "127.0.0.1") == 200
+    # The spoofed left-most hop is ignored: the nearest untrusted address counts.
+    assert admin_status(https_cluster, "127.0.0.1, 198.51.100.4") == 403
+    log_has(https_cluster.log, '203.0.113.9 "GET /admin/keys" 403')
+    log_has(https_cluster.log, '198.51.100.4 "GET /admin/keys" 403')
+
+
+def addresses_of(trusted: list[str], peer: str, forwarded: str | None) -> tuple[str, bool]:
+    headers = {"X-Forwarded-For": forwarded} if forwarded is not None else {}
+    request = make_mocked_request("GET", "/", headers=headers)
+    request = request.clone(remote=peer)
+    clients = ClientAddresses(trusted)
+    return clients.of(request), clients.is_local(request)
+
+
+def test_client_addresses_believe_forwarded_for_only_from_trusted_peers() -> None:
+    # No trusted proxies: the header is ignored, and a proxied loopback request is not local.
+    assert addresses_of([], "127.0.0.1", "203.0.113.9") == ("127.0.0.1", False)
+    assert addresses_of([], "127.0.0.1", None) == ("127.0.0.1", True)
+    # A trusted network: trusted hops are skipped from the right.
+    assert addresses_of(["10.0.0.0/8"], "10.1.2.3", "203.0.113.9, 10.9.9.9") == ("203.0.113.9", False)
+    assert addresses_of(["10.0.0.0/8"], "10.1.2.3", None) == ("10.1.2.3", False)
+    # A peer outside the trusted list: its header is not believed.
+    assert addresses_of(["10.0.0.0/8"], "192.0.2.1", "127.0.0.1") == ("192.0.2.1", False)
+    assert addresses_of(["::1"], "::1", "2001:db8::7") == ("2001:db8::7", False)
+
+
+def test_a_certificate_that_cannot_be_used_is_one_line_before_anything_starts(
+    tmp_path: Path, tls_dir: Path
+) -> None:
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(SPEC.format(tls=tls_dir).replace("server.key", "ca.key"))
+    result = subprocess.run([*CORRAL, "up", "-f", str(spec)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert "gateway.tls: cannot use" in result.stderr and "Traceback" not in result.stderr
