@@ -19,6 +19,8 @@ from corral.config import (
     AuthSettings,
     ClusterSpec,
     DeploymentSpec,
+    DeploySettings,
+    EdgeSettings,
     GatewaySettings,
     HuggingFaceSource,
     LimitsSettings,
@@ -29,6 +31,7 @@ from corral.config import (
     RaySettings,
     StoreSettings,
     SupervisorSettings,
+    TLSSettings,
 )
 
 __all__ = ["CLOSED_GATEWAY_EXAMPLE", "SECTIONS", "spec_reference"]
@@ -42,12 +45,15 @@ SECTIONS: tuple[tuple[str, type[BaseModel]], ...] = (
     ("models[].source: a PyPI package", PyPISource),
     ("models[].deployments[]", DeploymentSpec),
     ("gateway", GatewaySettings),
+    ("gateway.tls", TLSSettings),
     ("supervisor", SupervisorSettings),
     ("auth", AuthSettings),
     ("store", StoreSettings),
     ("limits", LimitsSettings),
     ("queue", QueueSettings),
     ("ray", RaySettings),
+    ("deploy", DeploySettings),
+    ("deploy.edge", EdgeSettings),
 )
 
 CLOSED_GATEWAY_EXAMPLE = """\
