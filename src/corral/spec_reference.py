@@ -75,7 +75,7 @@ models:
 _HEADER = """\
 # The cluster spec reference
 
-<!-- Generated from src/corral/config.py by `corral spec explain`; a test fails when this file is stale. -->
+<!-- Generated from src/corral/config/ by `corral spec explain`; a test fails when this file is stale. -->
 
 `corral up -f cluster.yaml` runs the cluster a spec declares; `corral spec check -f cluster.yaml` only
 validates it. Unknown fields are refused, and every problem is reported with its file, line and field.

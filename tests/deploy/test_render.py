@@ -19,10 +19,12 @@ gateway: {host: 127.0.0.1, port: 8000, max_body_bytes: 2097152, body_timeout: 12
 limits: {backend: redis}
 store: {url: "postgresql://postgres@127.0.0.1:5432/test"}
 deploy:
-  edge: {port: 8443, gateways: ["127.0.0.1:8001", "127.0.0.1:8002"], requests_per_second: 5, burst: 3,
+  edge: {port: 8443, server_name: llm.example.com, hsts_max_age: 600,
+         gateways: ["127.0.0.1:8001", "127.0.0.1:8002"], requests_per_second: 5, burst: 3,
          connections_per_client: 7, fail_timeout: 4}
   vllm_image: registry.example/corral-vllm:1
   user: llm
+  namespace: inference
 models:
   - name: llama
     source: {hf: meta-llama/Llama-3.1-8B-Instruct}
@@ -95,13 +97,22 @@ def test_nginx_config_passes_nginx_t_and_carries_the_spec(tmp_path: Path) -> Non
         "proxy_next_upstream error timeout;",
         "ssl_protocols TLSv1.2 TLSv1.3;",
         "listen 8443 ssl http2;",
-        'add_header Strict-Transport-Security "max-age=63072000" always;',
+        'add_header Strict-Transport-Security "max-age=600" always;',
+        "server_name llm.example.com;",
     ):
         assert line in conf, line
     assert "event-stream" not in conf.split("gzip_types")[1].splitlines()[0]  # SSE is never gzipped
     next_upstream = [line for line in conf.splitlines() if line.strip().startswith("proxy_next_upstream ")]
     # Never non_idempotent: a POST that reached a gateway is never sent to another.
     assert next_upstream == ["        proxy_next_upstream error timeout;"]
+
+
+def test_nginx_without_hsts_and_with_a_slow_rate(tmp_path: Path) -> None:
+    spec = CPU_SPEC + "deploy: {edge: {hsts_max_age: 0, requests_per_second: 0.5}}\n"
+    conf = (rendered(tmp_path, "nginx", spec) / "nginx" / "corral.conf").read_text()
+    assert "Strict-Transport-Security" not in conf
+    assert "rate=30r/m;" in conf and "add_header Retry-After 2 always;" in conf
+    assert "server 127.0.0.1:8000 max_fails=1" in conf  # no gateways listed: the spec's own
 
 
 def test_nginx_t_fails_on_a_broken_certificate_path(tmp_path: Path) -> None:
@@ -203,6 +214,7 @@ def test_compose_publishes_an_open_gateway_on_loopback_only(tmp_path: Path) -> N
     assert result.returncode == 0, result.stderr
     corral = yaml.safe_load(result.stdout)["services"]["corral"]
     assert corral["ports"] == ["127.0.0.1:8000:8000/tcp"]
+    assert corral["image"] == "corral:0.1.0"  # deploy.image: no vLLM in this spec
     assert "deploy" not in corral
     inner = parse_spec((out / "cluster.yaml").read_text())
     assert inner.auth.open and inner.auth.open_to_network
@@ -247,9 +259,10 @@ def test_kuberay_manifests_validate_against_the_crd(tmp_path: Path) -> None:
     deployment = documents[3]["spec"]["template"]["spec"]["containers"][0]
     assert deployment["readinessProbe"]["httpGet"]["path"] == "/ready"
     inner = parse_spec(documents[1]["data"]["cluster.yaml"])
-    assert (
-        inner.ray is not None and inner.ray.address == "ray://corral-head-svc.corral.svc.cluster.local:10001"
-    )
+    assert inner.ray is not None
+    assert inner.ray.address == "ray://corral-head-svc.inference.svc.cluster.local:10001"
+    assert documents[0]["metadata"]["name"] == "inference"
+    assert {d["metadata"].get("namespace") for d in documents[1:]} == {"inference"}
     # The schema check could fail: a malformed group is refused.
     groups["gpu-4"]["replicas"] = "two"
     assert list(validator.iter_errors(cluster))

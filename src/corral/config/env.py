@@ -1,0 +1,45 @@
+"""The process environment: where corral keeps its cache, and the admin key. The only reader of it."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Paths:
+    """Where corral keeps its cache (models, engine builds) and replica logs."""
+
+    home: Path
+
+    @classmethod
+    def from_env(cls) -> Paths:
+        """`CORRAL_HOME`, else `$XDG_CACHE_HOME/corral`, else `~/.cache/corral`."""
+        explicit = os.environ.get("CORRAL_HOME")
+        if explicit:
+            return cls(Path(explicit).expanduser())
+        xdg = os.environ.get("XDG_CACHE_HOME")
+        base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+        return cls(base / "corral")
+
+    @property
+    def models(self) -> Path:
+        return self.home / "models"
+
+    @property
+    def engines(self) -> Path:
+        return self.home / "engines"
+
+    @property
+    def logs(self) -> Path:
+        return self.home / "logs"
+
+    @property
+    def database_url(self) -> str:
+        return f"sqlite:///{self.home / 'corral.db'}"
+
+
+def admin_key_from_env(configured: str | None) -> str | None:
+    """The admin key: `CORRAL_ADMIN_KEY` if set, else the spec's."""
+    return os.environ.get("CORRAL_ADMIN_KEY") or configured

