@@ -36,13 +36,14 @@ class RunningCluster:
     url: str
     log: Path
     tls: ssl.SSLContext | None = None
+    admin_key: str | None = None
 
     @property
     def base_url(self) -> str:
         return self.url + "/v1"
 
     def status(self) -> dict:
-        return get_json(self.url + "/corral/status", context=self.tls)[1]
+        return get_json(self.url + "/corral/status", context=self.tls, key=self.admin_key)[1]
 
     def replica_pids(self) -> list[int]:
         return [r["pid"] for r in self.status()["replicas"] if r["pid"]]
@@ -58,6 +59,7 @@ def start_cluster(
     spec: Path = DATA / "cluster.yaml",
     ready_timeout: float = 120,
     tls: ssl.SSLContext | None = None,
+    admin_key: str | None = None,
 ) -> RunningCluster:
     """Run `corral up -f spec` on a free port and wait until every replica is ready (/ready alone says every
     model can serve: one replica each). `tls`: the gateway serves HTTPS, checked with this client context."""
@@ -70,7 +72,7 @@ def start_cluster(
         env={**os.environ, "COLUMNS": "200"},
     )
     scheme = "https" if tls is not None else "http"
-    cluster = RunningCluster(process, f"{scheme}://127.0.0.1:{port}", log, tls)
+    cluster = RunningCluster(process, f"{scheme}://127.0.0.1:{port}", log, tls, admin_key)
     deadline = time.monotonic() + ready_timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
@@ -89,12 +91,16 @@ def start_cluster(
 
 @contextmanager
 def cluster_of(
-    tmp: Path, spec_text: str, name: str = "spec.yaml", tls: ssl.SSLContext | None = None
+    tmp: Path,
+    spec_text: str,
+    name: str = "spec.yaml",
+    tls: ssl.SSLContext | None = None,
+    admin_key: str | None = None,
 ) -> Iterator[RunningCluster]:
     """`corral up` on a spec written from `spec_text`, ready, stopped (Ctrl-C) when the block ends."""
     spec = tmp / name
     spec.write_text(spec_text)
-    running = start_cluster(tmp, spec=spec, tls=tls)
+    running = start_cluster(tmp, spec=spec, tls=tls, admin_key=admin_key)
     try:
         yield running
     finally:
@@ -108,10 +114,14 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningCluster
     running.stop()
 
 
-def get_json(url: str, timeout: float = 5, context: ssl.SSLContext | None = None) -> tuple[int, dict]:
+def get_json(
+    url: str, timeout: float = 5, context: ssl.SSLContext | None = None, key: str | None = None
+) -> tuple[int, dict]:
     """GET a JSON document: (status, body), for any status."""
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
     try:
-        with urllib.request.urlopen(url, timeout=timeout, context=context) as response:
+        request = urllib.request.Request(url, headers=headers)
+        with urllib.request.urlopen(request, timeout=timeout, context=context) as response:
             return response.status, json.load(response)
     except urllib.error.HTTPError as err:
         return err.code, json.load(err)

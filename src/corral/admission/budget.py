@@ -19,11 +19,13 @@ class BudgetTracker:
         self._refresh = refresh_s
         self._used: dict[str, tuple[int, float]] = {}  # key id → (tokens this month, read at)
         self._local: dict[str, int] = {}  # settled here since the last read
+        self._budgets: dict[str, tuple[str, int]] = {}  # key id → (tenant, monthly budget)
 
     async def check(self, principal: Principal, tokens: int) -> None:
         budget, key = principal.monthly_token_budget, principal.key_id
         if budget is None or key is None:
             return
+        self._budgets[key] = (principal.tenant, budget)
         used = await self._month_tokens(key)
         if used + tokens > budget:
             now = datetime.now(UTC)
@@ -35,6 +37,15 @@ class BudgetTracker:
                 code="insufficient_quota",
                 retry_after=(next_month - now).total_seconds(),
             )
+
+    def spent(self) -> list[tuple[str, str, float]]:
+        """(tenant, key id, share of the monthly budget used) for each budgeted key seen here."""
+        out = []
+        for key, (tenant, budget) in self._budgets.items():
+            cached = self._used.get(key)
+            used = (cached[0] if cached else 0) + self._local.get(key, 0)
+            out.append((tenant, key, used / budget))
+        return out
 
     def add(self, principal: Principal, tokens: int) -> None:
         if principal.monthly_token_budget is not None and principal.key_id is not None:

@@ -6,6 +6,7 @@ Each command module registers itself on the shared typer app; nothing else impor
 from corral.cli import bench as _bench
 from corral.cli import deploy as _deploy
 from corral.cli import keys as _keys
+from corral.cli import observe as _observe
 from corral.cli import plan as _plan
 from corral.cli import sim as _sim
 from corral.cli import spec as _spec
@@ -15,4 +16,4 @@ from corral.cli.app import app, main
 
 __all__ = ["app", "main"]
 
-_COMMANDS = (_up, _keys, _plan, _sim, _bench, _deploy, _spec, _worker)
+_COMMANDS = (_up, _keys, _plan, _sim, _bench, _deploy, _observe, _spec, _worker)

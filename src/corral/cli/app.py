@@ -40,6 +40,7 @@ __all__ = [
 COMMAND_ORDER = (
     "up",
     "status",
+    "top",
     "prepare",
     "keys",
     "usage",
@@ -47,6 +48,7 @@ COMMAND_ORDER = (
     "sim",
     "bench",
     "deploy",
+    "observe",
     "spec",
     "version",
 )

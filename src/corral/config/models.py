@@ -174,6 +174,15 @@ class DeploymentSpec(Strict):
         return False
 
 
+class ModelSLO(Strict):
+    """Latency objectives of one model, seconds at the 95th percentile; alert rules fire above them."""
+
+    ttft_p95: Annotated[float, Field(gt=0, description="time to first token, p95, seconds")] | None = None
+    itl_p95: Annotated[float, Field(gt=0, description="time between output tokens, p95, seconds")] | None = (
+        None
+    )
+
+
 class ModelSpec(Strict):
     """A model served under one name, by one or more deployments."""
 
@@ -191,6 +200,9 @@ class ModelSpec(Strict):
         default=None, description="routing policy; gateway's default if unset"
     )
     tokenizer: Path | None = Field(default=None, description="tokenizer.json: count input tokens exactly")
+    slo: ModelSLO | None = Field(
+        default=None, description="latency objectives; `corral observe render` alerts when they are missed"
+    )
     mid_stream_failover: Literal["deterministic", "always", "never"] = Field(
         default="deterministic",
         description="continue a stream cut mid-answer on another replica: for temperature-0 requests, for "

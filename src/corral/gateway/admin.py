@@ -23,10 +23,12 @@ __all__ = ["AdminViews"]
 
 
 class AdminViews:
-    def __init__(self, services: GatewayServices, router: Router, clients: ClientAddresses) -> None:
+    def __init__(
+        self, services: GatewayServices, router: Router, clients: ClientAddresses | None = None
+    ) -> None:
         self._services = services
         self._router = router
-        self._clients = clients
+        self._clients = clients or ClientAddresses([])  # no trusted proxies: any proxy header is remote
 
     def add_routes(self, app: web.Application) -> None:
         app.router.add_get("/admin/keys", self.list_keys)
@@ -45,6 +47,10 @@ class AdminViews:
             return self._services.open_access and self._clients.is_local(request)
         scheme, _, given = (request.headers.get("Authorization") or "").partition(" ")
         return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), expected.encode())
+
+    def check(self, request: web.Request) -> None:
+        """Refuse (401/403) a request that is not the admin's."""
+        self._check(request)
 
     def _check(self, request: web.Request) -> None:
         if self.is_admin(request):

@@ -50,7 +50,7 @@ def build_app(
     app = web.Application(middlewares=[_error_boundary], client_max_size=settings.max_body_bytes)
     admin = AdminViews(services, router, ClientAddresses(settings.trusted_proxies))
     status = _StatusViews(router, services, admin, started_at=time.time(), worker=worker)
-    metrics = GatewayMetrics(router, services.queue.depths, metrics_dir)
+    metrics = GatewayMetrics(router, services.queue.depths, metrics_dir, services.budget.spent)
     # The generation routes first: aiohttp tries resources in the order they were added.
     app.router.add_post("/v1/chat/completions", _chat_completions)
     app.router.add_post("/v1/completions", _completions)
@@ -59,6 +59,7 @@ def build_app(
     app.router.add_get("/v1/models", status.models)
     app.router.add_get("/v1/models/{model:.+}", status.model)
     app.router.add_get("/corral/status", status.replica_status)
+    app.router.add_get("/corral/sd", status.service_discovery)
 
     async def metrics_view(request: web.Request) -> web.Response:
         return web.Response(body=metrics.exposition(), content_type="text/plain", charset="utf-8")
@@ -191,6 +192,25 @@ class _StatusViews:
         return web.json_response(
             {"id": name, "object": "model", "created": int(self._started_at), "owned_by": "corral"}
         )
+
+    async def service_discovery(self, request: web.Request) -> web.Response:
+        """Prometheus HTTP service discovery: each replica that exports engine metrics, with its model,
+        replica id and engine as labels (admin only: it names the replicas' addresses)."""
+        self._admin.check(request)
+        targets = [
+            {
+                "targets": [r.url.split("://", 1)[-1].split("/", 1)[0]],
+                "labels": {
+                    "model": r.model,
+                    "replica": r.id,
+                    "engine": r.engine,
+                    "__metrics_path__": "/metrics",
+                },
+            }
+            for r in self._replicas
+            if r.url and r.engine != "external"
+        ]
+        return web.json_response(targets)
 
     async def replica_status(self, request: web.Request) -> web.Response:
         if self._admin.is_admin(request):

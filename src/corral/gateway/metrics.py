@@ -15,13 +15,15 @@ from pathlib import Path
 from typing import ClassVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
-from corral.routing import CircuitState, Router
+from corral.routing import CircuitState, ReplicaState, Router
 
-__all__ = ["GatewayMetrics", "ModelMetrics"]
+__all__ = ["GatewayMetrics", "ModelMetrics", "TenantMetrics"]
+
+BudgetsSpent = Callable[[], list[tuple[str, str, float]]]  # (tenant, key id, share of the monthly budget)
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _TOKEN_LATENCY = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1.0)
@@ -33,7 +35,11 @@ _STATE_INTERVAL_S = 1.0  # how often a worker publishes its replica and queue ga
 
 class GatewayMetrics:
     def __init__(
-        self, router: Router, queue_depths: Callable[[], dict[str, int]], shared_dir: Path | None = None
+        self,
+        router: Router,
+        queue_depths: Callable[[], dict[str, int]],
+        shared_dir: Path | None = None,
+        budgets: BudgetsSpent | None = None,
     ) -> None:
         self._shared_dir = shared_dir
         self._ticker: asyncio.Task[None] | None = None
@@ -97,13 +103,26 @@ class GatewayMetrics:
             ["model"],
             registry=r,
         )
-        self._state = _StateCollector(router, queue_depths)
+        self.tenant_requests = Counter(
+            "corral_tenant_requests",
+            "Requests finished, by tenant and HTTP status.",
+            ["tenant", "status"],
+            registry=r,
+        )
+        self.tenant_tokens = Counter(
+            "corral_tenant_tokens",
+            "Tokens of answered requests, by tenant and kind.",
+            ["tenant", "kind"],
+            registry=r,
+        )
+        self._state = _StateCollector(router, queue_depths, budgets or (lambda: []))
         self._published: _PublishedState | None = None
         if shared_dir is None:
             r.register(self._state)
         else:
             self._published = _PublishedState(r)
         self._models: dict[str, ModelMetrics] = {}
+        self._tenants: dict[str, TenantMetrics] = {}
 
     def exposition(self) -> bytes:
         """The text Prometheus scrapes: this process's figures, or all workers' summed."""
@@ -128,6 +147,12 @@ class GatewayMetrics:
         while True:
             self._published.update(self._state.collect())
             await asyncio.sleep(_STATE_INTERVAL_S)
+
+    def tenant(self, name: str) -> TenantMetrics:
+        found = self._tenants.get(name)
+        if found is None:
+            found = self._tenants[name] = TenantMetrics(self, name)
+        return found
 
     def of(self, model: str) -> ModelMetrics:
         """The labelled children for one model, made once (label lookups are slow on the hot path)."""
@@ -173,12 +198,55 @@ class ModelMetrics:
         self._rejections.labels(self.model, reason).inc()
 
 
-class _StateCollector(Collector):
-    """Replica and queue gauges, read when Prometheus scrapes."""
+class TenantMetrics:
+    """One tenant's metric children: requests by status, tokens by kind."""
 
-    def __init__(self, router: Router, queue_depths: Callable[[], dict[str, int]]) -> None:
+    def __init__(self, metrics: GatewayMetrics, tenant: str) -> None:
+        self._requests = metrics.tenant_requests
+        self.tenant = tenant
+        self.input_tokens = metrics.tenant_tokens.labels(tenant, "input")
+        self.output_tokens = metrics.tenant_tokens.labels(tenant, "output")
+        self._by_status: dict[int, Counter] = {}
+
+    def finished(self, status: int, input_tokens: int, output_tokens: int) -> None:
+        counter = self._by_status.get(status)
+        if counter is None:
+            counter = self._by_status[status] = self._requests.labels(self.tenant, str(status))
+        counter.inc()
+        if status < 400:
+            self.input_tokens.inc(input_tokens)
+            self.output_tokens.inc(output_tokens)
+
+
+_ENGINE_GAUGES = (
+    ("running", "Sequences the engine is running (its own figure).", "running"),
+    ("waiting", "Sequences waiting inside the engine.", "waiting"),
+    ("kv_cache_usage_ratio", "Share of the engine's KV cache in use (0-1).", "kv_usage"),
+)
+_ENGINE_COUNTERS = (
+    ("prompt_tokens", "Prompt tokens the engine processed since it started.", "prompt_tokens_total"),
+    ("generated_tokens", "Tokens the engine generated since it started.", "generated_tokens_total"),
+    (
+        "prefix_cache_queries",
+        "Prompt tokens looked up in the engine's prefix cache.",
+        "prefix_cache_queries_total",
+    ),
+    ("prefix_cache_hits", "Prompt tokens found in the engine's prefix cache.", "prefix_cache_hits_total"),
+    ("preemptions", "Sequences the engine preempted.", "preemptions_total"),
+)
+
+
+class _StateCollector(Collector):
+    """Replica, engine and queue series, read when Prometheus scrapes. Engine figures are each replica's
+    last scraped load in one shape for every engine (vLLM, llama.cpp, the simulator), so dashboards and
+    alerts never depend on one engine's metric names."""
+
+    def __init__(
+        self, router: Router, queue_depths: Callable[[], dict[str, int]], budgets: BudgetsSpent
+    ) -> None:
         self._router = router
         self._queue_depths = queue_depths
+        self._budgets = budgets
 
     def collect(self) -> Iterator[Metric]:
         outstanding = GaugeMetricFamily(
@@ -203,6 +271,53 @@ class _StateCollector(Collector):
         for model, size in self._queue_depths().items():
             depth.add_metric([model], size)
         yield from (outstanding, ready, circuit, depth)
+        yield from self._replica_families()
+        yield from self._engine_families()
+        budget = GaugeMetricFamily(
+            "corral_key_budget_used_ratio",
+            "Share of a key's monthly token budget used (keys with a budget this gateway served).",
+            labels=["tenant", "key"],
+        )
+        for tenant, key, ratio in self._budgets():
+            budget.add_metric([tenant, key], ratio)
+        yield budget
+
+    def _replica_families(self) -> Iterator[Metric]:
+        state = GaugeMetricFamily(
+            "corral_replica_state", "1 for the replica's current state.", labels=["model", "replica", "state"]
+        )
+        restarts = CounterMetricFamily(
+            "corral_replica_restarts",
+            "Times the supervisor restarted the replica.",
+            labels=["model", "replica"],
+        )
+        for replica in self._router.replicas:
+            for name in ReplicaState:
+                state.add_metric(
+                    [replica.model, replica.id, str(name)], 1.0 if replica.state is name else 0.0
+                )
+            restarts.add_metric([replica.model, replica.id], replica.restarts)
+        yield from (state, restarts)
+
+    def _engine_families(self) -> Iterator[Metric]:
+        labels = ["model", "replica"]
+        families: list[tuple[GaugeMetricFamily | CounterMetricFamily, str]] = [
+            (GaugeMetricFamily(f"corral_engine_{n}", doc, labels=labels), f) for n, doc, f in _ENGINE_GAUGES
+        ]
+        families += [
+            (CounterMetricFamily(f"corral_engine_{n}", doc, labels=labels), f)
+            for n, doc, f in _ENGINE_COUNTERS
+        ]
+        for replica in self._router.replicas:
+            load = replica.load
+            if load is None:
+                continue
+            for family, attribute in families:
+                value = getattr(load, attribute)
+                if value is not None:
+                    family.add_metric([replica.model, replica.id], float(value))
+        for family, _ in families:
+            yield family
 
 
 class _PublishedState:
@@ -213,7 +328,8 @@ class _PublishedState:
         "corral_replica_ready": "max",
         "corral_circuit_state": "max",
         "corral_queue_depth": "livesum",
-    }
+        "corral_key_budget_used_ratio": "max",
+    }  # every other family (replica state, engine load: the same snapshot in every worker): max
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self._gauges: dict[str, Gauge] = {}
@@ -222,23 +338,26 @@ class _PublishedState:
 
     def update(self, families: Iterator[Metric]) -> None:
         for family in families:
-            gauge = self._gauges.get(family.name)
+            # A counter is published as a gauge (the supervisor's count, not this worker's) under the
+            # name a single process exports (`_total`).
+            name = family.name + "_total" if family.type == "counter" else family.name
+            gauge = self._gauges.get(name)
             if gauge is None:
                 if not family.samples:
                     continue
                 labels = list(family.samples[0].labels)
-                gauge = self._gauges[family.name] = Gauge(
-                    family.name,
+                gauge = self._gauges[name] = Gauge(
+                    name,
                     family.documentation,
                     labels,
                     registry=self._registry,
-                    multiprocess_mode=self._MODES[family.name],  # type: ignore[arg-type]
+                    multiprocess_mode=self._MODES.get(name, "max"),  # type: ignore[arg-type]
                 )
             now = set()
             for sample in family.samples:
                 key = tuple(sample.labels.values())
                 gauge.labels(*key).set(sample.value)
                 now.add(key)
-            for gone in self._set.get(family.name, set()) - now:  # a replica or queue that left: 0
+            for gone in self._set.get(name, set()) - now:  # a replica or queue that left: 0
                 gauge.labels(*gone).set(0)
-            self._set[family.name] = now
+            self._set[name] = now

@@ -253,6 +253,7 @@ class Pipeline:
         model = ctx.model
         m = self._metrics.of(model)
         m.finished(status, latency)
+        self._metrics.tenant(principal.tenant).finished(status, input_tokens, output_tokens)
         if status < 400:
             m.input_tokens.inc(input_tokens)
             m.output_tokens.inc(output_tokens)

@@ -1,0 +1,84 @@
+"""`corral observe render` (dashboards, alert rules, Prometheus and Grafana files) and `corral top`."""
+
+from __future__ import annotations
+
+import ssl
+import time
+import urllib.error
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from corral.cli.app import FlagsCommand, FlagsGroup, app, console, fail
+from corral.config import admin_key_from_env
+
+__all__ = ["observe_app"]
+
+observe_app = typer.Typer(
+    help="Grafana dashboards, Prometheus alert rules and scrape configuration for a spec.",
+    cls=FlagsGroup,
+    no_args_is_help=True,
+)
+app.add_typer(observe_app, name="observe")
+
+
+@observe_app.command("render", cls=FlagsCommand)
+def render_command(
+    file: Annotated[Path, typer.Option("--file", "-f", help="the cluster spec YAML")],
+    output: Annotated[Path, typer.Option("--output", "-o", help="folder to write the files into")],
+    scrape_interval: Annotated[
+        str, typer.Option(help="Prometheus scrape and rule evaluation interval, e.g. 15s")
+    ] = "15s",
+) -> None:
+    """Write dashboards (Grafana JSON), alert rules, prometheus.yml and Grafana provisioning files."""
+    from corral.config import SpecError, load_spec
+    from corral.deploy import write_rendered
+    from corral.observe import render_observability
+
+    try:
+        spec = load_spec(file)
+    except SpecError as exc:
+        fail(str(exc), 2)
+    for path in write_rendered(render_observability(spec, str(file), output, scrape_interval), output):
+        console.print(f"wrote {path}", markup=False, highlight=False, soft_wrap=True)
+
+
+@app.command(cls=FlagsCommand)
+def top(
+    url: Annotated[str, typer.Option(help="the gateway's base URL")] = "http://127.0.0.1:8000",
+    interval: Annotated[float, typer.Option(min=0.1, help="seconds between refreshes")] = 2.0,
+    iterations: Annotated[
+        int, typer.Option(min=0, help="stop after this many refreshes (0: until Ctrl-C)")
+    ] = 0,
+    admin_key: Annotated[
+        str | None, typer.Option(help="the admin key (default: $CORRAL_ADMIN_KEY) for a closed gateway")
+    ] = None,
+    ca_cert: Annotated[
+        Path | None, typer.Option(help="PEM CA certificate to trust for an https URL (a private CA)")
+    ] = None,
+) -> None:
+    """A live view of a running cluster: rates, latency percentiles and every replica's load."""
+    from rich.live import Live
+
+    from corral.observe.top import TopClient, render_frame
+
+    try:
+        context = ssl.create_default_context(cafile=ca_cert) if ca_cert is not None else None
+    except (OSError, ssl.SSLError) as exc:
+        fail(f"--ca-cert {ca_cert}: {getattr(exc, 'strerror', None) or exc}", 2)
+    client = TopClient(url, admin_key or admin_key_from_env(None), context)
+    before = None
+    with Live(console=console, auto_refresh=False, transient=False) as live:
+        count = 0
+        while iterations == 0 or count < iterations:
+            try:
+                now = client.sample()
+            except urllib.error.HTTPError as exc:
+                fail(f"{url} answered {exc.code}: a closed gateway needs --admin-key or $CORRAL_ADMIN_KEY")
+            except (urllib.error.URLError, OSError) as exc:
+                fail(f"no corral gateway answers at {url}: {getattr(exc, 'reason', exc)}")
+            live.update(render_frame(now, before), refresh=True)
+            before, count = now, count + 1
+            if iterations == 0 or count < iterations:
+                time.sleep(interval)

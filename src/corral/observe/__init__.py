@@ -1,0 +1,102 @@
+"""Watching a cluster: Grafana dashboards, Prometheus alert rules and scrape configuration, rendered from
+a spec (`corral observe render`). Tools: nothing here imports the gateway."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from corral.config import ClusterSpec
+from corral.observe.dashboards import DASHBOARDS, PanelQuery, dashboard_json, panel_queries
+from corral.observe.rules import AlertRule, alert_rules, rules_yaml
+
+__all__ = [
+    "DASHBOARDS",
+    "AlertRule",
+    "PanelQuery",
+    "alert_rules",
+    "dashboard_json",
+    "panel_queries",
+    "prometheus_config",
+    "render_observability",
+]
+
+GATEWAY_JOB = "corral-gateway"
+RULES_FILE = "prometheus/rules/corral.rules.yml"
+
+
+def prometheus_config(spec: ClusterSpec, rules: Path, scrape_interval: str = "15s") -> dict[str, Any]:
+    """Scrape the gateway (its /metrics carries every replica's engine load as corral series), the engines
+    directly through the gateway's HTTP service discovery, and dcgm-exporter on GPU deployments."""
+    host = spec.gateway.host if spec.gateway.host not in {"0.0.0.0", "::", ""} else "127.0.0.1"
+    gateway = f"{host}:{spec.gateway.port}"
+    scheme = "https" if spec.gateway.tls is not None else "http"
+    discovery: dict[str, Any] = {"url": f"{scheme}://{gateway}/corral/sd", "refresh_interval": "30s"}
+    if not spec.auth.open:
+        # The replica list is the admin's: put the admin key in admin.key beside prometheus.yml. The type
+        # is written out: Prometheus 2.42 (Debian 12) sends the bare key without it.
+        discovery["authorization"] = {"type": "Bearer", "credentials_file": "admin.key"}
+    jobs: list[dict[str, Any]] = [
+        {"job_name": GATEWAY_JOB, "scheme": scheme, "static_configs": [{"targets": [gateway]}]},
+        {"job_name": "corral-engines", "http_sd_configs": [discovery]},
+    ]
+    gpus = any(d.engine == "vllm" and d.device == "gpu" for m in spec.models for d in m.deployments)
+    if gpus:
+        # dcgm-exporter on each GPU node (default port 9400); list every node's address here.
+        jobs.append({"job_name": "dcgm", "static_configs": [{"targets": ["127.0.0.1:9400"]}]})
+    return {
+        "global": {"scrape_interval": scrape_interval, "evaluation_interval": scrape_interval},
+        "rule_files": [str(rules)],
+        "scrape_configs": jobs,
+    }
+
+
+def render_observability(
+    spec: ClusterSpec, source: str, output: Path, scrape_interval: str = "15s"
+) -> dict[str, str]:
+    """Dashboards, rules, Prometheus configuration and Grafana provisioning, keyed by path under `output`."""
+    header = f"# Rendered by `corral observe render` from {source}; render again after editing the spec.\n"
+    files = {
+        RULES_FILE: header + yaml.safe_dump(rules_yaml(spec), sort_keys=False, width=200),
+        "prometheus/prometheus.yml": header
+        + yaml.safe_dump(
+            prometheus_config(spec, (output / RULES_FILE).resolve(), scrape_interval), sort_keys=False
+        ),
+        "grafana/provisioning/datasources/corral.yaml": header
+        + yaml.safe_dump(
+            {
+                "apiVersion": 1,
+                "datasources": [
+                    {
+                        "name": "Prometheus",
+                        "type": "prometheus",
+                        "uid": "prometheus",
+                        "access": "proxy",
+                        "url": "http://127.0.0.1:9090",
+                        "isDefault": True,
+                    }
+                ],
+            },
+            sort_keys=False,
+        ),
+        "grafana/provisioning/dashboards/corral.yaml": header
+        + yaml.safe_dump(
+            {
+                "apiVersion": 1,
+                "providers": [
+                    {
+                        "name": "corral",
+                        "folder": "corral",
+                        "type": "file",
+                        "options": {"path": str((output / "grafana" / "dashboards").resolve())},
+                    }
+                ],
+            },
+            sort_keys=False,
+        ),
+    }
+    for board in DASHBOARDS:
+        files[f"grafana/dashboards/{board.uid}.json"] = dashboard_json(board)
+    return files

@@ -1,0 +1,234 @@
+"""Prometheus alert rules for a corral cluster and its GPUs (a rules file for `rule_files:`).
+
+Thresholds come from the spec where it has them: each model's TTFT/ITL SLO (`models[].slo`), half the
+queue timeout for queue waits. Every expression evaluates before the first error or refusal ever happens
+(`or … * 0` where a series appears only with its first event), so no rule is silently empty. Each alert has
+a severity, a summary and a runbook section in docs/alerts.md (`runbook_url`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from corral.config import ClusterSpec
+
+__all__ = ["FATAL_XIDS", "AlertRule", "alert_rules", "rules_yaml"]
+
+RUNBOOK = "docs/alerts.md#"  # in the corral repository: one section per alert
+# XIDs that mean the GPU or its driver failed (DBE ECC, row remapping, NVLink, fell off the bus, contained/
+# uncontained ECC, GSP); 13, 31, 43 and 45 are mostly the application's own faults.
+FATAL_XIDS = (48, 61, 62, 63, 64, 74, 79, 92, 94, 95, 119, 120)
+APPLICATION_XIDS = (13, 31, 43, 45)
+
+
+@dataclass(frozen=True)
+class AlertRule:
+    name: str
+    expr: str
+    duration: str
+    severity: str
+    summary: str
+    group: str = "corral"
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "alert": self.name,
+            "expr": self.expr,
+            "for": self.duration,
+            "labels": {"severity": self.severity},
+            "annotations": {"summary": self.summary, "runbook_url": RUNBOOK + self.name.lower()},
+        }
+
+
+def _xid_match(codes: tuple[int, ...]) -> str:
+    return " or ".join(f"DCGM_FI_DEV_XID_ERRORS == {code}" for code in codes)
+
+
+def alert_rules(spec: ClusterSpec) -> list[AlertRule]:
+    queue_wait = spec.queue.timeout / 2
+    rules = [
+        AlertRule(
+            "CorralGatewayDown",
+            'up{job="corral-gateway"} == 0 or absent(up{job="corral-gateway"})',
+            "1m",
+            "critical",
+            "The corral gateway {{ $labels.instance }} does not answer Prometheus's scrapes.",
+        ),
+        AlertRule(
+            "CorralModelUnavailable",
+            "max by (model) (corral_replica_ready) == 0",
+            "1m",
+            "critical",
+            "Model {{ $labels.model }} has no ready replica: its requests are refused with 503.",
+        ),
+        AlertRule(
+            "CorralReplicaDown",
+            "corral_replica_ready == 0",
+            "5m",
+            "warning",
+            "Replica {{ $labels.replica }} of {{ $labels.model }} has not been ready for 5 minutes.",
+        ),
+        AlertRule(
+            "CorralReplicaRestartLoop",
+            "increase(corral_replica_restarts_total[15m]) >= 3",
+            "0m",
+            "warning",
+            "Replica {{ $labels.replica }} of {{ $labels.model }} restarted 3 times or more in 15 "
+            "minutes: see its log for the cause.",
+        ),
+        AlertRule(
+            "CorralErrorRatioHigh",
+            '(sum by (model) (rate(corral_requests_total{status=~"5.."}[5m])) '
+            "or sum by (model) (rate(corral_requests_total[5m])) * 0) "
+            "/ sum by (model) (rate(corral_requests_total[5m])) > 0.05",
+            "5m",
+            "critical",
+            "{{ $labels.model }}: {{ $value | humanizePercentage }} of requests end in a server error.",
+        ),
+        AlertRule(
+            "CorralQueueWaitHigh",
+            "histogram_quantile(0.95, sum by (model, le) (rate(corral_queue_wait_seconds_bucket[5m]))) "
+            f"> {queue_wait:g}",
+            "5m",
+            "warning",
+            f"{{{{ $labels.model }}}}: p95 queue wait {{{{ $value | humanizeDuration }}}} "
+            f"(over {queue_wait:g} s, half the queue timeout): add replicas.",
+        ),
+        AlertRule(
+            "CorralKVCacheFull",
+            "corral_engine_kv_cache_usage_ratio >= 0.95",
+            "10m",
+            "warning",
+            "Replica {{ $labels.replica }} of {{ $labels.model }} has used ≥ 95% of its KV cache for 10 "
+            "minutes.",
+        ),
+        AlertRule(
+            "CorralPreemptions",
+            "sum by (model) (rate(corral_engine_preemptions_total[5m])) > 0.5",
+            "10m",
+            "warning",
+            "{{ $labels.model }}: engines preempt more than one sequence every 2 s (KV cache too small "
+            "for the load).",
+        ),
+        AlertRule(
+            "CorralRateLimitSpike",
+            "(sum by (model) (rate(corral_rejections_total"
+            '{reason=~"rate_limit_exceeded|insufficient_quota"}[5m])) '
+            "or sum by (model) (rate(corral_requests_total[5m])) * 0) "
+            "/ sum by (model) (rate(corral_requests_total[5m])) > 0.2",
+            "10m",
+            "warning",
+            "{{ $labels.model }}: {{ $value | humanizePercentage }} of requests are refused by rate "
+            "limits or budgets.",
+        ),
+        AlertRule(
+            "CorralTenantBudgetNearlySpent",
+            "corral_key_budget_used_ratio >= 0.9",
+            "0m",
+            "info",
+            "Key {{ $labels.key }} of tenant {{ $labels.tenant }} has used {{ $value | humanizePercentage }} "
+            "of its monthly token budget.",
+        ),
+    ]
+    rules += _slo_rules(spec)
+    rules += _gpu_rules()
+    return rules
+
+
+def _slo_rules(spec: ClusterSpec) -> list[AlertRule]:
+    rules = []
+    for model in spec.models:
+        if model.slo is None:
+            continue
+        for kind, metric, bound in (
+            ("TTFT", "corral_time_to_first_token_seconds", model.slo.ttft_p95),
+            ("ITL", "corral_inter_token_latency_seconds", model.slo.itl_p95),
+        ):
+            if bound is None:
+                continue
+            rules.append(
+                AlertRule(
+                    f"Corral{kind}SLOBreached",
+                    "histogram_quantile(0.95, sum by (model, le) "
+                    f'(rate({metric}_bucket{{model="{model.name}"}}[5m]))) > {bound:g}',
+                    "5m",
+                    "warning",
+                    f"{model.name}: {kind} p95 {{{{ $value | humanizeDuration }}}} is over its SLO of "
+                    f"{bound:g} s.",
+                )
+            )
+    return rules
+
+
+def _gpu_rules() -> list[AlertRule]:
+    return [
+        AlertRule(
+            "CorralGPUFatalXID",
+            f"count by (Hostname, gpu, UUID) ({_xid_match(FATAL_XIDS)}) > 0",
+            "0m",
+            "critical",
+            "GPU {{ $labels.gpu }} on {{ $labels.Hostname }} reported a fatal XID: drain its replicas and "
+            "reset it.",
+            "corral-gpu",
+        ),
+        AlertRule(
+            "CorralGPUApplicationXID",
+            f"count by (Hostname, gpu, UUID) ({_xid_match(APPLICATION_XIDS)}) > 0",
+            "0m",
+            "info",
+            "GPU {{ $labels.gpu }} on {{ $labels.Hostname }} reported an application XID (engine fault, not "
+            "the hardware).",
+            "corral-gpu",
+        ),
+        AlertRule(
+            "CorralGPUECCDoubleBit",
+            "increase(DCGM_FI_DEV_ECC_DBE_VOL_TOTAL[10m]) > 0",
+            "0m",
+            "critical",
+            "GPU {{ $labels.gpu }} on {{ $labels.Hostname }} had uncorrectable (double-bit) ECC errors.",
+            "corral-gpu",
+        ),
+        AlertRule(
+            "CorralGPURowRemapFailure",
+            "DCGM_FI_DEV_ROW_REMAP_FAILURE > 0",
+            "0m",
+            "critical",
+            "GPU {{ $labels.gpu }} on {{ $labels.Hostname }} failed to remap a memory row: replace it.",
+            "corral-gpu",
+        ),
+        AlertRule(
+            "CorralGPUThermalThrottling",
+            "rate(DCGM_FI_DEV_THERMAL_VIOLATION[5m]) / 1e6 > 0.1",
+            "10m",
+            "warning",
+            "GPU {{ $labels.gpu }} on {{ $labels.Hostname }} is held down by temperature "
+            "{{ $value | humanizePercentage }} of the time.",
+            "corral-gpu",
+        ),
+        AlertRule(
+            "CorralGPUPowerThrottling",
+            "rate(DCGM_FI_DEV_POWER_VIOLATION[5m]) / 1e6 > 0.2",
+            "15m",
+            "warning",
+            "GPU {{ $labels.gpu }} on {{ $labels.Hostname }} is held down by its power limit "
+            "{{ $value | humanizePercentage }} of the time.",
+            "corral-gpu",
+        ),
+        AlertRule(
+            "CorralGPUMissing",
+            "max_over_time(DCGM_FI_DEV_GPU_TEMP[1h] offset 5m) "
+            "unless on (Hostname, UUID) DCGM_FI_DEV_GPU_TEMP",
+            "5m",
+            "critical",
+            "GPU {{ $labels.UUID }} on {{ $labels.Hostname }} stopped reporting (fell off the bus or the "
+            "exporter lost it).",
+            "corral-gpu",
+        ),
+    ]
+
+
+def rules_yaml(spec: ClusterSpec) -> dict[str, object]:
+    groups: dict[str, list[dict[str, object]]] = {}
+    for rule in alert_rules(spec):
+        groups.setdefault(rule.group, []).append(rule.as_dict())
+    return {"groups": [{"name": name, "rules": rules} for name, rules in groups.items()]}

@@ -1,0 +1,88 @@
+"""The rendered dashboards are valid Grafana dashboard JSON: typed models accept them, ids are unique,
+every panel has a unit and the datasource variable, and no mean is a lifetime average."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+from grafana_foundation_sdk.models.dashboard import Dashboard
+
+from corral.observe import DASHBOARDS, dashboard_json, panel_queries
+from tests.conftest import CORRAL
+
+SPEC = """
+models:
+  - name: m
+    slo: {ttft_p95: 0.5}
+    source: {hf: org/model}
+    deployments: [{engine: vllm}]
+"""
+
+
+@pytest.mark.parametrize("board", DASHBOARDS, ids=[b.uid for b in DASHBOARDS])
+def test_dashboard_json_is_valid(board: object) -> None:
+    document = json.loads(dashboard_json(board))  # type: ignore[arg-type]
+    Dashboard.from_json(document)  # Grafana's typed model of a dashboard
+    assert document["schemaVersion"] >= 36 and document["uid"] == board.uid  # type: ignore[attr-defined]
+    variables = {v["name"]: v for v in document["templating"]["list"]}
+    assert (
+        variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
+    )
+    panels = document["panels"]
+    ids = [p["id"] for p in panels]
+    assert len(ids) == len(set(ids)) and 0 not in ids
+    for panel in (p for p in panels if p["type"] != "row"):
+        assert panel["datasource"] == {"type": "prometheus", "uid": "${datasource}"}, panel["title"]
+        assert panel["fieldConfig"]["defaults"]["unit"], panel["title"]
+        refs = [t["refId"] for t in panel["targets"]]
+        assert refs and len(refs) == len(set(refs)) and all(refs), panel["title"]
+        for target in panel["targets"]:
+            # A mean is rate(sum)/rate(count): a bare _sum/_count would average since the process started.
+            bare = re.findall(r"(?<!rate\()(?<!increase\()\b\w+_(?:sum|count)\{", target["expr"])
+            assert not bare, (panel["title"], target["expr"])
+        grid = panel["gridPos"]
+        assert grid["w"] > 0 and grid["h"] > 0 and grid["x"] + grid["w"] <= 24
+
+
+def test_panel_queries_cover_every_target() -> None:
+    total = sum(
+        len(p["targets"])
+        for b in DASHBOARDS
+        for p in json.loads(dashboard_json(b))["panels"]
+        if p["type"] != "row"
+    )
+    queries = panel_queries()
+    assert len(queries) == total
+    assert all("$" not in q.expr.replace("${1}", "") for q in queries)
+
+
+def test_observe_render_writes_dashboards_rules_and_provisioning(tmp_path: Path) -> None:
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(SPEC)
+    out = tmp_path / "observe"
+    result = subprocess.run(
+        [*CORRAL, "observe", "render", "-f", str(spec), "-o", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    for name in ("corral-cluster", "corral-tenants", "corral-gpu"):
+        json.loads((out / "grafana" / "dashboards" / f"{name}.json").read_text())
+    rules = (out / "prometheus" / "rules" / "corral.rules.yml").read_text()
+    assert "CorralTTFTSLOBreached" in rules and 'model="m"' in rules and "> 0.5" in rules
+    config = (out / "prometheus" / "prometheus.yml").read_text()
+    assert str((out / "prometheus" / "rules" / "corral.rules.yml").resolve()) in config
+    assert "/corral/sd" in config and "dcgm" in config  # a GPU spec also scrapes dcgm-exporter
+    provisioning = (out / "grafana" / "provisioning" / "dashboards" / "corral.yaml").read_text()
+    assert str((out / "grafana" / "dashboards").resolve()) in provisioning
+    checked = subprocess.run(
+        ["promtool", "check", "config", str(out / "prometheus" / "prometheus.yml")],
+        capture_output=True,
+        text=True,
+    )
+    assert checked.returncode == 0, checked.stdout + checked.stderr

@@ -1,0 +1,354 @@
+"""The alert rules under Prometheus's own tools: `promtool check rules`, and `promtool test rules` with one
+case per alert that fires on synthetic series (exact labels and summary) and one that stays quiet."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import yaml
+
+from corral.config import parse_spec
+from corral.observe import alert_rules
+from corral.observe.rules import rules_yaml
+
+SPEC = parse_spec(
+    "models:\n  - {name: m, slo: {ttft_p95: 0.5, itl_p95: 0.05}, deployments: [{engine: sim, gpu: l4}]}\n"
+)
+GPU = 'Hostname="h1", gpu="0", UUID="GPU-1"'
+GPU_LABELS = {"Hostname": "h1", "gpu": "0", "UUID": "GPU-1"}
+
+
+@dataclass
+class Case:
+    alert: str
+    series: dict[str, str]  # series → promtool values
+    at: str
+    labels: dict[str, str] = field(default_factory=dict)  # expected when it fires; None when quiet
+    summary: str | None = None
+
+    @property
+    def fires(self) -> bool:
+        return self.summary is not None
+
+
+def requests(ok: str, errors: str | None = None, model: str = "m") -> dict[str, str]:
+    series = {f'corral_requests_total{{model="{model}", status="200"}}': ok}
+    if errors is not None:
+        series[f'corral_requests_total{{model="{model}", status="500"}}'] = errors
+    return series
+
+
+def histogram(metric: str, counts: dict[str, str]) -> dict[str, str]:
+    return {f'{metric}_bucket{{model="m", le="{le}"}}': values for le, values in counts.items()}
+
+
+FIRING = [
+    Case(
+        "CorralGatewayDown",
+        {'up{job="corral-gateway", instance="gw:8000"}': "0x10"},
+        "5m",
+        {"job": "corral-gateway", "instance": "gw:8000", "severity": "critical"},
+        "The corral gateway gw:8000 does not answer Prometheus's scrapes.",
+    ),
+    Case(
+        "CorralModelUnavailable",
+        {
+            'corral_replica_ready{model="m", replica="r0"}': "0x10",
+            'corral_replica_ready{model="m", replica="r1"}': "0x10",
+        },
+        "5m",
+        {"model": "m", "severity": "critical"},
+        "Model m has no ready replica: its requests are refused with 503.",
+    ),
+    Case(
+        "CorralReplicaDown",
+        {
+            'corral_replica_ready{model="m", replica="r0"}': "0x10",
+            'corral_replica_ready{model="m", replica="r1"}': "1x10",
+        },
+        "8m",
+        {"model": "m", "replica": "r0", "severity": "warning"},
+        "Replica r0 of m has not been ready for 5 minutes.",
+    ),
+    Case(
+        "CorralReplicaRestartLoop",
+        {'corral_replica_restarts_total{model="m", replica="r0"}': "0 1 2 3 4 5"},
+        "5m",
+        {"model": "m", "replica": "r0", "severity": "warning"},
+        "Replica r0 of m restarted 3 times or more in 15 minutes: see its log for the cause.",
+    ),
+    Case(
+        "CorralErrorRatioHigh",
+        requests("0+9x20", "0+1x20"),
+        "12m",
+        {"model": "m", "severity": "critical"},
+        "m: 10% of requests end in a server error.",
+    ),
+    Case(
+        "CorralQueueWaitHigh",
+        histogram("corral_queue_wait_seconds", {"10": "0x20", "30": "0+10x20", "+Inf": "0+10x20"}),
+        "12m",
+        {"model": "m", "severity": "warning"},
+        "m: p95 queue wait 29s (over 15 s, half the queue timeout): add replicas.",
+    ),
+    Case(
+        "CorralKVCacheFull",
+        {'corral_engine_kv_cache_usage_ratio{model="m", replica="r0"}': "0.97x20"},
+        "15m",
+        {"model": "m", "replica": "r0", "severity": "warning"},
+        "Replica r0 of m has used ≥ 95% of its KV cache for 10 minutes.",
+    ),
+    Case(
+        "CorralPreemptions",
+        {'corral_engine_preemptions_total{model="m", replica="r0"}': "0+60x20"},
+        "17m",
+        {"model": "m", "severity": "warning"},
+        "m: engines preempt more than one sequence every 2 s (KV cache too small for the load).",
+    ),
+    Case(
+        "CorralRateLimitSpike",
+        {
+            **requests("0+70x20"),
+            'corral_requests_total{model="m", status="429"}': "0+30x20",
+            'corral_rejections_total{model="m", reason="rate_limit_exceeded"}': "0+30x20",
+        },
+        "17m",
+        {"model": "m", "severity": "warning"},
+        "m: 30% of requests are refused by rate limits or budgets.",
+    ),
+    Case(
+        "CorralTenantBudgetNearlySpent",
+        {'corral_key_budget_used_ratio{tenant="acme", key="k1"}': "0.95x5"},
+        "2m",
+        {"tenant": "acme", "key": "k1", "severity": "info"},
+        "Key k1 of tenant acme has used 95% of its monthly token budget.",
+    ),
+    Case(
+        "CorralTTFTSLOBreached",
+        histogram("corral_time_to_first_token_seconds", {"0.5": "0x20", "1": "0+10x20", "+Inf": "0+10x20"}),
+        "12m",
+        {"model": "m", "severity": "warning"},
+        "m: TTFT p95 975ms is over its SLO of 0.5 s.",
+    ),
+    Case(
+        "CorralITLSLOBreached",
+        histogram(
+            "corral_inter_token_latency_seconds", {"0.04": "0x20", "0.06": "0+10x20", "+Inf": "0+10x20"}
+        ),
+        "12m",
+        {"model": "m", "severity": "warning"},
+        "m: ITL p95 59ms is over its SLO of 0.05 s.",
+    ),
+    Case(
+        "CorralGPUFatalXID",
+        {f"DCGM_FI_DEV_XID_ERRORS{{{GPU}}}": "79x5"},
+        "2m",
+        {**GPU_LABELS, "severity": "critical"},
+        "GPU 0 on h1 reported a fatal XID: drain its replicas and reset it.",
+    ),
+    Case(
+        "CorralGPUApplicationXID",
+        {f"DCGM_FI_DEV_XID_ERRORS{{{GPU}}}": "13x5"},
+        "2m",
+        {**GPU_LABELS, "severity": "info"},
+        "GPU 0 on h1 reported an application XID (engine fault, not the hardware).",
+    ),
+    Case(
+        "CorralGPUECCDoubleBit",
+        {f"DCGM_FI_DEV_ECC_DBE_VOL_TOTAL{{{GPU}}}": "0 0 0 1 1 1"},
+        "5m",
+        {**GPU_LABELS, "severity": "critical"},
+        "GPU 0 on h1 had uncorrectable (double-bit) ECC errors.",
+    ),
+    Case(
+        "CorralGPURowRemapFailure",
+        {f"DCGM_FI_DEV_ROW_REMAP_FAILURE{{{GPU}}}": "1x5"},
+        "2m",
+        {**GPU_LABELS, "severity": "critical"},
+        "GPU 0 on h1 failed to remap a memory row: replace it.",
+    ),
+    Case(
+        "CorralGPUThermalThrottling",
+        {f"DCGM_FI_DEV_THERMAL_VIOLATION{{{GPU}}}": "0+30000000x30"},
+        "20m",
+        {**GPU_LABELS, "severity": "warning"},
+        "GPU 0 on h1 is held down by temperature 50% of the time.",
+    ),
+    Case(
+        "CorralGPUPowerThrottling",
+        {f"DCGM_FI_DEV_POWER_VIOLATION{{{GPU}}}": "0+30000000x30"},
+        "25m",
+        {**GPU_LABELS, "severity": "warning"},
+        "GPU 0 on h1 is held down by its power limit 50% of the time.",
+    ),
+    Case(
+        "CorralGPUMissing",
+        {f"DCGM_FI_DEV_GPU_TEMP{{{GPU}}}": "60x10"},
+        "25m",
+        {**GPU_LABELS, "severity": "critical"},
+        "GPU GPU-1 on h1 stopped reporting (fell off the bus or the exporter lost it).",
+    ),
+]
+
+QUIET = [
+    Case("CorralGatewayDown", {'up{job="corral-gateway", instance="gw:8000"}': "1x10"}, "5m"),
+    Case(
+        "CorralModelUnavailable",
+        {
+            'corral_replica_ready{model="m", replica="r0"}': "0x10",
+            'corral_replica_ready{model="m", replica="r1"}': "1x10",
+        },
+        "5m",
+    ),
+    Case("CorralReplicaDown", {'corral_replica_ready{model="m", replica="r0"}': "0 0 0 1 1 1 1 1 1 1"}, "8m"),
+    Case(
+        "CorralReplicaRestartLoop",
+        {'corral_replica_restarts_total{model="m", replica="r0"}': "0 0 1 1 1 1"},
+        "5m",
+    ),
+    # No 5xx has ever happened: the series does not exist, and the rule still evaluates (to 0).
+    Case("CorralErrorRatioHigh", requests("0+10x20"), "12m"),
+    Case(
+        "CorralQueueWaitHigh",
+        histogram("corral_queue_wait_seconds", {"1": "0+10x20", "30": "0+10x20", "+Inf": "0+10x20"}),
+        "12m",
+    ),
+    Case(
+        "CorralKVCacheFull", {'corral_engine_kv_cache_usage_ratio{model="m", replica="r0"}': "0.9x20"}, "15m"
+    ),
+    Case("CorralPreemptions", {'corral_engine_preemptions_total{model="m", replica="r0"}': "0+6x20"}, "17m"),
+    Case("CorralRateLimitSpike", requests("0+100x20"), "17m"),
+    Case(
+        "CorralTenantBudgetNearlySpent",
+        {'corral_key_budget_used_ratio{tenant="acme", key="k1"}': "0.5x5"},
+        "2m",
+    ),
+    Case(
+        "CorralTTFTSLOBreached",
+        histogram(
+            "corral_time_to_first_token_seconds", {"0.25": "0+10x20", "0.5": "0+10x20", "+Inf": "0+10x20"}
+        ),
+        "12m",
+    ),
+    Case(
+        "CorralITLSLOBreached",
+        histogram(
+            "corral_inter_token_latency_seconds", {"0.02": "0+10x20", "0.06": "0+10x20", "+Inf": "0+10x20"}
+        ),
+        "12m",
+    ),
+    Case("CorralGPUFatalXID", {f"DCGM_FI_DEV_XID_ERRORS{{{GPU}}}": "13x5"}, "2m"),
+    Case("CorralGPUApplicationXID", {f"DCGM_FI_DEV_XID_ERRORS{{{GPU}}}": "79x5"}, "2m"),
+    Case("CorralGPUECCDoubleBit", {f"DCGM_FI_DEV_ECC_DBE_VOL_TOTAL{{{GPU}}}": "3x5"}, "5m"),
+    Case("CorralGPURowRemapFailure", {f"DCGM_FI_DEV_ROW_REMAP_FAILURE{{{GPU}}}": "0x5"}, "2m"),
+    Case("CorralGPUThermalThrottling", {f"DCGM_FI_DEV_THERMAL_VIOLATION{{{GPU}}}": "0+1000000x30"}, "20m"),
+    Case("CorralGPUPowerThrottling", {f"DCGM_FI_DEV_POWER_VIOLATION{{{GPU}}}": "0+1000000x30"}, "25m"),
+    Case("CorralGPUMissing", {f"DCGM_FI_DEV_GPU_TEMP{{{GPU}}}": "60x40"}, "25m"),
+]
+
+
+def promtool() -> str:
+    found = shutil.which("promtool")
+    assert found, "promtool is missing: scripts/test-services.sh installs Debian's prometheus package"
+    return found
+
+
+@pytest.fixture(scope="module")
+def rules_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("rules") / "corral.rules.yml"
+    path.write_text(yaml.safe_dump(rules_yaml(SPEC), sort_keys=False))
+    return path
+
+
+def test_promtool_check_rules_is_clean(rules_file: Path) -> None:
+    result = subprocess.run([promtool(), "check", "rules", str(rules_file)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"SUCCESS: {len(alert_rules(SPEC))} rules found" in result.stdout
+
+
+def test_every_alert_has_a_firing_and_a_quiet_case() -> None:
+    names = {rule.name for rule in alert_rules(SPEC)}
+    assert {c.alert for c in FIRING} == names
+    assert {c.alert for c in QUIET} == names
+
+
+def unit_test(case: Case) -> dict[str, object]:
+    expected = []
+    if case.fires:
+        expected = [
+            {
+                "exp_labels": case.labels,
+                "exp_annotations": {
+                    "summary": case.summary,
+                    "runbook_url": f"docs/alerts.md#{case.alert.lower()}",
+                },
+            }
+        ]
+    return {
+        "name": f"{case.alert} {'fires' if case.fires else 'stays quiet'}",
+        "interval": "1m",
+        "input_series": [{"series": s, "values": v} for s, v in case.series.items()],
+        "alert_rule_test": [{"eval_time": case.at, "alertname": case.alert, "exp_alerts": expected}],
+    }
+
+
+@pytest.mark.parametrize("cases", [FIRING, QUIET], ids=["firing", "quiet"])
+def test_promtool_unit_tests(rules_file: Path, tmp_path: Path, cases: list[Case]) -> None:
+    tests = tmp_path / "tests.yml"
+    tests.write_text(
+        yaml.safe_dump(
+            {
+                "rule_files": [str(rules_file)],
+                "evaluation_interval": "1m",
+                "tests": [unit_test(c) for c in cases],
+            },
+            sort_keys=False,
+            allow_unicode=True,
+        )
+    )
+    result = subprocess.run([promtool(), "test", "rules", str(tests)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_error_and_refusal_ratios_evaluate_before_the_first_error(rules_file: Path, tmp_path: Path) -> None:
+    """The ratio rules return 0, not nothing, while no 5xx or refusal series exists yet."""
+    rules = {rule.name: rule.expr for rule in alert_rules(SPEC)}
+    expressions = [
+        rules[name].rsplit(" > ", 1)[0] for name in ("CorralErrorRatioHigh", "CorralRateLimitSpike")
+    ]
+    tests = tmp_path / "tests.yml"
+    tests.write_text(
+        yaml.safe_dump(
+            {
+                "rule_files": [str(rules_file)],
+                "evaluation_interval": "1m",
+                "tests": [
+                    {
+                        "interval": "1m",
+                        "input_series": [{"series": s, "values": v} for s, v in requests("0+10x20").items()],
+                        "promql_expr_test": [
+                            {
+                                "expr": expr,
+                                "eval_time": "10m",
+                                "exp_samples": [{"labels": '{model="m"}', "value": 0}],
+                            }
+                            for expr in expressions
+                        ],
+                    }
+                ],
+            },
+            sort_keys=False,
+        )
+    )
+    result = subprocess.run([promtool(), "test", "rules", str(tests)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_every_alert_has_a_runbook_section() -> None:
+    runbook = (Path(__file__).parents[2] / "docs" / "alerts.md").read_text()
+    for rule in alert_rules(SPEC):
+        assert f"## {rule.name.lower()}\n**{rule.name}** ({rule.severity})" in runbook, rule.name
