@@ -22,9 +22,7 @@ command -v systemd-analyze >/dev/null || missing+=(systemd)
 # Prometheus and promtool: the alert rules' unit tests and a real scrape of a cluster (tests/observe/).
 command -v promtool >/dev/null || missing+=(prometheus)
 if [ ${#missing[@]} -gt 0 ]; then install "${missing[@]}"; fi
-# Debian may start the packaged NGINX (port 80) and Prometheus (9090); the tests run their own instances.
-if [ -f /run/nginx.pid ] && command -v nginx >/dev/null; then nginx -s quit 2>/dev/null || true; fi
-pkill -x prometheus 2>/dev/null || true
+# The tests run their own NGINX and Prometheus instances on free ports; packaged ones are left alone.
 
 command -v redis-server >/dev/null || install redis-server
 if ! redis-cli -h 127.0.0.1 ping >/dev/null 2>&1; then
