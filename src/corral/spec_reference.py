@@ -25,6 +25,7 @@ from corral.config import (
     HuggingFaceSource,
     LimitsSettings,
     LocalSource,
+    ModelSLO,
     ModelSpec,
     PyPISource,
     QueueSettings,
@@ -40,6 +41,7 @@ __all__ = ["CLOSED_GATEWAY_EXAMPLE", "SECTIONS", "spec_reference"]
 SECTIONS: tuple[tuple[str, type[BaseModel]], ...] = (
     ("(top level)", ClusterSpec),
     ("models[]", ModelSpec),
+    ("models[].slo", ModelSLO),
     ("models[].source: a local file", LocalSource),
     ("models[].source: Hugging Face", HuggingFaceSource),
     ("models[].source: a PyPI package", PyPISource),

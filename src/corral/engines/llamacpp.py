@@ -70,10 +70,14 @@ class LlamaCppEngine:
 
     def parse_load(self, metrics_text: str) -> EngineLoad:
         values = read_gauges(metrics_text)
+        cached = values.get(_PREFIX + "prompt_tokens_cached_total", 0.0)
         return EngineLoad(
             running=int(values.get(_PREFIX + "requests_processing", 0)),
             waiting=int(values.get(_PREFIX + "requests_deferred", 0)),
             kv_usage=values.get(_PREFIX + "kv_cache_usage_ratio"),
             prompt_tokens_total=values.get(_PREFIX + "prompt_tokens_total", 0.0),
             generated_tokens_total=values.get(_PREFIX + "tokens_predicted_total", 0.0),
+            # Prompt tokens are either processed (prompt_tokens_total) or taken from the slot's cache.
+            prefix_cache_queries_total=values.get(_PREFIX + "prompt_tokens_total", 0.0) + cached,
+            prefix_cache_hits_total=cached,
         )

@@ -105,7 +105,7 @@ def render_frame(now: Sample, before: Sample | None) -> Group:
     ttft = _quantile(now, before, "corral_time_to_first_token_seconds", 0.5)
     ttft95 = _quantile(now, before, "corral_time_to_first_token_seconds", 0.95)
     itl = _quantile(now, before, "corral_inter_token_latency_seconds", 0.5)
-    header = Text.assemble(
+    rates = Text.assemble(
         ("requests/s ", "bold"),
         _fmt(_rate(now, before, "corral_requests_total")),
         ("   tokens/s in ", "bold"),
@@ -114,14 +114,16 @@ def render_frame(now: Sample, before: Sample | None) -> Group:
         _fmt(_rate(now, before, "corral_tokens_total", kind="output"), digits=0),
         ("   refused/s ", "bold"),
         _fmt(_rate(now, before, "corral_rejections_total")),
-        ("   TTFT p50/p95 ", "bold"),
+    )
+    latency = Text.assemble(
+        ("TTFT p50/p95 ", "bold"),
         f"{_fmt(ttft, ' ms', 1000, 0)}/{_fmt(ttft95, ' ms', 1000, 0)}",
         ("   ITL p50 ", "bold"),
         _fmt(itl, " ms", 1000, 0),
         ("   queued ", "bold"),
         f"{now.total('corral_queue_depth'):.0f}",
     )
-    return Group(header, _replica_table(now.replicas))
+    return Group(rates, latency, _replica_table(now.replicas))
 
 
 def _replica_table(replicas: Iterable[dict[str, object]]) -> Table:
