@@ -56,7 +56,7 @@ def test_closed_gateway_example_is_valid_and_closed() -> None:
 
 def test_written_out_default_names_every_setting_of_every_section() -> None:
     written = yaml.safe_load((ROOT / "examples" / "cluster.yaml").read_text())
-    for section in ("gateway", "auth", "store", "limits", "queue", "supervisor"):
+    for section in ("gateway", "auth", "store", "limits", "queue", "supervisor", "deploy"):
         model = ClusterSpec.model_fields[section].annotation
         assert isinstance(model, type) and issubclass(model, BaseModel)
         assert set(written[section]) == set(model.model_fields), section

@@ -177,10 +177,8 @@ class DeploymentSpec(Strict):
 class ModelSLO(Strict):
     """Latency objectives of one model, seconds at the 95th percentile; alert rules fire above them."""
 
-    ttft_p95: Annotated[float, Field(gt=0, description="time to first token, p95, seconds")] | None = None
-    itl_p95: Annotated[float, Field(gt=0, description="time between output tokens, p95, seconds")] | None = (
-        None
-    )
+    ttft_p95: float | None = Field(default=None, gt=0, description="time to first token, p95, seconds")
+    itl_p95: float | None = Field(default=None, gt=0, description="time between output tokens, p95, seconds")
 
 
 class ModelSpec(Strict):
