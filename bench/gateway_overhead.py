@@ -164,6 +164,12 @@ def main() -> None:
     parser.add_argument(
         "--no-client-usage", action="store_true", help="streaming clients don't ask for include_usage"
     )
+    parser.add_argument(
+        "--scrape-interval",
+        type=float,
+        default=0.0,
+        help="also measure a second open corral whose /metrics is scraped every this many seconds (0: off)",
+    )
     parser.add_argument("--output", type=Path, default=ROOT / "results" / "gateway_overhead.json")
     parser.add_argument("--serve", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -184,12 +190,17 @@ def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     me = [sys.executable, __file__, "--serve"]
     up_ports = [free_port(), free_port()]
     upstreams = [f"http://127.0.0.1:{p}" for p in up_ports]
-    ports = {name: free_port() for name in ("bare_relay", "vllm_router", "corral", "corral_keys")}
+    names = ["bare_relay", "vllm_router", "corral", "corral_keys"]
+    if args.scrape_interval > 0:
+        names.append("corral_scraped")
+    ports = {name: free_port() for name in names}
     model = (
         f"models:\n  - name: bench\n    deployments: [{{engine: external, urls: {json.dumps(upstreams)}}}]\n"
     )
-    spec, keyed = tmp / "bench.yaml", tmp / "keyed.yaml"
+    spec, keyed, scraped = tmp / "bench.yaml", tmp / "keyed.yaml", tmp / "scraped.yaml"
     spec.write_text(f"gateway: {{port: {ports['corral']}}}\nauth: {{open: true}}\n" + model)
+    if "corral_scraped" in ports:
+        scraped.write_text(f"gateway: {{port: {ports['corral_scraped']}}}\nauth: {{open: true}}\n" + model)
     keyed.write_text(f"gateway: {{port: {ports['corral_keys']}}}\n" + model)
     home = {"CORRAL_HOME": str(tmp)}
     api_key = _make_key(home)
@@ -202,6 +213,8 @@ def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         "corral": spawn([*corral, str(spec)], env=home),
         "corral_keys": spawn([*corral, str(keyed)], env=home),
     }
+    if "corral_scraped" in ports:
+        procs["corral_scraped"] = spawn([*corral, str(scraped)], env=home)
     router = shutil.which("vllm-router") or shutil.which("vllm-router", path=str(Path(sys.executable).parent))
     if router:
         where = [
@@ -221,8 +234,9 @@ def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     try:
         for url in upstreams:
             wait_http(url + "/health")
-        for name in ("corral", "corral_keys"):
-            wait_http(f"http://127.0.0.1:{ports[name]}/ready")
+        for name in ("corral", "corral_keys", "corral_scraped"):
+            if name in procs:
+                wait_http(f"http://127.0.0.1:{ports[name]}/ready")
         if router:
             wait_http(f"http://127.0.0.1:{ports['vllm_router']}/health")
         time.sleep(0.5)
@@ -261,6 +275,10 @@ async def measure(
     for target, url in urls.items():  # warm up connections and code paths
         await run_load(url, 8, 200, False, keys.get(target))
         await run_load(url, 8, 200, True, keys.get(target), usage)
+    scraper = None
+    if "corral_scraped" in urls:
+        metrics_url = urls["corral_scraped"].replace("/v1/chat/completions", "/metrics")
+        scraper = asyncio.create_task(scrape_forever(metrics_url, args.scrape_interval))
     configs = []
     for concurrency in (int(c) for c in args.concurrency.split(",")):
         for stream in (False, True):
@@ -275,6 +293,8 @@ async def measure(
                         result["cpu_ms_per_request"] = 1000 * (cpu_seconds(proc) - before) / result["n"]
                     samples[target].append(result)
             configs.append(summarise(concurrency, stream, samples))
+    if scraper is not None:
+        scraper.cancel()
     return {
         "benchmark": "gateway_overhead",
         "chunks_per_stream": args.chunks,
@@ -284,6 +304,15 @@ async def measure(
         "cpus": os.cpu_count(),
         "configs": configs,
     }
+
+
+async def scrape_forever(url: str, interval: float) -> None:
+    """What Prometheus does to the gateway: GET /metrics every `interval` seconds."""
+    async with aiohttp.ClientSession() as session:
+        while True:
+            async with session.get(url) as response:
+                await response.read()
+            await asyncio.sleep(interval)
 
 
 def summarise(concurrency: int, stream: bool, samples: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
@@ -308,6 +337,10 @@ def summarise(concurrency: int, stream: bool, samples: dict[str, list[dict[str, 
             "cpu_ms_per_request": round(median(target, "cpu_ms_per_request"), 4),
             "errors": sum(s["errors"] for s in samples[target]),
         }
+    if "corral_scraped" in samples:
+        out["scraped_cpu_ratio_to_unscraped"] = round(
+            out["corral_scraped"]["cpu_ms_per_request"] / out["corral"]["cpu_ms_per_request"], 3
+        )
     for target in samples:
         if target not in ("direct", "bare_relay"):
             out[f"{target}_cpu_ratio_to_bare_relay"] = round(

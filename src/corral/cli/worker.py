@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import signal
 from pathlib import Path
@@ -54,6 +55,7 @@ async def _work(control: Path, index: int) -> None:
     metrics_dir = Path(config["metrics_dir"])
     gateway = GatewayServer(spec.gateway, router, services, worker=index, metrics_dir=metrics_dir)
     await gateway.start()
+    gc.freeze()  # long-lived objects out of the collector's generations (see cli/up.py)
     writer.write(orjson.dumps({"listening": gateway.port}) + b"\n")
     await writer.drain()
 

@@ -10,24 +10,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
-from typing import ClassVar
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
-from prometheus_client.registry import Collector
 
-from corral.routing import CircuitState, ReplicaState, Router
+from corral.gateway.state_metrics import BudgetsSpent, PublishedState, StateSeries
+from corral.routing import Router
 
 __all__ = ["GatewayMetrics", "ModelMetrics", "TenantMetrics"]
 
-BudgetsSpent = Callable[[], list[tuple[str, str, float]]]  # (tenant, key id, share of the monthly budget)
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _TOKEN_LATENCY = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1.0)
-_CIRCUIT = {CircuitState.CLOSED: 0, CircuitState.HALF_OPEN: 1, CircuitState.OPEN: 2}
 
 
 _STATE_INTERVAL_S = 1.0  # how often a worker publishes its replica and queue gauges
@@ -115,19 +111,15 @@ class GatewayMetrics:
             ["tenant", "kind"],
             registry=r,
         )
-        self._state = _StateCollector(router, queue_depths, budgets or (lambda: []))
-        self._published: _PublishedState | None = None
-        if shared_dir is None:
-            r.register(self._state)
-        else:
-            self._published = _PublishedState(r)
+        self._state = StateSeries(router, queue_depths, budgets or (lambda: []))
+        self._published = PublishedState(r) if shared_dir is not None else None
         self._models: dict[str, ModelMetrics] = {}
         self._tenants: dict[str, TenantMetrics] = {}
 
     def exposition(self) -> bytes:
         """The text Prometheus scrapes: this process's figures, or all workers' summed."""
         if self._shared_dir is None:
-            return generate_latest(self.registry)
+            return generate_latest(self.registry) + self._state.text()
         registry = CollectorRegistry()
         MultiProcessCollector(registry, str(self._shared_dir))  # type: ignore[no-untyped-call]
         return generate_latest(registry)
@@ -145,7 +137,7 @@ class GatewayMetrics:
     async def _publish_state(self) -> None:
         assert self._published is not None
         while True:
-            self._published.update(self._state.collect())
+            self._published.update(self._state.families())
             await asyncio.sleep(_STATE_INTERVAL_S)
 
     def tenant(self, name: str) -> TenantMetrics:
@@ -216,148 +208,3 @@ class TenantMetrics:
         if status < 400:
             self.input_tokens.inc(input_tokens)
             self.output_tokens.inc(output_tokens)
-
-
-_ENGINE_GAUGES = (
-    ("running", "Sequences the engine is running (its own figure).", "running"),
-    ("waiting", "Sequences waiting inside the engine.", "waiting"),
-    ("kv_cache_usage_ratio", "Share of the engine's KV cache in use (0-1).", "kv_usage"),
-)
-_ENGINE_COUNTERS = (
-    ("prompt_tokens", "Prompt tokens the engine processed since it started.", "prompt_tokens_total"),
-    ("generated_tokens", "Tokens the engine generated since it started.", "generated_tokens_total"),
-    (
-        "prefix_cache_queries",
-        "Prompt tokens looked up in the engine's prefix cache.",
-        "prefix_cache_queries_total",
-    ),
-    ("prefix_cache_hits", "Prompt tokens found in the engine's prefix cache.", "prefix_cache_hits_total"),
-    ("preemptions", "Sequences the engine preempted.", "preemptions_total"),
-)
-
-
-class _StateCollector(Collector):
-    """Replica, engine and queue series, read when Prometheus scrapes. Engine figures are each replica's
-    last scraped load in one shape for every engine (vLLM, llama.cpp, the simulator), so dashboards and
-    alerts never depend on one engine's metric names."""
-
-    def __init__(
-        self, router: Router, queue_depths: Callable[[], dict[str, int]], budgets: BudgetsSpent
-    ) -> None:
-        self._router = router
-        self._queue_depths = queue_depths
-        self._budgets = budgets
-
-    def collect(self) -> Iterator[Metric]:
-        outstanding = GaugeMetricFamily(
-            "corral_replica_outstanding", "Requests in flight per replica.", labels=["model", "replica"]
-        )
-        ready = GaugeMetricFamily(
-            "corral_replica_ready", "1 when the replica takes traffic.", labels=["model", "replica"]
-        )
-        circuit = GaugeMetricFamily(
-            "corral_circuit_state",
-            "Circuit breaker: 0 closed, 1 half-open, 2 open.",
-            labels=["model", "replica"],
-        )
-        for replica in self._router.replicas:
-            labels = [replica.model, replica.id]
-            outstanding.add_metric(labels, replica.outstanding)
-            ready.add_metric(labels, 1.0 if replica.ready else 0.0)
-            circuit.add_metric(labels, _CIRCUIT[replica.breaker.state])
-        depth = GaugeMetricFamily(
-            "corral_queue_depth", "Requests waiting for a replica slot.", labels=["model"]
-        )
-        for model, size in self._queue_depths().items():
-            depth.add_metric([model], size)
-        yield from (outstanding, ready, circuit, depth)
-        yield from self._replica_families()
-        yield from self._engine_families()
-        budget = GaugeMetricFamily(
-            "corral_key_budget_used_ratio",
-            "Share of a key's monthly token budget used (keys with a budget this gateway served).",
-            labels=["tenant", "key"],
-        )
-        for tenant, key, ratio in self._budgets():
-            budget.add_metric([tenant, key], ratio)
-        yield budget
-
-    def _replica_families(self) -> Iterator[Metric]:
-        state = GaugeMetricFamily(
-            "corral_replica_state", "1 for the replica's current state.", labels=["model", "replica", "state"]
-        )
-        restarts = CounterMetricFamily(
-            "corral_replica_restarts",
-            "Times the supervisor restarted the replica.",
-            labels=["model", "replica"],
-        )
-        for replica in self._router.replicas:
-            for name in ReplicaState:
-                state.add_metric(
-                    [replica.model, replica.id, str(name)], 1.0 if replica.state is name else 0.0
-                )
-            restarts.add_metric([replica.model, replica.id], replica.restarts)
-        yield from (state, restarts)
-
-    def _engine_families(self) -> Iterator[Metric]:
-        labels = ["model", "replica"]
-        families: list[tuple[GaugeMetricFamily | CounterMetricFamily, str]] = [
-            (GaugeMetricFamily(f"corral_engine_{n}", doc, labels=labels), f) for n, doc, f in _ENGINE_GAUGES
-        ]
-        families += [
-            (CounterMetricFamily(f"corral_engine_{n}", doc, labels=labels), f)
-            for n, doc, f in _ENGINE_COUNTERS
-        ]
-        for replica in self._router.replicas:
-            load = replica.load
-            if load is None:
-                continue
-            for family, attribute in families:
-                value = getattr(load, attribute)
-                if value is not None:
-                    family.add_metric([replica.model, replica.id], float(value))
-        for family, _ in families:
-            yield family
-
-
-class _PublishedState:
-    """The state gauges as multiprocess Gauges, set from a scrape-time collection once a second."""
-
-    _MODES: ClassVar[dict[str, str]] = {
-        "corral_replica_outstanding": "livesum",
-        "corral_replica_ready": "max",
-        "corral_circuit_state": "max",
-        "corral_queue_depth": "livesum",
-        "corral_key_budget_used_ratio": "max",
-    }  # every other family (replica state, engine load: the same snapshot in every worker): max
-
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self._gauges: dict[str, Gauge] = {}
-        self._registry = registry
-        self._set: dict[str, set[tuple[str, ...]]] = {}
-
-    def update(self, families: Iterator[Metric]) -> None:
-        for family in families:
-            # A counter is published as a gauge (the supervisor's count, not this worker's) under the
-            # name a single process exports (`_total`).
-            name = family.name + "_total" if family.type == "counter" else family.name
-            gauge = self._gauges.get(name)
-            if gauge is None:
-                if not family.samples:
-                    continue
-                labels = list(family.samples[0].labels)
-                gauge = self._gauges[name] = Gauge(
-                    name,
-                    family.documentation,
-                    labels,
-                    registry=self._registry,
-                    multiprocess_mode=self._MODES.get(name, "max"),  # type: ignore[arg-type]
-                )
-            now = set()
-            for sample in family.samples:
-                key = tuple(sample.labels.values())
-                gauge.labels(*key).set(sample.value)
-                now.add(key)
-            for gone in self._set.get(name, set()) - now:  # a replica or queue that left: 0
-                gauge.labels(*gone).set(0)
-            self._set[name] = now
