@@ -20,6 +20,7 @@ from aiohttp import web
 from corral.config import GatewaySettings
 from corral.gateway.admin import AdminViews
 from corral.gateway.clients import ClientAddresses
+from corral.gateway.console import ConsoleViews
 from corral.gateway.metrics import GatewayMetrics
 from corral.gateway.pipeline import Pipeline
 from corral.gateway.relay import Relay, RelayTimeouts
@@ -72,6 +73,7 @@ def build_app(
 
     app.router.add_get("/openapi.json", openapi_view)
     admin.add_routes(app)
+    ConsoleViews(metrics, admin).add_routes(app)
 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
         connector = aiohttp.TCPConnector(

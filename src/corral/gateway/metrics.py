@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
@@ -123,6 +124,33 @@ class GatewayMetrics:
         registry = CollectorRegistry()
         MultiProcessCollector(registry, str(self._shared_dir))  # type: ignore[no-untyped-call]
         return generate_latest(registry)
+
+    def summary(self) -> dict[str, dict[str, Any]]:
+        """Per model: requests by status, tokens by kind, refusals by reason and the TTFT/ITL histograms'
+        cumulative bucket counts (the console turns two summaries into rates and percentiles)."""
+        registry = self.registry
+        if self._shared_dir is not None:
+            registry = CollectorRegistry()
+            MultiProcessCollector(registry, str(self._shared_dir))  # type: ignore[no-untyped-call]
+        models: dict[str, dict[str, Any]] = {}
+        wanted = {
+            "corral_requests_total": ("requests", "status"),
+            "corral_tokens_total": ("tokens", "kind"),
+            "corral_rejections_total": ("rejections", "reason"),
+            "corral_time_to_first_token_seconds_bucket": ("ttft", "le"),
+            "corral_inter_token_latency_seconds_bucket": ("itl", "le"),
+        }
+        for family in registry.collect():
+            for sample in family.samples:
+                found = wanted.get(sample.name)
+                model = sample.labels.get("model")
+                if found is None or model is None:
+                    continue
+                kind, label = found
+                counts = models.setdefault(model, {}).setdefault(kind, {})
+                key = sample.labels[label]
+                counts[key] = counts.get(key, 0.0) + sample.value
+        return models
 
     def start(self) -> None:
         if self._published is not None:

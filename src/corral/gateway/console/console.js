@@ -1,0 +1,217 @@
+// corral console: polls the gateway's admin endpoints and draws rates, latency and replica state.
+// Data: /corral/console/data (cumulative counters and histogram buckets per model), /admin/routing
+// (replicas, policies, queues, latest decisions), /admin/keys and /admin/usage?by=tenant (tenants).
+// Rates and percentiles come from the difference of two polls, as Prometheus's rate() does.
+"use strict";
+
+const POLL_MS = 2000;
+const HISTORY = 150; // points kept per chart (5 minutes at 2 s)
+const state = { key: sessionStorage.getItem("corral-admin-key") || "", previous: null, charts: {}, series: {} };
+
+function headers() {
+  return state.key ? { Authorization: "Bearer " + state.key } : {};
+}
+
+async function getJSON(path) {
+  const response = await fetch(path, { headers: headers(), cache: "no-store" });
+  if (response.status === 401 || response.status === 403) {
+    const error = new Error("the console needs the admin key");
+    error.auth = true;
+    throw error;
+  }
+  if (!response.ok) throw new Error(path + " answered " + response.status);
+  return response.json();
+}
+
+function sum(values) {
+  return Object.values(values || {}).reduce((a, b) => a + b, 0);
+}
+
+function total(models, kind, match) {
+  let out = 0;
+  for (const model of Object.values(models)) {
+    for (const [key, value] of Object.entries(model[kind] || {})) {
+      if (!match || match(key)) out += value;
+    }
+  }
+  return out;
+}
+
+function buckets(models, kind) {
+  const merged = {};
+  for (const model of Object.values(models)) {
+    for (const [le, count] of Object.entries(model[kind] || {})) merged[le] = (merged[le] || 0) + count;
+  }
+  return merged;
+}
+
+// histogram_quantile over the observations between two polls.
+function quantile(now, before, q) {
+  const rows = Object.keys(now)
+    .map((le) => [le === "+Inf" ? Infinity : parseFloat(le), now[le] - ((before || {})[le] || 0)])
+    .sort((a, b) => a[0] - b[0]);
+  if (!rows.length || rows[rows.length - 1][1] <= 0) return null;
+  const rank = q * rows[rows.length - 1][1];
+  let lower = 0, below = 0;
+  for (const [le, count] of rows) {
+    if (count >= rank) {
+      if (le === Infinity) return lower;
+      return lower + (le - lower) * (count > below ? (rank - below) / (count - below) : 1);
+    }
+    lower = le; below = count;
+  }
+  return lower;
+}
+
+function fmt(value, digits = 1, unit = "") {
+  return value === null || value === undefined || Number.isNaN(value) ? "–" : value.toFixed(digits) + unit;
+}
+
+function chart(id, labels) {
+  if (state.charts[id]) return state.charts[id];
+  const element = document.getElementById(id);
+  const colors = ["#5eb1ff", "#4cc38a", "#f2b84b", "#e86f6f"];
+  const options = {
+    width: element.clientWidth || 500,
+    height: 180,
+    axes: [{ stroke: "#8b93a3", grid: { stroke: "#232733" } }, { stroke: "#8b93a3", grid: { stroke: "#232733" } }],
+    series: [{}, ...labels.map((label, i) => ({ label, stroke: colors[i % colors.length], width: 2 }))],
+  };
+  state.series[id] = [[], ...labels.map(() => [])];
+  state.charts[id] = new uPlot(options, state.series[id], element);
+  return state.charts[id];
+}
+
+function push(id, labels, values) {
+  const plot = chart(id, labels);
+  const data = state.series[id];
+  data[0].push(Date.now() / 1000);
+  values.forEach((value, i) => data[i + 1].push(value));
+  if (data[0].length > HISTORY) data.forEach((column) => column.shift());
+  plot.setData(data);
+}
+
+function cell(text, className) {
+  const td = document.createElement("td");
+  td.textContent = text === null || text === undefined ? "–" : String(text);
+  if (className) td.className = className;
+  return td;
+}
+
+function fill(tableId, rows) {
+  const body = document.querySelector("#" + tableId + " tbody");
+  body.replaceChildren(
+    ...rows.map((cells) => {
+      const tr = document.createElement("tr");
+      cells.forEach((c) => tr.appendChild(Array.isArray(c) ? cell(c[0], c[1]) : cell(c)));
+      return tr;
+    }),
+  );
+}
+
+function percent(value) {
+  return value === null || value === undefined ? null : Math.round(value * 100) + "%";
+}
+
+function drawTraffic(data, routing) {
+  const now = { at: data.time, models: data.models };
+  const before = state.previous;
+  state.previous = now;
+  const queued = sum(routing.queues);
+  const kv = routing.replicas.map((r) => r.kv_usage).filter((v) => v !== null && v !== undefined);
+  const kvMean = kv.length ? (100 * kv.reduce((a, b) => a + b, 0)) / kv.length : null;
+  document.getElementById("queued").textContent = String(queued);
+  if (!before || now.at <= before.at) return;
+  const seconds = now.at - before.at;
+  const rate = (kind, match) => Math.max(0, total(now.models, kind, match) - total(before.models, kind, match)) / seconds;
+  const rps = rate("requests");
+  const tokensIn = rate("tokens", (k) => k === "input");
+  const tokensOut = rate("tokens", (k) => k === "output");
+  const refused = rate("rejections");
+  const ttft = buckets(now.models, "ttft"), ttftBefore = buckets(before.models, "ttft");
+  const itl = buckets(now.models, "itl"), itlBefore = buckets(before.models, "itl");
+  const ms = (v) => (v === null ? null : 1000 * v);
+  const ttft50 = ms(quantile(ttft, ttftBefore, 0.5)), ttft95 = ms(quantile(ttft, ttftBefore, 0.95));
+  const itl50 = ms(quantile(itl, itlBefore, 0.5));
+  document.getElementById("rps").textContent = fmt(rps);
+  document.getElementById("tps").textContent = fmt(tokensOut, 0);
+  document.getElementById("ttft").textContent = fmt(ttft50, 0) + " / " + fmt(ttft95, 0, " ms");
+  document.getElementById("itl").textContent = fmt(itl50, 1, " ms");
+  document.getElementById("refused").textContent = fmt(refused);
+  push("chart-rps", ["requests/s", "refused/s"], [rps, refused]);
+  push("chart-tokens", ["in", "out"], [tokensIn, tokensOut]);
+  push("chart-latency", ["TTFT p50", "TTFT p95", "ITL p50"], [ttft50, ttft95, itl50]);
+  push("chart-queue", ["queued", "KV %"], [queued, kvMean]);
+}
+
+function drawReplicas(routing) {
+  fill(
+    "replicas",
+    routing.replicas.map((r) => [
+      r.model, r.id, r.engine, [r.state, r.state === "ready" ? "ready" : "notready"], r.outstanding,
+      r.running, r.waiting, percent(r.kv_usage), percent(r.prefix_cache_hit_rate), r.circuit, r.restarts, r.served,
+    ]),
+  );
+  document.getElementById("policies").textContent =
+    "policies: " + Object.entries(routing.policies).map(([m, p]) => m + " → " + p).join(", ");
+  fill(
+    "decisions",
+    routing.decisions.slice(-12).reverse().map((d) => [
+      new Date(d.at * 1000).toLocaleTimeString(), d.model, d.replica, d.policy, d.reason + (d.retry ? " (retry)" : ""),
+    ]),
+  );
+}
+
+function drawTenants(keys, usage) {
+  const tenants = {};
+  for (const key of keys.keys) {
+    const t = (tenants[key.tenant] = tenants[key.tenant] || { keys: 0, rpm: [], tpm: [], budget: [] });
+    t.keys += 1;
+    if (key.rpm) t.rpm.push(key.rpm);
+    if (key.tpm) t.tpm.push(key.tpm);
+    if (key.monthly_token_budget) t.budget.push(key.monthly_token_budget);
+  }
+  const used = Object.fromEntries(usage.rows.map((row) => [row.tenant, row]));
+  const names = [...new Set([...Object.keys(tenants), ...Object.keys(used)])].sort();
+  fill(
+    "tenants",
+    names.map((name) => {
+      const t = tenants[name] || { keys: 0, rpm: [], tpm: [], budget: [] };
+      const u = used[name] || {};
+      const list = (values) => (values.length ? values.join(", ") : "–");
+      return [name, t.keys, list(t.rpm), list(t.tpm), list(t.budget), u.requests, u.input_tokens, u.output_tokens, u.errors];
+    }),
+  );
+}
+
+async function poll() {
+  try {
+    const [data, routing, keys, usage] = await Promise.all([
+      getJSON("/corral/console/data"),
+      getJSON("/admin/routing"),
+      getJSON("/admin/keys"),
+      getJSON("/admin/usage?by=tenant"),
+    ]);
+    drawTraffic(data, routing);
+    drawReplicas(routing);
+    drawTenants(keys, usage);
+    document.getElementById("status").textContent = "live · " + new Date().toLocaleTimeString();
+    document.getElementById("login").hidden = true;
+  } catch (error) {
+    document.getElementById("status").textContent = error.message;
+    if (error.auth) {
+      document.getElementById("login").hidden = false;
+      return; // wait for the key
+    }
+  }
+  setTimeout(poll, POLL_MS);
+}
+
+document.getElementById("login").addEventListener("submit", (event) => {
+  event.preventDefault();
+  state.key = document.getElementById("key").value.trim();
+  sessionStorage.setItem("corral-admin-key", state.key);
+  poll();
+});
+
+poll();

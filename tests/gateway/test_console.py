@@ -1,0 +1,131 @@
+"""The web console in a real headless Chromium (Debian's chromium and chromium-driver, via Selenium): it
+loads without console errors, its numbers move while load runs, a closed gateway's console asks for the
+admin key, and a screenshot is kept as a test artifact (`$CORRAL_TEST_ARTIFACTS`, else the test's tmp)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+from selenium import webdriver
+from selenium.webdriver.chrome.service import Service
+from selenium.webdriver.common.by import By
+from selenium.webdriver.support.ui import WebDriverWait
+
+from tests.conftest import RunningCluster, cluster_of
+
+SPEC = """
+supervisor: {{probe_interval: 0.5}}
+auth: {auth}
+models:
+  - name: llama-8b
+    arch: llama-3.1-8b
+    deployments:
+      - {{engine: sim, replicas: 2, gpu: h100-sxm, time_scale: 20}}
+"""
+ADMIN = "console-admin-key"
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[webdriver.Chrome]:
+    chromium, driver = shutil.which("chromium"), shutil.which("chromedriver")
+    assert chromium and driver, "scripts/test-services.sh installs Debian's chromium and chromium-driver"
+    options = webdriver.ChromeOptions()
+    options.binary_location = chromium
+    for flag in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--window-size=1400,1100",
+    ):
+        options.add_argument(flag)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    chrome = webdriver.Chrome(service=Service(driver), options=options)
+    try:
+        yield chrome
+    finally:
+        chrome.quit()
+
+
+def artifacts(tmp_path: Path) -> Path:
+    folder = Path(os.environ.get("CORRAL_TEST_ARTIFACTS", tmp_path))
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def load(cluster: RunningCluster, stop: threading.Event) -> threading.Thread:
+    def run() -> None:
+        client = openai.OpenAI(base_url=cluster.base_url, api_key=ADMIN)
+        while not stop.is_set():
+            for _ in client.chat.completions.create(
+                model="llama-8b", messages=[{"role": "user", "content": "hi"}], max_tokens=32, stream=True
+            ):
+                pass
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread
+
+
+def number(browser: webdriver.Chrome, element: str) -> float | None:
+    text = browser.find_element(By.ID, element).text
+    try:
+        return float(text)
+    except ValueError:
+        return None
+
+
+def errors(browser: webdriver.Chrome) -> list[str]:
+    return [e["message"] for e in browser.get_log("browser") if e["level"] == "SEVERE"]
+
+
+def test_console_shows_live_numbers_without_errors(tmp_path: Path, browser: webdriver.Chrome) -> None:
+    with cluster_of(tmp_path, SPEC.format(auth="{open: true}")) as cluster:
+        browser.get(cluster.url + "/console")
+        wait = WebDriverWait(browser, 30, poll_frequency=0.2)
+        wait.until(lambda b: len(b.find_elements(By.CSS_SELECTOR, "#replicas tbody tr td.ready")) == 2)
+        stop = threading.Event()
+        users = [load(cluster, stop) for _ in range(3)]
+        try:
+            wait.until(lambda b: (number(b, "rps") or 0) > 0)
+            wait.until(lambda b: (number(b, "tps") or 0) > 0)
+            first = browser.find_element(By.ID, "rps").text
+            wait.until(lambda b: b.find_element(By.ID, "rps").text != first)  # it keeps moving
+            wait.until(lambda b: len(b.find_elements(By.CSS_SELECTOR, "#decisions tbody tr")) > 0)
+            assert "/" in browser.find_element(By.ID, "ttft").text
+            assert len(browser.find_elements(By.CSS_SELECTOR, "canvas")) >= 4  # the four charts
+            browser.save_screenshot(str(artifacts(tmp_path) / "console.png"))
+        finally:
+            stop.set()
+            for thread in users:
+                thread.join(timeout=30)
+        assert errors(browser) == []
+
+
+def test_closed_gateway_console_asks_for_the_admin_key(tmp_path: Path, browser: webdriver.Chrome) -> None:
+    spec = SPEC.format(auth=f"{{open: false, admin_key: {ADMIN}}}")
+    with cluster_of(tmp_path, spec, admin_key=ADMIN) as cluster:
+        browser.execute_cdp_cmd("Network.clearBrowserCache", {})
+        browser.get(cluster.url + "/console")
+        browser.execute_script("sessionStorage.clear()")
+        browser.refresh()
+        wait = WebDriverWait(browser, 30, poll_frequency=0.2)
+        wait.until(lambda b: b.find_element(By.ID, "login").is_displayed())
+        assert browser.find_elements(By.CSS_SELECTOR, "#replicas tbody tr") == []  # nothing without the key
+        browser.find_element(By.ID, "key").send_keys(ADMIN)
+        browser.find_element(By.CSS_SELECTOR, "#login button").click()
+        wait.until(lambda b: len(b.find_elements(By.CSS_SELECTOR, "#replicas tbody tr td.ready")) == 2)
+        assert not browser.find_element(By.ID, "login").is_displayed()
+        # The refused polls before the key was given are the only errors the page met.
+        assert all("401" in e or "403" in e for e in errors(browser))
