@@ -21,6 +21,9 @@ command -v docker-compose >/dev/null || missing+=(docker-compose)
 command -v systemd-analyze >/dev/null || missing+=(systemd)
 # Prometheus and promtool: the alert rules' unit tests and a real scrape of a cluster (tests/observe/).
 command -v promtool >/dev/null || missing+=(prometheus)
+# Chromium and its WebDriver: the web console's browser test (tests/gateway/test_console.py).
+command -v chromium >/dev/null || missing+=(chromium)
+command -v chromedriver >/dev/null || missing+=(chromium-driver)
 if [ ${#missing[@]} -gt 0 ]; then install "${missing[@]}"; fi
 # The tests run their own NGINX and Prometheus instances on free ports; packaged ones are left alone.
 

@@ -11,6 +11,7 @@ unit tests of the GPU alerts (tests/observe/test_rules.py), not here.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -19,6 +20,7 @@ import time
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 
 import openai
 import pytest
@@ -150,6 +152,17 @@ def test_every_panel_query_returns_data(watched: tuple[RunningCluster, str]) -> 
             break
         time.sleep(1)
     assert not empty, "panel queries without data:\n" + "\n".join(empty)
+    # The same data drawn without Grafana (`corral observe snapshot`), kept as a test artifact.
+    folder = Path(os.environ.get("CORRAL_TEST_ARTIFACTS", cluster.log.parent))
+    png = folder / "dashboard-cluster.png"
+    drawn = subprocess.run(
+        [*CORRAL, "observe", "snapshot", "--prometheus", prometheus, "-o", str(png), "--minutes", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert drawn.returncode == 0, drawn.stderr
+    assert png.stat().st_size > 10_000 and "panels with data" in drawn.stderr
     # The engines were found through the gateway's service discovery and scraped directly too.
     engines = query(prometheus, 'up{job="corral-engines"}')
     assert {r["metric"]["model"] for r in engines} == {"smollm2", "llama-8b"}  # type: ignore[index]

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 import sys
 from collections.abc import Coroutine
 from enum import StrEnum
-from typing import Any, NoReturn
+from pathlib import Path
+from typing import Annotated, Any, NoReturn
 
 import typer
 from rich.console import Console
@@ -24,11 +26,13 @@ from corral import __version__
 
 __all__ = [
     "COMMAND_ORDER",
+    "CaCertOption",
     "CliError",
     "FlagsCommand",
     "FlagsGroup",
     "LogLevel",
     "app",
+    "client_tls",
     "console",
     "fail",
     "main",
@@ -126,6 +130,22 @@ def fail(message: str, exit_code: int = 1) -> NoReturn:
     """Print `error: message` (markup-safe, unwrapped) and end the command with `exit_code`."""
     _error(message)
     raise typer.Exit(exit_code)
+
+
+# `--ca-cert` of the commands that talk to a gateway over HTTPS.
+CaCertOption = Annotated[
+    Path | None, typer.Option(help="PEM CA certificate to trust for an https URL (a private CA)")
+]
+
+
+def client_tls(ca_cert: Path | None) -> ssl.SSLContext | None:
+    """The client context trusting `ca_cert` (None: the system's CAs); a bad file is one line, exit 2."""
+    if ca_cert is None:
+        return None
+    try:
+        return ssl.create_default_context(cafile=ca_cert)
+    except (OSError, ssl.SSLError) as exc:
+        fail(f"--ca-cert {ca_cert}: {getattr(exc, 'strerror', None) or exc}", 2)
 
 
 def setup_logging(level: str) -> None:

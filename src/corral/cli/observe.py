@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ssl
 import time
 import urllib.error
 from pathlib import Path
@@ -10,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from corral.cli.app import FlagsCommand, FlagsGroup, app, console, fail
+from corral.cli.app import CaCertOption, FlagsCommand, FlagsGroup, app, client_tls, console, fail
 from corral.config import admin_key_from_env
 
 __all__ = ["observe_app"]
@@ -44,6 +43,25 @@ def render_command(
         console.print(f"wrote {path}", markup=False, highlight=False, soft_wrap=True)
 
 
+@observe_app.command("snapshot", cls=FlagsCommand)
+def snapshot_command(
+    prometheus: Annotated[str, typer.Option(help="Prometheus's base URL")] = "http://127.0.0.1:9090",
+    dashboard: Annotated[
+        str, typer.Option(help="corral-cluster, corral-tenants or corral-gpu")
+    ] = "corral-cluster",
+    output: Annotated[Path, typer.Option("--output", "-o", help="the PNG to write")] = Path("dashboard.png"),
+    minutes: Annotated[float, typer.Option(min=0.5, help="how far back to draw")] = 15.0,
+) -> None:
+    """Draw a dashboard's panels from Prometheus into a PNG (no Grafana needed)."""
+    from corral.observe.snapshot import SnapshotError, dashboard_png
+
+    try:
+        panels = dashboard_png(prometheus, dashboard, output, minutes)
+    except SnapshotError as exc:
+        fail(str(exc))
+    console.print(f"wrote {output} ({panels} panels with data)", markup=False, highlight=False)
+
+
 @app.command(cls=FlagsCommand)
 def top(
     url: Annotated[str, typer.Option(help="the gateway's base URL")] = "http://127.0.0.1:8000",
@@ -54,19 +72,14 @@ def top(
     admin_key: Annotated[
         str | None, typer.Option(help="the admin key (default: $CORRAL_ADMIN_KEY) for a closed gateway")
     ] = None,
-    ca_cert: Annotated[
-        Path | None, typer.Option(help="PEM CA certificate to trust for an https URL (a private CA)")
-    ] = None,
+    ca_cert: CaCertOption = None,
 ) -> None:
     """A live view of a running cluster: rates, latency percentiles and every replica's load."""
     from rich.live import Live
 
     from corral.observe.top import TopClient, render_frame
 
-    try:
-        context = ssl.create_default_context(cafile=ca_cert) if ca_cert is not None else None
-    except (OSError, ssl.SSLError) as exc:
-        fail(f"--ca-cert {ca_cert}: {getattr(exc, 'strerror', None) or exc}", 2)
+    context = client_tls(ca_cert)
     client = TopClient(url, admin_key or admin_key_from_env(None), context)
     before = None
     with Live(console=console, auto_refresh=False, transient=False) as live:

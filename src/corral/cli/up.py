@@ -18,7 +18,18 @@ from rich.table import Table
 
 from corral import __version__
 from corral.artifacts import ArtifactError
-from corral.cli.app import CliError, FlagsCommand, LogLevel, app, console, fail, run_async, setup_logging
+from corral.cli.app import (
+    CaCertOption,
+    CliError,
+    FlagsCommand,
+    LogLevel,
+    app,
+    client_tls,
+    console,
+    fail,
+    run_async,
+    setup_logging,
+)
 from corral.config import (
     ClusterSpec,
     Paths,
@@ -84,19 +95,13 @@ def status(
         typer.Option(help="the admin key (default: $CORRAL_ADMIN_KEY); a tenant key sees only its models"),
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
-    ca_cert: Annotated[
-        Path | None, typer.Option(help="PEM CA certificate to trust for an https URL (a private CA)")
-    ] = None,
+    ca_cert: CaCertOption = None,
 ) -> None:
     """Show each replica: state, load, restarts."""
-    import ssl
     import urllib.error
     import urllib.request
 
-    try:
-        context = ssl.create_default_context(cafile=ca_cert) if ca_cert is not None else None
-    except (OSError, ssl.SSLError) as exc:
-        fail(f"--ca-cert {ca_cert}: {getattr(exc, 'strerror', None) or exc}", 2)
+    context = client_tls(ca_cert)
     request = urllib.request.Request(url.rstrip("/") + "/corral/status")
     key = admin_key or admin_key_from_env(None)
     if key:

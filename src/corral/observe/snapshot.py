@@ -1,0 +1,93 @@
+"""A dashboard drawn from Prometheus without Grafana (`corral observe snapshot`): every panel's queries
+run over a time range through Prometheus's HTTP API and plotted with matplotlib into one PNG."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from corral.observe.dashboards import DASHBOARDS
+
+__all__ = ["SnapshotError", "dashboard_png"]
+
+
+class SnapshotError(RuntimeError):
+    """Prometheus could not be asked, or the dashboard is unknown."""
+
+
+def _query_range(prometheus: str, expr: str, start: float, end: float, step: float) -> list[dict[str, Any]]:
+    params = urllib.parse.urlencode({"query": expr, "start": start, "end": end, "step": step})
+    try:
+        with urllib.request.urlopen(f"{prometheus.rstrip('/')}/api/v1/query_range?{params}", timeout=30) as r:
+            body = json.load(r)
+    except OSError as exc:
+        raise SnapshotError(f"cannot query Prometheus at {prometheus}: {exc}") from None
+    if body.get("status") != "success":
+        raise SnapshotError(f"Prometheus refused {expr!r}: {body.get('error')}")
+    return list(body["data"]["result"])
+
+
+def _legend(template: str, labels: dict[str, str]) -> str:
+    out = template
+    for key, value in labels.items():
+        out = out.replace("{{" + key + "}}", value)
+    return out
+
+
+def dashboard_png(prometheus: str, uid: str, output: Path, minutes: float = 15, step: float = 5) -> int:
+    """Draw dashboard `uid` over the last `minutes`; returns the number of panels with data."""
+    board = next((b for b in DASHBOARDS if b.uid == uid), None)
+    if board is None:
+        raise SnapshotError(f"no dashboard {uid!r}: one of {', '.join(b.uid for b in DASHBOARDS)}")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [panel for _, row in board.rows for panel in row]
+    end = time.time()
+    start = end - 60 * minutes
+    columns = 3
+    rows = math.ceil(len(panels) / columns)
+    figure, axes = plt.subplots(rows, columns, figsize=(6 * columns, 3.2 * rows), squeeze=False)
+    with_data = 0
+    rate = f"{max(int(4 * step), 15)}s"
+    for axis, panel in zip(axes.flat, panels, strict=False):
+        drawn = False
+        for expr, legend in panel.queries:
+            concrete = expr.replace("$__rate_interval", rate)
+            for name, _, _ in board.variables:
+                concrete = concrete.replace(f'"${name}"', '".*"')
+            for series in _query_range(prometheus, concrete, start, end, step):
+                points = [
+                    (float(t) - end, float(v))
+                    for t, v in series["values"]
+                    if v not in ("NaN", "+Inf", "-Inf")
+                ]
+                if points:
+                    xs, ys = zip(*points, strict=True)
+                    axis.plot(
+                        [x / 60 for x in xs], ys, label=_legend(legend, series["metric"]), linewidth=1.2
+                    )
+                    drawn = True
+        with_data += drawn
+        axis.set_title(f"{panel.title} ({panel.unit})", fontsize=9)
+        axis.tick_params(labelsize=7)
+        axis.set_xlabel("minutes", fontsize=7)
+        if drawn:
+            axis.legend(fontsize=6, loc="upper left")
+        else:
+            axis.text(0.5, 0.5, "no data", ha="center", va="center", transform=axis.transAxes)
+    for axis in list(axes.flat)[len(panels) :]:
+        axis.axis("off")
+    figure.suptitle(f"{board.title}: last {minutes:g} minutes, from {prometheus}", fontsize=11)
+    figure.tight_layout(rect=(0, 0, 1, 0.97))
+    output.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(output, dpi=80)
+    plt.close(figure)
+    return with_data
