@@ -59,7 +59,9 @@ def snapshot_command(
         panels = dashboard_png(prometheus, dashboard, output, minutes)
     except SnapshotError as exc:
         fail(str(exc))
-    console.print(f"wrote {output} ({panels} panels with data)", markup=False, highlight=False)
+    console.print(
+        f"wrote {output} ({panels} panels with data)", markup=False, highlight=False, soft_wrap=True
+    )
 
 
 @app.command(cls=FlagsCommand)
