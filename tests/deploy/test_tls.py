@@ -123,6 +123,9 @@ def test_client_addresses_believe_forwarded_for_only_from_trusted_peers() -> Non
     # A peer outside the trusted list: its header is not believed.
     assert addresses_of(["10.0.0.0/8"], "192.0.2.1", "127.0.0.1") == ("192.0.2.1", False)
     assert addresses_of(["::1"], "::1", "2001:db8::7") == ("2001:db8::7", False)
+    # A trusted proxy on another host naming 127.0.0.1 means its own machine, not this one.
+    assert addresses_of(["10.0.0.0/8"], "10.1.2.3", "127.0.0.1") == ("127.0.0.1", False)
+    assert addresses_of(["127.0.0.1"], "127.0.0.1", "127.0.0.1") == ("127.0.0.1", True)
 
 
 def test_a_certificate_that_cannot_be_used_is_one_line_before_anything_starts(

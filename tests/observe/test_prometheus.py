@@ -152,6 +152,11 @@ def test_every_panel_query_returns_data(watched: tuple[RunningCluster, str]) -> 
             break
         time.sleep(1)
     assert not empty, "panel queries without data:\n" + "\n".join(empty)
+    # The `or … * 0` fallbacks must not hide a misnamed series: what the drive moved is above zero.
+    refused = query(prometheus, 'sum by (tenant) (rate(corral_tenant_requests_total{status="429"}[1m]))')
+    assert {r["metric"]["tenant"] for r in refused if float(r["value"][1]) > 0} == {"tiny"}  # type: ignore[index]
+    reasons = query(prometheus, "sum by (reason) (rate(corral_rejections_total[1m])) > 0")
+    assert "rate_limit_exceeded" in {r["metric"]["reason"] for r in reasons}  # type: ignore[index]
     # The GPU panels have no dcgm-exporter to read here; Prometheus still accepts each query.
     for gpu in (q for q in panel_queries("1m") if q.dashboard == "corral-gpu"):
         query(prometheus, gpu.expr)

@@ -145,15 +145,15 @@ FIRING = [
     ),
     Case(
         "CorralGPUFatalXID",
-        {f"DCGM_FI_DEV_XID_ERRORS{{{GPU}}}": "79x5"},
-        "2m",
+        {f"DCGM_FI_DEV_XID_ERRORS{{{GPU}}}": "0 0 79 79 79"},
+        "4m",
         {**GPU_LABELS, "severity": "critical"},
         "GPU 0 on h1 reported a fatal XID: drain its replicas and reset it.",
     ),
     Case(
         "CorralGPUApplicationXID",
-        {f"DCGM_FI_DEV_XID_ERRORS{{{GPU}}}": "13x5"},
-        "2m",
+        {f"DCGM_FI_DEV_XID_ERRORS{{{GPU}}}": "0 0 13 13 13"},
+        "4m",
         {**GPU_LABELS, "severity": "info"},
         "GPU 0 on h1 reported an application XID (engine fault, not the hardware).",
     ),
@@ -190,7 +190,8 @@ FIRING = [
         {f"DCGM_FI_DEV_GPU_TEMP{{{GPU}}}": "60x10"},
         "25m",
         {**GPU_LABELS, "severity": "critical"},
-        "GPU GPU-1 on h1 stopped reporting (fell off the bus or the exporter lost it).",
+        "GPU GPU-1 on h1 stopped reporting (fell off the bus or the exporter lost it); the alert holds for a "
+        "day.",
     ),
 ]
 
@@ -241,8 +242,10 @@ QUIET = [
         ),
         "12m",
     ),
-    Case("CorralGPUFatalXID", {f"DCGM_FI_DEV_XID_ERRORS{{{GPU}}}": "13x5"}, "2m"),
-    Case("CorralGPUApplicationXID", {f"DCGM_FI_DEV_XID_ERRORS{{{GPU}}}": "79x5"}, "2m"),
+    Case("CorralGPUFatalXID", {f"DCGM_FI_DEV_XID_ERRORS{{{GPU}}}": "0 0 13 13 13"}, "4m"),
+    # The field keeps the last XID for good: an event 20 minutes ago no longer fires.
+    Case("CorralGPUFatalXID", {f"DCGM_FI_DEV_XID_ERRORS{{{GPU}}}": "0 0 79x30"}, "25m"),
+    Case("CorralGPUApplicationXID", {f"DCGM_FI_DEV_XID_ERRORS{{{GPU}}}": "0 0 79 79 79"}, "4m"),
     Case("CorralGPUECCDoubleBit", {f"DCGM_FI_DEV_ECC_DBE_VOL_TOTAL{{{GPU}}}": "3x5"}, "5m"),
     Case("CorralGPURowRemapFailure", {f"DCGM_FI_DEV_ROW_REMAP_FAILURE{{{GPU}}}": "0x5"}, "2m"),
     Case("CorralGPUThermalThrottling", {f"DCGM_FI_DEV_THERMAL_VIOLATION{{{GPU}}}": "0+1000000x30"}, "20m"),

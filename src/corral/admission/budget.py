@@ -12,6 +12,12 @@ from corral.store import UsageStore
 
 __all__ = ["BudgetTracker"]
 
+_QUIET_S = 86400.0  # a budgeted key not seen for a day leaves the budget metric
+
+
+def _month() -> str:
+    return datetime.now(UTC).strftime("%Y-%m")
+
 
 class BudgetTracker:
     def __init__(self, usage: UsageStore, refresh_s: float = 30.0) -> None:
@@ -19,13 +25,14 @@ class BudgetTracker:
         self._refresh = refresh_s
         self._used: dict[str, tuple[int, float]] = {}  # key id → (tokens this month, read at)
         self._local: dict[str, int] = {}  # settled here since the last read
-        self._budgets: dict[str, tuple[str, int]] = {}  # key id → (tenant, monthly budget)
+        # key id → (tenant, monthly budget, month "YYYY-MM", last checked (monotonic s))
+        self._budgets: dict[str, tuple[str, int, str, float]] = {}
 
     async def check(self, principal: Principal, tokens: int) -> None:
         budget, key = principal.monthly_token_budget, principal.key_id
         if budget is None or key is None:
             return
-        self._budgets[key] = (principal.tenant, budget)
+        self._budgets[key] = (principal.tenant, budget, _month(), time.monotonic())
         used = await self._month_tokens(key)
         if used + tokens > budget:
             now = datetime.now(UTC)
@@ -39,9 +46,13 @@ class BudgetTracker:
             )
 
     def spent(self) -> list[tuple[str, str, float]]:
-        """(tenant, key id, share of the monthly budget used) for each budgeted key seen here."""
+        """(tenant, key id, share of the monthly budget used) for each budgeted key that asked this
+        gateway this month within the last day; keys of a past month or gone quiet (revoked) drop out."""
+        month, now = _month(), time.monotonic()
+        for key in [k for k, (_, _, m, seen) in self._budgets.items() if m != month or now - seen > _QUIET_S]:
+            del self._budgets[key]
         out = []
-        for key, (tenant, budget) in self._budgets.items():
+        for key, (tenant, budget, _, _) in self._budgets.items():
             cached = self._used.get(key)
             used = (cached[0] if cached else 0) + self._local.get(key, 0)
             out.append((tenant, key, used / budget))

@@ -178,7 +178,11 @@ class ModelSLO(Strict):
     """Latency objectives of one model, seconds at the 95th percentile; alert rules fire above them."""
 
     ttft_p95: float | None = Field(default=None, gt=0, description="time to first token, p95, seconds")
-    itl_p95: float | None = Field(default=None, gt=0, description="time between output tokens, p95, seconds")
+    itl_p95: float | None = Field(
+        default=None,
+        gt=0,
+        description="time between output tokens, p95 over streams of each stream's mean gap, seconds",
+    )
 
 
 class ModelSpec(Strict):

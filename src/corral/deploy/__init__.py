@@ -25,6 +25,7 @@ __all__ = [
 ]
 
 Target = Literal["nginx", "systemd", "compose", "kuberay"]
+PRIVATE_FILES = frozenset({"cluster.yaml", "corral.yaml"})
 TARGETS: tuple[Target, ...] = ("nginx", "systemd", "compose", "kuberay")
 
 
@@ -42,10 +43,14 @@ def render(
 
 
 def write_rendered(files: dict[str, str], directory: Path) -> list[Path]:
+    """Write the files; copies of the spec (it may hold keys and passwords) and manifests carrying it are
+    readable by their owner only."""
     written = []
     for relative, text in files.items():
         path = directory / relative
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text, encoding="utf-8")
+        if Path(relative).name in PRIVATE_FILES:
+            path.chmod(0o600)
         written.append(path)
     return written

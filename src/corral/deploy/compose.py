@@ -9,6 +9,7 @@ PostgreSQL on this host become services of the project; Prometheus comes with th
 from __future__ import annotations
 
 from typing import Any
+from urllib.parse import urlsplit
 
 import yaml
 
@@ -127,8 +128,6 @@ def _redis() -> dict[str, Any]:
 
 
 def _postgres(url: str) -> dict[str, Any]:
-    from urllib.parse import urlsplit
-
     parts = urlsplit(url)
     database = parts.path.lstrip("/") or "corral"
     user = parts.username or "postgres"

@@ -31,10 +31,12 @@ def render_kuberay(spec: ClusterSpec, source: str) -> dict[str, str]:
     documents = [
         {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}},
         {
+            # A Secret, not a ConfigMap: the spec may hold the admin key, engine keys, store passwords.
             "apiVersion": "v1",
-            "kind": "ConfigMap",
+            "kind": "Secret",
+            "type": "Opaque",
             "metadata": {"name": "corral-spec", "namespace": namespace},
-            "data": {"cluster.yaml": spec_yaml(inner, f"From {source}, for corral on KubeRay.")},
+            "stringData": {"cluster.yaml": spec_yaml(inner, f"From {source}, for corral on KubeRay.")},
         },
         _ray_cluster(spec, namespace),
         _deployment(spec, namespace),
@@ -55,6 +57,16 @@ def _refuse_this_host(spec: ClusterSpec) -> None:
         raise RenderError(
             f"kuberay: limits.redis_url {spec.limits.redis_url} is this host; in Kubernetes give the Redis "
             "service's address, e.g. redis://redis.corral.svc.cluster.local:6379/0"
+        )
+    if spec.auth.open:
+        raise RenderError(
+            "kuberay: an open gateway (auth.open: true) would serve every pod in the cluster without a key: "
+            "close it (auth.open: false, an admin key, keys from `corral keys create`)"
+        )
+    if not spec.store.url:
+        raise RenderError(
+            "kuberay: keys and usage need a database that outlives the pod: set store.url (PostgreSQL, "
+            "e.g. postgresql://corral@postgres.corral.svc.cluster.local:5432/corral)"
         )
     if spec.store.url and is_local_url(spec.store.url):
         raise RenderError(
@@ -199,7 +211,7 @@ def _deployment(spec: ClusterSpec, namespace: str) -> dict[str, Any]:
                     "terminationGracePeriodSeconds": grace,
                     "containers": [container],
                     "volumes": [
-                        {"name": "spec", "configMap": {"name": "corral-spec"}},
+                        {"name": "spec", "secret": {"secretName": "corral-spec", "defaultMode": 0o400}},
                         {"name": "home", "emptyDir": {}},
                     ],
                 },

@@ -10,7 +10,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from corral.config import ClusterSpec
+from corral.config import ClusterSpec, LocalSource
+from corral.deploy.spec_rewrite import is_local_url
 from corral.deploy.templates import render_template
 
 __all__ = ["CONFIG_DIR", "STATE_DIR", "render_systemd"]
@@ -40,6 +41,7 @@ def render_systemd(spec: ClusterSpec, source: str, spec_text: str, corral_bin: P
         "low_port": 0 < spec.gateway.port < 1024,
         "gpu": gpu,
         "no_jit": no_jit,
+        "protect_home": _protect_home(spec),
     }
     user = spec.deploy.user
     return {
@@ -52,25 +54,26 @@ def render_systemd(spec: ClusterSpec, source: str, spec_text: str, corral_bin: P
 def _after(spec: ClusterSpec) -> list[str]:
     """Order after the local Redis/PostgreSQL the spec uses, when they run on this host."""
     units = []
-    if spec.limits.backend == "redis" and _is_local_url(spec.limits.redis_url):
+    if spec.limits.backend == "redis" and is_local_url(spec.limits.redis_url):
         units.append("redis-server.service")
-    if spec.store.url and spec.store.url.startswith("postgres") and _is_local_url(spec.store.url):
+    if spec.store.url and spec.store.url.startswith("postgres") and is_local_url(spec.store.url):
         units.append("postgresql.service")
     return units
 
 
-def _is_local_url(url: str) -> bool:
-    from urllib.parse import urlsplit
-
-    host = urlsplit(url).hostname or ""
-    return host in {"localhost", "127.0.0.1", "::1", ""}
-
-
 def _local_paths(spec: ClusterSpec) -> list[Path]:
-    """A SQLite store outside the state directory must stay writable under ProtectSystem=strict."""
+    """A SQLite store outside the state directory must stay writable under ProtectSystem=strict (a
+    relative path is relative to the unit's working directory, the state directory)."""
     url = spec.store.url or ""
     if url.startswith("sqlite:///"):
-        folder = Path(url.removeprefix("sqlite:///")).parent
+        folder = (STATE_DIR / url.removeprefix("sqlite:///")).parent
         if not folder.is_relative_to(STATE_DIR):
             return [folder]
     return []
+
+
+def _protect_home(spec: ClusterSpec) -> str:
+    """`yes` hides /home, /root and /run/user; model files there need them readable."""
+    homes = (Path("/home"), Path("/root"), Path("/run/user"))
+    local = [m.source.path for m in spec.models if isinstance(m.source, LocalSource)]
+    return "read-only" if any(p.is_relative_to(h) for p in local for h in homes) else "yes"

@@ -50,9 +50,6 @@ class AdminViews:
 
     def check(self, request: web.Request) -> None:
         """Refuse (401/403) a request that is not the admin's."""
-        self._check(request)
-
-    def _check(self, request: web.Request) -> None:
         if self.is_admin(request):
             return
         if self._services.admin_key is None:
@@ -63,13 +60,13 @@ class AdminViews:
         raise Unauthorized("The admin API needs 'Authorization: Bearer <admin key>'.")
 
     async def list_keys(self, request: web.Request) -> web.Response:
-        self._check(request)
+        self.check(request)
         revoked = request.query.get("include_revoked") in {"1", "true"}
         keys = await asyncio.to_thread(self._services.keys.list, revoked)
         return web.json_response({"keys": [k.to_dict() for k in keys]})
 
     async def create_key(self, request: web.Request) -> web.Response:
-        self._check(request)
+        self.check(request)
         try:
             spec = NewKey.model_validate_json(await request.read())
         except ValidationError as exc:
@@ -80,21 +77,21 @@ class AdminViews:
         return web.json_response({"key": secret, **record.to_dict()}, status=201)
 
     async def show_key(self, request: web.Request) -> web.Response:
-        self._check(request)
+        self.check(request)
         record = await asyncio.to_thread(self._services.keys.get, request.match_info["key_id"])
         if record is None:
             raise NotFound(f"No key with id {request.match_info['key_id']}.")
         return web.json_response(record.to_dict())
 
     async def revoke_key(self, request: web.Request) -> web.Response:
-        self._check(request)
+        self.check(request)
         record = await asyncio.to_thread(self._services.keys.revoke, request.match_info["key_id"])
         if record is None:
             raise NotFound(f"No key with id {request.match_info['key_id']}.")
         return web.json_response(record.to_dict())
 
     async def usage(self, request: web.Request) -> web.Response:
-        self._check(request)
+        self.check(request)
         by = request.query.get("by", "key")
         try:
             rows = await asyncio.to_thread(self._services.usage_store.report, by)
@@ -104,7 +101,7 @@ class AdminViews:
 
     async def routing(self, request: web.Request) -> web.Response:
         """Replicas with load and circuit state, each model's policy, and the latest routing decisions."""
-        self._check(request)
+        self.check(request)
         replicas = self._router.replicas
         policies = {m: self._router.policy_for(m).name for m in replicas.models()}
         body: dict[str, Any] = {

@@ -48,11 +48,14 @@ class ClientAddresses:
 
     def is_local(self, request: BaseRequest) -> bool:
         """The client is on this machine: a loopback peer with no proxy in between, or a loopback client
-        named by a trusted proxy. A proxy the gateway does not trust makes every client remote."""
+        named by a trusted proxy that is itself on this machine (a proxy elsewhere saying 127.0.0.1 means
+        its own host). A proxy the gateway does not trust makes every client remote."""
         peer = request.remote or ""
+        if not _loopback(peer):
+            return False
         if self.trusts(peer):
             return _loopback(self.of(request))
-        return _loopback(peer) and not any(h in request.headers for h in PROXY_HEADERS)
+        return not any(h in request.headers for h in PROXY_HEADERS)
 
 
 def _loopback(address: str) -> bool:

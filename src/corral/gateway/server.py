@@ -82,8 +82,8 @@ def server_tls_context(tls: TLSSettings) -> ssl.SSLContext:
     try:
         context.load_cert_chain(tls.cert, tls.key)
     except FileNotFoundError as exc:
-        raise TLSError(f"gateway.tls: {exc.filename} does not exist") from None
+        raise TLSError(f"gateway.tls: {exc.filename} does not exist") from exc
     except (ssl.SSLError, OSError) as exc:
-        raise TLSError(f"gateway.tls: cannot use {tls.cert} with {tls.key}: {exc}") from None
+        raise TLSError(f"gateway.tls: cannot use {tls.cert} with {tls.key}: {exc}") from exc
     context.set_alpn_protocols(["http/1.1"])
     return context

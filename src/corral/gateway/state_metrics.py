@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import lru_cache
 from typing import ClassVar
 
 from prometheus_client import CollectorRegistry, Gauge
@@ -52,19 +51,18 @@ class Family:
     labels: tuple[str, ...]
     samples: list[tuple[tuple[str, ...], float]] = field(default_factory=list)
 
-    def text(self) -> str:
+    def text(self, quoted: Callable[[str], str]) -> str:
         head = f"# HELP {self.name} {self.doc}\n# TYPE {self.name} {self.kind}\n"
         names = self.labels
         body = [
-            f"{self.name}{{{','.join(f'{n}={_quoted(v)}' for n, v in zip(names, values, strict=True))}}} "
+            f"{self.name}{{{','.join(f'{n}={quoted(v)}' for n, v in zip(names, values, strict=True))}}} "
             f"{float(value)!r}\n"
             for values, value in self.samples
         ]
         return head + "".join(body)
 
 
-@lru_cache(maxsize=65536)
-def _quoted(value: str) -> str:
+def quote_label(value: str) -> str:
     """A label value in the text format: quoted, with backslash, quote and newline escaped."""
     return '"' + value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
 
@@ -78,9 +76,18 @@ class StateSeries:
         self._router = router
         self._queue_depths = queue_depths
         self._budgets = budgets
+        self._quoted: dict[str, str] = {}  # label values repeat every scrape: quote each once
 
     def text(self) -> bytes:
-        return "".join(family.text() for family in self.families()).encode()
+        if len(self._quoted) > 65536:  # replicas and keys come and go: start over rather than grow
+            self._quoted.clear()
+        return "".join(family.text(self._quote) for family in self.families()).encode()
+
+    def _quote(self, value: str) -> str:
+        found = self._quoted.get(value)
+        if found is None:
+            found = self._quoted[value] = quote_label(value)
+        return found
 
     def families(self) -> list[Family]:
         families = self._replica_families() + self._engine_families()
@@ -154,7 +161,8 @@ class PublishedState:
     _MODES: ClassVar[dict[str, str]] = {
         "corral_replica_outstanding": "livesum",
         "corral_queue_depth": "livesum",
-    }  # every other family is the same snapshot in every worker: the highest
+    }  # every other family is the same snapshot in every worker: the highest of the live workers (a dead
+    # worker's last values leave with it; plain "max" kept them forever)
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self._gauges: dict[str, Gauge] = {}
@@ -172,7 +180,7 @@ class PublishedState:
                     family.doc,
                     list(family.labels),
                     registry=self._registry,
-                    multiprocess_mode=self._MODES.get(family.name, "max"),  # type: ignore[arg-type]
+                    multiprocess_mode=self._MODES.get(family.name, "livemax"),  # type: ignore[arg-type]
                 )
             now = set()
             for values, value in family.samples:

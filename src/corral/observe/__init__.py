@@ -34,14 +34,21 @@ def prometheus_config(spec: ClusterSpec, rules: Path, scrape_interval: str = "15
     gateway = f"{host}:{spec.gateway.port}"
     scheme = "https" if spec.gateway.tls is not None else "http"
     discovery: dict[str, Any] = {"url": f"{scheme}://{gateway}/corral/sd", "refresh_interval": "30s"}
-    if not spec.auth.open:
-        # The replica list is the admin's: put the admin key in admin.key beside prometheus.yml. The type
-        # is written out: Prometheus 2.42 (Debian 12) sends the bare key without it.
+    if not spec.auth.open or spec.auth.admin_key:
+        # The replica list is the admin's: put the admin key in admin.key beside prometheus.yml (also when
+        # CORRAL_ADMIN_KEY gives an open gateway one). The type is written out: Prometheus 2.42 (Debian
+        # 12) sends the bare key without it.
         discovery["authorization"] = {"type": "Bearer", "credentials_file": "admin.key"}
-    jobs: list[dict[str, Any]] = [
-        {"job_name": GATEWAY_JOB, "scheme": scheme, "static_configs": [{"targets": [gateway]}]},
-        {"job_name": "corral-engines", "http_sd_configs": [discovery]},
-    ]
+    gateway_job: dict[str, Any] = {
+        "job_name": GATEWAY_JOB,
+        "scheme": scheme,
+        "static_configs": [{"targets": [gateway]}],
+    }
+    if spec.gateway.tls is not None:
+        # A private CA (`corral deploy certs`): its ca.crt beside prometheus.yml; a public one needs none.
+        gateway_job["tls_config"] = {"ca_file": "ca.crt"}
+        discovery["tls_config"] = {"ca_file": "ca.crt"}
+    jobs: list[dict[str, Any]] = [gateway_job, {"job_name": "corral-engines", "http_sd_configs": [discovery]}]
     gpus = any(d.engine == "vllm" and d.device == "gpu" for m in spec.models for d in m.deployments)
     if gpus:
         # dcgm-exporter on each GPU node (default port 9400); list every node's address here.

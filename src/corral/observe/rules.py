@@ -41,7 +41,10 @@ class AlertRule:
 
 
 def _xid_match(codes: tuple[int, ...]) -> str:
-    return " or ".join(f"DCGM_FI_DEV_XID_ERRORS == {code}" for code in codes)
+    """The GPUs whose last XID is one of `codes` and changed in the last 10 minutes (the field holds the
+    last XID for good: without the change it would fire forever after one event)."""
+    matches = " or ".join(f"DCGM_FI_DEV_XID_ERRORS == {code}" for code in codes)
+    return f"({matches}) and changes(DCGM_FI_DEV_XID_ERRORS[10m]) > 0"
 
 
 def alert_rules(spec: ClusterSpec) -> list[AlertRule]:
@@ -216,12 +219,12 @@ def _gpu_rules() -> list[AlertRule]:
         ),
         AlertRule(
             "CorralGPUMissing",
-            "max_over_time(DCGM_FI_DEV_GPU_TEMP[1h] offset 5m) "
+            "last_over_time(DCGM_FI_DEV_GPU_TEMP[24h] offset 5m) "
             "unless on (Hostname, UUID) DCGM_FI_DEV_GPU_TEMP",
             "5m",
             "critical",
             "GPU {{ $labels.UUID }} on {{ $labels.Hostname }} stopped reporting (fell off the bus or the "
-            "exporter lost it).",
+            "exporter lost it); the alert holds for a day.",
             "corral-gpu",
         ),
     ]
