@@ -119,6 +119,48 @@ def status(
     Console().print(_status_table(data["replicas"]))
 
 
+@app.command(cls=FlagsCommand)
+def drain(
+    replica: Annotated[str, typer.Argument(help="the replica's id, as `corral status` lists it")],
+    url: Annotated[str, typer.Option(help="the gateway's base URL")] = "http://127.0.0.1:8000",
+    grace: Annotated[
+        float, typer.Option(min=0.1, max=3600, help="seconds to wait for its requests before stopping it")
+    ] = 60.0,
+    admin_key: Annotated[
+        str | None, typer.Option(help="the admin key (default: $CORRAL_ADMIN_KEY) for a closed gateway")
+    ] = None,
+    ca_cert: CaCertOption = None,
+) -> None:
+    """Take a replica out of routing, let its requests and streams finish, then stop it."""
+    import urllib.error
+    import urllib.request
+
+    context = client_tls(ca_cert)
+    request = urllib.request.Request(
+        f"{url.rstrip('/')}/admin/replicas/{replica}/drain",
+        data=json.dumps({"timeout": grace}).encode(),
+        headers={"Content-Type": "application/json"},
+        method="POST",
+    )
+    key = admin_key or admin_key_from_env(None)
+    if key:
+        request.add_header("Authorization", f"Bearer {key}")
+    try:
+        with urllib.request.urlopen(request, timeout=grace + 30, context=context) as response:
+            result = json.load(response)
+    except urllib.error.HTTPError as exc:
+        fail(f"{url} answered {exc.code}: {_error_message(exc)}")
+    except (urllib.error.URLError, OSError) as exc:
+        fail(f"no corral gateway answers at {url}: {getattr(exc, 'reason', exc)}")
+    how = "its requests finished" if result["idle"] else f"stopped after the {grace:g} s grace period"
+    console.print(
+        f"drained {result['replica']} ({result['model']}) in {result['waited_s']} s: {how}",
+        markup=False,
+        highlight=False,
+        soft_wrap=True,
+    )
+
+
 def _error_message(exc: Any) -> str:
     try:
         return str(json.load(exc)["error"]["message"])
@@ -231,7 +273,9 @@ async def _serve(spec: ClusterSpec, paths: Paths, prepared: list[tuple[str, Any,
     for model_name, engine, plans in prepared:
         supervisor.add(model_name, engine, plans)
     router = router_for(spec, replicas)
-    gateway = GatewayServer(spec.gateway, router, services_for(spec, paths, replicas))
+    services = services_for(spec, paths, replicas)
+    services.control = supervisor  # the admin API's drain reaches the supervisor in this process
+    gateway = GatewayServer(spec.gateway, router, services)
     if spec.auth.open:
         logger.warning("OPEN ACCESS: requests without an API key are served (auth.open is true in the spec)")
 

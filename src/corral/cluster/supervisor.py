@@ -36,6 +36,7 @@ class _Slot:
     task: asyncio.Task[None] | None = None
     running: RunningReplica | None = None
     became_ready: bool = False  # the current incarnation has answered its health check
+    draining: bool = False  # out of routing for good: probes no longer make it ready
 
 
 class Supervisor:
@@ -96,6 +97,41 @@ class Supervisor:
             if self.replicas.of(m) and all(r.state is ReplicaState.FAILED for r in self.replicas.of(m))
         ]
 
+    async def drain(self, replica_id: str, grace_s: float) -> dict[str, object]:
+        """Take a replica out of routing, wait until its requests are done (at most `grace_s`), stop it
+        and forget it. Done means nothing in flight at this gateway and, for engines with metrics, nothing
+        running or waiting in the engine after the gateways learned of the drain (gateway workers mirror
+        the replica set within a fraction of a second; the engine is scraped every probe interval)."""
+        slot = next((s for s in self._slots if s.replica.id == replica_id), None)
+        if slot is None:
+            raise KeyError(replica_id)
+        replica = slot.replica
+        slot.draining = True
+        replica.state, replica.ready_eta = ReplicaState.DRAINING, None
+        began, began_wall = time.monotonic(), time.time()
+        settle = self._settings.probe_interval + 0.5
+        idle = False
+        while time.monotonic() - began < grace_s:
+            load = replica.load
+            engine_idle = (
+                slot.plan.metrics_path is None
+                or load is None
+                or (load.scraped_at > began_wall + 0.5 and load.running + load.waiting == 0)
+            )
+            if time.monotonic() - began >= settle and replica.outstanding == 0 and engine_idle:
+                idle = True
+                break
+            await asyncio.sleep(0.1)
+        if slot.task is not None:
+            slot.task.cancel()
+            await asyncio.gather(slot.task, return_exceptions=True)
+        replica.state = ReplicaState.STOPPED
+        self._slots.remove(slot)
+        self.replicas.remove(replica)
+        waited = round(time.monotonic() - began, 2)
+        logger.info("replica %s drained in %.1fs%s", replica_id, waited, "" if idle else " (timed out)")
+        return {"replica": replica_id, "model": replica.model, "waited_s": waited, "idle": idle}
+
     async def stop(self) -> None:
         """Stop all replicas (SIGTERM, then SIGKILL after the stop timeout) and end their tasks."""
         self._stopping = True
@@ -118,7 +154,7 @@ class Supervisor:
         replica, settings = slot.replica, self._settings
         backoff = settings.backoff_initial
         start_failures = 0
-        while True:
+        while not slot.draining:  # a drained replica is stopped, never restarted
             replica.state = ReplicaState.STARTING
             replica.ready_eta = time.time() + _EXPECTED_START_S
             launched = time.monotonic()
@@ -186,7 +222,8 @@ class Supervisor:
             if time.monotonic() > deadline:
                 return f"not ready within {settings.ready_timeout:.0f}s"
             await asyncio.wait([exited], timeout=0.2)
-        replica.state, replica.ready_eta = ReplicaState.READY, None
+        if not slot.draining:
+            replica.state, replica.ready_eta = ReplicaState.READY, None
         slot.became_ready = True
         logger.info("replica %s ready at %s", replica.id, running.url)
         failures = 0
@@ -197,10 +234,12 @@ class Supervisor:
                 return f"exited with code {exited.result()}"
             if await self._healthy(running.url + slot.plan.health_path):
                 failures = 0
-                replica.state = ReplicaState.READY
+                if not slot.draining:
+                    replica.state = ReplicaState.READY
                 continue
             failures += 1
-            replica.state = ReplicaState.UNHEALTHY  # out of routing at once; restarted if it persists
+            if not slot.draining:
+                replica.state = ReplicaState.UNHEALTHY  # out of routing at once; restarted if it persists
             if failures >= settings.unhealthy_after:
                 return f"failed {failures} health probes in a row"
 

@@ -10,12 +10,13 @@ import asyncio
 import hmac
 from typing import Any
 
+import orjson
 from aiohttp import web
 from pydantic import ValidationError
 
 from corral.gateway.clients import ClientAddresses
 from corral.gateway.services import GatewayServices
-from corral.protocol import InvalidRequest, NotFound, PermissionDenied, Unauthorized
+from corral.protocol import InvalidRequest, NotFound, NotSupported, PermissionDenied, Unauthorized
 from corral.routing import Router
 from corral.store import NewKey
 
@@ -37,6 +38,7 @@ class AdminViews:
         app.router.add_delete("/admin/keys/{key_id}", self.revoke_key)
         app.router.add_get("/admin/usage", self.usage)
         app.router.add_get("/admin/routing", self.routing)
+        app.router.add_post("/admin/replicas/{replica_id}/drain", self.drain)
 
     def is_admin(self, request: web.Request) -> bool:
         """The request carries the admin key, or needs none: a client on this machine talking to an open
@@ -98,6 +100,30 @@ class AdminViews:
         except ValueError as exc:
             raise InvalidRequest(str(exc), param="by") from exc
         return web.json_response({"by": by, "rows": rows})
+
+    async def drain(self, request: web.Request) -> web.Response:
+        """Take a replica out of routing, wait for its requests, stop it (`corral drain`). Body, optional:
+        {"timeout": seconds} (default 60)."""
+        self.check(request)
+        control = self._services.control
+        if control is None:
+            raise NotSupported(
+                "Draining needs the supervisor in the gateway's process; with gateway.workers > 1 it runs "
+                "in `corral up`'s own process, which this API cannot reach yet."
+            )
+        body = await request.read()
+        try:
+            timeout = float(orjson.loads(body).get("timeout", 60.0)) if body else 60.0
+        except (orjson.JSONDecodeError, AttributeError, TypeError, ValueError):
+            raise InvalidRequest('The body must be {"timeout": seconds}.', param="timeout") from None
+        if not 0 < timeout <= 3600:
+            raise InvalidRequest("'timeout' must be between 0 and 3600 seconds.", param="timeout")
+        replica_id = request.match_info["replica_id"]
+        try:
+            result = await control.drain(replica_id, timeout)
+        except KeyError:
+            raise NotFound(f"No replica with id {replica_id}.", param="replica_id") from None
+        return web.json_response(result)
 
     async def routing(self, request: web.Request) -> web.Response:
         """Replicas with load and circuit state, each model's policy, and the latest routing decisions."""

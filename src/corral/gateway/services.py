@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 from corral.admission import (
     Authenticator,
@@ -18,7 +19,13 @@ from corral.config import AuthSettings, LimitsSettings, QueueSettings, StoreSett
 from corral.routing import ReplicaSet
 from corral.store import KeyStore, UsageStore, open_database
 
-__all__ = ["GatewayServices"]
+__all__ = ["GatewayServices", "ReplicaControl"]
+
+
+class ReplicaControl(Protocol):
+    """What the admin API may ask of the supervisor (implemented by cluster.Supervisor)."""
+
+    async def drain(self, replica_id: str, grace_s: float) -> dict[str, object]: ...
 
 
 @dataclass
@@ -37,6 +44,7 @@ class GatewayServices:
     max_pending_usage: int = 100_000
     token_counters: dict[str, TokenCounter] = field(default_factory=dict)
     failover_modes: dict[str, str] = field(default_factory=dict)  # model → mid_stream_failover
+    control: ReplicaControl | None = None  # the supervisor, when it runs in this process
 
     @classmethod
     def build(

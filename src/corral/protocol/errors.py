@@ -33,6 +33,7 @@ __all__ = [
     "ModelNotFound",
     "NoCapacity",
     "NotFound",
+    "NotSupported",
     "PayloadTooLarge",
     "PermissionDenied",
     "RateLimited",
@@ -112,6 +113,15 @@ class NotFound(APIError):
     status = 404
     type = "invalid_request_error"
     default_code = "not_found"
+
+
+class NotSupported(APIError):
+    """The request is understood but this deployment cannot do it (e.g. an admin action of a supervisor
+    that runs in another process)."""
+
+    status = 501
+    type = "invalid_request_error"
+    default_code = "not_supported"
 
 
 class MethodNotAllowed(APIError):

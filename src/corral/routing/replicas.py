@@ -20,6 +20,7 @@ class ReplicaState(StrEnum):
     STOPPING = "stopping"
     STOPPED = "stopped"
     FAILED = "failed"  # gave up: it failed to start `supervisor.max_start_failures` times in a row
+    DRAINING = "draining"  # out of routing; stopped once its requests are done (`corral drain`)
 
 
 @dataclass(frozen=True, slots=True)
