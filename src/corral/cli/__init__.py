@@ -4,6 +4,7 @@ Each command module registers itself on the shared typer app; nothing else impor
 """
 
 from corral.cli import bench as _bench
+from corral.cli import control as _control
 from corral.cli import deploy as _deploy
 from corral.cli import keys as _keys
 from corral.cli import observe as _observe
@@ -16,4 +17,4 @@ from corral.cli.app import app, main
 
 __all__ = ["app", "main"]
 
-_COMMANDS = (_up, _keys, _plan, _sim, _bench, _deploy, _observe, _spec, _worker)
+_COMMANDS = (_up, _control, _keys, _plan, _sim, _bench, _deploy, _observe, _spec, _worker)

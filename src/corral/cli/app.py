@@ -45,6 +45,7 @@ COMMAND_ORDER = (
     "up",
     "status",
     "top",
+    "apply",
     "drain",
     "prepare",
     "keys",

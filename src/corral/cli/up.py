@@ -1,10 +1,9 @@
-"""`corral up`, `prepare`, `status` and `version`: running a cluster from its spec."""
+"""`corral up`, `prepare` and `version`: running a cluster from its spec."""
 
 from __future__ import annotations
 
 import asyncio
 import gc
-import json
 import logging
 import os
 import signal
@@ -12,24 +11,20 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich import box
-from rich.console import Console
-from rich.table import Table
 
 from corral import __version__
 from corral.artifacts import ArtifactError
 from corral.cli.app import (
-    CaCertOption,
     CliError,
     FlagsCommand,
     LogLevel,
     app,
-    client_tls,
     console,
     fail,
     run_async,
     setup_logging,
 )
+from corral.cli.control import status_table
 from corral.config import (
     ClusterSpec,
     Paths,
@@ -85,110 +80,6 @@ def prepare(file: SpecOption = None) -> None:
     setup_logging("warning")
     _prepare_or_fail(_spec(file), Paths.from_env())
     console.print("[green]ready:[/green] every model and engine is in the cache")
-
-
-@app.command(cls=FlagsCommand)
-def status(
-    url: Annotated[str, typer.Option(help="the gateway's base URL")] = "http://127.0.0.1:8000",
-    admin_key: Annotated[
-        str | None,
-        typer.Option(help="the admin key (default: $CORRAL_ADMIN_KEY); a tenant key sees only its models"),
-    ] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
-    ca_cert: CaCertOption = None,
-) -> None:
-    """Show each replica: state, load, restarts."""
-    import urllib.error
-    import urllib.request
-
-    context = client_tls(ca_cert)
-    request = urllib.request.Request(url.rstrip("/") + "/corral/status")
-    key = admin_key or admin_key_from_env(None)
-    if key:
-        request.add_header("Authorization", f"Bearer {key}")
-    try:
-        with urllib.request.urlopen(request, timeout=5, context=context) as response:
-            data = json.load(response)
-    except urllib.error.HTTPError as exc:
-        fail(f"{url} answered {exc.code}: {_error_message(exc)}")
-    except (urllib.error.URLError, OSError) as exc:
-        fail(f"no corral gateway answers at {url}: {getattr(exc, 'reason', exc)}")
-    if as_json:
-        print(json.dumps(data, indent=2))
-        return
-    Console().print(_status_table(data["replicas"]))
-
-
-@app.command(cls=FlagsCommand)
-def drain(
-    replica: Annotated[str, typer.Argument(help="the replica's id, as `corral status` lists it")],
-    url: Annotated[str, typer.Option(help="the gateway's base URL")] = "http://127.0.0.1:8000",
-    grace: Annotated[
-        float, typer.Option(min=0.1, max=3600, help="seconds to wait for its requests before stopping it")
-    ] = 60.0,
-    admin_key: Annotated[
-        str | None, typer.Option(help="the admin key (default: $CORRAL_ADMIN_KEY) for a closed gateway")
-    ] = None,
-    ca_cert: CaCertOption = None,
-) -> None:
-    """Take a replica out of routing, let its requests and streams finish, then stop it."""
-    import urllib.error
-    import urllib.request
-
-    context = client_tls(ca_cert)
-    request = urllib.request.Request(
-        f"{url.rstrip('/')}/admin/replicas/{replica}/drain",
-        data=json.dumps({"timeout": grace}).encode(),
-        headers={"Content-Type": "application/json"},
-        method="POST",
-    )
-    key = admin_key or admin_key_from_env(None)
-    if key:
-        request.add_header("Authorization", f"Bearer {key}")
-    try:
-        with urllib.request.urlopen(request, timeout=grace + 30, context=context) as response:
-            result = json.load(response)
-    except urllib.error.HTTPError as exc:
-        fail(f"{url} answered {exc.code}: {_error_message(exc)}")
-    except (urllib.error.URLError, OSError) as exc:
-        fail(f"no corral gateway answers at {url}: {getattr(exc, 'reason', exc)}")
-    how = "its requests finished" if result["idle"] else f"stopped after the {grace:g} s grace period"
-    console.print(
-        f"drained {result['replica']} ({result['model']}) in {result['waited_s']} s: {how}",
-        markup=False,
-        highlight=False,
-        soft_wrap=True,
-    )
-
-
-def _error_message(exc: Any) -> str:
-    try:
-        return str(json.load(exc)["error"]["message"])
-    except (ValueError, KeyError, TypeError):
-        return str(exc.reason)
-
-
-def _status_table(replicas: list[dict[str, Any]]) -> Table:
-    table = Table(title="corral replicas", box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
-    for column in ("replica", "state", "address", "pid", "restarts", "in-flight", "run/wait"):
-        table.add_column(column, no_wrap=column in {"replica", "state", "address"}, min_width=len(column))
-    colours = {"ready": "green", "starting": "yellow", "restarting": "yellow"}
-    for r in replicas:
-        colour = colours.get(r["state"], "red")
-        table.add_row(
-            r["id"],
-            f"[{colour}]{r['state']}[/{colour}]",
-            (r.get("url") or "-").removeprefix("http://"),
-            _dash(r.get("pid")),
-            str(r["restarts"]),
-            str(r["outstanding"]),
-            f"{_dash(r['running'])}/{_dash(r['waiting'])}",
-        )
-    return table
-
-
-def _dash(value: object) -> str:
-    return "-" if value is None else str(value)
 
 
 def _spec(file: Path | None, host: str | None = None, port: int | None = None) -> ClusterSpec:
@@ -270,11 +161,14 @@ async def _serve(spec: ClusterSpec, paths: Paths, prepared: list[tuple[str, Any,
 
     replicas = ReplicaSet()
     supervisor = Supervisor(replicas, _runtime(spec, paths), spec.supervisor)
+    groups: dict[str, int] = {}
     for model_name, engine, plans in prepared:
-        supervisor.add(model_name, engine, plans)
+        group = groups[model_name] = groups.get(model_name, -1) + 1
+        supervisor.add(model_name, engine, plans, group)
     router = router_for(spec, replicas)
     services = services_for(spec, paths, replicas)
-    services.control = supervisor  # the admin API's drain reaches the supervisor in this process
+    # The admin API's drain and apply reach the supervisor in this process.
+    services.control = _reconciler(spec, paths, supervisor, router, services)
     gateway = GatewayServer(spec.gateway, router, services)
     if spec.auth.open:
         logger.warning("OPEN ACCESS: requests without an API key are served (auth.open is true in the spec)")
@@ -329,6 +223,29 @@ async def _serve_workers(
         await pool.stop()
         await supervisor.stop()
     console.print("[green]stopped[/green]")
+
+
+def _reconciler(spec: ClusterSpec, paths: Paths, supervisor: Any, router: Any, services: Any) -> Any:
+    """What `corral apply` talks to: prepares new deployments (blocking, in a thread) and tells the
+    gateway a new model's routing policy, tokenizer and failover mode before it is served."""
+    from corral.admission import TokenCounter
+    from corral.cluster.reconcile import Reconciler
+    from corral.engines import engine_named
+
+    def prepare(model: Any, deployment: Any) -> tuple[Any, list[Any]]:
+        def report(message: str) -> None:
+            logger.info("%s: %s", model.name, message)
+
+        engine = engine_named(deployment.engine)
+        return engine, engine.prepare(model, deployment, paths, report)
+
+    def on_model(model: Any) -> None:
+        router.set_policy(model.name, model.routing)
+        services.failover_modes[model.name] = model.mid_stream_failover
+        if model.tokenizer is not None:
+            services.token_counters[model.name] = TokenCounter(model.tokenizer)
+
+    return Reconciler(supervisor, spec, prepare, on_model)
 
 
 def _stop_on_signals() -> asyncio.Event:
@@ -459,7 +376,7 @@ async def _first_of(*aws: Any) -> Any:
 def _announce(spec: ClusterSpec, port: int | None, replicas: Any, paths: Paths) -> None:
     scheme = "https" if spec.gateway.tls is not None else "http"
     base = f"{scheme}://{spec.gateway.host}:{port}/v1"
-    console.print(_status_table([r.snapshot() for r in replicas]))
+    console.print(status_table([r.snapshot() for r in replicas]))
     console.print(
         f"[bold green]corral is serving[/bold green] {', '.join(replicas.models())} at [bold]{base}[/bold]"
     )

@@ -37,6 +37,7 @@ class _Slot:
     running: RunningReplica | None = None
     became_ready: bool = False  # the current incarnation has answered its health check
     draining: bool = False  # out of routing for good: probes no longer make it ready
+    group: int = 0  # the deployment's index in its model's `deployments`
 
 
 class Supervisor:
@@ -49,13 +50,18 @@ class Supervisor:
         self._slots: list[_Slot] = []
         self._session: aiohttp.ClientSession | None = None
         self._stopping = False
+        self._next_index: dict[str, int] = {}  # replica ids are never reused (a drained id stays gone)
 
-    def add(self, model: str, engine: EngineAdapter, plans: list[LaunchPlan]) -> list[Replica]:
-        """Declare replicas of `model`, one per plan; they start when `start` is called."""
+    def add(
+        self, model: str, engine: EngineAdapter, plans: list[LaunchPlan], group: int = 0
+    ) -> list[Replica]:
+        """Declare replicas of `model`'s deployment `group`, one per plan; they start with `start` (or,
+        once started, `start_added`)."""
         self.replicas.declare(model)
         added = []
         for plan in plans:
-            index = sum(1 for s in self._slots if s.replica.model == model)
+            index = self._next_index.get(model, 0)
+            self._next_index[model] = index + 1
             replica = Replica(
                 id=f"{model}-{index}",
                 model=model,
@@ -65,7 +71,7 @@ class Supervisor:
                 features=plan.features,
                 api_key=plan.api_key,
             )
-            self._slots.append(_Slot(replica, engine, plan))
+            self._slots.append(_Slot(replica, engine, plan, group=group))
             self.replicas.add(replica)
             added.append(replica)
         return added
@@ -76,6 +82,26 @@ class Supervisor:
         self._session = aiohttp.ClientSession(timeout=timeout)
         for slot in self._slots:
             slot.task = asyncio.create_task(self._lifecycle(slot), name=f"replica:{slot.replica.id}")
+
+    def start_added(self) -> None:
+        """Start the lifecycle of replicas added since `start` (a live apply)."""
+        if self._session is None:
+            return  # not started yet: `start` will
+        for slot in self._slots:
+            if slot.task is None:
+                slot.task = asyncio.create_task(self._lifecycle(slot), name=f"replica:{slot.replica.id}")
+
+    def replica_ids(self, model: str, group: int | None = None) -> list[str]:
+        """The ids of `model`'s replicas (of one deployment when `group` is given), oldest first."""
+        return [
+            s.replica.id
+            for s in self._slots
+            if s.replica.model == model and (group is None or s.group == group) and not s.draining
+        ]
+
+    def forget(self, model: str) -> None:
+        """Remove a model with no replicas left from the replica set (it is no longer served)."""
+        self.replicas.forget(model)
 
     async def wait_ready(self, within: float) -> bool:
         """Wait until every model has at least one ready replica; False on timeout, or as soon as some

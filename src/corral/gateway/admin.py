@@ -14,8 +14,9 @@ import orjson
 from aiohttp import web
 from pydantic import ValidationError
 
+from corral.config import parse_spec
 from corral.gateway.clients import ClientAddresses
-from corral.gateway.services import GatewayServices
+from corral.gateway.services import GatewayServices, ReplicaControl
 from corral.protocol import InvalidRequest, NotFound, NotSupported, PermissionDenied, Unauthorized
 from corral.routing import Router
 from corral.store import NewKey
@@ -39,6 +40,7 @@ class AdminViews:
         app.router.add_get("/admin/usage", self.usage)
         app.router.add_get("/admin/routing", self.routing)
         app.router.add_post("/admin/replicas/{replica_id}/drain", self.drain)
+        app.router.add_post("/admin/spec", self.apply)
 
     def is_admin(self, request: web.Request) -> bool:
         """The request carries the admin key, or needs none: a client on this machine talking to an open
@@ -105,12 +107,7 @@ class AdminViews:
         """Take a replica out of routing, wait for its requests, stop it (`corral drain`). Body, optional:
         {"timeout": seconds} (default 60)."""
         self.check(request)
-        control = self._services.control
-        if control is None:
-            raise NotSupported(
-                "Draining needs the supervisor in the gateway's process; with gateway.workers > 1 it runs "
-                "in `corral up`'s own process, which this API cannot reach yet."
-            )
+        control = self._control()
         body = await request.read()
         try:
             timeout = float(orjson.loads(body).get("timeout", 60.0)) if body else 60.0
@@ -124,6 +121,32 @@ class AdminViews:
         except KeyError:
             raise NotFound(f"No replica with id {replica_id}.", param="replica_id") from None
         return web.json_response(result)
+
+    async def apply(self, request: web.Request) -> web.Response:
+        """Bring the running cluster to the spec in the body (YAML): models added or removed, replica
+        counts changed (`corral apply`). `?grace=SECONDS` bounds each drained replica's wait (default 60)."""
+        self.check(request)
+        control = self._control()
+        try:
+            grace = float(request.query.get("grace", "60"))
+        except ValueError:
+            raise InvalidRequest("'grace' must be a number of seconds.", param="grace") from None
+        text = (await request.read()).decode("utf-8", errors="replace")
+        try:
+            wanted = parse_spec(text, source="spec")
+            changes = await control.apply(wanted, grace)
+        except ValueError as exc:  # SpecError, ApplyError: what to change, in one message
+            raise InvalidRequest(str(exc), param="spec") from None
+        return web.json_response({"changes": changes})
+
+    def _control(self) -> ReplicaControl:
+        control = self._services.control
+        if control is None:
+            raise NotSupported(
+                "Changing replicas needs the supervisor in the gateway's process; with gateway.workers > 1 "
+                "it runs in `corral up`'s own process, which this API cannot reach yet."
+            )
+        return control
 
     async def routing(self, request: web.Request) -> web.Response:
         """Replicas with load and circuit state, each model's policy, and the latest routing decisions."""

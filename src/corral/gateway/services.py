@@ -15,7 +15,7 @@ from corral.admission import (
     RedisLimiter,
     TokenCounter,
 )
-from corral.config import AuthSettings, LimitsSettings, QueueSettings, StoreSettings
+from corral.config import AuthSettings, ClusterSpec, LimitsSettings, QueueSettings, StoreSettings
 from corral.routing import ReplicaSet
 from corral.store import KeyStore, UsageStore, open_database
 
@@ -26,6 +26,8 @@ class ReplicaControl(Protocol):
     """What the admin API may ask of the supervisor (implemented by cluster.Supervisor)."""
 
     async def drain(self, replica_id: str, grace_s: float) -> dict[str, object]: ...
+
+    async def apply(self, wanted: ClusterSpec, grace_s: float) -> list[dict[str, object]]: ...
 
 
 @dataclass

@@ -153,6 +153,11 @@ class ReplicaSet:
         self._by_model.setdefault(replica.model, []).append(replica)
         self.changed(replica.model)
 
+    def forget(self, model: str) -> None:
+        """Stop serving `model` (its replicas are gone): it leaves /v1/models."""
+        self._by_model.pop(model, None)
+        self.changed(model)
+
     def remove(self, replica: Replica) -> None:
         members = self._by_model.get(replica.model, [])
         if replica in members:

@@ -45,6 +45,10 @@ class Router:
         self._prefills = PrefillTracker()
         self._coalesce = coalesce_prefills
 
+    def set_policy(self, model: str, name: str | None) -> None:
+        """Route `model` by policy `name` (None: the default); for a model added to a running cluster."""
+        self._policies[model] = policy_named(name or self._default)
+
     def policy_for(self, model: str) -> RoutingPolicy:
         policy = self._policies.get(model)
         if policy is None:

@@ -1,0 +1,126 @@
+"""`corral apply` on a live cluster under load (supervised simulated replicas): a model added and a replica
+count raised, then the model removed and the count lowered, with 0 failed requests; changes apply cannot
+make live are refused with the reason and change nothing."""
+
+from __future__ import annotations
+
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import openai
+
+from tests.conftest import CORRAL, RunningCluster, get_json, start_cluster
+
+BASE = """
+supervisor: {{probe_interval: 0.5}}
+auth: {{open: true}}
+gateway: {{read_timeout: {read_timeout}}}
+models:
+  - name: alpha
+    arch: llama-3.1-8b
+    routing: round_robin
+    deployments: [{{engine: sim, replicas: {alpha}, gpu: h100-sxm, time_scale: {time_scale}}}]
+"""
+BETA = """
+  - name: beta
+    arch: llama-3.1-8b
+    routing: least_outstanding_requests
+    deployments: [{engine: sim, replicas: 1, gpu: l4, time_scale: 20}]
+"""
+
+
+def spec(tmp: Path, name: str, alpha: int, beta: bool, time_scale: int = 20, read_timeout: int = 120) -> Path:
+    path = tmp / name
+    text = BASE.format(alpha=alpha, time_scale=time_scale, read_timeout=read_timeout) + (BETA if beta else "")
+    path.write_text(text)
+    return path
+
+
+def apply(cluster: RunningCluster, path: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*CORRAL, "apply", "-f", str(path), "--url", cluster.url, "--grace", "30"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def wait_for(condition: object, what: str, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():  # type: ignore[operator]
+        assert time.monotonic() < deadline, what
+        time.sleep(0.1)
+
+
+def replicas(cluster: RunningCluster) -> dict[str, str]:
+    return {r["id"]: r["state"] for r in cluster.status()["replicas"]}
+
+
+def models(cluster: RunningCluster) -> set[str]:
+    return {m["id"] for m in get_json(cluster.base_url + "/models")[1]["data"]}
+
+
+def test_apply_adds_removes_and_scales_without_failing_a_request(tmp_path: Path) -> None:
+    cluster = start_cluster(tmp_path, spec(tmp_path, "start.yaml", alpha=2, beta=False))
+    stop, failures, served = threading.Event(), [], [0]
+
+    def user(stream: bool) -> None:
+        client = openai.OpenAI(base_url=cluster.base_url, api_key="none", max_retries=0)
+        while not stop.is_set():
+            try:
+                answer = client.chat.completions.create(
+                    model="alpha", messages=[{"role": "user", "content": "hi"}], max_tokens=16, stream=stream
+                )
+                if stream:
+                    assert any(c.choices and c.choices[0].finish_reason for c in answer)
+                served[0] += 1
+            except (openai.APIError, AssertionError) as exc:
+                failures.append(repr(exc))
+
+    users = [threading.Thread(target=user, args=(stream,)) for stream in (True, True, False, False)]
+    try:
+        for thread in users:
+            thread.start()
+        grown = apply(cluster, spec(tmp_path, "grow.yaml", alpha=3, beta=True))
+        assert grown.returncode == 0, grown.stderr
+        assert "add_model: beta" in grown.stderr
+        assert "scale_up: alpha (deployment 0, 1 replicas)" in grown.stderr
+        want = {"alpha-0": "ready", "alpha-1": "ready", "alpha-2": "ready", "beta-0": "ready"}
+        wait_for(lambda: replicas(cluster) == want, "the new replicas became ready")
+        assert models(cluster) == {"alpha", "beta"}
+        client = openai.OpenAI(base_url=cluster.base_url, api_key="none")
+        answer = client.chat.completions.create(model="beta", messages=[{"role": "user", "content": "hi"}])
+        assert answer.choices[0].message.content
+        routing = get_json(cluster.url + "/admin/routing")[1]
+        assert routing["policies"]["beta"] == "least_outstanding_requests"
+
+        shrunk = apply(cluster, spec(tmp_path, "shrink.yaml", alpha=1, beta=False))
+        assert shrunk.returncode == 0, shrunk.stderr
+        assert "remove_model: beta" in shrunk.stderr
+        assert "scale_down: alpha (deployment 0, 2 replicas)" in shrunk.stderr
+        assert replicas(cluster) == {"alpha-0": "ready"}  # the newest were drained, the oldest kept
+        assert models(cluster) == {"alpha"}
+
+        again = apply(cluster, spec(tmp_path, "same.yaml", alpha=1, beta=False))
+        assert again.returncode == 0 and "nothing to change" in again.stderr
+        for path, says in (
+            (spec(tmp_path, "weights.yaml", alpha=1, beta=False, time_scale=10), "rolling update"),
+            (
+                spec(tmp_path, "gateway.yaml", alpha=1, beta=False, read_timeout=60),
+                "changing gateway needs a restart",
+            ),
+        ):
+            refused = apply(cluster, path)
+            assert refused.returncode == 1 and says in refused.stderr, refused.stderr
+            assert "Traceback" not in refused.stderr
+        assert replicas(cluster) == {"alpha-0": "ready"}
+        time.sleep(1)
+    finally:
+        stop.set()
+        for thread in users:
+            thread.join(timeout=60)
+        cluster.stop()
+    assert failures == []
+    assert served[0] > 20
