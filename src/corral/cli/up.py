@@ -168,7 +168,9 @@ async def _serve(spec: ClusterSpec, paths: Paths, prepared: list[tuple[str, Any,
     router = router_for(spec, replicas)
     services = services_for(spec, paths, replicas)
     # The admin API's drain and apply reach the supervisor in this process.
-    services.control = _reconciler(spec, paths, supervisor, router, services)
+    services.control = _reconciler(
+        spec, paths, supervisor, lambda model: apply_model_settings(router, services, model_settings(model))
+    )
     gateway = GatewayServer(spec.gateway, router, services)
     if spec.auth.open:
         logger.warning("OPEN ACCESS: requests without an API key are served (auth.open is true in the spec)")
@@ -198,13 +200,19 @@ async def _serve_workers(
 
     replicas = ReplicaSet()
     supervisor = Supervisor(replicas, _runtime(spec, paths), spec.supervisor)
+    groups: dict[str, int] = {}
     for model_name, engine, plans in prepared:
-        supervisor.add(model_name, engine, plans)
+        group = groups[model_name] = groups.get(model_name, -1) + 1
+        supervisor.add(model_name, engine, plans, group)
     services_for(spec, paths, replicas)  # the store answers and its schema exists before workers use it
     if spec.auth.open:
         logger.warning("OPEN ACCESS: requests without an API key are served (auth.open is true in the spec)")
     pool = WorkerPool(
         replicas, spec.model_dump(mode="json"), workers, str(log_level), spec.gateway.shutdown_grace
+    )
+    # The workers' admin API asks this process's reconciler over the control socket (apply, drain).
+    pool.control = _reconciler(
+        spec, paths, supervisor, lambda model: pool.announce_model(model_settings(model))
     )
     try:
         port = pool.reserve(spec.gateway.host, spec.gateway.port)
@@ -225,10 +233,32 @@ async def _serve_workers(
     console.print("[green]stopped[/green]")
 
 
-def _reconciler(spec: ClusterSpec, paths: Paths, supervisor: Any, router: Any, services: Any) -> Any:
-    """What `corral apply` talks to: prepares new deployments (blocking, in a thread) and tells the
-    gateway a new model's routing policy, tokenizer and failover mode before it is served."""
+def model_settings(model: Any) -> dict[str, Any]:
+    """What a gateway needs to know of a model added to a running cluster, as JSON."""
+    tokenizer = str(model.tokenizer) if model.tokenizer is not None else None
+    return {
+        "name": model.name,
+        "routing": model.routing,
+        "failover": model.mid_stream_failover,
+        "tokenizer": tokenizer,
+    }
+
+
+def apply_model_settings(router: Any, services: Any, settings: dict[str, Any]) -> None:
+    """Tell a gateway (this process's, or a worker's) a new model's routing policy, failover mode and
+    tokenizer before it is served."""
     from corral.admission import TokenCounter
+
+    name = settings["name"]
+    router.set_policy(name, settings["routing"])
+    services.failover_modes[name] = settings["failover"]
+    if settings["tokenizer"] is not None:
+        services.token_counters[name] = TokenCounter(Path(settings["tokenizer"]))
+
+
+def _reconciler(spec: ClusterSpec, paths: Paths, supervisor: Any, on_model: Any) -> Any:
+    """What `corral apply` talks to: prepares new deployments (blocking, in a thread) and has the gateway(s)
+    learn a new model's settings (`on_model`) before it is served."""
     from corral.cluster.reconcile import Reconciler
     from corral.engines import engine_named
 
@@ -238,12 +268,6 @@ def _reconciler(spec: ClusterSpec, paths: Paths, supervisor: Any, router: Any, s
 
         engine = engine_named(deployment.engine)
         return engine, engine.prepare(model, deployment, paths, report)
-
-    def on_model(model: Any) -> None:
-        router.set_policy(model.name, model.routing)
-        services.failover_modes[model.name] = model.mid_stream_failover
-        if model.tokenizer is not None:
-            services.token_counters[model.name] = TokenCounter(model.tokenizer)
 
     return Reconciler(supervisor, spec, prepare, on_model)
 

@@ -14,7 +14,7 @@ import gc
 import logging
 import signal
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import orjson
 import typer
@@ -36,8 +36,45 @@ def gateway_worker(
     run_async(_work(control, index))
 
 
+class _RemoteControl:
+    """The admin API's apply and drain in a worker: asked of the reconciler in `corral up`'s process over
+    the control socket (cluster/workers.py answers), replies matched by id."""
+
+    def __init__(self, writer: asyncio.StreamWriter) -> None:
+        self._writer = writer
+        self._pending: dict[int, asyncio.Future[Any]] = {}
+        self._next = 0
+
+    async def drain(self, replica_id: str, grace_s: float) -> dict[str, object]:
+        return dict(await self._call({"call": "drain", "replica": replica_id, "grace": grace_s}))
+
+    async def apply(self, wanted: ClusterSpec, grace_s: float) -> list[dict[str, object]]:
+        return list(
+            await self._call({"call": "apply", "spec": wanted.model_dump(mode="json"), "grace": grace_s})
+        )
+
+    async def _call(self, message: dict[str, Any]) -> Any:
+        self._next += 1
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._pending[self._next] = future
+        self._writer.write(orjson.dumps({**message, "id": self._next}) + b"\n")
+        await self._writer.drain()
+        return await future
+
+    def answered(self, reply: dict[str, Any]) -> None:
+        future = self._pending.pop(int(reply["reply"]), None)
+        if future is None or future.done():
+            return
+        if reply.get("error") == "not_found":
+            future.set_exception(KeyError(reply["message"]))
+        elif "error" in reply:
+            future.set_exception(ValueError(reply["message"]))
+        else:
+            future.set_result(reply["result"])
+
+
 async def _work(control: Path, index: int) -> None:
-    from corral.cli.up import router_for, services_for
+    from corral.cli.up import apply_model_settings, router_for, services_for
     from corral.gateway import GatewayServer
     from corral.routing import ReplicaSet
     from corral.routing.sync import apply_snapshot
@@ -52,6 +89,7 @@ async def _work(control: Path, index: int) -> None:
     apply_snapshot(replicas, await reader.readline(), index, workers)
     router = router_for(spec, replicas)
     services = services_for(spec, Paths.from_env(), replicas)
+    remote = services.control = _RemoteControl(writer)
     metrics_dir = Path(config["metrics_dir"])
     gateway = GatewayServer(spec.gateway, router, services, worker=index, metrics_dir=metrics_dir)
     await gateway.start()
@@ -66,7 +104,13 @@ async def _work(control: Path, index: int) -> None:
 
     async def follow() -> None:
         while line := await reader.readline():
-            apply_snapshot(replicas, line, index, workers)
+            message = orjson.loads(line)
+            if "reply" in message:
+                remote.answered(message)
+            elif "model_settings" in message:
+                apply_model_settings(router, services, message["model_settings"])
+            else:
+                apply_snapshot(replicas, line, index, workers)
         logger.warning("gateway worker %d: the control socket closed; stopping", index)
         stop.set()
 

@@ -107,7 +107,7 @@ class Reconciler:
         async with self._lock:
             listening = {"host": self.spec.gateway.host, "port": self.spec.gateway.port}
             wanted = wanted.model_copy(update={"gateway": wanted.gateway.model_copy(update=listening)})
-            changes = plan_changes(self.spec, wanted)
+            changes = plan_changes(self._running(), wanted)
             models = {m.name: m for m in wanted.models}
             additions = [c for c in changes if c.action in ("add_model", "scale_up")]
             prepared = await asyncio.gather(
@@ -131,6 +131,18 @@ class Reconciler:
                     change.count,
                 )
             return [c.as_dict() for c in changes]
+
+    def _running(self) -> ClusterSpec:
+        """The spec as it runs now: replica counts as the supervisor has them (`corral drain` removes
+        replicas without a new spec)."""
+        models = []
+        for model in self.spec.models:
+            deployments = [
+                d.model_copy(update={"replicas": len(self._supervisor.replica_ids(model.name, group))})
+                for group, d in enumerate(model.deployments)
+            ]
+            models.append(model.model_copy(update={"deployments": deployments}))
+        return self.spec.model_copy(update={"models": models})
 
     def _plans(self, change: Change, model: ModelSpec) -> list[tuple[int, EngineAdapter, list[LaunchPlan]]]:
         if change.action == "add_model":

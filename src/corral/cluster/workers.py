@@ -83,7 +83,9 @@ class WorkerPool:
         self._tasks: list[asyncio.Task[None]] = []
         self._snapshot = b""
         self._stopping = False
+        self._announced: list[bytes] = []  # settings of models added since start, for every (re)connect
         self.port: int | None = None
+        self.control: Any = None  # answers the workers' apply and drain calls (cluster.reconcile)
 
     @property
     def control_path(self) -> Path:
@@ -216,15 +218,46 @@ class WorkerPool:
                 "metrics_dir": str(self._metrics_dir),
             }
             worker.writer = writer  # from here on it gets every change (no await before the first write)
-            writer.write(orjson.dumps(config) + b"\n" + self._snapshot + b"\n")
+            writer.write(orjson.dumps(config) + b"\n" + self._snapshot + b"\n" + b"".join(self._announced))
             await writer.drain()
             while line := await reader.readline():
-                if orjson.loads(line).get("listening"):
+                message = orjson.loads(line)
+                if message.get("listening"):
                     worker.listening.set()
+                elif "call" in message:
+                    self._tasks.append(asyncio.create_task(self._answer(writer, message)))
         except (ValueError, KeyError, IndexError, ConnectionError) as exc:
             logger.warning("gateway worker control connection failed: %s", exc)
         finally:
             writer.close()
+
+    def announce_model(self, settings: dict[str, Any]) -> None:
+        """Tell every worker (and each that connects later) a new model's gateway settings."""
+        line = orjson.dumps({"model_settings": settings}) + b"\n"
+        self._announced.append(line)
+        for worker in self._workers:
+            if worker.writer is not None and not worker.writer.is_closing():
+                worker.writer.write(line)
+
+    async def _answer(self, writer: asyncio.StreamWriter, call: dict[str, Any]) -> None:
+        """Run a worker's admin call (apply, drain) on this process's reconciler; reply on its socket."""
+        from corral.config import ClusterSpec
+
+        reply: dict[str, Any] = {"reply": call["id"]}
+        try:
+            if self.control is None:
+                raise ValueError("this corral runs no reconciler")
+            if call["call"] == "drain":
+                reply["result"] = await self.control.drain(call["replica"], float(call["grace"]))
+            else:
+                wanted = ClusterSpec.model_validate(call["spec"])
+                reply["result"] = await self.control.apply(wanted, float(call["grace"]))
+        except KeyError as exc:
+            reply.update(error="not_found", message=str(exc.args[0] if exc.args else exc))
+        except ValueError as exc:
+            reply.update(error="invalid", message=str(exc))
+        if not writer.is_closing():
+            writer.write(orjson.dumps(reply) + b"\n")
 
     async def _publish(self) -> None:
         while True:

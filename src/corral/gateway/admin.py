@@ -143,8 +143,7 @@ class AdminViews:
         control = self._services.control
         if control is None:
             raise NotSupported(
-                "Changing replicas needs the supervisor in the gateway's process; with gateway.workers > 1 "
-                "it runs in `corral up`'s own process, which this API cannot reach yet."
+                "This gateway has no supervisor to ask (it was started without one)."
             )
         return control
 

@@ -60,6 +60,8 @@ def capacity_share(capacity: int | None, worker: int, workers: int) -> int | Non
 def apply_snapshot(replicas: ReplicaSet, snapshot: bytes, worker: int = 0, workers: int = 1) -> None:
     """Make the mirror `replicas` match a published snapshot; local counters and breakers are kept."""
     data = orjson.loads(snapshot)
+    for model in set(replicas.models()) - set(data["models"]):
+        replicas.forget(model)  # removed from the running cluster (`corral apply`)
     for model in data["models"]:
         replicas.declare(model)
     known = {r.id: r for r in replicas}
