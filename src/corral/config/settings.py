@@ -78,6 +78,11 @@ class GatewaySettings(Strict):
         "gateway listens beyond loopback (a server), else 1",
     )
 
+    def address_from_here(self) -> str:
+        """host:port a client on this machine reaches the gateway at (a wildcard host means loopback)."""
+        host = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(self.host, self.host)
+        return f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
+
     @field_validator("trusted_proxies")
     @classmethod
     def _networks(cls, value: list[str]) -> list[str]:

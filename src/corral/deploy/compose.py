@@ -17,8 +17,8 @@ from corral.config import ClusterSpec
 from corral.deploy.spec_rewrite import (
     container_spec,
     gpu_total,
-    is_local_url,
     local_model_paths,
+    local_services,
     spec_yaml,
     uses_vllm,
 )
@@ -31,16 +31,13 @@ _HOME = "/var/lib/corral"
 
 def render_compose(spec: ClusterSpec, source: str) -> dict[str, str]:
     services: dict[str, Any] = {}
-    dependencies: dict[str, Any] = {}
-    names: dict[str, str] = {}
-    if spec.limits.backend == "redis" and is_local_url(spec.limits.redis_url):
+    here = local_services(spec)
+    if "redis" in here:
         services["redis"] = _redis()
-        dependencies["redis"] = {"condition": "service_healthy"}
-        names["redis"] = "redis"
-    if spec.store.url and spec.store.url.startswith("postgres") and is_local_url(spec.store.url):
+    if "postgres" in here and spec.store.url:
         services["postgres"] = _postgres(spec.store.url)
-        dependencies["postgres"] = {"condition": "service_healthy"}
-        names["postgres"] = "postgres"
+    dependencies = {name: {"condition": "service_healthy"} for name in services}
+    names = {name: name for name in services}  # each runs as the Compose service of its name
     services = {"corral": _corral(spec, dependencies), **services}
     services["prometheus"] = _prometheus()
     volumes: dict[str, Any] = {"corral-home": {}, "huggingface": {}}

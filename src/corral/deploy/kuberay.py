@@ -13,7 +13,7 @@ import math
 from typing import Any
 
 from corral.config import ClusterSpec, DeploymentSpec
-from corral.deploy.spec_rewrite import RenderError, container_spec, dump_yaml, is_local_url, spec_yaml
+from corral.deploy.spec_rewrite import RenderError, container_spec, dump_yaml, local_services, spec_yaml
 
 __all__ = ["render_kuberay"]
 
@@ -53,7 +53,8 @@ def render_kuberay(spec: ClusterSpec, source: str) -> dict[str, str]:
 
 def _refuse_this_host(spec: ClusterSpec) -> None:
     """In a pod, 127.0.0.1 is the pod itself: services the spec finds on this host must be named anew."""
-    if spec.limits.backend == "redis" and is_local_url(spec.limits.redis_url):
+    here = local_services(spec)
+    if "redis" in here:
         raise RenderError(
             f"kuberay: limits.redis_url {spec.limits.redis_url} is this host; in Kubernetes give the Redis "
             "service's address, e.g. redis://redis.corral.svc.cluster.local:6379/0"
@@ -68,7 +69,7 @@ def _refuse_this_host(spec: ClusterSpec) -> None:
             "kuberay: keys and usage need a database that outlives the pod: set store.url (PostgreSQL, "
             "e.g. postgresql://corral@postgres.corral.svc.cluster.local:5432/corral)"
         )
-    if spec.store.url and is_local_url(spec.store.url):
+    if "postgres" in here:
         raise RenderError(
             f"kuberay: store.url {spec.store.url} is this host; in Kubernetes give the database service's "
             "address, e.g. postgresql://corral@postgres.corral.svc.cluster.local:5432/corral"

@@ -14,10 +14,9 @@ def render_nginx(spec: ClusterSpec, source: str) -> dict[str, str]:
     """Files for the edge in front of the spec's gateway(s), keyed by their path under the output folder."""
     edge = spec.deploy.edge
     gateway = spec.gateway
-    default = f"{_host_for_proxy(gateway.host)}:{gateway.port}"
     context = {
         "source": source,
-        "gateways": edge.gateways or [default],
+        "gateways": edge.gateways or [gateway.address_from_here()],
         "port": edge.port,
         "server_name": edge.server_name,
         "cert": edge.cert,
@@ -50,11 +49,3 @@ def _rate(per_second: float) -> str:
 
 def _seconds(value: float) -> int:
     return max(1, math.ceil(value))
-
-
-def _host_for_proxy(host: str) -> str:
-    if host in {"0.0.0.0", ""}:
-        return "127.0.0.1"
-    if host == "::":
-        return "[::1]"
-    return f"[{host}]" if ":" in host else host

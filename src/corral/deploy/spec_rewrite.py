@@ -17,6 +17,7 @@ __all__ = [
     "gpu_total",
     "is_local_url",
     "local_model_paths",
+    "local_services",
     "spec_yaml",
     "uses_vllm",
 ]
@@ -56,6 +57,17 @@ def _with_host(url: str, host: str) -> str:
     return urlunsplit(parts._replace(netloc=f"{credentials}{host}{port}"))
 
 
+def local_services(spec: ClusterSpec) -> set[str]:
+    """Which of the spec's shared services run on this host: "redis" (limits), "postgres" (the store; a
+    SQLite URL names no host)."""
+    found = set()
+    if spec.limits.backend == "redis" and is_local_url(spec.limits.redis_url):
+        found.add("redis")
+    if spec.store.url and is_local_url(spec.store.url):
+        found.add("postgres")
+    return found
+
+
 def uses_vllm(spec: ClusterSpec) -> bool:
     return any(d.engine == "vllm" for m in spec.models for d in m.deployments)
 
@@ -85,11 +97,11 @@ def container_spec(
     gateway.pop("tls", None)  # TLS ends at the edge or the platform's ingress
     if spec.auth.open:
         data.setdefault("auth", {}).update(open=True, open_to_network=True)
-    if "redis" in services and spec.limits.backend == "redis" and is_local_url(spec.limits.redis_url):
+    here = local_services(spec)
+    if "redis" in services and "redis" in here:
         data.setdefault("limits", {})["redis_url"] = _with_host(spec.limits.redis_url, services["redis"])
-    url = spec.store.url
-    if "postgres" in services and url and url.startswith("postgres") and is_local_url(url):
-        data.setdefault("store", {})["url"] = _with_host(url, services["postgres"])
+    if "postgres" in services and "postgres" in here and spec.store.url:
+        data.setdefault("store", {})["url"] = _with_host(spec.store.url, services["postgres"])
     for model, dumped_model in zip(spec.models, data["models"], strict=True):
         for deployment, dumped in zip(model.deployments, dumped_model["deployments"], strict=True):
             if deployment.engine == "vllm":

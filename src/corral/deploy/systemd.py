@@ -11,7 +11,7 @@ import math
 from pathlib import Path
 
 from corral.config import ClusterSpec, LocalSource
-from corral.deploy.spec_rewrite import is_local_url
+from corral.deploy.spec_rewrite import local_services
 from corral.deploy.templates import render_template
 
 __all__ = ["CONFIG_DIR", "STATE_DIR", "render_systemd"]
@@ -53,12 +53,8 @@ def render_systemd(spec: ClusterSpec, source: str, spec_text: str, corral_bin: P
 
 def _after(spec: ClusterSpec) -> list[str]:
     """Order after the local Redis/PostgreSQL the spec uses, when they run on this host."""
-    units = []
-    if spec.limits.backend == "redis" and is_local_url(spec.limits.redis_url):
-        units.append("redis-server.service")
-    if spec.store.url and spec.store.url.startswith("postgres") and is_local_url(spec.store.url):
-        units.append("postgresql.service")
-    return units
+    unit = {"redis": "redis-server.service", "postgres": "postgresql.service"}
+    return [unit[name] for name in sorted(local_services(spec), reverse=True)]
 
 
 def _local_paths(spec: ClusterSpec) -> list[Path]:

@@ -142,9 +142,7 @@ class AdminViews:
     def _control(self) -> ReplicaControl:
         control = self._services.control
         if control is None:
-            raise NotSupported(
-                "This gateway has no supervisor to ask (it was started without one)."
-            )
+            raise NotSupported("This gateway has no supervisor to ask (it was started without one).")
         return control
 
     async def routing(self, request: web.Request) -> web.Response:

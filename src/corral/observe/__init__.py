@@ -30,8 +30,7 @@ RULES_FILE = "prometheus/rules/corral.rules.yml"
 def prometheus_config(spec: ClusterSpec, rules: Path, scrape_interval: str = "15s") -> dict[str, Any]:
     """Scrape the gateway (its /metrics carries every replica's engine load as corral series), the engines
     directly through the gateway's HTTP service discovery, and dcgm-exporter on GPU deployments."""
-    host = spec.gateway.host if spec.gateway.host not in {"0.0.0.0", "::", ""} else "127.0.0.1"
-    gateway = f"{host}:{spec.gateway.port}"
+    gateway = spec.gateway.address_from_here()
     scheme = "https" if spec.gateway.tls is not None else "http"
     discovery: dict[str, Any] = {"url": f"{scheme}://{gateway}/corral/sd", "refresh_interval": "30s"}
     if not spec.auth.open or spec.auth.admin_key:

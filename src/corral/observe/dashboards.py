@@ -16,7 +16,7 @@ from grafana_foundation_sdk.builders import dashboard, prometheus, stat, timeser
 from grafana_foundation_sdk.cog.encoder import JSONEncoder
 from grafana_foundation_sdk.models import dashboard as model
 
-__all__ = ["DASHBOARDS", "PanelQuery", "dashboard_json", "panel_queries"]
+__all__ = ["DASHBOARDS", "PanelQuery", "concrete_query", "dashboard_json", "panel_queries"]
 
 _DATASOURCE = model.DataSourceRef(type_val="prometheus", uid="${datasource}")
 _RATE = "$__rate_interval"
@@ -380,6 +380,14 @@ class PanelQuery:
     expr: str
 
 
+def concrete_query(board: _Dashboard, expr: str, rate_interval: str) -> str:
+    """A panel query as Prometheus runs it: `$__rate_interval` set, every variable matching all."""
+    concrete = expr.replace(_RATE, rate_interval)
+    for name, _, _ in board.variables:
+        concrete = concrete.replace(f'"${name}"', '".*"')
+    return concrete
+
+
 def panel_queries(rate_interval: str = "1m") -> list[PanelQuery]:
     """Every panel query of every dashboard, with `$__rate_interval` and the variables set to match all."""
     out = []
@@ -387,10 +395,7 @@ def panel_queries(rate_interval: str = "1m") -> list[PanelQuery]:
         for _, panels in board.rows:
             for panel in panels:
                 for expr, _legend in panel.queries:
-                    concrete = expr.replace(_RATE, rate_interval)
-                    for name, _, _ in board.variables:
-                        concrete = concrete.replace(f'"${name}"', '".*"')
-                    out.append(PanelQuery(board.uid, panel.title, concrete))
+                    out.append(PanelQuery(board.uid, panel.title, concrete_query(board, expr, rate_interval)))
     return out
 
 

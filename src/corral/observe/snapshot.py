@@ -11,7 +11,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from corral.observe.dashboards import DASHBOARDS
+from corral.observe.dashboards import DASHBOARDS, concrete_query
 
 __all__ = ["SnapshotError", "dashboard_png"]
 
@@ -60,9 +60,7 @@ def dashboard_png(prometheus: str, uid: str, output: Path, minutes: float = 15, 
     for axis, panel in zip(axes.flat, panels, strict=False):
         drawn = False
         for expr, legend in panel.queries:
-            concrete = expr.replace("$__rate_interval", rate)
-            for name, _, _ in board.variables:
-                concrete = concrete.replace(f'"${name}"', '".*"')
+            concrete = concrete_query(board, expr, rate)
             for series in _query_range(prometheus, concrete, start, end, step):
                 points = [
                     (float(t) - end, float(v))
