@@ -34,7 +34,9 @@ def _call(
     content_type: str = "application/json",
 ) -> Any:
     """The gateway's JSON answer to GET (or POST with `body`) `path`; a refusal or no answer is one line."""
-    request = urllib.request.Request(url.rstrip("/") + path, data=body, method="POST" if body else "GET")
+    request = urllib.request.Request(
+        url.rstrip("/") + path, data=body, method="GET" if body is None else "POST"
+    )
     if body is not None:
         request.add_header("Content-Type", content_type)
     key = key or admin_key_from_env(None)
@@ -108,8 +110,7 @@ def drain(
     ca_cert: CaCertOption = None,
 ) -> None:
     """Take a replica out of routing, let its requests and streams finish, then stop it."""
-    body = json.dumps({"timeout": grace}).encode()
-    result = _call(url, f"/admin/replicas/{replica}/drain", admin_key, ca_cert, body, timeout=grace + 30)
+    result = _call(url, f"/admin/replicas/{replica}/drain?grace={grace}", admin_key, ca_cert, b"", grace + 30)
     how = "its requests finished" if result["idle"] else f"stopped after the {grace:g} s grace period"
     console.print(
         f"drained {result['replica']} ({result['model']}) in {result['waited_s']} s: {how}",

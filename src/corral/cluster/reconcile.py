@@ -159,4 +159,4 @@ class Reconciler:
             victims = self._supervisor.replica_ids(change.model, change.group)[-change.count :]
         await asyncio.gather(*(self._supervisor.drain(v, grace_s) for v in victims))
         if change.action == "remove_model":
-            self._supervisor.forget(change.model)
+            self._supervisor.replicas.forget(change.model)

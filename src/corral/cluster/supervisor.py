@@ -99,10 +99,6 @@ class Supervisor:
             if s.replica.model == model and (group is None or s.group == group) and not s.draining
         ]
 
-    def forget(self, model: str) -> None:
-        """Remove a model with no replicas left from the replica set (it is no longer served)."""
-        self.replicas.forget(model)
-
     async def wait_ready(self, within: float) -> bool:
         """Wait until every model has at least one ready replica; False on timeout, or as soon as some
         model's replicas have all been given up (`failed_models` names them)."""

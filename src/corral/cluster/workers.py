@@ -83,6 +83,7 @@ class WorkerPool:
         self._tasks: list[asyncio.Task[None]] = []
         self._snapshot = b""
         self._stopping = False
+        self._calls: set[asyncio.Task[None]] = set()  # workers' apply/drain calls being answered
         self._announced: list[bytes] = []  # settings of models added since start, for every (re)connect
         self.port: int | None = None
         self.control: Any = None  # answers the workers' apply and drain calls (cluster.reconcile)
@@ -225,7 +226,9 @@ class WorkerPool:
                 if message.get("listening"):
                     worker.listening.set()
                 elif "call" in message:
-                    self._tasks.append(asyncio.create_task(self._answer(writer, message)))
+                    call = asyncio.create_task(self._answer(writer, message))
+                    self._calls.add(call)  # held while it runs (the loop keeps only weak references)
+                    call.add_done_callback(self._calls.discard)
         except (ValueError, KeyError, IndexError, ConnectionError) as exc:
             logger.warning("gateway worker control connection failed: %s", exc)
         finally:

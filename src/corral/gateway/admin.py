@@ -10,7 +10,6 @@ import asyncio
 import hmac
 from typing import Any
 
-import orjson
 from aiohttp import web
 from pydantic import ValidationError
 
@@ -104,20 +103,14 @@ class AdminViews:
         return web.json_response({"by": by, "rows": rows})
 
     async def drain(self, request: web.Request) -> web.Response:
-        """Take a replica out of routing, wait for its requests, stop it (`corral drain`). Body, optional:
-        {"timeout": seconds} (default 60)."""
+        """Take a replica out of routing, wait for its requests, stop it (`corral drain`). `?grace=SECONDS`
+        bounds the wait (default 60)."""
         self.check(request)
         control = self._control()
-        body = await request.read()
-        try:
-            timeout = float(orjson.loads(body).get("timeout", 60.0)) if body else 60.0
-        except (orjson.JSONDecodeError, AttributeError, TypeError, ValueError):
-            raise InvalidRequest('The body must be {"timeout": seconds}.', param="timeout") from None
-        if not 0 < timeout <= 3600:
-            raise InvalidRequest("'timeout' must be between 0 and 3600 seconds.", param="timeout")
+        grace = _grace(request)
         replica_id = request.match_info["replica_id"]
         try:
-            result = await control.drain(replica_id, timeout)
+            result = await control.drain(replica_id, grace)
         except KeyError:
             raise NotFound(f"No replica with id {replica_id}.", param="replica_id") from None
         return web.json_response(result)
@@ -127,10 +120,7 @@ class AdminViews:
         counts changed (`corral apply`). `?grace=SECONDS` bounds each drained replica's wait (default 60)."""
         self.check(request)
         control = self._control()
-        try:
-            grace = float(request.query.get("grace", "60"))
-        except ValueError:
-            raise InvalidRequest("'grace' must be a number of seconds.", param="grace") from None
+        grace = _grace(request)
         text = (await request.read()).decode("utf-8", errors="replace")
         try:
             wanted = parse_spec(text, source="spec")
@@ -157,3 +147,14 @@ class AdminViews:
             "decisions": list(self._router.decisions)[-50:],
         }
         return web.json_response(body)
+
+
+def _grace(request: web.Request) -> float:
+    """`?grace=SECONDS` of apply and drain: how long a replica taken out may take to finish (default 60)."""
+    try:
+        grace = float(request.query.get("grace", "60"))
+    except ValueError:
+        raise InvalidRequest("'grace' must be a number of seconds.", param="grace") from None
+    if not 0 < grace <= 3600:
+        raise InvalidRequest("'grace' must be between 0 and 3600 seconds.", param="grace")
+    return grace
