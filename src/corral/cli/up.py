@@ -155,16 +155,10 @@ class _ProgressReport:
 
 
 async def _serve(spec: ClusterSpec, paths: Paths, prepared: list[tuple[str, Any, list[Any]]]) -> None:
-    from corral.cluster import Supervisor
     from corral.gateway import GatewayServer
-    from corral.routing import ReplicaSet
 
-    replicas = ReplicaSet()
-    supervisor = Supervisor(replicas, _runtime(spec, paths), spec.supervisor)
-    groups: dict[str, int] = {}
-    for model_name, engine, plans in prepared:
-        group = groups[model_name] = groups.get(model_name, -1) + 1
-        supervisor.add(model_name, engine, plans, group)
+    supervisor = _supervisor(spec, paths, prepared)
+    replicas = supervisor.replicas
     router = router_for(spec, replicas)
     services = services_for(spec, paths, replicas)
     # The admin API's drain and apply reach the supervisor in this process.
@@ -195,15 +189,10 @@ async def _serve_workers(
     spec: ClusterSpec, paths: Paths, prepared: list[tuple[str, Any, list[Any]]], workers: int, log_level: str
 ) -> None:
     """The supervisor in this process, the gateway in `workers` processes on one port (cluster/workers.py)."""
-    from corral.cluster import Supervisor, WorkerError, WorkerPool
-    from corral.routing import ReplicaSet
+    from corral.cluster import WorkerError, WorkerPool
 
-    replicas = ReplicaSet()
-    supervisor = Supervisor(replicas, _runtime(spec, paths), spec.supervisor)
-    groups: dict[str, int] = {}
-    for model_name, engine, plans in prepared:
-        group = groups[model_name] = groups.get(model_name, -1) + 1
-        supervisor.add(model_name, engine, plans, group)
+    supervisor = _supervisor(spec, paths, prepared)
+    replicas = supervisor.replicas
     services_for(spec, paths, replicas)  # the store answers and its schema exists before workers use it
     if spec.auth.open:
         logger.warning("OPEN ACCESS: requests without an API key are served (auth.open is true in the spec)")
@@ -231,6 +220,19 @@ async def _serve_workers(
         await pool.stop()
         await supervisor.stop()
     console.print("[green]stopped[/green]")
+
+
+def _supervisor(spec: ClusterSpec, paths: Paths, prepared: list[tuple[str, Any, list[Any]]]) -> Any:
+    """The supervisor of the prepared replicas, each deployment of a model its own group."""
+    from corral.cluster import Supervisor
+    from corral.routing import ReplicaSet
+
+    supervisor = Supervisor(ReplicaSet(), _runtime(spec, paths), spec.supervisor)
+    groups: dict[str, int] = {}
+    for model_name, engine, plans in prepared:
+        group = groups[model_name] = groups.get(model_name, -1) + 1
+        supervisor.add(model_name, engine, plans, group)
+    return supervisor
 
 
 def model_settings(model: Any) -> dict[str, Any]:

@@ -121,17 +121,20 @@ class GatewayMetrics:
         """The text Prometheus scrapes: this process's figures, or all workers' summed."""
         if self._shared_dir is None:
             return generate_latest(self.registry) + self._state.text()
+        return generate_latest(self._collected())
+
+    def _collected(self) -> CollectorRegistry:
+        """This process's registry, or one that sums every worker's multiprocess files."""
+        if self._shared_dir is None:
+            return self.registry
         registry = CollectorRegistry()
         MultiProcessCollector(registry, str(self._shared_dir))  # type: ignore[no-untyped-call]
-        return generate_latest(registry)
+        return registry
 
     def summary(self) -> dict[str, dict[str, Any]]:
         """Per model: requests by status, tokens by kind, refusals by reason and the TTFT/ITL histograms'
         cumulative bucket counts (the console turns two summaries into rates and percentiles)."""
-        registry = self.registry
-        if self._shared_dir is not None:
-            registry = CollectorRegistry()
-            MultiProcessCollector(registry, str(self._shared_dir))  # type: ignore[no-untyped-call]
+        registry = self._collected()
         models: dict[str, dict[str, Any]] = {}
         wanted = {
             "corral_requests_total": ("requests", "status"),
