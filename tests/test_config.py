@@ -42,7 +42,7 @@ models:
 """
     with pytest.raises(SpecError) as info:
         parse_spec(text, source="c.yaml")
-    assert "c.yaml:8: models.0.deployments.0.replicas: Input should be greater than or equal to 1" in str(
+    assert "c.yaml:8: models.0.deployments.0.replicas: Input should be greater than or equal to 0" in str(
         info.value
     )
 

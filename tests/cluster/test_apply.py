@@ -11,6 +11,8 @@ from pathlib import Path
 
 import openai
 
+from corral.cluster.reconcile import plan_changes
+from corral.config import parse_spec
 from tests.conftest import CORRAL, RunningCluster, get_json, start_cluster
 
 BASE = """
@@ -62,6 +64,22 @@ def models(cluster: RunningCluster) -> set[str]:
     return {m["id"] for m in get_json(cluster.base_url + "/models")[1]["data"]}
 
 
+def test_plan_changes_tells_live_settings_from_rollouts() -> None:
+    running = parse_spec(BASE.format(alpha=2, time_scale=20, read_timeout=120), source="a")
+    same = running.model_copy()
+    assert plan_changes(running, same) == []
+    text = BASE.format(alpha=2, time_scale=20, read_timeout=120)
+    policy = parse_spec(text.replace("round_robin", "power_of_two"), source="b")
+    assert [c.action for c in plan_changes(running, policy)] == ["settings"]
+    weights = parse_spec(BASE.format(alpha=3, time_scale=10, read_timeout=120), source="c")
+    assert [c.action for c in plan_changes(running, weights)] == ["rollout"]  # not also a scale_up
+    scaled = parse_spec(
+        text.replace("time_scale: 20}", "time_scale: 20, autoscale: {min_replicas: 1, max_replicas: 4}}"),
+        source="d",
+    )
+    assert [c.action for c in plan_changes(running, scaled)] == ["settings"]
+
+
 def test_apply_adds_removes_and_scales_without_failing_a_request(tmp_path: Path) -> None:
     cluster = start_cluster(tmp_path, spec(tmp_path, "start.yaml", alpha=2, beta=False))
     stop, failures, served = threading.Event(), [], [0]
@@ -105,16 +123,16 @@ def test_apply_adds_removes_and_scales_without_failing_a_request(tmp_path: Path)
 
         again = apply(cluster, spec(tmp_path, "same.yaml", alpha=1, beta=False))
         assert again.returncode == 0 and "nothing to change" in again.stderr
-        for path, says in (
-            (spec(tmp_path, "weights.yaml", alpha=1, beta=False, time_scale=10), "rolling update"),
-            (
-                spec(tmp_path, "gateway.yaml", alpha=1, beta=False, read_timeout=60),
-                "changing gateway needs a restart",
-            ),
-        ):
-            refused = apply(cluster, path)
-            assert refused.returncode == 1 and says in refused.stderr, refused.stderr
-            assert "Traceback" not in refused.stderr
+        policy = spec(tmp_path, "policy.yaml", alpha=1, beta=False)
+        policy.write_text(policy.read_text().replace("routing: round_robin", "routing: power_of_two"))
+        changed = apply(cluster, policy)
+        assert changed.returncode == 0 and "settings: alpha" in changed.stderr, changed.stderr
+        assert get_json(cluster.url + "/admin/routing")[1]["policies"]["alpha"] == "power_of_two"
+        assert replicas(cluster) == {"alpha-0": "ready"}  # a live setting: no replica changed
+        refused = apply(cluster, spec(tmp_path, "gateway.yaml", alpha=1, beta=False, read_timeout=60))
+        assert refused.returncode == 1, refused.stderr
+        assert "changing gateway needs a restart" in refused.stderr
+        assert "Traceback" not in refused.stderr
         assert replicas(cluster) == {"alpha-0": "ready"}
         time.sleep(1)
     finally:

@@ -5,6 +5,9 @@ Within a priority class, the tenant served least recently goes next (per-tenant 
 tenant's burst cannot starve another's trickle: a request of a tenant with nothing running waits at most for
 the slots already taken. A full queue refuses at once; a request that cannot start before
 its deadline leaves the queue; both get 503 with a Retry-After derived from the measured drain rate.
+
+A model scaled to zero (`replicas.on_demand`) holds requests while its first replica starts, for the
+autoscaler's `hold_s`, instead of refusing them: the autoscaler sees them waiting and starts one.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ _RATE_SAMPLES = 4096  # completions the drain rate is measured over, at most
 class _Waiter:
     tenant: str
     priority: int
+    since: float = field(default_factory=time.monotonic)
     future: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
 
@@ -43,6 +47,7 @@ class _ModelQueue:
         # completion times for the drain rate (Retry-After); bounded, so a queue that never refuses
         # anyone does not keep every completion
         self.finished: deque[float] = deque(maxlen=_RATE_SAMPLES)
+        self.arrived = 0  # requests that asked to enter, ever (the autoscaler's arrival rate)
 
     def push(self, waiter: _Waiter) -> None:
         tenants = self.classes.setdefault(waiter.priority, {})
@@ -80,6 +85,11 @@ class _ModelQueue:
             if not waiters:
                 del self.classes[waiter.priority][waiter.tenant]
 
+    def oldest_wait(self) -> float:
+        """Seconds the longest-waiting request has waited (0 with none waiting)."""
+        heads = [w[0].since for tenants in self.classes.values() for w in tenants.values() if w]
+        return time.monotonic() - min(heads) if heads else 0.0
+
     def drain_rate(self) -> float:
         now = time.monotonic()
         while self.finished and self.finished[0] < now - _RATE_WINDOW_S:
@@ -115,13 +125,22 @@ class FairQueue:
     def depths(self) -> dict[str, int]:
         return {model: queue.size for model, queue in self._queues.items()}
 
+    def pressure(self) -> dict[str, dict[str, float]]:
+        """Per model: requests queued, the oldest's wait (s), and arrivals so far (the autoscaler's view)."""
+        return {
+            model: {"queued": queue.size, "oldest_wait_s": queue.oldest_wait(), "arrived": queue.arrived}
+            for model, queue in self._queues.items()
+        }
+
     async def enter(self, model: str, principal: Principal) -> float:
         """Wait for a free slot; seconds waited. Raises NoCapacity when full or too late."""
         queue = self._queues.get(model)
         if queue is None:
             queue = self._queues[model] = _ModelQueue()
+        queue.arrived += 1
         ready = self._replicas.ready(model)
-        if not ready:
+        hold = self._replicas.on_demand.get(model)
+        if not ready and hold is None:
             raise NoCapacity(
                 f"No replica of model '{model}' is ready.",
                 code="no_ready_replica",
@@ -139,15 +158,16 @@ class FairQueue:
         waiter = _Waiter(principal.tenant, principal.priority)
         queue.push(waiter)
         started = time.monotonic()
+        timeout = max(self._timeout, hold) if not ready and hold is not None else self._timeout
         try:
-            await asyncio.wait_for(asyncio.shield(waiter.future), self._timeout)
+            await asyncio.wait_for(asyncio.shield(waiter.future), timeout)
         except TimeoutError:
             queue.remove(waiter)
             if waiter.future.done():  # granted just as the deadline passed: hand the slot on
                 queue.granted -= 1
                 self._wake(model, queue)
             raise NoCapacity(
-                f"No replica of model '{model}' could take the request within {self._timeout:g}s.",
+                f"No replica of model '{model}' could take the request within {timeout:g}s.",
                 code="queue_timeout",
                 retry_after=self._retry_after(queue, queue.size),
             ) from None

@@ -1,8 +1,9 @@
-"""`corral status`, `apply` and `drain`: commands that talk to a running cluster's gateway."""
+"""`corral status`, `apply`, `drain` and `rollout`: commands that talk to a running cluster's gateway."""
 
 from __future__ import annotations
 
 import json
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -13,7 +14,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from corral.cli.app import CaCertOption, FlagsCommand, app, client_tls, console, fail
+from corral.cli.app import CaCertOption, FlagsCommand, FlagsGroup, app, client_tls, console, fail
 from corral.config import SpecError, admin_key_from_env, load_spec
 
 __all__ = ["status_table"]
@@ -66,7 +67,17 @@ def status(
     if as_json:
         print(json.dumps(data, indent=2))
         return
-    Console().print(status_table(data["replicas"]))
+    out = Console()
+    out.print(status_table(data["replicas"]))
+    for rollout in data.get("rollouts", {}).values():
+        out.print(_rollout_line(rollout), markup=False, highlight=False, soft_wrap=True)
+    events = data.get("events", [])[-10:]
+    if events:
+        out.print("recent changes:", markup=False)
+    for event in events:
+        when = time.strftime("%H:%M:%S", time.localtime(float(event["at"])))
+        line = f"  {when} {event['kind']:<8} {event['model']}: {event['message']}"
+        out.print(line, markup=False, highlight=False, soft_wrap=True)
 
 
 @app.command(cls=FlagsCommand)
@@ -79,7 +90,8 @@ def apply(
     admin_key: AdminKeyOption = None,
     ca_cert: CaCertOption = None,
 ) -> None:
-    """Bring a running cluster to a spec: add or remove models, change replica counts, no restart."""
+    """Bring a running cluster to a spec: models added or removed, replica counts, live settings, and
+    rollouts of changed models, with no restart."""
     try:
         load_spec(file)  # a bad file is refused here, with its lines, before anything is sent
     except SpecError as exc:
@@ -97,11 +109,21 @@ def apply(
             else ""
         )
         console.print(f"{change['action']}: {change['model']}{count}", markup=False, highlight=False)
+        if change["action"] == "rollout":
+            console.print(
+                f"  the rollout runs on: corral rollout status {change['model']} --url {url}",
+                markup=False,
+                highlight=False,
+                soft_wrap=True,
+            )
 
 
 @app.command(cls=FlagsCommand)
 def drain(
-    replica: Annotated[str, typer.Argument(help="the replica's id, as `corral status` lists it")],
+    target: Annotated[
+        str, typer.Argument(help="a replica's id as `corral status` lists it, or a Ray node id with --node")
+    ],
+    node: Annotated[bool, typer.Option("--node", help="drain every replica on this Ray node")] = False,
     url: UrlOption = "http://127.0.0.1:8000",
     grace: Annotated[
         float, typer.Option(min=0.1, max=3600, help="seconds to wait for its requests before stopping it")
@@ -109,14 +131,100 @@ def drain(
     admin_key: AdminKeyOption = None,
     ca_cert: CaCertOption = None,
 ) -> None:
-    """Take a replica out of routing, let its requests and streams finish, then stop it."""
-    result = _call(url, f"/admin/replicas/{replica}/drain?grace={grace}", admin_key, ca_cert, b"", grace + 30)
-    how = "its requests finished" if result["idle"] else f"stopped after the {grace:g} s grace period"
-    console.print(
-        f"drained {result['replica']} ({result['model']}) in {result['waited_s']} s: {how}",
-        markup=False,
-        highlight=False,
-        soft_wrap=True,
+    """Take a replica (or every replica on a node) out of routing, let its requests and streams finish,
+    then stop it."""
+    path = f"/admin/nodes/{target}/drain" if node else f"/admin/replicas/{target}/drain"
+    result = _call(url, f"{path}?grace={grace}", admin_key, ca_cert, b"", grace + 30)
+    for drained in result["replicas"] if node else [result]:
+        how = "its requests finished" if drained["idle"] else f"stopped after the {grace:g} s grace period"
+        console.print(
+            f"drained {drained['replica']} ({drained['model']}) in {drained['waited_s']} s: {how}",
+            markup=False,
+            highlight=False,
+            soft_wrap=True,
+        )
+
+
+rollout_app = typer.Typer(
+    help="Watch and steer a model's rollout (started by `corral apply` with changed weights, engine or "
+    "arguments).",
+    cls=FlagsGroup,
+    no_args_is_help=True,
+)
+app.add_typer(rollout_app, name="rollout")
+ModelArgument = Annotated[str, typer.Argument(help="the model's name")]
+
+
+@rollout_app.command("status", cls=FlagsCommand)
+def rollout_status(
+    model: Annotated[str | None, typer.Argument(help="one model (default: all)")] = None,
+    url: UrlOption = "http://127.0.0.1:8000",
+    as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
+    admin_key: AdminKeyOption = None,
+    ca_cert: CaCertOption = None,
+) -> None:
+    """Each model's latest rollout: phase, traffic share, step, last message."""
+    rollouts = _call(url, "/admin/rollouts", admin_key, ca_cert)["rollouts"]
+    if model is not None:
+        if model not in rollouts:
+            fail(f"no rollout of model {model!r} has run")
+        rollouts = {model: rollouts[model]}
+    if as_json:
+        print(json.dumps(rollouts, indent=2))
+        return
+    if not rollouts:
+        console.print("no rollout has run", markup=False)
+    for state in rollouts.values():
+        console.print(_rollout_line(state), markup=False, highlight=False, soft_wrap=True)
+
+
+def _rollout_action(action: str, model: str, url: str, admin_key: str | None, ca_cert: Path | None) -> None:
+    state = _call(url, f"/admin/rollouts/{model}/{action}", admin_key, ca_cert, b"", 30)
+    console.print(_rollout_line(state), markup=False, highlight=False, soft_wrap=True)
+
+
+@rollout_app.command("pause", cls=FlagsCommand)
+def rollout_pause(
+    model: ModelArgument,
+    url: UrlOption = "http://127.0.0.1:8000",
+    admin_key: AdminKeyOption = None,
+    ca_cert: CaCertOption = None,
+) -> None:
+    """Hold the rollout at its current traffic step (checks go on)."""
+    _rollout_action("pause", model, url, admin_key, ca_cert)
+
+
+@rollout_app.command("resume", cls=FlagsCommand)
+def rollout_resume(
+    model: ModelArgument,
+    url: UrlOption = "http://127.0.0.1:8000",
+    admin_key: AdminKeyOption = None,
+    ca_cert: CaCertOption = None,
+) -> None:
+    """Go on with a paused rollout."""
+    _rollout_action("resume", model, url, admin_key, ca_cert)
+
+
+@rollout_app.command("rollback", cls=FlagsCommand)
+def rollout_rollback(
+    model: ModelArgument,
+    url: UrlOption = "http://127.0.0.1:8000",
+    admin_key: AdminKeyOption = None,
+    ca_cert: CaCertOption = None,
+) -> None:
+    """Roll a running rollout back (old replicas keep serving); after a finished one, roll out the spec
+    before it again."""
+    _rollout_action("rollback", model, url, admin_key, ca_cert)
+
+
+def _rollout_line(state: dict[str, Any]) -> str:
+    share = state.get("share")
+    traffic = f", {share:.0%} of traffic" if isinstance(share, (int, float)) else ""
+    paused = " (paused)" if state.get("paused") else ""
+    message = f": {state['message']}" if state.get("message") else ""
+    return (
+        f"rollout {state['model']} revision {state['revision']} ({state['strategy']}): "
+        f"{state['phase']}{paused}{traffic}{message}"
     )
 
 

@@ -129,6 +129,8 @@ def _prepare_all(spec: ClusterSpec, paths: Paths) -> list[tuple[str, Any, list[A
             for deployment in model.deployments:
                 engine = engine_named(deployment.engine)
                 report = _ProgressReport(model.name, spinner.update)
+                if deployment.autoscale is not None:  # plans for its most replicas (vLLM's differ by GPU)
+                    deployment = deployment.model_copy(update={"replicas": deployment.autoscale.max_replicas})
                 prepared.append((model.name, engine, engine.prepare(model, deployment, paths, report)))
     return prepared
 
@@ -161,9 +163,13 @@ async def _serve(spec: ClusterSpec, paths: Paths, prepared: list[tuple[str, Any,
     replicas = supervisor.replicas
     router = router_for(spec, replicas)
     services = services_for(spec, paths, replicas)
-    # The admin API's drain and apply reach the supervisor in this process.
-    services.control = _reconciler(
-        spec, paths, supervisor, lambda model: apply_model_settings(router, services, model_settings(model))
+    # The admin API's drain, apply and rollouts reach the reconciler in this process.
+    reconciler = services.control = _reconciler(
+        spec,
+        paths,
+        supervisor,
+        lambda model: apply_model_settings(router, services, model_settings(model)),
+        services.queue.pressure,
     )
     gateway = GatewayServer(spec.gateway, router, services)
     if spec.auth.open:
@@ -176,10 +182,12 @@ async def _serve(spec: ClusterSpec, paths: Paths, prepared: list[tuple[str, Any,
         raise _cannot_listen(spec, exc) from None
     try:
         await supervisor.start()
+        reconciler.start(prepared)
         await _until_serving(spec, gateway.port, supervisor, paths, stop)
         await stop.wait()
         console.print("stopping: draining requests and replicas…")
     finally:
+        await reconciler.stop()
         await gateway.stop()
         await supervisor.stop()
     console.print("[green]stopped[/green]")
@@ -199,9 +207,10 @@ async def _serve_workers(
     pool = WorkerPool(
         replicas, spec.model_dump(mode="json"), workers, str(log_level), spec.gateway.shutdown_grace
     )
-    # The workers' admin API asks this process's reconciler over the control socket (apply, drain).
-    pool.control = _reconciler(
-        spec, paths, supervisor, lambda model: pool.announce_model(model_settings(model))
+    # The workers' admin API asks this process's reconciler over the control socket (apply, drain,
+    # rollouts); their queues reach its autoscaler the same way.
+    reconciler = pool.control = _reconciler(
+        spec, paths, supervisor, lambda model: pool.announce_model(model_settings(model)), pool.pressure
     )
     try:
         port = pool.reserve(spec.gateway.host, spec.gateway.port)
@@ -211,27 +220,31 @@ async def _serve_workers(
     try:
         await pool.start()
         await supervisor.start()
+        reconciler.start(prepared)
         await _until_serving(spec, port, supervisor, paths, stop)
         await stop.wait()
         console.print("stopping: draining requests and replicas…")
     except WorkerError as exc:
         raise CliError(str(exc)) from None
     finally:
+        await reconciler.stop()
         await pool.stop()
         await supervisor.stop()
     console.print("[green]stopped[/green]")
 
 
 def _supervisor(spec: ClusterSpec, paths: Paths, prepared: list[tuple[str, Any, list[Any]]]) -> Any:
-    """The supervisor of the prepared replicas, each deployment of a model its own group."""
+    """The supervisor of the prepared replicas, each deployment of a model its own group (an autoscaled
+    one starts with its `replicas`; the autoscaler keeps the other plans)."""
     from corral.cluster import Supervisor
     from corral.routing import ReplicaSet
 
     supervisor = Supervisor(ReplicaSet(), _runtime(spec, paths), spec.supervisor)
+    models = {m.name: m for m in spec.models}
     groups: dict[str, int] = {}
     for model_name, engine, plans in prepared:
         group = groups[model_name] = groups.get(model_name, -1) + 1
-        supervisor.add(model_name, engine, plans, group)
+        supervisor.add(model_name, engine, plans[: models[model_name].deployments[group].replicas], group)
     return supervisor
 
 
@@ -258,9 +271,10 @@ def apply_model_settings(router: Any, services: Any, settings: dict[str, Any]) -
         services.token_counters[name] = TokenCounter(Path(settings["tokenizer"]))
 
 
-def _reconciler(spec: ClusterSpec, paths: Paths, supervisor: Any, on_model: Any) -> Any:
-    """What `corral apply` talks to: prepares new deployments (blocking, in a thread) and has the gateway(s)
-    learn a new model's settings (`on_model`) before it is served."""
+def _reconciler(spec: ClusterSpec, paths: Paths, supervisor: Any, on_model: Any, pressure: Any) -> Any:
+    """What `corral apply` and `rollout` talk to, and the autoscaler's owner: prepares new deployments
+    (blocking, in a thread), has the gateway(s) learn a model's settings (`on_model`) before it is served,
+    and reads the gateways' queues (`pressure`)."""
     from corral.cluster.reconcile import Reconciler
     from corral.engines import engine_named
 
@@ -271,7 +285,7 @@ def _reconciler(spec: ClusterSpec, paths: Paths, supervisor: Any, on_model: Any)
         engine = engine_named(deployment.engine)
         return engine, engine.prepare(model, deployment, paths, report)
 
-    return Reconciler(supervisor, spec, prepare, on_model)
+    return Reconciler(supervisor, spec, prepare, on_model, pressure)
 
 
 def _stop_on_signals() -> asyncio.Event:

@@ -25,6 +25,7 @@ from corral.config import ClusterSpec, Paths
 logger = logging.getLogger(__name__)
 
 _LINE_LIMIT = 64 * 1024 * 1024  # one snapshot is one line; replicas' log tails can make it long
+_REPORT_S = 0.5
 
 
 @app.command("gateway-worker", hidden=True, cls=FlagsCommand)
@@ -37,8 +38,8 @@ def gateway_worker(
 
 
 class _RemoteControl:
-    """The admin API's apply and drain in a worker: asked of the reconciler in `corral up`'s process over
-    the control socket (cluster/workers.py answers), replies matched by id."""
+    """The admin API's control calls in a worker (apply, drains, rollout actions): asked of the reconciler
+    in `corral up`'s process over the control socket (cluster/workers.py answers), replies matched by id."""
 
     def __init__(self, writer: asyncio.StreamWriter) -> None:
         self._writer = writer
@@ -46,18 +47,22 @@ class _RemoteControl:
         self._next = 0
 
     async def drain(self, replica_id: str, grace_s: float) -> dict[str, object]:
-        return dict(await self._call({"call": "drain", "replica": replica_id, "grace": grace_s}))
+        return dict(await self._call("drain", replica_id=replica_id, grace_s=grace_s))
+
+    async def drain_node(self, node: str, grace_s: float) -> dict[str, object]:
+        return dict(await self._call("drain_node", node=node, grace_s=grace_s))
 
     async def apply(self, wanted: ClusterSpec, grace_s: float) -> list[dict[str, object]]:
-        return list(
-            await self._call({"call": "apply", "spec": wanted.model_dump(mode="json"), "grace": grace_s})
-        )
+        return list(await self._call("apply", wanted=wanted.model_dump(mode="json"), grace_s=grace_s))
 
-    async def _call(self, message: dict[str, Any]) -> Any:
+    async def rollout_action(self, model: str, action: str, grace_s: float = 60.0) -> dict[str, object]:
+        return dict(await self._call("rollout_action", model=model, action=action, grace_s=grace_s))
+
+    async def _call(self, name: str, **args: Any) -> Any:
         self._next += 1
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._pending[self._next] = future
-        self._writer.write(orjson.dumps({**message, "id": self._next}) + b"\n")
+        self._writer.write(orjson.dumps({"call": name, "args": args, "id": self._next}) + b"\n")
         await self._writer.drain()
         return await future
 
@@ -71,6 +76,15 @@ class _RemoteControl:
             future.set_exception(ValueError(reply["message"]))
         else:
             future.set_result(reply["result"])
+
+
+async def _report(writer: asyncio.StreamWriter, queue: Any, replicas: Any) -> None:
+    """Tell the pool what only this worker knows, twice a second: its queues (the autoscaler's pressure)
+    and its counts per replica (requests in flight, served, failed, prompt tokens awaiting prefill)."""
+    while True:
+        await asyncio.sleep(_REPORT_S)
+        counts = {r.id: [r.outstanding, r.served, r.failures, r.pending_prefill] for r in replicas}
+        writer.write(orjson.dumps({"report": {"queues": queue.pressure(), "replicas": counts}}) + b"\n")
 
 
 async def _work(control: Path, index: int) -> None:
@@ -115,11 +129,13 @@ async def _work(control: Path, index: int) -> None:
         stop.set()
 
     follower = asyncio.create_task(follow())
+    reporter = asyncio.create_task(_report(writer, services.queue, replicas))
     try:
         await stop.wait()
     finally:
-        follower.cancel()
-        with contextlib.suppress(asyncio.CancelledError, ConnectionError):
-            await follower
+        for task in (follower, reporter):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, ConnectionError):
+                await task
         await gateway.stop()
         writer.close()

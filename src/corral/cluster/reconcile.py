@@ -1,10 +1,15 @@
 """Declarative apply: bring a running cluster to a new spec without restarting the gateway.
 
 What it changes live: models added (prepared, started, routable once ready), models removed (drained,
-then forgotten), and each deployment's replica count (new replicas started; surplus ones drained, newest
-first). What it refuses, with the reason: any other change to a running model (weights, engine or its
-arguments: that is a rolling update) and any change outside `models` (gateway, auth, store, limits, queue,
-supervisor, ray, deploy: those need a restart).
+then forgotten), each deployment's replica count (new replicas started; surplus ones drained, newest
+first; an autoscaled deployment's count is the autoscaler's, within the new bounds), a model's live
+settings (routing policy, failover mode, tokenizer, SLO, rollout policy, autoscale bounds), and any other
+change of a running model (weights, engine, its arguments): a gated rollout (cluster/rollout.py). What it
+refuses, with the reason: changes outside `models` (gateway, auth, store, limits, queue, supervisor, ray,
+deploy: those need a restart), and a change to a model whose rollout is still running.
+
+The reconciler owns the control loops that change the running cluster: apply, rollouts, the autoscaler
+(cluster/autoscale.py) and drains; each change is an event in the replica set's log.
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from corral.cluster.autoscale import Autoscaler, Pressure
+from corral.cluster.rollout import Rollout, Unit
 from corral.cluster.supervisor import Supervisor
 from corral.config import ClusterSpec, DeploymentSpec, ModelSpec
 from corral.engines import EngineAdapter, LaunchPlan
@@ -24,6 +31,7 @@ __all__ = ["ApplyError", "Change", "Reconciler", "plan_changes"]
 logger = logging.getLogger(__name__)
 
 Prepare = Callable[[ModelSpec, DeploymentSpec], tuple[EngineAdapter, list[LaunchPlan]]]
+_LIVE_MODEL_FIELDS = ("routing", "tokenizer", "slo", "mid_stream_failover", "rollout")
 
 
 class ApplyError(ValueError):
@@ -32,7 +40,7 @@ class ApplyError(ValueError):
 
 @dataclass(frozen=True)
 class Change:
-    action: str  # add_model | remove_model | scale_up | scale_down
+    action: str  # add_model | remove_model | scale_up | scale_down | settings | rollout
     model: str
     group: int = 0  # the deployment's index in the model's `deployments`
     count: int = 0  # replicas added or removed
@@ -42,7 +50,7 @@ class Change:
 
 
 def plan_changes(running: ClusterSpec, wanted: ClusterSpec) -> list[Change]:
-    """The changes that turn `running` into `wanted`; ApplyError for what needs a restart or a rollout."""
+    """The changes that turn `running` into `wanted`; ApplyError for what needs a restart."""
     sections = [
         name
         for name in ClusterSpec.model_fields
@@ -59,31 +67,47 @@ def plan_changes(running: ClusterSpec, wanted: ClusterSpec) -> list[Change]:
         old = before.get(name)
         if old is None:
             changes.append(Change("add_model", name))
-            continue
-        if _without_counts(old) != _without_counts(model):
-            raise ApplyError(
-                f"model {name!r} changed beyond its replica counts: that is a rolling update, not built yet "
-                "(apply adds and removes models and changes replica counts)"
-            )
-        for group, (was, now) in enumerate(zip(old.deployments, model.deployments, strict=True)):
-            if now.replicas > was.replicas:
-                changes.append(Change("scale_up", name, group, now.replicas - was.replicas))
-            elif now.replicas < was.replicas:
-                changes.append(Change("scale_down", name, group, was.replicas - now.replicas))
+        elif _deployed(old) != _deployed(model):
+            changes.append(Change("rollout", name))
+        else:
+            if _live(old) != _live(model):
+                changes.append(Change("settings", name))
+            changes += _count_changes(old, model)
     return changes
 
 
-def _without_counts(model: ModelSpec) -> dict[str, Any]:
-    data = model.model_dump()
+def _count_changes(old: ModelSpec, new: ModelSpec) -> list[Change]:
+    changes = []
+    for group, (was, now) in enumerate(zip(old.deployments, new.deployments, strict=True)):
+        if now.autoscale is not None:
+            continue  # the autoscaler keeps the count within the (new) bounds
+        if now.replicas > was.replicas:
+            changes.append(Change("scale_up", new.name, group, now.replicas - was.replicas))
+        elif now.replicas < was.replicas:
+            changes.append(Change("scale_down", new.name, group, was.replicas - now.replicas))
+    return changes
+
+
+def _deployed(model: ModelSpec) -> dict[str, Any]:
+    """What the replicas themselves run: a difference here needs new replicas (a rollout)."""
+    data = model.model_dump(exclude=set(_LIVE_MODEL_FIELDS))
     for deployment in data["deployments"]:
         deployment.pop("replicas")
+        deployment.pop("autoscale")
     return data
+
+
+def _live(model: ModelSpec) -> dict[str, Any]:
+    return {
+        "model": model.model_dump(include=set(_LIVE_MODEL_FIELDS)),
+        "autoscale": [d.autoscale for d in model.deployments],
+    }
 
 
 class Reconciler:
     """Applies specs to the supervisor it was given; `prepare` resolves a deployment's launch plans
-    (blocking: fetches and builds), `on_model` tells the gateway a model's settings (routing policy,
-    tokenizer, failover mode) before it serves."""
+    (blocking: fetches and builds), `on_model` tells the gateway(s) a model's settings (routing policy,
+    tokenizer, failover mode) before it serves; `pressure` reads the gateways' queues (the autoscaler)."""
 
     def __init__(
         self,
@@ -91,50 +115,122 @@ class Reconciler:
         spec: ClusterSpec,
         prepare: Prepare,
         on_model: Callable[[ModelSpec], None],
+        pressure: Pressure | None = None,
     ) -> None:
         self._supervisor = supervisor
+        self._replicas = supervisor.replicas
         self.spec = spec
         self._prepare = prepare
         self._on_model = on_model
         self._lock = asyncio.Lock()
+        self.autoscaler = Autoscaler(supervisor, pressure or (lambda: {}))
+        self._rollouts: dict[str, Rollout] = {}
+        self._previous: dict[str, ModelSpec] = {}  # each model's spec before its latest rollout
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    def start(self, prepared: list[tuple[str, EngineAdapter, list[LaunchPlan]]]) -> None:
+        """Begin autoscaling the spec's autoscaled deployments; `prepared` holds each deployment's plans in
+        spec order (max_replicas of them for an autoscaled one)."""
+        models = {m.name: m for m in self.spec.models}
+        groups: dict[str, int] = {}
+        for name, engine, plans in prepared:
+            group = groups[name] = groups.get(name, -1) + 1
+            if models[name].deployments[group].autoscale is not None:
+                self.autoscaler.configure(models[name], group, engine, plans)
+        self._spawn(self.autoscaler.run())
+
+    def _spawn(self, work: Any) -> asyncio.Task[Any]:
+        task: asyncio.Task[Any] = asyncio.ensure_future(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def stop(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    # drains ------------------------------------------------------------------------------------------
 
     async def drain(self, replica_id: str, grace_s: float) -> dict[str, object]:
-        return await self._supervisor.drain(replica_id, grace_s)
+        result = await self._supervisor.drain(replica_id, grace_s)
+        self._replicas.record("drain", str(result["model"]), f"{replica_id} drained in {result['waited_s']}s")
+        return result
+
+    async def drain_node(self, node: str, grace_s: float) -> dict[str, object]:
+        """Drain every replica on a Ray node (KeyError when none runs there)."""
+        ids = self._supervisor.on_node(node)
+        if not ids:
+            raise KeyError(node)
+        results = await asyncio.gather(*(self.drain(rid, grace_s) for rid in ids))
+        return {"node": node, "replicas": list(results)}
+
+    # apply -------------------------------------------------------------------------------------------
 
     async def apply(self, wanted: ClusterSpec, grace_s: float) -> list[dict[str, object]]:
-        """Make the changes; one apply at a time. Replicas to add are prepared before any is drained. The
-        gateway's host and port stay those `corral up` listens on (its flags may override the file's)."""
+        """Make the changes; one apply at a time. Replicas to add are prepared before any is drained; a
+        rollout is started and runs on (`corral rollout status`). The gateway's host and port stay those
+        `corral up` listens on (its flags may override the file's)."""
         async with self._lock:
             listening = {"host": self.spec.gateway.host, "port": self.spec.gateway.port}
             wanted = wanted.model_copy(update={"gateway": wanted.gateway.model_copy(update=listening)})
             changes = plan_changes(self._running(), wanted)
+            rolling = {m for m, r in self._rollouts.items() if not r.outcome}
+            busy = sorted({c.model for c in changes} & rolling)
+            if busy:
+                raise ApplyError(
+                    f"a rollout of {', '.join(busy)} is still running: wait for it, or "
+                    f"`corral rollout rollback {busy[0]}`"
+                )
             models = {m.name: m for m in wanted.models}
-            additions = [c for c in changes if c.action in ("add_model", "scale_up")]
-            prepared = await asyncio.gather(
-                *(asyncio.to_thread(self._plans, c, models[c.model]) for c in additions)
-            )
-            for change, groups in zip(additions, prepared, strict=True):
-                if change.action == "add_model":
+            before = {m.name: m for m in self.spec.models}
+            await self._add(changes, models)
+            for change in changes:
+                if change.action == "settings":
                     self._on_model(models[change.model])
-                for group, engine, plans in groups:
-                    self._supervisor.add(change.model, engine, plans, group)
-            self._supervisor.start_added()
+                    self._configure_autoscaling(models[change.model])
+            for change in changes:
+                if change.action == "rollout":
+                    await self._start_rollout(before[change.model], models[change.model], grace_s)
             removals = [c for c in changes if c.action in ("remove_model", "scale_down")]
             await asyncio.gather(*(self._remove(c, grace_s) for c in removals))
             self.spec = wanted
             for change in changes:
-                logger.info(
-                    "apply: %s %s (deployment %d, %d replicas)",
-                    change.action,
-                    change.model,
-                    change.group,
-                    change.count,
-                )
+                message = f"{change.action} (deployment {change.group}, {change.count} replicas)"
+                logger.info("apply: %s %s", change.model, message)
+                self._replicas.record("apply", change.model, message)
             return [c.as_dict() for c in changes]
 
+    async def _add(self, changes: list[Change], models: dict[str, ModelSpec]) -> None:
+        additions = [c for c in changes if c.action in ("add_model", "scale_up")]
+        prepared = await asyncio.gather(
+            *(asyncio.to_thread(self._plans, c, models[c.model]) for c in additions)
+        )
+        for change, groups in zip(additions, prepared, strict=True):
+            model = models[change.model]
+            if change.action == "add_model":
+                self._on_model(model)
+            for group, engine, plans in groups:
+                scale = model.deployments[group].autoscale
+                count = model.deployments[group].replicas if scale is not None else len(plans)
+                self._supervisor.add(change.model, engine, plans[:count], group)
+                if scale is not None:
+                    self.autoscaler.configure(model, group, engine, plans)
+        self._supervisor.start_added()
+
+    def _configure_autoscaling(self, model: ModelSpec) -> None:
+        """New autoscale bounds of a running model (plans kept from its running replicas)."""
+        for group, deployment in enumerate(model.deployments):
+            if deployment.autoscale is None:
+                continue
+            ids = self._supervisor.replica_ids(model.name, group)
+            if ids:
+                _, engine, plan = self._supervisor.unit(ids[0])
+                self.autoscaler.configure(model, group, engine, [plan] * deployment.autoscale.max_replicas)
+
     def _running(self) -> ClusterSpec:
-        """The spec as it runs now: replica counts as the supervisor has them (`corral drain` removes
-        replicas without a new spec)."""
+        """The spec as it runs now: replica counts as the supervisor has them (`corral drain` and the
+        autoscaler change them without a new spec)."""
         models = []
         for model in self.spec.models:
             deployments = [
@@ -146,7 +242,7 @@ class Reconciler:
 
     def _plans(self, change: Change, model: ModelSpec) -> list[tuple[int, EngineAdapter, list[LaunchPlan]]]:
         if change.action == "add_model":
-            groups = list(enumerate(model.deployments))
+            groups = [(g, _all_plans(d)) for g, d in enumerate(model.deployments)]
         else:
             deployment = model.deployments[change.group]
             groups = [(change.group, deployment.model_copy(update={"replicas": change.count}))]
@@ -155,8 +251,81 @@ class Reconciler:
     async def _remove(self, change: Change, grace_s: float) -> None:
         if change.action == "remove_model":
             victims = self._supervisor.replica_ids(change.model)
+            self.autoscaler.forget(change.model)
         else:
             victims = self._supervisor.replica_ids(change.model, change.group)[-change.count :]
         await asyncio.gather(*(self._supervisor.drain(v, grace_s) for v in victims))
         if change.action == "remove_model":
             self._supervisor.replicas.forget(change.model)
+
+    # rollouts ----------------------------------------------------------------------------------------
+
+    async def _start_rollout(self, old: ModelSpec, new: ModelSpec, grace_s: float) -> None:
+        units = await asyncio.to_thread(self._units, new)
+        members = self._supervisor.members(new.name)
+        revision = max((r.revision for r in members), default=0) + 1
+        rollout = Rollout(self._supervisor, new.name, units, new.rollout, revision, grace_s)
+        self._rollouts[new.name] = rollout
+        self._previous[new.name] = old
+        self.autoscaler.frozen.add(new.name)
+        self._on_model(new)
+        self._spawn(self._roll(rollout, old, new))
+
+    def _units(self, model: ModelSpec) -> list[Unit]:
+        """The new spec's replicas: as many per deployment as run now (an autoscaled one keeps its count)."""
+        units: list[Unit] = []
+        for group, deployment in enumerate(model.deployments):
+            running = len(self._supervisor.replica_ids(model.name, group))
+            count = running or deployment.replicas
+            engine, plans = self._prepare(model, _all_plans(deployment))
+            units += [(group, engine, plan) for plan in plans[:count]]
+        return units
+
+    async def _roll(self, rollout: Rollout, old: ModelSpec, new: ModelSpec) -> None:
+        try:
+            outcome = await rollout.run()
+        except Exception:
+            logger.exception("rollout of %s failed", new.name)
+            outcome = "rolled_back"
+        finally:
+            self.autoscaler.frozen.discard(new.name)
+        kept = new if outcome == "completed" else old
+        if outcome != "completed":
+            self._on_model(old)
+        self.spec = self.spec.model_copy(
+            update={"models": [kept if m.name == new.name else m for m in self.spec.models]}
+        )
+        self._configure_autoscaling(kept)
+
+    def rollouts(self) -> dict[str, dict[str, object]]:
+        return {m: dict(s) for m, s in self._replicas.rollouts.items()}
+
+    async def rollout_action(self, model: str, action: str, grace_s: float = 60.0) -> dict[str, object]:
+        """pause | resume | rollback a model's rollout. Rolling back a finished rollout starts one back to
+        the spec before it. KeyError: no rollout of that model; ValueError: the action does not apply."""
+        rollout = self._rollouts.get(model)
+        if rollout is None:
+            raise KeyError(model)
+        running = rollout.outcome is None
+        if action == "rollback" and not running:
+            async with self._lock:
+                current = next(m for m in self.spec.models if m.name == model)
+                await self._start_rollout(current, self._previous[model], grace_s)
+        elif not running:
+            raise ValueError(f"the rollout of {model} has ended ({rollout.outcome}): nothing to {action}")
+        elif action == "pause":
+            rollout.pause()
+        elif action == "resume":
+            rollout.resume()
+        elif action == "rollback":
+            rollout.abort("rollback asked for")
+        else:
+            raise ValueError(f"unknown rollout action {action!r} (pause, resume, rollback)")
+        return self._rollouts[model].state
+
+
+def _all_plans(deployment: DeploymentSpec) -> DeploymentSpec:
+    """An autoscaled deployment is prepared for its most replicas (vLLM's plans differ by GPU)."""
+    if deployment.autoscale is None:
+        return deployment
+    return deployment.model_copy(update={"replicas": deployment.autoscale.max_replicas})

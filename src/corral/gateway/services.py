@@ -23,11 +23,16 @@ __all__ = ["GatewayServices", "ReplicaControl"]
 
 
 class ReplicaControl(Protocol):
-    """What the admin API may ask of the supervisor (implemented by cluster.Supervisor)."""
+    """What the admin API may ask of the control plane (implemented by cluster.Reconciler; in a gateway
+    worker, by a proxy that asks the reconciler in `corral up`'s process)."""
 
     async def drain(self, replica_id: str, grace_s: float) -> dict[str, object]: ...
 
     async def apply(self, wanted: ClusterSpec, grace_s: float) -> list[dict[str, object]]: ...
+
+    async def drain_node(self, node: str, grace_s: float) -> dict[str, object]: ...
+
+    async def rollout_action(self, model: str, action: str, grace_s: float = 60.0) -> dict[str, object]: ...
 
 
 @dataclass

@@ -15,7 +15,14 @@ from corral.routing.policy import (
     policy_named,
 )
 from corral.routing.prefix import PrefixIndex
-from corral.routing.replicas import EngineFeatures, EngineLoad, Replica, ReplicaSet, ReplicaState
+from corral.routing.replicas import (
+    EngineFeatures,
+    EngineLoad,
+    Replica,
+    ReplicaSet,
+    ReplicaState,
+    TrafficSplit,
+)
 from corral.routing.request import RouteRequest, prefix_hashes
 from corral.routing.router import Router
 
@@ -41,6 +48,7 @@ __all__ = [
     "Router",
     "RoutingPolicy",
     "SessionAffinity",
+    "TrafficSplit",
     "policy_named",
     "prefix_hashes",
 ]

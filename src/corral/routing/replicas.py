@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from enum import StrEnum
 
 from corral.routing.circuit import CircuitBreaker
 
-__all__ = ["EngineFeatures", "EngineLoad", "Replica", "ReplicaSet", "ReplicaState"]
+__all__ = ["EngineFeatures", "EngineLoad", "Replica", "ReplicaSet", "ReplicaState", "TrafficSplit"]
+
+_EVENTS_KEPT = 100
 
 
 class ReplicaState(StrEnum):
@@ -95,6 +98,8 @@ class Replica:
     last_error: str | None = None
     log_tail: tuple[str, ...] = ()  # the last lines of its log when it last failed to start
     served: int = 0
+    failures: int = 0  # requests it failed (the replica's fault), for rollout health checks
+    revision: int = 0  # which rollout of its model started it (0: the first)
     ready_eta: float | None = None  # when a starting/restarting replica is expected ready (epoch s)
 
     @property
@@ -120,6 +125,8 @@ class Replica:
             "circuit": str(self.breaker.state),
             "consecutive_failures": self.breaker.consecutive_failures,
             "served": self.served,
+            "failures": self.failures,
+            "revision": self.revision,
             "uptime_s": round(time.time() - self.started_at, 1) if self.started_at else None,
             "running": load.running if load else None,
             "waiting": load.waiting if load else None,
@@ -137,14 +144,47 @@ class Replica:
         }
 
 
+@dataclass(frozen=True, slots=True)
+class TrafficSplit:
+    """During a rollout: the share of a model's requests sent to replicas of `revision` (the rest go to the
+    others). A share of 0 keeps the new replicas out of routing (they are being checked)."""
+
+    revision: int
+    share: float
+
+    def choose(self, candidates: list[Replica], draw: float) -> list[Replica]:
+        """The replicas a request may go to, given a uniform `draw` in [0, 1)."""
+        new = [r for r in candidates if r.revision == self.revision]
+        old = [r for r in candidates if r.revision != self.revision]
+        if self.share <= 0.0:
+            return old
+        if draw < self.share:
+            return new or old
+        return old or new
+
+
+_LOADING = (ReplicaState.STARTING, ReplicaState.RESTARTING)
+
+
 class ReplicaSet:
-    """Replicas by model. Single event loop: no locks, readers see whole updates."""
+    """Replicas by model, with what the control plane says about them: traffic splits during rollouts,
+    models held for scale-from-zero, rollout states and the log of changes. Single event loop: no locks,
+    readers see whole updates."""
 
     def __init__(self, models: list[str] | None = None) -> None:
         self._by_model: dict[str, list[Replica]] = {m: [] for m in models or []}
         # Per-model facts of the replicas' engines, read on every request: kept until membership changes.
         self._features: dict[str, EngineFeatures] = {}
         self._contexts: dict[str, int | None] = {}
+        self.splits: dict[str, TrafficSplit] = {}
+        self.on_demand: dict[str, float] = {}  # model → seconds a request waits for a first replica
+        self.rollouts: dict[str, dict[str, object]] = {}  # model → its latest rollout's state
+        self.events: deque[dict[str, object]] = deque(maxlen=_EVENTS_KEPT)
+
+    def record(self, kind: str, model: str, message: str) -> None:
+        """One change of the running cluster (apply, rollout step, scaling, drain), for status and the
+        console."""
+        self.events.append({"at": round(time.time(), 3), "kind": kind, "model": model, "message": message})
 
     def declare(self, model: str) -> None:
         self._by_model.setdefault(model, [])
@@ -199,6 +239,10 @@ class ReplicaSet:
                 found &= replica.features
             self._features[model] = found
         return found
+
+    def loading(self, model: str) -> bool:
+        """Some replica of `model` is on its way to ready (starting or restarting)."""
+        return any(r.state in _LOADING for r in self.of(model))
 
     def retry_after(self, model: str, default: float = 5.0) -> float:
         """Seconds until the soonest (re)starting replica of `model` is expected to be ready."""

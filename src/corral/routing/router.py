@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 import time
 from collections import deque
 from collections.abc import Collection, Mapping
@@ -60,6 +61,9 @@ class Router:
         candidates = [
             r for r in self.replicas.ready(request.model) if r.breaker.allows() and r not in exclude
         ]
+        split = self.replicas.splits.get(request.model)
+        if split is not None:  # a rollout is shifting traffic to a new revision
+            candidates = split.choose(candidates, random.random())
         if not candidates:
             raise NoCapacity(
                 f"No ready replica of model '{request.model}' can take the request now.",
@@ -125,6 +129,7 @@ class Router:
         if ok is True:
             replica.breaker.on_success()
         elif ok is False:
+            replica.failures += 1
             replica.breaker.on_failure()
 
 

@@ -14,7 +14,14 @@ from typing import Any
 
 import orjson
 
-from corral.routing.replicas import EngineFeatures, EngineLoad, Replica, ReplicaSet, ReplicaState
+from corral.routing.replicas import (
+    EngineFeatures,
+    EngineLoad,
+    Replica,
+    ReplicaSet,
+    ReplicaState,
+    TrafficSplit,
+)
 
 __all__ = ["apply_snapshot", "capacity_share", "replica_snapshot"]
 
@@ -29,6 +36,7 @@ _SHARED = (
     "started_at",
     "last_error",
     "ready_eta",
+    "revision",
 )
 
 
@@ -47,7 +55,16 @@ def replica_snapshot(replicas: ReplicaSet) -> bytes:
             log_tail=list(replica.log_tail),
         )
         members.append(entry)
-    return orjson.dumps({"models": replicas.models(), "replicas": members})
+    return orjson.dumps(
+        {
+            "models": replicas.models(),
+            "replicas": members,
+            "splits": {m: [s.revision, s.share] for m, s in replicas.splits.items()},
+            "on_demand": replicas.on_demand,
+            "rollouts": replicas.rollouts,
+            "events": list(replicas.events),
+        }
+    )
 
 
 def capacity_share(capacity: int | None, worker: int, workers: int) -> int | None:
@@ -85,3 +102,8 @@ def apply_snapshot(replicas: ReplicaSet, snapshot: bytes, worker: int = 0, worke
     for rid, replica in known.items():
         if rid not in published:
             replicas.remove(replica)
+    replicas.splits = {m: TrafficSplit(rev, share) for m, (rev, share) in data["splits"].items()}
+    replicas.on_demand = data["on_demand"]
+    replicas.rollouts = data["rollouts"]
+    replicas.events.clear()
+    replicas.events.extend(data["events"])

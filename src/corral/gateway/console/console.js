@@ -163,6 +163,24 @@ function drawReplicas(routing) {
   );
 }
 
+function drawChanges(routing) {
+  const rollouts = Object.values(routing.rollouts || {});
+  document.getElementById("rollouts").textContent = rollouts.length
+    ? rollouts
+        .map((r) => {
+          const share = typeof r.share === "number" ? ", " + Math.round(r.share * 100) + "% of traffic" : "";
+          return "rollout " + r.model + " revision " + r.revision + ": " + r.phase + (r.paused ? " (paused)" : "") + share;
+        })
+        .join(" · ")
+    : "no rollout has run";
+  fill(
+    "events",
+    (routing.events || []).slice(-12).reverse().map((e) => [
+      new Date(e.at * 1000).toLocaleTimeString(), e.kind, e.model, e.message,
+    ]),
+  );
+}
+
 function drawTenants(keys, usage) {
   const tenants = {};
   for (const key of keys.keys) {
@@ -191,6 +209,7 @@ async function poll() {
     document.getElementById("login").hidden = true;
     drawTraffic(data, routing);
     drawReplicas(routing);
+    drawChanges(routing);
     if (state.polls % TENANTS_EVERY === 0) {
       const [keys, usage] = await Promise.all([getJSON("/admin/keys"), getJSON("/admin/usage?by=tenant")]);
       drawTenants(keys, usage);

@@ -1,0 +1,220 @@
+"""The autoscaler: per autoscaled deployment, a replica count between its bounds, decided every interval.
+
+Reactive signals, all read from the supervisor's replica set and the gateways' queues (summed over
+gateway workers): busy slots (the gateways' requests in flight: exact, where an engine's own gauges are
+scraped late and count a finished request twice) against `target_utilization`; the oldest queued
+request's wait; mean KV-cache use; prompt tokens routed but not yet prefilled. Replicas still loading count
+as capacity on the way, so a slow start is not answered with more starts. `feed_forward` adds the
+performance model's view: the measured arrival rate divided by the request rate one replica sustains
+within the model's TTFT objective (the planner's scheduler model, for the mean prompt and output lengths
+the engines report), so a step in load is met in one move instead of one replica per interval.
+
+Scaling up starts replicas at once. Scaling down follows the highest count wanted over the last
+`down_cooldown_s` (a stabilisation window, as Kubernetes' HPA does: a moment's lull does not shrink the
+fleet) and drains one replica per cooldown, the least-loaded (its requests and streams finish). With
+`min_replicas: 0` the model is held on demand: the gateways queue its requests while the first replica
+starts (`FairQueue`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from corral.cluster.capacity import replica_request_rate
+from corral.cluster.supervisor import Supervisor
+from corral.config import AutoscaleSpec, ModelSpec
+from corral.engines import EngineAdapter, LaunchPlan
+from corral.routing import Replica, ReplicaState
+
+__all__ = ["Autoscaler", "Pressure"]
+
+logger = logging.getLogger(__name__)
+
+Pressure = Callable[[], dict[str, dict[str, float]]]  # model → queued, oldest_wait_s, arrived
+_LOADING = (ReplicaState.STARTING, ReplicaState.RESTARTING)
+_RATE_HALF_LIFE_S = 10.0  # the arrival rate is an exponentially weighted mean with this half-life
+
+
+@dataclass
+class _Group:
+    """One autoscaled deployment and what the autoscaler remembers of it."""
+
+    model: ModelSpec
+    group: int
+    engine: EngineAdapter
+    plans: list[LaunchPlan]  # one per possible replica (max_replicas): vLLM's differ by GPU
+    wanted: deque[tuple[float, int]] = field(default_factory=deque)  # (when, count) over the cooldown
+    changed_at: float = field(default_factory=time.monotonic)  # the last scaling action
+    arrived: float | None = None
+    seen_at: float = field(default_factory=time.monotonic)
+    rate: float = 0.0  # requests/s, smoothed
+    tokens: tuple[float, float] = (0.0, 0.0)  # engines' prompt and generated token counters, summed
+    lengths: tuple[float, float] | None = None  # mean prompt and output tokens per request, measured
+    reason: str = ""
+
+    @property
+    def spec(self) -> AutoscaleSpec:
+        scale = self.model.deployments[self.group].autoscale
+        assert scale is not None
+        return scale
+
+
+class Autoscaler:
+    """Moves each autoscaled deployment's replica count; one task for all of them."""
+
+    def __init__(self, supervisor: Supervisor, pressure: Pressure, grace_s: float = 120.0) -> None:
+        self._supervisor = supervisor
+        self._replicas = supervisor.replicas
+        self._pressure = pressure
+        self._grace = grace_s
+        self._groups: dict[tuple[str, int], _Group] = {}
+        self.frozen: set[str] = set()  # models in a rollout: their counts are the rollout's
+        self._drains: set[asyncio.Task[object]] = set()
+
+    def configure(self, model: ModelSpec, group: int, engine: EngineAdapter, plans: list[LaunchPlan]) -> None:
+        """Autoscale deployment `group` of `model` (again, with new bounds: a live setting)."""
+        old = self._groups.get((model.name, group))
+        state = _Group(model, group, engine, plans)
+        if old is not None:
+            state.rate, state.arrived, state.seen_at = old.rate, old.arrived, old.seen_at
+        self._groups[(model.name, group)] = state
+        if state.spec.min_replicas == 0:
+            self._replicas.on_demand[model.name] = state.spec.hold_s
+        else:
+            self._replicas.on_demand.pop(model.name, None)
+
+    def forget(self, model: str) -> None:
+        for key in [k for k in self._groups if k[0] == model]:
+            del self._groups[key]
+        self._replicas.on_demand.pop(model, None)
+
+    def settings(self, model: str) -> dict[int, AutoscaleSpec]:
+        return {g: s.spec for (m, g), s in self._groups.items() if m == model}
+
+    async def run(self) -> None:
+        """Decide for every group each `interval_s` (the smallest of them)."""
+        while True:
+            interval = min((g.spec.interval_s for g in self._groups.values()), default=1.0)
+            await asyncio.sleep(interval)
+            pressure = self._pressure()
+            for state in list(self._groups.values()):
+                if state.model.name in self.frozen:
+                    continue
+                try:
+                    await self._step(state, pressure.get(state.model.name, {}))
+                except Exception:  # one deployment's failure must not stop the others' scaling
+                    logger.exception("autoscaler: %s deployment %d", state.model.name, state.group)
+
+    async def _step(self, state: _Group, pressure: dict[str, float]) -> None:
+        members = self._supervisor.members(state.model.name, state.group)
+        self._measure(state, members, pressure)
+        want = await self.desired(state, members, pressure)
+        count, now = len(members), time.monotonic()
+        cooldown = state.spec.down_cooldown_s
+        state.wanted.append((now, want))
+        while state.wanted[0][0] < now - cooldown:
+            state.wanted.popleft()
+        if want > count:
+            state.changed_at = now
+            self._scale_up(state, want - count, members)
+            return
+        highest = max(w for _, w in state.wanted)
+        if highest < count and now - state.changed_at >= cooldown:
+            state.changed_at = now  # one replica per cooldown
+            self._scale_down(state, members, highest)
+
+    def _measure(self, state: _Group, members: list[Replica], pressure: dict[str, float]) -> None:
+        """Update the smoothed arrival rate and the mean request lengths from the latest counters."""
+        now = time.monotonic()
+        arrived = pressure.get("arrived", 0.0)
+        if state.arrived is not None and now > state.seen_at:
+            instant = max(0.0, arrived - state.arrived) / (now - state.seen_at)
+            weight = 1 - 0.5 ** ((now - state.seen_at) / _RATE_HALF_LIFE_S)
+            state.rate += weight * (instant - state.rate)
+            loads = [r.load for r in members if r.load is not None]
+            tokens = (sum(x.prompt_tokens_total for x in loads), sum(x.generated_tokens_total for x in loads))
+            requests = arrived - state.arrived
+            if requests > 0 and tokens[0] > state.tokens[0] and tokens[1] > state.tokens[1]:
+                state.lengths = (
+                    (tokens[0] - state.tokens[0]) / requests,
+                    (tokens[1] - state.tokens[1]) / requests,
+                )
+            state.tokens = tokens
+        state.arrived, state.seen_at = arrived, now
+
+    async def desired(self, state: _Group, members: list[Replica], pressure: dict[str, float]) -> int:
+        """How many replicas the deployment should have now, within its bounds; `state.reason` says why."""
+        scale, count = state.spec, len(members)
+        ready = [r for r in members if r.ready]
+        slots = state.plans[0].capacity or 1
+        busy = sum(_busy(r) for r in ready)
+        queued = pressure.get("queued", 0.0)
+        want = math.ceil((busy + queued) / (slots * scale.target_utilization))
+        reason = f"{busy + queued:.0f} requests for {slots} slots each"
+        pushes = _pressures(scale, ready, pressure)
+        if pushes and want <= count:
+            want, reason = count + 1, pushes
+        if scale.mode == "feed_forward" and state.rate > 0:
+            per_replica = await self._replica_rate(state)
+            if per_replica:
+                sized = math.ceil(state.rate / per_replica)
+                if sized > want:
+                    want = sized
+                    reason = f"{state.rate:.2f} req/s arriving, {per_replica:.2f} req/s per replica"
+        if count == 0 and queued:
+            want, reason = max(want, 1), "requests wait for a first replica"
+        state.reason = reason
+        return max(scale.min_replicas, min(scale.max_replicas, want))
+
+    async def _replica_rate(self, state: _Group) -> float | None:
+        deployment = state.model.deployments[state.group]
+        lengths = state.lengths or (512.0, 128.0)
+        slo = state.model.slo.ttft_p95 if state.model.slo is not None else None
+        return await asyncio.to_thread(replica_request_rate, state.model, deployment, lengths, slo)
+
+    def _scale_up(self, state: _Group, more: int, members: list[Replica]) -> None:
+        in_use = self._supervisor.plans_in_use(state.model.name, state.group)
+        free = [p for p in state.plans if not any(p is used for used in in_use)] or state.plans
+        distinct = len({id(p) for p in state.plans}) > 1
+        plans = free[:more] if distinct else [state.plans[0]] * more
+        revision = max((r.revision for r in members), default=0)
+        added = self._supervisor.add(state.model.name, state.engine, plans, state.group, revision)
+        self._supervisor.start_added()
+        message = f"scale up {len(members)} → {len(members) + len(added)}: {state.reason}"
+        logger.info("autoscaler %s: %s", state.model.name, message)
+        self._replicas.record("scale", state.model.name, message)
+
+    def _scale_down(self, state: _Group, members: list[Replica], want: int) -> None:
+        # a replica still loading goes first (it serves nothing yet), then the least busy
+        victim = min(members, key=lambda r: (r.state not in _LOADING, _busy(r), -members.index(r)))
+        message = f"scale down {len(members)} → {len(members) - 1} (wants {want}): drain {victim.id}"
+        logger.info("autoscaler %s: %s", state.model.name, message)
+        self._replicas.record("scale", state.model.name, message)
+        task = asyncio.create_task(self._supervisor.drain(victim.id, self._grace))
+        self._drains.add(task)
+        task.add_done_callback(self._drains.discard)
+
+
+def _busy(replica: Replica) -> int:
+    """Requests on a replica: the gateways' count in flight (summed over gateway workers)."""
+    return replica.outstanding
+
+
+def _pressures(scale: AutoscaleSpec, ready: list[Replica], pressure: dict[str, float]) -> str:
+    """Why one more replica is wanted regardless of slot counts, or '' when nothing presses."""
+    if pressure.get("oldest_wait_s", 0.0) >= scale.queue_wait_s:
+        return f"a request waited {pressure['oldest_wait_s']:.1f}s in the queue"
+    kv = [r.load.kv_usage for r in ready if r.load is not None and r.load.kv_usage is not None]
+    if kv and sum(kv) / len(kv) >= scale.kv_usage_high:
+        return f"KV cache {sum(kv) / len(kv):.0%} used"
+    if ready and scale.prefill_tokens_high is not None:
+        pending = sum(r.pending_prefill for r in ready) / len(ready)
+        if pending >= scale.prefill_tokens_high:
+            return f"{pending:.0f} prompt tokens per replica await prefill"
+    return ""

@@ -1,0 +1,252 @@
+"""Rolling and blue-green updates of one model: gated, watched, and rolled back on failure.
+
+A rollout replaces a model's replicas with ones started from its new spec (a new `revision`), without
+failing a request:
+
+1. start the first new replicas (rolling: one, surge 1; blue-green: all) with no traffic (a split of 0);
+2. gate each: it must become ready without a failed start, answer a warm-up request and the golden eval;
+3. shift traffic in the policy's steps (weighted: a share of the model's requests goes to the new
+   revision), watching each step: a new replica that stops being ready, an error ratio above
+   `max_error_ratio`, or engine TTFT above `max_ttft_ratio` × the old replicas' rolls back;
+4. replace the rest: rolling starts and gates one new replica per old one it drains; blue-green sends all
+   traffic to the new revision and drains every old replica. Draining lets requests and streams finish.
+
+Rolling back stops sending to the new revision at once, starts again any old replica already drained, then
+drains the new ones: the old replicas serve throughout. `pause`, `resume` and `abort` act between checks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+import aiohttp
+
+from corral.cluster.evalgate import run_gate
+from corral.cluster.supervisor import Supervisor
+from corral.config import RolloutSpec
+from corral.engines import EngineAdapter, LaunchPlan
+from corral.routing import Replica, ReplicaState, TrafficSplit
+
+__all__ = ["Rollout", "Unit"]
+
+logger = logging.getLogger(__name__)
+
+Unit = tuple[int, EngineAdapter, LaunchPlan]  # a replica to start: deployment group, engine, plan
+_CHECK_S = 0.25
+_MIN_JUDGED = 20  # requests a new revision serves before its error ratio can fail a step early
+
+
+class _Abort(Exception):
+    """Why the rollout stops and rolls back."""
+
+
+class Rollout:
+    """One model's update from its running replicas to `units` (the new spec's replicas)."""
+
+    def __init__(
+        self,
+        supervisor: Supervisor,
+        model: str,
+        units: list[Unit],
+        policy: RolloutSpec,
+        revision: int,
+        grace_s: float,
+    ) -> None:
+        self._supervisor = supervisor
+        self._replicas = supervisor.replicas
+        self.model = model
+        self._units = units
+        self._policy = policy
+        self.revision = revision
+        self._grace = grace_s
+        self._resume = asyncio.Event()
+        self._resume.set()
+        self._abort: str | None = None
+        self._drained_old: list[tuple[Unit, int]] = []  # old replicas drained so far, and their revision
+        self.outcome: str | None = None  # completed | rolled_back, once done
+        self._state: dict[str, Any] = {
+            "model": model,
+            "revision": revision,
+            "strategy": policy.strategy,
+            "phase": "starting",
+            "share": 0.0,
+            "paused": False,
+            "started_at": round(time.time(), 3),
+            "message": "",
+        }
+
+    # control -------------------------------------------------------------------------------------
+
+    def pause(self) -> None:
+        self._resume.clear()
+        self._publish(paused=True)
+        self._replicas.record("rollout", self.model, "paused")
+
+    def resume(self) -> None:
+        self._resume.set()
+        self._publish(paused=False)
+        self._replicas.record("rollout", self.model, "resumed")
+
+    def abort(self, reason: str) -> None:
+        self._abort = reason
+        self._resume.set()
+
+    @property
+    def state(self) -> dict[str, Any]:
+        return dict(self._state)
+
+    # the run ---------------------------------------------------------------------------------------
+
+    async def run(self) -> str:
+        """Carry the rollout out; 'completed' or 'rolled_back'."""
+        old = self._supervisor.members(self.model)
+        self._event(f"revision {self.revision}: {len(self._units)} new replicas replace {len(old)}")
+        async with aiohttp.ClientSession() as session:
+            try:
+                await self._forward(session, old)
+            except _Abort as exc:
+                await self._roll_back(str(exc))
+                self.outcome = "rolled_back"
+            else:
+                self.outcome = "completed"
+                self._publish(phase="completed", share=1.0, message="every replica runs the new revision")
+                self._event(f"revision {self.revision} completed")
+            finally:
+                self._replicas.splits.pop(self.model, None)
+        return self.outcome
+
+    async def _forward(self, session: aiohttp.ClientSession, old: list[Replica]) -> None:
+        blue_green = self._policy.strategy == "blue_green"
+        first = len(self._units) if blue_green else 1
+        self._replicas.splits[self.model] = TrafficSplit(self.revision, 0.0)
+        new = await self._start(session, self._units[:first])
+        for step, share in enumerate(self._policy.steps, 1):
+            if not blue_green:  # one new replica among the old ones takes at most its share by count
+                share = min(share, len(new) / (len(new) + len(old)))
+            self._replicas.splits[self.model] = TrafficSplit(self.revision, share)
+            self._publish(phase="shifting", share=share, step=step, message=f"{share:.0%} of traffic")
+            self._event(f"step {step}: {share:.0%} of traffic to revision {self.revision}")
+            await self._watch(new, old, self._policy.step_s)
+        if blue_green:
+            self._replicas.splits[self.model] = TrafficSplit(self.revision, 1.0)
+        else:
+            self._replicas.splits.pop(self.model, None)  # routed by the model's policy over both
+        self._publish(phase="replacing", share=1.0 if blue_green else None)
+        waiting = list(old)
+        if waiting and not blue_green:
+            await self._retire(waiting.pop(0))
+        for unit in self._units[first:]:
+            new += await self._start(session, [unit])
+            await self._watch(new, waiting, 0.0)
+            if waiting:
+                await self._retire(waiting.pop(0))
+        await asyncio.gather(*(self._retire(r) for r in waiting))
+
+    async def _start(self, session: aiohttp.ClientSession, units: list[Unit]) -> list[Replica]:
+        """Start replicas of the new revision, wait until they are ready, and gate each."""
+        started = [
+            replica
+            for group, engine, plan in units
+            for replica in self._supervisor.add(self.model, engine, [plan], group, self.revision)
+        ]
+        self._supervisor.start_added()
+        ids = ", ".join(r.id for r in started)
+        self._publish(phase="starting", message=f"starting {ids}")
+        await self._until_ready(started)
+        self._publish(phase="gating", message=f"golden eval on {ids}")
+        for replica in started:
+            problem = await run_gate(session, replica, self._policy.golden_eval, self._policy.eval_latency_s)
+            if problem is not None:
+                raise _Abort(f"{replica.id} failed the gate: {problem}")
+        self._event(f"{ids} passed the gate ({len(self._policy.golden_eval)} golden prompts)")
+        return started
+
+    async def _until_ready(self, replicas: list[Replica]) -> None:
+        deadline = time.monotonic() + self._policy.ready_timeout_s
+        while not all(r.state is ReplicaState.READY for r in replicas):
+            self._check_abort()
+            for replica in replicas:
+                if replica.state in (ReplicaState.RESTARTING, ReplicaState.FAILED):
+                    raise _Abort(f"{replica.id} cannot start: {replica.last_error}")
+            if time.monotonic() > deadline:
+                raise _Abort(f"not ready within {self._policy.ready_timeout_s:g}s")
+            await asyncio.sleep(_CHECK_S)
+
+    async def _watch(self, new: list[Replica], old: list[Replica], seconds: float) -> None:
+        """Hold a step for `seconds` (longer while paused), checking the new replicas' health throughout."""
+        served = {r.id: (r.served, r.failures) for r in new}
+        deadline = time.monotonic() + seconds
+        while True:
+            self._check_abort()
+            self._check_health(new, old, served, final=time.monotonic() >= deadline)
+            if time.monotonic() >= deadline and self._resume.is_set():
+                return
+            await asyncio.sleep(_CHECK_S)
+
+    def _check_abort(self) -> None:
+        if self._abort is not None:
+            raise _Abort(self._abort)
+
+    def _check_health(
+        self, new: list[Replica], old: list[Replica], base: dict[str, tuple[int, int]], final: bool
+    ) -> None:
+        for replica in new:
+            if replica.state is not ReplicaState.READY:
+                why = replica.last_error or "no reason given"
+                raise _Abort(f"{replica.id} became {replica.state}: {why}")
+        served = sum(r.served - base.get(r.id, (0, 0))[0] for r in new)
+        failed = sum(r.failures - base.get(r.id, (0, 0))[1] for r in new)
+        if served and (final or served >= _MIN_JUDGED) and failed / served > self._policy.max_error_ratio:
+            raise _Abort(
+                f"{failed} of {served} requests to revision {self.revision} failed "
+                f"(over {self._policy.max_error_ratio:.0%})"
+            )
+        limit = self._policy.max_ttft_ratio
+        new_ttft, old_ttft = _mean_ttft(new), _mean_ttft(old)
+        if final and limit and new_ttft and old_ttft and new_ttft > limit * old_ttft:
+            raise _Abort(
+                f"revision {self.revision}'s engine TTFT {new_ttft * 1000:.0f} ms is over {limit:g}× the old "
+                f"replicas' {old_ttft * 1000:.0f} ms"
+            )
+
+    async def _retire(self, replica: Replica) -> None:
+        unit = self._supervisor.unit(replica.id)
+        self._publish(message=f"draining {replica.id}")
+        await self._supervisor.drain(replica.id, self._grace)
+        self._drained_old.append((unit, replica.revision))
+        self._event(f"{replica.id} drained")
+
+    async def _roll_back(self, reason: str) -> None:
+        logger.warning("rollout of %s (revision %d) rolls back: %s", self.model, self.revision, reason)
+        self._replicas.splits[self.model] = TrafficSplit(self.revision, 0.0)  # no new request to them
+        self._publish(phase="rolling_back", share=0.0, message=reason)
+        self._event(f"rolling back: {reason}")
+        restarted = [
+            replica
+            for (group, engine, plan), revision in self._drained_old
+            for replica in self._supervisor.add(self.model, engine, [plan], group, revision)
+        ]
+        self._supervisor.start_added()
+        deadline = time.monotonic() + self._policy.ready_timeout_s
+        while restarted and not all(r.ready for r in restarted) and time.monotonic() < deadline:  # noqa: ASYNC110
+            await asyncio.sleep(_CHECK_S)
+        candidates = [r for r in self._supervisor.members(self.model) if r.revision == self.revision]
+        await asyncio.gather(*(self._supervisor.drain(r.id, self._grace) for r in candidates))
+        self._publish(phase="rolled_back", message=reason)
+        self._event(f"rolled back to the previous revision: {reason}")
+
+    def _publish(self, **changes: Any) -> None:
+        self._state.update(changes, updated_at=round(time.time(), 3))
+        self._replicas.rollouts[self.model] = dict(self._state)
+
+    def _event(self, message: str) -> None:
+        logger.info("rollout %s: %s", self.model, message)
+        self._replicas.record("rollout", self.model, message)
+
+
+def _mean_ttft(replicas: list[Replica]) -> float | None:
+    known = [r.load.ttft_mean_s for r in replicas if r.load is not None and r.load.ttft_mean_s]
+    return sum(known) / len(known) if known else None

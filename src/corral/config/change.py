@@ -1,0 +1,127 @@
+"""How a running model changes: its rollout policy (with the golden eval gate) and its autoscaling bounds.
+
+Both are live settings: `corral apply` changes them without a rollout.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from corral.config.base import Strict
+
+
+class EvalCase(Strict):
+    """One golden prompt a candidate replica must answer right before it gets traffic (temperature 0).
+
+    Exactly one check: `exact` (the whole answer, whitespace trimmed), `contains`, `regex` (searched), or
+    `json_schema` (the answer parses as JSON and validates)."""
+
+    name: str | None = Field(default=None, description="shown when the check fails")
+    prompt: str | None = Field(default=None, description="a user message (chat) to send")
+    messages: list[dict[str, Any]] | None = Field(default=None, description="a whole chat instead of prompt")
+    max_tokens: Annotated[int, Field(ge=1, le=4096, description="tokens the answer may take")] = 32
+    exact: str | None = Field(default=None, description="the answer must be exactly this")
+    contains: str | None = Field(default=None, description="the answer must contain this")
+    regex: str | None = Field(default=None, description="the answer must match this (re.search)")
+    json_schema: dict[str, Any] | None = Field(default=None, description="the answer is JSON valid here")
+
+    @model_validator(mode="after")
+    def _one_input_one_check(self) -> EvalCase:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("an eval case needs exactly one of 'prompt' and 'messages'")
+        checks = [c for c in (self.exact, self.contains, self.regex, self.json_schema) if c is not None]
+        if len(checks) != 1:
+            raise ValueError("an eval case needs exactly one check: exact, contains, regex or json_schema")
+        return self
+
+    @property
+    def label(self) -> str:
+        return self.name or (self.prompt or "messages")[:40]
+
+
+class RolloutSpec(Strict):
+    """How a change of a model's weights, engine or arguments reaches traffic (`corral apply`).
+
+    `rolling` starts one new replica at a time (surge 1) and drains an old one for each; `blue_green`
+    starts them all, then shifts traffic and drains every old one. Either way each new replica must start,
+    answer the golden eval, then take the traffic steps with a health check between; a failure rolls back
+    with the old replicas serving throughout."""
+
+    strategy: Literal["rolling", "blue_green"] = Field(
+        default="rolling", description="rolling (surge 1) or blue_green (all new replicas at once)"
+    )
+    steps: list[Annotated[float, Field(gt=0, le=1)]] = Field(
+        default_factory=lambda: [0.1, 0.5, 1.0],
+        description="shares of the model's traffic sent to the first new replicas, one step at a time "
+        "(rolling: capped at their share by count)",
+    )
+    step_s: Annotated[float, Field(ge=0, le=3600, description="seconds each traffic step is watched")] = 30.0
+    max_error_ratio: Annotated[
+        float, Field(ge=0, le=1, description="roll back when more of the new replicas' requests fail")
+    ] = 0.05
+    max_ttft_ratio: Annotated[float, Field(gt=1)] | None = Field(
+        default=2.0,
+        description="roll back when the new replicas' engine TTFT exceeds the old ones' by this factor "
+        "(engines that report TTFT: vllm, sim)",
+    )
+    ready_timeout_s: Annotated[
+        float, Field(gt=0, description="a new replica not ready by then fails the rollout")
+    ] = 900.0
+    golden_eval: list[EvalCase] = Field(
+        default_factory=list, description="prompts each new replica must answer right before it serves"
+    )
+    eval_latency_s: Annotated[float, Field(gt=0)] | None = Field(
+        default=None, description="each golden answer must arrive within this many seconds"
+    )
+
+    @field_validator("steps")
+    @classmethod
+    def _rising(cls, steps: list[float]) -> list[float]:
+        if not steps or steps != sorted(steps):
+            raise ValueError("steps must be a rising list of traffic shares, e.g. [0.1, 0.5, 1.0]")
+        return steps
+
+
+class AutoscaleSpec(Strict):
+    """Replica bounds and when to move between them (one deployment of a model).
+
+    Scale up when the oldest queued request waited `queue_wait_s`, or the replicas' busy slots exceed
+    `target_utilization`, or KV-cache use passes `kv_usage_high`, or prompt tokens waiting for prefill pass
+    `prefill_tokens_high` per replica; replicas still loading count as capacity already on the way. Scale
+    down, one drained replica at a time, after `down_cooldown_s` of wanting fewer. `feed_forward` also sizes
+    for the measured arrival rate with the performance model (engines with a GPU type: sim, vllm)."""
+
+    min_replicas: Annotated[
+        int, Field(ge=0, le=256, description="never fewer (0: scale to zero when idle)")
+    ] = 1
+    max_replicas: Annotated[int, Field(ge=1, le=256, description="never more")]
+    mode: Literal["reactive", "feed_forward"] = Field(
+        default="reactive", description="reactive, or feed_forward (sizes for the arrival rate too)"
+    )
+    target_utilization: Annotated[
+        float, Field(gt=0, le=1, description="share of the replicas' slots busy that it aims for")
+    ] = 0.7
+    queue_wait_s: Annotated[
+        float, Field(gt=0, description="scale up when a queued request has waited this long")
+    ] = 1.0
+    kv_usage_high: Annotated[
+        float, Field(gt=0, le=1, description="scale up when mean KV-cache use passes this")
+    ] = 0.9
+    prefill_tokens_high: Annotated[int, Field(ge=1)] | None = Field(
+        default=None, description="scale up when prompt tokens awaiting prefill per replica pass this"
+    )
+    interval_s: Annotated[float, Field(gt=0, le=300, description="seconds between decisions")] = 2.0
+    down_cooldown_s: Annotated[
+        float, Field(ge=0, description="seconds of wanting fewer replicas before one is drained")
+    ] = 60.0
+    hold_s: Annotated[
+        float, Field(gt=0, description="scaled to zero: how long requests wait for the first replica")
+    ] = 120.0
+
+    @model_validator(mode="after")
+    def _bounds(self) -> AutoscaleSpec:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"min_replicas {self.min_replicas} exceeds max_replicas {self.max_replicas}")
+        return self
