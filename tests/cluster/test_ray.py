@@ -18,8 +18,9 @@ from ray.cluster_utils import Cluster
 
 from corral.cluster import Supervisor
 from corral.cluster.ray_runtime import RayPlacement, RayRuntime
-from corral.config import ClusterSpec, GatewaySettings, Paths, SupervisorSettings, load_spec
-from corral.engines import LaunchPlan, LlamaCppEngine, VllmEngine
+from corral.cluster.reconcile import Reconciler
+from corral.config import ClusterSpec, GatewaySettings, Paths, SupervisorSettings, load_spec, parse_spec
+from corral.engines import LaunchPlan, LlamaCppEngine, SimEngineAdapter, VllmEngine
 from corral.gateway import GatewayServer
 from corral.routing import ReplicaSet, ReplicaState, Router
 
@@ -244,3 +245,95 @@ async def test_engines_see_only_the_gpus_ray_assigned_them(
     finally:
         for replica in replicas:
             await replica.stop(5)
+
+
+AUTOSCALED = """
+auth: {open: true}
+models:
+  - name: alpha
+    arch: llama-3.1-8b
+    deployments:
+      - engine: sim
+        gpu: l4
+        time_scale: 10
+        max_num_seqs: 2
+        autoscale:
+          {min_replicas: 1, max_replicas: 2, interval_s: 0.5, queue_wait_s: 0.3, down_cooldown_s: 600}
+"""
+
+
+async def test_autoscaler_places_replicas_on_a_joining_node_and_a_node_drains_without_failures(
+    ray_cluster: tuple[Cluster, dict[str, object]], tmp_path: Path
+) -> None:
+    """Each replica needs 4 GPUs (no node of the module's cluster has them): the first node that joins
+    with 4 takes the first replica; under load the autoscaler asks for a second, which waits for room
+    until another node joins and then runs there; draining the first node (admin API) cordons it in Ray
+    and moves its traffic to the other without a failed request."""
+    cluster, _ = ray_cluster
+    local = {"node_ip_address": "127.0.0.1"}
+    first = cluster.add_node(num_cpus=1, num_gpus=4, **local)
+    spec = parse_spec(AUTOSCALED, source="test")
+    runtime = RayRuntime(tmp_path / "logs", placements={"alpha": RayPlacement(gpus=4)}, placement_timeout=120)
+    supervisor = Supervisor(ReplicaSet(), runtime, SETTINGS)
+    engine = SimEngineAdapter()
+    plans = engine.prepare(spec.models[0], spec.models[0].deployments[0], Paths.from_env(), print)
+    supervisor.add("alpha", engine, plans[:1])
+    services = make_services(supervisor.replicas, tmp_path / "c.db")
+    reconciler = Reconciler(
+        supervisor, spec, lambda m, d: (engine, plans), lambda m: None, services.queue.pressure
+    )
+    services.control = reconciler
+    gateway = GatewayServer(GatewaySettings(port=0), Router(supervisor.replicas), services)
+    await gateway.start()
+    await supervisor.start()
+    reconciler.start([("alpha", engine, plans * 2)])
+    base = f"http://127.0.0.1:{gateway.port}"
+    client = openai.AsyncOpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=120)
+    failures: list[str] = []
+    stop = asyncio.Event()
+
+    async def user() -> None:
+        while not stop.is_set():
+            try:
+                reply = await client.chat.completions.create(model="alpha", messages=MESSAGES, max_tokens=32)
+                assert reply.choices[0].finish_reason
+            except (openai.APIError, AssertionError) as exc:
+                failures.append(repr(exc))
+
+    users: list[asyncio.Task[None]] = []
+    second = None
+    try:
+        await all_ready(supervisor)
+        users = [asyncio.create_task(user()) for _ in range(6)]
+        deadline = time.monotonic() + 30
+        while len(supervisor.replicas.of("alpha")) < 2:
+            assert time.monotonic() < deadline, "the autoscaler asked for no second replica"
+            await asyncio.sleep(0.2)
+        waiting = supervisor.replicas.of("alpha")[1]
+        await asyncio.sleep(2)
+        assert waiting.state is ReplicaState.STARTING and waiting.node is None  # no room anywhere yet
+        second = cluster.add_node(num_cpus=1, num_gpus=4, **local)
+        await all_ready(supervisor)
+        assert waiting.node == second.node_id  # placed on the node that joined
+
+        async with aiohttp.ClientSession() as session:
+            async with session.post(f"{base}/admin/nodes/{first.node_id}/drain?grace=30") as response:
+                drained = await response.json()
+        assert response.status == 200, drained
+        assert [r["replica"] for r in drained["replicas"]] == ["alpha-0"]
+        await asyncio.sleep(3)  # traffic keeps flowing on the other node; a new replica finds no room
+        assert all(r.node != first.node_id for r in supervisor.replicas.of("alpha"))
+        cluster.remove_node(first)
+        await asyncio.sleep(1)
+    finally:
+        stop.set()
+        await asyncio.gather(*users)
+        await reconciler.stop()
+        await gateway.stop()
+        await supervisor.stop()
+        if second is not None:
+            cluster.remove_node(second)
+    assert failures == []
+    events = [e["message"] for e in supervisor.replicas.events]
+    assert any(m.startswith("scale up 1 → 2") for m in events)
+    assert any(f"node {first.node_id} cordoned" in m for m in events)

@@ -165,6 +165,24 @@ class RayRuntime:
         self._timeout = placement_timeout
         self._host_class = ray.remote(num_cpus=0)(_EngineHost)
 
+    def cordon(self, node_id: str) -> None:
+        """Ask Ray to place nothing new on a node (its running work goes on): GCS's drain-node request
+        with the preemption reason, which `ray drain-node` and autoscaler v2 use. That call is not part of
+        Ray's stable API: where it is missing or refused, say so and go on (replicas are drained anyway)."""
+        import ray
+
+        try:
+            from ray.core.generated import autoscaler_pb2
+
+            client = ray._raylet.GcsClient(address=ray.get_runtime_context().gcs_address)  # type: ignore[attr-defined]
+            reason = autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION")  # type: ignore[attr-defined]
+            accepted, why = client.drain_node(node_id, reason, "corral drain", 0)
+        except Exception as exc:  # an internal API: any failure only loses the cordon
+            logger.warning("could not cordon Ray node %s (%s): new replicas may land on it", node_id, exc)
+            return
+        if not accepted:
+            logger.warning("Ray refused to cordon node %s: %s", node_id, why)
+
     async def start(self, replica_id: str, plan: LaunchPlan) -> RunningReplica:
         import ray
         from ray.util.placement_group import placement_group
@@ -182,6 +200,9 @@ class RayRuntime:
             raise OSError(
                 f"no Ray node has room for {bundles} ({strategy}) within {self._timeout:g}s"
             ) from exc
+        except asyncio.CancelledError:  # drained (or stopped) while waiting for room: reserve nothing
+            ray.util.remove_placement_group(group)
+            raise
         actor: Any = self._host_class.options(
             num_gpus=0 if placement.engine_workers else placement.gpus,
             scheduling_strategy=PlacementGroupSchedulingStrategy(

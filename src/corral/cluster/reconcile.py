@@ -158,10 +158,13 @@ class Reconciler:
         return result
 
     async def drain_node(self, node: str, grace_s: float) -> dict[str, object]:
-        """Drain every replica on a Ray node (KeyError when none runs there)."""
+        """Cordon a Ray node (nothing new is placed there, so the autoscaler and restarts go elsewhere),
+        then drain every replica on it; KeyError when none runs there."""
         ids = self._supervisor.on_node(node)
         if not ids:
             raise KeyError(node)
+        await asyncio.to_thread(self._supervisor.cordon, node)
+        self._replicas.record("drain", "*", f"node {node} cordoned; draining {', '.join(ids)}")
         results = await asyncio.gather(*(self.drain(rid, grace_s) for rid in ids))
         return {"node": node, "replicas": list(results)}
 

@@ -115,6 +115,12 @@ class Supervisor:
         slot = next(s for s in self._slots if s.replica.id == replica_id)
         return slot.group, slot.engine, slot.plan
 
+    def cordon(self, node: str) -> None:
+        """Place no new replica on `node` (runtimes that place replicas on nodes: Ray)."""
+        cordon = getattr(self._runtime, "cordon", None)
+        if cordon is not None:
+            cordon(node)
+
     def on_node(self, node: str) -> list[str]:
         """The ids of the replicas running on a Ray node (not being drained)."""
         return [s.replica.id for s in self._slots if s.replica.node == node and not s.draining]
