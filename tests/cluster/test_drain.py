@@ -63,12 +63,10 @@ def test_drain_under_load_fails_nothing(tmp_path: Path) -> None:
             thread.start()
         time.sleep(2)
         before = tally.ok
-        drained = subprocess.run(
-            [*CORRAL, "drain", "smollm2-0", "--url", cluster.url, "--grace", "30"],
-            capture_output=True,
-            text=True,
-            timeout=90,
-        )
+        command = [*CORRAL, "drain", "smollm2-0", "--url", cluster.url, "--grace", "30"]
+        again = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)  # the same drain asked twice
+        drained = subprocess.run(command, capture_output=True, text=True, timeout=90)
+        _, twice = again.communicate(timeout=90)
         served_while_draining = tally.ok - before
         time.sleep(1.5)
         stop.set()
@@ -76,6 +74,7 @@ def test_drain_under_load_fails_nothing(tmp_path: Path) -> None:
             thread.join(timeout=60)
         assert drained.returncode == 0, drained.stderr
         assert "drained smollm2-0 (smollm2)" in drained.stderr and "its requests finished" in drained.stderr
+        assert again.returncode == 0 and "drained smollm2-0 (smollm2)" in twice, twice  # one drain, both told
         assert tally.failed == [] and tally.truncated == 0
         assert served_while_draining > 0 and tally.ok > before + served_while_draining
         replicas = cluster.status()["replicas"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import shutil
 import threading
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -110,6 +111,16 @@ def test_console_shows_live_numbers_without_errors(tmp_path: Path, browser: webd
             stop.set()
             for thread in users:
                 thread.join(timeout=30)
+        url = cluster.url + "/admin/replicas/llama-8b-1/drain?grace=10"
+        with urllib.request.urlopen(urllib.request.Request(url, method="POST"), timeout=30) as response:
+            assert response.status == 200
+
+        def listed(b: webdriver.Chrome) -> bool:  # the Changes panel lists the drain
+            rows = b.find_elements(By.CSS_SELECTOR, "#events tr")
+            return any("llama-8b-1 drained" in row.text for row in rows)
+
+        wait.until(listed)
+        assert browser.find_element(By.ID, "rollouts").text == "no rollout has run"
         assert errors(browser) == []
 
 

@@ -179,7 +179,7 @@ def rollout_status(
 
 
 def _rollout_action(action: str, model: str, url: str, admin_key: str | None, ca_cert: Path | None) -> None:
-    state = _call(url, f"/admin/rollouts/{model}/{action}", admin_key, ca_cert, b"", 30)
+    state = _call(url, f"/admin/rollouts/{model}/{action}", admin_key, ca_cert, b"", 3600)
     console.print(_rollout_line(state), markup=False, highlight=False, soft_wrap=True)
 
 

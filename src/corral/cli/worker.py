@@ -72,7 +72,7 @@ class _RemoteControl:
             return
         if reply.get("error") == "not_found":
             future.set_exception(KeyError(reply["message"]))
-        elif "error" in reply:
+        elif "error" in reply:  # the admin API answers it as a 400 with the message
             future.set_exception(ValueError(reply["message"]))
         else:
             future.set_result(reply["result"])

@@ -38,7 +38,10 @@ logger = logging.getLogger(__name__)
 
 Pressure = Callable[[], dict[str, dict[str, float]]]  # model → queued, oldest_wait_s, arrived
 _LOADING = (ReplicaState.STARTING, ReplicaState.RESTARTING)
-_RATE_HALF_LIFE_S = 10.0  # the arrival rate is an exponentially weighted mean with this half-life
+# The arrival rate is an exponentially weighted mean: quick to follow a rise (a step in load is met at
+# once), slow to forget it (a lull between bursts does not drop capacity).
+_RATE_RISE_HALF_LIFE_S = 1.0
+_RATE_FALL_HALF_LIFE_S = 15.0
 
 
 @dataclass
@@ -78,7 +81,11 @@ class Autoscaler:
         self._drains: set[asyncio.Task[object]] = set()
 
     def configure(self, model: ModelSpec, group: int, engine: EngineAdapter, plans: list[LaunchPlan]) -> None:
-        """Autoscale deployment `group` of `model` (again, with new bounds: a live setting)."""
+        """Autoscale deployment `group` of `model` with `plans` (one per possible replica), again with new
+        bounds or plans (a live setting, a finished rollout); a deployment without `autoscale` is let go."""
+        if model.deployments[group].autoscale is None:
+            self.forget(model.name, group)
+            return
         old = self._groups.get((model.name, group))
         state = _Group(model, group, engine, plans)
         if old is not None:
@@ -88,11 +95,16 @@ class Autoscaler:
             self._replicas.on_demand[model.name] = state.spec.hold_s
         else:
             self._replicas.on_demand.pop(model.name, None)
+        self._replicas.declared[model.name] = (plans[0].features, plans[0].context_length)
+        self._replicas.changed(model.name)
 
-    def forget(self, model: str) -> None:
-        for key in [k for k in self._groups if k[0] == model]:
+    def forget(self, model: str, group: int | None = None) -> None:
+        """Stop autoscaling `model` (one deployment of it when `group` is given)."""
+        for key in [k for k in self._groups if k[0] == model and group in (None, k[1])]:
             del self._groups[key]
-        self._replicas.on_demand.pop(model, None)
+        if not any(k[0] == model for k in self._groups):
+            self._replicas.on_demand.pop(model, None)
+            self._replicas.declared.pop(model, None)
 
     def settings(self, model: str) -> dict[int, AutoscaleSpec]:
         return {g: s.spec for (m, g), s in self._groups.items() if m == model}
@@ -102,19 +114,27 @@ class Autoscaler:
         while True:
             interval = min((g.spec.interval_s for g in self._groups.values()), default=1.0)
             await asyncio.sleep(interval)
-            pressure = self._pressure()
             for state in list(self._groups.values()):
-                if state.model.name in self.frozen:
-                    continue
                 try:
-                    await self._step(state, pressure.get(state.model.name, {}))
+                    await self._step(state)
                 except Exception:  # one deployment's failure must not stop the others' scaling
                     logger.exception("autoscaler: %s deployment %d", state.model.name, state.group)
 
-    async def _step(self, state: _Group, pressure: dict[str, float]) -> None:
-        members = self._supervisor.members(state.model.name, state.group)
+    def _current(self, state: _Group) -> bool:
+        """Still this deployment's autoscaling, and no rollout owns the model's replicas now."""
+        key = (state.model.name, state.group)
+        return self._groups.get(key) is state and state.model.name not in self.frozen
+
+    async def _step(self, state: _Group) -> None:
+        if not self._current(state):
+            return
+        pressure = self._pressure().get(state.model.name, {})
+        members = self._live(state)
         self._measure(state, members, pressure)
         want = await self.desired(state, members, pressure)
+        if not self._current(state):  # a rollout began, or the model went, while the rate was computed
+            return
+        members = self._live(state)
         count, now = len(members), time.monotonic()
         cooldown = state.spec.down_cooldown_s
         state.wanted.append((now, want))
@@ -129,13 +149,23 @@ class Autoscaler:
             state.changed_at = now  # one replica per cooldown
             self._scale_down(state, members, highest)
 
+    def _live(self, state: _Group) -> list[Replica]:
+        """The deployment's replicas; one the supervisor gave up on (failed starts) is drained, so that it
+        is replaced instead of counting as capacity."""
+        members = self._supervisor.members(state.model.name, state.group)
+        for failed in [r for r in members if r.state is ReplicaState.FAILED]:
+            self._replicas.record("scale", state.model.name, f"replace {failed.id}: {failed.last_error}")
+            self._drain(failed.id)
+        return [r for r in members if r.state is not ReplicaState.FAILED]
+
     def _measure(self, state: _Group, members: list[Replica], pressure: dict[str, float]) -> None:
         """Update the smoothed arrival rate and the mean request lengths from the latest counters."""
         now = time.monotonic()
         arrived = pressure.get("arrived", 0.0)
         if state.arrived is not None and now > state.seen_at:
             instant = max(0.0, arrived - state.arrived) / (now - state.seen_at)
-            weight = 1 - 0.5 ** ((now - state.seen_at) / _RATE_HALF_LIFE_S)
+            half_life = _RATE_RISE_HALF_LIFE_S if instant > state.rate else _RATE_FALL_HALF_LIFE_S
+            weight = 1 - 0.5 ** ((now - state.seen_at) / half_life)
             state.rate += weight * (instant - state.rate)
             loads = [r.load for r in members if r.load is not None]
             tokens = (sum(x.prompt_tokens_total for x in loads), sum(x.generated_tokens_total for x in loads))
@@ -157,7 +187,8 @@ class Autoscaler:
         queued = pressure.get("queued", 0.0)
         want = math.ceil((busy + queued) / (slots * scale.target_utilization))
         reason = f"{busy + queued:.0f} requests for {slots} slots each"
-        pushes = _pressures(scale, ready, pressure)
+        loading = any(r.state in _LOADING for r in members)
+        pushes = "" if loading else _pressures(scale, ready, pressure)  # capacity is on its way
         if pushes and want <= count:
             want, reason = count + 1, pushes
         if scale.mode == "feed_forward" and state.rate > 0:
@@ -179,7 +210,7 @@ class Autoscaler:
         return await asyncio.to_thread(replica_request_rate, state.model, deployment, lengths, slo)
 
     def _scale_up(self, state: _Group, more: int, members: list[Replica]) -> None:
-        in_use = self._supervisor.plans_in_use(state.model.name, state.group)
+        in_use = self._supervisor.plans_in_use(state.model.name)
         free = [p for p in state.plans if not any(p is used for used in in_use)] or state.plans
         distinct = len({id(p) for p in state.plans}) > 1
         plans = free[:more] if distinct else [state.plans[0]] * more
@@ -196,9 +227,17 @@ class Autoscaler:
         message = f"scale down {len(members)} → {len(members) - 1} (wants {want}): drain {victim.id}"
         logger.info("autoscaler %s: %s", state.model.name, message)
         self._replicas.record("scale", state.model.name, message)
-        task = asyncio.create_task(self._supervisor.drain(victim.id, self._grace))
+        self._drain(victim.id)
+
+    def _drain(self, replica_id: str) -> None:
+        task = asyncio.create_task(self._supervisor.drain(replica_id, self._grace))
         self._drains.add(task)
-        task.add_done_callback(self._drains.discard)
+        task.add_done_callback(self._drained)
+
+    def _drained(self, task: asyncio.Task[object]) -> None:
+        self._drains.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            logger.error("autoscaler: a drain failed: %s", task.exception())
 
 
 def _busy(replica: Replica) -> int:

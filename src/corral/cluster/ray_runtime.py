@@ -167,10 +167,14 @@ class RayRuntime:
 
     def cordon(self, node_id: str) -> None:
         """Ask Ray to place nothing new on a node (its running work goes on): GCS's drain-node request
-        with the preemption reason, which `ray drain-node` and autoscaler v2 use. That call is not part of
-        Ray's stable API: where it is missing or refused, say so and go on (replicas are drained anyway)."""
+        with the preemption reason, which `ray drain-node` and autoscaler v2 use. Ray then stops the node's
+        raylet once it is idle: the node leaves the cluster (take the machine out, or start Ray on it
+        again). Refused (ValueError) for the node this process runs on. The call is not part of Ray's stable
+        API: where it is missing or refused, say so and go on (replicas are drained anyway)."""
         import ray
 
+        if node_id == ray.get_runtime_context().get_node_id():
+            raise ValueError(f"node {node_id} runs corral itself (the Ray driver): drain replicas instead")
         try:
             from ray.core.generated import autoscaler_pb2
 
@@ -219,4 +223,9 @@ class RayRuntime:
         except ray.exceptions.RayError as exc:
             ray.util.remove_placement_group(group)
             raise OSError(f"the replica actor failed to start: {exc}") from exc
+        except asyncio.CancelledError:  # drained while its engine was starting
+            with contextlib.suppress(ray.exceptions.RayError, ValueError):
+                ray.kill(actor)
+            ray.util.remove_placement_group(group)
+            raise
         return RayReplica(actor, group, f"http://{host}:{port}", node_id)

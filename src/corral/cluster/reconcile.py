@@ -31,6 +31,7 @@ __all__ = ["ApplyError", "Change", "Reconciler", "plan_changes"]
 logger = logging.getLogger(__name__)
 
 Prepare = Callable[[ModelSpec, DeploymentSpec], tuple[EngineAdapter, list[LaunchPlan]]]
+Group = tuple[int, EngineAdapter, list[LaunchPlan]]  # a deployment's index, engine and launch plans
 _LIVE_MODEL_FIELDS = ("routing", "tokenizer", "slo", "mid_stream_failover", "rollout")
 
 
@@ -142,8 +143,13 @@ class Reconciler:
     def _spawn(self, work: Any) -> asyncio.Task[Any]:
         task: asyncio.Task[Any] = asyncio.ensure_future(work)
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(self._ended)
         return task
+
+    def _ended(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            logger.error("control loop %s ended: %r", task.get_name(), task.exception())
 
     async def stop(self) -> None:
         for task in list(self._tasks):
@@ -171,9 +177,10 @@ class Reconciler:
     # apply -------------------------------------------------------------------------------------------
 
     async def apply(self, wanted: ClusterSpec, grace_s: float) -> list[dict[str, object]]:
-        """Make the changes; one apply at a time. Replicas to add are prepared before any is drained; a
-        rollout is started and runs on (`corral rollout status`). The gateway's host and port stay those
-        `corral up` listens on (its flags may override the file's)."""
+        """Make the changes; one apply at a time. Everything new is prepared (fetched, built) before the
+        running cluster is touched, so a spec that cannot be prepared changes nothing; replicas to add
+        start before any is drained; a rollout is started and runs on (`corral rollout status`). The
+        gateway's host and port stay those `corral up` listens on (its flags may override the file's)."""
         async with self._lock:
             listening = {"host": self.spec.gateway.host, "port": self.spec.gateway.port}
             wanted = wanted.model_copy(update={"gateway": wanted.gateway.model_copy(update=listening)})
@@ -187,28 +194,37 @@ class Reconciler:
                 )
             models = {m.name: m for m in wanted.models}
             before = {m.name: m for m in self.spec.models}
-            await self._add(changes, models)
+            additions = [c for c in changes if c.action in ("add_model", "scale_up")]
+            rollouts = [c for c in changes if c.action == "rollout"]
+            try:
+                added, units = await asyncio.gather(
+                    asyncio.gather(*(asyncio.to_thread(self._plans, c, models[c.model]) for c in additions)),
+                    asyncio.gather(*(asyncio.to_thread(self._units, models[c.model]) for c in rollouts)),
+                )
+            except Exception as exc:  # a model that cannot be fetched or built: nothing changed
+                raise ApplyError(f"cannot prepare the new spec (nothing changed): {exc}") from exc
+            self._add(additions, added, models)
             for change in changes:
                 if change.action == "settings":
                     self._on_model(models[change.model])
-                    self._configure_autoscaling(models[change.model])
-            for change in changes:
-                if change.action == "rollout":
-                    await self._start_rollout(before[change.model], models[change.model], grace_s)
+                    await self._rescale(models[change.model])
+            for change, prepared in zip(rollouts, units, strict=True):
+                self._start_rollout(before[change.model], models[change.model], prepared, grace_s)
             removals = [c for c in changes if c.action in ("remove_model", "scale_down")]
             await asyncio.gather(*(self._remove(c, grace_s) for c in removals))
-            self.spec = wanted
+            changed = {c.model for c in changes}
+            current = {m.name: m for m in self.spec.models}  # unchanged models keep their spec as it runs
+            kept = [m if m.name in changed else current.get(m.name, m) for m in wanted.models]
+            self.spec = wanted.model_copy(update={"models": kept})
             for change in changes:
                 message = f"{change.action} (deployment {change.group}, {change.count} replicas)"
                 logger.info("apply: %s %s", change.model, message)
                 self._replicas.record("apply", change.model, message)
             return [c.as_dict() for c in changes]
 
-    async def _add(self, changes: list[Change], models: dict[str, ModelSpec]) -> None:
-        additions = [c for c in changes if c.action in ("add_model", "scale_up")]
-        prepared = await asyncio.gather(
-            *(asyncio.to_thread(self._plans, c, models[c.model]) for c in additions)
-        )
+    def _add(
+        self, additions: list[Change], prepared: list[list[Group]], models: dict[str, ModelSpec]
+    ) -> None:
         for change, groups in zip(additions, prepared, strict=True):
             model = models[change.model]
             if change.action == "add_model":
@@ -221,15 +237,15 @@ class Reconciler:
                     self.autoscaler.configure(model, group, engine, plans)
         self._supervisor.start_added()
 
-    def _configure_autoscaling(self, model: ModelSpec) -> None:
-        """New autoscale bounds of a running model (plans kept from its running replicas)."""
+    async def _rescale(self, model: ModelSpec) -> None:
+        """Autoscale `model`'s deployments as its spec now says (new bounds, a finished rollout's plans);
+        one without `autoscale` is let go."""
         for group, deployment in enumerate(model.deployments):
             if deployment.autoscale is None:
+                self.autoscaler.forget(model.name, group)
                 continue
-            ids = self._supervisor.replica_ids(model.name, group)
-            if ids:
-                _, engine, plan = self._supervisor.unit(ids[0])
-                self.autoscaler.configure(model, group, engine, [plan] * deployment.autoscale.max_replicas)
+            engine, plans = await asyncio.to_thread(self._prepare, model, _all_plans(deployment))
+            self.autoscaler.configure(model, group, engine, plans)
 
     def _running(self) -> ClusterSpec:
         """The spec as it runs now: replica counts as the supervisor has them (`corral drain` and the
@@ -243,7 +259,7 @@ class Reconciler:
             models.append(model.model_copy(update={"deployments": deployments}))
         return self.spec.model_copy(update={"models": models})
 
-    def _plans(self, change: Change, model: ModelSpec) -> list[tuple[int, EngineAdapter, list[LaunchPlan]]]:
+    def _plans(self, change: Change, model: ModelSpec) -> list[Group]:
         if change.action == "add_model":
             groups = [(g, _all_plans(d)) for g, d in enumerate(model.deployments)]
         else:
@@ -263,8 +279,7 @@ class Reconciler:
 
     # rollouts ----------------------------------------------------------------------------------------
 
-    async def _start_rollout(self, old: ModelSpec, new: ModelSpec, grace_s: float) -> None:
-        units = await asyncio.to_thread(self._units, new)
+    def _start_rollout(self, old: ModelSpec, new: ModelSpec, units: list[Unit], grace_s: float) -> None:
         members = self._supervisor.members(new.name)
         revision = max((r.revision for r in members), default=0) + 1
         rollout = Rollout(self._supervisor, new.name, units, new.rollout, revision, grace_s)
@@ -275,11 +290,12 @@ class Reconciler:
         self._spawn(self._roll(rollout, old, new))
 
     def _units(self, model: ModelSpec) -> list[Unit]:
-        """The new spec's replicas: as many per deployment as run now (an autoscaled one keeps its count)."""
+        """The new spec's replicas: as many per deployment as run now (an autoscaled one keeps its count;
+        a deployment at zero starts none: the autoscaler will, with the new plans)."""
         units: list[Unit] = []
         for group, deployment in enumerate(model.deployments):
-            running = len(self._supervisor.replica_ids(model.name, group))
-            count = running or deployment.replicas
+            running = self._supervisor.replica_ids(model.name, group)
+            count = len(running) if running or deployment.autoscale else deployment.replicas
             engine, plans = self._prepare(model, _all_plans(deployment))
             units += [(group, engine, plan) for plan in plans[:count]]
         return units
@@ -287,44 +303,47 @@ class Reconciler:
     async def _roll(self, rollout: Rollout, old: ModelSpec, new: ModelSpec) -> None:
         try:
             outcome = await rollout.run()
-        except Exception:
-            logger.exception("rollout of %s failed", new.name)
-            outcome = "rolled_back"
         finally:
-            self.autoscaler.frozen.discard(new.name)
-        kept = new if outcome == "completed" else old
-        if outcome != "completed":
-            self._on_model(old)
-        self.spec = self.spec.model_copy(
-            update={"models": [kept if m.name == new.name else m for m in self.spec.models]}
-        )
-        self._configure_autoscaling(kept)
-
-    def rollouts(self) -> dict[str, dict[str, object]]:
-        return {m: dict(s) for m, s in self._replicas.rollouts.items()}
+            async with self._lock:
+                self.autoscaler.frozen.discard(new.name)
+                kept = new if rollout.outcome == "completed" else old
+                if kept is old:
+                    self._on_model(old)
+                if any(m.name == new.name for m in self.spec.models):  # not removed meanwhile
+                    self.spec = self.spec.model_copy(
+                        update={"models": [kept if m.name == new.name else m for m in self.spec.models]}
+                    )
+                    await self._rescale(kept)
+        logger.info("rollout of %s: %s", new.name, outcome)
 
     async def rollout_action(self, model: str, action: str, grace_s: float = 60.0) -> dict[str, object]:
         """pause | resume | rollback a model's rollout. Rolling back a finished rollout starts one back to
-        the spec before it. KeyError: no rollout of that model; ValueError: the action does not apply."""
-        rollout = self._rollouts.get(model)
-        if rollout is None:
-            raise KeyError(model)
-        running = rollout.outcome is None
-        if action == "rollback" and not running:
-            async with self._lock:
-                current = next(m for m in self.spec.models if m.name == model)
-                await self._start_rollout(current, self._previous[model], grace_s)
-        elif not running:
-            raise ValueError(f"the rollout of {model} has ended ({rollout.outcome}): nothing to {action}")
-        elif action == "pause":
-            rollout.pause()
-        elif action == "resume":
-            rollout.resume()
-        elif action == "rollback":
-            rollout.abort("rollback asked for")
-        else:
+        the spec before it. KeyError: no rollout of that model (or the model is gone); ValueError: the
+        action does not apply now."""
+        if action not in ("pause", "resume", "rollback"):
             raise ValueError(f"unknown rollout action {action!r} (pause, resume, rollback)")
-        return self._rollouts[model].state
+        async with self._lock:  # no apply is starting a rollout of this model meanwhile
+            rollout = self._rollouts.get(model)
+            current = next((m for m in self.spec.models if m.name == model), None)
+            if rollout is None or current is None:
+                raise KeyError(model)
+            if rollout.outcome is None:
+                if action == "pause":
+                    rollout.pause()
+                elif action == "resume":
+                    rollout.resume()
+                else:
+                    rollout.abort("rollback asked for")
+                return rollout.state
+            if action != "rollback" or rollout.outcome == "rolled_back":
+                raise ValueError(f"the rollout of {model} has ended ({rollout.outcome}): nothing to {action}")
+            previous = self._previous[model]
+            try:
+                units = await asyncio.to_thread(self._units, previous)
+            except Exception as exc:
+                raise ValueError(f"cannot prepare the spec before the rollout: {exc}") from exc
+            self._start_rollout(current, previous, units, grace_s)
+            return self._rollouts[model].state
 
 
 def _all_plans(deployment: DeploymentSpec) -> DeploymentSpec:

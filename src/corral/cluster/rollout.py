@@ -101,24 +101,32 @@ class Rollout:
     # the run ---------------------------------------------------------------------------------------
 
     async def run(self) -> str:
-        """Carry the rollout out; 'completed' or 'rolled_back'."""
+        """Carry the rollout out; 'completed' or 'rolled_back'. Anything that goes wrong on the way rolls
+        back, and the outcome is always set."""
         old = self._supervisor.members(self.model)
         self._event(f"revision {self.revision}: {len(self._units)} new replicas replace {len(old)}")
-        async with aiohttp.ClientSession() as session:
-            try:
-                await self._forward(session, old)
-            except _Abort as exc:
-                await self._roll_back(str(exc))
-                self.outcome = "rolled_back"
-            else:
-                self.outcome = "completed"
-                self._publish(phase="completed", share=1.0, message="every replica runs the new revision")
-                self._event(f"revision {self.revision} completed")
-            finally:
-                self._replicas.splits.pop(self.model, None)
-        return self.outcome
+        outcome = "rolled_back"
+        try:
+            async with aiohttp.ClientSession() as session:
+                try:
+                    await self._forward(session, old)
+                except _Abort as exc:
+                    await self._roll_back(str(exc), suspect=self._abort is None)
+                except Exception as exc:
+                    logger.exception("rollout of %s: unexpected failure", self.model)
+                    await self._roll_back(f"unexpected failure: {type(exc).__name__}: {exc}", suspect=True)
+                else:
+                    outcome = "completed"
+                    self._publish(phase="completed", share=1.0, message="every replica runs the new revision")
+                    self._event(f"revision {self.revision} completed")
+        finally:
+            self._replicas.splits.pop(self.model, None)
+            self.outcome = outcome
+        return outcome
 
     async def _forward(self, session: aiohttp.ClientSession, old: list[Replica]) -> None:
+        if not self._units:  # nothing runs now (scaled to zero): the autoscaler starts the new revision
+            return
         blue_green = self._policy.strategy == "blue_green"
         first = len(self._units) if blue_green else 1
         self._replicas.splits[self.model] = TrafficSplit(self.revision, 0.0)
@@ -150,7 +158,9 @@ class Rollout:
         started = [
             replica
             for group, engine, plan in units
-            for replica in self._supervisor.add(self.model, engine, [plan], group, self.revision)
+            for replica in self._supervisor.add(
+                self.model, engine, [plan], group, self.revision, admitted=False
+            )
         ]
         self._supervisor.start_added()
         ids = ", ".join(r.id for r in started)
@@ -161,6 +171,8 @@ class Rollout:
             problem = await run_gate(session, replica, self._policy.golden_eval, self._policy.eval_latency_s)
             if problem is not None:
                 raise _Abort(f"{replica.id} failed the gate: {problem}")
+        for replica in started:
+            replica.admitted = True  # routable from here on (within the traffic split)
         self._event(f"{ids} passed the gate ({len(self._policy.golden_eval)} golden prompts)")
         return started
 
@@ -213,16 +225,22 @@ class Rollout:
             )
 
     async def _retire(self, replica: Replica) -> None:
-        unit = self._supervisor.unit(replica.id)
+        try:
+            unit = self._supervisor.unit(replica.id)
+        except KeyError:
+            return  # drained by someone else meanwhile (corral drain)
         self._publish(message=f"draining {replica.id}")
         await self._supervisor.drain(replica.id, self._grace)
         self._drained_old.append((unit, replica.revision))
         self._event(f"{replica.id} drained")
 
-    async def _roll_back(self, reason: str) -> None:
+    async def _roll_back(self, reason: str, suspect: bool) -> None:
+        """Back to the old revision. New replicas that failed a check (`suspect`) get no request from here
+        on; after a rollback someone asked for, they serve until the old replicas are back."""
         logger.warning("rollout of %s (revision %d) rolls back: %s", self.model, self.revision, reason)
-        self._replicas.splits[self.model] = TrafficSplit(self.revision, 0.0)  # no new request to them
-        self._publish(phase="rolling_back", share=0.0, message=reason)
+        if suspect:
+            self._replicas.splits[self.model] = TrafficSplit(self.revision, 0.0)
+        self._publish(phase="rolling_back", message=reason)
         self._event(f"rolling back: {reason}")
         restarted = [
             replica
@@ -234,8 +252,15 @@ class Rollout:
         while restarted and not all(r.ready for r in restarted) and time.monotonic() < deadline:  # noqa: ASYNC110
             await asyncio.sleep(_CHECK_S)
         candidates = [r for r in self._supervisor.members(self.model) if r.revision == self.revision]
+        if restarted and not all(r.ready for r in restarted) and candidates:
+            self._replicas.splits.pop(self.model, None)  # keep serving with what answers
+            message = f"{reason}; the old replicas did not come back, so {len(candidates)} new ones stay"
+            self._publish(phase="rolled_back", share=None, message=message)
+            self._event(message)
+            return
+        self._replicas.splits[self.model] = TrafficSplit(self.revision, 0.0)
         await asyncio.gather(*(self._supervisor.drain(r.id, self._grace) for r in candidates))
-        self._publish(phase="rolled_back", message=reason)
+        self._publish(phase="rolled_back", share=0.0, message=reason)
         self._event(f"rolled back to the previous revision: {reason}")
 
     def _publish(self, **changes: Any) -> None:

@@ -51,12 +51,19 @@ class Supervisor:
         self._session: aiohttp.ClientSession | None = None
         self._stopping = False
         self._next_index: dict[str, int] = {}  # replica ids are never reused (a drained id stays gone)
+        self._drains: dict[str, asyncio.Future[dict[str, object]]] = {}  # replica id → its drain
 
     def add(
-        self, model: str, engine: EngineAdapter, plans: list[LaunchPlan], group: int = 0, revision: int = 0
+        self,
+        model: str,
+        engine: EngineAdapter,
+        plans: list[LaunchPlan],
+        group: int = 0,
+        revision: int = 0,
+        admitted: bool = True,
     ) -> list[Replica]:
-        """Declare replicas of `model`'s deployment `group` (started by rollout `revision`), one per plan;
-        they start with `start` (or, once started, `start_added`)."""
+        """Declare replicas of `model`'s deployment `group` (started by rollout `revision`; routable once
+        ready only if `admitted`), one per plan; they start with `start` (or, once started, `start_added`)."""
         self.replicas.declare(model)
         added = []
         for plan in plans:
@@ -71,6 +78,7 @@ class Supervisor:
                 features=plan.features,
                 api_key=plan.api_key,
                 revision=revision,
+                admitted=admitted,
             )
             self._slots.append(_Slot(replica, engine, plan, group=group))
             self.replicas.add(replica)
@@ -104,15 +112,17 @@ class Supervisor:
             if s.replica.model == model and (group is None or s.group == group) and not s.draining
         ]
 
-    def plans_in_use(self, model: str, group: int) -> list[LaunchPlan]:
-        """The launch plans of a deployment's live replicas (a scale-up picks one not among them)."""
-        return [
-            s.plan for s in self._slots if s.replica.model == model and s.group == group and not s.draining
-        ]
+    def plans_in_use(self, model: str) -> list[LaunchPlan]:
+        """The launch plans of `model`'s replicas, draining ones included (they still hold their GPUs): a
+        new replica takes a plan not among them."""
+        return [s.plan for s in self._slots if s.replica.model == model]
 
     def unit(self, replica_id: str) -> tuple[int, EngineAdapter, LaunchPlan]:
-        """How a replica was launched (its deployment group, engine and plan), to start its like again."""
-        slot = next(s for s in self._slots if s.replica.id == replica_id)
+        """How a replica was launched (its deployment group, engine and plan), to start its like again;
+        KeyError when it is gone."""
+        slot = next((s for s in self._slots if s.replica.id == replica_id), None)
+        if slot is None:
+            raise KeyError(replica_id)
         return slot.group, slot.engine, slot.plan
 
     def cordon(self, node: str) -> None:
@@ -154,7 +164,15 @@ class Supervisor:
         slot = next((s for s in self._slots if s.replica.id == replica_id), None)
         if slot is None:
             raise KeyError(replica_id)
-        replica = slot.replica
+        running = self._drains.get(replica_id)
+        if running is not None:  # drained already by someone else: the same answer when it ends
+            return await asyncio.shield(running)
+        drain = self._drains[replica_id] = asyncio.ensure_future(self._drain(slot, grace_s))
+        drain.add_done_callback(lambda _: self._drains.pop(replica_id, None))
+        return await asyncio.shield(drain)
+
+    async def _drain(self, slot: _Slot, grace_s: float) -> dict[str, object]:
+        replica, replica_id = slot.replica, slot.replica.id
         slot.draining = True
         replica.state, replica.ready_eta = ReplicaState.DRAINING, None
         began, began_wall = time.monotonic(), time.time()

@@ -89,6 +89,7 @@ class WorkerPool:
         self.port: int | None = None
         self.control: Any = None  # answers the workers' control calls (cluster.reconcile.Reconciler)
         self._reports: dict[int, dict[str, Any]] = {}  # each worker's latest queues and replica counts
+        self._totals: dict[str, list[int]] = {}  # replica id → [served, failed] over every worker, ever
 
     @property
     def control_path(self) -> Path:
@@ -192,6 +193,7 @@ class WorkerPool:
             code = await worker.process.wait()
             self._forget_metrics(worker.process.pid)
             self._reports.pop(worker.index, None)  # its queue and requests in flight died with it
+            self._count_requests()
             if self._stopping:
                 return
             worker.restarts += 1
@@ -229,8 +231,7 @@ class WorkerPool:
                 if message.get("listening"):
                     worker.listening.set()
                 elif "report" in message:
-                    self._reports[worker.index] = message["report"]
-                    self._count_requests()
+                    self._take_report(worker.index, message["report"])
                 elif "call" in message:
                     call = asyncio.create_task(self._answer(writer, message))
                     self._calls.add(call)  # held while it runs (the loop keeps only weak references)
@@ -259,19 +260,34 @@ class WorkerPool:
                 into["oldest_wait_s"] = max(into["oldest_wait_s"], queue["oldest_wait_s"])
         return total
 
+    def _take_report(self, worker: int, report: dict[str, Any]) -> None:
+        """A worker's latest report. Served and failed requests add up over time (a restarted worker
+        counts from zero again: what it reports then is all new); the rest is the latest of each."""
+        previous = self._reports.get(worker, {"replicas": {}})["replicas"]
+        for rid, (_, served, failed, _) in report["replicas"].items():
+            was = previous.get(rid, [0, 0, 0, 0])
+            total = self._totals.setdefault(rid, [0, 0])
+            total[0] += served - was[1] if served >= was[1] else served
+            total[1] += failed - was[2] if failed >= was[2] else failed
+        self._reports[worker] = report
+        self._count_requests()
+
     def _count_requests(self) -> None:
-        """Each replica's counts summed over the workers, into the supervisor's replica set (the
-        autoscaler and rollout health checks read them there)."""
-        sums: dict[str, list[int]] = {}
+        """Each replica's counts over the workers, into the supervisor's replica set (the autoscaler and
+        rollout health checks read them there)."""
+        live: dict[str, list[int]] = {}
         for report in self._reports.values():
-            for rid, counts in report["replicas"].items():
-                into = sums.setdefault(rid, [0, 0, 0, 0])
-                for i, value in enumerate(counts):
-                    into[i] += value
+            for rid, (outstanding, _, _, pending) in report["replicas"].items():
+                into = live.setdefault(rid, [0, 0])
+                into[0] += outstanding
+                into[1] += pending
+        known = set()
         for replica in self._replicas:
-            counts = sums.get(replica.id)
-            if counts is not None:
-                replica.outstanding, replica.served, replica.failures, replica.pending_prefill = counts
+            known.add(replica.id)
+            replica.outstanding, replica.pending_prefill = live.get(replica.id, (0, 0))
+            replica.served, replica.failures = self._totals.get(replica.id, (0, 0))
+        for rid in set(self._totals) - known:  # drained replicas: their ids never come back
+            del self._totals[rid]
 
     async def _answer(self, writer: asyncio.StreamWriter, call: dict[str, Any]) -> None:
         """Run a worker's control call on this process's reconciler; reply on its socket."""
@@ -291,6 +307,9 @@ class WorkerPool:
             reply.update(error="not_found", message=str(exc.args[0] if exc.args else exc))
         except ValueError as exc:
             reply.update(error="invalid", message=str(exc))
+        except Exception as exc:  # the worker's admin request must get an answer, whatever happened here
+            logger.exception("control call %s failed", call.get("call"))
+            reply.update(error="failed", message=f"{type(exc).__name__}: {exc}")
         if not writer.is_closing():
             writer.write(orjson.dumps(reply) + b"\n")
 

@@ -159,8 +159,8 @@ class DeploymentSpec(Strict):
             )
         if self.engine == "external":
             raise ValueError("engine 'external' runs servers corral does not start: it cannot autoscale")
-        if scale.mode == "feed_forward" and self.gpu is None:
-            raise ValueError("autoscale mode feed_forward needs 'gpu' (and the model's arch) to size with")
+        if scale.mode == "feed_forward" and (self.gpu is None or self.engine not in ("vllm", "sim")):
+            raise ValueError("autoscale mode feed_forward needs engine vllm or sim with 'gpu' to size with")
 
     def _check_gpu_layout(self) -> None:
         per_replica = self.tensor_parallel * self.pipeline_parallel
@@ -173,13 +173,18 @@ class DeploymentSpec(Strict):
         if self.gpus is not None:
             if len(set(self.gpus)) != len(self.gpus):
                 raise ValueError(f"gpus lists a device twice: {self.gpus}")
-            most = self.autoscale.max_replicas if self.autoscale else self.replicas
+            most = self.most_replicas
             needed = most * per_replica
             if needed > len(self.gpus):
                 raise ValueError(
                     f"needs {needed} GPUs (replicas {most} × TP {self.tensor_parallel} × PP "
                     f"{self.pipeline_parallel}) but 'gpus' declares {len(self.gpus)}: {self.gpus}"
                 )
+
+    @property
+    def most_replicas(self) -> int:
+        """Replicas it may run at once: `autoscale.max_replicas`, else `replicas` (devices are sized so)."""
+        return self.autoscale.max_replicas if self.autoscale is not None else self.replicas
 
     @property
     def gpus_per_replica(self) -> int:

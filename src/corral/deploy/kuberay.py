@@ -127,9 +127,10 @@ def _worker_groups(spec: ClusterSpec, image: str) -> list[dict[str, Any]]:
             continue
         if _on_gpu(deployment):
             per_node = deployment.gpus_per_node
-            gpu_need[per_node] = gpu_need.get(per_node, 0) + deployment.gpus_per_replica * deployment.replicas
+            need = deployment.gpus_per_replica * deployment.most_replicas
+            gpu_need[per_node] = gpu_need.get(per_node, 0) + need
         else:
-            cpu_need += (deployment.threads or 1) * deployment.replicas
+            cpu_need += (deployment.threads or 1) * deployment.most_replicas
     groups = [
         _group(f"gpu-{per_node}", image, math.ceil(total / per_node), cpu=4 * per_node, gpus=per_node)
         for per_node, total in sorted(gpu_need.items())

@@ -74,7 +74,7 @@ def uses_vllm(spec: ClusterSpec) -> bool:
 
 def gpu_total(spec: ClusterSpec) -> int:
     return sum(
-        d.gpus_per_replica * d.replicas
+        d.gpus_per_replica * d.most_replicas
         for m in spec.models
         for d in m.deployments
         if d.engine == "vllm" and d.device == "gpu"

@@ -41,7 +41,7 @@ def check_local_gpus(spec: ClusterSpec, available: int) -> None:
             needed = (
                 max(deployment.gpus) + 1
                 if deployment.gpus
-                else deployment.replicas * deployment.gpus_per_replica
+                else deployment.most_replicas * deployment.gpus_per_replica
             )
             if needed > available:
                 found = f"only {available}" if available else "none"

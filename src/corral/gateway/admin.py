@@ -128,6 +128,8 @@ class AdminViews:
             result = await control.drain_node(node, grace)
         except KeyError:
             raise NotFound(f"No replica runs on node {node}.", param="node") from None
+        except ValueError as exc:
+            raise InvalidRequest(str(exc), param="node") from None
         return web.json_response(result)
 
     async def rollouts(self, request: web.Request) -> web.Response:

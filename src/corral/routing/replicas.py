@@ -100,11 +100,13 @@ class Replica:
     served: int = 0
     failures: int = 0  # requests it failed (the replica's fault), for rollout health checks
     revision: int = 0  # which rollout of its model started it (0: the first)
+    admitted: bool = True  # routable once ready; a rollout's new replica is not until it passed the gate
     ready_eta: float | None = None  # when a starting/restarting replica is expected ready (epoch s)
 
     @property
     def ready(self) -> bool:
-        return self.state is ReplicaState.READY
+        """Routable: healthy, and (a rollout's new replica) through the gate."""
+        return self.state is ReplicaState.READY and self.admitted
 
     def snapshot(self) -> dict[str, object]:
         """A JSON-able view for status endpoints and the CLI."""
@@ -127,6 +129,7 @@ class Replica:
             "served": self.served,
             "failures": self.failures,
             "revision": self.revision,
+            "admitted": self.admitted,
             "uptime_s": round(time.time() - self.started_at, 1) if self.started_at else None,
             "running": load.running if load else None,
             "waiting": load.waiting if load else None,
@@ -176,6 +179,9 @@ class ReplicaSet:
         # Per-model facts of the replicas' engines, read on every request: kept until membership changes.
         self._features: dict[str, EngineFeatures] = {}
         self._contexts: dict[str, int | None] = {}
+        # What a model's engines do, from their launch plans, for a model with no replica now (scaled to
+        # zero): its held requests are checked against these.
+        self.declared: dict[str, tuple[EngineFeatures, int | None]] = {}
         self.splits: dict[str, TrafficSplit] = {}
         self.on_demand: dict[str, float] = {}  # model → seconds a request waits for a first replica
         self.rollouts: dict[str, dict[str, object]] = {}  # model → its latest rollout's state
@@ -220,13 +226,14 @@ class ReplicaSet:
 
     def ready(self, model: str) -> list[Replica]:
         ready = ReplicaState.READY
-        return [r for r in self._by_model.get(model, ()) if r.state is ready]
+        return [r for r in self._by_model.get(model, ()) if r.state is ready and r.admitted]
 
     def context_length(self, model: str) -> int | None:
         """The smallest per-sequence context among `model`'s replicas (None when no engine says)."""
         if model not in self._contexts:
             known = [r.context_length for r in self.of(model) if r.context_length is not None]
-            self._contexts[model] = min(known) if known else None
+            fallback = self.declared[model][1] if model in self.declared else None
+            self._contexts[model] = min(known) if known else fallback
         return self._contexts[model]
 
     def features(self, model: str) -> EngineFeatures:
@@ -234,7 +241,8 @@ class ReplicaSet:
         found = self._features.get(model)
         if found is None:
             replicas = self.of(model)
-            found = replicas[0].features if replicas else EngineFeatures()
+            default = self.declared[model][0] if model in self.declared else EngineFeatures()
+            found = replicas[0].features if replicas else default
             for replica in replicas[1:]:
                 found &= replica.features
             self._features[model] = found

@@ -37,6 +37,7 @@ _SHARED = (
     "last_error",
     "ready_eta",
     "revision",
+    "admitted",
 )
 
 
@@ -61,6 +62,7 @@ def replica_snapshot(replicas: ReplicaSet) -> bytes:
             "replicas": members,
             "splits": {m: [s.revision, s.share] for m, s in replicas.splits.items()},
             "on_demand": replicas.on_demand,
+            "declared": {m: [dataclasses.asdict(f), c] for m, (f, c) in replicas.declared.items()},
             "rollouts": replicas.rollouts,
             "events": list(replicas.events),
         }
@@ -104,6 +106,11 @@ def apply_snapshot(replicas: ReplicaSet, snapshot: bytes, worker: int = 0, worke
             replicas.remove(replica)
     replicas.splits = {m: TrafficSplit(rev, share) for m, (rev, share) in data["splits"].items()}
     replicas.on_demand = data["on_demand"]
+    declared = {m: (EngineFeatures(**f), c) for m, (f, c) in data["declared"].items()}
+    if declared != replicas.declared:
+        replicas.declared = declared
+        for model in declared:
+            replicas.changed(model)
     replicas.rollouts = data["rollouts"]
     replicas.events.clear()
     replicas.events.extend(data["events"])
