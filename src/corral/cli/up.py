@@ -256,6 +256,7 @@ def model_settings(model: Any) -> dict[str, Any]:
         "routing": model.routing,
         "failover": model.mid_stream_failover,
         "tokenizer": tokenizer,
+        "cache": model.cache.model_dump(mode="json"),
     }
 
 
@@ -263,10 +264,13 @@ def apply_model_settings(router: Any, services: Any, settings: dict[str, Any]) -
     """Tell a gateway (this process's, or a worker's) a new model's routing policy, failover mode and
     tokenizer before it is served."""
     from corral.admission import TokenCounter
+    from corral.config import ModelCacheSpec
 
     name = settings["name"]
     router.set_policy(name, settings["routing"])
     services.failover_modes[name] = settings["failover"]
+    if services.cache is not None:
+        services.cache.policies[name] = ModelCacheSpec.model_validate(settings["cache"])
     if settings["tokenizer"] is not None:
         services.token_counters[name] = TokenCounter(Path(settings["tokenizer"]))
 
@@ -331,6 +335,8 @@ def services_for(spec: ClusterSpec, paths: Paths, replicas: Any) -> Any:
             admin_key_from_env(spec.auth.admin_key),
             {m.name: m.tokenizer for m in spec.models if m.tokenizer is not None},
             {m.name: m.mid_stream_failover for m in spec.models},
+            spec.cache,
+            {m.name: m.cache for m in spec.models},
         )
     except StoreError as exc:
         raise CliError(str(exc)) from None

@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 
 Prepare = Callable[[ModelSpec, DeploymentSpec], tuple[EngineAdapter, list[LaunchPlan]]]
 Group = tuple[int, EngineAdapter, list[LaunchPlan]]  # a deployment's index, engine and launch plans
-_LIVE_MODEL_FIELDS = ("routing", "tokenizer", "slo", "mid_stream_failover", "rollout")
+_LIVE_MODEL_FIELDS = ("routing", "tokenizer", "slo", "mid_stream_failover", "rollout", "cache")
 
 
 class ApplyError(ValueError):

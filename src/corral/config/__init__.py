@@ -19,7 +19,7 @@ A spec file looks like::
             threads: 1
 """
 
-from corral.config.change import AutoscaleSpec, EvalCase, RolloutSpec
+from corral.config.change import AutoscaleSpec, EvalCase, ModelCacheSpec, RolloutSpec
 from corral.config.env import Paths, admin_key_from_env
 from corral.config.models import (
     DEFAULT_MODEL_NAME,
@@ -34,6 +34,7 @@ from corral.config.models import (
 )
 from corral.config.settings import (
     AuthSettings,
+    CacheSettings,
     DeploySettings,
     EdgeSettings,
     GatewaySettings,
@@ -58,6 +59,7 @@ __all__ = [
     "DEFAULT_MODEL_NAME",
     "AuthSettings",
     "AutoscaleSpec",
+    "CacheSettings",
     "ClusterSpec",
     "DeploySettings",
     "DeploymentSpec",
@@ -67,6 +69,7 @@ __all__ = [
     "HuggingFaceSource",
     "LimitsSettings",
     "LocalSource",
+    "ModelCacheSpec",
     "ModelSLO",
     "ModelSource",
     "ModelSpec",

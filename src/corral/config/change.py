@@ -125,3 +125,20 @@ class AutoscaleSpec(Strict):
         if self.min_replicas > self.max_replicas:
             raise ValueError(f"min_replicas {self.min_replicas} exceeds max_replicas {self.max_replicas}")
         return self
+
+
+class ModelCacheSpec(Strict):
+    """A model's exact response cache (cluster-wide storage: `cache`). A hit needs the same tenant, model,
+    endpoint and everything that shapes the answer (messages or prompt, sampling parameters, tools,
+    response format; not `user`, not `stream`)."""
+
+    exact: bool = Field(default=False, description="answer repeated requests from the cache")
+    deterministic_only: bool = Field(
+        default=True, description="cache only requests with temperature 0 or a seed (sampled answers vary)"
+    )
+    ttl_s: Annotated[float, Field(gt=0, description="seconds an answer stays cached")] = 3600.0
+    charge: Literal["tokens", "request"] = Field(
+        default="tokens",
+        description="what a hit costs against rate limits and budgets: the answer's tokens, or the request "
+        "only (no tokens)",
+    )

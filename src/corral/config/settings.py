@@ -169,6 +169,22 @@ class LimitsSettings(Strict):
     tokens_per_char: Annotated[float, Field(gt=0, description="input-token estimate per body byte")] = 0.25
 
 
+class CacheSettings(Strict):
+    """Where cached answers live (models opt in with `models[].cache`): this process's memory, an LRU
+    bounded in bytes, or Redis with each entry's TTL, shared by every gateway using it."""
+
+    backend: Literal["memory", "redis"] = Field(
+        default="memory", description="memory (one gateway process) or redis (shared by gateways)"
+    )
+    max_bytes: Annotated[int, Field(ge=0, description="memory: the most bytes of answers kept (LRU)")] = (
+        256 * 1024 * 1024
+    )
+    redis_url: str = Field(default="redis://127.0.0.1:6379/0", description="Redis for backend: redis")
+    redis_timeout: Annotated[
+        float, Field(gt=0, description="seconds for each Redis call; a slow cache is skipped, not waited on")
+    ] = 0.5
+
+
 class QueueSettings(Strict):
     """Per-model waiting room in front of the replicas."""
 

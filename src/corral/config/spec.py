@@ -13,6 +13,7 @@ from corral.config.base import Strict
 from corral.config.models import DEFAULT_MODEL_NAME, DeploymentSpec, ModelSpec, PyPISource
 from corral.config.settings import (
     AuthSettings,
+    CacheSettings,
     DeploySettings,
     GatewaySettings,
     LimitsSettings,
@@ -34,6 +35,7 @@ class ClusterSpec(Strict):
     store: StoreSettings = Field(default_factory=StoreSettings, description="where keys and usage live")
     limits: LimitsSettings = Field(default_factory=LimitsSettings, description="rate-limit state")
     queue: QueueSettings = Field(default_factory=QueueSettings, description="per-model waiting room")
+    cache: CacheSettings = Field(default_factory=CacheSettings, description="where cached answers live")
     ray: RaySettings | None = Field(default=None, description="run replicas on a Ray cluster")
     deploy: DeploySettings = Field(
         default_factory=DeploySettings, description="production configs: `corral deploy render`"

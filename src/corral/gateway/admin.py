@@ -42,6 +42,8 @@ class AdminViews:
         app.router.add_post("/admin/spec", self.apply)
         app.router.add_post("/admin/nodes/{node}/drain", self.drain_node)
         app.router.add_get("/admin/rollouts", self.rollouts)
+        app.router.add_get("/admin/cache", self.cache_stats)
+        app.router.add_delete("/admin/cache", self.cache_purge)
         app.router.add_post("/admin/rollouts/{model}/{action}", self.rollout_action)
 
     def is_admin(self, request: web.Request) -> bool:
@@ -131,6 +133,24 @@ class AdminViews:
         except ValueError as exc:
             raise InvalidRequest(str(exc), param="node") from None
         return web.json_response(result)
+
+    async def cache_stats(self, request: web.Request) -> web.Response:
+        """The response cache's store (entries, bytes; Redis: failures) and which models cache."""
+        self.check(request)
+        cache = self._services.cache
+        if cache is None:
+            raise NotSupported("This gateway has no response cache.")
+        models = sorted(m for m, p in cache.policies.items() if p.exact)
+        return web.json_response({"store": cache.store.stats(), "models": models})
+
+    async def cache_purge(self, request: web.Request) -> web.Response:
+        """Remove cached answers: `?tenant=` and/or `?model=` (both absent: everything)."""
+        self.check(request)
+        cache = self._services.cache
+        if cache is None:
+            raise NotSupported("This gateway has no response cache.")
+        removed = await cache.store.purge(request.query.get("tenant"), request.query.get("model"))
+        return web.json_response({"removed": removed})
 
     async def rollouts(self, request: web.Request) -> web.Response:
         """Each model's latest rollout: phase, traffic share, step, message (`corral rollout status`)."""

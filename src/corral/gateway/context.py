@@ -29,6 +29,11 @@ class RequestContext:
     fanout: bool = False  # the gateway answers it with several single-choice engine requests
     failover: bool = False  # a stream cut after its first byte may be continued on another replica
     replica_failed: bool = False  # its replica failed mid-answer (told to the circuit breaker)
+    headers: dict[str, str] = field(default_factory=dict)  # extra response headers (x-corral-cache)
+    written: list[bytes] | None = None  # a stream's events as written, kept for the cache when set
+    whole: bytes | None = None  # a whole answer's body, kept for the cache when `written` is set
+    complete: bool = False  # the stream ended well on its first replica (a cache may keep it)
+    cached: bool = False  # answered from the cache
 
     @property
     def model(self) -> str:

@@ -112,6 +112,18 @@ class GatewayMetrics:
             ["tenant", "kind"],
             registry=r,
         )
+        self.cache_lookups = Counter(
+            "corral_cache_lookups",
+            "Exact-cache lookups by model, tenant and result (hit, miss, bypass).",
+            ["model", "tenant", "result"],
+            registry=r,
+        )
+        self.cache_tokens_saved = Counter(
+            "corral_cache_tokens_saved",
+            "Engine tokens (prompt and output) cache hits answered without an engine.",
+            ["model"],
+            registry=r,
+        )
         self._state = StateSeries(router, queue_depths, budgets or (lambda: []))
         self._published = PublishedState(r) if shared_dir is not None else None
         self._models: dict[str, ModelMetrics] = {}

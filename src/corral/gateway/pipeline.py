@@ -1,6 +1,7 @@
 """The data plane's request pipeline, composed in one place:
 
-    authenticate → parse → authorize model → admit (budget, rate limits) → queue → route+relay → settle
+    authenticate → parse → authorize model → admit (budget, rate limits) → cache → queue → route+relay
+    → settle (and keep the answer in the cache)
 
 Each stage is a small function over the RequestContext; errors are raised as protocol errors and become
 OpenAI-shaped responses at the app's one boundary. Whatever happens after admission, `settle` runs:
@@ -18,11 +19,12 @@ import orjson
 from aiohttp import web
 
 from corral.admission import LimiterUnavailable, Principal, Reservation
+from corral.cache import CacheLookup
 from corral.gateway.context import RequestContext
 from corral.gateway.failover import can_fail_over
 from corral.gateway.fanout import Fanout, check_features, needs_fanout
 from corral.gateway.metrics import GatewayMetrics
-from corral.gateway.relay import Relay
+from corral.gateway.relay import SSE_HEADERS, Relay
 from corral.gateway.services import GatewayServices
 from corral.gateway.usage import UsageRecorder
 from corral.protocol import (
@@ -90,23 +92,15 @@ class Pipeline:
             raise
         reservation = await self.admit(ctx, principal)
         status = 500
+        lookup: CacheLookup | None = None
         try:
-            metrics = self._metrics.of(ctx.model)
-            try:
-                wait = await self._services.queue.enter(ctx.model, principal)
-            except APIError as exc:
-                metrics.rejected(exc.code or "queue")
-                raise
-            metrics.queue_wait.observe(wait)
-            try:
-                if ctx.fanout:
-                    response = await self._fanout.answer(ctx, request)
-                else:
-                    response = await self._relay.forward(ctx, request)
-            finally:
-                self._services.queue.done(ctx.model)
+            lookup = await self._look_up(ctx, principal, request)
+            response = await self._replay(ctx, lookup, request) if lookup and lookup.hit else None
+            if response is None:
+                response = await self._generate(ctx, principal, request)
+                if lookup is not None:
+                    self._keep(ctx, lookup)
             status = _CLIENT_GONE if ctx.client_gone else response.status
-            metrics.decided(self._router.policy_for(ctx.model).name)
             return response
         except APIError as exc:
             status = exc.status
@@ -115,7 +109,86 @@ class Pipeline:
             status = _CLIENT_GONE
             raise
         finally:
-            await self.settle(ctx, principal, reservation, status)
+            await self.settle(ctx, principal, reservation, status, lookup)
+
+    async def _generate(
+        self, ctx: RequestContext, principal: Principal, request: web.Request
+    ) -> web.StreamResponse:
+        """Wait in the model's queue for a slot, then have a replica (or several: fan-out) answer."""
+        metrics = self._metrics.of(ctx.model)
+        try:
+            wait = await self._services.queue.enter(ctx.model, principal)
+        except APIError as exc:
+            metrics.rejected(exc.code or "queue")
+            raise
+        metrics.queue_wait.observe(wait)
+        try:
+            if ctx.fanout:
+                response = await self._fanout.answer(ctx, request)
+            else:
+                response = await self._relay.forward(ctx, request)
+        finally:
+            self._services.queue.done(ctx.model)
+        metrics.decided(self._router.policy_for(ctx.model).name)
+        return response
+
+    async def _look_up(
+        self, ctx: RequestContext, principal: Principal, request: web.Request
+    ) -> CacheLookup | None:
+        """The exact cache's view of the request: None where the model does not cache or the request may
+        not be (sampled, several choices fanned out); a miss asks the relay to keep what it writes."""
+        cache = self._services.cache
+        if cache is None or not cache.enabled(ctx.model) or ctx.fanout:
+            return None
+        lookup = await cache.lookup(
+            principal.tenant, ctx.model, ctx.path, ctx.upstream_body, request.headers.get("Cache-Control")
+        )
+        if lookup is None:
+            return None
+        ctx.headers["x-corral-cache"] = lookup.state
+        if lookup.hit is None and lookup.keep:
+            ctx.written = []
+        self._metrics.cache_lookups.labels(ctx.model, principal.tenant, lookup.state).inc()
+        return lookup
+
+    async def _replay(
+        self, ctx: RequestContext, lookup: CacheLookup, request: web.Request
+    ) -> web.StreamResponse | None:
+        """Answer from the cache: a stored stream with its own chunking, or either kind made from the
+        other; None when the entry cannot be told the way this request asks (then the engine answers)."""
+        entry = lookup.hit
+        assert entry is not None
+        chat = isinstance(ctx.body, ChatCompletionRequest)
+        if entry.chat != chat:
+            return None
+        data = entry.sse(ctx.client_wants_usage) if ctx.stream else entry.whole()
+        if data is None:
+            ctx.headers["x-corral-cache"] = "miss"
+            return None
+        headers = {"x-corral-cache": "hit"}
+        if ctx.stream:
+            response = web.StreamResponse(headers={**SSE_HEADERS, **headers})
+            await response.prepare(request)
+            ctx.first_byte_at = time.monotonic()
+            await response.write(data)
+            await response.write_eof()
+        else:
+            response = web.Response(body=data, content_type="application/json", headers=headers)
+            ctx.first_byte_at = time.monotonic()
+        ctx.usage, ctx.cached = entry.usage, True
+        self._metrics.cache_tokens_saved.labels(ctx.model).inc(entry.tokens)
+        return response
+
+    def _keep(self, ctx: RequestContext, lookup: CacheLookup) -> None:
+        """Keep an answer that ended well (never a truncated stream, an error, or a client that left)."""
+        cache = self._services.cache
+        if cache is None or ctx.written is None or ctx.client_gone:
+            return
+        chat = isinstance(ctx.body, ChatCompletionRequest)
+        if ctx.stream and ctx.complete:
+            cache.keep_stream(lookup, ctx.written, chat, ctx.usage)
+        elif not ctx.stream and ctx.whole is not None:
+            cache.keep_whole(lookup, ctx.whole, chat)
 
     async def parse(
         self, request: web.Request, kind: type[ChatCompletionRequest] | type[CompletionRequest]
@@ -223,16 +296,25 @@ class Pipeline:
             raise
 
     async def settle(
-        self, ctx: RequestContext, principal: Principal, reservation: Reservation | None, status: int
+        self,
+        ctx: RequestContext,
+        principal: Principal,
+        reservation: Reservation | None,
+        status: int,
+        lookup: CacheLookup | None = None,
     ) -> None:
-        """Correct the reservation to real usage; record usage and metrics."""
+        """Correct the reservation to real usage; record usage and metrics. A cache hit costs its tokens or
+        only the request, as the model's `cache.charge` says."""
         usage = ctx.usage or {}
         used = int(usage.get("total_tokens") or 0)
+        if ctx.cached and lookup is not None and lookup.policy.charge == "request":
+            used = 0
         if reservation is not None:
             # Tokens the engine reported; when it reported none but worked on the request (a client that
             # went away mid-stream, say), the reservation stands: nothing is refunded for leaving early.
             reached_engine = ctx.replica is not None
-            actual = used if used else (reservation.tokens if reached_engine and status < 500 else 0)
+            kept = reservation.tokens if reached_engine and status < 500 else 0
+            actual = used if used or ctx.cached else kept
             try:
                 await self._services.limiter.settle(reservation, actual)
             except LimiterUnavailable as exc:  # a Redis hiccup must not turn a served answer into an error
@@ -244,7 +326,7 @@ class Pipeline:
         self._record(ctx, principal, status)
 
     def _record(self, ctx: RequestContext, principal: Principal, status: int) -> None:
-        usage = ctx.usage or {}
+        usage = ctx.usage if ctx.usage is not None and not ctx.cached else {}  # a hit cost no engine tokens
         now = time.monotonic()
         latency = now - ctx.received_at
         ttft = ctx.first_byte_at - ctx.received_at if ctx.first_byte_at is not None else None
@@ -275,7 +357,7 @@ class Pipeline:
                 ttft_ms=round(ttft * 1000, 2) if ttft is not None else None,
                 latency_ms=round(latency * 1000, 2),
                 status=status,
-                replica=ctx.replica.id if ctx.replica else None,
+                replica="cache" if ctx.cached else (ctx.replica.id if ctx.replica else None),
             )
         )
 

@@ -26,7 +26,7 @@ from corral.gateway.sse import SSEFilter
 from corral.protocol import ChatCompletionRequest, NoCapacity, UpstreamError, UpstreamTimeout, error_body
 from corral.routing import Replica, Router
 
-__all__ = ["Relay"]
+__all__ = ["SSE_HEADERS", "Relay"]
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ _RETRYABLE_STATUS = frozenset({502, 503})
 _UPSTREAM_HEADERS = {"Content-Type": "application/json"}
 _SEP = b"\n\n"
 _DONE_EVENT = b"data: [DONE]\n\n"
-_SSE_HEADERS = {
+SSE_HEADERS = {
     "Content-Type": "text/event-stream",
     "Cache-Control": "no-cache",
     "X-Accel-Buffering": "no",
@@ -140,12 +140,15 @@ class Relay:
         status, content_type = upstream.status, upstream.content_type
         if status == 200:
             ctx.usage = _usage_of(body)
+            if ctx.written is not None:  # the cache keeps it
+                ctx.whole = body
         elif status >= 400:
             status, body = _engine_error(status, body)
             content_type = "application/json"
-        return web.Response(
-            body=body, status=status, content_type=content_type, headers={"x-corral-replica": replica.id}
-        )
+        headers = {"x-corral-replica": replica.id}
+        if ctx.headers:
+            headers.update(ctx.headers)
+        return web.Response(body=body, status=status, content_type=content_type, headers=headers)
 
     async def _stream(
         self, replica: Replica, ctx: RequestContext, upstream: aiohttp.ClientResponse, request: web.Request
@@ -164,7 +167,7 @@ class Relay:
             raise _Retryable(f"{type(exc).__name__}: {exc}") from exc
 
         self._router.prefilled(replica, ctx.route)  # the first token came: the prompt is in its cache
-        response = web.StreamResponse(headers={**_SSE_HEADERS, "x-corral-replica": replica.id})
+        response = web.StreamResponse(headers={**SSE_HEADERS, "x-corral-replica": replica.id, **ctx.headers})
         transcript = Transcript() if ctx.failover else None
         try:
             await response.prepare(request)
@@ -172,9 +175,13 @@ class Relay:
             ctx.first_byte_at = time.monotonic()
             if transcript is not None:
                 transcript.add(first)
-            problem = await self._pump(chunks, sse, response, transcript)
+            if ctx.written is not None:
+                ctx.written.append(first)
+            problem = await self._pump(chunks, sse, response, transcript, ctx.written)
+            ctx.complete = problem is None
             if problem is not None:
                 ctx.replica_failed = True  # the breaker hears of it, whatever happens to the stream
+                ctx.written = None  # a stream continued elsewhere, or cut, is not kept
             if problem is not None and transcript is not None:
                 upstream.close()  # let go of the failed replica before asking another one
                 problem = await self._fail_over(ctx, replica, problem, transcript, response)
@@ -198,6 +205,7 @@ class Relay:
         events: _Events,
         response: web.StreamResponse,
         transcript: Transcript | None,
+        written: list[bytes] | None = None,
     ) -> str | None:
         """Copy events until the upstream ends; the reason if it ended badly, else None. A stream that may
         fail over also fails when its replica goes silent for `stall_timeout`."""
@@ -219,6 +227,8 @@ class Relay:
                 await response.write(out)
                 if transcript is not None:
                     transcript.add(out)
+                if written is not None:
+                    written.append(out)
 
     async def _fail_over(
         self,

@@ -15,7 +15,16 @@ from corral.admission import (
     RedisLimiter,
     TokenCounter,
 )
-from corral.config import AuthSettings, ClusterSpec, LimitsSettings, QueueSettings, StoreSettings
+from corral.cache import CacheStore, ExactCache, MemoryStore, RedisStore
+from corral.config import (
+    AuthSettings,
+    CacheSettings,
+    ClusterSpec,
+    LimitsSettings,
+    ModelCacheSpec,
+    QueueSettings,
+    StoreSettings,
+)
 from corral.routing import ReplicaSet
 from corral.store import KeyStore, UsageStore, open_database
 
@@ -52,6 +61,7 @@ class GatewayServices:
     token_counters: dict[str, TokenCounter] = field(default_factory=dict)
     failover_modes: dict[str, str] = field(default_factory=dict)  # model → mid_stream_failover
     control: ReplicaControl | None = None  # the supervisor, when it runs in this process
+    cache: ExactCache | None = None  # answers repeated requests (models with cache.exact)
 
     @classmethod
     def build(
@@ -65,6 +75,8 @@ class GatewayServices:
         admin_key: str | None,
         tokenizers: dict[str, Path] | None = None,
         failover_modes: dict[str, str] | None = None,
+        cache: CacheSettings | None = None,
+        cache_policies: dict[str, ModelCacheSpec] | None = None,
     ) -> GatewayServices:
         engine = open_database(store.url or database_url)
         keys, usage = KeyStore(engine), UsageStore(engine)
@@ -88,4 +100,14 @@ class GatewayServices:
             max_pending_usage=store.max_pending,
             token_counters={model: TokenCounter(path) for model, path in (tokenizers or {}).items()},
             failover_modes=failover_modes or {},
+            cache=_cache(cache or CacheSettings(), cache_policies or {}),
         )
+
+
+def _cache(settings: CacheSettings, policies: dict[str, ModelCacheSpec]) -> ExactCache:
+    store: CacheStore = (
+        RedisStore(settings.redis_url, settings.redis_timeout)
+        if settings.backend == "redis"
+        else MemoryStore(settings.max_bytes)
+    )
+    return ExactCache(store, dict(policies))

@@ -1,0 +1,128 @@
+"""Where cached answers live: an in-process LRU bounded in bytes, or Redis with TTLs (shared by gateways).
+
+Keys are `<tenant>/<model>/<digest>` (tenant and model percent-quoted), so a purge by tenant or model
+finds its entries in either store. A store that cannot answer (Redis down or slow) is a miss, never an
+error: caching must not fail a request.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import urllib.parse
+from collections import OrderedDict
+from typing import Protocol
+
+__all__ = ["CacheStore", "MemoryStore", "RedisStore", "entry_key"]
+
+logger = logging.getLogger(__name__)
+
+
+def entry_key(tenant: str, model: str, digest: str) -> str:
+    return f"{_quote(tenant)}/{_quote(model)}/{digest}"
+
+
+def _quote(part: str) -> str:
+    return urllib.parse.quote(part, safe="")
+
+
+class CacheStore(Protocol):
+    async def get(self, key: str) -> bytes | None: ...
+
+    async def put(self, key: str, value: bytes, ttl_s: float) -> None: ...
+
+    async def purge(self, tenant: str | None, model: str | None) -> int: ...
+
+    def stats(self) -> dict[str, object]: ...
+
+
+class MemoryStore:
+    """An LRU of encoded entries, at most `max_bytes` of them, each gone after its TTL."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self._max = max_bytes
+        self._entries: OrderedDict[str, tuple[float, bytes]] = OrderedDict()
+        self._bytes = 0
+
+    async def get(self, key: str) -> bytes | None:
+        found = self._entries.get(key)
+        if found is None:
+            return None
+        expires, value = found
+        if expires < time.monotonic():
+            self._drop(key)
+            return None
+        self._entries.move_to_end(key)
+        return value
+
+    async def put(self, key: str, value: bytes, ttl_s: float) -> None:
+        if len(value) > self._max:
+            return
+        self._drop(key)
+        self._entries[key] = (time.monotonic() + ttl_s, value)
+        self._bytes += len(value)
+        while self._bytes > self._max:
+            self._drop(next(iter(self._entries)))
+
+    async def purge(self, tenant: str | None, model: str | None) -> int:
+        doomed = [k for k in self._entries if _matches(k, tenant, model)]
+        for key in doomed:
+            self._drop(key)
+        return len(doomed)
+
+    def stats(self) -> dict[str, object]:
+        entries, used = len(self._entries), self._bytes
+        return {"backend": "memory", "entries": entries, "bytes": used, "max_bytes": self._max}
+
+    def _drop(self, key: str) -> None:
+        found = self._entries.pop(key, None)
+        if found is not None:
+            self._bytes -= len(found[1])
+
+
+class RedisStore:
+    """Entries in Redis under `corral:cache:<key>`, each with its TTL."""
+
+    def __init__(self, url: str, timeout: float, prefix: str = "corral:cache:") -> None:
+        import redis.asyncio as aioredis
+        from redis.exceptions import RedisError
+
+        self._errors: tuple[type[BaseException], ...] = (RedisError, OSError, TimeoutError)
+        self._redis = aioredis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
+        self._prefix = prefix
+        self._failures = 0
+
+    async def get(self, key: str) -> bytes | None:
+        try:
+            value = await self._redis.get(self._prefix + key)
+        except self._errors as exc:
+            self._failed("get", exc)
+            return None
+        return value.encode() if isinstance(value, str) else value
+
+    async def put(self, key: str, value: bytes, ttl_s: float) -> None:
+        try:
+            await self._redis.set(self._prefix + key, value, px=max(1, round(ttl_s * 1000)))
+        except self._errors as exc:
+            self._failed("put", exc)
+
+    async def purge(self, tenant: str | None, model: str | None) -> int:
+        pattern = self._prefix + "/".join(
+            [_quote(tenant) if tenant else "*", _quote(model) if model else "*", "*"]
+        )
+        removed = 0
+        async for key in self._redis.scan_iter(match=pattern, count=500):
+            removed += int(await self._redis.delete(key))
+        return removed
+
+    def stats(self) -> dict[str, object]:
+        return {"backend": "redis", "failures": self._failures}
+
+    def _failed(self, what: str, exc: BaseException) -> None:
+        self._failures += 1
+        logger.warning("response cache %s failed (served without the cache): %s", what, exc)
+
+
+def _matches(key: str, tenant: str | None, model: str | None) -> bool:
+    owner, name, _ = key.split("/", 2)
+    return (tenant is None or owner == _quote(tenant)) and (model is None or name == _quote(model))

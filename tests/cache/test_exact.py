@@ -1,0 +1,213 @@
+"""The exact response cache, through gateways in front of a simulated vLLM replica, with the openai client:
+hits return the same content (streamed replays parse chunk by chunk and end with [DONE]; a stream answers
+a whole request and the other way round), Cache-Control no-cache/no-store are honoured, sampled requests
+are not cached, tenants never share an entry and neither do conversations that differ before their last
+question, a purge empties it, and Redis shares it between two gateways. Entries: a truncated stream or an
+error is never kept."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+import openai
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from corral.cache import ExactCache, MemoryStore
+from corral.cache.entry import Entry, entry_from_stream
+from corral.config import AuthSettings, CacheSettings, GatewaySettings, ModelCacheSpec, StoreSettings
+from corral.gateway import GatewayServer, GatewayServices
+from corral.perf import load_catalog
+from corral.perf.calibration import calibrated_efficiency
+from corral.routing import Replica, ReplicaSet, ReplicaState, Router
+from corral.sim import SimFleet, SimOptions, build_server
+
+ADMIN = "cache-admin"
+HI = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@dataclass
+class Gateway:
+    url: str
+    server: GatewayServer
+    services: GatewayServices
+
+
+@pytest.fixture
+async def engine() -> AsyncIterator[str]:
+    options = SimOptions(model="llama-3.1-8b", gpu="h100-sxm", time_scale=50, served_name="m")
+    fleet = SimFleet([build_server(options, load_catalog(), calibrated_efficiency())])
+    await fleet.start([0])
+    yield fleet.urls[0]
+    await fleet.stop()
+
+
+async def gateway(engine: str, tmp_path: Path, cache: CacheSettings, charge: str = "tokens") -> Gateway:
+    replicas = ReplicaSet()
+    replicas.add(Replica(id="m-0", model="m", engine="sim", url=engine, state=ReplicaState.READY))
+    services = GatewayServices.build(
+        replicas,
+        f"sqlite:///{tmp_path / f'{uuid.uuid4().hex}.db'}",
+        AuthSettings(open=False, admin_key=ADMIN),
+        StoreSettings(flush_interval=0.1),
+        *_defaults(),
+        admin_key=ADMIN,
+        cache=cache,
+        cache_policies={"m": ModelCacheSpec(exact=True, charge=charge)},  # type: ignore[arg-type]
+    )
+    server = GatewayServer(GatewaySettings(port=0), Router(replicas), services)
+    await server.start()
+    return Gateway(f"http://127.0.0.1:{server.port}", server, services)
+
+
+def _defaults() -> tuple[object, object]:
+    from corral.config import LimitsSettings, QueueSettings
+
+    return LimitsSettings(), QueueSettings()
+
+
+async def key_for(gw: Gateway, tenant: str) -> str:
+    async with aiohttp.ClientSession() as session:
+        async with session.post(
+            gw.url + "/admin/keys", json={"tenant": tenant}, headers={"Authorization": f"Bearer {ADMIN}"}
+        ) as response:
+            return str((await response.json())["key"])
+
+
+def client(gw: Gateway, key: str, headers: dict[str, str] | None = None) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(
+        base_url=gw.url + "/v1", api_key=key, max_retries=0, default_headers=headers or {}
+    )
+
+
+async def ask(c: openai.AsyncOpenAI, messages: list[dict[str, str]], stream: bool, **extra: object) -> tuple:
+    """(content, the x-corral-cache header, number of content chunks)."""
+    args = {"model": "m", "messages": messages, "max_tokens": 24, "temperature": 0, **extra}
+    raw = await c.chat.completions.with_raw_response.create(stream=stream, **args)  # type: ignore[call-overload]
+    state = raw.headers.get("x-corral-cache")
+    if not stream:
+        return raw.parse().choices[0].message.content, state, 1
+    parts = [chunk.choices[0].delta.content async for chunk in raw.parse() if chunk.choices]
+    return "".join(p or "" for p in parts), state, sum(1 for p in parts if p)
+
+
+async def test_hits_replay_either_kind_and_honour_cache_control(engine: str, tmp_path: Path) -> None:
+    gw = await gateway(engine, tmp_path, CacheSettings())
+    try:
+        c = client(gw, await key_for(gw, "acme"))
+        first, state, chunks = await ask(c, HI, stream=True)
+        assert state == "miss" and chunks > 1
+        await gw.services.cache.flush()  # type: ignore[union-attr]
+        again, state, replayed = await ask(c, HI, stream=True)
+        assert (again, state, replayed) == (first, "hit", chunks)  # the engine's own chunking
+        whole, state, _ = await ask(c, HI, stream=False)
+        assert (whole, state) == (first, "hit")  # a whole answer made from the stored stream
+
+        other = [{"role": "user", "content": "Name a colour."}]
+        made, state, _ = await ask(c, other, stream=False)
+        assert state == "miss"
+        await gw.services.cache.flush()  # type: ignore[union-attr]
+        streamed, state, _ = await ask(c, other, stream=True, stream_options={"include_usage": True})
+        assert (streamed, state) == (made, "hit")  # a stream made from the stored whole answer
+
+        fresh = client(gw, c.api_key, {"Cache-Control": "no-cache"})
+        assert (await ask(fresh, HI, stream=False))[1] == "bypass"
+        third = [{"role": "user", "content": "Count to three."}]
+        unkept = client(gw, c.api_key, {"Cache-Control": "no-store"})
+        assert (await ask(unkept, third, stream=False))[1] == "miss"
+        await gw.services.cache.flush()  # type: ignore[union-attr]
+        assert (await ask(c, third, stream=False))[1] == "miss"  # no-store kept nothing
+        assert (await ask(c, HI, stream=False, temperature=0.8))[1] is None  # sampled: not cached
+        assert (await ask(c, HI, stream=False, temperature=0.8, seed=7))[1] == "miss"  # a seed: cached
+    finally:
+        await gw.server.stop()
+
+
+async def test_tenants_and_conversations_never_share_an_entry_and_purge(engine: str, tmp_path: Path) -> None:
+    gw = await gateway(engine, tmp_path, CacheSettings())
+    try:
+        a, b = client(gw, await key_for(gw, "a")), client(gw, await key_for(gw, "b"))
+        assert (await ask(a, HI, stream=False))[1] == "miss"
+        await gw.services.cache.flush()  # type: ignore[union-attr]
+        assert (await ask(b, HI, stream=False))[1] == "miss"  # the other tenant does not see it
+        earlier = [
+            {"role": "user", "content": "Talk like a pirate."},
+            {"role": "assistant", "content": "Arr."},
+        ]
+        assert (await ask(a, earlier + HI, stream=False))[1] == "miss"  # same last question, other talk
+        assert (await ask(a, HI, stream=False))[1] == "hit"
+        async with aiohttp.ClientSession() as session:
+            auth = {"Authorization": f"Bearer {ADMIN}"}
+            async with session.delete(gw.url + "/admin/cache?tenant=a", headers=auth) as response:
+                assert (await response.json())["removed"] == 2
+            async with session.get(gw.url + "/admin/cache", headers=auth) as response:
+                stats = await response.json()
+        assert stats["models"] == ["m"] and stats["store"]["entries"] == 1  # b's entry stays
+        assert (await ask(a, HI, stream=False))[1] == "miss"
+    finally:
+        await gw.server.stop()
+
+
+async def test_redis_shares_the_cache_between_two_gateways(engine: str, tmp_path: Path) -> None:
+    redis = CacheSettings(backend="redis")
+    one, two = await gateway(engine, tmp_path, redis), await gateway(engine, tmp_path, redis)
+    try:
+        question = [{"role": "user", "content": f"Shared question {uuid.uuid4()}"}]
+        tenant = f"t-{uuid.uuid4().hex}"
+        key_one, key_two = await key_for(one, tenant), await key_for(two, tenant)
+        content, state, _ = await ask(client(one, key_one), question, stream=True)
+        assert state == "miss"
+        await one.services.cache.flush()  # type: ignore[union-attr]
+        assert await ask(client(two, key_two), question, stream=True) == (content, "hit", _)
+        removed = await two.services.cache.store.purge(tenant, None)  # type: ignore[union-attr]
+        assert removed == 1
+    finally:
+        await one.server.stop()
+        await two.server.stop()
+
+
+def test_only_a_stream_that_ended_well_is_kept() -> None:
+    event = b'data: {"id":"x","choices":[{"index":0,"delta":{"content":"a"}}]}'
+    assert entry_from_stream([event + b"\n\n", b"data: [DONE]\n\n"], True, None) is not None
+    assert entry_from_stream([event + b"\n\n"], True, None) is None  # cut: no [DONE]
+    cut = b'data: {"error":{"message":"The response was cut short"}}\n\n'
+    assert entry_from_stream([event + b"\n\n", cut], True, None) is None
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    tenants=st.lists(st.text(min_size=1, max_size=12), min_size=2, max_size=12, unique=True),
+    questions=st.lists(st.text(max_size=30), min_size=1, max_size=4),
+)
+def test_no_lookup_ever_finds_another_tenants_answer(tenants: list[str], questions: list[str]) -> None:
+    """Each tenant stores an answer naming itself for every question; every lookup finds its own."""
+
+    async def run() -> None:
+        cache = ExactCache(MemoryStore(1 << 24), {"m": ModelCacheSpec(exact=True)})
+        for tenant in tenants:
+            for question in questions:
+                raw = _body(question)
+                found = await cache.lookup(tenant, "m", "/v1/chat/completions", raw, None)
+                assert found is not None
+                if found.hit is not None:
+                    assert found.hit.body == tenant.encode()  # its own answer, never another tenant's
+                    continue
+                await cache.store.put(found.key, Entry("whole", True, body=tenant.encode()).encode(), 60)
+        for tenant in tenants:
+            for question in questions:
+                found = await cache.lookup(tenant, "m", "/v1/chat/completions", _body(question), None)
+                assert found is not None and found.hit is not None and found.hit.body == tenant.encode()
+
+    asyncio.run(run())
+
+
+def _body(question: str) -> bytes:
+    import orjson
+
+    return orjson.dumps({"model": "m", "messages": [{"role": "user", "content": question}], "temperature": 0})
