@@ -13,6 +13,7 @@ from typing import Any
 from aiohttp import web
 from pydantic import ValidationError
 
+from corral.cache import ExactCache
 from corral.config import parse_spec
 from corral.gateway.clients import ClientAddresses
 from corral.gateway.services import GatewayServices, ReplicaControl
@@ -137,19 +138,14 @@ class AdminViews:
     async def cache_stats(self, request: web.Request) -> web.Response:
         """The response cache's store (entries, bytes; Redis: failures) and which models cache."""
         self.check(request)
-        cache = self._services.cache
-        if cache is None:
-            raise NotSupported("This gateway has no response cache.")
+        cache = self._cache()
         models = sorted(m for m, p in cache.policies.items() if p.exact)
         return web.json_response({"store": cache.store.stats(), "models": models})
 
     async def cache_purge(self, request: web.Request) -> web.Response:
         """Remove cached answers: `?tenant=` and/or `?model=` (both absent: everything)."""
         self.check(request)
-        cache = self._services.cache
-        if cache is None:
-            raise NotSupported("This gateway has no response cache.")
-        removed = await cache.store.purge(request.query.get("tenant"), request.query.get("model"))
+        removed = await self._cache().store.purge(request.query.get("tenant"), request.query.get("model"))
         return web.json_response({"removed": removed})
 
     async def rollouts(self, request: web.Request) -> web.Response:
@@ -185,6 +181,11 @@ class AdminViews:
         except ValueError as exc:  # SpecError, ApplyError: what to change, in one message
             raise InvalidRequest(str(exc), param="spec") from None
         return web.json_response({"changes": changes})
+
+    def _cache(self) -> ExactCache:
+        if self._services.cache is None:
+            raise NotSupported("This gateway has no response cache.")
+        return self._services.cache
 
     def _control(self) -> ReplicaControl:
         control = self._services.control
