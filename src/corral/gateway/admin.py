@@ -205,6 +205,7 @@ class AdminViews:
             "decisions": list(self._router.decisions)[-50:],
             "rollouts": replicas.rollouts,
             "events": list(replicas.events)[-30:],
+            "cache": self._services.cache.store.stats() if self._services.cache is not None else None,
         }
         return web.json_response(body)
 

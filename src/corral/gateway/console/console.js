@@ -153,8 +153,12 @@ function drawReplicas(routing) {
       r.running, r.waiting, percent(r.kv_usage), percent(r.prefix_cache_hit_rate), r.circuit, r.restarts, r.served,
     ]),
   );
+  const cache = routing.cache;
   document.getElementById("policies").textContent =
-    "policies: " + Object.entries(routing.policies).map(([m, p]) => m + " → " + p).join(", ");
+    "policies: " + Object.entries(routing.policies).map(([m, p]) => m + " → " + p).join(", ") +
+    (cache && cache.entries !== undefined
+      ? " · response cache: " + cache.entries + " answers, " + (cache.bytes / 1048576).toFixed(1) + " MiB"
+      : cache ? " · response cache: " + cache.backend : "");
   fill(
     "decisions",
     routing.decisions.slice(-12).reverse().map((d) => [
