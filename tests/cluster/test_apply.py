@@ -131,7 +131,7 @@ def test_apply_adds_removes_and_scales_without_failing_a_request(tmp_path: Path)
         assert replicas(cluster) == {"alpha-0": "ready"}  # a live setting: no replica changed
         refused = apply(cluster, spec(tmp_path, "gateway.yaml", alpha=1, beta=False, read_timeout=60))
         assert refused.returncode == 1, refused.stderr
-        assert "changing gateway needs a restart" in refused.stderr
+        assert "changing gateway.read_timeout needs a restart" in refused.stderr
         assert "Traceback" not in refused.stderr
         assert replicas(cluster) == {"alpha-0": "ready"}
         time.sleep(1)
@@ -142,3 +142,54 @@ def test_apply_adds_removes_and_scales_without_failing_a_request(tmp_path: Path)
         cluster.stop()
     assert failures == []
     assert served[0] > 20
+
+
+LIVE = """
+supervisor: {{probe_interval: 0.5}}
+auth: {{open: true}}
+queue: {{max_queued: {queued}, timeout: 60}}
+gateway: {{routing: {routing}}}
+models:
+  - name: alpha
+    arch: llama-3.1-8b
+    deployments: [{{engine: sim, replicas: 1, gpu: l4, time_scale: 2, max_num_seqs: 1}}]
+"""
+
+
+def burst(cluster: RunningCluster, count: int) -> list[str]:
+    """`count` requests at once to a replica with one slot: what each ended as."""
+    outcomes: list[str] = []
+
+    def one() -> None:
+        client = openai.OpenAI(base_url=cluster.base_url, api_key="none", max_retries=0, timeout=120)
+        try:
+            client.chat.completions.create(
+                model="alpha", messages=[{"role": "user", "content": "hi"}], max_tokens=48
+            )
+            outcomes.append("ok")
+        except openai.APIStatusError as exc:
+            outcomes.append(f"{exc.status_code} {exc.body.get('code') if isinstance(exc.body, dict) else ''}")
+
+    threads = [threading.Thread(target=one) for _ in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    return sorted(outcomes)
+
+
+def test_queue_bounds_and_the_default_routing_policy_change_live(tmp_path: Path) -> None:
+    start = tmp_path / "live.yaml"
+    start.write_text(LIVE.format(queued=64, routing="least_outstanding_requests"))
+    cluster = start_cluster(tmp_path, start)
+    try:
+        assert burst(cluster, 3) == ["ok", "ok", "ok"]  # two wait in the queue for the one slot
+        changed = tmp_path / "changed.yaml"
+        changed.write_text(LIVE.format(queued=0, routing="round_robin"))
+        applied = apply(cluster, changed)
+        assert applied.returncode == 0 and "cluster_settings: queue,gateway" in applied.stderr, applied.stderr
+        assert get_json(cluster.url + "/admin/routing")[1]["policies"]["alpha"] == "round_robin"
+        assert burst(cluster, 3) == ["503 queue_full", "503 queue_full", "ok"]  # no queue any more
+        assert replicas(cluster) == {"alpha-0": "ready"}
+    finally:
+        cluster.stop()

@@ -109,6 +109,10 @@ class FairQueue:
         self._queues: dict[str, _ModelQueue] = {}
         self._ticker: asyncio.Task[None] | None = None
 
+    def configure(self, max_queued: int, timeout: float) -> None:
+        """New bounds (a live `corral apply`): requests already waiting keep their place."""
+        self._max, self._timeout = max_queued, timeout
+
     def start(self) -> None:
         self._ticker = asyncio.create_task(self._tick(), name="queue-ticker")
 

@@ -170,6 +170,7 @@ async def _serve(spec: ClusterSpec, paths: Paths, prepared: list[tuple[str, Any,
         supervisor,
         lambda model: apply_model_settings(router, services, model_settings(model)),
         services.queue.pressure,
+        lambda wanted: apply_cluster_settings(router, services, cluster_settings(wanted)),
     )
     gateway = GatewayServer(spec.gateway, router, services)
     if spec.auth.open:
@@ -210,7 +211,12 @@ async def _serve_workers(
     # The workers' admin API asks this process's reconciler over the control socket (apply, drain,
     # rollouts); their queues reach its autoscaler the same way.
     reconciler = pool.control = _reconciler(
-        spec, paths, supervisor, lambda model: pool.announce_model(model_settings(model)), pool.pressure
+        spec,
+        paths,
+        supervisor,
+        lambda model: pool.announce_model(model_settings(model)),
+        pool.pressure,
+        lambda wanted: pool.announce_cluster(cluster_settings(wanted)),
     )
     try:
         port = pool.reserve(spec.gateway.host, spec.gateway.port)
@@ -260,6 +266,27 @@ def model_settings(model: Any) -> dict[str, Any]:
     }
 
 
+def cluster_settings(spec: ClusterSpec) -> dict[str, Any]:
+    """What every gateway takes live from a new spec: queue bounds, rate limits, routing policies."""
+    return {
+        "queue": spec.queue.model_dump(mode="json"),
+        "limits": spec.limits.model_dump(mode="json"),
+        "routing": spec.gateway.routing,
+        "models": {m.name: m.routing for m in spec.models},
+    }
+
+
+def apply_cluster_settings(router: Any, services: Any, settings: dict[str, Any]) -> None:
+    """Take a new spec's live cluster settings in a gateway (this process's, or a worker's)."""
+    from corral.config import LimitsSettings, QueueSettings
+
+    queue = QueueSettings.model_validate(settings["queue"])
+    services.reconfigure(queue, LimitsSettings.model_validate(settings["limits"]))
+    router.set_default(settings["routing"])
+    for name, policy in settings["models"].items():
+        router.set_policy(name, policy)
+
+
 def apply_model_settings(router: Any, services: Any, settings: dict[str, Any]) -> None:
     """Tell a gateway (this process's, or a worker's) a new model's routing policy, failover mode and
     tokenizer before it is served."""
@@ -275,10 +302,12 @@ def apply_model_settings(router: Any, services: Any, settings: dict[str, Any]) -
         services.token_counters[name] = TokenCounter(Path(settings["tokenizer"]))
 
 
-def _reconciler(spec: ClusterSpec, paths: Paths, supervisor: Any, on_model: Any, pressure: Any) -> Any:
+def _reconciler(
+    spec: ClusterSpec, paths: Paths, supervisor: Any, on_model: Any, pressure: Any, on_cluster: Any
+) -> Any:
     """What `corral apply` and `rollout` talk to, and the autoscaler's owner: prepares new deployments
     (blocking, in a thread), has the gateway(s) learn a model's settings (`on_model`) before it is served,
-    and reads the gateways' queues (`pressure`)."""
+    reads the gateways' queues (`pressure`) and hands them live cluster settings (`on_cluster`)."""
     from corral.cluster.reconcile import Reconciler
     from corral.engines import engine_named
 
@@ -289,7 +318,7 @@ def _reconciler(spec: ClusterSpec, paths: Paths, supervisor: Any, on_model: Any,
         engine = engine_named(deployment.engine)
         return engine, engine.prepare(model, deployment, paths, report)
 
-    return Reconciler(supervisor, spec, prepare, on_model, pressure)
+    return Reconciler(supervisor, spec, prepare, on_model, pressure, on_cluster)
 
 
 def _stop_on_signals() -> asyncio.Event:

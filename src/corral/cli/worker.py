@@ -88,7 +88,7 @@ async def _report(writer: asyncio.StreamWriter, queue: Any, replicas: Any) -> No
 
 
 async def _work(control: Path, index: int) -> None:
-    from corral.cli.up import apply_model_settings, router_for, services_for
+    from corral.cli.up import apply_cluster_settings, apply_model_settings, router_for, services_for
     from corral.gateway import GatewayServer
     from corral.routing import ReplicaSet
     from corral.routing.sync import apply_snapshot
@@ -123,6 +123,8 @@ async def _work(control: Path, index: int) -> None:
                 remote.answered(message)
             elif "model_settings" in message:
                 apply_model_settings(router, services, message["model_settings"])
+            elif "cluster_settings" in message:
+                apply_cluster_settings(router, services, message["cluster_settings"])
             else:
                 apply_snapshot(replicas, line, index, workers)
         logger.warning("gateway worker %d: the control socket closed; stopping", index)

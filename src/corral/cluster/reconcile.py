@@ -33,6 +33,7 @@ logger = logging.getLogger(__name__)
 Prepare = Callable[[ModelSpec, DeploymentSpec], tuple[EngineAdapter, list[LaunchPlan]]]
 Group = tuple[int, EngineAdapter, list[LaunchPlan]]  # a deployment's index, engine and launch plans
 _LIVE_MODEL_FIELDS = ("routing", "tokenizer", "slo", "mid_stream_failover", "rollout", "cache")
+_LIVE_SECTIONS = ("queue", "limits")  # and gateway.routing: cluster settings every gateway takes live
 
 
 class ApplyError(ValueError):
@@ -41,7 +42,7 @@ class ApplyError(ValueError):
 
 @dataclass(frozen=True)
 class Change:
-    action: str  # add_model | remove_model | scale_up | scale_down | settings | rollout
+    action: str  # cluster_settings | add_model | remove_model | scale_up | scale_down | settings | rollout
     model: str
     group: int = 0  # the deployment's index in the model's `deployments`
     count: int = 0  # replicas added or removed
@@ -55,15 +56,24 @@ def plan_changes(running: ClusterSpec, wanted: ClusterSpec) -> list[Change]:
     sections = [
         name
         for name in ClusterSpec.model_fields
-        if name != "models" and getattr(running, name) != getattr(wanted, name)
+        if name not in ("models", "gateway", *_LIVE_SECTIONS)
+        and getattr(running, name) != getattr(wanted, name)
+    ]
+    sections += [
+        f"gateway.{name}"
+        for name in type(running.gateway).model_fields
+        if name != "routing" and getattr(running.gateway, name) != getattr(wanted.gateway, name)
     ]
     if sections:
         raise ApplyError(
-            f"changing {', '.join(sections)} needs a restart of corral up (apply changes models)"
+            f"changing {', '.join(sections)} needs a restart of corral up (apply changes models, queue, "
+            "limits and gateway.routing)"
         )
+    live = [name for name in (*_LIVE_SECTIONS, "gateway") if getattr(running, name) != getattr(wanted, name)]
     before = {m.name: m for m in running.models}
     after = {m.name: m for m in wanted.models}
-    changes = [Change("remove_model", name) for name in before if name not in after]
+    changes = [Change("cluster_settings", ",".join(live))] if live else []
+    changes += [Change("remove_model", name) for name in before if name not in after]
     for name, model in after.items():
         old = before.get(name)
         if old is None:
@@ -117,12 +127,14 @@ class Reconciler:
         prepare: Prepare,
         on_model: Callable[[ModelSpec], None],
         pressure: Pressure | None = None,
+        on_cluster: Callable[[ClusterSpec], None] | None = None,
     ) -> None:
         self._supervisor = supervisor
         self._replicas = supervisor.replicas
         self.spec = spec
         self._prepare = prepare
         self._on_model = on_model
+        self._on_cluster = on_cluster or (lambda spec: None)
         self._lock = asyncio.Lock()
         self.autoscaler = Autoscaler(supervisor, pressure or (lambda: {}))
         self._rollouts: dict[str, Rollout] = {}
@@ -203,6 +215,8 @@ class Reconciler:
                 )
             except Exception as exc:  # a model that cannot be fetched or built: nothing changed
                 raise ApplyError(f"cannot prepare the new spec (nothing changed): {exc}") from exc
+            if changes and changes[0].action == "cluster_settings":
+                self._on_cluster(wanted)  # queue bounds, rate limits, the default routing policy
             self._add(additions, added, models)
             for change in changes:
                 if change.action == "settings":

@@ -241,9 +241,15 @@ class WorkerPool:
         finally:
             writer.close()
 
+    def announce_cluster(self, settings: dict[str, Any]) -> None:
+        """Tell every worker (and each that connects later) new live cluster settings."""
+        self._announce(orjson.dumps({"cluster_settings": settings}) + b"\n")
+
     def announce_model(self, settings: dict[str, Any]) -> None:
         """Tell every worker (and each that connects later) a new model's gateway settings."""
-        line = orjson.dumps({"model_settings": settings}) + b"\n"
+        self._announce(orjson.dumps({"model_settings": settings}) + b"\n")
+
+    def _announce(self, line: bytes) -> None:
         self._announced.append(line)
         for worker in self._workers:
             if worker.writer is not None and not worker.writer.is_closing():

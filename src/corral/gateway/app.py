@@ -97,7 +97,8 @@ def build_app(
                 await metrics.stop()
                 await services.queue.stop()
                 await usage.stop()
-                await services.limiter.close()
+                for limiter in (*services.retired, services.limiter):
+                    await limiter.close()
 
     app.cleanup_ctx.append(lifecycle)
     return app

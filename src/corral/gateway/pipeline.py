@@ -278,8 +278,9 @@ class Pipeline:
         """Reserve the request and its tokens (input estimate + max output) before any work starts."""
         try:
             await self._services.budget.check(principal, ctx.route.tokens)
+            limiter = ctx.limiter = self._services.limiter  # settled by the same, even if replaced live
             try:
-                return await self._services.limiter.reserve(principal, ctx.route.tokens)
+                return await limiter.reserve(principal, ctx.route.tokens)
             except LimiterUnavailable as exc:
                 self._metrics.limiter_errors.inc()
                 if self._services.limits_fail_open:
@@ -316,7 +317,7 @@ class Pipeline:
             kept = reservation.tokens if reached_engine and status < 500 else 0
             actual = used if used or ctx.cached else kept
             try:
-                await self._services.limiter.settle(reservation, actual)
+                await (ctx.limiter or self._services.limiter).settle(reservation, actual)
             except LimiterUnavailable as exc:  # a Redis hiccup must not turn a served answer into an error
                 self._metrics.limiter_errors.inc()
                 logger.warning(

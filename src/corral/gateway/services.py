@@ -62,6 +62,21 @@ class GatewayServices:
     failover_modes: dict[str, str] = field(default_factory=dict)  # model → mid_stream_failover
     control: ReplicaControl | None = None  # the supervisor, when it runs in this process
     cache: ExactCache | None = None  # answers repeated requests (models with cache.exact)
+    limits: LimitsSettings | None = None  # what `limiter` was built from (a live apply compares)
+    retired: list[Limiter] = field(default_factory=list)  # limiters replaced by a live apply
+
+    def reconfigure(self, queue: QueueSettings, limits: LimitsSettings) -> Limiter | None:
+        """New queue bounds and rate-limit settings from a live `corral apply`. A changed limits section
+        gets a new limiter (counts start afresh); requests admitted by the old one settle with it. Returns
+        the old limiter, for the caller to close once those are done."""
+        self.queue.configure(queue.max_queued, queue.timeout)
+        self.tokens_per_byte = limits.tokens_per_char
+        self.limits_fail_open = limits.on_redis_error == "open"
+        if limits == self.limits:
+            return None
+        old, self.limiter, self.limits = self.limiter, _limiter(limits), limits
+        self.retired.append(old)  # closed at shutdown: requests it admitted may still settle with it
+        return old
 
     @classmethod
     def build(
@@ -80,11 +95,7 @@ class GatewayServices:
     ) -> GatewayServices:
         engine = open_database(store.url or database_url)
         keys, usage = KeyStore(engine), UsageStore(engine)
-        limiter: Limiter = (
-            RedisLimiter(limits.redis_url, limits.window_s, timeout=limits.redis_timeout)
-            if limits.backend == "redis"
-            else MemoryLimiter(limits.window_s)
-        )
+        limiter = _limiter(limits)
         return cls(
             keys=keys,
             usage_store=usage,
@@ -101,7 +112,14 @@ class GatewayServices:
             token_counters={model: TokenCounter(path) for model, path in (tokenizers or {}).items()},
             failover_modes=failover_modes or {},
             cache=_cache(cache or CacheSettings(), cache_policies or {}),
+            limits=limits,
         )
+
+
+def _limiter(limits: LimitsSettings) -> Limiter:
+    if limits.backend == "redis":
+        return RedisLimiter(limits.redis_url, limits.window_s, timeout=limits.redis_timeout)
+    return MemoryLimiter(limits.window_s)
 
 
 def _cache(settings: CacheSettings, policies: dict[str, ModelCacheSpec]) -> ExactCache:

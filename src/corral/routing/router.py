@@ -46,6 +46,10 @@ class Router:
         self._prefills = PrefillTracker()
         self._coalesce = coalesce_prefills
 
+    def set_default(self, name: str) -> None:
+        """A new default policy (a live `corral apply`); models are then set again with `set_policy`."""
+        self._default = name
+
     def set_policy(self, model: str, name: str | None) -> None:
         """Route `model` by policy `name` (None: the default); for a model added to a running cluster."""
         self._policies[model] = policy_named(name or self._default)
