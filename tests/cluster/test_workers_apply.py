@@ -114,6 +114,21 @@ def test_apply_and_drain_through_gateway_workers(tmp_path: Path) -> None:
             ),
             "beta left both workers' /v1/models",
         )
+        routed = write(tmp_path, "routed.yaml", 2, beta=False)
+        routed.write_text(
+            routed.read_text().replace(
+                "gateway: {workers: 2}", "gateway: {workers: 2, routing: power_of_two}"
+            )
+        )
+        changed = run("apply", "-f", str(routed), "--url", cluster.url)
+        assert changed.returncode == 0 and "cluster_settings: gateway" in changed.stderr, changed.stderr
+        wait_for(
+            lambda: all(
+                v["policies"]["llama-8b"] == "power_of_two"
+                for v in per_worker(cluster, "/admin/routing").values()
+            ),
+            "both workers route by the new default policy",
+        )
         missing = run("drain", "llama-8b-9", "--url", cluster.url)
         assert missing.returncode == 1 and "404" in missing.stderr and "llama-8b-9" in missing.stderr
     finally:
