@@ -48,7 +48,9 @@ async def engine() -> AsyncIterator[str]:
     await fleet.stop()
 
 
-async def gateway(engine: str, tmp_path: Path, cache: CacheSettings, charge: str = "tokens") -> Gateway:
+async def gateway(
+    engine: str, tmp_path: Path, cache: CacheSettings, policy: ModelCacheSpec | None = None
+) -> Gateway:
     replicas = ReplicaSet()
     replicas.add(Replica(id="m-0", model="m", engine="sim", url=engine, state=ReplicaState.READY))
     services = GatewayServices.build(
@@ -59,7 +61,7 @@ async def gateway(engine: str, tmp_path: Path, cache: CacheSettings, charge: str
         *_defaults(),
         admin_key=ADMIN,
         cache=cache,
-        cache_policies={"m": ModelCacheSpec(exact=True, charge=charge)},  # type: ignore[arg-type]
+        cache_policies={"m": policy or ModelCacheSpec(exact=True)},
     )
     server = GatewayServer(GatewaySettings(port=0), Router(replicas), services)
     await server.start()
@@ -72,10 +74,12 @@ def _defaults() -> tuple[object, object]:
     return LimitsSettings(), QueueSettings()
 
 
-async def key_for(gw: Gateway, tenant: str) -> str:
+async def key_for(gw: Gateway, tenant: str, **limits: int) -> str:
     async with aiohttp.ClientSession() as session:
         async with session.post(
-            gw.url + "/admin/keys", json={"tenant": tenant}, headers={"Authorization": f"Bearer {ADMIN}"}
+            gw.url + "/admin/keys",
+            json={"tenant": tenant, **limits},
+            headers={"Authorization": f"Bearer {ADMIN}"},
         ) as response:
             return str((await response.json())["key"])
 
@@ -211,3 +215,61 @@ def _body(question: str) -> bytes:
     import orjson
 
     return orjson.dumps({"model": "m", "messages": [{"role": "user", "content": question}], "temperature": 0})
+
+
+async def test_what_a_hit_costs_follows_the_charge_policy(engine: str, tmp_path: Path) -> None:
+    """A key allowed 400 tokens a minute: each answer here costs about 60 (its prompt and 24 output
+    tokens, reserved as prompt + max_tokens). Hits charged by their tokens run the budget out; hits
+    charged as requests only do not."""
+    for charge, limited in (("tokens", True), ("request", False)):
+        gw = await gateway(engine, tmp_path, CacheSettings(), ModelCacheSpec(exact=True, charge=charge))
+        try:
+            c = client(gw, await key_for(gw, f"t-{charge}", tpm=400))
+            await ask(c, HI, stream=False)
+            await gw.services.cache.flush()  # type: ignore[union-attr]
+            refused = 0
+            for _ in range(12):
+                try:
+                    assert (await ask(c, HI, stream=False))[1] == "hit"
+                except openai.RateLimitError:
+                    refused += 1
+            assert (refused > 0) is limited, (charge, refused)
+        finally:
+            await gw.server.stop()
+
+
+async def test_sampled_requests_cache_when_the_model_allows_and_a_dead_redis_is_a_miss(
+    engine: str, tmp_path: Path
+) -> None:
+    sampled = ModelCacheSpec(exact=True, deterministic_only=False)
+    gw = await gateway(engine, tmp_path, CacheSettings(), sampled)
+    try:
+        c = client(gw, await key_for(gw, "s"))
+        assert (await ask(c, HI, stream=False, temperature=0.9))[1] == "miss"
+        await gw.services.cache.flush()  # type: ignore[union-attr]
+        assert (await ask(c, HI, stream=False, temperature=0.9))[1] == "hit"
+    finally:
+        await gw.server.stop()
+    dead = CacheSettings(backend="redis", redis_url="redis://127.0.0.1:1/0", redis_timeout=0.2)
+    gw = await gateway(engine, tmp_path, dead)
+    try:
+        c = client(gw, await key_for(gw, "d"))
+        content, state, _ = await ask(c, HI, stream=False)
+        assert content and state == "miss"  # answered by the engine; the cache's failure is logged
+        await gw.services.cache.flush()  # type: ignore[union-attr]
+        assert gw.services.cache.store.stats()["failures"] >= 2  # type: ignore[union-attr]
+    finally:
+        await gw.server.stop()
+
+
+async def test_the_memory_store_keeps_its_byte_bound_and_entries_expire() -> None:
+    store = MemoryStore(max_bytes=100)
+    for i in range(5):
+        await store.put(f"t/m/{i}", b"x" * 30, ttl_s=60)
+    assert store.stats()["bytes"] == 90 and store.stats()["entries"] == 3  # the oldest two went
+    assert await store.get("t/m/0") is None and await store.get("t/m/4") == b"x" * 30
+    await store.put("t/m/big", b"y" * 101, ttl_s=60)  # larger than the whole store: not kept
+    assert await store.get("t/m/big") is None
+    await store.put("t/m/short", b"z", ttl_s=0.05)
+    await asyncio.sleep(0.1)
+    assert await store.get("t/m/short") is None
