@@ -3,7 +3,9 @@
 A streamed answer is kept as its events (the engine's own chunking, without the usage chunk and `[DONE]`)
 plus its usage; a whole answer as its JSON body. A stream request served from a whole answer gets the
 answer as one role-and-content chunk and a finish chunk; a whole request served from a stream gets the
-stream's deltas joined. Answers with tool calls or several choices are only replayed as they were stored.
+stream's deltas joined. An answer with anything else (tool calls, logprobs, reasoning, a refusal, several
+choices) is only replayed the way it was stored. Only an answer that said it ended (a finish reason) and
+carries no error is kept.
 """
 
 from __future__ import annotations
@@ -67,8 +69,13 @@ class Entry:
         return _joined(self.events, self.chat, self.usage)
 
 
-def entry_from_whole(body: bytes, chat: bool) -> Entry:
+def entry_from_whole(body: bytes, chat: bool) -> Entry | None:
+    """The entry for a whole answer; None unless it is a JSON answer with choices that ended."""
     data = orjson.loads(body)
+    if not isinstance(data, dict) or not data.get("choices"):
+        return None
+    if not all(isinstance(c, dict) and c.get("finish_reason") for c in data["choices"]):
+        return None
     return Entry("whole", chat, body=body, usage=data.get("usage"))
 
 
@@ -77,15 +84,25 @@ def entry_from_stream(written: list[bytes], chat: bool, usage: dict[str, Any] | 
     events = [e.strip() for e in b"".join(written).split(_SEP) if e.strip()]
     if not events or events[-1] != _DONE:
         return None
-    kept = []
+    kept: list[bytes] = []
+    finished = False
     for event in events[:-1]:
-        if not event.startswith(b"data: {"):
-            return None  # an error event or a comment: not an answer to keep
+        if not event.startswith(b"data: {") or b"\n" in event:
+            return None  # a comment or an event of several lines: not a plain answer
         data = orjson.loads(event[6:])
-        if not data.get("choices") and "usage" in data:
+        if not isinstance(data, dict) or "error" in data or data.get("object") == "error":
+            return None  # the engine failed mid-answer (vLLM sends an error event, then [DONE])
+        choices = data.get("choices")
+        if not choices and "usage" in data:
             continue  # the usage chunk: made again on replay for clients that ask
+        if "usage" in data:  # usage on a content chunk (llama.cpp): kept apart, given only if asked
+            data.pop("usage")
+            event = b"data: " + orjson.dumps(data)
+        finished = finished or any(c.get("finish_reason") for c in choices or [])
         kept.append(event)
-    return Entry("stream", chat, events=tuple(kept), usage=usage) if kept else None
+    if not kept or not finished:
+        return None  # an answer that never said it ended is not kept
+    return Entry("stream", chat, events=tuple(kept), usage=usage)
 
 
 def _chunks_of(body: bytes, chat: bool) -> list[bytes] | None:
@@ -94,11 +111,13 @@ def _chunks_of(body: bytes, chat: bool) -> list[bytes] | None:
     if len(choices) != 1:
         return None
     choice = choices[0]
+    if _extra(choice, {"index", "message", "text", "finish_reason"}):
+        return None
     head = {k: data.get(k) for k in ("id", "created", "model", "system_fingerprint") if k in data}
     if chat:
         message = choice.get("message") or {}
-        if message.get("tool_calls"):
-            return None
+        if _extra(message, {"role", "content"}):
+            return None  # tool calls, a refusal, reasoning: told only the way they were stored
         delta = {"role": "assistant", "content": message.get("content") or ""}
         kind = "chat.completion.chunk"
         parts = [
@@ -122,10 +141,10 @@ def _joined(events: tuple[bytes, ...], chat: bool, usage: dict[str, Any] | None)
         data = orjson.loads(event[6:])
         head = head or {k: data.get(k) for k in ("id", "created", "model", "system_fingerprint") if k in data}
         for choice in data.get("choices") or []:
-            if choice.get("index", 0) != 0:
+            if choice.get("index", 0) != 0 or _extra(choice, {"index", "delta", "text", "finish_reason"}):
                 return None
             delta = choice.get("delta") or {}
-            if chat and (delta.get("tool_calls") or delta.get("function_call")):
+            if _extra(delta, {"role", "content"}):
                 return None
             text.append((delta.get("content") if chat else choice.get("text")) or "")
             finish = choice.get("finish_reason") or finish
@@ -139,3 +158,9 @@ def _joined(events: tuple[bytes, ...], chat: bool, usage: dict[str, Any] | None)
     if usage is not None:
         answer["usage"] = usage
     return orjson.dumps(answer)
+
+
+def _extra(part: dict[str, Any], known: set[str]) -> bool:
+    """`part` says something besides `known` (logprobs, tool calls, reasoning…) that a conversion would
+    lose."""
+    return any(value is not None and key not in known for key, value in part.items())

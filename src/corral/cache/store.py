@@ -2,7 +2,8 @@
 
 Keys are `<tenant>/<model>/<digest>` (tenant and model percent-quoted), so a purge by tenant or model
 finds its entries in either store. A store that cannot answer (Redis down or slow) is a miss, never an
-error: caching must not fail a request.
+error: caching must not fail a request; after a failure Redis is skipped for a few seconds, so a
+black-holed Redis costs one timeout, not one per request.
 """
 
 from __future__ import annotations
@@ -13,9 +14,15 @@ import urllib.parse
 from collections import OrderedDict
 from typing import Protocol
 
-__all__ = ["CacheStore", "MemoryStore", "RedisStore", "entry_key"]
+__all__ = ["CacheStore", "MemoryStore", "RedisStore", "StoreUnavailable", "entry_key"]
 
 logger = logging.getLogger(__name__)
+
+_SKIP_AFTER_FAILURE_S = 5.0
+
+
+class StoreUnavailable(RuntimeError):
+    """The cache's store did not answer an admin call (a purge)."""
 
 
 def entry_key(tenant: str, model: str, digest: str) -> str:
@@ -91,8 +98,11 @@ class RedisStore:
         self._redis = aioredis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
         self._prefix = prefix
         self._failures = 0
+        self._down_until = 0.0  # after a failure the store is skipped a while: no wait on every request
 
     async def get(self, key: str) -> bytes | None:
+        if time.monotonic() < self._down_until:
+            return None
         try:
             value = await self._redis.get(self._prefix + key)
         except self._errors as exc:
@@ -101,18 +111,24 @@ class RedisStore:
         return value.encode() if isinstance(value, str) else value
 
     async def put(self, key: str, value: bytes, ttl_s: float) -> None:
+        if time.monotonic() < self._down_until:
+            return
         try:
             await self._redis.set(self._prefix + key, value, px=max(1, round(ttl_s * 1000)))
         except self._errors as exc:
             self._failed("put", exc)
 
     async def purge(self, tenant: str | None, model: str | None) -> int:
+        """Remove matching entries; StoreUnavailable when Redis does not answer."""
         pattern = self._prefix + "/".join(
-            [_quote(tenant) if tenant else "*", _quote(model) if model else "*", "*"]
+            [_quote(tenant) if tenant is not None else "*", _quote(model) if model is not None else "*", "*"]
         )
         removed = 0
-        async for key in self._redis.scan_iter(match=pattern, count=500):
-            removed += int(await self._redis.delete(key))
+        try:
+            async for key in self._redis.scan_iter(match=pattern, count=500):
+                removed += int(await self._redis.delete(key))
+        except self._errors as exc:
+            raise StoreUnavailable(f"the cache's Redis did not answer: {exc}") from exc
         return removed
 
     def stats(self) -> dict[str, object]:
@@ -120,6 +136,7 @@ class RedisStore:
 
     def _failed(self, what: str, exc: BaseException) -> None:
         self._failures += 1
+        self._down_until = time.monotonic() + _SKIP_AFTER_FAILURE_S
         logger.warning("response cache %s failed (served without the cache): %s", what, exc)
 
 

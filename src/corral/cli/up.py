@@ -255,7 +255,9 @@ def _supervisor(spec: ClusterSpec, paths: Paths, prepared: list[tuple[str, Any, 
 
 
 def model_settings(model: Any) -> dict[str, Any]:
-    """What a gateway needs to know of a model added to a running cluster, as JSON."""
+    """What a gateway needs to know of a model added to (or changed in) a running cluster, as JSON."""
+    from corral.cluster.reconcile import deployed_digest
+
     tokenizer = str(model.tokenizer) if model.tokenizer is not None else None
     return {
         "name": model.name,
@@ -263,6 +265,7 @@ def model_settings(model: Any) -> dict[str, Any]:
         "failover": model.mid_stream_failover,
         "tokenizer": tokenizer,
         "cache": model.cache.model_dump(mode="json"),
+        "version": deployed_digest(model),
     }
 
 
@@ -298,6 +301,7 @@ def apply_model_settings(router: Any, services: Any, settings: dict[str, Any]) -
     services.failover_modes[name] = settings["failover"]
     if services.cache is not None:
         services.cache.policies[name] = ModelCacheSpec.model_validate(settings["cache"])
+        services.cache.versions[name] = settings["version"]
     if settings["tokenizer"] is not None:
         services.token_counters[name] = TokenCounter(Path(settings["tokenizer"]))
 
@@ -350,6 +354,7 @@ def router_for(spec: ClusterSpec, replicas: Any) -> Any:
 
 def services_for(spec: ClusterSpec, paths: Paths, replicas: Any) -> Any:
     """The gateway's admission services for `spec` (also each gateway worker's)."""
+    from corral.cluster.reconcile import deployed_digest
     from corral.gateway import GatewayServices
     from corral.store import StoreError
 
@@ -366,6 +371,7 @@ def services_for(spec: ClusterSpec, paths: Paths, replicas: Any) -> Any:
             {m.name: m.mid_stream_failover for m in spec.models},
             spec.cache,
             {m.name: m.cache for m in spec.models},
+            {m.name: deployed_digest(m) for m in spec.models},
         )
     except StoreError as exc:
         raise CliError(str(exc)) from None

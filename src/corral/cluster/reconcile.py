@@ -15,10 +15,13 @@ The reconciler owns the control loops that change the running cluster: apply, ro
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+import orjson
 
 from corral.cluster.autoscale import Autoscaler, Pressure
 from corral.cluster.rollout import Rollout, Unit
@@ -26,7 +29,7 @@ from corral.cluster.supervisor import Supervisor
 from corral.config import ClusterSpec, DeploymentSpec, ModelSpec
 from corral.engines import EngineAdapter, LaunchPlan
 
-__all__ = ["ApplyError", "Change", "Reconciler", "plan_changes"]
+__all__ = ["ApplyError", "Change", "Reconciler", "deployed_digest", "plan_changes"]
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +109,12 @@ def _deployed(model: ModelSpec) -> dict[str, Any]:
         deployment.pop("replicas")
         deployment.pop("autoscale")
     return data
+
+
+def deployed_digest(model: ModelSpec) -> str:
+    """A digest of what a model's replicas run (weights, engine, arguments): the response cache keys on it,
+    so answers of an earlier deployment are never served after a rollout."""
+    return hashlib.sha256(orjson.dumps(_deployed(model), option=orjson.OPT_SORT_KEYS)).hexdigest()[:16]
 
 
 def _live(model: ModelSpec) -> dict[str, Any]:

@@ -74,8 +74,9 @@ class GatewaySettings(Strict):
     workers: Annotated[int, Field(ge=1, le=256)] | Literal["auto"] = Field(
         default="auto",
         description="gateway processes sharing the port (SO_REUSEPORT) and one supervisor's replica set; "
-        "more than 1 needs limits.backend: redis. auto: one per core when limits are in Redis and the "
-        "gateway listens beyond loopback (a server), else 1",
+        "more than 1 needs limits.backend: redis (and cache.backend: redis where models cache). auto: one "
+        "per core when limits (and any cache) are in Redis and the gateway listens beyond loopback (a "
+        "server), else 1",
     )
 
     def address_from_here(self) -> str:

@@ -56,15 +56,27 @@ class ClusterSpec(Strict):
                 f"gateway.workers: {self.gateway.workers} needs limits.backend: redis, so that rate limits "
                 "hold across the worker processes (or set workers: 1)"
             )
+        if self.gateway.workers != "auto" and self.gateway.workers > 1 and self.per_worker_cache:
+            raise ValueError(
+                f"gateway.workers: {self.gateway.workers} with cached models needs cache.backend: redis, so "
+                "that the workers share one cache (a purge reaches all of it)"
+            )
         return self
+
+    @property
+    def per_worker_cache(self) -> bool:
+        """Some model caches answers in each gateway process's own memory."""
+        return self.cache.backend == "memory" and any(m.cache.exact for m in self.models)
 
     def gateway_workers(self, cpus: int | None) -> int:
         """How many gateway processes to run: the spec's number, or for `auto` one per core on a server
-        (limits shared in Redis, listening beyond loopback) and 1 otherwise."""
+        (limits shared in Redis, listening beyond loopback, no response cache kept per process) and 1
+        otherwise."""
         workers = self.gateway.workers
         if workers != "auto":
             return workers
-        server = self.limits.backend == "redis" and not is_loopback(self.gateway.host)
+        shared = self.limits.backend == "redis" and not self.per_worker_cache
+        server = shared and not is_loopback(self.gateway.host)
         return max(1, cpus or 1) if server else 1
 
 

@@ -13,11 +13,18 @@ from typing import Any
 from aiohttp import web
 from pydantic import ValidationError
 
-from corral.cache import ExactCache
+from corral.cache import ExactCache, StoreUnavailable
 from corral.config import parse_spec
 from corral.gateway.clients import ClientAddresses
 from corral.gateway.services import GatewayServices, ReplicaControl
-from corral.protocol import InvalidRequest, NotFound, NotSupported, PermissionDenied, Unauthorized
+from corral.protocol import (
+    InvalidRequest,
+    NoCapacity,
+    NotFound,
+    NotSupported,
+    PermissionDenied,
+    Unauthorized,
+)
 from corral.routing import Router
 from corral.store import NewKey
 
@@ -145,7 +152,16 @@ class AdminViews:
     async def cache_purge(self, request: web.Request) -> web.Response:
         """Remove cached answers: `?tenant=` and/or `?model=` (both absent: everything)."""
         self.check(request)
-        removed = await self._cache().store.purge(request.query.get("tenant"), request.query.get("model"))
+        tenant, model = request.query.get("tenant"), request.query.get("model")
+        for name, value in (("tenant", tenant), ("model", model)):
+            if value is not None and not value:
+                raise InvalidRequest(
+                    f"'{name}' is empty: name one, or leave it out to purge all.", param=name
+                )
+        try:
+            removed = await self._cache().store.purge(tenant, model)
+        except StoreUnavailable as exc:
+            raise NoCapacity(str(exc), code="cache_unavailable", retry_after=5) from None
         return web.json_response({"removed": removed})
 
     async def rollouts(self, request: web.Request) -> web.Response:

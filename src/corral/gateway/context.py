@@ -34,6 +34,7 @@ class RequestContext:
     whole: bytes | None = None  # a whole answer's body, kept for the cache when `written` is set
     complete: bool = False  # the stream ended well on its first replica (a cache may keep it)
     cached: bool = False  # answered from the cache
+    charged: bool = True  # a cache hit counts its tokens against limits, budgets and usage
     limiter: Any = None  # the limiter that reserved its budget (settled by the same one)
 
     @property

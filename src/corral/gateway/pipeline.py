@@ -148,7 +148,6 @@ class Pipeline:
         ctx.headers["x-corral-cache"] = lookup.state
         if lookup.hit is None and lookup.keep:
             ctx.written = []
-        self._metrics.cache_lookups.labels(ctx.model, principal.tenant, lookup.state).inc()
         return lookup
 
     async def _replay(
@@ -162,27 +161,30 @@ class Pipeline:
         if entry.chat != chat:
             return None
         data = entry.sse(ctx.client_wants_usage) if ctx.stream else entry.whole()
-        if data is None:
+        if data is None:  # stored the other way and cannot be told this way: the engine answers
+            lookup.hit = None
             ctx.headers["x-corral-cache"] = "miss"
+            ctx.written = [] if lookup.keep else None
             return None
         headers = {"x-corral-cache": "hit"}
+        ctx.usage, ctx.cached = entry.usage, True
         if ctx.stream:
             response = web.StreamResponse(headers={**SSE_HEADERS, **headers})
-            await response.prepare(request)
-            ctx.first_byte_at = time.monotonic()
-            await response.write(data)
-            await response.write_eof()
+            try:
+                await response.prepare(request)
+                await response.write(data)
+                await response.write_eof()
+            except ConnectionResetError:
+                ctx.client_gone = True
         else:
             response = web.Response(body=data, content_type="application/json", headers=headers)
-            ctx.first_byte_at = time.monotonic()
-        ctx.usage, ctx.cached = entry.usage, True
         self._metrics.cache_tokens_saved.labels(ctx.model).inc(entry.tokens)
         return response
 
     def _keep(self, ctx: RequestContext, lookup: CacheLookup) -> None:
         """Keep an answer that ended well (never a truncated stream, an error, or a client that left)."""
         cache = self._services.cache
-        if cache is None or ctx.written is None or ctx.client_gone:
+        if cache is None or ctx.written is None or ctx.client_gone or self._rolling_out(ctx.model):
             return
         chat = isinstance(ctx.body, ChatCompletionRequest)
         if ctx.stream and ctx.complete:
@@ -296,6 +298,11 @@ class Pipeline:
             self._record(ctx, principal, exc.status)
             raise
 
+    def _rolling_out(self, model: str) -> bool:
+        """A rollout of the model is under way: either revision may have answered (not kept)."""
+        state = self._replicas.rollouts.get(model)
+        return state is not None and state.get("phase") not in ("completed", "rolled_back")
+
     async def settle(
         self,
         ctx: RequestContext,
@@ -309,7 +316,7 @@ class Pipeline:
         usage = ctx.usage or {}
         used = int(usage.get("total_tokens") or 0)
         if ctx.cached and lookup is not None and lookup.policy.charge == "request":
-            used = 0
+            used, ctx.charged = 0, False
         if reservation is not None:
             # Tokens the engine reported; when it reported none but worked on the request (a client that
             # went away mid-stream, say), the reservation stands: nothing is refunded for leaving early.
@@ -327,7 +334,7 @@ class Pipeline:
         self._record(ctx, principal, status)
 
     def _record(self, ctx: RequestContext, principal: Principal, status: int) -> None:
-        usage = ctx.usage if ctx.usage is not None and not ctx.cached else {}  # a hit cost no engine tokens
+        usage = ctx.usage or {}
         now = time.monotonic()
         latency = now - ctx.received_at
         ttft = ctx.first_byte_at - ctx.received_at if ctx.first_byte_at is not None else None
@@ -336,8 +343,15 @@ class Pipeline:
         model = ctx.model
         m = self._metrics.of(model)
         m.finished(status, latency)
+        state = ctx.headers.get("x-corral-cache")
+        if state is not None:
+            self._metrics.cache_lookups.labels(model, principal.tenant, state).inc()
+        if ctx.cached:  # no engine tokens; usage keeps what the hit was charged, under replica "cache"
+            charged = ctx.charged
+            input_tokens, output_tokens = (input_tokens, output_tokens) if charged else (0, 0)
+            ttft = None  # a hit's sub-millisecond answer says nothing of the engines (SLO alerts)
         self._metrics.tenant(principal.tenant).finished(status, input_tokens, output_tokens)
-        if status < 400:
+        if status < 400 and not ctx.cached:
             m.input_tokens.inc(input_tokens)
             m.output_tokens.inc(output_tokens)
         if ctx.held:

@@ -92,6 +92,7 @@ class GatewayServices:
         failover_modes: dict[str, str] | None = None,
         cache: CacheSettings | None = None,
         cache_policies: dict[str, ModelCacheSpec] | None = None,
+        cache_versions: dict[str, str] | None = None,
     ) -> GatewayServices:
         engine = open_database(store.url or database_url)
         keys, usage = KeyStore(engine), UsageStore(engine)
@@ -111,7 +112,7 @@ class GatewayServices:
             max_pending_usage=store.max_pending,
             token_counters={model: TokenCounter(path) for model, path in (tokenizers or {}).items()},
             failover_modes=failover_modes or {},
-            cache=_cache(cache or CacheSettings(), cache_policies or {}),
+            cache=_cache(cache or CacheSettings(), cache_policies or {}, cache_versions or {}),
             limits=limits,
         )
 
@@ -122,10 +123,12 @@ def _limiter(limits: LimitsSettings) -> Limiter:
     return MemoryLimiter(limits.window_s)
 
 
-def _cache(settings: CacheSettings, policies: dict[str, ModelCacheSpec]) -> ExactCache:
+def _cache(
+    settings: CacheSettings, policies: dict[str, ModelCacheSpec], versions: dict[str, str]
+) -> ExactCache:
     store: CacheStore = (
         RedisStore(settings.redis_url, settings.redis_timeout)
         if settings.backend == "redis"
         else MemoryStore(settings.max_bytes)
     )
-    return ExactCache(store, dict(policies))
+    return ExactCache(store, dict(policies), dict(versions))
