@@ -104,7 +104,7 @@ def _count_changes(old: ModelSpec, new: ModelSpec) -> list[Change]:
 
 def _deployed(model: ModelSpec) -> dict[str, Any]:
     """What the replicas themselves run: a difference here needs new replicas (a rollout)."""
-    data = model.model_dump(exclude=set(_LIVE_MODEL_FIELDS))
+    data = model.model_dump(mode="json", exclude=set(_LIVE_MODEL_FIELDS))
     for deployment in data["deployments"]:
         deployment.pop("replicas")
         deployment.pop("autoscale")
