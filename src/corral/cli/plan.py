@@ -48,6 +48,9 @@ def plan_command(
     catalog: Annotated[
         list[Path] | None, typer.Option(help="extra catalog YAML (your GPUs, models, prices)")
     ] = None,
+    explain: Annotated[
+        bool, typer.Option("--explain", help="show where the best layout's step time goes (weights, KV, …)")
+    ] = False,
     calibrate: Annotated[
         bool, typer.Option(help="refit the efficiency factors and show each point's error")
     ] = False,
@@ -56,6 +59,8 @@ def plan_command(
     from corral.perf import CatalogError, load_catalog
     from corral.perf.calibration import calibrated_efficiency, fit
     from corral.plan import PlanRequest, plan, plan_json, plan_table, plan_yaml
+    from corral.plan.explain import explain as explain_step
+    from corral.plan.explain import explain_table
 
     if concurrency is not None and request_rate is not None:
         fail("--concurrency and --request-rate are two ways to state the load: give one", 2)
@@ -93,10 +98,17 @@ def plan_command(
         result = plan(request, entries, calibrated_efficiency())
     except CatalogError as exc:
         fail(str(exc), 2)
+    explained = (
+        explain_step(result, result.layouts[0], entries, calibrated_efficiency())
+        if explain and result.fits
+        else None
+    )
     if as_json:
-        print(json.dumps(plan_json(result), indent=2))
+        print(json.dumps({**plan_json(result), **({"explain": explained} if explained else {})}, indent=2))
     elif result.fits:
         Console().print(plan_table(result))
+        if explained is not None:
+            Console().print(explain_table(explained))
     if not result.fits:
         console.print(f"[red]does not fit:[/red] {escape(result.reason or '')}", soft_wrap=True)
     if yaml_out is not None and result.fits:

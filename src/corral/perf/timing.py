@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from corral.perf.catalog import GPU, ModelArch, Quantization
 from corral.perf.memory import kv_bytes_per_token_layer, weight_bytes
 
-__all__ = ["Efficiency", "PerfModel"]
+__all__ = ["Efficiency", "PerfModel", "StepBreakdown"]
 
 
 @dataclass(frozen=True)
@@ -30,6 +30,24 @@ class Efficiency:
     compute: float = 0.9
     step_overhead_s: float = 0.001
     comm_latency_s: float = 15e-6
+
+
+@dataclass(frozen=True)
+class StepBreakdown:
+    """Where one step's time goes (seconds). Per pipeline stage the memory reads (weights, KV) and the
+    compute overlap: the stage takes the larger, `bound` says which; communication and the fixed overhead
+    add to it."""
+
+    weights_s: float  # reading the weights the step touches, all stages
+    kv_s: float  # reading the KV cache the step attends over, all stages
+    compute_s: float  # the step's FLOPs, all stages
+    communication_s: float  # tensor-parallel all-reduces and pipeline hops
+    overhead_s: float  # fixed per step (scheduling, kernel launches), calibrated
+    bound: str  # "memory" or "compute"
+
+    @property
+    def total_s(self) -> float:
+        return max(self.weights_s + self.kv_s, self.compute_s) + self.communication_s + self.overhead_s
 
 
 @dataclass(frozen=True)
@@ -66,9 +84,15 @@ class PerfModel:
     ) -> float:
         """Seconds for one step: `decode_context` is the sum of decode sequences' lengths, `prefill_pairs`
         the (query, key) pairs the prefill chunks attend over."""
-        tokens = decode_tokens + prefill_tokens
-        if tokens == 0:
+        if decode_tokens + prefill_tokens == 0:
             return 0.0
+        return self.breakdown(decode_tokens, decode_context, prefill_tokens, prefill_pairs).total_s
+
+    def breakdown(
+        self, decode_tokens: int, decode_context: int, prefill_tokens: int = 0, prefill_pairs: float = 0.0
+    ) -> StepBreakdown:
+        """The step's time by part (`corral plan --explain`); the parts make up `step_time` exactly."""
+        tokens = decode_tokens + prefill_tokens
         m, eff, shards = self.model, self.efficiency, self.tp * self.pp
         dense, experts = self._weight_split()
         if experts:
@@ -79,16 +103,16 @@ class PerfModel:
         kv_layer = kv_bytes_per_token_layer(m, self.tp, self.kv_dtype_bytes)
         prefill_kv = prefill_pairs / prefill_tokens if prefill_tokens else 0.0  # about the chunks' context
         kv_read = (decode_context + prefill_kv) * kv_layer * m.layers
-        memory = weights / shards + kv_read / self.pp
+        bandwidth = self.gpu.bandwidth_gbs * 1e9 * eff.bandwidth
         attention = 4 * m.layers * m.heads * m.head_dim * (decode_context + prefill_pairs)
         flops = (2 * m.active_params * tokens + attention) / shards
-        stage = max(
-            memory / (self.gpu.bandwidth_gbs * 1e9 * eff.bandwidth),
-            flops / (self.tflops * 1e12 * eff.compute),
-        )
-        stage += self._allreduce(tokens) * 2 * m.layers / self.pp
+        weights_s = self.pp * weights / shards / bandwidth
+        kv_s = kv_read / bandwidth
+        compute_s = self.pp * flops / (self.tflops * 1e12 * eff.compute)
         hop = tokens * m.hidden * 2 / (self.gpu.interconnect_gbs * 1e9) + eff.comm_latency_s
-        return eff.step_overhead_s + self.pp * stage + (self.pp - 1) * hop
+        communication_s = self._allreduce(tokens) * 2 * m.layers + (self.pp - 1) * hop
+        bound = "memory" if weights_s + kv_s >= compute_s else "compute"
+        return StepBreakdown(weights_s, kv_s, compute_s, communication_s, eff.step_overhead_s, bound)
 
     def _allreduce(self, tokens: int) -> float:
         if self.tp == 1:
