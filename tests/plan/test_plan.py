@@ -235,3 +235,15 @@ def test_explain_shows_where_the_step_time_goes() -> None:
         capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "160"},
     )  # fmt: skip
     assert table.returncode == 0 and "one step, by part (ms)" in table.stdout and "decode" in table.stdout
+
+
+def test_when_nothing_fits_the_smallest_change_that_would_is_named() -> None:
+    """Llama-3.1-70B in bf16 on 2×A100-80GB: vLLM runs it at a higher gpu_memory_utilization."""
+    code, data = run_plan("--model", "llama-3.1-70b", "--gpu", "a100-80gb", "--gpus", "2")
+    assert code == 1 and not data["fits"]
+    assert "(fits at gpu_memory_utilization 0.95: " in data["reason"]
+    assert "concurrent 1280-token sequences" in data["reason"]  # the workload's own length
+    code, data = run_plan(
+        "--model", "qwen2.5-72b", "--gpu", "a100-80gb", "--gpus", "2", "--context", "32768",
+    )  # fmt: skip
+    assert code == 1 and "fits at gpu_memory_utilization 0.95 with max_model_len ≤ 6144" in data["reason"]

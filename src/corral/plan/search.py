@@ -188,12 +188,13 @@ def _best_layout(
         need = memory.weights + memory.activation + memory.overhead
         sequence = sequence_kv_bytes(model, context, tp, pp, kv_bytes)
         shortfall = (need + sequence) / memory.budget  # how far from fitting: 1.0 would just fit
+        hint = fit_hint(request, model, quant, context, gpu, tp, pp)
         misses.append(
             (
                 shortfall,
                 f"{gpu.name} TP={tp} PP={pp}: {need / 1e9:.1f} GB of weights and runtime per GPU leave "
                 f"{memory.kv_bytes / 1e9:.2f} GB of the {memory.budget / 1e9:.1f} GB budget for KV, "
-                f"less than one {context}-token sequence",
+                f"less than one {context}-token sequence" + (f" ({hint})" if hint else ""),
             )
         )
         return None
@@ -282,6 +283,58 @@ def _layout(
         overloaded=load.overloaded,
         cost=cost,
     )
+
+
+_UTILIZATIONS = (0.92, 0.95)  # vLLM runs at these when asked; beyond, the CUDA context and spikes OOM
+_KV_DTYPES = ((2.0, "auto"), (1.0, "fp8"))
+
+
+def fit_hint(
+    request: PlanRequest,
+    model: ModelArch,
+    quant: Quantization,
+    context: int,
+    gpu: GPU,
+    tp: int,
+    pp: int,
+) -> str | None:
+    """The smallest change of vLLM's settings that makes a layout hold the model: a higher
+    gpu_memory_utilization first, then a shorter max_model_len (never below the workload's input +
+    output), then an fp8 KV cache; None when none does."""
+    floor = request.input_len + request.output_len
+    lengths = [context] + [n for n in (6144, 4096, 3072, 2048, 1024) if floor <= n < context]
+    for kv_bytes, kv_name in _KV_DTYPES:
+        for length in lengths:
+            for utilization in (request.gpu_memory_utilization, *_UTILIZATIONS):
+                if (utilization, length, kv_bytes) == (request.gpu_memory_utilization, context, 2.0):
+                    continue  # the defaults: already found not to fit
+                memory = memory_plan(
+                    model,
+                    gpu,
+                    quant,
+                    tp=tp,
+                    pp=pp,
+                    gpu_memory_utilization=utilization,
+                    kv_dtype_bytes=kv_bytes,
+                    max_num_batched_tokens=request.max_num_batched_tokens,
+                    max_num_seqs=request.max_num_seqs,
+                )
+                sequences = memory.max_sequences(model, length, tp, pp, kv_bytes)
+                if sequences < 1:
+                    continue
+                changes = (
+                    [f"gpu_memory_utilization {utilization:g}"]
+                    if utilization != request.gpu_memory_utilization
+                    else []
+                )
+                changes += [f"max_model_len ≤ {length}"] if length != context else []
+                changes += [f"kv_cache_dtype {kv_name}"] if kv_bytes != 2.0 else []
+                workload = memory.max_sequences(model, floor, tp, pp, kv_bytes)
+                return (
+                    f"fits at {' with '.join(changes)}: {memory.kv_bytes / 2**30:.1f} GiB KV per GPU, "
+                    f"{workload} concurrent {floor}-token sequences"
+                )
+    return None
 
 
 def _why_nothing(request: PlanRequest, misses: list[tuple[float, str]]) -> str:
