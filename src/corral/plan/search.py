@@ -172,17 +172,7 @@ def _best_layout(
     if model.layers % pp:
         return None
     kv_bytes = 2.0
-    memory = memory_plan(
-        model,
-        gpu,
-        quant,
-        tp=tp,
-        pp=pp,
-        gpu_memory_utilization=request.gpu_memory_utilization,
-        kv_dtype_bytes=kv_bytes,
-        max_num_batched_tokens=request.max_num_batched_tokens,
-        max_num_seqs=request.max_num_seqs,
-    )
+    memory = _memory(request, model, quant, gpu, tp, pp, request.gpu_memory_utilization, kv_bytes)
     max_seqs = memory.max_sequences(model, context, tp, pp, kv_bytes)
     if max_seqs < 1:
         need = memory.weights + memory.activation + memory.overhead
@@ -308,17 +298,7 @@ def fit_hint(
             for utilization in (request.gpu_memory_utilization, *_UTILIZATIONS):
                 if (utilization, length, kv_bytes) == (request.gpu_memory_utilization, context, 2.0):
                     continue  # the defaults: already found not to fit
-                memory = memory_plan(
-                    model,
-                    gpu,
-                    quant,
-                    tp=tp,
-                    pp=pp,
-                    gpu_memory_utilization=utilization,
-                    kv_dtype_bytes=kv_bytes,
-                    max_num_batched_tokens=request.max_num_batched_tokens,
-                    max_num_seqs=request.max_num_seqs,
-                )
+                memory = _memory(request, model, quant, gpu, tp, pp, utilization, kv_bytes)
                 sequences = memory.max_sequences(model, length, tp, pp, kv_bytes)
                 if sequences < 1:
                     continue
@@ -335,6 +315,30 @@ def fit_hint(
                     f"{workload} concurrent {floor}-token sequences"
                 )
     return None
+
+
+def _memory(
+    request: PlanRequest,
+    model: ModelArch,
+    quant: Quantization,
+    gpu: GPU,
+    tp: int,
+    pp: int,
+    utilization: float,
+    kv_bytes: float,
+) -> MemoryPlan:
+    """One GPU's memory for a layout, with the request's scheduler limits."""
+    return memory_plan(
+        model,
+        gpu,
+        quant,
+        tp=tp,
+        pp=pp,
+        gpu_memory_utilization=utilization,
+        kv_dtype_bytes=kv_bytes,
+        max_num_batched_tokens=request.max_num_batched_tokens,
+        max_num_seqs=request.max_num_seqs,
+    )
 
 
 def _why_nothing(request: PlanRequest, misses: list[tuple[float, str]]) -> str:
