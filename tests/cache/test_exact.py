@@ -17,6 +17,7 @@ import aiohttp
 import openai
 import orjson
 import pytest
+from aiohttp import web
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -312,3 +313,48 @@ async def test_a_new_deployment_of_the_model_starts_its_cache_afresh() -> None:
     cache.versions["m"] = "weights-1"
     again = await cache.lookup("t", "m", "/v1/chat/completions", _body("q"), None)
     assert again is not None and again.key == found.key and again.hit is None  # a miss, not an error
+
+
+async def test_a_stream_cut_by_its_replica_is_not_kept(tmp_path: Path) -> None:
+    """An engine that dies mid-answer the first time (it closes the connection after three tokens) and
+    answers whole the second: the client sees the truncation, and the same request afterwards is a miss the
+    engine answers again, not a replay of the cut stream; that whole answer is then kept."""
+    calls = 0
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        nonlocal calls
+        calls += 1
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        head = {"id": f"c{calls}", "object": "chat.completion.chunk", "created": 1, "model": "m"}
+        for word in ("Paris ", "is ", "the "):
+            delta = {"index": 0, "delta": {"content": word}, "finish_reason": None}
+            await response.write(b"data: " + orjson.dumps({**head, "choices": [delta]}) + b"\n\n")
+        if calls == 1:
+            assert request.transport is not None
+            request.transport.close()  # the engine dies mid-answer
+            return response
+        end = {"index": 0, "delta": {}, "finish_reason": "stop"}
+        await response.write(b"data: " + orjson.dumps({**head, "choices": [end]}) + b"\n\n")
+        await response.write(b"data: [DONE]\n\n")
+        return response
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    gw = await gateway(f"http://127.0.0.1:{runner.addresses[0][1]}", tmp_path, CacheSettings())
+    try:
+        c = client(gw, await key_for(gw, "cut"))
+        with pytest.raises(openai.APIError, match="cut short"):
+            await ask(c, HI, stream=True)
+        await gw.services.cache.flush()  # type: ignore[union-attr]
+        assert (await ask(c, HI, stream=True))[1:] == ("miss", 3)
+        await gw.services.cache.flush()  # type: ignore[union-attr]
+        assert (await ask(c, HI, stream=True))[1] == "hit"
+        assert calls == 2
+    finally:
+        await gw.server.stop()
+        await runner.cleanup()
