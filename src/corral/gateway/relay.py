@@ -116,15 +116,18 @@ class Relay:
 
     async def _post(self, replica: Replica, path: str, body: bytes) -> aiohttp.ClientResponse:
         """POST to the replica. An engine may close a pooled keep-alive connection just as it is reused
-        (llama-server closes them after a few seconds or requests): that one disconnect is retried at once
-        on a new connection, since it says nothing about the replica's health."""
+        (llama-server closes them after a few seconds or requests): that one disconnect, seen as a server
+        disconnect or as a body that cannot be written, is retried at once on a new connection, since it
+        says nothing about the replica's health (a refused connection does, and is not)."""
         headers = _with_key(replica.api_key) if replica.api_key else _UPSTREAM_HEADERS
         send = partial(
             self._session.post, replica.url + path, data=body, headers=headers, timeout=self._timeout
         )
         try:
             return await send()
-        except aiohttp.ServerDisconnectedError:
+        except aiohttp.ClientConnectorError:
+            raise
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
             logger.debug("replica %s closed a pooled connection; sending again", replica.id)
         return await send()
 
