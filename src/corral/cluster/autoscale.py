@@ -106,9 +106,6 @@ class Autoscaler:
             self._replicas.on_demand.pop(model, None)
             self._replicas.declared.pop(model, None)
 
-    def settings(self, model: str) -> dict[int, AutoscaleSpec]:
-        return {g: s.spec for (m, g), s in self._groups.items() if m == model}
-
     async def run(self) -> None:
         """Decide for every group each `interval_s` (the smallest of them)."""
         while True:

@@ -129,8 +129,7 @@ class Rollout:
             return
         blue_green = self._policy.strategy == "blue_green"
         first = len(self._units) if blue_green else 1
-        self._replicas.splits[self.model] = TrafficSplit(self.revision, 0.0)
-        new = await self._start(session, self._units[:first])
+        new = await self._start(session, self._units[:first])  # not routable until gated (`admitted`)
         for step, share in enumerate(self._policy.steps, 1):
             if not blue_green:  # one new replica among the old ones takes at most its share by count
                 share = min(share, len(new) / (len(new) + len(old)))

@@ -166,9 +166,6 @@ class TrafficSplit:
         return old or new
 
 
-_LOADING = (ReplicaState.STARTING, ReplicaState.RESTARTING)
-
-
 class ReplicaSet:
     """Replicas by model, with what the control plane says about them: traffic splits during rollouts,
     models held for scale-from-zero, rollout states and the log of changes. Single event loop: no locks,
@@ -247,10 +244,6 @@ class ReplicaSet:
                 found &= replica.features
             self._features[model] = found
         return found
-
-    def loading(self, model: str) -> bool:
-        """Some replica of `model` is on its way to ready (starting or restarting)."""
-        return any(r.state in _LOADING for r in self.of(model))
 
     def retry_after(self, model: str, default: float = 5.0) -> float:
         """Seconds until the soonest (re)starting replica of `model` is expected to be ready."""
