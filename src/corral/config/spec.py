@@ -56,6 +56,7 @@ class ClusterSpec(Strict):
                 f"gateway.workers: {self.gateway.workers} needs limits.backend: redis, so that rate limits "
                 "hold across the worker processes (or set workers: 1)"
             )
+        self._check_embedding_models()
         if self.gateway.workers != "auto" and self.gateway.workers > 1 and self.per_worker_cache:
             raise ValueError(
                 f"gateway.workers: {self.gateway.workers} with cached models needs cache.backend: redis, so "
@@ -63,10 +64,21 @@ class ClusterSpec(Strict):
             )
         return self
 
+    def _check_embedding_models(self) -> None:
+        tasks = {m.name: m.task for m in self.models}
+        for model in self.models:
+            wanted = model.cache.embedding_model if model.cache.semantic else None
+            if wanted is not None and tasks.get(wanted) != "embed":
+                embedders = sorted(n for n, t in tasks.items() if t == "embed")
+                raise ValueError(
+                    f"model {model.name!r}: cache.embedding_model {wanted!r} is not a served embedding model "
+                    f"(one of models[] with task: embed; the spec has {embedders})"
+                )
+
     @property
     def per_worker_cache(self) -> bool:
         """Some model caches answers in each gateway process's own memory."""
-        return self.cache.backend == "memory" and any(m.cache.exact for m in self.models)
+        return self.cache.backend == "memory" and any(m.cache.exact or m.cache.semantic for m in self.models)
 
     def gateway_workers(self, cpus: int | None) -> int:
         """How many gateway processes to run: the spec's number, or for `auto` one per core on a server

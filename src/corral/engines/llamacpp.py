@@ -7,7 +7,7 @@ threads each collapsed throughput (about 117 → 4 tokens/s) under contention.
 
 from __future__ import annotations
 
-from corral.artifacts import Progress, llama_server, resolve_model
+from corral.artifacts import Progress, gguf_from_bert, is_embedding_folder, llama_server, resolve_model
 from corral.config import DeploymentSpec, ModelSpec, Paths
 from corral.engines.base import LaunchPlan, read_gauges
 from corral.routing import EngineFeatures, EngineLoad
@@ -28,6 +28,21 @@ class LlamaCppEngine:
         assert model.source is not None  # the spec guarantees it for engines that load a file
         binary = llama_server(paths, deployment.binary, progress)
         weights = resolve_model(model.source, paths, progress)
+        if is_embedding_folder(weights):
+            weights = gguf_from_bert(weights, paths, progress)
+        # An embedding model reads each input whole in one batch (no causal mask to split it by), and
+        # its vectors come from /v1/embeddings (pooled as the model says, L2-normalised).
+        embed = (
+            (
+                "--embeddings",
+                "--ubatch-size",
+                str(deployment.context_length),
+                "--batch-size",
+                str(deployment.context_length),
+            )
+            if model.task == "embed"
+            else ()
+        )
         argv = (
             str(binary),
             "--model",
@@ -48,6 +63,7 @@ class LlamaCppEngine:
             str(deployment.context_length * deployment.parallel),
             "--metrics",
             "--no-webui",
+            *embed,
             *deployment.engine_args,
         )
         # Measured on llama-server (b1-0c1e570): n > 1 and prompt lists come back with one choice's usage,
@@ -59,6 +75,8 @@ class LlamaCppEngine:
             images=any(arg.startswith("--mmproj") for arg in deployment.engine_args),
             prefill_echo=True,
             token_prompts=True,
+            embeddings=model.task == "embed",
+            matryoshka=model.matryoshka,
         )
         plan = LaunchPlan(
             argv=argv,

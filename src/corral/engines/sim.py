@@ -12,6 +12,8 @@ from corral.routing import EngineFeatures, EngineLoad
 
 __all__ = ["SimEngineAdapter"]
 
+_EMBED_DIM = 384  # an embedding model's vector size unless engine_args say --embed-dim (MiniLM's)
+
 
 class SimEngineAdapter:
     """Launches `python -m corral.cli sim` for each replica."""
@@ -50,6 +52,8 @@ class SimEngineAdapter:
             "--port",
             "{port}",
         ]
+        if model.task == "embed" and "--embed-dim" not in deployment.engine_args:
+            argv += ["--embed-dim", str(_EMBED_DIM)]
         if deployment.quantization:
             argv += ["--quant", deployment.quantization]
         if deployment.max_model_len:
@@ -59,7 +63,14 @@ class SimEngineAdapter:
             capacity=deployment.max_num_seqs,
             context_length=deployment.max_model_len,
             # The simulator answers n > 1 itself; it joins a prompt list into one and has no echo or images.
-            features=EngineFeatures(prompt_lists=False, echo=False, images=False, continuation=False),
+            features=EngineFeatures(
+                prompt_lists=False,
+                echo=False,
+                images=False,
+                continuation=False,
+                embeddings=model.task == "embed",
+                matryoshka=model.matryoshka,
+            ),
         )
         return [plan] * deployment.replicas
 

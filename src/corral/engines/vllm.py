@@ -12,7 +12,7 @@ from corral.artifacts.hf_from_gguf import hf_folder_from_gguf
 from corral.artifacts.vllm_env import vllm_python
 from corral.config import DeploymentSpec, HuggingFaceSource, ModelSpec, Paths
 from corral.engines.base import LaunchPlan, read_gauges
-from corral.routing import EngineLoad
+from corral.routing import EngineFeatures, EngineLoad
 
 __all__ = ["VllmEngine", "parse_vllm_load"]
 
@@ -87,8 +87,9 @@ class VllmEngine:
             str(deployment.max_num_seqs),
             "--max-num-batched-tokens",
             str(deployment.max_num_batched_tokens),
-            "--enable-prefix-caching",
         ]
+        # an embedding model runs vLLM's pooling runner (/v1/embeddings); its prompts are not cached
+        argv += ["--runner", "pooling"] if model.task == "embed" else ["--enable-prefix-caching"]
         optional = {
             "--gpu-memory-utilization": None if cpu else str(deployment.gpu_memory_utilization),
             "--dtype": dtype,
@@ -108,6 +109,7 @@ class VllmEngine:
                 context_length=deployment.max_model_len,
                 api_key=deployment.engine_api_key,
                 startup_s=120.0 if cpu else 600.0,
+                features=EngineFeatures(embeddings=model.task == "embed", matryoshka=model.matryoshka),
             )
             for index in range(deployment.replicas)
         ]

@@ -1,8 +1,8 @@
 """Gateway assembly: routes, the one error boundary, and the app's long-lived objects.
 
-The app serves `/v1/chat/completions`, `/v1/completions`, `/v1/models`, `/health` (process up), `/ready`
-(every model has a ready replica), `/corral/status` (replicas with state and load), `/metrics`
-(Prometheus) and the admin API under `/admin/` (keys, usage, routing state; see admin.py).
+The app serves `/v1/chat/completions`, `/v1/completions`, `/v1/embeddings`, `/v1/models`, `/health`
+(process up), `/ready` (every model has a ready replica), `/corral/status` (replicas with state and load),
+`/metrics` (Prometheus) and the admin API under `/admin/` (keys, usage, routing state; see admin.py).
 """
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ def build_app(
     # The generation routes first: aiohttp tries resources in the order they were added.
     app.router.add_post("/v1/chat/completions", _chat_completions)
     app.router.add_post("/v1/completions", _completions)
+    app.router.add_post("/v1/embeddings", _embeddings)
     app.router.add_get("/health", status.health)
     app.router.add_get("/ready", status.ready)
     app.router.add_get("/v1/models", status.models)
@@ -110,6 +111,10 @@ async def _chat_completions(request: web.Request) -> web.StreamResponse:
 
 async def _completions(request: web.Request) -> web.StreamResponse:
     return await request.app[PIPELINE].completions(request)
+
+
+async def _embeddings(request: web.Request) -> web.StreamResponse:
+    return await request.app[PIPELINE].embeddings(request)
 
 
 @web.middleware

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from corral.protocol import GenerationRequest
+from corral.protocol import EmbeddingRequest, GenerationRequest
 from corral.routing import EngineFeatures, Replica, RouteRequest
 
 __all__ = ["RequestContext"]
@@ -16,7 +16,7 @@ class RequestContext:
     """What the stages know about one generation request; stages fill in their part."""
 
     path: str
-    body: GenerationRequest
+    body: GenerationRequest | EmbeddingRequest
     upstream_body: bytes
     received_at: float
     route: RouteRequest
@@ -36,6 +36,7 @@ class RequestContext:
     cached: bool = False  # answered from the cache
     charged: bool = True  # a cache hit counts its tokens against limits, budgets and usage
     limiter: Any = None  # the limiter that reserved its budget (settled by the same one)
+    lookup: Any = None  # its dealings with the response cache (cache.CacheLookup), when it has some
 
     @property
     def model(self) -> str:

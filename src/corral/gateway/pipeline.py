@@ -13,7 +13,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
+from functools import partial
 
 import orjson
 from aiohttp import web
@@ -21,6 +23,7 @@ from aiohttp import web
 from corral.admission import LimiterUnavailable, Principal, Reservation
 from corral.cache import CacheLookup
 from corral.gateway.context import RequestContext
+from corral.gateway.embeddings import EmbeddingShaper, upstream_body
 from corral.gateway.failover import can_fail_over
 from corral.gateway.fanout import Fanout, check_features, needs_fanout
 from corral.gateway.metrics import GatewayMetrics
@@ -31,6 +34,7 @@ from corral.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
+    EmbeddingRequest,
     InvalidRequest,
     ModelNotFound,
     NoCapacity,
@@ -38,7 +42,7 @@ from corral.protocol import (
     RequestTimeout,
     parse_body,
 )
-from corral.routing import Router, RouteRequest
+from corral.routing import EngineFeatures, Router, RouteRequest
 from corral.store import UsageRecord
 
 __all__ = ["Pipeline"]
@@ -48,6 +52,9 @@ logger = logging.getLogger(__name__)
 _DEFAULT_OUTPUT_ESTIMATE = 256  # tokens, when a request sets no max_tokens
 _LIMITS_RETRY_S = 2.0  # Retry-After when the shared limit store is down and the gateway fails closed
 _CLIENT_GONE = 499  # recorded for a client that went away before its answer ended (nginx's code)
+
+_Parse = Callable[[web.Request], Awaitable[RequestContext]]
+_Answer = Callable[[RequestContext, Principal, web.Request], Awaitable[web.StreamResponse]]
 
 
 class Pipeline:
@@ -72,18 +79,20 @@ class Pipeline:
         self._metrics = metrics
         self._max_body = max_body_bytes
         self._body_timeout = body_timeout
+        self._embeddings = EmbeddingShaper()
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._handle(request, ChatCompletionRequest)
+        return await self._handle(request, partial(self.parse, kind=ChatCompletionRequest), self._answer)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._handle(request, CompletionRequest)
+        return await self._handle(request, partial(self.parse, kind=CompletionRequest), self._answer)
 
-    async def _handle(
-        self, request: web.Request, kind: type[ChatCompletionRequest] | type[CompletionRequest]
-    ) -> web.StreamResponse:
+    async def embeddings(self, request: web.Request) -> web.StreamResponse:
+        return await self._handle(request, self.parse_embeddings, self._embed)
+
+    async def _handle(self, request: web.Request, parse: _Parse, answer: _Answer) -> web.StreamResponse:
         principal = await self._services.auth.authenticate(request.headers.get("Authorization"))
-        ctx = await self.parse(request, kind)
+        ctx = await parse(request)
         try:
             principal.check_model(ctx.model)
         except APIError as exc:
@@ -92,14 +101,8 @@ class Pipeline:
             raise
         reservation = await self.admit(ctx, principal)
         status = 500
-        lookup: CacheLookup | None = None
         try:
-            lookup = await self._look_up(ctx, principal, request)
-            response = await self._replay(ctx, lookup, request) if lookup and lookup.hit else None
-            if response is None:
-                response = await self._generate(ctx, principal, request)
-                if lookup is not None:
-                    self._keep(ctx, lookup)
+            response = await answer(ctx, principal, request)
             status = _CLIENT_GONE if ctx.client_gone else response.status
             return response
         except APIError as exc:
@@ -109,7 +112,35 @@ class Pipeline:
             status = _CLIENT_GONE
             raise
         finally:
-            await self.settle(ctx, principal, reservation, status, lookup)
+            await self.settle(ctx, principal, reservation, status)
+
+    async def _answer(
+        self, ctx: RequestContext, principal: Principal, request: web.Request
+    ) -> web.StreamResponse:
+        """A generation: from the cache where it holds the answer, else from a replica (then kept)."""
+        lookup = ctx.lookup = await self._look_up(ctx, principal, request)
+        response = await self._replay(ctx, lookup, request) if lookup and lookup.hit else None
+        if response is None:
+            response = await self._generate(ctx, principal, request)
+            if lookup is not None:
+                self._keep(ctx, lookup)
+        return response
+
+    async def _embed(
+        self, ctx: RequestContext, principal: Principal, request: web.Request
+    ) -> web.StreamResponse:
+        """Embeddings: a replica's float vectors, told the way the client asked (see embeddings.py)."""
+        body = ctx.body
+        assert isinstance(body, EmbeddingRequest)
+        matryoshka = ctx.features.matryoshka
+        self._embeddings.check(body, matryoshka)
+        response = await self._generate(ctx, principal, request)
+        answer = response.body if isinstance(response, web.Response) else None
+        if response.status != 200 or not isinstance(answer, bytes):
+            return response
+        shaped, ctx.usage = self._embeddings.shape(answer, body, matryoshka)
+        headers = {k: v for k, v in response.headers.items() if k.lower().startswith("x-corral-")}
+        return web.Response(body=shaped, content_type="application/json", headers=headers)
 
     async def _generate(
         self, ctx: RequestContext, principal: Principal, request: web.Request
@@ -196,24 +227,15 @@ class Pipeline:
         self, request: web.Request, kind: type[ChatCompletionRequest] | type[CompletionRequest]
     ) -> RequestContext:
         """Read and validate the body; check the model exists; prepare the upstream body and routing info."""
-        if request.content_length is not None and request.content_length > self._max_body:
-            raise _too_large(self._max_body)
-        try:
-            if request.content.is_eof():  # the body came with the headers (most requests): no timer needed
-                raw = await request.read()
-            else:
-                async with asyncio.timeout(self._body_timeout):
-                    raw = await request.read()
-        except web.HTTPRequestEntityTooLarge as exc:
-            raise _too_large(self._max_body) from exc
-        except TimeoutError as exc:
-            raise RequestTimeout(
-                f"The request body did not arrive within {self._body_timeout:g} s of its headers."
-            ) from exc
+        raw = await self._read(request)
         body = parse_body(kind, raw)
-        if not self._replicas.has_model(body.model):
-            raise ModelNotFound(f"The model '{body.model}' does not exist on this server.", param="model")
-        features = self._replicas.features(body.model)
+        features = self._features_of(body.model)
+        if features.embeddings:
+            raise InvalidRequest(
+                f"The model '{body.model}' is an embedding model: it serves /v1/embeddings only.",
+                param="model",
+                code="model_not_supported",
+            )
         check_features(body, features)
         upstream = _with_usage(raw) if body.stream and not body.include_usage else raw
         asked = (
@@ -247,6 +269,57 @@ class Pipeline:
                 body, self._services.failover_modes.get(body.model, "deterministic"), features.continuation
             ),
         )
+
+    async def parse_embeddings(self, request: web.Request) -> RequestContext:
+        """An embedding request: validated, for an embedding model, sized by its inputs' tokens."""
+        raw = await self._read(request)
+        body = parse_body(EmbeddingRequest, raw)
+        features = self._features_of(body.model)
+        if not features.embeddings:
+            raise InvalidRequest(
+                f"The model '{body.model}' does not make embeddings; ask one of the cluster's embedding "
+                "models (task: embed).",
+                param="model",
+                code="model_not_supported",
+            )
+        counter = self._services.token_counters.get(body.model)
+        tokens = sum(
+            len(item)
+            if isinstance(item, list)
+            else counter.count(item)
+            if counter is not None
+            else max(1, int(len(item.encode()) * self._services.tokens_per_byte))
+            for item in body.inputs
+        )
+        route = RouteRequest(model=body.model, tokens=tokens, session=body.user, prompt_tokens=tokens)
+        return RequestContext(
+            path=request.path,
+            body=body,
+            upstream_body=upstream_body(raw),
+            received_at=time.monotonic(),
+            route=route,
+            features=features,
+        )
+
+    async def _read(self, request: web.Request) -> bytes:
+        if request.content_length is not None and request.content_length > self._max_body:
+            raise _too_large(self._max_body)
+        try:
+            if request.content.is_eof():  # the body came with the headers (most requests): no timer needed
+                return await request.read()
+            async with asyncio.timeout(self._body_timeout):
+                return await request.read()
+        except web.HTTPRequestEntityTooLarge as exc:
+            raise _too_large(self._max_body) from exc
+        except TimeoutError as exc:
+            raise RequestTimeout(
+                f"The request body did not arrive within {self._body_timeout:g} s of its headers."
+            ) from exc
+
+    def _features_of(self, model: str) -> EngineFeatures:
+        if not self._replicas.has_model(model):
+            raise ModelNotFound(f"The model '{model}' does not exist on this server.", param="model")
+        return self._replicas.features(model)
 
     def _check_context(
         self,
@@ -309,12 +382,12 @@ class Pipeline:
         principal: Principal,
         reservation: Reservation | None,
         status: int,
-        lookup: CacheLookup | None = None,
     ) -> None:
         """Correct the reservation to real usage; record usage and metrics. A cache hit costs its tokens or
         only the request, as the model's `cache.charge` says."""
         usage = ctx.usage or {}
         used = int(usage.get("total_tokens") or 0)
+        lookup = ctx.lookup
         if ctx.cached and lookup is not None and lookup.policy.charge == "request":
             used, ctx.charged = 0, False
         if reservation is not None:

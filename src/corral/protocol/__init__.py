@@ -20,6 +20,7 @@ from corral.protocol.errors import (
 from corral.protocol.types import (
     ChatCompletionRequest,
     CompletionRequest,
+    EmbeddingRequest,
     GenerationRequest,
     StreamOptions,
     parse_body,
@@ -29,6 +30,7 @@ __all__ = [
     "APIError",
     "ChatCompletionRequest",
     "CompletionRequest",
+    "EmbeddingRequest",
     "GenerationRequest",
     "InvalidRequest",
     "MethodNotAllowed",

@@ -6,15 +6,24 @@ through to the engine untouched, so engine-specific options keep working.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from corral.protocol.errors import InvalidRequest
 
 __all__ = [
     "ChatCompletionRequest",
     "CompletionRequest",
+    "EmbeddingRequest",
     "GenerationRequest",
     "StreamOptions",
     "parse_body",
@@ -90,7 +99,54 @@ class CompletionRequest(_Generation):
 
 
 GenerationRequest = ChatCompletionRequest | CompletionRequest
-_G = TypeVar("_G", bound=_Generation)
+
+EmbeddingInput = (
+    Annotated[str, Field(min_length=1)]
+    | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=2048)]
+    | Annotated[list[TokenId], Field(min_length=1)]
+    | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1, max_length=2048)]
+)
+
+
+class EmbeddingRequest(_Body):
+    """/v1/embeddings: one input (a string or token ids) or a list of them (OpenAI allows 2048)."""
+
+    model: Annotated[str, Field(min_length=1)]
+    input: EmbeddingInput
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Annotated[int, Field(ge=1)] | None = None
+    user: str | None = None
+
+    # what the pipeline asks of every request: an embedding answer is one JSON body, never a stream
+    stream: ClassVar[bool] = False
+    include_usage: ClassVar[bool] = False
+    n: ClassVar[int] = 1
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _input_shape(cls, value: Any) -> Any:
+        """One clear message for the shapes OpenAI accepts (the union's own errors name its members)."""
+        if isinstance(value, str) and value:
+            return value
+        if isinstance(value, list) and value:
+            if all(isinstance(v, str) and v for v in value) or all(type(v) is int for v in value):
+                return value
+            if all(isinstance(v, list) and v and all(type(t) is int for t in v) for v in value):
+                return value
+        raise ValueError(
+            "input must be a non-empty string, a list of non-empty strings, a list of token ids, or a list "
+            "of token-id lists"
+        )
+
+    @property
+    def inputs(self) -> list[str | list[int]]:
+        value = self.input
+        if isinstance(value, str) or isinstance(value[0], int):
+            return [value]
+        return list(value)
+
+
+_G = TypeVar("_G", bound=_Body)
 
 
 def parse_body(kind: type[_G], body: bytes) -> _G:
@@ -113,4 +169,8 @@ def parse_body(kind: type[_G], body: bytes) -> _G:
 
 def _is_type_tag(part: int | str) -> bool:
     """pydantic adds union members (`str`, `list[str]`) to locations; they are not field names."""
-    return isinstance(part, str) and ("[" in part or part in {"str", "int", "float", "bool"})
+    return isinstance(part, str) and (
+        "[" in part
+        or part in {"str", "int", "float", "bool"}
+        or part.startswith(("constrained-", "function-"))
+    )

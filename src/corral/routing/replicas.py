@@ -58,6 +58,8 @@ class EngineFeatures:
     continuation: bool = True  # continues a trailing assistant message / prompt text (mid-stream failover)
     prefill_echo: bool = False  # continuing a chat, it first sends the continued text back (llama.cpp)
     token_prompts: bool = False  # takes prompts mixing text and token ids, tokenizes at /tokenize (llama.cpp)
+    embeddings: bool = False  # an embedding model: serves /v1/embeddings, not generation
+    matryoshka: bool = False  # its vectors may be shortened (`dimensions`; models[].matryoshka)
 
     def __and__(self, other: EngineFeatures) -> EngineFeatures:
         return EngineFeatures(
@@ -68,6 +70,8 @@ class EngineFeatures:
             self.continuation and other.continuation,
             self.prefill_echo or other.prefill_echo,
             self.token_prompts and other.token_prompts,
+            self.embeddings and other.embeddings,
+            self.matryoshka and other.matryoshka,
         )
 
 

@@ -29,6 +29,7 @@ class SimOptions:
     kv_cache_gib: float | None = None
     enable_prefix_caching: bool = True
     time_scale: float = 1.0
+    embed_dim: int | None = None  # an embedding model making vectors of this size
 
 
 def build_server(options: SimOptions, catalog: Catalog, efficiency: Efficiency) -> SimServer:
@@ -50,4 +51,4 @@ def build_server(options: SimOptions, catalog: Catalog, efficiency: Efficiency) 
         options.served_name or replica.name, replica.perf, replica.config, time_scale=options.time_scale
     )
     max_len = options.max_model_len or min(replica.max_context, replica.kv_tokens)
-    return SimServer(engine, max_model_len=max_len, vocab=replica.vocab)
+    return SimServer(engine, max_model_len=max_len, vocab=replica.vocab, embed_dim=options.embed_dim)

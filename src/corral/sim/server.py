@@ -1,8 +1,9 @@
 """A simulated replica's HTTP face: vLLM's OpenAI-compatible API, `/health`, `/v1/models` and `/metrics`.
 
-Without `max_tokens` a request stops at a simulated end-of-sequence after 16–256 tokens (drawn from its
-seed); with it, it generates exactly `max_tokens` (like vLLM with `ignore_eos`). `stop` strings end the
-text early. Many replicas can share one process and event loop (`SimFleet`).
+With `embed_dim` it is an embedding model instead (sim/embed.py). Without `max_tokens` a request stops at
+a simulated end-of-sequence after 16–256 tokens (drawn from its seed); with it, it generates exactly
+`max_tokens` (like vLLM with `ignore_eos`). `stop` strings end the text early. Many replicas can share one
+process and event loop (`SimFleet`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from corral.protocol import (
     ModelNotFound,
     parse_body,
 )
+from corral.sim.embed import SimEmbedder
 from corral.sim.engine import SimEngine, SimRequest
 from corral.sim.text import TextGenerator, chat_prompt, tokenize
 
@@ -38,16 +40,22 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 class SimServer:
     """One simulated replica."""
 
-    def __init__(self, engine: SimEngine, max_model_len: int, vocab: int = 32000) -> None:
+    def __init__(
+        self, engine: SimEngine, max_model_len: int, vocab: int = 32000, embed_dim: int | None = None
+    ) -> None:
         self.engine = engine
         self.max_model_len = max_model_len
         self.vocab = vocab
         self._seeds = random.Random()
+        self._embedder = SimEmbedder(engine, embed_dim, max_model_len, vocab) if embed_dim else None
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[_errors])
-        app.router.add_post("/v1/chat/completions", self.chat)
-        app.router.add_post("/v1/completions", self.completions)
+        if self._embedder is not None:  # an embedding model, like vLLM's pooling runner: nothing else
+            app.router.add_post("/v1/embeddings", self._embedder.embeddings)
+        else:
+            app.router.add_post("/v1/chat/completions", self.chat)
+            app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics)
