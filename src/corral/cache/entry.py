@@ -28,6 +28,8 @@ class Entry:
     events: tuple[bytes, ...] = ()  # stream: each `data: {...}` event, without its separator
     body: bytes = b""  # whole: the JSON answer
     usage: dict[str, Any] | None = None
+    group: str | None = None  # semantic cache: the digest of everything but the last user turn
+    vector: str | None = None  # semantic cache: that turn's embedding, little-endian float32, base64
 
     def encode(self) -> bytes:
         return orjson.dumps(
@@ -37,6 +39,8 @@ class Entry:
                 "events": [e.decode() for e in self.events],
                 "body": self.body.decode(),
                 "usage": self.usage,
+                "group": self.group,
+                "vector": self.vector,
             }
         )
 
@@ -44,7 +48,25 @@ class Entry:
     def decode(cls, data: bytes) -> Entry:
         raw = orjson.loads(data)
         events = tuple(e.encode() for e in raw["events"])
-        return cls(raw["kind"], raw["chat"], events, raw["body"].encode(), raw["usage"])
+        return cls(
+            raw["kind"],
+            raw["chat"],
+            events,
+            raw["body"].encode(),
+            raw["usage"],
+            raw.get("group"),
+            raw.get("vector"),
+        )
+
+    def text(self) -> str | None:
+        """The answer's text (its first choice), for comparing two answers; None if it has none."""
+        whole = self.whole()
+        if whole is None:
+            return None
+        choices = orjson.loads(whole).get("choices") or [{}]
+        first = choices[0]
+        content = (first.get("message") or {}).get("content") if self.chat else first.get("text")
+        return content if isinstance(content, str) else None
 
     @property
     def tokens(self) -> int:

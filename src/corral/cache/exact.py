@@ -15,14 +15,18 @@ entry it cannot read or keep is a miss, logged.
 from __future__ import annotations
 
 import asyncio
+import base64
+import dataclasses
 import hashlib
 import logging
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import orjson
 
 from corral.cache.entry import Entry, entry_from_stream, entry_from_whole
+from corral.cache.semantic import Embedder, Neighbour, SemanticIndex, ThresholdLearner, Vector
 from corral.cache.store import CacheStore, entry_key
 from corral.config import ModelCacheSpec
 
@@ -42,6 +46,10 @@ class CacheLookup:
     keep: bool
     policy: ModelCacheSpec
     hit: Entry | None = None
+    group: str | None = None  # semantic: the digest of everything but the last user turn
+    vector: Vector | None = None  # semantic: the last user turn's embedding
+    neighbour: Neighbour | None = None  # semantic: the entry that answered (a hit) or is checked
+    check: Entry | None = None  # learned thresholds: the neighbour's answer, compared with the engine's
 
     @property
     def state(self) -> str:
@@ -58,22 +66,30 @@ class ExactCache:
         store: CacheStore,
         policies: dict[str, ModelCacheSpec],
         versions: dict[str, str] | None = None,
+        embedder: Embedder | None = None,
+        embed_timeout: float = 2.0,
+        learner: ThresholdLearner | None = None,
     ) -> None:
         self.store = store
         self.policies = policies
         self.versions = versions if versions is not None else {}  # model → digest of its deployed spec
+        self.embedder = embedder  # semantic lookups: set by the gateway, which can reach the embedders
+        self.index = SemanticIndex()
+        self.learner = learner or ThresholdLearner()
+        self.checks = {"correct": 0, "wrong": 0}  # learned thresholds: explored neighbours, judged
+        self._embed_timeout = embed_timeout
         self._writes: set[asyncio.Task[None]] = set()
 
     def enabled(self, model: str) -> bool:
         policy = self.policies.get(model)
-        return policy is not None and policy.exact
+        return policy is not None and (policy.exact or policy.semantic)
 
     async def lookup(
         self, tenant: str, model: str, path: str, raw: bytes, cache_control: str | None
     ) -> CacheLookup | None:
         """None when the model does not cache or the request may not be cached (sampled, say)."""
         policy = self.policies.get(model)
-        if policy is None or not policy.exact:
+        if policy is None or not (policy.exact or policy.semantic):
             return None
         try:
             data = orjson.loads(raw)
@@ -88,12 +104,69 @@ class ExactCache:
         key = entry_key(tenant, model, hashlib.sha256(canonical).hexdigest())
         found = CacheLookup(key, "no-cache" not in directives, "no-store" not in directives, policy)
         if found.read:
-            value = await self.store.get(found.key)
-            try:
-                found.hit = Entry.decode(value) if value is not None else None
-            except (ValueError, KeyError, TypeError) as exc:  # another version's entry, or not ours
-                logger.warning("response cache: unreadable entry %s (%s): a miss", found.key, exc)
+            found.hit = await self._get(found.key)
+        if policy.semantic and self.embedder is not None and path.endswith("/chat/completions"):
+            turn = _last_user_turn(shaping)
+            if turn is not None:
+                text, rest = turn
+                group = orjson.dumps([tenant, model, version, path, rest], option=orjson.OPT_SORT_KEYS)
+                found.group = hashlib.sha256(group).hexdigest()
+                if found.hit is None:  # the vector is needed to find a neighbour, or to keep the answer
+                    await self._semantic(found, model, text)
         return found
+
+    async def _get(self, key: str) -> Entry | None:
+        value = await self.store.get(key)
+        try:
+            return Entry.decode(value) if value is not None else None
+        except (ValueError, KeyError, TypeError) as exc:  # another version's entry, or not ours
+            logger.warning("response cache: unreadable entry %s (%s): a miss", key, exc)
+            return None
+
+    async def _semantic(self, found: CacheLookup, model: str, text: str) -> None:
+        """Embed the last user turn; on an exact miss, answer from its nearest neighbour in the group when
+        that is close enough (fixed threshold) or trusted (learned thresholds)."""
+        policy = found.policy
+        assert self.embedder is not None and policy.embedding_model is not None and found.group is not None
+        try:
+            async with asyncio.timeout(self._embed_timeout):
+                found.vector = await self.embedder.embed(policy.embedding_model, text)
+        except Exception as exc:
+            logger.warning("semantic cache: embedding the question failed (a miss): %s", exc)
+            return
+        if found.hit is not None or not found.read:
+            return
+        neighbour = self.index.nearest(found.group, found.vector)
+        if neighbour is None:
+            return
+        entry = await self._get(neighbour.key)
+        if entry is None:  # expired or purged: its vector goes too
+            self.index.remove([neighbour.key])
+            self.learner.forget([neighbour.key])
+            return
+        found.neighbour = neighbour
+        if policy.learn_thresholds:
+            if self.learner.explore(
+                neighbour.key, neighbour.similarity, policy.similarity, policy.target_false_hit_rate
+            ):
+                found.check = entry  # the engine answers; its answer tells whether this one was right
+                return
+        elif neighbour.similarity < policy.similarity:
+            return
+        found.hit = entry
+
+    async def rebuild(self) -> int:
+        """Index the vectors of stored entries (a gateway starting beside a shared Redis cache)."""
+        added = 0
+        async for key, value in self.store.scan():
+            try:
+                entry = Entry.decode(value)
+            except (ValueError, KeyError, TypeError):
+                continue
+            if entry.group is not None and entry.vector is not None:
+                self.index.add(entry.group, key, decode_vector(entry.vector))
+                added += 1
+        return added
 
     def keep_whole(self, lookup: CacheLookup, body: bytes, chat: bool) -> None:
         if lookup.keep:
@@ -109,19 +182,68 @@ class ExactCache:
         try:
             entry = make()
             if entry is not None:
+                self._judge(lookup, entry)
+                if lookup.vector is not None and lookup.group is not None:
+                    entry = dataclasses.replace(
+                        entry, group=lookup.group, vector=encode_vector(lookup.vector)
+                    )
                 self._put(lookup, entry)
         except (ValueError, KeyError, TypeError, AttributeError) as exc:  # an answer of an odd shape
             logger.warning("response cache: not keeping an answer (%s: %s)", type(exc).__name__, exc)
 
+    def _judge(self, lookup: CacheLookup, fresh: Entry) -> None:
+        """Learned thresholds: the engine answered a request whose neighbour was not yet trusted; equal
+        answers are evidence that the neighbour's answer fits this similarity, different ones against."""
+        if lookup.check is None or lookup.neighbour is None:
+            return
+        mine, theirs = fresh.text(), lookup.check.text()
+        if mine is None or theirs is None:
+            return
+        correct = " ".join(mine.split()) == " ".join(theirs.split())
+        self.checks["correct" if correct else "wrong"] += 1
+        self.learner.observe(lookup.neighbour.key, lookup.neighbour.similarity, correct)
+
     def _put(self, lookup: CacheLookup, entry: Entry) -> None:
         """Kept in the background: the answer is already on its way to the client."""
-        task = asyncio.create_task(self.store.put(lookup.key, entry.encode(), lookup.policy.ttl_s))
+
+        async def put() -> None:
+            await self.store.put(lookup.key, entry.encode(), lookup.policy.ttl_s)
+            if entry.group is not None and lookup.vector is not None:
+                self.index.add(entry.group, lookup.key, lookup.vector)
+
+        task = asyncio.create_task(put())
         self._writes.add(task)
         task.add_done_callback(self._writes.discard)
 
     async def flush(self) -> None:
         """Wait for entries being kept (tests, shutdown)."""
         await asyncio.gather(*self._writes, return_exceptions=True)
+
+
+def _last_user_turn(shaping: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:
+    """The last message's text when it is the user's, and everything else; None for other requests."""
+    messages = shaping.get("messages")
+    if not isinstance(messages, list) or not messages or not isinstance(messages[-1], dict):
+        return None
+    last = messages[-1]
+    if last.get("role") != "user" or set(last) - {"role", "content"}:
+        return None
+    content = last.get("content")
+    if isinstance(content, list):  # text parts only; an image makes it not comparable by text
+        if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+            return None
+        content = "\n".join(str(p.get("text", "")) for p in content)
+    if not isinstance(content, str) or not content.strip():
+        return None
+    return content, {**shaping, "messages": messages[:-1]}
+
+
+def encode_vector(vector: Vector) -> str:
+    return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode()
+
+
+def decode_vector(text: str) -> Vector:
+    return np.frombuffer(base64.b64decode(text), dtype="<f4").astype(np.float32)
 
 
 def _deterministic(data: dict[str, Any]) -> bool:

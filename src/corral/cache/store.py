@@ -12,6 +12,7 @@ import logging
 import time
 import urllib.parse
 from collections import OrderedDict
+from collections.abc import AsyncIterator
 from typing import Protocol
 
 __all__ = ["CacheStore", "MemoryStore", "RedisStore", "StoreUnavailable", "entry_key"]
@@ -39,6 +40,10 @@ class CacheStore(Protocol):
     async def put(self, key: str, value: bytes, ttl_s: float) -> None: ...
 
     async def purge(self, tenant: str | None, model: str | None) -> int: ...
+
+    def scan(self) -> AsyncIterator[tuple[str, bytes]]:
+        """Every live entry (key, value): the semantic index is rebuilt from them."""
+        ...
 
     def stats(self) -> dict[str, object]: ...
 
@@ -76,6 +81,12 @@ class MemoryStore:
         for key in doomed:
             self._drop(key)
         return len(doomed)
+
+    async def scan(self) -> AsyncIterator[tuple[str, bytes]]:
+        now = time.monotonic()
+        for key, (expires, value) in list(self._entries.items()):
+            if expires >= now:
+                yield key, value
 
     def stats(self) -> dict[str, object]:
         entries, used = len(self._entries), self._bytes
@@ -130,6 +141,29 @@ class RedisStore:
         except self._errors as exc:
             raise StoreUnavailable(f"the cache's Redis did not answer: {exc}") from exc
         return removed
+
+    async def scan(self) -> AsyncIterator[tuple[str, bytes]]:
+        """Entries in batches; a Redis that fails mid-way ends the scan (what was read is used)."""
+        try:
+            batch: list[bytes] = []
+            async for key in self._redis.scan_iter(match=self._prefix + "*", count=500):
+                batch.append(key)
+                if len(batch) >= 500:
+                    async for item in self._values(batch):
+                        yield item
+                    batch = []
+            async for item in self._values(batch):
+                yield item
+        except self._errors as exc:
+            self._failed("scan", exc)
+
+    async def _values(self, keys: list[bytes]) -> AsyncIterator[tuple[str, bytes]]:
+        if not keys:
+            return
+        for key, value in zip(keys, await self._redis.mget(keys), strict=True):
+            if value is not None:
+                name = key.decode() if isinstance(key, bytes) else str(key)
+                yield name.removeprefix(self._prefix), value.encode() if isinstance(value, str) else value
 
     def stats(self) -> dict[str, object]:
         return {"backend": "redis", "failures": self._failures}

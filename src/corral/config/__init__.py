@@ -22,6 +22,7 @@ A spec file looks like::
 from corral.config.change import AutoscaleSpec, EvalCase, ModelCacheSpec, RolloutSpec
 from corral.config.env import Paths, admin_key_from_env
 from corral.config.models import (
+    DEFAULT_EMBEDDING_MODEL_NAME,
     DEFAULT_MODEL_NAME,
     DeploymentSpec,
     HuggingFaceSource,
@@ -56,6 +57,7 @@ from corral.config.spec import (
 )
 
 __all__ = [
+    "DEFAULT_EMBEDDING_MODEL_NAME",
     "DEFAULT_MODEL_NAME",
     "AuthSettings",
     "AutoscaleSpec",

@@ -11,6 +11,7 @@ from corral.config.base import Strict
 from corral.config.change import AutoscaleSpec, ModelCacheSpec, RolloutSpec
 
 DEFAULT_MODEL_NAME = "smollm2"
+DEFAULT_EMBEDDING_MODEL_NAME = "minilm"
 
 RoutingPolicyName = Literal[
     "prefix_affinity",

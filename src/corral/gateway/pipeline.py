@@ -177,6 +177,11 @@ class Pipeline:
         if lookup is None:
             return None
         ctx.headers["x-corral-cache"] = lookup.state
+        if lookup.group is not None and lookup.vector is not None and lookup.read:
+            result = "hit" if lookup.neighbour and lookup.hit else "explore" if lookup.check else "miss"
+            self._metrics.cache_semantic.labels(ctx.model, result).inc()
+            if lookup.neighbour is not None:
+                ctx.headers["x-corral-cache-similarity"] = f"{lookup.neighbour.similarity:.4f}"
         if lookup.hit is None and lookup.keep:
             ctx.written = []
         return lookup

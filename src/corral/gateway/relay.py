@@ -24,7 +24,7 @@ from corral.gateway.context import RequestContext
 from corral.gateway.failover import Continuation, Sent, Transcript, continuation_body
 from corral.gateway.sse import SSEFilter
 from corral.protocol import ChatCompletionRequest, NoCapacity, UpstreamError, UpstreamTimeout, error_body
-from corral.routing import Replica, Router
+from corral.routing import Replica, Router, RouteRequest
 
 __all__ = ["SSE_HEADERS", "Relay"]
 
@@ -97,6 +97,31 @@ class Relay:
             finally:
                 self._router.release(replica, ctx.route, outcome)
         raise UpstreamError(f"The model's replicas failed to answer: {failure}.")
+
+    async def call(self, route: RouteRequest, path: str, body: bytes) -> bytes:
+        """A request of the gateway's own (the semantic cache's embeddings): a replica's whole 200 answer,
+        tried on another replica when one fails; UpstreamError when none answers."""
+        tried: list[Replica] = []
+        failure = "no attempt"
+        for _ in range(self._retries + 1):
+            try:
+                replica = self._router.acquire(route, exclude=tried)
+            except NoCapacity:
+                break
+            ok = False
+            try:
+                async with await self._post(replica, path, body) as upstream:
+                    answer = await upstream.read()
+                    if upstream.status == 200:
+                        ok = True
+                        return answer
+                    failure = f"engine answered {upstream.status}"
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                failure = f"{type(exc).__name__}: {exc}"
+            finally:
+                self._router.release(replica, route, ok)
+            tried.append(replica)
+        raise UpstreamError(f"{route.model} did not answer: {failure}")
 
     async def _attempt(
         self, replica: Replica, ctx: RequestContext, request: web.Request
