@@ -182,8 +182,10 @@ class ExactCache:
         try:
             entry = make()
             if entry is not None:
-                self._judge(lookup, entry)
-                if lookup.vector is not None and lookup.group is not None:
+                # An answer that proved its neighbour right is kept for exact hits but not indexed: the
+                # neighbour already answers this question, and its evidence stays in one place.
+                confirmed = self._judge(lookup, entry)
+                if lookup.vector is not None and lookup.group is not None and not confirmed:
                     entry = dataclasses.replace(
                         entry, group=lookup.group, vector=encode_vector(lookup.vector)
                     )
@@ -191,17 +193,19 @@ class ExactCache:
         except (ValueError, KeyError, TypeError, AttributeError) as exc:  # an answer of an odd shape
             logger.warning("response cache: not keeping an answer (%s: %s)", type(exc).__name__, exc)
 
-    def _judge(self, lookup: CacheLookup, fresh: Entry) -> None:
+    def _judge(self, lookup: CacheLookup, fresh: Entry) -> bool:
         """Learned thresholds: the engine answered a request whose neighbour was not yet trusted; equal
-        answers are evidence that the neighbour's answer fits this similarity, different ones against."""
+        answers are evidence that the neighbour's answer fits this similarity, different ones against.
+        True when the neighbour proved right."""
         if lookup.check is None or lookup.neighbour is None:
-            return
+            return False
         mine, theirs = fresh.text(), lookup.check.text()
         if mine is None or theirs is None:
-            return
+            return False
         correct = " ".join(mine.split()) == " ".join(theirs.split())
         self.checks["correct" if correct else "wrong"] += 1
         self.learner.observe(lookup.neighbour.key, lookup.neighbour.similarity, correct)
+        return correct
 
     def _put(self, lookup: CacheLookup, entry: Entry) -> None:
         """Kept in the background: the answer is already on its way to the client."""

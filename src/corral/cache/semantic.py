@@ -16,8 +16,11 @@ Whether a neighbour is close enough is decided one of two ways (`models[].cache`
   exp(-γ (s - t))) per entry (MAP, with a weak prior at the fixed threshold). With the user's accepted
   false-hit rate δ, the request explores with probability τ = max over a (1 - ε) confidence band of
   [(1 - δ) - (1 - ε)·L'] / [1 - (1 - ε)·L'] (L' the pessimistic estimate at the band's edge), else it is
-  answered from the cache. An entry with no evidence always explores, so a learned cache starts as safe
-  as no cache and hits where its answers proved to be stable.
+  answered from the cache. An entry with no evidence always explores, and so does a request below the
+  entry's fitted threshold (a deviation from the paper, which would serve those at rate δ), so a learned
+  cache starts as safe as no cache and hits where its answers proved to be stable. An explored answer
+  equal to its neighbour's is not indexed itself (the neighbour answers that question; its evidence stays
+  in one place); a different one is, as a new entry.
 
 The index is per group: a flat matrix (numpy) while small, an HNSW graph (usearch) once a group passes
 `_HNSW_FROM` vectors; measured on this machine (bench/cache_quality.py), a flat search of 1,000 vectors of
@@ -188,7 +191,11 @@ class ThresholdLearner:
 
 
 def exploration_probability(similarity: float, t: float, gamma: float, t_error: float, delta: float) -> float:
-    """τ: the least exploration that keeps P(wrong answer) ≤ δ, over confidence bands of the threshold."""
+    """τ: the least exploration that keeps P(wrong answer) ≤ δ, over confidence bands of the threshold.
+    Below the fitted threshold (the curve says a wrong answer is likelier) it is 1: the paper's rule would
+    still serve such answers at rate δ, spending the error budget on answers known to be doubtful."""
+    if similarity < t:
+        return 1.0
     best = 1.0
     for epsilon in _EPSILONS:
         t_pessimistic = t + _Z[epsilon] * t_error
@@ -205,7 +212,7 @@ def _fit(similarities: list[float], correct: list[int], prior_t: float) -> tuple
     s = np.asarray(similarities, dtype=np.float64)
     c = np.asarray(correct, dtype=np.float64)
     prior = np.array([prior_t, _PRIOR_GAMMA])
-    scale = np.array([0.05, 15.0])  # prior standard deviations of t and γ (× 1/√_PRIOR_WEIGHT)
+    scale = np.array([0.1, 15.0])  # prior standard deviations of t and γ (× 1/√_PRIOR_WEIGHT)
     precision = _PRIOR_WEIGHT / scale**2
     theta = prior.copy()
     hessian = np.diag(precision)

@@ -146,8 +146,13 @@ class AdminViews:
         """The response cache's store (entries, bytes; Redis: failures) and which models cache."""
         self.check(request)
         cache = self._cache()
-        models = sorted(m for m, p in cache.policies.items() if p.exact)
-        return web.json_response({"store": cache.store.stats(), "models": models})
+        models = sorted(m for m, p in cache.policies.items() if p.exact or p.semantic)
+        semantic = {
+            "models": sorted(m for m, p in cache.policies.items() if p.semantic),
+            "indexed": len(cache.index),
+            "checks": cache.checks,
+        }
+        return web.json_response({"store": cache.store.stats(), "models": models, "semantic": semantic})
 
     async def cache_purge(self, request: web.Request) -> web.Response:
         """Remove cached answers: `?tenant=` and/or `?model=` (both absent: everything)."""

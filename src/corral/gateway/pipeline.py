@@ -202,7 +202,7 @@ class Pipeline:
             ctx.headers["x-corral-cache"] = "miss"
             ctx.written = [] if lookup.keep else None
             return None
-        headers = {"x-corral-cache": "hit"}
+        headers = {**ctx.headers, "x-corral-cache": "hit"}
         ctx.usage, ctx.cached = entry.usage, True
         if ctx.stream:
             response = web.StreamResponse(headers={**SSE_HEADERS, **headers})
