@@ -119,3 +119,7 @@ def test_embeddings_from_vllm_and_llamacpp_match_their_engines_and_each_other(
     assert similarity[0, 1] > 0.8 and similarity[0, 2] < 0.3 and similarity[0, 3] < 0.3
     with pytest.raises(openai.BadRequestError, match="Matryoshka"):
         client.embeddings.create(model="minilm-vllm", input="hi", dimensions=128)
+    for model in ("minilm", "minilm-vllm"):  # an input beyond the 256 tokens: the input's fault, a 400
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.embeddings.create(model=model, input="word " * 400)
+        assert refused.value.status_code == 400

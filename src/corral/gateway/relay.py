@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ __all__ = ["SSE_HEADERS", "Relay"]
 logger = logging.getLogger(__name__)
 
 _RETRYABLE_STATUS = frozenset({502, 503})
+_INPUT_TOO_LONG = re.compile(r"input \((\d+) tokens\) is too large to process")
 _UPSTREAM_HEADERS = {"Content-Type": "application/json"}
 _SEP = b"\n\n"
 _DONE_EVENT = b"data: [DONE]\n\n"
@@ -362,6 +364,16 @@ def _engine_error(status: int, body: bytes) -> tuple[int, bytes]:
     502, so clients never mistake them for their own key or input being wrong."""
     message, param, code = _error_fields(body)
     message = message or f"the engine answered {status}"
+    too_long = _INPUT_TOO_LONG.search(message) if status >= 500 else None
+    if too_long is not None:  # llama.cpp answers an over-long embedding input with a 500: the input's fault
+        refusal: dict[str, str | None] = {
+            "message": f"An input is too long for the model: {too_long[1]} tokens, more than its replicas "
+            "take per input. Shorten or split it.",
+            "type": "invalid_request_error",
+            "param": "input",
+            "code": "context_length_exceeded",
+        }
+        return 400, orjson.dumps({"error": refusal})
     if status in (401, 403) or status >= 500:
         kind = "engine_auth_failed" if status in (401, 403) else "engine_error"
         return 502, error_body(f"The model's engine failed: {message}", "upstream_error", kind)
