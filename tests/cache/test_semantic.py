@@ -232,3 +232,20 @@ def test_the_learner_keeps_false_hits_under_its_target_on_an_unknown_boundary() 
     assert wrong / served <= delta  # and, stricter, among the answers served from the cache
     assert safe_served / safe > 0.5
     assert np.mean([learner.tau("entry", s, 0.85, delta) for s in (0.98, 0.99)]) < 0.5
+
+
+async def test_the_guard_refuses_a_swapped_question_the_embedding_cannot_tell(
+    engines: list[str], tmp_path: Path
+) -> None:
+    """The simulator's vectors are a bag of words: "5 kilograms to pounds" and "5 pounds to kilograms" are
+    the same vector. With the guard (the default) the engine answers; without it the cache would."""
+    assert _cos("Convert 5 kilograms to pounds", "Convert 5 pounds to kilograms") > 0.999
+    for guard, expected in ((True, "miss"), (False, "hit")):
+        gw = await gateway(engines, tmp_path, _policy(guard=guard))
+        try:
+            acme = client(gw, await key_for(gw, "acme"))
+            await ask(acme, "Convert 5 kilograms to pounds")
+            await gw.services.cache.flush()  # type: ignore[union-attr]
+            assert (await ask(acme, "Convert 5 pounds to kilograms"))[1] == expected
+        finally:
+            await gw.server.stop()

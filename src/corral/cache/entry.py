@@ -30,6 +30,7 @@ class Entry:
     usage: dict[str, Any] | None = None
     group: str | None = None  # semantic cache: the digest of everything but the last user turn
     vector: str | None = None  # semantic cache: that turn's embedding, little-endian float32, base64
+    question: str | None = None  # semantic cache: that turn's text (the lexical guard compares it)
 
     def encode(self) -> bytes:
         return orjson.dumps(
@@ -41,6 +42,7 @@ class Entry:
                 "usage": self.usage,
                 "group": self.group,
                 "vector": self.vector,
+                "question": self.question,
             }
         )
 

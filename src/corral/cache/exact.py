@@ -26,6 +26,7 @@ import numpy as np
 import orjson
 
 from corral.cache.entry import Entry, entry_from_stream, entry_from_whole
+from corral.cache.guard import may_share_answer
 from corral.cache.semantic import Embedder, Neighbour, SemanticIndex, ThresholdLearner, Vector
 from corral.cache.store import CacheStore, entry_key
 from corral.config import ModelCacheSpec
@@ -50,6 +51,8 @@ class CacheLookup:
     vector: Vector | None = None  # semantic: the last user turn's embedding
     neighbour: Neighbour | None = None  # semantic: the entry that answered (a hit) or is checked
     check: Entry | None = None  # learned thresholds: the neighbour's answer, compared with the engine's
+    question: str | None = None  # semantic: the last user turn's text
+    vetoed: bool = False  # semantic: the lexical guard refused the nearest neighbour
 
     @property
     def state(self) -> str:
@@ -109,6 +112,7 @@ class ExactCache:
             turn = _last_user_turn(shaping)
             if turn is not None:
                 text, rest = turn
+                found.question = text
                 group = orjson.dumps([tenant, model, version, path, rest], option=orjson.OPT_SORT_KEYS)
                 found.group = hashlib.sha256(group).hexdigest()
                 if found.hit is None:  # the vector is needed to find a neighbour, or to keep the answer
@@ -144,6 +148,9 @@ class ExactCache:
             self.index.remove([neighbour.key])
             self.learner.forget([neighbour.key])
             return
+        if policy.guard and entry.question is not None and not may_share_answer(entry.question, text):
+            found.vetoed = True  # a different question in words embeddings miss: the engine answers
+            return
         found.neighbour = neighbour
         if policy.learn_thresholds:
             if self.learner.explore(
@@ -164,7 +171,7 @@ class ExactCache:
             except (ValueError, KeyError, TypeError):
                 continue
             if entry.group is not None and entry.vector is not None:
-                self.index.add(entry.group, key, decode_vector(entry.vector))
+                await self.index.add(entry.group, key, decode_vector(entry.vector))
                 added += 1
         return added
 
@@ -186,8 +193,9 @@ class ExactCache:
                 # neighbour already answers this question, and its evidence stays in one place.
                 confirmed = self._judge(lookup, entry)
                 if lookup.vector is not None and lookup.group is not None and not confirmed:
+                    vector = encode_vector(lookup.vector)
                     entry = dataclasses.replace(
-                        entry, group=lookup.group, vector=encode_vector(lookup.vector)
+                        entry, group=lookup.group, vector=vector, question=lookup.question
                     )
                 self._put(lookup, entry)
         except (ValueError, KeyError, TypeError, AttributeError) as exc:  # an answer of an odd shape
@@ -213,7 +221,7 @@ class ExactCache:
         async def put() -> None:
             await self.store.put(lookup.key, entry.encode(), lookup.policy.ttl_s)
             if entry.group is not None and lookup.vector is not None:
-                self.index.add(entry.group, lookup.key, lookup.vector)
+                await self.index.add(entry.group, lookup.key, lookup.vector)
 
         task = asyncio.create_task(put())
         self._writes.add(task)

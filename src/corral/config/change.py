@@ -152,7 +152,12 @@ class ModelCacheSpec(Strict):
     )
     similarity: Annotated[
         float, Field(gt=0, le=1, description="semantic: cosine a last user turn needs for a hit (fixed)")
-    ] = 0.9
+    ] = 0.92
+    guard: bool = Field(
+        default=True,
+        description="semantic: refuse hits between questions with other numbers, swapped directions "
+        "(X to Y / Y to X) or one swapped word (Saturday / Sunday), which embeddings barely tell apart",
+    )
     learn_thresholds: bool = Field(
         default=False,
         description="semantic: learn each entry's threshold from answers checked against the engine "

@@ -127,7 +127,8 @@ class GatewayMetrics:
         self.cache_semantic = Counter(
             "corral_cache_semantic",
             "Semantic-cache outcomes by model: hit (a similar question's answer), explore (the engine "
-            "answered to check a neighbour, learned thresholds), miss (no neighbour close enough).",
+            "answered to check a neighbour, learned thresholds), vetoed (the lexical guard refused the "
+            "neighbour), miss (no neighbour close enough).",
             ["model", "result"],
             registry=r,
         )

@@ -179,6 +179,7 @@ class Pipeline:
         ctx.headers["x-corral-cache"] = lookup.state
         if lookup.group is not None and lookup.vector is not None and lookup.read:
             result = "hit" if lookup.neighbour and lookup.hit else "explore" if lookup.check else "miss"
+            result = "vetoed" if lookup.vetoed else result
             self._metrics.cache_semantic.labels(ctx.model, result).inc()
             if lookup.neighbour is not None:
                 ctx.headers["x-corral-cache-similarity"] = f"{lookup.neighbour.similarity:.4f}"

@@ -1,0 +1,78 @@
+"""The semantic cache's parts on their own: the lexical guard's vetoes (and what it lets through), and the
+index's answers against a brute-force search, flat and once a group has moved to an HNSW graph."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from corral.cache import SemanticIndex
+from corral.cache.guard import may_share_answer
+
+
+@pytest.mark.parametrize(
+    ("cached", "asked"),
+    [
+        ("Convert 5 kilograms to pounds", "Convert 5 pounds to kilograms"),  # direction swapped
+        (
+            "How do I convert a string to an integer in Python?",
+            "How do I convert an integer to a string in Python?",
+        ),
+        ("What day of the week was July 4, 1976?", "What day of the week was July 4, 1977?"),  # numbers
+        ("What is 20% of 50?", "What is 25% of 50?"),
+        ("What are your store opening hours on Sunday?", "What are your store opening hours on Saturday?"),
+        (
+            "How do I sort results in descending order in SQL?",
+            "How do I sort results in ascending order in SQL?",
+        ),
+        ("What date is 90 days after January 1?", "What date is 90 days before January 1?"),
+    ],
+)
+def test_the_guard_vetoes_questions_that_differ_where_embeddings_are_blind(cached: str, asked: str) -> None:
+    assert not may_share_answer(cached, asked)
+
+
+@pytest.mark.parametrize(
+    ("cached", "asked"),
+    [
+        ("What is the capital of France?", "whats the capital city of france?"),
+        ("How do I count lines in a file in bash?", "bash command to count the number of lines in a file"),
+        ("How do I convert a list to a set in Python?", "turning a python list into a set"),
+        ("Which river in Africa is the longest?", "What is the longest river in Africa?"),
+        ("Is 97 a prime number?", "Is the number 97 prime?"),
+        ("Convert 10 miles to km", "convert 10 miles to km please"),
+    ],
+)
+def test_the_guard_lets_paraphrases_through(cached: str, asked: str) -> None:
+    assert may_share_answer(cached, asked)
+
+
+def test_the_guards_price_a_one_word_rewording_is_refused_too() -> None:
+    """ "tall" for "height" looks like "Saturday" for "Sunday" to the guard: the engine answers (a miss, never
+    a wrong answer); bench/cache_quality.py measures what this costs in hits."""
+    assert not may_share_answer("How tall is Mount Everest?", "What is the height of Mount Everest?")
+
+
+@pytest.mark.parametrize("hnsw_from", [10_000, 50])
+async def test_the_index_finds_the_nearest_entry_of_the_group_only(hnsw_from: int) -> None:
+    rng = np.random.default_rng(1)
+    vectors = rng.standard_normal((300, 64)).astype(np.float32)
+    vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+    index = SemanticIndex(hnsw_from=hnsw_from)
+    for i, vector in enumerate(vectors):
+        await index.add("g1", f"k{i}", vector)
+    await index.add("g2", "other", vectors[0])  # another group's identical vector is never an answer
+    found = 0
+    for i in range(0, 300, 7):
+        query = vectors[i] + 0.05 * rng.standard_normal(64).astype(np.float32)
+        query /= np.linalg.norm(query)
+        neighbour = index.nearest("g1", query)
+        assert neighbour is not None and neighbour.key != "other"
+        found += neighbour.key == f"k{int(np.argmax(vectors @ query))}"
+        assert abs(neighbour.similarity - float(vectors[int(neighbour.key[1:])] @ query)) < 1e-4
+    assert found >= 42  # every one of the 43 queries: the flat search exactly, HNSW at this size too
+    index.remove(["k0"])
+    assert index.nearest("g1", vectors[0]).key != "k0"  # type: ignore[union-attr]
+    assert len(index) == 300
+    index.remove([f"k{i}" for i in range(1, 300)])
+    assert index.nearest("g1", vectors[5]) is None and index.nearest("g2", vectors[0]).key == "other"  # type: ignore[union-attr]
