@@ -58,6 +58,7 @@ class Entry:
             raw["usage"],
             raw.get("group"),
             raw.get("vector"),
+            raw.get("question"),
         )
 
     def text(self) -> str | None:
