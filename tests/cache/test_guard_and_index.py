@@ -73,6 +73,11 @@ async def test_the_index_finds_the_nearest_entry_of_the_group_only(hnsw_from: in
     assert found >= 42  # every one of the 43 queries: the flat search exactly, HNSW at this size too
     index.remove(["k0"])
     assert index.nearest("g1", vectors[0]).key != "k0"  # type: ignore[union-attr]
-    assert len(index) == 300
+    assert len(index) == 300  # 299 of g1 and the one of g2
+    index.remove([f"k{i}" for i in range(1, 160)])  # over half of the group: compacted
+    assert len(index) == 141 and index.nearest("g1", vectors[200]).key == "k200"  # type: ignore[union-attr]
+    await index.add("g1", "k0", vectors[0])  # a removed key may come back
+    assert index.nearest("g1", vectors[0]).key == "k0"  # type: ignore[union-attr]
+    index.remove(["k0"])
     index.remove([f"k{i}" for i in range(1, 300)])
     assert index.nearest("g1", vectors[5]) is None and index.nearest("g2", vectors[0]).key == "other"  # type: ignore[union-attr]

@@ -15,8 +15,12 @@ from pathlib import Path
 
 import numpy as np
 import openai
+import orjson
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from corral.cache import ExactCache, MemoryStore
 from corral.cache.semantic import ThresholdLearner
 from corral.config import (
     AuthSettings,
@@ -44,7 +48,9 @@ async def engines() -> AsyncIterator[list[str]]:
     """A chat replica `m` and an embedding replica `e` (simulated)."""
     catalog, efficiency = load_catalog(), calibrated_efficiency()
     chat = SimOptions(model="llama-3.1-8b", gpu="h100-sxm", time_scale=50, served_name="m")
-    embed = SimOptions(model="llama-3.1-8b", gpu="h100-sxm", time_scale=50, served_name="e", embed_dim=384)
+    embed = SimOptions(
+        model="llama-3.1-8b", gpu="h100-sxm", time_scale=50, served_name="e", embed_dim=384, max_model_len=64
+    )
     fleet = SimFleet([build_server(chat, catalog, efficiency), build_server(embed, catalog, efficiency)])
     await fleet.start([0, 0])
     yield fleet.urls
@@ -137,6 +143,26 @@ async def test_a_failing_embedder_is_a_miss_never_an_error(engines: list[str], t
         assert content and state == "miss" and similarity is None
         # the exact cache still works without the embedder
         assert (await ask(acme, "What is the capital of France?"))[1] == "hit"
+    finally:
+        await gw.server.stop()
+
+
+async def test_an_over_long_question_is_a_miss_that_does_not_count_against_the_embedder(
+    engines: list[str], tmp_path: Path
+) -> None:
+    """The embedding model refuses a last turn beyond its context (400): the question is a miss, and
+    the refusals are not replica failures (its circuit breaker stays closed for everyone else)."""
+    gw = await gateway(engines, tmp_path, _policy())
+    try:
+        acme = client(gw, await key_for(gw, "acme"))
+        for i in range(6):
+            content, state, _ = await ask(acme, f"question {i} " + "word " * 80)
+            assert content and state == "miss"
+        (embedder,) = gw.replicas.of("e")  # type: ignore[attr-defined]
+        assert embedder.breaker.allows() and embedder.outstanding == 0
+        await ask(acme, "What is the capital of France?")
+        await gw.services.cache.flush()  # type: ignore[union-attr]
+        assert (await ask(acme, "what is the capital of france"))[1] == "hit"
     finally:
         await gw.server.stop()
 
@@ -249,3 +275,71 @@ async def test_the_guard_refuses_a_swapped_question_the_embedding_cannot_tell(
             assert (await ask(acme, "Convert 5 pounds to kilograms"))[1] == expected
         finally:
             await gw.server.stop()
+
+
+class _BagOfWords:
+    """The simulator's embedding, in process: texts sharing their words are similar."""
+
+    async def embed(self, model: str, text: str) -> np.ndarray:
+        return embed_text(text, 384)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    tenants=st.lists(
+        st.sampled_from(["acme", "globex", "initech", "umbrella", "a/b", "ü"]),
+        min_size=2,
+        max_size=5,
+        unique=True,
+    ),
+    systems=st.lists(
+        st.sampled_from(["", "Be brief.", "You are a tutor."]), min_size=1, max_size=3, unique=True
+    ),
+    questions=st.lists(
+        st.sampled_from(["capital of France", "the capital of France?", "France capital", "river in Spain"]),
+        min_size=1,
+        max_size=4,
+    ),
+)
+def test_no_semantic_hit_crosses_tenants_or_earlier_turns(
+    tenants: list[str], systems: list[str], questions: list[str]
+) -> None:
+    """With a low threshold (most lookups hit), every hit is an answer kept for the same tenant after the
+    same earlier turns."""
+
+    async def run() -> None:
+        policy = ModelCacheSpec(semantic=True, embedding_model="e", similarity=0.3, guard=False)
+        cache = ExactCache(MemoryStore(1 << 24), {"m": policy}, embedder=_BagOfWords())
+        for round_ in range(2):
+            for tenant in tenants:
+                for system in systems:
+                    for question in questions:
+                        earlier = [{"role": "system", "content": system}] if system else []
+                        messages = [*earlier, {"role": "user", "content": question}]
+                        raw = orjson.dumps({"model": "m", "messages": messages, "temperature": 0})
+                        found = await cache.lookup(tenant, "m", "/v1/chat/completions", raw, None)
+                        assert found is not None
+                        owner = orjson.dumps([tenant, system])
+                        if found.hit is not None:
+                            assert found.hit.body == owner  # its own context's answer, never another's
+                            continue
+                        assert round_ == 0  # in the second round everything was kept: it always hits
+                        body = orjson.dumps(
+                            {"choices": [{"message": {"content": "x"}, "finish_reason": "stop"}]}
+                        )
+                        cache.keep_whole(found, body, chat=True)
+                        await cache.flush()
+                        # what was kept is the owner's marker (the answer's body, for the assertion above)
+                        await cache.store.put(found.key, _marked(await cache.store.get(found.key), owner), 60)
+
+    asyncio.run(run())
+
+
+def _marked(value: bytes | None, owner: bytes) -> bytes:
+    from corral.cache.entry import Entry
+
+    assert value is not None
+    entry = Entry.decode(value)
+    return Entry(
+        entry.kind, entry.chat, entry.events, owner, entry.usage, entry.group, entry.vector, entry.question
+    ).encode()

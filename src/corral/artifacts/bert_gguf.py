@@ -11,6 +11,7 @@ continuation loses its marker, bracketed special tokens stay as they are.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -20,7 +21,7 @@ from corral.artifacts.locks import build_once
 from corral.artifacts.models import ArtifactError, Progress
 from corral.config import Paths
 
-__all__ = ["gguf_from_bert", "is_embedding_folder"]
+__all__ = ["gguf_from_bert", "is_embedding_folder", "max_input_tokens"]
 
 _NORMAL, _CONTROL = 1, 3  # llama.cpp token types
 _ADDED_TABLES = ("position_embd.", "token_types.")  # llama.cpp adds them to f32 activations: kept f32
@@ -52,10 +53,26 @@ def gguf_from_bert(folder: Path, paths: Paths, progress: Progress = lambda _: No
 
 
 def _folder_id(folder: Path) -> str:
-    """A cache name that changes when the weights do."""
+    """A cache name that changes when the folder or its weights do."""
     weights = folder / "model.safetensors"
     stat = weights.stat() if weights.is_file() else folder.stat()
-    return f"{folder.name}-{stat.st_size}-{int(stat.st_mtime)}"
+    where = hashlib.sha256(str(folder.resolve()).encode()).hexdigest()[:12]
+    return f"{folder.name}-{where}-{stat.st_size}-{int(stat.st_mtime)}"
+
+
+def max_input_tokens(folder: Path) -> int | None:
+    """The longest input the encoder was trained on: sentence-transformers' max_seq_length, else its
+    position table."""
+    for name, key in (
+        ("sentence_bert_config.json", "max_seq_length"),
+        ("config.json", "max_position_embeddings"),
+    ):
+        path = folder / name
+        if path.is_file():
+            value = json.loads(path.read_text()).get(key)
+            if isinstance(value, int) and value > 0:
+                return value
+    return None
 
 
 def _write(folder: Path, out: Path) -> None:

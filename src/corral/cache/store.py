@@ -15,7 +15,7 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator
 from typing import Protocol
 
-__all__ = ["CacheStore", "MemoryStore", "RedisStore", "StoreUnavailable", "entry_key"]
+__all__ = ["CacheStore", "MemoryStore", "RedisStore", "StoreUnavailable", "entry_key", "key_matches"]
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +43,15 @@ class CacheStore(Protocol):
 
     def scan(self) -> AsyncIterator[tuple[str, bytes]]:
         """Every live entry (key, value): the semantic index is rebuilt from them."""
+        ...
+
+    async def present(self, keys: list[str]) -> set[str]:
+        """Which of `keys` still have entries."""
+        ...
+
+    @property
+    def healthy(self) -> bool:
+        """The store answers (a None from `get` means absent, not unreachable)."""
         ...
 
     def stats(self) -> dict[str, object]: ...
@@ -77,7 +86,7 @@ class MemoryStore:
             self._drop(next(iter(self._entries)))
 
     async def purge(self, tenant: str | None, model: str | None) -> int:
-        doomed = [k for k in self._entries if _matches(k, tenant, model)]
+        doomed = [k for k in self._entries if key_matches(k, tenant, model)]
         for key in doomed:
             self._drop(key)
         return len(doomed)
@@ -87,6 +96,14 @@ class MemoryStore:
         for key, (expires, value) in list(self._entries.items()):
             if expires >= now:
                 yield key, value
+
+    async def present(self, keys: list[str]) -> set[str]:
+        now = time.monotonic()
+        return {k for k in keys if (found := self._entries.get(k)) is not None and found[0] >= now}
+
+    @property
+    def healthy(self) -> bool:
+        return True
 
     def stats(self) -> dict[str, object]:
         entries, used = len(self._entries), self._bytes
@@ -165,6 +182,26 @@ class RedisStore:
                 name = key.decode() if isinstance(key, bytes) else str(key)
                 yield name.removeprefix(self._prefix), value.encode() if isinstance(value, str) else value
 
+    async def present(self, keys: list[str]) -> set[str]:
+        found: set[str] = set()
+        if not self.healthy:
+            return found
+        try:
+            for start in range(0, len(keys), 500):
+                batch = keys[start : start + 500]
+                async with self._redis.pipeline(transaction=False) as pipe:
+                    for key in batch:
+                        pipe.exists(self._prefix + key)
+                    answers = await pipe.execute()
+                found.update(k for k, n in zip(batch, answers, strict=True) if n)
+        except self._errors as exc:
+            self._failed("present", exc)
+        return found
+
+    @property
+    def healthy(self) -> bool:
+        return time.monotonic() >= self._down_until
+
     def stats(self) -> dict[str, object]:
         return {"backend": "redis", "failures": self._failures}
 
@@ -174,6 +211,7 @@ class RedisStore:
         logger.warning("response cache %s failed (served without the cache): %s", what, exc)
 
 
-def _matches(key: str, tenant: str | None, model: str | None) -> bool:
+def key_matches(key: str, tenant: str | None, model: str | None) -> bool:
+    """The entry key belongs to the tenant and model given (None: any)."""
     owner, name, _ = key.split("/", 2)
     return (tenant is None or owner == _quote(tenant)) and (model is None or name == _quote(model))

@@ -184,6 +184,10 @@ class CacheSettings(Strict):
     redis_timeout: Annotated[
         float, Field(gt=0, description="seconds for each Redis call; a slow cache is skipped, not waited on")
     ] = 0.5
+    embedding_timeout: Annotated[
+        float,
+        Field(gt=0, description="semantic cache: seconds to embed a question before the lookup is a miss"),
+    ] = 2.0
 
 
 class QueueSettings(Strict):

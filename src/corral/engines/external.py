@@ -19,7 +19,9 @@ class ExternalEngine:
         self, model: ModelSpec, deployment: DeploymentSpec, paths: Paths, progress: Progress
     ) -> list[LaunchPlan]:
         # Whether an unknown server continues a trailing assistant message is not known: no failover.
-        features = EngineFeatures(continuation=False)
+        features = EngineFeatures(
+            continuation=False, embeddings=model.task == "embed", matryoshka=model.matryoshka
+        )
         return [
             LaunchPlan(url=url.rstrip("/"), metrics_path=None, features=features) for url in deployment.urls
         ]

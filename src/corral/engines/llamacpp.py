@@ -8,6 +8,7 @@ threads each collapsed throughput (about 117 → 4 tokens/s) under contention.
 from __future__ import annotations
 
 from corral.artifacts import Progress, gguf_from_bert, is_embedding_folder, llama_server, resolve_model
+from corral.artifacts.bert_gguf import max_input_tokens
 from corral.config import DeploymentSpec, ModelSpec, Paths
 from corral.engines.base import LaunchPlan, read_gauges
 from corral.routing import EngineFeatures, EngineLoad
@@ -28,21 +29,10 @@ class LlamaCppEngine:
         assert model.source is not None  # the spec guarantees it for engines that load a file
         binary = llama_server(paths, deployment.binary, progress)
         weights = resolve_model(model.source, paths, progress)
+        context = deployment.context_length
         if is_embedding_folder(weights):
+            context = min(context, max_input_tokens(weights) or context)  # its trained input length
             weights = gguf_from_bert(weights, paths, progress)
-        # An embedding model reads each input whole in one batch (no causal mask to split it by), and
-        # its vectors come from /v1/embeddings (pooled as the model says, L2-normalised).
-        embed = (
-            (
-                "--embeddings",
-                "--ubatch-size",
-                str(deployment.context_length),
-                "--batch-size",
-                str(deployment.context_length),
-            )
-            if model.task == "embed"
-            else ()
-        )
         argv = (
             str(binary),
             "--model",
@@ -60,10 +50,10 @@ class LlamaCppEngine:
             "--parallel",
             str(deployment.parallel),
             "--ctx-size",
-            str(deployment.context_length * deployment.parallel),
+            str(context * deployment.parallel),
             "--metrics",
             "--no-webui",
-            *embed,
+            *(_embedding_args(context) if model.task == "embed" else ()),
             *deployment.engine_args,
         )
         # Measured on llama-server (b1-0c1e570): n > 1 and prompt lists come back with one choice's usage,
@@ -81,7 +71,7 @@ class LlamaCppEngine:
         plan = LaunchPlan(
             argv=argv,
             capacity=deployment.parallel,
-            context_length=deployment.context_length,
+            context_length=context,
             features=features,
         )
         return [plan] * deployment.replicas
@@ -99,3 +89,9 @@ class LlamaCppEngine:
             prefix_cache_queries_total=values.get(_PREFIX + "prompt_tokens_total", 0.0) + cached,
             prefix_cache_hits_total=cached,
         )
+
+
+def _embedding_args(context: int) -> tuple[str, ...]:
+    """An embedding model reads each input whole in one batch (no causal mask to split it by); its
+    vectors come from /v1/embeddings, pooled as the model says and L2-normalised."""
+    return ("--embeddings", "--ubatch-size", str(context), "--batch-size", str(context))

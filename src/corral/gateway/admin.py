@@ -164,7 +164,7 @@ class AdminViews:
                     f"'{name}' is empty: name one, or leave it out to purge all.", param=name
                 )
         try:
-            removed = await self._cache().store.purge(tenant, model)
+            removed = await self._cache().purge(tenant, model)
         except StoreUnavailable as exc:
             raise NoCapacity(str(exc), code="cache_unavailable", retry_after=5) from None
         return web.json_response({"removed": removed})

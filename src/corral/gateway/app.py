@@ -110,16 +110,28 @@ def build_app(
     return app
 
 
-def _semantic_cache(services: GatewayServices, relay: Relay) -> asyncio.Task[int] | None:
+_SWEEP_S = 60.0  # how often the semantic index forgets the vectors of expired or evicted entries
+
+
+def _semantic_cache(services: GatewayServices, relay: Relay) -> asyncio.Task[None] | None:
     """Give the cache its embedder; where a model caches semantically, index the stored entries' vectors
-    (a gateway starting beside a shared cache) in the background."""
+    (a gateway starting beside a shared cache), then sweep out the vectors of entries gone since."""
     cache = services.cache
     if cache is None:
         return None
     cache.embedder = ReplicaEmbedder(relay)
-    if not any(p.semantic for p in cache.policies.values()):
-        return None
-    return asyncio.create_task(cache.rebuild(), name="semantic-cache-rebuild")
+
+    async def upkeep() -> None:
+        if any(p.semantic for p in cache.policies.values()):
+            logger.info("semantic cache: %d stored vectors indexed", await cache.rebuild())
+        while True:
+            await asyncio.sleep(_SWEEP_S)
+            try:
+                await cache.sweep()
+            except Exception:  # a supervisor loop: logged, and it goes on
+                logger.exception("semantic cache: sweeping the index failed")
+
+    return asyncio.create_task(upkeep(), name="semantic-cache-upkeep")
 
 
 async def _chat_completions(request: web.Request) -> web.StreamResponse:

@@ -31,4 +31,6 @@ class ReplicaEmbedder:
         except (orjson.JSONDecodeError, KeyError, IndexError, TypeError, ValueError) as exc:
             raise UpstreamError(f"{model} answered an embedding that could not be read: {exc}") from exc
         norm = float(np.linalg.norm(vector))
-        return vector / norm if norm else vector
+        if vector.ndim != 1 or not np.isfinite(vector).all() or not norm:
+            raise UpstreamError(f"{model} answered a vector that is not finite and non-zero")  # (NaN: null)
+        return vector / norm

@@ -24,7 +24,10 @@ __all__ = ["EmbeddingShaper", "upstream_body"]
 
 def upstream_body(raw: bytes) -> bytes:
     """The request as engines get it: float vectors at the model's own size."""
-    data = orjson.loads(raw)
+    try:
+        data = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:  # NaN, Infinity or a huge number that pydantic let through
+        raise InvalidRequest(f"The body is not valid JSON for the engines: {exc}.") from exc
     data.pop("encoding_format", None)
     data.pop("dimensions", None)
     return orjson.dumps(data)
@@ -57,18 +60,25 @@ class EmbeddingShaper:
                 f"The engine answered {len(vectors)} embeddings for {len(body.inputs)} inputs."
             )
         self._sizes[body.model] = vectors.shape[1]
-        if body.dimensions is not None:
+        if body.dimensions is not None and body.dimensions != vectors.shape[1]:
             _check_dimensions(body, vectors.shape[1], matryoshka)
             vectors = _shorten(vectors, body.dimensions)
-        usage = answer.get("usage") or {}
-        prompt = int(usage.get("prompt_tokens") or 0)
-        usage = {"prompt_tokens": prompt, "total_tokens": int(usage.get("total_tokens") or prompt)}
+        usage = _usage(answer.get("usage"))
         data = [
             {"object": "embedding", "index": i, "embedding": _encode(v, body.encoding_format)}
             for i, v in enumerate(vectors)
         ]
         shaped = {"object": "list", "data": data, "model": body.model, "usage": usage}
         return orjson.dumps(shaped, option=orjson.OPT_SERIALIZE_NUMPY), usage
+
+
+def _usage(reported: Any) -> dict[str, int]:
+    """The engine's usage, or zeros where it reported none that can be read."""
+    try:
+        prompt = int(reported.get("prompt_tokens") or 0)
+        return {"prompt_tokens": prompt, "total_tokens": int(reported.get("total_tokens") or prompt)}
+    except (AttributeError, TypeError, ValueError):
+        return {"prompt_tokens": 0, "total_tokens": 0}
 
 
 def _check_dimensions(body: EmbeddingRequest, size: int, matryoshka: bool) -> None:

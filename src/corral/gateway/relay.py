@@ -32,7 +32,7 @@ __all__ = ["SSE_HEADERS", "Relay"]
 logger = logging.getLogger(__name__)
 
 _RETRYABLE_STATUS = frozenset({502, 503})
-_INPUT_TOO_LONG = re.compile(r"input \((\d+) tokens\) is too large to process")
+_INPUT_TOO_LONG = re.compile(r"input (?:\((\d+) tokens\) )?is too large to process")
 _UPSTREAM_HEADERS = {"Content-Type": "application/json"}
 _SEP = b"\n\n"
 _DONE_EVENT = b"data: [DONE]\n\n"
@@ -110,16 +110,20 @@ class Relay:
                 replica = self._router.acquire(route, exclude=tried)
             except NoCapacity:
                 break
-            ok = False
+            ok: bool | None = None  # cancelled (the caller's deadline): not the replica's fault
             try:
                 async with await self._post(replica, path, body) as upstream:
                     answer = await upstream.read()
                     if upstream.status == 200:
                         ok = True
                         return answer
+                    status, error = _engine_error(upstream.status, answer)
                     failure = f"engine answered {upstream.status}"
+                    if status < 500:  # the input's fault (an over-long text, say): no retry, no blame
+                        raise UpstreamError(f"{route.model} refused the input: {error.decode()[:200]}")
+                    ok = False
             except (aiohttp.ClientError, TimeoutError) as exc:
-                failure = f"{type(exc).__name__}: {exc}"
+                ok, failure = False, f"{type(exc).__name__}: {exc}"
             finally:
                 self._router.release(replica, route, ok)
             tried.append(replica)
@@ -366,9 +370,10 @@ def _engine_error(status: int, body: bytes) -> tuple[int, bytes]:
     message = message or f"the engine answered {status}"
     too_long = _INPUT_TOO_LONG.search(message) if status >= 500 else None
     if too_long is not None:  # llama.cpp answers an over-long embedding input with a 500: the input's fault
+        count = f": {too_long[1]} tokens" if too_long[1] else ""
         refusal: dict[str, str | None] = {
-            "message": f"An input is too long for the model: {too_long[1]} tokens, more than its replicas "
-            "take per input. Shorten or split it.",
+            "message": f"An input is too long for the model{count}, more than its replicas take per input. "
+            "Shorten or split it.",
             "type": "invalid_request_error",
             "param": "input",
             "code": "context_length_exceeded",

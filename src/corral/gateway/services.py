@@ -131,4 +131,4 @@ def _cache(
         if settings.backend == "redis"
         else MemoryStore(settings.max_bytes)
     )
-    return ExactCache(store, dict(policies), dict(versions))
+    return ExactCache(store, dict(policies), dict(versions), embed_timeout=settings.embedding_timeout)
