@@ -139,4 +139,5 @@ def test_closed_gateway_console_asks_for_the_admin_key(tmp_path: Path, browser: 
         wait.until(lambda b: len(b.find_elements(By.CSS_SELECTOR, "#replicas tbody tr td.ready")) == 2)
         assert not browser.find_element(By.ID, "login").is_displayed()
         # The refused polls before the key was given are the only errors the page met.
-        assert all("401" in e or "403" in e for e in errors(browser))
+        seen = errors(browser)
+        assert all("401" in e or "403" in e for e in seen), seen
