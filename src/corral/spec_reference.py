@@ -18,6 +18,7 @@ from pydantic_core import PydanticUndefined
 from corral.config import (
     AuthSettings,
     AutoscaleSpec,
+    BatchSettings,
     CacheSettings,
     ClusterSpec,
     DeploymentSpec,
@@ -63,6 +64,7 @@ SECTIONS: tuple[tuple[str, type[BaseModel]], ...] = (
     ("limits", LimitsSettings),
     ("queue", QueueSettings),
     ("cache", CacheSettings),
+    ("batch", BatchSettings),
     ("ray", RaySettings),
     ("deploy", DeploySettings),
     ("deploy.edge", EdgeSettings),
@@ -92,7 +94,8 @@ _HEADER = """\
 `corral up -f cluster.yaml` runs the cluster a spec declares; `corral spec check -f cluster.yaml` only
 validates it. Unknown fields are refused, and every problem is reported with its file, line and field.
 Times are in seconds. With no file, `corral up` runs the embedded default: SmolLM2 on two llama.cpp
-replicas, an open gateway on 127.0.0.1:8000, SQLite and in-memory limits.
+replicas and the MiniLM embedding model on one, an open gateway on 127.0.0.1:8000, SQLite and in-memory
+limits.
 """
 
 

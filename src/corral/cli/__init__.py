@@ -3,6 +3,7 @@
 Each command module registers itself on the shared typer app; nothing else imports this package.
 """
 
+from corral.cli import batch as _batch
 from corral.cli import bench as _bench
 from corral.cli import control as _control
 from corral.cli import deploy as _deploy
@@ -17,4 +18,4 @@ from corral.cli.app import app, main
 
 __all__ = ["app", "main"]
 
-_COMMANDS = (_up, _control, _keys, _plan, _sim, _bench, _deploy, _observe, _spec, _worker)
+_COMMANDS = (_up, _control, _keys, _plan, _sim, _bench, _batch, _deploy, _observe, _spec, _worker)

@@ -372,6 +372,7 @@ def services_for(spec: ClusterSpec, paths: Paths, replicas: Any) -> Any:
             spec.cache,
             {m.name: m.cache for m in spec.models},
             {m.name: deployed_digest(m) for m in spec.models},
+            spec.batch,
         )
     except StoreError as exc:
         raise CliError(str(exc)) from None

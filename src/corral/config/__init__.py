@@ -20,7 +20,7 @@ A spec file looks like::
 """
 
 from corral.config.change import AutoscaleSpec, EvalCase, ModelCacheSpec, RolloutSpec
-from corral.config.env import Paths, admin_key_from_env
+from corral.config.env import Paths, admin_key_from_env, api_key_from_env
 from corral.config.models import (
     DEFAULT_EMBEDDING_MODEL_NAME,
     DEFAULT_MODEL_NAME,
@@ -35,6 +35,7 @@ from corral.config.models import (
 )
 from corral.config.settings import (
     AuthSettings,
+    BatchSettings,
     CacheSettings,
     DeploySettings,
     EdgeSettings,
@@ -61,6 +62,7 @@ __all__ = [
     "DEFAULT_MODEL_NAME",
     "AuthSettings",
     "AutoscaleSpec",
+    "BatchSettings",
     "CacheSettings",
     "ClusterSpec",
     "DeploySettings",
@@ -86,6 +88,7 @@ __all__ = [
     "SupervisorSettings",
     "TLSSettings",
     "admin_key_from_env",
+    "api_key_from_env",
     "default_spec",
     "exposure_problem",
     "is_loopback",

@@ -40,6 +40,11 @@ class Paths:
         return f"sqlite:///{self.home / 'corral.db'}"
 
 
+def api_key_from_env(given: str | None) -> str | None:
+    """A tenant's API key for the CLI: the one given, else `CORRAL_API_KEY`, else `OPENAI_API_KEY`."""
+    return given or os.environ.get("CORRAL_API_KEY") or os.environ.get("OPENAI_API_KEY")
+
+
 def admin_key_from_env(configured: str | None) -> str | None:
     """The admin key: `CORRAL_ADMIN_KEY` if set, else the spec's."""
     return os.environ.get("CORRAL_ADMIN_KEY") or configured

@@ -190,6 +190,25 @@ class CacheSettings(Strict):
     ] = 2.0
 
 
+class BatchSettings(Strict):
+    """Batch jobs (OpenAI's Files and Batch API): a durable queue in the store, run on spare capacity."""
+
+    enabled: bool = Field(default=True, description="serve /v1/files and /v1/batches and run batches")
+    max_file_bytes: Annotated[int, Field(ge=1, description="largest file upload, bytes")] = 100 * 1024 * 1024
+    max_lines: Annotated[int, Field(ge=1, description="requests a batch file may hold")] = 50_000
+    headroom: Annotated[
+        int, Field(ge=0, description="slots per model kept free of batch lines for interactive requests")
+    ] = 1
+    lease_s: Annotated[
+        float,
+        Field(gt=0, description="a running line's lease: a gateway that dies holds its lines this long"),
+    ] = 300.0
+    poll_s: Annotated[float, Field(gt=0, description="how often the runner looks for spare capacity")] = 0.5
+    max_attempts: Annotated[
+        int, Field(ge=1, description="tries of a line the cluster could not take (429, 5xx) before it fails")
+    ] = 5
+
+
 class QueueSettings(Strict):
     """Per-model waiting room in front of the replicas."""
 

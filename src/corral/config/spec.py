@@ -19,6 +19,7 @@ from corral.config.models import (
 )
 from corral.config.settings import (
     AuthSettings,
+    BatchSettings,
     CacheSettings,
     DeploySettings,
     GatewaySettings,
@@ -42,6 +43,9 @@ class ClusterSpec(Strict):
     limits: LimitsSettings = Field(default_factory=LimitsSettings, description="rate-limit state")
     queue: QueueSettings = Field(default_factory=QueueSettings, description="per-model waiting room")
     cache: CacheSettings = Field(default_factory=CacheSettings, description="where cached answers live")
+    batch: BatchSettings = Field(
+        default_factory=BatchSettings, description="batch jobs: the Files and Batch API and their runner"
+    )
     ray: RaySettings | None = Field(default=None, description="run replicas on a Ray cluster")
     deploy: DeploySettings = Field(
         default_factory=DeploySettings, description="production configs: `corral deploy render`"

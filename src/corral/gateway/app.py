@@ -8,6 +8,7 @@ The app serves `/v1/chat/completions`, `/v1/completions`, `/v1/embeddings`, `/v1
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
@@ -18,8 +19,10 @@ import aiohttp
 import orjson
 from aiohttp import web
 
+from corral.batch.runner import BatchRunner
 from corral.config import GatewaySettings
 from corral.gateway.admin import AdminViews
+from corral.gateway.batches import BatchViews
 from corral.gateway.clients import ClientAddresses
 from corral.gateway.console import ConsoleViews
 from corral.gateway.embedder import ReplicaEmbedder
@@ -76,6 +79,8 @@ def build_app(
 
     app.router.add_get("/openapi.json", openapi_view)
     admin.add_routes(app)
+    if services.batches is not None:
+        BatchViews(services.batches, services.auth, router.replicas, services.batch).add_routes(app)
     ConsoleViews(metrics, admin).add_routes(app)
 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
@@ -93,13 +98,17 @@ def build_app(
                 router, relay, services, usage, metrics, settings.max_body_bytes, settings.body_timeout
             )
             services.queue.start()
+            batches = _batch_runner(services, router, app[PIPELINE], worker)
             usage.start()
             metrics.start()
             try:
                 yield
             finally:
-                if rebuild is not None:
-                    rebuild.cancel()
+                for task in (rebuild, batches):
+                    if task is not None:
+                        task.cancel()
+                        with contextlib.suppress(asyncio.CancelledError):
+                            await task
                 await metrics.stop()
                 await services.queue.stop()
                 await usage.stop()
@@ -108,6 +117,18 @@ def build_app(
 
     app.cleanup_ctx.append(lifecycle)
     return app
+
+
+def _batch_runner(
+    services: GatewayServices, router: Router, pipeline: Pipeline, worker: int | None
+) -> asyncio.Task[None] | None:
+    """Run batch lines here (one gateway process of a machine's workers: the first)."""
+    if services.batches is None or worker not in (None, 0):
+        return None
+    runner = BatchRunner(
+        services.batches, pipeline, services.keys, router.replicas, services.queue.depths, services.batch
+    )
+    return asyncio.create_task(runner.run(), name="batch-runner")
 
 
 _SWEEP_S = 60.0  # how often the semantic index forgets the vectors of expired or evicted entries

@@ -32,7 +32,7 @@ _IMAGE_PARTS = frozenset({"image_url", "input_image", "image"})
 MAX_PARTS = 128  # single-choice requests one request may fan out to (n × prompts)
 _AT_ONCE = 16  # of them in flight at once
 
-Forward = Callable[[RequestContext, web.Request], Awaitable[web.StreamResponse]]
+Forward = Callable[[RequestContext, web.Request | None], Awaitable[web.StreamResponse]]
 
 
 def check_features(body: ChatCompletionRequest | CompletionRequest, features: EngineFeatures) -> None:
@@ -78,7 +78,7 @@ class Fanout:
     def __init__(self, forward: Forward) -> None:
         self._forward = forward
 
-    async def answer(self, ctx: RequestContext, request: web.Request) -> web.StreamResponse:
+    async def answer(self, ctx: RequestContext, request: web.Request | None) -> web.StreamResponse:
         body, features = ctx.body, ctx.features
         data = orjson.loads(ctx.upstream_body)
         prompts: list[Any] = body.prompts if isinstance(body, CompletionRequest) else [None]

@@ -114,6 +114,34 @@ class Pipeline:
         finally:
             await self.settle(ctx, principal, reservation, status)
 
+    async def run_line(self, principal: Principal, path: str, raw: bytes) -> tuple[int, bytes]:
+        """A batch line through the same stages as a request (parse, authorize, queue at the principal's
+        priority, route, relay, settle: usage recorded), without rate limits or the cache; never streamed.
+        (status, body): the answer, or the error a client would have got."""
+        try:
+            if path == "/v1/embeddings":
+                ctx = self._embedding_context(raw, path)
+            else:
+                kind = ChatCompletionRequest if path == "/v1/chat/completions" else CompletionRequest
+                ctx = self._context(raw, path, kind, None)
+            principal.check_model(ctx.model)
+        except APIError as exc:
+            return exc.status, exc.to_json()
+        status = 500
+        try:
+            if isinstance(ctx.body, EmbeddingRequest):
+                response = await self._embed(ctx, principal, None)
+            else:
+                response = await self._generate(ctx, principal, None)
+            status = response.status
+            body = response.body if isinstance(response, web.Response) else None
+            return status, body if isinstance(body, bytes) else b"{}"
+        except APIError as exc:
+            status = exc.status
+            return status, exc.to_json()
+        finally:
+            await self.settle(ctx, principal, None, status)
+
     async def _answer(
         self, ctx: RequestContext, principal: Principal, request: web.Request
     ) -> web.StreamResponse:
@@ -127,7 +155,7 @@ class Pipeline:
         return response
 
     async def _embed(
-        self, ctx: RequestContext, principal: Principal, request: web.Request
+        self, ctx: RequestContext, principal: Principal, request: web.Request | None
     ) -> web.StreamResponse:
         """Embeddings: a replica's float vectors, told the way the client asked (see embeddings.py)."""
         body = ctx.body
@@ -143,7 +171,7 @@ class Pipeline:
         return web.Response(body=shaped, content_type="application/json", headers=headers)
 
     async def _generate(
-        self, ctx: RequestContext, principal: Principal, request: web.Request
+        self, ctx: RequestContext, principal: Principal, request: web.Request | None
     ) -> web.StreamResponse:
         """Wait in the model's queue for a slot, then have a replica (or several: fan-out) answer."""
         metrics = self._metrics.of(ctx.model)
@@ -234,6 +262,15 @@ class Pipeline:
     ) -> RequestContext:
         """Read and validate the body; check the model exists; prepare the upstream body and routing info."""
         raw = await self._read(request)
+        return self._context(raw, request.path, kind, request.headers.get("x-session-id"))
+
+    def _context(
+        self,
+        raw: bytes,
+        path: str,
+        kind: type[ChatCompletionRequest] | type[CompletionRequest],
+        session: str | None,
+    ) -> RequestContext:
         body = parse_body(kind, raw)
         features = self._features_of(body.model)
         if features.embeddings:
@@ -258,13 +295,13 @@ class Pipeline:
         route = RouteRequest(
             model=body.model,
             tokens=input_tokens + max_tokens * body.n * prompts,
-            session=request.headers.get("x-session-id") or body.user,
+            session=session or body.user,
             prompt_tokens=input_tokens * prompts,
         )
         if getattr(self._router.policy_for(body.model), "needs_prompt", False):
             route.prompt = prompt or prompt_text(body)
         return RequestContext(
-            path=request.path,
+            path=path,
             body=body,
             upstream_body=upstream,
             received_at=time.monotonic(),
@@ -278,7 +315,9 @@ class Pipeline:
 
     async def parse_embeddings(self, request: web.Request) -> RequestContext:
         """An embedding request: validated, for an embedding model, sized by its inputs' tokens."""
-        raw = await self._read(request)
+        return self._embedding_context(await self._read(request), request.path)
+
+    def _embedding_context(self, raw: bytes, path: str) -> RequestContext:
         body = parse_body(EmbeddingRequest, raw)
         features = self._features_of(body.model)
         if not features.embeddings:
@@ -299,7 +338,7 @@ class Pipeline:
         )
         route = RouteRequest(model=body.model, tokens=tokens, session=body.user, prompt_tokens=tokens)
         return RequestContext(
-            path=request.path,
+            path=path,
             body=body,
             upstream_body=upstream_body(raw),
             received_at=time.monotonic(),

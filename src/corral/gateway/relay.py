@@ -64,7 +64,8 @@ class Relay:
         self._timeout = aiohttp.ClientTimeout(total=None, connect=timeouts.connect, sock_read=timeouts.read)
         self._stall = timeouts.stall
 
-    async def forward(self, ctx: RequestContext, request: web.Request) -> web.StreamResponse:
+    async def forward(self, ctx: RequestContext, request: web.Request | None) -> web.StreamResponse:
+        """The replica's answer (`request`: the client's, for a stream; None for a batch line)."""
         tried: list[Replica] = []
         failure = "no attempt"
         self._router.retry_budget.on_request()
@@ -130,7 +131,7 @@ class Relay:
         raise UpstreamError(f"{route.model} did not answer: {failure}")
 
     async def _attempt(
-        self, replica: Replica, ctx: RequestContext, request: web.Request
+        self, replica: Replica, ctx: RequestContext, request: web.Request | None
     ) -> web.StreamResponse:
         try:
             upstream = await self._post(replica, ctx.path, ctx.upstream_body)
@@ -141,7 +142,7 @@ class Relay:
         async with upstream:
             if upstream.status in _RETRYABLE_STATUS:
                 raise _Retryable(f"engine answered {upstream.status}")
-            if not ctx.stream or upstream.status != 200:
+            if not ctx.stream or upstream.status != 200 or request is None:
                 return await self._whole(replica, ctx, upstream)
             return await self._stream(replica, ctx, upstream, request)
 

@@ -18,6 +18,7 @@ from corral.admission import (
 from corral.cache import CacheStore, ExactCache, MemoryStore, RedisStore
 from corral.config import (
     AuthSettings,
+    BatchSettings,
     CacheSettings,
     ClusterSpec,
     LimitsSettings,
@@ -26,7 +27,7 @@ from corral.config import (
     StoreSettings,
 )
 from corral.routing import ReplicaSet
-from corral.store import KeyStore, UsageStore, open_database
+from corral.store import BatchStore, KeyStore, UsageStore, open_database
 
 __all__ = ["GatewayServices", "ReplicaControl"]
 
@@ -64,6 +65,8 @@ class GatewayServices:
     cache: ExactCache | None = None  # answers repeated requests (models with cache.exact)
     limits: LimitsSettings | None = None  # what `limiter` was built from (a live apply compares)
     retired: list[Limiter] = field(default_factory=list)  # limiters replaced by a live apply
+    batches: BatchStore | None = None  # files and batch jobs (batch.enabled)
+    batch: BatchSettings = field(default_factory=BatchSettings)
 
     def reconfigure(self, queue: QueueSettings, limits: LimitsSettings) -> Limiter | None:
         """New queue bounds and rate-limit settings from a live `corral apply`. A changed limits section
@@ -93,10 +96,12 @@ class GatewayServices:
         cache: CacheSettings | None = None,
         cache_policies: dict[str, ModelCacheSpec] | None = None,
         cache_versions: dict[str, str] | None = None,
+        batch: BatchSettings | None = None,
     ) -> GatewayServices:
         engine = open_database(store.url or database_url)
         keys, usage = KeyStore(engine), UsageStore(engine)
         limiter = _limiter(limits)
+        batch = batch or BatchSettings()
         return cls(
             keys=keys,
             usage_store=usage,
@@ -114,6 +119,8 @@ class GatewayServices:
             failover_modes=failover_modes or {},
             cache=_cache(cache or CacheSettings(), cache_policies or {}, cache_versions or {}),
             limits=limits,
+            batches=BatchStore(engine) if batch.enabled else None,
+            batch=batch,
         )
 
 

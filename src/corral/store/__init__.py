@@ -7,12 +7,16 @@ from pathlib import Path
 from sqlalchemy import Engine, create_engine, event, inspect
 from sqlalchemy.exc import ArgumentError, NoSuchModuleError, SQLAlchemyError
 
+from corral.store.batch import BatchStore
+from corral.store.files import FileStore
 from corral.store.keys import PRIORITIES, InvalidKey, KeyRecord, KeyStore, NewKey, hash_key
 from corral.store.schema import Base
 from corral.store.usage import UsageRecord, UsageStore
 
 __all__ = [
     "PRIORITIES",
+    "BatchStore",
+    "FileStore",
     "InvalidKey",
     "KeyRecord",
     "KeyStore",

@@ -1,0 +1,207 @@
+"""`corral batch`: submit a JSONL file as a batch job, follow it, fetch its results, cancel it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import aiohttp
+import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from corral.cli.app import CaCertOption, FlagsCommand, FlagsGroup, app, client_tls, console, fail, run_async
+from corral.config import api_key_from_env
+
+batch_app = typer.Typer(
+    help="Batch jobs through the gateway's Batch API: submit a JSONL file, follow it, fetch results.",
+    cls=FlagsGroup,
+    no_args_is_help=True,
+)
+app.add_typer(batch_app, name="batch")
+
+UrlOption = Annotated[str, typer.Option(help="the gateway's base URL")]
+KeyOption = Annotated[
+    str | None, typer.Option(help="a tenant's API key (default: $CORRAL_API_KEY, then $OPENAI_API_KEY)")
+]
+BatchArgument = Annotated[str, typer.Argument(help="the batch's id (batch_…)")]
+_FINISHED = {"completed", "failed", "expired", "cancelled"}
+
+
+class _Gateway:
+    """The few Files and Batch API calls the commands make."""
+
+    def __init__(self, url: str, key: str | None, ca_cert: Path | None) -> None:
+        self._url = url.rstrip("/")
+        self._headers = {"Authorization": f"Bearer {key}"} if key else {}
+        self._ssl = client_tls(ca_cert)
+
+    async def call(self, method: str, path: str, **kwargs: Any) -> Any:
+        try:
+            async with aiohttp.ClientSession(headers=self._headers) as session:
+                async with session.request(
+                    method, self._url + path, ssl=self._ssl or True, **kwargs
+                ) as response:
+                    data = await response.read()
+                    if response.status >= 400:
+                        fail(f"{self._url} answered {response.status}: {_message(data)}")
+                    return data if response.content_type != "application/json" else json.loads(data)
+        except aiohttp.ClientError as exc:
+            fail(f"no corral gateway answers at {self._url}: {exc}")
+
+
+@batch_app.command("submit", cls=FlagsCommand)
+def submit(
+    file: Annotated[Path, typer.Argument(help="the JSONL file: one {custom_id, method, url, body} per line")],
+    window: Annotated[str, typer.Option(help="completion window: 24h, or shorter (30m, 90s)")] = "24h",
+    wait: Annotated[bool, typer.Option(help="follow it with a progress bar until it finishes")] = True,
+    url: UrlOption = "http://127.0.0.1:8000",
+    api_key: KeyOption = None,
+    ca_cert: CaCertOption = None,
+) -> None:
+    """Upload FILE and start a batch on it (its endpoint is the lines' `url`)."""
+    try:
+        content = file.read_bytes()
+    except OSError as exc:
+        fail(f"cannot read {file}: {exc.strerror or exc}", 2)
+    endpoint = _endpoint_of(content)
+    gateway = _Gateway(url, api_key_from_env(api_key), ca_cert)
+
+    async def run() -> None:
+        form = aiohttp.FormData()
+        form.add_field("purpose", "batch")
+        form.add_field("file", content, filename=file.name, content_type="application/jsonl")
+        uploaded = await gateway.call("POST", "/v1/files", data=form)
+        body = {"input_file_id": uploaded["id"], "endpoint": endpoint, "completion_window": window}
+        batch = await gateway.call("POST", "/v1/batches", json=body)
+        console.print(f"batch {batch['id']}: {batch['status']}, {_total(batch)} requests", markup=False)
+        if wait and batch["status"] not in _FINISHED:
+            batch = await _follow(gateway, batch)
+        _summary(batch)
+
+    run_async(run())
+
+
+@batch_app.command("status", cls=FlagsCommand)
+def status(
+    batch_id: BatchArgument,
+    as_json: Annotated[bool, typer.Option("--json", help="print the batch as JSON")] = False,
+    url: UrlOption = "http://127.0.0.1:8000",
+    api_key: KeyOption = None,
+    ca_cert: CaCertOption = None,
+) -> None:
+    """A batch's status and request counts."""
+    gateway = _Gateway(url, api_key_from_env(api_key), ca_cert)
+
+    async def run() -> None:
+        batch = await gateway.call("GET", f"/v1/batches/{batch_id}")
+        if as_json:
+            print(json.dumps(batch, indent=2))
+        else:
+            _summary(batch)
+
+    run_async(run())
+
+
+@batch_app.command("results", cls=FlagsCommand)
+def results(
+    batch_id: BatchArgument,
+    errors: Annotated[
+        bool, typer.Option("--errors", help="the error file instead of the output file")
+    ] = False,
+    output: Annotated[
+        Path | None, typer.Option("-o", "--output", help="write here (default: stdout)")
+    ] = None,
+    url: UrlOption = "http://127.0.0.1:8000",
+    api_key: KeyOption = None,
+    ca_cert: CaCertOption = None,
+) -> None:
+    """A finished batch's output (or error) file: one JSON line per request."""
+    gateway = _Gateway(url, api_key_from_env(api_key), ca_cert)
+
+    async def run() -> None:
+        batch = await gateway.call("GET", f"/v1/batches/{batch_id}")
+        file_id = batch["error_file_id" if errors else "output_file_id"]
+        if file_id is None:
+            fail(f"batch {batch_id} ({batch['status']}) has no {'error' if errors else 'output'} file")
+        data = await gateway.call("GET", f"/v1/files/{file_id}/content")
+        if output is None:
+            sys.stdout.buffer.write(data)
+        else:
+            output.write_bytes(data)
+            console.print(f"wrote {output} ({len(data)} bytes)", markup=False)
+
+    run_async(run())
+
+
+@batch_app.command("cancel", cls=FlagsCommand)
+def cancel(
+    batch_id: BatchArgument,
+    url: UrlOption = "http://127.0.0.1:8000",
+    api_key: KeyOption = None,
+    ca_cert: CaCertOption = None,
+) -> None:
+    """Cancel a batch: lines not started are cancelled, running ones finish and are kept."""
+    gateway = _Gateway(url, api_key_from_env(api_key), ca_cert)
+
+    async def run() -> None:
+        _summary(await gateway.call("POST", f"/v1/batches/{batch_id}/cancel"))
+
+    run_async(run())
+
+
+async def _follow(gateway: _Gateway, batch: dict[str, Any]) -> dict[str, Any]:
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=True) as progress:
+        task = progress.add_task(batch["id"], total=_total(batch))
+        while batch["status"] not in _FINISHED:
+            await asyncio.sleep(1.0)
+            batch = await gateway.call("GET", f"/v1/batches/{batch['id']}")
+            counts = batch.get("request_counts") or {}
+            progress.update(
+                task,
+                completed=counts.get("completed", 0) + counts.get("failed", 0),
+                description=f"{batch['id']} {batch['status']}",
+            )
+    return batch
+
+
+def _summary(batch: dict[str, Any]) -> None:
+    counts = batch.get("request_counts") or {}
+    line = (
+        f"batch {batch['id']}: {batch['status']}; {counts.get('completed', 0)} completed, "
+        f"{counts.get('failed', 0)} failed of {counts.get('total', 0)}"
+    )
+    console.print(line, markup=False, highlight=False, soft_wrap=True)
+    for error in ((batch.get("errors") or {}).get("data") or [])[:10]:
+        where = f"line {error['line']}: " if error.get("line") else ""
+        console.print(f"  {where}{error['message']}", markup=False, highlight=False, soft_wrap=True)
+    for name in ("output_file_id", "error_file_id"):
+        if batch.get(name):
+            console.print(f"  {name}: {batch[name]}", markup=False)
+
+
+def _endpoint_of(content: bytes) -> str:
+    for raw in content.splitlines():
+        if raw.strip():
+            try:
+                url = json.loads(raw).get("url")
+            except (ValueError, AttributeError):
+                fail("the file's first line is not a JSON batch request", 2)
+            if not isinstance(url, str):
+                fail("the file's first line has no 'url' (the endpoint, e.g. /v1/chat/completions)", 2)
+            return url
+    fail("the file holds no requests", 2)
+
+
+def _total(batch: dict[str, Any]) -> int:
+    return int((batch.get("request_counts") or {}).get("total", 0))
+
+
+def _message(data: bytes) -> str:
+    try:
+        return str(json.loads(data)["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return data.decode(errors="replace")[:200]

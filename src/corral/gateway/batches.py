@@ -1,0 +1,252 @@
+"""OpenAI's Files and Batch API: `/v1/files` and `/v1/batches`, per tenant (a key sees only its tenant's
+files and batches; another tenant's id is a 404). The queue and its runner: store/batch.py, batch/."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from datetime import timedelta
+from typing import Any
+
+import orjson
+from aiohttp import BodyPartReader, web
+
+from corral.admission import Authenticator, Principal
+from corral.batch.files import ENDPOINTS, check_upload, read_batch_input
+from corral.config import BatchSettings
+from corral.protocol import InvalidRequest, NotFound, PayloadTooLarge
+from corral.routing import ReplicaSet
+from corral.store.batch import BatchStore
+
+__all__ = ["BatchViews"]
+
+_WINDOW = re.compile(r"^(\d+)([smh])$")
+_MAX_WINDOW = timedelta(hours=24)
+_CHUNK = 1 << 16
+
+
+class BatchViews:
+    """The HTTP face of files and batches."""
+
+    def __init__(
+        self, store: BatchStore, auth: Authenticator, replicas: ReplicaSet, settings: BatchSettings
+    ) -> None:
+        self._store = store
+        self._auth = auth
+        self._replicas = replicas
+        self._settings = settings
+
+    def add_routes(self, app: web.Application) -> None:
+        app.router.add_post("/v1/files", self.upload)
+        app.router.add_get("/v1/files", self.files)
+        app.router.add_get("/v1/files/{id}", self.file)
+        app.router.add_get("/v1/files/{id}/content", self.content)
+        app.router.add_delete("/v1/files/{id}", self.delete)
+        app.router.add_post("/v1/batches", self.create)
+        app.router.add_get("/v1/batches", self.batches)
+        app.router.add_get("/v1/batches/{id}", self.batch)
+        app.router.add_post("/v1/batches/{id}/cancel", self.cancel)
+
+    async def _principal(self, request: web.Request) -> Principal:
+        return await self._auth.authenticate(request.headers.get("Authorization"))
+
+    async def upload(self, request: web.Request) -> web.Response:
+        """multipart/form-data with `purpose` (batch) and `file` (JSONL); checked line by line."""
+        principal = await self._principal(request)
+        if not request.content_type.startswith("multipart/"):
+            raise InvalidRequest("Upload the file as multipart/form-data with fields 'purpose' and 'file'.")
+        purpose, filename, content = None, "upload.jsonl", None
+        reader = await request.multipart()
+        while (part := await reader.next()) is not None:
+            if not isinstance(part, BodyPartReader):
+                continue
+            if part.name == "purpose":
+                purpose = (await part.text()).strip()
+            elif part.name == "file":
+                filename = part.filename or filename
+                content = await self._read_limited(part)
+        if purpose != "batch":
+            raise InvalidRequest(
+                "'purpose' must be \"batch\" (the only purpose this server takes).", param="purpose"
+            )
+        if content is None:
+            raise InvalidRequest("The upload has no 'file' part.", param="file")
+        await asyncio.to_thread(check_upload, content, self._settings.max_lines)
+        record = await asyncio.to_thread(
+            self._store.files.add_file, principal.tenant, purpose, filename, content
+        )
+        return web.json_response(record.to_api())
+
+    async def _read_limited(self, part: BodyPartReader) -> bytes:
+        chunks, size = [], 0
+        while chunk := await part.read_chunk(_CHUNK):
+            size += len(chunk)
+            if size > self._settings.max_file_bytes:
+                raise PayloadTooLarge(
+                    f"The file is larger than the limit of {self._settings.max_file_bytes} bytes."
+                )
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    async def files(self, request: web.Request) -> web.Response:
+        principal = await self._principal(request)
+        limit, after = _paging(request, default=10_000)
+        found = await asyncio.to_thread(
+            self._store.files.files, principal.tenant, request.query.get("purpose"), limit + 1, after
+        )
+        return _listing([f.to_api() for f in found], limit)
+
+    async def file(self, request: web.Request) -> web.Response:
+        principal = await self._principal(request)
+        found = await asyncio.to_thread(self._store.files.file, principal.tenant, request.match_info["id"])
+        if found is None:
+            raise _no_file(request.match_info["id"])
+        return web.json_response(found.to_api())
+
+    async def content(self, request: web.Request) -> web.Response:
+        principal = await self._principal(request)
+        data = await asyncio.to_thread(
+            self._store.files.file_content, principal.tenant, request.match_info["id"]
+        )
+        if data is None:
+            raise _no_file(request.match_info["id"])
+        return web.Response(body=data, content_type="application/octet-stream")
+
+    async def delete(self, request: web.Request) -> web.Response:
+        principal = await self._principal(request)
+        file_id = request.match_info["id"]
+        if not await asyncio.to_thread(self._store.files.delete_file, principal.tenant, file_id):
+            raise _no_file(file_id)
+        return web.json_response({"id": file_id, "object": "file", "deleted": True})
+
+    async def create(self, request: web.Request) -> web.Response:
+        principal = await self._principal(request)
+        body = _json_object(await request.read())
+        endpoint, window, meta = _batch_fields(body)
+        file_id = body.get("input_file_id")
+        if not isinstance(file_id, str) or not file_id:
+            raise InvalidRequest("'input_file_id' must name an uploaded file.", param="input_file_id")
+        found = await asyncio.to_thread(self._store.files.file, principal.tenant, file_id)
+        content = await asyncio.to_thread(self._store.files.file_content, principal.tenant, file_id)
+        if found is None or content is None:
+            raise _no_file(file_id)
+        if found.purpose != "batch":
+            raise InvalidRequest(
+                f"File {file_id} is not a batch input (purpose {found.purpose}).", param="input_file_id"
+            )
+        served = {m: self._replicas.features(m).embeddings for m in self._replicas.models()}
+        parsed, errors = await asyncio.to_thread(read_batch_input, content, endpoint, served)
+        tenant, key_id = principal.tenant, principal.key_id
+        if parsed is None:
+            record = await asyncio.to_thread(
+                self._store.failed_batch, tenant, key_id, endpoint, file_id, window, meta, errors
+            )
+            return web.json_response(record.to_api())
+        principal.check_model(parsed.model)
+        record = await asyncio.to_thread(
+            self._store.create_batch,
+            tenant,
+            key_id,
+            endpoint,
+            parsed.model,
+            file_id,
+            parsed.lines,
+            window,
+            meta,
+        )
+        return web.json_response(record.to_api())
+
+    async def batches(self, request: web.Request) -> web.Response:
+        principal = await self._principal(request)
+        limit, after = _paging(request, default=20)
+        found = await asyncio.to_thread(self._store.batches, principal.tenant, limit + 1, after)
+        return _listing([b.to_api() for b in found], limit)
+
+    async def batch(self, request: web.Request) -> web.Response:
+        principal = await self._principal(request)
+        found = await asyncio.to_thread(self._store.batch, principal.tenant, request.match_info["id"])
+        if found is None:
+            raise _no_batch(request.match_info["id"])
+        return web.json_response(found.to_api())
+
+    async def cancel(self, request: web.Request) -> web.Response:
+        principal = await self._principal(request)
+        found = await asyncio.to_thread(self._store.cancel, principal.tenant, request.match_info["id"])
+        if found is None:
+            raise _no_batch(request.match_info["id"])
+        return web.json_response(found.to_api())
+
+
+def _batch_fields(body: dict[str, Any]) -> tuple[str, timedelta, dict[str, str] | None]:
+    endpoint = body.get("endpoint")
+    if endpoint not in ENDPOINTS:
+        raise InvalidRequest(f"'endpoint' must be one of {', '.join(ENDPOINTS)}.", param="endpoint")
+    window = _window(body.get("completion_window", "24h"))
+    meta = body.get("metadata")
+    if meta is not None and (
+        not isinstance(meta, dict)
+        or len(meta) > 16
+        or not all(
+            isinstance(k, str) and isinstance(v, str) and len(k) <= 64 and len(v) <= 512
+            for k, v in meta.items()
+        )
+    ):
+        raise InvalidRequest(
+            "'metadata' holds at most 16 string pairs (keys ≤ 64, values ≤ 512 chars).", param="metadata"
+        )
+    return str(endpoint), window, meta
+
+
+def _window(value: Any) -> timedelta:
+    """OpenAI takes "24h"; corral also takes a shorter window ("90s", "30m", "2h")."""
+    found = _WINDOW.match(value) if isinstance(value, str) else None
+    if found is None:
+        raise InvalidRequest(
+            '\'completion_window\' must be "24h" (or a shorter "30m", "90s").', param="completion_window"
+        )
+    amount, unit = int(found[1]), found[2]
+    window = timedelta(**{{"s": "seconds", "m": "minutes", "h": "hours"}[unit]: amount})
+    if not timedelta(0) < window <= _MAX_WINDOW:
+        raise InvalidRequest("'completion_window' must be at most 24h.", param="completion_window")
+    return window
+
+
+def _json_object(raw: bytes) -> dict[str, Any]:
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidRequest(f"The body is not valid JSON: {exc}.") from exc
+    if not isinstance(body, dict):
+        raise InvalidRequest("The body must be a JSON object.")
+    return body
+
+
+def _paging(request: web.Request, default: int) -> tuple[int, str | None]:
+    try:
+        limit = int(request.query.get("limit", default))
+    except ValueError as exc:
+        raise InvalidRequest("'limit' must be a whole number.", param="limit") from exc
+    if not 1 <= limit <= 10_000:
+        raise InvalidRequest("'limit' must be between 1 and 10000.", param="limit")
+    return limit, request.query.get("after")
+
+
+def _listing(items: list[dict[str, Any]], limit: int) -> web.Response:
+    page = items[:limit]
+    return web.json_response(
+        {
+            "object": "list",
+            "data": page,
+            "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None,
+            "has_more": len(items) > limit,
+        }
+    )
+
+
+def _no_file(file_id: str) -> NotFound:
+    return NotFound(f"No such file: {file_id}.", param="file_id")
+
+
+def _no_batch(batch_id: str) -> NotFound:
+    return NotFound(f"No such batch: {batch_id}.", param="batch_id")

@@ -1,0 +1,538 @@
+"""Files and batch jobs in the SQL store: the durable queue behind the Batch API.
+
+Every line of a batch is a row. A runner *leases* pending lines (an owner and a deadline, taken with
+`FOR UPDATE SKIP LOCKED` on PostgreSQL; SQLite serialises writers), runs them and *commits* each result
+only while it still holds the lease, so a line has exactly one result whatever crashes: a runner killed
+mid-line leaves a lease that expires and is taken over; a runner that finishes after losing its lease has
+its result dropped. Counts are derived from the lines' states, never kept apart, so they cannot drift.
+A batch with nothing pending or leased is finalised in one transaction (output and error files written,
+status set only if still unfinished), so two runners finalising at once produce one set of files.
+
+No queue library fits both backends and these semantics (procrastinate and pgqueuer are PostgreSQL-only,
+saq and arq Redis-only, none gives exactly-one result per line over SQLite), so the SQL is kept small here.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Any, cast
+
+import orjson
+from sqlalchemy import (
+    JSON,
+    CursorResult,
+    DateTime,
+    Engine,
+    Float,
+    Index,
+    Integer,
+    String,
+    Text,
+    func,
+    select,
+    update,
+)
+from sqlalchemy.orm import Mapped, Session, mapped_column
+
+from corral.store.files import FileRow, FileStore, page
+from corral.store.schema import Base
+
+__all__ = ["BatchLine", "BatchRecord", "BatchStore", "LineResult"]
+
+FINISHED = frozenset({"completed", "failed", "expired", "cancelled"})
+
+
+class BatchRow(Base):
+    __tablename__ = "corral_batches"
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    tenant: Mapped[str] = mapped_column(String(128), index=True)
+    key_id: Mapped[str | None] = mapped_column(String(32), nullable=True)
+    endpoint: Mapped[str] = mapped_column(String(64))
+    model: Mapped[str] = mapped_column(String(128))
+    input_file_id: Mapped[str] = mapped_column(String(40))
+    output_file_id: Mapped[str | None] = mapped_column(String(40), nullable=True)
+    error_file_id: Mapped[str | None] = mapped_column(String(40), nullable=True)
+    completion_window: Mapped[str] = mapped_column(String(16))
+    status: Mapped[str] = mapped_column(String(16), index=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    expires_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    times: Mapped[dict[str, float]] = mapped_column(JSON, default=dict)  # status → when it was reached
+    meta: Mapped[dict[str, str] | None] = mapped_column(JSON, nullable=True)
+    errors: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON, nullable=True)
+    total: Mapped[int] = mapped_column(Integer, default=0)
+
+
+class BatchLineRow(Base):
+    __tablename__ = "corral_batch_lines"
+    __table_args__ = (Index("ix_corral_batch_lines_state", "state", "lease_until"),)
+
+    batch_id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    line: Mapped[int] = mapped_column(Integer, primary_key=True)
+    custom_id: Mapped[str] = mapped_column(String(512))
+    body: Mapped[str] = mapped_column(Text)
+    state: Mapped[str] = mapped_column(String(12))  # pending leased done failed cancelled expired
+    lease_owner: Mapped[str | None] = mapped_column(String(80), nullable=True)
+    lease_until: Mapped[float | None] = mapped_column(Float, nullable=True)
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    status_code: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    response: Mapped[str | None] = mapped_column(Text, nullable=True)
+
+
+@dataclass(frozen=True)
+class BatchRecord:
+    id: str
+    tenant: str
+    endpoint: str
+    model: str
+    input_file_id: str
+    output_file_id: str | None
+    error_file_id: str | None
+    completion_window: str
+    status: str
+    created_at: datetime
+    expires_at: datetime
+    times: dict[str, float]
+    meta: dict[str, str] | None
+    errors: list[dict[str, Any]] | None
+    counts: dict[str, int]
+
+    def to_api(self) -> dict[str, Any]:
+        when = {f"{status}_at": int(at) for status, at in self.times.items()}
+        return {
+            "id": self.id,
+            "object": "batch",
+            "endpoint": self.endpoint,
+            "errors": {"object": "list", "data": self.errors} if self.errors else None,
+            "input_file_id": self.input_file_id,
+            "completion_window": self.completion_window,
+            "status": self.status,
+            "output_file_id": self.output_file_id,
+            "error_file_id": self.error_file_id,
+            "created_at": int(self.created_at.timestamp()),
+            "expires_at": int(self.expires_at.timestamp()),
+            **{
+                key: when.get(key)
+                for key in (
+                    "in_progress_at",
+                    "finalizing_at",
+                    "completed_at",
+                    "failed_at",
+                    "expired_at",
+                    "cancelling_at",
+                    "cancelled_at",
+                )
+            },
+            "request_counts": self.counts,
+            "metadata": self.meta,
+        }
+
+
+@dataclass(frozen=True)
+class BatchLine:
+    """A leased line: what to run, and for whom."""
+
+    batch_id: str
+    line: int
+    custom_id: str
+    body: bytes
+    endpoint: str
+    tenant: str
+    key_id: str | None
+    attempts: int  # this lease included
+
+
+@dataclass(frozen=True)
+class LineResult:
+    status_code: int
+    body: bytes  # the answer (or an OpenAI error body)
+    request_id: str
+
+
+class BatchStore:
+    """Blocking SQL access to files, batches and their lines (the gateway calls it from threads)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+        self._postgres = engine.dialect.name == "postgresql"
+        self.files = FileStore(engine)  # inputs, and the output and error files it writes
+
+    # batches
+
+    def create_batch(
+        self,
+        tenant: str,
+        key_id: str | None,
+        endpoint: str,
+        model: str,
+        input_file_id: str,
+        lines: list[tuple[str, bytes]],
+        window: timedelta,
+        meta: dict[str, str] | None,
+    ) -> BatchRecord:
+        """A batch of validated lines, in progress at once (validation happened before)."""
+        now = datetime.now(UTC)
+        batch = BatchRow(
+            id=f"batch_{uuid.uuid4().hex[:24]}",
+            tenant=tenant,
+            key_id=key_id,
+            endpoint=endpoint,
+            model=model,
+            input_file_id=input_file_id,
+            completion_window=f"{int(window.total_seconds() // 3600)}h",
+            status="in_progress",
+            created_at=now,
+            expires_at=now + window,
+            times={"in_progress": now.timestamp()},
+            meta=meta,
+            total=len(lines),
+        )
+        with Session(self._engine, expire_on_commit=False) as session, session.begin():
+            session.add(batch)
+            session.flush()
+            session.add_all(
+                BatchLineRow(
+                    batch_id=batch.id, line=i, custom_id=custom_id, body=body.decode(), state="pending"
+                )
+                for i, (custom_id, body) in enumerate(lines)
+            )
+        found = self.batch(tenant, batch.id)
+        assert found is not None
+        return found
+
+    def failed_batch(
+        self,
+        tenant: str,
+        key_id: str | None,
+        endpoint: str,
+        input_file_id: str,
+        window: timedelta,
+        meta: dict[str, str] | None,
+        errors: list[dict[str, Any]],
+    ) -> BatchRecord:
+        """A batch whose input did not validate: failed at once, with the errors (OpenAI's behaviour)."""
+        now = datetime.now(UTC)
+        row = BatchRow(
+            id=f"batch_{uuid.uuid4().hex[:24]}",
+            tenant=tenant,
+            key_id=key_id,
+            endpoint=endpoint,
+            model="",
+            input_file_id=input_file_id,
+            completion_window=f"{int(window.total_seconds() // 3600)}h",
+            status="failed",
+            created_at=now,
+            expires_at=now + window,
+            times={"failed": now.timestamp()},
+            meta=meta,
+            errors=errors,
+            total=0,
+        )
+        with Session(self._engine, expire_on_commit=False) as session, session.begin():
+            session.add(row)
+        found = self.batch(tenant, row.id)
+        assert found is not None
+        return found
+
+    def batch(self, tenant: str | None, batch_id: str) -> BatchRecord | None:
+        with Session(self._engine, expire_on_commit=False) as session:
+            row = session.get(BatchRow, batch_id)
+            if row is None or (tenant is not None and row.tenant != tenant):
+                return None
+            return _batch(row, self._counts(session, [batch_id]).get(batch_id, {}))
+
+    def batches(self, tenant: str, limit: int, after: str | None) -> list[BatchRecord]:
+        with Session(self._engine, expire_on_commit=False) as session:
+            rows = session.scalars(
+                select(BatchRow)
+                .where(BatchRow.tenant == tenant)
+                .order_by(BatchRow.created_at.desc(), BatchRow.id)
+            ).all()
+            found = page(list(rows), limit, after)
+            counts = self._counts(session, [r.id for r in found])
+            return [_batch(r, counts.get(r.id, {})) for r in found]
+
+    def cancel(self, tenant: str, batch_id: str) -> BatchRecord | None:
+        """Cancelling: pending lines are cancelled; leased ones finish; finalised as cancelled after."""
+        with Session(self._engine, expire_on_commit=False) as session, session.begin():
+            row = session.get(BatchRow, batch_id, with_for_update=self._postgres)
+            if row is None or row.tenant != tenant:
+                return None
+            if row.status in ("in_progress", "validating"):
+                row.status = "cancelling"
+                row.times = {**row.times, "cancelling": time.time()}
+                session.execute(
+                    update(BatchLineRow)
+                    .where(BatchLineRow.batch_id == batch_id, BatchLineRow.state == "pending")
+                    .values(state="cancelled")
+                )
+        return self.batch(tenant, batch_id)
+
+    # the runner's side
+
+    def lease(self, owner: str, model: str, limit: int, lease_s: float) -> list[BatchLine]:
+        """Up to `limit` runnable lines of in-progress batches for `model`: pending ones, or leased ones
+        whose lease has run out (their runner died)."""
+        if limit <= 0:
+            return []
+        now = time.time()
+        with Session(self._engine, expire_on_commit=False) as session, session.begin():
+            runnable = (
+                select(BatchLineRow.batch_id, BatchLineRow.line)
+                .join(BatchRow, BatchRow.id == BatchLineRow.batch_id)
+                .where(BatchRow.status == "in_progress", BatchRow.model == model)
+                .where(
+                    (BatchLineRow.state == "pending")
+                    | ((BatchLineRow.state == "leased") & (BatchLineRow.lease_until < now))
+                )
+                .order_by(BatchRow.created_at, BatchLineRow.line)
+                .limit(limit)
+            )
+            if self._postgres:
+                runnable = runnable.with_for_update(of=BatchLineRow, skip_locked=True)
+            picked = session.execute(runnable).all()
+            leased: list[BatchLine] = []
+            for batch_id, line in picked:
+                taken = session.execute(
+                    update(BatchLineRow)
+                    .where(
+                        BatchLineRow.batch_id == batch_id,
+                        BatchLineRow.line == line,
+                        (BatchLineRow.state == "pending")
+                        | ((BatchLineRow.state == "leased") & (BatchLineRow.lease_until < now)),
+                    )
+                    .values(
+                        state="leased",
+                        lease_owner=owner,
+                        lease_until=now + lease_s,
+                        attempts=BatchLineRow.attempts + 1,
+                    )
+                    .returning(BatchLineRow.custom_id, BatchLineRow.body, BatchLineRow.attempts)
+                ).first()
+                if taken is None:
+                    continue
+                batch = session.get(BatchRow, batch_id)
+                assert batch is not None
+                leased.append(
+                    BatchLine(
+                        batch_id,
+                        line,
+                        taken.custom_id,
+                        taken.body.encode(),
+                        batch.endpoint,
+                        batch.tenant,
+                        batch.key_id,
+                        taken.attempts,
+                    )
+                )
+            return leased
+
+    def commit(self, owner: str, line: BatchLine, result: LineResult) -> bool:
+        """The line's result, kept only while `owner` still holds its lease (exactly one result a line)."""
+        ok = 200 <= result.status_code < 300
+        response = orjson.dumps(
+            {
+                "status_code": result.status_code,
+                "request_id": result.request_id,
+                "body": orjson.loads(result.body or b"null"),
+            }
+        ).decode()
+        with Session(self._engine, expire_on_commit=False) as session, session.begin():
+            done = session.execute(
+                update(BatchLineRow)
+                .where(
+                    BatchLineRow.batch_id == line.batch_id,
+                    BatchLineRow.line == line.line,
+                    BatchLineRow.state == "leased",
+                    BatchLineRow.lease_owner == owner,
+                )
+                .values(state="done" if ok else "failed", status_code=result.status_code, response=response)
+            )
+            return bool(cast(CursorResult[Any], done).rowcount)
+
+    def release(self, owner: str, line: BatchLine) -> None:
+        """Give a leased line back (the runner is stopping): pending again, at once."""
+        with Session(self._engine, expire_on_commit=False) as session, session.begin():
+            session.execute(
+                update(BatchLineRow)
+                .where(
+                    BatchLineRow.batch_id == line.batch_id,
+                    BatchLineRow.line == line.line,
+                    BatchLineRow.state == "leased",
+                    BatchLineRow.lease_owner == owner,
+                )
+                .values(state="pending", lease_owner=None, lease_until=None)
+            )
+
+    def models_with_work(self) -> list[str]:
+        with Session(self._engine, expire_on_commit=False) as session:
+            return list(
+                session.scalars(
+                    select(BatchRow.model).where(BatchRow.status == "in_progress").distinct()
+                ).all()
+            )
+
+    def housekeeping(self) -> list[str]:
+        """Expire batches past their window; finalise those with nothing left to run. The ids finished."""
+        finished = []
+        with Session(self._engine, expire_on_commit=False) as session:
+            open_ids = session.scalars(
+                select(BatchRow.id).where(BatchRow.status.in_(("in_progress", "cancelling", "finalizing")))
+            ).all()
+        for batch_id in open_ids:
+            if self._finish(batch_id):
+                finished.append(batch_id)
+        return finished
+
+    def _finish(self, batch_id: str) -> bool:
+        now = time.time()
+        with Session(self._engine, expire_on_commit=False) as session, session.begin():
+            row = session.get(BatchRow, batch_id, with_for_update=self._postgres)
+            if row is None or row.status in FINISHED:
+                return False
+            if row.status == "in_progress" and row.expires_at.timestamp() <= now:
+                session.execute(
+                    update(BatchLineRow)
+                    .where(BatchLineRow.batch_id == batch_id, BatchLineRow.state.in_(("pending", "leased")))
+                    .values(state="expired")
+                )
+                row.status = "expiring"
+            busy = session.scalar(
+                select(func.count())
+                .select_from(BatchLineRow)
+                .where(BatchLineRow.batch_id == batch_id, BatchLineRow.state.in_(("pending", "leased")))
+            )
+            if busy:
+                return False
+            final = {
+                "in_progress": "completed",
+                "finalizing": "completed",
+                "cancelling": "cancelled",
+                "expiring": "expired",
+            }[row.status]
+            lines = session.execute(
+                select(
+                    BatchLineRow.custom_id,
+                    BatchLineRow.state,
+                    BatchLineRow.status_code,
+                    BatchLineRow.response,
+                )
+                .where(BatchLineRow.batch_id == batch_id)
+                .order_by(BatchLineRow.line)
+            ).all()
+            output, errors = _result_files(batch_id, lines)
+            stamp = datetime.now(UTC)
+            if output:
+                row.output_file_id = f"file-{uuid.uuid4().hex[:24]}"
+                session.add(
+                    FileRow(
+                        id=row.output_file_id,
+                        tenant=row.tenant,
+                        purpose="batch_output",
+                        filename=f"{batch_id}_output.jsonl",
+                        size=len(output),
+                        created_at=stamp,
+                        content=output,
+                    )
+                )
+            if errors:
+                row.error_file_id = f"file-{uuid.uuid4().hex[:24]}"
+                session.add(
+                    FileRow(
+                        id=row.error_file_id,
+                        tenant=row.tenant,
+                        purpose="batch_output",
+                        filename=f"{batch_id}_error.jsonl",
+                        size=len(errors),
+                        created_at=stamp,
+                        content=errors,
+                    )
+                )
+            row.times = {**row.times, "finalizing": now, final: now}
+            row.status = final
+        return True
+
+    @staticmethod
+    def _counts(session: Session, batch_ids: list[str]) -> dict[str, dict[str, int]]:
+        if not batch_ids:
+            return {}
+        rows = session.execute(
+            select(BatchLineRow.batch_id, BatchLineRow.state, func.count())
+            .where(BatchLineRow.batch_id.in_(batch_ids))
+            .group_by(BatchLineRow.batch_id, BatchLineRow.state)
+        ).all()
+        counts: dict[str, dict[str, int]] = {b: {"total": 0, "completed": 0, "failed": 0} for b in batch_ids}
+        for batch_id, state, n in rows:
+            counts[batch_id]["total"] += n
+            if state == "done":
+                counts[batch_id]["completed"] += n
+            elif state in ("failed", "expired", "cancelled"):
+                counts[batch_id]["failed"] += n
+        return counts
+
+
+def _batch(row: BatchRow, counts: dict[str, int]) -> BatchRecord:
+    def aware(at: datetime) -> datetime:
+        return at if at.tzinfo else at.replace(tzinfo=UTC)
+
+    return BatchRecord(
+        row.id,
+        row.tenant,
+        row.endpoint,
+        row.model,
+        row.input_file_id,
+        row.output_file_id,
+        row.error_file_id,
+        row.completion_window,
+        "in_progress" if row.status == "expiring" else row.status,
+        aware(row.created_at),
+        aware(row.expires_at),
+        dict(row.times or {}),
+        row.meta,
+        row.errors,
+        counts or {"total": row.total, "completed": 0, "failed": 0},
+    )
+
+
+def _result_files(batch_id: str, lines: Sequence[Any]) -> tuple[bytes, bytes]:
+    """OpenAI's output file (a line per answered request: its status and body) and error file (a line
+    per request that failed, was cancelled or expired)."""
+    output: list[bytes] = []
+    errors: list[bytes] = []
+    for custom_id, state, status_code, response in lines:
+        if state in ("done", "failed") and response is not None:
+            result = orjson.loads(response)
+            item = {
+                "id": f"batch_req_{uuid.uuid4().hex[:24]}",
+                "custom_id": custom_id,
+                "response": {
+                    "status_code": status_code,
+                    "request_id": result["request_id"],
+                    "body": result["body"],
+                },
+                "error": None,
+            }
+            (output if state == "done" else errors).append(orjson.dumps(item))
+        elif state in ("cancelled", "expired"):
+            code = "batch_cancelled" if state == "cancelled" else "batch_expired"
+            message = (
+                "The batch was cancelled before this request ran."
+                if state == "cancelled"
+                else ("The batch expired before this request ran.")
+            )
+            item = {
+                "id": f"batch_req_{uuid.uuid4().hex[:24]}",
+                "custom_id": custom_id,
+                "response": None,
+                "error": {"code": code, "message": message},
+            }
+            errors.append(orjson.dumps(item))
+    return _jsonl(output), _jsonl(errors)
+
+
+def _jsonl(lines: list[bytes]) -> bytes:
+    return b"\n".join(lines) + b"\n" if lines else b""

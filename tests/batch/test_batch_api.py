@@ -1,0 +1,328 @@
+"""The Files and Batch API with the openai client, through a gateway in front of simulated replicas: a
+batch runs to completion with one output line per request; uploads and batches with bad lines are refused
+or failed naming the line; a line the engine refuses lands in the error file; cancel keeps finished lines;
+expiry keeps partial results; another tenant's key sees nothing; usage is recorded per line."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+import openai
+import orjson
+import pytest
+
+from corral.config import (
+    AuthSettings,
+    BatchSettings,
+    GatewaySettings,
+    LimitsSettings,
+    QueueSettings,
+    StoreSettings,
+)
+from corral.gateway import GatewayServer, GatewayServices
+from corral.perf import load_catalog
+from corral.perf.calibration import calibrated_efficiency
+from corral.routing import EngineFeatures, Replica, ReplicaSet, ReplicaState, Router
+from corral.sim import SimFleet, SimOptions, build_server
+
+ADMIN = "batch-admin"
+
+
+@dataclass
+class Gateway:
+    url: str
+    server: GatewayServer
+    services: GatewayServices
+
+
+@pytest.fixture
+async def engines() -> AsyncIterator[list[str]]:
+    """A fast chat replica `m` (8 slots), a slow one `slow` (1 slot, real time) and an embedder `e`."""
+    catalog, efficiency = load_catalog(), calibrated_efficiency()
+    fleet = SimFleet(
+        [
+            build_server(
+                SimOptions(
+                    model="llama-3.1-8b", gpu="h100-sxm", time_scale=50, served_name="m", max_model_len=512
+                ),
+                catalog,
+                efficiency,
+            ),
+            build_server(
+                SimOptions(model="llama-3.1-8b", gpu="l4", time_scale=1, served_name="slow"),
+                catalog,
+                efficiency,
+            ),
+            build_server(
+                SimOptions(
+                    model="llama-3.1-8b", gpu="h100-sxm", time_scale=50, served_name="e", embed_dim=16
+                ),
+                catalog,
+                efficiency,
+            ),
+        ]
+    )
+    await fleet.start([0, 0, 0])
+    yield fleet.urls
+    await fleet.stop()
+
+
+@pytest.fixture
+async def gateway(engines: list[str], tmp_path: Path) -> AsyncIterator[Gateway]:
+    replicas = ReplicaSet()
+    replicas.add(
+        Replica(
+            id="m-0",
+            model="m",
+            engine="sim",
+            url=engines[0],
+            state=ReplicaState.READY,
+            capacity=8,
+            context_length=512,
+        )
+    )
+    replicas.add(
+        Replica(id="slow-0", model="slow", engine="sim", url=engines[1], state=ReplicaState.READY, capacity=2)
+    )
+    embedder = EngineFeatures(embeddings=True)
+    replicas.add(
+        Replica(
+            id="e-0",
+            model="e",
+            engine="sim",
+            url=engines[2],
+            state=ReplicaState.READY,
+            capacity=4,
+            features=embedder,
+        )
+    )
+    services = GatewayServices.build(
+        replicas,
+        f"sqlite:///{tmp_path / f'{uuid.uuid4().hex}.db'}",
+        AuthSettings(open=False, admin_key=ADMIN),
+        StoreSettings(flush_interval=0.1),
+        LimitsSettings(),
+        QueueSettings(),
+        admin_key=ADMIN,
+        batch=BatchSettings(poll_s=0.05, lease_s=30),
+    )
+    server = GatewayServer(GatewaySettings(port=0), Router(replicas), services)
+    await server.start()
+    yield Gateway(f"http://127.0.0.1:{server.port}", server, services)
+    await server.stop()
+
+
+async def key_for(gw: Gateway, tenant: str) -> str:
+    async with aiohttp.ClientSession() as session:
+        async with session.post(
+            gw.url + "/admin/keys", json={"tenant": tenant}, headers={"Authorization": f"Bearer {ADMIN}"}
+        ) as response:
+            return str((await response.json())["key"])
+
+
+def client(gw: Gateway, key: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key=key, max_retries=0)
+
+
+def chat_lines(count: int, model: str = "m", max_tokens: int = 4) -> bytes:
+    return b"".join(
+        orjson.dumps(
+            {
+                "custom_id": f"req-{i}",
+                "method": "POST",
+                "url": "/v1/chat/completions",
+                "body": {
+                    "model": model,
+                    "max_tokens": max_tokens,
+                    "messages": [{"role": "user", "content": f"Question {i}?"}],
+                },
+            }
+        )
+        + b"\n"
+        for i in range(count)
+    )
+
+
+async def submit(
+    c: openai.AsyncOpenAI, content: bytes, endpoint: str = "/v1/chat/completions", window: str = "24h"
+):
+    uploaded = await c.files.create(file=("in.jsonl", io.BytesIO(content)), purpose="batch")
+    return await c.batches.create(input_file_id=uploaded.id, endpoint=endpoint, completion_window=window)  # type: ignore[arg-type]
+
+
+async def until_done(c: openai.AsyncOpenAI, batch_id: str, within: float = 60.0):
+    deadline = asyncio.get_running_loop().time() + within
+    while True:
+        batch = await c.batches.retrieve(batch_id)
+        if batch.status in ("completed", "failed", "expired", "cancelled"):
+            return batch
+        assert asyncio.get_running_loop().time() < deadline, (
+            f"batch still {batch.status}: {batch.request_counts}"
+        )
+        await asyncio.sleep(0.1)
+
+
+async def lines_of(c: openai.AsyncOpenAI, file_id: str | None) -> list[dict]:
+    if file_id is None:
+        return []
+    content = await c.files.content(file_id)
+    return [orjson.loads(line) for line in content.read().splitlines() if line.strip()]
+
+
+async def test_a_batch_runs_to_one_output_line_per_request_and_tenants_see_only_theirs(
+    gateway: Gateway,
+) -> None:
+    acme = client(gateway, await key_for(gateway, "acme"))
+    batch = await submit(acme, chat_lines(60))
+    assert batch.status == "in_progress" and batch.request_counts.total == 60  # type: ignore[union-attr]
+    done = await until_done(acme, batch.id)
+    assert done.status == "completed"
+    assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (
+        60,
+        60,
+        0,
+    )  # type: ignore[union-attr]
+    output = await lines_of(acme, done.output_file_id)
+    assert sorted(line["custom_id"] for line in output) == sorted(f"req-{i}" for i in range(60))
+    assert all(line["response"]["status_code"] == 200 for line in output)
+    assert all(line["response"]["body"]["choices"][0]["message"]["content"] for line in output)
+    assert done.error_file_id is None and done.completed_at and done.in_progress_at
+
+    listed = await acme.batches.list()
+    assert [b.id for b in listed.data] == [batch.id]
+    globex = client(gateway, await key_for(gateway, "globex"))
+    with pytest.raises(openai.NotFoundError):
+        await globex.batches.retrieve(batch.id)
+    with pytest.raises(openai.NotFoundError):
+        await globex.files.content(done.output_file_id)  # type: ignore[arg-type]
+    with pytest.raises(openai.NotFoundError):
+        await globex.batches.cancel(batch.id)
+    assert (await globex.batches.list()).data == []
+    assert (await globex.files.list()).data == []
+
+    # usage is recorded per line, for the tenant
+    deadline = asyncio.get_running_loop().time() + 10
+    while True:
+        rows = [r for r in gateway.services.usage_store.report("tenant") if r["tenant"] == "acme"]
+        if rows and rows[0]["requests"] >= 60:
+            break
+        assert asyncio.get_running_loop().time() < deadline
+        await asyncio.sleep(0.1)
+
+
+async def test_bad_uploads_are_refused_naming_the_line_and_bad_batches_fail_with_their_lines(
+    gateway: Gateway,
+) -> None:
+    acme = client(gateway, await key_for(gateway, "acme"))
+    good = chat_lines(2)
+    for bad, words in (
+        (good + b"not json\n", "Line 3"),
+        (
+            good + b'{"custom_id": "x", "method": "GET", "url": "/v1/chat/completions", "body": {}}\n',
+            "Line 3",
+        ),
+        (b'{"method": "POST", "url": "/v1/chat/completions", "body": {}}\n', "Line 1"),
+    ):
+        with pytest.raises(openai.BadRequestError, match=words):
+            await acme.files.create(file=("in.jsonl", io.BytesIO(bad)), purpose="batch")
+    with pytest.raises(openai.BadRequestError, match="purpose"):
+        await acme.files.create(file=("in.jsonl", io.BytesIO(good)), purpose="fine-tune")
+
+    duplicate = good + chat_lines(1)  # req-0 again
+    unknown = chat_lines(1, model="nope")
+    wrong_kind = chat_lines(1, model="e")
+    for content, words in (
+        (duplicate, "unique"),
+        (unknown, "does not exist"),
+        (wrong_kind, "embedding model"),
+    ):
+        failed = await submit(acme, content)
+        assert failed.status == "failed" and failed.errors is not None
+        assert any(words in e.message for e in failed.errors.data), failed.errors  # type: ignore[union-attr,operator]
+    failed = await submit(acme, duplicate)
+    assert failed.errors.data[0].line == 3  # type: ignore[union-attr]
+    with pytest.raises(openai.BadRequestError, match="endpoint"):
+        uploaded = await acme.files.create(file=("in.jsonl", io.BytesIO(good)), purpose="batch")
+        await acme.batches.create(
+            input_file_id=uploaded.id, endpoint="/v1/moderations", completion_window="24h"
+        )  # type: ignore[arg-type]
+    with pytest.raises(openai.NotFoundError):
+        await acme.batches.create(
+            input_file_id="file-nope", endpoint="/v1/chat/completions", completion_window="24h"
+        )
+
+
+async def test_a_line_the_engine_refuses_goes_to_the_error_file_and_embeddings_batch(
+    gateway: Gateway,
+) -> None:
+    acme = client(gateway, await key_for(gateway, "acme"))
+    lines = (
+        chat_lines(3)
+        + orjson.dumps(
+            {
+                "custom_id": "too-long",
+                "method": "POST",
+                "url": "/v1/chat/completions",
+                "body": {"model": "m", "max_tokens": 100000, "messages": [{"role": "user", "content": "hi"}]},
+            }
+        )
+        + b"\n"
+    )
+    done = await until_done(acme, (await submit(acme, lines)).id)
+    assert done.status == "completed"
+    assert (done.request_counts.completed, done.request_counts.failed) == (3, 1)  # type: ignore[union-attr]
+    (error,) = await lines_of(acme, done.error_file_id)
+    assert error["custom_id"] == "too-long" and error["response"]["status_code"] == 400
+    assert error["response"]["body"]["error"]["code"] == "context_length_exceeded"
+
+    embed = b"".join(
+        orjson.dumps(
+            {
+                "custom_id": f"e{i}",
+                "method": "POST",
+                "url": "/v1/embeddings",
+                "body": {"model": "e", "input": f"text {i}"},
+            }
+        )
+        + b"\n"
+        for i in range(5)
+    )
+    done = await until_done(acme, (await submit(acme, embed, endpoint="/v1/embeddings")).id)
+    vectors = await lines_of(acme, done.output_file_id)
+    assert len(vectors) == 5 and all(
+        len(v["response"]["body"]["data"][0]["embedding"]) == 16 for v in vectors
+    )
+
+
+async def test_cancel_keeps_finished_lines_and_expiry_keeps_partial_results(gateway: Gateway) -> None:
+    acme = client(gateway, await key_for(gateway, "acme"))
+    batch = await submit(
+        acme, chat_lines(40, model="slow", max_tokens=20)
+    )  # 2 slots (1 for batches), ~1 s a line
+    deadline = asyncio.get_running_loop().time() + 30
+    while (await acme.batches.retrieve(batch.id)).request_counts.completed < 2:  # type: ignore[union-attr]
+        assert asyncio.get_running_loop().time() < deadline
+        await asyncio.sleep(0.1)
+    cancelling = await acme.batches.cancel(batch.id)
+    assert cancelling.status in ("cancelling", "cancelled")
+    done = await until_done(acme, batch.id)
+    assert done.status == "cancelled" and done.cancelled_at
+    output, errors = await lines_of(acme, done.output_file_id), await lines_of(acme, done.error_file_id)
+    counts = done.request_counts
+    assert counts.completed == len(output) >= 2 and counts.failed == len(errors) > 0  # type: ignore[union-attr]
+    assert len(output) + len(errors) == 40
+    assert {e["error"]["code"] for e in errors} == {"batch_cancelled"}
+    assert {line["custom_id"] for line in output}.isdisjoint(e["custom_id"] for e in errors)
+
+    expiring = await submit(acme, chat_lines(40, model="slow", max_tokens=20), window="3s")
+    done = await until_done(acme, expiring.id, within=30)
+    assert done.status == "expired" and done.expired_at
+    output, errors = await lines_of(acme, done.output_file_id), await lines_of(acme, done.error_file_id)
+    assert 0 < len(output) < 40 and len(output) + len(errors) == 40
+    assert {e["error"]["code"] for e in errors} == {"batch_expired"}
