@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import io
+import os
+import re
+import sys
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -326,3 +329,41 @@ async def test_cancel_keeps_finished_lines_and_expiry_keeps_partial_results(gate
     output, errors = await lines_of(acme, done.output_file_id), await lines_of(acme, done.error_file_id)
     assert 0 < len(output) < 40 and len(output) + len(errors) == 40
     assert {e["error"]["code"] for e in errors} == {"batch_expired"}
+
+
+async def test_the_cli_submits_follows_and_fetches_a_batch(gateway: Gateway, tmp_path: Path) -> None:
+    key = await key_for(gateway, "acme")
+    source = tmp_path / "in.jsonl"
+    source.write_bytes(chat_lines(12))
+
+    async def corral(*args: str) -> tuple[int, str, str]:
+        process = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "corral.cli",
+            "batch",
+            *args,
+            "--url",
+            gateway.url,
+            "--api-key",
+            key,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            env={**os.environ, "COLUMNS": "200"},
+        )
+        out, err = await process.communicate()
+        return process.returncode or 0, out.decode(), err.decode()
+
+    code, out, err = await corral("submit", str(source))
+    assert code == 0, out
+    batch_id = re.search(r"batch (batch_\w+): completed; 12 completed, 0 failed of 12", err)
+    assert batch_id is not None, (out, err)
+    code, out, _ = await corral("results", batch_id[1])
+    lines = [orjson.loads(line) for line in out.splitlines() if line.strip()]
+    assert code == 0 and sorted(line["custom_id"] for line in lines) == sorted(f"req-{i}" for i in range(12))
+    code, out, _ = await corral("status", batch_id[1], "--json")
+    assert code == 0 and orjson.loads(out)["request_counts"]["completed"] == 12
+    code, _, err = await corral("results", batch_id[1], "--errors")
+    assert code == 1 and "has no error file" in err
+    code, _, err = await corral("status", "batch_nope")
+    assert code == 1 and "404" in err and "No such batch" in err
