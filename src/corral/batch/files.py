@@ -106,8 +106,8 @@ def _shape_problem(raw: bytes) -> str | None:
         return f"not valid JSON ({exc})"
     if not isinstance(item, dict):
         return "not a JSON object"
-    if not isinstance(item.get("custom_id"), str) or not item["custom_id"]:
-        return "'custom_id' must be a non-empty string"
+    if not isinstance(item.get("custom_id"), str) or not 0 < len(item["custom_id"]) <= 512:
+        return "'custom_id' must be a non-empty string of at most 512 characters"
     if item.get("method") != "POST":
         return "'method' must be \"POST\""
     if item.get("url") not in ENDPOINTS:

@@ -5,13 +5,16 @@ have free slots, less what interactive requests hold or wait for and a headroom 
 model), so an interactive request never queues behind a batch line. A line goes through the gateway's
 own pipeline (parse, authorize, queue at the lowest priority, route, relay, settle: usage is recorded per
 line) and its result is committed under its lease (store/batch.py). A line the cluster could not take
-now (429, 5xx, a timeout) goes back to pending and is tried again, up to `batch.max_attempts`; a line
-the engine refused (its 4xx) is an error line. Stopping hands leased lines back at once.
+now (429, 502, 503) goes back to pending and is tried again after a backoff (2 s, doubling), up to
+`batch.max_attempts`; a line the engine refused (its 4xx), timed out on (504) or that the tenant's
+budget no longer covers is an error line. Leases are renewed while lines run; stopping hands the lines
+in hand back at once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import socket
@@ -31,8 +34,10 @@ __all__ = ["BatchRunner", "LineExecutor"]
 
 logger = logging.getLogger(__name__)
 
-_RETRY = frozenset({408, 429, 500, 502, 503, 504})  # the cluster's state, not the line's fault
+_RETRY = frozenset({408, 429, 500, 502, 503})  # the cluster's state, not the line's fault
 _HOUSEKEEPING_S = 2.0
+_BACKOFF_S = 2.0  # a retried line waits this long, doubling with each try
+_BACKOFF_MAX_S = 60.0
 
 
 class LineExecutor(Protocol):
@@ -65,33 +70,46 @@ class BatchRunner:
         self._wake = asyncio.Event()
 
     def spare(self, model: str) -> int:
-        """Lines this runner may start now for `model`: free slots beyond interactive work and headroom."""
-        ready = self._replicas.ready(model)
+        """Lines this runner may start now for `model`: free slots beyond interactive work and headroom.
+        With nothing else in flight or waiting, one line may always run (a model with one slot)."""
+        ready = [r for r in self._replicas.ready(model) if r.breaker.allows()]
+        if not ready:
+            return 0
         slots = sum(r.capacity or 1 for r in ready)
         busy = sum(r.outstanding for r in ready)
-        allowed = slots - self._settings.headroom
+        waiting = self._waiting().get(model, 0)
         mine = len(self._running.get(model, ()))
-        return max(0, min(allowed - busy - self._waiting().get(model, 0), allowed - mine))
+        allowed = slots - self._settings.headroom
+        spare = max(0, min(allowed - busy - waiting, allowed - mine))
+        if not spare and not mine and not busy and not waiting:
+            return 1
+        return spare
 
     async def run(self) -> None:
-        """Until cancelled; then the lines in hand are given back."""
-        since_housekeeping = _HOUSEKEEPING_S
+        """Until cancelled; then the lines in hand are given back. A store that fails is logged and tried
+        again next tick (a supervisor loop)."""
+        loop = asyncio.get_running_loop()
+        next_housekeeping = next_renewal = loop.time()
         try:
             while True:
-                if since_housekeeping >= _HOUSEKEEPING_S:
-                    since_housekeeping = 0.0
-                    finished = await asyncio.to_thread(self._store.housekeeping)
-                    for batch_id in finished:
-                        logger.info("batch %s finished", batch_id)
-                for model in await asyncio.to_thread(self._store.models_with_work):
-                    await self._start(model)
-                self._wake.clear()
                 try:
+                    if loop.time() >= next_housekeeping:
+                        next_housekeeping = loop.time() + _HOUSEKEEPING_S
+                        for batch_id in await asyncio.to_thread(self._store.housekeeping):
+                            logger.info("batch %s finished", batch_id)
+                    if self._leased and loop.time() >= next_renewal:
+                        next_renewal = loop.time() + self._settings.lease_s / 3
+                        await asyncio.to_thread(
+                            self._store.renew, self.owner, list(self._leased.values()), self._settings.lease_s
+                        )
+                    for model in await asyncio.to_thread(self._store.models_with_work):
+                        await self._start(model)
+                except Exception:  # the store is down or a query failed: logged, tried again next tick
+                    logger.exception("batch runner: a pass failed")
+                self._wake.clear()
+                with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(self._settings.poll_s):
                         await self._wake.wait()
-                except TimeoutError:
-                    pass
-                since_housekeeping += self._settings.poll_s
         finally:
             await self._stop()
 
@@ -99,8 +117,12 @@ class BatchRunner:
         spare = self.spare(model)
         if not spare:
             return
-        lines = await asyncio.to_thread(self._store.lease, self.owner, model, spare, self._settings.lease_s)
+        lines = await asyncio.to_thread(
+            self._store.lease, self.owner, model, spare, self._settings.lease_s, self._settings.max_attempts
+        )
         for line in lines:
+            if (line.batch_id, line.line) in self._leased:
+                continue  # still running here (its lease had lapsed): not a second time
             self._leased[(line.batch_id, line.line)] = line
             task = asyncio.create_task(self._run(line), name=f"batch-line:{line.batch_id}:{line.line}")
             running = self._running.setdefault(model, set())
@@ -108,24 +130,29 @@ class BatchRunner:
             task.add_done_callback(running.discard)
 
     async def _run(self, line: BatchLine) -> None:
+        key = (line.batch_id, line.line)
         try:
             principal = await self._principal(line)
             if principal is None:
-                error = _error("The API key that submitted this batch has been revoked.", "invalid_api_key")
-                status, body = 401, error
+                status = 401
+                body = _error("The API key that submitted this batch has been revoked.", "invalid_api_key")
             else:
                 status, body = await self._executor.run_line(principal, line.endpoint, line.body)
-            if status in _RETRY and line.attempts < self._settings.max_attempts:
-                await asyncio.to_thread(self._store.release, self.owner, line)  # tried again later
+            if _retry(status, body) and line.attempts < self._settings.max_attempts:
+                backoff = min(_BACKOFF_MAX_S, _BACKOFF_S * 2 ** (line.attempts - 1))
+                await asyncio.to_thread(self._store.release, self.owner, line, backoff)  # tried again later
             else:
                 result = LineResult(status, body, f"req_{uuid.uuid4().hex[:24]}")
                 await asyncio.to_thread(self._store.commit, self.owner, line, result)
+            self._leased.pop(key, None)
         except asyncio.CancelledError:
-            raise
-        except Exception:  # a runner loop: logged, and the line's lease runs out (another runner retries)
+            raise  # stopping: the line stays in `_leased`, and `_stop` hands it back
+        except Exception:  # a runner loop: logged; the line is given back for another try (bounded)
             logger.exception("batch line %s:%d failed unexpectedly", line.batch_id, line.line)
+            self._leased.pop(key, None)
+            with contextlib.suppress(Exception):
+                await asyncio.to_thread(self._store.release, self.owner, line, _BACKOFF_MAX_S)
         finally:
-            self._leased.pop((line.batch_id, line.line), None)
             self._wake.set()
 
     async def _principal(self, line: BatchLine) -> Principal | None:
@@ -158,6 +185,12 @@ class BatchRunner:
 
 
 _BATCH_PRIORITY = 3  # below every key's priority class (high 0, normal 1, low 2)
+
+
+def _retry(status: int, body: bytes) -> bool:
+    """The cluster could not take the line now (not a 504: the engine worked on it until the read
+    timeout; not a spent monthly budget: that stays spent)."""
+    return status in _RETRY and b'"insufficient_quota"' not in body
 
 
 def _error(message: str, code: str) -> bytes:

@@ -8,7 +8,6 @@ The app serves `/v1/chat/completions`, `/v1/completions`, `/v1/embeddings`, `/v1
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import time
@@ -107,8 +106,12 @@ def build_app(
                 for task in (rebuild, batches):
                     if task is not None:
                         task.cancel()
-                        with contextlib.suppress(asyncio.CancelledError):
+                        try:
                             await task
+                        except asyncio.CancelledError:
+                            pass
+                        except Exception:  # it had failed already: logged; shutdown goes on
+                            logger.exception("background task %s had failed", task.get_name())
                 await metrics.stop()
                 await services.queue.stop()
                 await usage.stop()

@@ -55,16 +55,10 @@ class BatchViews:
         principal = await self._principal(request)
         if not request.content_type.startswith("multipart/"):
             raise InvalidRequest("Upload the file as multipart/form-data with fields 'purpose' and 'file'.")
-        purpose, filename, content = None, "upload.jsonl", None
-        reader = await request.multipart()
-        while (part := await reader.next()) is not None:
-            if not isinstance(part, BodyPartReader):
-                continue
-            if part.name == "purpose":
-                purpose = (await part.text()).strip()
-            elif part.name == "file":
-                filename = part.filename or filename
-                content = await self._read_limited(part)
+        try:
+            purpose, filename, content = await self._form(request)
+        except (ValueError, UnicodeDecodeError) as exc:  # no or a broken boundary, a non-UTF-8 field
+            raise InvalidRequest(f"The multipart body cannot be read: {exc}.") from exc
         if purpose != "batch":
             raise InvalidRequest(
                 "'purpose' must be \"batch\" (the only purpose this server takes).", param="purpose"
@@ -76,6 +70,19 @@ class BatchViews:
             self._store.files.add_file, principal.tenant, purpose, filename, content
         )
         return web.json_response(record.to_api())
+
+    async def _form(self, request: web.Request) -> tuple[str | None, str, bytes | None]:
+        purpose, filename, content = None, "upload.jsonl", None
+        reader = await request.multipart()
+        while (part := await reader.next()) is not None:
+            if not isinstance(part, BodyPartReader):
+                continue
+            if part.name == "purpose":
+                purpose = (await part.text()).strip()
+            elif part.name == "file":
+                filename = (part.filename or filename)[:256]
+                content = await self._read_limited(part)
+        return purpose, filename, content
 
     async def _read_limited(self, part: BodyPartReader) -> bytes:
         chunks, size = [], 0
@@ -123,6 +130,7 @@ class BatchViews:
         principal = await self._principal(request)
         body = _json_object(await request.read())
         endpoint, window, meta = _batch_fields(body)
+        window_text = str(body.get("completion_window", "24h"))
         file_id = body.get("input_file_id")
         if not isinstance(file_id, str) or not file_id:
             raise InvalidRequest("'input_file_id' must name an uploaded file.", param="input_file_id")
@@ -139,7 +147,7 @@ class BatchViews:
         tenant, key_id = principal.tenant, principal.key_id
         if parsed is None:
             record = await asyncio.to_thread(
-                self._store.failed_batch, tenant, key_id, endpoint, file_id, window, meta, errors
+                self._store.failed_batch, tenant, key_id, endpoint, file_id, window, meta, errors, window_text
             )
             return web.json_response(record.to_api())
         principal.check_model(parsed.model)
@@ -153,6 +161,7 @@ class BatchViews:
             parsed.lines,
             window,
             meta,
+            window_text,
         )
         return web.json_response(record.to_api())
 

@@ -125,6 +125,7 @@ class Pipeline:
                 kind = ChatCompletionRequest if path == "/v1/chat/completions" else CompletionRequest
                 ctx = self._context(raw, path, kind, None)
             principal.check_model(ctx.model)
+            await self._services.budget.check(principal, ctx.route.tokens)  # (no rate limits: a batch)
         except APIError as exc:
             return exc.status, exc.to_json()
         status = 500

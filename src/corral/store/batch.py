@@ -78,6 +78,7 @@ class BatchLineRow(Base):
     state: Mapped[str] = mapped_column(String(12))  # pending leased done failed cancelled expired
     lease_owner: Mapped[str | None] = mapped_column(String(80), nullable=True)
     lease_until: Mapped[float | None] = mapped_column(Float, nullable=True)
+    not_before: Mapped[float | None] = mapped_column(Float, nullable=True)  # retried after a backoff
     attempts: Mapped[int] = mapped_column(Integer, default=0)
     status_code: Mapped[int | None] = mapped_column(Integer, nullable=True)
     response: Mapped[str | None] = mapped_column(Text, nullable=True)
@@ -173,6 +174,7 @@ class BatchStore:
         lines: list[tuple[str, bytes]],
         window: timedelta,
         meta: dict[str, str] | None,
+        window_text: str = "24h",
     ) -> BatchRecord:
         """A batch of validated lines, in progress at once (validation happened before)."""
         now = datetime.now(UTC)
@@ -183,7 +185,7 @@ class BatchStore:
             endpoint=endpoint,
             model=model,
             input_file_id=input_file_id,
-            completion_window=f"{int(window.total_seconds() // 3600)}h",
+            completion_window=window_text,
             status="in_progress",
             created_at=now,
             expires_at=now + window,
@@ -213,6 +215,7 @@ class BatchStore:
         window: timedelta,
         meta: dict[str, str] | None,
         errors: list[dict[str, Any]],
+        window_text: str = "24h",
     ) -> BatchRecord:
         """A batch whose input did not validate: failed at once, with the errors (OpenAI's behaviour)."""
         now = datetime.now(UTC)
@@ -223,7 +226,7 @@ class BatchStore:
             endpoint=endpoint,
             model="",
             input_file_id=input_file_id,
-            completion_window=f"{int(window.total_seconds() // 3600)}h",
+            completion_window=window_text,
             status="failed",
             created_at=now,
             expires_at=now + window,
@@ -262,33 +265,40 @@ class BatchStore:
             row = session.get(BatchRow, batch_id, with_for_update=self._postgres)
             if row is None or row.tenant != tenant:
                 return None
-            if row.status in ("in_progress", "validating"):
-                row.status = "cancelling"
-                row.times = {**row.times, "cancelling": time.time()}
-                session.execute(
-                    update(BatchLineRow)
-                    .where(BatchLineRow.batch_id == batch_id, BatchLineRow.state == "pending")
-                    .values(state="cancelled")
+            if row.status == "in_progress":
+                # conditional: a finalisation that won the race keeps its status (SQLite reads unlocked)
+                moved = session.execute(
+                    update(BatchRow)
+                    .where(BatchRow.id == batch_id, BatchRow.status == "in_progress")
+                    .values(status="cancelling", times={**row.times, "cancelling": time.time()})
                 )
+                if _changed(moved):
+                    session.execute(
+                        update(BatchLineRow)
+                        .where(BatchLineRow.batch_id == batch_id, BatchLineRow.state == "pending")
+                        .values(state="cancelled")
+                    )
         return self.batch(tenant, batch_id)
 
     # the runner's side
 
-    def lease(self, owner: str, model: str, limit: int, lease_s: float) -> list[BatchLine]:
-        """Up to `limit` runnable lines of in-progress batches for `model`: pending ones, or leased ones
-        whose lease has run out (their runner died)."""
+    def lease(
+        self, owner: str, model: str, limit: int, lease_s: float, max_attempts: int = 5
+    ) -> list[BatchLine]:
+        """Up to `limit` runnable lines of in-progress batches for `model`: pending ones past their backoff,
+        or leased ones whose lease ran out (their runner died). A line taken over `max_attempts` times
+        (its runner keeps dying on it) fails instead."""
         if limit <= 0:
             return []
         now = time.time()
+        runnable_now = ((BatchLineRow.state == "pending") & _due(now)) | (
+            (BatchLineRow.state == "leased") & (BatchLineRow.lease_until < now)
+        )
         with Session(self._engine, expire_on_commit=False) as session, session.begin():
             runnable = (
-                select(BatchLineRow.batch_id, BatchLineRow.line)
+                select(BatchLineRow.batch_id, BatchLineRow.line, BatchLineRow.attempts)
                 .join(BatchRow, BatchRow.id == BatchLineRow.batch_id)
-                .where(BatchRow.status == "in_progress", BatchRow.model == model)
-                .where(
-                    (BatchLineRow.state == "pending")
-                    | ((BatchLineRow.state == "leased") & (BatchLineRow.lease_until < now))
-                )
+                .where(BatchRow.status == "in_progress", BatchRow.model == model, runnable_now)
                 .order_by(BatchRow.created_at, BatchLineRow.line)
                 .limit(limit)
             )
@@ -296,15 +306,19 @@ class BatchStore:
                 runnable = runnable.with_for_update(of=BatchLineRow, skip_locked=True)
             picked = session.execute(runnable).all()
             leased: list[BatchLine] = []
-            for batch_id, line in picked:
+            for batch_id, line, attempts in picked:
+                where = (BatchLineRow.batch_id == batch_id, BatchLineRow.line == line, runnable_now)
+                if attempts >= max_attempts:
+                    response = _response(500, _gave_up(attempts))
+                    session.execute(
+                        update(BatchLineRow)
+                        .where(*where)
+                        .values(state="failed", status_code=500, response=response, lease_owner=None)
+                    )
+                    continue
                 taken = session.execute(
                     update(BatchLineRow)
-                    .where(
-                        BatchLineRow.batch_id == batch_id,
-                        BatchLineRow.line == line,
-                        (BatchLineRow.state == "pending")
-                        | ((BatchLineRow.state == "leased") & (BatchLineRow.lease_until < now)),
-                    )
+                    .where(*where)
                     .values(
                         state="leased",
                         lease_owner=owner,
@@ -334,13 +348,7 @@ class BatchStore:
     def commit(self, owner: str, line: BatchLine, result: LineResult) -> bool:
         """The line's result, kept only while `owner` still holds its lease (exactly one result a line)."""
         ok = 200 <= result.status_code < 300
-        response = orjson.dumps(
-            {
-                "status_code": result.status_code,
-                "request_id": result.request_id,
-                "body": orjson.loads(result.body or b"null"),
-            }
-        ).decode()
+        response = _response(result.status_code, result.body, result.request_id)
         with Session(self._engine, expire_on_commit=False) as session, session.begin():
             done = session.execute(
                 update(BatchLineRow)
@@ -352,10 +360,10 @@ class BatchStore:
                 )
                 .values(state="done" if ok else "failed", status_code=result.status_code, response=response)
             )
-            return bool(cast(CursorResult[Any], done).rowcount)
+            return _changed(done)
 
-    def release(self, owner: str, line: BatchLine) -> None:
-        """Give a leased line back (the runner is stopping): pending again, at once."""
+    def release(self, owner: str, line: BatchLine, after_s: float = 0.0) -> None:
+        """Give a leased line back: pending again, runnable `after_s` from now (a retry's backoff)."""
         with Session(self._engine, expire_on_commit=False) as session, session.begin():
             session.execute(
                 update(BatchLineRow)
@@ -365,8 +373,29 @@ class BatchStore:
                     BatchLineRow.state == "leased",
                     BatchLineRow.lease_owner == owner,
                 )
-                .values(state="pending", lease_owner=None, lease_until=None)
+                .values(
+                    state="pending",
+                    lease_owner=None,
+                    lease_until=None,
+                    not_before=time.time() + after_s if after_s else None,
+                )
             )
+
+    def renew(self, owner: str, lines: list[BatchLine], lease_s: float) -> None:
+        """Extend the leases of lines still running (so a long line is not taken over)."""
+        until = time.time() + lease_s
+        with Session(self._engine, expire_on_commit=False) as session, session.begin():
+            for line in lines:
+                session.execute(
+                    update(BatchLineRow)
+                    .where(
+                        BatchLineRow.batch_id == line.batch_id,
+                        BatchLineRow.line == line.line,
+                        BatchLineRow.state == "leased",
+                        BatchLineRow.lease_owner == owner,
+                    )
+                    .values(lease_until=until)
+                )
 
     def models_with_work(self) -> list[str]:
         with Session(self._engine, expire_on_commit=False) as session:
@@ -389,72 +418,89 @@ class BatchStore:
         return finished
 
     def _finish(self, batch_id: str) -> bool:
+        """Finalise the batch if nothing is left to run: its files written and its status set in one
+        transaction, the status only if no one changed it meanwhile (else all of it rolls back)."""
         now = time.time()
-        with Session(self._engine, expire_on_commit=False) as session, session.begin():
-            row = session.get(BatchRow, batch_id, with_for_update=self._postgres)
-            if row is None or row.status in FINISHED:
-                return False
-            if row.status == "in_progress" and row.expires_at.timestamp() <= now:
-                session.execute(
-                    update(BatchLineRow)
-                    .where(BatchLineRow.batch_id == batch_id, BatchLineRow.state.in_(("pending", "leased")))
-                    .values(state="expired")
-                )
-                row.status = "expiring"
-            busy = session.scalar(
-                select(func.count())
-                .select_from(BatchLineRow)
-                .where(BatchLineRow.batch_id == batch_id, BatchLineRow.state.in_(("pending", "leased")))
-            )
-            if busy:
-                return False
-            final = {
-                "in_progress": "completed",
-                "finalizing": "completed",
-                "cancelling": "cancelled",
-                "expiring": "expired",
-            }[row.status]
-            lines = session.execute(
-                select(
-                    BatchLineRow.custom_id,
-                    BatchLineRow.state,
-                    BatchLineRow.status_code,
-                    BatchLineRow.response,
-                )
-                .where(BatchLineRow.batch_id == batch_id)
-                .order_by(BatchLineRow.line)
-            ).all()
-            output, errors = _result_files(batch_id, lines)
-            stamp = datetime.now(UTC)
-            if output:
-                row.output_file_id = f"file-{uuid.uuid4().hex[:24]}"
-                session.add(
-                    FileRow(
-                        id=row.output_file_id,
-                        tenant=row.tenant,
-                        purpose="batch_output",
-                        filename=f"{batch_id}_output.jsonl",
-                        size=len(output),
-                        created_at=stamp,
-                        content=output,
+        try:
+            with Session(self._engine, expire_on_commit=False) as session, session.begin():
+                row = session.get(BatchRow, batch_id, with_for_update=self._postgres)
+                if row is None or row.status in FINISHED:
+                    return False
+                final = self._settle_lines(session, row, now)
+                if final is None:
+                    return False
+                output_id, error_id = self._write_results(session, row)
+                done = session.execute(
+                    update(BatchRow)
+                    .where(BatchRow.id == batch_id, BatchRow.status == row.status)
+                    .values(
+                        status=final,
+                        output_file_id=output_id,
+                        error_file_id=error_id,
+                        times={**row.times, "finalizing": now, final: now},
                     )
                 )
-            if errors:
-                row.error_file_id = f"file-{uuid.uuid4().hex[:24]}"
-                session.add(
-                    FileRow(
-                        id=row.error_file_id,
-                        tenant=row.tenant,
-                        purpose="batch_output",
-                        filename=f"{batch_id}_error.jsonl",
-                        size=len(errors),
-                        created_at=stamp,
-                        content=errors,
-                    )
-                )
-            row.times = {**row.times, "finalizing": now, final: now}
-            row.status = final
+                if not _changed(done):
+                    raise _Raced
+        except _Raced:
+            return False
         return True
+
+    @staticmethod
+    def _settle_lines(session: Session, row: BatchRow, now: float) -> str | None:
+        """Expire or cancel what may not run any more; the status to finalise as, or None while lines
+        are still to run."""
+        lines = update(BatchLineRow).where(BatchLineRow.batch_id == row.id)
+        if row.status == "in_progress" and _aware(row.expires_at).timestamp() <= now:
+            session.execute(
+                lines.where(BatchLineRow.state.in_(("pending", "leased"))).values(state="expired")
+            )
+            return "expired"
+        if row.status == "cancelling":  # lines given back or whose runner died are cancelled too
+            session.execute(
+                lines.where(
+                    (BatchLineRow.state == "pending")
+                    | ((BatchLineRow.state == "leased") & (BatchLineRow.lease_until < now))
+                ).values(state="cancelled")
+            )
+        busy = session.scalar(
+            select(func.count())
+            .select_from(BatchLineRow)
+            .where(BatchLineRow.batch_id == row.id, BatchLineRow.state.in_(("pending", "leased")))
+        )
+        if busy:
+            return None
+        return "cancelled" if row.status == "cancelling" else "completed"
+
+    @staticmethod
+    def _write_results(session: Session, row: BatchRow) -> tuple[str | None, str | None]:
+        lines = session.execute(
+            select(
+                BatchLineRow.custom_id, BatchLineRow.state, BatchLineRow.status_code, BatchLineRow.response
+            )
+            .where(BatchLineRow.batch_id == row.id)
+            .order_by(BatchLineRow.line)
+        ).all()
+        stamp = datetime.now(UTC)
+        ids: list[str | None] = []
+        for kind, content in zip(("output", "error"), _result_files(row.id, lines), strict=True):
+            if not content:
+                ids.append(None)
+                continue
+            file_id = f"file-{uuid.uuid4().hex[:24]}"
+            session.add(
+                FileRow(
+                    id=file_id,
+                    tenant=row.tenant,
+                    purpose="batch_output",
+                    filename=f"{row.id}_{kind}.jsonl",
+                    size=len(content),
+                    created_at=stamp,
+                    content=content,
+                )
+            )
+            ids.append(file_id)
+        return ids[0], ids[1]
 
     @staticmethod
     def _counts(session: Session, batch_ids: list[str]) -> dict[str, dict[str, int]]:
@@ -476,9 +522,6 @@ class BatchStore:
 
 
 def _batch(row: BatchRow, counts: dict[str, int]) -> BatchRecord:
-    def aware(at: datetime) -> datetime:
-        return at if at.tzinfo else at.replace(tzinfo=UTC)
-
     return BatchRecord(
         row.id,
         row.tenant,
@@ -489,8 +532,8 @@ def _batch(row: BatchRow, counts: dict[str, int]) -> BatchRecord:
         row.error_file_id,
         row.completion_window,
         "in_progress" if row.status == "expiring" else row.status,
-        aware(row.created_at),
-        aware(row.expires_at),
+        _aware(row.created_at),
+        _aware(row.expires_at),
         dict(row.times or {}),
         row.meta,
         row.errors,
@@ -536,3 +579,37 @@ def _result_files(batch_id: str, lines: Sequence[Any]) -> tuple[bytes, bytes]:
 
 def _jsonl(lines: list[bytes]) -> bytes:
     return b"\n".join(lines) + b"\n" if lines else b""
+
+
+class _Raced(Exception):
+    """Another runner finalised the batch first: roll this finalisation back."""
+
+
+def _changed(result: Any) -> bool:
+    return bool(cast(CursorResult[Any], result).rowcount)
+
+
+def _due(now: float) -> Any:
+    return BatchLineRow.not_before.is_(None) | (BatchLineRow.not_before <= now)
+
+
+def _aware(at: datetime) -> datetime:
+    """SQLite gives datetimes back without their zone; they were stored in UTC."""
+    return at if at.tzinfo else at.replace(tzinfo=UTC)
+
+
+def _response(status_code: int, body: bytes, request_id: str | None = None) -> str:
+    return orjson.dumps(
+        {
+            "status_code": status_code,
+            "request_id": request_id or f"req_{uuid.uuid4().hex[:24]}",
+            "body": orjson.loads(body or b"null"),
+        }
+    ).decode()
+
+
+def _gave_up(attempts: int) -> bytes:
+    message = f"The request was started {attempts} times and never finished (its gateway stopped each time)."
+    return orjson.dumps(
+        {"error": {"message": message, "type": "server_error", "param": None, "code": "line_failed"}}
+    )
