@@ -1,14 +1,16 @@
 """The batch runner: leases lines from the durable queue and runs them on spare capacity only.
 
 Each tick it looks at every model with batches in progress and takes as many lines as its ready replicas
-have free slots, less what interactive requests hold or wait for and a headroom (`batch.headroom` slots a
-model), so an interactive request never queues behind a batch line. A line goes through the gateway's
-own pipeline (parse, authorize, queue at the lowest priority, route, relay, settle: usage is recorded per
-line) and its result is committed under its lease (store/batch.py). A line the cluster could not take
-now (429, 502, 503) goes back to pending and is tried again after a backoff (2 s, doubling), up to
-`batch.max_attempts`; a line the engine refused (its 4xx), timed out on (504) or that the tenant's
-budget no longer covers is an error line. Leases are renewed while lines run; stopping hands the lines
-in hand back at once.
+have free slots, less the most slots interactive requests held (or waited for) at once over the last
+`batch.reserve_window_s` and a headroom (`batch.headroom` slots a model): batch lines fill what
+interactive traffic has recently left idle, and a burst like the recent ones finds free slots at once.
+A line goes through the gateway's own pipeline (parse, authorize, queue at the lowest priority, route,
+relay, settle: usage is recorded per line) and its result is committed under its lease (store/batch.py),
+with the other results of its tick in one transaction (ticks are at least 50 ms apart). A line the
+cluster could not take now (429, 502, 503) goes back to pending and is tried again after a backoff (2 s,
+doubling), up to `batch.max_attempts`; a line the engine refused (its 4xx), timed out on (504) or that
+the tenant's budget no longer covers is an error line. Leases are renewed while lines run; stopping
+hands the lines in hand back at once (their results, when they have one, are committed first).
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ import contextlib
 import logging
 import os
 import socket
+import time
 import uuid
+from collections import deque
 from collections.abc import Callable
 from typing import Protocol
 
@@ -36,6 +40,7 @@ logger = logging.getLogger(__name__)
 
 _RETRY = frozenset({408, 429, 500, 502, 503})  # the cluster's state, not the line's fault
 _HOUSEKEEPING_S = 2.0
+_MIN_TICK_S = 0.05
 _BACKOFF_S = 2.0  # a retried line waits this long, doubling with each try
 _BACKOFF_MAX_S = 60.0
 
@@ -68,10 +73,14 @@ class BatchRunner:
         self._running: dict[str, set[asyncio.Task[None]]] = {}
         self._leased: dict[tuple[str, int], BatchLine] = {}
         self._wake = asyncio.Event()
+        self._seen: dict[str, deque[tuple[float, int]]] = {}  # per model: (when, interactive in flight)
+        self._done: list[tuple[BatchLine, LineResult]] = []  # results not committed yet
 
     def spare(self, model: str) -> int:
-        """Lines this runner may start now for `model`: free slots beyond interactive work and headroom.
-        With nothing else in flight or waiting, one line may always run (a model with one slot)."""
+        """Lines this runner may start now for `model`: the ready replicas' free slots, less the most
+        interactive requests held at once over the last `batch.reserve_window_s` (so a burst like the
+        recent ones finds room at once) and `batch.headroom`. With nothing else in flight or waiting,
+        one line may always run (a model with one slot)."""
         ready = [r for r in self._replicas.ready(model) if r.breaker.allows()]
         if not ready:
             return 0
@@ -79,11 +88,20 @@ class BatchRunner:
         busy = sum(r.outstanding for r in ready)
         waiting = self._waiting().get(model, 0)
         mine = len(self._running.get(model, ()))
-        allowed = slots - self._settings.headroom
-        spare = max(0, min(allowed - busy - waiting, allowed - mine))
+        peak = self._interactive_peak(model, max(0, busy + waiting - mine))
+        spare = max(0, slots - self._settings.headroom - peak - mine)
         if not spare and not mine and not busy and not waiting:
             return 1
         return spare
+
+    def _interactive_peak(self, model: str, now_in_flight: int) -> int:
+        """The most interactive requests in flight or waiting seen over the reserve window."""
+        now = time.monotonic()
+        seen = self._seen.setdefault(model, deque())
+        seen.append((now, now_in_flight))
+        while seen and seen[0][0] < now - self._settings.reserve_window_s:
+            seen.popleft()
+        return max(n for _, n in seen)
 
     async def run(self) -> None:
         """Until cancelled; then the lines in hand are given back. A store that fails is logged and tried
@@ -93,6 +111,7 @@ class BatchRunner:
         try:
             while True:
                 try:
+                    await self._flush()
                     if loop.time() >= next_housekeeping:
                         next_housekeeping = loop.time() + _HOUSEKEEPING_S
                         for batch_id in await asyncio.to_thread(self._store.housekeeping):
@@ -106,6 +125,7 @@ class BatchRunner:
                         await self._start(model)
                 except Exception:  # the store is down or a query failed: logged, tried again next tick
                     logger.exception("batch runner: a pass failed")
+                await asyncio.sleep(_MIN_TICK_S)  # results and leases gathered per tick, not per line
                 self._wake.clear()
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(self._settings.poll_s):
@@ -141,9 +161,9 @@ class BatchRunner:
             if _retry(status, body) and line.attempts < self._settings.max_attempts:
                 backoff = min(_BACKOFF_MAX_S, _BACKOFF_S * 2 ** (line.attempts - 1))
                 await asyncio.to_thread(self._store.release, self.owner, line, backoff)  # tried again later
-            else:
-                result = LineResult(status, body, f"req_{uuid.uuid4().hex[:24]}")
-                await asyncio.to_thread(self._store.commit, self.owner, line, result)
+            else:  # committed with the others at the next tick, in one transaction
+                self._done.append((line, LineResult(status, body, f"req_{uuid.uuid4().hex[:24]}")))
+                return
             self._leased.pop(key, None)
         except asyncio.CancelledError:
             raise  # stopping: the line stays in `_leased`, and `_stop` hands it back
@@ -171,11 +191,26 @@ class BatchRunner:
             monthly_token_budget=principal.monthly_token_budget,
         )
 
+    async def _flush(self) -> None:
+        """Commit the results gathered since the last tick; their lines leave this runner's hands."""
+        done, self._done = self._done, []
+        if not done:
+            return
+        try:
+            await asyncio.to_thread(self._store.commit_many, self.owner, done)
+        except BaseException:
+            self._done = done + self._done  # kept for the next try (their leases still hold)
+            raise
+        for line, _ in done:
+            self._leased.pop((line.batch_id, line.line), None)
+
     async def _stop(self) -> None:
         tasks = [t for running in self._running.values() for t in running]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        with contextlib.suppress(Exception):
+            await self._flush()  # results in hand are kept, not thrown away with their leases
         for line in list(self._leased.values()):
             try:
                 await asyncio.to_thread(self._store.release, self.owner, line)

@@ -199,6 +199,14 @@ class BatchSettings(Strict):
     headroom: Annotated[
         int, Field(ge=0, description="slots per model kept free of batch lines for interactive requests")
     ] = 1
+    reserve_window_s: Annotated[
+        float,
+        Field(
+            ge=0,
+            description="batch lines leave free the most slots interactive requests held at once over this "
+            "many seconds",
+        ),
+    ] = 60.0
     lease_s: Annotated[
         float,
         Field(gt=0, description="a running line's lease: a gateway that dies holds its lines this long"),

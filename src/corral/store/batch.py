@@ -347,20 +347,30 @@ class BatchStore:
 
     def commit(self, owner: str, line: BatchLine, result: LineResult) -> bool:
         """The line's result, kept only while `owner` still holds its lease (exactly one result a line)."""
-        ok = 200 <= result.status_code < 300
-        response = _response(result.status_code, result.body, result.request_id)
+        return bool(self.commit_many(owner, [(line, result)]))
+
+    def commit_many(self, owner: str, results: list[tuple[BatchLine, LineResult]]) -> int:
+        """Several lines' results in one transaction (the runner's per-tick flush); how many were kept."""
+        kept = 0
         with Session(self._engine, expire_on_commit=False) as session, session.begin():
-            done = session.execute(
-                update(BatchLineRow)
-                .where(
-                    BatchLineRow.batch_id == line.batch_id,
-                    BatchLineRow.line == line.line,
-                    BatchLineRow.state == "leased",
-                    BatchLineRow.lease_owner == owner,
+            for line, result in results:
+                ok = 200 <= result.status_code < 300
+                done = session.execute(
+                    update(BatchLineRow)
+                    .where(
+                        BatchLineRow.batch_id == line.batch_id,
+                        BatchLineRow.line == line.line,
+                        BatchLineRow.state == "leased",
+                        BatchLineRow.lease_owner == owner,
+                    )
+                    .values(
+                        state="done" if ok else "failed",
+                        status_code=result.status_code,
+                        response=_response(result.status_code, result.body, result.request_id),
+                    )
                 )
-                .values(state="done" if ok else "failed", status_code=result.status_code, response=response)
-            )
-            return _changed(done)
+                kept += _changed(done)
+        return kept
 
     def release(self, owner: str, line: BatchLine, after_s: float = 0.0) -> None:
         """Give a leased line back: pending again, runnable `after_s` from now (a retry's backoff)."""
