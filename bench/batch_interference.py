@@ -35,12 +35,14 @@ from _harness import free_port, spawn, stop, wait_http
 SPEC = """\
 auth: {open: true}
 store: {url: "sqlite:///%(db)s"}
-batch: {headroom: 1, poll_s: 0.1}
+batch: {headroom: %(headroom)s, max_share: %(share)s, poll_s: 0.1}
 models:
   - name: m
     arch: llama-3.1-8b
     deployments: [{engine: sim, gpu: l4, replicas: 2, max_num_seqs: 64, time_scale: 1}]
 """
+HEADROOM = [1]  # batch.headroom (--headroom)
+SHARE = [0.8]  # batch.max_share (--max-share)
 BATCH_TOKENS = 16  # generated per batch line (the simulator generates exactly max_tokens)
 INTERACTIVE_TOKENS = 32
 
@@ -67,7 +69,7 @@ def batch_file(lines: int) -> bytes:
 async def interactive(base: str, seconds: float, rate: float) -> dict[str, Any]:
     client = openai.AsyncOpenAI(base_url=base, api_key="none", max_retries=0, timeout=120)
     rng = random.Random(5)
-    prompt = " ".join(f"word{i}" for i in range(200))
+    system = " ".join(f"rule{i}" for i in range(150))  # a shared system prompt, then each user's own
     ttfts: list[float] = []
 
     async def one() -> None:
@@ -77,7 +79,10 @@ async def interactive(base: str, seconds: float, rate: float) -> dict[str, Any]:
             model="m",
             max_tokens=INTERACTIVE_TOKENS,
             stream=True,
-            messages=[{"role": "user", "content": prompt}],
+            messages=[
+                {"role": "system", "content": system},
+                {"role": "user", "content": " ".join(f"q{rng.randrange(10**6)}" for _ in range(50))},
+            ],
         )
         async for chunk in stream:
             if first is None and chunk.choices and chunk.choices[0].delta.content:
@@ -109,7 +114,9 @@ def run(
 ) -> dict[str, Any]:
     port = free_port()
     spec = tmp / f"{name}.yaml"
-    spec.write_text(SPEC % {"db": tmp / f"{name}.db"})
+    capped = with_interactive  # the batch alone measures the whole cluster: no headroom, every slot
+    settings = {"headroom": HEADROOM[0], "share": SHARE[0]} if capped else {"headroom": 0, "share": 1.0}
+    spec.write_text(SPEC % {"db": tmp / f"{name}.db", **settings})
     corral = spawn([sys.executable, "-m", "corral.cli", "up", "-f", str(spec), "--port", str(port)])
     base = f"http://127.0.0.1:{port}/v1"
     try:
@@ -141,7 +148,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=60.0)
     parser.add_argument("--rate", type=float, default=6.0, help="interactive requests per second")
+    parser.add_argument("--headroom", type=int, default=1, help="batch.headroom: slots kept from batches")
+    parser.add_argument("--max-share", type=float, default=0.8, help="batch.max_share")
     args = parser.parse_args()
+    HEADROOM[0], SHARE[0] = args.headroom, args.max_share
     with tempfile.TemporaryDirectory() as tmp:
         alone = run(
             Path(tmp), "interactive", args.seconds, args.rate, with_batch=False, with_interactive=True
@@ -152,7 +162,8 @@ def main() -> None:
     interactive_rate = alone["interactive"]["generated_tokens_per_s"]
     batch_rate = mixed["batch_lines_per_s"] * BATCH_TOKENS
     report = {
-        "setup": "corral up, 2 simulated Llama-3.1-8B replicas on L4 (64 seqs each, real time), headroom 1",
+        "setup": "corral up, 2 simulated Llama-3.1-8B replicas on L4 (64 seqs each, real time), "
+        f"batch.headroom {HEADROOM[0]}, batch.max_share {SHARE[0]} (the batch-alone run: every slot)",
         "interactive_only": alone["interactive"],
         "interactive_with_batch": mixed["interactive"],
         "ttft_p99_ratio": round(mixed["interactive"]["ttft_p99_ms"] / alone["interactive"]["ttft_p99_ms"], 3),

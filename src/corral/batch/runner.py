@@ -79,7 +79,8 @@ class BatchRunner:
     def spare(self, model: str) -> int:
         """Lines this runner may start now for `model`: the ready replicas' free slots, less the most
         interactive requests held at once over the last `batch.reserve_window_s` (so a burst like the
-        recent ones finds room at once) and `batch.headroom`. With nothing else in flight or waiting,
+        recent ones finds room at once) and `batch.headroom`, and never more than `batch.max_share` of
+        the slots. With nothing else in flight or waiting,
         one line may always run (a model with one slot)."""
         ready = [r for r in self._replicas.ready(model) if r.breaker.allows()]
         if not ready:
@@ -89,7 +90,8 @@ class BatchRunner:
         waiting = self._waiting().get(model, 0)
         mine = len(self._running.get(model, ()))
         peak = self._interactive_peak(model, max(0, busy + waiting - mine))
-        spare = max(0, slots - self._settings.headroom - peak - mine)
+        share = int(slots * self._settings.max_share)  # requests pin to replicas (prefix affinity): spread
+        spare = max(0, min(share, slots - self._settings.headroom - peak) - mine)
         if not spare and not mine and not busy and not waiting:
             return 1
         return spare

@@ -199,6 +199,15 @@ class BatchSettings(Strict):
     headroom: Annotated[
         int, Field(ge=0, description="slots per model kept free of batch lines for interactive requests")
     ] = 1
+    max_share: Annotated[
+        float,
+        Field(
+            gt=0,
+            le=1,
+            description="the most of a model's slots batch lines hold at once (the rest stays free for "
+            "interactive bursts; measured: bench/batch_interference.py)",
+        ),
+    ] = 0.8
     reserve_window_s: Annotated[
         float,
         Field(
