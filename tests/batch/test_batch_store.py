@@ -10,7 +10,7 @@ from pathlib import Path
 import orjson
 
 from corral.store import open_database
-from corral.store.batch import BatchStore, LineResult
+from corral.store.batch import BatchStore, LineResult, NewBatch
 
 
 def _store(tmp_path: Path) -> BatchStore:
@@ -19,16 +19,8 @@ def _store(tmp_path: Path) -> BatchStore:
 
 def _batch(store: BatchStore, lines: int) -> str:
     body = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]})
-    batch = store.create_batch(
-        "acme",
-        None,
-        "/v1/chat/completions",
-        "m",
-        "file-x",
-        [(f"c{i}", body) for i in range(lines)],
-        timedelta(hours=1),
-        None,
-    )
+    new = NewBatch("acme", None, "/v1/chat/completions", "file-x", timedelta(hours=1))
+    batch = store.create_batch(new, "m", [(f"c{i}", body) for i in range(lines)])
     return batch.id
 
 

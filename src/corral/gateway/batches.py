@@ -16,7 +16,7 @@ from corral.batch.files import ENDPOINTS, check_upload, read_batch_input
 from corral.config import BatchSettings
 from corral.protocol import InvalidRequest, NotFound, PayloadTooLarge
 from corral.routing import ReplicaSet
-from corral.store.batch import BatchStore
+from corral.store.batch import BatchStore, NewBatch
 
 __all__ = ["BatchViews"]
 
@@ -144,25 +144,12 @@ class BatchViews:
             )
         served = {m: self._replicas.features(m).embeddings for m in self._replicas.models()}
         parsed, errors = await asyncio.to_thread(read_batch_input, content, endpoint, served)
-        tenant, key_id = principal.tenant, principal.key_id
+        new = NewBatch(principal.tenant, principal.key_id, endpoint, file_id, window, window_text, meta)
         if parsed is None:
-            record = await asyncio.to_thread(
-                self._store.failed_batch, tenant, key_id, endpoint, file_id, window, meta, errors, window_text
-            )
+            record = await asyncio.to_thread(self._store.failed_batch, new, errors)
             return web.json_response(record.to_api())
         principal.check_model(parsed.model)
-        record = await asyncio.to_thread(
-            self._store.create_batch,
-            tenant,
-            key_id,
-            endpoint,
-            parsed.model,
-            file_id,
-            parsed.lines,
-            window,
-            meta,
-            window_text,
-        )
+        record = await asyncio.to_thread(self._store.create_batch, new, parsed.model, parsed.lines)
         return web.json_response(record.to_api())
 
     async def batches(self, request: web.Request) -> web.Response:

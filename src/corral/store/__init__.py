@@ -65,7 +65,7 @@ def open_database(url: str, create: bool = True) -> Engine:
         engine = _engine(url)
         if create:
             Base.metadata.create_all(engine)
-        elif not set(Base.metadata.tables) <= set(inspect(engine).get_table_names()):
+        elif not _CORE_TABLES <= set(inspect(engine).get_table_names()):  # (a store from before batches)
             raise StoreError(f"{shown} holds no corral store (its tables are missing)")
     except NoSuchModuleError as exc:
         raise StoreError(
@@ -79,6 +79,9 @@ def open_database(url: str, create: bool = True) -> Engine:
         cause = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]
         raise StoreError(f"cannot open the store at {shown}: {cause}") from exc
     return engine
+
+
+_CORE_TABLES = {"corral_api_keys", "corral_usage"}
 
 
 def _engine(url: str) -> Engine:

@@ -41,7 +41,7 @@ from sqlalchemy.orm import Mapped, Session, mapped_column
 from corral.store.files import FileRow, FileStore, page
 from corral.store.schema import Base
 
-__all__ = ["BatchLine", "BatchRecord", "BatchStore", "LineResult"]
+__all__ = ["BatchLine", "BatchRecord", "BatchStore", "LineResult", "NewBatch"]
 
 FINISHED = frozenset({"completed", "failed", "expired", "cancelled"})
 
@@ -134,6 +134,19 @@ class BatchRecord:
 
 
 @dataclass(frozen=True)
+class NewBatch:
+    """What a client asked for in `POST /v1/batches`, and who."""
+
+    tenant: str
+    key_id: str | None
+    endpoint: str
+    input_file_id: str
+    window: timedelta
+    window_text: str = "24h"  # as the client wrote it
+    meta: dict[str, str] | None = None
+
+
+@dataclass(frozen=True)
 class BatchLine:
     """A leased line: what to run, and for whom."""
 
@@ -164,80 +177,29 @@ class BatchStore:
 
     # batches
 
-    def create_batch(
-        self,
-        tenant: str,
-        key_id: str | None,
-        endpoint: str,
-        model: str,
-        input_file_id: str,
-        lines: list[tuple[str, bytes]],
-        window: timedelta,
-        meta: dict[str, str] | None,
-        window_text: str = "24h",
-    ) -> BatchRecord:
+    def create_batch(self, new: NewBatch, model: str, lines: list[tuple[str, bytes]]) -> BatchRecord:
         """A batch of validated lines, in progress at once (validation happened before)."""
-        now = datetime.now(UTC)
-        batch = BatchRow(
-            id=f"batch_{uuid.uuid4().hex[:24]}",
-            tenant=tenant,
-            key_id=key_id,
-            endpoint=endpoint,
-            model=model,
-            input_file_id=input_file_id,
-            completion_window=window_text,
-            status="in_progress",
-            created_at=now,
-            expires_at=now + window,
-            times={"in_progress": now.timestamp()},
-            meta=meta,
-            total=len(lines),
-        )
+        row = _row(new, "in_progress", model, len(lines))
         with Session(self._engine, expire_on_commit=False) as session, session.begin():
-            session.add(batch)
+            session.add(row)
             session.flush()
             session.add_all(
                 BatchLineRow(
-                    batch_id=batch.id, line=i, custom_id=custom_id, body=body.decode(), state="pending"
+                    batch_id=row.id, line=i, custom_id=custom_id, body=body.decode(), state="pending"
                 )
                 for i, (custom_id, body) in enumerate(lines)
             )
-        found = self.batch(tenant, batch.id)
-        assert found is not None
-        return found
+        return self._created(new.tenant, row.id)
 
-    def failed_batch(
-        self,
-        tenant: str,
-        key_id: str | None,
-        endpoint: str,
-        input_file_id: str,
-        window: timedelta,
-        meta: dict[str, str] | None,
-        errors: list[dict[str, Any]],
-        window_text: str = "24h",
-    ) -> BatchRecord:
+    def failed_batch(self, new: NewBatch, errors: list[dict[str, Any]]) -> BatchRecord:
         """A batch whose input did not validate: failed at once, with the errors (OpenAI's behaviour)."""
-        now = datetime.now(UTC)
-        row = BatchRow(
-            id=f"batch_{uuid.uuid4().hex[:24]}",
-            tenant=tenant,
-            key_id=key_id,
-            endpoint=endpoint,
-            model="",
-            input_file_id=input_file_id,
-            completion_window=window_text,
-            status="failed",
-            created_at=now,
-            expires_at=now + window,
-            times={"failed": now.timestamp()},
-            meta=meta,
-            errors=errors,
-            total=0,
-        )
+        row = _row(new, "failed", "", 0, errors)
         with Session(self._engine, expire_on_commit=False) as session, session.begin():
             session.add(row)
-        found = self.batch(tenant, row.id)
+        return self._created(new.tenant, row.id)
+
+    def _created(self, tenant: str, batch_id: str) -> BatchRecord:
+        found = self.batch(tenant, batch_id)
         assert found is not None
         return found
 
@@ -622,4 +584,26 @@ def _gave_up(attempts: int) -> bytes:
     message = f"The request was started {attempts} times and never finished (its gateway stopped each time)."
     return orjson.dumps(
         {"error": {"message": message, "type": "server_error", "param": None, "code": "line_failed"}}
+    )
+
+
+def _row(
+    new: NewBatch, status: str, model: str, total: int, errors: list[dict[str, Any]] | None = None
+) -> BatchRow:
+    now = datetime.now(UTC)
+    return BatchRow(
+        id=f"batch_{uuid.uuid4().hex[:24]}",
+        tenant=new.tenant,
+        key_id=new.key_id,
+        endpoint=new.endpoint,
+        model=model,
+        input_file_id=new.input_file_id,
+        completion_window=new.window_text,
+        status=status,
+        created_at=now,
+        expires_at=now + new.window,
+        times={status: now.timestamp()},
+        meta=new.meta,
+        errors=errors,
+        total=total,
     )
