@@ -80,12 +80,16 @@ class Pipeline:
         self._max_body = max_body_bytes
         self._body_timeout = body_timeout
         self._embeddings = EmbeddingShaper()
+        self._parse_chat: _Parse = partial(
+            self.parse, kind=ChatCompletionRequest
+        )  # made once, not per request
+        self._parse_completion: _Parse = partial(self.parse, kind=CompletionRequest)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._handle(request, partial(self.parse, kind=ChatCompletionRequest), self._answer)
+        return await self._handle(request, self._parse_chat, self._answer)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._handle(request, partial(self.parse, kind=CompletionRequest), self._answer)
+        return await self._handle(request, self._parse_completion, self._answer)
 
     async def embeddings(self, request: web.Request) -> web.StreamResponse:
         return await self._handle(request, self.parse_embeddings, self._embed)

@@ -318,14 +318,7 @@ class BatchStore:
             for line, result in results:
                 ok = 200 <= result.status_code < 300
                 done = session.execute(
-                    update(BatchLineRow)
-                    .where(
-                        BatchLineRow.batch_id == line.batch_id,
-                        BatchLineRow.line == line.line,
-                        BatchLineRow.state == "leased",
-                        BatchLineRow.lease_owner == owner,
-                    )
-                    .values(
+                    _held(owner, line).values(
                         state="done" if ok else "failed",
                         status_code=result.status_code,
                         response=_response(result.status_code, result.body, result.request_id),
@@ -338,14 +331,7 @@ class BatchStore:
         """Give a leased line back: pending again, runnable `after_s` from now (a retry's backoff)."""
         with Session(self._engine, expire_on_commit=False) as session, session.begin():
             session.execute(
-                update(BatchLineRow)
-                .where(
-                    BatchLineRow.batch_id == line.batch_id,
-                    BatchLineRow.line == line.line,
-                    BatchLineRow.state == "leased",
-                    BatchLineRow.lease_owner == owner,
-                )
-                .values(
+                _held(owner, line).values(
                     state="pending",
                     lease_owner=None,
                     lease_until=None,
@@ -358,16 +344,7 @@ class BatchStore:
         until = time.time() + lease_s
         with Session(self._engine, expire_on_commit=False) as session, session.begin():
             for line in lines:
-                session.execute(
-                    update(BatchLineRow)
-                    .where(
-                        BatchLineRow.batch_id == line.batch_id,
-                        BatchLineRow.line == line.line,
-                        BatchLineRow.state == "leased",
-                        BatchLineRow.lease_owner == owner,
-                    )
-                    .values(lease_until=until)
-                )
+                session.execute(_held(owner, line).values(lease_until=until))
 
     def models_with_work(self) -> list[str]:
         with Session(self._engine, expire_on_commit=False) as session:
@@ -382,7 +359,7 @@ class BatchStore:
         finished = []
         with Session(self._engine, expire_on_commit=False) as session:
             open_ids = session.scalars(
-                select(BatchRow.id).where(BatchRow.status.in_(("in_progress", "cancelling", "finalizing")))
+                select(BatchRow.id).where(BatchRow.status.in_(("in_progress", "cancelling")))
             ).all()
         for batch_id in open_ids:
             if self._finish(batch_id):
@@ -503,7 +480,7 @@ def _batch(row: BatchRow, counts: dict[str, int]) -> BatchRecord:
         row.output_file_id,
         row.error_file_id,
         row.completion_window,
-        "in_progress" if row.status == "expiring" else row.status,
+        row.status,
         _aware(row.created_at),
         _aware(row.expires_at),
         dict(row.times or {}),
@@ -559,6 +536,16 @@ class _Raced(Exception):
 
 def _changed(result: Any) -> bool:
     return bool(cast(CursorResult[Any], result).rowcount)
+
+
+def _held(owner: str, line: BatchLine) -> Any:
+    """An update of `line` that takes effect only while `owner` holds its lease."""
+    return update(BatchLineRow).where(
+        BatchLineRow.batch_id == line.batch_id,
+        BatchLineRow.line == line.line,
+        BatchLineRow.state == "leased",
+        BatchLineRow.lease_owner == owner,
+    )
 
 
 def _due(now: float) -> Any:
