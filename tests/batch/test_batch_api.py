@@ -77,7 +77,10 @@ async def engines() -> AsyncIterator[list[str]]:
 
 
 @pytest.fixture
-async def gateway(engines: list[str], tmp_path: Path) -> AsyncIterator[Gateway]:
+async def gateway(
+    engines: list[str], tmp_path: Path, request: pytest.FixtureRequest
+) -> AsyncIterator[Gateway]:
+    """The gateway, its lines queued in SQL (SQLite), or with `param` "redis" in Redis Streams."""
     replicas = ReplicaSet()
     replicas.add(
         Replica(
@@ -113,7 +116,7 @@ async def gateway(engines: list[str], tmp_path: Path) -> AsyncIterator[Gateway]:
         LimitsSettings(),
         QueueSettings(),
         admin_key=ADMIN,
-        batch=BatchSettings(poll_s=0.05, lease_s=30),
+        batch=BatchSettings(poll_s=0.05, lease_s=30, queue=getattr(request, "param", "sql")),
     )
     server = GatewayServer(GatewaySettings(port=0), Router(replicas), services)
     await server.start()
@@ -121,10 +124,12 @@ async def gateway(engines: list[str], tmp_path: Path) -> AsyncIterator[Gateway]:
     await server.stop()
 
 
-async def key_for(gw: Gateway, tenant: str) -> str:
+async def key_for(gw: Gateway, tenant: str, models: list[str] | None = None) -> str:
     async with aiohttp.ClientSession() as session:
         async with session.post(
-            gw.url + "/admin/keys", json={"tenant": tenant}, headers={"Authorization": f"Bearer {ADMIN}"}
+            gw.url + "/admin/keys",
+            json={"tenant": tenant, "models": models or []},
+            headers={"Authorization": f"Bearer {ADMIN}"},
         ) as response:
             return str((await response.json())["key"])
 
@@ -178,12 +183,13 @@ async def lines_of(c: openai.AsyncOpenAI, file_id: str | None) -> list[dict]:
     return [orjson.loads(line) for line in content.read().splitlines() if line.strip()]
 
 
+@pytest.mark.parametrize("gateway", ["sql", "redis"], indirect=True)
 async def test_a_batch_runs_to_one_output_line_per_request_and_tenants_see_only_theirs(
     gateway: Gateway,
 ) -> None:
     acme = client(gateway, await key_for(gateway, "acme"))
     batch = await submit(acme, chat_lines(60))
-    assert batch.status == "in_progress" and batch.request_counts.total == 60  # type: ignore[union-attr]
+    assert batch.status == "validating" and batch.request_counts.total == 0  # type: ignore[union-attr]
     done = await until_done(acme, batch.id)
     assert done.status == "completed"
     assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (
@@ -195,7 +201,7 @@ async def test_a_batch_runs_to_one_output_line_per_request_and_tenants_see_only_
     assert sorted(line["custom_id"] for line in output) == sorted(f"req-{i}" for i in range(60))
     assert all(line["response"]["status_code"] == 200 for line in output)
     assert all(line["response"]["body"]["choices"][0]["message"]["content"] for line in output)
-    assert done.error_file_id is None and done.completed_at and done.in_progress_at
+    assert done.error_file_id is None and done.completed_at and done.in_progress_at and done.finalizing_at
 
     listed = await acme.batches.list()
     assert [b.id for b in listed.data] == [batch.id]
@@ -245,11 +251,14 @@ async def test_bad_uploads_are_refused_naming_the_line_and_bad_batches_fail_with
         (unknown, "does not exist"),
         (wrong_kind, "embedding model"),
     ):
-        failed = await submit(acme, content)
-        assert failed.status == "failed" and failed.errors is not None
+        failed = await until_done(acme, (await submit(acme, content)).id)
+        assert failed.status == "failed" and failed.errors is not None and failed.failed_at
         assert any(words in e.message for e in failed.errors.data), failed.errors  # type: ignore[union-attr,operator]
-    failed = await submit(acme, duplicate)
+    failed = await until_done(acme, (await submit(acme, duplicate)).id)
     assert failed.errors.data[0].line == 3  # type: ignore[union-attr]
+    only_slow = client(gateway, await key_for(gateway, "acme", models=["slow"]))
+    refused = await until_done(only_slow, (await submit(only_slow, good)).id)
+    assert refused.status == "failed" and refused.errors.data[0].code == "model_not_allowed"  # type: ignore[union-attr]
     with pytest.raises(openai.BadRequestError, match="endpoint"):
         uploaded = await acme.files.create(file=("in.jsonl", io.BytesIO(good)), purpose="batch")
         await acme.batches.create(
@@ -303,6 +312,7 @@ async def test_a_line_the_engine_refuses_goes_to_the_error_file_and_embeddings_b
     )
 
 
+@pytest.mark.parametrize("gateway", ["sql", "redis"], indirect=True)
 async def test_cancel_keeps_finished_lines_and_expiry_keeps_partial_results(gateway: Gateway) -> None:
     acme = client(gateway, await key_for(gateway, "acme"))
     batch = await submit(

@@ -1,7 +1,7 @@
 """A batch survives its gateway being killed: a 2,000-line batch runs on `corral up` (simulated replicas)
 while `corral up` is `kill -9`ed three times and started again; the batch completes with exactly one
 output line per request, none lost, none twice, and `request_counts` that match the files. On SQLite and
-on PostgreSQL."""
+on PostgreSQL, and with the lines in Redis Streams."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from pathlib import Path
 import openai
 import orjson
 import pytest
+import redis
 
 from ..conftest import start_cluster
 
@@ -21,7 +22,7 @@ LINES = 2000
 SPEC = """\
 auth: {{open: true}}
 store: {{url: "{store}"}}
-batch: {{lease_s: 3, poll_s: 0.1, headroom: 0}}
+batch: {{lease_s: 3, poll_s: 0.1, headroom: 0, queue: {queue}, redis_url: "redis://127.0.0.1:6379/3"}}
 supervisor: {{probe_interval: 0.5}}
 models:
   - name: m
@@ -50,15 +51,15 @@ def _batch_file() -> bytes:
     )
 
 
-@pytest.mark.parametrize("store", ["sqlite", "postgresql"])
+@pytest.mark.parametrize("store", ["sqlite", "postgresql", "sqlite+redis"])
 def test_a_batch_survives_three_kill_9s_with_no_line_lost_or_doubled(store: str, tmp_path: Path) -> None:
     url = (
-        f"sqlite:///{tmp_path / 'corral.db'}"
-        if store == "sqlite"
-        else "postgresql://postgres@127.0.0.1:5432/test"
+        "postgresql://postgres@127.0.0.1:5432/test"
+        if store == "postgresql"
+        else f"sqlite:///{tmp_path / 'corral.db'}"
     )
     spec = tmp_path / "spec.yaml"
-    spec.write_text(SPEC.format(store=url))
+    spec.write_text(SPEC.format(store=url, queue="redis" if store.endswith("redis") else "sql"))
     cluster = start_cluster(tmp_path, spec=spec)
     client = openai.OpenAI(base_url=cluster.base_url, api_key="none", max_retries=0, timeout=30)
     uploaded = client.files.create(
@@ -89,6 +90,8 @@ def test_a_batch_survives_three_kill_9s_with_no_line_lost_or_doubled(store: str,
         assert set(ids) == {f"line-{i}" for i in range(LINES)}
         assert all(line["response"]["status_code"] == 200 for line in output)
         assert final.error_file_id is None
+        if store.endswith("redis"):  # the lines went through the stream in the Redis named by redis_url
+            assert redis.Redis.from_url("redis://127.0.0.1:6379/3").exists("corral:batch:q:m")
     finally:
         cluster.stop()
 

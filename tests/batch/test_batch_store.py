@@ -1,26 +1,46 @@
-"""The durable queue on its own (SQLite): leases, their takeover and its limit, results kept only under
-the lease, backoff, and a cancelled batch that still had lines in a runner's hands."""
+"""The durable queue on its own, its lines in SQL (SQLite) and in Redis Streams: leases, their takeover
+and its limit, results kept only under the lease, backoff, a cancelled batch that still had lines in a
+runner's hands; validation's steps; Redis losing a batch's lines; a store from before a column."""
 
 from __future__ import annotations
 
+import sqlite3
 import time
+import uuid
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 
 import orjson
+import pytest
+import redis
 
 from corral.store import open_database
 from corral.store.batch import BatchStore, LineResult, NewBatch
+from corral.store.batch_redis import RedisLines
+
+REDIS = "redis://127.0.0.1:6379/0"
 
 
-def _store(tmp_path: Path) -> BatchStore:
-    return BatchStore(open_database(f"sqlite:///{tmp_path / 'queue.db'}"))
+@pytest.fixture(params=["sql", "redis"])
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[BatchStore]:
+    engine = open_database(f"sqlite:///{tmp_path / 'queue.db'}")
+    if request.param == "sql":
+        yield BatchStore(engine)
+        return
+    prefix = f"test:{uuid.uuid4().hex[:8]}:"
+    yield BatchStore(engine, RedisLines(REDIS, prefix=prefix))
+    client = redis.Redis.from_url(REDIS)
+    for key in client.scan_iter(f"{prefix}*"):
+        client.delete(key)
 
 
 def _batch(store: BatchStore, lines: int) -> str:
     body = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]})
     new = NewBatch("acme", None, "/v1/chat/completions", "file-x", timedelta(hours=1))
-    batch = store.create_batch(new, "m", [(f"c{i}", body) for i in range(lines)])
+    batch = store.create_batch(new)
+    assert batch.status == "validating"
+    assert store.start(batch.id, "m", [(f"c{i}", body) for i in range(lines)])
     return batch.id
 
 
@@ -28,8 +48,7 @@ def _ok() -> LineResult:
     return LineResult(200, b'{"choices": []}', "req_1")
 
 
-def test_a_line_has_one_result_whoever_held_its_lease(tmp_path: Path) -> None:
-    store = _store(tmp_path)
+def test_a_line_has_one_result_whoever_held_its_lease(store: BatchStore) -> None:
     batch_id = _batch(store, 1)
     (first,) = store.lease("runner-a", "m", 5, lease_s=0.05)
     assert store.lease("runner-b", "m", 5, lease_s=30) == []  # leased: nobody else takes it
@@ -44,14 +63,14 @@ def test_a_line_has_one_result_whoever_held_its_lease(tmp_path: Path) -> None:
     assert batch is not None and batch.status == "completed" and batch.counts["completed"] == 1
 
 
-def test_a_line_taken_over_too_often_fails_and_a_backoff_holds_a_line_back(tmp_path: Path) -> None:
-    store = _store(tmp_path)
+def test_a_line_taken_over_too_often_fails_and_a_backoff_holds_a_line_back(store: BatchStore) -> None:
     batch_id = _batch(store, 2)
     for _ in range(3):
         assert store.lease("runner", "m", 1, lease_s=0.01, max_attempts=3)
         time.sleep(0.02)
-    assert store.lease("runner", "m", 1, lease_s=30, max_attempts=3) == []  # c0 is failed instead
-    assert store.lease("runner", "m", 1, lease_s=30, max_attempts=3)[0].custom_id == "c1"
+    taken = store.lease("runner", "m", 1, lease_s=30, max_attempts=3)
+    taken += store.lease("runner", "m", 1, lease_s=30, max_attempts=3)
+    assert [x.custom_id for x in taken] == ["c1"]  # c0 is failed instead
     store.housekeeping()
     batch = store.batch("acme", batch_id)
     assert batch is not None and batch.counts == {"total": 2, "completed": 0, "failed": 1}
@@ -65,9 +84,8 @@ def test_a_line_taken_over_too_often_fails_and_a_backoff_holds_a_line_back(tmp_p
 
 
 def test_a_cancelled_batch_finishes_even_when_its_lines_come_back_or_their_runner_died(
-    tmp_path: Path,
+    store: BatchStore,
 ) -> None:
-    store = _store(tmp_path)
     batch_id = _batch(store, 3)
     given_back, lapsed, finished = store.lease("runner", "m", 3, lease_s=0.05)
     cancelled = store.cancel("acme", batch_id)
@@ -85,3 +103,66 @@ def test_a_cancelled_batch_finishes_even_when_its_lines_come_back_or_their_runne
     assert sorted(orjson.loads(x)["custom_id"] for x in errors.splitlines()) == sorted(
         [given_back.custom_id, lapsed.custom_id]
     )
+
+
+def test_a_batch_is_started_or_failed_once_and_a_validating_batch_can_be_cancelled(store: BatchStore) -> None:
+    body = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+    new = NewBatch("acme", None, "/v1/chat/completions", "file-x", timedelta(hours=1))
+    batch = store.create_batch(new)
+    assert [b.id for b in store.validating()] == [batch.id]
+    assert store.start(batch.id, "m", [("a", body)])
+    assert not store.start(batch.id, "m", [("a", body)])  # a second runner's start changes nothing
+    assert not store.fail(batch.id, [{"code": "x", "message": "late", "line": None}])
+    assert store.validating() == []
+    assert len(store.lease("runner", "m", 5, lease_s=30)) == 1  # queued once
+
+    failed = store.create_batch(new)
+    assert store.fail(failed.id, [{"code": "empty_file", "message": "nothing", "line": None}])
+    found = store.batch("acme", failed.id)
+    assert found is not None and found.status == "failed" and found.errors and "failed" in found.times
+
+    waiting = store.create_batch(new)
+    cancelled = store.cancel("acme", waiting.id)
+    assert cancelled is not None and cancelled.status == "cancelling"
+    assert not store.start(waiting.id, "m", [("a", body)])  # validation finds it cancelled
+    assert waiting.id in store.housekeeping()
+    found = store.batch("acme", waiting.id)
+    assert found is not None and found.status == "cancelled"
+
+
+def test_a_batch_whose_lines_redis_lost_is_queued_again(tmp_path: Path) -> None:
+    engine = open_database(f"sqlite:///{tmp_path / 'queue.db'}")
+    prefix = f"test:{uuid.uuid4().hex[:8]}:"
+    store = BatchStore(engine, RedisLines(REDIS, prefix=prefix))
+    batch_id = _batch(store, 3)
+    (line,) = store.lease("runner", "m", 1, lease_s=30)
+    assert store.commit("runner", line, _ok())
+    client = redis.Redis.from_url(REDIS)
+    for key in client.scan_iter(f"{prefix}*"):  # Redis restarted without persistence, say
+        client.delete(key)
+    assert store.housekeeping() == []
+    (again,) = store.validating()  # the runner checks its input file again and queues every line
+    assert again.id == batch_id
+    body = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+    assert store.start(batch_id, "m", [(f"c{i}", body) for i in range(3)])
+    for line in store.lease("runner", "m", 5, lease_s=30):
+        assert store.commit("runner", line, _ok())
+    assert store.housekeeping() == [batch_id]
+    found = store.batch("acme", batch_id)
+    assert found is not None and found.counts == {"total": 3, "completed": 3, "failed": 0}
+    for key in client.scan_iter(f"{prefix}*"):
+        client.delete(key)
+
+
+def test_a_store_made_before_a_column_gains_it(tmp_path: Path) -> None:
+    path = tmp_path / "old.db"
+    open_database(f"sqlite:///{path}")
+    with sqlite3.connect(path) as db:
+        db.execute("ALTER TABLE corral_batches DROP COLUMN counts")  # as an earlier corral made it
+    store = BatchStore(open_database(f"sqlite:///{path}"))
+    batch_id = _batch(store, 1)
+    for line in store.lease("runner", "m", 5, lease_s=30):
+        store.commit("runner", line, _ok())
+    assert store.housekeeping() == [batch_id]
+    found = store.batch("acme", batch_id)
+    assert found is not None and found.counts == {"total": 1, "completed": 1, "failed": 0}

@@ -1,4 +1,9 @@
-"""The batch runner: leases lines from the durable queue and runs them on spare capacity only.
+"""The batch runner: checks new batches, leases lines from the durable queue and runs them on spare
+capacity only.
+
+A batch is created `validating`; each tick the runner checks the input of those waiting (store/batch.py
+`start` or `fail`: its lines are queued, or it fails with an error per bad line, as OpenAI's does; a
+gateway that dies while checking leaves it `validating`, and the next tick checks it again).
 
 Each tick it looks at every model with batches in progress and takes as many lines as its ready replicas
 have free slots, less the most slots interactive requests held (or waited for) at once over the last
@@ -24,15 +29,16 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 import orjson
 
 from corral.admission import Principal
+from corral.batch.files import read_batch_input
 from corral.config import BatchSettings
 from corral.routing import ReplicaSet
 from corral.store import KeyStore
-from corral.store.batch import BatchLine, BatchStore, LineResult
+from corral.store.batch import BatchLine, BatchRecord, BatchStore, LineResult
 
 __all__ = ["BatchRunner", "LineExecutor"]
 
@@ -123,6 +129,8 @@ class BatchRunner:
                         await asyncio.to_thread(
                             self._store.renew, self.owner, list(self._leased.values()), self._settings.lease_s
                         )
+                    for record in await asyncio.to_thread(self._store.validating):
+                        await self._validate(record)
                     for model in await asyncio.to_thread(self._store.models_with_work):
                         await self._start(model)
                 except Exception:  # the store is down or a query failed: logged, tried again next tick
@@ -134,6 +142,36 @@ class BatchRunner:
                         await self._wake.wait()
         finally:
             await self._stop()
+
+    async def _validate(self, batch: BatchRecord) -> None:
+        """Queue the batch's lines, or fail it with what is wrong (each bad line named)."""
+        content = await asyncio.to_thread(self._store.files.file_content, batch.tenant, batch.input_file_id)
+        if content is None:
+            message = f"The input file {batch.input_file_id} was deleted before the batch started."
+            errors = [{"code": "file_not_found", "message": message, "param": "input_file_id", "line": None}]
+            await asyncio.to_thread(self._store.fail, batch.id, errors)
+            return
+        served = {m: self._replicas.features(m).embeddings for m in self._replicas.models()}
+        parsed, errors = await asyncio.to_thread(read_batch_input, content, batch.endpoint, served)
+        if parsed is not None:
+            errors = await self._model_refused(batch, parsed.model)
+        if parsed is None or errors:
+            await asyncio.to_thread(self._store.fail, batch.id, errors)
+        elif await asyncio.to_thread(self._store.start, batch.id, parsed.model, parsed.lines):
+            logger.info("batch %s: %d lines queued for %s", batch.id, len(parsed.lines), parsed.model)
+
+    async def _model_refused(self, batch: BatchRecord, model: str) -> list[dict[str, Any]]:
+        """The key that made the batch must still be active and allowed the model."""
+        if batch.key_id is None:
+            return []
+        record = await asyncio.to_thread(self._keys.get, batch.key_id)
+        if record is None or not record.active:
+            message = "The API key that created this batch has been revoked."
+            return [{"code": "invalid_api_key", "message": message, "param": None, "line": None}]
+        if record.models and model not in record.models:
+            message = f"The API key that created this batch may not use the model '{model}'."
+            return [{"code": "model_not_allowed", "message": message, "param": "body.model", "line": None}]
+        return []
 
     async def _start(self, model: str) -> None:
         spare = self.spare(model)

@@ -76,7 +76,8 @@ def submit(
         uploaded = await gateway.call("POST", "/v1/files", data=form)
         body = {"input_file_id": uploaded["id"], "endpoint": endpoint, "completion_window": window}
         batch = await gateway.call("POST", "/v1/batches", json=body)
-        console.print(f"batch {batch['id']}: {batch['status']}, {_total(batch)} requests", markup=False)
+        requests = sum(1 for line in content.splitlines() if line.strip())
+        console.print(f"batch {batch['id']}: {batch['status']}, {requests} requests", markup=False)
         if wait and batch["status"] not in _FINISHED:
             batch = await _follow(gateway, batch)
         _summary(batch)
@@ -155,13 +156,14 @@ def cancel(
 async def _follow(gateway: _Gateway, batch: dict[str, Any]) -> dict[str, Any]:
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=True) as progress:
-        task = progress.add_task(batch["id"], total=_total(batch))
+        task = progress.add_task(batch["id"], total=_total(batch) or None)
         while batch["status"] not in _FINISHED:
             await asyncio.sleep(1.0)
             batch = await gateway.call("GET", f"/v1/batches/{batch['id']}")
             counts = batch.get("request_counts") or {}
             progress.update(
                 task,
+                total=counts.get("total") or None,  # known once the batch was checked
                 completed=counts.get("completed", 0) + counts.get("failed", 0),
                 description=f"{batch['id']} {batch['status']}",
             )

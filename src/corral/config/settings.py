@@ -194,6 +194,15 @@ class BatchSettings(Strict):
     """Batch jobs (OpenAI's Files and Batch API): a durable queue in the store, run on spare capacity."""
 
     enabled: bool = Field(default=True, description="serve /v1/files and /v1/batches and run batches")
+    queue: Literal["sql", "redis"] = Field(
+        default="sql",
+        description="where batch lines queue: sql (the store: SQLite, or PostgreSQL with SKIP LOCKED "
+        "leases) or redis (Redis Streams with a consumer group; batches and files stay in the store)",
+    )
+    redis_url: str = Field(
+        default="redis://127.0.0.1:6379/0",
+        description="Redis for queue: redis (run it with appendonly yes: the lines live there)",
+    )
     max_file_bytes: Annotated[int, Field(ge=1, description="largest file upload, bytes")] = 100 * 1024 * 1024
     max_lines: Annotated[int, Field(ge=1, description="requests a batch file may hold")] = 50_000
     headroom: Annotated[

@@ -79,7 +79,7 @@ def build_app(
     app.router.add_get("/openapi.json", openapi_view)
     admin.add_routes(app)
     if services.batches is not None:
-        BatchViews(services.batches, services.auth, router.replicas, services.batch).add_routes(app)
+        BatchViews(services.batches, services.auth, services.batch).add_routes(app)
     ConsoleViews(metrics, admin).add_routes(app)
 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:

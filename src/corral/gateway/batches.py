@@ -12,10 +12,9 @@ import orjson
 from aiohttp import BodyPartReader, web
 
 from corral.admission import Authenticator, Principal
-from corral.batch.files import ENDPOINTS, check_upload, read_batch_input
+from corral.batch.files import ENDPOINTS, check_upload
 from corral.config import BatchSettings
 from corral.protocol import InvalidRequest, NotFound, PayloadTooLarge
-from corral.routing import ReplicaSet
 from corral.store.batch import BatchStore, NewBatch
 
 __all__ = ["BatchViews"]
@@ -28,12 +27,9 @@ _CHUNK = 1 << 16
 class BatchViews:
     """The HTTP face of files and batches."""
 
-    def __init__(
-        self, store: BatchStore, auth: Authenticator, replicas: ReplicaSet, settings: BatchSettings
-    ) -> None:
+    def __init__(self, store: BatchStore, auth: Authenticator, settings: BatchSettings) -> None:
         self._store = store
         self._auth = auth
-        self._replicas = replicas
         self._settings = settings
 
     def add_routes(self, app: web.Application) -> None:
@@ -135,21 +131,14 @@ class BatchViews:
         if not isinstance(file_id, str) or not file_id:
             raise InvalidRequest("'input_file_id' must name an uploaded file.", param="input_file_id")
         found = await asyncio.to_thread(self._store.files.file, principal.tenant, file_id)
-        content = await asyncio.to_thread(self._store.files.file_content, principal.tenant, file_id)
-        if found is None or content is None:
+        if found is None:
             raise _no_file(file_id)
         if found.purpose != "batch":
             raise InvalidRequest(
                 f"File {file_id} is not a batch input (purpose {found.purpose}).", param="input_file_id"
             )
-        served = {m: self._replicas.features(m).embeddings for m in self._replicas.models()}
-        parsed, errors = await asyncio.to_thread(read_batch_input, content, endpoint, served)
         new = NewBatch(principal.tenant, principal.key_id, endpoint, file_id, window, window_text, meta)
-        if parsed is None:
-            record = await asyncio.to_thread(self._store.failed_batch, new, errors)
-            return web.json_response(record.to_api())
-        principal.check_model(parsed.model)
-        record = await asyncio.to_thread(self._store.create_batch, new, parsed.model, parsed.lines)
+        record = await asyncio.to_thread(self._store.create_batch, new)  # validated by the runner
         return web.json_response(record.to_api())
 
     async def batches(self, request: web.Request) -> web.Response:

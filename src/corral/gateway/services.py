@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from corral.admission import (
     Authenticator,
@@ -28,6 +28,9 @@ from corral.config import (
 )
 from corral.routing import ReplicaSet
 from corral.store import BatchStore, KeyStore, UsageStore, open_database
+
+if TYPE_CHECKING:
+    from sqlalchemy import Engine
 
 __all__ = ["GatewayServices", "ReplicaControl"]
 
@@ -119,9 +122,19 @@ class GatewayServices:
             failover_modes=failover_modes or {},
             cache=_cache(cache or CacheSettings(), cache_policies or {}, cache_versions or {}),
             limits=limits,
-            batches=BatchStore(engine) if batch.enabled else None,
+            batches=_batches(engine, batch),
             batch=batch,
         )
+
+
+def _batches(engine: Engine, settings: BatchSettings) -> BatchStore | None:
+    if not settings.enabled:
+        return None
+    if settings.queue == "redis":
+        from corral.store.batch_redis import RedisLines  # the redis client is imported only when used
+
+        return BatchStore(engine, RedisLines(settings.redis_url))
+    return BatchStore(engine)
 
 
 def _limiter(limits: LimitsSettings) -> Limiter:

@@ -10,7 +10,7 @@ from sqlalchemy.exc import ArgumentError, NoSuchModuleError, SQLAlchemyError
 from corral.store.batch import BatchStore
 from corral.store.files import FileStore
 from corral.store.keys import PRIORITIES, InvalidKey, KeyRecord, KeyStore, NewKey, hash_key
-from corral.store.schema import Base
+from corral.store.schema import Base, add_missing_columns
 from corral.store.usage import UsageRecord, UsageStore
 
 __all__ = [
@@ -65,6 +65,7 @@ def open_database(url: str, create: bool = True) -> Engine:
         engine = _engine(url)
         if create:
             Base.metadata.create_all(engine)
+            add_missing_columns(engine)
         elif not _CORE_TABLES <= set(inspect(engine).get_table_names()):  # (a store from before batches)
             raise StoreError(f"{shown} holds no corral store (its tables are missing)")
     except NoSuchModuleError as exc:

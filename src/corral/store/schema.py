@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from sqlalchemy import JSON, BigInteger, DateTime, Float, Index, Integer, String
+from sqlalchemy import JSON, BigInteger, DateTime, Engine, Float, Index, Integer, String, inspect, text
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-__all__ = ["ApiKeyRow", "Base", "UsageRow"]
+__all__ = ["ApiKeyRow", "Base", "UsageRow", "add_missing_columns"]
 
 
 class Base(DeclarativeBase):
@@ -49,3 +50,23 @@ class UsageRow(Base):
     latency_ms: Mapped[float] = mapped_column(Float)
     status: Mapped[int] = mapped_column(Integer)
     replica: Mapped[str | None] = mapped_column(String(128), nullable=True)
+
+
+def add_missing_columns(engine: Engine) -> None:
+    """Nullable columns added to a table after a store made it are added in place, so a store made by an
+    earlier corral keeps working (corral's schema only ever grows by nullable columns)."""
+    inspector = inspect(engine)
+    for table in Base.metadata.sorted_tables:
+        if not inspector.has_table(table.name):
+            continue
+        have = {column["name"] for column in inspector.get_columns(table.name)}
+        for column in table.columns:
+            if column.name in have or not column.nullable:
+                continue
+            kind = column.type.compile(engine.dialect)
+            try:
+                with engine.begin() as connection:
+                    connection.execute(text(f"ALTER TABLE {table.name} ADD COLUMN {column.name} {kind}"))
+            except SQLAlchemyError:  # another process added it first
+                if column.name not in {c["name"] for c in inspect(engine).get_columns(table.name)}:
+                    raise

@@ -1,0 +1,242 @@
+"""The line queue behind batches, in SQL (`batch.queue: sql`, the default): a row a line.
+
+A runner *leases* runnable lines (an owner and a deadline, taken with `FOR UPDATE SKIP LOCKED` on
+PostgreSQL; SQLite serialises writers), runs them and *commits* each result only while it still holds the
+lease, so a line has exactly one result whatever crashes: a runner killed mid-line leaves a lease that
+expires and is taken over; a runner that finishes after losing its lease has its result dropped. Counts
+are derived from the lines' states, never kept apart, so they cannot drift. The Redis Streams queue
+(batch_redis.py) keeps the same contract.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+from sqlalchemy import Engine, func, select, update
+from sqlalchemy.orm import Session
+
+from corral.store.batch_rows import BatchLineRow, BatchRow, changed, gave_up, response_json
+
+__all__ = ["LOST", "BatchLine", "LineQueue", "LineResult", "ResultRow", "SqlLines", "Stop"]
+
+LOST = -1  # settle's answer for a batch whose lines the queue no longer has
+
+Stop = Literal["cancel", "expire"]
+ResultRow = tuple[str, str, int | None, str | None]  # custom_id, state, status code, stored response
+BUSY = ("pending", "leased")
+
+
+@dataclass(frozen=True)
+class BatchLine:
+    """A leased line: what to run, and for whom. The queue fills the line's own fields; the store adds
+    the batch's (endpoint, tenant, key)."""
+
+    batch_id: str
+    line: int
+    custom_id: str
+    body: bytes
+    endpoint: str
+    tenant: str
+    key_id: str | None
+    attempts: int  # this lease included
+    token: str = ""  # the queue's handle on the lease (a Redis stream entry id)
+
+
+@dataclass(frozen=True)
+class LineResult:
+    status_code: int
+    body: bytes  # the answer (or an OpenAI error body)
+    request_id: str
+
+
+class LineQueue(Protocol):
+    """Lines of in-progress batches: leased, committed under the lease, released, settled. Methods that
+    take a session run inside the store's transaction on the batch row; `settle` answers how many lines
+    are still to run, or LOST (-1) when the queue no longer has the batch's lines."""
+
+    def add(self, session: Session, batch_id: str, model: str, lines: list[tuple[str, bytes]]) -> None: ...
+
+    def lease(
+        self, owner: str, model: str, limit: int, lease_s: float, max_attempts: int
+    ) -> list[BatchLine]: ...
+
+    def commit_many(self, owner: str, results: list[tuple[BatchLine, LineResult]]) -> int: ...
+
+    def release(self, owner: str, line: BatchLine, after_s: float) -> None: ...
+
+    def renew(self, owner: str, lines: list[BatchLine], lease_s: float) -> None: ...
+
+    def cancel(self, batch_id: str) -> None: ...
+
+    def settle(self, session: Session, batch_id: str, model: str, stop: Stop | None, now: float) -> int: ...
+
+    def results(self, session: Session, batch_id: str) -> list[ResultRow]: ...
+
+    def counts(self, session: Session, batch_ids: list[str]) -> dict[str, dict[str, int]]: ...
+
+    def drop(self, batch_id: str) -> None: ...
+
+
+class SqlLines:
+    """The line queue in the store's own database."""
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+        self._postgres = engine.dialect.name == "postgresql"
+
+    def add(self, session: Session, batch_id: str, model: str, lines: list[tuple[str, bytes]]) -> None:
+        session.add_all(
+            BatchLineRow(batch_id=batch_id, line=i, custom_id=custom_id, body=body.decode(), state="pending")
+            for i, (custom_id, body) in enumerate(lines)
+        )
+
+    def lease(self, owner: str, model: str, limit: int, lease_s: float, max_attempts: int) -> list[BatchLine]:
+        """Up to `limit` runnable lines of in-progress batches for `model`: pending ones past their backoff,
+        or leased ones whose lease ran out (their runner died). A line taken over `max_attempts` times
+        (its runner keeps dying on it) fails instead."""
+        now = time.time()
+        runnable_now = ((BatchLineRow.state == "pending") & _due(now)) | (
+            (BatchLineRow.state == "leased") & (BatchLineRow.lease_until < now)
+        )
+        with Session(self._engine, expire_on_commit=False) as session, session.begin():
+            runnable = (
+                select(BatchLineRow.batch_id, BatchLineRow.line, BatchLineRow.attempts)
+                .join(BatchRow, BatchRow.id == BatchLineRow.batch_id)
+                .where(BatchRow.status == "in_progress", BatchRow.model == model, runnable_now)
+                .order_by(BatchRow.created_at, BatchLineRow.line)
+                .limit(limit)
+            )
+            if self._postgres:
+                runnable = runnable.with_for_update(of=BatchLineRow, skip_locked=True)
+            leased: list[BatchLine] = []
+            for batch_id, line, attempts in session.execute(runnable).all():
+                where = (BatchLineRow.batch_id == batch_id, BatchLineRow.line == line, runnable_now)
+                if attempts >= max_attempts:
+                    session.execute(
+                        update(BatchLineRow)
+                        .where(*where)
+                        .values(state="failed", status_code=500, response=gave_up(attempts), lease_owner=None)
+                    )
+                    continue
+                taken = session.execute(
+                    update(BatchLineRow)
+                    .where(*where)
+                    .values(
+                        state="leased",
+                        lease_owner=owner,
+                        lease_until=now + lease_s,
+                        attempts=BatchLineRow.attempts + 1,
+                    )
+                    .returning(BatchLineRow.custom_id, BatchLineRow.body, BatchLineRow.attempts)
+                ).first()
+                if taken is not None:
+                    body = taken.body.encode()
+                    leased.append(
+                        BatchLine(batch_id, line, taken.custom_id, body, "", "", None, taken.attempts)
+                    )
+            return leased
+
+    def commit_many(self, owner: str, results: list[tuple[BatchLine, LineResult]]) -> int:
+        kept = 0
+        with Session(self._engine, expire_on_commit=False) as session, session.begin():
+            for line, result in results:
+                ok = 200 <= result.status_code < 300
+                done = session.execute(
+                    _held(owner, line).values(
+                        state="done" if ok else "failed",
+                        status_code=result.status_code,
+                        response=response_json(result.status_code, result.body, result.request_id),
+                    )
+                )
+                kept += changed(done)
+        return kept
+
+    def release(self, owner: str, line: BatchLine, after_s: float) -> None:
+        with Session(self._engine, expire_on_commit=False) as session, session.begin():
+            session.execute(
+                _held(owner, line).values(
+                    state="pending",
+                    lease_owner=None,
+                    lease_until=None,
+                    not_before=time.time() + after_s if after_s else None,
+                )
+            )
+
+    def renew(self, owner: str, lines: list[BatchLine], lease_s: float) -> None:
+        until = time.time() + lease_s
+        with Session(self._engine, expire_on_commit=False) as session, session.begin():
+            for line in lines:
+                session.execute(_held(owner, line).values(lease_until=until))
+
+    def cancel(self, batch_id: str) -> None:
+        with Session(self._engine, expire_on_commit=False) as session, session.begin():
+            session.execute(
+                update(BatchLineRow)
+                .where(BatchLineRow.batch_id == batch_id, BatchLineRow.state == "pending")
+                .values(state="cancelled")
+            )
+
+    def settle(self, session: Session, batch_id: str, model: str, stop: Stop | None, now: float) -> int:
+        lines = update(BatchLineRow).where(BatchLineRow.batch_id == batch_id)
+        if stop == "expire":
+            session.execute(lines.where(BatchLineRow.state.in_(BUSY)).values(state="expired"))
+        elif stop == "cancel":  # lines given back or whose runner died are cancelled too
+            session.execute(
+                lines.where(
+                    (BatchLineRow.state == "pending")
+                    | ((BatchLineRow.state == "leased") & (BatchLineRow.lease_until < now))
+                ).values(state="cancelled")
+            )
+        return (
+            session.scalar(
+                select(func.count())
+                .select_from(BatchLineRow)
+                .where(BatchLineRow.batch_id == batch_id, BatchLineRow.state.in_(BUSY))
+            )
+            or 0
+        )
+
+    def results(self, session: Session, batch_id: str) -> list[ResultRow]:
+        rows = session.execute(
+            select(
+                BatchLineRow.custom_id, BatchLineRow.state, BatchLineRow.status_code, BatchLineRow.response
+            )
+            .where(BatchLineRow.batch_id == batch_id)
+            .order_by(BatchLineRow.line)
+        ).all()
+        return [(r[0], r[1], r[2], r[3]) for r in rows]
+
+    def counts(self, session: Session, batch_ids: list[str]) -> dict[str, dict[str, int]]:
+        rows = session.execute(
+            select(BatchLineRow.batch_id, BatchLineRow.state, func.count())
+            .where(BatchLineRow.batch_id.in_(batch_ids))
+            .group_by(BatchLineRow.batch_id, BatchLineRow.state)
+        ).all()
+        counts: dict[str, dict[str, int]] = {}
+        for batch_id, state, n in rows:
+            tally = counts.setdefault(batch_id, {"total": 0, "completed": 0, "failed": 0})
+            tally["total"] += n
+            if state == "done":
+                tally["completed"] += n
+            elif state in ("failed", "expired", "cancelled"):
+                tally["failed"] += n
+        return counts
+
+    def drop(self, batch_id: str) -> None:
+        """Nothing: the rows stay (they are small once finished, and the audit trail)."""
+
+
+def _held(owner: str, line: BatchLine) -> Any:
+    """An update of `line` that takes effect only while `owner` holds its lease."""
+    return update(BatchLineRow).where(
+        BatchLineRow.batch_id == line.batch_id,
+        BatchLineRow.line == line.line,
+        BatchLineRow.state == "leased",
+        BatchLineRow.lease_owner == owner,
+    )
+
+
+def _due(now: float) -> Any:
+    return BatchLineRow.not_before.is_(None) | (BatchLineRow.not_before <= now)

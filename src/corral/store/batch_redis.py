@@ -1,0 +1,356 @@
+"""The line queue behind batches in Redis Streams (`batch.queue: redis`): the lines, their leases and
+results live in Redis; the batches and files stay in the SQL store.
+
+Each model has a stream of `(batch, line)` entries read by one consumer group, `runners`; a runner is a
+consumer. Leasing a line is reading it into the runner's pending entries (XREADGROUP) and setting its
+deadline in the model's lease set (a sorted set, deadline as score, set by the holder); a runner that dies
+leaves its entries pending, and another claims them (XCLAIM) once their deadline passed; renewing moves
+the deadline. A result is kept only if its runner still holds the entry (XPENDING names the consumer) and
+the line is still leased, in one Lua script with the state change and the count, so a line has exactly
+one result as in SQL. Lines retried after a backoff wait in a sorted set and go back into the stream when
+due. Per batch, hashes hold each line's state, request, result, attempts and lease deadline, and counts.
+
+Durable as Redis is: run it with `appendonly yes`. A batch whose lines Redis lost (a restart without
+persistence, a flush) is noticed by the store, set back to `validating` and queued again from its input
+file, so nothing is lost; lines that had finished run again. Keys are named by the script, so this needs
+one Redis (or a primary), not Redis Cluster.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from typing import Any, cast
+
+import orjson
+import redis
+from sqlalchemy.orm import Session
+
+from corral.store.batch_lines import LOST, BatchLine, LineResult, ResultRow, Stop
+from corral.store.batch_rows import gave_up, response_json
+
+__all__ = ["RedisLines"]
+_GROUP = "runners"
+_CHUNK = 1000  # lines added per script call
+_STATES = {"p": "pending", "l": "leased", "d": "done", "f": "failed", "c": "cancelled", "x": "expired"}
+_STOPS = {"cancel": "c", "expire": "x"}
+
+# Per-batch keys: {prefix}{batch}:s state, :r request ([custom_id, body]), :o result, :a attempts,
+# :u lease deadline, :n counts (completed, failed), :x the stop mark (c cancelled, x expired).
+_HELPERS = """
+local p = ARGV[1]
+local function key(b, suffix) return p .. b .. ':' .. suffix end
+local function drop(stream, group, id)
+  redis.call('XACK', stream, group, id)
+  redis.call('XDEL', stream, id)
+  redis.call('ZREM', KEYS[3], id)
+end
+local function finish(b, l, state, result)
+  redis.call('HSET', key(b, 's'), l, state)
+  redis.call('HDEL', key(b, 'u'), l)
+  if result then redis.call('HSET', key(b, 'o'), l, result) end
+  redis.call('HINCRBY', key(b, 'n'), state == 'd' and 'completed' or 'failed', 1)
+end
+local function holds(stream, group, owner, id)
+  local entry = redis.call('XPENDING', stream, group, id, id, 1)[1]
+  return entry ~= nil and entry[2] == owner
+end
+"""
+
+# Every script on a model's queue: KEYS stream, delayed (backoffs), leases (deadlines); ARGV[1] the prefix.
+# LEASE: ARGV group, owner, limit, max attempts, now, deadline, gave-up format
+_LEASE = (
+    _HELPERS
+    + """
+local stream, delayed, leases, group, owner = KEYS[1], KEYS[2], KEYS[3], ARGV[2], ARGV[3]
+local limit, maxa, now = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
+for _, m in ipairs(redis.call('ZRANGEBYSCORE', delayed, '-inf', now, 'LIMIT', 0, 1000)) do
+  local sep = string.find(m, '|', 1, true)
+  redis.call('XADD', stream, '*', 'b', string.sub(m, 1, sep - 1), 'l', string.sub(m, sep + 1))
+  redis.call('ZREM', delayed, m)
+end
+local out = {}
+local function take(id, b, l)  -- leased, or dropped when finished, stopped or tried too often
+  local state = redis.call('HGET', key(b, 's'), l)
+  local stop = redis.call('GET', key(b, 'x'))
+  if state ~= 'p' and state ~= 'l' then
+    drop(stream, group, id)  -- finished, or its batch is gone
+  elseif stop then
+    finish(b, l, stop, nil)
+    drop(stream, group, id)
+  else
+    local attempts = tonumber(redis.call('HGET', key(b, 'a'), l) or '0')
+    if attempts >= maxa then
+      finish(b, l, 'f', string.format(ARGV[8], attempts))
+      drop(stream, group, id)
+    else
+      redis.call('HINCRBY', key(b, 'a'), l, 1)
+      redis.call('HSET', key(b, 's'), l, 'l')
+      redis.call('HSET', key(b, 'u'), l, ARGV[7])
+      redis.call('ZADD', leases, ARGV[7], id)
+      table.insert(out, {id, b, l, redis.call('HGET', key(b, 'r'), l), attempts + 1})
+    end
+  end
+end
+for _, id in ipairs(redis.call('ZRANGEBYSCORE', leases, '-inf', now, 'LIMIT', 0, limit)) do
+  local claimed = redis.call('XCLAIM', stream, group, owner, 0, id)  -- its runner died: taken over
+  redis.call('ZREM', leases, id)
+  if claimed[1] then take(id, claimed[1][2][2], claimed[1][2][4]) end
+end
+local scanned = 0  -- entries of finished batches are skipped over, a bounded number a call
+while #out < limit and scanned < 2000 do
+  local new = redis.call('XREADGROUP', 'GROUP', group, owner, 'COUNT', limit - #out, 'STREAMS', stream, '>')
+  if not new then break end
+  for _, e in ipairs(new[1][2]) do
+    scanned = scanned + 1
+    take(e[1], e[2][2], e[2][4])
+  end
+end
+return out
+"""
+)
+
+# COMMIT: ARGV group, owner, then (entry, batch, line, state, result) per line
+_COMMIT = (
+    _HELPERS
+    + """
+local stream, group, owner, kept = KEYS[1], ARGV[2], ARGV[3], 0
+for i = 4, #ARGV, 5 do
+  local id, b, l = ARGV[i], ARGV[i + 1], ARGV[i + 2]
+  if holds(stream, group, owner, id) then
+    if redis.call('HGET', key(b, 's'), l) == 'l' then
+      finish(b, l, ARGV[i + 3], ARGV[i + 4])
+      kept = kept + 1
+    end
+    drop(stream, group, id)
+  end
+end
+return kept
+"""
+)
+
+# RELEASE: ARGV group, owner, entry, batch, line, due (0: now)
+_RELEASE = (
+    _HELPERS
+    + """
+local stream, delayed, group, owner, id, b, l = KEYS[1], KEYS[2], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6]
+if not holds(stream, group, owner, id) then return 0 end
+drop(stream, group, id)
+if redis.call('HGET', key(b, 's'), l) ~= 'l' then return 0 end
+local stop = redis.call('GET', key(b, 'x'))
+redis.call('HDEL', key(b, 'u'), l)
+if stop then
+  finish(b, l, stop, nil)
+elseif tonumber(ARGV[7]) > 0 then
+  redis.call('HSET', key(b, 's'), l, 'p')
+  redis.call('ZADD', delayed, ARGV[7], b .. '|' .. l)
+else
+  redis.call('HSET', key(b, 's'), l, 'p')
+  redis.call('XADD', stream, '*', 'b', b, 'l', l)
+end
+return 1
+"""
+)
+
+# RENEW: ARGV group, owner, deadline, then (entry, batch, line) per line
+_RENEW = (
+    _HELPERS
+    + """
+local stream, group, owner = KEYS[1], ARGV[2], ARGV[3]
+for i = 5, #ARGV, 3 do
+  if holds(stream, group, owner, ARGV[i]) then
+    redis.call('ZADD', KEYS[3], ARGV[4], ARGV[i])
+    redis.call('HSET', key(ARGV[i + 1], 'u'), ARGV[i + 2], ARGV[4])
+  end
+end
+return 0
+"""
+)
+
+# ADD: ARGV batch, then (line, request) per line: idempotent (a line is queued once)
+_ADD = (
+    _HELPERS
+    + """
+local b = ARGV[2]
+for i = 3, #ARGV, 2 do
+  if redis.call('HSETNX', key(b, 's'), ARGV[i], 'p') == 1 then
+    redis.call('HSET', key(b, 'r'), ARGV[i], ARGV[i + 1])
+    redis.call('XADD', KEYS[1], '*', 'b', b, 'l', ARGV[i])
+  end
+end
+return 0
+"""
+)
+
+# ARGV prefix, batch, stop ('' none, 'c' cancel, 'x' expire), now -> {lines, completed, failed}
+_SETTLE = (
+    _HELPERS
+    + """
+local b, stop, now = ARGV[2], ARGV[3], tonumber(ARGV[4])
+if redis.call('EXISTS', key(b, 's')) == 0 then return {0, 0, 0} end  -- lost (or never queued)
+if stop ~= '' then
+  if redis.call('SET', key(b, 'x'), stop, 'NX') then  -- once: no line becomes pending after this
+    local states = redis.call('HGETALL', key(b, 's'))
+    for i = 1, #states, 2 do
+      if states[i + 1] == 'p' then finish(b, states[i], stop, nil) end
+    end
+  end
+  local leases = redis.call('HGETALL', key(b, 'u'))  -- lines in runners' hands
+  for i = 1, #leases, 2 do
+    if stop == 'x' or tonumber(leases[i + 1]) < now then
+      if redis.call('HGET', key(b, 's'), leases[i]) == 'l' then finish(b, leases[i], stop, nil) end
+    end
+  end
+end
+local n = redis.call('HMGET', key(b, 'n'), 'completed', 'failed')
+return {redis.call('HLEN', key(b, 's')), tonumber(n[1] or '0'), tonumber(n[2] or '0')}
+"""
+)
+
+
+class RedisLines:
+    """The line queue in Redis Streams; blocking calls (the store is used from threads)."""
+
+    def __init__(self, url: str, prefix: str = "corral:batch:", timeout: float = 5.0) -> None:
+        self._redis = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
+        self._prefix = prefix
+        self._groups: set[str] = set()
+        scripts = (_LEASE, _COMMIT, _RELEASE, _RENEW, _ADD, _SETTLE)
+        self._lease, self._commit, self._release, self._renew, self._add, self._settle = (
+            self._redis.register_script(s) for s in scripts
+        )
+        self._gave_up = gave_up("%d")  # a Lua format string: the attempts go in
+        self._models: dict[str, str] = {}  # batch → model, for the lines this process leased
+
+    def _stream(self, model: str) -> str:
+        stream = f"{self._prefix}q:{model}"
+        if stream not in self._groups:
+            try:
+                self._redis.xgroup_create(stream, _GROUP, id="0", mkstream=True)
+            except redis.ResponseError as exc:
+                if "BUSYGROUP" not in str(exc):
+                    raise
+            self._groups.add(stream)
+        return stream
+
+    def _call(self, script: Any, model: str, args: list[Any]) -> Any:
+        """Run a script on the model's queue; a stream or group Redis lost is made again once."""
+        keys = [self._stream(model), f"{self._prefix}d:{model}", f"{self._prefix}leases:{model}"]
+        try:
+            return script(keys=keys, args=[self._prefix, *args])
+        except redis.ResponseError as exc:
+            if "NOGROUP" not in str(exc):
+                raise
+            self._groups.discard(keys[0])
+            self._stream(model)
+            return script(keys=keys, args=[self._prefix, *args])
+
+    def add(self, session: Session, batch_id: str, model: str, lines: list[tuple[str, bytes]]) -> None:
+        """Queued before the store's transaction commits; queuing the same batch again adds nothing."""
+        for start in range(0, len(lines), _CHUNK):
+            args: list[Any] = [batch_id]
+            for i, (custom_id, body) in enumerate(lines[start : start + _CHUNK], start=start):
+                args += [i, orjson.dumps([custom_id, body.decode()])]
+            self._call(self._add, model, args)
+        self._redis.set(self._model_key(batch_id), model)
+
+    def _model_key(self, batch_id: str) -> str:
+        return f"{self._prefix}{batch_id}:m"
+
+    def lease(self, owner: str, model: str, limit: int, lease_s: float, max_attempts: int) -> list[BatchLine]:
+        now = time.time()
+        args = [_GROUP, owner, limit, max_attempts, now, now + lease_s, self._gave_up]
+        found = self._call(self._lease, model, args)
+        leased = []
+        for entry, batch_id, line, request, attempts in found:
+            custom_id, body = orjson.loads(request)
+            self._models[batch_id.decode()] = model
+            leased.append(
+                BatchLine(
+                    batch_id.decode(),
+                    int(line),
+                    custom_id,
+                    body.encode(),
+                    "",
+                    "",
+                    None,
+                    int(attempts),
+                    entry.decode(),
+                )
+            )
+        return leased
+
+    def commit_many(self, owner: str, results: list[tuple[BatchLine, LineResult]]) -> int:
+        by_model: dict[str, list[Any]] = defaultdict(list)
+        for line, result in results:
+            state = "d" if 200 <= result.status_code < 300 else "f"
+            stored = response_json(result.status_code, result.body, result.request_id)
+            by_model[self._model_of(line.batch_id)] += [line.token, line.batch_id, line.line, state, stored]
+        return sum(
+            int(self._call(self._commit, model, [_GROUP, owner, *args])) for model, args in by_model.items()
+        )
+
+    def _model_of(self, batch_id: str) -> str:
+        if batch_id not in self._models:
+            model = cast("bytes | None", self._redis.get(self._model_key(batch_id)))
+            self._models[batch_id] = model.decode() if model else ""
+        return self._models[batch_id]
+
+    def release(self, owner: str, line: BatchLine, after_s: float) -> None:
+        model = self._model_of(line.batch_id)
+        due = time.time() + after_s if after_s else 0
+        args = [_GROUP, owner, line.token, line.batch_id, line.line, due]
+        self._call(self._release, model, args)
+
+    def renew(self, owner: str, lines: list[BatchLine], lease_s: float) -> None:
+        by_model: dict[str, list[Any]] = defaultdict(list)
+        for line in lines:
+            by_model[self._model_of(line.batch_id)] += [line.token, line.batch_id, line.line]
+        for model, args in by_model.items():
+            self._call(self._renew, model, [_GROUP, owner, time.time() + lease_s, *args])
+
+    def cancel(self, batch_id: str) -> None:
+        self._settle(keys=[], args=[self._prefix, batch_id, "c", time.time()])
+
+    def settle(self, session: Session, batch_id: str, model: str, stop: Stop | None, now: float) -> int:
+        mark = _STOPS[stop] if stop else ""
+        lines, completed, failed = self._settle(keys=[], args=[self._prefix, batch_id, mark, now])
+        return LOST if not lines else int(lines) - int(completed) - int(failed)
+
+    def results(self, session: Session, batch_id: str) -> list[ResultRow]:
+        base = f"{self._prefix}{batch_id}:"
+        with self._redis.pipeline(transaction=True) as pipe:
+            pipe.hgetall(base + "r")
+            pipe.hgetall(base + "s")
+            pipe.hgetall(base + "o")
+            requests, states, outputs = pipe.execute()
+        rows: list[tuple[int, ResultRow]] = []
+        for line, request in requests.items():
+            custom_id = orjson.loads(request)[0]
+            state = _STATES[states.get(line, b"x").decode()]
+            output = outputs.get(line)
+            status = orjson.loads(output)["status_code"] if output else None
+            rows.append((int(line), (custom_id, state, status, output.decode() if output else None)))
+        return [row for _, row in sorted(rows, key=lambda item: item[0])]
+
+    def counts(self, session: Session, batch_ids: list[str]) -> dict[str, dict[str, int]]:
+        with self._redis.pipeline(transaction=False) as pipe:
+            for batch_id in batch_ids:
+                pipe.hlen(f"{self._prefix}{batch_id}:s")
+                pipe.hmget(f"{self._prefix}{batch_id}:n", "completed", "failed")
+            found = pipe.execute()
+        counts = {}
+        for i, batch_id in enumerate(batch_ids):
+            total, (completed, failed) = found[2 * i], found[2 * i + 1]
+            if total:
+                counts[batch_id] = {
+                    "total": total,
+                    "completed": int(completed or 0),
+                    "failed": int(failed or 0),
+                }
+        return counts
+
+    def drop(self, batch_id: str) -> None:
+        """A finalised batch's lines (its results are in its files, its counts in its row)."""
+        self._redis.delete(*(f"{self._prefix}{batch_id}:{suffix}" for suffix in "sroaunxm"))
+        self._models.pop(batch_id, None)

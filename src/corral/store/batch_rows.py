@@ -1,0 +1,83 @@
+"""The batch queue's tables and the small helpers its SQL and Redis halves share."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import UTC, datetime
+from typing import Any, cast
+
+import orjson
+from sqlalchemy import JSON, CursorResult, DateTime, Float, Index, Integer, String, Text
+from sqlalchemy.orm import Mapped, mapped_column
+
+from corral.store.schema import Base
+
+__all__ = ["BatchLineRow", "BatchRow", "aware", "changed", "gave_up", "response_json"]
+
+
+class BatchRow(Base):
+    __tablename__ = "corral_batches"
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    tenant: Mapped[str] = mapped_column(String(128), index=True)
+    key_id: Mapped[str | None] = mapped_column(String(32), nullable=True)
+    endpoint: Mapped[str] = mapped_column(String(64))
+    model: Mapped[str] = mapped_column(String(128))  # "" while validating
+    input_file_id: Mapped[str] = mapped_column(String(40))
+    output_file_id: Mapped[str | None] = mapped_column(String(40), nullable=True)
+    error_file_id: Mapped[str | None] = mapped_column(String(40), nullable=True)
+    completion_window: Mapped[str] = mapped_column(String(16))
+    status: Mapped[str] = mapped_column(String(16), index=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    expires_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    times: Mapped[dict[str, float]] = mapped_column(JSON, default=dict)  # status → when it was reached
+    meta: Mapped[dict[str, str] | None] = mapped_column(JSON, nullable=True)
+    errors: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON, nullable=True)
+    total: Mapped[int] = mapped_column(Integer, default=0)
+    counts: Mapped[dict[str, int] | None] = mapped_column(JSON, nullable=True)  # kept when finalised
+
+
+class BatchLineRow(Base):
+    """A line of a batch queued in SQL (`batch.queue: sql`)."""
+
+    __tablename__ = "corral_batch_lines"
+    __table_args__ = (Index("ix_corral_batch_lines_state", "state", "lease_until"),)
+
+    batch_id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    line: Mapped[int] = mapped_column(Integer, primary_key=True)
+    custom_id: Mapped[str] = mapped_column(String(512))
+    body: Mapped[str] = mapped_column(Text)
+    state: Mapped[str] = mapped_column(String(12))  # pending leased done failed cancelled expired
+    lease_owner: Mapped[str | None] = mapped_column(String(80), nullable=True)
+    lease_until: Mapped[float | None] = mapped_column(Float, nullable=True)
+    not_before: Mapped[float | None] = mapped_column(Float, nullable=True)  # retried after a backoff
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    status_code: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    response: Mapped[str | None] = mapped_column(Text, nullable=True)
+
+
+def changed(result: Any) -> bool:
+    return bool(cast(CursorResult[Any], result).rowcount)
+
+
+def aware(at: datetime) -> datetime:
+    """SQLite gives datetimes back without their zone; they were stored in UTC."""
+    return at if at.tzinfo else at.replace(tzinfo=UTC)
+
+
+def response_json(status_code: int, body: bytes, request_id: str | None = None) -> str:
+    """A line's stored result: its status, request id and answer (or OpenAI error body)."""
+    return orjson.dumps(
+        {
+            "status_code": status_code,
+            "request_id": request_id or f"req_{uuid.uuid4().hex[:24]}",
+            "body": orjson.loads(body or b"null"),
+        }
+    ).decode()
+
+
+def gave_up(attempts: int | str) -> str:
+    """The result of a line whose runner kept dying on it."""
+    message = f"The request was started {attempts} times and never finished (its gateway stopped each time)."
+    body = {"error": {"message": message, "type": "server_error", "param": None, "code": "line_failed"}}
+    return response_json(500, orjson.dumps(body))
