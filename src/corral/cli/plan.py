@@ -54,6 +54,12 @@ def plan_command(
     calibrate: Annotated[
         bool, typer.Option(help="refit the efficiency factors and show each point's error")
     ] = False,
+    validate: Annotated[
+        bool,
+        typer.Option(
+            "--validate", help="the planner's error on published measurements, each source left out (~30 s)"
+        ),
+    ] = False,
 ) -> None:
     """Size a cluster: the cheapest GPU layouts that hold the model and meet the SLOs, and their cost."""
     from corral.perf import CatalogError, load_catalog
@@ -64,6 +70,9 @@ def plan_command(
 
     if concurrency is not None and request_rate is not None:
         fail("--concurrency and --request-rate are two ways to state the load: give one", 2)
+    if validate:
+        _validate(as_json)
+        return
     if model is None and not calibrate:
         fail("--model is required (a catalog name such as llama-3.1-8b)", 2)
     try:
@@ -116,3 +125,26 @@ def plan_command(
         console.print(f"wrote {yaml_out}")
     if not result.fits:
         raise typer.Exit(1)
+
+
+def _validate(as_json: bool) -> None:
+    from corral.perf import load_catalog
+    from corral.perf.validation import report, validate
+    from corral.plan.render import validation_table
+
+    result = report(validate(load_catalog()))
+    if as_json:
+        print(json.dumps(result, indent=2))
+        return
+    Console().print(validation_table(result))
+    for family, factors in result["factors"].items():
+        console.print(
+            f"{family}: bandwidth {factors['bandwidth']}, compute {factors['compute']}, "
+            f"step overhead {factors['step_overhead_s'] * 1000:.2f} ms (fitted on every source)",
+            highlight=False,
+        )
+    console.print(
+        f"{len(result['points'])} points predicted, {result['unused']} recorded but not stated by the "
+        f"planner (see `unused` in perf/data/published.yaml), {len(result['refused'])} it says do not fit",
+        highlight=False,
+    )

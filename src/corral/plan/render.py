@@ -10,7 +10,7 @@ from rich.table import Table
 
 from corral.plan.search import Layout, PlanResult
 
-__all__ = ["plan_json", "plan_table", "plan_yaml"]
+__all__ = ["plan_json", "plan_table", "plan_yaml", "validation_table"]
 
 
 def plan_json(result: PlanResult) -> dict[str, Any]:
@@ -119,3 +119,27 @@ def plan_yaml(result: PlanResult) -> str:
         f"{lay.output_tokens_per_s:.0f} output tokens/s\n"
     )
     return header + yaml.safe_dump(spec, sort_keys=False)
+
+
+def validation_table(report: dict[str, Any]) -> Table:
+    """`corral plan --validate`: mean absolute percentage error per GPU class, leaving each source out."""
+    table = Table(
+        title="planner error on published measurements (fit without the point's source)",
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
+        collapse_padding=True,
+    )
+    kinds = ("output tokens/s", "TPOT", "TTFT", "E2E latency")
+    table.add_column("GPU", no_wrap=True)
+    for kind in kinds:
+        table.add_column(f"{kind}\nMAPE (n)", justify="right", no_wrap=True)
+    mape = report["mape_leave_one_source_out"]
+    for gpu in [g for g in sorted(mape) if g != "all"] + ["all"]:
+        table.add_row(gpu, *(_mape_cell(mape[gpu].get(kind)) for kind in kinds))
+    in_sample = report["mape_in_sample"]["all"]
+    table.add_row("all, in-sample", *(_mape_cell(in_sample.get(kind)) for kind in kinds))
+    return table
+
+
+def _mape_cell(cell: dict[str, Any] | None) -> str:
+    return f"{cell['mape']:.1%} ({cell['n']})" if cell else "–"

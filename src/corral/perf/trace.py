@@ -1,0 +1,137 @@
+"""A closed loop's steps recorded once, timed again for any efficiency factors.
+
+With one batch in flight (no pipeline parallelism) and clients that send their next request when the last
+one ends, which sequences each step holds does not depend on how long the steps take: only the order of
+events matters. So a closed loop is run once at step granularity, each step's roofline parts are kept
+(memory and compute time at full efficiency, communication), and its figures for any (bandwidth, compute,
+overhead) factors are a vectorised sum: `Trace.timed(efficiency)` equals `closed_loop` with a `PerfModel`
+of that efficiency (tests/perf/test_trace.py checks it). Fitting factors to many published points and
+leaving each source out in turn (`validation.py`) costs milliseconds per try instead of a simulation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+import numpy.typing as npt
+
+from corral.perf.scheduler import EngineSequence, Scheduler, SchedulerConfig
+from corral.perf.timing import Efficiency, PerfModel
+
+__all__ = ["Timed", "Trace", "trace_closed_loop"]
+
+Floats = npt.NDArray[np.float64]
+Ints = npt.NDArray[np.int64]
+
+
+@dataclass(frozen=True)
+class Timed:
+    """A trace's figures at one set of factors (seconds; means over the measured requests)."""
+
+    output_tokens_per_s: float
+    ttft_mean: float
+    ttft_p50: float
+    tpot_mean: float
+    e2e_mean: float
+
+
+@dataclass(frozen=True)
+class Trace:
+    memory_s: Floats  # per step: weights + KV read at the datasheet bandwidth
+    compute_s: Floats  # per step: FLOPs at the datasheet peak
+    fixed_s: Floats  # per step: communication (not fitted)
+    arrival: Ints  # per measured request: the step after which it arrived (-1: at the start)
+    first: Ints  # the step that produced its first token
+    finish: Ints  # the step that produced its last
+    generated: Ints
+    window: tuple[int, int]  # measured from the end of this step to the end of that one
+    window_tokens: int
+
+    def timed(self, efficiency: Efficiency) -> Timed:
+        steps = (
+            np.maximum(self.memory_s / efficiency.bandwidth, self.compute_s / efficiency.compute)
+            + self.fixed_s
+            + efficiency.step_overhead_s
+        )
+        ends = np.concatenate(([0.0], np.cumsum(steps)))  # ends[k + 1]: when step k finished
+        arrived, first, finish = ends[self.arrival + 1], ends[self.first + 1], ends[self.finish + 1]
+        ttft = first - arrived
+        many = self.generated > 1
+        tpot = (finish[many] - first[many]) / (self.generated[many] - 1)
+        start, end = self.window
+        return Timed(
+            output_tokens_per_s=self.window_tokens / (ends[end + 1] - ends[start + 1]),
+            ttft_mean=float(ttft.mean()),
+            ttft_p50=float(np.sort(ttft)[len(ttft) // 2]),
+            tpot_mean=float(tpot.mean()) if tpot.size else 0.0,
+            e2e_mean=float((finish - arrived).mean()),
+        )
+
+
+def trace_closed_loop(
+    perf: PerfModel,
+    config: SchedulerConfig,
+    concurrency: int,
+    input_len: int,
+    output_len: int,
+    measured_requests: int | None = None,
+    stagger: bool = False,
+) -> Trace:
+    """`closed_loop`'s run (same warm-up and measured requests), recorded step by step. With `stagger`
+    the clients start one after another, spread over one request's decode, as clients of a real
+    benchmark drift apart (identical requests started together would otherwise stay in lockstep, every
+    prefill landing in the same step)."""
+    if perf.pp != 1:
+        raise ValueError("a trace holds one batch at a time: pipeline parallelism overlaps steps")
+    unit = replace(perf, efficiency=replace(perf.efficiency, bandwidth=1.0, compute=1.0, step_overhead_s=0.0))
+    scheduler = Scheduler(config)
+    measured = measured_requests or max(2 * concurrency, 32)
+    warmup, next_id = concurrency, 0
+
+    def submit(step: int) -> None:
+        nonlocal next_id
+        scheduler.add(EngineSequence(id=next_id, prompt_len=input_len, max_tokens=output_len, arrival=step))
+        next_id += 1
+
+    starts = [i * output_len // concurrency if stagger else 0 for i in range(concurrency)]
+    memory, compute, fixed = [], [], []
+    done: list[EngineSequence] = []
+    window_start: int | None = None
+    tokens, step = 0, 0
+    while len(done) < warmup + measured:
+        while starts and starts[0] <= step:
+            starts.pop(0)
+            submit(step - 1)
+        batch = scheduler.schedule()
+        if batch is None:
+            raise RuntimeError("a request cannot fit in the KV cache at all")
+        parts = unit.breakdown(
+            batch.decode_tokens, batch.decode_context, batch.prefill_tokens, batch.prefill_pairs
+        )
+        memory.append(parts.weights_s + parts.kv_s)
+        compute.append(parts.compute_s)
+        fixed.append(parts.communication_s)
+        produced = scheduler.complete(batch, float(step))
+        if window_start is not None:
+            tokens += len(produced)
+        for seq in produced:
+            if seq.finished:
+                done.append(seq)
+                if len(done) == warmup:
+                    window_start = step
+                submit(step)
+        step += 1
+    assert window_start is not None
+    sample = done[warmup:]
+    return Trace(
+        memory_s=np.array(memory),
+        compute_s=np.array(compute),
+        fixed_s=np.array(fixed),
+        arrival=np.array([int(s.arrival) for s in sample]),
+        first=np.array([int(s.first_token_at or 0) for s in sample]),
+        finish=np.array([int(s.finished_at or 0) for s in sample]),
+        generated=np.array([s.generated for s in sample]),
+        window=(window_start, step - 1),
+        window_tokens=tokens,
+    )

@@ -1,0 +1,103 @@
+"""The published-measurements corpus and the planner's validation against it: every point names its
+source and workload; a recorded trace, retimed, is exactly the planner's closed loop; leaving a source out
+fits on the others only; `corral plan --validate` reports MAPE per GPU class."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from importlib import resources
+
+import pytest
+import yaml
+
+from corral.perf import load_catalog
+from corral.perf.memory import BLOCK_SIZE, memory_plan
+from corral.perf.scheduler import SchedulerConfig
+from corral.perf.timing import Efficiency, PerfModel
+from corral.perf.trace import trace_closed_loop
+from corral.perf.validation import load_published, validate
+from corral.perf.workload import closed_loop
+
+
+def _raw_points() -> list[dict[str, object]]:
+    text = (resources.files("corral.perf") / "data" / "published.yaml").read_text()
+    points: list[dict[str, object]] = yaml.safe_load(text)["points"]
+    return points
+
+
+def test_every_published_point_has_a_source_a_workload_and_catalog_entries() -> None:
+    catalog = load_catalog()
+    raw = _raw_points()
+    for point in raw:
+        assert str(point["url"]).startswith("https://"), point
+        assert point["where"] and point["workload"] and point["engine"] and "engine_version" in point, point
+        assert point["metrics"], point
+        ids = point["catalog"]
+        assert isinstance(ids, dict)
+        (
+            catalog.models.get(ids["model"]),
+            catalog.gpus.get(ids["gpu"]),
+            catalog.quantizations.get(ids["quant"]),
+        )
+    usable = [p for p in load_published() if p.unused is None]
+    assert all(p.input_len and p.output_len and p.metrics for p in usable)
+    assert len(usable) >= 30 and len({p.source for p in usable}) >= 5
+    assert len(raw) >= 90  # points the planner cannot state are kept, with why (`unused`), not dropped
+
+
+@pytest.mark.parametrize(
+    ("model", "gpu", "quant", "tp", "clients", "lengths"),
+    [
+        ("llama-3.1-8b", "h100-sxm", "bf16", 1, 16, (1024, 128)),
+        ("llama-3.1-70b", "a100-80gb", "bf16", 4, 24, (1000, 300)),
+        ("mixtral-8x7b", "l40s", "fp8", 4, 32, (2048, 64)),
+    ],
+)
+def test_a_trace_retimed_is_the_planners_closed_loop(
+    model: str, gpu: str, quant: str, tp: int, clients: int, lengths: tuple[int, int]
+) -> None:
+    catalog = load_catalog()
+    arch, card, q = catalog.models.get(model), catalog.gpus.get(gpu), catalog.quantizations.get(quant)
+    memory = memory_plan(arch, card, q, tp=tp)
+    config = SchedulerConfig(num_blocks=memory.kv_tokens // BLOCK_SIZE, enable_prefix_caching=False)
+    trace = trace_closed_loop(PerfModel(arch, card, q, tp=tp), config, clients, *lengths)
+    for efficiency in (Efficiency(0.7, 0.5, 0.003), Efficiency(0.9, 0.3, 0.0005)):
+        expected = closed_loop(
+            PerfModel(arch, card, q, tp=tp, efficiency=efficiency), config, clients, *lengths
+        )
+        timed = trace.timed(efficiency)
+        assert math.isclose(timed.output_tokens_per_s, expected.output_tokens_per_s, rel_tol=1e-9)
+        assert math.isclose(timed.tpot_mean, expected.itl_mean, rel_tol=1e-9)
+        assert math.isclose(timed.ttft_p50, expected.ttft_p50, rel_tol=1e-9)
+
+
+def test_leaving_a_source_out_fits_on_the_other_sources_only() -> None:
+    points = [p for p in load_published() if p.source in ("mushfiq-rtx4090-mistral", "qwen25-speed-bench")]
+    validation = validate(load_catalog(), points)
+    assert {p.point.source for p in validation.predictions} == {
+        "mushfiq-rtx4090-mistral",
+        "qwen25-speed-bench",
+    }
+    for prediction in validation.predictions:
+        assert prediction.point.source not in prediction.fitted_on and prediction.fitted_on
+    table = validation.mape()
+    assert table["all"]["output tokens/s"][1] == 14 and 0 < table["all"]["output tokens/s"][0] < 1
+
+
+def test_corral_plan_validate_reports_mape_per_gpu_class() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "corral.cli", "plan", "--validate", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    report = json.loads(done.stdout)
+    loso = report["mape_leave_one_source_out"]
+    assert {"h100-sxm", "a100-80gb", "l40s", "h200", "rtx-4090", "all"} <= set(loso)
+    assert loso["all"]["output tokens/s"]["n"] >= 30 and loso["all"]["TPOT"]["n"] >= 5
+    assert set(report["factors"]) == {"tensorrt-llm", "vllm"}
+    assert all(p["source"] not in p["fitted_on"] for p in report["points"])
