@@ -166,3 +166,60 @@ def test_a_store_made_before_a_column_gains_it(tmp_path: Path) -> None:
     assert store.housekeeping() == [batch_id]
     found = store.batch("acme", batch_id)
     assert found is not None and found.counts == {"total": 1, "completed": 1, "failed": 0}
+
+
+def _redis_store(tmp_path: Path) -> tuple[BatchStore, str]:
+    prefix = f"test:{uuid.uuid4().hex[:8]}:"
+    return BatchStore(
+        open_database(f"sqlite:///{tmp_path / 'queue.db'}"), RedisLines(REDIS, prefix=prefix)
+    ), prefix
+
+
+def _forget(prefix: str) -> None:
+    client = redis.Redis.from_url(REDIS)
+    for key in client.scan_iter(f"{prefix}*"):
+        client.delete(key)
+
+
+def test_a_batch_cancelled_while_its_lines_are_being_queued_still_finishes(tmp_path: Path) -> None:
+    store, prefix = _redis_store(tmp_path)
+    body = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+    lines = [(f"c{i}", body) for i in range(5)]
+    batch = store.create_batch(NewBatch("acme", None, "/v1/chat/completions", "file-x", timedelta(hours=1)))
+    store.lines.add(None, batch.id, "m", lines[:2])  # type: ignore[arg-type]  # the first chunk went in
+    assert store.cancel("acme", batch.id).status == "cancelling"  # type: ignore[union-attr]
+    store.lines.add(None, batch.id, "m", lines)  # type: ignore[arg-type]  # and then the rest
+    assert not store.start(batch.id, "m", lines)
+    assert store.housekeeping() == [batch.id]
+    found = store.batch("acme", batch.id)
+    assert found is not None and found.status == "cancelled"
+    assert found.counts == {"total": 5, "completed": 0, "failed": 5}
+    _forget(prefix)
+
+
+def test_gateways_on_another_queue_leave_a_batch_alone_and_finished_batches_lines_are_tidied(
+    tmp_path: Path,
+) -> None:
+    store, prefix = _redis_store(tmp_path)
+    on_sql = BatchStore(open_database(f"sqlite:///{tmp_path / 'queue.db'}"))
+    batch_id = _batch(store, 2)
+    assert on_sql.validating() == [] and on_sql.models_with_work() == [] and on_sql.housekeeping() == []
+    found = on_sql.batch("acme", batch_id)
+    assert found is not None and found.status == "in_progress"  # not finalised as empty, not re-queued
+    for line in store.lease("runner", "m", 5, lease_s=30):
+        store.commit("runner", line, _ok())
+    store.lines.add(None, "batch_gone", "m", [("x", b"{}")])  # type: ignore[arg-type]  # left by a crash
+    assert store.housekeeping() == [batch_id]
+    assert store.tidy() == 1  # batch_gone's lines: its batch is not running
+    assert not list(redis.Redis.from_url(REDIS).scan_iter(f"{prefix}b:*"))
+    _forget(prefix)
+
+
+def test_a_batch_never_checked_within_its_window_expires(store: BatchStore) -> None:
+    batch = store.create_batch(
+        NewBatch("acme", None, "/v1/chat/completions", "file-x", timedelta(milliseconds=10))
+    )
+    time.sleep(0.02)
+    assert store.housekeeping() == [batch.id]
+    found = store.batch("acme", batch.id)
+    assert found is not None and found.status == "expired" and found.counts["total"] == 0

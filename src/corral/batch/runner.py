@@ -117,6 +117,11 @@ class BatchRunner:
         loop = asyncio.get_running_loop()
         next_housekeeping = next_renewal = loop.time()
         try:
+            if dropped := await asyncio.to_thread(self._store.tidy):
+                logger.info("batch queue: dropped the lines of %d finished batches", dropped)
+        except Exception:
+            logger.exception("batch queue: tidying failed")
+        try:
             while True:
                 try:
                     await self._flush()
@@ -130,7 +135,10 @@ class BatchRunner:
                             self._store.renew, self.owner, list(self._leased.values()), self._settings.lease_s
                         )
                     for record in await asyncio.to_thread(self._store.validating):
-                        await self._validate(record)
+                        try:
+                            await self._validate(record)
+                        except Exception:  # one batch's trouble does not hold up the others
+                            logger.exception("batch %s: checking its input failed", record.id)
                     for model in await asyncio.to_thread(self._store.models_with_work):
                         await self._start(model)
                 except Exception:  # the store is down or a query failed: logged, tried again next tick

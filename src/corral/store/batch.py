@@ -108,13 +108,20 @@ class BatchStore:
         self._engine = engine
         self._postgres = engine.dialect.name == "postgresql"
         self.files = FileStore(engine)  # inputs, and the output and error files it writes
-        self.lines: LineQueue = lines or SqlLines(engine)
+        self._sql = SqlLines(engine)  # also counts the lines of batches finished before `counts` was kept
+        self.lines: LineQueue = lines or self._sql
+
+    def _mine(self) -> Any:
+        """The batches this store runs: those created on its queue (rows from before `queue`: SQL)."""
+        if self.lines.name == "sql":
+            return BatchRow.queue.is_(None) | (BatchRow.queue == "sql")
+        return BatchRow.queue == self.lines.name
 
     # batches
 
     def create_batch(self, new: NewBatch) -> BatchRecord:
         """A batch whose input is still to be checked (`validating`): a runner starts or fails it."""
-        row = _row(new)
+        row = _row(new, self.lines.name)
         with Session(self._engine, expire_on_commit=False) as session, session.begin():
             session.add(row)
         found = self.batch(new.tenant, row.id)
@@ -124,7 +131,9 @@ class BatchStore:
     def validating(self) -> list[BatchRecord]:
         with Session(self._engine, expire_on_commit=False) as session:
             rows = session.scalars(
-                select(BatchRow).where(BatchRow.status == "validating").order_by(BatchRow.created_at)
+                select(BatchRow)
+                .where(BatchRow.status == "validating", self._mine())
+                .order_by(BatchRow.created_at)
             ).all()
             return [_batch(row, _empty(row)) for row in rows]
 
@@ -187,25 +196,41 @@ class BatchStore:
             return [_batch(r, counts[r.id]) for r in found]
 
     def _counts(self, session: Session, rows: Sequence[BatchRow]) -> dict[str, dict[str, int]]:
-        """Kept in the row once finished; from the lines' states before."""
-        open_ids = [r.id for r in rows if r.counts is None and r.status != "validating"]
-        live = self.lines.counts(session, open_ids) if open_ids else {}
+        """Kept in the row once finished; from the lines' states before, in the batch's queue (a queue
+        that does not answer: the totals alone, logged)."""
+        live: dict[str, dict[str, int]] = {}
+        for queue in {self._sql, self.lines}:
+            ids = [
+                r.id
+                for r in rows
+                if r.counts is None and r.status != "validating" and _queue(r) == queue.name
+            ]
+            try:
+                live.update(queue.counts(session, ids) if ids else {})
+            except Exception:  # Redis is down: reading a batch still answers
+                logger.warning("batch counts from the %s queue failed", queue.name, exc_info=True)
         return {r.id: r.counts or live.get(r.id) or _empty(r) for r in rows}
 
     def cancel(self, tenant: str, batch_id: str) -> BatchRecord | None:
         """Cancelling: pending lines are cancelled; leased ones finish; finalised as cancelled after."""
-        try:
-            with Session(self._engine, expire_on_commit=False) as session, session.begin():
-                row = session.get(BatchRow, batch_id, with_for_update=self._postgres)
-                if row is None or row.tenant != tenant:
-                    return None
-                moving = row.status in ("validating", "in_progress")
-                if moving:
-                    self._move(session, row, "cancelling")
-            if moving:  # after the commit: a crash in between is settled by housekeeping
-                self.lines.cancel(batch_id)
-        except _Raced:  # finalised (or cancelled) meanwhile: it keeps that status
-            pass
+        for _ in range(3):  # a batch that moved on meanwhile (validating → in progress) is cancelled still
+            try:
+                with Session(self._engine, expire_on_commit=False) as session, session.begin():
+                    row = session.get(BatchRow, batch_id, with_for_update=self._postgres)
+                    if row is None or row.tenant != tenant:
+                        return None
+                    moving = row.status in ("validating", "in_progress")
+                    if moving:
+                        self._move(session, row, "cancelling")
+                    mine = _queue(row) == self.lines.name
+            except _Raced:
+                continue
+            if moving and mine:  # after the commit: housekeeping settles it anyway (a crash, Redis down)
+                try:
+                    self.lines.cancel(batch_id)
+                except Exception:
+                    logger.warning("batch %s: cancelling its queued lines failed", batch_id, exc_info=True)
+            break
         return self.batch(tenant, batch_id)
 
     # the runner's side
@@ -227,7 +252,7 @@ class BatchStore:
         for line in found:
             row = rows.get(line.batch_id)
             if row is None or row.status != "in_progress":  # settled by housekeeping, or queued again
-                self.lines.release(owner, line, _NOT_YET_S)
+                self.lines.release(owner, line, _NOT_YET_S, undo_attempt=True)
                 continue
             leased.append(replace(line, endpoint=row.endpoint, tenant=row.tenant, key_id=row.key_id))
         return leased
@@ -253,17 +278,45 @@ class BatchStore:
         with Session(self._engine, expire_on_commit=False) as session:
             return list(
                 session.scalars(
-                    select(BatchRow.model).where(BatchRow.status == "in_progress").distinct()
+                    select(BatchRow.model).where(BatchRow.status == "in_progress", self._mine()).distinct()
                 ).all()
             )
 
     def housekeeping(self) -> list[str]:
         """Expire batches past their window; finalise those with nothing left to run. The ids finished."""
+        now = datetime.now(UTC)
         with Session(self._engine, expire_on_commit=False) as session:
             open_ids = session.scalars(
-                select(BatchRow.id).where(BatchRow.status.in_(("in_progress", "cancelling")))
+                select(BatchRow.id).where(BatchRow.status.in_(("in_progress", "cancelling")), self._mine())
             ).all()
-        return [batch_id for batch_id in open_ids if self._finish(batch_id)]
+            stale = session.scalars(  # never checked within its window (its model was never served)
+                select(BatchRow.id).where(
+                    BatchRow.status == "validating", BatchRow.expires_at <= now, self._mine()
+                )
+            ).all()
+        return [i for i in stale if self._expire_unchecked(i)] + [i for i in open_ids if self._finish(i)]
+
+    def _expire_unchecked(self, batch_id: str) -> bool:
+        try:
+            with Session(self._engine, expire_on_commit=False) as session, session.begin():
+                row = session.get(BatchRow, batch_id, with_for_update=self._postgres)
+                if row is None or row.status != "validating":
+                    return False
+                self._move(session, row, "expired", finalizing=True, counts=_tally([]))
+        except _Raced:
+            return False
+        return True
+
+    def tidy(self) -> int:
+        """What the queue holds for batches no longer running (a gateway died between finalising a batch
+        and dropping its lines); how many batches' lines were dropped."""
+        with Session(self._engine, expire_on_commit=False) as session:
+            unfinished = set(
+                session.scalars(
+                    select(BatchRow.id).where(BatchRow.status.not_in(FINISHED), self._mine())
+                ).all()
+            )
+        return self.lines.tidy(unfinished)
 
     def _finish(self, batch_id: str) -> bool:
         """Finalise the batch if nothing is left to run: its files, counts and status in one transaction,
@@ -398,7 +451,11 @@ class _Raced(Exception):
     """Another runner moved the batch first: roll this step back."""
 
 
-def _row(new: NewBatch) -> BatchRow:
+def _queue(row: BatchRow) -> str:
+    return row.queue or "sql"
+
+
+def _row(new: NewBatch, queue: str) -> BatchRow:
     now = datetime.now(UTC)
     return BatchRow(
         id=f"batch_{uuid.uuid4().hex[:24]}",
@@ -414,4 +471,5 @@ def _row(new: NewBatch) -> BatchRow:
         times={"validating": now.timestamp()},
         meta=new.meta,
         total=0,
+        queue=queue,
     )

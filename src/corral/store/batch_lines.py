@@ -42,6 +42,7 @@ class BatchLine:
     key_id: str | None
     attempts: int  # this lease included
     token: str = ""  # the queue's handle on the lease (a Redis stream entry id)
+    model: str = ""
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,8 @@ class LineQueue(Protocol):
     take a session run inside the store's transaction on the batch row; `settle` answers how many lines
     are still to run, or LOST (-1) when the queue no longer has the batch's lines."""
 
+    name: str  # "sql" or "redis": a batch is run by the gateways on the queue it was created on
+
     def add(self, session: Session, batch_id: str, model: str, lines: list[tuple[str, bytes]]) -> None: ...
 
     def lease(
@@ -64,7 +67,7 @@ class LineQueue(Protocol):
 
     def commit_many(self, owner: str, results: list[tuple[BatchLine, LineResult]]) -> int: ...
 
-    def release(self, owner: str, line: BatchLine, after_s: float) -> None: ...
+    def release(self, owner: str, line: BatchLine, after_s: float, undo_attempt: bool = False) -> None: ...
 
     def renew(self, owner: str, lines: list[BatchLine], lease_s: float) -> None: ...
 
@@ -78,9 +81,13 @@ class LineQueue(Protocol):
 
     def drop(self, batch_id: str) -> None: ...
 
+    def tidy(self, unfinished: set[str]) -> int: ...
+
 
 class SqlLines:
     """The line queue in the store's own database."""
+
+    name = "sql"
 
     def __init__(self, engine: Engine) -> None:
         self._engine = engine
@@ -134,7 +141,9 @@ class SqlLines:
                 if taken is not None:
                     body = taken.body.encode()
                     leased.append(
-                        BatchLine(batch_id, line, taken.custom_id, body, "", "", None, taken.attempts)
+                        BatchLine(
+                            batch_id, line, taken.custom_id, body, "", "", None, taken.attempts, "", model
+                        )
                     )
             return leased
 
@@ -153,7 +162,7 @@ class SqlLines:
                 kept += changed(done)
         return kept
 
-    def release(self, owner: str, line: BatchLine, after_s: float) -> None:
+    def release(self, owner: str, line: BatchLine, after_s: float, undo_attempt: bool = False) -> None:
         with Session(self._engine, expire_on_commit=False) as session, session.begin():
             session.execute(
                 _held(owner, line).values(
@@ -161,6 +170,7 @@ class SqlLines:
                     lease_owner=None,
                     lease_until=None,
                     not_before=time.time() + after_s if after_s else None,
+                    attempts=BatchLineRow.attempts - int(undo_attempt),
                 )
             )
 
@@ -226,6 +236,9 @@ class SqlLines:
 
     def drop(self, batch_id: str) -> None:
         """Nothing: the rows stay (they are small once finished, and the audit trail)."""
+
+    def tidy(self, unfinished: set[str]) -> int:
+        return 0
 
 
 def _held(owner: str, line: BatchLine) -> Any:

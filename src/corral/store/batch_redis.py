@@ -18,9 +18,10 @@ one Redis (or a primary), not Redis Cluster.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import defaultdict
-from typing import Any, cast
+from typing import Any
 
 import orjson
 import redis
@@ -35,11 +36,11 @@ _CHUNK = 1000  # lines added per script call
 _STATES = {"p": "pending", "l": "leased", "d": "done", "f": "failed", "c": "cancelled", "x": "expired"}
 _STOPS = {"cancel": "c", "expire": "x"}
 
-# Per-batch keys: {prefix}{batch}:s state, :r request ([custom_id, body]), :o result, :a attempts,
+# Per-batch keys: {prefix}b:{batch}:s state, :r request ([custom_id, body]), :o result, :a attempts,
 # :u lease deadline, :n counts (completed, failed), :x the stop mark (c cancelled, x expired).
 _HELPERS = """
 local p = ARGV[1]
-local function key(b, suffix) return p .. b .. ':' .. suffix end
+local function key(b, suffix) return p .. 'b:' .. b .. ':' .. suffix end
 local function drop(stream, group, id)
   redis.call('XACK', stream, group, id)
   redis.call('XDEL', stream, id)
@@ -129,7 +130,7 @@ return kept
 """
 )
 
-# RELEASE: ARGV group, owner, entry, batch, line, due (0: now)
+# RELEASE: ARGV group, owner, entry, batch, line, due (0: now), attempts to give back (0 or 1)
 _RELEASE = (
     _HELPERS
     + """
@@ -137,6 +138,7 @@ local stream, delayed, group, owner, id, b, l = KEYS[1], KEYS[2], ARGV[2], ARGV[
 if not holds(stream, group, owner, id) then return 0 end
 drop(stream, group, id)
 if redis.call('HGET', key(b, 's'), l) ~= 'l' then return 0 end
+if tonumber(ARGV[8]) > 0 then redis.call('HINCRBY', key(b, 'a'), l, -tonumber(ARGV[8])) end
 local stop = redis.call('GET', key(b, 'x'))
 redis.call('HDEL', key(b, 'u'), l)
 if stop then
@@ -158,58 +160,65 @@ _RENEW = (
     + """
 local stream, group, owner = KEYS[1], ARGV[2], ARGV[3]
 for i = 5, #ARGV, 3 do
-  if holds(stream, group, owner, ARGV[i]) then
+  local b, l = ARGV[i + 1], ARGV[i + 2]
+  if holds(stream, group, owner, ARGV[i]) and redis.call('HGET', key(b, 's'), l) == 'l' then
     redis.call('ZADD', KEYS[3], ARGV[4], ARGV[i])
-    redis.call('HSET', key(ARGV[i + 1], 'u'), ARGV[i + 2], ARGV[4])
+    redis.call('HSET', key(b, 'u'), l, ARGV[4])
   end
 end
 return 0
 """
 )
 
-# ADD: ARGV batch, then (line, request) per line: idempotent (a line is queued once)
+# ADD: ARGV batch, then (line, request) per line: idempotent (a line is queued once); a batch stopped
+# (cancelled) while its lines were being queued gets the rest as cancelled at once
 _ADD = (
     _HELPERS
     + """
 local b = ARGV[2]
+local stop = redis.call('GET', key(b, 'x'))
 for i = 3, #ARGV, 2 do
   if redis.call('HSETNX', key(b, 's'), ARGV[i], 'p') == 1 then
     redis.call('HSET', key(b, 'r'), ARGV[i], ARGV[i + 1])
-    redis.call('XADD', KEYS[1], '*', 'b', b, 'l', ARGV[i])
+    if stop then
+      finish(b, ARGV[i], stop, nil)
+    else
+      redis.call('XADD', KEYS[1], '*', 'b', b, 'l', ARGV[i])
+    end
   end
 end
 return 0
 """
 )
 
-# ARGV prefix, batch, stop ('' none, 'c' cancel, 'x' expire), now -> {lines, completed, failed}
+# SETTLE: ARGV prefix, batch, stop ('' none, 'c' cancel, 'x' expire), now
+#   -> {queued (0: Redis does not have the batch), lines, completed, failed}
 _SETTLE = (
     _HELPERS
     + """
 local b, stop, now = ARGV[2], ARGV[3], tonumber(ARGV[4])
-if redis.call('EXISTS', key(b, 's')) == 0 then return {0, 0, 0} end  -- lost (or never queued)
+if redis.call('EXISTS', key(b, 's')) == 0 then return {0, 0, 0, 0} end  -- lost (or never queued)
 if stop ~= '' then
-  if redis.call('SET', key(b, 'x'), stop, 'NX') then  -- once: no line becomes pending after this
-    local states = redis.call('HGETALL', key(b, 's'))
-    for i = 1, #states, 2 do
-      if states[i + 1] == 'p' then finish(b, states[i], stop, nil) end
-    end
-  end
-  local leases = redis.call('HGETALL', key(b, 'u'))  -- lines in runners' hands
-  for i = 1, #leases, 2 do
-    if stop == 'x' or tonumber(leases[i + 1]) < now then
-      if redis.call('HGET', key(b, 's'), leases[i]) == 'l' then finish(b, leases[i], stop, nil) end
+  redis.call('SET', key(b, 'x'), stop, 'NX')  -- from now on no line of it becomes pending
+  local states = redis.call('HGETALL', key(b, 's'))
+  for i = 1, #states, 2 do
+    local state, deadline = states[i + 1], nil
+    if state == 'l' then deadline = tonumber(redis.call('HGET', key(b, 'u'), states[i]) or '0') end
+    if state == 'p' or (state == 'l' and (stop == 'x' or deadline < now)) then
+      finish(b, states[i], stop, nil)
     end
   end
 end
 local n = redis.call('HMGET', key(b, 'n'), 'completed', 'failed')
-return {redis.call('HLEN', key(b, 's')), tonumber(n[1] or '0'), tonumber(n[2] or '0')}
+return {1, redis.call('HLEN', key(b, 's')), tonumber(n[1] or '0'), tonumber(n[2] or '0')}
 """
 )
 
 
 class RedisLines:
     """The line queue in Redis Streams; blocking calls (the store is used from threads)."""
+
+    name = "redis"
 
     def __init__(self, url: str, prefix: str = "corral:batch:", timeout: float = 5.0) -> None:
         self._redis = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
@@ -219,8 +228,10 @@ class RedisLines:
         self._lease, self._commit, self._release, self._renew, self._add, self._settle = (
             self._redis.register_script(s) for s in scripts
         )
-        self._gave_up = gave_up("%d")  # a Lua format string: the attempts go in
-        self._models: dict[str, str] = {}  # batch → model, for the lines this process leased
+
+    def _key(self, batch_id: str, suffix: str) -> str:
+        """A batch's key (the scripts name them alike: `key(b, suffix)`)."""
+        return f"{self._prefix}b:{batch_id}:{suffix}"
 
     def _stream(self, model: str) -> str:
         stream = f"{self._prefix}q:{model}"
@@ -247,24 +258,20 @@ class RedisLines:
 
     def add(self, session: Session, batch_id: str, model: str, lines: list[tuple[str, bytes]]) -> None:
         """Queued before the store's transaction commits; queuing the same batch again adds nothing."""
+        self._redis.set(self._key(batch_id, "m"), model)  # what `tidy` finds a batch's keys by
         for start in range(0, len(lines), _CHUNK):
             args: list[Any] = [batch_id]
             for i, (custom_id, body) in enumerate(lines[start : start + _CHUNK], start=start):
                 args += [i, orjson.dumps([custom_id, body.decode()])]
             self._call(self._add, model, args)
-        self._redis.set(self._model_key(batch_id), model)
-
-    def _model_key(self, batch_id: str) -> str:
-        return f"{self._prefix}{batch_id}:m"
 
     def lease(self, owner: str, model: str, limit: int, lease_s: float, max_attempts: int) -> list[BatchLine]:
         now = time.time()
-        args = [_GROUP, owner, limit, max_attempts, now, now + lease_s, self._gave_up]
-        found = self._call(self._lease, model, args)
+        # a Lua format string: the attempts go in (a request id per call, not per process)
+        args = [_GROUP, owner, limit, max_attempts, now, now + lease_s, gave_up("%d")]
         leased = []
-        for entry, batch_id, line, request, attempts in found:
+        for entry, batch_id, line, request, attempts in self._call(self._lease, model, args):
             custom_id, body = orjson.loads(request)
-            self._models[batch_id.decode()] = model
             leased.append(
                 BatchLine(
                     batch_id.decode(),
@@ -276,6 +283,7 @@ class RedisLines:
                     None,
                     int(attempts),
                     entry.decode(),
+                    model,
                 )
             )
         return leased
@@ -285,27 +293,20 @@ class RedisLines:
         for line, result in results:
             state = "d" if 200 <= result.status_code < 300 else "f"
             stored = response_json(result.status_code, result.body, result.request_id)
-            by_model[self._model_of(line.batch_id)] += [line.token, line.batch_id, line.line, state, stored]
+            by_model[line.model] += [line.token, line.batch_id, line.line, state, stored]
         return sum(
             int(self._call(self._commit, model, [_GROUP, owner, *args])) for model, args in by_model.items()
         )
 
-    def _model_of(self, batch_id: str) -> str:
-        if batch_id not in self._models:
-            model = cast("bytes | None", self._redis.get(self._model_key(batch_id)))
-            self._models[batch_id] = model.decode() if model else ""
-        return self._models[batch_id]
-
-    def release(self, owner: str, line: BatchLine, after_s: float) -> None:
-        model = self._model_of(line.batch_id)
+    def release(self, owner: str, line: BatchLine, after_s: float, undo_attempt: bool = False) -> None:
         due = time.time() + after_s if after_s else 0
-        args = [_GROUP, owner, line.token, line.batch_id, line.line, due]
-        self._call(self._release, model, args)
+        args = [_GROUP, owner, line.token, line.batch_id, line.line, due, int(undo_attempt)]
+        self._call(self._release, line.model, args)
 
     def renew(self, owner: str, lines: list[BatchLine], lease_s: float) -> None:
         by_model: dict[str, list[Any]] = defaultdict(list)
         for line in lines:
-            by_model[self._model_of(line.batch_id)] += [line.token, line.batch_id, line.line]
+            by_model[line.model] += [line.token, line.batch_id, line.line]
         for model, args in by_model.items():
             self._call(self._renew, model, [_GROUP, owner, time.time() + lease_s, *args])
 
@@ -314,11 +315,11 @@ class RedisLines:
 
     def settle(self, session: Session, batch_id: str, model: str, stop: Stop | None, now: float) -> int:
         mark = _STOPS[stop] if stop else ""
-        lines, completed, failed = self._settle(keys=[], args=[self._prefix, batch_id, mark, now])
-        return LOST if not lines else int(lines) - int(completed) - int(failed)
+        queued, lines, completed, failed = self._settle(keys=[], args=[self._prefix, batch_id, mark, now])
+        return LOST if not queued else max(0, int(lines) - int(completed) - int(failed))
 
     def results(self, session: Session, batch_id: str) -> list[ResultRow]:
-        base = f"{self._prefix}{batch_id}:"
+        base = self._key(batch_id, "")
         with self._redis.pipeline(transaction=True) as pipe:
             pipe.hgetall(base + "r")
             pipe.hgetall(base + "s")
@@ -336,8 +337,8 @@ class RedisLines:
     def counts(self, session: Session, batch_ids: list[str]) -> dict[str, dict[str, int]]:
         with self._redis.pipeline(transaction=False) as pipe:
             for batch_id in batch_ids:
-                pipe.hlen(f"{self._prefix}{batch_id}:s")
-                pipe.hmget(f"{self._prefix}{batch_id}:n", "completed", "failed")
+                pipe.hlen(self._key(batch_id, "s"))
+                pipe.hmget(self._key(batch_id, "n"), "completed", "failed")
             found = pipe.execute()
         counts = {}
         for i, batch_id in enumerate(batch_ids):
@@ -352,5 +353,20 @@ class RedisLines:
 
     def drop(self, batch_id: str) -> None:
         """A finalised batch's lines (its results are in its files, its counts in its row)."""
-        self._redis.delete(*(f"{self._prefix}{batch_id}:{suffix}" for suffix in "sroaunxm"))
-        self._models.pop(batch_id, None)
+        self._redis.delete(*(self._key(batch_id, suffix) for suffix in "sroaunxm"))
+
+    def tidy(self, unfinished: set[str], idle_ms: int = 3_600_000) -> int:
+        """Drop the keys of batches that are finished (a gateway died between finalising and dropping)
+        and the consumers of runners gone for an hour with nothing pending. How many batches."""
+        dropped = 0
+        for key in self._redis.scan_iter(self._key("*", "m"), count=500):
+            batch_id = key.decode().removeprefix(f"{self._prefix}b:").removesuffix(":m")
+            if batch_id not in unfinished:
+                self.drop(batch_id)
+                dropped += 1
+        for stream in self._redis.scan_iter(f"{self._prefix}q:*", count=500):
+            with contextlib.suppress(redis.ResponseError):  # no group yet
+                for consumer in self._redis.xinfo_consumers(stream, _GROUP):
+                    if consumer["pending"] == 0 and consumer["idle"] > idle_ms:
+                        self._redis.xgroup_delconsumer(stream, _GROUP, consumer["name"])
+        return dropped

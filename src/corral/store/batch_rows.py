@@ -35,6 +35,7 @@ class BatchRow(Base):
     errors: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON, nullable=True)
     total: Mapped[int] = mapped_column(Integer, default=0)
     counts: Mapped[dict[str, int] | None] = mapped_column(JSON, nullable=True)  # kept when finalised
+    queue: Mapped[str | None] = mapped_column(String(8), nullable=True)  # its lines' queue (None: sql)
 
 
 class BatchLineRow(Base):
