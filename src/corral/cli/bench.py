@@ -187,7 +187,7 @@ def compare_command(
     rows = compare(_result(a), _result(b))
     table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
     for column in ("metric", a.name, b.name, "change"):
-        table.add_column(column, justify="left" if column == "metric" else "right")
+        table.add_column(column, justify="left" if column == "metric" else "right", overflow="fold")
     for metric, va, vb, change in rows:
         table.add_row(metric, f"{va:,.2f}", f"{vb:,.2f}", f"{change:+.1%}" if change is not None else "-")
     Console().print(table)
@@ -308,27 +308,29 @@ def _config(plan: Any, dataset: str, num_prompts: int) -> dict[str, Any]:
 
 
 def _show(runs: list[dict[str, Any]], slo: Any) -> None:
-    table = Table(title="corral bench", box=box.SIMPLE_HEAD, pad_edge=False)
+    """Units in the headers keep every cell short: the table reads at 80 columns, and a number too wide
+    for its column folds onto the next line, never cut."""
+    table = Table(title="corral bench", box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
     for column in (
         "load",
         "req/s",
-        "out tok/s",
-        "TTFT p50/p99",
-        "TPOT p50/p99",
-        "ITL p50/p99",
-        "E2E p50",
+        "out\ntok/s",
+        "TTFT ms\np50/p99",
+        "TPOT ms\np50/p99",
+        "ITL ms\np50/p99",
+        "E2E ms\np50",
         "errors",
     ):
-        table.add_column(column, justify="right")
+        table.add_column(column, justify="right", overflow="fold")
     for r in runs:
         table.add_row(
             r["load"] or "-",
-            f"{r['requests_per_s']:.2f}",
-            f"{r['output_tokens_per_s']:.1f}",
-            f"{r['ttft_ms']['p50']:.0f}/{r['ttft_ms']['p99']:.0f} ms",
-            f"{r['tpot_ms']['p50']:.1f}/{r['tpot_ms']['p99']:.1f} ms",
-            f"{r['itl_ms']['p50']:.1f}/{r['itl_ms']['p99']:.1f} ms",
-            f"{r['e2e_ms']['p50']:.0f} ms",
+            f"{r['requests_per_s']:,.2f}",
+            f"{r['output_tokens_per_s']:,.1f}",
+            f"{r['ttft_ms']['p50']:.0f}/{r['ttft_ms']['p99']:.0f}",
+            f"{r['tpot_ms']['p50']:.1f}/{r['tpot_ms']['p99']:.1f}",
+            f"{r['itl_ms']['p50']:.1f}/{r['itl_ms']['p99']:.1f}",
+            f"{r['e2e_ms']['p50']:,.0f}",
             str(sum(r["errors"].values())),
         )
     Console().print(table)

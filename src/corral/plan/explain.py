@@ -55,7 +55,7 @@ def _json(step: StepBreakdown, tokens: int) -> dict[str, Any]:
 def explain_table(explained: dict[str, Any]) -> Table:
     table = Table(title=f"one step, by part (ms): {explained['layout']}", box=box.SIMPLE_HEAD, pad_edge=False)
     for column in ("step", "tokens", "weights", "KV", "compute", "comm", "fixed", "total", "bound"):
-        table.add_column(column, justify="left" if column in ("step", "bound") else "right", no_wrap=True)
+        table.add_column(column, justify="left" if column in ("step", "bound") else "right", overflow="fold")
     for name, step in explained["steps"].items():
         table.add_row(name, str(step["tokens"]), *(f"{step[k]:.2f}" for k in _PARTS), step["bound"])
     return table

@@ -47,11 +47,11 @@ def plan_table(result: PlanResult) -> Table:
         f"× {r.input_len} in / {r.output_len} out"
     )
     table = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
-    table.add_column("GPUs (TP×PP×replicas)", no_wrap=True)
+    table.add_column("GPUs (TP×PP×replicas)", overflow="fold")
     # Units in the headers keep each cell short enough for an 80-column terminal.
     headers = ("GiB\n/GPU", "KV\ntokens", "TTFT\np95 ms", "ITL\nms", "out\ntok/s", "$/mo", "$/1M\ntok", "SLO")
     for column in headers:
-        table.add_column(column, justify="right", no_wrap=True)
+        table.add_column(column, justify="right", overflow="fold")
     for lay in result.layouts:
         c = lay.cost
         table.add_row(
@@ -130,9 +130,9 @@ def validation_table(report: dict[str, Any]) -> Table:
         collapse_padding=True,
     )
     kinds = ("output tokens/s", "TPOT", "TTFT", "E2E latency")
-    table.add_column("GPU", no_wrap=True)
+    table.add_column("GPU", overflow="fold")
     for kind in kinds:
-        table.add_column(f"{kind}\nMAPE (n)", justify="right", no_wrap=True)
+        table.add_column(f"{kind}\nMAPE (n)", justify="right", overflow="fold")
     mape = report["mape_leave_one_source_out"]
     for gpu in [g for g in sorted(mape) if g != "all"] + ["all"]:
         table.add_row(gpu, *(_mape_cell(mape[gpu].get(kind)) for kind in kinds))

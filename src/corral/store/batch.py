@@ -154,12 +154,16 @@ class BatchStore:
 
     def fail(self, batch_id: str, errors: list[dict[str, Any]]) -> bool:
         """A batch whose input did not pass fails at once, an error per bad line (OpenAI's behaviour)."""
+        return self._unchecked_to(batch_id, "failed", errors=errors)
+
+    def _unchecked_to(self, batch_id: str, status: str, **values: Any) -> bool:
+        """A `validating` batch finished without lines (failed, or expired before it was checked)."""
         try:
             with Session(self._engine, expire_on_commit=False) as session, session.begin():
                 row = session.get(BatchRow, batch_id, with_for_update=self._postgres)
                 if row is None or row.status != "validating":
                     return False
-                self._move(session, row, "failed", errors=errors, counts=_tally([]))
+                self._move(session, row, status, finalizing=status == "expired", counts=_tally([]), **values)
         except _Raced:
             return False
         return True
@@ -294,18 +298,8 @@ class BatchStore:
                     BatchRow.status == "validating", BatchRow.expires_at <= now, self._mine()
                 )
             ).all()
-        return [i for i in stale if self._expire_unchecked(i)] + [i for i in open_ids if self._finish(i)]
-
-    def _expire_unchecked(self, batch_id: str) -> bool:
-        try:
-            with Session(self._engine, expire_on_commit=False) as session, session.begin():
-                row = session.get(BatchRow, batch_id, with_for_update=self._postgres)
-                if row is None or row.status != "validating":
-                    return False
-                self._move(session, row, "expired", finalizing=True, counts=_tally([]))
-        except _Raced:
-            return False
-        return True
+        expired = [i for i in stale if self._unchecked_to(i, "expired")]
+        return expired + [i for i in open_ids if self._finish(i)]
 
     def tidy(self) -> int:
         """What the queue holds for batches no longer running (a gateway died between finalising a batch
