@@ -8,8 +8,9 @@ rescale them). The factors are fitted per engine family (TensorRT-LLM and NIM; v
 log errors over every published metric of the point (output tokens/s, TPOT, TTFT, end-to-end latency).
 
 Leave-one-source-out: for each source, the factors are fitted on the other sources of its engine family
-(all other sources if its family has no other) and the source's points predicted with them; the error a
-user should expect on a configuration nobody measured is that one, not the in-sample fit's.
+and the source's points predicted with them; the error a user should expect on a configuration nobody
+measured is that one, not the in-sample fit's. The CPU engines have one source each (measured here by
+bench/cpu_calibration.py, `data/measured_cpu.yaml`): their points are predicted leaving one workload out.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import itertools
 import math
 import statistics
 from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from importlib import resources
 from typing import Any
@@ -63,6 +65,19 @@ _ENGINES: dict[str, dict[str, Any]] = {
         "gpu_memory_utilization": 0.88,
         "fp8_kv": False,
     },
+    # as bench/cpu_calibration.py runs them: 16 slots; llama.cpp's logical batch, vLLM CPU's default
+    "llamacpp": {
+        "max_num_seqs": 16,
+        "max_num_batched_tokens": 2048,
+        "gpu_memory_utilization": 0.9,
+        "fp8_kv": False,
+    },
+    "vllm-cpu": {
+        "max_num_seqs": 16,
+        "max_num_batched_tokens": 4096,
+        "gpu_memory_utilization": 0.9,
+        "fp8_kv": False,
+    },
 }
 _BOUNDS = {"bandwidth": (0.2, 0.95), "compute": (0.1, 0.95), "step_overhead_s": (0.0, 0.03)}
 
@@ -91,24 +106,33 @@ class PublishedPoint:
         )
 
 
-def _family(engine: str) -> str:
+def _family(engine: str, gpu: str) -> str:
     lowered = engine.lower()
     if "tensorrt" in lowered or "nim" in lowered:
         return "tensorrt-llm"
-    return "sglang" if "sglang" in lowered else "vllm"
+    if "llama.cpp" in lowered:
+        return "llamacpp"
+    family = "sglang" if "sglang" in lowered else "vllm"
+    return f"{family}-cpu" if gpu.startswith("cpu") else family
+
+
+CORPUS = ("published.yaml", "measured_cpu.yaml")  # copied from public pages; measured here
 
 
 def load_published() -> list[PublishedPoint]:
-    text = (resources.files("corral.perf") / "data" / "published.yaml").read_text()
+    raws = []
+    for name in CORPUS:
+        text = (resources.files("corral.perf") / "data" / name).read_text()
+        raws += yaml.safe_load(text)["points"]
     points = []
-    for index, raw in enumerate(yaml.safe_load(text)["points"]):
+    for index, raw in enumerate(raws):
         catalog = raw.get("catalog") or {}
         points.append(
             PublishedPoint(
                 index=index,
                 source=raw["source_id"],
-                url=raw["url"],
-                engine=_family(raw["engine"]),
+                url=raw["url"] or raw.get("command", ""),
+                engine=_family(raw["engine"], catalog.get("gpu", "")),
                 model=catalog.get("model", ""),
                 gpu=catalog.get("gpu", ""),
                 quant=catalog.get("quant", "bf16"),
@@ -240,21 +264,40 @@ def validate(catalog: Catalog, points: list[PublishedPoint] | None = None) -> Va
     traced = [(p, trace_point(p, catalog)) for p in usable]
     traces = [(p, t) for p, t in traced if t is not None]
     refused = [p for p, t in traced if t is None]
-    usable = [p for p, t in traced if t is not None]
-    families = {p.engine for p in usable}
-    factors = {family: fit([t for t in traces if t[0].engine == family]) for family in sorted(families)}
+    families = sorted({p.engine for p, _ in traces})
+    factors = {family: fit([t for t in traces if t[0].engine == family]) for family in families}
     in_sample = [Prediction(p, _errors(p, t.timed(factors[p.engine])), ("all",)) for p, t in traces]
     predictions = []
-    for source in sorted({p.source for p in usable}):
-        mine = [t for t in traces if t[0].source == source]
-        family = mine[0][0].engine
-        others = [t for t in traces if t[0].source != source and t[0].engine == family]
-        others = others or [t for t in traces if t[0].source != source]
-        factors_without = fit(others)
-        fitted_on = tuple(sorted({p.source for p, _ in others}))
-        predictions += [Prediction(p, _errors(p, t.timed(factors_without)), fitted_on) for p, t in mine]
+    for test, train, fitted_on in _folds(traces):
+        without = fit(train)
+        predictions += [Prediction(p, _errors(p, t.timed(without)), fitted_on) for p, t in test]
     predictions.sort(key=lambda prediction: prediction.point.index)
     return Validation(predictions, factors, in_sample, [p for p in points if p.unused is not None], refused)
+
+
+Traced = tuple[PublishedPoint, Trace]
+
+
+def _folds(traces: list[Traced]) -> Iterator[tuple[list[Traced], list[Traced], tuple[str, ...]]]:
+    """(points predicted, points fitted on, what those are): each source of an engine family left out in
+    turn; a family with one source (measured here) leaves out one workload at a time instead."""
+    for family in sorted({p.engine for p, _ in traces}):
+        mine = [t for t in traces if t[0].engine == family]
+        sources = sorted({p.source for p, _ in mine})
+        if len(sources) > 1:
+            for source in sources:
+                rest = tuple(s for s in sources if s != source)
+                yield (
+                    [t for t in mine if t[0].source == source],
+                    [t for t in mine if t[0].source != source],
+                    rest,
+                )
+            continue
+        for workload in sorted({(p.input_len, p.output_len) for p, _ in mine}):
+            test = [t for t in mine if (t[0].input_len, t[0].output_len) == workload]
+            train = [t for t in mine if (t[0].input_len, t[0].output_len) != workload]
+            if train:
+                yield test, train, (f"{sources[0]} without {workload[0]}/{workload[1]}",)
 
 
 def report(validation: Validation) -> dict[str, Any]:
