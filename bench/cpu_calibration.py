@@ -8,7 +8,7 @@ The points are written to `src/corral/perf/data/measured_cpu.yaml` (with `--writ
 a source per engine; `corral plan --validate` then fits each CPU engine's factors and shows their error,
 leaving one workload out at a time (one source per engine: leaving the source out would leave nothing).
 
-    .venv/bin/python bench/cpu_calibration.py [--engines llamacpp,vllm] [--write]   # about 20 minutes
+    .venv/bin/python bench/cpu_calibration.py [--engines llamacpp,vllm] [--write]   # about 10 minutes
 
 Needs `corral prepare -f tests/data/vllm-cluster.yaml` for vLLM's CPU environment.
 """

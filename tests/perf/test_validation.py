@@ -100,5 +100,8 @@ def test_corral_plan_validate_reports_mape_per_gpu_class() -> None:
     loso = report["mape_leave_one_source_out"]
     assert {"h100-sxm", "a100-80gb", "l40s", "h200", "rtx-4090", "all"} <= set(loso)
     assert loso["all"]["output tokens/s"]["n"] >= 30 and loso["all"]["TPOT"]["n"] >= 5
-    assert set(report["factors"]) == {"tensorrt-llm", "vllm"}
+    assert set(report["factors"]) == {"tensorrt-llm", "vllm", "llamacpp", "vllm-cpu"}
     assert all(p["source"] not in p["fitted_on"] for p in report["points"])
+    measured_here = [p for p in report["points"] if p["source"].startswith("measured-here-")]
+    assert len(measured_here) >= 20 and "cpu-dev-1thread" in loso  # the CPU engines, a workload left out
+    assert all(" without " in p["fitted_on"][0] for p in measured_here)

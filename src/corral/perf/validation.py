@@ -99,6 +99,10 @@ class PublishedPoint:
     unused: str | None  # why the planner cannot state this point's configuration
 
     @property
+    def on_cpu(self) -> bool:
+        return self.engine == "llamacpp" or self.engine.endswith("-cpu")
+
+    @property
     def label(self) -> str:
         load = f"c={self.concurrency}" if self.concurrency else "offline"
         return (
@@ -245,13 +249,15 @@ class Validation:
     refused: list[PublishedPoint]  # usable, but the planner says they do not fit (a planner error too)
 
     def mape(self, out_of_sample: bool = True) -> dict[str, dict[str, tuple[float, int]]]:
-        """MAPE and point count per GPU class and metric kind (and "all")."""
+        """MAPE and point count per GPU class and metric kind, and over all GPUs ("all": the CPU engines
+        measured here are shown on their own row, not in it)."""
         found: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
         for prediction in self.predictions if out_of_sample else self.in_sample:
             for name, error in prediction.errors.items():
                 kind = METRICS[name][0]
                 found[prediction.point.gpu][kind].append(abs(error))
-                found["all"][kind].append(abs(error))
+                if not prediction.point.on_cpu:
+                    found["all"][kind].append(abs(error))
         return {
             gpu: {kind: (statistics.fmean(errors), len(errors)) for kind, errors in kinds.items()}
             for gpu, kinds in found.items()

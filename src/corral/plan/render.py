@@ -135,9 +135,11 @@ def validation_table(report: dict[str, Any]) -> Table:
         table.add_column(f"{kind}\nMAPE (n)", justify="right", overflow="fold")
     mape = report["mape_leave_one_source_out"]
     for gpu in [g for g in sorted(mape) if g != "all"] + ["all"]:
-        table.add_row(gpu, *(_mape_cell(mape[gpu].get(kind)) for kind in kinds))
+        table.add_row(
+            "all GPUs" if gpu == "all" else gpu, *(_mape_cell(mape[gpu].get(kind)) for kind in kinds)
+        )
     in_sample = report["mape_in_sample"]["all"]
-    table.add_row("all, in-sample", *(_mape_cell(in_sample.get(kind)) for kind in kinds))
+    table.add_row("all GPUs, in-sample", *(_mape_cell(in_sample.get(kind)) for kind in kinds))
     return table
 
 
