@@ -37,10 +37,13 @@ class GPU:
     source: str
     aliases: tuple[str, ...] = ()
     kind: str = "gpu"  # "cpu": a CPU measured as an accelerator, searched only when named
+    memory_mib: float | None = None  # what the driver reports (nvidia-smi "Total"), where known
 
     @property
     def memory_bytes(self) -> float:
-        return self.memory_gb * 1e9
+        """The card's memory: the driver's figure where the catalog has it (an "80 GB" H100 holds
+        80 GiB), else `memory_gb` as 10⁹ bytes."""
+        return self.memory_mib * 2**20 if self.memory_mib else self.memory_gb * 1e9
 
 
 @dataclass(frozen=True)
