@@ -123,7 +123,10 @@ def _point(
 ) -> dict[str, Any]:
     errors = sum(run["errors"].values())
     if errors:
-        raise RuntimeError(f"{engine} {input_len}/{output_len} c={concurrency}: {errors} requests failed")
+        kinds = ", ".join(f"{kind}: {n}" for kind, n in run["errors"].items())
+        raise RuntimeError(
+            f"{engine} {input_len}/{output_len} c={concurrency}: {errors} requests failed ({kinds})"
+        )
     return {
         "source_id": f"measured-here-{engine}",
         "url": None,
