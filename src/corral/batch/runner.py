@@ -36,6 +36,7 @@ import orjson
 from corral.admission import Principal
 from corral.batch.files import read_batch_input
 from corral.config import BatchSettings
+from corral.protocol import PermissionDenied
 from corral.routing import ReplicaSet
 from corral.store import KeyStore
 from corral.store.batch import BatchLine, BatchRecord, BatchStore, LineResult
@@ -170,15 +171,14 @@ class BatchRunner:
 
     async def _model_refused(self, batch: BatchRecord, model: str) -> list[dict[str, Any]]:
         """The key that made the batch must still be active and allowed the model."""
-        if batch.key_id is None:
-            return []
-        record = await asyncio.to_thread(self._keys.get, batch.key_id)
-        if record is None or not record.active:
+        principal = await self._principal(batch.tenant, batch.key_id)
+        if principal is None:
             message = "The API key that created this batch has been revoked."
             return [{"code": "invalid_api_key", "message": message, "param": None, "line": None}]
-        if record.models and model not in record.models:
-            message = f"The API key that created this batch may not use the model '{model}'."
-            return [{"code": "model_not_allowed", "message": message, "param": "body.model", "line": None}]
+        try:
+            principal.check_model(model)
+        except PermissionDenied as exc:
+            return [{"code": exc.code, "message": exc.message, "param": "body.model", "line": None}]
         return []
 
     async def _start(self, model: str) -> None:
@@ -200,7 +200,7 @@ class BatchRunner:
     async def _run(self, line: BatchLine) -> None:
         key = (line.batch_id, line.line)
         try:
-            principal = await self._principal(line)
+            principal = await self._principal(line.tenant, line.key_id)
             if principal is None:
                 status = 401
                 body = _error("The API key that submitted this batch has been revoked.", "invalid_api_key")
@@ -223,10 +223,11 @@ class BatchRunner:
         finally:
             self._wake.set()
 
-    async def _principal(self, line: BatchLine) -> Principal | None:
-        if line.key_id is None:
-            return Principal(key_id=None, tenant=line.tenant, priority=_BATCH_PRIORITY)
-        record = await asyncio.to_thread(self._keys.get, line.key_id)
+    async def _principal(self, tenant: str, key_id: str | None) -> Principal | None:
+        """Who a batch runs as (at the lowest priority); None once its key is revoked."""
+        if key_id is None:
+            return Principal(key_id=None, tenant=tenant, priority=_BATCH_PRIORITY)
+        record = await asyncio.to_thread(self._keys.get, key_id)
         if record is None or not record.active:
             return None
         principal = Principal.of(record)

@@ -43,41 +43,27 @@ METRICS = {
     "ttft_ms_p50": ("TTFT", "ttft_p50", 1e-3),
     "e2e_ms_mean": ("E2E latency", "e2e_mean", 1e-3),
 }
-# Each engine family's batch limits, memory share and KV-cache precision in the published runs' usual
-# configuration: TensorRT-LLM's FP8 checkpoints (NVIDIA's, NIM's) quantize the KV cache to FP8 too
-# (`kv_cache_quant_algo: FP8`); vLLM keeps it in the model's dtype unless told otherwise.
-_ENGINES: dict[str, dict[str, Any]] = {
-    "tensorrt-llm": {
-        "max_num_seqs": 2048,
-        "max_num_batched_tokens": 8192,
-        "gpu_memory_utilization": 0.95,
-        "fp8_kv": True,
-    },
-    "vllm": {
-        "max_num_seqs": 256,
-        "max_num_batched_tokens": 2048,
-        "gpu_memory_utilization": 0.9,
-        "fp8_kv": False,
-    },
-    "sglang": {
-        "max_num_seqs": 1024,
-        "max_num_batched_tokens": 8192,
-        "gpu_memory_utilization": 0.88,
-        "fp8_kv": False,
-    },
+
+
+@dataclass(frozen=True)
+class _Engine:
+    """An engine family's batch limits, memory share and KV-cache precision in the published runs' usual
+    configuration: TensorRT-LLM's FP8 checkpoints (NVIDIA's, NIM's) quantize the KV cache to FP8 too
+    (`kv_cache_quant_algo: FP8`); vLLM keeps it in the model's dtype unless told otherwise."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    gpu_memory_utilization: float
+    fp8_kv: bool = False
+
+
+_ENGINES = {
+    "tensorrt-llm": _Engine(2048, 8192, 0.95, fp8_kv=True),
+    "vllm": _Engine(256, 2048, 0.9),
+    "sglang": _Engine(1024, 8192, 0.88),
     # as bench/cpu_calibration.py runs them: 16 slots; llama.cpp's logical batch, vLLM CPU's default
-    "llamacpp": {
-        "max_num_seqs": 16,
-        "max_num_batched_tokens": 2048,
-        "gpu_memory_utilization": 0.9,
-        "fp8_kv": False,
-    },
-    "vllm-cpu": {
-        "max_num_seqs": 16,
-        "max_num_batched_tokens": 4096,
-        "gpu_memory_utilization": 0.9,
-        "fp8_kv": False,
-    },
+    "llamacpp": _Engine(16, 2048, 0.9),
+    "vllm-cpu": _Engine(16, 4096, 0.9),
 }
 _BOUNDS = {"bandwidth": (0.2, 0.95), "compute": (0.1, 0.95), "step_overhead_s": (0.0, 0.03)}
 
@@ -167,9 +153,9 @@ def trace_point(point: PublishedPoint, catalog: Catalog) -> Trace | None:
     limits = _ENGINES[point.engine]
     model, gpu = catalog.models.get(point.model), catalog.gpus.get(point.gpu)
     quant = catalog.quantizations.get(point.quant)
-    kv_bytes = 1.0 if limits["fp8_kv"] and quant.compute == "fp8" else 2.0
+    kv_bytes = 1.0 if limits.fp8_kv and quant.compute == "fp8" else 2.0
     perf = PerfModel(model, gpu, quant, tp=point.tp, kv_dtype_bytes=kv_bytes)
-    for utilization in sorted({float(limits["gpu_memory_utilization"]), 0.95}):
+    for utilization in sorted({limits.gpu_memory_utilization, 0.95}):
         memory = memory_plan(
             model,
             gpu,
@@ -177,15 +163,15 @@ def trace_point(point: PublishedPoint, catalog: Catalog) -> Trace | None:
             tp=point.tp,
             gpu_memory_utilization=utilization,
             kv_dtype_bytes=kv_bytes,
-            max_num_batched_tokens=int(limits["max_num_batched_tokens"]),
+            max_num_batched_tokens=limits.max_num_batched_tokens,
         )
         fits = memory.kv_tokens // (point.input_len + point.output_len)
         if fits < 1:
             continue
-        clients = point.concurrency or min(int(limits["max_num_seqs"]), fits)  # offline: as many as fit
+        clients = point.concurrency or min(limits.max_num_seqs, fits)  # offline: as many as fit
         config = SchedulerConfig(
-            max_num_seqs=max(int(limits["max_num_seqs"]), clients),
-            max_num_batched_tokens=int(limits["max_num_batched_tokens"]),
+            max_num_seqs=max(limits.max_num_seqs, clients),
+            max_num_batched_tokens=limits.max_num_batched_tokens,
             num_blocks=memory.kv_tokens // BLOCK_SIZE,
             enable_prefix_caching=False,
         )
