@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from corral.perf import load_catalog
+from corral.perf.calibration import fitted_document, stored_document
 from corral.perf.memory import BLOCK_SIZE, memory_plan
 from corral.perf.scheduler import SchedulerConfig
 from corral.perf.timing import Efficiency, PerfModel
@@ -65,7 +66,7 @@ def test_a_trace_retimed_is_the_planners_closed_loop(
     memory = memory_plan(arch, card, q, tp=tp)
     config = SchedulerConfig(num_blocks=memory.kv_tokens // BLOCK_SIZE, enable_prefix_caching=False)
     trace = trace_closed_loop(PerfModel(arch, card, q, tp=tp), config, clients, *lengths)
-    for efficiency in (Efficiency(0.7, 0.5, 0.003), Efficiency(0.9, 0.3, 0.0005)):
+    for efficiency in (Efficiency(0.7, 0.5, 0.003, 1.5), Efficiency(0.9, 0.3, 0.0005, 8.0)):
         expected = closed_loop(
             PerfModel(arch, card, q, tp=tp, efficiency=efficiency), config, clients, *lengths
         )
@@ -86,6 +87,11 @@ def test_leaving_a_source_out_fits_on_the_other_sources_only() -> None:
         assert prediction.point.source not in prediction.fitted_on and prediction.fitted_on
     table = validation.mape()
     assert table["all"]["output tokens/s"][1] == 14 and 0 < table["all"]["output tokens/s"][0] < 1
+    document = yaml.safe_load(fitted_document(validation))  # what `corral plan --calibrate` prints
+    assert document["factors"] == {f: vars(e) for f, e in validation.factors.items()}
+    assert document["fitted_on"]["sources"] == ["mushfiq-rtx4090-mistral", "qwen25-speed-bench"]
+    loso = document["report"]["leave_one_source_out"]["all"]["output tokens/s"]
+    assert loso == {"mape": round(table["all"]["output tokens/s"][0], 4), "n": 14}
 
 
 def test_corral_plan_validate_reports_mape_per_gpu_class() -> None:
@@ -101,6 +107,11 @@ def test_corral_plan_validate_reports_mape_per_gpu_class() -> None:
     assert {"h100-sxm", "a100-80gb", "l40s", "h200", "rtx-4090", "all"} <= set(loso)
     assert loso["all"]["output tokens/s"]["n"] >= 30 and loso["all"]["TPOT"]["n"] >= 5
     assert set(report["factors"]) == {"tensorrt-llm", "vllm", "llamacpp", "vllm-cpu"}
+    # the planner's stored factors are what a fresh fit on the corpus finds (fitted.yaml is not stale)
+    assert report["factors"] == stored_document()["factors"]
+    assert stored_document()["report"]["leave_one_source_out"] == loso
+    # the planner's error on configurations nobody measured, as the README states it (issue #17's target)
+    assert loso["all"]["output tokens/s"]["mape"] <= 0.15 and loso["all"]["TPOT"]["mape"] <= 0.15
     assert all(p["source"] not in p["fitted_on"] for p in report["points"])
     measured_here = [p for p in report["points"] if p["source"].startswith("measured-here-")]
     assert len(measured_here) >= 20 and "cpu-dev-1thread" in loso  # the CPU engines, a workload left out

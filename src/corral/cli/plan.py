@@ -52,42 +52,34 @@ def plan_command(
         bool, typer.Option("--explain", help="show where the best layout's step time goes (weights, KV, …)")
     ] = False,
     calibrate: Annotated[
-        bool, typer.Option(help="refit the efficiency factors and show each point's error")
+        bool,
+        typer.Option(
+            help="refit the efficiency factors on the published corpus; print perf/data/fitted.yaml (~3 min)"
+        ),
     ] = False,
     validate: Annotated[
         bool,
         typer.Option(
-            "--validate", help="the planner's error on published measurements, each source left out (~30 s)"
+            "--validate", help="the planner's error on published measurements, each source left out (~3 min)"
         ),
     ] = False,
 ) -> None:
     """Size a cluster: the cheapest GPU layouts that hold the model and meet the SLOs, and their cost."""
     from corral.perf import CatalogError, load_catalog
-    from corral.perf.calibration import calibrated_efficiency, fit
+    from corral.perf.calibration import calibrated_efficiency
     from corral.plan import PlanRequest, plan, plan_json, plan_table, plan_yaml
     from corral.plan.explain import explain as explain_step
     from corral.plan.explain import explain_table
 
     if concurrency is not None and request_rate is not None:
         fail("--concurrency and --request-rate are two ways to state the load: give one", 2)
-    if validate:
-        _validate(as_json)
+    if validate or calibrate:
+        _validate(as_json, calibrate)
         return
-    if model is None and not calibrate:
+    if model is None:
         fail("--model is required (a catalog name such as llama-3.1-8b)", 2)
     try:
         entries = load_catalog(catalog or [])
-        if calibrate:
-            for backend in ("vllm", "llamacpp"):
-                fitted = fit(entries, backend)
-                console.print(f"{backend}: {fitted.efficiency}")
-                for point, predicted, error in fitted.errors:
-                    console.print(
-                        f"  {point.model} on {point.gpu} c={point.concurrency}: measured "
-                        f"{point.output_tokens_per_s:.0f} tok/s, predicted {predicted:.0f} ({error:+.1%})"
-                    )
-            return
-        assert model is not None
         request = PlanRequest(
             model=model,
             gpu=gpu,
@@ -127,12 +119,17 @@ def plan_command(
         raise typer.Exit(1)
 
 
-def _validate(as_json: bool) -> None:
+def _validate(as_json: bool, calibrate: bool) -> None:
     from corral.perf import load_catalog
+    from corral.perf.calibration import fitted_document
     from corral.perf.validation import report, validate
     from corral.plan.render import validation_table
 
-    result = report(validate(load_catalog()))
+    validation = validate(load_catalog())
+    if calibrate:
+        print(fitted_document(validation), end="")
+        return
+    result = report(validation)
     if as_json:
         print(json.dumps(result, indent=2))
         return
@@ -140,7 +137,8 @@ def _validate(as_json: bool) -> None:
     for family, factors in result["factors"].items():
         console.print(
             f"{family}: bandwidth {factors['bandwidth']}, compute {factors['compute']}, "
-            f"step overhead {factors['step_overhead_s'] * 1000:.2f} ms (fitted on every source)",
+            f"step overhead {factors['step_overhead_s'] * 1000:.2f} ms, overlap p={factors['overlap']} "
+            "(fitted on every source)",
             highlight=False,
         )
     console.print(

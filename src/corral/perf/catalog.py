@@ -38,6 +38,12 @@ class GPU:
     aliases: tuple[str, ...] = ()
     kind: str = "gpu"  # "cpu": a CPU measured as an accelerator, searched only when named
     memory_mib: float | None = None  # what the driver reports (nvidia-smi "Total"), where known
+    allreduce_gbs: float | None = None  # an all-reduce's measured bus bandwidth (None: interconnect_gbs)
+    allreduce_latency_us: float = 15.0  # a small all-reduce's time (NVLink; PCIe cards set their own)
+
+    @property
+    def allreduce_bus_gbs(self) -> float:
+        return self.allreduce_gbs or self.interconnect_gbs
 
     @property
     def memory_bytes(self) -> float:

@@ -1,53 +1,104 @@
-"""Time of one engine step, from a roofline over the step's work.
+"""Time of one engine step, from a roofline over the step's two kinds of kernels.
 
-A step runs a batch of decode tokens and prefill chunks through every layer. Per pipeline stage:
+A step runs a batch of decode tokens and prefill chunks through every layer. Its kernels are of two kinds
+that run one after the other: the linear layers (GEMMs: read the weights, multiply them by the batch's
+tokens) and attention (read the KV cache, multiply queries by keys). Within a kind, memory reads and
+compute overlap; how far is the fitted `overlap`: the kind takes the p-norm of its two times (p → ∞ is
+the plain roofline's max, p = 1 their sum; near the ridge point a kernel is neither purely bound).
+Per pipeline stage, at datasheet rates scaled by the fitted efficiencies:
 
-    memory  = (dense weights + MoE experts the batch touches) / (tp·pp) + KV read for attention
-    compute = (2 · active_params · tokens + 4 · layers · heads · head_dim · attended pairs) / (tp·pp)
-    stage   = max(memory / (bandwidth · eff_bw), compute / (tflops · eff_compute)) + TP all-reduces
-    step    = overhead + pp · stage + (pp − 1) · hop
+    GEMMs     = ‖ (dense weights + MoE experts the batch touches) / (tp·pp) / bandwidth ,
+                  2 · active_params · tokens / (tp·pp) / flops ‖_p
+    attention = ‖ KV read / bandwidth , 4 · layers · heads · head_dim · attended pairs / (tp·pp) / flops ‖_p
+    step      = overhead + pp · (GEMMs + attention) + TP all-reduces + (pp − 1) · hop
 
-Decode is memory-bound (the weights are read once per step whatever the batch), prefill compute-bound, and
-a mixed step (chunked prefill) costs the larger of the two: prefill tokens ride along decode steps up to
-the compute roof. The efficiencies and the per-step overhead are calibrated (see `calibration.py`).
+Decode's GEMMs are memory-bound (the weights are read once per step whatever the batch), prefill's
+compute-bound; a large decode batch over long contexts pays for its KV reads on top of the weights, not
+under them. All-reduces cost the GPU's measured bus bandwidth and latency (`allreduce_gbs`,
+`allreduce_latency_us` in the catalog: NVLink, or PCIe where cards have none). The efficiencies, the
+overlap and the per-step overhead are fitted per engine family on published measurements
+(`validation.py`, stored in `data/fitted.yaml`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+import numpy as np
+import numpy.typing as npt
 
 from corral.perf.catalog import GPU, ModelArch, Quantization
 from corral.perf.memory import kv_bytes_per_token_layer, weight_bytes
 
-__all__ = ["Efficiency", "PerfModel", "StepBreakdown"]
+__all__ = ["Efficiency", "PerfModel", "StepBreakdown", "StepParts"]
+
+Floats = npt.NDArray[np.float64]
+Seconds = TypeVar("Seconds", float, Floats)
 
 
 @dataclass(frozen=True)
 class Efficiency:
-    """Calibrated factors: achieved fraction of datasheet bandwidth and compute, fixed costs per step."""
+    """Fitted factors: achieved fraction of datasheet bandwidth and compute, how far reads and compute
+    overlap within a kernel (the p of the p-norm), and the fixed cost of a step."""
 
-    bandwidth: float = 0.894
-    compute: float = 0.9
-    step_overhead_s: float = 0.001
-    comm_latency_s: float = 15e-6
+    bandwidth: float = 0.76
+    compute: float = 0.48
+    step_overhead_s: float = 0.0024
+    overlap: float = 3.0
+
+    def kernel(self, memory_s: Seconds, compute_s: Seconds) -> Seconds:
+        """One kind of kernel's time from its reads and FLOPs at datasheet rates."""
+        p = self.overlap
+        seconds: Seconds = ((memory_s / self.bandwidth) ** p + (compute_s / self.compute) ** p) ** (1 / p)
+        return seconds
+
+    def step_seconds(self, parts: StepParts[Seconds]) -> Seconds:
+        return (
+            self.kernel(parts.weights, parts.gemm)
+            + self.kernel(parts.kv, parts.attention)
+            + parts.communication
+            + self.step_overhead_s
+        )
+
+
+@dataclass(frozen=True)
+class StepParts(Generic[Seconds]):
+    """One step's (or, as arrays, many steps') work at datasheet rates, seconds: the GEMMs' weight reads
+    and FLOPs, attention's KV reads and FLOPs (all stages), and communication (not scaled)."""
+
+    weights: Seconds
+    gemm: Seconds
+    kv: Seconds
+    attention: Seconds
+    communication: Seconds
 
 
 @dataclass(frozen=True)
 class StepBreakdown:
-    """Where one step's time goes (seconds). Per pipeline stage the memory reads (weights, KV) and the
-    compute overlap: the stage takes the larger, `bound` says which; communication and the fixed overhead
-    add to it."""
+    """Where one step's time goes (seconds, at the model's efficiencies): the GEMMs' weight reads and
+    compute, attention's KV reads and compute, communication and the fixed overhead. Reads and compute of
+    one kind overlap (`overlap`: the p of their p-norm); the kinds, communication and overhead add up."""
 
-    weights_s: float  # reading the weights the step touches, all stages
-    kv_s: float  # reading the KV cache the step attends over, all stages
-    compute_s: float  # the step's FLOPs, all stages
+    weights_s: float
+    gemm_s: float
+    kv_s: float
+    attention_s: float
     communication_s: float  # tensor-parallel all-reduces and pipeline hops
-    overhead_s: float  # fixed per step (scheduling, kernel launches), calibrated
-    bound: str  # "memory" or "compute"
+    overhead_s: float  # fixed per step (scheduling, kernel launches), fitted
+    overlap: float
 
     @property
     def total_s(self) -> float:
-        return max(self.weights_s + self.kv_s, self.compute_s) + self.communication_s + self.overhead_s
+        p = self.overlap
+        gemms = float((self.weights_s**p + self.gemm_s**p) ** (1 / p))
+        attention = float((self.kv_s**p + self.attention_s**p) ** (1 / p))
+        return gemms + attention + self.communication_s + self.overhead_s
+
+    @property
+    def bound(self) -> str:
+        """ "memory" where reading weights and KV takes longer than the FLOPs, else "compute"."""
+        return "memory" if self.weights_s + self.kv_s >= self.gemm_s + self.attention_s else "compute"
 
 
 @dataclass(frozen=True)
@@ -86,37 +137,56 @@ class PerfModel:
         the (query, key) pairs the prefill chunks attend over."""
         if decode_tokens + prefill_tokens == 0:
             return 0.0
-        return self.breakdown(decode_tokens, decode_context, prefill_tokens, prefill_pairs).total_s
+        parts = self.parts(float(decode_tokens), float(decode_context), float(prefill_tokens), prefill_pairs)
+        return float(self.efficiency.step_seconds(parts))
 
     def breakdown(
         self, decode_tokens: int, decode_context: int, prefill_tokens: int = 0, prefill_pairs: float = 0.0
     ) -> StepBreakdown:
         """The step's time by part (`corral plan --explain`); the parts make up `step_time` exactly."""
-        tokens = decode_tokens + prefill_tokens
-        m, eff, shards = self.model, self.efficiency, self.tp * self.pp
-        dense, experts = self._weight_split()
-        if experts:
-            touched = 1 - (1 - m.active_experts / m.experts) ** tokens
-            weights = dense + experts * touched
-        else:
-            weights = dense
-        kv_layer = kv_bytes_per_token_layer(m, self.tp, self.kv_dtype_bytes)
-        prefill_kv = prefill_pairs / prefill_tokens if prefill_tokens else 0.0  # about the chunks' context
-        kv_read = (decode_context + prefill_kv) * kv_layer * m.layers
-        bandwidth = self.gpu.bandwidth_gbs * 1e9 * eff.bandwidth
-        attention = 4 * m.layers * m.heads * m.head_dim * (decode_context + prefill_pairs)
-        flops = (2 * m.active_params * tokens + attention) / shards
-        weights_s = self.pp * weights / shards / bandwidth
-        kv_s = kv_read / bandwidth
-        compute_s = self.pp * flops / (self.tflops * 1e12 * eff.compute)
-        hop = tokens * m.hidden * 2 / (self.gpu.interconnect_gbs * 1e9) + eff.comm_latency_s
-        communication_s = self._allreduce(tokens) * 2 * m.layers + (self.pp - 1) * hop
-        bound = "memory" if weights_s + kv_s >= compute_s else "compute"
-        return StepBreakdown(weights_s, kv_s, compute_s, communication_s, eff.step_overhead_s, bound)
+        parts = self.parts(float(decode_tokens), float(decode_context), float(prefill_tokens), prefill_pairs)
+        eff = self.efficiency
+        return StepBreakdown(
+            weights_s=parts.weights / eff.bandwidth,
+            gemm_s=parts.gemm / eff.compute,
+            kv_s=parts.kv / eff.bandwidth,
+            attention_s=parts.attention / eff.compute,
+            communication_s=parts.communication,
+            overhead_s=eff.step_overhead_s,
+            overlap=eff.overlap,
+        )
 
-    def _allreduce(self, tokens: int) -> float:
+    def parts(
+        self, decode_tokens: Seconds, decode_context: Seconds, prefill_tokens: Seconds, prefill_pairs: Seconds
+    ) -> StepParts[Seconds]:
+        """The work of steps at datasheet rates: scalars for one step, arrays for a recorded trace."""
+        tokens = decode_tokens + prefill_tokens
+        m, shards = self.model, self.tp * self.pp
+        dense, experts = self._weight_split()
+        weights = dense + experts * (1 - (1 - m.active_experts / m.experts) ** tokens) if experts else dense
+        kv_layer = kv_bytes_per_token_layer(m, self.tp, self.kv_dtype_bytes)
+        prefill_kv = prefill_pairs / np.maximum(prefill_tokens, 1.0)  # about the chunks' context
+        bandwidth = self.gpu.bandwidth_gbs * 1e9
+        flops = self.tflops * 1e12
+        hop = tokens * m.hidden * 2 / (self.gpu.interconnect_gbs * 1e9) + self.gpu.allreduce_latency_us * 1e-6
+        return StepParts(
+            weights=self.pp * weights / shards / bandwidth + 0 * tokens,
+            gemm=self.pp * 2 * m.active_params * tokens / shards / flops,
+            kv=(decode_context + prefill_kv) * kv_layer * m.layers / bandwidth,
+            attention=self.pp
+            * 4
+            * m.layers
+            * m.heads
+            * m.head_dim
+            * (decode_context + prefill_pairs)
+            / shards
+            / flops,
+            communication=self._allreduce(tokens) * 2 * m.layers + (self.pp - 1) * hop,
+        )
+
+    def _allreduce(self, tokens: Seconds) -> Seconds:
         if self.tp == 1:
-            return 0.0
+            return 0 * tokens
         size = tokens * self.model.hidden * 2
-        ring = 2 * (self.tp - 1) / self.tp * size / (self.gpu.interconnect_gbs * 1e9)
-        return ring + self.efficiency.comm_latency_s
+        ring = 2 * (self.tp - 1) / self.tp * size / (self.gpu.allreduce_bus_gbs * 1e9)
+        return ring + self.gpu.allreduce_latency_us * 1e-6

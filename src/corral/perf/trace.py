@@ -2,22 +2,22 @@
 
 With one batch in flight (no pipeline parallelism) and clients that send their next request when the last
 one ends, which sequences each step holds does not depend on how long the steps take: only the order of
-events matters. So a closed loop is run once at step granularity, each step's roofline parts are kept
-(memory and compute time at full efficiency, communication), and its figures for any (bandwidth, compute,
-overhead) factors are a vectorised sum: `Trace.timed(efficiency)` equals `closed_loop` with a `PerfModel`
+events matters. So a closed loop is run once at step granularity, each step's work is kept (its parts at
+datasheet rates: weight and KV reads, GEMM and attention FLOPs, communication), and its figures for any
+factors are a vectorised sum: `Trace.timed(efficiency)` equals `closed_loop` with a `PerfModel`
 of that efficiency (tests/perf/test_trace.py checks it). Fitting factors to many published points and
 leaving each source out in turn (`validation.py`) costs milliseconds per try instead of a simulation.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
 
 from corral.perf.scheduler import EngineSequence, Scheduler, SchedulerConfig
-from corral.perf.timing import Efficiency, PerfModel
+from corral.perf.timing import Efficiency, PerfModel, StepParts
 
 __all__ = ["Timed", "Trace", "trace_closed_loop"]
 
@@ -38,9 +38,7 @@ class Timed:
 
 @dataclass(frozen=True)
 class Trace:
-    memory_s: Floats  # per step: weights + KV read at the datasheet bandwidth
-    compute_s: Floats  # per step: FLOPs at the datasheet peak
-    fixed_s: Floats  # per step: communication (not fitted)
+    parts: StepParts[Floats]  # per step, at datasheet rates
     arrival: Ints  # per measured request: the step after which it arrived (-1: at the start)
     first: Ints  # the step that produced its first token
     finish: Ints  # the step that produced its last
@@ -49,11 +47,7 @@ class Trace:
     window_tokens: int
 
     def timed(self, efficiency: Efficiency) -> Timed:
-        steps = (
-            np.maximum(self.memory_s / efficiency.bandwidth, self.compute_s / efficiency.compute)
-            + self.fixed_s
-            + efficiency.step_overhead_s
-        )
+        steps = efficiency.step_seconds(self.parts)
         ends = np.concatenate(([0.0], np.cumsum(steps)))  # ends[k + 1]: when step k finished
         arrived, first, finish = ends[self.arrival + 1], ends[self.first + 1], ends[self.finish + 1]
         ttft = first - arrived
@@ -84,7 +78,6 @@ def trace_closed_loop(
     prefill landing in the same step)."""
     if perf.pp != 1:
         raise ValueError("a trace holds one batch at a time: pipeline parallelism overlaps steps")
-    unit = replace(perf, efficiency=replace(perf.efficiency, bandwidth=1.0, compute=1.0, step_overhead_s=0.0))
     scheduler = Scheduler(config)
     measured = measured_requests or max(2 * concurrency, 32)
     warmup, next_id = concurrency, 0
@@ -95,7 +88,7 @@ def trace_closed_loop(
         next_id += 1
 
     starts = [i * output_len // concurrency if stagger else 0 for i in range(concurrency)]
-    memory, compute, fixed = [], [], []
+    work: list[tuple[int, int, int, float]] = []
     done: list[EngineSequence] = []
     window_start: int | None = None
     tokens, step = 0, 0
@@ -106,12 +99,7 @@ def trace_closed_loop(
         batch = scheduler.schedule()
         if batch is None:
             raise RuntimeError("a request cannot fit in the KV cache at all")
-        parts = unit.breakdown(
-            batch.decode_tokens, batch.decode_context, batch.prefill_tokens, batch.prefill_pairs
-        )
-        memory.append(parts.weights_s + parts.kv_s)
-        compute.append(parts.compute_s)
-        fixed.append(parts.communication_s)
+        work.append((batch.decode_tokens, batch.decode_context, batch.prefill_tokens, batch.prefill_pairs))
         produced = scheduler.complete(batch, float(step))
         if window_start is not None:
             tokens += len(produced)
@@ -125,9 +113,7 @@ def trace_closed_loop(
     assert window_start is not None
     sample = done[warmup:]
     return Trace(
-        memory_s=np.array(memory),
-        compute_s=np.array(compute),
-        fixed_s=np.array(fixed),
+        parts=perf.parts(*np.array(work, dtype=np.float64).T),
         arrival=np.array([int(s.arrival) for s in sample]),
         first=np.array([int(s.first_token_at or 0) for s in sample]),
         finish=np.array([int(s.finished_at or 0) for s in sample]),

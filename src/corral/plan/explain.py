@@ -2,10 +2,11 @@
 
 Two steps of one replica at the planned load: a decode step (each running sequence makes a token; the
 batch is the replica's concurrency, each sequence holding its prompt and half its output) and a prefill
-chunk (one `max_num_batched_tokens` slice of a prompt, vLLM's chunked prefill). For each: the weights read,
-the KV cache read, the compute, the communication (tensor-parallel all-reduces, pipeline hops) and the fixed
-per-step overhead, from the same step-time model the planner and the simulator use; memory reads and
-compute overlap, so the larger bounds the step.
+chunk (one `max_num_batched_tokens` slice of a prompt, vLLM's chunked prefill). For each: the GEMMs'
+weight reads and compute, attention's KV reads and compute, the communication (tensor-parallel
+all-reduces, pipeline hops) and the fixed per-step overhead, from the same step-time model the planner and
+the simulator use. Reads and compute of one kind of kernel overlap (their p-norm: the larger mostly
+bounds it); the two kinds, communication and overhead add up.
 """
 
 from __future__ import annotations
@@ -40,22 +41,45 @@ def explain(result: PlanResult, layout: Layout, catalog: Catalog, efficiency: Ef
     }
 
 
-_PARTS = ("weights_ms", "kv_ms", "compute_ms", "communication_ms", "overhead_ms", "total_ms")
+_PARTS = {  # JSON key → table column
+    "weights_ms": "weights",
+    "gemm_ms": "GEMM",
+    "kv_ms": "KV",
+    "attention_ms": "attn",
+    "communication_ms": "comm",
+    "overhead_ms": "fixed",
+    "total_ms": "total",
+}
 
 
 def _json(step: StepBreakdown, tokens: int) -> dict[str, Any]:
-    seconds = (step.weights_s, step.kv_s, step.compute_s, step.communication_s, step.overhead_s, step.total_s)
+    seconds = (
+        step.weights_s,
+        step.gemm_s,
+        step.kv_s,
+        step.attention_s,
+        step.communication_s,
+        step.overhead_s,
+        step.total_s,
+    )
     return {
         "tokens": tokens,
         **{k: round(v * 1000, 3) for k, v in zip(_PARTS, seconds, strict=True)},
+        "overlap": step.overlap,
         "bound": step.bound,
     }
 
 
 def explain_table(explained: dict[str, Any]) -> Table:
-    table = Table(title=f"one step, by part (ms): {explained['layout']}", box=box.SIMPLE_HEAD, pad_edge=False)
-    for column in ("step", "tokens", "weights", "KV", "compute", "comm", "fixed", "total", "bound"):
-        table.add_column(column, justify="left" if column in ("step", "bound") else "right", overflow="fold")
+    table = Table(
+        title=f"one step, by part (ms): {explained['layout']}",
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
+        collapse_padding=True,
+    )
+    for column in ("step", "tokens", *_PARTS.values(), "bound"):
+        left = column in ("step", "bound")
+        table.add_column(column, justify="left" if left else "right", no_wrap=not left, overflow="fold")
     for name, step in explained["steps"].items():
         table.add_row(name, str(step["tokens"]), *(f"{step[k]:.2f}" for k in _PARTS), step["bound"])
     return table
