@@ -77,7 +77,14 @@ def test_a_model_that_cannot_fit_says_why() -> None:
 
 def test_scout_fits_four_l40s_at_fp8() -> None:
     code, out = run_plan("--model", "llama-4-scout", "--gpu", "l40s", "--gpus", "4", "--quant", "fp8")
-    assert code == 0 and out["layouts"][0]["weights_gib_per_gpu"] < 43
+    assert code == 0 and 24 <= out["layouts"][0]["weights_gib_per_gpu"] <= 27  # about 25 GiB per GPU
+
+
+def test_a_70b_awq_model_on_four_24gb_cards_holds_a_dozen_or_so_8k_sequences() -> None:
+    """vLLM's own arithmetic for Llama-3.1-70B AWQ at TP 4 on L4s: 12-16 concurrent 8k-token sequences."""
+    model = CATALOG.models.get("llama-3.1-70b")
+    memory = memory_plan(model, CATALOG.gpus.get("l4"), CATALOG.quantizations.get("awq"), tp=4)
+    assert 12 <= memory.max_sequences(model, 8192, 4, 1, 2.0) <= 16
 
 
 @pytest.mark.parametrize(
@@ -227,7 +234,6 @@ def test_explain_shows_where_the_step_time_goes() -> None:
         p = step["overlap"]
         gemms = (step["weights_ms"] ** p + step["gemm_ms"] ** p) ** (1 / p)
         attention = (step["kv_ms"] ** p + step["attention_ms"] ** p) ** (1 / p)
-        assert max(step["weights_ms"], step["gemm_ms"]) <= gemms <= step["weights_ms"] + step["gemm_ms"]
         parts = gemms + attention + step["communication_ms"] + step["overhead_ms"]
         assert step["total_ms"] == pytest.approx(parts, abs=0.01)
     table = subprocess.run(

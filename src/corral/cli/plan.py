@@ -73,6 +73,8 @@ def plan_command(
 
     if concurrency is not None and request_rate is not None:
         fail("--concurrency and --request-rate are two ways to state the load: give one", 2)
+    if validate and calibrate:
+        fail("--validate reports the fit's error, --calibrate prints the fit: give one", 2)
     if validate or calibrate:
         _validate(as_json, calibrate)
         return

@@ -4,7 +4,7 @@ from corral.perf.catalog import GPU, ApiPrice, Catalog, CatalogError, ModelArch,
 from corral.perf.memory import BLOCK_SIZE, GIB, MemoryPlan, memory_plan, sequence_kv_bytes, weight_bytes
 from corral.perf.scheduler import Batch, BlockPool, EngineSequence, Scheduler, SchedulerConfig, block_hashes
 from corral.perf.steps import StepPipeline
-from corral.perf.timing import Efficiency, PerfModel, StepBreakdown
+from corral.perf.timing import Efficiency, PerfModel, StepBreakdown, StepParts
 from corral.perf.workload import LoadResult, closed_loop, open_loop
 
 __all__ = [
@@ -26,6 +26,7 @@ __all__ = [
     "Scheduler",
     "SchedulerConfig",
     "StepBreakdown",
+    "StepParts",
     "StepPipeline",
     "block_hashes",
     "closed_loop",

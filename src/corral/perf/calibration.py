@@ -57,6 +57,7 @@ def fitted_document(validation: Validation, today: date | None = None) -> str:
         "factors": summary["factors"],
         "report": {
             "leave_one_source_out": summary["mape_leave_one_source_out"],
+            "leave_one_source_out_by_engine": summary["mape_leave_one_source_out_by_engine"],
             "in_sample": summary["mape_in_sample"],
         },
     }

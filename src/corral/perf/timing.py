@@ -10,12 +10,13 @@ Per pipeline stage, at datasheet rates scaled by the fitted efficiencies:
     GEMMs     = ‖ (dense weights + MoE experts the batch touches) / (tp·pp) / bandwidth ,
                   2 · active_params · tokens / (tp·pp) / flops ‖_p
     attention = ‖ KV read / bandwidth , 4 · layers · heads · head_dim · attended pairs / (tp·pp) / flops ‖_p
-    step      = overhead + pp · (GEMMs + attention) + TP all-reduces + (pp − 1) · hop
+    step      = overhead + pp · (GEMMs + attention of one stage) + TP all-reduces + (pp − 1) · hop
 
 Decode's GEMMs are memory-bound (the weights are read once per step whatever the batch), prefill's
 compute-bound; a large decode batch over long contexts pays for its KV reads on top of the weights, not
 under them. All-reduces cost the GPU's measured bus bandwidth and latency (`allreduce_gbs`,
-`allreduce_latency_us` in the catalog: NVLink, or PCIe where cards have none). The efficiencies, the
+`allreduce_latency_us` in the catalog: NVLink, or PCIe where cards have none; a pipeline hop pays the
+same latency). The efficiencies, the
 overlap and the per-step overhead are fitted per engine family on published measurements
 (`validation.py`, stored in `data/fitted.yaml`).
 """
@@ -42,10 +43,11 @@ class Efficiency:
     """Fitted factors: achieved fraction of datasheet bandwidth and compute, how far reads and compute
     overlap within a kernel (the p of the p-norm), and the fixed cost of a step."""
 
-    bandwidth: float = 0.76
-    compute: float = 0.48
-    step_overhead_s: float = 0.0024
-    overlap: float = 3.0
+    # defaults: about the vLLM family's fit (the planner reads the stored fit, data/fitted.yaml)
+    bandwidth: float = 0.78
+    compute: float = 0.55
+    step_overhead_s: float = 0.0026
+    overlap: float = 1.5
 
     def kernel(self, memory_s: Seconds, compute_s: Seconds) -> Seconds:
         """One kind of kernel's time from its reads and FLOPs at datasheet rates."""
@@ -165,7 +167,7 @@ class PerfModel:
         dense, experts = self._weight_split()
         weights = dense + experts * (1 - (1 - m.active_experts / m.experts) ** tokens) if experts else dense
         kv_layer = kv_bytes_per_token_layer(m, self.tp, self.kv_dtype_bytes)
-        prefill_kv = prefill_pairs / np.maximum(prefill_tokens, 1.0)  # about the chunks' context
+        prefill_kv = prefill_pairs / (prefill_tokens + (prefill_tokens == 0))  # about the chunks' context
         bandwidth = self.gpu.bandwidth_gbs * 1e9
         flops = self.tflops * 1e12
         hop = tokens * m.hidden * 2 / (self.gpu.interconnect_gbs * 1e9) + self.gpu.allreduce_latency_us * 1e-6

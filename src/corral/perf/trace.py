@@ -5,7 +5,7 @@ one ends, which sequences each step holds does not depend on how long the steps 
 events matters. So a closed loop is run once at step granularity, each step's work is kept (its parts at
 datasheet rates: weight and KV reads, GEMM and attention FLOPs, communication), and its figures for any
 factors are a vectorised sum: `Trace.timed(efficiency)` equals `closed_loop` with a `PerfModel`
-of that efficiency (tests/perf/test_trace.py checks it). Fitting factors to many published points and
+of that efficiency (tests/perf/test_validation.py checks it). Fitting factors to many published points and
 leaving each source out in turn (`validation.py`) costs milliseconds per try instead of a simulation.
 """
 
