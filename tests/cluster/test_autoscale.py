@@ -137,7 +137,7 @@ async def test_feed_forward_sizes_for_the_arrival_rate_in_one_move() -> None:
     one = Replica(id="alpha-0", model="alpha", engine="sim", capacity=2, state=ReplicaState.READY)
     pressure = {"queued": 0.0, "oldest_wait_s": 0.0, "arrived": 0.0}
 
-    state.rate = 0.5  # a trickle: one replica
+    state.rate = 0.2  # a trickle: one replica (an L4 replica sustains about 0.45 req/s here)
     assert await scaler.desired(state, [one], pressure) == 1
     state.rate = 60.0  # requests/s, far over what one L4 replica sustains at time_scale 10
     assert await scaler.desired(state, [one], pressure) == 4
