@@ -54,13 +54,13 @@ def plan_command(
     calibrate: Annotated[
         bool,
         typer.Option(
-            help="refit the efficiency factors on the published corpus; print perf/data/fitted.yaml (~3 min)"
+            help="refit the efficiency factors on the published corpus; print perf/data/fitted.yaml (~2 min)"
         ),
     ] = False,
     validate: Annotated[
         bool,
         typer.Option(
-            "--validate", help="the planner's error on published measurements, each source left out (~3 min)"
+            "--validate", help="the planner's error on published measurements, each source left out (~2 min)"
         ),
     ] = False,
 ) -> None:
