@@ -38,6 +38,12 @@ Floats = npt.NDArray[np.float64]
 Seconds = TypeVar("Seconds", float, Floats)
 
 
+def _overlapped(memory_s: Seconds, compute_s: Seconds, p: float) -> Seconds:
+    """A kernel's time from its reads' and its compute's: their p-norm (p = 1 a sum, large p their max)."""
+    seconds: Seconds = (memory_s**p + compute_s**p) ** (1 / p)
+    return seconds
+
+
 @dataclass(frozen=True)
 class Efficiency:
     """Fitted factors: achieved fraction of datasheet bandwidth and compute, how far reads and compute
@@ -51,9 +57,7 @@ class Efficiency:
 
     def kernel(self, memory_s: Seconds, compute_s: Seconds) -> Seconds:
         """One kind of kernel's time from its reads and FLOPs at datasheet rates."""
-        p = self.overlap
-        seconds: Seconds = ((memory_s / self.bandwidth) ** p + (compute_s / self.compute) ** p) ** (1 / p)
-        return seconds
+        return _overlapped(memory_s / self.bandwidth, compute_s / self.compute, self.overlap)
 
     def step_seconds(self, parts: StepParts[Seconds]) -> Seconds:
         return (
@@ -92,9 +96,8 @@ class StepBreakdown:
 
     @property
     def total_s(self) -> float:
-        p = self.overlap
-        gemms = float((self.weights_s**p + self.gemm_s**p) ** (1 / p))
-        attention = float((self.kv_s**p + self.attention_s**p) ** (1 / p))
+        gemms = _overlapped(self.weights_s, self.gemm_s, self.overlap)
+        attention = _overlapped(self.kv_s, self.attention_s, self.overlap)
         return gemms + attention + self.communication_s + self.overhead_s
 
     @property
@@ -171,7 +174,7 @@ class PerfModel:
         bandwidth = self.gpu.bandwidth_gbs * 1e9
         flops = self.tflops * 1e12
         hop = tokens * m.hidden * 2 / (self.gpu.interconnect_gbs * 1e9) + self.gpu.allreduce_latency_us * 1e-6
-        return StepParts(
+        return StepParts(  # `+ 0 * tokens`: an array per step where the steps come as arrays
             weights=self.pp * weights / shards / bandwidth + 0 * tokens,
             gemm=self.pp * 2 * m.active_params * tokens / shards / flops,
             kv=(decode_context + prefill_kv) * kv_layer * m.layers / bandwidth,
