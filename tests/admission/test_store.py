@@ -76,3 +76,30 @@ def test_usage_is_reported_by_key_model_and_day(engine: Engine) -> None:
     assert any(r["day"] == now.date().isoformat() for r in usage.report("day"))
     with pytest.raises(ValueError, match="group by one of"):
         usage.report("colour")
+
+
+def test_a_large_batch_reads_back_row_for_row(engine: Engine) -> None:
+    """A batch over several multi-row statements (99 rows each) keeps every row and value as written:
+    the timestamp as SQLAlchemy stores it (the reports compare and group by it), None where unset."""
+    usage = UsageStore(engine)
+    key = uuid.uuid4().hex[:16]
+    start = datetime(2026, 11, 30, 23, 59, 59, 999_000, tzinfo=UTC)
+    records = [
+        UsageRecord(start, key, f"t{i % 3}", "m", i, 2 * i, None if i % 2 else i / 4, i + 0.5, 200, None)
+        for i in range(250)
+    ]
+    usage.write(records)
+    with engine.connect() as connection:
+        rows = connection.execute(
+            text(
+                "SELECT tenant, input_tokens, output_tokens, ttft_ms, latency_ms, status, replica"
+                " FROM corral_usage WHERE key_id = :key ORDER BY input_tokens"
+            ),
+            {"key": key},
+        ).all()
+    assert [tuple(r) for r in rows] == [
+        (r.tenant, r.input_tokens, r.output_tokens, r.ttft_ms, r.latency_ms, r.status, r.replica)
+        for r in records
+    ]
+    assert usage.month_tokens(key, now=start) == sum(3 * i for i in range(250))  # `at` in November
+    assert usage.month_tokens(key, now=datetime(2026, 12, 1, tzinfo=UTC)) == 0

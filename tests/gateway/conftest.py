@@ -18,12 +18,13 @@ from corral.routing import Replica, ReplicaSet, ReplicaState, Router
 
 @dataclass
 class ScriptedUpstream:
-    """Answers like llama-server, or misbehaves as `mode` says: ok, cut, cutwhole, fail503, hang, drop,
-    answer."""
+    """Answers like llama-server, or misbehaves as `mode` says: ok, cut, stall (goes silent mid-stream),
+    cutwhole, fail503, hang, drop, answer."""
 
     mode: str = "ok"
     chunks: int = 4
     delay: float = 0.0  # seconds a non-streaming answer takes
+    gap: float = 0.01  # seconds between a stream's tokens
     bodies: list[dict] = field(default_factory=list)
     cancelled: int = 0
     required_key: str | None = None  # answer 401 unless `Authorization: Bearer <it>` is sent (vLLM --api-key)
@@ -113,12 +114,15 @@ class ScriptedUpstream:
                     assert request.transport is not None
                     request.transport.close()
                     return response
-                await asyncio.sleep(0.01)
+                if self.mode == "stall" and i == 1 and not continued:
+                    await asyncio.sleep(3600)
+                await asyncio.sleep(self.gap)
             await response.write(_event(_chunk("", finish="stop")))
             if (body.get("stream_options") or {}).get("include_usage"):
                 await response.write(
                     _event(
                         {
+                            "id": "c1",  # (vLLM's usage chunk carries the stream's id too)
                             "choices": [],
                             "object": "chat.completion.chunk",
                             "usage": _usage(self.chunks - start),

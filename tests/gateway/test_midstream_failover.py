@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -30,12 +32,18 @@ async def engines() -> AsyncIterator[tuple[ScriptedUpstream, ScriptedUpstream]]:
     await whole.stop()
 
 
-async def _client(tmp_path: Path, engines: tuple[ScriptedUpstream, ScriptedUpstream], mode: str) -> tuple:
+async def _client(
+    tmp_path: Path,
+    engines: tuple[ScriptedUpstream, ScriptedUpstream],
+    mode: str,
+    settings: GatewaySettings | None = None,
+) -> tuple:
     replicas = ReplicaSet(["m"])
     for i, engine in enumerate(engines):  # round robin: the first stream starts on the cutting engine
         replicas.add(Replica(f"m-{i}", "m", "x", url=engine.url, state=ReplicaState.READY, features=LLAMA))
     services = make_services(replicas, tmp_path / "c.db", failover_modes={"m": mode})
-    server = GatewayServer(GatewaySettings(port=0), Router(replicas, default_policy="round_robin"), services)
+    router = Router(replicas, default_policy="round_robin")
+    server = GatewayServer(settings or GatewaySettings(port=0), router, services)
     await server.start()
     client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="x", max_retries=0)
     return server, client, replicas
@@ -87,6 +95,35 @@ async def test_otherwise_a_cut_stream_ends_with_an_error_event(
         with pytest.raises(openai.APIError, match="cut short"):
             await _read(client, temperature)
         assert len(engines[1].bodies) == 0
+    finally:
+        await server.stop()
+
+
+async def test_a_stream_silent_for_the_stall_timeout_continues_elsewhere(
+    tmp_path: Path, engines: tuple[ScriptedUpstream, ScriptedUpstream]
+) -> None:
+    """The stall watch: one timer per stream, moved on while tokens come (gaps of 0.2 s under a 0.6 s
+    stall timeout never cut a stream), ending it when the replica goes silent (then it goes on elsewhere)."""
+    engines[0].mode = "stall"
+    engines[1].gap = 0.2
+    settings = GatewaySettings(port=0, stall_timeout=0.6)
+    server, client, _ = await _client(tmp_path, engines, "deterministic", settings)
+    try:
+        started = time.monotonic()
+        text, finishes, _ = await _read(client, 0.0)  # starts on the stalling engine, ends on the other
+        assert text == "tok0 tok1 tok2 tok3 tok4 tok5 "
+        assert finishes == ["stop"]
+        assert time.monotonic() - started >= 0.6
+        for _ in range(50):  # the silent replica's stream is let go
+            if engines[0].cancelled:
+                break
+            await asyncio.sleep(0.02)
+        assert engines[0].cancelled == 1
+        engines[0].mode, engines[0].gap = "ok", 0.2
+        sent = len(engines[0].bodies) + len(engines[1].bodies)
+        text, finishes, _ = await _read(client, 0.0)  # 6 gaps of 0.2 s, on either engine: none cut
+        assert text == "tok0 tok1 tok2 tok3 tok4 tok5 " and finishes == ["stop"]
+        assert len(engines[0].bodies) + len(engines[1].bodies) == sent + 1  # nothing failed over
     finally:
         await server.stop()
 

@@ -6,9 +6,11 @@ import asyncio
 
 import aiohttp
 import openai
+import orjson
 import pytest
 
 from corral.cluster import free_port
+from corral.gateway.relay import _usage_of
 from corral.routing import ReplicaState
 
 from .conftest import Gateway, ScriptedUpstream
@@ -189,3 +191,28 @@ async def test_admin_routing_view_shows_circuits_and_decisions(
     assert (
         view["decisions"][-1]["replica"] == "m-0" and view["decisions"][-1]["policy"] == view["policies"]["m"]
     )
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"id":"c","choices":[{"message":{"content":"x"}}],"usage":{"prompt_tokens":9,"total_tokens":73}}',
+        b'{"choices":[],"usage":{"prompt_tokens":1,"prompt_tokens_details":{"cached_tokens":0}} }\n',
+        b'{"usage":{"prompt_tokens":2},"choices":[]}',  # not last: the whole body is parsed
+        b'{"a":{"b":1,"usage":{"x":1}}}',  # nested, not the answer's: none
+        b'{"object":"usage"}',
+        b'{"usage":null}',
+        b'{"c":"\\"usage\\":{\\"a\\":1}"}',  # inside a string
+        b'{"c":"\\\\","usage":{"a":1}}',  # after an escaped backslash
+        b"not json",
+        b"[1]",
+    ],
+)
+def test_usage_is_read_from_the_answer_s_last_member_as_from_the_whole_answer(body: bytes) -> None:
+    """The fast path (only the trailing usage slice parsed) finds what parsing the whole answer finds."""
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        data = None
+    usage = data.get("usage") if isinstance(data, dict) else None
+    assert _usage_of(body) == (usage if isinstance(usage, dict) else None)

@@ -56,10 +56,14 @@ def build_app(
     admin = AdminViews(services, router, ClientAddresses(settings.trusted_proxies))
     status = _StatusViews(router, services, admin, started_at=time.time(), worker=worker)
     metrics = GatewayMetrics(router, services.queue.depths, metrics_dir, services.budget.spent)
-    # The generation routes first: aiohttp tries resources in the order they were added.
-    app.router.add_post("/v1/chat/completions", _chat_completions)
-    app.router.add_post("/v1/completions", _completions)
-    app.router.add_post("/v1/embeddings", _embeddings)
+    pipeline = app[PIPELINE] = Pipeline(
+        router, services, metrics, settings.max_body_bytes, settings.body_timeout
+    )
+    # The generation routes first: aiohttp tries resources in the order they were added. Their handlers
+    # are the pipeline's own (no wrapper: every await layer costs each suspension of a request).
+    app.router.add_post("/v1/chat/completions", pipeline.chat_completions)
+    app.router.add_post("/v1/completions", pipeline.completions)
+    app.router.add_post("/v1/embeddings", pipeline.embeddings)
     app.router.add_get("/health", status.health)
     app.router.add_get("/ready", status.ready)
     app.router.add_get("/v1/models", status.models)
@@ -93,11 +97,9 @@ def build_app(
             )
             relay = Relay(session, router, retries=settings.retries, timeouts=timeouts)
             rebuild = _semantic_cache(services, relay)
-            app[PIPELINE] = Pipeline(
-                router, relay, services, usage, metrics, settings.max_body_bytes, settings.body_timeout
-            )
+            pipeline.start(relay, usage)
             services.queue.start()
-            batches = _batch_runner(services, router, app[PIPELINE], worker)
+            batches = _batch_runner(services, router, pipeline, worker)
             usage.start()
             metrics.start()
             try:
@@ -156,18 +158,6 @@ def _semantic_cache(services: GatewayServices, relay: Relay) -> asyncio.Task[Non
                 logger.exception("semantic cache: sweeping the index failed")
 
     return asyncio.create_task(upkeep(), name="semantic-cache-upkeep")
-
-
-async def _chat_completions(request: web.Request) -> web.StreamResponse:
-    return await request.app[PIPELINE].chat_completions(request)
-
-
-async def _completions(request: web.Request) -> web.StreamResponse:
-    return await request.app[PIPELINE].completions(request)
-
-
-async def _embeddings(request: web.Request) -> web.StreamResponse:
-    return await request.app[PIPELINE].embeddings(request)
 
 
 @web.middleware

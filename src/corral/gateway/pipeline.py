@@ -55,6 +55,7 @@ _CLIENT_GONE = 499  # recorded for a client that went away before its answer end
 
 _Parse = Callable[[web.Request], Awaitable[RequestContext]]
 _Answer = Callable[[RequestContext, Principal, web.Request], Awaitable[web.StreamResponse]]
+_Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 class Pipeline:
@@ -63,36 +64,33 @@ class Pipeline:
     def __init__(
         self,
         router: Router,
-        relay: Relay,
         services: GatewayServices,
-        usage: UsageRecorder,
         metrics: GatewayMetrics,
         max_body_bytes: int,
         body_timeout: float = 30.0,
     ) -> None:
+        """Built with the app; `start` gives it the relay and usage recorder once the app's client
+        session exists (before the first request)."""
         self._router = router
         self._replicas = router.replicas
-        self._relay = relay
-        self._fanout = Fanout(relay.forward)
         self._services = services
-        self._usage = usage
         self._metrics = metrics
         self._max_body = max_body_bytes
         self._body_timeout = body_timeout
         self._embeddings = EmbeddingShaper()
-        self._parse_chat: _Parse = partial(
-            self.parse, kind=ChatCompletionRequest
-        )  # made once, not per request
-        self._parse_completion: _Parse = partial(self.parse, kind=CompletionRequest)
+        # The route handlers, made once: the app calls them directly, with no wrapper between.
+        self.chat_completions: _Handler = partial(
+            self._handle, parse=partial(self.parse, kind=ChatCompletionRequest), answer=self._answer
+        )
+        self.completions: _Handler = partial(
+            self._handle, parse=partial(self.parse, kind=CompletionRequest), answer=self._answer
+        )
+        self.embeddings: _Handler = partial(self._handle, parse=self.parse_embeddings, answer=self._embed)
 
-    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._handle(request, self._parse_chat, self._answer)
-
-    async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._handle(request, self._parse_completion, self._answer)
-
-    async def embeddings(self, request: web.Request) -> web.StreamResponse:
-        return await self._handle(request, self.parse_embeddings, self._embed)
+    def start(self, relay: Relay, usage: UsageRecorder) -> None:
+        self._relay = relay
+        self._fanout = Fanout(relay.forward)
+        self._usage = usage
 
     async def _handle(self, request: web.Request, parse: _Parse, answer: _Answer) -> web.StreamResponse:
         principal = await self._services.auth.authenticate(request.headers.get("Authorization"))
@@ -151,6 +149,8 @@ class Pipeline:
         self, ctx: RequestContext, principal: Principal, request: web.Request
     ) -> web.StreamResponse:
         """A generation: from the cache where it holds the answer, else from a replica (then kept)."""
+        if self._services.cache is None:  # (no look-up to await: one coroutine layer fewer per request)
+            return await self._generate(ctx, principal, request)
         lookup = ctx.lookup = await self._look_up(ctx, principal, request)
         response = await self._replay(ctx, lookup, request) if lookup and lookup.hit else None
         if response is None:

@@ -12,9 +12,8 @@ import asyncio
 import logging
 import re
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
-from functools import partial
 from typing import Any, Protocol
 
 import aiohttp
@@ -36,6 +35,8 @@ _INPUT_TOO_LONG = re.compile(r"input (?:\((\d+) tokens\) )?is too large to proce
 _UPSTREAM_HEADERS = {"Content-Type": "application/json"}
 _SEP = b"\n\n"
 _DONE_EVENT = b"data: [DONE]\n\n"
+_USAGE_KEY = b'"usage"'
+_BACKSLASH = ord("\\")
 SSE_HEADERS = {
     "Content-Type": "text/event-stream",
     "Cache-Control": "no-cache",
@@ -133,8 +134,14 @@ class Relay:
     async def _attempt(
         self, replica: Replica, ctx: RequestContext, request: web.Request | None
     ) -> web.StreamResponse:
-        try:
-            upstream = await self._post(replica, ctx.path, ctx.upstream_body)
+        try:  # _post's steps written out here: one coroutine layer fewer on every request's suspensions
+            try:
+                upstream = await self._send(replica, ctx.path, ctx.upstream_body)
+            except aiohttp.ClientConnectorError:
+                raise
+            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
+                logger.debug("replica %s closed a pooled connection; sending again", replica.id)
+                upstream = await self._send(replica, ctx.path, ctx.upstream_body)
         except TimeoutError as exc:
             raise UpstreamTimeout(f"Replica {replica.id} did not answer in time.") from exc
         except aiohttp.ClientError as exc:
@@ -151,17 +158,18 @@ class Relay:
         (llama-server closes them after a few seconds or requests): that one disconnect, seen as a server
         disconnect or as a body that cannot be written, is retried at once on a new connection, since it
         says nothing about the replica's health (a refused connection does, and is not)."""
-        headers = _with_key(replica.api_key) if replica.api_key else _UPSTREAM_HEADERS
-        send = partial(
-            self._session.post, replica.url + path, data=body, headers=headers, timeout=self._timeout
-        )
         try:
-            return await send()
+            return await self._send(replica, path, body)
         except aiohttp.ClientConnectorError:
             raise
         except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
             logger.debug("replica %s closed a pooled connection; sending again", replica.id)
-        return await send()
+        return await self._send(replica, path, body)
+
+    def _send(self, replica: Replica, path: str, body: bytes) -> Awaitable[aiohttp.ClientResponse]:
+        """The POST, to be awaited (aiohttp's request context manager)."""
+        headers = _with_key(replica.api_key) if replica.api_key else _UPSTREAM_HEADERS
+        return self._session.post(replica.url + path, data=body, headers=headers, timeout=self._timeout)
 
     async def _whole(
         self, replica: Replica, ctx: RequestContext, upstream: aiohttp.ClientResponse
@@ -243,27 +251,49 @@ class Relay:
         written: list[bytes] | None = None,
     ) -> str | None:
         """Copy events until the upstream ends; the reason if it ended badly, else None. A stream that may
-        fail over also fails when its replica goes silent for `stall_timeout`."""
+        fail over also fails when its replica goes silent for `stall_timeout` (one watchdog timer per
+        stream, not one per chunk: a timer per chunk cost more than the rest of the chunk's relaying)."""
+        if transcript is None:
+            return await self._copy(chunks, events, response, None, written, None)
+        try:
+            async with asyncio.timeout(None) as limit:
+                watch = _StallWatch(limit, self._stall)
+                try:
+                    return await self._copy(chunks, events, response, transcript, written, watch)
+                finally:
+                    watch.stop()
+        except TimeoutError:
+            return "the replica stopped sending tokens"
+
+    async def _copy(
+        self,
+        chunks: AsyncIterator[bytes],
+        events: _Events,
+        response: web.StreamResponse,
+        transcript: Transcript | None,
+        written: list[bytes] | None,
+        watch: _StallWatch | None,
+    ) -> str | None:
         while True:
             try:
-                if transcript is None:  # the common case: no timer per chunk
-                    data = await anext(chunks)
-                else:
-                    async with asyncio.timeout(self._stall):
-                        data = await anext(chunks)
+                data = await anext(chunks)
             except StopAsyncIteration:
                 return None if events.done else "the replica closed the stream before it was complete"
-            except TimeoutError:
+            except TimeoutError:  # the read timeout (the stall watch's ends the copy from outside)
                 return "the replica stopped sending tokens"
             except aiohttp.ClientError as exc:
                 return f"the replica failed mid-stream ({type(exc).__name__})"
             out = events.feed(data)
             if out:
+                if watch is not None:
+                    watch.waiting_since = None  # writing to the client: a slow client is no stall
                 await response.write(out)
                 if transcript is not None:
                     transcript.add(out)
                 if written is not None:
                     written.append(out)
+            if watch is not None:
+                watch.waiting_since = watch.loop.time()
 
     async def _fail_over(
         self,
@@ -350,6 +380,31 @@ def _by_tokens(ctx: RequestContext) -> bool:
     return ctx.features.token_prompts and not isinstance(ctx.body, ChatCompletionRequest)
 
 
+class _StallWatch:
+    """Ends a stream's `asyncio.timeout` when the upstream has been silent for `stall` seconds: one timer,
+    moved on lazily when it fires early (the copy loop only notes when it started waiting)."""
+
+    __slots__ = ("_handle", "_limit", "_stall", "loop", "waiting_since")
+
+    def __init__(self, limit: asyncio.Timeout, stall: float) -> None:
+        self._limit = limit
+        self._stall = stall
+        self.loop = asyncio.get_running_loop()
+        self.waiting_since: float | None = self.loop.time()
+        self._handle = self.loop.call_at(self.waiting_since + stall, self._check)
+
+    def _check(self) -> None:
+        now = self.loop.time()
+        since = self.waiting_since
+        if since is not None and now - since >= self._stall:
+            self._limit.reschedule(now)  # expires at once: the copy is cancelled, TimeoutError raised
+            return
+        self._handle = self.loop.call_at((since if since is not None else now) + self._stall, self._check)
+
+    def stop(self) -> None:
+        self._handle.cancel()
+
+
 class _Events(Protocol):
     """Turns upstream bytes into the client's events (SSEFilter, or a failover Continuation)."""
 
@@ -405,7 +460,21 @@ def _error_fields(body: bytes) -> tuple[str, str | None, str | None]:
 
 
 def _usage_of(body: bytes) -> dict[str, Any] | None:
-    """The `usage` object of a JSON answer (None if it has none or is not JSON)."""
+    """The `usage` object of a JSON answer (None if it has none or is not JSON). Engines write it as the
+    answer's last member: then only that slice is parsed (it parses, with the object's closing brace cut
+    off, only if it is the last member of the outer object); anything else parses the whole body."""
+    at = body.rfind(_USAGE_KEY)
+    if at > 0 and body[at - 1] != _BACKSLASH:  # (within a string its quotes would be escaped)
+        tail = body[at + len(_USAGE_KEY) :].lstrip()
+        if tail.startswith(b":"):
+            value = tail[1:].rstrip()
+            if value.endswith(b"}"):
+                try:
+                    usage = orjson.loads(value[:-1])
+                except orjson.JSONDecodeError:
+                    usage = None
+                if isinstance(usage, dict):
+                    return usage
     try:
         data = orjson.loads(body)
     except orjson.JSONDecodeError:
