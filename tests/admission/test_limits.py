@@ -82,3 +82,56 @@ async def test_concurrency_refusal_carries_only_concurrency_headers(
     assert headers["x-ratelimit-remaining-concurrency"] == "0"
     assert "x-ratelimit-reset-tokens" not in headers and "x-ratelimit-reset-requests" not in headers
     assert "Retry-After" in headers
+
+
+async def test_concurrent_calls_stay_exact_when_sent_together(limiter: MemoryLimiter | RedisLimiter) -> None:
+    """200 reservations at once over 4 keys (Redis: pipelined together, a few round trips in all): each key
+    admits exactly its limit, and settling them all at once frees every slot."""
+    principals = [key(rpm=1000, max_concurrency=30) for _ in range(4)]
+    outcomes = await asyncio.gather(
+        *(limiter.reserve(principals[i % 4], 1) for i in range(200)), return_exceptions=True
+    )
+    admitted = [o for o in outcomes if o is not None and not isinstance(o, BaseException)]
+    refused = [o for o in outcomes if isinstance(o, RateLimited)]
+    assert len(admitted) == 4 * 30 and len(refused) == 200 - 4 * 30
+    assert {sum(1 for o in admitted if o.key_id == p.key_id) for p in principals} == {30}
+    await asyncio.gather(*(limiter.settle(o, 1) for o in admitted))
+    assert all([await limiter.reserve(p, 1) is not None for p in principals])
+
+
+async def test_a_caller_that_leaves_mid_reservation_holds_no_slot() -> None:
+    """Cancelled while its reservation was on the way to Redis: the slot Redis granted is given back."""
+    limiter = RedisLimiter("redis://127.0.0.1:6379/0", window_s=60.0, prefix=f"corral-test:{uuid.uuid4().hex}")
+    principal = key(max_concurrency=1)
+    try:
+        pending = asyncio.create_task(limiter.reserve(principal, 1))
+        await asyncio.sleep(0)  # queued for the next round trip
+        pending.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await pending
+        for _ in range(50):
+            try:
+                held = await limiter.reserve(principal, 1)
+                break
+            except RateLimited:
+                await asyncio.sleep(0.02)  # the release is on its way
+        else:
+            raise AssertionError("the cancelled reservation kept its concurrency slot")
+        assert held is not None
+    finally:
+        await limiter.close()
+
+
+async def test_scripts_redis_lost_are_loaded_again() -> None:
+    """Redis restarted or flushed its script cache: the next calls load the scripts and go on."""
+    limiter = RedisLimiter("redis://127.0.0.1:6379/0", window_s=60.0, prefix=f"corral-test:{uuid.uuid4().hex}")
+    principal = key(rpm=5)
+    try:
+        assert await limiter.reserve(principal, 1) is not None
+        await limiter._redis.script_flush()
+        held = await asyncio.gather(*(limiter.reserve(principal, 1) for _ in range(3)))
+        assert all(h is not None for h in held)
+        with pytest.raises(RateLimited):
+            await asyncio.gather(*(limiter.reserve(principal, 1) for _ in range(2)))
+    finally:
+        await limiter.close()
