@@ -11,6 +11,8 @@ import pytest
 from corral.admission import MemoryLimiter, Principal, RedisLimiter
 from corral.protocol import RateLimited
 
+REDIS = "redis://127.0.0.1:6379/0"
+
 
 @pytest.fixture(params=["memory", "redis"])
 async def limiter(request: pytest.FixtureRequest) -> AsyncIterator[MemoryLimiter | RedisLimiter]:
@@ -101,7 +103,7 @@ async def test_concurrent_calls_stay_exact_when_sent_together(limiter: MemoryLim
 
 async def test_a_caller_that_leaves_mid_reservation_holds_no_slot() -> None:
     """Cancelled while its reservation was on the way to Redis: the slot Redis granted is given back."""
-    limiter = RedisLimiter("redis://127.0.0.1:6379/0", window_s=60.0, prefix=f"corral-test:{uuid.uuid4().hex}")
+    limiter = RedisLimiter(REDIS, window_s=60.0, prefix=f"corral-test:{uuid.uuid4().hex}")
     principal = key(max_concurrency=1)
     try:
         pending = asyncio.create_task(limiter.reserve(principal, 1))
@@ -124,7 +126,7 @@ async def test_a_caller_that_leaves_mid_reservation_holds_no_slot() -> None:
 
 async def test_scripts_redis_lost_are_loaded_again() -> None:
     """Redis restarted or flushed its script cache: the next calls load the scripts and go on."""
-    limiter = RedisLimiter("redis://127.0.0.1:6379/0", window_s=60.0, prefix=f"corral-test:{uuid.uuid4().hex}")
+    limiter = RedisLimiter(REDIS, window_s=60.0, prefix=f"corral-test:{uuid.uuid4().hex}")
     principal = key(rpm=5)
     try:
         assert await limiter.reserve(principal, 1) is not None
