@@ -216,6 +216,7 @@ class RedisLimiter:
         self._instance = f"{os.getpid():x}.{time.time_ns():x}"  # one per gateway process
         self._waiting: list[tuple[str, list[str], list[int | str], asyncio.Future[Any]]] = []
         self._sender: asyncio.Task[None] | None = None
+        self._closed = False
 
     def _keys(self, key_id: str) -> list[str]:
         return [f"{self._prefix}:{key_id}:log", f"{self._prefix}:{key_id}:sums"]
@@ -250,6 +251,8 @@ class RedisLimiter:
         await self._send("settle", self._keys(reservation.key_id), args)
 
     def _release_orphan(self, reservation: Reservation, sent: asyncio.Future[Any]) -> None:
+        if self._closed:
+            return
         if not sent.cancelled() and sent.exception() is None and sent.result()[0]:
             args: list[int | str] = [reservation.entry, reservation.tokens, 0]
             released = self._send("settle", self._keys(reservation.key_id), args)
@@ -269,37 +272,42 @@ class RedisLimiter:
                 batch, self._waiting = self._waiting, []
                 try:
                     replies = await self._round_trip([(s, k, a) for s, k, a, _ in batch])
-                except self._errors as exc:
-                    failure = LimiterUnavailable(f"Redis did not answer: {type(exc).__name__}: {exc}")
-                    replies = [failure] * len(batch)
-                for (_, _, _, future), reply in zip(batch, replies, strict=True):
-                    if future.done():
-                        continue
-                    if isinstance(reply, BaseException):
-                        future.set_exception(reply)
-                    else:
-                        future.set_result(reply)
+                except BaseException as exc:  # every caller hears of it, whatever it was
+                    _answer(batch, [_unavailable(exc) for _ in batch])
+                    if not isinstance(exc, self._errors):
+                        raise
+                    continue
+                _answer(batch, replies)
         finally:
             self._sender = None
-            for _, _, _, future in self._waiting:  # cancelled (shutdown) with calls still waiting
-                if not future.done():
-                    future.set_exception(LimiterUnavailable("the gateway is shutting down"))
-            self._waiting = []
+            waiting, self._waiting = self._waiting, []  # cancelled (shutdown) with calls still waiting
+            _answer(waiting, [LimiterUnavailable("the gateway is shutting down") for _ in waiting])
 
     async def _round_trip(self, calls: list[tuple[str, list[str], list[int | str]]]) -> list[Any]:
         """Each call's reply (or its error) from one pipeline; scripts Redis lacks (restarted, flushed)
-        are loaded and their calls sent again."""
+        are loaded and their calls sent again. A failure on that second try fails only those calls (the
+        others' replies stand: a granted reservation must reach its caller, to be settled)."""
         replies: list[Any] = [None] * len(calls)
         todo = list(range(len(calls)))
         for attempt in range(2):
-            pipe = self._redis.pipeline(transaction=False)
-            for i in todo:
-                script, keys, args = calls[i]
-                pipe.evalsha(self._scripts[script].sha, len(keys), *keys, *args)
-            results = await pipe.execute(raise_on_error=False)
+            try:
+                if attempt:
+                    for script in {calls[i][0] for i in todo}:
+                        await self._redis.script_load(_SCRIPTS[script])
+                pipe = self._redis.pipeline(transaction=False)
+                for i in todo:
+                    script, keys, args = calls[i]
+                    pipe.evalsha(self._scripts[script].sha, len(keys), *keys, *args)
+                results = await pipe.execute(raise_on_error=False)
+            except self._errors as exc:
+                if not attempt:
+                    raise
+                for i in todo:
+                    replies[i] = _unavailable(exc)
+                break
             missing = []
             for i, result in zip(todo, results, strict=True):
-                if isinstance(result, self._no_script) and attempt == 0:
+                if isinstance(result, self._no_script) and not attempt:
                     missing.append(i)
                 elif isinstance(result, BaseException):
                     replies[i] = LimiterUnavailable(f"Redis refused the call: {result}")
@@ -307,15 +315,31 @@ class RedisLimiter:
                     replies[i] = result
             if not missing:
                 break
-            for script in {calls[i][0] for i in missing}:
-                await self._redis.script_load(_SCRIPTS[script])
             todo = missing
         return replies
 
     async def close(self) -> None:
+        self._closed = True
         if self._sender is not None:
-            await asyncio.gather(self._sender, return_exceptions=True)
+            await asyncio.wait([self._sender])  # (not cancelled with close: its callers are answered)
         await self._redis.aclose()
 
 
 _SCRIPTS = {"reserve": _RESERVE, "settle": _SETTLE}
+_Call = tuple[str, list[str], list[int | str], "asyncio.Future[Any]"]
+
+
+def _unavailable(exc: BaseException) -> LimiterUnavailable:
+    failure = LimiterUnavailable(f"Redis did not answer: {type(exc).__name__}: {exc}")
+    failure.__cause__ = exc
+    return failure
+
+
+def _answer(calls: list[_Call], replies: list[Any]) -> None:
+    for (_, _, _, future), reply in zip(calls, replies, strict=True):
+        if future.done():
+            continue
+        if isinstance(reply, BaseException):
+            future.set_exception(reply)
+        else:
+            future.set_result(reply)

@@ -255,15 +255,15 @@ class Relay:
         stream, not one per chunk: a timer per chunk cost more than the rest of the chunk's relaying)."""
         if transcript is None:
             return await self._copy(chunks, events, response, None, written, None)
+        watch = _StallWatch(self._stall)
         try:
-            async with asyncio.timeout(None) as limit:
-                watch = _StallWatch(limit, self._stall)
-                try:
-                    return await self._copy(chunks, events, response, transcript, written, watch)
-                finally:
-                    watch.stop()
-        except TimeoutError:
-            return "the replica stopped sending tokens"
+            return await self._copy(chunks, events, response, transcript, written, watch)
+        except asyncio.CancelledError:
+            if watch.expired and watch.task.uncancel() == 0:  # the watch's doing, and no one else's
+                return "the replica stopped sending tokens"
+            raise
+        finally:
+            watch.stop()
 
     async def _copy(
         self,
@@ -279,7 +279,7 @@ class Relay:
                 data = await anext(chunks)
             except StopAsyncIteration:
                 return None if events.done else "the replica closed the stream before it was complete"
-            except TimeoutError:  # the read timeout (the stall watch's ends the copy from outside)
+            except TimeoutError:  # the read timeout (the stall watch cancels the copy from outside)
                 return "the replica stopped sending tokens"
             except aiohttp.ClientError as exc:
                 return f"the replica failed mid-stream ({type(exc).__name__})"
@@ -381,14 +381,19 @@ def _by_tokens(ctx: RequestContext) -> bool:
 
 
 class _StallWatch:
-    """Ends a stream's `asyncio.timeout` when the upstream has been silent for `stall` seconds: one timer,
-    moved on lazily when it fires early (the copy loop only notes when it started waiting)."""
+    """Cancels the copying task when the upstream has been silent for `stall` seconds: one timer per
+    stream, moved on lazily when it fires early (the copy loop only notes when it started waiting). The
+    cancel is the task's own `cancel()`, not a scheduled one: it lands on the read the task waits in (or is
+    about to resume from), never on a write to the client half done."""
 
-    __slots__ = ("_handle", "_limit", "_stall", "loop", "waiting_since")
+    __slots__ = ("_handle", "_stall", "expired", "loop", "task", "waiting_since")
 
-    def __init__(self, limit: asyncio.Timeout, stall: float) -> None:
-        self._limit = limit
+    def __init__(self, stall: float) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self.task = task
         self._stall = stall
+        self.expired = False
         self.loop = asyncio.get_running_loop()
         self.waiting_since: float | None = self.loop.time()
         self._handle = self.loop.call_at(self.waiting_since + stall, self._check)
@@ -397,7 +402,8 @@ class _StallWatch:
         now = self.loop.time()
         since = self.waiting_since
         if since is not None and now - since >= self._stall:
-            self._limit.reschedule(now)  # expires at once: the copy is cancelled, TimeoutError raised
+            self.expired = True
+            self.task.cancel()
             return
         self._handle = self.loop.call_at((since if since is not None else now) + self._stall, self._check)
 
