@@ -80,10 +80,17 @@ def _refusal(principal: Principal, what: str, retry_after: float, count: int, to
 
 
 class _Window:
-    __slots__ = ("entries", "in_flight", "tokens")
+    """One key's log: (time, entry) in admission order, and each entry's tokens as counted now. Settling
+    finds its entry by id (not by walking the log: at concurrency c that walk was c steps a request), and
+    the log's items are tuples of plain values, which Python's garbage collector stops tracking."""
+
+    __slots__ = ("entries", "in_flight", "live", "tokens")
 
     def __init__(self) -> None:
-        self.entries: deque[list[float | str | int]] = deque()  # [at, entry id, tokens]
+        self.entries: deque[tuple[float, str]] = deque()
+        self.live: dict[
+            str, int
+        ] = {}  # entry id → its tokens (the reservation, or the real use once settled)
         self.tokens = 0
         self.in_flight = 0
 
@@ -101,26 +108,29 @@ class MemoryLimiter:
             return None
         assert principal.key_id is not None
         now = time.monotonic()
-        w = self._keys.setdefault(principal.key_id, _Window())
-        while w.entries and float(w.entries[0][0]) <= now - self._window:
-            w.tokens -= int(w.entries.popleft()[2])
-        count = len(w.entries)
+        w = self._keys.get(principal.key_id)
+        if w is None:
+            w = self._keys[principal.key_id] = _Window()
+        entries, live = w.entries, w.live
+        cutoff = now - self._window
+        while entries and entries[0][0] <= cutoff:
+            w.tokens -= live.pop(entries.popleft()[1])
+        count = len(entries)
         if principal.rpm and count + 1 > principal.rpm:
-            raise _refusal(
-                principal, "requests", float(w.entries[0][0]) + self._window - now, count, w.tokens
-            )
+            raise _refusal(principal, "requests", entries[0][0] + self._window - now, count, w.tokens)
         if principal.tpm and w.tokens + tokens > principal.tpm:
             if tokens > principal.tpm:
                 raise _refusal(principal, "too_large", 0, count, w.tokens)
             need, freed = w.tokens + tokens - principal.tpm, 0
-            for at, _, held in w.entries:
-                freed += int(held)
+            for at, entry_id in entries:
+                freed += live[entry_id]
                 if freed >= need:
-                    raise _refusal(principal, "tokens", float(at) + self._window - now, count, w.tokens)
+                    raise _refusal(principal, "tokens", at + self._window - now, count, w.tokens)
         if principal.max_concurrency and w.in_flight + 1 > principal.max_concurrency:
             raise _refusal(principal, "concurrency", 1.0, count, w.tokens)
         entry = str(next(self._ids))
-        w.entries.append([now, entry, tokens])
+        entries.append((now, entry))
+        live[entry] = tokens
         w.tokens += tokens
         w.in_flight += 1
         return Reservation(principal.key_id, entry, tokens)
@@ -130,11 +140,10 @@ class MemoryLimiter:
         if w is None:
             return
         w.in_flight -= 1
-        for item in reversed(w.entries):  # recent requests end first
-            if item[1] == reservation.entry:
-                w.tokens += actual_tokens - int(item[2])
-                item[2] = actual_tokens
-                break
+        counted = w.live.get(reservation.entry)
+        if counted is not None:  # still in the window: its tokens become what it used
+            w.tokens += actual_tokens - counted
+            w.live[reservation.entry] = actual_tokens
 
     async def close(self) -> None:
         return None
