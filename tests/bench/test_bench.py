@@ -78,12 +78,13 @@ async def test_measured_latencies_match_the_injected_ones(injected: Injected) ->
     assert summary["itl_ms"]["p50"] == pytest.approx(ITL * 1000, abs=2)
     assert summary["tpot_ms"]["mean"] == pytest.approx(ITL * 1000, abs=2)
     assert summary["e2e_ms"]["p50"] == pytest.approx((TTFT + (TOKENS - 1) * ITL) * 1000, abs=40)
-    # Against what the server actually did (its sleeps overshoot under load): the client adds little.
+    # Against what the server actually did (its sleeps overshoot under load): the client adds little (a
+    # few ms: the request's send and the loop's wake-ups, 3.0 ms once in a full CI run on 2 loaded cores).
     served = injected.sent[2:]
     server_ttft = sum(t[1] - t[0] for t in served) / len(served) * 1000
     server_last = sum(t[-1] - t[0] for t in served) / len(served) * 1000
-    assert summary["ttft_ms"]["mean"] == pytest.approx(server_ttft, abs=3)
-    assert summary["e2e_ms"]["mean"] == pytest.approx(server_last, abs=4)
+    assert summary["ttft_ms"]["mean"] == pytest.approx(server_ttft, abs=6)
+    assert summary["e2e_ms"]["mean"] == pytest.approx(server_last, abs=8)
     assert (
         summary["total_output_tokens"] == 12 * TOKENS and summary["total_input_tokens"] == 12 * PROMPT_TOKENS
     )
