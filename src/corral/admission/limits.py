@@ -88,9 +88,8 @@ class _Window:
 
     def __init__(self) -> None:
         self.entries: deque[tuple[float, str]] = deque()
-        self.live: dict[
-            str, int
-        ] = {}  # entry id → its tokens (the reservation, or the real use once settled)
+        # entry id → its tokens (the reservation, or the real use once settled)
+        self.live: dict[str, int] = {}
         self.tokens = 0
         self.in_flight = 0
 
@@ -223,7 +222,7 @@ class RedisLimiter:
         self._prefix = prefix
         self._ids = itertools.count()
         self._instance = f"{os.getpid():x}.{time.time_ns():x}"  # one per gateway process
-        self._waiting: list[tuple[str, list[str], list[int | str], asyncio.Future[Any]]] = []
+        self._waiting: list[_Call] = []
         self._sender: asyncio.Task[None] | None = None
         self._closed = False
 

@@ -149,8 +149,6 @@ class Pipeline:
         self, ctx: RequestContext, principal: Principal, request: web.Request
     ) -> web.StreamResponse:
         """A generation: from the cache where it holds the answer, else from a replica (then kept)."""
-        if self._services.cache is None:  # (no look-up to await: one coroutine layer fewer per request)
-            return await self._generate(ctx, principal, request)
         lookup = ctx.lookup = await self._look_up(ctx, principal, request)
         response = await self._replay(ctx, lookup, request) if lookup and lookup.hit else None
         if response is None:

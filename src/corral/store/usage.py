@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import astuple, dataclass, fields
+from dataclasses import dataclass, fields
 from datetime import UTC, datetime
 from typing import Any
 
@@ -39,10 +39,10 @@ _COLUMNS = tuple(f.name for f in fields(UsageRecord))
 class UsageStore:
     """Blocking SQL access; the gateway calls it from a worker thread, in batches.
 
-    A batch is written as multi-row INSERTs, a hundred rows a statement, with each value converted by its
-    column type's own bind processor (so rows read back exactly as SQLAlchemy writes them). The driver's
-    `executemany` steps one row at a time and lets go of the GIL at every step: on a busy gateway each row
-    then costs the event loop a thread switch, which measured 5-7 times the row's own insert time."""
+    A batch is written as multi-row INSERTs, 99 rows a statement, with each value converted by its column
+    type's own bind processor (so rows read back exactly as SQLAlchemy writes them): measured alone on
+    SQLite, 14 µs of CPU a row against 19 µs for a Core `executemany` (one statement step per row), and on
+    PostgreSQL one round trip per 99 rows."""
 
     def __init__(self, engine: Engine) -> None:
         self._engine = engine
@@ -62,7 +62,7 @@ class UsageStore:
     def write(self, records: Sequence[UsageRecord]) -> None:
         if not records:
             return
-        rows = [astuple(r) for r in records] if not self._convert else [self._row(r) for r in records]
+        rows = [self._row(r) for r in records]
         with self._engine.begin() as connection:
             for start in range(0, len(rows), _ROWS_PER_STATEMENT):
                 chunk = rows[start : start + _ROWS_PER_STATEMENT]
