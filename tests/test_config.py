@@ -117,3 +117,12 @@ def test_auto_workers_are_one_per_core_on_a_server_and_one_elsewhere() -> None:
     server = parse_spec("gateway: {host: 0.0.0.0}\nlimits: {backend: redis}\n" + model)
     assert server.gateway_workers(cpus=16) == 16
     assert parse_spec("gateway: {host: 0.0.0.0}\n" + model).gateway_workers(cpus=16) == 1  # memory limits
+
+
+def test_an_external_deployment_has_a_replica_per_url() -> None:
+    urls = "[http://a:1, http://b:1, http://c:1]"
+    spec = parse_spec(f"models:\n  - name: m\n    deployments: [{{engine: external, urls: {urls}}}]\n")
+    assert spec.models[0].deployments[0].replicas == 3
+    with pytest.raises(ValueError, match="a replica per URL"):
+        one = "{engine: external, replicas: 1, urls: " + urls + "}"
+        parse_spec(f"models:\n  - name: m\n    deployments: [{one}]\n")

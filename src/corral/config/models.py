@@ -133,11 +133,26 @@ class DeploymentSpec(Strict):
         default=None, description="replica bounds the autoscaler moves between (a live setting)"
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _one_replica_per_url(cls, data: object) -> object:
+        """An external deployment has a replica per URL: `replicas` defaults to their count."""
+        if isinstance(data, dict) and data.get("engine") == "external" and "replicas" not in data:
+            urls = data.get("urls")
+            if isinstance(urls, list) and urls:
+                return {**data, "replicas": len(urls)}
+        return data
+
     @model_validator(mode="after")
     def _external_has_urls(self) -> DeploymentSpec:
         self._check_counts()
         if self.engine == "external" and not self.urls:
             raise ValueError("engine 'external' needs 'urls': the base URLs of running servers")
+        if self.engine == "external" and self.replicas != len(self.urls):
+            raise ValueError(
+                f"engine 'external' has a replica per URL: replicas {self.replicas} does not match the "
+                f"{len(self.urls)} urls (leave replicas out)"
+            )
         if self.engine == "sim" and self.gpu is None:
             raise ValueError("engine 'sim' needs 'gpu': the GPU type whose timing it simulates")
         if self.engine == "vllm" and self.device == "gpu":
