@@ -167,6 +167,46 @@ def test_prefix_affinity_weighs_a_cache_hit_against_the_prefill_queued_behind_it
     )
 
 
+def test_a_shared_prefix_spreads_once_the_hit_replicas_decode_load_outweighs_computing_it_elsewhere() -> None:
+    document = "one system prompt that every request starts with. " * 60  # 24 blocks
+
+    def second_pick(in_flight: int, output: int) -> bool:
+        """Whether a request goes where the prefix is, with `in_flight` like it there, the other idle."""
+        replicas, policy = fleet(2), PrefixAffinity()
+
+        def ask() -> Replica:
+            request = RouteRequest("m", prompt=document + "q", prompt_tokens=3000, tokens=3000 + output)
+            return policy.pick(replicas, request).replica
+
+        first = ask()
+        first.outstanding, first.outstanding_tokens = in_flight, in_flight * (3000 + output)
+        return ask() is first
+
+    assert second_pick(1, 256)  # one request in flight: the cached prefix is worth more
+    # four long generations: the decode this request would share with them (and slow) is worth more than
+    # computing the 3,000-token prefix once on the idle replica
+    assert not second_pick(4, 256)
+    assert second_pick(4, 16)  # short answers: the batch costs little, the hit still wins
+
+
+def test_a_prefill_avoids_the_replica_whose_running_requests_it_would_stall() -> None:
+    from corral.routing.request import prefix_hashes
+
+    shared, own = "the first half, cached on the busy replica. " * 30, "this request's own second half. " * 40
+
+    def goes_to_the_half_hit(running: int) -> bool:
+        replicas, policy = fleet(2), PrefixAffinity()
+        busy = replicas[0]
+        policy.index.record(prefix_hashes(shared), busy)
+        busy.outstanding, busy.outstanding_tokens = running, running * 100
+        request = RouteRequest("m", prompt=shared + own, prompt_tokens=800, tokens=816)
+        return policy.pick(replicas, request).replica is busy
+
+    assert goes_to_the_half_hit(0)  # nothing to stall there: the half hit wins
+    # computing the uncached half there stalls three requests: the whole prompt on the idle one costs less
+    assert not goes_to_the_half_hit(3)
+
+
 async def test_the_router_holds_a_request_whose_prefix_another_is_prefilling_on_its_replica() -> None:
     replicas = ReplicaSet(["m"])
     for replica in fleet(2):

@@ -5,11 +5,12 @@
 - least_outstanding_tokens: the fewest estimated tokens (prompt + max output) in flight.
 - power_of_two: the less loaded of two random replicas.
 - session_affinity: the same replica for the same `user` / `x-session-id` (rendezvous hashing).
-- prefix_affinity (the default): the replica where the request's first token comes soonest, by predicted
-  prefill work: the prompt tokens it would have to compute (the part not likely in that replica's prefix
-  cache) plus the prefill already waiting there, among replicas within a load bound and not under KV
-  pressure. With `gateway.prefill_coalescing` the router also holds a request whose long prefix is being
-  computed on its replica right now until that prefill ends (see router.py).
+- prefix_affinity (the default): the replica where the request costs least by predicted work: the prompt
+  tokens it would have to compute (the part not likely in that replica's prefix cache), which also stall
+  the requests running there, the prefill already waiting there, and the decode it shares with the
+  requests in flight there, among replicas within a load bound and not under KV pressure. With
+  `gateway.prefill_coalescing` the router also holds a request whose long prefix is being computed on its
+  replica right now until that prefill ends (see router.py).
 """
 
 from __future__ import annotations
@@ -134,25 +135,43 @@ class SessionAffinity:
 
 
 class PrefixAffinity:
-    """Prefix-cache affinity, balanced by predicted prefill work, with bounded load.
+    """Prefix-cache affinity, balanced by predicted work, with bounded load.
 
     For each replica within the load bound (`(1 + slack) × mean load + spill`, where load is requests in
     flight plus the engine's own queue) and below the KV-pressure mark, the predicted cost of sending it the
-    request is the prefill work already waiting there plus the prompt tokens it would compute itself (the
-    part beyond the longest prefix it served before, which its cache likely still holds) counted twice,
-    once as its own wait and once as work added to the fleet, plus a whole prompt's worth per request it
-    would have to queue beyond its slots. The cheapest wins; ties go to the less loaded, then in turn. A
-    cache hit is taken while the hit replica's queue of prefill is shorter than about twice the cold prefill
-    elsewhere: past that, affinity alone loses the tail.
+    request, in prompt tokens of prefill:
+    - the prefill already routed there and not yet done (the request waits behind it);
+    - the prompt tokens it would compute itself (the part beyond the longest prefix it served before, which
+      its cache likely still holds), once for its own wait and once per request running there, each of
+      which that prefill stalls;
+    - its decode: every step reads the KV of every sequence in the batch, so the request's steps are slower
+      by the context in flight there, and it slows each running request's steps by its own context, for
+      about its output length; `decode_weight` converts a token of context read per step into prefill
+      tokens (the planner's step model gives 0.0004 to 0.0024 for dense models on L4 to H100; 0.001);
+    - a whole prompt's worth per request it would have to queue beyond the engine's slots.
+    With prefill coalescing (`coalescing`, set by the router) a cold prefill counts once more, as the fleet
+    work it duplicates: a request whose prefix is being computed on its replica then waits for it there
+    rather than computing it again on an idle one.
+    The cheapest wins; ties go to the less loaded, then in turn. A cache hit wins while the hit replica's
+    queue of prefill is shorter than the cold prefill elsewhere, and while its decode load is not worth more
+    than that prefill: a prefix every request shares spreads over the fleet as soon as one replica's batch
+    costs more than computing the prefix once elsewhere.
     """
 
     name = "prefix_affinity"
     needs_prompt = True
 
     def __init__(
-        self, slack: float = 0.5, spill: float = 16, kv_pressure: float = 0.95, max_blocks: int = 200_000
+        self,
+        slack: float = 0.5,
+        spill: float = 16,
+        kv_pressure: float = 0.95,
+        max_blocks: int = 200_000,
+        decode_weight: float = 0.001,
     ) -> None:
         self._turn = itertools.count()
+        self.decode_weight = decode_weight
+        self.coalescing = False  # set by a router that coalesces prefills
         self._slack = slack
         self._spill = spill
         self._kv_pressure = kv_pressure
@@ -175,13 +194,20 @@ class PrefixAffinity:
         depths = self.index.depths(hashes, within)
         blocks = len(hashes)
         prompt = max(request.prompt_tokens, blocks)
+        context = request.tokens or prompt
+        decode = self.decode_weight * max(1, context - request.prompt_tokens)  # × context per step
 
         def cost(replica: Replica) -> tuple[float, float]:
-            # when its first token comes (the prefill queued there, then its own) plus, once more, the work
-            # it adds to the fleet: computing a cached prefix again is waste even where it is not slower
+            load = loads[replica.id]
             uncached = prompt * (1 - depths.get(replica.id, 0) / blocks)
             queued = max(0, replica.outstanding + 1 - replica.capacity) if replica.capacity else 0
-            return replica.pending_prefill + 2 * uncached + prompt * queued, loads[replica.id]
+            return (
+                replica.pending_prefill
+                + uncached * (1 + load + self.coalescing)
+                + decode * (replica.outstanding_tokens + load * context)
+                + prompt * queued,
+                load,
+            )
 
         best = min(within, key=cost)
         depth = depths.get(best.id, 0)

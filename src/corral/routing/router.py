@@ -19,7 +19,7 @@ from collections.abc import Collection, Mapping
 
 from corral.protocol import NoCapacity
 from corral.routing.circuit import RetryBudget
-from corral.routing.policy import DEFAULT_POLICY, RoutingPolicy, policy_named
+from corral.routing.policy import DEFAULT_POLICY, PrefixAffinity, RoutingPolicy, policy_named
 from corral.routing.prefix import PrefillTracker
 from corral.routing.replicas import Replica, ReplicaSet
 from corral.routing.request import RouteRequest
@@ -40,11 +40,11 @@ class Router:
     ) -> None:
         self.replicas = replicas
         self._default = default_policy
-        self._policies: dict[str, RoutingPolicy] = {m: policy_named(p) for m, p in (policies or {}).items()}
+        self._coalesce = coalesce_prefills
+        self._policies: dict[str, RoutingPolicy] = {m: self._policy(p) for m, p in (policies or {}).items()}
         self.retry_budget = RetryBudget()
         self._decisions: deque[tuple[float, str, str, str, str, bool]] = deque(maxlen=decisions_kept)
         self._prefills = PrefillTracker()
-        self._coalesce = coalesce_prefills
 
     def set_default(self, name: str) -> None:
         """A new default policy (a live `corral apply`); models are then set again with `set_policy`."""
@@ -52,12 +52,18 @@ class Router:
 
     def set_policy(self, model: str, name: str | None) -> None:
         """Route `model` by policy `name` (None: the default); for a model added to a running cluster."""
-        self._policies[model] = policy_named(name or self._default)
+        self._policies[model] = self._policy(name or self._default)
 
     def policy_for(self, model: str) -> RoutingPolicy:
         policy = self._policies.get(model)
         if policy is None:
-            policy = self._policies[model] = policy_named(self._default)
+            policy = self._policies[model] = self._policy(self._default)
+        return policy
+
+    def _policy(self, name: str) -> RoutingPolicy:
+        policy = policy_named(name)
+        if self._coalesce and isinstance(policy, PrefixAffinity):
+            policy.coalescing = True  # a duplicate cold prefill is what coalescing avoids: it costs more
         return policy
 
     def acquire(self, request: RouteRequest, exclude: Collection[Replica] = ()) -> Replica:
