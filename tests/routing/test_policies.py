@@ -91,6 +91,19 @@ def test_prefix_index_is_bounded() -> None:
     assert len(policy.index) == 50
 
 
+def test_the_prefix_index_evicts_a_chain_from_its_end_and_keeps_its_first_blocks() -> None:
+    from corral.routing.prefix import PrefixIndex
+    from corral.routing.request import prefix_hashes
+
+    index, (r0, r1) = PrefixIndex(max_blocks=12), fleet(2)
+    document = prefix_hashes("".join(f"{i:03d}" * 43 for i in range(10)))  # 10 blocks
+    index.record(document, r0)
+    index.record(prefix_hashes("another tenant's text " * 30), r1)  # 5 blocks: 3 of the document's go
+    assert index.depths(document, [r0, r1]) == {"r0": 7, "r1": 0}  # its first 7 blocks still match
+    index.record(document[:4], r1)
+    assert index.depths(document, [r0, r1]) == {"r0": 7, "r1": 4}
+
+
 def test_breaker_opens_after_consecutive_failures_and_half_opens_after_cooldown() -> None:
     breaker = CircuitBreaker(failures=3, cooldown=0.05)
     for _ in range(2):

@@ -24,30 +24,41 @@ class PrefixIndex:
         return len(self._owners)
 
     def depths(self, hashes: Sequence[int], candidates: Sequence[Replica]) -> dict[str, int]:
-        """For each candidate, how many leading blocks of the prompt it has served before."""
-        alive = {r.id for r in candidates}
-        depth = dict.fromkeys(alive, 0)
-        for i, block in enumerate(hashes):
-            owners = self._owners.get(block)
-            if not owners:
-                break
-            alive &= owners
-            if not alive:
-                break
-            for rid in alive:
-                depth[rid] = i + 1
+        """For each candidate, how many leading blocks of the prompt it has served before.
+
+        What a replica holds of a prompt's chain of blocks is always a prefix of it (see `record`), so its
+        depth is found by bisection: a few look-ups per replica, not one per block.
+        """
+        owners_of = self._owners.get
+        depth = {}
+        for replica in candidates:
+            rid = replica.id
+            low, high = 0, len(hashes)  # it holds the first `low` blocks and not block `high` (if any)
+            while low < high:
+                middle = (low + high + 1) // 2
+                owners = owners_of(hashes[middle - 1])
+                if owners is not None and rid in owners:
+                    low = middle
+                else:
+                    high = middle - 1
+            depth[rid] = low
         return depth
 
     def record(self, hashes: Sequence[int], replica: Replica) -> None:
-        for block in hashes:
-            owners = self._owners.get(block)
+        """Note that `replica` served these blocks. They are touched last block first, so a chain's first
+        blocks are always the more recently used: eviction takes chains from their ends (as an engine's
+        cache frees a finished request's blocks, last first), and what a replica holds of a chain stays a
+        prefix of it (a block evicted before the ones that lead to it is impossible)."""
+        owners_of = self._owners
+        for block in reversed(hashes):
+            owners = owners_of.get(block)
             if owners is None:
-                self._owners[block] = {replica.id}
+                owners_of[block] = {replica.id}
             else:
                 owners.add(replica.id)
-                self._owners.move_to_end(block)
-        while len(self._owners) > self._max:
-            self._owners.popitem(last=False)
+                owners_of.move_to_end(block)
+        while len(owners_of) > self._max:
+            owners_of.popitem(last=False)
 
 
 class Prefill:
