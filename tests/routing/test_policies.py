@@ -200,6 +200,8 @@ def test_a_shared_prefix_spreads_once_the_hit_replicas_decode_load_outweighs_com
     # computing the 3,000-token prefix once on the idle replica
     assert not second_pick(4, 256)
     assert second_pick(4, 16)  # short answers: the batch costs little, the hit still wins
+    # a max_tokens of 4096 bounds the answer, it does not forecast it: priced as a typical answer at most
+    assert second_pick(1, 4096)
 
 
 def test_a_prefill_avoids_the_replica_whose_running_requests_it_would_stall() -> None:

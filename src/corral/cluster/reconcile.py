@@ -254,6 +254,9 @@ class Reconciler:
                 self._on_model(model)
             for group, engine, plans in groups:
                 scale = model.deployments[group].autoscale
+                if model.deployments[group].engine == "external":  # a replica per URL: the missing ones
+                    served = {r.url for r in self._supervisor.members(change.model, group)}
+                    plans = [p for p in plans if p.url not in served][: change.count or None]
                 count = model.deployments[group].replicas if scale is not None else len(plans)
                 self._supervisor.add(change.model, engine, plans[:count], group)
                 if scale is not None:
@@ -320,6 +323,8 @@ class Reconciler:
             running = self._supervisor.replica_ids(model.name, group)
             count = len(running) if running or deployment.autoscale else deployment.replicas
             engine, plans = self._prepare(model, _all_plans(deployment))
+            if deployment.engine == "external":
+                count = len(plans)  # a replica per URL of the new spec, however many run now
             units += [(group, engine, plan) for plan in plans[:count]]
         return units
 

@@ -136,9 +136,17 @@ def _single(data: dict[str, Any], prompt: Any, choice: int, gateway_echo: bool) 
 
 
 def _route(ctx: RequestContext) -> RouteRequest:
-    parts = ctx.body.n * (len(ctx.body.prompts) if isinstance(ctx.body, CompletionRequest) else 1)
+    prompts = len(ctx.body.prompts) if isinstance(ctx.body, CompletionRequest) else 1
     route = ctx.route
-    return RouteRequest(route.model, tokens=route.tokens // parts, session=route.session, prompt=route.prompt)
+    prompt_tokens = route.prompt_tokens // prompts  # each part sends one prompt and asks one choice
+    output = (route.tokens - route.prompt_tokens) // (ctx.body.n * prompts)
+    return RouteRequest(
+        route.model,
+        tokens=prompt_tokens + output,
+        session=route.session,
+        prompt=route.prompt,
+        prompt_tokens=prompt_tokens,
+    )
 
 
 def _json(response: web.StreamResponse) -> dict[str, Any]:

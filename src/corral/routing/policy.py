@@ -142,12 +142,13 @@ class PrefixAffinity:
     request, in prompt tokens of prefill:
     - the prefill already routed there and not yet done (the request waits behind it);
     - the prompt tokens it would compute itself (the part beyond the longest prefix it served before, which
-      its cache likely still holds), once for its own wait and once per request running there, each of
-      which that prefill stalls;
+      its cache likely still holds), once for its own wait and once per request in flight or queued there,
+      each of which that prefill stalls or delays;
     - its decode: every step reads the KV of every sequence in the batch, so the request's steps are slower
       by the context in flight there, and it slows each running request's steps by its own context, for
-      about its output length; `decode_weight` converts a token of context read per step into prefill
-      tokens (the planner's step model gives 0.0004 to 0.0024 for dense models on L4 to H100; 0.001);
+      about its output length (its max_tokens, at most 256: a bound is not a forecast); `decode_weight`
+      converts a token of context read per step into prefill tokens (the planner's step model gives 0.0004
+      to 0.0024 for dense models on L4 to H100; 0.001);
     - a whole prompt's worth per request it would have to queue beyond the engine's slots.
     With prefill coalescing (`coalescing`, set by the router) a cold prefill counts once more, as the fleet
     work it duplicates: a request whose prefix is being computed on its replica then waits for it there
@@ -194,8 +195,10 @@ class PrefixAffinity:
         depths = self.index.depths(hashes, within)
         blocks = len(hashes)
         prompt = max(request.prompt_tokens, blocks)
-        context = request.tokens or prompt
-        decode = self.decode_weight * max(1, context - request.prompt_tokens)  # × context per step
+        # max_tokens bounds the answer, it does not forecast it: price at most a typical answer's steps
+        output = min(max(1, request.tokens - request.prompt_tokens), _PRICED_OUTPUT)
+        context = prompt + output
+        decode = self.decode_weight * output  # × the context per step
 
         def cost(replica: Replica) -> tuple[float, float]:
             load = loads[replica.id]
@@ -223,6 +226,8 @@ class PrefixAffinity:
         load = replica.load
         return load is not None and load.kv_usage is not None and load.kv_usage >= self._kv_pressure
 
+
+_PRICED_OUTPUT = 256  # output tokens a request's decode is priced for at most (the default estimate)
 
 DEFAULT_POLICY = PrefixAffinity.name
 
