@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -9,11 +10,31 @@ import subprocess
 import time
 import urllib.request
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
 from ..conftest import CORRAL, cluster_of
 
 FLEET = ["--replicas", "3", "--port", "0", "--time-scale", "50"]
+
+
+@contextlib.contextmanager
+def _fleet() -> Iterator[list[str]]:
+    """Three simulated servers (`corral sim`), their URLs."""
+    fleet = subprocess.Popen(
+        [*CORRAL, "sim", "--model", "llama-3.1-8b", "--gpu", "h100-sxm", "--served-name", "m", *FLEET],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        assert fleet.stdout is not None
+        urls = [fleet.stdout.readline().decode().strip() for _ in range(3)]
+        assert all(u.startswith("http://") for u in urls), urls
+        yield urls
+    finally:
+        os.killpg(fleet.pid, signal.SIGINT)
+        fleet.wait(timeout=20)
 
 
 def _ask(url: str) -> str:
@@ -27,16 +48,7 @@ def _ask(url: str) -> str:
 
 
 def test_every_url_of_an_external_deployment_is_a_replica_that_serves(tmp_path: Path) -> None:
-    fleet = subprocess.Popen(
-        [*CORRAL, "sim", "--model", "llama-3.1-8b", "--gpu", "h100-sxm", "--served-name", "m", *FLEET],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    try:
-        assert fleet.stdout is not None
-        urls = [fleet.stdout.readline().decode().strip() for _ in range(3)]
-        assert all(u.startswith("http://") for u in urls), urls
+    with _fleet() as urls:
         spec = (
             "gateway: {routing: round_robin}\nauth: {open: true}\n"
             f"models:\n  - name: m\n    deployments: [{{engine: external, urls: {json.dumps(urls)}}}]\n"
@@ -59,21 +71,10 @@ def test_every_url_of_an_external_deployment_is_a_replica_that_serves(tmp_path: 
                     break
                 time.sleep(0.2)
             assert sorted(r["url"] for r in cluster.status()["replicas"]) == sorted(urls)
-    finally:
-        os.killpg(fleet.pid, signal.SIGINT)
-        fleet.wait(timeout=20)
 
 
 def test_a_new_url_list_rolls_out_to_a_replica_per_url(tmp_path: Path) -> None:
-    fleet = subprocess.Popen(
-        [*CORRAL, "sim", "--model", "llama-3.1-8b", "--gpu", "h100-sxm", "--served-name", "m", *FLEET],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    try:
-        assert fleet.stdout is not None
-        urls = [fleet.stdout.readline().decode().strip() for _ in range(3)]
+    with _fleet() as urls:
         head = (
             "auth: {open: true}\nmodels:\n  - name: m\n    rollout: {steps: [1.0], step_s: 0.5}\n"
             "    deployments: [{engine: external, urls: "
@@ -93,6 +94,3 @@ def test_a_new_url_list_rolls_out_to_a_replica_per_url(tmp_path: Path) -> None:
                 time.sleep(0.3)
             assert seen == sorted(urls), (applied.stdout, applied.stderr, cluster.status())
             assert _ask(cluster.url)
-    finally:
-        os.killpg(fleet.pid, signal.SIGINT)
-        fleet.wait(timeout=20)
