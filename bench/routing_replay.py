@@ -9,7 +9,8 @@ seconds, so a policy change can be compared on several workloads and seeds befor
 
 For each policy: saturation requests/s from `--clients` closed-loop clients over `--duration` simulated
 seconds, then, on the same (warm) fleet, TTFT p50/p90/p99 under Poisson arrivals at `--rate` (default: 80%
-of round robin's saturation rate when round robin is run first), and the fleet's prefix-cache hit rate.
+of round robin's saturation rate on the first workload, when round robin is run first), and the fleet's
+prefix-cache hit rate.
 `--gateway-ms` adds the gateway's own latency (simulated milliseconds) before a request reaches its
 engine. Prints JSON.
 
@@ -27,17 +28,21 @@ import statistics
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
 from routing_quality import Workload
 
+from corral.config import LimitsSettings
+from corral.gateway.pipeline import prompt_text
 from corral.perf.calibration import calibrated_efficiency
 from corral.perf.catalog import load_catalog
 from corral.perf.replica import ReplicaLayout, ReplicaModel, replica_model
 from corral.perf.scheduler import EngineSequence, Scheduler, block_hashes
 from corral.perf.steps import StepPipeline
+from corral.protocol import ChatCompletionRequest, parse_body
 from corral.routing import POLICIES, PrefixAffinity, Replica, ReplicaSet, ReplicaState, Router, RouteRequest
 from corral.sim.text import chat_prompt, tokenize
 
-TOKENS_PER_BYTE = 0.25  # the gateway's estimate of a request's prompt tokens from its size, by default
+TOKENS_PER_BYTE = LimitsSettings().tokens_per_char  # the gateway's prompt-token estimate per body byte
 
 
 class _Engine:
@@ -108,11 +113,12 @@ class Replay:
 
     def _send(self, closed_loop: bool) -> None:
         body = self.work.next_body("llama", self.output)
-        estimate = int(len(json.dumps(body)) * TOKENS_PER_BYTE)
+        raw = orjson.dumps(body)  # what routing_quality.py sends
+        estimate = int(len(raw) * TOKENS_PER_BYTE)
         route = RouteRequest(
             "llama", tokens=estimate + self.output, session=body["user"], prompt_tokens=estimate
         )
-        route.prompt = "\n".join(f"{m['role']}:{m['content']}" for m in body["messages"])  # as the gateway
+        route.prompt = prompt_text(parse_body(ChatCompletionRequest, raw))
         replica = self.router.acquire(route)
         engine = self.engines[replica.id]
         prompt = tokenize(chat_prompt(body["messages"]))
@@ -160,12 +166,15 @@ def _percentile(values: list[float], share: float) -> float:
     return values[int(share * (len(values) - 1))]
 
 
-def measure(policy: str, args: argparse.Namespace, rate: float | None) -> dict[str, Any]:
-    """The policy's figures, averaged over `--seeds` workloads (each on a fresh fleet)."""
+def measure(policy: str, args: argparse.Namespace, rate: float | None) -> tuple[dict[str, Any], float | None]:
+    """The policy's figures, averaged over `--seeds` workloads (each on a fresh fleet), and the offered
+    rate; with no rate given, `--load` × this policy's saturation rate on the first workload."""
     runs = []
     for seed in range(7, 7 + args.seeds):
         replay = Replay(args, policy, seed)
         run: dict[str, float] = {"saturation_requests_per_s": replay.saturation(args.clients, args.duration)}
+        if rate is None:
+            rate = args.load * run["saturation_requests_per_s"]
         if rate:
             ttfts = replay.open_loop(rate, args.duration, seed + 4)
             run |= {f"ttft_p{p}_ms": 1000 * _percentile(ttfts, p / 100) for p in (50, 90, 99)}
@@ -179,7 +188,7 @@ def measure(policy: str, args: argparse.Namespace, rate: float | None) -> dict[s
             result[key + "_range"] = [round(min(values), 2), round(max(values), 2)]
     if rate:
         result["offered_requests_per_s"] = round(rate, 3)
-    return result
+    return result, rate
 
 
 def main() -> None:
@@ -205,12 +214,11 @@ def main() -> None:
 
     policies = args.policies.split(",")
     rate = args.rate
+    if rate is None and policies[0] != "round_robin":
+        rate = 0.0  # no rate to offer: saturation only
     results = []
-    for policy in policies:
-        result = measure(policy, args, rate)
-        if rate is None and policy == "round_robin":
-            rate = args.load * result["saturation_requests_per_s"]
-            result = measure(policy, args, rate)
+    for policy in policies:  # round robin, when first and no --rate, sets the rate for everyone
+        result, rate = measure(policy, args, rate)
         results.append(result)
     print(json.dumps({"benchmark": "routing_replay", **vars(args), "policies": results}, indent=2))
 
