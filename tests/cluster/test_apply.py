@@ -60,6 +60,11 @@ def replicas(cluster: RunningCluster) -> dict[str, str]:
     return {r["id"]: r["state"] for r in cluster.status()["replicas"]}
 
 
+def gpus(cluster: RunningCluster) -> dict[str, str | None]:
+    """The GPUs each replica holds (a simulated replica takes them as vLLM's would)."""
+    return {r["id"]: r["gpus"] for r in cluster.status()["replicas"]}
+
+
 def models(cluster: RunningCluster) -> set[str]:
     return {m["id"] for m in get_json(cluster.base_url + "/models")[1]["data"]}
 
@@ -107,6 +112,7 @@ def test_apply_adds_removes_and_scales_without_failing_a_request(tmp_path: Path)
         assert "scale_up: alpha (deployment 0, 1 replicas)" in grown.stderr
         want = {"alpha-0": "ready", "alpha-1": "ready", "alpha-2": "ready", "beta-0": "ready"}
         wait_for(lambda: replicas(cluster) == want, "the new replicas became ready")
+        assert gpus(cluster) == {"alpha-0": "0", "alpha-1": "1", "alpha-2": "2", "beta-0": "0"}
         assert models(cluster) == {"alpha", "beta"}
         client = openai.OpenAI(base_url=cluster.base_url, api_key="none")
         answer = client.chat.completions.create(model="beta", messages=[{"role": "user", "content": "hi"}])
@@ -120,6 +126,12 @@ def test_apply_adds_removes_and_scales_without_failing_a_request(tmp_path: Path)
         assert "scale_down: alpha (deployment 0, 2 replicas)" in shrunk.stderr
         assert replicas(cluster) == {"alpha-0": "ready"}  # the newest were drained, the oldest kept
         assert models(cluster) == {"alpha"}
+        regrown = apply(cluster, spec(tmp_path, "regrow.yaml", alpha=2, beta=False))
+        assert regrown.returncode == 0, regrown.stderr
+        wait_for(lambda: replicas(cluster) == {"alpha-0": "ready", "alpha-3": "ready"}, "alpha-3 ready")
+        assert gpus(cluster) == {"alpha-0": "0", "alpha-3": "1"}  # a free GPU, not alpha-0's again
+        assert apply(cluster, spec(tmp_path, "shrink.yaml", alpha=1, beta=False)).returncode == 0
+        assert replicas(cluster) == {"alpha-0": "ready"}
 
         again = apply(cluster, spec(tmp_path, "same.yaml", alpha=1, beta=False))
         assert again.returncode == 0 and "nothing to change" in again.stderr

@@ -207,10 +207,14 @@ class Autoscaler:
         return await asyncio.to_thread(replica_request_rate, state.model, deployment, lengths, slo)
 
     def _scale_up(self, state: _Group, more: int, members: list[Replica]) -> None:
-        in_use = self._supervisor.plans_in_use(state.model.name)
-        free = [p for p in state.plans if not any(p is used for used in in_use)] or state.plans
-        distinct = len({id(p) for p in state.plans}) > 1
+        free = self._supervisor.unused_plans(state.model.name, state.plans)
+        distinct = any(plan != state.plans[0] for plan in state.plans[1:])
         plans = free[:more] if distinct else [state.plans[0]] * more
+        if not plans:  # every GPU is held (a draining replica still has its own): try again next tick
+            logger.info(
+                "autoscaler %s: wants %d more replicas, no launch plan is free", state.model.name, more
+            )
+            return
         revision = max((r.revision for r in members), default=0)
         added = self._supervisor.add(state.model.name, state.engine, plans, state.group, revision)
         self._supervisor.start_added()

@@ -149,6 +149,8 @@ class RayReplica:
 class RayRuntime:
     """Starts replicas on a Ray cluster (joined by address, or a local one started here)."""
 
+    assigns_gpus = True  # its placement groups do; the plan's CUDA_VISIBLE_DEVICES is dropped
+
     def __init__(
         self,
         logs: Path,

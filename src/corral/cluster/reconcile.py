@@ -254,9 +254,18 @@ class Reconciler:
                 self._on_model(model)
             for group, engine, plans in groups:
                 scale = model.deployments[group].autoscale
-                if model.deployments[group].engine == "external":  # a replica per URL: the missing ones
-                    served = {r.url for r in self._supervisor.members(change.model, group)}
-                    plans = [p for p in plans if p.url not in served][: change.count or None]
+                if change.action == "scale_up":  # the plans no replica holds: free GPUs, unserved URLs
+                    free = self._supervisor.unused_plans(change.model, plans)
+                    if len(free) < change.count:
+                        logger.warning(
+                            "apply: %s needs %d more replicas but only %d launch plans are free (the others'"
+                            " GPUs are held, draining replicas included): starting %d",
+                            change.model,
+                            change.count,
+                            len(free),
+                            len(free),
+                        )
+                    plans = free[: change.count]
                 count = model.deployments[group].replicas if scale is not None else len(plans)
                 self._supervisor.add(change.model, engine, plans[:count], group)
                 if scale is not None:
@@ -288,9 +297,8 @@ class Reconciler:
     def _plans(self, change: Change, model: ModelSpec) -> list[Group]:
         if change.action == "add_model":
             groups = [(g, _all_plans(d)) for g, d in enumerate(model.deployments)]
-        else:
-            deployment = model.deployments[change.group]
-            groups = [(change.group, deployment.model_copy(update={"replicas": change.count}))]
+        else:  # a scale-up: every replica's plan, to choose the ones that running replicas do not hold
+            groups = [(change.group, model.deployments[change.group])]
         return [(group, *self._prepare(model, deployment)) for group, deployment in groups]
 
     async def _remove(self, change: Change, grace_s: float) -> None:

@@ -50,7 +50,10 @@ class RunningReplica(Protocol):
 
 
 class ReplicaRuntime(Protocol):
-    """Starts replicas from launch plans."""
+    """Starts replicas from launch plans. `assigns_gpus`: the runtime picks each replica's GPUs itself (Ray),
+    rather than the plan's CUDA_VISIBLE_DEVICES."""
+
+    assigns_gpus: bool
 
     async def start(self, replica_id: str, plan: LaunchPlan) -> RunningReplica: ...
 
@@ -103,6 +106,8 @@ class LocalProcess:
 
 class LocalProcessRuntime:
     """Runs each replica as a local process on a free port, logging to `<logs>/<replica>.log`."""
+
+    assigns_gpus = False
 
     def __init__(self, logs: Path, host: str = "127.0.0.1") -> None:
         self._logs = logs

@@ -77,6 +77,7 @@ class Supervisor:
                 context_length=plan.context_length,
                 features=plan.features,
                 api_key=plan.api_key,
+                gpus=None if self._runtime.assigns_gpus else plan.env.get("CUDA_VISIBLE_DEVICES"),
                 revision=revision,
                 admitted=admitted,
             )
@@ -116,6 +117,21 @@ class Supervisor:
         """The launch plans of `model`'s replicas, draining ones included (they still hold their GPUs): a
         new replica takes a plan not among them."""
         return [s.plan for s in self._slots if s.replica.model == model]
+
+    def unused_plans(self, model: str, plans: list[LaunchPlan]) -> list[LaunchPlan]:
+        """Those of `plans` that none of `model`'s replicas holds (see `plans_in_use`). Plans that differ
+        (vLLM's and the simulator's by GPU, an external deployment's by URL) are each held once; plans that
+        are all alike (llama.cpp's) are all free."""
+        if all(plan == plans[0] for plan in plans[1:]):
+            return plans
+        held = self.plans_in_use(model)
+        free = []
+        for plan in plans:
+            if plan in held:
+                held.remove(plan)
+            else:
+                free.append(plan)
+        return free
 
     def unit(self, replica_id: str) -> tuple[int, EngineAdapter, LaunchPlan]:
         """How a replica was launched (its deployment group, engine and plan), to start its like again;

@@ -117,7 +117,10 @@ class DeploymentSpec(Strict):
     )
     seed: int = Field(default=0, description="vllm --seed")
     device: Literal["gpu", "cpu"] = Field(default="gpu", description="vllm: GPU build, or the CPU build")
-    gpus: list[int] | None = Field(default=None, description="vllm: GPU ids this deployment may use")
+    gpus: list[int] | None = Field(
+        default=None,
+        description="vllm, sim: GPU ids this deployment may use (CUDA_VISIBLE_DEVICES per replica)",
+    )
     gpus_per_node: Annotated[
         int, Field(ge=1, description="vllm: GPUs in one machine (tensor_parallel may not exceed it)")
     ] = 8

@@ -34,6 +34,14 @@ class LaunchPlan:
     startup_s: float | None = None  # how long the engine may take to become ready (default: the supervisor's)
 
 
+def visible_gpus(deployment: DeploymentSpec, index: int) -> str:
+    """Replica `index`'s GPUs (CUDA_VISIBLE_DEVICES): the next TP × PP of the deployment's `gpus`, or of
+    0, 1, 2, … when it lists none."""
+    per_replica = deployment.gpus_per_replica
+    devices = deployment.gpus or list(range(per_replica * (index + 1)))
+    return ",".join(str(d) for d in devices[index * per_replica : (index + 1) * per_replica])
+
+
 class EngineAdapter(Protocol):
     """Knows one engine: its command line, its readiness and its metrics."""
 

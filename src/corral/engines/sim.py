@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 from corral.artifacts import Progress
 from corral.config import DeploymentSpec, ModelSpec, Paths
-from corral.engines.base import LaunchPlan
+from corral.engines.base import LaunchPlan, visible_gpus
 from corral.engines.vllm import parse_vllm_load
 from corral.routing import EngineFeatures, EngineLoad
 
@@ -60,6 +61,7 @@ class SimEngineAdapter:
             argv += ["--max-model-len", str(deployment.max_model_len)]
         plan = LaunchPlan(
             argv=(*argv, *deployment.engine_args),
+            env={},
             capacity=deployment.max_num_seqs,
             context_length=deployment.max_model_len,
             # The simulator answers n > 1 itself; it joins a prompt list into one and has no echo or images.
@@ -72,7 +74,11 @@ class SimEngineAdapter:
                 matryoshka=model.matryoshka,
             ),
         )
-        return [plan] * deployment.replicas
+        # GPUs as vLLM's replicas take them (the simulator uses none), so scaling picks them the same way
+        return [
+            dataclasses.replace(plan, env={"CUDA_VISIBLE_DEVICES": visible_gpus(deployment, index)})
+            for index in range(deployment.replicas)
+        ]
 
     def parse_load(self, metrics_text: str) -> EngineLoad:
         return parse_vllm_load(metrics_text)

@@ -11,7 +11,7 @@ from corral.artifacts import ArtifactError, Progress, resolve_model
 from corral.artifacts.hf_from_gguf import hf_folder_from_gguf
 from corral.artifacts.vllm_env import vllm_python
 from corral.config import DeploymentSpec, HuggingFaceSource, ModelSpec, Paths
-from corral.engines.base import LaunchPlan, read_gauges
+from corral.engines.base import LaunchPlan, read_gauges, visible_gpus
 from corral.routing import EngineFeatures, EngineLoad
 
 __all__ = ["VllmEngine", "parse_vllm_load"]
@@ -137,7 +137,4 @@ class VllmEngine:
                 "VLLM_CPU_KVCACHE_SPACE": str(max(1, math.ceil(deployment.kv_cache_gib))),
                 "VLLM_CPU_OMP_THREADS_BIND": str(index % cores),
             }
-        per_replica = deployment.gpus_per_replica
-        devices = deployment.gpus or list(range(per_replica * deployment.replicas))
-        mine = devices[index * per_replica : (index + 1) * per_replica]
-        return {"CUDA_VISIBLE_DEVICES": ",".join(str(d) for d in mine)}
+        return {"CUDA_VISIBLE_DEVICES": visible_gpus(deployment, index)}

@@ -97,6 +97,7 @@ class Replica:
     load: EngineLoad | None = None
     pid: int | None = None
     node: str | None = None  # the Ray node it runs on (None: this machine)
+    gpus: str | None = None  # the GPUs its plan gives it (CUDA_VISIBLE_DEVICES; None: none, or Ray's choice)
     restarts: int = 0
     started_at: float | None = None
     last_error: str | None = None
@@ -123,6 +124,7 @@ class Replica:
             "state": str(self.state),
             "pid": self.pid,
             "node": self.node,
+            "gpus": self.gpus,
             "restarts": self.restarts,
             "outstanding": self.outstanding,
             "capacity": self.capacity,
