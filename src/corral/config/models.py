@@ -151,6 +151,10 @@ class DeploymentSpec(Strict):
         self._check_counts()
         if self.engine == "external" and not self.urls:
             raise ValueError("engine 'external' needs 'urls': the base URLs of running servers")
+        seen = [url.rstrip("/") for url in self.urls]
+        twice = sorted({url for url in seen if seen.count(url) > 1})
+        if twice:
+            raise ValueError(f"urls lists a server twice: {', '.join(twice)} (a replica per URL)")
         if self.engine == "external" and self.replicas != len(self.urls):
             raise ValueError(
                 f"engine 'external' has a replica per URL: replicas {self.replicas} does not match the "
