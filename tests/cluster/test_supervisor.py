@@ -107,3 +107,22 @@ async def test_crashing_engine_backs_off_exponentially(supervisor: Supervisor) -
     assert time.monotonic() - started >= 1.4
     assert replica.last_error == "exited with code 3 while starting"
     assert replica.state is not ReplicaState.READY
+
+
+async def test_a_new_replica_takes_a_plan_no_live_replica_of_its_deployment_holds(tmp_path: Path) -> None:
+    settings = FAST.model_copy(update={"max_start_failures": 1})
+    supervisor = Supervisor(ReplicaSet(), LocalProcessRuntime(tmp_path / "logs"), settings)
+    gpus = [LaunchPlan(argv=("sh", "-c", "exit 3"), env={"CUDA_VISIBLE_DEVICES": str(i)}) for i in range(3)]
+    try:
+        (first,) = supervisor.add("m", LlamaCppEngine(), gpus[:1], group=0)
+        supervisor.add("m", LlamaCppEngine(), gpus[:2], group=1)
+        assert supervisor.unused_plans("m", 0, gpus) == gpus[1:]  # declared, not started: holds GPU 0
+        assert supervisor.unused_plans("m", 1, gpus) == gpus[2:]  # each deployment counts its own
+        alike = [LaunchPlan(argv=("llama-server",))] * 2
+        assert supervisor.unused_plans("m", 0, alike) == alike  # plans that hold nothing of their own
+        await supervisor.start()
+        await until(lambda: first.state is ReplicaState.FAILED, within=10)
+        await asyncio.sleep(0.1)  # its lifecycle has returned: the process is gone
+        assert supervisor.unused_plans("m", 0, gpus) == gpus  # a failed replica holds no GPU
+    finally:
+        await supervisor.stop()

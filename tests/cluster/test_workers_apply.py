@@ -90,6 +90,9 @@ def test_apply_and_drain_through_gateway_workers(tmp_path: Path) -> None:
             )
 
         wait_for(both_serve_beta, "both workers route beta by its own policy")
+        for view in per_worker(cluster, "/admin/routing").values():  # each worker mirrors the GPUs held
+            held = {r["id"]: r["gpus"] for r in view["replicas"] if r["id"].startswith("llama-8b")}
+            assert held == {"llama-8b-0": "0", "llama-8b-1": "1", "llama-8b-2": "2"}
         client = openai.OpenAI(base_url=cluster.base_url, api_key="none")
         for _ in range(6):  # new connections each: both workers answer for beta
             assert client.chat.completions.create(model="beta", messages=[{"role": "user", "content": "hi"}])

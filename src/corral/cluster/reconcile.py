@@ -255,7 +255,7 @@ class Reconciler:
             for group, engine, plans in groups:
                 scale = model.deployments[group].autoscale
                 if change.action == "scale_up":  # the plans no replica holds: free GPUs, unserved URLs
-                    free = self._supervisor.unused_plans(change.model, plans)
+                    free = self._supervisor.unused_plans(change.model, group, plans)
                     if len(free) < change.count:
                         logger.warning(
                             "apply: %s needs %d more replicas but only %d launch plans are free (the others'"

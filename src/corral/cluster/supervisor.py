@@ -9,6 +9,7 @@ process exits or a probe fails, and comes back when it answers again.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -113,25 +114,34 @@ class Supervisor:
             if s.replica.model == model and (group is None or s.group == group) and not s.draining
         ]
 
-    def plans_in_use(self, model: str) -> list[LaunchPlan]:
-        """The launch plans of `model`'s replicas, draining ones included (they still hold their GPUs): a
-        new replica takes a plan not among them."""
-        return [s.plan for s in self._slots if s.replica.model == model]
-
-    def unused_plans(self, model: str, plans: list[LaunchPlan]) -> list[LaunchPlan]:
-        """Those of `plans` that none of `model`'s replicas holds (see `plans_in_use`). Plans that differ
+    def unused_plans(self, model: str, group: int, plans: list[LaunchPlan]) -> list[LaunchPlan]:
+        """Those of `plans` (deployment `group`'s) that none of its replicas holds, so a new replica never
+        lands on a busy GPU. A replica holds its plan while its lifecycle runs (draining included: it still
+        has its GPUs until it stops; a failed one, whose process is gone, holds nothing). Plans that differ
         (vLLM's and the simulator's by GPU, an external deployment's by URL) are each held once; plans that
-        are all alike (llama.cpp's) are all free."""
-        if all(plan == plans[0] for plan in plans[1:]):
+        are all alike (llama.cpp's; any under Ray, which picks the GPUs itself) are all free."""
+        keys = [self._holds(plan) for plan in plans]
+        if all(key == keys[0] for key in keys[1:]):
             return plans
-        held = self.plans_in_use(model)
+        held = [
+            self._holds(s.plan)
+            for s in self._slots
+            if s.replica.model == model and s.group == group and (s.task is None or not s.task.done())
+        ]
         free = []
-        for plan in plans:
-            if plan in held:
-                held.remove(plan)
+        for plan, key in zip(plans, keys, strict=True):
+            if key in held:
+                held.remove(key)
             else:
                 free.append(plan)
         return free
+
+    def _holds(self, plan: LaunchPlan) -> LaunchPlan:
+        """What of a plan a live replica keeps to itself: all of it, less the GPUs when Ray assigns them."""
+        if not self._runtime.assigns_gpus or "CUDA_VISIBLE_DEVICES" not in plan.env:
+            return plan
+        env = {key: value for key, value in plan.env.items() if key != "CUDA_VISIBLE_DEVICES"}
+        return dataclasses.replace(plan, env=env)
 
     def unit(self, replica_id: str) -> tuple[int, EngineAdapter, LaunchPlan]:
         """How a replica was launched (its deployment group, engine and plan), to start its like again;

@@ -162,7 +162,7 @@ class DeploymentSpec(Strict):
             )
         if self.engine == "sim" and self.gpu is None:
             raise ValueError("engine 'sim' needs 'gpu': the GPU type whose timing it simulates")
-        if self.engine == "vllm" and self.device == "gpu":
+        if (self.engine == "vllm" and self.device == "gpu") or (self.engine == "sim" and self.gpus):
             self._check_gpu_layout()
         if self.span_nodes and not self.ray_workers:
             raise ValueError(

@@ -200,7 +200,7 @@ class _StatusViews:
     models it may use) and `/corral/status` the admin key, or a tenant key, which sees its models' replicas
     without their addresses and processes."""
 
-    _INTERNAL = ("url", "pid", "node", "log_tail", "last_error")
+    _INTERNAL = ("url", "pid", "node", "gpus", "log_tail", "last_error")
 
     def __init__(
         self,

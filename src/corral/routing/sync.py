@@ -32,6 +32,7 @@ _SHARED = (
     "api_key",
     "pid",
     "node",
+    "gpus",
     "restarts",
     "started_at",
     "last_error",
