@@ -126,6 +126,9 @@ def test_an_external_deployment_has_a_replica_per_url() -> None:
     with pytest.raises(ValueError, match="a replica per URL"):
         one = "{engine: external, replicas: 1, urls: " + urls + "}"
         parse_spec(f"models:\n  - name: m\n    deployments: [{one}]\n")
+    with pytest.raises(SpecError, match=r"needs 3 GPUs \(replicas 3 × TP 1 × PP 1\) but 'gpus' declares 1"):
+        sim = "{engine: sim, gpu: l4, replicas: 3, gpus: [5]}"  # the simulator takes GPUs as vLLM does
+        parse_spec(f"models:\n  - name: m\n    deployments: [{sim}]\n")
     with pytest.raises(SpecError, match="urls lists a server twice: http://a:1 "):
         twice = "{engine: external, urls: [http://a:1, http://b:1, 'http://a:1/']}"
         parse_spec(f"models:\n  - name: m\n    deployments: [{twice}]\n")

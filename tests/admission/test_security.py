@@ -3,6 +3,7 @@ apart; the admin API takes only the admin key."""
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -85,3 +86,7 @@ async def test_a_tenant_sees_neither_other_tenants_usage_nor_their_models(closed
     assert status == 401 and "acme" not in text
     status, text = await call(closed, "GET", "/corral/status", globex["key"])
     assert status == 200 and '"m-0"' not in text
+    status, text = await call(closed, "GET", "/corral/status", acme["key"])
+    (replica,) = json.loads(text)["replicas"]  # its model's replica, without where and how it runs
+    assert status == 200 and replica["id"] == "m-0" and replica["state"] == "ready"
+    assert not {"url", "pid", "node", "gpus", "log_tail", "last_error"} & set(replica)
