@@ -207,9 +207,7 @@ class Autoscaler:
         return await asyncio.to_thread(replica_request_rate, state.model, deployment, lengths, slo)
 
     def _scale_up(self, state: _Group, more: int, members: list[Replica]) -> None:
-        free = self._supervisor.unused_plans(state.model.name, state.group, state.plans)
-        distinct = any(plan != state.plans[0] for plan in state.plans[1:])
-        plans = free[:more] if distinct else [state.plans[0]] * more
+        plans = self._supervisor.unused_plans(state.model.name, state.group, state.plans)[:more]
         if not plans:  # every GPU is held (a draining replica still has its own): try again next tick
             logger.info(
                 "autoscaler %s: wants %d more replicas, no launch plan is free", state.model.name, more

@@ -61,7 +61,6 @@ class SimEngineAdapter:
             argv += ["--max-model-len", str(deployment.max_model_len)]
         plan = LaunchPlan(
             argv=(*argv, *deployment.engine_args),
-            env={},
             capacity=deployment.max_num_seqs,
             context_length=deployment.max_model_len,
             # The simulator answers n > 1 itself; it joins a prompt list into one and has no echo or images.
