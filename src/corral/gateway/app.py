@@ -29,6 +29,7 @@ from corral.gateway.metrics import GatewayMetrics
 from corral.gateway.pipeline import Pipeline
 from corral.gateway.relay import Relay, RelayTimeouts
 from corral.gateway.services import GatewayServices
+from corral.gateway.upstream import EngineClient
 from corral.gateway.usage import UsageRecorder
 from corral.protocol import APIError, MethodNotAllowed, ModelNotFound, NotFound, PayloadTooLarge
 from corral.protocol.openapi import openapi_document
@@ -95,7 +96,10 @@ def build_app(
             timeouts = RelayTimeouts(
                 connect=settings.connect_timeout, read=settings.read_timeout, stall=settings.stall_timeout
             )
-            relay = Relay(session, router, retries=settings.retries, timeouts=timeouts)
+            engines = EngineClient(
+                settings.connect_timeout, settings.read_timeout, settings.max_upstream_connections
+            )
+            relay = Relay(engines, session, router, retries=settings.retries, timeouts=timeouts)
             rebuild = _semantic_cache(services, relay)
             pipeline.start(relay, usage)
             services.queue.start()
@@ -117,6 +121,7 @@ def build_app(
                 await metrics.stop()
                 await services.queue.stop()
                 await usage.stop()
+                engines.close()
                 for limiter in (*services.retired, services.limiter):
                     await limiter.close()
 

@@ -12,7 +12,6 @@ import asyncio
 import logging
 import re
 import time
-from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -23,6 +22,7 @@ from aiohttp import web
 from corral.gateway.context import RequestContext
 from corral.gateway.failover import Continuation, Sent, Transcript, continuation_body
 from corral.gateway.sse import SSEFilter
+from corral.gateway.upstream import EngineClient, EngineConnectionError, EngineResponse
 from corral.protocol import ChatCompletionRequest, NoCapacity, UpstreamError, UpstreamTimeout, error_body
 from corral.routing import Replica, Router, RouteRequest
 
@@ -32,11 +32,19 @@ logger = logging.getLogger(__name__)
 
 _RETRYABLE_STATUS = frozenset({502, 503})
 _INPUT_TOO_LONG = re.compile(r"input (?:\((\d+) tokens\) )?is too large to process")
-_UPSTREAM_HEADERS = {"Content-Type": "application/json"}
 _SEP = b"\n\n"
 _DONE_EVENT = b"data: [DONE]\n\n"
 _USAGE_KEY = b'"usage"'
 _BACKSLASH = ord("\\")
+# what can go wrong asking another replica to continue a stream (tokenizing, then the POST)
+_CONTINUE_FAILURES = (
+    EngineConnectionError,
+    aiohttp.ClientError,
+    TimeoutError,
+    KeyError,
+    ValueError,
+    TypeError,
+)
 SSE_HEADERS = {
     "Content-Type": "text/event-stream",
     "Cache-Control": "no-cache",
@@ -56,9 +64,18 @@ class RelayTimeouts:
 
 
 class Relay:
-    """Sends requests upstream through one pooled HTTP client session."""
+    """Sends requests to engines over pooled keep-alive connections (`engines`; `session`, aiohttp's client,
+    for the rare calls that are not the relay's own: tokenizing a failed-over stream's text)."""
 
-    def __init__(self, session: aiohttp.ClientSession, router: Router, retries: int, timeouts: RelayTimeouts):
+    def __init__(
+        self,
+        engines: EngineClient,
+        session: aiohttp.ClientSession,
+        router: Router,
+        retries: int,
+        timeouts: RelayTimeouts,
+    ) -> None:
+        self._engines = engines
         self._session = session
         self._router = router
         self._retries = retries
@@ -114,17 +131,20 @@ class Relay:
                 break
             ok: bool | None = None  # cancelled (the caller's deadline): not the replica's fault
             try:
-                async with await self._post(replica, path, body) as upstream:
+                upstream = await self._engines.post(replica.url, path, body, replica.api_key)
+                try:
                     answer = await upstream.read()
-                    if upstream.status == 200:
-                        ok = True
-                        return answer
-                    status, error = _engine_error(upstream.status, answer)
-                    failure = f"engine answered {upstream.status}"
-                    if status < 500:  # the input's fault (an over-long text, say): no retry, no blame
-                        raise UpstreamError(f"{route.model} refused the input: {error.decode()[:200]}")
-                    ok = False
-            except (aiohttp.ClientError, TimeoutError) as exc:
+                finally:
+                    upstream.release()
+                if upstream.status == 200:
+                    ok = True
+                    return answer
+                status, error = _engine_error(upstream.status, answer)
+                failure = f"engine answered {upstream.status}"
+                if status < 500:  # the input's fault (an over-long text, say): no retry, no blame
+                    raise UpstreamError(f"{route.model} refused the input: {error.decode()[:200]}")
+                ok = False
+            except (EngineConnectionError, TimeoutError) as exc:
                 ok, failure = False, f"{type(exc).__name__}: {exc}"
             finally:
                 self._router.release(replica, route, ok)
@@ -134,51 +154,27 @@ class Relay:
     async def _attempt(
         self, replica: Replica, ctx: RequestContext, request: web.Request | None
     ) -> web.StreamResponse:
-        try:  # _post's steps written out here: one coroutine layer fewer on every request's suspensions
-            try:
-                upstream = await self._send(replica, ctx.path, ctx.upstream_body)
-            except aiohttp.ClientConnectorError:
-                raise
-            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
-                logger.debug("replica %s closed a pooled connection; sending again", replica.id)
-                upstream = await self._send(replica, ctx.path, ctx.upstream_body)
+        try:
+            upstream = await self._engines.post(replica.url, ctx.path, ctx.upstream_body, replica.api_key)
         except TimeoutError as exc:
             raise UpstreamTimeout(f"Replica {replica.id} did not answer in time.") from exc
-        except aiohttp.ClientError as exc:
+        except EngineConnectionError as exc:
             raise _Retryable(f"{type(exc).__name__}: {exc}") from exc
-        async with upstream:
+        try:
             if upstream.status in _RETRYABLE_STATUS:
                 raise _Retryable(f"engine answered {upstream.status}")
             if not ctx.stream or upstream.status != 200 or request is None:
                 return await self._whole(replica, ctx, upstream)
             return await self._stream(replica, ctx, upstream, request)
+        finally:
+            upstream.release()
 
-    async def _post(self, replica: Replica, path: str, body: bytes) -> aiohttp.ClientResponse:
-        """POST to the replica. An engine may close a pooled keep-alive connection just as it is reused
-        (llama-server closes them after a few seconds or requests): that one disconnect, seen as a server
-        disconnect or as a body that cannot be written, is retried at once on a new connection, since it
-        says nothing about the replica's health (a refused connection does, and is not)."""
-        try:
-            return await self._send(replica, path, body)
-        except aiohttp.ClientConnectorError:
-            raise
-        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
-            logger.debug("replica %s closed a pooled connection; sending again", replica.id)
-        return await self._send(replica, path, body)
-
-    def _send(self, replica: Replica, path: str, body: bytes) -> Awaitable[aiohttp.ClientResponse]:
-        """The POST, to be awaited (aiohttp's request context manager)."""
-        headers = _with_key(replica.api_key) if replica.api_key else _UPSTREAM_HEADERS
-        return self._session.post(replica.url + path, data=body, headers=headers, timeout=self._timeout)
-
-    async def _whole(
-        self, replica: Replica, ctx: RequestContext, upstream: aiohttp.ClientResponse
-    ) -> web.Response:
+    async def _whole(self, replica: Replica, ctx: RequestContext, upstream: EngineResponse) -> web.Response:
         try:
             body = await upstream.read()
         except TimeoutError as exc:
             raise UpstreamTimeout(f"Replica {replica.id} did not finish its answer in time.") from exc
-        except aiohttp.ClientError as exc:
+        except EngineConnectionError as exc:
             raise _Retryable(f"{type(exc).__name__}: {exc}") from exc
         status, content_type = upstream.status, upstream.content_type
         if status == 200:
@@ -194,19 +190,19 @@ class Relay:
         return web.Response(body=body, status=status, content_type=content_type, headers=headers)
 
     async def _stream(
-        self, replica: Replica, ctx: RequestContext, upstream: aiohttp.ClientResponse, request: web.Request
+        self, replica: Replica, ctx: RequestContext, upstream: EngineResponse, request: web.Request
     ) -> web.StreamResponse:
         sse = SSEFilter(keep_usage=ctx.client_wants_usage)
-        chunks = upstream.content.iter_any()
         first = b""
         try:
             while not first:  # hold the response until the first whole event: a failure here can retry
-                first = sse.feed(await anext(chunks))
-        except StopAsyncIteration as exc:
-            raise _Retryable("stream ended before its first event") from exc
+                data = await upstream.chunk()
+                if not data:
+                    raise _Retryable("stream ended before its first event")
+                first = sse.feed(data)
         except TimeoutError as exc:
             raise UpstreamTimeout(f"Replica {replica.id} sent no first token in time.") from exc
-        except aiohttp.ClientError as exc:
+        except EngineConnectionError as exc:
             raise _Retryable(f"{type(exc).__name__}: {exc}") from exc
 
         self._router.prefilled(replica, ctx.route)  # the first token came: the prompt is in its cache
@@ -220,13 +216,13 @@ class Relay:
                 transcript.add(first)
             if ctx.written is not None:
                 ctx.written.append(first)
-            problem = await self._pump(chunks, sse, response, transcript, ctx.written)
+            problem = await self._pump(upstream, sse, response, transcript, ctx.written)
             ctx.complete = problem is None
             if problem is not None:
                 ctx.replica_failed = True  # the breaker hears of it, whatever happens to the stream
                 ctx.written = None  # a stream continued elsewhere, or cut, is not kept
             if problem is not None and transcript is not None:
-                upstream.close()  # let go of the failed replica before asking another one
+                upstream.release()  # let go of the failed replica before asking another one
                 problem = await self._fail_over(ctx, replica, problem, transcript, response)
             if problem is not None:
                 logger.warning("stream from replica %s cut: %s", replica.id, problem)
@@ -244,7 +240,7 @@ class Relay:
 
     async def _pump(
         self,
-        chunks: AsyncIterator[bytes],
+        upstream: EngineResponse,
         events: _Events,
         response: web.StreamResponse,
         transcript: Transcript | None,
@@ -254,10 +250,10 @@ class Relay:
         fail over also fails when its replica goes silent for `stall_timeout` (one watchdog timer per
         stream, not one per chunk: a timer per chunk cost more than the rest of the chunk's relaying)."""
         if transcript is None:
-            return await self._copy(chunks, events, response, None, written, None)
+            return await self._copy(upstream, events, response, None, written, None)
         watch = _StallWatch(self._stall)
         try:
-            return await self._copy(chunks, events, response, transcript, written, watch)
+            return await self._copy(upstream, events, response, transcript, written, watch)
         except asyncio.CancelledError:
             if watch.expired and watch.task.uncancel() == 0:  # the watch's doing, and no one else's
                 return "the replica stopped sending tokens"
@@ -267,7 +263,7 @@ class Relay:
 
     async def _copy(
         self,
-        chunks: AsyncIterator[bytes],
+        upstream: EngineResponse,
         events: _Events,
         response: web.StreamResponse,
         transcript: Transcript | None,
@@ -276,13 +272,13 @@ class Relay:
     ) -> str | None:
         while True:
             try:
-                data = await anext(chunks)
-            except StopAsyncIteration:
-                return None if events.done else "the replica closed the stream before it was complete"
+                data = await upstream.chunk()
             except TimeoutError:  # the read timeout (the stall watch cancels the copy from outside)
                 return "the replica stopped sending tokens"
-            except aiohttp.ClientError as exc:
+            except EngineConnectionError as exc:
                 return f"the replica failed mid-stream ({type(exc).__name__})"
+            if not data:
+                return None if events.done else "the replica closed the stream before it was complete"
             out = events.feed(data)
             if out:
                 if watch is not None:
@@ -343,18 +339,28 @@ class Relay:
     ) -> str | None:
         try:
             token_ids = await self._token_ids(replica, sent) if _by_tokens(ctx) else None
-            upstream = await self._post(replica, ctx.path, continuation_body(ctx, sent, token_ids))
-        except (aiohttp.ClientError, TimeoutError, KeyError, ValueError, TypeError) as exc:
+            body = continuation_body(ctx, sent, token_ids)
+            upstream = await self._engines.post(replica.url, ctx.path, body, replica.api_key)
+        except (
+            EngineConnectionError,
+            aiohttp.ClientError,
+            TimeoutError,
+            KeyError,
+            ValueError,
+            TypeError,
+        ) as exc:
             return f"continuing on {replica.id} failed ({type(exc).__name__})"
-        async with upstream:
+        try:
             if upstream.status != 200:
                 return f"continuing on {replica.id} was refused with {upstream.status}"
             echoed = replica.features.prefill_echo and isinstance(ctx.body, ChatCompletionRequest)
             continuation = Continuation(sent, keep_usage=ctx.client_wants_usage, echoed=echoed)
-            problem = await self._pump(upstream.content.iter_any(), continuation, response, transcript)
+            problem = await self._pump(upstream, continuation, response, transcript)
             if continuation.usage is not None:
                 ctx.usage = continuation.usage
             return problem
+        finally:
+            upstream.release()
 
     async def _token_ids(self, replica: Replica, sent: Sent) -> list[int] | None:
         """The token ids of the pieces sent, from the engine's own tokenizer: one request per piece, in turn
@@ -417,10 +423,6 @@ class _Events(Protocol):
     done: bool
 
     def feed(self, data: bytes) -> bytes: ...
-
-
-def _with_key(key: str) -> dict[str, str]:
-    return {**_UPSTREAM_HEADERS, "Authorization": f"Bearer {key}"}
 
 
 def _engine_error(status: int, body: bytes) -> tuple[int, bytes]:

@@ -1,0 +1,383 @@
+"""The relay's HTTP/1.1 client to engines: keep-alive connections, one request at a time on each.
+
+Every generation request crosses this client, so it does only what an engine exchange needs: the request
+goes out as one buffer; the answer is parsed by llhttp (httptools, the parser uvicorn uses) in the socket's
+own callbacks, and its body is handed over as the bytes arrived, with no per-read timer, queue or stream
+object. aiohttp's client (still used for the gateway's other calls: probes, tokenizing, the eval gate)
+also builds URLs, cookie jars, header multidicts and trace hooks and arms a timer on every read, none of
+which an engine on a known address needs; bench/gateway_overhead.py measures what this saves.
+
+Failures, as the relay tells them apart:
+- `EngineUnreachable`: no connection could be made (refused, unresolvable): the replica is down.
+- `EngineDisconnected`: the connection closed or broke before the answer ended. A pooled connection that
+  the engine closed just as it was reused (llama-server closes idle ones after a few seconds) is sent
+  again once on a new connection here, since that says nothing about the replica's health.
+- `TimeoutError`: connecting took longer than `connect_timeout`, or the engine sent nothing for
+  `read_timeout` seconds while its answer was awaited (time spent waiting on a slow client does not count).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+from collections import deque
+from typing import cast
+from urllib.parse import urlsplit
+
+import httptools
+
+__all__ = [
+    "EngineClient",
+    "EngineConnectionError",
+    "EngineDisconnected",
+    "EngineResponse",
+    "EngineUnreachable",
+]
+
+_PAUSE_AT = 256 * 1024  # bytes of answer buffered before the socket stops being read (a slow client)
+_CONTENT_TYPE = b"content-type"
+_FRAMING = frozenset({b"content-length", b"transfer-encoding"})
+_NO_BODY = frozenset({204, 304})
+
+
+class EngineConnectionError(Exception):
+    """The exchange with an engine failed below HTTP."""
+
+
+class EngineUnreachable(EngineConnectionError):
+    """No connection to the engine could be opened."""
+
+
+class EngineDisconnected(EngineConnectionError):
+    """The engine's connection closed or broke before its answer ended."""
+
+
+class _Origin:
+    """An engine's address, its Host header line and its idle connections (most recently used last)."""
+
+    __slots__ = ("header", "host", "idle", "port", "tls")
+
+    def __init__(self, url: str) -> None:
+        parts = urlsplit(url)
+        self.tls = parts.scheme == "https"
+        self.host = parts.hostname or "127.0.0.1"
+        self.port = parts.port or (443 if self.tls else 80)
+        self.header = b"Host: " + parts.netloc.encode("idna") + b"\r\n\r\n"
+        self.idle: deque[EngineResponse] = deque()
+
+
+class EngineResponse(asyncio.Protocol):
+    """One keep-alive connection and the answer to the request it carries now (HTTP/1.1 without
+    pipelining carries one at a time, so the connection is the response)."""
+
+    def __init__(self, client: EngineClient, origin: _Origin) -> None:
+        self._client = client
+        self._origin = origin
+        self._loop = client.loop
+        self._parser = httptools.HttpResponseParser(self)
+        self._transport: asyncio.Transport | None = None
+        self._waiter: asyncio.Future[None] | None = None
+        self._chunks: list[bytes] = []
+        self._buffered = 0
+        self._paused = False
+        self._watch: asyncio.TimerHandle | None = None
+        self._read_timeout = client.read_timeout
+        self._last_read = 0.0
+        self._error: BaseException | None = None
+        self._in_use = False
+        self.answered = False  # a byte of the current answer came (a failure then is no stale connection)
+        self.closed = False
+        self.idle_since = 0.0
+        self.status = 0
+        self.content_type = "application/octet-stream"
+        self.headers_done = False
+        self.done = False
+        self._framed = False  # the answer says where its body ends (a length, or chunks)
+        self._keep_alive = False  # (llhttp forgets it once a message ends: kept from its headers)
+
+    # asyncio.Protocol -------------------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = cast(asyncio.Transport, transport)  # (uvloop's is no asyncio.Transport subclass)
+
+    def data_received(self, data: bytes) -> None:
+        self._last_read = self._loop.time()
+        self.answered = True
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self._fail(EngineDisconnected(f"the engine's answer is not valid HTTP: {exc}"))
+            self.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self._client.closed(self)
+        if self.headers_done and not self.done and exc is None and not self._framed:
+            self.on_message_complete()  # a body that ends with the connection (no length, not chunked)
+        elif not self.done:
+            why = f": {exc}" if exc is not None else ""
+            self._fail(EngineDisconnected(f"the engine closed the connection{why}"))
+
+    # httptools callbacks ----------------------------------------------------------------------------
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        name = name.lower()
+        if name == _CONTENT_TYPE:
+            self.content_type = value.split(b";", 1)[0].strip().decode("latin-1")
+        elif name in _FRAMING:
+            self._framed = True
+
+    def on_headers_complete(self) -> None:
+        self.status = status = self._parser.get_status_code()
+        self._keep_alive = self._parser.should_keep_alive()
+        self._framed = self._framed or status in _NO_BODY
+        self.headers_done = True
+        self._wake()
+
+    def on_body(self, body: bytes) -> None:
+        self._chunks.append(body)
+        self._buffered += len(body)
+        if self._buffered > _PAUSE_AT and not self._paused and self._transport is not None:
+            self._paused = True
+            self._transport.pause_reading()
+        self._wake()
+
+    def on_message_complete(self) -> None:
+        self.done = True
+        self._unwatch()
+        self._wake()
+
+    # the exchange -----------------------------------------------------------------------------------
+
+    def send(self, head: bytes, body: bytes) -> None:
+        """Write a request (its head up to the Host line, then the body) and start the read watch."""
+        assert self._transport is not None
+        self.status, self.headers_done, self.done, self._error = 0, False, False, None
+        self._framed = self._keep_alive = False
+        self.content_type = "application/octet-stream"
+        self.answered = False
+        self._in_use = True
+        self._last_read = self._loop.time()
+        self._watch = self._loop.call_at(self._last_read + self._read_timeout, self._check_read)
+        self._transport.write(head + self._origin.header + body)
+
+    async def started(self) -> None:
+        """Wait for the answer's status line and headers."""
+        while not self.headers_done:
+            await self._wait()
+
+    def take(self) -> bytes:
+        """The answer's bytes received since the last take (b"" if none yet)."""
+        chunks = self._chunks
+        if not chunks:
+            return b""
+        data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        chunks.clear()
+        self._buffered = 0
+        if self._paused and self._transport is not None:
+            self._paused = False
+            self._transport.resume_reading()
+        return data
+
+    async def chunk(self) -> bytes:
+        """The next bytes of the answer's body; b"" once it has ended."""
+        while not self._chunks:
+            if self.done:
+                return b""
+            await self._wait()
+        return self.take()
+
+    async def read(self) -> bytes:
+        """The whole (rest of the) answer's body."""
+        if self.done:
+            return self.take()
+        parts = []
+        while not self.done:
+            if self._buffered > _PAUSE_AT // 2:  # a large answer: take it on the way (reading may be paused)
+                parts.append(self.take())
+            await self._wait()
+        parts.append(self.take())
+        return b"".join(parts)
+
+    def release(self) -> None:
+        """Done with the answer, once: the connection goes back to the pool if the answer was read to the
+        end, else it closes (a client that went away: the engine sees the close and stops generating)."""
+        if not self._in_use:
+            return
+        self._in_use = False
+        self._client.freed()
+        if self.done and not self.closed and not self._chunks and self._keep_alive:
+            self.idle_since = self._loop.time()
+            self._origin.idle.append(self)
+        else:
+            self.close()
+
+    def close(self) -> None:
+        """Close the connection, whatever it carries now."""
+        self._unwatch()
+        if not self.closed:
+            self.closed = True
+            self._client.closed(self)
+            if self._transport is not None:
+                self._transport.close()
+
+    # internals --------------------------------------------------------------------------------------
+
+    async def _wait(self) -> None:
+        if self._error is None:
+            waiter = self._waiter = self._loop.create_future()
+            try:
+                await waiter
+            finally:
+                self._waiter = None
+        if self._error is not None:
+            raise self._error
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def _fail(self, error: BaseException) -> None:
+        if self._error is None:
+            self._error = error
+        self._unwatch()
+        self._wake()
+
+    def _unwatch(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+            self._watch = None
+
+    def _check_read(self) -> None:
+        """The read watch: one timer per request, moved on lazily to `read_timeout` after the last bytes;
+        it does not fire while reading is paused for a slow client."""
+        self._watch = None
+        if self.done or self.closed:
+            return
+        now = self._loop.time()
+        if not self._paused and now - self._last_read >= self._read_timeout:
+            self._fail(TimeoutError(f"the engine sent nothing for {self._read_timeout:g} s"))
+            self.close()
+            return
+        start = now if self._paused else self._last_read
+        self._watch = self._loop.call_at(start + self._read_timeout, self._check_read)
+
+
+class EngineClient:
+    """Pooled keep-alive connections to engines; at most `limit` requests use one at once (more wait)."""
+
+    def __init__(self, connect_timeout: float, read_timeout: float, limit: int, keepalive_s: float = 30.0):
+        self.loop = asyncio.get_running_loop()
+        self.read_timeout = read_timeout
+        self._connect_timeout = connect_timeout
+        self._limit = limit
+        self._keepalive = keepalive_s
+        self._busy = 0
+        self._slots: deque[asyncio.Future[None]] = deque()
+        self._origins: dict[str, _Origin] = {}
+        self._open: set[EngineResponse] = set()
+        self._tls: ssl.SSLContext | None = None
+
+    async def post(self, base_url: str, path: str, body: bytes, authorization: str | None) -> EngineResponse:
+        """POST `body` (JSON) to `base_url + path`: the response once its headers came. The caller reads
+        its body and must `release()` it."""
+        head = b"POST " + path.encode() + b" HTTP/1.1\r\nContent-Type: application/json\r\nContent-Length: "
+        head += str(len(body)).encode() + b"\r\n"
+        if authorization:
+            head += b"Authorization: Bearer " + authorization.encode("latin-1") + b"\r\n"
+        origin = self._origins.get(base_url) or self._origins.setdefault(base_url, _Origin(base_url))
+        if self._busy >= self._limit:
+            await self._slot()
+        self._busy += 1
+        try:
+            idle = self._pooled(origin)
+            if idle is not None:
+                try:
+                    return await self._exchange(idle, head, body)
+                except EngineDisconnected:
+                    if idle.answered:
+                        raise
+                # the engine closed that idle connection as it was reused: once more on a new one
+            return await self._exchange(await self._connect(origin), head, body)
+        except BaseException:
+            self.freed()
+            raise
+
+    def close(self) -> None:
+        """Close every connection (the gateway is stopping)."""
+        for response in list(self._open):
+            response.close()
+        while self._slots:
+            waiter = self._slots.popleft()
+            if not waiter.done():
+                waiter.set_exception(EngineUnreachable("the gateway is shutting down"))
+
+    # told by EngineResponse -------------------------------------------------------------------------
+
+    def freed(self) -> None:
+        """A request is done with its connection: one waiting for a slot may go on."""
+        self._busy -= 1
+        while self._slots:
+            waiter = self._slots.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+
+    def closed(self, response: EngineResponse) -> None:
+        self._open.discard(response)
+
+    # internals --------------------------------------------------------------------------------------
+
+    async def _slot(self) -> None:
+        while self._busy >= self._limit:
+            waiter = self.loop.create_future()
+            self._slots.append(waiter)
+            await waiter
+
+    async def _exchange(self, response: EngineResponse, head: bytes, body: bytes) -> EngineResponse:
+        """Send on `response`'s connection and wait for the answer's headers (the slot stays the
+        caller's: a failure here closes the connection and leaves the slot to `post`)."""
+        response.send(head, body)
+        try:
+            await response.started()
+        except BaseException:
+            response._in_use = False
+            response.close()
+            raise
+        return response
+
+    def _pooled(self, origin: _Origin) -> EngineResponse | None:
+        idle = origin.idle
+        stale = self.loop.time() - self._keepalive
+        while idle:
+            response = idle.pop()
+            if not response.closed and response.idle_since > stale:
+                return response
+            response.close()
+        return None
+
+    async def _connect(self, origin: _Origin) -> EngineResponse:
+        response = EngineResponse(self, origin)
+        self._open.add(response)
+        try:
+            async with asyncio.timeout(self._connect_timeout):
+                await self.loop.create_connection(
+                    lambda: response,
+                    origin.host,
+                    origin.port,
+                    ssl=self._tls_context() if origin.tls else None,
+                    server_hostname=origin.host if origin.tls else None,
+                )
+        except OSError as exc:
+            self._open.discard(response)
+            raise EngineUnreachable(f"cannot connect to {origin.host}:{origin.port}: {exc}") from exc
+        except BaseException:
+            self._open.discard(response)
+            raise
+        return response
+
+    def _tls_context(self) -> ssl.SSLContext:
+        if self._tls is None:
+            self._tls = ssl.create_default_context()
+        return self._tls
