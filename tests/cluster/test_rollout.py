@@ -4,16 +4,25 @@ llama.cpp replicas of SmolLM2: a rolling update to the same weights with other e
 with 0 failed requests and 0 truncated streams, and answers come from the new replicas afterwards; a
 candidate that fails the golden eval, and one that cannot start, are rolled back with the old replicas
 untouched and 0 failed requests. Simulated replicas: blue-green with weighted traffic steps, pause, resume
-and rollback from the CLI.
+and rollback from the CLI; and on GPUs (the simulator takes them as vLLM does): with every listed GPU busy,
+rolling forward, rolling back and a refused blue-green never put two live replicas on one GPU, while a
+spare GPU takes the first new replica with no old one drained.
 """
 
 from __future__ import annotations
 
 import subprocess
+import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from corral.cluster import Supervisor
+from corral.cluster.rollout import Rollout
+from corral.config import RolloutSpec, SupervisorSettings
+from corral.engines import LaunchPlan, SimEngineAdapter
+from corral.routing import ReplicaSet
 from tests.cluster.load import Load
 from tests.conftest import CORRAL, RunningCluster, get_json, start_cluster
 
@@ -40,7 +49,8 @@ models:
   - name: alpha
     arch: llama-3.1-8b
     rollout: {{strategy: blue_green, steps: [0.5, 1.0], step_s: {step_s}}}
-    deployments: [{{engine: sim, replicas: 2, gpu: {gpu}, time_scale: 20, max_num_seqs: 8}}]
+    deployments:
+      - {{engine: sim, replicas: 2, gpus: [0, 1, 2, 3], gpu: {gpu}, time_scale: 20, max_num_seqs: 8}}
 """
 
 
@@ -58,9 +68,13 @@ def rollout(cluster: RunningCluster, model: str) -> dict[str, Any]:
     return get_json(cluster.url + "/admin/rollouts")[1]["rollouts"].get(model, {})
 
 
-def until_phase(cluster: RunningCluster, model: str, phases: set[str], timeout: float = 180) -> dict:
+def until_phase(
+    cluster: RunningCluster, model: str, phases: set[str], timeout: float = 180, after: dict | None = None
+) -> dict:
+    """The model's rollout state once in one of `phases` (a rollout other than `after`, when given)."""
     deadline = time.monotonic() + timeout
-    while (state := rollout(cluster, model)).get("phase") not in phases:
+    started = (after or {}).get("started_at")
+    while (state := rollout(cluster, model)).get("phase") not in phases or state["started_at"] == started:
         assert time.monotonic() < deadline, f"rollout still {state}"
         time.sleep(0.2)
     return state
@@ -152,3 +166,165 @@ def test_blue_green_steps_pause_resume_and_rollback(tmp_path: Path) -> None:
         load.stop()
         cluster.stop()
     assert load.failures == []
+
+
+ON_GPUS = """
+supervisor: {{probe_interval: 0.5}}
+auth: {{open: true}}
+models:
+  - name: alpha
+    arch: llama-3.1-8b
+    rollout: {{strategy: {strategy}, steps: [0.5, 1.0], step_s: 1, golden_eval: [{eval}]}}
+    deployments: [{{engine: sim, replicas: 2, gpus: {gpus}, gpu: {gpu}, time_scale: 20, max_num_seqs: 8}}]
+"""
+
+
+def on_gpus(
+    tmp: Path, name: str, gpu: str, gpus: str = "[0, 1]", strategy: str = "rolling", gate: str = PASSES
+) -> Path:
+    return write(tmp, name, ON_GPUS.format(strategy=strategy, eval=gate, gpus=gpus, gpu=gpu))
+
+
+class Sampler:
+    """Polls `corral status` in a thread: the replicas (id, state, revision, gpus) at each moment."""
+
+    def __init__(self, cluster: RunningCluster) -> None:
+        self.samples: list[list[dict[str, Any]]] = []
+        self._cluster = cluster
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
+
+    def _poll(self) -> None:
+        while not self._stop.is_set():
+            self.samples.append(self._cluster.status()["replicas"])
+            self._stop.wait(0.05)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+
+    def shared(self) -> list[dict[str, list[str]]]:
+        """Each moment at which two live (not stopped) replicas held one GPU: the GPU and their ids."""
+        moments = []
+        for sample in self.samples:
+            holders: dict[str, list[str]] = {}
+            for replica in sample:
+                if replica["state"] != "stopped":
+                    for gpu in (replica["gpus"] or "").split(","):
+                        if gpu:
+                            holders.setdefault(gpu, []).append(replica["id"])
+            twice = {gpu: ids for gpu, ids in holders.items() if len(ids) > 1}
+            if twice:
+                moments.append(twice)
+        return moments
+
+    def revisions_seen(self) -> set[int]:
+        return {r["revision"] for sample in self.samples for r in sample}
+
+
+def holders(cluster: RunningCluster) -> dict[str, list[tuple[int, str]]]:
+    """Each GPU's replicas now: (revision, state)."""
+    held: dict[str, list[tuple[int, str]]] = {}
+    for replica in cluster.status()["replicas"]:
+        held.setdefault(replica["gpus"], []).append((replica["revision"], replica["state"]))
+    return held
+
+
+def test_rolling_on_busy_gpus_drains_first_and_never_shares_a_gpu(tmp_path: Path) -> None:
+    cluster = start_cluster(tmp_path, on_gpus(tmp_path, "start.yaml", gpu="l4"))
+    load = Load(cluster.base_url, "alpha", max_tokens=16)
+    sampler = Sampler(cluster)
+    try:
+        load.add_users([True, False])
+        rolling = on_gpus(tmp_path, "rolling.yaml", gpu="h100-sxm")
+        assert corral("apply", "-f", str(rolling), "--url", cluster.url, "--grace", "30").returncode == 0
+        state = until_phase(cluster, "alpha", {"completed", "rolled_back"})
+        assert state["phase"] == "completed", state
+        sampler.stop()
+        assert sampler.shared() == []
+        assert sampler.revisions_seen() == {0, 1} and len(sampler.samples) > 20  # it watched the rollout
+        assert holders(cluster) == {"0": [(1, "ready")], "1": [(1, "ready")]}
+        events = [e["message"] for e in cluster.status()["events"]]
+        assert any("no free GPUs for the next new replica: alpha-0 is drained first" in m for m in events)
+
+        green = on_gpus(tmp_path, "green.yaml", gpu="l4", strategy="blue_green")
+        assert corral("apply", "-f", str(green), "--url", cluster.url).returncode == 0
+        refused = until_phase(cluster, "alpha", {"completed", "rolled_back"}, after=state)
+        assert refused["phase"] == "rolled_back", refused
+        assert "blue_green needs spare GPUs for the whole new revision" in refused["message"], refused
+        assert replicas(cluster) == {"alpha-2": ("ready", 1), "alpha-3": ("ready", 1)}  # nothing started
+    finally:
+        sampler.stop()
+        load.stop()
+        cluster.stop()
+    assert load.failures == []  # one replica short at a time, never none
+    assert load.served > 10
+
+
+def test_rollback_on_busy_gpus_frees_the_gpus_before_restarting_the_old_replica(tmp_path: Path) -> None:
+    cluster = start_cluster(tmp_path, on_gpus(tmp_path, "start.yaml", gpu="l4"))
+    sampler = Sampler(cluster)
+    try:
+        bad = on_gpus(tmp_path, "bad.yaml", gpu="h100-sxm", gate=FAILS)
+        assert corral("apply", "-f", str(bad), "--url", cluster.url).returncode == 0
+        state = until_phase(cluster, "alpha", {"completed", "rolled_back"})
+        assert state["phase"] == "rolled_back" and "failed the gate" in state["message"], state
+        sampler.stop()
+        assert sampler.shared() == []
+        assert sampler.revisions_seen() == {0, 1}  # the candidate did start, on a GPU of its own
+        assert holders(cluster) == {"0": [(0, "ready")], "1": [(0, "ready")]}
+        assert set(replicas(cluster)) == {"alpha-1", "alpha-3"}  # alpha-0 drained, started again as alpha-3
+    finally:
+        sampler.stop()
+        cluster.stop()
+
+
+def test_rolling_takes_a_spare_gpu_first_without_draining(tmp_path: Path) -> None:
+    cluster = start_cluster(tmp_path, on_gpus(tmp_path, "start.yaml", gpu="l4", gpus="[0, 1, 2]"))
+    sampler = Sampler(cluster)
+    try:
+        assert holders(cluster) == {"0": [(0, "ready")], "1": [(0, "ready")]}
+        new = on_gpus(tmp_path, "new.yaml", gpu="h100-sxm", gpus="[0, 1, 2]")
+        assert corral("apply", "-f", str(new), "--url", cluster.url).returncode == 0
+        state = until_phase(cluster, "alpha", {"completed", "rolled_back"})
+        assert state["phase"] == "completed", state
+        sampler.stop()
+        assert sampler.shared() == []
+        canary = next(sample for sample in sampler.samples if any(r["revision"] == 1 for r in sample))
+        placed = {r["gpus"]: (r["revision"], r["state"]) for r in canary}
+        assert placed == {"0": (0, "ready"), "1": (0, "ready"), "2": (1, placed["2"][1])}, canary
+        events = [e["message"] for e in cluster.status()["events"]]
+        gated = next(i for i, m in enumerate(events) if "alpha-2 passed the gate" in m)
+        drained = next(i for i, m in enumerate(events) if m.endswith(" drained"))
+        assert gated < drained  # the canary served beside both old replicas before any was drained
+        assert not any("is drained first" in m for m in events)
+        assert holders(cluster) == {"2": [(1, "ready")], "0": [(1, "ready")]}  # then alpha-0's GPU
+    finally:
+        sampler.stop()
+        cluster.stop()
+
+
+@dataclass
+class Placing:
+    """A runtime as the supervisor sees it before starting anything: does it pick the GPUs itself (Ray)?"""
+
+    assigns_gpus: bool
+
+
+def test_gpus_count_where_corral_places_them_and_not_under_ray() -> None:
+    engine = SimEngineAdapter()
+    on = [LaunchPlan(argv=("old",), env={"CUDA_VISIBLE_DEVICES": gpu}) for gpu in ("0", "1")]
+    new = [(0, engine, LaunchPlan(argv=("new",), env={"CUDA_VISIBLE_DEVICES": gpu})) for gpu in ("0", "1")]
+    spare = (0, engine, LaunchPlan(argv=("new",), env={"CUDA_VISIBLE_DEVICES": "2"}))
+    for ray in (False, True):
+        supervisor = Supervisor(ReplicaSet(), Placing(ray), SupervisorSettings())  # type: ignore[arg-type]
+        old = supervisor.add("m", engine, on)  # declared, not yet started: they hold their plans
+        plain = Rollout(supervisor, "m", new, RolloutSpec(), revision=1, grace_s=1)
+        spared = Rollout(supervisor, "m", new, RolloutSpec(), revision=1, grace_s=1, spares=[spare])
+        if ray:  # Ray picks each replica's GPUs: a plan's CUDA_VISIBLE_DEVICES holds nothing
+            assert supervisor.gpu_holders("m") == [] and [r.gpus for r in old] == [None, None]
+            assert plain._free_unit() == new[0] and plain._blocker(old) is None
+        else:
+            assert plain._free_unit() is None and plain._blocker(old) is old[0]
+            assert spared._free_unit() == spare  # a spare GPU before any old replica's

@@ -35,6 +35,7 @@ logger = logging.getLogger(__name__)
 
 Prepare = Callable[[ModelSpec, DeploymentSpec], tuple[EngineAdapter, list[LaunchPlan]]]
 Group = tuple[int, EngineAdapter, list[LaunchPlan]]  # a deployment's index, engine and launch plans
+Units = tuple[list[Unit], list[Unit]]  # a rollout's new replicas, and the spare plans they may take instead
 _LIVE_MODEL_FIELDS = ("routing", "tokenizer", "slo", "mid_stream_failover", "rollout", "cache")
 _LIVE_SECTIONS = ("queue", "limits")  # and gateway.routing: cluster settings every gateway takes live
 
@@ -313,28 +314,32 @@ class Reconciler:
 
     # rollouts ----------------------------------------------------------------------------------------
 
-    def _start_rollout(self, old: ModelSpec, new: ModelSpec, units: list[Unit], grace_s: float) -> None:
+    def _start_rollout(self, old: ModelSpec, new: ModelSpec, units: Units, grace_s: float) -> None:
         members = self._supervisor.members(new.name)
         revision = max((r.revision for r in members), default=0) + 1
-        rollout = Rollout(self._supervisor, new.name, units, new.rollout, revision, grace_s)
+        wanted, spares = units
+        rollout = Rollout(self._supervisor, new.name, wanted, new.rollout, revision, grace_s, spares)
         self._rollouts[new.name] = rollout
         self._previous[new.name] = old
         self.autoscaler.frozen.add(new.name)
         self._on_model(new)
         self._spawn(self._roll(rollout, old, new))
 
-    def _units(self, model: ModelSpec) -> list[Unit]:
+    def _units(self, model: ModelSpec) -> Units:
         """The new spec's replicas: as many per deployment as run now (an autoscaled one keeps its count;
-        a deployment at zero starts none: the autoscaler will, with the new plans)."""
+        a deployment at zero starts none: the autoscaler will, with the new plans); and the deployments'
+        other plans, spare GPUs a new replica may start on beside the old ones."""
         units: list[Unit] = []
+        spares: list[Unit] = []
         for group, deployment in enumerate(model.deployments):
             running = self._supervisor.replica_ids(model.name, group)
             count = len(running) if running or deployment.autoscale else deployment.replicas
-            engine, plans = self._prepare(model, _all_plans(deployment))
+            engine, plans = self._prepare(model, _every_slice(deployment))
             if deployment.engine == "external":
                 count = len(plans)  # a replica per URL of the new spec, however many run now
             units += [(group, engine, plan) for plan in plans[:count]]
-        return units
+            spares += [(group, engine, plan) for plan in plans[count:]]
+        return units, spares
 
     async def _roll(self, rollout: Rollout, old: ModelSpec, new: ModelSpec) -> None:
         try:
@@ -387,3 +392,13 @@ def _all_plans(deployment: DeploymentSpec) -> DeploymentSpec:
     if deployment.autoscale is None:
         return deployment
     return deployment.model_copy(update={"replicas": deployment.autoscale.max_replicas})
+
+
+def _every_slice(deployment: DeploymentSpec) -> DeploymentSpec:
+    """Prepared for a plan per GPU slice its `gpus` list holds (TP × PP GPUs each), however many replicas
+    it runs: the slices beyond them are the spare GPUs a rollout starts new replicas on first."""
+    deployment = _all_plans(deployment)
+    if not deployment.gpus:
+        return deployment
+    slices = len(deployment.gpus) // deployment.gpus_per_replica
+    return deployment.model_copy(update={"replicas": max(deployment.replicas, slices)})

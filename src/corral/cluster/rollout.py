@@ -11,8 +11,21 @@ failing a request:
 4. replace the rest: rolling starts and gates one new replica per old one it drains; blue-green sends all
    traffic to the new revision and drains every old replica. Draining lets requests and streams finish.
 
+GPUs: a new replica starts only on GPUs that no live replica of the model holds (one being drained holds
+its GPUs until it has stopped), as the supervisor counts them (`Supervisor.gpu_holders`: a plan's
+CUDA_VISIBLE_DEVICES; nothing under Ray, which picks GPUs itself; nothing for engines without GPUs, whose
+rollouts are as above). Spare GPUs are taken first: the new spec's launch plans no running replica holds,
+including the GPU slices its `gpus:` lists beyond its replica count. With none spare, the rollout drains
+an old replica before starting the new one that needs its GPUs (max-unavailable 1), taking old replicas'
+GPUs in the order they are retired. The trade-off: when every listed GPU is busy, even the first (canary)
+step first drains an old replica, so the model runs one replica short while each new one starts and is
+gated (a model with a single replica has none for that time: its requests wait in the queue). Blue-green
+needs GPUs for the whole new revision at once: without them it is refused (rolled back before anything
+starts, saying so) rather than started on GPUs the old replicas hold, where vLLM runs out of memory.
+
 Rolling back stops sending to the new revision at once, starts again any old replica already drained, then
-drains the new ones: the old replicas serve throughout. `pause`, `resume` and `abort` act between checks.
+drains the new ones: the old replicas serve throughout. An old replica whose GPUs a new one holds is
+started again only after that new one is drained. `pause`, `resume` and `abort` act between checks.
 """
 
 from __future__ import annotations
@@ -20,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
 from typing import Any
 
 import aiohttp
@@ -54,11 +68,16 @@ class Rollout:
         policy: RolloutSpec,
         revision: int,
         grace_s: float,
+        spares: list[Unit] | None = None,
     ) -> None:
+        """`units`: the new replicas to start; `spares`: other launch plans of their deployments (GPUs the
+        spec lists beyond its replicas) a new replica may take instead, when its own GPUs are held."""
         self._supervisor = supervisor
         self._replicas = supervisor.replicas
         self.model = model
         self._units = units
+        self._pool = [*units, *(spares or [])]  # plans not taken yet, the preferred first
+        self._wanted = Counter(group for group, _, _ in units)  # new replicas still to start, per group
         self._policy = policy
         self.revision = revision
         self._grace = grace_s
@@ -127,30 +146,118 @@ class Rollout:
     async def _forward(self, session: aiohttp.ClientSession, old: list[Replica]) -> None:
         if not self._units:  # nothing runs now (scaled to zero): the autoscaler starts the new revision
             return
-        blue_green = self._policy.strategy == "blue_green"
-        first = len(self._units) if blue_green else 1
-        new = await self._start(session, self._units[:first])  # not routable until gated (`admitted`)
+        if self._policy.strategy == "blue_green":
+            await self._blue_green(session, old)
+        else:
+            await self._rolling(session, old)
+
+    async def _rolling(self, session: aiohttp.ClientSession, old: list[Replica]) -> None:
+        waiting = list(old)  # old replicas still running, in the order they are retired
+        new = await self._start(session, [await self._claim(waiting)])  # routable once gated (`admitted`)
+        await self._shift(new, waiting, capped=True)
+        self._replicas.splits.pop(self.model, None)  # routed by the model's policy over both
+        self._publish(phase="replacing", share=None)
+        while self._wanted.total():
+            if waiting:  # surge 1: an old replica goes for each further new one
+                await self._retire(self._pop_retiree(waiting))
+            new += await self._start(session, [await self._claim(waiting)])
+            await self._watch(new, waiting, 0.0)
+        await asyncio.gather(*(self._retire(r) for r in waiting))
+
+    async def _blue_green(self, session: aiohttp.ClientSession, old: list[Replica]) -> None:
+        new = await self._start(session, self._claim_all())
+        await self._shift(new, old, capped=False)
+        self._replicas.splits[self.model] = TrafficSplit(self.revision, 1.0)
+        self._publish(phase="replacing", share=1.0)
+        await asyncio.gather(*(self._retire(r) for r in old))
+
+    async def _shift(self, new: list[Replica], old: list[Replica], capped: bool) -> None:
+        """Move traffic to the new revision in the policy's steps, watching each."""
         for step, share in enumerate(self._policy.steps, 1):
-            if not blue_green:  # one new replica among the old ones takes at most its share by count
+            if capped:  # a new replica among the old ones takes at most its share by count
                 share = min(share, len(new) / (len(new) + len(old)))
             self._replicas.splits[self.model] = TrafficSplit(self.revision, share)
             self._publish(phase="shifting", share=share, step=step, message=f"{share:.0%} of traffic")
             self._event(f"step {step}: {share:.0%} of traffic to revision {self.revision}")
             await self._watch(new, old, self._policy.step_s)
-        if blue_green:
-            self._replicas.splits[self.model] = TrafficSplit(self.revision, 1.0)
-        else:
-            self._replicas.splits.pop(self.model, None)  # routed by the model's policy over both
-        self._publish(phase="replacing", share=1.0 if blue_green else None)
-        waiting = list(old)
-        if waiting and not blue_green:
-            await self._retire(waiting.pop(0))
-        for unit in self._units[first:]:
-            new += await self._start(session, [unit])
-            await self._watch(new, waiting, 0.0)
-            if waiting:
-                await self._retire(waiting.pop(0))
-        await asyncio.gather(*(self._retire(r) for r in waiting))
+
+    # GPUs ------------------------------------------------------------------------------------------
+
+    async def _claim(self, waiting: list[Replica]) -> Unit:
+        """The next new replica's launch plan, on GPUs no live replica holds (spare ones first). When none
+        is free, the oldest of `waiting` whose GPUs a plan needs is retired first; GPUs held by replicas
+        someone else is draining are waited for."""
+        deadline = time.monotonic() + self._grace + self._policy.ready_timeout_s
+        while (unit := self._free_unit()) is None:
+            self._check_abort()
+            blocker = self._blocker(waiting)
+            if blocker is not None:
+                waiting.remove(blocker)
+                self._event(f"no free GPUs for the next new replica: {blocker.id} is drained first")
+                await self._retire(blocker)
+            elif time.monotonic() > deadline:
+                raise _Abort(f"no free GPUs for revision {self.revision}'s next replica: {self._held()}")
+            else:
+                await asyncio.sleep(_CHECK_S)
+        return self._take(unit)
+
+    def _claim_all(self) -> list[Unit]:
+        """Plans for every new replica at once (blue-green), all on free GPUs; _Abort when there are not
+        enough: the old replicas hold the rest, and only a rolling update can free them."""
+        units = []
+        while (unit := self._free_unit()) is not None:
+            units.append(self._take(unit))
+        if self._wanted.total():
+            raise _Abort(
+                f"blue_green needs spare GPUs for the whole new revision: {len(self._units)} new replicas, "
+                f"free GPUs for {len(units)} ({self._held()}); list spare GPUs in the deployment's `gpus`, "
+                "or use strategy rolling"
+            )
+        return units
+
+    def _free_unit(self) -> Unit | None:
+        """The first plan still wanted whose GPUs no live replica but this revision's holds (the new spec
+        may share GPUs between its own deployments)."""
+        held: set[str] = set()
+        for replica, gpus in self._supervisor.gpu_holders(self.model):
+            if replica.revision != self.revision:
+                held |= gpus
+        gpus_of = self._supervisor.plan_gpus
+        return next((u for u in self._pool if self._wanted[u[0]] and not gpus_of(u[2]) & held), None)
+
+    def _take(self, unit: Unit) -> Unit:
+        self._pool.remove(unit)
+        self._wanted[unit[0]] -= 1
+        return unit
+
+    def _blocker(self, waiting: list[Replica]) -> Replica | None:
+        """The first of `waiting` holding GPUs that a plan still wanted needs."""
+        needed: set[str] = set()
+        for group, _, plan in self._pool:
+            if self._wanted[group]:
+                needed |= self._supervisor.plan_gpus(plan)
+        holding = {r.id: gpus for r, gpus in self._supervisor.gpu_holders(self.model)}
+        return next((r for r in waiting if holding.get(r.id, frozenset()) & needed), None)
+
+    def _pop_retiree(self, waiting: list[Replica]) -> Replica:
+        """The oldest waiting replica, unless no new one could start now and a later one holds GPUs a new
+        one needs: that one, so that a retirement always frees room."""
+        blocker = None if self._free_unit() is not None else self._blocker(waiting)
+        chosen = blocker or waiting[0]
+        waiting.remove(chosen)
+        return chosen
+
+    def _held(self) -> str:
+        held = self._supervisor.gpu_holders(self.model)
+        return ", ".join(f"GPU {','.join(sorted(gpus))} held by {r.id}" for r, gpus in held) or "none held"
+
+    def _new_holding(self, plan: LaunchPlan) -> list[Replica]:
+        """This revision's replicas that hold any of `plan`'s GPUs."""
+        gpus = self._supervisor.plan_gpus(plan)
+        holders = self._supervisor.gpu_holders(self.model)
+        return [r for r, held in holders if r.revision == self.revision and held & gpus]
+
+    # starting and watching ---------------------------------------------------------------------
 
     async def _start(self, session: aiohttp.ClientSession, units: list[Unit]) -> list[Replica]:
         """Start replicas of the new revision, wait until they are ready, and gate each."""
@@ -241,17 +348,9 @@ class Rollout:
             self._replicas.splits[self.model] = TrafficSplit(self.revision, 0.0)
         self._publish(phase="rolling_back", message=reason)
         self._event(f"rolling back: {reason}")
-        restarted = [
-            replica
-            for (group, engine, plan), revision in self._drained_old
-            for replica in self._supervisor.add(self.model, engine, [plan], group, revision)
-        ]
-        self._supervisor.start_added()
-        deadline = time.monotonic() + self._policy.ready_timeout_s
-        while restarted and not all(r.ready for r in restarted) and time.monotonic() < deadline:  # noqa: ASYNC110
-            await asyncio.sleep(_CHECK_S)
+        back = await self._restart_old()
         candidates = [r for r in self._supervisor.members(self.model) if r.revision == self.revision]
-        if restarted and not all(r.ready for r in restarted) and candidates:
+        if not back and candidates:
             self._replicas.splits.pop(self.model, None)  # keep serving with what answers
             message = f"{reason}; the old replicas did not come back, so {len(candidates)} new ones stay"
             self._publish(phase="rolled_back", share=None, message=message)
@@ -261,6 +360,37 @@ class Rollout:
         await asyncio.gather(*(self._supervisor.drain(r.id, self._grace) for r in candidates))
         self._publish(phase="rolled_back", share=0.0, message=reason)
         self._event(f"rolled back to the previous revision: {reason}")
+
+    async def _restart_old(self) -> bool:
+        """Start the drained old replicas again: at once those whose GPUs are free, then one at a time each
+        whose GPUs new replicas hold, once those are drained. False when one did not come back in time."""
+        free: list[tuple[Unit, int]] = []
+        blocked: list[tuple[Unit, int]] = []
+        for drained in self._drained_old:
+            (blocked if self._new_holding(drained[0][2]) else free).append(drained)
+        if not await self._restart(free):
+            return False
+        for unit, revision in blocked:
+            holders = self._new_holding(unit[2])
+            if holders:
+                self._event(f"draining {', '.join(r.id for r in holders)} to free GPUs for an old replica")
+            await asyncio.gather(*(self._supervisor.drain(r.id, self._grace) for r in holders))
+            if not await self._restart([(unit, revision)]):
+                return False
+        return True
+
+    async def _restart(self, drained: list[tuple[Unit, int]]) -> bool:
+        """Start these old replicas again; whether all are ready within the policy's ready timeout."""
+        restarted = [
+            replica
+            for (group, engine, plan), revision in drained
+            for replica in self._supervisor.add(self.model, engine, [plan], group, revision)
+        ]
+        self._supervisor.start_added()
+        deadline = time.monotonic() + self._policy.ready_timeout_s
+        while not all(r.ready for r in restarted) and time.monotonic() < deadline:  # noqa: ASYNC110
+            await asyncio.sleep(_CHECK_S)
+        return all(r.ready for r in restarted)
 
     def _publish(self, **changes: Any) -> None:
         self._state.update(changes, updated_at=round(time.time(), 3))

@@ -78,7 +78,7 @@ class Supervisor:
                 context_length=plan.context_length,
                 features=plan.features,
                 api_key=plan.api_key,
-                gpus=None if self._runtime.assigns_gpus else plan.env.get("CUDA_VISIBLE_DEVICES"),
+                gpus=self._visible_gpus(plan),
                 revision=revision,
                 admitted=admitted,
             )
@@ -126,7 +126,7 @@ class Supervisor:
         held = [
             self._holds(s.plan)
             for s in self._slots
-            if s.replica.model == model and s.group == group and (s.task is None or not s.task.done())
+            if s.replica.model == model and s.group == group and self._holding(s)
         ]
         free = []
         for plan, key in zip(plans, keys, strict=True):
@@ -138,10 +138,30 @@ class Supervisor:
 
     def _holds(self, plan: LaunchPlan) -> LaunchPlan:
         """What of a plan a live replica keeps to itself: all of it, less the GPUs when Ray assigns them."""
-        if not self._runtime.assigns_gpus or "CUDA_VISIBLE_DEVICES" not in plan.env:
+        if self._visible_gpus(plan) is not None or "CUDA_VISIBLE_DEVICES" not in plan.env:
             return plan
         env = {key: value for key, value in plan.env.items() if key != "CUDA_VISIBLE_DEVICES"}
         return dataclasses.replace(plan, env=env)
+
+    @staticmethod
+    def _holding(slot: _Slot) -> bool:
+        """A replica holds its plan (its GPUs) while its lifecycle runs: draining included, since it keeps
+        its GPUs until it stops; a failed one, whose process is gone, holds nothing."""
+        return slot.task is None or not slot.task.done()
+
+    def _visible_gpus(self, plan: LaunchPlan) -> str | None:
+        """The GPUs a replica of `plan` is given (its CUDA_VISIBLE_DEVICES); None when it has none, or when
+        the runtime picks them itself (Ray: the plan's value is dropped)."""
+        return None if self._runtime.assigns_gpus else plan.env.get("CUDA_VISIBLE_DEVICES")
+
+    def plan_gpus(self, plan: LaunchPlan) -> frozenset[str]:
+        """The GPU ids a replica started from `plan` holds; empty when corral does not place its GPUs."""
+        return frozenset(gpu.strip() for gpu in (self._visible_gpus(plan) or "").split(",") if gpu.strip())
+
+    def gpu_holders(self, model: str) -> list[tuple[Replica, frozenset[str]]]:
+        """`model`'s replicas that hold GPUs now (draining ones until they stop), each with its GPU ids."""
+        live = [s for s in self._slots if s.replica.model == model and self._holding(s)]
+        return [(s.replica, gpus) for s in live if (gpus := self.plan_gpus(s.plan))]
 
     def unit(self, replica_id: str) -> tuple[int, EngineAdapter, LaunchPlan]:
         """How a replica was launched (its deployment group, engine and plan), to start its like again;

@@ -44,13 +44,15 @@ class EvalCase(Strict):
 class RolloutSpec(Strict):
     """How a change of a model's weights, engine or arguments reaches traffic (`corral apply`).
 
-    `rolling` starts one new replica at a time (surge 1) and drains an old one for each; `blue_green`
-    starts them all, then shifts traffic and drains every old one. Either way each new replica must start,
-    answer the golden eval, then take the traffic steps with a health check between; a failure rolls back
-    with the old replicas serving throughout."""
+    `rolling` starts one new replica at a time (surge 1) and drains an old one for each (on GPUs with none
+    spare, the old one first); `blue_green` starts them all, then shifts traffic and drains every old one.
+    Either way each new replica must start, answer the golden eval, then take the traffic steps with a
+    health check between; a failure rolls back with the old replicas serving throughout."""
 
     strategy: Literal["rolling", "blue_green"] = Field(
-        default="rolling", description="rolling (surge 1) or blue_green (all new replicas at once)"
+        default="rolling",
+        description="rolling (surge 1; with no spare GPU, one old replica is drained first) or blue_green "
+        "(all new replicas at once: needs spare GPUs for all of them)",
     )
     steps: list[Annotated[float, Field(gt=0, le=1)]] = Field(
         default_factory=lambda: [0.1, 0.5, 1.0],
