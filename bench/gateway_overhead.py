@@ -3,17 +3,19 @@
 Two fast local upstreams (vLLM-style) answer chat completions at once (non-streaming, or a stream of N
 one-token chunks with no delay, plus a usage chunk when asked). The same load runs, interleaved, against:
 an upstream directly; a bare relay (aiohttp server + aiohttp client on uvloop, bytes passed through, round
-robin over the two, nothing else: the floor for any Python gateway); the Rust vllm-router (PyPI
-`vllm-router`, `--policy round_robin`, when installed: `pip install -e '.[bench]'`); corral's gateway in
-open mode (`corral up` with the two upstreams as one external deployment, default routing: parse, route,
-relay, usage records, metrics); and corral with API keys, rate limits (in memory), queueing and metrics all
-on. Each runs in its own process. Streaming clients ask for `stream_options.include_usage`, as the
-official clients' users do (`--no-client-usage`: they don't, and corral asks the engine for usage itself
-and strips it again).
+robin over the two, nothing else: the floor for a Python gateway built on aiohttp); a lean bare relay (the
+same, with corral's own engine client, gateway/upstream.py, in place of aiohttp's: the floor for corral's
+stack, so that its ratio is what corral's routing, admission, usage and metrics cost); the Rust
+vllm-router (PyPI `vllm-router`, `--policy round_robin`, when installed: `pip install -e '.[bench]'`);
+corral's gateway in open mode (`corral up` with the two upstreams as one external deployment, default
+routing: parse, route, relay, usage records, metrics); and corral with API keys, rate limits (in memory),
+queueing and metrics all on. Each runs in its own process. Streaming clients ask for
+`stream_options.include_usage`, as the official clients' users do (`--no-client-usage`: they don't, and
+corral asks the engine for usage itself and strips it again).
 
 Printed JSON, per (concurrency, streaming): requests/s and its ratio to direct, p50/p99 latency and the
 latency each relay adds, and each relay's CPU time per request (the steadiest figure on a shared
-machine), with corral's ratio to the bare relay.
+machine), with corral's ratios to the bare relay and to the lean bare relay.
 
     .venv/bin/python bench/gateway_overhead.py [--chunks 64] [--requests 3000] [--rounds 2]
 """
@@ -73,6 +75,36 @@ def serve_upstream(port: int, chunks: int) -> None:
     app = web.Application()
     app.router.add_post("/v1/chat/completions", chat)
     app.router.add_get("/health", health)
+    web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None, loop=uvloop.new_event_loop())
+
+
+def serve_lean_relay(port: int, upstreams: list[str]) -> None:
+    from corral.gateway.upstream import EngineClient
+
+    turn = itertools.cycle(upstreams)
+
+    async def relay(request: web.Request) -> web.StreamResponse:
+        client: EngineClient = request.app["client"]
+        up = await client.post(next(turn), request.path, await request.read(), None)
+        try:
+            response = web.StreamResponse(status=up.status, headers={"Content-Type": up.content_type})
+            await response.prepare(request)
+            while data := await up.chunk():
+                await response.write(data)
+            await response.write_eof()
+            return response
+        finally:
+            up.release()
+
+    async def client_ctx(app: web.Application) -> Any:
+        client = EngineClient(connect_timeout=3, read_timeout=120, limit=4096)
+        app["client"] = client
+        yield
+        client.close()
+
+    app = web.Application()
+    app.cleanup_ctx.append(client_ctx)
+    app.router.add_post("/v1/chat/completions", relay)
     web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None, loop=uvloop.new_event_loop())
 
 
@@ -176,6 +208,8 @@ def main() -> None:
     if args.serve:
         if args.serve[0] == "upstream":
             serve_upstream(int(args.serve[1]), int(args.serve[2]))
+        elif args.serve[0] == "lean":
+            serve_lean_relay(int(args.serve[1]), args.serve[2:])
         else:
             serve_bare_relay(int(args.serve[1]), args.serve[2:])
         return
@@ -190,7 +224,7 @@ def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     me = [sys.executable, __file__, "--serve"]
     up_ports = [free_port(), free_port()]
     upstreams = [f"http://127.0.0.1:{p}" for p in up_ports]
-    names = ["bare_relay", "vllm_router", "corral", "corral_keys"]
+    names = ["bare_relay", "lean_relay", "vllm_router", "corral", "corral_keys"]
     if args.scrape_interval > 0:
         names.append("corral_scraped")
     ports = {name: free_port() for name in names}
@@ -210,6 +244,7 @@ def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             f"upstream{i}": spawn([*me, "upstream", str(p), str(args.chunks)]) for i, p in enumerate(up_ports)
         },
         "bare_relay": spawn([*me, "bare", str(ports["bare_relay"]), *upstreams]),
+        "lean_relay": spawn([*me, "lean", str(ports["lean_relay"]), *upstreams]),
         "corral": spawn([*corral, str(spec)], env=home),
         "corral_keys": spawn([*corral, str(keyed)], env=home),
     }
@@ -346,6 +381,10 @@ def summarise(concurrency: int, stream: bool, samples: dict[str, list[dict[str, 
             out[f"{target}_cpu_ratio_to_bare_relay"] = round(
                 out[target]["cpu_ms_per_request"] / out["bare_relay"]["cpu_ms_per_request"], 3
             )
+    for target in ("corral", "corral_keys"):
+        out[f"{target}_cpu_ratio_to_lean_relay"] = round(
+            out[target]["cpu_ms_per_request"] / out["lean_relay"]["cpu_ms_per_request"], 3
+        )
     return out
 
 

@@ -132,3 +132,15 @@ def test_an_external_deployment_has_a_replica_per_url() -> None:
     with pytest.raises(SpecError, match="urls lists a server twice: http://a:1 "):
         twice = "{engine: external, urls: [http://a:1, http://b:1, 'http://a:1/']}"
         parse_spec(f"models:\n  - name: m\n    deployments: [{twice}]\n")
+
+
+def test_an_engine_api_key_with_a_line_break_is_refused() -> None:
+    head = "models:\n  - name: m\n    source: {path: /m.gguf}\n    deployments:\n"
+    with pytest.raises(SpecError, match="engine_api_key must be printable ASCII"):
+        parse_spec(head + '      - {engine: vllm, engine_api_key: "sk-1\\n"}\n')
+    assert (
+        parse_spec(head + "      - {engine: vllm, engine_api_key: sk-1}\n")
+        .models[0]
+        .deployments[0]
+        .engine_api_key
+    )

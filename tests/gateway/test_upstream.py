@@ -220,3 +220,63 @@ async def test_an_answer_that_is_not_http_is_a_disconnect(
     client = EngineClient(connect_timeout=2, read_timeout=5, limit=8)
     with pytest.raises(EngineDisconnected):
         await client.post(server.url, "/x", b"{}", None)
+
+
+async def test_a_path_in_the_base_url_prefixes_every_request_and_credentials_stay_out_of_host(
+    serve: Callable[[Answer], Awaitable[RawServer]],
+) -> None:
+    server = await serve(answer_json())
+    client = EngineClient(connect_timeout=2, read_timeout=5, limit=8)
+    base = server.url.replace("http://", "http://user:secret@") + "/llama1/"
+    response = await client.post(base, "/v1/chat/completions", b"{}", None)
+    response.release()
+    head = server.requests[0].split(b"\r\n\r\n")[0]
+    assert head.startswith(b"POST /llama1/v1/chat/completions HTTP/1.1\r\n")
+    assert b"\r\nHost: 127.0.0.1:" in head and b"secret" not in head
+
+
+async def test_an_interim_answer_is_skipped_and_a_body_ended_by_close_is_whole(
+    serve: Callable[[Answer], Awaitable[RawServer]],
+) -> None:
+    async def hints_then_identity(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, head: bytes
+    ) -> None:
+        writer.write(b"HTTP/1.1 103 Early Hints\r\nLink: </a.css>; rel=preload\r\n\r\n")
+        await writer.drain()
+        await asyncio.sleep(0.05)  # the real answer in another packet
+        writer.write(
+            b"HTTP/1.1 200 OK\r\nContent-Type: Application/JSON\r\nTransfer-Encoding: identity\r\n\r\n"
+        )
+        writer.write(b'{"whole":')
+        await writer.drain()
+        await asyncio.sleep(0.02)
+        writer.write(b"true}")
+        writer.close()
+
+    server = await serve(hints_then_identity)
+    client = EngineClient(connect_timeout=2, read_timeout=5, limit=8)
+    response = await client.post(server.url, "/x", b"{}", None)
+    assert (response.status, response.content_type) == (200, "application/json")
+    assert await response.read() == b'{"whole":true}'
+    response.release()
+
+
+async def test_a_cancelled_waiter_passes_its_turn_on_and_waiting_is_bounded(
+    serve: Callable[[Answer], Awaitable[RawServer]],
+) -> None:
+    server = await serve(answer_json())
+    client = EngineClient(connect_timeout=0.5, read_timeout=5, limit=1)
+    holder = await client.post(server.url, "/x", b"{}", None)
+    second = asyncio.create_task(client.post(server.url, "/x", b"{}", None))
+    third = asyncio.create_task(client.post(server.url, "/x", b"{}", None))
+    await asyncio.sleep(0.05)
+    await holder.read()
+    holder.release()  # wakes the second ...
+    second.cancel()  # ... whose client leaves before it runs: the third must get the slot
+    response = await asyncio.wait_for(third, 0.4)
+    assert await response.read() == b'{"ok":true}'
+    with pytest.raises(TimeoutError):  # the slot stays taken: the next waits connect_timeout, no longer
+        await asyncio.wait_for(client.post(server.url, "/x", b"{}", None), 2)
+    response.release()
+    again = await client.post(server.url, "/x", b"{}", None)  # the timed-out waiter left no debt
+    again.release()

@@ -136,6 +136,17 @@ class DeploymentSpec(Strict):
         default=None, description="replica bounds the autoscaler moves between (a live setting)"
     )
 
+    @field_validator("engine_api_key")
+    @classmethod
+    def _key_fits_a_header(cls, key: str | None) -> str | None:
+        """The key goes into an HTTP header as it is: printable ASCII, no spaces or line breaks."""
+        if key is not None and (not key or not all("!" <= c <= "~" for c in key)):
+            raise ValueError(
+                "engine_api_key must be printable ASCII without spaces or line breaks "
+                "(a key read from a file may carry a trailing newline)"
+            )
+        return key
+
     @model_validator(mode="before")
     @classmethod
     def _one_replica_per_url(cls, data: object) -> object:

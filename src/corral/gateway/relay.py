@@ -222,7 +222,7 @@ class Relay:
                 ctx.replica_failed = True  # the breaker hears of it, whatever happens to the stream
                 ctx.written = None  # a stream continued elsewhere, or cut, is not kept
             if problem is not None and transcript is not None:
-                upstream.release()  # let go of the failed replica before asking another one
+                upstream.close()  # let go of the failed replica before asking another one
                 problem = await self._fail_over(ctx, replica, problem, transcript, response)
             if problem is not None:
                 logger.warning("stream from replica %s cut: %s", replica.id, problem)
@@ -341,14 +341,7 @@ class Relay:
             token_ids = await self._token_ids(replica, sent) if _by_tokens(ctx) else None
             body = continuation_body(ctx, sent, token_ids)
             upstream = await self._engines.post(replica.url, ctx.path, body, replica.api_key)
-        except (
-            EngineConnectionError,
-            aiohttp.ClientError,
-            TimeoutError,
-            KeyError,
-            ValueError,
-            TypeError,
-        ) as exc:
+        except _CONTINUE_FAILURES as exc:
             return f"continuing on {replica.id} failed ({type(exc).__name__})"
         try:
             if upstream.status != 200:

@@ -8,12 +8,17 @@ also builds URLs, cookie jars, header multidicts and trace hooks and arms a time
 which an engine on a known address needs; bench/gateway_overhead.py measures what this saves.
 
 Failures, as the relay tells them apart:
-- `EngineUnreachable`: no connection could be made (refused, unresolvable): the replica is down.
+- `EngineUnreachable`: no connection could be made (refused, unresolvable, or not accepted within
+  `connect_timeout`): the replica is down, and the relay tries another.
 - `EngineDisconnected`: the connection closed or broke before the answer ended. A pooled connection that
   the engine closed just as it was reused (llama-server closes idle ones after a few seconds) is sent
   again once on a new connection here, since that says nothing about the replica's health.
-- `TimeoutError`: connecting took longer than `connect_timeout`, or the engine sent nothing for
-  `read_timeout` seconds while its answer was awaited (time spent waiting on a slow client does not count).
+- `TimeoutError`: no connection came free within `connect_timeout` (all `limit` of them busy), or the
+  engine sent nothing for `read_timeout` seconds while its answer was awaited (time spent waiting on a
+  slow client does not count).
+
+A `base_url` may carry a path (an engine behind a proxy at `https://proxy/llama1`): requests go to that
+path plus theirs. Idle connections are closed after `keepalive_s`, checked as requests come.
 """
 
 from __future__ import annotations
@@ -36,7 +41,8 @@ __all__ = [
 
 _PAUSE_AT = 256 * 1024  # bytes of answer buffered before the socket stops being read (a slow client)
 _CONTENT_TYPE = b"content-type"
-_FRAMING = frozenset({b"content-length", b"transfer-encoding"})
+_CONTENT_LENGTH = b"content-length"
+_TRANSFER_ENCODING = b"transfer-encoding"
 _NO_BODY = frozenset({204, 304})
 
 
@@ -53,16 +59,20 @@ class EngineDisconnected(EngineConnectionError):
 
 
 class _Origin:
-    """An engine's address, its Host header line and its idle connections (most recently used last)."""
+    """An engine's address, its path prefix, its Host header line and its idle connections (most recently
+    used last)."""
 
-    __slots__ = ("header", "host", "idle", "port", "tls")
+    __slots__ = ("header", "host", "idle", "port", "prefix", "tls")
 
     def __init__(self, url: str) -> None:
         parts = urlsplit(url)
         self.tls = parts.scheme == "https"
         self.host = parts.hostname or "127.0.0.1"
         self.port = parts.port or (443 if self.tls else 80)
-        self.header = b"Host: " + parts.netloc.encode("idna") + b"\r\n\r\n"
+        self.prefix = parts.path.rstrip("/").encode()
+        name = f"[{self.host}]" if ":" in self.host else self.host.encode("idna").decode()
+        authority = f"{name}:{parts.port}" if parts.port else name  # (never the URL's user:password@)
+        self.header = b"Host: " + authority.encode() + b"\r\n\r\n"
         self.idle: deque[EngineResponse] = deque()
 
 
@@ -94,6 +104,7 @@ class EngineResponse(asyncio.Protocol):
         self.done = False
         self._framed = False  # the answer says where its body ends (a length, or chunks)
         self._keep_alive = False  # (llhttp forgets it once a message ends: kept from its headers)
+        self._interim = False  # the message being parsed is a 1xx (Early Hints, say): not the answer
 
     # asyncio.Protocol -------------------------------------------------------------------------------
 
@@ -123,12 +134,19 @@ class EngineResponse(asyncio.Protocol):
     def on_header(self, name: bytes, value: bytes) -> None:
         name = name.lower()
         if name == _CONTENT_TYPE:
-            self.content_type = value.split(b";", 1)[0].strip().decode("latin-1")
-        elif name in _FRAMING:
+            self.content_type = value.split(b";", 1)[0].strip().lower().decode("latin-1")
+        elif name == _CONTENT_LENGTH:
             self._framed = True
+        elif name == _TRANSFER_ENCODING:
+            self._framed = value.rstrip().lower().endswith(b"chunked")
 
     def on_headers_complete(self) -> None:
-        self.status = status = self._parser.get_status_code()
+        status = self._parser.get_status_code()
+        if status < 200:  # an interim answer: the real one follows on the same connection
+            self._interim = True
+            self.content_type, self._framed = "application/octet-stream", False
+            return
+        self.status = status
         self._keep_alive = self._parser.should_keep_alive()
         self._framed = self._framed or status in _NO_BODY
         self.headers_done = True
@@ -143,6 +161,9 @@ class EngineResponse(asyncio.Protocol):
         self._wake()
 
     def on_message_complete(self) -> None:
+        if self._interim:
+            self._interim = False
+            return
         self.done = True
         self._unwatch()
         self._wake()
@@ -153,7 +174,7 @@ class EngineResponse(asyncio.Protocol):
         """Write a request (its head up to the Host line, then the body) and start the read watch."""
         assert self._transport is not None
         self.status, self.headers_done, self.done, self._error = 0, False, False, None
-        self._framed = self._keep_alive = False
+        self._framed = self._keep_alive = self._interim = False
         self.content_type = "application/octet-stream"
         self.answered = False
         self._in_use = True
@@ -200,8 +221,9 @@ class EngineResponse(asyncio.Protocol):
         return b"".join(parts)
 
     def release(self) -> None:
-        """Done with the answer, once: the connection goes back to the pool if the answer was read to the
-        end, else it closes (a client that went away: the engine sees the close and stops generating)."""
+        """Done with the answer: the connection goes back to the pool if the answer was read to the end,
+        else it closes (a client that went away: the engine sees the close and stops generating). Call it
+        once; `close()` first is fine (a pooled connection may already carry another request)."""
         if not self._in_use:
             return
         self._in_use = False
@@ -278,16 +300,19 @@ class EngineClient:
         self._origins: dict[str, _Origin] = {}
         self._open: set[EngineResponse] = set()
         self._tls: ssl.SSLContext | None = None
+        self._swept = self.loop.time()
 
     async def post(self, base_url: str, path: str, body: bytes, authorization: str | None) -> EngineResponse:
         """POST `body` (JSON) to `base_url + path`: the response once its headers came. The caller reads
         its body and must `release()` it."""
         head = b"POST " + path.encode() + b" HTTP/1.1\r\nContent-Type: application/json\r\nContent-Length: "
         head += str(len(body)).encode() + b"\r\n"
-        if authorization:
-            head += b"Authorization: Bearer " + authorization.encode("latin-1") + b"\r\n"
-        origin = self._origins.get(base_url) or self._origins.setdefault(base_url, _Origin(base_url))
-        if self._busy >= self._limit:
+        if authorization:  # (checked as printable ASCII where the spec is loaded)
+            head += b"Authorization: Bearer " + authorization.encode("ascii") + b"\r\n"
+        origin = self._origins.get(base_url) or self._add_origin(base_url)
+        if origin.prefix:
+            head = b"POST " + origin.prefix + head[5:]
+        if self._busy >= self._limit or self._slots:
             await self._slot()
         self._busy += 1
         try:
@@ -318,6 +343,9 @@ class EngineClient:
     def freed(self) -> None:
         """A request is done with its connection: one waiting for a slot may go on."""
         self._busy -= 1
+        self._wake_next()
+
+    def _wake_next(self) -> None:
         while self._slots:
             waiter = self._slots.popleft()
             if not waiter.done():
@@ -330,10 +358,21 @@ class EngineClient:
     # internals --------------------------------------------------------------------------------------
 
     async def _slot(self) -> None:
-        while self._busy >= self._limit:
-            waiter = self.loop.create_future()
-            self._slots.append(waiter)
-            await waiter
+        """Wait (in turn, `connect_timeout` at most) for a request to give its connection up."""
+        async with asyncio.timeout(self._connect_timeout):
+            while self._busy >= self._limit or self._slots:
+                waiter = self.loop.create_future()
+                self._slots.append(waiter)
+                try:
+                    await waiter
+                except BaseException:  # (cancelled or timed out) a wake-up it was given goes to the next
+                    if waiter.done() and not waiter.cancelled():
+                        self._wake_next()
+                    elif waiter in self._slots:
+                        self._slots.remove(waiter)
+                    raise
+                if self._busy < self._limit:
+                    return
 
     async def _exchange(self, response: EngineResponse, head: bytes, body: bytes) -> EngineResponse:
         """Send on `response`'s connection and wait for the answer's headers (the slot stays the
@@ -348,14 +387,32 @@ class EngineClient:
         return response
 
     def _pooled(self, origin: _Origin) -> EngineResponse | None:
+        now = self.loop.time()
+        if now - self._swept > self._keepalive:
+            self._sweep(now - self._keepalive)
         idle = origin.idle
-        stale = self.loop.time() - self._keepalive
         while idle:
             response = idle.pop()
-            if not response.closed and response.idle_since > stale:
+            if not response.closed and response.idle_since > now - self._keepalive:
                 return response
             response.close()
         return None
+
+    def _sweep(self, stale: float) -> None:
+        """Close the connections idle since before `stale` (oldest first in each pool), whichever engine."""
+        self._swept = self.loop.time()
+        for origin in self._origins.values():
+            idle = origin.idle
+            while idle and (idle[0].closed or idle[0].idle_since <= stale):
+                idle.popleft().close()
+
+    def _add_origin(self, base_url: str) -> _Origin:
+        try:
+            origin = _Origin(base_url)
+        except (ValueError, UnicodeError) as exc:
+            raise EngineUnreachable(f"{base_url!r} is not an address to connect to: {exc}") from exc
+        self._origins[base_url] = origin
+        return origin
 
     async def _connect(self, origin: _Origin) -> EngineResponse:
         response = EngineResponse(self, origin)
@@ -369,6 +426,11 @@ class EngineClient:
                     ssl=self._tls_context() if origin.tls else None,
                     server_hostname=origin.host if origin.tls else None,
                 )
+        except TimeoutError as exc:  # (an OSError too: named first) a dropped SYN, say: try another replica
+            self._open.discard(response)
+            raise EngineUnreachable(
+                f"{origin.host}:{origin.port} accepted no connection within {self._connect_timeout:g} s"
+            ) from exc
         except OSError as exc:
             self._open.discard(response)
             raise EngineUnreachable(f"cannot connect to {origin.host}:{origin.port}: {exc}") from exc
