@@ -10,8 +10,11 @@ engine sends tokens, plus a usage event and `[DONE]`) with the echo module. Both
 corral runs with limits in the real Redis (workers > 1 need it; the one-worker run uses it too, so the
 two differ only in the worker count), open, and with an API key (a rate-limit reservation and settlement
 in Redis per request). Configurations are measured interleaved, `--rounds` times each; medians are
-printed as JSON with the 2-worker/1-worker ratio, and each gateway's CPU time per request (all its
-processes).
+printed as JSON with the 2-worker/1-worker ratio, each gateway's CPU time per request (all its processes),
+and what wrk and NGINX spent per request beside it. From those the ratio this machine allows follows: one
+worker has a core to itself, two share the machine's cores with wrk and NGINX, so with g the gateway's and
+o their CPU per request, 2 workers serve at most min(2, cores × g / (g + o)) times one worker's rate, and
+never more than NGINX serves when asked directly (`rps_ratio_bound`).
 
     .venv/bin/python bench/gateway_workers.py [--seconds 8] [--rounds 3] [--chunks 64]
 """
@@ -22,6 +25,7 @@ import argparse
 import json
 import os
 import re
+import resource
 import shutil
 import statistics
 import subprocess
@@ -88,6 +92,7 @@ def wrk(url: str, model: str, seconds: float, key: str | None) -> dict[str, floa
     script += f'wrk.headers["Content-Type"] = "application/json"\n{auth}'
     with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as f:
         f.write(script)
+    before = _children_cpu()
     try:
         done = subprocess.run(
             ["wrk", "-t1", f"-c{CONCURRENCY}", f"-d{seconds:g}s", "-s", f.name, url],
@@ -105,7 +110,14 @@ def wrk(url: str, model: str, seconds: float, key: str | None) -> dict[str, floa
         "requests_per_s": rps,
         "non_2xx": int(bad.group(1)) if bad else 0,
         "socket_errors": sum(int(x) for x in errors.groups()) if errors else 0,
+        "wrk_cpu_s": _children_cpu() - before,
     }
+
+
+def _children_cpu() -> float:
+    """CPU seconds of this process's finished children (wrk, once it has been waited for)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def tree_cpu(pid: int) -> float:
@@ -217,11 +229,13 @@ def measure(
             for workers, gw_port in gateways.items():
                 for keyed in (False, True):
                     name = f"corral_{workers}_worker{'s' if workers > 1 else ''}{'_keys' if keyed else ''}"
-                    before = tree_cpu(pids[workers])
+                    before, upstream = tree_cpu(pids[workers]), tree_cpu(procs[0].pid)
                     url = f"http://127.0.0.1:{gw_port}/v1/chat/completions"
                     result = wrk(url, model, args.seconds, key if keyed else None)
-                    served = result["requests_per_s"] * args.seconds
-                    result["cpu_ms_per_request"] = 1000 * (tree_cpu(pids[workers]) - before) / max(served, 1)
+                    served = max(result["requests_per_s"] * args.seconds, 1)
+                    result["cpu_ms_per_request"] = 1000 * (tree_cpu(pids[workers]) - before) / served
+                    others = result["wrk_cpu_s"] + tree_cpu(procs[0].pid) - upstream
+                    result["wrk_nginx_cpu_ms_per_request"] = 1000 * others / served
                     samples.setdefault(name, []).append(result)
         configs.append(summarise(model, samples))
     return {
@@ -243,13 +257,17 @@ def summarise(model: str, samples: dict[str, list[dict[str, float]]]) -> dict[st
             "requests_per_s": round(statistics.median(r["requests_per_s"] for r in runs), 1),
             "errors": int(sum(r["non_2xx"] + r["socket_errors"] for r in runs)),
         }
-        if "cpu_ms_per_request" in runs[0]:
-            out[name]["cpu_ms_per_request"] = round(
-                statistics.median(r["cpu_ms_per_request"] for r in runs), 4
-            )
+        for figure in ("cpu_ms_per_request", "wrk_nginx_cpu_ms_per_request"):
+            if figure in runs[0]:
+                out[name][figure] = round(statistics.median(r[figure] for r in runs), 4)
+    cores = os.cpu_count() or 1
     for suffix in ("", "_keys"):
         one, two = out[f"corral_1_worker{suffix}"], out[f"corral_2_workers{suffix}"]
         out[f"rps_ratio_2_to_1_workers{suffix}"] = round(two["requests_per_s"] / one["requests_per_s"], 3)
+        gateway, others = one["cpu_ms_per_request"], two["wrk_nginx_cpu_ms_per_request"]
+        upstream_cap = out["nginx_direct"]["requests_per_s"] / one["requests_per_s"]  # (its one worker)
+        bound = min(2.0, cores * gateway / (gateway + others), upstream_cap)
+        out[f"rps_ratio_bound{suffix}"] = round(bound, 3)
     return out
 
 
