@@ -216,3 +216,20 @@ def test_usage_is_read_from_the_answer_s_last_member_as_from_the_whole_answer(bo
         data = None
     usage = data.get("usage") if isinstance(data, dict) else None
     assert _usage_of(body) == (usage if isinstance(usage, dict) else None)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"model": "m", "stream": True, "messages": MESSAGES},
+        {"model": "m", "stream": True, "messages": [{"role": "user", "content": 'say "stream_options"'}]},
+        {"model": "m", "stream": True, "stream_options": None, "messages": MESSAGES},
+        {"model": "m", "stream": True, "stream_options": {"include_usage": False}, "messages": MESSAGES},
+    ],
+)
+def test_the_engine_is_asked_for_usage_whatever_the_body_says_of_it(body: dict) -> None:
+    from corral.gateway.pipeline import _with_usage
+
+    raw = orjson.dumps(body) + b" \n"
+    asked = orjson.loads(_with_usage(raw, body.get("stream_options") is None))
+    assert asked == {**body, "stream_options": {"include_usage": True}}
