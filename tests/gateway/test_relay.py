@@ -231,5 +231,5 @@ def test_the_engine_is_asked_for_usage_whatever_the_body_says_of_it(body: dict) 
     from corral.gateway.pipeline import _with_usage
 
     raw = orjson.dumps(body) + b" \n"
-    asked = orjson.loads(_with_usage(raw, body.get("stream_options") is None))
+    asked = orjson.loads(_with_usage(raw))
     assert asked == {**body, "stream_options": {"include_usage": True}}

@@ -283,9 +283,7 @@ class Pipeline:
                 code="model_not_supported",
             )
         check_features(body, features)
-        upstream = (
-            _with_usage(raw, body.stream_options is None) if body.stream and not body.include_usage else raw
-        )
+        upstream = _with_usage(raw) if body.stream and not body.include_usage else raw
         asked = (
             body.max_completion_tokens if isinstance(body, ChatCompletionRequest) else None
         ) or body.max_tokens
@@ -511,11 +509,11 @@ _STREAM_OPTIONS = b'"stream_options"'
 _ASK_USAGE = b',"stream_options":{"include_usage":true}}'
 
 
-def _with_usage(raw: bytes, absent: bool) -> bytes:
+def _with_usage(raw: bytes) -> bytes:
     """The body asking the engine for a usage chunk, which the relay strips again for the client. Where the
     body has no `stream_options` (the bytes do not even name it) the member is appended to the object as it
     is, with no parse and re-serialisation of a long prompt."""
-    if absent and _STREAM_OPTIONS not in raw:
+    if _STREAM_OPTIONS not in raw:
         end = raw.rstrip()
         if end.endswith(b"}"):
             return end[:-1] + _ASK_USAGE
