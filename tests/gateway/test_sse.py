@@ -1,9 +1,14 @@
-"""The SSE filter: bytes pass through unchanged, usage is recorded and stripped, [DONE] is noticed."""
+"""The SSE filter: bytes pass through unchanged, usage is recorded and stripped, [DONE] is noticed; the
+event stream response sends its headers with its first event."""
 
 from __future__ import annotations
 
-import orjson
+import asyncio
 
+import orjson
+from aiohttp import web
+
+from corral.gateway.relay import SSE_HEADERS, EventStream
 from corral.gateway.sse import SSEFilter
 
 CONTENT = b'data: {"choices":[{"index":0,"delta":{"content":"hi \\"usage\\""}}]}\n\n'
@@ -64,3 +69,48 @@ def test_stream_without_done_is_not_done() -> None:
     sse = SSEFilter(keep_usage=False)
     sse.feed(CONTENT + FINISH)
     assert not sse.done
+
+
+async def _first_read(write_event: bool) -> bytes:
+    """What a client's first read of an EventStream gets, when the handler writes its first event (or
+    ends without one) 0.3 s after `prepare`."""
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        response = EventStream(headers=SSE_HEADERS)
+        await response.prepare(request)
+        await asyncio.sleep(0.3)
+        if write_event:
+            await response.write(CONTENT)
+        await response.write_eof()
+        return response
+
+    app = web.Application()
+    app.router.add_get("/", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        first = await asyncio.wait_for(reader.read(65536), 5)
+        writer.close()
+        return first
+    finally:
+        await runner.cleanup()
+
+
+async def test_event_stream_headers_leave_with_the_first_event() -> None:
+    # one write, not two: the client's first read holds the head and the event (a plain StreamResponse
+    # sends the head at prepare, 0.3 s before the event)
+    first = await _first_read(write_event=True)
+    assert first.startswith(b"HTTP/1.1 200 OK\r\n")
+    assert b"text/event-stream" in first
+    assert CONTENT in first
+
+
+async def test_event_stream_without_events_still_sends_its_headers() -> None:
+    first = await _first_read(write_event=False)
+    assert first.startswith(b"HTTP/1.1 200 OK\r\n")
+    assert first.endswith(b"0\r\n\r\n")  # the chunked body's end

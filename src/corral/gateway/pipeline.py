@@ -27,7 +27,7 @@ from corral.gateway.embeddings import EmbeddingShaper, upstream_body
 from corral.gateway.failover import can_fail_over
 from corral.gateway.fanout import Fanout, check_features, needs_fanout
 from corral.gateway.metrics import GatewayMetrics
-from corral.gateway.relay import SSE_HEADERS, Relay
+from corral.gateway.relay import SSE_HEADERS, EventStream, Relay
 from corral.gateway.services import GatewayServices
 from corral.gateway.usage import UsageRecorder
 from corral.protocol import (
@@ -237,7 +237,7 @@ class Pipeline:
         headers = {**ctx.headers, "x-corral-cache": "hit"}
         ctx.usage, ctx.cached = entry.usage, True
         if ctx.stream:
-            response = web.StreamResponse(headers={**SSE_HEADERS, **headers})
+            response: web.StreamResponse = EventStream(headers={**SSE_HEADERS, **headers})
             try:
                 await response.prepare(request)
                 await response.write(data)

@@ -26,7 +26,7 @@ from corral.gateway.upstream import EngineClient, EngineConnectionError, EngineR
 from corral.protocol import ChatCompletionRequest, NoCapacity, UpstreamError, UpstreamTimeout, error_body
 from corral.routing import Replica, Router, RouteRequest
 
-__all__ = ["SSE_HEADERS", "Relay"]
+__all__ = ["SSE_HEADERS", "EventStream", "Relay"]
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +50,15 @@ SSE_HEADERS = {
     "Cache-Control": "no-cache",
     "X-Accel-Buffering": "no",
 }
+
+
+class EventStream(web.StreamResponse):
+    """An SSE response whose headers leave with its first event, in one write: the relay and the cache
+    write that event right after `prepare`, so sending the headers alone first cost a send and a client
+    wake-up per stream. (aiohttp's own whole responses do the same; where an aiohttp lacks the switch, the
+    headers go out at once, as before. `write_eof` sends them if no event was written.)"""
+
+    _send_headers_immediately = False
 
 
 class _Retryable(Exception):
@@ -206,7 +215,7 @@ class Relay:
             raise _Retryable(f"{type(exc).__name__}: {exc}") from exc
 
         self._router.prefilled(replica, ctx.route)  # the first token came: the prompt is in its cache
-        response = web.StreamResponse(headers={**SSE_HEADERS, "x-corral-replica": replica.id, **ctx.headers})
+        response = EventStream(headers={**SSE_HEADERS, "x-corral-replica": replica.id, **ctx.headers})
         transcript = Transcript() if ctx.failover else None
         try:
             await response.prepare(request)
