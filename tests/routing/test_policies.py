@@ -258,3 +258,35 @@ async def test_a_held_request_waits_no_longer_than_its_prefill_takes_or_ends() -
     assert done is not None
     router.release(replica, first, ok=False)  # the first failed before its first token: nothing to wait for
     assert done.is_set()
+
+
+def test_the_prefix_index_recycles_the_bit_of_the_replica_recorded_least_recently() -> None:
+    from corral.routing.prefix import PrefixIndex
+    from corral.routing.request import prefix_hashes
+
+    index, (r0, r1, r2) = PrefixIndex(max_replicas=2), fleet(3)
+    first, second = prefix_hashes("a" * 1000), prefix_hashes("b" * 1000)
+    index.record(first, r0)
+    index.record(second, r1)
+    index.record(second, r0)  # r0 recorded last: r1 is the least recent
+    index.record(first, r2)  # a third replica takes r1's bit, cleared from every block first
+    assert index.depths(first, [r0, r1, r2]) == {"r0": 7, "r1": 0, "r2": 7}
+    assert index.depths(second, [r0, r1, r2]) == {"r0": 7, "r1": 0, "r2": 0}
+    index.record(first, r1)  # r1 comes back: r0 is now the least recent, and gives up its bit
+    assert index.depths(first, [r0, r1, r2]) == {"r0": 0, "r1": 7, "r2": 7}
+    assert index.depths(second, [r0, r1, r2]) == {"r0": 0, "r1": 0, "r2": 0}
+    assert len(index) == 7  # the second prompt's blocks, owned by no one, are gone
+
+
+def test_the_prefix_index_adds_no_objects_for_the_garbage_collector_to_walk() -> None:
+    import gc
+
+    from corral.routing.prefix import PrefixIndex
+
+    index, replicas = PrefixIndex(), fleet(8)
+    gc.collect()
+    before = len(gc.get_objects())
+    for i in range(500):
+        index.record(tuple(range(i * 200, i * 200 + 200)), replicas[i % 8])
+    assert len(index) == 100_000
+    assert len(gc.get_objects()) - before < 100  # not one per block (a set per block made 100,000)
