@@ -15,6 +15,8 @@ each figure is the median of its rounds, printed with every round's value; corra
 peer also counts the rounds (paired: the same minutes of the machine) in which its p90 and p99 were lower.
 On a shared machine one run's tail moves by tens of milliseconds with the neighbours; rounds show how far.
 
+Before the load, `--idle` seconds with no requests measure the router's and the fleet's idle CPU (health
+probes, polling); over both phases, the router's CPU per request (all its processes and threads).
 Prints JSON (also written to results/routing_quality.json) with each policy's figures and the default
 policy's ratios to round robin.
 
@@ -39,6 +41,7 @@ from typing import Any
 
 import aiohttp
 import orjson
+import psutil
 from _harness import spawn, stop, wait_http
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -142,7 +145,7 @@ async def saturation(
         started = time.perf_counter()
         await asyncio.gather(*(client() for _ in range(clients)))
         elapsed = time.perf_counter() - started
-    return {"requests_per_s": done / elapsed, "output_tokens_per_s": tokens / elapsed}
+    return {"requests_per_s": done / elapsed, "output_tokens_per_s": tokens / elapsed, "requests": done}
 
 
 async def open_loop(url: str, work: Workload, rate: float, duration: float, output: int) -> list[float]:
@@ -218,6 +221,12 @@ def run_policy(policy: str, args: argparse.Namespace, rate: float | None) -> dic
             if policy in PEERS:  # a router may answer /health before it has admitted its workers
                 asyncio.run(_until_answering(url, args.replicas))
             work = Workload(args.tenants, args.doc_words, args.distribution)
+            router = _tree(gateway)
+            idle_from = time.perf_counter(), _cpu(router), _cpu(_tree(fleet))
+            time.sleep(args.idle)  # the router's and the fleet's CPU with no requests (probes, polling)
+            idle_s = time.perf_counter() - idle_from[0]
+            idle = (_cpu(router) - idle_from[1]) / idle_s, (_cpu(_tree(fleet)) - idle_from[2]) / idle_s
+            busy_from = _cpu(router)
             sat = asyncio.run(saturation(url, work, args.saturation_clients, args.duration, args.output))
             result: dict[str, Any] = {
                 "policy": policy,
@@ -227,8 +236,10 @@ def run_policy(policy: str, args: argparse.Namespace, rate: float | None) -> dic
             }
             if rate is None:  # round robin sets the rate for everyone: a share of its own saturation
                 rate = args.load * result["saturation_requests_per_s"]
+            served = sat["requests"]
             if rate:
                 ttfts = asyncio.run(open_loop(url, work, rate * args.time_scale, args.duration, args.output))
+                served += len(ttfts)
                 ttfts = sorted(t * args.time_scale for t in ttfts)  # simulated seconds
                 result.update(
                     {
@@ -240,9 +251,31 @@ def run_policy(policy: str, args: argparse.Namespace, rate: float | None) -> dic
                     }
                 )
             result["prefix_cache_hit_rate"] = round(fleet_hit_rate(urls), 4)
+            # what the router itself costs (all its processes and threads): CPU per request over both
+            # phases, and its share of a core when idle, beside the simulated fleet's idle share
+            result["router_cpu_ms_per_request"] = round(1000 * (_cpu(router) - busy_from) / served, 3)
+            result["router_idle_cpu_percent"] = round(100 * idle[0], 2)
+            result["fleet_idle_cpu_percent"] = round(100 * idle[1], 2)
             return result
         finally:
             stop(gateway, fleet)
+
+
+def _tree(proc: Any) -> list[psutil.Process]:
+    """A spawned process and everything it started (corral's workers, a router's launcher and binary)."""
+    root = psutil.Process(proc.pid)
+    return [root, *root.children(recursive=True)]
+
+
+def _cpu(procs: list[psutil.Process]) -> float:
+    total = 0.0
+    for proc in procs:
+        try:
+            times = proc.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        total += times.user + times.system + times.children_user + times.children_system
+    return total
 
 
 def _gateway(policy: str, spec: Path, tmp: str, port: int, urls: list[str]) -> Any:
@@ -312,6 +345,7 @@ def main() -> None:
     parser.add_argument("--time-scale", type=float, default=4.0)
     parser.add_argument("--duration", type=float, default=20.0, help="wall-clock seconds per phase")
     parser.add_argument("--saturation-clients", type=int, default=48)
+    parser.add_argument("--idle", type=float, default=5.0, help="seconds of idle CPU measured per policy")
     parser.add_argument(
         "--rounds", type=int, default=1, help="interleaved rounds of all policies (figures: medians)"
     )

@@ -29,7 +29,11 @@ from ..gateway.conftest import make_services
 
 SETTINGS = SupervisorSettings(
     probe_interval=0.5,
-    probe_timeout=1,
+    # A failed probe takes a replica out of routing at once. With 1 s, a probe that was slow on the loaded
+    # CI machine (Ray's processes and the whole suite on 2 cores) most likely made the one serving replica
+    # of the joining-node test unroutable for a probe interval: 133 quick 503s in one CI run of 2026-12-03,
+    # which no run alone or under a CPU hog reproduced. No test here relies on a probe timing out.
+    probe_timeout=5,
     unhealthy_after=2,
     backoff_initial=0.2,
     backoff_max=1,
@@ -291,6 +295,7 @@ async def test_autoscaler_places_replicas_on_a_joining_node_and_a_node_drains_wi
     client = openai.AsyncOpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=120)
     failures: list[str] = []
     stop = asyncio.Event()
+    began = time.monotonic()
 
     async def user() -> None:
         while not stop.is_set():
@@ -298,6 +303,9 @@ async def test_autoscaler_places_replicas_on_a_joining_node_and_a_node_drains_wi
                 reply = await client.chat.completions.create(model="alpha", messages=MESSAGES, max_tokens=32)
                 assert reply.choices[0].finish_reason
             except (openai.APIError, AssertionError) as exc:
+                if not failures:  # what routing saw at the first failure (the rest are likely alike)
+                    states = [(r.id, r.state.value, r.node, r.last_error) for r in supervisor.replicas]
+                    failures.append(f"at {time.monotonic() - began:.1f} s: {states}")
                 failures.append(repr(exc))
 
     users: list[asyncio.Task[None]] = []

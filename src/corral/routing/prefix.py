@@ -19,7 +19,7 @@ class PrefixIndex:
     """Block hash → the replicas that served it, as a bit mask (one bit per replica).
 
     Masks are plain ints, which the garbage collector does not track: a set per block made a full index
-    (200,000 blocks) 200,000 more objects for every full collection to walk, a pause of about 100 ms on
+    (200,000 blocks) 200,000 more objects for every full collection to walk, about 90 ms more pause on
     this project's test machine, during which the gateway relays nothing. A replica's bit is recycled, and
     cleared from every mask, when `max_replicas` others have been recorded since it last was (replica ids
     are never reused: rollouts and restarts make new ones).
