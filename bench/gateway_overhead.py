@@ -52,17 +52,21 @@ BODY = orjson.dumps(
 # ---- the upstream and the bare relay (each runs as `python gateway_overhead.py --serve ...`) ----
 
 
-def serve_upstream(port: int, chunks: int) -> None:
+def serve_upstream(port: int, chunks: int, pace: float) -> None:
     completion, one, last = upstream_payloads(chunks)
     chunk, usage = b"data: " + one + b"\n\n", b"data: " + last + b"\n\n"
 
     async def chat(request: web.Request) -> web.StreamResponse:
         body = orjson.loads(await request.read())
         if not body.get("stream"):
+            if pace:
+                await asyncio.sleep(pace * chunks)
             return web.Response(body=completion, content_type="application/json")
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
         for _ in range(chunks):
+            if pace:  # one token per engine step, as an engine streams
+                await asyncio.sleep(pace)
             await response.write(chunk)
         if (body.get("stream_options") or {}).get("include_usage"):
             await response.write(usage)
@@ -190,9 +194,17 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--chunks", type=int, default=64)
+    parser.add_argument(
+        "--pace-ms",
+        type=float,
+        default=0.0,
+        help="the upstreams wait this long before each chunk (an engine's step; whole answers wait for all "
+        "of them): each chunk then reaches the relay on its own, as from a real engine (0: back to back)",
+    )
     parser.add_argument("--requests", type=int, default=3000, help="requests per measurement")
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds per configuration")
     parser.add_argument("--concurrency", default="1,32,128")
+    parser.add_argument("--kinds", default="whole,stream", help="whole answers, streams, or both")
     parser.add_argument(
         "--no-client-usage", action="store_true", help="streaming clients don't ask for include_usage"
     )
@@ -207,7 +219,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.serve:
         if args.serve[0] == "upstream":
-            serve_upstream(int(args.serve[1]), int(args.serve[2]))
+            serve_upstream(int(args.serve[1]), int(args.serve[2]), float(args.serve[3]))
         elif args.serve[0] == "lean":
             serve_lean_relay(int(args.serve[1]), args.serve[2:])
         else:
@@ -241,7 +253,8 @@ def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     corral = [sys.executable, "-m", "corral.cli", "up", "--log-level", "warning", "-f"]
     procs = {
         **{
-            f"upstream{i}": spawn([*me, "upstream", str(p), str(args.chunks)]) for i, p in enumerate(up_ports)
+            f"upstream{i}": spawn([*me, "upstream", str(p), str(args.chunks), str(args.pace_ms / 1000)])
+            for i, p in enumerate(up_ports)
         },
         "bare_relay": spawn([*me, "bare", str(ports["bare_relay"]), *upstreams]),
         "lean_relay": spawn([*me, "lean", str(ports["lean_relay"]), *upstreams]),
@@ -316,7 +329,7 @@ async def measure(
         scraper = asyncio.create_task(scrape_forever(metrics_url, args.scrape_interval))
     configs = []
     for concurrency in (int(c) for c in args.concurrency.split(",")):
-        for stream in (False, True):
+        for stream in (kind == "stream" for kind in args.kinds.split(",")):
             samples: dict[str, list[dict[str, Any]]] = {k: [] for k in urls}
             total = max(200, args.requests // (4 if concurrency == 1 else 1))
             for _ in range(args.rounds):
@@ -333,6 +346,7 @@ async def measure(
     return {
         "benchmark": "gateway_overhead",
         "chunks_per_stream": args.chunks,
+        "pace_ms": args.pace_ms,
         "client_asks_usage": usage,
         "requests_per_measurement": args.requests,
         "rounds": args.rounds,

@@ -108,9 +108,12 @@ def test_a_cancelled_batch_finishes_even_when_its_lines_come_back_or_their_runne
 def test_a_batch_is_started_or_failed_once_and_a_validating_batch_can_be_cancelled(store: BatchStore) -> None:
     body = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]})
     new = NewBatch("acme", None, "/v1/chat/completions", "file-x", timedelta(hours=1))
+    assert store.pending() == (False, [])  # what the runner asks each tick
     batch = store.create_batch(new)
     assert [b.id for b in store.validating()] == [batch.id]
+    assert store.pending() == (True, [])
     assert store.start(batch.id, "m", [("a", body)])
+    assert store.pending() == (False, ["m"])
     assert not store.start(batch.id, "m", [("a", body)])  # a second runner's start changes nothing
     assert not store.fail(batch.id, [{"code": "x", "message": "late", "line": None}])
     assert store.validating() == []
@@ -203,7 +206,7 @@ def test_gateways_on_another_queue_leave_a_batch_alone_and_finished_batches_line
     store, prefix = _redis_store(tmp_path)
     on_sql = BatchStore(open_database(f"sqlite:///{tmp_path / 'queue.db'}"))
     batch_id = _batch(store, 2)
-    assert on_sql.validating() == [] and on_sql.models_with_work() == [] and on_sql.housekeeping() == []
+    assert on_sql.validating() == [] and on_sql.pending() == (False, []) and on_sql.housekeeping() == []
     found = on_sql.batch("acme", batch_id)
     assert found is not None and found.status == "in_progress"  # not finalised as empty, not re-queued
     for line in store.lease("runner", "m", 5, lease_s=30):

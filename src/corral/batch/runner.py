@@ -135,12 +135,13 @@ class BatchRunner:
                         await asyncio.to_thread(
                             self._store.renew, self.owner, list(self._leased.values()), self._settings.lease_s
                         )
-                    for record in await asyncio.to_thread(self._store.validating):
+                    checking, models = await asyncio.to_thread(self._store.pending)
+                    for record in await asyncio.to_thread(self._store.validating) if checking else []:
                         try:
                             await self._validate(record)
                         except Exception:  # one batch's trouble does not hold up the others
                             logger.exception("batch %s: checking its input failed", record.id)
-                    for model in await asyncio.to_thread(self._store.models_with_work):
+                    for model in models:
                         await self._start(model)
                 except Exception:  # the store is down or a query failed: logged, tried again next tick
                     logger.exception("batch runner: a pass failed")

@@ -110,6 +110,11 @@ class BatchStore:
         self.files = FileStore(engine)  # inputs, and the output and error files it writes
         self._sql = SqlLines(engine)  # also counts the lines of batches finished before `counts` was kept
         self.lines: LineQueue = lines or self._sql
+        self._pending = (  # built once: constructing the statement cost as much as running it
+            select(BatchRow.status, BatchRow.model)
+            .where(BatchRow.status.in_(("validating", "in_progress")), self._mine())
+            .distinct()
+        )
 
     def _mine(self) -> Any:
         """The batches this store runs: those created on its queue (rows from before `queue`: SQL)."""
@@ -278,13 +283,13 @@ class BatchStore:
         if lines:
             self.lines.renew(owner, lines, lease_s)
 
-    def models_with_work(self) -> list[str]:
-        with Session(self._engine, expire_on_commit=False) as session:
-            return list(
-                session.scalars(
-                    select(BatchRow.model).where(BatchRow.status == "in_progress", self._mine()).distinct()
-                ).all()
-            )
+    def pending(self) -> tuple[bool, list[str]]:
+        """What a runner's tick asks, in one query (the gateway asks it every `poll_s`, mostly of an empty
+        table): whether any batch waits to be checked, and the models with batches in progress."""
+        with self._engine.connect() as connection:
+            rows = connection.execute(self._pending).all()
+        models = sorted({model for status, model in rows if status == "in_progress" and model})
+        return any(status == "validating" for status, _ in rows), models
 
     def housekeeping(self) -> list[str]:
         """Expire batches past their window; finalise those with nothing left to run. The ids finished."""
