@@ -74,19 +74,25 @@ def start_cluster(
     scheme = "https" if tls is not None else "http"
     cluster = RunningCluster(process, f"{scheme}://127.0.0.1:{port}", log, tls, admin_key)
     deadline = time.monotonic() + ready_timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"corral up exited early:\n{log.read_text()}")
+    try:
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                raise RuntimeError(f"corral up exited early:\n{log.read_text()}")
+            try:
+                if get_json(cluster.url + "/ready", timeout=1, context=tls)[0] == 200 and all(
+                    r["state"] == "ready" for r in cluster.status()["replicas"]
+                ):
+                    return cluster
+            except OSError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"cluster not ready in {ready_timeout}s:\n{log.read_text()}")
+    except BaseException:  # not ready, or the test's timeout struck while waiting: leave nothing running
         try:
-            if get_json(cluster.url + "/ready", timeout=1, context=tls)[0] == 200 and all(
-                r["state"] == "ready" for r in cluster.status()["replicas"]
-            ):
-                return cluster
-        except OSError:
-            pass
-        time.sleep(0.2)
-    cluster.stop(signal.SIGKILL)
-    raise RuntimeError(f"cluster not ready in {ready_timeout}s:\n{log.read_text()}")
+            cluster.stop(timeout=30)  # Ctrl-C: corral stops its engines (a SIGKILL would orphan them)
+        except subprocess.TimeoutExpired:
+            cluster.stop(signal.SIGKILL)
+        raise
 
 
 @contextmanager

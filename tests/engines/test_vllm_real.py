@@ -22,7 +22,7 @@ from ..conftest import DATA, RunningCluster, start_cluster
 @pytest.fixture(scope="module")
 def vllm_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningCluster]:
     running = start_cluster(
-        tmp_path_factory.mktemp("vllm"), spec=DATA / "vllm-cluster.yaml", ready_timeout=300
+        tmp_path_factory.mktemp("vllm"), spec=DATA / "vllm-cluster.yaml", ready_timeout=270
     )
     yield running
     running.stop(timeout=60)
