@@ -4,7 +4,7 @@ Two fast local upstreams (vLLM-style) answer chat completions at once (non-strea
 one-token chunks with no delay, plus a usage chunk when asked). The same load runs, interleaved, against:
 an upstream directly; a bare relay (aiohttp server + aiohttp client on uvloop, bytes passed through, round
 robin over the two, nothing else: the floor for a Python gateway built on aiohttp); a lean bare relay (the
-same, with corral's own engine client, gateway/upstream.py, in place of aiohttp's: the floor for corral's
+same, with corral's own engine client, engines/client.py, in place of aiohttp's: the floor for corral's
 stack, so that its ratio is what corral's routing, admission, usage and metrics cost); the Rust
 vllm-router (PyPI `vllm-router`, `--policy round_robin`, when installed: `pip install -e '.[bench]'`);
 corral's gateway in open mode (`corral up` with the two upstreams as one external deployment, default
@@ -83,7 +83,7 @@ def serve_upstream(port: int, chunks: int, pace: float) -> None:
 
 
 def serve_lean_relay(port: int, upstreams: list[str]) -> None:
-    from corral.gateway.upstream import EngineClient
+    from corral.engines.client import EngineClient
 
     turn = itertools.cycle(upstreams)
 

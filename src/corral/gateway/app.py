@@ -20,6 +20,7 @@ from aiohttp import web
 
 from corral.batch.runner import BatchRunner
 from corral.config import GatewaySettings
+from corral.engines.client import EngineClient
 from corral.gateway.admin import AdminViews
 from corral.gateway.batches import BatchViews
 from corral.gateway.clients import ClientAddresses
@@ -29,7 +30,6 @@ from corral.gateway.metrics import GatewayMetrics
 from corral.gateway.pipeline import Pipeline
 from corral.gateway.relay import Relay, RelayTimeouts
 from corral.gateway.services import GatewayServices
-from corral.gateway.upstream import EngineClient
 from corral.gateway.usage import UsageRecorder
 from corral.protocol import APIError, MethodNotAllowed, ModelNotFound, NotFound, PayloadTooLarge
 from corral.protocol.openapi import openapi_document

@@ -19,10 +19,10 @@ import aiohttp
 import orjson
 from aiohttp import web
 
+from corral.engines.client import EngineClient, EngineConnectionError, EngineResponse
 from corral.gateway.context import RequestContext
 from corral.gateway.failover import Continuation, Sent, Transcript, continuation_body
 from corral.gateway.sse import SSEFilter
-from corral.gateway.upstream import EngineClient, EngineConnectionError, EngineResponse
 from corral.protocol import ChatCompletionRequest, NoCapacity, UpstreamError, UpstreamTimeout, error_body
 from corral.routing import Replica, Router, RouteRequest
 

@@ -1,9 +1,10 @@
-"""The relay's HTTP/1.1 client to engines: keep-alive connections, one request at a time on each.
+"""corral's HTTP/1.1 client to engines: keep-alive connections, one request at a time on each. The relay
+sends every generation request through it, and the supervisor its health probes and metrics scrapes.
 
 Every generation request crosses this client, so it does only what an engine exchange needs: the request
 goes out as one buffer; the answer is parsed by llhttp (httptools, the parser uvicorn uses) in the socket's
 own callbacks, and its body is handed over as the bytes arrived, with no per-read timer, queue or stream
-object. aiohttp's client (still used for the gateway's other calls: probes, tokenizing, the eval gate)
+object. aiohttp's client (still used for the gateway's other calls: tokenizing, the eval gate)
 also builds URLs, cookie jars, header multidicts and trace hooks and arms a timer on every read, none of
 which an engine on a known address needs; bench/gateway_overhead.py measures what this saves.
 
@@ -305,13 +306,21 @@ class EngineClient:
     async def post(self, base_url: str, path: str, body: bytes, authorization: str | None) -> EngineResponse:
         """POST `body` (JSON) to `base_url + path`: the response once its headers came. The caller reads
         its body and must `release()` it."""
-        head = b"POST " + path.encode() + b" HTTP/1.1\r\nContent-Type: application/json\r\nContent-Length: "
-        head += str(len(body)).encode() + b"\r\n"
+        head = b" HTTP/1.1\r\nContent-Type: application/json\r\nContent-Length: " + str(len(body)).encode()
+        head += b"\r\n"
         if authorization:  # (checked as printable ASCII where the spec is loaded)
             head += b"Authorization: Bearer " + authorization.encode("ascii") + b"\r\n"
+        return await self._request(b"POST ", base_url, path, head, body)
+
+    async def get(self, base_url: str, path: str) -> EngineResponse:
+        """GET `base_url + path` (a probe: health, metrics), as `post`."""
+        return await self._request(b"GET ", base_url, path, b" HTTP/1.1\r\n", b"")
+
+    async def _request(
+        self, method: bytes, base_url: str, path: str, head: bytes, body: bytes
+    ) -> EngineResponse:
         origin = self._origins.get(base_url) or self._add_origin(base_url)
-        if origin.prefix:
-            head = b"POST " + origin.prefix + head[5:]
+        head = method + origin.prefix + path.encode() + head
         if self._busy >= self._limit or self._slots:
             await self._slot()
         self._busy += 1

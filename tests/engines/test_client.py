@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from corral.cluster import free_port
-from corral.gateway.upstream import EngineClient, EngineDisconnected, EngineUnreachable
+from corral.engines.client import EngineClient, EngineDisconnected, EngineUnreachable
 
 Answer = Callable[[asyncio.StreamReader, asyncio.StreamWriter, bytes], Awaitable[None]]
 
