@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import random
+
+import pytest
+
 from corral.perf import EngineSequence, Scheduler, SchedulerConfig, block_hashes
 
 
@@ -60,3 +64,65 @@ def test_kv_oversubscription_preempts_and_still_finishes_everything() -> None:
     run_to_end(s)
     assert s.preemptions > 0
     assert not s.running and not s.waiting
+
+
+def _snapshot(s: Scheduler, seqs: list[EngineSequence]) -> tuple[object, ...]:
+    return (
+        [(q.computed, q.generated, q.blocks, q.active, q.preemptions) for q in seqs],
+        [q.id for q in s.running],
+        [q.id for q in s.waiting],
+        s.pool.available,
+        s.preemptions,
+    )
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_a_decode_run_taken_at_once_leaves_the_scheduler_as_stepping_through_it(caching: bool) -> None:
+    """The virtual clocks take decode-only stretches in one go (`decode_run`, `advance`): the same
+    batches, block by block the same KV, and the stretch stops before a finish, a preemption or an
+    admission (a queue may wait through it where no slot, budget or KV lets its head in)."""
+    rng = random.Random(7)
+    docs = [[rng.randrange(50) for _ in range(rng.choice([40, 200]))] for _ in range(4)]
+    runs = stopped_by_blocks = behind_a_blocked_queue = 0
+    for trial in range(30):
+        config = SchedulerConfig(
+            max_num_seqs=rng.choice([4, 16]),
+            max_num_batched_tokens=256,
+            num_blocks=rng.choice([40, 120, 600]),
+            enable_prefix_caching=caching,
+        )
+        taken, stepped = Scheduler(config), Scheduler(config)
+        both: tuple[list[EngineSequence], list[EngineSequence]] = ([], [])
+        for step in range(400):
+            if rng.random() < 0.05:
+                tokens = [*rng.choice(docs), *range(trial * 10_000 + step, trial * 10_000 + step + 9)]
+                max_tokens = rng.choice([3, 60, 200])
+                for s, seqs in zip((taken, stepped), both, strict=True):
+                    seqs.append(seq(step, tokens, max_tokens))
+                    s.add(seqs[-1])
+            run = taken.decode_run(rng.choice([2, 50, 1000]))
+            if run is None:
+                for s in (taken, stepped):
+                    if (batch := s.schedule()) is not None:
+                        s.complete(batch, float(step))
+            else:
+                runs += 1
+                behind_a_blocked_queue += bool(taken.waiting)
+                steps = rng.choice([run.steps, rng.randrange(1, run.steps + 1)])  # all of it, or its start
+                taken.advance(run, steps)
+                for j in range(steps):
+                    batch = stepped.schedule()
+                    assert batch is not None and batch.prefill_tokens == 0
+                    assert (batch.decode_tokens, batch.decode_context) == (
+                        run.sequences,
+                        run.context + j * run.sequences,
+                    )
+                    produced = stepped.complete(batch, float(step))
+                    assert not any(q.finished for q in produced)
+                if steps == run.steps and (batch := stepped.schedule()) is not None:
+                    # what ended the stretch: a finish, a preemption (blocks ran out), or the limit
+                    stopped_by_blocks += stepped.preemptions > taken.preemptions
+                    stepped.complete(batch, float(step))
+                    taken.complete(taken.schedule(), float(step))  # type: ignore[arg-type]
+            assert _snapshot(taken, both[0]) == _snapshot(stepped, both[1])
+    assert runs > 100 and stopped_by_blocks > 0 and behind_a_blocked_queue > 0

@@ -11,16 +11,29 @@ answers agree by construction. Modelled after vLLM V1:
   prompt that shares a prefix skips computing it;
 - when a running sequence needs a block and none is free, the most recently admitted sequence is preempted
   (its blocks freed, recomputed later), as vLLM's recompute preemption does.
+
+The virtual clocks (the planner, the validation traces) spend most steps in long stretches where the batch
+is the same decode-only batch step after step; `decode_run` finds such a stretch and `advance` takes it in
+one go, leaving the scheduler exactly as stepping through it would (tests/perf/test_scheduler.py).
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["Batch", "BlockPool", "EngineSequence", "Scheduler", "SchedulerConfig", "block_hashes"]
+__all__ = [
+    "Batch",
+    "BlockPool",
+    "DecodeRun",
+    "EngineSequence",
+    "Scheduler",
+    "SchedulerConfig",
+    "block_hashes",
+]
 
 
 @dataclass(frozen=True)
@@ -54,6 +67,7 @@ class EngineSequence:
     generated: int = 0
     blocks: list[int] = field(default_factory=list)
     cached_tokens: int = 0
+    registered: int = 0  # leading blocks cached as this sequence's (see Scheduler._register)
     first_token_at: float | None = None
     finished_at: float | None = None
     in_flight: bool = False  # in a batch still going through the pipeline
@@ -109,10 +123,13 @@ class BlockPool:
         self._refs[block] += 1
         return block
 
-    def register(self, block: int, block_hash: int) -> None:
+    def register(self, block: int, block_hash: int) -> bool:
+        """Cache `block` as holding `block_hash` unless another block does; whether it now does."""
         if block_hash not in self._by_hash and block not in self._hash_of:
             self._by_hash[block_hash] = block
             self._hash_of[block] = block_hash
+            return True
+        return self._by_hash.get(block_hash) == block
 
     def release(self, blocks: list[int]) -> None:
         for block in reversed(blocks):  # the tail of a sequence is evicted before its shared prefix
@@ -133,6 +150,18 @@ class Batch:
     decode_context: int = 0
     prefill_tokens: int = 0
     prefill_pairs: float = 0.0
+
+
+@dataclass(frozen=True)
+class DecodeRun:
+    """Steps that would each be one decode-only batch of the same sequences: step j (from 0) decodes
+    `sequences` tokens over `context + j * sequences` of KV. `allocations`: (step, index in the running
+    list) of each KV block the run takes, in the order stepping would take them."""
+
+    steps: int
+    sequences: int
+    context: int
+    allocations: list[tuple[int, int]]
 
 
 class Scheduler:
@@ -157,8 +186,7 @@ class Scheduler:
             seq.active = False
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.pool.release(seq.blocks)
-        seq.blocks = []
+        self._free(seq)
 
     @property
     def kv_usage(self) -> float:
@@ -169,17 +197,25 @@ class Scheduler:
         batch = Batch(work=[])
         preempted = False
         index = 0
-        while index < len(self.running) and budget > 0:
-            seq = self.running[index]
+        running, work, size = self.running, batch.work, self.config.block_size
+        while index < len(running) and budget > 0:
+            seq = running[index]
             if seq.in_flight:  # pipeline parallelism: it is in an earlier batch still being computed
                 index += 1
                 continue
-            count = min(seq.pending, budget)
-            if not self._grow(seq, seq.computed + count):
+            computed = seq.computed
+            count = min(seq.prompt_len + seq.generated - computed, budget)
+            if computed + count > size * len(seq.blocks) and not self._grow(seq, computed + count):
                 preempted = True
                 if not seq.active:
                     continue  # it preempted itself; the next sequence now sits at this index
-            self._add_work(batch, seq, count)
+            if count == 1 and computed >= seq.prompt_len:  # a decode, as `_add_work` counts it, inline:
+                work.append((seq, 1))  # most of a step's sequences are decodes, every step
+                seq.in_flight = True
+                batch.decode_tokens += 1
+                batch.decode_context += computed + 1
+            else:
+                self._add_work(batch, seq, count)
             budget -= count
             index += 1
         while self.waiting and not preempted and budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -199,29 +235,101 @@ class Scheduler:
     def complete(self, batch: Batch, now: float) -> list[EngineSequence]:
         """Apply a finished step: advance KV, sample tokens; the sequences that produced a token."""
         produced = []
-        size = self.config.block_size
+        caching = self.config.enable_prefix_caching
         for seq, count in batch.work:
             seq.in_flight = False
             if not seq.active:
                 continue  # aborted while its batch was in flight
             seq.computed += count
-            if self.config.enable_prefix_caching:
-                full = min(seq.computed, seq.prompt_len) // size
-                for i in range(min(full, len(seq.hashes), len(seq.blocks))):
-                    self.pool.register(seq.blocks[i], seq.hashes[i])
-            if seq.pending == 0:
+            if caching and seq.registered < len(seq.hashes):
+                self._register(seq)
+            if seq.computed == seq.prompt_len + seq.generated:  # nothing pending: a token is sampled
                 seq.generated += 1
                 seq.last_token_at = now
                 if seq.first_token_at is None:
                     seq.first_token_at = now
                 produced.append(seq)
-                if seq.finished:
+                if seq.generated >= seq.max_tokens:
                     seq.finished_at = now
                     seq.active = False
                     self.running.remove(seq)
-                    self.pool.release(seq.blocks)
-                    seq.blocks = []
+                    self._free(seq)
         return produced
+
+    def decode_run(self, limit: int) -> DecodeRun | None:
+        """The stretch of at most `limit` steps ahead in which every running sequence decodes, none
+        finishes, no block runs out (the step that would preempt is left to `schedule`) and nobody
+        waiting can be admitted; None where the next step is not in such a stretch. With nothing in
+        flight only (one batch at a time); the caller caps `limit` before anything new arrives while
+        nothing waits (a newcomer behind a blocked queue is blocked too)."""
+        running, size = self.running, self.config.block_size
+        if not running or len(running) > self.config.max_num_batched_tokens:
+            return None
+        steps = limit
+        for seq in running:
+            if seq.in_flight or seq.pending != 1 or seq.computed < seq.prompt_len:
+                return None
+            steps = min(steps, seq.max_tokens - seq.generated - 1)  # its last token ends the stretch
+        if steps < 2:
+            return None
+        # Step j computes token `computed + j + 1` of each sequence: a new block where that crosses one.
+        allocations = sorted(
+            (j, i)
+            for i, seq in enumerate(running)
+            for j in range(size * len(seq.blocks) - seq.computed, steps, size)
+        )
+        if len(allocations) > self.pool.available:
+            steps = allocations[self.pool.available][0]
+            allocations = allocations[: bisect.bisect_left(allocations, (steps, -1))]
+            if steps < 2:
+                return None
+        first_step = bisect.bisect_left(allocations, (1, -1))
+        if self.waiting and not self._admission_blocked(self.pool.available - first_step):
+            return None
+        context = sum(seq.computed + 1 for seq in running)
+        return DecodeRun(steps, len(running), context, allocations)
+
+    def _admission_blocked(self, available: int) -> bool:
+        """Whether the head of the queue cannot be admitted in any step of a decode run, `available`
+        blocks being free after its first step's (fewer after later ones): no sequence slot, no token
+        budget, or not enough KV. Where prefix caching is on, an admission try looks the head's prefix
+        up (taking cached blocks): such steps are left to `schedule`."""
+        running, config = self.running, self.config
+        budget = config.max_num_batched_tokens - len(running)
+        if len(running) >= config.max_num_seqs or budget <= 0:
+            return True
+        if config.enable_prefix_caching:
+            return False
+        head = self.waiting[0]
+        count = min(head.pending, budget)
+        return math.ceil((head.computed + count) / config.block_size) - len(head.blocks) > available
+
+    def advance(self, run: DecodeRun, steps: int | None = None) -> None:
+        """Take the first `steps` (all by default) of `run`, found by `decode_run` with nothing changed
+        since. `last_token_at` is not kept here: only the real-time simulator reads it, and it steps."""
+        steps = run.steps if steps is None else steps
+        for _, i in run.allocations[: bisect.bisect_left(run.allocations, (steps, -1))]:
+            self.running[i].blocks.append(self.pool.allocate())
+        for seq in self.running:
+            seq.computed += steps
+            seq.generated += steps
+            self._register(seq)  # a prompt block whose twin an allocation just evicted is cached now
+
+    def _register(self, seq: EngineSequence) -> None:
+        """Cache the sequence's computed full prompt blocks. One whose hash another block holds is tried
+        again each step (it is cached once that block is evicted); `registered` counts the leading
+        blocks already cached as this sequence's, which stay so while it holds them."""
+        if not self.config.enable_prefix_caching:
+            return
+        full = min(seq.computed, seq.prompt_len) // self.config.block_size
+        for i in range(seq.registered, min(full, len(seq.hashes), len(seq.blocks))):
+            if self.pool.register(seq.blocks[i], seq.hashes[i]) and i == seq.registered:
+                seq.registered += 1
+
+    def _free(self, seq: EngineSequence) -> None:
+        self.pool.release(seq.blocks)
+        seq.blocks = []
+        seq.registered = 0
 
     def _add_work(self, batch: Batch, seq: EngineSequence, count: int) -> None:
         batch.work.append((seq, count))
@@ -278,8 +386,7 @@ class Scheduler:
     def _preempt(self, seq: EngineSequence) -> None:
         self.running.remove(seq)
         seq.active = False
-        self.pool.release(seq.blocks)
-        seq.blocks = []
+        self._free(seq)
         seq.computed = 0
         seq.preemptions += 1
         self.preemptions += 1

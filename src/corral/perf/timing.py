@@ -145,6 +145,14 @@ class PerfModel:
         parts = self.parts(float(decode_tokens), float(decode_context), float(prefill_tokens), prefill_pairs)
         return float(self.efficiency.step_seconds(parts))
 
+    def decode_seconds(self, sequences: int, context: int, steps: int) -> Floats:
+        """Each step's time in a stretch of decode-only steps of the same `sequences`, the first over
+        `context` tokens of KV, each next one over `sequences` more (the scheduler's `DecodeRun`)."""
+        contexts = context + sequences * np.arange(steps, dtype=np.float64)
+        none = np.zeros(steps)
+        seconds: Floats = self.efficiency.step_seconds(self.parts(none + sequences, contexts, none, none))
+        return seconds
+
     def breakdown(
         self, decode_tokens: int, decode_context: int, prefill_tokens: int = 0, prefill_pairs: float = 0.0
     ) -> StepBreakdown:

@@ -11,12 +11,12 @@ leaving each source out in turn (`validation.py`) costs milliseconds per try ins
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import numpy.typing as npt
 
-from corral.perf.scheduler import EngineSequence, Scheduler, SchedulerConfig
+from corral.perf.scheduler import DecodeRun, EngineSequence, Scheduler, SchedulerConfig
 from corral.perf.timing import Efficiency, PerfModel, StepParts
 
 __all__ = ["Timed", "Trace", "trace_closed_loop"]
@@ -45,9 +45,10 @@ class Trace:
     generated: Ints
     window: tuple[int, int]  # measured from the end of this step to the end of that one
     window_tokens: int
+    _powers: dict[float, tuple[Floats, ...]] = field(default_factory=dict, compare=False, repr=False)
 
     def timed(self, efficiency: Efficiency) -> Timed:
-        steps = efficiency.step_seconds(self.parts)
+        steps = self.step_seconds(efficiency)
         ends = np.concatenate(([0.0], np.cumsum(steps)))  # ends[k + 1]: when step k finished
         arrived, first, finish = ends[self.arrival + 1], ends[self.first + 1], ends[self.finish + 1]
         ttft = first - arrived
@@ -61,6 +62,24 @@ class Trace:
             tpot_mean=float(tpot.mean()) if tpot.size else 0.0,
             e2e_mean=float((finish - arrived).mean()),
         )
+
+    def step_seconds(self, efficiency: Efficiency) -> Floats:
+        """`efficiency.step_seconds(self.parts)`, with the parts' p-th powers kept per overlap p: a fit
+        tries hundreds of factors at a handful of overlaps, and the powers are most of the cost."""
+        p, parts = efficiency.overlap, self.parts
+        powers = self._powers.get(p)
+        if powers is None:
+            kinds = (parts.weights, parts.gemm, parts.kv, parts.attention)
+            powers = self._powers[p] = tuple(x**p for x in kinds)
+        weights, gemm, kv, attention = powers
+        memory, compute = efficiency.bandwidth**-p, efficiency.compute**-p
+        seconds: Floats = (
+            (weights * memory + gemm * compute) ** (1 / p)
+            + (kv * memory + attention * compute) ** (1 / p)
+            + parts.communication
+            + efficiency.step_overhead_s
+        )
+        return seconds
 
 
 def trace_closed_loop(
@@ -88,7 +107,8 @@ def trace_closed_loop(
         next_id += 1
 
     starts = [i * output_len // concurrency if stagger else 0 for i in range(concurrency)]
-    work: list[tuple[int, int, int, float]] = []
+    steps: list[tuple[int, int, int, float]] = []  # one step's work at a time, until a decode run
+    work: list[Floats] = []
     done: list[EngineSequence] = []
     window_start: int | None = None
     tokens, step = 0, 0
@@ -96,10 +116,19 @@ def trace_closed_loop(
         while starts and starts[0] <= step:
             starts.pop(0)
             submit(step - 1)
+        run = scheduler.decode_run(starts[0] - step if starts else output_len)
+        if run is not None:  # the same decode batch many steps in a row: taken at once
+            scheduler.advance(run)
+            work += [np.array(steps, dtype=np.float64).reshape(-1, 4), _decode_steps(run)]
+            steps.clear()
+            if window_start is not None:
+                tokens += run.steps * run.sequences
+            step += run.steps
+            continue
         batch = scheduler.schedule()
         if batch is None:
             raise RuntimeError("a request cannot fit in the KV cache at all")
-        work.append((batch.decode_tokens, batch.decode_context, batch.prefill_tokens, batch.prefill_pairs))
+        steps.append((batch.decode_tokens, batch.decode_context, batch.prefill_tokens, batch.prefill_pairs))
         produced = scheduler.complete(batch, float(step))
         if window_start is not None:
             tokens += len(produced)
@@ -113,7 +142,7 @@ def trace_closed_loop(
     assert window_start is not None
     sample = done[warmup:]
     return Trace(
-        parts=perf.parts(*np.array(work, dtype=np.float64).T),
+        parts=perf.parts(*np.concatenate([*work, np.array(steps, dtype=np.float64).reshape(-1, 4)]).T),
         arrival=np.array([int(s.arrival) for s in sample]),
         first=np.array([int(s.first_token_at or 0) for s in sample]),
         finish=np.array([int(s.finished_at or 0) for s in sample]),
@@ -121,3 +150,11 @@ def trace_closed_loop(
         window=(window_start, step - 1),
         window_tokens=tokens,
     )
+
+
+def _decode_steps(run: DecodeRun) -> Floats:
+    """A decode run's steps as rows of (decode tokens, decode context, prefill tokens, prefill pairs)."""
+    rows = np.zeros((run.steps, 4))
+    rows[:, 0] = run.sequences
+    rows[:, 1] = run.context + run.sequences * np.arange(run.steps)
+    return rows

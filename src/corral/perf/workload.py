@@ -8,6 +8,8 @@ import random
 import statistics
 from dataclasses import dataclass, replace
 
+import numpy as np
+
 from corral.perf.scheduler import EngineSequence, Scheduler, SchedulerConfig
 from corral.perf.steps import StepPipeline
 from corral.perf.timing import PerfModel
@@ -57,6 +59,12 @@ def closed_loop(
     tokens_in_window = 0
     pipeline = StepPipeline(perf)
     while len(done) < warmup + measured:
+        if perf.pp == 1 and not pipeline.busy and (run := scheduler.decode_run(output_len)) is not None:
+            scheduler.advance(run)  # decode-only steps until the next finish: taken at once
+            now += float(perf.decode_seconds(run.sequences, run.context, run.steps).sum())
+            if window_start is not None:
+                tokens_in_window += run.steps * run.sequences
+            continue
         while pipeline.has_room and (batch := scheduler.schedule()) is not None:
             pipeline.launch(batch, now)
         if not pipeline.busy:
@@ -106,6 +114,19 @@ def open_loop(
                 )
             )
             next_arrival += 1
+        if perf.pp == 1 and not pipeline.busy and (run := scheduler.decode_run(output_len)) is not None:
+            ends = now + np.cumsum(perf.decode_seconds(run.sequences, run.context, run.steps))
+            # Decode-only steps until the next finish, taken at once. While nothing waits, a step may
+            # start only before the next arrival (which joins the step it precedes); behind a blocked
+            # queue a newcomer is blocked too.
+            steps = run.steps
+            if next_arrival < requests and not scheduler.waiting:
+                steps = 1 + int(np.searchsorted(ends[:-1], arrivals[next_arrival], side="left"))
+            scheduler.advance(run, steps)
+            now = float(ends[steps - 1])
+            measured = sum(1 for seq in scheduler.running if seq.arrival >= arrivals[warmup])
+            tokens_in_window += steps * measured
+            continue
         while pipeline.has_room and (batch := scheduler.schedule()) is not None:
             pipeline.launch(batch, now)
         if pipeline.busy and (next_arrival >= requests or pipeline.next_finish <= arrivals[next_arrival]):
