@@ -1,4 +1,4 @@
-"""A batch survives its gateway being killed: a 2,000-line batch runs on `corral up` (simulated replicas)
+"""A batch survives its gateway being killed: a 1,000-line batch runs on `corral up` (simulated replicas)
 while `corral up` is `kill -9`ed three times and started again; the batch completes with exactly one
 output line per request, none lost, none twice, and `request_counts` that match the files. On SQLite and
 on PostgreSQL, and with the lines in Redis Streams."""
@@ -18,7 +18,7 @@ import redis
 
 from ..conftest import start_cluster
 
-LINES = 2000
+LINES = 1000
 SPEC = """\
 auth: {{open: true}}
 store: {{url: "{store}"}}
@@ -70,7 +70,7 @@ def test_a_batch_survives_three_kill_9s_with_no_line_lost_or_doubled(store: str,
     )
     try:
         for _ in range(3):
-            _until_progress(client, batch.id, 150)  # mid-run
+            _until_progress(client, batch.id, 100)  # mid-run
             cluster.stop(signal.SIGKILL)  # no goodbye: leases stay taken until they expire
             cluster = start_cluster(tmp_path, spec=spec)
             client = openai.OpenAI(base_url=cluster.base_url, api_key="none", max_retries=0, timeout=30)
