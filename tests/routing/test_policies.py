@@ -290,3 +290,47 @@ def test_the_prefix_index_adds_no_objects_for_the_garbage_collector_to_walk() ->
         index.record(tuple(range(i * 200, i * 200 + 200)), replicas[i % 8])
     assert len(index) == 100_000
     assert len(gc.get_objects()) - before < 100  # not one per block (a set per block made 100,000)
+
+
+def test_prefix_hashes_are_equal_exactly_as_far_as_the_prompts_are() -> None:
+    from corral.routing.request import PREFIX_BLOCK_CHARS, prefix_hashes
+
+    document = "".join(f"word{i} " for i in range(3000))  # about 200 blocks: hashed by numpy
+    for shared in (0, 3, 40, 150):  # whole blocks the two prompts share
+        cut = shared * PREFIX_BLOCK_CHARS + 50  # they part in the middle of the next block
+        first, second = prefix_hashes(document), prefix_hashes(document[:cut] + "X" + document[cut + 1 :])
+        assert len(first) == len(second) > 150
+        assert [a == b for a, b in zip(first, second, strict=True)] == [i < shared for i in range(len(first))]
+    short = "a" * (3 * PREFIX_BLOCK_CHARS + 5)  # three blocks: hashed in Python
+    assert prefix_hashes(short) == prefix_hashes(short + "b")[:3] and len(prefix_hashes(short)) == 3
+    assert prefix_hashes(short)[2] != prefix_hashes("a" * 300 + "c" * 200)[2]
+    assert prefix_hashes("x" * (PREFIX_BLOCK_CHARS - 1)) == ()
+
+
+def test_the_hasher_reuses_recent_prompts_and_hashes_as_from_scratch() -> None:
+    import random
+
+    from corral.routing.request import PrefixHasher, prefix_hashes
+
+    rng = random.Random(5)
+    hasher = PrefixHasher(remember=4)  # fewer than the documents: entries are also evicted
+    documents = ["".join(rng.choice("abc ") for _ in range(rng.randrange(100, 50_000))) for _ in range(6)]
+    for _ in range(600):  # a document's start, cut anywhere, then a question of its own (or none)
+        document = rng.choice(documents)
+        prompt = document[: rng.randrange(len(document) + 1)] + "q" * rng.choice((0, 30, 300, 3000))
+        assert hasher.hashes(prompt) == prefix_hashes(prompt)
+
+
+async def test_a_prompt_routed_right_after_another_finds_its_prefix_recorded() -> None:
+    replicas = ReplicaSet(["m"])
+    for replica in fleet(4):
+        replicas.add(replica)
+    router = Router(replicas)  # the default policy, prefix_affinity; its index records on the loop's turn
+    document = "a tenant's long document, the same in every request. " * 60
+    asked = RouteRequest("m", prompt=document + "one", prompt_tokens=800, tokens=816)
+    first = router.acquire(asked)
+    router.prefilled(first, asked)  # its first token came: nothing waits there
+    second = router.acquire(RouteRequest("m", prompt=document + "two", prompt_tokens=800, tokens=816))
+    assert second is first  # (no await between the two: the first's record was applied by the look-up)
+    index = router.policy_for("m").index  # type: ignore[attr-defined]
+    assert len(index) == len(RouteRequest("m", prompt=document + "two").hashes)

@@ -24,7 +24,7 @@ from typing import Protocol
 
 from corral.routing.prefix import PrefixIndex
 from corral.routing.replicas import Replica
-from corral.routing.request import RouteRequest
+from corral.routing.request import PrefixHasher, RouteRequest
 
 __all__ = [
     "DEFAULT_POLICY",
@@ -177,9 +177,10 @@ class PrefixAffinity:
         self._spill = spill
         self._kv_pressure = kv_pressure
         self.index = PrefixIndex(max_blocks)
+        self.hasher = PrefixHasher()
 
     def pick(self, candidates: Sequence[Replica], request: RouteRequest) -> Decision:
-        hashes = request.hashes
+        hashes = request.hash_prompt(self.hasher)
         start = next(self._turn) % len(candidates)  # equal candidates take turns
         if not hashes:  # a prompt shorter than one block: nothing to be affine to
             best = candidates[start]
