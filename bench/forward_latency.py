@@ -37,7 +37,7 @@ import psutil
 import uvloop
 from _harness import free_port, spawn, stop, upstream_payloads, wait_http
 from aiohttp import web
-from routing_quality import Workload
+from routing_quality import Workload, _cpu, _tree
 
 ROOT = Path(__file__).resolve().parent.parent
 _QUESTION = re.compile(rb"Question (\d+):")
@@ -187,21 +187,20 @@ def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         targets = {"direct": upstreams[0]} | {
             n: f"http://127.0.0.1:{p}" for n, p in ports.items() if n in procs
         }
-        return asyncio.run(
-            compare(args, targets, upstreams, {n: procs[n].pid for n in targets if n in procs})
-        )
+        trees = {name: _tree(procs[name]) for name in targets if name in procs}
+        return asyncio.run(compare(args, targets, upstreams, trees))
     finally:
         stop(*procs.values())
 
 
 async def compare(
-    args: argparse.Namespace, targets: dict[str, str], upstreams: list[str], pids: dict[str, int]
+    args: argparse.Namespace,
+    targets: dict[str, str],
+    upstreams: list[str],
+    trees: dict[str, list[psutil.Process]],
 ) -> dict[str, Any]:
+    """Each target's legs and CPU per request (`trees`: each router's processes)."""
     work = Workload(48, 3000)
-    trees = {
-        name: [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
-        for name, pid in pids.items()
-    }
     found: dict[str, dict[str, list[float]]] = {name: {} for name in targets}
     cpu: dict[str, float] = dict.fromkeys(targets, 0.0)
     for url in targets.values():  # warm up: connections, code paths, every tenant's first request
@@ -237,17 +236,6 @@ async def _taken(upstreams: list[str]) -> dict[str, list[float]]:
             async with session.get(url + "/timings") as response:
                 marks.update(await response.json())
     return marks
-
-
-def _cpu(procs: list[psutil.Process]) -> float:
-    total = 0.0
-    for proc in procs:
-        try:
-            times = proc.cpu_times()
-        except psutil.NoSuchProcess:
-            continue
-        total += times.user + times.system
-    return total
 
 
 def _quantile(values: list[float], share: float) -> float:
