@@ -121,7 +121,7 @@ def _common_blocks(data: bytes, old: bytes, most: int, guess: int) -> int:
             return guess
         low, high = guess + 1, most - 1
     else:
-        low, high = 1, min(guess, most) - 1 if guess else most - 1
+        low, high = 1, (guess if 0 < guess < most else most) - 1
     # the first `low` blocks are shared; block `high + 1` is not
     while low < high:
         middle = (low + high + 1) // 2
