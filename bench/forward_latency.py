@@ -13,7 +13,8 @@ and each router's CPU per request (all its processes). Targets: the upstream dir
 corral (`corral up`, open, external upstreams, default routing: prefix_affinity); sglang-router
 `cache_aware` and vllm-router `consistent_hash` when installed (`pip install -e '.[bench]'`).
 
-In the routing benchmark the simulator runs at 4× real time, so a millisecond here is four there.
+The routing benchmark's fleet runs in real time (a millisecond here is one there); with its
+`--time-scale 4` a millisecond here is four there.
 
     .venv/bin/python bench/forward_latency.py [--requests 200] [--rounds 3] [--pace-ms 2]
 """

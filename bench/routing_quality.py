@@ -20,7 +20,11 @@ probes, polling); over both phases, the router's CPU per request (all its proces
 Prints JSON (also written to results/routing_quality.json) with each policy's figures and the default
 policy's ratios to round robin.
 
-    .venv/bin/python bench/routing_quality.py [--replicas 8] [--time-scale 4] [--duration 20] [--rounds 3]
+The fleet runs in real time by default (`--time-scale 1`), as a deployment's engines do: a router's own
+latency then counts once against the engines' steps. `--time-scale 4 --duration 20` gives the same simulated
+minutes in a quarter of the wall-clock time for development, but counts each router's latency four times.
+
+    .venv/bin/python bench/routing_quality.py [--replicas 8] [--time-scale 1] [--duration 80] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -342,8 +346,8 @@ def main() -> None:
     parser.add_argument("--distribution", default="uniform", choices=["uniform", "zipf"])
     parser.add_argument("--doc-words", type=int, default=3000, help="shared document length (tokens)")
     parser.add_argument("--output", type=int, default=32, help="output tokens per request")
-    parser.add_argument("--time-scale", type=float, default=4.0)
-    parser.add_argument("--duration", type=float, default=20.0, help="wall-clock seconds per phase")
+    parser.add_argument("--time-scale", type=float, default=1.0, help="simulated seconds per second")
+    parser.add_argument("--duration", type=float, default=80.0, help="wall-clock seconds per phase")
     parser.add_argument("--saturation-clients", type=int, default=48)
     parser.add_argument("--idle", type=float, default=5.0, help="seconds of idle CPU measured per policy")
     parser.add_argument(
