@@ -39,7 +39,16 @@ from corral.perf.replica import ReplicaLayout, ReplicaModel, replica_model
 from corral.perf.scheduler import EngineSequence, Scheduler, block_hashes
 from corral.perf.steps import StepPipeline
 from corral.protocol import ChatCompletionRequest, parse_body
-from corral.routing import POLICIES, PrefixAffinity, Replica, ReplicaSet, ReplicaState, Router, RouteRequest
+from corral.routing import (
+    POLICIES,
+    EngineLoad,
+    PrefixAffinity,
+    Replica,
+    ReplicaSet,
+    ReplicaState,
+    Router,
+    RouteRequest,
+)
 from corral.sim.text import chat_prompt, tokenize
 
 TOKENS_PER_BYTE = LimitsSettings().tokens_per_char  # the gateway's prompt-token estimate per body byte
@@ -70,8 +79,11 @@ class Replay:
         model = replica_model(ReplicaLayout(args.model, args.gpu), load_catalog(), calibrated_efficiency())
         self.engines: dict[str, _Engine] = {}
         replicas = ReplicaSet(["llama"])
+        kv_tokens = model.config.num_blocks * model.config.block_size  # as its /metrics says
         for i in range(args.replicas):
-            replicas.add(Replica(id=f"r{i}", model="llama", engine="sim", state=ReplicaState.READY))
+            load = EngineLoad(running=0, waiting=0, kv_capacity_tokens=kv_tokens)
+            replica = Replica(id=f"r{i}", model="llama", engine="sim", state=ReplicaState.READY, load=load)
+            replicas.add(replica)
             self.engines[f"r{i}"] = _Engine(model)
         self.router = Router(replicas, default_policy=policy)
         chosen = self.router.policy_for("llama")
@@ -155,7 +167,8 @@ class Replay:
             request.ttft = self.now - request.sent
             self.router.prefilled(request.replica, request.route)
         if seq.finished:
-            self.router.release(request.replica, request.route, ok=True)
+            usage = {"prompt_tokens": seq.prompt_len, "completion_tokens": seq.generated}
+            self.router.release(request.replica, request.route, ok=True, usage=usage)
             del self._requests[seq.id]
             self.finished.append(request)
             if request.closed_loop and self.now < self._stop_at:

@@ -13,6 +13,8 @@ from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
+
 from ..conftest import CORRAL, cluster_of
 
 FLEET = ["--replicas", "3", "--port", "0", "--time-scale", "50"]
@@ -94,3 +96,49 @@ def test_a_new_url_list_rolls_out_to_a_replica_per_url(tmp_path: Path) -> None:
                 time.sleep(0.3)
             assert seen == sorted(urls), (applied.stdout, applied.stderr, cluster.status())
             assert _ask(cluster.url)
+
+
+def test_an_external_vllm_style_server_s_kv_cache_bounds_what_routing_counts_cached(tmp_path: Path) -> None:
+    """An external server that publishes vLLM's metrics (here corral's simulator) is scraped like a started
+    engine: its KV cache's size comes from `vllm:cache_config_info`, and the prefix index bounds what it
+    counts as cached there by it, in blocks of the engine's tokens learnt from the answers' usage."""
+    from corral.engines import parse_vllm_load
+
+    from ..conftest import get_json
+
+    with _fleet() as urls:
+        spec = (
+            "auth: {open: true}\nsupervisor: {probe_interval: 0.2}\n"
+            f"models:\n  - name: m\n    deployments: [{{engine: external, urls: {json.dumps(urls)}}}]\n"
+        )
+        with cluster_of(tmp_path, spec) as cluster:
+            with urllib.request.urlopen(urls[0] + "/metrics", timeout=5) as response:
+                capacity = parse_vllm_load(response.read().decode()).kv_capacity_tokens
+            assert capacity is not None and capacity > 10_000  # an H100's cache for an 8B model
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                shown = [r["kv_capacity_tokens"] for r in cluster.status()["replicas"]]
+                if shown == [capacity] * 3:
+                    break
+                time.sleep(0.1)
+            assert shown == [capacity] * 3
+            ratios = []
+            for tenant in range(3):
+                document = "".join(f"Tenant {tenant} clause {i}: the parties agree. " for i in range(100))
+                body = {"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": document}]}
+                request = urllib.request.Request(
+                    cluster.url + "/v1/chat/completions",
+                    json.dumps(body).encode(),
+                    {"Content-Type": "application/json"},
+                )
+                with urllib.request.urlopen(request, timeout=30) as response:
+                    usage = json.load(response)["usage"]
+                ratios.append(usage["prompt_tokens"] / (len(document) / 128))
+            index = get_json(cluster.url + "/admin/routing")[1]["prefix_index"]["m"]
+            learnt = index["tokens_per_block"]
+            assert abs(learnt - sum(ratios) / 3) < 0.1 * learnt  # (the chat template's few tokens aside)
+            held = index["replicas"]
+            assert sorted(held) == sorted(r["id"] for r in cluster.status()["replicas"])
+            (cache_blocks,) = {entry["cache_blocks"] for entry in held.values()}
+            assert cache_blocks == pytest.approx(capacity / learnt, rel=0.001)  # (learnt: rounded)
+            assert sum(entry["blocks"] for entry in held.values()) >= 3 * (len(document) // 128)

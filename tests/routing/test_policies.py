@@ -83,12 +83,12 @@ def test_prefix_affinity_avoids_a_replica_with_a_full_kv_cache() -> None:
     assert policy.pick(replicas, RouteRequest("m", prompt=document + "2")).replica is not first
 
 
-def test_prefix_index_is_bounded() -> None:
+def test_prefix_index_is_bounded_per_replica() -> None:
     policy = PrefixAffinity(max_blocks=50)
     replicas = fleet(2)
     for i in range(40):
         policy.pick(replicas, RouteRequest("m", prompt=f"{i:04d}" + "x" * 2000))
-    assert len(policy.index) == 50
+    assert len(policy.index) == 100  # 50 blocks on each replica
 
 
 def test_the_prefix_index_evicts_a_chain_from_its_end_and_keeps_its_first_blocks() -> None:
@@ -98,10 +98,64 @@ def test_the_prefix_index_evicts_a_chain_from_its_end_and_keeps_its_first_blocks
     index, (r0, r1) = PrefixIndex(max_blocks=12), fleet(2)
     document = prefix_hashes("".join(f"{i:03d}" * 43 for i in range(10)))  # 10 blocks
     index.record(document, r0)
-    index.record(prefix_hashes("another tenant's text " * 30), r1)  # 5 blocks: 3 of the document's go
+    index.record(prefix_hashes("another tenant's text " * 30), r1)  # r1's own room: r0 keeps all 10
+    assert index.depths(document, [r0, r1]) == {"r0": 10, "r1": 0}
+    index.record(prefix_hashes("another tenant's text " * 30), r0)  # 5 blocks: 3 of the document's go
     assert index.depths(document, [r0, r1]) == {"r0": 7, "r1": 0}  # its first 7 blocks still match
     index.record(document[:4], r1)
     assert index.depths(document, [r0, r1]) == {"r0": 7, "r1": 4}
+
+
+def test_a_replica_whose_engine_reports_a_small_kv_cache_stops_counting_as_holding_what_it_evicted() -> None:
+    """The index holds as much of a replica's prompts as its engine's KV cache does (vLLM's
+    cache_config_info, in tokens, over the engine's tokens per 128-byte block, learnt from usage)."""
+    small, large = fleet(2)
+    small.load = EngineLoad(running=0, waiting=0, kv_capacity_tokens=3 * 1000)  # about 3 documents
+    large.load = EngineLoad(running=0, waiting=0, kv_capacity_tokens=100 * 1000)
+    documents = ["".join(f"tenant {t} line {i}. " for i in range(300))[:4000] for t in range(5)]
+    policy = PrefixAffinity()
+    for document in documents:  # each document once to each replica, then the answer's usage
+        for replica in (small, large):
+            request = RouteRequest("m", prompt=document, prompt_tokens=1000)
+            assert policy.index.depths(request.hash_prompt(policy.hasher), [replica]) == {replica.id: 0}
+            policy.index.record(request.hashes, replica, policy._cache_blocks(replica))
+            policy.observe(request, 1000)
+    assert policy.block_tokens == pytest.approx(1000 / (4000 / 128))  # 32 tokens per block
+    first = RouteRequest("m", prompt=documents[0]).hashes
+    last = RouteRequest("m", prompt=documents[-1]).hashes
+    blocks = len(first)
+    assert policy.index.depths(first, [small, large]) == {"r0": 0, "r1": blocks}  # evicted on the small one
+    assert policy.index.depths(last, [small, large]) == {"r0": blocks, "r1": blocks}
+    # so the first document's next request goes where it is still cached, though both are idle
+    request = RouteRequest("m", prompt=documents[0] + "?", prompt_tokens=1000)
+    assert policy.pick([small, large], request).replica is large
+
+
+def test_the_router_hands_the_engines_usage_to_the_prefix_policy() -> None:
+    replicas = ReplicaSet(["m"])
+    replicas.add(fleet(1)[0])
+    router = Router(replicas)
+    policy = router.policy_for("m")
+    assert isinstance(policy, PrefixAffinity)
+    request = RouteRequest("m", prompt="w " * 1280, prompt_tokens=640)
+    replica = router.acquire(request)
+    router.release(replica, request, ok=True, usage={"prompt_tokens": 100, "completion_tokens": 3})
+    assert policy.block_tokens == pytest.approx(5)  # 100 tokens over 20 blocks
+    request = RouteRequest("m", prompt="w " * 1280, prompt_tokens=640)
+    replica = router.acquire(request)
+    router.release(replica, request, ok=False)  # a failure carries no usage: nothing learnt
+    assert policy.block_tokens == pytest.approx(5)
+
+
+def test_tokens_per_block_are_learnt_from_long_prompts_only() -> None:
+    policy = PrefixAffinity()
+    before = policy.block_tokens
+    policy.observe(RouteRequest("m", prompt="short question"), 40)  # the chat template's tokens dominate
+    assert policy.block_tokens == before
+    policy.observe(RouteRequest("m", prompt="w " * 1280), 640)  # 20 blocks, 640 tokens
+    assert policy.block_tokens == pytest.approx(32)
+    policy.observe(RouteRequest("m", prompt="w " * 1280), 320)  # the plain mean of the first answers
+    assert policy.block_tokens == pytest.approx(24)
 
 
 def test_breaker_opens_after_consecutive_failures_and_half_opens_after_cooldown() -> None:
@@ -260,7 +314,7 @@ async def test_a_held_request_waits_no_longer_than_its_prefill_takes_or_ends() -
     assert done.is_set()
 
 
-def test_the_prefix_index_recycles_the_bit_of_the_replica_recorded_least_recently() -> None:
+def test_the_prefix_index_forgets_the_replica_recorded_least_recently_beyond_max_replicas() -> None:
     from corral.routing.prefix import PrefixIndex
     from corral.routing.request import prefix_hashes
 
@@ -269,13 +323,13 @@ def test_the_prefix_index_recycles_the_bit_of_the_replica_recorded_least_recentl
     index.record(first, r0)
     index.record(second, r1)
     index.record(second, r0)  # r0 recorded last: r1 is the least recent
-    index.record(first, r2)  # a third replica takes r1's bit, cleared from every block first
+    index.record(first, r2)  # a third replica: r1's blocks are forgotten
     assert index.depths(first, [r0, r1, r2]) == {"r0": 7, "r1": 0, "r2": 7}
     assert index.depths(second, [r0, r1, r2]) == {"r0": 7, "r1": 0, "r2": 0}
-    index.record(first, r1)  # r1 comes back: r0 is now the least recent, and gives up its bit
+    index.record(first, r1)  # r1 comes back: r0 is now the least recent, and is forgotten
     assert index.depths(first, [r0, r1, r2]) == {"r0": 0, "r1": 7, "r2": 7}
     assert index.depths(second, [r0, r1, r2]) == {"r0": 0, "r1": 0, "r2": 0}
-    assert len(index) == 7  # the second prompt's blocks, owned by no one, are gone
+    assert len(index) == 14  # the second prompt's blocks, held by no one now, are gone
 
 
 def test_the_prefix_index_adds_no_objects_for_the_garbage_collector_to_walk() -> None:

@@ -5,13 +5,18 @@ from __future__ import annotations
 from corral.artifacts import Progress
 from corral.config import DeploymentSpec, ModelSpec, Paths
 from corral.engines.base import LaunchPlan
+from corral.engines.llamacpp import LlamaCppEngine
+from corral.engines.vllm import parse_vllm_load
 from corral.routing import EngineFeatures, EngineLoad
 
 __all__ = ["ExternalEngine"]
 
 
 class ExternalEngine:
-    """Probes `/health` of each URL; load is what this gateway has outstanding (no engine metrics)."""
+    """Probes `/health` of each URL, and reads its `/metrics` when the server is one whose page corral
+    knows (vLLM's `vllm:` names, which corral's simulator shares, or llama.cpp's `llamacpp:`): its queue,
+    KV-cache use and size then count in routing as a started engine's do. Otherwise (no such page, or
+    another server's) load is what this gateway has outstanding."""
 
     name = "external"
 
@@ -22,9 +27,11 @@ class ExternalEngine:
         features = EngineFeatures(
             continuation=False, embeddings=model.task == "embed", matryoshka=model.matryoshka
         )
-        return [
-            LaunchPlan(url=url.rstrip("/"), metrics_path=None, features=features) for url in deployment.urls
-        ]
+        return [LaunchPlan(url=url.rstrip("/"), features=features) for url in deployment.urls]
 
     def parse_load(self, metrics_text: str) -> EngineLoad:
+        if "\nvllm:" in metrics_text or metrics_text.startswith("vllm:"):
+            return parse_vllm_load(metrics_text)
+        if "\nllamacpp:" in metrics_text or metrics_text.startswith("llamacpp:"):
+            return LlamaCppEngine().parse_load(metrics_text)
         return EngineLoad(running=0, waiting=0)

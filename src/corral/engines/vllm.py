@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from pathlib import Path
 
 from corral.artifacts import ArtifactError, Progress, resolve_model
@@ -51,7 +52,32 @@ def parse_vllm_load(metrics_text: str) -> EngineLoad:
         **{field: values.get(sample, 0.0) for field, sample in _COUNTERS.items()},
         ttft_mean_s=_mean(values, _TTFT),
         itl_mean_s=_mean(values, _ITL) or _mean(values, _TPOT),
+        kv_capacity_tokens=_kv_capacity(metrics_text),
     )
+
+
+# vllm:cache_config_info's labels: the KV cache's blocks (known once vLLM has profiled its memory), and
+# their size in tokens
+_CACHE_INFO = "\nvllm:cache_config_info{"
+_BLOCKS = re.compile(r'(?:^|,)num_gpu_blocks="(\d+)"')
+_BLOCK_SIZE = re.compile(r'(?:^|,)block_size="(\d+)"')
+
+
+def _kv_capacity(metrics_text: str) -> int | None:
+    """Tokens the engine's KV cache holds, over its engines (data parallel: one line each); None if the
+    page does not say. Found by `str.find`: a regular expression anchored at lines took 0.3 ms a page."""
+    total, start = 0, len(_CACHE_INFO) - 1
+    if not metrics_text.startswith(_CACHE_INFO[1:]):  # not on the first line
+        at = metrics_text.find(_CACHE_INFO)
+        start = -1 if at == -1 else at + len(_CACHE_INFO)
+    while start != -1:
+        labels = metrics_text[start : metrics_text.find("}", start)]
+        blocks, size = _BLOCKS.search(labels), _BLOCK_SIZE.search(labels)
+        if blocks is not None and size is not None:
+            total += int(blocks.group(1)) * int(size.group(1))
+        at = metrics_text.find(_CACHE_INFO, start)
+        start = -1 if at == -1 else at + len(_CACHE_INFO)
+    return total or None
 
 
 def _mean(values: dict[str, float], histogram: str) -> float | None:

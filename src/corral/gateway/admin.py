@@ -25,7 +25,7 @@ from corral.protocol import (
     PermissionDenied,
     Unauthorized,
 )
-from corral.routing import Router
+from corral.routing import PrefixAffinity, Router
 from corral.store import NewKey
 
 __all__ = ["AdminViews"]
@@ -218,9 +218,16 @@ class AdminViews:
         """Replicas with load and circuit state, each model's policy, and the latest routing decisions."""
         self.check(request)
         replicas = self._router.replicas
-        policies = {m: self._router.policy_for(m).name for m in replicas.models()}
+        models = replicas.models()
+        policies = {m: self._router.policy_for(m).name for m in models}
+        prefix = {}  # what each prefix-affinity model's index believes the replicas hold
+        for model in models:
+            policy = self._router.policy_for(model)
+            if isinstance(policy, PrefixAffinity):
+                prefix[model] = policy.describe([r for r in replicas if r.model == model])
         body: dict[str, Any] = {
             "policies": policies,
+            "prefix_index": prefix,
             "queues": self._services.queue.depths(),
             "replicas": [r.snapshot() for r in replicas],
             "decisions": list(self._router.decisions)[-50:],

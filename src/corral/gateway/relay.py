@@ -124,8 +124,8 @@ class Relay:
             except UpstreamTimeout:
                 outcome = False
                 raise
-            finally:
-                self._router.release(replica, ctx.route, outcome)
+            finally:  # (its usage: what the engine computed, for the prefix index)
+                self._router.release(replica, ctx.route, outcome, ctx.usage if outcome else None)
         raise UpstreamError(f"The model's replicas failed to answer: {failure}.")
 
     async def call(self, route: RouteRequest, path: str, body: bytes) -> bytes:

@@ -24,7 +24,7 @@ from typing import Protocol
 
 from corral.routing.prefix import PrefixIndex
 from corral.routing.replicas import Replica
-from corral.routing.request import PrefixHasher, RouteRequest
+from corral.routing.request import PREFIX_BLOCK_CHARS, PrefixHasher, RouteRequest
 
 __all__ = [
     "DEFAULT_POLICY",
@@ -167,7 +167,7 @@ class PrefixAffinity:
         slack: float = 0.5,
         spill: float = 16,
         kv_pressure: float = 0.95,
-        max_blocks: int = 200_000,
+        max_blocks: int = 50_000,
         decode_weight: float = 0.001,
     ) -> None:
         self._turn = itertools.count()
@@ -178,6 +178,9 @@ class PrefixAffinity:
         self._kv_pressure = kv_pressure
         self.index = PrefixIndex(max_blocks)
         self.hasher = PrefixHasher()
+        # engine tokens per index block, from the answers' usage (prompt tokens per prompt block)
+        self.block_tokens = _BLOCK_TOKENS
+        self._answers = 0
 
     def pick(self, candidates: Sequence[Replica], request: RouteRequest) -> Decision:
         hashes = request.hash_prompt(self.hasher)
@@ -215,7 +218,7 @@ class PrefixAffinity:
 
         best = min(within, key=cost)
         depth = depths.get(best.id, 0)
-        self.index.record(hashes, best)
+        self.index.record(hashes, best, self.cache_blocks(best))
         reason = (
             f"prefix match {depth}/{blocks} blocks; {best.pending_prefill} tokens of prefill waiting"
             if depth
@@ -223,12 +226,42 @@ class PrefixAffinity:
         )
         return Decision(best, reason, depth)
 
+    def observe(self, request: RouteRequest, prompt_tokens: int) -> None:
+        """A request ended with the engine's count of its prompt tokens: the engine's tokens per prompt
+        block, which turns a replica's KV cache (in tokens) into the index's blocks, are learnt from it."""
+        blocks = len(request.prompt) / PREFIX_BLOCK_CHARS
+        if blocks >= _LEARN_BLOCKS and prompt_tokens > 0:  # (a short prompt's template tokens would skew it)
+            self._answers += 1
+            weight = max(_LEARNING, 1 / self._answers)  # the plain mean of the first answers
+            per_block = min(max(prompt_tokens / blocks, 1.0), float(PREFIX_BLOCK_CHARS))
+            self.block_tokens += weight * (per_block - self.block_tokens)
+
+    def describe(self, replicas: Sequence[Replica]) -> dict[str, object]:
+        """What the index believes, for the admin view: tokens per block, and per replica the blocks it
+        holds against the blocks of the replica's KV cache (None: its engine does not say)."""
+        held = self.index.held()
+        return {
+            "tokens_per_block": round(self.block_tokens, 2),
+            "replicas": {
+                r.id: {"blocks": held.get(r.id, 0), "cache_blocks": self.cache_blocks(r)} for r in replicas
+            },
+        }
+
+    def cache_blocks(self, replica: Replica) -> int | None:
+        """The blocks of `replica`'s KV cache, in the index's blocks; None where its engine does not say."""
+        load = replica.load
+        tokens = load.kv_capacity_tokens if load is not None else None
+        return max(1, round(tokens / self.block_tokens)) if tokens else None
+
     def _pressed(self, replica: Replica) -> bool:
         load = replica.load
         return load is not None and load.kv_usage is not None and load.kv_usage >= self._kv_pressure
 
 
 _PRICED_OUTPUT = 256  # output tokens a request's decode is priced for at most (the default estimate)
+_BLOCK_TOKENS = 32.0  # engine tokens per index block until answers say: about 4 bytes a token
+_LEARNING = 0.05  # each answer's weight in the running mean of tokens per block, after the first 20
+_LEARN_BLOCKS = 8  # prompts this long (about 1 KB) tell the tokens per block
 
 DEFAULT_POLICY = PrefixAffinity.name
 

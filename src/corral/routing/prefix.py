@@ -1,7 +1,8 @@
 """An approximate index of which replica has served which prompt prefixes (so likely has them cached).
 
-Bounded: at most `max_blocks` block hashes are remembered, least recently used first out, mirroring how an
-engine's prefix cache evicts. It is a guess, not the engines' truth: a wrong guess costs a cache miss.
+Bounded per replica, least recently used first out, as an engine's prefix cache evicts: by the replica's
+own KV cache where its engine reports the size (vLLM's and the simulator's `cache_config_info`), else by
+`max_blocks`. It is a guess, not the engines' truth: a wrong guess costs a cache miss.
 """
 
 from __future__ import annotations
@@ -16,57 +17,64 @@ __all__ = ["Prefill", "PrefillTracker", "PrefixIndex"]
 
 
 class PrefixIndex:
-    """Block hash → the replicas that served it, as a bit mask (one bit per replica).
+    """Per replica, the prompt blocks (by hash) it likely holds, least recently used first.
 
-    Masks are plain ints, which the garbage collector does not track: a set per block made a full index
-    (200,000 blocks) 200,000 more objects for every full collection to walk, about 90 ms more pause on
-    this project's test machine, during which the gateway relays nothing. A replica's bit is recycled, and
-    cleared from every mask, when `max_replicas` others have been recorded since it last was (replica ids
-    are never reused: rollouts and restarts make new ones).
+    An engine's cache holds what its own requests left there and evicts the least recently used blocks when
+    it needs room: a replica's blocks here are bounded by the blocks of its cache (`record`'s `capacity`),
+    so that a document the replica must have evicted stops counting as cached there. Only the latest
+    `max_replicas` replicas recorded are kept (replica ids are never reused: rollouts and restarts make new
+    ones). Blocks are plain ints in one ordered dict per replica: nothing for the garbage collector to walk
+    (a set per block made a full index 200,000 more objects, about 90 ms more pause on this project's test
+    machine, during which the gateway relays nothing).
     """
 
-    def __init__(self, max_blocks: int = 200_000, max_replicas: int = 64) -> None:
-        self._owners: OrderedDict[int, int] = OrderedDict()
-        self._max = max_blocks
-        self._bits: dict[str, int] = {}  # replica id → its bit; in order of its latest record
+    def __init__(self, max_blocks: int = 50_000, max_replicas: int = 64) -> None:
+        self._held: dict[str, OrderedDict[int, None]] = {}  # in order of each replica's latest record
+        self._max = max_blocks  # blocks per replica whose cache size is not known
         self._max_replicas = max_replicas
-        self._pending: list[tuple[Sequence[int], str]] = []  # records not yet applied (see `record`)
+        self._pending: list[tuple[Sequence[int], str, int | None]] = []  # not yet applied (see `record`)
 
     def __len__(self) -> int:
+        """Blocks held, over all replicas."""
         self._apply()
-        return len(self._owners)
+        return sum(len(held) for held in self._held.values())
+
+    def held(self) -> dict[str, int]:
+        """Blocks held, per replica."""
+        self._apply()
+        return {rid: len(held) for rid, held in self._held.items()}
 
     def depths(self, hashes: Sequence[int], candidates: Sequence[Replica]) -> dict[str, int]:
-        """For each candidate, how many leading blocks of the prompt it has served before.
+        """For each candidate, how many leading blocks of the prompt it has served before (and not evicted).
 
         What a replica holds of a prompt's chain of blocks is always a prefix of it (see `record`), so its
         depth is found by bisection: a few look-ups per replica, not one per block.
         """
         self._apply()
-        owners_of = self._owners.get
         depth = {}
         for replica in candidates:
-            bit = self._bits.get(replica.id, 0)
-            low, high = 0, len(hashes) if bit else 0  # it holds the first `low` blocks, not block `high`
+            held = self._held.get(replica.id)
+            low, high = 0, len(hashes) if held else 0  # it holds the first `low` blocks, not block `high`
             while low < high:
                 middle = (low + high + 1) // 2
-                if owners_of(hashes[middle - 1], 0) & bit:
+                if hashes[middle - 1] in held:  # type: ignore[operator]
                     low = middle
                 else:
                     high = middle - 1
             depth[replica.id] = low
         return depth
 
-    def record(self, hashes: Sequence[int], replica: Replica) -> None:
-        """Note that `replica` served these blocks. They are touched last block first, so a chain's first
-        blocks are always the more recently used: eviction takes chains from their ends (as an engine's
-        cache frees a finished request's blocks, last first), and what a replica holds of a chain stays a
-        prefix of it (a block evicted before the ones that lead to it is impossible).
+    def record(self, hashes: Sequence[int], replica: Replica, capacity: int | None = None) -> None:
+        """Note that `replica` served these blocks, in a cache of `capacity` blocks (None: `max_blocks`),
+        where they are now the most recently used. Blocks are touched last first,
+        so a chain's first blocks are always the more recently used: eviction takes chains from their ends
+        (as an engine's cache frees a finished request's blocks, last first), and what a replica holds of a
+        chain stays a prefix of it (a block evicted before the ones that lead to it is impossible).
 
         In a gateway the record is applied on the event loop's next turn, after the request it routed has
         gone out (or by the next look-up, whichever comes first): touching a long prompt's 200 blocks took
         about 60 µs of that request's way to its engine."""
-        self._pending.append((hashes, replica.id))
+        self._pending.append((hashes, replica.id, capacity))
         if len(self._pending) == 1:
             try:
                 asyncio.get_running_loop().call_soon(self._apply)
@@ -75,45 +83,25 @@ class PrefixIndex:
 
     def _apply(self) -> None:
         pending, self._pending = self._pending, []
-        for hashes, rid in pending:
-            self._record(hashes, rid)
+        for hashes, rid, capacity in pending:
+            self._record(hashes, rid, self._max if capacity is None else capacity)
 
-    def _record(self, hashes: Sequence[int], rid: str) -> None:
-        bit = self._bit(rid)
-        owners_of = self._owners
-        owners_of_get, touch = owners_of.get, owners_of.move_to_end  # bound once: 200 blocks a prompt
+    def _record(self, hashes: Sequence[int], rid: str, capacity: int) -> None:
+        replicas = self._held
+        held = replicas.pop(rid, None)
+        if held is None:
+            held = OrderedDict()
+            if len(replicas) >= self._max_replicas:  # rare: `max_replicas` new ids since that one's last
+                del replicas[next(iter(replicas))]
+        replicas[rid] = held  # now the most recently recorded
+        touch = held.move_to_end  # bound once: 200 blocks a prompt
         for block in reversed(hashes):
-            owners = owners_of_get(block)
-            if owners is None:
-                owners_of[block] = bit
-            else:
-                if not owners & bit:
-                    owners_of[block] = owners | bit
+            if block in held:
                 touch(block)
-        while len(owners_of) > self._max:
-            owners_of.popitem(last=False)
-
-    def _bit(self, rid: str) -> int:
-        """`rid`'s bit, now the most recently recorded; a new replica takes a free bit, or the bit of the
-        replica recorded least recently (cleared from every mask first) when all are taken."""
-        bits = self._bits
-        bit = bits.pop(rid, 0)
-        if not bit:
-            if len(bits) < self._max_replicas:
-                taken = 0
-                for used in bits.values():
-                    taken |= used
-                bit = ~taken & (taken + 1)  # the lowest free bit
             else:
-                bit = bits.pop(next(iter(bits)))  # rare: `max_replicas` new ids since that one's last
-                owners_of = self._owners
-                for block in [block for block, owners in owners_of.items() if owners & bit]:
-                    if rest := owners_of[block] & ~bit:
-                        owners_of[block] = rest
-                    else:
-                        del owners_of[block]
-        bits[rid] = bit
-        return bit
+                held[block] = None
+        while len(held) > capacity:
+            held.popitem(last=False)
 
 
 class Prefill:

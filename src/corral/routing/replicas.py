@@ -40,6 +40,7 @@ class EngineLoad:
     preemptions_total: float = 0.0
     ttft_mean_s: float | None = None  # the engine's own time-to-first-token, averaged since it started
     itl_mean_s: float | None = None  # likewise, time between output tokens
+    kv_capacity_tokens: int | None = None  # tokens its KV cache holds (vLLM's cache_config_info), if known
     scraped_at: float = field(default_factory=time.time)
 
 
@@ -140,6 +141,7 @@ class Replica:
             "running": load.running if load else None,
             "waiting": load.waiting if load else None,
             "kv_usage": load.kv_usage if load else None,
+            "kv_capacity_tokens": load.kv_capacity_tokens if load else None,
             "prefix_cache_hit_rate": (
                 round(load.prefix_cache_hits_total / load.prefix_cache_queries_total, 4)
                 if load and load.prefix_cache_queries_total

@@ -16,6 +16,7 @@ import random
 import time
 from collections import deque
 from collections.abc import Collection, Mapping
+from typing import Any
 
 from corral.protocol import NoCapacity
 from corral.routing.circuit import RetryBudget
@@ -130,9 +131,17 @@ class Router:
             self._prefills.finish(request.inflight)
             request.inflight = None
 
-    def release(self, replica: Replica, request: RouteRequest, ok: bool | None) -> None:
-        """The request is done with `replica`: ok=True success, False replica failure, None not its fault."""
+    def release(
+        self, replica: Replica, request: RouteRequest, ok: bool | None, usage: Mapping[str, Any] | None = None
+    ) -> None:
+        """The request is done with `replica`: ok=True success, False replica failure, None not its fault;
+        `usage`: the engine's answer's, when it gave one (the prefix index learns from it)."""
         self.prefilled(replica, request)
+        if usage is not None and request.hashes_known:
+            policy = self._policies.get(request.model)
+            prompt = usage.get("prompt_tokens")
+            if isinstance(policy, PrefixAffinity) and isinstance(prompt, int):
+                policy.observe(request, prompt)
         replica.outstanding -= 1
         replica.outstanding_tokens -= request.tokens
         replica.served += 1
