@@ -118,7 +118,7 @@ def test_a_replica_whose_engine_reports_a_small_kv_cache_stops_counting_as_holdi
         for replica in (small, large):
             request = RouteRequest("m", prompt=document, prompt_tokens=1000)
             assert policy.index.depths(request.hash_prompt(policy.hasher), [replica]) == {replica.id: 0}
-            policy.index.record(request.hashes, replica, policy._cache_blocks(replica))
+            policy.index.record(request.hashes, replica, policy.cache_blocks(replica))
             policy.observe(request, 1000)
     assert policy.block_tokens == pytest.approx(1000 / (4000 / 128))  # 32 tokens per block
     first = RouteRequest("m", prompt=documents[0]).hashes

@@ -142,8 +142,10 @@ class PrefixAffinity:
     request, in prompt tokens of prefill:
     - the prefill already routed there and not yet done (the request waits behind it);
     - the prompt tokens it would compute itself (the part beyond the longest prefix it served before, which
-      its cache likely still holds), once for its own wait and once per request in flight or queued there,
-      each of which that prefill stalls or delays;
+      its cache likely still holds: the index keeps per replica as many blocks as the replica's KV cache
+      has room for, where its engine says, in the engine's tokens per block learnt by `observe`), once for
+      its own wait and once per request in flight or queued there, each of which that prefill stalls or
+      delays;
     - its decode: every step reads the KV of every sequence in the batch, so the request's steps are slower
       by the context in flight there, and it slows each running request's steps by its own context, for
       about its output length (its max_tokens, at most 256: a bound is not a forecast); `decode_weight`
