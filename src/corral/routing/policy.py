@@ -169,7 +169,7 @@ class PrefixAffinity:
         slack: float = 0.5,
         spill: float = 16,
         kv_pressure: float = 0.95,
-        max_blocks: int = 50_000,
+        max_blocks: int = 25_000,
         decode_weight: float = 0.001,
     ) -> None:
         self._turn = itertools.count()

@@ -28,9 +28,11 @@ class PrefixIndex:
     machine, during which the gateway relays nothing).
     """
 
-    def __init__(self, max_blocks: int = 50_000, max_replicas: int = 64) -> None:
+    def __init__(self, max_blocks: int = 25_000, max_replicas: int = 64) -> None:
         self._held: dict[str, OrderedDict[int, None]] = {}  # in order of each replica's latest record
-        self._max = max_blocks  # blocks per replica whose cache size is not known
+        # blocks per replica whose cache size is not known: about 800,000 tokens at 4 bytes a token, more
+        # than most engines' caches; at about 140 bytes a block, 3.5 MB per replica
+        self._max = max_blocks
         self._max_replicas = max_replicas
         self._pending: list[tuple[Sequence[int], str, int | None]] = []  # not yet applied (see `record`)
 
