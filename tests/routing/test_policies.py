@@ -110,24 +110,24 @@ def test_a_replica_whose_engine_reports_a_small_kv_cache_stops_counting_as_holdi
     """The index holds as much of a replica's prompts as its engine's KV cache does (vLLM's
     cache_config_info, in tokens, over the engine's tokens per 128-byte block, learnt from usage)."""
     small, large = fleet(2)
-    small.load = EngineLoad(running=0, waiting=0, kv_capacity_tokens=3 * 1000)  # about 3 documents
-    large.load = EngineLoad(running=0, waiting=0, kv_capacity_tokens=100 * 1000)
+    small.load = EngineLoad(running=0, waiting=0, kv_capacity_tokens=3 * 1500)  # about 3 documents
+    large.load = EngineLoad(running=0, waiting=0, kv_capacity_tokens=100 * 1500)
     documents = ["".join(f"tenant {t} line {i}. " for i in range(300))[:4000] for t in range(5)]
     policy = PrefixAffinity()
     for document in documents:  # each document once to each replica, then the answer's usage
         for replica in (small, large):
-            request = RouteRequest("m", prompt=document, prompt_tokens=1000)
+            request = RouteRequest("m", prompt=document, prompt_tokens=1500)
             assert policy.index.depths(request.hash_prompt(policy.hasher), [replica]) == {replica.id: 0}
             policy.index.record(request.hashes, replica, policy.cache_blocks(replica))
-            policy.observe(request, 1000)
-    assert policy.block_tokens == pytest.approx(1000 / (4000 / 128))  # 32 tokens per block
+            policy.observe(request, 1500)
+    assert policy.block_tokens == pytest.approx(1500 / (4000 / 128))  # 48 tokens per block
     first = RouteRequest("m", prompt=documents[0]).hashes
     last = RouteRequest("m", prompt=documents[-1]).hashes
     blocks = len(first)
     assert policy.index.depths(first, [small, large]) == {"r0": 0, "r1": blocks}  # evicted on the small one
     assert policy.index.depths(last, [small, large]) == {"r0": blocks, "r1": blocks}
     # so the first document's next request goes where it is still cached, though both are idle
-    request = RouteRequest("m", prompt=documents[0] + "?", prompt_tokens=1000)
+    request = RouteRequest("m", prompt=documents[0] + "?", prompt_tokens=1500)
     assert policy.pick([small, large], request).replica is large
 
 
@@ -152,10 +152,29 @@ def test_tokens_per_block_are_learnt_from_long_prompts_only() -> None:
     before = policy.block_tokens
     policy.observe(RouteRequest("m", prompt="short question"), 40)  # the chat template's tokens dominate
     assert policy.block_tokens == before
-    policy.observe(RouteRequest("m", prompt="w " * 1280), 640)  # 20 blocks, 640 tokens
-    assert policy.block_tokens == pytest.approx(32)
+    policy.observe(RouteRequest("m", prompt="w " * 1280), 800)  # 20 blocks, 800 tokens
+    assert policy.block_tokens == pytest.approx(40)
     policy.observe(RouteRequest("m", prompt="w " * 1280), 320)  # the plain mean of the first answers
-    assert policy.block_tokens == pytest.approx(24)
+    assert policy.block_tokens == pytest.approx(28)
+    policy.observe(RouteRequest("m", prompt="é" * 1280), 640)  # 2,560 bytes: 20 blocks, 32 a block
+    assert policy.block_tokens == pytest.approx(29.33, abs=0.01)
+    policy.observe(RouteRequest("m", prompt="data:image/png;base64," + "A" * 40_000), 300)  # out of range
+    assert policy.block_tokens == pytest.approx((3 * 29.333 + 4) / 4, abs=0.01)  # counted as 4 a block
+
+
+def test_replicas_that_leave_leave_the_prefix_index() -> None:
+    replicas = ReplicaSet(["m"])
+    first, second = fleet(2)
+    replicas.add(first)
+    replicas.add(second)
+    router = Router(replicas)
+    policy = router.policy_for("m")
+    assert isinstance(policy, PrefixAffinity)
+    for replica in (first, second):
+        policy.index.record(RouteRequest("m", prompt="x" * 1280).hashes, replica)
+    replicas.remove(first)
+    router.release(router.acquire(RouteRequest("m", prompt="y" * 1280)), RouteRequest("m"), ok=True)
+    assert set(policy.index.held()) == {"r1"}
 
 
 def test_breaker_opens_after_consecutive_failures_and_half_opens_after_cooldown() -> None:

@@ -226,8 +226,9 @@ class Supervisor:
         idle = False
         while time.monotonic() - began < grace_s:
             load = replica.load
-            engine_idle = (
+            engine_idle = (  # (an external server may serve other clients: this gateway's requests count)
                 slot.plan.metrics_path is None
+                or slot.engine.name == "external"
                 or load is None
                 or (load.scraped_at > began_wall + 0.5 and load.running + load.waiting == 0)
             )

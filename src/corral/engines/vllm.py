@@ -64,8 +64,10 @@ _BLOCK_SIZE = re.compile(r'(?:^|,)block_size="(\d+)"')
 
 
 def _kv_capacity(metrics_text: str) -> int | None:
-    """Tokens the engine's KV cache holds, over its engines (data parallel: one line each); None if the
-    page does not say. Found by `str.find`: a regular expression anchored at lines took 0.3 ms a page."""
+    """Tokens the engine's KV cache holds, over its engines; None if the page does not say. With data
+    parallelism there is a line per engine, each with the front end's sum of all engines' blocks (vLLM 0.32,
+    core_client.py), so the largest line is the whole. Found by `str.find`: a regular expression anchored at
+    lines took 0.3 ms a page."""
     total, start = 0, len(_CACHE_INFO) - 1
     if not metrics_text.startswith(_CACHE_INFO[1:]):  # not on the first line
         at = metrics_text.find(_CACHE_INFO)
@@ -74,7 +76,7 @@ def _kv_capacity(metrics_text: str) -> int | None:
         labels = metrics_text[start : metrics_text.find("}", start)]
         blocks, size = _BLOCKS.search(labels), _BLOCK_SIZE.search(labels)
         if blocks is not None and size is not None:
-            total += int(blocks.group(1)) * int(size.group(1))
+            total = max(total, int(blocks.group(1)) * int(size.group(1)))
         at = metrics_text.find(_CACHE_INFO, start)
         start = -1 if at == -1 else at + len(_CACHE_INFO)
     return total or None

@@ -231,11 +231,14 @@ class PrefixAffinity:
     def observe(self, request: RouteRequest, prompt_tokens: int) -> None:
         """A request ended with the engine's count of its prompt tokens: the engine's tokens per prompt
         block, which turns a replica's KV cache (in tokens) into the index's blocks, are learnt from it."""
-        blocks = len(request.prompt) / PREFIX_BLOCK_CHARS
+        prompt = request.prompt
+        blocks = (len(prompt) if prompt.isascii() else len(prompt.encode())) / PREFIX_BLOCK_CHARS
         if blocks >= _LEARN_BLOCKS and prompt_tokens > 0:  # (a short prompt's template tokens would skew it)
             self._answers += 1
             weight = max(_LEARNING, 1 / self._answers)  # the plain mean of the first answers
-            per_block = min(max(prompt_tokens / blocks, 1.0), float(PREFIX_BLOCK_CHARS))
+            # within what text gives (1 token per 32 bytes to 1 per 2): an image's base64 or a prompt of
+            # token ids, say, would pull it out of range
+            per_block = min(max(prompt_tokens / blocks, _BLOCK_TOKENS_RANGE[0]), _BLOCK_TOKENS_RANGE[1])
             self.block_tokens += weight * (per_block - self.block_tokens)
 
     def describe(self, replicas: Sequence[Replica]) -> dict[str, object]:
@@ -253,7 +256,7 @@ class PrefixAffinity:
         """The blocks of `replica`'s KV cache, in the index's blocks; None where its engine does not say."""
         load = replica.load
         tokens = load.kv_capacity_tokens if load is not None else None
-        return max(1, round(tokens / self.block_tokens)) if tokens else None
+        return min(max(1, round(tokens / self.block_tokens)), _MAX_CACHE_BLOCKS) if tokens else None
 
     def _pressed(self, replica: Replica) -> bool:
         load = replica.load
@@ -264,6 +267,8 @@ _PRICED_OUTPUT = 256  # output tokens a request's decode is priced for at most (
 _BLOCK_TOKENS = 32.0  # engine tokens per index block until answers say: about 4 bytes a token
 _LEARNING = 0.05  # each answer's weight in the running mean of tokens per block, after the first 20
 _LEARN_BLOCKS = 8  # prompts this long (about 1 KB) tell the tokens per block
+_BLOCK_TOKENS_RANGE = (4.0, 64.0)
+_MAX_CACHE_BLOCKS = 100_000  # a replica's bound at most (about 14 MB): 400 prompts' 32 KB the index reads
 
 DEFAULT_POLICY = PrefixAffinity.name
 

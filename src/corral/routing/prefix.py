@@ -41,6 +41,12 @@ class PrefixIndex:
         self._apply()
         return sum(len(held) for held in self._held.values())
 
+    def keep(self, replica_ids: set[str]) -> None:
+        """Forget the replicas not among these (they left the cluster)."""
+        self._apply()
+        for rid in [rid for rid in self._held if rid not in replica_ids]:
+            del self._held[rid]
+
     def held(self) -> dict[str, int]:
         """Blocks held, per replica."""
         self._apply()
@@ -72,6 +78,9 @@ class PrefixIndex:
         so a chain's first blocks are always the more recently used: eviction takes chains from their ends
         (as an engine's cache frees a finished request's blocks, last first), and what a replica holds of a
         chain stays a prefix of it (a block evicted before the ones that lead to it is impossible).
+
+        Only a prompt's first 256 blocks (32 KB) are hashed, so a longer prompt takes more of the engine's
+        cache than it takes here.
 
         In a gateway the record is applied on the event loop's next turn, after the request it routed has
         gone out (or by the next look-up, whichever comes first): touching a long prompt's 200 blocks took

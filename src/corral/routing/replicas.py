@@ -191,6 +191,7 @@ class ReplicaSet:
         self.on_demand: dict[str, float] = {}  # model → seconds a request waits for a first replica
         self.rollouts: dict[str, dict[str, object]] = {}  # model → its latest rollout's state
         self.events: deque[dict[str, object]] = deque(maxlen=_EVENTS_KEPT)
+        self.generation: dict[str, int] = {}  # model → count of its changes (membership, features)
 
     def record(self, kind: str, model: str, message: str) -> None:
         """One change of the running cluster (apply, rollout step, scaling, drain), for status and the
@@ -217,6 +218,7 @@ class ReplicaSet:
 
     def changed(self, model: str) -> None:
         """Forget what was derived from `model`'s replicas (their features or context changed)."""
+        self.generation[model] = self.generation.get(model, 0) + 1
         self._features.pop(model, None)
         self._contexts.pop(model, None)
 

@@ -146,11 +146,6 @@ class RouteRequest:
     _hashes: tuple[int, ...] | None = field(default=None, repr=False)
 
     @property
-    def hashes_known(self) -> bool:
-        """Whether the prompt has been hashed (by a policy that reads it)."""
-        return self._hashes is not None
-
-    @property
     def hashes(self) -> tuple[int, ...]:
         if self._hashes is None:
             self._hashes = prefix_hashes(self.prompt)

@@ -46,6 +46,7 @@ class Router:
         self.retry_budget = RetryBudget()
         self._decisions: deque[tuple[float, str, str, str, str, bool]] = deque(maxlen=decisions_kept)
         self._prefills = PrefillTracker()
+        self._generations: dict[str, int] = {}  # each model's replica-set generation last seen
 
     def set_default(self, name: str) -> None:
         """A new default policy (a live `corral apply`); models are then set again with `set_policy`."""
@@ -81,6 +82,11 @@ class Router:
                 retry_after=self.replicas.retry_after(request.model),
             )
         policy = self.policy_for(request.model)
+        generation = self.replicas.generation.get(request.model, 0)
+        if self._generations.get(request.model) != generation:  # replicas came or went
+            self._generations[request.model] = generation
+            if isinstance(policy, PrefixAffinity):  # those gone leave the prefix index
+                policy.index.keep({r.id for r in self.replicas.of(request.model)})
         decision = policy.pick(candidates, request)
         replica = decision.replica
         replica.breaker.on_dispatch()
@@ -137,7 +143,7 @@ class Router:
         """The request is done with `replica`: ok=True success, False replica failure, None not its fault;
         `usage`: the engine's answer's, when it gave one (the prefix index learns from it)."""
         self.prefilled(replica, request)
-        if usage is not None and request.hashes_known:
+        if usage is not None:
             policy = self._policies.get(request.model)
             prompt = usage.get("prompt_tokens")
             if isinstance(policy, PrefixAffinity) and isinstance(prompt, int):
