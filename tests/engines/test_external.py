@@ -39,6 +39,12 @@ def _fleet() -> Iterator[list[str]]:
         fleet.wait(timeout=20)
 
 
+def _spec(urls: list[str], settings: str = "") -> str:
+    """An open cluster with one model served by the external servers at `urls`."""
+    deployment = f"{{engine: external, urls: {json.dumps(urls)}}}"
+    return f"auth: {{open: true}}\n{settings}models:\n  - name: m\n    deployments: [{deployment}]\n"
+
+
 def _ask(url: str) -> str:
     body = json.dumps({"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
     request = urllib.request.Request(
@@ -51,11 +57,7 @@ def _ask(url: str) -> str:
 
 def test_every_url_of_an_external_deployment_is_a_replica_that_serves(tmp_path: Path) -> None:
     with _fleet() as urls:
-        spec = (
-            "gateway: {routing: round_robin}\nauth: {open: true}\n"
-            f"models:\n  - name: m\n    deployments: [{{engine: external, urls: {json.dumps(urls)}}}]\n"
-        )
-        with cluster_of(tmp_path, spec) as cluster:
+        with cluster_of(tmp_path, _spec(urls, "gateway: {routing: round_robin}\n")) as cluster:
             replicas = cluster.status()["replicas"]
             assert sorted(r["url"] for r in replicas) == sorted(urls)
             served = Counter(_ask(cluster.url) for _ in range(6))
@@ -107,11 +109,7 @@ def test_an_external_vllm_style_server_s_kv_cache_bounds_what_routing_counts_cac
     from ..conftest import get_json
 
     with _fleet() as urls:
-        spec = (
-            "auth: {open: true}\nsupervisor: {probe_interval: 0.2}\n"
-            f"models:\n  - name: m\n    deployments: [{{engine: external, urls: {json.dumps(urls)}}}]\n"
-        )
-        with cluster_of(tmp_path, spec) as cluster:
+        with cluster_of(tmp_path, _spec(urls, "supervisor: {probe_interval: 0.2}\n")) as cluster:
             with urllib.request.urlopen(urls[0] + "/metrics", timeout=5) as response:
                 capacity = parse_vllm_load(response.read().decode()).kv_capacity_tokens
             assert capacity is not None and capacity > 10_000  # an H100's cache for an 8B model
@@ -152,11 +150,7 @@ def test_draining_an_external_server_waits_for_this_gateway_s_requests_only(tmp_
     import threading
 
     with _fleet() as urls:
-        spec = (
-            "auth: {open: true}\nsupervisor: {probe_interval: 0.2}\n"
-            f"models:\n  - name: m\n    deployments: [{{engine: external, urls: {json.dumps(urls)}}}]\n"
-        )
-        with cluster_of(tmp_path, spec) as cluster:
+        with cluster_of(tmp_path, _spec(urls, "supervisor: {probe_interval: 0.2}\n")) as cluster:
             (busy,) = [r for r in cluster.status()["replicas"] if r["url"] == urls[0]]
             body = {"model": "m", "max_tokens": 60_000, "prompt": "Once upon a time"}  # about 8 s here
             request = urllib.request.Request(

@@ -74,10 +74,10 @@ class PrefixIndex:
 
     def record(self, hashes: Sequence[int], replica: Replica, capacity: int | None = None) -> None:
         """Note that `replica` served these blocks, in a cache of `capacity` blocks (None: `max_blocks`),
-        where they are now the most recently used. Blocks are touched last first,
-        so a chain's first blocks are always the more recently used: eviction takes chains from their ends
-        (as an engine's cache frees a finished request's blocks, last first), and what a replica holds of a
-        chain stays a prefix of it (a block evicted before the ones that lead to it is impossible).
+        where they are now the most recently used. Blocks are touched last first, so a chain's first blocks
+        are always the more recently used: eviction takes chains from their ends (as an engine's cache frees
+        a finished request's blocks, last first), and what a replica holds of a chain stays a prefix of it (a
+        block evicted before the ones that lead to it is impossible).
 
         Only a prompt's first 256 blocks (32 KB) are hashed, so a longer prompt takes more of the engine's
         cache than it takes here.
