@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import signal
 import sys
 from typing import Annotated
@@ -47,12 +48,19 @@ def sim_command(
     embed_dim: Annotated[
         int | None, typer.Option(help="serve /v1/embeddings with vectors of this size (an embedding model)")
     ] = None,
+    kv_events_endpoint: Annotated[
+        str | None,
+        typer.Option(
+            help="publish KV-cache events there as vLLM does (tcp://*:5557 binds, another address connects); "
+            "replica i publishes on the port + i"
+        ),
+    ] = None,
     log_level: Annotated[LogLevel, typer.Option(help="how much the simulator logs")] = LogLevel.warning,
 ) -> None:
     """Serve simulated vLLM replicas (OpenAI API, /health, /metrics) until Ctrl-C."""
     from corral.perf import CatalogError, load_catalog
     from corral.perf.calibration import calibrated_efficiency
-    from corral.sim import SimFleet, SimOptions, build_server
+    from corral.sim import SimFleet, SimOptions, build_server, offset_endpoint
 
     setup_logging(log_level)
     options = SimOptions(
@@ -78,7 +86,17 @@ def sim_command(
         fail(str(exc), 2)
 
     async def serve() -> None:
-        fleet = SimFleet([build_server(options, catalog, efficiency) for _ in range(replicas)], host=host)
+        servers = [
+            build_server(
+                dataclasses.replace(
+                    options, kv_events_endpoint=kv_events_endpoint and offset_endpoint(kv_events_endpoint, i)
+                ),
+                catalog,
+                efficiency,
+            )
+            for i in range(replicas)
+        ]
+        fleet = SimFleet(servers, host=host)
         ports = [0] * replicas if port == 0 else [port + i for i in range(replicas)]
         await fleet.start(ports)
         console.print(

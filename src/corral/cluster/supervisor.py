@@ -14,10 +14,14 @@ import logging
 import time
 from dataclasses import dataclass
 
+import zmq
+import zmq.asyncio
+
 from corral.cluster.runtime import ReplicaRuntime, RunningReplica, log_tail
 from corral.config import SupervisorSettings
 from corral.engines import EngineAdapter, LaunchPlan
 from corral.engines.client import EngineClient, EngineConnectionError
+from corral.engines.kv_events import KvCacheView, KvEventFeed
 from corral.routing import Replica, ReplicaSet, ReplicaState
 
 __all__ = ["Supervisor"]
@@ -39,6 +43,7 @@ class _Slot:
     became_ready: bool = False  # the current incarnation has answered its health check
     draining: bool = False  # out of routing for good: probes no longer make it ready
     group: int = 0  # the deployment's index in its model's `deployments`
+    kv: KvCacheView | None = None  # its engine's prefix cache, by the KV events it publishes
 
 
 class Supervisor:
@@ -50,6 +55,7 @@ class Supervisor:
         self._settings = settings
         self._slots: list[_Slot] = []
         self._probes: EngineClient | None = None  # health probes and metrics scrapes
+        self._zmq: zmq.asyncio.Context | None = None  # engines' KV-event subscriptions
         self._stopping = False
         self._next_index: dict[str, int] = {}  # replica ids are never reused (a drained id stays gone)
         self._drains: dict[str, asyncio.Future[dict[str, object]]] = {}  # replica id → its drain
@@ -91,6 +97,7 @@ class Supervisor:
         """Start every declared replica's lifecycle task."""
         timeout = self._settings.probe_timeout
         self._probes = EngineClient(connect_timeout=timeout, read_timeout=timeout, limit=_PROBES_AT_ONCE)
+        self._zmq = zmq.asyncio.Context()
         for slot in self._slots:
             slot.task = asyncio.create_task(self._lifecycle(slot), name=f"replica:{slot.replica.id}")
 
@@ -263,6 +270,8 @@ class Supervisor:
             slot.replica.state = ReplicaState.STOPPED
         if self._probes is not None:
             self._probes.close()
+        if self._zmq is not None:
+            self._zmq.destroy(linger=0)
 
     async def _lifecycle(self, slot: _Slot) -> None:
         replica, settings = slot.replica, self._settings
@@ -272,13 +281,17 @@ class Supervisor:
             replica.state = ReplicaState.STARTING
             replica.ready_eta = time.time() + _EXPECTED_START_S
             launched = time.monotonic()
+            feed = self._kv_feed(slot)
             try:
-                running = await self._runtime.start(replica.id, slot.plan)
+                running = await self._runtime.start(replica.id, feed.plan if feed else slot.plan)
             except Exception as exc:  # any runtime failure: log it, back off, try again
                 logger.exception("replica %s: the runtime could not start it", replica.id)
                 reason, was_ready = f"launch failed: {exc}", False
             else:
-                reason, was_ready = await self._run(slot, running)
+                reason, was_ready = await self._run(slot, running, feed)
+            finally:
+                if feed is not None:
+                    feed.close()
             if time.monotonic() - launched > _STABLE_RUN_S:
                 backoff = settings.backoff_initial
             start_failures = 0 if was_ready else start_failures + 1
@@ -299,7 +312,27 @@ class Supervisor:
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, settings.backoff_max)
 
-    async def _run(self, slot: _Slot, running: RunningReplica) -> tuple[str, bool]:
+    def _kv_feed(self, slot: _Slot) -> KvEventFeed | None:
+        """A subscription to the engine's KV events for its next incarnation, where it publishes them."""
+        plan = slot.plan
+        if self._zmq is None or not (plan.kv_events_args or plan.kv_events_urls):
+            return None
+        try:
+            feed = KvEventFeed(self._zmq, plan, remote=self._runtime.assigns_gpus)
+        except (OSError, zmq.ZMQError) as exc:
+            logger.warning("replica %s: not following its KV events: %s", slot.replica.id, exc)
+            return None
+        if not feed.active:
+            return None
+        if slot.kv is None:
+            slot.kv = KvCacheView()
+        else:
+            slot.kv.restarted()  # a new incarnation starts with an empty cache
+        return feed
+
+    async def _run(
+        self, slot: _Slot, running: RunningReplica, feed: KvEventFeed | None = None
+    ) -> tuple[str, bool]:
         """Serve one incarnation of the replica: why it ended, and whether it was ever ready. Always stops
         the process."""
         replica = slot.replica
@@ -308,6 +341,15 @@ class Supervisor:
         slot.running = running
         slot.became_ready = False
         exited = asyncio.ensure_future(running.wait())
+        events = None
+        if feed is not None and slot.kv is not None:
+            view = slot.kv
+
+            def changed() -> None:
+                if replica.load is not None:
+                    replica.load = view.stamp(replica.load)
+
+            events = asyncio.create_task(feed.follow(view, changed), name=f"kv-events:{replica.id}")
         try:
             reason = await self._watch(slot, running, exited)
             was_ready = slot.became_ready
@@ -318,6 +360,9 @@ class Supervisor:
             return reason, was_ready
         finally:
             exited.cancel()
+            if events is not None:
+                events.cancel()
+                await asyncio.gather(events, return_exceptions=True)
             if replica.state is ReplicaState.READY:
                 replica.state = ReplicaState.UNHEALTHY
             if self._stopping:
@@ -383,6 +428,7 @@ class Supervisor:
             return
         text = body.decode("utf-8", "replace")
         try:
-            slot.replica.load = slot.engine.parse_load(text)
+            load = slot.engine.parse_load(text)
+            slot.replica.load = slot.kv.stamp(load) if slot.kv is not None else load
         except ValueError:
             logger.warning("replica %s: unreadable metrics", slot.replica.id)

@@ -90,6 +90,14 @@ class DeploymentSpec(Strict):
     engine_args: list[str] = Field(default_factory=list, description="extra engine flags, passed through")
     binary: Path | None = Field(default=None, description="engine executable; found or built when unset")
     urls: list[str] = Field(default_factory=list, description="for engine=external: running servers")
+    kv_events: bool = Field(
+        default=True,
+        description="vllm, sim: the engine publishes its KV-cache events, which the prefix router follows",
+    )
+    kv_events_urls: list[str] = Field(
+        default_factory=list,
+        description="for engine=external: each server's KV-events publisher (tcp://host:port), as urls",
+    )
     gpu: str | None = Field(default=None, description="GPU type from the perf catalog (vllm, sim)")
     tensor_parallel: Annotated[
         int, Field(ge=1, le=64, description="vllm, sim: GPUs each layer is split over (one machine)")
@@ -171,6 +179,12 @@ class DeploymentSpec(Strict):
                 f"engine 'external' has a replica per URL: replicas {self.replicas} does not match the "
                 f"{len(self.urls)} urls (leave replicas out)"
             )
+        if self.kv_events_urls and (self.engine != "external" or len(self.kv_events_urls) != len(self.urls)):
+            raise ValueError(
+                "kv_events_urls is for engine 'external': one publisher per server, in the order of urls"
+            )
+        if any(not url.startswith("tcp://") or ":" not in url[6:] for url in self.kv_events_urls):
+            raise ValueError("kv_events_urls take tcp://host:port, as vLLM's --kv-events-config endpoint")
         if self.engine == "sim" and self.gpu is None:
             raise ValueError("engine 'sim' needs 'gpu': the GPU type whose timing it simulates")
         if (self.engine == "vllm" and self.device == "gpu") or (self.engine == "sim" and self.gpus):

@@ -32,6 +32,11 @@ class LaunchPlan:
     features: EngineFeatures = field(default_factory=EngineFeatures)  # what the gateway must make up for
     api_key: str | None = None  # the engine's own API key, which the gateway sends upstream
     startup_s: float | None = None  # how long the engine may take to become ready (default: the supervisor's)
+    # the engine's KV-cache events (engines/kv_events.py): the flags that make it publish to `{events}` (an
+    # endpoint the supervisor binds, one port per data-parallel rank), or a running server's publishers
+    kv_events_args: tuple[str, ...] = ()
+    kv_events_ranks: int = 1
+    kv_events_urls: tuple[str, ...] = ()
 
 
 def visible_gpus(deployment: DeploymentSpec, index: int) -> str:

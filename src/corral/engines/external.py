@@ -27,7 +27,11 @@ class ExternalEngine:
         features = EngineFeatures(
             continuation=False, embeddings=model.task == "embed", matryoshka=model.matryoshka
         )
-        return [LaunchPlan(url=url.rstrip("/"), features=features) for url in deployment.urls]
+        events: list[str | None] = [*deployment.kv_events_urls] or [None] * len(deployment.urls)
+        return [
+            LaunchPlan(url=url.rstrip("/"), features=features, kv_events_urls=(kv,) if kv else ())
+            for url, kv in zip(deployment.urls, events, strict=True)
+        ]
 
     def parse_load(self, metrics_text: str) -> EngineLoad:
         if "\nvllm:" in metrics_text or metrics_text.startswith("vllm:"):

@@ -60,7 +60,7 @@ class SimEngineAdapter:
         if deployment.max_model_len:
             argv += ["--max-model-len", str(deployment.max_model_len)]
         plan = LaunchPlan(
-            argv=(*argv, *deployment.engine_args),
+            argv=(*argv, *(a.replace("{", "{{").replace("}", "}}") for a in deployment.engine_args)),
             capacity=deployment.max_num_seqs,
             context_length=deployment.max_model_len,
             # The simulator answers n > 1 itself; it joins a prompt list into one and has no echo or images.
@@ -72,6 +72,9 @@ class SimEngineAdapter:
                 embeddings=model.task == "embed",
                 matryoshka=model.matryoshka,
             ),
+            kv_events_args=("--kv-events-endpoint", "{events}")
+            if deployment.kv_events and model.task != "embed"
+            else (),
         )
         # GPUs as vLLM's replicas take them (the simulator uses none), so scaling picks them the same way
         return [

@@ -13,6 +13,7 @@ from corral.artifacts.hf_from_gguf import hf_folder_from_gguf
 from corral.artifacts.vllm_env import vllm_python
 from corral.config import DeploymentSpec, HuggingFaceSource, ModelSpec, Paths
 from corral.engines.base import LaunchPlan, read_gauges, visible_gpus
+from corral.engines.kv_events import data_parallel_size, kv_events_config
 from corral.routing import EngineFeatures, EngineLoad
 
 __all__ = ["VllmEngine", "parse_vllm_load"]
@@ -49,7 +50,11 @@ def parse_vllm_load(metrics_text: str) -> EngineLoad:
         running=int(values.get(_RUNNING, 0)),
         waiting=int(values.get(_WAITING, 0)),
         kv_usage=values.get(_KV),
-        **{field: values.get(sample, 0.0) for field, sample in _COUNTERS.items()},
+        prompt_tokens_total=values.get(_COUNTERS["prompt_tokens_total"], 0.0),
+        generated_tokens_total=values.get(_COUNTERS["generated_tokens_total"], 0.0),
+        prefix_cache_queries_total=values.get(_COUNTERS["prefix_cache_queries_total"], 0.0),
+        prefix_cache_hits_total=values.get(_COUNTERS["prefix_cache_hits_total"], 0.0),
+        preemptions_total=values.get(_COUNTERS["preemptions_total"], 0.0),
         ttft_mean_s=_mean(values, _TTFT),
         itl_mean_s=_mean(values, _ITL) or _mean(values, _TPOT),
         kv_capacity_tokens=_kv_capacity(metrics_text),
@@ -143,7 +148,9 @@ class VllmEngine:
         argv += [item for flag, value in optional.items() if value is not None for item in (flag, value)]
         if cpu and "--enforce-eager" not in deployment.engine_args:
             argv.append("--enforce-eager")  # start-up in ~40 s instead of 3-4 minutes of graph capture
-        argv += deployment.engine_args
+        # the runtime fills in {host} and {port}: braces of the engine's own flags (a JSON config) stay
+        argv += [arg.replace("{", "{{").replace("}", "}}") for arg in deployment.engine_args]
+        events = deployment.kv_events and model.task != "embed"
         return [
             LaunchPlan(
                 argv=tuple(argv),
@@ -153,6 +160,8 @@ class VllmEngine:
                 api_key=deployment.engine_api_key,
                 startup_s=120.0 if cpu else 600.0,
                 features=EngineFeatures(embeddings=model.task == "embed", matryoshka=model.matryoshka),
+                kv_events_args=("--kv-events-config", kv_events_config("{events}")) if events else (),
+                kv_events_ranks=data_parallel_size(deployment.engine_args),
             )
             for index in range(deployment.replicas)
         ]

@@ -68,6 +68,7 @@ class EngineSequence:
     blocks: list[int] = field(default_factory=list)
     cached_tokens: int = 0
     registered: int = 0  # leading blocks cached as this sequence's (see Scheduler._register)
+    tokens: Sequence[int] = ()  # the prompt's token ids, where KV events are published (the simulator)
     first_token_at: float | None = None
     finished_at: float | None = None
     in_flight: bool = False  # in a batch still going through the pipeline
@@ -95,6 +96,7 @@ class BlockPool:
         self._hash_of: dict[int, int] = {}
         self._by_hash: dict[int, int] = {}
         self._evictable: OrderedDict[int, None] = OrderedDict()
+        self.evicted: list[int] | None = None  # where recorded (the simulator's KV events): evicted hashes
 
     @property
     def available(self) -> int:
@@ -109,7 +111,10 @@ class BlockPool:
             block = self._free.popleft()
         else:
             block, _ = self._evictable.popitem(last=False)
-            del self._by_hash[self._hash_of.pop(block)]
+            block_hash = self._hash_of.pop(block)
+            del self._by_hash[block_hash]
+            if self.evicted is not None:
+                self.evicted.append(block_hash)
         self._refs[block] = 1
         return block
 
@@ -122,6 +127,9 @@ class BlockPool:
             del self._evictable[block]
         self._refs[block] += 1
         return block
+
+    def holds(self, block_hash: int) -> bool:
+        return block_hash in self._by_hash
 
     def register(self, block: int, block_hash: int) -> bool:
         """Cache `block` as holding `block_hash` unless another block does; whether it now does."""
@@ -175,6 +183,12 @@ class Scheduler:
         self.preemptions = 0
         self.prefix_queries = 0
         self.prefix_hits = 0
+        # where recorded (`record_kv_events`): blocks newly cached, as (sequence, block index)
+        self.stored: list[tuple[EngineSequence, int]] | None = None
+
+    def record_kv_events(self) -> None:
+        """Keep the blocks cached (`stored`) and evicted (`pool.evicted`) until the caller takes them."""
+        self.stored, self.pool.evicted = [], []
 
     def add(self, seq: EngineSequence) -> None:
         self.waiting.append(seq)
@@ -322,9 +336,14 @@ class Scheduler:
         if not self.config.enable_prefix_caching:
             return
         full = min(seq.computed, seq.prompt_len) // self.config.block_size
+        stored, pool = self.stored, self.pool
         for i in range(seq.registered, min(full, len(seq.hashes), len(seq.blocks))):
-            if self.pool.register(seq.blocks[i], seq.hashes[i]) and i == seq.registered:
-                seq.registered += 1
+            new = stored is not None and not pool.holds(seq.hashes[i])
+            if pool.register(seq.blocks[i], seq.hashes[i]):
+                if new:
+                    stored.append((seq, i))  # type: ignore[union-attr]
+                if i == seq.registered:
+                    seq.registered += 1
 
     def _free(self, seq: EngineSequence) -> None:
         self.pool.release(seq.blocks)

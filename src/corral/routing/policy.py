@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import random
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -183,6 +184,8 @@ class PrefixAffinity:
         # engine tokens per index block, from the answers' usage (prompt tokens per prompt block)
         self.block_tokens = _BLOCK_TOKENS
         self._answers = 0
+        # per replica whose KV events are followed: [its cache's clears, its eviction frontier] last seen
+        self._followed: dict[str, list[float]] = {}
 
     def pick(self, candidates: Sequence[Replica], request: RouteRequest) -> Decision:
         hashes = request.hash_prompt(self.hasher)
@@ -194,6 +197,8 @@ class PrefixAffinity:
                 if load_score(replica) < load_score(best):
                     best = replica
             return Decision(best, "short prompt; least loaded")
+        for replica in candidates:
+            self._follow(replica)
         loads = {r.id: load_score(r) for r in candidates}
         bound = (1 + self._slack) * (sum(loads.values()) / len(candidates)) + self._spill
         rotated = [*candidates[start:], *candidates[:start]]
@@ -228,6 +233,12 @@ class PrefixAffinity:
         )
         return Decision(best, reason, depth)
 
+    def ended(self, replica: Replica, request: RouteRequest) -> None:
+        """A request routed by this policy ended: its prompt's blocks are now the replica's most recently
+        freed (what an engine's cache evicts last)."""
+        if request.hashes:
+            self.index.ended(request.hashes, replica, time.time())
+
     def observe(self, request: RouteRequest, prompt_tokens: int) -> None:
         """A request ended with the engine's count of its prompt tokens: the engine's tokens per prompt
         block, which turns a replica's KV cache (in tokens) into the index's blocks, are learnt from it."""
@@ -241,14 +252,47 @@ class PrefixAffinity:
             per_block = min(max(prompt_tokens / blocks, _BLOCK_TOKENS_RANGE[0]), _BLOCK_TOKENS_RANGE[1])
             self.block_tokens += weight * (per_block - self.block_tokens)
 
+    def keep(self, replica_ids: set[str]) -> None:
+        """Forget the replicas not among these (they left the cluster)."""
+        self.index.keep(replica_ids)
+        for rid in [rid for rid in self._followed if rid not in replica_ids]:
+            del self._followed[rid]
+
+    def _follow(self, replica: Replica) -> None:
+        """Bring `replica`'s index in line with its engine's KV events, where they are followed: forget the
+        blocks the engine must have evicted (those freed before a block it evicted was cached), and all of
+        them when its cache was emptied (a reset, a restart)."""
+        load = replica.load
+        if load is None or load.kv_cached_tokens is None:
+            return
+        seen = self._followed.get(replica.id)
+        if seen is None:
+            self._followed[replica.id] = [load.kv_cleared_total, load.kv_evicted_through]
+            return
+        if load.kv_cleared_total != seen[0]:
+            self.index.forget(replica.id)
+        elif load.kv_evicted_through > seen[1]:
+            self.index.evict_through(replica.id, load.kv_evicted_through)
+        seen[0], seen[1] = load.kv_cleared_total, load.kv_evicted_through
+
     def describe(self, replicas: Sequence[Replica]) -> dict[str, object]:
         """What the index believes, for the admin view: tokens per block, and per replica the blocks it
         holds against the blocks of the replica's KV cache (None: its engine does not say)."""
+        for replica in replicas:
+            self._follow(replica)
         held = self.index.held()
         return {
             "tokens_per_block": round(self.block_tokens, 2),
             "replicas": {
-                r.id: {"blocks": held.get(r.id, 0), "cache_blocks": self.cache_blocks(r)} for r in replicas
+                r.id: {
+                    "blocks": held.get(r.id, 0),
+                    "cache_blocks": self.cache_blocks(r),
+                    # what the engine's KV events say it holds, in the index's blocks (None: not followed)
+                    "engine_cached_blocks": round(r.load.kv_cached_tokens / self.block_tokens)
+                    if r.load is not None and r.load.kv_cached_tokens is not None
+                    else None,
+                }
+                for r in replicas
             },
         }
 

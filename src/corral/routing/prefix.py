@@ -8,12 +8,15 @@ own KV cache where its engine reports the size (vLLM's and the simulator's `cach
 from __future__ import annotations
 
 import asyncio
+import math
 from collections import OrderedDict
 from collections.abc import Sequence
 
 from corral.routing.replicas import Replica
 
 __all__ = ["Prefill", "PrefillTracker", "PrefixIndex"]
+
+_IN_USE = math.inf  # a block's end time while a request that uses it runs: an engine does not evict it
 
 
 class PrefixIndex:
@@ -29,12 +32,15 @@ class PrefixIndex:
     """
 
     def __init__(self, max_blocks: int = 25_000, max_replicas: int = 64) -> None:
-        self._held: dict[str, OrderedDict[int, None]] = {}  # in order of each replica's latest record
+        # per replica, block → when the last request that used it ended (`_IN_USE` while one runs), in
+        # order of each replica's latest record
+        self._held: dict[str, OrderedDict[int, float]] = {}
         # blocks per replica whose cache size is not known: about 800,000 tokens at 4 bytes a token, more
         # than most engines' caches; at about 140 bytes a block, 3.5 MB per replica
         self._max = max_blocks
         self._max_replicas = max_replicas
-        self._pending: list[tuple[Sequence[int], str, int | None]] = []  # not yet applied (see `record`)
+        # not yet applied (see `record`): a record's capacity, or a request's end as minus its time
+        self._pending: list[tuple[Sequence[int], str, float | None]] = []
 
     def __len__(self) -> int:
         """Blocks held, over all replicas."""
@@ -46,6 +52,29 @@ class PrefixIndex:
         self._apply()
         for rid in [rid for rid in self._held if rid not in replica_ids]:
             del self._held[rid]
+
+    def evict_through(self, rid: str, when: float) -> None:
+        """Forget replica `rid`'s blocks whose last request ended before `when`: its engine has evicted
+        a block it cached at `when`, and an engine's cache evicts the blocks its requests freed least
+        recently first (a block is freed no earlier than it was cached)."""
+        self._apply()
+        held = self._held.get(rid)
+        while held and next(iter(held.values())) < when:
+            held.popitem(last=False)
+
+    def forget(self, rid: str) -> None:
+        """Forget all of replica `rid`'s blocks (its engine's cache was emptied)."""
+        self._apply()
+        self._held.pop(rid, None)
+
+    def ended(self, hashes: Sequence[int], replica: Replica, when: float) -> None:
+        """A request that used these blocks on `replica` ended at `when` (wall clock): their engine freed
+        them then, so they are now its most recently freed. Applied with the records, on the event loop's
+        next turn."""
+        if hashes:
+            self._pending.append((hashes, replica.id, -when))
+            if len(self._pending) == 1:
+                self._apply_soon()
 
     def held(self) -> dict[str, int]:
         """Blocks held, per replica."""
@@ -87,17 +116,33 @@ class PrefixIndex:
         about 60 µs of that request's way to its engine."""
         self._pending.append((hashes, replica.id, capacity))
         if len(self._pending) == 1:
-            try:
-                asyncio.get_running_loop().call_soon(self._apply)
-            except RuntimeError:  # no event loop (the routing replay, a test): at once
-                self._apply()
+            self._apply_soon()
+
+    def _apply_soon(self) -> None:
+        try:
+            asyncio.get_running_loop().call_soon(self._apply)
+        except RuntimeError:  # no event loop (the routing replay, a test): at once
+            self._apply()
 
     def _apply(self) -> None:
         pending, self._pending = self._pending, []
         for hashes, rid, capacity in pending:
-            self._record(hashes, rid, self._max if capacity is None else capacity)
+            if capacity is not None and capacity < 0:  # a request's end (see `ended`), at -capacity
+                self._ended(hashes, rid, -capacity)
+            else:
+                self._record(hashes, rid, self._max if capacity is None else capacity)
 
-    def _record(self, hashes: Sequence[int], rid: str, capacity: int) -> None:
+    def _ended(self, hashes: Sequence[int], rid: str, when: float) -> None:
+        held = self._held.get(rid)
+        if held is None:
+            return
+        touch = held.move_to_end
+        for block in reversed(hashes):
+            if block in held:
+                held[block] = when
+                touch(block)
+
+    def _record(self, hashes: Sequence[int], rid: str, capacity: float) -> None:
         replicas = self._held
         held = replicas.pop(rid, None)
         if held is None:
@@ -107,10 +152,8 @@ class PrefixIndex:
         replicas[rid] = held  # now the most recently recorded
         touch = held.move_to_end  # bound once: 200 blocks a prompt
         for block in reversed(hashes):
-            if block in held:
-                touch(block)
-            else:
-                held[block] = None
+            held[block] = _IN_USE  # (a new key goes last; an old one keeps its place until touched)
+            touch(block)
         while len(held) > capacity:
             held.popitem(last=False)
 

@@ -41,6 +41,12 @@ class EngineLoad:
     ttft_mean_s: float | None = None  # the engine's own time-to-first-token, averaged since it started
     itl_mean_s: float | None = None  # likewise, time between output tokens
     kv_capacity_tokens: int | None = None  # tokens its KV cache holds (vLLM's cache_config_info), if known
+    # by the engine's KV-cache events, where followed (engines/kv_events.py); None: not followed
+    kv_cached_tokens: int | None = None  # tokens in the blocks its prefix cache holds now
+    kv_evicted_tokens_total: int = 0  # tokens of cached blocks it has evicted
+    # it has evicted a block it cached at this time (wall clock): it has evicted every block freed before
+    kv_evicted_through: float = 0.0
+    kv_cleared_total: int = 0  # times its cache was emptied (a reset, a restart)
     scraped_at: float = field(default_factory=time.time)
 
 
@@ -142,6 +148,8 @@ class Replica:
             "waiting": load.waiting if load else None,
             "kv_usage": load.kv_usage if load else None,
             "kv_capacity_tokens": load.kv_capacity_tokens if load else None,
+            "kv_cached_tokens": load.kv_cached_tokens if load else None,  # by its KV events
+            "kv_evicted_tokens_total": load.kv_evicted_tokens_total if load else None,
             "prefix_cache_hit_rate": (
                 round(load.prefix_cache_hits_total / load.prefix_cache_queries_total, 4)
                 if load and load.prefix_cache_queries_total

@@ -86,7 +86,7 @@ class Router:
         if self._generations.get(request.model) != generation:  # replicas came or went
             self._generations[request.model] = generation
             if isinstance(policy, PrefixAffinity):  # those gone leave the prefix index
-                policy.index.keep({r.id for r in self.replicas.of(request.model)})
+                policy.keep({r.id for r in self.replicas.of(request.model)})
         decision = policy.pick(candidates, request)
         replica = decision.replica
         replica.breaker.on_dispatch()
@@ -143,10 +143,11 @@ class Router:
         """The request is done with `replica`: ok=True success, False replica failure, None not its fault;
         `usage`: the engine's answer's, when it gave one (the prefix index learns from it)."""
         self.prefilled(replica, request)
-        if usage is not None:
-            policy = self._policies.get(request.model)
-            prompt = usage.get("prompt_tokens")
-            if isinstance(policy, PrefixAffinity) and isinstance(prompt, int):
+        policy = self._policies.get(request.model)
+        if isinstance(policy, PrefixAffinity):
+            policy.ended(replica, request)
+            prompt = usage.get("prompt_tokens") if usage is not None else None
+            if isinstance(prompt, int):
                 policy.observe(request, prompt)
         replica.outstanding -= 1
         replica.outstanding_tokens -= request.tokens

@@ -7,9 +7,18 @@ from dataclasses import dataclass
 from corral.perf import Catalog, Efficiency
 from corral.perf.replica import ReplicaLayout, replica_model
 from corral.sim.engine import SimEngine, SimRequest
+from corral.sim.kv_events import KvEventPublisher, offset_endpoint
 from corral.sim.server import SimFleet, SimServer
 
-__all__ = ["SimEngine", "SimFleet", "SimOptions", "SimRequest", "SimServer", "build_server"]
+__all__ = [
+    "SimEngine",
+    "SimFleet",
+    "SimOptions",
+    "SimRequest",
+    "SimServer",
+    "build_server",
+    "offset_endpoint",
+]
 
 
 @dataclass(frozen=True)
@@ -30,6 +39,7 @@ class SimOptions:
     enable_prefix_caching: bool = True
     time_scale: float = 1.0
     embed_dim: int | None = None  # an embedding model making vectors of this size
+    kv_events_endpoint: str | None = None  # publish KV-cache events there, as vLLM's --kv-events-config
 
 
 def build_server(options: SimOptions, catalog: Catalog, efficiency: Efficiency) -> SimServer:
@@ -50,5 +60,7 @@ def build_server(options: SimOptions, catalog: Catalog, efficiency: Efficiency) 
     engine = SimEngine(
         options.served_name or replica.name, replica.perf, replica.config, time_scale=options.time_scale
     )
+    if options.kv_events_endpoint and options.enable_prefix_caching and options.embed_dim is None:
+        engine.kv_events = KvEventPublisher(options.kv_events_endpoint, engine.scheduler)
     max_len = options.max_model_len or min(replica.max_context, replica.kv_tokens)
     return SimServer(engine, max_model_len=max_len, vocab=replica.vocab, embed_dim=options.embed_dim)

@@ -25,6 +25,7 @@ from corral.perf import (
     StepPipeline,
     block_hashes,
 )
+from corral.sim.kv_events import KvEventPublisher
 
 __all__ = ["SimEngine", "SimRequest"]
 
@@ -147,6 +148,7 @@ class SimEngine:
         self._wake = asyncio.Event()
         self._t0: float | None = None
         self._reported = (0, 0, 0)
+        self.kv_events: KvEventPublisher | None = None  # set to publish the cache's changes
 
     def now(self) -> float:
         """Simulated seconds since the engine started."""
@@ -164,6 +166,7 @@ class SimEngine:
             max_tokens=max_tokens,
             arrival=self.now(),
             hashes=block_hashes(prompt, self.config.block_size) if self.config.enable_prefix_caching else [],
+            tokens=prompt if self.kv_events is not None else (),
         )
         request = SimRequest(seq)
         self._requests[seq.id] = request
@@ -203,6 +206,8 @@ class SimEngine:
             for seq in self.scheduler.complete(batch, finished_at):
                 self._deliver(seq)
             self._count_batch(batch)
+            if self.kv_events is not None:
+                self.kv_events.publish()
 
     def _deliver(self, seq: EngineSequence) -> None:
         m, values = self.metrics, self.metrics.values

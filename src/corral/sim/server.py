@@ -66,6 +66,8 @@ class SimServer:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+            if self.engine.kv_events is not None:
+                self.engine.kv_events.close()
 
         app.cleanup_ctx.append(step_loop)
         return app

@@ -1,0 +1,87 @@
+"""The simulator's KV-cache events, published as vLLM publishes them (`engines/kv_events.py` reads both).
+
+A ZMQ PUB socket sends, after each engine step that cached or evicted blocks, the topic (empty), an 8-byte
+big-endian sequence number and a msgpack batch `[ts, events]`: `["BlockRemoved", hashes, None]` for the
+blocks evicted, then `["BlockStored", hashes, parent_hash, token_ids, block_size, None, None]` per run of
+one sequence's newly cached blocks. As vLLM does, it binds an endpoint with a wildcard (`tcp://*:5557`)
+and connects to any other (a subscriber that binds, as corral's supervisor does).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import msgpack
+import zmq
+
+from corral.perf import EngineSequence, Scheduler
+
+__all__ = ["KvEventPublisher", "offset_endpoint"]
+
+_SEND_HWM = 100_000  # batches queued for a slow subscriber before ZMQ drops them
+
+
+class KvEventPublisher:
+    """Publishes one simulated engine's cache changes; `publish` after each step."""
+
+    def __init__(self, endpoint: str, scheduler: Scheduler) -> None:
+        self._scheduler = scheduler
+        self._block_size = scheduler.config.block_size
+        self._seq = itertools.count()
+        self._socket: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PUB)
+        self._socket.setsockopt(zmq.SNDHWM, _SEND_HWM)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        if "*" in endpoint or "0.0.0.0" in endpoint or endpoint.startswith(("ipc://", "inproc://")):
+            self._socket.bind(endpoint)
+        else:
+            self._socket.connect(endpoint)
+        scheduler.record_kv_events()
+
+    def publish(self) -> None:
+        scheduler = self._scheduler
+        evicted, stored = scheduler.pool.evicted, scheduler.stored
+        if not evicted and not stored:
+            return
+        events: list[list[object]] = []
+        if evicted:
+            events.append(["BlockRemoved", list(evicted), None])
+            evicted.clear()
+        if stored:
+            events += self._stored(stored)
+            stored.clear()
+        payload = msgpack.packb([time.time(), events])
+        frames = [b"", next(self._seq).to_bytes(8, "big"), payload]
+        try:
+            self._socket.send_multipart(frames, flags=zmq.NOBLOCK)
+        except zmq.Again:  # no subscriber's queue has room: the batch is dropped, as vLLM's would be
+            pass
+
+    def close(self) -> None:
+        self._socket.close(linger=0)
+
+    def _stored(self, stored: list[tuple[EngineSequence, int]]) -> list[list[object]]:
+        """One BlockStored event per run of consecutive blocks of one sequence."""
+        size = self._block_size
+        events: list[list[object]] = []
+        run_start = 0
+        for k in range(1, len(stored) + 1):
+            if k < len(stored) and stored[k][0] is stored[k - 1][0] and stored[k][1] == stored[k - 1][1] + 1:
+                continue
+            seq, first = stored[run_start]
+            last = stored[k - 1][1]
+            hashes = seq.hashes[first : last + 1]
+            parent = seq.hashes[first - 1] if first else None
+            tokens = list(seq.tokens[first * size : (last + 1) * size])
+            events.append(["BlockStored", hashes, parent, tokens, size, None, None])
+            run_start = k
+        return events
+
+
+def offset_endpoint(endpoint: str, index: int) -> str:
+    """The endpoint of the `index`-th replica of one `corral sim` process: the port + index (as vLLM's
+    data-parallel ranks)."""
+    if index == 0:
+        return endpoint
+    head, _, port = endpoint.rpartition(":")
+    return f"{head}:{int(port) + index}"

@@ -1,0 +1,76 @@
+"""Engines' KV-cache events followed by the supervisor and the prefix index, end to end: `corral up` with
+two simulated replicas (supervised as vLLM is, publishing vLLM's ZMQ events to the supervisor) whose KV
+caches hold about three documents each.
+
+A document the gateway sent to a replica counts as cached there until that replica's engine evicts it: here
+another client, talking to the engine directly, fills the engine's cache with its own documents. The
+engine's events say so, and the index forgets the document; without them it would keep counting it (the
+gateway's own traffic is far below the cache's size).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+from pathlib import Path
+
+from ..conftest import cluster_of, get_json
+
+# Llama-3.1-8B's KV takes 128 KiB a token: a quarter GiB is a 2,048-token cache (128 blocks of 16)
+FLEET = (
+    "supervisor: {probe_interval: 0.2}\nauth: {open: true}\n"
+    "models:\n  - name: llama-8b\n    arch: llama-3.1-8b\n"
+    "    deployments: [{engine: sim, replicas: 2, gpu: l4, time_scale: 20, "
+    "engine_args: [--kv-cache-gib, '0.25']}]\n"
+)
+
+
+def _document(name: str) -> str:
+    return f"{name}: " + " ".join(f"{name}{i}" for i in range(600))  # about 600 of the simulator's tokens
+
+
+def _chat(url: str, document: str) -> str:
+    body = {"model": "llama-8b", "max_tokens": 2, "messages": [{"role": "user", "content": document}]}
+    request = urllib.request.Request(
+        url + "/v1/chat/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=30) as response:
+        return response.headers.get("x-corral-replica", "")
+
+
+def _until(check, what: str, timeout: float = 10.0):  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value or time.monotonic() > deadline:
+            assert value, what
+            return value
+        time.sleep(0.1)
+
+
+def test_a_document_another_client_pushed_out_of_the_engine_s_cache_stops_counting_as_cached(
+    tmp_path: Path,
+) -> None:
+    with cluster_of(tmp_path, FLEET) as cluster:
+
+        def _replica(rid: str) -> dict:
+            return next(r for r in cluster.status()["replicas"] if r["id"] == rid)
+
+        index_of = lambda: get_json(cluster.url + "/admin/routing")[1]["prefix_index"]["llama-8b"]  # noqa: E731
+        first = _chat(cluster.url, _document("alpha"))
+        other = _chat(cluster.url, _document("beta"))  # the least loaded replica: the other one
+        assert {first, other} == {r["id"] for r in cluster.status()["replicas"]}
+        # the engine's events reach the supervisor: the document's blocks are cached there
+        _until(lambda: (_replica(first)["kv_cached_tokens"] or 0) >= 512, "no KV events")
+        blocks = index_of()["replicas"][first]["blocks"]
+        assert blocks >= 600 * 7 // 128  # the document's ~4,200 bytes, in the index's 128-byte blocks
+
+        engine = _replica(first)["url"]
+        for n in range(5):  # another client's documents, straight to the engine: about 3,000 tokens
+            _chat(engine, _document(f"other{n}"))
+        _until(lambda: _replica(first)["kv_evicted_tokens_total"] >= 600, "nothing evicted")
+        forgot = lambda: (held := index_of()["replicas"])[first]["blocks"] == 0 and held  # noqa: E731
+        replicas = _until(forgot, "the evicted document still counts as cached")
+        assert replicas[other]["blocks"] >= 600 * 6 // 128  # the other replica's document is still there
+        assert replicas[first]["engine_cached_blocks"] > 0  # the other client's documents
