@@ -131,6 +131,45 @@ def test_a_replica_whose_engine_reports_a_small_kv_cache_stops_counting_as_holdi
     assert policy.pick([small, large], request).replica is large
 
 
+def test_the_index_forgets_what_the_engine_s_kv_events_say_it_evicted() -> None:
+    """An engine's cache frees its least recently freed blocks first: when its events say it evicted a
+    block it had cached at time T, every block whose last request ended before T is gone, while blocks of
+    a request still running, and those freed after T, are not; a cleared cache leaves nothing."""
+    (replica,) = fleet(1)
+    replica.load = EngineLoad(running=0, waiting=0, kv_cached_tokens=0)
+    policy = PrefixAffinity()
+    old, running, recent = (RouteRequest("m", prompt=f"tenant {t}: " + "w " * 700) for t in "abc")
+    for request in (old, running, recent):
+        request.hash_prompt(policy.hasher)
+        policy.index.record(request.hashes, replica)
+    policy.index.ended(old.hashes, replica, 100.0)
+    policy.index.ended(recent.hashes, replica, 200.0)
+    policy.describe([replica])  # the events' state first seen: nothing to forget yet
+    held = {r.hashes[-1]: policy.index.depths(r.hashes, [replica])["r0"] for r in (old, running, recent)}
+    assert list(held.values()) == [len(old.hashes)] * 3
+
+    replica.load = EngineLoad(running=0, waiting=0, kv_cached_tokens=4096, kv_evicted_through=150.0)
+    policy.describe([replica])
+    depths = [policy.index.depths(r.hashes, [replica])["r0"] for r in (old, running, recent)]
+    assert depths == [0, len(running.hashes), len(recent.hashes)]
+
+    replica.load = EngineLoad(running=0, waiting=0, kv_cached_tokens=0, kv_cleared_total=1)
+    policy.describe([replica])
+    assert policy.index.held() == {}
+
+
+def test_an_engine_whose_kv_events_are_not_followed_keeps_the_index_s_own_bound() -> None:
+    (replica,) = fleet(1)
+    replica.load = EngineLoad(running=0, waiting=0, kv_evicted_through=1e12)  # kv_cached_tokens None
+    policy = PrefixAffinity()
+    request = RouteRequest("m", prompt="w " * 700)
+    policy.index.record(request.hash_prompt(policy.hasher), replica)
+    policy.index.ended(request.hashes, replica, 100.0)
+    policy.describe([replica])
+    policy.describe([replica])
+    assert policy.index.held() == {"r0": len(request.hashes)}
+
+
 def test_the_router_hands_the_engines_usage_to_the_prefix_policy() -> None:
     replicas = ReplicaSet(["m"])
     replicas.add(fleet(1)[0])

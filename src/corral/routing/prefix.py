@@ -59,8 +59,17 @@ class PrefixIndex:
         recently first (a block is freed no earlier than it was cached)."""
         self._apply()
         held = self._held.get(rid)
-        while held and next(iter(held.values())) < when:
-            held.popitem(last=False)
+        if not held:
+            return
+        # ended blocks are in the order they ended (`ended` moves them last); blocks in use sit among them
+        gone = []
+        for block, ended in held.items():
+            if ended < when:
+                gone.append(block)
+            elif ended != _IN_USE:
+                break
+        for block in gone:
+            del held[block]
 
     def forget(self, rid: str) -> None:
         """Forget all of replica `rid`'s blocks (its engine's cache was emptied)."""
