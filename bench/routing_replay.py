@@ -12,7 +12,9 @@ seconds, then, on the same (warm) fleet, TTFT p50/p90/p99 under Poisson arrivals
 of round robin's saturation rate on the first workload, when round robin is run first), and the fleet's
 prefix-cache hit rate.
 `--gateway-ms` adds the gateway's own latency (simulated milliseconds) before a request reaches its
-engine. Prints JSON.
+engine. `--workers N` routes each request through one of N gateway workers (each its own router and
+in-flight counts; their prefix indexes share placements as `corral up`'s do, or not with `--unshared`);
+`--kv-events` has the engines publish their KV-cache events and the routers follow them. Prints JSON.
 
     .venv/bin/python bench/routing_replay.py [--distribution zipf] [--tenants 1] [--gpu h100-sxm] [--seeds 3]
 """
@@ -32,6 +34,7 @@ import orjson
 from routing_quality import Workload
 
 from corral.config import LimitsSettings
+from corral.engines.kv_events import KvCacheView
 from corral.gateway.pipeline import prompt_text
 from corral.perf.calibration import calibrated_efficiency
 from corral.perf.catalog import load_catalog
@@ -49,23 +52,30 @@ from corral.routing import (
     Router,
     RouteRequest,
 )
+from corral.sim.kv_events import take_events
 from corral.sim.text import chat_prompt, tokenize
 
 TOKENS_PER_BYTE = LimitsSettings().tokens_per_char  # the gateway's prompt-token estimate per body byte
 
 
 class _Engine:
-    """One simulated replica: the scheduler and its step pipeline, as `corral sim`'s engine runs them."""
+    """One simulated replica: the scheduler and its step pipeline, as `corral sim`'s engine runs them, and
+    its KV-cache events as the supervisor follows them (with `--kv-events`)."""
 
-    def __init__(self, model: ReplicaModel) -> None:
+    def __init__(self, rid: str, model: ReplicaModel, kv_events: bool) -> None:
+        self.id = rid
         self.block_size = model.config.block_size
         self.scheduler = Scheduler(model.config)
         self.pipeline = StepPipeline(model.perf)
+        self.kv = KvCacheView() if kv_events else None
+        if kv_events:
+            self.scheduler.record_kv_events()
 
 
 @dataclass(slots=True)
 class _Request:
     route: RouteRequest
+    router: Router
     replica: Replica
     sent: float
     closed_loop: bool
@@ -77,18 +87,28 @@ class Replay:
 
     def __init__(self, args: argparse.Namespace, policy: str, seed: int) -> None:
         model = replica_model(ReplicaLayout(args.model, args.gpu), load_catalog(), calibrated_efficiency())
-        self.engines: dict[str, _Engine] = {}
-        replicas = ReplicaSet(["llama"])
+        self.engines = {f"r{i}": _Engine(f"r{i}", model, args.kv_events) for i in range(args.replicas)}
         kv_tokens = model.config.num_blocks * model.config.block_size  # as its /metrics says
-        for i in range(args.replicas):
-            load = EngineLoad(running=0, waiting=0, kv_capacity_tokens=kv_tokens)
-            replica = Replica(id=f"r{i}", model="llama", engine="sim", state=ReplicaState.READY, load=load)
-            replicas.add(replica)
-            self.engines[f"r{i}"] = _Engine(model)
-        self.router = Router(replicas, default_policy=policy)
-        chosen = self.router.policy_for("llama")
-        if isinstance(chosen, PrefixAffinity) and args.decode_weight is not None:
-            chosen.decode_weight = args.decode_weight
+        # each gateway worker: its own router and mirror of the replicas (own in-flight counts and index)
+        self.routers: list[Router] = []
+        for _ in range(args.workers):
+            replicas = ReplicaSet(["llama"])
+            for rid in self.engines:
+                load = EngineLoad(running=0, waiting=0, kv_capacity_tokens=kv_tokens)
+                ready = ReplicaState.READY
+                replicas.add(Replica(id=rid, model="llama", engine="sim", state=ready, load=load))
+            router = Router(replicas, default_policy=policy)
+            chosen = router.policy_for("llama")
+            if isinstance(chosen, PrefixAffinity):
+                chosen.clock = lambda: self.now  # requests end in virtual time, as the events are stamped
+                if args.decode_weight is not None:
+                    chosen.decode_weight = args.decode_weight
+            self.routers.append(router)
+        if args.workers > 1 and not args.unshared:  # as `corral up`'s workers tell each other
+            for router in self.routers:
+                others = [r for r in self.routers if r is not router]
+                router.share_placements(lambda line, others=others: _tell(others, line))
+        self._spread = random.Random(seed)  # which worker a request reaches
         self.work = Workload(args.tenants, args.doc_words, args.distribution, seed=seed)
         self.output, self.delay = args.output, args.gateway_ms / 1000
         self.now = 0.0
@@ -131,7 +151,8 @@ class Replay:
             "llama", tokens=estimate + self.output, session=body["user"], prompt_tokens=estimate
         )
         route.prompt = prompt_text(parse_body(ChatCompletionRequest, raw))
-        replica = self.router.acquire(route)
+        router = self._spread.choice(self.routers)
+        replica = router.acquire(route)
         engine = self.engines[replica.id]
         prompt = tokenize(chat_prompt(body["messages"]))
         seq = EngineSequence(
@@ -140,8 +161,9 @@ class Replay:
             max_tokens=self.output,
             arrival=self.now + self.delay,
             hashes=block_hashes(prompt, engine.block_size),
+            tokens=prompt if engine.kv is not None else (),
         )
-        self._requests[seq.id] = _Request(route, replica, self.now, closed_loop)
+        self._requests[seq.id] = _Request(route, router, replica, self.now, closed_loop)
         self._push(self.now + self.delay, "arrive", (engine, seq))
 
     def _run(self) -> None:
@@ -160,19 +182,37 @@ class Replay:
                     self._token(seq)
             while engine.pipeline.has_room and (batch := engine.scheduler.schedule()) is not None:
                 self._push(engine.pipeline.launch(batch, self.now), "step", engine)
+            if engine.kv is not None:
+                self._publish(engine, engine.kv)
+
+    def _publish(self, engine: _Engine, view: KvCacheView) -> None:
+        """The engine's cache changes, published and followed at once (the supervisor's view, stamped on
+        every worker's replica)."""
+        events = take_events(engine.scheduler)
+        if events:
+            view.apply_events(events, self.now)
+            for router in self.routers:
+                replica = next(r for r in router.replicas.of("llama") if r.id == engine.id)
+                replica.load = view.stamp(replica.load or EngineLoad(running=0, waiting=0))
 
     def _token(self, seq: EngineSequence) -> None:
         request = self._requests[seq.id]
         if seq.generated == 1:
             request.ttft = self.now - request.sent
-            self.router.prefilled(request.replica, request.route)
+            request.router.prefilled(request.replica, request.route)
         if seq.finished:
             usage = {"prompt_tokens": seq.prompt_len, "completion_tokens": seq.generated}
-            self.router.release(request.replica, request.route, ok=True, usage=usage)
+            request.router.release(request.replica, request.route, ok=True, usage=usage)
             del self._requests[seq.id]
             self.finished.append(request)
             if request.closed_loop and self.now < self._stop_at:
                 self._send(closed_loop=True)
+
+
+def _tell(routers: list[Router], line: bytes) -> None:
+    message = orjson.loads(line)
+    for router in routers:
+        router.learn_placements(message)
 
 
 def _percentile(values: list[float], share: float) -> float:
@@ -222,6 +262,13 @@ def main() -> None:
     parser.add_argument("--gateway-ms", type=float, default=0.0, help="the gateway's own latency")
     parser.add_argument("--decode-weight", type=float, help="prefix_affinity's decode_weight")
     parser.add_argument("--seeds", type=int, default=1, help="workloads per policy (figures averaged)")
+    parser.add_argument("--workers", type=int, default=1, help="gateway workers, each with its own router")
+    parser.add_argument(
+        "--unshared", action="store_true", help="workers do not share placements (each its own requests)"
+    )
+    parser.add_argument(
+        "--kv-events", action="store_true", help="engines publish KV-cache events that routing follows"
+    )
     parser.add_argument("--policies", default="round_robin,prefix_affinity", help=", ".join(POLICIES))
     args = parser.parse_args()
 

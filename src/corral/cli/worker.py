@@ -102,6 +102,8 @@ async def _work(control: Path, index: int) -> None:
     replicas = ReplicaSet()
     apply_snapshot(replicas, await reader.readline(), index, workers)
     router = router_for(spec, replicas)
+    if workers > 1:  # every worker's prefix index learns every worker's placements
+        router.share_placements(writer.write)
     services = services_for(spec, Paths.from_env(), replicas)
     remote = services.control = _RemoteControl(writer)
     metrics_dir = Path(config["metrics_dir"])
@@ -119,7 +121,9 @@ async def _work(control: Path, index: int) -> None:
     async def follow() -> None:
         while line := await reader.readline():
             message = orjson.loads(line)
-            if "reply" in message:
+            if "placements" in message:
+                router.learn_placements(message)
+            elif "reply" in message:
                 remote.answered(message)
             elif "model_settings" in message:
                 apply_model_settings(router, services, message["model_settings"])

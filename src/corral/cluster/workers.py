@@ -43,6 +43,7 @@ logger = logging.getLogger(__name__)
 _PUBLISH_S = 0.2  # how often the replica set is compared with the last snapshot sent
 _START_TIMEOUT_S = 60.0
 _BACKOFF_MAX_S = 30.0
+_PLACEMENTS = b'{"placements":'  # a worker's routing placements (routing/router.py), relayed to the others
 _CALLS = ("apply", "drain", "drain_node", "rollout_action")  # what a worker may ask the reconciler
 
 
@@ -227,6 +228,9 @@ class WorkerPool:
             writer.write(orjson.dumps(config) + b"\n" + self._snapshot + b"\n" + b"".join(self._announced))
             await writer.drain()
             while line := await reader.readline():
+                if line.startswith(_PLACEMENTS):  # for the other workers' prefix indexes, as it is
+                    self._relay(worker, line)
+                    continue
                 message = orjson.loads(line)
                 if message.get("listening"):
                     worker.listening.set()
@@ -240,6 +244,11 @@ class WorkerPool:
             logger.warning("gateway worker control connection failed: %s", exc)
         finally:
             writer.close()
+
+    def _relay(self, sender: _Worker, line: bytes) -> None:
+        for worker in self._workers:
+            if worker is not sender and worker.writer is not None and not worker.writer.is_closing():
+                worker.writer.write(line)
 
     def announce_cluster(self, settings: dict[str, Any]) -> None:
         """Tell every worker (and each that connects later) new live cluster settings."""

@@ -66,6 +66,10 @@ class KvCacheView:
         if last is not None and seq <= last:  # the publisher started over: the engine restarted, empty
             self.clear()
         self._last_seq[rank] = seq
+        self.apply_events(events, at)
+
+    def apply_events(self, events: Sequence[Sequence[Any]], at: float) -> None:
+        """One batch's events, published at `at`."""
         self.batches += 1
         for event in events:
             self._event(event, at)

@@ -186,6 +186,11 @@ class PrefixAffinity:
         self._answers = 0
         # per replica whose KV events are followed: [its cache's clears, its eviction frontier] last seen
         self._followed: dict[str, list[float]] = {}
+        self.clock = time.time  # when requests end, on the clock of the engines' KV events
+        # with several gateway workers: this worker's placements and requests' ends, for the others
+        # ([replica id, prompt block hashes, None or when the request ended]); `wake` when it fills
+        self.outbox: list[tuple[str, Sequence[int], float | None]] | None = None
+        self.wake: Callable[[], None] = _nothing
 
     def pick(self, candidates: Sequence[Replica], request: RouteRequest) -> Decision:
         hashes = request.hash_prompt(self.hasher)
@@ -226,6 +231,8 @@ class PrefixAffinity:
         best = min(within, key=cost)
         depth = depths.get(best.id, 0)
         self.index.record(hashes, best, self.cache_blocks(best))
+        if self.outbox is not None:
+            self._tell((best.id, hashes, None))
         reason = (
             f"prefix match {depth}/{blocks} blocks; {best.pending_prefill} tokens of prefill waiting"
             if depth
@@ -237,7 +244,24 @@ class PrefixAffinity:
         """A request routed by this policy ended: its prompt's blocks are now the replica's most recently
         freed (what an engine's cache evicts last)."""
         if request.hashes:
-            self.index.ended(request.hashes, replica, time.time())
+            when = self.clock()
+            self.index.ended(request.hashes, replica, when)
+            if self.outbox is not None:
+                self._tell((replica.id, request.hashes, when))
+
+    def learn(self, replica: Replica, hashes: Sequence[int], ended: float | None) -> None:
+        """Another gateway worker sent a request with these prompt blocks to `replica` (`ended` None),
+        or such a request ended then."""
+        if ended is None:
+            self.index.record(hashes, replica, self.cache_blocks(replica))
+        else:
+            self.index.ended(hashes, replica, ended)
+
+    def _tell(self, entry: tuple[str, Sequence[int], float | None]) -> None:
+        assert self.outbox is not None
+        self.outbox.append(entry)
+        if len(self.outbox) == 1:
+            self.wake()
 
     def observe(self, request: RouteRequest, prompt_tokens: int) -> None:
         """A request ended with the engine's count of its prompt tokens: the engine's tokens per prompt
@@ -305,6 +329,10 @@ class PrefixAffinity:
     def _pressed(self, replica: Replica) -> bool:
         load = replica.load
         return load is not None and load.kv_usage is not None and load.kv_usage >= self._kv_pressure
+
+
+def _nothing() -> None:
+    pass
 
 
 _PRICED_OUTPUT = 256  # output tokens a request's decode is priced for at most (the default estimate)

@@ -15,8 +15,10 @@ import contextlib
 import random
 import time
 from collections import deque
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
+
+import orjson
 
 from corral.protocol import NoCapacity
 from corral.routing.circuit import RetryBudget
@@ -47,6 +49,8 @@ class Router:
         self._decisions: deque[tuple[float, str, str, str, str, bool]] = deque(maxlen=decisions_kept)
         self._prefills = PrefillTracker()
         self._generations: dict[str, int] = {}  # each model's replica-set generation last seen
+        self._share: Callable[[bytes], None] | None = None  # see `share_placements`
+        self._flush_pending = False
 
     def set_default(self, name: str) -> None:
         """A new default policy (a live `corral apply`); models are then set again with `set_policy`."""
@@ -66,7 +70,52 @@ class Router:
         policy = policy_named(name)
         if self._coalesce and isinstance(policy, PrefixAffinity):
             policy.coalescing = True  # a duplicate cold prefill is what coalescing avoids: it costs more
+        if self._share is not None and isinstance(policy, PrefixAffinity):
+            policy.outbox, policy.wake = [], self._flush_soon
         return policy
+
+    def share_placements(self, send: Callable[[bytes], None]) -> None:
+        """With several gateway workers: hand this worker's prefix placements (which prompt blocks went to
+        which replica, and when those requests ended) to `send`, one JSON line per event-loop turn, for the
+        other workers' `learn_placements`. Each worker's prefix index then knows every worker's routing, as
+        one gateway's would: with an index of its own requests only, two workers place a tenant's document
+        on two replicas, and each counts its own documents against a replica's whole cache."""
+        self._share = send
+        for policy in self._policies.values():
+            if isinstance(policy, PrefixAffinity):
+                policy.outbox, policy.wake = [], self._flush_soon
+
+    def learn_placements(self, message: Mapping[str, Any]) -> None:
+        """Another worker's placements (a line `share_placements` sent, parsed)."""
+        for model, entries in message["placements"].items():
+            policy = self.policy_for(model)
+            if not isinstance(policy, PrefixAffinity):
+                continue
+            replicas = {r.id: r for r in self.replicas.of(model)}
+            for rid, hashes, ended in entries:
+                replica = replicas.get(rid)
+                if replica is not None:
+                    policy.learn(replica, hashes, ended)
+
+    def _flush_soon(self) -> None:
+        if self._flush_pending:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no event loop (the routing replay): at once
+            self._flush()
+            return
+        self._flush_pending = True
+        loop.call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_pending = False
+        placements = {}
+        for model, policy in self._policies.items():
+            if isinstance(policy, PrefixAffinity) and policy.outbox:
+                placements[model], policy.outbox = policy.outbox, []
+        if placements and self._share is not None:
+            self._share(orjson.dumps({"placements": placements}) + b"\n")
 
     def acquire(self, request: RouteRequest, exclude: Collection[Replica] = ()) -> Replica:
         """A routable replica for the request, now counted as outstanding; else NoCapacity."""

@@ -15,9 +15,9 @@ import time
 import msgpack
 import zmq
 
-from corral.perf import EngineSequence, Scheduler
+from corral.perf import Scheduler
 
-__all__ = ["KvEventPublisher", "offset_endpoint"]
+__all__ = ["KvEventPublisher", "offset_endpoint", "take_events"]
 
 _SEND_HWM = 100_000  # batches queued for a slow subscriber before ZMQ drops them
 
@@ -27,7 +27,6 @@ class KvEventPublisher:
 
     def __init__(self, endpoint: str, scheduler: Scheduler) -> None:
         self._scheduler = scheduler
-        self._block_size = scheduler.config.block_size
         self._seq = itertools.count()
         self._socket: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PUB)
         self._socket.setsockopt(zmq.SNDHWM, _SEND_HWM)
@@ -39,17 +38,9 @@ class KvEventPublisher:
         scheduler.record_kv_events()
 
     def publish(self) -> None:
-        scheduler = self._scheduler
-        evicted, stored = scheduler.pool.evicted, scheduler.stored
-        if not evicted and not stored:
+        events = take_events(self._scheduler)
+        if not events:
             return
-        events: list[list[object]] = []
-        if evicted:
-            events.append(["BlockRemoved", list(evicted), None])
-            evicted.clear()
-        if stored:
-            events += self._stored(stored)
-            stored.clear()
         payload = msgpack.packb([time.time(), events])
         frames = [b"", next(self._seq).to_bytes(8, "big"), payload]
         try:
@@ -60,22 +51,28 @@ class KvEventPublisher:
     def close(self) -> None:
         self._socket.close(linger=0)
 
-    def _stored(self, stored: list[tuple[EngineSequence, int]]) -> list[list[object]]:
-        """One BlockStored event per run of consecutive blocks of one sequence."""
-        size = self._block_size
-        events: list[list[object]] = []
-        run_start = 0
+
+def take_events(scheduler: Scheduler) -> list[list[object]]:
+    """The cache's changes since the last call (`Scheduler.record_kv_events` on), as vLLM's events:
+    the blocks evicted, then one BlockStored per run of consecutive newly cached blocks of a sequence."""
+    evicted, stored = scheduler.pool.evicted, scheduler.stored
+    events: list[list[object]] = []
+    if evicted:
+        events.append(["BlockRemoved", list(evicted), None])
+        evicted.clear()
+    if stored:
+        size, start = scheduler.config.block_size, 0
         for k in range(1, len(stored) + 1):
             if k < len(stored) and stored[k][0] is stored[k - 1][0] and stored[k][1] == stored[k - 1][1] + 1:
                 continue
-            seq, first = stored[run_start]
+            seq, first = stored[start]
             last = stored[k - 1][1]
-            hashes = seq.hashes[first : last + 1]
             parent = seq.hashes[first - 1] if first else None
             tokens = list(seq.tokens[first * size : (last + 1) * size])
-            events.append(["BlockStored", hashes, parent, tokens, size, None, None])
-            run_start = k
-        return events
+            events.append(["BlockStored", seq.hashes[first : last + 1], parent, tokens, size, None, None])
+            start = k
+        stored.clear()
+    return events
 
 
 def offset_endpoint(endpoint: str, index: int) -> str:
