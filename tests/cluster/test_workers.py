@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import time
+import urllib.request
 import uuid
 from pathlib import Path
 
@@ -101,6 +102,33 @@ def test_a_rate_limit_holds_exactly_across_workers_and_metrics_count_every_reque
         after = _requests_counted(workers_cluster.url)
         assert after.get("200", 0) - before.get("200", 0) == len(admitted)
         assert after.get("429", 0) - before.get("429", 0) == refused
+
+
+def test_each_worker_s_prefix_index_holds_the_documents_either_worker_routed(
+    workers_cluster: RunningCluster,
+) -> None:
+    """Each request reaches one worker (the kernel picks it per connection), and each worker routes with its
+    own prefix index: the workers tell each other their placements, so that either knows where every
+    tenant's document went (else the second worker to see a document would place it again, elsewhere)."""
+    documents = [f"tenant {t}'s handbook: " + " ".join(f"rule{t}x{i}" for i in range(200)) for t in range(8)]
+    for document in documents:  # fresh connections: spread over the workers
+        body = {"model": "llama-8b", "max_tokens": 2, "messages": [{"role": "user", "content": document}]}
+        request = urllib.request.Request(
+            workers_cluster.url + "/v1/chat/completions",
+            json.dumps(body).encode(),
+            {"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=30) as response:
+            assert response.status == 200
+    blocks = sum(len(d.encode()) // 128 for d in documents)
+    held: dict[int, int] = {}
+    deadline = time.monotonic() + 20
+    while (len(held) < 2 or min(held.values()) < blocks) and time.monotonic() < deadline:
+        view = get_json(workers_cluster.url + "/admin/routing")[1]
+        index = view["prefix_index"]["llama-8b"]["replicas"]
+        held[view["worker"]] = sum(entry["blocks"] for entry in index.values())
+    assert set(held) == {0, 1}
+    assert min(held.values()) >= blocks, (held, blocks)
 
 
 def test_a_killed_worker_is_restarted_while_the_other_serves(workers_cluster: RunningCluster) -> None:

@@ -170,6 +170,38 @@ def test_an_engine_whose_kv_events_are_not_followed_keeps_the_index_s_own_bound(
     assert policy.index.held() == {"r0": len(request.hashes)}
 
 
+def test_gateway_workers_learn_each_other_s_placements_and_request_ends() -> None:
+    import orjson
+
+    routers = []
+    for _ in range(2):
+        replicas = ReplicaSet(["m"])
+        for replica in fleet(3):  # each worker's own mirror of the same replicas
+            replicas.add(replica)
+        routers.append(Router(replicas))
+    first, second = routers
+    lines: list[bytes] = []
+    first.share_placements(lines.append)
+    document = RouteRequest("m", prompt="a tenant's handbook. " * 100, prompt_tokens=500, tokens=520)
+    replica = first.acquire(document)
+    assert len(lines) == 1  # (no event loop here: sent at once)
+    second.learn_placements(orjson.loads(lines[0]))
+    index = second.policy_for("m").index  # type: ignore[attr-defined]
+    others = [r for r in second.replicas.of("m") if r.id != replica.id]
+    assert index.depths(document.hashes, second.replicas.of("m")) == {
+        replica.id: len(document.hashes),
+        **{r.id: 0 for r in others},
+    }
+    first.release(replica, document, ok=True)  # its end, at the policy's clock
+    second.learn_placements(orjson.loads(lines[1]))
+    ended = orjson.loads(lines[1])["placements"]["m"][0][2]
+    mirror = next(r for r in second.replicas.of("m") if r.id == replica.id)
+    index.evict_through(mirror.id, ended)  # an engine that evicted blocks cached when it ended: kept
+    assert index.depths(document.hashes, [mirror]) == {mirror.id: len(document.hashes)}
+    index.evict_through(mirror.id, ended + 0.001)  # cached after it ended: its blocks are gone
+    assert index.depths(document.hashes, [mirror]) == {mirror.id: 0}
+
+
 def test_the_router_hands_the_engines_usage_to_the_prefix_policy() -> None:
     replicas = ReplicaSet(["m"])
     replicas.add(fleet(1)[0])

@@ -33,10 +33,15 @@ __all__ = ["AdminViews"]
 
 class AdminViews:
     def __init__(
-        self, services: GatewayServices, router: Router, clients: ClientAddresses | None = None
+        self,
+        services: GatewayServices,
+        router: Router,
+        clients: ClientAddresses | None = None,
+        worker: int | None = None,
     ) -> None:
         self._services = services
         self._router = router
+        self._worker = worker  # this process's index among gateway workers (None: the only gateway)
         self._clients = clients or ClientAddresses([])  # no trusted proxies: any proxy header is remote
 
     def add_routes(self, app: web.Application) -> None:
@@ -234,6 +239,7 @@ class AdminViews:
             "rollouts": replicas.rollouts,
             "events": list(replicas.events)[-30:],
             "cache": self._services.cache.store.stats() if self._services.cache is not None else None,
+            "worker": self._worker,  # whose view this is: each worker routes with its own
         }
         return web.json_response(body)
 

@@ -54,7 +54,7 @@ def build_app(
     """The gateway application over `router`'s replica set, with the admission services given; `worker`
     and `metrics_dir` when it is one of several worker processes (see cluster/workers.py)."""
     app = web.Application(middlewares=[_error_boundary], client_max_size=settings.max_body_bytes)
-    admin = AdminViews(services, router, ClientAddresses(settings.trusted_proxies))
+    admin = AdminViews(services, router, ClientAddresses(settings.trusted_proxies), worker)
     status = _StatusViews(router, services, admin, started_at=time.time(), worker=worker)
     metrics = GatewayMetrics(router, services.queue.depths, metrics_dir, services.budget.spent)
     pipeline = app[PIPELINE] = Pipeline(
