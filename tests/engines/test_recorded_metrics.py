@@ -1,5 +1,6 @@
 """Engine /metrics output recorded from the real engines (tests/data/engine-metrics/) read into corral's
-common load shape: a renamed engine metric shows here as a field that no longer fills."""
+common load shape: a renamed engine metric shows here as a field that no longer fills. Also vLLM's KV-cache
+events as its ZMQ publisher sent them."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from corral.engines import read_gauges
 from corral.engines.llamacpp import LlamaCppEngine
 from corral.engines.vllm import parse_vllm_load
+from corral.routing import EngineLoad
 
 RECORDED = Path(__file__).parents[1] / "data" / "engine-metrics"
 
@@ -100,3 +102,28 @@ def test_the_metrics_scan_reads_what_prometheus_clients_parser_reads() -> None:
         read_gauges('ok 1\nbroken{a="b"} many\n')
     with pytest.raises(ValueError, match="not a number"):
         read_gauges("broken many\n", ["broken"])
+
+
+def test_vllm_s_recorded_kv_events_tell_what_its_cache_holds_and_that_it_evicts_the_oldest_first() -> None:
+    """Four of vLLM 0.32 CPU's KV-event messages (tests/data/vllm-0.32-kv-events.msgpack: [seq, payload] as
+    its ZMQ publisher sent them, 128-token blocks): three documents of 7 blocks cached, then, 20 documents
+    later, the first document's 7 blocks and 2 of the second's evicted and a new one's 9 cached. vLLM evicts
+    the least recently freed first: every block cached before the second document is gone."""
+    import msgpack
+
+    from corral.engines.kv_events import KvCacheView
+
+    recorded = msgpack.unpackb((RECORDED.parent / "vllm-0.32-kv-events.msgpack").read_bytes())
+    view = KvCacheView()
+    stamps = []
+    for seq, payload in recorded:
+        view.apply(int.from_bytes(seq, "big"), payload)
+        stamps.append(msgpack.unpackb(payload)[0])
+    load = view.stamp(EngineLoad(running=0, waiting=0))
+    assert view.block_size == 128
+    assert load.kv_cached_tokens == (3 * 7 - 9 + 9) * 128
+    assert load.kv_evicted_tokens_total == 9 * 128
+    assert load.kv_evicted_through == stamps[1]  # the second document's: the first's were older
+    assert load.kv_cleared_total == 0
+    view.apply(1, recorded[0][1])  # a sequence number seen before: the engine restarted, its cache empty
+    assert view.stamp(load).kv_cleared_total == 1

@@ -3,9 +3,11 @@
 vLLM publishes them with `--kv-events-config` (publisher `zmq`), and `corral sim` in the same format: a
 ZMQ PUB socket sends, for each engine step that changed the prefix cache, three frames: the topic, an
 8-byte big-endian sequence number, and a msgpack batch `[ts, [event, ...], data_parallel_rank?]` where an
-event is `["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, ...]`,
-`["BlockRemoved", block_hashes, ...]` or `["AllBlocksCleared"]` (msgspec's tagged array-like structs). With
-data parallelism each engine publishes on its own port (the endpoint's port + its rank).
+event is a map tagged by `type` (msgspec's tagged structs, vLLM 0.32): `BlockStored` (`block_hashes`,
+`parent_block_hash`, `token_ids`, `block_size`, …), `BlockRemoved` (`block_hashes`, …) or
+`AllBlocksCleared`; earlier versions sent each event as an array, `["BlockStored", block_hashes, …]`, also
+read. Block hashes are bytes (or ints, with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES). With data parallelism each
+engine publishes on its own port (the endpoint's port + its rank).
 
 The supervisor follows each replica's events and writes what they say into the replica's load
 (`EngineLoad.kv_cached_tokens`, `kv_evicted_tokens_total`, `kv_evicted_through`, `kv_cleared_total`), which
@@ -93,22 +95,27 @@ class KvCacheView:
             kv_cleared_total=self.cleared,
         )
 
-    def _event(self, event: Sequence[Any], at: float) -> None:
-        kind = event[0]
+    def _event(self, event: Any, at: float) -> None:
+        if isinstance(event, dict):  # vLLM ≥ 0.11: a map tagged by "type"
+            kind, hashes, size = event.get("type"), event.get("block_hashes") or (), event.get("block_size")
+        else:  # array-like, as earlier versions sent: [tag, block_hashes, parent, token_ids, block_size, …]
+            kind = event[0]
+            hashes = event[1] if len(event) > 1 else ()
+            size = event[4] if kind == "BlockStored" and len(event) > 4 else None
         if kind == "BlockStored":
             blocks = self.blocks
-            for block in event[1]:
+            for block in hashes:
                 blocks[block] = at
-            if len(event) > 4 and isinstance(event[4], int) and event[4] > 0:
-                self.block_size = event[4]
+            if isinstance(size, int) and size > 0:
+                self.block_size = size
         elif kind == "BlockRemoved":
             blocks, through = self.blocks, self.evicted_through
-            for block in event[1]:
+            for block in hashes:
                 cached = blocks.pop(block, None)
                 if cached is not None and cached > through:
                     through = cached
             self.evicted_through = through
-            self.evicted_blocks += len(event[1])
+            self.evicted_blocks += len(hashes)
         elif kind == "AllBlocksCleared":
             self.clear()
 

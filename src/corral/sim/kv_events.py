@@ -1,10 +1,11 @@
 """The simulator's KV-cache events, published as vLLM publishes them (`engines/kv_events.py` reads both).
 
 A ZMQ PUB socket sends, after each engine step that cached or evicted blocks, the topic (empty), an 8-byte
-big-endian sequence number and a msgpack batch `[ts, events]`: `["BlockRemoved", hashes, None]` for the
-blocks evicted, then `["BlockStored", hashes, parent_hash, token_ids, block_size, None, None]` per run of
-one sequence's newly cached blocks. As vLLM does, it binds an endpoint with a wildcard (`tcp://*:5557`)
-and connects to any other (a subscriber that binds, as corral's supervisor does).
+big-endian sequence number and a msgpack batch `[ts, events]`, each event a map tagged by `type` as vLLM
+0.32's: `BlockRemoved` for the blocks evicted, then `BlockStored` (hashes, parent hash, token ids, block
+size) per run of one sequence's newly cached blocks. The simulator's block hashes are ints. As vLLM does,
+it binds an endpoint with a wildcard (`tcp://*:5557`) and connects to any other (a subscriber that binds,
+as corral's supervisor does).
 """
 
 from __future__ import annotations
@@ -52,13 +53,13 @@ class KvEventPublisher:
         self._socket.close(linger=0)
 
 
-def take_events(scheduler: Scheduler) -> list[list[object]]:
+def take_events(scheduler: Scheduler) -> list[dict[str, object]]:
     """The cache's changes since the last call (`Scheduler.record_kv_events` on), as vLLM's events:
     the blocks evicted, then one BlockStored per run of consecutive newly cached blocks of a sequence."""
     evicted, stored = scheduler.pool.evicted, scheduler.stored
-    events: list[list[object]] = []
+    events: list[dict[str, object]] = []
     if evicted:
-        events.append(["BlockRemoved", list(evicted), None])
+        events.append({"type": "BlockRemoved", "block_hashes": list(evicted), "medium": None})
         evicted.clear()
     if stored:
         size, start = scheduler.config.block_size, 0
@@ -69,7 +70,18 @@ def take_events(scheduler: Scheduler) -> list[list[object]]:
             last = stored[k - 1][1]
             parent = seq.hashes[first - 1] if first else None
             tokens = list(seq.tokens[first * size : (last + 1) * size])
-            events.append(["BlockStored", seq.hashes[first : last + 1], parent, tokens, size, None, None])
+            events.append(
+                {
+                    "type": "BlockStored",
+                    "block_hashes": seq.hashes[first : last + 1],
+                    "parent_block_hash": parent,
+                    "token_ids": tokens,
+                    "block_size": size,
+                    "lora_id": None,
+                    "medium": None,
+                    "lora_name": None,
+                }
+            )
             start = k
         stored.clear()
     return events
