@@ -69,6 +69,30 @@ def test_vllm_metrics_are_read_into_the_load(vllm_cluster: RunningCluster, tmp_p
     assert shown["engine_ttft_mean_ms"] > 0 and shown["engine_itl_mean_ms"] > 0
 
 
+def test_vllm_s_kv_cache_events_reach_the_supervisor(vllm_cluster: RunningCluster) -> None:
+    """corral starts vLLM with `--kv-events-config` publishing to the supervisor: the blocks a long prompt
+    leaves in vLLM's prefix cache (128 tokens a block on the CPU build) show in the replica's load; the
+    embedding model (no prefix cache) publishes none."""
+    document = "A long handbook line about rules and procedures for everyone. " * 60  # about 700 tokens
+    body = {"model": "smollm2-vllm", "max_tokens": 4, "messages": [{"role": "user", "content": document}]}
+    request = urllib.request.Request(
+        vllm_cluster.url + "/v1/chat/completions",
+        json.dumps(body).encode(),
+        {"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=120) as response:
+        prompt_tokens = json.load(response)["usage"]["prompt_tokens"]
+    deadline = time.monotonic() + 15
+    while True:
+        replicas = {r["model"]: r for r in vllm_cluster.status()["replicas"]}
+        cached = replicas["smollm2-vllm"]["kv_cached_tokens"] or 0
+        if cached >= prompt_tokens // 128 * 128 or time.monotonic() > deadline:
+            break
+        time.sleep(0.3)
+    assert cached >= prompt_tokens // 128 * 128 > 0  # (earlier tests' prompts may be cached too)
+    assert replicas["minilm-vllm"]["kv_cached_tokens"] is None
+
+
 SENTENCES = [
     "The cat sat on the mat.",
     "A cat is sitting on a mat.",
