@@ -20,6 +20,10 @@ probes, polling); over both phases, the router's CPU per request (all its proces
 Prints JSON (also written to results/routing_quality.json) with each policy's figures and the default
 policy's ratios to round robin.
 
+`--corral-workers N` runs corral's gateway as N worker processes (rate limits in `--redis`); `--kv-events`
+has the simulated engines publish their KV-cache events (as vLLM's `--kv-events-config`), which corral
+follows (`kv_events_urls`); the peers do not read them.
+
 The fleet runs in real time by default (`--time-scale 1`), as a deployment's engines do: a router's own
 latency then counts once against the engines' steps. `--time-scale 4 --duration 20` gives the same simulated
 minutes in a quarter of the wall-clock time for development, but counts each router's latency four times.
@@ -185,17 +189,25 @@ def fleet_hit_rate(urls: list[str]) -> float:
 
 
 def run_policy(policy: str, args: argparse.Namespace, rate: float | None) -> dict[str, Any]:
-    base = free_ports(args.replicas + 1)
+    events = args.kv_events and policy not in PEERS
+    base = free_ports(2 * args.replicas + 1 if events else args.replicas + 1)
     gw_port = base + args.replicas
     urls = [f"http://127.0.0.1:{base + i}" for i in range(args.replicas)]
+    publishers = [f"tcp://127.0.0.1:{gw_port + 1 + i}" for i in range(args.replicas)]
     with tempfile.TemporaryDirectory() as tmp:
         spec = Path(tmp) / "spec.yaml"
+        kv = f", kv_events_urls: {json.dumps(publishers)}" if events else ""
+        workers = (
+            f", workers: {args.corral_workers}}}\nlimits: {{backend: redis, redis_url: '{args.redis}'"
+            if args.corral_workers > 1
+            else ""
+        )
         spec.write_text(
-            f"gateway: {{port: {gw_port}, routing: {policy}, read_timeout: 600}}\n"
+            f"gateway: {{port: {gw_port}, routing: {policy}, read_timeout: 600{workers}}}\n"
             "auth: {open: true}\n"
             "supervisor: {probe_interval: 0.5}\n"
             "models:\n  - name: llama\n"
-            f"    deployments: [{{engine: external, urls: {json.dumps(urls)}}}]\n"
+            f"    deployments: [{{engine: external, urls: {json.dumps(urls)}{kv}}}]\n"
         )
         fleet = spawn(
             [
@@ -215,6 +227,7 @@ def run_policy(policy: str, args: argparse.Namespace, rate: float | None) -> dic
                 str(base),
                 "--time-scale",
                 str(args.time_scale),
+                *(["--kv-events-endpoint", f"tcp://*:{gw_port + 1}"] if events else []),
             ],
         )
         gateway = _gateway(policy, spec, tmp, gw_port, urls)
@@ -362,6 +375,13 @@ def main() -> None:
         default=",".join(["round_robin", DEFAULT, *PEERS]),
         help=f"of {', '.join(POLICIES + list(PEERS))}",
     )
+    parser.add_argument(
+        "--corral-workers", type=int, default=1, help="corral's gateway.workers (limits in Redis)"
+    )
+    parser.add_argument("--redis", default="redis://127.0.0.1:6379/0", help="for --corral-workers > 1")
+    parser.add_argument(
+        "--kv-events", action="store_true", help="the engines publish KV-cache events; corral follows them"
+    )
     parser.add_argument("--output-file", type=Path, default=ROOT / "results" / "routing_quality.json")
     args = parser.parse_args()
 
@@ -388,6 +408,8 @@ def main() -> None:
         "time_scale": args.time_scale,
         "load": args.load,
         "rounds": args.rounds,
+        "corral_workers": args.corral_workers,
+        "kv_events": args.kv_events,
         "policies": results,
     }
     by = {r["policy"]: r for r in results}

@@ -40,6 +40,9 @@ __all__ = ["WorkerError", "WorkerPool"]
 
 logger = logging.getLogger(__name__)
 
+# a worker's line: its placements of one event-loop turn (up to 256 hashes a request) can pass the default
+# 64 KB of asyncio's stream reader
+_LINE_LIMIT = 64 * 1024 * 1024
 _PUBLISH_S = 0.2  # how often the replica set is compared with the last snapshot sent
 _START_TIMEOUT_S = 60.0
 _BACKOFF_MAX_S = 30.0
@@ -113,7 +116,9 @@ class WorkerPool:
 
     async def start(self) -> None:
         """Start every worker and wait until each listens; WorkerError when one cannot."""
-        self._server = await asyncio.start_unix_server(self._connected, path=str(self.control_path))
+        self._server = await asyncio.start_unix_server(
+            self._connected, path=str(self.control_path), limit=_LINE_LIMIT
+        )
         self._snapshot = replica_snapshot(self._replicas)
         self._tasks.append(asyncio.create_task(self._publish(), name="worker-publish"))
         for worker in self._workers:
