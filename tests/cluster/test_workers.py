@@ -194,3 +194,32 @@ async def _hammer(url: str, key: str, seconds: float) -> tuple[list[float], int]
 
     await asyncio.gather(*(client() for _ in range(12)))
     return admitted, refused
+
+
+async def test_the_pool_relays_a_worker_s_placements_to_the_others_however_long_the_line() -> None:
+    """A worker's placements of one event-loop turn (hundreds of hashes per long prompt, many requests) go
+    to the other workers as one line: longer than asyncio's 64 KB default, it must still pass whole."""
+    import orjson
+
+    from corral.cluster.workers import WorkerPool
+    from corral.routing import ReplicaSet
+
+    pool = WorkerPool(ReplicaSet(), {"gateway": {}}, count=3, log_level="warning", shutdown_grace=1)
+    await pool.serve_control()
+    streams = []
+    for index in range(3):
+        reader, writer = await asyncio.open_unix_connection(str(pool.control_path), limit=1 << 24)
+        writer.write(orjson.dumps({"worker": index}) + b"\n")
+        await reader.readline()  # its configuration
+        await reader.readline()  # the replica set
+        streams.append((reader, writer))
+    hashes = list(range(2**63, 2**63 + 256))  # one 32 KB prompt's blocks, as big as hashes get
+    entries = [["llama-8b-0", hashes, None]] * 40
+    line = orjson.dumps({"placements": {"llama-8b": entries}}) + b"\n"
+    assert len(line) > 64 * 1024
+    streams[0][1].write(line)
+    for reader, _ in streams[1:]:
+        assert await asyncio.wait_for(reader.readline(), 5) == line
+    for _, writer in streams:
+        writer.close()
+    await pool.stop()

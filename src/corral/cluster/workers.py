@@ -116,10 +116,7 @@ class WorkerPool:
 
     async def start(self) -> None:
         """Start every worker and wait until each listens; WorkerError when one cannot."""
-        self._server = await asyncio.start_unix_server(
-            self._connected, path=str(self.control_path), limit=_LINE_LIMIT
-        )
-        self._snapshot = replica_snapshot(self._replicas)
+        await self.serve_control()
         self._tasks.append(asyncio.create_task(self._publish(), name="worker-publish"))
         for worker in self._workers:
             await self._spawn(worker)
@@ -133,6 +130,13 @@ class WorkerPool:
         for worker in self._workers:
             self._tasks.append(asyncio.create_task(self._keep(worker), name=f"worker-{worker.index}"))
         logger.info("%d gateway workers listening on port %s", self._count, self.port)
+
+    async def serve_control(self) -> None:
+        """Listen on the control socket (workers connect to it as they start)."""
+        self._snapshot = replica_snapshot(self._replicas)
+        self._server = await asyncio.start_unix_server(
+            self._connected, path=str(self.control_path), limit=_LINE_LIMIT
+        )
 
     async def stop(self) -> None:
         """SIGTERM every worker (they drain), SIGKILL those still running after the grace period."""
