@@ -134,6 +134,44 @@ def test_an_external_deployment_has_a_replica_per_url() -> None:
         parse_spec(f"models:\n  - name: m\n    deployments: [{twice}]\n")
 
 
+def test_kv_events_urls_name_one_publisher_per_external_server() -> None:
+    urls = "urls: [http://a:1, http://b:1]"
+    ok = parse_spec(
+        f"models:\n  - name: m\n    deployments: [{{engine: external, {urls}, "
+        "kv_events_urls: ['tcp://a:5557', 'tcp://b:5557']}]\n"
+    )
+    assert ok.models[0].deployments[0].kv_events_urls == ["tcp://a:5557", "tcp://b:5557"]
+    with pytest.raises(SpecError, match="one publisher per server, in the order of urls"):
+        parse_spec(
+            f"models:\n  - name: m\n    deployments: [{{engine: external, {urls}, kv_events_urls: ['tcp://a:5557']}}]\n"
+        )
+    with pytest.raises(SpecError, match="kv_events_urls is for engine 'external'"):
+        parse_spec(
+            "models:\n  - name: m\n    deployments: [{engine: sim, gpu: l4, kv_events_urls: ['tcp://a:1']}]\n"
+        )
+    with pytest.raises(SpecError, match="kv_events_urls take tcp://host:port"):
+        parse_spec(
+            f"models:\n  - name: m\n    deployments: [{{engine: external, {urls}, "
+            "kv_events_urls: ['http://a:5557', 'tcp://b']}]\n"
+        )
+
+
+def test_engine_args_braces_reach_the_engine_as_written() -> None:
+    """The runtime fills `{host}` and `{port}` into the command line with `str.format`: an engine flag
+    with a JSON value (vLLM's --compilation-config, say) must come through unchanged."""
+    from corral.config import Paths
+    from corral.engines.sim import SimEngineAdapter
+
+    spec = parse_spec(
+        "models:\n  - name: m\n    arch: llama-3.1-8b\n    deployments: [{engine: sim, gpu: l4, "
+        "engine_args: [--extra, '{\"level\": 3}']}]\n"
+    )
+    model = spec.models[0]
+    (plan,) = SimEngineAdapter().prepare(model, model.deployments[0], Paths.from_env(), lambda _: None)
+    argv = [arg.format(host="127.0.0.1", port=9000) for arg in plan.argv]
+    assert argv[-2:] == ["--extra", '{"level": 3}'] and "9000" in argv
+
+
 def test_an_engine_api_key_with_a_line_break_is_refused() -> None:
     head = "models:\n  - name: m\n    source: {path: /m.gguf}\n    deployments:\n"
     with pytest.raises(SpecError, match="engine_api_key must be printable ASCII"):

@@ -21,10 +21,21 @@ FLEET = ["--replicas", "3", "--port", "0", "--time-scale", "50"]
 
 
 @contextlib.contextmanager
-def _fleet() -> Iterator[list[str]]:
+def _fleet(*options: str) -> Iterator[list[str]]:
     """Three simulated servers (`corral sim`), their URLs."""
     fleet = subprocess.Popen(
-        [*CORRAL, "sim", "--model", "llama-3.1-8b", "--gpu", "h100-sxm", "--served-name", "m", *FLEET],
+        [
+            *CORRAL,
+            "sim",
+            "--model",
+            "llama-3.1-8b",
+            "--gpu",
+            "h100-sxm",
+            "--served-name",
+            "m",
+            *FLEET,
+            *options,
+        ],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         start_new_session=True,
@@ -39,9 +50,11 @@ def _fleet() -> Iterator[list[str]]:
         fleet.wait(timeout=20)
 
 
-def _spec(urls: list[str], settings: str = "") -> str:
-    """An open cluster with one model served by the external servers at `urls`."""
-    deployment = f"{{engine: external, urls: {json.dumps(urls)}}}"
+def _spec(urls: list[str], settings: str = "", events: list[str] | None = None) -> str:
+    """An open cluster with one model served by the external servers at `urls` (publishing their KV
+    events at `events`)."""
+    publishers = f", kv_events_urls: {json.dumps(events)}" if events else ""
+    deployment = f"{{engine: external, urls: {json.dumps(urls)}{publishers}}}"
     return f"auth: {{open: true}}\n{settings}models:\n  - name: m\n    deployments: [{deployment}]\n"
 
 
@@ -171,3 +184,47 @@ def test_draining_an_external_server_waits_for_this_gateway_s_requests_only(tmp_
             assert time.monotonic() - began < 5  # not until the other client's request ends
             assert other.is_alive()
             other.join(timeout=60)
+
+
+def test_an_external_server_s_kv_events_are_followed_at_its_publisher(tmp_path: Path) -> None:
+    """Servers that publish their KV-cache events themselves (`corral sim --kv-events-endpoint tcp://*:P`
+    binds P, P+1, P+2, as vLLM's `--kv-events-config` with a wildcard endpoint binds): `kv_events_urls`
+    names each one's publisher, in the order of `urls`, and the supervisor subscribes."""
+    port = _free_ports(3)
+    with _fleet("--kv-events-endpoint", f"tcp://*:{port}") as urls:
+        events = [f"tcp://127.0.0.1:{port + i}" for i in range(3)]
+        with cluster_of(tmp_path, _spec(urls, "supervisor: {probe_interval: 0.2}\n", events)) as cluster:
+            document = "A tenant's handbook: " + " ".join(f"rule{i}" for i in range(400))
+            body = {"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": document}]}
+            request = urllib.request.Request(
+                cluster.url + "/v1/chat/completions",
+                json.dumps(body).encode(),
+                {"Content-Type": "application/json"},
+            )
+            with urllib.request.urlopen(request, timeout=30) as response:
+                replica = response.headers["x-corral-replica"]
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                held = {r["id"]: r["kv_cached_tokens"] for r in cluster.status()["replicas"]}
+                if held[replica]:
+                    break
+                time.sleep(0.1)
+            assert held[replica] >= 400  # the document's blocks, by the server's own events
+            assert all(tokens == 0 for rid, tokens in held.items() if rid != replica)  # followed, empty
+
+
+def _free_ports(n: int) -> int:
+    """A port with the n - 1 after it free too."""
+    import socket
+
+    while True:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            base = int(sock.getsockname()[1])
+        try:
+            for i in range(n):
+                with socket.socket() as sock:
+                    sock.bind(("127.0.0.1", base + i))
+            return base
+        except OSError:
+            continue

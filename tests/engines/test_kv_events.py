@@ -15,6 +15,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from corral.config import Paths
+
 from ..conftest import cluster_of, get_json
 
 # Llama-3.1-8B's KV takes 128 KiB a token: a quarter GiB is a 2,048-token cache (128 blocks of 16)
@@ -74,3 +76,20 @@ def test_a_document_another_client_pushed_out_of_the_engine_s_cache_stops_counti
         replicas = _until(forgot, "the evicted document still counts as cached")
         assert replicas[other]["blocks"] >= 600 * 6 // 128  # the other replica's document is still there
         assert replicas[first]["engine_cached_blocks"] > 0  # the other client's documents
+
+
+def test_with_kv_events_off_the_engine_publishes_none_and_the_index_keeps_its_own_bound(
+    tmp_path: Path,
+) -> None:
+    spec = FLEET.replace("time_scale: 20, ", "time_scale: 20, kv_events: false, ")
+    assert spec != FLEET
+    with cluster_of(tmp_path, spec) as cluster:
+        replica = _chat(cluster.url, _document("alpha"))
+        status = cluster.status()["replicas"]
+        assert [r["kv_cached_tokens"] for r in status] == [None, None]  # not followed
+        assert all(r["kv_capacity_tokens"] == 2048 for r in status)  # the metrics still tell its size
+        index = get_json(cluster.url + "/admin/routing")[1]["prefix_index"]["llama-8b"]["replicas"]
+        assert index[replica]["engine_cached_blocks"] is None and index[replica]["blocks"] > 0
+        log = (Paths.from_env().logs / f"{replica}.log").read_text()
+        started = [line for line in log.splitlines() if " starting: " in line][-1]  # this run's command
+        assert "--time-scale" in started and "--kv-events-endpoint" not in started
