@@ -44,13 +44,13 @@ class Router:
         self.replicas = replicas
         self._default = default_policy
         self._coalesce = coalesce_prefills
+        self._share: Callable[[bytes], None] | None = None  # see `share_placements`
+        self._flush_pending = False
         self._policies: dict[str, RoutingPolicy] = {m: self._policy(p) for m, p in (policies or {}).items()}
         self.retry_budget = RetryBudget()
         self._decisions: deque[tuple[float, str, str, str, str, bool]] = deque(maxlen=decisions_kept)
         self._prefills = PrefillTracker()
         self._generations: dict[str, int] = {}  # each model's replica-set generation last seen
-        self._share: Callable[[bytes], None] | None = None  # see `share_placements`
-        self._flush_pending = False
 
     def set_default(self, name: str) -> None:
         """A new default policy (a live `corral apply`); models are then set again with `set_policy`."""
