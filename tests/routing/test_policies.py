@@ -176,7 +176,8 @@ def test_gateway_workers_learn_each_other_s_placements_and_request_ends() -> Non
     routers = []
     for _ in range(2):
         replicas = ReplicaSet(["m"])
-        for replica in fleet(3):  # each worker's own mirror of the same replicas
+        for replica in fleet(3):  # each worker's own mirror of the same replicas, KV events followed
+            replica.load = EngineLoad(running=0, waiting=0, kv_cached_tokens=0)
             replicas.add(replica)
         routers.append(Router(replicas))
     first, second = routers
