@@ -7,7 +7,9 @@ SO_REUSEPORT, so the kernel spreads connections over them. The pool:
 - reserves the port first (a bound, not listening, SO_REUSEPORT socket: "port in use" fails before any
   replica starts, and port 0 resolves once for all workers);
 - serves a local control socket: a worker that connects gets the spec and its index, then every change of
-  the replica set as a snapshot (`routing/sync.py`), so workers never probe the engines themselves;
+  the replica set as a snapshot (`routing/sync.py`), so workers never probe the engines themselves; and
+  relays each worker's prefix placements to the others (`Router.share_placements`), so that every worker's
+  prefix index knows where every worker sent each prompt;
 - restarts a worker that dies (with backoff), and stops them all with SIGTERM (they drain in-flight
   requests for `gateway.shutdown_grace`).
 

@@ -144,7 +144,8 @@ class PrefixAffinity:
     - the prefill already routed there and not yet done (the request waits behind it);
     - the prompt tokens it would compute itself (the part beyond the longest prefix it served before, which
       its cache likely still holds: the index keeps per replica as many blocks as the replica's KV cache
-      has room for, where its engine says, in the engine's tokens per block learnt by `observe`), once for
+      has room for, where its engine says, in the engine's tokens per block learnt by `observe`, and
+      forgets what the engine evicted where its KV events are followed (`_follow`)), once for
       its own wait and once per request in flight or queued there, each of which that prefill stalls or
       delays;
     - its decode: every step reads the KV of every sequence in the batch, so the request's steps are slower

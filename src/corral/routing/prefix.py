@@ -2,7 +2,9 @@
 
 Bounded per replica, least recently used first out, as an engine's prefix cache evicts: by the replica's
 own KV cache where its engine reports the size (vLLM's and the simulator's `cache_config_info`), else by
-`max_blocks`. It is a guess, not the engines' truth: a wrong guess costs a cache miss.
+`max_blocks`; where the engine's KV events are followed, also by what it evicted (`evict_through`: every
+block whose last request ended before a block the engine evicted was cached) and emptied (`forget`). It is
+a guess, not the engines' truth: a wrong guess costs a cache miss.
 """
 
 from __future__ import annotations
