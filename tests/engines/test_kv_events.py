@@ -10,6 +10,7 @@ gateway's own traffic is far below the cache's size).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import urllib.request
@@ -93,3 +94,45 @@ def test_with_kv_events_off_the_engine_publishes_none_and_the_index_keeps_its_ow
         log = (Paths.from_env().logs / f"{replica}.log").read_text()
         started = [line for line in log.splitlines() if " starting: " in line][-1]  # this run's command
         assert "--time-scale" in started and "--kv-events-endpoint" not in started
+
+
+async def test_a_data_parallel_engine_s_ranks_each_publish_to_their_own_port() -> None:
+    """vLLM with `--data-parallel-size 2` runs two engines, rank r publishing to the endpoint's port + r:
+    the supervisor's feed binds both ports, and one view counts both engines' blocks."""
+    import msgpack
+    import zmq
+    import zmq.asyncio
+
+    from corral.engines import LaunchPlan
+    from corral.engines.kv_events import KvCacheView, KvEventFeed, data_parallel_size, kv_events_config
+
+    assert data_parallel_size(["--data-parallel-size", "2"]) == data_parallel_size(["-dp=2", "-dp", "2"]) == 2
+    assert data_parallel_size(["--data-parallel-size=3"]) == 3 and data_parallel_size(["-dp", "x"]) == 1
+    context = zmq.asyncio.Context()
+    plan = LaunchPlan(
+        argv=("vllm",), kv_events_args=("--kv-events-config", kv_events_config("{events}")), kv_events_ranks=2
+    )
+    feed = KvEventFeed(context, plan, remote=False)
+    config = json.loads(feed.plan.argv[-1].format())  # as the runtime fills the command line in
+    port = int(config["endpoint"].rsplit(":", 1)[1])
+    view = KvCacheView()
+    follow = asyncio.create_task(feed.follow(view, lambda: None))
+    publishers = []
+    for rank in range(2):
+        publisher = context.socket(zmq.PUB)
+        publisher.connect(f"tcp://127.0.0.1:{port + rank}")
+        publishers.append(publisher)
+    stored = {"type": "BlockStored", "parent_block_hash": None, "token_ids": [], "block_size": 16}
+    deadline, seq = time.monotonic() + 10, 0
+    while len(view.blocks) < 2 and time.monotonic() < deadline:  # (until both subscriptions are through)
+        seq += 1
+        for rank, publisher in enumerate(publishers):
+            batch = [time.time(), [{**stored, "block_hashes": [rank]}], rank]
+            await publisher.send_multipart([b"", seq.to_bytes(8, "big"), msgpack.packb(batch)])
+        await asyncio.sleep(0.05)
+    assert set(view.blocks) == {0, 1} and view.block_size == 16
+    follow.cancel()
+    feed.close()
+    for publisher in publishers:
+        publisher.close(linger=0)
+    context.destroy(linger=0)

@@ -199,10 +199,10 @@ def _bind_ports(socket: zmq.asyncio.Socket, ranks: int) -> str:
 
 def data_parallel_size(engine_args: Sequence[str]) -> int:
     """vLLM's `--data-parallel-size` (or `-dp`) among `engine_args`; 1 when absent."""
-    size = 1
+    value = "1"
     for i, arg in enumerate(engine_args):
         if arg in ("--data-parallel-size", "-dp") and i + 1 < len(engine_args):
-            size = int(engine_args[i + 1])
+            value = engine_args[i + 1]
         elif arg.startswith("--data-parallel-size="):
-            size = int(arg.split("=", 1)[1])
-    return max(1, size)
+            value = arg.split("=", 1)[1]
+    return max(1, int(value)) if value.isdigit() else 1  # (vLLM itself refuses a value that is no number)
