@@ -242,10 +242,8 @@ class PrefixAffinity:
         return Decision(best, reason, depth)
 
     def ended(self, replica: Replica, request: RouteRequest) -> None:
-        """A request routed by this policy ended: its prompt's blocks are now the replica's most recently
-        freed (what an engine's cache evicts last). Kept where the replica's KV events are followed (their
-        evictions are matched against these times); elsewhere the index keeps its order of routing, which
-        measured better there (`bench/routing_replay.py`, 160 tenants: p90 882 ms against 970)."""
+        """A request routed by this policy ended: its engine freed its prompt's blocks now. Noted where the
+        replica's KV events are followed, whose evictions are matched against these times."""
         if request.hashes and _followed(replica):
             when = self.clock()
             self.index.ended(request.hashes, replica, when)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 
 from corral.routing.replicas import Replica
@@ -19,6 +19,7 @@ from corral.routing.replicas import Replica
 __all__ = ["Prefill", "PrefillTracker", "PrefixIndex"]
 
 _IN_USE = math.inf  # a block's end time while a request that uses it runs: an engine does not evict it
+_ENDS_KEPT = 4096  # requests' ends kept per replica until its engine's evictions pass them
 
 
 class PrefixIndex:
@@ -35,12 +36,14 @@ class PrefixIndex:
 
     def __init__(self, max_blocks: int = 25_000, max_replicas: int = 64) -> None:
         # per replica, block → when the last request that used it ended (`_IN_USE` while one runs), in
-        # order of each replica's latest record
+        # order of each block's latest routing
         self._held: dict[str, OrderedDict[int, float]] = {}
         # blocks per replica whose cache size is not known: about 800,000 tokens at 4 bytes a token, more
         # than most engines' caches; at about 140 bytes a block, 3.5 MB per replica
         self._max = max_blocks
         self._max_replicas = max_replicas
+        # per replica, requests' ends in the order they ended: (when, its prompt's blocks)
+        self._ends: dict[str, deque[tuple[float, Sequence[int]]]] = {}
         # not yet applied (see `record`): a record's capacity, or a request's end as minus its time
         self._pending: list[tuple[Sequence[int], str, float | None]] = []
 
@@ -54,34 +57,32 @@ class PrefixIndex:
         self._apply()
         for rid in [rid for rid in self._held if rid not in replica_ids]:
             del self._held[rid]
+            self._ends.pop(rid, None)
 
     def evict_through(self, rid: str, when: float) -> None:
         """Forget replica `rid`'s blocks whose last request ended before `when`: its engine has evicted
         a block it cached at `when`, and an engine's cache evicts the blocks its requests freed least
-        recently first (a block is freed no earlier than it was cached)."""
+        recently first (a block is freed no earlier than it was cached). A block a later request used (or
+        uses now) stays."""
         self._apply()
-        held = self._held.get(rid)
-        if not held:
+        held, ends = self._held.get(rid), self._ends.get(rid)
+        if held is None or not ends:
             return
-        # ended blocks are in the order they ended (`ended` moves them last); blocks in use sit among them
-        gone = []
-        for block, ended in held.items():
-            if ended < when:
-                gone.append(block)
-            elif ended != _IN_USE:
-                break
-        for block in gone:
-            del held[block]
+        while ends and ends[0][0] < when:
+            ended, hashes = ends.popleft()
+            for block in hashes:
+                if held.get(block) == ended:
+                    del held[block]
 
     def forget(self, rid: str) -> None:
         """Forget all of replica `rid`'s blocks (its engine's cache was emptied)."""
         self._apply()
         self._held.pop(rid, None)
+        self._ends.pop(rid, None)
 
     def ended(self, hashes: Sequence[int], replica: Replica, when: float) -> None:
         """A request that used these blocks on `replica` ended at `when` (wall clock): their engine freed
-        them then, so they are now its most recently freed. Applied with the records, on the event loop's
-        next turn."""
+        them then (see `evict_through`). Applied with the records, on the event loop's next turn."""
         if hashes:
             self._pending.append((hashes, replica.id, -when))
             if len(self._pending) == 1:
@@ -147,11 +148,13 @@ class PrefixIndex:
         held = self._held.get(rid)
         if held is None:
             return
-        touch = held.move_to_end
-        for block in reversed(hashes):
+        for block in hashes:  # (their order stays the order of routing: measured better for it)
             if block in held:
                 held[block] = when
-                touch(block)
+        ends = self._ends.get(rid)
+        if ends is None:
+            ends = self._ends[rid] = deque(maxlen=_ENDS_KEPT)
+        ends.append((when, hashes))
 
     def _record(self, hashes: Sequence[int], rid: str, capacity: float) -> None:
         replicas = self._held
