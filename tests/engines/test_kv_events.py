@@ -136,3 +136,23 @@ async def test_a_data_parallel_engine_s_ranks_each_publish_to_their_own_port() -
     for publisher in publishers:
         publisher.close(linger=0)
     context.destroy(linger=0)
+
+
+def test_an_engine_that_restarts_has_an_empty_cache_and_its_documents_stop_counting(tmp_path: Path) -> None:
+    import os
+    import signal
+
+    with cluster_of(tmp_path, FLEET) as cluster:
+        replica = _chat(cluster.url, _document("alpha"))
+        index_of = lambda: get_json(cluster.url + "/admin/routing")[1]["prefix_index"]["llama-8b"]  # noqa: E731
+        assert index_of()["replicas"][replica]["blocks"] > 0
+        (pid,) = [r["pid"] for r in cluster.status()["replicas"] if r["id"] == replica]
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            shown = next(r for r in cluster.status()["replicas"] if r["id"] == replica)
+            if shown["state"] == "ready" and shown["pid"] != pid:
+                break
+            time.sleep(0.2)
+        assert shown["state"] == "ready" and shown["pid"] != pid  # the supervisor started it again
+        assert index_of()["replicas"][replica]["blocks"] == 0  # its old documents no longer count

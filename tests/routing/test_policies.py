@@ -134,24 +134,32 @@ def test_a_replica_whose_engine_reports_a_small_kv_cache_stops_counting_as_holdi
 def test_the_index_forgets_what_the_engine_s_kv_events_say_it_evicted() -> None:
     """An engine's cache frees its least recently freed blocks first: when its events say it evicted a
     block it had cached at time T, every block whose last request ended before T is gone, while blocks of
-    a request still running, and those freed after T, are not; a cleared cache leaves nothing."""
+    a request still running (also one sharing a prefix with a request that ended), and those freed after T,
+    are not; a cleared cache leaves nothing."""
     (replica,) = fleet(1)
     replica.load = EngineLoad(running=0, waiting=0, kv_cached_tokens=0)
     policy = PrefixAffinity()
     old, running, recent = (RouteRequest("m", prompt=f"tenant {t}: " + "w " * 700) for t in "abc")
-    for request in (old, running, recent):
+    again = RouteRequest("m", prompt=recent.prompt + " and a question of its own" * 8)  # a block more
+    for use, request in enumerate((old, running, recent, again), start=1):
         request.hash_prompt(policy.hasher)
-        policy.index.record(request.hashes, replica)
-    policy.index.ended(old.hashes, replica, 100.0)
-    policy.index.ended(recent.hashes, replica, 200.0)
+        policy.index.record(request.hashes, replica, use=-use)
+    policy.index.ended(old.hashes, replica, 100.0, -1)
+    policy.index.ended(again.hashes, replica, 120.0, -4)  # `recent`'s document, until 120
+    policy.index.ended(recent.hashes, replica, 110.0, -3)  # its document was used since: still until 120
     policy.describe([replica])  # the events' state first seen: nothing to forget yet
-    held = {r.hashes[-1]: policy.index.depths(r.hashes, [replica])["r0"] for r in (old, running, recent)}
-    assert list(held.values()) == [len(old.hashes)] * 3
+    assert [policy.index.depths(r.hashes, [replica])["r0"] for r in (old, running, recent)] == [
+        len(old.hashes)
+    ] * 3
 
-    replica.load = EngineLoad(running=0, waiting=0, kv_cached_tokens=4096, kv_evicted_through=150.0)
+    replica.load = EngineLoad(running=0, waiting=0, kv_cached_tokens=4096, kv_evicted_through=115.0)
     policy.describe([replica])
-    depths = [policy.index.depths(r.hashes, [replica])["r0"] for r in (old, running, recent)]
-    assert depths == [0, len(running.hashes), len(recent.hashes)]
+    depths = [policy.index.depths(r.hashes, [replica])["r0"] for r in (old, running, recent, again)]
+    assert depths == [0, len(running.hashes), len(recent.hashes), len(recent.hashes) + 1]
+
+    replica.load = EngineLoad(running=0, waiting=0, kv_cached_tokens=4096, kv_evicted_through=130.0)
+    policy.describe([replica])
+    assert policy.index.held() == {"r0": len(running.hashes)}  # the one still running
 
     replica.load = EngineLoad(running=0, waiting=0, kv_cached_tokens=0, kv_cleared_total=1)
     policy.describe([replica])
@@ -163,8 +171,8 @@ def test_an_engine_whose_kv_events_are_not_followed_keeps_the_index_s_own_bound(
     replica.load = EngineLoad(running=0, waiting=0, kv_evicted_through=1e12)  # kv_cached_tokens None
     policy = PrefixAffinity()
     request = RouteRequest("m", prompt="w " * 700)
-    policy.index.record(request.hash_prompt(policy.hasher), replica)
-    policy.index.ended(request.hashes, replica, 100.0)
+    policy.index.record(request.hash_prompt(policy.hasher), replica, use=-1)
+    policy.index.ended(request.hashes, replica, 100.0, -1)
     policy.describe([replica])
     policy.describe([replica])
     assert policy.index.held() == {"r0": len(request.hashes)}

@@ -343,10 +343,14 @@ class Supervisor:
         exited = asyncio.ensure_future(running.wait())
         events = None
         if feed is not None and slot.kv is not None:
-            view = slot.kv
+            view, cleared = slot.kv, slot.kv.cleared
 
             def changed() -> None:
-                if replica.load is not None:
+                """The load shows the events at each scrape (a new load every probe interval reaches the
+                workers in one snapshot); an emptied cache at once."""
+                nonlocal cleared
+                if view.cleared != cleared and replica.load is not None:
+                    cleared = view.cleared
                     replica.load = view.stamp(replica.load)
 
             events = asyncio.create_task(feed.follow(view, changed), name=f"kv-events:{replica.id}")

@@ -189,8 +189,8 @@ class PrefixAffinity:
         self._followed: dict[str, list[float]] = {}
         self.clock = time.time  # when requests end, on the clock of the engines' KV events
         # with several gateway workers: this worker's placements and requests' ends, for the others
-        # ([replica id, prompt block hashes, None or when the request ended]); `wake` when it fills
-        self.outbox: list[tuple[str, Sequence[int], float | None]] | None = None
+        # ([replica id, prompt block hashes, None or when the request ended, its mark]); `wake` when it fills
+        self.outbox: list[tuple[str, Sequence[int], float | None, float]] | None = None
         self.wake: Callable[[], None] = _nothing
 
     def pick(self, candidates: Sequence[Replica], request: RouteRequest) -> Decision:
@@ -231,9 +231,11 @@ class PrefixAffinity:
 
         best = min(within, key=cost)
         depth = depths.get(best.id, 0)
-        self.index.record(hashes, best, self.cache_blocks(best))
+        # a mark of its own on the blocks while it runs: its end frees them unless another uses them since
+        request.use = use = -1.0 - random.getrandbits(52)
+        self.index.record(hashes, best, self.cache_blocks(best), use)
         if self.outbox is not None:
-            self._tell((best.id, hashes, None))
+            self._tell((best.id, hashes, None, use))
         reason = (
             f"prefix match {depth}/{blocks} blocks; {best.pending_prefill} tokens of prefill waiting"
             if depth
@@ -246,19 +248,19 @@ class PrefixAffinity:
         replica's KV events are followed, whose evictions are matched against these times."""
         if request.hashes and _followed(replica):
             when = self.clock()
-            self.index.ended(request.hashes, replica, when)
+            self.index.ended(request.hashes, replica, when, request.use)
             if self.outbox is not None:
-                self._tell((replica.id, request.hashes, when))
+                self._tell((replica.id, request.hashes, when, request.use))
 
-    def learn(self, replica: Replica, hashes: Sequence[int], ended: float | None) -> None:
+    def learn(self, replica: Replica, hashes: Sequence[int], ended: float | None, use: float) -> None:
         """Another gateway worker sent a request with these prompt blocks to `replica` (`ended` None),
-        or such a request ended then."""
+        or such a request ended then (`use`: its mark)."""
         if ended is None:
-            self.index.record(hashes, replica, self.cache_blocks(replica))
+            self.index.record(hashes, replica, self.cache_blocks(replica), use)
         elif _followed(replica):
-            self.index.ended(hashes, replica, ended)
+            self.index.ended(hashes, replica, ended, use)
 
-    def _tell(self, entry: tuple[str, Sequence[int], float | None]) -> None:
+    def _tell(self, entry: tuple[str, Sequence[int], float | None, float]) -> None:
         assert self.outbox is not None
         self.outbox.append(entry)
         if len(self.outbox) == 1:

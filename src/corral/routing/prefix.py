@@ -18,7 +18,7 @@ from corral.routing.replicas import Replica
 
 __all__ = ["Prefill", "PrefillTracker", "PrefixIndex"]
 
-_IN_USE = math.inf  # a block's end time while a request that uses it runs: an engine does not evict it
+_IN_USE = -math.inf  # a block's mark while a request that uses it runs (unless the request has its own)
 _ENDS_KEPT = 4096  # requests' ends kept per replica until its engine's evictions pass them
 
 
@@ -35,8 +35,8 @@ class PrefixIndex:
     """
 
     def __init__(self, max_blocks: int = 25_000, max_replicas: int = 64) -> None:
-        # per replica, block → when the last request that used it ended (`_IN_USE` while one runs), in
-        # order of each block's latest routing
+        # per replica, block → when the last request that used it ended, or while one runs that request's
+        # `use` mark (negative: `_IN_USE` when none is given), in order of each block's latest routing
         self._held: dict[str, OrderedDict[int, float]] = {}
         # blocks per replica whose cache size is not known: about 800,000 tokens at 4 bytes a token, more
         # than most engines' caches; at about 140 bytes a block, 3.5 MB per replica
@@ -44,8 +44,9 @@ class PrefixIndex:
         self._max_replicas = max_replicas
         # per replica, requests' ends in the order they ended: (when, its prompt's blocks)
         self._ends: dict[str, deque[tuple[float, Sequence[int]]]] = {}
-        # not yet applied (see `record`): a record's capacity, or a request's end as minus its time
-        self._pending: list[tuple[Sequence[int], str, float | None]] = []
+        # not yet applied: records (True, hashes, replica, capacity, use: see `record`) and requests' ends
+        # (False, hashes, replica, when, its record's use)
+        self._pending: list[tuple[bool, Sequence[int], str, float | None, float]] = []
 
     def __len__(self) -> int:
         """Blocks held, over all replicas."""
@@ -80,11 +81,12 @@ class PrefixIndex:
         self._held.pop(rid, None)
         self._ends.pop(rid, None)
 
-    def ended(self, hashes: Sequence[int], replica: Replica, when: float) -> None:
-        """A request that used these blocks on `replica` ended at `when` (wall clock): their engine freed
-        them then (see `evict_through`). Applied with the records, on the event loop's next turn."""
+    def ended(self, hashes: Sequence[int], replica: Replica, when: float, use: float) -> None:
+        """A request that used these blocks on `replica` (recorded with `use`) ended at `when` (wall
+        clock): their engine freed them then (see `evict_through`), unless a request recorded later uses
+        them still. Applied with the records, on the event loop's next turn."""
         if hashes:
-            self._pending.append((hashes, replica.id, -when))
+            self._pending.append((False, hashes, replica.id, when, use))
             if len(self._pending) == 1:
                 self._apply_soon()
 
@@ -113,7 +115,9 @@ class PrefixIndex:
             depth[replica.id] = low
         return depth
 
-    def record(self, hashes: Sequence[int], replica: Replica, capacity: int | None = None) -> None:
+    def record(
+        self, hashes: Sequence[int], replica: Replica, capacity: int | None = None, use: float = _IN_USE
+    ) -> None:
         """Note that `replica` served these blocks, in a cache of `capacity` blocks (None: `max_blocks`),
         where they are now the most recently used. Blocks are touched last first, so a chain's first blocks
         are always the more recently used: eviction takes chains from their ends (as an engine's cache frees
@@ -126,7 +130,7 @@ class PrefixIndex:
         In a gateway the record is applied on the event loop's next turn, after the request it routed has
         gone out (or by the next look-up, whichever comes first): touching a long prompt's 200 blocks took
         about 60 µs of that request's way to its engine."""
-        self._pending.append((hashes, replica.id, capacity))
+        self._pending.append((True, hashes, replica.id, capacity, use))
         if len(self._pending) == 1:
             self._apply_soon()
 
@@ -138,25 +142,25 @@ class PrefixIndex:
 
     def _apply(self) -> None:
         pending, self._pending = self._pending, []
-        for hashes, rid, capacity in pending:
-            if capacity is not None and capacity < 0:  # a request's end (see `ended`), at -capacity
-                self._ended(hashes, rid, -capacity)
-            else:
-                self._record(hashes, rid, self._max if capacity is None else capacity)
+        for recorded, hashes, rid, number, use in pending:
+            if recorded:  # `number`: the replica's capacity
+                self._record(hashes, rid, self._max if number is None else number, use)
+            else:  # a request's end, at `number`
+                self._ended(hashes, rid, number or 0.0, use)
 
-    def _ended(self, hashes: Sequence[int], rid: str, when: float) -> None:
+    def _ended(self, hashes: Sequence[int], rid: str, when: float, use: float) -> None:
         held = self._held.get(rid)
         if held is None:
             return
         for block in hashes:  # (their order stays the order of routing: measured better for it)
-            if block in held:
+            if held.get(block) == use:  # not recorded since by a request that may still use it
                 held[block] = when
         ends = self._ends.get(rid)
         if ends is None:
             ends = self._ends[rid] = deque(maxlen=_ENDS_KEPT)
         ends.append((when, hashes))
 
-    def _record(self, hashes: Sequence[int], rid: str, capacity: float) -> None:
+    def _record(self, hashes: Sequence[int], rid: str, capacity: float, use: float) -> None:
         replicas = self._held
         held = replicas.pop(rid, None)
         if held is None:
@@ -166,7 +170,7 @@ class PrefixIndex:
         replicas[rid] = held  # now the most recently recorded
         touch = held.move_to_end  # bound once: 200 blocks a prompt
         for block in reversed(hashes):
-            held[block] = _IN_USE  # (a new key goes last; an old one keeps its place until touched)
+            held[block] = use  # (a new key goes last; an old one keeps its place until touched)
             touch(block)
         while len(held) > capacity:
             held.popitem(last=False)

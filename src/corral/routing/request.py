@@ -143,6 +143,8 @@ class RouteRequest:
     prompt_tokens: int = 0  # estimated input tokens
     prefill: int = 0  # tokens the chosen replica is expected to prefill (not in its cache), set by the router
     inflight: Prefill | None = field(default=None, repr=False)  # its prefill, while it runs (router.py)
+    # its blocks' mark in the prefix index while it runs (negative, its own), set by the policy (prefix.py)
+    use: float = 0.0
     _hashes: tuple[int, ...] | None = field(default=None, repr=False)
 
     @property

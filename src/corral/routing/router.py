@@ -92,10 +92,10 @@ class Router:
             if not isinstance(policy, PrefixAffinity):
                 continue
             replicas = {r.id: r for r in self.replicas.of(model)}
-            for rid, hashes, ended in entries:
+            for rid, hashes, ended, use in entries:
                 replica = replicas.get(rid)
                 if replica is not None:
-                    policy.learn(replica, hashes, ended)
+                    policy.learn(replica, hashes, ended, use)
 
     def _flush_soon(self) -> None:
         if self._flush_pending:
