@@ -192,6 +192,7 @@ class PrefixAffinity:
         # ([replica id, prompt block hashes, None or when the request ended, its mark]); `wake` when it fills
         self.outbox: list[tuple[str, Sequence[int], float | None, float]] | None = None
         self.wake: Callable[[], None] = _nothing
+        self._learnt: dict[float, Sequence[int]] = {}  # other workers' running requests' blocks, by mark
 
     def pick(self, candidates: Sequence[Replica], request: RouteRequest) -> Decision:
         hashes = request.hash_prompt(self.hasher)
@@ -249,16 +250,23 @@ class PrefixAffinity:
         if request.hashes and _followed(replica):
             when = self.clock()
             self.index.ended(request.hashes, replica, when, request.use)
-            if self.outbox is not None:
-                self._tell((replica.id, request.hashes, when, request.use))
+            if self.outbox is not None:  # (the others know its blocks by its mark, from its placement)
+                self._tell((replica.id, (), when, request.use))
 
     def learn(self, replica: Replica, hashes: Sequence[int], ended: float | None, use: float) -> None:
         """Another gateway worker sent a request with these prompt blocks to `replica` (`ended` None),
         or such a request ended then (`use`: its mark)."""
+        learnt = self._learnt
         if ended is None:
             self.index.record(hashes, replica, self.cache_blocks(replica), use)
-        elif _followed(replica):
-            self.index.ended(hashes, replica, ended, use)
+            if _followed(replica):  # its end will come by its mark alone
+                learnt[use] = hashes
+                if len(learnt) > _LEARNT_KEPT:  # ends that never came (a worker that died)
+                    del learnt[next(iter(learnt))]
+        else:
+            hashes = learnt.pop(use, hashes)
+            if _followed(replica):
+                self.index.ended(hashes, replica, ended, use)
 
     def _tell(self, entry: tuple[str, Sequence[int], float | None, float]) -> None:
         assert self.outbox is not None
@@ -343,6 +351,7 @@ def _followed(replica: Replica) -> bool:
     return replica.load is not None and replica.load.kv_cached_tokens is not None
 
 
+_LEARNT_KEPT = 65_536  # other workers' requests in flight whose blocks are kept for their ends
 _PRICED_OUTPUT = 256  # output tokens a request's decode is priced for at most (the default estimate)
 _BLOCK_TOKENS = 32.0  # engine tokens per index block until answers say: about 4 bytes a token
 _LEARNING = 0.05  # each answer's weight in the running mean of tokens per block, after the first 20
