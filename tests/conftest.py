@@ -133,6 +133,17 @@ def get_json(
         return err.code, json.load(err)
 
 
+def chat(url: str, model: str, content: str, max_tokens: int = 2, timeout: float = 30) -> tuple[dict, str]:
+    """One chat completion from `url` (a gateway, or an engine directly): its body, and the replica that
+    answered (the gateway's `x-corral-replica` header; empty from an engine)."""
+    body = {"model": model, "max_tokens": max_tokens, "messages": [{"role": "user", "content": content}]}
+    request = urllib.request.Request(
+        url + "/v1/chat/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        return json.load(response), response.headers.get("x-corral-replica", "")
+
+
 def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

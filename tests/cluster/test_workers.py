@@ -13,14 +13,13 @@ import os
 import signal
 import subprocess
 import time
-import urllib.request
 import uuid
 from pathlib import Path
 
 import aiohttp
 import pytest
 
-from ..conftest import CORRAL, RunningCluster, get_json, pid_alive, start_cluster
+from ..conftest import CORRAL, RunningCluster, chat, get_json, pid_alive, start_cluster
 
 RPM = 24  # per window
 WINDOW = 8.0
@@ -112,14 +111,7 @@ def test_each_worker_s_prefix_index_holds_the_documents_either_worker_routed(
     tenant's document went (else the second worker to see a document would place it again, elsewhere)."""
     documents = [f"tenant {t}'s handbook: " + " ".join(f"rule{t}x{i}" for i in range(200)) for t in range(8)]
     for document in documents:  # fresh connections: spread over the workers
-        body = {"model": "llama-8b", "max_tokens": 2, "messages": [{"role": "user", "content": document}]}
-        request = urllib.request.Request(
-            workers_cluster.url + "/v1/chat/completions",
-            json.dumps(body).encode(),
-            {"Content-Type": "application/json"},
-        )
-        with urllib.request.urlopen(request, timeout=30) as response:
-            assert response.status == 200
+        chat(workers_cluster.url, "llama-8b", document)
     blocks = sum(len(d.encode()) // 128 for d in documents)
     held: dict[int, int] = {}
     deadline = time.monotonic() + 20

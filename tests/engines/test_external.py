@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from ..conftest import CORRAL, cluster_of
+from ..conftest import CORRAL, chat, cluster_of
 
 FLEET = ["--replicas", "3", "--port", "0", "--time-scale", "50"]
 
@@ -138,14 +138,7 @@ def test_an_external_vllm_style_server_s_kv_cache_bounds_what_routing_counts_cac
                 # two-letter words: about 43 of the simulator's tokens per 128 bytes, far from the 32 assumed
                 words = [f"{a}{b}" for a in "abcdefgh" for b in "abcdefghij"]
                 document = f"Tenant {tenant}: " + " ".join(words * 20)
-                body = {"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": document}]}
-                request = urllib.request.Request(
-                    cluster.url + "/v1/chat/completions",
-                    json.dumps(body).encode(),
-                    {"Content-Type": "application/json"},
-                )
-                with urllib.request.urlopen(request, timeout=30) as response:
-                    usage = json.load(response)["usage"]
+                usage = chat(cluster.url, "m", document)[0]["usage"]
                 ratios.append(usage["prompt_tokens"] / (len(document) / 128))
             index = get_json(cluster.url + "/admin/routing")[1]["prefix_index"]["m"]
             learnt = index["tokens_per_block"]
@@ -195,14 +188,7 @@ def test_an_external_server_s_kv_events_are_followed_at_its_publisher(tmp_path: 
         events = [f"tcp://127.0.0.1:{port + i}" for i in range(3)]
         with cluster_of(tmp_path, _spec(urls, "supervisor: {probe_interval: 0.2}\n", events)) as cluster:
             document = "A tenant's handbook: " + " ".join(f"rule{i}" for i in range(400))
-            body = {"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": document}]}
-            request = urllib.request.Request(
-                cluster.url + "/v1/chat/completions",
-                json.dumps(body).encode(),
-                {"Content-Type": "application/json"},
-            )
-            with urllib.request.urlopen(request, timeout=30) as response:
-                replica = response.headers["x-corral-replica"]
+            replica = chat(cluster.url, "m", document)[1]
             deadline = time.monotonic() + 10
             while time.monotonic() < deadline:
                 held = {r["id"]: r["kv_cached_tokens"] for r in cluster.status()["replicas"]}

@@ -13,12 +13,11 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-import urllib.request
 from pathlib import Path
 
 from corral.config import Paths
 
-from ..conftest import cluster_of, get_json
+from ..conftest import chat, cluster_of, get_json
 
 # Llama-3.1-8B's KV takes 128 KiB a token: a quarter GiB is a 2,048-token cache (128 blocks of 16)
 FLEET = (
@@ -34,12 +33,7 @@ def _document(name: str) -> str:
 
 
 def _chat(url: str, document: str) -> str:
-    body = {"model": "llama-8b", "max_tokens": 2, "messages": [{"role": "user", "content": document}]}
-    request = urllib.request.Request(
-        url + "/v1/chat/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
-    )
-    with urllib.request.urlopen(request, timeout=30) as response:
-        return response.headers.get("x-corral-replica", "")
+    return chat(url, "llama-8b", document)[1]
 
 
 def _until(check, what: str, timeout: float = 10.0):  # type: ignore[no-untyped-def]

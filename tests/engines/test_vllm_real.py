@@ -16,7 +16,7 @@ import pytest
 
 from corral.engines import parse_vllm_load
 
-from ..conftest import DATA, RunningCluster, start_cluster
+from ..conftest import DATA, RunningCluster, chat, start_cluster
 
 
 @pytest.fixture(scope="module")
@@ -74,14 +74,9 @@ def test_vllm_s_kv_cache_events_reach_the_supervisor(vllm_cluster: RunningCluste
     leaves in vLLM's prefix cache (128 tokens a block on the CPU build) show in the replica's load; the
     embedding model (no prefix cache) publishes none."""
     document = "A long handbook line about rules and procedures for everyone. " * 60  # about 700 tokens
-    body = {"model": "smollm2-vllm", "max_tokens": 4, "messages": [{"role": "user", "content": document}]}
-    request = urllib.request.Request(
-        vllm_cluster.url + "/v1/chat/completions",
-        json.dumps(body).encode(),
-        {"Content-Type": "application/json"},
-    )
-    with urllib.request.urlopen(request, timeout=120) as response:
-        prompt_tokens = json.load(response)["usage"]["prompt_tokens"]
+    prompt_tokens = chat(vllm_cluster.url, "smollm2-vllm", document, 4, timeout=120)[0]["usage"][
+        "prompt_tokens"
+    ]
     deadline = time.monotonic() + 15
     while True:
         replicas = {r["model"]: r for r in vllm_cluster.status()["replicas"]}

@@ -61,7 +61,7 @@ class KvCacheView:
 
     def apply(self, seq: int, payload: bytes) -> None:
         """One published message: its sequence number and msgpack batch."""
-        batch = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+        batch = msgpack.unpackb(payload, raw=False, strict_map_key=False, use_list=False)  # (tuples: faster)
         at, events = float(batch[0]), batch[1]
         rank = batch[2] if len(batch) > 2 and isinstance(batch[2], int) else 0
         last = self._last_seq.get(rank)
