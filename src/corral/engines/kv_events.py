@@ -56,7 +56,6 @@ class KvCacheView:
         self.evicted_blocks = 0
         self.evicted_through = 0.0
         self.cleared = 0
-        self.batches = 0
         self._last_seq: dict[int, int] = {}  # per data-parallel rank
 
     def apply(self, seq: int, payload: bytes) -> None:
@@ -72,7 +71,6 @@ class KvCacheView:
 
     def apply_events(self, events: Sequence[Sequence[Any]], at: float) -> None:
         """One batch's events, published at `at`."""
-        self.batches += 1
         for event in events:
             self._event(event, at)
 
