@@ -3,7 +3,11 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: up test lint bench clean
+.PHONY: up test test-fast lint bench clean
+
+# Test modules run on this many pytest-xdist workers (a module's tests stay on one: they share its servers).
+TEST_WORKERS ?= 2
+PYTEST := $(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -27,7 +31,12 @@ test: $(VENV)/.installed-test
 	$(BIN)/corral prepare -f tests/data/cluster.yaml
 	$(BIN)/corral prepare -f tests/data/vllm-cluster.yaml
 	$(BIN)/corral prepare -f tests/data/vllm-ray-cluster.yaml
-	$(BIN)/pytest -q
+	$(PYTEST)
+
+## The inner loop: unit and simulator tests only (no real engine, Ray, NGINX, Prometheus or Chromium).
+test-fast: $(VENV)/.installed-test
+	bash scripts/test-services.sh
+	$(PYTEST) -m 'not slow'
 
 lint: $(VENV)/.installed-test
 	$(BIN)/ruff check src tests bench

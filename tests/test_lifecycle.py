@@ -10,8 +10,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import openai
+import pytest
 
 from .conftest import CORRAL, pid_alive, start_cluster
+
+pytestmark = pytest.mark.slow  # real engines or servers, or long drills (`make test-fast` skips)
 
 MESSAGES = [{"role": "user", "content": "Tell me about the sea."}]
 

@@ -13,6 +13,8 @@ import pytest
 
 from .conftest import CORRAL, RunningCluster, get_json
 
+pytestmark = pytest.mark.slow  # real engines or servers, or long drills (`make test-fast` skips)
+
 MESSAGES = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
 
 

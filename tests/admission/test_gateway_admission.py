@@ -182,6 +182,7 @@ async def test_metrics_endpoint(closed: Cluster) -> None:
         assert name in text
 
 
+@pytest.mark.slow
 async def test_flooding_tenant_does_not_starve_a_trickle(tmp_path: Path) -> None:
     """Tenant A floods 20 requests at once; tenant B sends one every 0.5 s. Each request holds the single
     slot for 0.25 s. First-come-first-served would make B wait behind all of A (~5 s); fair turns bound B's

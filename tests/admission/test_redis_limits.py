@@ -14,10 +14,13 @@ import urllib.request
 from pathlib import Path
 
 import aiohttp
+import pytest
 
 from corral.cluster import free_port
 
 from ..conftest import CORRAL
+
+pytestmark = pytest.mark.slow  # real engines or servers, or long drills (`make test-fast` skips)
 
 TPM = 6000
 WINDOW = 20.0

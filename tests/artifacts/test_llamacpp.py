@@ -5,11 +5,14 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from corral.artifacts import llama_server
 from corral.artifacts.llamacpp import amx_runs
 from corral.config import Paths
 
 
+@pytest.mark.slow
 def test_the_built_server_uses_amx_only_where_amx_runs(tmp_path: Path) -> None:
     binary = llama_server(Paths.from_env())  # the cached build (`make test` prepares it)
     disassembly = subprocess.run(

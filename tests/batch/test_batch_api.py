@@ -312,6 +312,7 @@ async def test_a_line_the_engine_refuses_goes_to_the_error_file_and_embeddings_b
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("gateway", ["sql", "redis"], indirect=True)
 async def test_cancel_keeps_finished_lines_and_expiry_keeps_partial_results(gateway: Gateway) -> None:
     acme = client(gateway, await key_for(gateway, "acme"))

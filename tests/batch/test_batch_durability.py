@@ -18,6 +18,8 @@ import redis
 
 from ..conftest import start_cluster
 
+pytestmark = pytest.mark.slow  # real engines or servers, or long drills (`make test-fast` skips)
+
 LINES = 1000
 SPEC = """\
 auth: {{open: true}}

@@ -116,6 +116,7 @@ def test_shared_prefix_workload_shares_prefixes_and_grows_chats() -> None:
     assert {len(r.messages) for r in requests} == {2, 4, 6}  # 1, 2 and 3 turns of history
 
 
+@pytest.mark.slow
 async def test_cli_writes_json_html_plots_and_compares(injected: Injected, tmp_path: Path) -> None:
     common = [
         *CORRAL,
@@ -173,6 +174,7 @@ async def test_cli_writes_json_html_plots_and_compares(injected: Injected, tmp_p
     assert "ttft_ms.p50" in shown.stdout and "requests_per_s" in shown.stdout
 
 
+@pytest.mark.slow
 def test_against_a_real_llama_cpp_cluster(cluster: RunningCluster, tmp_path: Path) -> None:
     out = tmp_path / "real.json"
     done = subprocess.run(

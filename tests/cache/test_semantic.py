@@ -236,6 +236,7 @@ async def _until(condition: object, within: float = 10.0) -> None:
         await asyncio.sleep(0.05)
 
 
+@pytest.mark.slow
 def test_the_learner_keeps_false_hits_under_its_target_on_an_unknown_boundary() -> None:
     """A stream of neighbours whose answers are right above a boundary the learner is not told (0.93,
     far from its prior at 0.85): among the answers it serves from the cache, wrong ones stay within the

@@ -16,6 +16,8 @@ import pytest
 
 from ..conftest import RunningCluster, cluster_of
 
+pytestmark = pytest.mark.slow  # real engines or servers, or long drills (`make test-fast` skips)
+
 SPEC = """\
 supervisor: {probe_interval: 0.5}
 auth: {open: true}

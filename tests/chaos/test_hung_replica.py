@@ -11,8 +11,11 @@ import time
 from pathlib import Path
 
 import openai
+import pytest
 
 from ..conftest import DATA, RunningCluster, start_cluster
+
+pytestmark = pytest.mark.slow  # real engines or servers, or long drills (`make test-fast` skips)
 
 MAX_TOKENS = 32
 

@@ -8,8 +8,11 @@ import signal
 import time
 
 import openai
+import pytest
 
 from ..conftest import RunningCluster
+
+pytestmark = pytest.mark.slow  # real engines or servers, or long drills (`make test-fast` skips)
 
 PROMPTS = [f"Tell me one fact about the number {i}." for i in range(16)]
 MAX_TOKENS = 16

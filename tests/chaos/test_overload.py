@@ -14,6 +14,8 @@ import pytest
 
 from ..conftest import RunningCluster, cluster_of
 
+pytestmark = pytest.mark.slow  # real engines or servers, or long drills (`make test-fast` skips)
+
 QUEUE_TIMEOUT = 2.0
 SPEC = f"""\
 auth: {{open: true}}

@@ -20,6 +20,7 @@ def _render(renderable: object) -> str:
     return console.export_text()
 
 
+@pytest.mark.slow
 def test_plan_tables_are_never_ellipsised_at_80_columns() -> None:
     result = plan(
         PlanRequest(

@@ -9,12 +9,15 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
+
 from corral.cluster import free_port
 
 from ..conftest import CORRAL, get_json
 from .test_errors import corral, one_error
 
 
+@pytest.mark.slow
 def test_replica_that_cannot_start_is_given_up_with_its_log(tmp_path: Path) -> None:
     model = tmp_path / "not-a-model.gguf"
     model.write_text("hello, I am a text file\n")

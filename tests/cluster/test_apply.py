@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import openai
+import pytest
 
 from corral.cluster.reconcile import plan_changes
 from corral.config import parse_spec
@@ -85,6 +86,7 @@ def test_plan_changes_tells_live_settings_from_rollouts() -> None:
     assert [c.action for c in plan_changes(running, scaled)] == ["settings"]
 
 
+@pytest.mark.slow
 def test_apply_adds_removes_and_scales_without_failing_a_request(tmp_path: Path) -> None:
     cluster = start_cluster(tmp_path, spec(tmp_path, "start.yaml", alpha=2, beta=False))
     stop, failures, served = threading.Event(), [], [0]
@@ -190,6 +192,7 @@ def burst(cluster: RunningCluster, count: int) -> list[str]:
     return sorted(outcomes)
 
 
+@pytest.mark.slow
 def test_queue_bounds_and_the_default_routing_policy_change_live(tmp_path: Path) -> None:
     start = tmp_path / "live.yaml"
     start.write_text(LIVE.format(queued=64, routing="least_outstanding_requests"))

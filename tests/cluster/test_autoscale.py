@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import openai
+import pytest
 
 from corral.cluster import Supervisor
 from corral.cluster.autoscale import Autoscaler, _Group
@@ -18,6 +19,8 @@ from corral.engines import LaunchPlan, SimEngineAdapter
 from corral.routing import Replica, ReplicaSet, ReplicaState
 from tests.cluster.load import Load
 from tests.conftest import RunningCluster, start_cluster
+
+pytestmark = pytest.mark.slow  # real engines or servers, or long drills (`make test-fast` skips)
 
 STEP = """
 supervisor: {probe_interval: 0.5}

@@ -10,8 +10,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import openai
+import pytest
 
 from tests.conftest import CORRAL, pid_alive, start_cluster
+
+pytestmark = pytest.mark.slow  # real engines or servers, or long drills (`make test-fast` skips)
 
 
 @dataclass

@@ -27,6 +27,8 @@ from corral.routing import ReplicaSet, ReplicaState, Router
 from ..conftest import DATA
 from ..gateway.conftest import make_services
 
+pytestmark = pytest.mark.slow  # real engines or servers, or long drills (`make test-fast` skips)
+
 SETTINGS = SupervisorSettings(
     probe_interval=0.5,
     # A failed probe takes a replica out of routing at once. With 1 s, a probe that was slow on the loaded

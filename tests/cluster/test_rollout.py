@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from corral.cluster import Supervisor
 from corral.cluster.rollout import Rollout
 from corral.config import RolloutSpec, SupervisorSettings
@@ -25,6 +27,8 @@ from corral.engines import LaunchPlan, SimEngineAdapter
 from corral.routing import ReplicaSet
 from tests.cluster.load import Load
 from tests.conftest import CORRAL, RunningCluster, get_json, start_cluster
+
+pytestmark = pytest.mark.slow  # real engines or servers, or long drills (`make test-fast` skips)
 
 LLAMA = """
 supervisor: {{probe_interval: 0.5, backoff_initial: 0.5}}

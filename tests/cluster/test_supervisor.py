@@ -18,6 +18,8 @@ from corral.routing import Replica, ReplicaSet, ReplicaState
 
 from ..conftest import pid_alive
 
+pytestmark = pytest.mark.slow  # real engines or servers, or long drills (`make test-fast` skips)
+
 FAST = SupervisorSettings(
     probe_interval=0.3,
     probe_timeout=0.5,

@@ -21,6 +21,8 @@ import pytest
 
 from ..conftest import CORRAL, RunningCluster, chat, get_json, pid_alive, start_cluster
 
+pytestmark = pytest.mark.slow  # real engines or servers, or long drills (`make test-fast` skips)
+
 RPM = 24  # per window
 WINDOW = 8.0
 _SKEW = 0.3  # seconds between a client sending a request and Redis counting it, at most

@@ -10,8 +10,11 @@ import time
 from pathlib import Path
 
 import openai
+import pytest
 
 from tests.conftest import CORRAL, RunningCluster, get_json, start_cluster
+
+pytestmark = pytest.mark.slow  # real engines or servers, or long drills (`make test-fast` skips)
 
 SPEC = """
 gateway: {{workers: 2}}

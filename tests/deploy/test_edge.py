@@ -24,6 +24,8 @@ from corral.cluster import free_port
 from corral.deploy import write_dev_certificates
 from tests.conftest import CORRAL, RunningCluster, cluster_of, log_has
 
+pytestmark = pytest.mark.slow  # real engines or servers, or long drills (`make test-fast` skips)
+
 GATEWAY = """
 supervisor: {probe_interval: 0.5}
 auth: {open: true}

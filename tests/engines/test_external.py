@@ -17,6 +17,8 @@ import pytest
 
 from ..conftest import CORRAL, chat, cluster_of
 
+pytestmark = pytest.mark.slow  # real engines or servers, or long drills (`make test-fast` skips)
+
 FLEET = ["--replicas", "3", "--port", "0", "--time-scale", "50"]
 
 

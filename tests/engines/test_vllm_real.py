@@ -18,6 +18,8 @@ from corral.engines import parse_vllm_load
 
 from ..conftest import DATA, RunningCluster, chat, start_cluster
 
+pytestmark = pytest.mark.slow  # real engines or servers, or long drills (`make test-fast` skips)
+
 
 @pytest.fixture(scope="module")
 def vllm_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningCluster]:

@@ -20,6 +20,8 @@ from selenium.webdriver.support.ui import WebDriverWait
 
 from tests.conftest import RunningCluster, cluster_of
 
+pytestmark = pytest.mark.slow  # real engines or servers, or long drills (`make test-fast` skips)
+
 SPEC = """
 supervisor: {{probe_interval: 0.5}}
 auth: {auth}

@@ -37,6 +37,7 @@ def test_openapi_document_describes_the_api(fuzzed: RunningCluster) -> None:
     assert {"200", "400", "401", "404", "413", "429", "502", "503", "504"} <= set(responses)
 
 
+@pytest.mark.slow
 def test_schemathesis_finds_no_server_error_hang_or_schema_violation(
     fuzzed: RunningCluster, tmp_path: Path
 ) -> None:

@@ -28,6 +28,8 @@ import pytest
 from corral.cluster import free_port
 from tests.conftest import CORRAL, RunningCluster, cluster_of
 
+pytestmark = pytest.mark.slow  # real engines or servers, or long drills (`make test-fast` skips)
+
 ADMIN = "admin-secret-for-the-test"
 SPEC = f"""
 supervisor: {{probe_interval: 0.5}}

@@ -37,6 +37,7 @@ def top(url: str, *extra: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.slow
 def test_top_shows_replicas_and_live_rates(sims: RunningCluster) -> None:
     stop = threading.Event()
 

@@ -94,6 +94,7 @@ def test_leaving_a_source_out_fits_on_the_other_sources_only() -> None:
     assert loso == {"mape": round(table["all"]["output tokens/s"][0], 4), "n": 14}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_corral_plan_validate_reports_mape_per_gpu_class() -> None:
     done = subprocess.run(

@@ -146,6 +146,7 @@ def test_unknown_model_is_a_clear_error() -> None:
     assert done.returncode == 2 and "unknown model 'llama-9'" in done.stderr
 
 
+@pytest.mark.slow
 def test_request_rate_sizes_by_poisson_arrivals() -> None:
     small = plan(
         PlanRequest(model="llama-3.1-8b", gpu="l4", request_rate=0.5, ttft_p95_ms=3000, itl_ms=80),

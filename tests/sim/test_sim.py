@@ -152,6 +152,7 @@ async def test_oversubscribed_kv_preempts() -> None:
         await fleet.stop()
 
 
+@pytest.mark.slow
 async def test_latency_and_throughput_agree_with_the_planner_within_10_percent() -> None:
     options = SimOptions(model="llama-3.1-8b", gpu="l4", time_scale=2, enable_prefix_caching=False)
     fleet = await start(options)
