@@ -4,6 +4,7 @@ declaring GPU resources, running real llama.cpp replicas as actors."""
 from __future__ import annotations
 
 import asyncio
+import signal
 import sys
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -240,7 +241,7 @@ async def test_engines_see_only_the_gpus_ray_assigned_them(
         health_path="/health",
     )
     runtime = RayRuntime(tmp_path, placements={"probe": RayPlacement(gpus=1, cpus=0.5)}, placement_timeout=20)
-    replicas = [await start_ready(runtime, f"probe-{i}", plan) for i in range(3)]
+    replicas = await asyncio.gather(*(start_ready(runtime, f"probe-{i}", plan) for i in range(3)))
     try:
         seen: dict[str, list[str]] = {}
         for replica in replicas:
@@ -249,8 +250,24 @@ async def test_engines_see_only_the_gpus_ray_assigned_them(
             seen.setdefault(replica.node_id, []).append(devices)
         assert all(len(set(ids)) == len(ids) for ids in seen.values()), seen  # no GPU given out twice
     finally:
-        for replica in replicas:
-            await replica.stop(5)
+        await asyncio.gather(*(replica.stop(5) for replica in replicas))
+
+
+async def test_stopping_a_replica_stops_its_engine_within_the_grace_period(
+    ray_cluster: tuple[Cluster, dict[str, object]], tmp_path: Path
+) -> None:
+    """The actor stops the engine itself (SIGTERM, then the grace), while its other thread waits on the
+    engine: with one thread the stop queued behind that wait until its timeout (grace + 5 s) and the
+    actor was killed instead."""
+    plan = LaunchPlan(
+        argv=(sys.executable, str(PROBE), "--host", "{host}", "--port", "{port}"), env={}, health_path="/health"
+    )
+    runtime = RayRuntime(tmp_path, placements={"probe": RayPlacement(cpus=0.5)}, placement_timeout=20)
+    replica = await start_ready(runtime, "probe-0", plan)
+    began = time.monotonic()
+    await replica.stop(5)
+    assert time.monotonic() - began < 5  # the probe exits on SIGTERM at once
+    assert await asyncio.wait_for(replica.wait(), 5) == -signal.SIGTERM  # the engine's own exit, reported
 
 
 AUTOSCALED = """

@@ -165,7 +165,9 @@ class RayRuntime:
         self._logs = logs
         self._placements = placements or {}
         self._timeout = placement_timeout
-        self._host_class = ray.remote(num_cpus=0)(_EngineHost)
+        # Two threads: `wait` blocks one for the engine's life, so `stop` needs the other (with one, a stop
+        # queued behind the wait until its timeout and the engine never got its grace period).
+        self._host_class = ray.remote(num_cpus=0, max_concurrency=2)(_EngineHost)
 
     def cordon(self, node_id: str) -> None:
         """Ask Ray to place nothing new on a node (its running work goes on): GCS's drain-node request
