@@ -259,9 +259,8 @@ async def test_stopping_a_replica_stops_its_engine_within_the_grace_period(
     """The actor stops the engine itself (SIGTERM, then the grace), while its other thread waits on the
     engine: with one thread the stop queued behind that wait until its timeout (grace + 5 s) and the
     actor was killed instead."""
-    plan = LaunchPlan(
-        argv=(sys.executable, str(PROBE), "--host", "{host}", "--port", "{port}"), env={}, health_path="/health"
-    )
+    argv = (sys.executable, str(PROBE), "--host", "{host}", "--port", "{port}")
+    plan = LaunchPlan(argv=argv, env={}, health_path="/health")
     runtime = RayRuntime(tmp_path, placements={"probe": RayPlacement(cpus=0.5)}, placement_timeout=20)
     replica = await start_ready(runtime, "probe-0", plan)
     began = time.monotonic()
