@@ -39,7 +39,7 @@ test-fast: $(VENV)/.installed-test
 	$(PYTEST) -m 'not slow'
 
 lint: $(VENV)/.installed-test
-	$(BIN)/ruff check src tests bench
+	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/mypy src
 
 $(VENV)/.installed-bench: pyproject.toml $(VENV)/.installed-test
@@ -47,4 +47,4 @@ $(VENV)/.installed-bench: pyproject.toml $(VENV)/.installed-test
 	touch $@
 
 bench: $(VENV)/.installed-bench
-	$(BIN)/python bench/gateway_overhead.py
+	$(BIN)/python benchmarks/gateway_overhead.py

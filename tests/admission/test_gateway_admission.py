@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from corral.config import AuthSettings, GatewaySettings, LimitsSettings, Paths, QueueSettings
-from corral.gateway import GatewayServer, GatewayServices
+from corral.gateway import GatewayParts, GatewayServer
 from corral.routing import Replica, ReplicaSet, ReplicaState, Router
 
 from ..conftest import CORRAL
@@ -26,7 +26,7 @@ MESSAGES = [{"role": "user", "content": "hi"}]
 
 
 class Cluster:
-    def __init__(self, url: str, services: GatewayServices, replicas: ReplicaSet, database: Path) -> None:
+    def __init__(self, url: str, services: GatewayParts, replicas: ReplicaSet, database: Path) -> None:
         self.url, self.services, self.replicas, self.database = url, services, replicas, database
 
     def client(self, key: str) -> openai.AsyncOpenAI:

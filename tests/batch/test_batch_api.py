@@ -28,10 +28,11 @@ from corral.config import (
     QueueSettings,
     StoreSettings,
 )
-from corral.gateway import GatewayServer, GatewayServices
+from corral.engines import EngineFeatures
+from corral.gateway import GatewayParts, GatewayServer
 from corral.perf import load_catalog
 from corral.perf.calibration import calibrated_efficiency
-from corral.routing import EngineFeatures, Replica, ReplicaSet, ReplicaState, Router
+from corral.routing import Replica, ReplicaSet, ReplicaState, Router
 from corral.sim import SimFleet, SimOptions, build_server
 
 ADMIN = "batch-admin"
@@ -41,7 +42,7 @@ ADMIN = "batch-admin"
 class Gateway:
     url: str
     server: GatewayServer
-    services: GatewayServices
+    services: GatewayParts
 
 
 @pytest.fixture
@@ -108,7 +109,7 @@ async def gateway(
             features=embedder,
         )
     )
-    services = GatewayServices.build(
+    services = GatewayParts.build(
         replicas,
         f"sqlite:///{tmp_path / f'{uuid.uuid4().hex}.db'}",
         AuthSettings(open=False, admin_key=ADMIN),

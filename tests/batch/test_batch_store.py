@@ -15,9 +15,9 @@ import orjson
 import pytest
 import redis
 
+from corral.batch import BatchStore, LineResult, NewBatch
+from corral.batch.queue_redis import RedisLines
 from corral.store import open_database
-from corral.store.batch import BatchStore, LineResult, NewBatch
-from corral.store.batch_redis import RedisLines
 
 REDIS = "redis://127.0.0.1:6379/0"
 

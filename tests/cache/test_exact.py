@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from corral.cache import ExactCache, MemoryStore
 from corral.cache.entry import Entry, entry_from_stream, entry_from_whole
 from corral.config import AuthSettings, CacheSettings, GatewaySettings, ModelCacheSpec, StoreSettings
-from corral.gateway import GatewayServer, GatewayServices
+from corral.gateway import GatewayParts, GatewayServer
 from corral.perf import load_catalog
 from corral.perf.calibration import calibrated_efficiency
 from corral.routing import Replica, ReplicaSet, ReplicaState, Router
@@ -38,7 +38,7 @@ HI = [{"role": "user", "content": "What is the capital of France?"}]
 class Gateway:
     url: str
     server: GatewayServer
-    services: GatewayServices
+    services: GatewayParts
 
 
 @pytest.fixture
@@ -55,7 +55,7 @@ async def gateway(
 ) -> Gateway:
     replicas = ReplicaSet()
     replicas.add(Replica(id="m-0", model="m", engine="sim", url=engine, state=ReplicaState.READY))
-    services = GatewayServices.build(
+    services = GatewayParts.build(
         replicas,
         f"sqlite:///{tmp_path / f'{uuid.uuid4().hex}.db'}",
         AuthSettings(open=False, admin_key=ADMIN),

@@ -49,7 +49,7 @@ def test_the_guard_lets_paraphrases_through(cached: str, asked: str) -> None:
 
 def test_the_guards_price_a_one_word_rewording_is_refused_too() -> None:
     """ "tall" for "height" looks like "Saturday" for "Sunday" to the guard: the engine answers (a miss, never
-    a wrong answer); bench/cache_quality.py measures what this costs in hits."""
+    a wrong answer); benchmarks/cache_quality.py measures what this costs in hits."""
     assert not may_share_answer("How tall is Mount Everest?", "What is the height of Mount Everest?")
 
 

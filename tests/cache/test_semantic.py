@@ -31,10 +31,11 @@ from corral.config import (
     QueueSettings,
     StoreSettings,
 )
-from corral.gateway import GatewayServer, GatewayServices
+from corral.engines import EngineFeatures
+from corral.gateway import GatewayParts, GatewayServer
 from corral.perf import load_catalog
 from corral.perf.calibration import calibrated_efficiency
-from corral.routing import EngineFeatures, Replica, ReplicaSet, ReplicaState, Router
+from corral.routing import Replica, ReplicaSet, ReplicaState, Router
 from corral.sim import SimFleet, SimOptions, build_server
 from corral.sim.embed import embed_text
 
@@ -66,7 +67,7 @@ async def gateway(
     replicas.add(
         Replica(id="e-0", model="e", engine="sim", url=urls[1], state=ReplicaState.READY, features=embedder)
     )
-    services = GatewayServices.build(
+    services = GatewayParts.build(
         replicas,
         f"sqlite:///{tmp_path / f'{uuid.uuid4().hex}.db'}",
         AuthSettings(open=False, admin_key=ADMIN),

@@ -69,5 +69,5 @@ async def test_three_times_capacity(cluster_of_eight_slots: RunningCluster) -> N
     assert all(retry for status, retry, _ in results if status != 200)
     admitted = sorted(latency for status, _, latency in results if status == 200)
     assert admitted[-1] <= QUEUE_TIMEOUT + service  # nobody admitted waited past the queue timeout
-    assert len(admitted) / 6 >= 0.8 * capacity  # still serving near capacity (bench/overload.py: ≥ 0.9)
+    assert len(admitted) / 6 >= 0.8 * capacity  # still serving near capacity (benchmarks/overload.py: ≥ 0.9)
     assert gateway.memory_info().rss - rss_before < 50 * 2**20

@@ -20,7 +20,7 @@ from sqlalchemy.orm import Session
 
 from corral.cluster import free_port
 from corral.config import AuthSettings, GatewaySettings, LimitsSettings, QueueSettings, StoreSettings
-from corral.gateway import GatewayServer, GatewayServices
+from corral.gateway import GatewayParts, GatewayServer
 from corral.routing import Replica, ReplicaSet, ReplicaState, Router
 from corral.store.schema import UsageRow
 
@@ -64,11 +64,11 @@ def redis() -> Iterator[Server]:
 
 async def _gateway(
     tmp_path: Path, upstream: ScriptedUpstream, limits: LimitsSettings, store: str, auth: AuthSettings
-) -> tuple[GatewayServer, GatewayServices, str]:
+) -> tuple[GatewayServer, GatewayParts, str]:
     replicas = ReplicaSet(["m"])
     replicas.add(Replica("m-0", "m", "x", url=upstream.url, state=ReplicaState.READY))
     services = await asyncio.to_thread(  # off the loop: the PostgreSQL path below runs on it
-        GatewayServices.build,
+        GatewayParts.build,
         replicas,
         f"sqlite:///{tmp_path / 'c.db'}",
         auth,

@@ -15,10 +15,10 @@ from corral.cluster.autoscale import Autoscaler, _Group
 from corral.cluster.evalgate import check_answer, run_gate
 from corral.cluster.rollout import Rollout, _Abort
 from corral.config import EvalCase, RolloutSpec, SupervisorSettings, parse_spec
-from corral.engines import LaunchPlan, SimEngineAdapter
+from corral.engines import EngineLoad, LaunchPlan, SimEngineAdapter
 from corral.perf import load_catalog
 from corral.perf.calibration import calibrated_efficiency
-from corral.routing import EngineLoad, Replica, ReplicaSet, ReplicaState
+from corral.routing import Replica, ReplicaSet, ReplicaState
 from corral.sim import SimFleet, SimOptions, build_server
 
 

@@ -4,6 +4,7 @@ declaring GPU resources, running real llama.cpp replicas as actors."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import signal
 import sys
 import time
@@ -304,8 +305,8 @@ async def test_autoscaler_places_replicas_on_a_joining_node_and_a_node_drains_wi
     reconciler = Reconciler(
         supervisor, spec, lambda m, d: (engine, plans), lambda m: None, services.queue.pressure
     )
-    services.control = reconciler
-    gateway = GatewayServer(GatewaySettings(port=0), Router(supervisor.replicas), services)
+    parts = dataclasses.replace(services, control=reconciler)
+    gateway = GatewayServer(GatewaySettings(port=0), Router(supervisor.replicas), parts)
     await gateway.start()
     await supervisor.start()
     reconciler.start([("alpha", engine, plans * 2)])

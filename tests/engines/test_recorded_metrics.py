@@ -11,10 +11,9 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from corral.engines import read_gauges
+from corral.engines import EngineLoad, read_gauges
 from corral.engines.llamacpp import LlamaCppEngine
 from corral.engines.vllm import parse_vllm_load
-from corral.routing import EngineLoad
 
 RECORDED = Path(__file__).parents[1] / "data" / "engine-metrics"
 

@@ -12,7 +12,7 @@ import pytest
 from aiohttp import web
 
 from corral.config import AuthSettings, GatewaySettings, LimitsSettings, QueueSettings, StoreSettings
-from corral.gateway import GatewayServer, GatewayServices
+from corral.gateway import GatewayParts, GatewayServer
 from corral.routing import Replica, ReplicaSet, ReplicaState, Router
 
 
@@ -213,9 +213,9 @@ def make_services(
     admin_key: str | None = None,
     tokenizers: dict[str, Path] | None = None,
     failover_modes: dict[str, str] | None = None,
-) -> GatewayServices:
+) -> GatewayParts:
     """Admission services over a fresh SQLite database; open access unless `auth` says otherwise."""
-    return GatewayServices.build(
+    return GatewayParts.build(
         replicas,
         f"sqlite:///{database}",
         auth or AuthSettings(open=True),

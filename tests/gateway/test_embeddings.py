@@ -18,10 +18,11 @@ import openai
 import pytest
 
 from corral.config import AuthSettings, GatewaySettings, LimitsSettings, QueueSettings, StoreSettings
-from corral.gateway import GatewayServer, GatewayServices
+from corral.engines import EngineFeatures
+from corral.gateway import GatewayParts, GatewayServer
 from corral.perf import load_catalog
 from corral.perf.calibration import calibrated_efficiency
-from corral.routing import EngineFeatures, Replica, ReplicaSet, ReplicaState, Router
+from corral.routing import Replica, ReplicaSet, ReplicaState, Router
 from corral.sim import SimFleet, SimOptions, build_server
 
 ADMIN = "embed-admin"
@@ -42,7 +43,7 @@ async def engines() -> AsyncIterator[tuple[str, str]]:
 
 async def _gateway(
     engines: tuple[str, str], tmp_path: Path, matryoshka: bool = False
-) -> tuple[GatewayServer, GatewayServices]:
+) -> tuple[GatewayServer, GatewayParts]:
     replicas = ReplicaSet()
     embed_features = EngineFeatures(embeddings=True, matryoshka=matryoshka)
     replicas.add(
@@ -56,7 +57,7 @@ async def _gateway(
         )
     )
     replicas.add(Replica(id="m-0", model="m", engine="sim", url=engines[1], state=ReplicaState.READY))
-    services = GatewayServices.build(
+    services = GatewayParts.build(
         replicas,
         f"sqlite:///{tmp_path / f'{uuid.uuid4().hex}.db'}",
         AuthSettings(open=False, admin_key=ADMIN),

@@ -12,9 +12,10 @@ import orjson
 import pytest
 
 from corral.config import GatewaySettings
+from corral.engines import EngineFeatures
 from corral.gateway import GatewayServer
 from corral.gateway.failover import Continuation, Sent, Transcript
-from corral.routing import EngineFeatures, Replica, ReplicaSet, ReplicaState, Router
+from corral.routing import Replica, ReplicaSet, ReplicaState, Router
 
 from .conftest import ScriptedUpstream, make_services
 

@@ -15,7 +15,7 @@ from sqlalchemy import create_engine, select
 from sqlalchemy.orm import Session
 
 from corral.config import AuthSettings, GatewaySettings, LimitsSettings, SpecError, parse_spec
-from corral.gateway import GatewayServer, GatewayServices
+from corral.gateway import GatewayParts, GatewayServer
 from corral.gateway.admin import AdminViews
 from corral.gateway.usage import UsageRecorder
 from corral.routing import Replica, ReplicaSet, ReplicaState, Router
@@ -41,7 +41,7 @@ async def start_gateway(
     settings: GatewaySettings | None = None,
     limits: LimitsSettings | None = None,
     api_key: str | None = None,
-) -> tuple[GatewayServer, Gateway, GatewayServices]:
+) -> tuple[GatewayServer, Gateway, GatewayParts]:
     replicas = ReplicaSet(["m"])
     replicas.add(
         Replica(id="m-0", model="m", engine="x", url=upstream_url, state=ReplicaState.READY, api_key=api_key)
@@ -220,10 +220,20 @@ class _Transport:
         return False
 
 
+def _admin_views(parts: GatewayParts) -> AdminViews:
+    return AdminViews(
+        access=parts.access,
+        keys=parts.keys,
+        usage=parts.usage_store,
+        router=Router(ReplicaSet(["m"])),
+        queue_depths=parts.queue.depths,
+    )
+
+
 @pytest.mark.parametrize(("peer", "admin"), [("127.0.0.1", True), ("::1", True), ("10.1.2.3", False)])
 def test_open_gateway_admin_answers_only_this_machine(tmp_path: Path, peer: str, admin: bool) -> None:
     services = make_services(ReplicaSet(["m"]), tmp_path / "c.db", auth=AuthSettings(open=True))
-    views = AdminViews(services, Router(ReplicaSet(["m"])))
+    views = _admin_views(services)
     request = make_mocked_request("GET", "/admin/keys", transport=_Transport(peer))
     assert views.is_admin(request) is admin
 
@@ -271,7 +281,7 @@ async def test_shutdown_goes_on_when_the_usage_store_is_down() -> None:
 
 def test_admin_behind_a_proxy_on_this_machine_is_not_local(tmp_path: Path) -> None:
     services = make_services(ReplicaSet(["m"]), tmp_path / "c.db", auth=AuthSettings(open=True))
-    views = AdminViews(services, Router(ReplicaSet(["m"])))
+    views = _admin_views(services)
     proxied = make_mocked_request(
         "GET", "/admin/keys", headers={"X-Forwarded-For": "203.0.113.9"}, transport=_Transport("127.0.0.1")
     )
@@ -281,7 +291,7 @@ def test_admin_behind_a_proxy_on_this_machine_is_not_local(tmp_path: Path) -> No
 async def test_fan_out_is_bounded_and_an_empty_prompt_list_refused(
     tmp_path: Path, upstream: ScriptedUpstream
 ) -> None:
-    from corral.routing import EngineFeatures
+    from corral.engines import EngineFeatures
 
     replicas = ReplicaSet(["m"])
     llama = EngineFeatures(multiple_choices=False, prompt_lists=False, echo=False)

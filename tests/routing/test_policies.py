@@ -7,12 +7,12 @@ import time
 import pytest
 
 from corral.config import RoutingPolicyName
+from corral.engines import EngineLoad
 from corral.protocol import NoCapacity
 from corral.routing import (
     POLICIES,
     CircuitBreaker,
     CircuitState,
-    EngineLoad,
     PrefixAffinity,
     Replica,
     ReplicaSet,
@@ -306,7 +306,7 @@ def test_retry_budget_caps_retries_to_a_share_of_requests() -> None:
 
 
 def test_a_models_features_are_what_all_its_replicas_have() -> None:
-    from corral.routing import EngineFeatures
+    from corral.engines import EngineFeatures
 
     llama = EngineFeatures(multiple_choices=False, echo=False, prefill_echo=True, token_prompts=True)
     replicas = ReplicaSet(["m"])

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from corral.routing import EngineFeatures, EngineLoad, Replica, ReplicaSet, ReplicaState
+from corral.engines import EngineFeatures, EngineLoad
+from corral.routing import Replica, ReplicaSet, ReplicaState
 from corral.routing.sync import apply_snapshot, capacity_share, replica_snapshot
 
 

@@ -2,20 +2,30 @@
 
 from corral.admission.auth import ANONYMOUS, Authenticator, Principal
 from corral.admission.budget import BudgetTracker
-from corral.admission.limits import Limiter, LimiterUnavailable, MemoryLimiter, RedisLimiter, Reservation
-from corral.admission.queue import FairQueue
-from corral.admission.tokens import TokenCounter
+from corral.admission.limits import (
+    Limiter,
+    LimiterUnavailable,
+    MemoryLimiter,
+    RateLimits,
+    RedisLimiter,
+    Reservation,
+)
+from corral.admission.queue import Capacity, FairQueue
+from corral.admission.tokens import TokenCounter, TokenSizing
 
 __all__ = [
     "ANONYMOUS",
     "Authenticator",
     "BudgetTracker",
+    "Capacity",
     "FairQueue",
     "Limiter",
     "LimiterUnavailable",
     "MemoryLimiter",
     "Principal",
+    "RateLimits",
     "RedisLimiter",
     "Reservation",
     "TokenCounter",
+    "TokenSizing",
 ]

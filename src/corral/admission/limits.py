@@ -20,9 +20,10 @@ from functools import partial
 from typing import Any, Protocol
 
 from corral.admission.auth import Principal
+from corral.config import LimitsSettings
 from corral.protocol import RateLimited
 
-__all__ = ["Limiter", "LimiterUnavailable", "MemoryLimiter", "RedisLimiter", "Reservation"]
+__all__ = ["Limiter", "LimiterUnavailable", "MemoryLimiter", "RateLimits", "RedisLimiter", "Reservation"]
 
 
 class LimiterUnavailable(Exception):
@@ -351,3 +352,36 @@ def _answer(calls: list[_Call], replies: list[Any]) -> None:
             future.set_exception(reply)
         else:
             future.set_result(reply)
+
+
+class RateLimits:
+    """The gateway's rate limiter as the spec's `limits` section makes it (in memory, or in Redis), and
+    whether to serve when its store does not answer. A live `corral apply` that changes the section gets a
+    new limiter (counts start afresh); requests the old one admitted settle with it, and every limiter
+    made is closed with `close`."""
+
+    def __init__(self, settings: LimitsSettings) -> None:
+        self.settings = settings
+        self.limiter: Limiter = _limiter(settings)
+        self._retired: list[Limiter] = []
+
+    @property
+    def fail_open(self) -> bool:
+        """Serve a request without its limits while the shared store is down (`on_redis_error: open`)."""
+        return self.settings.on_redis_error == "open"
+
+    def reconfigure(self, settings: LimitsSettings) -> None:
+        if settings == self.settings:
+            return
+        self._retired.append(self.limiter)  # requests it admitted may still settle with it
+        self.limiter, self.settings = _limiter(settings), settings
+
+    async def close(self) -> None:
+        for limiter in (*self._retired, self.limiter):
+            await limiter.close()
+
+
+def _limiter(settings: LimitsSettings) -> Limiter:
+    if settings.backend == "redis":
+        return RedisLimiter(settings.redis_url, settings.window_s, timeout=settings.redis_timeout)
+    return MemoryLimiter(settings.window_s)

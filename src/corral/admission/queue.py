@@ -17,12 +17,12 @@ import contextlib
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from corral.admission.auth import Principal
 from corral.protocol import NoCapacity
-from corral.routing import Replica, ReplicaSet
 
-__all__ = ["FairQueue"]
+__all__ = ["Capacity", "FairQueue"]
 
 _TICK_S = 0.25  # re-check capacity this often (replicas come and go)
 _RATE_WINDOW_S = 30.0
@@ -99,11 +99,29 @@ class _ModelQueue:
         return len(self.finished) / max(now - self.finished[0], 1e-3)
 
 
+class Capacity(Protocol):
+    """What the queue needs to know of the replicas (routing's ReplicaSet answers it). The queue wakes its
+    waiters when a request ends (`done`) and re-checks every tick, as replicas come and go."""
+
+    def free_slots(self, model: str) -> int | None:
+        """Sequences `model`'s ready replicas can still take (a very large number where an engine does not
+        say); None while no replica of it is ready."""
+        ...
+
+    def start_hold(self, model: str) -> float | None:
+        """Seconds a request may wait for the first replica of a model scaled to zero; None otherwise."""
+        ...
+
+    def retry_after(self, model: str) -> float:
+        """Seconds until a (re)starting replica of `model` is expected to be ready."""
+        ...
+
+
 class FairQueue:
     """Admits requests into replicas' free slots; one instance per gateway."""
 
-    def __init__(self, replicas: ReplicaSet, max_queued: int, timeout: float) -> None:
-        self._replicas = replicas
+    def __init__(self, capacity: Capacity, max_queued: int, timeout: float) -> None:
+        self._capacity = capacity
         self._max = max_queued
         self._timeout = timeout
         self._queues: dict[str, _ModelQueue] = {}
@@ -142,15 +160,16 @@ class FairQueue:
         if queue is None:
             queue = self._queues[model] = _ModelQueue()
         queue.arrived += 1
-        ready = self._replicas.ready(model)
-        hold = self._replicas.on_demand.get(model)
+        free = self._capacity.free_slots(model)
+        ready = free is not None
+        hold = self._capacity.start_hold(model)
         if not ready and hold is None:
             raise NoCapacity(
                 f"No replica of model '{model}' is ready.",
                 code="no_ready_replica",
-                retry_after=self._replicas.retry_after(model),
+                retry_after=self._capacity.retry_after(model),
             )
-        if queue.size == 0 and self._free_slots(queue, ready) > 0:
+        if queue.size == 0 and (free or 0) - queue.granted > 0:
             queue.served(principal.tenant)
             return 0.0
         if queue.size >= self._max:
@@ -192,16 +211,8 @@ class FairQueue:
             if queue.size:  # someone waits for the slot
                 self._wake(model, queue)
 
-    def _free_slots(self, queue: _ModelQueue, ready: list[Replica]) -> int:
-        free = 0
-        for replica in ready:
-            if replica.capacity is None:
-                return 1 << 30
-            free += max(0, replica.capacity - replica.outstanding)
-        return free - queue.granted
-
     def _wake(self, model: str, queue: _ModelQueue) -> None:
-        free = self._free_slots(queue, self._replicas.ready(model))
+        free = (self._capacity.free_slots(model) or 0) - queue.granted
         while free > 0 and (waiter := queue.pop()) is not None:
             if waiter.future.done():
                 continue

@@ -5,9 +5,10 @@ prompt on this machine, so it is opt-in."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["TokenCounter"]
+__all__ = ["TokenCounter", "TokenSizing"]
 
 
 class TokenCounter:
@@ -18,3 +19,13 @@ class TokenCounter:
 
     def count(self, text: str) -> int:
         return len(self._tokenizer.encode(text, add_special_tokens=False).ids)
+
+
+@dataclass
+class TokenSizing:
+    """How the gateway sizes a request before it runs: by the model's own tokenizer where the spec names
+    one, else by its bytes. Models added (a live apply) bring their counters; `tokens_per_byte` follows the
+    spec's `limits.tokens_per_char`."""
+
+    tokens_per_byte: float
+    counters: dict[str, TokenCounter] = field(default_factory=dict)

@@ -1,7 +1,7 @@
 """The batch runner: checks new batches, leases lines from the durable queue and runs them on spare
 capacity only.
 
-A batch is created `validating`; each tick the runner checks the input of those waiting (store/batch.py
+A batch is created `validating`; each tick the runner checks the input of those waiting (batch/jobs.py
 `start` or `fail`: its lines are queued, or it fails with an error per bad line, as OpenAI's does; a
 gateway that dies while checking leaves it `validating`, and the next tick checks it again).
 
@@ -10,7 +10,7 @@ have free slots, less the most slots interactive requests held (or waited for) a
 `batch.reserve_window_s` and a headroom (`batch.headroom` slots a model): batch lines fill what
 interactive traffic has recently left idle, and a burst like the recent ones finds free slots at once.
 A line goes through the gateway's own pipeline (parse, authorize, queue at the lowest priority, route,
-relay, settle: usage is recorded per line) and its result is committed under its lease (store/batch.py),
+relay, settle: usage is recorded per line) and its result is committed under its lease (batch/jobs.py),
 with the other results of its tick in one transaction (ticks are at least 50 ms apart). A line the
 cluster could not take now (429, 502, 503) goes back to pending and is tried again after a backoff (2 s,
 doubling), up to `batch.max_attempts`; a line the engine refused (its 4xx), timed out on (504) or that
@@ -35,11 +35,12 @@ import orjson
 
 from corral.admission import Principal
 from corral.batch.files import read_batch_input
+from corral.batch.jobs import BatchRecord, BatchStore
+from corral.batch.queue import BatchLine, LineResult
 from corral.config import BatchSettings
 from corral.protocol import PermissionDenied
 from corral.routing import ReplicaSet
 from corral.store import KeyStore
-from corral.store.batch import BatchLine, BatchRecord, BatchStore, LineResult
 
 __all__ = ["BatchRunner", "LineExecutor"]
 

@@ -3,7 +3,7 @@ embeddings are blind.
 
 A mean-pooled sentence embedding is close to a bag of words: "convert 5 kilograms to pounds" and
 "convert 5 pounds to kilograms" score 0.993 with MiniLM, "opening hours on Sunday" and "on Saturday"
-0.964 (bench/cache_quality.py). Such pairs are the hard negatives a fixed threshold cannot separate from
+0.964 (benchmarks/cache_quality.py). Such pairs are the hard negatives a fixed threshold cannot separate from
 paraphrases. The guard refuses a hit when the two questions
 - mention different numbers (as multisets: "2025" vs "2024", "20%" vs "25%");
 - send different things the other way round: the first content word after `to`/`into`, `from`,
@@ -13,7 +13,7 @@ paraphrases. The guard refuses a hit when the two questions
   often exactly that.
 It is English-centred (its stop words and prepositions) and only ever turns a hit into a miss. On the
 labelled set it keeps 1% false hits at a threshold that answers 31% of paraphrases, where without it no
-threshold below 0.995 does (bench/cache_quality.py, README "Caching").
+threshold below 0.995 does (benchmarks/cache_quality.py, README "Caching").
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ Whether a neighbour is close enough is decided one of two ways (`models[].cache`
   in one place); a different one is, as a new entry.
 
 The index is per group: a flat matrix (numpy) while small, an HNSW graph (usearch, built in a thread)
-once a group passes `_HNSW_FROM` vectors. Measured on this machine (bench/cache_quality.py, 384
+once a group passes `_HNSW_FROM` vectors. Measured on this machine (benchmarks/cache_quality.py, 384
 dimensions): a flat search of 10,000 vectors takes 0.32 ms against 0.49 ms for usearch, of 100,000 9.5 ms
 against 1.3 ms; building the graph of 100,000 takes 97 s.
 Vectors are kept in the stored entries themselves, so the index is rebuilt from the store on start

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 import logging
 import os
@@ -162,17 +163,17 @@ async def _serve(spec: ClusterSpec, paths: Paths, prepared: list[tuple[str, Any,
     supervisor = _supervisor(spec, paths, prepared)
     replicas = supervisor.replicas
     router = router_for(spec, replicas)
-    services = services_for(spec, paths, replicas)
-    # The admin API's drain, apply and rollouts reach the reconciler in this process.
-    reconciler = services.control = _reconciler(
+    parts = gateway_parts_for(spec, paths, replicas)
+    reconciler = _reconciler(
         spec,
         paths,
         supervisor,
-        lambda model: apply_model_settings(router, services, model_settings(model)),
-        services.queue.pressure,
-        lambda wanted: apply_cluster_settings(router, services, cluster_settings(wanted)),
+        lambda model: apply_model_settings(router, parts, model_settings(model)),
+        parts.queue.pressure,
+        lambda wanted: apply_cluster_settings(router, parts, cluster_settings(wanted)),
     )
-    gateway = GatewayServer(spec.gateway, router, services)
+    # The admin API's drain, apply and rollouts reach the reconciler in this process.
+    gateway = GatewayServer(spec.gateway, router, dataclasses.replace(parts, control=reconciler))
     if spec.auth.open:
         logger.warning("OPEN ACCESS: requests without an API key are served (auth.open is true in the spec)")
 
@@ -202,7 +203,7 @@ async def _serve_workers(
 
     supervisor = _supervisor(spec, paths, prepared)
     replicas = supervisor.replicas
-    services_for(spec, paths, replicas)  # the store answers and its schema exists before workers use it
+    gateway_parts_for(spec, paths, replicas)  # the store answers and its schema exists before workers use it
     if spec.auth.open:
         logger.warning("OPEN ACCESS: requests without an API key are served (auth.open is true in the spec)")
     pool = WorkerPool(
@@ -279,18 +280,18 @@ def cluster_settings(spec: ClusterSpec) -> dict[str, Any]:
     }
 
 
-def apply_cluster_settings(router: Any, services: Any, settings: dict[str, Any]) -> None:
+def apply_cluster_settings(router: Any, parts: Any, settings: dict[str, Any]) -> None:
     """Take a new spec's live cluster settings in a gateway (this process's, or a worker's)."""
     from corral.config import LimitsSettings, QueueSettings
 
     queue = QueueSettings.model_validate(settings["queue"])
-    services.reconfigure(queue, LimitsSettings.model_validate(settings["limits"]))
+    parts.reconfigure(queue, LimitsSettings.model_validate(settings["limits"]))
     router.set_default(settings["routing"])
     for name, policy in settings["models"].items():
         router.set_policy(name, policy)
 
 
-def apply_model_settings(router: Any, services: Any, settings: dict[str, Any]) -> None:
+def apply_model_settings(router: Any, parts: Any, settings: dict[str, Any]) -> None:
     """Tell a gateway (this process's, or a worker's) a new model's routing policy, failover mode and
     tokenizer before it is served."""
     from corral.admission import TokenCounter
@@ -298,12 +299,12 @@ def apply_model_settings(router: Any, services: Any, settings: dict[str, Any]) -
 
     name = settings["name"]
     router.set_policy(name, settings["routing"])
-    services.failover_modes[name] = settings["failover"]
-    if services.cache is not None:
-        services.cache.policies[name] = ModelCacheSpec.model_validate(settings["cache"])
-        services.cache.versions[name] = settings["version"]
+    parts.failover_modes[name] = settings["failover"]
+    if parts.cache is not None:
+        parts.cache.policies[name] = ModelCacheSpec.model_validate(settings["cache"])
+        parts.cache.versions[name] = settings["version"]
     if settings["tokenizer"] is not None:
-        services.token_counters[name] = TokenCounter(Path(settings["tokenizer"]))
+        parts.sizing.counters[name] = TokenCounter(Path(settings["tokenizer"]))
 
 
 def _reconciler(
@@ -352,14 +353,14 @@ def router_for(spec: ClusterSpec, replicas: Any) -> Any:
     )
 
 
-def services_for(spec: ClusterSpec, paths: Paths, replicas: Any) -> Any:
-    """The gateway's admission services for `spec` (also each gateway worker's)."""
+def gateway_parts_for(spec: ClusterSpec, paths: Paths, replicas: Any) -> Any:
+    """The gateway's parts for `spec` (also each gateway worker's)."""
     from corral.cluster.reconcile import deployed_digest
-    from corral.gateway import GatewayServices
+    from corral.gateway import GatewayParts
     from corral.store import StoreError
 
     try:
-        return GatewayServices.build(
+        return GatewayParts.build(
             replicas,
             paths.database_url,
             spec.auth,
@@ -406,7 +407,7 @@ async def _until_serving(
         _announce(spec, port, replicas, paths)
         # What is alive now (modules, the app, the replica set) leaves the collector's generations: full
         # collections stop walking it, which took a /metrics render of 512 replicas from 15 to 60 ms at
-        # p99 (bench/metrics_render.py) and adds to request tails the same way.
+        # p99 (benchmarks/metrics_render.py) and adds to request tails the same way.
         gc.freeze()
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import gc
 import logging
 import signal
@@ -88,7 +89,7 @@ async def _report(writer: asyncio.StreamWriter, queue: Any, replicas: Any) -> No
 
 
 async def _work(control: Path, index: int) -> None:
-    from corral.cli.up import apply_cluster_settings, apply_model_settings, router_for, services_for
+    from corral.cli.up import apply_cluster_settings, apply_model_settings, gateway_parts_for, router_for
     from corral.gateway import GatewayServer
     from corral.routing import ReplicaSet
     from corral.routing.sync import apply_snapshot
@@ -104,10 +105,10 @@ async def _work(control: Path, index: int) -> None:
     router = router_for(spec, replicas)
     if workers > 1:  # every worker's prefix index learns every worker's placements
         router.share_placements(writer.write)
-    services = services_for(spec, Paths.from_env(), replicas)
-    remote = services.control = _RemoteControl(writer)
+    remote = _RemoteControl(writer)
+    parts = dataclasses.replace(gateway_parts_for(spec, Paths.from_env(), replicas), control=remote)
     metrics_dir = Path(config["metrics_dir"])
-    gateway = GatewayServer(spec.gateway, router, services, worker=index, metrics_dir=metrics_dir)
+    gateway = GatewayServer(spec.gateway, router, parts, worker=index, metrics_dir=metrics_dir)
     await gateway.start()
     gc.freeze()  # long-lived objects out of the collector's generations (see cli/up.py)
     writer.write(orjson.dumps({"listening": gateway.port}) + b"\n")
@@ -126,16 +127,16 @@ async def _work(control: Path, index: int) -> None:
             elif "reply" in message:
                 remote.answered(message)
             elif "model_settings" in message:
-                apply_model_settings(router, services, message["model_settings"])
+                apply_model_settings(router, parts, message["model_settings"])
             elif "cluster_settings" in message:
-                apply_cluster_settings(router, services, message["cluster_settings"])
+                apply_cluster_settings(router, parts, message["cluster_settings"])
             else:
                 apply_snapshot(replicas, line, index, workers)
         logger.warning("gateway worker %d: the control socket closed; stopping", index)
         stop.set()
 
     follower = asyncio.create_task(follow())
-    reporter = asyncio.create_task(_report(writer, services.queue, replicas))
+    reporter = asyncio.create_task(_report(writer, parts.queue, replicas))
     try:
         await stop.wait()
     finally:

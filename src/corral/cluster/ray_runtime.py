@@ -165,9 +165,7 @@ class RayRuntime:
         self._logs = logs
         self._placements = placements or {}
         self._timeout = placement_timeout
-        # Two threads: `wait` blocks one for the engine's life, so `stop` needs the other (with one, a stop
-        # queued behind the wait until its timeout and the engine never got its grace period).
-        self._host_class = ray.remote(num_cpus=0, max_concurrency=2)(_EngineHost)
+        self._host_class = ray.remote(num_cpus=0)(_EngineHost)
 
     def cordon(self, node_id: str) -> None:
         """Ask Ray to place nothing new on a node (its running work goes on): GCS's drain-node request
@@ -212,6 +210,9 @@ class RayRuntime:
             ray.util.remove_placement_group(group)
             raise
         actor: Any = self._host_class.options(
+            # two threads: `wait` blocks one for the engine's life, so `stop` needs the other (with one, a
+            # stop queued behind the wait until its timeout and the engine never got its grace period)
+            max_concurrency=2,
             num_gpus=0 if placement.engine_workers else placement.gpus,
             scheduling_strategy=PlacementGroupSchedulingStrategy(
                 placement_group=group, placement_group_bundle_index=0

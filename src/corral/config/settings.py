@@ -214,7 +214,7 @@ class BatchSettings(Strict):
             gt=0,
             le=1,
             description="the most of a model's slots batch lines hold at once (the rest stays free for "
-            "interactive bursts; measured: bench/batch_interference.py)",
+            "interactive bursts; measured: benchmarks/batch_interference.py)",
         ),
     ] = 0.8
     reserve_window_s: Annotated[

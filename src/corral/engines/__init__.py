@@ -1,14 +1,19 @@
-"""Engine adapters, resolved by the `engine` name in a deployment."""
+"""Engine adapters, resolved by the `engine` name in a deployment, and the facts they read from their
+engines (load, features) in one shape for routing."""
 
 from corral.engines.base import EngineAdapter, LaunchPlan, read_gauges
 from corral.engines.external import ExternalEngine
+from corral.engines.features import EngineFeatures
 from corral.engines.llamacpp import LlamaCppEngine
+from corral.engines.load import EngineLoad
 from corral.engines.sim import SimEngineAdapter
 from corral.engines.vllm import VllmEngine, parse_vllm_load
 
 __all__ = [
     "ENGINES",
     "EngineAdapter",
+    "EngineFeatures",
+    "EngineLoad",
     "ExternalEngine",
     "LaunchPlan",
     "LlamaCppEngine",

@@ -10,7 +10,8 @@ from typing import Protocol
 
 from corral.artifacts import Progress
 from corral.config import DeploymentSpec, ModelSpec, Paths
-from corral.routing import EngineFeatures, EngineLoad
+from corral.engines.features import EngineFeatures
+from corral.engines.load import EngineLoad
 
 __all__ = ["EngineAdapter", "LaunchPlan", "read_gauges"]
 

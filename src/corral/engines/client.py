@@ -6,7 +6,7 @@ goes out as one buffer; the answer is parsed by llhttp (httptools, the parser uv
 own callbacks, and its body is handed over as the bytes arrived, with no per-read timer, queue or stream
 object. aiohttp's client (still used for the gateway's other calls: tokenizing, the eval gate)
 also builds URLs, cookie jars, header multidicts and trace hooks and arms a timer on every read, none of
-which an engine on a known address needs; bench/gateway_overhead.py measures what this saves.
+which an engine on a known address needs; benchmarks/gateway_overhead.py measures what this saves.
 
 Failures, as the relay tells them apart:
 - `EngineUnreachable`: no connection could be made (refused, unresolvable, or not accepted within

@@ -5,9 +5,10 @@ from __future__ import annotations
 from corral.artifacts import Progress
 from corral.config import DeploymentSpec, ModelSpec, Paths
 from corral.engines.base import LaunchPlan
+from corral.engines.features import EngineFeatures
 from corral.engines.llamacpp import LlamaCppEngine
+from corral.engines.load import EngineLoad
 from corral.engines.vllm import parse_vllm_load
-from corral.routing import EngineFeatures, EngineLoad
 
 __all__ = ["ExternalEngine"]
 

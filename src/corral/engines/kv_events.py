@@ -27,7 +27,7 @@ import zmq
 import zmq.asyncio
 
 from corral.engines.base import LaunchPlan
-from corral.routing import EngineLoad
+from corral.engines.load import EngineLoad
 
 __all__ = ["KvCacheView", "KvEventFeed", "data_parallel_size", "kv_events_config"]
 

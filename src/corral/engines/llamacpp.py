@@ -11,7 +11,8 @@ from corral.artifacts import Progress, gguf_from_bert, is_embedding_folder, llam
 from corral.artifacts.bert_gguf import max_input_tokens
 from corral.config import DeploymentSpec, ModelSpec, Paths
 from corral.engines.base import LaunchPlan, read_gauges
-from corral.routing import EngineFeatures, EngineLoad
+from corral.engines.features import EngineFeatures
+from corral.engines.load import EngineLoad
 
 __all__ = ["LlamaCppEngine"]
 

@@ -8,8 +8,9 @@ import sys
 from corral.artifacts import Progress
 from corral.config import DeploymentSpec, ModelSpec, Paths
 from corral.engines.base import LaunchPlan, visible_gpus
+from corral.engines.features import EngineFeatures
+from corral.engines.load import EngineLoad
 from corral.engines.vllm import parse_vllm_load
-from corral.routing import EngineFeatures, EngineLoad
 
 __all__ = ["SimEngineAdapter"]
 

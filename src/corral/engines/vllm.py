@@ -13,8 +13,9 @@ from corral.artifacts.hf_from_gguf import hf_folder_from_gguf
 from corral.artifacts.vllm_env import vllm_python
 from corral.config import DeploymentSpec, HuggingFaceSource, ModelSpec, Paths
 from corral.engines.base import LaunchPlan, read_gauges, visible_gpus
+from corral.engines.features import EngineFeatures
 from corral.engines.kv_events import data_parallel_size, kv_events_config
-from corral.routing import EngineFeatures, EngineLoad
+from corral.engines.load import EngineLoad
 
 __all__ = ["VllmEngine", "parse_vllm_load"]
 

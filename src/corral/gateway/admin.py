@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
@@ -16,7 +17,7 @@ from pydantic import ValidationError
 from corral.cache import ExactCache, StoreUnavailable
 from corral.config import parse_spec
 from corral.gateway.clients import ClientAddresses
-from corral.gateway.services import GatewayServices, ReplicaControl
+from corral.gateway.parts import AdminAccess, ReplicaControl
 from corral.protocol import (
     InvalidRequest,
     NoCapacity,
@@ -26,7 +27,7 @@ from corral.protocol import (
     Unauthorized,
 )
 from corral.routing import PrefixAffinity, Router
-from corral.store import NewKey
+from corral.store import KeyStore, NewKey, UsageStore
 
 __all__ = ["AdminViews"]
 
@@ -34,13 +35,24 @@ __all__ = ["AdminViews"]
 class AdminViews:
     def __init__(
         self,
-        services: GatewayServices,
+        *,
+        access: AdminAccess,
+        keys: KeyStore,
+        usage: UsageStore,
         router: Router,
+        queue_depths: Callable[[], dict[str, int]],
+        cache: ExactCache | None = None,
+        control: ReplicaControl | None = None,
         clients: ClientAddresses | None = None,
         worker: int | None = None,
     ) -> None:
-        self._services = services
+        self._access = access
+        self._keys = keys
+        self._usage = usage
         self._router = router
+        self._queue_depths = queue_depths
+        self._response_cache = cache
+        self._replica_control = control
         self._worker = worker  # this process's index among gateway workers (None: the only gateway)
         self._clients = clients or ClientAddresses([])  # no trusted proxies: any proxy header is remote
 
@@ -63,9 +75,9 @@ class AdminViews:
         """The request carries the admin key, or needs none: a client on this machine talking to an open
         gateway without an admin key (a laptop). A key minted by anyone else on an open gateway would
         outlive the gateway being closed."""
-        expected = self._services.admin_key
+        expected = self._access.admin_key
         if expected is None:  # behind a proxy, the client it names must be local (clients.py)
-            return self._services.open_access and self._clients.is_local(request)
+            return self._access.open_access and self._clients.is_local(request)
         scheme, _, given = (request.headers.get("Authorization") or "").partition(" ")
         return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), expected.encode())
 
@@ -73,7 +85,7 @@ class AdminViews:
         """Refuse (401/403) a request that is not the admin's."""
         if self.is_admin(request):
             return
-        if self._services.admin_key is None:
+        if self._access.admin_key is None:
             raise PermissionDenied(
                 "The admin API needs an admin key (CORRAL_ADMIN_KEY or auth.admin_key); without one it "
                 "answers only clients on this machine, and only while the gateway is open."
@@ -83,7 +95,7 @@ class AdminViews:
     async def list_keys(self, request: web.Request) -> web.Response:
         self.check(request)
         revoked = request.query.get("include_revoked") in {"1", "true"}
-        keys = await asyncio.to_thread(self._services.keys.list, revoked)
+        keys = await asyncio.to_thread(self._keys.list, revoked)
         return web.json_response({"keys": [k.to_dict() for k in keys]})
 
     async def create_key(self, request: web.Request) -> web.Response:
@@ -94,19 +106,19 @@ class AdminViews:
             err = exc.errors(include_url=False)[0]
             param = ".".join(str(p) for p in err["loc"]) or None
             raise InvalidRequest(f"Invalid value for '{param}': {err['msg']}.", param=param) from exc
-        secret, record = await asyncio.to_thread(lambda: self._services.keys.create(**spec.model_dump()))
+        secret, record = await asyncio.to_thread(lambda: self._keys.create(**spec.model_dump()))
         return web.json_response({"key": secret, **record.to_dict()}, status=201)
 
     async def show_key(self, request: web.Request) -> web.Response:
         self.check(request)
-        record = await asyncio.to_thread(self._services.keys.get, request.match_info["key_id"])
+        record = await asyncio.to_thread(self._keys.get, request.match_info["key_id"])
         if record is None:
             raise NotFound(f"No key with id {request.match_info['key_id']}.")
         return web.json_response(record.to_dict())
 
     async def revoke_key(self, request: web.Request) -> web.Response:
         self.check(request)
-        record = await asyncio.to_thread(self._services.keys.revoke, request.match_info["key_id"])
+        record = await asyncio.to_thread(self._keys.revoke, request.match_info["key_id"])
         if record is None:
             raise NotFound(f"No key with id {request.match_info['key_id']}.")
         return web.json_response(record.to_dict())
@@ -115,7 +127,7 @@ class AdminViews:
         self.check(request)
         by = request.query.get("by", "key")
         try:
-            rows = await asyncio.to_thread(self._services.usage_store.report, by)
+            rows = await asyncio.to_thread(self._usage.report, by)
         except ValueError as exc:
             raise InvalidRequest(str(exc), param="by") from exc
         return web.json_response({"by": by, "rows": rows})
@@ -209,12 +221,12 @@ class AdminViews:
         return web.json_response({"changes": changes})
 
     def _cache(self) -> ExactCache:
-        if self._services.cache is None:
+        if self._response_cache is None:
             raise NotSupported("This gateway has no response cache.")
-        return self._services.cache
+        return self._response_cache
 
     def _control(self) -> ReplicaControl:
-        control = self._services.control
+        control = self._replica_control
         if control is None:
             raise NotSupported("This gateway has no supervisor to ask (it was started without one).")
         return control
@@ -233,12 +245,12 @@ class AdminViews:
         body: dict[str, Any] = {
             "policies": policies,
             "prefix_index": prefix,
-            "queues": self._services.queue.depths(),
+            "queues": self._queue_depths(),
             "replicas": [r.snapshot() for r in replicas],
             "decisions": list(self._router.decisions)[-50:],
             "rollouts": replicas.rollouts,
             "events": list(replicas.events)[-30:],
-            "cache": self._services.cache.store.stats() if self._services.cache is not None else None,
+            "cache": self._response_cache.store.stats() if self._response_cache is not None else None,
             "worker": self._worker,  # whose view this is: each worker routes with its own
         }
         return web.json_response(body)

@@ -18,7 +18,9 @@ import aiohttp
 import orjson
 from aiohttp import web
 
+from corral.admission import Authenticator
 from corral.batch.runner import BatchRunner
+from corral.cache import ExactCache
 from corral.config import GatewaySettings
 from corral.engines.client import EngineClient
 from corral.gateway.admin import AdminViews
@@ -27,9 +29,9 @@ from corral.gateway.clients import ClientAddresses
 from corral.gateway.console import ConsoleViews
 from corral.gateway.embedder import ReplicaEmbedder
 from corral.gateway.metrics import GatewayMetrics
+from corral.gateway.parts import GatewayParts
 from corral.gateway.pipeline import Pipeline
 from corral.gateway.relay import Relay, RelayTimeouts
-from corral.gateway.services import GatewayServices
 from corral.gateway.usage import UsageRecorder
 from corral.protocol import APIError, MethodNotAllowed, ModelNotFound, NotFound, PayloadTooLarge
 from corral.protocol.openapi import openapi_document
@@ -47,18 +49,53 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 def build_app(
     settings: GatewaySettings,
     router: Router,
-    services: GatewayServices,
+    parts: GatewayParts,
     worker: int | None = None,
     metrics_dir: Path | None = None,
 ) -> web.Application:
-    """The gateway application over `router`'s replica set, with the admission services given; `worker`
-    and `metrics_dir` when it is one of several worker processes (see cluster/workers.py)."""
+    """The gateway application over `router`'s replica set, made of `parts`; `worker` and `metrics_dir`
+    when it is one of several worker processes (see cluster/workers.py). The one place that says which
+    stage uses which part. Called in the event loop that will serve the app (its clients are made here)."""
     app = web.Application(middlewares=[_error_boundary], client_max_size=settings.max_body_bytes)
-    admin = AdminViews(services, router, ClientAddresses(settings.trusted_proxies), worker)
-    status = _StatusViews(router, services, admin, started_at=time.time(), worker=worker)
-    metrics = GatewayMetrics(router, services.queue.depths, metrics_dir, services.budget.spent)
+    admin = AdminViews(
+        access=parts.access,
+        keys=parts.keys,
+        usage=parts.usage_store,
+        router=router,
+        queue_depths=parts.queue.depths,
+        cache=parts.cache,
+        control=parts.control,
+        clients=ClientAddresses(settings.trusted_proxies),
+        worker=worker,
+    )
+    status = _StatusViews(router, parts.auth, admin, started_at=time.time(), worker=worker)
+    metrics = GatewayMetrics(router, parts.queue.depths, metrics_dir, parts.budget.spent)
+    engines = EngineClient(settings.connect_timeout, settings.read_timeout, settings.max_upstream_connections)
+    session = aiohttp.ClientSession(  # the relay's rare calls that are not its own (tokenizing)
+        connector=aiohttp.TCPConnector(
+            limit=settings.max_upstream_connections, limit_per_host=0, keepalive_timeout=30
+        ),
+        auto_decompress=False,
+    )
+    timeouts = RelayTimeouts(
+        connect=settings.connect_timeout, read=settings.read_timeout, stall=settings.stall_timeout
+    )
+    relay = Relay(engines, session, router, retries=settings.retries, timeouts=timeouts)
+    usage = UsageRecorder(parts.usage_store, parts.flush_interval, parts.max_pending_usage)
     pipeline = app[PIPELINE] = Pipeline(
-        router, services, metrics, settings.max_body_bytes, settings.body_timeout
+        auth=parts.auth,
+        sizing=parts.sizing,
+        budget=parts.budget,
+        limits=parts.limits,
+        cache=parts.cache,
+        queue=parts.queue,
+        router=router,
+        relay=relay,
+        usage=usage,
+        metrics=metrics,
+        failover_modes=parts.failover_modes,
+        max_body_bytes=settings.max_body_bytes,
+        body_timeout=settings.body_timeout,
     )
     # The generation routes first: aiohttp tries resources in the order they were added. Their handlers
     # are the pipeline's own (no wrapper: every await layer costs each suspension of a request).
@@ -83,60 +120,47 @@ def build_app(
 
     app.router.add_get("/openapi.json", openapi_view)
     admin.add_routes(app)
-    if services.batches is not None:
-        BatchViews(services.batches, services.auth, services.batch).add_routes(app)
+    if parts.batches is not None:
+        BatchViews(parts.batches, parts.auth, parts.batch).add_routes(app)
     ConsoleViews(metrics, admin).add_routes(app)
 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
-        connector = aiohttp.TCPConnector(
-            limit=settings.max_upstream_connections, limit_per_host=0, keepalive_timeout=30
-        )
-        usage = UsageRecorder(services.usage_store, services.flush_interval, services.max_pending_usage)
-        async with aiohttp.ClientSession(connector=connector, auto_decompress=False) as session:
-            timeouts = RelayTimeouts(
-                connect=settings.connect_timeout, read=settings.read_timeout, stall=settings.stall_timeout
-            )
-            engines = EngineClient(
-                settings.connect_timeout, settings.read_timeout, settings.max_upstream_connections
-            )
-            relay = Relay(engines, session, router, retries=settings.retries, timeouts=timeouts)
-            rebuild = _semantic_cache(services, relay)
-            pipeline.start(relay, usage)
-            services.queue.start()
-            batches = _batch_runner(services, router, pipeline, worker)
-            usage.start()
-            metrics.start()
-            try:
-                yield
-            finally:
-                for task in (rebuild, batches):
-                    if task is not None:
-                        task.cancel()
-                        try:
-                            await task
-                        except asyncio.CancelledError:
-                            pass
-                        except Exception:  # it had failed already: logged; shutdown goes on
-                            logger.exception("background task %s had failed", task.get_name())
-                await metrics.stop()
-                await services.queue.stop()
-                await usage.stop()
-                engines.close()
-                for limiter in (*services.retired, services.limiter):
-                    await limiter.close()
+        rebuild = _semantic_cache(parts.cache, relay)
+        parts.queue.start()
+        batches = _batch_runner(parts, router, pipeline, worker)
+        usage.start()
+        metrics.start()
+        try:
+            yield
+        finally:
+            for task in (rebuild, batches):
+                if task is not None:
+                    task.cancel()
+                    try:
+                        await task
+                    except asyncio.CancelledError:
+                        pass
+                    except Exception:  # it had failed already: logged; shutdown goes on
+                        logger.exception("background task %s had failed", task.get_name())
+            await metrics.stop()
+            await parts.queue.stop()
+            await usage.stop()
+            engines.close()
+            await session.close()
+            await parts.limits.close()
 
     app.cleanup_ctx.append(lifecycle)
     return app
 
 
 def _batch_runner(
-    services: GatewayServices, router: Router, pipeline: Pipeline, worker: int | None
+    parts: GatewayParts, router: Router, pipeline: Pipeline, worker: int | None
 ) -> asyncio.Task[None] | None:
     """Run batch lines here (one gateway process of a machine's workers: the first)."""
-    if services.batches is None or worker not in (None, 0):
+    if parts.batches is None or worker not in (None, 0):
         return None
     runner = BatchRunner(
-        services.batches, pipeline, services.keys, router.replicas, services.queue.depths, services.batch
+        parts.batches, pipeline, parts.keys, router.replicas, parts.queue.depths, parts.batch
     )
     return asyncio.create_task(runner.run(), name="batch-runner")
 
@@ -144,10 +168,9 @@ def _batch_runner(
 _SWEEP_S = 60.0  # how often the semantic index forgets the vectors of expired or evicted entries
 
 
-def _semantic_cache(services: GatewayServices, relay: Relay) -> asyncio.Task[None] | None:
+def _semantic_cache(cache: ExactCache | None, relay: Relay) -> asyncio.Task[None] | None:
     """Give the cache its embedder; where a model caches semantically, index the stored entries' vectors
     (a gateway starting beside a shared cache), then sweep out the vectors of entries gone since."""
-    cache = services.cache
     if cache is None:
         return None
     cache.embedder = ReplicaEmbedder(relay)
@@ -210,13 +233,13 @@ class _StatusViews:
     def __init__(
         self,
         router: Router,
-        services: GatewayServices,
+        auth: Authenticator,
         admin: AdminViews,
         started_at: float,
         worker: int | None = None,
     ) -> None:
         self._replicas = router.replicas
-        self._auth = services.auth
+        self._auth = auth
         self._admin = admin
         self._started_at = started_at
         self._worker = {"worker": {"index": worker, "pid": os.getpid()}} if worker is not None else {}

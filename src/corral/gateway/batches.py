@@ -1,5 +1,5 @@
 """OpenAI's Files and Batch API: `/v1/files` and `/v1/batches`, per tenant (a key sees only its tenant's
-files and batches; another tenant's id is a 404). The queue and its runner: store/batch.py, batch/."""
+files and batches; another tenant's id is a 404). The queue and its runner: batch/."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ import orjson
 from aiohttp import BodyPartReader, web
 
 from corral.admission import Authenticator, Principal
+from corral.batch import BatchStore, NewBatch
 from corral.batch.files import ENDPOINTS, check_upload
 from corral.config import BatchSettings
 from corral.protocol import InvalidRequest, NotFound, PayloadTooLarge
-from corral.store.batch import BatchStore, NewBatch
 
 __all__ = ["BatchViews"]
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from corral.engines import EngineFeatures
 from corral.protocol import EmbeddingRequest, GenerationRequest
-from corral.routing import EngineFeatures, Replica, RouteRequest
+from corral.routing import Replica, RouteRequest
 
 __all__ = ["RequestContext"]
 

@@ -22,9 +22,10 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from corral.engines import EngineFeatures
 from corral.gateway.context import RequestContext
 from corral.protocol import ChatCompletionRequest, CompletionRequest, InvalidRequest
-from corral.routing import EngineFeatures, RouteRequest
+from corral.routing import RouteRequest
 
 __all__ = ["Fanout", "check_features", "needs_fanout"]
 

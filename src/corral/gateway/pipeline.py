@@ -20,15 +20,24 @@ from functools import partial
 import orjson
 from aiohttp import web
 
-from corral.admission import LimiterUnavailable, Principal, Reservation
-from corral.cache import CacheLookup
+from corral.admission import (
+    Authenticator,
+    BudgetTracker,
+    FairQueue,
+    LimiterUnavailable,
+    Principal,
+    RateLimits,
+    Reservation,
+    TokenSizing,
+)
+from corral.cache import CacheLookup, ExactCache
+from corral.engines import EngineFeatures
 from corral.gateway.context import RequestContext
 from corral.gateway.embeddings import EmbeddingShaper, upstream_body
 from corral.gateway.failover import can_fail_over
 from corral.gateway.fanout import Fanout, check_features, needs_fanout
 from corral.gateway.metrics import GatewayMetrics
 from corral.gateway.relay import SSE_HEADERS, EventStream, Relay
-from corral.gateway.services import GatewayServices
 from corral.gateway.usage import UsageRecorder
 from corral.protocol import (
     APIError,
@@ -42,7 +51,7 @@ from corral.protocol import (
     RequestTimeout,
     parse_body,
 )
-from corral.routing import EngineFeatures, Router, RouteRequest
+from corral.routing import Router, RouteRequest
 from corral.store import UsageRecord
 
 __all__ = ["Pipeline"]
@@ -59,22 +68,39 @@ _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 class Pipeline:
-    """Handles the generation endpoints; one instance per app, built in the app's assembly."""
+    """Handles the generation endpoints; one instance per app, built in the app's assembly with every part
+    it uses, each named for its stage."""
 
     def __init__(
         self,
+        *,
+        auth: Authenticator,
+        sizing: TokenSizing,
+        budget: BudgetTracker,
+        limits: RateLimits,
+        cache: ExactCache | None,
+        queue: FairQueue,
         router: Router,
-        services: GatewayServices,
+        relay: Relay,
+        usage: UsageRecorder,
         metrics: GatewayMetrics,
+        failover_modes: dict[str, str],
         max_body_bytes: int,
         body_timeout: float = 30.0,
     ) -> None:
-        """Built with the app; `start` gives it the relay and usage recorder once the app's client
-        session exists (before the first request)."""
+        self._auth = auth
+        self._sizing = sizing
+        self._budget = budget
+        self._limits = limits
+        self._cache = cache
+        self._queue = queue
         self._router = router
         self._replicas = router.replicas
-        self._services = services
+        self._relay = relay
+        self._fanout = Fanout(relay.forward)
+        self._usage = usage
         self._metrics = metrics
+        self._failover_modes = failover_modes  # a live apply adds new models' modes
         self._max_body = max_body_bytes
         self._body_timeout = body_timeout
         self._embeddings = EmbeddingShaper()
@@ -87,13 +113,8 @@ class Pipeline:
         )
         self.embeddings: _Handler = partial(self._handle, parse=self.parse_embeddings, answer=self._embed)
 
-    def start(self, relay: Relay, usage: UsageRecorder) -> None:
-        self._relay = relay
-        self._fanout = Fanout(relay.forward)
-        self._usage = usage
-
     async def _handle(self, request: web.Request, parse: _Parse, answer: _Answer) -> web.StreamResponse:
-        principal = await self._services.auth.authenticate(request.headers.get("Authorization"))
+        principal = await self._auth.authenticate(request.headers.get("Authorization"))
         ctx = await parse(request)
         try:
             principal.check_model(ctx.model)
@@ -127,7 +148,7 @@ class Pipeline:
                 kind = ChatCompletionRequest if path == "/v1/chat/completions" else CompletionRequest
                 ctx = self._context(raw, path, kind, None)
             principal.check_model(ctx.model)
-            await self._services.budget.check(principal, ctx.route.tokens)  # (no rate limits: a batch)
+            await self._budget.check(principal, ctx.route.tokens)  # (no rate limits: a batch)
         except APIError as exc:
             return exc.status, exc.to_json()
         status = 500
@@ -179,7 +200,7 @@ class Pipeline:
         """Wait in the model's queue for a slot, then have a replica (or several: fan-out) answer."""
         metrics = self._metrics.of(ctx.model)
         try:
-            wait = await self._services.queue.enter(ctx.model, principal)
+            wait = await self._queue.enter(ctx.model, principal)
         except APIError as exc:
             metrics.rejected(exc.code or "queue")
             raise
@@ -190,7 +211,7 @@ class Pipeline:
             else:
                 response = await self._relay.forward(ctx, request)
         finally:
-            self._services.queue.done(ctx.model)
+            self._queue.done(ctx.model)
         metrics.decided(self._router.policy_for(ctx.model).name)
         return response
 
@@ -199,7 +220,7 @@ class Pipeline:
     ) -> CacheLookup | None:
         """The exact cache's view of the request: None where the model does not cache or the request may
         not be (sampled, several choices fanned out); a miss asks the relay to keep what it writes."""
-        cache = self._services.cache
+        cache = self._cache
         if cache is None or not cache.enabled(ctx.model) or ctx.fanout:
             return None
         lookup = await cache.lookup(
@@ -251,7 +272,7 @@ class Pipeline:
 
     def _keep(self, ctx: RequestContext, lookup: CacheLookup) -> None:
         """Keep an answer that ended well (never a truncated stream, an error, or a client that left)."""
-        cache = self._services.cache
+        cache = self._cache
         if cache is None or ctx.written is None or ctx.client_gone or self._rolling_out(ctx.model):
             return
         chat = isinstance(ctx.body, ChatCompletionRequest)
@@ -288,10 +309,10 @@ class Pipeline:
             body.max_completion_tokens if isinstance(body, ChatCompletionRequest) else None
         ) or body.max_tokens
         max_tokens = asked or _DEFAULT_OUTPUT_ESTIMATE
-        counter = self._services.token_counters.get(body.model)
+        counter = self._sizing.counters.get(body.model)
         prompt = prompt_text(body) if counter is not None else ""
         input_tokens = (
-            counter.count(prompt) if counter is not None else int(len(raw) * self._services.tokens_per_byte)
+            counter.count(prompt) if counter is not None else int(len(raw) * self._sizing.tokens_per_byte)
         )
         self._check_context(body, asked, input_tokens if counter is not None else None)
         prompts = len(body.prompts) if isinstance(body, CompletionRequest) else 1
@@ -312,7 +333,7 @@ class Pipeline:
             features=features,
             fanout=not body.stream and needs_fanout(body, features),
             failover=can_fail_over(
-                body, self._services.failover_modes.get(body.model, "deterministic"), features.continuation
+                body, self._failover_modes.get(body.model, "deterministic"), features.continuation
             ),
         )
 
@@ -330,13 +351,13 @@ class Pipeline:
                 param="model",
                 code="model_not_supported",
             )
-        counter = self._services.token_counters.get(body.model)
+        counter = self._sizing.counters.get(body.model)
         tokens = sum(
             len(item)
             if isinstance(item, list)
             else counter.count(item)
             if counter is not None
-            else max(1, int(len(item.encode()) * self._services.tokens_per_byte))
+            else max(1, int(len(item.encode()) * self._sizing.tokens_per_byte))
             for item in body.inputs
         )
         route = RouteRequest(model=body.model, tokens=tokens, session=body.user, prompt_tokens=tokens)
@@ -400,13 +421,13 @@ class Pipeline:
     async def admit(self, ctx: RequestContext, principal: Principal) -> Reservation | None:
         """Reserve the request and its tokens (input estimate + max output) before any work starts."""
         try:
-            await self._services.budget.check(principal, ctx.route.tokens)
-            limiter = ctx.limiter = self._services.limiter  # settled by the same, even if replaced live
+            await self._budget.check(principal, ctx.route.tokens)
+            limiter = ctx.limiter = self._limits.limiter  # settled by the same, even if replaced live
             try:
                 return await limiter.reserve(principal, ctx.route.tokens)
             except LimiterUnavailable as exc:
                 self._metrics.limiter_errors.inc()
-                if self._services.limits_fail_open:
+                if self._limits.fail_open:
                     logger.warning("serving key %s without its rate limits: %s", principal.key_id, exc)
                     return None
                 raise NoCapacity(
@@ -445,13 +466,13 @@ class Pipeline:
             kept = reservation.tokens if reached_engine and status < 500 else 0
             actual = used if used or ctx.cached else kept
             try:
-                await (ctx.limiter or self._services.limiter).settle(reservation, actual)
+                await (ctx.limiter or self._limits.limiter).settle(reservation, actual)
             except LimiterUnavailable as exc:  # a Redis hiccup must not turn a served answer into an error
                 self._metrics.limiter_errors.inc()
                 logger.warning(
                     "settling the rate-limit reservation of key %s failed: %s", reservation.key_id, exc
                 )
-        self._services.budget.add(principal, used)
+        self._budget.add(principal, used)
         self._record(ctx, principal, status)
 
     def _record(self, ctx: RequestContext, principal: Principal, status: int) -> None:

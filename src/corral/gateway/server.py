@@ -12,7 +12,7 @@ from aiohttp import web
 from corral.config import GatewaySettings, TLSSettings
 from corral.gateway.app import build_app
 from corral.gateway.clients import ClientAddresses, access_logger
-from corral.gateway.services import GatewayServices
+from corral.gateway.parts import GatewayParts
 from corral.routing import Router
 
 __all__ = ["GatewayServer", "TLSError", "server_tls_context"]
@@ -27,28 +27,32 @@ class GatewayServer:
         self,
         settings: GatewaySettings,
         router: Router,
-        services: GatewayServices,
+        parts: GatewayParts,
         worker: int | None = None,
         metrics_dir: Path | None = None,
     ) -> None:
         """`worker`: this process's index among `gateway.workers` sharing the port (SO_REUSEPORT), whose
         metrics are summed from `metrics_dir`; None for the one gateway of a single-process cluster."""
         self._settings = settings
+        self._router, self._parts, self._worker, self._metrics_dir = router, parts, worker, metrics_dir
         self._reuse_port = worker is not None
         self._tls = server_tls_context(settings.tls) if settings.tls is not None else None
+        self._runner: web.AppRunner | None = None
+        self.port: int | None = None
+
+    async def start(self) -> None:
+        """Build the app in this event loop (its engine clients live here) and listen."""
+        settings = self._settings
         logs: dict[str, Any] = {"access_log": None}
         if settings.access_log:
             log_class = access_logger(ClientAddresses(settings.trusted_proxies))
             logs = {"access_log": logging.getLogger("corral.access"), "access_log_class": log_class}
         self._runner = web.AppRunner(
-            build_app(settings, router, services, worker, metrics_dir),
+            build_app(settings, self._router, self._parts, self._worker, self._metrics_dir),
             handler_cancellation=True,  # a client that disconnects cancels its upstream request
             shutdown_timeout=settings.shutdown_grace,
             **logs,
         )
-        self.port: int | None = None
-
-    async def start(self) -> None:
         await self._runner.setup()
         site = web.TCPSite(
             self._runner,
@@ -67,7 +71,8 @@ class GatewayServer:
         return "https" if self._tls is not None else "http"
 
     async def stop(self) -> None:
-        await self._runner.cleanup()
+        if self._runner is not None:
+            await self._runner.cleanup()
 
 
 class TLSError(ValueError):

@@ -3,7 +3,7 @@ load in one shape for every engine, queue depths and budget use.
 
 They are read from the live replica set when Prometheus scrapes and written straight to the text format
 (prometheus_client's generic renderer took ~50 ms for 8 models × 64 replicas, which the gateway's event
-loop would pay on every scrape; bench/metrics_render.py). With several gateway workers they are published
+loop would pay on every scrape; benchmarks/metrics_render.py). With several gateway workers they are published
 once a second as multiprocess gauges instead (`PublishedState`).
 """
 

@@ -12,7 +12,7 @@ end-to-end latency).
 Leave-one-source-out: for each source, the factors are fitted on the other sources of its engine family
 and the source's points predicted with them; the error a user should expect on a configuration nobody
 measured is that one, not the in-sample fit's. The CPU engines have one source each (measured here by
-bench/cpu_calibration.py, `data/measured_cpu.yaml`): their points are predicted leaving one workload out.
+benchmarks/cpu_calibration.py, `data/measured_cpu.yaml`): their points are predicted leaving one workload out.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ _ENGINES = {
     "tensorrt-llm": _Engine(2048, 8192, 0.95, fp8_kv=True),
     "vllm": _Engine(256, 2048, 0.9),
     "sglang": _Engine(1024, 8192, 0.88),
-    # as bench/cpu_calibration.py runs them: 16 slots; llama.cpp's logical batch, vLLM CPU's default
+    # as benchmarks/cpu_calibration.py runs them: 16 slots; llama.cpp's logical batch, vLLM CPU's default
     "llamacpp": _Engine(16, 2048, 0.9),
     "vllm-cpu": _Engine(16, 4096, 0.9),
 }

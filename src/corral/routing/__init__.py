@@ -16,8 +16,6 @@ from corral.routing.policy import (
 )
 from corral.routing.prefix import PrefixIndex
 from corral.routing.replicas import (
-    EngineFeatures,
-    EngineLoad,
     Replica,
     ReplicaSet,
     ReplicaState,
@@ -32,8 +30,6 @@ __all__ = [
     "CircuitBreaker",
     "CircuitState",
     "Decision",
-    "EngineFeatures",
-    "EngineLoad",
     "LeastOutstandingRequests",
     "LeastOutstandingTokens",
     "PowerOfTwo",

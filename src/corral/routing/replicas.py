@@ -8,9 +8,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from corral.engines.features import EngineFeatures
+from corral.engines.load import EngineLoad
 from corral.routing.circuit import CircuitBreaker
 
-__all__ = ["EngineFeatures", "EngineLoad", "Replica", "ReplicaSet", "ReplicaState", "TrafficSplit"]
+__all__ = ["Replica", "ReplicaSet", "ReplicaState", "TrafficSplit"]
 
 _EVENTS_KEPT = 100
 
@@ -24,62 +26,6 @@ class ReplicaState(StrEnum):
     STOPPED = "stopped"
     FAILED = "failed"  # gave up: it failed to start `supervisor.max_start_failures` times in a row
     DRAINING = "draining"  # out of routing; stopped once its requests are done (`corral drain`)
-
-
-@dataclass(frozen=True, slots=True)
-class EngineLoad:
-    """One scrape of an engine's own load figures, in a shape common to all engines."""
-
-    running: int
-    waiting: int
-    kv_usage: float | None = None
-    prompt_tokens_total: float = 0.0
-    generated_tokens_total: float = 0.0
-    prefix_cache_queries_total: float = 0.0
-    prefix_cache_hits_total: float = 0.0
-    preemptions_total: float = 0.0
-    ttft_mean_s: float | None = None  # the engine's own time-to-first-token, averaged since it started
-    itl_mean_s: float | None = None  # likewise, time between output tokens
-    kv_capacity_tokens: int | None = None  # tokens its KV cache holds (vLLM's cache_config_info), if known
-    # by the engine's KV-cache events, where followed (engines/kv_events.py); None: not followed
-    kv_cached_tokens: int | None = None  # tokens in the blocks its prefix cache holds now
-    kv_evicted_tokens_total: int = 0  # tokens of cached blocks it has evicted
-    # it has evicted a block it cached at this time (wall clock): it has evicted every block freed before
-    kv_evicted_through: float = 0.0
-    kv_cleared_total: int = 0  # times its cache was emptied (a reset, a restart)
-    scraped_at: float = field(default_factory=time.time)
-
-
-@dataclass(frozen=True, slots=True)
-class EngineFeatures:
-    """What an engine answers correctly by itself; the gateway makes up for the rest, or refuses it.
-
-    llama.cpp, for example, answers `n > 1` and a list of prompts with the usage of one choice only, and
-    ignores `echo`: the gateway fans such requests out and adds the echo itself.
-    """
-
-    multiple_choices: bool = True  # n > 1, with usage over all choices
-    prompt_lists: bool = True  # /v1/completions with a list of prompts, with usage over all of them
-    echo: bool = True
-    images: bool = True  # image parts in chat messages
-    continuation: bool = True  # continues a trailing assistant message / prompt text (mid-stream failover)
-    prefill_echo: bool = False  # continuing a chat, it first sends the continued text back (llama.cpp)
-    token_prompts: bool = False  # takes prompts mixing text and token ids, tokenizes at /tokenize (llama.cpp)
-    embeddings: bool = False  # an embedding model: serves /v1/embeddings, not generation
-    matryoshka: bool = False  # its vectors may be shortened (`dimensions`; models[].matryoshka)
-
-    def __and__(self, other: EngineFeatures) -> EngineFeatures:
-        return EngineFeatures(
-            self.multiple_choices and other.multiple_choices,
-            self.prompt_lists and other.prompt_lists,
-            self.echo and other.echo,
-            self.images and other.images,
-            self.continuation and other.continuation,
-            self.prefill_echo or other.prefill_echo,
-            self.token_prompts and other.token_prompts,
-            self.embeddings and other.embeddings,
-            self.matryoshka and other.matryoshka,
-        )
 
 
 @dataclass(slots=True, eq=False)
@@ -242,6 +188,23 @@ class ReplicaSet:
     def ready(self, model: str) -> list[Replica]:
         ready = ReplicaState.READY
         return [r for r in self._by_model.get(model, ()) if r.state is ready and r.admitted]
+
+    def free_slots(self, model: str) -> int | None:
+        """Sequences `model`'s ready replicas can still take (1 << 30 where an engine does not say its
+        capacity); None while none is ready. (The admission queue's `Capacity`.)"""
+        ready = self.ready(model)
+        if not ready:
+            return None
+        free = 0
+        for replica in ready:
+            if replica.capacity is None:
+                return 1 << 30
+            free += max(0, replica.capacity - replica.outstanding)
+        return free
+
+    def start_hold(self, model: str) -> float | None:
+        """Seconds a request may wait for the first replica of a model scaled to zero (`on_demand`)."""
+        return self.on_demand.get(model)
 
     def context_length(self, model: str) -> int | None:
         """The smallest per-sequence context among `model`'s replicas (None when no engine says)."""

@@ -14,14 +14,8 @@ from typing import Any
 
 import orjson
 
-from corral.routing.replicas import (
-    EngineFeatures,
-    EngineLoad,
-    Replica,
-    ReplicaSet,
-    ReplicaState,
-    TrafficSplit,
-)
+from corral.engines import EngineFeatures, EngineLoad
+from corral.routing.replicas import Replica, ReplicaSet, ReplicaState, TrafficSplit
 
 __all__ = ["apply_snapshot", "capacity_share", "replica_snapshot"]
 

@@ -1,4 +1,5 @@
-"""SQL storage (SQLAlchemy): SQLite file by default, PostgreSQL by URL. Keys and usage records."""
+"""SQL storage (SQLAlchemy): SQLite file by default, PostgreSQL by URL. Keys, usage records, files, and the
+batch tables (their queue's logic is in batch/)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from pathlib import Path
 from sqlalchemy import Engine, create_engine, event, inspect
 from sqlalchemy.exc import ArgumentError, NoSuchModuleError, SQLAlchemyError
 
-from corral.store.batch import BatchStore
+from corral.store import batch_rows as _batch_rows  # noqa: F401  (its tables are created with the rest)
 from corral.store.files import FileStore
 from corral.store.keys import PRIORITIES, InvalidKey, KeyRecord, KeyStore, NewKey, hash_key
 from corral.store.schema import Base, add_missing_columns
@@ -15,7 +16,6 @@ from corral.store.usage import UsageRecord, UsageStore
 
 __all__ = [
     "PRIORITIES",
-    "BatchStore",
     "FileStore",
     "InvalidKey",
     "KeyRecord",

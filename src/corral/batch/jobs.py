@@ -1,5 +1,5 @@
 """Batch jobs in the store: the batches and their files in SQL, their lines in a line queue (SQL rows, or
-Redis Streams with `batch.queue: redis`: store/batch_lines.py, store/batch_redis.py).
+Redis Streams with `batch.queue: redis`: queue_sql.py, queue_redis.py behind queue.py's LineQueue).
 
 A batch is created `validating`; a runner checks its input file and queues its lines (`in_progress`) or
 fails it with an error per bad line. A batch with nothing left to run is finalised in one transaction
@@ -26,11 +26,12 @@ from sqlalchemy import Engine, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from corral.store.batch_lines import LOST, BatchLine, LineQueue, LineResult, ResultRow, SqlLines, Stop
+from corral.batch.queue import LOST, BatchLine, LineQueue, LineResult, ResultRow, Stop
+from corral.batch.queue_sql import SqlLines
 from corral.store.batch_rows import BatchRow, aware, changed
 from corral.store.files import FileRow, FileStore, page
 
-__all__ = ["BatchLine", "BatchRecord", "BatchStore", "LineResult", "NewBatch"]
+__all__ = ["BatchRecord", "BatchStore", "NewBatch"]
 
 logger = logging.getLogger(__name__)
 
@@ -247,8 +248,8 @@ class BatchStore:
     def lease(
         self, owner: str, model: str, limit: int, lease_s: float, max_attempts: int = 5
     ) -> list[BatchLine]:
-        """Up to `limit` runnable lines of in-progress batches for `model` (store/batch_lines.py), with
-        their batch's endpoint, tenant and key."""
+        """Up to `limit` runnable lines of in-progress batches for `model` (from the line queue), with their
+        batch's endpoint, tenant and key."""
         if limit <= 0:
             return []
         found = self.lines.lease(owner, model, limit, lease_s, max_attempts)

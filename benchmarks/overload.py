@@ -11,7 +11,7 @@ and its ratio to capacity (target ≥ 0.9), statuses (only 200, 429 and 503 are 
 must carry Retry-After), latency of admitted requests (p50, p99, max) against the queue timeout plus the
 service time at capacity, and the gateway's RSS before and after.
 
-    .venv/bin/python bench/overload.py [--factor 3] [--duration 20] [--measure 10]
+    .venv/bin/python benchmarks/overload.py [--factor 3] [--duration 20] [--measure 10]
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ Index: the flat (numpy) and HNSW (usearch) searches the semantic cache chooses b
 vectors of 384 dimensions, at 1,000, 10,000 and 100,000 vectors (the group size where the cache moves
 to HNSW is set from this).
 
-    .venv/bin/python bench/cache_quality.py [--hits 200]
+    .venv/bin/python benchmarks/cache_quality.py [--hits 200]
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The latency a router adds on a long prompt's way to its engine, and on the first tokens' way back.
 
-The routing benchmark's requests (bench/routing_quality.py: 48 tenants' 3,000-word documents, 26 KB
+The routing benchmark's requests (benchmarks/routing_quality.py: 48 tenants' 3,000-word documents, 26 KB
 bodies, a question of their own, streamed) go one at a time (`--concurrency 1`: latency, not throughput)
 through each router to two upstreams that timestamp them: when a request reaches the upstream's handler,
 and when it writes each of its `--chunks` one-token chunks (`--pace-ms` apart, an engine's steps). The
@@ -16,7 +16,7 @@ corral (`corral up`, open, external upstreams, default routing: prefix_affinity)
 The routing benchmark's fleet runs in real time (a millisecond here is one there); with its
 `--time-scale 4` a millisecond here is four there.
 
-    .venv/bin/python bench/forward_latency.py [--requests 200] [--rounds 3] [--pace-ms 2]
+    .venv/bin/python benchmarks/forward_latency.py [--requests 200] [--rounds 3] [--pace-ms 2]
 """
 
 from __future__ import annotations

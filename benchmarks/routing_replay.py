@@ -1,4 +1,5 @@
-"""Routing replay: bench/routing_quality.py's workload and fleet in virtual time, for developing policies.
+"""Routing replay: benchmarks/routing_quality.py's workload and fleet in virtual time, for developing
+policies.
 
 The engines are the ones `corral sim` runs (the planner's scheduler and step-time model: chunked prefill,
 vLLM's prefix cache by block hashes, KV capacity of the GPU), stepped by an event queue instead of the wall
@@ -16,7 +17,8 @@ engine. `--workers N` routes each request through one of N gateway workers (each
 in-flight counts; their prefix indexes share placements as `corral up`'s do, or not with `--unshared`);
 `--kv-events` has the engines publish their KV-cache events and the routers follow them. Prints JSON.
 
-    .venv/bin/python bench/routing_replay.py [--distribution zipf] [--tenants 1] [--gpu h100-sxm] [--seeds 3]
+    .venv/bin/python benchmarks/routing_replay.py [--distribution zipf] [--tenants 1] [--gpu h100-sxm] \\
+        [--seeds 3]
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import orjson
 from routing_quality import Workload
 
 from corral.config import LimitsSettings
+from corral.engines import EngineLoad
 from corral.engines.kv_events import KvCacheView
 from corral.gateway.pipeline import prompt_text
 from corral.perf.calibration import calibrated_efficiency
@@ -42,16 +45,7 @@ from corral.perf.replica import ReplicaLayout, ReplicaModel, replica_model
 from corral.perf.scheduler import EngineSequence, Scheduler, block_hashes
 from corral.perf.steps import StepPipeline
 from corral.protocol import ChatCompletionRequest, parse_body
-from corral.routing import (
-    POLICIES,
-    EngineLoad,
-    PrefixAffinity,
-    Replica,
-    ReplicaSet,
-    ReplicaState,
-    Router,
-    RouteRequest,
-)
+from corral.routing import POLICIES, PrefixAffinity, Replica, ReplicaSet, ReplicaState, Router, RouteRequest
 from corral.sim.kv_events import take_events
 from corral.sim.text import chat_prompt, tokenize
 

@@ -28,7 +28,8 @@ The fleet runs in real time by default (`--time-scale 1`), as a deployment's eng
 latency then counts once against the engines' steps. `--time-scale 4 --duration 20` gives the same simulated
 minutes in a quarter of the wall-clock time for development, but counts each router's latency four times.
 
-    .venv/bin/python bench/routing_quality.py [--replicas 8] [--time-scale 1] [--duration 80] [--rounds 3]
+    .venv/bin/python benchmarks/routing_quality.py [--replicas 8] [--time-scale 1] [--duration 80] \\
+        [--rounds 3]
 """
 
 from __future__ import annotations

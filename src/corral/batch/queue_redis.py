@@ -27,7 +27,7 @@ import orjson
 import redis
 from sqlalchemy.orm import Session
 
-from corral.store.batch_lines import LOST, BatchLine, LineResult, ResultRow, Stop
+from corral.batch.queue import LOST, BatchLine, LineResult, ResultRow, Stop
 from corral.store.batch_rows import gave_up, response_json
 
 __all__ = ["RedisLines"]

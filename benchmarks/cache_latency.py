@@ -11,7 +11,7 @@ Tokens: `corral up` with two simulated Llama-3.1-8B replicas (L4, 10× real time
 prompts are drawn Zipf(0.8) from 2,000 questions (32% repeats), 8 at a time, with the cache on and
 off; the engines' own counters give the prompt and generated tokens they computed.
 
-    .venv/bin/python bench/cache_latency.py [--requests 2000]
+    .venv/bin/python benchmarks/cache_latency.py [--requests 2000]
 """
 
 from __future__ import annotations

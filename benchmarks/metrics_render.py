@@ -12,7 +12,7 @@ does once it serves (without it a full collection every ~50 renders put p99 at ~
 render time p50/p99 in ms (the issue's bound: 20 ms), bytes and series counts, and the ratio
 to the baseline.
 
-    .venv/bin/python bench/metrics_render.py [--models 8] [--replicas 64] [--runs 200]
+    .venv/bin/python benchmarks/metrics_render.py [--models 8] [--replicas 64] [--runs 200]
 """
 
 from __future__ import annotations
@@ -26,8 +26,9 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from corral.engines import EngineLoad
 from corral.gateway.metrics import GatewayMetrics
-from corral.routing import EngineLoad, Replica, ReplicaSet, ReplicaState, Router
+from corral.routing import Replica, ReplicaSet, ReplicaState, Router
 
 
 def corral_metrics(models: int, replicas: int) -> GatewayMetrics:

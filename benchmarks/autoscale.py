@@ -18,7 +18,7 @@ Printed JSON, per profile and fleet: SLO-violation minutes (10 s windows whose T
 (the integral of the replica count), TTFT p50/p95, requests, failed requests, most replicas; and each
 autoscaled fleet's ratios against `fixed_peak` (replica-minutes) and `fixed_min` (violation minutes).
 
-    .venv/bin/python bench/autoscale.py [--base-rate 3] [--slo-ms 300] [--profiles step,diurnal]
+    .venv/bin/python benchmarks/autoscale.py [--base-rate 3] [--slo-ms 300] [--profiles step,diurnal]
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ Printed JSON, per (concurrency, streaming): requests/s and its ratio to direct, 
 latency each relay adds, and each relay's CPU time per request (the steadiest figure on a shared
 machine), with corral's ratios to the bare relay and to the lean bare relay.
 
-    .venv/bin/python bench/gateway_overhead.py [--chunks 64] [--requests 3000] [--rounds 2]
+    .venv/bin/python benchmarks/gateway_overhead.py [--chunks 64] [--requests 3000] [--rounds 2]
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""The long-lived parts the gateway's stages use, built once from configuration and passed in."""
+"""The gateway's long-lived parts, built once from the spec and handed to the app's assembly (app.py),
+which gives each stage the parts it uses by name: no stage holds the container."""
 
 from __future__ import annotations
 
@@ -6,15 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from corral.admission import (
-    Authenticator,
-    BudgetTracker,
-    FairQueue,
-    Limiter,
-    MemoryLimiter,
-    RedisLimiter,
-    TokenCounter,
-)
+from corral.admission import Authenticator, BudgetTracker, FairQueue, RateLimits, TokenCounter, TokenSizing
+from corral.batch import BatchStore
 from corral.cache import CacheStore, ExactCache, MemoryStore, RedisStore
 from corral.config import (
     AuthSettings,
@@ -27,12 +21,12 @@ from corral.config import (
     StoreSettings,
 )
 from corral.routing import ReplicaSet
-from corral.store import BatchStore, KeyStore, UsageStore, open_database
+from corral.store import KeyStore, UsageStore, open_database
 
 if TYPE_CHECKING:
     from sqlalchemy import Engine
 
-__all__ = ["GatewayServices", "ReplicaControl"]
+__all__ = ["AdminAccess", "GatewayParts", "ReplicaControl"]
 
 
 class ReplicaControl(Protocol):
@@ -48,41 +42,42 @@ class ReplicaControl(Protocol):
     async def rollout_action(self, model: str, action: str, grace_s: float = 60.0) -> dict[str, object]: ...
 
 
-@dataclass
-class GatewayServices:
+@dataclass(frozen=True)
+class AdminAccess:
+    """Who may use the admin API: the holder of `admin_key`; without one, clients on this machine of a
+    gateway that runs open (`open_access`)."""
+
+    admin_key: str | None
+    open_access: bool
+
+
+@dataclass(frozen=True)
+class GatewayParts:
+    """What the gateway is built from. Immutable: a live `corral apply` changes settings inside the parts
+    (`reconfigure`; a new model's entries in `failover_modes`, `sizing` and `cache`), never which parts."""
+
     keys: KeyStore
     usage_store: UsageStore
     auth: Authenticator
-    limiter: Limiter
+    limits: RateLimits
     budget: BudgetTracker
     queue: FairQueue
-    admin_key: str | None
-    open_access: bool
-    tokens_per_byte: float
-    flush_interval: float
-    limits_fail_open: bool = True
+    sizing: TokenSizing
+    access: AdminAccess
+    flush_interval: float  # seconds between usage-record writes
     max_pending_usage: int = 100_000
-    token_counters: dict[str, TokenCounter] = field(default_factory=dict)
     failover_modes: dict[str, str] = field(default_factory=dict)  # model → mid_stream_failover
-    control: ReplicaControl | None = None  # the supervisor, when it runs in this process
+    control: ReplicaControl | None = None  # the supervisor (or, in a worker, a proxy to it)
     cache: ExactCache | None = None  # answers repeated requests (models with cache.exact)
-    limits: LimitsSettings | None = None  # what `limiter` was built from (a live apply compares)
-    retired: list[Limiter] = field(default_factory=list)  # limiters replaced by a live apply
     batches: BatchStore | None = None  # files and batch jobs (batch.enabled)
     batch: BatchSettings = field(default_factory=BatchSettings)
 
-    def reconfigure(self, queue: QueueSettings, limits: LimitsSettings) -> Limiter | None:
-        """New queue bounds and rate-limit settings from a live `corral apply`. A changed limits section
-        gets a new limiter (counts start afresh); requests admitted by the old one settle with it. Returns
-        the old limiter, for the caller to close once those are done."""
+    def reconfigure(self, queue: QueueSettings, limits: LimitsSettings) -> None:
+        """New queue bounds and rate-limit settings from a live `corral apply` (requests already waiting
+        keep their place; a changed limits section gets a new limiter)."""
         self.queue.configure(queue.max_queued, queue.timeout)
-        self.tokens_per_byte = limits.tokens_per_char
-        self.limits_fail_open = limits.on_redis_error == "open"
-        if limits == self.limits:
-            return None
-        old, self.limiter, self.limits = self.limiter, _limiter(limits), limits
-        self.retired.append(old)  # closed at shutdown: requests it admitted may still settle with it
-        return old
+        self.sizing.tokens_per_byte = limits.tokens_per_char
+        self.limits.reconfigure(limits)
 
     @classmethod
     def build(
@@ -100,28 +95,24 @@ class GatewayServices:
         cache_policies: dict[str, ModelCacheSpec] | None = None,
         cache_versions: dict[str, str] | None = None,
         batch: BatchSettings | None = None,
-    ) -> GatewayServices:
+    ) -> GatewayParts:
         engine = open_database(store.url or database_url)
         keys, usage = KeyStore(engine), UsageStore(engine)
-        limiter = _limiter(limits)
         batch = batch or BatchSettings()
+        counters = {model: TokenCounter(path) for model, path in (tokenizers or {}).items()}
         return cls(
             keys=keys,
             usage_store=usage,
             auth=Authenticator(keys, open_access=auth.open, ttl=auth.cache_ttl),
-            limiter=limiter,
+            limits=RateLimits(limits),
             budget=BudgetTracker(usage),
             queue=FairQueue(replicas, queue.max_queued, queue.timeout),
-            admin_key=admin_key,
-            open_access=auth.open,
-            tokens_per_byte=limits.tokens_per_char,
+            sizing=TokenSizing(limits.tokens_per_char, counters),
+            access=AdminAccess(admin_key, auth.open),
             flush_interval=store.flush_interval,
-            limits_fail_open=limits.on_redis_error == "open",
             max_pending_usage=store.max_pending,
-            token_counters={model: TokenCounter(path) for model, path in (tokenizers or {}).items()},
             failover_modes=failover_modes or {},
             cache=_cache(cache or CacheSettings(), cache_policies or {}, cache_versions or {}),
-            limits=limits,
             batches=_batches(engine, batch),
             batch=batch,
         )
@@ -131,16 +122,10 @@ def _batches(engine: Engine, settings: BatchSettings) -> BatchStore | None:
     if not settings.enabled:
         return None
     if settings.queue == "redis":
-        from corral.store.batch_redis import RedisLines  # the redis client is imported only when used
+        from corral.batch.queue_redis import RedisLines  # the redis client is imported only when used
 
         return BatchStore(engine, RedisLines(settings.redis_url))
     return BatchStore(engine)
-
-
-def _limiter(limits: LimitsSettings) -> Limiter:
-    if limits.backend == "redis":
-        return RedisLimiter(limits.redis_url, limits.window_s, timeout=limits.redis_timeout)
-    return MemoryLimiter(limits.window_s)
 
 
 def _cache(

@@ -16,7 +16,7 @@ worker has a core to itself, two share the machine's cores with wrk and NGINX, s
 o their CPU per request, 2 workers serve at most min(2, cores × g / (g + o)) times one worker's rate, and
 never more than NGINX serves when asked directly (`rps_ratio_bound`).
 
-    .venv/bin/python bench/gateway_workers.py [--seconds 8] [--rounds 3] [--chunks 64]
+    .venv/bin/python benchmarks/gateway_workers.py [--seconds 8] [--rounds 3] [--chunks 64]
 """
 
 from __future__ import annotations

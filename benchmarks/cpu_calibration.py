@@ -8,7 +8,7 @@ The points are written to `src/corral/perf/data/measured_cpu.yaml` (with `--writ
 a source per engine; `corral plan --validate` then fits each CPU engine's factors and shows their error,
 leaving one workload out at a time (one source per engine: leaving the source out would leave nothing).
 
-    .venv/bin/python bench/cpu_calibration.py [--engines llamacpp,vllm] [--write]   # about 10 minutes
+    .venv/bin/python benchmarks/cpu_calibration.py [--engines llamacpp,vllm] [--write]   # about 10 minutes
 
 Needs `corral prepare -f tests/data/vllm-cluster.yaml` for vLLM's CPU environment.
 """
@@ -130,7 +130,7 @@ def _point(
     return {
         "source_id": f"measured-here-{engine}",
         "url": None,
-        "command": "bench/cpu_calibration.py",
+        "command": "benchmarks/cpu_calibration.py",
         "where": f"corral bench against corral up, {input_len}/{output_len} at concurrency {concurrency}",
         "published": datetime.date.today().isoformat(),
         "engine": ENGINE_NAMES[engine],
@@ -172,8 +172,8 @@ def main() -> None:
     if args.write:
         target = ROOT / "src" / "corral" / "perf" / "data" / "measured_cpu.yaml"
         header = (
-            "# Measured here by bench/cpu_calibration.py (see its docstring for the setup); the planner's\n"
-            "# validation reads these beside published.yaml. Re-run it to refresh them.\n"
+            "# Measured here by benchmarks/cpu_calibration.py (see its docstring for the setup); the\n"
+            "# planner's validation reads these beside published.yaml. Re-run it to refresh them.\n"
         )
         target.write_text(header + yaml.safe_dump({"points": points}, sort_keys=False, width=110))
         print(f"wrote {target}")

@@ -12,7 +12,7 @@ requests and time the first content chunk. Targets, interleaved request by reque
 Printed JSON: per concurrency, TTFC p50/p90/p99 in ms per target and the edge's added p50/p90 against
 direct (the issue's bound: within 5 ms).
 
-    .venv/bin/python bench/edge_latency.py [--requests 400] [--concurrency 1,16]
+    .venv/bin/python benchmarks/edge_latency.py [--requests 400] [--concurrency 1,16]
 """
 
 from __future__ import annotations

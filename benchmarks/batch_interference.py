@@ -11,7 +11,7 @@ Printed: interactive p50/p99 TTFT in runs 1 and 2 (the issue's bound: p99 within
 per second in runs 2 and 3, and the share of the idle capacity the batch used in run 2, in generated
 tokens per second: the batch's rate in run 2 over (run 3's rate − the interactive rate of run 1).
 
-    .venv/bin/python bench/batch_interference.py [--seconds 60] [--rate 6]
+    .venv/bin/python benchmarks/batch_interference.py [--seconds 60] [--rate 6]
 """
 
 from __future__ import annotations

@@ -5,83 +5,23 @@ PostgreSQL; SQLite serialises writers), runs them and *commits* each result only
 lease, so a line has exactly one result whatever crashes: a runner killed mid-line leaves a lease that
 expires and is taken over; a runner that finishes after losing its lease has its result dropped. Counts
 are derived from the lines' states, never kept apart, so they cannot drift. The Redis Streams queue
-(batch_redis.py) keeps the same contract.
+(queue_redis.py) keeps the same contract (queue.py).
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Any
 
 from sqlalchemy import Engine, func, select, update
 from sqlalchemy.orm import Session
 
+from corral.batch.queue import BatchLine, LineResult, ResultRow, Stop
 from corral.store.batch_rows import BatchLineRow, BatchRow, changed, gave_up, response_json
 
-__all__ = ["LOST", "BatchLine", "LineQueue", "LineResult", "ResultRow", "SqlLines", "Stop"]
+__all__ = ["SqlLines"]
 
-LOST = -1  # settle's answer for a batch whose lines the queue no longer has
-
-Stop = Literal["cancel", "expire"]
-ResultRow = tuple[str, str, int | None, str | None]  # custom_id, state, status code, stored response
 BUSY = ("pending", "leased")
-
-
-@dataclass(frozen=True)
-class BatchLine:
-    """A leased line: what to run, and for whom. The queue fills the line's own fields; the store adds
-    the batch's (endpoint, tenant, key)."""
-
-    batch_id: str
-    line: int
-    custom_id: str
-    body: bytes
-    endpoint: str
-    tenant: str
-    key_id: str | None
-    attempts: int  # this lease included
-    token: str = ""  # the queue's handle on the lease (a Redis stream entry id)
-    model: str = ""
-
-
-@dataclass(frozen=True)
-class LineResult:
-    status_code: int
-    body: bytes  # the answer (or an OpenAI error body)
-    request_id: str
-
-
-class LineQueue(Protocol):
-    """Lines of in-progress batches: leased, committed under the lease, released, settled. Methods that
-    take a session run inside the store's transaction on the batch row; `settle` answers how many lines
-    are still to run, or LOST (-1) when the queue no longer has the batch's lines."""
-
-    name: str  # "sql" or "redis": a batch is run by the gateways on the queue it was created on
-
-    def add(self, session: Session, batch_id: str, model: str, lines: list[tuple[str, bytes]]) -> None: ...
-
-    def lease(
-        self, owner: str, model: str, limit: int, lease_s: float, max_attempts: int
-    ) -> list[BatchLine]: ...
-
-    def commit_many(self, owner: str, results: list[tuple[BatchLine, LineResult]]) -> int: ...
-
-    def release(self, owner: str, line: BatchLine, after_s: float, undo_attempt: bool = False) -> None: ...
-
-    def renew(self, owner: str, lines: list[BatchLine], lease_s: float) -> None: ...
-
-    def cancel(self, batch_id: str) -> None: ...
-
-    def settle(self, session: Session, batch_id: str, model: str, stop: Stop | None, now: float) -> int: ...
-
-    def results(self, session: Session, batch_id: str) -> list[ResultRow]: ...
-
-    def counts(self, session: Session, batch_ids: list[str]) -> dict[str, dict[str, int]]: ...
-
-    def drop(self, batch_id: str) -> None: ...
-
-    def tidy(self, unfinished: set[str]) -> int: ...
 
 
 class SqlLines:

@@ -6,7 +6,7 @@ on the exact prompt text (short prompts: a prefill costs about one decode step),
 random prompts do not matter. vLLM's benchmark runs from corral's managed vLLM environment (as in the tests:
 `corral prepare -f tests/data/vllm-cluster.yaml`), with SmolLM2's converted tokenizer for its random prompts.
 
-    .venv/bin/python bench/bench_agreement.py [--num-prompts 48] [--max-concurrency 8]
+    .venv/bin/python benchmarks/bench_agreement.py [--num-prompts 48] [--max-concurrency 8]
 """
 
 from __future__ import annotations

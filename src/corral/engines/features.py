@@ -1,0 +1,39 @@
+"""What an engine answers correctly by itself, declared by its adapter."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["EngineFeatures"]
+
+
+@dataclass(frozen=True, slots=True)
+class EngineFeatures:
+    """What an engine answers correctly by itself; the gateway makes up for the rest, or refuses it.
+
+    llama.cpp, for example, answers `n > 1` and a list of prompts with the usage of one choice only, and
+    ignores `echo`: the gateway fans such requests out and adds the echo itself.
+    """
+
+    multiple_choices: bool = True  # n > 1, with usage over all choices
+    prompt_lists: bool = True  # /v1/completions with a list of prompts, with usage over all of them
+    echo: bool = True
+    images: bool = True  # image parts in chat messages
+    continuation: bool = True  # continues a trailing assistant message / prompt text (mid-stream failover)
+    prefill_echo: bool = False  # continuing a chat, it first sends the continued text back (llama.cpp)
+    token_prompts: bool = False  # takes prompts mixing text and token ids, tokenizes at /tokenize (llama.cpp)
+    embeddings: bool = False  # an embedding model: serves /v1/embeddings, not generation
+    matryoshka: bool = False  # its vectors may be shortened (`dimensions`; models[].matryoshka)
+
+    def __and__(self, other: EngineFeatures) -> EngineFeatures:
+        return EngineFeatures(
+            self.multiple_choices and other.multiple_choices,
+            self.prompt_lists and other.prompt_lists,
+            self.echo and other.echo,
+            self.images and other.images,
+            self.continuation and other.continuation,
+            self.prefill_echo or other.prefill_echo,
+            self.token_prompts and other.token_prompts,
+            self.embeddings and other.embeddings,
+            self.matryoshka and other.matryoshka,
+        )
