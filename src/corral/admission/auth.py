@@ -69,7 +69,8 @@ class Authenticator:
                 return ANONYMOUS
             raise Unauthorized("Missing API key: send it as 'Authorization: Bearer <key>'.")
         scheme, _, secret = authorization.partition(" ")
-        if scheme.lower() != "bearer" or not secret.strip():
+        # (a header that is not UTF-8 arrives with its bytes as lone surrogates; keys are ASCII)
+        if scheme.lower() != "bearer" or not secret.strip() or not secret.isascii():
             raise Unauthorized("Malformed Authorization header: expected 'Bearer <key>'.")
         key_hash = hash_key(secret.strip())
         now = time.monotonic()

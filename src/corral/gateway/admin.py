@@ -79,7 +79,8 @@ class AdminViews:
         if expected is None:  # behind a proxy, the client it names must be local (clients.py)
             return self._access.open_access and self._clients.is_local(request)
         scheme, _, given = (request.headers.get("Authorization") or "").partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), expected.encode())
+        given_bytes = given.strip().encode("utf-8", "surrogateescape")  # a header not in UTF-8: as sent
+        return scheme.lower() == "bearer" and hmac.compare_digest(given_bytes, expected.encode())
 
     def check(self, request: web.Request) -> None:
         """Refuse (401/403) a request that is not the admin's."""

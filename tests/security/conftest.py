@@ -1,0 +1,1 @@
+from ..gateway.conftest import upstream  # noqa: F401  (the scripted upstream fixture)
