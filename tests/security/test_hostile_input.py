@@ -5,9 +5,22 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import AsyncIterator
 from pathlib import Path
 
+import aiohttp
 import pytest
+
+from corral.config import (
+    AuthSettings,
+    BatchSettings,
+    GatewaySettings,
+    LimitsSettings,
+    QueueSettings,
+    StoreSettings,
+)
+from corral.gateway import GatewayParts, GatewayServer
+from corral.routing import Replica, ReplicaSet, ReplicaState, Router
 
 from ..admission.test_gateway_admission import Cluster, start
 from ..gateway.conftest import ScriptedUpstream
@@ -54,3 +67,85 @@ async def test_an_authorization_header_that_is_not_utf8_is_refused_with_401(
         closed.url, head + b"Authorization: Bearer \xff\xfe-not-a-key\r\n", body
     )
     assert (status, answer["error"]["code"]) == (401, "invalid_api_key"), answer
+
+
+@pytest.fixture
+async def with_batches(tmp_path: Path, upstream: ScriptedUpstream) -> AsyncIterator[tuple[str, str]]:
+    """A closed gateway with the Files and Batch API, and a tenant key: (url, key)."""
+    replicas = ReplicaSet(["m"])
+    replicas.add(Replica(id="m-0", model="m", engine="x", url=upstream.url, state=ReplicaState.READY))
+    parts = GatewayParts.build(
+        replicas,
+        f"sqlite:///{tmp_path / 'c.db'}",
+        AuthSettings(open=False),
+        StoreSettings(flush_interval=0.1),
+        LimitsSettings(),
+        QueueSettings(),
+        admin_key="admin",
+        batch=BatchSettings(),
+    )
+    secret, _ = parts.keys.create("eve")
+    server = GatewayServer(GatewaySettings(port=0), Router(replicas), parts)
+    await server.start()
+    yield f"http://127.0.0.1:{server.port}", secret
+    await server.stop()
+
+
+async def post(url: str, key: str, body: bytes, content_type: str = "application/json") -> tuple[int, dict]:
+    headers = {"Authorization": f"Bearer {key}", "Content-Type": content_type}
+    async with aiohttp.ClientSession() as session, session.post(url, data=body, headers=headers) as r:
+        return r.status, await r.json(content_type=None)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"endpoint": [], "input_file_id": "file-x", "completion_window": "24h"}',
+        b'{"endpoint": {}, "input_file_id": "file-x", "completion_window": "24h"}',
+        b'{"endpoint": "/v1/chat/completions", "input_file_id": "f", '
+        b'"completion_window": "99999999999999999999h"}',
+        b'{"endpoint": "/v1/chat/completions", "input_file_id": "f", "completion_window": "%sh"}'
+        % (b"9" * 5000),
+    ],
+)
+async def test_a_batch_request_of_the_wrong_shape_is_a_400(
+    with_batches: tuple[str, str], body: bytes
+) -> None:
+    url, key = with_batches
+    status, answer = await post(url + "/v1/batches", key, body)
+    assert status == 400 and answer["error"]["param"] in ("endpoint", "completion_window"), answer
+
+
+@pytest.mark.parametrize(
+    "purpose_headers",
+    [
+        b'Content-Type: text/plain; charset="x-no-such-charset"\r\n',
+        b"Content-Transfer-Encoding: x-no-such-encoding\r\n",
+    ],
+)
+async def test_a_purpose_part_in_an_unknown_encoding_is_a_400(
+    with_batches: tuple[str, str], purpose_headers: bytes
+) -> None:
+    url, key = with_batches
+    line = b'{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {"model": "m"}}\n'
+    form = (
+        b'--B\r\nContent-Disposition: form-data; name="purpose"\r\n' + purpose_headers + b"\r\nbatch\r\n"
+        b'--B\r\nContent-Disposition: form-data; name="file"; filename="in.jsonl"\r\n'
+        b"Content-Type: application/jsonl\r\n\r\n" + line + b"\r\n--B--\r\n"
+    )
+    status, answer = await post(url + "/v1/files", key, form, "multipart/form-data; boundary=B")
+    assert status == 400, answer
+
+
+@pytest.mark.parametrize("value", [b"NaN", b"Infinity", b"-Infinity"])
+async def test_a_number_json_does_not_have_is_a_400_beside_stream_options(
+    with_batches: tuple[str, str], value: bytes
+) -> None:
+    url, key = with_batches
+    body = (
+        b'{"model": "m", "stream": true, "stream_options": {"x": {"y": 1}}, "logit_bias": {"50": '
+        + value
+        + b'}, "messages": [{"role": "user", "content": "hi"}]}'
+    )
+    status, answer = await post(url + "/v1/chat/completions", key, body)
+    assert status == 400 and "JSON" in answer["error"]["message"], answer

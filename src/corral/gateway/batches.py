@@ -19,7 +19,7 @@ from corral.protocol import InvalidRequest, NotFound, PayloadTooLarge
 
 __all__ = ["BatchViews"]
 
-_WINDOW = re.compile(r"^(\d+)([smh])$")
+_WINDOW = re.compile(r"^(\d{1,6})([smh])$")  # 999999 s is past the 24 h bound already
 _MAX_WINDOW = timedelta(hours=24)
 _CHUNK = 1 << 16
 
@@ -74,7 +74,7 @@ class BatchViews:
             if not isinstance(part, BodyPartReader):
                 continue
             if part.name == "purpose":
-                purpose = (await part.text()).strip()
+                purpose = (await _part_text(part)).strip()
             elif part.name == "file":
                 filename = (part.filename or filename)[:256]
                 content = await self._read_limited(part)
@@ -162,9 +162,19 @@ class BatchViews:
         return web.json_response(found.to_api())
 
 
+async def _part_text(part: BodyPartReader) -> str:
+    """A form field's text in the charset and transfer encoding it declares; 400 for ones unknown."""
+    try:
+        return await part.text()
+    except LookupError as exc:  # a charset Python does not know
+        raise InvalidRequest(f"Part '{part.name}' has an unknown charset: {exc}.", param=part.name) from exc
+    except RuntimeError as exc:  # aiohttp: "unknown content transfer encoding"
+        raise InvalidRequest(f"Part '{part.name}' cannot be decoded: {exc}.", param=part.name) from exc
+
+
 def _batch_fields(body: dict[str, Any]) -> tuple[str, timedelta, dict[str, str] | None]:
     endpoint = body.get("endpoint")
-    if endpoint not in ENDPOINTS:
+    if not isinstance(endpoint, str) or endpoint not in ENDPOINTS:
         raise InvalidRequest(f"'endpoint' must be one of {', '.join(ENDPOINTS)}.", param="endpoint")
     window = _window(body.get("completion_window", "24h"))
     meta = body.get("metadata")

@@ -538,7 +538,10 @@ def _with_usage(raw: bytes) -> bytes:
         end = raw.rstrip()
         if end.endswith(b"}"):
             return end[:-1] + _ASK_USAGE
-    data = orjson.loads(raw)
+    try:
+        data = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:  # NaN, Infinity: pydantic's parser took them, JSON has none
+        raise InvalidRequest(f"The body is not valid JSON: {exc}.") from exc
     options = data.get("stream_options") or {}
     data["stream_options"] = {**options, "include_usage": True}
     return orjson.dumps(data)
