@@ -56,10 +56,14 @@ def _words(text: str) -> list[str]:
 
 
 def _directions(words: list[str]) -> list[tuple[str, str]]:
+    """Each direction word with the first content word after it, in one pass from the end (linear: a
+    question of many prepositions and stop words must not cost quadratic time on the event loop)."""
     found = []
-    for i, word in enumerate(words):
+    following = ""  # the first content word after the current position
+    for word in reversed(words):
         kind = _DIRECTIONS.get(word)
         if kind is not None:
-            target = next((w for w in words[i + 1 :] if w not in _STOP), "")
-            found.append((kind, target))
+            found.append((kind, following))
+        if word not in _STOP:
+            following = word
     return sorted(found)
