@@ -192,11 +192,13 @@ class ExactCache:
         return added
 
     async def sweep(self) -> int:
-        """Forget indexed vectors whose entries are gone (expired, evicted); how many went."""
+        """Forget indexed vectors whose entries are gone (expired, evicted); how many went. One question to
+        the store for all the index's keys (in Redis, pipelined 500 at a time)."""
         keys = self.index.keys()
         if not keys or not self.store.healthy:
             return 0
-        gone = [key for key in keys if key not in await self.store.present(keys)]
+        present = await self.store.present(keys)
+        gone = [key for key in keys if key not in present]
         if self.store.healthy:  # (a store that failed mid-way answered nothing reliable)
             self.index.remove(gone)
             self.learner.forget(gone)
