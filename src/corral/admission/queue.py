@@ -6,6 +6,13 @@ tenant's burst cannot starve another's trickle: a request of a tenant with nothi
 the slots already taken. A full queue refuses at once; a request that cannot start before
 its deadline leaves the queue; both get 503 with a Retry-After derived from the measured drain rate.
 
+A tenant holds at most its share of a model's waiting places: the places divided among the tenants
+waiting, weighted by priority (high 4, normal 2, low 1). When the queue is full, a tenant below its share
+still gets in: the newest waiter of the tenant furthest over its share leaves with a 429
+(`queue_share_exceeded`); a tenant at or over its share is refused with that 429 itself. A full queue
+gives 503 `queue_full` only to the one tenant waiting (its share is every place): one tenant's burst
+never turns into another tenant's 503.
+
 A model scaled to zero (`replicas.on_demand`) holds requests while its first replica starts, for the
 autoscaler's `hold_s`, instead of refusing them: the autoscaler sees them waiting and starts one.
 """
@@ -20,13 +27,18 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from corral.admission.auth import Principal
-from corral.protocol import NoCapacity
+from corral.protocol import NoCapacity, RateLimited
 
 __all__ = ["Capacity", "FairQueue"]
 
 _TICK_S = 0.25  # re-check capacity this often (replicas come and go)
 _RATE_WINDOW_S = 30.0
 _RATE_SAMPLES = 4096  # completions the drain rate is measured over, at most
+_WEIGHTS = (4, 2, 1)  # a tenant's weight in sharing the waiting places, by priority (high, normal, low)
+
+
+def _weight(priority: int) -> int:
+    return _WEIGHTS[min(max(priority, 0), len(_WEIGHTS) - 1)]
 
 
 @dataclass(eq=False)
@@ -43,6 +55,8 @@ class _ModelQueue:
         self.last_served: dict[str, int] = {}
         self.turns = 0
         self.size = 0
+        self.held: dict[str, int] = {}  # tenant → its requests waiting
+        self.weights: dict[str, int] = {}  # tenant → its weight (its latest waiter's priority)
         self.granted = 0  # slots handed to woken waiters that have not reached a replica yet
         # completion times for the drain rate (Retry-After); bounded, so a queue that never refuses
         # anyone does not keep every completion
@@ -53,6 +67,15 @@ class _ModelQueue:
         tenants = self.classes.setdefault(waiter.priority, {})
         tenants.setdefault(waiter.tenant, deque()).append(waiter)
         self.size += 1
+        self.held[waiter.tenant] = self.held.get(waiter.tenant, 0) + 1
+        self.weights[waiter.tenant] = _weight(waiter.priority)
+
+    def _left(self, tenant: str) -> None:
+        held = self.held[tenant] - 1
+        if held:
+            self.held[tenant] = held
+        else:
+            del self.held[tenant], self.weights[tenant]
 
     def pop(self) -> _Waiter | None:
         for priority in sorted(self.classes):
@@ -66,6 +89,7 @@ class _ModelQueue:
                 del tenants[tenant]
             self.served(tenant)
             self.size -= 1
+            self._left(tenant)
             return waiter
         return None
 
@@ -82,8 +106,28 @@ class _ModelQueue:
         if waiters is not None and waiter in waiters:
             waiters.remove(waiter)
             self.size -= 1
+            self._left(waiter.tenant)
             if not waiters:
                 del self.classes[waiter.priority][waiter.tenant]
+
+    def over_share(self, tenant: str, priority: int, places: int) -> str | None:
+        """The queue is full and `tenant` asks for a place: None when it is at or over its share (it is
+        refused), else the tenant furthest over its share, whose newest waiter makes room."""
+        weights = {**self.weights, tenant: _weight(priority)}
+        total = sum(weights.values())
+        if self.held.get(tenant, 0) >= places * weights[tenant] / total:
+            return None
+        return max(self.held, key=lambda t: self.held[t] / weights[t])
+
+    def displace(self, tenant: str) -> _Waiter:
+        """Take `tenant`'s newest waiter out (of its lowest priority class)."""
+        for priority in sorted(self.classes, reverse=True):
+            waiters = self.classes[priority].get(tenant)
+            if waiters:
+                waiter = waiters[-1]
+                self.remove(waiter)
+                return waiter
+        raise KeyError(tenant)
 
     def oldest_wait(self) -> float:
         """Seconds the longest-waiting request has waited (0 with none waiting)."""
@@ -173,11 +217,7 @@ class FairQueue:
             queue.served(principal.tenant)
             return 0.0
         if queue.size >= self._max:
-            raise NoCapacity(
-                f"The queue for model '{model}' is full.",
-                code="queue_full",
-                retry_after=self._retry_after(queue, queue.size),
-            )
+            self._make_room(model, queue, principal)
         waiter = _Waiter(principal.tenant, principal.priority)
         queue.push(waiter)
         started = time.monotonic()
@@ -186,7 +226,7 @@ class FairQueue:
             await asyncio.wait_for(asyncio.shield(waiter.future), timeout)
         except TimeoutError:
             queue.remove(waiter)
-            if waiter.future.done():  # granted just as the deadline passed: hand the slot on
+            if _granted(waiter):  # granted just as the deadline passed: hand the slot on
                 queue.granted -= 1
                 self._wake(model, queue)
             raise NoCapacity(
@@ -196,7 +236,7 @@ class FairQueue:
             ) from None
         except asyncio.CancelledError:
             queue.remove(waiter)
-            if waiter.future.done():
+            if _granted(waiter):
                 queue.granted -= 1
                 self._wake(model, queue)
             raise
@@ -210,6 +250,21 @@ class FairQueue:
             queue.finished.append(time.monotonic())
             if queue.size:  # someone waits for the slot
                 self._wake(model, queue)
+
+    def _make_room(self, model: str, queue: _ModelQueue, principal: Principal) -> None:
+        """A full queue: refuse `principal` (503 when no other tenant waits, 429 when it holds its share),
+        or make room for it: the newest waiter of the tenant furthest over its share leaves with the 429."""
+        retry_after = self._retry_after(queue, queue.size)
+        if self._max <= 0 or queue.held.keys() <= {principal.tenant}:
+            raise NoCapacity(
+                f"The queue for model '{model}' is full.", code="queue_full", retry_after=retry_after
+            )
+        hog = queue.over_share(principal.tenant, principal.priority, self._max)
+        if hog is None:
+            raise _over_share(model, principal.tenant, queue.held.get(principal.tenant, 0), retry_after)
+        waiter = queue.displace(hog)
+        if not waiter.future.done():
+            waiter.future.set_exception(_over_share(model, hog, queue.held.get(hog, 0) + 1, retry_after))
 
     def _wake(self, model: str, queue: _ModelQueue) -> None:
         free = (self._capacity.free_slots(model) or 0) - queue.granted
@@ -230,3 +285,18 @@ class FairQueue:
             for model, queue in self._queues.items():
                 if queue.size:
                     self._wake(model, queue)
+
+
+def _granted(waiter: _Waiter) -> bool:
+    """The waiter was given a slot (not refused to make room for another tenant)."""
+    future = waiter.future
+    return future.done() and not future.cancelled() and future.exception() is None
+
+
+def _over_share(model: str, tenant: str, held: int, retry_after: float) -> RateLimited:
+    return RateLimited(
+        f"Tenant '{tenant}' holds its share of the queue for model '{model}' ({held} waiting) while other "
+        "tenants wait too; retry later.",
+        code="queue_share_exceeded",
+        retry_after=retry_after,
+    )

@@ -238,7 +238,14 @@ class BatchSettings(Strict):
 class QueueSettings(Strict):
     """Per-model waiting room in front of the replicas."""
 
-    max_queued: Annotated[int, Field(ge=0, description="requests waiting per model before 503")] = 1024
+    max_queued: Annotated[
+        int,
+        Field(
+            ge=0,
+            description="requests waiting per model; while several tenants wait, each holds at most its "
+            "priority-weighted share (over it: 429 queue_share_exceeded); full for one tenant alone: 503",
+        ),
+    ] = 1024
     timeout: Annotated[
         float, Field(gt=0, description="seconds a request may wait for a replica before 503")
     ] = 30.0

@@ -1,0 +1,80 @@
+"""Tenant eve against tenant bob through a closed gateway: eve's burst cannot take bob's place in a model's
+queue; over her share she gets a 429 naming it, and bob never a 503."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import aiohttp
+
+from corral.config import QueueSettings
+
+from ..admission.test_gateway_admission import Cluster, start
+from ..gateway.conftest import ScriptedUpstream
+
+BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+
+
+async def ask(session: aiohttp.ClientSession, cluster: Cluster, key: str) -> tuple[int, str]:
+    headers = {"Authorization": f"Bearer {key}"}
+    async with session.post(cluster.url + "/v1/chat/completions", json=BODY, headers=headers) as answer:
+        body = await answer.json()
+        return answer.status, "ok" if answer.status == 200 else body["error"]["code"]
+
+
+async def until_queued(cluster: Cluster, depth: int) -> None:
+    for _ in range(1000):  # 10 s
+        if cluster.services.queue.depth("m") >= depth:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"fewer than {depth} requests queued")
+
+
+async def until_one_refused(tasks: list[asyncio.Task[tuple[int, str]]]) -> None:
+    pending = set(tasks)
+    async with asyncio.timeout(10):
+        while pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            if any(task.result()[0] == 429 for task in done):
+                return
+    raise AssertionError("no request was refused")
+
+
+async def test_a_tenant_flooding_the_queue_cannot_take_an_idle_tenants_place(tmp_path: Path) -> None:
+    slow = ScriptedUpstream(delay=0.2)  # one slot; each answer takes 0.2 s
+    await slow.start()
+    server, cluster = await start(tmp_path, slow, capacity=1, queue=QueueSettings(max_queued=8, timeout=30))
+    try:
+        _, eve = await cluster.admin("POST", "/admin/keys", {"tenant": "eve"})
+        _, bob = await cluster.admin("POST", "/admin/keys", {"tenant": "bob"})
+        async with aiohttp.ClientSession() as session:
+            flood = [asyncio.create_task(ask(session, cluster, eve["key"])) for _ in range(9)]
+            await until_queued(cluster, 8)  # one runs, eight wait: the queue is full, all eve's
+            bob_asks = asyncio.create_task(ask(session, cluster, bob["key"]))
+            await until_one_refused(flood)  # bob took the place of eve's newest waiter
+            assert cluster.services.queue.depth("m") == 8
+            more = await ask(session, cluster, eve["key"])  # eve at her share (4 of 8 with bob waiting)
+            assert more == (429, "queue_share_exceeded")
+            assert await bob_asks == (200, "ok")
+            eve_answers = await asyncio.gather(*flood)
+        assert sorted(eve_answers) == [(200, "ok")] * 8 + [(429, "queue_share_exceeded")]
+    finally:
+        await server.stop()
+        await slow.stop()
+
+
+async def test_a_full_queue_of_one_tenant_alone_is_still_a_503_for_it(tmp_path: Path) -> None:
+    slow = ScriptedUpstream(delay=0.2)
+    await slow.start()
+    server, cluster = await start(tmp_path, slow, capacity=1, queue=QueueSettings(max_queued=2, timeout=30))
+    try:
+        _, eve = await cluster.admin("POST", "/admin/keys", {"tenant": "eve"})
+        async with aiohttp.ClientSession() as session:
+            flood = [asyncio.create_task(ask(session, cluster, eve["key"])) for _ in range(3)]
+            await until_queued(cluster, 2)
+            assert await ask(session, cluster, eve["key"]) == (503, "queue_full")  # the cluster is full
+            assert sorted(await asyncio.gather(*flood)) == [(200, "ok")] * 3
+    finally:
+        await server.stop()
+        await slow.stop()
