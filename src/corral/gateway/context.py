@@ -37,6 +37,7 @@ class RequestContext:
     cached: bool = False  # answered from the cache
     charged: bool = True  # a cache hit counts its tokens against limits, budgets and usage
     limiter: Any = None  # the limiter that reserved its budget (settled by the same one)
+    budgeted: int = 0  # tokens reserved of its key's monthly budget (released when it settles)
     lookup: Any = None  # its dealings with the response cache (cache.CacheLookup), when it has some
 
     @property

@@ -148,7 +148,7 @@ class Pipeline:
                 kind = ChatCompletionRequest if path == "/v1/chat/completions" else CompletionRequest
                 ctx = self._context(raw, path, kind, None)
             principal.check_model(ctx.model)
-            await self._budget.check(principal, ctx.route.tokens)  # (no rate limits: a batch)
+            ctx.budgeted = await self._budget.reserve(principal, ctx.route.tokens)  # (no rate limits)
         except APIError as exc:
             return exc.status, exc.to_json()
         status = 500
@@ -421,15 +421,19 @@ class Pipeline:
     async def admit(self, ctx: RequestContext, principal: Principal) -> Reservation | None:
         """Reserve the request and its tokens (input estimate + max output) before any work starts."""
         try:
-            await self._budget.check(principal, ctx.route.tokens)
+            ctx.budgeted = await self._budget.reserve(principal, ctx.route.tokens)
             limiter = ctx.limiter = self._limits.limiter  # settled by the same, even if replaced live
             try:
                 return await limiter.reserve(principal, ctx.route.tokens)
+            except APIError:
+                self._budget.settle(principal, 0, ctx.budgeted)  # refused: nothing ran
+                raise
             except LimiterUnavailable as exc:
                 self._metrics.limiter_errors.inc()
                 if self._limits.fail_open:
                     logger.warning("serving key %s without its rate limits: %s", principal.key_id, exc)
                     return None
+                self._budget.settle(principal, 0, ctx.budgeted)
                 raise NoCapacity(
                     "Rate limits cannot be checked right now; try again shortly.",
                     code="limits_unavailable",
@@ -454,15 +458,19 @@ class Pipeline:
     ) -> None:
         """Correct the reservation to real usage; record usage and metrics. A cache hit costs its tokens or
         only the request, as the model's `cache.charge` says."""
+        reached_engine = ctx.replica is not None
+        if ctx.usage is None and reached_engine and status == _CLIENT_GONE:
+            # The client left before the engine's usage reached us (a stream cut before its usage chunk):
+            # it is charged, and recorded, at its reservation (its prompt's estimate and max_tokens).
+            ctx.usage = _reserved_usage(ctx)
         usage = ctx.usage or {}
         used = int(usage.get("total_tokens") or 0)
         lookup = ctx.lookup
         if ctx.cached and lookup is not None and lookup.policy.charge == "request":
             used, ctx.charged = 0, False
         if reservation is not None:
-            # Tokens the engine reported; when it reported none but worked on the request (a client that
-            # went away mid-stream, say), the reservation stands: nothing is refunded for leaving early.
-            reached_engine = ctx.replica is not None
+            # Tokens the engine reported; when it reported none but worked on the request, the
+            # reservation stands: nothing is refunded for leaving early.
             kept = reservation.tokens if reached_engine and status < 500 else 0
             actual = used if used or ctx.cached else kept
             try:
@@ -472,7 +480,7 @@ class Pipeline:
                 logger.warning(
                     "settling the rate-limit reservation of key %s failed: %s", reservation.key_id, exc
                 )
-        self._budget.add(principal, used)
+        self._budget.settle(principal, used, ctx.budgeted)
         self._record(ctx, principal, status)
 
     def _record(self, ctx: RequestContext, principal: Principal, status: int) -> None:
@@ -517,6 +525,16 @@ class Pipeline:
                 replica="cache" if ctx.cached else (ctx.replica.id if ctx.replica else None),
             )
         )
+
+
+def _reserved_usage(ctx: RequestContext) -> dict[str, int]:
+    """The usage a request reserved at admission: its prompt's estimate and the most output it asked for."""
+    prompt = ctx.route.prompt_tokens
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": ctx.route.tokens - prompt,
+        "total_tokens": ctx.route.tokens,
+    }
 
 
 def prompt_text(body: ChatCompletionRequest | CompletionRequest) -> str:

@@ -1,0 +1,84 @@
+"""Tenant eve against her own monthly budget through a closed gateway: concurrent requests cannot all pass
+a check that one of them fits, and a stream she cuts before its usage chunk is still charged."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import aiohttp
+
+from ..admission.test_gateway_admission import Cluster, start
+from ..gateway.conftest import ScriptedUpstream
+
+BUDGET = 200
+
+
+async def chat(session: aiohttp.ClientSession, cluster: Cluster, key: str) -> tuple[int, int]:
+    """(status, total tokens the answer's usage says)."""
+    body = {"model": "m", "max_tokens": 50, "messages": [{"role": "user", "content": "hi"}]}
+    headers = {"Authorization": f"Bearer {key}"}
+    async with session.post(cluster.url + "/v1/chat/completions", json=body, headers=headers) as answer:
+        data = await answer.json()
+        return answer.status, data["usage"]["total_tokens"] if answer.status == 200 else 0
+
+
+async def used_by(cluster: Cluster, key_id: str) -> int:
+    """The key's tokens as the usage records say, once the records are written (every 0.1 s here)."""
+    await asyncio.sleep(0.3)
+    _, report = await cluster.admin("GET", "/admin/usage?by=key")
+    return sum(r["input_tokens"] + r["output_tokens"] for r in report["rows"] if r["key"] == key_id)
+
+
+async def test_concurrent_requests_cannot_run_a_budget_over(tmp_path: Path) -> None:
+    """Ten requests at once on a fresh 200-token budget, each reserving its prompt and 50 output tokens:
+    all ten passed the check before (450 tokens used); now only those whose reservations fit run."""
+    slow = ScriptedUpstream(chunks=40, delay=0.3)  # each answer: 5 prompt + 40 output tokens
+    await slow.start()
+    server, cluster = await start(tmp_path, slow)
+    try:
+        _, eve = await cluster.admin("POST", "/admin/keys", {"tenant": "eve", "monthly_token_budget": BUDGET})
+        async with aiohttp.ClientSession() as session:
+            answers = await asyncio.gather(*(chat(session, cluster, eve["key"]) for _ in range(10)))
+        served = [tokens for status, tokens in answers if status == 200]
+        assert served and sum(served) <= BUDGET, answers
+        assert sorted({status for status, _ in answers}) == [200, 429]
+        assert await used_by(cluster, eve["id"]) == sum(served) <= BUDGET
+    finally:
+        await server.stop()
+        await slow.stop()
+
+
+async def test_a_stream_cut_before_its_usage_is_charged_its_reservation(tmp_path: Path) -> None:
+    """Eve reads two chunks of a stream and hangs up: the engine's usage never arrives. Before, the budget
+    was charged 0 tokens and the record said 0/0; now the reservation is charged and recorded."""
+    dripping = ScriptedUpstream(chunks=40, gap=0.05)
+    await dripping.start()
+    server, cluster = await start(tmp_path, dripping)
+    try:
+        _, eve = await cluster.admin("POST", "/admin/keys", {"tenant": "eve", "monthly_token_budget": BUDGET})
+        body = {
+            "model": "m",
+            "max_tokens": 60,
+            "stream": True,
+            "messages": [{"role": "user", "content": "hi"}],
+        }
+        headers = {"Authorization": f"Bearer {eve['key']}"}
+        async with aiohttp.ClientSession() as session:
+            for _ in range(2):
+                async with session.post(
+                    cluster.url + "/v1/chat/completions", json=body, headers=headers
+                ) as r:
+                    assert r.status == 200
+                    await r.content.readline()  # one event, then leave
+            for _ in range(100):  # the gateway saw both clients leave and cut the upstream streams
+                if dripping.cancelled == 2:
+                    break
+                await asyncio.sleep(0.05)
+            charged = await used_by(cluster, eve["id"])
+            assert charged >= 2 * 60  # two reservations: max_tokens and the prompt's estimate each
+            status, _ = await chat(session, cluster, eve["key"])  # 200 - 2 × ~77 leaves too little for 50
+            assert status == 429
+    finally:
+        await server.stop()
+        await dripping.stop()
