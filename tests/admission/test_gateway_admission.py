@@ -22,6 +22,7 @@ from ..conftest import CORRAL
 from ..gateway.conftest import ScriptedUpstream, make_services
 
 ADMIN = "admin-secret"
+AS_ADMIN = {"Authorization": f"Bearer {ADMIN}"}
 MESSAGES = [{"role": "user", "content": "hi"}]
 
 
@@ -167,7 +168,10 @@ async def test_usage_is_recorded_and_reported(closed: Cluster) -> None:
 async def test_metrics_endpoint(closed: Cluster) -> None:
     _, made = await closed.admin("POST", "/admin/keys", {"tenant": "acme"})
     await closed.client(made["key"]).chat.completions.create(model="m", messages=MESSAGES)
-    async with aiohttp.ClientSession() as session, session.get(closed.url + "/metrics") as response:
+    async with (
+        aiohttp.ClientSession() as session,
+        session.get(closed.url + "/metrics", headers=AS_ADMIN) as response,
+    ):
         text = await response.text()
     assert 'corral_requests_total{model="m",status="200"} 1.0' in text
     assert 'corral_tokens_total{kind="output",model="m"} 4.0' in text
@@ -313,7 +317,10 @@ async def test_model_refusal_is_recorded_in_usage_and_metrics(closed: Cluster) -
     _, made = await closed.admin("POST", "/admin/keys", {"tenant": "initech", "models": ["other"]})
     with pytest.raises(openai.PermissionDeniedError):
         await closed.client(made["key"]).chat.completions.create(model="m", messages=MESSAGES)
-    async with aiohttp.ClientSession() as session, session.get(closed.url + "/metrics") as response:
+    async with (
+        aiohttp.ClientSession() as session,
+        session.get(closed.url + "/metrics", headers=AS_ADMIN) as response,
+    ):
         text = await response.text()
     assert 'corral_requests_total{model="m",status="403"} 1.0' in text
     assert 'corral_rejections_total{model="m",reason="model_not_allowed"} 1.0' in text

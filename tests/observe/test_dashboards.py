@@ -9,6 +9,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import yaml
 from grafana_foundation_sdk.models.dashboard import Dashboard
 
 from corral.observe import DASHBOARDS, dashboard_json, panel_queries
@@ -80,6 +81,9 @@ def test_observe_render_writes_dashboards_rules_and_provisioning(tmp_path: Path)
     assert "/corral/sd" in config and "dcgm" in config  # a GPU spec also scrapes dcgm-exporter
     provisioning = (out / "grafana" / "provisioning" / "dashboards" / "corral.yaml").read_text()
     assert str((out / "grafana" / "dashboards").resolve()) in provisioning
+    gateway = yaml.safe_load(config)["scrape_configs"][0]  # a closed gateway's /metrics: the admin key
+    assert gateway["authorization"] == {"type": "Bearer", "credentials_file": "admin.key"}
+    (out / "prometheus" / "admin.key").write_text("the-admin-key")  # as the operator puts it there
     checked = subprocess.run(
         ["promtool", "check", "config", str(out / "prometheus" / "prometheus.yml")],
         capture_output=True,

@@ -32,6 +32,7 @@ pytestmark = pytest.mark.slow  # real engines or servers, or long drills (`make 
 
 ADMIN = "admin-secret-for-the-test"
 SPEC = f"""
+gateway: {{metrics_token: scrape-secret-for-the-test}}
 supervisor: {{probe_interval: 0.5}}
 auth: {{open: false, admin_key: {ADMIN}}}
 models:
@@ -63,7 +64,7 @@ def watched(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RunningC
     with cluster_of(tmp, SPEC, admin_key=ADMIN) as cluster:
         port = int(cluster.url.rsplit(":", 1)[1])
         spec = tmp / "rendered.yaml"
-        spec.write_text(SPEC.replace("supervisor:", f"gateway: {{port: {port}}}\nsupervisor:"))
+        spec.write_text(SPEC.replace("gateway: {", f"gateway: {{port: {port}, "))
         out = tmp / "observe"
         rendered = subprocess.run(
             [*CORRAL, "observe", "render", "-f", str(spec), "-o", str(out), "--scrape-interval", "1s"],
@@ -72,6 +73,8 @@ def watched(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RunningC
             timeout=60,
         )
         assert rendered.returncode == 0, rendered.stderr
+        # the gateway's /metrics with the scrape token render wrote; its replica list with the admin key
+        assert (out / "prometheus" / "metrics.token").read_text() == "scrape-secret-for-the-test"
         (out / "prometheus" / "admin.key").write_text(ADMIN)
         prometheus = shutil.which("prometheus")
         assert prometheus, "scripts/test-services.sh installs Debian's prometheus package"

@@ -66,6 +66,17 @@ class GatewaySettings(Strict):
         description="addresses or networks (CIDR) of proxies whose X-Forwarded-For names the client, e.g. "
         "[127.0.0.1] behind an NGINX edge on this host; from any other peer the header is ignored",
     )
+    metrics_token: str | None = Field(
+        default=None,
+        repr=False,
+        description="on a closed gateway, /metrics answers only this bearer token (a scraper's: `corral "
+        "observe render` writes it for Prometheus) or the admin key; an open gateway serves it to anyone",
+    )
+    metrics_tenant_labels: bool = Field(
+        default=True,
+        description="label /metrics series by tenant and key (corral_tenant_*, budget use, cache lookups); "
+        'false counts every tenant under one tenant "-" and leaves out the per-key budget series',
+    )
     access_log: bool = Field(
         default=False,
         description="log one line per request: client address (through trusted proxies), method, path, "

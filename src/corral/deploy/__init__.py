@@ -25,7 +25,7 @@ __all__ = [
 ]
 
 Target = Literal["nginx", "systemd", "compose", "kuberay"]
-PRIVATE_FILES = frozenset({"cluster.yaml", "corral.yaml"})
+PRIVATE_FILES = frozenset({"cluster.yaml", "corral.yaml", "metrics.token"})  # spec copies, scrape token
 TARGETS: tuple[Target, ...] = ("nginx", "systemd", "compose", "kuberay")
 
 

@@ -8,6 +8,7 @@ The app serves `/v1/chat/completions`, `/v1/completions`, `/v1/embeddings`, `/v1
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import os
 import time
@@ -33,7 +34,14 @@ from corral.gateway.parts import GatewayParts
 from corral.gateway.pipeline import Pipeline
 from corral.gateway.relay import Relay, RelayTimeouts
 from corral.gateway.usage import UsageRecorder
-from corral.protocol import APIError, MethodNotAllowed, ModelNotFound, NotFound, PayloadTooLarge
+from corral.protocol import (
+    APIError,
+    MethodNotAllowed,
+    ModelNotFound,
+    NotFound,
+    PayloadTooLarge,
+    Unauthorized,
+)
 from corral.protocol.openapi import openapi_document
 from corral.routing import Router
 
@@ -69,7 +77,9 @@ def build_app(
         worker=worker,
     )
     status = _StatusViews(router, parts.auth, admin, started_at=time.time(), worker=worker)
-    metrics = GatewayMetrics(router, parts.queue.depths, metrics_dir, parts.budget.spent)
+    metrics = GatewayMetrics(
+        router, parts.queue.depths, metrics_dir, parts.budget.spent, settings.metrics_tenant_labels
+    )
     engines = EngineClient(settings.connect_timeout, settings.read_timeout, settings.max_upstream_connections)
     session = aiohttp.ClientSession(  # the relay's rare calls that are not its own (tokenizing)
         connector=aiohttp.TCPConnector(
@@ -109,7 +119,10 @@ def build_app(
     app.router.add_get("/corral/status", status.replica_status)
     app.router.add_get("/corral/sd", status.service_discovery)
 
+    scraper = _MetricsAccess(parts.access.open_access, settings.metrics_token, admin)
+
     async def metrics_view(request: web.Request) -> web.Response:
+        scraper.check(request)
         return web.Response(body=metrics.exposition(), content_type="text/plain", charset="utf-8")
 
     app.router.add_get("/metrics", metrics_view)
@@ -221,6 +234,27 @@ def _error_response(exc: APIError, status: int | None = None) -> web.Response:
         content_type="application/json",
         headers=exc.headers(),
     )
+
+
+class _MetricsAccess:
+    """Who may read /metrics (it names every tenant, key and model): anyone on an open gateway; on a closed
+    one the scraper's `gateway.metrics_token` or the admin key."""
+
+    def __init__(self, open_access: bool, token: str | None, admin: AdminViews) -> None:
+        self._open = open_access
+        self._token = token.encode() if token else None
+        self._admin = admin
+
+    def check(self, request: web.Request) -> None:
+        if self._open or self._admin.is_admin(request):
+            return
+        scheme, _, given = (request.headers.get("Authorization") or "").partition(" ")
+        sent = given.strip().encode("utf-8", "surrogateescape")
+        if self._token is not None and scheme.lower() == "bearer" and hmac.compare_digest(sent, self._token):
+            return
+        raise Unauthorized(
+            "/metrics on a closed gateway needs 'Authorization: Bearer <gateway.metrics_token or admin key>'."
+        )
 
 
 class _StatusViews:

@@ -37,8 +37,10 @@ class GatewayMetrics:
         queue_depths: Callable[[], dict[str, int]],
         shared_dir: Path | None = None,
         budgets: BudgetsSpent | None = None,
+        tenant_labels: bool = True,
     ) -> None:
         self._shared_dir = shared_dir
+        self._tenant_labels = tenant_labels
         self._ticker: asyncio.Task[None] | None = None
         self.registry = CollectorRegistry()
         r = self.registry
@@ -132,7 +134,8 @@ class GatewayMetrics:
             ["model", "result"],
             registry=r,
         )
-        self._state = StateSeries(router, queue_depths, budgets or (lambda: []))
+        budgets = budgets if budgets is not None and tenant_labels else (lambda: [])
+        self._state = StateSeries(router, queue_depths, budgets)
         self._published = PublishedState(r) if shared_dir is not None else None
         self._models: dict[str, ModelMetrics] = {}
         self._tenants: dict[str, TenantMetrics] = {}
@@ -191,7 +194,12 @@ class GatewayMetrics:
             self._published.update(self._state.families())
             await asyncio.sleep(_STATE_INTERVAL_S)
 
+    def tenant_label(self, name: str) -> str:
+        """The label a tenant's series carry: its name, or "-" for all with tenant labels off."""
+        return name if self._tenant_labels else "-"
+
     def tenant(self, name: str) -> TenantMetrics:
+        name = self.tenant_label(name)
         found = self._tenants.get(name)
         if found is None:
             found = self._tenants[name] = TenantMetrics(self, name)

@@ -495,7 +495,9 @@ class Pipeline:
         m.finished(status, latency)
         state = ctx.headers.get("x-corral-cache")
         if state is not None:
-            self._metrics.cache_lookups.labels(model, principal.tenant, state).inc()
+            self._metrics.cache_lookups.labels(
+                model, self._metrics.tenant_label(principal.tenant), state
+            ).inc()
         if ctx.cached:  # no engine tokens; usage keeps what the hit was charged, under replica "cache"
             charged = ctx.charged
             input_tokens, output_tokens = (input_tokens, output_tokens) if charged else (0, 0)

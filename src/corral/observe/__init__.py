@@ -25,6 +25,7 @@ __all__ = [
 
 GATEWAY_JOB = "corral-gateway"
 RULES_FILE = "prometheus/rules/corral.rules.yml"
+METRICS_TOKEN_FILE = "metrics.token"  # beside prometheus.yml: the gateway's `metrics_token`
 
 
 def prometheus_config(spec: ClusterSpec, rules: Path, scrape_interval: str = "15s") -> dict[str, Any]:
@@ -43,6 +44,11 @@ def prometheus_config(spec: ClusterSpec, rules: Path, scrape_interval: str = "15
         "scheme": scheme,
         "static_configs": [{"targets": [gateway]}],
     }
+    if not spec.auth.open:
+        # A closed gateway's /metrics answers the scraper's token (written beside prometheus.yml by
+        # render_observability) or, without one in the spec, the admin key (admin.key, as above).
+        credentials = METRICS_TOKEN_FILE if spec.gateway.metrics_token else "admin.key"
+        gateway_job["authorization"] = {"type": "Bearer", "credentials_file": credentials}
     if spec.gateway.tls is not None:
         # A private CA (`corral deploy certs`): its ca.crt beside prometheus.yml; a public one needs none.
         gateway_job["tls_config"] = {"ca_file": "ca.crt"}
@@ -103,6 +109,8 @@ def render_observability(
             sort_keys=False,
         ),
     }
+    if spec.gateway.metrics_token and not spec.auth.open:
+        files[f"prometheus/{METRICS_TOKEN_FILE}"] = spec.gateway.metrics_token
     for board in DASHBOARDS:
         files[f"grafana/dashboards/{board.uid}.json"] = dashboard_json(board)
     return files
