@@ -213,6 +213,7 @@ def make_services(
     admin_key: str | None = None,
     tokenizers: dict[str, Path] | None = None,
     failover_modes: dict[str, str] | None = None,
+    isolation: dict[str, str | None] | None = None,
 ) -> GatewayParts:
     """Admission services over a fresh SQLite database; open access unless `auth` says otherwise."""
     return GatewayParts.build(
@@ -225,6 +226,7 @@ def make_services(
         admin_key,
         tokenizers,
         failover_modes,
+        isolation,
     )
 
 

@@ -264,6 +264,7 @@ def model_settings(model: Any) -> dict[str, Any]:
         "name": model.name,
         "routing": model.routing,
         "failover": model.mid_stream_failover,
+        "isolation": model.prefix_isolation,
         "tokenizer": tokenizer,
         "cache": model.cache.model_dump(mode="json"),
         "version": deployed_digest(model),
@@ -299,7 +300,13 @@ def apply_model_settings(router: Any, parts: Any, settings: dict[str, Any]) -> N
 
     name = settings["name"]
     router.set_policy(name, settings["routing"])
+    from corral.gateway.parts import isolates
+
     parts.failover_modes[name] = settings["failover"]
+    if isolates(settings["isolation"], parts.access.open_access):
+        parts.isolated.add(name)
+    else:
+        parts.isolated.discard(name)
     if parts.cache is not None:
         parts.cache.policies[name] = ModelCacheSpec.model_validate(settings["cache"])
         parts.cache.versions[name] = settings["version"]
@@ -370,6 +377,7 @@ def gateway_parts_for(spec: ClusterSpec, paths: Paths, replicas: Any) -> Any:
             admin_key_from_env(spec.auth.admin_key),
             {m.name: m.tokenizer for m in spec.models if m.tokenizer is not None},
             {m.name: m.mid_stream_failover for m in spec.models},
+            {m.name: m.prefix_isolation for m in spec.models},
             spec.cache,
             {m.name: m.cache for m in spec.models},
             {m.name: deployed_digest(m) for m in spec.models},

@@ -295,6 +295,13 @@ class ModelSpec(Strict):
     slo: ModelSLO | None = Field(
         default=None, description="latency objectives; `corral observe render` alerts when they are missed"
     )
+    prefix_isolation: Literal["shared", "tenant"] | None = Field(
+        default=None,
+        description="tenant: the gateway's prefix index keeps each tenant's prompts apart, so where one "
+        "tenant's request is routed says nothing of another's prompts; shared: tenants' common prefixes "
+        "(a shared system prompt) route together, and a tenant can probe whether another sent a prompt. "
+        "Unset: tenant on a closed gateway, shared on an open one",
+    )
     mid_stream_failover: Literal["deterministic", "always", "never"] = Field(
         default="deterministic",
         description="continue a stream cut mid-answer on another replica: for temperature-0 requests, for "

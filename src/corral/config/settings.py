@@ -66,6 +66,12 @@ class GatewaySettings(Strict):
         description="addresses or networks (CIDR) of proxies whose X-Forwarded-For names the client, e.g. "
         "[127.0.0.1] behind an NGINX edge on this host; from any other peer the header is ignored",
     )
+    routing_headers: bool | None = Field(
+        default=None,
+        description="answers carry x-corral-replica (which replica served them); unset: on an open "
+        "gateway only (on a closed one the replica a tenant's prompt went to tells of other tenants' "
+        "prompts)",
+    )
     metrics_token: str | None = Field(
         default=None,
         repr=False,

@@ -90,7 +90,9 @@ def build_app(
     timeouts = RelayTimeouts(
         connect=settings.connect_timeout, read=settings.read_timeout, stall=settings.stall_timeout
     )
-    relay = Relay(engines, session, router, retries=settings.retries, timeouts=timeouts)
+    open_access = parts.access.open_access
+    replica_header = settings.routing_headers if settings.routing_headers is not None else open_access
+    relay = Relay(engines, session, router, settings.retries, timeouts, replica_header)
     usage = UsageRecorder(parts.usage_store, parts.flush_interval, parts.max_pending_usage)
     pipeline = app[PIPELINE] = Pipeline(
         auth=parts.auth,
@@ -104,6 +106,7 @@ def build_app(
         usage=usage,
         metrics=metrics,
         failover_modes=parts.failover_modes,
+        isolated=parts.isolated,
         max_body_bytes=settings.max_body_bytes,
         body_timeout=settings.body_timeout,
     )

@@ -76,8 +76,9 @@ def needs_fanout(body: ChatCompletionRequest | CompletionRequest, features: Engi
 class Fanout:
     """Answers one non-streaming request with several single-choice engine requests (see the module)."""
 
-    def __init__(self, forward: Forward) -> None:
+    def __init__(self, forward: Forward, replica_header: bool = True) -> None:
         self._forward = forward
+        self._replica_header = replica_header
 
     async def answer(self, ctx: RequestContext, request: web.Request | None) -> web.StreamResponse:
         body, features = ctx.body, ctx.features
@@ -118,10 +119,11 @@ class Fanout:
             for choice in answer.get("choices", [])[:1]
         ]
         merged["usage"] = ctx.usage
+        served_by = ",".join(sorted({p.replica.id for p in parts if p.replica}))
         return web.Response(
             body=orjson.dumps(merged),
             content_type="application/json",
-            headers={"x-corral-replica": ",".join(sorted({p.replica.id for p in parts if p.replica}))},
+            headers={"x-corral-replica": served_by} if self._replica_header else {},
         )
 
 

@@ -26,7 +26,7 @@ from corral.store import KeyStore, UsageStore, open_database
 if TYPE_CHECKING:
     from sqlalchemy import Engine
 
-__all__ = ["AdminAccess", "GatewayParts", "ReplicaControl"]
+__all__ = ["AdminAccess", "GatewayParts", "ReplicaControl", "isolates"]
 
 
 class ReplicaControl(Protocol):
@@ -67,6 +67,7 @@ class GatewayParts:
     flush_interval: float  # seconds between usage-record writes
     max_pending_usage: int = 100_000
     failover_modes: dict[str, str] = field(default_factory=dict)  # model → mid_stream_failover
+    isolated: set[str] = field(default_factory=set)  # models whose prefix index keeps tenants apart
     control: ReplicaControl | None = None  # the supervisor (or, in a worker, a proxy to it)
     cache: ExactCache | None = None  # answers repeated requests (models with cache.exact)
     batches: BatchStore | None = None  # files and batch jobs (batch.enabled)
@@ -91,6 +92,7 @@ class GatewayParts:
         admin_key: str | None,
         tokenizers: dict[str, Path] | None = None,
         failover_modes: dict[str, str] | None = None,
+        isolation: dict[str, str | None] | None = None,
         cache: CacheSettings | None = None,
         cache_policies: dict[str, ModelCacheSpec] | None = None,
         cache_versions: dict[str, str] | None = None,
@@ -112,10 +114,16 @@ class GatewayParts:
             flush_interval=store.flush_interval,
             max_pending_usage=store.max_pending,
             failover_modes=failover_modes or {},
+            isolated={m for m, value in (isolation or {}).items() if isolates(value, auth.open)},
             cache=_cache(cache or CacheSettings(), cache_policies or {}, cache_versions or {}),
             batches=_batches(engine, batch),
             batch=batch,
         )
+
+
+def isolates(prefix_isolation: str | None, open_access: bool) -> bool:
+    """A model's `prefix_isolation` on this gateway: tenant (stated, or unset on a closed gateway)."""
+    return prefix_isolation == "tenant" or (prefix_isolation is None and not open_access)
 
 
 def _batches(engine: Engine, settings: BatchSettings) -> BatchStore | None:

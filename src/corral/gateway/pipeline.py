@@ -85,6 +85,7 @@ class Pipeline:
         usage: UsageRecorder,
         metrics: GatewayMetrics,
         failover_modes: dict[str, str],
+        isolated: set[str],
         max_body_bytes: int,
         body_timeout: float = 30.0,
     ) -> None:
@@ -97,10 +98,11 @@ class Pipeline:
         self._router = router
         self._replicas = router.replicas
         self._relay = relay
-        self._fanout = Fanout(relay.forward)
+        self._fanout = Fanout(relay.forward, relay.replica_header)
         self._usage = usage
         self._metrics = metrics
         self._failover_modes = failover_modes  # a live apply adds new models' modes
+        self._isolated = isolated  # models whose prefix routing keeps tenants apart (likewise)
         self._max_body = max_body_bytes
         self._body_timeout = body_timeout
         self._embeddings = EmbeddingShaper()
@@ -116,6 +118,7 @@ class Pipeline:
     async def _handle(self, request: web.Request, parse: _Parse, answer: _Answer) -> web.StreamResponse:
         principal = await self._auth.authenticate(request.headers.get("Authorization"))
         ctx = await parse(request)
+        self._isolate(ctx, principal.tenant)
         try:
             principal.check_model(ctx.model)
         except APIError as exc:
@@ -148,6 +151,7 @@ class Pipeline:
                 kind = ChatCompletionRequest if path == "/v1/chat/completions" else CompletionRequest
                 ctx = self._context(raw, path, kind, None)
             principal.check_model(ctx.model)
+            self._isolate(ctx, principal.tenant)
             ctx.budgeted = await self._budget.reserve(principal, ctx.route.tokens)  # (no rate limits)
         except APIError as exc:
             return exc.status, exc.to_json()
@@ -165,6 +169,13 @@ class Pipeline:
             return status, exc.to_json()
         finally:
             await self.settle(ctx, principal, None, status)
+
+    def _isolate(self, ctx: RequestContext, tenant: str) -> None:
+        """Where the model keeps tenants apart (`prefix_isolation: tenant`), the prompt routing hashes
+        starts with its tenant's name: the prefix index never finds one tenant's prompt blocks on the replica
+        another tenant's went to, so where a request goes tells nothing of other tenants' prompts."""
+        if ctx.route.prompt and ctx.model in self._isolated:
+            ctx.route.prompt = f"{len(tenant)}:{tenant}\n{ctx.route.prompt}"
 
     async def _answer(
         self, ctx: RequestContext, principal: Principal, request: web.Request

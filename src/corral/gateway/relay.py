@@ -83,8 +83,11 @@ class Relay:
         router: Router,
         retries: int,
         timeouts: RelayTimeouts,
+        replica_header: bool = True,
     ) -> None:
+        """`replica_header`: answers say which replica served them (x-corral-replica)."""
         self._engines = engines
+        self.replica_header = replica_header
         self._session = session
         self._router = router
         self._retries = retries
@@ -193,7 +196,7 @@ class Relay:
         elif status >= 400:
             status, body = _engine_error(status, body)
             content_type = "application/json"
-        headers = {"x-corral-replica": replica.id}
+        headers = {"x-corral-replica": replica.id} if self.replica_header else {}
         if ctx.headers:
             headers.update(ctx.headers)
         return web.Response(body=body, status=status, content_type=content_type, headers=headers)
@@ -215,7 +218,8 @@ class Relay:
             raise _Retryable(f"{type(exc).__name__}: {exc}") from exc
 
         self._router.prefilled(replica, ctx.route)  # the first token came: the prompt is in its cache
-        response = EventStream(headers={**SSE_HEADERS, "x-corral-replica": replica.id, **ctx.headers})
+        served_by = {"x-corral-replica": replica.id} if self.replica_header else {}
+        response = EventStream(headers={**SSE_HEADERS, **served_by, **ctx.headers})
         transcript = Transcript() if ctx.failover else None
         try:
             await response.prepare(request)
