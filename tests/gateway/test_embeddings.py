@@ -66,7 +66,8 @@ async def _gateway(
         QueueSettings(),
         admin_key=ADMIN,
     )
-    server = GatewayServer(GatewaySettings(port=0), Router(replicas), services)
+    # (routing headers on: the test checks which replica served; a closed gateway hides it by default)
+    server = GatewayServer(GatewaySettings(port=0, routing_headers=True), Router(replicas), services)
     await server.start()
     return server, services
 
