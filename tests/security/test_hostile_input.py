@@ -11,6 +11,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from corral.admission import Authenticator
 from corral.config import (
     AuthSettings,
     BatchSettings,
@@ -20,7 +21,9 @@ from corral.config import (
     StoreSettings,
 )
 from corral.gateway import GatewayParts, GatewayServer
+from corral.protocol import Unauthorized
 from corral.routing import Replica, ReplicaSet, ReplicaState, Router
+from corral.store import KeyStore, open_database
 
 from ..admission.test_gateway_admission import Cluster, start
 from ..gateway.conftest import ScriptedUpstream
@@ -149,3 +152,28 @@ async def test_a_number_json_does_not_have_is_a_400_beside_stream_options(
     )
     status, answer = await post(url + "/v1/chat/completions", key, body)
     assert status == 400 and "JSON" in answer["error"]["message"], answer
+
+
+class _CountingKeys(KeyStore):
+    """A key store that counts the authenticator's lookups."""
+
+    lookups = 0
+
+    def by_secret_hash(self, key_hash: str):  # type: ignore[no-untyped-def]
+        self.lookups += 1
+        return super().by_secret_hash(key_hash)
+
+
+async def test_a_flood_of_random_keys_never_sends_a_working_key_to_the_database(tmp_path: Path) -> None:
+    """Random keys filled the one auth cache and flushed it whole at its bound, working keys with it: each
+    flood sent every tenant's next request to the database. Misses are now cached apart."""
+    keys = _CountingKeys(open_database(f"sqlite:///{tmp_path / 'k.db'}"))
+    secret, _ = keys.create("bob")
+    auth = Authenticator(keys, open_access=False, ttl=600, max_cached=50)
+    await auth.authenticate(f"Bearer {secret}")
+    for i in range(200):  # four times the bound
+        with pytest.raises(Unauthorized):
+            await auth.authenticate(f"Bearer sk-corral-random-{i}")
+    before = keys.lookups
+    assert (await auth.authenticate(f"Bearer {secret}")).tenant == "bob"
+    assert keys.lookups == before  # from the cache

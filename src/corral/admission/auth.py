@@ -4,6 +4,8 @@ With open access, requests without a key, or with a key corral does not know (cl
 one), are served as the anonymous tenant; a revoked key is refused either way. Keys are looked up by their
 SHA-256 hash in the key store, off the event loop, and cached for `ttl`
 seconds (misses too), so the database is never on the hot path; a revoked key stops working within `ttl`.
+Known keys and misses are cached apart, each bounded and dropping its oldest entry when full: a flood of
+random keys churns the misses only and never pushes a working key out to the database.
 """
 
 from __future__ import annotations
@@ -57,11 +59,13 @@ ANONYMOUS = Principal(key_id=None, tenant="anonymous")
 
 
 class Authenticator:
-    def __init__(self, keys: KeyStore, open_access: bool, ttl: float) -> None:
+    def __init__(self, keys: KeyStore, open_access: bool, ttl: float, max_cached: int = _MAX_CACHED) -> None:
         self._keys = keys
         self._open = open_access
         self._ttl = ttl
-        self._cache: dict[str, tuple[Principal | None, float]] = {}
+        self._max = max_cached
+        self._cache: dict[str, tuple[Principal | None, float]] = {}  # keys found in the store
+        self._misses: dict[str, tuple[Principal | None, float]] = {}  # unknown or revoked keys
 
     async def authenticate(self, authorization: str | None) -> Principal:
         if not authorization:
@@ -74,7 +78,7 @@ class Authenticator:
             raise Unauthorized("Malformed Authorization header: expected 'Bearer <key>'.")
         key_hash = hash_key(secret.strip())
         now = time.monotonic()
-        cached = self._cache.get(key_hash)
+        cached = self._cache.get(key_hash) or self._misses.get(key_hash)
         if cached is not None and cached[1] > now:
             principal = cached[0]
         else:
@@ -83,9 +87,23 @@ class Authenticator:
                 principal = ANONYMOUS if self._open else None  # open access: any placeholder key will do
             else:
                 principal = Principal.of(record) if record.active else None
-            if len(self._cache) >= _MAX_CACHED:
-                self._cache.clear()
-            self._cache[key_hash] = (principal, now + self._ttl)
+            found = record is not None and record.active
+            self._cache.pop(key_hash, None)
+            self._misses.pop(key_hash, None)
+            entry = (principal, now + self._ttl)
+            _remember(self._cache if found else self._misses, key_hash, entry, self._max)
         if principal is None:
             raise Unauthorized("Incorrect or revoked API key.")
         return principal
+
+
+def _remember(
+    cache: dict[str, tuple[Principal | None, float]],
+    key: str,
+    entry: tuple[Principal | None, float],
+    most: int,
+) -> None:
+    """Keep `entry`, dropping the oldest one of a full cache (dicts keep insertion order)."""
+    if len(cache) >= most:
+        del cache[next(iter(cache))]
+    cache[key] = entry
