@@ -4,7 +4,6 @@ time; with `prefix_isolation: tenant` (the default on a closed gateway) where it
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 import aiohttp
@@ -30,14 +29,16 @@ async def ask(session: aiohttp.ClientSession, url: str, key: str, document: str)
 
 
 async def probe(tmp_path: Path, isolation: str | None, routing_headers: bool | None) -> tuple[int, str]:
-    """Bob sends twelve documents at once (they spread over four replicas); then eve sends each one.
-    (How many of eve's went where bob's went, the header eve saw on her last answer.)"""
-    upstreams = [ScriptedUpstream(delay=0.3) for _ in range(4)]
+    """Bob's twelve documents, three on each of four replicas (the others kept out of routing while he
+    sends them); then eve sends each one. (How many of eve's went where bob's went, the header eve saw on
+    her last answer.)"""
+    upstreams = [ScriptedUpstream() for _ in range(4)]
     for upstream in upstreams:
         await upstream.start()
     replicas = ReplicaSet(["m"])
     for i, upstream in enumerate(upstreams):
         replicas.add(Replica(id=f"m-{i}", model="m", engine="x", url=upstream.url, state=ReplicaState.READY))
+    members = replicas.of("m")
     parts = make_services(
         replicas, tmp_path / f"{isolation}.db", auth=AuthSettings(open=False), isolation={"m": isolation}
     )
@@ -49,7 +50,15 @@ async def probe(tmp_path: Path, isolation: str | None, routing_headers: bool | N
     eve, _ = parts.keys.create("eve")
     try:
         async with aiohttp.ClientSession() as session:
-            bobs = await asyncio.gather(*(ask(session, url, bob, d) for d in DOCUMENTS))
+            bobs = []
+            for i, document in enumerate(DOCUMENTS):
+                for replica in members:
+                    replica.state = (
+                        ReplicaState.READY if replica is members[i // 3] else ReplicaState.UNHEALTHY
+                    )
+                bobs.append(await ask(session, url, bob, document))
+            for replica in members:
+                replica.state = ReplicaState.READY
             eves = [await ask(session, url, eve, d) for d in DOCUMENTS]
     finally:
         await server.stop()
