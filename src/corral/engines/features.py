@@ -24,6 +24,7 @@ class EngineFeatures:
     token_prompts: bool = False  # takes prompts mixing text and token ids, tokenizes at /tokenize (llama.cpp)
     embeddings: bool = False  # an embedding model: serves /v1/embeddings, not generation
     matryoshka: bool = False  # its vectors may be shortened (`dimensions`; models[].matryoshka)
+    cache_salt: bool = False  # takes vLLM's `cache_salt`: prompts with different salts share no cached blocks
 
     def __and__(self, other: EngineFeatures) -> EngineFeatures:
         return EngineFeatures(
@@ -36,4 +37,5 @@ class EngineFeatures:
             self.token_prompts and other.token_prompts,
             self.embeddings and other.embeddings,
             self.matryoshka and other.matryoshka,
+            self.cache_salt and other.cache_salt,
         )

@@ -72,6 +72,7 @@ class SimEngineAdapter:
                 continuation=False,
                 embeddings=model.task == "embed",
                 matryoshka=model.matryoshka,
+                cache_salt=model.task != "embed",
             ),
             kv_events_args=("--kv-events-endpoint", "{events}")
             if deployment.kv_events and model.task != "embed"

@@ -160,7 +160,11 @@ class VllmEngine:
                 context_length=deployment.max_model_len,
                 api_key=deployment.engine_api_key,
                 startup_s=120.0 if cpu else 600.0,
-                features=EngineFeatures(embeddings=model.task == "embed", matryoshka=model.matryoshka),
+                features=EngineFeatures(
+                    embeddings=model.task == "embed",
+                    matryoshka=model.matryoshka,
+                    cache_salt=model.task != "embed",
+                ),
                 kv_events_args=("--kv-events-config", kv_events_config("{events}")) if events else (),
                 kv_events_ranks=data_parallel_size(deployment.engine_args),
             )

@@ -8,6 +8,7 @@ The app serves `/v1/chat/completions`, `/v1/completions`, `/v1/embeddings`, `/v1
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import logging
 import os
@@ -107,6 +108,7 @@ def build_app(
         metrics=metrics,
         failover_modes=parts.failover_modes,
         isolated=parts.isolated,
+        salt_key=hashlib.sha256(b"corral cache_salt\0" + (parts.access.admin_key or "").encode()).digest(),
         max_body_bytes=settings.max_body_bytes,
         body_timeout=settings.body_timeout,
     )

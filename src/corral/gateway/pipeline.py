@@ -11,11 +11,14 @@ the reservation is corrected to real usage, and a usage record and metrics are w
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import logging
 import time
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from functools import partial
+from typing import Any
 
 import orjson
 from aiohttp import web
@@ -86,6 +89,7 @@ class Pipeline:
         metrics: GatewayMetrics,
         failover_modes: dict[str, str],
         isolated: set[str],
+        salt_key: bytes,
         max_body_bytes: int,
         body_timeout: float = 30.0,
     ) -> None:
@@ -103,6 +107,7 @@ class Pipeline:
         self._metrics = metrics
         self._failover_modes = failover_modes  # a live apply adds new models' modes
         self._isolated = isolated  # models whose prefix routing keeps tenants apart (likewise)
+        self._salt_key = salt_key  # a server secret: a tenant's cache_salt is an HMAC of its name
         self._max_body = max_body_bytes
         self._body_timeout = body_timeout
         self._embeddings = EmbeddingShaper()
@@ -173,9 +178,16 @@ class Pipeline:
     def _isolate(self, ctx: RequestContext, tenant: str) -> None:
         """Where the model keeps tenants apart (`prefix_isolation: tenant`), the prompt routing hashes
         starts with its tenant's name: the prefix index never finds one tenant's prompt blocks on the replica
-        another tenant's went to, so where a request goes tells nothing of other tenants' prompts."""
-        if ctx.route.prompt and ctx.model in self._isolated:
+        another tenant's went to, so where a request goes tells nothing of other tenants' prompts. An engine
+        that takes vLLM's `cache_salt` gets the tenant's (whatever the client sent), so its prefix cache
+        shares no blocks between tenants either, and the time to a first token tells nothing."""
+        if ctx.model not in self._isolated:
+            return
+        if ctx.route.prompt:
             ctx.route.prompt = f"{len(tenant)}:{tenant}\n{ctx.route.prompt}"
+        if ctx.features.cache_salt and not isinstance(ctx.body, EmbeddingRequest):
+            salt = hmac.new(self._salt_key, tenant.encode(), hashlib.sha256).hexdigest()[:32]
+            ctx.upstream_body = _salted(ctx.upstream_body, salt)
 
     async def _answer(
         self, ctx: RequestContext, principal: Principal, request: web.Request
@@ -569,13 +581,34 @@ def _with_usage(raw: bytes) -> bytes:
         end = raw.rstrip()
         if end.endswith(b"}"):
             return end[:-1] + _ASK_USAGE
-    try:
-        data = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:  # NaN, Infinity: pydantic's parser took them, JSON has none
-        raise InvalidRequest(f"The body is not valid JSON: {exc}.") from exc
+    data = _json_object(raw)
     options = data.get("stream_options") or {}
     data["stream_options"] = {**options, "include_usage": True}
     return orjson.dumps(data)
+
+
+_CACHE_SALT = b'"cache_salt"'
+
+
+def _salted(raw: bytes, salt: str) -> bytes:
+    """The body with `cache_salt` set to `salt`: appended where the body does not name one (no parse),
+    else replaced (a client's own salt never reaches the engine)."""
+    if _CACHE_SALT not in raw:
+        end = raw.rstrip()
+        if end.endswith(b"}"):
+            return end[:-1] + b',"cache_salt":"' + salt.encode() + b'"}'
+    data = _json_object(raw)
+    data["cache_salt"] = salt
+    return orjson.dumps(data)
+
+
+def _json_object(raw: bytes) -> dict[str, Any]:
+    """A body pydantic accepted, parsed to be rewritten."""
+    try:
+        data: dict[str, Any] = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:  # NaN, Infinity: pydantic's parser took them, JSON has none
+        raise InvalidRequest(f"The body is not valid JSON: {exc}.") from exc
+    return data
 
 
 def _too_large(limit: int) -> PayloadTooLarge:

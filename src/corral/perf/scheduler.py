@@ -45,9 +45,10 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
 
 
-def block_hashes(tokens: Sequence[int], block_size: int) -> list[int]:
-    """Chained hashes of each full block of `tokens`: equal only when the whole prefix is equal."""
-    hashes, parent = [], 0
+def block_hashes(tokens: Sequence[int], block_size: int, salt: str | None = None) -> list[int]:
+    """Chained hashes of each full block of `tokens`: equal only when the whole prefix (and the salt, as
+    vLLM's `cache_salt` starts a prompt's chain) is equal."""
+    hashes, parent = [], 0 if salt is None else hash(salt)
     for start in range(0, len(tokens) - block_size + 1, block_size):
         parent = hash((parent, tuple(tokens[start : start + block_size])))
         hashes.append(parent)

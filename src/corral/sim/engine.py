@@ -157,7 +157,7 @@ class SimEngine:
             self._t0 = loop.time()
         return (loop.time() - self._t0) * self.time_scale
 
-    def submit(self, prompt: list[int], max_tokens: int) -> SimRequest:
+    def submit(self, prompt: list[int], max_tokens: int, cache_salt: str | None = None) -> SimRequest:
         if len(prompt) + max_tokens > self.config.num_blocks * self.config.block_size:
             raise ValueError("the request needs more KV cache than the engine has")
         seq = EngineSequence(
@@ -165,7 +165,11 @@ class SimEngine:
             prompt_len=len(prompt),
             max_tokens=max_tokens,
             arrival=self.now(),
-            hashes=block_hashes(prompt, self.config.block_size) if self.config.enable_prefix_caching else [],
+            hashes=(
+                block_hashes(prompt, self.config.block_size, cache_salt)
+                if self.config.enable_prefix_caching
+                else []
+            ),
             tokens=prompt if self.kv_events is not None else (),
         )
         request = SimRequest(seq)

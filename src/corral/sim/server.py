@@ -126,7 +126,9 @@ class SimServer:
             _Choice(i, TextGenerator(seed + i), _stops(body.stop), "length" if limit else "stop")
             for i in range(body.n)
         ]
-        requests = [self.engine.submit(tokens, n) for n in lengths]
+        salt = (body.model_extra or {}).get("cache_salt")  # vLLM's: cached blocks shared within a salt only
+        salt = salt if isinstance(salt, str) else None
+        requests = [self.engine.submit(tokens, n, salt) for n in lengths]
         meta = _Meta(chat=chat, model=self.engine.model, prompt_tokens=len(tokens))
         try:
             if body.stream:
