@@ -29,7 +29,15 @@ from corral.protocol import (
 from corral.routing import PrefixAffinity, Router
 from corral.store import KeyStore, NewKey, UsageStore
 
-__all__ = ["AdminViews"]
+__all__ = ["AdminViews", "bearer_is"]
+
+
+def bearer_is(request: web.Request, secret: bytes) -> bool:
+    """The request's `Authorization: Bearer` is `secret` (compared in constant time; a header that is not
+    UTF-8 compared as sent)."""
+    scheme, _, given = (request.headers.get("Authorization") or "").partition(" ")
+    sent = given.strip().encode("utf-8", "surrogateescape")
+    return scheme.lower() == "bearer" and hmac.compare_digest(sent, secret)
 
 
 class AdminViews:
@@ -78,9 +86,7 @@ class AdminViews:
         expected = self._access.admin_key
         if expected is None:  # behind a proxy, the client it names must be local (clients.py)
             return self._access.open_access and self._clients.is_local(request)
-        scheme, _, given = (request.headers.get("Authorization") or "").partition(" ")
-        given_bytes = given.strip().encode("utf-8", "surrogateescape")  # a header not in UTF-8: as sent
-        return scheme.lower() == "bearer" and hmac.compare_digest(given_bytes, expected.encode())
+        return bearer_is(request, expected.encode())
 
     def check(self, request: web.Request) -> None:
         """Refuse (401/403) a request that is not the admin's."""

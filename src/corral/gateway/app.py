@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import hmac
 import logging
 import os
 import time
@@ -25,7 +24,7 @@ from corral.batch.runner import BatchRunner
 from corral.cache import ExactCache
 from corral.config import GatewaySettings
 from corral.engines.client import EngineClient
-from corral.gateway.admin import AdminViews
+from corral.gateway.admin import AdminViews, bearer_is
 from corral.gateway.batches import BatchViews
 from corral.gateway.clients import ClientAddresses
 from corral.gateway.console import ConsoleViews
@@ -253,9 +252,7 @@ class _MetricsAccess:
     def check(self, request: web.Request) -> None:
         if self._open or self._admin.is_admin(request):
             return
-        scheme, _, given = (request.headers.get("Authorization") or "").partition(" ")
-        sent = given.strip().encode("utf-8", "surrogateescape")
-        if self._token is not None and scheme.lower() == "bearer" and hmac.compare_digest(sent, self._token):
+        if self._token is not None and bearer_is(request, self._token):
             return
         raise Unauthorized(
             "/metrics on a closed gateway needs 'Authorization: Bearer <gateway.metrics_token or admin key>'."
