@@ -177,3 +177,56 @@ async def test_a_flood_of_random_keys_never_sends_a_working_key_to_the_database(
     before = keys.lookups
     assert (await auth.authenticate(f"Bearer {secret}")).tenant == "bob"
     assert keys.lookups == before  # from the cache
+
+
+@pytest.fixture
+async def impatient(tmp_path: Path, upstream: ScriptedUpstream) -> AsyncIterator[tuple[str, str]]:
+    """A closed gateway with a 0.5 s body timeout, the Files and Batch API on: (url, tenant key)."""
+    replicas = ReplicaSet(["m"])
+    replicas.add(Replica(id="m-0", model="m", engine="x", url=upstream.url, state=ReplicaState.READY))
+    parts = GatewayParts.build(
+        replicas,
+        f"sqlite:///{tmp_path / 'c.db'}",
+        AuthSettings(open=False),
+        StoreSettings(flush_interval=0.1),
+        LimitsSettings(),
+        QueueSettings(),
+        admin_key="admin",
+        batch=BatchSettings(),
+    )
+    secret, _ = parts.keys.create("eve")
+    server = GatewayServer(GatewaySettings(port=0, body_timeout=0.5), Router(replicas), parts)
+    await server.start()
+    yield f"http://127.0.0.1:{server.port}", secret
+    await server.stop()
+
+
+@pytest.mark.parametrize(
+    ("path", "key", "content_type", "start"),
+    [
+        ("/v1/batches", "eve", "application/json", b'{"endpoint": "/v1/chat'),
+        ("/admin/keys", "admin", "application/json", b'{"tenant": "mal'),
+        ("/v1/files", "eve", "multipart/form-data; boundary=B", b"--B\r\nContent-Disposition: form-data; na"),
+        ("/v1/chat/completions", "eve", "application/json", b'{"model": "m", "mess'),
+    ],
+)
+async def test_a_body_that_stalls_is_cut_off_at_the_body_timeout_on_every_route(
+    impatient: tuple[str, str], path: str, key: str, content_type: str, start: bytes
+) -> None:
+    """A client sends its headers and the first bytes of a body, then nothing: the connection was held
+    until the client gave up on /v1/batches, /admin/keys and /v1/files; now a 408 at the body timeout."""
+    url, eve = impatient
+    secret = eve if key == "eve" else "admin"
+    host, port = url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {secret}\r\n"
+        f"Content-Type: {content_type}\r\nContent-Length: 4096\r\n\r\n"
+    )
+    writer.write(head.encode() + start)
+    await writer.drain()
+    try:
+        status_line = await asyncio.wait_for(reader.readline(), 5)  # (without the timeout: minutes)
+    finally:
+        writer.close()
+    assert status_line.split()[1] == b"408", status_line

@@ -16,6 +16,7 @@ from pydantic import ValidationError
 
 from corral.cache import ExactCache, StoreUnavailable
 from corral.config import parse_spec
+from corral.gateway.bodies import read_body
 from corral.gateway.clients import ClientAddresses
 from corral.gateway.parts import AdminAccess, ReplicaControl
 from corral.protocol import (
@@ -53,8 +54,11 @@ class AdminViews:
         control: ReplicaControl | None = None,
         clients: ClientAddresses | None = None,
         worker: int | None = None,
+        body_timeout: float = 30.0,
+        max_body_bytes: int = 4 * 1024 * 1024,
     ) -> None:
         self._access = access
+        self._body = (body_timeout, max_body_bytes)
         self._keys = keys
         self._usage = usage
         self._router = router
@@ -108,7 +112,7 @@ class AdminViews:
     async def create_key(self, request: web.Request) -> web.Response:
         self.check(request)
         try:
-            spec = NewKey.model_validate_json(await request.read())
+            spec = NewKey.model_validate_json(await read_body(request, *self._body))
         except ValidationError as exc:
             err = exc.errors(include_url=False)[0]
             param = ".".join(str(p) for p in err["loc"]) or None
@@ -219,7 +223,7 @@ class AdminViews:
         self.check(request)
         control = self._control()
         grace = _grace(request)
-        text = (await request.read()).decode("utf-8", errors="replace")
+        text = (await read_body(request, *self._body)).decode("utf-8", errors="replace")
         try:
             wanted = parse_spec(text, source="spec")
             changes = await control.apply(wanted, grace)

@@ -75,6 +75,8 @@ def build_app(
         control=parts.control,
         clients=ClientAddresses(settings.trusted_proxies),
         worker=worker,
+        body_timeout=settings.body_timeout,
+        max_body_bytes=settings.max_body_bytes,
     )
     status = _StatusViews(router, parts.auth, admin, started_at=time.time(), worker=worker)
     metrics = GatewayMetrics(
@@ -138,7 +140,10 @@ def build_app(
     app.router.add_get("/openapi.json", openapi_view)
     admin.add_routes(app)
     if parts.batches is not None:
-        BatchViews(parts.batches, parts.auth, parts.batch).add_routes(app)
+        batch_views = BatchViews(
+            parts.batches, parts.auth, parts.batch, settings.body_timeout, settings.max_body_bytes
+        )
+        batch_views.add_routes(app)
     ConsoleViews(metrics, admin).add_routes(app)
 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:

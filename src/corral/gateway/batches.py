@@ -15,6 +15,7 @@ from corral.admission import Authenticator, Principal
 from corral.batch import BatchStore, NewBatch
 from corral.batch.files import ENDPOINTS, check_upload
 from corral.config import BatchSettings
+from corral.gateway.bodies import read_body, within
 from corral.protocol import InvalidRequest, NotFound, PayloadTooLarge
 
 __all__ = ["BatchViews"]
@@ -27,10 +28,19 @@ _CHUNK = 1 << 16
 class BatchViews:
     """The HTTP face of files and batches."""
 
-    def __init__(self, store: BatchStore, auth: Authenticator, settings: BatchSettings) -> None:
+    def __init__(
+        self,
+        store: BatchStore,
+        auth: Authenticator,
+        settings: BatchSettings,
+        body_timeout: float = 30.0,
+        max_body_bytes: int = 4 * 1024 * 1024,
+    ) -> None:
         self._store = store
         self._auth = auth
         self._settings = settings
+        self._idle = body_timeout  # an upload's silence between parts or chunks
+        self._body = (body_timeout, max_body_bytes)
 
     def add_routes(self, app: web.Application) -> None:
         app.router.add_post("/v1/files", self.upload)
@@ -70,11 +80,11 @@ class BatchViews:
     async def _form(self, request: web.Request) -> tuple[str | None, str, bytes | None]:
         purpose, filename, content = None, "upload.jsonl", None
         reader = await request.multipart()
-        while (part := await reader.next()) is not None:
+        while (part := await within(reader.next(), self._idle)) is not None:
             if not isinstance(part, BodyPartReader):
                 continue
             if part.name == "purpose":
-                purpose = (await _part_text(part)).strip()
+                purpose = (await within(_part_text(part), self._idle)).strip()
             elif part.name == "file":
                 filename = (part.filename or filename)[:256]
                 content = await self._read_limited(part)
@@ -82,7 +92,7 @@ class BatchViews:
 
     async def _read_limited(self, part: BodyPartReader) -> bytes:
         chunks, size = [], 0
-        while chunk := await part.read_chunk(_CHUNK):
+        while chunk := await within(part.read_chunk(_CHUNK), self._idle):
             size += len(chunk)
             if size > self._settings.max_file_bytes:
                 raise PayloadTooLarge(
@@ -124,7 +134,7 @@ class BatchViews:
 
     async def create(self, request: web.Request) -> web.Response:
         principal = await self._principal(request)
-        body = _json_object(await request.read())
+        body = _json_object(await read_body(request, *self._body))
         endpoint, window, meta = _batch_fields(body)
         window_text = str(body.get("completion_window", "24h"))
         file_id = body.get("input_file_id")

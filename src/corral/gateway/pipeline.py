@@ -35,6 +35,7 @@ from corral.admission import (
 )
 from corral.cache import CacheLookup, ExactCache
 from corral.engines import EngineFeatures
+from corral.gateway.bodies import read_body
 from corral.gateway.context import RequestContext
 from corral.gateway.embeddings import EmbeddingShaper, upstream_body
 from corral.gateway.failover import can_fail_over
@@ -50,8 +51,6 @@ from corral.protocol import (
     InvalidRequest,
     ModelNotFound,
     NoCapacity,
-    PayloadTooLarge,
-    RequestTimeout,
     parse_body,
 )
 from corral.routing import Router, RouteRequest
@@ -394,19 +393,7 @@ class Pipeline:
         )
 
     async def _read(self, request: web.Request) -> bytes:
-        if request.content_length is not None and request.content_length > self._max_body:
-            raise _too_large(self._max_body)
-        try:
-            if request.content.is_eof():  # the body came with the headers (most requests): no timer needed
-                return await request.read()
-            async with asyncio.timeout(self._body_timeout):
-                return await request.read()
-        except web.HTTPRequestEntityTooLarge as exc:
-            raise _too_large(self._max_body) from exc
-        except TimeoutError as exc:
-            raise RequestTimeout(
-                f"The request body did not arrive within {self._body_timeout:g} s of its headers."
-            ) from exc
+        return await read_body(request, self._body_timeout, self._max_body)
 
     def _features_of(self, model: str) -> EngineFeatures:
         if not self._replicas.has_model(model):
@@ -609,7 +596,3 @@ def _json_object(raw: bytes) -> dict[str, Any]:
     except orjson.JSONDecodeError as exc:  # NaN, Infinity: pydantic's parser took them, JSON has none
         raise InvalidRequest(f"The body is not valid JSON: {exc}.") from exc
     return data
-
-
-def _too_large(limit: int) -> PayloadTooLarge:
-    return PayloadTooLarge(f"The request body is larger than the limit of {limit} bytes.")

@@ -1,0 +1,49 @@
+"""Reading request bodies against a deadline. A client that sends its headers and then stalls holds a
+connection and a handler; every route with a body reads it through here (`gateway.body_timeout`): a whole
+body within the timeout of its headers, an upload's parts each within it of the last (an idle timeout, so
+a large file on a slow link still arrives)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable
+from typing import TypeVar
+
+from aiohttp import web
+
+from corral.protocol import PayloadTooLarge, RequestTimeout
+
+__all__ = ["read_body", "within"]
+
+_T = TypeVar("_T")
+
+
+async def read_body(request: web.Request, deadline_s: float, max_bytes: int) -> bytes:
+    """The whole body: 413 past `max_bytes`, 408 when it has not arrived within `deadline_s`."""
+    if request.content_length is not None and request.content_length > max_bytes:
+        raise _too_large(max_bytes)
+    try:
+        if request.content.is_eof():  # the body came with the headers (most requests): no timer needed
+            return await request.read()
+        async with asyncio.timeout(deadline_s):
+            return await request.read()
+    except web.HTTPRequestEntityTooLarge as exc:
+        raise _too_large(max_bytes) from exc
+    except TimeoutError as exc:
+        raise RequestTimeout(
+            f"The request body did not arrive within {deadline_s:g} s of its headers."
+        ) from exc
+
+
+async def within(step: Awaitable[_T], idle_s: float) -> _T:
+    """One step of reading a body (an upload's next part or chunk); 408 when the client is silent longer
+    than `idle_s`."""
+    try:
+        async with asyncio.timeout(idle_s):
+            return await step
+    except TimeoutError as exc:
+        raise RequestTimeout(f"The upload stalled: nothing arrived for {idle_s:g} s.") from exc
+
+
+def _too_large(limit: int) -> PayloadTooLarge:
+    return PayloadTooLarge(f"The request body is larger than the limit of {limit} bytes.")
