@@ -26,7 +26,7 @@ from corral.routing import Replica, ReplicaSet, ReplicaState, Router
 from corral.store import KeyStore, open_database
 
 from ..admission.test_gateway_admission import Cluster, start
-from ..gateway.conftest import ScriptedUpstream
+from ..gateway.conftest import ScriptedUpstream, make_services
 
 
 async def raw_request(url: str, head: bytes, body: bytes = b"") -> tuple[int, dict]:
@@ -40,7 +40,8 @@ async def raw_request(url: str, head: bytes, body: bytes = b"") -> tuple[int, di
     writer.close()
     assert answer, "no answer"
     status_line, _, rest = answer.partition(b"\r\n")
-    return int(status_line.split()[1]), json.loads(rest.partition(b"\r\n\r\n")[2] or b"{}")
+    body = rest.partition(b"\r\n\r\n")[2]
+    return int(status_line.split()[1]), json.loads(body) if body.startswith(b"{") else {"text": body.decode()}
 
 
 @pytest.fixture
@@ -230,3 +231,41 @@ async def test_a_body_that_stalls_is_cut_off_at_the_body_timeout_on_every_route(
     finally:
         writer.close()
     assert status_line.split()[1] == b"408", status_line
+
+
+@pytest.mark.parametrize("sent", [b"", b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthoriz"])
+async def test_a_connection_without_a_whole_request_is_closed_at_the_idle_timeout(
+    tmp_path: Path, sent: bytes
+) -> None:
+    """A connection that sends nothing, or half a header, and no key: aiohttp kept it for an hour (its
+    default keep-alive), so a client could run the gateway out of file descriptors."""
+    replicas = ReplicaSet(["m"])
+    parts = make_services(replicas, tmp_path / "c.db", auth=AuthSettings(open=False))
+    server = GatewayServer(GatewaySettings(port=0, idle_timeout=0.5), Router(replicas), parts)
+    await server.start()
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        writer.write(sent)
+        await writer.drain()
+        assert await asyncio.wait_for(reader.read(), 5) in (b"", b"HTTP/1.1 ")  # closed by the gateway
+        writer.close()
+    finally:
+        await server.stop()
+
+
+async def test_a_header_longer_than_max_header_bytes_is_a_400(
+    tmp_path: Path, upstream: ScriptedUpstream
+) -> None:
+    replicas = ReplicaSet(["m"])
+    parts = make_services(replicas, tmp_path / "c.db", auth=AuthSettings(open=False))
+    server = GatewayServer(GatewaySettings(port=0, max_header_bytes=2048), Router(replicas), parts)
+    await server.start()
+    try:
+        head = b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Padding: " + b"a" * 4096 + b"\r\n"
+        status, _ = await raw_request(f"http://127.0.0.1:{server.port}", head)
+        assert status in (400, 431)
+        head = b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Padding: " + b"a" * 1024 + b"\r\n"
+        status, _ = await raw_request(f"http://127.0.0.1:{server.port}", head)
+        assert status == 401  # within the bound: an ordinary refusal (no key)
+    finally:
+        await server.stop()

@@ -46,6 +46,19 @@ class GatewaySettings(Strict):
     body_timeout: Annotated[
         float, Field(gt=0, description="seconds a client may take to send its request body before 408")
     ] = 30.0
+    idle_timeout: Annotated[
+        float,
+        Field(
+            gt=0,
+            description="seconds a client connection may stay open without sending a whole request (a new "
+            "one, or half a header) or between its requests; above the rendered NGINX edge's upstream "
+            "keepalive_timeout (60 s), so the edge never reuses a connection the gateway closed",
+        ),
+    ] = 75.0
+    max_header_bytes: Annotated[
+        int,
+        Field(ge=1024, description="longest request line or header field, bytes (a longer one: 400)"),
+    ] = 8190
     max_upstream_connections: Annotated[
         int, Field(ge=1, description="open connections to replicas at most; more requests wait for one")
     ] = 4096

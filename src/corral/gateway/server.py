@@ -51,6 +51,10 @@ class GatewayServer:
             build_app(settings, self._router, self._parts, self._worker, self._metrics_dir),
             handler_cancellation=True,  # a client that disconnects cancels its upstream request
             shutdown_timeout=settings.shutdown_grace,
+            # aiohttp closes a connection idle this long, also one that never completes a request
+            keepalive_timeout=settings.idle_timeout,
+            max_line_size=settings.max_header_bytes,
+            max_field_size=settings.max_header_bytes,
             **logs,
         )
         await self._runner.setup()
