@@ -234,6 +234,12 @@ class BatchSettings(Strict):
         description="Redis for queue: redis (run it with appendonly yes: the lines live there)",
     )
     max_file_bytes: Annotated[int, Field(ge=1, description="largest file upload, bytes")] = 100 * 1024 * 1024
+    tenant_max_files: Annotated[
+        int, Field(ge=1, description="files one tenant may hold at once (an upload past it: 429)")
+    ] = 1000
+    tenant_max_bytes: Annotated[
+        int, Field(ge=1, description="bytes of files (uploads and results) one tenant may hold at once")
+    ] = 10 * 1024 * 1024 * 1024
     max_lines: Annotated[int, Field(ge=1, description="requests a batch file may hold")] = 50_000
     headroom: Annotated[
         int, Field(ge=0, description="slots per model kept free of batch lines for interactive requests")

@@ -16,7 +16,8 @@ from corral.batch import BatchStore, NewBatch
 from corral.batch.files import ENDPOINTS, check_upload
 from corral.config import BatchSettings
 from corral.gateway.bodies import read_body, within
-from corral.protocol import InvalidRequest, NotFound, PayloadTooLarge
+from corral.protocol import InvalidRequest, NotFound, PayloadTooLarge, RateLimited
+from corral.store import FileQuotaExceeded
 
 __all__ = ["BatchViews"]
 
@@ -72,9 +73,13 @@ class BatchViews:
         if content is None:
             raise InvalidRequest("The upload has no 'file' part.", param="file")
         await asyncio.to_thread(check_upload, content, self._settings.max_lines)
-        record = await asyncio.to_thread(
-            self._store.files.add_file, principal.tenant, purpose, filename, content
-        )
+        quota = (self._settings.tenant_max_files, self._settings.tenant_max_bytes)
+        try:
+            record = await asyncio.to_thread(
+                self._store.files.add_file, principal.tenant, purpose, filename, content, quota
+            )
+        except FileQuotaExceeded as exc:
+            raise RateLimited(str(exc), code="files_quota_exceeded") from exc
         return web.json_response(record.to_api())
 
     async def _form(self, request: web.Request) -> tuple[str | None, str, bytes | None]:

@@ -8,12 +8,12 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import DateTime, Engine, Integer, LargeBinary, String, select
+from sqlalchemy import DateTime, Engine, Integer, LargeBinary, String, func, select
 from sqlalchemy.orm import Mapped, Session, mapped_column
 
 from corral.store.schema import Base
 
-__all__ = ["FileRecord", "FileRow", "FileStore", "page"]
+__all__ = ["FileQuotaExceeded", "FileRecord", "FileRow", "FileStore", "page"]
 
 
 class FileRow(Base):
@@ -57,7 +57,16 @@ class FileStore:
     def __init__(self, engine: Engine) -> None:
         self._engine = engine
 
-    def add_file(self, tenant: str, purpose: str, filename: str, content: bytes) -> FileRecord:
+    def add_file(
+        self,
+        tenant: str,
+        purpose: str,
+        filename: str,
+        content: bytes,
+        quota: tuple[int, int] | None = None,
+    ) -> FileRecord:
+        """Store an upload. `quota`: (files, bytes) the tenant may hold with it; FileQuotaExceeded past
+        either (checked in the insert's transaction)."""
         row = FileRow(
             id=f"file-{uuid.uuid4().hex[:24]}",
             tenant=tenant,
@@ -68,6 +77,8 @@ class FileStore:
             content=content,
         )
         with Session(self._engine, expire_on_commit=False) as session, session.begin():
+            if quota is not None:
+                _check_quota(session, tenant, len(content), *quota)
             session.add(row)
         return _file(row)
 
@@ -112,6 +123,23 @@ _FILE_COLUMNS = (
     FileRow.size,
     FileRow.created_at,
 )
+
+
+class FileQuotaExceeded(Exception):
+    """The tenant holds as many files, or bytes of them, as it may."""
+
+
+def _check_quota(session: Session, tenant: str, adding: int, max_files: int, max_bytes: int) -> None:
+    count, held = session.execute(
+        select(func.count(), func.coalesce(func.sum(FileRow.size), 0)).where(FileRow.tenant == tenant)
+    ).one()
+    if count + 1 > max_files:
+        raise FileQuotaExceeded(f"Tenant '{tenant}' holds {count} files, its limit; delete some first.")
+    if held + adding > max_bytes:
+        raise FileQuotaExceeded(
+            f"Tenant '{tenant}' holds {held:,} bytes of files; this one ({adding:,}) would pass its limit of "
+            f"{max_bytes:,}; delete some first."
+        )
 
 
 def _file(row: FileRow) -> FileRecord:
