@@ -1,5 +1,7 @@
-"""Tenant eve fills the store with files: she holds at most `batch.tenant_max_files` files and
-`batch.tenant_max_bytes` bytes of them (429 `files_quota_exceeded`, naming the limit); bob's uploads go on."""
+"""Tenant eve fills the store with files and the queue with batches: she holds at most
+`batch.tenant_max_files` files and `batch.tenant_max_bytes` bytes of them (429 `files_quota_exceeded`),
+and `batch.tenant_max_active` unfinished batches, however often she reuses one input file (429
+`batches_quota_exceeded`); bob's uploads and batches go on."""
 
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ LINE = b'{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "bo
 @pytest.fixture
 async def gateway(tmp_path: Path) -> AsyncIterator[tuple[str, dict[str, str]]]:
     """A closed gateway whose tenants may hold 3 files of at most 300 bytes together: (url, keys)."""
-    batch = BatchSettings(tenant_max_files=3, tenant_max_bytes=3 * len(LINE) + 10)
+    batch = BatchSettings(tenant_max_files=3, tenant_max_bytes=3 * len(LINE) + 10, tenant_max_active=2)
     replicas = ReplicaSet(["m"])
     parts = GatewayParts.build(
         replicas,
@@ -76,3 +78,24 @@ async def test_a_tenant_holds_at_most_its_bytes(gateway: tuple[str, dict[str, st
         status, refused = await upload(session, url, keys["eve"], LINE * 2)
         assert (status, refused["error"]["code"]) == (429, "files_quota_exceeded")
         assert "bytes" in refused["error"]["message"]
+
+
+async def test_one_input_file_feeds_at_most_the_tenants_unfinished_batches(
+    gateway: tuple[str, dict[str, str]],
+) -> None:
+    url, keys = gateway
+    async with aiohttp.ClientSession() as session:
+
+        async def batch_of(tenant: str, file_id: str) -> tuple[int, dict]:
+            body = {"input_file_id": file_id, "endpoint": "/v1/chat/completions", "completion_window": "24h"}
+            headers = {"Authorization": f"Bearer {keys[tenant]}"}
+            async with session.post(url + "/v1/batches", json=body, headers=headers) as answer:
+                return answer.status, await answer.json()
+
+        eves = (await upload(session, url, keys["eve"], LINE))[1]["id"]
+        made = [await batch_of("eve", eves) for _ in range(2)]  # no replica runs them: they stay unfinished
+        assert [status for status, _ in made] == [200, 200]
+        status, refused = await batch_of("eve", eves)
+        assert (status, refused["error"]["code"]) == (429, "batches_quota_exceeded")
+        bobs = (await upload(session, url, keys["bob"], LINE))[1]["id"]
+        assert (await batch_of("bob", bobs))[0] == 200

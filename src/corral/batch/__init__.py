@@ -3,7 +3,7 @@ line queue's contract, kept in SQL rows by queue_sql.py or in Redis Streams by q
 in store/), run on spare capacity by the runner (runner.py) through the gateway's own pipeline."""
 
 from corral.batch.files import ENDPOINTS, BatchInput, check_upload, read_batch_input
-from corral.batch.jobs import BatchRecord, BatchStore, NewBatch
+from corral.batch.jobs import BatchRecord, BatchStore, NewBatch, TooManyBatches
 from corral.batch.queue import BatchLine, LineQueue, LineResult
 from corral.batch.runner import BatchRunner, LineExecutor
 
@@ -18,6 +18,7 @@ __all__ = [
     "LineQueue",
     "LineResult",
     "NewBatch",
+    "TooManyBatches",
     "check_upload",
     "read_batch_input",
 ]

@@ -22,7 +22,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import orjson
-from sqlalchemy import Engine, select, update
+from sqlalchemy import Engine, func, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -31,11 +31,17 @@ from corral.batch.queue_sql import SqlLines
 from corral.store.batch_rows import BatchRow, aware, changed
 from corral.store.files import FileRow, FileStore, page
 
-__all__ = ["BatchRecord", "BatchStore", "NewBatch"]
+__all__ = ["BatchRecord", "BatchStore", "NewBatch", "TooManyBatches"]
 
 logger = logging.getLogger(__name__)
 
 FINISHED = frozenset({"completed", "failed", "expired", "cancelled"})
+
+
+class TooManyBatches(Exception):
+    """The tenant has as many unfinished batches as it may."""
+
+
 _NOT_YET_S = 2.0  # a line leased while its batch was not in progress goes back for this long
 
 
@@ -125,10 +131,22 @@ class BatchStore:
 
     # batches
 
-    def create_batch(self, new: NewBatch) -> BatchRecord:
-        """A batch whose input is still to be checked (`validating`): a runner starts or fails it."""
+    def create_batch(self, new: NewBatch, max_active: int | None = None) -> BatchRecord:
+        """A batch whose input is still to be checked (`validating`): a runner starts or fails it.
+        `max_active`: the unfinished batches its tenant may have with it (TooManyBatches past it)."""
         row = _row(new, self.lines.name)
         with Session(self._engine, expire_on_commit=False) as session, session.begin():
+            if max_active is not None:
+                active = session.scalar(
+                    select(func.count())
+                    .select_from(BatchRow)
+                    .where(BatchRow.tenant == new.tenant, BatchRow.status.not_in(FINISHED))
+                )
+                if (active or 0) >= max_active:
+                    raise TooManyBatches(
+                        f"Tenant '{new.tenant}' has {active} unfinished batches, its limit; wait for one to "
+                        "finish or cancel one."
+                    )
             session.add(row)
         found = self.batch(new.tenant, row.id)
         assert found is not None

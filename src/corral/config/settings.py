@@ -234,6 +234,10 @@ class BatchSettings(Strict):
         description="Redis for queue: redis (run it with appendonly yes: the lines live there)",
     )
     max_file_bytes: Annotated[int, Field(ge=1, description="largest file upload, bytes")] = 100 * 1024 * 1024
+    tenant_max_active: Annotated[
+        int,
+        Field(ge=1, description="batches one tenant may have unfinished at once (one more: 429)"),
+    ] = 20
     tenant_max_files: Annotated[
         int, Field(ge=1, description="files one tenant may hold at once (an upload past it: 429)")
     ] = 1000

@@ -12,7 +12,7 @@ import orjson
 from aiohttp import BodyPartReader, web
 
 from corral.admission import Authenticator, Principal
-from corral.batch import BatchStore, NewBatch
+from corral.batch import BatchStore, NewBatch, TooManyBatches
 from corral.batch.files import ENDPOINTS, check_upload
 from corral.config import BatchSettings
 from corral.gateway.bodies import read_body, within
@@ -153,7 +153,10 @@ class BatchViews:
                 f"File {file_id} is not a batch input (purpose {found.purpose}).", param="input_file_id"
             )
         new = NewBatch(principal.tenant, principal.key_id, endpoint, file_id, window, window_text, meta)
-        record = await asyncio.to_thread(self._store.create_batch, new)  # validated by the runner
+        try:  # (validated by the runner)
+            record = await asyncio.to_thread(self._store.create_batch, new, self._settings.tenant_max_active)
+        except TooManyBatches as exc:
+            raise RateLimited(str(exc), code="batches_quota_exceeded") from exc
         return web.json_response(record.to_api())
 
     async def batches(self, request: web.Request) -> web.Response:
