@@ -73,9 +73,10 @@ async def test_an_authorization_header_that_is_not_utf8_is_refused_with_401(
     assert (status, answer["error"]["code"]) == (401, "invalid_api_key"), answer
 
 
-@pytest.fixture
-async def with_batches(tmp_path: Path, upstream: ScriptedUpstream) -> AsyncIterator[tuple[str, str]]:
-    """A closed gateway with the Files and Batch API, and a tenant key: (url, key)."""
+async def batches_gateway(
+    tmp_path: Path, upstream: ScriptedUpstream, settings: GatewaySettings
+) -> tuple[GatewayServer, str, str]:
+    """A closed gateway with the Files and Batch API, started: (server, url, a tenant key)."""
     replicas = ReplicaSet(["m"])
     replicas.add(Replica(id="m-0", model="m", engine="x", url=upstream.url, state=ReplicaState.READY))
     parts = GatewayParts.build(
@@ -89,9 +90,16 @@ async def with_batches(tmp_path: Path, upstream: ScriptedUpstream) -> AsyncItera
         batch=BatchSettings(),
     )
     secret, _ = parts.keys.create("eve")
-    server = GatewayServer(GatewaySettings(port=0), Router(replicas), parts)
+    server = GatewayServer(settings, Router(replicas), parts)
     await server.start()
-    yield f"http://127.0.0.1:{server.port}", secret
+    return server, f"http://127.0.0.1:{server.port}", secret
+
+
+@pytest.fixture
+async def with_batches(tmp_path: Path, upstream: ScriptedUpstream) -> AsyncIterator[tuple[str, str]]:
+    """A closed gateway with the Files and Batch API, and a tenant key: (url, key)."""
+    server, url, key = await batches_gateway(tmp_path, upstream, GatewaySettings(port=0))
+    yield url, key
     await server.stop()
 
 
@@ -182,23 +190,9 @@ async def test_a_flood_of_random_keys_never_sends_a_working_key_to_the_database(
 
 @pytest.fixture
 async def impatient(tmp_path: Path, upstream: ScriptedUpstream) -> AsyncIterator[tuple[str, str]]:
-    """A closed gateway with a 0.5 s body timeout, the Files and Batch API on: (url, tenant key)."""
-    replicas = ReplicaSet(["m"])
-    replicas.add(Replica(id="m-0", model="m", engine="x", url=upstream.url, state=ReplicaState.READY))
-    parts = GatewayParts.build(
-        replicas,
-        f"sqlite:///{tmp_path / 'c.db'}",
-        AuthSettings(open=False),
-        StoreSettings(flush_interval=0.1),
-        LimitsSettings(),
-        QueueSettings(),
-        admin_key="admin",
-        batch=BatchSettings(),
-    )
-    secret, _ = parts.keys.create("eve")
-    server = GatewayServer(GatewaySettings(port=0, body_timeout=0.5), Router(replicas), parts)
-    await server.start()
-    yield f"http://127.0.0.1:{server.port}", secret
+    """The same with a 0.5 s body timeout: (url, tenant key)."""
+    server, url, key = await batches_gateway(tmp_path, upstream, GatewaySettings(port=0, body_timeout=0.5))
+    yield url, key
     await server.stop()
 
 
