@@ -54,6 +54,40 @@ def test_vllm_answers_through_the_gateway(vllm_cluster: RunningCluster) -> None:
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens >= 1
 
 
+def _prefix_cache(url: str) -> tuple[float, float]:
+    """vLLM's prefix-cache counters: (tokens looked up, tokens found cached)."""
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as response:
+        text = response.read().decode()
+    load = parse_vllm_load(text)
+    return load.prefix_cache_queries_total, load.prefix_cache_hits_total
+
+
+def test_vllms_cache_salt_keeps_prompts_apart(vllm_cluster: RunningCluster) -> None:
+    """What tenant isolation rests on, on the real engine: a prompt sent again with the same `cache_salt`
+    finds its blocks cached, with another salt none (and the gateway's own salted requests are accepted:
+    the model is `prefix_isolation: tenant`, so every test here sends one)."""
+    (replica,) = [r for r in vllm_cluster.status()["replicas"] if r["model"] == "smollm2-vllm"]
+    url = replica["url"]
+    document = "A long confidential memo, paragraph after paragraph. " * 40
+
+    def cached_for(salt: str) -> float:
+        queried, hits = _prefix_cache(url)
+        body = {"model": "smollm2-vllm", "max_tokens": 1, "cache_salt": salt, "prompt": document}
+        headers = {"Content-Type": "application/json"}
+        request = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(), headers)
+        with urllib.request.urlopen(request, timeout=120) as response:
+            assert response.status == 200
+        deadline = time.monotonic() + 10  # the engine's counters follow its answer by a step or two
+        while (now := _prefix_cache(url))[0] <= queried:
+            assert time.monotonic() < deadline, "vLLM counted no prefix-cache lookup"
+            time.sleep(0.1)
+        return now[1] - hits
+
+    cached_for("bob")
+    assert cached_for("bob") > 100  # the same tenant: its blocks are found
+    assert cached_for("eve") == 0  # another tenant's salt: nothing cached for it
+
+
 def test_vllm_metrics_are_read_into_the_load(vllm_cluster: RunningCluster, tmp_path: Path) -> None:
     (replica,) = [r for r in vllm_cluster.status()["replicas"] if r["model"] == "smollm2-vllm"]
     assert replica["engine"] == "vllm" and replica["state"] == "ready"
