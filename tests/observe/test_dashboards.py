@@ -83,6 +83,7 @@ def test_observe_render_writes_dashboards_rules_and_provisioning(tmp_path: Path)
     assert str((out / "grafana" / "dashboards").resolve()) in provisioning
     gateway = yaml.safe_load(config)["scrape_configs"][0]  # a closed gateway's /metrics: the admin key
     assert gateway["authorization"] == {"type": "Bearer", "credentials_file": "admin.key"}
+    assert "put the admin key in" in result.stderr and "/corral/sd and /metrics" in result.stderr
     (out / "prometheus" / "admin.key").write_text("the-admin-key")  # as the operator puts it there
     checked = subprocess.run(
         ["promtool", "check", "config", str(out / "prometheus" / "prometheus.yml")],

@@ -41,6 +41,15 @@ def render_command(
         fail(str(exc), 2)
     for path in write_rendered(render_observability(spec, str(file), output, scrape_interval), output):
         console.print(f"wrote {path}", markup=False, highlight=False, soft_wrap=True)
+    if not spec.auth.open or spec.auth.admin_key:
+        needs = "/corral/sd" if spec.gateway.metrics_token or spec.auth.open else "/corral/sd and /metrics"
+        console.print(
+            f"next: put the admin key in {output / 'prometheus' / 'admin.key'} (owner-readable only): "
+            f"Prometheus reads it for the gateway's {needs}",
+            markup=False,
+            highlight=False,
+            soft_wrap=True,
+        )
 
 
 @observe_app.command("snapshot", cls=FlagsCommand)
