@@ -23,11 +23,16 @@ async def chat(session: aiohttp.ClientSession, cluster: Cluster, key: str) -> tu
         return answer.status, data["usage"]["total_tokens"] if answer.status == 200 else 0
 
 
-async def used_by(cluster: Cluster, key_id: str) -> int:
-    """The key's tokens as the usage records say, once the records are written (every 0.1 s here)."""
-    await asyncio.sleep(0.3)
-    _, report = await cluster.admin("GET", "/admin/usage?by=key")
-    return sum(r["input_tokens"] + r["output_tokens"] for r in report["rows"] if r["key"] == key_id)
+async def used_by(cluster: Cluster, key_id: str, requests: int) -> int:
+    """The key's tokens as the usage records say, once all its `requests` are recorded (written every
+    0.1 s here)."""
+    for _ in range(100):  # 10 s
+        _, report = await cluster.admin("GET", "/admin/usage?by=key")
+        rows = [r for r in report["rows"] if r["key"] == key_id]
+        if sum(r["requests"] for r in rows) >= requests:
+            return sum(r["input_tokens"] + r["output_tokens"] for r in rows)
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"fewer than {requests} usage records for {key_id}")
 
 
 async def test_concurrent_requests_cannot_run_a_budget_over(tmp_path: Path) -> None:
@@ -43,7 +48,7 @@ async def test_concurrent_requests_cannot_run_a_budget_over(tmp_path: Path) -> N
         served = [tokens for status, tokens in answers if status == 200]
         assert served and sum(served) <= BUDGET, answers
         assert sorted({status for status, _ in answers}) == [200, 429]
-        assert await used_by(cluster, eve["id"]) == sum(served) <= BUDGET
+        assert await used_by(cluster, eve["id"], len(answers)) == sum(served) <= BUDGET
     finally:
         await server.stop()
         await slow.stop()
@@ -75,7 +80,7 @@ async def test_a_stream_cut_before_its_usage_is_charged_its_reservation(tmp_path
                 if dripping.cancelled == 2:
                     break
                 await asyncio.sleep(0.05)
-            charged = await used_by(cluster, eve["id"])
+            charged = await used_by(cluster, eve["id"], 2)
             assert charged >= 2 * 60  # two reservations: max_tokens and the prompt's estimate each
             status, _ = await chat(session, cluster, eve["key"])  # 200 - 2 × ~77 leaves too little for 50
             assert status == 429
