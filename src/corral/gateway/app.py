@@ -109,6 +109,7 @@ def build_app(
         metrics=metrics,
         failover_modes=parts.failover_modes,
         isolated=parts.isolated,
+        tenants_apart=not open_access,
         salt_key=hashlib.sha256(b"corral cache_salt\0" + (parts.access.admin_key or "").encode()).digest(),
         max_body_bytes=settings.max_body_bytes,
         body_timeout=settings.body_timeout,

@@ -89,6 +89,7 @@ class Pipeline:
         failover_modes: dict[str, str],
         isolated: set[str],
         salt_key: bytes,
+        tenants_apart: bool,
         max_body_bytes: int,
         body_timeout: float = 30.0,
     ) -> None:
@@ -107,6 +108,7 @@ class Pipeline:
         self._failover_modes = failover_modes  # a live apply adds new models' modes
         self._isolated = isolated  # models whose prefix routing keeps tenants apart (likewise)
         self._salt_key = salt_key  # a server secret: a tenant's cache_salt is an HMAC of its name
+        self._tenants_apart = tenants_apart  # a closed gateway: tenants may be hostile to each other
         self._max_body = max_body_bytes
         self._body_timeout = body_timeout
         self._embeddings = EmbeddingShaper()
@@ -180,6 +182,8 @@ class Pipeline:
         another tenant's went to, so where a request goes tells nothing of other tenants' prompts. An engine
         that takes vLLM's `cache_salt` gets the tenant's (whatever the client sent), so its prefix cache
         shares no blocks between tenants either, and the time to a first token tells nothing."""
+        if self._tenants_apart:
+            ctx.route.tenant = tenant  # (a replica's breaker tells one tenant's failures from many)
         if ctx.model not in self._isolated:
             return
         if ctx.route.prompt:

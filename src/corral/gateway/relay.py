@@ -111,6 +111,7 @@ class Relay:
                 break  # every routable replica has failed this request
             ctx.replica = replica
             outcome: bool | None = None
+            answered = False
             try:
                 # prefill coalescing: its long prefix is being computed there now; wait, then hit the cache
                 shared = self._router.shared_prefill(replica, ctx.route)
@@ -118,6 +119,7 @@ class Relay:
                     ctx.held += await self._router.hold(shared)
                 response = await self._attempt(replica, ctx, request)
                 outcome = response.status < 500 and not ctx.replica_failed
+                answered = response.status >= 500 and not ctx.replica_failed  # the engine's 5xx answer
                 return response
             except _Retryable as exc:
                 outcome = False
@@ -128,7 +130,7 @@ class Relay:
                 outcome = False
                 raise
             finally:  # (its usage: what the engine computed, for the prefix index)
-                self._router.release(replica, ctx.route, outcome, ctx.usage if outcome else None)
+                self._router.release(replica, ctx.route, outcome, ctx.usage if outcome else None, answered)
         raise UpstreamError(f"The model's replicas failed to answer: {failure}.")
 
     async def call(self, route: RouteRequest, path: str, body: bytes) -> bytes:

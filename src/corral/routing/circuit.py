@@ -2,8 +2,10 @@
 
 A breaker opens after `failures` consecutive failed requests (the replica leaves routing), lets one trial
 request through after `cooldown` seconds (half-open), and closes on its success or reopens, with the
-cool-down doubled, on its failure. The retry budget caps retries to a fraction of recent requests, so a
-sick fleet is not hit with a retry storm.
+cool-down doubled, on its failure. A failure the engine answered (its 5xx to a request it read) may be the
+request's doing: a streak of only such failures opens the breaker only when they came from two tenants or
+more, so one tenant's poisoned inputs cannot take a replica away from everyone. The retry budget caps
+retries to a fraction of recent requests, so a sick fleet is not hit with a retry storm.
 """
 
 from __future__ import annotations
@@ -27,6 +29,10 @@ class CircuitBreaker:
         self._max_cooldown = max_cooldown
         self._cooldown = cooldown
         self.consecutive_failures = 0
+        self._replica_faults = 0  # of the streak: failures that were the replica's beyond doubt
+        self._tenants: set[str] = (
+            set()
+        )  # of the streak: tenants whose requests the engine answered with a 5xx
         self._opened_at: float | None = None
         self._trial_out = False
 
@@ -53,16 +59,28 @@ class CircuitBreaker:
         if self._opened_at is None and not self.consecutive_failures:
             return
         self.consecutive_failures = 0
+        self._replica_faults = 0
+        self._tenants.clear()
         self._opened_at = None
         self._trial_out = False
         self._cooldown = self._base_cooldown
 
-    def on_failure(self) -> None:
+    def on_failure(self, tenant: str | None = None) -> None:
+        """A failed request: the replica's (`tenant` None: no connection, a timeout, a cut stream), or one
+        the engine answered with a 5xx, which `tenant` sent."""
         self.consecutive_failures += 1
+        if tenant is None:
+            self._replica_faults += 1
+        elif len(self._tenants) < 2:
+            self._tenants.add(tenant)
         if self.state is CircuitState.HALF_OPEN:
             self._cooldown = min(self._cooldown * 2, self._max_cooldown)
             self._opened_at = time.monotonic()
-        elif self.consecutive_failures >= self._threshold and self._opened_at is None:
+        elif (
+            self.consecutive_failures >= self._threshold
+            and self._opened_at is None
+            and (self._replica_faults or len(self._tenants) >= 2)
+        ):
             self._opened_at = time.monotonic()
         self._trial_out = False
 

@@ -138,6 +138,7 @@ class RouteRequest:
 
     model: str
     tokens: int = 0  # estimated input + requested output tokens
+    tenant: str = ""  # who sent it (set on a multi-tenant gateway: breakers tell tenants apart)
     session: str | None = None
     prompt: str = ""
     prompt_tokens: int = 0  # estimated input tokens

@@ -187,10 +187,16 @@ class Router:
             request.inflight = None
 
     def release(
-        self, replica: Replica, request: RouteRequest, ok: bool | None, usage: Mapping[str, Any] | None = None
+        self,
+        replica: Replica,
+        request: RouteRequest,
+        ok: bool | None,
+        usage: Mapping[str, Any] | None = None,
+        answered: bool = False,
     ) -> None:
-        """The request is done with `replica`: ok=True success, False replica failure, None not its fault;
-        `usage`: the engine's answer's, when it gave one (the prefix index learns from it)."""
+        """The request is done with `replica`: ok=True success, False failure, None not its fault;
+        `usage`: the engine's answer's, when it gave one (the prefix index learns from it); `answered`: the
+        failure was the engine's 5xx answer to the request (perhaps its input's doing: see circuit.py)."""
         self.prefilled(replica, request)
         policy = self._policies.get(request.model)
         if isinstance(policy, PrefixAffinity):
@@ -205,7 +211,7 @@ class Router:
             replica.breaker.on_success()
         elif ok is False:
             replica.failures += 1
-            replica.breaker.on_failure()
+            replica.breaker.on_failure(request.tenant if answered and request.tenant else None)
 
 
 _MIN_SHARED_BLOCKS = 8  # about 1,000 characters: shorter shared prefixes are cheap to compute twice

@@ -1,0 +1,97 @@
+"""Tenant eve sends inputs that make the engine answer 500 (a poisoned prompt): its replicas' breakers used
+to open after three of them, and bob's requests then found no replica. A streak of failures the engine
+answered now opens a breaker only when two tenants' requests failed; a replica that fails everyone's still
+leaves routing."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from corral.config import AuthSettings, GatewaySettings
+from corral.gateway import GatewayServer
+from corral.routing import CircuitBreaker, CircuitState, Replica, ReplicaSet, ReplicaState, Router
+
+from ..gateway.conftest import make_services
+
+
+def test_one_tenants_answered_failures_do_not_open_a_breaker() -> None:
+    breaker = CircuitBreaker(failures=3)
+    for _ in range(10):
+        breaker.on_failure("eve")
+    assert breaker.state is CircuitState.CLOSED
+    breaker.on_failure("bob")  # a second tenant's request fails too: the replica, most likely
+    assert breaker.state is CircuitState.OPEN
+
+
+def test_the_replicas_own_failures_open_it_as_before() -> None:
+    breaker = CircuitBreaker(failures=3)
+    breaker.on_failure("eve")
+    breaker.on_failure()
+    assert breaker.state is CircuitState.CLOSED
+    breaker.on_failure()
+    assert breaker.state is CircuitState.OPEN
+
+
+@pytest.fixture
+async def poisoned() -> AsyncIterator[list[str]]:
+    """Two engines that answer 500 to a prompt containing "poison" and a completion to anything else."""
+
+    async def chat(request: web.Request) -> web.Response:
+        body = await request.json()
+        if "poison" in str(body["messages"]):
+            return web.json_response({"error": {"message": "internal error", "code": 500}}, status=500)
+        return web.json_response(
+            {
+                "id": "c",
+                "object": "chat.completion",
+                "created": 1,
+                "model": "m",
+                "choices": [
+                    {"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}
+                ],
+                "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+            }
+        )
+
+    runners = []
+    for _ in range(2):
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", chat)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        runners.append(runner)
+    yield [f"http://127.0.0.1:{r.addresses[0][1]}" for r in runners]
+    for runner in runners:
+        await runner.cleanup()
+
+
+async def test_a_tenants_poisoned_inputs_leave_the_replicas_to_everyone(
+    tmp_path: Path, poisoned: list[str]
+) -> None:
+    replicas = ReplicaSet(["m"])
+    for i, url in enumerate(poisoned):
+        replicas.add(Replica(id=f"m-{i}", model="m", engine="x", url=url, state=ReplicaState.READY))
+    parts = make_services(replicas, tmp_path / "c.db", auth=AuthSettings(open=False))
+    server = GatewayServer(GatewaySettings(port=0), Router(replicas), parts)
+    await server.start()
+    keys = {tenant: parts.keys.create(tenant)[0] for tenant in ("eve", "bob")}
+    url = f"http://127.0.0.1:{server.port}/v1/chat/completions"
+
+    async def ask(session: aiohttp.ClientSession, tenant: str, content: str) -> int:
+        body = {"model": "m", "messages": [{"role": "user", "content": content}]}
+        async with session.post(url, json=body, headers={"Authorization": f"Bearer {keys[tenant]}"}) as r:
+            return r.status
+
+    try:
+        async with aiohttp.ClientSession() as session:
+            assert {await ask(session, "eve", "poison") for _ in range(12)} == {502}
+            assert [r.breaker.state for r in replicas.of("m")] == [CircuitState.CLOSED] * 2
+            assert [await ask(session, "bob", "hello") for _ in range(4)] == [200] * 4
+    finally:
+        await server.stop()
