@@ -8,7 +8,6 @@ The app serves `/v1/chat/completions`, `/v1/completions`, `/v1/embeddings`, `/v1
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import os
 import time
@@ -29,6 +28,7 @@ from corral.gateway.batches import BatchViews
 from corral.gateway.clients import ClientAddresses
 from corral.gateway.console import ConsoleViews
 from corral.gateway.embedder import ReplicaEmbedder
+from corral.gateway.isolation import TenantIsolation
 from corral.gateway.metrics import GatewayMetrics
 from corral.gateway.parts import GatewayParts
 from corral.gateway.pipeline import Pipeline
@@ -108,9 +108,7 @@ def build_app(
         usage=usage,
         metrics=metrics,
         failover_modes=parts.failover_modes,
-        isolated=parts.isolated,
-        tenants_apart=not open_access,
-        salt_key=hashlib.sha256(b"corral cache_salt\0" + (parts.access.admin_key or "").encode()).digest(),
+        isolation=TenantIsolation.of(parts.isolated, parts.access.admin_key, open_access),
         max_body_bytes=settings.max_body_bytes,
         body_timeout=settings.body_timeout,
     )

@@ -1,19 +1,23 @@
-"""Reading request bodies against a deadline. A client that sends its headers and then stalls holds a
-connection and a handler; every route with a body reads it through here (`gateway.body_timeout`): a whole
-body within the timeout of its headers, an upload's parts each within it of the last (an idle timeout, so
-a large file on a slow link still arrives)."""
+"""Request bodies: read against a deadline, and rewritten for the engine.
+
+A client that sends its headers and then stalls holds a connection and a handler; every route with a body
+reads it through here (`gateway.body_timeout`): a whole body within the timeout of its headers, an
+upload's parts each within it of the last (an idle timeout, so a large file on a slow link still arrives).
+A body the gateway adds a member to (`stream_options`, `cache_salt`) is rewritten with `with_member`,
+without parsing a long prompt where the body does not name the member yet."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable
-from typing import TypeVar
+from typing import Any, TypeVar
 
+import orjson
 from aiohttp import web
 
-from corral.protocol import PayloadTooLarge, RequestTimeout
+from corral.protocol import InvalidRequest, PayloadTooLarge, RequestTimeout
 
-__all__ = ["read_body", "within"]
+__all__ = ["read_body", "with_member", "within"]
 
 _T = TypeVar("_T")
 
@@ -43,6 +47,24 @@ async def within(step: Awaitable[_T], idle_s: float) -> _T:
             return await step
     except TimeoutError as exc:
         raise RequestTimeout(f"The upload stalled: nothing arrived for {idle_s:g} s.") from exc
+
+
+def with_member(raw: bytes, name: str, value: Any, member: bytes, merge: bool = False) -> bytes:
+    """The JSON object `raw` (a body pydantic accepted) with `name` set to `value`. Where the bytes do not
+    name it, `member` (the pre-encoded `,"name":value`) is appended before the closing brace, with no parse;
+    else the body is parsed and re-serialised, `value` merged into a dict already there with `merge`, else
+    replacing it (a client's own `cache_salt` never reaches the engine)."""
+    if b'"' + name.encode() + b'"' not in raw:
+        end = raw.rstrip()
+        if end.endswith(b"}"):
+            return end[:-1] + member + b"}"
+    try:
+        data: dict[str, Any] = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:  # NaN, Infinity: pydantic's parser took them, JSON has none
+        raise InvalidRequest(f"The body is not valid JSON: {exc}.") from exc
+    old = data.get(name)
+    data[name] = {**old, **value} if merge and isinstance(old, dict) else value
+    return orjson.dumps(data)
 
 
 def _too_large(limit: int) -> PayloadTooLarge:

@@ -11,16 +11,12 @@ the reservation is corrected to real usage, and a usage record and metrics are w
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import hmac
 import logging
 import time
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from functools import partial
-from typing import Any
 
-import orjson
 from aiohttp import web
 
 from corral.admission import (
@@ -35,11 +31,12 @@ from corral.admission import (
 )
 from corral.cache import CacheLookup, ExactCache
 from corral.engines import EngineFeatures
-from corral.gateway.bodies import read_body
+from corral.gateway.bodies import read_body, with_member
 from corral.gateway.context import RequestContext
 from corral.gateway.embeddings import EmbeddingShaper, upstream_body
 from corral.gateway.failover import can_fail_over
 from corral.gateway.fanout import Fanout, check_features, needs_fanout
+from corral.gateway.isolation import TenantIsolation
 from corral.gateway.metrics import GatewayMetrics
 from corral.gateway.relay import SSE_HEADERS, EventStream, Relay
 from corral.gateway.usage import UsageRecorder
@@ -87,9 +84,7 @@ class Pipeline:
         usage: UsageRecorder,
         metrics: GatewayMetrics,
         failover_modes: dict[str, str],
-        isolated: set[str],
-        salt_key: bytes,
-        tenants_apart: bool,
+        isolation: TenantIsolation,
         max_body_bytes: int,
         body_timeout: float = 30.0,
     ) -> None:
@@ -106,9 +101,7 @@ class Pipeline:
         self._usage = usage
         self._metrics = metrics
         self._failover_modes = failover_modes  # a live apply adds new models' modes
-        self._isolated = isolated  # models whose prefix routing keeps tenants apart (likewise)
-        self._salt_key = salt_key  # a server secret: a tenant's cache_salt is an HMAC of its name
-        self._tenants_apart = tenants_apart  # a closed gateway: tenants may be hostile to each other
+        self._isolation = isolation
         self._max_body = max_body_bytes
         self._body_timeout = body_timeout
         self._embeddings = EmbeddingShaper()
@@ -124,7 +117,7 @@ class Pipeline:
     async def _handle(self, request: web.Request, parse: _Parse, answer: _Answer) -> web.StreamResponse:
         principal = await self._auth.authenticate(request.headers.get("Authorization"))
         ctx = await parse(request)
-        self._isolate(ctx, principal.tenant)
+        self._isolation.apply(ctx, principal.tenant)
         try:
             principal.check_model(ctx.model)
         except APIError as exc:
@@ -157,7 +150,7 @@ class Pipeline:
                 kind = ChatCompletionRequest if path == "/v1/chat/completions" else CompletionRequest
                 ctx = self._context(raw, path, kind, None)
             principal.check_model(ctx.model)
-            self._isolate(ctx, principal.tenant)
+            self._isolation.apply(ctx, principal.tenant)
             ctx.budgeted = await self._budget.reserve(principal, ctx.route.tokens)  # (no rate limits)
         except APIError as exc:
             return exc.status, exc.to_json()
@@ -175,22 +168,6 @@ class Pipeline:
             return status, exc.to_json()
         finally:
             await self.settle(ctx, principal, None, status)
-
-    def _isolate(self, ctx: RequestContext, tenant: str) -> None:
-        """Where the model keeps tenants apart (`prefix_isolation: tenant`), the prompt routing hashes
-        starts with its tenant's name: the prefix index never finds one tenant's prompt blocks on the replica
-        another tenant's went to, so where a request goes tells nothing of other tenants' prompts. An engine
-        that takes vLLM's `cache_salt` gets the tenant's (whatever the client sent), so its prefix cache
-        shares no blocks between tenants either, and the time to a first token tells nothing."""
-        if self._tenants_apart:
-            ctx.route.tenant = tenant  # (a replica's breaker tells one tenant's failures from many)
-        if ctx.model not in self._isolated:
-            return
-        if ctx.route.prompt:
-            ctx.route.prompt = f"{len(tenant)}:{tenant}\n{ctx.route.prompt}"
-        if ctx.features.cache_salt and not isinstance(ctx.body, EmbeddingRequest):
-            salt = hmac.new(self._salt_key, tenant.encode(), hashlib.sha256).hexdigest()[:32]
-            ctx.upstream_body = _salted(ctx.upstream_body, salt)
 
     async def _answer(
         self, ctx: RequestContext, principal: Principal, request: web.Request
@@ -560,43 +537,10 @@ def prompt_text(body: ChatCompletionRequest | CompletionRequest) -> str:
     return body.prompt if isinstance(body.prompt, str) else str(body.prompt)
 
 
-_STREAM_OPTIONS = b'"stream_options"'
-_ASK_USAGE = b',"stream_options":{"include_usage":true}}'
+_ASK_USAGE = b',"stream_options":{"include_usage":true}'
 
 
 def _with_usage(raw: bytes) -> bytes:
-    """The body asking the engine for a usage chunk, which the relay strips again for the client. Where the
-    body has no `stream_options` (the bytes do not even name it) the member is appended to the object as it
-    is, with no parse and re-serialisation of a long prompt."""
-    if _STREAM_OPTIONS not in raw:
-        end = raw.rstrip()
-        if end.endswith(b"}"):
-            return end[:-1] + _ASK_USAGE
-    data = _json_object(raw)
-    options = data.get("stream_options") or {}
-    data["stream_options"] = {**options, "include_usage": True}
-    return orjson.dumps(data)
-
-
-_CACHE_SALT = b'"cache_salt"'
-
-
-def _salted(raw: bytes, salt: str) -> bytes:
-    """The body with `cache_salt` set to `salt`: appended where the body does not name one (no parse),
-    else replaced (a client's own salt never reaches the engine)."""
-    if _CACHE_SALT not in raw:
-        end = raw.rstrip()
-        if end.endswith(b"}"):
-            return end[:-1] + b',"cache_salt":"' + salt.encode() + b'"}'
-    data = _json_object(raw)
-    data["cache_salt"] = salt
-    return orjson.dumps(data)
-
-
-def _json_object(raw: bytes) -> dict[str, Any]:
-    """A body pydantic accepted, parsed to be rewritten."""
-    try:
-        data: dict[str, Any] = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:  # NaN, Infinity: pydantic's parser took them, JSON has none
-        raise InvalidRequest(f"The body is not valid JSON: {exc}.") from exc
-    return data
+    """The body asking the engine for a usage chunk, which the relay strips again for the client (the
+    member appended to the bytes as they are where the body names no `stream_options`)."""
+    return with_member(raw, "stream_options", {"include_usage": True}, _ASK_USAGE, merge=True)
