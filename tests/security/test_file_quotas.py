@@ -1,11 +1,13 @@
 """Tenant eve fills the store with files and the queue with batches: she holds at most
 `batch.tenant_max_files` files and `batch.tenant_max_bytes` bytes of them (429 `files_quota_exceeded`),
 and `batch.tenant_max_active` unfinished batches, however often she reuses one input file (429
-`batches_quota_exceeded`); bob's uploads and batches go on."""
+`batches_quota_exceeded`); bob's uploads and batches go on. Files expire (`batch.file_expiry_days`, or
+sooner by OpenAI's `expires_after`) and are then gone from reads and deleted by the sweep."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import aiohttp
@@ -21,6 +23,7 @@ from corral.config import (
 )
 from corral.gateway import GatewayParts, GatewayServer
 from corral.routing import ReplicaSet, Router
+from corral.store import FileStore, open_database
 
 LINE = b'{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {"model": "m"}}\n'
 
@@ -28,7 +31,9 @@ LINE = b'{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "bo
 @pytest.fixture
 async def gateway(tmp_path: Path) -> AsyncIterator[tuple[str, dict[str, str]]]:
     """A closed gateway whose tenants may hold 3 files of at most 300 bytes together: (url, keys)."""
-    batch = BatchSettings(tenant_max_files=3, tenant_max_bytes=3 * len(LINE) + 10, tenant_max_active=2)
+    batch = BatchSettings(
+        tenant_max_files=3, tenant_max_bytes=3 * len(LINE) + 10, tenant_max_active=2, file_expiry_days=2
+    )
     replicas = ReplicaSet(["m"])
     parts = GatewayParts.build(
         replicas,
@@ -47,9 +52,13 @@ async def gateway(tmp_path: Path) -> AsyncIterator[tuple[str, dict[str, str]]]:
     await server.stop()
 
 
-async def upload(session: aiohttp.ClientSession, url: str, key: str, content: bytes) -> tuple[int, dict]:
+async def upload(
+    session: aiohttp.ClientSession, url: str, key: str, content: bytes, **fields: str
+) -> tuple[int, dict]:
     form = aiohttp.FormData()
     form.add_field("purpose", "batch")
+    for name, value in fields.items():
+        form.add_field(name, value)
     form.add_field("file", content, filename="in.jsonl", content_type="application/jsonl")
     headers = {"Authorization": f"Bearer {key}"}
     async with session.post(url + "/v1/files", data=form, headers=headers) as answer:
@@ -99,3 +108,32 @@ async def test_one_input_file_feeds_at_most_the_tenants_unfinished_batches(
         assert (status, refused["error"]["code"]) == (429, "batches_quota_exceeded")
         bobs = (await upload(session, url, keys["bob"], LINE))[1]["id"]
         assert (await batch_of("bob", bobs))[0] == 200
+
+
+async def test_files_expire_and_the_sweep_deletes_them(
+    gateway: tuple[str, dict[str, str]], tmp_path: Path
+) -> None:
+    url, keys = gateway
+    headers = {"Authorization": f"Bearer {keys['eve']}"}
+    async with aiohttp.ClientSession() as session:
+        kept = (await upload(session, url, keys["eve"], LINE))[1]
+        assert kept["expires_at"] - kept["created_at"] == 2 * 86400  # batch.file_expiry_days
+        hour = {"expires_after[anchor]": "created_at", "expires_after[seconds]": "3600"}
+        brief = (await upload(session, url, keys["eve"], LINE, **hour))[1]
+        assert brief["expires_at"] - brief["created_at"] == 3600
+        month = {"expires_after[anchor]": "created_at", "expires_after[seconds]": str(30 * 86400)}
+        capped = (await upload(session, url, keys["bob"], LINE, **month))[1]
+        assert capped["expires_at"] - capped["created_at"] == 2 * 86400  # never past the spec's
+        for bad in (
+            {**hour, "expires_after[seconds]": "60"},
+            {**hour, "expires_after[anchor]": "last_active_at"},
+        ):
+            status, refused = await upload(session, url, keys["bob"], LINE, **bad)
+            assert (status, refused["error"]["param"]) == (400, "expires_after")
+        files = FileStore(open_database(f"sqlite:///{tmp_path / 'c.db'}"))
+        assert files.sweep_expired(datetime.now(UTC) + timedelta(hours=2)) == 1
+        async with session.get(f"{url}/v1/files/{brief['id']}", headers=headers) as answer:
+            assert answer.status == 404
+        async with session.get(f"{url}/v1/files", headers=headers) as answer:
+            assert [f["id"] for f in (await answer.json())["data"]] == [kept["id"]]
+        assert files.sweep_expired(datetime.now(UTC) + timedelta(days=3)) == 2  # eve's and bob's

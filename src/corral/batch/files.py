@@ -10,7 +10,7 @@ OpenAI's does.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import IO, Any
 
 import orjson
 
@@ -40,10 +40,17 @@ class BatchInput:
     lines: list[tuple[str, bytes]]  # (custom_id, body)
 
 
-def check_upload(content: bytes, max_lines: int) -> int:
-    """The number of requests in a `purpose=batch` upload; InvalidRequest naming the first bad line."""
+def check_upload(source: IO[bytes], max_lines: int, max_line_bytes: int) -> int:
+    """The number of requests in a `purpose=batch` upload, read a line at a time from `source` (a line
+    longer than `max_line_bytes` is refused unread); InvalidRequest naming the first bad line."""
     count = 0
-    for number, raw in enumerate(content.splitlines(), start=1):
+    for number, raw in enumerate(iter(lambda: source.readline(max_line_bytes + 1), b""), start=1):
+        if len(raw) > max_line_bytes:
+            raise InvalidRequest(
+                f"Line {number} of the file is longer than {max_line_bytes:,} bytes (the largest request "
+                "body this gateway takes).",
+                param="file",
+            )
         if not raw.strip():
             continue
         count += 1

@@ -13,6 +13,7 @@ saq and arq Redis-only, none gives exactly-one result per line over SQLite), so 
 
 from __future__ import annotations
 
+import io
 import logging
 import time
 import uuid
@@ -29,7 +30,7 @@ from sqlalchemy.orm import Session
 from corral.batch.queue import LOST, BatchLine, LineQueue, LineResult, ResultRow, Stop
 from corral.batch.queue_sql import SqlLines
 from corral.store.batch_rows import BatchRow, aware, changed
-from corral.store.files import FileRow, FileStore, page
+from corral.store.files import FileStore, NewFile, page, write_file
 
 __all__ = ["BatchRecord", "BatchStore", "NewBatch", "TooManyBatches"]
 
@@ -111,8 +112,11 @@ class NewBatch:
 class BatchStore:
     """Blocking access to files, batches and their lines (the gateway calls it from threads)."""
 
-    def __init__(self, engine: Engine, lines: LineQueue | None = None) -> None:
+    def __init__(
+        self, engine: Engine, lines: LineQueue | None = None, file_expiry: timedelta | None = None
+    ) -> None:
         self._engine = engine
+        self._file_expiry = file_expiry  # of the output and error files it writes
         self._postgres = engine.dialect.name == "postgresql"
         self.files = FileStore(engine)  # inputs, and the output and error files it writes
         self._sql = SqlLines(engine)  # also counts the lines of batches finished before `counts` was kept
@@ -311,8 +315,11 @@ class BatchStore:
         return any(status == "validating" for status, _ in rows), models
 
     def housekeeping(self) -> list[str]:
-        """Expire batches past their window; finalise those with nothing left to run. The ids finished."""
+        """Expire batches past their window; finalise those with nothing left to run; delete files past
+        their expiry. The ids finished."""
         now = datetime.now(UTC)
+        if swept := self.files.sweep_expired(now):
+            logger.info("files: deleted %d past their expiry", swept)
         with Session(self._engine, expire_on_commit=False) as session:
             open_ids = session.scalars(
                 select(BatchRow.id).where(BatchRow.status.in_(("in_progress", "cancelling")), self._mine())
@@ -354,7 +361,7 @@ class BatchStore:
                 if busy > 0:
                     return False
                 results = self.lines.results(session, batch_id)
-                output_id, error_id = _write_results(session, row, results)
+                output_id, error_id = _write_results(session, row, results, self._file_expiry)
                 final = {"expire": "expired", "cancel": "cancelled", None: "completed"}[stop]
                 self._move(
                     session,
@@ -378,27 +385,17 @@ def _stop(row: BatchRow, now: float) -> Stop | None:
 
 
 def _write_results(
-    session: Session, row: BatchRow, results: list[ResultRow]
+    session: Session, row: BatchRow, results: list[ResultRow], expiry: timedelta | None
 ) -> tuple[str | None, str | None]:
-    stamp = datetime.now(UTC)
+    expires_at = datetime.now(UTC) + expiry if expiry is not None else None
     ids: list[str | None] = []
     for kind, content in zip(("output", "error"), _result_files(results), strict=True):
         if not content:
             ids.append(None)
             continue
-        file_id = f"file-{uuid.uuid4().hex[:24]}"
-        session.add(
-            FileRow(
-                id=file_id,
-                tenant=row.tenant,
-                purpose="batch_output",
-                filename=f"{row.id}_{kind}.jsonl",
-                size=len(content),
-                created_at=stamp,
-                content=content,
-            )
-        )
-        ids.append(file_id)
+        source = io.BytesIO(content)
+        new = NewFile(row.tenant, "batch_output", f"{row.id}_{kind}.jsonl", source, len(content), expires_at)
+        ids.append(write_file(session, new).id)
     return ids[0], ids[1]
 
 

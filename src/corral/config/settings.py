@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+from datetime import timedelta
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -59,6 +60,15 @@ class GatewaySettings(Strict):
         int,
         Field(ge=1024, description="longest request line or header field, bytes (a longer one: 400)"),
     ] = 8190
+    max_client_connections: Annotated[
+        int,
+        Field(
+            ge=1,
+            description="open connections one client address may hold (per gateway process); one more is "
+            "closed at once. Peers in trusted_proxies (the edge, which multiplexes many clients) are "
+            "exempt: the edge's own per-address limit applies there",
+        ),
+    ] = 256
     max_upstream_connections: Annotated[
         int, Field(ge=1, description="open connections to replicas at most; more requests wait for one")
     ] = 4096
@@ -223,6 +233,10 @@ class CacheSettings(Strict):
 class BatchSettings(Strict):
     """Batch jobs (OpenAI's Files and Batch API): a durable queue in the store, run on spare capacity."""
 
+    @property
+    def file_expiry(self) -> timedelta:
+        return timedelta(days=self.file_expiry_days)
+
     enabled: bool = Field(default=True, description="serve /v1/files and /v1/batches and run batches")
     queue: Literal["sql", "redis"] = Field(
         default="sql",
@@ -245,6 +259,14 @@ class BatchSettings(Strict):
         int, Field(ge=1, description="bytes of files (uploads and results) one tenant may hold at once")
     ] = 10 * 1024 * 1024 * 1024
     max_lines: Annotated[int, Field(ge=1, description="requests a batch file may hold")] = 50_000
+    file_expiry_days: Annotated[
+        int,
+        Field(
+            ge=1,
+            description="days after which uploads and batch results are deleted (OpenAI's default for batch "
+            "files: 30); an upload's expires_after may set fewer",
+        ),
+    ] = 30
     headroom: Annotated[
         int, Field(ge=0, description="slots per model kept free of batch lines for interactive requests")
     ] = 1

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import re
-from datetime import timedelta
-from typing import Any
+import tempfile
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import IO, Any
 
 import orjson
 from aiohttp import BodyPartReader, web
@@ -17,13 +19,26 @@ from corral.batch.files import ENDPOINTS, check_upload
 from corral.config import BatchSettings
 from corral.gateway.bodies import read_body, within
 from corral.protocol import InvalidRequest, NotFound, PayloadTooLarge, RateLimited
-from corral.store import FileQuotaExceeded
+from corral.store import FileQuotaExceeded, NewFile
 
 __all__ = ["BatchViews"]
 
 _WINDOW = re.compile(r"^(\d{1,6})([smh])$")  # 999999 s is past the 24 h bound already
 _MAX_WINDOW = timedelta(hours=24)
 _CHUNK = 1 << 16
+_LINE_WRAPPER = 4096  # custom_id, method and url around a line's body
+_FIELDS = ("purpose", "expires_after[anchor]", "expires_after[seconds]")
+_EXPIRY_BOUNDS = (3600, 30 * 86400)  # OpenAI's: an hour to 30 days
+
+
+@dataclass
+class _Upload:
+    """An upload form as read: its text fields, and the file's name and size (None: no file part)."""
+
+    fields: dict[str, str] = field(default_factory=dict)
+    purpose: str | None = None
+    filename: str = "upload.jsonl"
+    size: int | None = None
 
 
 class BatchViews:
@@ -42,6 +57,7 @@ class BatchViews:
         self._settings = settings
         self._idle = body_timeout  # an upload's silence between parts or chunks
         self._body = (body_timeout, max_body_bytes)
+        self._max_line = max_body_bytes + _LINE_WRAPPER  # a batch line: a request body and its wrapper
 
     def add_routes(self, app: web.Application) -> None:
         app.router.add_post("/v1/files", self.upload)
@@ -58,53 +74,60 @@ class BatchViews:
         return await self._auth.authenticate(request.headers.get("Authorization"))
 
     async def upload(self, request: web.Request) -> web.Response:
-        """multipart/form-data with `purpose` (batch) and `file` (JSONL); checked line by line."""
+        """multipart/form-data with `purpose` (batch), `file` (JSONL) and optionally OpenAI's
+        `expires_after[anchor]` / `expires_after[seconds]`. The file is spooled to a temporary file on disk
+        (one chunk in memory), checked line by line, and stored a part at a time."""
         principal = await self._principal(request)
         if not request.content_type.startswith("multipart/"):
             raise InvalidRequest("Upload the file as multipart/form-data with fields 'purpose' and 'file'.")
-        try:
-            purpose, filename, content = await self._form(request)
-        except (ValueError, UnicodeDecodeError) as exc:  # no or a broken boundary, a non-UTF-8 field
-            raise InvalidRequest(f"The multipart body cannot be read: {exc}.") from exc
-        if purpose != "batch":
-            raise InvalidRequest(
-                "'purpose' must be \"batch\" (the only purpose this server takes).", param="purpose"
-            )
-        if content is None:
-            raise InvalidRequest("The upload has no 'file' part.", param="file")
-        await asyncio.to_thread(check_upload, content, self._settings.max_lines)
-        quota = (self._settings.tenant_max_files, self._settings.tenant_max_bytes)
-        try:
-            record = await asyncio.to_thread(
-                self._store.files.add_file, principal.tenant, purpose, filename, content, quota
-            )
-        except FileQuotaExceeded as exc:
-            raise RateLimited(str(exc), code="files_quota_exceeded") from exc
+        with tempfile.TemporaryFile(prefix="corral-upload-") as spool:
+            try:
+                form = await self._form(request, spool)
+            except (ValueError, UnicodeDecodeError) as exc:  # no or a broken boundary, a non-UTF-8 field
+                raise InvalidRequest(f"The multipart body cannot be read: {exc}.") from exc
+            if form.purpose != "batch":
+                raise InvalidRequest(
+                    "'purpose' must be \"batch\" (the only purpose this server takes).", param="purpose"
+                )
+            if form.size is None:
+                raise InvalidRequest("The upload has no 'file' part.", param="file")
+            expires_at = datetime.now(UTC) + min(_expiry(form.fields), self._settings.file_expiry)
+            spool.seek(0)
+            await asyncio.to_thread(check_upload, spool, self._settings.max_lines, self._max_line)
+            spool.seek(0)
+            new = NewFile(principal.tenant, form.purpose, form.filename, spool, form.size, expires_at)
+            quota = (self._settings.tenant_max_files, self._settings.tenant_max_bytes)
+            try:
+                record = await asyncio.to_thread(self._store.files.add_file, new, quota)
+            except FileQuotaExceeded as exc:
+                raise RateLimited(str(exc), code="files_quota_exceeded") from exc
         return web.json_response(record.to_api())
 
-    async def _form(self, request: web.Request) -> tuple[str | None, str, bytes | None]:
-        purpose, filename, content = None, "upload.jsonl", None
+    async def _form(self, request: web.Request, spool: IO[bytes]) -> _Upload:
+        """The form's fields; the `file` part is written to `spool`."""
+        form = _Upload()
         reader = await request.multipart()
         while (part := await within(reader.next(), self._idle)) is not None:
             if not isinstance(part, BodyPartReader):
                 continue
-            if part.name == "purpose":
-                purpose = (await within(_part_text(part), self._idle)).strip()
-            elif part.name == "file":
-                filename = (part.filename or filename)[:256]
-                content = await self._read_limited(part)
-        return purpose, filename, content
+            if part.name == "file":
+                form.filename = (part.filename or form.filename)[:256]
+                form.size = await self._spool(part, spool)
+            elif part.name in _FIELDS:
+                form.fields[part.name] = (await within(_part_text(part), self._idle)).strip()
+        form.purpose = form.fields.get("purpose")
+        return form
 
-    async def _read_limited(self, part: BodyPartReader) -> bytes:
-        chunks, size = [], 0
+    async def _spool(self, part: BodyPartReader, spool: IO[bytes]) -> int:
+        size = 0
         while chunk := await within(part.read_chunk(_CHUNK), self._idle):
             size += len(chunk)
             if size > self._settings.max_file_bytes:
                 raise PayloadTooLarge(
                     f"The file is larger than the limit of {self._settings.max_file_bytes} bytes."
                 )
-            chunks.append(chunk)
-        return b"".join(chunks)
+            spool.write(chunk)  # to the page cache: microseconds a chunk
+        return size
 
     async def files(self, request: web.Request) -> web.Response:
         principal = await self._principal(request)
@@ -121,14 +144,21 @@ class BatchViews:
             raise _no_file(request.match_info["id"])
         return web.json_response(found.to_api())
 
-    async def content(self, request: web.Request) -> web.Response:
+    async def content(self, request: web.Request) -> web.StreamResponse:
+        """The file's content, sent a stored part at a time."""
         principal = await self._principal(request)
-        data = await asyncio.to_thread(
-            self._store.files.file_content, principal.tenant, request.match_info["id"]
-        )
-        if data is None:
-            raise _no_file(request.match_info["id"])
-        return web.Response(body=data, content_type="application/octet-stream")
+        file_id = request.match_info["id"]
+        found = await asyncio.to_thread(self._store.files.file, principal.tenant, file_id)
+        if found is None:
+            raise _no_file(file_id)
+        answer = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
+        answer.content_length = found.bytes
+        await answer.prepare(request)
+        parts = self._store.files.file_parts(file_id)
+        while (data := await asyncio.to_thread(next, parts, None)) is not None:
+            await answer.write(data)
+        await answer.write_eof()
+        return answer
 
     async def delete(self, request: web.Request) -> web.Response:
         principal = await self._principal(request)
@@ -188,6 +218,21 @@ async def _part_text(part: BodyPartReader) -> str:
         raise InvalidRequest(f"Part '{part.name}' has an unknown charset: {exc}.", param=part.name) from exc
     except RuntimeError as exc:  # aiohttp: "unknown content transfer encoding"
         raise InvalidRequest(f"Part '{part.name}' cannot be decoded: {exc}.", param=part.name) from exc
+
+
+def _expiry(fields: dict[str, str]) -> timedelta:
+    """OpenAI's `expires_after` (anchor `created_at`, an hour to 30 days); unset: the longest."""
+    anchor, seconds = fields.get("expires_after[anchor]"), fields.get("expires_after[seconds]")
+    if anchor is None and seconds is None:
+        return timedelta(seconds=_EXPIRY_BOUNDS[1])
+    low, high = _EXPIRY_BOUNDS
+    digits = seconds if seconds is not None and re.fullmatch(r"[0-9]{1,8}", seconds) else "0"
+    if anchor != "created_at" or not low <= int(digits) <= high:
+        raise InvalidRequest(
+            f"'expires_after' takes anchor \"created_at\" and seconds from {low} to {high}.",
+            param="expires_after",
+        )
+    return timedelta(seconds=int(digits))
 
 
 def _batch_fields(body: dict[str, Any]) -> tuple[str, timedelta, dict[str, str] | None]:

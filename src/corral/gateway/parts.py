@@ -132,8 +132,8 @@ def _batches(engine: Engine, settings: BatchSettings) -> BatchStore | None:
     if settings.queue == "redis":
         from corral.batch.queue_redis import RedisLines  # the redis client is imported only when used
 
-        return BatchStore(engine, RedisLines(settings.redis_url))
-    return BatchStore(engine)
+        return BatchStore(engine, RedisLines(settings.redis_url), settings.file_expiry)
+    return BatchStore(engine, file_expiry=settings.file_expiry)
 
 
 def _cache(

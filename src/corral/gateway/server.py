@@ -12,6 +12,7 @@ from aiohttp import web
 from corral.config import GatewaySettings, TLSSettings
 from corral.gateway.app import build_app
 from corral.gateway.clients import ClientAddresses, access_logger
+from corral.gateway.connections import CappedSite, ConnectionCaps
 from corral.gateway.parts import GatewayParts
 from corral.routing import Router
 
@@ -38,6 +39,9 @@ class GatewayServer:
         self._reuse_port = worker is not None
         self._tls = server_tls_context(settings.tls) if settings.tls is not None else None
         self._runner: web.AppRunner | None = None
+        self.connections = ConnectionCaps(
+            settings.max_client_connections, ClientAddresses(settings.trusted_proxies)
+        )
         self.port: int | None = None
 
     async def start(self) -> None:
@@ -58,10 +62,11 @@ class GatewayServer:
             **logs,
         )
         await self._runner.setup()
-        site = web.TCPSite(
+        site = CappedSite(
             self._runner,
             self._settings.host,
             self._settings.port,
+            self.connections,
             backlog=1024,
             reuse_port=self._reuse_port or None,
             ssl_context=self._tls,

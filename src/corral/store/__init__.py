@@ -9,7 +9,7 @@ from sqlalchemy import Engine, create_engine, event, inspect
 from sqlalchemy.exc import ArgumentError, NoSuchModuleError, SQLAlchemyError
 
 from corral.store import batch_rows as _batch_rows  # noqa: F401  (its tables are created with the rest)
-from corral.store.files import FileQuotaExceeded, FileStore
+from corral.store.files import FileQuotaExceeded, FileStore, NewFile
 from corral.store.keys import PRIORITIES, InvalidKey, KeyRecord, KeyStore, NewKey, hash_key
 from corral.store.schema import Base, add_missing_columns
 from corral.store.usage import UsageRecord, UsageStore
@@ -21,6 +21,7 @@ __all__ = [
     "InvalidKey",
     "KeyRecord",
     "KeyStore",
+    "NewFile",
     "NewKey",
     "StoreError",
     "UsageRecord",

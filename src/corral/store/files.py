@@ -1,19 +1,36 @@
-"""Uploaded and produced files (the Files API): content kept in the SQL store, per tenant."""
+"""Uploaded and produced files (the Files API): content kept in the SQL store in parts, per tenant.
+
+A file's content is stored as parts of at most `PART_BYTES` (rows of `corral_file_parts`), written and read
+one part at a time, so neither an upload nor a download holds a whole file in memory; rows written by an
+earlier corral keep their content in `corral_files.content` and are read from there. A file may carry an
+expiry (`expires_at`): past it the file is gone from listings and reads, and `sweep_expired` deletes it.
+"""
 
 from __future__ import annotations
 
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
+from typing import IO, Any
 
-from sqlalchemy import DateTime, Engine, Integer, LargeBinary, String, func, select
+from sqlalchemy import DateTime, Engine, Integer, LargeBinary, String, delete, func, insert, or_, select
 from sqlalchemy.orm import Mapped, Session, mapped_column
 
 from corral.store.schema import Base
 
-__all__ = ["FileQuotaExceeded", "FileRecord", "FileRow", "FileStore", "page"]
+__all__ = [
+    "PART_BYTES",
+    "FileQuotaExceeded",
+    "FileRecord",
+    "FileRow",
+    "FileStore",
+    "NewFile",
+    "page",
+    "write_file",
+]
+
+PART_BYTES = 1 << 20
 
 
 class FileRow(Base):
@@ -25,7 +42,16 @@ class FileRow(Base):
     filename: Mapped[str] = mapped_column(String(256))
     size: Mapped[int] = mapped_column("bytes", Integer)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
-    content: Mapped[bytes] = mapped_column(LargeBinary)
+    content: Mapped[bytes] = mapped_column(LargeBinary)  # empty where the parts hold it
+    expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True, index=True)
+
+
+class FilePartRow(Base):
+    __tablename__ = "corral_file_parts"
+
+    file_id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    seq: Mapped[int] = mapped_column(Integer, primary_key=True)
+    data: Mapped[bytes] = mapped_column(LargeBinary)
 
 
 @dataclass(frozen=True)
@@ -36,6 +62,7 @@ class FileRecord:
     filename: str
     bytes: int
     created_at: datetime
+    expires_at: datetime | None = None
 
     def to_api(self) -> dict[str, Any]:
         return {
@@ -46,9 +73,21 @@ class FileRecord:
             "filename": self.filename,
             "purpose": self.purpose,
             "status": "processed",
-            "expires_at": None,
+            "expires_at": int(self.expires_at.timestamp()) if self.expires_at else None,
             "status_details": None,
         }
+
+
+@dataclass(frozen=True)
+class NewFile:
+    """An upload to store: its content read from `source` (a file object, read a part at a time)."""
+
+    tenant: str
+    purpose: str
+    filename: str
+    source: IO[bytes]
+    size: int
+    expires_at: datetime | None = None
 
 
 class FileStore:
@@ -57,29 +96,13 @@ class FileStore:
     def __init__(self, engine: Engine) -> None:
         self._engine = engine
 
-    def add_file(
-        self,
-        tenant: str,
-        purpose: str,
-        filename: str,
-        content: bytes,
-        quota: tuple[int, int] | None = None,
-    ) -> FileRecord:
+    def add_file(self, new: NewFile, quota: tuple[int, int] | None = None) -> FileRecord:
         """Store an upload. `quota`: (files, bytes) the tenant may hold with it; FileQuotaExceeded past
         either (checked in the insert's transaction)."""
-        row = FileRow(
-            id=f"file-{uuid.uuid4().hex[:24]}",
-            tenant=tenant,
-            purpose=purpose,
-            filename=filename,
-            size=len(content),
-            created_at=datetime.now(UTC),
-            content=content,
-        )
         with Session(self._engine, expire_on_commit=False) as session, session.begin():
             if quota is not None:
-                _check_quota(session, tenant, len(content), *quota)
-            session.add(row)
+                _check_quota(session, new.tenant, new.size, *quota)
+            row = write_file(session, new)
         return _file(row)
 
     def files(self, tenant: str, purpose: str | None, limit: int, after: str | None) -> list[FileRecord]:
@@ -87,7 +110,7 @@ class FileStore:
         return page([_file_of(r) for r in self._file_rows(tenant, purpose)], limit, after)
 
     def _file_rows(self, tenant: str, purpose: str | None) -> Sequence[Any]:
-        query = select(*_FILE_COLUMNS).where(FileRow.tenant == tenant)
+        query = select(*_FILE_COLUMNS).where(FileRow.tenant == tenant, _live())
         if purpose:
             query = query.where(FileRow.purpose == purpose)
         with Session(self._engine, expire_on_commit=False) as session:
@@ -96,15 +119,33 @@ class FileStore:
     def file(self, tenant: str, file_id: str) -> FileRecord | None:
         with Session(self._engine, expire_on_commit=False) as session:
             row = session.execute(
-                select(*_FILE_COLUMNS).where(FileRow.id == file_id, FileRow.tenant == tenant)
+                select(*_FILE_COLUMNS).where(FileRow.id == file_id, FileRow.tenant == tenant, _live())
             ).first()
         return _file_of(row) if row is not None else None
 
     def file_content(self, tenant: str, file_id: str) -> bytes | None:
-        with Session(self._engine, expire_on_commit=False) as session:
-            return session.scalar(
-                select(FileRow.content).where(FileRow.id == file_id, FileRow.tenant == tenant)
-            )
+        """A file's whole content (batch inputs, bounded by `batch.max_file_bytes`)."""
+        if self.file(tenant, file_id) is None:
+            return None
+        return b"".join(self.file_parts(file_id))
+
+    def file_parts(self, file_id: str) -> Iterator[bytes]:
+        """A file's content a part at a time, each read in its own query (check the tenant first)."""
+        with Session(self._engine) as session:
+            legacy = session.scalar(select(FileRow.content).where(FileRow.id == file_id))
+        if legacy:
+            yield legacy
+            return
+        seq = 0
+        while True:
+            with Session(self._engine) as session:
+                data = session.scalar(
+                    select(FilePartRow.data).where(FilePartRow.file_id == file_id, FilePartRow.seq == seq)
+                )
+            if data is None:
+                return
+            yield data
+            seq += 1
 
     def delete_file(self, tenant: str, file_id: str) -> bool:
         with Session(self._engine, expire_on_commit=False) as session, session.begin():
@@ -112,7 +153,45 @@ class FileStore:
             if row is None or row.tenant != tenant:
                 return False
             session.delete(row)
+            session.execute(delete(FilePartRow).where(FilePartRow.file_id == file_id))
         return True
+
+    def sweep_expired(self, now: datetime | None = None, limit: int = 100) -> int:
+        """Delete up to `limit` files past their expiry; the number deleted."""
+        stamp = now or datetime.now(UTC)
+        with Session(self._engine) as session, session.begin():
+            ids = list(
+                session.scalars(
+                    select(FileRow.id)
+                    .where(FileRow.expires_at <= stamp)
+                    .order_by(FileRow.expires_at)
+                    .limit(limit)
+                )
+            )
+            if ids:
+                session.execute(delete(FilePartRow).where(FilePartRow.file_id.in_(ids)))
+                session.execute(delete(FileRow).where(FileRow.id.in_(ids)))
+        return len(ids)
+
+
+def write_file(session: Session, new: NewFile) -> FileRow:
+    """Add a file and its parts to `session` (written a part at a time: one part in memory)."""
+    row = FileRow(
+        id=f"file-{uuid.uuid4().hex[:24]}",
+        tenant=new.tenant,
+        purpose=new.purpose,
+        filename=new.filename,
+        size=new.size,
+        created_at=datetime.now(UTC),
+        content=b"",
+        expires_at=new.expires_at,
+    )
+    session.add(row)
+    seq = 0
+    while data := new.source.read(PART_BYTES):  # a core insert: the part is not kept in the session
+        session.execute(insert(FilePartRow).values(file_id=row.id, seq=seq, data=data))
+        seq += 1
+    return row
 
 
 _FILE_COLUMNS = (
@@ -122,7 +201,12 @@ _FILE_COLUMNS = (
     FileRow.filename,
     FileRow.size,
     FileRow.created_at,
+    FileRow.expires_at,
 )
+
+
+def _live() -> Any:
+    return or_(FileRow.expires_at.is_(None), FileRow.expires_at > datetime.now(UTC))
 
 
 class FileQuotaExceeded(Exception):
@@ -142,13 +226,22 @@ def _check_quota(session: Session, tenant: str, adding: int, max_files: int, max
         )
 
 
+def _aware(stamp: datetime | None) -> datetime | None:
+    return stamp.replace(tzinfo=UTC) if stamp is not None and stamp.tzinfo is None else stamp
+
+
 def _file(row: FileRow) -> FileRecord:
-    return FileRecord(row.id, row.tenant, row.purpose, row.filename, row.size, row.created_at)
+    return FileRecord(
+        row.id, row.tenant, row.purpose, row.filename, row.size, row.created_at, _aware(row.expires_at)
+    )
 
 
 def _file_of(row: Any) -> FileRecord:
-    created = row.created_at if row.created_at.tzinfo else row.created_at.replace(tzinfo=UTC)
-    return FileRecord(row.id, row.tenant, row.purpose, row.filename, row.size, created)
+    created = _aware(row.created_at)
+    assert created is not None
+    return FileRecord(
+        row.id, row.tenant, row.purpose, row.filename, row.size, created, _aware(row.expires_at)
+    )
 
 
 def page(items: list[Any], limit: int, after: str | None) -> list[Any]:

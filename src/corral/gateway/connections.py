@@ -1,0 +1,128 @@
+"""A cap on the connections one client address holds open, enforced where connections are accepted.
+
+A client that opens connections and sends nothing holds a file descriptor each until the idle timeout;
+past `gateway.max_client_connections` from one address, a new connection is closed before aiohttp sees
+it. Peers in `gateway.trusted_proxies` are exempt: behind the edge every connection comes from the edge,
+whose own per-address limit is the outer layer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import ssl
+from collections import Counter
+from collections.abc import Callable
+from typing import Any, cast
+
+from aiohttp import web
+
+from corral.gateway.clients import ClientAddresses
+
+__all__ = ["CappedSite", "ConnectionCaps"]
+
+logger = logging.getLogger(__name__)
+
+
+class ConnectionCaps:
+    """Open connections per client address, and the most one may hold."""
+
+    def __init__(self, limit: int, exempt: ClientAddresses) -> None:
+        self._limit = limit
+        self._exempt = exempt
+        self._open: Counter[str] = Counter()
+        self.refused = 0
+
+    def acquire(self, address: str) -> bool:
+        if self._exempt.trusts(address):
+            return True
+        if self._open[address] >= self._limit:
+            self.refused += 1
+            return False
+        self._open[address] += 1
+        return True
+
+    def release(self, address: str) -> None:
+        if self._exempt.trusts(address):
+            return
+        self._open[address] -= 1
+        if self._open[address] <= 0:
+            del self._open[address]
+
+    def holding(self, address: str) -> int:
+        return self._open[address]
+
+
+class _Capped(asyncio.Protocol):
+    """Admits a connection under its address's cap, then hands every event to aiohttp's handler."""
+
+    def __init__(self, make: Callable[[], Any], caps: ConnectionCaps) -> None:
+        self._make, self._caps = make, caps
+        self._inner: Any = None
+        self._address = ""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        peer = transport.get_extra_info("peername")
+        self._address = str(peer[0]) if peer else ""
+        if not self._caps.acquire(self._address):
+            cast(asyncio.Transport, transport).abort()
+            return
+        self._inner = self._make()
+        self._inner.connection_made(transport)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._inner is None:
+            return
+        self._caps.release(self._address)
+        self._inner.connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._inner is not None:
+            self._inner.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return self._inner.eof_received() if self._inner is not None else None
+
+    def pause_writing(self) -> None:
+        if self._inner is not None:
+            self._inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        if self._inner is not None:
+            self._inner.resume_writing()
+
+
+class CappedSite(web.BaseSite):
+    """aiohttp's TCP site, with each accepted connection admitted by `caps` first."""
+
+    def __init__(
+        self,
+        runner: web.BaseRunner,
+        host: str,
+        port: int,
+        caps: ConnectionCaps,
+        *,
+        ssl_context: ssl.SSLContext | None = None,
+        backlog: int = 1024,
+        reuse_port: bool | None = None,
+    ) -> None:
+        super().__init__(runner, ssl_context=ssl_context, backlog=backlog)
+        self._host, self._port, self._caps, self._reuse_port = host, port, caps, reuse_port
+
+    @property
+    def name(self) -> str:
+        scheme = "https" if self._ssl_context else "http"
+        return f"{scheme}://{self._host}:{self._port}"
+
+    async def start(self) -> None:
+        await super().start()
+        server = self._runner.server
+        assert server is not None  # the runner is set up
+        self._server = await asyncio.get_running_loop().create_server(
+            lambda: _Capped(server, self._caps),
+            self._host,
+            self._port,
+            ssl=self._ssl_context,
+            backlog=self._backlog,
+            reuse_port=self._reuse_port,
+        )
