@@ -4,6 +4,7 @@ a check that one of them fits, and a stream she cuts before its usage chunk is s
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 
 import aiohttp
@@ -84,6 +85,57 @@ async def test_a_stream_cut_before_its_usage_is_charged_its_reservation(tmp_path
             assert charged >= 2 * 60  # two reservations: max_tokens and the prompt's estimate each
             status, _ = await chat(session, cluster, eve["key"])  # 200 - 2 × ~77 leaves too little for 50
             assert status == 429
+    finally:
+        await server.stop()
+        await dripping.stop()
+
+
+async def stream(session: aiohttp.ClientSession, cluster: Cluster, key: str, cut: bool) -> tuple[int, int]:
+    """(status, total tokens its usage chunk said; 0 when cut after two events or refused)."""
+    body = {
+        "model": "m",
+        "max_tokens": 50,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "messages": [{"role": "user", "content": "hi"}],
+    }
+    headers = {"Authorization": f"Bearer {key}"}
+    async with session.post(cluster.url + "/v1/chat/completions", json=body, headers=headers) as answer:
+        if answer.status != 200:
+            return answer.status, 0
+        total, events = 0, 0
+        async for line in answer.content:
+            if not line.startswith(b"data: {"):
+                continue
+            events += 1
+            if cut and events == 2:
+                return 200, 0  # eve hangs up mid-stream
+            usage = json.loads(line[6:]).get("usage")
+            total = usage["total_tokens"] if usage else total
+        return 200, total
+
+
+async def test_64_concurrent_streams_some_cut_stay_within_a_budget_and_one_request(tmp_path: Path) -> None:
+    """64 streams at once on a fresh 1,000-token budget, every fourth cut mid-stream: what is charged and
+    recorded never passes the budget plus one request's max_tokens, and every finished stream is recorded
+    at the engine's own count."""
+    budget, max_tokens = 1000, 50
+    dripping = ScriptedUpstream(chunks=40, gap=0.02)  # 5 prompt + 40 output tokens a finished answer
+    await dripping.start()
+    server, cluster = await start(tmp_path, dripping)
+    try:
+        _, eve = await cluster.admin("POST", "/admin/keys", {"tenant": "eve", "monthly_token_budget": budget})
+        async with aiohttp.ClientSession() as session:
+            answers = await asyncio.gather(
+                *(stream(session, cluster, eve["key"], cut=i % 4 == 0) for i in range(64))
+            )
+        statuses = {status for status, _ in answers}
+        assert statuses <= {200, 429} and 429 in statuses, answers
+        served = sum(status == 200 for status, _ in answers)
+        finished = [tokens for status, tokens in answers if status == 200 and tokens]
+        assert finished and set(finished) == {45}  # the engine's count, as its usage chunk said
+        recorded = await used_by(cluster, eve["id"], len(answers))  # refusals are recorded too
+        assert sum(finished) <= recorded <= budget + max_tokens, (recorded, served, len(finished))
     finally:
         await server.stop()
         await dripping.stop()
