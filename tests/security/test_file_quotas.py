@@ -75,8 +75,12 @@ async def test_a_tenant_holds_at_most_its_files_and_bytes(gateway: tuple[str, di
         assert "3 files" in refused["error"]["message"]
         assert (await upload(session, url, keys["bob"], LINE))[0] == 200  # bob's own share
         headers = {"Authorization": f"Bearer {keys['eve']}"}
-        async with session.delete(f"{url}/v1/files/{made[0][1]['id']}", headers=headers) as deleted:
+        gone = f"{url}/v1/files/{made[0][1]['id']}"
+        async with session.delete(gone, headers=headers) as deleted:
             assert deleted.status == 200
+        for path in (gone, gone + "/content"):  # a deleted file, and its stored parts, are gone
+            async with session.get(path, headers=headers) as answer:
+                assert answer.status == 404
         assert (await upload(session, url, keys["eve"], LINE))[0] == 200  # room again
 
 

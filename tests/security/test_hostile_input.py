@@ -133,6 +133,7 @@ async def test_a_batch_request_of_the_wrong_shape_is_a_400(
     [
         b'Content-Type: text/plain; charset="x-no-such-charset"\r\n',
         b"Content-Transfer-Encoding: x-no-such-encoding\r\n",
+        b"X-Control: a\x01b\r\n",  # a part header aiohttp cannot parse (schemathesis found it: a 500)
     ],
 )
 async def test_a_purpose_part_in_an_unknown_encoding_is_a_400(

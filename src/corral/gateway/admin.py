@@ -112,7 +112,7 @@ class AdminViews:
     async def create_key(self, request: web.Request) -> web.Response:
         self.check(request)
         try:
-            spec = NewKey.model_validate_json(await read_body(request, *self._body))
+            spec = NewKey.model_validate_json(await read_body(request, *self._body), strict=True)
         except ValidationError as exc:
             err = exc.errors(include_url=False)[0]
             param = ".".join(str(p) for p in err["loc"]) or None

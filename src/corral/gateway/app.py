@@ -44,6 +44,7 @@ from corral.protocol import (
 )
 from corral.protocol.openapi import openapi_document
 from corral.routing import Router
+from corral.store import NewKey
 
 __all__ = ["PIPELINE", "build_app"]
 
@@ -131,7 +132,7 @@ def build_app(
         return web.Response(body=metrics.exposition(), content_type="text/plain", charset="utf-8")
 
     app.router.add_get("/metrics", metrics_view)
-    document = orjson.dumps(openapi_document(router.replicas.models()))
+    document = orjson.dumps(openapi_document(router.replicas.models(), NewKey.model_json_schema()))
 
     async def openapi_view(request: web.Request) -> web.Response:
         return web.Response(body=document, content_type="application/json")

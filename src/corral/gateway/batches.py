@@ -12,6 +12,7 @@ from typing import IO, Any
 
 import orjson
 from aiohttp import BodyPartReader, web
+from aiohttp.http_exceptions import BadHttpMessage
 
 from corral.admission import Authenticator, Principal
 from corral.batch import BatchStore, NewBatch, TooManyBatches
@@ -83,7 +84,7 @@ class BatchViews:
         with tempfile.TemporaryFile(prefix="corral-upload-") as spool:
             try:
                 form = await self._form(request, spool)
-            except (ValueError, UnicodeDecodeError) as exc:  # no or a broken boundary, a non-UTF-8 field
+            except (ValueError, UnicodeDecodeError, BadHttpMessage) as exc:  # a broken boundary, part header
                 raise InvalidRequest(f"The multipart body cannot be read: {exc}.") from exc
             if form.purpose != "batch":
                 raise InvalidRequest(

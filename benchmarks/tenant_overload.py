@@ -1,0 +1,272 @@
+"""Tenant overload: a hog tenant at 10× its share beside an idle tenant's modest load.
+
+Issue #38's done-means: "a hog tenant at 10× its share cannot raise an idle tenant's 503 rate above 0 or its
+TTFT p99 by more than 10%". Set-up: `corral up` with a closed gateway (`auth: {open: false, admin_key}`),
+its store in a temporary SQLite file, two simulated Llama-3.1-8B replicas on L4s (`engine: sim`,
+`--time-scale` × real time, `--max-num-seqs` sequences each), the fair queue at its production shape
+(`max_queued` 32, `timeout` 3 s). Two tenant keys, `bob` and `eve` (both priority normal), are made through
+`POST /admin/keys`. Every request is a streamed `/v1/completions` of `--max-tokens` tokens on its own 64-word
+prompt (no prefix-cache hits); TTFT is the client's time from sending to the first content chunk.
+
+1. Capacity: a closed loop of 2 × slots clients (eve's key) for `--measure` s: requests/s. Eve's share is
+   half of it (two tenants of equal weight), and she offers `--eve-factor` (10) × that share later.
+2. Baseline: bob alone, Poisson arrivals at `--bob-load` × capacity, for `--duration` s.
+3. With the hog: eve sends Poisson arrivals at `--eve-factor` × her share (an open loop, far past what the
+   cluster serves); after `--ramp` s bob sends the same load as in 2 for `--duration` s; then eve stops.
+
+Bob connects from 127.0.0.2 and eve from 127.0.0.1 (as two clients would), so the per-address connection
+cap (`gateway.max_client_connections`) does not stand between them.
+
+Printed (JSON, also written to results/tenant_overload.json): the set-up, capacity and offered rates; per
+phase bob's requests, status counts, 503 rate and TTFT p50/p99 (of his 200s, seconds); the with-hog ÷
+baseline TTFT ratios; eve's status counts and refusal codes; whether the done-means holds (bob's 503 rate 0
+with the hog and TTFT p99 ratio ≤ 1.10).
+
+    .venv/bin/python benchmarks/tenant_overload.py [--duration 25] [--eve-factor 10] [--bob-load 0.2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import secrets
+import statistics
+import sys
+import tempfile
+import time
+import urllib.request
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from _harness import free_port, spawn, stop, wait_http
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL = "llama-8b"
+TTFT_RATIO_TARGET = 1.10
+PROMPT_WORDS = 64
+WORDS = (
+    "the of and to in is that it for on with as was at by be this from or have an are not but which one all "
+    "were when we there can more if will about out up so what time has into some them these could other than"
+).split()
+
+
+@dataclass
+class Answer:
+    """One request as its client saw it."""
+
+    status: int
+    code: str | None  # the error's code for a refusal
+    ttft: float | None  # seconds to the first content chunk (200s only)
+
+
+@dataclass
+class Load:
+    """A Poisson stream of requests under one tenant's key, from one local address."""
+
+    key: str
+    rate: float
+    source: str
+    seed: int
+    answers: list[Answer] = field(default_factory=list)
+
+
+def spec(admin_key: str, store: Path, args: argparse.Namespace) -> str:
+    return f"""\
+auth: {{open: false, admin_key: {admin_key}}}
+store: {{url: 'sqlite:///{store}'}}
+supervisor: {{probe_interval: 0.5}}
+queue: {{max_queued: {args.max_queued}, timeout: {args.queue_timeout}}}
+models:
+  - name: {MODEL}
+    arch: llama-3.1-8b
+    deployments: [{{engine: sim, replicas: 2, gpu: l4, max_num_seqs: {args.max_num_seqs},
+                   time_scale: {args.time_scale}}}]
+"""
+
+
+def make_key(base: str, admin_key: str, tenant: str) -> str:
+    """A new key of `tenant` through the admin API: its secret."""
+    request = urllib.request.Request(
+        f"{base}/admin/keys",
+        data=json.dumps({"tenant": tenant}).encode(),
+        headers={"Authorization": f"Bearer {admin_key}", "Content-Type": "application/json"},
+        method="POST",
+    )
+    with urllib.request.urlopen(request, timeout=10) as response:
+        return str(json.load(response)["key"])
+
+
+def body(rng: random.Random, max_tokens: int) -> dict[str, Any]:
+    """A streamed completion on its own prompt, of between ½ and 1½ × `max_tokens` tokens (answers of one
+    length would all end in the same engine step, freeing slots in bursts)."""
+    prompt = " ".join(rng.choice(WORDS) for _ in range(PROMPT_WORDS))
+    tokens = rng.randint(max_tokens // 2, max_tokens * 3 // 2)
+    return {"model": MODEL, "prompt": prompt, "max_tokens": tokens, "ignore_eos": True, "stream": True}
+
+
+async def one(session: aiohttp.ClientSession, url: str, key: str, payload: dict[str, Any]) -> Answer:
+    started = time.monotonic()
+    headers = {"Authorization": f"Bearer {key}"}
+    try:
+        async with session.post(url, json=payload, headers=headers) as response:
+            if response.status != 200:
+                try:
+                    code = (await response.json(content_type=None))["error"]["code"]
+                except (ValueError, KeyError, TypeError):
+                    code = None
+                return Answer(response.status, code, None)
+            ttft = None
+            async for line in response.content:
+                if ttft is None and line.startswith(b"data: {"):
+                    chunk = json.loads(line[6:])
+                    if any(choice.get("text") for choice in chunk.get("choices", ())):
+                        ttft = time.monotonic() - started
+            return Answer(200, None, ttft)
+    except aiohttp.ClientError as exc:
+        return Answer(0, type(exc).__name__, None)
+
+
+def session(source: str) -> aiohttp.ClientSession:
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0, local_addr=(source, 0)),
+        timeout=aiohttp.ClientTimeout(total=60),
+    )
+
+
+async def poisson(url: str, load: Load, seconds: float, max_tokens: int) -> None:
+    """Open-loop arrivals at `load.rate` for `seconds`; every answer lands in `load.answers`."""
+    rng = random.Random(load.seed)
+    async with session(load.source) as client:
+        tasks = []
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            tasks.append(asyncio.create_task(one(client, url, load.key, body(rng, max_tokens))))
+            await asyncio.sleep(rng.expovariate(load.rate))
+        load.answers.extend(await asyncio.gather(*tasks))
+
+
+async def capacity(url: str, key: str, seconds: float, clients: int, max_tokens: int) -> float:
+    """Requests/s of a saturating closed loop."""
+    rng = random.Random(1)
+    served = 0
+    deadline = time.monotonic() + seconds
+    async with session("127.0.0.1") as client:
+
+        async def loop() -> None:
+            nonlocal served
+            while time.monotonic() < deadline:
+                if (await one(client, url, key, body(rng, max_tokens))).status == 200:
+                    served += 1
+
+        await asyncio.gather(*(loop() for _ in range(clients)))
+    return served / seconds
+
+
+async def with_hog(url: str, bob: Load, eve: Load, args: argparse.Namespace) -> None:
+    """Eve hammers from the start; bob runs his load after `args.ramp` s; eve stops when bob is done."""
+    hog = asyncio.create_task(poisson(url, eve, args.ramp + args.duration, args.max_tokens))
+    await asyncio.sleep(args.ramp)
+    await poisson(url, bob, args.duration, args.max_tokens)
+    await hog
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def summary(answers: list[Answer]) -> dict[str, Any]:
+    statuses = Counter(str(a.status) for a in answers)
+    ttfts = [a.ttft for a in answers if a.ttft is not None]
+    return {
+        "requests": len(answers),
+        "statuses": dict(sorted(statuses.items())),
+        "rate_503": round(statuses["503"] / len(answers), 4) if answers else None,
+        "ttft_s": {
+            "p50": round(statistics.median(ttfts), 4) if ttfts else None,
+            "p99": round(percentile(ttfts, 0.99), 4) if ttfts else None,
+        },
+        "refusal_codes": dict(Counter(a.code for a in answers if a.status != 200)),
+    }
+
+
+def ratio(after: float | None, before: float | None) -> float | None:
+    return round(after / before, 3) if after is not None and before else None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--duration", type=float, default=25.0, help="seconds of bob's load per phase")
+    parser.add_argument("--measure", type=float, default=5.0, help="seconds of the capacity measurement")
+    parser.add_argument("--ramp", type=float, default=2.0, help="seconds eve hammers before bob starts")
+    parser.add_argument("--bob-load", type=float, default=0.2, help="bob's rate, a fraction of capacity")
+    parser.add_argument("--eve-factor", type=float, default=10.0, help="eve's rate, a multiple of her share")
+    parser.add_argument("--time-scale", type=float, default=5.0, help="the simulator's speed-up")
+    parser.add_argument("--max-num-seqs", type=int, default=4, help="sequences per replica")
+    parser.add_argument("--max-tokens", type=int, default=32, help="tokens per answer")
+    parser.add_argument("--max-queued", type=int, default=32)
+    parser.add_argument("--queue-timeout", type=float, default=3.0)
+    args = parser.parse_args()
+    admin_key = secrets.token_urlsafe(24)
+    slots = 2 * args.max_num_seqs
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "tenant_overload.yaml"
+        path.write_text(spec(admin_key, Path(tmp) / "c.db", args))
+        port = free_port()
+        base = f"http://127.0.0.1:{port}"
+        gateway = spawn([sys.executable, "-m", "corral.cli", "up", "-f", str(path), "--port", str(port)])
+        try:
+            wait_http(f"{base}/ready", timeout=120)
+            url = f"{base}/v1/completions"
+            bob_key, eve_key = make_key(base, admin_key, "bob"), make_key(base, admin_key, "eve")
+            cap = asyncio.run(capacity(url, eve_key, args.measure, 2 * slots, args.max_tokens))
+            bob_rate, eve_rate = args.bob_load * cap, args.eve_factor * cap / 2
+            baseline = Load(bob_key, bob_rate, "127.0.0.2", seed=11)
+            asyncio.run(poisson(url, baseline, args.duration, args.max_tokens))
+            bob, eve = Load(bob_key, bob_rate, "127.0.0.2", seed=11), Load(eve_key, eve_rate, "127.0.0.1", 23)
+            asyncio.run(with_hog(url, bob, eve, args))
+        finally:
+            stop(gateway)
+    before, after = summary(baseline.answers), summary(bob.answers)
+    p99_ratio = ratio(after["ttft_s"]["p99"], before["ttft_s"]["p99"])
+    figures = {
+        "setup": {
+            "replicas": f"2 × simulated Llama-3.1-8B on L4, {args.max_num_seqs} sequences each ({slots} slots), "
+            f"{args.time_scale:g}× real time",
+            "queue": {"max_queued": args.max_queued, "timeout_s": args.queue_timeout},
+            "gateway": "closed (keys), store in SQLite; tenants bob and eve, priority normal",
+            "request": f"streamed /v1/completions, {PROMPT_WORDS}-word prompt, {args.max_tokens} tokens",
+            "duration_s": args.duration,
+        },
+        "capacity_requests_per_s": round(cap, 2),
+        "bob_offered_requests_per_s": round(bob_rate, 2),
+        "eve_share_requests_per_s": round(cap / 2, 2),
+        "eve_offered_requests_per_s": round(eve_rate, 2),
+        "bob_baseline": before,
+        "bob_with_hog": after,
+        "bob_ttft_ratio": {
+            "p50": ratio(after["ttft_s"]["p50"], before["ttft_s"]["p50"]),
+            "p99": p99_ratio,
+        },
+        "eve": summary(eve.answers) | {"served_requests_per_s": round(
+            sum(a.status == 200 for a in eve.answers) / (args.ramp + args.duration), 2
+        )},
+        "done_means": {
+            "bob_503_rate_with_hog_is_0": after["rate_503"] == 0,
+            "bob_ttft_p99_ratio_at_most_1_10": p99_ratio is not None and p99_ratio <= TTFT_RATIO_TARGET,
+        },
+    }
+    figures["done_means"]["holds"] = all(figures["done_means"].values())
+    print(json.dumps(figures, indent=2))
+    out = ROOT / "results" / "tenant_overload.json"
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps(figures, indent=2))
+
+
+if __name__ == "__main__":
+    main()
