@@ -2,27 +2,29 @@
 
 Issue #38's done-means: "a hog tenant at 10× its share cannot raise an idle tenant's 503 rate above 0 or its
 TTFT p99 by more than 10%". Set-up: `corral up` with a closed gateway (`auth: {open: false, admin_key}`),
-its store in a temporary SQLite file, two simulated Llama-3.1-8B replicas on L4s (`engine: sim`,
-`--time-scale` × real time, `--max-num-seqs` sequences each), the fair queue at its production shape
-(`max_queued` 32, `timeout` 3 s). Two tenant keys, `bob` and `eve` (both priority normal), are made through
-`POST /admin/keys`. Every request is a streamed `/v1/completions` of `--max-tokens` tokens on its own 64-word
-prompt (no prefix-cache hits); TTFT is the client's time from sending to the first content chunk.
+its store in a temporary SQLite file, two simulated Llama-3.1-8B replicas on L4s (`engine: sim`, 5× real
+time, 4 sequences each: 8 slots), the fair queue at its production shape (`max_queued` 32, `timeout` 3 s).
+Tenant keys `bob`, `eve` and `probe` (all priority normal, no limits) are made through `POST /admin/keys`.
+Every request is a streamed `/v1/completions` on a 64-word prompt of its own (no prefix-cache hits) asking
+for ½ to 1½ × `--max-tokens` (32) tokens; TTFT is the client's time from sending to the first content chunk.
 
-1. Capacity: a closed loop of 2 × slots clients (eve's key) for `--measure` s: requests/s. Eve's share is
-   half of it (two tenants of equal weight), and she offers `--eve-factor` (10) × that share later.
-2. Baseline: bob alone, Poisson arrivals at `--bob-load` × capacity, for `--duration` s.
-3. With the hog: eve sends Poisson arrivals at `--eve-factor` × her share (an open loop, far past what the
-   cluster serves); after `--ramp` s bob sends the same load as in 2 for `--duration` s; then eve stops.
+1. Capacity: a closed loop of 2 × slots clients (`probe`'s key) for `--measure` s: requests/s, and the
+   median time an answer streams after its first token (how long it holds its slot). Eve's share is half of
+   the capacity (two tenants of equal weight).
+2. Baseline: bob alone, Poisson arrivals at `--bob-load` (0.2) × capacity, for `--duration` s.
+3. With the hog: eve sends Poisson arrivals at `--eve-factor` (10) × her share, i.e. 5× the capacity (an
+   open loop); after `--ramp` s bob sends the same load as in 2 for `--duration` s; then eve stops.
 
-Bob connects from 127.0.0.2 and eve from 127.0.0.1 (as two clients would), so the per-address connection
-cap (`gateway.max_client_connections`) does not stand between them.
+Bob connects from 127.0.0.2 and eve from 127.0.0.1 (two clients), so the per-address connection cap
+(`gateway.max_client_connections`) does not stand between them. `--eve-max-concurrency N` gives eve's key
+`max_concurrency: N` (slots kept free for others: what a reserve for idle tenants would buy).
 
 Printed (JSON, also written to results/tenant_overload.json): the set-up, capacity and offered rates; per
 phase bob's requests, status counts, 503 rate and TTFT p50/p99 (of his 200s, seconds); the with-hog ÷
 baseline TTFT ratios; eve's status counts and refusal codes; whether the done-means holds (bob's 503 rate 0
-with the hog and TTFT p99 ratio ≤ 1.10).
+with the hog and TTFT p99 ratio ≤ 1.10). About 75 s with the defaults.
 
-    .venv/bin/python benchmarks/tenant_overload.py [--duration 25] [--eve-factor 10] [--bob-load 0.2]
+    .venv/bin/python benchmarks/tenant_overload.py [--duration 30] [--eve-factor 10] [--bob-load 0.2]
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ class Answer:
     status: int
     code: str | None  # the error's code for a refusal
     ttft: float | None  # seconds to the first content chunk (200s only)
+    latency: float  # seconds to the end of the answer
 
 
 @dataclass
@@ -89,11 +92,14 @@ models:
 """
 
 
-def make_key(base: str, admin_key: str, tenant: str) -> str:
+def make_key(base: str, admin_key: str, tenant: str, max_concurrency: int | None = None) -> str:
     """A new key of `tenant` through the admin API: its secret."""
+    spec: dict[str, Any] = {"tenant": tenant}
+    if max_concurrency is not None:
+        spec["max_concurrency"] = max_concurrency
     request = urllib.request.Request(
         f"{base}/admin/keys",
-        data=json.dumps({"tenant": tenant}).encode(),
+        data=json.dumps(spec).encode(),
         headers={"Authorization": f"Bearer {admin_key}", "Content-Type": "application/json"},
         method="POST",
     )
@@ -119,16 +125,16 @@ async def one(session: aiohttp.ClientSession, url: str, key: str, payload: dict[
                     code = (await response.json(content_type=None))["error"]["code"]
                 except (ValueError, KeyError, TypeError):
                     code = None
-                return Answer(response.status, code, None)
+                return Answer(response.status, code, None, time.monotonic() - started)
             ttft = None
             async for line in response.content:
                 if ttft is None and line.startswith(b"data: {"):
                     chunk = json.loads(line[6:])
                     if any(choice.get("text") for choice in chunk.get("choices", ())):
                         ttft = time.monotonic() - started
-            return Answer(200, None, ttft)
+            return Answer(200, None, ttft, time.monotonic() - started)
     except aiohttp.ClientError as exc:
-        return Answer(0, type(exc).__name__, None)
+        return Answer(0, type(exc).__name__, None, time.monotonic() - started)
 
 
 def session(source: str) -> aiohttp.ClientSession:
@@ -150,21 +156,21 @@ async def poisson(url: str, load: Load, seconds: float, max_tokens: int) -> None
         load.answers.extend(await asyncio.gather(*tasks))
 
 
-async def capacity(url: str, key: str, seconds: float, clients: int, max_tokens: int) -> float:
-    """Requests/s of a saturating closed loop."""
+async def capacity(url: str, key: str, seconds: float, clients: int, max_tokens: int) -> tuple[float, float]:
+    """Requests/s of a saturating closed loop, and the median time a request takes from start to end."""
     rng = random.Random(1)
-    served = 0
+    served: list[float] = []
     deadline = time.monotonic() + seconds
     async with session("127.0.0.1") as client:
 
         async def loop() -> None:
-            nonlocal served
             while time.monotonic() < deadline:
-                if (await one(client, url, key, body(rng, max_tokens))).status == 200:
-                    served += 1
+                answer = await one(client, url, key, body(rng, max_tokens))
+                if answer.status == 200:
+                    served.append(answer.latency - (answer.ttft or 0))
 
         await asyncio.gather(*(loop() for _ in range(clients)))
-    return served / seconds
+    return len(served) / seconds, statistics.median(served)
 
 
 async def with_hog(url: str, bob: Load, eve: Load, args: argparse.Namespace) -> None:
@@ -199,69 +205,84 @@ def ratio(after: float | None, before: float | None) -> float | None:
     return round(after / before, 3) if after is not None and before else None
 
 
+def report(
+    args: argparse.Namespace, cap: float, decode_s: float, bob: tuple[Load, Load], eve: Load
+) -> dict[str, Any]:
+    slots = 2 * args.max_num_seqs
+    before, after = summary(bob[0].answers), summary(bob[1].answers)
+    p99_ratio = ratio(after["ttft_s"]["p99"], before["ttft_s"]["p99"])
+    verdict = {
+        "bob_503_rate_with_hog_is_0": after["rate_503"] == 0,
+        "bob_ttft_p99_ratio_at_most_1_10": p99_ratio is not None and p99_ratio <= TTFT_RATIO_TARGET,
+    }
+    served = sum(a.status == 200 for a in eve.answers)
+    return {
+        "setup": {
+            "replicas": f"2 x simulated Llama-3.1-8B on L4, {args.max_num_seqs} sequences each "
+            f"({slots} slots), {args.time_scale:g}x real time",
+            "queue": {"max_queued": args.max_queued, "timeout_s": args.queue_timeout},
+            "gateway": "closed (API keys), store in SQLite; tenants bob and eve, priority normal",
+            "eve_max_concurrency": args.eve_max_concurrency,
+            "request": f"streamed /v1/completions, {PROMPT_WORDS}-word prompt of its own, "
+            f"{args.max_tokens // 2}-{args.max_tokens * 3 // 2} tokens",
+            "bob_seconds_per_phase": args.duration,
+        },
+        "capacity_requests_per_s": round(cap, 2),
+        "decode_s_p50": round(decode_s, 3),
+        "bob_offered_requests_per_s": round(bob[0].rate, 2),
+        "eve_share_requests_per_s": round(cap / 2, 2),
+        "eve_offered_requests_per_s": round(eve.rate, 2),
+        "bob_baseline": before,
+        "bob_with_hog": after,
+        "bob_ttft_ratio": {"p50": ratio(after["ttft_s"]["p50"], before["ttft_s"]["p50"]), "p99": p99_ratio},
+        "eve": summary(eve.answers)
+        | {"served_requests_per_s": round(served / (args.ramp + args.duration), 2)},
+        "done_means": verdict | {"holds": all(verdict.values())},
+    }
+
+
+def measure(args: argparse.Namespace, base: str, admin_key: str) -> dict[str, Any]:
+    """Keys, capacity, then the two phases against the gateway at `base`."""
+    url = f"{base}/v1/completions"
+    slots = 2 * args.max_num_seqs
+    probe_key, bob_key = make_key(base, admin_key, "probe"), make_key(base, admin_key, "bob")
+    eve_key = make_key(base, admin_key, "eve", args.eve_max_concurrency)
+    cap, decode_s = asyncio.run(capacity(url, probe_key, args.measure, 2 * slots, args.max_tokens))
+    bob_rate, eve_rate = args.bob_load * cap, args.eve_factor * cap / 2
+    baseline = Load(bob_key, bob_rate, "127.0.0.2", seed=11)
+    asyncio.run(poisson(url, baseline, args.duration, args.max_tokens))
+    bob, eve = Load(bob_key, bob_rate, "127.0.0.2", seed=11), Load(eve_key, eve_rate, "127.0.0.1", seed=23)
+    asyncio.run(with_hog(url, bob, eve, args))
+    return report(args, cap, decode_s, (baseline, bob), eve)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--duration", type=float, default=25.0, help="seconds of bob's load per phase")
+    parser.add_argument("--duration", type=float, default=30.0, help="seconds of bob's load per phase")
     parser.add_argument("--measure", type=float, default=5.0, help="seconds of the capacity measurement")
     parser.add_argument("--ramp", type=float, default=2.0, help="seconds eve hammers before bob starts")
     parser.add_argument("--bob-load", type=float, default=0.2, help="bob's rate, a fraction of capacity")
     parser.add_argument("--eve-factor", type=float, default=10.0, help="eve's rate, a multiple of her share")
+    parser.add_argument(
+        "--eve-max-concurrency", type=int, default=None, help="eve's key's max_concurrency (default: none)"
+    )
     parser.add_argument("--time-scale", type=float, default=5.0, help="the simulator's speed-up")
     parser.add_argument("--max-num-seqs", type=int, default=4, help="sequences per replica")
-    parser.add_argument("--max-tokens", type=int, default=32, help="tokens per answer")
+    parser.add_argument("--max-tokens", type=int, default=32, help="mean tokens per answer")
     parser.add_argument("--max-queued", type=int, default=32)
     parser.add_argument("--queue-timeout", type=float, default=3.0)
     args = parser.parse_args()
     admin_key = secrets.token_urlsafe(24)
-    slots = 2 * args.max_num_seqs
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "tenant_overload.yaml"
         path.write_text(spec(admin_key, Path(tmp) / "c.db", args))
         port = free_port()
-        base = f"http://127.0.0.1:{port}"
         gateway = spawn([sys.executable, "-m", "corral.cli", "up", "-f", str(path), "--port", str(port)])
         try:
-            wait_http(f"{base}/ready", timeout=120)
-            url = f"{base}/v1/completions"
-            bob_key, eve_key = make_key(base, admin_key, "bob"), make_key(base, admin_key, "eve")
-            cap = asyncio.run(capacity(url, eve_key, args.measure, 2 * slots, args.max_tokens))
-            bob_rate, eve_rate = args.bob_load * cap, args.eve_factor * cap / 2
-            baseline = Load(bob_key, bob_rate, "127.0.0.2", seed=11)
-            asyncio.run(poisson(url, baseline, args.duration, args.max_tokens))
-            bob, eve = Load(bob_key, bob_rate, "127.0.0.2", seed=11), Load(eve_key, eve_rate, "127.0.0.1", 23)
-            asyncio.run(with_hog(url, bob, eve, args))
+            wait_http(f"http://127.0.0.1:{port}/ready", timeout=120)
+            figures = measure(args, f"http://127.0.0.1:{port}", admin_key)
         finally:
             stop(gateway)
-    before, after = summary(baseline.answers), summary(bob.answers)
-    p99_ratio = ratio(after["ttft_s"]["p99"], before["ttft_s"]["p99"])
-    figures = {
-        "setup": {
-            "replicas": f"2 × simulated Llama-3.1-8B on L4, {args.max_num_seqs} sequences each ({slots} slots), "
-            f"{args.time_scale:g}× real time",
-            "queue": {"max_queued": args.max_queued, "timeout_s": args.queue_timeout},
-            "gateway": "closed (keys), store in SQLite; tenants bob and eve, priority normal",
-            "request": f"streamed /v1/completions, {PROMPT_WORDS}-word prompt, {args.max_tokens} tokens",
-            "duration_s": args.duration,
-        },
-        "capacity_requests_per_s": round(cap, 2),
-        "bob_offered_requests_per_s": round(bob_rate, 2),
-        "eve_share_requests_per_s": round(cap / 2, 2),
-        "eve_offered_requests_per_s": round(eve_rate, 2),
-        "bob_baseline": before,
-        "bob_with_hog": after,
-        "bob_ttft_ratio": {
-            "p50": ratio(after["ttft_s"]["p50"], before["ttft_s"]["p50"]),
-            "p99": p99_ratio,
-        },
-        "eve": summary(eve.answers) | {"served_requests_per_s": round(
-            sum(a.status == 200 for a in eve.answers) / (args.ramp + args.duration), 2
-        )},
-        "done_means": {
-            "bob_503_rate_with_hog_is_0": after["rate_503"] == 0,
-            "bob_ttft_p99_ratio_at_most_1_10": p99_ratio is not None and p99_ratio <= TTFT_RATIO_TARGET,
-        },
-    }
-    figures["done_means"]["holds"] = all(figures["done_means"].values())
     print(json.dumps(figures, indent=2))
     out = ROOT / "results" / "tenant_overload.json"
     out.parent.mkdir(exist_ok=True)

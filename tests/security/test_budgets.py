@@ -1,16 +1,26 @@
 """Tenant eve against her own monthly budget through a closed gateway: concurrent requests cannot all pass
-a check that one of them fits, and a stream she cuts before its usage chunk is still charged."""
+a check that one of them fits, a stream she cuts before its usage chunk is still charged, a re-read of the
+store forgets nothing, and two gateways sharing Redis hold one budget."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+from datetime import UTC, datetime
 from pathlib import Path
 
 import aiohttp
+import pytest
+
+from corral.admission import BudgetTracker, Principal
+from corral.config import AuthSettings, GatewaySettings, LimitsSettings
+from corral.gateway import GatewayServer
+from corral.protocol import RateLimited
+from corral.routing import Replica, ReplicaSet, ReplicaState, Router
+from corral.store import UsageRecord, UsageStore, open_database
 
 from ..admission.test_gateway_admission import Cluster, start
-from ..gateway.conftest import ScriptedUpstream
+from ..gateway.conftest import ScriptedUpstream, make_services
 
 BUDGET = 200
 
@@ -139,3 +149,65 @@ async def test_64_concurrent_streams_some_cut_stay_within_a_budget_and_one_reque
     finally:
         await server.stop()
         await dripping.stop()
+
+
+def principal_of(key_id: str, budget: int) -> Principal:
+    return Principal(tenant="eve", key_id=key_id, monthly_token_budget=budget)
+
+
+async def test_a_store_reread_does_not_forget_usage_not_written_yet(tmp_path: Path) -> None:
+    """The budget re-reads the store every 30 s; before, a re-read forgot what this gateway had settled
+    but its usage recorder had not written yet (a slow or unreachable store: the budget ran over)."""
+    usage = UsageStore(open_database(f"sqlite:///{tmp_path / 'c.db'}"))
+    budget = BudgetTracker(usage, refresh_s=0)  # every check re-reads the store
+    eve = principal_of("k-eve", 200)
+    hold = await budget.reserve(eve, 150)
+    budget.settle(eve, 150, hold)  # used; its record not written yet
+    with pytest.raises(RateLimited):
+        await budget.reserve(eve, 100)
+    record = UsageRecord(datetime.now(UTC), "k-eve", "eve", "m", 50, 100, None, 10.0, 200, None)
+    usage.write([record])
+    budget.written([record])  # the recorder wrote it: counted once, by the store
+    with pytest.raises(RateLimited):
+        await budget.reserve(eve, 100)
+    assert await budget.reserve(eve, 50) is not None  # 150 + 50 fits exactly
+
+
+@pytest.mark.parametrize("backend", ["memory", "redis"])
+async def test_a_budget_holds_across_two_gateways_with_redis(tmp_path: Path, backend: str) -> None:
+    """Two gateways, one store, one key with 200 tokens: ten requests at once, half to each. With the
+    limits in Redis the budget is too (never more than 200 used); each gateway counting its own let both
+    run it over."""
+    slow = ScriptedUpstream(chunks=40, delay=0.3)  # each answer: 5 prompt + 40 output tokens
+    await slow.start()
+    limits = LimitsSettings(backend=backend)
+    servers, urls = [], []
+    key = None
+    for _ in range(2):
+        replicas = ReplicaSet(["m"])
+        replicas.add(Replica(id="m-0", model="m", engine="x", url=slow.url, state=ReplicaState.READY))
+        parts = make_services(replicas, tmp_path / "c.db", auth=AuthSettings(open=False), limits=limits)
+        key = key or parts.keys.create("eve", monthly_token_budget=BUDGET)[0]
+        server = GatewayServer(GatewaySettings(port=0), Router(replicas), parts)
+        await server.start()
+        servers.append(server)
+        urls.append(f"http://127.0.0.1:{server.port}")
+    try:
+        body = {"model": "m", "max_tokens": 40, "messages": [{"role": "user", "content": "hi"}]}
+        headers = {"Authorization": f"Bearer {key}"}
+
+        async def one(url: str) -> int:
+            async with session.post(url + "/v1/chat/completions", json=body, headers=headers) as answer:
+                data = await answer.json()
+                return data["usage"]["total_tokens"] if answer.status == 200 else 0
+
+        async with aiohttp.ClientSession() as session:
+            used = sum(await asyncio.gather(*(one(urls[i % 2]) for i in range(10))))
+        if backend == "redis":
+            assert 0 < used <= BUDGET
+        else:
+            assert used > BUDGET  # what the shared budget prevents
+    finally:
+        for server in servers:
+            await server.stop()
+        await slow.stop()

@@ -1,7 +1,7 @@
 """Admission: who is asking (keys), whether they may now (limits, budgets), and when (the fair queue)."""
 
 from corral.admission.auth import ANONYMOUS, Authenticator, Principal
-from corral.admission.budget import BudgetTracker
+from corral.admission.budget import BudgetHold, BudgetTracker, SharedBudgets
 from corral.admission.limits import (
     Limiter,
     LimiterUnavailable,
@@ -16,6 +16,7 @@ from corral.admission.tokens import TokenCounter, TokenSizing
 __all__ = [
     "ANONYMOUS",
     "Authenticator",
+    "BudgetHold",
     "BudgetTracker",
     "Capacity",
     "FairQueue",
@@ -26,6 +27,7 @@ __all__ = [
     "RateLimits",
     "RedisLimiter",
     "Reservation",
+    "SharedBudgets",
     "TokenCounter",
     "TokenSizing",
 ]

@@ -1,57 +1,188 @@
-"""Monthly token budgets per key: usage so far (from the store, refreshed), plus what settled here since,
-plus what requests in flight here have reserved (their estimate: prompt and max_tokens), so concurrent
-requests cannot all pass a check that only one of them fits."""
+"""Monthly token budgets per key, checked and reserved before a request runs, settled to what it used.
+
+On one gateway (`limits.backend: memory`) a key's use this month is the store's (re-read every
+`refresh_s`), plus what this gateway settled that the usage recorder has not written yet (it says when it
+has: usage is never dropped by a re-read that ran before the write), plus what requests in flight here
+reserved; so concurrent requests cannot all pass a check that only one of them fits.
+
+Across gateways (`limits.backend: redis`) the month's use and every gateway's reservations live in Redis:
+a hash `{prefix}:{key}:{month}` whose `used` is seeded from the store when missing and grows as requests
+settle, and a sorted set of reservations, each expiring after `hold_s` (a gateway that dies does not hold
+budget for long). One script checks and reserves, so gateways cannot together run a budget over. While
+Redis is unreachable each gateway falls back to its own accounting (logged).
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
+import logging
+import os
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from corral.admission.auth import Principal
 from corral.protocol import RateLimited
-from corral.store import UsageStore
+from corral.store import UsageRecord, UsageStore
 
-__all__ = ["BudgetTracker"]
+__all__ = ["BudgetHold", "BudgetTracker", "SharedBudgets"]
+
+logger = logging.getLogger(__name__)
 
 _QUIET_S = 86400.0  # a budgeted key not seen for a day leaves the budget metric
+_MONTH_S = 40 * 86400  # a month's Redis hash outlives the month
 
 
 def _month() -> str:
     return datetime.now(UTC).strftime("%Y-%m")
 
 
+@dataclass(frozen=True)
+class BudgetHold:
+    """Tokens a request reserved of its key's budget; `entry`: its reservation in Redis, if shared."""
+
+    tokens: int
+    entry: str | None = None
+
+
+_RESERVE = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('HSETNX', KEYS[1], 'used', ARGV[5])
+redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
+local held = 0
+for _, member in ipairs(redis.call('ZRANGE', KEYS[2], 0, -1)) do
+  held = held + tonumber(string.match(member, ':(%d+)$'))
+end
+local used = tonumber(redis.call('HGET', KEYS[1], 'used')) + held
+if used + tonumber(ARGV[2]) > tonumber(ARGV[1]) then return {0, used} end
+redis.call('ZADD', KEYS[2], now + tonumber(ARGV[4]), ARGV[3] .. ':' .. ARGV[2])
+redis.call('PEXPIRE', KEYS[1], ARGV[6])
+redis.call('PEXPIRE', KEYS[2], ARGV[4])
+return {1, used}
+"""
+_SETTLE = """
+redis.call('ZREM', KEYS[2], ARGV[1])
+if redis.call('EXISTS', KEYS[1]) == 1 then redis.call('HINCRBY', KEYS[1], 'used', ARGV[2]) end
+return 1
+"""
+
+
+class SharedBudgets:
+    """Budgets held in Redis for every gateway that uses it."""
+
+    def __init__(
+        self, url: str, prefix: str = "corral:budget", timeout: float = 0.5, hold_s: float = 3600.0
+    ) -> None:
+        import redis.asyncio as aioredis  # optional dependency, only with the redis backend
+        from redis.exceptions import RedisError
+
+        self.errors: tuple[type[BaseException], ...] = (RedisError, OSError, TimeoutError)
+        self._redis = aioredis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
+        self._reserve = self._redis.register_script(_RESERVE)
+        self._settle = self._redis.register_script(_SETTLE)
+        self._prefix, self._hold_ms = prefix, int(hold_s * 1000)
+        self._ids = itertools.count()
+        self._instance = f"{os.getpid():x}.{time.time_ns():x}"
+
+    def _keys(self, key: str, month: str) -> list[str]:
+        return [f"{self._prefix}:{key}:{month}", f"{self._prefix}:{key}:{month}:held"]
+
+    async def reserve(
+        self, key: str, month: str, budget: int, tokens: int, seed: int
+    ) -> tuple[bool, int, str]:
+        """(granted, tokens used or reserved before this request, the reservation's entry); `seed`: the
+        month's use as this gateway knows it, taken when Redis has none."""
+        entry = f"{self._instance}.{next(self._ids)}"
+        args: list[int | str] = [budget, tokens, entry, self._hold_ms, seed, _MONTH_S * 1000]
+        ok, used = await self._reserve(keys=self._keys(key, month), args=args)
+        return bool(ok), int(used), f"{entry}:{tokens}"
+
+    async def settle(self, key: str, month: str, entry: str, used: int) -> None:
+        await self._settle(keys=self._keys(key, month), args=[entry, used])
+
+    async def close(self) -> None:
+        await self._redis.aclose()
+
+
 class BudgetTracker:
-    def __init__(self, usage: UsageStore, refresh_s: float = 30.0) -> None:
+    def __init__(
+        self, usage: UsageStore, refresh_s: float = 30.0, shared: SharedBudgets | None = None
+    ) -> None:
         self._usage = usage
         self._refresh = refresh_s
-        self._used: dict[str, tuple[int, float]] = {}  # key id → (tokens this month, read at)
-        self._local: dict[str, int] = {}  # settled here since the last read
+        self._shared = shared
+        self._used: dict[str, tuple[int, float]] = {}  # key id → (tokens this month in the store, read at)
+        self._unwritten: dict[str, int] = {}  # settled here, not written to the store yet
+        self._written_since_read: dict[str, int] = {}  # written since the store was last read
         self._reserved: dict[str, int] = {}  # key id → tokens requests in flight here have reserved
         # key id → (tenant, monthly budget, month "YYYY-MM", last checked (monotonic s))
         self._budgets: dict[str, tuple[str, int, str, float]] = {}
+        self._settling: set[asyncio.Task[None]] = set()
+        self._redis_down_logged = 0.0
 
-    async def reserve(self, principal: Principal, tokens: int) -> int:
-        """Reserve `tokens` of the key's monthly budget for a request; what was reserved (0 for a key
-        without a budget), handed back to `settle`. Raises RateLimited when they do not fit."""
+    async def reserve(self, principal: Principal, tokens: int) -> BudgetHold | None:
+        """Reserve `tokens` of the key's monthly budget for a request; the hold (None for a key without a
+        budget) is handed back to `settle`. Raises RateLimited when they do not fit."""
         budget, key = principal.monthly_token_budget, principal.key_id
         if budget is None or key is None:
-            return 0
-        self._budgets[key] = (principal.tenant, budget, _month(), time.monotonic())
-        used = await self._month_tokens(key) + self._reserved.get(key, 0)  # (no await after this read)
+            return None
+        month = _month()
+        self._budgets[key] = (principal.tenant, budget, month, time.monotonic())
+        known = await self._month_tokens(key)
+        if self._shared is not None:
+            try:
+                ok, used, entry = await self._shared.reserve(key, month, budget, tokens, known)
+            except self._shared.errors as exc:
+                self._redis_down(exc)
+            else:
+                if not ok:
+                    raise _refusal(used, budget, tokens)
+                return BudgetHold(tokens, entry)
+        used = known + self._reserved.get(key, 0)  # (no await after this read)
         if used + tokens > budget:
-            now = datetime.now(UTC)
-            next_month = (now.replace(day=28) + (now.replace(day=28) - now.replace(day=1))).replace(
-                day=1, hour=0, minute=0, second=0, microsecond=0
-            )
-            raise RateLimited(
-                f"This key has used or reserved {used:,} of its {budget:,} tokens this month; this "
-                f"request needs up to {tokens:,}.",
-                code="insufficient_quota",
-                retry_after=(next_month - now).total_seconds(),
-            )
+            raise _refusal(used, budget, tokens)
         self._reserved[key] = self._reserved.get(key, 0) + tokens
-        return tokens
+        return BudgetHold(tokens)
+
+    def settle(self, principal: Principal, tokens: int, hold: BudgetHold | None = None) -> None:
+        """A request ended having used `tokens`: its reservation (`hold`) is released."""
+        key = principal.key_id
+        if principal.monthly_token_budget is None or key is None:
+            return
+        self._unwritten[key] = self._unwritten.get(key, 0) + tokens
+        if hold is None:
+            return
+        if hold.entry is not None and self._shared is not None:
+            task = asyncio.get_running_loop().create_task(self._settle_shared(key, hold.entry, tokens))
+            self._settling.add(task)
+            task.add_done_callback(self._settling.discard)
+            return
+        left = self._reserved.get(key, 0) - hold.tokens
+        if left > 0:
+            self._reserved[key] = left
+        else:
+            self._reserved.pop(key, None)
+
+    async def _settle_shared(self, key: str, entry: str, tokens: int) -> None:
+        assert self._shared is not None
+        try:
+            await self._shared.settle(key, _month(), entry, tokens)
+        except self._shared.errors as exc:  # its reservation expires in Redis; its use is in the store
+            self._redis_down(exc)
+
+    def written(self, records: Sequence[UsageRecord]) -> None:
+        """The usage recorder wrote these records to the store."""
+        for record in records:
+            key = record.key_id
+            if key is None or key not in self._unwritten:
+                continue
+            tokens = record.input_tokens + record.output_tokens
+            self._unwritten[key] = max(0, self._unwritten[key] - tokens)
+            self._written_since_read[key] = self._written_since_read.get(key, 0) + tokens
 
     def spent(self) -> list[tuple[str, str, float]]:
         """(tenant, key id, share of the monthly budget used) for each budgeted key that asked this
@@ -59,32 +190,49 @@ class BudgetTracker:
         month, now = _month(), time.monotonic()
         for key in [k for k, (_, _, m, seen) in self._budgets.items() if m != month or now - seen > _QUIET_S]:
             del self._budgets[key]
-        out = []
-        for key, (tenant, budget, _, _) in self._budgets.items():
-            cached = self._used.get(key)
-            used = (cached[0] if cached else 0) + self._local.get(key, 0)
-            out.append((tenant, key, used / budget))
-        return out
+        return [
+            (tenant, key, self._known(key) / budget) for key, (tenant, budget, _, _) in self._budgets.items()
+        ]
 
-    def settle(self, principal: Principal, tokens: int, reserved: int = 0) -> None:
-        """A request ended having used `tokens`: its reservation (`reserved`) is released."""
-        key = principal.key_id
-        if principal.monthly_token_budget is None or key is None:
-            return
-        self._local[key] = self._local.get(key, 0) + tokens
-        if reserved:
-            left = self._reserved.get(key, 0) - reserved
-            if left > 0:
-                self._reserved[key] = left
-            else:
-                self._reserved.pop(key, None)
+    async def close(self) -> None:
+        if self._settling:
+            await asyncio.gather(*self._settling, return_exceptions=True)
+        if self._shared is not None:
+            with contextlib.suppress(*self._shared.errors):
+                await self._shared.close()
+
+    def _known(self, key: str) -> int:
+        cached = self._used.get(key)
+        return (
+            (cached[0] if cached else 0) + self._unwritten.get(key, 0) + self._written_since_read.get(key, 0)
+        )
 
     async def _month_tokens(self, key: str) -> int:
         cached = self._used.get(key)
         now = time.monotonic()
         if cached is None or now - cached[1] > self._refresh:
+            self._written_since_read[key] = 0  # written before this read: the read counts them
             stored = await asyncio.to_thread(self._usage.month_tokens, key)
             self._used[key] = (stored, now)
-            self._local[key] = 0
-            cached = self._used[key]
-        return cached[0] + self._local.get(key, 0)
+        return self._known(key)
+
+    def _redis_down(self, exc: BaseException) -> None:
+        now = time.monotonic()
+        if now - self._redis_down_logged > 60:
+            self._redis_down_logged = now
+            logger.warning(
+                "budgets: Redis unreachable (%s); each gateway counts its own until it is back", exc
+            )
+
+
+def _refusal(used: int, budget: int, tokens: int) -> RateLimited:
+    now = datetime.now(UTC)
+    next_month = (now.replace(day=28) + (now.replace(day=28) - now.replace(day=1))).replace(
+        day=1, hour=0, minute=0, second=0, microsecond=0
+    )
+    return RateLimited(
+        f"This key has used or reserved {used:,} of its {budget:,} tokens this month; this request needs up "
+        f"to {tokens:,}.",
+        code="insufficient_quota",
+        retry_after=(next_month - now).total_seconds(),
+    )

@@ -192,10 +192,13 @@ class StoreSettings(Strict):
 
 
 class LimitsSettings(Strict):
-    """Rate-limit state: in this process (`memory`), or in Redis so limits hold across gateway replicas."""
+    """Rate-limit and budget state: in this process (`memory`), or in Redis so limits and monthly budgets
+    hold across gateway replicas."""
 
     backend: Literal["memory", "redis"] = Field(
-        default="memory", description="memory (one gateway) or redis (limits shared by gateways)"
+        default="memory",
+        description="memory (one gateway) or redis (RPM/TPM/concurrency limits and the monthly budgets' "
+        "reservations shared by gateways)",
     )
     redis_url: str = Field(default="redis://127.0.0.1:6379/0", description="Redis for backend: redis")
     redis_timeout: Annotated[

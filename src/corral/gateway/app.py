@@ -96,7 +96,9 @@ def build_app(
     open_access = parts.access.open_access
     replica_header = settings.routing_headers if settings.routing_headers is not None else open_access
     relay = Relay(engines, session, router, settings.retries, timeouts, replica_header)
-    usage = UsageRecorder(parts.usage_store, parts.flush_interval, parts.max_pending_usage)
+    usage = UsageRecorder(
+        parts.usage_store, parts.flush_interval, parts.max_pending_usage, on_written=parts.budget.written
+    )
     pipeline = app[PIPELINE] = Pipeline(
         auth=parts.auth,
         sizing=parts.sizing,
@@ -170,6 +172,7 @@ def build_app(
             engines.close()
             await session.close()
             await parts.limits.close()
+            await parts.budget.close()
 
     app.cleanup_ctx.append(lifecycle)
     return app

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from corral.admission import BudgetHold
 from corral.engines import EngineFeatures
 from corral.protocol import EmbeddingRequest, GenerationRequest
 from corral.routing import Replica, RouteRequest
@@ -37,7 +38,7 @@ class RequestContext:
     cached: bool = False  # answered from the cache
     charged: bool = True  # a cache hit counts its tokens against limits, budgets and usage
     limiter: Any = None  # the limiter that reserved its budget (settled by the same one)
-    budgeted: int = 0  # tokens reserved of its key's monthly budget (released when it settles)
+    budgeted: BudgetHold | None = None  # reserved of its key's monthly budget (released when it settles)
     lookup: Any = None  # its dealings with the response cache (cache.CacheLookup), when it has some
 
     @property

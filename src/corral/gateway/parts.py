@@ -7,7 +7,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from corral.admission import Authenticator, BudgetTracker, FairQueue, RateLimits, TokenCounter, TokenSizing
+from corral.admission import (
+    Authenticator,
+    BudgetTracker,
+    FairQueue,
+    RateLimits,
+    SharedBudgets,
+    TokenCounter,
+    TokenSizing,
+)
 from corral.batch import BatchStore
 from corral.cache import CacheStore, ExactCache, MemoryStore, RedisStore
 from corral.config import (
@@ -107,7 +115,7 @@ class GatewayParts:
             usage_store=usage,
             auth=Authenticator(keys, open_access=auth.open, ttl=auth.cache_ttl),
             limits=RateLimits(limits),
-            budget=BudgetTracker(usage),
+            budget=BudgetTracker(usage, shared=_shared_budgets(limits)),
             queue=FairQueue(replicas, queue.max_queued, queue.timeout),
             sizing=TokenSizing(limits.tokens_per_char, counters),
             access=AdminAccess(admin_key, auth.open),
@@ -124,6 +132,13 @@ class GatewayParts:
 def isolates(prefix_isolation: str | None, open_access: bool) -> bool:
     """A model's `prefix_isolation` on this gateway: tenant (stated, or unset on a closed gateway)."""
     return prefix_isolation == "tenant" or (prefix_isolation is None and not open_access)
+
+
+def _shared_budgets(limits: LimitsSettings) -> SharedBudgets | None:
+    """Budgets across gateways where the rate limits are (Redis); None: each gateway its own."""
+    if limits.backend != "redis":
+        return None
+    return SharedBudgets(limits.redis_url, timeout=limits.redis_timeout)
 
 
 def _batches(engine: Engine, settings: BatchSettings) -> BatchStore | None:

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 from collections import deque
+from collections.abc import Callable
 
 from corral.store import UsageRecord, UsageStore
 
@@ -20,8 +21,15 @@ class UsageRecorder:
     """Buffers records for the store, at most `max_pending` of them: while the store is down the oldest are
     dropped (counted in `dropped` and logged) rather than growing the gateway's memory without bound."""
 
-    def __init__(self, store: UsageStore, flush_interval: float, max_pending: int = 100_000) -> None:
+    def __init__(
+        self,
+        store: UsageStore,
+        flush_interval: float,
+        max_pending: int = 100_000,
+        on_written: Callable[[list[UsageRecord]], None] | None = None,
+    ) -> None:
         self._store = store
+        self._on_written = on_written  # told which records reached the store (budgets stop counting them)
         self._interval = flush_interval
         self._max = max_pending
         self._pending: deque[UsageRecord] = deque()
@@ -74,6 +82,8 @@ class UsageRecorder:
             if len(self._pending) > self._max:
                 self._drop(len(self._pending) - self._max)
             raise
+        if self._on_written is not None:
+            self._on_written(batch)
 
     async def _run(self) -> None:
         while True:
