@@ -211,3 +211,34 @@ async def test_a_budget_holds_across_two_gateways_with_redis(tmp_path: Path, bac
         for server in servers:
             await server.stop()
         await slow.stop()
+
+
+async def test_a_request_without_max_tokens_reserves_all_the_model_may_generate(tmp_path: Path) -> None:
+    """Without max_tokens an engine may generate to the end of the context (2,048 here); the budget
+    reserved 256 for it before, so a 1,000-token budget let through requests that could run it over."""
+    upstream = ScriptedUpstream(chunks=40)
+    await upstream.start()
+    replicas = ReplicaSet(["m"])
+    replicas.add(
+        Replica(
+            id="m-0", model="m", engine="x", url=upstream.url, state=ReplicaState.READY, context_length=2048
+        )
+    )
+    parts = make_services(replicas, tmp_path / "c.db", auth=AuthSettings(open=False))
+    key = parts.keys.create("eve", monthly_token_budget=1000)[0]
+    server = GatewayServer(GatewaySettings(port=0), Router(replicas), parts)
+    await server.start()
+    try:
+        headers = {"Authorization": f"Bearer {key}"}
+        url = f"http://127.0.0.1:{server.port}/v1/chat/completions"
+        async with aiohttp.ClientSession() as session:
+            body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+            async with session.post(url, json=body, headers=headers) as answer:
+                refused = await answer.json()
+                assert (answer.status, refused["error"]["code"]) == (429, "insufficient_quota")
+                assert "without max_tokens" in refused["error"]["message"]
+            async with session.post(url, json={**body, "max_tokens": 40}, headers=headers) as answer:
+                assert answer.status == 200
+    finally:
+        await server.stop()
+        await upstream.stop()

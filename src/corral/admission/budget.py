@@ -232,7 +232,7 @@ def _refusal(used: int, budget: int, tokens: int) -> RateLimited:
     )
     return RateLimited(
         f"This key has used or reserved {used:,} of its {budget:,} tokens this month; this request needs up "
-        f"to {tokens:,}.",
+        f"to {tokens:,} (its prompt and max_tokens; without max_tokens, all the model may generate).",
         code="insufficient_quota",
         retry_after=(next_month - now).total_seconds(),
     )

@@ -39,6 +39,8 @@ class RequestContext:
     charged: bool = True  # a cache hit counts its tokens against limits, budgets and usage
     limiter: Any = None  # the limiter that reserved its budget (settled by the same one)
     budgeted: BudgetHold | None = None  # reserved of its key's monthly budget (released when it settles)
+    # what a monthly budget reserves (None: route.tokens): without max_tokens, all the engine may generate
+    budget_tokens: int | None = None
     lookup: Any = None  # its dealings with the response cache (cache.CacheLookup), when it has some
 
     @property

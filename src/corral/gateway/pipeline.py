@@ -151,7 +151,7 @@ class Pipeline:
                 ctx = self._context(raw, path, kind, None)
             principal.check_model(ctx.model)
             self._isolation.apply(ctx, principal.tenant)
-            ctx.budgeted = await self._budget.reserve(principal, ctx.route.tokens)  # (no rate limits)
+            ctx.budgeted = await self._budget.reserve(principal, ctx.budget_tokens or ctx.route.tokens)
         except APIError as exc:
             return exc.status, exc.to_json()
         status = 500
@@ -327,12 +327,15 @@ class Pipeline:
         )
         if getattr(self._router.policy_for(body.model), "needs_prompt", False):
             route.prompt = prompt or prompt_text(body)
+        context = self._replicas.context_length(body.model)
+        may_generate = max(0, context - input_tokens) if asked is None and context else None
         return RequestContext(
             path=path,
             body=body,
             upstream_body=upstream,
             received_at=time.monotonic(),
             route=route,
+            budget_tokens=input_tokens + may_generate * body.n * prompts if may_generate else None,
             features=features,
             fanout=not body.stream and needs_fanout(body, features),
             failover=can_fail_over(
@@ -412,7 +415,7 @@ class Pipeline:
     async def admit(self, ctx: RequestContext, principal: Principal) -> Reservation | None:
         """Reserve the request and its tokens (input estimate + max output) before any work starts."""
         try:
-            ctx.budgeted = await self._budget.reserve(principal, ctx.route.tokens)
+            ctx.budgeted = await self._budget.reserve(principal, ctx.budget_tokens or ctx.route.tokens)
             limiter = ctx.limiter = self._limits.limiter  # settled by the same, even if replaced live
             try:
                 return await limiter.reserve(principal, ctx.route.tokens)
