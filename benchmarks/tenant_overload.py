@@ -19,10 +19,11 @@ Bob connects from 127.0.0.2 and eve from 127.0.0.1 (two clients), so the per-add
 (`gateway.max_client_connections`) does not stand between them. `--eve-max-concurrency N` gives eve's key
 `max_concurrency: N` (slots kept free for others: what a reserve for idle tenants would buy).
 
-Printed (JSON, also written to results/tenant_overload.json): the set-up, capacity and offered rates; per
-phase bob's requests, status counts, 503 rate and TTFT p50/p99 (of his 200s, seconds); the with-hog ÷
-baseline TTFT ratios; eve's status counts and refusal codes; whether the done-means holds (bob's 503 rate 0
-with the hog and TTFT p99 ratio ≤ 1.10). About 75 s with the defaults.
+Printed (JSON, also written to results/tenant_overload.json): the set-up; the capacity; the median seconds
+an answer streams after its first token (`decode_s_p50`: a full cluster frees a slot every decode_s ÷ slots
+seconds on average); offered rates; per phase bob's requests, status counts, 503 rate and TTFT p50/p99 (of
+his 200s, seconds); the with-hog ÷ baseline TTFT ratios; eve's status counts and refusal codes; whether the
+done-means holds (bob's 503 rate 0 with the hog and TTFT p99 ratio ≤ 1.10). About 75 s with the defaults.
 
     .venv/bin/python benchmarks/tenant_overload.py [--duration 30] [--eve-factor 10] [--bob-load 0.2]
 """
@@ -51,10 +52,12 @@ ROOT = Path(__file__).resolve().parent.parent
 MODEL = "llama-8b"
 TTFT_RATIO_TARGET = 1.10
 PROMPT_WORDS = 64
-WORDS = (
-    "the of and to in is that it for on with as was at by be this from or have an are not but which one all "
-    "were when we there can more if will about out up so what time has into some them these could other than"
-).split()
+WORDS = tuple(
+    (
+        "the of and to in is that it for on with as was at by be this from or have an are not but which one "
+        "all were when we there can more if will about out up so what time has into some them these could"
+    ).split()
+)
 
 
 @dataclass
@@ -94,12 +97,12 @@ models:
 
 def make_key(base: str, admin_key: str, tenant: str, max_concurrency: int | None = None) -> str:
     """A new key of `tenant` through the admin API: its secret."""
-    spec: dict[str, Any] = {"tenant": tenant}
+    fields: dict[str, Any] = {"tenant": tenant}
     if max_concurrency is not None:
-        spec["max_concurrency"] = max_concurrency
+        fields["max_concurrency"] = max_concurrency
     request = urllib.request.Request(
         f"{base}/admin/keys",
-        data=json.dumps(spec).encode(),
+        data=json.dumps(fields).encode(),
         headers={"Authorization": f"Bearer {admin_key}", "Content-Type": "application/json"},
         method="POST",
     )
@@ -133,7 +136,7 @@ async def one(session: aiohttp.ClientSession, url: str, key: str, payload: dict[
                     if any(choice.get("text") for choice in chunk.get("choices", ())):
                         ttft = time.monotonic() - started
             return Answer(200, None, ttft, time.monotonic() - started)
-    except aiohttp.ClientError as exc:
+    except (aiohttp.ClientError, TimeoutError) as exc:
         return Answer(0, type(exc).__name__, None, time.monotonic() - started)
 
 
@@ -157,7 +160,8 @@ async def poisson(url: str, load: Load, seconds: float, max_tokens: int) -> None
 
 
 async def capacity(url: str, key: str, seconds: float, clients: int, max_tokens: int) -> tuple[float, float]:
-    """Requests/s of a saturating closed loop, and the median time a request takes from start to end."""
+    """Requests/s of a saturating closed loop, and the median seconds an answer streams after its first token
+    (how long it holds its slot)."""
     rng = random.Random(1)
     served: list[float] = []
     deadline = time.monotonic() + seconds

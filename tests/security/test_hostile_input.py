@@ -264,3 +264,31 @@ async def test_a_header_longer_than_max_header_bytes_is_a_400(
         assert status == 401  # within the bound: an ordinary refusal (no key)
     finally:
         await server.stop()
+
+
+async def test_a_seed_past_64_bits_is_a_400(closed: Cluster) -> None:
+    _, eve = await closed.admin("POST", "/admin/keys", {"tenant": "eve"})
+    body = b'{"model": "m", "seed": 18446744073709551617, "messages": [{"role": "user", "content": "hi"}]}'
+    status, answer = await post(closed.url + "/v1/chat/completions", eve["key"], body)
+    assert (status, answer["error"]["param"]) == (400, "seed")
+
+
+async def test_an_integer_past_64_bits_reaches_the_engine_as_sent_when_the_body_is_rewritten(
+    closed: Cluster, upstream: ScriptedUpstream
+) -> None:
+    """A body naming `stream_options` is re-serialised (to ask the engine for usage); orjson wrote an
+    integer past 64 bits as a float (18446744073709551617 became 1.8446744073709552e+19)."""
+    _, eve = await closed.admin("POST", "/admin/keys", {"tenant": "eve"})
+    body = (
+        b'{"model": "m", "stream": true, "stream_options": {"include_usage": false}, '
+        b'"vendor_seed": 18446744073709551617, "messages": [{"role": "user", "content": "hi"}]}'
+    )
+    headers = {"Authorization": f"Bearer {eve['key']}", "Content-Type": "application/json"}
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(closed.url + "/v1/chat/completions", data=body, headers=headers) as answer,
+    ):
+        assert answer.status == 200
+        await answer.read()
+    assert upstream.bodies[-1]["vendor_seed"] == 18446744073709551617
+    assert upstream.bodies[-1]["stream_options"] == {"include_usage": True}

@@ -9,10 +9,10 @@ without parsing a long prompt where the body does not name the member yet."""
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Awaitable
 from typing import Any, TypeVar
 
-import orjson
 from aiohttp import web
 
 from corral.protocol import InvalidRequest, PayloadTooLarge, RequestTimeout
@@ -58,13 +58,17 @@ def with_member(raw: bytes, name: str, value: Any, member: bytes, merge: bool = 
         end = raw.rstrip()
         if end.endswith(b"}"):
             return end[:-1] + member + b"}"
-    try:
-        data: dict[str, Any] = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:  # NaN, Infinity: pydantic's parser took them, JSON has none
+    try:  # (the standard library keeps integers past 64 bits, which orjson would turn into floats)
+        data: dict[str, Any] = json.loads(raw, parse_constant=_no_constant)
+    except ValueError as exc:  # NaN, Infinity: pydantic's parser took them, JSON has none
         raise InvalidRequest(f"The body is not valid JSON: {exc}.") from exc
     old = data.get(name)
     data[name] = {**old, **value} if merge and isinstance(old, dict) else value
-    return orjson.dumps(data)
+    return json.dumps(data, separators=(",", ":")).encode()  # (ASCII: a lone surrogate stays escaped)
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
 
 
 def _too_large(limit: int) -> PayloadTooLarge:

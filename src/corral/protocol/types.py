@@ -44,19 +44,20 @@ class ChatMessage(_Body):
 
 
 Stop = str | Annotated[list[str], Field(max_length=16)] | None
+Seed = Annotated[int, Field(ge=-(2**63), le=2**64 - 1)]  # what JSON libraries (and engines) hold exactly
 
 
 class _Generation(_Body):
     model: Annotated[str, Field(min_length=1)]
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_tokens: Annotated[int, Field(ge=1, lt=2**31)] | None = None
     n: Annotated[int, Field(ge=1, le=128)] = 1
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
     top_p: Annotated[float, Field(ge=0, le=1)] | None = None
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
-    seed: int | None = None
+    seed: Seed | None = None
     stop: Stop = None
     user: str | None = None
 
@@ -73,7 +74,7 @@ class _Generation(_Body):
 
 class ChatCompletionRequest(_Generation):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1, lt=2**31)] | None = None
 
 
 TokenId = Annotated[int, Field(ge=0, lt=2**31)]  # engines index vocabularies with 32-bit integers
