@@ -15,7 +15,7 @@ import pytest
 from corral.admission import BudgetTracker, Principal
 from corral.config import AuthSettings, GatewaySettings, LimitsSettings
 from corral.gateway import GatewayServer
-from corral.protocol import RateLimited
+from corral.protocol import NoCapacity, RateLimited
 from corral.routing import Replica, ReplicaSet, ReplicaState, Router
 from corral.store import UsageRecord, UsageStore, open_database
 
@@ -242,3 +242,19 @@ async def test_a_request_without_max_tokens_reserves_all_the_model_may_generate(
     finally:
         await server.stop()
         await upstream.stop()
+
+
+async def test_while_the_store_is_down_a_budget_uses_what_it_knew_or_refuses_with_503(tmp_path: Path) -> None:
+    """A store that stops answering was a 500 on every budgeted request."""
+    engine = open_database(f"sqlite:///{tmp_path / 'c.db'}")
+    budget = BudgetTracker(UsageStore(engine), refresh_s=0)
+    known = principal_of("k-known", 200)
+    budget.settle(known, 150, await budget.reserve(known, 150))
+    with engine.begin() as connection:  # the store stops answering usage queries
+        connection.exec_driver_sql("DROP TABLE corral_usage")
+    with pytest.raises(RateLimited):  # what it knew: 150 used
+        await budget.reserve(known, 100)
+    assert await budget.reserve(known, 50) is not None
+    with pytest.raises(NoCapacity) as refused:  # a key it knows nothing of cannot be checked
+        await budget.reserve(principal_of("k-new", 200), 10)
+    assert refused.value.status == 503 and refused.value.code == "budget_unavailable"

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from corral.admission.auth import Principal
-from corral.protocol import RateLimited
-from corral.store import UsageRecord, UsageStore
+from corral.protocol import NoCapacity, RateLimited
+from corral.store import StoreError, UsageRecord, UsageStore
 
 __all__ = ["BudgetHold", "BudgetTracker", "SharedBudgets"]
 
@@ -34,6 +34,7 @@ logger = logging.getLogger(__name__)
 
 _QUIET_S = 86400.0  # a budgeted key not seen for a day leaves the budget metric
 _MONTH_S = 40 * 86400  # a month's Redis hash outlives the month
+_STORE_RETRY_S = 5.0
 
 
 def _month() -> str:
@@ -211,8 +212,20 @@ class BudgetTracker:
         cached = self._used.get(key)
         now = time.monotonic()
         if cached is None or now - cached[1] > self._refresh:
-            self._written_since_read[key] = 0  # written before this read: the read counts them
-            stored = await asyncio.to_thread(self._usage.month_tokens, key)
+            before = self._written_since_read.pop(key, 0)  # written before the read began: it counts them
+            try:
+                stored = await asyncio.to_thread(self._usage.month_tokens, key)
+            except StoreError as exc:
+                self._written_since_read[key] = self._written_since_read.get(key, 0) + before
+                if cached is None:  # nothing known of this key's month: it cannot be checked
+                    raise NoCapacity(
+                        "This key's monthly budget cannot be checked right now; try again shortly.",
+                        code="budget_unavailable",
+                        retry_after=_STORE_RETRY_S,
+                    ) from exc
+                logger.warning("budgets: the store did not answer (%s); using what it said last", exc)
+                self._used[key] = (cached[0], now)  # asked again after refresh_s, not on every request
+                return self._known(key)
             self._used[key] = (stored, now)
         return self._known(key)
 

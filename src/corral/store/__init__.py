@@ -11,7 +11,7 @@ from sqlalchemy.exc import ArgumentError, NoSuchModuleError, SQLAlchemyError
 from corral.store import batch_rows as _batch_rows  # noqa: F401  (its tables are created with the rest)
 from corral.store.files import FileQuotaExceeded, FileStore, NewFile
 from corral.store.keys import PRIORITIES, InvalidKey, KeyRecord, KeyStore, NewKey, hash_key
-from corral.store.schema import Base, add_missing_columns
+from corral.store.schema import Base, StoreError, add_missing_columns
 from corral.store.usage import UsageRecord, UsageStore
 
 __all__ = [
@@ -34,10 +34,6 @@ __all__ = [
 # The spellings people copy from PostgreSQL's docs, Heroku or psql, and the driver corral ships (psycopg 3).
 _POSTGRES_PREFIXES = ("postgres://", "postgresql://", "postgresql+psycopg2://", "postgres+psycopg://")
 _POSTGRES = "postgresql+psycopg://"
-
-
-class StoreError(Exception):
-    """A store URL that cannot be used: malformed, unreachable, or (read-only) not there."""
 
 
 def normalise_url(url: str) -> str:

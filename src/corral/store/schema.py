@@ -8,11 +8,16 @@ from sqlalchemy import JSON, BigInteger, DateTime, Engine, Float, Index, Integer
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-__all__ = ["ApiKeyRow", "Base", "UsageRow", "add_missing_columns"]
+__all__ = ["ApiKeyRow", "Base", "StoreError", "UsageRow", "add_missing_columns"]
 
 
 class Base(DeclarativeBase):
     pass
+
+
+class StoreError(Exception):
+    """A store that cannot be used: a URL malformed, unreachable, or (read-only) not there; or a query
+    the database did not answer."""
 
 
 class ApiKeyRow(Base):

@@ -8,9 +8,10 @@ from datetime import UTC, datetime
 from typing import Any
 
 from sqlalchemy import Engine, func, select
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
-from corral.store.schema import Base, UsageRow
+from corral.store.schema import Base, StoreError, UsageRow
 
 __all__ = ["UsageRecord", "UsageStore"]
 
@@ -128,5 +129,8 @@ class UsageStore:
         query = select(func.sum(UsageRow.input_tokens + UsageRow.output_tokens)).where(
             UsageRow.key_id == key_id, UsageRow.at >= start
         )
-        with Session(self._engine) as session:
-            return int(session.scalar(query) or 0)
+        try:
+            with Session(self._engine) as session:
+                return int(session.scalar(query) or 0)
+        except SQLAlchemyError as exc:
+            raise StoreError(f"the usage store did not answer: {exc}") from exc
