@@ -35,9 +35,9 @@ def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[BatchStore
         client.delete(key)
 
 
-def _batch(store: BatchStore, lines: int) -> str:
+def _batch(store: BatchStore, lines: int, tenant: str = "acme") -> str:
     body = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]})
-    new = NewBatch("acme", None, "/v1/chat/completions", "file-x", timedelta(hours=1))
+    new = NewBatch(tenant, None, "/v1/chat/completions", "file-x", timedelta(hours=1))
     batch = store.create_batch(new)
     assert batch.status == "validating"
     assert store.start(batch.id, "m", [(f"c{i}", body) for i in range(lines)])
@@ -226,3 +226,16 @@ def test_a_batch_never_checked_within_its_window_expires(store: BatchStore) -> N
     assert store.housekeeping() == [batch.id]
     found = store.batch("acme", batch.id)
     assert found is not None and found.status == "expired" and found.counts["total"] == 0
+
+
+def test_lines_are_dealt_fairly_between_tenants(tmp_path: Path) -> None:
+    """Eve's 50-line batch came first; bob's 3 lines do not wait for all of hers: the tenant with the
+    fewest lines running gets the next slot (before, the oldest batch took every slot until it ended)."""
+    store = BatchStore(open_database(f"sqlite:///{tmp_path / 'queue.db'}"))
+    eves = _batch(store, 50, tenant="eve")
+    bobs = _batch(store, 3, tenant="bob")
+    first = store.lease("runner-a", "m", 4, lease_s=30)
+    assert sorted(line.batch_id == bobs for line in first) == [False, False, True, True]
+    more = store.lease("runner-b", "m", 3, lease_s=30)  # (another runner: the count is the store's)
+    assert [line.batch_id for line in more] == [bobs, eves, eves]  # bob's last, then eve's again
+    assert [line.line for line in first + more if line.batch_id == bobs] == [0, 1, 2]

@@ -1,7 +1,8 @@
 """The line queue behind batches, in SQL (`batch.queue: sql`, the default): a row a line.
 
 A runner *leases* runnable lines (an owner and a deadline, taken with `FOR UPDATE SKIP LOCKED` on
-PostgreSQL; SQLite serialises writers), runs them and *commits* each result only while it still holds the
+PostgreSQL; SQLite serialises writers), dealt fairly between tenants (the one with the fewest lines
+running gets the next), runs them and *commits* each result only while it still holds the
 lease, so a line has exactly one result whatever crashes: a runner killed mid-line leaves a lease that
 expires and is taken over; a runner that finishes after losing its lease has its result dropped. Counts
 are derived from the lines' states, never kept apart, so they cannot drift. The Redis Streams queue
@@ -48,17 +49,9 @@ class SqlLines:
             (BatchLineRow.state == "leased") & (BatchLineRow.lease_until < now)
         )
         with Session(self._engine, expire_on_commit=False) as session, session.begin():
-            runnable = (
-                select(BatchLineRow.batch_id, BatchLineRow.line, BatchLineRow.attempts)
-                .join(BatchRow, BatchRow.id == BatchLineRow.batch_id)
-                .where(BatchRow.status == "in_progress", BatchRow.model == model, runnable_now)
-                .order_by(BatchRow.created_at, BatchLineRow.line)
-                .limit(limit)
-            )
-            if self._postgres:
-                runnable = runnable.with_for_update(of=BatchLineRow, skip_locked=True)
+            candidates = self._fair_candidates(session, model, limit, runnable_now, now)
             leased: list[BatchLine] = []
-            for batch_id, line, attempts in session.execute(runnable).all():
+            for batch_id, line, attempts in candidates:
                 where = (BatchLineRow.batch_id == batch_id, BatchLineRow.line == line, runnable_now)
                 if attempts >= max_attempts:
                     session.execute(
@@ -86,6 +79,46 @@ class SqlLines:
                         )
                     )
             return leased
+
+    def _fair_candidates(
+        self, session: Session, model: str, limit: int, runnable_now: Any, now: float
+    ) -> list[tuple[str, int, int]]:
+        """Up to `limit` runnable lines shared fairly between tenants: each tenant's lines in order (its
+        oldest batch first), dealt out so that the tenant with the fewest lines running (leased by any
+        runner) gets the next one. One tenant's 50,000-line batch does not hold another's for hours."""
+        in_progress = (BatchRow.status == "in_progress", BatchRow.model == model)
+        tenants = session.scalars(select(BatchRow.tenant).where(*in_progress).distinct()).all()
+        if not tenants:
+            return []
+        running: dict[str, int] = dict(
+            session.execute(
+                select(BatchRow.tenant, func.count())
+                .join(BatchLineRow, BatchRow.id == BatchLineRow.batch_id)
+                .where(*in_progress, BatchLineRow.state == "leased", BatchLineRow.lease_until >= now)
+                .group_by(BatchRow.tenant)
+            ).all()
+        )
+        queues: dict[str, list[tuple[str, int, int]]] = {}
+        for tenant in tenants:
+            query = (
+                select(BatchLineRow.batch_id, BatchLineRow.line, BatchLineRow.attempts)
+                .join(BatchRow, BatchRow.id == BatchLineRow.batch_id)
+                .where(*in_progress, BatchRow.tenant == tenant, runnable_now)
+                .order_by(BatchRow.created_at, BatchLineRow.line)
+                .limit(limit)
+            )
+            if self._postgres:
+                query = query.with_for_update(of=BatchLineRow, skip_locked=True)
+            if found := [(r.batch_id, r.line, r.attempts) for r in session.execute(query)]:
+                queues[tenant] = found[::-1]  # popped from the end
+        dealt: list[tuple[str, int, int]] = []
+        while queues and len(dealt) < limit:
+            tenant = min(queues, key=lambda t: (running.get(t, 0), t))
+            dealt.append(queues[tenant].pop())
+            running[tenant] = running.get(tenant, 0) + 1
+            if not queues[tenant]:
+                del queues[tenant]
+        return dealt
 
     def commit_many(self, owner: str, results: list[tuple[BatchLine, LineResult]]) -> int:
         kept = 0
