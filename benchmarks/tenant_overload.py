@@ -90,6 +90,7 @@ queue: {{max_queued: {args.max_queued}, timeout: {args.queue_timeout}}}
 models:
   - name: {MODEL}
     arch: llama-3.1-8b
+    routing: {args.routing}
     deployments: [{{engine: sim, replicas: 2, gpu: l4, max_num_seqs: {args.max_num_seqs},
                    time_scale: {args.time_scale}}}]
 """
@@ -199,7 +200,9 @@ def summary(answers: list[Answer]) -> dict[str, Any]:
         "rate_503": round(statuses["503"] / len(answers), 4) if answers else None,
         "ttft_s": {
             "p50": round(statistics.median(ttfts), 4) if ttfts else None,
+            "p90": round(percentile(ttfts, 0.90), 4) if ttfts else None,
             "p99": round(percentile(ttfts, 0.99), 4) if ttfts else None,
+            "max": round(max(ttfts), 4) if ttfts else None,
         },
         "refusal_codes": dict(Counter(a.code for a in answers if a.status != 200)),
     }
@@ -210,11 +213,16 @@ def ratio(after: float | None, before: float | None) -> float | None:
 
 
 def report(
-    args: argparse.Namespace, cap: float, decode_s: float, bob: tuple[Load, Load], eve: Load
+    args: argparse.Namespace,
+    cap: float,
+    decode_s: float,
+    bob: tuple[Load, Load, Load],
+    eve_at_share: Load,
+    eve: Load,
 ) -> dict[str, Any]:
     slots = 2 * args.max_num_seqs
-    before, after = summary(bob[0].answers), summary(bob[1].answers)
-    p99_ratio = ratio(after["ttft_s"]["p99"], before["ttft_s"]["p99"])
+    alone, beside, after = (summary(load.answers) for load in bob)
+    p99_ratio = ratio(after["ttft_s"]["p99"], beside["ttft_s"]["p99"])
     verdict = {
         "bob_503_rate_with_hog_is_0": after["rate_503"] == 0,
         "bob_ttft_p99_ratio_at_most_1_10": p99_ratio is not None and p99_ratio <= TTFT_RATIO_TARGET,
@@ -223,7 +231,7 @@ def report(
     return {
         "setup": {
             "replicas": f"2 x simulated Llama-3.1-8B on L4, {args.max_num_seqs} sequences each "
-            f"({slots} slots), {args.time_scale:g}x real time",
+            f"({slots} slots), {args.time_scale:g}x real time, routing {args.routing}",
             "queue": {"max_queued": args.max_queued, "timeout_s": args.queue_timeout},
             "gateway": "closed (API keys), store in SQLite; tenants bob and eve, priority normal",
             "eve_max_concurrency": args.eve_max_concurrency,
@@ -236,28 +244,42 @@ def report(
         "bob_offered_requests_per_s": round(bob[0].rate, 2),
         "eve_share_requests_per_s": round(cap / 2, 2),
         "eve_offered_requests_per_s": round(eve.rate, 2),
-        "bob_baseline": before,
-        "bob_with_hog": after,
-        "bob_ttft_ratio": {"p50": ratio(after["ttft_s"]["p50"], before["ttft_s"]["p50"]), "p99": p99_ratio},
-        "eve": summary(eve.answers)
+        "bob_alone": alone,
+        "bob_beside_eve_at_her_share": beside,
+        "bob_beside_eve_at_10x": after,
+        "bob_ttft_ratio_10x_vs_at_share": {
+            "p50": ratio(after["ttft_s"]["p50"], beside["ttft_s"]["p50"]),
+            "p99": p99_ratio,
+        },
+        "bob_ttft_ratio_10x_vs_alone": {
+            "p50": ratio(after["ttft_s"]["p50"], alone["ttft_s"]["p50"]),
+            "p99": ratio(after["ttft_s"]["p99"], alone["ttft_s"]["p99"]),
+        },
+        "eve_at_her_share": summary(eve_at_share.answers),
+        "eve_at_10x": summary(eve.answers)
         | {"served_requests_per_s": round(served / (args.ramp + args.duration), 2)},
         "done_means": verdict | {"holds": all(verdict.values())},
     }
 
 
 def measure(args: argparse.Namespace, base: str, admin_key: str) -> dict[str, Any]:
-    """Keys, capacity, then the two phases against the gateway at `base`."""
+    """Keys, capacity, then the three phases against the gateway at `base`."""
     url = f"{base}/v1/completions"
     slots = 2 * args.max_num_seqs
     probe_key, bob_key = make_key(base, admin_key, "probe"), make_key(base, admin_key, "bob")
     eve_key = make_key(base, admin_key, "eve", args.eve_max_concurrency)
     cap, decode_s = asyncio.run(capacity(url, probe_key, args.measure, 2 * slots, args.max_tokens))
-    bob_rate, eve_rate = args.bob_load * cap, args.eve_factor * cap / 2
-    baseline = Load(bob_key, bob_rate, "127.0.0.2", seed=11)
-    asyncio.run(poisson(url, baseline, args.duration, args.max_tokens))
-    bob, eve = Load(bob_key, bob_rate, "127.0.0.2", seed=11), Load(eve_key, eve_rate, "127.0.0.1", seed=23)
-    asyncio.run(with_hog(url, bob, eve, args))
-    return report(args, cap, decode_s, (baseline, bob), eve)
+    bob_rate, share = args.bob_load * cap, cap / 2
+    alone = Load(bob_key, bob_rate, "127.0.0.2", seed=11)
+    asyncio.run(poisson(url, alone, args.duration, args.max_tokens))
+    at_share = (Load(bob_key, bob_rate, "127.0.0.2", seed=11), Load(eve_key, share, "127.0.0.1", seed=23))
+    asyncio.run(with_hog(url, *at_share, args))
+    hog = (
+        Load(bob_key, bob_rate, "127.0.0.2", seed=11),
+        Load(eve_key, args.eve_factor * share, "127.0.0.1", seed=23),
+    )
+    asyncio.run(with_hog(url, *hog, args))
+    return report(args, cap, decode_s, (alone, at_share[0], hog[0]), at_share[1], hog[1])
 
 
 def main() -> None:
@@ -274,6 +296,7 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=4, help="sequences per replica")
     parser.add_argument("--max-tokens", type=int, default=32, help="mean tokens per answer")
     parser.add_argument("--max-queued", type=int, default=32)
+    parser.add_argument("--routing", default="prefix_affinity", help="the model's routing policy")
     parser.add_argument("--queue-timeout", type=float, default=3.0)
     args = parser.parse_args()
     admin_key = secrets.token_urlsafe(24)

@@ -1,10 +1,14 @@
 """The waiting room: per model, a bounded queue that lets a request through only when a replica has a free
 slot (engine slots or `max_num_seqs`), ordered by priority class and fair between tenants.
 
-Within a priority class, the tenant served least recently goes next (per-tenant FIFO queues), so one
-tenant's burst cannot starve another's trickle: a request of a tenant with nothing running waits at most for
-the slots already taken. A full queue refuses at once; a request that cannot start before
-its deadline leaves the queue; both get 503 with a Retry-After derived from the measured drain rate.
+Slots are shared too. Each tenant active on a model (running, waiting, or asking within the last 10 s)
+has a share of its slots weighted by priority (high 4, normal 2, low 1). Under its share a tenant may
+always take a free slot; over it, only a slot no other active tenant is entitled to and not using, so a
+hog never holds an idle tenant's share of the slots, and a tenant alone may use them all. Within a
+priority class the waiting tenant with the fewest requests running for its weight goes next (the least
+recently served among equals; per-tenant FIFO queues), and a request whose tenant runs fewer than every
+waiting tenant starts at once. A full queue refuses at once; a request that cannot start before its
+deadline leaves the queue; both get 503 with a Retry-After derived from the measured drain rate.
 
 A tenant holds at most its share of a model's waiting places: the places divided among the tenants
 waiting, weighted by priority (high 4, normal 2, low 1). When the queue is full, a tenant below its share
@@ -23,7 +27,9 @@ import asyncio
 import contextlib
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Protocol
 
 from corral.admission.auth import Principal
@@ -34,7 +40,8 @@ __all__ = ["Capacity", "FairQueue"]
 _TICK_S = 0.25  # re-check capacity this often (replicas come and go)
 _RATE_WINDOW_S = 30.0
 _RATE_SAMPLES = 4096  # completions the drain rate is measured over, at most
-_WEIGHTS = (4, 2, 1)  # a tenant's weight in sharing the waiting places, by priority (high, normal, low)
+_WEIGHTS = (4, 2, 1)  # a tenant's weight in sharing places and slots, by priority (high, normal, low)
+_ACTIVE_S = 10.0  # a tenant that asked within this long keeps its share of a model's slots reserved
 
 
 def _weight(priority: int) -> int:
@@ -62,6 +69,8 @@ class _ModelQueue:
         # anyone does not keep every completion
         self.finished: deque[float] = deque(maxlen=_RATE_SAMPLES)
         self.arrived = 0  # requests that asked to enter, ever (the autoscaler's arrival rate)
+        self.running: dict[str, int] = {}  # tenant → its requests on a replica (or granted a slot)
+        self.seen: dict[str, tuple[float, int]] = {}  # tenant → (when it last asked, its weight)
 
     def push(self, waiter: _Waiter) -> None:
         tenants = self.classes.setdefault(waiter.priority, {})
@@ -77,12 +86,15 @@ class _ModelQueue:
         else:
             del self.held[tenant], self.weights[tenant]
 
-    def pop(self) -> _Waiter | None:
+    def pop(self, may_start: Callable[[str], bool]) -> _Waiter | None:
+        """The next waiter to start: by priority class, then the tenant with the fewest requests running
+        for its weight (the least recently served among equals), of those `may_start` lets start."""
         for priority in sorted(self.classes):
             tenants = self.classes[priority]
-            if not tenants:
+            allowed = [t for t in tenants if may_start(t)]
+            if not allowed:
                 continue
-            tenant = min(tenants, key=lambda t: self.last_served.get(t, -1))
+            tenant = min(allowed, key=lambda t: (self.load(t), self.last_served.get(t, -1)))
             waiters = tenants[tenant]
             waiter = waiters.popleft()
             if not waiters:
@@ -92,6 +104,48 @@ class _ModelQueue:
             self._left(tenant)
             return waiter
         return None
+
+    def load(self, tenant: str) -> float:
+        """Requests running per unit of weight."""
+        return self.running.get(tenant, 0) / self.seen.get(tenant, (0.0, 1))[1]
+
+    def started(self, tenant: str, delta: int = 1) -> None:
+        left = self.running.get(tenant, 0) + delta
+        if left > 0:
+            self.running[tenant] = left
+        else:
+            self.running.pop(tenant, None)
+
+    def arrive(self, tenant: str, priority: int) -> None:
+        now = time.monotonic()
+        self.seen[tenant] = (now, _weight(priority))
+        if len(self.seen) > 10_000:  # forget tenants gone quiet
+            self.seen = {
+                t: v
+                for t, v in self.seen.items()
+                if now - v[0] < _ACTIVE_S or t in self.running or t in self.held
+            }
+
+    def may_start(self, tenant: str, free: int, total: int | None) -> bool:
+        """`tenant` may take one of `free` slots (of `total`): always while under its weighted share of
+        the slots among the tenants active on the model (running, waiting or asking within _ACTIVE_S);
+        over it, only from slots no other active tenant is entitled to and not using."""
+        if free <= 0:
+            return False
+        if total is None:  # replicas that do not say their slots: nothing to share
+            return True
+        now = time.monotonic()
+        weights = {
+            t: w
+            for t, (at, w) in self.seen.items()
+            if t == tenant or self.running.get(t) or t in self.held or now - at < _ACTIVE_S
+        }
+        whole = sum(weights.values()) or 1
+        share = {t: total * w / whole for t, w in weights.items()}
+        if self.running.get(tenant, 0) < share.get(tenant, total):
+            return True
+        kept = sum(max(0.0, share[t] - self.running.get(t, 0)) for t in weights if t != tenant)
+        return free - kept >= 1
 
     def served(self, tenant: str) -> None:
         self.turns += 1
@@ -152,6 +206,10 @@ class Capacity(Protocol):
         say); None while no replica of it is ready."""
         ...
 
+    def slots(self, model: str) -> int | None:
+        """Sequences `model`'s ready replicas hold in all; None where an engine does not say."""
+        ...
+
     def start_hold(self, model: str) -> float | None:
         """Seconds a request may wait for the first replica of a model scaled to zero; None otherwise."""
         ...
@@ -204,6 +262,7 @@ class FairQueue:
         if queue is None:
             queue = self._queues[model] = _ModelQueue()
         queue.arrived += 1
+        queue.arrive(principal.tenant, principal.priority)
         free = self._capacity.free_slots(model)
         ready = free is not None
         hold = self._capacity.start_hold(model)
@@ -213,8 +272,9 @@ class FairQueue:
                 code="no_ready_replica",
                 retry_after=self._capacity.retry_after(model),
             )
-        if queue.size == 0 and (free or 0) - queue.granted > 0:
+        if self._goes_first(model, queue, principal.tenant, (free or 0) - queue.granted):
             queue.served(principal.tenant)
+            queue.started(principal.tenant)
             return 0.0
         if queue.size >= self._max:
             self._make_room(model, queue, principal)
@@ -228,6 +288,7 @@ class FairQueue:
             queue.remove(waiter)
             if _granted(waiter):  # granted just as the deadline passed: hand the slot on
                 queue.granted -= 1
+                queue.started(waiter.tenant, -1)
                 self._wake(model, queue)
             raise NoCapacity(
                 f"No replica of model '{model}' could take the request within {timeout:g}s.",
@@ -238,15 +299,17 @@ class FairQueue:
             queue.remove(waiter)
             if _granted(waiter):
                 queue.granted -= 1
+                queue.started(waiter.tenant, -1)
                 self._wake(model, queue)
             raise
         queue.granted -= 1
         return time.monotonic() - started
 
-    def done(self, model: str) -> None:
-        """A request of `model` left its replica: a slot is free."""
+    def done(self, model: str, tenant: str) -> None:
+        """A request of `tenant` for `model` left its replica: a slot is free."""
         queue = self._queues.get(model)
         if queue is not None:
+            queue.started(tenant, -1)
             queue.finished.append(time.monotonic())
             if queue.size:  # someone waits for the slot
                 self._wake(model, queue)
@@ -266,13 +329,24 @@ class FairQueue:
         if not waiter.future.done():
             waiter.future.set_exception(_over_share(model, hog, queue.held.get(hog, 0) + 1, retry_after))
 
+    def _goes_first(self, model: str, queue: _ModelQueue, tenant: str, free: int) -> bool:
+        """A request may start at once: a slot is free that its tenant may take, and no waiting tenant
+        would be served before it (none runs fewer requests for its weight)."""
+        if not queue.may_start(tenant, free, self._capacity.slots(model)):
+            return False
+        if tenant in queue.held:
+            return False
+        return all(queue.load(tenant) < queue.load(t) for t in queue.held)
+
     def _wake(self, model: str, queue: _ModelQueue) -> None:
         free = (self._capacity.free_slots(model) or 0) - queue.granted
-        while free > 0 and (waiter := queue.pop()) is not None:
+        total = self._capacity.slots(model)
+        while (waiter := queue.pop(partial(queue.may_start, free=free, total=total))) is not None:
             if waiter.future.done():
                 continue
             waiter.future.set_result(None)
             queue.granted += 1
+            queue.started(waiter.tenant)
             free -= 1
 
     def _retry_after(self, queue: _ModelQueue, ahead: int) -> float:

@@ -214,7 +214,7 @@ class Pipeline:
             else:
                 response = await self._relay.forward(ctx, request)
         finally:
-            self._queue.done(ctx.model)
+            self._queue.done(ctx.model, principal.tenant)
         metrics.decided(self._router.policy_for(ctx.model).name)
         return response
 

@@ -202,6 +202,14 @@ class ReplicaSet:
             free += max(0, replica.capacity - replica.outstanding)
         return free
 
+    def slots(self, model: str) -> int | None:
+        """Sequences `model`'s ready replicas hold in all; None where an engine does not say its capacity
+        (or none is ready). (The admission queue's `Capacity`.)"""
+        ready = self.ready(model)
+        if not ready or any(replica.capacity is None for replica in ready):
+            return None
+        return sum(replica.capacity or 0 for replica in ready)
+
     def start_hold(self, model: str) -> float | None:
         """Seconds a request may wait for the first replica of a model scaled to zero (`on_demand`)."""
         return self.on_demand.get(model)
