@@ -4,6 +4,7 @@ queue; over her share she gets a 429 naming it, and bob never a 503."""
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 import aiohttp
@@ -75,6 +76,38 @@ async def test_a_full_queue_of_one_tenant_alone_is_still_a_503_for_it(tmp_path: 
             await until_queued(cluster, 2)
             assert await ask(session, cluster, eve["key"]) == (503, "queue_full")  # the cluster is full
             assert sorted(await asyncio.gather(*flood)) == [(200, "ok")] * 3
+    finally:
+        await server.stop()
+        await slow.stop()
+
+
+async def test_a_flooding_tenant_leaves_an_active_tenants_share_of_the_slots_free(tmp_path: Path) -> None:
+    """Four slots, each answer 1 s. Bob has asked lately (he is active); eve floods with 16 requests at
+    once. Eve holds at most her share (2 of 4) while bob runs fewer than his, so two requests bob sends
+    mid-flood start at once: they take 1 s. Before, eve took every slot that came free and bob's requests
+    waited in the queue for the next wave of eve's answers to end (1.6 s here)."""
+    slow = ScriptedUpstream(delay=1.0)
+    await slow.start()
+    server, cluster = await start(tmp_path, slow, capacity=4, queue=QueueSettings(max_queued=32, timeout=30))
+    try:
+        _, eve = await cluster.admin("POST", "/admin/keys", {"tenant": "eve"})
+        _, bob = await cluster.admin("POST", "/admin/keys", {"tenant": "bob"})
+        async with aiohttp.ClientSession() as session:
+
+            async def timed(key: str) -> tuple[int, float]:
+                started = time.monotonic()
+                status, _ = await ask(session, cluster, key)
+                return status, time.monotonic() - started
+
+            first = asyncio.create_task(timed(bob["key"]))  # bob is active
+            await asyncio.sleep(0.05)
+            flood = [asyncio.create_task(timed(eve["key"])) for _ in range(16)]
+            await asyncio.sleep(2.4)  # eve's answers end in waves, at 1 s, 2 s, 3 s
+            mid_flood = await asyncio.gather(timed(bob["key"]), timed(bob["key"]))
+            assert [status for status, _ in mid_flood] == [200, 200]
+            assert max(seconds for _, seconds in mid_flood) < 1.3, mid_flood
+            assert (await first)[0] == 200
+            assert {status for status, _ in await asyncio.gather(*flood)} == {200}  # eve is served, later
     finally:
         await server.stop()
         await slow.stop()
