@@ -302,6 +302,21 @@ async def test_the_memory_store_keeps_its_byte_bound_and_entries_expire() -> Non
     assert await store.get("t/m/short") is None
 
 
+async def test_a_tenant_filling_the_memory_store_evicts_its_own_entries_not_anothers() -> None:
+    """Eve stores answers no one asks again; bob's entry, older than all of hers, stays: when the store
+    is full the tenant holding the most bytes gives up its least recently used entry (a global LRU
+    evicted bob's first)."""
+    store = MemoryStore(max_bytes=300)
+    await store.put("bob/m/1", b"b" * 30, ttl_s=60)
+    for i in range(20):
+        await store.put(f"eve/m/{i}", b"e" * 30, ttl_s=60)
+    assert await store.get("bob/m/1") == b"b" * 30
+    assert await store.get("eve/m/19") == b"e" * 30 and await store.get("eve/m/0") is None
+    assert store.stats()["bytes"] <= 300
+    await store.purge("eve", None)
+    assert store.stats() == {"backend": "memory", "entries": 1, "bytes": 30, "max_bytes": 300}
+
+
 async def test_a_new_deployment_of_the_model_starts_its_cache_afresh() -> None:
     cache = ExactCache(MemoryStore(1 << 20), {"m": ModelCacheSpec(exact=True)}, {"m": "weights-1"})
     found = await cache.lookup("t", "m", "/v1/chat/completions", _body("q"), None)

@@ -58,12 +58,16 @@ class CacheStore(Protocol):
 
 
 class MemoryStore:
-    """An LRU of encoded entries, at most `max_bytes` of them, each gone after its TTL."""
+    """An LRU of encoded entries, at most `max_bytes` of them, each gone after its TTL. When full, the
+    tenant holding the most bytes gives up its least recently used entry: a tenant filling the cache with
+    answers no one asks again evicts its own, not other tenants' (each may hold the whole cache alone)."""
 
     def __init__(self, max_bytes: int) -> None:
         self._max = max_bytes
         self._entries: OrderedDict[str, tuple[float, bytes]] = OrderedDict()
         self._bytes = 0
+        self._tenants: dict[str, OrderedDict[str, int]] = {}  # tenant → its keys (LRU order) → bytes
+        self._held: dict[str, int] = {}  # tenant → bytes
 
     async def get(self, key: str) -> bytes | None:
         found = self._entries.get(key)
@@ -74,16 +78,21 @@ class MemoryStore:
             self._drop(key)
             return None
         self._entries.move_to_end(key)
+        self._tenants[_owner(key)].move_to_end(key)
         return value
 
     async def put(self, key: str, value: bytes, ttl_s: float) -> None:
         if len(value) > self._max:
             return
         self._drop(key)
+        owner = _owner(key)
         self._entries[key] = (time.monotonic() + ttl_s, value)
+        self._tenants.setdefault(owner, OrderedDict())[key] = len(value)
+        self._held[owner] = self._held.get(owner, 0) + len(value)
         self._bytes += len(value)
         while self._bytes > self._max:
-            self._drop(next(iter(self._entries)))
+            hog = max(self._held, key=self._held.__getitem__)
+            self._drop(next(iter(self._tenants[hog])))
 
     async def purge(self, tenant: str | None, model: str | None) -> int:
         doomed = [k for k in self._entries if key_matches(k, tenant, model)]
@@ -111,8 +120,19 @@ class MemoryStore:
 
     def _drop(self, key: str) -> None:
         found = self._entries.pop(key, None)
-        if found is not None:
-            self._bytes -= len(found[1])
+        if found is None:
+            return
+        owner = _owner(key)
+        self._bytes -= len(found[1])
+        keys = self._tenants[owner]
+        del keys[key]
+        self._held[owner] -= len(found[1])
+        if not keys:
+            del self._tenants[owner], self._held[owner]
+
+
+def _owner(key: str) -> str:
+    return key.split("/", 1)[0]
 
 
 class RedisStore:
