@@ -128,13 +128,17 @@ def drain(
     grace: Annotated[
         float, typer.Option(min=0.1, max=3600, help="seconds to wait for its requests before stopping it")
     ] = 60.0,
+    force: Annotated[
+        bool, typer.Option("--force", help="drain even a model's last ready replica (its requests then fail)")
+    ] = False,
     admin_key: AdminKeyOption = None,
     ca_cert: CaCertOption = None,
 ) -> None:
     """Take a replica (or every replica on a node) out of routing, let its requests and streams finish,
-    then stop it."""
+    then stop it. A model's last ready replica is drained only with --force."""
     path = f"/admin/nodes/{target}/drain" if node else f"/admin/replicas/{target}/drain"
-    result = _call(url, f"{path}?grace={grace}", admin_key, ca_cert, b"", grace + 30)
+    query = f"?grace={grace}" + ("&force=true" if force else "")
+    result = _call(url, path + query, admin_key, ca_cert, b"", grace + 30)
     for drained in result["replicas"] if node else [result]:
         how = "its requests finished" if drained["idle"] else f"stopped after the {grace:g} s grace period"
         console.print(

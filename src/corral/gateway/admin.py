@@ -150,6 +150,7 @@ class AdminViews:
         control = self._control()
         grace = _grace(request)
         replica_id = request.match_info["replica_id"]
+        self._refuse_emptying(request, {replica_id}, f"{replica_id} is the last ready replica")
         try:
             result = await control.drain(replica_id, grace)
         except KeyError:
@@ -162,6 +163,8 @@ class AdminViews:
         control = self._control()
         grace = _grace(request)
         node = request.match_info["node"]
+        on_node = {r.id for r in self._router.replicas if r.node == node}
+        self._refuse_emptying(request, on_node, f"node {node} holds the last ready replicas")
         try:
             result = await control.drain_node(node, grace)
         except KeyError:
@@ -235,6 +238,28 @@ class AdminViews:
         if self._response_cache is None:
             raise NotSupported("This gateway has no response cache.")
         return self._response_cache
+
+    def _refuse_emptying(self, request: web.Request, leaving: set[str], what: str) -> None:
+        """Unless `?force=true`: refuse a drain that takes away every ready replica of a model (each of
+        its requests would be a 503 until the next apply); a model scaled to zero starts one on demand."""
+        if request.query.get("force") in ("1", "true"):
+            return
+        replicas = self._router.replicas
+        emptied = [
+            m
+            for m in replicas.models()
+            if m not in replicas.on_demand
+            and (ready := replicas.ready(m))
+            and {r.id for r in ready} <= leaving
+        ]
+        if emptied:
+            models = ", ".join(emptied)
+            raise InvalidRequest(
+                f"{what} of model {models}: draining it leaves {models} with no replica, and every request "
+                "to it a 503 until the next `corral apply`. Pass --force (?force=true) to drain anyway.",
+                param="force",
+                code="last_ready_replica",
+            )
 
     def _control(self) -> ReplicaControl:
         control = self._replica_control

@@ -390,7 +390,7 @@ def _batches() -> dict[str, Any]:
 def _admin(key_schema: dict[str, Any]) -> dict[str, Any]:
     key_body = {"application/json": {"schema": key_schema}}
     spec_body = {"application/yaml": {"schema": {"type": "string"}}}
-    grace = {"grace": {"type": "string"}}
+    grace = {"grace": {"type": "string"}, "force": {"type": "string"}}
     return {
         "/admin/keys": {
             "get": _read("List keys", "KeyList", _ADMIN, query={"include_revoked": {"type": "string"}}),
