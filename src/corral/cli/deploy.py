@@ -65,15 +65,27 @@ def certs_command(
         typer.Option("--name", "-n", help="a host name or IP address the certificate is for (repeatable)"),
     ] = None,
     days: Annotated[int, typer.Option(min=1, max=3650, help="days the server certificate is valid")] = 825,
+    new_ca: Annotated[
+        bool,
+        typer.Option("--new-ca", help="replace the folder's CA (clients must then trust the new ca.crt)"),
+    ] = False,
 ) -> None:
-    """Make a development CA and a server certificate it signs (clients trust ca.crt)."""
-    from corral.deploy import write_dev_certificates
+    """Make a development CA and a server certificate it signs (clients trust ca.crt). Run again, it signs
+    a new server certificate with the CA already in the folder."""
+    from corral.deploy import CertificateError, write_dev_certificates
 
     names = name or ["localhost", "127.0.0.1", "::1"]
-    files = write_dev_certificates(output, names, days)
+    try:
+        files, made = write_dev_certificates(output, names, days, new_ca)
+    except CertificateError as exc:
+        fail(str(exc))
+    ca = (
+        f"a new CA {files.ca_cert}: clients trust it; keep {files.ca_key} private"
+        if made
+        else f"signed by the CA already in {files.ca_cert} (clients that trust it keep working)"
+    )
     console.print(
-        f"wrote {files.ca_cert}, {files.cert} and {files.key} (for {', '.join(names)}); clients trust "
-        f"{files.ca_cert}; keep {files.ca_key} private",
+        f"wrote {files.cert} and {files.key} (for {', '.join(names)}); {ca}",
         markup=False,
         highlight=False,
         soft_wrap=True,

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Literal
 
 from corral.config import ClusterSpec
-from corral.deploy.certs import DevCertificates, write_dev_certificates
+from corral.deploy.certs import CertificateError, DevCertificates, write_dev_certificates
 from corral.deploy.compose import render_compose
 from corral.deploy.kuberay import render_kuberay
 from corral.deploy.nginx import render_nginx
@@ -16,6 +16,7 @@ from corral.deploy.systemd import render_systemd
 
 __all__ = [
     "TARGETS",
+    "CertificateError",
     "DevCertificates",
     "RenderError",
     "Target",

@@ -1,4 +1,6 @@
 """A development certificate authority and a server certificate signed by it (`corral deploy certs`).
+Run again, it signs a new server certificate with the CA already in the folder (clients that trust its
+ca.crt keep working); `--new-ca` replaces the CA.
 
 For a test bench or a private network: clients trust `ca.crt` (the openai client through
 `httpx.Client(verify="ca.crt")`, curl through `--cacert`). For the public internet use a certificate from a
@@ -18,7 +20,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-__all__ = ["DevCertificates", "write_dev_certificates"]
+__all__ = ["CertificateError", "DevCertificates", "write_dev_certificates"]
 
 
 @dataclass(frozen=True)
@@ -31,26 +33,36 @@ class DevCertificates:
     key: Path
 
 
-def write_dev_certificates(directory: Path, names: list[str], days: int = 825) -> DevCertificates:
-    """Write a CA and a server certificate for `names` (host names and IP addresses) into `directory`.
-    Keys are ECDSA P-256, written with mode 0600; the server certificate is valid for `days`."""
+_CA_DAYS = 3650
+
+
+class CertificateError(ValueError):
+    """The folder's CA cannot be reused as it is; the message says why and what to do."""
+
+
+def write_dev_certificates(
+    directory: Path, names: list[str], days: int = 825, new_ca: bool = False
+) -> tuple[DevCertificates, bool]:
+    """Write a server certificate for `names` (host names and IP addresses) into `directory`, signed by the
+    CA already there (so clients that trust its ca.crt keep working), or by a new CA (valid 10 years) when
+    there is none or `new_ca` says so. Keys are ECDSA P-256, written with mode 0600; the server certificate
+    is valid for `days`. (files, whether the CA is new); CertificateError for a CA that cannot be reused."""
     if not names:
         raise ValueError("name at least one host name or address for the certificate")
     directory.mkdir(parents=True, exist_ok=True)
-    now = datetime.datetime.now(datetime.UTC)
-    ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "corral development CA")])
-    ca_cert = (
-        _builder(ca_name, ca_name, ca_key.public_key(), now, days + 1)
-        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .add_extension(_usage(cert_sign=True), critical=True)
-        .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False)
-        .sign(ca_key, hashes.SHA256())
+    files = DevCertificates(
+        directory / "ca.crt", directory / "ca.key", directory / "server.crt", directory / "server.key"
     )
+    now = datetime.datetime.now(datetime.UTC)
+    made = new_ca or not (files.ca_cert.exists() or files.ca_key.exists())
+    if made:
+        ca_key, ca_cert = _new_ca(now)
+    else:
+        ca_key, ca_cert = _existing_ca(files, now + datetime.timedelta(days=days))
     key = ec.generate_private_key(ec.SECP256R1())
     subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, names[0])])
     cert = (
-        _builder(subject, ca_name, key.public_key(), now, days)
+        _builder(subject, ca_cert.subject, key.public_key(), now, days)
         .add_extension(x509.SubjectAlternativeName([_general_name(n) for n in names]), critical=False)
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .add_extension(_usage(cert_sign=False), critical=True)
@@ -60,14 +72,49 @@ def write_dev_certificates(directory: Path, names: list[str], days: int = 825) -
         )
         .sign(ca_key, hashes.SHA256())
     )
-    files = DevCertificates(
-        directory / "ca.crt", directory / "ca.key", directory / "server.crt", directory / "server.key"
-    )
-    files.ca_cert.write_bytes(ca_cert.public_bytes(serialization.Encoding.PEM))
-    _write_private(files.ca_key, ca_key)
+    if made:
+        files.ca_cert.write_bytes(ca_cert.public_bytes(serialization.Encoding.PEM))
+        _write_private(files.ca_key, ca_key)
     files.cert.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
     _write_private(files.key, key)
-    return files
+    return files, made
+
+
+def _new_ca(now: datetime.datetime) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "corral development CA")])
+    ca_cert = (
+        _builder(ca_name, ca_name, ca_key.public_key(), now, _CA_DAYS)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(_usage(cert_sign=True), critical=True)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
+    return ca_key, ca_cert
+
+
+def _existing_ca(
+    files: DevCertificates, needed_until: datetime.datetime
+) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
+    """The CA in the folder, if its certificate and key are both there, match, and outlive the new
+    server certificate."""
+    fix = "or pass --new-ca to make a new one (clients must then trust the new ca.crt)"
+    if not (files.ca_cert.exists() and files.ca_key.exists()):
+        present = files.ca_cert if files.ca_cert.exists() else files.ca_key
+        raise CertificateError(f"{present} is there without its pair; restore it, {fix}")
+    try:
+        ca_cert = x509.load_pem_x509_certificate(files.ca_cert.read_bytes())
+        ca_key = serialization.load_pem_private_key(files.ca_key.read_bytes(), password=None)
+    except ValueError as exc:
+        raise CertificateError(f"cannot read the CA in {files.ca_cert.parent}: {exc}; {fix}") from exc
+    if not isinstance(ca_key, ec.EllipticCurvePrivateKey) or ca_key.public_key() != ca_cert.public_key():
+        raise CertificateError(f"{files.ca_key} is not the key of {files.ca_cert}; {fix}")
+    if ca_cert.not_valid_after_utc < needed_until:
+        raise CertificateError(
+            f"{files.ca_cert} expires on {ca_cert.not_valid_after_utc:%Y-%m-%d}, before the new server "
+            f"certificate would; ask for fewer --days, {fix}"
+        )
+    return ca_key, ca_cert
 
 
 def _builder(
