@@ -140,6 +140,47 @@ CaCertOption = Annotated[
 ]
 
 
+# `--url` of the commands that talk to a gateway.
+UrlOption = Annotated[
+    str | None,
+    typer.Option(
+        help="the gateway's base URL (default: the spec's with -f, else $CORRAL_URL, else $OPENAI_BASE_URL "
+        "without its /v1, else http://127.0.0.1:8000)"
+    ),
+]
+
+
+def gateway_url(given: str | None, spec_file: Path | None = None) -> str:
+    """The gateway a command talks to: `--url`, else the spec's `gateway` section (with -f), else
+    $CORRAL_URL, else $OPENAI_BASE_URL, else the default; said on stderr with where it came from."""
+    from corral.config import DEFAULT_GATEWAY_URL, gateway_url_from_env
+
+    if given:
+        url, source = given, "--url"
+    elif spec_file is not None and (from_spec := _spec_url(spec_file)) is not None:
+        url, source = from_spec, f"the gateway section of {spec_file}"
+    elif (found := gateway_url_from_env()) is not None:
+        url, source = found
+    else:
+        url, source = DEFAULT_GATEWAY_URL, "the default; --url, -f or $CORRAL_URL name another"
+    console.print(
+        f"gateway: {url} (from {source})", style="dim", markup=False, highlight=False, soft_wrap=True
+    )
+    return url.rstrip("/")
+
+
+def _spec_url(spec_file: Path) -> str | None:
+    from corral.config import SpecError, load_spec
+
+    try:
+        gateway = load_spec(spec_file).gateway
+    except (SpecError, OSError):
+        return None  # (the command reports a bad file itself)
+    host = "127.0.0.1" if gateway.host in ("0.0.0.0", "::", "") else gateway.host
+    host = f"[{host}]" if ":" in host else host
+    return f"{'https' if gateway.tls is not None else 'http'}://{host}:{gateway.port}"
+
+
 def client_tls(ca_cert: Path | None) -> ssl.SSLContext | None:
     """The client context trusting `ca_cert` (None: the system's CAs); a bad file is one line, exit 2."""
     if ca_cert is None:

@@ -12,7 +12,18 @@ import aiohttp
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from corral.cli.app import CaCertOption, FlagsCommand, FlagsGroup, app, client_tls, console, fail, run_async
+from corral.cli.app import (
+    CaCertOption,
+    FlagsCommand,
+    FlagsGroup,
+    UrlOption,
+    app,
+    client_tls,
+    console,
+    fail,
+    gateway_url,
+    run_async,
+)
 from corral.config import api_key_from_env
 
 batch_app = typer.Typer(
@@ -22,7 +33,6 @@ batch_app = typer.Typer(
 )
 app.add_typer(batch_app, name="batch")
 
-UrlOption = Annotated[str, typer.Option(help="the gateway's base URL")]
 KeyOption = Annotated[
     str | None, typer.Option(help="a tenant's API key (default: $CORRAL_API_KEY, then $OPENAI_API_KEY)")
 ]
@@ -48,8 +58,21 @@ class _Gateway:
                     if response.status >= 400:
                         fail(f"{self._url} answered {response.status}: {_message(data)}")
                     return data if response.content_type != "application/json" else json.loads(data)
-        except aiohttp.ClientError as exc:
-            fail(f"no corral gateway answers at {self._url}: {exc}")
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            fail(f"no corral gateway answers at {self._url}: {_why(exc)}")
+
+
+def _why(exc: BaseException) -> str:
+    """A failed connection in words, not aiohttp's text."""
+    if isinstance(exc, aiohttp.ClientConnectorCertificateError):
+        return "its certificate is not trusted (pass --ca-cert with the CA that signed it)"
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return (exc.os_error.strerror or str(exc.os_error)).lower()
+    if isinstance(exc, aiohttp.ServerDisconnectedError):
+        return "it closed the connection"
+    if isinstance(exc, TimeoutError):
+        return "no answer in time"
+    return type(exc).__name__
 
 
 @batch_app.command("submit", cls=FlagsCommand)
@@ -57,11 +80,12 @@ def submit(
     file: Annotated[Path, typer.Argument(help="the JSONL file: one {custom_id, method, url, body} per line")],
     window: Annotated[str, typer.Option(help="completion window: 24h, or shorter (30m, 90s)")] = "24h",
     wait: Annotated[bool, typer.Option(help="follow it with a progress bar until it finishes")] = True,
-    url: UrlOption = "http://127.0.0.1:8000",
+    url: UrlOption = None,
     api_key: KeyOption = None,
     ca_cert: CaCertOption = None,
 ) -> None:
     """Upload FILE and start a batch on it (its endpoint is the lines' `url`)."""
+    url = gateway_url(url)
     try:
         content = file.read_bytes()
     except OSError as exc:
@@ -89,11 +113,12 @@ def submit(
 def status(
     batch_id: BatchArgument,
     as_json: Annotated[bool, typer.Option("--json", help="print the batch as JSON")] = False,
-    url: UrlOption = "http://127.0.0.1:8000",
+    url: UrlOption = None,
     api_key: KeyOption = None,
     ca_cert: CaCertOption = None,
 ) -> None:
     """A batch's status and request counts."""
+    url = gateway_url(url)
     gateway = _Gateway(url, api_key_from_env(api_key), ca_cert)
 
     async def run() -> None:
@@ -115,11 +140,12 @@ def results(
     output: Annotated[
         Path | None, typer.Option("-o", "--output", help="write here (default: stdout)")
     ] = None,
-    url: UrlOption = "http://127.0.0.1:8000",
+    url: UrlOption = None,
     api_key: KeyOption = None,
     ca_cert: CaCertOption = None,
 ) -> None:
     """A finished batch's output (or error) file: one JSON line per request."""
+    url = gateway_url(url)
     gateway = _Gateway(url, api_key_from_env(api_key), ca_cert)
 
     async def run() -> None:
@@ -140,11 +166,12 @@ def results(
 @batch_app.command("cancel", cls=FlagsCommand)
 def cancel(
     batch_id: BatchArgument,
-    url: UrlOption = "http://127.0.0.1:8000",
+    url: UrlOption = None,
     api_key: KeyOption = None,
     ca_cert: CaCertOption = None,
 ) -> None:
     """Cancel a batch: lines not started are cancelled, running ones finish and are kept."""
+    url = gateway_url(url)
     gateway = _Gateway(url, api_key_from_env(api_key), ca_cert)
 
     async def run() -> None:

@@ -14,12 +14,21 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from corral.cli.app import CaCertOption, FlagsCommand, FlagsGroup, app, client_tls, console, fail
+from corral.cli.app import (
+    CaCertOption,
+    FlagsCommand,
+    FlagsGroup,
+    UrlOption,
+    app,
+    client_tls,
+    console,
+    fail,
+    gateway_url,
+)
 from corral.config import SpecError, admin_key_from_env, load_spec
 
 __all__ = ["status_table"]
 
-UrlOption = Annotated[str, typer.Option(help="the gateway's base URL")]
 AdminKeyOption = Annotated[
     str | None, typer.Option(help="the admin key (default: $CORRAL_ADMIN_KEY) for a closed gateway")
 ]
@@ -54,7 +63,7 @@ def _call(
 
 @app.command(cls=FlagsCommand)
 def status(
-    url: UrlOption = "http://127.0.0.1:8000",
+    url: UrlOption = None,
     admin_key: Annotated[
         str | None,
         typer.Option(help="the admin key (default: $CORRAL_ADMIN_KEY); a tenant key sees only its models"),
@@ -63,6 +72,7 @@ def status(
     ca_cert: CaCertOption = None,
 ) -> None:
     """Show each replica: state, load, restarts."""
+    url = gateway_url(url)
     data = _call(url, "/corral/status", admin_key, ca_cert)
     if as_json:
         print(json.dumps(data, indent=2))
@@ -83,7 +93,7 @@ def status(
 @app.command(cls=FlagsCommand)
 def apply(
     file: Annotated[Path, typer.Option("--file", "-f", help="the new cluster spec YAML")],
-    url: UrlOption = "http://127.0.0.1:8000",
+    url: UrlOption = None,
     grace: Annotated[
         float, typer.Option(min=0.1, max=3600, help="seconds each removed replica may take to finish")
     ] = 60.0,
@@ -92,6 +102,7 @@ def apply(
 ) -> None:
     """Bring a running cluster to a spec: models added or removed, replica counts, live settings, and
     rollouts of changed models, with no restart."""
+    url = gateway_url(url, file)
     try:
         load_spec(file)  # a bad file is refused here, with its lines, before anything is sent
     except SpecError as exc:
@@ -124,7 +135,7 @@ def drain(
         str, typer.Argument(help="a replica's id as `corral status` lists it, or a Ray node id with --node")
     ],
     node: Annotated[bool, typer.Option("--node", help="drain every replica on this Ray node")] = False,
-    url: UrlOption = "http://127.0.0.1:8000",
+    url: UrlOption = None,
     grace: Annotated[
         float, typer.Option(min=0.1, max=3600, help="seconds to wait for its requests before stopping it")
     ] = 60.0,
@@ -136,6 +147,7 @@ def drain(
 ) -> None:
     """Take a replica (or every replica on a node) out of routing, let its requests and streams finish,
     then stop it. A model's last ready replica is drained only with --force."""
+    url = gateway_url(url)
     path = f"/admin/nodes/{target}/drain" if node else f"/admin/replicas/{target}/drain"
     query = f"?grace={grace}" + ("&force=true" if force else "")
     result = _call(url, path + query, admin_key, ca_cert, b"", grace + 30)
@@ -162,12 +174,13 @@ ModelArgument = Annotated[str, typer.Argument(help="the model's name")]
 @rollout_app.command("status", cls=FlagsCommand)
 def rollout_status(
     model: Annotated[str | None, typer.Argument(help="one model (default: all)")] = None,
-    url: UrlOption = "http://127.0.0.1:8000",
+    url: UrlOption = None,
     as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
     admin_key: AdminKeyOption = None,
     ca_cert: CaCertOption = None,
 ) -> None:
     """Each model's latest rollout: phase, traffic share, step, last message."""
+    url = gateway_url(url)
     rollouts = _call(url, "/admin/rollouts", admin_key, ca_cert)["rollouts"]
     if model is not None:
         if model not in rollouts:
@@ -190,34 +203,37 @@ def _rollout_action(action: str, model: str, url: str, admin_key: str | None, ca
 @rollout_app.command("pause", cls=FlagsCommand)
 def rollout_pause(
     model: ModelArgument,
-    url: UrlOption = "http://127.0.0.1:8000",
+    url: UrlOption = None,
     admin_key: AdminKeyOption = None,
     ca_cert: CaCertOption = None,
 ) -> None:
     """Hold the rollout at its current traffic step (checks go on)."""
+    url = gateway_url(url)
     _rollout_action("pause", model, url, admin_key, ca_cert)
 
 
 @rollout_app.command("resume", cls=FlagsCommand)
 def rollout_resume(
     model: ModelArgument,
-    url: UrlOption = "http://127.0.0.1:8000",
+    url: UrlOption = None,
     admin_key: AdminKeyOption = None,
     ca_cert: CaCertOption = None,
 ) -> None:
     """Go on with a paused rollout."""
+    url = gateway_url(url)
     _rollout_action("resume", model, url, admin_key, ca_cert)
 
 
 @rollout_app.command("rollback", cls=FlagsCommand)
 def rollout_rollback(
     model: ModelArgument,
-    url: UrlOption = "http://127.0.0.1:8000",
+    url: UrlOption = None,
     admin_key: AdminKeyOption = None,
     ca_cert: CaCertOption = None,
 ) -> None:
     """Roll a running rollout back (old replicas keep serving); after a finished one, roll out the spec
     before it again."""
+    url = gateway_url(url)
     _rollout_action("rollback", model, url, admin_key, ca_cert)
 
 

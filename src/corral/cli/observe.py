@@ -9,7 +9,17 @@ from typing import Annotated
 
 import typer
 
-from corral.cli.app import CaCertOption, FlagsCommand, FlagsGroup, app, client_tls, console, fail
+from corral.cli.app import (
+    CaCertOption,
+    FlagsCommand,
+    FlagsGroup,
+    UrlOption,
+    app,
+    client_tls,
+    console,
+    fail,
+    gateway_url,
+)
 from corral.config import admin_key_from_env
 
 __all__ = ["observe_app"]
@@ -75,7 +85,7 @@ def snapshot_command(
 
 @app.command(cls=FlagsCommand)
 def top(
-    url: Annotated[str, typer.Option(help="the gateway's base URL")] = "http://127.0.0.1:8000",
+    url: UrlOption = None,
     interval: Annotated[float, typer.Option(min=0.1, help="seconds between refreshes")] = 2.0,
     iterations: Annotated[
         int, typer.Option(min=0, help="stop after this many refreshes (0: until Ctrl-C)")
@@ -86,6 +96,7 @@ def top(
     ca_cert: CaCertOption = None,
 ) -> None:
     """A live view of a running cluster: rates, latency percentiles and every replica's load."""
+    url = gateway_url(url)
     from rich.live import Live
 
     from corral.observe.top import TopClient, render_frame

@@ -20,7 +20,13 @@ A spec file looks like::
 """
 
 from corral.config.change import AutoscaleSpec, EvalCase, ModelCacheSpec, RolloutSpec
-from corral.config.env import Paths, admin_key_from_env, api_key_from_env
+from corral.config.env import (
+    DEFAULT_GATEWAY_URL,
+    Paths,
+    admin_key_from_env,
+    api_key_from_env,
+    gateway_url_from_env,
+)
 from corral.config.models import (
     DEFAULT_EMBEDDING_MODEL_NAME,
     DEFAULT_MODEL_NAME,
@@ -59,6 +65,7 @@ from corral.config.spec import (
 
 __all__ = [
     "DEFAULT_EMBEDDING_MODEL_NAME",
+    "DEFAULT_GATEWAY_URL",
     "DEFAULT_MODEL_NAME",
     "AuthSettings",
     "AutoscaleSpec",
@@ -89,6 +96,7 @@ __all__ = [
     "TLSSettings",
     "admin_key_from_env",
     "api_key_from_env",
+    "gateway_url_from_env",
     "default_spec",
     "exposure_problem",
     "is_loopback",

@@ -48,3 +48,16 @@ def api_key_from_env(given: str | None) -> str | None:
 def admin_key_from_env(configured: str | None) -> str | None:
     """The admin key: `CORRAL_ADMIN_KEY` if set, else the spec's."""
     return os.environ.get("CORRAL_ADMIN_KEY") or configured
+
+
+DEFAULT_GATEWAY_URL = "http://127.0.0.1:8000"
+
+
+def gateway_url_from_env() -> tuple[str, str] | None:
+    """A gateway address from the environment and where it came from: `CORRAL_URL`, else
+    `OPENAI_BASE_URL` (what `corral up` tells clients to export; its `/v1` is dropped)."""
+    if url := os.environ.get("CORRAL_URL"):
+        return url.rstrip("/"), "$CORRAL_URL"
+    if url := os.environ.get("OPENAI_BASE_URL"):
+        return url.rstrip("/").removesuffix("/v1"), "$OPENAI_BASE_URL"
+    return None
