@@ -3,7 +3,6 @@ systemd-analyze verify, docker-compose config, the KubeRay CRD schema) and carry
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -138,7 +137,9 @@ def unit_settings(unit: Path) -> dict[str, list[str]]:
 
 
 def test_systemd_units_verify_and_are_hardened(tmp_path: Path) -> None:
-    corral_bin = shutil.which("corral") or str(Path(CORRAL[0]).parent / "corral")
+    # A program the service sees where the host does (this checkout's corral may live under /tmp or
+    # /home, which the unit's PrivateTmp/ProtectHome hide: render refuses those, see below).
+    corral_bin = "/usr/bin/true"
     cpu = rendered(tmp_path / "cpu", "systemd", CPU_SPEC, "--corral-bin", corral_bin) / "systemd"
     gpu = rendered(tmp_path / "gpu", "systemd", GPU_SPEC, "--corral-bin", corral_bin) / "systemd"
     for folder in (cpu, gpu):
@@ -185,6 +186,26 @@ def test_systemd_unit_keeps_model_files_under_home_readable(tmp_path: Path) -> N
     assert settings["ProtectHome"] == ["read-only"]
     assert settings["WorkingDirectory"] == ["/var/lib/corral"]
     assert settings["ReadWritePaths"] == ["/var/lib/corral"]  # a relative SQLite path lands in the state dir
+
+
+@pytest.mark.parametrize(
+    ("corral_bin", "extra", "says"),
+    [
+        ("/tmp/checkout/.venv/bin/corral", "", "PrivateTmp=yes"),
+        ("/home/ops/corral/.venv/bin/corral", "", "ProtectHome="),
+        ("/usr/bin/true", "store: {url: 'sqlite:////tmp/corral.db'}\n", "keys made on the host would never"),
+        ("/usr/bin/true", "store: {url: 'sqlite:////home/ops/c.db'}\n", "store.url puts the SQLite store"),
+    ],
+    ids=["program-in-tmp", "program-in-home", "store-in-tmp", "store-in-home"],
+)
+def test_systemd_refuses_paths_the_service_cannot_see(
+    tmp_path: Path, corral_bin: str, extra: str, says: str
+) -> None:
+    """Before, the unit was rendered and failed at start (the program hidden), or ran with a store of its
+    own that no key made on the host reached."""
+    result = render(tmp_path, "systemd", CPU_SPEC + extra, "--corral-bin", corral_bin)
+    assert result.returncode == 2, result.stderr
+    assert says in " ".join(result.stderr.split()) and "Traceback" not in result.stderr
 
 
 def test_systemd_verify_catches_a_broken_unit(tmp_path: Path) -> None:
@@ -235,6 +256,16 @@ def test_compose_publishes_an_open_gateway_on_loopback_only(tmp_path: Path) -> N
     assert "deploy" not in corral
     inner = parse_spec((out / "cluster.yaml").read_text())
     assert inner.auth.open and inner.auth.open_to_network
+
+
+def test_compose_puts_an_explicit_sqlite_store_on_the_volume(tmp_path: Path) -> None:
+    """A host path (sqlite:////tmp/keys.db) was copied as it was: a file on no volume, lost with the
+    container, and keys made on the host never reached it."""
+    out = rendered(tmp_path, "compose", CPU_SPEC + "store: {url: 'sqlite:////tmp/keys.db'}\n") / "compose"
+    inner = parse_spec((out / "cluster.yaml").read_text())
+    assert inner.store.url == "sqlite:////var/lib/corral/keys.db"
+    volumes = yaml.safe_load((out / "compose.yaml").read_text())["services"]["corral"]["volumes"]
+    assert "corral-home:/var/lib/corral" in volumes
 
 
 def test_compose_config_rejects_a_broken_file(tmp_path: Path) -> None:
@@ -297,8 +328,15 @@ def test_kuberay_manifests_validate_against_the_crd(tmp_path: Path) -> None:
             ),
             "keys and usage need a database that outlives the pod",
         ),
+        (
+            KUBE_SPEC.replace(
+                'store: {url: "postgresql://postgres@pg.corral.svc.cluster.local:5432/corral"}',
+                "store: {url: 'sqlite:////tmp/corral.db'}",
+            ),
+            "is a SQLite file in the pod's own filesystem",
+        ),
     ],
-    ids=["local-redis", "open", "pod-local-store"],
+    ids=["local-redis", "open", "pod-local-store", "sqlite-store"],
 )
 def test_kuberay_refuses_what_cannot_work_in_a_pod(tmp_path: Path, spec: str, says: str) -> None:
     result = render(tmp_path, "kuberay", spec)

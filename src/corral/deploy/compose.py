@@ -48,11 +48,22 @@ def render_compose(spec: ClusterSpec, source: str) -> dict[str, str]:
     return {
         "compose/compose.yaml": spec_yaml(document, header + "\nStart: docker compose -p corral up -d"),
         "compose/cluster.yaml": spec_yaml(
-            container_spec(spec, port=_PORT, services=names),
+            _store_on_volume(spec, container_spec(spec, port=_PORT, services=names)),
             header + "\nThe spec corral runs inside its container (services by their Compose names).",
         ),
         "compose/prometheus.yml": yaml.safe_dump(_prometheus_config(), sort_keys=False),
     }
+
+
+def _store_on_volume(spec: ClusterSpec, data: dict[str, Any]) -> dict[str, Any]:
+    """A SQLite store goes on the corral-home volume (its file name kept): a path of the host's means
+    nothing in the container, and a file outside the volume is lost with it. Keys are then made inside:
+    `docker compose exec corral corral keys create --tenant NAME`, or the admin API."""
+    url = spec.store.url or ""
+    if url.startswith("sqlite:///") and not url.startswith(f"sqlite:///{_HOME}/"):
+        name = url.removeprefix("sqlite:///").rsplit("/", 1)[-1] or "corral.db"
+        data.setdefault("store", {})["url"] = f"sqlite:///{_HOME}/{name}"
+    return data
 
 
 def _corral(spec: ClusterSpec, dependencies: dict[str, Any]) -> dict[str, Any]:

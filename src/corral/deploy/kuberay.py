@@ -69,6 +69,12 @@ def _refuse_this_host(spec: ClusterSpec) -> None:
             "kuberay: keys and usage need a database that outlives the pod: set store.url (PostgreSQL, "
             "e.g. postgresql://corral@postgres.corral.svc.cluster.local:5432/corral)"
         )
+    if spec.store.url.startswith("sqlite"):
+        raise RenderError(
+            f"kuberay: store.url {spec.store.url} is a SQLite file in the pod's own filesystem: lost with "
+            "the pod, and keys made anywhere else never reach it (every request a 401). Set a PostgreSQL "
+            "URL, e.g. postgresql://corral@postgres.corral.svc.cluster.local:5432/corral"
+        )
     if "postgres" in here:
         raise RenderError(
             f"kuberay: store.url {spec.store.url} is this host; in Kubernetes give the database service's "

@@ -11,7 +11,7 @@ import math
 from pathlib import Path
 
 from corral.config import ClusterSpec, LocalSource
-from corral.deploy.spec_rewrite import local_services
+from corral.deploy.spec_rewrite import RenderError, local_services
 from corral.deploy.templates import render_template
 
 __all__ = ["CONFIG_DIR", "STATE_DIR", "render_systemd"]
@@ -21,7 +21,9 @@ STATE_DIR = Path("/var/lib/corral")
 
 
 def render_systemd(spec: ClusterSpec, source: str, spec_text: str, corral_bin: Path) -> dict[str, str]:
-    """The unit, a sysusers.d entry for its user, and the spec it runs (copied as it was written)."""
+    """The unit, a sysusers.d entry for its user, and the spec it runs (copied as it was written).
+    RenderError for a path the service could not see as the host does."""
+    _check_visible(spec, corral_bin)
     deployments = [d for m in spec.models for d in m.deployments]
     gpu = any(d.engine == "vllm" and d.device == "gpu" for d in deployments)
     # vLLM's CPU build compiles kernels at run time (oneDNN): it cannot run without W^X exceptions either.
@@ -68,8 +70,43 @@ def _local_paths(spec: ClusterSpec) -> list[Path]:
     return []
 
 
+_PRIVATE_TMP = (Path("/tmp"), Path("/var/tmp"))
+_HOMES = (Path("/home"), Path("/root"), Path("/run/user"))
+
+
+def _check_visible(spec: ClusterSpec, corral_bin: Path) -> None:
+    """The unit's PrivateTmp=yes gives the service its own empty /tmp and /var/tmp, and ProtectHome hides
+    the home folders unless a model file lives there (then read-only): the program, a SQLite store and
+    model files in those places would not be what the host sees."""
+    if _under(corral_bin, _PRIVATE_TMP + _HOMES):
+        raise RenderError(
+            f"the unit would run {corral_bin}, which the service cannot see (PrivateTmp=yes gives it its own "
+            "/tmp and /var/tmp; ProtectHome= hides /home, /root and /run/user): install corral outside them "
+            "(e.g. `python3 -m venv /opt/corral && /opt/corral/bin/pip install corral`) and pass "
+            "--corral-bin /opt/corral/bin/corral"
+        )
+    url = spec.store.url or ""
+    store = Path(url.removeprefix("sqlite:///")) if url.startswith("sqlite:///") else None
+    if store is not None and store.is_absolute() and _under(store, _PRIVATE_TMP + _HOMES):
+        raise RenderError(
+            f"store.url puts the SQLite store in {store.parent}, which the service sees as its own private "
+            "folder (PrivateTmp=yes, ProtectHome=): keys made on the host would never be seen, and usage "
+            "written there is lost on restart. Leave store.url unset (the state directory "
+            f"{STATE_DIR}) or name a path under it"
+        )
+    for model in spec.models:
+        if isinstance(model.source, LocalSource) and _under(model.source.path, _PRIVATE_TMP):
+            raise RenderError(
+                f"model {model.name}'s file {model.source.path} is in a temporary folder, which the service "
+                "sees empty (PrivateTmp=yes): move it (e.g. under /var/lib/corral/models) and render again"
+            )
+
+
+def _under(path: Path, folders: tuple[Path, ...]) -> bool:
+    return any(path.is_relative_to(folder) for folder in folders)
+
+
 def _protect_home(spec: ClusterSpec) -> str:
     """`yes` hides /home, /root and /run/user; model files there need them readable."""
-    homes = (Path("/home"), Path("/root"), Path("/run/user"))
     local = [m.source.path for m in spec.models if isinstance(m.source, LocalSource)]
-    return "read-only" if any(p.is_relative_to(h) for p in local for h in homes) else "yes"
+    return "read-only" if any(_under(p, _HOMES) for p in local) else "yes"
