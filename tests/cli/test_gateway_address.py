@@ -58,3 +58,20 @@ def test_batch_submit_reads_openai_base_url_and_says_why_it_cannot_connect(tmp_p
     assert code == 1 and f"gateway: {closed} (from $OPENAI_BASE_URL)" in said, said
     assert re.search(r"no corral gateway answers at \S+: connect(ion)? (call failed|refused)", said), said
     assert "Cannot connect to host" not in said and "ssl:default" not in said  # aiohttp's own words
+
+
+def test_a_refusal_names_the_flag_not_the_header(tmp_path: Path) -> None:
+    lines = tmp_path / "in.jsonl"
+    lines.write_text(
+        '{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {"model": "m"}}\n'
+    )
+    with cluster_of(tmp_path, SPEC.format(db=tmp_path / "c.db", gateway=""), admin_key="admin") as running:
+        code, said = run(
+            "batch", "submit", str(lines), "--url", running.url, CORRAL_API_KEY="", OPENAI_API_KEY=""
+        )
+        assert code == 1 and "no key was given" in said and "--api-key" in said, said
+        assert "Authorization" not in said
+        code, said = run(
+            "apply", "-f", str(tmp_path / "spec.yaml"), "--url", running.url, CORRAL_ADMIN_KEY=""
+        )
+        assert code == 1 and "--admin-key" in said and "Authorization" not in said, said

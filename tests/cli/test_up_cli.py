@@ -66,7 +66,10 @@ def test_banner_fits_80_columns_and_a_closed_gateway_says_how_to_authenticate(tm
         assert re.search(r"llama-8b-0\s+ready\s+127\.0\.0\.1:\d{4,5}\s", text), text
         assert get_json(f"http://127.0.0.1:{port}/corral/status")[0] == 401
         url = f"http://127.0.0.1:{port}"
-        one_error(corral("status", "--url", url), 1, "answered 401")
+        assert f"status: corral status --url http://127.0.0.1:{port} --admin-key KEY" in text  # closed
+        one_error(corral("status", "--url", url), 1, "answered 401", "--admin-key", "$CORRAL_ADMIN_KEY")
+        refused = one_error(corral("status", "--url", url, "--admin-key", "wrong"), 1, "--admin-key")
+        assert "the key given was refused" in refused and "Authorization" not in refused
         shown = corral("status", "--url", url, "--admin-key", "admin-secret")
         assert shown.returncode == 0 and "llama-8b-0" in shown.stdout and "127.0.0.1:" in shown.stdout
     finally:

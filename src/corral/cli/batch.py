@@ -55,6 +55,12 @@ class _Gateway:
                     method, self._url + path, ssl=self._ssl or True, **kwargs
                 ) as response:
                     data = await response.read()
+                    if response.status == 401:  # the API says which header; the CLI says which flag
+                        given = "the key given was refused" if self._headers else "no key was given"
+                        fail(
+                            f"{self._url} answered 401: a closed gateway needs a tenant's API key ({given}): "
+                            "pass --api-key or set $CORRAL_API_KEY or $OPENAI_API_KEY"
+                        )
                     if response.status >= 400:
                         fail(f"{self._url} answered {response.status}: {_message(data)}")
                     return data if response.content_type != "application/json" else json.loads(data)

@@ -56,7 +56,13 @@ def _call(
         with urllib.request.urlopen(request, timeout=timeout, context=client_tls(ca_cert)) as response:
             return json.load(response)
     except urllib.error.HTTPError as exc:
-        fail(f"{url} answered {exc.code}: {_error_message(exc)}")
+        message = _error_message(exc)
+        if exc.code == 401:  # the API says which header; the CLI says which flag
+            given = "the key given was refused" if key else "no key was given"
+            message = (
+                f"a closed gateway needs its admin key ({given}): pass --admin-key or set $CORRAL_ADMIN_KEY"
+            )
+        fail(f"{url} answered {exc.code}: {message}")
     except (urllib.error.URLError, OSError) as exc:
         fail(f"no corral gateway answers at {url}: {getattr(exc, 'reason', exc)}")
 

@@ -490,7 +490,8 @@ def _announce(spec: ClusterSpec, port: int | None, replicas: Any, paths: Paths) 
             markup=False,
         )
     console.print(
-        f"  replica logs: {paths.logs}\n  status: corral status --url {scheme}://{spec.gateway.host}:{port}\n"
+        f"  replica logs: {paths.logs}\n  status: corral status --url {scheme}://{spec.gateway.host}:{port}"
+        f"{'' if spec.auth.open else ' --admin-key KEY (or $CORRAL_ADMIN_KEY)'}\n"
         "  Ctrl-C stops everything.",
         soft_wrap=True,
         highlight=False,
