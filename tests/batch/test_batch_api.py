@@ -370,6 +370,8 @@ async def test_the_cli_submits_follows_and_fetches_a_batch(gateway: Gateway, tmp
     assert code == 0, out
     batch_id = re.search(r"batch (batch_\w+): completed; 12 completed, 0 failed of 12", err)
     assert batch_id is not None, (out, err)
+    assert out.strip() == batch_id[1]  # the id on stdout: ID=$(corral batch submit …)
+    assert f"corral batch results {batch_id[1]}" in err  # where the answers are
     code, out, _ = await corral("results", batch_id[1])
     lines = [orjson.loads(line) for line in out.splitlines() if line.strip()]
     assert code == 0 and sorted(line["custom_id"] for line in lines) == sorted(f"req-{i}" for i in range(12))
@@ -379,3 +381,22 @@ async def test_the_cli_submits_follows_and_fetches_a_batch(gateway: Gateway, tmp
     assert code == 1 and "has no error file" in err
     code, _, err = await corral("status", "batch_nope")
     assert code == 1 and "404" in err and "No such batch" in err
+    code, out, _ = await corral("list")
+    assert code == 0 and batch_id[1] in out and "completed" in out
+    # A batch that fails its checks ends the command with 1 and every bad line named (a duplicate custom_id
+    # on line 2 and a missing model on line 3, not only the first).
+    bad = tmp_path / "bad.jsonl"
+    line = orjson.loads(chat_lines(1))
+    bad.write_bytes(
+        b"\n".join(
+            [
+                orjson.dumps(line),
+                orjson.dumps(line),
+                orjson.dumps({**line, "custom_id": "other", "body": {**line["body"], "model": "nope"}}),
+            ]
+        )
+        + b"\n"
+    )
+    code, out, err = await corral("submit", str(bad))
+    assert code == 1 and "failed" in err, err
+    assert "line 2:" in err and "line 3:" in err, err

@@ -5,12 +5,16 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated, Any
 
 import aiohttp
 import typer
+from rich import box
+from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
 
 from corral.cli.app import (
     CaCertOption,
@@ -90,7 +94,9 @@ def submit(
     api_key: KeyOption = None,
     ca_cert: CaCertOption = None,
 ) -> None:
-    """Upload FILE and start a batch on it (its endpoint is the lines' `url`)."""
+    """Upload FILE and start a batch on it (its endpoint is the lines' `url`). The batch's id goes to stdout
+    (`ID=$(corral batch submit FILE --no-wait)`), the rest to stderr; exit 1 when it ends failed, expired
+    or cancelled."""
     url = gateway_url(url)
     try:
         content = file.read_bytes()
@@ -106,11 +112,54 @@ def submit(
         uploaded = await gateway.call("POST", "/v1/files", data=form)
         body = {"input_file_id": uploaded["id"], "endpoint": endpoint, "completion_window": window}
         batch = await gateway.call("POST", "/v1/batches", json=body)
+        print(batch["id"], flush=True)
         requests = sum(1 for line in content.splitlines() if line.strip())
         console.print(f"batch {batch['id']}: {batch['status']}, {requests} requests", markup=False)
-        if wait and batch["status"] not in _FINISHED:
+        if not wait:
+            console.print(f"  follow it: corral batch status {batch['id']}", markup=False, highlight=False)
+            return
+        if batch["status"] not in _FINISHED:
             batch = await _follow(gateway, batch)
         _summary(batch)
+        if batch["status"] != "completed":
+            raise typer.Exit(1)
+
+    run_async(run())
+
+
+@batch_app.command("list", cls=FlagsCommand)
+def list_batches(
+    limit: Annotated[int, typer.Option(min=1, max=100, help="the most recent this many")] = 20,
+    as_json: Annotated[bool, typer.Option("--json", help="print the batches as JSON")] = False,
+    url: UrlOption = None,
+    api_key: KeyOption = None,
+    ca_cert: CaCertOption = None,
+) -> None:
+    """The key's tenant's batches, newest first: status and request counts."""
+    url = gateway_url(url)
+    gateway = _Gateway(url, api_key_from_env(api_key), ca_cert)
+
+    async def run() -> None:
+        found = (await gateway.call("GET", f"/v1/batches?limit={limit}"))["data"]
+        if as_json:
+            print(json.dumps(found, indent=2))
+            return
+        table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
+        for column in ("batch", "status", "completed", "failed", "total", "created"):
+            table.add_column(column, no_wrap=True)
+        for batch in found:
+            counts = batch.get("request_counts") or {}
+            created = datetime.fromtimestamp(batch["created_at"], UTC).strftime("%Y-%m-%d %H:%M")
+            table.add_row(
+                batch["id"],
+                batch["status"],
+                *(str(counts.get(k, 0)) for k in ("completed", "failed", "total")),
+                created,
+            )
+        if found:
+            Console().print(table)
+        else:
+            console.print("no batches", markup=False)
 
     run_async(run())
 
@@ -210,12 +259,19 @@ def _summary(batch: dict[str, Any]) -> None:
         f"{counts.get('failed', 0)} failed of {counts.get('total', 0)}"
     )
     console.print(line, markup=False, highlight=False, soft_wrap=True)
-    for error in ((batch.get("errors") or {}).get("data") or [])[:10]:
+    errors = (batch.get("errors") or {}).get("data") or []  # (the gateway lists up to 100)
+    for error in errors:
         where = f"line {error['line']}: " if error.get("line") else ""
         console.print(f"  {where}{error['message']}", markup=False, highlight=False, soft_wrap=True)
-    for name in ("output_file_id", "error_file_id"):
+    say = {"output_file_id": "", "error_file_id": " --errors"}
+    for name, flag in say.items():
         if batch.get(name):
-            console.print(f"  {name}: {batch[name]}", markup=False)
+            console.print(
+                f"  {name}: {batch[name]} (corral batch results {batch['id']}{flag})",
+                markup=False,
+                highlight=False,
+                soft_wrap=True,
+            )
 
 
 def _endpoint_of(content: bytes) -> str:
