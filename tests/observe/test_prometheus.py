@@ -26,6 +26,7 @@ import openai
 import pytest
 
 from corral.cluster import free_port
+from tests.admission.test_redis_limits import wait_http
 from tests.conftest import CORRAL, RunningCluster, cluster_of
 
 pytestmark = pytest.mark.slow  # real engines or servers, or long drills (`make test-fast` skips)
@@ -90,6 +91,7 @@ def watched(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RunningC
             stderr=subprocess.STDOUT,
         )
         try:
+            wait_http(f"http://127.0.0.1:{web}/-/ready")  # every test may run first: none waits alone
             yield cluster, f"http://127.0.0.1:{web}"
         finally:
             process.send_signal(signal.SIGTERM)

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from corral.config import parse_spec
-from corral.observe import alert_rules
-from corral.observe.rules import rules_yaml
+from corral.config import DeploySettings, parse_spec
+from corral.observe import alert_rules, render_observability
+from corral.observe.rules import RUNBOOK, rules_yaml
 
 SPEC = parse_spec(
     "models:\n  - {name: m, slo: {ttft_p95: 0.5, itl_p95: 0.05}, deployments: [{engine: sim, gpu: l4}]}\n"
@@ -287,7 +287,7 @@ def unit_test(case: Case) -> dict[str, object]:
                 "exp_labels": case.labels,
                 "exp_annotations": {
                     "summary": case.summary,
-                    "runbook_url": f"docs/alerts.md#{case.alert.lower()}",
+                    "runbook_url": f"{RUNBOOK.resolve().as_uri()}#{case.alert.lower()}",
                 },
             }
         ]
@@ -349,6 +349,23 @@ def test_error_and_refusal_ratios_evaluate_before_the_first_error(rules_file: Pa
     )
     result = subprocess.run([promtool(), "test", "rules", str(tests)], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_alerts_link_to_their_runbook_section_by_an_absolute_url(tmp_path: Path) -> None:
+    """Relative links (docs/alerts.md#…) were broken in Alertmanager and Grafana."""
+    files = render_observability(SPEC, "spec.yaml", tmp_path)
+    rules = yaml.safe_load(files["prometheus/rules/corral.rules.yml"].split("\n", 1)[1])
+    written = (tmp_path / "prometheus" / "runbook.md").resolve().as_uri()
+    links = {r["annotations"]["runbook_url"] for g in rules["groups"] for r in g["rules"]}
+    assert f"{written}#corralgatewaydown" in links and all(link.startswith(written + "#") for link in links)
+    assert files["prometheus/runbook.md"] == RUNBOOK.read_text()
+    wiki = SPEC.model_copy(
+        update={"deploy": DeploySettings(runbook_url="https://wiki.example/corral-alerts")}
+    )
+    links = {r["annotations"]["runbook_url"] for g in rules_yaml(wiki)["groups"] for r in g["rules"]}  # type: ignore[index,union-attr]
+    assert "https://wiki.example/corral-alerts#corralgatewaydown" in links
+    with pytest.raises(ValueError, match="absolute"):
+        DeploySettings(runbook_url="docs/alerts.md")
 
 
 def test_every_alert_has_a_runbook_section() -> None:

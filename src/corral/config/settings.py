@@ -372,3 +372,16 @@ class DeploySettings(Strict):
     )
     namespace: str = Field(default="corral", description="KubeRay: the Kubernetes namespace")
     user: str = Field(default="corral", description="systemd: the dedicated user the service runs as")
+    runbook_url: str | None = Field(
+        default=None,
+        description="alert rules: the absolute URL where your on-call reads corral's alert runbook "
+        "(docs/alerts.md published on a wiki or docs site); each alert links to its section. Unset: "
+        "`corral observe render` writes the runbook beside the rules and links to that file (file://)",
+    )
+
+    @field_validator("runbook_url")
+    @classmethod
+    def _absolute(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith(("https://", "http://", "file:///")):
+            raise ValueError("runbook_url must be absolute (https://…, http://… or file:///…)")
+        return value

@@ -10,7 +10,7 @@ import yaml
 
 from corral.config import ClusterSpec
 from corral.observe.dashboards import DASHBOARDS, PanelQuery, dashboard_json, panel_queries
-from corral.observe.rules import AlertRule, alert_rules, rules_yaml
+from corral.observe.rules import RUNBOOK, AlertRule, alert_rules, rules_yaml
 
 __all__ = [
     "DASHBOARDS",
@@ -25,6 +25,7 @@ __all__ = [
 
 GATEWAY_JOB = "corral-gateway"
 RULES_FILE = "prometheus/rules/corral.rules.yml"
+RUNBOOK_FILE = "prometheus/runbook.md"  # the alerts' runbook, linked from each rule unless deploy.runbook_url
 METRICS_TOKEN_FILE = "metrics.token"  # beside prometheus.yml: the gateway's `metrics_token`
 
 
@@ -71,7 +72,11 @@ def render_observability(
     """Dashboards, rules, Prometheus configuration and Grafana provisioning, keyed by path under `output`."""
     header = f"# Rendered by `corral observe render` from {source}; render again after editing the spec.\n"
     files = {
-        RULES_FILE: header + yaml.safe_dump(rules_yaml(spec), sort_keys=False, width=200),
+        RULES_FILE: header
+        + yaml.safe_dump(
+            rules_yaml(spec, (output / RUNBOOK_FILE).resolve().as_uri()), sort_keys=False, width=200
+        ),
+        RUNBOOK_FILE: RUNBOOK.read_text(),
         "prometheus/prometheus.yml": header
         + yaml.safe_dump(
             prometheus_config(spec, (output / RULES_FILE).resolve(), scrape_interval), sort_keys=False

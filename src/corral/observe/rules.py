@@ -3,18 +3,20 @@
 Thresholds come from the spec where it has them: each model's TTFT/ITL SLO (`models[].slo`), half the
 queue timeout for queue waits. Every expression evaluates before the first error or refusal ever happens
 (`or … * 0` where a series appears only with its first event), so no rule is silently empty. Each alert has
-a severity, a summary and a runbook section in docs/alerts.md (`runbook_url`).
+a severity, a summary and a runbook section in runbook.md (docs/alerts.md), linked by an absolute
+`runbook_url` (Alertmanager and Grafana cannot follow a relative one): `deploy.runbook_url#section`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from corral.config import ClusterSpec
 
-__all__ = ["FATAL_XIDS", "AlertRule", "alert_rules", "rules_yaml"]
+__all__ = ["FATAL_XIDS", "RUNBOOK", "AlertRule", "alert_rules", "rules_yaml"]
 
-RUNBOOK = "docs/alerts.md#"  # in the corral repository: one section per alert
+RUNBOOK = Path(__file__).with_name("runbook.md")  # one section per alert (docs/alerts.md links here)
 # XIDs that mean the GPU or its driver failed (DBE ECC, row remapping, NVLink, fell off the bus, contained/
 # uncontained ECC, GSP); 13, 31, 43 and 45 are mostly the application's own faults.
 FATAL_XIDS = (48, 61, 62, 63, 64, 74, 79, 92, 94, 95, 119, 120)
@@ -30,13 +32,15 @@ class AlertRule:
     summary: str
     group: str = "corral"
 
-    def as_dict(self) -> dict[str, object]:
+    def as_dict(self, runbook: str) -> dict[str, object]:
+        """The rule for Prometheus; `runbook`: the runbook's absolute URL."""
+        link = f"{runbook.split('#', 1)[0]}#{self.name.lower()}"
         return {
             "alert": self.name,
             "expr": self.expr,
             "for": self.duration,
             "labels": {"severity": self.severity},
-            "annotations": {"summary": self.summary, "runbook_url": RUNBOOK + self.name.lower()},
+            "annotations": {"summary": self.summary, "runbook_url": link},
         }
 
 
@@ -230,8 +234,11 @@ def _gpu_rules() -> list[AlertRule]:
     ]
 
 
-def rules_yaml(spec: ClusterSpec) -> dict[str, object]:
+def rules_yaml(spec: ClusterSpec, runbook: str | None = None) -> dict[str, object]:
+    """The rules file; alerts link to `deploy.runbook_url`, else to `runbook` (where the runbook was
+    written), else to the one installed with corral."""
+    link = spec.deploy.runbook_url or runbook or RUNBOOK.resolve().as_uri()
     groups: dict[str, list[dict[str, object]]] = {}
     for rule in alert_rules(spec):
-        groups.setdefault(rule.group, []).append(rule.as_dict())
+        groups.setdefault(rule.group, []).append(rule.as_dict(link))
     return {"groups": [{"name": name, "rules": rules} for name, rules in groups.items()]}
