@@ -69,7 +69,7 @@ def test_spec_check_validates_a_file_and_explain_prints_the_reference(tmp_path: 
         text=True,
         timeout=60,
     )
-    assert good.returncode == 0 and "valid: 2 model(s), 3 replica(s)" in good.stderr
+    assert good.returncode == 0 and "valid: 2 model(s), 3 replica(s)" in good.stdout
     bad = tmp_path / "bad.yaml"
     bad.write_text("models:\n  - name: m\n    deployments: [{engine: llamacpp, replicas: 0}]\n")
     refused = subprocess.run([*CORRAL, "spec", "check", "-f", str(bad)], capture_output=True, text=True)

@@ -32,8 +32,13 @@ class TargetName(StrEnum):
 @deploy_app.command("render", cls=FlagsCommand)
 def render_command(
     target: Annotated[TargetName, typer.Option("--target", "-t", help="what to render")],
-    file: Annotated[Path, typer.Option("--file", "-f", help="the cluster spec YAML")],
     output: Annotated[Path, typer.Option("--output", "-o", help="folder to write the files into")],
+    file: Annotated[
+        Path | None,
+        typer.Option(
+            "--file", "-f", help="the cluster spec YAML (default: the embedded one `corral up` runs)"
+        ),
+    ] = None,
     corral_bin: Annotated[
         Path | None,
         typer.Option(help="systemd: the corral executable the unit runs (default: this corral)"),
@@ -41,16 +46,20 @@ def render_command(
 ) -> None:
     """Write the configs for one target; each file says where it came from. Render again after editing
     the spec."""
-    from corral.config import SpecError, load_spec
+    from corral.config import SpecError, default_spec, load_spec
     from corral.deploy import RenderError, render, write_rendered
 
     try:
-        spec = load_spec(file)
+        spec = load_spec(file) if file is not None else default_spec()
     except SpecError as exc:
         fail(str(exc), 2)
+    if file is not None:
+        source, text = str(file), file.read_text(encoding="utf-8")
+    else:
+        source, text = "the embedded default spec", default_spec_yaml()
     executable = corral_bin or _this_corral()
     try:
-        files = render(spec, target.value, str(file), file.read_text(encoding="utf-8"), executable)
+        files = render(spec, target.value, source, text, executable)
     except RenderError as exc:
         fail(str(exc), 2)
     for path in write_rendered(files, output):
@@ -89,6 +98,18 @@ def certs_command(
         markup=False,
         highlight=False,
         soft_wrap=True,
+    )
+
+
+def default_spec_yaml() -> str:
+    """The embedded default spec as a file would say it (its settings that differ from the defaults)."""
+    import yaml
+
+    from corral.config import default_spec
+
+    data = default_spec().model_dump(mode="json", exclude_defaults=True)
+    return "# corral's embedded default spec (what `corral up` runs without -f)\n" + yaml.safe_dump(
+        data, sort_keys=False
     )
 
 

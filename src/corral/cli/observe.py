@@ -34,22 +34,28 @@ app.add_typer(observe_app, name="observe")
 
 @observe_app.command("render", cls=FlagsCommand)
 def render_command(
-    file: Annotated[Path, typer.Option("--file", "-f", help="the cluster spec YAML")],
     output: Annotated[Path, typer.Option("--output", "-o", help="folder to write the files into")],
+    file: Annotated[
+        Path | None,
+        typer.Option(
+            "--file", "-f", help="the cluster spec YAML (default: the embedded one `corral up` runs)"
+        ),
+    ] = None,
     scrape_interval: Annotated[
         str, typer.Option(help="Prometheus scrape and rule evaluation interval, e.g. 15s")
     ] = "15s",
 ) -> None:
     """Write dashboards (Grafana JSON), alert rules, prometheus.yml and Grafana provisioning files."""
-    from corral.config import SpecError, load_spec
+    from corral.config import SpecError, default_spec, load_spec
     from corral.deploy import write_rendered
     from corral.observe import render_observability
 
     try:
-        spec = load_spec(file)
+        spec = load_spec(file) if file is not None else default_spec()
     except SpecError as exc:
         fail(str(exc), 2)
-    for path in write_rendered(render_observability(spec, str(file), output, scrape_interval), output):
+    source = str(file) if file is not None else "the embedded default spec"
+    for path in write_rendered(render_observability(spec, source, output, scrape_interval), output):
         console.print(f"wrote {path}", markup=False, highlight=False, soft_wrap=True)
     if not spec.auth.open or spec.auth.admin_key:
         needs = "/corral/sd" if spec.gateway.metrics_token or spec.auth.open else "/corral/sd and /metrics"

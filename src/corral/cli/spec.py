@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.console import Console
 
 from corral.cli.app import FlagsCommand, FlagsGroup, app, console, fail
 
@@ -46,7 +47,7 @@ def check(
         fail(str(exc), 2)
     replicas = sum(d.replicas for m in spec.models for d in m.deployments)
     access = "open (no key needed)" if spec.auth.open else "closed (API keys required)"
-    console.print(
+    Console().print(  # the answer, on stdout (errors go to stderr)
         f"{file}: valid: {len(spec.models)} model(s), {replicas} replica(s), gateway "
         f"{spec.gateway.host}:{spec.gateway.port}, {access}",
         markup=False,
