@@ -32,6 +32,21 @@ def test_chat_completion_has_text_and_consistent_usage(client: openai.OpenAI) ->
     assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
 
 
+def test_a_whole_answer_leaves_out_llamacpps_timings_unless_asked(cluster: RunningCluster) -> None:
+    """llama-server adds `timings` (its own extension) to every whole answer; OpenAI's answers have none."""
+    body = {"model": "smollm2", "messages": MESSAGES, "max_tokens": 4}
+    for extra, kept in (({}, False), ({"timings_per_token": True}, True)):
+        request = urllib.request.Request(
+            cluster.url + "/v1/chat/completions",
+            data=json.dumps({**body, **extra}).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=60) as answer:
+            data = json.load(answer)
+        assert ("timings" in data) is kept, data
+        assert data["usage"]["completion_tokens"] >= 1
+
+
 def test_max_tokens_ends_with_length(client: openai.OpenAI) -> None:
     reply = client.chat.completions.create(
         model="smollm2",

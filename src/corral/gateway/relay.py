@@ -193,6 +193,8 @@ class Relay:
         status, content_type = upstream.status, upstream.content_type
         if status == 200:
             ctx.usage = _usage_of(body)
+            if replica.engine == "llamacpp" and _TIMINGS in body and not _asks_timings(ctx):
+                body = _without_timings(body)
             if ctx.written is not None:  # the cache keeps it
                 ctx.whole = body
         elif status >= 400:
@@ -473,6 +475,26 @@ def _error_fields(body: bytes) -> tuple[str, str | None, str | None]:
         param if isinstance(param, str) else None,
         code if isinstance(code, str) else None,
     )
+
+
+_TIMINGS = b'"timings"'
+
+
+def _asks_timings(ctx: RequestContext) -> bool:
+    """The client asked llama.cpp for its timings (its own `timings_per_token`)."""
+    extra = ctx.body.model_extra or {}
+    return extra.get("timings_per_token") is True
+
+
+def _without_timings(body: bytes) -> bytes:
+    """A whole answer without llama.cpp's `timings` object (an engine extension OpenAI's API has not)."""
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return body
+    if not isinstance(data, dict) or data.pop("timings", None) is None:
+        return body
+    return orjson.dumps(data)
 
 
 def _usage_of(body: bytes) -> dict[str, Any] | None:
