@@ -182,3 +182,20 @@ def test_an_engine_api_key_with_a_line_break_is_refused() -> None:
         .deployments[0]
         .engine_api_key
     )
+
+
+def test_an_embedding_model_is_routed_by_load_not_by_prefix() -> None:
+    """Its requests share no prefix cache worth routing by (it showed prefix_affinity and a hit rate)."""
+    from corral.cli.up import router_for
+    from corral.config import DEFAULT_EMBEDDING_MODEL_NAME, DEFAULT_MODEL_NAME
+    from corral.routing import ReplicaSet
+
+    spec = default_spec()
+    router = router_for(spec, ReplicaSet([m.name for m in spec.models]))
+    assert router.policy_for(DEFAULT_EMBEDDING_MODEL_NAME).name == "least_outstanding_requests"
+    assert router.policy_for(DEFAULT_MODEL_NAME).name == "prefix_affinity"
+    chosen = parse_spec(
+        "models:\n  - {name: e, task: embed, routing: round_robin, source: {path: /m.gguf},"
+        " deployments: [{engine: llamacpp}]}\n"
+    )
+    assert chosen.models[0].routing_policy == "round_robin"  # a stated policy stands

@@ -262,7 +262,7 @@ def model_settings(model: Any) -> dict[str, Any]:
     tokenizer = str(model.tokenizer) if model.tokenizer is not None else None
     return {
         "name": model.name,
-        "routing": model.routing,
+        "routing": model.routing_policy,
         "failover": model.mid_stream_failover,
         "isolation": model.prefix_isolation,
         "tokenizer": tokenizer,
@@ -277,7 +277,7 @@ def cluster_settings(spec: ClusterSpec) -> dict[str, Any]:
         "queue": spec.queue.model_dump(mode="json"),
         "limits": spec.limits.model_dump(mode="json"),
         "routing": spec.gateway.routing,
-        "models": {m.name: m.routing for m in spec.models},
+        "models": {m.name: m.routing_policy for m in spec.models},
     }
 
 
@@ -351,7 +351,7 @@ def router_for(spec: ClusterSpec, replicas: Any) -> Any:
     """The router over `replicas` with the spec's policies (also each gateway worker's)."""
     from corral.routing import Router
 
-    policies = {m.name: m.routing for m in spec.models if m.routing is not None}
+    policies = {m.name: m.routing_policy for m in spec.models if m.routing_policy is not None}
     return Router(
         replicas,
         policies,

@@ -289,7 +289,9 @@ class ModelSpec(Strict):
         "keeps the first ones, renormalised (other models accept only their full size)",
     )
     routing: RoutingPolicyName | None = Field(
-        default=None, description="routing policy; gateway's default if unset"
+        default=None,
+        description="routing policy; unset: the gateway's default, or least_outstanding_requests for an "
+        "embedding model (its requests share no prefix cache worth routing by)",
     )
     tokenizer: Path | None = Field(default=None, description="tokenizer.json: count input tokens exactly")
     slo: ModelSLO | None = Field(
@@ -320,6 +322,14 @@ class ModelSpec(Strict):
     deployments: Annotated[
         list[DeploymentSpec], Field(min_length=1, description="groups of replicas serving this model")
     ]
+
+    @property
+    def routing_policy(self) -> str | None:
+        """The policy that routes it: its own, or least_outstanding_requests for an embedding model, else
+        None (the gateway's default)."""
+        if self.routing is not None:
+            return self.routing
+        return "least_outstanding_requests" if self.task == "embed" else None
 
     @model_validator(mode="after")
     def _engines_have_sources(self) -> ModelSpec:
