@@ -127,7 +127,7 @@ async def test_revoked_key_stops_working_within_the_cache_ttl(closed: Cluster) -
 async def test_rate_limited_key_gets_429_with_headers(closed: Cluster) -> None:
     _, made = await closed.admin("POST", "/admin/keys", {"tenant": "acme", "rpm": 2})
     async with aiohttp.ClientSession() as session:
-        statuses, last = [], None
+        statuses, last, remaining = [], None, []
         for _ in range(3):
             async with session.post(
                 closed.url + "/v1/chat/completions",
@@ -136,7 +136,11 @@ async def test_rate_limited_key_gets_429_with_headers(closed: Cluster) -> None:
             ) as response:
                 statuses.append(response.status)
                 last = (dict(response.headers), await response.json())
-    assert statuses == [200, 200, 429]
+                remaining.append(response.headers.get("x-ratelimit-remaining-requests"))
+                if response.status == 200:  # OpenAI sends them on every answer, not only on refusals
+                    assert response.headers["x-ratelimit-limit-requests"] == "2"
+                    assert 0 < float(response.headers["x-ratelimit-reset-requests"].rstrip("s")) <= 60
+    assert statuses == [200, 200, 429] and remaining == ["1", "0", "0"]
     headers, body = last
     assert body["error"]["type"] == "rate_limit_error"
     assert 1 <= int(headers["Retry-After"]) <= 60

@@ -30,9 +30,13 @@ def key(**limits: int) -> Principal:
 
 
 async def test_rpm_refuses_with_retry_after_and_headers(limiter: MemoryLimiter | RedisLimiter) -> None:
-    principal = key(rpm=3)
-    for _ in range(3):
-        assert await limiter.reserve(principal, 10) is not None
+    principal = key(rpm=3, tpm=100)
+    for n in range(3):
+        granted = await limiter.reserve(principal, 10)
+        assert granted is not None  # what an admitted answer says of the limits
+        assert granted.headers["x-ratelimit-remaining-requests"] == str(2 - n)
+        assert granted.headers["x-ratelimit-remaining-tokens"] == str(90 - 10 * n)
+        assert 0 < float(granted.headers["x-ratelimit-reset-tokens"].rstrip("s")) <= 1.0
     with pytest.raises(RateLimited) as info:
         await limiter.reserve(principal, 10)
     error = info.value

@@ -15,7 +15,7 @@ import math
 import os
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Protocol
 
@@ -35,6 +35,23 @@ class Reservation:
     key_id: str
     entry: str
     tokens: int
+    headers: dict[str, str] = field(default_factory=dict, compare=False)  # x-ratelimit-* for the answer
+
+
+def _granted(principal: Principal, count: int, tokens: int, reset_s: float) -> dict[str, str]:
+    """OpenAI's x-ratelimit-* headers for an admitted request: the key's limits, what is left of them in
+    the window (this request counted), and when the window's oldest request leaves it."""
+    headers = {}
+    reset = f"{max(0.0, reset_s):.3f}s"
+    if principal.rpm:
+        headers["x-ratelimit-limit-requests"] = str(principal.rpm)
+        headers["x-ratelimit-remaining-requests"] = str(max(0, principal.rpm - count))
+        headers["x-ratelimit-reset-requests"] = reset
+    if principal.tpm:
+        headers["x-ratelimit-limit-tokens"] = str(principal.tpm)
+        headers["x-ratelimit-remaining-tokens"] = str(max(0, principal.tpm - tokens))
+        headers["x-ratelimit-reset-tokens"] = reset
+    return headers
 
 
 class Limiter(Protocol):
@@ -133,7 +150,8 @@ class MemoryLimiter:
         live[entry] = tokens
         w.tokens += tokens
         w.in_flight += 1
-        return Reservation(principal.key_id, entry, tokens)
+        headers = _granted(principal, count + 1, w.tokens, entries[0][0] + self._window - now)
+        return Reservation(principal.key_id, entry, tokens, headers)
 
     async def settle(self, reservation: Reservation, actual_tokens: int) -> None:
         w = self._keys.get(reservation.key_id)
@@ -185,7 +203,8 @@ redis.call('HINCRBY', KEYS[2], 'tokens', tokens)
 redis.call('HINCRBY', KEYS[2], 'inflight', 1)
 redis.call('PEXPIRE', KEYS[1], window * 10)
 redis.call('PEXPIRE', KEYS[2], window * 10)
-return {1, 'ok', 0, count + 1, sum + tokens}
+local first = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
+return {1, 'ok', tonumber(first[2]) + window - now, count + 1, sum + tokens}
 """
 
 _SETTLE = """
@@ -253,6 +272,7 @@ class RedisLimiter:
         if not ok:
             what = what.decode() if isinstance(what, bytes) else what
             raise _refusal(principal, what, int(retry_ms) / 1000, int(count), int(held))
+        reservation.headers.update(_granted(principal, int(count), int(held), int(retry_ms) / 1000))
         return reservation
 
     async def settle(self, reservation: Reservation, actual_tokens: int) -> None:

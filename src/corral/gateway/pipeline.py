@@ -125,6 +125,8 @@ class Pipeline:
             self._record(ctx, principal, exc.status)
             raise
         reservation = await self.admit(ctx, principal)
+        if reservation is not None and reservation.headers:
+            ctx.headers.update(reservation.headers)
         status = 500
         try:
             response = await answer(ctx, principal, request)
