@@ -72,7 +72,5 @@ def test_top_shows_replicas_and_live_rates(sims: RunningCluster) -> None:
 def test_top_without_a_gateway_is_one_line(tmp_path: Path) -> None:
     result = top("http://127.0.0.1:9", "--iterations", "1")
     assert result.returncode == 1
-    said = result.stderr.splitlines()
-    assert said[0] == "gateway: http://127.0.0.1:9 (from --url)"
-    assert len(said) == 2 and said[1].startswith("error: no corral gateway answers at http://127.0.0.1:9")
+    assert result.stderr.startswith("error: no corral gateway answers at http://127.0.0.1:9")
     assert "Traceback" not in result.stderr

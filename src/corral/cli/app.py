@@ -152,12 +152,13 @@ UrlOption = Annotated[
 
 def gateway_url(given: str | None, spec_file: Path | None = None) -> str:
     """The gateway a command talks to: `--url`, else the spec's `gateway` section (with -f), else
-    $CORRAL_URL, else $OPENAI_BASE_URL, else the default; said on stderr with where it came from."""
+    $CORRAL_URL, else $OPENAI_BASE_URL, else the default; said on stderr with where it came from unless
+    given with --url."""
     from corral.config import DEFAULT_GATEWAY_URL, gateway_url_from_env
 
     if given:
-        url, source = given, "--url"
-    elif spec_file is not None and (from_spec := _spec_url(spec_file)) is not None:
+        return given.rstrip("/")
+    if spec_file is not None and (from_spec := _spec_url(spec_file)) is not None:
         url, source = from_spec, f"the gateway section of {spec_file}"
     elif (found := gateway_url_from_env()) is not None:
         url, source = found
