@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -236,9 +237,12 @@ async def test_a_request_without_max_tokens_reserves_all_the_model_may_generate(
             async with session.post(url, json=body, headers=headers) as answer:
                 refused = await answer.json()
                 assert (answer.status, refused["error"]["code"]) == (429, "insufficient_quota")
-                assert "without max_tokens" in refused["error"]["message"]
+                assert "max_tokens is not set" in refused["error"]["message"]
             async with session.post(url, json={**body, "max_tokens": 40}, headers=headers) as answer:
                 assert answer.status == 200
+            async with session.post(url, json={**body, "max_tokens": 990}, headers=headers) as answer:
+                refused = (await answer.json())["error"]["message"]  # 45 used: what fits is said
+                assert answer.status == 429 and re.search(r"\(9\d\d left\).*at most 9\d\d for it to fit", refused)
     finally:
         await server.stop()
         await upstream.stop()

@@ -125,9 +125,12 @@ class BudgetTracker:
         self._settling: set[asyncio.Task[None]] = set()
         self._redis_down_logged = 0.0
 
-    async def reserve(self, principal: Principal, tokens: int) -> BudgetHold | None:
-        """Reserve `tokens` of the key's monthly budget for a request; the hold (None for a key without a
-        budget) is handed back to `settle`. Raises RateLimited when they do not fit."""
+    async def reserve(
+        self, principal: Principal, tokens: int, prompt: int = 0, open_ended: bool = False
+    ) -> BudgetHold | None:
+        """Reserve `tokens` of the key's monthly budget for a request (its `prompt`'s estimate and its
+        output: max_tokens, or all the model may generate when `open_ended`); the hold (None for a key
+        without a budget) is handed back to `settle`. Raises RateLimited, saying what would fit."""
         budget, key = principal.monthly_token_budget, principal.key_id
         if budget is None or key is None:
             return None
@@ -141,11 +144,11 @@ class BudgetTracker:
                 self._redis_down(exc)
             else:
                 if not ok:
-                    raise _refusal(used, budget, tokens)
+                    raise _refusal(used, budget, tokens, prompt, open_ended)
                 return BudgetHold(tokens, entry)
         used = known + self._reserved.get(key, 0)  # (no await after this read)
         if used + tokens > budget:
-            raise _refusal(used, budget, tokens)
+            raise _refusal(used, budget, tokens, prompt, open_ended)
         self._reserved[key] = self._reserved.get(key, 0) + tokens
         return BudgetHold(tokens)
 
@@ -238,14 +241,21 @@ class BudgetTracker:
             )
 
 
-def _refusal(used: int, budget: int, tokens: int) -> RateLimited:
+def _refusal(used: int, budget: int, tokens: int, prompt: int, open_ended: bool) -> RateLimited:
     now = datetime.now(UTC)
     next_month = (now.replace(day=28) + (now.replace(day=28) - now.replace(day=1))).replace(
         day=1, hour=0, minute=0, second=0, microsecond=0
     )
+    left = max(0, budget - used)
+    output = "all the model may generate (max_tokens is not set)" if open_ended else "max_tokens"
+    advice = (
+        f"Set max_tokens to at most {left - prompt:,} for it to fit."
+        if left > prompt
+        else "Its prompt alone needs more than is left."
+    )
     return RateLimited(
-        f"This key has used or reserved {used:,} of its {budget:,} tokens this month; this request needs up "
-        f"to {tokens:,} (its prompt and max_tokens; without max_tokens, all the model may generate).",
+        f"This key has used or reserved {used:,} of its {budget:,} tokens this month ({left:,} left); this "
+        f"request may need {tokens:,}: its prompt (about {prompt:,}) and {output}. {advice}",
         code="insufficient_quota",
         retry_after=(next_month - now).total_seconds(),
     )

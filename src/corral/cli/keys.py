@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from datetime import UTC, datetime
 from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
@@ -16,6 +17,8 @@ from corral.cli.app import FlagsCommand, FlagsGroup, app, console, fail
 
 if TYPE_CHECKING:  # the store imports SQLAlchemy: only when a command needs it
     from corral.store import KeyRecord, KeyStore, UsageStore
+
+_WHEN = ["%Y-%m-%d", "%Y-%m-%dT%H:%M", "%Y-%m-%dT%H:%M:%S", "%Y-%m-%d %H:%M"]  # --since/--until
 
 __all__ = ["keys_app"]
 
@@ -118,10 +121,11 @@ def list_keys(
     as_json: JsonOption = False,
 ) -> None:
     """List keys (never their secrets)."""
-    keys, _ = _stores(file, store)
+    keys, usage_store = _stores(file, store)
     records = keys.list(include_revoked)
+    used = usage_store.month_tokens_by_key()
     if as_json:
-        print(json.dumps([r.to_dict() for r in records], indent=2))
+        print(json.dumps([{**r.to_dict(), "month_tokens": used.get(r.id, 0)} for r in records], indent=2))
         return
     table = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False, padding=0)
     for column in ("id", "secret", "tenant", "models", "rpm", "tpm", "conc.", "prio.", "budget", "state"):
@@ -136,7 +140,7 @@ def list_keys(
             _n(r.tpm),
             _n(r.max_concurrency),
             r.priority,
-            _n(r.monthly_token_budget),
+            _budget(r.monthly_token_budget, used.get(r.id, 0)),
             "revoked" if r.revoked_at else "active",
         )
     Console().print(table)
@@ -144,34 +148,36 @@ def list_keys(
 
 @keys_app.command("show", cls=FlagsCommand)
 def show(
-    key_id: Annotated[str, typer.Argument(help="the key's id (from `corral keys list`)")],
+    key_id: Annotated[
+        str, typer.Argument(help="the key's id, or the start of it or of its secret (as `keys list` shows)")
+    ],
     file: SpecOption = None,
     store: StoreOption = None,
     as_json: JsonOption = False,
 ) -> None:
-    """Show one key."""
-    keys, _ = _stores(file, store)
-    record = keys.get(key_id)
-    if record is None:
-        fail(f"no key with id {key_id}")
+    """Show one key, with what it used of its monthly budget."""
+    keys, usage_store = _stores(file, store)
+    record = _one_key(keys, key_id)
+    used = usage_store.month_tokens(record.id)
     if as_json:
-        print(json.dumps(record.to_dict(), indent=2))
+        print(json.dumps({**record.to_dict(), "month_tokens": used}, indent=2))
         return
-    Console().print(_key_table(record))
+    Console().print(_key_table(record, used))
 
 
 @keys_app.command("revoke", cls=FlagsCommand)
 def revoke(
-    key_id: Annotated[str, typer.Argument(help="the key's id (from `corral keys list`)")],
+    key_id: Annotated[
+        str, typer.Argument(help="the key's id, or the start of it or of its secret (as `keys list` shows)")
+    ],
     file: SpecOption = None,
     store: StoreOption = None,
     as_json: JsonOption = False,
 ) -> None:
     """Revoke a key: gateways refuse it within their key-cache TTL (auth.cache_ttl)."""
     keys, _ = _stores(file, store)
-    before = keys.get(key_id)
-    if before is None:
-        fail(f"no key with id {key_id}")
+    before = _one_key(keys, key_id)
+    key_id = before.id
     record = keys.revoke(key_id) if before.revoked_at is None else before
     assert record is not None and record.revoked_at is not None
     if as_json:
@@ -185,32 +191,65 @@ def revoke(
 @app.command("usage", cls=FlagsCommand)
 def usage(
     by: Annotated[UsageBy, typer.Option(help="how to group the report")] = UsageBy.key,
+    since: Annotated[
+        datetime | None,
+        typer.Option(
+            help="from this day or time (UTC), e.g. 2026-12-01", formats=_WHEN, metavar="YYYY-MM-DD[THH:MM]"
+        ),
+    ] = None,
+    until: Annotated[
+        datetime | None,
+        typer.Option(
+            help="up to (not including) this day or time (UTC)", formats=_WHEN, metavar="YYYY-MM-DD[THH:MM]"
+        ),
+    ] = None,
     file: SpecOption = None,
     store: StoreOption = None,
     as_json: JsonOption = False,
 ) -> None:
-    """Report recorded usage: requests, tokens, errors and latency by key, tenant, model or day."""
+    """Report recorded usage: requests, tokens, refusals (429), errors and latency by key, tenant, model
+    or day."""
     _, usage_store = _stores(file, store)
-    rows = usage_store.report(str(by))
+    rows = usage_store.report(str(by), _utc(since), _utc(until))
     if as_json:
         print(json.dumps(rows, indent=2))
         return
     table = Table(title=f"usage by {by}", box=box.SIMPLE_HEAD, pad_edge=False)
-    for column in (str(by), "requests", "input tokens", "output tokens", "errors", "mean latency"):
-        table.add_column(column, justify="left" if column == by else "right")
+    first = [str(by), "tenant", "name"] if by == UsageBy.key else [str(by)]
+    for column in (*first, "requests", "input tokens", "output tokens", "refused", "errors", "mean latency"):
+        table.add_column(column, justify="left" if column in first else "right")
     for row in rows:
         table.add_row(
-            str(row[str(by)]),
+            *(str(row[c] if row[c] not in (None, "") else "-") for c in first),
             f"{row['requests']:,}",
             f"{row['input_tokens']:,}",
             f"{row['output_tokens']:,}",
+            f"{row['refused']:,}",
             f"{row['errors']:,}",
             f"{row['mean_latency_ms']:,.0f} ms",
         )
     Console().print(table)
 
 
-def _key_table(record: KeyRecord) -> Table:
+def _utc(when: datetime | None) -> datetime | None:
+    return when.replace(tzinfo=UTC) if when is not None and when.tzinfo is None else when
+
+
+def _one_key(keys: KeyStore, ref: str) -> KeyRecord:
+    found = keys.find(ref)
+    if not found:
+        fail(f"no key with id {ref}, nor one whose id or secret starts with it (see `corral keys list`)")
+    if len(found) > 1:
+        fail(f"{ref} names {len(found)} keys ({', '.join(k.id for k in found)}): give more of it")
+    return found[0]
+
+
+def _budget(budget: int | None, used: int) -> str:
+    """A monthly budget and what this month used of it: 12k/1M."""
+    return "-" if budget is None else f"{_n(used) if used else 0}/{_n(budget)}"
+
+
+def _key_table(record: KeyRecord, used: int) -> Table:
     table = Table(box=None, show_header=False, pad_edge=False)
     table.add_column(style="bold")
     table.add_column()
@@ -220,6 +259,9 @@ def _key_table(record: KeyRecord) -> Table:
         else:
             shown = "-" if value in (None, "") else value
         table.add_row(field, str(shown))
+    budget = record.monthly_token_budget
+    share = f" ({used / budget:.0%} of monthly_token_budget)" if budget else ""
+    table.add_row("used this month", f"{used:,} tokens{share}")
     return table
 
 

@@ -153,7 +153,12 @@ class Pipeline:
                 ctx = self._context(raw, path, kind, None)
             principal.check_model(ctx.model)
             self._isolation.apply(ctx, principal.tenant)
-            ctx.budgeted = await self._budget.reserve(principal, ctx.budget_tokens or ctx.route.tokens)
+            ctx.budgeted = await self._budget.reserve(
+                principal,
+                ctx.budget_tokens or ctx.route.tokens,
+                ctx.route.prompt_tokens,
+                ctx.budget_tokens is not None,
+            )
         except APIError as exc:
             return exc.status, exc.to_json()
         status = 500
@@ -417,7 +422,12 @@ class Pipeline:
     async def admit(self, ctx: RequestContext, principal: Principal) -> Reservation | None:
         """Reserve the request and its tokens (input estimate + max output) before any work starts."""
         try:
-            ctx.budgeted = await self._budget.reserve(principal, ctx.budget_tokens or ctx.route.tokens)
+            ctx.budgeted = await self._budget.reserve(
+                principal,
+                ctx.budget_tokens or ctx.route.tokens,
+                ctx.route.prompt_tokens,
+                ctx.budget_tokens is not None,
+            )
             limiter = ctx.limiter = self._limits.limiter  # settled by the same, even if replaced live
             try:
                 return await limiter.reserve(principal, ctx.route.tokens)

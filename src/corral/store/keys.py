@@ -146,6 +146,28 @@ class KeyStore:
             row = session.get(ApiKeyRow, key_id)
             return _record(row) if row is not None else None
 
+    def find(self, ref: str) -> list[KeyRecord]:
+        """The keys `ref` names: its id, else ids starting with it, else keys whose secret starts with it
+        as `keys list` shows it (`sk-corral-W3nhr2`, `W3nhr2…`). One match is the key; several: ambiguous."""
+        if (exact := self.get(ref)) is not None:
+            return [exact]
+        ref = ref.strip().removesuffix("…")
+        if len(ref) < 4:  # too short to name a key
+            return []
+        secret = ref if ref.startswith(_SECRET_PREFIX) else _SECRET_PREFIX + ref
+        with Session(self._engine) as session:
+            rows = (
+                session.scalars(
+                    select(ApiKeyRow).where(ApiKeyRow.id.startswith(ref, autoescape=True)).limit(10)
+                ).all()
+                or session.scalars(
+                    select(ApiKeyRow)
+                    .where(ApiKeyRow.prefix.startswith(secret[: len(_SECRET_PREFIX) + 6], autoescape=True))
+                    .limit(10)
+                ).all()
+            )
+            return [_record(row) for row in rows]
+
     def list(self, include_revoked: bool = False) -> list[KeyRecord]:
         with Session(self._engine) as session:
             query = select(ApiKeyRow).order_by(ApiKeyRow.created_at)

@@ -11,7 +11,7 @@ from sqlalchemy import Engine, func, select
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
-from corral.store.schema import Base, StoreError, UsageRow
+from corral.store.schema import ApiKeyRow, Base, StoreError, UsageRow
 
 __all__ = ["UsageRecord", "UsageStore"]
 
@@ -83,8 +83,12 @@ class UsageStore:
             found = self._statements[rows] = self._prefix + ",".join([self._row_marks] * rows)
         return found
 
-    def report(self, by: str, since: datetime | None = None) -> list[dict[str, object]]:
-        """Totals grouped by `key`, `model`, `tenant` or `day`."""
+    def report(
+        self, by: str, since: datetime | None = None, until: datetime | None = None
+    ) -> list[dict[str, object]]:
+        """Totals grouped by `key` (with its tenant and name), `model`, `tenant` or `day`, of the records
+        from `since` up to `until` (either None: unbounded). `refused` counts 429s (limits, budgets, queue
+        shares): the key was told no, nothing failed; `errors` every other status from 400 up."""
         columns = {
             "key": (UsageRow.key_id,),
             "tenant": (UsageRow.tenant,),
@@ -94,13 +98,17 @@ class UsageStore:
         if by not in columns:
             raise ValueError(f"group by one of {', '.join(columns)}")
         group = columns[by]
+        status_type = UsageRow.status.type
         query = (
             select(
                 *group,
                 func.count().label("requests"),
                 func.sum(UsageRow.input_tokens).label("input_tokens"),
                 func.sum(UsageRow.output_tokens).label("output_tokens"),
-                func.sum(func.cast(UsageRow.status >= 400, type_=UsageRow.status.type)).label("errors"),
+                func.sum(
+                    func.cast((UsageRow.status >= 400) & (UsageRow.status != 429), type_=status_type)
+                ).label("errors"),
+                func.sum(func.cast(UsageRow.status == 429, type_=status_type)).label("refused"),
                 func.avg(UsageRow.latency_ms).label("mean_latency_ms"),
             )
             .group_by(*group)
@@ -108,19 +116,45 @@ class UsageStore:
         )
         if since is not None:
             query = query.where(UsageRow.at >= since)
+        if until is not None:
+            query = query.where(UsageRow.at < until)
         with Session(self._engine) as session:
             rows = session.execute(query).all()
+            names = self._key_names(session, [r[0] for r in rows]) if by == "key" else {}
         return [
             {
                 by: str(r[0]) if r[0] is not None else None,
+                **(names.get(r[0], {"tenant": None, "name": None}) if by == "key" else {}),
                 "requests": r.requests,
                 "input_tokens": int(r.input_tokens or 0),
                 "output_tokens": int(r.output_tokens or 0),
                 "errors": int(r.errors or 0),
+                "refused": int(r.refused or 0),
                 "mean_latency_ms": round(float(r.mean_latency_ms or 0), 1),
             }
             for r in rows
         ]
+
+    @staticmethod
+    def _key_names(session: Session, ids: list[Any]) -> dict[Any, dict[str, object]]:
+        found = session.execute(
+            select(ApiKeyRow.id, ApiKeyRow.tenant, ApiKeyRow.name).where(
+                ApiKeyRow.id.in_([i for i in ids if i])
+            )
+        ).all()
+        return {row.id: {"tenant": row.tenant, "name": row.name} for row in found}
+
+    def month_tokens_by_key(self, now: datetime | None = None) -> dict[str, int]:
+        """Input + output tokens each key used this calendar month (UTC)."""
+        now = now or datetime.now(UTC)
+        start = now.replace(day=1, hour=0, minute=0, second=0, microsecond=0)
+        query = (
+            select(UsageRow.key_id, func.sum(UsageRow.input_tokens + UsageRow.output_tokens))
+            .where(UsageRow.at >= start, UsageRow.key_id.is_not(None))
+            .group_by(UsageRow.key_id)
+        )
+        with Session(self._engine) as session:
+            return {str(key): int(tokens or 0) for key, tokens in session.execute(query).all()}
 
     def month_tokens(self, key_id: str, now: datetime | None = None) -> int:
         """Input + output tokens a key used this calendar month (UTC)."""

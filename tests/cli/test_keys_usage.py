@@ -1,0 +1,68 @@
+"""What an operator reads of keys and usage: a key's budget use in `keys list/show`, `keys show` taking
+the prefix `keys list` shows, `corral usage --by key` naming tenant and key name, 429s counted as refusals
+rather than errors, and a date range."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from corral.cli import app
+from corral.store import UsageRecord, UsageStore, open_database
+
+
+def run(*args: str) -> tuple[int, str]:
+    done = CliRunner().invoke(app, list(args), env={"COLUMNS": "160"})
+    return done.exit_code, done.output
+
+
+def test_budget_use_prefixes_names_refusals_and_dates(tmp_path: Path) -> None:
+    store = f"sqlite:///{tmp_path / 'c.db'}"
+    code, out = run(
+        "keys",
+        "create",
+        "--tenant",
+        "acme",
+        "--name",
+        "ci-bot",
+        "--monthly-tokens",
+        "1000",
+        "--store",
+        store,
+        "--json",
+    )
+    assert code == 0, out
+    made = json.loads(out[out.index("{") :])
+    now = datetime.now(UTC)
+    UsageStore(open_database(store)).write(
+        [
+            UsageRecord(now, made["id"], "acme", "m", 100, 150, 5.0, 90.0, 200, "r0"),
+            UsageRecord(now, made["id"], "acme", "m", 0, 0, None, 1.0, 429, None),
+            UsageRecord(now, made["id"], "acme", "m", 10, 0, None, 3.0, 502, "r0"),
+        ]
+    )
+    code, out = run("keys", "list", "--store", store)
+    assert code == 0 and "260/1k" in out, out  # used this month / budget
+    shown_prefix = made["prefix"].removeprefix("sk-corral-") + "…"  # as `keys list` shows it
+    for ref in (made["id"], made["id"][:6], shown_prefix, made["prefix"]):
+        code, out = run("keys", "show", ref, "--store", store)
+        assert code == 0 and made["id"] in out and "260 tokens (26% of monthly_token_budget)" in out, (
+            ref,
+            out,
+        )
+    code, out = run("keys", "show", "zzzzzz", "--store", store)
+    assert code == 1 and "no key with id zzzzzz" in out
+    code, out = run("usage", "--by", "key", "--store", store, "--json")
+    (row,) = json.loads(out)
+    assert (row["key"], row["tenant"], row["name"]) == (made["id"], "acme", "ci-bot")
+    assert (row["requests"], row["refused"], row["errors"]) == (3, 1, 1)  # the 429 is a refusal
+    code, out = run("usage", "--by", "key", "--store", store)
+    assert code == 0 and made["id"] in out and "ci-bot" in out and "refused" in out, out
+    tomorrow = (now + timedelta(days=1)).strftime("%Y-%m-%d")
+    code, out = run("usage", "--store", store, "--since", tomorrow, "--json")
+    assert code == 0 and json.loads(out) == []
+    code, out = run("usage", "--store", store, "--until", tomorrow, "--json")
+    assert code == 0 and len(json.loads(out)) == 1
