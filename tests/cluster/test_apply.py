@@ -111,7 +111,7 @@ def test_apply_adds_removes_and_scales_without_failing_a_request(tmp_path: Path)
         grown = apply(cluster, spec(tmp_path, "grow.yaml", alpha=3, beta=True))
         assert grown.returncode == 0, grown.stderr
         assert "add_model: beta" in grown.stderr
-        assert "scale_up: alpha (deployment 0, 1 replicas)" in grown.stderr
+        assert "scale_up: alpha (deployment 0: 1 replica added, 3 now)" in grown.stderr
         want = {"alpha-0": "ready", "alpha-1": "ready", "alpha-2": "ready", "beta-0": "ready"}
         wait_for(lambda: replicas(cluster) == want, "the new replicas became ready")
         assert gpus(cluster) == {"alpha-0": "0", "alpha-1": "1", "alpha-2": "2", "beta-0": "0"}
@@ -125,7 +125,7 @@ def test_apply_adds_removes_and_scales_without_failing_a_request(tmp_path: Path)
         shrunk = apply(cluster, spec(tmp_path, "shrink.yaml", alpha=1, beta=False))
         assert shrunk.returncode == 0, shrunk.stderr
         assert "remove_model: beta" in shrunk.stderr
-        assert "scale_down: alpha (deployment 0, 2 replicas)" in shrunk.stderr
+        assert "scale_down: alpha (deployment 0: 2 replicas drained, 1 left)" in shrunk.stderr
         assert replicas(cluster) == {"alpha-0": "ready"}  # the newest were drained, the oldest kept
         assert models(cluster) == {"alpha"}
         regrown = apply(cluster, spec(tmp_path, "regrow.yaml", alpha=2, beta=False))
@@ -140,7 +140,7 @@ def test_apply_adds_removes_and_scales_without_failing_a_request(tmp_path: Path)
         policy = spec(tmp_path, "policy.yaml", alpha=1, beta=False)
         policy.write_text(policy.read_text().replace("routing: round_robin", "routing: power_of_two"))
         changed = apply(cluster, policy)
-        assert changed.returncode == 0 and "settings: alpha" in changed.stderr, changed.stderr
+        assert changed.returncode == 0 and "settings: alpha (routing)" in changed.stderr, changed.stderr
         assert get_json(cluster.url + "/admin/routing")[1]["policies"]["alpha"] == "power_of_two"
         assert replicas(cluster) == {"alpha-0": "ready"}  # a live setting: no replica changed
         refused = apply(cluster, spec(tmp_path, "gateway.yaml", alpha=1, beta=False, read_timeout=60))

@@ -113,6 +113,7 @@ def test_rolling_update_gate_and_rollback_under_load(tmp_path: Path) -> None:
         events = [e["message"] for e in cluster.status()["events"]]
         assert any("passed the gate" in m for m in events) and any("step 1: 33%" in m for m in events)
 
+        revisions = []
         for name, gate, args, why in (
             ("gate.yaml", FAILS, "", "failed the gate: golden eval 'impossible': expected exactly"),
             ("broken.yaml", PASSES, ", engine_args: [--no-such-flag]", "cannot start"),
@@ -122,8 +123,12 @@ def test_rolling_update_gate_and_rollback_under_load(tmp_path: Path) -> None:
             state = until_phase(cluster, "smollm2", {"completed", "rolled_back"})
             assert state["phase"] == "rolled_back" and why in state["message"], state
             assert replicas(cluster) == new  # the old replicas were never touched
+            revisions.append(state["revision"])
+        assert revisions == [2, 3]  # a rolled-back attempt's number is not used again
         shown = corral("rollout", "status", "smollm2", "--url", cluster.url)
         assert "rolled_back" in shown.stderr and "cannot start" in shown.stderr, shown.stderr
+        followed = corral("rollout", "status", "smollm2", "--follow", "--url", cluster.url)
+        assert followed.returncode == 1 and "revision 3" in followed.stderr, followed.stderr
     finally:
         load.stop()
         cluster.stop()

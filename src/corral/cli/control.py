@@ -120,12 +120,11 @@ def apply(
     if not changes:
         console.print("nothing to change: the cluster already runs this spec", markup=False)
     for change in changes:
-        count = (
-            f" (deployment {change['deployment']}, {change['replicas']} replicas)"
-            if change["replicas"]
-            else ""
-        )
-        console.print(f"{change['action']}: {change['model']}{count}", markup=False, highlight=False)
+        detail = change.get("detail") or ""
+        if change["replicas"]:  # scale_up, scale_down: which deployment, how many, how many now
+            detail = f"deployment {change['deployment']}: {detail}"
+        said = f"{change['action']}: {change['model']}" + (f" ({detail})" if detail else "")
+        console.print(said, markup=False, highlight=False, soft_wrap=True)
         if change["action"] == "rollout":
             console.print(
                 f"  the rollout runs on: corral rollout status {change['model']} --url {url}",
@@ -182,11 +181,20 @@ def rollout_status(
     model: Annotated[str | None, typer.Argument(help="one model (default: all)")] = None,
     url: UrlOption = None,
     as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
+    follow: Annotated[
+        bool, typer.Option("--follow", help="print the rollout's changes until it completes or rolls back")
+    ] = False,
     admin_key: AdminKeyOption = None,
     ca_cert: CaCertOption = None,
 ) -> None:
-    """Each model's latest rollout: phase, traffic share, step, last message."""
+    """Each model's latest rollout: phase, traffic share, step, last message. With --follow, one model's
+    rollout line by line as it changes until it completes (exit 0) or rolls back (exit 1)."""
     url = gateway_url(url)
+    if follow:
+        if model is None:
+            fail("--follow watches one model's rollout: name it", 2)
+        _follow_rollout(url, model, admin_key, ca_cert)
+        return
     rollouts = _call(url, "/admin/rollouts", admin_key, ca_cert)["rollouts"]
     if model is not None:
         if model not in rollouts:
@@ -199,6 +207,23 @@ def rollout_status(
         console.print("no rollout has run", markup=False)
     for state in rollouts.values():
         console.print(_rollout_line(state), markup=False, highlight=False, soft_wrap=True)
+
+
+def _follow_rollout(url: str, model: str, admin_key: str | None, ca_cert: Path | None) -> None:
+    said = None
+    while True:
+        state = _call(url, "/admin/rollouts", admin_key, ca_cert)["rollouts"].get(model)
+        if state is None:
+            fail(f"no rollout of model {model!r} has run")
+        line = _rollout_line(state)
+        if line != said:
+            console.print(line, markup=False, highlight=False, soft_wrap=True)
+            said = line
+        if state["phase"] in ("completed", "rolled_back"):
+            if state["phase"] == "rolled_back":
+                raise typer.Exit(1)
+            return
+        time.sleep(1.0)
 
 
 def _rollout_action(action: str, model: str, url: str, admin_key: str | None, ca_cert: Path | None) -> None:

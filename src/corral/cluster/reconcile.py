@@ -50,9 +50,16 @@ class Change:
     model: str
     group: int = 0  # the deployment's index in the model's `deployments`
     count: int = 0  # replicas added or removed
+    detail: str = ""  # what changed, in words ("1 replica added, 2 now"; "routing, cache")
 
     def as_dict(self) -> dict[str, object]:
-        return {"action": self.action, "model": self.model, "deployment": self.group, "replicas": self.count}
+        return {
+            "action": self.action,
+            "model": self.model,
+            "deployment": self.group,
+            "replicas": self.count,
+            "detail": self.detail,
+        }
 
 
 def plan_changes(running: ClusterSpec, wanted: ClusterSpec) -> list[Change]:
@@ -85,8 +92,8 @@ def plan_changes(running: ClusterSpec, wanted: ClusterSpec) -> list[Change]:
         elif _deployed(old) != _deployed(model):
             changes.append(Change("rollout", name))
         else:
-            if _live(old) != _live(model):
-                changes.append(Change("settings", name))
+            if changed := _live_changes(old, model):
+                changes.append(Change("settings", name, detail=", ".join(changed)))
             changes += _count_changes(old, model)
     return changes
 
@@ -97,9 +104,13 @@ def _count_changes(old: ModelSpec, new: ModelSpec) -> list[Change]:
         if now.autoscale is not None:
             continue  # the autoscaler keeps the count within the (new) bounds
         if now.replicas > was.replicas:
-            changes.append(Change("scale_up", new.name, group, now.replicas - was.replicas))
+            more = now.replicas - was.replicas
+            detail = f"{more} {_replicas(more)} added, {now.replicas} now"
+            changes.append(Change("scale_up", new.name, group, more, detail))
         elif now.replicas < was.replicas:
-            changes.append(Change("scale_down", new.name, group, was.replicas - now.replicas))
+            fewer = was.replicas - now.replicas
+            detail = f"{fewer} {_replicas(fewer)} drained, {now.replicas} left"
+            changes.append(Change("scale_down", new.name, group, fewer, detail))
     return changes
 
 
@@ -118,11 +129,20 @@ def deployed_digest(model: ModelSpec) -> str:
     return hashlib.sha256(orjson.dumps(_deployed(model), option=orjson.OPT_SORT_KEYS)).hexdigest()[:16]
 
 
-def _live(model: ModelSpec) -> dict[str, Any]:
-    return {
-        "model": model.model_dump(include=set(_LIVE_MODEL_FIELDS)),
-        "autoscale": [d.autoscale for d in model.deployments],
-    }
+def _live_changes(old: ModelSpec, new: ModelSpec) -> list[str]:
+    """The live settings that differ (field names; `autoscale` for any deployment's)."""
+    was, now = (
+        old.model_dump(include=set(_LIVE_MODEL_FIELDS)),
+        new.model_dump(include=set(_LIVE_MODEL_FIELDS)),
+    )
+    changed = [name for name in sorted(_LIVE_MODEL_FIELDS) if was.get(name) != now.get(name)]
+    if [d.autoscale for d in old.deployments] != [d.autoscale for d in new.deployments]:
+        changed.append("autoscale")
+    return changed
+
+
+def _replicas(count: int) -> str:
+    return "replica" if count == 1 else "replicas"
 
 
 class Reconciler:
@@ -149,6 +169,7 @@ class Reconciler:
         self.autoscaler = Autoscaler(supervisor, pressure or (lambda: {}))
         self._rollouts: dict[str, Rollout] = {}
         self._previous: dict[str, ModelSpec] = {}  # each model's spec before its latest rollout
+        self._revisions: dict[str, int] = {}  # each model's latest rollout's revision (rolled back or not)
         self._tasks: set[asyncio.Task[Any]] = set()
 
     def start(self, prepared: list[tuple[str, EngineAdapter, list[LaunchPlan]]]) -> None:
@@ -316,7 +337,10 @@ class Reconciler:
 
     def _start_rollout(self, old: ModelSpec, new: ModelSpec, units: Units, grace_s: float) -> None:
         members = self._supervisor.members(new.name)
-        revision = max((r.revision for r in members), default=0) + 1
+        # a number never used before: a rolled-back attempt's revision is not the next one's
+        revision = max((r.revision for r in members), default=0)
+        revision = max(revision, self._revisions.get(new.name, 0)) + 1
+        self._revisions[new.name] = revision
         wanted, spares = units
         rollout = Rollout(self._supervisor, new.name, wanted, new.rollout, revision, grace_s, spares)
         self._rollouts[new.name] = rollout

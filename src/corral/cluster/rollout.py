@@ -177,7 +177,8 @@ class Rollout:
             if capped:  # a new replica among the old ones takes at most its share by count
                 share = min(share, len(new) / (len(new) + len(old)))
             self._replicas.splits[self.model] = TrafficSplit(self.revision, share)
-            self._publish(phase="shifting", share=share, step=step, message=f"{share:.0%} of traffic")
+            steps = len(self._policy.steps)
+            self._publish(phase="shifting", share=share, step=step, message=f"step {step} of {steps}")
             self._event(f"step {step}: {share:.0%} of traffic to revision {self.revision}")
             await self._watch(new, old, self._policy.step_s)
 
