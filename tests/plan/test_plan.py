@@ -257,3 +257,32 @@ def test_when_nothing_fits_the_smallest_change_that_would_is_named() -> None:
         "--model", "llama-3.1-70b", "--gpu", "h100-sxm", "--gpus", "2", "--context", "131072",
     )  # fmt: skip
     assert code == 1 and "fits at max_model_len ≤ 6144" in data["reason"]
+
+
+def test_when_no_layout_meets_the_objective_it_says_so_names_the_closest_and_exits_1() -> None:
+    """It listed three layouts that all missed, exited 0 and said nothing (`reason` null)."""
+    code, out = run_plan(
+        "--model", "llama-3.1-70b", "--gpu", "l4", "--concurrency", "64",
+        "--ttft-p95-ms", "50", "--max-gpus", "8",
+    )  # fmt: skip
+    assert code == 1 and out["fits"] is True and out["meets_slo"] is False
+    first = out["layouts"][0]
+    assert out["reason"].startswith("no layout meets TTFT p95 ≤ 50 ms at this load; the closest is")
+    assert f"{first['gpus']}× l4" in out["reason"] and "--max-gpus" in out["reason"]
+    code, met = run_plan("--model", "llama-3.1-8b", "--gpu", "l40s", "--ttft-p95-ms", "100000")
+    assert code == 0 and met["meets_slo"] is True and met["reason"] is None
+
+
+def test_the_api_compared_with_is_of_the_models_class_and_all_gpus_sort_by_token_price() -> None:
+    """A 70B model was priced against gpt-4o-mini, a small model's API."""
+    _, small = run_plan("--model", "llama-3.1-8b", "--gpu", "l40s")
+    _, large = run_plan("--model", "llama-3.1-70b", "--gpu", "h100-sxm")
+    _, stated = run_plan("--model", "llama-3.1-70b", "--gpu", "h100-sxm", "--api", "gpt-4o")
+    assert (small["compared_with"], large["compared_with"], stated["compared_with"]) == (
+        "together-llama-3.1-8b",
+        "together-llama-3.1-70b",
+        "gpt-4o",
+    )
+    everything = plan(PlanRequest(model="llama-3.1-8b", limit=20), CATALOG, EFFICIENCY)
+    prices = [lay.cost.cost_per_million_tokens for lay in everything.layouts]
+    assert len({lay.gpu for lay in everything.layouts}) > 1 and prices == sorted(prices)

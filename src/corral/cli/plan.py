@@ -38,7 +38,12 @@ def plan_command(
     output_len: Annotated[int, typer.Option(help="output tokens per request")] = 256,
     ttft_p95_ms: Annotated[float | None, typer.Option(help="SLO: time to first token, p95 (ms)")] = None,
     itl_ms: Annotated[float | None, typer.Option(help="SLO: mean inter-token latency (ms)")] = None,
-    api: Annotated[str, typer.Option(help="hosted API to compare costs with")] = "gpt-4o-mini",
+    api: Annotated[
+        str | None,
+        typer.Option(
+            help="hosted API to compare costs with (default: one serving models of the model's size)"
+        ),
+    ] = None,
     max_gpus: Annotated[int, typer.Option(help="largest cluster to consider")] = 64,
     limit: Annotated[int, typer.Option(help="how many layouts to show")] = 5,
     as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
@@ -114,10 +119,12 @@ def plan_command(
             Console().print(explain_table(explained))
     if not result.fits:
         console.print(f"[red]does not fit:[/red] {escape(result.reason or '')}", soft_wrap=True)
+    elif result.reason:  # layouts, none meeting the objective: the closest is listed first
+        console.print(f"[red]misses the objective:[/red] {escape(result.reason)}", soft_wrap=True)
     if yaml_out is not None and result.fits:
         yaml_out.write_text(plan_yaml(result))
         console.print(f"wrote {yaml_out}")
-    if not result.fits:
+    if not result.fits or result.reason:
         raise typer.Exit(1)
 
 

@@ -18,6 +18,8 @@ def plan_json(result: PlanResult) -> dict[str, Any]:
     return {
         "fits": result.fits,
         "reason": result.reason,
+        "meets_slo": bool(result.layouts and result.layouts[0].meets_slo) if request.has_slo else None,
+        "compared_with": request.api,
         "model": result.model.name,
         "quantization": result.quant.name,
         "context": result.context,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from corral.perf import (
     BLOCK_SIZE,
@@ -55,7 +55,7 @@ class PlanRequest:
     output_len: int = 256
     ttft_p95_ms: float | None = None
     itl_ms: float | None = None
-    api: str = "gpt-4o-mini"
+    api: str | None = None  # the hosted API to compare costs with; None: one of the model's class
     max_gpus: int = 64
     gpu_memory_utilization: float = 0.9
     max_num_seqs: int = 256
@@ -107,6 +107,7 @@ class PlanResult:
 
 def plan(request: PlanRequest, catalog: Catalog, efficiency: Efficiency) -> PlanResult:
     model = catalog.models.get(request.model)
+    request = replace(request, api=api_for(request, model))
     quant = catalog.quantizations.get(request.quant or model.native_quant or "bf16")
     context = request.context or min(model.max_context, 8192)
     if context > model.max_context:
@@ -141,10 +142,47 @@ def plan(request: PlanRequest, catalog: Catalog, efficiency: Efficiency) -> Plan
             layout = _best_layout(request, catalog, efficiency, model, quant, context, gpu, tp, pp, misses)
             if layout is not None:
                 layouts.append(layout)
-    layouts.sort(key=lambda lay: (not lay.meets_slo, lay.cost.monthly_usd, lay.ttft_p95_ms))
+    # Across GPU classes the price of a token compares them; within one, the month's bill.
+    by_token = request.gpu == "all"
+    layouts.sort(
+        key=lambda lay: (
+            not lay.meets_slo,
+            lay.cost.cost_per_million_tokens if by_token else lay.cost.monthly_usd,
+            lay.ttft_p95_ms,
+        )
+    )
     if not layouts:
         return PlanResult(request, model, quant, context, reason=_why_nothing(request, misses))
-    return PlanResult(request, model, quant, context, layouts[: request.limit])
+    chosen = layouts[: request.limit]
+    if request.has_slo and not chosen[0].meets_slo:
+        return PlanResult(request, model, quant, context, chosen, reason=_why_missed(request, chosen[0]))
+    return PlanResult(request, model, quant, context, chosen)
+
+
+def api_for(request: PlanRequest, model: ModelArch) -> str:
+    """The hosted API to compare with: the one asked for, else one serving models of this one's class
+    (an 8B model against an 8B's price, a 70B against a 70B's; past that, a frontier API)."""
+    if request.api is not None:
+        return request.api
+    size = model.active_params_b or model.params_b
+    if size <= 20:
+        return "together-llama-3.1-8b"
+    return "together-llama-3.1-70b" if size <= 120 else "gpt-4o"
+
+
+def _why_missed(request: PlanRequest, closest: Layout) -> str:
+    """No layout meets the objective: which comes closest, and what to try."""
+    wanted = []
+    if request.ttft_p95_ms is not None:
+        wanted.append(f"TTFT p95 ≤ {request.ttft_p95_ms:g} ms")
+    if request.itl_ms is not None:
+        wanted.append(f"ITL ≤ {request.itl_ms:g} ms")
+    return (
+        f"no layout meets {' and '.join(wanted)} at this load; the closest is {closest.gpus}× {closest.gpu} "
+        f"({closest.tp}×{closest.pp}×{closest.replicas}): TTFT p95 {closest.ttft_p95_ms:,.0f} ms, ITL "
+        f"{closest.itl_ms:.1f} ms; try more GPUs (--max-gpus, now {request.max_gpus}), another GPU class "
+        "(--gpu all), a lower load, or shorter prompts"
+    )
 
 
 def _parallel_shapes(gpu: GPU, request: PlanRequest) -> Iterator[tuple[int, int]]:
@@ -250,7 +288,7 @@ def _layout(
         requests_per_s,
         request.input_len,
         request.output_len,
-        catalog.apis.get(request.api),
+        catalog.apis.get(request.api or ""),
     )
     return Layout(
         gpu=gpu.name,
