@@ -58,3 +58,14 @@ def test_required_options_are_marked() -> None:
         env={"COLUMNS": "120"},
     ).stdout
     assert "[required]" in shown and "--tenant" in shown
+
+
+def test_the_command_list_keeps_each_summary_on_its_own_line_where_it_fits() -> None:
+    """Docstrings' own line breaks showed in `corral --help` (apply's summary broke after "and")."""
+    shown = CliRunner().invoke(app, ["--help"], prog_name="corral", env={"COLUMNS": "220"}).output
+    for summary in (
+        "live settings, and rollouts of changed models, with no restart.",
+        "let its requests and streams finish, then stop it.",
+        "errors and latency by key, tenant, model or day.",
+    ):
+        assert any(summary in line for line in shown.splitlines()), summary

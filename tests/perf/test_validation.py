@@ -4,6 +4,7 @@ fits on the others only; `corral plan --validate` reports MAPE per GPU class."""
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import subprocess
@@ -12,6 +13,7 @@ from importlib import resources
 
 import pytest
 import yaml
+from rich.console import Console
 
 from corral.perf import load_catalog
 from corral.perf.calibration import fitted_document, stored_document
@@ -21,6 +23,7 @@ from corral.perf.timing import Efficiency, PerfModel
 from corral.perf.trace import trace_closed_loop
 from corral.perf.validation import CORPUS, load_published, validate
 from corral.perf.workload import closed_loop
+from corral.plan.render import validation_table
 
 
 def _raw_points() -> list[dict[str, object]]:
@@ -105,6 +108,11 @@ def test_corral_plan_validate_reports_mape_per_gpu_class() -> None:
         check=True,
     )
     report = json.loads(done.stdout)
+    assert "fitting the planner" in done.stderr  # said before a half-minute's silence (JSON stays clean)
+    shown = Console(width=80, record=True, file=io.StringIO())
+    shown.print(validation_table(report))
+    rows = [line.split()[0:3] for line in shown.export_text().splitlines() if line.strip()]
+    assert ["engine", "vllm", "*"] in rows and all(row[0] != "planner's" for row in rows)  # no wrapped label
     loso = report["mape_leave_one_source_out"]
     assert {"h100-sxm", "a100-80gb", "l40s", "h200", "rtx-4090", "all"} <= set(loso)
     assert loso["all"]["output tokens/s"]["n"] >= 30 and loso["all"]["TPOT"]["n"] >= 5

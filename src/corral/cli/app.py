@@ -89,6 +89,14 @@ class FlagsGroup(TyperGroup):
     def get_params(self, ctx: Any) -> list[Any]:
         return _hide_flag_placeholders(super().get_params(ctx))
 
+    def get_command(self, ctx: Any, name: str) -> Any:
+        """The command, its one-line help in the listing being its docstring's first paragraph as one
+        line (the docstring's own line breaks are for the source, not the terminal)."""
+        command = super().get_command(ctx, name)
+        if command is not None and command.short_help is None and command.help:
+            command.short_help = " ".join(command.help.split("\n\n")[0].split())
+        return command
+
     def list_commands(self, ctx: Any) -> list[str]:
         names = super().list_commands(ctx)
         rank = {name: i for i, name in enumerate(COMMAND_ORDER)}

@@ -9,6 +9,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from corral.cli.app import FlagsCommand, app, console, fail
 
@@ -29,7 +30,7 @@ def plan_command(
     ] = None,
     context: Annotated[int | None, typer.Option(help="max context length per sequence (tokens)")] = None,
     concurrency: Annotated[
-        int | None, typer.Option(help="concurrent requests to serve (default: 16)", min=1)
+        int | None, typer.Option(help="concurrent requests to serve (default: 16)", min=1, metavar="<int>")
     ] = None,
     request_rate: Annotated[
         float | None, typer.Option(help="requests/s arriving at random (Poisson); instead of --concurrency")
@@ -59,13 +60,14 @@ def plan_command(
     calibrate: Annotated[
         bool,
         typer.Option(
-            help="refit the efficiency factors on the published corpus; print perf/data/fitted.yaml (~2 min)"
+            "--calibrate",
+            help="refit the efficiency factors on the published corpus; print perf/data/fitted.yaml (~30 s)",
         ),
     ] = False,
     validate: Annotated[
         bool,
         typer.Option(
-            "--validate", help="the planner's error on published measurements, each source left out (~2 min)"
+            "--validate", help="the planner's error on published measurements, each source left out (~30 s)"
         ),
     ] = False,
 ) -> None:
@@ -134,7 +136,22 @@ def _validate(as_json: bool, calibrate: bool) -> None:
     from corral.perf.validation import report, validate
     from corral.plan.render import validation_table
 
-    validation = validate(load_catalog())
+    console.print(
+        "fitting the planner on the published points, each source left out in turn (about 30 s)…",
+        highlight=False,
+    )
+    with Progress(
+        TextColumn("fits"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,  # stderr: stdout keeps the JSON or the fitted document
+        transient=True,
+    ) as bar:
+        task = bar.add_task("fits", total=None)
+        validation = validate(
+            load_catalog(), progress=lambda done, total: bar.update(task, completed=done, total=total)
+        )
     if calibrate:
         print(fitted_document(validation), end="")
         return
@@ -143,11 +160,17 @@ def _validate(as_json: bool, calibrate: bool) -> None:
         print(json.dumps(result, indent=2))
         return
     Console().print(validation_table(result))
+    console.print(
+        "Each row's error is of predictions made without the point's source (leave one source out: what a "
+        "new GPU or workload can expect); 'in-sample' predicts the points the factors were fitted on (a "
+        "floor, not a claim).",
+        highlight=False,
+    )
+    console.print("The factors the planner uses, fitted on every source:", highlight=False)
     for family, factors in result["factors"].items():
         console.print(
-            f"{family}: bandwidth {factors['bandwidth']}, compute {factors['compute']}, "
-            f"step overhead {factors['step_overhead_s'] * 1000:.2f} ms, overlap p={factors['overlap']} "
-            "(fitted on every source)",
+            f"  {family}: bandwidth {factors['bandwidth']}, compute {factors['compute']}, "
+            f"overhead {factors['step_overhead_s'] * 1000:.2f} ms/step, overlap p={factors['overlap']}",
             highlight=False,
         )
     console.print(

@@ -279,19 +279,35 @@ class Validation:
         }
 
 
-def validate(catalog: Catalog, points: list[PublishedPoint] | None = None) -> Validation:
+def validate(
+    catalog: Catalog,
+    points: list[PublishedPoint] | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> Validation:
+    """Fit on every source, then predict each source's points from a fit without it; `progress` hears
+    (fits done, fits in all) as it goes (each fit takes seconds)."""
     points = load_published() if points is None else points
     usable = [p for p in points if p.unused is None]
     traced = [(p, trace_point(p, catalog)) for p in usable]
     traces = [(p, t) for p, t in traced if t is not None]
     refused = [p for p, t in traced if t is None]
     families = sorted({p.engine for p, _ in traces})
-    factors = {family: fit([t for t in traces if t[0].engine == family]) for family in families}
+    folds = list(_folds(traces))
+    total, done = len(families) + len(folds), 0
+    factors = {}
+    for family in families:
+        factors[family] = fit([t for t in traces if t[0].engine == family])
+        done += 1
+        if progress is not None:
+            progress(done, total)
     in_sample = [Prediction(p, _errors(p, t.timed(factors[p.engine])), ("all",)) for p, t in traces]
     predictions = []
-    for test, train, fitted_on in _folds(traces):
+    for test, train, fitted_on in folds:
         without = fit(train)
         predictions += [Prediction(p, _errors(p, t.timed(without)), fitted_on) for p, t in test]
+        done += 1
+        if progress is not None:
+            progress(done, total)
     predictions.sort(key=lambda prediction: prediction.point.index)
     return Validation(predictions, factors, in_sample, [p for p in points if p.unused is not None], refused)
 

@@ -144,8 +144,9 @@ def validation_table(report: dict[str, Any]) -> Table:
     table.add_row("all GPUs, in-sample", *(_mape_cell(in_sample.get(kind)) for kind in kinds))
     by_engine = report["mape_leave_one_source_out_by_engine"]
     for engine in sorted(e for e in by_engine if e != "all"):
-        label = f"engine {engine}" + (" (the planner's factors)" if engine == "vllm" else "")
+        label = f"engine {engine}" + (" *" if engine == "vllm" else "")
         table.add_row(label, *(_mape_cell(by_engine[engine].get(kind)) for kind in kinds))
+    table.caption = "* the engine whose factors the planner uses for GPUs"
     return table
 
 
