@@ -62,7 +62,10 @@ def test_top_shows_replicas_and_live_rates(sims: RunningCluster) -> None:
     assert result.returncode == 0, result.stderr
     frame = result.stderr
     for replica in ("llama-8b-0", "llama-8b-1"):
-        assert re.search(rf"llama-8b\s+{replica}\s+ready", frame), frame
+        assert re.search(rf"{replica}\s+ready", frame), frame
+    header = next(line for line in frame.splitlines() if line.startswith("replica"))
+    assert header.split() == ["replica", "state", "reqs", "run", "wait", "KV", "hit", "restarts", "served"]
+    assert "…" not in frame  # at 80 columns nothing is cut (the last header was)
     rate = re.search(r"requests/s (\d+\.\d)", frame)
     assert rate and float(rate.group(1)) > 0, frame
     ttft = re.search(r"TTFT p50/p95 (\d+) ms/(\d+) ms", frame)

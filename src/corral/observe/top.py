@@ -127,26 +127,21 @@ def render_frame(now: Sample, before: Sample | None) -> Group:
 
 
 def _replica_table(replicas: Iterable[dict[str, object]]) -> Table:
+    """One row a replica (its id names its model), in 80 columns: requests in flight here, the engine's
+    running and waiting sequences, KV-cache use, prefix-cache hit rate, restarts, requests served."""
     table = Table(box=None, pad_edge=False, header_style="bold")
-    columns = (
-        "model",
-        "replica",
-        "state",
-        "in flight",
-        "run",
-        "wait",
-        "KV",
-        "prefix hit",
-        "restarts",
-        "served",
-    )
+    columns = ("replica", "state", "reqs", "run", "wait", "KV", "hit", "restarts", "served")
     for column in columns:
-        table.add_column(column, no_wrap=True, justify="left" if column in columns[:3] else "right")
+        table.add_column(
+            column,
+            no_wrap=column != "replica",
+            overflow="fold",
+            justify="left" if column in columns[:2] else "right",
+        )
     for r in replicas:
         kv, hit = r.get("kv_usage"), r.get("prefix_cache_hit_rate")
         state = str(r.get("state"))
         table.add_row(
-            str(r.get("model")),
             str(r.get("id")),
             Text(state, style="green" if state == "ready" else "yellow"),
             str(r.get("outstanding", "-")),
