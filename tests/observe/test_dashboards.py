@@ -91,3 +91,16 @@ def test_observe_render_writes_dashboards_rules_and_provisioning(tmp_path: Path)
         text=True,
     )
     assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+def test_snapshot_titles_say_units_in_words() -> None:
+    """The snapshot's panels showed Grafana's unit ids: "(reqps)", "(percentunit)"."""
+    from corral.observe.dashboards import DASHBOARDS
+    from corral.observe.snapshot import title
+
+    assert title("Requests", "reqps") == "Requests (requests/s)"
+    assert title("KV cache", "percentunit") == "KV cache (ratio, 1 = 100%)"
+    assert title("Replicas", "short") == "Replicas"
+    units = {panel.unit for board in DASHBOARDS for _, row in board.rows for panel in row}
+    raw = [unit for unit in units if title("x", unit) == f"x ({unit})"]
+    assert raw == [], raw  # every unit the dashboards use is said in words

@@ -13,7 +13,7 @@ from typing import Any
 
 from corral.observe.dashboards import DASHBOARDS, concrete_query
 
-__all__ = ["SnapshotError", "dashboard_png"]
+__all__ = ["SnapshotError", "dashboard_png", "title"]
 
 
 class SnapshotError(RuntimeError):
@@ -74,7 +74,7 @@ def dashboard_png(prometheus: str, uid: str, output: Path, minutes: float = 15, 
                     )
                     drawn = True
         with_data += drawn
-        axis.set_title(f"{panel.title} ({panel.unit})", fontsize=9)
+        axis.set_title(title(panel.title, panel.unit), fontsize=9)
         axis.tick_params(labelsize=7)
         axis.set_xlabel("minutes", fontsize=7)
         if drawn:
@@ -89,3 +89,24 @@ def dashboard_png(prometheus: str, uid: str, output: Path, minutes: float = 15, 
     figure.savefig(output, dpi=80)
     plt.close(figure)
     return with_data
+
+
+# Grafana's unit ids, as a reader of the picture says them (percentunit: a 0–1 ratio drawn as one).
+_UNITS = {
+    "reqps": "requests/s",
+    "percentunit": "ratio, 1 = 100%",
+    "percent": "%",
+    "s": "seconds",
+    "ops": "per second",
+    "short": "",
+    "none": "",
+    "decmbytes": "MB",
+    "celsius": "°C",
+    "watt": "W",
+}
+
+
+def title(name: str, unit: str) -> str:
+    """A panel's title with its unit in words (Grafana's id where none is known)."""
+    said = _UNITS.get(unit, unit)
+    return f"{name} ({said})" if said else name
