@@ -4,9 +4,12 @@ admin key, and a screenshot is kept as a test artifact (`$CORRAL_TEST_ARTIFACTS`
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
 import threading
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -129,6 +132,19 @@ def test_console_shows_live_numbers_without_errors(tmp_path: Path, browser: webd
 def test_closed_gateway_console_asks_for_the_admin_key(tmp_path: Path, browser: webdriver.Chrome) -> None:
     spec = SPEC.format(auth=f"{{open: false, admin_key: {ADMIN}}}")
     with cluster_of(tmp_path, spec, admin_key=ADMIN) as cluster:
+        # a tenant with a budget that used some of it: the Tenants table says how much
+        made = urllib.request.Request(
+            cluster.url + "/admin/keys",
+            data=json.dumps({"tenant": "acme", "monthly_token_budget": 100000}).encode(),
+            headers={"Authorization": f"Bearer {ADMIN}", "Content-Type": "application/json"},
+        )
+        secret = json.load(urllib.request.urlopen(made, timeout=10))["key"]
+        openai.OpenAI(base_url=cluster.base_url, api_key=secret).chat.completions.create(
+            model="llama-8b", messages=[{"role": "user", "content": "hi"}], max_tokens=8
+        )
+        deadline = time.monotonic() + 10
+        while not _month_tokens(cluster.url) and time.monotonic() < deadline:  # (usage written every second)
+            time.sleep(0.2)
         browser.execute_cdp_cmd("Network.clearBrowserCache", {})
         browser.get(cluster.url + "/console")
         browser.execute_script("sessionStorage.clear()")
@@ -140,6 +156,15 @@ def test_closed_gateway_console_asks_for_the_admin_key(tmp_path: Path, browser: 
         browser.find_element(By.CSS_SELECTOR, "#login button").click()
         wait.until(lambda b: len(b.find_elements(By.CSS_SELECTOR, "#replicas tbody tr td.ready")) == 2)
         assert not browser.find_element(By.ID, "login").is_displayed()
+        wait.until(lambda b: "acme" in b.find_element(By.ID, "tenants").text)
+        row = next(r for r in browser.find_elements(By.CSS_SELECTOR, "#tenants tbody tr") if "acme" in r.text)
+        assert re.search(r"\d[\d,]* / 100,000 \(\d+%\)", row.text), row.text  # budget used this month
         # The refused polls before the key was given are the only errors the page met.
         seen = [e for e in errors(browser) if cluster.url in e]  # (not the previous test's page, stopped)
         assert all("401" in e or "403" in e for e in seen), seen
+
+
+def _month_tokens(url: str) -> int:
+    request = urllib.request.Request(url + "/admin/keys", headers={"Authorization": f"Bearer {ADMIN}"})
+    keys = json.load(urllib.request.urlopen(request, timeout=10))["keys"]
+    return sum(k["month_tokens"] for k in keys)

@@ -107,7 +107,8 @@ class AdminViews:
         self.check(request)
         revoked = request.query.get("include_revoked") in {"1", "true"}
         keys = await asyncio.to_thread(self._keys.list, revoked)
-        return web.json_response({"keys": [k.to_dict() for k in keys]})
+        used = await asyncio.to_thread(self._usage.month_tokens_by_key)  # (budget use, this month)
+        return web.json_response({"keys": [{**k.to_dict(), "month_tokens": used.get(k.id, 0)} for k in keys]})
 
     async def create_key(self, request: web.Request) -> web.Response:
         self.check(request)

@@ -192,7 +192,11 @@ function drawTenants(keys, usage) {
     t.keys += 1;
     if (key.rpm) t.rpm.push(key.rpm);
     if (key.tpm) t.tpm.push(key.tpm);
-    if (key.monthly_token_budget) t.budget.push(key.monthly_token_budget);
+    // what the key used of its budget this month, as "used / budget (share)"
+    if (key.monthly_token_budget) {
+      const share = Math.round((100 * (key.month_tokens || 0)) / key.monthly_token_budget);
+      t.budget.push(`${(key.month_tokens || 0).toLocaleString()} / ${key.monthly_token_budget.toLocaleString()} (${share}%)`);
+    }
   }
   const used = Object.fromEntries(usage.rows.map((row) => [row.tenant, row]));
   const names = [...new Set([...Object.keys(tenants), ...Object.keys(used)])].sort();
@@ -202,7 +206,7 @@ function drawTenants(keys, usage) {
       const t = tenants[name] || { keys: 0, rpm: [], tpm: [], budget: [] };
       const u = used[name] || {};
       const list = (values) => (values.length ? values.join(", ") : "–");
-      return [name, t.keys, list(t.rpm), list(t.tpm), list(t.budget), u.requests, u.input_tokens, u.output_tokens, u.errors];
+      return [name, t.keys, list(t.rpm), list(t.tpm), list(t.budget), u.requests, u.input_tokens, u.output_tokens, u.refused, u.errors];
     }),
   );
 }
