@@ -74,3 +74,16 @@ def upstream_payloads(tokens: int) -> tuple[bytes, bytes, bytes]:
     }
     usage_chunk = {**base, "object": "chat.completion.chunk", "choices": [], "usage": usage}
     return orjson.dumps(completion), orjson.dumps(chunk), orjson.dumps(usage_chunk)
+
+
+def prefix_cache_tokens(urls: list[str]) -> tuple[float, float]:
+    """(prefix-cache hit tokens, query tokens) summed over the engines' own vLLM-style metrics."""
+    queries = hits = 0.0
+    for url in urls:
+        with urllib.request.urlopen(url + "/metrics", timeout=5) as response:
+            for line in response.read().decode().splitlines():
+                if line.startswith("vllm:prefix_cache_queries_total"):
+                    queries += float(line.rsplit(" ", 1)[1])
+                elif line.startswith("vllm:prefix_cache_hits_total"):
+                    hits += float(line.rsplit(" ", 1)[1])
+    return hits, queries

@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from _harness import free_port, spawn, stop, wait_http
+from _harness import free_port, prefix_cache_tokens, spawn, stop, wait_http
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "llama-8b"
@@ -131,19 +131,6 @@ def wait_replicas(base: str, admin_key: str, replicas: int, timeout: float = 120
             return ready
         time.sleep(0.5)
     raise RuntimeError(f"{replicas} replicas did not become ready")
-
-
-def fleet_hit_rate(urls: list[str]) -> tuple[float, float]:
-    """(prefix-cache hit tokens, query tokens) summed over the engines' own metrics."""
-    queries = hits = 0.0
-    for url in urls:
-        with urllib.request.urlopen(url + "/metrics", timeout=5) as response:
-            for line in response.read().decode().splitlines():
-                if line.startswith("vllm:prefix_cache_queries_total"):
-                    queries += float(line.rsplit(" ", 1)[1])
-                elif line.startswith("vllm:prefix_cache_hits_total"):
-                    hits += float(line.rsplit(" ", 1)[1])
-    return hits, queries
 
 
 async def one(session: aiohttp.ClientSession, url: str, key: str, payload: dict[str, Any]) -> Answer:
@@ -243,7 +230,7 @@ def run_setting(
             answers, elapsed = asyncio.run(
                 replay(f"{base}/v1/chat/completions", keys, arrivals, system, args.max_tokens)
             )
-            hits, queries = fleet_hit_rate(urls)
+            hits, queries = prefix_cache_tokens(urls)
             listed = admin_call(base, admin_key, "/corral/status")["replicas"]
             served = {str(r["id"]): int(r["served"]) for r in listed if r["model"] == MODEL}
         finally:

@@ -44,14 +44,13 @@ import statistics
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import orjson
 import psutil
-from _harness import spawn, stop, wait_http
+from _harness import prefix_cache_tokens, spawn, stop, wait_http
 
 ROOT = Path(__file__).resolve().parent.parent
 POLICIES = [
@@ -178,14 +177,7 @@ async def open_loop(url: str, work: Workload, rate: float, duration: float, outp
 
 
 def fleet_hit_rate(urls: list[str]) -> float:
-    queries = hits = 0.0
-    for url in urls:
-        with urllib.request.urlopen(url + "/metrics", timeout=5) as response:
-            for line in response.read().decode().splitlines():
-                if line.startswith("vllm:prefix_cache_queries_total"):
-                    queries += float(line.rsplit(" ", 1)[1])
-                elif line.startswith("vllm:prefix_cache_hits_total"):
-                    hits += float(line.rsplit(" ", 1)[1])
+    hits, queries = prefix_cache_tokens(urls)
     return hits / queries if queries else 0.0
 
 
