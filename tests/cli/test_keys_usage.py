@@ -14,8 +14,8 @@ from corral.cli import app
 from corral.store import UsageRecord, UsageStore, open_database
 
 
-def run(*args: str) -> tuple[int, str]:
-    done = CliRunner().invoke(app, list(args), env={"COLUMNS": "160"})
+def run(*args: str, columns: int = 160) -> tuple[int, str]:
+    done = CliRunner().invoke(app, list(args), env={"COLUMNS": str(columns)})
     return done.exit_code, done.output
 
 
@@ -61,6 +61,11 @@ def test_budget_use_prefixes_names_refusals_and_dates(tmp_path: Path) -> None:
     assert (row["requests"], row["refused"], row["errors"]) == (3, 1, 1)  # the 429 is a refusal
     code, out = run("usage", "--by", "key", "--store", store)
     assert code == 0 and made["id"] in out and "ci-bot" in out and "refused" in out, out
+    code, out = run("usage", "--by", "key", "--store", store, columns=80)
+    assert code == 0 and "…" not in out and made["id"][:7] in out, out  # folded at 80 columns, never cut
+    code, out = run("keys", "create", "--tenant", "other", "--store", store)
+    code, out = run("keys", "list", "--tenant", "acme", "--store", store)
+    assert code == 0 and "acme" in out and "other" not in out, out
     tomorrow = (now + timedelta(days=1)).strftime("%Y-%m-%d")
     code, out = run("usage", "--store", store, "--since", tomorrow, "--json")
     assert code == 0 and json.loads(out) == []

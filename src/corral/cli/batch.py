@@ -146,7 +146,7 @@ def list_batches(
             return
         table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
         for column in ("batch", "status", "completed", "failed", "total", "created"):
-            table.add_column(column, no_wrap=True)
+            table.add_column(column, overflow="fold")  # an id to copy is folded, never cut
         for batch in found:
             counts = batch.get("request_counts") or {}
             created = datetime.fromtimestamp(batch["created_at"], UTC).strftime("%Y-%m-%d %H:%M")

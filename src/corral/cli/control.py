@@ -25,7 +25,7 @@ from corral.cli.app import (
     fail,
     gateway_url,
 )
-from corral.config import SpecError, admin_key_from_env, load_spec
+from corral.config import SpecError, admin_key_from_env, api_key_from_env, load_spec
 
 __all__ = ["status_table"]
 
@@ -72,13 +72,18 @@ def status(
     url: UrlOption = None,
     admin_key: Annotated[
         str | None,
-        typer.Option(help="the admin key (default: $CORRAL_ADMIN_KEY); a tenant key sees only its models"),
+        typer.Option(
+            help="the admin key (default: $CORRAL_ADMIN_KEY, else $CORRAL_API_KEY/$OPENAI_API_KEY); a tenant "
+            "key sees only its models"
+        ),
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
     ca_cert: CaCertOption = None,
 ) -> None:
-    """Show each replica: state, load, restarts."""
+    """Show each replica: state, load, restarts. A tenant's key (--admin-key, else $CORRAL_ADMIN_KEY, else
+    $CORRAL_API_KEY or $OPENAI_API_KEY) shows its models' replicas only."""
     url = gateway_url(url)
+    admin_key = admin_key or admin_key_from_env(None) or api_key_from_env(None)
     data = _call(url, "/corral/status", admin_key, ca_cert)
     if as_json:
         print(json.dumps(data, indent=2))

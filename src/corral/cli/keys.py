@@ -116,13 +116,14 @@ def create(
 @keys_app.command("list", cls=FlagsCommand)
 def list_keys(
     include_revoked: Annotated[bool, typer.Option("--all", help="include revoked keys")] = False,
+    tenant: Annotated[str | None, typer.Option(help="only this tenant's keys")] = None,
     file: SpecOption = None,
     store: StoreOption = None,
     as_json: JsonOption = False,
 ) -> None:
     """List keys (never their secrets)."""
     keys, usage_store = _stores(file, store)
-    records = keys.list(include_revoked)
+    records = [r for r in keys.list(include_revoked) if tenant is None or r.tenant == tenant]
     used = usage_store.month_tokens_by_key()
     if as_json:
         print(json.dumps([{**r.to_dict(), "month_tokens": used.get(r.id, 0)} for r in records], indent=2))
@@ -216,8 +217,15 @@ def usage(
         return
     table = Table(title=f"usage by {by}", box=box.SIMPLE_HEAD, pad_edge=False)
     first = [str(by), "tenant", "name"] if by == UsageBy.key else [str(by)]
-    for column in (*first, "requests", "input tokens", "output tokens", "refused", "errors", "mean latency"):
-        table.add_column(column, justify="left" if column in first else "right")
+    # two-line headers keep the figures' columns narrow: the key ids fit 80 columns unfolded
+    figures = ("reqs", "tokens\nin", "tokens\nout", "refused\n(429)", "errors", "mean\nlatency")
+    for column in (*first, *figures):
+        table.add_column(
+            column,
+            justify="left" if column in first else "right",
+            overflow="fold",  # an id folds onto the next line; figures are never cut
+            no_wrap=column not in first,
+        )
     for row in rows:
         table.add_row(
             *(str(row[c] if row[c] not in (None, "") else "-") for c in first),

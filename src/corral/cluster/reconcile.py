@@ -52,6 +52,11 @@ class Change:
     count: int = 0  # replicas added or removed
     detail: str = ""  # what changed, in words ("1 replica added, 2 now"; "routing, cache")
 
+    def said(self) -> str:
+        """The change in words: `scale_up (deployment 0: 1 replica added, 3 now)`, `settings (routing)`."""
+        detail = f"deployment {self.group}: {self.detail}" if self.count else self.detail
+        return f"{self.action} ({detail})" if detail else self.action
+
     def as_dict(self) -> dict[str, object]:
         return {
             "action": self.action,
@@ -262,7 +267,7 @@ class Reconciler:
             kept = [m if m.name in changed else current.get(m.name, m) for m in wanted.models]
             self.spec = wanted.model_copy(update={"models": kept})
             for change in changes:
-                message = f"{change.action} (deployment {change.group}, {change.count} replicas)"
+                message = change.said()
                 logger.info("apply: %s %s", change.model, message)
                 self._replicas.record("apply", change.model, message)
             return [c.as_dict() for c in changes]

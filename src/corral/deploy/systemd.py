@@ -82,8 +82,8 @@ def _check_visible(spec: ClusterSpec, corral_bin: Path) -> None:
         raise RenderError(
             f"the unit would run {corral_bin}, which the service cannot see (PrivateTmp=yes gives it its own "
             "/tmp and /var/tmp; ProtectHome= hides /home, /root and /run/user): install corral outside them "
-            "(e.g. `python3 -m venv /opt/corral && /opt/corral/bin/pip install corral`) and pass "
-            "--corral-bin /opt/corral/bin/corral"
+            "(e.g. `python3 -m venv /opt/corral/.venv && /opt/corral/.venv/bin/pip install .` in your "
+            "checkout) and pass --corral-bin /opt/corral/.venv/bin/corral"
         )
     url = spec.store.url or ""
     store = Path(url.removeprefix("sqlite:///")) if url.startswith("sqlite:///") else None

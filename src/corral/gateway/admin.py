@@ -257,7 +257,7 @@ class AdminViews:
             models = ", ".join(emptied)
             raise InvalidRequest(
                 f"{what} of model {models}: draining it leaves {models} with no replica, and every request "
-                "to it a 503 until the next `corral apply`. Pass --force (?force=true) to drain anyway.",
+                "to it a 503 until the next `corral apply`. Drain it anyway with `corral drain --force`.",
                 param="force",
                 code="last_ready_replica",
             )
