@@ -242,7 +242,8 @@ async def test_a_request_without_max_tokens_reserves_all_the_model_may_generate(
                 assert answer.status == 200
             async with session.post(url, json={**body, "max_tokens": 990}, headers=headers) as answer:
                 refused = (await answer.json())["error"]["message"]  # 45 used: what fits is said
-                assert answer.status == 429 and re.search(r"\(9\d\d left\).*at most 9\d\d for it to fit", refused)
+                fits = re.search(r"\(9\d\d left\).*at most 9\d\d for it to fit", refused)
+                assert answer.status == 429 and fits, refused
     finally:
         await server.stop()
         await upstream.stop()
