@@ -141,3 +141,26 @@ async def test_files_expire_and_the_sweep_deletes_them(
         async with session.get(f"{url}/v1/files", headers=headers) as answer:
             assert [f["id"] for f in (await answer.json())["data"]] == [kept["id"]]
         assert files.sweep_expired(datetime.now(UTC) + timedelta(days=3)) == 2  # eve's and bob's
+
+
+async def test_a_keys_own_file_caps_replace_the_specs(gateway: tuple[str, dict[str, str]]) -> None:
+    """`max_files`/`max_file_bytes` on a key (admin API, `keys create`): its tenant may hold more files
+    than `batch.tenant_max_files` (3 here) when it uploads with that key, or fewer."""
+    url, _ = gateway
+    admin = {"Authorization": "Bearer admin"}
+    async with aiohttp.ClientSession() as session:
+        made = {}
+        for tenant, caps in (("zed", {"max_files": 5, "max_file_bytes": 10_000}), ("yan", {"max_files": 1})):
+            async with session.post(
+                f"{url}/admin/keys", json={"tenant": tenant, **caps}, headers=admin
+            ) as answer:
+                assert answer.status == 201, await answer.text()
+                made[tenant] = (await answer.json())["key"]
+        statuses = [(await upload(session, url, made["zed"], LINE))[0] for _ in range(6)]
+        assert statuses == [200] * 5 + [429]  # five, past the spec's three
+        statuses = [(await upload(session, url, made["yan"], LINE))[0] for _ in range(2)]
+        assert statuses == [200, 429]
+        async with session.post(
+            f"{url}/admin/keys", json={"tenant": "x", "max_files": 0}, headers=admin
+        ) as answer:
+            assert answer.status == 400

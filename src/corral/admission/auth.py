@@ -34,6 +34,8 @@ class Principal:
     max_concurrency: int | None = None
     priority: int = PRIORITIES["normal"]
     monthly_token_budget: int | None = None
+    max_files: int | None = None  # files its tenant may hold when it uploads (None: the spec's)
+    max_file_bytes: int | None = None
 
     def check_model(self, model: str) -> None:
         if self.models and model not in self.models:
@@ -52,6 +54,8 @@ class Principal:
             record.max_concurrency,
             PRIORITIES.get(record.priority, 1),
             record.monthly_token_budget,
+            record.max_files,
+            record.max_file_bytes,
         )
 
 

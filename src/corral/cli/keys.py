@@ -84,6 +84,16 @@ def create(
     monthly_tokens: Annotated[
         int | None, typer.Option(help="token budget per calendar month (≥ 1; default: none)")
     ] = None,
+    max_files: Annotated[
+        int | None,
+        typer.Option(
+            help="files the tenant may hold when uploading with this key (default: batch.tenant_max_files)"
+        ),
+    ] = None,
+    max_file_bytes: Annotated[
+        int | None,
+        typer.Option(help="bytes of files likewise (default: batch.tenant_max_bytes)"),
+    ] = None,
     file: SpecOption = None,
     store: StoreOption = None,
     as_json: JsonOption = False,
@@ -102,6 +112,8 @@ def create(
             max_concurrency=max_concurrency,
             priority=str(priority),
             monthly_token_budget=monthly_tokens,
+            max_files=max_files,
+            max_file_bytes=max_file_bytes,
         )
     except InvalidKey as exc:
         option = {"monthly_token_budget": "monthly-tokens"}.get(exc.param or "", exc.param or "")

@@ -97,7 +97,10 @@ class BatchViews:
             await asyncio.to_thread(check_upload, spool, self._settings.max_lines, self._max_line)
             spool.seek(0)
             new = NewFile(principal.tenant, form.purpose, form.filename, spool, form.size, expires_at)
-            quota = (self._settings.tenant_max_files, self._settings.tenant_max_bytes)
+            quota = (  # the key's own caps where it has them, else the spec's for every tenant
+                principal.max_files or self._settings.tenant_max_files,
+                principal.max_file_bytes or self._settings.tenant_max_bytes,
+            )
             try:
                 record = await asyncio.to_thread(self._store.files.add_file, new, quota)
             except FileQuotaExceeded as exc:

@@ -32,6 +32,8 @@ class NewKey(BaseModel):
     max_concurrency: int | None = Field(default=None, ge=1)
     priority: str = Field(default="normal", pattern="^(high|normal|low)$")
     monthly_token_budget: int | None = Field(default=None, ge=1)
+    max_files: int | None = Field(default=None, ge=1)  # uploads made with the key: its tenant's file cap
+    max_file_bytes: int | None = Field(default=None, ge=1)
 
 
 class InvalidKey(ValueError):
@@ -70,6 +72,8 @@ class KeyRecord:
     monthly_token_budget: int | None
     created_at: datetime
     revoked_at: datetime | None
+    max_files: int | None = None
+    max_file_bytes: int | None = None
 
     @property
     def active(self) -> bool:
@@ -100,6 +104,8 @@ class KeyStore:
         max_concurrency: int | None = None,
         priority: str = "normal",
         monthly_token_budget: int | None = None,
+        max_files: int | None = None,
+        max_file_bytes: int | None = None,
     ) -> tuple[str, KeyRecord]:
         """A new key: (the secret, shown only now; its record). Raises InvalidKey."""
         try:
@@ -112,6 +118,8 @@ class KeyStore:
                 max_concurrency=max_concurrency,
                 priority=priority,
                 monthly_token_budget=monthly_token_budget,
+                max_files=max_files,
+                max_file_bytes=max_file_bytes,
             )
         except ValidationError as exc:
             raise InvalidKey.from_validation(exc) from exc
@@ -128,6 +136,8 @@ class KeyStore:
             max_concurrency=max_concurrency,
             priority=priority,
             monthly_token_budget=monthly_token_budget,
+            max_files=max_files,
+            max_file_bytes=max_file_bytes,
             created_at=datetime.now(UTC),
             revoked_at=None,
         )
@@ -199,4 +209,6 @@ def _record(row: ApiKeyRow) -> KeyRecord:
         monthly_token_budget=row.monthly_token_budget,
         created_at=row.created_at,
         revoked_at=row.revoked_at,
+        max_files=row.max_files,
+        max_file_bytes=row.max_file_bytes,
     )

@@ -34,6 +34,8 @@ class ApiKeyRow(Base):
     max_concurrency: Mapped[int | None] = mapped_column(Integer, nullable=True)
     priority: Mapped[str] = mapped_column(String(16), default="normal")
     monthly_token_budget: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    max_files: Mapped[int | None] = mapped_column(Integer, nullable=True)  # uploads with it: the tenant's cap
+    max_file_bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
 
