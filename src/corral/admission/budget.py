@@ -43,10 +43,12 @@ def _month() -> str:
 
 @dataclass(frozen=True)
 class BudgetHold:
-    """Tokens a request reserved of its key's budget; `entry`: its reservation in Redis, if shared."""
+    """Tokens a request reserved of its key's budget; `entry`: its reservation in Redis, if shared, in the
+    month (`YYYY-MM`) it was made in, which its settlement goes to even past the month's end."""
 
     tokens: int
     entry: str | None = None
+    month: str = ""
 
 
 _RESERVE = """
@@ -145,7 +147,7 @@ class BudgetTracker:
             else:
                 if not ok:
                     raise _refusal(used, budget, tokens, prompt, open_ended)
-                return BudgetHold(tokens, entry)
+                return BudgetHold(tokens, entry, month)
         used = known + self._reserved.get(key, 0)  # (no await after this read)
         if used + tokens > budget:
             raise _refusal(used, budget, tokens, prompt, open_ended)
@@ -161,7 +163,7 @@ class BudgetTracker:
         if hold is None:
             return
         if hold.entry is not None and self._shared is not None:
-            task = asyncio.get_running_loop().create_task(self._settle_shared(key, hold.entry, tokens))
+            task = asyncio.get_running_loop().create_task(self._settle_shared(key, hold, tokens))
             self._settling.add(task)
             task.add_done_callback(self._settling.discard)
             return
@@ -171,10 +173,10 @@ class BudgetTracker:
         else:
             self._reserved.pop(key, None)
 
-    async def _settle_shared(self, key: str, entry: str, tokens: int) -> None:
-        assert self._shared is not None
+    async def _settle_shared(self, key: str, hold: BudgetHold, tokens: int) -> None:
+        assert self._shared is not None and hold.entry is not None
         try:
-            await self._shared.settle(key, _month(), entry, tokens)
+            await self._shared.settle(key, hold.month, hold.entry, tokens)
         except self._shared.errors as exc:  # its reservation expires in Redis; its use is in the store
             self._redis_down(exc)
 

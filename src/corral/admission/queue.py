@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
@@ -70,7 +70,9 @@ class _ModelQueue:
         self.finished: deque[float] = deque(maxlen=_RATE_SAMPLES)
         self.arrived = 0  # requests that asked to enter, ever (the autoscaler's arrival rate)
         self.running: dict[str, int] = {}  # tenant → its requests on a replica (or granted a slot)
-        self.seen: dict[str, tuple[float, int]] = {}  # tenant → (when it last asked, its weight)
+        # tenant → (when it last asked, its weight), oldest first: kept to the tenants active now, so the
+        # share check on each request walks those, not every tenant ever seen
+        self.seen: OrderedDict[str, tuple[float, int]] = OrderedDict()
 
     def push(self, waiter: _Waiter) -> None:
         tenants = self.classes.setdefault(waiter.priority, {})
@@ -119,12 +121,15 @@ class _ModelQueue:
     def arrive(self, tenant: str, priority: int) -> None:
         now = time.monotonic()
         self.seen[tenant] = (now, _weight(priority))
-        if len(self.seen) > 10_000:  # forget tenants gone quiet
-            self.seen = {
-                t: v
-                for t, v in self.seen.items()
-                if now - v[0] < _ACTIVE_S or t in self.running or t in self.held
-            }
+        self.seen.move_to_end(tenant)
+        for _ in range(len(self.seen)):  # forget the tenants gone quiet (each looked at once at most)
+            oldest, (at, _weight_of) = next(iter(self.seen.items()))
+            if now - at < _ACTIVE_S:
+                break
+            if oldest in self.running or oldest in self.held:
+                self.seen.move_to_end(oldest)  # still active: kept, its time as it was
+            else:
+                del self.seen[oldest]
 
     def may_start(self, tenant: str, free: int, total: int | None) -> bool:
         """`tenant` may take one of `free` slots (of `total`): always while under its weighted share of
