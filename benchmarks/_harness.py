@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
 import subprocess
 import time
 import urllib.request
+from pathlib import Path
 
 import orjson
 
@@ -87,3 +89,12 @@ def prefix_cache_tokens(urls: list[str]) -> tuple[float, float]:
                 elif line.startswith("vllm:prefix_cache_hits_total"):
                     hits += float(line.rsplit(" ", 1)[1])
     return hits, queries
+
+
+def publish(name: str, figures: object) -> None:
+    """Print a benchmark's figures as JSON and keep them in results/NAME.json."""
+    text = json.dumps(figures, indent=2)
+    print(text)
+    out = Path(__file__).resolve().parent.parent / "results" / f"{name}.json"
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(text)

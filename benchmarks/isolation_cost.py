@@ -46,9 +46,8 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from _harness import free_port, prefix_cache_tokens, spawn, stop, wait_http
+from _harness import free_port, prefix_cache_tokens, publish, spawn, stop, wait_http
 
-ROOT = Path(__file__).resolve().parent.parent
 MODEL = "llama-8b"
 SETTINGS = ("shared", "tenant")
 QUESTION_WORDS = 12
@@ -282,10 +281,7 @@ def main() -> None:
             "throughput": ratio(tenant["throughput_requests_per_s"], shared["throughput_requests_per_s"]),
         },
     }
-    print(json.dumps(report, indent=2))
-    out = ROOT / "results" / "isolation_cost.json"
-    out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
+    publish("isolation_cost", report)
 
 
 if __name__ == "__main__":

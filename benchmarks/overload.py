@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import statistics
 import sys
@@ -29,9 +28,8 @@ from typing import Any
 
 import aiohttp
 import psutil
-from _harness import free_port, spawn, stop, wait_http
+from _harness import free_port, publish, spawn, stop, wait_http
 
-ROOT = Path(__file__).resolve().parent.parent
 QUEUE_TIMEOUT = 3.0
 SPEC = f"""\
 auth: {{open: true}}
@@ -133,10 +131,7 @@ def main() -> None:
             }
         finally:
             stop(gateway)
-    print(json.dumps(figures, indent=2))
-    out = ROOT / "results" / "overload.json"
-    out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps(figures, indent=2))
+    publish("overload", figures)
 
 
 if __name__ == "__main__":

@@ -52,9 +52,8 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from _harness import free_port, spawn, stop, wait_http
+from _harness import free_port, publish, spawn, stop, wait_http
 
-ROOT = Path(__file__).resolve().parent.parent
 MODEL = "llama-8b"
 TTFT_RATIO_TARGET = 1.10
 PROMPT_WORDS = 64
@@ -316,10 +315,7 @@ def main() -> None:
             figures = measure(args, f"http://127.0.0.1:{port}", admin_key)
         finally:
             stop(gateway)
-    print(json.dumps(figures, indent=2))
-    out = ROOT / "results" / "tenant_overload.json"
-    out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps(figures, indent=2))
+    publish("tenant_overload", figures)
 
 
 if __name__ == "__main__":
