@@ -47,8 +47,11 @@ _FINISHED = {"completed", "failed", "expired", "cancelled"}
 class _Gateway:
     """The few Files and Batch API calls the commands make."""
 
-    def __init__(self, url: str, key: str | None, ca_cert: Path | None) -> None:
-        self._url = url.rstrip("/")
+    def __init__(self, url: str | None, api_key: str | None, ca_cert: Path | None) -> None:
+        """From the command's options: the address as `gateway_url` resolves it, the key as given or
+        from the environment."""
+        self._url = gateway_url(url)
+        key = api_key_from_env(api_key)
         self._headers = {"Authorization": f"Bearer {key}"} if key else {}
         self._ssl = client_tls(ca_cert)
 
@@ -97,13 +100,12 @@ def submit(
     """Upload FILE and start a batch on it (its endpoint is the lines' `url`). The batch's id goes to stdout
     (`ID=$(corral batch submit FILE --no-wait)`), the rest to stderr; exit 1 when it ends failed, expired
     or cancelled."""
-    url = gateway_url(url)
     try:
         content = file.read_bytes()
     except OSError as exc:
         fail(f"cannot read {file}: {exc.strerror or exc}", 2)
     endpoint = _endpoint_of(content)
-    gateway = _Gateway(url, api_key_from_env(api_key), ca_cert)
+    gateway = _Gateway(url, api_key, ca_cert)
 
     async def run() -> None:
         form = aiohttp.FormData()
@@ -136,8 +138,7 @@ def list_batches(
     ca_cert: CaCertOption = None,
 ) -> None:
     """The key's tenant's batches, newest first: status and request counts."""
-    url = gateway_url(url)
-    gateway = _Gateway(url, api_key_from_env(api_key), ca_cert)
+    gateway = _Gateway(url, api_key, ca_cert)
 
     async def run() -> None:
         found = (await gateway.call("GET", f"/v1/batches?limit={limit}"))["data"]
@@ -173,8 +174,7 @@ def status(
     ca_cert: CaCertOption = None,
 ) -> None:
     """A batch's status and request counts."""
-    url = gateway_url(url)
-    gateway = _Gateway(url, api_key_from_env(api_key), ca_cert)
+    gateway = _Gateway(url, api_key, ca_cert)
 
     async def run() -> None:
         batch = await gateway.call("GET", f"/v1/batches/{batch_id}")
@@ -200,8 +200,7 @@ def results(
     ca_cert: CaCertOption = None,
 ) -> None:
     """A finished batch's output (or error) file: one JSON line per request."""
-    url = gateway_url(url)
-    gateway = _Gateway(url, api_key_from_env(api_key), ca_cert)
+    gateway = _Gateway(url, api_key, ca_cert)
 
     async def run() -> None:
         batch = await gateway.call("GET", f"/v1/batches/{batch_id}")
@@ -226,8 +225,7 @@ def cancel(
     ca_cert: CaCertOption = None,
 ) -> None:
     """Cancel a batch: lines not started are cancelled, running ones finish and are kept."""
-    url = gateway_url(url)
-    gateway = _Gateway(url, api_key_from_env(api_key), ca_cert)
+    gateway = _Gateway(url, api_key, ca_cert)
 
     async def run() -> None:
         _summary(await gateway.call("POST", f"/v1/batches/{batch_id}/cancel"))
