@@ -189,9 +189,9 @@ def test_a_batch_cancelled_while_its_lines_are_being_queued_still_finishes(tmp_p
     body = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]})
     lines = [(f"c{i}", body) for i in range(5)]
     batch = store.create_batch(NewBatch("acme", None, "/v1/chat/completions", "file-x", timedelta(hours=1)))
-    store.lines.add(None, batch.id, "m", lines[:2])  # type: ignore[arg-type]  # the first chunk went in
+    store.lines.add(None, batch.id, "m", "acme", lines[:2])  # type: ignore[arg-type]  # the first chunk went in
     assert store.cancel("acme", batch.id).status == "cancelling"  # type: ignore[union-attr]
-    store.lines.add(None, batch.id, "m", lines)  # type: ignore[arg-type]  # and then the rest
+    store.lines.add(None, batch.id, "m", "acme", lines)  # type: ignore[arg-type]  # and then the rest
     assert not store.start(batch.id, "m", lines)
     assert store.housekeeping() == [batch.id]
     found = store.batch("acme", batch.id)
@@ -211,7 +211,7 @@ def test_gateways_on_another_queue_leave_a_batch_alone_and_finished_batches_line
     assert found is not None and found.status == "in_progress"  # not finalised as empty, not re-queued
     for line in store.lease("runner", "m", 5, lease_s=30):
         store.commit("runner", line, _ok())
-    store.lines.add(None, "batch_gone", "m", [("x", b"{}")])  # type: ignore[arg-type]  # left by a crash
+    store.lines.add(None, "batch_gone", "m", "acme", [("x", b"{}")])  # type: ignore[arg-type]  # left by a crash
     assert store.housekeeping() == [batch_id]
     assert store.tidy() == 1  # batch_gone's lines: its batch is not running
     assert not list(redis.Redis.from_url(REDIS).scan_iter(f"{prefix}b:*"))
@@ -228,10 +228,10 @@ def test_a_batch_never_checked_within_its_window_expires(store: BatchStore) -> N
     assert found is not None and found.status == "expired" and found.counts["total"] == 0
 
 
-def test_lines_are_dealt_fairly_between_tenants(tmp_path: Path) -> None:
+def test_lines_are_dealt_fairly_between_tenants(store: BatchStore) -> None:
     """Eve's 50-line batch came first; bob's 3 lines do not wait for all of hers: the tenant with the
-    fewest lines running gets the next slot (before, the oldest batch took every slot until it ended)."""
-    store = BatchStore(open_database(f"sqlite:///{tmp_path / 'queue.db'}"))
+    fewest lines running gets the next slot (before, the oldest batch took every slot until it ended; in
+    Redis, until its model's one stream reached bob's lines)."""
     eves = _batch(store, 50, tenant="eve")
     bobs = _batch(store, 3, tenant="bob")
     first = store.lease("runner-a", "m", 4, lease_s=30)

@@ -173,7 +173,7 @@ class BatchStore:
                 row = session.get(BatchRow, batch_id, with_for_update=self._postgres)
                 if row is None or row.status != "validating":
                     return False
-                self.lines.add(session, batch_id, model, lines)
+                self.lines.add(session, batch_id, model, row.tenant, lines)
                 session.flush()
                 self._move(session, row, "in_progress", model=model, total=len(lines))
         except (_Raced, IntegrityError):  # another runner queued them first

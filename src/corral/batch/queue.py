@@ -47,7 +47,9 @@ class LineQueue(Protocol):
 
     name: str  # "sql" or "redis": a batch is run by the gateways on the queue it was created on
 
-    def add(self, session: Session, batch_id: str, model: str, lines: list[tuple[str, bytes]]) -> None: ...
+    def add(
+        self, session: Session, batch_id: str, model: str, tenant: str, lines: list[tuple[str, bytes]]
+    ) -> None: ...
 
     def lease(
         self, owner: str, model: str, limit: int, lease_s: float, max_attempts: int

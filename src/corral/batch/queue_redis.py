@@ -1,14 +1,17 @@
 """The line queue behind batches in Redis Streams (`batch.queue: redis`): the lines, their leases and
 results live in Redis; the batches and files stay in the SQL store.
 
-Each model has a stream of `(batch, line)` entries read by one consumer group, `runners`; a runner is a
-consumer. Leasing a line is reading it into the runner's pending entries (XREADGROUP) and setting its
-deadline in the model's lease set (a sorted set, deadline as score, set by the holder); a runner that dies
-leaves its entries pending, and another claims them (XCLAIM) once their deadline passed; renewing moves
-the deadline. A result is kept only if its runner still holds the entry (XPENDING names the consumer) and
-the line is still leased, in one Lua script with the state change and the count, so a line has exactly
-one result as in SQL. Lines retried after a backoff wait in a sorted set and go back into the stream when
-due. Per batch, hashes hold each line's state, request, result, attempts and lease deadline, and counts.
+Each model has a stream of `(batch, line)` entries per tenant, all read by one consumer group, `runners`;
+a runner is a consumer. Leasing deals lines between the tenants as the SQL queue does: the tenant with the
+fewest lines running (by any runner) gets the next, so one tenant's 50,000-line batch does not hold
+another's for hours. Leasing a line is reading it into the runner's pending entries (XREADGROUP) and
+setting its deadline in the tenant's lease set for the model (a sorted set, deadline as score); a runner
+that dies leaves its entries pending, and another claims them (XCLAIM) once their deadline passed;
+renewing moves the deadline. A result is kept only if its runner still holds the entry (XPENDING names the
+consumer) and the line is still leased, in one Lua script with the state change and the count, so a line
+has exactly one result as in SQL. Lines retried after a backoff wait in a sorted set and go back into
+their stream when due. Per batch, hashes hold each line's state, request, result, attempts and lease
+deadline, and counts.
 
 Durable as Redis is: run it with `appendonly yes`. A batch whose lines Redis lost (a restart without
 persistence, a flush) is noticed by the store, set back to `validating` and queued again from its input
@@ -37,153 +40,203 @@ _STATES = {"p": "pending", "l": "leased", "d": "done", "f": "failed", "c": "canc
 _STOPS = {"cancel": "c", "expire": "x"}
 
 # Per-batch keys: {prefix}b:{batch}:s state, :r request ([custom_id, body]), :o result, :a attempts,
-# :u lease deadline, :n counts (completed, failed), :x the stop mark (c cancelled, x expired).
+# :u lease deadline, :n counts (completed, failed), :x the stop mark (c cancelled, x expired), :t tenant,
+# :m model (what `tidy` finds a batch by).
 _HELPERS = """
 local p = ARGV[1]
 local function key(b, suffix) return p .. 'b:' .. b .. ':' .. suffix end
-local function drop(stream, group, id)
-  redis.call('XACK', stream, group, id)
-  redis.call('XDEL', stream, id)
-  redis.call('ZREM', KEYS[3], id)
-end
 local function finish(b, l, state, result)
   redis.call('HSET', key(b, 's'), l, state)
   redis.call('HDEL', key(b, 'u'), l)
   if result then redis.call('HSET', key(b, 'o'), l, result) end
   redis.call('HINCRBY', key(b, 'n'), state == 'd' and 'completed' or 'failed', 1)
 end
-local function holds(stream, group, owner, id)
-  local entry = redis.call('XPENDING', stream, group, id, id, 1)[1]
-  return entry ~= nil and entry[2] == owner
-end
 """
 
-# Every script on a model's queue: KEYS stream, delayed (backoffs), leases (deadlines); ARGV[1] the prefix.
-# LEASE: ARGV group, owner, limit, max attempts, now, deadline, gave-up format
-_LEASE = (
+# A model's queue: ARGV[2] the model, ARGV[3] the consumer group. Each tenant with lines of the model has
+# its own stream ({prefix}q:{model}:{tenant}) and lease set (deadline as score); the set {prefix}qt:{model}
+# names those tenants; lines waiting out a backoff are in {prefix}d:{model} as `batch|line`.
+_QUEUE = (
     _HELPERS
     + """
-local stream, delayed, leases, group, owner = KEYS[1], KEYS[2], KEYS[3], ARGV[2], ARGV[3]
-local limit, maxa, now = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
+local model, group = ARGV[2], ARGV[3]
+local tenants, delayed = p .. 'qt:' .. model, p .. 'd:' .. model
+local function stream(t) return p .. 'q:' .. model .. ':' .. t end
+local function leases(t) return p .. 'leases:' .. model .. ':' .. t end
+local function push(b, l)  -- a line (back) into its tenant's stream
+  local t = redis.call('GET', key(b, 't')) or ''
+  if redis.call('EXISTS', stream(t)) == 0 then
+    redis.call('XGROUP', 'CREATE', stream(t), group, '0', 'MKSTREAM')
+    redis.call('SADD', tenants, t)
+  end
+  redis.call('XADD', stream(t), '*', 'b', b, 'l', l)
+end
+local function drop(t, id)
+  redis.call('XACK', stream(t), group, id)
+  redis.call('XDEL', stream(t), id)
+  redis.call('ZREM', leases(t), id)
+end
+local function holds(t, owner, id)  -- false too when Redis lost the stream (a flush)
+  local found = redis.pcall('XPENDING', stream(t), group, id, id, 1)
+  if type(found) ~= 'table' or found.err or found[1] == nil then return false end
+  return found[1][2] == owner
+end
+"""
+)
+
+# LEASE: ARGV owner, limit, max attempts, now, deadline, gave-up format (after prefix, model, group)
+_LEASE = (
+    _QUEUE
+    + """
+local owner, limit, maxa = ARGV[4], tonumber(ARGV[5]), tonumber(ARGV[6])
+local now, deadline = tonumber(ARGV[7]), ARGV[8]
 for _, m in ipairs(redis.call('ZRANGEBYSCORE', delayed, '-inf', now, 'LIMIT', 0, 1000)) do
   local sep = string.find(m, '|', 1, true)
-  redis.call('XADD', stream, '*', 'b', string.sub(m, 1, sep - 1), 'l', string.sub(m, sep + 1))
+  local b = string.sub(m, 1, sep - 1)
+  if redis.call('EXISTS', key(b, 't')) == 1 then push(b, string.sub(m, sep + 1)) end
   redis.call('ZREM', delayed, m)
 end
 local out = {}
-local function take(id, b, l)  -- leased, or dropped when finished, stopped or tried too often
+local function take(t, id, b, l)  -- leased, or dropped when finished, stopped or tried too often
   local state = redis.call('HGET', key(b, 's'), l)
   local stop = redis.call('GET', key(b, 'x'))
   if state ~= 'p' and state ~= 'l' then
-    drop(stream, group, id)  -- finished, or its batch is gone
+    drop(t, id)  -- finished, or its batch is gone
   elseif stop then
     finish(b, l, stop, nil)
-    drop(stream, group, id)
+    drop(t, id)
   else
     local attempts = tonumber(redis.call('HGET', key(b, 'a'), l) or '0')
     if attempts >= maxa then
-      finish(b, l, 'f', string.format(ARGV[8], attempts))
-      drop(stream, group, id)
+      finish(b, l, 'f', string.format(ARGV[9], attempts))
+      drop(t, id)
     else
       redis.call('HINCRBY', key(b, 'a'), l, 1)
       redis.call('HSET', key(b, 's'), l, 'l')
-      redis.call('HSET', key(b, 'u'), l, ARGV[7])
-      redis.call('ZADD', leases, ARGV[7], id)
-      table.insert(out, {id, b, l, redis.call('HGET', key(b, 'r'), l), attempts + 1})
+      redis.call('HSET', key(b, 'u'), l, deadline)
+      redis.call('ZADD', leases(t), deadline, id)
+      table.insert(out, {id, b, l, redis.call('HGET', key(b, 'r'), l), attempts + 1, t})
+      return true
+    end
+  end
+  return false
+end
+local names = redis.call('SMEMBERS', tenants)
+table.sort(names)
+for _, t in ipairs(names) do  -- lines whose runner died (its lease ran out) are taken over first
+  for _, id in ipairs(redis.call('ZRANGEBYSCORE', leases(t), '-inf', now, 'LIMIT', 0, limit)) do
+    if #out >= limit then break end
+    redis.call('ZREM', leases(t), id)
+    local claimed = redis.pcall('XCLAIM', stream(t), group, owner, 0, id)
+    if type(claimed) == 'table' and not claimed.err and claimed[1] then
+      take(t, id, claimed[1][2][2], claimed[1][2][4])
     end
   end
 end
-for _, id in ipairs(redis.call('ZRANGEBYSCORE', leases, '-inf', now, 'LIMIT', 0, limit)) do
-  local claimed = redis.call('XCLAIM', stream, group, owner, 0, id)  -- its runner died: taken over
-  redis.call('ZREM', leases, id)
-  if claimed[1] then take(id, claimed[1][2][2], claimed[1][2][4]) end
+local running, open = {}, {}
+for _, t in ipairs(names) do
+  running[t] = redis.call('ZCOUNT', leases(t), now, '+inf')
+  open[t] = true
 end
 local scanned = 0  -- entries of finished batches are skipped over, a bounded number a call
 while #out < limit and scanned < 2000 do
-  local new = redis.call('XREADGROUP', 'GROUP', group, owner, 'COUNT', limit - #out, 'STREAMS', stream, '>')
-  if not new then break end
-  for _, e in ipairs(new[1][2]) do
+  local pick = nil  -- the tenant with the fewest lines running (by any runner) gets the next line
+  for _, t in ipairs(names) do
+    if open[t] and (pick == nil or running[t] < running[pick]) then pick = t end
+  end
+  if pick == nil then break end
+  local new = redis.pcall('XREADGROUP', 'GROUP', group, owner, 'COUNT', 1, 'STREAMS', stream(pick), '>')
+  if type(new) == 'table' and not new.err and new[1] then
+    local e = new[1][2][1]
     scanned = scanned + 1
-    take(e[1], e[2][2], e[2][4])
+    if take(pick, e[1], e[2][2], e[2][4]) then running[pick] = running[pick] + 1 end
+  else
+    open[pick] = false
+    if redis.call('XLEN', stream(pick)) == 0 then  -- nothing queued nor held: the tenant leaves
+      redis.call('DEL', stream(pick), leases(pick))
+      redis.call('SREM', tenants, pick)
+    end
   end
 end
 return out
 """
 )
 
-# COMMIT: ARGV group, owner, then (entry, batch, line, state, result) per line
+# COMMIT: ARGV owner, then (entry, tenant, batch, line, state, result) per line
 _COMMIT = (
-    _HELPERS
+    _QUEUE
     + """
-local stream, group, owner, kept = KEYS[1], ARGV[2], ARGV[3], 0
-for i = 4, #ARGV, 5 do
-  local id, b, l = ARGV[i], ARGV[i + 1], ARGV[i + 2]
-  if holds(stream, group, owner, id) then
+local owner, kept = ARGV[4], 0
+for i = 5, #ARGV, 6 do
+  local id, t, b, l = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
+  if holds(t, owner, id) then
     if redis.call('HGET', key(b, 's'), l) == 'l' then
-      finish(b, l, ARGV[i + 3], ARGV[i + 4])
+      finish(b, l, ARGV[i + 4], ARGV[i + 5])
       kept = kept + 1
     end
-    drop(stream, group, id)
+    drop(t, id)
   end
 end
 return kept
 """
 )
 
-# RELEASE: ARGV group, owner, entry, batch, line, due (0: now), attempts to give back (0 or 1)
+# RELEASE: ARGV owner, entry, tenant, batch, line, due (0: now), attempts to give back (0 or 1)
 _RELEASE = (
-    _HELPERS
+    _QUEUE
     + """
-local stream, delayed, group, owner, id, b, l = KEYS[1], KEYS[2], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6]
-if not holds(stream, group, owner, id) then return 0 end
-drop(stream, group, id)
+local owner, id, t, b, l = ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8]
+if not holds(t, owner, id) then return 0 end
+drop(t, id)
 if redis.call('HGET', key(b, 's'), l) ~= 'l' then return 0 end
-if tonumber(ARGV[8]) > 0 then redis.call('HINCRBY', key(b, 'a'), l, -tonumber(ARGV[8])) end
+if tonumber(ARGV[10]) > 0 then redis.call('HINCRBY', key(b, 'a'), l, -tonumber(ARGV[10])) end
 local stop = redis.call('GET', key(b, 'x'))
 redis.call('HDEL', key(b, 'u'), l)
 if stop then
   finish(b, l, stop, nil)
-elseif tonumber(ARGV[7]) > 0 then
+elseif tonumber(ARGV[9]) > 0 then
   redis.call('HSET', key(b, 's'), l, 'p')
-  redis.call('ZADD', delayed, ARGV[7], b .. '|' .. l)
+  redis.call('ZADD', delayed, ARGV[9], b .. '|' .. l)
 else
   redis.call('HSET', key(b, 's'), l, 'p')
-  redis.call('XADD', stream, '*', 'b', b, 'l', l)
+  push(b, l)
 end
 return 1
 """
 )
 
-# RENEW: ARGV group, owner, deadline, then (entry, batch, line) per line
+# RENEW: ARGV owner, deadline, then (entry, tenant, batch, line) per line
 _RENEW = (
-    _HELPERS
+    _QUEUE
     + """
-local stream, group, owner = KEYS[1], ARGV[2], ARGV[3]
-for i = 5, #ARGV, 3 do
-  local b, l = ARGV[i + 1], ARGV[i + 2]
-  if holds(stream, group, owner, ARGV[i]) and redis.call('HGET', key(b, 's'), l) == 'l' then
-    redis.call('ZADD', KEYS[3], ARGV[4], ARGV[i])
-    redis.call('HSET', key(b, 'u'), l, ARGV[4])
+local owner = ARGV[4]
+for i = 6, #ARGV, 4 do
+  local id, t, b, l = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
+  if holds(t, owner, id) and redis.call('HGET', key(b, 's'), l) == 'l' then
+    redis.call('ZADD', leases(t), ARGV[5], id)
+    redis.call('HSET', key(b, 'u'), l, ARGV[5])
   end
 end
 return 0
 """
 )
 
-# ADD: ARGV batch, then (line, request) per line: idempotent (a line is queued once); a batch stopped
-# (cancelled) while its lines were being queued gets the rest as cancelled at once
+# ADD: ARGV batch, tenant, then (line, request) per line: idempotent (a line is queued once); a batch
+# stopped (cancelled) while its lines were being queued gets the rest as cancelled at once
 _ADD = (
-    _HELPERS
+    _QUEUE
     + """
-local b = ARGV[2]
+local b = ARGV[4]
+redis.call('SET', key(b, 't'), ARGV[5])
+redis.call('SET', key(b, 'm'), model)
 local stop = redis.call('GET', key(b, 'x'))
-for i = 3, #ARGV, 2 do
+for i = 6, #ARGV, 2 do
   if redis.call('HSETNX', key(b, 's'), ARGV[i], 'p') == 1 then
     redis.call('HSET', key(b, 'r'), ARGV[i], ARGV[i + 1])
     if stop then
       finish(b, ARGV[i], stop, nil)
     else
-      redis.call('XADD', KEYS[1], '*', 'b', b, 'l', ARGV[i])
+      push(b, ARGV[i])
     end
   end
 end
@@ -223,7 +276,6 @@ class RedisLines:
     def __init__(self, url: str, prefix: str = "corral:batch:", timeout: float = 5.0) -> None:
         self._redis = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
         self._prefix = prefix
-        self._groups: set[str] = set()
         scripts = (_LEASE, _COMMIT, _RELEASE, _RENEW, _ADD, _SETTLE)
         self._lease, self._commit, self._release, self._renew, self._add, self._settle = (
             self._redis.register_script(s) for s in scripts
@@ -233,44 +285,27 @@ class RedisLines:
         """A batch's key (the scripts name them alike: `key(b, suffix)`)."""
         return f"{self._prefix}b:{batch_id}:{suffix}"
 
-    def _stream(self, model: str) -> str:
-        stream = f"{self._prefix}q:{model}"
-        if stream not in self._groups:
-            try:
-                self._redis.xgroup_create(stream, _GROUP, id="0", mkstream=True)
-            except redis.ResponseError as exc:
-                if "BUSYGROUP" not in str(exc):
-                    raise
-            self._groups.add(stream)
-        return stream
-
     def _call(self, script: Any, model: str, args: list[Any]) -> Any:
-        """Run a script on the model's queue; a stream or group Redis lost is made again once."""
-        keys = [self._stream(model), f"{self._prefix}d:{model}", f"{self._prefix}leases:{model}"]
-        try:
-            return script(keys=keys, args=[self._prefix, *args])
-        except redis.ResponseError as exc:
-            if "NOGROUP" not in str(exc):
-                raise
-            self._groups.discard(keys[0])
-            self._stream(model)
-            return script(keys=keys, args=[self._prefix, *args])
+        """Run a script on the model's queue (the scripts name their keys: one Redis, not a cluster)."""
+        return script(keys=[], args=[self._prefix, model, _GROUP, *args])
 
-    def add(self, session: Session, batch_id: str, model: str, lines: list[tuple[str, bytes]]) -> None:
+    def add(
+        self, session: Session, batch_id: str, model: str, tenant: str, lines: list[tuple[str, bytes]]
+    ) -> None:
         """Queued before the store's transaction commits; queuing the same batch again adds nothing."""
-        self._redis.set(self._key(batch_id, "m"), model)  # what `tidy` finds a batch's keys by
         for start in range(0, len(lines), _CHUNK):
-            args: list[Any] = [batch_id]
+            args: list[Any] = [batch_id, tenant]
             for i, (custom_id, body) in enumerate(lines[start : start + _CHUNK], start=start):
                 args += [i, orjson.dumps([custom_id, body.decode()])]
             self._call(self._add, model, args)
 
     def lease(self, owner: str, model: str, limit: int, lease_s: float, max_attempts: int) -> list[BatchLine]:
+        """Lines dealt fairly between tenants, as in SQL: the one with the fewest lines running next."""
         now = time.time()
         # a Lua format string: the attempts go in (a request id per call, not per process)
-        args = [_GROUP, owner, limit, max_attempts, now, now + lease_s, gave_up("%d")]
+        args = [owner, limit, max_attempts, now, now + lease_s, gave_up("%d")]
         leased = []
-        for entry, batch_id, line, request, attempts in self._call(self._lease, model, args):
+        for entry, batch_id, line, request, attempts, tenant in self._call(self._lease, model, args):
             custom_id, body = orjson.loads(request)
             leased.append(
                 BatchLine(
@@ -279,7 +314,7 @@ class RedisLines:
                     custom_id,
                     body.encode(),
                     "",
-                    "",
+                    tenant.decode(),
                     None,
                     int(attempts),
                     entry.decode(),
@@ -293,22 +328,20 @@ class RedisLines:
         for line, result in results:
             state = "d" if 200 <= result.status_code < 300 else "f"
             stored = response_json(result.status_code, result.body, result.request_id)
-            by_model[line.model] += [line.token, line.batch_id, line.line, state, stored]
-        return sum(
-            int(self._call(self._commit, model, [_GROUP, owner, *args])) for model, args in by_model.items()
-        )
+            by_model[line.model] += [line.token, line.tenant, line.batch_id, line.line, state, stored]
+        return sum(int(self._call(self._commit, model, [owner, *args])) for model, args in by_model.items())
 
     def release(self, owner: str, line: BatchLine, after_s: float, undo_attempt: bool = False) -> None:
         due = time.time() + after_s if after_s else 0
-        args = [_GROUP, owner, line.token, line.batch_id, line.line, due, int(undo_attempt)]
+        args = [owner, line.token, line.tenant, line.batch_id, line.line, due, int(undo_attempt)]
         self._call(self._release, line.model, args)
 
     def renew(self, owner: str, lines: list[BatchLine], lease_s: float) -> None:
         by_model: dict[str, list[Any]] = defaultdict(list)
         for line in lines:
-            by_model[line.model] += [line.token, line.batch_id, line.line]
+            by_model[line.model] += [line.token, line.tenant, line.batch_id, line.line]
         for model, args in by_model.items():
-            self._call(self._renew, model, [_GROUP, owner, time.time() + lease_s, *args])
+            self._call(self._renew, model, [owner, time.time() + lease_s, *args])
 
     def cancel(self, batch_id: str) -> None:
         self._settle(keys=[], args=[self._prefix, batch_id, "c", time.time()])
@@ -353,7 +386,7 @@ class RedisLines:
 
     def drop(self, batch_id: str) -> None:
         """A finalised batch's lines (its results are in its files, its counts in its row)."""
-        self._redis.delete(*(self._key(batch_id, suffix) for suffix in "sroaunxm"))
+        self._redis.delete(*(self._key(batch_id, suffix) for suffix in "sroaunxmt"))
 
     def tidy(self, unfinished: set[str], idle_ms: int = 3_600_000) -> int:
         """Drop the keys of batches that are finished (a gateway died between finalising and dropping)

@@ -34,7 +34,9 @@ class SqlLines:
         self._engine = engine
         self._postgres = engine.dialect.name == "postgresql"
 
-    def add(self, session: Session, batch_id: str, model: str, lines: list[tuple[str, bytes]]) -> None:
+    def add(
+        self, session: Session, batch_id: str, model: str, tenant: str, lines: list[tuple[str, bytes]]
+    ) -> None:
         session.add_all(
             BatchLineRow(batch_id=batch_id, line=i, custom_id=custom_id, body=body.decode(), state="pending")
             for i, (custom_id, body) in enumerate(lines)
