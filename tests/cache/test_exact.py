@@ -18,12 +18,14 @@ import numpy as np
 import openai
 import orjson
 import pytest
+import redis.asyncio as aioredis
 from aiohttp import web
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from corral.cache import ExactCache, MemoryStore
 from corral.cache.entry import Entry, entry_from_stream, entry_from_whole
+from corral.cache.store import RedisStore
 from corral.config import AuthSettings, CacheSettings, GatewaySettings, ModelCacheSpec, StoreSettings
 from corral.gateway import GatewayParts, GatewayServer
 from corral.perf import load_catalog
@@ -315,6 +317,55 @@ async def test_a_tenant_filling_the_memory_store_evicts_its_own_entries_not_anot
     assert store.stats()["bytes"] <= 300
     await store.purge("eve", None)
     assert store.stats() == {"backend": "memory", "entries": 1, "bytes": 30, "max_bytes": 300}
+
+
+async def test_a_tenant_past_its_cache_share_loses_its_own_oldest_answers_in_either_store() -> None:
+    """`cache.tenant_max_bytes`: eve's answers past her share push out her own oldest, in memory and in
+    Redis (where, before, a tenant could fill Redis and its maxmemory eviction took anyone's)."""
+    memory = MemoryStore(max_bytes=1000, tenant_max_bytes=100)
+    prefix = f"test:{uuid.uuid4().hex[:8]}:"
+    redis_store = RedisStore("redis://127.0.0.1:6379/0", 0.5, prefix=prefix, tenant_max_bytes=100)
+    for store in (memory, redis_store):
+        await store.put("bob/m/1", b"b" * 30, ttl_s=60)
+        for i in range(10):
+            await store.put(f"eve/m/{i}", b"e" * 30, ttl_s=60)
+        assert await store.get("bob/m/1") == b"b" * 30
+        kept = [i for i in range(10) if await store.get(f"eve/m/{i}") is not None]
+        assert kept == [7, 8, 9], store.stats()  # 90 of her 100 bytes: her three newest
+        await store.put("eve/m/big", b"e" * 101, ttl_s=60)  # over her whole share: not kept
+        assert await store.get("eve/m/big") is None and await store.get("eve/m/9") is not None
+        assert await store.purge("eve", None) == 3
+        await store.put("eve/m/new", b"e" * 100, ttl_s=60)  # the purge took her entries off the books
+        assert await store.get("eve/m/new") is not None
+    client = aioredis.from_url("redis://127.0.0.1:6379/0")
+    assert int(await client.hget(f"{prefix.rstrip(':')}-books:eve:sizes", "")) == 100
+    await client.delete(*[k async for k in client.scan_iter(f"{prefix.rstrip(':')}*")])
+    await client.aclose()
+
+
+async def test_the_tenant_share_holds_through_a_gateway_on_redis(engine: str, tmp_path: Path) -> None:
+    """End to end: a gateway with `cache: {backend: redis, tenant_max_bytes}`; eve's flood of questions
+    leaves bob's answer cached and keeps her own books within the share."""
+    tenant_max = 4000
+    gw = await gateway(engine, tmp_path, CacheSettings(backend="redis", tenant_max_bytes=tenant_max))
+    bob, eve = f"bob-{uuid.uuid4().hex[:8]}", f"eve-{uuid.uuid4().hex[:8]}"
+    try:
+        bob_client, eve_client = client(gw, await key_for(gw, bob)), client(gw, await key_for(gw, eve))
+        question = [{"role": "user", "content": f"Bob's question {uuid.uuid4()}"}]
+        answer, state, _ = await ask(bob_client, question, stream=False)
+        assert state == "miss"
+        for i in range(12):
+            await ask(eve_client, [{"role": "user", "content": f"Eve's question {i}"}], stream=False)
+        await gw.services.cache.flush()  # type: ignore[union-attr]
+        assert await ask(bob_client, question, stream=False) == (answer, "hit", 1)
+        assert (await ask(eve_client, [{"role": "user", "content": "Eve's question 0"}], False))[1] == "miss"
+        books = aioredis.from_url("redis://127.0.0.1:6379/0")
+        assert 0 < int(await books.hget(f"corral:cache-books:{eve}:sizes", "")) <= tenant_max
+        await books.aclose()
+    finally:
+        for tenant in (bob, eve):
+            await gw.services.cache.store.purge(tenant, None)  # type: ignore[union-attr]
+        await gw.server.stop()
 
 
 async def test_a_new_deployment_of_the_model_starts_its_cache_afresh() -> None:

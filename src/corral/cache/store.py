@@ -1,4 +1,5 @@
 """Where cached answers live: an in-process LRU bounded in bytes, or Redis with TTLs (shared by gateways).
+Either way each tenant holds at most `cache.tenant_max_bytes` of answers: past it, its own oldest go.
 
 Keys are `<tenant>/<model>/<digest>` (tenant and model percent-quoted), so a purge by tenant or model
 finds its entries in either store. A store that cannot answer (Redis down or slow) is a miss, never an
@@ -20,6 +21,54 @@ __all__ = ["CacheStore", "MemoryStore", "RedisStore", "StoreUnavailable", "entry
 logger = logging.getLogger(__name__)
 
 _SKIP_AFTER_FAILURE_S = 5.0
+
+# Redis: store an entry and keep its tenant's books. KEYS entry, the tenant's entries by expiry (a sorted
+# set), their sizes (a hash; the field '' holds the total). ARGV value, ttl ms, now ms, the tenant's cap.
+# Entries whose TTL passed leave the books; past the cap, the tenant's entries that expire first (its
+# oldest, for one TTL) are deleted, never another tenant's.
+_PUT = """
+local entry, order, sizes = KEYS[1], KEYS[2], KEYS[3]
+local ttl, now, cap = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
+local function forget(k)
+  local n = tonumber(redis.call('HGET', sizes, k) or '0')
+  redis.call('HDEL', sizes, k)
+  redis.call('ZREM', order, k)
+  if n > 0 then redis.call('HINCRBY', sizes, '', -n) end
+end
+for _, k in ipairs(redis.call('ZRANGEBYSCORE', order, '-inf', now, 'LIMIT', 0, 100)) do forget(k) end
+forget(entry)
+redis.call('SET', entry, ARGV[1], 'PX', ttl)
+redis.call('ZADD', order, now + ttl, entry)
+redis.call('HSET', sizes, entry, #ARGV[1])
+local total = redis.call('HINCRBY', sizes, '', #ARGV[1])
+while total > cap do
+  local oldest = redis.call('ZRANGE', order, 0, 0)[1]
+  if not oldest then break end
+  redis.call('DEL', oldest)
+  forget(oldest)
+  total = tonumber(redis.call('HGET', sizes, '') or '0')
+end
+local last = redis.call('ZRANGE', order, -1, -1, 'WITHSCORES')
+if last[2] then
+  local keep = math.max(1, math.ceil(tonumber(last[2]) - now))
+  redis.call('PEXPIRE', order, keep)
+  redis.call('PEXPIRE', sizes, keep)
+end
+return total
+"""
+
+# Redis: delete entries and take them off their tenants' books. KEYS (entry, order, sizes) per entry.
+_DROP = """
+local removed = 0
+for i = 1, #KEYS, 3 do
+  removed = removed + redis.call('DEL', KEYS[i])
+  local n = tonumber(redis.call('HGET', KEYS[i + 2], KEYS[i]) or '0')
+  redis.call('HDEL', KEYS[i + 2], KEYS[i])
+  redis.call('ZREM', KEYS[i + 1], KEYS[i])
+  if n > 0 then redis.call('HINCRBY', KEYS[i + 2], '', -n) end
+end
+return removed
+"""
 
 
 class StoreUnavailable(RuntimeError):
@@ -58,12 +107,13 @@ class CacheStore(Protocol):
 
 
 class MemoryStore:
-    """An LRU of encoded entries, at most `max_bytes` of them, each gone after its TTL. When full, the
-    tenant holding the most bytes gives up its least recently used entry: a tenant filling the cache with
-    answers no one asks again evicts its own, not other tenants' (each may hold the whole cache alone)."""
+    """An LRU of encoded entries, at most `max_bytes` of them and `tenant_max_bytes` of one tenant's, each
+    gone after its TTL. When full, the tenant holding the most bytes gives up its least recently used
+    entry: a tenant filling the cache with answers no one asks again evicts its own, not other tenants'."""
 
-    def __init__(self, max_bytes: int) -> None:
+    def __init__(self, max_bytes: int, tenant_max_bytes: int | None = None) -> None:
         self._max = max_bytes
+        self._tenant_max = min(max_bytes, tenant_max_bytes or max_bytes)
         self._entries: OrderedDict[str, tuple[float, bytes]] = OrderedDict()
         self._bytes = 0
         self._tenants: dict[str, OrderedDict[str, int]] = {}  # tenant → its keys (LRU order) → bytes
@@ -82,7 +132,7 @@ class MemoryStore:
         return value
 
     async def put(self, key: str, value: bytes, ttl_s: float) -> None:
-        if len(value) > self._max:
+        if len(value) > self._tenant_max:
             return
         self._drop(key)
         owner = _owner(key)
@@ -90,6 +140,8 @@ class MemoryStore:
         self._tenants.setdefault(owner, OrderedDict())[key] = len(value)
         self._held[owner] = self._held.get(owner, 0) + len(value)
         self._bytes += len(value)
+        while self._held[owner] > self._tenant_max:
+            self._drop(next(iter(self._tenants[owner])))
         while self._bytes > self._max:
             hog = max(self._held, key=self._held.__getitem__)
             self._drop(next(iter(self._tenants[hog])))
@@ -136,15 +188,27 @@ def _owner(key: str) -> str:
 
 
 class RedisStore:
-    """Entries in Redis under `corral:cache:<key>`, each with its TTL."""
+    """Entries in Redis under `corral:cache:<key>`, each with its TTL; each tenant's books (its entries by
+    expiry, their sizes) under `corral:cache-books:<tenant>:`, so a tenant past `tenant_max_bytes` loses
+    its own oldest entries. Redis's `maxmemory` bounds the whole (its eviction does not know tenants)."""
 
-    def __init__(self, url: str, timeout: float, prefix: str = "corral:cache:") -> None:
+    def __init__(
+        self,
+        url: str,
+        timeout: float,
+        prefix: str = "corral:cache:",
+        tenant_max_bytes: int = 256 * 1024 * 1024,
+    ) -> None:
         import redis.asyncio as aioredis
         from redis.exceptions import RedisError
 
         self._errors: tuple[type[BaseException], ...] = (RedisError, OSError, TimeoutError)
         self._redis = aioredis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
         self._prefix = prefix
+        self._books = prefix.rstrip(":") + "-books:"
+        self._tenant_max = tenant_max_bytes
+        self._put = self._redis.register_script(_PUT)
+        self._drop = self._redis.register_script(_DROP)
         self._failures = 0
         self._down_until = 0.0  # after a failure the store is skipped a while: no wait on every request
 
@@ -158,11 +222,17 @@ class RedisStore:
             return None
         return value.encode() if isinstance(value, str) else value
 
+    def _keys(self, name: str) -> list[str]:
+        """An entry's key and its tenant's books."""
+        books = self._books + _owner(name)
+        return [self._prefix + name, books + ":order", books + ":sizes"]
+
     async def put(self, key: str, value: bytes, ttl_s: float) -> None:
-        if time.monotonic() < self._down_until:
+        if time.monotonic() < self._down_until or len(value) > self._tenant_max:
             return
+        ttl_ms, now_ms = max(1, round(ttl_s * 1000)), round(time.time() * 1000)
         try:
-            await self._redis.set(self._prefix + key, value, px=max(1, round(ttl_s * 1000)))
+            await self._put(keys=self._keys(key), args=[value, ttl_ms, now_ms, self._tenant_max])
         except self._errors as exc:
             self._failed("put", exc)
 
@@ -173,11 +243,21 @@ class RedisStore:
         )
         removed = 0
         try:
+            found: list[str] = []
             async for key in self._redis.scan_iter(match=pattern, count=500):
-                removed += int(await self._redis.delete(key))
+                found.append((key.decode() if isinstance(key, bytes) else key).removeprefix(self._prefix))
+                if len(found) >= 500:
+                    removed += await self._forget(found)
+                    found = []
+            removed += await self._forget(found)
         except self._errors as exc:
             raise StoreUnavailable(f"the cache's Redis did not answer: {exc}") from exc
         return removed
+
+    async def _forget(self, names: list[str]) -> int:
+        if not names:
+            return 0
+        return int(await self._drop(keys=[k for name in names for k in self._keys(name)]))
 
     async def scan(self) -> AsyncIterator[tuple[str, bytes]]:
         """Entries in batches; a Redis that fails mid-way ends the scan (what was read is used)."""
@@ -223,7 +303,7 @@ class RedisStore:
         return time.monotonic() >= self._down_until
 
     def stats(self) -> dict[str, object]:
-        return {"backend": "redis", "failures": self._failures}
+        return {"backend": "redis", "failures": self._failures, "tenant_max_bytes": self._tenant_max}
 
     def _failed(self, what: str, exc: BaseException) -> None:
         self._failures += 1

@@ -223,6 +223,14 @@ class CacheSettings(Strict):
     max_bytes: Annotated[int, Field(ge=0, description="memory: the most bytes of answers kept (LRU)")] = (
         256 * 1024 * 1024
     )
+    tenant_max_bytes: Annotated[
+        int | None,
+        Field(
+            ge=1,
+            description="the most bytes of answers one tenant keeps (past it, its own oldest go, never "
+            "another tenant's); default: max_bytes. With redis, Redis's maxmemory bounds the whole",
+        ),
+    ] = None
     redis_url: str = Field(default="redis://127.0.0.1:6379/0", description="Redis for backend: redis")
     redis_timeout: Annotated[
         float, Field(gt=0, description="seconds for each Redis call; a slow cache is skipped, not waited on")

@@ -1,4 +1,6 @@
-"""A cap on the connections one client address holds open, enforced where connections are accepted.
+"""A cap on the connections one client address holds open, enforced where connections are accepted; and
+aiohttp's own refusals (a request it could not parse: a header past `gateway.max_header_bytes`, a bad
+request line) answered in OpenAI's error shape instead of aiohttp's plain text.
 
 A client that opens connections and sends nothing holds a file descriptor each until the idle timeout;
 past `gateway.max_client_connections` from one address, a new connection is closed before aiohttp sees
@@ -13,11 +15,16 @@ import logging
 import ssl
 from collections import Counter
 from collections.abc import Callable
+from http import HTTPStatus
 from typing import Any, cast
 
 from aiohttp import web
+from aiohttp.http_exceptions import LineTooLong
+from aiohttp.web_protocol import RequestHandler
+from aiohttp.web_request import BaseRequest
 
 from corral.gateway.clients import ClientAddresses
+from corral.protocol.errors import error_body
 
 __all__ = ["CappedSite", "ConnectionCaps"]
 
@@ -51,6 +58,41 @@ class ConnectionCaps:
 
     def holding(self, address: str) -> int:
         return self._open[address]
+
+
+class _OpenAIErrors(RequestHandler):
+    """aiohttp's connection handler, answering the requests it refuses itself (a parse error is a 400, a
+    handler's escape a 500) in OpenAI's error shape; it still logs them its own way."""
+
+    __slots__ = ()
+
+    def handle_error(
+        self,
+        request: BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        super().handle_error(request, status, exc, message)  # logs it; raises if the answer began
+        if status >= 500:
+            text, kind, code = "the gateway failed on this request", "server_error", "internal_error"
+        elif isinstance(exc, LineTooLong):
+            text = "a request line or header field longer than the gateway accepts (gateway.max_header_bytes)"
+            kind, code = "invalid_request_error", "header_too_long"
+        else:
+            phrase = HTTPStatus(status).phrase if status in HTTPStatus._value2member_map_ else "Bad request"
+            text, kind, code = (message or phrase)[:200], "invalid_request_error", "bad_http_request"
+        body = error_body(text, kind, code)
+        response = web.Response(status=status, body=body, content_type="application/json")
+        response.force_close()
+        return response
+
+
+def _handlers(server: web.Server) -> Callable[[], RequestHandler]:
+    """What `server()` makes, as _OpenAIErrors (aiohttp offers no hook for the handler's class; this
+    reads the two attributes its own `Server.__call__` uses)."""
+    loop, kwargs = server._loop, server._kwargs
+    return lambda: _OpenAIErrors(server, loop=loop, **kwargs)
 
 
 class _Capped(asyncio.Protocol):
@@ -118,8 +160,9 @@ class CappedSite(web.BaseSite):
         await super().start()
         server = self._runner.server
         assert server is not None  # the runner is set up
+        handlers = _handlers(server)
         self._server = await asyncio.get_running_loop().create_server(
-            lambda: _Capped(server, self._caps),
+            lambda: _Capped(handlers, self._caps),
             self._host,
             self._port,
             ssl=self._ssl_context,

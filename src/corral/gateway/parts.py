@@ -155,8 +155,12 @@ def _cache(
     settings: CacheSettings, policies: dict[str, ModelCacheSpec], versions: dict[str, str]
 ) -> ExactCache:
     store: CacheStore = (
-        RedisStore(settings.redis_url, settings.redis_timeout)
+        RedisStore(
+            settings.redis_url,
+            settings.redis_timeout,
+            tenant_max_bytes=settings.tenant_max_bytes or settings.max_bytes,
+        )
         if settings.backend == "redis"
-        else MemoryStore(settings.max_bytes)
+        else MemoryStore(settings.max_bytes, settings.tenant_max_bytes)
     )
     return ExactCache(store, dict(policies), dict(versions), embed_timeout=settings.embedding_timeout)
