@@ -189,6 +189,14 @@ class StoreSettings(Strict):
             ge=100, description="usage records held while the store is down; beyond it the oldest are dropped"
         ),
     ] = 100_000
+    response_ttl_days: Annotated[
+        float,
+        Field(
+            gt=0,
+            description="days a stored response (/v1/responses with store: true) is kept for "
+            "previous_response_id and retrieval (OpenAI keeps them 30)",
+        ),
+    ] = 30
 
 
 class LimitsSettings(Strict):

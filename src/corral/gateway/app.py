@@ -1,6 +1,7 @@
 """Gateway assembly: routes, the one error boundary, and the app's long-lived objects.
 
-The app serves `/v1/chat/completions`, `/v1/completions`, `/v1/embeddings`, `/v1/models`, `/health`
+The app serves `/v1/chat/completions`, `/v1/completions`, `/v1/embeddings`, `/v1/responses` (and its stored
+responses), `/v1/messages` (Anthropic's; see agents.py and dialects/), `/v1/models`, `/health`
 (process up), `/ready` (every model has a ready replica), `/corral/status` (replicas with state and load),
 `/metrics` (Prometheus) and the admin API under `/admin/` (keys, usage, routing state; see admin.py).
 """
@@ -22,8 +23,10 @@ from corral.admission import Authenticator
 from corral.batch.runner import BatchRunner
 from corral.cache import ExactCache
 from corral.config import GatewaySettings
+from corral.dialects import Responses
 from corral.engines.client import EngineClient
 from corral.gateway.admin import AdminViews, bearer_is
+from corral.gateway.agents import AgentViews
 from corral.gateway.batches import BatchViews
 from corral.gateway.clients import ClientAddresses
 from corral.gateway.console import ConsoleViews
@@ -99,6 +102,7 @@ def build_app(
     usage = UsageRecorder(
         parts.usage_store, parts.flush_interval, parts.max_pending_usage, on_written=parts.budget.written
     )
+    responses = Responses(parts.responses) if parts.responses is not None else None
     pipeline = app[PIPELINE] = Pipeline(
         auth=parts.auth,
         sizing=parts.sizing,
@@ -114,12 +118,16 @@ def build_app(
         isolation=TenantIsolation.of(parts.isolated, parts.access.admin_key, open_access),
         max_body_bytes=settings.max_body_bytes,
         body_timeout=settings.body_timeout,
+        responses=responses,
     )
     # The generation routes first: aiohttp tries resources in the order they were added. Their handlers
     # are the pipeline's own (no wrapper: every await layer costs each suspension of a request).
     app.router.add_post("/v1/chat/completions", pipeline.chat_completions)
     app.router.add_post("/v1/completions", pipeline.completions)
     app.router.add_post("/v1/embeddings", pipeline.embeddings)
+    AgentViews(parts.auth, pipeline, responses, settings.body_timeout, settings.max_body_bytes).add_routes(
+        app
+    )
     app.router.add_get("/health", status.health)
     app.router.add_get("/ready", status.ready)
     app.router.add_get("/v1/models", status.models)

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from corral.admission import BudgetHold
+from corral.dialects.chat import Exchange
 from corral.engines import EngineFeatures
 from corral.protocol import EmbeddingRequest, GenerationRequest
 from corral.routing import Replica, RouteRequest
@@ -42,6 +43,7 @@ class RequestContext:
     # what a monthly budget reserves (None: route.tokens): without max_tokens, all the engine may generate
     budget_tokens: int | None = None
     lookup: Any = None  # its dealings with the response cache (cache.CacheLookup), when it has some
+    exchange: Exchange | None = None  # asked in another dialect (Responses, Messages): told back in it
 
     @property
     def model(self) -> str:

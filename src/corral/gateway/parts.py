@@ -29,7 +29,7 @@ from corral.config import (
     StoreSettings,
 )
 from corral.routing import ReplicaSet
-from corral.store import KeyStore, UsageStore, open_database
+from corral.store import KeyStore, ResponseStore, UsageStore, open_database
 
 if TYPE_CHECKING:
     from sqlalchemy import Engine
@@ -80,6 +80,7 @@ class GatewayParts:
     cache: ExactCache | None = None  # answers repeated requests (models with cache.exact)
     batches: BatchStore | None = None  # files and batch jobs (batch.enabled)
     batch: BatchSettings = field(default_factory=BatchSettings)
+    responses: ResponseStore | None = None  # stored responses (/v1/responses)
 
     def reconfigure(self, queue: QueueSettings, limits: LimitsSettings) -> None:
         """New queue bounds and rate-limit settings from a live `corral apply` (requests already waiting
@@ -126,6 +127,7 @@ class GatewayParts:
             cache=_cache(cache or CacheSettings(), cache_policies or {}, cache_versions or {}),
             batches=_batches(engine, batch),
             batch=batch,
+            responses=ResponseStore(engine, store.response_ttl_days * 86400),
         )
 
 

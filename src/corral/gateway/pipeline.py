@@ -30,6 +30,7 @@ from corral.admission import (
     TokenSizing,
 )
 from corral.cache import CacheLookup, ExactCache
+from corral.dialects import DialectStream, Messages, Responses
 from corral.engines import EngineFeatures
 from corral.gateway.bodies import read_body, with_member
 from corral.gateway.context import RequestContext
@@ -45,6 +46,7 @@ from corral.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     EmbeddingRequest,
+    GenerationRequest,
     InvalidRequest,
     ModelNotFound,
     NoCapacity,
@@ -60,10 +62,12 @@ logger = logging.getLogger(__name__)
 _DEFAULT_OUTPUT_ESTIMATE = 256  # tokens, when a request sets no max_tokens
 _LIMITS_RETRY_S = 2.0  # Retry-After when the shared limit store is down and the gateway fails closed
 _CLIENT_GONE = 499  # recorded for a client that went away before its answer ended (nginx's code)
+_CHAT = "/v1/chat/completions"  # where every dialect's requests go upstream
 
 _Parse = Callable[[web.Request], Awaitable[RequestContext]]
 _Answer = Callable[[RequestContext, Principal, web.Request], Awaitable[web.StreamResponse]]
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+Dialect = Responses | Messages
 
 
 class Pipeline:
@@ -87,6 +91,7 @@ class Pipeline:
         isolation: TenantIsolation,
         max_body_bytes: int,
         body_timeout: float = 30.0,
+        responses: Responses | None = None,
     ) -> None:
         self._auth = auth
         self._sizing = sizing
@@ -113,10 +118,38 @@ class Pipeline:
             self._handle, parse=partial(self.parse, kind=CompletionRequest), answer=self._answer
         )
         self.embeddings: _Handler = partial(self._handle, parse=self.parse_embeddings, answer=self._embed)
+        self.messages: _Handler = partial(self._dialect, dialect=Messages())
+        self.responses: _Handler | None = (
+            partial(self._dialect, dialect=responses) if responses is not None else None
+        )
 
     async def _handle(self, request: web.Request, parse: _Parse, answer: _Answer) -> web.StreamResponse:
         principal = await self._auth.authenticate(request.headers.get("Authorization"))
         ctx = await parse(request)
+        return await self._serve(ctx, principal, request, answer)
+
+    async def _dialect(self, request: web.Request, dialect: Dialect) -> web.StreamResponse:
+        """A request in another client API: opened into a chat-completions request (a Responses turn's
+        conversation resolved from the store), served by the same stages, told back in its dialect. Its
+        errors are in the dialect's shape."""
+        try:
+            principal = await self._auth.authenticate(dialect.credentials(request))
+            raw = await self._read(request)
+            exchange = await dialect.open(raw, principal.tenant, principal.key_id)
+            session = request.headers.get("x-session-id")
+            ctx = self._context(exchange.chat_body, _CHAT, ChatCompletionRequest, session)
+            ctx.exchange = exchange
+            exchange.prompt_tokens = ctx.route.prompt_tokens
+            response = await self._serve(ctx, principal, request, self._answer)
+            if not isinstance(response, DialectStream):
+                response = await exchange.whole(response)
+            return response
+        except APIError as exc:
+            return dialect.error_response(exc)
+
+    async def _serve(
+        self, ctx: RequestContext, principal: Principal, request: web.Request, answer: _Answer
+    ) -> web.StreamResponse:
         self._isolation.apply(ctx, principal.tenant)
         try:
             principal.check_model(ctx.model)
@@ -268,7 +301,10 @@ class Pipeline:
         headers = {**ctx.headers, "x-corral-cache": "hit"}
         ctx.usage, ctx.cached = entry.usage, True
         if ctx.stream:
-            response: web.StreamResponse = EventStream(headers={**SSE_HEADERS, **headers})
+            exchange, headers = ctx.exchange, {**SSE_HEADERS, **headers}
+            response: web.StreamResponse = (
+                exchange.stream_response(headers) if exchange is not None else EventStream(headers=headers)
+            )
             try:
                 await response.prepare(request)
                 await response.write(data)
@@ -321,9 +357,7 @@ class Pipeline:
         max_tokens = asked or _DEFAULT_OUTPUT_ESTIMATE
         counter = self._sizing.counters.get(body.model)
         prompt = prompt_text(body) if counter is not None else ""
-        input_tokens = (
-            counter.count(prompt) if counter is not None else int(len(raw) * self._sizing.tokens_per_byte)
-        )
+        input_tokens = self._input_tokens(body, raw, prompt)
         self._check_context(body, asked, input_tokens if counter is not None else None)
         prompts = len(body.prompts) if isinstance(body, CompletionRequest) else 1
         route = RouteRequest(
@@ -349,6 +383,20 @@ class Pipeline:
                 body, self._failover_modes.get(body.model, "deterministic"), features.continuation
             ),
         )
+
+    def _input_tokens(self, body: GenerationRequest, raw: bytes, prompt: str) -> int:
+        """The prompt's tokens: counted where the model names its tokenizer, else estimated by size."""
+        counter = self._sizing.counters.get(body.model)
+        if counter is not None:
+            return counter.count(prompt or prompt_text(body))
+        return int(len(raw) * self._sizing.tokens_per_byte)
+
+    def count_prompt(self, chat_body: bytes, principal: Principal) -> int:
+        """What admission counts for a chat request's prompt (Anthropic's count_tokens)."""
+        body = parse_body(ChatCompletionRequest, chat_body)
+        self._features_of(body.model)  # an unknown model is a 404
+        principal.check_model(body.model)
+        return self._input_tokens(body, chat_body, "")
 
     async def parse_embeddings(self, request: web.Request) -> RequestContext:
         """An embedding request: validated, for an embedding model, sized by its inputs' tokens."""

@@ -223,7 +223,9 @@ class Relay:
 
         self._router.prefilled(replica, ctx.route)  # the first token came: the prompt is in its cache
         served_by = {"x-corral-replica": replica.id} if self.replica_header else {}
-        response = EventStream(headers={**SSE_HEADERS, **served_by, **ctx.headers})
+        headers = {**SSE_HEADERS, **served_by, **ctx.headers}
+        exchange = ctx.exchange
+        response = exchange.stream_response(headers) if exchange is not None else EventStream(headers=headers)
         transcript = Transcript() if ctx.failover else None
         try:
             await response.prepare(request)

@@ -21,6 +21,7 @@ from pydantic import (
 from corral.protocol.errors import InvalidRequest
 
 __all__ = [
+    "Body",
     "ChatCompletionRequest",
     "CompletionRequest",
     "EmbeddingRequest",
@@ -32,6 +33,9 @@ __all__ = [
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="allow", frozen=True, strict=True)
+
+
+Body = _Body  # for the dialects' own request bodies: known fields checked, unknown ones kept
 
 
 class StreamOptions(_Body):

@@ -2,8 +2,9 @@
 
 With `embed_dim` it is an embedding model instead (sim/embed.py). Without `max_tokens` a request stops at
 a simulated end-of-sequence after 16–256 tokens (drawn from its seed); with it, it generates exactly
-`max_tokens` (like vLLM with `ignore_eos`). `stop` strings end the text early. Many replicas can share one
-process and event loop (`SimFleet`).
+`max_tokens` (like vLLM with `ignore_eos`). `stop` strings end the text early. With `tools` or
+`response_format` a chat choice says a tool call or JSON instead (sim/tools.py): it ends when that is said,
+or at `max_tokens` (cut). Many replicas can share one process and event loop (`SimFleet`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from corral.protocol import (
 from corral.sim.embed import SimEmbedder
 from corral.sim.engine import SimEngine, SimRequest
 from corral.sim.text import TextGenerator, chat_prompt, tokenize
+from corral.sim.tools import Script, script_for
 
 __all__ = ["SimFleet", "SimServer"]
 
@@ -96,6 +98,13 @@ class SimServer:
         limit = body.max_completion_tokens or body.max_tokens
         return await self._generate(request, body, prompt, limit, chat=True)
 
+    def _scripts(
+        self, body: ChatCompletionRequest | CompletionRequest, seed: int, chat: bool
+    ) -> list[Script | None]:
+        if not chat or not isinstance(body, ChatCompletionRequest):
+            return [None] * body.n
+        return [script_for(body, random.Random(seed + i)) for i in range(body.n)]
+
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = parse_body(CompletionRequest, await request.read())
         prompt = body.prompt if isinstance(body.prompt, str) else " ".join(map(str, body.prompt))
@@ -114,7 +123,11 @@ class SimServer:
         tokens = tokenize(prompt, self.vocab)
         seed = body.seed if body.seed is not None else self._seeds.getrandbits(32)
         rng = random.Random(seed)
-        lengths = [limit or rng.randint(16, 256) for _ in range(body.n)]
+        scripts = self._scripts(body, seed, chat)
+        lengths = [
+            min(limit or len(script.pieces), len(script.pieces)) if script else limit or rng.randint(16, 256)
+            for script in scripts
+        ]
         if len(tokens) + max(lengths) > self.max_model_len:
             raise InvalidRequest(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
@@ -123,8 +136,8 @@ class SimServer:
                 param="max_tokens",
             )
         choices = [
-            _Choice(i, TextGenerator(seed + i), _stops(body.stop), "length" if limit else "stop")
-            for i in range(body.n)
+            _Choice(i, TextGenerator(seed + i), _stops(body.stop), "length" if limit else "stop", script)
+            for i, script in enumerate(scripts)
         ]
         salt = (body.model_extra or {}).get("cache_salt")  # vLLM's: cached blocks shared within a salt only
         salt = salt if isinstance(salt, str) else None
@@ -167,12 +180,12 @@ class SimServer:
                 sim_request, choice = pending.pop(future)
                 if choice in unannounced:
                     unannounced.discard(choice)
-                    await response.write(meta.event(choice, {"role": "assistant", "content": ""}))
+                    await response.write(meta.event(choice, choice.announcement()))
                 if future.result() is None or choice.done:
                     await response.write(meta.event(choice, {}, finish=choice.finish_reason))
                     continue
                 piece = choice.add_token()
-                await response.write(meta.event(choice, {"content": piece} if meta.chat else piece))
+                await response.write(meta.event(choice, choice.delta(piece) if meta.chat else piece))
                 pending[asyncio.ensure_future(sim_request.tokens.get())] = (sim_request, choice)
         if include_usage:
             await response.write(b"data: " + orjson.dumps(meta.usage_chunk(choices)) + b"\n\n")
@@ -182,9 +195,17 @@ class SimServer:
 
 
 class _Choice:
-    """The text of one choice as its tokens arrive; stop strings end it early."""
+    """The text of one choice as its tokens arrive; stop strings end it early. A scripted choice (a tool
+    call, JSON) says its script's pieces and ends with them."""
 
-    def __init__(self, index: int, words: TextGenerator, stops: list[str], finish_reason: str) -> None:
+    def __init__(
+        self,
+        index: int,
+        words: TextGenerator,
+        stops: list[str],
+        finish_reason: str,
+        script: Script | None = None,
+    ) -> None:
         self.index = index
         self._words = words
         self._stops = stops
@@ -192,8 +213,44 @@ class _Choice:
         self.tokens = 0
         self.done = False
         self.finish_reason = finish_reason
+        self.script = script
+
+    def announcement(self) -> dict[str, Any]:
+        """The first chunk's delta (its role; a call's id and name)."""
+        if self.script is not None and self.script.call_id is not None:
+            call = {
+                "index": 0,
+                "id": self.script.call_id,
+                "type": "function",
+                "function": {"name": self.script.name, "arguments": ""},
+            }
+            return {"role": "assistant", "content": None, "tool_calls": [call]}
+        return {"role": "assistant", "content": ""}
+
+    def delta(self, piece: str) -> dict[str, Any]:
+        if self.script is not None and self.script.call_id is not None:
+            return {"tool_calls": [{"index": 0, "function": {"arguments": piece}}]}
+        return {"content": piece}
+
+    def message(self) -> dict[str, Any]:
+        if self.script is not None and self.script.call_id is not None:
+            call = {
+                "id": self.script.call_id,
+                "type": "function",
+                "function": {"name": self.script.name, "arguments": self.text},
+            }
+            return {"role": "assistant", "content": None, "tool_calls": [call]}
+        return {"role": "assistant", "content": self.text}
 
     def add_token(self) -> str:
+        if self.script is not None:
+            piece = self.script.pieces[self.tokens] if self.tokens < len(self.script.pieces) else ""
+            self.tokens += 1
+            self.text += piece
+            if self.tokens >= len(self.script.pieces):
+                self.done = True
+                self.finish_reason = "tool_calls" if self.script.call_id else "stop"
+            return piece
         piece = self._words.next_word(first=not self.text)
         self.tokens += 1
         for stop in self._stops:
@@ -226,7 +283,7 @@ class _Meta:
             out = [
                 {
                     "index": c.index,
-                    "message": {"role": "assistant", "content": c.text},
+                    "message": c.message(),
                     "finish_reason": c.finish_reason,
                     "logprobs": None,
                 }
@@ -248,7 +305,7 @@ class _Meta:
             "usage": self._usage(choices),
         }
 
-    def event(self, choice: _Choice, delta: dict[str, str] | str, finish: str | None = None) -> bytes:
+    def event(self, choice: _Choice, delta: dict[str, Any] | str, finish: str | None = None) -> bytes:
         if self.chat:
             entry: dict[str, Any] = {"index": choice.index, "delta": delta, "finish_reason": finish}
             kind = "chat.completion.chunk"
@@ -319,3 +376,7 @@ class SimFleet:
         for runner in self._runners:
             await runner.cleanup()
         self._runners.clear()
+
+    async def stop_one(self, index: int) -> None:
+        """One replica goes away (its port closes), the others serve on."""
+        await self._runners[index].cleanup()

@@ -1,5 +1,5 @@
-"""SQL storage (SQLAlchemy): SQLite file by default, PostgreSQL by URL. Keys, usage records, files, and the
-batch tables (their queue's logic is in batch/)."""
+"""SQL storage (SQLAlchemy): SQLite file by default, PostgreSQL by URL. Keys, usage records, files, stored
+responses, and the batch tables (their queue's logic is in batch/)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from sqlalchemy.exc import ArgumentError, NoSuchModuleError, SQLAlchemyError
 from corral.store import batch_rows as _batch_rows  # noqa: F401  (its tables are created with the rest)
 from corral.store.files import FileQuotaExceeded, FileStore, NewFile
 from corral.store.keys import PRIORITIES, InvalidKey, KeyRecord, KeyStore, NewKey, hash_key
+from corral.store.responses import ResponseStore, StoredResponse
 from corral.store.schema import Base, StoreError, add_missing_columns
 from corral.store.usage import UsageRecord, UsageStore
 
@@ -23,7 +24,9 @@ __all__ = [
     "KeyStore",
     "NewFile",
     "NewKey",
+    "ResponseStore",
     "StoreError",
+    "StoredResponse",
     "UsageRecord",
     "UsageStore",
     "hash_key",

@@ -1,0 +1,411 @@
+"""Anthropic's Messages API (`POST /v1/messages`, `/v1/messages/count_tokens`) as a dialect over chat
+completions.
+
+`system`, the turns' text, image, `tool_use` and `tool_result` blocks, `tools` (`input_schema`),
+`tool_choice` (auto, any, tool, none), `stop_sequences`, `max_tokens`, `temperature`, `top_p` and `top_k`
+become one chat completions request; the answer becomes a message (`content` blocks, `stop_reason`,
+`usage`) or Anthropic's stream (`message_start`, `content_block_start`/`_delta`/`_stop`, `message_delta`,
+`message_stop`). Keys come as `x-api-key` (Anthropic's clients) or as a Bearer token; errors are in
+Anthropic's shape, `{"type": "error", "error": {"type", "message"}}`, with its status codes (an
+overloaded cluster is 529).
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Annotated, Any, Literal
+
+import orjson
+from aiohttp import web
+from pydantic import Field, StrictBool
+
+from corral.dialects.chat import (
+    Answer,
+    DialectStream,
+    Encoder,
+    ToolCall,
+    answer_of_completion,
+    error_of_body,
+    json_response,
+    sse,
+)
+from corral.protocol import APIError, InvalidRequest, parse_body
+from corral.protocol.types import Body
+
+__all__ = ["Messages", "MessagesRequest", "anthropic_error"]
+
+# Anthropic's error types by status (https://docs.anthropic.com/en/api/errors)
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    408: "timeout_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    502: "api_error",
+    503: "overloaded_error",
+    504: "timeout_error",
+    529: "overloaded_error",
+}
+_STOP = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "function_call": "tool_use"}
+
+
+class Message(Body):
+    role: Literal["user", "assistant"]
+    content: str | list[dict[str, Any]]
+
+
+class Tool(Body):
+    name: Annotated[str, Field(min_length=1, max_length=128)]
+    description: str | None = None
+    input_schema: dict[str, Any]
+
+
+class MessagesRequest(Body):
+    model: Annotated[str, Field(min_length=1)]
+    max_tokens: Annotated[int, Field(ge=1, lt=2**31)]
+    messages: Annotated[list[Message], Field(min_length=1)]
+    system: str | list[dict[str, Any]] | None = None
+    stop_sequences: Annotated[list[str], Field(max_length=16)] | None = None
+    stream: StrictBool = False
+    temperature: Annotated[float, Field(ge=0, le=1)] | None = None
+    top_p: Annotated[float, Field(ge=0, le=1)] | None = None
+    top_k: Annotated[int, Field(ge=1)] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: dict[str, Any] | None = None
+    metadata: dict[str, Any] | None = None
+
+
+class CountRequest(Body):
+    model: Annotated[str, Field(min_length=1)]
+    messages: Annotated[list[Message], Field(min_length=1)]
+    system: str | list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None
+
+
+def anthropic_error(exc: APIError) -> web.Response:
+    """An error in Anthropic's shape: its type by status; an overloaded cluster (503) is Anthropic's 529."""
+    status = 529 if exc.status == 503 else exc.status
+    kind = _TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    body = {"type": "error", "error": {"type": kind, "message": exc.message}}
+    return json_response(body, status=status, headers=exc.headers())
+
+
+class Messages:
+    """The dialect: a request opened into an exchange."""
+
+    name = "messages"
+
+    def credentials(self, request: web.Request) -> str | None:
+        key = request.headers.get("x-api-key")
+        return f"Bearer {key}" if key is not None else request.headers.get("Authorization")
+
+    def error_response(self, exc: APIError) -> web.Response:
+        return anthropic_error(exc)
+
+    async def open(self, raw: bytes, tenant: str, key_id: str | None) -> MessagesExchange:
+        return MessagesExchange(parse_body(MessagesRequest, raw))
+
+    def count_request(self, raw: bytes) -> bytes:
+        """A count_tokens request as the chat request whose prompt admission would count."""
+        body = parse_body(CountRequest, raw)
+        chat: dict[str, Any] = {"model": body.model, "messages": _chat_messages(body.system, body.messages)}
+        if body.tools:
+            chat["tools"] = [_chat_tool(t, i) for i, t in enumerate(body.tools)]
+        return orjson.dumps(chat)
+
+
+class MessagesExchange:
+    def __init__(self, body: MessagesRequest) -> None:
+        self.body = body
+        self.id = "msg_" + uuid.uuid4().hex
+        self.chat_body = orjson.dumps(self._chat())
+        self.prompt_tokens = (
+            0  # the gateway's estimate, said in message_start (the engine's comes at the end)
+        )
+
+    @property
+    def stream(self) -> bool:
+        return self.body.stream
+
+    def _chat(self) -> dict[str, Any]:
+        body = self.body
+        chat: dict[str, Any] = {
+            k: v
+            for k, v in (body.model_extra or {}).items()
+            if k not in ("thinking", "service_tier", "container")
+        }
+        chat.update(
+            model=body.model,
+            messages=_chat_messages(body.system, body.messages),
+            max_tokens=body.max_tokens,
+            stream=body.stream,
+        )
+        if body.stream:
+            chat["stream_options"] = {"include_usage": True}
+        if body.stop_sequences:
+            chat["stop"] = body.stop_sequences
+        for name in ("temperature", "top_p", "top_k"):
+            if getattr(body, name) is not None:
+                chat[name] = getattr(body, name)
+        if body.metadata and isinstance(body.metadata.get("user_id"), str):
+            chat["user"] = body.metadata["user_id"]
+        if body.tools:
+            chat["tools"] = [_chat_tool(t, i) for i, t in enumerate(body.tools)]
+        if body.tool_choice is not None:
+            choice, parallel = _chat_tool_choice(body.tool_choice)
+            chat["tool_choice"] = choice
+            if parallel is not None:
+                chat["parallel_tool_calls"] = parallel
+        return chat
+
+    def message(self, answer: Answer, content: list[dict[str, Any]]) -> dict[str, Any]:
+        stop_reason, stop_sequence = self._stop(answer)
+        return {
+            "id": self.id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.body.model,
+            "content": content,
+            "stop_reason": stop_reason,
+            "stop_sequence": stop_sequence,
+            "usage": _usage(answer.usage),
+        }
+
+    def _stop(self, answer: Answer) -> tuple[str | None, str | None]:
+        reason = answer.finish_reason
+        if answer.calls:
+            return "tool_use", None
+        if reason == "stop" and answer.stop_reason and answer.stop_reason in (self.body.stop_sequences or []):
+            return "stop_sequence", answer.stop_reason
+        if reason == "stop" and self.body.stop_sequences and not answer.stop_reason:
+            # the engine did not say which stop ended it: one whose text is not in the answer did
+            return "end_turn", None
+        return _STOP.get(reason or "stop", "end_turn"), None
+
+    def stream_response(self, headers: dict[str, str]) -> DialectStream:
+        return DialectStream(MessagesEncoder(self), headers)
+
+    async def whole(self, response: web.StreamResponse) -> web.StreamResponse:
+        body = response.body if isinstance(response, web.Response) else None
+        if not isinstance(body, bytes):
+            return response
+        headers = {
+            k: v for k, v in response.headers.items() if k.lower().startswith(("x-corral-", "retry-after"))
+        }
+        if response.status != 200:
+            message, *_ = error_of_body(body)
+            status = 529 if response.status == 503 else response.status
+            kind = _TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+            return json_response(
+                {"type": "error", "error": {"type": kind, "message": message}}, status, headers
+            )
+        answer = answer_of_completion(orjson.loads(body))
+        content: list[dict[str, Any]] = []
+        if answer.reasoning:
+            content.append({"type": "thinking", "thinking": answer.reasoning, "signature": ""})
+        if answer.text or not answer.calls:
+            content.append({"type": "text", "text": answer.text})
+        content += [_tool_use(call) for call in answer.calls]
+        return json_response(self.message(answer, content), headers=headers)
+
+
+class MessagesEncoder(Encoder):
+    """Anthropic's stream events."""
+
+    def __init__(self, exchange: MessagesExchange) -> None:
+        self.exchange = exchange
+        self.answer = Answer()
+        self._index = -1
+        self._open: str | None = None  # the open block's kind: text, thinking, tool_use
+
+    def start(self) -> bytes:
+        message = self.exchange.message(self.answer, [])
+        message.update(stop_reason=None, stop_sequence=None)
+        message["usage"] = {"input_tokens": self.exchange.prompt_tokens, "output_tokens": 1}
+        return sse("message_start", {"type": "message_start", "message": message}) + sse(
+            "ping", {"type": "ping"}
+        )
+
+    def _block(self, kind: str, block: dict[str, Any]) -> bytes:
+        out = self._close()
+        self._index += 1
+        self._open = kind
+        return out + sse(
+            "content_block_start",
+            {"type": "content_block_start", "index": self._index, "content_block": block},
+        )
+
+    def _delta(self, delta: dict[str, Any]) -> bytes:
+        return sse(
+            "content_block_delta", {"type": "content_block_delta", "index": self._index, "delta": delta}
+        )
+
+    def _close(self) -> bytes:
+        if self._open is None:
+            return b""
+        out = b""
+        if self._open == "thinking":
+            out += self._delta({"type": "signature_delta", "signature": ""})
+        self._open = None
+        return out + sse("content_block_stop", {"type": "content_block_stop", "index": self._index})
+
+    def text(self, delta: str) -> bytes:
+        out = b"" if self._open == "text" else self._block("text", {"type": "text", "text": ""})
+        return out + self._delta({"type": "text_delta", "text": delta})
+
+    def reasoning(self, delta: str) -> bytes:
+        out = (
+            b"" if self._open == "thinking" else self._block("thinking", {"type": "thinking", "thinking": ""})
+        )
+        return out + self._delta({"type": "thinking_delta", "thinking": delta})
+
+    def tool_call(self, call: ToolCall) -> bytes:
+        return self._block("tool_use", {"type": "tool_use", "id": call.id, "name": call.name, "input": {}})
+
+    def tool_arguments(self, call: ToolCall, delta: str) -> bytes:
+        return self._delta({"type": "input_json_delta", "partial_json": delta})
+
+    def finish(self) -> bytes:
+        out = self._close()
+        if self._index < 0:  # an empty answer still has its (empty) text block
+            out += self._block("text", {"type": "text", "text": ""}) + self._close()
+        stop_reason, stop_sequence = self.exchange._stop(self.answer)
+        delta = {
+            "type": "message_delta",
+            "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
+            "usage": _usage(self.answer.usage),
+        }
+        return out + sse("message_delta", delta) + sse("message_stop", {"type": "message_stop"})
+
+    def error(self, message: str, code: str | None) -> bytes:
+        return sse("error", {"type": "error", "error": {"type": "api_error", "message": message}})
+
+
+def _usage(usage: dict[str, Any] | None) -> dict[str, int]:
+    usage = usage or {}
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    return {
+        "input_tokens": int(usage.get("prompt_tokens") or 0),
+        "output_tokens": int(usage.get("completion_tokens") or 0),
+        "cache_read_input_tokens": int(cached),
+        "cache_creation_input_tokens": 0,
+    }
+
+
+def _tool_use(call: ToolCall) -> dict[str, Any]:
+    try:
+        arguments = orjson.loads(call.arguments or "{}")
+    except orjson.JSONDecodeError:
+        arguments = {"_raw": call.arguments}  # the engine's arguments were not JSON: kept, not lost
+    return {"type": "tool_use", "id": call.id, "name": call.name, "input": arguments}
+
+
+def _chat_messages(
+    system: str | list[dict[str, Any]] | None, messages: list[Message]
+) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    if system:
+        text = system if isinstance(system, str) else "".join(_block_text(b, "system") for b in system)
+        out.append({"role": "system", "content": text})
+    for i, message in enumerate(messages):
+        if isinstance(message.content, str):
+            out.append({"role": message.role, "content": message.content})
+            continue
+        parts: list[dict[str, Any]] = []
+        calls: list[dict[str, Any]] = []
+        for j, block in enumerate(message.content):
+            where = f"messages[{i}].content[{j}]"
+            kind = block.get("type") if isinstance(block, dict) else None
+            if kind == "text":
+                parts.append({"type": "text", "text": _block_text(block, where)})
+            elif kind == "image":
+                parts.append({"type": "image_url", "image_url": {"url": _image_url(block, where)}})
+            elif kind == "tool_use" and message.role == "assistant":
+                calls.append(
+                    {
+                        "id": str(block.get("id") or ""),
+                        "type": "function",
+                        "function": {
+                            "name": str(block.get("name") or ""),
+                            "arguments": orjson.dumps(block.get("input") or {}).decode(),
+                        },
+                    }
+                )
+            elif kind == "tool_result" and message.role == "user":
+                out.append(
+                    {"role": "tool", "tool_call_id": block.get("tool_use_id"), "content": _result(block)}
+                )
+            elif kind in ("thinking", "redacted_thinking"):
+                continue  # the model's own reasoning is not sent back to the engine
+            else:
+                raise InvalidRequest(
+                    f"{where} is a block of type '{kind}', which this server does not take in a "
+                    f"{message.role} turn.",
+                    param=where,
+                )
+        if calls:
+            out.append({"role": "assistant", "content": _joined(parts) or None, "tool_calls": calls})
+        elif parts:
+            out.append({"role": message.role, "content": _joined(parts)})
+    return out
+
+
+def _joined(parts: list[dict[str, Any]]) -> str | list[dict[str, Any]]:
+    if all(p["type"] == "text" for p in parts):
+        return "".join(p["text"] for p in parts)
+    return parts
+
+
+def _block_text(block: Any, where: str) -> str:
+    if not isinstance(block, dict) or not isinstance(block.get("text"), str):
+        raise InvalidRequest(f"{where} needs its text.", param=where)
+    return str(block["text"])
+
+
+def _image_url(block: dict[str, Any], where: str) -> str:
+    source = block.get("source") or {}
+    if source.get("type") == "base64":
+        return f"data:{source.get('media_type')};base64,{source.get('data')}"
+    if source.get("type") == "url" and isinstance(source.get("url"), str):
+        return str(source["url"])
+    raise InvalidRequest(f"{where}.source must be a base64 image or a url.", param=f"{where}.source")
+
+
+def _result(block: dict[str, Any]) -> str:
+    content = block.get("content")
+    if isinstance(content, list):
+        content = "".join(str(b.get("text") or "") for b in content if isinstance(b, dict))
+    text = str(content or "")
+    return f"Error: {text}" if block.get("is_error") else text
+
+
+def _chat_tool(tool: dict[str, Any], i: int) -> dict[str, Any]:
+    if tool.get("type") not in (None, "custom"):
+        raise InvalidRequest(
+            f"tools[{i}] is of type '{tool.get('type')}': this server runs client tools only (the server "
+            "tools are Anthropic's).",
+            param=f"tools[{i}].type",
+        )
+    parsed = Tool.model_validate(tool)
+    function: dict[str, Any] = {"name": parsed.name, "parameters": parsed.input_schema}
+    if parsed.description is not None:
+        function["description"] = parsed.description
+    return {"type": "function", "function": function}
+
+
+def _chat_tool_choice(choice: dict[str, Any]) -> tuple[str | dict[str, Any], bool | None]:
+    kind = choice.get("type")
+    parallel = False if choice.get("disable_parallel_tool_use") else None
+    if kind == "auto":
+        return "auto", parallel
+    if kind == "any":
+        return "required", parallel
+    if kind == "none":
+        return "none", None
+    if kind == "tool" and isinstance(choice.get("name"), str):
+        return {"type": "function", "function": {"name": choice["name"]}}, parallel
+    raise InvalidRequest(
+        "tool_choice.type must be auto, any, tool (with a name) or none.", param="tool_choice"
+    )

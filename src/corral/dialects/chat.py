@@ -1,0 +1,266 @@
+"""What every dialect shares: the engine's chat-completions answer read into one `Answer` (whole, or as
+its stream goes), and the stream response that tells each piece in the dialect's own events.
+
+The relay, the cache and mid-stream failover all work on chat-completions bytes; a dialect's stream is an
+`EventStream` whose `write` reads those bytes and writes the dialect's events instead (`Encoder`), so the
+stages before it never know which client API asked.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import orjson
+from aiohttp import web
+
+__all__ = [
+    "Answer",
+    "DialectStream",
+    "Encoder",
+    "Exchange",
+    "ToolCall",
+    "answer_of_completion",
+    "error_of_body",
+]
+
+_SEP = b"\n\n"
+
+
+@dataclass
+class ToolCall:
+    id: str
+    name: str
+    arguments: str = ""
+
+
+@dataclass
+class Answer:
+    """One choice of a chat completion, as far as it has come."""
+
+    text: str = ""
+    reasoning: str = ""
+    calls: list[ToolCall] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | None = None  # the stop string that ended it, where the engine says (vLLM)
+    usage: dict[str, Any] | None = None
+    model: str = ""
+
+
+def answer_of_completion(data: dict[str, Any]) -> Answer:
+    """A whole chat completion's first choice."""
+    choices = data.get("choices") or [{}]
+    choice = choices[0] if isinstance(choices[0], dict) else {}
+    message = choice.get("message") or {}
+    answer = Answer(
+        text=_text(message.get("content")),
+        reasoning=str(message.get("reasoning_content") or message.get("reasoning") or ""),
+        finish_reason=choice.get("finish_reason"),
+        stop_reason=choice.get("stop_reason") if isinstance(choice.get("stop_reason"), str) else None,
+        usage=data.get("usage") if isinstance(data.get("usage"), dict) else None,
+        model=str(data.get("model") or ""),
+    )
+    for call in message.get("tool_calls") or []:
+        function = call.get("function") or {}
+        answer.calls.append(
+            ToolCall(str(call.get("id") or ""), str(function.get("name") or ""), _arguments(function))
+        )
+    return answer
+
+
+def _text(content: Any) -> str:
+    if isinstance(content, list):
+        return "".join(str(p.get("text") or "") for p in content if isinstance(p, dict))
+    return str(content or "")
+
+
+def _arguments(function: dict[str, Any]) -> str:
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        return arguments
+    return orjson.dumps(arguments or {}).decode()
+
+
+def error_of_body(body: bytes) -> tuple[str, str | None, str | None, str | None]:
+    """(message, type, code, param) of an OpenAI-shaped error body (the gateway's and the relay's)."""
+    try:
+        error = orjson.loads(body).get("error") or {}
+    except (orjson.JSONDecodeError, AttributeError):
+        return body.decode("utf-8", "replace")[:500], None, None, None
+    if not isinstance(error, dict):
+        return str(error), None, None, None
+    return str(error.get("message") or ""), error.get("type"), error.get("code"), error.get("param")
+
+
+class Exchange(Protocol):
+    """One request in a dialect, as the pipeline sees it."""
+
+    chat_body: bytes  # the chat-completions request every stage after parsing works on
+    prompt_tokens: int  # the gateway's estimate of its prompt (set by the pipeline)
+
+    def stream_response(self, headers: dict[str, str]) -> DialectStream:
+        """The response a stream is written to (chat-completions events in, the dialect's out)."""
+
+    async def whole(self, response: web.StreamResponse) -> web.StreamResponse:
+        """A whole answer, or an error answered before any stream began, in the dialect's shape."""
+
+
+class Encoder(abc.ABC):
+    """A dialect's stream events for an answer as it comes; each method returns the bytes to send."""
+
+    answer: Answer
+
+    @abc.abstractmethod
+    def start(self) -> bytes: ...
+
+    @abc.abstractmethod
+    def text(self, delta: str) -> bytes: ...
+
+    @abc.abstractmethod
+    def reasoning(self, delta: str) -> bytes: ...
+
+    @abc.abstractmethod
+    def tool_call(self, call: ToolCall) -> bytes: ...
+
+    @abc.abstractmethod
+    def tool_arguments(self, call: ToolCall, delta: str) -> bytes: ...
+
+    @abc.abstractmethod
+    def finish(self) -> bytes:
+        """The answer ended well ([DONE]); `answer` holds all of it, usage included."""
+
+    @abc.abstractmethod
+    def error(self, message: str, code: str | None) -> bytes:
+        """The answer was cut (the relay's error event); nothing follows."""
+
+
+class DialectStream(web.StreamResponse):
+    """A stream response that reads the chat-completions events written to it and sends the encoder's
+    events instead. Events come whole from the relay and the cache; a part is kept until its end comes.
+    `on_end` runs before the last event leaves (a stored response is stored before the client can name
+    it). Its headers leave with its first event, as the relay's own EventStream's do."""
+
+    _send_headers_immediately = False
+
+    def __init__(
+        self,
+        encoder: Encoder,
+        headers: dict[str, str],
+        on_end: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
+        super().__init__(headers=headers)
+        self.encoder = encoder
+        self._on_end = on_end
+        self._rest = b""
+        self._started = False
+        self._calls: dict[int, ToolCall] = {}
+        self.ended = False  # finished or failed: the encoder has said its last event
+
+    async def write(self, data: bytes | bytearray | memoryview) -> None:
+        out = bytearray()
+        if not self._started:
+            self._started = True
+            out += self.encoder.start()
+        self._rest += bytes(data)
+        *events, self._rest = self._rest.split(_SEP)
+        for event in events:
+            if self.ended:
+                break
+            last = self._last(event)
+            if last is not None:
+                if self._on_end is not None:
+                    await self._on_end()
+                out += last()
+            else:
+                out += self._event(event)
+        if out:
+            await super().write(bytes(out))
+
+    def _last(self, event: bytes) -> Callable[[], bytes] | None:
+        """The encoder's closing events, when this event ends the stream ([DONE], or an error)."""
+        payload = _payload(event)
+        if payload == b"[DONE]":
+            self.ended = True
+            return self.encoder.finish
+        if payload.startswith(b"{") and b'"error"' in payload:
+            try:
+                chunk = orjson.loads(payload)
+            except orjson.JSONDecodeError:
+                return None
+            if isinstance(chunk, dict) and "error" in chunk:
+                self.ended = True
+                message, _, code, _ = error_of_body(payload)
+                return lambda: self.encoder.error(message, code)
+        return None
+
+    def _event(self, event: bytes) -> bytes:
+        payload = _payload(event)
+        if not payload:
+            return b""
+        try:
+            chunk = orjson.loads(payload)
+        except orjson.JSONDecodeError:
+            return b""
+        if not isinstance(chunk, dict):
+            return b""
+        answer = self.encoder.answer
+        if isinstance(chunk.get("usage"), dict):
+            answer.usage = chunk["usage"]
+        if chunk.get("model") and not answer.model:
+            answer.model = str(chunk["model"])
+        out = bytearray()
+        for choice in chunk.get("choices") or []:
+            if not isinstance(choice, dict) or choice.get("index", 0) != 0:
+                continue
+            delta = choice.get("delta") or {}
+            reasoning = delta.get("reasoning_content") or delta.get("reasoning")
+            if reasoning:
+                answer.reasoning += str(reasoning)
+                out += self.encoder.reasoning(str(reasoning))
+            if delta.get("content"):
+                answer.text += str(delta["content"])
+                out += self.encoder.text(str(delta["content"]))
+            for part in delta.get("tool_calls") or []:
+                out += self._tool_part(part)
+            if choice.get("finish_reason"):
+                answer.finish_reason = choice["finish_reason"]
+                if isinstance(choice.get("stop_reason"), str):
+                    answer.stop_reason = choice["stop_reason"]
+        return bytes(out)
+
+    def _tool_part(self, part: dict[str, Any]) -> bytes:
+        index = int(part.get("index", 0))
+        function = part.get("function") or {}
+        call = self._calls.get(index)
+        out = b""
+        if call is None:
+            call = self._calls[index] = ToolCall(str(part.get("id") or f"call_{index}"), "")
+            call.name = str(function.get("name") or "")
+            self.encoder.answer.calls.append(call)
+            out += self.encoder.tool_call(call)
+        elif function.get("name") and not call.name:
+            call.name = str(function["name"])
+        arguments = function.get("arguments")
+        if arguments:
+            call.arguments += str(arguments)
+            out += self.encoder.tool_arguments(call, str(arguments))
+        return out
+
+
+def _payload(event: bytes) -> bytes:
+    return b"".join(line[5:].lstrip() for line in event.split(b"\n") if line.startswith(b"data:")).strip()
+
+
+def sse(event: str, data: dict[str, Any]) -> bytes:
+    """One server-sent event with a name (both dialects name theirs)."""
+    return b"event: " + event.encode() + b"\ndata: " + orjson.dumps(data) + _SEP
+
+
+def json_response(
+    data: dict[str, Any], status: int = 200, headers: dict[str, str] | None = None
+) -> web.Response:
+    return web.Response(
+        body=orjson.dumps(data), status=status, content_type="application/json", headers=headers
+    )

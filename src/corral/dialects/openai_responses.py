@@ -1,0 +1,682 @@
+"""OpenAI's Responses API (`POST /v1/responses`) as a dialect over chat completions.
+
+A request's `input` (a string, or items: messages, `function_call`s and their `function_call_output`s),
+its `instructions`, function `tools`, `tool_choice`, `text.format` and `max_output_tokens` become one chat
+completions request; the engine's answer (whole, or streamed) becomes a response object, or the event
+sequence OpenAI streams (`response.created` … `response.output_text.delta` …
+`response.function_call_arguments.delta` … `response.completed`, each with its `sequence_number`).
+
+Conversation state is the gateway's: with `store` (the default) the response and the whole input that
+made it are kept in the store (store/responses.py), tenant-scoped, until they expire; a request naming
+`previous_response_id` is resolved from there into the full conversation before it is admitted and
+routed, so the next turn may land on any replica or gateway. The stored response is written before its
+last event (or its body) leaves, so a client may name it at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from typing import Annotated, Any, Literal
+
+import orjson
+from aiohttp import web
+from pydantic import Field, StrictBool
+
+from corral.dialects.chat import (
+    Answer,
+    DialectStream,
+    Encoder,
+    ToolCall,
+    answer_of_completion,
+    json_response,
+    sse,
+)
+from corral.protocol import APIError, InvalidRequest, parse_body
+from corral.protocol.types import Body
+from corral.store import ResponseStore
+
+__all__ = ["Responses", "ResponsesRequest"]
+
+# Responses fields with no chat-completions counterpart: read here, never sent to the engine.
+_OWN_FIELDS = {
+    "input",
+    "instructions",
+    "previous_response_id",
+    "store",
+    "metadata",
+    "text",
+    "tools",
+    "tool_choice",
+    "max_output_tokens",
+    "truncation",
+    "include",
+    "reasoning",
+    "background",
+    "conversation",
+    "prompt",
+    "service_tier",
+    "max_tool_calls",
+    "stream_options",
+    "prompt_cache_key",
+    "safety_identifier",
+    "top_logprobs",
+}
+
+
+class FunctionTool(Body):
+    type: Literal["function"]
+    name: Annotated[str, Field(min_length=1, max_length=128)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ResponsesRequest(Body):
+    model: Annotated[str, Field(min_length=1)]
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    previous_response_id: str | None = None
+    stream: StrictBool = False
+    store: StrictBool = True
+    background: StrictBool = False
+    metadata: Annotated[dict[str, str], Field(max_length=16)] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    text: dict[str, Any] | None = None
+    max_output_tokens: Annotated[int, Field(ge=1, lt=2**31)] | None = None
+    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[float, Field(ge=0, le=1)] | None = None
+    user: str | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    reasoning: dict[str, Any] | None = None
+
+
+class Responses:
+    """The dialect: a request opened into an exchange; the stored responses' own routes' logic."""
+
+    name = "responses"
+
+    def __init__(self, store: ResponseStore) -> None:
+        self._store = store
+        self._swept = 0.0
+
+    def credentials(self, request: web.Request) -> str | None:
+        return request.headers.get("Authorization")
+
+    def error_response(self, exc: APIError) -> web.Response:
+        return web.Response(
+            body=exc.to_json(), status=exc.status, content_type="application/json", headers=exc.headers()
+        )
+
+    async def open(self, raw: bytes, tenant: str, key_id: str | None) -> ResponsesExchange:
+        body = parse_body(ResponsesRequest, raw)
+        if body.background:
+            raise InvalidRequest(
+                "background responses are not served here: send background: false (the default).",
+                param="background",
+                code="unsupported_parameter",
+            )
+        if (body.model_extra or {}).get("conversation") is not None:
+            raise InvalidRequest(
+                "conversation objects are not served here; chain turns with previous_response_id.",
+                param="conversation",
+                code="unsupported_parameter",
+            )
+        history: list[dict[str, Any]] = []
+        if body.previous_response_id is not None:
+            previous = await asyncio.to_thread(self._store.get, tenant, body.previous_response_id)
+            if previous is None:
+                raise InvalidRequest(
+                    f"Previous response with id '{body.previous_response_id}' not found.",
+                    param="previous_response_id",
+                    code="previous_response_not_found",
+                )
+            output = previous.response.get("output") or []
+            history = previous.input_items + [item for item in output if _continues(item)]
+        items = _input_items(body.input)
+        exchange = ResponsesExchange(body, history + items, tenant, key_id, self._store)
+        await self._sweep()
+        return exchange
+
+    async def _sweep(self) -> None:
+        """Expired responses are deleted a bounded batch at a time, at most once a minute per gateway."""
+        now = time.monotonic()
+        if now - self._swept > 60:
+            self._swept = now
+            await asyncio.to_thread(self._store.sweep_expired)
+
+    async def retrieve(self, tenant: str, response_id: str) -> dict[str, Any]:
+        found = await asyncio.to_thread(self._store.get, tenant, response_id)
+        if found is None:
+            raise _not_found(response_id)
+        return found.response
+
+    async def input_items(self, tenant: str, response_id: str, order: str, limit: int) -> dict[str, Any]:
+        found = await asyncio.to_thread(self._store.get, tenant, response_id)
+        if found is None:
+            raise _not_found(response_id)
+        items = found.input_items if order == "asc" else found.input_items[::-1]
+        page = items[:limit]
+        return {
+            "object": "list",
+            "data": page,
+            "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None,
+            "has_more": len(items) > limit,
+        }
+
+    async def delete(self, tenant: str, response_id: str) -> dict[str, Any]:
+        if not await asyncio.to_thread(self._store.delete, tenant, response_id):
+            raise _not_found(response_id)
+        return {"id": response_id, "object": "response.deleted", "deleted": True}
+
+    async def cancel(self, tenant: str, response_id: str) -> dict[str, Any]:
+        await self.retrieve(tenant, response_id)  # 404 when there is none
+        raise InvalidRequest(
+            "Only background responses can be cancelled; this one was answered in its request.",
+            param="response_id",
+            code="not_background",
+        )
+
+
+def _not_found(response_id: str) -> APIError:
+    from corral.protocol import NotFound
+
+    return NotFound(f"No response found with id '{response_id}'.", param="response_id")
+
+
+class ResponsesExchange:
+    """One /v1/responses request: its chat body, and its answer told as a response (and stored)."""
+
+    def __init__(
+        self,
+        body: ResponsesRequest,
+        items: list[dict[str, Any]],
+        tenant: str,
+        key_id: str | None,
+        store: ResponseStore,
+    ) -> None:
+        self.body = body
+        self.items = items
+        self._tenant, self._key_id, self._store = tenant, key_id, store
+        self.id = "resp_" + uuid.uuid4().hex
+        self.created_at = int(time.time())
+        self.chat_body = orjson.dumps(self._chat())
+        self.final: dict[str, Any] | None = None
+        self.prompt_tokens = 0
+
+    @property
+    def stream(self) -> bool:
+        return self.body.stream
+
+    def _chat(self) -> dict[str, Any]:
+        body = self.body
+        messages = ([{"role": "system", "content": body.instructions}] if body.instructions else []) + (
+            _messages(self.items)
+        )
+        if not messages:
+            raise InvalidRequest("input holds no message to answer.", param="input")
+        chat: dict[str, Any] = {
+            k: v for k, v in (body.model_extra or {}).items() if k not in _OWN_FIELDS
+        }  # engine options pass through, as on chat completions
+        chat.update(model=body.model, messages=messages, stream=body.stream)
+        if body.stream:
+            chat["stream_options"] = {"include_usage": True}
+        for name in ("temperature", "top_p", "user", "parallel_tool_calls"):
+            if getattr(body, name) is not None:
+                chat[name] = getattr(body, name)
+        if body.max_output_tokens is not None:
+            chat["max_tokens"] = body.max_output_tokens
+        if body.tools:
+            chat["tools"] = [_chat_tool(tool, i) for i, tool in enumerate(body.tools)]
+        if body.tool_choice is not None:
+            chat["tool_choice"] = _chat_tool_choice(body.tool_choice)
+        if body.text and isinstance(body.text.get("format"), dict):
+            response_format = _response_format(body.text["format"])
+            if response_format is not None:
+                chat["response_format"] = response_format
+        return chat
+
+    # the response object
+
+    def response(
+        self,
+        status: str,
+        output: list[dict[str, Any]],
+        usage: dict[str, Any] | None,
+        error: dict[str, Any] | None = None,
+        incomplete: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        body = self.body
+        text = body.text or {"format": {"type": "text"}}
+        return {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created_at,
+            "status": status,
+            "background": False,
+            "error": error,
+            "incomplete_details": incomplete,
+            "instructions": body.instructions,
+            "max_output_tokens": body.max_output_tokens,
+            "metadata": body.metadata or {},
+            "model": body.model,
+            "output": output,
+            "parallel_tool_calls": body.parallel_tool_calls if body.parallel_tool_calls is not None else True,
+            "previous_response_id": body.previous_response_id,
+            "reasoning": body.reasoning or {"effort": None, "summary": None},
+            "store": body.store,
+            "temperature": body.temperature,
+            "text": text,
+            "tool_choice": body.tool_choice if body.tool_choice is not None else "auto",
+            "tools": body.tools or [],
+            "top_p": body.top_p,
+            "truncation": body.truncation or "disabled",
+            "usage": _usage(usage) if usage is not None else None,
+            "user": body.user,
+        }
+
+    def finished(self, answer: Answer, output: list[dict[str, Any]]) -> dict[str, Any]:
+        if answer.finish_reason == "length":
+            return self.response(
+                "incomplete", output, answer.usage, incomplete={"reason": "max_output_tokens"}
+            )
+        return self.response("completed", output, answer.usage)
+
+    async def keep(self, response: dict[str, Any]) -> None:
+        """Store the response (with `store`), before the client can name it."""
+        self.final = response
+        if self.body.store:
+            await asyncio.to_thread(self._store.put, self._tenant, self._key_id, response, self.items)
+
+    # answers
+
+    def stream_response(self, headers: dict[str, str]) -> DialectStream:
+        encoder = ResponsesEncoder(self)
+        return DialectStream(encoder, headers, on_end=lambda: self._keep_streamed(encoder))
+
+    async def _keep_streamed(self, encoder: ResponsesEncoder) -> None:
+        await self.keep(encoder.closing_response())
+
+    async def whole(self, response: web.StreamResponse) -> web.StreamResponse:
+        """A whole chat answer (or an error) as a response object (or the error, unchanged: OpenAI's)."""
+        body = response.body if isinstance(response, web.Response) else None
+        if not isinstance(body, bytes):
+            return response
+        headers = {
+            k: v for k, v in response.headers.items() if k.lower().startswith(("x-corral-", "x-ratelimit"))
+        }
+        if response.status != 200:
+            return web.Response(
+                body=body, status=response.status, content_type="application/json", headers=headers
+            )
+        answer = answer_of_completion(orjson.loads(body))
+        output: list[dict[str, Any]] = []
+        if answer.reasoning:
+            output.append(_reasoning_item("rs_" + uuid.uuid4().hex, answer.reasoning, "completed"))
+        if answer.text or not answer.calls:
+            output.append(_message_item("msg_" + uuid.uuid4().hex, answer.text, "completed"))
+        output += [_call_item("fc_" + uuid.uuid4().hex, call, "completed") for call in answer.calls]
+        final = self.finished(answer, output)
+        await self.keep(final)
+        return json_response(final, headers=headers)
+
+
+class ResponsesEncoder(Encoder):
+    """The Responses stream's events, in OpenAI's order, numbered."""
+
+    def __init__(self, exchange: ResponsesExchange) -> None:
+        self.exchange = exchange
+        self.answer = Answer()
+        self._seq = 0
+        self.output: list[dict[str, Any]] = []
+        self._open: dict[str, Any] | None = None  # the output item being written
+        self._calls: dict[str, dict[str, Any]] = {}  # call id → its item
+        self._failed: dict[str, Any] | None = None
+
+    def _event(self, kind: str, **fields: Any) -> bytes:
+        data = {"type": kind, "sequence_number": self._seq, **fields}
+        self._seq += 1
+        return sse(kind, data)
+
+    def start(self) -> bytes:
+        snapshot = self.exchange.response("in_progress", [], None)
+        return self._event("response.created", response=snapshot) + self._event(
+            "response.in_progress", response=snapshot
+        )
+
+    def _add(self, item: dict[str, Any]) -> bytes:
+        out = self._close()
+        self.output.append(item)
+        self._open = item
+        return out + self._event(
+            "response.output_item.added", output_index=len(self.output) - 1, item=_in_progress(item)
+        )
+
+    def text(self, delta: str) -> bytes:
+        out = b""
+        item = self._open
+        if item is None or item["type"] != "message":
+            item = _message_item("msg_" + uuid.uuid4().hex, "", "in_progress")
+            out += self._add(item)
+            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+            out += self._event(
+                "response.content_part.added",
+                item_id=item["id"],
+                output_index=len(self.output) - 1,
+                content_index=0,
+                part=part,
+            )
+        item["content"][0]["text"] += delta
+        return out + self._event(
+            "response.output_text.delta",
+            item_id=item["id"],
+            output_index=len(self.output) - 1,
+            content_index=0,
+            delta=delta,
+            logprobs=[],
+        )
+
+    def reasoning(self, delta: str) -> bytes:
+        out = b""
+        item = self._open
+        if item is None or item["type"] != "reasoning":
+            item = _reasoning_item("rs_" + uuid.uuid4().hex, "", "in_progress")
+            out += self._add(item)
+        item["content"][0]["text"] += delta
+        return out + self._event(
+            "response.reasoning_text.delta",
+            item_id=item["id"],
+            output_index=len(self.output) - 1,
+            content_index=0,
+            delta=delta,
+        )
+
+    def tool_call(self, call: ToolCall) -> bytes:
+        item = _call_item("fc_" + uuid.uuid4().hex, call, "in_progress")
+        self._calls[call.id] = item
+        return self._add(item)
+
+    def tool_arguments(self, call: ToolCall, delta: str) -> bytes:
+        item = self._calls[call.id]
+        item["arguments"] += delta
+        index = self.output.index(item)
+        return self._event(
+            "response.function_call_arguments.delta", item_id=item["id"], output_index=index, delta=delta
+        )
+
+    def _close(self) -> bytes:
+        """The open item's closing events."""
+        item, self._open = self._open, None
+        if item is None:
+            return b""
+        index = self.output.index(item)
+        item["status"] = "completed"
+        out = b""
+        if item["type"] == "message":
+            part = item["content"][0]
+            out += self._event(
+                "response.output_text.done",
+                item_id=item["id"],
+                output_index=index,
+                content_index=0,
+                text=part["text"],
+                logprobs=[],
+            )
+            out += self._event(
+                "response.content_part.done",
+                item_id=item["id"],
+                output_index=index,
+                content_index=0,
+                part=part,
+            )
+        elif item["type"] == "reasoning":
+            out += self._event(
+                "response.reasoning_text.done",
+                item_id=item["id"],
+                output_index=index,
+                content_index=0,
+                text=item["content"][0]["text"],
+            )
+        elif item["type"] == "function_call":
+            out += self._event(
+                "response.function_call_arguments.done",
+                item_id=item["id"],
+                output_index=index,
+                name=item["name"],
+                arguments=item["arguments"],
+            )
+        return out + self._event("response.output_item.done", output_index=index, item=item)
+
+    def _close_all(self) -> bytes:
+        out = b""
+        for item in self.output:  # calls stream side by side: each still open is closed in turn
+            if item["status"] == "in_progress":
+                self._open = item
+                out += self._close()
+        return out
+
+    def closing_response(self) -> dict[str, Any]:
+        """The response as it ends (for the store, before its last events are written)."""
+        output = [dict(item, status="completed") for item in self.output]
+        if self._failed is not None:
+            return self.exchange.response("failed", output, self.answer.usage, error=self._failed)
+        return self.exchange.finished(self.answer, output)
+
+    def finish(self) -> bytes:
+        out = self._close_all()
+        final = self.exchange.final or self.closing_response()
+        kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
+        return out + self._event(kind, response=final)
+
+    def error(self, message: str, code: str | None) -> bytes:
+        out = self._event("error", code=code or "server_error", message=message, param=None)
+        self._failed = {"code": "server_error", "message": message}
+        final = self.exchange.response("failed", self.output, self.answer.usage, error=self._failed)
+        return out + self._event("response.failed", response=final)
+
+
+def _in_progress(item: dict[str, Any]) -> dict[str, Any]:
+    """An item as it is announced: no text, no arguments yet."""
+    if item["type"] == "message":
+        return {**item, "content": []}
+    if item["type"] == "reasoning":
+        return {**item, "content": []}
+    return {**item, "arguments": ""}
+
+
+def _message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
+    return {
+        "id": item_id,
+        "type": "message",
+        "status": status,
+        "role": "assistant",
+        "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}],
+    }
+
+
+def _reasoning_item(item_id: str, text: str, status: str) -> dict[str, Any]:
+    return {
+        "id": item_id,
+        "type": "reasoning",
+        "status": status,
+        "summary": [],
+        "content": [{"type": "reasoning_text", "text": text}],
+    }
+
+
+def _call_item(item_id: str, call: ToolCall, status: str) -> dict[str, Any]:
+    return {
+        "id": item_id,
+        "type": "function_call",
+        "status": status,
+        "call_id": call.id,
+        "name": call.name,
+        "arguments": call.arguments,
+    }
+
+
+def _usage(usage: dict[str, Any]) -> dict[str, Any]:
+    prompt = int(usage.get("prompt_tokens") or 0)
+    completion = int(usage.get("completion_tokens") or 0)
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    reasoning = (usage.get("completion_tokens_details") or {}).get("reasoning_tokens") or 0
+    return {
+        "input_tokens": prompt,
+        "input_tokens_details": {"cached_tokens": int(cached)},
+        "output_tokens": completion,
+        "output_tokens_details": {"reasoning_tokens": int(reasoning)},
+        "total_tokens": prompt + completion,
+    }
+
+
+# the request's input
+
+
+def _input_items(value: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The request's input as items with ids (a string is one user message)."""
+    if isinstance(value, str):
+        value = [{"type": "message", "role": "user", "content": value}]
+    items = []
+    for i, item in enumerate(value):
+        if not isinstance(item, dict):
+            raise InvalidRequest(f"input[{i}] must be an object.", param=f"input[{i}]")
+        kind = item.get("type", "message")
+        if kind == "message" or (kind is None and "role" in item):
+            prefix = "msg_"
+        elif kind in ("function_call", "function_call_output", "reasoning"):
+            prefix = {"function_call": "fc_", "function_call_output": "fco_", "reasoning": "rs_"}[kind]
+        else:
+            raise InvalidRequest(
+                f"input[{i}] is of type '{kind}', which this server does not take (it takes message, "
+                "function_call, function_call_output and reasoning items).",
+                param=f"input[{i}].type",
+                code="unsupported_input_item",
+            )
+        normal = {"id": item.get("id") or prefix + uuid.uuid4().hex, **item, "type": kind}
+        if kind == "message" and isinstance(item.get("content"), str):  # listed as OpenAI lists it
+            part = "output_text" if item.get("role") == "assistant" else "input_text"
+            normal["content"] = [{"type": part, "text": item["content"]}]
+        items.append(normal)
+    return items
+
+
+def _continues(item: dict[str, Any]) -> bool:
+    """An earlier output item the next turn's input holds (its message, its calls, its reasoning)."""
+    return item.get("type") in ("message", "function_call", "reasoning")
+
+
+def _messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Items as chat messages: consecutive function calls become one assistant turn's tool_calls."""
+    messages: list[dict[str, Any]] = []
+    for i, item in enumerate(items):
+        kind = item.get("type")
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "system", "developer", "assistant"):
+                raise InvalidRequest(
+                    f"input[{i}].role must be user, system, developer or assistant.", param=f"input[{i}].role"
+                )
+            messages.append({"role": role, "content": _content(item.get("content"), i)})
+        elif kind == "function_call":
+            call = {
+                "id": item.get("call_id") or item.get("id"),
+                "type": "function",
+                "function": {"name": item.get("name"), "arguments": item.get("arguments") or "{}"},
+            }
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant" and "tool_calls" in last:
+                last["tool_calls"].append(call)
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = item.get("output")
+            if not isinstance(output, str):
+                output = orjson.dumps(output).decode()
+            messages.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": output})
+    return messages
+
+
+def _content(content: Any, i: int) -> str | list[dict[str, Any]]:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise InvalidRequest(
+            f"input[{i}].content must be a string or a list of parts.", param=f"input[{i}].content"
+        )
+    parts: list[dict[str, Any]] = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in ("input_text", "output_text", "text", "refusal"):
+            parts.append({"type": "text", "text": str(part.get("text") or part.get("refusal") or "")})
+        elif kind == "input_image":
+            url = part.get("image_url")
+            if not isinstance(url, str):
+                raise InvalidRequest(
+                    "input_image parts need an image_url (file_id is not served here).",
+                    param=f"input[{i}].content",
+                )
+            parts.append({"type": "image_url", "image_url": {"url": url}})
+        else:
+            raise InvalidRequest(
+                f"input[{i}].content holds a part of type '{kind}', which this server does not take.",
+                param=f"input[{i}].content",
+                code="unsupported_content",
+            )
+    if all(p["type"] == "text" for p in parts):
+        return "".join(p["text"] for p in parts)
+    return parts
+
+
+def _chat_tool(tool: dict[str, Any], i: int) -> dict[str, Any]:
+    if tool.get("type") != "function":
+        raise InvalidRequest(
+            f"tools[{i}] is of type '{tool.get('type')}': this server runs function tools only (the "
+            "hosted tools are OpenAI's).",
+            param=f"tools[{i}].type",
+            code="unsupported_tool",
+        )
+    parsed = FunctionTool.model_validate(tool)
+    function: dict[str, Any] = {"name": parsed.name, "parameters": parsed.parameters or {"type": "object"}}
+    if parsed.description is not None:
+        function["description"] = parsed.description
+    if parsed.strict is not None:
+        function["strict"] = parsed.strict
+    return {"type": "function", "function": function}
+
+
+def _chat_tool_choice(choice: str | dict[str, Any]) -> str | dict[str, Any]:
+    if isinstance(choice, str):
+        if choice not in ("auto", "none", "required"):
+            raise InvalidRequest(
+                "tool_choice must be auto, none, required or a function.", param="tool_choice"
+            )
+        return choice
+    if choice.get("type") == "function" and isinstance(choice.get("name"), str):
+        return {"type": "function", "function": {"name": choice["name"]}}
+    raise InvalidRequest(
+        "tool_choice must be auto, none, required or {type: function, name}.", param="tool_choice"
+    )
+
+
+def _response_format(fmt: dict[str, Any]) -> dict[str, Any] | None:
+    kind = fmt.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "json_object"}
+    if kind == "json_schema":
+        if not isinstance(fmt.get("schema"), dict):
+            raise InvalidRequest(
+                "text.format.schema must be a JSON schema object.", param="text.format.schema"
+            )
+        schema = {"name": fmt.get("name") or "answer", "schema": fmt["schema"]}
+        if fmt.get("strict") is not None:
+            schema["strict"] = fmt["strict"]
+        return {"type": "json_schema", "json_schema": schema}
+    raise InvalidRequest(
+        "text.format.type must be text, json_object or json_schema.", param="text.format.type"
+    )

@@ -1,0 +1,90 @@
+"""The routes beside the dialects' own generation routes: stored responses (retrieve, delete, cancel,
+input items) and Anthropic's count_tokens. Each is its tenant's: another tenant's response is a 404."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from corral.admission import Authenticator
+from corral.dialects import Messages, Responses, anthropic_error
+from corral.gateway.bodies import read_body
+from corral.gateway.pipeline import Pipeline
+from corral.protocol import APIError, InvalidRequest
+
+__all__ = ["AgentViews"]
+
+
+class AgentViews:
+    def __init__(
+        self,
+        auth: Authenticator,
+        pipeline: Pipeline,
+        responses: Responses | None,
+        body_timeout: float,
+        max_body_bytes: int,
+    ) -> None:
+        self._auth = auth
+        self._pipeline = pipeline
+        self._responses = responses
+        self._messages = Messages()
+        self._body_timeout = body_timeout
+        self._max_body = max_body_bytes
+
+    def add_routes(self, app: web.Application) -> None:
+        if self._responses is not None and self._pipeline.responses is not None:
+            app.router.add_post("/v1/responses", self._pipeline.responses)
+            app.router.add_get("/v1/responses/{id}", self.retrieve)
+            app.router.add_delete("/v1/responses/{id}", self.delete)
+            app.router.add_post("/v1/responses/{id}/cancel", self.cancel)
+            app.router.add_get("/v1/responses/{id}/input_items", self.input_items)
+        app.router.add_post("/v1/messages", self._pipeline.messages)
+        app.router.add_post("/v1/messages/count_tokens", self.count_tokens)
+
+    async def _tenant(self, request: web.Request) -> str:
+        principal = await self._auth.authenticate(request.headers.get("Authorization"))
+        return principal.tenant
+
+    @property
+    def _stored(self) -> Responses:
+        assert self._responses is not None
+        return self._responses
+
+    async def retrieve(self, request: web.Request) -> web.Response:
+        found = await self._stored.retrieve(await self._tenant(request), request.match_info["id"])
+        return web.json_response(found)
+
+    async def delete(self, request: web.Request) -> web.Response:
+        done = await self._stored.delete(await self._tenant(request), request.match_info["id"])
+        return web.json_response(done)
+
+    async def cancel(self, request: web.Request) -> web.Response:
+        return web.json_response(
+            await self._stored.cancel(await self._tenant(request), request.match_info["id"])
+        )
+
+    async def input_items(self, request: web.Request) -> web.Response:
+        order = request.query.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise InvalidRequest("order must be asc or desc.", param="order")
+        try:
+            limit = int(request.query.get("limit", "20"))
+        except ValueError:
+            limit = 0
+        if not 1 <= limit <= 100:
+            raise InvalidRequest("limit must be an integer from 1 to 100.", param="limit")
+        tenant = await self._tenant(request)
+        return web.json_response(
+            await self._stored.input_items(tenant, request.match_info["id"], order, limit)
+        )
+
+    async def count_tokens(self, request: web.Request) -> web.Response:
+        """Anthropic's count_tokens: the prompt's tokens as admission counts them (the model's tokenizer
+        where the spec names one, else the gateway's estimate)."""
+        try:
+            principal = await self._auth.authenticate(self._messages.credentials(request))
+            raw = await read_body(request, self._body_timeout, self._max_body)
+            chat = self._messages.count_request(raw)
+            tokens = self._pipeline.count_prompt(chat, principal)
+        except APIError as exc:
+            return anthropic_error(exc)
+        return web.json_response({"input_tokens": tokens})

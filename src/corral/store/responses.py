@@ -1,0 +1,102 @@
+"""Stored responses (the Responses API's `store: true`): each tenant's own, kept until they expire.
+
+A row holds the response object as it was answered and the whole input that produced it (the items of
+every earlier turn it continued, then its own), so a turn naming `previous_response_id` is resolved from
+here into its full conversation before it is routed: any replica, any gateway, and a restart continue it.
+Rows past `expires_at` are gone from reads at once and deleted by `sweep_expired`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from sqlalchemy import Engine, Float, String, Text, delete, select
+from sqlalchemy.orm import Mapped, Session, mapped_column
+
+from corral.store.schema import Base
+
+__all__ = ["ResponseRow", "ResponseStore", "StoredResponse"]
+
+
+class ResponseRow(Base):
+    __tablename__ = "corral_responses"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    tenant: Mapped[str] = mapped_column(String(128), index=True)
+    key_id: Mapped[str | None] = mapped_column(String(32), nullable=True)
+    model: Mapped[str] = mapped_column(String(128))
+    created_at: Mapped[float] = mapped_column(Float)
+    expires_at: Mapped[float] = mapped_column(Float, index=True)
+    input_items: Mapped[str] = mapped_column(Text)  # JSON: the conversation's input, earlier turns first
+    response: Mapped[str] = mapped_column(Text)  # JSON: the response object
+
+
+@dataclass(frozen=True)
+class StoredResponse:
+    id: str
+    tenant: str
+    input_items: list[dict[str, Any]]
+    response: dict[str, Any]
+
+
+class ResponseStore:
+    """Blocking calls (run them in a thread from the event loop)."""
+
+    def __init__(self, engine: Engine, ttl_s: float) -> None:
+        self._engine = engine
+        self.ttl_s = ttl_s
+
+    def put(
+        self,
+        tenant: str,
+        key_id: str | None,
+        response: dict[str, Any],
+        input_items: list[dict[str, Any]],
+    ) -> None:
+        now = time.time()
+        row = ResponseRow(
+            id=str(response["id"]),
+            tenant=tenant,
+            key_id=key_id,
+            model=str(response.get("model") or ""),
+            created_at=now,
+            expires_at=now + self.ttl_s,
+            input_items=orjson.dumps(input_items).decode(),
+            response=orjson.dumps(response).decode(),
+        )
+        with Session(self._engine) as session, session.begin():
+            session.merge(row)
+
+    def get(self, tenant: str, response_id: str) -> StoredResponse | None:
+        """The tenant's response, None if it has none by that id (another tenant's included) or it expired."""
+        with Session(self._engine) as session:
+            row = session.get(ResponseRow, response_id)
+            if row is None or row.tenant != tenant or row.expires_at < time.time():
+                return None
+            return StoredResponse(
+                row.id, row.tenant, orjson.loads(row.input_items), orjson.loads(row.response)
+            )
+
+    def delete(self, tenant: str, response_id: str) -> bool:
+        with Session(self._engine) as session, session.begin():
+            found = session.execute(
+                delete(ResponseRow).where(
+                    ResponseRow.id == response_id,
+                    ResponseRow.tenant == tenant,
+                    ResponseRow.expires_at >= time.time(),
+                )
+            )
+            return bool(getattr(found, "rowcount", 0))
+
+    def sweep_expired(self, limit: int = 1000) -> int:
+        """Delete up to `limit` expired responses; how many."""
+        with Session(self._engine) as session, session.begin():
+            doomed = session.scalars(
+                select(ResponseRow.id).where(ResponseRow.expires_at < time.time()).limit(limit)
+            ).all()
+            if doomed:
+                session.execute(delete(ResponseRow).where(ResponseRow.id.in_(doomed)))
+            return len(doomed)

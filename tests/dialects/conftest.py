@@ -1,0 +1,79 @@
+"""Gateways (closed, keys by the admin API) in front of simulated replicas that answer tool calls and
+structured output on a seeded schedule (sim/tools.py)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from corral.config import AuthSettings, GatewaySettings, LimitsSettings, QueueSettings, StoreSettings
+from corral.gateway import GatewayParts, GatewayServer
+from corral.perf import load_catalog
+from corral.perf.calibration import calibrated_efficiency
+from corral.routing import Replica, ReplicaSet, ReplicaState, Router
+from corral.sim import SimFleet, SimOptions, build_server
+
+ADMIN = "dialects-admin"
+
+
+@dataclass
+class Gateway:
+    url: str
+    server: GatewayServer
+    replicas: ReplicaSet
+
+    async def key(self, tenant: str, **limits: object) -> str:
+        async with (
+            aiohttp.ClientSession() as session,
+            session.post(
+                self.url + "/admin/keys",
+                json={"tenant": tenant, **limits},
+                headers={"Authorization": f"Bearer {ADMIN}"},
+            ) as answer,
+        ):
+            assert answer.status == 201, await answer.text()
+            return str((await answer.json())["key"])
+
+
+@dataclass
+class Cluster:
+    fleet: SimFleet
+    store: str
+    gateways: list[Gateway] = field(default_factory=list)
+
+    async def gateway(self, store: StoreSettings | None = None) -> Gateway:
+        """Another gateway on the same store and replicas."""
+        replicas = ReplicaSet()
+        for i, url in enumerate(self.fleet.urls):
+            replicas.add(Replica(id=f"m-{i}", model="m", engine="sim", url=url, state=ReplicaState.READY))
+        parts = GatewayParts.build(
+            replicas,
+            self.store,
+            AuthSettings(open=False, admin_key=ADMIN),
+            store or StoreSettings(flush_interval=0.1),
+            LimitsSettings(),
+            QueueSettings(),
+            admin_key=ADMIN,
+        )
+        server = GatewayServer(GatewaySettings(port=0, routing_headers=True), Router(replicas), parts)
+        await server.start()
+        gateway = Gateway(f"http://127.0.0.1:{server.port}", server, replicas)
+        self.gateways.append(gateway)
+        return gateway
+
+
+@pytest.fixture
+async def cluster(tmp_path: Path) -> AsyncIterator[Cluster]:
+    options = SimOptions(model="llama-3.1-8b", gpu="h100-sxm", time_scale=50, served_name="m")
+    catalog, efficiency = load_catalog(), calibrated_efficiency()
+    fleet = SimFleet([build_server(options, catalog, efficiency) for _ in range(2)])
+    await fleet.start([0, 0])
+    running = Cluster(fleet, f"sqlite:///{tmp_path / 'corral.db'}")
+    yield running
+    for gateway in running.gateways:
+        await gateway.server.stop()
+    await fleet.stop()

@@ -1,0 +1,180 @@
+"""/v1/responses through the official openai SDK against a closed gateway over simulated replicas: whole
+and streamed answers, stored responses (retrieve, input items, delete, another tenant's 404), function
+tools, a conversation by previous_response_id that outlives its replica and its gateway, limits."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+
+from corral.routing import ReplicaState
+from tests.dialects.conftest import Cluster
+
+TOOL = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "The weather in a city.",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string"}, "unit": {"type": "string", "enum": ["c", "f"]}},
+        "required": ["city", "unit"],
+    },
+}
+
+
+def _client(url: str, key: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=url + "/v1", api_key=key, max_retries=0)
+
+
+async def test_a_response_is_answered_stored_retrieved_listed_and_deleted(cluster: Cluster) -> None:
+    gateway = await cluster.gateway()
+    client = _client(gateway.url, await gateway.key("acme"))
+    response = await client.responses.create(
+        model="m",
+        input="Say hello.",
+        instructions="Be brief.",
+        max_output_tokens=12,
+        metadata={"ticket": "7"},
+    )
+    assert response.id.startswith("resp_") and response.object == "response"
+    assert response.status == "incomplete" and response.incomplete_details.reason == "max_output_tokens"
+    assert response.output_text and response.output[0].type == "message"
+    assert response.usage.output_tokens == 12 and response.usage.input_tokens > 0
+    assert response.instructions == "Be brief." and response.metadata == {"ticket": "7"}
+
+    found = await client.responses.retrieve(response.id)
+    assert found.model_dump() == response.model_dump()
+    items = await client.responses.input_items.list(response.id)
+    assert [item.type for item in items.data] == ["message"] and items.data[0].role == "user"
+
+    other = _client(gateway.url, await gateway.key("eve"))
+    with pytest.raises(openai.NotFoundError):
+        await other.responses.retrieve(response.id)  # another tenant's: not found
+    with pytest.raises(openai.NotFoundError):
+        await other.responses.delete(response.id)
+    await client.responses.delete(response.id)
+    with pytest.raises(openai.NotFoundError):
+        await client.responses.retrieve(response.id)
+    unstored = await client.responses.create(model="m", input="Again.", max_output_tokens=4, store=False)
+    with pytest.raises(openai.NotFoundError):
+        await client.responses.retrieve(unstored.id)
+
+
+async def test_the_sdk_reads_the_stream_in_openai_event_order(cluster: Cluster) -> None:
+    gateway = await cluster.gateway()
+    client = _client(gateway.url, await gateway.key("acme"))
+    events = []
+    async with client.responses.stream(model="m", input="Tell a story.") as stream:
+        async for event in stream:
+            events.append(event)
+        final = await stream.get_final_response()
+    kinds = [e.type for e in events]
+    assert kinds[:4] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
+    assert kinds[-4:] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == final.output_text and final.usage.output_tokens >= 16
+    assert (await client.responses.retrieve(final.id)).output_text == text  # stored before it ended
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_function_tool_round_trip(cluster: Cluster, stream: bool) -> None:
+    gateway = await cluster.gateway()
+    client = _client(gateway.url, await gateway.key("acme"))
+    ask = {"model": "m", "input": "Weather in Paris?", "tools": [TOOL], "tool_choice": "required"}
+    if stream:
+        async with client.responses.stream(**ask) as events:
+            deltas = [e.delta async for e in events if e.type == "response.function_call_arguments.delta"]
+            first = await events.get_final_response()
+        assert "".join(deltas) == first.output[0].arguments
+    else:
+        first = await client.responses.create(**ask)
+    (call,) = first.output
+    assert call.type == "function_call" and call.name == "get_weather"
+    arguments = json.loads(call.arguments)
+    assert set(arguments) == {"city", "unit"} and arguments["unit"] in ("c", "f")
+    second = await client.responses.create(
+        model="m",
+        previous_response_id=first.id,
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": '{"celsius": 21}'}],
+        tools=[TOOL],
+        max_output_tokens=8,
+    )
+    assert second.output[0].type == "message" and second.output_text  # the result is in: it answers
+    items = await client.responses.input_items.list(second.id, order="asc")
+    assert [i.type for i in items.data] == ["message", "function_call", "function_call_output"]
+
+
+async def test_a_conversation_outlives_its_replica_and_its_gateway(cluster: Cluster) -> None:
+    """Three turns by previous_response_id: each turn's prompt is the whole conversation (the engine
+    counts it growing), the second lands on the other replica, the third after that replica died, on a
+    second gateway."""
+    one = await cluster.gateway()
+    key = await one.key("acme")
+    client = _client(one.url, key)
+    first = await client.responses.with_raw_response.create(
+        model="m", input="My name is Ada.", max_output_tokens=6
+    )
+    turn1 = first.parse()
+    served = first.headers["x-corral-replica"]
+    other = "m-1" if served == "m-0" else "m-0"
+    replica = {r.id: r for r in one.replicas.of("m")}[served]
+    replica.state = ReplicaState.DRAINING  # the next turn goes to the other
+    second = await client.responses.with_raw_response.create(
+        model="m", input="What is my name?", previous_response_id=turn1.id, max_output_tokens=6
+    )
+    turn2 = second.parse()
+    assert second.headers["x-corral-replica"] == other
+    await cluster.fleet.stop_one(int(other.split("-")[1]))  # that replica dies
+    replica.state = ReplicaState.READY
+    two = await cluster.gateway()  # a second gateway, on the same store
+    turn3 = await _client(two.url, key).responses.create(
+        model="m", input="And again?", previous_response_id=turn2.id, max_output_tokens=6
+    )
+    prompts = [t.usage.input_tokens for t in (turn1, turn2, turn3)]
+    assert prompts[0] < prompts[1] < prompts[2]
+    assert prompts[2] > prompts[1] + 6  # turn 2's question, its answer and turn 3's question
+    items = await _client(two.url, key).responses.input_items.list(turn3.id, order="asc")
+    texts = [i.content[0].text for i in items.data if i.type == "message"]
+    assert texts[0] == "My name is Ada." and texts[2] == "What is my name?" and texts[-1] == "And again?"
+
+
+async def test_unknown_ids_tools_and_items_are_clear_400s(cluster: Cluster) -> None:
+    gateway = await cluster.gateway()
+    client = _client(gateway.url, await gateway.key("acme"))
+    with pytest.raises(openai.BadRequestError) as info:
+        await client.responses.create(model="m", input="x", previous_response_id="resp_nothing")
+    assert info.value.body["param"] == "previous_response_id"
+    with pytest.raises(openai.BadRequestError) as info:
+        await client.responses.create(model="m", input="x", tools=[{"type": "web_search"}])
+    assert info.value.body["param"] == "tools[0].type"
+    with pytest.raises(openai.NotFoundError) as info:
+        await client.responses.create(model="nope", input="x")
+    assert info.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.BadRequestError):
+        await client.responses.create(model="m", input="x", background=True)
+    done = await client.responses.create(model="m", input="x", max_output_tokens=2)
+    with pytest.raises(openai.BadRequestError):
+        await client.responses.cancel(done.id)  # not a background response
+
+
+async def test_a_key_over_its_tpm_gets_openais_429_on_responses(cluster: Cluster) -> None:
+    gateway = await cluster.gateway()
+    client = _client(gateway.url, await gateway.key("acme", tpm=100))
+    await client.responses.create(model="m", input="hello there", max_output_tokens=40)
+    with pytest.raises(openai.RateLimitError) as info:
+        await client.responses.create(model="m", input="hello there", max_output_tokens=40)
+    assert info.value.body["type"] == "rate_limit_error"
+    assert info.value.response.headers.get("retry-after")
