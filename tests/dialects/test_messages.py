@@ -1,0 +1,117 @@
+"""/v1/messages through Anthropic's own SDK against a closed gateway over simulated replicas: whole and
+streamed answers, a tool round trip, count_tokens, keys as x-api-key or Bearer, errors in Anthropic's
+shape with its status codes."""
+
+from __future__ import annotations
+
+import json
+
+import aiohttp
+import anthropic
+import pytest
+
+from tests.dialects.conftest import Cluster
+
+TOOL = {
+    "name": "get_weather",
+    "description": "The weather in a city.",
+    "input_schema": {
+        "type": "object",
+        "properties": {"city": {"type": "string"}, "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+        "required": ["city"],
+    },
+}
+
+
+def _client(url: str, key: str) -> anthropic.AsyncAnthropic:
+    return anthropic.AsyncAnthropic(base_url=url, api_key=key, max_retries=0)
+
+
+async def test_a_message_whole_and_streamed(cluster: Cluster) -> None:
+    gateway = await cluster.gateway()
+    client = _client(gateway.url, await gateway.key("acme"))
+    message = await client.messages.create(
+        model="m",
+        max_tokens=10,
+        system="Be brief.",
+        messages=[{"role": "user", "content": "Say hello."}],
+    )
+    assert message.id.startswith("msg_") and message.role == "assistant" and message.type == "message"
+    assert message.stop_reason == "max_tokens" and message.usage.output_tokens == 10
+    assert message.content[0].type == "text" and message.content[0].text
+    assert message.usage.input_tokens > 0
+
+    async with client.messages.stream(
+        model="m", max_tokens=12, messages=[{"role": "user", "content": "Tell a story."}]
+    ) as stream:
+        kinds = [event.type async for event in stream]
+        final = await stream.get_final_message()
+    assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
+    assert "content_block_start" in kinds and "message_delta" in kinds
+    assert final.stop_reason == "max_tokens" and final.usage.output_tokens == 12
+    assert final.content[0].text and len(final.content[0].text.split()) == 12
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_tool_round_trip(cluster: Cluster, stream: bool) -> None:
+    gateway = await cluster.gateway()
+    client = _client(gateway.url, await gateway.key("acme"))
+    turns: list[dict] = [{"role": "user", "content": "Weather in Paris?"}]
+    ask = {"model": "m", "max_tokens": 64, "tools": [TOOL], "tool_choice": {"type": "any"}, "messages": turns}
+    if stream:
+        async with client.messages.stream(**ask) as events:
+            partial = [e.partial_json async for e in events if e.type == "input_json"]
+            first = await events.get_final_message()
+        assert json.loads("".join(partial)) == first.content[0].input
+    else:
+        first = await client.messages.create(**ask)
+    assert first.stop_reason == "tool_use"
+    (use,) = first.content
+    assert use.type == "tool_use" and use.name == "get_weather" and isinstance(use.input["city"], str)
+    assert 1 <= use.input["days"] <= 7
+    turns += [
+        {"role": "assistant", "content": [b.model_dump() for b in first.content]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "21°C, sunny"}]},
+    ]
+    second = await client.messages.create(model="m", max_tokens=8, tools=[TOOL], messages=turns)
+    assert second.stop_reason == "max_tokens" and second.content[0].type == "text"
+
+
+async def test_stop_sequences_count_tokens_and_bearer_keys(cluster: Cluster) -> None:
+    gateway = await cluster.gateway()
+    key = await gateway.key("acme")
+    client = _client(gateway.url, key)
+    asked = [{"role": "user", "content": "Count the words of this sentence for me."}]
+    counted = await client.messages.count_tokens(model="m", messages=asked)
+    answer = await client.messages.create(model="m", max_tokens=4, messages=asked)
+    assert counted.input_tokens > 0  # the gateway's own count, the one admission reserves
+    assert answer.usage.input_tokens > 0
+    bearer = anthropic.AsyncAnthropic(base_url=gateway.url, auth_token=key, max_retries=0)
+    assert (await bearer.messages.create(model="m", max_tokens=2, messages=asked)).usage.output_tokens == 2
+    stopped = await client.messages.create(model="m", max_tokens=40, messages=asked, stop_sequences=["the"])
+    assert "the" not in stopped.content[0].text.split()  # the sim's words end before a stop string
+
+
+async def test_errors_come_in_anthropics_shape(cluster: Cluster) -> None:
+    gateway = await cluster.gateway()
+    client = _client(gateway.url, await gateway.key("acme", tpm=100))
+    asked = [{"role": "user", "content": "hi"}]
+    with pytest.raises(anthropic.AuthenticationError) as auth:
+        await _client(gateway.url, "sk-wrong").messages.create(model="m", max_tokens=2, messages=asked)
+    assert auth.value.body["type"] == "error" and auth.value.body["error"]["type"] == "authentication_error"
+    with pytest.raises(anthropic.NotFoundError) as missing:
+        await client.messages.create(model="nope", max_tokens=2, messages=asked)
+    assert missing.value.body["error"]["type"] == "not_found_error"
+    with pytest.raises(anthropic.BadRequestError) as bad:
+        await client.messages.create(model="m", max_tokens=0, messages=asked)
+    assert bad.value.body["error"]["type"] == "invalid_request_error"
+    await client.messages.create(model="m", max_tokens=40, messages=asked)
+    with pytest.raises(anthropic.RateLimitError) as limited:
+        await client.messages.create(model="m", max_tokens=40, messages=asked)
+    assert limited.value.body["error"]["type"] == "rate_limit_error"
+    assert limited.value.response.headers.get("retry-after")
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(gateway.url + "/v1/messages", data=b"{", headers={"x-api-key": "sk-x"}) as raw,
+    ):
+        assert raw.status == 401 and (await raw.json())["type"] == "error"
