@@ -2,7 +2,9 @@
 /openapi.json, and what the schemathesis run in the tests fuzzes the gateway against): every route, the
 generation routes, files and batches, the admin API, status, metrics and the console.
 
-Request bodies are the models the gateway validates with (where a schema cannot say all the gateway
+The Responses and Messages APIs are described loosely (their own published schemas are OpenAI's and
+Anthropic's; tests/data/schemas holds them for the stream tests). Request bodies are the models the gateway
+validates with (where a schema cannot say all the gateway
 checks, it is looser than the gateway, never stricter); answers are described as loosely as engines write
 them (extra fields such as llama.cpp's `timings` are allowed), errors exactly as the gateway writes them.
 """
@@ -171,6 +173,79 @@ class Anything(_Open):
     """A JSON object (status, routing, rollouts, cache and console data: see the README)."""
 
 
+class ResponseCreate(_Open):
+    """OpenAI's Responses API request (the gateway's checks: dialects/openai_responses.py)."""
+
+    model: str
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    previous_response_id: str | None = None
+    stream: bool = False
+    store: bool = True
+    max_output_tokens: int | None = None
+    tools: list[dict[str, Any]] | None = None
+
+
+class ResponseObject(_Open):
+    """A response (`stream: false`); a stream is `text/event-stream` of OpenAI's response events."""
+
+    id: str
+    object: Literal["response"]
+    created_at: int
+    status: str
+    model: str
+    output: list[dict[str, Any]]
+
+
+class InputItemList(_Open):
+    object: Literal["list"]
+    data: list[dict[str, Any]]
+    has_more: bool
+
+
+class MessageCreate(_Open):
+    """Anthropic's Messages API request (the gateway's checks: dialects/anthropic_messages.py)."""
+
+    model: str
+    max_tokens: int
+    messages: list[dict[str, Any]]
+    system: str | list[dict[str, Any]] | None = None
+    stream: bool = False
+
+
+class CountTokens(_Open):
+    model: str
+    messages: list[dict[str, Any]]
+
+
+class AnthropicMessage(_Open):
+    """A message (`stream: false`); a stream is `text/event-stream` of Anthropic's message events."""
+
+    id: str
+    type: Literal["message"]
+    role: Literal["assistant"]
+    model: str
+    content: list[dict[str, Any]]
+    stop_reason: str | None
+    usage: dict[str, int]
+
+
+class TokenCount(BaseModel):
+    input_tokens: int
+
+
+class AnthropicErrorDetail(BaseModel):
+    type: str
+    message: str
+
+
+class AnthropicError(BaseModel):
+    """Every refusal on /v1/messages, in Anthropic's shape."""
+
+    type: Literal["error"]
+    error: AnthropicErrorDetail
+
+
 _MODELS: tuple[type[BaseModel], ...] = (
     ChatCompletionRequest,
     CompletionRequest,
@@ -192,6 +267,14 @@ _MODELS: tuple[type[BaseModel], ...] = (
     Ready,
     Anything,
     ErrorResponse,
+    ResponseCreate,
+    ResponseObject,
+    InputItemList,
+    MessageCreate,
+    CountTokens,
+    AnthropicMessage,
+    TokenCount,
+    AnthropicError,
 )
 _REF = "#/components/schemas/{model}"
 # One server-sent event (OpenAPI 3.1 describes each event of a stream): `data` is a JSON chunk, a final
@@ -218,6 +301,7 @@ _REFUSALS = {
     "503": "No ready replica, queue full or timed out, or rate limits unavailable (Retry-After)",
     "504": "A replica stayed silent for gateway.read_timeout",
     "501": "This gateway runs without the part the route needs (a response cache, a supervisor)",
+    "529": "Anthropic's overloaded: no ready replica, queue full or timed out (Retry-After)",
 }
 _TENANT = ("400", "401", "404", "408", "413", "429")
 _ADMIN = ("400", "401", "403", "404", "408", "413", "501", "503")
@@ -234,7 +318,7 @@ def openapi_document(
         schema = model.model_json_schema(ref_template=_REF)
         schemas.update(schema.pop("$defs", {}))
         schemas[model.__name__] = schema
-    for request in ("ChatCompletionRequest", "CompletionRequest"):
+    for request in ("ChatCompletionRequest", "CompletionRequest", "ResponseCreate", "MessageCreate"):
         if models:
             schemas[request]["properties"]["model"]["examples"] = models
             schemas[request]["properties"]["model"]["enum"] = models
@@ -253,6 +337,7 @@ def openapi_document(
             "/v1/models/{model}": {
                 "get": _read("Retrieve one model", "Model", ("401", "404"), path=("model",))
             },
+            **_dialects(),
             **_files(),
             **_batches(),
             **_admin(key_schema or {"type": "object"}),
@@ -337,6 +422,60 @@ def _embeddings() -> dict[str, Any]:
     return _read(
         "Create embeddings", "EmbeddingList", (*_TENANT, "502", "503", "504"), body=_json("EmbeddingRequest")
     )
+
+
+def _dialects() -> dict[str, Any]:
+    """The Responses API and Anthropic's Messages API (errors in Anthropic's shape there)."""
+    one = ("401", "404")
+    create = _generation("ResponseCreate", "ResponseObject", "model response")
+    create["summary"] = "Create a model response (OpenAI's Responses API; streamed with stream: true)"
+    messages = _generation("MessageCreate", "AnthropicMessage", "message")
+    messages["summary"] = "Create a message (Anthropic's Messages API; streamed with stream: true)"
+    anthropic = {"application/json": {"schema": _ref("AnthropicError")}}
+    statuses = (*(s for s in _REFUSALS if s not in ("501", "503")), "529")
+    messages["responses"] = {
+        "200": messages["responses"]["200"],
+        **{s: {"description": _REFUSALS[s], "content": anthropic} for s in statuses},
+    }
+    count = _read(
+        "Count a message's input tokens (Anthropic's count_tokens)",
+        "TokenCount",
+        (),
+        body=_json("CountTokens"),
+    )
+    count["responses"].update(
+        {
+            s: {"description": _REFUSALS[s], "content": anthropic}
+            for s in ("400", "401", "403", "404", "408", "413")
+        }
+    )
+    order: dict[str, dict[str, Any]] = {
+        "order": {"type": "string", "enum": ["asc", "desc"]},
+        "limit": {"type": "integer"},
+    }
+    return {
+        "/v1/responses": {"post": create},
+        "/v1/responses/{response_id}": {
+            "get": _read("Retrieve a stored response", "ResponseObject", one, path=("response_id",)),
+            "delete": _read("Delete a stored response", "Deleted", one, path=("response_id",)),
+        },
+        "/v1/responses/{response_id}/cancel": {
+            "post": _read(
+                "Cancel a background response", "ResponseObject", ("400", *one), path=("response_id",)
+            )
+        },
+        "/v1/responses/{response_id}/input_items": {
+            "get": _read(
+                "A stored response's input items",
+                "InputItemList",
+                ("400", *one),
+                path=("response_id",),
+                query=order,
+            )
+        },
+        "/v1/messages": {"post": messages},
+        "/v1/messages/count_tokens": {"post": count},
+    }
 
 
 def _files() -> dict[str, Any]:

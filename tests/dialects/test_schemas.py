@@ -1,0 +1,315 @@
+"""The dialects' answers against the published OpenAPI schemas of both APIs (tests/data/schemas, with their
+source in its README.md): every event of a raw SSE stream, read with aiohttp rather than an SDK, validated
+against the schema of its event type, the whole answers against `Response` and `Message`, and the order
+rules the specs state for the events."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from jsonschema import Draft202012Validator
+from referencing import Registry, Resource
+from referencing.jsonschema import DRAFT202012
+
+from tests.dialects.conftest import Cluster
+
+SCHEMAS = Path(__file__).parents[1] / "data" / "schemas"
+
+RESPONSES_TOOL = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "The weather in a city.",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string"}, "unit": {"type": "string", "enum": ["c", "f"]}},
+        "required": ["city", "unit"],
+    },
+}
+MESSAGES_TOOL = {
+    "name": "get_weather",
+    "description": "The weather in a city.",
+    "input_schema": {
+        "type": "object",
+        "properties": {"city": {"type": "string"}, "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+        "required": ["city"],
+    },
+}
+
+
+class Spec:
+    """One API's component schemas as extracted from its OpenAPI document; `union` is the schema of its
+    stream events (a oneOf/anyOf of one schema per event type)."""
+
+    def __init__(self, file: str, union: str) -> None:
+        self.document = json.loads((SCHEMAS / file).read_text())
+        self.uri = f"urn:corral-test:{file}"
+        resource = Resource.from_contents(self.document, default_specification=DRAFT202012)
+        self.registry: Registry = Registry().with_resource(self.uri, resource)
+        self.schemas: dict[str, Any] = self.document["components"]["schemas"]
+        self.union = union
+
+    @cached_property
+    def events(self) -> dict[str, str]:
+        """Event type → the name of its schema, as the union lists them."""
+        union = self.schemas[self.union]
+        out = {}
+        for member in union.get("oneOf") or union["anyOf"]:
+            name = member["$ref"].rsplit("/", 1)[-1]
+            kind = self.schemas[name]["properties"]["type"]
+            out[kind["const"] if "const" in kind else kind["enum"][0]] = name
+        return out
+
+    def validator(self, name: str) -> Draft202012Validator:
+        assert name in self.schemas, f"{name} is not among the extracted schemas"
+        return Draft202012Validator({"$ref": f"{self.uri}#/components/schemas/{name}"}, registry=self.registry)
+
+    def problems(self, name: str, instance: Any) -> list[str]:
+        """Each way instance fails the schema `name`: where, and why (empty when it validates)."""
+        errors = sorted(self.validator(name).iter_errors(instance), key=lambda e: list(e.absolute_path))
+        return [_explain(error) for error in errors]
+
+
+def _explain(error: Any) -> str:
+    where = "/".join(str(p) for p in error.absolute_path) or "(root)"
+    detail = error.message
+    if error.context:  # anyOf/oneOf: the member whose errors go deepest says most
+        best = max(error.context, key=lambda e: (len(e.absolute_path), -len(e.message)))
+        detail += f" — deepest: at {'/'.join(str(p) for p in best.absolute_path)}: {best.message}"
+    return f"at {where}: {detail[:600]}"
+
+
+@pytest.fixture(scope="module")
+def openai_spec() -> Spec:
+    return Spec("openai-responses.json", "ResponseStreamEvent")
+
+
+@pytest.fixture(scope="module")
+def anthropic_spec() -> Spec:
+    return Spec("anthropic-messages.json", "MessageStreamEvent")
+
+
+@dataclass
+class Event:
+    name: str | None  # the SSE `event:` field
+    data: dict[str, Any]
+
+
+async def _post(url: str, headers: dict[str, str], body: dict[str, Any]) -> tuple[str, bytes]:
+    async with aiohttp.ClientSession() as session, session.post(url, json=body, headers=headers) as answer:
+        raw = await answer.read()
+        assert answer.status == 200, raw.decode(errors="replace")
+        return answer.headers.get("Content-Type", ""), raw
+
+
+def _events(content_type: str, raw: bytes) -> list[Event]:
+    """The SSE stream's events (https://html.spec.whatwg.org/multipage/server-sent-events.html)."""
+    assert content_type.startswith("text/event-stream"), content_type
+    events: list[Event] = []
+    name: str | None = None
+    data: list[str] = []
+    for line in raw.decode().replace("\r\n", "\n").split("\n") + [""]:
+        if line == "":
+            if data:
+                payload = "\n".join(data)
+                assert payload != "[DONE]", "neither API ends its stream with [DONE]"
+                events.append(Event(name, json.loads(payload)))
+            name, data = None, []
+        elif line.startswith(":"):
+            continue
+        else:
+            field, _, value = line.partition(":")
+            value = value.removeprefix(" ")
+            if field == "event":
+                name = value
+            elif field == "data":
+                data.append(value)
+    return events
+
+
+def _validate_stream(spec: Spec, events: list[Event], unlisted: frozenset[str] = frozenset()) -> list[str]:
+    """Every event against its type's schema (and the union): the failures, one line each."""
+    failures: list[str] = []
+    for i, event in enumerate(events):
+        kind = event.data.get("type")
+        if event.name != kind:
+            failures.append(f"event {i}: its SSE name {event.name!r} is not its data's type {kind!r}")
+        if kind in unlisted:
+            continue
+        name = spec.events.get(kind)  # type: ignore[arg-type]
+        if name is None:
+            failures.append(f"event {i} ({kind!r}): no event of this type in {spec.union}")
+            continue
+        problems = spec.problems(name, event.data) or [
+            f"(valid as {name}, not as the union) {p}" for p in spec.problems(spec.union, event.data)
+        ]
+        failures += [f"event {i} ({kind}) against {name} {p}\n  data: {_short(event.data)}" for p in problems]
+    return failures
+
+
+def _short(data: Any) -> str:
+    text = json.dumps(data)
+    return text if len(text) <= 1500 else text[:1500] + "…"
+
+
+def _report(what: str, failures: list[str]) -> str:
+    return f"{what} does not validate against the published schema:\n" + "\n".join(failures)
+
+
+# OpenAI's Responses API
+
+
+def _responses_order(events: list[Event]) -> None:
+    """Response stream order (OpenAI's streaming guide and the events' reference): response.created
+    first, then response.in_progress; sequence_number from 0, strictly increasing; each output item
+    added before its deltas and done after them; response.completed (or .incomplete) last."""
+    kinds = [e.data["type"] for e in events]
+    assert kinds[0] == "response.created" and kinds[1] == "response.in_progress", kinds[:2]
+    numbers = [e.data["sequence_number"] for e in events]
+    assert numbers[0] == 0, numbers
+    assert all(a < b for a, b in zip(numbers, numbers[1:], strict=False)), numbers
+    assert kinds[-1] in ("response.completed", "response.incomplete"), kinds[-1]
+    assert sum(k in ("response.completed", "response.incomplete", "response.failed") for k in kinds) == 1
+    added: dict[int, str] = {}
+    done: set[int] = set()
+    for event in events:
+        data = event.data
+        index = data.get("output_index")
+        if data["type"] == "response.output_item.added":
+            assert index == len(added), f"output items are added at 0, 1, …: {data}"
+            added[index] = data["item"]["id"]
+        elif data["type"] == "response.output_item.done":
+            assert index in added and index not in done and data["item"]["id"] == added[index], data
+            done.add(index)
+        elif index is not None:  # an item's own event: between its added and its done
+            assert index in added and index not in done, f"{data['type']} outside its item: {data}"
+            assert data["item_id"] == added[index], data
+    assert done == set(added), "every added output item is done"
+    final = events[-1].data["response"]
+    assert [item["id"] for item in final["output"]] == [added[i] for i in range(len(added))]
+    assert all(item["status"] == "completed" for item in final["output"])
+
+
+async def _responses(url: str, key: str, body: dict[str, Any]) -> tuple[str, bytes]:
+    return await _post(url + "/v1/responses", {"Authorization": f"Bearer {key}"}, body)
+
+
+@pytest.mark.parametrize("tools", [False, True], ids=["text", "function_call"])
+async def test_a_responses_stream_and_answer_validate_against_openais_schema(
+    cluster: Cluster, openai_spec: Spec, tools: bool
+) -> None:
+    gateway = await cluster.gateway()
+    key = await gateway.key("acme")
+    body: dict[str, Any] = {"model": "m", "input": "Weather in Paris?", "instructions": "Be brief."}
+    if tools:
+        body.update(tools=[RESPONSES_TOOL], tool_choice="required")
+    else:
+        body.update(input="Tell a story.", max_output_tokens=24, metadata={"ticket": "7"})
+
+    events = _events(*await _responses(gateway.url, key, {**body, "stream": True}))
+    failures = _validate_stream(openai_spec, events)
+    assert not failures, _report("The Responses stream", failures)
+    _responses_order(events)
+    kinds = {e.data["type"] for e in events}
+    if tools:
+        assert {"response.function_call_arguments.delta", "response.function_call_arguments.done"} <= kinds
+        final = events[-1].data["response"]
+        assert [item["type"] for item in final["output"]] == ["function_call"], final["output"]
+        assert json.loads(final["output"][0]["arguments"])["city"]
+    else:
+        assert {"response.output_text.delta", "response.content_part.added"} <= kinds
+
+    _, raw = await _responses(gateway.url, key, body)
+    whole = json.loads(raw)
+    problems = openai_spec.problems("Response", whole)
+    assert not problems, _report("The whole Response", problems) + f"\n  data: {_short(whole)}"
+    if tools:
+        assert [item["type"] for item in whole["output"]] == ["function_call"]
+
+
+# Anthropic's Messages API
+
+
+def _messages_order(events: list[Event]) -> None:
+    """Message stream order (Anthropic's streaming guide): message_start first; then content blocks,
+    each a content_block_start, its deltas and its content_block_stop at the same index before the next
+    block starts (indexes 0, 1, …); then message_delta; message_stop last. ping may come anywhere."""
+    kinds = [e.data["type"] for e in events]
+    assert kinds[0] == "message_start", kinds
+    assert kinds[-1] == "message_stop" and kinds.count("message_stop") == 1, kinds
+    assert kinds.count("message_start") == 1, kinds
+    open_index: int | None = None
+    started = 0
+    deltas_after = False
+    for event in events:
+        data = event.data
+        kind = data["type"]
+        if kind == "content_block_start":
+            assert open_index is None, f"block {data['index']} starts before block {open_index} stops"
+            assert not deltas_after, "a block after message_delta"
+            assert data["index"] == started, f"blocks are numbered 0, 1, …: {data}"
+            open_index = data["index"]
+            started += 1
+        elif kind == "content_block_delta":
+            assert data["index"] == open_index, f"a delta outside its open block: {data}"
+        elif kind == "content_block_stop":
+            assert data["index"] == open_index, f"a stop without its start: {data}"
+            open_index = None
+        elif kind == "message_delta":
+            assert open_index is None, "message_delta while a block is open"
+            deltas_after = True
+    assert open_index is None and started >= 1
+    assert deltas_after, "message_delta before message_stop"
+
+
+async def _messages(url: str, key: str, body: dict[str, Any]) -> tuple[str, bytes]:
+    headers = {"x-api-key": key, "anthropic-version": "2023-06-01"}
+    return await _post(url + "/v1/messages", headers, body)
+
+
+@pytest.mark.parametrize("tools", [False, True], ids=["text", "tool_use"])
+async def test_a_messages_stream_and_answer_validate_against_anthropics_schema(
+    cluster: Cluster, anthropic_spec: Spec, tools: bool
+) -> None:
+    gateway = await cluster.gateway()
+    key = await gateway.key("acme")
+    body: dict[str, Any] = {
+        "model": "m",
+        "max_tokens": 64,
+        "system": "Be brief.",
+        "messages": [{"role": "user", "content": "Weather in Paris?"}],
+    }
+    if tools:
+        body.update(tools=[MESSAGES_TOOL], tool_choice={"type": "any"})
+    else:
+        body.update(max_tokens=24, messages=[{"role": "user", "content": "Tell a story."}])
+
+    events = _events(*await _messages(gateway.url, key, {**body, "stream": True}))
+    # ping: Anthropic's streaming guide names it ("any number of ping events"), the OpenAPI document does not
+    for event in events:
+        if event.data.get("type") == "ping":
+            assert event.data == {"type": "ping"} and event.name == "ping", event
+    failures = _validate_stream(anthropic_spec, events, unlisted=frozenset({"ping"}))
+    assert not failures, _report("The Messages stream", failures)
+    _messages_order(events)
+    blocks = [e.data["content_block"]["type"] for e in events if e.data["type"] == "content_block_start"]
+    delta = next(e.data for e in events if e.data["type"] == "message_delta")
+    if tools:
+        assert blocks == ["tool_use"] and delta["delta"]["stop_reason"] == "tool_use", (blocks, delta)
+        partial = "".join(
+            e.data["delta"]["partial_json"] for e in events if e.data["type"] == "content_block_delta"
+        )
+        assert json.loads(partial)["city"]
+    else:
+        assert blocks == ["text"] and delta["delta"]["stop_reason"] == "max_tokens", (blocks, delta)
+
+    _, raw = await _messages(gateway.url, key, body)
+    whole = json.loads(raw)
+    problems = anthropic_spec.problems("Message", whole)
+    assert not problems, _report("The whole Message", problems) + f"\n  data: {_short(whole)}"
+    assert [b["type"] for b in whole["content"]] == (["tool_use"] if tools else ["text"])
