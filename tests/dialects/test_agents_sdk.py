@@ -13,7 +13,9 @@ from tests.dialects.conftest import Cluster
 async def test_an_agent_with_a_function_tool_runs_to_completion(cluster: Cluster) -> None:
     set_tracing_disabled(True)  # the SDK would send its traces to OpenAI
     gateway = await cluster.gateway()
-    client = openai.AsyncOpenAI(base_url=gateway.url + "/v1", api_key=await gateway.key("acme"), max_retries=0)
+    client = openai.AsyncOpenAI(
+        base_url=gateway.url + "/v1", api_key=await gateway.key("acme"), max_retries=0
+    )
     asked: list[str] = []
 
     @function_tool

@@ -71,7 +71,10 @@ async def test_a_tool_round_trip(cluster: Cluster, stream: bool) -> None:
     assert 1 <= use.input["days"] <= 7
     turns += [
         {"role": "assistant", "content": [b.model_dump() for b in first.content]},
-        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "21°C, sunny"}]},
+        {
+            "role": "user",
+            "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "21°C, sunny"}],
+        },
     ]
     second = await client.messages.create(model="m", max_tokens=8, tools=[TOOL], messages=turns)
     assert second.stop_reason == "max_tokens" and second.content[0].type == "text"

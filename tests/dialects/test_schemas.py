@@ -5,7 +5,9 @@ rules the specs state for the events."""
 
 from __future__ import annotations
 
+import itertools
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -67,7 +69,9 @@ class Spec:
 
     def validator(self, name: str) -> Draft202012Validator:
         assert name in self.schemas, f"{name} is not among the extracted schemas"
-        return Draft202012Validator({"$ref": f"{self.uri}#/components/schemas/{name}"}, registry=self.registry)
+        return Draft202012Validator(
+            {"$ref": f"{self.uri}#/components/schemas/{name}"}, registry=self.registry
+        )
 
     def problems(self, name: str, instance: Any) -> list[str]:
         """Each way instance fails the schema `name`: where, and why (empty when it validates)."""
@@ -78,10 +82,25 @@ class Spec:
 def _explain(error: Any) -> str:
     where = "/".join(str(p) for p in error.absolute_path) or "(root)"
     detail = error.message
-    if error.context:  # anyOf/oneOf: the member whose errors go deepest says most
-        best = max(error.context, key=lambda e: (len(e.absolute_path), -len(e.message)))
-        detail += f" — deepest: at {'/'.join(str(p) for p in best.absolute_path)}: {best.message}"
-    return f"at {where}: {detail[:600]}"
+    if error.context:  # a oneOf/anyOf: say why the member meant for this instance fails
+        by_member: dict[Any, list[Any]] = {}
+        for sub in error.context:
+            by_member.setdefault(sub.relative_schema_path[0], []).append(sub)
+        # the members whose `type` discriminator does not match are not meant for it
+        meant = [
+            subs
+            for subs in by_member.values()
+            if not any(s.absolute_path and s.absolute_path[-1] == "type" for s in subs)
+        ] or list(by_member.values())
+        best = min(meant, key=len)
+        detail = "no member of the union matches; the one meant for it fails: " + "; ".join(
+            f"at {'/'.join(str(p) for p in s.absolute_path)}: {_explain_leaf(s)}" for s in best
+        )
+    return f"at {where}: {detail[:800]}"
+
+
+def _explain_leaf(error: Any) -> str:
+    return _explain(error).split(": ", 1)[1] if error.context else error.message[:300]
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +132,7 @@ def _events(content_type: str, raw: bytes) -> list[Event]:
     events: list[Event] = []
     name: str | None = None
     data: list[str] = []
-    for line in raw.decode().replace("\r\n", "\n").split("\n") + [""]:
+    for line in [*raw.decode().replace("\r\n", "\n").split("\n"), ""]:
         if line == "":
             if data:
                 payload = "\n".join(data)
@@ -157,8 +176,17 @@ def _short(data: Any) -> str:
     return text if len(text) <= 1500 else text[:1500] + "…"
 
 
+def _order(check: Callable[[list[Event]], None], events: list[Event]) -> list[str]:
+    """The order rule the stream breaks (told with the schema failures, not instead of them)."""
+    try:
+        check(events)
+    except AssertionError as exc:
+        return [f"out of order: {exc}\n  types: {[e.data.get('type') for e in events]}"]
+    return []
+
+
 def _report(what: str, failures: list[str]) -> str:
-    return f"{what} does not validate against the published schema:\n" + "\n".join(failures)
+    return f"{what} does not follow the published schema (or the spec's order):\n" + "\n".join(failures)
 
 
 # OpenAI's Responses API
@@ -172,7 +200,7 @@ def _responses_order(events: list[Event]) -> None:
     assert kinds[0] == "response.created" and kinds[1] == "response.in_progress", kinds[:2]
     numbers = [e.data["sequence_number"] for e in events]
     assert numbers[0] == 0, numbers
-    assert all(a < b for a, b in zip(numbers, numbers[1:], strict=False)), numbers
+    assert all(a < b for a, b in itertools.pairwise(numbers)), numbers
     assert kinds[-1] in ("response.completed", "response.incomplete"), kinds[-1]
     assert sum(k in ("response.completed", "response.incomplete", "response.failed") for k in kinds) == 1
     added: dict[int, str] = {}
@@ -195,41 +223,43 @@ def _responses_order(events: list[Event]) -> None:
     assert all(item["status"] == "completed" for item in final["output"])
 
 
-async def _responses(url: str, key: str, body: dict[str, Any]) -> tuple[str, bytes]:
-    return await _post(url + "/v1/responses", {"Authorization": f"Bearer {key}"}, body)
+async def _responses(cluster: Cluster, tools: bool, stream: bool) -> tuple[str, bytes]:
+    """(a) a text answer; (b) a function call (tools, tool_choice required)."""
+    gateway = await cluster.gateway()
+    key = await gateway.key("acme")
+    body: dict[str, Any] = {"model": "m", "instructions": "Be brief.", "stream": stream}
+    if tools:
+        body.update(input="Weather in Paris?", tools=[RESPONSES_TOOL], tool_choice="required")
+    else:
+        body.update(input="Tell a story.", max_output_tokens=24, metadata={"ticket": "7"})
+    return await _post(gateway.url + "/v1/responses", {"Authorization": f"Bearer {key}"}, body)
 
 
 @pytest.mark.parametrize("tools", [False, True], ids=["text", "function_call"])
-async def test_a_responses_stream_and_answer_validate_against_openais_schema(
+async def test_each_event_of_a_responses_stream_validates_and_comes_in_order(
     cluster: Cluster, openai_spec: Spec, tools: bool
 ) -> None:
-    gateway = await cluster.gateway()
-    key = await gateway.key("acme")
-    body: dict[str, Any] = {"model": "m", "input": "Weather in Paris?", "instructions": "Be brief."}
-    if tools:
-        body.update(tools=[RESPONSES_TOOL], tool_choice="required")
-    else:
-        body.update(input="Tell a story.", max_output_tokens=24, metadata={"ticket": "7"})
-
-    events = _events(*await _responses(gateway.url, key, {**body, "stream": True}))
-    failures = _validate_stream(openai_spec, events)
+    events = _events(*await _responses(cluster, tools, stream=True))
+    failures = _validate_stream(openai_spec, events) + _order(_responses_order, events)
     assert not failures, _report("The Responses stream", failures)
-    _responses_order(events)
     kinds = {e.data["type"] for e in events}
+    final = events[-1].data["response"]
     if tools:
         assert {"response.function_call_arguments.delta", "response.function_call_arguments.done"} <= kinds
-        final = events[-1].data["response"]
         assert [item["type"] for item in final["output"]] == ["function_call"], final["output"]
         assert json.loads(final["output"][0]["arguments"])["city"]
     else:
         assert {"response.output_text.delta", "response.content_part.added"} <= kinds
+        assert [item["type"] for item in final["output"]] == ["message"], final["output"]
 
-    _, raw = await _responses(gateway.url, key, body)
+
+@pytest.mark.parametrize("tools", [False, True], ids=["text", "function_call"])
+async def test_a_whole_response_validates(cluster: Cluster, openai_spec: Spec, tools: bool) -> None:
+    _, raw = await _responses(cluster, tools, stream=False)
     whole = json.loads(raw)
     problems = openai_spec.problems("Response", whole)
     assert not problems, _report("The whole Response", problems) + f"\n  data: {_short(whole)}"
-    if tools:
-        assert [item["type"] for item in whole["output"]] == ["function_call"]
+    assert [item["type"] for item in whole["output"]] == ["function_call" if tools else "message"]
 
 
 # Anthropic's Messages API
@@ -267,36 +297,36 @@ def _messages_order(events: list[Event]) -> None:
     assert deltas_after, "message_delta before message_stop"
 
 
-async def _messages(url: str, key: str, body: dict[str, Any]) -> tuple[str, bytes]:
+async def _messages(cluster: Cluster, tools: bool, stream: bool) -> tuple[str, bytes]:
+    """(c) a text answer; (d) a tool_use (tools, tool_choice any)."""
+    gateway = await cluster.gateway()
+    key = await gateway.key("acme")
+    body: dict[str, Any] = {"model": "m", "system": "Be brief.", "stream": stream}
+    if tools:
+        body.update(
+            max_tokens=64,
+            messages=[{"role": "user", "content": "Weather in Paris?"}],
+            tools=[MESSAGES_TOOL],
+            tool_choice={"type": "any"},
+        )
+    else:
+        body.update(max_tokens=24, messages=[{"role": "user", "content": "Tell a story."}])
     headers = {"x-api-key": key, "anthropic-version": "2023-06-01"}
-    return await _post(url + "/v1/messages", headers, body)
+    return await _post(gateway.url + "/v1/messages", headers, body)
 
 
 @pytest.mark.parametrize("tools", [False, True], ids=["text", "tool_use"])
-async def test_a_messages_stream_and_answer_validate_against_anthropics_schema(
+async def test_each_event_of_a_messages_stream_validates_and_comes_in_order(
     cluster: Cluster, anthropic_spec: Spec, tools: bool
 ) -> None:
-    gateway = await cluster.gateway()
-    key = await gateway.key("acme")
-    body: dict[str, Any] = {
-        "model": "m",
-        "max_tokens": 64,
-        "system": "Be brief.",
-        "messages": [{"role": "user", "content": "Weather in Paris?"}],
-    }
-    if tools:
-        body.update(tools=[MESSAGES_TOOL], tool_choice={"type": "any"})
-    else:
-        body.update(max_tokens=24, messages=[{"role": "user", "content": "Tell a story."}])
-
-    events = _events(*await _messages(gateway.url, key, {**body, "stream": True}))
-    # ping: Anthropic's streaming guide names it ("any number of ping events"), the OpenAPI document does not
+    events = _events(*await _messages(cluster, tools, stream=True))
+    # ping: Anthropic's streaming guide names it ("any number of ping events"); its OpenAPI document does not
     for event in events:
         if event.data.get("type") == "ping":
             assert event.data == {"type": "ping"} and event.name == "ping", event
     failures = _validate_stream(anthropic_spec, events, unlisted=frozenset({"ping"}))
+    failures += _order(_messages_order, events)
     assert not failures, _report("The Messages stream", failures)
-    _messages_order(events)
     blocks = [e.data["content_block"]["type"] for e in events if e.data["type"] == "content_block_start"]
     delta = next(e.data for e in events if e.data["type"] == "message_delta")
     if tools:
@@ -308,7 +338,10 @@ async def test_a_messages_stream_and_answer_validate_against_anthropics_schema(
     else:
         assert blocks == ["text"] and delta["delta"]["stop_reason"] == "max_tokens", (blocks, delta)
 
-    _, raw = await _messages(gateway.url, key, body)
+
+@pytest.mark.parametrize("tools", [False, True], ids=["text", "tool_use"])
+async def test_a_whole_message_validates(cluster: Cluster, anthropic_spec: Spec, tools: bool) -> None:
+    _, raw = await _messages(cluster, tools, stream=False)
     whole = json.loads(raw)
     problems = anthropic_spec.problems("Message", whole)
     assert not problems, _report("The whole Message", problems) + f"\n  data: {_short(whole)}"

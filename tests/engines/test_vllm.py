@@ -73,6 +73,36 @@ def test_vllm_command_follows_the_layout(tmp_path: Path) -> None:
     assert flags["--api-key"] == "sekrit" and plans[0].api_key == "sekrit"
     assert [p.env["CUDA_VISIBLE_DEVICES"] for p in plans] == ["4,5,6,7", "0,1,2,3"]
     assert "--enforce-eager" not in argv and flags["--gpu-memory-utilization"] == "0.9"
+    # a Llama 3 model: vLLM parses its tool calls (llama3_json), the gateway passes them through
+    assert flags["--tool-call-parser"] == "llama3_json" and "--enable-auto-tool-choice" in argv
+    assert plans[0].features.tools
+
+
+@pytest.mark.parametrize(
+    ("source", "parser", "chosen"),
+    [
+        ("Qwen/Qwen2.5-7B-Instruct", None, "hermes"),
+        ("mistralai/Mistral-7B-Instruct-v0.3", None, "mistral"),
+        ("HuggingFaceTB/SmolLM2-135M-Instruct", None, None),  # no parser for its family: the gateway's JSON
+        ("Qwen/Qwen2.5-7B-Instruct", "none", None),
+        ("HuggingFaceTB/SmolLM2-135M-Instruct", "pythonic", "pythonic"),
+    ],
+)
+def test_tool_call_parser_follows_the_family_or_the_spec(
+    tmp_path: Path, source: str, parser: str | None, chosen: str | None
+) -> None:
+    python = tmp_path / "python"
+    python.write_text("")
+    spec = parse_spec(
+        f"models: [{{name: m, source: {{hf: {source}}}, deployments: [{{engine: vllm, binary: {python}"
+        + (f", tool_call_parser: {parser}" if parser else "")
+        + "}]}]"
+    )
+    model = spec.models[0]
+    (plan,) = engine_named("vllm").prepare(model, model.deployments[0], Paths(tmp_path), lambda _: None)
+    argv = list(plan.argv)
+    found = argv[argv.index("--tool-call-parser") + 1] if "--tool-call-parser" in argv else None
+    assert found == chosen and plan.features.tools == (chosen is not None)
 
 
 def test_cpu_build_flags_and_environment(tmp_path: Path) -> None:

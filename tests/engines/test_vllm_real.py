@@ -54,6 +54,40 @@ def test_vllm_answers_through_the_gateway(vllm_cluster: RunningCluster) -> None:
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens >= 1
 
 
+def test_tool_calls_and_the_new_apis_on_vllm(vllm_cluster: RunningCluster) -> None:
+    """SmolLM2 has no vLLM tool-call parser (its family has none): the gateway asks for the call as JSON
+    and vLLM's structured output holds the answer to it; the Responses and Messages APIs go over vLLM's
+    chat completions."""
+    client = openai.OpenAI(base_url=vllm_cluster.base_url, api_key="none", max_retries=0, timeout=120)
+    function = {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    }
+    asked = [{"role": "user", "content": "What is the weather in Paris?"}]
+    reply = client.chat.completions.create(
+        model="smollm2-vllm",
+        messages=asked,
+        tools=[{"type": "function", "function": function}],
+        tool_choice="required",
+        max_tokens=60,
+    )
+    (call,) = reply.choices[0].message.tool_calls or []
+    assert call.function.name == "get_weather" and "city" in json.loads(call.function.arguments)
+    first = client.responses.create(model="smollm2-vllm", input="Name a colour.", max_output_tokens=8)
+    second = client.responses.create(
+        model="smollm2-vllm", input="Another one.", previous_response_id=first.id, max_output_tokens=8
+    )
+    assert first.output_text and second.output_text
+    assert second.usage is not None and first.usage is not None
+    assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
+    import anthropic  # (only this test needs it)
+
+    claude = anthropic.Anthropic(base_url=vllm_cluster.url, api_key="none", max_retries=0, timeout=120)
+    with claude.messages.stream(model="smollm2-vllm", max_tokens=8, messages=asked) as stream:
+        message = stream.get_final_message()
+    assert message.stop_reason == "max_tokens" and message.usage.output_tokens == 8
+
+
 def _prefix_cache(url: str) -> tuple[float, float]:
     """vLLM's prefix-cache counters: (tokens looked up, tokens found cached)."""
     with urllib.request.urlopen(url + "/metrics", timeout=10) as response:

@@ -108,6 +108,12 @@ class DeploymentSpec(Strict):
     quantization: str | None = Field(
         default=None, description="vllm --quantization (awq, gptq, fp8); sim: weight format"
     )
+    tool_call_parser: str | None = Field(
+        default=None,
+        description="vllm --tool-call-parser (with --enable-auto-tool-choice): chosen from the model's "
+        "family when unset (llama3_json, hermes for Qwen, mistral, granite, ...); none: the gateway asks for "
+        "tool calls as JSON instead (as for a family with no parser)",
+    )
     max_model_len: Annotated[int, Field(ge=128)] | None = Field(
         default=None, description="vllm, sim: tokens of context per sequence; the model's own when unset"
     )

@@ -25,6 +25,9 @@ class EngineFeatures:
     embeddings: bool = False  # an embedding model: serves /v1/embeddings, not generation
     matryoshka: bool = False  # its vectors may be shortened (`dimensions`; models[].matryoshka)
     cache_salt: bool = False  # takes vLLM's `cache_salt`: prompts with different salts share no cached blocks
+    tools: bool = (
+        True  # makes tool calls itself (else the gateway asks for them as JSON: gateway/toolcalls.py)
+    )
 
     def __and__(self, other: EngineFeatures) -> EngineFeatures:
         return EngineFeatures(
@@ -38,4 +41,5 @@ class EngineFeatures:
             self.embeddings and other.embeddings,
             self.matryoshka and other.matryoshka,
             self.cache_salt and other.cache_salt,
+            self.tools and other.tools,
         )

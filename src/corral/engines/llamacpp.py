@@ -7,8 +7,11 @@ threads each collapsed throughput (about 117 → 4 tokens/s) under contention.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from corral.artifacts import Progress, gguf_from_bert, is_embedding_folder, llama_server, resolve_model
 from corral.artifacts.bert_gguf import max_input_tokens
+from corral.artifacts.gguf_meta import gguf_string
 from corral.config import DeploymentSpec, ModelSpec, Paths
 from corral.engines.base import LaunchPlan, read_gauges
 from corral.engines.features import EngineFeatures
@@ -68,6 +71,7 @@ class LlamaCppEngine:
             token_prompts=True,
             embeddings=model.task == "embed",
             matryoshka=model.matryoshka,
+            tools=model.task != "embed" and _template_takes_tools(weights, deployment.engine_args),
         )
         plan = LaunchPlan(
             argv=argv,
@@ -96,3 +100,21 @@ def _embedding_args(context: int) -> tuple[str, ...]:
     """An embedding model reads each input whole in one batch (no causal mask to split it by); its
     vectors come from /v1/embeddings, pooled as the model says and L2-normalised."""
     return ("--embeddings", "--ubatch-size", str(context), "--batch-size", str(context))
+
+
+def _template_takes_tools(weights: Path, engine_args: list[str]) -> bool:
+    """Whether the model's chat template (the GGUF's, or one the engine flags name) renders tools: without
+    them llama-server ignores `tools` (measured: SmolLM2's template answers in prose), and the gateway asks
+    for tool calls as JSON instead (gateway/toolcalls.py)."""
+    template: str | None = None
+    for flag, value in zip(engine_args, [*engine_args[1:], ""], strict=False):
+        if flag == "--chat-template-file":
+            try:
+                template = Path(value).read_text()
+            except OSError:
+                return False
+        elif flag == "--chat-template":
+            template = value  # (a built-in name renders no tools)
+    if template is None:
+        template = gguf_string(weights, "tokenizer.chat_template")
+    return template is not None and "tools" in template

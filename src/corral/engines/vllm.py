@@ -147,6 +147,9 @@ class VllmEngine:
             "--api-key": deployment.engine_api_key,
         }
         argv += [item for flag, value in optional.items() if value is not None for item in (flag, value)]
+        parser = tool_call_parser(model, deployment) if model.task != "embed" else None
+        if parser is not None:
+            argv += ["--enable-auto-tool-choice", "--tool-call-parser", parser]
         if cpu and "--enforce-eager" not in deployment.engine_args:
             argv.append("--enforce-eager")  # start-up in ~40 s instead of 3-4 minutes of graph capture
         # the runtime fills in {host} and {port}: braces of the engine's own flags (a JSON config) stay
@@ -164,6 +167,7 @@ class VllmEngine:
                     embeddings=model.task == "embed",
                     matryoshka=model.matryoshka,
                     cache_salt=model.task != "embed",
+                    tools=parser is not None,
                 ),
                 kv_events_args=("--kv-events-config", kv_events_config("{events}")) if events else (),
                 kv_events_ranks=data_parallel_size(deployment.engine_args),
@@ -195,3 +199,35 @@ class VllmEngine:
                 "VLLM_CPU_OMP_THREADS_BIND": str(index % cores),
             }
         return {"CUDA_VISIBLE_DEVICES": visible_gpus(deployment, index)}
+
+
+# vLLM's tool-call parsers by model family (the first name fragment found in the model's arch, Hugging
+# Face repository or name): a family with none gets tool calls from the gateway (gateway/toolcalls.py).
+_TOOL_PARSERS = (
+    ("llama-4", "llama4_pythonic"),
+    ("llama-3", "llama3_json"),
+    ("llama3", "llama3_json"),
+    ("qwen3-coder", "qwen3_coder"),
+    ("qwen", "hermes"),
+    ("hermes", "hermes"),
+    ("mistral", "mistral"),
+    ("mixtral", "mistral"),
+    ("granite", "granite"),
+    ("deepseek-v3", "deepseek_v3"),
+    ("gpt-oss", "openai"),
+    ("phi-4-mini", "phi4_mini_json"),
+    ("internlm", "internlm"),
+    ("glm-4", "glm45"),
+)
+
+
+def tool_call_parser(model: ModelSpec, deployment: DeploymentSpec) -> str | None:
+    """The --tool-call-parser for the model: the spec's (`none`: no parser), else its family's."""
+    if deployment.tool_call_parser is not None:
+        return None if deployment.tool_call_parser == "none" else deployment.tool_call_parser
+    source = model.source
+    names = [model.arch or "", getattr(source, "hf", "") or "", model.name]
+    for fragment, parser in _TOOL_PARSERS:
+        if any(fragment in name.lower() for name in names):
+            return parser
+    return None

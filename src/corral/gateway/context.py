@@ -44,6 +44,9 @@ class RequestContext:
     budget_tokens: int | None = None
     lookup: Any = None  # its dealings with the response cache (cache.CacheLookup), when it has some
     exchange: Exchange | None = None  # asked in another dialect (Responses, Messages): told back in it
+    emulation: Any = (
+        None  # tool calls its engine cannot make, asked as JSON (gateway.toolcalls.ToolEmulation)
+    )
 
     @property
     def model(self) -> str:

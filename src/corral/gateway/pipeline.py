@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from functools import partial
 
+import orjson
 from aiohttp import web
 
 from corral.admission import (
@@ -40,6 +41,7 @@ from corral.gateway.fanout import Fanout, check_features, needs_fanout
 from corral.gateway.isolation import TenantIsolation
 from corral.gateway.metrics import GatewayMetrics
 from corral.gateway.relay import SSE_HEADERS, EventStream, Relay
+from corral.gateway.toolcalls import ToolEmulation, names_tools
 from corral.gateway.usage import UsageRecorder
 from corral.protocol import (
     APIError,
@@ -350,6 +352,12 @@ class Pipeline:
                 code="model_not_supported",
             )
         check_features(body, features)
+        emulation = None
+        if isinstance(body, ChatCompletionRequest) and not features.tools:
+            data = orjson.loads(raw)
+            if names_tools(data):  # tool calls its engine cannot make: asked for as JSON
+                emulation = ToolEmulation(data)
+                raw = emulation.request(data)
         upstream = _with_usage(raw) if body.stream and not body.include_usage else raw
         asked = (
             body.max_completion_tokens if isinstance(body, ChatCompletionRequest) else None
@@ -379,9 +387,11 @@ class Pipeline:
             budget_tokens=input_tokens + may_generate * body.n * prompts if may_generate else None,
             features=features,
             fanout=not body.stream and needs_fanout(body, features),
-            failover=can_fail_over(
+            failover=emulation is None
+            and can_fail_over(
                 body, self._failover_modes.get(body.model, "deterministic"), features.continuation
             ),
+            emulation=emulation,
         )
 
     def _input_tokens(self, body: GenerationRequest, raw: bytes, prompt: str) -> int:

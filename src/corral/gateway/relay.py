@@ -193,6 +193,8 @@ class Relay:
         status, content_type = upstream.status, upstream.content_type
         if status == 200:
             ctx.usage = _usage_of(body)
+            if ctx.emulation is not None and ctx.emulation.active:  # the answer's JSON as tool calls
+                body = ctx.emulation.whole(body)
             if replica.engine == "llamacpp" and _TIMINGS in body and not _asks_timings(ctx):
                 body = _without_timings(body)
             if ctx.written is not None:  # the cache keeps it
@@ -209,13 +211,15 @@ class Relay:
         self, replica: Replica, ctx: RequestContext, upstream: EngineResponse, request: web.Request
     ) -> web.StreamResponse:
         sse = SSEFilter(keep_usage=ctx.client_wants_usage)
+        emulation = ctx.emulation
+        events: _Events = emulation.stream(sse) if emulation is not None and emulation.active else sse
         first = b""
         try:
             while not first:  # hold the response until the first whole event: a failure here can retry
                 data = await upstream.chunk()
                 if not data:
                     raise _Retryable("stream ended before its first event")
-                first = sse.feed(data)
+                first = events.feed(data)
         except TimeoutError as exc:
             raise UpstreamTimeout(f"Replica {replica.id} sent no first token in time.") from exc
         except EngineConnectionError as exc:
@@ -235,7 +239,7 @@ class Relay:
                 transcript.add(first)
             if ctx.written is not None:
                 ctx.written.append(first)
-            problem = await self._pump(upstream, sse, response, transcript, ctx.written)
+            problem = await self._pump(upstream, events, response, transcript, ctx.written)
             ctx.complete = problem is None
             if problem is not None:
                 ctx.replica_failed = True  # the breaker hears of it, whatever happens to the stream

@@ -7,7 +7,9 @@ OPENAI_OPENAPI_JSON is `openapi.json` of github.com/openai/openai-openapi, ANTHR
 From each document it keeps the component schemas its roots reach through `$ref`, as they are, less
 what does not validate (descriptions, examples, `x-` vendor extensions); the one `$recursiveRef`
 (CompoundFilter's own filters, a 2019-09 keyword that draft 2020-12 ignores) becomes the `$ref` to
-CompoundFilter that it means. Every `$ref` stays `#/components/schemas/<Name>`, relative to the file.
+CompoundFilter that it means, and Anthropic's `Model` loses its `type: null` (YAML's null, not the
+type "null": no type at all, which draft 2020-12 cannot read; its anyOf of strings says what it is).
+Every `$ref` stays `#/components/schemas/<Name>`, relative to the file.
 """
 
 from __future__ import annotations
@@ -90,6 +92,8 @@ def _strip(node: Any, owner: str) -> Any:
     for key, value in node.items():
         if key in DROPPED or key.startswith("x-"):
             continue
+        if key == "type" and value is None:
+            continue  # Anthropic's Model: `type: null` (YAML's null: no type), its anyOf says what it is
         if key == "$recursiveRef":
             assert value == "#", value
             out["$ref"] = f"#/components/schemas/{owner}"

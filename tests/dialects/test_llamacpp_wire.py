@@ -1,0 +1,117 @@
+"""The new APIs on the wire of the embedded default: SmolLM2 on llama.cpp, whose chat template knows no
+tools, so the gateway asks for tool calls as JSON (gateway/toolcalls.py) and llama.cpp's constrained
+decoding holds the answer to it. Chat completions, the Responses API, Anthropic's Messages API and the
+Agents SDK each get well-formed tool calls (their quality, from a 135M model, is not the point)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import anthropic
+import openai
+import pytest
+from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
+
+from tests.conftest import RunningCluster, start_cluster
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningCluster]:
+    """The embedded default (tests/data/cluster.yaml; this folder's `cluster` is simulated)."""
+    running = start_cluster(tmp_path_factory.mktemp("llamacpp"))
+    yield running
+    running.stop()
+
+
+FUNCTION = {
+    "name": "get_weather",
+    "description": "The weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def test_chat_completions_get_tool_calls_from_a_model_without_tools(cluster: RunningCluster) -> None:
+    client = openai.OpenAI(base_url=cluster.base_url, api_key="none", max_retries=0)
+    tools = [{"type": "function", "function": FUNCTION}]
+    whole = client.chat.completions.create(
+        model="smollm2", messages=ASK, tools=tools, tool_choice="required", max_tokens=60
+    )
+    (call,) = whole.choices[0].message.tool_calls
+    assert whole.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
+    assert isinstance(json.loads(call.function.arguments)["city"], str)
+    chunks = list(
+        client.chat.completions.create(
+            model="smollm2", messages=ASK, tools=tools, tool_choice="required", max_tokens=60, stream=True
+        )
+    )
+    parts = [c.choices[0].delta.tool_calls for c in chunks if c.choices and c.choices[0].delta.tool_calls]
+    assert parts and parts[0][0].function.name == "get_weather"
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    followed = client.chat.completions.create(  # the result goes back as a turn the template can take
+        model="smollm2",
+        messages=[
+            *ASK,
+            {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+            {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 21 C."},
+        ],
+        tools=tools,
+        tool_choice="none",
+        max_tokens=12,
+    )
+    assert followed.choices[0].message.content and not followed.choices[0].message.tool_calls
+
+
+def test_responses_and_messages_on_llamacpp(cluster: RunningCluster) -> None:
+    client = openai.OpenAI(base_url=cluster.base_url, api_key="none", max_retries=0)
+    tool = {"type": "function", **FUNCTION}
+    first = client.responses.create(
+        model="smollm2", input=ASK[0]["content"], tools=[tool], tool_choice="required"
+    )
+    (call,) = first.output
+    assert call.type == "function_call" and call.name == "get_weather"
+    second = client.responses.create(
+        model="smollm2",
+        previous_response_id=first.id,
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 21 C."}],
+        max_output_tokens=12,
+    )
+    assert second.output_text
+    with client.responses.stream(model="smollm2", input="Say hello.", max_output_tokens=400) as stream:
+        final = stream.get_final_response()
+    assert final.status == "completed" and final.output_text
+
+    claude = anthropic.Anthropic(base_url=cluster.url, api_key="none", max_retries=0)
+    tools = [
+        {"name": FUNCTION["name"], "description": "The weather.", "input_schema": FUNCTION["parameters"]}
+    ]
+    use = claude.messages.create(
+        model="smollm2", max_tokens=60, messages=ASK, tools=tools, tool_choice={"type": "any"}
+    )
+    assert use.stop_reason == "tool_use" and use.content[0].type == "tool_use"
+    with claude.messages.stream(model="smollm2", max_tokens=12, messages=ASK) as stream:
+        message = stream.get_final_message()
+    assert message.content[0].type == "text" and message.usage.output_tokens > 0
+
+
+async def test_the_agents_sdk_runs_a_tool_on_llamacpp(cluster: RunningCluster) -> None:
+    set_tracing_disabled(True)
+    client = openai.AsyncOpenAI(base_url=cluster.base_url, api_key="none", max_retries=0)
+    cities: list[str] = []
+
+    @function_tool
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        cities.append(city)
+        return f"Sunny in {city}."
+
+    agent = Agent(
+        name="weather",
+        tools=[get_weather],
+        model=OpenAIResponsesModel(model="smollm2", openai_client=client),
+        model_settings=ModelSettings(tool_choice="required"),
+        tool_use_behavior="stop_on_first_tool",
+    )
+    result = await Runner.run(agent, "What is the weather in Paris?", max_turns=3)
+    assert len(cities) == 1 and result.final_output == f"Sunny in {cities[0]}."
