@@ -17,8 +17,9 @@ and, apart from the ratio target, `responses_store`: /v1/responses with `store` 
 which writes one row per response to the store. Each (route, whole/streamed) point is REQUESTS requests
 at CONCURRENCY (aiohttp client on uvloop, kept-alive connections) in each of ROUNDS interleaved rounds
 (the routes' order rotated each round); the figure is the median over rounds of the gateway process's
-CPU time (user + system, psutil, children included) per request, and its ratio to chat's. Every answer
-is checked (200, and a stream's closing event: [DONE], response.incomplete/completed, message_stop).
+CPU time (user + system, psutil, children included) per request, and its ratio to chat's (with, for
+context, requests/s, client p50/p99 and the answer's size in bytes). Every answer is checked (200, and a
+stream's closing event: [DONE], response.incomplete/completed, message_stop).
 
 Turn latency (the issue's target: a `previous_response_id` lookup adds <= 1 ms p99, SQLite store): a
 first turn is stored (store: true); then TURNS sequential non-streamed requests each, alternating, of the
@@ -35,7 +36,7 @@ true` adds per response).
 Machine: whatever runs it (recorded in the JSON); the published figures came from a 2-core AMD EPYC VM,
 with the client, the gateway and the upstream sharing the 2 cores.
 
-    .venv/bin/python benchmarks/dialect_overhead.py [--requests 2000] [--concurrency 8] [--rounds 3]
+    .venv/bin/python benchmarks/dialect_overhead.py [--requests 2000] [--concurrency 8] [--rounds 5]
 """
 
 from __future__ import annotations
@@ -122,6 +123,7 @@ async def run_load(
     payload = request_body(route, stream)
     latencies: list[float] = []
     errors: list[str] = []
+    sizes: list[int] = []
     remaining = total
 
     async def worker() -> None:
@@ -133,6 +135,7 @@ async def run_load(
                 data = await response.read()
                 if response.status != 200 or not answered(route, stream, data):
                     errors.append(f"{response.status}: {data[-300:]!r}")
+            sizes.append(len(data))
             latencies.append(time.perf_counter() - start)
 
     started = time.perf_counter()
@@ -143,6 +146,7 @@ async def run_load(
         "requests_per_s": len(latencies) / elapsed,
         "p50_ms": 1000 * percentile(latencies, 0.5),
         "p99_ms": 1000 * percentile(latencies, 0.99),
+        "response_bytes": statistics.median(sizes),
         "errors": errors,
     }
 
@@ -200,6 +204,7 @@ async def measure_cpu(args: argparse.Namespace, base: str, gateway: psutil.Proce
                     "requests_per_s": round(statistics.median(s["requests_per_s"] for s in runs), 1),
                     "p50_ms": round(statistics.median(s["p50_ms"] for s in runs), 3),
                     "p99_ms": round(statistics.median(s["p99_ms"] for s in runs), 3),
+                    "response_bytes": runs[0]["response_bytes"],
                     "errors": len(errors),
                     **({"first_error": errors[0]} if errors else {}),
                 }
@@ -427,7 +432,7 @@ def main() -> None:
     )
     parser.add_argument("--requests", type=int, default=2000, help="requests per point per round")
     parser.add_argument("--concurrency", type=int, default=8)
-    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (the median is kept)")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (the median is kept)")
     parser.add_argument("--turns", type=int, default=500, help="sequential turns each, with and without")
     parser.add_argument("--stored", type=int, default=10_000, help="responses in the lookup store")
     parser.add_argument("--lookups", type=int, default=2_000)

@@ -27,6 +27,17 @@ command -v chromedriver >/dev/null || missing+=(chromium-driver)
 if [ ${#missing[@]} -gt 0 ]; then install "${missing[@]}"; fi
 # The tests run their own NGINX and Prometheus instances on free ports; packaged ones are left alone.
 
+# The agent CLIs the dialect tests drive against a simulated cluster (tests/dialects/test_agent_clis.py):
+# Codex and Claude Code from npm, pinned, into corral's cache (installed once; node comes from Debian).
+AGENTS="${CORRAL_AGENT_CLIS:-$HOME/.cache/corral/agent-clis}"
+command -v npm >/dev/null || install nodejs npm
+if [ ! -x "$AGENTS/node_modules/.bin/codex" ] || [ ! -x "$AGENTS/node_modules/.bin/claude" ]; then
+  echo "installing the agent CLIs (Codex, Claude Code) into $AGENTS"
+  mkdir -p "$AGENTS"
+  (cd "$AGENTS" && npm install --silent --no-audit --no-fund \
+    @openai/codex@0.171.0 @anthropic-ai/claude-code@2.1.197 >/dev/null)
+fi
+
 command -v redis-server >/dev/null || install redis-server
 if ! redis-cli -h 127.0.0.1 ping >/dev/null 2>&1; then
   echo "starting redis"

@@ -157,9 +157,13 @@ async def test_unknown_ids_tools_and_items_are_clear_400s(cluster: Cluster) -> N
     with pytest.raises(openai.BadRequestError) as info:
         await client.responses.create(model="m", input="x", previous_response_id="resp_nothing")
     assert info.value.body["param"] == "previous_response_id"
+    hosted = await client.responses.create(  # a hosted tool is not offered: there is none to run
+        model="m", input="x", tools=[{"type": "web_search"}], tool_choice="auto", max_output_tokens=3
+    )
+    assert [item.type for item in hosted.output] == ["message"]
     with pytest.raises(openai.BadRequestError) as info:
-        await client.responses.create(model="m", input="x", tools=[{"type": "web_search"}])
-    assert info.value.body["param"] == "tools[0].type"
+        await client.responses.create(model="m", input="x", tools=[TOOL], tool_choice={"type": "file_search"})
+    assert info.value.body["param"] == "tool_choice"
     with pytest.raises(openai.NotFoundError) as info:
         await client.responses.create(model="nope", input="x")
     assert info.value.body["code"] == "model_not_found"

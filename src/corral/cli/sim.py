@@ -55,6 +55,15 @@ def sim_command(
             "replica i publishes on the port + i"
         ),
     ] = None,
+    eos: Annotated[
+        bool,
+        typer.Option(
+            "--eos",
+            help="end answers at a drawn end of sequence (16-256 tokens) even with max_tokens, as a model "
+            "does (by default max_tokens is generated exactly, as vLLM's ignore_eos); a request's own "
+            "ignore_eos decides for it",
+        ),
+    ] = False,
     log_level: Annotated[LogLevel, typer.Option(help="how much the simulator logs")] = LogLevel.warning,
 ) -> None:
     """Serve simulated vLLM replicas (OpenAI API, /health, /metrics) until Ctrl-C."""
@@ -78,6 +87,7 @@ def sim_command(
         enable_prefix_caching=not no_prefix_caching,
         time_scale=time_scale,
         embed_dim=embed_dim,
+        eos=eos,
     )
     try:
         catalog, efficiency = load_catalog(), calibrated_efficiency()

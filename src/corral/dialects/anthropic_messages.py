@@ -52,7 +52,7 @@ _STOP = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "
 
 
 class Message(Body):
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]  # (Claude Code sends system turns among the messages)
     content: str | list[dict[str, Any]]
 
 
@@ -131,12 +131,7 @@ class MessagesExchange:
 
     def _chat(self) -> dict[str, Any]:
         body = self.body
-        chat: dict[str, Any] = {
-            k: v
-            for k, v in (body.model_extra or {}).items()
-            if k not in ("thinking", "service_tier", "container")
-        }
-        chat.update(
+        chat: dict[str, Any] = dict(  # (Anthropic's other fields, such as thinking, are not the engine's)
             model=body.model,
             messages=_chat_messages(body.system, body.messages),
             max_tokens=body.max_tokens,
@@ -312,6 +307,10 @@ def _chat_messages(
     for i, message in enumerate(messages):
         if isinstance(message.content, str):
             out.append({"role": message.role, "content": message.content})
+            continue
+        if message.role == "system":
+            text = "".join(_block_text(b, f"messages[{i}].content") for b in message.content)
+            out.append({"role": "system", "content": text})
             continue
         parts: list[dict[str, Any]] = []
         calls: list[dict[str, Any]] = []

@@ -231,8 +231,10 @@ class ResponsesExchange:
         if body.max_output_tokens is not None:
             chat["max_tokens"] = body.max_output_tokens
         if body.tools:
-            chat["tools"] = [_chat_tool(tool, i) for i, tool in enumerate(body.tools)]
-        if body.tool_choice is not None:
+            offered = _chat_tools(body.tools)
+            if offered:
+                chat["tools"] = offered
+        if body.tool_choice is not None and "tools" in chat:
             chat["tool_choice"] = _chat_tool_choice(body.tool_choice)
         if body.text and isinstance(body.text.get("format"), dict):
             response_format = _response_format(body.text["format"])
@@ -580,6 +582,8 @@ def _messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 raise InvalidRequest(
                     f"input[{i}].role must be user, system, developer or assistant.", param=f"input[{i}].role"
                 )
+            # (a developer turn is a system turn to an engine's chat template)
+            role = "system" if role == "developer" else role
             messages.append({"role": role, "content": _content(item.get("content"), i)})
         elif kind == "function_call":
             call = {
@@ -631,14 +635,25 @@ def _content(content: Any, i: int) -> str | list[dict[str, Any]]:
     return parts
 
 
-def _chat_tool(tool: dict[str, Any], i: int) -> dict[str, Any]:
-    if tool.get("type") != "function":
-        raise InvalidRequest(
-            f"tools[{i}] is of type '{tool.get('type')}': this server runs function tools only (the "
-            "hosted tools are OpenAI's).",
-            param=f"tools[{i}].type",
-            code="unsupported_tool",
-        )
+def _chat_tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The function tools the model is offered: each function, and those of a `namespace` (Codex groups
+    its sub-agent tools so). Hosted tools (web search, file search, code interpreter, ...) are OpenAI's to
+    run: the cluster has none, so they are not offered (Codex sends web_search with every request)."""
+    offered: list[dict[str, Any]] = []
+    for i, tool in enumerate(tools):
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if kind == "function":
+            offered.append(_chat_tool(tool, f"tools[{i}]"))
+        elif kind == "namespace" and isinstance(tool.get("tools"), list):
+            offered += [_chat_tool(t, f"tools[{i}].tools[{j}]") for j, t in enumerate(tool["tools"])]
+        elif not isinstance(kind, str):
+            raise InvalidRequest(f"tools[{i}] needs a type.", param=f"tools[{i}].type")
+    return offered
+
+
+def _chat_tool(tool: dict[str, Any], where: str) -> dict[str, Any]:
+    if not isinstance(tool, dict) or tool.get("type") != "function":
+        raise InvalidRequest(f"{where} must be a function tool.", param=f"{where}.type")
     parsed = FunctionTool.model_validate(tool)
     function: dict[str, Any] = {"name": parsed.name, "parameters": parsed.parameters or {"type": "object"}}
     if parsed.description is not None:
@@ -657,8 +672,13 @@ def _chat_tool_choice(choice: str | dict[str, Any]) -> str | dict[str, Any]:
         return choice
     if choice.get("type") == "function" and isinstance(choice.get("name"), str):
         return {"type": "function", "function": {"name": choice["name"]}}
+    if choice.get("type") == "allowed_tools" and choice.get("mode") in ("auto", "required"):
+        return str(choice["mode"])
     raise InvalidRequest(
-        "tool_choice must be auto, none, required or {type: function, name}.", param="tool_choice"
+        f"tool_choice of type '{choice.get('type')}' is not served here: use auto, none, required or "
+        "{type: function, name} (the hosted tools are OpenAI's to run).",
+        param="tool_choice",
+        code="unsupported_tool",
     )
 
 

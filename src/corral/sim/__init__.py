@@ -40,6 +40,9 @@ class SimOptions:
     time_scale: float = 1.0
     embed_dim: int | None = None  # an embedding model making vectors of this size
     kv_events_endpoint: str | None = None  # publish KV-cache events there, as vLLM's --kv-events-config
+    eos: bool = (
+        False  # answers end at a drawn end of sequence even with max_tokens (else: exactly max_tokens)
+    )
 
 
 def build_server(options: SimOptions, catalog: Catalog, efficiency: Efficiency) -> SimServer:
@@ -63,4 +66,6 @@ def build_server(options: SimOptions, catalog: Catalog, efficiency: Efficiency) 
     if options.kv_events_endpoint and options.enable_prefix_caching and options.embed_dim is None:
         engine.kv_events = KvEventPublisher(options.kv_events_endpoint, engine.scheduler)
     max_len = options.max_model_len or min(replica.max_context, replica.kv_tokens)
-    return SimServer(engine, max_model_len=max_len, vocab=replica.vocab, embed_dim=options.embed_dim)
+    return SimServer(
+        engine, max_model_len=max_len, vocab=replica.vocab, embed_dim=options.embed_dim, eos=options.eos
+    )

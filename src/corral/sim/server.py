@@ -2,9 +2,11 @@
 
 With `embed_dim` it is an embedding model instead (sim/embed.py). Without `max_tokens` a request stops at
 a simulated end-of-sequence after 16–256 tokens (drawn from its seed); with it, it generates exactly
-`max_tokens` (like vLLM with `ignore_eos`). `stop` strings end the text early. With `tools` or
-`response_format` a chat choice says a tool call or JSON instead (sim/tools.py): it ends when that is said,
-or at `max_tokens` (cut). Many replicas can share one process and event loop (`SimFleet`).
+`max_tokens` (like vLLM with `ignore_eos`), unless it runs with `eos` (`corral sim --eos`: it ends at the
+drawn end of sequence when that comes first; a request's own `ignore_eos` decides for it). `stop` strings
+end the text early. With `tools` or `response_format` a chat choice says a tool call or JSON instead
+(sim/tools.py): it ends when that is said, or at `max_tokens` (cut). Many replicas can share one process
+and event loop (`SimFleet`).
 """
 
 from __future__ import annotations
@@ -43,9 +45,15 @@ class SimServer:
     """One simulated replica."""
 
     def __init__(
-        self, engine: SimEngine, max_model_len: int, vocab: int = 32000, embed_dim: int | None = None
+        self,
+        engine: SimEngine,
+        max_model_len: int,
+        vocab: int = 32000,
+        embed_dim: int | None = None,
+        eos: bool = False,
     ) -> None:
         self.engine = engine
+        self.eos = eos  # end at the drawn end of sequence even with max_tokens (unless ignore_eos says)
         self.max_model_len = max_model_len
         self.vocab = vocab
         self._seeds = random.Random()
@@ -124,9 +132,16 @@ class SimServer:
         seed = body.seed if body.seed is not None else self._seeds.getrandbits(32)
         rng = random.Random(seed)
         scripts = self._scripts(body, seed, chat)
+        ignore_eos = (body.model_extra or {}).get("ignore_eos")
+        at_eos = not ignore_eos if isinstance(ignore_eos, bool) else self.eos
+        drawn = [rng.randint(16, 256) for _ in scripts]
         lengths = [
-            min(limit or len(script.pieces), len(script.pieces)) if script else limit or rng.randint(16, 256)
-            for script in scripts
+            min(limit or len(script.pieces), len(script.pieces))
+            if script
+            else min(limit, end)
+            if limit and at_eos
+            else limit or end
+            for script, end in zip(scripts, drawn, strict=True)
         ]
         if len(tokens) + max(lengths) > self.max_model_len:
             raise InvalidRequest(
@@ -136,8 +151,8 @@ class SimServer:
                 param="max_tokens",
             )
         choices = [
-            _Choice(i, TextGenerator(seed + i), _stops(body.stop), "length" if limit else "stop", script)
-            for i, script in enumerate(scripts)
+            _Choice(i, TextGenerator(seed + i), _stops(body.stop), "length" if limit == n else "stop", script)
+            for i, (script, n) in enumerate(zip(scripts, lengths, strict=True))
         ]
         salt = (body.model_extra or {}).get("cache_salt")  # vLLM's: cached blocks shared within a salt only
         salt = salt if isinstance(salt, str) else None
