@@ -4,10 +4,12 @@ shape with its status codes."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import aiohttp
 import anthropic
+import openai
 import pytest
 
 from tests.dialects.conftest import Cluster
@@ -118,3 +120,40 @@ async def test_errors_come_in_anthropics_shape(cluster: Cluster) -> None:
         session.post(gateway.url + "/v1/messages", data=b"{", headers={"x-api-key": "sk-x"}) as raw,
     ):
         assert raw.status == 401 and (await raw.json())["type"] == "error"
+
+
+async def test_budgets_and_usage_hold_on_both_apis(cluster: Cluster) -> None:
+    """A monthly budget refuses in each API's own shape; usage rows and metrics name the API that asked."""
+    gateway = await cluster.gateway()
+    key = await gateway.key("acme", monthly_token_budget=400)
+    asked = [{"role": "user", "content": "hi"}]
+    claude = _client(gateway.url, key)
+    openai_client = openai.AsyncOpenAI(base_url=gateway.url + "/v1", api_key=key, max_retries=0)
+    answered = await claude.messages.create(model="m", max_tokens=100, messages=asked)
+    response = await openai_client.responses.create(model="m", input="hi", max_output_tokens=100)
+    used = sum(u.input_tokens + u.output_tokens for u in (answered.usage, response.usage))
+    with pytest.raises(anthropic.RateLimitError) as refused:
+        await claude.messages.create(model="m", max_tokens=300, messages=asked)
+    assert refused.value.body["error"]["type"] == "rate_limit_error"
+    with pytest.raises(openai.RateLimitError):
+        await openai_client.responses.create(model="m", input="hi", max_output_tokens=300)
+    headers = {"Authorization": "Bearer dialects-admin"}
+    async with aiohttp.ClientSession(headers=headers) as session:
+        for _ in range(50):
+            async with session.get(gateway.url + "/admin/usage?by=api") as answer:
+                rows = {row["api"]: row for row in (await answer.json())["rows"]}
+            if (
+                rows.get("messages", {}).get("requests") == 2
+                and rows.get("responses", {}).get("requests") == 2
+            ):
+                break
+            await asyncio.sleep(0.1)  # (usage rows are written in batches)
+        assert rows["messages"]["refused"] == 1 and rows["responses"]["refused"] == 1
+        tokens = sum(
+            rows[api]["input_tokens"] + rows[api]["output_tokens"] for api in ("messages", "responses")
+        )
+        assert tokens == used  # the engine's counts, as each API reported them
+        async with session.get(gateway.url + "/metrics") as answer:
+            metrics = await answer.text()
+    assert 'corral_api_requests_total{api="messages",status="200"} 1.0' in metrics
+    assert 'corral_api_requests_total{api="responses",status="429"} 1.0' in metrics

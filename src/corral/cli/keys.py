@@ -45,6 +45,7 @@ class UsageBy(StrEnum):
     key = "key"
     tenant = "tenant"
     model = "model"
+    api = "api"
     day = "day"
 
 

@@ -117,6 +117,8 @@ class Messages:
 
 
 class MessagesExchange:
+    api = "messages"
+
     def __init__(self, body: MessagesRequest) -> None:
         self.body = body
         self.id = "msg_" + uuid.uuid4().hex

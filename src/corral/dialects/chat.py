@@ -97,6 +97,7 @@ def error_of_body(body: bytes) -> tuple[str, str | None, str | None, str | None]
 class Exchange(Protocol):
     """One request in a dialect, as the pipeline sees it."""
 
+    api: str  # its name in usage records and metrics: responses, messages
     chat_body: bytes  # the chat-completions request every stage after parsing works on
     prompt_tokens: int  # the gateway's estimate of its prompt (set by the pipeline)
 

@@ -191,6 +191,8 @@ def _not_found(response_id: str) -> APIError:
 class ResponsesExchange:
     """One /v1/responses request: its chat body, and its answer told as a response (and stored)."""
 
+    api = "responses"
+
     def __init__(
         self,
         body: ResponsesRequest,

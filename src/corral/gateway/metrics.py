@@ -47,6 +47,13 @@ class GatewayMetrics:
         self.requests = Counter(
             "corral_requests", "Requests finished, by model and HTTP status.", ["model", "status"], registry=r
         )
+        self.api_requests = Counter(
+            "corral_api_requests",
+            "Requests finished, by client API (chat, completions, embeddings, responses, messages), status.",
+            ["api", "status"],
+            registry=r,
+        )
+        self._by_api: dict[tuple[str, int], Counter] = {}
         self.e2e = Histogram(
             "corral_request_duration_seconds",
             "End-to-end request latency.",
@@ -193,6 +200,13 @@ class GatewayMetrics:
         while True:
             self._published.update(self._state.families())
             await asyncio.sleep(_STATE_INTERVAL_S)
+
+    def api_finished(self, api: str, status: int) -> None:
+        """A request of a client API (chat, completions, embeddings, responses, messages) finished."""
+        counter = self._by_api.get((api, status))
+        if counter is None:
+            counter = self._by_api[(api, status)] = self.api_requests.labels(api, str(status))
+        counter.inc()
 
     def tenant_label(self, name: str) -> str:
         """The label a tenant's series carry: its name, or "-" for all with tenant labels off."""

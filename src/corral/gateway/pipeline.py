@@ -65,6 +65,7 @@ _DEFAULT_OUTPUT_ESTIMATE = 256  # tokens, when a request sets no max_tokens
 _LIMITS_RETRY_S = 2.0  # Retry-After when the shared limit store is down and the gateway fails closed
 _CLIENT_GONE = 499  # recorded for a client that went away before its answer ended (nginx's code)
 _CHAT = "/v1/chat/completions"  # where every dialect's requests go upstream
+_APIS = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/embeddings": "embeddings"}
 
 _Parse = Callable[[web.Request], Awaitable[RequestContext]]
 _Answer = Callable[[RequestContext, Principal, web.Request], Awaitable[web.StreamResponse]]
@@ -567,6 +568,8 @@ class Pipeline:
             input_tokens, output_tokens = (input_tokens, output_tokens) if charged else (0, 0)
             ttft = None  # a hit's sub-millisecond answer says nothing of the engines (SLO alerts)
         self._metrics.tenant(principal.tenant).finished(status, input_tokens, output_tokens)
+        api = ctx.exchange.api if ctx.exchange is not None else _APIS.get(ctx.path, "chat")
+        self._metrics.api_finished(api, status)
         if status < 400 and not ctx.cached:
             m.input_tokens.inc(input_tokens)
             m.output_tokens.inc(output_tokens)
@@ -589,6 +592,7 @@ class Pipeline:
                 latency_ms=round(latency * 1000, 2),
                 status=status,
                 replica="cache" if ctx.cached else (ctx.replica.id if ctx.replica else None),
+                api=api,
             )
         )
 

@@ -57,6 +57,7 @@ class UsageRow(Base):
     latency_ms: Mapped[float] = mapped_column(Float)
     status: Mapped[int] = mapped_column(Integer)
     replica: Mapped[str | None] = mapped_column(String(128), nullable=True)
+    api: Mapped[str | None] = mapped_column(String(16), nullable=True)  # the client API that asked
 
 
 def add_missing_columns(engine: Engine) -> None:

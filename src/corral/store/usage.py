@@ -32,6 +32,7 @@ class UsageRecord:  # made once per request: a plain dataclass (a frozen one cos
     latency_ms: float
     status: int
     replica: str | None
+    api: str | None = None  # the client API: chat, completions, embeddings, responses, messages
 
 
 _COLUMNS = tuple(f.name for f in fields(UsageRecord))
@@ -86,13 +87,15 @@ class UsageStore:
     def report(
         self, by: str, since: datetime | None = None, until: datetime | None = None
     ) -> list[dict[str, object]]:
-        """Totals grouped by `key` (with its tenant and name), `model`, `tenant` or `day`, of the records
+        """Totals grouped by `key` (with its tenant and name), `model`, `tenant`, `api` (the client API:
+        chat, completions, embeddings, responses, messages) or `day`, of the records
         from `since` up to `until` (either None: unbounded). `refused` counts 429s (limits, budgets, queue
         shares): the key was told no, nothing failed; `errors` every other status from 400 up."""
         columns = {
             "key": (UsageRow.key_id,),
             "tenant": (UsageRow.tenant,),
             "model": (UsageRow.model,),
+            "api": (UsageRow.api,),
             "day": (func.date(UsageRow.at),),
         }
         if by not in columns:
