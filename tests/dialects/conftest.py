@@ -10,7 +10,15 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from corral.config import AuthSettings, GatewaySettings, LimitsSettings, QueueSettings, StoreSettings
+from corral.config import (
+    AuthSettings,
+    CacheSettings,
+    GatewaySettings,
+    LimitsSettings,
+    ModelCacheSpec,
+    QueueSettings,
+    StoreSettings,
+)
 from corral.gateway import GatewayParts, GatewayServer
 from corral.perf import load_catalog
 from corral.perf.calibration import calibrated_efficiency
@@ -45,8 +53,8 @@ class Cluster:
     store: str
     gateways: list[Gateway] = field(default_factory=list)
 
-    async def gateway(self, store: StoreSettings | None = None) -> Gateway:
-        """Another gateway on the same store and replicas."""
+    async def gateway(self, store: StoreSettings | None = None, cache: bool = False) -> Gateway:
+        """Another gateway on the same store and replicas (`cache`: model m keeps exact answers)."""
         replicas = ReplicaSet()
         for i, url in enumerate(self.fleet.urls):
             replicas.add(Replica(id=f"m-{i}", model="m", engine="sim", url=url, state=ReplicaState.READY))
@@ -58,6 +66,8 @@ class Cluster:
             LimitsSettings(),
             QueueSettings(),
             admin_key=ADMIN,
+            cache=CacheSettings() if cache else None,
+            cache_policies={"m": ModelCacheSpec(exact=True)} if cache else None,
         )
         server = GatewayServer(GatewaySettings(port=0, routing_headers=True), Router(replicas), parts)
         await server.start()

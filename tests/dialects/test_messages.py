@@ -157,3 +157,36 @@ async def test_budgets_and_usage_hold_on_both_apis(cluster: Cluster) -> None:
             metrics = await answer.text()
     assert 'corral_api_requests_total{api="messages",status="200"} 1.0' in metrics
     assert 'corral_api_requests_total{api="responses",status="429"} 1.0' in metrics
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_the_exact_cache_answers_both_apis_in_their_own_shape(cluster: Cluster, stream: bool) -> None:
+    gateway = await cluster.gateway(cache=True)
+    key = await gateway.key("acme")
+    claude, responses = (
+        _client(gateway.url, key),
+        openai.AsyncOpenAI(base_url=gateway.url + "/v1", api_key=key, max_retries=0),
+    )
+    asked = [{"role": "user", "content": "Cache me."}]
+    said, states = [], []
+    for _ in range(2):
+        raw = await claude.messages.with_raw_response.create(
+            model="m", max_tokens=6, messages=asked, stream=stream, extra_body={"temperature": 0}
+        )
+        if stream:
+            events = [e async for e in await raw.parse()]
+            said.append("".join(e.delta.text for e in events if e.type == "content_block_delta"))
+        else:
+            said.append((await raw.parse()).content[0].text)
+        states.append(raw.headers["x-corral-cache"])
+    assert states == ["miss", "hit"] and said[0] == said[1]
+    first = await responses.responses.with_raw_response.create(
+        model="m", input="Cache me.", max_output_tokens=6, temperature=0
+    )
+    second = await responses.responses.with_raw_response.create(
+        model="m", input="Cache me.", max_output_tokens=6, temperature=0
+    )
+    assert second.headers["x-corral-cache"] == "hit"
+    one, two = first.parse(), second.parse()
+    assert one.output_text == two.output_text and one.id != two.id  # a new response each time
+    assert (await responses.responses.retrieve(two.id)).output_text == one.output_text

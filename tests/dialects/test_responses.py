@@ -4,6 +4,7 @@ tools, a conversation by previous_response_id that outlives its replica and its 
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import openai
@@ -182,3 +183,39 @@ async def test_a_key_over_its_tpm_gets_openais_429_on_responses(cluster: Cluster
         await client.responses.create(model="m", input="hello there", max_output_tokens=40)
     assert info.value.body["type"] == "rate_limit_error"
     assert info.value.response.headers.get("retry-after")
+
+
+async def test_a_batch_of_responses_lines(cluster: Cluster) -> None:
+    """/v1/responses lines run by the batch runner: each answer is a response object, stored as its
+    `store` says."""
+    gateway = await cluster.gateway()
+    client = _client(gateway.url, await gateway.key("acme"))
+    lines = [
+        {"custom_id": f"q{i}", "method": "POST", "url": "/v1/responses", "body": body}
+        for i, body in enumerate(
+            [
+                {"model": "m", "input": "First question.", "max_output_tokens": 5},
+                {"model": "m", "input": "Second.", "max_output_tokens": 3, "store": False},
+            ]
+        )
+    ]
+    upload = await client.files.create(
+        file=("lines.jsonl", b"\n".join(json.dumps(line).encode() for line in lines)), purpose="batch"
+    )
+    batch = await client.batches.create(
+        input_file_id=upload.id, endpoint="/v1/responses", completion_window="24h"
+    )
+    for _ in range(200):
+        batch = await client.batches.retrieve(batch.id)
+        if batch.status in ("completed", "failed", "expired"):
+            break
+        await asyncio.sleep(0.1)
+    assert batch.status == "completed", batch
+    output = [
+        json.loads(line) for line in (await client.files.content(batch.output_file_id)).text.splitlines()
+    ]
+    answers = {line["custom_id"]: line["response"]["body"] for line in output}
+    assert answers["q0"]["object"] == "response" and answers["q0"]["usage"]["output_tokens"] == 5
+    assert (await client.responses.retrieve(answers["q0"]["id"])).status == "incomplete"
+    with pytest.raises(openai.NotFoundError):
+        await client.responses.retrieve(answers["q1"]["id"])  # store: false

@@ -14,6 +14,7 @@ from typing import IO, Any
 
 import orjson
 
+from corral.dialects.openai_responses import ResponsesRequest
 from corral.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -28,6 +29,7 @@ ENDPOINTS: dict[str, type[Any]] = {
     "/v1/chat/completions": ChatCompletionRequest,
     "/v1/completions": CompletionRequest,
     "/v1/embeddings": EmbeddingRequest,
+    "/v1/responses": ResponsesRequest,
 }
 _MAX_ERRORS = 100  # listed in a failed batch's errors
 

@@ -122,6 +122,7 @@ class Pipeline:
         )
         self.embeddings: _Handler = partial(self._handle, parse=self.parse_embeddings, answer=self._embed)
         self.messages: _Handler = partial(self._dialect, dialect=Messages())
+        self._responses = responses
         self.responses: _Handler | None = (
             partial(self._dialect, dialect=responses) if responses is not None else None
         )
@@ -179,11 +180,16 @@ class Pipeline:
 
     async def run_line(self, principal: Principal, path: str, raw: bytes) -> tuple[int, bytes]:
         """A batch line through the same stages as a request (parse, authorize, queue at the principal's
-        priority, route, relay, settle: usage recorded), without rate limits or the cache; never streamed.
+        priority, route, relay, settle: usage recorded), without rate limits or the cache; never streamed
+        (a /v1/responses line is told back as a response object, and stored as its `store` says).
         (status, body): the answer, or the error a client would have got."""
         try:
             if path == "/v1/embeddings":
                 ctx = self._embedding_context(raw, path)
+            elif path == "/v1/responses" and self._responses is not None:
+                exchange = await self._responses.open(raw, principal.tenant, principal.key_id)
+                ctx = self._context(exchange.chat_body, _CHAT, ChatCompletionRequest, None)
+                ctx.exchange = exchange
             else:
                 kind = ChatCompletionRequest if path == "/v1/chat/completions" else CompletionRequest
                 ctx = self._context(raw, path, kind, None)
@@ -204,6 +210,8 @@ class Pipeline:
             else:
                 response = await self._generate(ctx, principal, None)
             status = response.status
+            if ctx.exchange is not None:  # a Responses line: its answer is a response object
+                response = await ctx.exchange.whole(response)
             body = response.body if isinstance(response, web.Response) else None
             return status, body if isinstance(body, bytes) else b"{}"
         except APIError as exc:

@@ -132,7 +132,7 @@ class NewBatch(_Open):
     """`completion_window`: "24h", or a shorter window ("30m", "90s"); `metadata`: at most 16 pairs."""
 
     input_file_id: str
-    endpoint: Literal["/v1/chat/completions", "/v1/completions", "/v1/embeddings"]
+    endpoint: Literal["/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses"]
     completion_window: str = "24h"
     metadata: dict[str, str] | None = None
 
