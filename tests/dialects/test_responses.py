@@ -55,6 +55,8 @@ async def test_a_response_is_answered_stored_retrieved_listed_and_deleted(cluste
         await other.responses.retrieve(response.id)  # another tenant's: not found
     with pytest.raises(openai.NotFoundError):
         await other.responses.delete(response.id)
+    with pytest.raises(openai.BadRequestError):  # nor can it continue another tenant's conversation
+        await other.responses.create(model="m", input="And?", previous_response_id=response.id)
     await client.responses.delete(response.id)
     with pytest.raises(openai.NotFoundError):
         await client.responses.retrieve(response.id)

@@ -160,7 +160,7 @@ def _validate_stream(spec: Spec, events: list[Event], unlisted: frozenset[str] =
             failures.append(f"event {i}: its SSE name {event.name!r} is not its data's type {kind!r}")
         if kind in unlisted:
             continue
-        name = spec.events.get(kind)  # type: ignore[arg-type]
+        name = spec.events.get(str(kind))
         if name is None:
             failures.append(f"event {i} ({kind!r}): no event of this type in {spec.union}")
             continue
@@ -276,13 +276,13 @@ def _messages_order(events: list[Event]) -> None:
     assert kinds.count("message_start") == 1, kinds
     open_index: int | None = None
     started = 0
-    deltas_after = False
+    delta_seen = False
     for event in events:
         data = event.data
         kind = data["type"]
         if kind == "content_block_start":
             assert open_index is None, f"block {data['index']} starts before block {open_index} stops"
-            assert not deltas_after, "a block after message_delta"
+            assert not delta_seen, "a block after message_delta"
             assert data["index"] == started, f"blocks are numbered 0, 1, …: {data}"
             open_index = data["index"]
             started += 1
@@ -293,9 +293,9 @@ def _messages_order(events: list[Event]) -> None:
             open_index = None
         elif kind == "message_delta":
             assert open_index is None, "message_delta while a block is open"
-            deltas_after = True
+            delta_seen = True
     assert open_index is None and started >= 1
-    assert deltas_after, "message_delta before message_stop"
+    assert delta_seen, "no message_delta before message_stop"
 
 
 async def _messages(cluster: Cluster, tools: bool, stream: bool) -> tuple[str, bytes]:

@@ -250,7 +250,13 @@ class MessagesEncoder(Encoder):
 
     def text(self, delta: str) -> bytes:
         out = b"" if self._open == "text" else self._block("text", {"type": "text", "text": ""})
-        return out + self._delta({"type": "text_delta", "text": delta})
+        return out + (  # (one a token: written from bytes)
+            b'event: content_block_delta\ndata: {"type":"content_block_delta","index":'
+            + str(self._index).encode()
+            + b',"delta":{"type":"text_delta","text":'
+            + orjson.dumps(delta)
+            + b"}}\n\n"
+        )
 
     def reasoning(self, delta: str) -> bytes:
         out = (

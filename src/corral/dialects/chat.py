@@ -169,50 +169,37 @@ class DialectStream(web.StreamResponse):
         for event in events:
             if self.ended:
                 break
-            last = self._last(event)
-            if last is not None:
+            payload = _payload(event)
+            if payload == b"[DONE]":
+                self.ended = True
                 if self._on_end is not None:
                     await self._on_end()
-                out += last()
-            else:
-                out += self._event(event)
+                out += self.encoder.finish()
+                continue
+            try:
+                chunk = orjson.loads(payload) if payload else None
+            except orjson.JSONDecodeError:
+                continue
+            if not isinstance(chunk, dict):
+                continue
+            if "error" in chunk:  # the relay's word that the stream was cut
+                self.ended = True
+                message, _, code, _ = error_of_body(payload)
+                if self._on_end is not None:
+                    await self._on_end()
+                out += self.encoder.error(message, code)
+                continue
+            out += self._chunk(chunk)
         if out:
             await super().write(bytes(out))
 
-    def _last(self, event: bytes) -> Callable[[], bytes] | None:
-        """The encoder's closing events, when this event ends the stream ([DONE], or an error)."""
-        payload = _payload(event)
-        if payload == b"[DONE]":
-            self.ended = True
-            return self.encoder.finish
-        if payload.startswith(b"{") and b'"error"' in payload:
-            try:
-                chunk = orjson.loads(payload)
-            except orjson.JSONDecodeError:
-                return None
-            if isinstance(chunk, dict) and "error" in chunk:
-                self.ended = True
-                message, _, code, _ = error_of_body(payload)
-                return lambda: self.encoder.error(message, code)
-        return None
-
-    def _event(self, event: bytes) -> bytes:
-        payload = _payload(event)
-        if not payload:
-            return b""
-        try:
-            chunk = orjson.loads(payload)
-        except orjson.JSONDecodeError:
-            return b""
-        if not isinstance(chunk, dict):
-            return b""
+    def _chunk(self, chunk: dict[str, Any]) -> bytes:
         answer = self.encoder.answer
-        if isinstance(chunk.get("usage"), dict):
-            answer.usage = chunk["usage"]
-        if chunk.get("model") and not answer.model:
-            answer.model = str(chunk["model"])
-        out = bytearray()
-        for choice in chunk.get("choices") or []:
+        usage = chunk.get("usage")
+        if isinstance(usage, dict):
+            answer.usage = usage
+        out = b""
+        for choice in chunk.get("choices") or ():
             if not isinstance(choice, dict) or choice.get("index", 0) != 0:
                 continue
             delta = choice.get("delta") or {}
@@ -220,16 +207,18 @@ class DialectStream(web.StreamResponse):
             if reasoning:
                 answer.reasoning += str(reasoning)
                 out += self.encoder.reasoning(str(reasoning))
-            if delta.get("content"):
-                answer.text += str(delta["content"])
-                out += self.encoder.text(str(delta["content"]))
-            for part in delta.get("tool_calls") or []:
+            content = delta.get("content")
+            if content:
+                answer.text += content
+                out += self.encoder.text(content)
+            for part in delta.get("tool_calls") or ():
                 out += self._tool_part(part)
-            if choice.get("finish_reason"):
-                answer.finish_reason = choice["finish_reason"]
+            finish = choice.get("finish_reason")
+            if finish:
+                answer.finish_reason = finish
                 if isinstance(choice.get("stop_reason"), str):
                     answer.stop_reason = choice["stop_reason"]
-        return bytes(out)
+        return out
 
     def _tool_part(self, part: dict[str, Any]) -> bytes:
         index = int(part.get("index", 0))
@@ -251,6 +240,9 @@ class DialectStream(web.StreamResponse):
 
 
 def _payload(event: bytes) -> bytes:
+    """An event's data (the relay and the cache write `data: ...` alone on one line)."""
+    if event.startswith(b"data: ") and b"\n" not in event:
+        return event[6:]
     return b"".join(line[5:].lstrip() for line in event.split(b"\n") if line.startswith(b"data:")).strip()
 
 

@@ -256,7 +256,7 @@ class ResponsesExchange:
     ) -> dict[str, Any]:
         body = self.body
         text = body.text or {"format": {"type": "text"}}
-        return {
+        answer = {
             "id": self.id,
             "object": "response",
             "created_at": self.created_at,
@@ -276,12 +276,15 @@ class ResponsesExchange:
             "temperature": body.temperature,
             "text": text,
             "tool_choice": body.tool_choice if body.tool_choice is not None else "auto",
-            "tools": body.tools or [],
+            "tools": [_echoed(tool) for tool in body.tools or []],
             "top_p": body.top_p,
             "truncation": body.truncation or "disabled",
-            "usage": _usage(usage) if usage is not None else None,
-            "user": body.user,
         }
+        if usage is not None:  # (absent until the answer ends, as OpenAI's; `user` only where given)
+            answer["usage"] = _usage(usage)
+        if body.user is not None:
+            answer["user"] = body.user
+        return answer
 
     def finished(self, answer: Answer, output: list[dict[str, Any]]) -> dict[str, Any]:
         if answer.finish_reason == "length":
@@ -340,17 +343,56 @@ class ResponsesEncoder(Encoder):
         self._open: dict[str, Any] | None = None  # the output item being written
         self._calls: dict[str, dict[str, Any]] = {}  # call id → its item
         self._failed: dict[str, Any] | None = None
+        self._pieces: list[str] = []  # the open message's text so far
+        self._head = b""  # the open item's fields in its delta events
 
     def _event(self, kind: str, **fields: Any) -> bytes:
         data = {"type": kind, "sequence_number": self._seq, **fields}
         self._seq += 1
         return sse(kind, data)
 
-    def start(self) -> bytes:
-        snapshot = self.exchange.response("in_progress", [], None)
-        return self._event("response.created", response=snapshot) + self._event(
-            "response.in_progress", response=snapshot
+    def _delta(self, kind: bytes, delta: str, tail: bytes = b"}") -> bytes:
+        """A delta event, written from bytes (one a token: the common case, kept cheap)."""
+        seq = self._seq
+        self._seq += 1
+        return (
+            b"event: "
+            + kind
+            + b'\ndata: {"type":"'
+            + kind
+            + b'","sequence_number":'
+            + str(seq).encode()
+            + self._head
+            + b',"delta":'
+            + orjson.dumps(delta)
+            + tail
+            + b"\n\n"
         )
+
+    def _head_of(self, item: dict[str, Any], content: bool) -> bytes:
+        index = len(self.output) - 1
+        fields = f',"item_id":"{item["id"]}","output_index":{index}' + (
+            ',"content_index":0' if content else ""
+        )
+        return fields.encode()
+
+    def start(self) -> bytes:
+        snapshot = orjson.dumps(self.exchange.response("in_progress", [], None))
+        out = b""
+        for kind in (b"response.created", b"response.in_progress"):  # (the snapshot serialised once)
+            out += (
+                b"event: "
+                + kind
+                + b'\ndata: {"type":"'
+                + kind
+                + b'","sequence_number":'
+                + str(self._seq).encode()
+                + b',"response":'
+                + snapshot
+                + b"}\n\n"
+            )
+            self._seq += 1
+        return out
 
     def _add(self, item: dict[str, Any]) -> bytes:
         out = self._close()
@@ -374,15 +416,10 @@ class ResponsesEncoder(Encoder):
                 content_index=0,
                 part=part,
             )
-        item["content"][0]["text"] += delta
-        return out + self._event(
-            "response.output_text.delta",
-            item_id=item["id"],
-            output_index=len(self.output) - 1,
-            content_index=0,
-            delta=delta,
-            logprobs=[],
-        )
+            self._pieces = []
+            self._head = self._head_of(item, content=True)
+        self._pieces.append(delta)
+        return out + self._delta(b"response.output_text.delta", delta, b',"logprobs":[]}')
 
     def reasoning(self, delta: str) -> bytes:
         out = b""
@@ -390,14 +427,9 @@ class ResponsesEncoder(Encoder):
         if item is None or item["type"] != "reasoning":
             item = _reasoning_item("rs_" + uuid.uuid4().hex, "", "in_progress")
             out += self._add(item)
+            self._head = self._head_of(item, content=True)
         item["content"][0]["text"] += delta
-        return out + self._event(
-            "response.reasoning_text.delta",
-            item_id=item["id"],
-            output_index=len(self.output) - 1,
-            content_index=0,
-            delta=delta,
-        )
+        return out + self._delta(b"response.reasoning_text.delta", delta)
 
     def tool_call(self, call: ToolCall) -> bytes:
         item = _call_item("fc_" + uuid.uuid4().hex, call, "in_progress")
@@ -408,9 +440,8 @@ class ResponsesEncoder(Encoder):
         item = self._calls[call.id]
         item["arguments"] += delta
         index = self.output.index(item)
-        return self._event(
-            "response.function_call_arguments.delta", item_id=item["id"], output_index=index, delta=delta
-        )
+        self._head = f',"item_id":"{item["id"]}","output_index":{index}'.encode()
+        return self._delta(b"response.function_call_arguments.delta", delta)
 
     def _close(self) -> bytes:
         """The open item's closing events."""
@@ -422,6 +453,7 @@ class ResponsesEncoder(Encoder):
         out = b""
         if item["type"] == "message":
             part = item["content"][0]
+            part["text"] = "".join(self._pieces)
             out += self._event(
                 "response.output_text.done",
                 item_id=item["id"],
@@ -465,6 +497,8 @@ class ResponsesEncoder(Encoder):
 
     def closing_response(self) -> dict[str, Any]:
         """The response as it ends (for the store, before its last events are written)."""
+        if self._open is not None and self._open["type"] == "message":
+            self._open["content"][0]["text"] = "".join(self._pieces)
         output = [dict(item, status="completed") for item in self.output]
         if self._failed is not None:
             return self.exchange.response("failed", output, self.answer.usage, error=self._failed)
@@ -481,6 +515,13 @@ class ResponsesEncoder(Encoder):
         self._failed = {"code": "server_error", "message": message}
         final = self.exchange.response("failed", self.output, self.answer.usage, error=self._failed)
         return out + self._event("response.failed", response=final)
+
+
+def _echoed(tool: dict[str, Any]) -> dict[str, Any]:
+    """A tool as the response lists it: a function's `strict` and `parameters` always there."""
+    if tool.get("type") == "function":
+        return {"strict": None, "parameters": None, **tool}
+    return tool
 
 
 def _in_progress(item: dict[str, Any]) -> dict[str, Any]:
@@ -530,7 +571,7 @@ def _usage(usage: dict[str, Any]) -> dict[str, Any]:
     reasoning = (usage.get("completion_tokens_details") or {}).get("reasoning_tokens") or 0
     return {
         "input_tokens": prompt,
-        "input_tokens_details": {"cached_tokens": int(cached)},
+        "input_tokens_details": {"cached_tokens": int(cached), "cache_write_tokens": 0},
         "output_tokens": completion,
         "output_tokens_details": {"reasoning_tokens": int(reasoning)},
         "total_tokens": prompt + completion,

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import orjson
-from sqlalchemy import Engine, Float, String, Text, delete, select
+from sqlalchemy import Engine, Float, String, Text, delete, insert, select
 from sqlalchemy.orm import Mapped, Session, mapped_column
 
 from corral.store.schema import Base
@@ -57,18 +57,18 @@ class ResponseStore:
         input_items: list[dict[str, Any]],
     ) -> None:
         now = time.time()
-        row = ResponseRow(
-            id=str(response["id"]),
-            tenant=tenant,
-            key_id=key_id,
-            model=str(response.get("model") or ""),
-            created_at=now,
-            expires_at=now + self.ttl_s,
-            input_items=orjson.dumps(input_items).decode(),
-            response=orjson.dumps(response).decode(),
-        )
-        with Session(self._engine) as session, session.begin():
-            session.merge(row)
+        row = {
+            "id": str(response["id"]),
+            "tenant": tenant,
+            "key_id": key_id,
+            "model": str(response.get("model") or ""),
+            "created_at": now,
+            "expires_at": now + self.ttl_s,
+            "input_items": orjson.dumps(input_items).decode(),
+            "response": orjson.dumps(response).decode(),
+        }
+        with self._engine.begin() as connection:  # (one INSERT: a response id is new by construction)
+            connection.execute(insert(ResponseRow), row)
 
     def get(self, tenant: str, response_id: str) -> StoredResponse | None:
         """The tenant's response, None if it has none by that id (another tenant's included) or it expired."""
