@@ -136,8 +136,9 @@ class Responses:
                 )
             output = previous.response.get("output") or []
             history = previous.input_items + [item for item in output if _continues(item)]
-        items = _input_items(body.input)
-        exchange = ResponsesExchange(body, history + items, tenant, key_id, self._store)
+        token = uuid.uuid4().hex  # the response's id, and its input items' (one random draw a request)
+        items = _input_items(body.input, token)
+        exchange = ResponsesExchange(body, history + items, tenant, key_id, self._store, token)
         await self._sweep()
         return exchange
 
@@ -200,11 +201,13 @@ class ResponsesExchange:
         tenant: str,
         key_id: str | None,
         store: ResponseStore,
+        token: str,
     ) -> None:
         self.body = body
         self.items = items
         self._tenant, self._key_id, self._store = tenant, key_id, store
-        self.id = "resp_" + uuid.uuid4().hex
+        self.id = "resp_" + token
+        self._items = 0  # its output items' ids: the response's own, numbered (one random draw a response)
         self.created_at = int(time.time())
         self.chat_body = orjson.dumps(self._chat())
         self.final: dict[str, Any] | None = None
@@ -293,6 +296,10 @@ class ResponsesExchange:
             )
         return self.response("completed", output, answer.usage)
 
+    def item_id(self, prefix: str) -> str:
+        self._items += 1
+        return f"{prefix}_{self.id[5:]}{self._items:x}"
+
     async def keep(self, response: dict[str, Any]) -> None:
         """Store the response (with `store`), before the client can name it."""
         self.final = response
@@ -323,10 +330,10 @@ class ResponsesExchange:
         answer = answer_of_completion(orjson.loads(body))
         output: list[dict[str, Any]] = []
         if answer.reasoning:
-            output.append(_reasoning_item("rs_" + uuid.uuid4().hex, answer.reasoning, "completed"))
+            output.append(_reasoning_item(self.item_id("rs"), answer.reasoning, "completed"))
         if answer.text or not answer.calls:
-            output.append(_message_item("msg_" + uuid.uuid4().hex, answer.text, "completed"))
-        output += [_call_item("fc_" + uuid.uuid4().hex, call, "completed") for call in answer.calls]
+            output.append(_message_item(self.item_id("msg"), answer.text, "completed"))
+        output += [_call_item(self.item_id("fc"), call, "completed") for call in answer.calls]
         final = self.finished(answer, output)
         await self.keep(final)
         return json_response(final, headers=headers)
@@ -406,7 +413,7 @@ class ResponsesEncoder(Encoder):
         out = b""
         item = self._open
         if item is None or item["type"] != "message":
-            item = _message_item("msg_" + uuid.uuid4().hex, "", "in_progress")
+            item = _message_item(self.exchange.item_id("msg"), "", "in_progress")
             out += self._add(item)
             part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
             out += self._event(
@@ -425,14 +432,14 @@ class ResponsesEncoder(Encoder):
         out = b""
         item = self._open
         if item is None or item["type"] != "reasoning":
-            item = _reasoning_item("rs_" + uuid.uuid4().hex, "", "in_progress")
+            item = _reasoning_item(self.exchange.item_id("rs"), "", "in_progress")
             out += self._add(item)
             self._head = self._head_of(item, content=True)
         item["content"][0]["text"] += delta
         return out + self._delta(b"response.reasoning_text.delta", delta)
 
     def tool_call(self, call: ToolCall) -> bytes:
-        item = _call_item("fc_" + uuid.uuid4().hex, call, "in_progress")
+        item = _call_item(self.exchange.item_id("fc"), call, "in_progress")
         self._calls[call.id] = item
         return self._add(item)
 
@@ -581,7 +588,7 @@ def _usage(usage: dict[str, Any]) -> dict[str, Any]:
 # the request's input
 
 
-def _input_items(value: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _input_items(value: str | list[dict[str, Any]], token: str) -> list[dict[str, Any]]:
     """The request's input as items with ids (a string is one user message)."""
     if isinstance(value, str):
         value = [{"type": "message", "role": "user", "content": value}]
@@ -601,7 +608,7 @@ def _input_items(value: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
                 param=f"input[{i}].type",
                 code="unsupported_input_item",
             )
-        normal = {"id": item.get("id") or prefix + uuid.uuid4().hex, **item, "type": kind}
+        normal = {"id": item.get("id") or f"{prefix}{token}i{i:x}", **item, "type": kind}
         if kind == "message" and isinstance(item.get("content"), str):  # listed as OpenAI lists it
             part = "output_text" if item.get("role") == "assistant" else "input_text"
             normal["content"] = [{"type": part, "text": item["content"]}]
