@@ -1,0 +1,89 @@
+"""Reasoning an engine produces (vLLM's and llama.cpp's `reasoning_content`) passes through both dialects:
+a reasoning item in a response, a thinking block in a message, whole and streamed. The engine here is a
+scripted upstream that answers as a reasoning model does."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import anthropic
+import openai
+import orjson
+import pytest
+
+from corral.config import GatewaySettings
+from corral.gateway import GatewayServer
+from corral.routing import ReplicaSet, Router
+from tests.gateway.conftest import Gateway, ScriptedUpstream, make_services
+
+
+@pytest.fixture
+async def scripted(tmp_path: Path) -> AsyncIterator[tuple[Gateway, ScriptedUpstream]]:
+    upstream = ScriptedUpstream()
+    await upstream.start()
+    replicas = ReplicaSet(["m"])
+    server = GatewayServer(
+        GatewaySettings(port=0), Router(replicas), make_services(replicas, tmp_path / "c.db")
+    )
+    await server.start()
+    gateway = Gateway(f"http://127.0.0.1:{server.port}", replicas, server)
+    gateway.add_replica(upstream.url)
+    yield gateway, upstream
+    await server.stop()
+    await upstream.stop()
+
+
+_BASE = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "m"}
+
+
+def _whole() -> bytes:
+    message = {"role": "assistant", "reasoning_content": "Two and two make four.", "content": "4"}
+    usage = {"prompt_tokens": 9, "completion_tokens": 7, "total_tokens": 16}
+    choice = {"index": 0, "message": message, "finish_reason": "stop"}
+    return orjson.dumps({**_BASE, "object": "chat.completion", "choices": [choice], "usage": usage})
+
+
+def _stream() -> bytes:
+    deltas = [{"role": "assistant", "content": ""}, {"reasoning_content": "Two and two"}]
+    deltas += [{"reasoning_content": " make four."}, {"content": "4"}]
+    chunks = [{**_BASE, "choices": [{"index": 0, "delta": d, "finish_reason": None}]} for d in deltas]
+    chunks.append({**_BASE, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
+    chunks.append(
+        {**_BASE, "choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 7, "total_tokens": 16}}
+    )
+    return b"".join(b"data: " + orjson.dumps(c) + b"\n\n" for c in chunks) + b"data: [DONE]\n\n"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_reasoning_passes_through_both_dialects(
+    scripted: tuple[Gateway, ScriptedUpstream], stream: bool
+) -> None:
+    gateway, upstream = scripted
+    upstream.mode = "answer"
+    upstream.answer = (200, "text/event-stream", _stream()) if stream else (200, "application/json", _whole())
+    client = openai.AsyncOpenAI(base_url=gateway.base_url, api_key="none", max_retries=0)
+    if stream:
+        async with client.responses.stream(model="m", input="2+2?", store=False) as events:
+            kinds = [e.type async for e in events]
+            response = await events.get_final_response()
+        assert kinds.count("response.reasoning_text.delta") == 2
+    else:
+        response = await client.responses.create(model="m", input="2+2?", store=False)
+    reasoning, message = response.output
+    assert reasoning.type == "reasoning" and reasoning.content[0].text == "Two and two make four."
+    assert message.type == "message" and response.output_text == "4"
+
+    claude = anthropic.AsyncAnthropic(base_url=gateway.url, api_key="none", max_retries=0)
+    if stream:
+        async with claude.messages.stream(
+            model="m", max_tokens=50, messages=[{"role": "user", "content": "2+2?"}]
+        ) as s:
+            answer = await s.get_final_message()
+    else:
+        answer = await claude.messages.create(
+            model="m", max_tokens=50, messages=[{"role": "user", "content": "2+2?"}]
+        )
+    thinking, text = answer.content
+    assert thinking.type == "thinking" and thinking.thinking == "Two and two make four."
+    assert text.type == "text" and text.text == "4" and answer.stop_reason == "end_turn"
