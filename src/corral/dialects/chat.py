@@ -158,6 +158,7 @@ class DialectStream(web.StreamResponse):
         self._started = False
         self._calls: dict[int, ToolCall] = {}
         self.ended = False  # finished or failed: the encoder has said its last event
+        self._texts: list[str] = []  # tokens of text read in this write, told as one delta at its end
 
     async def write(self, data: bytes | bytearray | memoryview) -> None:
         out = bytearray()
@@ -171,6 +172,7 @@ class DialectStream(web.StreamResponse):
                 break
             payload = _payload(event)
             if payload == b"[DONE]":
+                out += self._told()
                 self.ended = True
                 if self._on_end is not None:
                     await self._on_end()
@@ -183,6 +185,7 @@ class DialectStream(web.StreamResponse):
             if not isinstance(chunk, dict):
                 continue
             if "error" in chunk:  # the relay's word that the stream was cut
+                out += self._told()
                 self.ended = True
                 message, _, code, _ = error_of_body(payload)
                 if self._on_end is not None:
@@ -190,8 +193,18 @@ class DialectStream(web.StreamResponse):
                 out += self.encoder.error(message, code)
                 continue
             out += self._chunk(chunk)
+        out += self._told()
         if out:
             await super().write(bytes(out))
+
+    def _told(self) -> bytes:
+        """The text read since the last event told, as one delta: tokens that came in one read (an engine
+        ahead of its client, or under load) cost one event, not one each."""
+        if not self._texts:
+            return b""
+        text = "".join(self._texts)
+        self._texts.clear()
+        return self.encoder.text(text)
 
     def _chunk(self, chunk: dict[str, Any]) -> bytes:
         answer = self.encoder.answer
@@ -206,13 +219,12 @@ class DialectStream(web.StreamResponse):
             reasoning = delta.get("reasoning_content") or delta.get("reasoning")
             if reasoning:
                 answer.reasoning += str(reasoning)
-                out += self.encoder.reasoning(str(reasoning))
+                out += self._told() + self.encoder.reasoning(str(reasoning))
             content = delta.get("content")
             if content:
-                answer.text += content
-                out += self.encoder.text(content)
+                self._texts.append(str(content))
             for part in delta.get("tool_calls") or ():
-                out += self._tool_part(part)
+                out += self._told() + self._tool_part(part)
             finish = choice.get("finish_reason")
             if finish:
                 answer.finish_reason = finish
