@@ -5,31 +5,18 @@ tool when the user spoke last, and answers once a tool's result is in)."""
 from __future__ import annotations
 
 import openai
-from agents import Agent, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
+from agents import Runner
 
 from tests.dialects.conftest import Cluster
+from tests.dialects.weather import weather_agent
 
 
 async def test_an_agent_with_a_function_tool_runs_to_completion(cluster: Cluster) -> None:
-    set_tracing_disabled(True)  # the SDK would send its traces to OpenAI
     gateway = await cluster.gateway()
     client = openai.AsyncOpenAI(
         base_url=gateway.url + "/v1", api_key=await gateway.key("acme"), max_retries=0
     )
-    asked: list[str] = []
-
-    @function_tool
-    def get_weather(city: str) -> str:
-        """The weather in a city."""
-        asked.append(city)
-        return f"It is sunny in {city}."
-
-    agent = Agent(
-        name="weather",
-        instructions="Answer with the weather.",
-        tools=[get_weather],
-        model=OpenAIResponsesModel(model="m", openai_client=client),
-    )
+    agent, asked = weather_agent("m", client, first_tool_ends=False)
     result = await Runner.run(agent, "What is the weather in Paris?", max_turns=4)
     assert len(asked) == 1 and asked[0]  # the tool ran once, with the city the model gave
     assert isinstance(result.final_output, str) and result.final_output

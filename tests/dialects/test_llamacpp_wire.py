@@ -11,9 +11,10 @@ from collections.abc import Iterator
 import anthropic
 import openai
 import pytest
-from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
+from agents import Runner
 
 from tests.conftest import RunningCluster, start_cluster
+from tests.dialects.weather import weather_agent
 
 
 @pytest.fixture(scope="module")
@@ -96,22 +97,7 @@ def test_responses_and_messages_on_llamacpp(cluster: RunningCluster) -> None:
 
 
 async def test_the_agents_sdk_runs_a_tool_on_llamacpp(cluster: RunningCluster) -> None:
-    set_tracing_disabled(True)
     client = openai.AsyncOpenAI(base_url=cluster.base_url, api_key="none", max_retries=0)
-    cities: list[str] = []
-
-    @function_tool
-    def get_weather(city: str) -> str:
-        """The weather in a city."""
-        cities.append(city)
-        return f"Sunny in {city}."
-
-    agent = Agent(
-        name="weather",
-        tools=[get_weather],
-        model=OpenAIResponsesModel(model="smollm2", openai_client=client),
-        model_settings=ModelSettings(tool_choice="required"),
-        tool_use_behavior="stop_on_first_tool",
-    )
+    agent, cities = weather_agent("smollm2", client, first_tool_ends=True)
     result = await Runner.run(agent, "What is the weather in Paris?", max_turns=3)
     assert len(cities) == 1 and result.final_output == f"Sunny in {cities[0]}."

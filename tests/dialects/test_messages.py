@@ -13,16 +13,9 @@ import openai
 import pytest
 
 from tests.dialects.conftest import Cluster
+from tests.dialects.weather import MESSAGES_TOOL
 
-TOOL = {
-    "name": "get_weather",
-    "description": "The weather in a city.",
-    "input_schema": {
-        "type": "object",
-        "properties": {"city": {"type": "string"}, "days": {"type": "integer", "minimum": 1, "maximum": 7}},
-        "required": ["city"],
-    },
-}
+TOOL = MESSAGES_TOOL
 
 
 def _client(url: str, key: str) -> anthropic.AsyncAnthropic:

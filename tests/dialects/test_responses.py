@@ -12,17 +12,9 @@ import pytest
 
 from corral.routing import ReplicaState
 from tests.dialects.conftest import Cluster
+from tests.dialects.weather import RESPONSES_TOOL
 
-TOOL = {
-    "type": "function",
-    "name": "get_weather",
-    "description": "The weather in a city.",
-    "parameters": {
-        "type": "object",
-        "properties": {"city": {"type": "string"}, "unit": {"type": "string", "enum": ["c", "f"]}},
-        "required": ["city", "unit"],
-    },
-}
+TOOL = RESPONSES_TOOL
 
 
 def _client(url: str, key: str) -> openai.AsyncOpenAI:

@@ -20,28 +20,9 @@ from referencing import Registry, Resource
 from referencing.jsonschema import DRAFT202012
 
 from tests.dialects.conftest import Cluster
+from tests.dialects.weather import MESSAGES_TOOL, RESPONSES_TOOL
 
 SCHEMAS = Path(__file__).parents[1] / "data" / "schemas"
-
-RESPONSES_TOOL = {
-    "type": "function",
-    "name": "get_weather",
-    "description": "The weather in a city.",
-    "parameters": {
-        "type": "object",
-        "properties": {"city": {"type": "string"}, "unit": {"type": "string", "enum": ["c", "f"]}},
-        "required": ["city", "unit"],
-    },
-}
-MESSAGES_TOOL = {
-    "name": "get_weather",
-    "description": "The weather in a city.",
-    "input_schema": {
-        "type": "object",
-        "properties": {"city": {"type": "string"}, "days": {"type": "integer", "minimum": 1, "maximum": 7}},
-        "required": ["city"],
-    },
-}
 
 
 class Spec:

@@ -86,26 +86,14 @@ def test_tool_calls_and_the_new_apis_on_vllm(vllm_cluster: RunningCluster) -> No
     with claude.messages.stream(model="smollm2-vllm", max_tokens=8, messages=asked) as stream:
         message = stream.get_final_message()
     assert message.stop_reason == "max_tokens" and message.usage.output_tokens == 8
-    from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
+    from agents import Runner
 
-    set_tracing_disabled(True)  # the Agents SDK, its one tool called through vLLM's structured output
-    cities: list[str] = []
+    from tests.dialects.weather import weather_agent
 
-    @function_tool
-    def get_weather(city: str) -> str:
-        """The weather in a city."""
-        cities.append(city)
-        return f"Sunny in {city}."
-
-    agent = Agent(
-        name="weather",
-        tools=[get_weather],
-        model=OpenAIResponsesModel(
-            model="smollm2-vllm",
-            openai_client=openai.AsyncOpenAI(base_url=vllm_cluster.base_url, api_key="none", max_retries=0),
-        ),
-        model_settings=ModelSettings(tool_choice="required"),
-        tool_use_behavior="stop_on_first_tool",
+    agent, cities = weather_agent(  # the Agents SDK, its one tool called through vLLM's structured output
+        "smollm2-vllm",
+        openai.AsyncOpenAI(base_url=vllm_cluster.base_url, api_key="none", max_retries=0),
+        first_tool_ends=True,
     )
     result = Runner.run_sync(agent, "What is the weather in Paris?", max_turns=3)
     assert len(cities) == 1 and result.final_output == f"Sunny in {cities[0]}."
