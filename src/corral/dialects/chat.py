@@ -207,29 +207,37 @@ class DialectStream(web.StreamResponse):
         return self.encoder.text(text)
 
     def _chunk(self, chunk: dict[str, Any]) -> bytes:
-        answer = self.encoder.answer
         usage = chunk.get("usage")
-        if isinstance(usage, dict):
-            answer.usage = usage
+        if usage is not None and isinstance(usage, dict):
+            self.encoder.answer.usage = usage
         out = b""
         for choice in chunk.get("choices") or ():
             if not isinstance(choice, dict) or choice.get("index", 0) != 0:
                 continue
-            delta = choice.get("delta") or {}
-            reasoning = delta.get("reasoning_content") or delta.get("reasoning")
-            if reasoning:
-                answer.reasoning += str(reasoning)
-                out += self._told() + self.encoder.reasoning(str(reasoning))
-            content = delta.get("content")
-            if content:
-                self._texts.append(str(content))
-            for part in delta.get("tool_calls") or ():
-                out += self._told() + self._tool_part(part)
+            delta = choice.get("delta")
+            if delta:
+                content = delta.get("content")
+                if len(delta) > (1 if "content" in delta else 0) + ("role" in delta):  # more than text
+                    out += self._other(delta)
+                if content:
+                    self._texts.append(str(content))
             finish = choice.get("finish_reason")
             if finish:
+                answer = self.encoder.answer
                 answer.finish_reason = finish
                 if isinstance(choice.get("stop_reason"), str):
                     answer.stop_reason = choice["stop_reason"]
+        return out
+
+    def _other(self, delta: dict[str, Any]) -> bytes:
+        """A delta's reasoning and tool calls (its text, the common part, is read by `_chunk`)."""
+        out = b""
+        reasoning = delta.get("reasoning_content") or delta.get("reasoning")
+        if reasoning:
+            self.encoder.answer.reasoning += str(reasoning)
+            out += self._told() + self.encoder.reasoning(str(reasoning))
+        for part in delta.get("tool_calls") or ():
+            out += self._told() + self._tool_part(part)
         return out
 
     def _tool_part(self, part: dict[str, Any]) -> bytes:
