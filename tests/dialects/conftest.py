@@ -19,6 +19,7 @@ from corral.config import (
     QueueSettings,
     StoreSettings,
 )
+from corral.engines import EngineFeatures
 from corral.gateway import GatewayParts, GatewayServer
 from corral.perf import load_catalog
 from corral.perf.calibration import calibrated_efficiency
@@ -53,11 +54,18 @@ class Cluster:
     store: str
     gateways: list[Gateway] = field(default_factory=list)
 
-    async def gateway(self, store: StoreSettings | None = None, cache: bool = False) -> Gateway:
-        """Another gateway on the same store and replicas (`cache`: model m keeps exact answers)."""
+    async def gateway(
+        self, store: StoreSettings | None = None, cache: bool = False, tools: bool = True
+    ) -> Gateway:
+        """Another gateway on the same store and replicas (`cache`: model m keeps exact answers; without
+        `tools` the replicas are taken for an engine that makes no tool calls: the gateway asks for them as
+        JSON, which the simulator answers from the schema)."""
         replicas = ReplicaSet()
+        features = EngineFeatures(tools=tools)
         for i, url in enumerate(self.fleet.urls):
-            replicas.add(Replica(id=f"m-{i}", model="m", engine="sim", url=url, state=ReplicaState.READY))
+            replica = Replica(id=f"m-{i}", model="m", engine="sim", url=url, state=ReplicaState.READY)
+            replica.features = features
+            replicas.add(replica)
         parts = GatewayParts.build(
             replicas,
             self.store,

@@ -4,9 +4,11 @@ scripted upstream that answers as a reasoning model does."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import aiohttp
 import anthropic
 import openai
 import orjson
@@ -87,3 +89,22 @@ async def test_reasoning_passes_through_both_dialects(
     thinking, text = answer.content
     assert thinking.type == "thinking" and thinking.thinking == "Two and two make four."
     assert text.type == "text" and text.text == "4" and answer.stop_reason == "end_turn"
+
+
+async def test_a_stream_cut_mid_way_is_stored_as_failed(scripted: tuple[Gateway, ScriptedUpstream]) -> None:
+    """The engine cuts the stream: the client reads response.failed, and the stored response says failed
+    (it was stored as completed before: the next turn would have continued a truncated answer)."""
+    gateway, upstream = scripted
+    upstream.mode = "cut"
+    client = openai.AsyncOpenAI(base_url=gateway.base_url, api_key="none", max_retries=0)
+    stream = await client.responses.create(model="m", input="hi", stream=True)
+    kinds = [event.type async for event in stream]
+    assert kinds[-1] == "response.failed" and "error" in kinds
+    async with aiohttp.ClientSession() as session:
+        async with session.post(
+            gateway.url + "/v1/responses", json={"model": "m", "input": "hi", "stream": True}
+        ) as raw:
+            text = await raw.text()
+    first = json.loads(text.split("data: ", 2)[1].split("\n", 1)[0])
+    stored = await client.responses.retrieve(first["response"]["id"])
+    assert stored.status == "failed" and stored.error is not None

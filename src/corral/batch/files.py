@@ -14,7 +14,7 @@ from typing import IO, Any
 
 import orjson
 
-from corral.dialects.openai_responses import ResponsesRequest
+from corral.dialects.openai_responses import ResponsesRequest, check_line
 from corral.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -138,6 +138,8 @@ def _line_problem(
         return "'body.stream' must be false: a batch's answers are whole"
     try:
         parse_body(kind, orjson.dumps(body))
+        if endpoint == "/v1/responses":  # (its input, tools and formats, as the request would be read)
+            check_line(orjson.dumps(body))
     except InvalidRequest as exc:
         return f"body: {exc.message}"
     model = body["model"]

@@ -30,7 +30,7 @@ from corral.dialects.chat import (
     sse,
 )
 from corral.protocol import APIError, InvalidRequest, parse_body
-from corral.protocol.types import Body
+from corral.protocol.types import Body, parse_part
 
 __all__ = ["Messages", "MessagesRequest", "anthropic_error"]
 
@@ -372,7 +372,11 @@ def _block_text(block: Any, where: str) -> str:
 
 
 def _image_url(block: dict[str, Any], where: str) -> str:
-    source = block.get("source") or {}
+    source = block.get("source")
+    if not isinstance(source, dict):
+        raise InvalidRequest(
+            f"{where}.source must be an object: a base64 image or a url.", param=f"{where}.source"
+        )
     if source.get("type") == "base64":
         return f"data:{source.get('media_type')};base64,{source.get('data')}"
     if source.get("type") == "url" and isinstance(source.get("url"), str):
@@ -395,7 +399,7 @@ def _chat_tool(tool: dict[str, Any], i: int) -> dict[str, Any]:
             "tools are Anthropic's).",
             param=f"tools[{i}].type",
         )
-    parsed = Tool.model_validate(tool)
+    parsed = parse_part(Tool, tool, f"tools[{i}]")
     function: dict[str, Any] = {"name": parsed.name, "parameters": parsed.input_schema}
     if parsed.description is not None:
         function["description"] = parsed.description

@@ -188,9 +188,10 @@ class DialectStream(web.StreamResponse):
                 out += self._told()
                 self.ended = True
                 message, _, code, _ = error_of_body(payload)
+                failed = self.encoder.error(message, code)  # (first: the stored response says failed)
                 if self._on_end is not None:
                     await self._on_end()
-                out += self.encoder.error(message, code)
+                out += failed
                 continue
             out += self._chunk(chunk)
         out += self._told()

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, cast
 
 import orjson
 from aiohttp import web
@@ -34,10 +34,10 @@ from corral.dialects.chat import (
     sse,
 )
 from corral.protocol import APIError, InvalidRequest, parse_body
-from corral.protocol.types import Body
+from corral.protocol.types import Body, parse_part
 from corral.store import ResponseStore
 
-__all__ = ["Responses", "ResponsesRequest"]
+__all__ = ["Responses", "ResponsesRequest", "check_line"]
 
 # Responses fields with no chat-completions counterpart: read here, never sent to the engine.
 _OWN_FIELDS = {
@@ -181,6 +181,13 @@ class Responses:
             param="response_id",
             code="not_background",
         )
+
+
+def check_line(raw: bytes) -> None:
+    """A batch line's body checked as a request would be (InvalidRequest naming the field), before the
+    batch is accepted; its previous_response_id is resolved when the line runs."""
+    body = parse_body(ResponsesRequest, raw)
+    ResponsesExchange(body, _input_items(body.input, "0"), "", None, cast(ResponseStore, None), "0")
 
 
 def _not_found(response_id: str) -> APIError:
@@ -596,7 +603,7 @@ def _input_items(value: str | list[dict[str, Any]], token: str) -> list[dict[str
     for i, item in enumerate(value):
         if not isinstance(item, dict):
             raise InvalidRequest(f"input[{i}] must be an object.", param=f"input[{i}]")
-        kind = item.get("type", "message")
+        kind = item.get("type") or "message"
         if kind == "message" or (kind is None and "role" in item):
             prefix = "msg_"
         elif kind in ("function_call", "function_call_output", "reasoning"):
@@ -704,7 +711,7 @@ def _chat_tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def _chat_tool(tool: dict[str, Any], where: str) -> dict[str, Any]:
     if not isinstance(tool, dict) or tool.get("type") != "function":
         raise InvalidRequest(f"{where} must be a function tool.", param=f"{where}.type")
-    parsed = FunctionTool.model_validate(tool)
+    parsed = parse_part(FunctionTool, tool, where)
     function: dict[str, Any] = {"name": parsed.name, "parameters": parsed.parameters or {"type": "object"}}
     if parsed.description is not None:
         function["description"] = parsed.description

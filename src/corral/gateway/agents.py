@@ -3,6 +3,9 @@ input items) and Anthropic's count_tokens. Each is its tenant's: another tenant'
 
 from __future__ import annotations
 
+import logging
+
+import orjson
 from aiohttp import web
 
 from corral.admission import Authenticator
@@ -12,6 +15,12 @@ from corral.gateway.pipeline import Pipeline
 from corral.protocol import APIError, InvalidRequest
 
 __all__ = ["AgentViews"]
+
+logger = logging.getLogger(__name__)
+
+
+def _json(data: object) -> web.Response:
+    return web.Response(body=orjson.dumps(data), content_type="application/json")
 
 
 class AgentViews:
@@ -51,16 +60,14 @@ class AgentViews:
 
     async def retrieve(self, request: web.Request) -> web.Response:
         found = await self._stored.retrieve(await self._tenant(request), request.match_info["id"])
-        return web.json_response(found)
+        return _json(found)
 
     async def delete(self, request: web.Request) -> web.Response:
         done = await self._stored.delete(await self._tenant(request), request.match_info["id"])
-        return web.json_response(done)
+        return _json(done)
 
     async def cancel(self, request: web.Request) -> web.Response:
-        return web.json_response(
-            await self._stored.cancel(await self._tenant(request), request.match_info["id"])
-        )
+        return _json(await self._stored.cancel(await self._tenant(request), request.match_info["id"]))
 
     async def input_items(self, request: web.Request) -> web.Response:
         order = request.query.get("order", "desc")
@@ -73,9 +80,7 @@ class AgentViews:
         if not 1 <= limit <= 100:
             raise InvalidRequest("limit must be an integer from 1 to 100.", param="limit")
         tenant = await self._tenant(request)
-        return web.json_response(
-            await self._stored.input_items(tenant, request.match_info["id"], order, limit)
-        )
+        return _json(await self._stored.input_items(tenant, request.match_info["id"], order, limit))
 
     async def count_tokens(self, request: web.Request) -> web.Response:
         """Anthropic's count_tokens: the prompt's tokens as admission counts them (the model's tokenizer
@@ -87,4 +92,7 @@ class AgentViews:
             tokens = self._pipeline.count_prompt(chat, principal)
         except APIError as exc:
             return anthropic_error(exc)
-        return web.json_response({"input_tokens": tokens})
+        except Exception:  # in Anthropic's shape too
+            logger.exception("unhandled error on count_tokens")
+            return anthropic_error(APIError("The gateway hit an internal error; it has been logged."))
+        return _json({"input_tokens": tokens})

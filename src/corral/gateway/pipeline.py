@@ -150,6 +150,9 @@ class Pipeline:
             return response
         except APIError as exc:
             return dialect.error_response(exc)
+        except Exception:  # in the dialect's shape too (the app's boundary would answer in OpenAI's)
+            logger.exception("unhandled error on %s %s", request.method, request.path)
+            return dialect.error_response(APIError("The gateway hit an internal error; it has been logged."))
 
     async def _serve(
         self, ctx: RequestContext, principal: Principal, request: web.Request, answer: _Answer
@@ -363,7 +366,10 @@ class Pipeline:
         check_features(body, features)
         emulation = None
         if isinstance(body, ChatCompletionRequest) and not features.tools:
-            data = orjson.loads(raw)
+            try:
+                data = orjson.loads(raw)
+            except orjson.JSONDecodeError as exc:  # (pydantic took NaN or Infinity; JSON has neither)
+                raise InvalidRequest(f"The body is not strict JSON: {exc}.") from exc
             if names_tools(data):  # tool calls its engine cannot make: asked for as JSON
                 emulation = ToolEmulation(data)
                 raw = emulation.request(data)
@@ -616,10 +622,28 @@ def _reserved_usage(ctx: RequestContext) -> dict[str, int]:
 
 
 def prompt_text(body: ChatCompletionRequest | CompletionRequest) -> str:
-    """The prompt as one string, for prefix-affinity routing."""
+    """The prompt as one string, for prefix-affinity routing and for counting: a chat's turns, their tool
+    calls, and the tools it offers (the engine's template renders all of them into the prompt)."""
     if isinstance(body, ChatCompletionRequest):
-        return "\n".join(f"{m.role}:{m.content}" for m in body.messages)
+        turns = "\n".join(
+            f"{m.role}:{m.content}"
+            + (
+                _json_text(m.model_extra["tool_calls"])
+                if m.model_extra and "tool_calls" in m.model_extra
+                else ""
+            )
+            for m in body.messages
+        )
+        tools = (body.model_extra or {}).get("tools")
+        return turns + _json_text(tools) if tools else turns
     return body.prompt if isinstance(body.prompt, str) else str(body.prompt)
+
+
+def _json_text(value: object) -> str:
+    try:
+        return "\n" + orjson.dumps(value).decode()
+    except TypeError:  # (nested past orjson's depth: counted by its text instead)
+        return "\n" + str(value)
 
 
 _ASK_USAGE = b',"stream_options":{"include_usage":true}'

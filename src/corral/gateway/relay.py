@@ -257,8 +257,9 @@ class Relay:
         except ConnectionResetError:
             ctx.client_gone = True
             logger.debug("client went away; closing the upstream stream from %s", replica.id)
-        if ctx.usage is None:
-            ctx.usage = sse.usage
+        finally:  # (whatever ended the stream, the engine's usage so far is charged)
+            if ctx.usage is None:
+                ctx.usage = sse.usage
         return response
 
     async def _pump(

@@ -93,8 +93,9 @@ class ToolEmulation:
         if choice == "none" or not self._tools:
             return None
         if isinstance(choice, dict):
-            wanted = (choice.get("function") or {}).get("name")
-            if wanted not in self._tools:
+            function = choice.get("function")
+            wanted = function.get("name") if isinstance(function, dict) else None
+            if not isinstance(wanted, str) or wanted not in self._tools:
                 raise InvalidRequest(
                     f"tool_choice names a function not in tools: {wanted!r}.", param="tool_choice"
                 )
@@ -134,7 +135,7 @@ class ToolEmulation:
                 "type": "function",
                 "function": {
                     "name": data["name"],
-                    "arguments": orjson.dumps(data.get("arguments") or {}).decode(),
+                    "arguments": _dumped(data.get("arguments") or {}),
                 },
             }
             return {"role": "assistant", "content": None, "tool_calls": [call]}, "tool_calls"
@@ -225,10 +226,23 @@ class HeldStream:
 
 
 def _name(tool: Any) -> str | None:
-    if isinstance(tool, dict) and tool.get("type") == "function":
-        name = (tool.get("function") or {}).get("name")
+    if isinstance(tool, dict) and tool.get("type") == "function" and isinstance(tool.get("function"), dict):
+        name = tool["function"].get("name")
         return name if isinstance(name, str) and name else None
     return None
+
+
+def _function(call: Any) -> dict[str, Any]:
+    function = call.get("function") if isinstance(call, dict) else None
+    return function if isinstance(function, dict) else {}
+
+
+def _dumped(value: Any) -> str:
+    """JSON text of a value (nested past what orjson writes: its text as it came)."""
+    try:
+        return orjson.dumps(value).decode()
+    except orjson.JSONEncodeError:
+        return str(value)
 
 
 def _plain_turns(messages: list[Any]) -> list[Any]:
@@ -239,16 +253,13 @@ def _plain_turns(messages: list[Any]) -> list[Any]:
             out.append(message)
             continue
         if message.get("role") == "assistant" and message.get("tool_calls"):
-            said = [
-                {"name": (c.get("function") or {}).get("name"), "arguments": _arguments(c)}
-                for c in message["tool_calls"]
-                if isinstance(c, dict)
-            ]
-            text = orjson.dumps(said[0] if len(said) == 1 else said).decode()
+            calls = message["tool_calls"] if isinstance(message["tool_calls"], list) else []
+            said = [{"name": _function(c).get("name"), "arguments": _arguments(c)} for c in calls]
+            text = _dumped(said[0] if len(said) == 1 else said)
             out.append({"role": "assistant", "content": text})
         elif message.get("role") == "tool":
             content = message.get("content")
-            text = content if isinstance(content, str) else orjson.dumps(content).decode()
+            text = content if isinstance(content, str) else _dumped(content)
             out.append(
                 {"role": "user", "content": f"Function result ({message.get('tool_call_id')}): {text}"}
             )
@@ -257,8 +268,8 @@ def _plain_turns(messages: list[Any]) -> list[Any]:
     return out
 
 
-def _arguments(call: dict[str, Any]) -> Any:
-    arguments = (call.get("function") or {}).get("arguments")
+def _arguments(call: Any) -> Any:
+    arguments = _function(call).get("arguments")
     if isinstance(arguments, str):
         try:
             return orjson.loads(arguments)

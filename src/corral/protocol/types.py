@@ -28,6 +28,7 @@ __all__ = [
     "GenerationRequest",
     "StreamOptions",
     "parse_body",
+    "parse_part",
 ]
 
 
@@ -152,6 +153,17 @@ class EmbeddingRequest(_Body):
 
 
 _G = TypeVar("_G", bound=_Body)
+
+
+def parse_part(kind: type[_G], value: Any, where: str) -> _G:
+    """Validate a part of a body already read (a tool, a block); a problem becomes InvalidRequest naming
+    it by `where` (its place in the body)."""
+    try:
+        return kind.model_validate(value)
+    except ValidationError as exc:
+        err = exc.errors(include_url=False)[0]
+        loc = ".".join([where, *(str(p) for p in err["loc"] if not _is_type_tag(p))])
+        raise InvalidRequest(f"Invalid value for '{loc}': {err['msg']}.", param=loc) from exc
 
 
 def parse_body(kind: type[_G], body: bytes) -> _G:

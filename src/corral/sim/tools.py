@@ -100,7 +100,15 @@ def _pieces(text: str) -> list[str]:
 
 
 def _sample(schema: dict[str, Any], rng: random.Random, depth: int = 0) -> Any:
-    """A value the schema accepts (enough of JSON Schema for tool parameters)."""
+    """A value the schema accepts (enough of JSON Schema for tool parameters); a schema it cannot read
+    gets a string, as an engine would answer something."""
+    try:
+        return _value(schema, rng, depth)
+    except (TypeError, ValueError, AttributeError, KeyError, IndexError):
+        return "value"
+
+
+def _value(schema: dict[str, Any], rng: random.Random, depth: int) -> Any:
     if "const" in schema:
         return schema["const"]
     if isinstance(schema.get("enum"), list) and schema["enum"]:
