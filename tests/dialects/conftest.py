@@ -55,7 +55,11 @@ class Cluster:
     gateways: list[Gateway] = field(default_factory=list)
 
     async def gateway(
-        self, store: StoreSettings | None = None, cache: bool = False, tools: bool = True
+        self,
+        store: StoreSettings | None = None,
+        cache: bool = False,
+        tools: bool = True,
+        max_body_bytes: int = 4 * 1024 * 1024,
     ) -> Gateway:
         """Another gateway on the same store and replicas (`cache`: model m keeps exact answers; without
         `tools` the replicas are taken for an engine that makes no tool calls: the gateway asks for them as
@@ -77,7 +81,8 @@ class Cluster:
             cache=CacheSettings() if cache else None,
             cache_policies={"m": ModelCacheSpec(exact=True)} if cache else None,
         )
-        server = GatewayServer(GatewaySettings(port=0, routing_headers=True), Router(replicas), parts)
+        settings = GatewaySettings(port=0, routing_headers=True, max_body_bytes=max_body_bytes)
+        server = GatewayServer(settings, Router(replicas), parts)
         await server.start()
         gateway = Gateway(f"http://127.0.0.1:{server.port}", server, replicas)
         self.gateways.append(gateway)

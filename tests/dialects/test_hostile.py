@@ -121,3 +121,16 @@ async def test_emulated_tool_calls_come_back_as_tool_calls_and_bad_ones_are_400s
         key,
     )
     assert status == 200, answer  # odd tool calls in the history are told as text, not a 500
+
+
+async def test_a_conversation_past_max_body_bytes_is_a_413(cluster: Cluster) -> None:
+    """A conversation resolved from previous_response_id is held to gateway.max_body_bytes, as if the
+    client had sent it whole: stored conversations stay bounded, and resuming one costs at most that."""
+    gateway = await cluster.gateway(max_body_bytes=6000)
+    client = openai.AsyncOpenAI(base_url=gateway.url + "/v1", api_key=await gateway.key("eve"), max_retries=0)
+    first = await client.responses.create(model="m", input="word " * 800, max_output_tokens=4)
+    with pytest.raises(openai.APIStatusError) as info:
+        await client.responses.create(
+            model="m", input="word " * 400, previous_response_id=first.id, max_output_tokens=4
+        )
+    assert info.value.status_code == 413 and info.value.body["param"] == "previous_response_id"

@@ -33,7 +33,7 @@ from corral.dialects.chat import (
     json_response,
     sse,
 )
-from corral.protocol import APIError, InvalidRequest, parse_body
+from corral.protocol import APIError, InvalidRequest, PayloadTooLarge, parse_body
 from corral.protocol.types import Body, parse_part
 from corral.store import ResponseStore
 
@@ -99,8 +99,9 @@ class Responses:
 
     name = "responses"
 
-    def __init__(self, store: ResponseStore) -> None:
+    def __init__(self, store: ResponseStore, max_body_bytes: int = 4 * 1024 * 1024) -> None:
         self._store = store
+        self._max_body = max_body_bytes
         self._swept = 0.0
 
     def credentials(self, request: web.Request) -> str | None:
@@ -139,6 +140,12 @@ class Responses:
         token = uuid.uuid4().hex  # the response's id, and its input items' (one random draw a request)
         items = _input_items(body.input, token)
         exchange = ResponsesExchange(body, history + items, tenant, key_id, self._store, token)
+        if len(exchange.chat_body) > self._max_body:  # (so a stored conversation stays bounded too)
+            raise PayloadTooLarge(
+                f"The conversation is {len(exchange.chat_body):,} bytes with its earlier turns, more than "
+                f"the {self._max_body:,} the gateway takes in one request (gateway.max_body_bytes).",
+                param="previous_response_id" if history else "input",
+            )
         await self._sweep()
         return exchange
 

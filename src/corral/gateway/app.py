@@ -102,7 +102,7 @@ def build_app(
     usage = UsageRecorder(
         parts.usage_store, parts.flush_interval, parts.max_pending_usage, on_written=parts.budget.written
     )
-    responses = Responses(parts.responses) if parts.responses is not None else None
+    responses = Responses(parts.responses, settings.max_body_bytes) if parts.responses is not None else None
     pipeline = app[PIPELINE] = Pipeline(
         auth=parts.auth,
         sizing=parts.sizing,
