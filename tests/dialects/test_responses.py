@@ -10,6 +10,7 @@ import json
 import openai
 import pytest
 
+from corral.config import StoreSettings
 from corral.routing import ReplicaState
 from tests.dialects.conftest import Cluster
 from tests.dialects.weather import RESPONSES_TOOL
@@ -213,3 +214,16 @@ async def test_a_batch_of_responses_lines(cluster: Cluster) -> None:
     assert (await client.responses.retrieve(answers["q0"]["id"])).status == "incomplete"
     with pytest.raises(openai.NotFoundError):
         await client.responses.retrieve(answers["q1"]["id"])  # store: false
+
+
+async def test_stored_responses_expire_after_response_ttl_days(cluster: Cluster) -> None:
+    """`store.response_ttl_days`: past it a stored response is gone for retrieval and for continuing."""
+    gateway = await cluster.gateway(store=StoreSettings(flush_interval=0.1, response_ttl_days=1 / 86400))
+    client = _client(gateway.url, await gateway.key("acme"))
+    response = await client.responses.create(model="m", input="Remember me.", max_output_tokens=2)
+    assert (await client.responses.retrieve(response.id)).id == response.id  # within its second
+    await asyncio.sleep(1.2)
+    with pytest.raises(openai.NotFoundError):
+        await client.responses.retrieve(response.id)
+    with pytest.raises(openai.BadRequestError):
+        await client.responses.create(model="m", input="And?", previous_response_id=response.id)
