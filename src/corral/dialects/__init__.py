@@ -3,7 +3,7 @@ exchange holding a chat-completions body (what every stage after parsing sees) a
 answer back in its own shape, whole or as its own stream events.
 
     openai_responses     /v1/responses (+ retrieve, delete, cancel, input_items): conversation state in
-                         the store
+                         the store; responses_stream: its answer's items and stream events
     anthropic_messages   /v1/messages, /v1/messages/count_tokens
 
 Adding a dialect is one module: a request model, the translation to chat, an Encoder for its stream.

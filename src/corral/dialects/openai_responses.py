@@ -27,11 +27,15 @@ from pydantic import Field, StrictBool
 from corral.dialects.chat import (
     Answer,
     DialectStream,
-    Encoder,
-    ToolCall,
     answer_of_completion,
     json_response,
-    sse,
+)
+from corral.dialects.responses_stream import (
+    ResponsesEncoder,
+    call_item,
+    message_item,
+    reasoning_item,
+    usage_of,
 )
 from corral.protocol import APIError, InvalidRequest, PayloadTooLarge, parse_body
 from corral.protocol.types import Body, parse_part
@@ -298,7 +302,7 @@ class ResponsesExchange:
             "truncation": body.truncation or "disabled",
         }
         if usage is not None:  # (absent until the answer ends, as OpenAI's; `user` only where given)
-            answer["usage"] = _usage(usage)
+            answer["usage"] = usage_of(usage)
         if body.user is not None:
             answer["user"] = body.user
         return answer
@@ -344,198 +348,13 @@ class ResponsesExchange:
         answer = answer_of_completion(orjson.loads(body))
         output: list[dict[str, Any]] = []
         if answer.reasoning:
-            output.append(_reasoning_item(self.item_id("rs"), answer.reasoning, "completed"))
+            output.append(reasoning_item(self.item_id("rs"), answer.reasoning, "completed"))
         if answer.text or not answer.calls:
-            output.append(_message_item(self.item_id("msg"), answer.text, "completed"))
-        output += [_call_item(self.item_id("fc"), call, "completed") for call in answer.calls]
+            output.append(message_item(self.item_id("msg"), answer.text, "completed"))
+        output += [call_item(self.item_id("fc"), call, "completed") for call in answer.calls]
         final = self.finished(answer, output)
         await self.keep(final)
         return json_response(final, headers=headers)
-
-
-class ResponsesEncoder(Encoder):
-    """The Responses stream's events, in OpenAI's order, numbered."""
-
-    def __init__(self, exchange: ResponsesExchange) -> None:
-        self.exchange = exchange
-        self.answer = Answer()
-        self._seq = 0
-        self.output: list[dict[str, Any]] = []
-        self._open: dict[str, Any] | None = None  # the output item being written
-        self._calls: dict[str, dict[str, Any]] = {}  # call id → its item
-        self._failed: dict[str, Any] | None = None
-        self._pieces: list[str] = []  # the open message's text so far
-        self._head = b""  # the open item's fields in its delta events
-
-    def _event(self, kind: str, **fields: Any) -> bytes:
-        data = {"type": kind, "sequence_number": self._seq, **fields}
-        self._seq += 1
-        return sse(kind, data)
-
-    def _delta(self, kind: bytes, delta: str, tail: bytes = b"}") -> bytes:
-        """A delta event, written from bytes (one a token: the common case, kept cheap)."""
-        seq = self._seq
-        self._seq += 1
-        return (
-            b"event: "
-            + kind
-            + b'\ndata: {"type":"'
-            + kind
-            + b'","sequence_number":'
-            + str(seq).encode()
-            + self._head
-            + b',"delta":'
-            + orjson.dumps(delta)
-            + tail
-            + b"\n\n"
-        )
-
-    def _head_of(self, item: dict[str, Any], content: bool) -> bytes:
-        index = len(self.output) - 1
-        fields = f',"item_id":"{item["id"]}","output_index":{index}' + (
-            ',"content_index":0' if content else ""
-        )
-        return fields.encode()
-
-    def start(self) -> bytes:
-        snapshot = orjson.dumps(self.exchange.response("in_progress", [], None))
-        out = b""
-        for kind in (b"response.created", b"response.in_progress"):  # (the snapshot serialised once)
-            out += (
-                b"event: "
-                + kind
-                + b'\ndata: {"type":"'
-                + kind
-                + b'","sequence_number":'
-                + str(self._seq).encode()
-                + b',"response":'
-                + snapshot
-                + b"}\n\n"
-            )
-            self._seq += 1
-        return out
-
-    def _add(self, item: dict[str, Any]) -> bytes:
-        out = self._close()
-        self.output.append(item)
-        self._open = item
-        return out + self._event(
-            "response.output_item.added", output_index=len(self.output) - 1, item=_in_progress(item)
-        )
-
-    def text(self, delta: str) -> bytes:
-        out = b""
-        item = self._open
-        if item is None or item["type"] != "message":
-            item = _message_item(self.exchange.item_id("msg"), "", "in_progress")
-            out += self._add(item)
-            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-            out += self._event(
-                "response.content_part.added",
-                item_id=item["id"],
-                output_index=len(self.output) - 1,
-                content_index=0,
-                part=part,
-            )
-            self._pieces = []
-            self._head = self._head_of(item, content=True)
-        self._pieces.append(delta)
-        return out + self._delta(b"response.output_text.delta", delta, b',"logprobs":[]}')
-
-    def reasoning(self, delta: str) -> bytes:
-        out = b""
-        item = self._open
-        if item is None or item["type"] != "reasoning":
-            item = _reasoning_item(self.exchange.item_id("rs"), "", "in_progress")
-            out += self._add(item)
-            self._head = self._head_of(item, content=True)
-        item["content"][0]["text"] += delta
-        return out + self._delta(b"response.reasoning_text.delta", delta)
-
-    def tool_call(self, call: ToolCall) -> bytes:
-        item = _call_item(self.exchange.item_id("fc"), call, "in_progress")
-        self._calls[call.id] = item
-        return self._add(item)
-
-    def tool_arguments(self, call: ToolCall, delta: str) -> bytes:
-        item = self._calls[call.id]
-        item["arguments"] += delta
-        index = self.output.index(item)
-        self._head = f',"item_id":"{item["id"]}","output_index":{index}'.encode()
-        return self._delta(b"response.function_call_arguments.delta", delta)
-
-    def _close(self) -> bytes:
-        """The open item's closing events."""
-        item, self._open = self._open, None
-        if item is None:
-            return b""
-        index = self.output.index(item)
-        item["status"] = "completed"
-        out = b""
-        if item["type"] == "message":
-            part = item["content"][0]
-            part["text"] = "".join(self._pieces)
-            out += self._event(
-                "response.output_text.done",
-                item_id=item["id"],
-                output_index=index,
-                content_index=0,
-                text=part["text"],
-                logprobs=[],
-            )
-            out += self._event(
-                "response.content_part.done",
-                item_id=item["id"],
-                output_index=index,
-                content_index=0,
-                part=part,
-            )
-        elif item["type"] == "reasoning":
-            out += self._event(
-                "response.reasoning_text.done",
-                item_id=item["id"],
-                output_index=index,
-                content_index=0,
-                text=item["content"][0]["text"],
-            )
-        elif item["type"] == "function_call":
-            out += self._event(
-                "response.function_call_arguments.done",
-                item_id=item["id"],
-                output_index=index,
-                name=item["name"],
-                arguments=item["arguments"],
-            )
-        return out + self._event("response.output_item.done", output_index=index, item=item)
-
-    def _close_all(self) -> bytes:
-        out = b""
-        for item in self.output:  # calls stream side by side: each still open is closed in turn
-            if item["status"] == "in_progress":
-                self._open = item
-                out += self._close()
-        return out
-
-    def closing_response(self) -> dict[str, Any]:
-        """The response as it ends (for the store, before its last events are written)."""
-        if self._open is not None and self._open["type"] == "message":
-            self._open["content"][0]["text"] = "".join(self._pieces)
-        output = [dict(item, status="completed") for item in self.output]
-        if self._failed is not None:
-            return self.exchange.response("failed", output, self.answer.usage, error=self._failed)
-        return self.exchange.finished(self.answer, output)
-
-    def finish(self) -> bytes:
-        out = self._close_all()
-        final = self.exchange.final or self.closing_response()
-        kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
-        return out + self._event(kind, response=final)
-
-    def error(self, message: str, code: str | None) -> bytes:
-        out = self._event("error", code=code or "server_error", message=message, param=None)
-        self._failed = {"code": "server_error", "message": message}
-        final = self.exchange.response("failed", self.output, self.answer.usage, error=self._failed)
-        return out + self._event("response.failed", response=final)
 
 
 def _echoed(tool: dict[str, Any]) -> dict[str, Any]:
@@ -543,60 +362,6 @@ def _echoed(tool: dict[str, Any]) -> dict[str, Any]:
     if tool.get("type") == "function":
         return {"strict": None, "parameters": None, **tool}
     return tool
-
-
-def _in_progress(item: dict[str, Any]) -> dict[str, Any]:
-    """An item as it is announced: no text, no arguments yet."""
-    if item["type"] == "message":
-        return {**item, "content": []}
-    if item["type"] == "reasoning":
-        return {**item, "content": []}
-    return {**item, "arguments": ""}
-
-
-def _message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
-    return {
-        "id": item_id,
-        "type": "message",
-        "status": status,
-        "role": "assistant",
-        "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}],
-    }
-
-
-def _reasoning_item(item_id: str, text: str, status: str) -> dict[str, Any]:
-    return {
-        "id": item_id,
-        "type": "reasoning",
-        "status": status,
-        "summary": [],
-        "content": [{"type": "reasoning_text", "text": text}],
-    }
-
-
-def _call_item(item_id: str, call: ToolCall, status: str) -> dict[str, Any]:
-    return {
-        "id": item_id,
-        "type": "function_call",
-        "status": status,
-        "call_id": call.id,
-        "name": call.name,
-        "arguments": call.arguments,
-    }
-
-
-def _usage(usage: dict[str, Any]) -> dict[str, Any]:
-    prompt = int(usage.get("prompt_tokens") or 0)
-    completion = int(usage.get("completion_tokens") or 0)
-    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-    reasoning = (usage.get("completion_tokens_details") or {}).get("reasoning_tokens") or 0
-    return {
-        "input_tokens": prompt,
-        "input_tokens_details": {"cached_tokens": int(cached), "cache_write_tokens": 0},
-        "output_tokens": completion,
-        "output_tokens_details": {"reasoning_tokens": int(reasoning)},
-        "total_tokens": prompt + completion,
-    }
 
 
 # the request's input
