@@ -85,11 +85,14 @@ class CountRequest(Body):
 
 
 def anthropic_error(exc: APIError) -> web.Response:
+    return _error(exc.status, exc.message, exc.headers())
+
+
+def _error(status: int, message: str, headers: dict[str, str]) -> web.Response:
     """An error in Anthropic's shape: its type by status; an overloaded cluster (503) is Anthropic's 529."""
-    status = 529 if exc.status == 503 else exc.status
+    status = 529 if status == 503 else status
     kind = _TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
-    body = {"type": "error", "error": {"type": kind, "message": exc.message}}
-    return json_response(body, status=status, headers=exc.headers())
+    return json_response({"type": "error", "error": {"type": kind, "message": message}}, status, headers)
 
 
 class Messages:
@@ -126,10 +129,6 @@ class MessagesExchange:
         self.prompt_tokens = (
             0  # the gateway's estimate, said in message_start (the engine's comes at the end)
         )
-
-    @property
-    def stream(self) -> bool:
-        return self.body.stream
 
     def _chat(self) -> dict[str, Any]:
         body = self.body
@@ -192,12 +191,7 @@ class MessagesExchange:
             k: v for k, v in response.headers.items() if k.lower().startswith(("x-corral-", "retry-after"))
         }
         if response.status != 200:
-            message, *_ = error_of_body(body)
-            status = 529 if response.status == 503 else response.status
-            kind = _TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
-            return json_response(
-                {"type": "error", "error": {"type": kind, "message": message}}, status, headers
-            )
+            return _error(response.status, error_of_body(body)[0], headers)
         answer = answer_of_completion(orjson.loads(body))
         content: list[dict[str, Any]] = []
         if answer.reasoning:

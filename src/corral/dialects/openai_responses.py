@@ -37,7 +37,7 @@ from corral.dialects.responses_stream import (
     reasoning_item,
     usage_of,
 )
-from corral.protocol import APIError, InvalidRequest, PayloadTooLarge, parse_body
+from corral.protocol import APIError, InvalidRequest, NotFound, PayloadTooLarge, parse_body
 from corral.protocol.types import Body, parse_part
 from corral.store import ResponseStore
 
@@ -202,8 +202,6 @@ def check_line(raw: bytes) -> None:
 
 
 def _not_found(response_id: str) -> APIError:
-    from corral.protocol import NotFound
-
     return NotFound(f"No response found with id '{response_id}'.", param="response_id")
 
 
@@ -230,10 +228,6 @@ class ResponsesExchange:
         self.chat_body = orjson.dumps(self._chat())
         self.final: dict[str, Any] | None = None
         self.prompt_tokens = 0
-
-    @property
-    def stream(self) -> bool:
-        return self.body.stream
 
     def _chat(self) -> dict[str, Any]:
         body = self.body

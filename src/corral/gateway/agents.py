@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import logging
 
-import orjson
 from aiohttp import web
 
 from corral.admission import Authenticator
 from corral.dialects import Messages, Responses, anthropic_error
+from corral.dialects.chat import json_response
 from corral.gateway.bodies import read_body
 from corral.gateway.pipeline import Pipeline
 from corral.protocol import APIError, InvalidRequest
@@ -17,10 +17,6 @@ from corral.protocol import APIError, InvalidRequest
 __all__ = ["AgentViews"]
 
 logger = logging.getLogger(__name__)
-
-
-def _json(data: object) -> web.Response:
-    return web.Response(body=orjson.dumps(data), content_type="application/json")
 
 
 class AgentViews:
@@ -60,14 +56,14 @@ class AgentViews:
 
     async def retrieve(self, request: web.Request) -> web.Response:
         found = await self._stored.retrieve(await self._tenant(request), request.match_info["id"])
-        return _json(found)
+        return json_response(found)
 
     async def delete(self, request: web.Request) -> web.Response:
         done = await self._stored.delete(await self._tenant(request), request.match_info["id"])
-        return _json(done)
+        return json_response(done)
 
     async def cancel(self, request: web.Request) -> web.Response:
-        return _json(await self._stored.cancel(await self._tenant(request), request.match_info["id"]))
+        return json_response(await self._stored.cancel(await self._tenant(request), request.match_info["id"]))
 
     async def input_items(self, request: web.Request) -> web.Response:
         order = request.query.get("order", "desc")
@@ -80,7 +76,7 @@ class AgentViews:
         if not 1 <= limit <= 100:
             raise InvalidRequest("limit must be an integer from 1 to 100.", param="limit")
         tenant = await self._tenant(request)
-        return _json(await self._stored.input_items(tenant, request.match_info["id"], order, limit))
+        return json_response(await self._stored.input_items(tenant, request.match_info["id"], order, limit))
 
     async def count_tokens(self, request: web.Request) -> web.Response:
         """Anthropic's count_tokens: the prompt's tokens as admission counts them (the model's tokenizer
@@ -95,4 +91,4 @@ class AgentViews:
         except Exception:  # in Anthropic's shape too
             logger.exception("unhandled error on count_tokens")
             return anthropic_error(APIError("The gateway hit an internal error; it has been logged."))
-        return _json({"input_tokens": tokens})
+        return json_response({"input_tokens": tokens})

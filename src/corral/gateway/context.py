@@ -8,6 +8,7 @@ from typing import Any
 from corral.admission import BudgetHold
 from corral.dialects.chat import Exchange
 from corral.engines import EngineFeatures
+from corral.gateway.toolcalls import ToolEmulation
 from corral.protocol import EmbeddingRequest, GenerationRequest
 from corral.routing import Replica, RouteRequest
 
@@ -44,9 +45,7 @@ class RequestContext:
     budget_tokens: int | None = None
     lookup: Any = None  # its dealings with the response cache (cache.CacheLookup), when it has some
     exchange: Exchange | None = None  # asked in another dialect (Responses, Messages): told back in it
-    emulation: Any = (
-        None  # tool calls its engine cannot make, asked as JSON (gateway.toolcalls.ToolEmulation)
-    )
+    emulation: ToolEmulation | None = None  # tool calls its engine cannot make, asked as JSON
 
     @property
     def model(self) -> str:

@@ -32,6 +32,7 @@ from corral.admission import (
 )
 from corral.cache import CacheLookup, ExactCache
 from corral.dialects import DialectStream, Messages, Responses
+from corral.dialects.chat import Exchange
 from corral.engines import EngineFeatures
 from corral.gateway.bodies import read_body, with_member
 from corral.gateway.context import RequestContext
@@ -140,10 +141,7 @@ class Pipeline:
             principal = await self._auth.authenticate(dialect.credentials(request))
             raw = await self._read(request)
             exchange = await dialect.open(raw, principal.tenant, principal.key_id)
-            session = request.headers.get("x-session-id")
-            ctx = self._context(exchange.chat_body, _CHAT, ChatCompletionRequest, session)
-            ctx.exchange = exchange
-            exchange.prompt_tokens = ctx.route.prompt_tokens
+            ctx = self._exchange_context(exchange, request.headers.get("x-session-id"))
             response = await self._serve(ctx, principal, request, self._answer)
             if not isinstance(response, DialectStream):
                 response = await exchange.whole(response)
@@ -153,6 +151,13 @@ class Pipeline:
         except Exception:  # in the dialect's shape too (the app's boundary would answer in OpenAI's)
             logger.exception("unhandled error on %s %s", request.method, request.path)
             return dialect.error_response(APIError("The gateway hit an internal error; it has been logged."))
+
+    def _exchange_context(self, exchange: Exchange, session: str | None) -> RequestContext:
+        """A dialect's request as the stages see it: its chat-completions body, told back by `exchange`."""
+        ctx = self._context(exchange.chat_body, _CHAT, ChatCompletionRequest, session)
+        ctx.exchange = exchange
+        exchange.prompt_tokens = ctx.route.prompt_tokens
+        return ctx
 
     async def _serve(
         self, ctx: RequestContext, principal: Principal, request: web.Request, answer: _Answer
@@ -191,8 +196,7 @@ class Pipeline:
                 ctx = self._embedding_context(raw, path)
             elif path == "/v1/responses" and self._responses is not None:
                 exchange = await self._responses.open(raw, principal.tenant, principal.key_id)
-                ctx = self._context(exchange.chat_body, _CHAT, ChatCompletionRequest, None)
-                ctx.exchange = exchange
+                ctx = self._exchange_context(exchange, None)
             else:
                 kind = ChatCompletionRequest if path == "/v1/chat/completions" else CompletionRequest
                 ctx = self._context(raw, path, kind, None)
@@ -365,14 +369,13 @@ class Pipeline:
             )
         check_features(body, features)
         emulation = None
-        if isinstance(body, ChatCompletionRequest) and not features.tools:
-            try:
+        if not features.tools and isinstance(body, ChatCompletionRequest) and names_tools(body):
+            try:  # tool calls its engine cannot make: asked for as JSON
                 data = orjson.loads(raw)
             except orjson.JSONDecodeError as exc:  # (pydantic took NaN or Infinity; JSON has neither)
                 raise InvalidRequest(f"The body is not strict JSON: {exc}.") from exc
-            if names_tools(data):  # tool calls its engine cannot make: asked for as JSON
-                emulation = ToolEmulation(data)
-                raw = emulation.request(data)
+            emulation = ToolEmulation(data)
+            raw = emulation.request(data)
         upstream = _with_usage(raw) if body.stream and not body.include_usage else raw
         asked = (
             body.max_completion_tokens if isinstance(body, ChatCompletionRequest) else None

@@ -435,9 +435,11 @@ class _StallWatch:
 
 
 class _Events(Protocol):
-    """Turns upstream bytes into the client's events (SSEFilter, or a failover Continuation)."""
+    """Turns upstream bytes into the client's events (SSEFilter, a failover Continuation, or the held
+    stream of emulated tool calls)."""
 
-    done: bool
+    @property
+    def done(self) -> bool: ...
 
     def feed(self, data: bytes) -> bytes: ...
 

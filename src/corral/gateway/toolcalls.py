@@ -20,7 +20,7 @@ from typing import Any
 
 import orjson
 
-from corral.protocol import InvalidRequest
+from corral.protocol import ChatCompletionRequest, InvalidRequest
 
 __all__ = ["HeldStream", "ToolEmulation", "names_tools"]
 
@@ -28,15 +28,12 @@ _SEP = b"\n\n"
 _DONE = b"data: [DONE]"
 
 
-def names_tools(body: dict[str, Any]) -> bool:
-    """A chat body that offers tools or holds tool calls or results (for an engine without tools, the
-    gateway's to emulate)."""
-    if body.get("tools"):
+def names_tools(body: ChatCompletionRequest) -> bool:
+    """A chat request that offers tools or holds tool calls or results (for an engine without tools, the
+    gateway's to emulate); read from the validated body, so other requests pay no second parse."""
+    if (body.model_extra or {}).get("tools"):
         return True
-    return any(
-        isinstance(m, dict) and (m.get("role") == "tool" or m.get("tool_calls"))
-        for m in body.get("messages") or []
-    )
+    return any(m.role == "tool" or (m.model_extra or {}).get("tool_calls") for m in body.messages)
 
 
 class ToolEmulation:
@@ -58,13 +55,14 @@ class ToolEmulation:
         self._tools = {str(_name(t)): t["function"] for t in tools}
         self._choice = body.get("tool_choice", "auto" if tools else "none")
         self.call_id = "call_" + uuid.uuid4().hex[:24]
-        self.active = self._schema() is not None  # the answer is JSON to read back (a call may come)
+        self._answer_schema = self._schema()
+        self.active = self._answer_schema is not None  # the answer is JSON to read back (a call may come)
 
     def request(self, body: dict[str, Any]) -> bytes:
         """The chat body to send the engine instead."""
         out = {k: v for k, v in body.items() if k not in ("tools", "tool_choice", "parallel_tool_calls")}
         out["messages"] = _plain_turns(body.get("messages") or [])
-        schema = self._schema()
+        schema = self._answer_schema
         if schema is not None:
             listing = orjson.dumps(
                 [
@@ -123,8 +121,13 @@ class ToolEmulation:
             )
         return calls[0] if len(calls) == 1 else {"anyOf": calls}
 
-    def message(self, text: str) -> tuple[dict[str, Any], str | None]:
-        """(the assistant message, a finish reason to replace the engine's) of the answer's JSON."""
+    def message(self, text: str, finish: str | None) -> tuple[dict[str, Any], str | None]:
+        """(the assistant message, its finish reason) of the answer's JSON and the engine's finish reason:
+        a call that ended well finished with tool_calls."""
+        message, told = self._read(text)
+        return message, told if told and finish in ("stop", None) else finish
+
+    def _read(self, text: str) -> tuple[dict[str, Any], str | None]:
         try:
             data = orjson.loads(text)
         except orjson.JSONDecodeError:
@@ -151,10 +154,10 @@ class ToolEmulation:
             return body
         for choice in data.get("choices") or []:
             message = choice.get("message") or {}
-            told, finish = self.message(str(message.get("content") or ""))
+            told, choice["finish_reason"] = self.message(
+                str(message.get("content") or ""), choice.get("finish_reason")
+            )
             choice["message"] = {**message, **told}
-            if finish and choice.get("finish_reason") in ("stop", None):
-                choice["finish_reason"] = finish
         return orjson.dumps(data)
 
     def stream(self, inner: Any) -> HeldStream:
@@ -175,10 +178,6 @@ class HeldStream:
     @property
     def done(self) -> bool:
         return bool(self._inner.done)
-
-    @property
-    def usage(self) -> dict[str, Any] | None:
-        return self._inner.usage  # type: ignore[no-any-return]
 
     def feed(self, data: bytes) -> bytes:
         out = bytearray()
@@ -212,12 +211,11 @@ class HeldStream:
         first, self._first = self._first, None
         if first is None:
             return b""
-        message, finish = self._emulation.message("".join(self._text))
+        message, final = self._emulation.message("".join(self._text), self._finish)
         head = {k: v for k, v in first.items() if k not in ("choices", "usage")}
         delta: dict[str, Any] = {"role": "assistant", "content": message.get("content")}
         if "tool_calls" in message:
             delta["tool_calls"] = [{"index": 0, **message["tool_calls"][0]}]
-        final = finish if finish and self._finish in ("stop", None) else self._finish
         chunks = [
             {**head, "choices": [{"index": 0, "delta": delta, "finish_reason": None}]},
             {**head, "choices": [{"index": 0, "delta": {}, "finish_reason": final}]},
