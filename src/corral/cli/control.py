@@ -307,6 +307,18 @@ def status_table(replicas: list[dict[str, Any]]) -> Table:
             str(r["outstanding"]),
             f"{_dash(r['running'])}/{_dash(r['waiting'])}",
         )
+    held = [r for r in replicas if r.get("adapters")]
+    if held:  # LoRA adapters: which replica holds which (and, loading at run time, its loads a minute)
+        table.caption = "\n".join(
+            f"{r['id']} holds {', '.join(r['adapters'])}"
+            + (
+                f" ({len(r['adapters'])}/{r['adapter_slots']} slots, "
+                f"{r.get('adapter_loads_last_minute', 0)} loads in the last minute)"
+                if r.get("adapter_slots")
+                else ""
+            )
+            for r in held
+        )
     return table
 
 

@@ -1,4 +1,9 @@
-"""`corral sim`: simulated vLLM replicas timed by the performance model."""
+"""`corral sim`: simulated vLLM replicas timed by the performance model.
+
+LoRA flags are vLLM's: `--enable-lora`, `--max-loras`, `--max-lora-rank`, `--max-cpu-loras` and
+`--lora-modules name=path [name=path ...]` (or vLLM's JSON form); the load/unload endpoints exist when
+VLLM_ALLOW_RUNTIME_LORA_UPDATING is `1` or `true`, as in vLLM.
+"""
 
 from __future__ import annotations
 
@@ -15,8 +20,9 @@ from corral.cli.app import FlagsCommand, LogLevel, app, console, fail, run_async
 __all__ = ["sim_command"]
 
 
-@app.command("sim", cls=FlagsCommand)
+@app.command("sim", cls=FlagsCommand, context_settings={"allow_extra_args": True})
 def sim_command(
+    ctx: typer.Context,
     model: Annotated[str, typer.Option(help="model from the perf catalog")],
     gpu: Annotated[str, typer.Option(help="GPU type from the perf catalog")],
     served_name: Annotated[
@@ -64,14 +70,47 @@ def sim_command(
             "ignore_eos decides for it",
         ),
     ] = False,
+    enable_lora: Annotated[
+        bool, typer.Option("--enable-lora", help="serve LoRA adapters, as vLLM's flag")
+    ] = False,
+    max_loras: Annotated[int, typer.Option(help="distinct adapters in one batch (GPU slots)")] = 1,
+    max_lora_rank: Annotated[int, typer.Option(help="the largest adapter rank (a GPU slot's size)")] = 16,
+    max_cpu_loras: Annotated[
+        int | None, typer.Option(help="adapters held in host memory (default: --max-loras)")
+    ] = None,
+    lora_modules: Annotated[
+        list[str] | None,
+        typer.Option(
+            help='adapters to load at start: name=path or {"name": .., "path": .., "base_model_name": ..}; '
+            "several may follow one flag, as vLLM's"
+        ),
+    ] = None,
+    runtime_lora_updating: Annotated[
+        str,
+        typer.Option(
+            "--allow-runtime-lora-updating",
+            envvar="VLLM_ALLOW_RUNTIME_LORA_UPDATING",
+            help="1 or true: serve /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's variable)",
+            hidden=True,
+        ),
+    ] = "0",
     log_level: Annotated[LogLevel, typer.Option(help="how much the simulator logs")] = LogLevel.warning,
 ) -> None:
     """Serve simulated vLLM replicas (OpenAI API, /health, /metrics) until Ctrl-C."""
     from corral.perf import CatalogError, load_catalog
     from corral.perf.calibration import calibrated_efficiency
-    from corral.sim import SimFleet, SimOptions, build_server, offset_endpoint
+    from corral.sim import LoraOptions, SimFleet, SimOptions, build_server, offset_endpoint, parse_lora_module
 
     setup_logging(log_level)
+    if ctx.args and not lora_modules:
+        fail(f"unexpected arguments: {' '.join(ctx.args)}", 2)
+    try:
+        modules = tuple(parse_lora_module(item) for item in [*(lora_modules or []), *ctx.args])
+        lora = LoraOptions(max_loras, max_lora_rank, max_cpu_loras, modules) if enable_lora else None
+    except ValueError as exc:
+        fail(str(exc), 2)
+    if modules and lora is None:  # vLLM does not start: its worker refuses the adapters
+        fail("LoRA is not enabled. Use --enable-lora to enable LoRA.", 2)
     options = SimOptions(
         model=model,
         gpu=gpu,
@@ -88,6 +127,8 @@ def sim_command(
         time_scale=time_scale,
         embed_dim=embed_dim,
         eos=eos,
+        lora=lora,
+        runtime_lora_updating=runtime_lora_updating.strip().lower() in ("1", "true"),
     )
     try:
         catalog, efficiency = load_catalog(), calibrated_efficiency()

@@ -168,7 +168,7 @@ async def _serve(spec: ClusterSpec, paths: Paths, prepared: list[tuple[str, Any,
         spec,
         paths,
         supervisor,
-        lambda model: apply_model_settings(router, parts, model_settings(model)),
+        lambda model: apply_model_settings(router, parts, model_settings(model, paths)),
         parts.queue.pressure,
         lambda wanted: apply_cluster_settings(router, parts, cluster_settings(wanted)),
     )
@@ -215,7 +215,7 @@ async def _serve_workers(
         spec,
         paths,
         supervisor,
-        lambda model: pool.announce_model(model_settings(model)),
+        lambda model: pool.announce_model(model_settings(model, paths)),
         pool.pressure,
         lambda wanted: pool.announce_cluster(cluster_settings(wanted)),
     )
@@ -255,7 +255,7 @@ def _supervisor(spec: ClusterSpec, paths: Paths, prepared: list[tuple[str, Any, 
     return supervisor
 
 
-def model_settings(model: Any) -> dict[str, Any]:
+def model_settings(model: Any, paths: Paths) -> dict[str, Any]:
     """What a gateway needs to know of a model added to (or changed in) a running cluster, as JSON."""
     from corral.cluster.reconcile import deployed_digest
 
@@ -268,7 +268,30 @@ def model_settings(model: Any) -> dict[str, Any]:
         "tokenizer": tokenizer,
         "cache": model.cache.model_dump(mode="json"),
         "version": deployed_digest(model),
+        "adapters": adapter_settings(model, paths),
     }
+
+
+def adapter_settings(model: Any, paths: Paths) -> list[dict[str, Any]]:
+    """A model's LoRA adapters as a gateway serves them: each revision's engine name (`name@digest` of its
+    source) and the folder its engines load (fetched when the deployment was prepared: found in the cache)."""
+    from corral.artifacts import resolve_adapter
+    from corral.cluster.reconcile import adapter_digest
+
+    loads = any(d.engine in ("vllm", "sim") for d in model.deployments)
+    return [
+        {
+            "name": adapter.name,
+            "base": model.name,
+            "engine_name": f"{adapter.name}@{adapter_digest(adapter)}",
+            "path": str(resolve_adapter(adapter.source, paths)) if loads else "",
+            "tenants": adapter.tenants,
+            "rpm": adapter.rpm,
+            "tpm": adapter.tpm,
+            "placement": model.lora.placement,
+        }
+        for adapter in model.adapters
+    ]
 
 
 def cluster_settings(spec: ClusterSpec) -> dict[str, Any]:
@@ -312,6 +335,20 @@ def apply_model_settings(router: Any, parts: Any, settings: dict[str, Any]) -> N
         parts.cache.versions[name] = settings["version"]
     if settings["tokenizer"] is not None:
         parts.sizing.counters[name] = TokenCounter(Path(settings["tokenizer"]))
+    install_adapters(parts, settings)
+
+
+def install_adapters(parts: Any, settings: dict[str, Any]) -> None:
+    """A model's adapters, served from now on (an adapter's answers are cached apart from its base's and
+    each other's, under its revision); replaced or removed revisions leave the engines once idle."""
+    from corral.routing.adapters import Adapter
+
+    adapters = [Adapter(**{**a, "tenants": frozenset(a["tenants"])}) for a in settings["adapters"]]
+    parts.adapters.replace(settings["name"], adapters)
+    if parts.cache is not None:
+        for adapter in adapters:
+            parts.cache.policies[adapter.name] = parts.cache.policies[settings["name"]]
+            parts.cache.versions[adapter.name] = f"{settings['version']}:{adapter.engine_name}"
 
 
 def _reconciler(
@@ -330,7 +367,12 @@ def _reconciler(
         engine = engine_named(deployment.engine)
         return engine, engine.prepare(model, deployment, paths, report)
 
-    return Reconciler(supervisor, spec, prepare, on_model, pressure, on_cluster)
+    def adapter_path(adapter: Any) -> str:
+        from corral.artifacts import resolve_adapter
+
+        return str(resolve_adapter(adapter.source, paths))
+
+    return Reconciler(supervisor, spec, prepare, on_model, pressure, on_cluster, adapter_path)
 
 
 def _stop_on_signals() -> asyncio.Event:
@@ -367,7 +409,7 @@ def gateway_parts_for(spec: ClusterSpec, paths: Paths, replicas: Any) -> Any:
     from corral.store import StoreError
 
     try:
-        return GatewayParts.build(
+        parts = GatewayParts.build(
             replicas,
             paths.database_url,
             spec.auth,
@@ -385,6 +427,11 @@ def gateway_parts_for(spec: ClusterSpec, paths: Paths, replicas: Any) -> Any:
         )
     except StoreError as exc:
         raise CliError(str(exc)) from None
+    for model in spec.models:
+        if model.adapters:
+            settings = {"name": model.name, "version": deployed_digest(model)}
+            install_adapters(parts, {**settings, "adapters": adapter_settings(model, paths)})
+    return parts
 
 
 async def _until_serving(

@@ -27,13 +27,20 @@ async def run_gate(
     cases: list[EvalCase],
     latency_s: float | None,
     timeout_s: float = 120.0,
+    model: str | None = None,
 ) -> str | None:
-    """None when `replica` passes every case; else why it failed, in one line."""
+    """None when `replica` passes every case (asked as `model`: its own, or a LoRA adapter it loaded);
+    else why it failed, in one line."""
     headers = {"Authorization": f"Bearer {replica.api_key}"} if replica.api_key else {}
     warmup = EvalCase(name="warm-up", prompt="Hello", max_tokens=1, regex="")
     for case in [warmup, *cases]:
         messages = case.messages or [{"role": "user", "content": case.prompt}]
-        body = {"model": replica.model, "messages": messages, "max_tokens": case.max_tokens, "temperature": 0}
+        body = {
+            "model": model or replica.model,
+            "messages": messages,
+            "max_tokens": case.max_tokens,
+            "temperature": 0,
+        }
         started = time.monotonic()
         try:
             async with session.post(

@@ -15,19 +15,23 @@ The reconciler owns the control loops that change the running cluster: apply, ro
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import aiohttp
 import orjson
 
 from corral.cluster.autoscale import Autoscaler, Pressure
+from corral.cluster.evalgate import run_gate
 from corral.cluster.rollout import Rollout, Unit
 from corral.cluster.supervisor import Supervisor
-from corral.config import ClusterSpec, DeploymentSpec, ModelSpec
+from corral.config import AdapterSpec, ClusterSpec, DeploymentSpec, ModelSpec, RolloutSpec
 from corral.engines import EngineAdapter, LaunchPlan
+from corral.routing import Replica
 
 __all__ = ["ApplyError", "Change", "Reconciler", "deployed_digest", "plan_changes"]
 
@@ -120,12 +124,59 @@ def _count_changes(old: ModelSpec, new: ModelSpec) -> list[Change]:
 
 
 def _deployed(model: ModelSpec) -> dict[str, Any]:
-    """What the replicas themselves run: a difference here needs new replicas (a rollout)."""
-    data = model.model_dump(mode="json", exclude=set(_LIVE_MODEL_FIELDS))
+    """What the replicas themselves run: a difference here needs new replicas (a rollout). Adapters are
+    the replicas' where llama.cpp loads them at its start; vLLM and the simulator load them at run time,
+    so only whether LoRA is on at all is theirs. Who may use an adapter, and its limits, are the gateway's."""
+    data = model.model_dump(mode="json", exclude={*_LIVE_MODEL_FIELDS, "adapters"})
     for deployment in data["deployments"]:
         deployment.pop("replicas")
         deployment.pop("autoscale")
+    if any(d.engine == "llamacpp" for d in model.deployments):
+        data["adapters"] = [a.model_dump(mode="json", include={"name", "source"}) for a in model.adapters]
+    else:
+        data["adapters"] = bool(model.adapters)
+    if model.adapters:
+        data["lora"].pop("placement")  # (the gateway's)
+    else:
+        data.pop("lora")  # (no engine reads it)
     return data
+
+
+def adapter_digest(adapter: AdapterSpec) -> str:
+    """A digest of where an adapter comes from: its revision's engine name is `name@digest`, so a replaced
+    adapter's answers are never taken for the old one's (or served from its cache entries)."""
+    source = orjson.dumps(adapter.source.model_dump(mode="json"), option=orjson.OPT_SORT_KEYS)
+    return hashlib.sha256(source).hexdigest()[:10]
+
+
+async def _gate_adapter(
+    session: aiohttp.ClientSession, replica: Replica, adapter: AdapterSpec, path: str, rollout: RolloutSpec
+) -> str | None:
+    """The golden eval of a replacing adapter, loaded on `replica` as `name@digest.check` and unloaded
+    after: None when it passes, else why not."""
+    name = f"{adapter.name}@{adapter_digest(adapter)}.check"
+    headers = {"Authorization": f"Bearer {replica.api_key}"} if replica.api_key else {}
+    url = replica.url + "/v1/load_lora_adapter"
+    try:
+        async with session.post(url, json={"lora_name": name, "lora_path": path}, headers=headers) as answer:
+            if answer.status != 200:
+                return f"the replica could not load it ({answer.status}: {(await answer.text())[:200]})"
+    except aiohttp.ClientError as exc:
+        return f"the replica could not load it ({exc})"
+    try:
+        return await run_gate(session, replica, rollout.golden_eval, rollout.eval_latency_s, model=name)
+    finally:
+        with contextlib.suppress(aiohttp.ClientError):
+            unload = replica.url + "/v1/unload_lora_adapter"
+            async with session.post(unload, json={"lora_name": name}, headers=headers):
+                pass
+
+
+def _adapter_changes(old: ModelSpec, new: ModelSpec) -> list[str]:
+    """The adapters added, replaced or removed (by name), or whose access or limits changed."""
+    was = {a.name: a for a in old.adapters}
+    now = {a.name: a for a in new.adapters}
+    return sorted(name for name in was.keys() | now.keys() if was.get(name) != now.get(name))
 
 
 def deployed_digest(model: ModelSpec) -> str:
@@ -143,6 +194,8 @@ def _live_changes(old: ModelSpec, new: ModelSpec) -> list[str]:
     changed = [name for name in sorted(_LIVE_MODEL_FIELDS) if was.get(name) != now.get(name)]
     if [d.autoscale for d in old.deployments] != [d.autoscale for d in new.deployments]:
         changed.append("autoscale")
+    if adapters := _adapter_changes(old, new):
+        changed.append(f"adapters {' '.join(adapters)}")
     return changed
 
 
@@ -163,8 +216,10 @@ class Reconciler:
         on_model: Callable[[ModelSpec], None],
         pressure: Pressure | None = None,
         on_cluster: Callable[[ClusterSpec], None] | None = None,
+        adapter_path: Callable[[AdapterSpec], str] | None = None,
     ) -> None:
         self._supervisor = supervisor
+        self._adapter_path = adapter_path or (lambda adapter: "")
         self._replicas = supervisor.replicas
         self.spec = spec
         self._prepare = prepare
@@ -251,6 +306,9 @@ class Reconciler:
                 )
             except Exception as exc:  # a model that cannot be fetched or built: nothing changed
                 raise ApplyError(f"cannot prepare the new spec (nothing changed): {exc}") from exc
+            for change in changes:  # new adapters fetched and checked; replaced ones pass the golden eval
+                if change.action == "settings" and "adapters" in change.detail:
+                    await self._check_adapters(before[change.model], models[change.model])
             if changes and changes[0].action == "cluster_settings":
                 self._on_cluster(wanted)  # queue bounds, rate limits, the default routing policy
             self._add(additions, added, models)
@@ -271,6 +329,34 @@ class Reconciler:
                 logger.info("apply: %s %s", change.model, message)
                 self._replicas.record("apply", change.model, message)
             return [c.as_dict() for c in changes]
+
+    async def _check_adapters(self, old: ModelSpec, new: ModelSpec) -> None:
+        """Fetch the model's adapters (as its engines would: a rank over the limit is refused), and have each
+        replaced one answer the model's golden eval on a ready replica, loaded there under a name of its
+        own, before any request reaches it; ApplyError (nothing changed) otherwise."""
+        try:
+            await asyncio.to_thread(self._prepare, new, new.deployments[0])
+        except Exception as exc:
+            raise ApplyError(
+                f"cannot prepare the new adapters of {new.name} (nothing changed): {exc}"
+            ) from exc
+        was = {a.name: a for a in old.adapters}
+        replaced = [a for a in new.adapters if a.name in was and was[a.name].source != a.source]
+        cases = new.rollout.golden_eval
+        if not replaced or not cases:
+            return
+        ready = [r for r in self._replicas.ready(new.name) if r.adapter_slots > 0]
+        if not ready:
+            raise ApplyError(
+                f"no ready replica of {new.name} can check the replaced adapters (nothing changed)"
+            )
+        async with aiohttp.ClientSession() as session:
+            for adapter in replaced:
+                problem = await _gate_adapter(
+                    session, ready[0], adapter, self._adapter_path(adapter), new.rollout
+                )
+                if problem is not None:
+                    raise ApplyError(f"adapter {adapter.name}: {problem} (nothing changed)")
 
     def _add(
         self, additions: list[Change], prepared: list[list[Group]], models: dict[str, ModelSpec]

@@ -87,6 +87,8 @@ class Supervisor:
                 gpus=self._visible_gpus(plan),
                 revision=revision,
                 admitted=admitted,
+                adapters=plan.adapters,
+                adapter_slots=plan.adapter_slots,
             )
             self._slots.append(_Slot(replica, engine, plan, group=group))
             self.replicas.add(replica)

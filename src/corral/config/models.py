@@ -63,6 +63,79 @@ class PyPISource(Strict):
 ModelSource = LocalSource | HuggingFaceSource | PyPISource
 
 
+class UrlSource(Strict):
+    """A file fetched over HTTP(S): an adapter's GGUF (llama.cpp), or a .zip / .tar.gz of its folder."""
+
+    url: Annotated[str, Field(pattern=r"^https?://", description="where to download it from")]
+    sha256: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")] | None = Field(
+        default=None, description="the file's SHA-256: a download that differs is refused"
+    )
+
+
+AdapterSource = LocalSource | HuggingFaceSource | UrlSource
+
+
+class AdapterSpec(Strict):
+    """A LoRA adapter on the model's weights, served as a model of its own (its base is its `parent`)."""
+
+    name: Annotated[
+        str,
+        Field(
+            min_length=1,
+            max_length=128,
+            pattern=r"^[A-Za-z0-9._:/-]+$",
+            description="the model id clients send as `model` to have the adapter answer",
+        ),
+    ]
+    source: AdapterSource = Field(
+        description="the adapter: a PEFT folder (adapter_config.json, adapter_model.safetensors; llama.cpp "
+        "also reads an adapter GGUF in it, else one is made from it), a Hugging Face repository, or a URL"
+    )
+    tenants: list[str] = Field(
+        default_factory=list,
+        description="only these tenants' keys may use it (and see it in /v1/models; to others it does "
+        "not exist); empty: every tenant (a key that lists its models must list the adapter's name)",
+    )
+    rpm: Annotated[int, Field(ge=1)] | None = Field(
+        default=None, description="requests per minute for the adapter over all keys (beside each key's)"
+    )
+    tpm: Annotated[int, Field(ge=1)] | None = Field(
+        default=None, description="tokens per minute for the adapter over all keys (beside each key's)"
+    )
+
+
+class LoraSettings(Strict):
+    """How the engines hold a model's adapters."""
+
+    max_loras: Annotated[
+        int, Field(ge=1, le=256, description="vllm, sim: adapters in one batch (--max-loras)")
+    ] = 4
+    max_lora_rank: Annotated[
+        int, Field(ge=1, le=512, description="vllm, sim: the largest rank an adapter may have")
+    ] = 16
+    max_cpu_loras: Annotated[int, Field(ge=1, le=4096)] | None = Field(
+        default=None,
+        description="vllm, sim: adapters a replica holds loaded (--max-cpu-loras), the gateway's adapter "
+        "slots per replica; max_loras when unset (llama.cpp holds every adapter from its start)",
+    )
+
+    placement: Literal["affinity", "anywhere"] = Field(
+        default="affinity",
+        description="affinity: requests go to replicas holding their adapter, which spreads to more by "
+        "demand; anywhere: the routing policy alone picks and the replica loads what it lacks",
+    )
+
+    @property
+    def slots(self) -> int:
+        return self.max_cpu_loras or self.max_loras
+
+    @model_validator(mode="after")
+    def _cpu_holds_the_batch(self) -> LoraSettings:
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError("max_cpu_loras must be at least max_loras (vLLM holds a batch's adapters)")
+        return self
+
+
 class DeploymentSpec(Strict):
     """How one group of identical replicas of a model runs.
 
@@ -328,6 +401,12 @@ class ModelSpec(Strict):
     deployments: Annotated[
         list[DeploymentSpec], Field(min_length=1, description="groups of replicas serving this model")
     ]
+    adapters: list[AdapterSpec] = Field(
+        default_factory=list,
+        description="LoRA adapters on this model's weights, each served as a model id of its own (a live "
+        "setting on vllm and sim; llama.cpp replicas are replaced one at a time to take a change)",
+    )
+    lora: LoraSettings = Field(default_factory=LoraSettings, description="how replicas hold the adapters")
 
     @property
     def routing_policy(self) -> str | None:
@@ -348,4 +427,23 @@ class ModelSpec(Strict):
             )
         if self.matryoshka and self.task != "embed":
             raise ValueError(f"model {self.name!r}: matryoshka is for embedding models (task: embed)")
+        self._check_adapters()
         return self
+
+    def _check_adapters(self) -> None:
+        if not self.adapters:
+            return
+        if self.task == "embed":
+            raise ValueError(f"model {self.name!r}: adapters are for generation models")
+        names = [a.name for a in self.adapters]
+        twice = sorted({n for n in names if names.count(n) > 1} | ({self.name} & set(names)))
+        if twice:
+            raise ValueError(
+                f"model {self.name!r}: adapter names must be unique and not the model's: {twice}"
+            )
+        external = [d for d in self.deployments if d.engine == "external"]
+        if external:
+            raise ValueError(
+                f"model {self.name!r}: adapters need engines corral starts (llamacpp, vllm, sim), "
+                "not external"
+            )

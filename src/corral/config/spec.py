@@ -54,10 +54,10 @@ class ClusterSpec(Strict):
 
     @model_validator(mode="after")
     def _unique_names(self) -> ClusterSpec:
-        names = [m.name for m in self.models]
+        names = [m.name for m in self.models] + [a.name for m in self.models for a in m.adapters]
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
-            raise ValueError(f"model names must be unique; repeated: {', '.join(dupes)}")
+            raise ValueError(f"model and adapter names must be unique; repeated: {', '.join(dupes)}")
         problem = exposure_problem(self)
         if problem:
             raise ValueError(problem)

@@ -38,6 +38,8 @@ class LaunchPlan:
     kv_events_args: tuple[str, ...] = ()
     kv_events_ranks: int = 1
     kv_events_urls: tuple[str, ...] = ()
+    adapters: tuple[str, ...] = ()  # LoRA adapters the engine starts with (model ids, in its order)
+    adapter_slots: int = 0  # LoRA adapters it may load at run time (vLLM's --max-cpu-loras); 0: none
 
 
 def visible_gpus(deployment: DeploymentSpec, index: int) -> str:

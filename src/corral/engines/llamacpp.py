@@ -16,6 +16,7 @@ from corral.config import DeploymentSpec, ModelSpec, Paths
 from corral.engines.base import LaunchPlan, read_gauges
 from corral.engines.features import EngineFeatures
 from corral.engines.load import EngineLoad
+from corral.engines.lora import llamacpp_lora_args
 
 __all__ = ["LlamaCppEngine"]
 
@@ -58,6 +59,7 @@ class LlamaCppEngine:
             "--metrics",
             "--no-webui",
             *(_embedding_args(context) if model.task == "embed" else ()),
+            *llamacpp_lora_args(model, weights, paths, progress),
             *deployment.engine_args,
         )
         # Measured on llama-server (b1-0c1e570): n > 1 and prompt lists come back with one choice's usage,
@@ -78,6 +80,7 @@ class LlamaCppEngine:
             capacity=deployment.parallel,
             context_length=context,
             features=features,
+            adapters=tuple(a.name for a in model.adapters),  # selected per request by index, in this order
         )
         return [plan] * deployment.replicas
 

@@ -10,6 +10,7 @@ from corral.config import DeploymentSpec, ModelSpec, Paths
 from corral.engines.base import LaunchPlan, visible_gpus
 from corral.engines.features import EngineFeatures
 from corral.engines.load import EngineLoad
+from corral.engines.lora import RUNTIME_LORA_ENV, vllm_lora_args
 from corral.engines.vllm import parse_vllm_load
 
 __all__ = ["SimEngineAdapter"]
@@ -60,6 +61,7 @@ class SimEngineAdapter:
             argv += ["--quant", deployment.quantization]
         if deployment.max_model_len:
             argv += ["--max-model-len", str(deployment.max_model_len)]
+        argv += vllm_lora_args(model, paths, progress)
         plan = LaunchPlan(
             argv=(*argv, *(a.replace("{", "{{").replace("}", "}}") for a in deployment.engine_args)),
             capacity=deployment.max_num_seqs,
@@ -77,10 +79,17 @@ class SimEngineAdapter:
             kv_events_args=("--kv-events-endpoint", "{events}")
             if deployment.kv_events and model.task != "embed"
             else (),
+            adapter_slots=model.lora.slots if model.adapters else 0,
         )
         # GPUs as vLLM's replicas take them (the simulator uses none), so scaling picks them the same way
         return [
-            dataclasses.replace(plan, env={"CUDA_VISIBLE_DEVICES": visible_gpus(deployment, index)})
+            dataclasses.replace(
+                plan,
+                env={
+                    "CUDA_VISIBLE_DEVICES": visible_gpus(deployment, index),
+                    **(RUNTIME_LORA_ENV if model.adapters else {}),
+                },
+            )
             for index in range(deployment.replicas)
         ]
 

@@ -16,6 +16,7 @@ from corral.engines.base import LaunchPlan, read_gauges, visible_gpus
 from corral.engines.features import EngineFeatures
 from corral.engines.kv_events import data_parallel_size, kv_events_config
 from corral.engines.load import EngineLoad
+from corral.engines.lora import RUNTIME_LORA_ENV, vllm_lora_args
 
 __all__ = ["VllmEngine", "parse_vllm_load"]
 
@@ -150,6 +151,7 @@ class VllmEngine:
         parser = tool_call_parser(model, deployment) if model.task != "embed" else None
         if parser is not None:
             argv += ["--enable-auto-tool-choice", "--tool-call-parser", parser]
+        argv += vllm_lora_args(model, paths, progress)
         if cpu and "--enforce-eager" not in deployment.engine_args:
             argv.append("--enforce-eager")  # start-up in ~40 s instead of 3-4 minutes of graph capture
         # the runtime fills in {host} and {port}: braces of the engine's own flags (a JSON config) stay
@@ -158,7 +160,8 @@ class VllmEngine:
         return [
             LaunchPlan(
                 argv=tuple(argv),
-                env=self._env(deployment, index),
+                env={**self._env(deployment, index), **(RUNTIME_LORA_ENV if model.adapters else {})},
+                adapter_slots=model.lora.slots if model.adapters else 0,
                 capacity=deployment.max_num_seqs,
                 context_length=deployment.max_model_len,
                 api_key=deployment.engine_api_key,

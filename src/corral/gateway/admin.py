@@ -283,7 +283,7 @@ class AdminViews:
             "policies": policies,
             "prefix_index": prefix,
             "queues": self._queue_depths(),
-            "replicas": [r.snapshot() for r in replicas],
+            "replicas": [{**r.snapshot(), **self._router.adapters.snapshot(r)} for r in replicas],
             "decisions": list(self._router.decisions)[-50:],
             "rollouts": replicas.rollouts,
             "events": list(replicas.events)[-30:],

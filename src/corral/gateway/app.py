@@ -19,7 +19,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from corral.admission import Authenticator
+from corral.admission import Authenticator, Principal
 from corral.batch.runner import BatchRunner
 from corral.cache import ExactCache
 from corral.config import GatewaySettings
@@ -47,6 +47,7 @@ from corral.protocol import (
 )
 from corral.protocol.openapi import openapi_document
 from corral.routing import Router
+from corral.routing.adapters import Adapter, AdapterCatalogue
 from corral.store import NewKey
 
 __all__ = ["PIPELINE", "build_app"]
@@ -82,7 +83,7 @@ def build_app(
         body_timeout=settings.body_timeout,
         max_body_bytes=settings.max_body_bytes,
     )
-    status = _StatusViews(router, parts.auth, admin, started_at=time.time(), worker=worker)
+    status = _StatusViews(router, parts.auth, admin, time.time(), worker, parts.adapters)
     metrics = GatewayMetrics(
         router, parts.queue.depths, metrics_dir, parts.budget.spent, settings.metrics_tenant_labels
     )
@@ -98,7 +99,8 @@ def build_app(
     )
     open_access = parts.access.open_access
     replica_header = settings.routing_headers if settings.routing_headers is not None else open_access
-    relay = Relay(engines, session, router, settings.retries, timeouts, replica_header)
+    relay = Relay(engines, session, router, settings.retries, timeouts, replica_header, parts.adapters)
+    relay.loader.metrics = metrics
     usage = UsageRecorder(
         parts.usage_store, parts.flush_interval, parts.max_pending_usage, on_written=parts.budget.written
     )
@@ -289,8 +291,11 @@ class _StatusViews:
         admin: AdminViews,
         started_at: float,
         worker: int | None = None,
+        adapters: AdapterCatalogue | None = None,
     ) -> None:
         self._replicas = router.replicas
+        self._placement = router.adapters
+        self._adapters = adapters or AdapterCatalogue()
         self._auth = auth
         self._admin = admin
         self._started_at = started_at
@@ -309,22 +314,41 @@ class _StatusViews:
     async def models(self, request: web.Request) -> web.Response:
         principal = await self._auth.authenticate(request.headers.get("Authorization"))
         created = int(self._started_at)
-        data = [
+        data: list[dict[str, object]] = [
             {"id": m, "object": "model", "created": created, "owned_by": "corral"}
             for m in self._replicas.models()
             if not principal.models or m in principal.models
         ]
+        data += [
+            {"id": a.name, "object": "model", "created": created, "owned_by": "corral", "parent": a.base}
+            for a in self._visible_adapters(principal)
+        ]
         return web.json_response({"object": "list", "data": data})
+
+    def _visible_adapters(self, principal: Principal) -> list[Adapter]:
+        """The LoRA adapters a key may use: its tenant's (or everyone's) that its model list names."""
+        return [
+            a
+            for a in self._adapters.all()
+            if a.allows(principal.tenant) and (not principal.models or a.name in principal.models)
+        ]
 
     async def model(self, request: web.Request) -> web.Response:
         """One model (OpenAI's retrieve); 404 for a model this key may not see."""
         principal = await self._auth.authenticate(request.headers.get("Authorization"))
         name = request.match_info["model"]
+        entry: dict[str, object] = {
+            "id": name,
+            "object": "model",
+            "created": int(self._started_at),
+            "owned_by": "corral",
+        }
+        adapter = self._adapters.get(name)
+        if adapter is not None and adapter in self._visible_adapters(principal):
+            return web.json_response({**entry, "parent": adapter.base})
         if not self._replicas.has_model(name) or (principal.models and name not in principal.models):
             raise ModelNotFound(f"The model '{name}' does not exist on this server.", param="model")
-        return web.json_response(
-            {"id": name, "object": "model", "created": int(self._started_at), "owned_by": "corral"}
-        )
+        return web.json_response(entry)
 
     async def service_discovery(self, request: web.Request) -> web.Response:
         """Prometheus HTTP service discovery: each replica that exports engine metrics, with its model,
@@ -348,13 +372,15 @@ class _StatusViews:
     async def replica_status(self, request: web.Request) -> web.Response:
         if self._admin.is_admin(request):
             models = self._replicas.models()
-            replicas = [r.snapshot() for r in self._replicas]
+            replicas = [{**r.snapshot(), **self._placement.snapshot(r)} for r in self._replicas]
             changes = {"rollouts": self._replicas.rollouts, "events": list(self._replicas.events)}
         else:
             principal = await self._auth.authenticate(request.headers.get("Authorization"))
             models = [m for m in self._replicas.models() if not principal.models or m in principal.models]
+            visible = {a.name for a in self._visible_adapters(principal)}
             replicas = [
                 {k: v for k, v in r.snapshot().items() if k not in self._INTERNAL}
+                | {"adapters": [a for a in self._placement.resident(r) if a in visible]}
                 for m in models
                 for r in self._replicas.of(m)
             ]

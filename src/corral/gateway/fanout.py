@@ -149,6 +149,7 @@ def _route(ctx: RequestContext) -> RouteRequest:
         session=route.session,
         prompt=route.prompt,
         prompt_tokens=prompt_tokens,
+        adapter=route.adapter,
     )
 
 

@@ -37,7 +37,7 @@ class TenantIsolation:
         """Mark the request's routing prompt and engine body with its tenant, where its model says."""
         if self.tenants_apart:
             ctx.route.tenant = tenant
-        if ctx.model not in self.isolated:
+        if ctx.route.model not in self.isolated:  # (an adapter's: its base's setting)
             return
         if ctx.route.prompt:
             ctx.route.prompt = f"{len(tenant)}:{tenant}\n{ctx.route.prompt}"

@@ -97,6 +97,18 @@ class GatewayMetrics:
         self.decisions = Counter(
             "corral_routing_decisions", "Routing decisions, by policy.", ["model", "policy"], registry=r
         )
+        self.adapter_loads = Counter(
+            "corral_adapter_loads",
+            "LoRA adapters loaded on a replica at the gateway's asking (vLLM, sim), by base and adapter.",
+            ["model", "adapter"],
+            registry=r,
+        )
+        self.adapter_unloads = Counter(
+            "corral_adapter_unloads",
+            "LoRA adapters the gateway had a replica unload (idle, past its slots, or replaced).",
+            ["model", "adapter"],
+            registry=r,
+        )
         self.prefill_holds = Counter(
             "corral_prefill_holds",
             "Requests held until another request's prefill of their prefix ended (prefill coalescing).",

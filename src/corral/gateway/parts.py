@@ -29,6 +29,7 @@ from corral.config import (
     StoreSettings,
 )
 from corral.routing import ReplicaSet
+from corral.routing.adapters import AdapterCatalogue
 from corral.store import KeyStore, ResponseStore, UsageStore, open_database
 
 if TYPE_CHECKING:
@@ -81,6 +82,7 @@ class GatewayParts:
     batches: BatchStore | None = None  # files and batch jobs (batch.enabled)
     batch: BatchSettings = field(default_factory=BatchSettings)
     responses: ResponseStore | None = None  # stored responses (/v1/responses)
+    adapters: AdapterCatalogue = field(default_factory=AdapterCatalogue)  # LoRA adapters (a live apply's)
 
     def reconfigure(self, queue: QueueSettings, limits: LimitsSettings) -> None:
         """New queue bounds and rate-limit settings from a live `corral apply` (requests already waiting

@@ -53,9 +53,11 @@ from corral.protocol import (
     InvalidRequest,
     ModelNotFound,
     NoCapacity,
+    RateLimited,
     parse_body,
 )
 from corral.routing import Router, RouteRequest
+from corral.routing.adapters import Adapter
 from corral.store import UsageRecord
 
 __all__ = ["Pipeline"]
@@ -106,6 +108,7 @@ class Pipeline:
         self._router = router
         self._replicas = router.replicas
         self._relay = relay
+        self._adapters = relay.adapters  # LoRA adapters: model ids served by their base's replicas
         self._fanout = Fanout(relay.forward, relay.replica_header)
         self._usage = usage
         self._metrics = metrics
@@ -164,7 +167,7 @@ class Pipeline:
     ) -> web.StreamResponse:
         self._isolation.apply(ctx, principal.tenant)
         try:
-            principal.check_model(ctx.model)
+            self._check_model(ctx, principal)
         except APIError as exc:
             self._metrics.of(ctx.model).rejected(exc.code or "forbidden")
             self._record(ctx, principal, exc.status)
@@ -200,7 +203,7 @@ class Pipeline:
             else:
                 kind = ChatCompletionRequest if path == "/v1/chat/completions" else CompletionRequest
                 ctx = self._context(raw, path, kind, None)
-            principal.check_model(ctx.model)
+            self._check_model(ctx, principal)
             self._isolation.apply(ctx, principal.tenant)
             ctx.budgeted = await self._budget.reserve(
                 principal,
@@ -226,6 +229,14 @@ class Pipeline:
             return status, exc.to_json()
         finally:
             await self.settle(ctx, principal, None, status)
+
+    @staticmethod
+    def _check_model(ctx: RequestContext, principal: Principal) -> None:
+        """The key may use the model id; an adapter kept for other tenants does not exist for it."""
+        adapter = ctx.route.adapter
+        if adapter is not None and not adapter.allows(principal.tenant):
+            raise ModelNotFound(f"The model '{ctx.model}' does not exist on this server.", param="model")
+        principal.check_model(ctx.model)
 
     async def _answer(
         self, ctx: RequestContext, principal: Principal, request: web.Request
@@ -260,8 +271,9 @@ class Pipeline:
     ) -> web.StreamResponse:
         """Wait in the model's queue for a slot, then have a replica (or several: fan-out) answer."""
         metrics = self._metrics.of(ctx.model)
+        base = ctx.route.model  # (an adapter's requests wait for its base's replicas)
         try:
-            wait = await self._queue.enter(ctx.model, principal)
+            wait = await self._queue.enter(base, principal)
         except APIError as exc:
             metrics.rejected(exc.code or "queue")
             raise
@@ -272,8 +284,8 @@ class Pipeline:
             else:
                 response = await self._relay.forward(ctx, request)
         finally:
-            self._queue.done(ctx.model, principal.tenant)
-        metrics.decided(self._router.policy_for(ctx.model).name)
+            self._queue.done(base, principal.tenant)
+        metrics.decided(self._router.policy_for(base).name)
         return response
 
     async def _look_up(
@@ -337,7 +349,7 @@ class Pipeline:
     def _keep(self, ctx: RequestContext, lookup: CacheLookup) -> None:
         """Keep an answer that ended well (never a truncated stream, an error, or a client that left)."""
         cache = self._cache
-        if cache is None or ctx.written is None or ctx.client_gone or self._rolling_out(ctx.model):
+        if cache is None or ctx.written is None or ctx.client_gone or self._rolling_out(ctx.route.model):
             return
         chat = isinstance(ctx.body, ChatCompletionRequest)
         if ctx.stream and ctx.complete:
@@ -360,7 +372,9 @@ class Pipeline:
         session: str | None,
     ) -> RequestContext:
         body = parse_body(kind, raw)
-        features = self._features_of(body.model)
+        adapter = self._adapters.get(body.model)
+        base = adapter.base if adapter is not None else body.model
+        features = self._features_of(base)
         if features.embeddings:
             raise InvalidRequest(
                 f"The model '{body.model}' is an embedding model: it serves /v1/embeddings only.",
@@ -381,20 +395,23 @@ class Pipeline:
             body.max_completion_tokens if isinstance(body, ChatCompletionRequest) else None
         ) or body.max_tokens
         max_tokens = asked or _DEFAULT_OUTPUT_ESTIMATE
-        counter = self._sizing.counters.get(body.model)
+        counter = self._sizing.counters.get(base)
         prompt = prompt_text(body) if counter is not None else ""
-        input_tokens = self._input_tokens(body, raw, prompt)
-        self._check_context(body, asked, input_tokens if counter is not None else None)
+        input_tokens = self._input_tokens(body, raw, prompt, base)
+        self._check_context(body, base, asked, input_tokens if counter is not None else None)
         prompts = len(body.prompts) if isinstance(body, CompletionRequest) else 1
         route = RouteRequest(
-            model=body.model,
+            model=base,
             tokens=input_tokens + max_tokens * body.n * prompts,
             session=session or body.user,
             prompt_tokens=input_tokens * prompts,
+            adapter=adapter,
         )
-        if getattr(self._router.policy_for(body.model), "needs_prompt", False):
+        if getattr(self._router.policy_for(base), "needs_prompt", False):
             route.prompt = prompt or prompt_text(body)
-        context = self._replicas.context_length(body.model)
+            if adapter is not None:  # engines share no KV blocks across adapters: neither does the index
+                route.prompt = f"lora:{adapter.name}\n{route.prompt}"
+        context = self._replicas.context_length(base)
         may_generate = max(0, context - input_tokens) if asked is None and context else None
         return RequestContext(
             path=path,
@@ -406,15 +423,13 @@ class Pipeline:
             features=features,
             fanout=not body.stream and needs_fanout(body, features),
             failover=emulation is None
-            and can_fail_over(
-                body, self._failover_modes.get(body.model, "deterministic"), features.continuation
-            ),
+            and can_fail_over(body, self._failover_modes.get(base, "deterministic"), features.continuation),
             emulation=emulation,
         )
 
-    def _input_tokens(self, body: GenerationRequest, raw: bytes, prompt: str) -> int:
+    def _input_tokens(self, body: GenerationRequest, raw: bytes, prompt: str, base: str) -> int:
         """The prompt's tokens: counted where the model names its tokenizer, else estimated by size."""
-        counter = self._sizing.counters.get(body.model)
+        counter = self._sizing.counters.get(base)
         if counter is not None:
             return counter.count(prompt or prompt_text(body))
         return int(len(raw) * self._sizing.tokens_per_byte)
@@ -422,9 +437,13 @@ class Pipeline:
     def count_prompt(self, chat_body: bytes, principal: Principal) -> int:
         """What admission counts for a chat request's prompt (Anthropic's count_tokens)."""
         body = parse_body(ChatCompletionRequest, chat_body)
-        self._features_of(body.model)  # an unknown model is a 404
+        adapter = self._adapters.get(body.model)
+        base = adapter.base if adapter is not None else body.model
+        self._features_of(base)  # an unknown model is a 404
+        if adapter is not None and not adapter.allows(principal.tenant):
+            raise ModelNotFound(f"The model '{body.model}' does not exist on this server.", param="model")
         principal.check_model(body.model)
-        return self._input_tokens(body, chat_body, "")
+        return self._input_tokens(body, chat_body, "", base)
 
     async def parse_embeddings(self, request: web.Request) -> RequestContext:
         """An embedding request: validated, for an embedding model, sized by its inputs' tokens."""
@@ -470,12 +489,13 @@ class Pipeline:
     def _check_context(
         self,
         body: ChatCompletionRequest | CompletionRequest,
+        base: str,
         max_tokens: int | None,
         input_tokens: int | None,
     ) -> None:
         """Refuse output (and, where a tokenizer counts it exactly, prompt + output) beyond the context the
         model's replicas hold per sequence: the engine would hold a slot until the read timeout."""
-        context = self._replicas.context_length(body.model)
+        context = self._replicas.context_length(base)
         if context is None:
             return
         param = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens"
@@ -506,7 +526,23 @@ class Pipeline:
             )
             limiter = ctx.limiter = self._limits.limiter  # settled by the same, even if replaced live
             try:
-                return await limiter.reserve(principal, ctx.route.tokens)
+                reservation = await limiter.reserve(principal, ctx.route.tokens)
+                adapter = ctx.route.adapter
+                if adapter is not None and (adapter.rpm or adapter.tpm):
+                    try:
+                        ctx.adapter_reserved = await limiter.reserve(
+                            _adapter_principal(adapter), ctx.route.tokens
+                        )
+                    except RateLimited as exc:
+                        if reservation is not None:
+                            await limiter.settle(reservation, 0)
+                        raise RateLimited(
+                            exc.message.replace("for this key", f"for the model '{adapter.name}'"),
+                            code=exc.code,
+                            retry_after=exc.retry_after,
+                            headers=exc.extra_headers,
+                        ) from None
+                return reservation
             except APIError:
                 self._budget.settle(principal, 0, ctx.budgeted)  # refused: nothing ran
                 raise
@@ -550,18 +586,18 @@ class Pipeline:
         lookup = ctx.lookup
         if ctx.cached and lookup is not None and lookup.policy.charge == "request":
             used, ctx.charged = 0, False
-        if reservation is not None:
+        for held in (reservation, ctx.adapter_reserved):
+            if held is None:
+                continue
             # Tokens the engine reported; when it reported none but worked on the request, the
             # reservation stands: nothing is refunded for leaving early.
-            kept = reservation.tokens if reached_engine and status < 500 else 0
+            kept = held.tokens if reached_engine and status < 500 else 0
             actual = used if used or ctx.cached else kept
             try:
-                await (ctx.limiter or self._limits.limiter).settle(reservation, actual)
+                await (ctx.limiter or self._limits.limiter).settle(held, actual)
             except LimiterUnavailable as exc:  # a Redis hiccup must not turn a served answer into an error
                 self._metrics.limiter_errors.inc()
-                logger.warning(
-                    "settling the rate-limit reservation of key %s failed: %s", reservation.key_id, exc
-                )
+                logger.warning("settling the rate-limit reservation of key %s failed: %s", held.key_id, exc)
         self._budget.settle(principal, used, ctx.budgeted)
         self._record(ctx, principal, status)
 
@@ -612,6 +648,11 @@ class Pipeline:
                 api=api,
             )
         )
+
+
+def _adapter_principal(adapter: Adapter) -> Principal:
+    """The limits an adapter has over all keys, as the limiter keeps a key's (its own window)."""
+    return Principal(key_id=f"adapter:{adapter.name}", tenant="", rpm=adapter.rpm, tpm=adapter.tpm)
 
 
 def _reserved_usage(ctx: RequestContext) -> dict[str, int]:

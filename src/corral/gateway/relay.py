@@ -20,11 +20,13 @@ import orjson
 from aiohttp import web
 
 from corral.engines.client import EngineClient, EngineConnectionError, EngineResponse
+from corral.gateway.adapters import AdapterLoader, AdapterLoadFailed, body_for, unknown_adapter
 from corral.gateway.context import RequestContext
 from corral.gateway.failover import Continuation, Sent, Transcript, continuation_body
 from corral.gateway.sse import SSEFilter
 from corral.protocol import ChatCompletionRequest, NoCapacity, UpstreamError, UpstreamTimeout, error_body
 from corral.routing import Replica, Router, RouteRequest
+from corral.routing.adapters import AdapterCatalogue
 
 __all__ = ["SSE_HEADERS", "EventStream", "Relay"]
 
@@ -39,6 +41,7 @@ _BACKSLASH = ord("\\")
 # what can go wrong asking another replica to continue a stream (tokenizing, then the POST)
 _CONTINUE_FAILURES = (
     EngineConnectionError,
+    AdapterLoadFailed,
     aiohttp.ClientError,
     TimeoutError,
     KeyError,
@@ -65,6 +68,11 @@ class _Retryable(Exception):
     """The replica failed before the client saw anything; another replica may serve the request."""
 
 
+class _Reload(_Retryable):
+    """The engine did not know the request's adapter (it restarted, or another gateway worker unloaded it):
+    the replica loads it again, and may serve the request after all."""
+
+
 @dataclass(frozen=True, slots=True)
 class RelayTimeouts:
     connect: float
@@ -84,9 +92,13 @@ class Relay:
         retries: int,
         timeouts: RelayTimeouts,
         replica_header: bool = True,
+        adapters: AdapterCatalogue | None = None,
     ) -> None:
-        """`replica_header`: answers say which replica served them (x-corral-replica)."""
+        """`replica_header`: answers say which replica served them (x-corral-replica); `adapters`: the
+        LoRA adapters served (their requests go to their bases' replicas, see adapters.py)."""
         self._engines = engines
+        self.adapters = adapters or AdapterCatalogue()
+        self.loader = AdapterLoader(engines, router, self.adapters)
         self.replica_header = replica_header
         self._session = session
         self._router = router
@@ -98,8 +110,9 @@ class Relay:
         """The replica's answer (`request`: the client's, for a stream; None for a batch line)."""
         tried: list[Replica] = []
         failure = "no attempt"
+        reloads = 1  # an engine that lost the request's adapter loads it again, once, before it is passed by
         self._router.retry_budget.on_request()
-        for attempt in range(self._retries + 1):
+        for attempt in range(self._retries + 1 + reloads):
             if attempt and not self._router.retry_budget.try_spend():
                 failure += " (retry budget exhausted)"
                 break
@@ -121,6 +134,11 @@ class Relay:
                 outcome = response.status < 500 and not ctx.replica_failed
                 answered = response.status >= 500 and not ctx.replica_failed  # the engine's 5xx answer
                 return response
+            except _Reload as exc:
+                outcome, failure = None, str(exc)
+                if not reloads:
+                    tried.append(replica)
+                reloads = 0
             except _Retryable as exc:
                 outcome = False
                 failure = str(exc)
@@ -168,15 +186,27 @@ class Relay:
     async def _attempt(
         self, replica: Replica, ctx: RequestContext, request: web.Request | None
     ) -> web.StreamResponse:
+        body = ctx.upstream_body
+        route = ctx.route
         try:
-            upstream = await self._engines.post(replica.url, ctx.path, ctx.upstream_body, replica.api_key)
+            if route.adapter is not None or route.model in self.adapters.bases:
+                await self.loader.ready(replica, route)
+                body = body_for(replica, route, body, route.model in self.adapters.bases)
+            upstream = await self._engines.post(replica.url, ctx.path, body, replica.api_key)
         except TimeoutError as exc:
             raise UpstreamTimeout(f"Replica {replica.id} did not answer in time.") from exc
-        except EngineConnectionError as exc:
+        except (EngineConnectionError, AdapterLoadFailed) as exc:
             raise _Retryable(f"{type(exc).__name__}: {exc}") from exc
         try:
             if upstream.status in _RETRYABLE_STATUS:
                 raise _Retryable(f"engine answered {upstream.status}")
+            if upstream.status == 404 and route.adapter is not None:
+                answer = await upstream.read()
+                if unknown_adapter(upstream.status, answer):
+                    self.loader.forget(replica, route)
+                    raise _Reload(f"replica {replica.id} did not know adapter {route.adapter.name}")
+                status, error = _engine_error(upstream.status, answer)
+                return web.Response(body=error, status=status, content_type="application/json")
             if not ctx.stream or upstream.status != 200 or request is None:
                 return await self._whole(replica, ctx, upstream)
             return await self._stream(replica, ctx, upstream, request)
@@ -364,6 +394,10 @@ class Relay:
         try:
             token_ids = await self._token_ids(replica, sent) if _by_tokens(ctx) else None
             body = continuation_body(ctx, sent, token_ids)
+            route = ctx.route
+            if route.adapter is not None or route.model in self.adapters.bases:
+                await self.loader.ready(replica, route)
+                body = body_for(replica, route, body, route.model in self.adapters.bases)
             upstream = await self._engines.post(replica.url, ctx.path, body, replica.api_key)
         except _CONTINUE_FAILURES as exc:
             return f"continuing on {replica.id} failed ({type(exc).__name__})"

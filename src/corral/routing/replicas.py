@@ -60,6 +60,8 @@ class Replica:
     revision: int = 0  # which rollout of its model started it (0: the first)
     admitted: bool = True  # routable once ready; a rollout's new replica is not until it passed the gate
     ready_eta: float | None = None  # when a starting/restarting replica is expected ready (epoch s)
+    adapters: tuple[str, ...] = ()  # LoRA adapters it started with, in its engine's order (llama.cpp)
+    adapter_slots: int = 0  # LoRA adapters it may hold loaded at run time (vLLM, sim); 0: none
 
     @property
     def ready(self) -> bool:

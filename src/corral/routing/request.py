@@ -9,6 +9,7 @@ from operator import mul
 
 import numpy as np
 
+from corral.routing.adapters import Adapter
 from corral.routing.prefix import Prefill
 
 __all__ = ["PREFIX_BLOCK_CHARS", "PrefixHasher", "RouteRequest", "prefix_hashes"]
@@ -146,6 +147,8 @@ class RouteRequest:
     inflight: Prefill | None = field(default=None, repr=False)  # its prefill, while it runs (router.py)
     # its blocks' mark in the prefix index while it runs (negative, its own), set by the policy (prefix.py)
     use: float = 0.0
+    adapter: Adapter | None = None  # the LoRA adapter that answers it (`model` is then its base)
+    load_adapter: bool = False  # the chosen replica must load the adapter first (set by the router)
     _hashes: tuple[int, ...] | None = field(default=None, repr=False)
 
     @property

@@ -21,6 +21,7 @@ from typing import Any
 import orjson
 
 from corral.protocol import NoCapacity
+from corral.routing.adapters import AdapterPlacement, Residence
 from corral.routing.circuit import RetryBudget
 from corral.routing.policy import DEFAULT_POLICY, PrefixAffinity, RoutingPolicy, policy_named
 from corral.routing.prefix import PrefillTracker
@@ -51,6 +52,9 @@ class Router:
         self._decisions: deque[tuple[float, str, str, str, str, bool]] = deque(maxlen=decisions_kept)
         self._prefills = PrefillTracker()
         self._generations: dict[str, int] = {}  # each model's replica-set generation last seen
+        self.adapters = AdapterPlacement()  # which replica holds which LoRA adapter (routing/adapters.py)
+        # told of each adapter a replica should unload (the gateway's adapter loader does it)
+        self.on_unload: Callable[[Replica, Residence], None] = lambda replica, residence: None
 
     def set_default(self, name: str) -> None:
         """A new default policy (a live `corral apply`); models are then set again with `set_policy`."""
@@ -125,6 +129,9 @@ class Router:
         split = self.replicas.splits.get(request.model)
         if split is not None:  # a rollout is shifting traffic to a new revision
             candidates = split.choose(candidates, random.random())
+        adapter = request.adapter
+        if adapter is not None and candidates:
+            candidates = self.adapters.candidates(adapter, candidates)
         if not candidates:
             raise NoCapacity(
                 f"No ready replica of model '{request.model}' can take the request now.",
@@ -138,6 +145,10 @@ class Router:
                 policy.keep({r.id for r in self.replicas.of(request.model)})
         decision = policy.pick(candidates, request)
         replica = decision.replica
+        if adapter is not None:
+            request.load_adapter, unload = self.adapters.use(replica, adapter)
+            for residence in unload:
+                self.on_unload(replica, residence)
         replica.breaker.on_dispatch()
         replica.outstanding += 1
         replica.outstanding_tokens += request.tokens
@@ -198,6 +209,9 @@ class Router:
         `usage`: the engine's answer's, when it gave one (the prefix index learns from it); `answered`: the
         failure was the engine's 5xx answer to the request (perhaps its input's doing: see circuit.py)."""
         self.prefilled(replica, request)
+        if request.adapter is not None:
+            for residence in self.adapters.done(replica, request.adapter):
+                self.on_unload(replica, residence)
         policy = self._policies.get(request.model)
         if isinstance(policy, PrefixAffinity):
             policy.ended(replica, request)

@@ -33,6 +33,7 @@ _SHARED = (
     "ready_eta",
     "revision",
     "admitted",
+    "adapter_slots",
 )
 
 
@@ -49,6 +50,7 @@ def replica_snapshot(replicas: ReplicaSet) -> bytes:
             features=dataclasses.asdict(replica.features),
             load=dataclasses.asdict(replica.load) if replica.load is not None else None,
             log_tail=list(replica.log_tail),
+            adapters=list(replica.adapters),
         )
         members.append(entry)
     return orjson.dumps(
@@ -92,6 +94,7 @@ def apply_snapshot(replicas: ReplicaSet, snapshot: bytes, worker: int = 0, worke
             replicas.changed(replica.model)
         for name in _SHARED:
             setattr(replica, name, entry[name])
+        replica.adapters = tuple(entry["adapters"])
         replica.state = ReplicaState(entry["state"])
         replica.capacity = capacity_share(entry["capacity"], worker, workers)
         replica.load = EngineLoad(**entry["load"]) if entry["load"] is not None else None

