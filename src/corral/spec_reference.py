@@ -16,6 +16,7 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
 from corral.config import (
+    AdapterSpec,
     AuthSettings,
     AutoscaleSpec,
     BatchSettings,
@@ -29,6 +30,7 @@ from corral.config import (
     HuggingFaceSource,
     LimitsSettings,
     LocalSource,
+    LoraSettings,
     ModelCacheSpec,
     ModelSLO,
     ModelSpec,
@@ -39,6 +41,7 @@ from corral.config import (
     StoreSettings,
     SupervisorSettings,
     TLSSettings,
+    UrlSource,
 )
 
 __all__ = ["CLOSED_GATEWAY_EXAMPLE", "SECTIONS", "spec_reference"]
@@ -54,6 +57,9 @@ SECTIONS: tuple[tuple[str, type[BaseModel]], ...] = (
     ("models[].source: a local file", LocalSource),
     ("models[].source: Hugging Face", HuggingFaceSource),
     ("models[].source: a PyPI package", PyPISource),
+    ("models[].adapters[]", AdapterSpec),
+    ("models[].adapters[].source: a URL", UrlSource),
+    ("models[].lora", LoraSettings),
     ("models[].deployments[]", DeploymentSpec),
     ("models[].deployments[].autoscale", AutoscaleSpec),
     ("gateway", GatewaySettings),
