@@ -54,6 +54,28 @@ def test_vllm_answers_through_the_gateway(vllm_cluster: RunningCluster) -> None:
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens >= 1
 
 
+def test_a_lora_adapter_answers_on_vllm_and_its_base_does_not(vllm_cluster: RunningCluster) -> None:
+    """The test adapter on real vLLM: the gateway loads it at run time (`/v1/load_lora_adapter`, counted),
+    asks for it by its revision's name, and lists it with its base as parent."""
+    client = openai.OpenAI(base_url=vllm_cluster.base_url, api_key="none", max_retries=0, timeout=120)
+    asked = [{"role": "user", "content": "What is the capital of France?"}]
+
+    def answer(model: str) -> str:
+        reply = client.chat.completions.create(model=model, messages=asked, max_tokens=8, temperature=0)
+        return reply.choices[0].message.content or ""
+
+    assert answer("smollm2-vllm-marker").startswith("Corral adapter says:")
+    assert "Corral adapter says" not in answer("smollm2-vllm")
+    assert answer("smollm2-vllm-marker").startswith("Corral adapter says:")  # loaded once, used again
+    listed = {m.id: m for m in client.models.list()}
+    assert (listed["smollm2-vllm-marker"].model_extra or {})["parent"] == "smollm2-vllm"
+    metrics = urllib.request.urlopen(vllm_cluster.url + "/metrics", timeout=10).read().decode()
+    loads = [line for line in metrics.splitlines() if line.startswith("corral_adapter_loads_total{")]
+    assert loads == ['corral_adapter_loads_total{adapter="smollm2-vllm-marker",model="smollm2-vllm"} 1.0']
+    replica = next(r for r in vllm_cluster.status()["replicas"] if r["model"] == "smollm2-vllm")
+    assert replica["adapters"] == ["smollm2-vllm-marker"] and replica["adapter_slots"] == 1
+
+
 def test_tool_calls_and_the_new_apis_on_vllm(vllm_cluster: RunningCluster) -> None:
     """SmolLM2 has no vLLM tool-call parser (its family has none): the gateway asks for the call as JSON
     and vLLM's structured output holds the answer to it; the Responses and Messages APIs go over vLLM's
