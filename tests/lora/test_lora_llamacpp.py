@@ -131,3 +131,13 @@ def test_usage_and_limits_are_per_adapter(cluster: RunningCluster) -> None:
         timeout=10,
     ).read()
     assert b'corral_requests_total{model="marker"' in metrics
+
+
+def test_the_example_serves_the_committed_adapter_on_the_cpu(tmp_path: Path) -> None:
+    """examples/lora.yaml as a newcomer runs it: nothing else to fetch, the adapter listed with its base."""
+    spec = (Path(__file__).parents[2] / "examples" / "lora.yaml").read_text()
+    with cluster_of(tmp_path, spec) as running:
+        listed = {m["id"]: m for m in get_json(running.base_url + "/models")[1]["data"]}
+        assert listed["corral-marker"]["parent"] == "smollm2"
+        client = openai.OpenAI(base_url=running.base_url, api_key="none", max_retries=0)
+        assert _answer(client, "corral-marker").startswith(MARKER)
