@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
-from corral.perf import Catalog, Efficiency
-from corral.perf.replica import ReplicaLayout, replica_model
+from corral.perf import GIB, Catalog, Efficiency
+from corral.perf.memory import kv_bytes_per_token_layer
+from corral.perf.replica import ReplicaLayout, ReplicaModel, replica_model
 from corral.sim.engine import SimEngine, SimRequest
+from corral.sim.fleet import SimFleet
 from corral.sim.kv_events import KvEventPublisher, offset_endpoint
-from corral.sim.server import SimFleet, SimServer
+from corral.sim.lora import LoraCosts, LoraManager, LoraModule, LoraOptions, parse_lora_module
+from corral.sim.lora_api import load_static
+from corral.sim.server import SimServer
 
 __all__ = [
+    "LoraModule",
+    "LoraOptions",
     "SimEngine",
     "SimFleet",
     "SimOptions",
@@ -18,6 +25,7 @@ __all__ = [
     "SimServer",
     "build_server",
     "offset_endpoint",
+    "parse_lora_module",
 ]
 
 
@@ -43,10 +51,15 @@ class SimOptions:
     eos: bool = (
         False  # answers end at a drawn end of sequence even with max_tokens (else: exactly max_tokens)
     )
+    lora: LoraOptions | None = None  # vLLM's --enable-lora with its limits and --lora-modules
+    runtime_lora_updating: bool = False  # the load/unload endpoints (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING)
 
 
 def build_server(options: SimOptions, catalog: Catalog, efficiency: Efficiency) -> SimServer:
-    """A simulated replica whose KV capacity and step times are the planner's for the same layout."""
+    """A simulated replica whose KV capacity and step times are the planner's for the same layout;
+    ValueError where it cannot start (vLLM's message for an adapter of --lora-modules it cannot load)."""
+    if options.lora is not None and options.embed_dim is not None:
+        raise ValueError("the simulator serves LoRA adapters on generation models, not embedding models")
     layout = ReplicaLayout(
         model=options.model,
         gpu=options.gpu,
@@ -60,12 +73,39 @@ def build_server(options: SimOptions, catalog: Catalog, efficiency: Efficiency) 
         enable_prefix_caching=options.enable_prefix_caching,
     )
     replica = replica_model(layout, catalog, efficiency)
-    engine = SimEngine(
-        options.served_name or replica.name, replica.perf, replica.config, time_scale=options.time_scale
-    )
+    lora = None
+    if options.lora is not None:
+        costs = LoraCosts(replica.perf, options.lora.max_lora_rank)
+        if options.kv_cache_gib is None:
+            replica = _with_lora_slots(
+                replica, layout, costs.slot_bytes(options.lora.max_loras), catalog, efficiency
+            )
+        lora = LoraManager(options.lora, costs, world_size=options.tp * options.pp)
+    name = options.served_name or replica.name
+    engine = SimEngine(name, replica.perf, replica.config, time_scale=options.time_scale, lora=lora)
     if options.kv_events_endpoint and options.enable_prefix_caching and options.embed_dim is None:
         engine.kv_events = KvEventPublisher(options.kv_events_endpoint, engine.scheduler)
+    for module in options.lora.modules if options.lora is not None else ():
+        load_static(engine, module)
     max_len = options.max_model_len or min(replica.max_context, replica.kv_tokens)
     return SimServer(
-        engine, max_model_len=max_len, vocab=replica.vocab, embed_dim=options.embed_dim, eos=options.eos
+        engine,
+        max_model_len=max_len,
+        vocab=replica.vocab,
+        embed_dim=options.embed_dim,
+        eos=options.eos,
+        root=replica.name,
+        runtime_lora_updating=options.runtime_lora_updating,
     )
+
+
+def _with_lora_slots(
+    replica: ReplicaModel, layout: ReplicaLayout, slot_bytes: float, catalog: Catalog, efficiency: Efficiency
+) -> ReplicaModel:
+    """The replica with its KV cache smaller by the GPU memory vLLM reserves for its LoRA slots."""
+    perf = replica.perf
+    per_token = (
+        kv_bytes_per_token_layer(perf.model, perf.tp, perf.kv_dtype_bytes) * perf.model.layers / perf.pp
+    )
+    kv_bytes = max(0.0, replica.kv_tokens * per_token - slot_bytes)
+    return replica_model(dataclasses.replace(layout, kv_cache_gib=kv_bytes / GIB), catalog, efficiency)

@@ -18,8 +18,9 @@ import numpy as np
 import orjson
 from aiohttp import web
 
-from corral.protocol import EmbeddingRequest, InvalidRequest, ModelNotFound, parse_body
+from corral.protocol import EmbeddingRequest, InvalidRequest, parse_body
 from corral.sim.engine import SimEngine
+from corral.sim.errors import model_not_found
 from corral.sim.text import tokenize
 
 __all__ = ["SimEmbedder", "embed_text"]
@@ -52,7 +53,7 @@ class SimEmbedder:
     async def embeddings(self, request: web.Request) -> web.Response:
         body = parse_body(EmbeddingRequest, await request.read())
         if body.model != self.engine.model:
-            raise ModelNotFound(f"The model `{body.model}` does not exist.", param="model")
+            raise model_not_found(body.model, self.engine.model)
         if body.dimensions is not None and body.dimensions != self.dim:
             raise InvalidRequest("Model does not support matryoshka representation", param="dimensions")
         texts = [item if isinstance(item, str) else " ".join(map(str, item)) for item in body.inputs]

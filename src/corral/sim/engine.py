@@ -5,6 +5,10 @@ Simulated time runs `time_scale` times faster than the wall clock: a step the pe
 GPU's; a client timing requests by the wall clock divides them by `time_scale`. Steps run back to back in
 simulated time, so an event loop that wakes late does not slow the engine down as long as it catches up
 within a step.
+
+With LoRA (`lora`: sim/lora.py), requests name an adapter, the scheduler and step pipeline are
+sim/lora_engine.py's, and the metrics add vLLM's `vllm:lora_requests_info` and the simulator's own
+`sim:lora_loads_total` and `sim:lora_activations_total`.
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ from corral.perf import (
     block_hashes,
 )
 from corral.sim.kv_events import KvEventPublisher
+from corral.sim.lora import Adapter, LoraManager
+from corral.sim.lora_engine import LoraMetrics, LoraScheduler, LoraStepPipeline
 
 __all__ = ["SimEngine", "SimRequest"]
 
@@ -66,7 +72,7 @@ class SimRequest:
 class _Metrics:
     """vLLM's metric names, so anything that reads vLLM's /metrics reads the simulator's."""
 
-    def __init__(self, model: str, config: SchedulerConfig) -> None:
+    def __init__(self, model: str, config: SchedulerConfig, lora: LoraManager | None) -> None:
         self.registry = CollectorRegistry()
         labels = ["model_name", "engine"]
         r = self.registry
@@ -79,6 +85,14 @@ class _Metrics:
 
         self.running = gauge("vllm:num_requests_running", "Number of requests in model execution batches.")
         self.waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
+        self.waiting_by_reason = Gauge(
+            "vllm:num_requests_waiting_by_reason",
+            "Number of waiting requests by reason. Reason labels: 'capacity' = waiting for scheduling "
+            "capacity; 'deferred' = deferred by transient constraints (LoRA budget, KV transfer, blocked "
+            "status). Sum of all reasons equals vllm:num_requests_waiting.",
+            [*labels, "reason"],
+            registry=r,
+        )
         self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
         self.prefix_queries = counter("vllm:prefix_cache_queries", "Prefix cache queries, in tokens.")
         self.prefix_hits = counter("vllm:prefix_cache_hits", "Prefix cache hits, in tokens.")
@@ -120,6 +134,7 @@ class _Metrics:
         )
         info.labels(str(config.block_size), str(config.num_blocks), str(config.enable_prefix_caching)).set(1)
         self.values = (model, "0")
+        self.lora = LoraMetrics(r, self.values, lora) if lora is not None else None
 
 
 def _launch_time(batch: Batch, now: float, last_finish: float) -> float:
@@ -136,13 +151,29 @@ def _launch_time(batch: Batch, now: float, last_finish: float) -> float:
 class SimEngine:
     """Runs the scheduler in real time; requests go in with `submit`, tokens come out on their queues."""
 
-    def __init__(self, model: str, perf: PerfModel, config: SchedulerConfig, time_scale: float = 1.0) -> None:
+    def __init__(
+        self,
+        model: str,
+        perf: PerfModel,
+        config: SchedulerConfig,
+        time_scale: float = 1.0,
+        lora: LoraManager | None = None,
+    ) -> None:
         self.model = model
         self.perf = perf
         self.config = config
         self.time_scale = time_scale
-        self.scheduler = Scheduler(config)
-        self.metrics = _Metrics(model, config)
+        self.lora = lora
+        self.metrics = _Metrics(model, config, lora)
+        self._lora_scheduler: LoraScheduler | None = None
+        self._pipeline: StepPipeline
+        if lora is None:
+            self.scheduler = Scheduler(config)
+            self._pipeline = StepPipeline(perf)
+        else:
+            self._lora_scheduler = LoraScheduler(config, lora.options.max_loras)
+            self.scheduler = self._lora_scheduler
+            self._pipeline = LoraStepPipeline(perf, self._lora_scheduler, lora)
         self._requests: dict[int, SimRequest] = {}
         self._ids = itertools.count()
         self._wake = asyncio.Event()
@@ -157,9 +188,17 @@ class SimEngine:
             self._t0 = loop.time()
         return (loop.time() - self._t0) * self.time_scale
 
-    def submit(self, prompt: list[int], max_tokens: int, cache_salt: str | None = None) -> SimRequest:
+    def submit(
+        self,
+        prompt: list[int],
+        max_tokens: int,
+        cache_salt: str | None = None,
+        adapter: Adapter | None = None,
+    ) -> SimRequest:
         if len(prompt) + max_tokens > self.config.num_blocks * self.config.block_size:
             raise ValueError("the request needs more KV cache than the engine has")
+        if adapter is not None:  # vLLM hashes the adapter's name into every block: no sharing across them
+            cache_salt = f"lora:{adapter.name}\x00{cache_salt or ''}"
         seq = EngineSequence(
             id=next(self._ids),
             prompt_len=len(prompt),
@@ -174,7 +213,10 @@ class SimEngine:
         )
         request = SimRequest(seq)
         self._requests[seq.id] = request
-        self.scheduler.add(seq)
+        if self._lora_scheduler is not None:
+            self._lora_scheduler.add_with(seq, adapter)
+        else:
+            self.scheduler.add(seq)
         self._wake.set()
         return request
 
@@ -182,9 +224,20 @@ class SimEngine:
         if self._requests.pop(request.seq.id, None) is not None and request.seq.finished_at is None:
             self.scheduler.abort(request.seq)
 
+    async def load_adapter(self, adapter: Adapter, reload: bool = False) -> None:
+        """vLLM's `add_lora`: between two steps the engine reads the adapter and gives it a GPU slot, no
+        step running meanwhile; returns once that is done."""
+        if self.lora is None:
+            raise RuntimeError("LoRA is not enabled")
+        now = self.now()
+        pipeline, lora = self._pipeline, self.lora
+        start = max(now, lora.busy_until, pipeline.next_finish if pipeline.busy else now)
+        lora.busy_until = start + lora.make_resident([adapter], reload=reload)
+        await asyncio.sleep((lora.busy_until - now) / self.time_scale)
+
     async def run(self) -> None:
         """The step loop; runs until cancelled."""
-        pipeline = StepPipeline(self.perf)
+        pipeline = self._pipeline
         last_finish = 0.0
         while True:
             now = self.now()
@@ -240,6 +293,12 @@ class SimEngine:
         m.running.labels(*values).set(len(s.running))
         m.waiting.labels(*values).set(len(s.waiting))
         m.kv_usage.labels(*values).set(s.kv_usage)
+        lora_scheduler = self._lora_scheduler
+        deferred = min(lora_scheduler.deferred, len(s.waiting)) if lora_scheduler is not None else 0
+        m.waiting_by_reason.labels(*values, "capacity").set(len(s.waiting) - deferred)
+        m.waiting_by_reason.labels(*values, "deferred").set(deferred)
+        if m.lora is not None and lora_scheduler is not None:
+            m.lora.publish(lora_scheduler)
         queries, hits, preemptions = s.prefix_queries, s.prefix_hits, s.preemptions
         last_q, last_h, last_p = self._reported
         m.prefix_queries.labels(*values).inc(queries - last_q)

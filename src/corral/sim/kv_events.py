@@ -3,9 +3,9 @@
 A ZMQ PUB socket sends, after each engine step that cached or evicted blocks, the topic (empty), an 8-byte
 big-endian sequence number and a msgpack batch `[ts, events]`, each event a map tagged by `type` as vLLM
 0.32's: `BlockRemoved` for the blocks evicted, then `BlockStored` (hashes, parent hash, token ids, block
-size) per run of one sequence's newly cached blocks. The simulator's block hashes are ints. As vLLM does,
-it binds an endpoint with a wildcard (`tcp://*:5557`) and connects to any other (a subscriber that binds,
-as corral's supervisor does).
+size; for an adapter's request its `lora_id` and `lora_name`) per run of one sequence's newly cached
+blocks. The simulator's block hashes are ints. As vLLM does, it binds an endpoint with a wildcard
+(`tcp://*:5557`) and connects to any other (a subscriber that binds, as corral's supervisor does).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import msgpack
 import zmq
 
 from corral.perf import Scheduler
+from corral.sim.lora_engine import LoraScheduler
 
 __all__ = ["KvEventPublisher", "offset_endpoint", "take_events"]
 
@@ -70,6 +71,7 @@ def take_events(scheduler: Scheduler) -> list[dict[str, object]]:
             last = stored[k - 1][1]
             parent = seq.hashes[first - 1] if first else None
             tokens = list(seq.tokens[first * size : (last + 1) * size])
+            adapter = scheduler.adapter_of(seq) if isinstance(scheduler, LoraScheduler) else None
             events.append(
                 {
                     "type": "BlockStored",
@@ -77,9 +79,9 @@ def take_events(scheduler: Scheduler) -> list[dict[str, object]]:
                     "parent_block_hash": parent,
                     "token_ids": tokens,
                     "block_size": size,
-                    "lora_id": None,
+                    "lora_id": adapter.id if adapter is not None else None,
                     "medium": None,
-                    "lora_name": None,
+                    "lora_name": adapter.name if adapter is not None else None,
                 }
             )
             start = k

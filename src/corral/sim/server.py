@@ -6,7 +6,13 @@ a simulated end-of-sequence after 16–256 tokens (drawn from its seed); with it
 drawn end of sequence when that comes first; a request's own `ignore_eos` decides for it). `stop` strings
 end the text early. With `tools` or `response_format` a chat choice says a tool call or JSON instead
 (sim/tools.py): it ends when that is said, or at `max_tokens` (cut). Many replicas can share one process
-and event loop (`SimFleet`).
+and event loop (sim/fleet.py).
+
+With LoRA (sim/lora.py) a request may name an adapter as its `model`: the adapter answers (its words drawn
+apart from the base model's, so a client can tell who answered), and `/v1/models` lists the adapters after
+the base, each with its `parent`. The runtime endpoints `POST /v1/load_lora_adapter` and
+`/v1/unload_lora_adapter` exist only with `runtime_lora_updating` (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING).
+Errors are vLLM's (sim/errors.py) where the simulator knows them: an unknown model, the LoRA endpoints.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import contextlib
 import random
 import time
 import uuid
+import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -28,15 +35,17 @@ from corral.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     InvalidRequest,
-    ModelNotFound,
     parse_body,
 )
 from corral.sim.embed import SimEmbedder
 from corral.sim.engine import SimEngine, SimRequest
+from corral.sim.errors import VllmError, model_not_found
+from corral.sim.lora import Adapter
+from corral.sim.lora_api import LoraEndpoints
 from corral.sim.text import TextGenerator, chat_prompt, tokenize
 from corral.sim.tools import Script, script_for
 
-__all__ = ["SimFleet", "SimServer"]
+__all__ = ["SimServer"]
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -51,8 +60,12 @@ class SimServer:
         vocab: int = 32000,
         embed_dim: int | None = None,
         eos: bool = False,
+        root: str | None = None,
+        runtime_lora_updating: bool = False,
     ) -> None:
         self.engine = engine
+        self.root = root  # the base model's /v1/models `root` (vLLM: the path it loaded)
+        self.lora_endpoints = LoraEndpoints(engine) if runtime_lora_updating else None
         self.eos = eos  # end at the drawn end of sequence even with max_tokens (unless ignore_eos says)
         self.max_model_len = max_model_len
         self.vocab = vocab
@@ -66,6 +79,9 @@ class SimServer:
         else:
             app.router.add_post("/v1/chat/completions", self.chat)
             app.router.add_post("/v1/completions", self.completions)
+        if self.lora_endpoints is not None:
+            app.router.add_post("/v1/load_lora_adapter", self.lora_endpoints.load)
+            app.router.add_post("/v1/unload_lora_adapter", self.lora_endpoints.unload)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics)
@@ -91,9 +107,13 @@ class SimServer:
             "object": "model",
             "created": 0,
             "owned_by": "corral-sim",
+            "root": self.root,
+            "parent": None,
             "max_model_len": self.max_model_len,
         }
-        return web.json_response({"object": "list", "data": [model]})
+        lora = self.engine.lora
+        adapters = lora.model_cards(self.engine.model) if lora is not None else []
+        return web.json_response({"object": "list", "data": [model, *adapters]})
 
     async def metrics(self, request: web.Request) -> web.Response:
         return web.Response(
@@ -126,8 +146,7 @@ class SimServer:
         limit: int | None,
         chat: bool,
     ) -> web.StreamResponse:
-        if body.model != self.engine.model:
-            raise ModelNotFound(f"The model `{body.model}` does not exist.", param="model")
+        adapter = self._adapter(body.model)
         tokens = tokenize(prompt, self.vocab)
         seed = body.seed if body.seed is not None else self._seeds.getrandbits(32)
         rng = random.Random(seed)
@@ -150,14 +169,17 @@ class SimServer:
                 "completion).",
                 param="max_tokens",
             )
+        words = seed ^ zlib.crc32(adapter.name.encode()) if adapter is not None else seed
         choices = [
-            _Choice(i, TextGenerator(seed + i), _stops(body.stop), "length" if limit == n else "stop", script)
+            _Choice(
+                i, TextGenerator(words + i), _stops(body.stop), "length" if limit == n else "stop", script
+            )
             for i, (script, n) in enumerate(zip(scripts, lengths, strict=True))
         ]
         salt = (body.model_extra or {}).get("cache_salt")  # vLLM's: cached blocks shared within a salt only
         salt = salt if isinstance(salt, str) else None
-        requests = [self.engine.submit(tokens, n, salt) for n in lengths]
-        meta = _Meta(chat=chat, model=self.engine.model, prompt_tokens=len(tokens))
+        requests = [self.engine.submit(tokens, n, salt, adapter) for n in lengths]
+        meta = _Meta(chat=chat, model=body.model, prompt_tokens=len(tokens))
         try:
             if body.stream:
                 return await self._stream(request, requests, choices, meta, body.include_usage)
@@ -165,6 +187,15 @@ class SimServer:
         finally:
             for sim_request in requests:
                 self.engine.abort(sim_request)
+
+    def _adapter(self, model: str) -> Adapter | None:
+        """The adapter a request's `model` names; None for the base model."""
+        if model == self.engine.model:
+            return None
+        adapter = self.engine.lora.adapters.get(model) if self.engine.lora is not None else None
+        if adapter is None:
+            raise model_not_found(model, self.engine.model)
+        return adapter
 
     async def _whole(self, requests: list[SimRequest], choices: list[_Choice], meta: _Meta) -> web.Response:
         for sim_request, choice in zip(requests, choices, strict=True):
@@ -362,36 +393,5 @@ def _stops(stop: str | list[str] | None) -> list[str]:
 async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
         return await handler(request)
-    except APIError as exc:
+    except (APIError, VllmError) as exc:
         return web.Response(body=exc.to_json(), status=exc.status, content_type="application/json")
-
-
-class SimFleet:
-    """Several simulated replicas in one process, each on its own port."""
-
-    def __init__(self, servers: list[SimServer], host: str = "127.0.0.1") -> None:
-        self._servers = servers
-        self._host = host
-        self._runners: list[web.AppRunner] = []
-        self.urls: list[str] = []
-
-    async def start(self, ports: list[int]) -> None:
-        for server, port in zip(self._servers, ports, strict=True):
-            runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None)
-            await runner.setup()
-            self._runners.append(runner)
-            try:
-                await web.TCPSite(runner, self._host, port).start()
-            except OSError as exc:
-                await self.stop()
-                raise OSError(exc.errno, f"cannot listen on {self._host}:{port}: {exc.strerror}") from None
-            self.urls.append(f"http://{self._host}:{runner.addresses[0][1]}")
-
-    async def stop(self) -> None:
-        for runner in self._runners:
-            await runner.cleanup()
-        self._runners.clear()
-
-    async def stop_one(self, index: int) -> None:
-        """One replica goes away (its port closes), the others serve on."""
-        await self._runners[index].cleanup()
