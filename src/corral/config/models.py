@@ -110,9 +110,9 @@ class LoraSettings(Strict):
     max_loras: Annotated[
         int, Field(ge=1, le=256, description="vllm, sim: adapters in one batch (--max-loras)")
     ] = 4
-    max_lora_rank: Annotated[
-        int, Field(ge=1, le=512, description="vllm, sim: the largest rank an adapter may have")
-    ] = 16
+    max_lora_rank: Literal[1, 8, 16, 32, 64, 128, 256, 320, 512] = Field(
+        default=16, description="vllm, sim: the largest rank an adapter may have (one of vLLM's sizes)"
+    )
     max_cpu_loras: Annotated[int, Field(ge=1, le=4096)] | None = Field(
         default=None,
         description="vllm, sim: adapters a replica holds loaded (--max-cpu-loras), the gateway's adapter "

@@ -125,6 +125,7 @@ class AdapterPlacement:
         self._spread_at: dict[str, float] = {}  # adapter → when it last gained a replica
         self._in_flight: dict[str, int] = {}  # base model → adapter requests in flight
         self._adapter_in_flight: dict[str, int] = {}
+        self._retired: set[str] = set()  # revisions no longer served, unloaded once their requests end
 
     # what a replica holds ----------------------------------------------------------------------------
 
@@ -267,6 +268,9 @@ class AdapterPlacement:
         if holding is None or residence is None:
             return []
         residence.in_flight = max(0, residence.in_flight - 1)
+        if residence.in_flight == 0 and residence.engine_name in self._retired:
+            del holding.resident[residence.engine_name]
+            return [residence]
         return self._make_room(holding, time.monotonic()) if len(holding.resident) > holding.slots else []
 
     def failed_load(self, replica: Replica, adapter: Adapter) -> None:
@@ -277,13 +281,18 @@ class AdapterPlacement:
 
     def stale(self, current: set[str]) -> list[tuple[str, Residence]]:
         """Idle residences of revisions no longer served (a replaced or removed adapter), to unload; those
-        still answering a request are left for a later call."""
+        still answering a request are unloaded when it ends (`done`)."""
         gone = []
         for rid, holding in self._holdings.items():
             for name, residence in list(holding.resident.items()):
-                if name not in current and residence.in_flight == 0:
+                if name in current:
+                    continue
+                if residence.in_flight == 0:
                     del holding.resident[name]
                     gone.append((rid, residence))
+                else:
+                    self._retired.add(name)
+        self._retired &= {n for h in self._holdings.values() for n in h.resident}  # (those gone: forgotten)
         return gone
 
     def snapshot(self, replica: Replica) -> dict[str, object]:

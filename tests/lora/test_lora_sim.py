@@ -1,0 +1,175 @@
+"""LoRA adapters on supervised simulated vLLM replicas (runtime loading, as vLLM does it), through
+`corral up`, `corral apply` and the official client: 20 adapters over 2 replicas of 4 slots under Zipf
+demand, loads counted and bounded; an adapter added, replaced (through the golden eval) and removed on a
+running cluster with no failed request."""
+
+from __future__ import annotations
+
+import random
+import shutil
+import subprocess
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import openai
+import pytest
+
+from tests.conftest import CORRAL, DATA, RunningCluster, cluster_of, get_json
+
+ADAPTER = DATA / "lora" / "corral-marker"
+SPEC = """
+supervisor: {{probe_interval: 0.5}}
+auth: {{open: true}}
+gateway: {{routing: least_outstanding_requests}}
+models:
+  - name: llama
+    arch: llama-3.1-8b
+    lora: {{max_loras: 4, max_lora_rank: 16, max_cpu_loras: 4}}
+    rollout:
+      golden_eval: [{{prompt: "Say something.", regex: "{regex}"}}]
+    adapters:
+{adapters}
+    deployments: [{{engine: sim, replicas: 2, gpu: h100-sxm, time_scale: 20, max_num_seqs: 32}}]
+"""
+
+
+def _spec(adapters: dict[str, Path], regex: str = ".") -> str:
+    entry = "      - {{name: {}, source: {{path: {}}}}}"
+    listed = "\n".join(entry.format(name, path) for name, path in adapters.items())
+    return SPEC.format(adapters=listed, regex=regex)
+
+
+def _metric(cluster: RunningCluster, name: str) -> dict[str, float]:
+    text = urllib.request.urlopen(cluster.url + "/metrics", timeout=10).read().decode()
+    found = {}
+    for line in text.splitlines():
+        if line.startswith(name + "{"):
+            labels, value = line.rsplit(" ", 1)
+            found[labels[len(name) :]] = float(value)
+    return found
+
+
+def _ask(client: openai.OpenAI, model: str) -> str:
+    reply = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Say something."}], max_tokens=8
+    )
+    return reply.choices[0].message.content or ""
+
+
+def test_twenty_adapters_over_two_replicas_of_four_slots_under_zipf_demand(tmp_path: Path) -> None:
+    names = [f"a{i:02d}" for i in range(20)]
+    with cluster_of(tmp_path, _spec(dict.fromkeys(names, ADAPTER))) as cluster:
+        listed = {m["id"]: m for m in get_json(cluster.base_url + "/models")[1]["data"]}
+        assert {n for n in names if listed[n]["parent"] == "llama"} == set(names)
+        client = openai.OpenAI(base_url=cluster.base_url, api_key="none", max_retries=0, timeout=60)
+        weights = [1 / (rank + 1) ** 1.1 for rank in range(len(names))]
+        asked = random.Random(7).choices(names, weights, k=240)
+        started = time.monotonic()
+        with ThreadPoolExecutor(12) as pool:
+            answers = list(pool.map(lambda name: _ask(client, name), asked))
+        elapsed = time.monotonic() - started
+        assert len(answers) == len(asked) and all(answers)  # every request answered
+        loads = _metric(cluster, "corral_adapter_loads_total")
+        total = sum(loads.values())
+        assert total >= 8  # both replicas' slots filled at least once...
+        assert total < len(asked) / 4  # ...and far fewer loads than requests
+        replicas = [r for r in cluster.status()["replicas"] if r["model"] == "llama"]
+        for replica in replicas:
+            # no thrashing: a slot is given up at most once per 10 s (min residency); past its slots a
+            # replica takes only adapters with a request in flight (12 clients: 12 at most)
+            bound = 4 * (elapsed / 10 + 1) + 12
+            assert replica["adapter_loads_last_minute"] <= bound, replica
+            assert len(replica["adapters"]) <= 4 + 12 and replica["adapter_slots"] == 4
+        assert sum(r["adapter_loads_last_minute"] for r in replicas) == total
+
+
+def _apply(cluster: RunningCluster, path: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*CORRAL, "apply", "-f", str(path), "--url", cluster.url, "--grace", "30"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def _engine_models(cluster: RunningCluster) -> set[str]:
+    """What the simulated vLLM replicas themselves list (base and loaded adapters' revisions)."""
+    held: set[str] = set()
+    for replica in cluster.status()["replicas"]:
+        held |= {m["id"] for m in get_json(replica["url"] + "/v1/models")[1]["data"]}
+    return held
+
+
+def test_adapters_added_replaced_and_removed_live_with_no_failed_request(tmp_path: Path) -> None:
+    other = tmp_path / "marker-v2"
+    shutil.copytree(ADAPTER, other)
+    with cluster_of(tmp_path, _spec({"first": ADAPTER})) as cluster:
+        client = openai.OpenAI(base_url=cluster.base_url, api_key="none", max_retries=0, timeout=60)
+        failures: list[str] = []
+        served = {"llama": 0, "first": 0}
+        stop = threading.Event()
+
+        def load(model: str) -> None:
+            while not stop.is_set():
+                try:
+                    _ask(client, model)
+                    served[model] += 1
+                except openai.OpenAIError as exc:
+                    failures.append(f"{model}: {exc}")
+
+        workers = [threading.Thread(target=load, args=(m,)) for m in ("llama", "first", "first")]
+        for worker in workers:
+            worker.start()
+        try:
+            # added: served at once, no replica restarted
+            pids = {r["id"]: r["pid"] for r in cluster.status()["replicas"]}
+            added = tmp_path / "added.yaml"
+            added.write_text(_spec({"first": ADAPTER, "second": ADAPTER}))
+            done = _apply(cluster, added)
+            assert done.returncode == 0, done.stdout + done.stderr
+            assert _ask(client, "second")
+            assert {r["id"]: r["pid"] for r in cluster.status()["replicas"]} == pids
+
+            # replaced by an adapter that fails the golden eval: refused, the old one serves on
+            failing = tmp_path / "failing.yaml"
+            failing.write_text(_spec({"first": other, "second": ADAPTER}, regex="^never matches$"))
+            refused = _apply(cluster, failing)
+            assert refused.returncode != 0 and "golden eval" in refused.stdout + refused.stderr
+            before = {k: v for k, v in _metric(cluster, "corral_adapter_loads_total").items() if "first" in k}
+
+            # replaced by one that passes: its new revision is loaded (and the old one unloaded)
+            passing = tmp_path / "passing.yaml"
+            passing.write_text(_spec({"first": other, "second": ADAPTER}))
+            done = _apply(cluster, passing)
+            assert done.returncode == 0, done.stdout + done.stderr
+            time.sleep(1.0)
+            after = {k: v for k, v in _metric(cluster, "corral_adapter_loads_total").items() if "first" in k}
+            assert sum(after.values()) > sum(before.values())
+            revisions = {m for m in _engine_models(cluster) if m.startswith("first@")}
+            deadline = time.monotonic() + 15
+            while len(revisions) != 1 and time.monotonic() < deadline:  # the old revision unloaded, idle
+                time.sleep(0.3)
+                revisions = {m for m in _engine_models(cluster) if m.startswith("first@")}
+            assert len(revisions) == 1, revisions
+
+            # removed: not listed, refused, unloaded from the engines
+            removed = tmp_path / "removed.yaml"
+            removed.write_text(_spec({"first": other}))
+            done = _apply(cluster, removed)
+            assert done.returncode == 0, done.stdout + done.stderr
+            assert "second" not in {m["id"] for m in get_json(cluster.base_url + "/models")[1]["data"]}
+            with pytest.raises(openai.NotFoundError):
+                _ask(client, "second")
+            deadline = time.monotonic() + 15
+            while any(m.startswith("second@") for m in _engine_models(cluster)):
+                assert time.monotonic() < deadline, _engine_models(cluster)
+                time.sleep(0.3)
+        finally:
+            stop.set()
+            for worker in workers:
+                worker.join()
+        assert failures == []
+        assert served["llama"] > 0 and served["first"] > 0
