@@ -228,7 +228,7 @@ def test_usage_is_read_from_the_answer_s_last_member_as_from_the_whole_answer(bo
     ],
 )
 def test_the_engine_is_asked_for_usage_whatever_the_body_says_of_it(body: dict) -> None:
-    from corral.gateway.pipeline import _with_usage
+    from corral.gateway.intake import _with_usage
 
     raw = orjson.dumps(body) + b" \n"
     asked = orjson.loads(_with_usage(raw))

@@ -3,7 +3,7 @@
     authenticate → parse → authorize model → admit (budget, rate limits) → cache → queue → route+relay
     → settle (and keep the answer in the cache)
 
-Each stage is a small function over the RequestContext; errors are raised as protocol errors and become
+Each stage is a small function over the RequestContext (parsing is intake.py's); errors are raised as protocol errors and become
 OpenAI-shaped responses at the app's one boundary. Whatever happens after admission, `settle` runs:
 the reservation is corrected to real usage, and a usage record and metrics are written.
 """
@@ -17,7 +17,6 @@ from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from functools import partial
 
-import orjson
 from aiohttp import web
 
 from corral.admission import (
@@ -33,30 +32,25 @@ from corral.admission import (
 from corral.cache import CacheLookup, ExactCache
 from corral.dialects import DialectStream, Messages, Responses
 from corral.dialects.chat import Exchange
-from corral.engines import EngineFeatures
-from corral.gateway.bodies import read_body, with_member
+from corral.gateway.bodies import read_body
 from corral.gateway.context import RequestContext
-from corral.gateway.embeddings import EmbeddingShaper, upstream_body
-from corral.gateway.failover import can_fail_over
-from corral.gateway.fanout import Fanout, check_features, needs_fanout
+from corral.gateway.embeddings import EmbeddingShaper
+from corral.gateway.fanout import Fanout
+from corral.gateway.intake import Intake
 from corral.gateway.isolation import TenantIsolation
 from corral.gateway.metrics import GatewayMetrics
 from corral.gateway.relay import SSE_HEADERS, EventStream, Relay
-from corral.gateway.toolcalls import ToolEmulation, names_tools
 from corral.gateway.usage import UsageRecorder
 from corral.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
     EmbeddingRequest,
-    GenerationRequest,
-    InvalidRequest,
     ModelNotFound,
     NoCapacity,
     RateLimited,
-    parse_body,
 )
-from corral.routing import Router, RouteRequest
+from corral.routing import Router
 from corral.routing.adapters import Adapter
 from corral.store import UsageRecord
 
@@ -64,7 +58,6 @@ __all__ = ["Pipeline"]
 
 logger = logging.getLogger(__name__)
 
-_DEFAULT_OUTPUT_ESTIMATE = 256  # tokens, when a request sets no max_tokens
 _LIMITS_RETRY_S = 2.0  # Retry-After when the shared limit store is down and the gateway fails closed
 _CLIENT_GONE = 499  # recorded for a client that went away before its answer ended (nginx's code)
 _CHAT = "/v1/chat/completions"  # where every dialect's requests go upstream
@@ -100,7 +93,6 @@ class Pipeline:
         responses: Responses | None = None,
     ) -> None:
         self._auth = auth
-        self._sizing = sizing
         self._budget = budget
         self._limits = limits
         self._cache = cache
@@ -112,11 +104,11 @@ class Pipeline:
         self._fanout = Fanout(relay.forward, relay.replica_header)
         self._usage = usage
         self._metrics = metrics
-        self._failover_modes = failover_modes  # a live apply adds new models' modes
         self._isolation = isolation
         self._max_body = max_body_bytes
         self._body_timeout = body_timeout
         self._embeddings = EmbeddingShaper()
+        self._intake = Intake(router, relay.adapters, sizing, failover_modes)
         # The route handlers, made once: the app calls them directly, with no wrapper between.
         self.chat_completions: _Handler = partial(
             self._handle, parse=partial(self.parse, kind=ChatCompletionRequest), answer=self._answer
@@ -157,7 +149,7 @@ class Pipeline:
 
     def _exchange_context(self, exchange: Exchange, session: str | None) -> RequestContext:
         """A dialect's request as the stages see it: its chat-completions body, told back by `exchange`."""
-        ctx = self._context(exchange.chat_body, _CHAT, ChatCompletionRequest, session)
+        ctx = self._intake.generation(exchange.chat_body, _CHAT, ChatCompletionRequest, session)
         ctx.exchange = exchange
         exchange.prompt_tokens = ctx.route.prompt_tokens
         return ctx
@@ -196,13 +188,13 @@ class Pipeline:
         (status, body): the answer, or the error a client would have got."""
         try:
             if path == "/v1/embeddings":
-                ctx = self._embedding_context(raw, path)
+                ctx = self._intake.embedding(raw, path)
             elif path == "/v1/responses" and self._responses is not None:
                 exchange = await self._responses.open(raw, principal.tenant, principal.key_id)
                 ctx = self._exchange_context(exchange, None)
             else:
                 kind = ChatCompletionRequest if path == "/v1/chat/completions" else CompletionRequest
-                ctx = self._context(raw, path, kind, None)
+                ctx = self._intake.generation(raw, path, kind, None)
             self._check_model(ctx, principal)
             self._isolation.apply(ctx, principal.tenant)
             ctx.budgeted = await self._budget.reserve(
@@ -362,158 +354,18 @@ class Pipeline:
     ) -> RequestContext:
         """Read and validate the body; check the model exists; prepare the upstream body and routing info."""
         raw = await self._read(request)
-        return self._context(raw, request.path, kind, request.headers.get("x-session-id"))
-
-    def _context(
-        self,
-        raw: bytes,
-        path: str,
-        kind: type[ChatCompletionRequest] | type[CompletionRequest],
-        session: str | None,
-    ) -> RequestContext:
-        body = parse_body(kind, raw)
-        adapter = self._adapters.get(body.model)
-        base = adapter.base if adapter is not None else body.model
-        features = self._features_of(base)
-        if features.embeddings:
-            raise InvalidRequest(
-                f"The model '{body.model}' is an embedding model: it serves /v1/embeddings only.",
-                param="model",
-                code="model_not_supported",
-            )
-        check_features(body, features)
-        emulation = None
-        if not features.tools and isinstance(body, ChatCompletionRequest) and names_tools(body):
-            try:  # tool calls its engine cannot make: asked for as JSON
-                data = orjson.loads(raw)
-            except orjson.JSONDecodeError as exc:  # (pydantic took NaN or Infinity; JSON has neither)
-                raise InvalidRequest(f"The body is not strict JSON: {exc}.") from exc
-            emulation = ToolEmulation(data)
-            raw = emulation.request(data)
-        upstream = _with_usage(raw) if body.stream and not body.include_usage else raw
-        asked = (
-            body.max_completion_tokens if isinstance(body, ChatCompletionRequest) else None
-        ) or body.max_tokens
-        max_tokens = asked or _DEFAULT_OUTPUT_ESTIMATE
-        counter = self._sizing.counters.get(base)
-        prompt = prompt_text(body) if counter is not None else ""
-        input_tokens = self._input_tokens(body, raw, prompt, base)
-        self._check_context(body, base, asked, input_tokens if counter is not None else None)
-        prompts = len(body.prompts) if isinstance(body, CompletionRequest) else 1
-        route = RouteRequest(
-            model=base,
-            tokens=input_tokens + max_tokens * body.n * prompts,
-            session=session or body.user,
-            prompt_tokens=input_tokens * prompts,
-            adapter=adapter,
-        )
-        if getattr(self._router.policy_for(base), "needs_prompt", False):
-            route.prompt = prompt or prompt_text(body)
-            if adapter is not None:  # engines share no KV blocks across adapters: neither does the index
-                route.prompt = f"lora:{adapter.name}\n{route.prompt}"
-        context = self._replicas.context_length(base)
-        may_generate = max(0, context - input_tokens) if asked is None and context else None
-        return RequestContext(
-            path=path,
-            body=body,
-            upstream_body=upstream,
-            received_at=time.monotonic(),
-            route=route,
-            budget_tokens=input_tokens + may_generate * body.n * prompts if may_generate else None,
-            features=features,
-            fanout=not body.stream and needs_fanout(body, features),
-            failover=emulation is None
-            and can_fail_over(body, self._failover_modes.get(base, "deterministic"), features.continuation),
-            emulation=emulation,
-        )
-
-    def _input_tokens(self, body: GenerationRequest, raw: bytes, prompt: str, base: str) -> int:
-        """The prompt's tokens: counted where the model names its tokenizer, else estimated by size."""
-        counter = self._sizing.counters.get(base)
-        if counter is not None:
-            return counter.count(prompt or prompt_text(body))
-        return int(len(raw) * self._sizing.tokens_per_byte)
-
-    def count_prompt(self, chat_body: bytes, principal: Principal) -> int:
-        """What admission counts for a chat request's prompt (Anthropic's count_tokens)."""
-        body = parse_body(ChatCompletionRequest, chat_body)
-        adapter = self._adapters.get(body.model)
-        base = adapter.base if adapter is not None else body.model
-        self._features_of(base)  # an unknown model is a 404
-        if adapter is not None and not adapter.allows(principal.tenant):
-            raise ModelNotFound(f"The model '{body.model}' does not exist on this server.", param="model")
-        principal.check_model(body.model)
-        return self._input_tokens(body, chat_body, "", base)
+        return self._intake.generation(raw, request.path, kind, request.headers.get("x-session-id"))
 
     async def parse_embeddings(self, request: web.Request) -> RequestContext:
         """An embedding request: validated, for an embedding model, sized by its inputs' tokens."""
-        return self._embedding_context(await self._read(request), request.path)
+        return self._intake.embedding(await self._read(request), request.path)
 
-    def _embedding_context(self, raw: bytes, path: str) -> RequestContext:
-        body = parse_body(EmbeddingRequest, raw)
-        features = self._features_of(body.model)
-        if not features.embeddings:
-            raise InvalidRequest(
-                f"The model '{body.model}' does not make embeddings; ask one of the cluster's embedding "
-                "models (task: embed).",
-                param="model",
-                code="model_not_supported",
-            )
-        counter = self._sizing.counters.get(body.model)
-        tokens = sum(
-            len(item)
-            if isinstance(item, list)
-            else counter.count(item)
-            if counter is not None
-            else max(1, int(len(item.encode()) * self._sizing.tokens_per_byte))
-            for item in body.inputs
-        )
-        route = RouteRequest(model=body.model, tokens=tokens, session=body.user, prompt_tokens=tokens)
-        return RequestContext(
-            path=path,
-            body=body,
-            upstream_body=upstream_body(raw),
-            received_at=time.monotonic(),
-            route=route,
-            features=features,
-        )
+    def count_prompt(self, chat_body: bytes, principal: Principal) -> int:
+        """What admission counts for a chat request's prompt (Anthropic's count_tokens)."""
+        return self._intake.count_prompt(chat_body, principal)
 
     async def _read(self, request: web.Request) -> bytes:
         return await read_body(request, self._body_timeout, self._max_body)
-
-    def _features_of(self, model: str) -> EngineFeatures:
-        if not self._replicas.has_model(model):
-            raise ModelNotFound(f"The model '{model}' does not exist on this server.", param="model")
-        return self._replicas.features(model)
-
-    def _check_context(
-        self,
-        body: ChatCompletionRequest | CompletionRequest,
-        base: str,
-        max_tokens: int | None,
-        input_tokens: int | None,
-    ) -> None:
-        """Refuse output (and, where a tokenizer counts it exactly, prompt + output) beyond the context the
-        model's replicas hold per sequence: the engine would hold a slot until the read timeout."""
-        context = self._replicas.context_length(base)
-        if context is None:
-            return
-        param = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens"
-        if max_tokens is not None and max_tokens > context:
-            raise InvalidRequest(
-                f"{param} is too large: {max_tokens}. The model '{body.model}' holds at most {context} "
-                "tokens per request (prompt and output together).",
-                param=param,
-                code="context_length_exceeded",
-            )
-        if input_tokens is not None and input_tokens + (max_tokens or 0) > context:
-            raise InvalidRequest(
-                f"This request needs {input_tokens + (max_tokens or 0)} tokens ({input_tokens} in the prompt"
-                f"{f', {max_tokens} of output' if max_tokens else ''}), more than the {context} the model "
-                f"'{body.model}' holds per request. Shorten the prompt or lower {param}.",
-                param="messages" if isinstance(body, ChatCompletionRequest) else "prompt",
-                code="context_length_exceeded",
-            )
 
     async def admit(self, ctx: RequestContext, principal: Principal) -> Reservation | None:
         """Reserve the request and its tokens (input estimate + max output) before any work starts."""
@@ -663,37 +515,3 @@ def _reserved_usage(ctx: RequestContext) -> dict[str, int]:
         "completion_tokens": ctx.route.tokens - prompt,
         "total_tokens": ctx.route.tokens,
     }
-
-
-def prompt_text(body: ChatCompletionRequest | CompletionRequest) -> str:
-    """The prompt as one string, for prefix-affinity routing and for counting: a chat's turns, their tool
-    calls, and the tools it offers (the engine's template renders all of them into the prompt)."""
-    if isinstance(body, ChatCompletionRequest):
-        turns = "\n".join(
-            f"{m.role}:{m.content}"
-            + (
-                _json_text(m.model_extra["tool_calls"])
-                if m.model_extra and "tool_calls" in m.model_extra
-                else ""
-            )
-            for m in body.messages
-        )
-        tools = (body.model_extra or {}).get("tools")
-        return turns + _json_text(tools) if tools else turns
-    return body.prompt if isinstance(body.prompt, str) else str(body.prompt)
-
-
-def _json_text(value: object) -> str:
-    try:
-        return "\n" + orjson.dumps(value).decode()
-    except TypeError:  # (nested past orjson's depth: counted by its text instead)
-        return "\n" + str(value)
-
-
-_ASK_USAGE = b',"stream_options":{"include_usage":true}'
-
-
-def _with_usage(raw: bytes) -> bytes:
-    """The body asking the engine for a usage chunk, which the relay strips again for the client (the
-    member appended to the bytes as they are where the body names no `stream_options`)."""
-    return with_member(raw, "stream_options", {"include_usage": True}, _ASK_USAGE, merge=True)
