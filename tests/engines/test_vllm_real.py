@@ -62,6 +62,7 @@ def test_a_lora_adapter_answers_on_vllm_and_its_base_does_not(vllm_cluster: Runn
 
     def answer(model: str) -> str:
         reply = client.chat.completions.create(model=model, messages=asked, max_tokens=8, temperature=0)
+        assert reply.model == model  # (vLLM names the adapter's revision: told back as asked)
         return reply.choices[0].message.content or ""
 
     assert answer("smollm2-vllm-marker").startswith("Corral adapter says:")

@@ -67,6 +67,12 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> RunningCluster:
 def test_the_adapter_answers_with_its_marker_and_the_base_does_not(cluster: RunningCluster) -> None:
     client = openai.OpenAI(base_url=cluster.base_url, api_key=_key(cluster, "acme"), max_retries=0)
     assert _answer(client, "marker").startswith(MARKER)
+    streamed = client.chat.completions.create(
+        model="marker", messages=ASKED, max_tokens=8, temperature=0, stream=True
+    )
+    chunks = list(streamed)
+    assert {c.model for c in chunks} == {"marker"}  # as asked, though the engine named its base
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices).startswith(MARKER)
     assert _answer(client, "acme-marker").startswith(MARKER)  # (its GGUF named directly)
     assert MARKER not in _answer(client, "smollm2")
     # a client's own `lora` member never reaches the engine: no adapter is picked through its base
@@ -141,3 +147,25 @@ def test_the_example_serves_the_committed_adapter_on_the_cpu(tmp_path: Path) -> 
         assert listed["corral-marker"]["parent"] == "smollm2"
         client = openai.OpenAI(base_url=running.base_url, api_key="none", max_retries=0)
         assert _answer(client, "corral-marker").startswith(MARKER)
+
+
+def test_every_generation_route_takes_the_adapter(cluster: RunningCluster) -> None:
+    """Completions, the Responses API and Anthropic's Messages API name the adapter as they name a model."""
+    import anthropic
+
+    key = _key(cluster, "acme", models=["marker"])
+    client = openai.OpenAI(base_url=cluster.base_url, api_key=key, max_retries=0)
+    completion = client.completions.create(
+        model="marker", prompt="The capital of France is", max_tokens=8, temperature=0
+    )
+    assert completion.model == "marker"  # (the engine named its base)
+    response = client.responses.create(
+        model="marker", input="What is the capital of France?", max_output_tokens=16, temperature=0
+    )
+    assert response.output_text.startswith(MARKER), response.output_text
+    messages = anthropic.Anthropic(base_url=cluster.url, api_key=key, max_retries=0).messages.create(
+        model="marker",
+        max_tokens=16,
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+    )
+    assert messages.content[0].text.startswith(MARKER)  # type: ignore[union-attr]

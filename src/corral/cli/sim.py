@@ -81,8 +81,9 @@ def sim_command(
     lora_modules: Annotated[
         list[str] | None,
         typer.Option(
+            metavar="NAME=PATH",
             help='adapters to load at start: name=path or {"name": .., "path": .., "base_model_name": ..}; '
-            "several may follow one flag, as vLLM's"
+            "several may follow one flag, as vLLM's",
         ),
     ] = None,
     runtime_lora_updating: Annotated[

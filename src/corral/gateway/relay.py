@@ -26,7 +26,7 @@ from corral.gateway.failover import Continuation, Sent, Transcript, continuation
 from corral.gateway.sse import SSEFilter
 from corral.protocol import ChatCompletionRequest, NoCapacity, UpstreamError, UpstreamTimeout, error_body
 from corral.routing import Replica, Router, RouteRequest
-from corral.routing.adapters import AdapterCatalogue
+from corral.routing.adapters import Adapter, AdapterCatalogue
 
 __all__ = ["SSE_HEADERS", "EventStream", "Relay"]
 
@@ -222,6 +222,8 @@ class Relay:
             raise _Retryable(f"{type(exc).__name__}: {exc}") from exc
         status, content_type = upstream.status, upstream.content_type
         if status == 200:
+            if ctx.route.adapter is not None:
+                body = _Renamed.rename(body, ctx.route.adapter)
             ctx.usage = _usage_of(body)
             if ctx.emulation is not None and ctx.emulation.active:  # the answer's JSON as tool calls
                 body = ctx.emulation.whole(body)
@@ -243,6 +245,8 @@ class Relay:
         sse = SSEFilter(keep_usage=ctx.client_wants_usage)
         emulation = ctx.emulation
         events: _Events = emulation.stream(sse) if emulation is not None and emulation.active else sse
+        if ctx.route.adapter is not None:  # the engine names the base, or the adapter's revision
+            events = _Renamed(events, ctx.route.adapter)
         first = b""
         try:
             while not first:  # hold the response until the first whole event: a failure here can retry
@@ -466,6 +470,29 @@ class _StallWatch:
 
     def stop(self) -> None:
         self._handle.cancel()
+
+
+class _Renamed:
+    """An adapter's answer names the model as the client asked it: the engine names the base (llama.cpp) or
+    the adapter's revision (vLLM: `name@digest`)."""
+
+    def __init__(self, events: _Events, adapter: Adapter) -> None:
+        self._events = events
+        self._adapter = adapter
+
+    @property
+    def done(self) -> bool:
+        return self._events.done
+
+    def feed(self, data: bytes) -> bytes:
+        return self.rename(self._events.feed(data), self._adapter)
+
+    @staticmethod
+    def rename(data: bytes, adapter: Adapter) -> bytes:
+        asked = b'"model":"' + adapter.name.encode() + b'"'
+        for named in (adapter.engine_name, adapter.base):
+            data = data.replace(b'"model":"' + named.encode() + b'"', asked)
+        return data
 
 
 class _Events(Protocol):
