@@ -4,8 +4,9 @@
     → settle (and keep the answer in the cache)
 
 Each stage is a small function over the RequestContext (parsing is intake.py's); errors are raised as
-protocol errors and become OpenAI-shaped responses at the app's one boundary. Whatever happens after admission, `settle` runs:
-the reservation is corrected to real usage, and a usage record and metrics are written.
+protocol errors and become OpenAI-shaped responses at the app's one boundary. Whatever happens after
+admission, `settle` runs: the reservation is corrected to real usage, and a usage record and metrics are
+written.
 """
 
 from __future__ import annotations
