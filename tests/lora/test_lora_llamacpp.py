@@ -169,3 +169,40 @@ def test_every_generation_route_takes_the_adapter(cluster: RunningCluster) -> No
         messages=[{"role": "user", "content": "What is the capital of France?"}],
     )
     assert messages.content[0].text.startswith(MARKER)  # type: ignore[union-attr]
+
+
+def test_an_adapter_kept_for_another_tenant_cannot_be_told_from_a_name_that_does_not_exist(
+    cluster: RunningCluster,
+) -> None:
+    """Before any other check (the base's context, its features), so no error tells it apart."""
+    client = openai.OpenAI(base_url=cluster.base_url, api_key=_key(cluster, "globex"), max_retries=0)
+    for model in ("acme-marker", "no-such-adapter"):
+        with pytest.raises(openai.NotFoundError) as refused:
+            client.chat.completions.create(model=model, messages=ASKED, max_tokens=999_999)
+        assert refused.value.code == "model_not_found"
+
+
+def test_batch_lines_name_the_adapter(cluster: RunningCluster) -> None:
+    import io
+
+    key = _key(cluster, "acme", models=["marker"])
+    client = openai.OpenAI(base_url=cluster.base_url, api_key=key, max_retries=0)
+    line = {
+        "custom_id": "one",
+        "method": "POST",
+        "url": "/v1/chat/completions",
+        "body": {"model": "marker", "messages": ASKED, "max_tokens": 8, "temperature": 0},
+    }
+    uploaded = client.files.create(file=("in.jsonl", io.BytesIO(json.dumps(line).encode())), purpose="batch")
+    batch = client.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    deadline = time.monotonic() + 60
+    while batch.status not in ("completed", "failed") and time.monotonic() < deadline:
+        time.sleep(0.3)
+        batch = client.batches.retrieve(batch.id)
+    assert batch.status == "completed", batch
+    assert batch.output_file_id is not None
+    (answer,) = [json.loads(x) for x in client.files.content(batch.output_file_id).text.splitlines()]
+    assert answer["response"]["body"]["choices"][0]["message"]["content"].startswith(MARKER)
+    assert answer["response"]["body"]["model"] == "marker"

@@ -221,3 +221,19 @@ def test_adapter_changes_are_live_on_vllm_and_replace_llamacpp_replicas() -> Non
     )
     before, after = parse_spec(llama), parse_spec(llama.replace("name: first", "name: renamed"))
     assert [c.action for c in plan_changes(before, after)] == ["rollout"]  # llama.cpp loads them at start
+
+
+def test_a_model_key_spelled_with_escapes_still_names_the_adapters_revision(tmp_path: Path) -> None:
+    """A body whose `model` key is written with a JSON escape is as valid as any: the engine is still asked
+    for the adapter's revision (no 404, no reload on every replica)."""
+    with cluster_of(tmp_path, _spec({"first": ADAPTER})) as cluster:
+        body = b'{"m\\u006fdel": "first", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}'
+        for _ in range(3):
+            request = urllib.request.Request(
+                cluster.base_url + "/chat/completions",
+                data=body,
+                headers={"Content-Type": "application/json"},
+            )
+            with urllib.request.urlopen(request, timeout=30) as answer:
+                assert json.load(answer)["model"] == "first"
+        assert sum(_metric(cluster, "corral_adapter_loads_total").values()) == 1

@@ -40,6 +40,7 @@ if TYPE_CHECKING:
 __all__ = ["BaseLayout", "adapter_gguf", "adapter_rank", "peft_to_gguf", "resolve_adapter"]
 
 _CONFIG, _WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+_MAX_DOWNLOAD_BYTES = 16 << 30  # an adapter (even of a 400B model at high rank) is far smaller
 _DOWNLOAD_TIMEOUT_S = 60.0  # for the connection and each read, not the whole download
 # PEFT module name → llama.cpp's tensor name (the same in every architecture below)
 _PROJECTIONS = {
@@ -194,14 +195,14 @@ def _from_url(source: UrlSource, paths: Paths, progress: Progress) -> Path:
             return found
         download = cache / f".{key}.download"
         try:
-            progress(f"downloading the LoRA adapter {source.url}")
+            progress(f"downloading the LoRA adapter {shown_url(source.url)}")
             _download(source, download)
             if _is_gguf(download):
                 if gguf_string(download, "general.type") != "adapter":
-                    raise ArtifactError(f"{source.url} is a GGUF file but not a LoRA adapter's")
+                    raise ArtifactError(f"{shown_url(source.url)} is a GGUF file but not a LoRA adapter's")
                 download.replace(cache / f"{key}.gguf")
                 return cache / f"{key}.gguf"
-            return _unpack_adapter(download, cache / key, source.url)
+            return _unpack_adapter(download, cache / key, shown_url(source.url))
         finally:
             download.unlink(missing_ok=True)
 
@@ -229,8 +230,18 @@ def _cached(cache: Path, key: str) -> Path | None:
     return None
 
 
+def shown_url(url: str) -> str:
+    """The URL as messages and logs show it: without user, password or query (a presigned URL's
+    signature is a secret)."""
+    parts = urllib.parse.urlsplit(url)
+    host = parts.hostname or ""
+    netloc = f"{host}:{parts.port}" if parts.port else host
+    return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, "", ""))
+
+
 def _download(source: UrlSource, out: Path) -> None:
-    """Stream the URL into `out`, checking its length and (when given) its SHA-256."""
+    """Stream the URL into `out` (at most `_MAX_DOWNLOAD_BYTES`), checking its length and (when given)
+    its SHA-256."""
     digest, size = hashlib.sha256(), 0
     out.parent.mkdir(parents=True, exist_ok=True)
     try:
@@ -242,13 +253,19 @@ def _download(source: UrlSource, out: Path) -> None:
             while chunk := response.read(1 << 20):
                 digest.update(chunk)
                 size += file.write(chunk)
+                if size > _MAX_DOWNLOAD_BYTES:
+                    raise ArtifactError(
+                        f"{shown_url(source.url)} is larger than {_MAX_DOWNLOAD_BYTES >> 30} GiB: "
+                        "not an adapter"
+                    )
     except OSError as exc:  # urllib's URLError and HTTPError are OSErrors, as timeouts are
-        raise ArtifactError(f"cannot download the LoRA adapter {source.url}: {exc}") from exc
+        raise ArtifactError(f"cannot download the LoRA adapter {shown_url(source.url)}: {exc}") from exc
     if expected is not None and int(expected) != size:
-        raise ArtifactError(f"the download of {source.url} broke off ({size} of {expected} bytes)")
+        raise ArtifactError(f"the download of {shown_url(source.url)} broke off ({size} of {expected} bytes)")
     if source.sha256 is not None and digest.hexdigest() != source.sha256:
         raise ArtifactError(
-            f"{source.url} has SHA-256 {digest.hexdigest()}, not the {source.sha256} its source names"
+            f"{shown_url(source.url)} has SHA-256 {digest.hexdigest()}, "
+            f"not the {source.sha256} its source names"
         )
 
 

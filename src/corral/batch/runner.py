@@ -40,6 +40,7 @@ from corral.batch.queue import BatchLine, LineResult
 from corral.config import BatchSettings
 from corral.protocol import PermissionDenied
 from corral.routing import ReplicaSet
+from corral.routing.adapters import AdapterCatalogue
 from corral.store import KeyStore
 
 __all__ = ["BatchRunner", "LineExecutor"]
@@ -70,8 +71,10 @@ class BatchRunner:
         replicas: ReplicaSet,
         waiting: Callable[[], dict[str, int]],
         settings: BatchSettings,
+        adapters: AdapterCatalogue | None = None,
     ) -> None:
         self._store = store
+        self._adapters = adapters or AdapterCatalogue()  # an adapter's lines run on its base's replicas
         self._executor = executor
         self._keys = keys
         self._replicas = replicas
@@ -90,12 +93,14 @@ class BatchRunner:
         recent ones finds room at once) and `batch.headroom`, and never more than `batch.max_share` of
         the slots. With nothing else in flight or waiting,
         one line may always run (a model with one slot)."""
-        ready = [r for r in self._replicas.ready(model) if r.breaker.allows()]
+        adapter = self._adapters.get(model)
+        base = adapter.base if adapter is not None else model
+        ready = [r for r in self._replicas.ready(base) if r.breaker.allows()]
         if not ready:
             return 0
         slots = sum(r.capacity or 1 for r in ready)
         busy = sum(r.outstanding for r in ready)
-        waiting = self._waiting().get(model, 0)
+        waiting = self._waiting().get(base, 0)
         mine = len(self._running.get(model, ()))
         peak = self._interactive_peak(model, max(0, busy + waiting - mine))
         share = int(slots * self._settings.max_share)  # requests pin to replicas (prefix affinity): spread
@@ -163,6 +168,7 @@ class BatchRunner:
             await asyncio.to_thread(self._store.fail, batch.id, errors)
             return
         served = {m: self._replicas.features(m).embeddings for m in self._replicas.models()}
+        served.update((a.name, False) for a in self._adapters.all() if a.allows(batch.tenant))
         parsed, errors = await asyncio.to_thread(read_batch_input, content, batch.endpoint, served)
         if parsed is not None:
             errors = await self._model_refused(batch, parsed.model)
@@ -178,6 +184,9 @@ class BatchRunner:
             message = "The API key that created this batch has been revoked."
             return [{"code": "invalid_api_key", "message": message, "param": None, "line": None}]
         try:
+            adapter = self._adapters.get(model)
+            if adapter is not None and not adapter.allows(principal.tenant):
+                raise PermissionDenied(f"The model '{model}' does not exist on this server.")
             principal.check_model(model)
         except PermissionDenied as exc:
             return [{"code": exc.code, "message": exc.message, "param": "body.model", "line": None}]

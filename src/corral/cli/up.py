@@ -279,12 +279,13 @@ def adapter_settings(model: Any, paths: Paths) -> list[dict[str, Any]]:
     from corral.cluster.reconcile import adapter_digest
 
     loads = any(d.engine in ("vllm", "sim") for d in model.deployments)
+    found = {a.name: str(resolve_adapter(a.source, paths)) if loads else "" for a in model.adapters}
     return [
         {
             "name": adapter.name,
             "base": model.name,
-            "engine_name": f"{adapter.name}@{adapter_digest(adapter)}",
-            "path": str(resolve_adapter(adapter.source, paths)) if loads else "",
+            "engine_name": f"{adapter.name}@{adapter_digest(adapter, found[adapter.name])}",
+            "path": found[adapter.name],
             "tenants": adapter.tenants,
             "rpm": adapter.rpm,
             "tpm": adapter.tpm,
@@ -404,6 +405,7 @@ def router_for(spec: ClusterSpec, replicas: Any) -> Any:
 
 def gateway_parts_for(spec: ClusterSpec, paths: Paths, replicas: Any) -> Any:
     """The gateway's parts for `spec` (also each gateway worker's)."""
+    from corral.artifacts import ArtifactError
     from corral.cluster.reconcile import deployed_digest
     from corral.gateway import GatewayParts
     from corral.store import StoreError
@@ -428,9 +430,15 @@ def gateway_parts_for(spec: ClusterSpec, paths: Paths, replicas: Any) -> Any:
     except StoreError as exc:
         raise CliError(str(exc)) from None
     for model in spec.models:
-        if model.adapters:
-            settings = {"name": model.name, "version": deployed_digest(model)}
-            install_adapters(parts, {**settings, "adapters": adapter_settings(model, paths)})
+        if not model.adapters:
+            continue
+        try:
+            adapters = adapter_settings(model, paths)
+        except ArtifactError as exc:  # (a worker restarted after a live apply: the announcements follow)
+            logger.warning("%s: its adapters are not served until they can be had: %s", model.name, exc)
+            continue
+        settings = {"name": model.name, "version": deployed_digest(model)}
+        install_adapters(parts, {**settings, "adapters": adapters})
     return parts
 
 

@@ -20,6 +20,7 @@ import hashlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -142,11 +143,22 @@ def _deployed(model: ModelSpec) -> dict[str, Any]:
     return data
 
 
-def adapter_digest(adapter: AdapterSpec) -> str:
-    """A digest of where an adapter comes from: its revision's engine name is `name@digest`, so a replaced
-    adapter's answers are never taken for the old one's (or served from its cache entries)."""
-    source = orjson.dumps(adapter.source.model_dump(mode="json"), option=orjson.OPT_SORT_KEYS)
-    return hashlib.sha256(source).hexdigest()[:10]
+def adapter_digest(adapter: AdapterSpec, folder: str = "") -> str:
+    """A digest of where an adapter comes from and (given its `folder`) what its files are now (the config's
+    bytes, each file's size and modification time): its revision's engine name is `name@digest`, so a
+    replaced adapter's answers are never taken for the old one's (or served from its cache entries), and
+    files changed where they lie make a new revision when the gateway next reads the spec."""
+    digest = hashlib.sha256(orjson.dumps(adapter.source.model_dump(mode="json"), option=orjson.OPT_SORT_KEYS))
+    place = Path(folder) if folder else None
+    if place is not None and place.is_dir():
+        for file in sorted(place.iterdir()):
+            if file.is_file():
+                stat = file.stat()
+                digest.update(f"{file.name}\0{stat.st_size}\0{stat.st_mtime_ns}\0".encode())
+        config = place / "adapter_config.json"
+        if config.is_file():
+            digest.update(config.read_bytes())
+    return digest.hexdigest()[:10]
 
 
 async def _gate_adapter(
@@ -166,7 +178,7 @@ async def _gate_adapter(
     try:
         return await run_gate(session, replica, rollout.golden_eval, rollout.eval_latency_s, model=name)
     finally:
-        with contextlib.suppress(aiohttp.ClientError):
+        with contextlib.suppress(aiohttp.ClientError, TimeoutError):
             unload = replica.url + "/v1/unload_lora_adapter"
             async with session.post(unload, json={"lora_name": name}, headers=headers):
                 pass

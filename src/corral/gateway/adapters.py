@@ -23,7 +23,6 @@ import orjson
 
 from corral.engines.client import EngineClient, EngineConnectionError
 from corral.gateway.bodies import with_member
-from corral.protocol import UpstreamError
 from corral.routing import Replica, Router, RouteRequest
 from corral.routing.adapters import Adapter, AdapterCatalogue, Residence
 
@@ -52,7 +51,7 @@ class AdapterLoader:
         self._placement = router.adapters
         self._catalogue = catalogue
         self.metrics = metrics  # the gateway's (GatewayMetrics): loads and unloads are counted
-        self._loading: dict[tuple[str, str], asyncio.Future[None]] = {}
+        self._loading: dict[tuple[str, str], asyncio.Task[None]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         router.on_unload = self.unload
         catalogue.on_change = self._catalogue_changed
@@ -63,46 +62,46 @@ class AdapterLoader:
         if adapter is None or adapter.name in replica.adapters:
             return
         key = (replica.id, adapter.engine_name)
-        pending = self._loading.get(key)
-        if pending is None and not route.load_adapter:
+        loading = self._loading.get(key)
+        if loading is None and not route.load_adapter:
             return
-        if pending is None:
-            pending = self._loading[key] = asyncio.get_running_loop().create_future()
+        if loading is None:  # a task of its own: a client that leaves does not cancel others' wait
             route.load_adapter = False
-            try:
-                await self._load(replica, adapter)
-                pending.set_result(None)
-            except BaseException as exc:
-                self._placement.failed_load(replica, adapter)
-                pending.set_exception(exc)
-                pending.exception()  # (retrieved: waiters see it, an unwaited future does not warn)
-                raise
-            finally:
-                self._loading.pop(key, None)
-            return
-        await asyncio.shield(pending)
+            load = self._load(replica, adapter, route.residence)
+            loading = self._loading[key] = asyncio.get_running_loop().create_task(load)
+            loading.add_done_callback(lambda _: self._loading.pop(key, None))
+        await asyncio.shield(loading)
 
-    async def _load(self, replica: Replica, adapter: Adapter) -> None:
+    async def _load(self, replica: Replica, adapter: Adapter, residence: Residence | None) -> None:
+        """Load the adapter; AdapterLoadFailed (another replica may serve the request) when the replica
+        cannot: unreachable, or refusing (its answer is logged, not told to the client: it names the
+        server's paths). Routing forgets the load (`residence`) either way."""
         body = orjson.dumps({"lora_name": adapter.engine_name, "lora_path": adapter.path})
         try:
-            upstream = await self._engines.post(replica.url, _LOAD, body, replica.api_key)
             try:
-                answer = await upstream.read()
-            finally:
-                upstream.release()
-        except (EngineConnectionError, TimeoutError) as exc:
-            raise AdapterLoadFailed(f"loading adapter {adapter.name} on {replica.id}: {exc}") from exc
-        if upstream.status == 200 or (upstream.status == 400 and b"already been loaded" in answer):
-            if self.metrics is not None:
-                self.metrics.adapter_loads.labels(adapter.base, adapter.name).inc()
-            logger.info("replica %s loaded adapter %s", replica.id, adapter.engine_name)
-            return
-        if upstream.status >= 500:
-            raise AdapterLoadFailed(f"replica {replica.id} answered {upstream.status} loading {adapter.name}")
-        raise UpstreamError(
-            f"The replica could not load the adapter '{adapter.name}': {_message(answer)}",
-            code="adapter_load_failed",
-        )
+                upstream = await self._engines.post(replica.url, _LOAD, body, replica.api_key)
+                try:
+                    answer = await upstream.read()
+                finally:
+                    upstream.release()
+            except (EngineConnectionError, TimeoutError) as exc:
+                raise AdapterLoadFailed(f"loading adapter {adapter.name} on {replica.id}: {exc}") from exc
+            if upstream.status == 200 or (upstream.status == 400 and b"already been loaded" in answer):
+                if self.metrics is not None:
+                    self.metrics.adapter_loads.labels(adapter.base, adapter.name).inc()
+                logger.info("replica %s loaded adapter %s", replica.id, adapter.engine_name)
+                return
+            logger.error(
+                "replica %s refused to load adapter %s (%d): %s",
+                replica.id,
+                adapter.engine_name,
+                upstream.status,
+                _message(answer),
+            )
+            raise AdapterLoadFailed(f"replica {replica.id} could not load adapter {adapter.name}")
+        except BaseException:
+            self._placement.failed_load(replica, residence)
+            raise
 
     def unload(self, replica: Replica, residence: Residence) -> None:
         """Have `replica` unload an adapter routing gave up (in the background)."""
@@ -111,9 +110,9 @@ class AdapterLoader:
         task.add_done_callback(self._tasks.discard)
 
     async def _unload(self, replica: Replica, residence: Residence) -> None:
-        pending = self._loading.get((replica.id, residence.engine_name))
-        if pending is not None:  # (its load must end first, or the unload would find nothing)
-            await asyncio.wait([pending])
+        loading = self._loading.get((replica.id, residence.engine_name))
+        if loading is not None:  # (its load must end first, or the unload would find nothing)
+            await asyncio.wait([loading])
         body = orjson.dumps({"lora_name": residence.engine_name})
         try:
             upstream = await self._engines.post(replica.url, _UNLOAD, body, replica.api_key)
@@ -123,6 +122,8 @@ class AdapterLoader:
                 upstream.release()
         except (EngineConnectionError, TimeoutError) as exc:
             logger.warning("unloading adapter %s on %s: %s", residence.engine_name, replica.id, exc)
+            return
+        if upstream.status != 200:  # (404: it was not there, a restart or another gateway worker's unload)
             return
         if self.metrics is not None:
             self.metrics.adapter_unloads.labels(replica.model, residence.adapter).inc()
@@ -138,28 +139,37 @@ class AdapterLoader:
 
     def forget(self, replica: Replica, route: RouteRequest) -> None:
         """The engine said it does not know the adapter: it is loaded again on the next request."""
-        if route.adapter is not None:
-            self._placement.failed_load(replica, route.adapter)
+        self._placement.failed_load(replica, route.residence)
 
 
-def body_for(replica: Replica, route: RouteRequest, raw: bytes, has_adapters: bool) -> bytes:
+def body_for(replica: Replica, route: RouteRequest, raw: bytes) -> bytes:
     """The request's body as `replica`'s engine takes it: naming the adapter's revision (vLLM, sim), or
-    selecting it by index (llama.cpp); for the base of a model with adapters on llama.cpp, selecting none."""
+    selecting it by index (llama.cpp); for a base request to a replica started with adapters, selecting
+    none (whatever the catalogue says now: a rollout's old replicas still hold removed adapters)."""
     adapter = route.adapter
     if adapter is None:
-        if has_adapters and replica.adapters:
-            return with_member(raw, "lora", [], NO_ADAPTER)
-        return raw
+        return with_member(raw, "lora", [], NO_ADAPTER) if replica.adapters else raw
     if adapter.name in replica.adapters:
         selected = [{"id": replica.adapters.index(adapter.name), "scale": 1.0}]
         raw = with_member(raw, "lora", selected, b',"lora":' + orjson.dumps(selected))
-        return with_member(raw, "model", adapter.base, b"")
-    return with_member(raw, "model", adapter.engine_name, b"")
+        return with_member(raw, "model", adapter.base, _member("model", adapter.base))
+    # (the member, where the bytes spell the key with escapes: the engine reads the last of duplicate keys)
+    return with_member(raw, "model", adapter.engine_name, _member("model", adapter.engine_name))
 
 
-def unknown_adapter(status: int, answer: bytes) -> bool:
-    """The engine's answer says it does not know the model the request named (vLLM's 404)."""
-    return status == 404 and b"does not exist" in answer
+def _member(name: str, value: str) -> bytes:
+    return b',"' + name.encode() + b'":' + orjson.dumps(value)
+
+
+def unknown_adapter(route: RouteRequest, status: int, answer: bytes) -> bool:
+    """The engine's answer says it does not know the adapter's revision the request named (vLLM's 404)."""
+    adapter = route.adapter
+    return (
+        adapter is not None
+        and status == 404
+        and b"does not exist" in answer
+        and adapter.engine_name.encode() in answer
+    )
 
 
 def _message(answer: bytes) -> str:

@@ -195,7 +195,7 @@ def _batch_runner(
     if parts.batches is None or worker not in (None, 0):
         return None
     runner = BatchRunner(
-        parts.batches, pipeline, parts.keys, router.replicas, parts.queue.depths, parts.batch
+        parts.batches, pipeline, parts.keys, router.replicas, parts.queue.depths, parts.batch, parts.adapters
     )
     return asyncio.create_task(runner.run(), name="batch-runner")
 

@@ -56,9 +56,14 @@ class Intake:
         path: str,
         kind: type[ChatCompletionRequest] | type[CompletionRequest],
         session: str | None,
+        tenant: str | None,
     ) -> RequestContext:
+        """`tenant`'s request: an adapter kept for other tenants does not exist for it (before any other
+        check, which would tell it apart from a name that does not exist)."""
         body = parse_body(kind, raw)
         adapter = self._adapters.get(body.model)
+        if adapter is not None and not adapter.allows(tenant):
+            raise ModelNotFound(f"The model '{body.model}' does not exist on this server.", param="model")
         base = adapter.base if adapter is not None else body.model
         features = self.features_of(base)
         if features.embeddings:

@@ -12,6 +12,7 @@ written.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -64,7 +65,7 @@ _CLIENT_GONE = 499  # recorded for a client that went away before its answer end
 _CHAT = "/v1/chat/completions"  # where every dialect's requests go upstream
 _APIS = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/embeddings": "embeddings"}
 
-_Parse = Callable[[web.Request], Awaitable[RequestContext]]
+_Parse = Callable[[web.Request, Principal], Awaitable[RequestContext]]
 _Answer = Callable[[RequestContext, Principal, web.Request], Awaitable[web.StreamResponse]]
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 Dialect = Responses | Messages
@@ -126,7 +127,7 @@ class Pipeline:
 
     async def _handle(self, request: web.Request, parse: _Parse, answer: _Answer) -> web.StreamResponse:
         principal = await self._auth.authenticate(request.headers.get("Authorization"))
-        ctx = await parse(request)
+        ctx = await parse(request, principal)
         return await self._serve(ctx, principal, request, answer)
 
     async def _dialect(self, request: web.Request, dialect: Dialect) -> web.StreamResponse:
@@ -137,7 +138,7 @@ class Pipeline:
             principal = await self._auth.authenticate(dialect.credentials(request))
             raw = await self._read(request)
             exchange = await dialect.open(raw, principal.tenant, principal.key_id)
-            ctx = self._exchange_context(exchange, request.headers.get("x-session-id"))
+            ctx = self._exchange_context(exchange, request.headers.get("x-session-id"), principal)
             response = await self._serve(ctx, principal, request, self._answer)
             if not isinstance(response, DialectStream):
                 response = await exchange.whole(response)
@@ -148,9 +149,13 @@ class Pipeline:
             logger.exception("unhandled error on %s %s", request.method, request.path)
             return dialect.error_response(APIError("The gateway hit an internal error; it has been logged."))
 
-    def _exchange_context(self, exchange: Exchange, session: str | None) -> RequestContext:
+    def _exchange_context(
+        self, exchange: Exchange, session: str | None, principal: Principal
+    ) -> RequestContext:
         """A dialect's request as the stages see it: its chat-completions body, told back by `exchange`."""
-        ctx = self._intake.generation(exchange.chat_body, _CHAT, ChatCompletionRequest, session)
+        ctx = self._intake.generation(
+            exchange.chat_body, _CHAT, ChatCompletionRequest, session, principal.tenant
+        )
         ctx.exchange = exchange
         exchange.prompt_tokens = ctx.route.prompt_tokens
         return ctx
@@ -192,10 +197,10 @@ class Pipeline:
                 ctx = self._intake.embedding(raw, path)
             elif path == "/v1/responses" and self._responses is not None:
                 exchange = await self._responses.open(raw, principal.tenant, principal.key_id)
-                ctx = self._exchange_context(exchange, None)
+                ctx = self._exchange_context(exchange, None, principal)
             else:
                 kind = ChatCompletionRequest if path == "/v1/chat/completions" else CompletionRequest
-                ctx = self._intake.generation(raw, path, kind, None)
+                ctx = self._intake.generation(raw, path, kind, None, principal.tenant)
             self._check_model(ctx, principal)
             self._isolation.apply(ctx, principal.tenant)
             ctx.budgeted = await self._budget.reserve(
@@ -351,13 +356,17 @@ class Pipeline:
             cache.keep_whole(lookup, ctx.whole, chat)
 
     async def parse(
-        self, request: web.Request, kind: type[ChatCompletionRequest] | type[CompletionRequest]
+        self,
+        request: web.Request,
+        principal: Principal,
+        kind: type[ChatCompletionRequest] | type[CompletionRequest],
     ) -> RequestContext:
         """Read and validate the body; check the model exists; prepare the upstream body and routing info."""
         raw = await self._read(request)
-        return self._intake.generation(raw, request.path, kind, request.headers.get("x-session-id"))
+        session = request.headers.get("x-session-id")
+        return self._intake.generation(raw, request.path, kind, session, principal.tenant)
 
-    async def parse_embeddings(self, request: web.Request) -> RequestContext:
+    async def parse_embeddings(self, request: web.Request, principal: Principal) -> RequestContext:
         """An embedding request: validated, for an embedding model, sized by its inputs' tokens."""
         return self._intake.embedding(await self._read(request), request.path)
 
@@ -386,15 +395,18 @@ class Pipeline:
                         ctx.adapter_reserved = await limiter.reserve(
                             _adapter_principal(adapter), ctx.route.tokens
                         )
-                    except RateLimited as exc:
+                    except BaseException as exc:  # (refused, the limiter down, the client gone)
                         if reservation is not None:
-                            await limiter.settle(reservation, 0)
-                        raise RateLimited(
-                            exc.message.replace("for this key", f"for the model '{adapter.name}'"),
-                            code=exc.code,
-                            retry_after=exc.retry_after,
-                            headers=exc.extra_headers,
-                        ) from None
+                            with contextlib.suppress(LimiterUnavailable):
+                                await limiter.settle(reservation, 0)
+                        if isinstance(exc, RateLimited):  # (without the counts: others' use of it)
+                            what = "the model's" if "too large" in exc.message else f"for '{adapter.name}'"
+                            raise RateLimited(
+                                exc.message.replace("for this key", what).replace("the key's", what),
+                                code=exc.code,
+                                retry_after=exc.retry_after,
+                            ) from None
+                        raise
                 return reservation
             except APIError:
                 self._budget.settle(principal, 0, ctx.budgeted)  # refused: nothing ran

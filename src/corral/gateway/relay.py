@@ -189,9 +189,9 @@ class Relay:
         body = ctx.upstream_body
         route = ctx.route
         try:
-            if route.adapter is not None or route.model in self.adapters.bases:
+            if route.adapter is not None or replica.adapters:
                 await self.loader.ready(replica, route)
-                body = body_for(replica, route, body, route.model in self.adapters.bases)
+                body = body_for(replica, route, body)
             upstream = await self._engines.post(replica.url, ctx.path, body, replica.api_key)
         except TimeoutError as exc:
             raise UpstreamTimeout(f"Replica {replica.id} did not answer in time.") from exc
@@ -202,7 +202,7 @@ class Relay:
                 raise _Retryable(f"engine answered {upstream.status}")
             if upstream.status == 404 and route.adapter is not None:
                 answer = await upstream.read()
-                if unknown_adapter(upstream.status, answer):
+                if unknown_adapter(route, upstream.status, answer):
                     self.loader.forget(replica, route)
                     raise _Reload(f"replica {replica.id} did not know adapter {route.adapter.name}")
                 status, error = _engine_error(upstream.status, answer)
@@ -399,9 +399,9 @@ class Relay:
             token_ids = await self._token_ids(replica, sent) if _by_tokens(ctx) else None
             body = continuation_body(ctx, sent, token_ids)
             route = ctx.route
-            if route.adapter is not None or route.model in self.adapters.bases:
+            if route.adapter is not None or replica.adapters:
                 await self.loader.ready(replica, route)
-                body = body_for(replica, route, body, route.model in self.adapters.bases)
+                body = body_for(replica, route, body)
             upstream = await self._engines.post(replica.url, ctx.path, body, replica.api_key)
         except _CONTINUE_FAILURES as exc:
             return f"continuing on {replica.id} failed ({type(exc).__name__})"

@@ -63,7 +63,6 @@ class AdapterCatalogue:
 
     def __init__(self, adapters: Iterable[Adapter] = ()) -> None:
         self._by_name: dict[str, Adapter] = {a.name: a for a in adapters}
-        self.bases: frozenset[str] = frozenset(a.base for a in self._by_name.values())
         self.on_change: Callable[[], None] = lambda: None  # told after `replace` (the gateway's loader)
 
     def get(self, name: str) -> Adapter | None:
@@ -79,7 +78,6 @@ class AdapterCatalogue:
             del self._by_name[name]
         new = {a.name: a for a in adapters}
         self._by_name.update(new)
-        self.bases = frozenset(a.base for a in self._by_name.values())
         self.on_change()
         return [a for name, a in old.items() if new.get(name) != a]
 
@@ -106,6 +104,7 @@ class _Holdings:
     """What one runtime-loading replica holds, least recently used first."""
 
     slots: int
+    model: str
     started_at: float | None  # the engine process's start: a restarted one holds nothing
     resident: OrderedDict[str, Residence] = field(default_factory=OrderedDict)
     loads: list[float] = field(default_factory=list)  # when it loaded, over the last minute
@@ -132,7 +131,9 @@ class AdapterPlacement:
     def _holding(self, replica: Replica) -> _Holdings:
         found = self._holdings.get(replica.id)
         if found is None or found.started_at != replica.started_at:
-            found = self._holdings[replica.id] = _Holdings(replica.adapter_slots, replica.started_at)
+            found = self._holdings[replica.id] = _Holdings(
+                replica.adapter_slots, replica.model, replica.started_at
+            )
         found.slots = replica.adapter_slots
         return found
 
@@ -146,7 +147,7 @@ class AdapterPlacement:
 
     def resident(self, replica: Replica) -> list[str]:
         """The adapters (model ids) `replica` holds: those it started with, and those loaded."""
-        holding = self._holdings.get(replica.id)
+        holding = self._holding(replica) if replica.adapter_slots > 0 else None
         loaded = [r.adapter for r in holding.resident.values()] if holding else []
         return [*replica.adapters, *loaded]
 
@@ -154,12 +155,9 @@ class AdapterPlacement:
         holding = self._holdings.get(replica.id)
         return holding.loaded(time.monotonic()) if holding else 0
 
-    def forget_replica(self, replica_id: str) -> None:
-        """The replica is gone or restarted: what it had loaded is gone with it."""
-        self._holdings.pop(replica_id, None)
-
-    def keep(self, replica_ids: set[str]) -> None:
-        for rid in [r for r in self._holdings if r not in replica_ids]:
+    def keep(self, model: str, replica_ids: set[str]) -> None:
+        """`model`'s replicas are now `replica_ids`: the holdings of those gone are forgotten."""
+        for rid in [r for r, h in self._holdings.items() if h.model == model and r not in replica_ids]:
             del self._holdings[rid]
 
     # routing -----------------------------------------------------------------------------------------
@@ -186,17 +184,21 @@ class AdapterPlacement:
         return holders
 
     def _wants_more(self, adapter: Adapter, holders: list[Replica], able: list[Replica]) -> bool:
-        """The adapter's holders are too few for its demand: they carry more than its share of the
-        model's requests in flight, the least busy of them is busier than another replica by a margin,
-        and it has not gained a replica in the last `spread_interval_s`."""
+        """The adapter's holders are too few: the least busy of them is busier than another replica by a
+        margin, and either they carry more than the adapter's share of the model's requests in flight (its
+        demand), or it is full (others' demand: one adapter's burst does not hold another's requests on
+        its replica); and it has not gained a replica in the last `spread_interval_s`."""
         now = time.monotonic()
         if now - self._spread_at.get(adapter.name, -math.inf) < self.spread_interval_s:
             return False
+        calmest = min(holders, key=lambda r: r.outstanding)
+        if calmest.outstanding < min(r.outstanding for r in able) + _SPREAD_MARGIN:
+            return False
+        if calmest.capacity is not None and calmest.outstanding >= calmest.capacity:
+            return True
         mine = self._adapter_in_flight.get(adapter.name, 0)
         everyone = max(1, self._in_flight.get(adapter.base, 0))
-        share = math.ceil(mine * len(able) / everyone)
-        least_busy = min(r.outstanding for r in holders)
-        return len(holders) < share and least_busy >= min(r.outstanding for r in able) + _SPREAD_MARGIN
+        return len(holders) < math.ceil(mine * len(able) / everyone)
 
     def _loader(self, adapter: Adapter, able: list[Replica]) -> Replica | None:
         """The replica that loads the adapter at least cost: a free slot, else an idle old one to give
@@ -228,24 +230,27 @@ class AdapterPlacement:
 
     # a request's life --------------------------------------------------------------------------------
 
-    def use(self, replica: Replica, adapter: Adapter) -> tuple[bool, list[Residence]]:
-        """A request of `adapter` goes to `replica`: (whether the replica must load it first, the adapters
-        it must unload to make room). Counted in flight until `done`."""
+    def use(self, replica: Replica, adapter: Adapter) -> tuple[Residence | None, bool, list[Residence]]:
+        """A request of `adapter` goes to `replica`: (its residence there, counted in flight until `done`
+        (None: held from the replica's start); whether the replica must load it first; the adapters it
+        must unload to make room)."""
         self._in_flight[adapter.base] = self._in_flight.get(adapter.base, 0) + 1
         self._adapter_in_flight[adapter.name] = self._adapter_in_flight.get(adapter.name, 0) + 1
         if adapter.name in replica.adapters or replica.adapter_slots <= 0:
-            return False, []
+            return None, False, []
         now = time.monotonic()
         holding = self._holding(replica)
         residence = holding.resident.get(adapter.engine_name)
         if residence is not None:
             holding.resident.move_to_end(adapter.engine_name)
             residence.last_used, residence.in_flight = now, residence.in_flight + 1
-            return False, []
+            return residence, False, []
         unload = self._make_room(holding, now, extra=1)
-        holding.resident[adapter.engine_name] = Residence(adapter.engine_name, adapter.name, now, now, 1)
+        residence = holding.resident[adapter.engine_name] = Residence(
+            adapter.engine_name, adapter.name, now, now, 1
+        )
         holding.loads.append(now)
-        return True, unload
+        return residence, True, unload
 
     def _make_room(self, holding: _Holdings, now: float, extra: int = 0) -> list[Residence]:
         """Unload idle adapters, least recently used first, while the replica holds more than its slots
@@ -259,25 +264,29 @@ class AdapterPlacement:
             gone.append(victim)
         return gone
 
-    def done(self, replica: Replica, adapter: Adapter) -> list[Residence]:
-        """The request ended: what the replica should now unload (it held more than its slots)."""
+    def done(self, replica: Replica, adapter: Adapter, residence: Residence | None) -> list[Residence]:
+        """The request ended (its residence from `use`): what the replica should now unload (a retired
+        revision gone idle, or more than its slots)."""
         self._in_flight[adapter.base] = max(0, self._in_flight.get(adapter.base, 0) - 1)
         self._adapter_in_flight[adapter.name] = max(0, self._adapter_in_flight.get(adapter.name, 0) - 1)
-        holding = self._holdings.get(replica.id)
-        residence = holding.resident.get(adapter.engine_name) if holding else None
-        if holding is None or residence is None:
+        if residence is None:
             return []
         residence.in_flight = max(0, residence.in_flight - 1)
+        holding = self._holdings.get(replica.id)
+        if holding is None or holding.resident.get(residence.engine_name) is not residence:
+            return []  # (forgotten since: a failed load, a lost adapter, a restart)
         if residence.in_flight == 0 and residence.engine_name in self._retired:
             del holding.resident[residence.engine_name]
             return [residence]
         return self._make_room(holding, time.monotonic()) if len(holding.resident) > holding.slots else []
 
-    def failed_load(self, replica: Replica, adapter: Adapter) -> None:
-        """Loading failed, or the engine no longer knows it (restarted, or another gateway unloaded it)."""
+    def failed_load(self, replica: Replica, residence: Residence | None) -> None:
+        """Loading failed, or the engine no longer knows it (restarted, or another gateway unloaded it):
+        this residence is forgotten (not a newer one of the same revision)."""
         holding = self._holdings.get(replica.id)
-        if holding is not None:
-            holding.resident.pop(adapter.engine_name, None)
+        if residence is not None and holding is not None:
+            if holding.resident.get(residence.engine_name) is residence:
+                del holding.resident[residence.engine_name]
 
     def stale(self, current: set[str]) -> list[tuple[str, Residence]]:
         """Idle residences of revisions no longer served (a replaced or removed adapter), to unload; those
@@ -292,11 +301,12 @@ class AdapterPlacement:
                     gone.append((rid, residence))
                 else:
                     self._retired.add(name)
+        self._retired -= current  # (a revision served again)
         self._retired &= {n for h in self._holdings.values() for n in h.resident}  # (those gone: forgotten)
         return gone
 
     def snapshot(self, replica: Replica) -> dict[str, object]:
-        holding = self._holdings.get(replica.id)
+        holding = self._holding(replica) if replica.adapter_slots > 0 else None
         return {
             "adapters": self.resident(replica),
             "adapter_slots": replica.adapter_slots or None,

@@ -9,7 +9,7 @@ from operator import mul
 
 import numpy as np
 
-from corral.routing.adapters import Adapter
+from corral.routing.adapters import Adapter, Residence
 from corral.routing.prefix import Prefill
 
 __all__ = ["PREFIX_BLOCK_CHARS", "PrefixHasher", "RouteRequest", "prefix_hashes"]
@@ -149,6 +149,7 @@ class RouteRequest:
     use: float = 0.0
     adapter: Adapter | None = None  # the LoRA adapter that answers it (`model` is then its base)
     load_adapter: bool = False  # the chosen replica must load the adapter first (set by the router)
+    residence: Residence | None = None  # the adapter on the chosen replica, counted in flight (router)
     _hashes: tuple[int, ...] | None = field(default=None, repr=False)
 
     @property

@@ -126,12 +126,12 @@ class Router:
         candidates = [
             r for r in self.replicas.ready(request.model) if r.breaker.allows() and r not in exclude
         ]
+        adapter = request.adapter
+        if adapter is not None and candidates:  # (first: a rollout's old replicas may lack a new adapter)
+            candidates = self.adapters.candidates(adapter, candidates)
         split = self.replicas.splits.get(request.model)
         if split is not None:  # a rollout is shifting traffic to a new revision
             candidates = split.choose(candidates, random.random())
-        adapter = request.adapter
-        if adapter is not None and candidates:
-            candidates = self.adapters.candidates(adapter, candidates)
         if not candidates:
             raise NoCapacity(
                 f"No ready replica of model '{request.model}' can take the request now.",
@@ -141,12 +141,14 @@ class Router:
         generation = self.replicas.generation.get(request.model, 0)
         if self._generations.get(request.model) != generation:  # replicas came or went
             self._generations[request.model] = generation
+            present = {r.id for r in self.replicas.of(request.model)}
             if isinstance(policy, PrefixAffinity):  # those gone leave the prefix index
-                policy.keep({r.id for r in self.replicas.of(request.model)})
+                policy.keep(present)
+            self.adapters.keep(request.model, present)
         decision = policy.pick(candidates, request)
         replica = decision.replica
         if adapter is not None:
-            request.load_adapter, unload = self.adapters.use(replica, adapter)
+            request.residence, request.load_adapter, unload = self.adapters.use(replica, adapter)
             for residence in unload:
                 self.on_unload(replica, residence)
         replica.breaker.on_dispatch()
@@ -210,8 +212,9 @@ class Router:
         failure was the engine's 5xx answer to the request (perhaps its input's doing: see circuit.py)."""
         self.prefilled(replica, request)
         if request.adapter is not None:
-            for residence in self.adapters.done(replica, request.adapter):
+            for residence in self.adapters.done(replica, request.adapter, request.residence):
                 self.on_unload(replica, residence)
+            request.residence = None
         policy = self._policies.get(request.model)
         if isinstance(policy, PrefixAffinity):
             policy.ended(replica, request)
