@@ -50,10 +50,10 @@ async def test_keys_are_never_echoed_or_logged(closed: Cluster, caplog: pytest.L
     answers = [
         await call(closed, "POST", "/v1/chat/completions", made_up, body),  # 401
         await call(closed, "POST", "/v1/chat/completions", limited["key"], body),  # 403
-        await call(closed, "GET", "/admin/keys", limited["key"]),  # 401: a tenant key is not the admin key
+        await call(closed, "GET", "/admin/keys", limited["key"]),  # 403: a user key's role may not
         await call(closed, "GET", "/corral/status", made_up),  # 401
     ]
-    assert [status for status, _ in answers] == [401, 403, 401, 401]
+    assert [status for status, _ in answers] == [401, 403, 403, 401]
     for secret in (made_up, limited["key"], ADMIN):
         assert all(secret not in text for _, text in answers)
         assert secret not in caplog.text
@@ -72,7 +72,7 @@ async def test_admin_routes_refuse_tenant_keys(closed: Cluster) -> None:
         status, text = await call(
             closed, method, path, tenant["key"], {"tenant": "evil"} if method == "POST" else None
         )
-        assert status == 401 and "admin key" in text, (method, path)
+        assert status == 403 and "role 'user' may not" in text, (method, path)
     status, key = await closed.admin("GET", f"/admin/keys/{tenant['id']}")
     assert status == 200 and key["revoked_at"] is None  # the DELETE above did nothing
 
@@ -83,7 +83,7 @@ async def test_a_tenant_sees_neither_other_tenants_usage_nor_their_models(closed
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
     assert (await call(closed, "POST", "/v1/chat/completions", acme["key"], body))[0] == 200
     status, text = await call(closed, "GET", "/admin/usage?by=tenant", globex["key"])
-    assert status == 401 and "acme" not in text
+    assert status == 403 and "acme" not in text
     status, text = await call(closed, "GET", "/corral/status", globex["key"])
     assert status == 200 and '"m-0"' not in text
     status, text = await call(closed, "GET", "/corral/status", acme["key"])

@@ -36,6 +36,9 @@ class Principal:
     monthly_token_budget: int | None = None
     max_files: int | None = None  # files its tenant may hold when it uploads (None: the spec's)
     max_file_bytes: int | None = None
+    role: str = "user"  # what it may do beyond inference (gateway/access.py)
+    expires_at: float | None = None  # epoch seconds; None: never
+    subject: str | None = None  # who signed in (a token from the identity provider), for the audit trail
 
     def check_model(self, model: str) -> None:
         if self.models and model not in self.models:
@@ -56,6 +59,8 @@ class Principal:
             record.monthly_token_budget,
             record.max_files,
             record.max_file_bytes,
+            record.role,
+            record.expires_at.timestamp() if record.expires_at is not None else None,
         )
 
 
@@ -90,14 +95,16 @@ class Authenticator:
             if record is None:
                 principal = ANONYMOUS if self._open else None  # open access: any placeholder key will do
             else:
-                principal = Principal.of(record) if record.active else None
-            found = record is not None and record.active
+                principal = Principal.of(record) if record.revoked_at is None else None
+            found = record is not None and record.revoked_at is None
             self._cache.pop(key_hash, None)
             self._misses.pop(key_hash, None)
             entry = (principal, now + self._ttl)
             _remember(self._cache if found else self._misses, key_hash, entry, self._max)
         if principal is None:
             raise Unauthorized("Incorrect or revoked API key.")
+        if principal.expires_at is not None and principal.expires_at <= time.time():
+            raise Unauthorized("This API key has expired.", code="expired_api_key")
         return principal
 
 

@@ -1,44 +1,42 @@
-"""The admin HTTP API: keys, usage, routing state. Protected by the admin key (Bearer).
+"""The admin HTTP API: keys, usage, routing state, changes, the audit trail. Each route needs a permission
+its caller's role holds (access.py): the admin key's (break-glass: every one), or a key's or signed-in
+person's role. Every action that changes something is written to the audit trail, refused ones too.
 
-Without an admin key configured, the admin API answers only clients on this machine (loopback) of a gateway
-that itself runs open (a laptop); otherwise it answers 403.
+Without an admin key configured, the admin key's part is played by clients on this machine (loopback) of a
+gateway that itself runs open (a laptop).
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
-from collections.abc import Callable
+import logging
+from collections.abc import Awaitable, Callable
+from datetime import datetime
 from typing import Any
 
 from aiohttp import web
 from pydantic import ValidationError
 
+from corral.admission import Authenticator
 from corral.cache import ExactCache, StoreUnavailable
 from corral.config import parse_spec
+from corral.gateway.access import ROUTES, Access, Actor, bearer_is
 from corral.gateway.bodies import read_body
 from corral.gateway.clients import ClientAddresses
 from corral.gateway.parts import AdminAccess, ReplicaControl
-from corral.protocol import (
-    InvalidRequest,
-    NoCapacity,
-    NotFound,
-    NotSupported,
-    PermissionDenied,
-    Unauthorized,
-)
+from corral.protocol import APIError, InvalidRequest, NoCapacity, NotFound, NotSupported, PermissionDenied
 from corral.routing import PrefixAffinity, Router
-from corral.store import KeyStore, NewKey, UsageStore
+from corral.store import AuditEntry, AuditLog, KeyRecord, KeyStore, KeyUpdate, NewKey, UsageStore
 
 __all__ = ["AdminViews", "bearer_is"]
 
+logger = logging.getLogger(__name__)
 
-def bearer_is(request: web.Request, secret: bytes) -> bool:
-    """The request's `Authorization: Bearer` is `secret` (compared in constant time; a header that is not
-    UTF-8 compared as sent)."""
-    scheme, _, given = (request.headers.get("Authorization") or "").partition(" ")
-    sent = given.strip().encode("utf-8", "surrogateescape")
-    return scheme.lower() == "bearer" and hmac.compare_digest(sent, secret)
+_Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+_ACTOR = web.RequestKey("actor", Actor)  # who the request is, once its permission was checked
+_DETAIL = web.RequestKey("audit_detail", dict)  # what a handler tells the audit trail of its action
+_TENANT_ROLES = ("user", "tenant-admin")  # the roles a tenant-admin may give its tenant's keys
+_LIMITS = ("rpm", "tpm", "max_concurrency", "monthly_token_budget")
 
 
 class AdminViews:
@@ -56,8 +54,10 @@ class AdminViews:
         worker: int | None = None,
         body_timeout: float = 30.0,
         max_body_bytes: int = 4 * 1024 * 1024,
+        auth: Authenticator | None = None,
+        audit: AuditLog | None = None,
     ) -> None:
-        self._access = access
+        self._admin_access = access
         self._body = (body_timeout, max_body_bytes)
         self._keys = keys
         self._usage = usage
@@ -67,87 +67,204 @@ class AdminViews:
         self._replica_control = control
         self._worker = worker  # this process's index among gateway workers (None: the only gateway)
         self._clients = clients or ClientAddresses([])  # no trusted proxies: any proxy header is remote
+        self.access = Access(access, auth, self._clients)
+        self._audit = audit
 
     def add_routes(self, app: web.Application) -> None:
+        audited = self._audited
         app.router.add_get("/admin/keys", self.list_keys)
-        app.router.add_post("/admin/keys", self.create_key)
+        app.router.add_post("/admin/keys", audited("key.create", self.create_key))
         app.router.add_get("/admin/keys/{key_id}", self.show_key)
-        app.router.add_delete("/admin/keys/{key_id}", self.revoke_key)
+        app.router.add_patch("/admin/keys/{key_id}", audited("key.update", self.update_key))
+        app.router.add_delete("/admin/keys/{key_id}", audited("key.revoke", self.revoke_key))
+        app.router.add_post("/admin/keys/{key_id}/rotate", audited("key.rotate", self.rotate_key))
         app.router.add_get("/admin/usage", self.usage)
         app.router.add_get("/admin/routing", self.routing)
-        app.router.add_post("/admin/replicas/{replica_id}/drain", self.drain)
-        app.router.add_post("/admin/spec", self.apply)
-        app.router.add_post("/admin/nodes/{node}/drain", self.drain_node)
+        app.router.add_post("/admin/replicas/{replica_id}/drain", audited("replica.drain", self.drain))
+        app.router.add_post("/admin/spec", audited("spec.apply", self.apply))
+        app.router.add_post("/admin/nodes/{node}/drain", audited("node.drain", self.drain_node))
         app.router.add_get("/admin/rollouts", self.rollouts)
         app.router.add_get("/admin/cache", self.cache_stats)
-        app.router.add_delete("/admin/cache", self.cache_purge)
-        app.router.add_post("/admin/rollouts/{model}/{action}", self.rollout_action)
+        app.router.add_delete("/admin/cache", audited("cache.purge", self.cache_purge))
+        app.router.add_post(
+            "/admin/rollouts/{model}/{action}", audited("rollout.action", self.rollout_action)
+        )
+        app.router.add_get("/admin/audit", self.audit_trail)
 
     def is_admin(self, request: web.Request) -> bool:
-        """The request carries the admin key, or needs none: a client on this machine talking to an open
-        gateway without an admin key (a laptop). A key minted by anyone else on an open gateway would
-        outlive the gateway being closed."""
-        expected = self._access.admin_key
-        if expected is None:  # behind a proxy, the client it names must be local (clients.py)
-            return self._access.open_access and self._clients.is_local(request)
-        return bearer_is(request, expected.encode())
+        """The request carries the admin key (or needs none: a laptop's open gateway, see access.py)."""
+        return self.access.is_admin_key(request)
 
-    def check(self, request: web.Request) -> None:
-        """Refuse (401/403) a request that is not the admin's."""
-        if self.is_admin(request):
+    async def check(self, request: web.Request, permission: str | None = None) -> Actor:
+        """The request's actor, allowed `permission` (default: its route's in access.ROUTES); else 401/403."""
+        if permission is None:
+            permission = ROUTES[(request.method, request.match_info.route.resource.canonical)]  # type: ignore[union-attr]
+        actor = await self.access.require(request, permission)
+        request[_ACTOR] = actor
+        return actor
+
+    def _audited(self, action: str, handler: _Handler) -> _Handler:
+        """`handler`, with one audit record per request that named someone: what it did, to what, and
+        how it ended (a refusal too)."""
+
+        async def audited(request: web.Request) -> web.StreamResponse:
+            detail: dict[str, Any] = {}
+            request[_DETAIL] = detail
+            status = 500
+            try:
+                response = await handler(request)
+                status = response.status
+                return response
+            except APIError as exc:
+                status = exc.status
+                raise
+            except web.HTTPException as exc:
+                status = exc.status
+                raise
+            finally:
+                actor = request.get(_ACTOR) or await self.access.actor(request)
+                if actor is not None:
+                    await self._write_audit(request, actor, action, detail, status)
+
+        return audited
+
+    async def _write_audit(
+        self, request: web.Request, actor: Actor, action: str, detail: dict[str, Any], status: int
+    ) -> None:
+        if self._audit is None:
             return
-        if self._access.admin_key is None:
-            raise PermissionDenied(
-                "The admin API needs an admin key (CORRAL_ADMIN_KEY or auth.admin_key); without one it "
-                "answers only clients on this machine, and only while the gateway is open."
-            )
-        raise Unauthorized("The admin API needs 'Authorization: Bearer <admin key>'.")
+        target = detail.pop("target", None) or "/".join(request.match_info.values()) or None
+        entry = AuditEntry(
+            actor=actor.who,
+            role=actor.role,
+            tenant=actor.tenant,
+            source=self._clients.of(request),
+            action=action,
+            target=target,
+            detail=detail or None,
+            status=status,
+        )
+        try:
+            await asyncio.to_thread(self._audit.record, entry)
+        except Exception:  # the action is done: its record's loss is logged loudly, not turned into an error
+            logger.exception("the audit trail could not record %s by %s", action, actor.who)
+
+    # keys ----------------------------------------------------------------------------------------------
 
     async def list_keys(self, request: web.Request) -> web.Response:
-        self.check(request)
+        actor = await self.check(request)
         revoked = request.query.get("include_revoked") in {"1", "true"}
         keys = await asyncio.to_thread(self._keys.list, revoked)
+        if actor.scoped:
+            keys = [k for k in keys if k.tenant == actor.tenant]
         used = await asyncio.to_thread(self._usage.month_tokens_by_key)  # (budget use, this month)
         return web.json_response({"keys": [{**k.to_dict(), "month_tokens": used.get(k.id, 0)} for k in keys]})
 
     async def create_key(self, request: web.Request) -> web.Response:
-        self.check(request)
-        try:
-            spec = NewKey.model_validate_json(await read_body(request, *self._body), strict=True)
-        except ValidationError as exc:
-            err = exc.errors(include_url=False)[0]
-            param = ".".join(str(p) for p in err["loc"]) or None
-            raise InvalidRequest(f"Invalid value for '{param}': {err['msg']}.", param=param) from exc
+        actor = await self.check(request)
+        spec = _validated(NewKey, await read_body(request, *self._body))
+        assert isinstance(spec, NewKey)
+        if actor.scoped:
+            _within_own(actor, spec.tenant, spec.role, spec.model_dump())
         secret, record = await asyncio.to_thread(lambda: self._keys.create(**spec.model_dump()))
+        request[_DETAIL].update(
+            target=record.id, tenant=record.tenant, role=record.role, **_limits_of(record)
+        )
         return web.json_response({"key": secret, **record.to_dict()}, status=201)
 
+    async def _own_key(self, request: web.Request, actor: Actor) -> KeyRecord:
+        """The key the route names: 404 where there is none, or (a tenant-admin) another tenant's."""
+        key_id = request.match_info["key_id"]
+        record = await asyncio.to_thread(self._keys.get, key_id)
+        if record is None or (actor.scoped and record.tenant != actor.tenant):
+            raise NotFound(f"No key with id {key_id}.")
+        return record
+
     async def show_key(self, request: web.Request) -> web.Response:
-        self.check(request)
-        record = await asyncio.to_thread(self._keys.get, request.match_info["key_id"])
-        if record is None:
-            raise NotFound(f"No key with id {request.match_info['key_id']}.")
-        return web.json_response(record.to_dict())
+        actor = await self.check(request)
+        return web.json_response((await self._own_key(request, actor)).to_dict())
 
     async def revoke_key(self, request: web.Request) -> web.Response:
-        self.check(request)
+        actor = await self.check(request)
+        await self._own_key(request, actor)
         record = await asyncio.to_thread(self._keys.revoke, request.match_info["key_id"])
         if record is None:
             raise NotFound(f"No key with id {request.match_info['key_id']}.")
+        request[_DETAIL].update(tenant=record.tenant)
+        return web.json_response(record.to_dict())
+
+    async def rotate_key(self, request: web.Request) -> web.Response:
+        """A new secret for the key; the old one is still accepted for `?grace=SECONDS` (default 3600; 0:
+        not at all)."""
+        actor = await self.check(request)
+        await self._own_key(request, actor)
+        try:
+            grace = float(request.query.get("grace", "3600"))
+        except ValueError:
+            raise InvalidRequest("'grace' must be a number of seconds.", param="grace") from None
+        if not 0 <= grace <= 30 * 86400:
+            raise InvalidRequest("'grace' must be between 0 and 30 days, in seconds.", param="grace")
+        rotated = await asyncio.to_thread(self._keys.rotate, request.match_info["key_id"], grace)
+        if rotated is None:
+            raise NotFound(f"No active key with id {request.match_info['key_id']}.")
+        secret, record = rotated
+        request[_DETAIL].update(tenant=record.tenant, grace_s=grace)
+        return web.json_response({"key": secret, **record.to_dict()})
+
+    async def update_key(self, request: web.Request) -> web.Response:
+        """Change a key's limits or monthly budget (the budget change of the audit trail)."""
+        actor = await self.check(request)
+        current = await self._own_key(request, actor)
+        changes = _validated(KeyUpdate, await read_body(request, *self._body))
+        assert isinstance(changes, KeyUpdate)
+        wanted = changes.model_dump(exclude_unset=True)
+        if actor.scoped:
+            _within_own(actor, current.tenant, current.role, {**_limits_of(current), **wanted})
+        updated = await asyncio.to_thread(self._keys.update, current.id, changes)
+        if updated is None:
+            raise NotFound(f"No key with id {current.id}.")
+        record, before = updated
+        request[_DETAIL].update(tenant=record.tenant, before=before, after=wanted)
         return web.json_response(record.to_dict())
 
     async def usage(self, request: web.Request) -> web.Response:
-        self.check(request)
+        actor = await self.check(request)
         by = request.query.get("by", "key")
         try:
-            rows = await asyncio.to_thread(self._usage.report, by)
+            rows = await asyncio.to_thread(
+                self._usage.report, by, None, None, actor.tenant if actor.scoped else None
+            )
         except ValueError as exc:
             raise InvalidRequest(str(exc), param="by") from exc
         return web.json_response({"by": by, "rows": rows})
 
+    async def audit_trail(self, request: web.Request) -> web.Response:
+        """The audit trail, latest first: `?action=` (a trailing `*`: a prefix), `?actor=`, `?tenant=`,
+        `?since=` (ISO 8601), `?limit=` (at most 1000). Read only: no route changes it."""
+        await self.check(request)
+        if self._audit is None:
+            raise NotSupported("This gateway keeps no audit trail.")
+        query = request.query
+        try:
+            since = datetime.fromisoformat(query["since"]) if "since" in query else None
+            limit = int(query.get("limit", "100"))
+        except ValueError:
+            raise InvalidRequest("'since' is an ISO 8601 time and 'limit' a number.", param="since") from None
+        rows = await asyncio.to_thread(
+            lambda: self._audit.list(  # type: ignore[union-attr]
+                action=query.get("action"),
+                actor=query.get("actor"),
+                tenant=query.get("tenant"),
+                since=since,
+                limit=limit,
+            )
+        )
+        return web.json_response({"entries": rows})
+
     async def drain(self, request: web.Request) -> web.Response:
         """Take a replica out of routing, wait for its requests, stop it (`corral drain`). `?grace=SECONDS`
         bounds the wait (default 60)."""
-        self.check(request)
+        await self.check(request)
         control = self._control()
         grace = _grace(request)
         replica_id = request.match_info["replica_id"]
@@ -160,7 +277,7 @@ class AdminViews:
 
     async def drain_node(self, request: web.Request) -> web.Response:
         """Drain every replica on a Ray node (`corral drain --node`); `?grace=` as for one replica."""
-        self.check(request)
+        await self.check(request)
         control = self._control()
         grace = _grace(request)
         node = request.match_info["node"]
@@ -176,7 +293,7 @@ class AdminViews:
 
     async def cache_stats(self, request: web.Request) -> web.Response:
         """The response cache's store (entries, bytes; Redis: failures) and which models cache."""
-        self.check(request)
+        await self.check(request)
         cache = self._cache()
         models = sorted(m for m, p in cache.policies.items() if p.exact or p.semantic)
         semantic = {
@@ -188,7 +305,7 @@ class AdminViews:
 
     async def cache_purge(self, request: web.Request) -> web.Response:
         """Remove cached answers: `?tenant=` and/or `?model=` (both absent: everything)."""
-        self.check(request)
+        await self.check(request)
         tenant, model = request.query.get("tenant"), request.query.get("model")
         for name, value in (("tenant", tenant), ("model", model)):
             if value is not None and not value:
@@ -203,12 +320,12 @@ class AdminViews:
 
     async def rollouts(self, request: web.Request) -> web.Response:
         """Each model's latest rollout: phase, traffic share, step, message (`corral rollout status`)."""
-        self.check(request)
+        await self.check(request)
         return web.json_response({"rollouts": self._router.replicas.rollouts})
 
     async def rollout_action(self, request: web.Request) -> web.Response:
         """pause | resume | rollback a model's rollout (`corral rollout ...`)."""
-        self.check(request)
+        await self.check(request)
         control = self._control()
         model, action = request.match_info["model"], request.match_info["action"]
         if action not in ("pause", "resume", "rollback"):
@@ -224,7 +341,7 @@ class AdminViews:
     async def apply(self, request: web.Request) -> web.Response:
         """Bring the running cluster to the spec in the body (YAML): models added or removed, replica
         counts changed (`corral apply`). `?grace=SECONDS` bounds each drained replica's wait (default 60)."""
-        self.check(request)
+        await self.check(request)
         control = self._control()
         grace = _grace(request)
         text = (await read_body(request, *self._body)).decode("utf-8", errors="replace")
@@ -270,7 +387,7 @@ class AdminViews:
 
     async def routing(self, request: web.Request) -> web.Response:
         """Replicas with load and circuit state, each model's policy, and the latest routing decisions."""
-        self.check(request)
+        await self.check(request)
         replicas = self._router.replicas
         models = replicas.models()
         policies = {m: self._router.policy_for(m).name for m in models}
@@ -302,3 +419,42 @@ def _grace(request: web.Request) -> float:
     if not 0 < grace <= 3600:
         raise InvalidRequest("'grace' must be between 0 and 3600 seconds.", param="grace")
     return grace
+
+
+def _validated(model: type[NewKey] | type[KeyUpdate], body: bytes) -> NewKey | KeyUpdate:
+    try:
+        return model.model_validate_json(body, strict=True)
+    except ValidationError as exc:
+        err = exc.errors(include_url=False)[0]
+        param = ".".join(str(p) for p in err["loc"]) or None
+        raise InvalidRequest(f"Invalid value for '{param}': {err['msg']}.", param=param) from exc
+
+
+def _limits_of(record: KeyRecord) -> dict[str, Any]:
+    return {name: getattr(record, name) for name in _LIMITS}
+
+
+def _within_own(actor: Actor, tenant: str, role: str, wanted: dict[str, Any]) -> None:
+    """A tenant-admin's key for its own tenant, with a role it may give, no model it may not use, and
+    limits and budget no larger than its own (each one it has must be set, at most as large)."""
+    own = actor.principal
+    assert own is not None  # (a tenant-admin came with its key or token)
+    if tenant != actor.tenant:
+        raise PermissionDenied(
+            f"A tenant-admin manages the keys of its own tenant ('{actor.tenant}') only.", param="tenant"
+        )
+    if role not in _TENANT_ROLES:
+        raise PermissionDenied(f"A tenant-admin may give the roles {', '.join(_TENANT_ROLES)}.", param="role")
+    models = wanted.get("models")
+    if own.models and (not models or not set(models) <= own.models):
+        raise PermissionDenied(
+            f"The key may use only models this tenant-admin may: {', '.join(sorted(own.models))}.",
+            param="models",
+        )
+    limits = {"rpm": own.rpm, "tpm": own.tpm, "max_concurrency": own.max_concurrency}
+    limits["monthly_token_budget"] = own.monthly_token_budget
+    for name, cap in limits.items():
+        if cap is not None and (wanted.get(name) is None or wanted[name] > cap):
+            raise PermissionDenied(
+                f"'{name}' must be set, at most {cap}: the tenant-admin's own limit.", param=name
+            )

@@ -82,6 +82,8 @@ def build_app(
         worker=worker,
         body_timeout=settings.body_timeout,
         max_body_bytes=settings.max_body_bytes,
+        auth=parts.auth,
+        audit=parts.audit,
     )
     status = _StatusViews(router, parts.auth, admin, time.time(), worker, parts.adapters)
     metrics = GatewayMetrics(
@@ -140,7 +142,7 @@ def build_app(
     scraper = _MetricsAccess(parts.access.open_access, settings.metrics_token, admin)
 
     async def metrics_view(request: web.Request) -> web.Response:
-        scraper.check(request)
+        await scraper.check(request)
         return web.Response(body=metrics.exposition(), content_type="text/plain", charset="utf-8")
 
     app.router.add_get("/metrics", metrics_view)
@@ -267,10 +269,13 @@ class _MetricsAccess:
         self._token = token.encode() if token else None
         self._admin = admin
 
-    def check(self, request: web.Request) -> None:
+    async def check(self, request: web.Request) -> None:
         if self._open or self._admin.is_admin(request):
             return
         if self._token is not None and bearer_is(request, self._token):
+            return
+        actor = await self._admin.access.actor(request)
+        if actor is not None and actor.may("metrics:read"):
             return
         raise Unauthorized(
             "/metrics on a closed gateway needs 'Authorization: Bearer <gateway.metrics_token or admin key>'."
@@ -353,7 +358,7 @@ class _StatusViews:
     async def service_discovery(self, request: web.Request) -> web.Response:
         """Prometheus HTTP service discovery: each replica that exports engine metrics, with its model,
         replica id and engine as labels (admin only: it names the replicas' addresses)."""
-        self._admin.check(request)
+        await self._admin.check(request)
         targets = [
             {
                 "targets": [r.url.split("://", 1)[-1].split("/", 1)[0]],
@@ -370,7 +375,8 @@ class _StatusViews:
         return web.json_response(targets)
 
     async def replica_status(self, request: web.Request) -> web.Response:
-        if self._admin.is_admin(request):
+        actor = await self._admin.access.actor(request)
+        if actor is not None and actor.may("status:read"):
             models = self._replicas.models()
             replicas = [{**r.snapshot(), **self._placement.snapshot(r)} for r in self._replicas]
             changes = {"rollouts": self._replicas.rollouts, "events": list(self._replicas.events)}

@@ -30,7 +30,7 @@ from corral.config import (
 )
 from corral.routing import ReplicaSet
 from corral.routing.adapters import AdapterCatalogue
-from corral.store import KeyStore, ResponseStore, UsageStore, open_database
+from corral.store import AuditLog, KeyStore, ResponseStore, UsageStore, open_database
 
 if TYPE_CHECKING:
     from sqlalchemy import Engine
@@ -83,6 +83,7 @@ class GatewayParts:
     batch: BatchSettings = field(default_factory=BatchSettings)
     responses: ResponseStore | None = None  # stored responses (/v1/responses)
     adapters: AdapterCatalogue = field(default_factory=AdapterCatalogue)  # LoRA adapters (a live apply's)
+    audit: AuditLog | None = None  # every administrative action (store/audit.py)
 
     def reconfigure(self, queue: QueueSettings, limits: LimitsSettings) -> None:
         """New queue bounds and rate-limit settings from a live `corral apply` (requests already waiting
@@ -130,6 +131,7 @@ class GatewayParts:
             batches=_batches(engine, batch),
             batch=batch,
             responses=ResponseStore(engine, store.response_ttl_days * 86400),
+            audit=AuditLog(engine),
         )
 
 

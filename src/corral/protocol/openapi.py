@@ -539,7 +539,31 @@ def _admin(key_schema: dict[str, Any]) -> dict[str, Any]:
         },
         "/admin/keys/{key_id}": {
             "get": _read("Show a key", "Key", _ADMIN, path=("key_id",)),
+            "patch": _read(
+                "Change a key's limits or monthly budget",
+                "Key",
+                _ADMIN,
+                path=("key_id",),
+                body={"application/json": {"schema": {"type": "object"}}},
+            ),
             "delete": _read("Revoke a key", "Key", _ADMIN, path=("key_id",)),
+        },
+        "/admin/keys/{key_id}/rotate": {
+            "post": _read(
+                "A new secret for a key (the old one accepted for ?grace= seconds)",
+                "NewKeyAnswer",
+                _ADMIN,
+                path=("key_id",),
+                query={"grace": {"type": "string"}},
+            )
+        },
+        "/admin/audit": {
+            "get": _read(
+                "The audit trail (read only)",
+                "Anything",
+                _ADMIN,
+                query={name: {"type": "string"} for name in ("action", "actor", "tenant", "since", "limit")},
+            )
         },
         "/admin/usage": {
             "get": _read(

@@ -1,5 +1,5 @@
-"""SQL storage (SQLAlchemy): SQLite file by default, PostgreSQL by URL. Keys, usage records, files, stored
-responses, and the batch tables (their queue's logic is in batch/)."""
+"""SQL storage (SQLAlchemy): SQLite file by default, PostgreSQL by URL. Keys, usage records, the audit trail,
+files, stored responses, and the batch tables (their queue's logic is in batch/)."""
 
 from __future__ import annotations
 
@@ -9,19 +9,24 @@ from sqlalchemy import Engine, create_engine, event, inspect
 from sqlalchemy.exc import ArgumentError, NoSuchModuleError, SQLAlchemyError
 
 from corral.store import batch_rows as _batch_rows  # noqa: F401  (its tables are created with the rest)
+from corral.store.audit import AuditEntry, AuditLog
 from corral.store.files import FileQuotaExceeded, FileStore, NewFile
-from corral.store.keys import PRIORITIES, InvalidKey, KeyRecord, KeyStore, NewKey, hash_key
+from corral.store.keys import PRIORITIES, ROLES, InvalidKey, KeyRecord, KeyStore, KeyUpdate, NewKey, hash_key
 from corral.store.responses import ResponseStore, StoredResponse
 from corral.store.schema import Base, StoreError, add_missing_columns
 from corral.store.usage import UsageRecord, UsageStore
 
 __all__ = [
     "PRIORITIES",
+    "ROLES",
+    "AuditEntry",
+    "AuditLog",
     "FileQuotaExceeded",
     "FileStore",
     "InvalidKey",
     "KeyRecord",
     "KeyStore",
+    "KeyUpdate",
     "NewFile",
     "NewKey",
     "ResponseStore",

@@ -1,21 +1,24 @@
-"""API keys: created with a secret shown once, stored as a SHA-256 hash, revoked by id."""
+"""API keys: created with a secret shown once, stored as a SHA-256 hash, revoked by id; each with a role
+(`user`: inference only, the default; `tenant-admin`, `viewer`, `operator`, `admin`: see gateway/access.py),
+an optional expiry, and rotation (a new secret, the old one still accepted for a grace period)."""
 
 from __future__ import annotations
 
 import hashlib
 import secrets
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from sqlalchemy import Engine, select
+from sqlalchemy import Engine, or_, select
 from sqlalchemy.orm import Session
 
 from corral.store.schema import ApiKeyRow
 
-__all__ = ["PRIORITIES", "InvalidKey", "KeyRecord", "KeyStore", "NewKey", "hash_key"]
+__all__ = ["PRIORITIES", "ROLES", "InvalidKey", "KeyRecord", "KeyStore", "KeyUpdate", "NewKey", "hash_key"]
 
 PRIORITIES = {"high": 0, "normal": 1, "low": 2}
+ROLES = ("admin", "operator", "viewer", "tenant-admin", "user")
 _SECRET_PREFIX = "sk-corral-"
 
 
@@ -34,6 +37,19 @@ class NewKey(BaseModel):
     monthly_token_budget: int | None = Field(default=None, ge=1)
     max_files: int | None = Field(default=None, ge=1)  # uploads made with the key: its tenant's file cap
     max_file_bytes: int | None = Field(default=None, ge=1)
+    role: str = Field(default="user", pattern="^(admin|operator|viewer|tenant-admin|user)$")
+    expires_in_s: float | None = Field(default=None, gt=0, le=10 * 365 * 86400)  # None: never expires
+
+
+class KeyUpdate(BaseModel):
+    """A key's limits and budget changed in place (its secret stays): fields left out stay as they are."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    rpm: int | None = Field(default=None, ge=1)
+    tpm: int | None = Field(default=None, ge=1)
+    max_concurrency: int | None = Field(default=None, ge=1)
+    monthly_token_budget: int | None = Field(default=None, ge=1)
 
 
 class InvalidKey(ValueError):
@@ -74,16 +90,20 @@ class KeyRecord:
     revoked_at: datetime | None
     max_files: int | None = None
     max_file_bytes: int | None = None
+    role: str = "user"
+    expires_at: datetime | None = None
+    previous_until: datetime | None = None  # a rotated key's former secret is accepted until then
 
     @property
     def active(self) -> bool:
-        return self.revoked_at is None
+        return self.revoked_at is None and (self.expires_at is None or self.expires_at > datetime.now(UTC))
 
     def to_dict(self) -> dict[str, object]:
         data = dict(self.__dict__)
         data["models"] = list(self.models)
-        data["created_at"] = self.created_at.isoformat()
-        data["revoked_at"] = self.revoked_at.isoformat() if self.revoked_at else None
+        for name in ("created_at", "revoked_at", "expires_at", "previous_until"):
+            value = data[name]
+            data[name] = value.isoformat() if value is not None else None
         return data
 
 
@@ -106,6 +126,8 @@ class KeyStore:
         monthly_token_budget: int | None = None,
         max_files: int | None = None,
         max_file_bytes: int | None = None,
+        role: str = "user",
+        expires_in_s: float | None = None,
     ) -> tuple[str, KeyRecord]:
         """A new key: (the secret, shown only now; its record). Raises InvalidKey."""
         try:
@@ -120,10 +142,13 @@ class KeyStore:
                 monthly_token_budget=monthly_token_budget,
                 max_files=max_files,
                 max_file_bytes=max_file_bytes,
+                role=role,
+                expires_in_s=expires_in_s,
             )
         except ValidationError as exc:
             raise InvalidKey.from_validation(exc) from exc
         secret = _SECRET_PREFIX + secrets.token_urlsafe(32)
+        now = datetime.now(UTC)
         row = ApiKeyRow(
             id=secrets.token_hex(8),
             key_hash=hash_key(secret),
@@ -138,8 +163,10 @@ class KeyStore:
             monthly_token_budget=monthly_token_budget,
             max_files=max_files,
             max_file_bytes=max_file_bytes,
-            created_at=datetime.now(UTC),
+            created_at=now,
             revoked_at=None,
+            role=None if role == "user" else role,
+            expires_at=now + timedelta(seconds=expires_in_s) if expires_in_s else None,
         )
         with Session(self._engine) as session, session.begin():
             session.add(row)
@@ -147,9 +174,44 @@ class KeyStore:
         return secret, record
 
     def by_secret_hash(self, key_hash: str) -> KeyRecord | None:
+        """The key whose secret this is: its current one, or (rotated) its former one within the grace
+        period (past it, the former secret finds nothing)."""
         with Session(self._engine) as session:
-            row = session.scalar(select(ApiKeyRow).where(ApiKeyRow.key_hash == key_hash))
-            return _record(row) if row is not None else None
+            query = select(ApiKeyRow).where(
+                or_(ApiKeyRow.key_hash == key_hash, ApiKeyRow.previous_hash == key_hash)
+            )
+            for row in session.scalars(query):
+                if row.key_hash == key_hash:
+                    return _record(row)
+                until = _aware(row.previous_until)
+                if until is not None and until > datetime.now(UTC):
+                    return _record(row)
+            return None
+
+    def rotate(self, key_id: str, grace_s: float) -> tuple[str, KeyRecord] | None:
+        """A new secret for the key (shown only now); its former one is still accepted for `grace_s`
+        seconds. None: no such key (or revoked)."""
+        secret = _SECRET_PREFIX + secrets.token_urlsafe(32)
+        with Session(self._engine) as session, session.begin():
+            row = session.get(ApiKeyRow, key_id)
+            if row is None or row.revoked_at is not None:
+                return None
+            row.previous_hash, row.key_hash = row.key_hash, hash_key(secret)
+            row.previous_until = datetime.now(UTC) + timedelta(seconds=max(0.0, grace_s))
+            row.prefix = secret[: len(_SECRET_PREFIX) + 6]
+            return secret, _record(row)
+
+    def update(self, key_id: str, changes: KeyUpdate) -> tuple[KeyRecord, dict[str, object]] | None:
+        """Change a key's limits or budget: (its record, what it was before, by field). None: no such key."""
+        wanted = changes.model_dump(exclude_unset=True)
+        with Session(self._engine) as session, session.begin():
+            row = session.get(ApiKeyRow, key_id)
+            if row is None:
+                return None
+            before = {name: getattr(row, name) for name in wanted}
+            for name, value in wanted.items():
+                setattr(row, name, value)
+            return _record(row), before
 
     def get(self, key_id: str) -> KeyRecord | None:
         with Session(self._engine) as session:
@@ -211,4 +273,14 @@ def _record(row: ApiKeyRow) -> KeyRecord:
         revoked_at=row.revoked_at,
         max_files=row.max_files,
         max_file_bytes=row.max_file_bytes,
+        role=row.role or "user",
+        expires_at=_aware(row.expires_at),
+        previous_until=_aware(row.previous_until),
     )
+
+
+def _aware(value: datetime | None) -> datetime | None:
+    """A stored time in UTC (SQLite returns it without its zone)."""
+    if value is None or value.tzinfo is not None:
+        return value
+    return value.replace(tzinfo=UTC)

@@ -1,4 +1,4 @@
-"""Tables: API keys (stored hashed) and usage records."""
+"""Tables: API keys (stored hashed), usage records and the audit trail."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from sqlalchemy import JSON, BigInteger, DateTime, Engine, Float, Index, Integer
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-__all__ = ["ApiKeyRow", "Base", "StoreError", "UsageRow", "add_missing_columns"]
+__all__ = ["ApiKeyRow", "AuditRow", "Base", "StoreError", "UsageRow", "add_missing_columns"]
 
 
 class Base(DeclarativeBase):
@@ -38,6 +38,32 @@ class ApiKeyRow(Base):
     max_file_bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    role: Mapped[str | None] = mapped_column(String(16), nullable=True)  # None: user (inference only)
+    expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    # a rotated key's former secret, valid until `previous_until` (the grace period)
+    previous_hash: Mapped[str | None] = mapped_column(String(64), nullable=True, index=True)
+    previous_until: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+
+
+class AuditRow(Base):
+    """One administrative action: who (and with which role, from where), what, on what, and its outcome.
+    Only ever inserted: no route or command updates or deletes a row."""
+
+    __tablename__ = "corral_audit"
+    __table_args__ = (Index("ix_corral_audit_at", "at"),)
+
+    id: Mapped[int] = mapped_column(
+        BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True
+    )
+    at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    actor: Mapped[str] = mapped_column(String(256))  # "admin-key", "key:<id>", "oidc:<subject>"
+    role: Mapped[str] = mapped_column(String(16))
+    tenant: Mapped[str | None] = mapped_column(String(128), nullable=True)  # the actor's (tenant-admin)
+    source: Mapped[str | None] = mapped_column(String(64), nullable=True)  # the client's address
+    action: Mapped[str] = mapped_column(String(64), index=True)
+    target: Mapped[str | None] = mapped_column(String(256), nullable=True)
+    detail: Mapped[dict[str, object] | None] = mapped_column(JSON, nullable=True)
+    status: Mapped[int] = mapped_column(Integer)  # the answer's status: refused actions are kept too
 
 
 class UsageRow(Base):

@@ -85,7 +85,7 @@ class UsageStore:
         return found
 
     def report(
-        self, by: str, since: datetime | None = None, until: datetime | None = None
+        self, by: str, since: datetime | None = None, until: datetime | None = None, tenant: str | None = None
     ) -> list[dict[str, object]]:
         """Totals grouped by `key` (with its tenant and name), `model`, `tenant`, `api` (the client API:
         chat, completions, embeddings, responses, messages) or `day`, of the records
@@ -121,6 +121,8 @@ class UsageStore:
             query = query.where(UsageRow.at >= since)
         if until is not None:
             query = query.where(UsageRow.at < until)
+        if tenant is not None:  # (a tenant-admin's view: its own tenant's records only)
+            query = query.where(UsageRow.tenant == tenant)
         with Session(self._engine) as session:
             rows = session.execute(query).all()
             names = self._key_names(session, [r[0] for r in rows]) if by == "key" else {}

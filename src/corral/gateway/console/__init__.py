@@ -51,5 +51,5 @@ class ConsoleViews:
 
     async def data(self, request: web.Request) -> web.Response:
         """Cumulative counters and histogram buckets per model (admin only)."""
-        self._admin.check(request)
+        await self._admin.check(request)
         return web.json_response({"time": time.time(), "models": self._metrics.summary()})
