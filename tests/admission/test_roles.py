@@ -1,0 +1,182 @@
+"""Who may do what: every administrative route against every role (a matrix made from the route table in
+gateway/access.py: a route served without a permission there fails here), the audit trail (one record per
+action, refusals included, never changed through the API), key expiry and rotation, and a tenant-admin
+managing its own tenant's keys within its own limits."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from corral.config import GatewaySettings
+from corral.gateway.access import ROLES, ROUTES
+from corral.gateway.app import build_app
+from corral.routing import Router
+
+from ..gateway.conftest import ScriptedUpstream
+from .test_gateway_admission import ADMIN, Cluster, start
+
+BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+
+@pytest.fixture
+async def closed(tmp_path: Path, upstream: ScriptedUpstream) -> AsyncIterator[Cluster]:
+    server, cluster = await start(tmp_path, upstream)
+    yield cluster
+    await server.stop()
+
+
+async def call(cluster: Cluster, method: str, path: str, key: str, body: object = None) -> tuple[int, dict]:
+    async with (
+        aiohttp.ClientSession() as session,
+        session.request(
+            method,
+            cluster.url + path,
+            data=body if isinstance(body, str) else json.dumps(body) if body is not None else None,
+            headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"},
+        ) as answer,
+    ):
+        text = await answer.text()
+        return answer.status, json.loads(text) if text.startswith("{") else {"text": text}
+
+
+async def key(cluster: Cluster, tenant: str = "acme", **fields: object) -> dict:
+    status, made = await cluster.admin("POST", "/admin/keys", {"tenant": tenant, **fields})
+    assert status == 201, made
+    return made
+
+
+def test_every_admin_route_the_app_serves_names_its_permission(tmp_path: Path) -> None:
+    from corral.config import AuthSettings
+    from corral.routing import ReplicaSet
+
+    from .test_gateway_admission import make_services
+
+    replicas = ReplicaSet(["m"])
+    parts = make_services(replicas, tmp_path / "c.db", auth=AuthSettings(open=False), admin_key=ADMIN)
+
+    async def served() -> set[tuple[str, str]]:
+        app = build_app(GatewaySettings(), Router(replicas), parts)
+        routes = {(r.method, r.resource.canonical) for r in app.router.routes() if r.resource is not None}
+        await app.cleanup()
+        return routes
+
+    routes = asyncio.run(served())
+    admin = {(m, p) for m, p in routes if p.startswith("/admin/") and m != "HEAD"}
+    assert admin <= set(ROUTES), admin - set(ROUTES)  # a new admin route must say who may use it
+    assert set(ROUTES) <= routes, set(ROUTES) - routes
+
+
+@pytest.mark.parametrize("role", sorted(ROLES))
+async def test_each_role_on_each_admin_route(closed: Cluster, role: str) -> None:
+    mine = await key(closed, role=role)
+    for (method, route), permission in sorted(ROUTES.items()):
+        target = await key(closed)  # a key of its tenant for the routes that name one
+        path = (
+            route.replace("{key_id}", target["id"])
+            .replace("{replica_id}", "m-0")
+            .replace("{node}", "nowhere")
+            .replace("{model}", "m")
+            .replace("{action}", "pause")
+        )
+        body: object = None
+        if (method, route) == ("POST", "/admin/keys"):
+            body = {"tenant": "acme"}
+        elif method == "PATCH":
+            body = {"rpm": 5}
+        elif route == "/admin/spec":
+            body = "not: [a spec"
+        status, answer = await call(closed, method, path, mine["key"], body)
+        allowed = permission in ROLES[role]
+        if allowed:
+            assert status not in (401, 403), (role, method, route, answer)
+        else:
+            assert status == 403 and answer["error"]["code"] == "role_not_allowed", (role, method, route)
+
+
+async def test_every_administrative_action_leaves_one_audit_record(closed: Cluster) -> None:
+    viewer = await key(closed, tenant="ops", role="viewer")
+    operator = await key(closed, tenant="ops", role="operator")
+    made = await key(closed, tenant="acme", monthly_token_budget=1000)
+    taken = [
+        (await call(closed, "PATCH", f"/admin/keys/{made['id']}", ADMIN, {"monthly_token_budget": 5000}))[0],
+        (await call(closed, "POST", f"/admin/keys/{made['id']}/rotate?grace=0", ADMIN))[0],
+        (await call(closed, "DELETE", f"/admin/keys/{made['id']}", ADMIN))[0],
+        (await call(closed, "POST", "/admin/spec", viewer["key"], "models: []"))[0],  # refused: a viewer
+        (await call(closed, "POST", "/admin/replicas/m-0/drain", operator["key"]))[0],  # no supervisor: 501
+        (await call(closed, "GET", "/admin/keys", ADMIN))[0],  # a read: not an action
+    ]
+    assert taken == [200, 200, 200, 403, 501, 200]
+    status, trail = await call(closed, "GET", "/admin/audit", operator["key"])
+    assert status == 200
+    entries = list(reversed(trail["entries"]))
+    assert [(e["action"], e["actor"], e["role"], e["status"]) for e in entries] == [
+        ("key.create", "admin-key", "admin", 201),
+        ("key.create", "admin-key", "admin", 201),
+        ("key.create", "admin-key", "admin", 201),
+        ("key.update", "admin-key", "admin", 200),
+        ("key.rotate", "admin-key", "admin", 200),
+        ("key.revoke", "admin-key", "admin", 200),
+        ("spec.apply", f"key:{viewer['id']}", "viewer", 403),
+        ("replica.drain", f"key:{operator['id']}", "operator", 501),
+    ]
+    update = entries[3]
+    assert update["target"] == made["id"] and update["source"] == "127.0.0.1"
+    assert update["detail"]["before"] == {"monthly_token_budget": 1000}
+    assert update["detail"]["after"] == {"monthly_token_budget": 5000}
+    assert all(made.get("key", "") not in json.dumps(e) for e in entries)  # no secret on record
+    filtered = (await call(closed, "GET", "/admin/audit?action=key.*&limit=2", ADMIN))[1]["entries"]
+    assert [e["action"] for e in filtered] == ["key.revoke", "key.rotate"]
+    for method in ("POST", "PUT", "PATCH", "DELETE"):  # the trail cannot be edited through the API
+        assert (await call(closed, method, "/admin/audit", ADMIN))[0] == 405
+
+
+async def test_keys_expire_and_rotate_with_a_grace_period(closed: Cluster) -> None:
+    short = await key(closed, expires_in_s=1)
+    assert (await call(closed, "POST", "/v1/chat/completions", short["key"], BODY))[0] == 200
+    await asyncio.sleep(1.1)
+    status, refused = await call(closed, "POST", "/v1/chat/completions", short["key"], BODY)
+    assert status == 401 and refused["error"]["code"] == "expired_api_key"
+
+    old = await key(closed)
+    status, rotated = await call(closed, "POST", f"/admin/keys/{old['id']}/rotate?grace=1", ADMIN)
+    assert status == 200 and rotated["key"] != old["key"] and rotated["id"] == old["id"]
+    for secret in (old["key"], rotated["key"]):  # both, within the grace period
+        assert (await call(closed, "POST", "/v1/chat/completions", secret, BODY))[0] == 200
+    await asyncio.sleep(1.1)
+    assert (await call(closed, "POST", "/v1/chat/completions", old["key"], BODY))[0] == 401
+    assert (await call(closed, "POST", "/v1/chat/completions", rotated["key"], BODY))[0] == 200
+
+
+async def test_a_tenant_admin_manages_its_own_tenants_keys_within_its_own_limits(closed: Cluster) -> None:
+    boss = await key(closed, tenant="acme", role="tenant-admin", rpm=100, monthly_token_budget=10_000)
+    other = await key(closed, tenant="globex")
+    made = await call(
+        closed, "POST", "/admin/keys", boss["key"], {"tenant": "acme", "rpm": 10, "monthly_token_budget": 500}
+    )
+    assert made[0] == 201
+    assert (await call(closed, "POST", "/v1/chat/completions", made[1]["key"], BODY))[0] == 200
+    for refused in (
+        {"tenant": "globex", "rpm": 10, "monthly_token_budget": 500},  # another tenant
+        {"tenant": "acme", "monthly_token_budget": 500},  # no rpm: more than its own 100
+        {"tenant": "acme", "rpm": 1000, "monthly_token_budget": 500},  # more than its own
+        {"tenant": "acme", "rpm": 10, "monthly_token_budget": 500, "role": "admin"},  # a role above its own
+    ):
+        status, answer = await call(closed, "POST", "/admin/keys", boss["key"], refused)
+        assert status == 403, (refused, answer)
+    listed = (await call(closed, "GET", "/admin/keys", boss["key"]))[1]["keys"]
+    assert {k["tenant"] for k in listed} == {"acme"}
+    assert (await call(closed, "GET", f"/admin/keys/{other['id']}", boss["key"]))[0] == 404
+    assert (await call(closed, "DELETE", f"/admin/keys/{other['id']}", boss["key"]))[0] == 404
+    assert (await call(closed, "PATCH", f"/admin/keys/{made[1]['id']}", boss["key"], {"rpm": 1000}))[0] == 403
+    assert (await call(closed, "PATCH", f"/admin/keys/{made[1]['id']}", boss["key"], {"rpm": 50}))[0] == 200
+    await call(closed, "POST", "/v1/chat/completions", other["key"], BODY)
+    await asyncio.sleep(1.2)  # (usage is written every flush interval)
+    rows = (await call(closed, "GET", "/admin/usage?by=tenant", boss["key"]))[1]["rows"]
+    assert {r["tenant"] for r in rows} <= {"acme"}
+    assert (await call(closed, "DELETE", "/admin/cache", boss["key"]))[0] == 403
