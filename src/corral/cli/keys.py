@@ -22,7 +22,9 @@ _WHEN = ["%Y-%m-%d", "%Y-%m-%dT%H:%M", "%Y-%m-%dT%H:%M:%S", "%Y-%m-%d %H:%M"]  #
 
 __all__ = ["keys_app"]
 
-keys_app = typer.Typer(help="Create, list, show and revoke API keys.", cls=FlagsGroup, no_args_is_help=True)
+keys_app = typer.Typer(
+    help="Create, list, show, rotate and revoke API keys.", cls=FlagsGroup, no_args_is_help=True
+)
 app.add_typer(keys_app, name="keys")
 
 SpecOption = Annotated[Path | None, typer.Option("--file", "-f", help="cluster spec (its store.url)")]
@@ -39,6 +41,14 @@ class Priority(StrEnum):
     high = "high"
     normal = "normal"
     low = "low"
+
+
+class Role(StrEnum):
+    user = "user"
+    tenant_admin = "tenant-admin"
+    viewer = "viewer"
+    operator = "operator"
+    admin = "admin"
 
 
 class UsageBy(StrEnum):
@@ -95,6 +105,12 @@ def create(
         int | None,
         typer.Option(help="bytes of files likewise (default: batch.tenant_max_bytes)"),
     ] = None,
+    role: Annotated[
+        Role, typer.Option(help="what it may do beyond inference (the admin API; see README, Roles)")
+    ] = Role.user,
+    expires_in_days: Annotated[
+        float | None, typer.Option(help="it stops working after this many days (default: never)")
+    ] = None,
     file: SpecOption = None,
     store: StoreOption = None,
     as_json: JsonOption = False,
@@ -115,10 +131,15 @@ def create(
             monthly_token_budget=monthly_tokens,
             max_files=max_files,
             max_file_bytes=max_file_bytes,
+            role=str(role),
+            expires_in_s=expires_in_days * 86400 if expires_in_days is not None else None,
         )
     except InvalidKey as exc:
-        option = {"monthly_token_budget": "monthly-tokens"}.get(exc.param or "", exc.param or "")
+        option = {"monthly_token_budget": "monthly-tokens", "expires_in_s": "expires-in-days"}.get(
+            exc.param or "", exc.param or ""
+        )
         fail(f"--{option.replace('_', '-')}: {exc}" if option else str(exc), 2)
+    _audit(file, store, "key.create", record.id, {"tenant": tenant, "role": record.role})
     if as_json:
         print(json.dumps({"key": secret, **record.to_dict()}, indent=2))
         return
@@ -194,12 +215,106 @@ def revoke(
     key_id = before.id
     record = keys.revoke(key_id) if before.revoked_at is None else before
     assert record is not None and record.revoked_at is not None
+    if before.revoked_at is None:
+        _audit(file, store, "key.revoke", key_id, {"tenant": record.tenant})
     if as_json:
         print(json.dumps({**record.to_dict(), "already_revoked": before.revoked_at is not None}, indent=2))
     elif before.revoked_at is not None:
         console.print(f"{key_id} was already revoked on {before.revoked_at:%Y-%m-%d %H:%M:%S} UTC")
     else:
         console.print(f"revoked {key_id}")
+
+
+@keys_app.command("rotate", cls=FlagsCommand)
+def rotate(
+    key_id: Annotated[
+        str, typer.Argument(help="the key's id, or the start of it or of its secret (as `keys list` shows)")
+    ],
+    grace: Annotated[
+        float, typer.Option(help="seconds the old secret keeps working (0: not at all)", min=0)
+    ] = 3600.0,
+    file: SpecOption = None,
+    store: StoreOption = None,
+    as_json: JsonOption = False,
+) -> None:
+    """Give a key a new secret (printed once); the old one keeps working for --grace seconds."""
+    keys, _ = _stores(file, store)
+    record = _one_key(keys, key_id)
+    rotated = keys.rotate(record.id, grace)
+    if rotated is None:
+        fail(f"{record.id} is revoked: create a new key instead")
+    secret, record = rotated
+    _audit(file, store, "key.rotate", record.id, {"tenant": record.tenant, "grace_s": grace})
+    if as_json:
+        print(json.dumps({"key": secret, **record.to_dict()}, indent=2))
+        return
+    console.print(
+        f"rotated {record.id}; the old secret works for {grace:g} s more. The new one (shown only now):"
+    )
+    print(secret)
+
+
+def _audit(file: Path | None, store: str | None, action: str, target: str, detail: dict[str, object]) -> None:
+    """The command's action in the audit trail: run on this machine against the store itself, by whoever
+    holds its credentials (the break-glass path beside the admin key), named by their login."""
+    import getpass
+
+    from corral.store import AuditEntry, AuditLog
+
+    keys, _ = _stores(file, store)
+    log = AuditLog(keys.engine)
+    log.record(
+        AuditEntry(
+            actor=f"cli:{getpass.getuser()}",
+            role="admin",
+            action=action,
+            status=200,
+            source="local",
+            target=target,
+            detail=detail,
+        )
+    )
+
+
+@app.command("audit", cls=FlagsCommand)
+def audit(
+    action: Annotated[
+        str | None, typer.Option(help="only this action (key.create; key.* for a prefix)")
+    ] = None,
+    actor: Annotated[
+        str | None, typer.Option(help="only this actor (admin-key, key:ID, oidc:SUBJECT)")
+    ] = None,
+    tenant: Annotated[str | None, typer.Option(help="only actions by this tenant's people")] = None,
+    since: Annotated[datetime | None, typer.Option(formats=_WHEN, help="from this time (UTC)")] = None,
+    limit: Annotated[int, typer.Option(help="at most this many, latest first", min=1, max=1000)] = 50,
+    file: SpecOption = None,
+    store: StoreOption = None,
+    as_json: JsonOption = False,
+) -> None:
+    """The audit trail: every administrative action (keys, applies, rollouts, drains), latest first."""
+    from corral.store import AuditLog
+
+    keys, _ = _stores(file, store)
+    rows = AuditLog(keys.engine).list(
+        action=action, actor=actor, tenant=tenant, since=_utc(since), limit=limit
+    )
+    if as_json:
+        print(json.dumps(rows, indent=2))
+        return
+    table = Table(title="corral audit trail", box=box.SIMPLE_HEAD, pad_edge=False)
+    for column in ("at", "actor", "role", "action", "target", "status", "from"):
+        table.add_column(column, no_wrap=True)
+    for row in rows:
+        table.add_row(
+            row["at"][:19].replace("T", " "),
+            row["actor"],
+            row["role"],
+            row["action"],
+            row["target"] or "-",
+            str(row["status"]),
+            row["source"] or "-",
+        )
+    Console().print(table)
 
 
 @app.command("usage", cls=FlagsCommand)

@@ -113,6 +113,10 @@ class KeyStore:
     def __init__(self, engine: Engine) -> None:
         self._engine = engine
 
+    @property
+    def engine(self) -> Engine:
+        return self._engine
+
     def create(
         self,
         tenant: str,
