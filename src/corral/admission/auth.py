@@ -11,13 +11,18 @@ random keys churns the misses only and never pushes a working key out to the dat
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from corral.protocol import PermissionDenied, Unauthorized
 from corral.store import PRIORITIES, KeyRecord, KeyStore, hash_key
 
-__all__ = ["ANONYMOUS", "Authenticator", "Principal"]
+if TYPE_CHECKING:
+    from corral.admission.oidc import OIDCVerifier
+
+__all__ = ["ANONYMOUS", "Authenticator", "Principal", "looks_like_jwt", "token_digest"]
 
 _MAX_CACHED = 100_000
 
@@ -68,8 +73,19 @@ ANONYMOUS = Principal(key_id=None, tenant="anonymous")
 
 
 class Authenticator:
-    def __init__(self, keys: KeyStore, open_access: bool, ttl: float, max_cached: int = _MAX_CACHED) -> None:
+    """Who a request's credentials name: an API key (looked up by its hash, cached for `ttl`), or with
+    `auth.oidc` a token from the identity provider (admission/oidc.py: cached until it expires)."""
+
+    def __init__(
+        self,
+        keys: KeyStore,
+        open_access: bool,
+        ttl: float,
+        max_cached: int = _MAX_CACHED,
+        oidc: OIDCVerifier | None = None,
+    ) -> None:
         self._keys = keys
+        self.oidc = oidc
         self._open = open_access
         self._ttl = ttl
         self._max = max_cached
@@ -85,6 +101,8 @@ class Authenticator:
         # (a header that is not UTF-8 arrives with its bytes as lone surrogates; keys are ASCII)
         if scheme.lower() != "bearer" or not secret.strip() or not secret.isascii():
             raise Unauthorized("Malformed Authorization header: expected 'Bearer <key>'.")
+        if self.oidc is not None and looks_like_jwt(secret.strip()):
+            return await self._token(secret.strip())
         key_hash = hash_key(secret.strip())
         now = time.monotonic()
         cached = self._cache.get(key_hash) or self._misses.get(key_hash)
@@ -106,6 +124,27 @@ class Authenticator:
         if principal.expires_at is not None and principal.expires_at <= time.time():
             raise Unauthorized("This API key has expired.", code="expired_api_key")
         return principal
+
+    async def _token(self, token: str) -> Principal:
+        """The person a provider's token names (its checks: admission/oidc.py), remembered until it expires;
+        a refused token is not remembered (a retry after the provider rotated its keys may pass)."""
+        assert self.oidc is not None
+        digest = token_digest(token)
+        cached = self._cache.get(digest)
+        if cached is not None and cached[0] is not None and (cached[0].expires_at or 0) > time.time():
+            return cached[0]
+        principal = self.oidc.principal(await self.oidc.claims(token))
+        _remember(self._cache, digest, (principal, time.monotonic() + self._ttl), self._max)
+        return principal
+
+
+def looks_like_jwt(token: str) -> bool:
+    """Three base64url parts, the first a JSON header (`eyJ`): not one of corral's keys."""
+    return token.startswith("eyJ") and token.count(".") == 2
+
+
+def token_digest(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
 
 
 def _remember(

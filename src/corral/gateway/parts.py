@@ -35,6 +35,8 @@ from corral.store import AuditLog, KeyStore, ResponseStore, UsageStore, open_dat
 if TYPE_CHECKING:
     from sqlalchemy import Engine
 
+    from corral.admission.oidc import OIDCVerifier
+
 __all__ = ["AdminAccess", "GatewayParts", "ReplicaControl", "isolates"]
 
 
@@ -117,7 +119,7 @@ class GatewayParts:
         return cls(
             keys=keys,
             usage_store=usage,
-            auth=Authenticator(keys, open_access=auth.open, ttl=auth.cache_ttl),
+            auth=Authenticator(keys, open_access=auth.open, ttl=auth.cache_ttl, oidc=_oidc(auth)),
             limits=RateLimits(limits),
             budget=BudgetTracker(usage, shared=_shared_budgets(limits)),
             queue=FairQueue(replicas, queue.max_queued, queue.timeout),
@@ -138,6 +140,15 @@ class GatewayParts:
 def isolates(prefix_isolation: str | None, open_access: bool) -> bool:
     """A model's `prefix_isolation` on this gateway: tenant (stated, or unset on a closed gateway)."""
     return prefix_isolation == "tenant" or (prefix_isolation is None and not open_access)
+
+
+def _oidc(auth: AuthSettings) -> OIDCVerifier | None:
+    """The identity provider's token checks, where the spec names one (admission/oidc.py)."""
+    if auth.oidc is None:
+        return None
+    from corral.admission.oidc import OIDCVerifier  # (joserfc imported only when used)
+
+    return OIDCVerifier(auth.oidc)
 
 
 def _shared_budgets(limits: LimitsSettings) -> SharedBudgets | None:

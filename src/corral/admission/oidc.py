@@ -1,0 +1,152 @@
+"""Tokens from an OpenID Connect provider, accepted on the API like keys (`auth.oidc`).
+
+The provider is found by discovery (`issuer/.well-known/openid-configuration`); its signing keys come from
+its `jwks_uri` and are fetched again when a token names a key not among them (the provider rotated its
+keys), at most every `_REFETCH_S`. A token (a JWT: an ID token, or an access token the provider issues as
+one) is accepted when joserfc finds its signature good under one of those keys, with an asymmetric
+algorithm, and its claims good: `iss` the issuer, `aud` naming `auth.oidc.audience` (else the client id),
+`exp` not past and `nbf`/`iat` not ahead, each within `clock_skew_s`. Signature and claims checks are the
+library's; corral only maps claims to a tenant and role (`tenant_claim`, `role_claim`, else the first of
+the person's groups in `auth.oidc.groups` that names one, else `default_role`).
+
+A signed-in person acts for their tenant: rate limits and budgets are the tenant's (`auth.oidc.tenants`),
+shared by its people as one key's would be (usage rows name `oidc:<tenant>` as the key), and the audit
+trail names the person (`oidc:<subject>`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+from joserfc import jwt
+from joserfc.errors import ExpiredTokenError, InvalidClaimError, JoseError, MissingClaimError
+from joserfc.jwk import KeySet
+
+from corral.admission.auth import Principal, looks_like_jwt, token_digest
+from corral.config import OIDCSettings
+from corral.protocol import Unauthorized
+from corral.store import PRIORITIES
+
+__all__ = ["OIDCVerifier", "ProviderMetadata", "looks_like_jwt", "token_digest"]
+
+_ALGORITHMS = ("RS256", "RS384", "RS512", "PS256", "PS384", "PS512", "ES256", "ES384", "ES512", "EdDSA")
+_REFETCH_S = 10.0  # a token naming an unknown key refetches the key set at most this often
+_TIMEOUT = aiohttp.ClientTimeout(total=10)
+
+
+@dataclass(frozen=True)
+class ProviderMetadata:
+    issuer: str
+    jwks_uri: str
+    authorization_endpoint: str
+    token_endpoint: str
+    end_session_endpoint: str | None = None
+
+
+class OIDCVerifier:
+    """Checks the provider's tokens; one per gateway process."""
+
+    def __init__(self, settings: OIDCSettings) -> None:
+        self.settings = settings
+        self._metadata: ProviderMetadata | None = None
+        self._keys: KeySet | None = None
+        self._fetched_at = 0.0
+        self._lock = asyncio.Lock()
+        self._claims = jwt.JWTClaimsRegistry(
+            leeway=int(settings.clock_skew_s),
+            iss={"essential": True, "value": settings.issuer.rstrip("/")},
+            aud={"essential": True, "value": settings.audience or settings.client_id},
+            exp={"essential": True},
+            sub={"essential": True},
+        )
+
+    async def metadata(self) -> ProviderMetadata:
+        """The provider's discovery document (read once)."""
+        if self._metadata is None:
+            url = self.settings.issuer.rstrip("/") + "/.well-known/openid-configuration"
+            document = await _get_json(url)
+            if str(document.get("issuer", "")).rstrip("/") != self.settings.issuer.rstrip("/"):
+                raise Unauthorized("The identity provider's discovery document names another issuer.")
+            self._metadata = ProviderMetadata(
+                issuer=document["issuer"],
+                jwks_uri=document["jwks_uri"],
+                authorization_endpoint=document["authorization_endpoint"],
+                token_endpoint=document["token_endpoint"],
+                end_session_endpoint=document.get("end_session_endpoint"),
+            )
+        return self._metadata
+
+    async def _key_set(self, refresh: bool = False) -> KeySet:
+        async with self._lock:
+            stale = refresh and time.monotonic() - self._fetched_at >= _REFETCH_S
+            if self._keys is None or stale:
+                metadata = await self.metadata()
+                self._keys = KeySet.import_key_set(await _get_json(metadata.jwks_uri))  # type: ignore[arg-type]
+                self._fetched_at = time.monotonic()
+            return self._keys
+
+    async def claims(self, token: str) -> dict[str, Any]:
+        """The token's claims once its signature and claims check out; Unauthorized (saying which check
+        failed, never the token) otherwise."""
+        try:
+            keys = await self._key_set()
+            try:
+                decoded = jwt.decode(token, keys, algorithms=_ALGORITHMS)
+            except (JoseError, ValueError):  # a key it names may be new: the provider rotated its keys
+                keys = await self._key_set(refresh=True)
+                decoded = jwt.decode(token, keys, algorithms=_ALGORITHMS)
+            self._claims.validate(decoded.claims)
+        except ExpiredTokenError:
+            raise Unauthorized("The token has expired.", code="expired_token") from None
+        except (InvalidClaimError, MissingClaimError) as exc:
+            raise Unauthorized(f"The token's claims do not check out: {exc.description}.") from None
+        except (JoseError, ValueError):
+            raise Unauthorized("The token's signature does not check out.", code="invalid_token") from None
+        except (aiohttp.ClientError, TimeoutError, KeyError) as exc:
+            raise Unauthorized(f"The identity provider could not be asked ({type(exc).__name__}).") from None
+        return dict(decoded.claims)
+
+    def principal(self, claims: dict[str, Any]) -> Principal:
+        """Who the claims say: their tenant (its limits), their role, their subject."""
+        settings = self.settings
+        tenant, role = claims.get(settings.tenant_claim), claims.get(settings.role_claim)
+        groups = claims.get(settings.groups_claim) or []
+        for group in groups if isinstance(groups, list) else []:
+            mapped = settings.groups.get(str(group))
+            if mapped is not None:
+                tenant = tenant or mapped.tenant
+                role = role or mapped.role
+        if not isinstance(tenant, str) or not tenant:
+            raise Unauthorized(
+                f"The token names no tenant (claim '{settings.tenant_claim}', or a group in "
+                "auth.oidc.groups)."
+            )
+        if role not in ("admin", "operator", "viewer", "tenant-admin", "user"):
+            role = settings.default_role
+        limits = settings.tenants.get(tenant)
+        return Principal(
+            key_id=f"oidc:{tenant}",
+            tenant=tenant,
+            models=frozenset(limits.models) if limits is not None else frozenset(),
+            rpm=limits.rpm if limits is not None else None,
+            tpm=limits.tpm if limits is not None else None,
+            max_concurrency=limits.max_concurrency if limits is not None else None,
+            priority=PRIORITIES["normal"],
+            monthly_token_budget=limits.monthly_token_budget if limits is not None else None,
+            role=str(role),
+            expires_at=float(claims["exp"]) + settings.clock_skew_s,
+            subject=str(claims["sub"]),
+        )
+
+
+async def _get_json(url: str) -> dict[str, Any]:
+    async with aiohttp.ClientSession(timeout=_TIMEOUT) as session, session.get(url) as answer:
+        answer.raise_for_status()
+        document = await answer.json(content_type=None)
+        if not isinstance(document, dict):
+            raise KeyError("not a JSON object")
+        return document

@@ -1,0 +1,163 @@
+"""Tokens from a real OpenID provider (oidc-provider-mock: Authlib's authorization server, started here)
+on the API: a token whose issuer, audience, expiry and signature check out is accepted like a key, with its
+tenant and role from its claims (or its groups) and its tenant's limits; a tampered, expired or
+wrong-audience one is refused with 401; roles from the token hold on the admin API."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.parse
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import aiohttp
+import httpx
+import pytest
+from oidc_provider_mock import User, run_server_in_thread
+
+from corral.config import AuthSettings, GatewaySettings, OIDCSettings
+from corral.gateway import GatewayServer
+from corral.routing import Replica, ReplicaSet, ReplicaState, Router
+
+from ..gateway.conftest import ScriptedUpstream, make_services
+
+ADMIN = "oidc-test-admin"
+BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+PEOPLE = [
+    User(sub="alice", claims={"tenant": "acme", "role": "user"}),
+    User(sub="bob", claims={"tenant": "acme", "role": "tenant-admin"}),
+    User(sub="carol", claims={"groups": ["ops-team"]}),  # tenant and role from her group
+    User(sub="dave", claims={"role": "admin"}),  # no tenant: refused
+]
+
+
+@dataclass
+class Provider:
+    url: str
+
+    def token(self, sub: str, client_id: str = "corral") -> str:
+        """An ID token for `sub`, by the authorization-code flow (the provider's own login form)."""
+        conf = httpx.get(self.url + "/.well-known/openid-configuration").json()
+        redirect = "http://127.0.0.1:9/callback"
+        query = {"client_id": client_id, "redirect_uri": redirect, "response_type": "code", "scope": "openid"}
+        signed_in = httpx.post(
+            conf["authorization_endpoint"] + "?" + urllib.parse.urlencode(query), data={"sub": sub}
+        )
+        code = urllib.parse.parse_qs(urllib.parse.urlsplit(signed_in.headers["location"]).query)["code"][0]
+        answer = httpx.post(
+            conf["token_endpoint"],
+            data={"grant_type": "authorization_code", "code": code, "redirect_uri": redirect},
+            auth=(client_id, "secret"),
+        )
+        return str(answer.json()["id_token"])
+
+
+@pytest.fixture(scope="module")
+def provider() -> Iterator[Provider]:
+    with run_server_in_thread(user_claims=PEOPLE) as server:
+        yield Provider(f"http://localhost:{server.server_port}")
+
+
+@pytest.fixture(scope="module")
+def short_lived() -> Iterator[Provider]:
+    with run_server_in_thread(user_claims=PEOPLE, access_token_max_age=timedelta(seconds=4)) as server:
+        yield Provider(f"http://localhost:{server.server_port}")
+
+
+async def gateway(
+    tmp_path: Path, upstream: ScriptedUpstream, provider: Provider
+) -> tuple[GatewayServer, str]:
+    replicas = ReplicaSet(["m"])
+    replicas.add(Replica(id="m-0", model="m", engine="x", url=upstream.url, state=ReplicaState.READY))
+    oidc = OIDCSettings.model_validate(
+        {
+            "issuer": provider.url,
+            "client_id": "corral",
+            "clock_skew_s": 0,
+            "groups": {"ops-team": {"tenant": "ops", "role": "viewer"}},
+            "tenants": {"acme": {"rpm": 3}},
+        }
+    )
+    parts = make_services(
+        replicas, tmp_path / "c.db", auth=AuthSettings(open=False, oidc=oidc), admin_key=ADMIN
+    )
+    server = GatewayServer(GatewaySettings(port=0), Router(replicas), parts)
+    await server.start()
+    return server, f"http://127.0.0.1:{server.port}"
+
+
+@pytest.fixture
+async def url(tmp_path: Path, upstream: ScriptedUpstream, provider: Provider) -> AsyncIterator[str]:
+    server, address = await gateway(tmp_path, upstream, provider)
+    yield address
+    await server.stop()
+
+
+async def call(url: str, method: str, path: str, token: str, body: object = None) -> tuple[int, dict]:
+    async with (
+        aiohttp.ClientSession() as session,
+        session.request(
+            method,
+            url + path,
+            data=body if isinstance(body, str) else json.dumps(body) if body is not None else None,
+            headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"},
+        ) as answer,
+    ):
+        text = await answer.text()
+        return answer.status, json.loads(text) if text.startswith("{") else {"text": text}
+
+
+async def test_a_providers_token_is_accepted_like_a_key_with_its_tenants_limits(
+    url: str, provider: Provider
+) -> None:
+    alice = await asyncio.to_thread(provider.token, "alice")
+    statuses = [(await call(url, "POST", "/v1/chat/completions", alice, BODY))[0] for _ in range(4)]
+    assert statuses == [200, 200, 200, 429]  # acme's people share its 3 requests a minute
+    await asyncio.sleep(0.3)  # (usage is written every flush interval)
+    rows = (await call(url, "GET", "/admin/usage?by=key", ADMIN))[1]["rows"]
+    assert {(r["key"], r["requests"]) for r in rows} == {("oidc:acme", 4)}
+
+
+async def test_tampered_expired_and_wrong_audience_tokens_are_refused(
+    url: str, provider: Provider, short_lived: Provider, tmp_path: Path, upstream: ScriptedUpstream
+) -> None:
+    good = await asyncio.to_thread(provider.token, "alice")
+    header, payload, signature = good.split(".")
+    flipped = signature[:10] + ("A" if signature[10] != "A" else "B") + signature[11:]
+    other = await asyncio.to_thread(provider.token, "alice", "another-client")
+    refused = {
+        "tampered": (await call(url, "POST", "/v1/chat/completions", f"{header}.{payload}.{flipped}", BODY)),
+        "wrong audience": (await call(url, "POST", "/v1/chat/completions", other, BODY)),
+        "no tenant": (await call(url, "POST", "/v1/chat/completions", provider.token("dave"), BODY)),
+    }
+    for what, (status, answer) in refused.items():
+        assert status == 401, (what, answer)
+    assert "aud" in refused["wrong audience"][1]["error"]["message"]
+    server, short_url = await gateway(tmp_path / "short", upstream, short_lived)
+    try:
+        token = await asyncio.to_thread(short_lived.token, "alice")
+        assert (await call(short_url, "POST", "/v1/chat/completions", token, BODY))[0] == 200
+        await asyncio.sleep(4.1)
+        status, answer = await call(short_url, "POST", "/v1/chat/completions", token, BODY)
+        assert status == 401 and answer["error"]["code"] == "expired_token"
+    finally:
+        await server.stop()
+
+
+async def test_roles_from_the_token_hold_on_the_admin_api(url: str, provider: Provider) -> None:
+    bob, carol = provider.token("bob"), provider.token("carol")
+    status, made = await call(url, "POST", "/admin/keys", bob, {"tenant": "acme", "rpm": 1})
+    assert status == 201  # a tenant-admin makes a key for its tenant (within acme's 3 a minute)
+    assert (await call(url, "POST", "/v1/chat/completions", made["key"], BODY))[0] == 200
+    assert (await call(url, "POST", "/admin/keys", bob, {"tenant": "other", "rpm": 1}))[0] == 403
+    assert (await call(url, "GET", "/admin/routing", carol))[0] == 200  # a viewer, by her group
+    assert (await call(url, "POST", "/admin/spec", carol, "models: []"))[0] == 403
+    trail = (await call(url, "GET", "/admin/audit", ADMIN))[1]["entries"]
+    assert [(e["action"], e["actor"], e["role"], e["status"]) for e in reversed(trail)] == [
+        ("key.create", "oidc:bob", "tenant-admin", 201),
+        ("key.create", "oidc:bob", "tenant-admin", 403),
+        ("spec.apply", "oidc:carol", "viewer", 403),
+    ]
