@@ -17,6 +17,7 @@ trail names the person (`oidc:<subject>`).
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -127,7 +128,13 @@ class OIDCVerifier:
             )
         if role not in ("admin", "operator", "viewer", "tenant-admin", "user"):
             role = settings.default_role
-        limits = settings.tenants.get(tenant)
+        expires = float(claims["exp"]) + settings.clock_skew_s
+        return self.principal_of(str(claims["sub"]), tenant, str(role), expires)
+
+    def principal_of(self, subject: str, tenant: str, role: str, expires_at: float | None) -> Principal:
+        """A signed-in person of `tenant` with `role`, with the tenant's limits (a token's, or a console
+        session's)."""
+        limits = self.settings.tenants.get(tenant)
         return Principal(
             key_id=f"oidc:{tenant}",
             tenant=tenant,
@@ -137,10 +144,15 @@ class OIDCVerifier:
             max_concurrency=limits.max_concurrency if limits is not None else None,
             priority=PRIORITIES["normal"],
             monthly_token_budget=limits.monthly_token_budget if limits is not None else None,
-            role=str(role),
-            expires_at=float(claims["exp"]) + settings.clock_skew_s,
-            subject=str(claims["sub"]),
+            role=role,
+            expires_at=expires_at,
+            subject=subject,
         )
+
+    @property
+    def client_secret(self) -> str | None:
+        """corral's secret at the provider: CORRAL_OIDC_CLIENT_SECRET, else the spec's."""
+        return os.environ.get("CORRAL_OIDC_CLIENT_SECRET") or self.settings.client_secret
 
 
 async def _get_json(url: str) -> dict[str, Any]:

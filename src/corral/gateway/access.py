@@ -20,6 +20,7 @@ a client on this machine of an open gateway is `admin` (a laptop). Every adminis
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 from dataclasses import dataclass
 
@@ -29,6 +30,7 @@ from corral.admission import Authenticator, Principal
 from corral.gateway.clients import ClientAddresses
 from corral.gateway.parts import AdminAccess
 from corral.protocol import APIError, PermissionDenied, Unauthorized
+from corral.store import SessionStore
 
 __all__ = ["PERMISSIONS", "ROLES", "ROUTES", "Access", "Actor", "bearer_is"]
 
@@ -86,6 +88,7 @@ class Actor:
     role: str
     tenant: str | None = None
     principal: Principal | None = None
+    csrf: str | None = None  # signed in to the console (a session cookie): changes must send this back
 
     def may(self, permission: str) -> bool:
         return permission in ROLES.get(self.role, frozenset())
@@ -103,10 +106,17 @@ _LOCAL = Actor("local", "admin")
 class Access:
     """Resolves a request's actor and checks its permission."""
 
-    def __init__(self, admin: AdminAccess, auth: Authenticator | None, clients: ClientAddresses) -> None:
+    def __init__(
+        self,
+        admin: AdminAccess,
+        auth: Authenticator | None,
+        clients: ClientAddresses,
+        sessions: SessionStore | None = None,
+    ) -> None:
         self._admin = admin
         self._auth = auth
         self._clients = clients
+        self._sessions = sessions  # console sign-ins (auth.oidc)
 
     def is_admin_key(self, request: web.Request) -> bool:
         """The request carries the admin key, or needs none: a client on this machine talking to an open
@@ -122,7 +132,9 @@ class Access:
         if self.is_admin_key(request):
             return _ADMIN_KEY if self._admin.admin_key is not None else _LOCAL
         authorization = request.headers.get("Authorization")
-        if self._auth is None or not authorization:
+        if not authorization:
+            return await self._signed_in(request)
+        if self._auth is None:
             return None
         try:
             principal = await self._auth.authenticate(authorization)
@@ -132,6 +144,21 @@ class Access:
             return None
         who = f"oidc:{principal.subject}" if principal.subject else f"key:{principal.key_id}"
         return Actor(who, principal.role, principal.tenant, principal)
+
+    async def _signed_in(self, request: web.Request) -> Actor | None:
+        """The person signed in to the console whose session cookie the request carries."""
+        from corral.gateway.signin import SESSION_COOKIE  # (signin.py builds on the admission stages)
+
+        secret = request.cookies.get(SESSION_COOKIE)
+        verifier = self._auth.oidc if self._auth is not None else None
+        if not secret or self._sessions is None or verifier is None:
+            return None
+        session = await asyncio.to_thread(self._sessions.get, secret)
+        if session is None:
+            return None
+        expires = session.expires_at.timestamp()
+        principal = verifier.principal_of(session.subject, session.tenant, session.role, expires)
+        return Actor(f"oidc:{session.subject}", session.role, session.tenant, principal, session.csrf)
 
     async def require(self, request: web.Request, permission: str) -> Actor:
         """The request's actor, if its role has `permission`; else 401 (no one) or 403 (not allowed)."""
@@ -146,6 +173,13 @@ class Access:
             raise Unauthorized(
                 "The admin API needs 'Authorization: Bearer <admin key, or a key with a role>'."
             )
+        if actor.csrf is not None and request.method not in ("GET", "HEAD", "OPTIONS"):
+            from corral.gateway.signin import CSRF_HEADER
+
+            if not hmac.compare_digest(request.headers.get(CSRF_HEADER, ""), actor.csrf):
+                raise PermissionDenied(
+                    "A change from the console must send its CSRF token (X-CSRF-Token).", code="csrf_failed"
+                )
         if not actor.may(permission):
             raise PermissionDenied(
                 f"The role '{actor.role}' may not do this ({permission}).", code="role_not_allowed"

@@ -26,7 +26,16 @@ from corral.gateway.clients import ClientAddresses
 from corral.gateway.parts import AdminAccess, ReplicaControl
 from corral.protocol import APIError, InvalidRequest, NoCapacity, NotFound, NotSupported, PermissionDenied
 from corral.routing import PrefixAffinity, Router
-from corral.store import AuditEntry, AuditLog, KeyRecord, KeyStore, KeyUpdate, NewKey, UsageStore
+from corral.store import (
+    AuditEntry,
+    AuditLog,
+    KeyRecord,
+    KeyStore,
+    KeyUpdate,
+    NewKey,
+    SessionStore,
+    UsageStore,
+)
 
 __all__ = ["AdminViews", "bearer_is"]
 
@@ -56,6 +65,7 @@ class AdminViews:
         max_body_bytes: int = 4 * 1024 * 1024,
         auth: Authenticator | None = None,
         audit: AuditLog | None = None,
+        sessions: SessionStore | None = None,
     ) -> None:
         self._admin_access = access
         self._body = (body_timeout, max_body_bytes)
@@ -67,7 +77,7 @@ class AdminViews:
         self._replica_control = control
         self._worker = worker  # this process's index among gateway workers (None: the only gateway)
         self._clients = clients or ClientAddresses([])  # no trusted proxies: any proxy header is remote
-        self.access = Access(access, auth, self._clients)
+        self.access = Access(access, auth, self._clients, sessions)
         self._audit = audit
 
     def add_routes(self, app: web.Application) -> None:
@@ -127,6 +137,12 @@ class AdminViews:
                     await self._write_audit(request, actor, action, detail, status)
 
         return audited
+
+    async def record(
+        self, request: web.Request, who: str, role: str, tenant: str | None, action: str, status: int
+    ) -> None:
+        """An action outside the admin routes (a console sign-in or sign-out) on the audit trail."""
+        await self._write_audit(request, Actor(who, role, tenant), action, {"target": who}, status)
 
     async def _write_audit(
         self, request: web.Request, actor: Actor, action: str, detail: dict[str, Any], status: int

@@ -9,6 +9,7 @@ responses), `/v1/messages` (Anthropic's; see agents.py and dialects/), `/v1/mode
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import os
 import time
@@ -84,6 +85,7 @@ def build_app(
         max_body_bytes=settings.max_body_bytes,
         auth=parts.auth,
         audit=parts.audit,
+        sessions=parts.sessions,
     )
     status = _StatusViews(router, parts.auth, admin, time.time(), worker, parts.adapters)
     metrics = GatewayMetrics(
@@ -159,6 +161,7 @@ def build_app(
         )
         batch_views.add_routes(app)
     ConsoleViews(metrics, admin).add_routes(app)
+    _sign_in(parts, admin, app)
 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
         rebuild = _semantic_cache(parts.cache, relay)
@@ -258,6 +261,24 @@ def _error_response(exc: APIError, status: int | None = None) -> web.Response:
         content_type="application/json",
         headers=exc.headers(),
     )
+
+
+def _sign_in(parts: GatewayParts, admin: AdminViews, app: web.Application) -> None:
+    """The console's sign-in through the identity provider, where the spec names one (signin.py)."""
+    verifier = parts.auth.oidc
+    if verifier is None or parts.sessions is None:
+
+        async def no_sign_in(request: web.Request) -> web.Response:
+            return web.json_response({"signed_in": False, "oidc": False})
+
+        app.router.add_get("/console/me", no_sign_in)
+        return
+    from corral.gateway.signin import SignInViews
+
+    settings = verifier.settings
+    material = "\0".join((parts.access.admin_key or "", verifier.client_secret or "", settings.client_id))
+    key = hashlib.sha256(b"corral sign-in\0" + material.encode()).digest()
+    SignInViews(verifier, parts.sessions, key, admin.record).add_routes(app)
 
 
 class _MetricsAccess:

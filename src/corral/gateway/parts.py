@@ -30,7 +30,7 @@ from corral.config import (
 )
 from corral.routing import ReplicaSet
 from corral.routing.adapters import AdapterCatalogue
-from corral.store import AuditLog, KeyStore, ResponseStore, UsageStore, open_database
+from corral.store import AuditLog, KeyStore, ResponseStore, SessionStore, UsageStore, open_database
 
 if TYPE_CHECKING:
     from sqlalchemy import Engine
@@ -86,6 +86,7 @@ class GatewayParts:
     responses: ResponseStore | None = None  # stored responses (/v1/responses)
     adapters: AdapterCatalogue = field(default_factory=AdapterCatalogue)  # LoRA adapters (a live apply's)
     audit: AuditLog | None = None  # every administrative action (store/audit.py)
+    sessions: SessionStore | None = None  # console sign-ins through the identity provider (auth.oidc)
 
     def reconfigure(self, queue: QueueSettings, limits: LimitsSettings) -> None:
         """New queue bounds and rate-limit settings from a live `corral apply` (requests already waiting
@@ -134,6 +135,7 @@ class GatewayParts:
             batch=batch,
             responses=ResponseStore(engine, store.response_ttl_days * 86400),
             audit=AuditLog(engine),
+            sessions=SessionStore(engine) if auth.oidc is not None else None,
         )
 
 

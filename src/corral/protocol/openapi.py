@@ -616,4 +616,5 @@ def _operations() -> dict[str, Any]:
             "get": _read("A console asset", None, ("404",), path=("name",), content="application/javascript")
         },
         "/corral/console/data": {"get": _read("The console's figures (admin)", "Anything", ("401", "403"))},
+        "/console/me": {"get": _read("Who is signed in to the console (auth.oidc)", "Anything", ())},
     }

@@ -14,6 +14,7 @@ from corral.store.files import FileQuotaExceeded, FileStore, NewFile
 from corral.store.keys import PRIORITIES, ROLES, InvalidKey, KeyRecord, KeyStore, KeyUpdate, NewKey, hash_key
 from corral.store.responses import ResponseStore, StoredResponse
 from corral.store.schema import Base, StoreError, add_missing_columns
+from corral.store.sessions import ConsoleSession, SessionStore
 from corral.store.usage import UsageRecord, UsageStore
 
 __all__ = [
@@ -21,6 +22,7 @@ __all__ = [
     "ROLES",
     "AuditEntry",
     "AuditLog",
+    "ConsoleSession",
     "FileQuotaExceeded",
     "FileStore",
     "InvalidKey",
@@ -30,6 +32,7 @@ __all__ = [
     "NewFile",
     "NewKey",
     "ResponseStore",
+    "SessionStore",
     "StoreError",
     "StoredResponse",
     "UsageRecord",

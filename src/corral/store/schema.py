@@ -8,7 +8,7 @@ from sqlalchemy import JSON, BigInteger, DateTime, Engine, Float, Index, Integer
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-__all__ = ["ApiKeyRow", "AuditRow", "Base", "StoreError", "UsageRow", "add_missing_columns"]
+__all__ = ["ApiKeyRow", "AuditRow", "Base", "SessionRow", "StoreError", "UsageRow", "add_missing_columns"]
 
 
 class Base(DeclarativeBase):
@@ -64,6 +64,21 @@ class AuditRow(Base):
     target: Mapped[str | None] = mapped_column(String(256), nullable=True)
     detail: Mapped[dict[str, object] | None] = mapped_column(JSON, nullable=True)
     status: Mapped[int] = mapped_column(Integer)  # the answer's status: refused actions are kept too
+
+
+class SessionRow(Base):
+    """A person signed in to the console through the identity provider: the cookie holds a random
+    secret, the row its hash, who they are and the token the console sends with every change (CSRF)."""
+
+    __tablename__ = "corral_sessions"
+
+    id_hash: Mapped[str] = mapped_column(String(64), primary_key=True)
+    subject: Mapped[str] = mapped_column(String(256))
+    tenant: Mapped[str] = mapped_column(String(128))
+    role: Mapped[str] = mapped_column(String(16))
+    csrf: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    expires_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), index=True)
 
 
 class UsageRow(Base):

@@ -2,12 +2,48 @@
 // Data: /corral/console/data (cumulative counters and histogram buckets per model), /admin/routing
 // (replicas, policies, queues, latest decisions), /admin/keys and /admin/usage?by=tenant (tenants).
 // Rates and percentiles come from the difference of two polls, as Prometheus's rate() does.
+// Who sees what is the gateway's to decide (the admin key, or a person signed in through the identity
+// provider, whose session cookie goes with every request and whose changes send its CSRF token); the
+// console only hides the panels a role cannot read (the permissions of gateway/access.py).
 "use strict";
+
+const READ = ["status:read", "routing:read", "metrics:read", "usage:read", "rollouts:read", "cache:read"];
+const ROLES = {
+  admin: [...READ, "spec:apply", "keys:read", "keys:write", "audit:read"],
+  operator: [...READ, "spec:apply", "audit:read"],
+  viewer: READ,
+  "tenant-admin": ["keys:read", "keys:write", "usage:read"],
+  user: [],
+};
 
 const POLL_MS = 2000;
 const TENANTS_EVERY = 15; // polls: the tenants' usage is a GROUP BY over the usage table, every 30 s is plenty
 const HISTORY = 150; // points kept per chart (5 minutes at 2 s)
-const state = { key: sessionStorage.getItem("corral-admin-key") || "", previous: null, charts: {}, series: {}, polls: 0 };
+const state = {
+  key: sessionStorage.getItem("corral-admin-key") || "",
+  me: null, // the person signed in (GET /console/me), with the CSRF token
+  previous: null,
+  charts: {},
+  series: {},
+  polls: 0,
+};
+
+function may(permission) {
+  if (state.me && state.me.signed_in && !state.key) return ROLES[state.me.role].includes(permission);
+  return true; // the admin key (or a laptop's open gateway): the gateway says otherwise if not
+}
+
+async function send(method, path, body) {
+  const extra = state.me && state.me.csrf ? { "X-CSRF-Token": state.me.csrf } : {};
+  const response = await fetch(path, {
+    method,
+    headers: { ...headers(), ...extra, "Content-Type": "application/json" },
+    body: body === undefined ? undefined : JSON.stringify(body),
+  });
+  const answer = await response.json().catch(() => ({}));
+  if (!response.ok) throw new Error((answer.error && answer.error.message) || method + " " + path + ": " + response.status);
+  return answer;
+}
 
 function headers() {
   return state.key ? { Authorization: "Bearer " + state.key } : {};
@@ -211,16 +247,61 @@ function drawTenants(keys, usage) {
   );
 }
 
+function drawKeys(keys) {
+  const body = document.querySelector("#keys tbody");
+  body.replaceChildren(
+    ...keys.keys.map((k) => {
+      const tr = document.createElement("tr");
+      const budget = k.monthly_token_budget ? k.monthly_token_budget : "–";
+      [k.id, k.name || "–", k.tenant, k.role, k.rpm || "–", k.tpm || "–", budget, k.month_tokens, k.expires_at || "never"].forEach(
+        (text) => tr.appendChild(cell(text)),
+      );
+      const revoke = document.createElement("button");
+      revoke.textContent = "revoke";
+      revoke.addEventListener("click", async () => {
+        try {
+          await send("DELETE", "/admin/keys/" + k.id);
+          drawKeys(await getJSON("/admin/keys"));
+        } catch (error) {
+          document.getElementById("keys-error").textContent = error.message;
+        }
+      });
+      const td = document.createElement("td");
+      td.appendChild(revoke);
+      tr.appendChild(td);
+      return tr;
+    }),
+  );
+}
+
+function drawAudit(trail) {
+  fill(
+    "audit",
+    trail.entries.map((e) => [e.at.slice(0, 19).replace("T", " "), e.actor, e.role, e.action, e.target || "–", e.status, e.source || "–"]),
+  );
+}
+
 async function poll() {
   try {
-    const [data, routing] = await Promise.all([getJSON("/corral/console/data"), getJSON("/admin/routing")]);
+    const admin = may("status:read");
+    document.querySelectorAll(".admin-only").forEach((section) => (section.hidden = !admin));
+    document.getElementById("traffic-section").hidden = !admin;
+    document.getElementById("keys-section").hidden = !may("keys:read");
+    document.getElementById("audit-section").hidden = !may("audit:read");
+    if (admin) {
+      const [data, routing] = await Promise.all([getJSON("/corral/console/data"), getJSON("/admin/routing")]);
+      drawTraffic(data, routing);
+      drawReplicas(routing);
+      drawChanges(routing);
+    }
     document.getElementById("login").hidden = true;
-    drawTraffic(data, routing);
-    drawReplicas(routing);
-    drawChanges(routing);
     if (state.polls % TENANTS_EVERY === 0) {
-      const [keys, usage] = await Promise.all([getJSON("/admin/keys"), getJSON("/admin/usage?by=tenant")]);
-      drawTenants(keys, usage);
+      if (may("keys:read")) drawKeys(await getJSON("/admin/keys"));
+      if (admin) {
+        const [keys, usage] = await Promise.all([getJSON("/admin/keys"), getJSON("/admin/usage?by=tenant")]);
+        drawTenants(keys, usage);
+      }
+      if (may("audit:read")) drawAudit(await getJSON("/admin/audit?limit=50"));
     }
     state.polls += 1;
     document.getElementById("status").textContent = "live · " + new Date().toLocaleTimeString();
@@ -241,4 +322,46 @@ document.getElementById("login").addEventListener("submit", (event) => {
   poll();
 });
 
-poll();
+document.getElementById("new-key").addEventListener("submit", async (event) => {
+  event.preventDefault();
+  const value = (id) => document.getElementById(id).value.trim();
+  const body = { tenant: value("new-key-tenant") || (state.me && state.me.tenant) || "", name: value("new-key-name") };
+  for (const [id, field] of [["new-key-rpm", "rpm"], ["new-key-tpm", "tpm"], ["new-key-budget", "monthly_token_budget"]]) {
+    if (value(id)) body[field] = parseInt(value(id), 10);
+  }
+  try {
+    const made = await send("POST", "/admin/keys", body);
+    document.getElementById("secret").textContent = made.key;
+    document.getElementById("new-key-secret").hidden = false;
+    document.getElementById("keys-error").textContent = "";
+    drawKeys(await getJSON("/admin/keys"));
+  } catch (error) {
+    document.getElementById("keys-error").textContent = error.message;
+  }
+});
+
+document.getElementById("signout").addEventListener("click", async () => {
+  const answer = await send("POST", "/console/signout");
+  state.me = null;
+  window.location.href = answer.end_session || "/console";
+});
+
+async function start() {
+  const response = await fetch("/console/me", { cache: "no-store" });
+  state.me = response.ok ? await response.json() : null;
+  const signedIn = Boolean(state.me && state.me.signed_in);
+  document.getElementById("signin").hidden = !(state.me && state.me.oidc) || signedIn;
+  document.getElementById("signout").hidden = !signedIn;
+  if (signedIn) {
+    document.getElementById("who").textContent = state.me.who + " (" + state.me.role + ", " + state.me.tenant + ")";
+    document.getElementById("new-key-tenant").value = state.me.tenant;
+  } else if (state.me && state.me.oidc && !state.key) {
+    // no one yet: sign in through the identity provider, or give the admin key (break-glass)
+    document.getElementById("status").textContent = "sign in, or give the admin key";
+    document.getElementById("login").hidden = false;
+    return;
+  }
+  poll();
+}
+
+start();
