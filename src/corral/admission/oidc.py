@@ -35,6 +35,7 @@ from corral.store import PRIORITIES
 __all__ = ["OIDCVerifier", "ProviderMetadata", "looks_like_jwt", "token_digest"]
 
 _ALGORITHMS = ("RS256", "RS384", "RS512", "PS256", "PS384", "PS512", "ES256", "ES384", "ES512", "EdDSA")
+_ROLES = ("admin", "operator", "viewer", "tenant-admin", "user")
 _REFETCH_S = 10.0  # a token naming an unknown key refetches the key set at most this often
 _TIMEOUT = aiohttp.ClientTimeout(total=10)
 
@@ -115,6 +116,10 @@ class OIDCVerifier:
         """Who the claims say: their tenant (its limits), their role, their subject."""
         settings = self.settings
         tenant, role = claims.get(settings.tenant_claim), claims.get(settings.role_claim)
+        if isinstance(role, list):  # (Entra ID's `roles`: the first that is one of corral's)
+            role = next((r for r in role if r in _ROLES), None)
+        if isinstance(tenant, list):
+            tenant = next((t for t in tenant if isinstance(t, str) and t), None)
         groups = claims.get(settings.groups_claim) or []
         for group in groups if isinstance(groups, list) else []:
             mapped = settings.groups.get(str(group))
@@ -126,7 +131,7 @@ class OIDCVerifier:
                 f"The token names no tenant (claim '{settings.tenant_claim}', or a group in "
                 "auth.oidc.groups)."
             )
-        if role not in ("admin", "operator", "viewer", "tenant-admin", "user"):
+        if role not in _ROLES:
             role = settings.default_role
         expires = float(claims["exp"]) + settings.clock_skew_s
         return self.principal_of(str(claims["sub"]), tenant, str(role), expires)

@@ -297,6 +297,13 @@ async function poll() {
     document.getElementById("login").hidden = true;
     if (state.polls % TENANTS_EVERY === 0) {
       if (may("keys:read")) drawKeys(await getJSON("/admin/keys"));
+      if (may("usage:read") && !admin) {
+        // a tenant-admin: its tenant's use (the gateway answers with its own tenant's rows only)
+        const rows = (await getJSON("/admin/usage?by=tenant")).rows;
+        document.getElementById("my-usage").textContent = rows
+          .map((r) => r.tenant + ": " + r.requests + " requests, " + r.input_tokens + " tokens in, " + r.output_tokens + " out, " + r.refused + " refused")
+          .join("; ");
+      }
       if (admin) {
         const [keys, usage] = await Promise.all([getJSON("/admin/keys"), getJSON("/admin/usage?by=tenant")]);
         drawTenants(keys, usage);
