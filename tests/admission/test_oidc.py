@@ -22,6 +22,7 @@ from corral.config import AuthSettings, GatewaySettings, OIDCSettings
 from corral.gateway import GatewayServer
 from corral.routing import Replica, ReplicaSet, ReplicaState, Router
 
+from ..conftest import free_port
 from ..gateway.conftest import ScriptedUpstream, make_services
 
 ADMIN = "oidc-test-admin"
@@ -161,3 +162,95 @@ async def test_roles_from_the_token_hold_on_the_admin_api(url: str, provider: Pr
         ("key.create", "oidc:bob", "tenant-admin", 403),
         ("spec.apply", "oidc:carol", "viewer", 403),
     ]
+
+
+async def test_the_claims_corral_reads_and_the_console_flow_are_the_specs(
+    tmp_path: Path, upstream: ScriptedUpstream
+) -> None:
+    """Other claim names (tenant_claim, role_claim, groups_claim), default_role, and the console's flow as a
+    browser makes it: scopes, redirect_url, PKCE, state, the session cookie, session_ttl_s."""
+    people = [
+        User(sub="erin", claims={"org": "initech", "corral_role": "tenant-admin"}),
+        User(sub="frank", claims={"org": "initech"}),  # no role: default_role
+        User(sub="grace", claims={"teams": ["sre"]}),
+    ]
+    port = free_port()
+    with run_server_in_thread(user_claims=people) as server:
+        issuer = f"http://localhost:{server.server_port}"
+        oidc = OIDCSettings.model_validate(
+            {
+                "issuer": issuer,
+                "client_id": "corral",
+                "client_secret": "s3cret",
+                "tenant_claim": "org",
+                "role_claim": "corral_role",
+                "groups_claim": "teams",
+                "groups": {"sre": {"tenant": "ops", "role": "operator"}},
+                "default_role": "viewer",
+                "scopes": ["openid", "email"],
+                "redirect_url": f"http://127.0.0.1:{port}/console/callback",
+                "session_ttl_s": 2,
+            }
+        )
+        replicas = ReplicaSet(["m"])
+        replicas.add(Replica(id="m-0", model="m", engine="x", url=upstream.url, state=ReplicaState.READY))
+        parts = make_services(
+            replicas, tmp_path / "c.db", auth=AuthSettings(open=False, oidc=oidc), admin_key=ADMIN
+        )
+        gateway = GatewayServer(GatewaySettings(port=port), Router(replicas), parts)
+        await gateway.start()
+        url = f"http://127.0.0.1:{port}"
+        provider = Provider(issuer)
+        try:
+            roles = {}
+            for sub in ("erin", "frank", "grace"):
+                token = await asyncio.to_thread(provider.token, sub)
+                paths = ("/admin/keys", "/admin/routing", "/admin/audit")
+                roles[sub] = tuple([(await call(url, "GET", path, token))[0] for path in paths])
+            assert roles == {
+                "erin": (200, 403, 403),  # tenant-admin (corral_role)
+                "frank": (403, 200, 403),  # viewer (default_role)
+                "grace": (403, 200, 200),  # operator (her team's)
+            }
+
+            jar = aiohttp.CookieJar(unsafe=True)
+            async with aiohttp.ClientSession(cookie_jar=jar) as browser:
+                async with browser.get(url + "/console/signin", allow_redirects=False) as sent:
+                    assert sent.status == 303
+                    where = sent.headers["Location"]
+                asked = urllib.parse.parse_qs(urllib.parse.urlsplit(where).query)
+                assert asked["scope"] == ["openid email"]
+                assert asked["redirect_uri"] == [f"{url}/console/callback"]
+                assert asked["code_challenge_method"] == ["S256"] and asked["nonce"] and asked["state"]
+                signed_in = await asyncio.to_thread(
+                    lambda: httpx.post(where, data={"sub": "erin"}).headers["location"]
+                )
+                back = urllib.parse.parse_qs(urllib.parse.urlsplit(signed_in).query)
+                forged = (
+                    url
+                    + "/console/callback?"
+                    + urllib.parse.urlencode({"code": back["code"][0], "state": "not-the-state"})
+                )
+                async with browser.get(forged, allow_redirects=False) as refused:
+                    assert refused.status == 400  # another sign-in's state
+                async with browser.get(signed_in, allow_redirects=False) as done:
+                    assert done.status == 303 and done.headers["Location"] == "/console"
+                    cookie = done.cookies["corral_session"]
+                    assert cookie["httponly"] and cookie["samesite"] == "Lax"
+                async with browser.get(url + "/console/me") as me:
+                    who = await me.json()
+                assert (who["signed_in"], who["who"], who["role"], who["tenant"]) == (
+                    True,
+                    "erin",
+                    "tenant-admin",
+                    "initech",
+                )
+                async with browser.get(url + "/admin/keys") as listed:
+                    assert listed.status == 200  # the session's role on the admin API
+                await asyncio.sleep(2.2)  # session_ttl_s
+                async with browser.get(url + "/console/me") as me:
+                    assert (await me.json())["signed_in"] is False
+                async with browser.get(url + "/admin/keys") as listed:
+                    assert listed.status == 401
+        finally:
+            await gateway.stop()
