@@ -79,7 +79,7 @@ async def gateway(
             "client_id": "corral",
             "clock_skew_s": 0,
             "groups": {"ops-team": {"tenant": "ops", "role": "viewer"}},
-            "tenants": {"acme": {"rpm": 3}},
+            "tenants": {"acme": {"rpm": 3}, "ops": {}},
         }
     )
     parts = make_services(
@@ -186,6 +186,7 @@ async def test_the_claims_corral_reads_and_the_console_flow_are_the_specs(
                 "role_claim": "corral_role",
                 "groups_claim": "teams",
                 "groups": {"sre": {"tenant": "ops", "role": "operator"}},
+                "tenants": {"initech": {}, "ops": {}},
                 "default_role": "viewer",
                 "scopes": ["openid", "email"],
                 "redirect_url": f"http://127.0.0.1:{port}/console/callback",

@@ -180,3 +180,29 @@ async def test_a_tenant_admin_manages_its_own_tenants_keys_within_its_own_limits
     rows = (await call(closed, "GET", "/admin/usage?by=tenant", boss["key"]))[1]["rows"]
     assert {r["tenant"] for r in rows} <= {"acme"}
     assert (await call(closed, "DELETE", "/admin/cache", boss["key"]))[0] == 403
+
+
+async def test_a_tenant_admin_cannot_take_keys_above_itself(closed: Cluster) -> None:
+    """Its tenant's admin key is not its to rotate (which would hand it the secret) or revoke; a key beyond
+    its own limits is not its to rotate either; no priority, file quota or lifetime above its own."""
+    boss = await key(closed, tenant="acme", role="tenant-admin", rpm=100, expires_in_s=3600)
+    chief = await key(closed, tenant="acme", role="admin")
+    fast = await key(closed, tenant="acme", rpm=100_000)
+    for method, path in (
+        ("POST", f"/admin/keys/{chief['id']}/rotate?grace=0"),
+        ("DELETE", f"/admin/keys/{chief['id']}"),
+        ("GET", f"/admin/keys/{chief['id']}"),
+    ):
+        assert (await call(closed, method, path, boss["key"]))[0] == 404, (method, path)
+    assert chief["id"] not in {
+        k["id"] for k in (await call(closed, "GET", "/admin/keys", boss["key"]))[1]["keys"]
+    }
+    assert (await call(closed, "POST", f"/admin/keys/{fast['id']}/rotate", boss["key"]))[0] == 403
+    base = {"tenant": "acme", "rpm": 10, "expires_in_s": 600}
+    for beyond in ({"priority": "high"}, {"expires_in_s": 86400}, {"expires_in_s": None}):
+        status, _ = await call(closed, "POST", "/admin/keys", boss["key"], {**base, **beyond})
+        assert status == 403, beyond
+    assert (await call(closed, "POST", "/admin/keys", boss["key"], base))[0] == 201
+    trail = (await call(closed, "GET", "/admin/audit?action=key.create&limit=4", ADMIN))[1]["entries"]
+    assert any(e["status"] == 403 and e["detail"]["asked"].get("priority") == "high" for e in trail)
+    assert (await call(closed, "HEAD", "/admin/keys", boss["key"]))[0] == 200  # (HEAD: as GET, no 500)

@@ -35,7 +35,7 @@ auth:
     client_id: corral
     client_secret: not-a-secret
     groups: {{ops-team: {{tenant: ops, role: viewer}}}}
-    tenants: {{acme: {{rpm: 10}}}}
+    tenants: {{acme: {{rpm: 10}}, ops: {{}}}}
 models:
   - name: llama-8b
     arch: llama-3.1-8b

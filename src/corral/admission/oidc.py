@@ -58,10 +58,14 @@ class OIDCVerifier:
         self._keys: KeySet | None = None
         self._fetched_at = 0.0
         self._lock = asyncio.Lock()
-        self._claims = jwt.JWTClaimsRegistry(
-            leeway=int(settings.clock_skew_s),
-            iss={"essential": True, "value": settings.issuer.rstrip("/")},
-            aud={"essential": True, "value": settings.audience or settings.client_id},
+        self._claims = self._registry(settings.audience or settings.client_id)
+        self._id_claims = self._registry(settings.client_id)  # an ID token names the client
+
+    def _registry(self, audience: str) -> jwt.JWTClaimsRegistry:
+        return jwt.JWTClaimsRegistry(
+            leeway=int(self.settings.clock_skew_s),
+            iss={"essential": True, "value": self.settings.issuer},  # (exactly: Auth0's ends with /)
+            aud={"essential": True, "value": audience},
             exp={"essential": True},
             sub={"essential": True},
         )
@@ -91,9 +95,10 @@ class OIDCVerifier:
                 self._fetched_at = time.monotonic()
             return self._keys
 
-    async def claims(self, token: str) -> dict[str, Any]:
-        """The token's claims once its signature and claims check out; Unauthorized (saying which check
-        failed, never the token) otherwise."""
+    async def claims(self, token: str, id_token: bool = False) -> dict[str, Any]:
+        """The token's claims once its signature and claims check out (`id_token`: a console sign-in's ID
+        token, whose audience is the client id); Unauthorized (saying which check failed, never the
+        token) otherwise."""
         try:
             keys = await self._key_set()
             try:
@@ -101,7 +106,10 @@ class OIDCVerifier:
             except (JoseError, ValueError):  # a key it names may be new: the provider rotated its keys
                 keys = await self._key_set(refresh=True)
                 decoded = jwt.decode(token, keys, algorithms=_ALGORITHMS)
-            self._claims.validate(decoded.claims)
+            (self._id_claims if id_token else self._claims).validate(decoded.claims)
+            audience, party = decoded.claims.get("aud"), decoded.claims.get("azp")
+            if isinstance(audience, list) and len(audience) > 1 and party != self.settings.client_id:
+                raise Unauthorized("The token was issued to another client (azp).")  # (OIDC Core 3.1.3.7)
         except ExpiredTokenError:
             raise Unauthorized("The token has expired.", code="expired_token") from None
         except (InvalidClaimError, MissingClaimError) as exc:
@@ -126,6 +134,8 @@ class OIDCVerifier:
             if mapped is not None:
                 tenant = tenant or mapped.tenant
                 role = role or mapped.role
+        if isinstance(tenant, str) and tenant and tenant not in settings.tenants:
+            raise Unauthorized(f"The tenant '{tenant[:64]}' is not one of auth.oidc.tenants.")
         if not isinstance(tenant, str) or not tenant:
             raise Unauthorized(
                 f"The token names no tenant (claim '{settings.tenant_claim}', or a group in "

@@ -231,7 +231,8 @@ def rotate(
         str, typer.Argument(help="the key's id, or the start of it or of its secret (as `keys list` shows)")
     ],
     grace: Annotated[
-        float, typer.Option(help="seconds the old secret keeps working (0: not at all)", min=0)
+        float,
+        typer.Option(help="seconds the old secret keeps working (0: not at all)", min=0, max=30 * 86400),
     ] = 3600.0,
     file: SpecOption = None,
     store: StoreOption = None,

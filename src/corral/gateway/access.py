@@ -15,7 +15,7 @@ Roles (a key's `role`, or a signed-in person's from the identity provider's clai
 The admin key (`auth.admin_key`) is the break-glass credential: `admin`, whatever else fails. Without one,
 a client on this machine of an open gateway is `admin` (a laptop). Every administrative route is in
 `ROUTES`; a route the app serves under the admin API that is not there fails the test suite
-(tests/security/test_roles.py), so no route is added without saying who may use it.
+(tests/admission/test_roles.py), so no route is added without saying who may use it.
 """
 
 from __future__ import annotations
@@ -176,7 +176,8 @@ class Access:
         if actor.csrf is not None and request.method not in ("GET", "HEAD", "OPTIONS"):
             from corral.gateway.signin import CSRF_HEADER
 
-            if not hmac.compare_digest(request.headers.get(CSRF_HEADER, ""), actor.csrf):
+            sent = request.headers.get(CSRF_HEADER, "").encode("utf-8", "surrogateescape")
+            if not hmac.compare_digest(sent, actor.csrf.encode()):
                 raise PermissionDenied(
                     "A change from the console must send its CSRF token (X-CSRF-Token).", code="csrf_failed"
                 )

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from datetime import datetime
 from typing import Any
@@ -27,6 +28,7 @@ from corral.gateway.parts import AdminAccess, ReplicaControl
 from corral.protocol import APIError, InvalidRequest, NoCapacity, NotFound, NotSupported, PermissionDenied
 from corral.routing import PrefixAffinity, Router
 from corral.store import (
+    PRIORITIES,
     AuditEntry,
     AuditLog,
     KeyRecord,
@@ -108,7 +110,11 @@ class AdminViews:
     async def check(self, request: web.Request, permission: str | None = None) -> Actor:
         """The request's actor, allowed `permission` (default: its route's in access.ROUTES); else 401/403."""
         if permission is None:
-            permission = ROUTES[(request.method, request.match_info.route.resource.canonical)]  # type: ignore[union-attr]
+            method = "GET" if request.method == "HEAD" else request.method
+            resource = request.match_info.route.resource
+            permission = ROUTES.get(
+                (method, resource.canonical if resource is not None else ""), "admin:only"
+            )
         actor = await self.access.require(request, permission)
         request[_ACTOR] = actor
         return actor
@@ -150,13 +156,13 @@ class AdminViews:
         if self._audit is None:
             return
         target = detail.pop("target", None) or "/".join(request.match_info.values()) or None
-        entry = AuditEntry(
-            actor=actor.who,
-            role=actor.role,
-            tenant=actor.tenant,
-            source=self._clients.of(request),
+        entry = AuditEntry(  # (cut to the columns' widths: a long name must not lose the record)
+            actor=actor.who[:256],
+            role=actor.role[:16],
+            tenant=actor.tenant[:128] if actor.tenant else None,
+            source=self._clients.of(request)[:64],
             action=action,
-            target=target,
+            target=str(target)[:256] if target else None,
             detail=detail or None,
             status=status,
         )
@@ -171,8 +177,8 @@ class AdminViews:
         actor = await self.check(request)
         revoked = request.query.get("include_revoked") in {"1", "true"}
         keys = await asyncio.to_thread(self._keys.list, revoked)
-        if actor.scoped:
-            keys = [k for k in keys if k.tenant == actor.tenant]
+        if actor.scoped:  # its tenant's keys of the roles it may give
+            keys = [k for k in keys if k.tenant == actor.tenant and k.role in _TENANT_ROLES]
         used = await asyncio.to_thread(self._usage.month_tokens_by_key)  # (budget use, this month)
         return web.json_response({"keys": [{**k.to_dict(), "month_tokens": used.get(k.id, 0)} for k in keys]})
 
@@ -180,6 +186,7 @@ class AdminViews:
         actor = await self.check(request)
         spec = _validated(NewKey, await read_body(request, *self._body))
         assert isinstance(spec, NewKey)
+        request[_DETAIL].update(asked=spec.model_dump(exclude_defaults=True))  # (refused ones too)
         if actor.scoped:
             _within_own(actor, spec.tenant, spec.role, spec.model_dump())
         secret, record = await asyncio.to_thread(lambda: self._keys.create(**spec.model_dump()))
@@ -189,10 +196,13 @@ class AdminViews:
         return web.json_response({"key": secret, **record.to_dict()}, status=201)
 
     async def _own_key(self, request: web.Request, actor: Actor) -> KeyRecord:
-        """The key the route names: 404 where there is none, or (a tenant-admin) another tenant's."""
+        """The key the route names: 404 where there is none, or (a tenant-admin) another tenant's or one of
+        a role above those it may give (an admin's key in its tenant is not its to rotate or revoke)."""
         key_id = request.match_info["key_id"]
         record = await asyncio.to_thread(self._keys.get, key_id)
-        if record is None or (actor.scoped and record.tenant != actor.tenant):
+        if record is None or (
+            actor.scoped and (record.tenant != actor.tenant or record.role not in _TENANT_ROLES)
+        ):
             raise NotFound(f"No key with id {key_id}.")
         return record
 
@@ -213,7 +223,9 @@ class AdminViews:
         """A new secret for the key; the old one is still accepted for `?grace=SECONDS` (default 3600; 0:
         not at all)."""
         actor = await self.check(request)
-        await self._own_key(request, actor)
+        current = await self._own_key(request, actor)
+        if actor.scoped:  # (a new secret for a key beyond its own limits would be such a key)
+            _within_own(actor, current.tenant, current.role, _fields_of(current))
         try:
             grace = float(request.query.get("grace", "3600"))
         except ValueError:
@@ -234,8 +246,9 @@ class AdminViews:
         changes = _validated(KeyUpdate, await read_body(request, *self._body))
         assert isinstance(changes, KeyUpdate)
         wanted = changes.model_dump(exclude_unset=True)
+        request[_DETAIL].update(asked=wanted)
         if actor.scoped:
-            _within_own(actor, current.tenant, current.role, {**_limits_of(current), **wanted})
+            _within_own(actor, current.tenant, current.role, {**_fields_of(current), **wanted})
         updated = await asyncio.to_thread(self._keys.update, current.id, changes)
         if updated is None:
             raise NotFound(f"No key with id {current.id}.")
@@ -328,6 +341,7 @@ class AdminViews:
                 raise InvalidRequest(
                     f"'{name}' is empty: name one, or leave it out to purge all.", param=name
                 )
+        request[_DETAIL].update(tenant=tenant, model=model)
         try:
             removed = await self._cache().purge(tenant, model)
         except StoreUnavailable as exc:
@@ -366,6 +380,7 @@ class AdminViews:
             changes = await control.apply(wanted, grace)
         except ValueError as exc:  # SpecError, ApplyError: what to change, in one message
             raise InvalidRequest(str(exc), param="spec") from None
+        request[_DETAIL].update(changes=changes)
         return web.json_response({"changes": changes})
 
     def _cache(self) -> ExactCache:
@@ -450,6 +465,19 @@ def _limits_of(record: KeyRecord) -> dict[str, Any]:
     return {name: getattr(record, name) for name in _LIMITS}
 
 
+def _fields_of(record: KeyRecord) -> dict[str, Any]:
+    """A key's settings as a new key would state them (for `_within_own`)."""
+    expires = record.expires_at.timestamp() - time.time() if record.expires_at is not None else None
+    return {
+        **_limits_of(record),
+        "models": list(record.models),
+        "priority": record.priority,
+        "max_files": record.max_files,
+        "max_file_bytes": record.max_file_bytes,
+        "expires_in_s": expires,
+    }
+
+
 def _within_own(actor: Actor, tenant: str, role: str, wanted: dict[str, Any]) -> None:
     """A tenant-admin's key for its own tenant, with a role it may give, no model it may not use, and
     limits and budget no larger than its own (each one it has must be set, at most as large)."""
@@ -467,8 +495,13 @@ def _within_own(actor: Actor, tenant: str, role: str, wanted: dict[str, Any]) ->
             f"The key may use only models this tenant-admin may: {', '.join(sorted(own.models))}.",
             param="models",
         )
+    if PRIORITIES.get(str(wanted.get("priority", "normal")), 1) < own.priority:
+        raise PermissionDenied("A tenant-admin may not give a priority above its own.", param="priority")
     limits = {"rpm": own.rpm, "tpm": own.tpm, "max_concurrency": own.max_concurrency}
     limits["monthly_token_budget"] = own.monthly_token_budget
+    limits.update(max_files=own.max_files, max_file_bytes=own.max_file_bytes)
+    if own.expires_at is not None and own.subject is None:  # (no key outlives the tenant-admin's own key)
+        limits["expires_in_s"] = max(0, int(own.expires_at - time.time()))
     for name, cap in limits.items():
         if cap is not None and (wanted.get(name) is None or wanted[name] > cap):
             raise PermissionDenied(

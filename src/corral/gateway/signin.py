@@ -45,6 +45,11 @@ _TIMEOUT = aiohttp.ClientTimeout(total=15)
 Audit = Callable[[web.Request, str, str, str, str, int], Awaitable[None]]
 
 
+def _same(given: str, expected: str) -> bool:
+    """A constant-time comparison of two strings a client may have sent in any characters."""
+    return hmac.compare_digest(given.encode("utf-8", "surrogateescape"), expected.encode())
+
+
 class SignInViews:
     """The console's sign-in routes (only with `auth.oidc`)."""
 
@@ -91,7 +96,7 @@ class SignInViews:
             path="/console",
             httponly=True,
             samesite="Lax",
-            secure=request.secure,
+            secure=self._secure(request),
         )
         return response
 
@@ -99,33 +104,32 @@ class SignInViews:
         pending = self._unsigned(request.cookies.get(_PENDING_COOKIE, ""))
         if pending is None or float(pending["until"]) < time.time():
             raise InvalidRequest("The sign-in took too long or was not started here: sign in again.")
-        if not hmac.compare_digest(str(pending["state"]), request.query.get("state", "")):
+        if not _same(str(pending["state"]), request.query.get("state", "")):
             raise InvalidRequest("The sign-in's state does not match: sign in again.", param="state")
         if "code" not in request.query:
             error = request.query.get("error_description") or request.query.get("error") or "no code"
             raise Unauthorized(f"The identity provider did not sign you in: {error[:200]}.")
         tokens = await self._trade(request.query["code"], str(pending["redirect"]), str(pending["verifier"]))
-        claims = await self._verifier.claims(str(tokens.get("id_token", "")))
-        if not hmac.compare_digest(str(claims.get("nonce", "")), str(pending["nonce"])):
+        claims = await self._verifier.claims(str(tokens.get("id_token", "")), id_token=True)
+        if not _same(str(claims.get("nonce", "")), str(pending["nonce"])):
             raise Unauthorized("The ID token's nonce does not match this sign-in.")
         principal = self._verifier.principal(claims)
+        # a session lasts session_ttl_s, and no longer than the ID token (a role taken away at the
+        # provider then ends at the next sign-in)
+        lasts = min(self._settings.session_ttl_s, max(60.0, float(claims["exp"]) - time.time()))
         secret, session = await asyncio.to_thread(
-            self._sessions.create,
-            str(claims["sub"]),
-            principal.tenant,
-            principal.role,
-            self._settings.session_ttl_s,
+            self._sessions.create, str(claims["sub"]), principal.tenant, principal.role, lasts
         )
         await self._audit(request, f"oidc:{session.subject}", session.role, session.tenant, "signin", 303)
         response = web.HTTPSeeOther("/console")
         response.set_cookie(
             SESSION_COOKIE,
             secret,
-            max_age=int(self._settings.session_ttl_s),
+            max_age=int(lasts),
             path="/",
             httponly=True,
             samesite="Lax",
-            secure=request.secure,
+            secure=self._secure(request),
         )
         response.del_cookie(_PENDING_COOKIE, path="/console")
         return response
@@ -159,7 +163,7 @@ class SignInViews:
         session = await asyncio.to_thread(self._sessions.get, secret) if secret else None
         if session is None:
             raise Unauthorized("No one is signed in.")
-        if not hmac.compare_digest(request.headers.get(CSRF_HEADER, ""), session.csrf):
+        if not _same(request.headers.get(CSRF_HEADER, ""), session.csrf):
             raise PermissionDenied("The request lacks the console's CSRF token.", code="csrf_failed")
         await asyncio.to_thread(self._sessions.end, secret or "")
         await self._audit(request, f"oidc:{session.subject}", session.role, session.tenant, "signout", 200)
@@ -184,6 +188,11 @@ class SignInViews:
             }
         )
 
+    def _secure(self, request: web.Request) -> bool:
+        """Cookies only over HTTPS: the gateway's own, or an edge's that terminates TLS (the callback the
+        provider redirects to says which)."""
+        return request.secure or self._redirect_uri(request).startswith("https://")
+
     def _sign(self, data: dict[str, object]) -> str:
         payload = base64.urlsafe_b64encode(orjson.dumps(data)).decode()
         mac = hmac.new(self._key, payload.encode(), hashlib.sha256).hexdigest()
@@ -192,7 +201,7 @@ class SignInViews:
     def _unsigned(self, cookie: str) -> dict[str, Any] | None:
         payload, _, mac = cookie.rpartition(".")
         expected = hmac.new(self._key, payload.encode(), hashlib.sha256).hexdigest()
-        if not payload or not hmac.compare_digest(mac, expected):
+        if not payload or not _same(mac, expected):
             return None
         try:
             data = orjson.loads(base64.urlsafe_b64decode(payload))

@@ -119,3 +119,8 @@ def add_missing_columns(engine: Engine) -> None:
             except SQLAlchemyError:  # another process added it first
                 if column.name not in {c["name"] for c in inspect(engine).get_columns(table.name)}:
                     raise
+        for index in table.indexes:  # (an added column's index: a lookup by it must not scan the table)
+            try:
+                index.create(bind=engine, checkfirst=True)
+            except SQLAlchemyError:  # another process made it first
+                pass
