@@ -20,6 +20,7 @@ from oidc_provider_mock import User, run_server_in_thread
 
 from corral.config import AuthSettings, GatewaySettings, OIDCSettings
 from corral.gateway import GatewayServer
+from corral.protocol import Unauthorized
 from corral.routing import Replica, ReplicaSet, ReplicaState, Router
 
 from ..conftest import free_port
@@ -255,3 +256,64 @@ async def test_the_claims_corral_reads_and_the_console_flow_are_the_specs(
                     assert listed.status == 401
         finally:
             await gateway.stop()
+
+
+async def test_a_rotated_signing_key_is_fetched_and_clock_skew_is_tolerated() -> None:
+    """A provider that rotates its signing key: a token under the new key id makes the verifier fetch the
+    key set again (joserfc checks the signature); a token issued a little in the future passes within
+    clock_skew_s and fails beyond it."""
+    import time as clock
+
+    from aiohttp import web
+    from joserfc import jwt
+    from joserfc.jwk import KeySet, RSAKey
+
+    from corral.admission.oidc import OIDCVerifier
+
+    keys = {"current": RSAKey.generate_key(2048, parameters={"kid": "one"})}
+    fetched = []
+
+    async def discovery(request: web.Request) -> web.Response:
+        base = f"http://localhost:{request.url.port}"
+        return web.json_response(
+            {
+                "issuer": base,
+                "jwks_uri": base + "/jwks",
+                "authorization_endpoint": base + "/authorize",
+                "token_endpoint": base + "/token",
+            }
+        )
+
+    async def jwks(request: web.Request) -> web.Response:
+        fetched.append(keys["current"].kid)
+        return web.json_response(KeySet([keys["current"]]).as_dict(private=False))
+
+    app = web.Application()
+    app.router.add_get("/.well-known/openid-configuration", discovery)
+    app.router.add_get("/jwks", jwks)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "localhost", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    issuer = f"http://localhost:{port}"
+    try:
+        verifier = OIDCVerifier(
+            OIDCSettings(issuer=issuer, client_id="corral", clock_skew_s=30, tenants={"acme": {}})
+        )
+
+        def token(key: RSAKey, skew: float = 0) -> str:
+            now = int(clock.time() + skew)
+            claims = {"iss": issuer, "aud": "corral", "sub": "s", "tenant": "acme", "iat": now, "nbf": now}
+            return jwt.encode({"alg": "RS256", "kid": key.kid}, {**claims, "exp": now + 300}, key)
+
+        assert (await verifier.claims(token(keys["current"])))["sub"] == "s"
+        keys["current"] = RSAKey.generate_key(2048, parameters={"kid": "two"})  # the provider rotates
+        await asyncio.sleep(1.1)  # (a key id it does not know refetches the set at most once a second)
+        assert (await verifier.claims(token(keys["current"])))["sub"] == "s"
+        assert fetched == ["one", "two"]  # fetched again for the new key id, once
+        assert (await verifier.claims(token(keys["current"], skew=20)))["sub"] == "s"  # within the skew
+        with pytest.raises(Unauthorized):
+            await verifier.claims(token(keys["current"], skew=120))  # issued two minutes from now
+    finally:
+        await runner.cleanup()

@@ -17,12 +17,14 @@ trail names the person (`oidc:<subject>`).
 from __future__ import annotations
 
 import asyncio
+import base64
 import os
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+import orjson
 from joserfc import jwt
 from joserfc.errors import ExpiredTokenError, InvalidClaimError, JoseError, MissingClaimError
 from joserfc.jwk import KeySet
@@ -36,7 +38,7 @@ __all__ = ["OIDCVerifier", "ProviderMetadata", "looks_like_jwt", "token_digest"]
 
 _ALGORITHMS = ("RS256", "RS384", "RS512", "PS256", "PS384", "PS512", "ES256", "ES384", "ES512", "EdDSA")
 _ROLES = ("admin", "operator", "viewer", "tenant-admin", "user")
-_REFETCH_S = 10.0  # a token naming an unknown key refetches the key set at most this often
+_REFETCH_S = 1.0  # a token naming an unknown key id refetches the key set at most this often
 _TIMEOUT = aiohttp.ClientTimeout(total=10)
 
 
@@ -101,11 +103,10 @@ class OIDCVerifier:
         token) otherwise."""
         try:
             keys = await self._key_set()
-            try:
-                decoded = jwt.decode(token, keys, algorithms=_ALGORITHMS)
-            except (JoseError, ValueError):  # a key it names may be new: the provider rotated its keys
-                keys = await self._key_set(refresh=True)
-                decoded = jwt.decode(token, keys, algorithms=_ALGORITHMS)
+            kid = _key_id(token)
+            if kid is not None and not any(key.kid == kid for key in keys.keys):
+                keys = await self._key_set(refresh=True)  # a key id it does not know: the provider rotated
+            decoded = jwt.decode(token, keys, algorithms=_ALGORITHMS)
             (self._id_claims if id_token else self._claims).validate(decoded.claims)
             audience, party = decoded.claims.get("aud"), decoded.claims.get("azp")
             if isinstance(audience, list) and len(audience) > 1 and party != self.settings.client_id:
@@ -168,6 +169,16 @@ class OIDCVerifier:
     def client_secret(self) -> str | None:
         """corral's secret at the provider: CORRAL_OIDC_CLIENT_SECRET, else the spec's."""
         return os.environ.get("CORRAL_OIDC_CLIENT_SECRET") or self.settings.client_secret
+
+
+def _key_id(token: str) -> str | None:
+    """The `kid` of a JWT's header (unverified: it only says which key to check the signature with)."""
+    try:
+        header = orjson.loads(base64.urlsafe_b64decode(token.split(".", 1)[0] + "=="))
+    except (ValueError, orjson.JSONDecodeError):
+        return None
+    kid = header.get("kid") if isinstance(header, dict) else None
+    return kid if isinstance(kid, str) else None
 
 
 async def _get_json(url: str) -> dict[str, Any]:
