@@ -164,7 +164,7 @@ class Access:
         """The request's actor, if its role has `permission`; else 401 (no one) or 403 (not allowed)."""
         actor = await self.actor(request)
         if actor is None:
-            if self._admin.admin_key is None and not self._admin.open_access:
+            if self._admin.admin_key is None:
                 raise PermissionDenied(
                     "The admin API needs an admin key (CORRAL_ADMIN_KEY or auth.admin_key), or a key whose "
                     "role allows it; without an admin key it answers only clients on this machine, and only "
