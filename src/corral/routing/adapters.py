@@ -36,8 +36,10 @@ from corral.routing.replicas import Replica
 
 __all__ = ["Adapter", "AdapterCatalogue", "AdapterPlacement", "Residence"]
 
-_SPREAD_MARGIN = 2  # requests in flight a holder must carry beyond the least busy replica to spread
+_SPREAD_MARGIN = 4  # requests in flight a holder must carry beyond the least busy replica to spread
 _LOAD_HISTORY_S = 60.0  # loads are shown per minute
+_SHARE_HALF_LIFE_S = 7.0  # an adapter's share of the model's requests in flight, smoothed (τ ≈ 10 s)
+_SHARE_SLACK = 0.2  # replicas an adapter needs: ceil(smoothed share − slack), so 1.1 replicas' worth is 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +124,7 @@ class AdapterPlacement:
         self.spread_interval_s = spread_interval_s
         self._holdings: dict[str, _Holdings] = {}  # replica id → its runtime-loaded adapters
         self._spread_at: dict[str, float] = {}  # adapter → when it last gained a replica
+        self._share: dict[str, tuple[float, float]] = {}  # adapter → (when, smoothed share in replicas)
         self._in_flight: dict[str, int] = {}  # base model → adapter requests in flight
         self._adapter_in_flight: dict[str, int] = {}
         self._retired: set[str] = set()  # revisions no longer served, unloaded once their requests end
@@ -176,18 +179,37 @@ class AdapterPlacement:
         fixed = [r for r in holders if adapter.name in r.adapters]
         if fixed:  # llama.cpp's: every replica started with it is a holder; prefer the current revision
             return fixed
-        if len(holders) < len(able) and self._wants_more(adapter, holders, able):
+        need = self._needed(adapter, len(able))
+        if len(holders) > need:  # more copies than its demand: the youngest go idle, LRU takes them back
+            holders.sort(key=lambda r: self._holding(r).resident[adapter.engine_name].loaded_at)
+            kept = holders[:need]
+            if all(r.capacity is None or r.outstanding < r.capacity for r in kept):
+                return kept
+        if len(holders) < len(able) and self._wants_more(adapter, holders, able, need):
             loader = self._loader(adapter, [r for r in able if r not in holders])
             if loader is not None:
                 self._spread_at[adapter.name] = time.monotonic()
                 return [*holders, loader]
         return holders
 
-    def _wants_more(self, adapter: Adapter, holders: list[Replica], able: list[Replica]) -> bool:
+    def _needed(self, adapter: Adapter, able: int) -> int:
+        """The replicas the adapter's demand needs: its share of the model's requests in flight (this one
+        counted) in replicas' worth, smoothed over ~10 s so one moment's burst neither spreads it for
+        good nor a lull takes its copies away."""
+        now = time.monotonic()
+        mine = self._adapter_in_flight.get(adapter.name, 0) + 1
+        share = mine * able / (self._in_flight.get(adapter.base, 0) + 1)
+        then, smoothed = self._share.get(adapter.name, (now, share))
+        smoothed += (share - smoothed) * (1 - 0.5 ** ((now - then) / _SHARE_HALF_LIFE_S))
+        self._share[adapter.name] = (now, smoothed)
+        needed: int = math.ceil(float(smoothed) - _SHARE_SLACK)
+        return max(1, needed)
+
+    def _wants_more(self, adapter: Adapter, holders: list[Replica], able: list[Replica], need: int) -> bool:
         """The adapter's holders are too few: the least busy of them is busier than another replica by a
-        margin, and either they carry more than the adapter's share of the model's requests in flight (its
-        demand), or it is full (others' demand: one adapter's burst does not hold another's requests on
-        its replica); and it has not gained a replica in the last `spread_interval_s`."""
+        margin, and either they are fewer than its demand needs, or it is full (others' demand: one
+        adapter's burst does not hold another's requests on its replica); and it has not gained a replica
+        in the last `spread_interval_s`."""
         now = time.monotonic()
         if now - self._spread_at.get(adapter.name, -math.inf) < self.spread_interval_s:
             return False
@@ -196,9 +218,7 @@ class AdapterPlacement:
             return False
         if calmest.capacity is not None and calmest.outstanding >= calmest.capacity:
             return True
-        mine = self._adapter_in_flight.get(adapter.name, 0)
-        everyone = max(1, self._in_flight.get(adapter.base, 0))
-        return len(holders) < math.ceil(mine * len(able) / everyone)
+        return len(holders) < need
 
     def _loader(self, adapter: Adapter, able: list[Replica]) -> Replica | None:
         """The replica that loads the adapter at least cost: a free slot, else an idle old one to give
