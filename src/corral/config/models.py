@@ -12,6 +12,7 @@ from corral.config.change import AutoscaleSpec, ModelCacheSpec, RolloutSpec
 
 DEFAULT_MODEL_NAME = "smollm2"
 DEFAULT_EMBEDDING_MODEL_NAME = "minilm"
+MODEL_ID = r"^[A-Za-z0-9._:/-]+$"  # a model's or adapter's name, as clients send it
 
 RoutingPolicyName = Literal[
     "prefix_affinity",
@@ -83,7 +84,7 @@ class AdapterSpec(Strict):
         Field(
             min_length=1,
             max_length=128,
-            pattern=r"^[A-Za-z0-9._:/-]+$",
+            pattern=MODEL_ID,
             description="the model id clients send as `model` to have the adapter answer",
         ),
     ]
@@ -353,7 +354,7 @@ class ModelSpec(Strict):
         Field(
             min_length=1,
             max_length=128,
-            pattern=r"^[A-Za-z0-9._:/-]+$",
+            pattern=MODEL_ID,
             description="the name clients send as `model`",
         ),
     ]
