@@ -27,7 +27,7 @@ from corral.protocol import (
     parse_body,
 )
 from corral.routing import Router, RouteRequest
-from corral.routing.adapters import AdapterCatalogue
+from corral.routing.adapters import Adapter, AdapterCatalogue
 
 __all__ = ["Intake", "prompt_text"]
 
@@ -61,10 +61,7 @@ class Intake:
         """`tenant`'s request: an adapter kept for other tenants does not exist for it (before any other
         check, which would tell it apart from a name that does not exist)."""
         body = parse_body(kind, raw)
-        adapter = self._adapters.get(body.model)
-        if adapter is not None and not adapter.allows(tenant):
-            raise ModelNotFound(f"The model '{body.model}' does not exist on this server.", param="model")
-        base = adapter.base if adapter is not None else body.model
+        adapter, base = self._resolve(body.model, tenant)
         features = self.features_of(base)
         if features.embeddings:
             raise InvalidRequest(
@@ -128,13 +125,20 @@ class Intake:
     def count_prompt(self, chat_body: bytes, principal: Principal) -> int:
         """What admission counts for a chat request's prompt (Anthropic's count_tokens)."""
         body = parse_body(ChatCompletionRequest, chat_body)
-        adapter = self._adapters.get(body.model)
-        base = adapter.base if adapter is not None else body.model
+        _, base = self._resolve(body.model, principal.tenant)
         self.features_of(base)  # an unknown model is a 404
-        if adapter is not None and not adapter.allows(principal.tenant):
-            raise ModelNotFound(f"The model '{body.model}' does not exist on this server.", param="model")
         principal.check_model(body.model)
         return self._input_tokens(body, chat_body, "", base)
+
+    def _resolve(self, model: str, tenant: str | None) -> tuple[Adapter | None, str]:
+        """(the LoRA adapter `model` names, if any; the model whose replicas serve it). An adapter kept for
+        other tenants does not exist for `tenant`: 404 before any other check of the request."""
+        adapter = self._adapters.get(model)
+        if adapter is None:
+            return None, model
+        if not adapter.allows(tenant):
+            raise ModelNotFound(f"The model '{model}' does not exist on this server.", param="model")
+        return adapter, adapter.base
 
     def embedding(self, raw: bytes, path: str) -> RequestContext:
         body = parse_body(EmbeddingRequest, raw)

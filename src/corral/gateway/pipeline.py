@@ -48,7 +48,6 @@ from corral.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     EmbeddingRequest,
-    ModelNotFound,
     NoCapacity,
     RateLimited,
 )
@@ -165,7 +164,7 @@ class Pipeline:
     ) -> web.StreamResponse:
         self._isolation.apply(ctx, principal.tenant)
         try:
-            self._check_model(ctx, principal)
+            principal.check_model(ctx.model)  # (an adapter's tenants: intake.py)
         except APIError as exc:
             self._metrics.of(ctx.model).rejected(exc.code or "forbidden")
             self._record(ctx, principal, exc.status)
@@ -201,7 +200,7 @@ class Pipeline:
             else:
                 kind = ChatCompletionRequest if path == "/v1/chat/completions" else CompletionRequest
                 ctx = self._intake.generation(raw, path, kind, None, principal.tenant)
-            self._check_model(ctx, principal)
+            principal.check_model(ctx.model)  # (an adapter's tenants: intake.py)
             self._isolation.apply(ctx, principal.tenant)
             ctx.budgeted = await self._budget.reserve(
                 principal,
@@ -227,14 +226,6 @@ class Pipeline:
             return status, exc.to_json()
         finally:
             await self.settle(ctx, principal, None, status)
-
-    @staticmethod
-    def _check_model(ctx: RequestContext, principal: Principal) -> None:
-        """The key may use the model id; an adapter kept for other tenants does not exist for it."""
-        adapter = ctx.route.adapter
-        if adapter is not None and not adapter.allows(principal.tenant):
-            raise ModelNotFound(f"The model '{ctx.model}' does not exist on this server.", param="model")
-        principal.check_model(ctx.model)
 
     async def _answer(
         self, ctx: RequestContext, principal: Principal, request: web.Request
