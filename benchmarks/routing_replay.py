@@ -38,7 +38,7 @@ from routing_quality import Workload
 from corral.config import LimitsSettings
 from corral.engines import EngineLoad
 from corral.engines.kv_events import KvCacheView
-from corral.gateway.pipeline import prompt_text
+from corral.gateway.intake import prompt_text
 from corral.perf.calibration import calibrated_efficiency
 from corral.perf.catalog import load_catalog
 from corral.perf.replica import ReplicaLayout, ReplicaModel, replica_model
