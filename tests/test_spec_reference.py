@@ -1,4 +1,4 @@
-"""docs/spec.md is generated from the spec's models: complete, described, and never stale."""
+"""docs/reference/spec.md is generated from the spec's models: complete, described, and never stale."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ ROOT = Path(__file__).parent.parent
 
 
 def test_docs_spec_md_is_the_generated_reference() -> None:
-    assert (ROOT / "docs" / "spec.md").read_text() == spec_reference(), (
-        "docs/spec.md is stale: run `corral spec explain -o docs/spec.md`"
+    assert (ROOT / "docs" / "reference" / "spec.md").read_text() == spec_reference(), (
+        "docs/reference/spec.md is stale: run `corral spec explain -o docs/reference/spec.md`"
     )
 
 

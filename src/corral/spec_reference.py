@@ -1,6 +1,6 @@
-"""The cluster spec reference (docs/spec.md), generated from config's pydantic models so it cannot drift.
+"""The cluster spec reference (docs/reference/spec.md), generated from config's models so it cannot drift.
 
-`corral spec explain` prints it; a test fails when the checked-in docs/spec.md differs from it.
+`corral spec explain` prints it; a test fails when the checked-in docs/reference/spec.md differs from it.
 """
 
 from __future__ import annotations

@@ -352,7 +352,7 @@ def test_error_and_refusal_ratios_evaluate_before_the_first_error(rules_file: Pa
 
 
 def test_alerts_link_to_their_runbook_section_by_an_absolute_url(tmp_path: Path) -> None:
-    """Relative links (docs/alerts.md#…) were broken in Alertmanager and Grafana."""
+    """Relative links (docs/reference/alerts.md#…) were broken in Alertmanager and Grafana."""
     files = render_observability(SPEC, "spec.yaml", tmp_path)
     rules = yaml.safe_load(files["prometheus/rules/corral.rules.yml"].split("\n", 1)[1])
     written = (tmp_path / "prometheus" / "runbook.md").resolve().as_uri()
@@ -365,10 +365,10 @@ def test_alerts_link_to_their_runbook_section_by_an_absolute_url(tmp_path: Path)
     links = {r["annotations"]["runbook_url"] for g in rules_yaml(wiki)["groups"] for r in g["rules"]}  # type: ignore[index,union-attr]
     assert "https://wiki.example/corral-alerts#corralgatewaydown" in links
     with pytest.raises(ValueError, match="absolute"):
-        DeploySettings(runbook_url="docs/alerts.md")
+        DeploySettings(runbook_url="docs/reference/alerts.md")
 
 
 def test_every_alert_has_a_runbook_section() -> None:
-    runbook = (Path(__file__).parents[2] / "docs" / "alerts.md").read_text()
+    runbook = (Path(__file__).parents[2] / "docs" / "reference" / "alerts.md").read_text()
     for rule in alert_rules(SPEC):
         assert f"## {rule.name.lower()}\n**{rule.name}** ({rule.severity})" in runbook, rule.name

@@ -10,6 +10,7 @@ from corral.cli import deploy as _deploy
 from corral.cli import keys as _keys
 from corral.cli import observe as _observe
 from corral.cli import plan as _plan
+from corral.cli import reference as _reference
 from corral.cli import sim as _sim
 from corral.cli import spec as _spec
 from corral.cli import up as _up
@@ -18,4 +19,4 @@ from corral.cli.app import app, main
 
 __all__ = ["app", "main"]
 
-_COMMANDS = (_up, _control, _keys, _plan, _sim, _bench, _batch, _deploy, _observe, _spec, _worker)
+_COMMANDS = (_up, _control, _keys, _plan, _sim, _bench, _batch, _deploy, _observe, _spec, _reference, _worker)

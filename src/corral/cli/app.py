@@ -56,6 +56,7 @@ COMMAND_ORDER = (
     "deploy",
     "observe",
     "spec",
+    "reference",
     "version",
 )
 

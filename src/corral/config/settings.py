@@ -471,8 +471,8 @@ class DeploySettings(Strict):
     runbook_url: str | None = Field(
         default=None,
         description="alert rules: the absolute URL where your on-call reads corral's alert runbook "
-        "(docs/alerts.md published on a wiki or docs site); each alert links to its section. Unset: "
-        "`corral observe render` writes the runbook beside the rules and links to that file (file://)",
+        "(docs/reference/alerts.md on the documentation site or a wiki); each alert links to its section. "
+        "Unset: `corral observe render` writes the runbook beside the rules and links to that file (file://)",
     )
 
     @field_validator("runbook_url")

@@ -3,7 +3,7 @@
 Thresholds come from the spec where it has them: each model's TTFT/ITL SLO (`models[].slo`), half the
 queue timeout for queue waits. Every expression evaluates before the first error or refusal ever happens
 (`or … * 0` where a series appears only with its first event), so no rule is silently empty. Each alert has
-a severity, a summary and a runbook section in runbook.md (docs/alerts.md), linked by an absolute
+a severity, a summary and a runbook section in runbook.md (docs/reference/alerts.md), linked by an absolute
 `runbook_url` (Alertmanager and Grafana cannot follow a relative one): `deploy.runbook_url#section`.
 """
 
@@ -16,7 +16,7 @@ from corral.config import ClusterSpec
 
 __all__ = ["FATAL_XIDS", "RUNBOOK", "AlertRule", "alert_rules", "rules_yaml"]
 
-RUNBOOK = Path(__file__).with_name("runbook.md")  # one section per alert (docs/alerts.md links here)
+RUNBOOK = Path(__file__).with_name("runbook.md")  # one section per alert (docs/reference/alerts.md shows it)
 # XIDs that mean the GPU or its driver failed (DBE ECC, row remapping, NVLink, fell off the bus, contained/
 # uncontained ECC, GSP); 13, 31, 43 and 45 are mostly the application's own faults.
 FATAL_XIDS = (48, 61, 62, 63, 64, 74, 79, 92, 94, 95, 119, 120)
