@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: up test test-fast lint bench clean
+.PHONY: up test test-fast lint docs docs-serve bench clean
 
 # Test modules run on this many pytest-xdist workers (a module's tests stay on one: they share its servers).
 TEST_WORKERS ?= 2
@@ -41,6 +41,14 @@ test-fast: $(VENV)/.installed-test
 lint: $(VENV)/.installed-test
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/mypy src
+
+## The documentation site from docs/ into site/ (strict: a missing page or a broken link fails the build).
+docs: $(VENV)/.installed-test
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
+## The same site on http://127.0.0.1:8001, rebuilt as pages change.
+docs-serve: $(VENV)/.installed-test
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve --strict --dev-addr 127.0.0.1:8001
 
 $(VENV)/.installed-bench: pyproject.toml $(VENV)/.installed-test
 	$(BIN)/pip install -q --disable-pip-version-check -e '.[test,dev,bench]'
