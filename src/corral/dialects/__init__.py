@@ -5,6 +5,7 @@ answer back in its own shape, whole or as its own stream events.
     openai_responses     /v1/responses (+ retrieve, delete, cancel, input_items): conversation state in
                          the store; responses_stream: its answer's items and stream events
     anthropic_messages   /v1/messages, /v1/messages/count_tokens
+    chat, chunks         what they share: the engine's answer read, whole or as its stream's events
 
 Adding a dialect is one module: a request model, the translation to chat, an Encoder for its stream.
 """

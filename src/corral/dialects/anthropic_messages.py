@@ -203,7 +203,7 @@ class MessagesExchange:
 
 
 class MessagesEncoder(Encoder):
-    """Anthropic's stream events."""
+    """Anthropic's stream events (the common ones written from bytes: they are most of a stream's work)."""
 
     def __init__(self, exchange: MessagesExchange) -> None:
         self.exchange = exchange
@@ -212,72 +212,89 @@ class MessagesEncoder(Encoder):
         self._open: str | None = None  # the open block's kind: text, thinking, tool_use
 
     def start(self) -> bytes:
-        message = self.exchange.message(self.answer, [])
-        message.update(stop_reason=None, stop_sequence=None)
-        message["usage"] = {"input_tokens": self.exchange.prompt_tokens, "output_tokens": 1}
-        return sse("message_start", {"type": "message_start", "message": message}) + sse(
-            "ping", {"type": "ping"}
-        )
+        exchange = self.exchange
+        message: dict[str, Any] = {
+            "id": exchange.id,
+            "type": "message",
+            "role": "assistant",
+            "model": exchange.body.model,
+            "content": [],
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": {"input_tokens": exchange.prompt_tokens, "output_tokens": 1},
+        }
+        return sse("message_start", {"type": "message_start", "message": message}) + _PING
 
-    def _block(self, kind: str, block: dict[str, Any]) -> bytes:
+    def _block(self, kind: str, block: bytes) -> bytes:
+        """Open a content block (`block`: its JSON)."""
         out = self._close()
         self._index += 1
         self._open = kind
-        return out + sse(
-            "content_block_start",
-            {"type": "content_block_start", "index": self._index, "content_block": block},
+        return (
+            out
+            + b'event: content_block_start\ndata: {"type":"content_block_start","index":'
+            + str(self._index).encode()
+            + b',"content_block":'
+            + block
+            + b"}\n\n"
         )
 
-    def _delta(self, delta: dict[str, Any]) -> bytes:
-        return sse(
-            "content_block_delta", {"type": "content_block_delta", "index": self._index, "delta": delta}
+    def _delta(self, delta: bytes) -> bytes:
+        return (
+            b'event: content_block_delta\ndata: {"type":"content_block_delta","index":'
+            + str(self._index).encode()
+            + b',"delta":'
+            + delta
+            + b"}\n\n"
         )
 
     def _close(self) -> bytes:
         if self._open is None:
             return b""
-        out = b""
-        if self._open == "thinking":
-            out += self._delta({"type": "signature_delta", "signature": ""})
+        out = self._delta(b'{"type":"signature_delta","signature":""}') if self._open == "thinking" else b""
         self._open = None
-        return out + sse("content_block_stop", {"type": "content_block_stop", "index": self._index})
+        return (
+            out
+            + b'event: content_block_stop\ndata: {"type":"content_block_stop","index":'
+            + str(self._index).encode()
+            + b"}\n\n"
+        )
 
     def text(self, delta: str) -> bytes:
-        out = b"" if self._open == "text" else self._block("text", {"type": "text", "text": ""})
-        return out + (  # (one a token: written from bytes)
-            b'event: content_block_delta\ndata: {"type":"content_block_delta","index":'
-            + str(self._index).encode()
-            + b',"delta":{"type":"text_delta","text":'
-            + orjson.dumps(delta)
-            + b"}}\n\n"
-        )
+        out = b"" if self._open == "text" else self._block("text", _TEXT_BLOCK)
+        return out + self._delta(b'{"type":"text_delta","text":' + orjson.dumps(delta) + b"}")
 
     def reasoning(self, delta: str) -> bytes:
-        out = (
-            b"" if self._open == "thinking" else self._block("thinking", {"type": "thinking", "thinking": ""})
-        )
-        return out + self._delta({"type": "thinking_delta", "thinking": delta})
+        out = b"" if self._open == "thinking" else self._block("thinking", _THINKING_BLOCK)
+        return out + self._delta(b'{"type":"thinking_delta","thinking":' + orjson.dumps(delta) + b"}")
 
     def tool_call(self, call: ToolCall) -> bytes:
-        return self._block("tool_use", {"type": "tool_use", "id": call.id, "name": call.name, "input": {}})
+        block = {"type": "tool_use", "id": call.id, "name": call.name, "input": {}}
+        return self._block("tool_use", orjson.dumps(block))
 
     def tool_arguments(self, call: ToolCall, delta: str) -> bytes:
-        return self._delta({"type": "input_json_delta", "partial_json": delta})
+        return self._delta(b'{"type":"input_json_delta","partial_json":' + orjson.dumps(delta) + b"}")
 
     def finish(self) -> bytes:
         out = self._close()
         if self._index < 0:  # an empty answer still has its (empty) text block
-            out += self._block("text", {"type": "text", "text": ""}) + self._close()
+            out += self._block("text", _TEXT_BLOCK) + self._close()
         stop_reason, stop_sequence = self.exchange._stop(self.answer)
         delta = {
             "type": "message_delta",
             "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
             "usage": _usage(self.answer.usage),
         }
-        return out + sse("message_delta", delta) + sse("message_stop", {"type": "message_stop"})
+        return out + sse("message_delta", delta) + _MESSAGE_STOP
 
     def error(self, message: str, code: str | None) -> bytes:
         return sse("error", {"type": "error", "error": {"type": "api_error", "message": message}})
+
+
+_PING = b'event: ping\ndata: {"type":"ping"}\n\n'
+_MESSAGE_STOP = b'event: message_stop\ndata: {"type":"message_stop"}\n\n'
+_TEXT_BLOCK = b'{"type":"text","text":""}'
+_THINKING_BLOCK = b'{"type":"thinking","thinking":""}'
 
 
 def _usage(usage: dict[str, Any] | None) -> dict[str, int]:

@@ -2,8 +2,8 @@
 its stream goes), and the stream response that tells each piece in the dialect's own events.
 
 The relay, the cache and mid-stream failover all work on chat-completions bytes; a dialect's stream is an
-`EventStream` whose `write` reads those bytes and writes the dialect's events instead (`Encoder`), so the
-stages before it never know which client API asked.
+`EventStream` whose `write` reads those bytes (chunks.py) and writes the dialect's events instead
+(`Encoder`), so the stages before it never know which client API asked.
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ from typing import Any, Protocol
 
 import orjson
 from aiohttp import web
+
+from corral.dialects.chunks import ChunkReader
 
 __all__ = [
     "Answer",
@@ -86,9 +88,16 @@ def _arguments(function: dict[str, Any]) -> str:
 def error_of_body(body: bytes) -> tuple[str, str | None, str | None, str | None]:
     """(message, type, code, param) of an OpenAI-shaped error body (the gateway's and the relay's)."""
     try:
-        error = orjson.loads(body).get("error") or {}
-    except (orjson.JSONDecodeError, AttributeError):
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        data = None
+    if not isinstance(data, dict):
         return body.decode("utf-8", "replace")[:500], None, None, None
+    return _error_of(data)
+
+
+def _error_of(data: dict[str, Any]) -> tuple[str, str | None, str | None, str | None]:
+    error = data.get("error") or {}
     if not isinstance(error, dict):
         return str(error), None, None, None
     return str(error.get("message") or ""), error.get("type"), error.get("code"), error.get("param")
@@ -157,88 +166,87 @@ class DialectStream(web.StreamResponse):
         self._rest = b""
         self._started = False
         self._calls: dict[int, ToolCall] = {}
+        self._reader = ChunkReader()
         self.ended = False  # finished or failed: the encoder has said its last event
-        self._texts: list[str] = []  # tokens of text read in this write, told as one delta at its end
 
     async def write(self, data: bytes | bytearray | memoryview) -> None:
-        out = bytearray()
+        out: list[bytes] = []
         if not self._started:
             self._started = True
-            out += self.encoder.start()
-        self._rest += bytes(data)
-        *events, self._rest = self._rest.split(_SEP)
-        for event in events:
-            if self.ended:
-                break
-            payload = _payload(event)
-            if payload == b"[DONE]":
-                out += self._told()
-                self.ended = True
-                if self._on_end is not None:
-                    await self._on_end()
-                out += self.encoder.finish()
-                continue
-            try:
-                chunk = orjson.loads(payload) if payload else None
-            except orjson.JSONDecodeError:
-                continue
-            if not isinstance(chunk, dict):
+            out.append(self.encoder.start())
+        buffered = self._rest + data if self._rest else bytes(data)
+        if buffered.endswith(_SEP):
+            self._rest = b""
+        else:  # an event's start: kept until its end comes
+            end = buffered.rfind(_SEP) + len(_SEP)  # (0 if there is no whole event yet)
+            end = end if end >= len(_SEP) else 0
+            buffered, self._rest = buffered[:end], buffered[end:]
+        if buffered and not self.ended:
+            await self._read(buffered, out)
+        if out:
+            await super().write(b"".join(out))
+
+    async def _read(self, events: bytes, out: list[bytes]) -> None:
+        """Tell whole events in the encoder's; text read in one write is told as one delta at its end
+        (tokens that came together, an engine ahead of its client, cost one event, not one each)."""
+        chunks, done = self._reader.read(events)
+        texts: list[str] = []
+        answer = self.encoder.answer
+        for chunk in chunks:
+            if chunk.__class__ is list:  # a run of text deltas (chunks.py)
+                texts += chunk
                 continue
             if "error" in chunk:  # the relay's word that the stream was cut
-                out += self._told()
+                out.append(self._told(texts))
                 self.ended = True
-                message, _, code, _ = error_of_body(payload)
+                message, _, code, _ = _error_of(chunk)
                 failed = self.encoder.error(message, code)  # (first: the stored response says failed)
                 if self._on_end is not None:
                     await self._on_end()
-                out += failed
-                continue
-            out += self._chunk(chunk)
-        out += self._told()
-        if out:
-            await super().write(bytes(out))
+                out.append(failed)
+                return
+            usage = chunk.get("usage")
+            if usage is not None and isinstance(usage, dict):
+                answer.usage = usage
+            for choice in chunk.get("choices") or ():
+                if not isinstance(choice, dict) or choice.get("index", 0) != 0:
+                    continue
+                delta = choice.get("delta")
+                if delta:
+                    if delta.get("reasoning_content") or delta.get("reasoning") or delta.get("tool_calls"):
+                        out.append(self._told(texts) + self._other(delta))
+                    content = delta.get("content")
+                    if content:
+                        texts.append(str(content))
+                finish = choice.get("finish_reason")
+                if finish:
+                    answer.finish_reason = finish
+                    if isinstance(choice.get("stop_reason"), str):
+                        answer.stop_reason = choice["stop_reason"]
+        out.append(self._told(texts))
+        if done:
+            self.ended = True
+            if self._on_end is not None:
+                await self._on_end()
+            out.append(self.encoder.finish())
 
-    def _told(self) -> bytes:
-        """The text read since the last event told, as one delta: tokens that came in one read (an engine
-        ahead of its client, or under load) cost one event, not one each."""
-        if not self._texts:
+    def _told(self, texts: list[str]) -> bytes:
+        """The text read since the last event told, as one delta."""
+        if not texts:
             return b""
-        text = "".join(self._texts)
-        self._texts.clear()
+        text = "".join(texts)
+        texts.clear()
         return self.encoder.text(text)
 
-    def _chunk(self, chunk: dict[str, Any]) -> bytes:
-        usage = chunk.get("usage")
-        if usage is not None and isinstance(usage, dict):
-            self.encoder.answer.usage = usage
-        out = b""
-        for choice in chunk.get("choices") or ():
-            if not isinstance(choice, dict) or choice.get("index", 0) != 0:
-                continue
-            delta = choice.get("delta")
-            if delta:
-                content = delta.get("content")
-                if len(delta) > (1 if "content" in delta else 0) + ("role" in delta):  # more than text
-                    out += self._other(delta)
-                if content:
-                    self._texts.append(str(content))
-            finish = choice.get("finish_reason")
-            if finish:
-                answer = self.encoder.answer
-                answer.finish_reason = finish
-                if isinstance(choice.get("stop_reason"), str):
-                    answer.stop_reason = choice["stop_reason"]
-        return out
-
     def _other(self, delta: dict[str, Any]) -> bytes:
-        """A delta's reasoning and tool calls (its text, the common part, is read by `_chunk`)."""
+        """A delta's reasoning and tool calls (its text, the common part, is read by `_read`)."""
         out = b""
         reasoning = delta.get("reasoning_content") or delta.get("reasoning")
         if reasoning:
             self.encoder.answer.reasoning += str(reasoning)
-            out += self._told() + self.encoder.reasoning(str(reasoning))
+            out += self.encoder.reasoning(str(reasoning))
         for part in delta.get("tool_calls") or ():
-            out += self._told() + self._tool_part(part)
+            out += self._tool_part(part)
         return out
 
     def _tool_part(self, part: dict[str, Any]) -> bytes:
@@ -258,13 +266,6 @@ class DialectStream(web.StreamResponse):
             call.arguments += str(arguments)
             out += self.encoder.tool_arguments(call, str(arguments))
         return out
-
-
-def _payload(event: bytes) -> bytes:
-    """An event's data (the relay and the cache write `data: ...` alone on one line)."""
-    if event.startswith(b"data: ") and b"\n" not in event:
-        return event[6:]
-    return b"".join(line[5:].lstrip() for line in event.split(b"\n") if line.startswith(b"data:")).strip()
 
 
 def sse(event: str, data: dict[str, Any]) -> bytes:

@@ -16,6 +16,7 @@ last event (or its body) leaves, so a client may name it at once.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 import uuid
 from typing import Annotated, Any, Literal, cast
@@ -269,37 +270,45 @@ class ResponsesExchange:
         error: dict[str, Any] | None = None,
         incomplete: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
+        answer = self._frame.copy()  # (a stream tells it twice or more: its fixed fields are made once)
+        answer["status"] = status
+        answer["error"] = error
+        answer["incomplete_details"] = incomplete
+        answer["output"] = output
+        if usage is not None:  # (absent until the answer ends, as OpenAI's; `user` only where given)
+            answer["usage"] = usage_of(usage)
+        if self.body.user is not None:
+            answer["user"] = self.body.user
+        return answer
+
+    @functools.cached_property
+    def _frame(self) -> dict[str, Any]:
+        """The response object's fields, in OpenAI's order; those that change are filled by `response`."""
         body = self.body
-        text = body.text or {"format": {"type": "text"}}
-        answer = {
+        return {
             "id": self.id,
             "object": "response",
             "created_at": self.created_at,
-            "status": status,
+            "status": None,
             "background": False,
-            "error": error,
-            "incomplete_details": incomplete,
+            "error": None,
+            "incomplete_details": None,
             "instructions": body.instructions,
             "max_output_tokens": body.max_output_tokens,
             "metadata": body.metadata or {},
             "model": body.model,
-            "output": output,
+            "output": None,
             "parallel_tool_calls": body.parallel_tool_calls if body.parallel_tool_calls is not None else True,
             "previous_response_id": body.previous_response_id,
             "reasoning": body.reasoning or {"effort": None, "summary": None},
             "store": body.store,
             "temperature": body.temperature,
-            "text": text,
+            "text": body.text or {"format": {"type": "text"}},
             "tool_choice": body.tool_choice if body.tool_choice is not None else "auto",
             "tools": [_echoed(tool) for tool in body.tools or []],
             "top_p": body.top_p,
             "truncation": body.truncation or "disabled",
         }
-        if usage is not None:  # (absent until the answer ends, as OpenAI's; `user` only where given)
-            answer["usage"] = usage_of(usage)
-        if body.user is not None:
-            answer["user"] = body.user
-        return answer
 
     def finished(self, answer: Answer, output: list[dict[str, Any]]) -> dict[str, Any]:
         if answer.finish_reason == "length":

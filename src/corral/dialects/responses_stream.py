@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from corral.dialects.chat import Answer, Encoder, ToolCall, sse
+from corral.dialects.chat import Answer, Encoder, ToolCall
 
 if TYPE_CHECKING:
     from corral.dialects.openai_responses import ResponsesExchange
@@ -30,10 +30,21 @@ class ResponsesEncoder(Encoder):
         self._pieces: list[str] = []  # the open message's text so far
         self._head = b""  # the open item's fields in its delta events
 
-    def _event(self, kind: str, **fields: Any) -> bytes:
-        data = {"type": kind, "sequence_number": self._seq, **fields}
+    def _event(self, kind: bytes, fields: dict[str, Any]) -> bytes:
+        """An event with its fields after its type and number (`fields`: never empty)."""
+        seq = self._seq
         self._seq += 1
-        return sse(kind, data)
+        return (
+            b"event: "
+            + kind
+            + b'\ndata: {"type":"'
+            + kind
+            + b'","sequence_number":'
+            + str(seq).encode()
+            + b","
+            + orjson.dumps(fields)[1:]
+            + b"\n\n"
+        )
 
     def _delta(self, kind: bytes, delta: str, tail: bytes = b"}") -> bytes:
         """A delta event, written from bytes (one a token: the common case, kept cheap)."""
@@ -83,7 +94,7 @@ class ResponsesEncoder(Encoder):
         self.output.append(item)
         self._open = item
         return out + self._event(
-            "response.output_item.added", output_index=len(self.output) - 1, item=in_progress(item)
+            b"response.output_item.added", {"output_index": len(self.output) - 1, "item": in_progress(item)}
         )
 
     def text(self, delta: str) -> bytes:
@@ -94,11 +105,13 @@ class ResponsesEncoder(Encoder):
             out += self._add(item)
             part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
             out += self._event(
-                "response.content_part.added",
-                item_id=item["id"],
-                output_index=len(self.output) - 1,
-                content_index=0,
-                part=part,
+                b"response.content_part.added",
+                {
+                    "item_id": item["id"],
+                    "output_index": len(self.output) - 1,
+                    "content_index": 0,
+                    "part": part,
+                },
             )
             self._pieces = []
             self._head = self._head_of(item, content=True)
@@ -139,37 +152,40 @@ class ResponsesEncoder(Encoder):
             part = item["content"][0]
             part["text"] = "".join(self._pieces)
             out += self._event(
-                "response.output_text.done",
-                item_id=item["id"],
-                output_index=index,
-                content_index=0,
-                text=part["text"],
-                logprobs=[],
+                b"response.output_text.done",
+                {
+                    "item_id": item["id"],
+                    "output_index": index,
+                    "content_index": 0,
+                    "text": part["text"],
+                    "logprobs": [],
+                },
             )
             out += self._event(
-                "response.content_part.done",
-                item_id=item["id"],
-                output_index=index,
-                content_index=0,
-                part=part,
+                b"response.content_part.done",
+                {"item_id": item["id"], "output_index": index, "content_index": 0, "part": part},
             )
         elif item["type"] == "reasoning":
             out += self._event(
-                "response.reasoning_text.done",
-                item_id=item["id"],
-                output_index=index,
-                content_index=0,
-                text=item["content"][0]["text"],
+                b"response.reasoning_text.done",
+                {
+                    "item_id": item["id"],
+                    "output_index": index,
+                    "content_index": 0,
+                    "text": item["content"][0]["text"],
+                },
             )
         elif item["type"] == "function_call":
             out += self._event(
-                "response.function_call_arguments.done",
-                item_id=item["id"],
-                output_index=index,
-                name=item["name"],
-                arguments=item["arguments"],
+                b"response.function_call_arguments.done",
+                {
+                    "item_id": item["id"],
+                    "output_index": index,
+                    "name": item["name"],
+                    "arguments": item["arguments"],
+                },
             )
-        return out + self._event("response.output_item.done", output_index=index, item=item)
+        return out + self._event(b"response.output_item.done", {"output_index": index, "item": item})
 
     def _close_all(self) -> bytes:
         out = b""
@@ -191,14 +207,14 @@ class ResponsesEncoder(Encoder):
     def finish(self) -> bytes:
         out = self._close_all()
         final = self.exchange.final or self.closing_response()
-        kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
-        return out + self._event(kind, response=final)
+        kind = b"response.incomplete" if final["status"] == "incomplete" else b"response.completed"
+        return out + self._event(kind, {"response": final})
 
     def error(self, message: str, code: str | None) -> bytes:
-        out = self._event("error", code=code or "server_error", message=message, param=None)
+        out = self._event(b"error", {"code": code or "server_error", "message": message, "param": None})
         self._failed = {"code": "server_error", "message": message}
         final = self.exchange.response("failed", self.output, self.answer.usage, error=self._failed)
-        return out + self._event("response.failed", response=final)
+        return out + self._event(b"response.failed", {"response": final})
 
 
 def in_progress(item: dict[str, Any]) -> dict[str, Any]:

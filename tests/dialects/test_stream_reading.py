@@ -1,0 +1,188 @@
+"""A dialect's stream reads the engine's chat-completions events however they are cut: the whole stream in
+one write (read as one array), an event a write, or a few bytes a write (an event's start kept for its
+end), in the shapes vLLM and llama.cpp write; what it tells validates against the API's published schema,
+in order, and holds the engine's text, reasoning, tool calls and usage."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any, cast
+
+import aiohttp
+import orjson
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from corral.dialects.anthropic_messages import MessagesExchange, MessagesRequest
+from corral.dialects.openai_responses import ResponsesExchange, ResponsesRequest
+from corral.gateway.relay import SSE_HEADERS
+from corral.store import ResponseStore
+from tests.dialects.test_schemas import (
+    Event,
+    Spec,
+    _events,
+    _messages_order,
+    _order,
+    _responses_order,
+    _validate_stream,
+)
+
+USAGE = {"prompt_tokens": 9, "completion_tokens": 6, "total_tokens": 15}
+TEXT = ['Hello "there"', ", ", "naïve\n", "world", "\\ ok"]
+
+
+def _event(chunk: dict[str, Any]) -> bytes:
+    return b"data: " + orjson.dumps(chunk) + b"\n\n"
+
+
+def _vllm(deltas: list[dict[str, Any]], finish: str) -> list[bytes]:
+    """vLLM's shape: a role chunk first, a chunk a delta, the finish alone, usage alone, [DONE]."""
+    head = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "m"}
+
+    def chunk(delta: dict[str, Any], finish_reason: str | None = None) -> bytes:
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        return _event({**head, "choices": [choice]})
+
+    return [
+        chunk({"role": "assistant", "content": ""}),
+        *(chunk(delta) for delta in deltas),
+        chunk({}, finish),
+        _event({**head, "choices": [], "usage": USAGE}),
+        b"data: [DONE]\n\n",
+    ]
+
+
+def _llamacpp(deltas: list[dict[str, Any]], finish: str) -> list[bytes]:
+    """llama.cpp's shape: choices first, the finish with an empty delta and its usage and timings."""
+    tail = {"created": 1, "id": "chatcmpl-2", "model": "m", "object": "chat.completion.chunk"}
+    events = [_event({"choices": [{"finish_reason": None, "index": 0, "delta": d}], **tail}) for d in deltas]
+    last = {"choices": [{"finish_reason": finish, "index": 0, "delta": {}}], **tail, "usage": USAGE}
+    return [*events, _event({**last, "timings": {"predicted_n": 6}}), b"data: [DONE]\n\n"]
+
+
+TEXT_DELTAS = [{"content": piece} for piece in TEXT]
+REASONING_DELTAS = [{"reasoning_content": "Think"}, {"reasoning_content": " twice."}, *TEXT_DELTAS]
+CALL_DELTAS: list[dict[str, Any]] = [
+    {"tool_calls": [{"index": 0, "id": "call_1", "type": "function", "function": {"name": "get_weather"}}]},
+    {"tool_calls": [{"index": 0, "function": {"arguments": '{"city": '}}]},
+    {"tool_calls": [{"index": 0, "function": {"arguments": '"Paris"}'}}]},
+]
+STREAMS = {
+    "vllm_text": (_vllm(TEXT_DELTAS, "length"), "text"),
+    "vllm_reasoning": (_vllm(REASONING_DELTAS, "length"), "reasoning"),
+    "vllm_call": (_vllm(CALL_DELTAS, "tool_calls"), "call"),
+    "llamacpp_text": (_llamacpp(TEXT_DELTAS, "length"), "text"),
+    "llamacpp_call": (_llamacpp(CALL_DELTAS, "tool_calls"), "call"),
+}
+
+
+def _cuts(events: list[bytes], how: str) -> Iterator[bytes]:
+    whole = b"".join(events)
+    if how == "whole":
+        yield whole
+    elif how == "events":
+        yield from events
+    else:
+        yield from (whole[i : i + 7] for i in range(0, len(whole), 7))
+
+
+async def _told(exchange: MessagesExchange | ResponsesExchange, writes: list[bytes]) -> list[Event]:
+    """The client's events for the engine's stream written in `writes`, through a real server."""
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        response = exchange.stream_response(dict(SSE_HEADERS))
+        await response.prepare(request)
+        for data in writes:
+            await response.write(data)
+        await response.write_eof()
+        return response
+
+    app = web.Application()
+    app.router.add_get("/", handler)
+    async with TestServer(app, host="127.0.0.1") as server, aiohttp.ClientSession() as session:
+        async with session.get(server.make_url("/")) as answer:
+            return _events(answer.headers["Content-Type"], await answer.read())
+
+
+def _messages_exchange() -> MessagesExchange:
+    body = {"model": "m", "max_tokens": 6, "stream": True, "messages": [{"role": "user", "content": "Hi"}]}
+    return MessagesExchange(MessagesRequest.model_validate(body))
+
+
+def _responses_exchange() -> ResponsesExchange:
+    body = ResponsesRequest.model_validate({"model": "m", "input": "Hi", "stream": True, "store": False})
+    items = [{"type": "message", "role": "user", "content": "Hi"}]
+    return ResponsesExchange(body, items, "acme", None, cast(ResponseStore, None), "abc")  # (store: false)
+
+
+@pytest.fixture(scope="module")
+def openai_spec() -> Spec:
+    return Spec("openai-responses.json", "ResponseStreamEvent")
+
+
+@pytest.fixture(scope="module")
+def anthropic_spec() -> Spec:
+    return Spec("anthropic-messages.json", "MessageStreamEvent")
+
+
+@pytest.mark.parametrize("how", ["whole", "events", "bytes"])
+@pytest.mark.parametrize("stream", list(STREAMS))
+async def test_a_messages_stream_reads_the_engine_however_its_events_are_cut(
+    anthropic_spec: Spec, stream: str, how: str
+) -> None:
+    events, kind = STREAMS[stream]
+    told = await _told(_messages_exchange(), list(_cuts(events, how)))
+    # (the extracted schema's blocks and deltas are text and tool_use only: thinking ones are not in it)
+    listed = [e for e in told if not {"thinking", "signature"} & set(json.dumps(e.data).split('"'))]
+    failures = _validate_stream(anthropic_spec, listed, unlisted=frozenset({"ping"}))
+    failures += _order(_messages_order, told)
+    assert not failures, "\n".join(failures)
+    deltas = [e.data["delta"] for e in told if e.data["type"] == "content_block_delta"]
+    blocks = [e.data["content_block"]["type"] for e in told if e.data["type"] == "content_block_start"]
+    final = next(e.data for e in told if e.data["type"] == "message_delta")
+    assert final["usage"]["input_tokens"] == 9 and final["usage"]["output_tokens"] == 6
+    if kind == "call":
+        assert blocks == ["tool_use"] and final["delta"]["stop_reason"] == "tool_use"
+        assert json.loads("".join(d["partial_json"] for d in deltas)) == {"city": "Paris"}
+        return
+    assert final["delta"]["stop_reason"] == "max_tokens"
+    assert "".join(d.get("text", "") for d in deltas) == "".join(TEXT)
+    if kind == "reasoning":
+        assert blocks == ["thinking", "text"]
+        assert "".join(d.get("thinking", "") for d in deltas) == "Think twice."
+
+
+@pytest.mark.parametrize("how", ["whole", "events", "bytes"])
+@pytest.mark.parametrize("stream", list(STREAMS))
+async def test_a_responses_stream_reads_the_engine_however_its_events_are_cut(
+    openai_spec: Spec, stream: str, how: str
+) -> None:
+    events, kind = STREAMS[stream]
+    told = await _told(_responses_exchange(), list(_cuts(events, how)))
+    failures = _validate_stream(openai_spec, told)
+    failures += _order(_responses_order, [*told[:-1], _completed(told[-1])])
+    assert not failures, "\n".join(failures)
+    final = told[-1].data["response"]
+    assert told[-1].data["type"] == ("response.completed" if kind == "call" else "response.incomplete")
+    assert final["usage"]["input_tokens"] == 9 and final["usage"]["output_tokens"] == 6
+    items = {item["type"]: item for item in final["output"]}
+    if kind == "call":
+        assert list(items) == ["function_call"] and items["function_call"]["name"] == "get_weather"
+        assert json.loads(items["function_call"]["arguments"]) == {"city": "Paris"}
+        return
+    texts = [e.data["delta"] for e in told if e.data["type"] == "response.output_text.delta"]
+    assert "".join(texts) == items["message"]["content"][0]["text"] == "".join(TEXT)
+    if kind == "reasoning":
+        assert list(items) == ["reasoning", "message"]
+        assert items["reasoning"]["content"][0]["text"] == "Think twice."
+
+
+def _completed(event: Event) -> Event:
+    """A response cut at max_output_tokens (incomplete) as the order check, which wants it completed, reads
+    it; the events before it are the same."""
+    if event.data["type"] != "response.incomplete":
+        return event
+    response = {**event.data["response"], "status": "completed"}
+    return Event("response.completed", {**event.data, "type": "response.completed", "response": response})
