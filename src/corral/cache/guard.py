@@ -13,7 +13,7 @@ paraphrases. The guard refuses a hit when the two questions
   often exactly that.
 It is English-centred (its stop words and prepositions) and only ever turns a hit into a miss. On the
 labelled set it keeps 1% false hits at a threshold that answers 31% of paraphrases, where without it no
-threshold below 0.995 does (benchmarks/cache_quality.py, README "Caching").
+threshold below 0.995 does (benchmarks/cache_quality.py, docs/benchmarks/cache_quality.md).
 """
 
 from __future__ import annotations

@@ -106,7 +106,7 @@ def create(
         typer.Option(help="bytes of files likewise (default: batch.tenant_max_bytes)"),
     ] = None,
     role: Annotated[
-        Role, typer.Option(help="what it may do beyond inference (the admin API; see README, Roles)")
+        Role, typer.Option(help="its rights beyond inference (the admin API; docs/operations/security.md)")
     ] = Role.user,
     expires_in_days: Annotated[
         float | None, typer.Option(help="it stops working after this many days (default: never)")

@@ -170,7 +170,7 @@ class Ready(_Open):
 
 
 class Anything(_Open):
-    """A JSON object (status, routing, rollouts, cache and console data: see the README)."""
+    """A JSON object (status, routing, rollouts, cache and console data: see docs/operations/watching.md)."""
 
 
 class ResponseCreate(_Open):
