@@ -29,6 +29,8 @@ the adapter slots (the loads per 20 s are flat after the first 20 s), then `--re
   unload endpoint (as the simulator's) only forgets the name, its host cache of `max_cpu_loras` keeps
   evicting the least recently used by itself, so where the gateway takes an adapter past its slots, or
   gives up another than the engine's least recently used, the engine later reads one again unseen;
+- the gateway's loads per 1,000 requests by the loaded adapter's demand rank (the same bands): which
+  adapters are loaded again and again;
 - loads per replica per simulated minute, the most distinct adapters one replica served in the window
   (from `x-corral-replica`), the most adapters one replica held at once, the mean adapters held in the
   fleet (distinct, and copies) and the mean holders of the 4 busiest (sampled each second from
@@ -57,6 +59,7 @@ import argparse
 import asyncio
 import json
 import random
+import re
 import shutil
 import statistics
 import sys
@@ -277,6 +280,18 @@ def metric_sum(url: str, name: str) -> float:
     return total
 
 
+def loads_by_adapter(base: str) -> Counter[str]:
+    """The gateway's adapter loads so far, by adapter (`corral_adapter_loads_total`'s `adapter` label)."""
+    with urllib.request.urlopen(base + "/metrics", timeout=10) as response:
+        text = response.read().decode()
+    loads: Counter[str] = Counter()
+    for line in text.splitlines():
+        found = re.match(r'corral_adapter_loads_total\{.*adapter="([^"]+)".*\} (\S+)$', line)
+        if found:
+            loads[found[1]] += round(float(found[2]))
+    return loads
+
+
 def counters(base: str, engines: list[str]) -> dict[str, float]:
     return {
         "gateway_loads": metric_sum(base, "corral_adapter_loads_total"),
@@ -367,6 +382,17 @@ def by_rank(served: list[Served], args: Any) -> dict[str, float | None]:
     return out
 
 
+def loads_by_rank(loaded: Counter[str], requests: int, args: Any) -> dict[str, float]:
+    """The gateway's loads per 1,000 requests (of all adapters) of the adapters in each band of demand
+    rank: where the loads come from."""
+    out = {}
+    for low, high in BANDS:
+        upper = args.adapters if high is None else high
+        count = sum(n for name, n in loaded.items() if low <= int(name[1:]) < upper)
+        out[f"rank_{low + 1}_{upper}"] = round(1000 * count / requests, 1)
+    return out
+
+
 def run_config(
     config: str, adapters: list[tuple[str, Path]], args: argparse.Namespace, rate: float | None, round_: int
 ) -> tuple[dict[str, Any], float]:
@@ -394,18 +420,19 @@ def run_config(
                 rate = args.load * wall / args.time_scale
             warm = Workload(names, args.zipf, args.prompt_words, args.output, seed + 2)
             asyncio.run(measured(base, warm, rate * args.time_scale, args.warmup))
-            before = counters(base, engines)
+            before, loaded_before = counters(base, engines), loads_by_adapter(base)
             work = Workload(names, args.zipf, args.prompt_words, args.output, seed + 3)
             psutil.cpu_percent()
             served, elapsed, sampled = asyncio.run(
                 measured(base, work, rate * args.time_scale, args.requests)
             )
             cpu = psutil.cpu_percent()
-            after = counters(base, engines)
+            after, loaded = counters(base, engines), loads_by_adapter(base) - loaded_before
         finally:
             stop(cluster)
     delta = {key: after[key] - before[key] for key in after}
     result = figures(config, served, elapsed, sampled, delta, args)
+    result["gateway_loads_per_1000_by_demand_rank"] = loads_by_rank(loaded, len(served), args)
     result.update(probe)
     result["offered_requests_per_s"] = round(rate, 2)
     result["achieved_requests_per_s"] = round(len(served) / elapsed / args.time_scale, 2)

@@ -1,13 +1,22 @@
 """Adapter placement (routing/adapters.py) on replicas built here: holders first, slots kept by least
-recent use, nothing in flight or freshly loaded given up, a burst spread one replica at a time by demand,
-and a restarted replica holding nothing."""
+recent use, nothing in flight or freshly loaded given up, a burst spread one replica at a time by demand
+(a busy adapter that one replica carries is not copied), a new adapter loaded where it gives up the least
+wanted one, and a restarted replica holding nothing."""
 
 from __future__ import annotations
 
-import time
-
 from corral.routing import Replica, ReplicaState
-from corral.routing.adapters import Adapter, AdapterPlacement
+from corral.routing.adapters import Adapter, AdapterPlacement, Residence
+
+
+class _Clock:
+    """A clock the test moves."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
 
 
 def _replicas(count: int, slots: int = 2) -> list[Replica]:
@@ -60,27 +69,93 @@ def test_slots_are_given_up_by_least_recent_use_never_in_flight_or_young() -> No
 
 
 def test_a_burst_of_one_adapter_spreads_one_replica_at_a_time_by_demand() -> None:
-    placement = AdapterPlacement(min_resident_s=0, spread_interval_s=0.2)
+    clock = _Clock()
+    placement = AdapterPlacement(min_resident_s=0, spread_interval_s=2.0, clock=clock)
     replicas = _replicas(4)
     hot = _adapter("hot")
-    held = set()
-    for _ in range(40):  # 40 requests in flight, all of one adapter: its share is every replica
-        (chosen, *more) = placement.candidates(hot, replicas)
-        picked = min([chosen, *more], key=lambda r: r.outstanding)
-        placement.use(picked, hot)
+    in_flight: list[tuple[Replica, Residence | None]] = []
+
+    def arrive() -> None:
+        picked = min(placement.candidates(hot, replicas), key=lambda r: r.outstanding)
+        in_flight.append((picked, placement.use(picked, hot)[0]))
         picked.outstanding += 1
-        held = {r.id for r in replicas if placement.holds(r, hot)}
-    assert len(held) == 2  # one more replica within the interval, not all four at once
-    time.sleep(0.25)
-    more = placement.candidates(hot, replicas)
-    assert len(more) == 3  # the demand still calls for more: one more replica after the interval
+
+    for _ in range(40):  # 40 requests in flight, all of one adapter, within a second
+        arrive()
+        clock.now += 0.02
+    assert sum(placement.holds(r, hot) for r in replicas) == 1  # a moment's burst does not spread yet
+    gained = []
+    for _ in range(60):  # the burst lasts: a request ends and another comes every 0.5 s
+        replica, residence = in_flight.pop(0)
+        placement.done(replica, hot, residence)
+        replica.outstanding -= 1
+        arrive()
+        held = sum(placement.holds(r, hot) for r in replicas)
+        if held > 1 + len(gained):
+            gained.append((clock.now, held))
+        clock.now += 0.5
+    # 40 in flight over 4 replicas fill 3 (10 each on average, plus the margin of 4): one at a time
+    assert [held for _, held in gained] == [2, 3]
+    assert gained[1][0] - gained[0][0] >= 2.0
     # a cold adapter with one request in flight among the burst's does not spread
     cold = _adapter("cold")
     (home,) = placement.candidates(cold, replicas)
     placement.use(home, cold)
     home.outstanding += 5
-    time.sleep(0.25)
+    clock.now += 30
     assert placement.candidates(cold, replicas) == [home]
+
+
+def test_a_busy_adapter_one_replica_carries_is_not_copied_for_its_share() -> None:
+    clock = _Clock()
+    placement = AdapterPlacement(min_resident_s=0, spread_interval_s=0, clock=clock)
+    replicas = _replicas(8)
+    busy = _adapter("busy")
+    home = replicas[0]
+    placement.use(home, busy)
+    for i, replica in enumerate(replicas[1:]):  # 7 requests of other adapters, one a replica
+        placement.use(replica, _adapter(f"other{i}"))
+        replica.outstanding = 1
+    for _ in range(3):  # busy has 4 of the 11 in flight: by its share alone, 3 replicas' worth
+        placement.use(home, busy)
+    home.outstanding = 4 + 4  # and its holder carries the spread margin over the least busy
+    for _ in range(30):  # for a minute
+        assert placement.candidates(busy, replicas) == [home]
+        clock.now += 2
+    for _ in range(16):  # 20 in flight: more than one replica carries at the mean plus the margin
+        placement.use(home, busy)
+    home.outstanding += 16
+    for _ in range(10):
+        clock.now += 2
+        if len(placement.candidates(busy, replicas)) == 2:
+            break
+    else:
+        raise AssertionError("the busy adapter did not spread")
+
+
+def test_a_new_adapter_gives_up_the_least_wanted_adapter_on_a_replica_about_as_busy() -> None:
+    clock = _Clock()
+    placement = AdapterPlacement(min_resident_s=10, clock=clock)
+    wanted_home, rare_home, busy = _replicas(3, slots=2)
+    wanted, rare, fresh = _adapter("wanted"), _adapter("rare"), _adapter("fresh")
+    for _ in range(20):  # asked often, then idle
+        placement.done(wanted_home, wanted, placement.use(wanted_home, wanted)[0])
+    placement.done(rare_home, rare, placement.use(rare_home, rare)[0])  # asked once
+    for replica in (wanted_home, rare_home):  # each then holds a second adapter, in use
+        placement.use(replica, _adapter(f"{replica.id}-running"))
+    placement.use(busy, _adapter("b1"))
+    placement.use(busy, _adapter("b2"))  # its slots are in use: it gives up nothing
+    clock.now += 30  # wanted and rare are both old and idle: either could be given up
+    wanted_home.outstanding = rare_home.outstanding = 1
+    assert placement.candidates(fresh, [wanted_home, rare_home, busy]) == [rare_home]
+    residence, load, unload = placement.use(rare_home, fresh)
+    assert load and [r.adapter for r in unload] == ["rare"]
+    placement.done(rare_home, fresh, residence)
+    # the replica is passed over when it carries more than one request beyond the least busy
+    other = _adapter("other")
+    rare_home.outstanding = 3
+    clock.now += 30
+    assert placement.candidates(other, [wanted_home, rare_home, busy]) == [wanted_home]
 
 
 def test_llamacpp_replicas_hold_the_adapters_they_started_with() -> None:

@@ -6,14 +6,24 @@ with (`Replica.adapters`, selected per request); those of vLLM (and the simulato
 time into `Replica.adapter_slots` slots, which the gateway fills and empties (`AdapterPlacement`):
 
 - a request goes to a replica that holds its adapter (the routing policy picks among them);
-- it is loaded on another replica when its demand calls for it: when the holders carry more than the
-  adapter's share of the model's requests in flight, and the least busy holder has more in flight than
-  some other replica by a margin; one more replica at a time, at most every `spread_interval_s`, so a burst
-  of one adapter spreads by measured demand instead of landing on every replica at once;
-- the replica that loads it is the least costly: a free slot, else one whose least recently used adapter
-  has no request in flight and was loaded at least `min_resident_s` ago (those are unloaded), then the
-  fewest requests in flight. Where every slot is busy or young, the replica takes one adapter past its
-  slots and gives it back when one goes idle: a request is never refused for want of a slot.
+- it is loaded on another replica when its demand calls for it: when its requests in flight fill more
+  replicas than hold it (a replica's worth: the model's mean requests in flight per replica plus the
+  spread margin), or its holder is full, and the least busy holder has more in flight than some other
+  replica by that margin; one more replica at a time, at most every `spread_interval_s`, so a burst of
+  one adapter spreads by measured demand instead of landing on every replica at once;
+- the replica that loads it is the least costly: a free slot; else, among the replicas at most one request
+  busier than the least busy, the one whose least recently used adapter (idle, and loaded at least
+  `min_resident_s` ago: it is unloaded) is the least wanted, by its recent requests per copy held. Where
+  every slot is busy or young, the least busy replica takes one adapter past its slots and gives it back
+  when one goes idle: a request is never refused for want of a slot.
+
+Why the least wanted, and why only the least recently used: the engine keeps the adapters it holds in an
+LRU cache of that many (vLLM's `max_cpu_loras`) whose unload endpoint only forgets the name (in the vLLM
+the simulator follows), so loading one evicts the engine's least recently used whatever the gateway gives
+up; the gateway gives up that one (else the engine reads the other again, unseen). What the gateway
+chooses is the replica: one whose LRU adapter is rarely asked for, so that rare adapters churn among
+themselves and the steadily asked ones stay. Copies take slots too, so an adapter is spread for
+throughput, not for its share of the requests alone (docs/benchmarks/lora_routing.md: what each saves).
 
 Loads per replica are thus bounded by its slots over `min_resident_s` (thrashing cannot outrun it), and
 counted (`corral_adapter_loads_total`). With `lora.placement: anywhere` the routing policy alone picks
@@ -28,7 +38,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -37,6 +47,8 @@ from corral.routing.replicas import Replica
 __all__ = ["Adapter", "AdapterCatalogue", "AdapterPlacement", "Residence"]
 
 _SPREAD_MARGIN = 4  # requests in flight a holder must carry beyond the least busy replica to spread
+_LOADER_SLACK = 1  # a replica that loads may carry this many requests more than the least busy
+_WANTED_HALF_LIFE_S = 60.0  # an adapter's requests, decayed: how much its copy is wanted
 _LOAD_HISTORY_S = 60.0  # loads are shown per minute
 _SHARE_HALF_LIFE_S = 7.0  # an adapter's share of the model's requests in flight, smoothed (τ ≈ 10 s)
 _SHARE_SLACK = 0.2  # replicas an adapter needs: ceil(smoothed share − slack), so 1.1 replicas' worth is 1
@@ -119,7 +131,12 @@ class _Holdings:
 class AdapterPlacement:
     """Which replica holds which adapter, and where an adapter's request goes (see the module's text)."""
 
-    def __init__(self, min_resident_s: float = 10.0, spread_interval_s: float = 2.0) -> None:
+    def __init__(
+        self,
+        min_resident_s: float = 10.0,
+        spread_interval_s: float = 2.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.min_resident_s = min_resident_s
         self.spread_interval_s = spread_interval_s
         self._holdings: dict[str, _Holdings] = {}  # replica id → its runtime-loaded adapters
@@ -128,6 +145,8 @@ class AdapterPlacement:
         self._in_flight: dict[str, int] = {}  # base model → adapter requests in flight
         self._adapter_in_flight: dict[str, int] = {}
         self._retired: set[str] = set()  # revisions no longer served, unloaded once their requests end
+        self._asked: dict[str, tuple[float, float]] = {}  # adapter → (when, its requests decayed to then)
+        self._clock = clock
 
     # what a replica holds ----------------------------------------------------------------------------
 
@@ -156,7 +175,7 @@ class AdapterPlacement:
 
     def loads_last_minute(self, replica: Replica) -> int:
         holding = self._holdings.get(replica.id)
-        return holding.loaded(time.monotonic()) if holding else 0
+        return holding.loaded(self._clock()) if holding else 0
 
     def keep(self, model: str, replica_ids: set[str]) -> None:
         """`model`'s replicas are now `replica_ids`: the holdings of those gone are forgotten."""
@@ -188,17 +207,19 @@ class AdapterPlacement:
         if len(holders) < len(able) and self._wants_more(adapter, holders, able, need):
             loader = self._loader(adapter, [r for r in able if r not in holders])
             if loader is not None:
-                self._spread_at[adapter.name] = time.monotonic()
+                self._spread_at[adapter.name] = self._clock()
                 return [*holders, loader]
         return holders
 
     def _needed(self, adapter: Adapter, able: int) -> int:
-        """The replicas the adapter's demand needs: its share of the model's requests in flight (this one
-        counted) in replicas' worth, smoothed over ~10 s so one moment's burst neither spreads it for
-        good nor a lull takes its copies away."""
-        now = time.monotonic()
+        """The replicas the adapter's demand needs: its requests in flight (this one counted) over a
+        replica's worth (the model's requests in flight per replica, plus the spread margin a holder may
+        carry beyond the least busy), smoothed over ~10 s so one moment's burst neither spreads it for
+        good nor a lull takes its copies away. (Its share of the requests alone would copy a busy adapter
+        that one replica carries well, and each copy takes a slot from another adapter.)"""
+        now = self._clock()
         mine = self._adapter_in_flight.get(adapter.name, 0) + 1
-        share = mine * able / (self._in_flight.get(adapter.base, 0) + 1)
+        share = mine * able / (self._in_flight.get(adapter.base, 0) + 1 + _SPREAD_MARGIN * able)
         then, smoothed = self._share.get(adapter.name, (now, share))
         smoothed += (share - smoothed) * (1 - 0.5 ** ((now - then) / _SHARE_HALF_LIFE_S))
         self._share[adapter.name] = (now, smoothed)
@@ -210,7 +231,7 @@ class AdapterPlacement:
         margin, and either they are fewer than its demand needs, or it is full (others' demand: one
         adapter's burst does not hold another's requests on its replica); and it has not gained a replica
         in the last `spread_interval_s`."""
-        now = time.monotonic()
+        now = self._clock()
         if now - self._spread_at.get(adapter.name, -math.inf) < self.spread_interval_s:
             return False
         calmest = min(holders, key=lambda r: r.outstanding)
@@ -221,25 +242,40 @@ class AdapterPlacement:
         return len(holders) < need
 
     def _loader(self, adapter: Adapter, able: list[Replica]) -> Replica | None:
-        """The replica that loads the adapter at least cost: a free slot, else an idle old one to give
-        up, then the fewest requests in flight (None: no replica loads at run time)."""
-        now = time.monotonic()
-        best: tuple[int, int, int] | None = None
+        """The replica that loads the adapter at least cost: a free slot; else, of those at most
+        `_LOADER_SLACK` requests busier than the least busy, the one giving up the least wanted idle old
+        adapter; then the fewest requests in flight (None: no replica loads at run time)."""
+        now = self._clock()
+        loaders = [r for r in able if r.adapter_slots > 0]
+        if not loaders:
+            return None
+        calmest = min(r.outstanding for r in loaders)
+        copies = self._copies(loaders)
+        best: tuple[int, bool, float, int, int] | None = None
         chosen = None
-        for replica in able:
-            if replica.adapter_slots <= 0:
-                continue
+        for replica in loaders:
             holding = self._holding(replica)
+            wanted = 0.0
             if len(holding.resident) < holding.slots:
                 rank = 0
-            elif self._evictable(holding, now, self.min_resident_s) is not None:
-                rank = 1
+            elif (victim := self._evictable(holding, now, self.min_resident_s)) is not None:
+                rank, wanted = 1, self._wanted(victim.adapter, now) / copies[victim.adapter]
             else:
                 rank = 2  # it takes one past its slots
-            key = (rank, replica.outstanding, len(holding.resident))
+            busy = replica.outstanding > calmest + _LOADER_SLACK
+            key = (rank, busy, wanted, replica.outstanding, len(holding.resident))
             if best is None or key < best:
                 best, chosen = key, replica
         return chosen
+
+    def _copies(self, replicas: list[Replica]) -> Counter[str]:
+        """How many of `replicas` hold each adapter."""
+        return Counter(r.adapter for replica in replicas for r in self._holding(replica).resident.values())
+
+    def _wanted(self, adapter: str, now: float) -> float:
+        """The adapter's requests, each counting half after `_WANTED_HALF_LIFE_S`."""
+        then, asked = self._asked.get(adapter, (now, 0.0))
+        return float(asked * 0.5 ** ((now - then) / _WANTED_HALF_LIFE_S))
 
     @staticmethod
     def _evictable(holding: _Holdings, now: float, min_resident_s: float | None = None) -> Residence | None:
@@ -258,7 +294,8 @@ class AdapterPlacement:
         self._adapter_in_flight[adapter.name] = self._adapter_in_flight.get(adapter.name, 0) + 1
         if adapter.name in replica.adapters or replica.adapter_slots <= 0:
             return None, False, []
-        now = time.monotonic()
+        now = self._clock()
+        self._asked[adapter.name] = (now, self._wanted(adapter.name, now) + 1.0)
         holding = self._holding(replica)
         residence = holding.resident.get(adapter.engine_name)
         if residence is not None:
@@ -298,7 +335,7 @@ class AdapterPlacement:
         if residence.in_flight == 0 and residence.engine_name in self._retired:
             del holding.resident[residence.engine_name]
             return [residence]
-        return self._make_room(holding, time.monotonic()) if len(holding.resident) > holding.slots else []
+        return self._make_room(holding, self._clock()) if len(holding.resident) > holding.slots else []
 
     def failed_load(self, replica: Replica, residence: Residence | None) -> None:
         """Loading failed, or the engine no longer knows it (restarted, or another gateway unloaded it):
@@ -330,5 +367,5 @@ class AdapterPlacement:
         return {
             "adapters": self.resident(replica),
             "adapter_slots": replica.adapter_slots or None,
-            "adapter_loads_last_minute": holding.loaded(time.monotonic()) if holding else 0,
+            "adapter_loads_last_minute": holding.loaded(self._clock()) if holding else 0,
         }
