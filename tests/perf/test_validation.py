@@ -9,6 +9,7 @@ import json
 import math
 import subprocess
 import sys
+from dataclasses import replace
 from importlib import resources
 
 import pytest
@@ -21,7 +22,7 @@ from corral.perf.memory import BLOCK_SIZE, memory_plan
 from corral.perf.scheduler import SchedulerConfig
 from corral.perf.timing import Efficiency, PerfModel
 from corral.perf.trace import trace_closed_loop
-from corral.perf.validation import CORPUS, load_published, validate
+from corral.perf.validation import CORPUS, PublishedPoint, load_published, trace_point, validate
 from corral.perf.workload import closed_loop
 from corral.plan.render import validation_table
 
@@ -71,7 +72,7 @@ def test_a_trace_retimed_is_the_planners_closed_loop(
     trace = trace_closed_loop(PerfModel(arch, card, q, tp=tp), config, clients, *lengths)
     for efficiency in (Efficiency(0.7, 0.5, 0.003, 1.5), Efficiency(0.9, 0.3, 0.0005, 8.0)):
         expected = closed_loop(
-            PerfModel(arch, card, q, tp=tp, efficiency=efficiency), config, clients, *lengths
+            PerfModel(arch, card, q, tp=tp, efficiency=efficiency), config, clients, *lengths, drift=False
         )
         timed = trace.timed(efficiency)
         assert math.isclose(timed.output_tokens_per_s, expected.output_tokens_per_s, rel_tol=1e-9)
@@ -125,9 +126,77 @@ def test_corral_plan_validate_reports_mape_per_gpu_class() -> None:
         assert cell["mape"] == pytest.approx(
             stored["report"]["leave_one_source_out"]["all"][kind]["mape"], abs=0.005
         )
-    # the step model's error on sources the fit did not see, as the README states it (issue #17's target)
+    # the step model's error on sources the fit did not see, as the docs state it (issue #17's target)
     assert loso["all"]["output tokens/s"]["mape"] <= 0.15 and loso["all"]["TPOT"]["mape"] <= 0.15
+    # time to first token on ≥ 30 GPU points, each source left out: 41% on 2026-12-05 (issue #43 asks 20%;
+    # the docs say where it misses); held here so that it cannot regress unnoticed
+    assert loso["all"]["TTFT"]["n"] >= 30 and loso["all"]["TTFT"]["mape"] <= 0.45
+    # the CPU engines measured here, one workload left out: every metric within 25% (issue #43's target)
+    by_engine = report["mape_leave_one_source_out_by_engine"]
+    for family in ("llamacpp", "vllm-cpu"):
+        assert {"output tokens/s", "TPOT", "TTFT", "TTFT p90–p99"} <= set(by_engine[family]), family
+        for kind, cell in by_engine[family].items():
+            assert cell["mape"] <= 0.25, (family, kind, cell)
     assert all(p["source"] not in p["fitted_on"] for p in report["points"])
     measured_here = [p for p in report["points"] if p["source"].startswith("measured-here-")]
     assert len(measured_here) >= 20 and "cpu-dev-1thread" in loso  # the CPU engines, a workload left out
     assert all(" without " in p["fitted_on"][0] for p in measured_here)
+
+
+def _l40s_8b() -> tuple[PerfModel, SchedulerConfig]:
+    catalog = load_catalog()
+    arch, card, q = (
+        catalog.models.get("llama-3.1-8b"),
+        catalog.gpus.get("l40s"),
+        catalog.quantizations.get("bf16"),
+    )
+    memory = memory_plan(arch, card, q)
+    config = SchedulerConfig(num_blocks=memory.kv_tokens // BLOCK_SIZE, enable_prefix_caching=False)
+    return PerfModel(arch, card, q, efficiency=Efficiency(0.8, 0.6, 0.002, 1.5, 0.03)), config
+
+
+def test_an_arrival_sees_the_others_queue_and_pays_the_request_overhead_once() -> None:
+    """Clients drifted apart: a request arrives at a random moment of the other N − 1 clients' cycles, so
+    its TTFT waits behind their prefills, more as N grows; one client waits for nobody. The fixed cost
+    of a request (`request_overhead_s`) adds to each TTFT and latency once, not to the time per token."""
+    perf, config = _l40s_8b()
+    alone = closed_loop(perf, config, 1, 2000, 100)
+    assert alone.ttft_p95 == pytest.approx(alone.ttft_p50)  # nothing to wait for
+    lockstep = closed_loop(perf, config, 1, 2000, 100, drift=False)
+    assert alone == lockstep
+    without = closed_loop(
+        replace(perf, efficiency=replace(perf.efficiency, request_overhead_s=0)), config, 1, 2000, 100
+    )
+    assert alone.ttft_p50 - without.ttft_p50 == pytest.approx(0.03)
+    assert alone.itl_mean == pytest.approx(without.itl_mean)
+    crowd = closed_loop(perf, config, 24, 2000, 100)
+    assert crowd.ttft_mean > 1.5 * alone.ttft_mean and crowd.ttft_p95 > crowd.ttft_p50  # a queue, spread
+    assert len(crowd.ttfts) >= 100 and list(crowd.ttfts) == sorted(crowd.ttfts)
+
+
+def test_a_run_of_stated_length_counts_its_first_wave_of_clients_starting_at_once() -> None:
+    """`num_prompts` requests at concurrency c, as benchmark_serving and `corral bench` run them: the
+    first c start at once and queue behind each other's prefills. A run of a few waves is recorded whole,
+    its clients in lockstep; in a longer one the rest meet the steady state, so the more requests a run has
+    beyond its first wave, the less the wave weighs in its mean TTFT."""
+
+    def point(prompts: int | None) -> PublishedPoint:
+        return PublishedPoint(
+            index=0, source="s", url="u", engine="vllm", model="llama-3.1-8b", gpu="l40s", quant="bf16",
+            tp=1, input_len=2000, output_len=100, concurrency=16, metrics={"ttft_ms_mean": 1.0},
+            num_prompts=prompts, unused=None,
+        )  # fmt: skip
+
+    efficiency = Efficiency(0.8, 0.6, 0.002, 1.5, 0.01)
+    means = {}
+    for prompts in (None, 16, 320):
+        case = trace_point(point(prompts), load_catalog())
+        assert case is not None
+        means[prompts] = case.predict(efficiency)["ttft_mean"]
+    assert means[16] > means[320] > means[None]  # one wave only; then diluted; the steady state alone
+    short = trace_point(point(16), load_catalog())
+    assert short is not None and short.whole and short.start is None
+    wave = trace_point(point(320), load_catalog())
+    assert wave is not None and not wave.whole and wave.start is not None
+    first = wave.start.first_wave(efficiency)
+    assert len(first) == 16 and first.max() > 8 * first.min()  # the last of them waits for 15 prefills

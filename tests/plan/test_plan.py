@@ -244,6 +244,36 @@ def test_explain_shows_where_the_step_time_goes() -> None:
     assert table.returncode == 0 and "one step, by part (ms)" in table.stdout and "decode" in table.stdout
 
 
+def test_explain_shows_where_a_ttft_comes_from_at_80_columns() -> None:
+    """The mean TTFT split into waiting, the prompt's prefill chunks alone, the decodes sharing those
+    steps and the fixed per-request cost: the parts add up to the planner's mean, and a heavier load
+    waits longer and shares its prefill steps with more decodes."""
+    explained = {}
+    for clients in ("4", "48"):
+        code, data = run_plan(
+            "--model", "llama-3.1-8b", "--gpu", "l40s", "--gpus", "1", "--concurrency", clients,
+            "--input-len", "3000", "--output-len", "200", "--explain",
+        )  # fmt: skip
+        assert code == 0
+        ttft = explained[clients] = data["explain"]["ttft"]
+        assert ttft["mean_ms"] == data["layouts"][0]["ttft_mean_ms"]
+        parts = ("waiting_ms", "prefill_ms", "interference_ms", "overhead_ms")
+        assert sum(ttft[part] for part in parts) == pytest.approx(ttft["mean_ms"], abs=0.1)
+        assert ttft["chunks"] == 2  # 3,000 prompt tokens in steps of at most 2,048
+        assert ttft["decodes_alongside"] == int(clients) - 1
+    light, heavy = explained["4"], explained["48"]
+    assert heavy["waiting_ms"] > light["waiting_ms"] and heavy["interference_ms"] > light["interference_ms"]
+    assert heavy["prefill_ms"] == light["prefill_ms"] and light["prefill_ms"] > 0
+    shown = subprocess.run(
+        [*CORRAL, "plan", "--model", "llama-3.1-8b", "--gpu", "l40s", "--gpus", "1", "--explain"],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "80"},
+    )  # fmt: skip
+    assert shown.returncode == 0 and "time to first token: mean" in shown.stdout
+    lines = shown.stdout.splitlines()
+    assert max(len(line.rstrip()) for line in lines) <= 80
+    assert any(line.lstrip().startswith("waiting (the step in progress") for line in lines)
+
+
 def test_when_nothing_fits_the_smallest_change_that_would_is_named() -> None:
     """Llama-3.1-70B in bf16 fits 2×A100-80GB at vLLM's defaults (the cards hold 80 GiB); in FP8 on one
     H100 it needs a higher gpu_memory_utilization; at a 128k context on 2×H100 a shorter max_model_len."""

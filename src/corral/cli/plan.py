@@ -55,7 +55,7 @@ def plan_command(
         list[Path] | None, typer.Option(help="extra catalog YAML (your GPUs, models, prices)")
     ] = None,
     explain: Annotated[
-        bool, typer.Option("--explain", help="show where the best layout's step time goes (weights, KV, …)")
+        bool, typer.Option("--explain", help="show where the best layout's step time and TTFT go")
     ] = False,
     calibrate: Annotated[
         bool,
@@ -76,7 +76,7 @@ def plan_command(
     from corral.perf.calibration import calibrated_efficiency
     from corral.plan import PlanRequest, plan, plan_json, plan_table, plan_yaml
     from corral.plan.explain import explain as explain_step
-    from corral.plan.explain import explain_table
+    from corral.plan.explain import explain_table, ttft_table
 
     if concurrency is not None and request_rate is not None:
         fail("--concurrency and --request-rate are two ways to state the load: give one", 2)
@@ -119,6 +119,7 @@ def plan_command(
         Console().print(plan_table(result))
         if explained is not None:
             Console().print(explain_table(explained))
+            Console().print(ttft_table(explained))
     if not result.fits:
         console.print(f"[red]does not fit:[/red] {escape(result.reason or '')}", soft_wrap=True)
     elif result.reason:  # layouts, none meeting the objective: the closest is listed first

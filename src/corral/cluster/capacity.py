@@ -56,7 +56,8 @@ def _bucket(tokens: float) -> int:
 @functools.lru_cache(maxsize=256)
 def _sustained_rate(layout: ReplicaLayout, prompt: int, output: int, ttft_p95: float | None) -> float:
     replica = replica_model(layout, load_catalog(), calibrated_efficiency())
-    ceiling = closed_loop(replica.perf, replica.config, layout.max_num_seqs, prompt, output).requests_per_s
+    full = closed_loop(replica.perf, replica.config, layout.max_num_seqs, prompt, output, drift=False)
+    ceiling = full.requests_per_s
     low, high = 0.0, ceiling
     for _ in range(_BISECTIONS):
         rate = (low + high) / 2

@@ -47,13 +47,19 @@ def _overlapped(memory_s: Seconds, compute_s: Seconds, p: float) -> Seconds:
 @dataclass(frozen=True)
 class Efficiency:
     """Fitted factors: achieved fraction of datasheet bandwidth and compute, how far reads and compute
-    overlap within a kernel (the p of the p-norm), and the fixed cost of a step."""
+    overlap within a kernel (the p of the p-norm), the fixed cost of a step, and the fixed cost of a
+    request outside the engine's steps (the HTTP server, tokenizing the prompt, detokenizing and sending
+    the first token), which a time to first token and a request's latency pay once."""
 
     # defaults: about the vLLM family's fit (the planner reads the stored fit, data/fitted.yaml)
     bandwidth: float = 0.78
     compute: float = 0.55
     step_overhead_s: float = 0.0026
     overlap: float = 1.5
+    request_overhead_s: float = 0.0
+    # KV reads' efficiency against weight reads': 1 on GPUs (paged attention reads the cache as fast as
+    # the weights); fitted for the CPU engines, whose attention kernels read it far slower
+    kv_reads: float = 1.0
 
     def kernel(self, memory_s: Seconds, compute_s: Seconds) -> Seconds:
         """One kind of kernel's time from its reads and FLOPs at datasheet rates."""
@@ -62,7 +68,7 @@ class Efficiency:
     def step_seconds(self, parts: StepParts[Seconds]) -> Seconds:
         return (
             self.kernel(parts.weights, parts.gemm)
-            + self.kernel(parts.kv, parts.attention)
+            + self.kernel(parts.kv / self.kv_reads, parts.attention)
             + parts.communication
             + self.step_overhead_s
         )
@@ -162,7 +168,7 @@ class PerfModel:
         return StepBreakdown(
             weights_s=parts.weights / eff.bandwidth,
             gemm_s=parts.gemm / eff.compute,
-            kv_s=parts.kv / eff.bandwidth,
+            kv_s=parts.kv / (eff.bandwidth * eff.kv_reads),
             attention_s=parts.attention / eff.compute,
             communication_s=parts.communication,
             overhead_s=eff.step_overhead_s,

@@ -32,6 +32,9 @@ class Timed:
     output_tokens_per_s: float
     ttft_mean: float
     ttft_p50: float
+    ttft_p90: float
+    ttft_p95: float
+    ttft_p99: float
     tpot_mean: float
     e2e_mean: float
 
@@ -51,17 +54,33 @@ class Trace:
         steps = self.step_seconds(efficiency)
         ends = np.concatenate(([0.0], np.cumsum(steps)))  # ends[k + 1]: when step k finished
         arrived, first, finish = ends[self.arrival + 1], ends[self.first + 1], ends[self.finish + 1]
-        ttft = first - arrived
+        extra = efficiency.request_overhead_s  # paid once, before the first token
+        ttft = np.sort(first - arrived) + extra
         many = self.generated > 1
         tpot = (finish[many] - first[many]) / (self.generated[many] - 1)
         start, end = self.window
+
+        def quantile(q: float) -> float:
+            return float(ttft[min(len(ttft) - 1, int(q * len(ttft)))])
+
         return Timed(
             output_tokens_per_s=self.window_tokens / (ends[end + 1] - ends[start + 1]),
             ttft_mean=float(ttft.mean()),
-            ttft_p50=float(np.sort(ttft)[len(ttft) // 2]),
+            ttft_p50=quantile(0.5),
+            ttft_p90=quantile(0.9),
+            ttft_p95=quantile(0.95),
+            ttft_p99=quantile(0.99),
             tpot_mean=float(tpot.mean()) if tpot.size else 0.0,
-            e2e_mean=float((finish - arrived).mean()),
+            e2e_mean=float((finish - arrived).mean()) + extra,
         )
+
+    def first_wave(self, efficiency: Efficiency) -> Floats:
+        """The times to first token of the requests there at the start (a run whose clients start at
+        once: its first wave), the request's fixed cost included."""
+        ends = np.concatenate(([0.0], np.cumsum(self.step_seconds(efficiency))))
+        at_start = self.arrival < 0
+        ttft: Floats = ends[self.first[at_start] + 1] - ends[0] + efficiency.request_overhead_s
+        return ttft
 
     def step_seconds(self, efficiency: Efficiency) -> Floats:
         """`efficiency.step_seconds(self.parts)`, with the parts' p-th powers kept per overlap p: a fit
@@ -73,9 +92,10 @@ class Trace:
             powers = self._powers[p] = tuple(x**p for x in kinds)
         weights, gemm, kv, attention = powers
         memory, compute = efficiency.bandwidth**-p, efficiency.compute**-p
+        cache = (efficiency.bandwidth * efficiency.kv_reads) ** -p
         seconds: Floats = (
             (weights * memory + gemm * compute) ** (1 / p)
-            + (kv * memory + attention * compute) ** (1 / p)
+            + (kv * cache + attention * compute) ** (1 / p)
             + parts.communication
             + efficiency.step_overhead_s
         )
@@ -90,16 +110,20 @@ def trace_closed_loop(
     output_len: int,
     measured_requests: int | None = None,
     stagger: bool = False,
+    warmup: int | None = None,
 ) -> Trace:
     """`closed_loop`'s run (same warm-up and measured requests), recorded step by step. With `stagger`
     the clients start one after another, spread over one request's decode, as clients of a real
     benchmark drift apart (identical requests started together would otherwise stay in lockstep, every
-    prefill landing in the same step)."""
+    prefill landing in the same step). `warmup`: requests finished before the measurement starts (the
+    concurrency unless told; 0: measured from the start, every client starting at once, as a short
+    benchmark run is)."""
     if perf.pp != 1:
         raise ValueError("a trace holds one batch at a time: pipeline parallelism overlaps steps")
     scheduler = Scheduler(config)
     measured = measured_requests or max(2 * concurrency, 32)
-    warmup, next_id = concurrency, 0
+    warmup = concurrency if warmup is None else warmup
+    next_id = 0
 
     def submit(step: int) -> None:
         nonlocal next_id
@@ -110,7 +134,7 @@ def trace_closed_loop(
     steps: list[tuple[int, int, int, float]] = []  # one step's work at a time, until a decode run
     work: list[Floats] = []
     done: list[EngineSequence] = []
-    window_start: int | None = None
+    window_start: int | None = None if warmup else -1
     tokens, step = 0, 0
     while len(done) < warmup + measured:
         while starts and starts[0] <= step:
@@ -137,10 +161,11 @@ def trace_closed_loop(
                 done.append(seq)
                 if len(done) == warmup:
                     window_start = step
-                submit(step)
+                if warmup or next_id < measured:  # a finite run sends its requests and no more
+                    submit(step)
         step += 1
     assert window_start is not None
-    sample = done[warmup:]
+    sample = done[warmup : warmup + measured]
     return Trace(
         parts=perf.parts(*np.concatenate([*work, np.array(steps, dtype=np.float64).reshape(-1, 4)]).T),
         arrival=np.array([int(s.arrival) for s in sample]),

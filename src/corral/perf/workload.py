@@ -12,7 +12,7 @@ import numpy as np
 
 from corral.perf.scheduler import EngineSequence, Scheduler, SchedulerConfig
 from corral.perf.steps import StepPipeline
-from corral.perf.timing import PerfModel
+from corral.perf.timing import Efficiency, PerfModel
 
 __all__ = ["LoadResult", "closed_loop", "open_loop"]
 
@@ -24,12 +24,17 @@ class LoadResult:
     concurrency: int
     ttft_p50: float
     ttft_p95: float
+    ttft_mean: float
+    ttft_p90: float
+    ttft_p99: float
     itl_mean: float  # mean time per output token after the first (TPOT; one token per step)
     e2e_p50: float
+    e2e_mean: float
     output_tokens_per_s: float
     requests_per_s: float
     preemptions: int
     overloaded: bool = False  # open loop: requests arrive faster than the replica finishes them
+    ttfts: tuple[float, ...] = ()  # every measured request's, sorted
 
 
 def closed_loop(
@@ -39,8 +44,11 @@ def closed_loop(
     input_len: int,
     output_len: int,
     measured_requests: int | None = None,
+    drift: bool = True,
 ) -> LoadResult:
-    """`concurrency` clients each sending the next request as soon as the last one ends."""
+    """`concurrency` clients each sending the next request as soon as the last one ends. Throughput and
+    time per token come from the loop; its times to first token from `seen_by_arrivals` (`drift=False`:
+    the loop's own, its clients in lockstep)."""
     scheduler = Scheduler(config)
     measured = measured_requests or max(2 * concurrency, 32)
     warmup = concurrency
@@ -80,7 +88,47 @@ def closed_loop(
                     window_start = now
                 submit(now)
     assert window_start is not None
-    return _summarise(concurrency, done[warmup:], tokens_in_window, now - window_start, scheduler.preemptions)
+    sample = done[warmup:]
+    result = _summarise(
+        concurrency, sample, tokens_in_window, now - window_start, scheduler.preemptions, perf.efficiency
+    )
+    return seen_by_arrivals(perf, config, result, input_len, output_len) if drift else result
+
+
+def seen_by_arrivals(
+    perf: PerfModel, config: SchedulerConfig, loop: LoadResult, input_len: int, output_len: int
+) -> LoadResult:
+    """A closed loop's times to first token as its requests meet them. Identical requests of clients
+    started together stay in lockstep in a model; real clients drift apart (network, tokenization,
+    client work), so a request arrives at a random moment of the others' cycles. By the arrival theorem
+    of closed queueing networks, an arriving request sees the replica as the other N − 1 clients keep it:
+    a Poisson stream at (N − 1) / cycle, the cycle being a request's latency. So the queue before the first
+    chunk, prefills that meet in one step and the decodes a prefill shares its steps with come from an
+    open loop at that rate (taken once more with the cycle it gives); one client waits for nobody."""
+    if loop.concurrency <= 1:
+        return loop
+    cycle = loop.e2e_mean
+    seen = loop
+    for _ in range(2):
+        rate = (loop.concurrency - 1) / cycle
+        seen = open_loop(perf, config, rate, input_len, output_len, requests=_SEEN_REQUESTS)
+        cycle = loop.e2e_mean - loop.ttft_mean + seen.ttft_mean
+        if abs(seen.ttft_mean - loop.ttft_mean) < 0.05 * loop.e2e_mean:
+            break
+    return replace(
+        loop,
+        ttft_p50=seen.ttft_p50,
+        ttft_p95=seen.ttft_p95,
+        ttft_mean=seen.ttft_mean,
+        ttft_p90=seen.ttft_p90,
+        ttft_p99=seen.ttft_p99,
+        e2e_mean=loop.e2e_mean - loop.ttft_mean + seen.ttft_mean,
+        e2e_p50=loop.e2e_p50 - loop.ttft_mean + seen.ttft_mean,
+        ttfts=seen.ttfts,
+    )
+
+
+_SEEN_REQUESTS = 300
 
 
 def open_loop(
@@ -140,7 +188,7 @@ def open_loop(
             raise RuntimeError("a request cannot fit in the KV cache at all")
     sample = [seq for seq in done if seq.id >= warmup]
     window = max(s.finished_at or 0.0 for s in sample) - arrivals[warmup]
-    result = _summarise(0, sample, tokens_in_window, window, scheduler.preemptions)
+    result = _summarise(0, sample, tokens_in_window, window, scheduler.preemptions, perf.efficiency)
     offered = (requests - warmup) / (arrivals[-1] - arrivals[warmup])
     # Overloaded: the backlog grew, so later requests waited far longer than earlier ones.
     ttfts = [s.first_token_at - s.arrival for s in sorted(sample, key=lambda s: s.id)]  # type: ignore[operator]
@@ -150,24 +198,37 @@ def open_loop(
 
 
 def _summarise(
-    concurrency: int, sample: list[EngineSequence], tokens: int, window: float, preemptions: int
+    concurrency: int,
+    sample: list[EngineSequence],
+    tokens: int,
+    window: float,
+    preemptions: int,
+    efficiency: Efficiency,
 ) -> LoadResult:
-    ttfts = sorted(s.first_token_at - s.arrival for s in sample)  # type: ignore[operator]
+    """The sample's figures; a request's fixed cost outside the engine (`request_overhead_s`) is paid
+    before its first token."""
+    extra = efficiency.request_overhead_s
+    ttfts = sorted(s.first_token_at - s.arrival + extra for s in sample)  # type: ignore[operator]
     tpots = [
         (s.finished_at - s.first_token_at) / (s.generated - 1)  # type: ignore[operator]
         for s in sample
         if s.generated > 1
     ]
-    e2e = sorted(s.finished_at - s.arrival for s in sample)  # type: ignore[operator]
+    e2e = sorted(s.finished_at - s.arrival + extra for s in sample)  # type: ignore[operator]
     return LoadResult(
         concurrency=concurrency,
         ttft_p50=_quantile(ttfts, 0.5),
         ttft_p95=_quantile(ttfts, 0.95),
+        ttft_mean=statistics.fmean(ttfts),
+        ttft_p90=_quantile(ttfts, 0.9),
+        ttft_p99=_quantile(ttfts, 0.99),
         itl_mean=statistics.fmean(tpots) if tpots else 0.0,
         e2e_p50=_quantile(e2e, 0.5),
+        e2e_mean=statistics.fmean(e2e),
         output_tokens_per_s=tokens / window,
         requests_per_s=len(sample) / window,
         preemptions=preemptions,
+        ttfts=tuple(ttfts),
     )
 
 

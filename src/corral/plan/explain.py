@@ -7,6 +7,12 @@ weight reads and compute, attention's KV reads and compute, the communication (t
 all-reduces, pipeline hops) and the fixed per-step overhead, from the same step-time model the planner and
 the simulator use. Reads and compute of one kind of kernel overlap (their p-norm: the larger mostly
 bounds it); the two kinds, communication and overhead add up.
+
+And where the mean time to first token at the planned load comes from: the request's fixed cost outside
+the engine (HTTP, tokenization: the fitted `request_overhead_s`), its prompt's prefill chunks taken alone,
+what the running decodes that share those steps add (interference: the other sequences' tokens take part
+of each step's token budget and their KV reads and weights pass add time), and the rest of the planner's
+mean TTFT, which is waiting: for the step in progress, for prefills ahead of it, for a free slot or KV.
 """
 
 from __future__ import annotations
@@ -17,9 +23,9 @@ from rich import box
 from rich.table import Table
 
 from corral.perf import Catalog, Efficiency, PerfModel, SchedulerConfig, StepBreakdown
-from corral.plan.search import Layout, PlanResult
+from corral.plan.search import Layout, PlanRequest, PlanResult
 
-__all__ = ["explain", "explain_table"]
+__all__ = ["explain", "explain_table", "ttft_table"]
 
 
 def explain(result: PlanResult, layout: Layout, catalog: Catalog, efficiency: Efficiency) -> dict[str, Any]:
@@ -38,6 +44,49 @@ def explain(result: PlanResult, layout: Layout, catalog: Catalog, efficiency: Ef
     return {
         "layout": f"{layout.gpus}× {layout.gpu} ({shape})",
         "steps": {name: _json(step, tokens) for name, (step, tokens) in steps.items()},
+        "ttft": _ttft(request.input_len, batch - 1, held, perf, efficiency, layout, request),
+    }
+
+
+def _ttft(
+    prompt: int,
+    others: int,
+    held: int,
+    perf: PerfModel,
+    efficiency: Efficiency,
+    layout: Layout,
+    request: PlanRequest,
+) -> dict[str, Any]:
+    """The mean TTFT split into overhead, prefill alone, interference with decodes and waiting (ms)."""
+    budget = request.max_num_batched_tokens
+
+    def prefill(decodes: int) -> tuple[float, int]:
+        seconds, done, chunks = 0.0, 0, 0
+        room = max(1, budget - decodes)  # decodes take their token of each step's budget first
+        while done < prompt:
+            chunk = min(room, prompt - done)
+            pairs = ((done + chunk) * (done + chunk + 1) - done * (done + 1)) / 2
+            seconds += perf.step_time(decodes, decodes * held, chunk, pairs)
+            done, chunks = done + chunk, chunks + 1
+        return seconds, chunks
+
+    alone, _ = prefill(0)
+    shared, chunks = prefill(others)
+    overhead = efficiency.request_overhead_s
+    mean = layout.ttft_mean_ms / 1000
+    parts = {
+        "overhead_ms": overhead,
+        "prefill_ms": alone,
+        "interference_ms": shared - alone,
+        "waiting_ms": max(0.0, mean - overhead - shared),
+    }
+    return {
+        "mean_ms": layout.ttft_mean_ms,
+        "p50_ms": layout.ttft_ms,
+        "p95_ms": layout.ttft_p95_ms,
+        "chunks": chunks,
+        "decodes_alongside": others,
+        **{k: round(v * 1000, 2) for k, v in parts.items()},
     }
 
 
@@ -68,6 +117,36 @@ def _json(step: StepBreakdown, tokens: int) -> dict[str, Any]:
         "overlap": step.overlap,
         "bound": step.bound,
     }
+
+
+_TTFT_PARTS = {  # JSON key → what the row says
+    "waiting_ms": "waiting (the step in progress, prefills ahead, a free slot or KV)",
+    "prefill_ms": "prefill of the prompt, its chunks alone",
+    "interference_ms": "interference: running decodes share those steps",
+    "overhead_ms": "per-request overhead (HTTP, tokenization), fitted",
+}
+
+
+def ttft_table(explained: dict[str, Any]) -> Table:
+    """The mean TTFT by part, each with its share (fits 80 columns)."""
+    ttft = explained["ttft"]
+    table = Table(
+        title=(
+            f"time to first token: mean {ttft['mean_ms']:,.0f} ms, p50 {ttft['p50_ms']:,.0f} ms, "
+            f"p95 {ttft['p95_ms']:,.0f} ms ({ttft['chunks']} prefill chunk{'s' * (ttft['chunks'] != 1)}, "
+            f"{ttft['decodes_alongside']} decodes alongside)"
+        ),
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
+        collapse_padding=True,
+    )
+    table.add_column("part", overflow="fold")
+    table.add_column("ms", justify="right", no_wrap=True)
+    table.add_column("share", justify="right", no_wrap=True)
+    total = sum(ttft[key] for key in _TTFT_PARTS) or 1.0
+    for key, label in _TTFT_PARTS.items():
+        table.add_row(label, f"{ttft[key]:,.1f}", f"{ttft[key] / total:.0%}")
+    return table
 
 
 def explain_table(explained: dict[str, Any]) -> Table:

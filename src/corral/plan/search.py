@@ -77,6 +77,7 @@ class Layout:
     concurrency_per_replica: int
     ttft_ms: float
     ttft_p95_ms: float
+    ttft_mean_ms: float
     itl_ms: float
     e2e_ms: float
     output_tokens_per_s: float
@@ -303,6 +304,7 @@ def _layout(
         concurrency_per_replica=per_replica,
         ttft_ms=round(load.ttft_p50 * 1000, 1),
         ttft_p95_ms=round(load.ttft_p95 * 1000, 1),
+        ttft_mean_ms=round(load.ttft_mean * 1000, 1),
         itl_ms=round(load.itl_mean * 1000, 2),
         e2e_ms=round(load.e2e_p50 * 1000, 1),
         output_tokens_per_s=round(tokens_per_s, 1),
