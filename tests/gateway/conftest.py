@@ -31,6 +31,7 @@ class ScriptedUpstream:
     authorizations: list[str | None] = field(default_factory=list)
     answer: tuple[int, str, bytes] | None = None  # mode "answer": (status, content type, body) as is
     echo_prefill: bool = False  # continuing a chat, send the continued text back first (as llama.cpp)
+    linger: float = 0.0  # seconds a stream stays open after its `[DONE]` before it ends
     active: int = 0
     peak_concurrency: int = 0
     url: str = ""
@@ -130,6 +131,7 @@ class ScriptedUpstream:
                     )
                 )
             await response.write(b"data: [DONE]\n\n")
+            await asyncio.sleep(self.linger)
         except asyncio.CancelledError:
             self.cancelled += 1
             raise

@@ -32,37 +32,17 @@ class ResponsesEncoder(Encoder):
 
     def _event(self, kind: bytes, fields: dict[str, Any]) -> bytes:
         """An event with its fields after its type and number (`fields`: never empty)."""
-        seq = self._seq
-        self._seq += 1
-        return (
-            b"event: "
-            + kind
-            + b'\ndata: {"type":"'
-            + kind
-            + b'","sequence_number":'
-            + str(seq).encode()
-            + b","
-            + orjson.dumps(fields)[1:]
-            + b"\n\n"
-        )
+        return self._opening(kind) + b"," + orjson.dumps(fields)[1:] + b"\n\n"
 
     def _delta(self, kind: bytes, delta: str, tail: bytes = b"}") -> bytes:
         """A delta event, written from bytes (one a token: the common case, kept cheap)."""
+        return self._opening(kind) + self._head + b',"delta":' + orjson.dumps(delta) + tail + b"\n\n"
+
+    def _opening(self, kind: bytes) -> bytes:
+        """An event's first bytes, up to its sequence number (the next one)."""
         seq = self._seq
         self._seq += 1
-        return (
-            b"event: "
-            + kind
-            + b'\ndata: {"type":"'
-            + kind
-            + b'","sequence_number":'
-            + str(seq).encode()
-            + self._head
-            + b',"delta":'
-            + orjson.dumps(delta)
-            + tail
-            + b"\n\n"
-        )
+        return b"event: " + kind + b'\ndata: {"type":"' + kind + b'","sequence_number":' + str(seq).encode()
 
     def _head_of(self, item: dict[str, Any], content: bool) -> bytes:
         index = len(self.output) - 1

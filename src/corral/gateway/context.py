@@ -29,6 +29,7 @@ class RequestContext:
     held: float = 0.0  # seconds held for another request's prefill of the same prefix (prefill coalescing)
     usage: dict[str, Any] | None = None
     client_gone: bool = False  # the client disconnected before the whole answer was written
+    delivered: bool = False  # a stream's every event is written (only its closing chunk may be left)
     features: EngineFeatures = field(default_factory=EngineFeatures)  # what the model's engine does right
     fanout: bool = False  # the gateway answers it with several single-choice engine requests
     failover: bool = False  # a stream cut after its first byte may be continued on another replica

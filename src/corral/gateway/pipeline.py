@@ -181,7 +181,7 @@ class Pipeline:
             status = exc.status
             raise
         except asyncio.CancelledError:  # the client disconnected (aiohttp cancels its handler)
-            status = _CLIENT_GONE
+            status = 200 if ctx.delivered else _CLIENT_GONE  # (after its whole stream: not gone)
             raise
         finally:
             await self.settle(ctx, principal, reservation, status)
@@ -327,9 +327,10 @@ class Pipeline:
             try:
                 await response.prepare(request)
                 await response.write(data)
+                ctx.delivered = True
                 await response.write_eof()
             except ConnectionResetError:
-                ctx.client_gone = True
+                ctx.client_gone = not ctx.delivered  # (one that left with the whole answer: see relay.py)
         else:
             response = web.Response(body=data, content_type="application/json", headers=headers)
         self._metrics.cache_tokens_saved.labels(ctx.model).inc(entry.tokens)

@@ -287,10 +287,19 @@ class Relay:
                 await response.write(
                     b"data: " + error_body(message, "upstream_error", "stream_truncated") + _SEP
                 )
+            ctx.delivered = True
             await response.write_eof()
+        except asyncio.CancelledError:  # the client left (aiohttp cancels the handler)
+            ctx.delivered = ctx.delivered or events.done  # ... after its `[DONE]`: see below
+            raise
         except ConnectionResetError:
-            ctx.client_gone = True
-            logger.debug("client went away; closing the upstream stream from %s", replica.id)
+            # A client that read its answer to the end may close before the engine ends its stream or the
+            # closing chunk is written (the openai client does, once it has `[DONE]`): it got everything,
+            # so it did not leave.
+            ctx.delivered = ctx.delivered or events.done
+            ctx.client_gone = not ctx.delivered
+            if not ctx.delivered:
+                logger.debug("client went away; closing the upstream stream from %s", replica.id)
         finally:  # (whatever ended the stream, the engine's usage so far is charged)
             if ctx.usage is None:
                 ctx.usage = sse.usage
