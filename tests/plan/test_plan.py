@@ -87,6 +87,7 @@ def test_a_70b_awq_model_on_four_24gb_cards_holds_a_dozen_or_so_8k_sequences() -
     assert 12 <= memory.max_sequences(model, 8192, 4, 1, 2.0) <= 16
 
 
+@pytest.mark.slow  # a search over every GPU class (seconds each): make test, not test-fast
 @pytest.mark.parametrize(
     "model", ["llama-3.1-70b", "qwen3-235b-a22b", "deepseek-v3", "mixtral-8x7b", "gpt-oss-120b"]
 )
@@ -104,6 +105,7 @@ def test_no_reported_layout_overcommits_memory(model: str) -> None:
         assert memory.max_sequences(result.model, result.context, lay.tp, lay.pp, 2.0) >= 1
 
 
+@pytest.mark.slow  # a search over every GPU class (seconds each): make test, not test-fast
 def test_tighter_slo_needs_more_gpus() -> None:
     loose = plan(PlanRequest(model="llama-3.1-8b", gpu="l4", concurrency=64), CATALOG, EFFICIENCY)
     tight = plan(
@@ -177,6 +179,7 @@ def test_open_loop_overload_is_detected() -> None:
     assert open_loop(perf, config, 50, 1024, 256).overloaded
 
 
+@pytest.mark.slow  # a search over every GPU class (seconds each): make test, not test-fast
 def test_default_search_covers_gpu_classes_not_the_cpu_calibration_entry() -> None:
     searched = plan(PlanRequest(model="llama-3.1-8b", limit=100), CATALOG, EFFICIENCY)
     kinds = {CATALOG.gpus.get(layout.gpu).kind for layout in searched.layouts}
@@ -303,6 +306,7 @@ def test_when_no_layout_meets_the_objective_it_says_so_names_the_closest_and_exi
     assert code == 0 and met["meets_slo"] is True and met["reason"] is None
 
 
+@pytest.mark.slow  # a search over every GPU class (seconds each): make test, not test-fast
 def test_the_api_compared_with_is_of_the_models_class_and_all_gpus_sort_by_token_price() -> None:
     """A 70B model was priced against gpt-4o-mini, a small model's API."""
     _, small = run_plan("--model", "llama-3.1-8b", "--gpu", "l40s")
