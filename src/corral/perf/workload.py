@@ -107,14 +107,7 @@ def seen_by_arrivals(
     open loop at that rate (taken once more with the cycle it gives); one client waits for nobody."""
     if loop.concurrency <= 1:
         return loop
-    cycle = loop.e2e_mean
-    seen = loop
-    for _ in range(2):
-        rate = (loop.concurrency - 1) / cycle
-        seen = open_loop(perf, config, rate, input_len, output_len, requests=_SEEN_REQUESTS)
-        cycle = loop.e2e_mean - loop.ttft_mean + seen.ttft_mean
-        if abs(seen.ttft_mean - loop.ttft_mean) < 0.05 * loop.e2e_mean:
-            break
+    seen = arrivals_view(perf, config, loop.concurrency, loop.e2e_mean, loop.ttft_mean, input_len, output_len)
     return replace(
         loop,
         ttft_p50=seen.ttft_p50,
@@ -126,6 +119,29 @@ def seen_by_arrivals(
         e2e_p50=loop.e2e_p50 - loop.ttft_mean + seen.ttft_mean,
         ttfts=seen.ttfts,
     )
+
+
+def arrivals_view(
+    perf: PerfModel,
+    config: SchedulerConfig,
+    concurrency: int,
+    latency: float,
+    ttft: float,
+    input_len: int,
+    output_len: int,
+) -> LoadResult:
+    """The open loop an arrival of a closed loop of `concurrency` clients meets (see `seen_by_arrivals`):
+    at (N − 1) / cycle, the cycle first the loop's own `latency`, then that latency with the open loop's
+    mean TTFT in place of the loop's `ttft`, where the two differ by 5% of it or more."""
+    cycle = latency
+    for _ in range(2):
+        seen = open_loop(
+            perf, config, (concurrency - 1) / cycle, input_len, output_len, requests=_SEEN_REQUESTS
+        )
+        if abs(seen.ttft_mean - ttft) < 0.05 * latency:
+            break
+        cycle = latency - ttft + seen.ttft_mean
+    return seen
 
 
 _SEEN_REQUESTS = 300
