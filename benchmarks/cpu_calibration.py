@@ -441,7 +441,11 @@ def main() -> None:
     )
     parser.add_argument("--engines", default="llamacpp,vllm")
     parser.add_argument("--list", action="store_true", help="show each point's load and stop")
-    parser.add_argument("--write", action="store_true", help="write src/corral/perf/data/measured_cpu.yaml")
+    parser.add_argument(
+        "--write",
+        action="store_true",
+        help="write src/corral/perf/data/measured_cpu.yaml and docs/benchmarks/cpu_calibration.json",
+    )
     args = parser.parse_args()
     if args.list:
         for load in loads():
@@ -463,7 +467,15 @@ def main() -> None:
             "# planner's validation reads these beside published.yaml. Re-run it to refresh them.\n"
         )
         target.write_text(header + yaml.safe_dump({"points": points}, sort_keys=False, width=110))
-        print(f"wrote {target}")
+        record = ROOT / "docs" / "benchmarks" / "cpu_calibration.json"  # the benchmark page's raw figures
+        run = {
+            "date": datetime.date.today().isoformat(),
+            "machine": machine,
+            "command": " ".join(["benchmarks/cpu_calibration.py", *sys.argv[1:]]),
+            "figures": points,
+        }
+        record.write_text(json.dumps(run, indent=2) + "\n")
+        print(f"wrote {target} and {record}")
 
 
 if __name__ == "__main__":

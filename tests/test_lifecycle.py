@@ -12,6 +12,8 @@ from pathlib import Path
 import openai
 import pytest
 
+from corral.cluster.runtime import die_with_parent
+
 from .conftest import CORRAL, pid_alive, start_cluster
 
 pytestmark = pytest.mark.slow  # real engines or servers, or long drills (`make test-fast` skips)
@@ -77,6 +79,16 @@ def test_replicas_die_with_a_killed_corral(tmp_path: Path) -> None:
     # Alone they are gone within 0.15 s; 5 s once ran out late in a CI run of 2026-12-03 (cause unknown:
     # the states of any still alive are in the message)
     assert wait_for(lambda: not any(pid_alive(p) for p in pids), timeout=20), _states(pids)
+
+
+def test_a_child_whose_parent_died_before_the_pact_ends_itself(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel sends the death signal only for a parent that dies after `prctl`; a parent gone between
+    the fork and the request (the child then belongs to init or a subreaper) is caught by the pact itself."""
+    monkeypatch.setattr(os, "getpid", lambda: 1)  # the pact records a parent that is not the child's
+    pact = die_with_parent(signal.SIGKILL)
+    monkeypatch.undo()
+    assert subprocess.run(["sleep", "30"], preexec_fn=pact, timeout=10).returncode == -signal.SIGKILL
+    assert subprocess.run(["true"], preexec_fn=die_with_parent(signal.SIGKILL), timeout=10).returncode == 0
 
 
 def _states(pids: list[int]) -> list[str]:

@@ -46,7 +46,9 @@ def weather_agent(model: str, client: openai.AsyncOpenAI, first_tool_ends: bool)
         instructions="Answer with the weather.",
         tools=[get_weather],
         model=OpenAIResponsesModel(model=model, openai_client=client),
-        model_settings=ModelSettings(tool_choice="required") if first_tool_ends else ModelSettings(),
+        model_settings=ModelSettings(tool_choice="required", temperature=0)
+        if first_tool_ends
+        else ModelSettings(),
         tool_use_behavior="stop_on_first_tool" if first_tool_ends else "run_llm_again",
     )
     return agent, cities

@@ -15,6 +15,7 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
@@ -130,7 +131,7 @@ class LocalProcessRuntime:
                 stderr=asyncio.subprocess.STDOUT,
                 env={**os.environ, **plan.env},
                 start_new_session=True,
-                preexec_fn=die_with_parent if sys.platform == "linux" else None,
+                preexec_fn=die_with_parent(plan.death_signal) if sys.platform == "linux" else None,
             )
         return LocalProcess(process, f"http://{self._host}:{port}", log_path)
 
@@ -157,7 +158,14 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
-def die_with_parent() -> None:
-    """In the child: the kernel sends SIGTERM if corral exits without stopping it (kill -9, crash)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+def die_with_parent(sig: signal.Signals = signal.SIGTERM) -> Callable[[], None]:
+    """The child's `preexec_fn`: the kernel sends it `sig` when corral exits without stopping it (kill -9, a
+    crash). A parent that died between the fork and the request is noticed too (the kernel would not)."""
+    parent = os.getpid()
+
+    def pact() -> None:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, sig)
+        if os.getppid() != parent:
+            os.kill(os.getpid(), sig)
+
+    return pact

@@ -177,7 +177,7 @@ class WorkerPool:
             "--index",
             str(worker.index),
             env={**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(self._metrics_dir)},
-            preexec_fn=die_with_parent if sys.platform == "linux" else None,
+            preexec_fn=die_with_parent() if sys.platform == "linux" else None,
         )
 
     async def _until_listening(self, worker: _Worker) -> None:

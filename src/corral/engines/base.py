@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import re
+import signal
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -40,6 +41,9 @@ class LaunchPlan:
     kv_events_urls: tuple[str, ...] = ()
     adapters: tuple[str, ...] = ()  # LoRA adapters the engine starts with (model ids, in its order)
     adapter_slots: int = 0  # LoRA adapters it may load at run time (vLLM's --max-cpu-loras); 0: none
+    # the signal the kernel sends the engine if corral dies without stopping it: SIGTERM lets vLLM end the
+    # workers it spawned; an engine that may hang shutting down (llama.cpp's server) is sent SIGKILL
+    death_signal: signal.Signals = signal.SIGTERM
 
 
 def visible_gpus(deployment: DeploymentSpec, index: int) -> str:

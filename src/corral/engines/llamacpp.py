@@ -7,6 +7,7 @@ threads each collapsed throughput (about 117 → 4 tokens/s) under contention.
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 
 from corral.artifacts import Progress, gguf_from_bert, is_embedding_folder, llama_server, resolve_model
@@ -81,6 +82,9 @@ class LlamaCppEngine:
             context_length=context,
             features=features,
             adapters=tuple(a.name for a in model.adapters),  # selected per request by index, in this order
+            # its SIGTERM handler waits for the server's threads: an orphan once slept through it (and a
+            # second SIGTERM) for minutes; it spawns nothing and keeps nothing worth a clean exit
+            death_signal=signal.SIGKILL,
         )
         return [plan] * deployment.replicas
 
