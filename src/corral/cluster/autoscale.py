@@ -7,7 +7,8 @@ request's wait; mean KV-cache use; prompt tokens routed but not yet prefilled. R
 as capacity on the way, so a slow start is not answered with more starts. `feed_forward` adds the
 performance model's view: the measured arrival rate divided by the request rate one replica sustains
 within the model's TTFT objective (the planner's scheduler model, for the mean prompt and output lengths
-the engines report), so a step in load is met in one move instead of one replica per interval.
+the engines report), so a step in load is met in one move instead of one replica per interval. Both are
+read through a Poisson stream's noise (see `_follow_rate`), since the fleet is sized for what they say.
 
 Scaling up starts replicas at once. Scaling down follows the highest count wanted over the last
 `down_cooldown_s` (a stabilisation window, as Kubernetes' HPA does: a moment's lull does not shrink the
@@ -38,10 +39,19 @@ logger = logging.getLogger(__name__)
 
 Pressure = Callable[[], dict[str, dict[str, float]]]  # model → queued, oldest_wait_s, arrived
 _LOADING = (ReplicaState.STARTING, ReplicaState.RESTARTING)
-# The arrival rate is an exponentially weighted mean: quick to follow a rise (a step in load is met at
-# once), slow to forget it (a lull between bursts does not drop capacity).
-_RATE_RISE_HALF_LIFE_S = 1.0
+# The arrival rate: a steady mean of each interval's arrivals (5 s half-life), unless a quick mean (1 s)
+# stands more than three of its standard deviations (a Poisson stream's noise) above it: then the quick
+# one, until the steady one comes within one (a step in load is met at once). A fall beyond the noise is
+# forgotten slowly (15 s: a lull between bursts does not drop capacity). Following every upward blip
+# quickly, as it once did, read a steady 3 req/s as 6 and 24 as 31 (0.5 s intervals), and sized for that.
+_RATE_QUICK_HALF_LIFE_S = 1.0
+_RATE_STEADY_HALF_LIFE_S = 5.0
 _RATE_FALL_HALF_LIFE_S = 15.0
+_RISE_SDS, _RISEN_SDS = 3.0, 1.0
+# Mean request lengths: the engines' token rates over the arrival rate, each a slower symmetric mean, so
+# an interval whose completions are not its arrivals (a backlog draining after a burst) does not read as
+# long requests, which sized the fleet for work that was not coming.
+_LENGTHS_HALF_LIFE_S = 20.0
 
 
 @dataclass
@@ -56,8 +66,13 @@ class _Group:
     changed_at: float = field(default_factory=time.monotonic)  # the last scaling action
     arrived: float | None = None
     seen_at: float = field(default_factory=time.monotonic)
-    rate: float = 0.0  # requests/s, smoothed
-    tokens: tuple[float, float] = (0.0, 0.0)  # engines' prompt and generated token counters, summed
+    rate: float = 0.0  # requests/s, as read: the quick mean in a rise, else the steady one
+    quick: float = 0.0
+    steady: float = 0.0
+    rising: bool = False
+    counters: dict[str, tuple[float, float]] = field(default_factory=dict)  # replica → prompt, generated
+    token_rates: tuple[float, float] = (0.0, 0.0)  # prompt and generated tokens/s, smoothed
+    demand: float = 0.0  # requests/s smoothed as the token rates are, to divide them by
     lengths: tuple[float, float] | None = None  # mean prompt and output tokens per request, measured
     reason: str = ""
 
@@ -90,6 +105,9 @@ class Autoscaler:
         state = _Group(model, group, engine, plans)
         if old is not None:
             state.rate, state.arrived, state.seen_at = old.rate, old.arrived, old.seen_at
+            state.quick, state.steady, state.rising = old.quick, old.steady, old.rising
+            state.counters, state.token_rates, state.demand = old.counters, old.token_rates, old.demand
+            state.lengths = old.lengths
         self._groups[(model.name, group)] = state
         if state.spec.min_replicas == 0:
             self._replicas.on_demand[model.name] = state.spec.hold_s
@@ -160,19 +178,19 @@ class Autoscaler:
         now = time.monotonic()
         arrived = pressure.get("arrived", 0.0)
         if state.arrived is not None and now > state.seen_at:
-            instant = max(0.0, arrived - state.arrived) / (now - state.seen_at)
-            half_life = _RATE_RISE_HALF_LIFE_S if instant > state.rate else _RATE_FALL_HALF_LIFE_S
-            weight = 1 - 0.5 ** ((now - state.seen_at) / half_life)
-            state.rate += weight * (instant - state.rate)
-            loads = [r.load for r in members if r.load is not None]
-            tokens = (sum(x.prompt_tokens_total for x in loads), sum(x.generated_tokens_total for x in loads))
-            requests = arrived - state.arrived
-            if requests > 0 and tokens[0] > state.tokens[0] and tokens[1] > state.tokens[1]:
-                state.lengths = (
-                    (tokens[0] - state.tokens[0]) / requests,
-                    (tokens[1] - state.tokens[1]) / requests,
-                )
-            state.tokens = tokens
+            elapsed = now - state.seen_at
+            count = max(0.0, arrived - state.arrived)
+            _follow_rate(state, count / elapsed, elapsed)
+            added = _token_deltas(state.counters, members)
+            state.token_rates = (
+                _smoothed(state.token_rates[0], added[0] / elapsed, elapsed, _LENGTHS_HALF_LIFE_S),
+                _smoothed(state.token_rates[1], added[1] / elapsed, elapsed, _LENGTHS_HALF_LIFE_S),
+            )
+            state.demand = _smoothed(state.demand, count / elapsed, elapsed, _LENGTHS_HALF_LIFE_S)
+            if state.demand > 0 and min(state.token_rates) > 0:
+                state.lengths = (state.token_rates[0] / state.demand, state.token_rates[1] / state.demand)
+        else:
+            _token_deltas(state.counters, members)  # the counters' starting point
         state.arrived, state.seen_at = arrived, now
 
     async def desired(self, state: _Group, members: list[Replica], pressure: dict[str, float]) -> int:
@@ -237,6 +255,47 @@ class Autoscaler:
         self._drains.discard(task)
         if not task.cancelled() and task.exception() is not None:
             logger.error("autoscaler: a drain failed: %s", task.exception())
+
+
+def _smoothed(mean: float, value: float, elapsed: float, half_life: float) -> float:
+    return mean + (1.0 - math.pow(0.5, elapsed / half_life)) * (value - mean)
+
+
+def _follow_rate(state: _Group, instant: float, elapsed: float) -> None:
+    """Update the arrival rate's means with one interval's rate (see _RATE_QUICK_HALF_LIFE_S)."""
+    weight = 1.0 - math.pow(0.5, elapsed / _RATE_QUICK_HALF_LIFE_S)
+    state.quick += weight * (instant - state.quick)
+    # the quick mean's standard deviation where arrivals come at the steady rate (at least one an interval)
+    noise = math.sqrt(weight / (2 - weight) * max(state.steady, 1 / elapsed) / elapsed)
+    if state.quick > state.steady + _RISE_SDS * noise:
+        state.rising = True
+    elif state.quick < state.steady + _RISEN_SDS * noise:
+        state.rising = False
+    falling = state.quick < state.steady - _RISE_SDS * noise
+    half_life = _RATE_FALL_HALF_LIFE_S if falling else _RATE_STEADY_HALF_LIFE_S
+    state.steady = _smoothed(state.steady, instant, elapsed, half_life)
+    state.rate = state.quick if state.rising else state.steady
+
+
+def _token_deltas(counters: dict[str, tuple[float, float]], members: list[Replica]) -> tuple[float, float]:
+    """Prompt and generated tokens the replicas' engines counted since the last call, replica by replica (a
+    replica that left takes its counts with it, one that came counts from zero, a restart from its new
+    zero), remembering the counters in `counters`."""
+    prompt = generated = 0.0
+    seen: dict[str, tuple[float, float]] = {}
+    for replica in members:
+        if replica.load is None:
+            continue
+        now = (replica.load.prompt_tokens_total, replica.load.generated_tokens_total)
+        before = counters.get(replica.id, (0.0, 0.0))
+        if now[0] >= before[0] and now[1] >= before[1]:
+            prompt, generated = prompt + now[0] - before[0], generated + now[1] - before[1]
+        else:  # the engine restarted: its counters began again
+            prompt, generated = prompt + now[0], generated + now[1]
+        seen[replica.id] = now
+    counters.clear()
+    counters.update(seen)
+    return prompt, generated
 
 
 def _busy(replica: Replica) -> int:
