@@ -121,7 +121,7 @@ async def zipf_tokens(gateway: str, engines: list[str], requests: int) -> dict[s
 
 def run_latency(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     up, gw = free_port(), free_port()
-    serve = [sys.executable, str(HERE / "gateway_overhead.py"), "--serve", "upstream", str(up), "64"]
+    serve = [sys.executable, str(HERE / "gateway_overhead.py"), "--serve", "upstream", str(up), "64", "0"]
     upstream = spawn(serve)
     direct = f"http://127.0.0.1:{up}"
     spec = tmp / "latency.yaml"

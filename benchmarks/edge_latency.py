@@ -126,9 +126,9 @@ def run(tmp: Path, requests: int, concurrencies: list[int]) -> dict[str, Any]:
     prefix = tmp / "out" / "nginx"
     (prefix / "tmp").mkdir()
     nginx = ["nginx", "-p", str(prefix), "-c", str(prefix / "nginx.conf"), "-e", str(prefix / "error.log")]
-    overhead = str(ROOT / "bench" / "gateway_overhead.py")
+    overhead = str(ROOT / "benchmarks" / "gateway_overhead.py")
     procs = [
-        spawn([sys.executable, overhead, "--serve", "upstream", str(upstream_port), "64"]),
+        spawn([sys.executable, overhead, "--serve", "upstream", str(upstream_port), "64", "0"]),
         spawn([*corral, "up", "--log-level", "warning", "-f", str(spec)], env={"CORRAL_HOME": str(tmp)}),
         spawn([*nginx, "-g", "daemon off;"]),
     ]

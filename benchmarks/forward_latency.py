@@ -153,7 +153,7 @@ def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         f"    deployments: [{{engine: external, urls: {json.dumps(upstreams)}}}]\n"
     )
     me = [sys.executable, __file__, "--serve"]
-    overhead = [sys.executable, str(ROOT / "bench" / "gateway_overhead.py"), "--serve"]
+    overhead = [sys.executable, str(ROOT / "benchmarks" / "gateway_overhead.py"), "--serve"]
     procs = {
         **{
             f"upstream{i}": spawn([*me, str(p), str(args.chunks), str(args.pace_ms / 1000)])
