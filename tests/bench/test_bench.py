@@ -245,3 +245,30 @@ def test_a_run_where_nothing_succeeds_exits_nonzero_with_error_kinds(cluster: Ru
     assert done.returncode == 1 and "Traceback" not in done.stderr
     assert "errors: http_400: 2" in done.stderr
     assert "error: no request succeeded (http_400: 2)" in done.stderr
+
+
+@pytest.mark.parametrize("endpoint", ["/v1/completions", "/v1/chat/completions"])
+def test_a_sharegpt_file_runs_on_either_endpoint(
+    cluster: RunningCluster, tmp_path: Path, endpoint: str
+) -> None:
+    """The first turns go as chat messages on the chat endpoint and as plain prompts on the completions
+    one (as vLLM's benchmark sends them; they once went as messages there, and every request was a 400)."""
+    conversations = [
+        {
+            "conversations": [
+                {"from": "human", "value": f"Name a colour, {i}."},
+                {"from": "gpt", "value": "Red."},
+            ]
+        }
+        for i in range(3)
+    ]
+    dataset = tmp_path / "sharegpt.json"
+    dataset.write_text(json.dumps(conversations))
+    out = tmp_path / "sharegpt-result.json"
+    done = bench_cli(
+        "--base-url", cluster.url, "--model", "smollm2", "--endpoint", endpoint, "--num-prompts", "3",
+        "--dataset-name", "sharegpt", "--dataset-path", str(dataset), "--output", str(out),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    result = json.loads(out.read_text())
+    assert result["completed"] == 3 and result["errors"] == {}

@@ -75,3 +75,10 @@ def test_a_refusal_names_the_flag_not_the_header(tmp_path: Path) -> None:
             "apply", "-f", str(tmp_path / "spec.yaml"), "--url", running.url, CORRAL_ADMIN_KEY=""
         )
         assert code == 1 and "--admin-key" in said and "Authorization" not in said, said
+
+
+def test_the_default_names_only_the_flags_the_command_has() -> None:
+    closed = "http://127.0.0.1:8000"
+    _code, said = run("status")  # no -f on status
+    assert f"gateway: {closed} (from the default; --url or $CORRAL_URL name another)" in said, said
+    assert "-f" not in said.split("(from the default")[1].split(")")[0]

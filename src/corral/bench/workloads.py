@@ -80,8 +80,11 @@ def random_requests(
     return out
 
 
-def sharegpt_requests(path: Path, count: int, seed: int = 0, max_output: int = 1024) -> list[BenchRequest]:
-    """Conversations from a ShareGPT JSON file: [{"conversations": [{"from": "human", "value": …}, …]}, …]."""
+def sharegpt_requests(
+    path: Path, count: int, seed: int = 0, max_output: int = 1024, chat: bool = True
+) -> list[BenchRequest]:
+    """Conversations from a ShareGPT JSON file: [{"conversations": [{"from": "human", "value": …}, …]}, …]:
+    the first turn as a chat message, or (`chat` false, for /v1/completions) as the prompt's text."""
     data = json.loads(path.read_text())
     rng = random.Random(seed)
     rng.shuffle(data)
@@ -94,7 +97,10 @@ def sharegpt_requests(path: Path, count: int, seed: int = 0, max_output: int = 1
         if not prompt:
             continue
         output_len = max(4, min(max_output, len(reply.split()) * 4 // 3))
-        out.append(BenchRequest(messages=[{"role": "user", "content": prompt}], output_len=output_len))
+        if chat:
+            out.append(BenchRequest(messages=[{"role": "user", "content": prompt}], output_len=output_len))
+        else:
+            out.append(BenchRequest(prompt=prompt, output_len=output_len))
         if len(out) == count:
             break
     if not out:

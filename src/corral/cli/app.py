@@ -149,12 +149,19 @@ CaCertOption = Annotated[
 ]
 
 
-# `--url` of the commands that talk to a gateway.
+# `--url` of the commands that talk to a gateway (with a spec file: `SpecUrlOption`).
 UrlOption = Annotated[
     str | None,
     typer.Option(
-        help="the gateway's base URL (default: the spec's with -f, else $CORRAL_URL, else $OPENAI_BASE_URL "
-        "without its /v1, else http://127.0.0.1:8000)"
+        help="the gateway's base URL (default: $CORRAL_URL, else $OPENAI_BASE_URL without its /v1, else "
+        "http://127.0.0.1:8000)"
+    ),
+]
+SpecUrlOption = Annotated[
+    str | None,
+    typer.Option(
+        help="the gateway's base URL (default: the spec's, else $CORRAL_URL, else $OPENAI_BASE_URL without "
+        "its /v1, else http://127.0.0.1:8000)"
     ),
 ]
 
@@ -172,7 +179,8 @@ def gateway_url(given: str | None, spec_file: Path | None = None) -> str:
     elif (found := gateway_url_from_env()) is not None:
         url, source = found
     else:
-        url, source = DEFAULT_GATEWAY_URL, "the default; --url, -f or $CORRAL_URL name another"
+        others = "--url, -f or $CORRAL_URL" if spec_file is not None else "--url or $CORRAL_URL"
+        url, source = DEFAULT_GATEWAY_URL, f"the default; {others} name another"
     console.print(
         f"gateway: {url} (from {source})", style="dim", markup=False, highlight=False, soft_wrap=True
     )

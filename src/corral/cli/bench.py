@@ -285,7 +285,7 @@ def _requests(
         if path is None:
             fail("--dataset-name sharegpt needs --dataset-path", 2)
         try:
-            return sharegpt_requests(path, count, seed)
+            return sharegpt_requests(path, count, seed, chat="chat" in endpoint)
         except (OSError, ValueError, KeyError, TypeError) as exc:
             fail(f"cannot use {path} as a ShareGPT file: {exc}", 2)
     if "chat" not in endpoint:

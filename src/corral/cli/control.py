@@ -18,6 +18,7 @@ from corral.cli.app import (
     CaCertOption,
     FlagsCommand,
     FlagsGroup,
+    SpecUrlOption,
     UrlOption,
     app,
     client_tls,
@@ -104,7 +105,7 @@ def status(
 @app.command(cls=FlagsCommand)
 def apply(
     file: Annotated[Path, typer.Option("--file", "-f", help="the new cluster spec YAML")],
-    url: UrlOption = None,
+    url: SpecUrlOption = None,
     grace: Annotated[
         float, typer.Option(min=0.1, max=3600, help="seconds each removed replica may take to finish")
     ] = 60.0,
