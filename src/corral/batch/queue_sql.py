@@ -51,18 +51,19 @@ class SqlLines:
             (BatchLineRow.state == "leased") & (BatchLineRow.lease_until < now)
         )
         with Session(self._engine, expire_on_commit=False) as session, session.begin():
-            candidates = self._fair_candidates(session, model, limit, runnable_now, now)
+            candidates = self._fair_candidates(session, model, limit, now)
+            connection = session.connection()  # Core statements: the ORM's bulk path cost 0.6 ms each
             leased: list[BatchLine] = []
             for batch_id, line, attempts in candidates:
                 where = (BatchLineRow.batch_id == batch_id, BatchLineRow.line == line, runnable_now)
                 if attempts >= max_attempts:
-                    session.execute(
+                    connection.execute(
                         update(BatchLineRow)
                         .where(*where)
                         .values(state="failed", status_code=500, response=gave_up(attempts), lease_owner=None)
                     )
                     continue
-                taken = session.execute(
+                taken = connection.execute(
                     update(BatchLineRow)
                     .where(*where)
                     .values(
@@ -83,7 +84,7 @@ class SqlLines:
             return leased
 
     def _fair_candidates(
-        self, session: Session, model: str, limit: int, runnable_now: Any, now: float
+        self, session: Session, model: str, limit: int, now: float
     ) -> list[tuple[str, int, int]]:
         """Up to `limit` runnable lines shared fairly between tenants: each tenant's lines in order (its
         oldest batch first), dealt out so that the tenant with the fewest lines running (leased by any
@@ -102,16 +103,17 @@ class SqlLines:
         )
         queues: dict[str, list[tuple[str, int, int]]] = {}
         for tenant in tenants:
-            query = (
-                select(BatchLineRow.batch_id, BatchLineRow.line, BatchLineRow.attempts)
-                .join(BatchRow, BatchRow.id == BatchLineRow.batch_id)
-                .where(*in_progress, BatchRow.tenant == tenant, runnable_now)
-                .order_by(BatchRow.created_at, BatchLineRow.line)
-                .limit(limit)
-            )
-            if self._postgres:
-                query = query.with_for_update(of=BatchLineRow, skip_locked=True)
-            if found := [(r.batch_id, r.line, r.attempts) for r in session.execute(query)]:
+            batches = session.scalars(
+                select(BatchRow.id)
+                .where(*in_progress, BatchRow.tenant == tenant)
+                .order_by(BatchRow.created_at, BatchRow.id)
+            ).all()
+            found: list[tuple[str, int, int]] = []
+            for batch_id in batches:  # its oldest batch first
+                found += self._runnable(session, batch_id, limit - len(found), now)
+                if len(found) >= limit:
+                    break
+            if found:
                 queues[tenant] = found[::-1]  # popped from the end
         dealt: list[tuple[str, int, int]] = []
         while queues and len(dealt) < limit:
@@ -122,12 +124,34 @@ class SqlLines:
                 del queues[tenant]
         return dealt
 
+    def _runnable(
+        self, session: Session, batch_id: str, limit: int, now: float
+    ) -> list[tuple[str, int, int]]:
+        """A batch's first `limit` runnable lines, in order: pending ones past their backoff and leased ones
+        whose lease ran out, each found by the (batch, state, line) index. (One query joining the batches
+        and sorting by their age sorted every pending line of the model at each lease: 7 ms for a
+        20,000-line batch on SQLite, a lease every few lines.)"""
+        columns = (BatchLineRow.batch_id, BatchLineRow.line, BatchLineRow.attempts)
+        of_batch = BatchLineRow.batch_id == batch_id
+        queries = [
+            select(*columns).where(of_batch, BatchLineRow.state == "pending", _due(now)),
+            select(*columns).where(of_batch, BatchLineRow.state == "leased", BatchLineRow.lease_until < now),
+        ]
+        rows: list[tuple[str, int, int]] = []
+        for query in queries:
+            query = query.order_by(BatchLineRow.line).limit(limit)
+            if self._postgres:
+                query = query.with_for_update(skip_locked=True)
+            rows += [(r.batch_id, r.line, r.attempts) for r in session.connection().execute(query)]
+        return sorted(rows, key=lambda row: row[1])[:limit]
+
     def commit_many(self, owner: str, results: list[tuple[BatchLine, LineResult]]) -> int:
         kept = 0
         with Session(self._engine, expire_on_commit=False) as session, session.begin():
+            connection = session.connection()
             for line, result in results:
                 ok = 200 <= result.status_code < 300
-                done = session.execute(
+                done = connection.execute(
                     _held(owner, line).values(
                         state="done" if ok else "failed",
                         status_code=result.status_code,

@@ -42,7 +42,10 @@ class BatchLineRow(Base):
     """A line of a batch queued in SQL (`batch.queue: sql`)."""
 
     __tablename__ = "corral_batch_lines"
-    __table_args__ = (Index("ix_corral_batch_lines_state", "state", "lease_until"),)
+    __table_args__ = (
+        Index("ix_corral_batch_lines_state", "state", "lease_until"),
+        Index("ix_corral_batch_lines_runnable", "batch_id", "state", "line"),  # a batch's next lines
+    )
 
     batch_id: Mapped[str] = mapped_column(String(40), primary_key=True)
     line: Mapped[int] = mapped_column(Integer, primary_key=True)
