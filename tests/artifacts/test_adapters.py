@@ -151,6 +151,7 @@ def test_llama_cpp_gets_the_gguf_itself_or_the_one_in_the_folder(tmp_path: Path,
     assert not (tmp_path / "models").exists()  # nothing converted
 
 
+@pytest.mark.slow  # the real converter
 def test_a_peft_folder_converts_to_the_committed_adapter_gguf(
     tmp_path: Path, peft_folder: Path, base_gguf: Path
 ) -> None:
@@ -168,6 +169,7 @@ def test_a_peft_folder_converts_to_the_committed_adapter_gguf(
     assert sorted(p.name for p in converted.parent.iterdir()) == [converted.name, converted.stem + ".lock"]
 
 
+@pytest.mark.slow  # the real converter
 def test_a_changed_adapter_is_converted_again(tmp_path: Path, peft_folder: Path, base_gguf: Path) -> None:
     paths = Paths(tmp_path / "home")
     first = adapter_gguf(peft_folder, base_gguf, paths)

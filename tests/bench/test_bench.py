@@ -247,6 +247,7 @@ def test_a_run_where_nothing_succeeds_exits_nonzero_with_error_kinds(cluster: Ru
     assert "error: no request succeeded (http_400: 2)" in done.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("endpoint", ["/v1/completions", "/v1/chat/completions"])
 def test_a_sharegpt_file_runs_on_either_endpoint(
     cluster: RunningCluster, tmp_path: Path, endpoint: str

@@ -18,6 +18,8 @@ from agents import Runner
 from tests.conftest import RunningCluster, start_cluster
 from tests.dialects.weather import weather_agent
 
+pytestmark = pytest.mark.slow  # a real llama.cpp replica (the simulator's versions run in test-fast)
+
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningCluster]:
