@@ -23,6 +23,7 @@ replica set as with local processes.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import os
@@ -122,13 +123,13 @@ class RayReplica:
         self.pid: int | None = None
         self.node_id = node_id
         self.log_path: Path | None = None  # on the actor's node, which may be another machine
-        self._waiter = actor.wait.remote()
+        self._exit: concurrent.futures.Future[Any] = actor.wait.remote().future()
 
     async def wait(self) -> int:
         import ray
 
         try:
-            return int(await self._waiter)
+            return int(await asyncio.wrap_future(self._exit))
         except ray.exceptions.RayError as exc:  # the actor or its node died
             logger.warning("replica actor at %s is gone: %s", self.url, type(exc).__name__)
             return -1
@@ -140,6 +141,8 @@ class RayReplica:
             await asyncio.wait_for(self._actor.stop.remote(grace), grace + 5)
         except (ray.exceptions.RayError, TimeoutError) as exc:
             logger.info("replica actor at %s did not stop cleanly: %s", self.url, type(exc).__name__)
+        else:  # the engine has exited: let its exit status leave the actor before the actor is killed
+            await asyncio.wait([asyncio.wrap_future(self._exit)], timeout=5)
         with contextlib.suppress(ray.exceptions.RayError, ValueError):  # already gone
             ray.kill(self._actor)
         with contextlib.suppress(ray.exceptions.RayError, ValueError):
