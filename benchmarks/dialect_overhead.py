@@ -78,19 +78,19 @@ PATHS = {
 }
 
 
-def request_body(route: str, stream: bool) -> bytes:
+def request_body(route: str, stream: bool, model: str = "bench") -> bytes:
     user = [{"role": "user", "content": TEXT}]
     body: dict[str, Any]
     if route == "chat":
-        body = {"model": "bench", "messages": user, "max_tokens": TOKENS}
+        body = {"model": model, "messages": user, "max_tokens": TOKENS}
         if stream:
             body["stream_options"] = {"include_usage": True}
     elif route == "responses":
-        body = {"model": "bench", "input": TEXT, "max_output_tokens": TOKENS, "store": False}
+        body = {"model": model, "input": TEXT, "max_output_tokens": TOKENS, "store": False}
     elif route == "responses_store":  # store left at its default: true
-        body = {"model": "bench", "input": TEXT, "max_output_tokens": TOKENS}
+        body = {"model": model, "input": TEXT, "max_output_tokens": TOKENS}
     else:
-        body = {"model": "bench", "max_tokens": TOKENS, "messages": user}
+        body = {"model": model, "max_tokens": TOKENS, "messages": user}
     if stream:
         body["stream"] = True
     return orjson.dumps(body)
@@ -118,9 +118,15 @@ def percentile(values: list[float], q: float) -> float:
 
 
 async def run_load(
-    session: aiohttp.ClientSession, url: str, route: str, stream: bool, concurrency: int, total: int
+    session: aiohttp.ClientSession,
+    url: str,
+    route: str,
+    stream: bool,
+    concurrency: int,
+    total: int,
+    model: str = "bench",
 ) -> dict[str, Any]:
-    payload = request_body(route, stream)
+    payload = request_body(route, stream, model)
     latencies: list[float] = []
     errors: list[str] = []
     sizes: list[int] = []
@@ -162,35 +168,46 @@ def tree_cpu(proc: psutil.Process) -> float:
     return total
 
 
+# the kinds of answer measured: (name, stream, the model: its upstream)
+KINDS = (("whole", False, "bench"), ("stream", True, "bench"), ("paced", True, "paced"))
+
+
 async def measure_cpu(args: argparse.Namespace, base: str, gateway: psutil.Process) -> dict[str, Any]:
     routes = list(PATHS)
-    points = [(route, stream) for stream in (False, True) for route in routes]
-    samples: dict[tuple[str, bool], list[dict[str, Any]]] = {p: [] for p in points}
+    kinds = [kind for kind in KINDS if kind[0] != "paced" or args.pace_ms > 0]
+    samples: dict[tuple[str, str], list[dict[str, Any]]] = {
+        (route, kind[0]): [] for kind in kinds for route in routes
+    }
     connector = aiohttp.TCPConnector(limit=0)
+
+    async def load(route: str, kind: tuple[str, bool, str], total: int) -> dict[str, Any]:
+        name, stream, model = kind
+        concurrency = args.paced_concurrency if name == "paced" else args.concurrency
+        return await run_load(session, base + PATHS[route], route, stream, concurrency, total, model)
+
     async with aiohttp.ClientSession(connector=connector) as session:
-        for route, stream in points:  # warm up connections and each route's code path
-            warm = await run_load(session, base + PATHS[route], route, stream, args.concurrency, 200)
-            if warm["errors"]:
-                raise RuntimeError(f"{route} stream={stream}: {warm['errors'][0]}")
+        for kind in kinds:  # warm up connections and each route's code path
+            for route in routes:
+                warm = await load(route, kind, 200)
+                if warm["errors"]:
+                    raise RuntimeError(f"{route} {kind[0]}: {warm['errors'][0]}")
         before = tree_cpu(gateway)
         await asyncio.sleep(2)
         idle_ms_per_s = 1000 * (tree_cpu(gateway) - before) / 2
         for round_no in range(args.rounds):
             shift = round_no % len(routes)
             order = routes[shift:] + routes[:shift]
-            for stream in (False, True):
+            for kind in kinds:
                 for route in order:
                     before = tree_cpu(gateway)
-                    result = await run_load(
-                        session, base + PATHS[route], route, stream, args.concurrency, args.requests
-                    )
+                    result = await load(route, kind, args.requests)
                     result["cpu_ms_per_request"] = 1000 * (tree_cpu(gateway) - before) / result["n"]
-                    samples[(route, stream)].append(result)
+                    samples[(route, kind[0])].append(result)
     points_out = []
-    for stream in (False, True):
-        chat_cpu = statistics.median(s["cpu_ms_per_request"] for s in samples[("chat", stream)])
+    for name, stream, _ in kinds:
+        chat_cpu = statistics.median(s["cpu_ms_per_request"] for s in samples[("chat", name)])
         for route in routes:
-            runs = samples[(route, stream)]
+            runs = samples[(route, name)]
             cpu = statistics.median(s["cpu_ms_per_request"] for s in runs)
             errors = [e for s in runs for e in s["errors"]]
             points_out.append(
@@ -198,6 +215,7 @@ async def measure_cpu(args: argparse.Namespace, base: str, gateway: psutil.Proce
                     "route": route,
                     "path": PATHS[route],
                     "stream": stream,
+                    "kind": name,
                     "cpu_ms_per_request": round(cpu, 4),
                     "cpu_ratio_to_chat": round(cpu / chat_cpu, 3),
                     "cpu_ms_per_request_each_round": [round(s["cpu_ms_per_request"], 4) for s in runs],
@@ -368,19 +386,22 @@ def machine() -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
-    up_port, port = free_port(), free_port()
-    upstream = f"http://127.0.0.1:{up_port}"
+    up_port, paced_port, port = free_port(), free_port(), free_port()
+    upstream, paced = f"http://127.0.0.1:{up_port}", f"http://127.0.0.1:{paced_port}"
     spec = tmp / "bench.yaml"
     spec.write_text(
-        f"gateway: {{port: {port}}}\nauth: {{open: true}}\n"
-        f"models:\n  - name: bench\n    deployments: [{{engine: external, urls: [{upstream}]}}]\n"
+        f"gateway: {{port: {port}}}\nauth: {{open: true}}\nmodels:\n"
+        f"  - name: bench\n    deployments: [{{engine: external, urls: [{upstream}]}}]\n"
+        f"  - name: paced\n    deployments: [{{engine: external, urls: [{paced}]}}]\n"
     )
     serve = [sys.executable, str(HERE / "gateway_overhead.py"), "--serve"]
     upstream_proc = spawn([*serve, "upstream", str(up_port), str(TOKENS), "0"])
+    paced_proc = spawn([*serve, "upstream", str(paced_port), str(TOKENS), str(args.pace_ms / 1000)])
     corral = [sys.executable, "-m", "corral.cli", "up", "--log-level", "warning", "-f", str(spec)]
     gateway_proc = spawn(corral, env={"CORRAL_HOME": str(tmp / "home")})
     try:
         wait_http(upstream + "/health")
+        wait_http(paced + "/health")
         wait_http(f"http://127.0.0.1:{port}/ready")
         time.sleep(0.5)
         base = f"http://127.0.0.1:{port}"
@@ -389,10 +410,10 @@ def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         cpu_s = time.perf_counter() - started
         turns, template = uvloop.run(measure_turns(base, args.turns))
     finally:
-        stop(gateway_proc, upstream_proc)
+        stop(gateway_proc, upstream_proc, paced_proc)
     lookup = measure_store(tmp, template, args.stored, args.lookups)
     worst = {
-        f"{p['route']}_{'stream' if p['stream'] else 'whole'}": p["cpu_ratio_to_chat"]
+        f"{p['route']}_{p['kind']}": p["cpu_ratio_to_chat"]
         for p in cpu["points"]
         if p["route"] in ("responses", "messages")
     }
@@ -400,7 +421,9 @@ def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         "benchmark": "dialect_overhead",
         "setup": {
             "upstream": f"gateway_overhead.py's scripted upstream, {TOKENS} tokens (whole, or one-token "
-            "SSE chunks back to back + usage chunk)",
+            "SSE chunks back to back + usage chunk); 'paced': a second one writing a token every "
+            f"{args.pace_ms:g} ms, as an engine streams (model 'paced')",
+            "paced_concurrency": args.paced_concurrency,
             "gateway": "corral up, open (no keys), one external deployment, SQLite store, one process",
             "prompt_words": len(TEXT.split()),
             "output_tokens": TOKENS,
@@ -432,6 +455,15 @@ def main() -> None:
     )
     parser.add_argument("--requests", type=int, default=2000, help="requests per point per round")
     parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument(
+        "--pace-ms",
+        type=float,
+        default=10.0,
+        help="the paced upstream's time between tokens (0: no paced streams)",
+    )
+    parser.add_argument(
+        "--paced-concurrency", type=int, default=64, help="clients at once for the paced streams"
+    )
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (the median is kept)")
     parser.add_argument("--turns", type=int, default=500, help="sequential turns each, with and without")
     parser.add_argument("--stored", type=int, default=10_000, help="responses in the lookup store")

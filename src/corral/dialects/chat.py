@@ -170,6 +170,11 @@ class DialectStream(web.StreamResponse):
         self.ended = False  # finished or failed: the encoder has said its last event
 
     async def write(self, data: bytes | bytearray | memoryview) -> None:
+        if self._started and not self._rest and not self.ended and data.__class__ is bytes:
+            text = self._reader.one(data)
+            if text is not None:  # one token, as engines stream them: its event alone, the short way
+                await super().write(self.encoder.text(text))
+                return
         out: list[bytes] = []
         if not self._started:
             self._started = True

@@ -64,6 +64,21 @@ class ChunkReader:
             self._learn(event, chunk)  # (a text delta read here is one the template does not match)
         return items, done
 
+    def one(self, event: bytes) -> str | None:
+        """The text of `event` if it is one whole event of the template around a text without quotes
+        (a token as an engine streams it: one event a read), else None (read it with `read`)."""
+        prefix, suffix = self._prefix, self._suffix
+        if not prefix or not event.startswith(prefix) or not event.endswith(suffix):
+            return None
+        inside = event[len(prefix) : len(event) - len(suffix)]
+        if b'"' in inside or len(event) < len(prefix) + len(suffix):
+            return None  # (a quote: escaped inside the text, or another event's; the general path reads it)
+        try:
+            text = orjson.loads(b'"' + inside + b'"')
+        except orjson.JSONDecodeError:
+            return None
+        return text if isinstance(text, str) else None
+
     def _run(self, events: bytes, at: int) -> tuple[list[str], int] | None:
         """The texts of the template's events from `at` on and where they end; None where they do not
         read as texts (an event among them that only began like the template)."""
