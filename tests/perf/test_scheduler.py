@@ -66,6 +66,25 @@ def test_kv_oversubscription_preempts_and_still_finishes_everything() -> None:
     assert not s.running and not s.waiting
 
 
+def test_reserving_whole_lives_admits_only_what_fits_and_preempts_nobody() -> None:
+    """TensorRT-LLM's GUARANTEED_NO_EVICT: the same oversubscribed load as above runs two sequences at a
+    time (five blocks each for 40 + 40 tokens, in twelve), the others waiting for a finish, none preempted."""
+    s = Scheduler(SchedulerConfig(num_blocks=12, max_num_batched_tokens=512, reserve_whole=True))
+    seqs = [seq(i, list(range(i * 1000, i * 1000 + 40)), max_tokens=40) for i in range(4)]
+    for q in seqs:
+        s.add(q)
+    most = steps = 0
+    while (batch := s.schedule()) is not None:
+        most = max(most, len(s.running))
+        s.complete(batch, float(steps))
+        steps += 1
+    assert most == 2 and s.preemptions == 0
+    assert all(q.finished for q in seqs) and not s.running and not s.waiting
+    first, later = seqs[0].first_token_at, seqs[2].first_token_at
+    assert first is not None and later is not None and seqs[0].finished_at is not None
+    assert later > seqs[0].finished_at  # the third waited for the first two to end
+
+
 def _snapshot(s: Scheduler, seqs: list[EngineSequence]) -> tuple[object, ...]:
     return (
         [(q.computed, q.generated, q.blocks, q.active, q.preemptions) for q in seqs],
@@ -76,8 +95,10 @@ def _snapshot(s: Scheduler, seqs: list[EngineSequence]) -> tuple[object, ...]:
     )
 
 
-@pytest.mark.parametrize("caching", [True, False])
-def test_a_decode_run_taken_at_once_leaves_the_scheduler_as_stepping_through_it(caching: bool) -> None:
+@pytest.mark.parametrize(("caching", "reserve_whole"), [(True, False), (False, False), (False, True)])
+def test_a_decode_run_taken_at_once_leaves_the_scheduler_as_stepping_through_it(
+    caching: bool, reserve_whole: bool
+) -> None:
     """The virtual clocks take decode-only stretches in one go (`decode_run`, `advance`): the same
     batches, block by block the same KV, and the stretch stops before a finish, a preemption or an
     admission (a queue may wait through it where no slot, budget or KV lets its head in)."""
@@ -90,6 +111,7 @@ def test_a_decode_run_taken_at_once_leaves_the_scheduler_as_stepping_through_it(
             max_num_batched_tokens=256,
             num_blocks=rng.choice([40, 120, 600]),
             enable_prefix_caching=caching,
+            reserve_whole=reserve_whole,
         )
         taken, stepped = Scheduler(config), Scheduler(config)
         both: tuple[list[EngineSequence], list[EngineSequence]] = ([], [])
@@ -125,4 +147,5 @@ def test_a_decode_run_taken_at_once_leaves_the_scheduler_as_stepping_through_it(
                     stepped.complete(batch, float(step))
                     taken.complete(taken.schedule(), float(step))  # type: ignore[arg-type]
             assert _snapshot(taken, both[0]) == _snapshot(stepped, both[1])
-    assert runs > 100 and stopped_by_blocks > 0 and behind_a_blocked_queue > 0
+    assert runs > 100 and behind_a_blocked_queue > 0
+    assert stopped_by_blocks > 0 if not reserve_whole else taken.preemptions == stepped.preemptions == 0

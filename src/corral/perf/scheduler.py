@@ -12,6 +12,10 @@ answers agree by construction. Modelled after vLLM V1:
 - when a running sequence needs a block and none is free, the most recently admitted sequence is preempted
   (its blocks freed, recomputed later), as vLLM's recompute preemption does.
 
+`reserve_whole` models TensorRT-LLM's default capacity policy instead (`GUARANTEED_NO_EVICT`): a sequence is
+admitted only when the KV for its whole life (prompt and every output token) can be reserved, so nobody is
+ever preempted and a closed loop beyond the cache's sequences waits in the queue for a finished one.
+
 The virtual clocks (the planner, the validation traces) spend most steps in long stretches where the batch
 is the same decode-only batch step after step; `decode_run` finds such a stretch and `advance` takes it in
 one go, leaving the scheduler exactly as stepping through it would (tests/perf/test_scheduler.py).
@@ -43,6 +47,7 @@ class SchedulerConfig:
     num_blocks: int = 4096
     block_size: int = 16
     enable_prefix_caching: bool = True
+    reserve_whole: bool = False  # admit only with KV for prompt + max_tokens (TensorRT-LLM's default)
 
 
 def block_hashes(tokens: Sequence[int], block_size: int, salt: str | None = None) -> list[int]:
@@ -316,8 +321,8 @@ class Scheduler:
         if config.enable_prefix_caching:
             return False
         head = self.waiting[0]
-        count = min(head.pending, budget)
-        return math.ceil((head.computed + count) / config.block_size) - len(head.blocks) > available
+        tokens = self._admitted_tokens(head, head.computed + min(head.pending, budget))
+        return math.ceil(tokens / config.block_size) - len(head.blocks) > available
 
     def advance(self, run: DecodeRun, steps: int | None = None) -> None:
         """Take the first `steps` (all by default) of `run`, found by `decode_run` with nothing changed
@@ -376,9 +381,14 @@ class Scheduler:
         seq.cached_tokens = seq.computed
         self.prefix_hits += seq.computed
 
+    def _admitted_tokens(self, seq: EngineSequence, tokens: int) -> int:
+        """The KV tokens a waiting sequence reserves to be admitted with `tokens` computed by its step."""
+        return seq.prompt_len + seq.max_tokens if self.config.reserve_whole else tokens
+
     def _reserve(self, seq: EngineSequence, tokens: int) -> bool:
-        """Blocks for `tokens` of KV for a waiting sequence, without preempting anyone."""
-        needed = math.ceil(tokens / self.config.block_size) - len(seq.blocks)
+        """Blocks for `tokens` of KV for a waiting sequence (its whole life with `reserve_whole`), without
+        preempting anyone."""
+        needed = math.ceil(self._admitted_tokens(seq, tokens) / self.config.block_size) - len(seq.blocks)
         if needed > self.pool.available:
             return False
         for _ in range(needed):
