@@ -14,12 +14,15 @@ The same prompt (~50 words) with 16 output tokens is sent as
     messages   {model, max_tokens: 16, messages: [the same user turn]}
 
 and, apart from the ratio target, `responses_store`: /v1/responses with `store` left at its default (true),
-which writes one row per response to the store. Each (route, whole/streamed) point is REQUESTS requests
-at CONCURRENCY (aiohttp client on uvloop, kept-alive connections) in each of ROUNDS interleaved rounds
-(the routes' order rotated each round); the figure is the median over rounds of the gateway process's
-CPU time (user + system, psutil, children included) per request, and its ratio to chat's (with, for
-context, requests/s, client p50/p99 and the answer's size in bytes). Every answer is checked (200, and a
-stream's closing event: [DONE], response.incomplete/completed, message_stop).
+which writes one row per response to the store. Streams are measured twice: `stream`, the 16 tokens back to
+back (the gateway reads the whole stream at once: its per-stream work is all there is), and `paced`, from a
+second upstream (model `paced`) that writes a token every PACE_MS (10) as an engine streams, so the gateway
+reads and writes once per token, at PACED_CONCURRENCY (64) clients. Each (route, kind) point is
+REQUESTS requests at CONCURRENCY (aiohttp client on uvloop, kept-alive connections) in each of ROUNDS
+interleaved rounds (the routes' order rotated each round); the figure is the median over rounds of the
+gateway process's CPU time (user + system, psutil, children included) per request, and its ratio to
+chat's (with, for context, requests/s, client p50/p99 and the answer's size in bytes). Every answer is
+checked (200, and a stream's closing event: [DONE], response.incomplete/completed, message_stop).
 
 Turn latency (the issue's target: a `previous_response_id` lookup adds <= 1 ms p99, SQLite store): a
 first turn is stored (store: true); then TURNS sequential non-streamed requests each, alternating, of the
@@ -37,6 +40,7 @@ Machine: whatever runs it (recorded in the JSON); the published figures came fro
 with the client, the gateway and the upstream sharing the 2 cores.
 
     .venv/bin/python benchmarks/dialect_overhead.py [--requests 2000] [--concurrency 8] [--rounds 5]
+        [--pace-ms 10] [--paced-concurrency 64]
 """
 
 from __future__ import annotations
