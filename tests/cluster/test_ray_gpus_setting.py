@@ -1,0 +1,78 @@
+"""A deployment's `ray_gpus` is what its replicas reserve on Ray: the runtime `corral up` builds from a spec
+with `ray:` starts a replica of a model with `ray_gpus: 2` in an actor holding two GPUs (its engine sees
+exactly two in CUDA_VISIBLE_DEVICES), while a simulated model without it reserves none (a one-node Ray
+started here, declaring two GPUs; the engine is the probe that reports where Ray put it)."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+import ray
+
+from corral.cli.up import _runtime
+from corral.config import Paths, parse_spec
+from corral.engines import LaunchPlan
+
+pytestmark = pytest.mark.slow  # starts Ray (`make test-fast` skips)
+
+PROBE = Path(__file__).with_name("ray_engine_probe.py")
+SPEC = """
+auth: {open: true}
+ray: {placement_timeout: 30}
+models:
+  - name: wide
+    arch: llama-3.1-8b
+    deployments: [{engine: sim, gpu: l4, threads: 1, ray_gpus: 2}]
+  - name: plain
+    arch: llama-3.1-8b
+    deployments: [{engine: sim, gpu: l4, threads: 1}]
+"""
+
+
+@pytest.fixture(scope="module")
+def local_ray() -> Iterator[None]:
+    """One Ray node on 127.0.0.1 that declares two GPUs (Ray hands out their ids; no device is needed)."""
+    ray.init(
+        num_cpus=2,
+        num_gpus=2,
+        include_dashboard=False,
+        log_to_driver=False,
+        _node_ip_address="127.0.0.1",
+    )
+    yield
+    ray.shutdown()
+
+
+async def visible_gpus(runtime: Any, replica_id: str) -> str | None:
+    """Start the probe as `replica_id` on `runtime`; the CUDA_VISIBLE_DEVICES its engine saw."""
+    plan = LaunchPlan(argv=(sys.executable, str(PROBE), "--host", "{host}", "--port", "{port}"))
+    replica = await runtime.start(replica_id, plan)
+    try:
+        deadline = time.monotonic() + 120
+        async with aiohttp.ClientSession() as session:
+            while True:
+                try:
+                    async with session.get(replica.url + "/placement") as response:
+                        if response.status == 200:
+                            return (await response.json())["cuda_visible_devices"]  # type: ignore[no-any-return]
+                except aiohttp.ClientError:
+                    pass
+                assert time.monotonic() < deadline, f"{replica_id} did not come up"
+                await asyncio.sleep(0.2)
+    finally:
+        await replica.stop(5)
+
+
+async def test_a_replica_reserves_the_ray_gpus_its_deployment_names(local_ray: None, tmp_path: Path) -> None:
+    spec = parse_spec(SPEC, source="test")
+    runtime = _runtime(spec, Paths(tmp_path))  # what `corral up` runs replicas on
+    wide = await visible_gpus(runtime, "wide-0")
+    assert wide is not None and sorted(wide.split(",")) == ["0", "1"]  # both of the node's GPUs
+    assert not await visible_gpus(runtime, "plain-0")  # a simulated engine reserves none by default
