@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -64,8 +65,14 @@ def main() -> None:
     parser.add_argument("--host", required=True)
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--model", default="")
+    parser.add_argument("--ignore-sigterm", action="store_true", help="an engine that sleeps through it")
     args, _ = parser.parse_known_args()  # the rest of vLLM's server flags
-    report: dict[str, Any] = {"cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
+    if args.ignore_sigterm:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    report: dict[str, Any] = {
+        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        "pid": os.getpid(),
+    }
     if os.environ.get("CORRAL_RAY_PLACEMENT_GROUP"):
         report |= _engine_placement(args.model)
     body = json.dumps(report).encode()

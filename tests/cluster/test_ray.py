@@ -4,6 +4,7 @@ declaring GPU resources, running real llama.cpp replicas as actors."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import signal
 import sys
@@ -283,6 +284,36 @@ models:
         autoscale:
           {min_replicas: 1, max_replicas: 2, interval_s: 0.5, queue_wait_s: 0.3, down_cooldown_s: 600}
 """
+
+
+async def test_an_engine_dies_with_its_actor_by_its_plans_signal(
+    ray_cluster: tuple[Cluster, dict[str, object]], tmp_path: Path
+) -> None:
+    """A replica actor that dies takes its engine with it, even an engine that sleeps through SIGTERM
+    (llama.cpp's server busy in a long prefill did, as a local replica): the engine's pact names the plan's
+    signal, as a local replica's does. (Ray 2.60 also kills a dead worker's children itself, so this holds
+    with a SIGTERM pact too: the test guards the behaviour, whichever of the two provides it.)"""
+    argv = (sys.executable, str(PROBE), "--host", "{host}", "--port", "{port}", "--ignore-sigterm")
+    plan = LaunchPlan(argv=argv, env={}, health_path="/health", death_signal=signal.SIGKILL)
+    runtime = RayRuntime(tmp_path, placements={"probe": RayPlacement(cpus=0.5)}, placement_timeout=20)
+    replica = await start_ready(runtime, "probe-0", plan)
+    async with aiohttp.ClientSession() as session, session.get(replica.url + "/placement") as response:
+        pid = (await response.json())["pid"]
+    ray.kill(replica._actor)
+    deadline = time.monotonic() + 10
+    while b"zombie" not in _state(pid):  # (gone, or dead and not yet reaped)
+        assert time.monotonic() < deadline, "the engine outlived its actor"
+        await asyncio.sleep(0.1)
+    with contextlib.suppress(ray.exceptions.RayError, ValueError):
+        ray.util.remove_placement_group(replica._group)
+
+
+def _state(pid: int) -> bytes:
+    """The process's /proc status, lowered; "zombie" once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/status").read_bytes().lower()
+    except OSError:
+        return b"zombie"
 
 
 async def test_autoscaler_places_replicas_on_a_joining_node_and_a_node_drains_without_failures(

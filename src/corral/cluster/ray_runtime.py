@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from corral.cluster.runtime import AttachedReplica, RunningReplica
+from corral.cluster.runtime import AttachedReplica, RunningReplica, die_with_parent
 from corral.engines import LaunchPlan
 
 __all__ = ["RayPlacement", "RayRuntime"]
@@ -69,7 +69,9 @@ class _EngineHost:
     def __init__(self) -> None:
         self._process: subprocess.Popen[bytes] | None = None
 
-    def start(self, argv: list[str], env: dict[str, str], log_path: str) -> tuple[str, int, str]:
+    def start(
+        self, argv: list[str], env: dict[str, str], log_path: str, death_signal: int
+    ) -> tuple[str, int, str]:
         import ray
 
         host: str = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
@@ -86,7 +88,7 @@ class _EngineHost:
                 stderr=subprocess.STDOUT,
                 env={**os.environ, **env},
                 start_new_session=True,
-                preexec_fn=_die_with_parent,
+                preexec_fn=die_with_parent(signal.Signals(death_signal)),  # as a local replica's (runtime.py)
             )
         return host, port, ray.get_runtime_context().get_node_id()
 
@@ -105,12 +107,6 @@ class _EngineHost:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self._process.pid, signal.SIGKILL)
             self._process.wait()
-
-
-def _die_with_parent() -> None:
-    import ctypes
-
-    ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: the engine dies with its actor
 
 
 class RayReplica:
@@ -227,7 +223,7 @@ class RayRuntime:
             env["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
         log = str(self._logs / f"{replica_id.replace('/', '_')}.log")
         try:
-            host, port, node_id = await actor.start.remote(list(plan.argv), env, log)
+            host, port, node_id = await actor.start.remote(list(plan.argv), env, log, int(plan.death_signal))
         except ray.exceptions.RayError as exc:
             ray.util.remove_placement_group(group)
             raise OSError(f"the replica actor failed to start: {exc}") from exc
