@@ -20,10 +20,10 @@ import ray
 from ray.cluster_utils import Cluster
 
 from corral.cluster import Supervisor
-from corral.cluster.ray_runtime import RayPlacement, RayRuntime
+from corral.cluster.ray_runtime import RayRuntime
 from corral.cluster.reconcile import Reconciler
 from corral.config import ClusterSpec, GatewaySettings, Paths, SupervisorSettings, load_spec, parse_spec
-from corral.engines import LaunchPlan, LlamaCppEngine, SimEngineAdapter, VllmEngine
+from corral.engines import LaunchPlan, LlamaCppEngine, Resources, SimEngineAdapter, VllmEngine, launch_plans
 from corral.gateway import GatewayServer
 from corral.routing import ReplicaSet, ReplicaState, Router
 
@@ -71,12 +71,11 @@ def ray_cluster() -> Iterator[tuple[Cluster, dict[str, object]]]:
 async def fleet(
     ray_cluster: tuple[Cluster, dict[str, object]], llama_plan: LaunchPlan, tmp_path: Path
 ) -> AsyncIterator[tuple[Supervisor, str]]:
-    runtime = RayRuntime(
-        tmp_path / "logs", placements={"smollm2": RayPlacement(gpus=2, cpus=1)}, placement_timeout=20
-    )
+    runtime = RayRuntime(tmp_path / "logs", placement_timeout=20)
     replicas = ReplicaSet()
     supervisor = Supervisor(replicas, runtime, SETTINGS)
-    supervisor.add("smollm2", LlamaCppEngine(), [llama_plan, llama_plan])
+    plan = dataclasses.replace(llama_plan, resources=Resources(gpus=2, cpus=1))
+    supervisor.add("smollm2", LlamaCppEngine(), [plan, plan])
     await supervisor.start()
     gateway = GatewayServer(
         GatewaySettings(port=0), Router(replicas), make_services(replicas, tmp_path / "c.db")
@@ -150,9 +149,9 @@ async def test_removing_a_node_moves_its_replica_and_traffic_keeps_flowing(
 async def test_a_replica_needing_more_gpus_than_any_node_has_is_refused(
     ray_cluster: tuple[Cluster, dict[str, object]], llama_plan: LaunchPlan, tmp_path: Path
 ) -> None:
-    runtime = RayRuntime(tmp_path, placements={"big": RayPlacement(gpus=3)}, placement_timeout=3)
+    runtime = RayRuntime(tmp_path, placement_timeout=3)
     with pytest.raises(OSError, match="no Ray node has room"):
-        await runtime.start("big-0", llama_plan)
+        await runtime.start("big-0", dataclasses.replace(llama_plan, resources=Resources(gpus=3)))
 
 
 PROBE = Path(__file__).with_name("ray_engine_probe.py")
@@ -166,10 +165,11 @@ def vllm_ray_plan() -> LaunchPlan:
     model = spec.models[0]
     deployment = model.deployments[0]
     assert deployment.ray_workers
-    (plan,) = VllmEngine().prepare(model, deployment, Paths.from_env(), lambda _: None)
+    (plan,) = launch_plans(VllmEngine(), model, deployment, Paths.from_env(), lambda _: None)
     assert Path(plan.argv[1]).name == "vllm_ray_entry.py"
     assert plan.argv[2] == "vllm.entrypoints.openai.api_server"
-    return LaunchPlan(argv=(*plan.argv[:2], str(PROBE), *plan.argv[3:]), env=plan.env, health_path="/health")
+    server = (*plan.argv[:2], str(PROBE), *plan.argv[3:])
+    return LaunchPlan(argv=server, env=plan.env, health_path="/health", resources=plan.resources)
 
 
 async def placement_of(url: str) -> dict[str, Any]:
@@ -195,11 +195,8 @@ async def start_ready(runtime: RayRuntime, replica_id: str, plan: LaunchPlan) ->
 async def test_vllm_ray_workers_use_the_replicas_placement_group(
     ray_cluster: tuple[Cluster, dict[str, object]], vllm_ray_plan: LaunchPlan, tmp_path: Path
 ) -> None:
-    runtime = RayRuntime(
-        tmp_path,
-        placements={"smollm2-vllm": RayPlacement(gpus=2, cpus=1, engine_workers=True)},
-        placement_timeout=20,
-    )
+    assert vllm_ray_plan.resources == Resources(gpus=2, cpus=1, engine_workers=True)  # as its spec says
+    runtime = RayRuntime(tmp_path, placement_timeout=20)
     replica = await start_ready(runtime, "smollm2-vllm-0", vllm_ray_plan)
     try:
         report = await placement_of(replica.url)
@@ -223,9 +220,10 @@ async def test_vllm_ray_workers_use_the_replicas_placement_group(
 async def test_pipeline_stages_may_span_nodes_when_the_spec_allows(
     ray_cluster: tuple[Cluster, dict[str, object]], vllm_ray_plan: LaunchPlan, tmp_path: Path
 ) -> None:
-    placement = RayPlacement(gpus=3, cpus=1, engine_workers=True, span_nodes=True)  # no node has 3 GPUs
-    runtime = RayRuntime(tmp_path, placements={"smollm2-vllm": placement}, placement_timeout=20)
-    replica = await start_ready(runtime, "smollm2-vllm-0", vllm_ray_plan)
+    placement = Resources(gpus=3, cpus=1, engine_workers=True, span_nodes=True)  # no node has 3 GPUs
+    runtime = RayRuntime(tmp_path, placement_timeout=20)
+    plan = dataclasses.replace(vllm_ray_plan, resources=placement)
+    replica = await start_ready(runtime, "smollm2-vllm-0", plan)
     try:
         workers = (await placement_of(replica.url))["workers"]
         assert len(workers) == 3 and len({w["node"] for w in workers}) >= 2
@@ -241,8 +239,9 @@ async def test_engines_see_only_the_gpus_ray_assigned_them(
         argv=(sys.executable, str(PROBE), "--host", "{host}", "--port", "{port}"),
         env={"CUDA_VISIBLE_DEVICES": "7"},  # a local device list from the spec: wrong on a Ray node
         health_path="/health",
+        resources=Resources(gpus=1, cpus=0.5),
     )
-    runtime = RayRuntime(tmp_path, placements={"probe": RayPlacement(gpus=1, cpus=0.5)}, placement_timeout=20)
+    runtime = RayRuntime(tmp_path, placement_timeout=20)
     replicas = await asyncio.gather(*(start_ready(runtime, f"probe-{i}", plan) for i in range(3)))
     try:
         seen: dict[str, list[str]] = {}
@@ -262,8 +261,8 @@ async def test_stopping_a_replica_stops_its_engine_within_the_grace_period(
     engine: with one thread the stop queued behind that wait until its timeout (grace + 5 s) and the
     actor was killed instead."""
     argv = (sys.executable, str(PROBE), "--host", "{host}", "--port", "{port}")
-    plan = LaunchPlan(argv=argv, env={}, health_path="/health")
-    runtime = RayRuntime(tmp_path, placements={"probe": RayPlacement(cpus=0.5)}, placement_timeout=20)
+    plan = LaunchPlan(argv=argv, env={}, health_path="/health", resources=Resources(cpus=0.5))
+    runtime = RayRuntime(tmp_path, placement_timeout=20)
     replica = await start_ready(runtime, "probe-0", plan)
     began = time.monotonic()
     await replica.stop(5)
@@ -281,6 +280,7 @@ models:
         gpu: l4
         time_scale: 10
         max_num_seqs: 2
+        ray_gpus: 4
         autoscale:
           {min_replicas: 1, max_replicas: 2, interval_s: 0.5, queue_wait_s: 0.3, down_cooldown_s: 600}
 """
@@ -294,8 +294,10 @@ async def test_an_engine_dies_with_its_actor_by_its_plans_signal(
     signal, as a local replica's does. (Ray 2.60 also kills a dead worker's children itself, so this holds
     with a SIGTERM pact too: the test guards the behaviour, whichever of the two provides it.)"""
     argv = (sys.executable, str(PROBE), "--host", "{host}", "--port", "{port}", "--ignore-sigterm")
-    plan = LaunchPlan(argv=argv, env={}, health_path="/health", death_signal=signal.SIGKILL)
-    runtime = RayRuntime(tmp_path, placements={"probe": RayPlacement(cpus=0.5)}, placement_timeout=20)
+    plan = LaunchPlan(
+        argv=argv, env={}, health_path="/health", death_signal=signal.SIGKILL, resources=Resources(cpus=0.5)
+    )
+    runtime = RayRuntime(tmp_path, placement_timeout=20)
     replica = await start_ready(runtime, "probe-0", plan)
     async with aiohttp.ClientSession() as session, session.get(replica.url + "/placement") as response:
         pid = (await response.json())["pid"]
@@ -327,10 +329,11 @@ async def test_autoscaler_places_replicas_on_a_joining_node_and_a_node_drains_wi
     local = {"node_ip_address": "127.0.0.1"}
     first = cluster.add_node(num_cpus=1, num_gpus=4, **local)
     spec = parse_spec(AUTOSCALED, source="test")
-    runtime = RayRuntime(tmp_path / "logs", placements={"alpha": RayPlacement(gpus=4)}, placement_timeout=120)
+    runtime = RayRuntime(tmp_path / "logs", placement_timeout=120)
     supervisor = Supervisor(ReplicaSet(), runtime, SETTINGS)
     engine = SimEngineAdapter()
-    plans = engine.prepare(spec.models[0], spec.models[0].deployments[0], Paths.from_env(), print)
+    plans = launch_plans(engine, spec.models[0], spec.models[0].deployments[0], Paths.from_env(), print)
+    assert plans[0].resources.gpus == 4  # the deployment's ray_gpus
     supervisor.add("alpha", engine, plans[:1])
     services = make_services(supervisor.replicas, tmp_path / "c.db")
     reconciler = Reconciler(

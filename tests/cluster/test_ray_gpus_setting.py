@@ -16,7 +16,7 @@ import aiohttp
 import pytest
 import ray
 
-from corral.cli.up import _runtime
+from corral.cli.up import _prepare_all, _runtime
 from corral.config import Paths, parse_spec
 from corral.engines import LaunchPlan
 
@@ -50,10 +50,11 @@ def local_ray() -> Iterator[None]:
     ray.shutdown()
 
 
-async def visible_gpus(runtime: Any, replica_id: str) -> str | None:
-    """Start the probe as `replica_id` on `runtime`; the CUDA_VISIBLE_DEVICES its engine saw."""
-    plan = LaunchPlan(argv=(sys.executable, str(PROBE), "--host", "{host}", "--port", "{port}"))
-    replica = await runtime.start(replica_id, plan)
+async def visible_gpus(runtime: Any, replica_id: str, prepared: LaunchPlan) -> str | None:
+    """Start the probe as `replica_id` on `runtime`, reserving what `prepared` (the replica's plan, as `corral
+    up` prepares it) does; the CUDA_VISIBLE_DEVICES its engine saw."""
+    argv = (sys.executable, str(PROBE), "--host", "{host}", "--port", "{port}")
+    replica = await runtime.start(replica_id, LaunchPlan(argv=argv, resources=prepared.resources))
     try:
         deadline = time.monotonic() + 120
         async with aiohttp.ClientSession() as session:
@@ -72,7 +73,8 @@ async def visible_gpus(runtime: Any, replica_id: str) -> str | None:
 
 async def test_a_replica_reserves_the_ray_gpus_its_deployment_names(local_ray: None, tmp_path: Path) -> None:
     spec = parse_spec(SPEC, source="test")
-    runtime = _runtime(spec, Paths(tmp_path))  # what `corral up` runs replicas on
-    wide = await visible_gpus(runtime, "wide-0")
+    runtime = _runtime(spec, Paths(tmp_path))  # what `corral up` runs replicas on, with the plans it prepares
+    (_, _, (wide_plan,)), (_, _, (plain_plan,)) = _prepare_all(spec, Paths(tmp_path))
+    wide = await visible_gpus(runtime, "wide-0", wide_plan)
     assert wide is not None and sorted(wide.split(",")) == ["0", "1"]  # both of the node's GPUs
-    assert not await visible_gpus(runtime, "plain-0")  # a simulated engine reserves none by default
+    assert not await visible_gpus(runtime, "plain-0", plain_plan)  # a simulated engine reserves none

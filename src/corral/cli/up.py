@@ -122,7 +122,7 @@ def _prepare_or_fail(spec: ClusterSpec, paths: Paths) -> list[tuple[str, Any, li
 
 def _prepare_all(spec: ClusterSpec, paths: Paths) -> list[tuple[str, Any, list[Any]]]:
     """Resolve every deployment's launch plans, showing progress; blocking."""
-    from corral.engines import engine_named
+    from corral.engines import engine_named, launch_plans
 
     prepared = []
     with console.status("preparing") as spinner:
@@ -132,7 +132,7 @@ def _prepare_all(spec: ClusterSpec, paths: Paths) -> list[tuple[str, Any, list[A
                 report = _ProgressReport(model.name, spinner.update)
                 if deployment.autoscale is not None:  # plans for its most replicas (vLLM's differ by GPU)
                     deployment = deployment.model_copy(update={"replicas": deployment.autoscale.max_replicas})
-                prepared.append((model.name, engine, engine.prepare(model, deployment, paths, report)))
+                prepared.append((model.name, engine, launch_plans(engine, model, deployment, paths, report)))
     return prepared
 
 
@@ -359,14 +359,14 @@ def _reconciler(
     (blocking, in a thread), has the gateway(s) learn a model's settings (`on_model`) before it is served,
     reads the gateways' queues (`pressure`) and hands them live cluster settings (`on_cluster`)."""
     from corral.cluster.reconcile import Reconciler
-    from corral.engines import engine_named
+    from corral.engines import engine_named, launch_plans
 
     def prepare(model: Any, deployment: Any) -> tuple[Any, list[Any]]:
         def report(message: str) -> None:
             logger.info("%s: %s", model.name, message)
 
         engine = engine_named(deployment.engine)
-        return engine, engine.prepare(model, deployment, paths, report)
+        return engine, launch_plans(engine, model, deployment, paths, report)
 
     def adapter_path(adapter: Any) -> str:
         from corral.artifacts import resolve_adapter
@@ -494,20 +494,10 @@ def _runtime(spec: ClusterSpec, paths: Paths) -> Any:
 
     if spec.ray is None:
         return LocalProcessRuntime(paths.logs)
-    from corral.cluster.ray_runtime import RayPlacement, RayRuntime
+    from corral.cluster.ray_runtime import RayRuntime
 
-    placements = {}
-    for model in spec.models:
-        d = model.deployments[0]
-        gpus = (
-            d.ray_gpus
-            if d.ray_gpus is not None
-            else (d.gpus_per_replica if d.engine == "vllm" and d.device == "gpu" else 0)
-        )
-        placements[model.name] = RayPlacement(
-            gpus=gpus, cpus=float(d.threads), engine_workers=d.ray_workers, span_nodes=d.span_nodes
-        )
-    return RayRuntime(paths.logs, spec.ray.address, placements, spec.ray.placement_timeout)
+    # (each replica reserves what its launch plan's deployment asks: engines.Resources)
+    return RayRuntime(paths.logs, spec.ray.address, spec.ray.placement_timeout)
 
 
 async def _first_of(*aws: Any) -> Any:

@@ -1,7 +1,9 @@
 """The Ray runtime: each replica is a Ray actor, placed with a placement group that reserves its GPUs (and
 CPUs) on the nodes of a Ray cluster; the actor starts and watches the engine process on its node.
 
-Placement comes in two shapes:
+What a replica reserves comes with its launch plan (`LaunchPlan.resources`, from its own deployment:
+`ray_gpus`, `threads`; engines.Resources), so a model added or changed by `corral apply`, or a model's second
+deployment, reserves what its spec says. Placement comes in two shapes:
 
 - An engine that runs all its processes itself (llama.cpp, vLLM's default multiprocessing executor) gets
   one bundle with all its GPUs and CPUs, on one node (`STRICT_PACK`); the actor holds those GPUs, so Ray
@@ -30,37 +32,28 @@ import os
 import signal
 import socket
 import subprocess
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from corral.cluster.runtime import AttachedReplica, RunningReplica, die_with_parent
-from corral.engines import LaunchPlan
+from corral.engines import LaunchPlan, Resources
 
-__all__ = ["RayPlacement", "RayRuntime"]
+__all__ = ["RayRuntime", "bundles", "strategy"]
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class RayPlacement:
-    """What one replica reserves on the Ray cluster."""
+def bundles(resources: Resources) -> list[dict[str, float]]:
+    """The placement group's bundles for a replica that reserves `resources` (the module's docstring)."""
+    if not resources.engine_workers:
+        return [{"CPU": resources.cpus, **({"GPU": float(resources.gpus)} if resources.gpus else {})}]
+    out: list[dict[str, float]] = [{"GPU": 1.0} for _ in range(resources.gpus)] or [{}]
+    out[0] = {**out[0], "CPU": resources.cpus}
+    return out
 
-    gpus: int = 0
-    cpus: float = 1.0
-    engine_workers: bool = False  # the engine places its own Ray worker per GPU (vLLM's Ray executor)
-    span_nodes: bool = False  # with engine_workers: pipeline stages may sit on different nodes
 
-    def bundles(self) -> list[dict[str, float]]:
-        if not self.engine_workers:
-            return [{"CPU": self.cpus, **({"GPU": float(self.gpus)} if self.gpus else {})}]
-        bundles: list[dict[str, float]] = [{"GPU": 1.0} for _ in range(self.gpus)] or [{}]
-        bundles[0] = {**bundles[0], "CPU": self.cpus}
-        return bundles
-
-    @property
-    def strategy(self) -> str:
-        return "PACK" if self.engine_workers and self.span_nodes else "STRICT_PACK"
+def strategy(resources: Resources) -> str:
+    return "PACK" if resources.engine_workers and resources.span_nodes else "STRICT_PACK"
 
 
 class _EngineHost:
@@ -150,19 +143,12 @@ class RayRuntime:
 
     assigns_gpus = True  # its placement groups do; the plan's CUDA_VISIBLE_DEVICES is dropped
 
-    def __init__(
-        self,
-        logs: Path,
-        address: str | None = None,
-        placements: dict[str, RayPlacement] | None = None,
-        placement_timeout: float = 60.0,
-    ) -> None:
+    def __init__(self, logs: Path, address: str | None = None, placement_timeout: float = 60.0) -> None:
         import ray
 
         if not ray.is_initialized():
             ray.init(address=address, log_to_driver=False, include_dashboard=False)
         self._logs = logs
-        self._placements = placements or {}
         self._timeout = placement_timeout
         self._host_class = ray.remote(num_cpus=0)(_EngineHost)
 
@@ -195,16 +181,14 @@ class RayRuntime:
 
         if plan.url is not None:
             return AttachedReplica(plan.url)
-        placement = self._placements.get(replica_id.rsplit("-", 1)[0], RayPlacement())
-        bundles, strategy = placement.bundles(), placement.strategy
-        group = placement_group(bundles, strategy=strategy)
+        placement = plan.resources  # its deployment's (engines.Resources), as prepared with its plan
+        wanted, packing = bundles(placement), strategy(placement)
+        group = placement_group(wanted, strategy=packing)
         try:
             await asyncio.wait_for(group.ready(), self._timeout)
         except TimeoutError as exc:
             ray.util.remove_placement_group(group)
-            raise OSError(
-                f"no Ray node has room for {bundles} ({strategy}) within {self._timeout:g}s"
-            ) from exc
+            raise OSError(f"no Ray node has room for {wanted} ({packing}) within {self._timeout:g}s") from exc
         except asyncio.CancelledError:  # drained (or stopped) while waiting for room: reserve nothing
             ray.util.remove_placement_group(group)
             raise

@@ -1,7 +1,7 @@
 """Engine adapters, resolved by the `engine` name in a deployment, and the facts they read from their
 engines (load, features) in one shape for routing."""
 
-from corral.engines.base import EngineAdapter, LaunchPlan, read_gauges
+from corral.engines.base import EngineAdapter, LaunchPlan, Resources, launch_plans, read_gauges
 from corral.engines.external import ExternalEngine
 from corral.engines.features import EngineFeatures
 from corral.engines.llamacpp import LlamaCppEngine
@@ -17,9 +17,11 @@ __all__ = [
     "ExternalEngine",
     "LaunchPlan",
     "LlamaCppEngine",
+    "Resources",
     "SimEngineAdapter",
     "VllmEngine",
     "engine_named",
+    "launch_plans",
     "parse_vllm_load",
     "read_gauges",
 ]

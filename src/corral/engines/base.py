@@ -6,7 +6,7 @@ import functools
 import re
 import signal
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from corral.artifacts import Progress
@@ -15,6 +15,28 @@ from corral.engines.features import EngineFeatures
 from corral.engines.load import EngineLoad
 
 __all__ = ["EngineAdapter", "LaunchPlan", "read_gauges"]
+
+
+@dataclass(frozen=True)
+class Resources:
+    """What one replica reserves where a runtime places it (Ray: a placement group; a local process takes
+    the devices its plan's environment names). `engine_workers`: the engine places a worker of its own on
+    each GPU (vLLM's Ray executor); `span_nodes`: those workers may sit on different nodes (pipeline
+    stages)."""
+
+    gpus: int = 0
+    cpus: float = 1.0
+    engine_workers: bool = False
+    span_nodes: bool = False
+
+    @classmethod
+    def of(cls, deployment: DeploymentSpec) -> Resources:
+        """A deployment's replica: `ray_gpus` where given, else vLLM on GPUs holds its TP × PP GPUs."""
+        gpus = deployment.ray_gpus
+        if gpus is None:
+            on_gpus = deployment.engine == "vllm" and deployment.device == "gpu"
+            gpus = deployment.gpus_per_replica if on_gpus else 0
+        return cls(gpus, float(deployment.threads), deployment.ray_workers, deployment.span_nodes)
 
 
 @dataclass(frozen=True)
@@ -44,6 +66,7 @@ class LaunchPlan:
     # the signal the kernel sends the engine if corral dies without stopping it: SIGTERM lets vLLM end the
     # workers it spawned; an engine that may hang shutting down (llama.cpp's server) is sent SIGKILL
     death_signal: signal.Signals = signal.SIGTERM
+    resources: Resources = field(default_factory=Resources)  # what a runtime that places replicas reserves
 
 
 def visible_gpus(deployment: DeploymentSpec, index: int) -> str:
@@ -52,6 +75,14 @@ def visible_gpus(deployment: DeploymentSpec, index: int) -> str:
     per_replica = deployment.gpus_per_replica
     devices = deployment.gpus or list(range(per_replica * (index + 1)))
     return ",".join(str(d) for d in devices[index * per_replica : (index + 1) * per_replica])
+
+
+def launch_plans(
+    engine: EngineAdapter, model: ModelSpec, deployment: DeploymentSpec, paths: Paths, progress: Progress
+) -> list[LaunchPlan]:
+    """The engine's plans for a deployment's replicas, each with the resources the deployment reserves."""
+    resources = Resources.of(deployment)
+    return [replace(plan, resources=resources) for plan in engine.prepare(model, deployment, paths, progress)]
 
 
 class EngineAdapter(Protocol):
