@@ -5,10 +5,13 @@ pushes."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 import aiohttp
 import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
 
 from corral.cluster import Supervisor
 from corral.cluster.autoscale import Autoscaler, _Group
@@ -56,6 +59,27 @@ async def test_the_gate_holds_answers_to_their_latency_bound(sim_replica: Replic
         assert await run_gate(session, sim_replica, cases, latency_s=30) is None
         slow = await run_gate(session, sim_replica, cases, latency_s=0.05)  # 64 L4 steps take longer
     assert slow is not None and "over the 0.05s limit" in slow
+
+
+async def test_the_warm_up_is_not_held_to_the_latency_bound() -> None:
+    """An engine's first request pays one-time costs (compiling, caches): the warm-up absorbs them; the
+    golden answers after it are what `eval_latency_s` bounds."""
+    asked = 0
+
+    async def chat(request: web.Request) -> web.Response:
+        nonlocal asked
+        asked += 1
+        if asked == 1:
+            await asyncio.sleep(0.6)  # the first request after a start
+        return web.json_response({"choices": [{"message": {"role": "assistant", "content": "Paris"}}]})
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    cases = [EvalCase(name="capital", prompt="The capital of France?", max_tokens=4, contains="Paris")]
+    async with TestServer(app, host="127.0.0.1") as server, aiohttp.ClientSession() as session:
+        engine = Replica(id="m-1", model="m", engine="x", url=str(server.make_url("")).rstrip("/"))
+        assert await run_gate(session, engine, cases, latency_s=0.3) is None
+    assert asked == 2
 
 
 def rollout(**policy: object) -> Rollout:
