@@ -5,14 +5,11 @@ started here, declaring two GPUs; the engine is the probe that reports where Ray
 
 from __future__ import annotations
 
-import asyncio
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import pytest
 import ray
 
@@ -20,9 +17,10 @@ from corral.cli.up import _prepare_all, _runtime
 from corral.config import Paths, parse_spec
 from corral.engines import LaunchPlan
 
+from .test_ray import PROBE, placement_of, start_ready
+
 pytestmark = pytest.mark.slow  # starts Ray (`make test-fast` skips)
 
-PROBE = Path(__file__).with_name("ray_engine_probe.py")
 SPEC = """
 auth: {open: true}
 ray: {placement_timeout: 30}
@@ -54,19 +52,9 @@ async def visible_gpus(runtime: Any, replica_id: str, prepared: LaunchPlan) -> s
     """Start the probe as `replica_id` on `runtime`, reserving what `prepared` (the replica's plan, as `corral
     up` prepares it) does; the CUDA_VISIBLE_DEVICES its engine saw."""
     argv = (sys.executable, str(PROBE), "--host", "{host}", "--port", "{port}")
-    replica = await runtime.start(replica_id, LaunchPlan(argv=argv, resources=prepared.resources))
+    replica = await start_ready(runtime, replica_id, LaunchPlan(argv=argv, resources=prepared.resources))
     try:
-        deadline = time.monotonic() + 120
-        async with aiohttp.ClientSession() as session:
-            while True:
-                try:
-                    async with session.get(replica.url + "/placement") as response:
-                        if response.status == 200:
-                            return (await response.json())["cuda_visible_devices"]  # type: ignore[no-any-return]
-                except aiohttp.ClientError:
-                    pass
-                assert time.monotonic() < deadline, f"{replica_id} did not come up"
-                await asyncio.sleep(0.2)
+        return (await placement_of(replica.url))["cuda_visible_devices"]  # type: ignore[no-any-return]
     finally:
         await replica.stop(5)
 

@@ -102,6 +102,11 @@ class _EngineHost:
             self._process.wait()
 
 
+def _seen(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()  # retrieved: not logged as an exception nobody read
+
+
 class RayReplica:
     """A replica running as an actor in a placement group."""
 
@@ -131,7 +136,9 @@ class RayReplica:
         except (ray.exceptions.RayError, TimeoutError) as exc:
             logger.info("replica actor at %s did not stop cleanly: %s", self.url, type(exc).__name__)
         else:  # the engine has exited: let its exit status leave the actor before the actor is killed
-            await asyncio.wait([asyncio.wrap_future(self._exit)], timeout=5)
+            status = asyncio.wrap_future(self._exit)
+            status.add_done_callback(_seen)  # (`wait` reports it; a status that never came is no error here)
+            await asyncio.wait([status], timeout=5)
         with contextlib.suppress(ray.exceptions.RayError, ValueError):  # already gone
             ray.kill(self._actor)
         with contextlib.suppress(ray.exceptions.RayError, ValueError):

@@ -68,10 +68,12 @@ class ChunkReader:
         """The text of `event` if it is one whole event of the template around a text without quotes
         (a token as an engine streams it: one event a read), else None (read it with `read`)."""
         prefix, suffix = self._prefix, self._suffix
-        if not prefix or not event.startswith(prefix) or not event.endswith(suffix):
+        if not prefix or len(event) < len(prefix) + len(suffix):
+            return None
+        if not event.startswith(prefix) or not event.endswith(suffix):
             return None
         inside = event[len(prefix) : len(event) - len(suffix)]
-        if b'"' in inside or len(event) < len(prefix) + len(suffix):
+        if b'"' in inside:
             return None  # (a quote: escaped inside the text, or another event's; the general path reads it)
         try:
             text = orjson.loads(b'"' + inside + b'"')
