@@ -270,6 +270,28 @@ async def test_stopping_a_replica_stops_its_engine_within_the_grace_period(
     assert await asyncio.wait_for(replica.wait(), 5) == -signal.SIGTERM  # the engine's own exit, reported
 
 
+async def test_a_ray_replicas_actor_rotates_its_engines_log(
+    ray_cluster: tuple[Cluster, dict[str, object]], tmp_path: Path
+) -> None:
+    """The log is on the actor's node, out of the supervisor's reach: the actor rotates it by the limits
+    `corral up` gives the runtime (supervisor.replica_log_max_mb, replica_log_keep), within a check or two."""
+    argv = (sys.executable, str(PROBE), "--host", "{host}", "--port", "{port}")
+    plan = LaunchPlan(argv=argv, env={}, health_path="/health", resources=Resources(cpus=0.5))
+    runtime = RayRuntime(tmp_path, placement_timeout=20, log_limits=(4096, 1))
+    replica = await start_ready(runtime, "probe-log", plan)
+    try:
+        log = tmp_path / "probe-log.log"
+        with log.open("ab") as out:  # output beyond the limit, as the engine would write it
+            out.write(b"spoken\n" + b"x" * 10_000 + b"\n")
+        deadline = time.monotonic() + 15
+        while log.stat().st_size > 4096:
+            assert time.monotonic() < deadline, "the actor did not rotate its engine's log"
+            await asyncio.sleep(0.2)
+        assert b"spoken\n" in (tmp_path / "probe-log.log.1").read_bytes()
+    finally:
+        await replica.stop(5)
+
+
 AUTOSCALED = """
 auth: {open: true}
 models:

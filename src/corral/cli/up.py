@@ -497,7 +497,8 @@ def _runtime(spec: ClusterSpec, paths: Paths) -> Any:
     from corral.cluster.ray_runtime import RayRuntime
 
     # (each replica reserves what its launch plan's deployment asks: engines.Resources)
-    return RayRuntime(paths.logs, spec.ray.address, spec.ray.placement_timeout)
+    limits = (int(spec.supervisor.replica_log_max_mb * 1024 * 1024), spec.supervisor.replica_log_keep)
+    return RayRuntime(paths.logs, spec.ray.address, spec.ray.placement_timeout, limits)
 
 
 async def _first_of(*aws: Any) -> Any:

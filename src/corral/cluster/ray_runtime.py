@@ -35,12 +35,14 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from corral.cluster.runtime import AttachedReplica, RunningReplica, die_with_parent
+from corral.cluster.runtime import AttachedReplica, RunningReplica, die_with_parent, rotate_log
 from corral.engines import LaunchPlan, Resources
 
 __all__ = ["RayRuntime", "bundles", "strategy"]
 
 logger = logging.getLogger(__name__)
+
+_LOG_CHECK_S = 2.0  # how often a replica's actor looks at its engine's log's size
 
 
 def bundles(resources: Resources) -> list[dict[str, float]]:
@@ -61,9 +63,15 @@ class _EngineHost:
 
     def __init__(self) -> None:
         self._process: subprocess.Popen[bytes] | None = None
+        self._log: tuple[Path, int, int] | None = None  # the engine's log, its largest size, copies kept
 
     def start(
-        self, argv: list[str], env: dict[str, str], log_path: str, death_signal: int
+        self,
+        argv: list[str],
+        env: dict[str, str],
+        log_path: str,
+        death_signal: int,
+        log_limits: tuple[int, int],
     ) -> tuple[str, int, str]:
         import ray
 
@@ -73,6 +81,7 @@ class _EngineHost:
             port = int(sock.getsockname()[1])
         command = [arg.format(host=host, port=port) for arg in argv]
         Path(log_path).parent.mkdir(parents=True, exist_ok=True)
+        self._log = (Path(log_path), *log_limits)
         with open(log_path, "ab") as log:
             self._process = subprocess.Popen(
                 command,
@@ -86,8 +95,14 @@ class _EngineHost:
         return host, port, ray.get_runtime_context().get_node_id()
 
     def wait(self) -> int:
-        assert self._process is not None
-        return self._process.wait()
+        """The engine's exit status, when it ends; meanwhile its log is rotated as a local replica's is (the
+        log is on this node, out of the supervisor's reach)."""
+        assert self._process is not None and self._log is not None
+        while True:
+            try:
+                return self._process.wait(timeout=_LOG_CHECK_S)
+            except subprocess.TimeoutExpired:
+                rotate_log(*self._log)
 
     def stop(self, grace: float) -> None:
         if self._process is None or self._process.poll() is not None:
@@ -150,12 +165,20 @@ class RayRuntime:
 
     assigns_gpus = True  # its placement groups do; the plan's CUDA_VISIBLE_DEVICES is dropped
 
-    def __init__(self, logs: Path, address: str | None = None, placement_timeout: float = 60.0) -> None:
+    def __init__(
+        self,
+        logs: Path,
+        address: str | None = None,
+        placement_timeout: float = 60.0,
+        log_limits: tuple[int, int] = (100 * 1024 * 1024, 3),
+    ) -> None:
+        """`log_limits`: a replica log's largest size in bytes and the rotated copies kept (rotate_log)."""
         import ray
 
         if not ray.is_initialized():
             ray.init(address=address, log_to_driver=False, include_dashboard=False)
         self._logs = logs
+        self._log_limits = log_limits
         self._timeout = placement_timeout
         self._host_class = ray.remote(num_cpus=0)(_EngineHost)
 
@@ -214,7 +237,9 @@ class RayRuntime:
             env["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
         log = str(self._logs / f"{replica_id.replace('/', '_')}.log")
         try:
-            host, port, node_id = await actor.start.remote(list(plan.argv), env, log, int(plan.death_signal))
+            host, port, node_id = await actor.start.remote(
+                list(plan.argv), env, log, int(plan.death_signal), self._log_limits
+            )
         except ray.exceptions.RayError as exc:
             ray.util.remove_placement_group(group)
             raise OSError(f"the replica actor failed to start: {exc}") from exc

@@ -3,6 +3,7 @@
 The supervisor talks only to `ReplicaRuntime`; the local runtime starts engines as child processes on this
 machine (a Ray runtime starts them as actors on a cluster's nodes). Each local replica runs in its own
 process group, so stopping it stops everything it spawned, and asks the kernel to end it if corral dies.
+A replica's output goes to `<logs>/<replica>.log`, rotated by size (`rotate_log`).
 """
 
 from __future__ import annotations
@@ -10,7 +11,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import logging
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -29,7 +32,10 @@ __all__ = [
     "die_with_parent",
     "free_port",
     "log_tail",
+    "rotate_log",
 ]
+
+logger = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
 
@@ -149,6 +155,28 @@ def log_tail(path: Path | None, lines: int = 6, max_bytes: int = 16384) -> list[
         return []
     latest = text.rsplit("\n=== ", 1)[-1].split("\n", 1)[-1] if "\n=== " in text else text
     return [line.rstrip() for line in latest.splitlines() if line.strip()][-lines:]
+
+
+def rotate_log(path: Path, max_bytes: int, keep: int) -> bool:
+    """Rotate a replica's log once it is over `max_bytes`: `<log>.1` … `<log>.<keep>` move one along (the
+    oldest is dropped), the log is copied to `<log>.1` and emptied in place. The engine keeps its file
+    open and appends to it (opened O_APPEND), so it goes on writing at the emptied file's start; output it
+    writes between the copy's end and the emptying is lost (logrotate's `copytruncate`). Whether it
+    rotated; a log that cannot be read or written is left as it is (logged)."""
+    try:
+        if path.stat().st_size <= max_bytes:
+            return False
+        for number in range(keep - 1, 0, -1):
+            older = path.with_name(f"{path.name}.{number}")
+            if older.exists():
+                older.replace(path.with_name(f"{path.name}.{number + 1}"))
+        if keep:
+            shutil.copyfile(path, path.with_name(f"{path.name}.1"))
+        os.truncate(path, 0)
+    except OSError as exc:
+        logger.warning("could not rotate the replica log %s: %s", path, exc)
+        return False
+    return True
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import zmq
 import zmq.asyncio
 
-from corral.cluster.runtime import ReplicaRuntime, RunningReplica, log_tail
+from corral.cluster.runtime import ReplicaRuntime, RunningReplica, log_tail, rotate_log
 from corral.config import SupervisorSettings
 from corral.engines import EngineAdapter, LaunchPlan
 from corral.engines.client import EngineClient, EngineConnectionError
@@ -392,11 +392,14 @@ class Supervisor:
         slot.became_ready = True
         logger.info("replica %s ready at %s", replica.id, running.url)
         failures = 0
+        log_bytes = int(settings.replica_log_max_mb * 1024 * 1024)
         while True:
             await self._scrape(slot, running)
             await asyncio.wait([exited], timeout=settings.probe_interval)
             if exited.done():
                 return f"exited with code {exited.result()}"
+            if running.log_path is not None:  # (a Ray replica's log is on its node: its actor rotates it)
+                await asyncio.to_thread(rotate_log, running.log_path, log_bytes, settings.replica_log_keep)
             if await self._healthy(running.url, slot.plan.health_path):
                 failures = 0
                 if not slot.draining:

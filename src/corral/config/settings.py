@@ -158,6 +158,14 @@ class SupervisorSettings(Strict):
             description="starts in a row that fail before ready, after which a replica is given up (failed)",
         ),
     ] = 5
+    replica_log_max_mb: Annotated[
+        float,
+        Field(gt=0, description="a replica's log file is rotated once it is larger than this (MiB)"),
+    ] = 100.0
+    replica_log_keep: Annotated[
+        int,
+        Field(ge=0, description="rotated copies of a replica's log kept (<replica>.log.1 newest; 0: none)"),
+    ] = 3
 
 
 class OIDCGroup(Strict):
