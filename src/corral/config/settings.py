@@ -285,6 +285,14 @@ class StoreSettings(Strict):
             "previous_response_id and retrieval (OpenAI keeps them 30)",
         ),
     ] = 30
+    usage_retention_days: Annotated[int, Field(ge=32)] | None = Field(
+        default=None,
+        description="days usage records are kept (at least 32: monthly budgets count this calendar month's); "
+        "unset: kept for ever",
+    )
+    audit_retention_days: Annotated[int, Field(ge=1)] | None = Field(
+        default=None, description="days audit records are kept; unset: kept for ever"
+    )
 
 
 class LimitsSettings(Strict):

@@ -167,12 +167,13 @@ def build_app(
         rebuild = _semantic_cache(parts.cache, relay)
         parts.queue.start()
         batches = _batch_runner(parts, router, pipeline, worker)
+        retention = _retention(parts, worker)
         usage.start()
         metrics.start()
         try:
             yield
         finally:
-            for task in (rebuild, batches):
+            for task in (rebuild, batches, retention):
                 if task is not None:
                     task.cancel()
                     try:
@@ -203,6 +204,28 @@ def _batch_runner(
         parts.batches, pipeline, parts.keys, router.replicas, parts.queue.depths, parts.batch, parts.adapters
     )
     return asyncio.create_task(runner.run(), name="batch-runner")
+
+
+_RETENTION_S = 3600.0  # how often old usage and audit rows are swept (and once at start)
+
+
+def _retention(parts: GatewayParts, worker: int | None) -> asyncio.Task[None] | None:
+    """Sweep usage and audit rows past their retention (one gateway process of a machine's workers)."""
+    retention = parts.retention
+    if retention is None or worker not in (None, 0):
+        return None
+
+    async def sweep() -> None:
+        while True:
+            try:
+                usage, audit = await asyncio.to_thread(retention.sweep)
+                if usage or audit:
+                    logger.info("retention: deleted %d usage and %d audit records", usage, audit)
+            except Exception:  # a supervisor loop: logged, tried again next time
+                logger.exception("retention: the sweep failed")
+            await asyncio.sleep(_RETENTION_S)
+
+    return asyncio.create_task(sweep(), name="retention")
 
 
 _SWEEP_S = 60.0  # how often the semantic index forgets the vectors of expired or evicted entries

@@ -30,7 +30,15 @@ from corral.config import (
 )
 from corral.routing import ReplicaSet
 from corral.routing.adapters import AdapterCatalogue
-from corral.store import AuditLog, KeyStore, ResponseStore, SessionStore, UsageStore, open_database
+from corral.store import (
+    AuditLog,
+    KeyStore,
+    ResponseStore,
+    Retention,
+    SessionStore,
+    UsageStore,
+    open_database,
+)
 
 if TYPE_CHECKING:
     from sqlalchemy import Engine
@@ -87,6 +95,7 @@ class GatewayParts:
     adapters: AdapterCatalogue = field(default_factory=AdapterCatalogue)  # LoRA adapters (a live apply's)
     audit: AuditLog | None = None  # every administrative action (store/audit.py)
     sessions: SessionStore | None = None  # console sign-ins through the identity provider (auth.oidc)
+    retention: Retention | None = None  # old usage and audit rows swept (store.*_retention_days)
 
     def reconfigure(self, queue: QueueSettings, limits: LimitsSettings) -> None:
         """New queue bounds and rate-limit settings from a live `corral apply` (requests already waiting
@@ -136,6 +145,11 @@ class GatewayParts:
             responses=ResponseStore(engine, store.response_ttl_days * 86400),
             audit=AuditLog(engine),
             sessions=SessionStore(engine) if auth.oidc is not None else None,
+            retention=(
+                Retention(engine, store.usage_retention_days, store.audit_retention_days)
+                if store.usage_retention_days is not None or store.audit_retention_days is not None
+                else None
+            ),
         )
 
 

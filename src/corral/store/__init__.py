@@ -13,6 +13,7 @@ from corral.store.audit import AuditEntry, AuditLog
 from corral.store.files import FileQuotaExceeded, FileStore, NewFile
 from corral.store.keys import PRIORITIES, ROLES, InvalidKey, KeyRecord, KeyStore, KeyUpdate, NewKey, hash_key
 from corral.store.responses import ResponseStore, StoredResponse
+from corral.store.retention import Retention
 from corral.store.schema import Base, StoreError, add_missing_columns
 from corral.store.sessions import ConsoleSession, SessionStore
 from corral.store.usage import UsageRecord, UsageStore
@@ -32,6 +33,7 @@ __all__ = [
     "NewFile",
     "NewKey",
     "ResponseStore",
+    "Retention",
     "SessionStore",
     "StoreError",
     "StoredResponse",

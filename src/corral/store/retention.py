@@ -1,0 +1,30 @@
+"""How long usage and audit records are kept: rows older than their retention are deleted by a sweep the
+gateway runs at start and hourly (store.usage_retention_days, store.audit_retention_days; unset: kept)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+
+from sqlalchemy import Engine
+
+from corral.store.schema import AuditRow, UsageRow, delete_before
+
+__all__ = ["Retention"]
+
+
+@dataclass(frozen=True)
+class Retention:
+    engine: Engine
+    usage_days: int | None
+    audit_days: int | None
+
+    def sweep(self, now: datetime | None = None) -> tuple[int, int]:
+        """Delete what has outlived its retention; (usage rows, audit rows) deleted. Blocking: off-loop."""
+        now = now or datetime.now(UTC)
+        usage = audit = 0
+        if self.usage_days is not None:
+            usage = delete_before(self.engine, UsageRow, now - timedelta(days=self.usage_days))
+        if self.audit_days is not None:
+            audit = delete_before(self.engine, AuditRow, now - timedelta(days=self.audit_days))
+        return usage, audit
