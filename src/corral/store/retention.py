@@ -6,9 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
-from sqlalchemy import Engine
+from sqlalchemy import Engine, delete, select
 
-from corral.store.schema import AuditRow, UsageRow, delete_before
+from corral.store.schema import AuditRow, UsageRow
 
 __all__ = ["Retention"]
 
@@ -28,3 +28,19 @@ class Retention:
         if self.audit_days is not None:
             audit = delete_before(self.engine, AuditRow, now - timedelta(days=self.audit_days))
         return usage, audit
+
+
+def delete_before(
+    engine: Engine, row: type[UsageRow] | type[AuditRow], before: datetime, batch: int = 5000
+) -> int:
+    """Delete the rows of `row`'s table written before `before`, `batch` at a time (each its own
+    transaction, found by the `at` index: a long sweep holds no lock for long); how many."""
+    deleted = 0
+    while True:
+        with engine.begin() as connection:
+            ids = connection.scalars(select(row.id).where(row.at < before).limit(batch)).all()
+            if ids:
+                connection.execute(delete(row).where(row.id.in_(ids)))
+        deleted += len(ids)
+        if len(ids) < batch:
+            return deleted

@@ -1,36 +1,14 @@
-"""Tables: API keys (stored hashed), usage records and the audit trail; the retention sweep."""
+"""Tables: API keys (stored hashed), usage records and the audit trail."""
 
 from __future__ import annotations
 
 from datetime import datetime
 
-from sqlalchemy import (
-    JSON,
-    BigInteger,
-    DateTime,
-    Engine,
-    Float,
-    Index,
-    Integer,
-    String,
-    delete,
-    inspect,
-    select,
-    text,
-)
+from sqlalchemy import JSON, BigInteger, DateTime, Engine, Float, Index, Integer, String, inspect, text
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-__all__ = [
-    "ApiKeyRow",
-    "AuditRow",
-    "Base",
-    "SessionRow",
-    "StoreError",
-    "UsageRow",
-    "add_missing_columns",
-    "delete_before",
-]
+__all__ = ["ApiKeyRow", "AuditRow", "Base", "SessionRow", "StoreError", "UsageRow", "add_missing_columns"]
 
 
 class Base(DeclarativeBase):
@@ -70,7 +48,7 @@ class ApiKeyRow(Base):
 class AuditRow(Base):
     """One administrative action: who (and with which role, from where), what, on what, and its outcome.
     Only ever inserted: no route or command updates or deletes a row (rows older than
-    `store.audit_retention_days`, where set, are swept: `delete_before`)."""
+    `store.audit_retention_days`, where set, are swept: store/retention.py)."""
 
     __tablename__ = "corral_audit"
     __table_args__ = (Index("ix_corral_audit_at", "at"),)
@@ -147,19 +125,3 @@ def add_missing_columns(engine: Engine) -> None:
                 index.create(bind=engine, checkfirst=True)
             except SQLAlchemyError:  # another process made it first
                 pass
-
-
-def delete_before(
-    engine: Engine, row: type[UsageRow] | type[AuditRow], before: datetime, batch: int = 5000
-) -> int:
-    """Delete the rows of `row`'s table written before `before`, `batch` at a time (each its own
-    transaction, found by the `at` index: a long sweep holds no lock for long); how many."""
-    deleted = 0
-    while True:
-        with engine.begin() as connection:
-            ids = connection.scalars(select(row.id).where(row.at < before).limit(batch)).all()
-            if ids:
-                connection.execute(delete(row).where(row.id.in_(ids)))
-        deleted += len(ids)
-        if len(ids) < batch:
-            return deleted
