@@ -9,6 +9,8 @@ Each tick it looks at every model with batches in progress and takes as many lin
 have free slots, less the most slots interactive requests held (or waited for) at once over the last
 `batch.reserve_window_s` and a headroom (`batch.headroom` slots a model): batch lines fill what
 interactive traffic has recently left idle, and a burst like the recent ones finds free slots at once.
+With several gateway workers, every worker runs a runner over its own share of the slots; the first one
+alone checks new batches and keeps the queue (`manages`).
 A line goes through the gateway's own pipeline (parse, authorize, queue at the lowest priority, route,
 relay, settle: usage is recorded per line) and its result is committed under its lease (batch/jobs.py),
 with the other results of its tick in one transaction (ticks are at least 50 ms apart). A line the
@@ -72,7 +74,12 @@ class BatchRunner:
         waiting: Callable[[], dict[str, int]],
         settings: BatchSettings,
         adapters: AdapterCatalogue | None = None,
+        manages: bool = True,
     ) -> None:
+        """`manages`: this runner also checks new batches and keeps the queue (finishes, expires, tidies);
+        one runner a machine does (the first gateway worker), every worker's runs lines on its own share of
+        the slots."""
+        self._manages = manages
         self._store = store
         self._adapters = adapters or AdapterCatalogue()  # an adapter's lines run on its base's replicas
         self._executor = executor
@@ -124,7 +131,7 @@ class BatchRunner:
         loop = asyncio.get_running_loop()
         next_housekeeping = next_renewal = loop.time()
         try:
-            if dropped := await asyncio.to_thread(self._store.tidy):
+            if self._manages and (dropped := await asyncio.to_thread(self._store.tidy)):
                 logger.info("batch queue: dropped the lines of %d finished batches", dropped)
         except Exception:
             logger.exception("batch queue: tidying failed")
@@ -132,7 +139,7 @@ class BatchRunner:
             while True:
                 try:
                     await self._flush()
-                    if loop.time() >= next_housekeeping:
+                    if self._manages and loop.time() >= next_housekeeping:
                         next_housekeeping = loop.time() + _HOUSEKEEPING_S
                         for batch_id in await asyncio.to_thread(self._store.housekeeping):
                             logger.info("batch %s finished", batch_id)
@@ -142,6 +149,7 @@ class BatchRunner:
                             self._store.renew, self.owner, list(self._leased.values()), self._settings.lease_s
                         )
                     checking, models = await asyncio.to_thread(self._store.pending)
+                    checking = checking and self._manages
                     for record in await asyncio.to_thread(self._store.validating) if checking else []:
                         try:
                             await self._validate(record)

@@ -197,11 +197,19 @@ def build_app(
 def _batch_runner(
     parts: GatewayParts, router: Router, pipeline: Pipeline, worker: int | None
 ) -> asyncio.Task[None] | None:
-    """Run batch lines here (one gateway process of a machine's workers: the first)."""
-    if parts.batches is None or worker not in (None, 0):
+    """Run batch lines here: every worker on its own share of the slots (a worker's router holds its share
+    of each replica's), the first one also checking new batches and keeping the queue."""
+    if parts.batches is None:
         return None
     runner = BatchRunner(
-        parts.batches, pipeline, parts.keys, router.replicas, parts.queue.depths, parts.batch, parts.adapters
+        parts.batches,
+        pipeline,
+        parts.keys,
+        router.replicas,
+        parts.queue.depths,
+        parts.batch,
+        parts.adapters,
+        manages=worker in (None, 0),
     )
     return asyncio.create_task(runner.run(), name="batch-runner")
 
