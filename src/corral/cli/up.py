@@ -218,6 +218,7 @@ async def _serve_workers(
         lambda model: pool.announce_model(model_settings(model, paths)),
         pool.pressure,
         lambda wanted: pool.announce_cluster(cluster_settings(wanted)),
+        workers,
     )
     try:
         port = pool.reserve(spec.gateway.host, spec.gateway.port)
@@ -353,7 +354,13 @@ def install_adapters(parts: Any, settings: dict[str, Any]) -> None:
 
 
 def _reconciler(
-    spec: ClusterSpec, paths: Paths, supervisor: Any, on_model: Any, pressure: Any, on_cluster: Any
+    spec: ClusterSpec,
+    paths: Paths,
+    supervisor: Any,
+    on_model: Any,
+    pressure: Any,
+    on_cluster: Any,
+    workers: int = 1,
 ) -> Any:
     """What `corral apply` and `rollout` talk to, and the autoscaler's owner: prepares new deployments
     (blocking, in a thread), has the gateway(s) learn a model's settings (`on_model`) before it is served,
@@ -373,7 +380,7 @@ def _reconciler(
 
         return str(resolve_adapter(adapter.source, paths))
 
-    return Reconciler(supervisor, spec, prepare, on_model, pressure, on_cluster, adapter_path)
+    return Reconciler(supervisor, spec, prepare, on_model, pressure, on_cluster, adapter_path, workers)
 
 
 def _stop_on_signals() -> asyncio.Event:

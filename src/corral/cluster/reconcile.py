@@ -73,8 +73,9 @@ class Change:
         }
 
 
-def plan_changes(running: ClusterSpec, wanted: ClusterSpec) -> list[Change]:
-    """The changes that turn `running` into `wanted`; ApplyError for what needs a restart."""
+def plan_changes(running: ClusterSpec, wanted: ClusterSpec, workers: int = 1) -> list[Change]:
+    """The changes that turn `running` into `wanted` (served by `workers` gateway processes); ApplyError
+    for what needs a restart."""
     sections = [
         name
         for name in ClusterSpec.model_fields
@@ -90,6 +91,13 @@ def plan_changes(running: ClusterSpec, wanted: ClusterSpec) -> list[Change]:
         raise ApplyError(
             f"changing {', '.join(sections)} needs a restart of corral up (apply changes models, queue, "
             "limits and gateway.routing)"
+        )
+    fewest = wanted.fewest_slots
+    if fewest is not None and workers > fewest[0]:
+        raise ApplyError(
+            f"a replica of model {fewest[1]!r} would have {fewest[0]} slots, fewer than the {workers} "
+            "gateway workers running (each holds a share of every replica's slots): keep at least as many "
+            "slots, or restart corral up with fewer workers"
         )
     live = [name for name in (*_LIVE_SECTIONS, "gateway") if getattr(running, name) != getattr(wanted, name)]
     before = {m.name: m for m in running.models}
@@ -230,8 +238,10 @@ class Reconciler:
         pressure: Pressure | None = None,
         on_cluster: Callable[[ClusterSpec], None] | None = None,
         adapter_path: Callable[[AdapterSpec], str] | None = None,
+        workers: int = 1,
     ) -> None:
         self._supervisor = supervisor
+        self._workers = workers  # the gateway processes sharing the replicas' slots
         self._adapter_path = adapter_path or (lambda adapter: "")
         self._replicas = supervisor.replicas
         self.spec = spec
@@ -300,7 +310,7 @@ class Reconciler:
         async with self._lock:
             listening = {"host": self.spec.gateway.host, "port": self.spec.gateway.port}
             wanted = wanted.model_copy(update={"gateway": wanted.gateway.model_copy(update=listening)})
-            changes = plan_changes(self._running(), wanted)
+            changes = plan_changes(self._running(), wanted, self._workers)
             rolling = {m for m, r in self._rollouts.items() if not r.outcome}
             busy = sorted({c.model for c in changes} & rolling)
             if busy:

@@ -245,6 +245,14 @@ class DeploymentSpec(Strict):
                 return {**data, "replicas": len(urls)}
         return data
 
+    @property
+    def slots(self) -> int | None:
+        """Sequences one replica runs at once (the gateway's slots per replica); None: an external
+        server's, which corral does not know."""
+        if self.engine == "llamacpp":
+            return self.parallel
+        return None if self.engine == "external" else self.max_num_seqs
+
     @model_validator(mode="after")
     def _external_has_urls(self) -> DeploymentSpec:
         self._check_counts()

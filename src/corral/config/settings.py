@@ -116,7 +116,8 @@ class GatewaySettings(Strict):
         description="gateway processes sharing the port (SO_REUSEPORT) and one supervisor's replica set; "
         "more than 1 needs limits.backend: redis (and cache.backend: redis where models cache). auto: one "
         "per core when limits (and any cache) are in Redis and the gateway listens beyond loopback (a "
-        "server), else 1",
+        "server), else 1; never more than a replica's slots (parallel / max_num_seqs): each worker holds "
+        "a share of them",
     )
 
     def address_from_here(self) -> str:

@@ -72,7 +72,22 @@ class ClusterSpec(Strict):
                 f"gateway.workers: {self.gateway.workers} with cached models needs cache.backend: redis, so "
                 "that the workers share one cache (a purge reaches all of it)"
             )
+        fewest = self.fewest_slots
+        if self.gateway.workers != "auto" and fewest is not None and self.gateway.workers > fewest[0]:
+            raise ValueError(
+                f"gateway.workers: {self.gateway.workers} is more than the {fewest[0]} slots of a replica of "
+                f"model {fewest[1]!r}: each worker holds a share of every replica's slots, so the engine "
+                "would be sent more at once than it runs (and queue them itself, past the gateway's fair "
+                "queue); lower workers or raise the deployment's parallel / max_num_seqs"
+            )
         return self
+
+    @property
+    def fewest_slots(self) -> tuple[int, str] | None:
+        """(slots, model) of the deployment whose replicas run the fewest sequences at once; None when no
+        deployment's slots are known (external servers)."""
+        known = [(d.slots, m.name) for m in self.models for d in m.deployments if d.slots is not None]
+        return min(known) if known else None
 
     def _check_embedding_models(self) -> None:
         tasks = {m.name: m.task for m in self.models}
@@ -92,14 +107,17 @@ class ClusterSpec(Strict):
 
     def gateway_workers(self, cpus: int | None) -> int:
         """How many gateway processes to run: the spec's number, or for `auto` one per core on a server
-        (limits shared in Redis, listening beyond loopback, no response cache kept per process) and 1
-        otherwise."""
+        (limits shared in Redis, listening beyond loopback, no response cache kept per process), at most
+        the fewest slots of any deployment's replica, and 1 otherwise."""
         workers = self.gateway.workers
         if workers != "auto":
             return workers
         shared = self.limits.backend == "redis" and not self.per_worker_cache
         server = shared and not is_loopback(self.gateway.host)
-        return max(1, cpus or 1) if server else 1
+        if not server:
+            return 1
+        fewest = self.fewest_slots  # (no more workers than a replica has slots: each holds a share)
+        return max(1, min(cpus or 1, fewest[0] if fewest is not None else cpus or 1))
 
 
 def is_loopback(host: str) -> bool:
