@@ -125,6 +125,35 @@ def test_each_worker_s_prefix_index_holds_the_documents_either_worker_routed(
     assert min(held.values()) >= blocks, (held, blocks)
 
 
+def test_either_worker_s_status_counts_the_whole_cluster(workers_cluster: RunningCluster) -> None:
+    """Each worker routes with its own counts and its share of the slots, but /corral/status (the CLI's and
+    the console's view) answers with the cluster's: every worker's requests, each replica's whole capacity."""
+
+    def served() -> dict[int, int]:  # worker index -> requests served, as its status tells it
+        seen: dict[int, int] = {}
+        for _ in range(60):
+            body = get_json(workers_cluster.url + "/corral/status")[1]
+            seen[body["worker"]["index"]] = sum(r["served"] for r in body["replicas"])
+            assert [r["capacity"] for r in body["replicas"]] == [256, 256]  # max_num_seqs, not a share
+            if len(seen) == 2:
+                break
+        return seen
+
+    before = served()
+    for _ in range(20):  # the earlier tests' requests all reported (the workers report twice a second)
+        time.sleep(1.0)
+        if (now := served()) == before:
+            break
+        before = now
+    assert before[0] == before[1]  # (nothing runs between the two answers here)
+    for i in range(12):  # fresh connections: spread over both workers
+        chat(workers_cluster.url, "llama-8b", f"count me {i}")
+    deadline = time.monotonic() + 10  # the workers report twice a second
+    while (now := served()) != {0: before[0] + 12, 1: before[0] + 12} and time.monotonic() < deadline:
+        time.sleep(0.3)
+    assert now == {0: before[0] + 12, 1: before[0] + 12}, (before, now)
+
+
 def test_a_killed_worker_is_restarted_while_the_other_serves(workers_cluster: RunningCluster) -> None:
     seen = _workers_seen(workers_cluster.url)
     os.kill(seen[1], signal.SIGKILL)

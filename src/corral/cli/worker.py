@@ -59,6 +59,11 @@ class _RemoteControl:
     async def rollout_action(self, model: str, action: str, grace_s: float = 60.0) -> dict[str, object]:
         return dict(await self._call("rollout_action", model=model, action=action, grace_s=grace_s))
 
+    async def counts(self) -> dict[str, list[int]]:
+        """Each replica's [outstanding, pending prefill tokens, served, failures, capacity] over all the
+        workers (the pool sums the workers' reports, each up to half a second old)."""
+        return dict(await self._call("counts"))
+
     async def _call(self, name: str, **args: Any) -> Any:
         self._next += 1
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
@@ -106,7 +111,9 @@ async def _work(control: Path, index: int) -> None:
     if workers > 1:  # every worker's prefix index learns every worker's placements
         router.share_placements(writer.write)
     remote = _RemoteControl(writer)
-    parts = dataclasses.replace(gateway_parts_for(spec, Paths.from_env(), replicas), control=remote)
+    parts = dataclasses.replace(
+        gateway_parts_for(spec, Paths.from_env(), replicas), control=remote, cluster_counts=remote.counts
+    )
     metrics_dir = Path(config["metrics_dir"])
     gateway = GatewayServer(spec.gateway, router, parts, worker=index, metrics_dir=metrics_dir)
     await gateway.start()

@@ -316,19 +316,26 @@ class WorkerPool:
             del self._totals[rid]
 
     async def _answer(self, writer: asyncio.StreamWriter, call: dict[str, Any]) -> None:
-        """Run a worker's control call on this process's reconciler; reply on its socket."""
+        """Run a worker's control call on this process's reconciler (or, `counts`, read the summed
+        replica counts); reply on its socket."""
         from corral.config import ClusterSpec
 
         reply: dict[str, Any] = {"reply": call["id"]}
         try:
-            if self.control is None:
-                raise ValueError("this corral runs no reconciler")
             name, args = call["call"], dict(call["args"])
-            if name not in _CALLS:
+            if name == "counts":  # the status page's: this process's sums of the workers' reports
+                reply["result"] = {
+                    r.id: [r.outstanding, r.pending_prefill, r.served, r.failures, r.capacity or 0]
+                    for r in self._replicas
+                }
+            elif self.control is None:
+                raise ValueError("this corral runs no reconciler")
+            elif name not in _CALLS:
                 raise ValueError(f"unknown control call {name!r}")
-            if name == "apply":
-                args["wanted"] = ClusterSpec.model_validate(args["wanted"])
-            reply["result"] = await getattr(self.control, name)(**args)
+            else:
+                if name == "apply":
+                    args["wanted"] = ClusterSpec.model_validate(args["wanted"])
+                reply["result"] = await getattr(self.control, name)(**args)
         except KeyError as exc:
             reply.update(error="not_found", message=str(exc.args[0] if exc.args else exc))
         except ValueError as exc:

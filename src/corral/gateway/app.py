@@ -15,6 +15,7 @@ import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import orjson
@@ -87,7 +88,9 @@ def build_app(
         audit=parts.audit,
         sessions=parts.sessions,
     )
-    status = _StatusViews(router, parts.auth, admin, time.time(), worker, parts.adapters)
+    status = _StatusViews(
+        router, parts.auth, admin, time.time(), worker, parts.adapters, parts.cluster_counts
+    )
     metrics = GatewayMetrics(
         router, parts.queue.depths, metrics_dir, parts.budget.spent, settings.metrics_tenant_labels
     )
@@ -349,8 +352,10 @@ class _StatusViews:
         started_at: float,
         worker: int | None = None,
         adapters: AdapterCatalogue | None = None,
+        cluster_counts: Callable[[], Awaitable[dict[str, list[int]]]] | None = None,
     ) -> None:
         self._replicas = router.replicas
+        self._cluster_counts = cluster_counts
         self._placement = router.adapters
         self._adapters = adapters or AdapterCatalogue()
         self._auth = auth
@@ -443,4 +448,20 @@ class _StatusViews:
                 for r in self._replicas.of(m)
             ]
             changes = {}  # rollouts and changes name replicas and reasons: the admin's
+        if self._cluster_counts is not None:
+            await self._whole_cluster(replicas)
         return web.json_response({"models": models, "replicas": replicas, **changes, **self._worker})
+
+    async def _whole_cluster(self, replicas: list[dict[str, Any]]) -> None:
+        """A worker's rows with the cluster's counts (every worker's requests, the whole capacity), not its
+        own share; its own if the pool does not answer in time."""
+        assert self._cluster_counts is not None
+        try:
+            counts = await asyncio.wait_for(self._cluster_counts(), 2.0)
+        except (TimeoutError, OSError, ValueError):
+            return
+        for row in replicas:
+            found = counts.get(str(row["id"]))
+            if found is not None:
+                row["outstanding"], row["pending_prefill_tokens"], row["served"], row["failures"] = found[:4]
+                row["capacity"] = found[4] or row["capacity"]

@@ -3,6 +3,7 @@ which gives each stage the parts it uses by name: no stage holds the container."
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
@@ -93,6 +94,9 @@ class GatewayParts:
     batch: BatchSettings = field(default_factory=BatchSettings)
     responses: ResponseStore | None = None  # stored responses (/v1/responses)
     adapters: AdapterCatalogue = field(default_factory=AdapterCatalogue)  # LoRA adapters (a live apply's)
+    # in a gateway worker: the cluster's counts per replica, summed over the workers by the supervisor
+    # (each worker's own replica set holds only its requests and its share of the slots)
+    cluster_counts: Callable[[], Awaitable[dict[str, list[int]]]] | None = None
     audit: AuditLog | None = None  # every administrative action (store/audit.py)
     sessions: SessionStore | None = None  # console sign-ins through the identity provider (auth.oidc)
     retention: Retention | None = None  # old usage and audit rows swept (store.*_retention_days)
