@@ -3,12 +3,15 @@ proxies (`gateway.trusted_proxies`) as the access log and the admin API see it."
 
 from __future__ import annotations
 
+import http.client
 import ssl
 import subprocess
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import openai
 import pytest
@@ -22,7 +25,7 @@ SPEC = """
 supervisor: {{probe_interval: 0.5}}
 auth: {{open: true}}
 gateway:
-  tls: {{cert: {tls}/server.crt, key: {tls}/server.key}}
+  tls: {{cert: {tls}/server.crt, key: {tls}/server.key, check_interval: 0.3}}
   trusted_proxies: [127.0.0.1]
   access_log: true
 models:
@@ -136,3 +139,62 @@ def test_a_certificate_that_cannot_be_used_is_one_line_before_anything_starts(
     result = subprocess.run([*CORRAL, "up", "-f", str(spec)], capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
     assert "gateway.tls: cannot use" in result.stderr and "Traceback" not in result.stderr
+
+
+def _served(url: str) -> str:
+    """The certificate a new connection is given, PEM."""
+    where = urlsplit(url)
+    return ssl.get_server_certificate((str(where.hostname), int(where.port or 443)))
+
+
+def _served_soon(url: str, pem: bytes, timeout: float = 15) -> None:
+    wanted = ssl.DER_cert_to_PEM_cert(ssl.PEM_cert_to_DER_cert(pem.decode()))
+    deadline = time.monotonic() + timeout
+    while _served(url) != wanted:
+        assert time.monotonic() < deadline, "the renewed certificate was not served"
+        time.sleep(0.1)
+
+
+def test_a_renewed_certificate_is_served_without_a_restart(
+    https_cluster: RunningCluster, tls_dir: Path
+) -> None:
+    """Renewal in place (a new key and certificate over the old files, as certbot or `corral deploy certs`
+    write them): new connections get the new certificate within check_interval, a connection already open
+    keeps working, and a pair that does not match is logged and not used."""
+    first = (tls_dir / "server.crt").read_bytes()
+    _served_soon(https_cluster.url, first)
+    where = urlsplit(https_cluster.url)
+    trusted = ssl.create_default_context(cafile=tls_dir / "ca.crt")
+    open_before = http.client.HTTPSConnection(str(where.hostname), where.port, context=trusted, timeout=10)
+    open_before.request("GET", "/health")
+    assert open_before.getresponse().read() and open_before.sock is not None
+    old_der = open_before.sock.getpeercert(binary_form=True)
+
+    write_dev_certificates(tls_dir, ["localhost", "127.0.0.1", "renewed.example"])  # same CA, new key
+    renewed = (tls_dir / "server.crt").read_bytes()
+    assert renewed != first
+    _served_soon(https_cluster.url, renewed)
+    log_has(https_cluster.log, "loaded the renewed certificate")
+    with openai.DefaultHttpxClient(verify=trusted) as httpx_client:  # new connections verify against the CA
+        client = openai.OpenAI(base_url=https_cluster.base_url, api_key="none", http_client=httpx_client)
+        assert [m.id for m in client.models.list()] == ["llama-8b"]
+    open_before.request("GET", "/health")  # the connection opened before: its certificate, still served
+    assert open_before.getresponse().status == 200 and open_before.sock is not None
+    assert open_before.sock.getpeercert(binary_form=True) == old_der
+    open_before.close()
+
+    key = (tls_dir / "server.key").read_bytes()
+    refused = "new connections keep the certificate loaded before"
+    told = https_cluster.log.read_text().count(refused)  # (a renewal caught half written is told so too)
+    try:
+        (tls_dir / "server.key").write_bytes((tls_dir / "ca.key").read_bytes())  # another certificate's key
+        deadline = time.monotonic() + 15
+        while https_cluster.log.read_text().count(refused) == told:
+            assert time.monotonic() < deadline, "the mismatched pair was not logged"
+            time.sleep(0.1)
+        _served_soon(https_cluster.url, renewed)  # (still the renewed one, and it works)
+        with openai.DefaultHttpxClient(verify=trusted) as httpx_client:  # and it verifies
+            client = openai.OpenAI(base_url=https_cluster.base_url, api_key="none", http_client=httpx_client)
+            assert client.models.list().data
+    finally:
+        (tls_dir / "server.key").write_bytes(key)

@@ -18,6 +18,11 @@ class TLSSettings(Strict):
 
     cert: Path = Field(description="PEM certificate chain: the server certificate first")
     key: Path = Field(description="PEM private key of the certificate")
+    check_interval: Annotated[float, Field(gt=0, le=86400)] = Field(
+        default=60.0,
+        description="seconds between looks at cert and key for a renewal: a changed pair that works is "
+        "used for new connections, without a restart (one that does not is logged; the old stays)",
+    )
 
 
 class GatewaySettings(Strict):

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import ssl
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +18,7 @@ from corral.gateway.connections import CappedSite, ConnectionCaps
 from corral.gateway.parts import GatewayParts
 from corral.routing import Router
 
-__all__ = ["GatewayServer", "TLSError", "server_tls_context"]
+__all__ = ["CertificateReloader", "GatewayServer", "TLSError", "server_tls_context"]
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +40,8 @@ class GatewayServer:
         self._router, self._parts, self._worker, self._metrics_dir = router, parts, worker, metrics_dir
         self._reuse_port = worker is not None
         self._tls = server_tls_context(settings.tls) if settings.tls is not None else None
+        self._reloader = CertificateReloader(self._tls, settings.tls) if self._tls and settings.tls else None
+        self._watch: asyncio.Task[None] | None = None
         self._runner: web.AppRunner | None = None
         self.connections = ConnectionCaps(
             settings.max_client_connections, ClientAddresses(settings.trusted_proxies)
@@ -72,6 +76,8 @@ class GatewayServer:
             ssl_context=self._tls,
         )
         await site.start()
+        if self._reloader is not None:
+            self._watch = asyncio.create_task(self._reloader.watch(), name="tls-reload")
         self.port = int(self._runner.addresses[0][1])
         logger.info("gateway listening on %s://%s:%s", self.scheme, self._settings.host, self.port)
 
@@ -80,6 +86,8 @@ class GatewayServer:
         return "https" if self._tls is not None else "http"
 
     async def stop(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
         if self._runner is not None:
             await self._runner.cleanup()
 
@@ -93,11 +101,59 @@ def server_tls_context(tls: TLSSettings) -> ssl.SSLContext:
     speaks no HTTP/2; an NGINX edge adds it)."""
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     context.minimum_version = ssl.TLSVersion.TLSv1_2
+    _load(context, tls, tls.cert, tls.key)
+    context.set_alpn_protocols(["http/1.1"])
+    return context
+
+
+def _load(context: ssl.SSLContext, tls: TLSSettings, cert: Path, key: Path) -> None:
     try:
-        context.load_cert_chain(tls.cert, tls.key)
+        context.load_cert_chain(cert, key)
     except FileNotFoundError as exc:
         raise TLSError(f"gateway.tls: {exc.filename} does not exist") from exc
     except (ssl.SSLError, OSError) as exc:
         raise TLSError(f"gateway.tls: cannot use {tls.cert} with {tls.key}: {exc}") from exc
-    context.set_alpn_protocols(["http/1.1"])
-    return context
+
+
+class CertificateReloader:
+    """A renewed certificate without a restart: every `check_interval` the cert and key files are looked at
+    (size and modification time); when they changed, the pair is read once, tried in a fresh context and,
+    if it works, loaded into the live one, which gives it to every new connection (those open keep theirs).
+    A pair that does not work (the key of another certificate, a renewal half written) is logged and the
+    certificate loaded before stays; it is tried again when the files change again."""
+
+    def __init__(self, context: ssl.SSLContext, tls: TLSSettings) -> None:
+        self._context, self._tls = context, tls
+        self._seen = self._stamp()
+
+    def _stamp(self) -> tuple[tuple[int, int], ...] | None:
+        try:
+            return tuple((s.st_mtime_ns, s.st_size) for s in (self._tls.cert.stat(), self._tls.key.stat()))
+        except OSError:
+            return None  # (gone for a moment while a renewal replaces them)
+
+    async def watch(self) -> None:
+        while True:
+            await asyncio.sleep(self._tls.check_interval)
+            self.check()
+
+    def check(self) -> bool:
+        """Load the files if they changed and work; whether a new pair was loaded."""
+        stamp = self._stamp()
+        if stamp is None or stamp == self._seen:
+            return False
+        self._seen = stamp
+        try:
+            # One read of each file, for the trial and the live context alike (a renewal may be writing).
+            with tempfile.TemporaryDirectory(prefix="corral-tls-") as folder:
+                cert, key = Path(folder) / "cert.pem", Path(folder) / "key.pem"
+                cert.write_bytes(self._tls.cert.read_bytes())
+                key.touch(mode=0o600)
+                key.write_bytes(self._tls.key.read_bytes())
+                _load(ssl.create_default_context(ssl.Purpose.CLIENT_AUTH), self._tls, cert, key)
+                _load(self._context, self._tls, cert, key)
+        except (TLSError, OSError) as exc:
+            logger.error("%s; new connections keep the certificate loaded before", exc)
+            return False
+        logger.info("gateway.tls: loaded the renewed certificate %s for new connections", self._tls.cert)
+        return True
