@@ -4,6 +4,7 @@ development CA's certificate, in front of two `corral up` gateways, used through
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import ssl
@@ -132,6 +133,11 @@ def test_openai_client_through_the_edge_plain_and_streamed(
         client = edge.client()
         for _ in range(6):
             assert ask(client)
+        raw = client.chat.completions.with_raw_response.create(
+            model="llama-8b", messages=[{"role": "user", "content": "hi"}], max_tokens=8
+        )
+        edge_id = raw.headers["x-request-id"]  # NGINX's $request_id, which the gateway took and logged
+        assert re.fullmatch("[0-9a-f]{32}", edge_id) and raw.parse().choices
         stream = client.chat.completions.create(
             model="llama-8b",
             messages=[{"role": "user", "content": "hi"}],
@@ -145,6 +151,7 @@ def test_openai_client_through_the_edge_plain_and_streamed(
     # Both gateways served, and each logged the client NGINX named (trusted proxy: 127.0.0.1).
     for cluster in gateways:
         log_has(cluster.log, '127.0.0.1 "POST /v1/chat/completions" 200')
+    assert any(edge_id in cluster.log.read_text() for cluster in gateways)
 
 
 def test_streamed_chunks_pass_through_unbuffered(
@@ -183,6 +190,7 @@ def test_a_burst_over_the_per_client_limit_gets_openai_shaped_429s(
     assert 429 in statuses and set(statuses) == {200, 429}
     headers, body = refused[0]
     assert headers["Retry-After"] == "1"
+    assert re.fullmatch("[0-9a-f]{32}", headers["x-request-id"])  # the edge's own answer has its id too
     assert headers["Content-Type"].startswith("application/json")
     error = __import__("json").loads(body)["error"]
     assert error["code"] == "rate_limit_exceeded" and error["type"] == "rate_limit_error"

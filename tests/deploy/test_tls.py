@@ -88,8 +88,9 @@ def test_status_over_https_with_the_ca(https_cluster: RunningCluster, tls_dir: P
     assert '"state": "ready"' in result.stdout
 
 
-def admin_status(cluster: RunningCluster, forwarded_for: str) -> int:
-    request = urllib.request.Request(cluster.url + "/admin/keys", headers={"X-Forwarded-For": forwarded_for})
+def admin_status(cluster: RunningCluster, forwarded_for: str, request_id: str = "") -> int:
+    headers = {"X-Forwarded-For": forwarded_for} | ({"X-Request-Id": request_id} if request_id else {})
+    request = urllib.request.Request(cluster.url + "/admin/keys", headers=headers)
     try:
         with urllib.request.urlopen(request, timeout=5, context=cluster.tls) as response:
             return int(response.status)
@@ -106,6 +107,11 @@ def test_trusted_proxy_names_the_client_for_the_access_log_and_admin(https_clust
     assert admin_status(https_cluster, "127.0.0.1, 198.51.100.4") == 403
     log_has(https_cluster.log, '203.0.113.9 "GET /admin/keys" 403')
     log_has(https_cluster.log, '198.51.100.4 "GET /admin/keys" 403')
+    # The edge's request id (its X-Request-Id, believed from a trusted proxy) ends the line.
+    assert admin_status(https_cluster, "192.0.2.7", request_id="edge0c4f") == 403
+    log_has(https_cluster.log, '192.0.2.7 "GET /admin/keys" 403')
+    line = next(x for x in https_cluster.log.read_text().splitlines() if '192.0.2.7 "GET /admin/keys"' in x)
+    assert line.rstrip().endswith("s edge0c4f"), line
 
 
 def addresses_of(trusted: list[str], peer: str, forwarded: str | None) -> tuple[str, bool]:

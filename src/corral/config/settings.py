@@ -114,7 +114,7 @@ class GatewaySettings(Strict):
     access_log: bool = Field(
         default=False,
         description="log one line per request: client address (through trusted proxies), method, path, "
-        "status, bytes, seconds",
+        "status, bytes, seconds, request id (x-request-id)",
     )
     workers: Annotated[int, Field(ge=1, le=256)] | Literal["auto"] = Field(
         default="auto",

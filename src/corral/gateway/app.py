@@ -20,6 +20,7 @@ from typing import Any
 import aiohttp
 import orjson
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 
 from corral.admission import Authenticator, Principal
 from corral.batch.runner import BatchRunner
@@ -30,7 +31,7 @@ from corral.engines.client import EngineClient
 from corral.gateway.admin import AdminViews, bearer_is
 from corral.gateway.agents import AgentViews
 from corral.gateway.batches import BatchViews
-from corral.gateway.clients import ClientAddresses
+from corral.gateway.clients import REQUEST_ID, ClientAddresses, RequestIds
 from corral.gateway.console import ConsoleViews
 from corral.gateway.embedder import ReplicaEmbedder
 from corral.gateway.isolation import TenantIsolation
@@ -71,7 +72,10 @@ def build_app(
     """The gateway application over `router`'s replica set, made of `parts`; `worker` and `metrics_dir`
     when it is one of several worker processes (see cluster/workers.py). The one place that says which
     stage uses which part. Called in the event loop that will serve the app (its clients are made here)."""
-    app = web.Application(middlewares=[_error_boundary], client_max_size=settings.max_body_bytes)
+    clients = ClientAddresses(settings.trusted_proxies)
+    ids = RequestIds(clients)
+    app = web.Application(middlewares=[_error_boundary(ids)], client_max_size=settings.max_body_bytes)
+    app.on_response_prepare.append(_tell_request_id)
     admin = AdminViews(
         access=parts.access,
         keys=parts.keys,
@@ -80,7 +84,7 @@ def build_app(
         queue_depths=parts.queue.depths,
         cache=parts.cache,
         control=parts.control,
-        clients=ClientAddresses(settings.trusted_proxies),
+        clients=clients,
         worker=worker,
         body_timeout=settings.body_timeout,
         max_body_bytes=settings.max_body_bytes,
@@ -262,8 +266,20 @@ def _semantic_cache(cache: ExactCache | None, relay: Relay) -> asyncio.Task[None
     return asyncio.create_task(upkeep(), name="semantic-cache-upkeep")
 
 
-@web.middleware
-async def _error_boundary(request: web.Request, handler: Handler) -> web.StreamResponse:
+def _error_boundary(ids: RequestIds) -> Middleware:
+    @web.middleware
+    async def boundary(request: web.Request, handler: Handler) -> web.StreamResponse:
+        ids.assign(request)
+        return await _answer_or_error(request, handler)
+
+    return boundary
+
+
+async def _tell_request_id(request: web.Request, response: web.StreamResponse) -> None:
+    response.headers["x-request-id"] = request.get(REQUEST_ID) or "-"
+
+
+async def _answer_or_error(request: web.Request, handler: Handler) -> web.StreamResponse:
     """The one place errors become OpenAI-shaped JSON responses."""
     try:
         return await handler(request)
@@ -284,7 +300,9 @@ async def _error_boundary(request: web.Request, handler: Handler) -> web.StreamR
             raise
         return _error_response(APIError(exc.reason or "HTTP error"), status=exc.status)
     except Exception:
-        logger.exception("unhandled error on %s %s", request.method, request.path)
+        logger.exception(
+            "unhandled error on %s %s (request %s)", request.method, request.path, request.get(REQUEST_ID)
+        )
         return _error_response(APIError("The gateway hit an internal error; it has been logged."))
 
 

@@ -1,21 +1,33 @@
-"""Who the client is: its address through trusted proxies, and the access log that names it.
+"""Who the client is: its address through trusted proxies, its request's id, and the access log that names
+both.
 
 Behind an NGINX edge every connection comes from the edge. The edge sets `X-Forwarded-For` to the address
 it saw; the gateway believes that header only from peers listed in `gateway.trusted_proxies`, and walks it
 from the right, skipping trusted hops, so a client cannot choose its own address by sending the header.
+
+Every request has an id, told back in the `x-request-id` header (as OpenAI's API does; the official clients
+show it as `_request_id`) and written in the access log and beside any error logged for it: the edge's own
+(`X-Request-Id` from a trusted proxy: NGINX's `$request_id`, so both logs name one id), else one of this
+process's own (a random prefix a process, then a counter: no system call a request).
 """
 
 from __future__ import annotations
 
 import ipaddress
+import itertools
+import re
+import secrets
 
+from aiohttp import web
 from aiohttp.abc import AbstractAccessLogger
 from aiohttp.web_request import BaseRequest
 from aiohttp.web_response import StreamResponse
 
-__all__ = ["PROXY_HEADERS", "ClientAddresses", "access_logger"]
+__all__ = ["PROXY_HEADERS", "REQUEST_ID", "ClientAddresses", "RequestIds", "access_logger"]
 
 PROXY_HEADERS = ("Forwarded", "X-Forwarded-For", "X-Real-IP")
+REQUEST_ID = web.RequestKey("request_id", str)  # where a request keeps its id
+_GIVEN_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")  # an edge's id, taken as it is (nothing breaks a log line)
 
 _Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 
@@ -58,6 +70,23 @@ class ClientAddresses:
         return not any(h in request.headers for h in PROXY_HEADERS)
 
 
+class RequestIds:
+    """Gives each request its id (see the module's docstring)."""
+
+    def __init__(self, addresses: ClientAddresses) -> None:
+        self._addresses = addresses
+        self._prefix = "req_" + secrets.token_hex(6)  # (gateway workers: one each)
+        self._count = itertools.count(1)
+
+    def assign(self, request: BaseRequest) -> str:
+        given = request.headers.get("X-Request-Id")
+        if given is not None and _GIVEN_ID.fullmatch(given) and self._addresses.trusts(request.remote):
+            request[REQUEST_ID] = given
+        else:
+            request[REQUEST_ID] = given = f"{self._prefix}{next(self._count):x}"
+        return given
+
+
 def _loopback(address: str) -> bool:
     try:
         return ipaddress.ip_address(address).is_loopback
@@ -71,13 +100,14 @@ def access_logger(addresses: ClientAddresses) -> type[AbstractAccessLogger]:
     class _AccessLogger(AbstractAccessLogger):
         def log(self, request: BaseRequest, response: StreamResponse, time: float) -> None:
             self.logger.info(
-                '%s "%s %s" %s %s %.3fs',
+                '%s "%s %s" %s %s %.3fs %s',
                 addresses.of(request),
                 request.method,
                 request.path,
                 response.status,
                 response.body_length,
                 time,
+                request.get(REQUEST_ID, "-"),
             )
 
     return _AccessLogger

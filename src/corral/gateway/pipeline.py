@@ -35,6 +35,7 @@ from corral.cache import CacheLookup, ExactCache
 from corral.dialects import DialectStream, Messages, Responses
 from corral.dialects.chat import Exchange
 from corral.gateway.bodies import read_body
+from corral.gateway.clients import REQUEST_ID
 from corral.gateway.context import RequestContext
 from corral.gateway.embeddings import EmbeddingShaper
 from corral.gateway.fanout import Fanout
@@ -145,7 +146,9 @@ class Pipeline:
         except APIError as exc:
             return dialect.error_response(exc)
         except Exception:  # in the dialect's shape too (the app's boundary would answer in OpenAI's)
-            logger.exception("unhandled error on %s %s", request.method, request.path)
+            logger.exception(
+                "unhandled error on %s %s (request %s)", request.method, request.path, request.get(REQUEST_ID)
+            )
             return dialect.error_response(APIError("The gateway hit an internal error; it has been logged."))
 
     def _exchange_context(
