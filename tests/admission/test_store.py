@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import sqlite3
 import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
-from sqlalchemy import Engine, text
+from sqlalchemy import Engine, event, text
 
 from corral.store import KeyStore, UsageRecord, UsageStore, hash_key, open_database
 
@@ -79,27 +80,66 @@ def test_usage_is_reported_by_key_model_and_day(engine: Engine) -> None:
 
 
 def test_a_large_batch_reads_back_row_for_row(engine: Engine) -> None:
-    """A batch over several multi-row statements (99 rows each) keeps every row and value as written:
+    """A batch over several multi-row statements (83 rows each) keeps every row and value as written:
     the timestamp as SQLAlchemy stores it (the reports compare and group by it), None where unset."""
     usage = UsageStore(engine)
     key = uuid.uuid4().hex[:16]
     start = datetime(2026, 11, 30, 23, 59, 59, 999_000, tzinfo=UTC)
     records = [
-        UsageRecord(start, key, f"t{i % 3}", "m", i, 2 * i, None if i % 2 else i / 4, i + 0.5, 200, None)
+        UsageRecord(
+            start,
+            key,
+            f"t{i % 3}",
+            "m",
+            i,
+            2 * i,
+            None if i % 2 else i / 4,
+            i + 0.5,
+            200,
+            None,
+            "chat",
+            f"req_{i}" if i % 5 else None,
+        )
         for i in range(250)
     ]
+    if engine.dialect.name == "sqlite":  # connections with the oldest SQLite's bound on parameters (999)
+        event.listen(
+            engine, "connect", lambda dbapi, _: dbapi.setlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER, 999)
+        )
+        engine.dispose()
     usage.write(records)
     with engine.connect() as connection:
         rows = connection.execute(
             text(
-                "SELECT tenant, input_tokens, output_tokens, ttft_ms, latency_ms, status, replica"
+                "SELECT tenant, input_tokens, output_tokens, ttft_ms, latency_ms, status, replica, request_id"
                 " FROM corral_usage WHERE key_id = :key ORDER BY input_tokens"
             ),
             {"key": key},
         ).all()
     assert [tuple(r) for r in rows] == [
-        (r.tenant, r.input_tokens, r.output_tokens, r.ttft_ms, r.latency_ms, r.status, r.replica)
+        (
+            r.tenant,
+            r.input_tokens,
+            r.output_tokens,
+            r.ttft_ms,
+            r.latency_ms,
+            r.status,
+            r.replica,
+            r.request_id,
+        )
         for r in records
     ]
     assert usage.month_tokens(key, now=start) == sum(3 * i for i in range(250))  # `at` in November
     assert usage.month_tokens(key, now=datetime(2026, 12, 1, tzinfo=UTC)) == 0
+
+
+def test_a_store_made_before_request_ids_gains_the_column(tmp_path: Path) -> None:
+    path = tmp_path / "old.db"
+    open_database(f"sqlite:///{path}").dispose()
+    with sqlite3.connect(path) as db:
+        db.execute("ALTER TABLE corral_usage DROP COLUMN request_id")  # as an earlier corral made it
+    engine = open_database(f"sqlite:///{path}")
+    now = datetime.now(UTC)
+    UsageStore(engine).write([UsageRecord(now, "k", "t", "m", 1, 2, None, 3.0, 200, None, "chat", "req_7")])
+    with engine.connect() as connection:
+        assert connection.execute(text("SELECT request_id FROM corral_usage")).scalar_one() == "req_7"

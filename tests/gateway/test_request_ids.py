@@ -5,7 +5,9 @@ line."""
 
 from __future__ import annotations
 
+import asyncio
 import re
+import sqlite3
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -24,7 +26,7 @@ HI = [{"role": "user", "content": "hi"}]
 
 
 async def test_whole_answers_streams_and_errors_tell_their_request_id(
-    gateway: Gateway, upstream: ScriptedUpstream
+    gateway: Gateway, upstream: ScriptedUpstream, tmp_path: Path
 ) -> None:
     gateway.add_replica(upstream.url)
     client = openai.AsyncOpenAI(base_url=gateway.base_url, api_key="none", max_retries=0)
@@ -51,6 +53,14 @@ async def test_whole_answers_streams_and_errors_tell_their_request_id(
             unknown = nowhere.headers["x-request-id"]
     ids = [whole, streamed_id, failed, dialect, unknown]
     assert all(i and OWN.fullmatch(i) for i in ids) and len(set(ids)) == 5, ids
+    recorded: dict[str, int] = {}  # each answer's usage row names it (written in batches: awaited)
+    for _ in range(100):
+        with sqlite3.connect(tmp_path / "corral.db") as db:
+            recorded = dict(db.execute("SELECT request_id, status FROM corral_usage").fetchall())
+        if len(recorded) >= 3:
+            break
+        await asyncio.sleep(0.05)
+    assert recorded == {whole: 200, streamed_id: 200, dialect: 200}  # (a model it does not serve: no row)
 
 
 @pytest.fixture

@@ -165,6 +165,7 @@ class Pipeline:
     async def _serve(
         self, ctx: RequestContext, principal: Principal, request: web.Request, answer: _Answer
     ) -> web.StreamResponse:
+        ctx.request_id = request.get(REQUEST_ID)
         self._isolation.apply(ctx, principal.tenant)
         try:
             principal.check_model(ctx.model)  # (an adapter's tenants: intake.py)
@@ -506,6 +507,7 @@ class Pipeline:
                 status=status,
                 replica="cache" if ctx.cached else (ctx.replica.id if ctx.replica else None),
                 api=api,
+                request_id=ctx.request_id,
             )
         )
 

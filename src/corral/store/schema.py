@@ -100,6 +100,7 @@ class UsageRow(Base):
     status: Mapped[int] = mapped_column(Integer)
     replica: Mapped[str | None] = mapped_column(String(128), nullable=True)
     api: Mapped[str | None] = mapped_column(String(16), nullable=True)  # the client API that asked
+    request_id: Mapped[str | None] = mapped_column(String(128), nullable=True)  # its x-request-id
 
 
 def add_missing_columns(engine: Engine) -> None:
