@@ -132,6 +132,18 @@ async def test_every_administrative_action_leaves_one_audit_record(closed: Clust
     assert all(made.get("key", "") not in json.dumps(e) for e in entries)  # no secret on record
     filtered = (await call(closed, "GET", "/admin/audit?action=key.*&limit=2", ADMIN))[1]["entries"]
     assert [e["action"] for e in filtered] == ["key.revoke", "key.rotate"]
+    async with (  # a record names its request: the id its answer told (x-request-id)
+        aiohttp.ClientSession() as session,
+        session.patch(
+            closed.url + f"/admin/keys/{viewer['id']}",
+            json={"rpm": 7},
+            headers={"Authorization": f"Bearer {ADMIN}"},
+        ) as answer,
+    ):
+        assert answer.status == 200
+        told = answer.headers["x-request-id"]
+    latest = (await call(closed, "GET", "/admin/audit?action=key.update&limit=1", ADMIN))[1]["entries"][0]
+    assert latest["target"] == viewer["id"] and latest["request_id"] == told and told.startswith("req_")
     for method in ("POST", "PUT", "PATCH", "DELETE"):  # the trail cannot be edited through the API
         assert (await call(closed, method, "/admin/audit", ADMIN))[0] == 405
 

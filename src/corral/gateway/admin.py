@@ -23,7 +23,7 @@ from corral.cache import ExactCache, StoreUnavailable
 from corral.config import parse_spec
 from corral.gateway.access import ROUTES, Access, Actor, bearer_is
 from corral.gateway.bodies import read_body
-from corral.gateway.clients import ClientAddresses
+from corral.gateway.clients import REQUEST_ID, ClientAddresses
 from corral.gateway.parts import AdminAccess, ReplicaControl
 from corral.protocol import APIError, InvalidRequest, NoCapacity, NotFound, NotSupported, PermissionDenied
 from corral.routing import PrefixAffinity, Router
@@ -165,6 +165,7 @@ class AdminViews:
             target=str(target)[:256] if target else None,
             detail=detail or None,
             status=status,
+            request_id=request.get(REQUEST_ID),
         )
         try:
             await asyncio.to_thread(self._audit.record, entry)

@@ -1,9 +1,9 @@
 """The audit trail: every administrative action, written once, never changed through corral.
 
 A row says who acted (the admin key, an API key with a role, or a person signed in through the identity
-provider), with which role and tenant, from which address, what they did to what, with what detail, and how
-it ended (the answer's status: refused attempts are on record too). Secrets never enter it (a new key's
-secret is not its detail).
+provider), with which role and tenant, from which address, what they did to what, with what detail, how it
+ended (the answer's status: refused attempts are on record too), and the request's id. Secrets never enter
+it (a new key's secret is not its detail).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ class AuditEntry:
     source: str | None = None
     target: str | None = None
     detail: dict[str, Any] | None = None
+    request_id: str | None = None  # the request's x-request-id
 
 
 class AuditLog:
@@ -85,4 +86,5 @@ def _row(row: AuditRow) -> dict[str, Any]:
         "target": row.target,
         "detail": row.detail,
         "status": row.status,
+        "request_id": row.request_id,
     }

@@ -65,6 +65,7 @@ class AuditRow(Base):
     target: Mapped[str | None] = mapped_column(String(256), nullable=True)
     detail: Mapped[dict[str, object] | None] = mapped_column(JSON, nullable=True)
     status: Mapped[int] = mapped_column(Integer)  # the answer's status: refused actions are kept too
+    request_id: Mapped[str | None] = mapped_column(String(128), nullable=True)  # its x-request-id
 
 
 class SessionRow(Base):
