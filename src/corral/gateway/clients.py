@@ -7,16 +7,15 @@ from the right, skipping trusted hops, so a client cannot choose its own address
 
 Every request has an id, told back in the `x-request-id` header (as OpenAI's API does; the official clients
 show it as `_request_id`) and written in the access log and beside any error logged for it: the edge's own
-(`X-Request-Id` from a trusted proxy: NGINX's `$request_id`, so both logs name one id), else one of this
-process's own (a random prefix a process, then a counter: no system call a request).
+(`X-Request-Id` from a trusted proxy: NGINX's `$request_id`, so both logs name one id), else a random one
+(96 bits: not a counter, which would tell a tenant how many requests others sent between two of its own).
 """
 
 from __future__ import annotations
 
 import ipaddress
-import itertools
+import os
 import re
-import secrets
 
 from aiohttp import web
 from aiohttp.abc import AbstractAccessLogger
@@ -75,15 +74,13 @@ class RequestIds:
 
     def __init__(self, addresses: ClientAddresses) -> None:
         self._addresses = addresses
-        self._prefix = "req_" + secrets.token_hex(6)  # (gateway workers: one each)
-        self._count = itertools.count(1)
 
     def assign(self, request: BaseRequest) -> str:
         given = request.headers.get("X-Request-Id")
         if given is not None and _GIVEN_ID.fullmatch(given) and self._addresses.trusts(request.remote):
             request[REQUEST_ID] = given
         else:
-            request[REQUEST_ID] = given = f"{self._prefix}{next(self._count):x}"
+            request[REQUEST_ID] = given = "req_" + os.urandom(12).hex()  # (about 0.6 µs)
         return given
 
 
