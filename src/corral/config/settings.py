@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+import re
 from datetime import timedelta
 from pathlib import Path
 from typing import Annotated, Literal
@@ -116,6 +117,12 @@ class GatewaySettings(Strict):
         description="log one line per request: client address (through trusted proxies), method, path, "
         "status, bytes, seconds, request id (x-request-id)",
     )
+    cors_origins: list[str] = Field(
+        default_factory=list,
+        description="origins whose web pages may call the client APIs (/v1/) from a browser, e.g. "
+        "https://chat.example.com, or * for any; none: browsers refuse those calls (keys travel in a "
+        "header, so no cookies are involved; the admin API and console stay same-origin)",
+    )
     workers: Annotated[int, Field(ge=1, le=256)] | Literal["auto"] = Field(
         default="auto",
         description="gateway processes sharing the port (SO_REUSEPORT) and one supervisor's replica set; "
@@ -129,6 +136,16 @@ class GatewaySettings(Strict):
         """host:port a client on this machine reaches the gateway at (a wildcard host means loopback)."""
         host = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(self.host, self.host)
         return f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
+
+    @field_validator("cors_origins")
+    @classmethod
+    def _origins(cls, value: list[str]) -> list[str]:
+        for origin in value:
+            if origin != "*" and not re.fullmatch(r"https?://[^/\s:]+(:\d{1,5})?", origin):
+                raise ValueError(
+                    f"{origin!r} is not an origin: * or scheme://host[:port], with no path or trailing slash"
+                )
+        return value
 
     @field_validator("trusted_proxies")
     @classmethod

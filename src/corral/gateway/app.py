@@ -169,6 +169,8 @@ def build_app(
         batch_views.add_routes(app)
     ConsoleViews(metrics, admin).add_routes(app)
     _sign_in(parts, admin, app)
+    if settings.cors_origins:
+        _allow_browsers(app, settings.cors_origins)
 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
         rebuild = _semantic_cache(parts.cache, relay)
@@ -199,6 +201,22 @@ def build_app(
 
     app.cleanup_ctx.append(lifecycle)
     return app
+
+
+def _allow_browsers(app: web.Application, origins: list[str]) -> None:
+    """Web pages of `origins` may call the client APIs (`/v1/`) from a browser: preflights answered, the
+    answers' headers (x-request-id, rate limits, Retry-After) readable. Keys travel in a header, never in
+    cookies, so no credentials are allowed; the admin API and the console stay same-origin only."""
+    import aiohttp_cors
+
+    options = aiohttp_cors.ResourceOptions(  # type: ignore[no-untyped-call]
+        allow_credentials=False, expose_headers="*", allow_headers="*", max_age=600
+    )
+    cors = aiohttp_cors.setup(app, defaults=dict.fromkeys(origins, options))
+    for route in list(app.router.routes()):
+        resource = route.resource
+        if route.method != "HEAD" and resource is not None and resource.canonical.startswith("/v1/"):
+            cors.add(route)
 
 
 def _batch_runner(
