@@ -19,6 +19,7 @@ import aiohttp
 import openai
 import orjson
 import pytest
+from sqlalchemy import text
 
 from corral.config import (
     AuthSettings,
@@ -216,7 +217,7 @@ async def test_a_batch_runs_to_one_output_line_per_request_and_tenants_see_only_
     assert (await globex.batches.list()).data == []
     assert (await globex.files.list()).data == []
 
-    # usage is recorded per line, for the tenant
+    # usage is recorded per line, for the tenant, under the request id its output line names
     deadline = asyncio.get_running_loop().time() + 10
     while True:
         rows = [r for r in gateway.services.usage_store.report("tenant") if r["tenant"] == "acme"]
@@ -224,6 +225,10 @@ async def test_a_batch_runs_to_one_output_line_per_request_and_tenants_see_only_
             break
         assert asyncio.get_running_loop().time() < deadline
         await asyncio.sleep(0.1)
+    with gateway.services.keys.engine.connect() as connection:  # (the one store: keys, usage, batches)
+        query = text("SELECT request_id FROM corral_usage WHERE tenant = 'acme'")
+        recorded = {request_id for (request_id,) in connection.execute(query)}
+    assert recorded == {line["response"]["request_id"] for line in output}
 
 
 async def test_bad_uploads_are_refused_naming_the_line_and_bad_batches_fail_with_their_lines(

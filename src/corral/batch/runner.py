@@ -59,7 +59,9 @@ _BACKOFF_MAX_S = 60.0
 class LineExecutor(Protocol):
     """Runs one request as the gateway would (the pipeline)."""
 
-    async def run_line(self, principal: Principal, path: str, body: bytes) -> tuple[int, bytes]: ...
+    async def run_line(
+        self, principal: Principal, path: str, body: bytes, request_id: str | None = None
+    ) -> tuple[int, bytes]: ...
 
 
 class BatchRunner:
@@ -220,16 +222,17 @@ class BatchRunner:
         key = (line.batch_id, line.line)
         try:
             principal = await self._principal(line.tenant, line.key_id)
+            request_id = f"req_{uuid.uuid4().hex[:24]}"  # the output line's, and its usage row's
             if principal is None:
                 status = 401
                 body = _error("The API key that submitted this batch has been revoked.", "invalid_api_key")
             else:
-                status, body = await self._executor.run_line(principal, line.endpoint, line.body)
+                status, body = await self._executor.run_line(principal, line.endpoint, line.body, request_id)
             if _retry(status, body) and line.attempts < self._settings.max_attempts:
                 backoff = min(_BACKOFF_MAX_S, _BACKOFF_S * 2 ** (line.attempts - 1))
                 await asyncio.to_thread(self._store.release, self.owner, line, backoff)  # tried again later
             else:  # committed with the others at the next tick, in one transaction
-                self._done.append((line, LineResult(status, body, f"req_{uuid.uuid4().hex[:24]}")))
+                self._done.append((line, LineResult(status, body, request_id)))
                 return
             self._leased.pop(key, None)
         except asyncio.CancelledError:

@@ -48,7 +48,7 @@ class RequestContext:
     lookup: Any = None  # its dealings with the response cache (cache.CacheLookup), when it has some
     exchange: Exchange | None = None  # asked in another dialect (Responses, Messages): told back in it
     emulation: ToolEmulation | None = None  # tool calls its engine cannot make, asked as JSON
-    request_id: str | None = None  # its x-request-id (clients.py); None for a batch line
+    request_id: str | None = None  # its x-request-id (clients.py), or its batch output line's
 
     @property
     def model(self) -> str:

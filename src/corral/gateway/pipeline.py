@@ -190,11 +190,14 @@ class Pipeline:
         finally:
             await self.settle(ctx, principal, reservation, status)
 
-    async def run_line(self, principal: Principal, path: str, raw: bytes) -> tuple[int, bytes]:
+    async def run_line(
+        self, principal: Principal, path: str, raw: bytes, request_id: str | None = None
+    ) -> tuple[int, bytes]:
         """A batch line through the same stages as a request (parse, authorize, queue at the principal's
-        priority, route, relay, settle: usage recorded), without rate limits or the cache; never streamed
-        (a /v1/responses line is told back as a response object, and stored as its `store` says).
-        (status, body): the answer, or the error a client would have got."""
+        priority, route, relay, settle: usage recorded, under `request_id`: the line's in the output file),
+        without rate limits or the cache; never streamed (a /v1/responses line is told back as a response
+        object, and stored as its `store` says). (status, body): the answer, or the error a client would
+        have got."""
         try:
             if path == "/v1/embeddings":
                 ctx = self._intake.embedding(raw, path)
@@ -204,6 +207,7 @@ class Pipeline:
             else:
                 kind = ChatCompletionRequest if path == "/v1/chat/completions" else CompletionRequest
                 ctx = self._intake.generation(raw, path, kind, None, principal.tenant)
+            ctx.request_id = request_id
             principal.check_model(ctx.model)  # (an adapter's tenants: intake.py)
             self._isolation.apply(ctx, principal.tenant)
             ctx.budgeted = await self._budget.reserve(

@@ -31,7 +31,7 @@ class UsageRecord:  # made once per request: a plain dataclass (a frozen one cos
     status: int
     replica: str | None
     api: str | None = None  # the client API: chat, completions, embeddings, responses, messages
-    request_id: str | None = None  # its x-request-id (None: a batch line)
+    request_id: str | None = None  # its x-request-id, or a batch line's (its output line's request_id)
 
 
 _COLUMNS = tuple(f.name for f in fields(UsageRecord))
