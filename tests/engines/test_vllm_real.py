@@ -40,6 +40,7 @@ def test_vllm_answers_through_the_gateway(vllm_cluster: RunningCluster) -> None:
     )
     text = reply.choices[0].message.content or ""
     assert "Paris" in text, text
+    assert reply._request_id and reply.id == f"chatcmpl-{reply._request_id}"  # vLLM took the gateway's id
     usage = reply.usage
     assert usage is not None and usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
     stream = client.chat.completions.create(

@@ -29,6 +29,7 @@ class ScriptedUpstream:
     cancelled: int = 0
     required_key: str | None = None  # answer 401 unless `Authorization: Bearer <it>` is sent (vLLM --api-key)
     authorizations: list[str | None] = field(default_factory=list)
+    request_ids: list[str | None] = field(default_factory=list)  # each request's X-Request-Id
     answer: tuple[int, str, bytes] | None = None  # mode "answer": (status, content type, body) as is
     echo_prefill: bool = False  # continuing a chat, send the continued text back first (as llama.cpp)
     linger: float = 0.0  # seconds a stream stays open after its `[DONE]` before it ends
@@ -69,6 +70,7 @@ class ScriptedUpstream:
         body = await request.json()
         self.bodies.append(body)
         self.authorizations.append(request.headers.get("Authorization"))
+        self.request_ids.append(request.headers.get("X-Request-Id"))
         if self.required_key and request.headers.get("Authorization") != f"Bearer {self.required_key}":
             return web.json_response({"error": {"message": "Unauthorized"}}, status=401)
         if self.mode == "answer" and self.answer is not None:

@@ -53,6 +53,7 @@ async def test_whole_answers_streams_and_errors_tell_their_request_id(
             unknown = nowhere.headers["x-request-id"]
     ids = [whole, streamed_id, failed, dialect, unknown]
     assert all(i and OWN.fullmatch(i) for i in ids) and len(set(ids)) == 5, ids
+    assert upstream.request_ids == [whole, streamed_id, dialect]  # the engine is told it (X-Request-Id)
     recorded: dict[str, int] = {}  # each answer's usage row names it (written in batches: awaited)
     for _ in range(100):
         with sqlite3.connect(tmp_path / "corral.db") as db:

@@ -303,13 +303,18 @@ class EngineClient:
         self._tls: ssl.SSLContext | None = None
         self._swept = self.loop.time()
 
-    async def post(self, base_url: str, path: str, body: bytes, authorization: str | None) -> EngineResponse:
+    async def post(
+        self, base_url: str, path: str, body: bytes, authorization: str | None, request_id: str | None = None
+    ) -> EngineResponse:
         """POST `body` (JSON) to `base_url + path`: the response once its headers came. The caller reads
-        its body and must `release()` it."""
+        its body and must `release()` it. `request_id` goes as `X-Request-Id` (vLLM names the request by
+        it in its logs and answers)."""
         head = b" HTTP/1.1\r\nContent-Type: application/json\r\nContent-Length: " + str(len(body)).encode()
         head += b"\r\n"
         if authorization:  # (checked as printable ASCII where the spec is loaded)
             head += b"Authorization: Bearer " + authorization.encode("ascii") + b"\r\n"
+        if request_id:  # (letters, digits and ._:- only: gateway/clients.py)
+            head += b"X-Request-Id: " + request_id.encode("ascii") + b"\r\n"
         return await self._request(b"POST ", base_url, path, head, body)
 
     async def get(self, base_url: str, path: str) -> EngineResponse:
