@@ -60,6 +60,7 @@ def test_openai_client_verifies_the_certificate_plain_and_streamed(
             model="llama-8b", messages=[{"role": "user", "content": "hi"}], max_tokens=8
         )
         assert answer.choices[0].message.content and answer.usage and answer.usage.completion_tokens == 8
+        assert answer.id == f"chatcmpl-{answer._request_id}"  # the simulator names it as vLLM does
         stream = client.chat.completions.create(
             model="llama-8b", messages=[{"role": "user", "content": "hi"}], max_tokens=8, stream=True
         )

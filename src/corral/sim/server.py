@@ -179,7 +179,7 @@ class SimServer:
         salt = (body.model_extra or {}).get("cache_salt")  # vLLM's: cached blocks shared within a salt only
         salt = salt if isinstance(salt, str) else None
         requests = [self.engine.submit(tokens, n, salt, adapter) for n in lengths]
-        meta = _Meta(chat=chat, model=body.model, prompt_tokens=len(tokens))
+        meta = _Meta(chat, body.model, len(tokens), request.headers.get("X-Request-Id"))
         try:
             if body.stream:
                 return await self._stream(request, requests, choices, meta, body.include_usage)
@@ -309,11 +309,12 @@ class _Choice:
 
 
 class _Meta:
-    def __init__(self, chat: bool, model: str, prompt_tokens: int) -> None:
+    def __init__(self, chat: bool, model: str, prompt_tokens: int, request_id: str | None = None) -> None:
         self.chat = chat
         self.model = model
         self.prompt_tokens = prompt_tokens
-        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        # named by the caller's X-Request-Id where it sends one, as vLLM's answers are
+        self.id = ("chatcmpl-" if chat else "cmpl-") + (request_id or uuid.uuid4().hex)
         self.created = int(time.time())
 
     def _usage(self, choices: list[_Choice]) -> dict[str, int]:
