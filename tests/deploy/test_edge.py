@@ -30,7 +30,7 @@ pytestmark = pytest.mark.slow  # real engines or servers, or long drills (`make 
 GATEWAY = """
 supervisor: {probe_interval: 0.5}
 auth: {open: true}
-gateway: {trusted_proxies: [127.0.0.1], access_log: true}
+gateway: {trusted_proxies: [127.0.0.1], access_log: true, cors_origins: ['https://chat.example.com']}
 models:
   - name: llama-8b
     arch: llama-3.1-8b
@@ -181,7 +181,10 @@ def test_a_burst_over_the_per_client_limit_gets_openai_shaped_429s(
         statuses, refused = [], []
         for _ in range(8):
             try:
-                with urllib.request.urlopen(edge.url + "/v1/models", timeout=5, context=context) as r:
+                page = urllib.request.Request(
+                    edge.url + "/v1/models", headers={"Origin": "https://chat.example.com"}
+                )
+                with urllib.request.urlopen(page, timeout=5, context=context) as r:
                     statuses.append(r.status)
             except urllib.error.HTTPError as err:
                 statuses.append(err.code)
@@ -191,6 +194,8 @@ def test_a_burst_over_the_per_client_limit_gets_openai_shaped_429s(
     headers, body = refused[0]
     assert headers["Retry-After"] == "1"
     assert re.fullmatch("[0-9a-f]{32}", headers["x-request-id"])  # the edge's own answer has its id too
+    assert headers["Access-Control-Allow-Origin"] == "https://chat.example.com"  # and the page may read it
+    assert "retry-after" in headers["Access-Control-Expose-Headers"]
     assert headers["Content-Type"].startswith("application/json")
     error = __import__("json").loads(body)["error"]
     assert error["code"] == "rate_limit_exceeded" and error["type"] == "rate_limit_error"

@@ -28,6 +28,7 @@ def render_nginx(spec: ClusterSpec, source: str) -> dict[str, str]:
         "connections_per_client": edge.connections_per_client,
         "retry_after": max(1, math.ceil(1 / edge.requests_per_second)),
         "fail_timeout": _seconds(edge.fail_timeout),
+        "cors_origins": gateway.cors_origins,  # the edge's own answers readable by the same pages
         "max_body_bytes": gateway.max_body_bytes,
         "body_timeout": _seconds(gateway.body_timeout),
         "connect_timeout": _seconds(gateway.connect_timeout),
