@@ -60,13 +60,15 @@ def start_cluster(
     ready_timeout: float = 120,
     tls: ssl.SSLContext | None = None,
     admin_key: str | None = None,
+    args: tuple[str, ...] = (),
 ) -> RunningCluster:
-    """Run `corral up -f spec` on a free port and wait until every replica is ready (/ready alone says every
-    model can serve: one replica each). `tls`: the gateway serves HTTPS, checked with this client context."""
+    """Run `corral up -f spec` (and `args`) on a free port and wait until every replica is ready (/ready
+    alone says every model can serve: one replica each). `tls`: the gateway serves HTTPS, checked with this
+    client context."""
     port = free_port()
     log = tmp / f"corral-up-{spec.stem}-{port}.log"
     process = subprocess.Popen(
-        [*CORRAL, "up", "-f", str(spec), "--port", str(port)],
+        [*CORRAL, "up", "-f", str(spec), "--port", str(port), *args],
         stdout=log.open("wb"),
         stderr=subprocess.STDOUT,
         env={**os.environ, "COLUMNS": "200"},
@@ -102,11 +104,12 @@ def cluster_of(
     name: str = "spec.yaml",
     tls: ssl.SSLContext | None = None,
     admin_key: str | None = None,
+    args: tuple[str, ...] = (),
 ) -> Iterator[RunningCluster]:
     """`corral up` on a spec written from `spec_text`, ready, stopped (Ctrl-C) when the block ends."""
     spec = tmp / name
     spec.write_text(spec_text)
-    running = start_cluster(tmp, spec=spec, tls=tls, admin_key=admin_key)
+    running = start_cluster(tmp, spec=spec, tls=tls, admin_key=admin_key, args=args)
     try:
         yield running
     finally:

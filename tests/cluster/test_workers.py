@@ -227,7 +227,7 @@ async def test_the_pool_relays_a_worker_s_placements_to_the_others_however_long_
     from corral.cluster.workers import WorkerPool
     from corral.routing import ReplicaSet
 
-    pool = WorkerPool(ReplicaSet(), {"gateway": {}}, count=3, log_level="warning", shutdown_grace=1)
+    pool = WorkerPool(ReplicaSet(), {"gateway": {}}, count=3, logs="warning:auto", shutdown_grace=1)
     await pool.serve_control()
     streams = []
     for index in range(3):

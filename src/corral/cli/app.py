@@ -11,6 +11,7 @@ import asyncio
 import logging
 import ssl
 import sys
+import time
 from collections.abc import Coroutine
 from enum import StrEnum
 from pathlib import Path
@@ -30,11 +31,13 @@ __all__ = [
     "CliError",
     "FlagsCommand",
     "FlagsGroup",
+    "LogFormat",
     "LogLevel",
     "app",
     "client_tls",
     "console",
     "fail",
+    "logs_are_json",
     "main",
     "run_async",
     "setup_logging",
@@ -119,6 +122,13 @@ class LogLevel(StrEnum):
     info = "info"
     warning = "warning"
     error = "error"
+
+
+class LogFormat(StrEnum):
+    auto = "auto"
+    rich = "rich"
+    text = "text"
+    json = "json"
 
 
 def _print_version(value: bool) -> None:
@@ -209,12 +219,48 @@ def client_tls(ca_cert: Path | None) -> ssl.SSLContext | None:
         fail(f"--ca-cert {ca_cert}: {getattr(exc, 'strerror', None) or exc}", 2)
 
 
-def setup_logging(level: str) -> None:
-    logging.basicConfig(
-        level=str(level).upper(),
-        format="%(message)s",
-        handlers=[RichHandler(console=console, show_path=False, rich_tracebacks=False)],
-    )
+_log_format = "rich"  # as setup_logging chose it
+
+
+def logs_are_json() -> bool:
+    """Whether standard error carries JSON lines only (`--log-format json`): what a command would tell
+    people there (a banner, progress) is logged instead."""
+    return _log_format == "json"
+
+
+def setup_logging(level: str, log_format: str = "auto") -> None:
+    """Logging to standard error, as `log_format` says: `rich` (columns and colour, for a terminal), `text`
+    (one line an event with its UTC time, level and logger: what journald, Docker and Kubernetes keep),
+    `json` (one object a line, a log pipeline's; a record's extra fields become its keys: the access log's
+    client, status, request id, ...) or `auto`: rich on a terminal, text otherwise."""
+    global _log_format
+    if log_format == "auto":
+        log_format = "rich" if sys.stderr.isatty() else "text"
+    _log_format = log_format
+    handler: logging.Handler
+    if log_format == "rich":
+        handler = RichHandler(console=console, show_path=False, rich_tracebacks=False)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+    else:
+        handler = logging.StreamHandler(sys.stderr)
+        if log_format == "json":
+            from pythonjsonlogger.json import JsonFormatter
+
+            handler.setFormatter(
+                JsonFormatter(
+                    "{levelname}{name}{message}",
+                    style="{",
+                    timestamp="time",  # ISO 8601, UTC
+                    rename_fields={"levelname": "level", "name": "logger", "exc_info": "exception"},
+                )
+            )
+        else:
+            text = logging.Formatter(
+                "%(asctime)s.%(msecs)03dZ %(levelname)s %(name)s: %(message)s", "%Y-%m-%dT%H:%M:%S"
+            )
+            text.converter = time.gmtime
+            handler.setFormatter(text)
+    logging.basicConfig(level=str(level).upper(), handlers=[handler], force=True)
 
 
 def run_async(coro: Coroutine[Any, Any, None]) -> None:

@@ -18,10 +18,12 @@ from corral.artifacts import ArtifactError
 from corral.cli.app import (
     CliError,
     FlagsCommand,
+    LogFormat,
     LogLevel,
     app,
     console,
     fail,
+    logs_are_json,
     run_async,
     setup_logging,
 )
@@ -59,9 +61,16 @@ def up(
         str | None, typer.Option("--ray", help="run replicas on Ray: a cluster address, 'auto', or 'local'")
     ] = None,
     log_level: Annotated[LogLevel, typer.Option(help="how much corral logs")] = LogLevel.info,
+    log_format: Annotated[
+        LogFormat,
+        typer.Option(
+            help="rich (a terminal's), text (a line an event), json (an object a line); auto: rich "
+            "on a terminal, else text"
+        ),
+    ] = LogFormat.auto,
 ) -> None:
     """Fetch and build what the cluster needs, start its replicas and the gateway; Ctrl-C stops all."""
-    setup_logging(log_level)
+    setup_logging(log_level, log_format)
     spec = _spec(file, host=host, port=port)
     if ray is not None:
         spec = spec.model_copy(update={"ray": RaySettings(address=None if ray == "local" else ray)})
@@ -70,7 +79,7 @@ def up(
     prepared = _prepare_or_fail(spec, paths)  # in the foreground: Ctrl-C ends an install at once
     workers = spec.gateway_workers(os.cpu_count())
     if workers > 1:
-        run_async(_serve_workers(spec, paths, prepared, workers, log_level))
+        run_async(_serve_workers(spec, paths, prepared, workers, f"{log_level}:{log_format}"))
     else:
         run_async(_serve(spec, paths, prepared))
 
@@ -153,7 +162,7 @@ class _ProgressReport:
         if percent.endswith("%") and percent[:-1].isdigit() and int(percent[:-1]) % 10:
             return
         if line != self._last:
-            console.print(line, markup=False, highlight=False)
+            _say(line)
             self._last = line
 
 
@@ -187,16 +196,16 @@ async def _serve(spec: ClusterSpec, paths: Paths, prepared: list[tuple[str, Any,
         reconciler.start(prepared)
         await _until_serving(spec, gateway.port, supervisor, paths, stop)
         await stop.wait()
-        console.print("stopping: draining requests and replicas…")
+        _say("stopping: draining requests and replicas…")
     finally:
         await reconciler.stop()
         await gateway.stop()
         await supervisor.stop()
-    console.print("[green]stopped[/green]")
+    _say("stopped")
 
 
 async def _serve_workers(
-    spec: ClusterSpec, paths: Paths, prepared: list[tuple[str, Any, list[Any]]], workers: int, log_level: str
+    spec: ClusterSpec, paths: Paths, prepared: list[tuple[str, Any, list[Any]]], workers: int, logs: str
 ) -> None:
     """The supervisor in this process, the gateway in `workers` processes on one port (cluster/workers.py)."""
     from corral.cluster import WorkerError, WorkerPool
@@ -206,9 +215,7 @@ async def _serve_workers(
     gateway_parts_for(spec, paths, replicas)  # the store answers and its schema exists before workers use it
     if spec.auth.open:
         logger.warning("OPEN ACCESS: requests without an API key are served (auth.open is true in the spec)")
-    pool = WorkerPool(
-        replicas, spec.model_dump(mode="json"), workers, str(log_level), spec.gateway.shutdown_grace
-    )
+    pool = WorkerPool(replicas, spec.model_dump(mode="json"), workers, logs, spec.gateway.shutdown_grace)
     # The workers' admin API asks this process's reconciler over the control socket (apply, drain,
     # rollouts); their queues reach its autoscaler the same way.
     reconciler = pool.control = _reconciler(
@@ -231,14 +238,14 @@ async def _serve_workers(
         reconciler.start(prepared)
         await _until_serving(spec, port, supervisor, paths, stop)
         await stop.wait()
-        console.print("stopping: draining requests and replicas…")
+        _say("stopping: draining requests and replicas…")
     except WorkerError as exc:
         raise CliError(str(exc)) from None
     finally:
         await reconciler.stop()
         await pool.stop()
         await supervisor.stop()
-    console.print("[green]stopped[/green]")
+    _say("stopped")
 
 
 def _supervisor(spec: ClusterSpec, paths: Paths, prepared: list[tuple[str, Any, list[Any]]]) -> Any:
@@ -468,10 +475,9 @@ async def _until_serving(
                 break
             waited += spec.supervisor.ready_timeout
             pending = [m for m in replicas.models() if not replicas.ready(m)]
-            console.print(
-                f"[yellow]still starting after {waited:.0f}s:[/yellow] {', '.join(pending)} "
-                f"(logs in {paths.logs}; `corral status` shows progress)",
-                soft_wrap=True,
+            _say(
+                f"still starting after {waited:.0f}s: {', '.join(pending)} "
+                f"(logs in {paths.logs}; `corral status` shows progress)"
             )
     if not stop.is_set():
         _announce(spec, port, replicas, paths)
@@ -517,9 +523,26 @@ async def _first_of(*aws: Any) -> Any:
     return next(iter(done)).result()
 
 
+def _say(line: str) -> None:
+    """A line for whoever runs `corral up`: printed, or logged where standard error is JSON lines."""
+    if logs_are_json():
+        logger.info("%s", line)
+    else:
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
+
+
 def _announce(spec: ClusterSpec, port: int | None, replicas: Any, paths: Paths) -> None:
     scheme = "https" if spec.gateway.tls is not None else "http"
     base = f"{scheme}://{spec.gateway.host}:{port}/v1"
+    if logs_are_json():
+        models = replicas.models()
+        logger.info(
+            "corral is serving %s at %s",
+            ", ".join(models),
+            base,
+            extra={"models": models, "url": base, "replica_logs": str(paths.logs)},
+        )
+        return
     console.print(status_table([r.snapshot() for r in replicas]))
     console.print(
         f"[bold green]corral is serving[/bold green] {', '.join(replicas.models())} at [bold]{base}[/bold]"

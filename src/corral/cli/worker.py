@@ -102,7 +102,7 @@ async def _work(control: Path, index: int) -> None:
     reader, writer = await asyncio.open_unix_connection(str(control), limit=_LINE_LIMIT)
     writer.write(orjson.dumps({"worker": index}) + b"\n")
     config = orjson.loads(await reader.readline())
-    setup_logging(config["log_level"])
+    setup_logging(*config["logs"].split(":", 1))
     spec = ClusterSpec.model_validate(config["spec"])
     workers = int(config["workers"])
     replicas = ReplicaSet()

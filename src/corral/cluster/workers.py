@@ -73,13 +73,13 @@ class WorkerPool:
         replicas: ReplicaSet,
         spec: dict[str, Any],
         count: int,
-        log_level: str,
+        logs: str,
         shutdown_grace: float,
     ) -> None:
         self._replicas = replicas
         self._spec = spec
         self._count = count
-        self._log_level = log_level
+        self._logs = logs  # the workers' log level and format, as corral up's: "info:auto"
         self._grace = shutdown_grace
         self._workers = [_Worker(i) for i in range(count)]
         self._dir = Path(tempfile.mkdtemp(prefix="corral-workers-"))
@@ -232,7 +232,7 @@ class WorkerPool:
                 "spec": self._spec,
                 "worker": worker.index,
                 "workers": self._count,
-                "log_level": self._log_level,
+                "logs": self._logs,
                 "metrics_dir": str(self._metrics_dir),
             }
             worker.writer = writer  # from here on it gets every change (no await before the first write)

@@ -96,15 +96,25 @@ def access_logger(addresses: ClientAddresses) -> type[AbstractAccessLogger]:
 
     class _AccessLogger(AbstractAccessLogger):
         def log(self, request: BaseRequest, response: StreamResponse, time: float) -> None:
+            client, request_id = addresses.of(request), request.get(REQUEST_ID, "-")
             self.logger.info(
                 '%s "%s %s" %s %s %.3fs %s',
-                addresses.of(request),
+                client,
                 request.method,
                 request.path,
                 response.status,
                 response.body_length,
                 time,
-                request.get(REQUEST_ID, "-"),
+                request_id,
+                extra={  # (the JSON log's fields: --log-format json)
+                    "client": client,
+                    "method": request.method,
+                    "path": request.path,
+                    "status": response.status,
+                    "bytes": response.body_length,
+                    "seconds": round(time, 6),
+                    "request_id": request_id,
+                },
             )
 
     return _AccessLogger
