@@ -4,6 +4,7 @@ new model with its routing policy, a removed one gone from /v1/models) and no re
 
 from __future__ import annotations
 
+import os
 import subprocess
 import threading
 import time
@@ -12,7 +13,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from tests.conftest import CORRAL, RunningCluster, get_json, start_cluster
+from tests.conftest import CORRAL, RunningCluster, cluster_of, get_json, start_cluster
 
 pytestmark = pytest.mark.slow  # real engines or servers, or long drills (`make test-fast` skips)
 
@@ -147,3 +148,24 @@ def test_apply_and_drain_through_gateway_workers(tmp_path: Path) -> None:
             thread.join(timeout=60)
         cluster.stop()
     assert failures == []
+
+
+def test_apply_keeps_a_slot_for_each_worker_auto_started(tmp_path: Path) -> None:
+    """`workers: auto` on a server runs one worker per core (2 on the CI machine) and cannot be changed
+    live: a spec whose replicas would have fewer slots than the workers running is refused by apply."""
+    spec = SPEC.format(tmp=tmp_path, replicas=1).replace("gateway: {workers: 2}", "gateway: {host: 0.0.0.0}")
+    spec = spec.replace("auth: {open: true}", "auth: {open: true, open_to_network: true}")
+    running = min(os.cpu_count() or 1, 256)  # as corral up resolves auto here
+    with cluster_of(tmp_path, spec, "auto.yaml") as cluster:
+        workers = {
+            get_json(cluster.url + "/corral/status")[1].get("worker", {}).get("index") for _ in range(40)
+        }
+        assert len(workers - {None}) == running or (running == 1 and workers == {None}), workers
+        narrow = tmp_path / "narrow.yaml"
+        narrow.write_text(spec.replace("time_scale: 50}", "time_scale: 50, max_num_seqs: 1}"))
+        answer = run("apply", "-f", str(narrow), "--url", cluster.url)
+    if running > 1:
+        assert answer.returncode != 0, answer.stderr
+        assert f"fewer than the {running} gateway workers running" in answer.stderr, answer.stderr
+    else:  # one worker: one slot is enough
+        assert answer.returncode == 0, answer.stderr

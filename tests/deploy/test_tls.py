@@ -3,7 +3,9 @@ proxies (`gateway.trusted_proxies`) as the access log and the admin API see it."
 
 from __future__ import annotations
 
+import datetime
 import http.client
+import ipaddress
 import ssl
 import subprocess
 import time
@@ -16,6 +18,10 @@ from urllib.parse import urlsplit
 import openai
 import pytest
 from aiohttp.test_utils import make_mocked_request
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import rsa
+from cryptography.x509.oid import NameOID
 
 from corral.deploy import write_dev_certificates
 from corral.gateway.clients import ClientAddresses
@@ -167,7 +173,8 @@ def test_a_renewed_certificate_is_served_without_a_restart(
 ) -> None:
     """Renewal in place (a new key and certificate over the old files, as certbot or `corral deploy certs`
     write them): new connections get the new certificate within check_interval, a connection already open
-    keeps working, and a pair that does not match is logged and not used."""
+    keeps working, a renewal to another key type is served whole, and a pair that does not match (either
+    file changed alone) is logged and not used."""
     first = (tls_dir / "server.crt").read_bytes()
     _served_soon(https_cluster.url, first)
     where = urlsplit(https_cluster.url)
@@ -190,18 +197,54 @@ def test_a_renewed_certificate_is_served_without_a_restart(
     assert open_before.sock.getpeercert(binary_form=True) == old_der
     open_before.close()
 
-    key = (tls_dir / "server.key").read_bytes()
-    refused = "new connections keep the certificate loaded before"
-    told = https_cluster.log.read_text().count(refused)  # (a renewal caught half written is told so too)
+    # From ECDSA to RSA: loaded in place, OpenSSL would keep the ECDSA certificate beside the RSA one and
+    # serve it to every client that takes ECDSA (most); a fresh context serves the RSA one alone.
+    rsa_cert, rsa_key = _rsa_pair(tls_dir)
+    ecdsa_cert, ecdsa_key = renewed, (tls_dir / "server.key").read_bytes()
     try:
-        (tls_dir / "server.key").write_bytes((tls_dir / "ca.key").read_bytes())  # another certificate's key
-        deadline = time.monotonic() + 15
-        while https_cluster.log.read_text().count(refused) == told:
-            assert time.monotonic() < deadline, "the mismatched pair was not logged"
-            time.sleep(0.1)
-        _served_soon(https_cluster.url, renewed)  # (still the renewed one, and it works)
-        with openai.DefaultHttpxClient(verify=trusted) as httpx_client:  # and it verifies
-            client = openai.OpenAI(base_url=https_cluster.base_url, api_key="none", http_client=httpx_client)
-            assert client.models.list().data
+        (tls_dir / "server.key").write_bytes(rsa_key)
+        (tls_dir / "server.crt").write_bytes(rsa_cert)
+        _served_soon(https_cluster.url, rsa_cert)
+        refused = "new connections keep the certificate loaded before"
+        for broken, name in ((ecdsa_cert, "server.crt"), ((tls_dir / "ca.key").read_bytes(), "server.key")):
+            # a certificate without its key, then a key without its certificate: logged, not used
+            told = https_cluster.log.read_text().count(refused)  # (a renewal caught half written counts)
+            (tls_dir / name).write_bytes(broken)
+            deadline = time.monotonic() + 15
+            while https_cluster.log.read_text().count(refused) == told:
+                assert time.monotonic() < deadline, f"the mismatched {name} was not logged"
+                time.sleep(0.1)
+            _served_soon(https_cluster.url, rsa_cert)  # (still the RSA one, and it works)
+            with openai.DefaultHttpxClient(verify=trusted) as httpx_client:
+                client = openai.OpenAI(
+                    base_url=https_cluster.base_url, api_key="none", http_client=httpx_client
+                )
+                assert client.models.list().data
+            (tls_dir / "server.crt").write_bytes(rsa_cert)
+            (tls_dir / "server.key").write_bytes(rsa_key)
     finally:
-        (tls_dir / "server.key").write_bytes(key)
+        (tls_dir / "server.key").write_bytes(ecdsa_key)
+        (tls_dir / "server.crt").write_bytes(ecdsa_cert)
+
+
+def _rsa_pair(folder: Path) -> tuple[bytes, bytes]:
+    """An RSA certificate for localhost signed by the folder's development CA (whose own key is ECDSA)."""
+    ca_key = serialization.load_pem_private_key((folder / "ca.key").read_bytes(), None)
+    ca = x509.load_pem_x509_certificate((folder / "ca.crt").read_bytes())
+    key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    now = datetime.datetime.now(datetime.UTC)
+    names = [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")]))
+        .issuer_name(ca.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName(names), critical=False)
+        .sign(ca_key, hashes.SHA256())  # type: ignore[arg-type]
+    )
+    pem = serialization.Encoding.PEM
+    private = key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    return cert.public_bytes(pem), private

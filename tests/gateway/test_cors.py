@@ -80,9 +80,17 @@ async def test_a_listed_origin_is_answered_and_others_are_not(
 
 def test_an_origin_is_a_scheme_and_host_only() -> None:
     model = "models:\n  - {name: m, deployments: [{engine: external, urls: ['http://127.0.0.1:1']}]}\n"
-    assert parse_spec("gateway: {cors_origins: ['*', 'http://localhost:3000']}\n" + model)
-    with pytest.raises(SpecError, match="is not an origin"):
-        parse_spec("gateway: {cors_origins: ['https://chat.example.com/']}\n" + model)
+    given = "['*', 'http://localhost:3000', 'https://Chat.Example.com:443', 'http://[::1]:8080']"
+    spec = parse_spec(f"gateway: {{cors_origins: {given}}}\n" + model)
+    assert spec.gateway.cors_origins == [
+        "*",
+        "http://localhost:3000",
+        "https://chat.example.com",
+        "http://[::1]:8080",
+    ]
+    for bad in ("https://chat.example.com/", 'https://a"b.com', "https://a;b", "chat.example.com"):
+        with pytest.raises(SpecError, match="is not an origin"):
+            parse_spec(f"gateway: {{cors_origins: ['{bad}']}}\n" + model)
 
 
 SPEC = """

@@ -339,7 +339,10 @@ async def test_fan_out_is_bounded_and_an_empty_prompt_list_refused(
         assert status == 400 and body["error"]["code"] == "too_many_choices"
         status, body, _ = await post(url, {"model": "m", "prompt": []})
         assert status == 400 and body["error"]["param"] == "prompt"
-        status, body, _ = await post(url, {"model": "m", "prompt": ["a", "b"], "n": 2})
+        status, body, headers = await post(url, {"model": "m", "prompt": ["a", "b"], "n": 2})
         assert status == 200 and [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
+        # each part its own engine request id (an engine may refuse one already running)
+        told = {k.lower(): v for k, v in headers.items()}["x-request-id"]
+        assert sorted(upstream.request_ids[-4:]) == [f"{told}-{k}" for k in range(4)]
     finally:
         await server.stop()

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import os
 import socket
@@ -62,6 +63,11 @@ class LineExecutor(Protocol):
     async def run_line(
         self, principal: Principal, path: str, body: bytes, request_id: str | None = None
     ) -> tuple[int, bytes]: ...
+
+
+def _request_id(line: BatchLine) -> str:
+    """A line's request id: its output line's and its usage rows', every attempt's (a retry's too)."""
+    return "req_" + hashlib.blake2b(f"{line.batch_id}:{line.line}".encode(), digest_size=12).hexdigest()
 
 
 class BatchRunner:
@@ -222,7 +228,7 @@ class BatchRunner:
         key = (line.batch_id, line.line)
         try:
             principal = await self._principal(line.tenant, line.key_id)
-            request_id = f"req_{uuid.uuid4().hex[:24]}"  # the output line's, and its usage row's
+            request_id = _request_id(line)
             if principal is None:
                 status = 401
                 body = _error("The API key that submitted this batch has been revoked.", "invalid_api_key")

@@ -46,6 +46,8 @@ class _RemoteControl:
         self._writer = writer
         self._pending: dict[int, asyncio.Future[Any]] = {}
         self._next = 0
+        self._counts: tuple[float, dict[str, list[int]]] | None = None  # (when, the last counts)
+        self._counting: asyncio.Future[Any] | None = None
 
     async def drain(self, replica_id: str, grace_s: float) -> dict[str, object]:
         return dict(await self._call("drain", replica_id=replica_id, grace_s=grace_s))
@@ -61,8 +63,16 @@ class _RemoteControl:
 
     async def counts(self) -> dict[str, list[int]]:
         """Each replica's [outstanding, pending prefill tokens, served, failures, capacity] over all the
-        workers (the pool sums the workers' reports, each up to half a second old)."""
-        return dict(await self._call("counts"))
+        workers (the pool sums the workers' reports, each up to half a second old). Asked at most once a
+        report interval, one call at a time, however many status requests come (tenants may ask too)."""
+        loop = asyncio.get_running_loop()
+        if self._counts is not None and loop.time() - self._counts[0] < _REPORT_S:
+            return self._counts[1]
+        if self._counting is None or self._counting.done():
+            self._counting = asyncio.ensure_future(self._call("counts"))
+        counts = dict(await asyncio.shield(self._counting))  # (a caller that gives up leaves it running)
+        self._counts = (loop.time(), counts)
+        return counts
 
     async def _call(self, name: str, **args: Any) -> Any:
         self._next += 1

@@ -140,12 +140,19 @@ class GatewaySettings(Strict):
     @field_validator("cors_origins")
     @classmethod
     def _origins(cls, value: list[str]) -> list[str]:
-        for origin in value:
-            if origin != "*" and not re.fullmatch(r"https?://[^/\s:]+(:\d{1,5})?", origin):
+        """Origins as browsers send them: lower case, no default port (matched exactly)."""
+        origins = []
+        for given in value:
+            origin = given.lower()
+            found = re.fullmatch(r"(https?)://([a-z0-9.-]+|\[[0-9a-f:.]+\])(?::(\d{1,5}))?", origin)
+            if origin != "*" and found is None:
                 raise ValueError(
-                    f"{origin!r} is not an origin: * or scheme://host[:port], with no path or trailing slash"
+                    f"{given!r} is not an origin: * or scheme://host[:port], with no path or trailing slash"
                 )
-        return value
+            if found is not None and found[3] == {"http": "80", "https": "443"}[found[1]]:
+                origin = f"{found[1]}://{found[2]}"
+            origins.append(origin)
+        return origins
 
     @field_validator("trusted_proxies")
     @classmethod

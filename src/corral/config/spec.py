@@ -117,7 +117,7 @@ class ClusterSpec(Strict):
         if not server:
             return 1
         fewest = self.fewest_slots  # (no more workers than a replica has slots: each holds a share)
-        return max(1, min(cpus or 1, fewest[0] if fewest is not None else cpus or 1))
+        return min(max(1, cpus or 1), fewest[0] if fewest is not None else 256)
 
 
 def is_loopback(host: str) -> bool:

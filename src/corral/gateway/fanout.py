@@ -87,9 +87,13 @@ class Fanout:
         gateway_echo = isinstance(body, CompletionRequest) and body.echo and not features.echo
         parts = [
             replace(
-                ctx, upstream_body=orjson.dumps(_single(data, prompt, j, gateway_echo)), route=_route(ctx)
+                ctx,
+                upstream_body=orjson.dumps(_single(data, prompt, j, gateway_echo)),
+                route=_route(ctx),
+                # each its own engine request id (an engine may refuse one already running)
+                request_id=f"{ctx.request_id}-{i * body.n + j}" if ctx.request_id else None,
             )
-            for prompt in prompts
+            for i, prompt in enumerate(prompts)
             for j in range(body.n)
         ]
         limit = asyncio.Semaphore(_AT_ONCE)

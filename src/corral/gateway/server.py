@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import ssl
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -101,36 +100,42 @@ def server_tls_context(tls: TLSSettings) -> ssl.SSLContext:
     speaks no HTTP/2; an NGINX edge adds it)."""
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     context.minimum_version = ssl.TLSVersion.TLSv1_2
-    _load(context, tls, tls.cert, tls.key)
-    context.set_alpn_protocols(["http/1.1"])
-    return context
-
-
-def _load(context: ssl.SSLContext, tls: TLSSettings, cert: Path, key: Path) -> None:
     try:
-        context.load_cert_chain(cert, key)
+        context.load_cert_chain(tls.cert, tls.key)
     except FileNotFoundError as exc:
         raise TLSError(f"gateway.tls: {exc.filename} does not exist") from exc
     except (ssl.SSLError, OSError) as exc:
         raise TLSError(f"gateway.tls: cannot use {tls.cert} with {tls.key}: {exc}") from exc
+    context.set_alpn_protocols(["http/1.1"])
+    return context
 
 
 class CertificateReloader:
     """A renewed certificate without a restart: every `check_interval` the cert and key files are looked at
-    (size and modification time); when they changed, the pair is read once, tried in a fresh context and,
-    if it works, loaded into the live one, which gives it to every new connection (those open keep theirs).
-    A pair that does not work (the key of another certificate, a renewal half written) is logged and the
-    certificate loaded before stays; it is tried again when the files change again."""
+    (inode, size, modification and change times); when they changed, a fresh context is made from them and,
+    if the pair works, every new connection is given it (`sni_callback` runs on each handshake, with or
+    without a server name, and hands the connection the current context; those open keep theirs). A fresh
+    context, not a reload into the live one: OpenSSL keeps a certificate per key type, so a renewal from
+    ECDSA to RSA loaded in place would leave the old ECDSA one served to most clients. A pair that does not
+    work (the key of another certificate, a renewal half written) is logged and the certificate loaded
+    before stays; it is tried again when the files change again."""
 
     def __init__(self, context: ssl.SSLContext, tls: TLSSettings) -> None:
-        self._context, self._tls = context, tls
+        self._tls = tls
+        self.current = context
         self._seen = self._stamp()
+        context.sni_callback = self._hand_out
 
-    def _stamp(self) -> tuple[tuple[int, int], ...] | None:
+    def _hand_out(self, connection: ssl.SSLObject, name: str | None, context: ssl.SSLContext) -> None:
+        if context is not self.current:
+            connection.context = self.current
+
+    def _stamp(self) -> tuple[tuple[int, int, int, int], ...] | None:
         try:
-            return tuple((s.st_mtime_ns, s.st_size) for s in (self._tls.cert.stat(), self._tls.key.stat()))
+            files = (self._tls.cert.stat(), self._tls.key.stat())
         except OSError:
             return None  # (gone for a moment while a renewal replaces them)
+        return tuple((s.st_ino, s.st_size, s.st_mtime_ns, s.st_ctime_ns) for s in files)
 
     async def watch(self) -> None:
         while True:
@@ -138,22 +143,16 @@ class CertificateReloader:
             self.check()
 
     def check(self) -> bool:
-        """Load the files if they changed and work; whether a new pair was loaded."""
+        """Use the files if they changed and work; whether a new pair is now handed out."""
         stamp = self._stamp()
         if stamp is None or stamp == self._seen:
             return False
         self._seen = stamp
         try:
-            # One read of each file, for the trial and the live context alike (a renewal may be writing).
-            with tempfile.TemporaryDirectory(prefix="corral-tls-") as folder:
-                cert, key = Path(folder) / "cert.pem", Path(folder) / "key.pem"
-                cert.write_bytes(self._tls.cert.read_bytes())
-                key.touch(mode=0o600)
-                key.write_bytes(self._tls.key.read_bytes())
-                _load(ssl.create_default_context(ssl.Purpose.CLIENT_AUTH), self._tls, cert, key)
-                _load(self._context, self._tls, cert, key)
-        except (TLSError, OSError) as exc:
+            renewed = server_tls_context(self._tls)
+        except TLSError as exc:
             logger.error("%s; new connections keep the certificate loaded before", exc)
             return False
+        self.current = renewed
         logger.info("gateway.tls: loaded the renewed certificate %s for new connections", self._tls.cert)
         return True
