@@ -285,10 +285,16 @@ def _semantic_cache(cache: ExactCache | None, relay: Relay) -> asyncio.Task[None
 
 
 def _error_boundary(ids: RequestIds) -> Middleware:
+    """The one place errors become OpenAI-shaped JSON responses; each request is given its id first.
+    (No await layer of its own beyond the handler's: each one costs every suspension of a stream.)"""
+
     @web.middleware
     async def boundary(request: web.Request, handler: Handler) -> web.StreamResponse:
         ids.assign(request)
-        return await _answer_or_error(request, handler)
+        try:
+            return await handler(request)
+        except Exception as exc:
+            return _error_answer(request, exc)
 
     return boundary
 
@@ -297,31 +303,28 @@ async def _tell_request_id(request: web.Request, response: web.StreamResponse) -
     response.headers["x-request-id"] = request.get(REQUEST_ID) or "-"
 
 
-async def _answer_or_error(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """The one place errors become OpenAI-shaped JSON responses."""
-    try:
-        return await handler(request)
-    except APIError as exc:
+def _error_answer(request: web.Request, exc: Exception) -> web.Response:
+    """The OpenAI-shaped answer to what a handler raised (called in its `except`)."""
+    if isinstance(exc, APIError):
         return _error_response(exc)
-    except web.HTTPRequestEntityTooLarge:
+    if isinstance(exc, web.HTTPRequestEntityTooLarge):
         return _error_response(PayloadTooLarge("The request body is larger than the gateway accepts."))
-    except web.HTTPNotFound:
+    if isinstance(exc, web.HTTPNotFound):
         return _error_response(NotFound(f"Unknown path {request.path}."))
-    except web.HTTPMethodNotAllowed as exc:
+    if isinstance(exc, web.HTTPMethodNotAllowed):
         refusal = MethodNotAllowed(
             f"Method {exc.method} is not allowed on {request.path}.",
             headers={"Allow": ", ".join(sorted(exc.allowed_methods))},
         )
         return _error_response(refusal)
-    except web.HTTPException as exc:
+    if isinstance(exc, web.HTTPException):
         if exc.status < 400:
-            raise
+            raise exc
         return _error_response(APIError(exc.reason or "HTTP error"), status=exc.status)
-    except Exception:
-        logger.exception(
-            "unhandled error on %s %s (request %s)", request.method, request.path, request.get(REQUEST_ID)
-        )
-        return _error_response(APIError("The gateway hit an internal error; it has been logged."))
+    logger.exception(
+        "unhandled error on %s %s (request %s)", request.method, request.path, request.get(REQUEST_ID)
+    )
+    return _error_response(APIError("The gateway hit an internal error; it has been logged."))
 
 
 def _error_response(exc: APIError, status: int | None = None) -> web.Response:
