@@ -30,6 +30,7 @@ class ScriptedUpstream:
     required_key: str | None = None  # answer 401 unless `Authorization: Bearer <it>` is sent (vLLM --api-key)
     authorizations: list[str | None] = field(default_factory=list)
     request_ids: list[str | None] = field(default_factory=list)  # each request's X-Request-Id
+    traces: list[tuple[str | None, str | None]] = field(default_factory=list)  # (traceparent, tracestate)
     answer: tuple[int, str, bytes] | None = None  # mode "answer": (status, content type, body) as is
     echo_prefill: bool = False  # continuing a chat, send the continued text back first (as llama.cpp)
     linger: float = 0.0  # seconds a stream stays open after its `[DONE]` before it ends
@@ -71,6 +72,7 @@ class ScriptedUpstream:
         self.bodies.append(body)
         self.authorizations.append(request.headers.get("Authorization"))
         self.request_ids.append(request.headers.get("X-Request-Id"))
+        self.traces.append((request.headers.get("traceparent"), request.headers.get("tracestate")))
         if self.required_key and request.headers.get("Authorization") != f"Bearer {self.required_key}":
             return web.json_response({"error": {"message": "Unauthorized"}}, status=401)
         if self.mode == "answer" and self.answer is not None:

@@ -91,3 +91,31 @@ async def test_an_edge_s_request_id_is_taken_from_a_trusted_proxy_only(
     for unusable in ("two words", "x" * 129, 'quote"d', ""):  # would break or flood a log line: replaced
         assert OWN.fullmatch(await id_for(behind_a_proxy, unusable)), unusable
     assert OWN.fullmatch(await id_for(gateway, edge))  # no trusted proxies: a client does not choose it
+
+
+async def test_a_client_s_trace_context_reaches_the_engine(
+    gateway: Gateway, upstream: ScriptedUpstream
+) -> None:
+    """W3C trace context passes to the engine (vLLM tracing with OpenTelemetry puts its spans in the
+    client's trace); a malformed one does not."""
+    gateway.add_replica(upstream.url)
+    parent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+    sent = [
+        {"traceparent": parent, "tracestate": "rojo=00f067aa0ba902b7,congo=t61rcWkgMzE"},
+        {"traceparent": parent},
+        {"traceparent": "00-not-a-trace-01", "tracestate": "rojo=1"},
+        {},
+    ]
+    async with aiohttp.ClientSession() as session:
+        for headers in sent:
+            body = {"model": "m", "messages": HI}
+            async with session.post(
+                gateway.base_url + "/chat/completions", json=body, headers=headers
+            ) as answer:
+                assert answer.status == 200
+    assert upstream.traces == [
+        (parent, "rojo=00f067aa0ba902b7,congo=t61rcWkgMzE"),
+        (parent, None),
+        (None, None),
+        (None, None),
+    ]

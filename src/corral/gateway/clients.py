@@ -22,7 +22,7 @@ from aiohttp.abc import AbstractAccessLogger
 from aiohttp.web_request import BaseRequest
 from aiohttp.web_response import StreamResponse
 
-__all__ = ["PROXY_HEADERS", "REQUEST_ID", "ClientAddresses", "RequestIds", "access_logger"]
+__all__ = ["PROXY_HEADERS", "REQUEST_ID", "ClientAddresses", "RequestIds", "access_logger", "trace_context"]
 
 PROXY_HEADERS = ("Forwarded", "X-Forwarded-For", "X-Real-IP")
 REQUEST_ID = web.RequestKey("request_id", str)  # where a request keeps its id
@@ -82,6 +82,24 @@ class RequestIds:
         else:
             request[REQUEST_ID] = given = "req_" + os.urandom(12).hex()  # (about 0.6 µs)
         return given
+
+
+_TRACEPARENT = re.compile(r"[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}")
+_TRACESTATE = re.compile(r"[\x20-\x7e]{1,512}")  # (printable: nothing that ends a header line)
+
+
+def trace_context(request: BaseRequest) -> bytes:
+    """The client's W3C trace context (`traceparent`, and `tracestate` with it) as header lines for the
+    engine, so that an engine tracing with OpenTelemetry (vLLM's --otlp-traces-endpoint) puts its spans
+    in the client's trace; b"" where there is none or it is malformed."""
+    parent = request.headers.get("traceparent")
+    if parent is None or not _TRACEPARENT.fullmatch(parent):
+        return b""
+    lines = b"traceparent: " + parent.encode() + b"\r\n"
+    state = request.headers.get("tracestate")
+    if state is not None and _TRACESTATE.fullmatch(state):
+        lines += b"tracestate: " + state.encode() + b"\r\n"
+    return lines
 
 
 def _loopback(address: str) -> bool:

@@ -49,6 +49,7 @@ class RequestContext:
     exchange: Exchange | None = None  # asked in another dialect (Responses, Messages): told back in it
     emulation: ToolEmulation | None = None  # tool calls its engine cannot make, asked as JSON
     request_id: str | None = None  # its x-request-id (clients.py), or its batch output line's
+    trace: bytes = b""  # the client's W3C trace context, as header lines for the engine (clients.py)
 
     @property
     def model(self) -> str:

@@ -35,7 +35,7 @@ from corral.cache import CacheLookup, ExactCache
 from corral.dialects import DialectStream, Messages, Responses
 from corral.dialects.chat import Exchange
 from corral.gateway.bodies import read_body
-from corral.gateway.clients import REQUEST_ID
+from corral.gateway.clients import REQUEST_ID, trace_context
 from corral.gateway.context import RequestContext
 from corral.gateway.embeddings import EmbeddingShaper
 from corral.gateway.fanout import Fanout
@@ -166,6 +166,7 @@ class Pipeline:
         self, ctx: RequestContext, principal: Principal, request: web.Request, answer: _Answer
     ) -> web.StreamResponse:
         ctx.request_id = request.get(REQUEST_ID)
+        ctx.trace = trace_context(request)
         self._isolation.apply(ctx, principal.tenant)
         try:
             principal.check_model(ctx.model)  # (an adapter's tenants: intake.py)

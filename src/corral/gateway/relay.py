@@ -192,7 +192,9 @@ class Relay:
             if route.adapter is not None or replica.adapters:
                 await self.loader.ready(replica, route)
                 body = body_for(replica, route, body)
-            upstream = await self._engines.post(replica.url, ctx.path, body, replica.api_key, ctx.request_id)
+            upstream = await self._engines.post(
+                replica.url, ctx.path, body, replica.api_key, ctx.request_id, ctx.trace
+            )
         except TimeoutError as exc:
             raise UpstreamTimeout(f"Replica {replica.id} did not answer in time.") from exc
         except (EngineConnectionError, AdapterLoadFailed) as exc:
@@ -411,7 +413,9 @@ class Relay:
             if route.adapter is not None or replica.adapters:
                 await self.loader.ready(replica, route)
                 body = body_for(replica, route, body)
-            upstream = await self._engines.post(replica.url, ctx.path, body, replica.api_key, ctx.request_id)
+            upstream = await self._engines.post(
+                replica.url, ctx.path, body, replica.api_key, ctx.request_id, ctx.trace
+            )
         except _CONTINUE_FAILURES as exc:
             return f"continuing on {replica.id} failed ({type(exc).__name__})"
         try:
