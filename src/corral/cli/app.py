@@ -219,13 +219,13 @@ def client_tls(ca_cert: Path | None) -> ssl.SSLContext | None:
         fail(f"--ca-cert {ca_cert}: {getattr(exc, 'strerror', None) or exc}", 2)
 
 
-_log_format = "rich"  # as setup_logging chose it
+_chosen = {"log_format": "rich"}  # as setup_logging chose it
 
 
 def logs_are_json() -> bool:
     """Whether standard error carries JSON lines only (`--log-format json`): what a command would tell
     people there (a banner, progress) is logged instead."""
-    return _log_format == "json"
+    return _chosen["log_format"] == "json"
 
 
 def setup_logging(level: str, log_format: str = "auto") -> None:
@@ -233,10 +233,9 @@ def setup_logging(level: str, log_format: str = "auto") -> None:
     (one line an event with its UTC time, level and logger: what journald, Docker and Kubernetes keep),
     `json` (one object a line, a log pipeline's; a record's extra fields become its keys: the access log's
     client, status, request id, ...) or `auto`: rich on a terminal, text otherwise."""
-    global _log_format
     if log_format == "auto":
         log_format = "rich" if sys.stderr.isatty() else "text"
-    _log_format = log_format
+    _chosen["log_format"] = log_format
     handler: logging.Handler
     if log_format == "rich":
         handler = RichHandler(console=console, show_path=False, rich_tracebacks=False)

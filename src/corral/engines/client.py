@@ -309,18 +309,15 @@ class EngineClient:
         path: str,
         body: bytes,
         authorization: str | None,
-        request_id: str | None = None,
         extra: bytes = b"",
     ) -> EngineResponse:
         """POST `body` (JSON) to `base_url + path`: the response once its headers came. The caller reads
-        its body and must `release()` it. `request_id` goes as `X-Request-Id` (vLLM names the request by
-        it in its logs and answers); `extra`: more header lines, whole (the client's trace context)."""
+        its body and must `release()` it. `extra`: more header lines, whole (the request's id, the
+        client's trace context: RequestContext.to_engine)."""
         head = b" HTTP/1.1\r\nContent-Type: application/json\r\nContent-Length: " + str(len(body)).encode()
         head += b"\r\n"
         if authorization:  # (checked as printable ASCII where the spec is loaded)
             head += b"Authorization: Bearer " + authorization.encode("ascii") + b"\r\n"
-        if request_id:  # (letters, digits and ._:- only: gateway/clients.py)
-            head += b"X-Request-Id: " + request_id.encode("ascii") + b"\r\n"
         head += extra
         return await self._request(b"POST ", base_url, path, head, body)
 

@@ -56,6 +56,13 @@ class RequestContext:
         return self.body.model
 
     @property
+    def to_engine(self) -> bytes:
+        """Header lines for the engine: the request's id (vLLM names the request by it in its log and its
+        answer; letters, digits and ._:- only) and the client's trace context."""
+        named = b"X-Request-Id: " + self.request_id.encode() + b"\r\n" if self.request_id else b""
+        return named + self.trace
+
+    @property
     def stream(self) -> bool:
         return self.body.stream
 

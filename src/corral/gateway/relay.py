@@ -192,9 +192,7 @@ class Relay:
             if route.adapter is not None or replica.adapters:
                 await self.loader.ready(replica, route)
                 body = body_for(replica, route, body)
-            upstream = await self._engines.post(
-                replica.url, ctx.path, body, replica.api_key, ctx.request_id, ctx.trace
-            )
+            upstream = await self._engines.post(replica.url, ctx.path, body, replica.api_key, ctx.to_engine)
         except TimeoutError as exc:
             raise UpstreamTimeout(f"Replica {replica.id} did not answer in time.") from exc
         except (EngineConnectionError, AdapterLoadFailed) as exc:
@@ -413,9 +411,7 @@ class Relay:
             if route.adapter is not None or replica.adapters:
                 await self.loader.ready(replica, route)
                 body = body_for(replica, route, body)
-            upstream = await self._engines.post(
-                replica.url, ctx.path, body, replica.api_key, ctx.request_id, ctx.trace
-            )
+            upstream = await self._engines.post(replica.url, ctx.path, body, replica.api_key, ctx.to_engine)
         except _CONTINUE_FAILURES as exc:
             return f"continuing on {replica.id} failed ({type(exc).__name__})"
         try:
