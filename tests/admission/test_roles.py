@@ -45,6 +45,18 @@ async def call(cluster: Cluster, method: str, path: str, key: str, body: object 
         return answer.status, json.loads(text) if text.startswith("{") else {"text": text}
 
 
+async def asked(cluster: Cluster, key: str) -> str:
+    """A chat request with `key`; the id its answer told (x-request-id)."""
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(
+            cluster.url + "/v1/chat/completions", json=BODY, headers={"Authorization": f"Bearer {key}"}
+        ) as answer,
+    ):
+        assert answer.status == 200, await answer.text()
+        return answer.headers["x-request-id"]
+
+
 async def key(cluster: Cluster, tenant: str = "acme", **fields: object) -> dict:
     status, made = await cluster.admin("POST", "/admin/keys", {"tenant": tenant, **fields})
     assert status == 201, made
@@ -144,6 +156,8 @@ async def test_every_administrative_action_leaves_one_audit_record(closed: Clust
         told = answer.headers["x-request-id"]
     latest = (await call(closed, "GET", "/admin/audit?action=key.update&limit=1", ADMIN))[1]["entries"][0]
     assert latest["target"] == viewer["id"] and latest["request_id"] == told and told.startswith("req_")
+    (by_id,) = (await call(closed, "GET", f"/admin/audit?request_id={told}", ADMIN))[1]["entries"]
+    assert by_id == latest
     for method in ("POST", "PUT", "PATCH", "DELETE"):  # the trail cannot be edited through the API
         assert (await call(closed, method, "/admin/audit", ADMIN))[0] == 405
 
@@ -187,10 +201,15 @@ async def test_a_tenant_admin_manages_its_own_tenants_keys_within_its_own_limits
     assert (await call(closed, "DELETE", f"/admin/keys/{other['id']}", boss["key"]))[0] == 404
     assert (await call(closed, "PATCH", f"/admin/keys/{made[1]['id']}", boss["key"], {"rpm": 1000}))[0] == 403
     assert (await call(closed, "PATCH", f"/admin/keys/{made[1]['id']}", boss["key"], {"rpm": 50}))[0] == 200
-    await call(closed, "POST", "/v1/chat/completions", other["key"], BODY)
+    theirs, ours = await asked(closed, other["key"]), await asked(closed, made[1]["key"])
     await asyncio.sleep(1.2)  # (usage is written every flush interval)
     rows = (await call(closed, "GET", "/admin/usage?by=tenant", boss["key"]))[1]["rows"]
     assert {r["tenant"] for r in rows} <= {"acme"}
+    found = (await call(closed, "GET", f"/admin/usage?request_id={ours}", boss["key"]))[1]["rows"]
+    assert [(r["tenant"], r["key_id"], r["status"]) for r in found] == [("acme", made[1]["id"], 200)]
+    assert (await call(closed, "GET", f"/admin/usage?request_id={theirs}", boss["key"]))[1]["rows"] == []
+    found = (await call(closed, "GET", f"/admin/usage?request_id={theirs}", ADMIN))[1]["rows"]
+    assert [(r["tenant"], r["api"]) for r in found] == [("globex", "chat")]  # the admin sees any tenant's
     assert (await call(closed, "DELETE", "/admin/cache", boss["key"]))[0] == 403
 
 

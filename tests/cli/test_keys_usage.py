@@ -1,6 +1,6 @@
-"""What an operator reads of keys and usage: a key's budget use in `keys list/show`, `keys show` taking
-the prefix `keys list` shows, `corral usage --by key` naming tenant and key name, 429s counted as refusals
-rather than errors, and a date range."""
+"""What an operator reads of keys, usage and the audit trail: a key's budget use in `keys list/show`,
+`keys show` taking the prefix `keys list` shows, `corral usage --by key` naming tenant and key name, 429s
+counted as refusals rather than errors, and a date range; `corral audit` and its filters."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 from typer.testing import CliRunner
 
 from corral.cli import app
-from corral.store import UsageRecord, UsageStore, open_database
+from corral.store import AuditEntry, AuditLog, UsageRecord, UsageStore, open_database
 
 
 def run(*args: str, columns: int = 160) -> tuple[int, str]:
@@ -71,3 +71,32 @@ def test_budget_use_prefixes_names_refusals_and_dates(tmp_path: Path) -> None:
     assert code == 0 and json.loads(out) == []
     code, out = run("usage", "--store", store, "--until", tomorrow, "--json")
     assert code == 0 and len(json.loads(out)) == 1
+
+
+def test_the_audit_trail_filtered_by_action_actor_tenant_time_and_request(tmp_path: Path) -> None:
+    store = f"sqlite:///{tmp_path / 'c.db'}"
+    for tenant in ("acme", "globex"):
+        assert run("keys", "create", "--tenant", tenant, "--store", store)[0] == 0
+    told = "req_0123456789abcdef01234567"
+    AuditLog(open_database(store)).record(
+        AuditEntry("oidc:ann", "operator", "spec.apply", 200, "acme", "10.0.0.7", None, None, told)
+    )
+    code, out = run("audit", "--store", store, "--json")
+    rows = json.loads(out)
+    assert [r["action"] for r in rows] == ["spec.apply", "key.create", "key.create"]  # latest first
+    assert rows[1]["actor"].startswith("cli:") and rows[1]["detail"]["tenant"] == "globex"
+    for flags, actions in (
+        (("--action", "key.*"), ["key.create", "key.create"]),
+        (("--action", "key"), []),  # a prefix only with its star
+        (("--actor", "oidc:ann"), ["spec.apply"]),
+        (("--tenant", "acme"), ["spec.apply"]),  # the actor's tenant
+        (("--request-id", told), ["spec.apply"]),
+        (("--limit", "1"), ["spec.apply"]),
+        (("--since", (datetime.now(UTC) + timedelta(days=1)).strftime("%Y-%m-%d")), []),
+    ):
+        code, out = run("audit", *flags, "--store", store, "--json")
+        assert code == 0 and [r["action"] for r in json.loads(out)] == actions, flags
+    code, out = run("audit", "--store", store)
+    assert code == 0 and "10.0.0.7" in out and told in out and "spec.apply" in out, out
+    code, out = run("audit", "--store", store, columns=80)
+    assert code == 0 and "…" not in out and "spec.apply" in out, out  # folded at 80 columns, never cut

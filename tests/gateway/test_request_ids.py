@@ -14,7 +14,9 @@ from pathlib import Path
 import aiohttp
 import openai
 import pytest
+from typer.testing import CliRunner
 
+from corral.cli import app
 from corral.config import GatewaySettings
 from corral.gateway import GatewayServer
 from corral.routing import ReplicaSet, Router
@@ -62,6 +64,15 @@ async def test_whole_answers_streams_and_errors_tell_their_request_id(
             break
         await asyncio.sleep(0.05)
     assert recorded == {whole: 200, streamed_id: 200, dialect: 200}  # (a model it does not serve: no row)
+    async with aiohttp.ClientSession() as session:  # an operator finds a request by the id its client has
+        async with session.get(gateway.url + f"/admin/usage?request_id={dialect}") as found:
+            (row,) = (await found.json())["rows"]
+    assert (row["request_id"], row["api"], row["status"], row["model"]) == (dialect, "messages", 200, "m")
+    store = f"sqlite:///{tmp_path / 'corral.db'}"
+    done = CliRunner().invoke(app, ["usage", "--request-id", whole, "--store", store], env={"COLUMNS": "80"})
+    assert done.exit_code == 0 and whole in done.output and "chat" in done.output, done.output
+    done = CliRunner().invoke(app, ["usage", "--request-id", "req_nothing", "--store", store])
+    assert done.exit_code == 1 and "no usage record of request req_nothing" in done.output
 
 
 @pytest.fixture

@@ -35,6 +35,9 @@ StoreOption = Annotated[
     ),
 ]
 JsonOption = Annotated[bool, typer.Option("--json", help="print JSON")]
+RequestIdOption = Annotated[
+    str | None, typer.Option("--request-id", help="the request's id (the x-request-id its client was given)")
+]
 
 
 class Priority(StrEnum):
@@ -287,6 +290,7 @@ def audit(
     ] = None,
     tenant: Annotated[str | None, typer.Option(help="only actions by this tenant's people")] = None,
     since: Annotated[datetime | None, typer.Option(formats=_WHEN, help="from this time (UTC)")] = None,
+    request_id: RequestIdOption = None,
     limit: Annotated[int, typer.Option(help="at most this many, latest first", min=1, max=1000)] = 50,
     file: SpecOption = None,
     store: StoreOption = None,
@@ -297,14 +301,15 @@ def audit(
 
     keys, _ = _stores(file, store)
     rows = AuditLog(keys.engine).list(
-        action=action, actor=actor, tenant=tenant, since=_utc(since), limit=limit
+        action=action, actor=actor, tenant=tenant, since=_utc(since), request_id=request_id, limit=limit
     )
     if as_json:
         print(json.dumps(rows, indent=2))
         return
     table = Table(title="corral audit trail", box=box.SIMPLE_HEAD, pad_edge=False)
-    for column in ("at", "actor", "role", "action", "target", "status", "from"):
-        table.add_column(column, no_wrap=True)
+    for column in ("at", "actor", "role", "action", "target", "status", "from", "request"):
+        # the time, role, action and status whole on their line; a long name or id folds, never cut
+        table.add_column(column, overflow="fold", no_wrap=column in ("at", "role", "action", "status"))
     for row in rows:
         table.add_row(
             row["at"][:19].replace("T", " "),
@@ -314,6 +319,7 @@ def audit(
             row["target"] or "-",
             str(row["status"]),
             row["source"] or "-",
+            row["request_id"] or "-",
         )
     Console().print(table)
 
@@ -333,13 +339,17 @@ def usage(
             help="up to (not including) this day or time (UTC)", formats=_WHEN, metavar="YYYY-MM-DD[THH:MM]"
         ),
     ] = None,
+    request_id: RequestIdOption = None,
     file: SpecOption = None,
     store: StoreOption = None,
     as_json: JsonOption = False,
 ) -> None:
     """Report recorded usage: requests, tokens, refusals (429), errors and latency by key, tenant, model
-    or day."""
+    or day; or, with --request-id, one request's records (the `x-request-id` its client was given)."""
     _, usage_store = _stores(file, store)
+    if request_id is not None:
+        _one_request(usage_store, request_id, as_json)
+        return
     rows = usage_store.report(str(by), _utc(since), _utc(until))
     if as_json:
         print(json.dumps(rows, indent=2))
@@ -366,6 +376,28 @@ def usage(
             f"{row['mean_latency_ms']:,.0f} ms",
         )
     Console().print(table)
+
+
+def _one_request(usage_store: UsageStore, request_id: str, as_json: bool) -> None:
+    found = usage_store.of_request(request_id)
+    if as_json:
+        print(json.dumps(found, indent=2))
+        return
+    if not found:
+        fail(
+            f"no usage record of request {request_id} (records are written within seconds of the answer; "
+            "a request refused before it was read, at the edge, has none)"
+        )
+    for row in found:  # one a request; a batch line's, one an attempt
+        table = Table(box=None, show_header=False, pad_edge=False)
+        table.add_column(style="bold")
+        table.add_column(overflow="fold")
+        for name, value in row.items():
+            shown = "-" if value in (None, "") else value
+            if name in ("ttft_ms", "latency_ms") and isinstance(value, float):
+                shown = f"{value:,.0f} ms"
+            table.add_row(name.removesuffix("_ms"), str(shown))
+        Console().print(table)
 
 
 def _utc(when: datetime | None) -> datetime | None:

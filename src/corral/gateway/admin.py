@@ -259,18 +259,21 @@ class AdminViews:
 
     async def usage(self, request: web.Request) -> web.Response:
         actor = await self.check(request)
+        scope = actor.tenant if actor.scoped else None
+        request_id = request.query.get("request_id")
+        if request_id is not None:  # one request's records, by the x-request-id its client was given
+            found = await asyncio.to_thread(self._usage.of_request, request_id, scope)
+            return web.json_response({"request_id": request_id, "rows": found})
         by = request.query.get("by", "key")
         try:
-            rows = await asyncio.to_thread(
-                self._usage.report, by, None, None, actor.tenant if actor.scoped else None
-            )
+            rows = await asyncio.to_thread(self._usage.report, by, None, None, scope)
         except ValueError as exc:
             raise InvalidRequest(str(exc), param="by") from exc
         return web.json_response({"by": by, "rows": rows})
 
     async def audit_trail(self, request: web.Request) -> web.Response:
         """The audit trail, latest first: `?action=` (a trailing `*`: a prefix), `?actor=`, `?tenant=`,
-        `?since=` (ISO 8601), `?limit=` (at most 1000). Read only: no route changes it."""
+        `?since=` (ISO 8601), `?request_id=`, `?limit=` (at most 1000). Read only: no route changes it."""
         await self.check(request)
         if self._audit is None:
             raise NotSupported("This gateway keeps no audit trail.")
@@ -286,6 +289,7 @@ class AdminViews:
                 actor=query.get("actor"),
                 tenant=query.get("tenant"),
                 since=since,
+                request_id=query.get("request_id"),
                 limit=limit,
             )
         )

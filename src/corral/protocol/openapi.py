@@ -305,12 +305,18 @@ def _admin(key_schema: dict[str, Any]) -> dict[str, Any]:
                 "The audit trail (read only)",
                 "Anything",
                 _ADMIN,
-                query={name: {"type": "string"} for name in ("action", "actor", "tenant", "since", "limit")},
+                query={
+                    name: {"type": "string"}
+                    for name in ("action", "actor", "tenant", "since", "request_id", "limit")
+                },
             )
         },
         "/admin/usage": {
             "get": _read(
-                "Usage by key, tenant or model", "Anything", _ADMIN, query={"by": {"type": "string"}}
+                "Usage by key, tenant or model, or one request's records (`request_id`)",
+                "Anything",
+                _ADMIN,
+                query={"by": {"type": "string"}, "request_id": {"type": "string"}},
             )
         },
         "/admin/routing": {"get": _read("Routing state of every replica", "Anything", _ADMIN)},

@@ -52,6 +52,7 @@ class AuditLog:
         actor: str | None = None,
         tenant: str | None = None,
         since: datetime | None = None,
+        request_id: str | None = None,
         limit: int = 100,
     ) -> list[dict[str, Any]]:
         """The latest rows first, filtered (`action` may end with `*`: a prefix)."""
@@ -69,6 +70,8 @@ class AuditLog:
             query = query.where(AuditRow.tenant == tenant)
         if since is not None:
             query = query.where(AuditRow.at >= since)
+        if request_id:
+            query = query.where(AuditRow.request_id == request_id)
         with Session(self._engine) as session:
             return [_row(row) for row in session.scalars(query)]
 

@@ -1,4 +1,4 @@
-"""Usage records: written in batches, reported by key, model or day."""
+"""Usage records: written in batches, reported by key, model or day, and found by a request's id."""
 
 from __future__ import annotations
 
@@ -140,6 +140,23 @@ class UsageStore:
             }
             for r in rows
         ]
+
+    def of_request(self, request_id: str, tenant: str | None = None) -> list[dict[str, object]]:
+        """The records of the request with this `x-request-id` (a batch line's: one per attempt), oldest
+        first; `tenant`: of that tenant only (a tenant-admin's view). The column has no index (an index
+        would cost every request's write for a look-up an operator makes by hand): a look-up reads the
+        table, which retention (`store.usage_retention_days`) keeps bounded."""
+        query = select(UsageRow).where(UsageRow.request_id == request_id).order_by(UsageRow.id)
+        if tenant is not None:
+            query = query.where(UsageRow.tenant == tenant)
+        with Session(self._engine) as session:
+            return [
+                {
+                    "at": (row.at if row.at.tzinfo else row.at.replace(tzinfo=UTC)).isoformat(),
+                    **{name: getattr(row, name) for name in _COLUMNS if name != "at"},
+                }
+                for row in session.scalars(query)
+            ]
 
     @staticmethod
     def _key_names(session: Session, ids: list[Any]) -> dict[Any, dict[str, object]]:
