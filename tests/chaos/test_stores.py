@@ -10,7 +10,7 @@ import asyncio
 import os
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import aiohttp
@@ -63,7 +63,13 @@ def redis() -> Iterator[Server]:
 
 
 async def _gateway(
-    tmp_path: Path, upstream: ScriptedUpstream, limits: LimitsSettings, store: str, auth: AuthSettings
+    tmp_path: Path,
+    upstream: ScriptedUpstream,
+    limits: LimitsSettings,
+    store: str,
+    auth: AuthSettings,
+    max_pending: int = 1000,
+    admin_key: str | None = None,
 ) -> tuple[GatewayServer, GatewayParts, str]:
     replicas = ReplicaSet(["m"])
     replicas.add(Replica("m-0", "m", "x", url=upstream.url, state=ReplicaState.READY))
@@ -72,10 +78,10 @@ async def _gateway(
         replicas,
         f"sqlite:///{tmp_path / 'c.db'}",
         auth,
-        StoreSettings(url=store, flush_interval=0.2, max_pending=1000),
+        StoreSettings(url=store, flush_interval=0.2, max_pending=max_pending),
         limits,
         QueueSettings(),
-        None,
+        admin_key,
     )
     server = GatewayServer(GatewaySettings(port=0), Router(replicas), services)
     await server.start()
@@ -147,10 +153,10 @@ class Outage:
         await asyncio.gather(copy(reader, up_writer), copy(up_reader, writer))
 
 
-async def test_postgres_down_and_back(tmp_path: Path, upstream: ScriptedUpstream) -> None:
-    """Usage records made while PostgreSQL is unreachable wait in the gateway (bounded by
-    store.max_pending) and are all written once it is back; requests are served throughout (an open
-    gateway: no key lookups)."""
+@pytest.fixture
+async def postgres(tmp_path: Path) -> AsyncIterator[tuple[Outage, str, Callable[[], int]]]:
+    """A database of its own on the suite's PostgreSQL, reached through an `Outage`: (the path, the URL
+    the gateway uses, how many usage rows it holds)."""
     outage = Outage(("127.0.0.1", 5432))
     await outage.up()
     database = f"corral_chaos_{os.getpid()}"
@@ -158,14 +164,37 @@ async def test_postgres_down_and_back(tmp_path: Path, upstream: ScriptedUpstream
     with admin.connect() as connection:
         connection.execute(text(f"DROP DATABASE IF EXISTS {database}"))
         connection.execute(text(f"CREATE DATABASE {database}"))
-    url = f"postgresql://postgres@127.0.0.1:{outage.port}/{database}"
-    server, _, chat = await _gateway(tmp_path, upstream, LimitsSettings(), url, AuthSettings(open=True))
     counter = create_engine(f"postgresql+psycopg://postgres@127.0.0.1:5432/{database}")
 
     def written() -> int:
         with Session(counter) as session:
             return int(session.scalar(select(func.count()).select_from(UsageRow)) or 0)
 
+    yield outage, f"postgresql://postgres@127.0.0.1:{outage.port}/{database}", written
+    await outage.down()
+    counter.dispose()
+    with admin.connect() as connection:
+        connection.execute(text(f"DROP DATABASE IF EXISTS {database} WITH (FORCE)"))
+    admin.dispose()
+
+
+async def _until_written(written: Callable[[], int], count: int) -> int:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:  # the writer retries every flush_interval
+        if await asyncio.to_thread(written) >= count:
+            break
+        await asyncio.sleep(0.2)
+    return await asyncio.to_thread(written)
+
+
+async def test_postgres_down_and_back(
+    tmp_path: Path, upstream: ScriptedUpstream, postgres: tuple[Outage, str, Callable[[], int]]
+) -> None:
+    """Usage records made while PostgreSQL is unreachable wait in the gateway (bounded by
+    store.max_pending) and are all written once it is back; requests are served throughout (an open
+    gateway: no key lookups)."""
+    outage, url, written = postgres
+    server, _, chat = await _gateway(tmp_path, upstream, LimitsSettings(), url, AuthSettings(open=True))
     try:
         assert await _statuses(chat, None, 5) == [200] * 5
         await outage.down()
@@ -173,16 +202,63 @@ async def test_postgres_down_and_back(tmp_path: Path, upstream: ScriptedUpstream
         await asyncio.sleep(0.6)  # a few flushes fail meanwhile
         assert await asyncio.to_thread(written) < 25
         await outage.up()
-        deadline = time.monotonic() + 30
-        for _ in range(200):  # poll with a deadline: the writer retries every flush_interval
-            if await asyncio.to_thread(written) >= 25 or time.monotonic() > deadline:
-                break
-            await asyncio.sleep(0.2)
-        assert await asyncio.to_thread(written) == 25
+        assert await _until_written(written, 25) == 25
     finally:
         await server.stop()
+
+
+async def test_a_closed_gateway_through_a_postgres_outage(
+    tmp_path: Path, upstream: ScriptedUpstream, postgres: tuple[Outage, str, Callable[[], int]]
+) -> None:
+    """With the store down: a key looked up before is served as last found; a key never looked up, a
+    stored response and the admin API are a 503 `store_unavailable` to retry, never a 500; the metrics
+    say so (lookups and writes that failed, records waiting, and past store.max_pending, dropped), for an
+    alert to fire. Once the store is back the new key works and the records kept are written."""
+    outage, url, written = postgres
+    auth = AuthSettings(open=False, cache_ttl=0.2)
+    server, services, chat = await _gateway(
+        tmp_path, upstream, LimitsSettings(), url, auth, max_pending=100, admin_key="boss"
+    )
+    base = chat.removesuffix("/v1/chat/completions")
+
+    async def metric(name: str) -> float:
+        async with (
+            aiohttp.ClientSession() as session,
+            session.get(base + "/metrics", headers={"Authorization": "Bearer boss"}) as answer,
+        ):
+            text_ = await answer.text()
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text_.splitlines() if line.startswith(name))
+
+    try:
+        known, _ = await asyncio.to_thread(services.keys.create, "acme")  # (off the loop: the path is on it)
+        fresh, _ = await asyncio.to_thread(services.keys.create, "acme")
+        assert await _statuses(chat, known, 1) == [200]
+        assert await _until_written(written, 1) == 1
+        assert await metric('corral_store_errors_total{use="key_lookup"}') == 0  # there before an outage
         await outage.down()
-        counter.dispose()
-        with admin.connect() as connection:
-            connection.execute(text(f"DROP DATABASE IF EXISTS {database} WITH (FORCE)"))
-        admin.dispose()
+        await asyncio.sleep(0.3)  # past the key's cache_ttl: it is looked up again, and the store is gone
+        assert await _statuses(chat, known, 110) == [200] * 110
+        async with aiohttp.ClientSession() as session:
+            for path, key, body in (
+                ("/v1/chat/completions", fresh, {"model": "m", "messages": MESSAGES}),
+                ("/v1/responses", known, {"model": "m", "input": "hi", "previous_response_id": "resp_1"}),
+                ("/admin/keys", "boss", None),
+            ):
+                headers = {"Authorization": f"Bearer {key}"}
+                method = "GET" if body is None else "POST"
+                async with session.request(method, base + path, json=body, headers=headers) as answer:
+                    error = (await answer.json())["error"]
+                    assert answer.status == 503 and answer.headers["Retry-After"] == "5", (path, error)
+                    assert (error["type"], error["code"]) == ("service_unavailable", "store_unavailable")
+        await asyncio.sleep(1.0)  # a few flushes fail meanwhile
+        assert await metric('corral_store_errors_total{use="key_lookup"}') >= 2
+        assert await metric('corral_store_errors_total{use="request"}') == 2  # the response and the admin
+        assert await metric('corral_store_errors_total{use="usage_write"}') >= 2
+        assert await metric("corral_usage_pending") == 100  # store.max_pending
+        assert await metric("corral_usage_dropped_total") == 10  # 110 made: the oldest 10 (no row for a 503)
+        await outage.up()
+        assert await _until_written(written, 101) == 101  # 1 before the outage, the 100 kept
+        assert await _statuses(chat, fresh, 1) == [200]
+        assert await _until_written(written, 102) == 102
+    finally:
+        await server.stop()

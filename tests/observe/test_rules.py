@@ -121,6 +121,25 @@ FIRING = [
         "m: 30% of requests are refused by rate limits or budgets.",
     ),
     Case(
+        "CorralStoreUnreachable",
+        {
+            'corral_store_errors_total{instance="gw:8000", use="key_lookup"}': "0x5 1+5x10",
+            'corral_store_errors_total{instance="gw:8000", use="usage_write"}': "0x5 0+5x10",
+        },
+        "12m",
+        {"instance": "gw:8000", "severity": "critical"},
+        "The gateway gw:8000 gets no answer from corral's store: keys it has not looked up yet, stored "
+        "responses and the admin API are refused with 503, usage waits in memory.",
+    ),
+    Case(
+        "CorralUsageRecordsDropped",
+        {'corral_usage_dropped_total{instance="gw:8000"}': "0x5 40x10"},
+        "7m",
+        {"instance": "gw:8000", "severity": "critical"},
+        "The gateway gw:8000 dropped usage records (the store was unreachable past store.max_pending): "
+        "usage reports and monthly budgets undercount.",
+    ),
+    Case(
         "CorralTenantBudgetNearlySpent",
         {'corral_key_budget_used_ratio{tenant="acme", key="k1"}': "0.95x5"},
         "2m",
@@ -223,6 +242,19 @@ QUIET = [
     ),
     Case("CorralPreemptions", {'corral_engine_preemptions_total{model="m", replica="r0"}': "0+6x20"}, "17m"),
     Case("CorralRateLimitSpike", requests("0+100x20"), "17m"),
+    # The series exist from the start at 0; an outage that ended 10 minutes ago no longer fires.
+    Case(
+        "CorralStoreUnreachable",
+        {'corral_store_errors_total{instance="gw:8000", use="request"}': "0x20"},
+        "12m",
+    ),
+    Case(
+        "CorralStoreUnreachable",
+        {'corral_store_errors_total{instance="gw:8000", use="key_lookup"}': "0 5 10 15x20"},
+        "15m",
+    ),
+    Case("CorralUsageRecordsDropped", {'corral_usage_dropped_total{instance="gw:8000"}': "0x20"}, "12m"),
+    Case("CorralUsageRecordsDropped", {'corral_usage_dropped_total{instance="gw:8000"}': "0 40x30"}, "25m"),
     Case(
         "CorralTenantBudgetNearlySpent",
         {'corral_key_budget_used_ratio{tenant="acme", key="k1"}': "0.5x5"},

@@ -6,25 +6,35 @@ SHA-256 hash in the key store, off the event loop, and cached for `ttl`
 seconds (misses too), so the database is never on the hot path; a revoked key stops working within `ttl`.
 Known keys and misses are cached apart, each bounded and dropping its oldest entry when full: a flood of
 random keys churns the misses only and never pushes a working key out to the database.
+
+When the store does not answer (a PostgreSQL failover or restart), a key looked up before is served as it
+was last found, and looked up again `ttl` later; a key this gateway has not looked up yet is answered 503
+with Retry-After (`store_unavailable`), never a 500. A key revoked during the outage is therefore refused
+only once the store answers again: the revocation itself needs the store.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from corral.protocol import PermissionDenied, Unauthorized
-from corral.store import PRIORITIES, KeyRecord, KeyStore, hash_key
+from corral.protocol import PermissionDenied, StoreUnavailable, Unauthorized
+from corral.store import PRIORITIES, STORE_DOWN, KeyRecord, KeyStore, hash_key
 
 if TYPE_CHECKING:
     from corral.admission.oidc import OIDCVerifier
 
 __all__ = ["ANONYMOUS", "Authenticator", "Principal", "looks_like_jwt", "token_digest"]
 
+logger = logging.getLogger(__name__)
+
 _MAX_CACHED = 100_000
+_STORE_RETRY_S = 5.0  # Retry-After of a key refused because the store did not answer
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +101,8 @@ class Authenticator:
         self._max = max_cached
         self._cache: dict[str, tuple[Principal | None, float]] = {}  # keys found in the store
         self._misses: dict[str, tuple[Principal | None, float]] = {}  # unknown or revoked keys
+        self.on_store_error: Callable[[], None] | None = None  # told of each lookup the store did not answer
+        self._store_down = False  # (logged once an outage, not once a lookup)
 
     async def authenticate(self, authorization: str | None) -> Principal:
         if not authorization:
@@ -109,21 +121,50 @@ class Authenticator:
         if cached is not None and cached[1] > now:
             principal = cached[0]
         else:
-            record = await asyncio.to_thread(self._keys.by_secret_hash, key_hash)
-            if record is None:
-                principal = ANONYMOUS if self._open else None  # open access: any placeholder key will do
+            try:
+                record = await asyncio.to_thread(self._keys.by_secret_hash, key_hash)
+            except STORE_DOWN as exc:
+                principal = self._as_last_found(key_hash, cached, now, exc)
             else:
-                principal = Principal.of(record) if record.revoked_at is None else None
-            found = record is not None and record.revoked_at is None
-            self._cache.pop(key_hash, None)
-            self._misses.pop(key_hash, None)
-            entry = (principal, now + self._ttl)
-            _remember(self._cache if found else self._misses, key_hash, entry, self._max)
+                if self._store_down:
+                    self._store_down = False
+                    logger.warning("the key store answers again")
+                if record is None:
+                    principal = ANONYMOUS if self._open else None  # open access: any placeholder key will do
+                else:
+                    principal = Principal.of(record) if record.revoked_at is None else None
+                found = record is not None and record.revoked_at is None
+                self._cache.pop(key_hash, None)
+                self._misses.pop(key_hash, None)
+                entry = (principal, now + self._ttl)
+                _remember(self._cache if found else self._misses, key_hash, entry, self._max)
         if principal is None:
             raise Unauthorized("Incorrect or revoked API key.")
         if principal.expires_at is not None and principal.expires_at <= time.time():
             raise Unauthorized("This API key has expired.", code="expired_api_key")
         return principal
+
+    def _as_last_found(
+        self,
+        key_hash: str,
+        last: tuple[Principal | None, float] | None,
+        now: float,
+        error: Exception,
+    ) -> Principal | None:
+        """The store did not answer: the key as last found (kept `ttl` more before asking again), or 503."""
+        if self.on_store_error is not None:
+            self.on_store_error()
+        if not self._store_down:
+            self._store_down = True
+            logger.error("the key store does not answer (%s): keys are served as last found", error)
+        if last is None:
+            raise StoreUnavailable(
+                "corral's key store is not answering; try again shortly.", retry_after=_STORE_RETRY_S
+            ) from None
+        for cache in (self._cache, self._misses):
+            if key_hash in cache:
+                cache[key_hash] = (last[0], now + self._ttl)
+        return last[0]
 
     async def _token(self, token: str) -> Principal:
         """The person a provider's token names (its checks: admission/oidc.py), remembered until it expires;

@@ -345,7 +345,9 @@ def usage(
     as_json: JsonOption = False,
 ) -> None:
     """Report recorded usage: requests, tokens, refusals (429), errors and latency by key, tenant, model
-    or day; or, with --request-id, one request's records (the `x-request-id` its client was given)."""
+    or day.
+
+    With --request-id, one request's records instead (the `x-request-id` its client was given)."""
     _, usage_store = _stores(file, store)
     if request_id is not None:
         _one_request(usage_store, request_id, as_json)

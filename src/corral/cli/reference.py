@@ -279,8 +279,10 @@ def metric_families() -> tuple[list[Family], list[Family]]:
 
     router = Router(ReplicaSet())
     counted = []
-    for collector in vars(GatewayMetrics(router, dict)).values():
-        if isinstance(collector, MetricWrapperBase):
+    metrics = GatewayMetrics(router, dict)
+    for collector in [*vars(metrics).values(), *vars(metrics.usage).values()]:
+        # (a labelled child, such as one `use` of corral_store_errors, is its parent's series)
+        if isinstance(collector, MetricWrapperBase) and not collector._labelvalues:
             labels = tuple(collector._labelnames)  # prometheus_client keeps a metric's label names only there
             for family in collector.describe():
                 name = f"{family.name}_total" if family.type == "counter" else family.name

@@ -37,7 +37,7 @@ from corral.gateway.embedder import ReplicaEmbedder
 from corral.gateway.isolation import TenantIsolation
 from corral.gateway.metrics import GatewayMetrics
 from corral.gateway.parts import GatewayParts
-from corral.gateway.pipeline import Pipeline
+from corral.gateway.pipeline import Pipeline, unexpected
 from corral.gateway.relay import Relay, RelayTimeouts
 from corral.gateway.usage import UsageRecorder
 from corral.protocol import (
@@ -74,7 +74,13 @@ def build_app(
     stage uses which part. Called in the event loop that will serve the app (its clients are made here)."""
     clients = ClientAddresses(settings.trusted_proxies)
     ids = RequestIds(clients)
-    app = web.Application(middlewares=[_error_boundary(ids)], client_max_size=settings.max_body_bytes)
+    metrics = GatewayMetrics(
+        router, parts.queue.depths, metrics_dir, parts.budget.spent, settings.metrics_tenant_labels
+    )
+    parts.auth.on_store_error = metrics.store_errors_keys.inc
+    app = web.Application(
+        middlewares=[_error_boundary(ids, metrics.store_unanswered)], client_max_size=settings.max_body_bytes
+    )
     app.on_response_prepare.append(_tell_request_id)
     admin = AdminViews(
         access=parts.access,
@@ -95,9 +101,6 @@ def build_app(
     status = _StatusViews(
         router, parts.auth, admin, time.time(), worker, parts.adapters, parts.cluster_counts
     )
-    metrics = GatewayMetrics(
-        router, parts.queue.depths, metrics_dir, parts.budget.spent, settings.metrics_tenant_labels
-    )
     engines = EngineClient(settings.connect_timeout, settings.read_timeout, settings.max_upstream_connections)
     session = aiohttp.ClientSession(  # the relay's rare calls that are not its own (tokenizing)
         connector=aiohttp.TCPConnector(
@@ -113,7 +116,11 @@ def build_app(
     relay = Relay(engines, session, router, settings.retries, timeouts, replica_header, parts.adapters)
     relay.loader.metrics = metrics
     usage = UsageRecorder(
-        parts.usage_store, parts.flush_interval, parts.max_pending_usage, on_written=parts.budget.written
+        parts.usage_store,
+        parts.flush_interval,
+        parts.max_pending_usage,
+        on_written=parts.budget.written,
+        metrics=metrics.usage,
     )
     responses = Responses(parts.responses, settings.max_body_bytes) if parts.responses is not None else None
     pipeline = app[PIPELINE] = Pipeline(
@@ -284,7 +291,7 @@ def _semantic_cache(cache: ExactCache | None, relay: Relay) -> asyncio.Task[None
     return asyncio.create_task(upkeep(), name="semantic-cache-upkeep")
 
 
-def _error_boundary(ids: RequestIds) -> Middleware:
+def _error_boundary(ids: RequestIds, store_unanswered: Callable[[], None]) -> Middleware:
     """The one place errors become OpenAI-shaped JSON responses; each request is given its id first.
     (No await layer of its own beyond the handler's: each one costs every suspension of a stream.)"""
 
@@ -294,7 +301,7 @@ def _error_boundary(ids: RequestIds) -> Middleware:
         try:
             return await handler(request)
         except Exception as exc:
-            return _error_answer(request, exc)
+            return _error_answer(request, exc, store_unanswered)
 
     return boundary
 
@@ -303,7 +310,7 @@ async def _tell_request_id(request: web.Request, response: web.StreamResponse) -
     response.headers["x-request-id"] = request.get(REQUEST_ID) or "-"
 
 
-def _error_answer(request: web.Request, exc: Exception) -> web.Response:
+def _error_answer(request: web.Request, exc: Exception, store_unanswered: Callable[[], None]) -> web.Response:
     """The OpenAI-shaped answer to what a handler raised (called in its `except`)."""
     if isinstance(exc, APIError):
         return _error_response(exc)
@@ -321,10 +328,7 @@ def _error_answer(request: web.Request, exc: Exception) -> web.Response:
         if exc.status < 400:
             raise exc
         return _error_response(APIError(exc.reason or "HTTP error"), status=exc.status)
-    logger.exception(
-        "unhandled error on %s %s (request %s)", request.method, request.path, request.get(REQUEST_ID)
-    )
-    return _error_response(APIError("The gateway hit an internal error; it has been logged."))
+    return _error_response(unexpected(request, exc, store_unanswered))
 
 
 def _error_response(exc: APIError, status: int | None = None) -> web.Response:

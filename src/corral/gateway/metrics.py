@@ -11,16 +11,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from corral.gateway.state_metrics import BudgetsSpent, PublishedState, StateSeries
 from corral.routing import Router
 
-__all__ = ["GatewayMetrics", "ModelMetrics", "TenantMetrics"]
+__all__ = ["GatewayMetrics", "ModelMetrics", "TenantMetrics", "UsageMetrics"]
 
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -93,6 +94,31 @@ class GatewayMetrics:
         )
         self.limiter_errors = Counter(
             "corral_limiter_errors", "Rate-limit checks the shared store (Redis) did not answer.", registry=r
+        )
+        self.store_errors = Counter(
+            "corral_store_errors",
+            "Calls to corral's store (SQLite/PostgreSQL) that got no answer, by use: key lookups, usage "
+            "writes (retried), requests answered 503 store_unavailable.",
+            ["use"],
+            registry=r,
+        )
+        # (each use's series exists from the start: a rule on it evaluates before the first outage)
+        self.store_errors_keys = self.store_errors.labels("key_lookup")
+        self.store_unanswered = self.store_errors.labels("request").inc
+        self.usage = UsageMetrics(
+            pending=Gauge(
+                "corral_usage_pending",
+                "Usage records waiting to be written to the store (at most store.max_pending).",
+                registry=r,
+                multiprocess_mode="livesum",
+            ),
+            dropped=Counter(
+                "corral_usage_dropped",
+                "Usage records lost: the store stayed unreachable past store.max_pending records, or at "
+                "shutdown.",
+                registry=r,
+            ),
+            failed_writes=self.store_errors.labels("usage_write"),
         )
         self.decisions = Counter(
             "corral_routing_decisions", "Routing decisions, by policy.", ["model", "policy"], registry=r
@@ -237,6 +263,15 @@ class GatewayMetrics:
         if found is None:
             found = self._models[model] = ModelMetrics(self, model)
         return found
+
+
+@dataclass(frozen=True)
+class UsageMetrics:
+    """The usage writer's figures (gateway/usage.py): records waiting, records lost, writes that failed."""
+
+    pending: Gauge
+    dropped: Counter
+    failed_writes: Counter
 
 
 class ModelMetrics:

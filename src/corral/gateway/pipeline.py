@@ -51,12 +51,13 @@ from corral.protocol import (
     EmbeddingRequest,
     NoCapacity,
     RateLimited,
+    StoreUnavailable,
 )
 from corral.routing import Router
 from corral.routing.adapters import Adapter
-from corral.store import UsageRecord
+from corral.store import STORE_DOWN, UsageRecord
 
-__all__ = ["Pipeline"]
+__all__ = ["Pipeline", "unexpected"]
 
 logger = logging.getLogger(__name__)
 
@@ -145,11 +146,8 @@ class Pipeline:
             return response
         except APIError as exc:
             return dialect.error_response(exc)
-        except Exception:  # in the dialect's shape too (the app's boundary would answer in OpenAI's)
-            logger.exception(
-                "unhandled error on %s %s (request %s)", request.method, request.path, request.get(REQUEST_ID)
-            )
-            return dialect.error_response(APIError("The gateway hit an internal error; it has been logged."))
+        except Exception as exc:  # in the dialect's shape too (the app's boundary would answer in OpenAI's)
+            return dialect.error_response(unexpected(request, exc, self._metrics.store_unanswered))
 
     def _exchange_context(
         self, exchange: Exchange, session: str | None, principal: Principal
@@ -530,3 +528,26 @@ def _reserved_usage(ctx: RequestContext) -> dict[str, int]:
         "completion_tokens": ctx.route.tokens - prompt,
         "total_tokens": ctx.route.tokens,
     }
+
+
+def unexpected(request: web.Request, exc: Exception, store_unanswered: Callable[[], None]) -> APIError:
+    """What a client is told of an exception no stage turned into an answer: the store not answering is a
+    503 to retry (one log line, counted by `store_unanswered`); anything else a 500, logged with its trace."""
+    if isinstance(exc, STORE_DOWN):
+        store_unanswered()
+        logger.error(
+            "the store did not answer %s %s (request %s): %s",
+            request.method,
+            request.path,
+            request.get(REQUEST_ID),
+            exc,
+        )
+        return StoreUnavailable("corral's store is not answering; try again shortly.", retry_after=5)
+    logger.error(
+        "unhandled error on %s %s (request %s)",
+        request.method,
+        request.path,
+        request.get(REQUEST_ID),
+        exc_info=exc,
+    )
+    return APIError("The gateway hit an internal error; it has been logged.")

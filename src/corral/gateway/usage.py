@@ -7,8 +7,12 @@ import contextlib
 import logging
 from collections import deque
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from corral.store import UsageRecord, UsageStore
+
+if TYPE_CHECKING:
+    from corral.gateway.metrics import UsageMetrics
 
 __all__ = ["UsageRecorder"]
 
@@ -19,7 +23,10 @@ _BATCH = 500
 
 class UsageRecorder:
     """Buffers records for the store, at most `max_pending` of them: while the store is down the oldest are
-    dropped (counted in `dropped` and logged) rather than growing the gateway's memory without bound."""
+    dropped (counted in `dropped` and logged) rather than growing the gateway's memory without bound. An
+    outage is logged when it starts and when the store answers again, not on every retry; `metrics`
+    (corral_usage_pending, corral_usage_dropped_total, corral_store_errors_total{use="usage_write"}) let
+    an alert say so."""
 
     def __init__(
         self,
@@ -27,6 +34,7 @@ class UsageRecorder:
         flush_interval: float,
         max_pending: int = 100_000,
         on_written: Callable[[list[UsageRecord]], None] | None = None,
+        metrics: UsageMetrics | None = None,
     ) -> None:
         self._store = store
         self._on_written = on_written  # told which records reached the store (budgets stop counting them)
@@ -34,6 +42,8 @@ class UsageRecorder:
         self._max = max_pending
         self._pending: deque[UsageRecord] = deque()
         self._task: asyncio.Task[None] | None = None
+        self._metrics = metrics
+        self._failing = False
         self.dropped = 0
 
     @property
@@ -51,6 +61,8 @@ class UsageRecorder:
         if self.dropped // 1000 != (self.dropped + count) // 1000 or not self.dropped:
             logger.error("the usage store is unreachable and %d records wait: dropping the oldest", self._max)
         self.dropped += count
+        if self._metrics is not None:
+            self._metrics.dropped.inc(count)
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="usage-writer")
@@ -67,6 +79,8 @@ class UsageRecorder:
                 await self.flush()
         except Exception:  # logged in flush
             logger.error("usage store unreachable at shutdown: %d records not written", self.pending)
+            if self._metrics is not None:
+                self._metrics.dropped.inc(self.pending)
             self.dropped += self.pending
             self._pending.clear()
 
@@ -76,18 +90,27 @@ class UsageRecorder:
             return
         try:
             await asyncio.to_thread(self._store.write, batch)
-        except Exception:  # the database is down: keep the records and try again next round
-            logger.exception("writing %d usage records failed; will retry", len(batch))
+        except Exception as exc:  # the database is down: keep the records and try again next round
+            if self._metrics is not None:
+                self._metrics.failed_writes.inc()
+            if not self._failing:  # (once an outage: the writer retries every flush interval)
+                self._failing = True
+                logger.error("writing usage records failed, retrying every %gs: %s", self._interval, exc)
             self._pending.extendleft(reversed(batch))
             if len(self._pending) > self._max:
                 self._drop(len(self._pending) - self._max)
             raise
+        if self._failing:
+            self._failing = False
+            logger.warning("the usage store answers again: %d records still to write", len(self._pending))
         if self._on_written is not None:
             self._on_written(batch)
 
     async def _run(self) -> None:
         while True:
             await asyncio.sleep(self._interval)
+            if self._metrics is not None:
+                self._metrics.pending.set(len(self._pending))
             try:
                 while self._pending:
                     await self.flush()

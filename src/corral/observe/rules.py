@@ -129,6 +129,22 @@ def alert_rules(spec: ClusterSpec) -> list[AlertRule]:
             "limits or budgets.",
         ),
         AlertRule(
+            "CorralStoreUnreachable",
+            "sum by (instance) (rate(corral_store_errors_total[5m])) > 0",
+            "2m",
+            "critical",
+            "The gateway {{ $labels.instance }} gets no answer from corral's store: keys it has not "
+            "looked up yet, stored responses and the admin API are refused with 503, usage waits in memory.",
+        ),
+        AlertRule(
+            "CorralUsageRecordsDropped",
+            "increase(corral_usage_dropped_total[15m]) > 0",
+            "0m",
+            "critical",
+            "The gateway {{ $labels.instance }} dropped usage records (the store was unreachable past "
+            "store.max_pending): usage reports and monthly budgets undercount.",
+        ),
+        AlertRule(
             "CorralTenantBudgetNearlySpent",
             "corral_key_budget_used_ratio >= 0.9",
             "0m",

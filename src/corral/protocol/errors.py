@@ -15,6 +15,8 @@ Tree (every error the gateway answers with is one of these)::
     │                                                          (Retry-After, x-ratelimit-* headers)
     ├── NoCapacity                503  service_unavailable     (no ready replica, queue full or wait too long;
     │                                                          carries Retry-After)
+    ├── StoreUnavailable          503  service_unavailable     code=store_unavailable (corral's database did
+    │                                                          not answer; carries Retry-After)
     ├── UpstreamError             502  upstream_error          (replica failed before answering)
     └── UpstreamTimeout           504  timeout                 (replica did not answer in time)
 """
@@ -38,6 +40,7 @@ __all__ = [
     "PermissionDenied",
     "RateLimited",
     "RequestTimeout",
+    "StoreUnavailable",
     "Unauthorized",
     "UpstreamError",
     "UpstreamTimeout",
@@ -146,6 +149,14 @@ class NoCapacity(APIError):
     status = 503
     type = "service_unavailable"
     default_code = "no_ready_replica"
+
+
+class StoreUnavailable(APIError):
+    """corral's own store (SQLite/PostgreSQL) did not answer: try again shortly."""
+
+    status = 503
+    type = "service_unavailable"
+    default_code = "store_unavailable"
 
 
 class UpstreamError(APIError):

@@ -14,13 +14,14 @@ from corral.store.files import FileQuotaExceeded, FileStore, NewFile
 from corral.store.keys import PRIORITIES, ROLES, InvalidKey, KeyRecord, KeyStore, KeyUpdate, NewKey, hash_key
 from corral.store.responses import ResponseStore, StoredResponse
 from corral.store.retention import Retention
-from corral.store.schema import Base, StoreError, add_missing_columns
+from corral.store.schema import STORE_DOWN, Base, StoreError, add_missing_columns
 from corral.store.sessions import ConsoleSession, SessionStore
 from corral.store.usage import UsageRecord, UsageStore
 
 __all__ = [
     "PRIORITIES",
     "ROLES",
+    "STORE_DOWN",
     "AuditEntry",
     "AuditLog",
     "ConsoleSession",

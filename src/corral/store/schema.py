@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from sqlalchemy import JSON, BigInteger, DateTime, Engine, Float, Index, Integer, String, inspect, text
+from sqlalchemy import JSON, BigInteger, DateTime, Engine, Float, Index, Integer, String, exc, inspect, text
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
@@ -18,6 +18,17 @@ class Base(DeclarativeBase):
 class StoreError(Exception):
     """A store that cannot be used: a URL malformed, unreachable, or (read-only) not there; or a query
     the database did not answer."""
+
+
+# What a call raises when the database does not answer (down, unreachable, out of connections, locked):
+# the caller can answer 503 and try again, unlike a query's own error (a bug, answered 500).
+STORE_DOWN: tuple[type[Exception], ...] = (
+    StoreError,
+    exc.OperationalError,
+    exc.InterfaceError,
+    exc.DisconnectionError,
+    exc.TimeoutError,
+)
 
 
 class ApiKeyRow(Base):
