@@ -405,3 +405,50 @@ async def test_the_cli_submits_follows_and_fetches_a_batch(gateway: Gateway, tmp
     code, out, err = await corral("submit", str(bad))
     assert code == 1 and "failed" in err, err
     assert "line 2:" in err and "line 3:" in err, err
+
+
+async def test_a_shutdown_leases_no_more_and_hands_lines_back_without_spending_their_attempt(
+    engines: list[str], tmp_path: Path
+) -> None:
+    """A gateway stopped mid-batch (a rolling upgrade) leases nothing once its shutdown begins and gives the
+    lines still running back with the try undone: with `max_attempts: 1` the next gateway completes them
+    all (counted, each stop would bring a line closer to failing as 'gave up')."""
+    database = f"sqlite:///{tmp_path / 'b.db'}"
+
+    async def start() -> Gateway:
+        replicas = ReplicaSet()
+        replicas.add(
+            Replica(
+                id="slow-0", model="slow", engine="sim", url=engines[1], state=ReplicaState.READY, capacity=2
+            )
+        )
+        services = GatewayParts.build(
+            replicas,
+            database,
+            AuthSettings(open=False, admin_key=ADMIN),
+            StoreSettings(flush_interval=0.1),
+            LimitsSettings(),
+            QueueSettings(),
+            admin_key=ADMIN,
+            batch=BatchSettings(poll_s=0.05, lease_s=30, max_attempts=1),
+        )
+        server = GatewayServer(GatewaySettings(port=0, shutdown_grace=0.5), Router(replicas), services)
+        await server.start()
+        return Gateway(f"http://127.0.0.1:{server.port}", server, services)
+
+    first = await start()
+    c = client(first, await key_for(first, "acme"))
+    batch = await submit(c, chat_lines(3, model="slow", max_tokens=60))  # about 2 s a line, 2 at a time
+    for _ in range(100):
+        if (await c.batches.retrieve(batch.id)).status == "in_progress":
+            break
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(0.5)  # two lines running, one waiting
+    await first.server.stop()
+    second = await start()
+    try:
+        done = await until_done(client(second, c.api_key), batch.id, within=90)
+        assert done.status == "completed" and done.request_counts is not None
+        assert (done.request_counts.completed, done.request_counts.failed) == (3, 0), done.request_counts
+    finally:
+        await second.server.stop()

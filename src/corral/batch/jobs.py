@@ -297,9 +297,10 @@ class BatchStore:
         """Several lines' results at once (the runner's per-tick flush); how many were kept."""
         return self.lines.commit_many(owner, results) if results else 0
 
-    def release(self, owner: str, line: BatchLine, after_s: float = 0.0) -> None:
-        """Give a leased line back: pending again, runnable `after_s` from now (a retry's backoff)."""
-        self.lines.release(owner, line, after_s)
+    def release(self, owner: str, line: BatchLine, after_s: float = 0.0, undo_attempt: bool = False) -> None:
+        """Give a leased line back: pending again, runnable `after_s` from now (a retry's backoff);
+        `undo_attempt`: the try its lease counted did not happen (the runner is shutting down)."""
+        self.lines.release(owner, line, after_s, undo_attempt)
 
     def renew(self, owner: str, lines: list[BatchLine], lease_s: float) -> None:
         """Extend the leases of lines still running (so a long line is not taken over)."""

@@ -98,6 +98,7 @@ class BatchRunner:
         self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self._running: dict[str, set[asyncio.Task[None]]] = {}
         self._leased: dict[tuple[str, int], BatchLine] = {}
+        self._leasing = True  # until the gateway shuts down (`stop_leasing`)
         self._wake = asyncio.Event()
         self._seen: dict[str, deque[tuple[float, int]]] = {}  # per model: (when, interactive in flight)
         self._done: list[tuple[BatchLine, LineResult]] = []  # results not committed yet
@@ -208,8 +209,14 @@ class BatchRunner:
             return [{"code": exc.code, "message": exc.message, "param": "body.model", "line": None}]
         return []
 
+    async def stop_leasing(self, *_: object) -> None:
+        """The gateway is shutting down: lease no more lines (those running go on until `run` is
+        cancelled; what is then in hand is given back with its attempt undone). An aiohttp `on_shutdown`
+        handler."""
+        self._leasing = False
+
     async def _start(self, model: str) -> None:
-        spare = self.spare(model)
+        spare = self.spare(model) if self._leasing else 0
         if not spare:
             return
         lines = await asyncio.to_thread(
@@ -290,7 +297,8 @@ class BatchRunner:
             await self._flush()  # results in hand are kept, not thrown away with their leases
         for line in list(self._leased.values()):
             try:
-                await asyncio.to_thread(self._store.release, self.owner, line)
+                # (a shutdown is not the line's failure: the attempt its lease counted is undone)
+                await asyncio.to_thread(self._store.release, self.owner, line, undo_attempt=True)
             except Exception:  # the store is gone too: the lease runs out instead
                 logger.exception("could not hand back batch line %s:%d", line.batch_id, line.line)
         self._leased.clear()

@@ -179,10 +179,14 @@ def build_app(
     if settings.cors_origins:
         _allow_browsers(app, settings.cors_origins)
 
+    runner = _batch_runner(parts, router, pipeline, worker)
+    if runner is not None:  # a shutdown stops leasing lines at once; those running have the grace to end
+        app.on_shutdown.append(runner.stop_leasing)
+
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
         rebuild = _semantic_cache(parts.cache, relay)
         parts.queue.start()
-        batches = _batch_runner(parts, router, pipeline, worker)
+        batches = asyncio.create_task(runner.run(), name="batch-runner") if runner is not None else None
         retention = _retention(parts, worker)
         usage.start()
         metrics.start()
@@ -228,12 +232,12 @@ def _allow_browsers(app: web.Application, origins: list[str]) -> None:
 
 def _batch_runner(
     parts: GatewayParts, router: Router, pipeline: Pipeline, worker: int | None
-) -> asyncio.Task[None] | None:
+) -> BatchRunner | None:
     """Run batch lines here: every worker on its own share of the slots (a worker's router holds its share
     of each replica's), the first one also checking new batches and keeping the queue."""
     if parts.batches is None:
         return None
-    runner = BatchRunner(
+    return BatchRunner(
         parts.batches,
         pipeline,
         parts.keys,
@@ -243,7 +247,6 @@ def _batch_runner(
         parts.adapters,
         manages=worker in (None, 0),
     )
-    return asyncio.create_task(runner.run(), name="batch-runner")
 
 
 _RETENTION_S = 3600.0  # how often old usage and audit rows are swept (and once at start)
