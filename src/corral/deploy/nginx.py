@@ -32,13 +32,27 @@ def render_nginx(spec: ClusterSpec, source: str) -> dict[str, str]:
         "max_body_bytes": gateway.max_body_bytes,
         "body_timeout": _seconds(gateway.body_timeout),
         "connect_timeout": _seconds(gateway.connect_timeout),
-        # The gateway answers 504 itself after read_timeout; the edge waits a little longer for that answer.
-        "read_timeout": _seconds(gateway.read_timeout + 5),
+        "read_timeout": _seconds(_first_byte_s(spec) + 5),
     }
     return {
         "nginx/corral.conf": render_template("corral.conf.j2", context),
         "nginx/nginx.conf": render_template("nginx.conf.j2", context),
     }
+
+
+def _first_byte_s(spec: ClusterSpec) -> float:
+    """The longest the gateway may take before an answer's first byte: a request waits for a replica slot
+    (`queue.timeout`; a model scaled to zero, for its first replica: its `autoscale.hold_s` where longer), then
+    the engine may stay silent for `gateway.read_timeout` before the gateway answers 504 itself. The edge
+    waits a little longer, so that the gateway's own answer (a 503 queue_timeout, a 504) reaches the client
+    rather than the edge's 504 turned into its 'no gateway reachable' page."""
+    holds = [
+        deployment.autoscale.hold_s
+        for model in spec.models
+        for deployment in model.deployments
+        if deployment.autoscale is not None and deployment.autoscale.min_replicas == 0
+    ]
+    return max([spec.queue.timeout, *holds]) + spec.gateway.read_timeout
 
 
 def _rate(per_second: float) -> str:
