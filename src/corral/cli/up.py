@@ -6,7 +6,6 @@ import asyncio
 import dataclasses
 import gc
 import logging
-import os
 import signal
 from pathlib import Path
 from typing import Annotated, Any
@@ -77,7 +76,9 @@ def up(
     _check_tls(spec)
     paths = Paths.from_env()
     prepared = _prepare_or_fail(spec, paths)  # in the foreground: Ctrl-C ends an install at once
-    workers = spec.gateway_workers(os.cpu_count())
+    from corral.engines.devices import usable_cpus
+
+    workers = spec.gateway_workers(len(usable_cpus()))  # (a container's CPU limit, not the node's cores)
     if workers > 1:
         run_async(_serve_workers(spec, paths, prepared, workers, f"{log_level}:{log_format}"))
     else:

@@ -127,7 +127,8 @@ class GatewaySettings(Strict):
         default="auto",
         description="gateway processes sharing the port (SO_REUSEPORT) and one supervisor's replica set; "
         "more than 1 needs limits.backend: redis (and cache.backend: redis where models cache). auto: one "
-        "per core when limits (and any cache) are in Redis and the gateway listens beyond loopback (a "
+        "per CPU this process may use (a container's CPU limit, not the host's cores) when limits (and any "
+        "cache) are in Redis and the gateway listens beyond loopback (a "
         "server), else 1; never more than a replica's slots (parallel / max_num_seqs): each worker holds "
         "a share of them",
     )

@@ -42,8 +42,8 @@ def render_nginx(spec: ClusterSpec, source: str) -> dict[str, str]:
 
 def _first_byte_s(spec: ClusterSpec) -> float:
     """The longest the gateway may take before an answer's first byte: a request waits for a replica slot
-    (`queue.timeout`; a model scaled to zero, for its first replica: its `autoscale.hold_s` where longer), then
-    the engine may stay silent for `gateway.read_timeout` before the gateway answers 504 itself. The edge
+    (`queue.timeout`; a model scaled to zero, for its first replica: its `autoscale.hold_s` where longer),
+    then the engine may stay silent for `gateway.read_timeout` before the gateway answers 504 itself. The edge
     waits a little longer, so that the gateway's own answer (a 503 queue_timeout, a 504) reaches the client
     rather than the edge's 504 turned into its 'no gateway reachable' page."""
     holds = [

@@ -4,7 +4,6 @@ simulator shares with it."""
 from __future__ import annotations
 
 import math
-import os
 import re
 from pathlib import Path
 
@@ -13,6 +12,7 @@ from corral.artifacts.hf_from_gguf import hf_folder_from_gguf
 from corral.artifacts.vllm_env import vllm_python
 from corral.config import DeploymentSpec, HuggingFaceSource, ModelSpec, Paths
 from corral.engines.base import LaunchPlan, read_gauges, visible_gpus
+from corral.engines.devices import usable_cpus
 from corral.engines.features import EngineFeatures
 from corral.engines.kv_events import data_parallel_size, kv_events_config
 from corral.engines.load import EngineLoad
@@ -196,10 +196,10 @@ class VllmEngine:
     @staticmethod
     def _env(deployment: DeploymentSpec, index: int) -> dict[str, str]:
         if deployment.device == "cpu":
-            cores = os.cpu_count() or 1
+            cores = usable_cpus()  # (bound to a core this process may use: a cpuset need not start at 0)
             return {
                 "VLLM_CPU_KVCACHE_SPACE": str(max(1, math.ceil(deployment.kv_cache_gib))),
-                "VLLM_CPU_OMP_THREADS_BIND": str(index % cores),
+                "VLLM_CPU_OMP_THREADS_BIND": str(cores[index % len(cores)]),
             }
         return {"CUDA_VISIBLE_DEVICES": visible_gpus(deployment, index)}
 
