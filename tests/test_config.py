@@ -138,13 +138,23 @@ def test_gateway_workers_are_never_more_than_a_replicas_slots() -> None:
     assert parse_spec("gateway: {workers: 8}\n" + redis + external).fewest_slots is None  # not known
 
 
-def test_apply_keeps_a_replica_slot_for_every_running_worker() -> None:
+def test_apply_refuses_what_the_running_workers_cannot_serve() -> None:
+    """Fewer slots than workers, limits or a cache back in each process's memory: refused live."""
     sim = "[{engine: sim, gpu: l4, max_num_seqs: %d}]"
     model = "models:\n  - {name: m, arch: llama-3.1-8b, deployments: " + sim + "}\n"
-    running, wanted = parse_spec(model % 4), parse_spec(model % 2)
+    redis = "limits: {backend: redis}\n"
+    running, wanted = parse_spec(redis + model % 4), parse_spec(redis + model % 2)
     assert [c.action for c in plan_changes(running, wanted, workers=2)] == ["rollout"]
-    with pytest.raises(ApplyError, match=r"model 'm' would have 2 slots, fewer than the 4 gateway workers"):
+    with pytest.raises(ApplyError, match=r"by the 4 gateway workers running: workers: 4 is more than the 2"):
         plan_changes(running, wanted, workers=4)
+    cached = redis + model.replace("}\n", ", cache: {exact: true}}\n")
+    for wanted_text, says in (
+        (model % 4, "workers: 2 needs limits.backend: redis"),  # limits back in each process's memory
+        (cached % 4, "workers: 2 with cached models needs cache.backend: redis"),
+    ):
+        assert plan_changes(running, parse_spec(wanted_text), workers=1) != []  # one worker: fine
+        with pytest.raises(ApplyError, match=says):
+            plan_changes(running, parse_spec(wanted_text), workers=2)
 
 
 def test_an_external_deployment_has_a_replica_per_url() -> None:

@@ -164,8 +164,12 @@ def test_apply_keeps_a_slot_for_each_worker_auto_started(tmp_path: Path) -> None
         narrow = tmp_path / "narrow.yaml"
         narrow.write_text(spec.replace("time_scale: 50}", "time_scale: 50, max_num_seqs: 1}"))
         answer = run("apply", "-f", str(narrow), "--url", cluster.url)
+        per_process = tmp_path / "memory.yaml"  # limits kept in each worker's memory: a key's RPM × workers
+        per_process.write_text(spec.replace("limits: {backend: redis", "limits: {backend: memory"))
+        kept_apart = run("apply", "-f", str(per_process), "--url", cluster.url)
     if running > 1:
         assert answer.returncode != 0, answer.stderr
-        assert f"fewer than the {running} gateway workers running" in answer.stderr, answer.stderr
+        assert f"by the {running} gateway workers running: workers: {running} is more than" in answer.stderr
+        assert kept_apart.returncode != 0 and "needs limits.backend: redis" in kept_apart.stderr
     else:  # one worker: one slot is enough
         assert answer.returncode == 0, answer.stderr

@@ -92,12 +92,11 @@ def plan_changes(running: ClusterSpec, wanted: ClusterSpec, workers: int = 1) ->
             f"changing {', '.join(sections)} needs a restart of corral up (apply changes models, queue, "
             "limits and gateway.routing)"
         )
-    fewest = wanted.fewest_slots
-    if fewest is not None and workers > fewest[0]:
+    problem = wanted.workers_problem(workers)
+    if problem:  # (limits or a cache kept per process, replicas with fewer slots than the workers)
         raise ApplyError(
-            f"a replica of model {fewest[1]!r} would have {fewest[0]} slots, fewer than the {workers} "
-            "gateway workers running (each holds a share of every replica's slots): keep at least as many "
-            "slots, or restart corral up with fewer workers"
+            f"the new spec cannot be served by the {workers} gateway workers running: workers: {workers} "
+            f"{problem} (or restart corral up with fewer workers)"
         )
     live = [name for name in (*_LIVE_SECTIONS, "gateway") if getattr(running, name) != getattr(wanted, name)]
     before = {m.name: m for m in running.models}

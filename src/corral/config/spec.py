@@ -61,26 +61,37 @@ class ClusterSpec(Strict):
         problem = exposure_problem(self)
         if problem:
             raise ValueError(problem)
-        if self.gateway.workers != "auto" and self.gateway.workers > 1 and self.limits.backend != "redis":
-            raise ValueError(
-                f"gateway.workers: {self.gateway.workers} needs limits.backend: redis, so that rate limits "
-                "hold across the worker processes (or set workers: 1)"
-            )
         self._check_embedding_models()
-        if self.gateway.workers != "auto" and self.gateway.workers > 1 and self.per_worker_cache:
-            raise ValueError(
-                f"gateway.workers: {self.gateway.workers} with cached models needs cache.backend: redis, so "
-                "that the workers share one cache (a purge reaches all of it)"
+        workers = self.gateway.workers
+        problem = self.workers_problem(workers) if workers != "auto" else None
+        if problem:
+            raise ValueError(f"gateway.workers: {workers} {problem}")
+        return self
+
+    def workers_problem(self, workers: int) -> str | None:
+        """Why `workers` gateway processes cannot serve this spec (checked when it is read, and by a live
+        `corral apply` against the workers running), or None."""
+        if workers <= 1:
+            return None
+        if self.limits.backend != "redis":
+            return (
+                "needs limits.backend: redis, so that rate limits hold across the worker processes (each "
+                "would count a key's requests alone); keep limits in Redis or run one worker"
+            )
+        if self.per_worker_cache:
+            return (
+                "with cached models needs cache.backend: redis, so that the workers share one cache (a "
+                "purge reaches all of it)"
             )
         fewest = self.fewest_slots
-        if self.gateway.workers != "auto" and fewest is not None and self.gateway.workers > fewest[0]:
-            raise ValueError(
-                f"gateway.workers: {self.gateway.workers} is more than the {fewest[0]} slots of a replica of "
-                f"model {fewest[1]!r}: each worker holds a share of every replica's slots, so the engine "
-                "would be sent more at once than it runs (and queue them itself, past the gateway's fair "
-                "queue); lower workers or raise the deployment's parallel / max_num_seqs"
+        if fewest is not None and workers > fewest[0]:
+            return (
+                f"is more than the {fewest[0]} slots of a replica of model {fewest[1]!r}: each worker holds "
+                "a share of every replica's slots, so the engine would be sent more at once than it runs "
+                "(and queue them itself, past the gateway's fair queue); lower workers or raise the "
+                "deployment's parallel / max_num_seqs"
             )
-        return self
+        return None
 
     @property
     def fewest_slots(self) -> tuple[int, str] | None:

@@ -36,8 +36,8 @@ def usable_cpus(cgroup: Path = Path("/sys/fs/cgroup")) -> list[int]:
 def _cgroup_quota(cgroup: Path) -> float | None:
     """CPUs' worth of time the cgroup may use per period, or None where it is not limited."""
     try:
-        limit, period = (cgroup / "cpu.max").read_text().split()[:2]  # v2: "max 100000" or "200000 100000"
-        return None if limit == "max" else int(limit) / int(period)
+        limit, every = (cgroup / "cpu.max").read_text().split()[:2]  # v2: "max 100000" or "200000 100000"
+        return None if limit == "max" else int(limit) / int(every)
     except (OSError, ValueError):
         pass
     try:
