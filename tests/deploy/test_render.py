@@ -3,6 +3,7 @@ systemd-analyze verify, docker-compose config, the KubeRay CRD schema) and carry
 
 from __future__ import annotations
 
+import hashlib
 import subprocess
 from pathlib import Path
 
@@ -185,6 +186,9 @@ def test_systemd_units_verify_and_are_hardened(tmp_path: Path) -> None:
     # GPUs: devices reachable, CUDA may map writable-executable memory.
     assert "PrivateDevices" not in gpu_unit and "MemoryDenyWriteExecute" not in gpu_unit
     assert gpu_unit["DevicePolicy"] == ["closed"]
+    spec = parse_spec(GPU_SPEC)  # SIGKILL only after the drain and each replica's stop, with a margin
+    chain = spec.gateway.shutdown_grace + spec.supervisor.stop_timeout + 15
+    assert int(gpu_unit["TimeoutStopSec"][0].removesuffix("s")) > chain, gpu_unit["TimeoutStopSec"]
     assert "char-nvidia-frontend rw" in gpu_unit["DeviceAllow"]
     assert "redis-server.service" in gpu_unit["After"][0] and "postgresql.service" in gpu_unit["After"][0]
     assert (gpu / "sysusers.d" / "corral.conf").read_text().startswith("u llm - ")
@@ -254,6 +258,11 @@ def test_compose_file_validates_with_gpus_and_services(tmp_path: Path) -> None:
     assert devices == [{"driver": "nvidia", "count": 6, "capabilities": ["gpu"]}]  # 3 replicas × TP 2
     assert set(corral["depends_on"]) == {"redis", "postgres"}
     assert "healthcheck" in corral and "/ready" in corral["healthcheck"]["test"][-1]
+    assert corral["init"] is True  # PID 1 reaps the engines' orphans
+    # SIGKILL only after the drain (+5 s for workers) and each replica's stop (+10 s on Ray), with a margin
+    spec = parse_spec(GPU_SPEC)
+    chain = spec.gateway.shutdown_grace + spec.supervisor.stop_timeout + 15
+    assert int(corral["stop_grace_period"].removesuffix("s")) > chain, corral["stop_grace_period"]
     assert {"redis", "postgres", "prometheus"} <= set(config["services"])
     assert config["services"]["prometheus"]["profiles"] == ["watch"]
     inner = parse_spec((out / "cluster.yaml").read_text())  # the spec corral runs in the container
@@ -323,8 +332,22 @@ def test_kuberay_manifests_validate_against_the_crd(tmp_path: Path) -> None:
     images = {c["image"] for g in groups.values() for c in g["template"]["spec"]["containers"]}
     assert images == {"registry.example/corral-vllm:1"}  # vLLM preinstalled: no pip at start-up
     deployment = documents[3]["spec"]["template"]["spec"]["containers"][0]
-    assert deployment["readinessProbe"]["httpGet"]["path"] == "/ready"
+    # one pod: ready while the gateway answers, not only when every model is (that would refuse them all)
+    assert deployment["readinessProbe"]["httpGet"]["path"] == "/health"
+    pod = documents[3]["spec"]["template"]["spec"]
+    spec = parse_spec(KUBE_SPEC)  # SIGKILL only after the drain and each replica's stop, with a margin
+    assert (
+        pod["terminationGracePeriodSeconds"] > spec.gateway.shutdown_grace + spec.supervisor.stop_timeout + 15
+    )
+    startup = deployment["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 3600  # models are fetched first
     inner = parse_spec(documents[1]["stringData"]["cluster.yaml"])
+    # the pod names the spec it runs: a render of a changed spec changes the pod, so applying it replaces it
+    digest = documents[3]["spec"]["template"]["metadata"]["annotations"]["corral.dev/spec-sha256"]
+    assert digest == hashlib.sha256(documents[1]["stringData"]["cluster.yaml"].encode()).hexdigest()
+    changed = rendered(tmp_path / "changed", "kuberay", KUBE_SPEC.replace("replicas: 3", "replicas: 2"))
+    again = list(yaml.safe_load_all((changed / "kuberay" / "corral.yaml").read_text()))[3]
+    assert again["spec"]["template"]["metadata"]["annotations"]["corral.dev/spec-sha256"] != digest
     assert (out / "kuberay" / "corral.yaml").stat().st_mode & 0o777 == 0o600
     assert inner.ray is not None
     assert inner.ray.address == "ray://corral-head-svc.inference.svc.cluster.local:10001"

@@ -20,6 +20,7 @@ from corral.deploy.spec_rewrite import (
     local_model_paths,
     local_services,
     spec_yaml,
+    stop_allowance_s,
     uses_vllm,
 )
 
@@ -94,7 +95,8 @@ def _corral(spec: ClusterSpec, dependencies: dict[str, Any]) -> dict[str, Any]:
             "start_period": "600s" if vllm else "180s",
         },
         "restart": "unless-stopped",
-        "stop_grace_period": f"{int(spec.gateway.shutdown_grace + spec.supervisor.stop_timeout + 5)}s",
+        "stop_grace_period": f"{stop_allowance_s(spec)}s",
+        "init": True,  # an init as PID 1 reaps the engines' orphaned children (corral is not one)
     }
     gpus = gpu_total(spec)
     if gpus:

@@ -8,12 +8,20 @@ and the Ray version below: nothing is pip-installed at start-up.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
 import math
 from typing import Any
 
 from corral.config import ClusterSpec, DeploymentSpec
-from corral.deploy.spec_rewrite import RenderError, container_spec, dump_yaml, local_services, spec_yaml
+from corral.deploy.spec_rewrite import (
+    RenderError,
+    container_spec,
+    dump_yaml,
+    local_services,
+    spec_yaml,
+    stop_allowance_s,
+)
 
 __all__ = ["render_kuberay"]
 
@@ -28,6 +36,7 @@ def render_kuberay(spec: ClusterSpec, source: str) -> dict[str, str]:
     namespace = spec.deploy.namespace
     address = f"ray://{_CLUSTER}-head-svc.{namespace}.svc.cluster.local:10001"
     inner = container_spec(spec, port=_PORT, services={}, ray_address=address)
+    running = spec_yaml(inner, f"From {source}, for corral on KubeRay.")
     documents = [
         {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}},
         {
@@ -36,10 +45,10 @@ def render_kuberay(spec: ClusterSpec, source: str) -> dict[str, str]:
             "kind": "Secret",
             "type": "Opaque",
             "metadata": {"name": "corral-spec", "namespace": namespace},
-            "stringData": {"cluster.yaml": spec_yaml(inner, f"From {source}, for corral on KubeRay.")},
+            "stringData": {"cluster.yaml": running},
         },
         _ray_cluster(spec, namespace),
-        _deployment(spec, namespace),
+        _deployment(spec, namespace, hashlib.sha256(running.encode()).hexdigest()),
         _service(namespace),
     ]
     text = dump_yaml(documents, many=True)
@@ -180,8 +189,15 @@ def _resources(cpu: int, memory_gib: int, gpus: int = 0) -> dict[str, Any]:
     return {"requests": dict(amounts), "limits": dict(amounts)}
 
 
-def _deployment(spec: ClusterSpec, namespace: str) -> dict[str, Any]:
-    probe = {"httpGet": {"path": "/ready", "port": _PORT}, "periodSeconds": 10, "failureThreshold": 3}
+def _deployment(spec: ClusterSpec, namespace: str, spec_digest: str) -> dict[str, Any]:
+    """The gateway's Deployment; `spec_digest` (the running spec's SHA-256) annotates its pod, so applying a
+    render of a changed spec replaces the pod (a Secret's new content alone restarts nothing, and would
+    be picked up by whatever next restarted it)."""
+    # One gateway pod: taking it out of the Service because one model has no ready replica would refuse
+    # every model's requests. Readiness is the gateway answering (a model without a replica answers 503
+    # with Retry-After itself); start-up allows an hour, as `corral up` fetches the models before it
+    # listens (a kill would start the download again).
+    probe = {"httpGet": {"path": "/health", "port": _PORT}, "periodSeconds": 10, "failureThreshold": 3}
     container = {
         "name": "corral",
         "image": spec.deploy.vllm_image,
@@ -195,15 +211,15 @@ def _deployment(spec: ClusterSpec, namespace: str) -> dict[str, Any]:
             },
         ],
         "readinessProbe": probe,
-        "startupProbe": {**probe, "failureThreshold": 90},
-        "livenessProbe": {"httpGet": {"path": "/health", "port": _PORT}, "periodSeconds": 10},
+        "startupProbe": {**probe, "failureThreshold": 360},
+        "livenessProbe": probe,
         "volumeMounts": [
             {"name": "spec", "mountPath": "/etc/corral"},
             {"name": "home", "mountPath": "/var/lib/corral"},
         ],
         "resources": _resources(cpu=2, memory_gib=4),
     }
-    grace = int(spec.gateway.shutdown_grace + spec.supervisor.stop_timeout + 5)
+    grace = stop_allowance_s(spec)
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -214,7 +230,7 @@ def _deployment(spec: ClusterSpec, namespace: str) -> dict[str, Any]:
             "strategy": {"type": "Recreate"},
             "selector": {"matchLabels": _LABELS},
             "template": {
-                "metadata": {"labels": _LABELS},
+                "metadata": {"labels": _LABELS, "annotations": {"corral.dev/spec-sha256": spec_digest}},
                 "spec": {
                     "terminationGracePeriodSeconds": grace,
                     "containers": [container],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -19,8 +20,18 @@ __all__ = [
     "local_model_paths",
     "local_services",
     "spec_yaml",
+    "stop_allowance_s",
     "uses_vllm",
 ]
+
+
+def stop_allowance_s(spec: ClusterSpec) -> int:
+    """Seconds a service manager (systemd, Compose, Kubernetes) should wait after SIGTERM before SIGKILL:
+    the gateway's drain (`gateway.shutdown_grace`; gateway workers get 5 s beyond it), then each replica's
+    stop (`supervisor.stop_timeout`; a Ray replica's actor 5 s beyond it and its process 5 more), and a
+    margin, so that the kill never lands on engines still stopping (GPU memory left held, a model half
+    written to its cache)."""
+    return math.ceil(spec.gateway.shutdown_grace + spec.supervisor.stop_timeout + 20)
 
 
 class RenderError(ValueError):

@@ -7,11 +7,10 @@ unit restarts the whole cluster cleanly. GPU deployments get the device exceptio
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 from corral.config import ClusterSpec, LocalSource
-from corral.deploy.spec_rewrite import RenderError, local_services
+from corral.deploy.spec_rewrite import RenderError, local_services, stop_allowance_s
 from corral.deploy.templates import render_template
 
 __all__ = ["CONFIG_DIR", "STATE_DIR", "render_systemd"]
@@ -28,7 +27,6 @@ def render_systemd(spec: ClusterSpec, source: str, spec_text: str, corral_bin: P
     gpu = any(d.engine == "vllm" and d.device == "gpu" for d in deployments)
     # vLLM's CPU build compiles kernels at run time (oneDNN): it cannot run without W^X exceptions either.
     no_jit = not any(d.engine == "vllm" for d in deployments)
-    supervisor = spec.supervisor
     context = {
         "source": source,
         "models": ", ".join(m.name for m in spec.models),
@@ -38,7 +36,7 @@ def render_systemd(spec: ClusterSpec, source: str, spec_text: str, corral_bin: P
         "corral_bin": corral_bin,
         "after": _after(spec),
         "writable": sorted({str(p) for p in _local_paths(spec)}),
-        "stop_seconds": math.ceil(spec.gateway.shutdown_grace + supervisor.stop_timeout + 10),
+        "stop_seconds": stop_allowance_s(spec),
         "port": spec.gateway.port,
         "low_port": 0 < spec.gateway.port < 1024,
         "gpu": gpu,
