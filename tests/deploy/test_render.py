@@ -314,7 +314,7 @@ KUBE_SPEC = GPU_SPEC.replace("limits: {backend: redis}", "limits: {backend: memo
 
 
 def test_kuberay_manifests_validate_against_the_crd(tmp_path: Path) -> None:
-    out = rendered(tmp_path, "kuberay", KUBE_SPEC + "\n      - {engine: llamacpp, replicas: 2, threads: 2}\n")
+    out = rendered(tmp_path, "kuberay", KUBE_SPEC + "\n      - {engine: sim, replicas: 2, gpu: l4}\n")
     documents = list(yaml.safe_load_all((out / "kuberay" / "corral.yaml").read_text()))
     kinds = [d["kind"] for d in documents]
     assert kinds == ["Namespace", "Secret", "RayCluster", "Deployment", "Service"]  # the spec holds keys
@@ -322,13 +322,13 @@ def test_kuberay_manifests_validate_against_the_crd(tmp_path: Path) -> None:
     validator = raycluster_validator()
     assert list(validator.iter_errors(cluster)) == []
     groups = {g["groupName"]: g for g in cluster["spec"]["workerGroupSpecs"]}
-    # 3 replicas × TP 2 = 6 GPUs on 4-GPU nodes: 2 nodes; the llama.cpp replicas on a CPU group.
+    # 3 replicas × TP 2 = 6 GPUs on 4-GPU nodes: 2 nodes; the simulated replicas on a CPU group.
     assert groups["gpu-4"]["replicas"] == 2
     limits = {
         name: g["template"]["spec"]["containers"][0]["resources"]["limits"] for name, g in groups.items()
     }
     assert limits["gpu-4"]["nvidia.com/gpu"] == "4"
-    assert limits["cpu"]["cpu"] == "5"
+    assert limits["cpu"]["cpu"] == "3"  # a core a simulated replica, and one spare
     images = {c["image"] for g in groups.values() for c in g["template"]["spec"]["containers"]}
     assert images == {"registry.example/corral-vllm:1"}  # vLLM preinstalled: no pip at start-up
     deployment = documents[3]["spec"]["template"]["spec"]["containers"][0]
@@ -376,8 +376,16 @@ def test_kuberay_manifests_validate_against_the_crd(tmp_path: Path) -> None:
             ),
             "is a SQLite file in the pod's own filesystem",
         ),
+        (  # the worker pods have none of the files corral prepares in its own pod
+            KUBE_SPEC + "\n      - {engine: llamacpp, replicas: 2, threads: 2}\n",
+            "model 'llama' runs on llama.cpp, whose server and model file corral prepares in its own pod",
+        ),
+        (
+            KUBE_SPEC.replace("{hf: meta-llama/Llama-3.1-8B-Instruct}", "{path: /models/llama}"),
+            "model 'llama''s weights would be fetched into corral's own pod",
+        ),
     ],
-    ids=["local-redis", "open", "pod-local-store", "sqlite-store"],
+    ids=["local-redis", "open", "pod-local-store", "sqlite-store", "llamacpp", "local-weights"],
 )
 def test_kuberay_refuses_what_cannot_work_in_a_pod(tmp_path: Path, spec: str, says: str) -> None:
     result = render(tmp_path, "kuberay", spec)
