@@ -5,6 +5,8 @@ none cut or padded to a terminal's width."""
 
 from __future__ import annotations
 
+import importlib
+import io
 import json
 import re
 from datetime import UTC, datetime, timedelta
@@ -72,3 +74,28 @@ def test_auto_writes_one_plain_line_an_event_off_a_terminal(tmp_path: Path) -> N
     assert re.fullmatch(f"{stamp} INFO {event}", access[0]), access[0]
     logged = [line for line in lines if re.match(stamp, line)]
     assert logged and all(line == line.rstrip() for line in logged)  # not padded to a width
+
+
+@pytest.mark.parametrize(("log_format", "drawn"), [("rich", True), ("text", False), ("json", False)])
+def test_on_a_terminal_only_rich_logs_draw_a_live_spinner(
+    log_format: str, drawn: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--log-format json` (or text) on a terminal: the progress is logged line by line; a spinner's
+    redrawn line would break a JSON-lines reader."""
+    from rich.console import Console
+
+    from corral.cli import up
+    from corral.config import Paths, parse_spec
+
+    app = importlib.import_module("corral.cli.app")  # (the package's `app` is the Typer application)
+
+    screen = io.StringIO()
+    terminal = Console(file=screen, force_terminal=True, stderr=True)
+    monkeypatch.setattr(app, "console", terminal)
+    monkeypatch.setattr(up, "console", terminal)
+    app.setup_logging("info", log_format)
+    try:
+        assert up._prepare_all(parse_spec(SPEC), Paths(tmp_path))  # the simulator: nothing to fetch
+        assert ("preparing" in screen.getvalue()) is drawn, screen.getvalue()
+    finally:
+        app.setup_logging("warning", "text")

@@ -37,6 +37,7 @@ __all__ = [
     "client_tls",
     "console",
     "fail",
+    "live_progress",
     "logs_are_json",
     "main",
     "run_async",
@@ -226,6 +227,12 @@ def logs_are_json() -> bool:
     """Whether standard error carries JSON lines only (`--log-format json`): what a command would tell
     people there (a banner, progress) is logged instead."""
     return _chosen["log_format"] == "json"
+
+
+def live_progress() -> bool:
+    """Whether a command may draw a live spinner: on a terminal with Rich's log format (`text` and `json`
+    stay one event a line, so every line of `json` parses)."""
+    return console.is_terminal and _chosen["log_format"] == "rich"
 
 
 def setup_logging(level: str, log_format: str = "auto") -> None:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import gc
 import logging
 import signal
+import types
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -22,6 +24,7 @@ from corral.cli.app import (
     app,
     console,
     fail,
+    live_progress,
     logs_are_json,
     run_async,
     setup_logging,
@@ -135,7 +138,7 @@ def _prepare_all(spec: ClusterSpec, paths: Paths) -> list[tuple[str, Any, list[A
     from corral.engines import engine_named, launch_plans
 
     prepared = []
-    with console.status("preparing") as spinner:
+    with _spinner("preparing") as spinner:
         for model in spec.models:
             for deployment in model.deployments:
                 engine = engine_named(deployment.engine)
@@ -156,7 +159,7 @@ class _ProgressReport:
 
     def __call__(self, message: str) -> None:
         line = f"{self._prefix}: {message}"
-        if console.is_terminal:
+        if live_progress():
             self._update(line)
             return
         percent = message.rsplit(" ", 1)[-1]
@@ -464,7 +467,7 @@ async def _until_serving(
     Never says "serving" while a model has none ready."""
     replicas = supervisor.replicas
     waited = 0.0
-    with console.status(f"starting {sum(1 for _ in replicas)} replicas"):
+    with _spinner(f"starting {sum(1 for _ in replicas)} replicas"):
         while not stop.is_set():
             ready = await _first_of(supervisor.wait_ready(spec.supervisor.ready_timeout), stop.wait())
             if stop.is_set():
@@ -522,6 +525,14 @@ async def _first_of(*aws: Any) -> Any:
         task.cancel()
     await asyncio.gather(*pending, return_exceptions=True)
     return next(iter(done)).result()
+
+
+def _spinner(text: str) -> Any:
+    """A live spinner saying `text` where one may be drawn (`live_progress`), else nothing: its `update`
+    goes nowhere (the progress is told line by line instead)."""
+    if live_progress():
+        return console.status(text)
+    return contextlib.nullcontext(types.SimpleNamespace(update=lambda *_: None))
 
 
 def _say(line: str) -> None:
