@@ -10,7 +10,9 @@ random keys churns the misses only and never pushes a working key out to the dat
 When the store does not answer (a PostgreSQL failover or restart), a key looked up before is served as it
 was last found, and looked up again `ttl` later; a key this gateway has not looked up yet is answered 503
 with Retry-After (`store_unavailable`), never a 500. A key revoked during the outage is therefore refused
-only once the store answers again: the revocation itself needs the store.
+only once the store answers again (the revocation itself needs the store); a key's expiry, and a
+rotated-out secret's grace period, still end on time. A query's own error (a bug) is not taken for an
+outage (`store_is_down`).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from corral.protocol import PermissionDenied, StoreUnavailable, Unauthorized
-from corral.store import PRIORITIES, STORE_DOWN, KeyRecord, KeyStore, hash_key
+from corral.store import PRIORITIES, KeyRecord, KeyStore, hash_key, store_is_down
 
 if TYPE_CHECKING:
     from corral.admission.oidc import OIDCVerifier
@@ -123,7 +125,9 @@ class Authenticator:
         else:
             try:
                 record = await asyncio.to_thread(self._keys.by_secret_hash, key_hash)
-            except STORE_DOWN as exc:
+            except Exception as exc:
+                if not store_is_down(exc):
+                    raise
                 principal = self._as_last_found(key_hash, cached, now, exc)
             else:
                 if self._store_down:

@@ -211,8 +211,8 @@ class BatchRunner:
 
     async def stop_leasing(self, *_: object) -> None:
         """The gateway is shutting down: lease no more lines (those running go on until `run` is
-        cancelled; what is then in hand is given back with its attempt undone). An aiohttp `on_shutdown`
-        handler."""
+        cancelled as the app is cleaned up, once its HTTP requests are drained; what is then in hand is
+        given back with its attempt undone). An aiohttp `on_shutdown` handler."""
         self._leasing = False
 
     async def _start(self, model: str) -> None:

@@ -37,6 +37,7 @@ from corral.store import (
     NewKey,
     SessionStore,
     UsageStore,
+    store_is_down,
 )
 
 __all__ = ["AdminViews", "bearer_is"]
@@ -73,6 +74,7 @@ class AdminViews:
         self._body = (body_timeout, max_body_bytes)
         self._keys = keys
         self._usage = usage
+        self._lookups = asyncio.Lock()  # request-id look-ups, one at a time (see usage)
         self._router = router
         self._queue_depths = queue_depths
         self._response_cache = cache
@@ -137,6 +139,9 @@ class AdminViews:
             except web.HTTPException as exc:
                 status = exc.status
                 raise
+            except Exception as exc:
+                status = 503 if store_is_down(exc) else 500  # (as the error boundary will answer it)
+                raise
             finally:
                 actor = request.get(_ACTOR) or await self.access.actor(request)
                 if actor is not None:
@@ -169,8 +174,11 @@ class AdminViews:
         )
         try:
             await asyncio.to_thread(self._audit.record, entry)
-        except Exception:  # the action is done: its record's loss is logged loudly, not turned into an error
-            logger.exception("the audit trail could not record %s by %s", action, actor.who)
+        except Exception as exc:  # the action is done: its record's loss is logged loudly, not an error
+            if store_is_down(exc):  # (a line, not a trace: the outage is logged and alerted on elsewhere)
+                logger.error("the audit trail could not record %s by %s: %s", action, actor.who, exc)
+            else:
+                logger.exception("the audit trail could not record %s by %s", action, actor.who)
 
     # keys ----------------------------------------------------------------------------------------------
 
@@ -262,7 +270,8 @@ class AdminViews:
         scope = actor.tenant if actor.scoped else None
         request_id = request.query.get("request_id")
         if request_id is not None:  # one request's records, by the x-request-id its client was given
-            found = await asyncio.to_thread(self._usage.of_request, request_id, scope)
+            async with self._lookups:  # (one at a time: each reads the table, keys need the store's threads)
+                found = await asyncio.to_thread(self._usage.of_request, request_id, scope)
             return web.json_response({"request_id": request_id, "rows": found})
         by = request.query.get("by", "key")
         try:

@@ -180,7 +180,7 @@ def build_app(
         _allow_browsers(app, settings.cors_origins)
 
     runner = _batch_runner(parts, router, pipeline, worker)
-    if runner is not None:  # a shutdown stops leasing lines at once; those running have the grace to end
+    if runner is not None:  # a shutdown stops leasing lines at once (those running are handed back)
         app.on_shutdown.append(runner.stop_leasing)
 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:

@@ -97,8 +97,9 @@ class GatewayMetrics:
         )
         self.store_errors = Counter(
             "corral_store_errors",
-            "Calls to corral's store (SQLite/PostgreSQL) that got no answer, by use: key lookups, usage "
-            "writes (retried), requests answered 503 store_unavailable.",
+            "Calls to corral's store (SQLite/PostgreSQL) that got no answer, by use: key lookups (the key "
+            "served as last found, or a 503), usage writes (retried), other requests answered 503 "
+            "store_unavailable.",
             ["use"],
             registry=r,
         )
@@ -114,8 +115,8 @@ class GatewayMetrics:
             ),
             dropped=Counter(
                 "corral_usage_dropped",
-                "Usage records lost: the store stayed unreachable past store.max_pending records, or at "
-                "shutdown.",
+                "Usage records lost: the store stayed unreachable past store.max_pending records or at "
+                "shutdown, or refused the record.",
                 registry=r,
             ),
             failed_writes=self.store_errors.labels("usage_write"),

@@ -55,7 +55,7 @@ from corral.protocol import (
 )
 from corral.routing import Router
 from corral.routing.adapters import Adapter
-from corral.store import STORE_DOWN, UsageRecord
+from corral.store import UsageRecord, store_is_down
 
 __all__ = ["Pipeline", "unexpected"]
 
@@ -533,7 +533,7 @@ def _reserved_usage(ctx: RequestContext) -> dict[str, int]:
 def unexpected(request: web.Request, exc: Exception, store_unanswered: Callable[[], None]) -> APIError:
     """What a client is told of an exception no stage turned into an answer: the store not answering is a
     503 to retry (one log line, counted by `store_unanswered`); anything else a 500, logged with its trace."""
-    if isinstance(exc, STORE_DOWN):
+    if store_is_down(exc):
         store_unanswered()
         logger.error(
             "the store did not answer %s %s (request %s): %s",

@@ -9,7 +9,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from corral.store import UsageRecord, UsageStore
+from corral.store import UsageRecord, UsageStore, store_is_down
 
 if TYPE_CHECKING:
     from corral.gateway.metrics import UsageMetrics
@@ -90,7 +90,16 @@ class UsageRecorder:
             return
         try:
             await asyncio.to_thread(self._store.write, batch)
-        except Exception as exc:  # the database is down: keep the records and try again next round
+        except Exception as exc:
+            if not store_is_down(exc):  # the store refuses a record (a bug): the others must not wait on it
+                logger.exception(
+                    "the usage store refused a batch of %d records: writing each alone", len(batch)
+                )
+                batch = await asyncio.to_thread(self._each_alone, batch)
+                if self._on_written is not None:
+                    self._on_written(batch)
+                return
+            # the database is down: keep the records and try again next round
             if self._metrics is not None:
                 self._metrics.failed_writes.inc()
             if not self._failing:  # (once an outage: the writer retries every flush interval)
@@ -106,13 +115,29 @@ class UsageRecorder:
         if self._on_written is not None:
             self._on_written(batch)
 
+    def _each_alone(self, batch: list[UsageRecord]) -> list[UsageRecord]:
+        """Write each record of a refused batch alone; those refused again are dropped (logged, counted).
+        The ones written."""
+        written = []
+        for record in batch:
+            try:
+                self._store.write([record])
+            except Exception as exc:
+                logger.error("usage record dropped, the store refuses it (%s): %r", exc, record)
+                self.dropped += 1
+                if self._metrics is not None:
+                    self._metrics.dropped.inc()
+            else:
+                written.append(record)
+        return written
+
     async def _run(self) -> None:
         while True:
             await asyncio.sleep(self._interval)
-            if self._metrics is not None:
-                self._metrics.pending.set(len(self._pending))
             try:
                 while self._pending:
                     await self.flush()
             except Exception:  # logged in flush; keep the writer alive
                 await asyncio.sleep(self._interval)
+            if self._metrics is not None:
+                self._metrics.pending.set(len(self._pending))

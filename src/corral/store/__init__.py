@@ -14,14 +14,13 @@ from corral.store.files import FileQuotaExceeded, FileStore, NewFile
 from corral.store.keys import PRIORITIES, ROLES, InvalidKey, KeyRecord, KeyStore, KeyUpdate, NewKey, hash_key
 from corral.store.responses import ResponseStore, StoredResponse
 from corral.store.retention import Retention
-from corral.store.schema import STORE_DOWN, Base, StoreError, add_missing_columns
+from corral.store.schema import Base, StoreError, add_missing_columns, store_is_down
 from corral.store.sessions import ConsoleSession, SessionStore
 from corral.store.usage import UsageRecord, UsageStore
 
 __all__ = [
     "PRIORITIES",
     "ROLES",
-    "STORE_DOWN",
     "AuditEntry",
     "AuditLog",
     "ConsoleSession",
@@ -43,6 +42,7 @@ __all__ = [
     "hash_key",
     "normalise_url",
     "open_database",
+    "store_is_down",
 ]
 
 # The spellings people copy from PostgreSQL's docs, Heroku or psql, and the driver corral ships (psycopg 3).

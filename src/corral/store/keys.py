@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -179,7 +179,8 @@ class KeyStore:
 
     def by_secret_hash(self, key_hash: str) -> KeyRecord | None:
         """The key whose secret this is: its current one, or (rotated) its former one within the grace
-        period (past it, the former secret finds nothing)."""
+        period (past it, the former secret finds nothing). Found by its former secret, the record expires
+        when the grace period ends, so a gateway serving it as last found (the store down) stops then too."""
         with Session(self._engine) as session:
             query = select(ApiKeyRow).where(
                 or_(ApiKeyRow.key_hash == key_hash, ApiKeyRow.previous_hash == key_hash)
@@ -189,7 +190,9 @@ class KeyStore:
                     return _record(row)
                 until = _aware(row.previous_until)
                 if until is not None and until > datetime.now(UTC):
-                    return _record(row)
+                    record = _record(row)
+                    ends = until if record.expires_at is None else min(until, record.expires_at)
+                    return replace(record, expires_at=ends)
             return None
 
     def rotate(self, key_id: str, grace_s: float) -> tuple[str, KeyRecord] | None:

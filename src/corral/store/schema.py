@@ -8,7 +8,16 @@ from sqlalchemy import JSON, BigInteger, DateTime, Engine, Float, Index, Integer
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-__all__ = ["ApiKeyRow", "AuditRow", "Base", "SessionRow", "StoreError", "UsageRow", "add_missing_columns"]
+__all__ = [
+    "ApiKeyRow",
+    "AuditRow",
+    "Base",
+    "SessionRow",
+    "StoreError",
+    "UsageRow",
+    "add_missing_columns",
+    "store_is_down",
+]
 
 
 class Base(DeclarativeBase):
@@ -20,15 +29,31 @@ class StoreError(Exception):
     the database did not answer."""
 
 
-# What a call raises when the database does not answer (down, unreachable, out of connections, locked):
-# the caller can answer 503 and try again, unlike a query's own error (a bug, answered 500).
-STORE_DOWN: tuple[type[Exception], ...] = (
-    StoreError,
-    exc.OperationalError,
-    exc.InterfaceError,
-    exc.DisconnectionError,
-    exc.TimeoutError,
-)
+# SQLite's errors that are the database not answering now, not a query's fault ("no such table" is a bug)
+_SQLITE_DOWN = ("database is locked", "unable to open", "disk i/o error", "database or disk is full")
+# PostgreSQL's SQLSTATE classes of a server that cannot answer now: connection exceptions (08), insufficient
+# resources (53: too many connections, out of disk), operator intervention (57: shutdown, starting up); and
+# 25006, a read-only transaction: a connection still on the old primary after a failover
+_POSTGRES_DOWN = ("08", "53", "57")
+
+
+def store_is_down(error: BaseException) -> bool:
+    """Whether `error` is the database not answering (down, unreachable, failing over, out of connections,
+    locked): the caller answers 503 and tries again. A query's own error (a bug) is not: answered 500."""
+    if isinstance(error, (StoreError, exc.InterfaceError, exc.DisconnectionError, exc.TimeoutError)):
+        return True
+    if not isinstance(error, exc.DBAPIError):
+        return False
+    if error.connection_invalidated:
+        return True
+    state = getattr(error.orig, "sqlstate", None)
+    if isinstance(state, str):
+        return state[:2] in _POSTGRES_DOWN or state == "25006"
+    if not isinstance(error, exc.OperationalError):
+        return False
+    if type(error.orig).__module__.startswith("sqlite3"):
+        return any(part in str(error.orig).lower() for part in _SQLITE_DOWN)
+    return True  # a driver's connection failure, which carries no SQLSTATE (psycopg's "connection failed")
 
 
 class ApiKeyRow(Base):
