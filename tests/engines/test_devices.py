@@ -8,29 +8,62 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from corral.engines.devices import usable_cpus
 
 MINE = sorted(os.sched_getaffinity(0))
+EIGHT = list(range(8))
 
 
+@pytest.fixture
+def eight_cpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An affinity of 8 CPUs, whatever this machine has: a quota's cut is then seen."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _: set(EIGHT))
+
+
+def member_of(tmp_path: Path, *lines: str) -> Path:
+    membership = tmp_path / "self-cgroup"
+    membership.write_text("".join(line + "\n" for line in lines))
+    return membership
+
+
+@pytest.mark.usefixtures("eight_cpus")
 def test_a_cgroup_v2_quota_cuts_the_cpus_to_its_share_rounded_up(tmp_path: Path) -> None:
+    namespaced = member_of(tmp_path, "0::/")  # a container with its own cgroup namespace: the root is its own
     (tmp_path / "cpu.max").write_text("150000 100000\n")  # 1.5 CPUs' worth
-    assert usable_cpus(tmp_path) == MINE[:2]
+    assert usable_cpus(tmp_path, namespaced) == EIGHT[:2]
     (tmp_path / "cpu.max").write_text("50000 100000\n")
-    assert usable_cpus(tmp_path) == MINE[:1]  # never none
+    assert usable_cpus(tmp_path, namespaced) == EIGHT[:1]  # never none
     (tmp_path / "cpu.max").write_text("max 100000\n")  # no limit
-    assert usable_cpus(tmp_path) == MINE
+    assert usable_cpus(tmp_path, namespaced) == EIGHT
 
 
+@pytest.mark.usefixtures("eight_cpus")
+def test_the_smallest_quota_of_the_process_s_cgroup_and_those_above_it(tmp_path: Path) -> None:
+    """systemd's `CPUQuota=300%` on the unit, a slice's limit above it; no cgroup namespace."""
+    unit = tmp_path / "system.slice" / "corral.service"
+    unit.mkdir(parents=True)
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    (tmp_path / "system.slice" / "cpu.max").write_text("600000 100000\n")
+    (unit / "cpu.max").write_text("300000 100000\n")
+    membership = member_of(tmp_path, "0::/system.slice/corral.service")
+    assert usable_cpus(tmp_path, membership) == EIGHT[:3]
+    (unit / "cpu.max").write_text("max 100000\n")
+    assert usable_cpus(tmp_path, membership) == EIGHT[:6]  # the slice's
+
+
+@pytest.mark.usefixtures("eight_cpus")
 def test_a_cgroup_v1_quota_and_no_cgroup_at_all(tmp_path: Path) -> None:
-    v1 = tmp_path / "cpu"
-    v1.mkdir()
+    v1 = tmp_path / "cpu" / "docker" / "abc"
+    v1.mkdir(parents=True)
     (v1 / "cpu.cfs_period_us").write_text("100000\n")
     (v1 / "cpu.cfs_quota_us").write_text("-1\n")  # unlimited
-    assert usable_cpus(tmp_path) == MINE
+    membership = member_of(tmp_path, "4:memory:/docker/abc", "2:cpu,cpuacct:/docker/abc", "0::/")
+    assert usable_cpus(tmp_path, membership) == EIGHT
     (v1 / "cpu.cfs_quota_us").write_text("100000\n")
-    assert usable_cpus(tmp_path) == MINE[:1]
-    assert usable_cpus(tmp_path / "nowhere") == MINE
+    assert usable_cpus(tmp_path, membership) == EIGHT[:1]
+    assert usable_cpus(tmp_path / "nowhere", tmp_path / "no-membership") == EIGHT
 
 
 def test_a_process_pinned_to_one_core_counts_that_core_and_binds_vllm_cpu_to_it(tmp_path: Path) -> None:

@@ -19,30 +19,55 @@ class DeviceError(Exception):
     """The spec needs GPUs this machine does not have."""
 
 
-def usable_cpus(cgroup: Path = Path("/sys/fs/cgroup")) -> list[int]:
+def usable_cpus(
+    cgroup: Path = Path("/sys/fs/cgroup"), membership: Path = Path("/proc/self/cgroup")
+) -> list[int]:
     """The CPUs this process may run on, as many as its CPU limit allows: its affinity (taskset, cpuset),
-    cut to the cgroup's CPU quota rounded up (cgroup v2 `cpu.max`, v1 `cpu.cfs_quota_us`): a container
-    limited to 2 CPUs on a 96-core node gets 2, where `os.cpu_count()` says 96. Never empty."""
+    cut to the smallest CPU quota of its cgroup and the cgroups above it, rounded up (v2 `cpu.max`, v1
+    `cpu.cfs_quota_us`): a container limited to 2 CPUs on a 96-core node gets 2, where `os.cpu_count()`
+    says 96; so does a systemd unit with `CPUQuota=200%`. Never empty."""
     try:
         cpus = sorted(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # (not Linux)
         cpus = list(range(os.cpu_count() or 1))
-    quota = _cgroup_quota(cgroup)
-    if quota is not None:
-        cpus = cpus[: max(1, math.ceil(quota))]
+    quotas = [q for folder in _cgroup_folders(cgroup, membership) if (q := _quota(folder)) is not None]
+    if quotas:
+        cpus = cpus[: max(1, math.ceil(min(quotas)))]
     return cpus or [0]
 
 
-def _cgroup_quota(cgroup: Path) -> float | None:
-    """CPUs' worth of time the cgroup may use per period, or None where it is not limited."""
+def _cgroup_folders(cgroup: Path, membership: Path) -> list[Path]:
+    """The folders of this process's CPU cgroup and of each cgroup above it, up to the hierarchy's root:
+    v2 (`0::/path`) under `cgroup`, v1 (`N:cpu,cpuacct:/path`) under its `cpu` controller's folder. In a
+    container with its own cgroup namespace the path is `/`: the root is its own cgroup."""
     try:
-        limit, every = (cgroup / "cpu.max").read_text().split()[:2]  # v2: "max 100000" or "200000 100000"
+        lines = membership.read_text().splitlines()
+    except OSError:
+        lines = []
+    folders = []
+    for line in lines:
+        _, controllers, path = [*line.split(":", 2), "", ""][:3]
+        if controllers == "":
+            root = cgroup
+        elif "cpu" in controllers.split(","):
+            root = cgroup / "cpu"
+        else:
+            continue
+        here = root / path.strip("/")
+        folders += [here, *[p for p in here.parents if p.is_relative_to(root) and p != here]]
+    return folders or [cgroup, cgroup / "cpu"]
+
+
+def _quota(folder: Path) -> float | None:
+    """CPUs' worth of time the cgroup at `folder` may use per period, or None where it sets no limit."""
+    try:
+        limit, every = (folder / "cpu.max").read_text().split()[:2]  # v2: "max 100000" or "200000 100000"
         return None if limit == "max" else int(limit) / int(every)
     except (OSError, ValueError):
         pass
     try:
-        quota = int((cgroup / "cpu" / "cpu.cfs_quota_us").read_text())  # v1: -1 where unlimited
-        period = int((cgroup / "cpu" / "cpu.cfs_period_us").read_text())
+        quota = int((folder / "cpu.cfs_quota_us").read_text())  # v1: -1 where unlimited
+        period = int((folder / "cpu.cfs_period_us").read_text())
     except (OSError, ValueError):
         return None
     return quota / period if quota > 0 and period > 0 else None
