@@ -92,7 +92,7 @@ def test_nginx_config_passes_nginx_t_and_carries_the_spec(tmp_path: Path) -> Non
         "limit_conn corral_conn 7;",
         "client_max_body_size 2097152;",
         "client_body_timeout 12s;",
-        "proxy_read_timeout 125s;",  # the queue's 30 s, the gateway's read_timeout 90 s, and 5 more
+        "proxy_read_timeout 128s;",  # the queue's 30 s, a retry's connect 3 s, read_timeout 90 s, 5 more
         "proxy_buffering off;",
         "proxy_next_upstream error timeout;",
         "ssl_protocols TLSv1.2 TLSv1.3;",
@@ -123,14 +123,14 @@ def test_the_edge_outwaits_the_queue_a_scale_from_zero_hold_and_the_engine(tmp_p
         "auth: {open: true}", "auth: {open: true}\ngateway: {read_timeout: 40}\nqueue: {timeout: 50}"
     )
     conf = (rendered(tmp_path / "queue", "nginx", spec) / "nginx" / "corral.conf").read_text()
-    assert "proxy_read_timeout 95s;" in conf
+    assert "proxy_read_timeout 98s;" in conf
     scaled = spec.replace(
         "{engine: llamacpp, replicas: 2, threads: 1}",
         "{engine: llamacpp, replicas: 0, threads: 1, "
         "autoscale: {min_replicas: 0, max_replicas: 2, hold_s: 200}}",
     )
     conf = (rendered(tmp_path / "zero", "nginx", scaled) / "nginx" / "corral.conf").read_text()
-    assert "proxy_read_timeout 245s;" in conf
+    assert "proxy_read_timeout 248s;" in conf
 
 
 def test_nginx_t_fails_on_a_broken_certificate_path(tmp_path: Path) -> None:
@@ -344,7 +344,10 @@ def test_kuberay_manifests_validate_against_the_crd(tmp_path: Path) -> None:
     inner = parse_spec(documents[1]["stringData"]["cluster.yaml"])
     # the pod names the spec it runs: a render of a changed spec changes the pod, so applying it replaces it
     digest = documents[3]["spec"]["template"]["metadata"]["annotations"]["corral.dev/spec-sha256"]
-    assert digest == hashlib.sha256(documents[1]["stringData"]["cluster.yaml"].encode()).hexdigest()
+    body = "".join(
+        line + "\n" for line in documents[1]["stringData"]["cluster.yaml"].splitlines() if line[:1] != "#"
+    )
+    assert digest == hashlib.sha256(body.encode()).hexdigest()  # the spec, not the comment naming its file
     changed = rendered(tmp_path / "changed", "kuberay", KUBE_SPEC.replace("replicas: 3", "replicas: 2"))
     again = list(yaml.safe_load_all((changed / "kuberay" / "corral.yaml").read_text()))[3]
     assert again["spec"]["template"]["metadata"]["annotations"]["corral.dev/spec-sha256"] != digest

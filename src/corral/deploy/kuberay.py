@@ -49,7 +49,7 @@ def render_kuberay(spec: ClusterSpec, source: str) -> dict[str, str]:
             "stringData": {"cluster.yaml": running},
         },
         _ray_cluster(spec, namespace),
-        _deployment(spec, namespace, hashlib.sha256(running.encode()).hexdigest()),
+        _deployment(spec, namespace, hashlib.sha256(dump_yaml(inner).encode()).hexdigest()),
         _service(namespace),
     ]
     text = dump_yaml(documents, many=True)
@@ -222,9 +222,10 @@ def _resources(cpu: int, memory_gib: int, gpus: int = 0) -> dict[str, Any]:
 
 
 def _deployment(spec: ClusterSpec, namespace: str, spec_digest: str) -> dict[str, Any]:
-    """The gateway's Deployment; `spec_digest` (the running spec's SHA-256) annotates its pod, so applying a
-    render of a changed spec replaces the pod (a Secret's new content alone restarts nothing, and would
-    be picked up by whatever next restarted it)."""
+    """The gateway's Deployment; `spec_digest` (the running spec's SHA-256, not its comment naming the
+    file it came from) annotates its pod, so applying a render of a changed spec replaces the pod (a
+    Secret's new content alone restarts nothing, and would be picked up by whatever next restarted it).
+    A digest of a whole spec tells nothing of a password in it that could not be guessed whole."""
     # One gateway pod: taking it out of the Service because one model has no ready replica would refuse
     # every model's requests. Readiness is the gateway answering (a model without a replica answers 503
     # with Retry-After itself); start-up allows an hour, as `corral up` fetches the models before it
