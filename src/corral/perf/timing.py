@@ -24,6 +24,7 @@ overlap and the per-step overhead are fitted per engine family on published meas
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Generic, TypeVar
 
 import numpy as np
@@ -130,6 +131,15 @@ class PerfModel:
             return self.gpu.fp8_tflops
         return self.gpu.bf16_tflops
 
+    @cached_property
+    def _weights(self) -> tuple[float, float]:
+        """`_weight_split()`, worked out once: a planner's search times millions of steps of one model."""
+        return self._weight_split()
+
+    @cached_property
+    def _kv_layer(self) -> float:
+        return kv_bytes_per_token_layer(self.model, self.tp, self.kv_dtype_bytes)
+
     def _weight_split(self) -> tuple[float, float]:
         """(dense bytes, routed-expert bytes) of the whole model."""
         total = weight_bytes(self.model, self.quant)
@@ -181,9 +191,9 @@ class PerfModel:
         """The work of steps at datasheet rates: scalars for one step, arrays for a recorded trace."""
         tokens = decode_tokens + prefill_tokens
         m, shards = self.model, self.tp * self.pp
-        dense, experts = self._weight_split()
+        dense, experts = self._weights
         weights = dense + experts * (1 - (1 - m.active_experts / m.experts) ** tokens) if experts else dense
-        kv_layer = kv_bytes_per_token_layer(m, self.tp, self.kv_dtype_bytes)
+        kv_layer = self._kv_layer
         prefill_kv = prefill_pairs / (prefill_tokens + (prefill_tokens == 0))  # about the chunks' context
         bandwidth = self.gpu.bandwidth_gbs * 1e9
         flops = self.tflops * 1e12
