@@ -215,7 +215,8 @@ async def test_a_tenant_admin_manages_its_own_tenants_keys_within_its_own_limits
 
 async def test_a_tenant_admin_cannot_take_keys_above_itself(closed: Cluster) -> None:
     """Its tenant's admin key is not its to rotate (which would hand it the secret) or revoke; a key beyond
-    its own limits is not its to rotate either; no priority, file quota or lifetime above its own."""
+    its own limits is not its to rotate either; no priority, file quota or lifetime above its own (and no
+    file quota at all where its own key has none: the spec's applies)."""
     boss = await key(closed, tenant="acme", role="tenant-admin", rpm=100, expires_in_s=3600)
     chief = await key(closed, tenant="acme", role="admin")
     fast = await key(closed, tenant="acme", rpm=100_000)
@@ -230,10 +231,16 @@ async def test_a_tenant_admin_cannot_take_keys_above_itself(closed: Cluster) -> 
     }
     assert (await call(closed, "POST", f"/admin/keys/{fast['id']}/rotate", boss["key"]))[0] == 403
     base = {"tenant": "acme", "rpm": 10, "expires_in_s": 600}
-    for beyond in ({"priority": "high"}, {"expires_in_s": 86400}, {"expires_in_s": None}):
+    for beyond in (
+        {"priority": "high"},
+        {"expires_in_s": 86400},
+        {"expires_in_s": None},
+        {"max_files": 10**9},  # a key's file quota replaces the spec's for the tenant: not the boss's to lift
+        {"max_file_bytes": 10**15},
+    ):
         status, _ = await call(closed, "POST", "/admin/keys", boss["key"], {**base, **beyond})
         assert status == 403, beyond
     assert (await call(closed, "POST", "/admin/keys", boss["key"], base))[0] == 201
-    trail = (await call(closed, "GET", "/admin/audit?action=key.create&limit=4", ADMIN))[1]["entries"]
+    trail = (await call(closed, "GET", "/admin/audit?action=key.create&limit=8", ADMIN))[1]["entries"]
     assert any(e["status"] == 403 and e["detail"]["asked"].get("priority") == "high" for e in trail)
     assert (await call(closed, "HEAD", "/admin/keys", boss["key"]))[0] == 200  # (HEAD: as GET, no 500)

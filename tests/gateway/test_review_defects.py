@@ -106,6 +106,37 @@ async def test_client_that_disconnects_is_recorded_499_and_pays_its_tokens(tmp_p
         await slow.stop()
 
 
+async def test_an_answer_past_read_timeout_pays_its_reservation(tmp_path: Path) -> None:
+    """A long answer not streamed outlasts `read_timeout` (504) while the engine works on it: refunding it
+    would make any amount of engine time free of TPM and budget."""
+    slow = ScriptedUpstream(mode="hang")
+    await slow.start()
+    server, gateway, services = await start_gateway(
+        tmp_path, slow.url, GatewaySettings(port=0, read_timeout=0.3)
+    )
+    try:
+        key, record = services.keys.create("t", tpm=1000, monthly_token_budget=1000)
+        body = {"model": "m", "messages": MESSAGES, "max_tokens": 600}
+        status, _, _ = await post(gateway.url + "/v1/chat/completions", body, key)
+        assert status == 504
+        engine = create_engine(f"sqlite:///{tmp_path / 'corral.db'}")
+        deadline, rows = time.monotonic() + 5, []
+        while not rows and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+            with Session(engine) as db:
+                rows = list(
+                    db.execute(
+                        select(UsageRow.status, UsageRow.output_tokens).where(UsageRow.key_id == record.id)
+                    )
+                )
+        assert [tuple(row) for row in rows] == [(504, 600)]  # recorded at its reservation
+        status, error, _ = await post(gateway.url + "/v1/chat/completions", body, key)
+        assert status == 429 and error["error"]["type"] == "rate_limit_error", error
+    finally:
+        await server.stop()
+        await slow.stop()
+
+
 async def test_a_stream_read_to_its_end_is_recorded_served_when_the_client_closes_at_once(
     tmp_path: Path,
 ) -> None:

@@ -514,6 +514,13 @@ def _within_own(actor: Actor, tenant: str, role: str, wanted: dict[str, Any]) ->
     limits = {"rpm": own.rpm, "tpm": own.tpm, "max_concurrency": own.max_concurrency}
     limits["monthly_token_budget"] = own.monthly_token_budget
     limits.update(max_files=own.max_files, max_file_bytes=own.max_file_bytes)
+    for name in ("max_files", "max_file_bytes"):  # a key's file quota replaces the spec's tenant_max_*
+        if limits[name] is None and wanted.get(name) is not None:
+            raise PermissionDenied(
+                f"'{name}' is the tenant's file quota: the spec's batch.tenant_* applies unless an admin "
+                "gives the tenant-admin's own key one.",
+                param=name,
+            )
     if own.expires_at is not None and own.subject is None:  # (no key outlives the tenant-admin's own key)
         limits["expires_in_s"] = max(0, int(own.expires_at - time.time()))
     for name, cap in limits.items():

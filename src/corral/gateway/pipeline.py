@@ -63,6 +63,9 @@ logger = logging.getLogger(__name__)
 
 _LIMITS_RETRY_S = 2.0  # Retry-After when the shared limit store is down and the gateway fails closed
 _CLIENT_GONE = 499  # recorded for a client that went away before its answer ended (nginx's code)
+# Ended with the engine's work and no count of it: the client left, or the engine worked past read_timeout
+# (a long answer not streamed). Charged at the reservation: neither is a way around a limit or a budget.
+_WORKED_UNCOUNTED = frozenset({_CLIENT_GONE, 504})
 _CHAT = "/v1/chat/completions"  # where every dialect's requests go upstream
 _APIS = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/embeddings": "embeddings"}
 
@@ -441,9 +444,10 @@ class Pipeline:
         """Correct the reservation to real usage; record usage and metrics. A cache hit costs its tokens or
         only the request, as the model's `cache.charge` says."""
         reached_engine = ctx.replica is not None
-        if ctx.usage is None and reached_engine and status == _CLIENT_GONE:
-            # The client left before the engine's usage reached us (a stream cut before its usage chunk):
-            # it is charged, and recorded, at its reservation (its prompt's estimate and max_tokens).
+        if ctx.usage is None and reached_engine and status in _WORKED_UNCOUNTED:
+            # The engine worked and its usage never reached us (a stream cut before its usage chunk, an
+            # answer past read_timeout): charged, and recorded, at its reservation (its prompt's estimate
+            # and max_tokens).
             ctx.usage = _reserved_usage(ctx)
         usage = ctx.usage or {}
         used = int(usage.get("total_tokens") or 0)
