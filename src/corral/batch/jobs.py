@@ -388,14 +388,16 @@ def _stop(row: BatchRow, now: float) -> Stop | None:
 def _write_results(
     session: Session, row: BatchRow, results: list[ResultRow], expiry: timedelta | None
 ) -> tuple[str | None, str | None]:
-    expires_at = datetime.now(UTC) + expiry if expiry is not None else None
+    now = datetime.now(UTC)
+    expires_at = now + expiry if expiry is not None else None
     ids: list[str | None] = []
     for kind, content in zip(("output", "error"), _result_files(results), strict=True):
         if not content:
             ids.append(None)
             continue
         source = io.BytesIO(content)
-        new = NewFile(row.tenant, "batch_output", f"{row.id}_{kind}.jsonl", source, len(content), expires_at)
+        name = f"{row.id}_{kind}.jsonl"
+        new = NewFile(row.tenant, "batch_output", name, source, len(content), expires_at, now)
         ids.append(write_file(session, new).id)
     return ids[0], ids[1]
 

@@ -92,11 +92,12 @@ class BatchViews:
                 )
             if form.size is None:
                 raise InvalidRequest("The upload has no 'file' part.", param="file")
-            expires_at = datetime.now(UTC) + min(_expiry(form.fields), self._settings.file_expiry)
+            now = datetime.now(UTC)
+            expires_at = now + min(_expiry(form.fields), self._settings.file_expiry)
             spool.seek(0)
             await asyncio.to_thread(check_upload, spool, self._settings.max_lines, self._max_line)
             spool.seek(0)
-            new = NewFile(principal.tenant, form.purpose, form.filename, spool, form.size, expires_at)
+            new = NewFile(principal.tenant, form.purpose, form.filename, spool, form.size, expires_at, now)
             quota = (  # the key's own caps where it has them, else the spec's for every tenant
                 principal.max_files or self._settings.tenant_max_files,
                 principal.max_file_bytes or self._settings.tenant_max_bytes,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import IO, Any
 
@@ -88,6 +88,9 @@ class NewFile:
     source: IO[bytes]
     size: int
     expires_at: datetime | None = None
+    # the moment its expiry was counted from: the two are told in whole seconds, so they come from one clock
+    # reading (read twice, an upload told to last 3600 s could show 3599)
+    created_at: datetime = field(default_factory=lambda: datetime.now(UTC))
 
 
 class FileStore:
@@ -182,7 +185,7 @@ def write_file(session: Session, new: NewFile) -> FileRow:
         purpose=new.purpose,
         filename=new.filename,
         size=new.size,
-        created_at=datetime.now(UTC),
+        created_at=new.created_at,
         content=b"",
         expires_at=new.expires_at,
     )
