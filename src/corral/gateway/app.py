@@ -388,10 +388,13 @@ class _StatusViews:
     models it may use) and `/corral/status` the admin key, or a tenant key, which sees its models' replicas
     without their addresses and processes."""
 
-    _INTERNAL = ("url", "pid", "node", "gpus", "log_tail", "last_error")
-    # and, on a shared replica, what would tell the sizes of other tenants' requests (prompt estimates and
-    # max_tokens in flight, prompts awaiting prefill) or how much of their prompts is cached
-    _OTHERS = ("outstanding_tokens", "pending_prefill_tokens", "kv_cached_tokens", "kv_evicted_tokens_total")
+    # hidden from tenants: the replica's internals and, on a shared replica, what would tell the sizes of
+    # other tenants' requests (prompt estimates and max_tokens in flight, prompts awaiting prefill) or how
+    # much of their prompts is cached
+    _INTERNAL = frozenset(
+        {"url", "pid", "node", "gpus", "log_tail", "last_error"}
+        | {"outstanding_tokens", "pending_prefill_tokens", "kv_cached_tokens", "kv_evicted_tokens_total"}
+    )
 
     def __init__(
         self,
@@ -491,7 +494,7 @@ class _StatusViews:
             models = [m for m in self._replicas.models() if not principal.models or m in principal.models]
             visible = {a.name for a in self._visible_adapters(principal)}
             replicas = [
-                {k: v for k, v in r.snapshot().items() if k not in self._INTERNAL and k not in self._OTHERS}
+                {k: v for k, v in r.snapshot().items() if k not in self._INTERNAL}
                 | {"adapters": [a for a in self._placement.resident(r) if a in visible]}
                 for m in models
                 for r in self._replicas.of(m)

@@ -60,6 +60,10 @@ class UsageRecorder:
             self._pending.popleft()
         if self.dropped // 1000 != (self.dropped + count) // 1000 or not self.dropped:
             logger.error("the usage store is unreachable and %d records wait: dropping the oldest", self._max)
+        self._lost(count)
+
+    def _lost(self, count: int) -> None:
+        """Records that will never be written: counted here and in corral_usage_dropped_total."""
         self.dropped += count
         if self._metrics is not None:
             self._metrics.dropped.inc(count)
@@ -79,9 +83,7 @@ class UsageRecorder:
                 await self.flush()
         except Exception:  # logged in flush
             logger.error("usage store unreachable at shutdown: %d records not written", self.pending)
-            if self._metrics is not None:
-                self._metrics.dropped.inc(self.pending)
-            self.dropped += self.pending
+            self._lost(self.pending)
             self._pending.clear()
 
     async def flush(self) -> None:
@@ -124,9 +126,7 @@ class UsageRecorder:
                 self._store.write([record])
             except Exception as exc:
                 logger.error("usage record dropped, the store refuses it (%s): %r", exc, record)
-                self.dropped += 1
-                if self._metrics is not None:
-                    self._metrics.dropped.inc()
+                self._lost(1)
             else:
                 written.append(record)
         return written
