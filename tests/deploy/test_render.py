@@ -15,7 +15,8 @@ from corral.config import parse_spec
 from tests.conftest import CORRAL, DATA
 
 GPU_SPEC = """
-gateway: {host: 127.0.0.1, port: 8000, max_body_bytes: 2097152, body_timeout: 12, read_timeout: 90}
+gateway:
+  {host: 127.0.0.1, port: 8000, max_body_bytes: 2097152, body_timeout: 12, send_timeout: 45, read_timeout: 90}
 limits: {backend: redis}
 store: {url: "postgresql://postgres@127.0.0.1:5432/test"}
 deploy:
@@ -92,6 +93,7 @@ def test_nginx_config_passes_nginx_t_and_carries_the_spec(tmp_path: Path) -> Non
         "limit_conn corral_conn 7;",
         "client_max_body_size 2097152;",
         "client_body_timeout 12s;",
+        "send_timeout 45s;",
         "proxy_read_timeout 128s;",  # the queue's 30 s, a retry's connect 3 s, read_timeout 90 s, 5 more
         "proxy_buffering off;",
         "proxy_next_upstream error timeout;",

@@ -5,18 +5,24 @@ addresses (bob's) and the trusted edge are served."""
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
+import aiohttp
+import orjson
 import pytest
+from sqlalchemy import create_engine, select
+from sqlalchemy.orm import Session
 
 from corral.config import AuthSettings, GatewaySettings
 from corral.gateway import GatewayServer
-from corral.routing import ReplicaSet, Router
+from corral.routing import Replica, ReplicaSet, ReplicaState, Router
+from corral.store.schema import UsageRow
 
 from ..cluster.test_supervisor import until
-from ..gateway.conftest import make_services
+from ..gateway.conftest import ScriptedUpstream, make_services
 
 Streams = tuple[asyncio.StreamReader, asyncio.StreamWriter]
 
@@ -83,7 +89,7 @@ async def test_one_address_past_its_cap_is_refused_while_others_are_served(serve
     eve = [await connect(server.port) for _ in range(4)]
     await until(lambda: server.connections.holding("127.0.0.1") == 4, within=5)
     assert await closed_by_gateway(await connect(server.port), within=2)  # the fifth: closed at once
-    assert server.connections.refused == 1
+    assert server.connections.closed["address_cap"] == 1
     assert await health(await connect(server.port, source="127.0.0.2")) == b"HTTP/1.1 200 OK"  # bob
     eve[0][1].close()  # eve lets one go: room for one more
     await until(lambda: server.connections.holding("127.0.0.1") == 3, within=5)
@@ -97,6 +103,65 @@ async def test_the_trusted_edge_is_not_capped(serve) -> None:
     server = await serve(max_client_connections=2, trusted_proxies=["127.0.0.1"])
     held = [await connect(server.port) for _ in range(4)]
     assert await health(await connect(server.port)) == b"HTTP/1.1 200 OK"
-    assert server.connections.refused == 0
+    assert server.connections.closed["address_cap"] == 0
     for _, writer in held:
         writer.close()
+
+
+async def _stream_request(port: int, body: bytes, rcvbuf: int | None = None) -> Streams:
+    """A raw connection (its receive buffer cut to `rcvbuf`) that has sent a streamed chat request."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    if rcvbuf is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", port))
+    reader, writer = await asyncio.open_connection(sock=sock, limit=2**16)
+    head = "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    writer.write(head.encode() + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    await writer.drain()
+    return reader, writer
+
+
+async def test_a_client_that_stops_reading_its_stream_is_closed_at_the_send_timeout(tmp_path: Path) -> None:
+    """Eve asks for a long stream and reads nothing of it: without a deadline her connection's buffers fill,
+    the relay stops reading the engine, and the replica's slot is hers for ever. At `gateway.send_timeout`
+    the gateway closes her connection: the engine's stream is let go, the slot freed, the request recorded as
+    a client that left (499), the closing counted. Bob, reading his as fast as it comes over a small
+    buffer, is not cut by the same short timeout."""
+    engine = ScriptedUpstream(chunks=20_000, gap=0.0)  # about 2.5 MB of events, as fast as can be written
+    await engine.start()
+    replicas = ReplicaSet(["m"])
+    replica = Replica("m-0", "m", "x", url=engine.url, state=ReplicaState.READY)
+    replicas.add(replica)
+    parts = make_services(replicas, tmp_path / "c.db")
+    server = GatewayServer(GatewaySettings(port=0, send_timeout=1.0), Router(replicas), parts)
+    await server.start()
+    assert server.port is not None
+    body = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True})
+    try:
+        eve = await _stream_request(server.port, body, rcvbuf=4096)
+        assert (await eve[0].readline()).startswith(b"HTTP/1.1 200")
+        bob = await _stream_request(server.port, body, rcvbuf=4096)
+        received, until_then = 0, time.monotonic() + 2.5  # past eve's deadline
+        while time.monotonic() < until_then:
+            data = await asyncio.wait_for(bob[0].read(2**16), 5)
+            assert data, "bob's stream was closed"
+            received += len(data)
+        assert received > 100_000
+        bob[1].close()
+        await until(lambda: server.connections.closed["send_timeout"] == 1, within=10)
+        await until(lambda: replica.outstanding == 0 and engine.active == 0, within=5)  # the slot is free
+        assert await closed_by_gateway(eve, within=2)
+        database = create_engine(f"sqlite:///{tmp_path / 'c.db'}")
+
+        def statuses() -> list[int]:
+            with Session(database) as db:
+                return sorted(db.scalars(select(UsageRow.status)))
+
+        await until(lambda: statuses() == [499, 499], within=5)  # (bob left too)
+        async with aiohttp.ClientSession() as session:
+            metrics = await (await session.get(f"http://127.0.0.1:{server.port}/metrics")).text()
+        assert 'corral_connections_closed_total{reason="send_timeout"} 1.0' in metrics
+    finally:
+        await server.stop()
+        await engine.stop()

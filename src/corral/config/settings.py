@@ -53,6 +53,15 @@ class GatewaySettings(Strict):
     body_timeout: Annotated[
         float, Field(gt=0, description="seconds a client may take to send its request body before 408")
     ] = 30.0
+    send_timeout: Annotated[
+        float,
+        Field(
+            gt=0,
+            description="seconds a client may leave its connection's buffer full (reading nothing of an "
+            "answer or a stream) before the gateway closes it: the request counts as a client that left "
+            "and its replica slot is freed (NGINX's send_timeout)",
+        ),
+    ] = 60.0
     idle_timeout: Annotated[
         float,
         Field(

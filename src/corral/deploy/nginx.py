@@ -31,6 +31,7 @@ def render_nginx(spec: ClusterSpec, source: str) -> dict[str, str]:
         "cors_origins": gateway.cors_origins,  # the edge's own answers readable by the same pages
         "max_body_bytes": gateway.max_body_bytes,
         "body_timeout": _seconds(gateway.body_timeout),
+        "send_timeout": _seconds(gateway.send_timeout),
         "connect_timeout": _seconds(gateway.connect_timeout),
         "read_timeout": _seconds(_first_byte_s(spec) + 5),
     }

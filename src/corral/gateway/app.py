@@ -32,6 +32,7 @@ from corral.gateway.admin import AdminViews, bearer_is
 from corral.gateway.agents import AgentViews
 from corral.gateway.batches import BatchViews
 from corral.gateway.clients import REQUEST_ID, ClientAddresses, RequestIds
+from corral.gateway.connections import ConnectionCaps
 from corral.gateway.console import ConsoleViews
 from corral.gateway.embedder import ReplicaEmbedder
 from corral.gateway.isolation import TenantIsolation
@@ -68,9 +69,11 @@ def build_app(
     parts: GatewayParts,
     worker: int | None = None,
     metrics_dir: Path | None = None,
+    connections: ConnectionCaps | None = None,
 ) -> web.Application:
     """The gateway application over `router`'s replica set, made of `parts`; `worker` and `metrics_dir`
-    when it is one of several worker processes (see cluster/workers.py). The one place that says which
+    when it is one of several worker processes (see cluster/workers.py); `connections`: the listener's
+    caps, whose closings the metrics count. The one place that says which
     stage uses which part. Called in the event loop that will serve the app (its clients are made here)."""
     clients = ClientAddresses(settings.trusted_proxies)
     ids = RequestIds(clients)
@@ -78,6 +81,8 @@ def build_app(
         router, parts.queue.depths, metrics_dir, parts.budget.spent, settings.metrics_tenant_labels
     )
     parts.auth.on_store_error = metrics.store_errors_keys.inc
+    if connections is not None:
+        connections.on_close = lambda reason: metrics.connections_closed.labels(reason).inc()
     app = web.Application(
         middlewares=[_error_boundary(ids, metrics.store_unanswered)], client_max_size=settings.max_body_bytes
     )

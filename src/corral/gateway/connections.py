@@ -6,6 +6,12 @@ A client that opens connections and sends nothing holds a file descriptor each u
 past `gateway.max_client_connections` from one address, a new connection is closed before aiohttp sees
 it. Peers in `gateway.trusted_proxies` are exempt: behind the edge every connection comes from the edge,
 whose own per-address limit is the outer layer.
+
+A client that stops reading its answer would hold it forever: the answer's writer waits for room in the
+connection's buffer, a stream's relay stops reading its engine, and the replica's slot stays taken. When a
+connection's write buffer stays full (asyncio paused its writing) for `gateway.send_timeout` seconds, it is
+closed; the request is then a client that left (aiohttp cancels its handler). One timer a pause, none while
+the client keeps up: nothing is added to a chunk's way.
 """
 
 from __future__ import annotations
@@ -34,17 +40,25 @@ logger = logging.getLogger(__name__)
 class ConnectionCaps:
     """Open connections per client address, and the most one may hold."""
 
-    def __init__(self, limit: int, exempt: ClientAddresses) -> None:
+    def __init__(self, limit: int, exempt: ClientAddresses, send_timeout: float = 60.0) -> None:
         self._limit = limit
         self._exempt = exempt
         self._open: Counter[str] = Counter()
-        self.refused = 0
+        self.send_timeout = send_timeout
+        self.closed: Counter[str] = Counter()  # connections the gateway closed, by reason
+        self.on_close: Callable[[str], None] | None = None  # told of each too (the app's metric)
+
+    def close(self, reason: str) -> None:
+        """Count a connection closed for `reason`: address_cap, send_timeout."""
+        self.closed[reason] += 1
+        if self.on_close is not None:
+            self.on_close(reason)
 
     def acquire(self, address: str) -> bool:
         if self._exempt.trusts(address):
             return True
         if self._open[address] >= self._limit:
-            self.refused += 1
+            self.close("address_cap")
             return False
         self._open[address] += 1
         return True
@@ -96,23 +110,30 @@ def _handlers(server: web.Server) -> Callable[[], RequestHandler]:
 
 
 class _Capped(asyncio.Protocol):
-    """Admits a connection under its address's cap, then hands every event to aiohttp's handler."""
+    """Admits a connection under its address's cap, then hands every event to aiohttp's handler; closes
+    it when its client takes nothing for the caps' send timeout (see above)."""
 
     def __init__(self, make: Callable[[], Any], caps: ConnectionCaps) -> None:
         self._make, self._caps = make, caps
         self._inner: Any = None
         self._address = ""
+        self._transport: asyncio.Transport | None = None
+        self._deadline: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         peer = transport.get_extra_info("peername")
         self._address = str(peer[0]) if peer else ""
+        self._transport = cast(asyncio.Transport, transport)
         if not self._caps.acquire(self._address):
-            cast(asyncio.Transport, transport).abort()
+            self._transport.abort()
             return
         self._inner = self._make()
         self._inner.connection_made(transport)
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
         if self._inner is None:
             return
         self._caps.release(self._address)
@@ -127,11 +148,29 @@ class _Capped(asyncio.Protocol):
 
     def pause_writing(self) -> None:
         if self._inner is not None:
+            if self._deadline is None:
+                loop = asyncio.get_running_loop()
+                self._deadline = loop.call_later(self._caps.send_timeout, self._stalled)
             self._inner.pause_writing()
 
     def resume_writing(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
         if self._inner is not None:
             self._inner.resume_writing()
+
+    def _stalled(self) -> None:
+        self._deadline = None
+        self._caps.close("send_timeout")
+        logger.warning(
+            "closing the connection from %s: its client took nothing of the answer for %g s "
+            "(gateway.send_timeout)",
+            self._address,
+            self._caps.send_timeout,
+        )
+        if self._transport is not None:
+            self._transport.abort()  # (connection_lost follows: aiohttp cancels the request's handler)
 
 
 class CappedSite(web.BaseSite):

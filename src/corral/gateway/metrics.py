@@ -121,6 +121,16 @@ class GatewayMetrics:
             ),
             failed_writes=self.store_errors.labels("usage_write"),
         )
+        self.connections_closed = Counter(
+            "corral_connections_closed",
+            "Client connections the gateway closed: address_cap (one address past "
+            "gateway.max_client_connections), send_timeout (a client that took nothing of its answer for "
+            "gateway.send_timeout).",
+            ["reason"],
+            registry=r,
+        )
+        for reason in ("address_cap", "send_timeout"):
+            self.connections_closed.labels(reason)
         self.decisions = Counter(
             "corral_routing_decisions", "Routing decisions, by policy.", ["model", "policy"], registry=r
         )

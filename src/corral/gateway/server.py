@@ -43,7 +43,7 @@ class GatewayServer:
         self._watch: asyncio.Task[None] | None = None
         self._runner: web.AppRunner | None = None
         self.connections = ConnectionCaps(
-            settings.max_client_connections, ClientAddresses(settings.trusted_proxies)
+            settings.max_client_connections, ClientAddresses(settings.trusted_proxies), settings.send_timeout
         )
         self.port: int | None = None
 
@@ -55,7 +55,7 @@ class GatewayServer:
             log_class = access_logger(ClientAddresses(settings.trusted_proxies))
             logs = {"access_log": logging.getLogger("corral.access"), "access_log_class": log_class}
         self._runner = web.AppRunner(
-            build_app(settings, self._router, self._parts, self._worker, self._metrics_dir),
+            build_app(settings, self._router, self._parts, self._worker, self._metrics_dir, self.connections),
             handler_cancellation=True,  # a client that disconnects cancels its upstream request
             shutdown_timeout=settings.shutdown_grace,
             # aiohttp closes a connection idle this long, also one that never completes a request
