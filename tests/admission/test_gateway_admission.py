@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import statistics
 import subprocess
@@ -369,3 +370,48 @@ async def test_tokens_per_char_sets_the_input_estimate_reserved_against_tpm(
             await server.stop()
     assert statuses[0][0] == 200
     assert statuses[1][0] == 429 and "too large" in statuses[1][1]
+
+
+async def test_a_long_prompt_is_counted_off_the_event_loop(
+    tmp_path: Path, upstream: ScriptedUpstream
+) -> None:
+    """With the model's tokenizer a 1.3 MB prompt takes a second or more to count: on the event loop (or in a
+    thread through the tokenizer's `encode`, which keeps the GIL) every other request would wait that
+    long. Counted through the GIL-free call in a thread (a count_tokens and a chat request at once),
+    /health keeps answering meanwhile, and the count is the tokenizer's own."""
+    from tokenizers import Tokenizer
+
+    from corral.admission import TokenCounter
+
+    path = next((Paths.from_env().models / "hf-from-gguf").glob("SmolLM2*/tokenizer.json"))
+    text = " ".join(f"word{i % 9973} and more" for i in range(80_000))  # about 1.3 MB
+    started = time.perf_counter()
+    expected = len(Tokenizer.from_file(str(path)).encode(text, add_special_tokens=False).ids)
+    on_the_loop = time.perf_counter() - started  # what the loop would be held for
+    assert TokenCounter(path).count(text) == expected  # (the long-text call counts alike)
+    replicas = ReplicaSet(["m"])
+    replicas.add(Replica(id="m-0", model="m", engine="x", url=upstream.url, state=ReplicaState.READY))
+    services = make_services(replicas, tmp_path / "c.db", tokenizers={"m": path})
+    server = GatewayServer(GatewaySettings(port=0), Router(replicas), services)
+    await server.start()
+    url = f"http://127.0.0.1:{server.port}"
+    body = {"model": "m", "max_tokens": 10, "messages": [{"role": "user", "content": text}]}
+    try:
+        async with aiohttp.ClientSession() as session:
+            counting = asyncio.gather(
+                session.post(url + "/v1/messages/count_tokens", json=body),
+                session.post(url + "/v1/chat/completions", json=body),
+            )
+            answered = [time.perf_counter()]  # (the gateway shares this test's event loop)
+            while not counting.done():
+                async with session.get(url + "/health") as health:
+                    assert health.status == 200
+                answered.append(time.perf_counter())
+                await asyncio.sleep(0.01)
+            counted, chat = await counting
+            assert counted.status == 200 and chat.status == 200
+            assert (await counted.json())["input_tokens"] >= expected
+        gaps = [b - a for a, b in itertools.pairwise(answered)]
+        assert max(gaps) < on_the_loop / 4, (on_the_loop, max(gaps))
+    finally:
+        await server.stop()

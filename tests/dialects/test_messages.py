@@ -115,6 +115,25 @@ async def test_errors_come_in_anthropics_shape(cluster: Cluster) -> None:
         assert raw.status == 401 and (await raw.json())["type"] == "error"
 
 
+async def test_count_tokens_is_a_request_under_the_keys_rpm(cluster: Cluster) -> None:
+    """Counting a long prompt costs the gateway as much as admitting it: a key over its RPM is refused
+    count_tokens as it is a message (429 in Anthropic's shape), and the counts use up the same minute."""
+    gateway = await cluster.gateway()
+    client = _client(gateway.url, await gateway.key("acme", rpm=3))
+    asked = [{"role": "user", "content": "hi"}]
+    for _ in range(2):
+        assert (await client.messages.count_tokens(model="m", messages=asked)).input_tokens > 0
+    await client.messages.create(model="m", max_tokens=2, messages=asked)
+    for call in (
+        client.messages.count_tokens(model="m", messages=asked),
+        client.messages.create(model="m", max_tokens=2, messages=asked),
+    ):
+        with pytest.raises(anthropic.RateLimitError) as limited:
+            await call
+        assert limited.value.body["error"]["type"] == "rate_limit_error"
+        assert limited.value.response.headers.get("retry-after")
+
+
 async def test_budgets_and_usage_hold_on_both_apis(cluster: Cluster) -> None:
     """A monthly budget refuses in each API's own shape; usage rows and metrics name the API that asked."""
     gateway = await cluster.gateway()

@@ -40,7 +40,7 @@ class ScriptedUpstream:
     runner: web.AppRunner | None = None
 
     async def start(self) -> None:
-        app = web.Application()
+        app = web.Application(client_max_size=64 * 1024 * 1024)  # (as an engine: no 1 MiB cap)
         app.router.add_post("/v1/chat/completions", self.handle)
         app.router.add_post("/v1/completions", self.handle)
         app.router.add_get("/health", self.health)

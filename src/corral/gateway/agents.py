@@ -3,7 +3,6 @@ input items) and Anthropic's count_tokens. Each is its tenant's: another tenant'
 
 from __future__ import annotations
 
-import asyncio
 import logging
 
 from aiohttp import web
@@ -86,8 +85,7 @@ class AgentViews:
             principal = await self._auth.authenticate(self._messages.credentials(request))
             raw = await read_body(request, self._body_timeout, self._max_body)
             chat = self._messages.count_request(raw)
-            # (off the event loop: with the model's tokenizer, a large prompt takes a while to count)
-            tokens = await asyncio.to_thread(self._pipeline.count_prompt, chat, principal)
+            tokens = await self._pipeline.count_prompt(chat, principal)  # (a long prompt: in a thread)
         except APIError as exc:
             return anthropic_error(exc)
         except Exception:  # in Anthropic's shape too

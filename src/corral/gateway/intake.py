@@ -5,11 +5,15 @@ upstream. Used by the pipeline (pipeline.py) for requests, batch lines and the d
 
 from __future__ import annotations
 
+import asyncio
 import time
+from dataclasses import dataclass
+from functools import partial
 
 import orjson
 
-from corral.admission import Principal, TokenSizing
+from corral.admission import Principal, TokenCounter, TokenSizing
+from corral.admission.tokens import LONG_TEXT_CHARS
 from corral.engines import EngineFeatures
 from corral.gateway.bodies import with_member
 from corral.gateway.context import RequestContext
@@ -21,7 +25,6 @@ from corral.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     EmbeddingRequest,
-    GenerationRequest,
     InvalidRequest,
     ModelNotFound,
     parse_body,
@@ -29,9 +32,41 @@ from corral.protocol import (
 from corral.routing import Router, RouteRequest
 from corral.routing.adapters import Adapter, AdapterCatalogue
 
-__all__ = ["Intake", "prompt_text"]
+__all__ = ["Draft", "Intake", "prompt_text"]
 
 _DEFAULT_OUTPUT_ESTIMATE = 256  # tokens, when a request sets no max_tokens
+
+
+@dataclass(slots=True)
+class Draft:
+    """A generation request read and checked, its prompt not yet counted (`count`, in a thread where it
+    is `long`)."""
+
+    path: str
+    body: ChatCompletionRequest | CompletionRequest
+    raw: bytes  # as the engine reads it (a tool emulation's rewrite)
+    upstream: bytes
+    session: str | None
+    adapter: Adapter | None
+    base: str
+    features: EngineFeatures
+    emulation: ToolEmulation | None
+    counter: TokenCounter | None
+    tokens_per_byte: float
+    prompt: str = ""  # (the text counted, kept for routing)
+
+    @property
+    def long(self) -> bool:
+        """Counting it takes a while (the model's tokenizer over a long body): better off the event loop."""
+        return self.counter is not None and len(self.raw) >= LONG_TEXT_CHARS
+
+    def count(self) -> int:
+        """The prompt's tokens: counted where the model names its tokenizer, else estimated by size. Reads
+        only the request and the tokenizer: safe in another thread."""
+        if self.counter is None:
+            return int(len(self.raw) * self.tokens_per_byte)
+        self.prompt = prompt_text(self.body)
+        return self.counter.count(self.prompt)
 
 
 class Intake:
@@ -50,7 +85,7 @@ class Intake:
         self._sizing = sizing
         self._failover_modes = failover_modes  # a live apply adds new models' modes
 
-    def generation(
+    async def generation(
         self,
         raw: bytes,
         path: str,
@@ -58,8 +93,22 @@ class Intake:
         session: str | None,
         tenant: str | None,
     ) -> RequestContext:
-        """`tenant`'s request: an adapter kept for other tenants does not exist for it (before any other
-        check, which would tell it apart from a name that does not exist)."""
+        """`tenant`'s request read, checked, counted (a long prompt by the model's tokenizer in a thread: a
+        4 MB one takes seconds, which would stall every request on the event loop)."""
+        draft = self._draft(raw, path, kind, session, tenant)
+        return self._sized(draft, await asyncio.to_thread(draft.count) if draft.long else draft.count())
+
+    def _draft(
+        self,
+        raw: bytes,
+        path: str,
+        kind: type[ChatCompletionRequest] | type[CompletionRequest],
+        session: str | None,
+        tenant: str | None,
+    ) -> Draft:
+        """`tenant`'s request read and checked, its prompt not yet counted. An adapter kept for other
+        tenants does not exist for `tenant` (before any other check, which would tell it apart from a name
+        that does not exist)."""
         body = parse_body(kind, raw)
         adapter, base = self._resolve(body.model, tenant)
         features = self.features_of(base)
@@ -79,56 +128,55 @@ class Intake:
             emulation = ToolEmulation(data)
             raw = emulation.request(data)
         upstream = _with_usage(raw) if body.stream and not body.include_usage else raw
+        sizing = self._sizing
+        return Draft(
+            path, body, raw, upstream, session, adapter, base, features, emulation,
+            sizing.counters.get(base), sizing.tokens_per_byte,
+        )  # fmt: skip
+
+    def _sized(self, draft: Draft, input_tokens: int) -> RequestContext:
+        """The request's context, its prompt `input_tokens` long (`draft.count()`)."""
+        body, base, adapter = draft.body, draft.base, draft.adapter
         asked = (
             body.max_completion_tokens if isinstance(body, ChatCompletionRequest) else None
         ) or body.max_tokens
         max_tokens = asked or _DEFAULT_OUTPUT_ESTIMATE
-        counter = self._sizing.counters.get(base)
-        prompt = prompt_text(body) if counter is not None else ""
-        input_tokens = self._input_tokens(body, raw, prompt, base)
-        self._check_context(body, base, asked, input_tokens if counter is not None else None)
+        self._check_context(body, base, asked, input_tokens if draft.counter is not None else None)
         prompts = len(body.prompts) if isinstance(body, CompletionRequest) else 1
         route = RouteRequest(
             model=base,
             tokens=input_tokens + max_tokens * body.n * prompts,
-            session=session or body.user,
+            session=draft.session or body.user,
             prompt_tokens=input_tokens * prompts,
             adapter=adapter,
         )
         if getattr(self._router.policy_for(base), "needs_prompt", False):
-            route.prompt = prompt or prompt_text(body)
+            route.prompt = draft.prompt or prompt_text(body)
             if adapter is not None:  # engines share no KV blocks across adapters: neither does the index
                 route.prompt = f"lora:{adapter.name}\n{route.prompt}"
         context = self._replicas.context_length(base)
         may_generate = max(0, context - input_tokens) if asked is None and context else None
         return RequestContext(
-            path=path,
+            path=draft.path,
             body=body,
-            upstream_body=upstream,
+            upstream_body=draft.upstream,
             received_at=time.monotonic(),
             route=route,
             budget_tokens=input_tokens + may_generate * body.n * prompts if may_generate else None,
-            features=features,
-            fanout=not body.stream and needs_fanout(body, features),
-            failover=emulation is None
-            and can_fail_over(body, self._failover_modes.get(base, "deterministic"), features.continuation),
-            emulation=emulation,
+            features=draft.features,
+            fanout=not body.stream and needs_fanout(body, draft.features),
+            failover=draft.emulation is None
+            and can_fail_over(
+                body, self._failover_modes.get(base, "deterministic"), draft.features.continuation
+            ),
+            emulation=draft.emulation,
         )
 
-    def _input_tokens(self, body: GenerationRequest, raw: bytes, prompt: str, base: str) -> int:
-        """The prompt's tokens: counted where the model names its tokenizer, else estimated by size."""
-        counter = self._sizing.counters.get(base)
-        if counter is not None:
-            return counter.count(prompt or prompt_text(body))
-        return int(len(raw) * self._sizing.tokens_per_byte)
-
-    def count_prompt(self, chat_body: bytes, principal: Principal) -> int:
+    async def count_prompt(self, chat_body: bytes, principal: Principal) -> int:
         """What admission counts for a chat request's prompt (Anthropic's count_tokens)."""
-        body = parse_body(ChatCompletionRequest, chat_body)
-        _, base = self._resolve(body.model, principal.tenant)
-        self.features_of(base)  # an unknown model is a 404
-        principal.check_model(body.model)
-        return self._input_tokens(body, chat_body, "", base)
+        draft = self._draft(chat_body, "", ChatCompletionRequest, None, principal.tenant)
+        principal.check_model(draft.body.model)
+        return await asyncio.to_thread(draft.count) if draft.long else draft.count()
 
     def _resolve(self, model: str, tenant: str | None) -> tuple[Adapter | None, str]:
         """(the LoRA adapter `model` names, if any; the model whose replicas serve it). An adapter kept for
@@ -140,7 +188,9 @@ class Intake:
             raise ModelNotFound(f"The model '{model}' does not exist on this server.", param="model")
         return adapter, adapter.base
 
-    def embedding(self, raw: bytes, path: str) -> RequestContext:
+    async def embedding(self, raw: bytes, path: str) -> RequestContext:
+        """An embedding request: validated, for an embedding model, sized by its inputs' tokens (by the
+        model's tokenizer in a thread where the body is long)."""
         body = parse_body(EmbeddingRequest, raw)
         features = self.features_of(body.model)
         if not features.embeddings:
@@ -151,14 +201,9 @@ class Intake:
                 code="model_not_supported",
             )
         counter = self._sizing.counters.get(body.model)
-        tokens = sum(
-            len(item)
-            if isinstance(item, list)
-            else counter.count(item)
-            if counter is not None
-            else max(1, int(len(item.encode()) * self._sizing.tokens_per_byte))
-            for item in body.inputs
-        )
+        count = partial(_input_tokens, body.inputs, counter, self._sizing.tokens_per_byte)
+        long = counter is not None and len(raw) >= LONG_TEXT_CHARS
+        tokens = await asyncio.to_thread(count) if long else count()
         route = RouteRequest(model=body.model, tokens=tokens, session=body.user, prompt_tokens=tokens)
         return RequestContext(
             path=path,
@@ -202,6 +247,19 @@ class Intake:
                 param="messages" if isinstance(body, ChatCompletionRequest) else "prompt",
                 code="context_length_exceeded",
             )
+
+
+def _input_tokens(inputs: list[str | list[int]], counter: TokenCounter | None, per_byte: float) -> int:
+    """An embedding request's tokens: token-id inputs by their length, texts by the model's tokenizer,
+    else estimated by their size."""
+    return sum(
+        len(item)
+        if isinstance(item, list)
+        else counter.count(item)
+        if counter is not None
+        else max(1, int(len(item.encode()) * per_byte))
+        for item in inputs
+    )
 
 
 def prompt_text(body: ChatCompletionRequest | CompletionRequest) -> str:

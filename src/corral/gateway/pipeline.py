@@ -142,7 +142,7 @@ class Pipeline:
             principal = await self._auth.authenticate(dialect.credentials(request))
             raw = await self._read(request)
             exchange = await dialect.open(raw, principal.tenant, principal.key_id)
-            ctx = self._exchange_context(exchange, request.headers.get("x-session-id"), principal)
+            ctx = await self._exchange_context(exchange, request.headers.get("x-session-id"), principal)
             response = await self._serve(ctx, principal, request, self._answer)
             if not isinstance(response, DialectStream):
                 response = await exchange.whole(response)
@@ -152,11 +152,11 @@ class Pipeline:
         except Exception as exc:  # in the dialect's shape too (the app's boundary would answer in OpenAI's)
             return dialect.error_response(unexpected(request, exc, self._metrics.store_unanswered))
 
-    def _exchange_context(
+    async def _exchange_context(
         self, exchange: Exchange, session: str | None, principal: Principal
     ) -> RequestContext:
         """A dialect's request as the stages see it: its chat-completions body, told back by `exchange`."""
-        ctx = self._intake.generation(
+        ctx = await self._intake.generation(
             exchange.chat_body, _CHAT, ChatCompletionRequest, session, principal.tenant
         )
         ctx.exchange = exchange
@@ -202,13 +202,13 @@ class Pipeline:
         have got."""
         try:
             if path == "/v1/embeddings":
-                ctx = self._intake.embedding(raw, path)
+                ctx = await self._intake.embedding(raw, path)
             elif path == "/v1/responses" and self._responses is not None:
                 exchange = await self._responses.open(raw, principal.tenant, principal.key_id)
-                ctx = self._exchange_context(exchange, None, principal)
+                ctx = await self._exchange_context(exchange, None, principal)
             else:
                 kind = ChatCompletionRequest if path == "/v1/chat/completions" else CompletionRequest
-                ctx = self._intake.generation(raw, path, kind, None, principal.tenant)
+                ctx = await self._intake.generation(raw, path, kind, None, principal.tenant)
             ctx.request_id = request_id
             principal.check_model(ctx.model)  # (an adapter's tenants: intake.py)
             self._isolation.apply(ctx, principal.tenant)
@@ -366,15 +366,28 @@ class Pipeline:
         """Read and validate the body; check the model exists; prepare the upstream body and routing info."""
         raw = await self._read(request)
         session = request.headers.get("x-session-id")
-        return self._intake.generation(raw, request.path, kind, session, principal.tenant)
+        return await self._intake.generation(raw, request.path, kind, session, principal.tenant)
 
     async def parse_embeddings(self, request: web.Request, principal: Principal) -> RequestContext:
         """An embedding request: validated, for an embedding model, sized by its inputs' tokens."""
-        return self._intake.embedding(await self._read(request), request.path)
+        return await self._intake.embedding(await self._read(request), request.path)
 
-    def count_prompt(self, chat_body: bytes, principal: Principal) -> int:
-        """What admission counts for a chat request's prompt (Anthropic's count_tokens)."""
-        return self._intake.count_prompt(chat_body, principal)
+    async def count_prompt(self, chat_body: bytes, principal: Principal) -> int:
+        """What admission counts for a chat request's prompt (Anthropic's count_tokens). Counting is a
+        request under the key's limits (RPM, concurrency; no tokens): a long prompt costs the gateway
+        a second of a core to count."""
+        limiter = self._limits.limiter
+        try:
+            reservation = await limiter.reserve(principal, 0)
+        except LimiterUnavailable as exc:
+            self._without_limits(principal, exc)
+            reservation = None
+        try:
+            return await self._intake.count_prompt(chat_body, principal)
+        finally:
+            if reservation is not None:
+                with contextlib.suppress(LimiterUnavailable):
+                    await limiter.settle(reservation, 0)
 
     async def _read(self, request: web.Request) -> bytes:
         return await read_body(request, self._body_timeout, self._max_body)
@@ -414,20 +427,25 @@ class Pipeline:
                 self._budget.settle(principal, 0, ctx.budgeted)  # refused: nothing ran
                 raise
             except LimiterUnavailable as exc:
-                self._metrics.limiter_errors.inc()
-                if self._limits.fail_open:
-                    logger.warning("serving key %s without its rate limits: %s", principal.key_id, exc)
-                    return None
-                self._budget.settle(principal, 0, ctx.budgeted)
-                raise NoCapacity(
-                    "Rate limits cannot be checked right now; try again shortly.",
-                    code="limits_unavailable",
-                    retry_after=_LIMITS_RETRY_S,
-                ) from exc
+                if not self._limits.fail_open:
+                    self._budget.settle(principal, 0, ctx.budgeted)
+                self._without_limits(principal, exc)
+                return None
         except APIError as exc:
             self._metrics.of(ctx.model).rejected(exc.code or "rate_limited")
             self._record(ctx, principal, exc.status)
             raise
+
+    def _without_limits(self, principal: Principal, exc: LimiterUnavailable) -> None:
+        """The limiter's store did not answer: serve without limits where the spec fails open, else 503."""
+        self._metrics.limiter_errors.inc()
+        if not self._limits.fail_open:
+            raise NoCapacity(
+                "Rate limits cannot be checked right now; try again shortly.",
+                code="limits_unavailable",
+                retry_after=_LIMITS_RETRY_S,
+            ) from exc
+        logger.warning("serving key %s without its rate limits: %s", principal.key_id, exc)
 
     def _rolling_out(self, model: str) -> bool:
         """A rollout of the model is under way: either revision may have answered (not kept)."""
