@@ -105,6 +105,34 @@ def test_a_cancelled_batch_finishes_even_when_its_lines_come_back_or_their_runne
     )
 
 
+def test_a_batchs_results_are_written_in_line_order_past_memory_sized_slices(store: BatchStore) -> None:
+    """1,203 lines, read back 500 at a time, about 10 MB of answers: the result files are spooled to disk
+    past 8 MiB instead of assembled in memory; every line is there once, in its input order, an answer in
+    the output file and a refusal in the error file."""
+    batch_id = _batch(store, 1203)
+    lines = []
+    while taken := store.lease("runner", "m", 400, lease_s=60):
+        lines += taken
+    assert len(lines) == 1203
+    pad = "x" * 8000
+    for line in lines:
+        index = int(line.custom_id[1:])
+        status = 500 if index % 100 == 7 else 200
+        body = orjson.dumps({"index": index, "pad": pad})
+        assert store.commit("runner", line, LineResult(status, body, f"req_{index}"))
+    assert store.housekeeping() == [batch_id]
+    batch = store.batch("acme", batch_id)
+    assert batch is not None and batch.status == "completed"
+    assert batch.counts == {"total": 1203, "completed": 1191, "failed": 12}
+    assert batch.output_file_id and batch.error_file_id
+    output = (store.files.file_content("acme", batch.output_file_id) or b"").splitlines()
+    errors = (store.files.file_content("acme", batch.error_file_id) or b"").splitlines()
+    answered = [orjson.loads(x) for x in output]
+    assert [x["custom_id"] for x in answered] == [f"c{i}" for i in range(1203) if i % 100 != 7]
+    assert all(x["response"]["body"]["index"] == int(x["custom_id"][1:]) for x in answered)
+    assert [orjson.loads(x)["custom_id"] for x in errors] == [f"c{i}" for i in range(1203) if i % 100 == 7]
+
+
 def test_a_batch_is_started_or_failed_once_and_a_validating_batch_can_be_cancelled(store: BatchStore) -> None:
     body = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]})
     new = NewBatch("acme", None, "/v1/chat/completions", "file-x", timedelta(hours=1))

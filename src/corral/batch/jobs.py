@@ -13,14 +13,14 @@ saq and arq Redis-only, none gives exactly-one result per line over SQLite), so 
 
 from __future__ import annotations
 
-import io
 import logging
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from tempfile import SpooledTemporaryFile
+from typing import IO, Any
 
 import orjson
 from sqlalchemy import Engine, func, select, update
@@ -43,6 +43,8 @@ class TooManyBatches(Exception):
     """The tenant has as many unfinished batches as it may."""
 
 
+_SPOOL_BYTES = 8 * 1024 * 1024  # a result file larger than this is spooled to a temporary file
+_NONE_YET = {"total": 0, "completed": 0, "failed": 0}
 _NOT_YET_S = 2.0  # a line leased while its batch was not in progress goes back for this long
 
 
@@ -191,7 +193,8 @@ class BatchStore:
                 row = session.get(BatchRow, batch_id, with_for_update=self._postgres)
                 if row is None or row.status != "validating":
                     return False
-                self._move(session, row, status, finalizing=status == "expired", counts=_tally([]), **values)
+                finalizing = status == "expired"
+                self._move(session, row, status, finalizing=finalizing, counts=dict(_NONE_YET), **values)
         except _Raced:
             return False
         return True
@@ -362,7 +365,7 @@ class BatchStore:
                 if busy > 0:
                     return False
                 results = self.lines.results(session, batch_id)
-                output_id, error_id = _write_results(session, row, results, self._file_expiry)
+                output_id, error_id, counts = _write_results(session, row, results, self._file_expiry)
                 final = {"expire": "expired", "cancel": "cancelled", None: "completed"}[stop]
                 self._move(
                     session,
@@ -371,7 +374,7 @@ class BatchStore:
                     finalizing=True,
                     output_file_id=output_id,
                     error_file_id=error_id,
-                    counts=_tally(results),
+                    counts=counts,
                 )
         except _Raced:
             return False
@@ -386,30 +389,26 @@ def _stop(row: BatchRow, now: float) -> Stop | None:
 
 
 def _write_results(
-    session: Session, row: BatchRow, results: list[ResultRow], expiry: timedelta | None
-) -> tuple[str | None, str | None]:
+    session: Session, row: BatchRow, results: Iterable[ResultRow], expiry: timedelta | None
+) -> tuple[str | None, str | None, dict[str, int]]:
+    """The batch's output and error files (their ids, None for one without lines) and its counts. The
+    results come a few at a time and the files are spooled to disk past `_SPOOL_BYTES`: a batch's results
+    (an embeddings batch's vectors) may be larger than a gateway's memory."""
     now = datetime.now(UTC)
     expires_at = now + expiry if expiry is not None else None
     ids: list[str | None] = []
-    for kind, content in zip(("output", "error"), _result_files(results), strict=True):
-        if not content:
-            ids.append(None)
-            continue
-        source = io.BytesIO(content)
-        name = f"{row.id}_{kind}.jsonl"
-        new = NewFile(row.tenant, "batch_output", name, source, len(content), expires_at, now)
-        ids.append(write_file(session, new).id)
-    return ids[0], ids[1]
-
-
-def _tally(results: list[ResultRow]) -> dict[str, int]:
-    counts = {"total": len(results), "completed": 0, "failed": 0}
-    for _, state, _, _ in results:
-        if state == "done":
-            counts["completed"] += 1
-        elif state in ("failed", "expired", "cancelled"):
-            counts["failed"] += 1
-    return counts
+    with SpooledTemporaryFile(_SPOOL_BYTES) as output, SpooledTemporaryFile(_SPOOL_BYTES) as errors:
+        counts = _result_files(results, output, errors)
+        for kind, spool in (("output", output), ("error", errors)):
+            size = spool.tell()
+            if not size:
+                ids.append(None)
+                continue
+            spool.seek(0)
+            name = f"{row.id}_{kind}.jsonl"
+            new = NewFile(row.tenant, "batch_output", name, spool, size, expires_at, now)
+            ids.append(write_file(session, new).id)
+    return ids[0], ids[1], counts
 
 
 def _empty(row: BatchRow) -> dict[str, int]:
@@ -437,12 +436,16 @@ def _batch(row: BatchRow, counts: dict[str, int]) -> BatchRecord:
     )
 
 
-def _result_files(lines: Sequence[ResultRow]) -> tuple[bytes, bytes]:
-    """OpenAI's output file (a line per answered request: its status and body) and error file (a line
-    per request that failed, was cancelled or expired)."""
-    output: list[bytes] = []
-    errors: list[bytes] = []
+def _result_files(lines: Iterable[ResultRow], output: IO[bytes], errors: IO[bytes]) -> dict[str, int]:
+    """Writes OpenAI's output file (a line per answered request: its status and body) and error file (a
+    line per request that failed, was cancelled or expired); the batch's counts."""
+    counts = {"total": 0, "completed": 0, "failed": 0}
     for custom_id, state, status_code, response in lines:
+        counts["total"] += 1
+        if state == "done":
+            counts["completed"] += 1
+        elif state in ("failed", "expired", "cancelled"):
+            counts["failed"] += 1
         item: dict[str, Any] = {"id": f"batch_req_{uuid.uuid4().hex[:24]}", "custom_id": custom_id}
         if state in ("done", "failed") and response is not None:
             result = orjson.loads(response)
@@ -452,17 +455,13 @@ def _result_files(lines: Sequence[ResultRow]) -> tuple[bytes, bytes]:
                 "body": result["body"],
             }
             item["error"] = None
-            (output if state == "done" else errors).append(orjson.dumps(item))
+            (output if state == "done" else errors).write(orjson.dumps(item) + b"\n")
         elif state in ("cancelled", "expired"):
             why = "was cancelled" if state == "cancelled" else "expired"
             item["response"] = None
             item["error"] = {"code": f"batch_{state}", "message": f"The batch {why} before this request ran."}
-            errors.append(orjson.dumps(item))
-    return _jsonl(output), _jsonl(errors)
-
-
-def _jsonl(lines: list[bytes]) -> bytes:
-    return b"\n".join(lines) + b"\n" if lines else b""
+            errors.write(orjson.dumps(item) + b"\n")
+    return counts
 
 
 class _Raced(Exception):

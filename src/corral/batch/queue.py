@@ -3,17 +3,19 @@ queue_sql.py, the default; Redis Streams in queue_redis.py with `batch.queue: re
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
 from sqlalchemy.orm import Session
 
-__all__ = ["LOST", "BatchLine", "LineQueue", "LineResult", "ResultRow", "Stop"]
+__all__ = ["LOST", "RESULTS_AT_ONCE", "BatchLine", "LineQueue", "LineResult", "ResultRow", "Stop"]
 
 LOST = -1  # settle's answer for a batch whose lines the queue no longer has
 
 Stop = Literal["cancel", "expire"]
 ResultRow = tuple[str, str, int | None, str | None]  # custom_id, state, status code, stored response
+RESULTS_AT_ONCE = 500  # lines' results read from the queue's store at a time
 
 
 @dataclass(frozen=True)
@@ -65,7 +67,9 @@ class LineQueue(Protocol):
 
     def settle(self, session: Session, batch_id: str, model: str, stop: Stop | None, now: float) -> int: ...
 
-    def results(self, session: Session, batch_id: str) -> list[ResultRow]: ...
+    def results(self, session: Session, batch_id: str) -> Iterator[ResultRow]:
+        """Each line's result in line order, a few at a time (a batch's results may outgrow memory)."""
+        ...
 
     def counts(self, session: Session, batch_ids: list[str]) -> dict[str, dict[str, int]]: ...
 

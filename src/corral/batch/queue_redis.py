@@ -24,13 +24,14 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import defaultdict
+from collections.abc import Iterator
 from typing import Any
 
 import orjson
 import redis
 from sqlalchemy.orm import Session
 
-from corral.batch.queue import LOST, BatchLine, LineResult, ResultRow, Stop
+from corral.batch.queue import LOST, RESULTS_AT_ONCE, BatchLine, LineResult, ResultRow, Stop
 from corral.store.batch_rows import gave_up, response_json
 
 __all__ = ["RedisLines"]
@@ -351,21 +352,24 @@ class RedisLines:
         queued, lines, completed, failed = self._settle(keys=[], args=[self._prefix, batch_id, mark, now])
         return LOST if not queued else max(0, int(lines) - int(completed) - int(failed))
 
-    def results(self, session: Session, batch_id: str) -> list[ResultRow]:
+    def results(self, session: Session, batch_id: str) -> Iterator[ResultRow]:
         base = self._key(batch_id, "")
-        with self._redis.pipeline(transaction=True) as pipe:
-            pipe.hgetall(base + "r")
-            pipe.hgetall(base + "s")
-            pipe.hgetall(base + "o")
-            requests, states, outputs = pipe.execute()
-        rows: list[tuple[int, ResultRow]] = []
-        for line, request in requests.items():
-            custom_id = orjson.loads(request)[0]
-            state = _STATES[states.get(line, b"x").decode()]
-            output = outputs.get(line)
-            status = orjson.loads(output)["status_code"] if output else None
-            rows.append((int(line), (custom_id, state, status, output.decode() if output else None)))
-        return [row for _, row in sorted(rows, key=lambda item: item[0])]
+        lines = sorted(self._redis.hkeys(base + "r"), key=int)  # (the line numbers only, then in slices)
+        for at in range(0, len(lines), RESULTS_AT_ONCE):
+            some = lines[at : at + RESULTS_AT_ONCE]
+            with self._redis.pipeline(transaction=False) as pipe:
+                pipe.hmget(base + "r", some)
+                pipe.hmget(base + "s", some)
+                pipe.hmget(base + "o", some)
+                requests, states, outputs = pipe.execute()
+            for request, state, output in zip(requests, states, outputs, strict=True):
+                status = orjson.loads(output)["status_code"] if output else None
+                yield (
+                    orjson.loads(request)[0],
+                    _STATES[(state or b"x").decode()],
+                    status,
+                    output.decode() if output else None,
+                )
 
     def counts(self, session: Session, batch_ids: list[str]) -> dict[str, dict[str, int]]:
         with self._redis.pipeline(transaction=False) as pipe:

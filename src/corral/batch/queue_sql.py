@@ -12,12 +12,13 @@ are derived from the lines' states, never kept apart, so they cannot drift. The 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from sqlalchemy import Engine, func, select, update
 from sqlalchemy.orm import Session
 
-from corral.batch.queue import BatchLine, LineResult, ResultRow, Stop
+from corral.batch.queue import RESULTS_AT_ONCE, BatchLine, LineResult, ResultRow, Stop
 from corral.store.batch_rows import BatchLineRow, BatchRow, changed, gave_up, response_json
 
 __all__ = ["SqlLines"]
@@ -207,15 +208,17 @@ class SqlLines:
             or 0
         )
 
-    def results(self, session: Session, batch_id: str) -> list[ResultRow]:
+    def results(self, session: Session, batch_id: str) -> Iterator[ResultRow]:
         rows = session.execute(
             select(
                 BatchLineRow.custom_id, BatchLineRow.state, BatchLineRow.status_code, BatchLineRow.response
             )
             .where(BatchLineRow.batch_id == batch_id)
             .order_by(BatchLineRow.line)
-        ).all()
-        return [(r[0], r[1], r[2], r[3]) for r in rows]
+            .execution_options(yield_per=RESULTS_AT_ONCE)  # (PostgreSQL: a server-side cursor)
+        )
+        for r in rows:
+            yield r[0], r[1], r[2], r[3]
 
     def counts(self, session: Session, batch_ids: list[str]) -> dict[str, dict[str, int]]:
         rows = session.execute(
