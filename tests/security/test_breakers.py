@@ -5,6 +5,7 @@ leaves routing."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -95,3 +96,68 @@ async def test_a_tenants_poisoned_inputs_leave_the_replicas_to_everyone(
             assert [await ask(session, "bob", "hello") for _ in range(4)] == [200] * 4
     finally:
         await server.stop()
+
+
+async def test_a_tenants_long_requests_past_the_read_timeout_leave_the_replica_to_everyone(
+    tmp_path: Path,
+) -> None:
+    """Eve asks for answers that take longer than `gateway.read_timeout` (a huge output, not streamed):
+    three at once on the one replica used to open its breaker (a timeout counted as the replica's fault),
+    taking it from everyone for its cool-down. A replica that served bob meanwhile is alive: eve's 504s
+    leave it in routing. With no one served in between it looks hung, and opens as before."""
+
+    async def chat(request: web.Request) -> web.Response:
+        body = await request.json()
+        if "long" in str(body["messages"]):
+            await asyncio.sleep(2)
+        return web.json_response(
+            {
+                "id": "c",
+                "object": "chat.completion",
+                "created": 1,
+                "model": "m",
+                "choices": [
+                    {"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}
+                ],
+                "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+            }
+        )
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    replicas = ReplicaSet(["m"])
+    replica = Replica(
+        id="m-0",
+        model="m",
+        engine="x",
+        url=f"http://127.0.0.1:{runner.addresses[0][1]}",
+        state=ReplicaState.READY,
+    )
+    replicas.add(replica)
+    parts = make_services(replicas, tmp_path / "c.db", auth=AuthSettings(open=False))
+    server = GatewayServer(GatewaySettings(port=0, read_timeout=0.5, retries=0), Router(replicas), parts)
+    await server.start()
+    keys = {tenant: parts.keys.create(tenant)[0] for tenant in ("eve", "bob")}
+    url = f"http://127.0.0.1:{server.port}/v1/chat/completions"
+
+    async def ask(session: aiohttp.ClientSession, tenant: str, content: str) -> int:
+        body = {"model": "m", "messages": [{"role": "user", "content": content}]}
+        async with session.post(url, json=body, headers={"Authorization": f"Bearer {keys[tenant]}"}) as r:
+            return r.status
+
+    try:
+        async with aiohttp.ClientSession() as session:
+            eve = asyncio.gather(*(ask(session, "eve", "long") for _ in range(3)))
+            await asyncio.sleep(0.1)
+            assert await ask(session, "bob", "hello") == 200  # served while eve's requests run
+            assert await eve == [504] * 3
+            assert replica.breaker.state is CircuitState.CLOSED
+            assert await ask(session, "bob", "hello") == 200
+            assert await asyncio.gather(*(ask(session, "eve", "long") for _ in range(3))) == [504] * 3
+            assert replica.breaker.state is CircuitState.OPEN  # no one served meanwhile: it looks hung
+    finally:
+        await server.stop()
+        await runner.cleanup()

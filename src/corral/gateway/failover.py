@@ -11,11 +11,13 @@ continuation's prompt less the tokens sent; completion = the tokens sent plus th
 
 It serves n = 1 streams whose answer is reproducible (temperature 0, or any request when the model's spec
 says `mid_stream_failover: always`) on engines that can continue (llama.cpp, vLLM), without tools or echo.
-Otherwise a cut stream ends with the `stream_truncated` error event, as before.
+Otherwise a cut stream ends with the `stream_truncated` error event, as before. A replica silent for
+`gateway.stall_timeout` mid-stream is noticed by `StallWatch`, one timer per stream.
 """
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +26,7 @@ import orjson
 from corral.gateway.context import RequestContext
 from corral.protocol import ChatCompletionRequest, CompletionRequest
 
-__all__ = ["Continuation", "Sent", "Transcript", "can_fail_over", "continuation_body"]
+__all__ = ["Continuation", "Sent", "StallWatch", "Transcript", "can_fail_over", "continuation_body"]
 
 _SEP = b"\n\n"
 _DONE = b"data: [DONE]"
@@ -202,3 +204,34 @@ def _content(choice: dict[str, Any]) -> str:
     if isinstance(delta, dict):
         return str(delta.get("content") or "")
     return str(choice.get("text") or "")
+
+
+class StallWatch:
+    """Cancels the copying task when the upstream has been silent for `stall` seconds: one timer per
+    stream, moved on lazily when it fires early (the copy loop only notes when it started waiting). The
+    cancel is the task's own `cancel()`, not a scheduled one: it lands on the read the task waits in (or is
+    about to resume from), never on a write to the client half done."""
+
+    __slots__ = ("_handle", "_stall", "expired", "loop", "task", "waiting_since")
+
+    def __init__(self, stall: float) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self.task = task
+        self._stall = stall
+        self.expired = False
+        self.loop = asyncio.get_running_loop()
+        self.waiting_since: float | None = self.loop.time()
+        self._handle = self.loop.call_at(self.waiting_since + stall, self._check)
+
+    def _check(self) -> None:
+        now = self.loop.time()
+        since = self.waiting_since
+        if since is not None and now - since >= self._stall:
+            self.expired = True
+            self.task.cancel()
+            return
+        self._handle = self.loop.call_at((since if since is not None else now) + self._stall, self._check)
+
+    def stop(self) -> None:
+        self._handle.cancel()

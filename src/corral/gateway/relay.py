@@ -22,7 +22,7 @@ from aiohttp import web
 from corral.engines.client import EngineClient, EngineConnectionError, EngineResponse
 from corral.gateway.adapters import AdapterLoader, AdapterLoadFailed, body_for, unknown_adapter
 from corral.gateway.context import RequestContext
-from corral.gateway.failover import Continuation, Sent, Transcript, continuation_body
+from corral.gateway.failover import Continuation, Sent, StallWatch, Transcript, continuation_body
 from corral.gateway.sse import SSEFilter
 from corral.protocol import ChatCompletionRequest, NoCapacity, UpstreamError, UpstreamTimeout, error_body
 from corral.routing import Replica, Router, RouteRequest
@@ -123,6 +123,7 @@ class Relay:
                     raise
                 break  # every routable replica has failed this request
             ctx.replica = replica
+            succeeded = replica.succeeded
             outcome: bool | None = None
             answered = False
             try:
@@ -145,7 +146,9 @@ class Relay:
                 tried.append(replica)
                 logger.warning("replica %s failed before first byte (%s)", replica.id, exc)
             except UpstreamTimeout:
-                outcome = False
+                # a replica that served others meanwhile is alive: the request was long (a huge prompt, a
+                # long answer not streamed), which a tenant can do on purpose to take replicas away
+                outcome = False if replica.succeeded == succeeded else None
                 raise
             finally:  # (its usage: what the engine computed, for the prefix index)
                 self._router.release(replica, ctx.route, outcome, ctx.usage if outcome else None, answered)
@@ -318,7 +321,7 @@ class Relay:
         stream, not one per chunk: a timer per chunk cost more than the rest of the chunk's relaying)."""
         if transcript is None:
             return await self._copy(upstream, events, response, None, written, None)
-        watch = _StallWatch(self._stall)
+        watch = StallWatch(self._stall)
         try:
             return await self._copy(upstream, events, response, transcript, written, watch)
         except asyncio.CancelledError:
@@ -335,7 +338,7 @@ class Relay:
         response: web.StreamResponse,
         transcript: Transcript | None,
         written: list[bytes] | None,
-        watch: _StallWatch | None,
+        watch: StallWatch | None,
     ) -> str | None:
         while True:
             try:
@@ -448,37 +451,6 @@ class Relay:
 
 def _by_tokens(ctx: RequestContext) -> bool:
     return ctx.features.token_prompts and not isinstance(ctx.body, ChatCompletionRequest)
-
-
-class _StallWatch:
-    """Cancels the copying task when the upstream has been silent for `stall` seconds: one timer per
-    stream, moved on lazily when it fires early (the copy loop only notes when it started waiting). The
-    cancel is the task's own `cancel()`, not a scheduled one: it lands on the read the task waits in (or is
-    about to resume from), never on a write to the client half done."""
-
-    __slots__ = ("_handle", "_stall", "expired", "loop", "task", "waiting_since")
-
-    def __init__(self, stall: float) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        self.task = task
-        self._stall = stall
-        self.expired = False
-        self.loop = asyncio.get_running_loop()
-        self.waiting_since: float | None = self.loop.time()
-        self._handle = self.loop.call_at(self.waiting_since + stall, self._check)
-
-    def _check(self) -> None:
-        now = self.loop.time()
-        since = self.waiting_since
-        if since is not None and now - since >= self._stall:
-            self.expired = True
-            self.task.cancel()
-            return
-        self._handle = self.loop.call_at((since if since is not None else now) + self._stall, self._check)
-
-    def stop(self) -> None:
-        self._handle.cancel()
 
 
 class _Renamed:

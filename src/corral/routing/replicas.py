@@ -56,6 +56,7 @@ class Replica:
     last_error: str | None = None
     log_tail: tuple[str, ...] = ()  # the last lines of its log when it last failed to start
     served: int = 0
+    succeeded: int = 0  # requests it served well (a request that timed out while this grew was only long)
     failures: int = 0  # requests it failed (the replica's fault), for rollout health checks
     revision: int = 0  # which rollout of its model started it (0: the first)
     admitted: bool = True  # routable once ready; a rollout's new replica is not until it passed the gate

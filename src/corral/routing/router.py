@@ -225,6 +225,7 @@ class Router:
         replica.outstanding_tokens -= request.tokens
         replica.served += 1
         if ok is True:
+            replica.succeeded += 1
             replica.breaker.on_success()
         elif ok is False:
             replica.failures += 1
