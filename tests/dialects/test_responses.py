@@ -9,6 +9,7 @@ import json
 
 import openai
 import pytest
+from sqlalchemy import create_engine, text
 
 from corral.config import StoreSettings
 from corral.routing import ReplicaState
@@ -214,6 +215,30 @@ async def test_a_batch_of_responses_lines(cluster: Cluster) -> None:
     assert (await client.responses.retrieve(answers["q0"]["id"])).status == "incomplete"
     with pytest.raises(openai.NotFoundError):
         await client.responses.retrieve(answers["q1"]["id"])  # store: false
+
+
+async def test_a_tenant_keeps_response_tenant_max_bytes_of_stored_responses(cluster: Cluster) -> None:
+    """`store.response_tenant_max_bytes`: a tenant storing past it loses its own oldest responses, never
+    another tenant's; its conversation goes on from the latest (which holds all of it)."""
+    gateway = await cluster.gateway(store=StoreSettings(flush_interval=0.1, response_tenant_max_bytes=64_000))
+    acme = _client(gateway.url, await gateway.key("acme"))
+    bob = _client(gateway.url, await gateway.key("bob"))
+    kept = await bob.responses.create(model="m", input="Keep me.", max_output_tokens=2)
+    first = await acme.responses.create(model="m", input="x " * 2000, max_output_tokens=2)
+    latest = first
+    for _ in range(40):  # about 8 kB each: 320 kB stored by acme, five times its bound
+        latest = await acme.responses.create(model="m", input="y " * 2000, max_output_tokens=2)
+    with pytest.raises(openai.NotFoundError):
+        await acme.responses.retrieve(first.id)  # acme's oldest went
+    assert (await acme.responses.retrieve(latest.id)).id == latest.id
+    assert (await bob.responses.retrieve(kept.id)).id == kept.id  # bob's stays
+    went_on = await acme.responses.create(
+        model="m", input="And?", previous_response_id=latest.id, max_output_tokens=2
+    )
+    assert went_on.previous_response_id == latest.id and went_on.output
+    with create_engine(cluster.store).connect() as db:
+        held = db.execute(text("SELECT SUM(size) FROM corral_responses WHERE tenant = 'acme'")).scalar()
+    assert 48_000 < held <= 64_000 + 64_000 // 16 + 10_000  # the bound, a sixteenth's slack, one response
 
 
 async def test_stored_responses_expire_after_response_ttl_days(cluster: Cluster) -> None:

@@ -325,6 +325,15 @@ class StoreSettings(Strict):
             "previous_response_id and retrieval (OpenAI keeps them 30)",
         ),
     ] = 30
+    response_tenant_max_bytes: Annotated[
+        int,
+        Field(
+            ge=1024,
+            description="bytes of stored responses one tenant keeps (each holds its whole conversation); "
+            "past it the tenant's own oldest are deleted, never another tenant's (checked each sixteenth "
+            "of it a gateway process stores)",
+        ),
+    ] = 1024 * 1024 * 1024
     usage_retention_days: Annotated[int, Field(ge=32)] | None = Field(
         default=None,
         description="days usage records are kept (at least 32: monthly budgets count this calendar month's); "
