@@ -111,3 +111,31 @@ async def test_a_flooding_tenant_leaves_an_active_tenants_share_of_the_slots_fre
     finally:
         await server.stop()
         await slow.stop()
+
+
+async def test_a_request_takes_a_slot_for_each_sequence_it_runs(tmp_path: Path) -> None:
+    """Four slots (a vLLM replica's max_num_seqs), each answer 1 s. Eve's one request asks `n: 4`: the
+    engine runs four sequences for it, every slot. Bob's request, sent while it runs, waits in corral's queue
+    for them (before, it counted one slot, so bob's went to the engine at once and waited in the engine's
+    own queue, past the fair queue: an `n: 128` request took a whole replica as one slot)."""
+    slow = ScriptedUpstream(delay=1.0)
+    await slow.start()
+    server, cluster = await start(tmp_path, slow, capacity=4, queue=QueueSettings(max_queued=32, timeout=30))
+    try:
+        _, eve = await cluster.admin("POST", "/admin/keys", {"tenant": "eve"})
+        _, bob = await cluster.admin("POST", "/admin/keys", {"tenant": "bob"})
+        async with aiohttp.ClientSession() as session:
+            headers = {"Authorization": f"Bearer {eve['key']}"}
+            eve_asks = asyncio.create_task(
+                session.post(cluster.url + "/v1/chat/completions", json={**BODY, "n": 4}, headers=headers)
+            )
+            await asyncio.sleep(0.1)
+            assert cluster.replicas.of("m")[0].outstanding == 4  # four sequences on the replica
+            started = time.monotonic()
+            assert await ask(session, cluster, bob["key"]) == (200, "ok")
+            assert time.monotonic() - started > 1.5  # the rest of eve's second, then his own
+            assert (await eve_asks).status == 200
+        assert slow.peak_concurrency == 1
+    finally:
+        await server.stop()
+        await slow.stop()

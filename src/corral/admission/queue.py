@@ -1,6 +1,11 @@
 """The waiting room: per model, a bounded queue that lets a request through only when a replica has a free
 slot (engine slots or `max_num_seqs`), ordered by priority class and fair between tenants.
 
+A request takes as many slots as the sequences it runs at once (`n` choices, a list of prompts, an
+embeddings request's inputs; at most every slot the model has): an `n: 16` request holds 16 of a vLLM
+replica's `max_num_seqs`, as the engine does. When the request next in turn needs more slots than are free,
+they are kept for it as they free up (no lighter request overtakes it for ever).
+
 Slots are shared too. Each tenant active on a model (running, waiting, or asking within the last 10 s)
 has a share of its slots weighted by priority (high 4, normal 2, low 1). Under its share a tenant may
 always take a free slot; over it, only a slot no other active tenant is entitled to and not using, so a
@@ -52,6 +57,7 @@ def _weight(priority: int) -> int:
 class _Waiter:
     tenant: str
     priority: int
+    weight: int = 1  # the slots it takes
     since: float = field(default_factory=time.monotonic)
     future: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
@@ -88,16 +94,19 @@ class _ModelQueue:
         else:
             del self.held[tenant], self.weights[tenant]
 
-    def pop(self, may_start: Callable[[str], bool]) -> _Waiter | None:
-        """The next waiter to start: by priority class, then the tenant with the fewest requests running
-        for its weight (the least recently served among equals), of those `may_start` lets start."""
+    def pop(self, may_start: Callable[[str, int], bool], free: int) -> _Waiter | None:
+        """The next waiter to start: by priority class, then the tenant with the fewest slots running for
+        its weight (the least recently served among equals), of those `may_start` lets start; None when
+        that waiter needs more than the `free` slots (they are kept for it)."""
         for priority in sorted(self.classes):
             tenants = self.classes[priority]
-            allowed = [t for t in tenants if may_start(t)]
+            allowed = [t for t in tenants if may_start(t, tenants[t][0].weight)]
             if not allowed:
                 continue
             tenant = min(allowed, key=lambda t: (self.load(t), self.last_served.get(t, -1)))
             waiters = tenants[tenant]
+            if waiters[0].weight > free:
+                return None
             waiter = waiters.popleft()
             if not waiters:
                 del tenants[tenant]
@@ -108,7 +117,7 @@ class _ModelQueue:
         return None
 
     def load(self, tenant: str) -> float:
-        """Requests running per unit of weight."""
+        """Slots running per unit of weight."""
         return self.running.get(tenant, 0) / self.seen.get(tenant, (0.0, 1))[1]
 
     def started(self, tenant: str, delta: int = 1) -> None:
@@ -131,10 +140,11 @@ class _ModelQueue:
             else:
                 del self.seen[oldest]
 
-    def may_start(self, tenant: str, free: int, total: int | None) -> bool:
-        """`tenant` may take one of `free` slots (of `total`): always while under its weighted share of
-        the slots among the tenants active on the model (running, waiting or asking within _ACTIVE_S);
-        over it, only from slots no other active tenant is entitled to and not using."""
+    def may_start(self, tenant: str, weight: int, free: int, total: int | None) -> bool:
+        """`tenant` may take `weight` of `free` slots (of `total`): while under its weighted share of the
+        slots among the tenants active on the model (running, waiting or asking within _ACTIVE_S), as soon
+        as they are free (see `pop`); over it, only from slots no other active tenant is entitled to and
+        not using."""
         if free <= 0:
             return False
         if total is None:  # replicas that do not say their slots: nothing to share
@@ -147,10 +157,10 @@ class _ModelQueue:
         }
         whole = sum(weights.values()) or 1
         share = {t: total * w / whole for t, w in weights.items()}
-        if self.running.get(tenant, 0) < share.get(tenant, total):
+        if self.running.get(tenant, 0) + weight - 1 < share.get(tenant, total):
             return True
         kept = sum(max(0.0, share[t] - self.running.get(t, 0)) for t in weights if t != tenant)
-        return free - kept >= 1
+        return free - kept >= weight
 
     def served(self, tenant: str) -> None:
         self.turns += 1
@@ -261,8 +271,9 @@ class FairQueue:
             for model, queue in self._queues.items()
         }
 
-    async def enter(self, model: str, principal: Principal) -> float:
-        """Wait for a free slot; seconds waited. Raises NoCapacity when full or too late."""
+    async def enter(self, model: str, principal: Principal, sequences: int = 1) -> tuple[float, int]:
+        """Wait for free slots for a request running `sequences` at once; (seconds waited, the slots it
+        took: hand them back to `done`). Raises NoCapacity when full or too late."""
         queue = self._queues.get(model)
         if queue is None:
             queue = self._queues[model] = _ModelQueue()
@@ -270,6 +281,8 @@ class FairQueue:
         queue.arrive(principal.tenant, principal.priority)
         free = self._capacity.free_slots(model)
         ready = free is not None
+        total = self._capacity.slots(model)
+        weight = max(1, min(sequences, total)) if total else 1  # (one that needs more waits for them all)
         hold = self._capacity.start_hold(model)
         if not ready and hold is None:
             raise NoCapacity(
@@ -277,13 +290,13 @@ class FairQueue:
                 code="no_ready_replica",
                 retry_after=self._capacity.retry_after(model),
             )
-        if self._goes_first(model, queue, principal.tenant, (free or 0) - queue.granted):
+        if self._goes_first(model, queue, principal.tenant, (free or 0) - queue.granted, weight):
             queue.served(principal.tenant)
-            queue.started(principal.tenant)
-            return 0.0
+            queue.started(principal.tenant, weight)
+            return 0.0, weight
         if queue.size >= self._max:
             self._make_room(model, queue, principal)
-        waiter = _Waiter(principal.tenant, principal.priority)
+        waiter = _Waiter(principal.tenant, principal.priority, weight)
         queue.push(waiter)
         started = time.monotonic()
         timeout = max(self._timeout, hold) if not ready and hold is not None else self._timeout
@@ -291,9 +304,9 @@ class FairQueue:
             await asyncio.wait_for(asyncio.shield(waiter.future), timeout)
         except TimeoutError:
             queue.remove(waiter)
-            if _granted(waiter):  # granted just as the deadline passed: hand the slot on
-                queue.granted -= 1
-                queue.started(waiter.tenant, -1)
+            if _granted(waiter):  # granted just as the deadline passed: hand the slots on
+                queue.granted -= weight
+                queue.started(waiter.tenant, -weight)
                 self._wake(model, queue)
             raise NoCapacity(
                 f"No replica of model '{model}' could take the request within {timeout:g}s.",
@@ -303,18 +316,19 @@ class FairQueue:
         except asyncio.CancelledError:
             queue.remove(waiter)
             if _granted(waiter):
-                queue.granted -= 1
-                queue.started(waiter.tenant, -1)
+                queue.granted -= weight
+                queue.started(waiter.tenant, -weight)
                 self._wake(model, queue)
             raise
-        queue.granted -= 1
-        return time.monotonic() - started
+        queue.granted -= weight
+        return time.monotonic() - started, weight
 
-    def done(self, model: str, tenant: str) -> None:
-        """A request of `tenant` for `model` left its replica: a slot is free."""
+    def done(self, model: str, tenant: str, weight: int = 1) -> None:
+        """A request of `tenant` for `model` left its replica: its `weight` slots (what `enter` said it
+        took) are free."""
         queue = self._queues.get(model)
         if queue is not None:
-            queue.started(tenant, -1)
+            queue.started(tenant, -weight)
             queue.finished.append(time.monotonic())
             if queue.size:  # someone waits for the slot
                 self._wake(model, queue)
@@ -334,10 +348,10 @@ class FairQueue:
         if not waiter.future.done():
             waiter.future.set_exception(_over_share(model, hog, queue.held.get(hog, 0) + 1, retry_after))
 
-    def _goes_first(self, model: str, queue: _ModelQueue, tenant: str, free: int) -> bool:
-        """A request may start at once: a slot is free that its tenant may take, and no waiting tenant
-        would be served before it (none runs fewer requests for its weight)."""
-        if not queue.may_start(tenant, free, self._capacity.slots(model)):
+    def _goes_first(self, model: str, queue: _ModelQueue, tenant: str, free: int, weight: int) -> bool:
+        """A request may start at once: its slots are free and its tenant may take them, and no waiting
+        tenant would be served before it (none runs fewer slots for its weight)."""
+        if weight > free or not queue.may_start(tenant, weight, free, self._capacity.slots(model)):
             return False
         if tenant in queue.held:
             return False
@@ -346,13 +360,13 @@ class FairQueue:
     def _wake(self, model: str, queue: _ModelQueue) -> None:
         free = (self._capacity.free_slots(model) or 0) - queue.granted
         total = self._capacity.slots(model)
-        while (waiter := queue.pop(partial(queue.may_start, free=free, total=total))) is not None:
+        while (waiter := queue.pop(partial(queue.may_start, free=free, total=total), free)) is not None:
             if waiter.future.done():
                 continue
             waiter.future.set_result(None)
-            queue.granted += 1
-            queue.started(waiter.tenant)
-            free -= 1
+            queue.granted += waiter.weight
+            queue.started(waiter.tenant, waiter.weight)
+            free -= waiter.weight
 
     def _retry_after(self, queue: _ModelQueue, ahead: int) -> float:
         rate = queue.drain_rate()

@@ -148,6 +148,7 @@ class Intake:
             tokens=input_tokens + max_tokens * body.n * prompts,
             session=draft.session or body.user,
             prompt_tokens=input_tokens * prompts,
+            sequences=body.n * prompts,
             adapter=adapter,
         )
         if getattr(self._router.policy_for(base), "needs_prompt", False):
@@ -204,7 +205,13 @@ class Intake:
         count = partial(_input_tokens, body.inputs, counter, self._sizing.tokens_per_byte)
         long = counter is not None and len(raw) >= LONG_TEXT_CHARS
         tokens = await asyncio.to_thread(count) if long else count()
-        route = RouteRequest(model=body.model, tokens=tokens, session=body.user, prompt_tokens=tokens)
+        route = RouteRequest(
+            model=body.model,
+            tokens=tokens,
+            session=body.user,
+            prompt_tokens=tokens,
+            sequences=len(body.inputs),
+        )
         return RequestContext(
             path=path,
             body=body,

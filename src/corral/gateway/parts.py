@@ -146,9 +146,7 @@ class GatewayParts:
             cache=_cache(cache or CacheSettings(), cache_policies or {}, cache_versions or {}),
             batches=_batches(engine, batch),
             batch=batch,
-            responses=ResponseStore(
-                engine, store.response_ttl_days * 86400, store.response_tenant_max_bytes
-            ),
+            responses=ResponseStore(engine, store.response_ttl_days * 86400, store.response_tenant_max_bytes),
             audit=AuditLog(engine),
             sessions=SessionStore(engine) if auth.oidc is not None else None,
             retention=(

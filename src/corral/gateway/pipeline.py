@@ -272,7 +272,7 @@ class Pipeline:
         metrics = self._metrics.of(ctx.model)
         base = ctx.route.model  # (an adapter's requests wait for its base's replicas)
         try:
-            wait = await self._queue.enter(base, principal)
+            wait, slots = await self._queue.enter(base, principal, ctx.route.sequences)
         except APIError as exc:
             metrics.rejected(exc.code or "queue")
             raise
@@ -283,7 +283,7 @@ class Pipeline:
             else:
                 response = await self._relay.forward(ctx, request)
         finally:
-            self._queue.done(base, principal.tenant)
+            self._queue.done(base, principal.tenant, slots)
         metrics.decided(self._router.policy_for(base).name)
         return response
 

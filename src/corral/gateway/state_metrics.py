@@ -104,7 +104,10 @@ class StateSeries:
 
     def _replica_families(self) -> list[Family]:
         outstanding = Family(
-            "corral_replica_outstanding", "gauge", "Requests in flight per replica.", _PER_REPLICA
+            "corral_replica_outstanding",
+            "gauge",
+            "Sequences in flight per replica (a request asking n choices: n).",
+            _PER_REPLICA,
         )
         ready = Family("corral_replica_ready", "gauge", "1 when the replica takes traffic.", _PER_REPLICA)
         circuit = Family(
