@@ -415,3 +415,53 @@ async def test_a_long_prompt_is_counted_off_the_event_loop(
         assert max(gaps) < on_the_loop / 4, (on_the_loop, max(gaps))
     finally:
         await server.stop()
+
+
+async def test_one_tenants_long_prompts_are_counted_one_at_a_time(
+    tmp_path: Path, upstream: ScriptedUpstream
+) -> None:
+    """Eve sends four long prompts at once, bob one just after: eve's are counted one after another (one
+    counting thread at a time is hers), bob's meanwhile on the other thread, not after hers."""
+    from corral.admission import TokenCounter
+
+    path = next((Paths.from_env().models / "hf-from-gguf").glob("SmolLM2*/tokenizer.json"))
+    replicas = ReplicaSet(["m"])
+    replicas.add(Replica(id="m-0", model="m", engine="x", url=upstream.url, state=ReplicaState.READY))
+    services = make_services(
+        replicas, tmp_path / "c.db", auth=AuthSettings(open=False), admin_key=ADMIN, tokenizers={"m": path}
+    )
+    counted: list[tuple[str, float, float]] = []  # whose prompt, when its count began and ended
+
+    class Timed(TokenCounter):
+        def count(self, text: str) -> int:
+            began = time.monotonic()
+            tokens = super().count(text)
+            counted.append((text[-40:].split()[-1], began, time.monotonic()))
+            return tokens
+
+    services.sizing.counters["m"] = Timed(path)
+    server = GatewayServer(GatewaySettings(port=0), Router(replicas), services)
+    await server.start()
+    keys = {tenant: services.keys.create(tenant)[0] for tenant in ("eve", "bob")}
+    text = " ".join(f"word{i % 9973} and more" for i in range(12_000))  # about 200 kB
+    url = f"http://127.0.0.1:{server.port}/v1/chat/completions"
+    try:
+        async with aiohttp.ClientSession() as session:
+
+            async def ask(tenant: str) -> None:
+                content = f"{text} {tenant}"
+                body = {"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": content}]}
+                headers = {"Authorization": f"Bearer {keys[tenant]}"}
+                async with session.post(url, json=body, headers=headers) as answer:
+                    assert answer.status == 200
+
+            eve = [asyncio.create_task(ask("eve")) for _ in range(4)]
+            await asyncio.sleep(0.02)
+            await asyncio.gather(ask("bob"), *eve)
+    finally:
+        await server.stop()
+    eves = sorted((began, ended) for who, began, ended in counted if who == "eve")
+    (bob,) = [(began, ended) for who, began, ended in counted if who == "bob"]
+    assert len(eves) == 4
+    assert all(later[0] >= earlier[1] for earlier, later in itertools.pairwise(eves)), eves  # one at a time
+    assert bob[0] < eves[-1][0], (bob, eves)  # bob's did not wait for eve's

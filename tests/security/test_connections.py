@@ -126,8 +126,8 @@ async def test_a_client_that_stops_reading_its_stream_is_closed_at_the_send_time
     """Eve asks for a long stream and reads nothing of it: without a deadline her connection's buffers fill,
     the relay stops reading the engine, and the replica's slot is hers for ever. At `gateway.send_timeout`
     the gateway closes her connection: the engine's stream is let go, the slot freed, the request recorded as
-    a client that left (499), the closing counted. Bob, reading his as fast as it comes over a small
-    buffer, is not cut by the same short timeout."""
+    a client that left (499), the closing counted. Bob, reading his more slowly than it comes (his buffers
+    full, but taking some in every period), is not cut by the same short timeout."""
     engine = ScriptedUpstream(chunks=20_000, gap=0.0)  # about 2.5 MB of events, as fast as can be written
     await engine.start()
     replicas = ReplicaSet(["m"])
@@ -143,11 +143,12 @@ async def test_a_client_that_stops_reading_its_stream_is_closed_at_the_send_time
         assert (await eve[0].readline()).startswith(b"HTTP/1.1 200")
         bob = await _stream_request(server.port, body, rcvbuf=4096)
         received, until_then = 0, time.monotonic() + 2.5  # past eve's deadline
-        while time.monotonic() < until_then:
-            data = await asyncio.wait_for(bob[0].read(2**16), 5)
+        while time.monotonic() < until_then:  # 16 kB every 20 ms: slower than the stream comes
+            data = await asyncio.wait_for(bob[0].read(2**14), 5)
             assert data, "bob's stream was closed"
             received += len(data)
-        assert received > 100_000
+            await asyncio.sleep(0.02)
+        assert received > 500_000
         bob[1].close()
         await until(lambda: server.connections.closed["send_timeout"] == 1, within=10)
         await until(lambda: replica.outstanding == 0 and engine.active == 0, within=5)  # the slot is free
@@ -158,10 +159,57 @@ async def test_a_client_that_stops_reading_its_stream_is_closed_at_the_send_time
             with Session(database) as db:
                 return sorted(db.scalars(select(UsageRow.status)))
 
-        await until(lambda: statuses() == [499, 499], within=5)  # (bob left too)
+        # eve's: a client that left; bob's, 200 or 499 (his stream may have been written whole before he left)
+        await until(lambda: len(statuses()) == 2 and statuses()[-1] == 499, within=5)
         async with aiohttp.ClientSession() as session:
             metrics = await (await session.get(f"http://127.0.0.1:{server.port}/metrics")).text()
         assert 'corral_connections_closed_total{reason="send_timeout"} 1.0' in metrics
+    finally:
+        await server.stop()
+        await engine.stop()
+
+
+async def test_a_client_reading_a_large_answer_slowly_is_not_cut(tmp_path: Path) -> None:
+    """A 6 MB answer, not streamed, is one write: past what the kernel takes (4 MB on loopback), its
+    buffer stays over asyncio's low mark while a slower client reads it (64 kB every 20 ms, about 2 s, the
+    buffer full for about 0.6 s against a 0.5 s send_timeout). The client takes some of it in every period,
+    so the connection is kept (the deadline is on taking nothing, as NGINX's)."""
+    completion = {
+        "id": "c",
+        "object": "chat.completion",
+        "created": 1,
+        "model": "m",
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": "x" * 6_000_000},
+                "finish_reason": "stop",
+            }
+        ],
+        "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+    }
+    engine = ScriptedUpstream(mode="answer", answer=(200, "application/json", orjson.dumps(completion)))
+    await engine.start()
+    replicas = ReplicaSet(["m"])
+    replicas.add(Replica("m-0", "m", "x", url=engine.url, state=ReplicaState.READY))
+    server = GatewayServer(
+        GatewaySettings(port=0, send_timeout=0.5),
+        Router(replicas),
+        make_services(replicas, tmp_path / "c.db"),
+    )
+    await server.start()
+    assert server.port is not None
+    body = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+    try:
+        reader, writer = await _stream_request(server.port, body, rcvbuf=4096)
+        received = b""
+        while len(received) < 6_000_000:
+            data = await asyncio.wait_for(reader.read(65536), 5)
+            assert data, f"closed after {len(received)} bytes"
+            received += data
+            await asyncio.sleep(0.02)
+        writer.close()
+        assert server.connections.closed["send_timeout"] == 0
     finally:
         await server.stop()
         await engine.stop()

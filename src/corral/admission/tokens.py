@@ -5,8 +5,8 @@ prompt on this machine, so it is opt-in.
 
 A long text is counted with `encode_batch`, which lets go of the GIL while Rust works (`encode` keeps it: a
 4 MB prompt counted in a thread held the gateway's event loop for its whole 3.8 s; through `encode_batch`,
-69 ms at most, measured); for a short one `encode` is the cheaper call. The gateway counts long prompts in a
-thread (pipeline.py)."""
+69 ms at most, measured); for a short one `encode` is the cheaper call. The gateway counts long prompts in
+threads of their own (gateway/intake.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from pathlib import Path
 
 __all__ = ["LONG_TEXT_CHARS", "TokenCounter", "TokenSizing"]
 
-LONG_TEXT_CHARS = 64 * 1024  # a text this long is counted without the GIL (and off the event loop)
+LONG_TEXT_CHARS = 4096  # a text this long is counted without the GIL, off the event loop (a few ms and more)
 
 
 class TokenCounter:

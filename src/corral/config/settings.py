@@ -57,8 +57,8 @@ class GatewaySettings(Strict):
         float,
         Field(
             gt=0,
-            description="seconds a client may leave its connection's buffer full (reading nothing of an "
-            "answer or a stream) before the gateway closes it: the request counts as a client that left "
+            description="seconds a client may take not one byte of an answer its connection's buffer holds "
+            "before the gateway closes the connection: a stream then counts as a client that left (499) "
             "and its replica slot is freed (NGINX's send_timeout)",
         ),
     ] = 60.0

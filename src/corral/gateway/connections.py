@@ -9,9 +9,10 @@ whose own per-address limit is the outer layer.
 
 A client that stops reading its answer would hold it forever: the answer's writer waits for room in the
 connection's buffer, a stream's relay stops reading its engine, and the replica's slot stays taken. When a
-connection's write buffer stays full (asyncio paused its writing) for `gateway.send_timeout` seconds, it is
-closed; the request is then a client that left (aiohttp cancels its handler). One timer a pause, none while
-the client keeps up: nothing is added to a chunk's way.
+connection's write buffer stays full (asyncio paused its writing) and its client takes not one byte of it
+for `gateway.send_timeout` seconds, it is closed (as NGINX's `send_timeout`: a client reading however
+slowly is not); the request is then a client that left (aiohttp cancels its handler). One timer a pause,
+none while the client keeps up: nothing is added to a chunk's way.
 """
 
 from __future__ import annotations
@@ -119,6 +120,7 @@ class _Capped(asyncio.Protocol):
         self._address = ""
         self._transport: asyncio.Transport | None = None
         self._deadline: asyncio.TimerHandle | None = None
+        self._buffered = 0  # the write buffer's size when the deadline was set
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         peer = transport.get_extra_info("peername")
@@ -148,7 +150,8 @@ class _Capped(asyncio.Protocol):
 
     def pause_writing(self) -> None:
         if self._inner is not None:
-            if self._deadline is None:
+            if self._deadline is None and self._transport is not None:
+                self._buffered = self._transport.get_write_buffer_size()
                 loop = asyncio.get_running_loop()
                 self._deadline = loop.call_later(self._caps.send_timeout, self._stalled)
             self._inner.pause_writing()
@@ -162,6 +165,14 @@ class _Capped(asyncio.Protocol):
 
     def _stalled(self) -> None:
         self._deadline = None
+        if self._transport is None:
+            return
+        buffered = self._transport.get_write_buffer_size()
+        if buffered != self._buffered:  # the client took some (or the answer's writer added some): wait on
+            self._buffered = buffered
+            loop = asyncio.get_running_loop()
+            self._deadline = loop.call_later(self._caps.send_timeout, self._stalled)
+            return
         self._caps.close("send_timeout")
         logger.warning(
             "closing the connection from %s: its client took nothing of the answer for %g s "

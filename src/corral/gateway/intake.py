@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 
@@ -53,20 +55,54 @@ class Draft:
     emulation: ToolEmulation | None
     counter: TokenCounter | None
     tokens_per_byte: float
-    prompt: str = ""  # (the text counted, kept for routing)
+    prompt: str = ""  # the text the model's tokenizer counts (kept for routing); "" without one
 
     @property
     def long(self) -> bool:
-        """Counting it takes a while (the model's tokenizer over a long body): better off the event loop."""
-        return self.counter is not None and len(self.raw) >= LONG_TEXT_CHARS
+        """Counting it takes a while (the model's tokenizer over a long prompt): off the event loop."""
+        return self.counter is not None and len(self.prompt) >= LONG_TEXT_CHARS
 
     def count(self) -> int:
         """The prompt's tokens: counted where the model names its tokenizer, else estimated by size. Reads
         only the request and the tokenizer: safe in another thread."""
         if self.counter is None:
             return int(len(self.raw) * self.tokens_per_byte)
-        self.prompt = prompt_text(self.body)
         return self.counter.count(self.prompt)
+
+
+class Counting:
+    """Where long prompts are counted: two threads of their own (not the default pool, which key lookups
+    and usage writes use), and one count at a time per tenant, so a tenant sending long prompts takes one
+    core at most and never another tenant's turn. A count whose client left runs to its end and keeps its
+    tenant's turn till then (a thread cannot be stopped)."""
+
+    def __init__(self, threads: int = 2) -> None:
+        self._threads = ThreadPoolExecutor(threads, thread_name_prefix="corral-count")
+        self._turns: dict[str, asyncio.Lock] = {}
+        self._holders: dict[str, int] = {}
+
+    async def run(self, tenant: str, count: Callable[[], int]) -> int:
+        turn = self._turns.get(tenant)
+        if turn is None:
+            turn = self._turns[tenant] = asyncio.Lock()
+        self._holders[tenant] = self._holders.get(tenant, 0) + 1
+        try:
+            await turn.acquire()
+        except BaseException:
+            self._let_go(tenant, turn, acquired=False)
+            raise
+        counted = asyncio.get_running_loop().run_in_executor(self._threads, count)
+        counted.add_done_callback(lambda _: self._let_go(tenant, turn, acquired=True))
+        return await asyncio.shield(counted)
+
+    def _let_go(self, tenant: str, turn: asyncio.Lock, acquired: bool) -> None:
+        if acquired:
+            turn.release()
+        holders = self._holders[tenant] - 1
+        if holders:
+            self._holders[tenant] = holders
+        else:
+            del self._holders[tenant], self._turns[tenant]
 
 
 class Intake:
@@ -84,6 +120,7 @@ class Intake:
         self._adapters = adapters
         self._sizing = sizing
         self._failover_modes = failover_modes  # a live apply adds new models' modes
+        self._counting = Counting()
 
     async def generation(
         self,
@@ -96,7 +133,9 @@ class Intake:
         """`tenant`'s request read, checked, counted (a long prompt by the model's tokenizer in a thread: a
         4 MB one takes seconds, which would stall every request on the event loop)."""
         draft = self._draft(raw, path, kind, session, tenant)
-        return self._sized(draft, await asyncio.to_thread(draft.count) if draft.long else draft.count())
+        return self._sized(
+            draft, await self._counting.run(tenant or "", draft.count) if draft.long else draft.count()
+        )
 
     def _draft(
         self,
@@ -129,9 +168,10 @@ class Intake:
             raw = emulation.request(data)
         upstream = _with_usage(raw) if body.stream and not body.include_usage else raw
         sizing = self._sizing
+        counter = sizing.counters.get(base)
         return Draft(
             path, body, raw, upstream, session, adapter, base, features, emulation,
-            sizing.counters.get(base), sizing.tokens_per_byte,
+            counter, sizing.tokens_per_byte, prompt_text(body) if counter is not None else "",
         )  # fmt: skip
 
     def _sized(self, draft: Draft, input_tokens: int) -> RequestContext:
@@ -177,7 +217,7 @@ class Intake:
         """What admission counts for a chat request's prompt (Anthropic's count_tokens)."""
         draft = self._draft(chat_body, "", ChatCompletionRequest, None, principal.tenant)
         principal.check_model(draft.body.model)
-        return await asyncio.to_thread(draft.count) if draft.long else draft.count()
+        return await self._counting.run(principal.tenant, draft.count) if draft.long else draft.count()
 
     def _resolve(self, model: str, tenant: str | None) -> tuple[Adapter | None, str]:
         """(the LoRA adapter `model` names, if any; the model whose replicas serve it). An adapter kept for
@@ -189,7 +229,7 @@ class Intake:
             raise ModelNotFound(f"The model '{model}' does not exist on this server.", param="model")
         return adapter, adapter.base
 
-    async def embedding(self, raw: bytes, path: str) -> RequestContext:
+    async def embedding(self, raw: bytes, path: str, tenant: str | None) -> RequestContext:
         """An embedding request: validated, for an embedding model, sized by its inputs' tokens (by the
         model's tokenizer in a thread where the body is long)."""
         body = parse_body(EmbeddingRequest, raw)
@@ -203,8 +243,10 @@ class Intake:
             )
         counter = self._sizing.counters.get(body.model)
         count = partial(_input_tokens, body.inputs, counter, self._sizing.tokens_per_byte)
-        long = counter is not None and len(raw) >= LONG_TEXT_CHARS
-        tokens = await asyncio.to_thread(count) if long else count()
+        long = (
+            counter is not None and sum(len(i) for i in body.inputs if isinstance(i, str)) >= LONG_TEXT_CHARS
+        )
+        tokens = await self._counting.run(tenant or "", count) if long else count()
         route = RouteRequest(
             model=body.model,
             tokens=tokens,

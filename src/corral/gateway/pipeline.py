@@ -202,7 +202,7 @@ class Pipeline:
         have got."""
         try:
             if path == "/v1/embeddings":
-                ctx = await self._intake.embedding(raw, path)
+                ctx = await self._intake.embedding(raw, path, principal.tenant)
             elif path == "/v1/responses" and self._responses is not None:
                 exchange = await self._responses.open(raw, principal.tenant, principal.key_id)
                 ctx = await self._exchange_context(exchange, None, principal)
@@ -370,7 +370,7 @@ class Pipeline:
 
     async def parse_embeddings(self, request: web.Request, principal: Principal) -> RequestContext:
         """An embedding request: validated, for an embedding model, sized by its inputs' tokens."""
-        return await self._intake.embedding(await self._read(request), request.path)
+        return await self._intake.embedding(await self._read(request), request.path, principal.tenant)
 
     async def count_prompt(self, chat_body: bytes, principal: Principal) -> int:
         """What admission counts for a chat request's prompt (Anthropic's count_tokens). Counting is a
