@@ -10,12 +10,15 @@ import uuid
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
+from tempfile import SpooledTemporaryFile
 
 import orjson
 import pytest
 import redis
+from sqlalchemy.orm import Session
 
-from corral.batch import BatchStore, LineResult, NewBatch
+from corral.batch import BatchStore, LineResult, NewBatch, jobs
+from corral.batch.queue import ResultRow
 from corral.batch.queue_redis import RedisLines
 from corral.store import open_database
 
@@ -105,10 +108,35 @@ def test_a_cancelled_batch_finishes_even_when_its_lines_come_back_or_their_runne
     )
 
 
-def test_a_batchs_results_are_written_in_line_order_past_memory_sized_slices(store: BatchStore) -> None:
+def test_a_batchs_results_are_written_in_line_order_past_memory_sized_slices(
+    store: BatchStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """1,203 lines, read back 500 at a time, about 10 MB of answers: the result files are spooled to disk
     past 8 MiB instead of assembled in memory; every line is there once, in its input order, an answer in
     the output file and a refusal in the error file."""
+    spools: list[SpooledTemporaryFile[bytes]] = []
+
+    class Watched(SpooledTemporaryFile):  # type: ignore[type-arg]
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+            spools.append(self)
+
+        def __exit__(self, *exc: object) -> None:
+            self.was_on_disk = self._rolled  # type: ignore[attr-defined]
+            super().__exit__(*exc)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(jobs, "SpooledTemporaryFile", Watched)
+    reads: list[int] = []
+    results = store.lines.results
+
+    def counted(session: Session, batch_id: str) -> Iterator[ResultRow]:
+        rows = results(session, batch_id)
+        assert not isinstance(rows, list)  # read as they are written, not all at once
+        for row in rows:
+            reads.append(1)
+            yield row
+
+    monkeypatch.setattr(store.lines, "results", counted)
     batch_id = _batch(store, 1203)
     lines = []
     while taken := store.lease("runner", "m", 400, lease_s=60):
@@ -131,6 +159,8 @@ def test_a_batchs_results_are_written_in_line_order_past_memory_sized_slices(sto
     assert [x["custom_id"] for x in answered] == [f"c{i}" for i in range(1203) if i % 100 != 7]
     assert all(x["response"]["body"]["index"] == int(x["custom_id"][1:]) for x in answered)
     assert [orjson.loads(x)["custom_id"] for x in errors] == [f"c{i}" for i in range(1203) if i % 100 == 7]
+    assert len(reads) == 1203
+    assert [spool.was_on_disk for spool in spools] == [True, False]  # the output past 8 MiB, the errors not
 
 
 def test_a_batch_is_started_or_failed_once_and_a_validating_batch_can_be_cancelled(store: BatchStore) -> None:

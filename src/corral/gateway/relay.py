@@ -165,6 +165,7 @@ class Relay:
             except NoCapacity:
                 break
             ok: bool | None = None  # cancelled (the caller's deadline): not the replica's fault
+            succeeded = replica.succeeded
             try:
                 upstream = await self._engines.post(replica.url, path, body, replica.api_key)
                 try:
@@ -180,7 +181,9 @@ class Relay:
                     raise UpstreamError(f"{route.model} refused the input: {error.decode()[:200]}")
                 ok = False
             except (EngineConnectionError, TimeoutError) as exc:
-                ok, failure = False, f"{type(exc).__name__}: {exc}"
+                # (a timeout while the replica served others: a long input, not the replica's fault)
+                alive = isinstance(exc, TimeoutError) and replica.succeeded != succeeded
+                ok, failure = None if alive else False, f"{type(exc).__name__}: {exc}"
             finally:
                 self._router.release(replica, route, ok)
             tried.append(replica)
