@@ -2,15 +2,16 @@
 slot (engine slots or `max_num_seqs`), ordered by priority class and fair between tenants.
 
 A request takes as many slots as the sequences it runs at once (`n` choices, a list of prompts, an
-embeddings request's inputs; at most every slot the model has): an `n: 16` request holds 16 of a vLLM
-replica's `max_num_seqs`, as the engine does. When the request next in turn needs more slots than are free,
-they are kept for it as they free up (no lighter request overtakes it for ever).
+embeddings request's inputs; at most the slots of the model's largest replica, which runs it): an `n: 16`
+request holds 16 of a vLLM replica's `max_num_seqs`, as the engine does. A tenant under its share may
+start a request however many slots it takes; when the request next in turn needs more slots than are
+free, they are kept for it as they free up (no lighter request overtakes it for ever).
 
 Slots are shared too. Each tenant active on a model (running, waiting, or asking within the last 10 s)
 has a share of its slots weighted by priority (high 4, normal 2, low 1). Under its share a tenant may
 always take a free slot; over it, only a slot no other active tenant is entitled to and not using, so a
 hog never holds an idle tenant's share of the slots, and a tenant alone may use them all. Within a
-priority class the waiting tenant with the fewest requests running for its weight goes next (the least
+priority class the waiting tenant with the fewest slots running for its weight goes next (the least
 recently served among equals; per-tenant FIFO queues), and a request whose tenant runs fewer than every
 waiting tenant starts at once. A full queue refuses at once; a request that cannot start before its
 deadline leaves the queue; both get 503 with a Retry-After derived from the measured drain rate.
@@ -57,7 +58,8 @@ def _weight(priority: int) -> int:
 class _Waiter:
     tenant: str
     priority: int
-    weight: int = 1  # the slots it takes
+    sequences: int = 1  # it runs at once
+    weight: int = 1  # the slots it takes: its sequences, at most a replica's (worked out again at each wake)
     since: float = field(default_factory=time.monotonic)
     future: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
@@ -94,13 +96,16 @@ class _ModelQueue:
         else:
             del self.held[tenant], self.weights[tenant]
 
-    def pop(self, may_start: Callable[[str, int], bool], free: int) -> _Waiter | None:
+    def pop(
+        self, may_start: Callable[[str, int], bool], free: int, weigh: Callable[[_Waiter], int]
+    ) -> _Waiter | None:
         """The next waiter to start: by priority class, then the tenant with the fewest slots running for
-        its weight (the least recently served among equals), of those `may_start` lets start; None when
-        that waiter needs more than the `free` slots (they are kept for it)."""
+        its weight (the least recently served among equals), of those `may_start` lets start (each
+        waiter's slots by `weigh`); None when that waiter needs more than the `free` slots (they are kept
+        for it)."""
         for priority in sorted(self.classes):
             tenants = self.classes[priority]
-            allowed = [t for t in tenants if may_start(t, tenants[t][0].weight)]
+            allowed = [t for t in tenants if may_start(t, weigh(tenants[t][0]))]
             if not allowed:
                 continue
             tenant = min(allowed, key=lambda t: (self.load(t), self.last_served.get(t, -1)))
@@ -143,8 +148,8 @@ class _ModelQueue:
     def may_start(self, tenant: str, weight: int, free: int, total: int | None) -> bool:
         """`tenant` may take `weight` of `free` slots (of `total`): while under its weighted share of the
         slots among the tenants active on the model (running, waiting or asking within _ACTIVE_S), as soon
-        as they are free (see `pop`); over it, only from slots no other active tenant is entitled to and
-        not using."""
+        as they are free (see `pop`), however many; over it, only from slots no other active tenant is
+        entitled to and not using."""
         if free <= 0:
             return False
         if total is None:  # replicas that do not say their slots: nothing to share
@@ -157,7 +162,7 @@ class _ModelQueue:
         }
         whole = sum(weights.values()) or 1
         share = {t: total * w / whole for t, w in weights.items()}
-        if self.running.get(tenant, 0) + weight - 1 < share.get(tenant, total):
+        if self.running.get(tenant, 0) < share.get(tenant, total):
             return True
         kept = sum(max(0.0, share[t] - self.running.get(t, 0)) for t in weights if t != tenant)
         return free - kept >= weight
@@ -225,6 +230,10 @@ class Capacity(Protocol):
         """Sequences `model`'s ready replicas hold in all; None where an engine does not say."""
         ...
 
+    def replica_slots(self, model: str) -> int | None:
+        """Sequences the largest of `model`'s ready replicas holds; None where an engine does not say."""
+        ...
+
     def start_hold(self, model: str) -> float | None:
         """Seconds a request may wait for the first replica of a model scaled to zero; None otherwise."""
         ...
@@ -281,8 +290,7 @@ class FairQueue:
         queue.arrive(principal.tenant, principal.priority)
         free = self._capacity.free_slots(model)
         ready = free is not None
-        total = self._capacity.slots(model)
-        weight = max(1, min(sequences, total)) if total else 1  # (one that needs more waits for them all)
+        weight = self._slots_for(model, sequences)
         hold = self._capacity.start_hold(model)
         if not ready and hold is None:
             raise NoCapacity(
@@ -296,7 +304,7 @@ class FairQueue:
             return 0.0, weight
         if queue.size >= self._max:
             self._make_room(model, queue, principal)
-        waiter = _Waiter(principal.tenant, principal.priority, weight)
+        waiter = _Waiter(principal.tenant, principal.priority, sequences, weight)
         queue.push(waiter)
         started = time.monotonic()
         timeout = max(self._timeout, hold) if not ready and hold is not None else self._timeout
@@ -305,8 +313,9 @@ class FairQueue:
         except TimeoutError:
             queue.remove(waiter)
             if _granted(waiter):  # granted just as the deadline passed: hand the slots on
-                queue.granted -= weight
-                queue.started(waiter.tenant, -weight)
+                queue.granted -= waiter.weight
+                queue.started(waiter.tenant, -waiter.weight)
+            if queue.size:  # (slots kept for it, or handed back: the next may start)
                 self._wake(model, queue)
             raise NoCapacity(
                 f"No replica of model '{model}' could take the request within {timeout:g}s.",
@@ -316,12 +325,13 @@ class FairQueue:
         except asyncio.CancelledError:
             queue.remove(waiter)
             if _granted(waiter):
-                queue.granted -= weight
-                queue.started(waiter.tenant, -weight)
+                queue.granted -= waiter.weight
+                queue.started(waiter.tenant, -waiter.weight)
+            if queue.size:
                 self._wake(model, queue)
             raise
-        queue.granted -= weight
-        return time.monotonic() - started, weight
+        queue.granted -= waiter.weight
+        return time.monotonic() - started, waiter.weight
 
     def done(self, model: str, tenant: str, weight: int = 1) -> None:
         """A request of `tenant` for `model` left its replica: its `weight` slots (what `enter` said it
@@ -347,6 +357,7 @@ class FairQueue:
         waiter = queue.displace(hog)
         if not waiter.future.done():
             waiter.future.set_exception(_over_share(model, hog, queue.held.get(hog, 0) + 1, retry_after))
+        self._wake(model, queue)  # (slots kept for the waiter displaced may go to the next)
 
     def _goes_first(self, model: str, queue: _ModelQueue, tenant: str, free: int, weight: int) -> bool:
         """A request may start at once: its slots are free and its tenant may take them, and no waiting
@@ -357,10 +368,27 @@ class FairQueue:
             return False
         return all(queue.load(tenant) < queue.load(t) for t in queue.held)
 
+    def _slots_for(self, model: str, sequences: int) -> int:
+        """The slots a request running `sequences` at once takes: at most the largest replica's (one that
+        needs more would never start); 1 while no replica says."""
+        if sequences <= 1:
+            return 1
+        most = self._capacity.replica_slots(model)
+        return max(1, min(sequences, most)) if most else 1
+
+    def _weigh(self, model: str, waiter: _Waiter) -> int:
+        """A waiter's slots as the replicas are now (they come and go while it waits)."""
+        if waiter.sequences > 1:
+            waiter.weight = self._slots_for(model, waiter.sequences)
+        return waiter.weight
+
     def _wake(self, model: str, queue: _ModelQueue) -> None:
         free = (self._capacity.free_slots(model) or 0) - queue.granted
         total = self._capacity.slots(model)
-        while (waiter := queue.pop(partial(queue.may_start, free=free, total=total), free)) is not None:
+        weigh = partial(self._weigh, model)
+        while (
+            waiter := queue.pop(partial(queue.may_start, free=free, total=total), free, weigh)
+        ) is not None:
             if waiter.future.done():
                 continue
             waiter.future.set_result(None)

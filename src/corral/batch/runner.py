@@ -32,6 +32,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable
+from functools import partial
 from typing import Any, Protocol
 
 import orjson
@@ -65,6 +66,25 @@ class LineExecutor(Protocol):
     ) -> tuple[int, bytes]: ...
 
 
+def _forget(running: dict[asyncio.Task[None], int], task: asyncio.Task[None]) -> None:
+    running.pop(task, None)
+
+
+def _sequences(endpoint: str, body: bytes) -> int:
+    """The sequences a line runs at once, as its replica counts them: an embeddings line's inputs, a
+    completions line's prompts × `n`, a chat line's `n` (a Responses line: one)."""
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return 1
+    if not isinstance(data, dict) or endpoint == "/v1/responses":
+        return 1
+    items = data.get("input" if endpoint == "/v1/embeddings" else "prompt")
+    many = len(items) if isinstance(items, list) and items and not isinstance(items[0], int) else 1
+    n = data.get("n")
+    return many * (n if isinstance(n, int) and n > 0 else 1)
+
+
 def _request_id(line: BatchLine) -> str:
     """A line's request id: its output line's and its usage rows', every attempt's (a retry's too)."""
     return "req_" + hashlib.blake2b(f"{line.batch_id}:{line.line}".encode(), digest_size=12).hexdigest()
@@ -96,7 +116,8 @@ class BatchRunner:
         self._waiting = waiting
         self._settings = settings
         self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-        self._running: dict[str, set[asyncio.Task[None]]] = {}
+        # per model: the lines running, each with the sequences it runs at once (replicas count those)
+        self._running: dict[str, dict[asyncio.Task[None], int]] = {}
         self._leased: dict[tuple[str, int], BatchLine] = {}
         self._leasing = True  # until the gateway shuts down (`stop_leasing`)
         self._wake = asyncio.Event()
@@ -117,7 +138,7 @@ class BatchRunner:
         slots = sum(r.capacity or 1 for r in ready)
         busy = sum(r.outstanding for r in ready)
         waiting = self._waiting().get(base, 0)
-        mine = len(self._running.get(model, ()))
+        mine = sum(self._running.get(model, {}).values())
         peak = self._interactive_peak(model, max(0, busy + waiting - mine))
         share = int(slots * self._settings.max_share)  # requests pin to replicas (prefix affinity): spread
         spare = max(0, min(share, slots - self._settings.headroom - peak) - mine)
@@ -227,9 +248,9 @@ class BatchRunner:
                 continue  # still running here (its lease had lapsed): not a second time
             self._leased[(line.batch_id, line.line)] = line
             task = asyncio.create_task(self._run(line), name=f"batch-line:{line.batch_id}:{line.line}")
-            running = self._running.setdefault(model, set())
-            running.add(task)
-            task.add_done_callback(running.discard)
+            running = self._running.setdefault(model, {})
+            running[task] = _sequences(line.endpoint, line.body)
+            task.add_done_callback(partial(_forget, running))
 
     async def _run(self, line: BatchLine) -> None:
         key = (line.batch_id, line.line)

@@ -209,6 +209,7 @@ def build_app(
                         logger.exception("background task %s had failed", task.get_name())
             await metrics.stop()
             await parts.queue.stop()
+            pipeline.close()
             await usage.stop()
             engines.close()
             await session.close()

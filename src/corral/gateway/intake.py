@@ -91,9 +91,22 @@ class Counting:
         except BaseException:
             self._let_go(tenant, turn, acquired=False)
             raise
-        counted = asyncio.get_running_loop().run_in_executor(self._threads, count)
-        counted.add_done_callback(lambda _: self._let_go(tenant, turn, acquired=True))
+        try:
+            counted = asyncio.get_running_loop().run_in_executor(self._threads, count)
+        except BaseException:  # (the pool shut down: the gateway is stopping)
+            self._let_go(tenant, turn, acquired=True)
+            raise
+        counted.add_done_callback(partial(self._counted, tenant, turn))
         return await asyncio.shield(counted)
+
+    def close(self) -> None:
+        """Counts under way run to their end; none starts."""
+        self._threads.shutdown(wait=False, cancel_futures=True)
+
+    def _counted(self, tenant: str, turn: asyncio.Lock, counted: asyncio.Future[int]) -> None:
+        if not counted.cancelled():
+            counted.exception()  # (read here: its caller may have left, and it must not be logged as lost)
+        self._let_go(tenant, turn, acquired=True)
 
     def _let_go(self, tenant: str, turn: asyncio.Lock, acquired: bool) -> None:
         if acquired:
@@ -121,6 +134,9 @@ class Intake:
         self._sizing = sizing
         self._failover_modes = failover_modes  # a live apply adds new models' modes
         self._counting = Counting()
+
+    def close(self) -> None:
+        self._counting.close()
 
     async def generation(
         self,

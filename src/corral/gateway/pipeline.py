@@ -129,6 +129,10 @@ class Pipeline:
             partial(self._dialect, dialect=responses) if responses is not None else None
         )
 
+    def close(self) -> None:
+        """The gateway is stopping: no more prompts are counted (those under way end)."""
+        self._intake.close()
+
     async def _handle(self, request: web.Request, parse: _Parse, answer: _Answer) -> web.StreamResponse:
         principal = await self._auth.authenticate(request.headers.get("Authorization"))
         ctx = await parse(request, principal)

@@ -221,7 +221,9 @@ class PrefixAffinity:
         def cost(replica: Replica) -> tuple[float, float]:
             load = loads[replica.id]
             uncached = prompt * (1 - depths.get(replica.id, 0) / blocks)
-            queued = max(0, replica.outstanding + 1 - replica.capacity) if replica.capacity else 0
+            queued = (
+                max(0, replica.outstanding + request.sequences - replica.capacity) if replica.capacity else 0
+            )
             return (
                 replica.pending_prefill
                 + uncached * (1 + load + self.coalescing)

@@ -213,6 +213,14 @@ class ReplicaSet:
             return None
         return sum(replica.capacity or 0 for replica in ready)
 
+    def replica_slots(self, model: str) -> int | None:
+        """Sequences the largest of `model`'s ready replicas holds (a request runs on one); None where an
+        engine does not say its capacity (or none is ready). (The admission queue's `Capacity`.)"""
+        ready = self.ready(model)
+        if not ready or any(replica.capacity is None for replica in ready):
+            return None
+        return max(replica.capacity or 0 for replica in ready)
+
     def start_hold(self, model: str) -> float | None:
         """Seconds a request may wait for the first replica of a model scaled to zero (`on_demand`)."""
         return self.on_demand.get(model)

@@ -144,6 +144,7 @@ class RouteRequest:
     prompt: str = ""
     prompt_tokens: int = 0  # estimated input tokens
     sequences: int = 1  # the sequences it runs at once on its replica (n × prompts; embedding inputs)
+    held: int = 1  # of its replica's slots, counted in `outstanding` (its sequences, at most all; the router)
     prefill: int = 0  # tokens the chosen replica is expected to prefill (not in its cache), set by the router
     inflight: Prefill | None = field(default=None, repr=False)  # its prefill, while it runs (router.py)
     # its blocks' mark in the prefix index while it runs (negative, its own), set by the policy (prefix.py)

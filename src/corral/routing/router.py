@@ -152,7 +152,9 @@ class Router:
             for residence in unload:
                 self.on_unload(replica, residence)
         replica.breaker.on_dispatch()
-        replica.outstanding += request.sequences
+        capacity = replica.capacity
+        request.held = min(request.sequences, capacity) if capacity else request.sequences
+        replica.outstanding += request.held
         replica.outstanding_tokens += request.tokens
         hashes = request.hashes  # empty unless the policy reads the prompt
         cached = min(decision.cached_blocks, len(hashes))
@@ -221,7 +223,7 @@ class Router:
             prompt = usage.get("prompt_tokens") if usage is not None else None
             if isinstance(prompt, int):
                 policy.observe(request, prompt)
-        replica.outstanding -= request.sequences
+        replica.outstanding -= request.held
         replica.outstanding_tokens -= request.tokens
         replica.served += 1
         if ok is True:

@@ -1,0 +1,117 @@
+"""The fair queue weighing requests by the slots they take (their sequences), on a real replica set: a
+request larger than its tenant's share still starts while others are active, the next in turn keeps the
+slots it waits for, and a replica counts a request's sequences up to its capacity."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from corral.admission import Principal
+from corral.admission.queue import FairQueue
+from corral.protocol import NoCapacity
+from corral.routing import Replica, ReplicaSet, ReplicaState, Router, RouteRequest
+
+
+def _replicas(*capacities: int) -> ReplicaSet:
+    replicas = ReplicaSet(["m"])
+    for i, capacity in enumerate(capacities):
+        replicas.add(
+            Replica(f"m-{i}", "m", "x", url="http://127.0.0.1:9", state=ReplicaState.READY, capacity=capacity)
+        )
+    return replicas
+
+
+class Running:
+    """Requests on the replica as the router counts them while they run."""
+
+    def __init__(self, replicas: ReplicaSet, queue: FairQueue) -> None:
+        self.replica, self.queue = replicas.of("m")[0], queue
+
+    async def start(self, tenant: str, sequences: int = 1) -> int:
+        _, slots = await self.queue.enter("m", Principal(key_id=tenant, tenant=tenant), sequences)
+        self.replica.outstanding += slots
+        return slots
+
+    def end(self, tenant: str, slots: int) -> None:
+        self.replica.outstanding -= slots
+        self.queue.done("m", tenant, slots)
+
+
+async def test_a_request_larger_than_its_tenants_share_starts_while_another_tenant_is_active() -> None:
+    """Eight slots, bob active (he asked a moment ago): eve's `n: 5` is over her share of four but she
+    runs nothing; it starts at once rather than waiting for a share it can never fit in."""
+    replicas = _replicas(8)
+    queue = FairQueue(replicas, max_queued=8, timeout=1.0)
+    running = Running(replicas, queue)
+    running.end("bob", await running.start("bob"))
+    assert await asyncio.wait_for(running.start("eve", 5), 0.5) == 5
+
+
+async def test_the_request_next_in_turn_keeps_the_slots_it_waits_for() -> None:
+    """Four slots, bob runs one. Eve's `n: 4` waits for all four; carol's single request, sent after it,
+    does not take the three free slots meanwhile (eve would wait for ever behind such requests): eve
+    starts when bob ends, carol when eve ends."""
+    replicas = _replicas(4)
+    queue = FairQueue(replicas, max_queued=8, timeout=5.0)
+    queue.start()
+    running = Running(replicas, queue)
+    try:
+        bob = await running.start("bob")
+        eve = asyncio.create_task(running.start("eve", 4))
+        await asyncio.sleep(0.05)
+        carol = asyncio.create_task(running.start("carol"))
+        await asyncio.sleep(0.3)  # (past a tick of the queue)
+        assert not eve.done() and not carol.done()
+        running.end("bob", bob)
+        assert await asyncio.wait_for(eve, 1) == 4
+        await asyncio.sleep(0.3)
+        assert not carol.done()
+        running.end("eve", 4)
+        assert await asyncio.wait_for(carol, 1) == 1
+    finally:
+        await queue.stop()
+
+
+async def test_a_request_never_takes_more_slots_than_its_largest_replica_holds() -> None:
+    """Two replicas of four slots: an embeddings request of 100 inputs takes four (one replica runs it)
+    and starts; on the replica it counts four, not 100."""
+    replicas = _replicas(4, 4)
+    queue = FairQueue(replicas, max_queued=8, timeout=1.0)
+    _, slots = await queue.enter("m", Principal(key_id="k", tenant="acme"), 100)
+    assert slots == 4
+    router = Router(replicas, default_policy="round_robin")
+    request = RouteRequest("m", tokens=100, sequences=100)
+    replica = router.acquire(request)
+    assert replica.outstanding == 4
+    router.release(replica, request, True)
+    assert replica.outstanding == 0
+
+
+async def test_a_waiter_that_leaves_hands_its_kept_slots_on_at_once() -> None:
+    """Eve's `n: 4` waits for the slot bob holds, keeping the three others from carol; eve leaves (her
+    client went away): carol starts then, not at the next tick or bob's end."""
+    replicas = _replicas(4)
+    queue = FairQueue(replicas, max_queued=8, timeout=5.0)
+    running = Running(replicas, queue)
+    await running.start("bob")
+    eve = asyncio.create_task(running.start("eve", 4))
+    await asyncio.sleep(0.05)
+    carol = asyncio.create_task(running.start("carol"))
+    await asyncio.sleep(0.05)
+    assert not carol.done()
+    eve.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await eve
+    assert await asyncio.wait_for(carol, 0.2) == 1  # (the queue's ticker is not running here)
+
+
+async def test_a_queue_deadline_still_holds_for_a_heavy_request() -> None:
+    """A request that needs every slot while another tenant's hold them leaves at the queue's deadline."""
+    replicas = _replicas(2)
+    queue = FairQueue(replicas, max_queued=8, timeout=0.2)
+    running = Running(replicas, queue)
+    await running.start("bob")
+    with pytest.raises(NoCapacity):
+        await running.start("eve", 2)
