@@ -6,7 +6,7 @@ leaves routing."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import aiohttp
@@ -38,48 +38,39 @@ def test_the_replicas_own_failures_open_it_as_before() -> None:
     assert breaker.state is CircuitState.OPEN
 
 
-@pytest.fixture
-async def poisoned() -> AsyncIterator[list[str]]:
-    """Two engines that answer 500 to a prompt containing "poison" and a completion to anything else."""
-
-    async def chat(request: web.Request) -> web.Response:
-        body = await request.json()
-        if "poison" in str(body["messages"]):
-            return web.json_response({"error": {"message": "internal error", "code": 500}}, status=500)
-        return web.json_response(
-            {
-                "id": "c",
-                "object": "chat.completion",
-                "created": 1,
-                "model": "m",
-                "choices": [
-                    {"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}
-                ],
-                "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
-            }
-        )
-
-    runners = []
-    for _ in range(2):
-        app = web.Application()
-        app.router.add_post("/v1/chat/completions", chat)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        runners.append(runner)
-    yield [f"http://127.0.0.1:{r.addresses[0][1]}" for r in runners]
-    for runner in runners:
-        await runner.cleanup()
+_OK = {
+    "id": "c",
+    "object": "chat.completion",
+    "created": 1,
+    "model": "m",
+    "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}],
+    "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+}
 
 
-async def test_a_tenants_poisoned_inputs_leave_the_replicas_to_everyone(
-    tmp_path: Path, poisoned: list[str]
-) -> None:
+async def _engine(chat: Callable[[web.Request], Awaitable[web.Response]]) -> web.AppRunner:
+    """An engine answering chat completions with `chat`, on a free port."""
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    return runner
+
+
+Ask = Callable[[aiohttp.ClientSession, str, str], Awaitable[int]]
+
+
+async def _gateway(
+    tmp_path: Path, urls: list[str], settings: GatewaySettings
+) -> tuple[GatewayServer, ReplicaSet, Ask]:
+    """A closed gateway over engines at `urls`, with keys for eve and bob; `ask(session, tenant, text)`
+    sends a chat request as that tenant and answers its status."""
     replicas = ReplicaSet(["m"])
-    for i, url in enumerate(poisoned):
+    for i, url in enumerate(urls):
         replicas.add(Replica(id=f"m-{i}", model="m", engine="x", url=url, state=ReplicaState.READY))
     parts = make_services(replicas, tmp_path / "c.db", auth=AuthSettings(open=False))
-    server = GatewayServer(GatewaySettings(port=0), Router(replicas), parts)
+    server = GatewayServer(settings, Router(replicas), parts)
     await server.start()
     keys = {tenant: parts.keys.create(tenant)[0] for tenant in ("eve", "bob")}
     url = f"http://127.0.0.1:{server.port}/v1/chat/completions"
@@ -89,6 +80,29 @@ async def test_a_tenants_poisoned_inputs_leave_the_replicas_to_everyone(
         async with session.post(url, json=body, headers={"Authorization": f"Bearer {keys[tenant]}"}) as r:
             return r.status
 
+    return server, replicas, ask
+
+
+@pytest.fixture
+async def poisoned() -> AsyncIterator[list[str]]:
+    """Two engines that answer 500 to a prompt containing "poison" and a completion to anything else."""
+
+    async def chat(request: web.Request) -> web.Response:
+        body = await request.json()
+        if "poison" in str(body["messages"]):
+            return web.json_response({"error": {"message": "internal error", "code": 500}}, status=500)
+        return web.json_response(_OK)
+
+    runners = [await _engine(chat) for _ in range(2)]
+    yield [f"http://127.0.0.1:{r.addresses[0][1]}" for r in runners]
+    for runner in runners:
+        await runner.cleanup()
+
+
+async def test_a_tenants_poisoned_inputs_leave_the_replicas_to_everyone(
+    tmp_path: Path, poisoned: list[str]
+) -> None:
+    server, replicas, ask = await _gateway(tmp_path, poisoned, GatewaySettings(port=0))
     try:
         async with aiohttp.ClientSession() as session:
             assert {await ask(session, "eve", "poison") for _ in range(12)} == {502}
@@ -110,44 +124,12 @@ async def test_a_tenants_long_requests_past_the_read_timeout_leave_the_replica_t
         body = await request.json()
         if "long" in str(body["messages"]):
             await asyncio.sleep(2)
-        return web.json_response(
-            {
-                "id": "c",
-                "object": "chat.completion",
-                "created": 1,
-                "model": "m",
-                "choices": [
-                    {"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}
-                ],
-                "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
-            }
-        )
+        return web.json_response(_OK)
 
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions", chat)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    replicas = ReplicaSet(["m"])
-    replica = Replica(
-        id="m-0",
-        model="m",
-        engine="x",
-        url=f"http://127.0.0.1:{runner.addresses[0][1]}",
-        state=ReplicaState.READY,
-    )
-    replicas.add(replica)
-    parts = make_services(replicas, tmp_path / "c.db", auth=AuthSettings(open=False))
-    server = GatewayServer(GatewaySettings(port=0, read_timeout=0.5, retries=0), Router(replicas), parts)
-    await server.start()
-    keys = {tenant: parts.keys.create(tenant)[0] for tenant in ("eve", "bob")}
-    url = f"http://127.0.0.1:{server.port}/v1/chat/completions"
-
-    async def ask(session: aiohttp.ClientSession, tenant: str, content: str) -> int:
-        body = {"model": "m", "messages": [{"role": "user", "content": content}]}
-        async with session.post(url, json=body, headers={"Authorization": f"Bearer {keys[tenant]}"}) as r:
-            return r.status
-
+    runner = await _engine(chat)
+    settings = GatewaySettings(port=0, read_timeout=0.5, retries=0)
+    server, replicas, ask = await _gateway(tmp_path, [f"http://127.0.0.1:{runner.addresses[0][1]}"], settings)
+    (replica,) = replicas.of("m")
     try:
         async with aiohttp.ClientSession() as session:
             eve = asyncio.gather(*(ask(session, "eve", "long") for _ in range(3)))

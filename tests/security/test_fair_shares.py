@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import aiohttp
@@ -81,36 +83,42 @@ async def test_a_full_queue_of_one_tenant_alone_is_still_a_503_for_it(tmp_path: 
         await slow.stop()
 
 
-async def test_a_flooding_tenant_leaves_an_active_tenants_share_of_the_slots_free(tmp_path: Path) -> None:
-    """Four slots, each answer 1 s. Bob has asked lately (he is active); eve floods with 16 requests at
-    once. Eve holds at most her share (2 of 4) while bob runs fewer than his, so two requests bob sends
-    mid-flood start at once: they take 1 s. Before, eve took every slot that came free and bob's requests
-    waited in the queue for the next wave of eve's answers to end (1.6 s here)."""
+@asynccontextmanager
+async def _four_slots(tmp_path: Path) -> AsyncIterator[tuple[Cluster, ScriptedUpstream, str, str]]:
+    """A closed gateway over one replica of four slots whose answers take 1 s; eve's key and bob's."""
     slow = ScriptedUpstream(delay=1.0)
     await slow.start()
     server, cluster = await start(tmp_path, slow, capacity=4, queue=QueueSettings(max_queued=32, timeout=30))
     try:
         _, eve = await cluster.admin("POST", "/admin/keys", {"tenant": "eve"})
         _, bob = await cluster.admin("POST", "/admin/keys", {"tenant": "bob"})
-        async with aiohttp.ClientSession() as session:
-
-            async def timed(key: str) -> tuple[int, float]:
-                started = time.monotonic()
-                status, _ = await ask(session, cluster, key)
-                return status, time.monotonic() - started
-
-            first = asyncio.create_task(timed(bob["key"]))  # bob is active
-            await asyncio.sleep(0.05)
-            flood = [asyncio.create_task(timed(eve["key"])) for _ in range(16)]
-            await asyncio.sleep(2.4)  # eve's answers end in waves, at 1 s, 2 s, 3 s
-            mid_flood = await asyncio.gather(timed(bob["key"]), timed(bob["key"]))
-            assert [status for status, _ in mid_flood] == [200, 200]
-            assert max(seconds for _, seconds in mid_flood) < 1.3, mid_flood
-            assert (await first)[0] == 200
-            assert {status for status, _ in await asyncio.gather(*flood)} == {200}  # eve is served, later
+        yield cluster, slow, eve["key"], bob["key"]
     finally:
         await server.stop()
         await slow.stop()
+
+
+async def test_a_flooding_tenant_leaves_an_active_tenants_share_of_the_slots_free(tmp_path: Path) -> None:
+    """Four slots, each answer 1 s. Bob has asked lately (he is active); eve floods with 16 requests at
+    once. Eve holds at most her share (2 of 4) while bob runs fewer than his, so two requests bob sends
+    mid-flood start at once: they take 1 s. Before, eve took every slot that came free and bob's requests
+    waited in the queue for the next wave of eve's answers to end (1.6 s here)."""
+    async with _four_slots(tmp_path) as (cluster, _, eve, bob), aiohttp.ClientSession() as session:
+
+        async def timed(key: str) -> tuple[int, float]:
+            started = time.monotonic()
+            status, _ = await ask(session, cluster, key)
+            return status, time.monotonic() - started
+
+        first = asyncio.create_task(timed(bob))  # bob is active
+        await asyncio.sleep(0.05)
+        flood = [asyncio.create_task(timed(eve)) for _ in range(16)]
+        await asyncio.sleep(2.4)  # eve's answers end in waves, at 1 s, 2 s, 3 s
+        mid_flood = await asyncio.gather(timed(bob), timed(bob))
+        assert [status for status, _ in mid_flood] == [200, 200]
+        assert max(seconds for _, seconds in mid_flood) < 1.3, mid_flood
+        assert (await first)[0] == 200
+        assert {status for status, _ in await asyncio.gather(*flood)} == {200}  # eve is served, later
 
 
 async def test_a_request_takes_a_slot_for_each_sequence_it_runs(tmp_path: Path) -> None:
@@ -118,24 +126,15 @@ async def test_a_request_takes_a_slot_for_each_sequence_it_runs(tmp_path: Path) 
     engine runs four sequences for it, every slot. Bob's request, sent while it runs, waits in corral's queue
     for them (before, it counted one slot, so bob's went to the engine at once and waited in the engine's
     own queue, past the fair queue: an `n: 128` request took a whole replica as one slot)."""
-    slow = ScriptedUpstream(delay=1.0)
-    await slow.start()
-    server, cluster = await start(tmp_path, slow, capacity=4, queue=QueueSettings(max_queued=32, timeout=30))
-    try:
-        _, eve = await cluster.admin("POST", "/admin/keys", {"tenant": "eve"})
-        _, bob = await cluster.admin("POST", "/admin/keys", {"tenant": "bob"})
-        async with aiohttp.ClientSession() as session:
-            headers = {"Authorization": f"Bearer {eve['key']}"}
-            eve_asks = asyncio.create_task(
-                session.post(cluster.url + "/v1/chat/completions", json={**BODY, "n": 4}, headers=headers)
-            )
-            await asyncio.sleep(0.1)
-            assert cluster.replicas.of("m")[0].outstanding == 4  # four sequences on the replica
-            started = time.monotonic()
-            assert await ask(session, cluster, bob["key"]) == (200, "ok")
-            assert time.monotonic() - started > 1.5  # the rest of eve's second, then his own
-            assert (await eve_asks).status == 200
-        assert slow.peak_concurrency == 1
-    finally:
-        await server.stop()
-        await slow.stop()
+    async with _four_slots(tmp_path) as (cluster, slow, eve, bob), aiohttp.ClientSession() as session:
+        headers = {"Authorization": f"Bearer {eve}"}
+        eve_asks = asyncio.create_task(
+            session.post(cluster.url + "/v1/chat/completions", json={**BODY, "n": 4}, headers=headers)
+        )
+        await asyncio.sleep(0.1)
+        assert cluster.replicas.of("m")[0].outstanding == 4  # four sequences on the replica
+        started = time.monotonic()
+        assert await ask(session, cluster, bob) == (200, "ok")
+        assert time.monotonic() - started > 1.5  # the rest of eve's second, then his own
+        assert (await eve_asks).status == 200
+    assert slow.peak_concurrency == 1

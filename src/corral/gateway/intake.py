@@ -36,6 +36,7 @@ from corral.routing.adapters import Adapter, AdapterCatalogue
 
 __all__ = ["Draft", "Intake", "prompt_text"]
 
+_Kind = type[ChatCompletionRequest] | type[CompletionRequest]
 _DEFAULT_OUTPUT_ESTIMATE = 256  # tokens, when a request sets no max_tokens
 
 
@@ -148,18 +149,13 @@ class Intake:
     ) -> RequestContext:
         """`tenant`'s request read, checked, counted (a long prompt by the model's tokenizer in a thread: a
         4 MB one takes seconds, which would stall every request on the event loop)."""
-        draft = self._draft(raw, path, kind, session, tenant)
+        draft = self._draft(raw, kind, tenant, path, session)
         return self._sized(
             draft, await self._counting.run(tenant or "", draft.count) if draft.long else draft.count()
         )
 
     def _draft(
-        self,
-        raw: bytes,
-        path: str,
-        kind: type[ChatCompletionRequest] | type[CompletionRequest],
-        session: str | None,
-        tenant: str | None,
+        self, raw: bytes, kind: _Kind, tenant: str | None, path: str = "", session: str | None = None
     ) -> Draft:
         """`tenant`'s request read and checked, its prompt not yet counted. An adapter kept for other
         tenants does not exist for `tenant` (before any other check, which would tell it apart from a name
@@ -231,7 +227,7 @@ class Intake:
 
     async def count_prompt(self, chat_body: bytes, principal: Principal) -> int:
         """What admission counts for a chat request's prompt (Anthropic's count_tokens)."""
-        draft = self._draft(chat_body, "", ChatCompletionRequest, None, principal.tenant)
+        draft = self._draft(chat_body, ChatCompletionRequest, principal.tenant)
         principal.check_model(draft.body.model)
         return await self._counting.run(principal.tenant, draft.count) if draft.long else draft.count()
 
