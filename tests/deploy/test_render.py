@@ -11,7 +11,7 @@ import jsonschema
 import pytest
 import yaml
 
-from corral.config import parse_spec
+from corral.config import SpecError, parse_spec
 from tests.conftest import CORRAL, DATA
 
 GPU_SPEC = """
@@ -356,6 +356,13 @@ def test_kuberay_manifests_validate_against_the_crd(tmp_path: Path) -> None:
     assert (out / "kuberay" / "corral.yaml").stat().st_mode & 0o777 == 0o600
     assert inner.ray is not None
     assert inner.ray.address == "ray://corral-head-svc.inference.svc.cluster.local:10001"
+    # the pod's spec says Ray's pods see none of its files: a live apply adding a llama.cpp replica there
+    # is refused as the render refuses it (the gateway parses an applied spec as this)
+    assert inner.ray.shared_files is False
+    running = yaml.safe_load(documents[1]["stringData"]["cluster.yaml"])
+    running["models"][0]["deployments"].append({"engine": "llamacpp", "replicas": 1})
+    with pytest.raises(SpecError, match=r"runs on llama.cpp.*ray.shared_files: false"):
+        parse_spec(yaml.safe_dump(running))
     assert documents[0]["metadata"]["name"] == "inference"
     assert {d["metadata"].get("namespace") for d in documents[1:]} == {"inference"}
     # The schema check could fail: a malformed group is refused.
@@ -383,11 +390,11 @@ def test_kuberay_manifests_validate_against_the_crd(tmp_path: Path) -> None:
         ),
         (  # the worker pods have none of the files corral prepares in its own pod
             KUBE_SPEC + "\n      - {engine: llamacpp, replicas: 2, threads: 2}\n",
-            "model 'llama' runs on llama.cpp, whose server and model file corral prepares in its own pod",
+            "model 'llama' runs on llama.cpp, whose server and model file corral prepares on its own host",
         ),
         (
             KUBE_SPEC.replace("{hf: meta-llama/Llama-3.1-8B-Instruct}", "{path: /models/llama}"),
-            "model 'llama''s weights would be fetched into corral's own pod",
+            "model 'llama''s weights would be fetched onto corral's own host",
         ),
     ],
     ids=["local-redis", "open", "pod-local-store", "sqlite-store", "llamacpp", "local-weights"],

@@ -486,6 +486,13 @@ class RaySettings(Strict):
     placement_timeout: Annotated[
         float, Field(gt=0, description="seconds to wait for room on the cluster for a replica")
     ] = 60.0
+    shared_files: bool = Field(
+        default=True,
+        description="Ray's nodes read what corral prepares here at the same paths (hosts set up as the Ray "
+        "guide says); false where they have only their image (KubeRay's worker pods, which the render "
+        "sets): replicas that need prepared files (llama.cpp, weights corral fetches, LoRA adapters) are "
+        "refused, also by a live apply",
+    )
 
 
 class EdgeSettings(Strict):

@@ -14,6 +14,7 @@ from corral.config.models import (
     DEFAULT_EMBEDDING_MODEL_NAME,
     DEFAULT_MODEL_NAME,
     DeploymentSpec,
+    HuggingFaceSource,
     ModelSpec,
     PyPISource,
 )
@@ -66,7 +67,40 @@ class ClusterSpec(Strict):
         problem = self.workers_problem(workers) if workers != "auto" else None
         if problem:
             raise ValueError(f"gateway.workers: {workers} {problem}")
+        problem = self.unshared_files_problem()
+        if problem:
+            raise ValueError(problem)
         return self
+
+    def unshared_files_problem(self) -> str | None:
+        """With `ray.shared_files: false`, the replica that needs files corral prepares on its own host
+        (which Ray's nodes never see), or None."""
+        if self.ray is None or self.ray.shared_files:
+            return None
+        for model in self.models:
+            engines = {d.engine for d in model.deployments}
+            if "llamacpp" in engines:
+                return (
+                    f"model {model.name!r} runs on llama.cpp, whose server and model file corral prepares "
+                    "on its own host; its replicas would run on Ray's nodes, which do not have them "
+                    "(ray.shared_files: false). Serve it with vLLM from a Hugging Face repository, or with "
+                    "`corral up` outside Kubernetes"
+                )
+            if "vllm" not in engines:
+                continue
+            if not (isinstance(model.source, HuggingFaceSource) and model.source.file is None):
+                return (
+                    f"model {model.name!r}'s weights would be fetched onto corral's own host, which Ray's "
+                    "nodes cannot read (ray.shared_files: false); vLLM there fetches only a whole Hugging "
+                    "Face repository itself: give source: {hf: ORG/REPO} without a file"
+                )
+            if model.adapters:
+                return (
+                    f"model {model.name!r}'s LoRA adapters would be fetched onto corral's own host, which "
+                    "vLLM on Ray's nodes cannot read (ray.shared_files: false); serve the adapters with "
+                    "`corral up` outside Kubernetes"
+                )
+        return None
 
     def workers_problem(self, workers: int) -> str | None:
         """Why `workers` gateway processes cannot serve this spec (checked when it is read, and by a live

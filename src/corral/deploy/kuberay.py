@@ -13,7 +13,7 @@ import importlib.metadata
 import math
 from typing import Any
 
-from corral.config import ClusterSpec, DeploymentSpec, HuggingFaceSource
+from corral.config import ClusterSpec, DeploymentSpec, RaySettings
 from corral.deploy.spec_rewrite import (
     RenderError,
     container_spec,
@@ -185,33 +185,12 @@ def _group(name: str, image: str, nodes: int, cpu: int, gpus: int) -> dict[str, 
 
 def _refuse_files_of_this_pod(spec: ClusterSpec) -> None:
     """Replicas run on Ray's worker pods, which see none of what corral prepares in its own pod (its
-    CORRAL_HOME is the pod's emptyDir): a llama.cpp server and its model file, weights fetched or converted
-    by corral, LoRA adapters. Only vLLM fetching a Hugging Face repository itself, and the simulator (in
-    the image), start there."""
-    for model in spec.models:
-        engines = {d.engine for d in model.deployments}
-        if "llamacpp" in engines:
-            raise RenderError(
-                f"kuberay: model {model.name!r} runs on llama.cpp, whose server and model file corral "
-                "prepares in its own pod; its replicas would run on Ray's worker pods, which do not have "
-                "them. Serve it with vLLM from a Hugging Face repository, or with `corral up` outside "
-                "Kubernetes"
-            )
-        if "vllm" not in engines:
-            continue
-        source = model.source
-        if not (isinstance(source, HuggingFaceSource) and source.file is None):
-            raise RenderError(
-                f"kuberay: model {model.name!r}'s weights would be fetched into corral's own pod, which "
-                "Ray's worker pods cannot read; vLLM there fetches only a whole Hugging Face repository "
-                "itself: give source: {hf: ORG/REPO} without a file"
-            )
-        if model.adapters:
-            raise RenderError(
-                f"kuberay: model {model.name!r}'s LoRA adapters would be fetched into corral's own pod, "
-                "which vLLM on Ray's worker pods cannot read; serve the adapters with `corral up` outside "
-                "Kubernetes"
-            )
+    CORRAL_HOME is the pod's emptyDir): the spec corral runs there says so (`ray.shared_files: false`), and
+    is checked as it will be in the pod, and by a live apply there."""
+    unshared = spec.model_copy(update={"ray": RaySettings(shared_files=False)})
+    problem = unshared.unshared_files_problem()
+    if problem:
+        raise RenderError(f"kuberay: {problem}")
 
 
 def _resources(cpu: int, memory_gib: int, gpus: int = 0) -> dict[str, Any]:

@@ -118,8 +118,8 @@ def container_spec(
             if deployment.engine == "vllm":
                 dumped["binary"] = str(spec.deploy.vllm_python)
                 dumped.pop("vllm_package", None)
-    if ray_address is not None:
-        data["ray"] = {**data.get("ray", {}), "address": ray_address}
+    if ray_address is not None:  # (Ray's nodes are other pods: they see none of this one's files)
+        data["ray"] = {**data.get("ray", {}), "address": ray_address, "shared_files": False}
     data.pop("deploy", None)
     return data
 
