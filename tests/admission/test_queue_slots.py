@@ -89,6 +89,14 @@ async def test_a_request_never_takes_more_slots_than_its_largest_replica_holds()
     assert replica.outstanding == 0
 
 
+async def test_a_fanned_out_request_takes_slots_on_every_replica() -> None:
+    """llama.cpp's `n: 8` goes out as eight single-choice requests over the replicas: two replicas of
+    four slots, it takes all eight (not one replica's four)."""
+    queue = FairQueue(_replicas(4, 4), max_queued=8, timeout=1.0)
+    _, slots = await queue.enter("m", Principal(key_id="k", tenant="acme"), 8, spread=True)
+    assert slots == 8
+
+
 async def test_a_waiter_that_leaves_hands_its_kept_slots_on_at_once() -> None:
     """Eve's `n: 4` waits for the slot bob holds, keeping the three others from carol; eve leaves (her
     client went away): carol starts then, not at the next tick or bob's end."""

@@ -3,6 +3,7 @@ systemd-analyze verify, docker-compose config, the KubeRay CRD schema) and carry
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import subprocess
 from pathlib import Path
@@ -360,9 +361,16 @@ def test_kuberay_manifests_validate_against_the_crd(tmp_path: Path) -> None:
     # is refused as the render refuses it (the gateway parses an applied spec as this)
     assert inner.ray.shared_files is False
     running = yaml.safe_load(documents[1]["stringData"]["cluster.yaml"])
-    running["models"][0]["deployments"].append({"engine": "llamacpp", "replicas": 1})
+    with_llamacpp = copy.deepcopy(running)
+    with_llamacpp["models"][0]["deployments"].append({"engine": "llamacpp", "replicas": 1})
     with pytest.raises(SpecError, match=r"runs on llama.cpp.*ray.shared_files: false"):
-        parse_spec(yaml.safe_dump(running))
+        parse_spec(yaml.safe_dump(with_llamacpp))
+    other = copy.deepcopy(running["models"][0])  # a vLLM model added without the image's vLLM
+    other["name"] = "other"
+    for deployment in other["deployments"]:
+        deployment.pop("binary", None)
+    with pytest.raises(SpecError, match=r"vLLM would be installed on corral's own host"):
+        parse_spec(yaml.safe_dump({**running, "models": [*running["models"], other]}))
     assert documents[0]["metadata"]["name"] == "inference"
     assert {d["metadata"].get("namespace") for d in documents[1:]} == {"inference"}
     # The schema check could fail: a malformed group is refused.
@@ -394,7 +402,7 @@ def test_kuberay_manifests_validate_against_the_crd(tmp_path: Path) -> None:
         ),
         (
             KUBE_SPEC.replace("{hf: meta-llama/Llama-3.1-8B-Instruct}", "{path: /models/llama}"),
-            "model 'llama''s weights would be fetched onto corral's own host",
+            "model 'llama''s weights would be read from, or fetched onto, corral's own host",
         ),
     ],
     ids=["local-redis", "open", "pod-local-store", "sqlite-store", "llamacpp", "local-weights"],

@@ -2,7 +2,8 @@
 slot (engine slots or `max_num_seqs`), ordered by priority class and fair between tenants.
 
 A request takes as many slots as the sequences it runs at once (`n` choices, a list of prompts, an
-embeddings request's inputs; at most the slots of the model's largest replica, which runs it): an `n: 16`
+embeddings request's inputs; at most the slots of the model's largest replica, which runs it, or of all of
+them for a request fanned out over them): an `n: 16`
 request holds 16 of a vLLM replica's `max_num_seqs`, as the engine does. A tenant under its share may
 start a request however many slots it takes; when the request next in turn needs more slots than are
 free, they are kept for it as they free up (no lighter request overtakes it for ever).
@@ -60,6 +61,7 @@ class _Waiter:
     priority: int
     sequences: int = 1  # it runs at once
     weight: int = 1  # the slots it takes: its sequences, at most a replica's (worked out again at each wake)
+    spread: bool = False  # over several replicas (a fan-out): at most all the model's slots
     since: float = field(default_factory=time.monotonic)
     future: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
@@ -280,9 +282,12 @@ class FairQueue:
             for model, queue in self._queues.items()
         }
 
-    async def enter(self, model: str, principal: Principal, sequences: int = 1) -> tuple[float, int]:
-        """Wait for free slots for a request running `sequences` at once; (seconds waited, the slots it
-        took: hand them back to `done`). Raises NoCapacity when full or too late."""
+    async def enter(
+        self, model: str, principal: Principal, sequences: int = 1, spread: bool = False
+    ) -> tuple[float, int]:
+        """Wait for free slots for a request running `sequences` at once, on one replica or `spread` over
+        several (a fan-out); (seconds waited, the slots it took: hand them back to `done`). Raises
+        NoCapacity when full or too late."""
         queue = self._queues.get(model)
         if queue is None:
             queue = self._queues[model] = _ModelQueue()
@@ -290,7 +295,7 @@ class FairQueue:
         queue.arrive(principal.tenant, principal.priority)
         free = self._capacity.free_slots(model)
         ready = free is not None
-        weight = self._slots_for(model, sequences)
+        weight = self._slots_for(model, sequences, spread)
         hold = self._capacity.start_hold(model)
         if not ready and hold is None:
             raise NoCapacity(
@@ -304,7 +309,7 @@ class FairQueue:
             return 0.0, weight
         if queue.size >= self._max:
             self._make_room(model, queue, principal)
-        waiter = _Waiter(principal.tenant, principal.priority, sequences, weight)
+        waiter = _Waiter(principal.tenant, principal.priority, sequences, weight, spread)
         queue.push(waiter)
         started = time.monotonic()
         timeout = max(self._timeout, hold) if not ready and hold is not None else self._timeout
@@ -368,18 +373,19 @@ class FairQueue:
             return False
         return all(queue.load(tenant) < queue.load(t) for t in queue.held)
 
-    def _slots_for(self, model: str, sequences: int) -> int:
-        """The slots a request running `sequences` at once takes: at most the largest replica's (one that
-        needs more would never start); 1 while no replica says."""
+    def _slots_for(self, model: str, sequences: int, spread: bool) -> int:
+        """The slots a request running `sequences` at once takes: at most the largest replica's, which runs
+        it, or the model's, for one `spread` over its replicas (one that needs more would never start); 1
+        while no replica says."""
         if sequences <= 1:
             return 1
-        most = self._capacity.replica_slots(model)
+        most = self._capacity.slots(model) if spread else self._capacity.replica_slots(model)
         return max(1, min(sequences, most)) if most else 1
 
     def _weigh(self, model: str, waiter: _Waiter) -> int:
         """A waiter's slots as the replicas are now (they come and go while it waits)."""
         if waiter.sequences > 1:
-            waiter.weight = self._slots_for(model, waiter.sequences)
+            waiter.weight = self._slots_for(model, waiter.sequences, waiter.spread)
         return waiter.weight
 
     def _wake(self, model: str, queue: _ModelQueue) -> None:

@@ -138,7 +138,8 @@ class BatchRunner:
         slots = sum(r.capacity or 1 for r in ready)
         busy = sum(r.outstanding for r in ready)
         waiting = self._waiting().get(base, 0)
-        mine = sum(self._running.get(model, {}).values())
+        most = max(r.capacity or 1 for r in ready)  # (a replica counts a line's sequences up to its slots)
+        mine = sum(min(sequences, most) for sequences in self._running.get(model, {}).values())
         peak = self._interactive_peak(model, max(0, busy + waiting - mine))
         share = int(slots * self._settings.max_share)  # requests pin to replicas (prefix affinity): spread
         spare = max(0, min(share, slots - self._settings.headroom - peak) - mine)

@@ -75,7 +75,11 @@ def up(
     setup_logging(log_level, log_format)
     spec = _spec(file, host=host, port=port)
     if ray is not None:
-        spec = spec.model_copy(update={"ray": RaySettings(address=None if ray == "local" else ray)})
+        address = None if ray == "local" else ray
+        settings = (
+            spec.ray.model_copy(update={"address": address}) if spec.ray else RaySettings(address=address)
+        )
+        spec = spec.model_copy(update={"ray": settings})
     _check_tls(spec)
     paths = Paths.from_env()
     prepared = _prepare_or_fail(spec, paths)  # in the foreground: Ctrl-C ends an install at once

@@ -90,9 +90,15 @@ class ClusterSpec(Strict):
                 continue
             if not (isinstance(model.source, HuggingFaceSource) and model.source.file is None):
                 return (
-                    f"model {model.name!r}'s weights would be fetched onto corral's own host, which Ray's "
-                    "nodes cannot read (ray.shared_files: false); vLLM there fetches only a whole Hugging "
-                    "Face repository itself: give source: {hf: ORG/REPO} without a file"
+                    f"model {model.name!r}'s weights would be read from, or fetched onto, corral's own "
+                    "host, which Ray's nodes cannot read (ray.shared_files: false); vLLM there fetches "
+                    "only a whole Hugging Face repository itself: give source: {hf: ORG/REPO} without a file"
+                )
+            if any(d.engine == "vllm" and d.binary is None for d in model.deployments):
+                return (
+                    f"model {model.name!r}'s vLLM would be installed on corral's own host, which Ray's "
+                    "nodes cannot run (ray.shared_files: false): name the image's vLLM in its deployment's "
+                    "binary (the KubeRay render writes deploy.vllm_python there)"
                 )
             if model.adapters:
                 return (

@@ -13,7 +13,9 @@ import importlib.metadata
 import math
 from typing import Any
 
-from corral.config import ClusterSpec, DeploymentSpec, RaySettings
+from pydantic import ValidationError
+
+from corral.config import ClusterSpec, DeploymentSpec
 from corral.deploy.spec_rewrite import (
     RenderError,
     container_spec,
@@ -33,10 +35,10 @@ _FALLBACK_RAY = "2.40.0"
 
 def render_kuberay(spec: ClusterSpec, source: str) -> dict[str, str]:
     _refuse_this_host(spec)
-    _refuse_files_of_this_pod(spec)
     namespace = spec.deploy.namespace
     address = f"ray://{_CLUSTER}-head-svc.{namespace}.svc.cluster.local:10001"
     inner = container_spec(spec, port=_PORT, services={}, ray_address=address)
+    _refuse_files_of_this_pod(inner)
     running = spec_yaml(inner, f"From {source}, for corral on KubeRay.")
     documents = [
         {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}},
@@ -183,14 +185,15 @@ def _group(name: str, image: str, nodes: int, cpu: int, gpus: int) -> dict[str, 
     }
 
 
-def _refuse_files_of_this_pod(spec: ClusterSpec) -> None:
+def _refuse_files_of_this_pod(inner: dict[str, Any]) -> None:
     """Replicas run on Ray's worker pods, which see none of what corral prepares in its own pod (its
-    CORRAL_HOME is the pod's emptyDir): the spec corral runs there says so (`ray.shared_files: false`), and
-    is checked as it will be in the pod, and by a live apply there."""
-    unshared = spec.model_copy(update={"ray": RaySettings(shared_files=False)})
-    problem = unshared.unshared_files_problem()
-    if problem:
-        raise RenderError(f"kuberay: {problem}")
+    CORRAL_HOME is the pod's emptyDir): the spec corral runs there (`inner`) says so
+    (`ray.shared_files: false`), and is checked here as it will be in the pod, and by a live apply there."""
+    try:
+        ClusterSpec.model_validate(inner)
+    except ValidationError as exc:
+        problem = exc.errors()[0]["msg"].removeprefix("Value error, ")
+        raise RenderError(f"kuberay: {problem}") from None
 
 
 def _resources(cpu: int, memory_gib: int, gpus: int = 0) -> dict[str, Any]:

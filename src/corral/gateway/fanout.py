@@ -8,8 +8,9 @@
 - What cannot be made up for is a 400 naming the field, never a silent ignore: image parts for an engine
   without images, streams that would need fanning out or an echo, echo with token-id prompts or logprobs.
 
-The fanned-out requests share the one queue slot their request was admitted with; at most `MAX_PARTS` of
-them per request (a 400 beyond), 16 in flight at once, and when one fails the others are cancelled.
+The fanned-out requests share the queue slots their request was admitted with (one a part in flight, up to
+the model's slots: `in_flight`); at most `MAX_PARTS` of them per request (a 400 beyond), 16 in flight at
+once, and when one fails the others are cancelled.
 """
 
 from __future__ import annotations
@@ -32,6 +33,12 @@ __all__ = ["Fanout", "check_features", "needs_fanout"]
 _IMAGE_PARTS = frozenset({"image_url", "input_image", "image"})
 MAX_PARTS = 128  # single-choice requests one request may fan out to (n × prompts)
 _AT_ONCE = 16  # of them in flight at once
+
+
+def in_flight(ctx: RequestContext) -> int:
+    """The single-choice requests a fanned-out request has in flight at once, on any of its replicas."""
+    return min(ctx.route.sequences, _AT_ONCE)
+
 
 Forward = Callable[[RequestContext, web.Request | None], Awaitable[web.StreamResponse]]
 

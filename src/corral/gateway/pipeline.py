@@ -38,7 +38,7 @@ from corral.gateway.bodies import read_body
 from corral.gateway.clients import REQUEST_ID, trace_context
 from corral.gateway.context import RequestContext
 from corral.gateway.embeddings import EmbeddingShaper
-from corral.gateway.fanout import Fanout
+from corral.gateway.fanout import Fanout, in_flight
 from corral.gateway.intake import Intake
 from corral.gateway.isolation import TenantIsolation
 from corral.gateway.metrics import GatewayMetrics
@@ -276,7 +276,10 @@ class Pipeline:
         metrics = self._metrics.of(ctx.model)
         base = ctx.route.model  # (an adapter's requests wait for its base's replicas)
         try:
-            wait, slots = await self._queue.enter(base, principal, ctx.route.sequences)
+            if ctx.fanout:  # (its parts spread over the replicas)
+                wait, slots = await self._queue.enter(base, principal, in_flight(ctx), spread=True)
+            else:
+                wait, slots = await self._queue.enter(base, principal, ctx.route.sequences)
         except APIError as exc:
             metrics.rejected(exc.code or "queue")
             raise
