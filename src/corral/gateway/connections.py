@@ -180,8 +180,7 @@ class _Capped(asyncio.Protocol):
             self._address,
             self._caps.send_timeout,
         )
-        if self._transport is not None:
-            self._transport.abort()  # (connection_lost follows: aiohttp cancels the request's handler)
+        self._transport.abort()  # (connection_lost follows: aiohttp cancels the request's handler)
 
 
 class CappedSite(web.BaseSite):
