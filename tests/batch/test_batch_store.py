@@ -90,13 +90,14 @@ def test_a_cancelled_batch_finishes_even_when_its_lines_come_back_or_their_runne
     store: BatchStore,
 ) -> None:
     batch_id = _batch(store, 3)
-    given_back, lapsed, finished = store.lease("runner", "m", 3, lease_s=0.05)
+    started = time.monotonic()  # (a lease long enough to commit and release under load: 50 ms was not)
+    given_back, lapsed, finished = store.lease("runner", "m", 3, lease_s=1.0)
     cancelled = store.cancel("acme", batch_id)
     assert cancelled is not None and cancelled.status == "cancelling"
     assert store.cancel("globex", batch_id) is None  # another tenant's: not found
     assert store.commit("runner", finished, _ok())  # a line in hand when cancelled still counts
     store.release("runner", given_back, after_s=5)  # handed back (a retry): must not keep it open
-    time.sleep(0.1)  # and `lapsed`'s runner died: its lease runs out
+    time.sleep(max(0.0, started + 1.1 - time.monotonic()))  # and `lapsed`'s runner died: its lease runs out
     assert store.housekeeping() == [batch_id]
     batch = store.batch("acme", batch_id)
     assert batch is not None and batch.status == "cancelled"
