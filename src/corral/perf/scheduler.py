@@ -97,7 +97,8 @@ class BlockPool:
 
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
-        self._free: deque[int] = deque(range(num_blocks))
+        self._fresh = 0  # blocks from here on were never taken: handed out first, in order
+        self._free: deque[int] = deque()  # blocks given back with no cached content, in that order
         self._refs = [0] * num_blocks
         self._hash_of: dict[int, int] = {}
         self._by_hash: dict[int, int] = {}
@@ -106,14 +107,17 @@ class BlockPool:
 
     @property
     def available(self) -> int:
-        return len(self._free) + len(self._evictable)
+        return self.num_blocks - self._fresh + len(self._free) + len(self._evictable)
 
     @property
     def used(self) -> int:
         return self.num_blocks - self.available
 
     def allocate(self) -> int:
-        if self._free:
+        if self._fresh < self.num_blocks:
+            block = self._fresh
+            self._fresh += 1
+        elif self._free:
             block = self._free.popleft()
         else:
             block, _ = self._evictable.popitem(last=False)

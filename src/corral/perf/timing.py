@@ -23,6 +23,7 @@ overlap and the per-step overhead are fitted per engine family on published meas
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Generic, TypeVar
@@ -158,8 +159,57 @@ class PerfModel:
         the (query, key) pairs the prefill chunks attend over."""
         if decode_tokens + prefill_tokens == 0:
             return 0.0
-        parts = self.parts(float(decode_tokens), float(decode_context), float(prefill_tokens), prefill_pairs)
-        return float(self.efficiency.step_seconds(parts))
+        return self.step_function(
+            float(decode_tokens), float(decode_context), float(prefill_tokens), float(prefill_pairs)
+        )
+
+    @cached_property
+    def step_function(self) -> Callable[[float, float, float, float], float]:
+        """`efficiency.step_seconds(parts(...))` for one step, as one function of the step's four figures
+        with the model's constants taken out: a planner's search times millions of steps. The same
+        operations in the same order as `parts` and `Efficiency.step_seconds`, so the same floats
+        (tests/perf/test_timing.py)."""
+        m, eff, pp, tp = self.model, self.efficiency, self.pp, self.tp
+        shards = tp * pp
+        dense, experts = self._weights
+        share = 1 - m.active_experts / m.experts if experts else 0.0
+        bandwidth = self.gpu.bandwidth_gbs * 1e9
+        flops = self.tflops * 1e12
+        interconnect = self.gpu.interconnect_gbs * 1e9
+        latency = self.gpu.allreduce_latency_us * 1e-6
+        hidden2 = m.hidden * 2
+        gemm_scale = pp * 2 * m.active_params
+        kv_layer, layers = self._kv_layer, m.layers
+        attention_scale = pp * 4 * m.layers * m.heads * m.head_dim
+        ring_scale = 2 * (tp - 1) / tp
+        bus = self.gpu.allreduce_bus_gbs * 1e9
+        layers2 = 2 * m.layers
+        hops = pp - 1
+        fixed_weights = pp * dense / shards / bandwidth
+        bw_eff, compute_eff, p, kv_reads = eff.bandwidth, eff.compute, eff.overlap, eff.kv_reads
+        inverse_p = 1 / p
+        overhead = eff.step_overhead_s
+
+        def step_seconds(decode: float, context: float, prefill: float, pairs: float) -> float:
+            tokens = decode + prefill
+            if experts:
+                weights = pp * (dense + experts * (1 - share**tokens)) / shards / bandwidth
+            else:
+                weights = fixed_weights
+            gemm = gemm_scale * tokens / shards / flops
+            kv = (context + pairs / (prefill + (prefill == 0))) * kv_layer * layers / bandwidth
+            attention = attention_scale * (context + pairs) / shards / flops
+            allreduce = 0.0 if tp == 1 else ring_scale * (tokens * hidden2) / bus + latency
+            communication = allreduce * layers2 + hops * (tokens * hidden2 / interconnect + latency)
+            seconds: float = (
+                ((weights / bw_eff) ** p + (gemm / compute_eff) ** p) ** inverse_p
+                + ((kv / kv_reads / bw_eff) ** p + (attention / compute_eff) ** p) ** inverse_p
+                + communication
+                + overhead
+            )
+            return seconds
+
+        return step_seconds
 
     def decode_seconds(self, sequences: int, context: int, steps: int) -> Floats:
         """Each step's time in a stretch of decode-only steps of the same `sequences`, the first over

@@ -11,7 +11,7 @@ leaving each source out in turn (`validation.py`) costs milliseconds per try ins
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 import numpy.typing as npt
@@ -19,13 +19,13 @@ import numpy.typing as npt
 from corral.perf.scheduler import DecodeRun, EngineSequence, Scheduler, SchedulerConfig
 from corral.perf.timing import Efficiency, PerfModel, StepParts
 
-__all__ = ["Timed", "Trace", "trace_closed_loop"]
+__all__ = ["TIMED_FIGURES", "Timed", "Trace", "trace_closed_loop"]
 
 Floats = npt.NDArray[np.float64]
 Ints = npt.NDArray[np.int64]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Timed:
     """A trace's figures at one set of factors (seconds; means over the measured requests)."""
 
@@ -39,6 +39,9 @@ class Timed:
     e2e_mean: float
 
 
+TIMED_FIGURES = tuple(f.name for f in fields(Timed))
+
+
 @dataclass(frozen=True)
 class Trace:
     parts: StepParts[Floats]  # per step, at datasheet rates
@@ -49,8 +52,17 @@ class Trace:
     window: tuple[int, int]  # measured from the end of this step to the end of that one
     window_tokens: int
     _powers: dict[float, tuple[Floats, ...]] = field(default_factory=dict, compare=False, repr=False)
+    _timed: dict[Efficiency, Timed] = field(default_factory=dict, compare=False, repr=False)
 
     def timed(self, efficiency: Efficiency) -> Timed:
+        """The figures at `efficiency`, kept: a validation's fits leave each source out in turn, and the
+        folds of an engine family try the same grid of factors on the same traces."""
+        timed = self._timed.get(efficiency)
+        if timed is None:
+            timed = self._timed[efficiency] = self._time(efficiency)
+        return timed
+
+    def _time(self, efficiency: Efficiency) -> Timed:
         steps = self.step_seconds(efficiency)
         ends = np.concatenate(([0.0], np.cumsum(steps)))  # ends[k + 1]: when step k finished
         arrived, first, finish = ends[self.arrival + 1], ends[self.first + 1], ends[self.finish + 1]

@@ -42,7 +42,7 @@ from corral.perf.catalog import Catalog
 from corral.perf.memory import BLOCK_SIZE, memory_plan
 from corral.perf.scheduler import SchedulerConfig
 from corral.perf.timing import Efficiency, PerfModel
-from corral.perf.trace import Trace, trace_closed_loop
+from corral.perf.trace import TIMED_FIGURES, Trace, trace_closed_loop
 from corral.perf.workload import arrivals_view
 
 __all__ = ["METRICS", "Case", "Prediction", "PublishedPoint", "Validation", "load_published", "validate"]
@@ -208,7 +208,7 @@ class Case:
     def figures(self, efficiency: Efficiency) -> dict[str, float]:
         """The predicted figures with the queue as last computed (cheap: what a fit evaluates)."""
         timed = self.trace.timed(efficiency)
-        figures = {name: value + self.queue.get(name, 0.0) for name, value in vars(timed).items()}
+        figures = {name: getattr(timed, name) + self.queue.get(name, 0.0) for name in TIMED_FIGURES}
         if self.start is not None and self.steady.size:
             figures.update(self._whole_run(efficiency, timed.ttft_mean))
         return figures

@@ -4,6 +4,7 @@ the step-time model. The planner's predictions come from here; the simulator run
 
 from __future__ import annotations
 
+import math
 import random
 import statistics
 from dataclasses import dataclass, replace
@@ -45,10 +46,12 @@ def closed_loop(
     output_len: int,
     measured_requests: int | None = None,
     drift: bool = True,
+    stretches: bool = True,
 ) -> LoadResult:
     """`concurrency` clients each sending the next request as soon as the last one ends. Throughput and
     time per token come from the loop; its times to first token from `seen_by_arrivals` (`drift=False`:
-    the loop's own, its clients in lockstep)."""
+    the loop's own, its clients in lockstep). `stretches=False`: every step scheduled one by one, the
+    reference the stretches taken at once are tested against."""
     scheduler = Scheduler(config)
     measured = measured_requests or max(2 * concurrency, 32)
     warmup = concurrency
@@ -67,12 +70,18 @@ def closed_loop(
     tokens_in_window = 0
     pipeline = StepPipeline(perf)
     while len(done) < warmup + measured:
-        if perf.pp == 1 and not pipeline.busy and (run := scheduler.decode_run(output_len)) is not None:
+        if not stretches:
+            pass
+        elif perf.pp == 1 and not pipeline.busy and (run := scheduler.decode_run(output_len)) is not None:
             scheduler.advance(run)  # decode-only steps until the next finish: taken at once
             now += float(perf.decode_seconds(run.sequences, run.context, run.steps).sum())
             if window_start is not None:
                 tokens_in_window += run.steps * run.sequences
             continue
+        elif (rounds := pipeline.decode_rounds(scheduler, now)) is not None:
+            now, made = rounds  # pipelined decode batches until the next finish: then stepped on
+            if window_start is not None:
+                tokens_in_window += sum(len(group) * count for group, count in made)
         while pipeline.has_room and (batch := scheduler.schedule()) is not None:
             pipeline.launch(batch, now)
         if not pipeline.busy:
@@ -92,11 +101,16 @@ def closed_loop(
     result = _summarise(
         concurrency, sample, tokens_in_window, now - window_start, scheduler.preemptions, perf.efficiency
     )
-    return seen_by_arrivals(perf, config, result, input_len, output_len) if drift else result
+    return seen_by_arrivals(perf, config, result, input_len, output_len, stretches) if drift else result
 
 
 def seen_by_arrivals(
-    perf: PerfModel, config: SchedulerConfig, loop: LoadResult, input_len: int, output_len: int
+    perf: PerfModel,
+    config: SchedulerConfig,
+    loop: LoadResult,
+    input_len: int,
+    output_len: int,
+    stretches: bool = True,
 ) -> LoadResult:
     """A closed loop's times to first token as its requests meet them. Identical requests of clients
     started together stay in lockstep in a model; real clients drift apart (network, tokenization,
@@ -107,7 +121,9 @@ def seen_by_arrivals(
     open loop at that rate (taken once more with the cycle it gives); one client waits for nobody."""
     if loop.concurrency <= 1:
         return loop
-    seen = arrivals_view(perf, config, loop.concurrency, loop.e2e_mean, loop.ttft_mean, input_len, output_len)
+    seen = arrivals_view(
+        perf, config, loop.concurrency, loop.e2e_mean, loop.ttft_mean, input_len, output_len, stretches
+    )
     return replace(
         loop,
         ttft_p50=seen.ttft_p50,
@@ -129,6 +145,7 @@ def arrivals_view(
     ttft: float,
     input_len: int,
     output_len: int,
+    stretches: bool = True,
 ) -> LoadResult:
     """The open loop an arrival of a closed loop of `concurrency` clients meets (see `seen_by_arrivals`):
     at (N − 1) / cycle, the cycle first the loop's own `latency`, then that latency with the open loop's
@@ -136,7 +153,13 @@ def arrivals_view(
     cycle = latency
     for _ in range(2):
         seen = open_loop(
-            perf, config, (concurrency - 1) / cycle, input_len, output_len, requests=_SEEN_REQUESTS
+            perf,
+            config,
+            (concurrency - 1) / cycle,
+            input_len,
+            output_len,
+            requests=_SEEN_REQUESTS,
+            stretches=stretches,
         )
         if abs(seen.ttft_mean - ttft) < 0.05 * latency:
             break
@@ -155,8 +178,10 @@ def open_loop(
     output_len: int,
     requests: int = 400,
     seed: int = 0,
+    stretches: bool = True,
 ) -> LoadResult:
-    """Requests arriving as a Poisson process at `rate` per second; the first tenth is warm-up."""
+    """Requests arriving as a Poisson process at `rate` per second; the first tenth is warm-up.
+    `stretches`: as in `closed_loop`."""
     rng = random.Random(seed)
     arrivals, t = [], 0.0
     for _ in range(requests):
@@ -167,6 +192,7 @@ def open_loop(
     warmup = requests // 10
     done: list[EngineSequence] = []
     now, next_arrival, tokens_in_window = 0.0, 0, 0
+    window_opens = arrivals[warmup]
     while len(done) < requests:
         while next_arrival < requests and arrivals[next_arrival] <= now:
             scheduler.add(
@@ -178,7 +204,16 @@ def open_loop(
                 )
             )
             next_arrival += 1
-        if perf.pp == 1 and not pipeline.busy and (run := scheduler.decode_run(output_len)) is not None:
+        if not stretches:
+            pass
+        elif perf.pp > 1:
+            until = arrivals[next_arrival] if next_arrival < requests else math.inf
+            if (rounds := pipeline.decode_rounds(scheduler, now, until)) is not None:
+                now, made = rounds  # pipelined decode batches up to the next arrival: then stepped on
+                tokens_in_window += sum(
+                    count for group, count in made for seq in group if seq.arrival >= window_opens
+                )
+        elif not pipeline.busy and (run := scheduler.decode_run(output_len)) is not None:
             ends = now + np.cumsum(perf.decode_seconds(run.sequences, run.context, run.steps))
             # Decode-only steps until the next finish, taken at once. While nothing waits, a step may
             # start only before the next arrival (which joins the step it precedes); behind a blocked
@@ -188,7 +223,7 @@ def open_loop(
                 steps = 1 + int(np.searchsorted(ends[:-1], arrivals[next_arrival], side="left"))
             scheduler.advance(run, steps)
             now = float(ends[steps - 1])
-            measured = sum(1 for seq in scheduler.running if seq.arrival >= arrivals[warmup])
+            measured = sum(1 for seq in scheduler.running if seq.arrival >= window_opens)
             tokens_in_window += steps * measured
             continue
         while pipeline.has_room and (batch := scheduler.schedule()) is not None:
@@ -196,7 +231,7 @@ def open_loop(
         if pipeline.busy and (next_arrival >= requests or pipeline.next_finish <= arrivals[next_arrival]):
             now, batch = pipeline.pop()
             produced = scheduler.complete(batch, now)
-            tokens_in_window += sum(1 for seq in produced if seq.arrival >= arrivals[warmup])
+            tokens_in_window += sum(1 for seq in produced if seq.arrival >= window_opens)
             done.extend(seq for seq in produced if seq.finished)
         elif next_arrival < requests:
             now = arrivals[next_arrival]

@@ -1,0 +1,42 @@
+"""The step-time model's one-step function against its parts."""
+
+from __future__ import annotations
+
+import random
+
+from corral.perf import PerfModel, load_catalog
+from corral.perf.calibration import calibrated_efficiency
+
+CATALOG = load_catalog()
+
+
+def test_one_step_function_gives_the_same_floats_as_the_parts_it_is_made_of() -> None:
+    """`step_time` (the planner's inner loop) takes the model's constants out of `parts` and
+    `Efficiency.step_seconds`; the figures are the same to the last bit, dense and MoE, with tensor and
+    pipeline parallelism, decodes and prefill chunks."""
+    rng = random.Random(5)
+    efficiency = calibrated_efficiency()
+    checked = 0
+    for model in ("llama-3.1-8b", "llama-3.1-70b", "mixtral-8x7b", "qwen3-235b-a22b", "gpt-oss-120b"):
+        for gpu in ("l40s", "h100-sxm", "a100-80gb"):
+            for tp, pp in ((1, 1), (2, 1), (4, 2), (1, 4), (8, 1)):
+                perf = PerfModel(
+                    CATALOG.models.get(model),
+                    CATALOG.gpus.get(gpu),
+                    CATALOG.quantizations.get("bf16"),
+                    tp=tp,
+                    pp=pp,
+                    efficiency=efficiency,
+                )
+                for _ in range(20):
+                    decodes = rng.randint(0, 300)
+                    prefill = rng.choice([0, rng.randint(1, 4096)])
+                    context = decodes * rng.randint(1, 8000)
+                    pairs = prefill * rng.randint(0, 8000) + prefill * (prefill + 1) / 2
+                    if decodes + prefill == 0:
+                        continue
+                    parts = perf.parts(float(decodes), float(context), float(prefill), pairs)
+                    expected = float(efficiency.step_seconds(parts))
+                    assert perf.step_time(decodes, context, prefill, pairs) == expected
+                    checked += 1
+    assert checked > 1000
