@@ -104,8 +104,17 @@ def test_the_direction_rule_in_one_pass_is_the_rule_as_defined(words: list[str])
 
 def test_a_question_of_sixteen_thousand_words_is_checked_in_linear_time() -> None:
     """A hostile tenant's 16,000-word question of prepositions and stop words: the quadratic scan took
-    8.7 s of the event loop on this machine; one pass takes milliseconds (the bound leaves 100×)."""
-    question = " ".join(["to", "the"] * 8_000) + " end"
-    began = time.perf_counter()
-    assert may_share_answer(question, question)
-    assert time.perf_counter() - began < 0.5
+    8.7 s of the event loop; one pass takes milliseconds. Against a 1,000-word one timed in the same
+    run (the best of three each, so a loaded machine does not decide): 16× the words cost about 18×
+    the time in one pass, 256× in a quadratic scan."""
+
+    def best_of_three(words: int) -> float:
+        question = " ".join(["to", "the"] * (words // 2)) + " end"
+        times = []
+        for _ in range(3):
+            began = time.perf_counter()
+            assert may_share_answer(question, question)
+            times.append(time.perf_counter() - began)
+        return min(times)
+
+    assert best_of_three(16_000) < 64 * best_of_three(1_000)

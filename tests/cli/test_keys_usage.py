@@ -12,11 +12,24 @@ from typer.testing import CliRunner
 
 from corral.cli import app
 from corral.store import AuditEntry, AuditLog, UsageRecord, UsageStore, open_database
+from corral.store.keys import new_secret
 
 
 def run(*args: str, columns: int = 160) -> tuple[int, str]:
     done = CliRunner().invoke(app, list(args), env={"COLUMNS": str(columns)})
     return done.exit_code, done.output
+
+
+def test_no_secret_begins_with_a_dash_the_shown_prefix_would_be_taken_for_an_option(tmp_path: Path) -> None:
+    """`keys list` shows a secret's first six characters after `sk-corral-`; one in 64 began with "-",
+    and `corral keys show -M_hs_…` was then a usage error (the test below failed so once in CI)."""
+    drawn = [new_secret() for _ in range(3000)]
+    assert all(s.startswith("sk-corral-") and len(s) == 53 for s in drawn)
+    assert not any(s.startswith("sk-corral--") for s in drawn)
+    store = f"sqlite:///{tmp_path / 'c.db'}"
+    assert run("keys", "create", "--tenant", "acme", "--store", store)[0] == 0
+    code, out = run("keys", "show", "--store", store, "--", "-M_hs_…")  # an older key's, after `--`
+    assert code == 1 and "no key with id -M_hs_…" in out, out
 
 
 def test_budget_use_prefixes_names_refusals_and_dates(tmp_path: Path) -> None:

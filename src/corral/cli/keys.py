@@ -187,7 +187,11 @@ def list_keys(
 @keys_app.command("show", cls=FlagsCommand)
 def show(
     key_id: Annotated[
-        str, typer.Argument(help="the key's id, or the start of it or of its secret (as `keys list` shows)")
+        str,
+        typer.Argument(
+            help="the key's id, or the start of it or of its secret (as `keys list` shows; one that "
+            "begins with - goes after --, as an older key's may)"
+        ),
     ],
     file: SpecOption = None,
     store: StoreOption = None,

@@ -15,11 +15,31 @@ from sqlalchemy.orm import Session
 
 from corral.store.schema import ApiKeyRow
 
-__all__ = ["PRIORITIES", "ROLES", "InvalidKey", "KeyRecord", "KeyStore", "KeyUpdate", "NewKey", "hash_key"]
+__all__ = [
+    "PRIORITIES",
+    "ROLES",
+    "InvalidKey",
+    "KeyRecord",
+    "KeyStore",
+    "KeyUpdate",
+    "NewKey",
+    "hash_key",
+    "new_secret",
+]
 
 PRIORITIES = {"high": 0, "normal": 1, "low": 2}
 ROLES = ("admin", "operator", "viewer", "tenant-admin", "user")
 _SECRET_PREFIX = "sk-corral-"
+
+
+def new_secret() -> str:
+    """A key's secret: 256 random bits, URL-safe, after `sk-corral-`. Never "-" first: the prefix `keys
+    list` shows (its first six characters) is then passed to `corral keys show` as it is, not taken for
+    an option (a 1-in-64 key was)."""
+    while True:
+        token = secrets.token_urlsafe(32)
+        if not token.startswith("-"):
+            return _SECRET_PREFIX + token
 
 
 class NewKey(BaseModel):
@@ -151,7 +171,7 @@ class KeyStore:
             )
         except ValidationError as exc:
             raise InvalidKey.from_validation(exc) from exc
-        secret = _SECRET_PREFIX + secrets.token_urlsafe(32)
+        secret = new_secret()
         now = datetime.now(UTC)
         row = ApiKeyRow(
             id=secrets.token_hex(8),
@@ -198,7 +218,7 @@ class KeyStore:
     def rotate(self, key_id: str, grace_s: float) -> tuple[str, KeyRecord] | None:
         """A new secret for the key (shown only now); its former one is still accepted for `grace_s`
         seconds. None: no such key (or revoked)."""
-        secret = _SECRET_PREFIX + secrets.token_urlsafe(32)
+        secret = new_secret()
         with Session(self._engine) as session, session.begin():
             row = session.get(ApiKeyRow, key_id)
             if row is None or row.revoked_at is not None:
