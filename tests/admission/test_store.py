@@ -133,13 +133,22 @@ def test_a_large_batch_reads_back_row_for_row(engine: Engine) -> None:
     assert usage.month_tokens(key, now=datetime(2026, 12, 1, tzinfo=UTC)) == 0
 
 
-def test_a_store_made_before_request_ids_gains_the_column(tmp_path: Path) -> None:
+def test_a_store_made_before_request_ids_gains_the_column_and_its_index(tmp_path: Path) -> None:
+    """A request is found by its id through an index (`corral requests`, /admin/requests: a tenant
+    admin's lookups must not scan every usage row), in a store an earlier corral made too."""
     path = tmp_path / "old.db"
     open_database(f"sqlite:///{path}").dispose()
-    with sqlite3.connect(path) as db:
-        db.execute("ALTER TABLE corral_usage DROP COLUMN request_id")  # as an earlier corral made it
+    with sqlite3.connect(path) as db:  # as an earlier corral made it: no column, no index
+        db.execute("DROP INDEX IF EXISTS ix_corral_usage_request_id")
+        db.execute("DROP INDEX IF EXISTS ix_corral_audit_request_id")
+        db.execute("ALTER TABLE corral_usage DROP COLUMN request_id")
     engine = open_database(f"sqlite:///{path}")
     now = datetime.now(UTC)
     UsageStore(engine).write([UsageRecord(now, "k", "t", "m", 1, 2, None, 3.0, 200, None, "chat", "req_7")])
     with engine.connect() as connection:
         assert connection.execute(text("SELECT request_id FROM corral_usage")).scalar_one() == "req_7"
+        for table in ("corral_usage", "corral_audit"):
+            plan = connection.execute(
+                text(f"EXPLAIN QUERY PLAN SELECT * FROM {table} WHERE request_id = 'req_7'")
+            ).all()
+            assert f"USING INDEX ix_{table}_request_id" in str(plan), plan

@@ -101,7 +101,7 @@ class AuditRow(Base):
     target: Mapped[str | None] = mapped_column(String(256), nullable=True)
     detail: Mapped[dict[str, object] | None] = mapped_column(JSON, nullable=True)
     status: Mapped[int] = mapped_column(Integer)  # the answer's status: refused actions are kept too
-    request_id: Mapped[str | None] = mapped_column(String(128), nullable=True)  # its x-request-id
+    request_id: Mapped[str | None] = mapped_column(String(128), nullable=True, index=True)  # x-request-id
 
 
 class SessionRow(Base):
@@ -137,7 +137,8 @@ class UsageRow(Base):
     status: Mapped[int] = mapped_column(Integer)
     replica: Mapped[str | None] = mapped_column(String(128), nullable=True)
     api: Mapped[str | None] = mapped_column(String(16), nullable=True)  # the client API that asked
-    request_id: Mapped[str | None] = mapped_column(String(128), nullable=True)  # its x-request-id
+    # its x-request-id: found by it (`corral requests`, /admin/requests) without scanning every row
+    request_id: Mapped[str | None] = mapped_column(String(128), nullable=True, index=True)
 
 
 def add_missing_columns(engine: Engine) -> None:
