@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from corral.perf import PerfModel, Scheduler, SchedulerConfig, load_catalog
+from corral.perf import EngineSequence, PerfModel, Scheduler, SchedulerConfig, StepPipeline, load_catalog
 from corral.perf.calibration import calibrated_efficiency
 from corral.perf.workload import closed_loop, open_loop
 
@@ -63,3 +63,34 @@ def test_pipelined_decode_rounds_taken_at_once_give_the_stepped_figures(
     assert fewer < (every / 2 if config.num_blocks == 4096 else every)
     if config.num_blocks == 90:
         assert stepped[1].preemptions > 0
+
+
+def test_a_free_batch_larger_than_the_token_budget_is_left_to_the_scheduler() -> None:
+    """Five sequences decoding under a budget of two tokens a step at pp = 2: batches of two, one left
+    over, and after each batch comes out three sequences are free, more than one step takes; the rounds
+    are then not taken at once (`schedule` splits them), and every sequence finishes when stepping says."""
+
+    def run(stretches: bool) -> tuple[list[tuple[float | None, int, list[int]]], int]:
+        scheduler = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=2, num_blocks=64))
+        pipeline = StepPipeline(_perf(2))
+        seqs = [
+            EngineSequence(id=i, prompt_len=16, max_tokens=20 + i, arrival=0.0, computed=16, generated=1)
+            for i in range(5)
+        ]
+        for seq in seqs:
+            seq.active, seq.blocks = True, [scheduler.pool.allocate() for _ in range(2)]
+            scheduler.running.append(seq)
+        now, refused = 0.0, 0
+        while scheduler.running or pipeline.busy:
+            if stretches:
+                rounds = pipeline.decode_rounds(scheduler, now)
+                refused += rounds is None and sum(not s.in_flight for s in scheduler.running) > 2
+                now = rounds[0] if rounds is not None else now
+            while pipeline.has_room and (batch := scheduler.schedule()) is not None:
+                pipeline.launch(batch, now)
+            now, batch = pipeline.pop()
+            scheduler.complete(batch, now)
+        return [(s.finished_at, s.generated, s.blocks) for s in seqs], refused
+
+    (taken, refused), (stepped, _) = run(True), run(False)
+    assert taken == stepped and refused > 10

@@ -94,30 +94,30 @@ class StepPipeline:
         batches = {id(batch): _Round(batch, size) for _, _, batch in heap}
         while heap and heap[0][0] < until:
             finish, _, batch = heap[0]
-            at = batches[id(batch)]
-            if at.left == 0:
+            flight = batches[id(batch)]
+            if flight.left == 0:
                 break  # its next completion finishes a sequence: left to `complete`
             heapq.heappop(heap)
             now = finish
-            at.left -= 1
-            at.made += 1
-            at.pending += 1
-            if at.pending > at.room:
-                at.apply()
-                if not self._grow(scheduler, at.group):
-                    for seq in at.group:
+            flight.left -= 1
+            flight.made += 1
+            flight.pending += 1
+            if flight.pending > flight.room:
+                flight.apply()
+                if not self._grow(scheduler, flight.group):
+                    for seq in flight.group:
                         seq.in_flight = False
                     break  # the next `schedule` preempts: left to it
-                at.room = at.room_of(size)
-            batch.decode_context += at.size
-            duration = step_seconds(float(at.size), float(batch.decode_context), 0.0, 0.0)
+                flight.room = flight.room_of(size)
+            batch.decode_context += flight.size
+            duration = step_seconds(float(flight.size), float(batch.decode_context), 0.0, 0.0)
             start = max(now, self._entry_free_at)  # `launch`, inline
             self._entry_free_at = start + duration / pp
             heapq.heappush(heap, (start + duration, self._launched, batch))
             self._launched += 1
-        for at in batches.values():
-            at.apply()
-        return now, [(at.group, at.made) for at in batches.values() if at.made]
+        for flight in batches.values():
+            flight.apply()
+        return now, [(flight.group, flight.made) for flight in batches.values() if flight.made]
 
     @staticmethod
     def _grow(scheduler: Scheduler, group: list[EngineSequence]) -> bool:

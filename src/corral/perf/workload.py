@@ -70,15 +70,14 @@ def closed_loop(
     tokens_in_window = 0
     pipeline = StepPipeline(perf)
     while len(done) < warmup + measured:
-        if not stretches:
-            pass
-        elif perf.pp == 1 and not pipeline.busy and (run := scheduler.decode_run(output_len)) is not None:
-            scheduler.advance(run)  # decode-only steps until the next finish: taken at once
-            now += float(perf.decode_seconds(run.sequences, run.context, run.steps).sum())
-            if window_start is not None:
-                tokens_in_window += run.steps * run.sequences
-            continue
-        elif (rounds := pipeline.decode_rounds(scheduler, now)) is not None:
+        if stretches and perf.pp == 1 and not pipeline.busy:
+            if (run := scheduler.decode_run(output_len)) is not None:
+                scheduler.advance(run)  # decode-only steps until the next finish: taken at once
+                now += float(perf.decode_seconds(run.sequences, run.context, run.steps).sum())
+                if window_start is not None:
+                    tokens_in_window += run.steps * run.sequences
+                continue
+        elif stretches and (rounds := pipeline.decode_rounds(scheduler, now)) is not None:
             now, made = rounds  # pipelined decode batches until the next finish: then stepped on
             if window_start is not None:
                 tokens_in_window += sum(len(group) * count for group, count in made)
@@ -204,16 +203,14 @@ def open_loop(
                 )
             )
             next_arrival += 1
-        if not stretches:
-            pass
-        elif perf.pp > 1:
+        if stretches and perf.pp > 1:
             until = arrivals[next_arrival] if next_arrival < requests else math.inf
             if (rounds := pipeline.decode_rounds(scheduler, now, until)) is not None:
                 now, made = rounds  # pipelined decode batches up to the next arrival: then stepped on
                 tokens_in_window += sum(
                     count for group, count in made for seq in group if seq.arrival >= window_opens
                 )
-        elif not pipeline.busy and (run := scheduler.decode_run(output_len)) is not None:
+        elif stretches and not pipeline.busy and (run := scheduler.decode_run(output_len)) is not None:
             ends = now + np.cumsum(perf.decode_seconds(run.sequences, run.context, run.steps))
             # Decode-only steps until the next finish, taken at once. While nothing waits, a step may
             # start only before the next arrival (which joins the step it precedes); behind a blocked
