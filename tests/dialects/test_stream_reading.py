@@ -186,3 +186,37 @@ def _completed(event: Event) -> Event:
         return event
     response = {**event.data["response"], "status": "completed"}
     return Event("response.completed", {**event.data, "type": "response.completed", "response": response})
+
+
+def _escaped_stream(texts: list[bytes]) -> list[bytes]:
+    """vLLM-shaped events a write whose texts are given as the engine escaped them (`texts`: the bytes
+    between the content's quotes), then the finish, usage and [DONE]."""
+    head = b'data: {"id":"chatcmpl-3","object":"chat.completion.chunk","created":1,"model":"m","choices":'
+    delta = b'[{"index":0,"delta":{"content":"%s"},"finish_reason":null}]}\n\n'
+    events = [head + delta % t for t in texts]
+    events.append(head + b'[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\n')
+    return [*events, _event({"id": "chatcmpl-3", "choices": [], "usage": USAGE}), b"data: [DONE]\n\n"]
+
+
+# tokens as an engine may escape them, taken the short way (one event a write, read against the template):
+# escapes orjson would not write, a pair of surrogates; and two it must not pass on: a lone surrogate and
+# an escape JSON has not (their events are not JSON a client could read)
+ESCAPED = [b"Caf", b"\\u00e9", b" \\/ ", b"ok", b"\\ud83d", b"\\q", b" \\ud83d\\ude00", b"\\n"]
+
+
+@pytest.mark.parametrize("exchange", [_responses_exchange, _messages_exchange])
+async def test_tokens_escaped_any_json_way_are_told_as_their_text_and_broken_ones_not_at_all(
+    exchange: Any, openai_spec: Spec, anthropic_spec: Spec
+) -> None:
+    told = await _told(exchange(), _escaped_stream(ESCAPED))  # (every event the client reads parses: _events)
+    if isinstance(told[0].data.get("message"), dict):  # Messages
+        assert not _validate_stream(anthropic_spec, told, unlisted=frozenset({"ping"}))
+        deltas = [e.data["delta"]["text"] for e in told if e.data["type"] == "content_block_delta"]
+        assert "".join(deltas) == "Café / ok 😀\n"
+        return
+    assert not _validate_stream(openai_spec, told)
+    deltas = [e.data["delta"] for e in told if e.data["type"] == "response.output_text.delta"]
+    assert deltas == ["Caf", "é", " / ", "ok", " 😀", "\n"]
+    done = next(e.data for e in told if e.data["type"] == "response.output_text.done")
+    final = told[-1].data["response"]["output"][0]["content"][0]["text"]
+    assert done["text"] == final == "Café / ok 😀\n"

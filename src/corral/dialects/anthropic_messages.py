@@ -12,7 +12,7 @@ overloaded cluster is 529).
 
 from __future__ import annotations
 
-import uuid
+import os
 from typing import Annotated, Any, Literal
 
 import orjson
@@ -124,7 +124,7 @@ class MessagesExchange:
 
     def __init__(self, body: MessagesRequest) -> None:
         self.body = body
-        self.id = "msg_" + uuid.uuid4().hex
+        self.id = "msg_" + os.urandom(16).hex()
         self.chat_body = orjson.dumps(self._chat())
         self.prompt_tokens = (
             0  # the gateway's estimate, said in message_start (the engine's comes at the end)
@@ -210,6 +210,7 @@ class MessagesEncoder(Encoder):
         self.answer = Answer()
         self._index = -1
         self._open: str | None = None  # the open block's kind: text, thinking, tool_use
+        self._text_event = b""  # the open text block's delta event, its text to fill
 
     def start(self) -> bytes:
         exchange = self.exchange
@@ -261,8 +262,14 @@ class MessagesEncoder(Encoder):
         )
 
     def text(self, delta: str) -> bytes:
-        out = b"" if self._open == "text" else self._block("text", _TEXT_BLOCK)
-        return out + self._delta(b'{"type":"text_delta","text":' + orjson.dumps(delta) + b"}")
+        return self.text_escaped(orjson.dumps(delta)[1:-1])
+
+    def text_escaped(self, escaped: bytes) -> bytes:
+        if self._open == "text":
+            return self._text_event % escaped
+        out = self._block("text", _TEXT_BLOCK)
+        self._text_event = self._delta(b'{"type":"text_delta","text":"%s"}')  # (the block's index: fixed)
+        return out + self._text_event % escaped
 
     def reasoning(self, delta: str) -> bytes:
         out = b"" if self._open == "thinking" else self._block("thinking", _THINKING_BLOCK)

@@ -25,12 +25,13 @@ _CONTENT = b'"content":'
 class ChunkReader:
     """Reads one stream's whole events (see the module's docstring)."""
 
-    __slots__ = ("_prefix", "_separator", "_suffix")
+    __slots__ = ("_least", "_prefix", "_separator", "_suffix")
 
     def __init__(self) -> None:
         self._prefix = b""  # the template's bytes up to its text's opening quote ("" before it is learnt)
         self._suffix = b""  # from its closing quote to the end of the event
         self._separator = b""
+        self._least = 0  # the template's length around an empty text
 
     def read(self, events: bytes) -> tuple[list[Any], bool]:
         """(the events' objects in order, a run of template events as one list of their texts; whether the
@@ -64,22 +65,25 @@ class ChunkReader:
             self._learn(event, chunk)  # (a text delta read here is one the template does not match)
         return items, done
 
-    def one(self, event: bytes) -> str | None:
-        """The text of `event` if it is one whole event of the template around a text without quotes
-        (a token as an engine streams it: one event a read), else None (read it with `read`)."""
-        prefix, suffix = self._prefix, self._suffix
-        if not prefix or len(event) < len(prefix) + len(suffix):
+    def one(self, event: bytes) -> bytes | None:
+        """The text of `event`, as the engine escaped it (the inside of a JSON string: checked, not decoded;
+        a dialect writes it as it came), if `event` is one whole event of the template around a text
+        without quotes (a token as an engine streams it: one event a read); else None (read it with
+        `read`)."""
+        prefix = self._prefix
+        if not prefix or len(event) < self._least or not event.startswith(prefix):
             return None
-        if not event.startswith(prefix) or not event.endswith(suffix):
+        suffix = self._suffix
+        if not event.endswith(suffix):
             return None
         inside = event[len(prefix) : len(event) - len(suffix)]
         if b'"' in inside:
             return None  # (a quote: escaped inside the text, or another event's; the general path reads it)
         try:
-            text = orjson.loads(b'"' + inside + b'"')
+            orjson.loads(b'"' + inside + b'"')  # (a JSON string's inside, whole: escapes, UTF-8, surrogates)
         except orjson.JSONDecodeError:
             return None
-        return text if isinstance(text, str) else None
+        return inside
 
     def _run(self, events: bytes, at: int) -> tuple[list[str], int] | None:
         """The texts of the template's events from `at` on and where they end; None where they do not
@@ -122,6 +126,7 @@ class ChunkReader:
             return
         if isinstance(read, dict) and text_alone(read) == "\x00probe":
             self._prefix, self._suffix, self._separator = prefix, suffix, suffix + prefix
+            self._least = len(prefix) + len(suffix)
 
 
 def text_alone(chunk: dict[str, Any]) -> str | None:

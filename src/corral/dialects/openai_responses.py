@@ -16,9 +16,8 @@ last event (or its body) leaves, so a client may name it at once.
 from __future__ import annotations
 
 import asyncio
-import functools
+import os
 import time
-import uuid
 from typing import Annotated, Any, Literal, cast
 
 import orjson
@@ -142,7 +141,7 @@ class Responses:
                 )
             output = previous.response.get("output") or []
             history = previous.input_items + [item for item in output if _continues(item)]
-        token = uuid.uuid4().hex  # the response's id, and its input items' (one random draw a request)
+        token = os.urandom(16).hex()  # the response's id, and its input items' (one random draw a request)
         items = _input_items(body.input, token)
         exchange = ResponsesExchange(body, history + items, tenant, key_id, self._store, token)
         if len(exchange.chat_body) > self._max_body:  # (so a stored conversation stays bounded too)
@@ -229,6 +228,7 @@ class ResponsesExchange:
         self.chat_body = orjson.dumps(self._chat())
         self.final: dict[str, Any] | None = None
         self.prompt_tokens = 0
+        self._frame: dict[str, Any] | None = None  # the response object's fixed fields (_framed)
 
     def _chat(self) -> dict[str, Any]:
         body = self.body
@@ -270,7 +270,7 @@ class ResponsesExchange:
         error: dict[str, Any] | None = None,
         incomplete: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
-        answer = self._frame.copy()  # (a stream tells it twice or more: its fixed fields are made once)
+        answer = (self._frame or self._framed()).copy()  # (a stream tells it twice or more: made once)
         answer["status"] = status
         answer["error"] = error
         answer["incomplete_details"] = incomplete
@@ -281,11 +281,10 @@ class ResponsesExchange:
             answer["user"] = self.body.user
         return answer
 
-    @functools.cached_property
-    def _frame(self) -> dict[str, Any]:
+    def _framed(self) -> dict[str, Any]:
         """The response object's fields, in OpenAI's order; those that change are filled by `response`."""
         body = self.body
-        return {
+        self._frame = {
             "id": self.id,
             "object": "response",
             "created_at": self.created_at,
@@ -309,6 +308,7 @@ class ResponsesExchange:
             "top_p": body.top_p,
             "truncation": body.truncation or "disabled",
         }
+        return self._frame
 
     def finished(self, answer: Answer, output: list[dict[str, Any]]) -> dict[str, Any]:
         if answer.finish_reason == "length":

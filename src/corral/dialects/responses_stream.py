@@ -27,7 +27,8 @@ class ResponsesEncoder(Encoder):
         self._open: dict[str, Any] | None = None  # the output item being written
         self._calls: dict[str, dict[str, Any]] = {}  # call id → its item
         self._failed: dict[str, Any] | None = None
-        self._pieces: list[str] = []  # the open message's text so far
+        self._pieces: list[bytes] = []  # the open message's text so far, JSON-escaped
+        self._text_event: bytes | None = None  # the open message's delta event, its number and text to fill
         self._head = b""  # the open item's fields in its delta events
 
     def _event(self, kind: bytes, fields: dict[str, Any]) -> bytes:
@@ -78,25 +79,37 @@ class ResponsesEncoder(Encoder):
         )
 
     def text(self, delta: str) -> bytes:
-        out = b""
-        item = self._open
-        if item is None or item["type"] != "message":
-            item = message_item(self.exchange.item_id("msg"), "", "in_progress")
-            out += self._add(item)
-            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-            out += self._event(
-                b"response.content_part.added",
-                {
-                    "item_id": item["id"],
-                    "output_index": len(self.output) - 1,
-                    "content_index": 0,
-                    "part": part,
-                },
-            )
-            self._pieces = []
-            self._head = self._head_of(item, content=True)
-        self._pieces.append(delta)
-        return out + self._delta(b"response.output_text.delta", delta, b',"logprobs":[]}')
+        return self.text_escaped(orjson.dumps(delta)[1:-1])
+
+    def text_escaped(self, escaped: bytes) -> bytes:
+        template = self._text_event
+        if template is None:  # the message's first text: its item and part open first
+            return self._open_message(escaped)
+        self._pieces.append(escaped)
+        seq = self._seq
+        self._seq = seq + 1
+        return template % (seq, escaped)
+
+    def _open_message(self, escaped: bytes) -> bytes:
+        item = message_item(self.exchange.item_id("msg"), "", "in_progress")
+        out = self._add(item)
+        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        out += self._event(
+            b"response.content_part.added",
+            {"item_id": item["id"], "output_index": len(self.output) - 1, "content_index": 0, "part": part},
+        )
+        self._pieces = []
+        kind = b"response.output_text.delta"
+        head = self._head_of(item, content=True).replace(b"%", b"%%")
+        self._text_event = (
+            b"event: " + kind + b'\ndata: {"type":"' + kind + b'","sequence_number":%d'
+            + head + b',"delta":"%s","logprobs":[]}\n\n'
+        )  # fmt: skip
+        return out + self.text_escaped(escaped)
+
+    def _text(self) -> str:
+        """The open message's text (its pieces were each checked as a JSON string's inside)."""
+        return str(orjson.loads(b'"' + b"".join(self._pieces) + b'"'))
 
     def reasoning(self, delta: str) -> bytes:
         out = b""
@@ -123,6 +136,7 @@ class ResponsesEncoder(Encoder):
     def _close(self) -> bytes:
         """The open item's closing events."""
         item, self._open = self._open, None
+        self._text_event = None
         if item is None:
             return b""
         index = self.output.index(item)
@@ -130,7 +144,7 @@ class ResponsesEncoder(Encoder):
         out = b""
         if item["type"] == "message":
             part = item["content"][0]
-            part["text"] = "".join(self._pieces)
+            part["text"] = self._text()
             out += self._event(
                 b"response.output_text.done",
                 {
@@ -178,7 +192,7 @@ class ResponsesEncoder(Encoder):
     def closing_response(self) -> dict[str, Any]:
         """The response as it ends (for the store, before its last events are written)."""
         if self._open is not None and self._open["type"] == "message":
-            self._open["content"][0]["text"] = "".join(self._pieces)
+            self._open["content"][0]["text"] = self._text()
         output = [dict(item, status="completed") for item in self.output]
         if self._failed is not None:
             return self.exchange.response("failed", output, self.answer.usage, error=self._failed)
