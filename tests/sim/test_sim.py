@@ -168,16 +168,23 @@ async def test_latency_and_throughput_agree_with_the_planner_within_10_percent()
     config = SchedulerConfig(num_blocks=memory.kv_tokens // BLOCK_SIZE, enable_prefix_caching=False)
     try:
         for concurrency in (1, 4, 16):
-            measured = await _closed_loop_over_http(url, concurrency, output_len=24, rounds=2)
             # the engine's steps, its clients in lockstep as this loop's are (the simulator leaves out the
             # HTTP server's per-request cost, `request_overhead_s`: the planner adds it)
             engine_only = replace(server.engine.perf.efficiency, request_overhead_s=0.0)
             perf = replace(server.engine.perf, efficiency=engine_only)
             predicted = closed_loop(perf, config, concurrency, input_len=100, output_len=24, drift=False)
-            tokens_per_s = (
-                measured["tokens"] / measured["seconds"] / options.time_scale
-            )  # per simulated second
-            e2e = measured["e2e_p50"] * options.time_scale
+            # A second try where the first is off: the simulator runs in real time (2x), and a machine busy
+            # elsewhere (a real engine's start on the other test worker) only ever delays its clients, so
+            # the measure comes out slower, never faster (it agrees within 1.2% with both cores busy).
+            for attempt in (1, 2):
+                measured = await _closed_loop_over_http(url, concurrency, output_len=24, rounds=2)
+                tokens_per_s = measured["tokens"] / measured["seconds"] / options.time_scale  # simulated
+                e2e = measured["e2e_p50"] * options.time_scale
+                agrees = tokens_per_s == pytest.approx(
+                    predicted.output_tokens_per_s, rel=0.10
+                ) and e2e == pytest.approx(predicted.e2e_p50, rel=0.10)
+                if agrees or attempt == 2:
+                    break
             assert tokens_per_s == pytest.approx(predicted.output_tokens_per_s, rel=0.10), concurrency
             assert e2e == pytest.approx(predicted.e2e_p50, rel=0.10), concurrency
     finally:
