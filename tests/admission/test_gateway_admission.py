@@ -117,12 +117,15 @@ async def test_revoked_key_stops_working_within_the_cache_ttl(closed: Cluster) -
     assert status == 200
     revoked_at = time.monotonic()
     while True:
+        sent = time.monotonic()
         try:
             await client.chat.completions.create(model="m", messages=MESSAGES)
         except openai.AuthenticationError:
             break
+        # the key was cached before it was revoked: a request sent once that entry expired is refused
+        # (whatever the machine's load makes of the answer's time)
+        assert sent - revoked_at < 0.5, "a revoked key still worked past auth.cache_ttl"
         await asyncio.sleep(0.05)
-    assert time.monotonic() - revoked_at <= 0.5 + 0.2  # auth.cache_ttl
 
 
 async def test_rate_limited_key_gets_429_with_headers(closed: Cluster) -> None:
