@@ -40,7 +40,7 @@ Machine: whatever runs it (recorded in the JSON); the published figures came fro
 with the client, the gateway and the upstream sharing the 2 cores.
 
     .venv/bin/python benchmarks/dialect_overhead.py [--requests 2000] [--concurrency 8] [--rounds 5]
-        [--pace-ms 10] [--paced-concurrency 64]
+        [--pace-ms 10] [--paced-concurrency 64] [--tokens 16]
 """
 
 from __future__ import annotations
@@ -82,19 +82,19 @@ PATHS = {
 }
 
 
-def request_body(route: str, stream: bool, model: str = "bench") -> bytes:
+def request_body(route: str, stream: bool, model: str = "bench", tokens: int = TOKENS) -> bytes:
     user = [{"role": "user", "content": TEXT}]
     body: dict[str, Any]
     if route == "chat":
-        body = {"model": model, "messages": user, "max_tokens": TOKENS}
+        body = {"model": model, "messages": user, "max_tokens": tokens}
         if stream:
             body["stream_options"] = {"include_usage": True}
     elif route == "responses":
-        body = {"model": model, "input": TEXT, "max_output_tokens": TOKENS, "store": False}
+        body = {"model": model, "input": TEXT, "max_output_tokens": tokens, "store": False}
     elif route == "responses_store":  # store left at its default: true
-        body = {"model": model, "input": TEXT, "max_output_tokens": TOKENS}
+        body = {"model": model, "input": TEXT, "max_output_tokens": tokens}
     else:
-        body = {"model": model, "max_tokens": TOKENS, "messages": user}
+        body = {"model": model, "max_tokens": tokens, "messages": user}
     if stream:
         body["stream"] = True
     return orjson.dumps(body)
@@ -129,8 +129,9 @@ async def run_load(
     concurrency: int,
     total: int,
     model: str = "bench",
+    tokens: int = TOKENS,
 ) -> dict[str, Any]:
-    payload = request_body(route, stream, model)
+    payload = request_body(route, stream, model, tokens)
     latencies: list[float] = []
     errors: list[str] = []
     sizes: list[int] = []
@@ -187,7 +188,9 @@ async def measure_cpu(args: argparse.Namespace, base: str, gateway: psutil.Proce
     async def load(route: str, kind: tuple[str, bool, str], total: int) -> dict[str, Any]:
         name, stream, model = kind
         concurrency = args.paced_concurrency if name == "paced" else args.concurrency
-        return await run_load(session, base + PATHS[route], route, stream, concurrency, total, model)
+        return await run_load(
+            session, base + PATHS[route], route, stream, concurrency, total, model, args.tokens
+        )
 
     async with aiohttp.ClientSession(connector=connector) as session:
         for kind in kinds:  # warm up connections and each route's code path
@@ -399,8 +402,8 @@ def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         f"  - name: paced\n    deployments: [{{engine: external, urls: [{paced}]}}]\n"
     )
     serve = [sys.executable, str(HERE / "gateway_overhead.py"), "--serve"]
-    upstream_proc = spawn([*serve, "upstream", str(up_port), str(TOKENS), "0"])
-    paced_proc = spawn([*serve, "upstream", str(paced_port), str(TOKENS), str(args.pace_ms / 1000)])
+    upstream_proc = spawn([*serve, "upstream", str(up_port), str(args.tokens), "0"])
+    paced_proc = spawn([*serve, "upstream", str(paced_port), str(args.tokens), str(args.pace_ms / 1000)])
     corral = [sys.executable, "-m", "corral.cli", "up", "--log-level", "warning", "-f", str(spec)]
     gateway_proc = spawn(corral, env={"CORRAL_HOME": str(tmp / "home")})
     try:
@@ -424,13 +427,13 @@ def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     return {
         "benchmark": "dialect_overhead",
         "setup": {
-            "upstream": f"gateway_overhead.py's scripted upstream, {TOKENS} tokens (whole, or one-token "
+            "upstream": f"gateway_overhead.py's scripted upstream, {args.tokens} tokens (whole, or one-token "
             "SSE chunks back to back + usage chunk); 'paced': a second one writing a token every "
             f"{args.pace_ms:g} ms, as an engine streams (model 'paced')",
             "paced_concurrency": args.paced_concurrency,
             "gateway": "corral up, open (no keys), one external deployment, SQLite store, one process",
             "prompt_words": len(TEXT.split()),
-            "output_tokens": TOKENS,
+            "output_tokens": args.tokens,
             "concurrency": args.concurrency,
             "requests_per_point_per_round": args.requests,
             "rounds": args.rounds,
@@ -459,6 +462,9 @@ def main() -> None:
     )
     parser.add_argument("--requests", type=int, default=2000, help="requests per point per round")
     parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument(
+        "--tokens", type=int, default=TOKENS, help="output tokens per answer, whole and streamed"
+    )
     parser.add_argument(
         "--pace-ms",
         type=float,
