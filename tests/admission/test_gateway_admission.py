@@ -420,6 +420,61 @@ async def test_a_long_prompt_is_counted_off_the_event_loop(
         await server.stop()
 
 
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/responses"])
+async def test_a_key_over_its_limits_is_refused_before_its_long_prompt_is_counted(
+    tmp_path: Path, upstream: ScriptedUpstream, route: str
+) -> None:
+    """Mallory's key allows one request a minute. Her second long prompt is refused (429, recorded by its
+    request id) without the model's tokenizer counting it: over her limits she cannot make the gateway
+    spend a counting thread's seconds for nothing. Her first, within them, was counted and served."""
+    from corral.admission import TokenCounter
+
+    path = next((Paths.from_env().models / "hf-from-gguf").glob("SmolLM2*/tokenizer.json"))
+    replicas = ReplicaSet(["m"])
+    replicas.add(Replica(id="m-0", model="m", engine="x", url=upstream.url, state=ReplicaState.READY))
+    services = make_services(
+        replicas, tmp_path / "c.db", auth=AuthSettings(open=False), admin_key=ADMIN, tokenizers={"m": path}
+    )
+    counted: list[int] = []
+
+    class Counted(TokenCounter):
+        def count(self, text: str) -> int:
+            counted.append(len(text))
+            return super().count(text)
+
+    services.sizing.counters["m"] = Counted(path)
+    server = GatewayServer(GatewaySettings(port=0), Router(replicas), services)
+    await server.start()
+    key, record = services.keys.create("mallory", rpm=1)
+    text = " ".join(f"word{i % 9973} and more" for i in range(12_000))  # about 200 kB: counted in a thread
+    if route == "/v1/chat/completions":
+        body = {"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": text}]}
+    else:
+        body = {"model": "m", "max_output_tokens": 1, "input": text, "store": False}
+    headers = {"Authorization": f"Bearer {key}"}
+    url = f"http://127.0.0.1:{server.port}"
+    try:
+        async with aiohttp.ClientSession() as session:
+            statuses, ids = [], []
+            for _ in range(2):
+                async with session.post(url + route, json=body, headers=headers) as answer:
+                    statuses.append(answer.status)
+                    ids.append(answer.headers["x-request-id"])
+                    refusal = await answer.json()
+            assert statuses == [200, 429] and len(counted) == 1
+            assert refusal["error"]["code"] == "rate_limit_exceeded"
+            assert answer.headers["Retry-After"] and answer.headers["x-ratelimit-remaining-requests"] == "0"
+            await asyncio.sleep(0.4)  # store.flush_interval is 0.1 s in tests
+            async with session.get(
+                f"{url}/admin/usage?request_id={ids[1]}", headers=AS_ADMIN
+            ) as found:
+                (row,) = (await found.json())["rows"]
+    finally:
+        await server.stop()
+    assert row["status"] == 429 and row["key_id"] == record.id
+    assert row["api"] == ("chat" if route == "/v1/chat/completions" else "responses")
+
+
 async def test_one_tenants_long_prompts_are_counted_one_at_a_time(
     tmp_path: Path, upstream: ScriptedUpstream
 ) -> None:

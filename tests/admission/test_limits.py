@@ -71,6 +71,32 @@ async def test_concurrency_cap(limiter: MemoryLimiter | RedisLimiter) -> None:
     assert await limiter.reserve(principal, 1) is not None
 
 
+async def test_a_check_refuses_as_reserve_would_and_reserves_nothing(
+    limiter: MemoryLimiter | RedisLimiter,
+) -> None:
+    principal = key(rpm=2, tpm=100, max_concurrency=5)
+    for _ in range(3):  # checks take no room: two reservations still fit after them
+        await limiter.check(principal, 1)
+    first = await limiter.reserve(principal, 60)
+    await limiter.check(principal, 40)
+    with pytest.raises(RateLimited, match="tokens per minute") as tokens:
+        await limiter.check(principal, 41)
+    assert tokens.value.headers()["x-ratelimit-remaining-tokens"] == "40"
+    assert first is not None and await limiter.reserve(principal, 10) is not None
+    with pytest.raises(RateLimited, match="requests per minute") as requests:
+        await limiter.check(principal, 1)
+    assert requests.value.headers()["Retry-After"] == "1"
+    await limiter.settle(first, 5)
+    await asyncio.sleep(1.05)  # the window moved on: a check passes, and so does a reservation
+    await limiter.check(principal, 1)
+    assert await limiter.reserve(principal, 90) is not None
+    capped = key(max_concurrency=1)
+    await limiter.check(capped, 1)
+    assert await limiter.reserve(capped, 1) is not None
+    with pytest.raises(RateLimited, match="concurrent"):
+        await limiter.check(capped, 1)
+
+
 async def test_keys_without_limits_reserve_nothing(limiter: MemoryLimiter | RedisLimiter) -> None:
     assert await limiter.reserve(Principal(key_id=None, tenant="anonymous"), 10**9) is None
     assert await limiter.reserve(key(), 10**9) is None

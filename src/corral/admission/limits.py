@@ -59,6 +59,12 @@ class Limiter(Protocol):
         """Reserve a request and `tokens`; None for keys without limits. Raises RateLimited."""
         ...
 
+    async def check(self, principal: Principal, tokens: int) -> None:
+        """Raise RateLimited where `reserve` would refuse a request of `tokens` now, reserving nothing:
+        a long prompt is refused before it is counted (a key over its limits cannot make the gateway
+        count its prompts for nothing). Another gateway may take the room first: `reserve` decides."""
+        ...
+
     async def settle(self, reservation: Reservation, actual_tokens: int) -> None:
         """The request ended: release its concurrency slot and correct its tokens."""
         ...
@@ -128,6 +134,24 @@ class MemoryLimiter:
         w = self._keys.get(principal.key_id)
         if w is None:
             w = self._keys[principal.key_id] = _Window()
+        self._refuse(principal, w, tokens, now)
+        entries, live = w.entries, w.live
+        count = len(entries)
+        entry = str(next(self._ids))
+        entries.append((now, entry))
+        live[entry] = tokens
+        w.tokens += tokens
+        w.in_flight += 1
+        headers = _granted(principal, count + 1, w.tokens, entries[0][0] + self._window - now)
+        return Reservation(principal.key_id, entry, tokens, headers)
+
+    async def check(self, principal: Principal, tokens: int) -> None:
+        w = self._keys.get(principal.key_id or "") if _limited(principal) else None
+        if w is not None:
+            self._refuse(principal, w, tokens, time.monotonic())
+
+    def _refuse(self, principal: Principal, w: _Window, tokens: int, now: float) -> None:
+        """Drop what left the window; raise the refusal a request of `tokens` would get now."""
         entries, live = w.entries, w.live
         cutoff = now - self._window
         while entries and entries[0][0] <= cutoff:
@@ -145,13 +169,6 @@ class MemoryLimiter:
                     raise _refusal(principal, "tokens", at + self._window - now, count, w.tokens)
         if principal.max_concurrency and w.in_flight + 1 > principal.max_concurrency:
             raise _refusal(principal, "concurrency", 1.0, count, w.tokens)
-        entry = str(next(self._ids))
-        entries.append((now, entry))
-        live[entry] = tokens
-        w.tokens += tokens
-        w.in_flight += 1
-        headers = _granted(principal, count + 1, w.tokens, entries[0][0] + self._window - now)
-        return Reservation(principal.key_id, entry, tokens, headers)
 
     async def settle(self, reservation: Reservation, actual_tokens: int) -> None:
         w = self._keys.get(reservation.key_id)
@@ -167,7 +184,7 @@ class MemoryLimiter:
         return None
 
 
-_RESERVE = """
+_CHECKS = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local window = tonumber(ARGV[1])
@@ -198,7 +215,12 @@ if tpm > 0 and sum + tokens > tpm then
   return {0, 'tokens', window, count, sum}
 end
 if maxc > 0 and inflight + 1 > maxc then return {0, 'concurrency', 1000, count, sum} end
-redis.call('ZADD', KEYS[1], now, id .. ':' .. tokens)
+"""
+# (a request's check is the reservation's first part: the same refusals, nothing reserved)
+_CHECK = _CHECKS + "redis.call('PEXPIRE', KEYS[2], window * 10)\nreturn {1, 'ok', 0, count, sum}\n"
+_RESERVE = (
+    _CHECKS
+    + """redis.call('ZADD', KEYS[1], now, id .. ':' .. tokens)
 redis.call('HINCRBY', KEYS[2], 'tokens', tokens)
 redis.call('HINCRBY', KEYS[2], 'inflight', 1)
 redis.call('PEXPIRE', KEYS[1], window * 10)
@@ -206,6 +228,7 @@ redis.call('PEXPIRE', KEYS[2], window * 10)
 local first = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
 return {1, 'ok', tonumber(first[2]) + window - now, count + 1, sum + tokens}
 """
+)
 
 _SETTLE = """
 local member = ARGV[1] .. ':' .. ARGV[2]
@@ -274,6 +297,17 @@ class RedisLimiter:
             raise _refusal(principal, what, int(retry_ms) / 1000, int(count), int(held))
         reservation.headers.update(_granted(principal, int(count), int(held), int(retry_ms) / 1000))
         return reservation
+
+    async def check(self, principal: Principal, tokens: int) -> None:
+        if not _limited(principal):
+            return
+        assert principal.key_id is not None
+        limits = [principal.rpm or 0, principal.tpm or 0, principal.max_concurrency or 0]
+        args: list[int | str] = [self._window_ms, *limits, tokens, ""]
+        ok, what, retry_ms, count, held = await self._send("check", self._keys(principal.key_id), args)
+        if not ok:
+            what = what.decode() if isinstance(what, bytes) else what
+            raise _refusal(principal, what, int(retry_ms) / 1000, int(count), int(held))
 
     async def settle(self, reservation: Reservation, actual_tokens: int) -> None:
         args: list[int | str] = [reservation.entry, reservation.tokens, actual_tokens]
@@ -354,7 +388,7 @@ class RedisLimiter:
         await self._redis.aclose()
 
 
-_SCRIPTS = {"reserve": _RESERVE, "settle": _SETTLE}
+_SCRIPTS = {"check": _CHECK, "reserve": _RESERVE, "settle": _SETTLE}
 _Call = tuple[str, list[str], list[int | str], "asyncio.Future[Any]"]
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
@@ -146,13 +146,21 @@ class Intake:
         kind: type[ChatCompletionRequest] | type[CompletionRequest],
         session: str | None,
         tenant: str | None,
+        before_counting: Callable[[Draft], Awaitable[None]] | None = None,
     ) -> RequestContext:
         """`tenant`'s request read, checked, counted (a long prompt by the model's tokenizer in a thread: a
-        4 MB one takes seconds, which would stall every request on the event loop)."""
+        4 MB one takes seconds, which would stall every request on the event loop). `before_counting`
+        may refuse a long prompt before its count (the key's rate limits: pipeline.py)."""
         draft = self._draft(raw, kind, tenant, path, session)
-        return self._sized(
-            draft, await self._counting.run(tenant or "", draft.count) if draft.long else draft.count()
-        )
+        if not draft.long:
+            return self._sized(draft, draft.count())
+        if before_counting is not None:
+            await before_counting(draft)
+        return self._sized(draft, await self._counting.run(tenant or "", draft.count))
+
+    def uncounted(self, draft: Draft) -> RequestContext:
+        """The context of a request refused before its prompt was counted (its metrics and usage row)."""
+        return self._sized(draft, 0)
 
     def _draft(
         self, raw: bytes, kind: _Kind, tenant: str | None, path: str = "", session: str | None = None

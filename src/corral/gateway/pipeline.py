@@ -39,7 +39,7 @@ from corral.gateway.clients import REQUEST_ID, trace_context
 from corral.gateway.context import RequestContext
 from corral.gateway.embeddings import EmbeddingShaper
 from corral.gateway.fanout import Fanout, in_flight
-from corral.gateway.intake import Intake
+from corral.gateway.intake import Draft, Intake
 from corral.gateway.isolation import TenantIsolation
 from corral.gateway.metrics import GatewayMetrics
 from corral.gateway.relay import SSE_HEADERS, EventStream, Relay
@@ -146,7 +146,9 @@ class Pipeline:
             principal = await self._auth.authenticate(dialect.credentials(request))
             raw = await self._read(request)
             exchange = await dialect.open(raw, principal.tenant, principal.key_id)
-            ctx = await self._exchange_context(exchange, request.headers.get("x-session-id"), principal)
+            ctx = await self._exchange_context(
+                exchange, request.headers.get("x-session-id"), principal, request
+            )
             response = await self._serve(ctx, principal, request, self._answer)
             if not isinstance(response, DialectStream):
                 response = await exchange.whole(response)
@@ -157,11 +159,16 @@ class Pipeline:
             return dialect.error_response(unexpected(request, exc, self._metrics.store_unanswered))
 
     async def _exchange_context(
-        self, exchange: Exchange, session: str | None, principal: Principal
+        self,
+        exchange: Exchange,
+        session: str | None,
+        principal: Principal,
+        request: web.Request | None = None,
     ) -> RequestContext:
         """A dialect's request as the stages see it: its chat-completions body, told back by `exchange`."""
+        checked = None if request is None else partial(self._within_limits, principal, request, exchange)
         ctx = await self._intake.generation(
-            exchange.chat_body, _CHAT, ChatCompletionRequest, session, principal.tenant
+            exchange.chat_body, _CHAT, ChatCompletionRequest, session, principal.tenant, checked
         )
         ctx.exchange = exchange
         exchange.prompt_tokens = ctx.route.prompt_tokens
@@ -373,7 +380,31 @@ class Pipeline:
         """Read and validate the body; check the model exists; prepare the upstream body and routing info."""
         raw = await self._read(request)
         session = request.headers.get("x-session-id")
-        return await self._intake.generation(raw, request.path, kind, session, principal.tenant)
+        checked = partial(self._within_limits, principal, request, None)
+        return await self._intake.generation(raw, request.path, kind, session, principal.tenant, checked)
+
+    async def _within_limits(
+        self, principal: Principal, request: web.Request, exchange: Exchange | None, draft: Draft
+    ) -> None:
+        """A long prompt's key checked against its rate limits before the prompt is counted (seconds of
+        a tokenizer's time for a few MB): a key over its limits is refused (429, recorded as admission
+        records a refusal) without making the gateway count for nothing. Nothing is reserved: `admit`
+        reserves once the prompt is counted. A limiter that does not answer is left to `admit`."""
+        try:
+            await self._limits.limiter.check(principal, 1)
+        except LimiterUnavailable:
+            return
+        except RateLimited as exc:
+            ctx = self._intake.uncounted(draft)
+            ctx.exchange, ctx.request_id = exchange, request.get(REQUEST_ID)
+            refusal: APIError = exc
+            try:  # (a model the key may not use is told first, as _serve tells it)
+                principal.check_model(ctx.model)
+            except APIError as forbidden:
+                refusal = forbidden
+            self._metrics.of(ctx.model).rejected(refusal.code or "rate_limited")
+            self._record(ctx, principal, refusal.status)
+            raise refusal from None
 
     async def parse_embeddings(self, request: web.Request, principal: Principal) -> RequestContext:
         """An embedding request: validated, for an embedding model, sized by its inputs' tokens."""
