@@ -465,9 +465,7 @@ async def test_a_key_over_its_limits_is_refused_before_its_long_prompt_is_counte
             assert refusal["error"]["code"] == "rate_limit_exceeded"
             assert answer.headers["Retry-After"] and answer.headers["x-ratelimit-remaining-requests"] == "0"
             await asyncio.sleep(0.4)  # store.flush_interval is 0.1 s in tests
-            async with session.get(
-                f"{url}/admin/usage?request_id={ids[1]}", headers=AS_ADMIN
-            ) as found:
+            async with session.get(f"{url}/admin/usage?request_id={ids[1]}", headers=AS_ADMIN) as found:
                 (row,) = (await found.json())["rows"]
     finally:
         await server.stop()
