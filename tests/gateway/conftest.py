@@ -36,6 +36,7 @@ class ScriptedUpstream:
     linger: float = 0.0  # seconds a stream stays open after its `[DONE]` before it ends
     active: int = 0
     peak_concurrency: int = 0
+    hung_probes: int = 0  # health probes left unanswered (mode "hang")
     url: str = ""
     runner: web.AppRunner | None = None
 
@@ -56,6 +57,7 @@ class ScriptedUpstream:
 
     async def health(self, request: web.Request) -> web.Response:
         if self.mode == "hang":
+            self.hung_probes += 1
             await asyncio.sleep(3600)
         return web.json_response({"status": "ok"})
 

@@ -50,7 +50,10 @@ async def test_hung_replica_leaves_routing_within_one_probe_interval(tmp_path: P
         started = time.monotonic()
         while hung_replica.state is ReplicaState.READY:  # noqa: ASYNC110 - polling state the supervisor sets
             await asyncio.sleep(0.02)
-        assert time.monotonic() - started <= settings.probe_interval + settings.probe_timeout + 0.3
+        # the first probe left unanswered takes it out of routing (counted, not timed: a loaded machine's
+        # timers fire late, but no second probe may be needed); and in about one interval and timeout
+        assert hung.hung_probes == 1
+        assert time.monotonic() - started <= 2 * (settings.probe_interval + settings.probe_timeout)
         for _ in range(6):
             reply = await client.chat.completions.create(model="m", messages=MESSAGES)
             assert reply.choices[0].message.content
