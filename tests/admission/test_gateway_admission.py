@@ -426,7 +426,8 @@ async def test_a_key_over_its_limits_is_refused_before_its_long_prompt_is_counte
 ) -> None:
     """Mallory's key allows one request a minute. Her second long prompt is refused (429, recorded by its
     request id) without the model's tokenizer counting it: over her limits she cannot make the gateway
-    spend a counting thread's seconds for nothing. Her first, within them, was counted and served."""
+    spend a counting thread's seconds for nothing. Her first, within them, was counted and served; her
+    other key, which may not use the model, is refused (403) before counting too."""
     from corral.admission import TokenCounter
 
     path = next((Paths.from_env().models / "hf-from-gguf").glob("SmolLM2*/tokenizer.json"))
@@ -462,6 +463,10 @@ async def test_a_key_over_its_limits_is_refused_before_its_long_prompt_is_counte
                     ids.append(answer.headers["x-request-id"])
                     refusal = await answer.json()
             assert statuses == [200, 429] and len(counted) == 1
+            other, _ = services.keys.create("mallory", models=["another-model"])  # (within its limits)
+            forbidden = {"Authorization": f"Bearer {other}"}
+            async with session.post(url + route, json=body, headers=forbidden) as refused:
+                assert refused.status == 403 and len(counted) == 1  # told before counting too
             assert refusal["error"]["code"] == "rate_limit_exceeded"
             assert answer.headers["Retry-After"] and answer.headers["x-ratelimit-remaining-requests"] == "0"
             await asyncio.sleep(0.4)  # store.flush_interval is 0.1 s in tests
@@ -471,6 +476,48 @@ async def test_a_key_over_its_limits_is_refused_before_its_long_prompt_is_counte
         await server.stop()
     assert row["status"] == 429 and row["key_id"] == record.id
     assert row["api"] == ("chat" if route == "/v1/chat/completions" else "responses")
+
+
+async def test_long_embedding_inputs_over_the_limits_are_refused_before_they_are_counted(
+    tmp_path: Path, upstream: ScriptedUpstream
+) -> None:
+    from corral.admission import TokenCounter
+    from corral.engines import EngineFeatures
+
+    path = next((Paths.from_env().models / "hf-from-gguf").glob("SmolLM2*/tokenizer.json"))
+    replicas = ReplicaSet(["m", "e"])
+    replicas.add(Replica(id="m-0", model="m", engine="x", url=upstream.url, state=ReplicaState.READY))
+    embedder = EngineFeatures(embeddings=True)
+    replicas.add(
+        Replica(
+            id="e-0", model="e", engine="x", url=upstream.url, state=ReplicaState.READY, features=embedder
+        )
+    )
+    services = make_services(replicas, tmp_path / "c.db", auth=AuthSettings(open=False), admin_key=ADMIN)
+    counted: list[int] = []
+
+    class Counted(TokenCounter):
+        def count(self, text: str) -> int:
+            counted.append(len(text))
+            return super().count(text)
+
+    services.sizing.counters["e"] = Counted(path)
+    server = GatewayServer(GatewaySettings(port=0), Router(replicas), services)
+    await server.start()
+    key, _ = services.keys.create("mallory", rpm=1)
+    headers = {"Authorization": f"Bearer {key}"}
+    url = f"http://127.0.0.1:{server.port}/v1"
+    try:
+        async with aiohttp.ClientSession() as session:
+            chat = {"model": "m", "max_tokens": 1, "messages": MESSAGES}  # her one request this minute
+            async with session.post(url + "/chat/completions", json=chat, headers=headers) as answer:
+                assert answer.status == 200
+            inputs = [" ".join(f"word{i} and more" for i in range(3_000))] * 4  # about 70 kB
+            embed = {"model": "e", "input": inputs}
+            async with session.post(url + "/embeddings", json=embed, headers=headers) as answer:
+                assert answer.status == 429 and counted == []
+    finally:
+        await server.stop()
 
 
 async def test_one_tenants_long_prompts_are_counted_one_at_a_time(

@@ -97,6 +97,28 @@ async def test_a_check_refuses_as_reserve_would_and_reserves_nothing(
         await limiter.check(capped, 1)
 
 
+async def test_redis_keeps_a_keys_log_and_sums_alive_together(limiter: MemoryLimiter | RedisLimiter) -> None:
+    """After a check and after a settlement both of a key's Redis keys expire (ten windows on): a sum
+    that outlived its log would refuse an empty window; a log re-made by settling must not live forever."""
+    if not isinstance(limiter, RedisLimiter):
+        return
+    principal = key(rpm=5, tpm=100)
+    assert principal.key_id is not None
+    names = limiter._keys(principal.key_id)
+
+    async def lives() -> list[int]:  # milliseconds left to each key (-1: no expiry, -2: none)
+        return [await limiter._redis.pttl(name) for name in names]
+
+    held = await limiter.reserve(principal, 25)
+    assert held is not None
+    await limiter.settle(held, 5)  # (the log's only member, removed and added again)
+    assert all(0 < left <= 10_000 for left in await lives())
+    await limiter._redis.pexpire(names[0], 3_000)  # the log near its end, the sums with more to go
+    await limiter.check(principal, 1)
+    first, second = await lives()
+    assert 9_000 < first <= 10_000 and 9_000 < second <= 10_000
+
+
 async def test_keys_without_limits_reserve_nothing(limiter: MemoryLimiter | RedisLimiter) -> None:
     assert await limiter.reserve(Principal(key_id=None, tenant="anonymous"), 10**9) is None
     assert await limiter.reserve(key(), 10**9) is None

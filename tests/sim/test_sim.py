@@ -173,9 +173,10 @@ async def test_latency_and_throughput_agree_with_the_planner_within_10_percent()
             engine_only = replace(server.engine.perf.efficiency, request_overhead_s=0.0)
             perf = replace(server.engine.perf, efficiency=engine_only)
             predicted = closed_loop(perf, config, concurrency, input_len=100, output_len=24, drift=False)
-            # A second try where the first is off: the simulator runs in real time (2x), and a machine busy
-            # elsewhere (a real engine's start on the other test worker) only ever delays its clients, so
-            # the measure comes out slower, never faster (it agrees within 1.2% with both cores busy).
+            # A second try where the first came out slow: the simulator runs in real time (2x), and a
+            # machine busy elsewhere (a real engine's start on the other test worker) only ever delays its
+            # clients, so the measure comes out slower, never faster (it agrees within 1.2% with both cores
+            # busy). A measure off the other way fails at once.
             for attempt in (1, 2):
                 measured = await _closed_loop_over_http(url, concurrency, output_len=24, rounds=2)
                 tokens_per_s = measured["tokens"] / measured["seconds"] / options.time_scale  # simulated
@@ -183,7 +184,8 @@ async def test_latency_and_throughput_agree_with_the_planner_within_10_percent()
                 agrees = tokens_per_s == pytest.approx(
                     predicted.output_tokens_per_s, rel=0.10
                 ) and e2e == pytest.approx(predicted.e2e_p50, rel=0.10)
-                if agrees or attempt == 2:
+                slow = tokens_per_s < predicted.output_tokens_per_s and e2e > predicted.e2e_p50
+                if agrees or not slow or attempt == 2:
                     break
             assert tokens_per_s == pytest.approx(predicted.output_tokens_per_s, rel=0.10), concurrency
             assert e2e == pytest.approx(predicted.e2e_p50, rel=0.10), concurrency

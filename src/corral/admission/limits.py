@@ -217,7 +217,13 @@ end
 if maxc > 0 and inflight + 1 > maxc then return {0, 'concurrency', 1000, count, sum} end
 """
 # (a request's check is the reservation's first part: the same refusals, nothing reserved)
-_CHECK = _CHECKS + "redis.call('PEXPIRE', KEYS[2], window * 10)\nreturn {1, 'ok', 0, count, sum}\n"
+_CHECK = (
+    _CHECKS
+    + """redis.call('PEXPIRE', KEYS[1], window * 10)
+redis.call('PEXPIRE', KEYS[2], window * 10)
+return {1, 'ok', 0, count, sum}
+"""
+)  # (both keys' lives renewed together: a sum must not outlive the log it sums)
 _RESERVE = (
     _CHECKS
     + """redis.call('ZADD', KEYS[1], now, id .. ':' .. tokens)
@@ -239,6 +245,8 @@ if score then
   redis.call('ZADD', KEYS[1], score, ARGV[1] .. ':' .. ARGV[3])
   redis.call('HINCRBY', KEYS[2], 'tokens', tonumber(ARGV[3]) - tonumber(ARGV[2]))
 end
+redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[4]) * 10)
+redis.call('PEXPIRE', KEYS[2], tonumber(ARGV[4]) * 10)
 return 1
 """
 
@@ -310,14 +318,14 @@ class RedisLimiter:
             raise _refusal(principal, what, int(retry_ms) / 1000, int(count), int(held))
 
     async def settle(self, reservation: Reservation, actual_tokens: int) -> None:
-        args: list[int | str] = [reservation.entry, reservation.tokens, actual_tokens]
+        args: list[int | str] = [reservation.entry, reservation.tokens, actual_tokens, self._window_ms]
         await self._send("settle", self._keys(reservation.key_id), args)
 
     def _release_orphan(self, reservation: Reservation, sent: asyncio.Future[Any]) -> None:
         if self._closed:
             return
         if not sent.cancelled() and sent.exception() is None and sent.result()[0]:
-            args: list[int | str] = [reservation.entry, reservation.tokens, 0]
+            args: list[int | str] = [reservation.entry, reservation.tokens, 0, self._window_ms]
             released = self._send("settle", self._keys(reservation.key_id), args)
             released.add_done_callback(lambda done: done.cancelled() or done.exception())
 

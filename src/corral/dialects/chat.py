@@ -193,6 +193,7 @@ class DialectStream(web.StreamResponse):
             end = buffered.rfind(_SEP) + len(_SEP)  # (0 if there is no whole event yet)
             end = end if end >= len(_SEP) else 0
             buffered, self._rest = buffered[:end], buffered[end:]
+        self._plain = False  # (until the events are read: a failure there leaves the short way shut)
         if buffered and not self.ended:
             await self._read(buffered, out)
         self._plain = not self._rest and not self.ended

@@ -40,6 +40,10 @@ _Kind = type[ChatCompletionRequest] | type[CompletionRequest]
 _DEFAULT_OUTPUT_ESTIMATE = 256  # tokens, when a request sets no max_tokens
 
 
+# a check of a request before its long prompt is counted: (the model it names, its context if refused)
+BeforeCounting = Callable[[str, Callable[[], RequestContext]], Awaitable[None]]
+
+
 @dataclass(slots=True)
 class Draft:
     """A generation request read and checked, its prompt not yet counted (`count`, in a thread where it
@@ -146,21 +150,17 @@ class Intake:
         kind: type[ChatCompletionRequest] | type[CompletionRequest],
         session: str | None,
         tenant: str | None,
-        before_counting: Callable[[Draft], Awaitable[None]] | None = None,
+        before_counting: BeforeCounting | None = None,
     ) -> RequestContext:
         """`tenant`'s request read, checked, counted (a long prompt by the model's tokenizer in a thread: a
         4 MB one takes seconds, which would stall every request on the event loop). `before_counting`
-        may refuse a long prompt before its count (the key's rate limits: pipeline.py)."""
+        may refuse a long prompt before its count (the key's model list and rate limits: pipeline.py)."""
         draft = self._draft(raw, kind, tenant, path, session)
         if not draft.long:
             return self._sized(draft, draft.count())
         if before_counting is not None:
-            await before_counting(draft)
+            await before_counting(draft.body.model, partial(self._sized, draft, 0))
         return self._sized(draft, await self._counting.run(tenant or "", draft.count))
-
-    def uncounted(self, draft: Draft) -> RequestContext:
-        """The context of a request refused before its prompt was counted (its metrics and usage row)."""
-        return self._sized(draft, 0)
 
     def _draft(
         self, raw: bytes, kind: _Kind, tenant: str | None, path: str = "", session: str | None = None
@@ -249,7 +249,9 @@ class Intake:
             raise ModelNotFound(f"The model '{model}' does not exist on this server.", param="model")
         return adapter, adapter.base
 
-    async def embedding(self, raw: bytes, path: str, tenant: str | None) -> RequestContext:
+    async def embedding(
+        self, raw: bytes, path: str, tenant: str | None, before_counting: BeforeCounting | None = None
+    ) -> RequestContext:
         """An embedding request: validated, for an embedding model, sized by its inputs' tokens (by the
         model's tokenizer in a thread where the body is long)."""
         body = parse_body(EmbeddingRequest, raw)
@@ -266,22 +268,10 @@ class Intake:
         long = (
             counter is not None and sum(len(i) for i in body.inputs if isinstance(i, str)) >= LONG_TEXT_CHARS
         )
+        if long and before_counting is not None:
+            await before_counting(body.model, partial(_embedding_context, path, body, raw, features, 0))
         tokens = await self._counting.run(tenant or "", count) if long else count()
-        route = RouteRequest(
-            model=body.model,
-            tokens=tokens,
-            session=body.user,
-            prompt_tokens=tokens,
-            sequences=len(body.inputs),
-        )
-        return RequestContext(
-            path=path,
-            body=body,
-            upstream_body=upstream_body(raw),
-            received_at=time.monotonic(),
-            route=route,
-            features=features,
-        )
+        return _embedding_context(path, body, raw, features, tokens)
 
     def features_of(self, model: str) -> EngineFeatures:
         if not self._replicas.has_model(model):
@@ -316,6 +306,22 @@ class Intake:
                 param="messages" if isinstance(body, ChatCompletionRequest) else "prompt",
                 code="context_length_exceeded",
             )
+
+
+def _embedding_context(
+    path: str, body: EmbeddingRequest, raw: bytes, features: EngineFeatures, tokens: int
+) -> RequestContext:
+    route = RouteRequest(
+        model=body.model, tokens=tokens, session=body.user, prompt_tokens=tokens, sequences=len(body.inputs)
+    )
+    return RequestContext(
+        path=path,
+        body=body,
+        upstream_body=upstream_body(raw),
+        received_at=time.monotonic(),
+        route=route,
+        features=features,
+    )
 
 
 def _input_tokens(inputs: list[str | list[int]], counter: TokenCounter | None, per_byte: float) -> int:

@@ -39,7 +39,7 @@ from corral.gateway.clients import REQUEST_ID, trace_context
 from corral.gateway.context import RequestContext
 from corral.gateway.embeddings import EmbeddingShaper
 from corral.gateway.fanout import Fanout, in_flight
-from corral.gateway.intake import Draft, Intake
+from corral.gateway.intake import Intake
 from corral.gateway.isolation import TenantIsolation
 from corral.gateway.metrics import GatewayMetrics
 from corral.gateway.relay import SSE_HEADERS, EventStream, Relay
@@ -384,31 +384,35 @@ class Pipeline:
         return await self._intake.generation(raw, request.path, kind, session, principal.tenant, checked)
 
     async def _within_limits(
-        self, principal: Principal, request: web.Request, exchange: Exchange | None, draft: Draft
+        self,
+        principal: Principal,
+        request: web.Request,
+        exchange: Exchange | None,
+        model: str,
+        refused: Callable[[], RequestContext],
     ) -> None:
-        """A long prompt's key checked against its rate limits before the prompt is counted (seconds of
-        a tokenizer's time for a few MB): a key over its limits is refused (429, recorded as admission
-        records a refusal) without making the gateway count for nothing. Nothing is reserved: `admit`
-        reserves once the prompt is counted. A limiter that does not answer is left to `admit`."""
+        """A long prompt's key checked before the prompt is counted (seconds of a tokenizer's time for a
+        few MB): a model it may not use (403) or its rate limits (429) refuse it, recorded as `_serve` and
+        `admit` record a refusal (`refused`: its context), without the gateway counting for nothing.
+        Nothing is reserved: `admit` reserves once the prompt is counted. A limiter that does not answer
+        is left to `admit`."""
         try:
+            principal.check_model(model)
             await self._limits.limiter.check(principal, 1)
         except LimiterUnavailable:
             return
-        except RateLimited as exc:
-            ctx = self._intake.uncounted(draft)
+        except APIError as refusal:
+            ctx = refused()
             ctx.exchange, ctx.request_id = exchange, request.get(REQUEST_ID)
-            refusal: APIError = exc
-            try:  # (a model the key may not use is told first, as _serve tells it)
-                principal.check_model(ctx.model)
-            except APIError as forbidden:
-                refusal = forbidden
             self._metrics.of(ctx.model).rejected(refusal.code or "rate_limited")
             self._record(ctx, principal, refusal.status)
-            raise refusal from None
+            raise
 
     async def parse_embeddings(self, request: web.Request, principal: Principal) -> RequestContext:
         """An embedding request: validated, for an embedding model, sized by its inputs' tokens."""
-        return await self._intake.embedding(await self._read(request), request.path, principal.tenant)
+        raw = await self._read(request)
+        checked = partial(self._within_limits, principal, request, None)
+        return await self._intake.embedding(raw, request.path, principal.tenant, checked)
 
     async def count_prompt(self, chat_body: bytes, principal: Principal) -> int:
         """What admission counts for a chat request's prompt (Anthropic's count_tokens). Counting is a
