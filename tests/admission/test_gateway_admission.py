@@ -520,6 +520,48 @@ async def test_long_embedding_inputs_over_the_limits_are_refused_before_they_are
         await server.stop()
 
 
+async def test_a_long_prompt_to_an_adapter_at_its_limit_is_refused_before_it_is_counted(
+    tmp_path: Path, upstream: ScriptedUpstream
+) -> None:
+    from corral.admission import Principal, TokenCounter
+    from corral.routing.adapters import Adapter
+
+    path = next((Paths.from_env().models / "hf-from-gguf").glob("SmolLM2*/tokenizer.json"))
+    replicas = ReplicaSet(["m"])
+    replicas.add(Replica(id="m-0", model="m", engine="x", url=upstream.url, state=ReplicaState.READY))
+    services = make_services(replicas, tmp_path / "c.db", auth=AuthSettings(open=False), admin_key=ADMIN)
+    services.adapters.replace("m", [Adapter("m-law", "m", "m-law@1", str(tmp_path), rpm=1)])
+    counted: list[int] = []
+
+    class Counted(TokenCounter):
+        def count(self, text: str) -> int:
+            counted.append(len(text))
+            return super().count(text)
+
+    services.sizing.counters["m"] = Counted(path)
+    # the adapter's one request a minute, over all keys, taken (by another tenant's request)
+    assert await services.limits.limiter.reserve(Principal("adapter:m-law", "", rpm=1), 1) is not None
+    server = GatewayServer(GatewaySettings(port=0), Router(replicas), services)
+    await server.start()
+    key, _ = services.keys.create("mallory")
+    text = " ".join(f"word{i % 9973} and more" for i in range(12_000))
+    body = {"model": "m-law", "max_tokens": 1, "messages": [{"role": "user", "content": text}]}
+    try:
+        async with (
+            aiohttp.ClientSession() as session,
+            session.post(
+                f"http://127.0.0.1:{server.port}/v1/chat/completions",
+                json=body,
+                headers={"Authorization": f"Bearer {key}"},
+            ) as answer,
+        ):
+            refusal = await answer.json()
+            assert answer.status == 429 and counted == []
+    finally:
+        await server.stop()
+    assert "'m-law'" in refusal["error"]["message"] and "this key" not in refusal["error"]["message"]
+
+
 async def test_one_tenants_long_prompts_are_counted_one_at_a_time(
     tmp_path: Path, upstream: ScriptedUpstream
 ) -> None:

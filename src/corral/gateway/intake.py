@@ -40,8 +40,8 @@ _Kind = type[ChatCompletionRequest] | type[CompletionRequest]
 _DEFAULT_OUTPUT_ESTIMATE = 256  # tokens, when a request sets no max_tokens
 
 
-# a check of a request before its long prompt is counted: (the model it names, its context if refused)
-BeforeCounting = Callable[[str, Callable[[], RequestContext]], Awaitable[None]]
+# a check of a request before its long prompt is counted (its context, the prompt not counted)
+BeforeCounting = Callable[[RequestContext], Awaitable[None]]
 
 
 @dataclass(slots=True)
@@ -159,7 +159,7 @@ class Intake:
         if not draft.long:
             return self._sized(draft, draft.count())
         if before_counting is not None:
-            await before_counting(draft.body.model, partial(self._sized, draft, 0))
+            await before_counting(self._sized(draft, 0))
         return self._sized(draft, await self._counting.run(tenant or "", draft.count))
 
     def _draft(
@@ -269,7 +269,7 @@ class Intake:
             counter is not None and sum(len(i) for i in body.inputs if isinstance(i, str)) >= LONG_TEXT_CHARS
         )
         if long and before_counting is not None:
-            await before_counting(body.model, partial(_embedding_context, path, body, raw, features, 0))
+            await before_counting(_embedding_context(path, body, raw, features, 0))
         tokens = await self._counting.run(tenant or "", count) if long else count()
         return _embedding_context(path, body, raw, features, tokens)
 

@@ -384,25 +384,26 @@ class Pipeline:
         return await self._intake.generation(raw, request.path, kind, session, principal.tenant, checked)
 
     async def _within_limits(
-        self,
-        principal: Principal,
-        request: web.Request,
-        exchange: Exchange | None,
-        model: str,
-        refused: Callable[[], RequestContext],
+        self, principal: Principal, request: web.Request, exchange: Exchange | None, ctx: RequestContext
     ) -> None:
         """A long prompt's key checked before the prompt is counted (seconds of a tokenizer's time for a
-        few MB): a model it may not use (403) or its rate limits (429) refuse it, recorded as `_serve` and
-        `admit` record a refusal (`refused`: its context), without the gateway counting for nothing.
-        Nothing is reserved: `admit` reserves once the prompt is counted. A limiter that does not answer
-        is left to `admit`."""
+        few MB; `ctx`: its context, the prompt not counted): a model it may not use (403), its rate limits
+        or its adapter's (429) refuse it, recorded as `_serve` and `admit` record a refusal, without the
+        gateway counting for nothing. Nothing is reserved: `admit` reserves once the prompt is counted.
+        A limiter that does not answer is left to `admit`."""
+        adapter = ctx.route.adapter
         try:
-            principal.check_model(model)
-            await self._limits.limiter.check(principal, 1)
+            principal.check_model(ctx.model)
+            limiter = self._limits.limiter
+            await limiter.check(principal, 1)
+            if adapter is not None and (adapter.rpm or adapter.tpm):
+                try:
+                    await limiter.check(_adapter_principal(adapter), 1)
+                except RateLimited as exc:
+                    raise _adapters_refusal(exc, adapter) from None
         except LimiterUnavailable:
             return
         except APIError as refusal:
-            ctx = refused()
             ctx.exchange, ctx.request_id = exchange, request.get(REQUEST_ID)
             self._metrics.of(ctx.model).rejected(refusal.code or "rate_limited")
             self._record(ctx, principal, refusal.status)
@@ -456,13 +457,8 @@ class Pipeline:
                         if reservation is not None:
                             with contextlib.suppress(LimiterUnavailable):
                                 await limiter.settle(reservation, 0)
-                        if isinstance(exc, RateLimited):  # (without the counts: others' use of it)
-                            what = "the model's" if "too large" in exc.message else f"for '{adapter.name}'"
-                            raise RateLimited(
-                                exc.message.replace("for this key", what).replace("the key's", what),
-                                code=exc.code,
-                                retry_after=exc.retry_after,
-                            ) from None
+                        if isinstance(exc, RateLimited):
+                            raise _adapters_refusal(exc, adapter) from None
                         raise
                 return reservation
             except APIError:
@@ -577,6 +573,16 @@ class Pipeline:
                 request_id=ctx.request_id,
             )
         )
+
+
+def _adapters_refusal(exc: RateLimited, adapter: Adapter) -> RateLimited:
+    """An adapter's limit's refusal, naming the adapter (without the counts: others' use of it)."""
+    what = "the model's" if "too large" in exc.message else f"for '{adapter.name}'"
+    return RateLimited(
+        exc.message.replace("for this key", what).replace("the key's", what),
+        code=exc.code,
+        retry_after=exc.retry_after,
+    )
 
 
 def _adapter_principal(adapter: Adapter) -> Principal:
