@@ -427,8 +427,9 @@ async def test_a_key_over_its_limits_is_refused_before_its_long_prompt_is_counte
     """Mallory's key allows one request a minute. Her second long prompt is refused (429, recorded by its
     request id) without the model's tokenizer counting it: over her limits she cannot make the gateway
     spend a counting thread's seconds for nothing. Her first, within them, was counted and served; her
-    other key, which may not use the model, is refused (403) before counting too."""
-    from corral.admission import TokenCounter
+    key that may not use the model (403) and her key whose month's budget is spent (429) are refused
+    before counting too."""
+    from corral.admission import Principal, TokenCounter
 
     path = next((Paths.from_env().models / "hf-from-gguf").glob("SmolLM2*/tokenizer.json"))
     replicas = ReplicaSet(["m"])
@@ -467,6 +468,13 @@ async def test_a_key_over_its_limits_is_refused_before_its_long_prompt_is_counte
             forbidden = {"Authorization": f"Bearer {other}"}
             async with session.post(url + route, json=body, headers=forbidden) as refused:
                 assert refused.status == 403 and len(counted) == 1  # told before counting too
+            spent, budgeted = services.keys.create("mallory", monthly_token_budget=1_000)
+            assert await services.budget.reserve(Principal.of(budgeted), 1_000)  # (another request's hold)
+            broke = {"Authorization": f"Bearer {spent}"}
+            async with session.post(url + route, json=body, headers=broke) as refused:
+                error = (await refused.json())["error"]
+                assert refused.status == 429 and error["code"] == "insufficient_quota"
+                assert len(counted) == 1 and "all 1,000 of its tokens" in error["message"]
             assert refusal["error"]["code"] == "rate_limit_exceeded"
             assert answer.headers["Retry-After"] and answer.headers["x-ratelimit-remaining-requests"] == "0"
             await asyncio.sleep(0.4)  # store.flush_interval is 0.1 s in tests

@@ -154,6 +154,17 @@ class BudgetTracker:
         self._reserved[key] = self._reserved.get(key, 0) + tokens
         return BudgetHold(tokens)
 
+    async def check(self, principal: Principal) -> None:
+        """Raise RateLimited where the key's budget is already spent as this gateway knows it (the store's
+        month, re-read every `refresh_s`, with its own holds; shared holds add to that), reserving nothing:
+        a long prompt's key is refused before the prompt is counted. `reserve` decides exactly."""
+        budget, key = principal.monthly_token_budget, principal.key_id
+        if budget is None or key is None:
+            return
+        used = await self._month_tokens(key) + self._reserved.get(key, 0)
+        if used >= budget:
+            raise _refusal(used, budget, 1, 0, False)
+
     def settle(self, principal: Principal, tokens: int, hold: BudgetHold | None = None) -> None:
         """A request ended having used `tokens`: its reservation (`hold`) is released."""
         key = principal.key_id
@@ -249,6 +260,12 @@ def _refusal(used: int, budget: int, tokens: int, prompt: int, open_ended: bool)
         day=1, hour=0, minute=0, second=0, microsecond=0
     )
     left = max(0, budget - used)
+    if left == 0:  # (nothing fits, whatever the request)
+        return RateLimited(
+            f"This key has used or reserved all {budget:,} of its tokens this month ({used:,}).",
+            code="insufficient_quota",
+            retry_after=(next_month - now).total_seconds(),
+        )
     output = "all the model may generate (max_tokens is not set)" if open_ended else "max_tokens"
     advice = (
         f"Set max_tokens to at most {left - prompt:,} for it to fit."

@@ -387,13 +387,14 @@ class Pipeline:
         self, principal: Principal, request: web.Request, exchange: Exchange | None, ctx: RequestContext
     ) -> None:
         """A long prompt's key checked before the prompt is counted (seconds of a tokenizer's time for a
-        few MB; `ctx`: its context, the prompt not counted): a model it may not use (403), its rate limits
-        or its adapter's (429) refuse it, recorded as `_serve` and `admit` record a refusal, without the
-        gateway counting for nothing. Nothing is reserved: `admit` reserves once the prompt is counted.
-        A limiter that does not answer is left to `admit`."""
+        few MB; `ctx`: its context, the prompt not counted): a model it may not use (403), its spent
+        monthly budget, its rate limits or its adapter's (429) refuse it, recorded as `_serve` and
+        `admit` record a refusal, without the gateway counting for nothing. Nothing is reserved: `admit`
+        reserves once the prompt is counted. A limiter that does not answer is left to `admit`."""
         adapter = ctx.route.adapter
         try:
             principal.check_model(ctx.model)
+            await self._budget.check(principal)  # (in admit's order: the budget, then the limits)
             limiter = self._limits.limiter
             await limiter.check(principal, 1)
             if adapter is not None and (adapter.rpm or adapter.tpm):
