@@ -40,7 +40,7 @@ Machine: whatever runs it (recorded in the JSON); the published figures came fro
 with the client, the gateway and the upstream sharing the 2 cores.
 
     .venv/bin/python benchmarks/dialect_overhead.py [--requests 2000] [--concurrency 8] [--rounds 5]
-        [--pace-ms 10] [--paced-concurrency 64] [--tokens 16]
+        [--pace-ms 10] [--paced-concurrency 64] [--tokens 16] [--pin]
 """
 
 from __future__ import annotations
@@ -410,6 +410,13 @@ def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         wait_http(upstream + "/health")
         wait_http(paced + "/health")
         wait_http(f"http://127.0.0.1:{port}/ready")
+        if args.pin:  # the gateway on the last core, the client and the upstreams on the others
+            cores = sorted(os.sched_getaffinity(0))
+            gateway = psutil.Process(gateway_proc.pid)
+            for proc in (gateway, *gateway.children(recursive=True)):
+                proc.cpu_affinity(cores[-1:])
+            for proc in (psutil.Process(), psutil.Process(upstream_proc.pid), psutil.Process(paced_proc.pid)):
+                proc.cpu_affinity(cores[:-1])
         time.sleep(0.5)
         base = f"http://127.0.0.1:{port}"
         started = time.perf_counter()
@@ -431,6 +438,7 @@ def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             "SSE chunks back to back + usage chunk); 'paced': a second one writing a token every "
             f"{args.pace_ms:g} ms, as an engine streams (model 'paced')",
             "paced_concurrency": args.paced_concurrency,
+            "pinned": args.pin,
             "gateway": "corral up, open (no keys), one external deployment, SQLite store, one process",
             "prompt_words": len(TEXT.split()),
             "output_tokens": args.tokens,
@@ -475,6 +483,11 @@ def main() -> None:
         "--paced-concurrency", type=int, default=64, help="clients at once for the paced streams"
     )
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (the median is kept)")
+    parser.add_argument(
+        "--pin",
+        action="store_true",
+        help="the gateway alone on the last CPU core, the client and upstreams on the others (steadier)",
+    )
     parser.add_argument("--turns", type=int, default=500, help="sequential turns each, with and without")
     parser.add_argument("--stored", type=int, default=10_000, help="responses in the lookup store")
     parser.add_argument("--lookups", type=int, default=2_000)
