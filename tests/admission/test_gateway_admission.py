@@ -420,6 +420,37 @@ async def test_a_long_prompt_is_counted_off_the_event_loop(
         await server.stop()
 
 
+def _counting_gateway(
+    tmp_path: Path, upstream: ScriptedUpstream, counted_model: str = "m", embedder: bool = False
+) -> tuple[GatewayServer, GatewayParts, list[int]]:
+    """A closed gateway (not started) in front of `upstream` whose model `counted_model` counts prompts
+    with SmolLM2's tokenizer, noting each count (`counted`: the texts' lengths); `embedder`: an embedding
+    model "e" beside the chat model "m"."""
+    from corral.admission import TokenCounter
+    from corral.engines import EngineFeatures
+
+    path = next((Paths.from_env().models / "hf-from-gguf").glob("SmolLM2*/tokenizer.json"))
+    replicas = ReplicaSet(["m", "e"] if embedder else ["m"])
+    replicas.add(Replica(id="m-0", model="m", engine="x", url=upstream.url, state=ReplicaState.READY))
+    if embedder:
+        features = EngineFeatures(embeddings=True)
+        replicas.add(
+            Replica(
+                id="e-0", model="e", engine="x", url=upstream.url, state=ReplicaState.READY, features=features
+            )
+        )
+    services = make_services(replicas, tmp_path / "c.db", auth=AuthSettings(open=False), admin_key=ADMIN)
+    counted: list[int] = []
+
+    class Counted(TokenCounter):
+        def count(self, text: str) -> int:
+            counted.append(len(text))
+            return super().count(text)
+
+    services.sizing.counters[counted_model] = Counted(path)
+    return GatewayServer(GatewaySettings(port=0), Router(replicas), services), services, counted
+
+
 @pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/responses"])
 async def test_a_key_over_its_limits_is_refused_before_its_long_prompt_is_counted(
     tmp_path: Path, upstream: ScriptedUpstream, route: str
@@ -429,23 +460,9 @@ async def test_a_key_over_its_limits_is_refused_before_its_long_prompt_is_counte
     spend a counting thread's seconds for nothing. Her first, within them, was counted and served; her
     key that may not use the model (403) and her key whose month's budget is spent (429) are refused
     before counting too."""
-    from corral.admission import Principal, TokenCounter
+    from corral.admission import Principal
 
-    path = next((Paths.from_env().models / "hf-from-gguf").glob("SmolLM2*/tokenizer.json"))
-    replicas = ReplicaSet(["m"])
-    replicas.add(Replica(id="m-0", model="m", engine="x", url=upstream.url, state=ReplicaState.READY))
-    services = make_services(
-        replicas, tmp_path / "c.db", auth=AuthSettings(open=False), admin_key=ADMIN, tokenizers={"m": path}
-    )
-    counted: list[int] = []
-
-    class Counted(TokenCounter):
-        def count(self, text: str) -> int:
-            counted.append(len(text))
-            return super().count(text)
-
-    services.sizing.counters["m"] = Counted(path)
-    server = GatewayServer(GatewaySettings(port=0), Router(replicas), services)
+    server, services, counted = _counting_gateway(tmp_path, upstream)
     await server.start()
     key, record = services.keys.create("mallory", rpm=1)
     text = " ".join(f"word{i % 9973} and more" for i in range(12_000))  # about 200 kB: counted in a thread
@@ -489,28 +506,7 @@ async def test_a_key_over_its_limits_is_refused_before_its_long_prompt_is_counte
 async def test_long_embedding_inputs_over_the_limits_are_refused_before_they_are_counted(
     tmp_path: Path, upstream: ScriptedUpstream
 ) -> None:
-    from corral.admission import TokenCounter
-    from corral.engines import EngineFeatures
-
-    path = next((Paths.from_env().models / "hf-from-gguf").glob("SmolLM2*/tokenizer.json"))
-    replicas = ReplicaSet(["m", "e"])
-    replicas.add(Replica(id="m-0", model="m", engine="x", url=upstream.url, state=ReplicaState.READY))
-    embedder = EngineFeatures(embeddings=True)
-    replicas.add(
-        Replica(
-            id="e-0", model="e", engine="x", url=upstream.url, state=ReplicaState.READY, features=embedder
-        )
-    )
-    services = make_services(replicas, tmp_path / "c.db", auth=AuthSettings(open=False), admin_key=ADMIN)
-    counted: list[int] = []
-
-    class Counted(TokenCounter):
-        def count(self, text: str) -> int:
-            counted.append(len(text))
-            return super().count(text)
-
-    services.sizing.counters["e"] = Counted(path)
-    server = GatewayServer(GatewaySettings(port=0), Router(replicas), services)
+    server, services, counted = _counting_gateway(tmp_path, upstream, counted_model="e", embedder=True)
     await server.start()
     key, _ = services.keys.create("mallory", rpm=1)
     headers = {"Authorization": f"Bearer {key}"}
@@ -531,39 +527,22 @@ async def test_long_embedding_inputs_over_the_limits_are_refused_before_they_are
 async def test_a_long_prompt_to_an_adapter_at_its_limit_is_refused_before_it_is_counted(
     tmp_path: Path, upstream: ScriptedUpstream
 ) -> None:
-    from corral.admission import Principal, TokenCounter
+    from corral.admission import Principal
     from corral.routing.adapters import Adapter
 
-    path = next((Paths.from_env().models / "hf-from-gguf").glob("SmolLM2*/tokenizer.json"))
-    replicas = ReplicaSet(["m"])
-    replicas.add(Replica(id="m-0", model="m", engine="x", url=upstream.url, state=ReplicaState.READY))
-    services = make_services(replicas, tmp_path / "c.db", auth=AuthSettings(open=False), admin_key=ADMIN)
+    server, services, counted = _counting_gateway(tmp_path, upstream)
     services.adapters.replace("m", [Adapter("m-law", "m", "m-law@1", str(tmp_path), rpm=1)])
-    counted: list[int] = []
-
-    class Counted(TokenCounter):
-        def count(self, text: str) -> int:
-            counted.append(len(text))
-            return super().count(text)
-
-    services.sizing.counters["m"] = Counted(path)
     # the adapter's one request a minute, over all keys, taken (by another tenant's request)
     assert await services.limits.limiter.reserve(Principal("adapter:m-law", "", rpm=1), 1) is not None
-    server = GatewayServer(GatewaySettings(port=0), Router(replicas), services)
     await server.start()
     key, _ = services.keys.create("mallory")
     text = " ".join(f"word{i % 9973} and more" for i in range(12_000))
     body = {"model": "m-law", "max_tokens": 1, "messages": [{"role": "user", "content": text}]}
+    url = f"http://127.0.0.1:{server.port}/v1/chat/completions"
     try:
-        async with (
-            aiohttp.ClientSession() as session,
-            session.post(
-                f"http://127.0.0.1:{server.port}/v1/chat/completions",
-                json=body,
-                headers={"Authorization": f"Bearer {key}"},
-            ) as answer,
-        ):
-            refusal = await answer.json()
+        async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {key}"}) as session:
+            async with session.post(url, json=body) as answer:
+                refusal = await answer.json()
             assert answer.status == 429 and counted == []
     finally:
         await server.stop()
