@@ -31,10 +31,11 @@ from corral.admission import (
     Reservation,
     TokenSizing,
 )
-from corral.cache import CacheLookup, ExactCache
+from corral.cache import ExactCache
 from corral.dialects import DialectStream, Messages, Responses
 from corral.dialects.chat import Exchange
 from corral.gateway.bodies import read_body
+from corral.gateway.cached import CacheStage
 from corral.gateway.clients import REQUEST_ID, trace_context
 from corral.gateway.context import RequestContext
 from corral.gateway.embeddings import EmbeddingShaper
@@ -42,7 +43,7 @@ from corral.gateway.fanout import Fanout, in_flight
 from corral.gateway.intake import Intake
 from corral.gateway.isolation import TenantIsolation
 from corral.gateway.metrics import GatewayMetrics
-from corral.gateway.relay import SSE_HEADERS, EventStream, Relay
+from corral.gateway.relay import Relay
 from corral.gateway.usage import UsageRecorder
 from corral.protocol import (
     APIError,
@@ -101,7 +102,7 @@ class Pipeline:
         self._auth = auth
         self._budget = budget
         self._limits = limits
-        self._cache = cache
+        self._cached = CacheStage(cache, metrics, router.replicas) if cache is not None else None
         self._queue = queue
         self._router = router
         self._replicas = router.replicas
@@ -252,12 +253,14 @@ class Pipeline:
         self, ctx: RequestContext, principal: Principal, request: web.Request
     ) -> web.StreamResponse:
         """A generation: from the cache where it holds the answer, else from a replica (then kept)."""
-        lookup = ctx.lookup = await self._look_up(ctx, principal, request)
-        response = await self._replay(ctx, lookup, request) if lookup and lookup.hit else None
+        cached = self._cached
+        lookup = ctx.lookup = None if cached is None else await cached.look_up(ctx, principal, request)
+        if cached is None or lookup is None:
+            return await self._generate(ctx, principal, request)
+        response = await cached.replay(ctx, lookup, request) if lookup.hit else None
         if response is None:
             response = await self._generate(ctx, principal, request)
-            if lookup is not None:
-                self._keep(ctx, lookup)
+            cached.keep(ctx, lookup)
         return response
 
     async def _embed(
@@ -300,76 +303,6 @@ class Pipeline:
             self._queue.done(base, principal.tenant, slots)
         metrics.decided(self._router.policy_for(base).name)
         return response
-
-    async def _look_up(
-        self, ctx: RequestContext, principal: Principal, request: web.Request
-    ) -> CacheLookup | None:
-        """The exact cache's view of the request: None where the model does not cache or the request may
-        not be (sampled, several choices fanned out); a miss asks the relay to keep what it writes."""
-        cache = self._cache
-        if cache is None or not cache.enabled(ctx.model) or ctx.fanout:
-            return None
-        lookup = await cache.lookup(
-            principal.tenant, ctx.model, ctx.path, ctx.upstream_body, request.headers.get("Cache-Control")
-        )
-        if lookup is None:
-            return None
-        ctx.headers["x-corral-cache"] = lookup.state
-        if lookup.group is not None and lookup.vector is not None and lookup.read:
-            result = "hit" if lookup.neighbour and lookup.hit else "explore" if lookup.check else "miss"
-            result = "vetoed" if lookup.vetoed else result
-            self._metrics.cache_semantic.labels(ctx.model, result).inc()
-            if lookup.neighbour is not None:
-                ctx.headers["x-corral-cache-similarity"] = f"{lookup.neighbour.similarity:.4f}"
-        if lookup.hit is None and lookup.keep:
-            ctx.written = []
-        return lookup
-
-    async def _replay(
-        self, ctx: RequestContext, lookup: CacheLookup, request: web.Request
-    ) -> web.StreamResponse | None:
-        """Answer from the cache: a stored stream with its own chunking, or either kind made from the
-        other; None when the entry cannot be told the way this request asks (then the engine answers)."""
-        entry = lookup.hit
-        assert entry is not None
-        chat = isinstance(ctx.body, ChatCompletionRequest)
-        if entry.chat != chat:
-            return None
-        data = entry.sse(ctx.client_wants_usage) if ctx.stream else entry.whole()
-        if data is None:  # stored the other way and cannot be told this way: the engine answers
-            lookup.hit = None
-            ctx.headers["x-corral-cache"] = "miss"
-            ctx.written = [] if lookup.keep else None
-            return None
-        headers = {**ctx.headers, "x-corral-cache": "hit"}
-        ctx.usage, ctx.cached = entry.usage, True
-        if ctx.stream:
-            exchange, headers = ctx.exchange, {**SSE_HEADERS, **headers}
-            response: web.StreamResponse = (
-                exchange.stream_response(headers) if exchange is not None else EventStream(headers=headers)
-            )
-            try:
-                await response.prepare(request)
-                await response.write(data)
-                ctx.delivered = True
-                await response.write_eof()
-            except ConnectionResetError:
-                ctx.client_gone = not ctx.delivered  # (one that left with the whole answer: see relay.py)
-        else:
-            response = web.Response(body=data, content_type="application/json", headers=headers)
-        self._metrics.cache_tokens_saved.labels(ctx.model).inc(entry.tokens)
-        return response
-
-    def _keep(self, ctx: RequestContext, lookup: CacheLookup) -> None:
-        """Keep an answer that ended well (never a truncated stream, an error, or a client that left)."""
-        cache = self._cache
-        if cache is None or ctx.written is None or ctx.client_gone or self._rolling_out(ctx.route.model):
-            return
-        chat = isinstance(ctx.body, ChatCompletionRequest)
-        if ctx.stream and ctx.complete:
-            cache.keep_stream(lookup, ctx.written, chat, ctx.usage)
-        elif not ctx.stream and ctx.whole is not None:
-            cache.keep_whole(lookup, ctx.whole, chat)
 
     async def parse(
         self,
@@ -485,11 +418,6 @@ class Pipeline:
                 retry_after=_LIMITS_RETRY_S,
             ) from exc
         logger.warning("serving key %s without its rate limits: %s", principal.key_id, exc)
-
-    def _rolling_out(self, model: str) -> bool:
-        """A rollout of the model is under way: either revision may have answered (not kept)."""
-        state = self._replicas.rollouts.get(model)
-        return state is not None and state.get("phase") not in ("completed", "rolled_back")
 
     async def settle(
         self,

@@ -1,0 +1,101 @@
+"""The exact (and semantic) cache as a stage of a generation's path (see ../cache): the request looked up,
+a hit told the way the request asks (a stored stream with its own chunking, or either kind made from the
+other; a dialect's stream told in its events), and an answer that ended well kept."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from corral.admission import Principal
+from corral.cache import CacheLookup, ExactCache
+from corral.gateway.context import RequestContext
+from corral.gateway.metrics import GatewayMetrics
+from corral.gateway.relay import SSE_HEADERS, EventStream
+from corral.protocol import ChatCompletionRequest
+from corral.routing import ReplicaSet
+
+__all__ = ["CacheStage"]
+
+
+class CacheStage:
+    """The gateway's exact cache between admission and the queue (`Pipeline._answer`)."""
+
+    def __init__(self, cache: ExactCache, metrics: GatewayMetrics, replicas: ReplicaSet) -> None:
+        self._cache = cache
+        self._metrics = metrics
+        self._replicas = replicas
+
+    async def look_up(
+        self, ctx: RequestContext, principal: Principal, request: web.Request
+    ) -> CacheLookup | None:
+        """The exact cache's view of the request: None where the model does not cache or the request may
+        not be (sampled, several choices fanned out); a miss asks the relay to keep what it writes."""
+        cache = self._cache
+        if not cache.enabled(ctx.model) or ctx.fanout:
+            return None
+        lookup = await cache.lookup(
+            principal.tenant, ctx.model, ctx.path, ctx.upstream_body, request.headers.get("Cache-Control")
+        )
+        if lookup is None:
+            return None
+        ctx.headers["x-corral-cache"] = lookup.state
+        if lookup.group is not None and lookup.vector is not None and lookup.read:
+            result = "hit" if lookup.neighbour and lookup.hit else "explore" if lookup.check else "miss"
+            result = "vetoed" if lookup.vetoed else result
+            self._metrics.cache_semantic.labels(ctx.model, result).inc()
+            if lookup.neighbour is not None:
+                ctx.headers["x-corral-cache-similarity"] = f"{lookup.neighbour.similarity:.4f}"
+        if lookup.hit is None and lookup.keep:
+            ctx.written = []
+        return lookup
+
+    async def replay(
+        self, ctx: RequestContext, lookup: CacheLookup, request: web.Request
+    ) -> web.StreamResponse | None:
+        """Answer from the cache: a stored stream with its own chunking, or either kind made from the
+        other; None when the entry cannot be told the way this request asks (then the engine answers)."""
+        entry = lookup.hit
+        assert entry is not None
+        chat = isinstance(ctx.body, ChatCompletionRequest)
+        if entry.chat != chat:
+            return None
+        data = entry.sse(ctx.client_wants_usage) if ctx.stream else entry.whole()
+        if data is None:  # stored the other way and cannot be told this way: the engine answers
+            lookup.hit = None
+            ctx.headers["x-corral-cache"] = "miss"
+            ctx.written = [] if lookup.keep else None
+            return None
+        headers = {**ctx.headers, "x-corral-cache": "hit"}
+        ctx.usage, ctx.cached = entry.usage, True
+        if ctx.stream:
+            exchange, headers = ctx.exchange, {**SSE_HEADERS, **headers}
+            response: web.StreamResponse = (
+                exchange.stream_response(headers) if exchange is not None else EventStream(headers=headers)
+            )
+            try:
+                await response.prepare(request)
+                await response.write(data)
+                ctx.delivered = True
+                await response.write_eof()
+            except ConnectionResetError:
+                ctx.client_gone = not ctx.delivered  # (one that left with the whole answer: see relay.py)
+        else:
+            response = web.Response(body=data, content_type="application/json", headers=headers)
+        self._metrics.cache_tokens_saved.labels(ctx.model).inc(entry.tokens)
+        return response
+
+    def keep(self, ctx: RequestContext, lookup: CacheLookup) -> None:
+        """Keep an answer that ended well (never a truncated stream, an error, or a client that left)."""
+        cache = self._cache
+        if ctx.written is None or ctx.client_gone or self._rolling_out(ctx.route.model):
+            return
+        chat = isinstance(ctx.body, ChatCompletionRequest)
+        if ctx.stream and ctx.complete:
+            cache.keep_stream(lookup, ctx.written, chat, ctx.usage)
+        elif not ctx.stream and ctx.whole is not None:
+            cache.keep_whole(lookup, ctx.whole, chat)
+
+    def _rolling_out(self, model: str) -> bool:
+        """A rollout of the model is under way: either revision may have answered (not kept)."""
+        state = self._replicas.rollouts.get(model)
+        return state is not None and state.get("phase") not in ("completed", "rolled_back")
