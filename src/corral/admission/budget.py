@@ -156,8 +156,9 @@ class BudgetTracker:
 
     async def check(self, principal: Principal) -> None:
         """Raise RateLimited where the key's budget is already spent as this gateway knows it (the store's
-        month, re-read every `refresh_s`, with its own holds; shared holds add to that), reserving nothing:
-        a long prompt's key is refused before the prompt is counted. `reserve` decides exactly."""
+        month, re-read every `refresh_s`, with its own holds; other gateways' Redis holds are not seen, so
+        it refuses less than `reserve`, never more), reserving nothing: a long prompt's key is refused
+        before the prompt is counted. `reserve` decides exactly."""
         budget, key = principal.monthly_token_budget, principal.key_id
         if budget is None or key is None:
             return

@@ -154,7 +154,7 @@ class Intake:
     ) -> RequestContext:
         """`tenant`'s request read, checked, counted (a long prompt by the model's tokenizer in a thread: a
         4 MB one takes seconds, which would stall every request on the event loop). `before_counting`
-        may refuse a long prompt before its count (the key's model list and rate limits: pipeline.py)."""
+        may refuse a long prompt before its count (the key's model list, budget and limits: pipeline.py)."""
         draft = self._draft(raw, kind, tenant, path, session)
         if not draft.long:
             return self._sized(draft, draft.count())
