@@ -23,7 +23,7 @@ from corral.perf.scheduler import SchedulerConfig
 from corral.perf.timing import Efficiency, PerfModel
 from corral.perf.trace import trace_closed_loop
 from corral.perf.validation import CORPUS, PublishedPoint, load_published, trace_point, validate
-from corral.perf.workload import closed_loop
+from corral.perf.workload import closed_loop, open_loop
 from corral.plan.render import validation_table
 
 
@@ -70,7 +70,8 @@ def test_a_trace_retimed_is_the_planners_closed_loop(
     memory = memory_plan(arch, card, q, tp=tp)
     config = SchedulerConfig(num_blocks=memory.kv_tokens // BLOCK_SIZE, enable_prefix_caching=False)
     trace = trace_closed_loop(PerfModel(arch, card, q, tp=tp), config, clients, *lengths)
-    for efficiency in (Efficiency(0.7, 0.5, 0.003, 1.5), Efficiency(0.9, 0.3, 0.0005, 8.0)):
+    overheads = Efficiency(0.9, 0.3, 0.0005, 8.0, request_overhead_s=0.02, stream_overhead_s=0.004)
+    for efficiency in (Efficiency(0.7, 0.5, 0.003, 1.5), overheads):
         expected = closed_loop(
             PerfModel(arch, card, q, tp=tp, efficiency=efficiency), config, clients, *lengths, drift=False
         )
@@ -78,6 +79,8 @@ def test_a_trace_retimed_is_the_planners_closed_loop(
         assert math.isclose(timed.output_tokens_per_s, expected.output_tokens_per_s, rel_tol=1e-9)
         assert math.isclose(timed.tpot_mean, expected.itl_mean, rel_tol=1e-9)
         assert math.isclose(timed.ttft_p50, expected.ttft_p50, rel_tol=1e-9)
+        assert math.isclose(timed.ttft_mean, expected.ttft_mean, rel_tol=1e-9)
+        assert math.isclose(timed.e2e_mean, expected.e2e_mean, rel_tol=1e-9)
 
 
 def test_leaving_a_source_out_fits_on_the_other_sources_only() -> None:
@@ -128,9 +131,11 @@ def test_corral_plan_validate_reports_mape_per_gpu_class() -> None:
         )
     # the step model's error on sources the fit did not see, as the docs state it (issue #17's target)
     assert loso["all"]["output tokens/s"]["mape"] <= 0.15 and loso["all"]["TPOT"]["mape"] <= 0.15
-    # time to first token on ≥ 30 GPU points, each source left out: 41% on 2026-12-05 (issue #43 asks 20%;
-    # the docs say where it misses); held here so that it cannot regress unnoticed
-    assert loso["all"]["TTFT"]["n"] >= 30 and loso["all"]["TTFT"]["mape"] <= 0.45
+    # time to first token on ≥ 30 GPU points, each source left out: 41% on 2026-12-05, 35% (its tails 31%)
+    # with the API server's per-stream cost (2026-12-06; issue #43 asks 20%, the docs say where it
+    # misses); held here so that it cannot regress unnoticed
+    assert loso["all"]["TTFT"]["n"] >= 30 and loso["all"]["TTFT"]["mape"] <= 0.37
+    assert loso["all"]["TTFT p90–p99"]["mape"] <= 0.33
     # the CPU engines measured here, one workload left out: every metric within 25% (issue #43's target)
     by_engine = report["mape_leave_one_source_out_by_engine"]
     for family in ("llamacpp", "vllm-cpu"):
@@ -172,6 +177,31 @@ def test_an_arrival_sees_the_others_queue_and_pays_the_request_overhead_once() -
     crowd = closed_loop(perf, config, 24, 2000, 100)
     assert crowd.ttft_mean > 1.5 * alone.ttft_mean and crowd.ttft_p95 > crowd.ttft_p50  # a queue, spread
     assert len(crowd.ttfts) >= 100 and list(crowd.ttfts) == sorted(crowd.ttfts)
+
+
+def test_each_other_stream_in_flight_adds_the_servers_work_for_it() -> None:
+    """`stream_overhead_s`: a request's fixed cost grows by it for each other request in flight when it
+    arrives (the API server serves every stream): N − 1 of them in a closed loop, as many as the open loop
+    holds at its arrival (more at a higher rate); its time per token does not change."""
+    perf, config = _l40s_8b()
+
+    def with_streams(each: float) -> PerfModel:
+        return replace(perf, efficiency=replace(perf.efficiency, stream_overhead_s=each))
+
+    for clients in (1, 8):
+        plain = closed_loop(perf, config, clients, 2000, 100, drift=False)
+        served = closed_loop(with_streams(0.01), config, clients, 2000, 100, drift=False)
+        assert served.ttft_mean - plain.ttft_mean == pytest.approx(0.01 * (clients - 1))
+        assert served.e2e_mean - plain.e2e_mean == pytest.approx(0.01 * (clients - 1))
+        assert served.itl_mean == pytest.approx(plain.itl_mean)
+    added = []
+    for rate in (0.5, 4.0):
+        plain = open_loop(perf, config, rate, 2000, 100)
+        served = open_loop(with_streams(0.01), config, rate, 2000, 100)
+        added.append(served.ttft_mean - plain.ttft_mean)
+    assert 0 < added[0] < added[1]  # (the same arrivals and steps: only the cost differs)
+    loaded = trace_closed_loop(perf, config, 8, 2000, 100)
+    assert loaded.others == 7 and loaded.overhead(with_streams(0.01).efficiency) == pytest.approx(0.1)
 
 
 def test_a_run_of_stated_length_counts_its_first_wave_of_clients_starting_at_once() -> None:

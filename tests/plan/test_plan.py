@@ -249,8 +249,9 @@ def test_explain_shows_where_the_step_time_goes() -> None:
 
 def test_explain_shows_where_a_ttft_comes_from_at_80_columns() -> None:
     """The mean TTFT split into waiting, the prompt's prefill chunks alone, the decodes sharing those
-    steps and the fixed per-request cost: the parts add up to the planner's mean, and a heavier load
-    waits longer and shares its prefill steps with more decodes."""
+    steps, the fixed per-request cost and the API server's work for the other streams: the parts add up
+    to the planner's mean, and a heavier load waits longer, shares its prefill steps with more decodes
+    and waits for more streams' work."""
     explained = {}
     for clients in ("4", "48"):
         code, data = run_plan(
@@ -260,13 +261,15 @@ def test_explain_shows_where_a_ttft_comes_from_at_80_columns() -> None:
         assert code == 0
         ttft = explained[clients] = data["explain"]["ttft"]
         assert ttft["mean_ms"] == data["layouts"][0]["ttft_mean_ms"]
-        parts = ("waiting_ms", "prefill_ms", "interference_ms", "overhead_ms")
+        parts = ("waiting_ms", "prefill_ms", "interference_ms", "overhead_ms", "streams_ms")
         assert sum(ttft[part] for part in parts) == pytest.approx(ttft["mean_ms"], abs=0.1)
         assert ttft["chunks"] == 2  # 3,000 prompt tokens in steps of at most 2,048
         assert ttft["decodes_alongside"] == int(clients) - 1
     light, heavy = explained["4"], explained["48"]
     assert heavy["waiting_ms"] > light["waiting_ms"] and heavy["interference_ms"] > light["interference_ms"]
     assert heavy["prefill_ms"] == light["prefill_ms"] and light["prefill_ms"] > 0
+    assert heavy["overhead_ms"] == light["overhead_ms"]
+    assert heavy["streams_ms"] == pytest.approx(light["streams_ms"] * 47 / 3) and light["streams_ms"] > 0
     shown = subprocess.run(
         [*CORRAL, "plan", "--model", "llama-3.1-8b", "--gpu", "l40s", "--gpus", "1", "--explain"],
         capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "80"},

@@ -169,8 +169,10 @@ async def test_latency_and_throughput_agree_with_the_planner_within_10_percent()
     try:
         for concurrency in (1, 4, 16):
             # the engine's steps, its clients in lockstep as this loop's are (the simulator leaves out the
-            # HTTP server's per-request cost, `request_overhead_s`: the planner adds it)
-            engine_only = replace(server.engine.perf.efficiency, request_overhead_s=0.0)
+            # HTTP server's costs, `request_overhead_s` and `stream_overhead_s`: the planner adds them)
+            engine_only = replace(
+                server.engine.perf.efficiency, request_overhead_s=0.0, stream_overhead_s=0.0
+            )
             perf = replace(server.engine.perf, efficiency=engine_only)
             predicted = closed_loop(perf, config, concurrency, input_len=100, output_len=24, drift=False)
             # A second try where the first came out slow: the simulator runs in real time (2x), and a

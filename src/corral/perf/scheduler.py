@@ -81,6 +81,7 @@ class EngineSequence:
     active: bool = False  # in the running set
     last_token_at: float | None = None
     preemptions: int = 0
+    others: int = 0  # the other requests in flight when it arrived (the planner's per-stream overhead)
 
     @property
     def pending(self) -> int:

@@ -51,7 +51,10 @@ class Efficiency:
     """Fitted factors: achieved fraction of datasheet bandwidth and compute, how far reads and compute
     overlap within a kernel (the p of the p-norm), the fixed cost of a step, and the fixed cost of a
     request outside the engine's steps (the HTTP server, tokenizing the prompt, detokenizing and sending
-    the first token), which a time to first token and a request's latency pay once."""
+    the first token), which a time to first token and a request's latency pay once: `request_overhead_s`,
+    and `stream_overhead_s` more for each other request in flight when it arrives (one API server serves
+    every stream, so the others' tokenizing, detokenizing and writing delay this one's way in and its
+    first token's way out)."""
 
     # defaults: about the vLLM family's fit (the planner reads the stored fit, data/fitted.yaml)
     bandwidth: float = 0.78
@@ -62,6 +65,7 @@ class Efficiency:
     # KV reads' efficiency against weight reads': 1 on GPUs (paged attention reads the cache as fast as
     # the weights); fitted for the CPU engines, whose attention kernels read it far slower
     kv_reads: float = 1.0
+    stream_overhead_s: float = 0.0  # (after kv_reads: the fit and the stored factors name it)
 
     def kernel(self, memory_s: Seconds, compute_s: Seconds) -> Seconds:
         """One kind of kernel's time from its reads and FLOPs at datasheet rates."""

@@ -51,6 +51,7 @@ class Trace:
     generated: Ints
     window: tuple[int, int]  # measured from the end of this step to the end of that one
     window_tokens: int
+    others: int = 0  # the other requests in flight when one arrives (N − 1 clients: a request's overhead)
     _powers: dict[float, tuple[Floats, ...]] = field(default_factory=dict, compare=False, repr=False)
     _timed: dict[Efficiency, Timed] = field(default_factory=dict, compare=False, repr=False)
 
@@ -66,7 +67,7 @@ class Trace:
         steps = self.step_seconds(efficiency)
         ends = np.concatenate(([0.0], np.cumsum(steps)))  # ends[k + 1]: when step k finished
         arrived, first, finish = ends[self.arrival + 1], ends[self.first + 1], ends[self.finish + 1]
-        extra = efficiency.request_overhead_s  # paid once, before the first token
+        extra = self.overhead(efficiency)  # paid once, before the first token
         ttft = np.sort(first - arrived) + extra
         many = self.generated > 1
         tpot = (finish[many] - first[many]) / (self.generated[many] - 1)
@@ -91,8 +92,12 @@ class Trace:
         once: its first wave), the request's fixed cost included."""
         ends = np.concatenate(([0.0], np.cumsum(self.step_seconds(efficiency))))
         at_start = self.arrival < 0
-        ttft: Floats = ends[self.first[at_start] + 1] - ends[0] + efficiency.request_overhead_s
+        ttft: Floats = ends[self.first[at_start] + 1] - ends[0] + self.overhead(efficiency)
         return ttft
+
+    def overhead(self, efficiency: Efficiency) -> float:
+        """A request's fixed cost outside the engine, its clients' other requests in flight."""
+        return efficiency.request_overhead_s + efficiency.stream_overhead_s * self.others
 
     def step_seconds(self, efficiency: Efficiency) -> Floats:
         """`efficiency.step_seconds(self.parts)`, with the parts' p-th powers kept per overlap p: a fit
@@ -186,6 +191,7 @@ def trace_closed_loop(
         generated=np.array([s.generated for s in sample]),
         window=(window_start, step - 1),
         window_tokens=tokens,
+        others=concurrency - 1,
     )
 
 

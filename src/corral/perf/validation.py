@@ -5,15 +5,16 @@ workload as published). Every point the planner can state (one replica, fixed in
 a closed loop of N clients or an offline run) is predicted with the planner's own model: the scheduler
 model stepped with the step-time roofline (`trace.py` records the steps once; the efficiency factors only
 rescale them). The factors (bandwidth and compute efficiency, per-step overhead, the overlap p of a
-kernel's reads and compute, and a request's fixed cost outside the engine) are fitted per engine family
-(TensorRT-LLM and NIM; vLLM; the CPU engines) by least squares on log errors: first the step's factors on
-output tokens/s, TPOT and latency; then all five with TTFT too (weight `_TTFT_WEIGHT`, Huber past
-`_TTFT_HUBER`), each TTFT predicted as the run made it:
+kernel's reads and compute, and a request's fixed cost outside the engine: its own, and its share of the
+API server's work for each other request in flight) are fitted per engine family (TensorRT-LLM and NIM;
+vLLM; the CPU engines) by least squares on log errors: first the step's factors on output tokens/s, TPOT
+and latency; then all six with TTFT too (weight `_TTFT_WEIGHT`, Huber past `_TTFT_HUBER`), each TTFT
+predicted as the run made it:
 
 - one client: its prefill chunks and the fixed cost;
 - N clients in a closed loop: an arrival sees the other N − 1 clients' load (the arrival theorem; see
   `workload.seen_by_arrivals`), the queue before its first chunk and the decodes it shares steps with
-  included;
+  included, and the API server's work for those N − 1 streams (`stream_overhead_s` each);
 - a run of a stated number of requests (`num_prompts`: benchmark_serving, `corral bench`): its first wave
   of clients starting at once, queueing behind each other's prefills, and the steady state for the rest.
 
@@ -99,6 +100,7 @@ _BOUNDS = {
     "compute": (0.1, 0.95),
     "step_overhead_s": (0.0, 0.03),
     "request_overhead_s": (0.0, 1.0),
+    "stream_overhead_s": (0.0, 0.05),
     "kv_reads": (1.0, 1.0),
 }
 _CPU_BOUNDS = {"compute": (0.1, 4.0), "kv_reads": (0.005, 1.0)}
@@ -339,7 +341,8 @@ def fit(cases: list[Case]) -> Efficiency:
     factors on throughput, TPOT and latency alone (a coarse grid over (bandwidth, compute, overhead) at
     each overlap exponent, then a pattern search from the two best overlaps' best cells); then, with the
     queue each TTFT point's arrivals meet computed at those factors, a pattern search from them over all
-    five factors (the request's fixed cost too) with every metric, TTFT weighing `_TTFT_WEIGHT`."""
+    six factors (the request's fixed cost, its own and per other stream, too) with every metric, TTFT
+    weighing `_TTFT_WEIGHT`."""
     points_of = Counter(case.point.source for case in cases)
 
     def loss_with(ttft: bool) -> Callable[[Efficiency], float]:
@@ -378,6 +381,7 @@ def fit(cases: list[Case]) -> Efficiency:
         best.overlap,
         round(best.request_overhead_s, 4),
         round(best.kv_reads, 3),
+        round(best.stream_overhead_s, 5),
     )
 
 
@@ -401,6 +405,7 @@ def _pattern_search(
     steps = {"bandwidth": 0.08, "compute": 0.08, "step_overhead_s": 0.002}
     if request:
         steps["request_overhead_s"] = 0.04
+        steps["stream_overhead_s"] = 0.002
     if cpu:
         steps["kv_reads"] = 0.04
     bounds = {**_BOUNDS, **(_CPU_BOUNDS if cpu else {})}

@@ -60,7 +60,11 @@ def closed_loop(
 
     def submit(at: float) -> None:
         nonlocal next_id
-        scheduler.add(EngineSequence(id=next_id, prompt_len=input_len, max_tokens=output_len, arrival=at))
+        scheduler.add(
+            EngineSequence(
+                id=next_id, prompt_len=input_len, max_tokens=output_len, arrival=at, others=concurrency - 1
+            )
+        )
         next_id += 1
 
     for _ in range(concurrency):
@@ -200,6 +204,7 @@ def open_loop(
                     prompt_len=input_len,
                     max_tokens=output_len,
                     arrival=arrivals[next_arrival],
+                    others=len(scheduler.running) + len(scheduler.waiting),
                 )
             )
             next_arrival += 1
@@ -253,16 +258,17 @@ def _summarise(
     preemptions: int,
     efficiency: Efficiency,
 ) -> LoadResult:
-    """The sample's figures; a request's fixed cost outside the engine (`request_overhead_s`) is paid
-    before its first token."""
-    extra = efficiency.request_overhead_s
-    ttfts = sorted(s.first_token_at - s.arrival + extra for s in sample)  # type: ignore[operator]
+    """The sample's figures; a request's fixed cost outside the engine (`request_overhead_s`, and
+    `stream_overhead_s` for each other request in flight when it arrived) is paid before its first token."""
+    extra, each = efficiency.request_overhead_s, efficiency.stream_overhead_s
+    began = [s.arrival - extra - each * s.others for s in sample]  # (its fixed cost counted before it)
+    ttfts = sorted(s.first_token_at - w for s, w in zip(sample, began, strict=True))  # type: ignore[operator]
     tpots = [
         (s.finished_at - s.first_token_at) / (s.generated - 1)  # type: ignore[operator]
         for s in sample
         if s.generated > 1
     ]
-    e2e = sorted(s.finished_at - s.arrival + extra for s in sample)  # type: ignore[operator]
+    e2e = sorted(s.finished_at - w for s, w in zip(sample, began, strict=True))  # type: ignore[operator]
     return LoadResult(
         concurrency=concurrency,
         ttft_p50=_quantile(ttfts, 0.5),

@@ -9,7 +9,8 @@ the simulator use. Reads and compute of one kind of kernel overlap (their p-norm
 bounds it); the two kinds, communication and overhead add up.
 
 And where the mean time to first token at the planned load comes from: the request's fixed cost outside
-the engine (HTTP, tokenization: the fitted `request_overhead_s`), its prompt's prefill chunks taken alone,
+the engine (HTTP, tokenization: the fitted `request_overhead_s`), the API server's work for the other
+streams in flight (the fitted `stream_overhead_s` each), its prompt's prefill chunks taken alone,
 what the running decodes that share those steps add (interference: the other sequences' tokens take part
 of each step's token budget and their KV reads and weights pass add time), and the rest of the planner's
 mean TTFT, which is waiting: for the step in progress, for prefills ahead of it, for a free slot or KV.
@@ -57,7 +58,7 @@ def _ttft(
     layout: Layout,
     request: PlanRequest,
 ) -> dict[str, Any]:
-    """The mean TTFT split into overhead, prefill alone, interference with decodes and waiting (ms)."""
+    """The mean TTFT split into overheads, prefill alone, interference with decodes and waiting (ms)."""
     budget = request.max_num_batched_tokens
 
     def prefill(decodes: int) -> tuple[float, int]:
@@ -72,13 +73,14 @@ def _ttft(
 
     alone, _ = prefill(0)
     shared, chunks = prefill(others)
-    overhead = efficiency.request_overhead_s
+    overhead, streams = efficiency.request_overhead_s, efficiency.stream_overhead_s * others
     mean = layout.ttft_mean_ms / 1000
     parts = {
         "overhead_ms": overhead,
+        "streams_ms": streams,
         "prefill_ms": alone,
         "interference_ms": shared - alone,
-        "waiting_ms": max(0.0, mean - overhead - shared),
+        "waiting_ms": max(0.0, mean - overhead - streams - shared),
     }
     return {
         "mean_ms": layout.ttft_mean_ms,
@@ -124,6 +126,7 @@ _TTFT_PARTS = {  # JSON key → what the row says
     "prefill_ms": "prefill of the prompt, its chunks alone",
     "interference_ms": "interference: running decodes share those steps",
     "overhead_ms": "per-request overhead (HTTP, tokenization), fitted",
+    "streams_ms": "the API server's work for the other streams, fitted",
 }
 
 
