@@ -171,7 +171,9 @@ def _validate(as_json: bool, calibrate: bool) -> None:
     for family, factors in result["factors"].items():
         console.print(
             f"  {family}: bandwidth {factors['bandwidth']}, compute {factors['compute']}, "
-            f"overhead {factors['step_overhead_s'] * 1000:.2f} ms/step, overlap p={factors['overlap']}",
+            f"overhead {factors['step_overhead_s'] * 1000:.2f} ms/step, overlap p={factors['overlap']}, "
+            f"request {factors['request_overhead_s'] * 1000:.1f} ms + "
+            f"{factors.get('stream_overhead_s', 0.0) * 1000:.2f} ms a stream in flight",
             highlight=False,
         )
     console.print(

@@ -36,6 +36,7 @@ class LoadResult:
     preemptions: int
     overloaded: bool = False  # open loop: requests arrive faster than the replica finishes them
     ttfts: tuple[float, ...] = ()  # every measured request's, sorted
+    streams_s: float = 0.0  # of the mean TTFT: the API server's work for the others (stream_overhead_s)
 
 
 def closed_loop(
@@ -137,6 +138,7 @@ def seen_by_arrivals(
         e2e_mean=loop.e2e_mean - loop.ttft_mean + seen.ttft_mean,
         e2e_p50=loop.e2e_p50 - loop.ttft_mean + seen.ttft_mean,
         ttfts=seen.ttfts,
+        streams_s=seen.streams_s,
     )
 
 
@@ -152,7 +154,9 @@ def arrivals_view(
 ) -> LoadResult:
     """The open loop an arrival of a closed loop of `concurrency` clients meets (see `seen_by_arrivals`):
     at (N − 1) / cycle, the cycle first the loop's own `latency`, then that latency with the open loop's
-    mean TTFT in place of the loop's `ttft`, where the two differ by 5% of it or more."""
+    mean TTFT in place of the loop's `ttft`, where the two differ by 5% of it or more. Each arrival pays
+    the API server's work for N − 1 other streams, as the closed loop's own requests do (the other clients'
+    requests are all in flight, in the engine or in the server)."""
     cycle = latency
     for _ in range(2):
         seen = open_loop(
@@ -163,6 +167,7 @@ def arrivals_view(
             output_len,
             requests=_SEEN_REQUESTS,
             stretches=stretches,
+            others=concurrency - 1,
         )
         if abs(seen.ttft_mean - ttft) < 0.05 * latency:
             break
@@ -182,9 +187,11 @@ def open_loop(
     requests: int = 400,
     seed: int = 0,
     stretches: bool = True,
+    others: int | None = None,
 ) -> LoadResult:
     """Requests arriving as a Poisson process at `rate` per second; the first tenth is warm-up.
-    `stretches`: as in `closed_loop`."""
+    `stretches`: as in `closed_loop`. Each request pays the API server's work (`stream_overhead_s`) for
+    the requests in flight at its arrival, or for `others` where given."""
     rng = random.Random(seed)
     arrivals, t = [], 0.0
     for _ in range(requests):
@@ -204,7 +211,7 @@ def open_loop(
                     prompt_len=input_len,
                     max_tokens=output_len,
                     arrival=arrivals[next_arrival],
-                    others=len(scheduler.running) + len(scheduler.waiting),
+                    others=len(scheduler.running) + len(scheduler.waiting) if others is None else others,
                 )
             )
             next_arrival += 1
@@ -269,6 +276,7 @@ def _summarise(
         if s.generated > 1
     ]
     e2e = sorted(s.finished_at - w for s, w in zip(sample, began, strict=True))  # type: ignore[operator]
+    streams = each * statistics.fmean(s.others for s in sample)
     return LoadResult(
         concurrency=concurrency,
         ttft_p50=_quantile(ttfts, 0.5),
@@ -283,6 +291,7 @@ def _summarise(
         requests_per_s=len(sample) / window,
         preemptions=preemptions,
         ttfts=tuple(ttfts),
+        streams_s=streams,
     )
 
 

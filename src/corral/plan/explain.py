@@ -73,7 +73,7 @@ def _ttft(
 
     alone, _ = prefill(0)
     shared, chunks = prefill(others)
-    overhead, streams = efficiency.request_overhead_s, efficiency.stream_overhead_s * others
+    overhead, streams = efficiency.request_overhead_s, layout.ttft_streams_ms / 1000
     mean = layout.ttft_mean_ms / 1000
     parts = {
         "overhead_ms": overhead,
