@@ -252,10 +252,15 @@ async def test_bad_uploads_are_refused_naming_the_line_and_bad_batches_fail_with
     duplicate = good + chat_lines(1)  # req-0 again
     unknown = chat_lines(1, model="nope")
     wrong_kind = chat_lines(1, model="e")
+    deep = good + (  # JSON reads it; orjson cannot write it again (the batch sat in validating)
+        b'{"custom_id": "deep", "method": "POST", "url": "/v1/chat/completions", "body": {"model": "m", '
+        b'"messages": [{"role": "user", "content": "hi"}], "x": ' + b"[" * 300 + b"]" * 300 + b"}}\n"
+    )
     for content, words in (
         (duplicate, "unique"),
         (unknown, "does not exist"),
         (wrong_kind, "embedding model"),
+        (deep, "nest at most 254"),
     ):
         failed = await until_done(acme, (await submit(acme, content)).id)
         assert failed.status == "failed" and failed.errors is not None and failed.failed_at

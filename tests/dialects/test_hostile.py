@@ -1,6 +1,8 @@
 """What a hostile (or careless) client sends the new routes: malformed tools, blocks and tool calls are
-clear 400s in the route's own shape, never a 500 (a review found each of these a 500); a stream cut
-mid-way is stored as failed; tool calls the gateway asks for as JSON come back as tool_calls."""
+clear 400s in the route's own shape, never a 500 (a review found each of these a 500), and so are values
+JSON reads but cannot carry on (an integer past 64 bits); a stream cut mid-way is stored as failed; tool
+calls the gateway asks for as JSON come back as tool_calls; a stored conversation is bounded by all it
+keeps, not only by what the engine is sent."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from tests.dialects.conftest import Cluster, Gateway
 
 ASK = [{"role": "user", "content": "hi"}]
 DEEP = "[" * 300 + "]" * 300  # JSON nested past what orjson writes back
+BIG = b"18446744073709551616"  # 2**64: pydantic keeps it, orjson cannot write it
 
 
 async def _post(gateway: Gateway, path: str, body: object, key: str) -> tuple[int, dict]:
@@ -33,6 +36,9 @@ async def _post(gateway: Gateway, path: str, body: object, key: str) -> tuple[in
         {"model": "m", "input": "hi", "tools": [{"type": "function", "name": 5}]},
         {"model": "m", "input": "hi", "tools": [{"type": "namespace", "tools": [{"type": "function"}]}]},
         {"model": "m", "input": [{"type": None, "role": "user", "content": 7}]},
+        {"model": "m", "input": [{"type": "function_call", "call_id": "c", "arguments": "{}"}]},
+        {"model": "m", "input": [{"type": "function_call", "name": "f", "call_id": "c", "arguments": {}}]},
+        {"model": "m", "input": [{"type": "function_call_output", "output": "sunny"}]},
     ],
 )
 async def test_malformed_responses_requests_are_400s(cluster: Cluster, body: dict) -> None:
@@ -54,6 +60,15 @@ async def test_malformed_responses_requests_are_400s(cluster: Cluster, body: dic
                 "messages": [{"role": "user", "content": [{"type": "image", "source": "x"}]}],
             },
         ),
+        (
+            "/v1/messages",
+            {
+                "model": "m",
+                "max_tokens": 5,
+                "messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "base64"}}]}],
+            },
+        ),
+        ("/v1/messages", {"model": "m", "max_tokens": 5, "messages": ASK, "stop_sequences": [""]}),
     ],
 )
 async def test_malformed_messages_are_anthropic_400s(cluster: Cluster, path: str, body: dict) -> None:
@@ -61,6 +76,60 @@ async def test_malformed_messages_are_anthropic_400s(cluster: Cluster, path: str
     status, answer = await _post(gateway, path, body, await gateway.key("eve"))
     assert status == 400 and answer["type"] == "error", answer
     assert answer["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize(
+    ("path", "raw"),
+    [
+        (
+            "/v1/responses",
+            b'{"model": "m", "input": [{"type": "function_call_output", "call_id": "c", "output": {"n": '
+            + BIG
+            + b"}}]}",
+        ),
+        ("/v1/responses", b'{"model": "m", "input": "hi", "seed_extra": ' + BIG + b"}"),
+        ("/v1/responses", b'{"model": "m", "input": "hi", "reasoning": {"effort": ' + BIG + b"}}"),
+        (
+            "/v1/messages",
+            b'{"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}, {"role": '
+            b'"assistant", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {"n": '
+            + BIG
+            + b"}}]}]}",
+        ),
+        (
+            "/v1/messages/count_tokens",
+            b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": [{"name": "f", '
+            b'"input_schema": {"type": "object", "n": ' + BIG + b"}}]}",
+        ),
+    ],
+)
+async def test_an_integer_past_64_bits_is_a_400_in_the_routes_shape(
+    cluster: Cluster, path: str, raw: bytes
+) -> None:
+    gateway = await cluster.gateway()
+    status, answer = await _post(gateway, path, raw, await gateway.key("eve"))
+    assert status == 400, answer
+    error = answer["error"]
+    assert error["type"] == "invalid_request_error" and "64 bits" in error["message"], answer
+    assert (answer.get("type") == "error") == path.startswith("/v1/messages")  # Anthropic's shape there
+
+
+async def test_a_stored_conversation_is_bounded_by_everything_it_keeps(cluster: Cluster) -> None:
+    """Items keep every field the client sent (they are listed and carried on as sent), so a turn that
+    pads its items leaves the engine's request small while the stored conversation grows: the next turn is
+    held to gateway.max_body_bytes by the stored bytes it carries on, not only by the engine's request."""
+    gateway = await cluster.gateway(max_body_bytes=6000)
+    key = await gateway.key("eve")
+    padded = [{"type": "message", "role": "user", "content": "hi", "note": "x" * 3500}]
+    status, first = await _post(gateway, "/v1/responses", {"model": "m", "input": padded}, key)
+    assert status == 200, first
+    status, answer = await _post(
+        gateway, "/v1/responses", {"model": "m", "input": padded, "previous_response_id": first["id"]}, key
+    )
+    assert status == 413 and answer["error"]["param"] == "previous_response_id", answer
+    small = {"model": "m", "input": "and now?", "previous_response_id": first["id"]}
+    status, answer = await _post(gateway, "/v1/responses", small, key)
+    assert status == 200, answer  # (a turn that fits goes on)
 
 
 async def test_emulated_tool_calls_come_back_as_tool_calls_and_bad_ones_are_400s(cluster: Cluster) -> None:

@@ -93,13 +93,28 @@ async def test_reasoning_passes_through_both_dialects(
 
 async def test_a_stream_cut_mid_way_is_stored_as_failed(scripted: tuple[Gateway, ScriptedUpstream]) -> None:
     """The engine cuts the stream: the client reads response.failed, and the stored response says failed
-    (it was stored as completed before: the next turn would have continued a truncated answer)."""
+    (it was stored as completed before: the next turn would have continued a truncated answer), as the
+    client read it (the text that came, the item cut short `incomplete`), and a next turn does not carry
+    the cut item on."""
     gateway, upstream = scripted
     upstream.mode = "cut"
     client = openai.AsyncOpenAI(base_url=gateway.base_url, api_key="none", max_retries=0)
     stream = await client.responses.create(model="m", input="hi", stream=True)
-    kinds = [event.type async for event in stream]
+    events = [event async for event in stream]
+    kinds = [event.type for event in events]
     assert kinds[-1] == "response.failed" and "error" in kinds
+    told = events[-1].response  # type: ignore[union-attr]
+    kept = await client.responses.retrieve(told.id)
+    assert kept.status == "failed" and [item.model_dump() for item in kept.output] == [
+        item.model_dump() for item in told.output
+    ]
+    (item,) = told.output
+    assert item.type == "message" and item.status == "incomplete" and item.content[0].text  # type: ignore[union-attr]
+    upstream.mode = "ok"
+    after = await client.responses.create(model="m", input="go on", previous_response_id=told.id)
+    carried = await client.responses.input_items.list(after.id)
+    assert item.id not in {getattr(i, "id", None) for i in carried.data}
+    upstream.mode = "cut"
     async with aiohttp.ClientSession() as session:
         async with session.post(
             gateway.url + "/v1/responses", json={"model": "m", "input": "hi", "stream": True}

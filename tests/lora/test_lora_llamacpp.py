@@ -201,7 +201,7 @@ def test_batch_lines_name_the_adapter(cluster: RunningCluster) -> None:
     while batch.status not in ("completed", "failed") and time.monotonic() < deadline:
         time.sleep(0.3)
         batch = client.batches.retrieve(batch.id)
-    assert batch.status == "completed", batch
+    assert batch.status == "completed", (batch.status, batch.errors)  # (its errors name why it failed)
     assert batch.output_file_id is not None
     (answer,) = [json.loads(x) for x in client.files.content(batch.output_file_id).text.splitlines()]
     assert answer["response"]["body"]["choices"][0]["message"]["content"].startswith(MARKER)

@@ -22,6 +22,7 @@ from corral.protocol import (
     InvalidRequest,
     parse_body,
 )
+from corral.protocol.types import encode
 
 __all__ = ["ENDPOINTS", "BatchInput", "check_upload", "read_batch_input"]
 
@@ -137,9 +138,10 @@ def _line_problem(
     if body.get("stream"):
         return "'body.stream' must be false: a batch's answers are whole"
     try:
-        parse_body(kind, orjson.dumps(body))
+        request = encode(body)  # (JSON read it; a value orjson cannot write again is the line's error)
+        parse_body(kind, request)
         if endpoint == "/v1/responses":  # (its input, tools and formats, as the request would be read)
-            check_line(orjson.dumps(body))
+            check_line(request)
     except InvalidRequest as exc:
         return f"body: {exc.message}"
     model = body["model"]

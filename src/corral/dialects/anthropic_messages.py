@@ -30,7 +30,7 @@ from corral.dialects.chat import (
     sse,
 )
 from corral.protocol import APIError, InvalidRequest, parse_body
-from corral.protocol.types import Body, parse_part
+from corral.protocol.types import Body, encode, parse_part
 
 __all__ = ["Messages", "MessagesRequest", "anthropic_error"]
 
@@ -67,7 +67,7 @@ class MessagesRequest(Body):
     max_tokens: Annotated[int, Field(ge=1, lt=2**31)]
     messages: Annotated[list[Message], Field(min_length=1)]
     system: str | list[dict[str, Any]] | None = None
-    stop_sequences: Annotated[list[str], Field(max_length=16)] | None = None
+    stop_sequences: Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=16)] | None = None
     stream: StrictBool = False
     temperature: Annotated[float, Field(ge=0, le=1)] | None = None
     top_p: Annotated[float, Field(ge=0, le=1)] | None = None
@@ -102,7 +102,7 @@ class Messages:
 
     def credentials(self, request: web.Request) -> str | None:
         key = request.headers.get("x-api-key")
-        return f"Bearer {key}" if key is not None else request.headers.get("Authorization")
+        return f"Bearer {key}" if key else request.headers.get("Authorization")  # (an empty one: not given)
 
     def error_response(self, exc: APIError) -> web.Response:
         return anthropic_error(exc)
@@ -116,7 +116,7 @@ class Messages:
         chat: dict[str, Any] = {"model": body.model, "messages": _chat_messages(body.system, body.messages)}
         if body.tools:
             chat["tools"] = [_chat_tool(t, i) for i, t in enumerate(body.tools)]
-        return orjson.dumps(chat)
+        return encode(chat)
 
 
 class MessagesExchange:
@@ -125,7 +125,7 @@ class MessagesExchange:
     def __init__(self, body: MessagesRequest) -> None:
         self.body = body
         self.id = "msg_" + os.urandom(16).hex()
-        self.chat_body = orjson.dumps(self._chat())
+        self.chat_body = encode(self._chat())
         self.prompt_tokens = (
             0  # the gateway's estimate, said in message_start (the engine's comes at the end)
         )
@@ -354,7 +354,7 @@ def _chat_messages(
                         "type": "function",
                         "function": {
                             "name": str(block.get("name") or ""),
-                            "arguments": orjson.dumps(block.get("input") or {}).decode(),
+                            "arguments": encode(block.get("input") or {}).decode(),
                         },
                     }
                 )
@@ -396,7 +396,11 @@ def _image_url(block: dict[str, Any], where: str) -> str:
             f"{where}.source must be an object: a base64 image or a url.", param=f"{where}.source"
         )
     if source.get("type") == "base64":
-        return f"data:{source.get('media_type')};base64,{source.get('data')}"
+        if not isinstance(source.get("media_type"), str) or not isinstance(source.get("data"), str):
+            raise InvalidRequest(
+                f"{where}.source needs its media_type and data as strings.", param=f"{where}.source"
+            )
+        return f"data:{source['media_type']};base64,{source['data']}"
     if source.get("type") == "url" and isinstance(source.get("url"), str):
         return str(source["url"])
     raise InvalidRequest(f"{where}.source must be a base64 image or a url.", param=f"{where}.source")

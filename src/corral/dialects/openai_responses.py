@@ -38,7 +38,7 @@ from corral.dialects.responses_stream import (
     usage_of,
 )
 from corral.protocol import APIError, InvalidRequest, NotFound, PayloadTooLarge, parse_body
-from corral.protocol.types import Body, parse_part
+from corral.protocol.types import Body, encode, parse_part
 from corral.store import ResponseStore
 
 __all__ = ["Responses", "ResponsesRequest", "check_line"]
@@ -131,6 +131,7 @@ class Responses:
                 code="unsupported_parameter",
             )
         history: list[dict[str, Any]] = []
+        carried = 0  # the earlier turns' bytes, as stored
         if body.previous_response_id is not None:
             previous = await asyncio.to_thread(self._store.get, tenant, body.previous_response_id)
             if previous is None:
@@ -141,13 +142,17 @@ class Responses:
                 )
             output = previous.response.get("output") or []
             history = previous.input_items + [item for item in output if _continues(item)]
+            carried = previous.size
         token = os.urandom(16).hex()  # the response's id, and its input items' (one random draw a request)
         items = _input_items(body.input, token)
         exchange = ResponsesExchange(body, history + items, tenant, key_id, self._store, token)
-        if len(exchange.chat_body) > self._max_body:  # (so a stored conversation stays bounded too)
+        # A conversation is bounded as a request is: the engine's request it makes, and what a response
+        # stores of it (every field of every item kept, as the client sent them, to be listed and carried on)
+        size = max(len(exchange.chat_body), carried + len(raw) if body.store else 0)
+        if size > self._max_body:
             raise PayloadTooLarge(
-                f"The conversation is {len(exchange.chat_body):,} bytes with its earlier turns, more than "
-                f"the {self._max_body:,} the gateway takes in one request (gateway.max_body_bytes).",
+                f"The conversation is {size:,} bytes with its earlier turns, more than the "
+                f"{self._max_body:,} the gateway takes in one request (gateway.max_body_bytes).",
                 param="previous_response_id" if history else "input",
             )
         await self._sweep()
@@ -225,10 +230,13 @@ class ResponsesExchange:
         self.id = "resp_" + token
         self._items = 0  # its output items' ids: the response's own, numbered (one random draw a response)
         self.created_at = int(time.time())
-        self.chat_body = orjson.dumps(self._chat())
+        self.chat_body = encode(self._chat())
         self.final: dict[str, Any] | None = None
         self.prompt_tokens = 0
         self._frame: dict[str, Any] | None = None  # the response object's fixed fields (_framed)
+        # the response as it starts (a stream's first two events): written here, so that what it echoes of
+        # the request and JSON cannot carry (tools, reasoning: an integer past 64 bits) is a 400 now
+        self.snapshot = encode(self.response("in_progress", [], None))
 
     def _chat(self) -> dict[str, Any]:
         body = self.body
@@ -399,8 +407,11 @@ def _input_items(value: str | list[dict[str, Any]], token: str) -> list[dict[str
 
 
 def _continues(item: dict[str, Any]) -> bool:
-    """An earlier output item the next turn's input holds (its message, its calls, its reasoning)."""
-    return item.get("type") in ("message", "function_call", "reasoning")
+    """An earlier output item the next turn's input holds (its message, its calls, its reasoning), unless
+    its stream was cut before it ended (a call's arguments would be broken JSON to the engine)."""
+    return (
+        item.get("type") in ("message", "function_call", "reasoning") and item.get("status") != "incomplete"
+    )
 
 
 def _messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -418,10 +429,18 @@ def _messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
             role = "system" if role == "developer" else role
             messages.append({"role": role, "content": _content(item.get("content"), i)})
         elif kind == "function_call":
+            call_id = item.get("call_id") or item.get("id")  # (the engine's chat template reads both)
+            for field, value in (("name", item.get("name")), ("call_id", call_id)):
+                if not isinstance(value, str):
+                    raise InvalidRequest(f"input[{i}].{field} must be a string.", param=f"input[{i}].{field}")
+            if not isinstance(item.get("arguments", ""), str):
+                raise InvalidRequest(
+                    f"input[{i}].arguments must be a string (JSON).", param=f"input[{i}].arguments"
+                )
             call = {
-                "id": item.get("call_id") or item.get("id"),
+                "id": call_id,
                 "type": "function",
-                "function": {"name": item.get("name"), "arguments": item.get("arguments") or "{}"},
+                "function": {"name": item["name"], "arguments": item.get("arguments") or "{}"},
             }
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant" and "tool_calls" in last:
@@ -429,9 +448,11 @@ def _messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":
+            if not isinstance(item.get("call_id"), str):
+                raise InvalidRequest(f"input[{i}].call_id must be a string.", param=f"input[{i}].call_id")
             output = item.get("output")
             if not isinstance(output, str):
-                output = orjson.dumps(output).decode()
+                output = encode(output).decode()
             messages.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": output})
     return messages
 

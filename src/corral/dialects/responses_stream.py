@@ -53,7 +53,7 @@ class ResponsesEncoder(Encoder):
         return fields.encode()
 
     def start(self) -> bytes:
-        snapshot = orjson.dumps(self.exchange.response("in_progress", [], None))
+        snapshot = self.exchange.snapshot
         out = b""
         for kind in (b"response.created", b"response.in_progress"):  # (the snapshot serialised once)
             out += (
@@ -190,12 +190,17 @@ class ResponsesEncoder(Encoder):
         return out
 
     def closing_response(self) -> dict[str, Any]:
-        """The response as it ends (for the store, before its last events are written)."""
+        """The response as it ends (for the store, before its last events are written); a cut one as its
+        `response.failed` event tells it: what came, the items it cut short `incomplete`."""
         if self._open is not None and self._open["type"] == "message":
             self._open["content"][0]["text"] = self._text()
-        output = [dict(item, status="completed") for item in self.output]
         if self._failed is not None:
+            output = [
+                item if item["status"] == "completed" else dict(item, status="incomplete")
+                for item in self.output
+            ]
             return self.exchange.response("failed", output, self.answer.usage, error=self._failed)
+        output = [dict(item, status="completed") for item in self.output]
         return self.exchange.finished(self.answer, output)
 
     def finish(self) -> bytes:
@@ -207,8 +212,7 @@ class ResponsesEncoder(Encoder):
     def error(self, message: str, code: str | None) -> bytes:
         out = self._event(b"error", {"code": code or "server_error", "message": message, "param": None})
         self._failed = {"code": "server_error", "message": message}
-        final = self.exchange.response("failed", self.output, self.answer.usage, error=self._failed)
-        return out + self._event(b"response.failed", {"response": final})
+        return out + self._event(b"response.failed", {"response": self.closing_response()})
 
 
 def in_progress(item: dict[str, Any]) -> dict[str, Any]:

@@ -21,6 +21,7 @@ from typing import Any
 import orjson
 
 from corral.protocol import ChatCompletionRequest, InvalidRequest
+from corral.protocol.types import encode
 
 __all__ = ["HeldStream", "ToolEmulation", "names_tools"]
 
@@ -64,7 +65,7 @@ class ToolEmulation:
         out["messages"] = _plain_turns(body.get("messages") or [])
         schema = self._answer_schema
         if schema is not None:
-            listing = orjson.dumps(
+            listing = encode(
                 [
                     {"name": n, "description": f.get("description", ""), "parameters": f.get("parameters")}
                     for n, f in self._tools.items()
@@ -84,7 +85,7 @@ class ToolEmulation:
                 "type": "json_schema",
                 "json_schema": {"name": "tool_call", "schema": schema},
             }
-        return orjson.dumps(out)
+        return encode(out)
 
     def _schema(self) -> dict[str, Any] | None:
         choice = self._choice

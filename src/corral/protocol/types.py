@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
+import orjson
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -27,6 +28,7 @@ __all__ = [
     "EmbeddingRequest",
     "GenerationRequest",
     "StreamOptions",
+    "encode",
     "parse_body",
     "parse_part",
 ]
@@ -164,6 +166,18 @@ def parse_part(kind: type[_G], value: Any, where: str) -> _G:
         err = exc.errors(include_url=False)[0]
         loc = ".".join([where, *(str(p) for p in err["loc"] if not _is_type_tag(p))])
         raise InvalidRequest(f"Invalid value for '{loc}': {err['msg']}.", param=loc) from exc
+
+
+def encode(value: Any) -> bytes:
+    """A request (or part of one) as JSON for the engine. What JSON parsing took but orjson cannot write
+    again, an integer beyond 64 bits or nesting past its 254 levels, is the client's 400, not a 500."""
+    try:
+        return orjson.dumps(value)
+    except orjson.JSONEncodeError as exc:
+        raise InvalidRequest(
+            f"The request holds a value the gateway cannot pass on ({exc}): integers must fit in 64 bits "
+            "and objects nest at most 254 deep."
+        ) from exc
 
 
 def parse_body(kind: type[_G], body: bytes) -> _G:

@@ -48,6 +48,7 @@ class StoredResponse:
     tenant: str
     input_items: list[dict[str, Any]]
     response: dict[str, Any]
+    size: int = 0  # the row's bytes (its input's JSON and the response's): what a next turn carries on
 
 
 class ResponseStore:
@@ -122,7 +123,11 @@ class ResponseStore:
             if row is None or row.tenant != tenant or row.expires_at < time.time():
                 return None
             return StoredResponse(
-                row.id, row.tenant, orjson.loads(row.input_items), orjson.loads(row.response)
+                row.id,
+                row.tenant,
+                orjson.loads(row.input_items),
+                orjson.loads(row.response),
+                len(row.input_items) + len(row.response),
             )
 
     def delete(self, tenant: str, response_id: str) -> bool:
