@@ -234,7 +234,8 @@ async def test_a_batch_runs_to_one_output_line_per_request_and_tenants_see_only_
 async def test_bad_uploads_are_refused_naming_the_line_and_bad_batches_fail_with_their_lines(
     gateway: Gateway,
 ) -> None:
-    acme = client(gateway, await key_for(gateway, "acme"))
+    key = await key_for(gateway, "acme")
+    acme = client(gateway, key)
     good = chat_lines(2)
     for bad, words in (
         (good + b"not json\n", "Line 3"),
@@ -267,6 +268,37 @@ async def test_bad_uploads_are_refused_naming_the_line_and_bad_batches_fail_with
         assert any(words in e.message for e in failed.errors.data), failed.errors  # type: ignore[union-attr,operator]
     failed = await until_done(acme, (await submit(acme, duplicate)).id)
     assert failed.errors.data[0].line == 3  # type: ignore[union-attr]
+    # a client's value its errors repeat is cut short (a failed batch keeps them: 100 lines of a 1 MB model
+    # name were 100 MB a batch)
+    long_name = await until_done(acme, (await submit(acme, chat_lines(3, model="x" * 5000))).id)
+    assert long_name.status == "failed" and len(long_name.errors.data) == 3  # type: ignore[union-attr]
+    assert all(len(e.message or "") < 400 for e in long_name.errors.data)  # type: ignore[union-attr]
+    # a carriage return is JSON's whitespace inside a line, as the upload's check read it
+    spaced = await until_done(
+        acme, (await submit(acme, chat_lines(1).replace(b'"method":', b'"method":\r'))).id
+    )
+    assert spaced.status == "completed", spaced.errors
+    # one file a form: a second file part's bytes joined the first's, past every size check
+    form = aiohttp.FormData()
+    form.add_field("purpose", "batch")
+    for name in ("a.jsonl", "b.jsonl"):
+        form.add_field("file", good, filename=name)
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(gateway.url + "/v1/files", data=form, headers={"Authorization": f"Bearer {key}"}) as got,
+    ):
+        assert got.status == 400 and "one file part" in (await got.json())["error"]["message"]
+    # the tenant's batches, a page at a time, newest first, as one listing has them
+    everything = [b.id for b in (await acme.batches.list(limit=100)).data]
+    paged: list[str] = []
+    after: str | None = None
+    while True:
+        page = await (acme.batches.list(limit=2, after=after) if after else acme.batches.list(limit=2))
+        paged += [b.id for b in page.data]
+        if not page.has_more:
+            break
+        after = page.data[-1].id
+    assert paged == everything and len(everything) >= 6
     only_slow = client(gateway, await key_for(gateway, "acme", models=["slow"]))
     refused = await until_done(only_slow, (await submit(only_slow, good)).id)
     assert refused.status == "failed" and refused.errors.data[0].code == "model_not_allowed"  # type: ignore[union-attr]

@@ -15,8 +15,10 @@ from sqlalchemy import create_engine, select
 from sqlalchemy.orm import Session
 
 from corral.config import AuthSettings, GatewaySettings, LimitsSettings, SpecError, parse_spec
+from corral.engines import EngineFeatures
 from corral.gateway import GatewayParts, GatewayServer
 from corral.gateway.admin import AdminViews
+from corral.gateway.app import _StatusViews
 from corral.gateway.usage import UsageRecorder
 from corral.routing import Replica, ReplicaSet, ReplicaState, Router
 from corral.store import UsageRecord
@@ -41,10 +43,19 @@ async def start_gateway(
     settings: GatewaySettings | None = None,
     limits: LimitsSettings | None = None,
     api_key: str | None = None,
+    features: EngineFeatures | None = None,
 ) -> tuple[GatewayServer, Gateway, GatewayParts]:
     replicas = ReplicaSet(["m"])
     replicas.add(
-        Replica(id="m-0", model="m", engine="x", url=upstream_url, state=ReplicaState.READY, api_key=api_key)
+        Replica(
+            id="m-0",
+            model="m",
+            engine="x",
+            url=upstream_url,
+            state=ReplicaState.READY,
+            api_key=api_key,
+            features=features or EngineFeatures(),
+        )
     )
     services = make_services(replicas, tmp_path / "corral.db", auth=AuthSettings(open=True), limits=limits)
     server = GatewayServer(settings or GatewaySettings(port=0), Router(replicas), services)
@@ -104,6 +115,108 @@ async def test_client_that_disconnects_is_recorded_499_and_pays_its_tokens(tmp_p
     finally:
         await server.stop()
         await slow.stop()
+
+
+async def _usage_rows(tmp_path: Path, key_id: str) -> list[tuple[int, int]]:
+    """(status, output tokens) of the key's usage rows, once any is written."""
+    engine = create_engine(f"sqlite:///{tmp_path / 'corral.db'}")
+    deadline, rows = time.monotonic() + 5, []
+    while not rows and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+        with Session(engine) as db:
+            found = db.execute(
+                select(UsageRow.status, UsageRow.output_tokens).where(UsageRow.key_id == key_id)
+            )
+            rows = [(int(status), int(tokens)) for status, tokens in found]
+    return rows
+
+
+async def test_an_open_ended_stream_left_mid_way_pays_for_what_it_read(tmp_path: Path) -> None:
+    """Without max_tokens a stream reserves the gateway's estimate of its answer (256 tokens); a client
+    that reads more than that and leaves before the engine's usage chunk is charged the events it read,
+    not the estimate (it was: leaving was a way to stream the whole context for 256 tokens)."""
+    slow = ScriptedUpstream(chunks=400, gap=0.002)
+    await slow.start()
+    server, gateway, services = await start_gateway(tmp_path, slow.url)
+    try:
+        key, record = services.keys.create("t")
+        body = {"model": "m", "messages": MESSAGES, "stream": True}
+        async with (
+            aiohttp.ClientSession() as session,
+            session.post(
+                gateway.url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"}
+            ) as response,
+        ):
+            read = 0
+            while read < 300:  # events: a data line and a blank one each
+                read += (await response.content.readline()).startswith(b"data: ")
+        rows = await _usage_rows(tmp_path, record.id)
+        assert len(rows) == 1 and rows[0][0] == 499 and rows[0][1] >= 300, rows
+    finally:
+        await server.stop()
+        await slow.stop()
+
+
+async def test_a_fanned_out_answer_past_read_timeout_pays_its_reservation(tmp_path: Path) -> None:
+    """n > 1 on an engine that makes one choice a request: the gateway sends n requests; when they outlast
+    read_timeout the engines worked, so the request pays its reservation as a single one does (it was
+    refunded whole: its replica was only noted once every part had answered)."""
+    slow = ScriptedUpstream(mode="hang")
+    await slow.start()
+    server, gateway, services = await start_gateway(
+        tmp_path,
+        slow.url,
+        GatewaySettings(port=0, read_timeout=0.3),
+        features=EngineFeatures(multiple_choices=False),
+    )
+    try:
+        key, record = services.keys.create("t", tpm=1000)
+        body = {"model": "m", "messages": MESSAGES, "max_tokens": 300, "n": 2}
+        status, _, _ = await post(gateway.url + "/v1/chat/completions", body, key)
+        assert status == 504
+        assert await _usage_rows(tmp_path, record.id) == [(504, 600)]  # both choices' max_tokens
+        status, error, _ = await post(gateway.url + "/v1/chat/completions", body, key)
+        assert status == 429 and error["error"]["type"] == "rate_limit_error", error
+    finally:
+        await server.stop()
+        await slow.stop()
+
+
+async def test_nan_in_a_fanned_out_request_is_a_400(tmp_path: Path, keyed_upstream: ScriptedUpstream) -> None:
+    """pydantic takes NaN in a field passed through to the engine; the fan-out re-reads the body as JSON,
+    which has none: a 400 naming it, not a 500."""
+    server, gateway, _ = await start_gateway(
+        tmp_path, keyed_upstream.url, features=EngineFeatures(multiple_choices=False)
+    )
+    try:
+        raw = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "n": 2, "logit_bias": ' + (
+            b'{"1": NaN}}'
+        )
+        async with (
+            aiohttp.ClientSession() as session,
+            session.post(gateway.url + "/v1/chat/completions", data=raw) as response,
+        ):
+            answer = await response.json()
+        assert response.status == 400 and "strict JSON" in answer["error"]["message"], answer
+    finally:
+        await server.stop()
+
+
+async def test_a_tenants_status_gets_no_more_of_the_clusters_counts_than_it_shows() -> None:
+    """With gateway.workers > 1 a worker's /corral/status fills each row with the cluster's counts; a
+    tenant's rows leave out other tenants' prompts awaiting prefill, and the counts must not put them back
+    (they did)."""
+    rows = [{"id": "m-0", "outstanding": 1, "served": 2, "failures": 0, "capacity": 4}]  # a tenant's row
+    admin_rows = [{**rows[0], "pending_prefill_tokens": 0}]
+
+    async def counts() -> dict[str, list[int]]:
+        return {"m-0": [5, 31337, 9, 1, 8]}  # outstanding, pending prefill, served, failures, capacity
+
+    views = _StatusViews(Router(ReplicaSet(["m"])), None, None, 0.0, cluster_counts=counts)  # type: ignore[arg-type]
+    await views._whole_cluster(rows)
+    await views._whole_cluster(admin_rows)
+    assert rows == [{"id": "m-0", "outstanding": 5, "served": 9, "failures": 1, "capacity": 8}]
+    assert admin_rows[0]["pending_prefill_tokens"] == 31337  # (the admin's view shows it)
 
 
 async def test_an_answer_past_read_timeout_pays_its_reservation(tmp_path: Path) -> None:

@@ -79,7 +79,7 @@ def read_batch_input(
     lines: list[tuple[str, bytes]] = []
     seen: set[str] = set()
     models: set[str] = set()
-    for number, raw in enumerate(content.splitlines(), start=1):
+    for number, raw in enumerate(content.split(b"\n"), start=1):  # (as the upload was read: \r is JSON space)
         if not raw.strip():
             continue
         problem = _shape_problem(raw)
@@ -97,7 +97,8 @@ def read_batch_input(
         errors.append(
             {
                 "code": "mixed_models",
-                "message": f"A batch's requests must all use one model; this file uses {sorted(models)}.",
+                "message": "A batch's requests must all use one model; this file uses "
+                f"{', '.join(_shown(m) for m in sorted(models)[:5])}{' …' if len(models) > 5 else ''}.",
                 "param": "body.model",
                 "line": None,
             }
@@ -146,8 +147,14 @@ def _line_problem(
         return f"body: {exc.message}"
     model = body["model"]
     if model not in served:
-        return f"body.model: the model '{model}' does not exist on this server"
+        return f"body.model: the model '{_shown(model)}' does not exist on this server"
     if served[model] != (endpoint == "/v1/embeddings"):
         what = "an embedding model" if served[model] else "not an embedding model"
-        return f"body.model: '{model}' is {what}; it cannot serve {endpoint}"
+        return f"body.model: '{_shown(model)}' is {what}; it cannot serve {endpoint}"
     return None
+
+
+def _shown(value: str, most: int = 128) -> str:
+    """A client's value as an error message repeats it: cut short (a failed batch keeps its errors, so a
+    long model name on every line would be stored once a line)."""
+    return value if len(value) <= most else value[:most] + "…"

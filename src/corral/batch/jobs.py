@@ -23,14 +23,14 @@ from tempfile import SpooledTemporaryFile
 from typing import IO, Any
 
 import orjson
-from sqlalchemy import Engine, func, select, update
+from sqlalchemy import Engine, and_, func, or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from corral.batch.queue import LOST, BatchLine, LineQueue, LineResult, ResultRow, Stop
 from corral.batch.queue_sql import SqlLines
 from corral.store.batch_rows import BatchRow, aware, changed
-from corral.store.files import FileStore, NewFile, page, write_file
+from corral.store.files import FileStore, NewFile, write_file
 
 __all__ = ["BatchRecord", "BatchStore", "NewBatch", "TooManyBatches"]
 
@@ -220,13 +220,23 @@ class BatchStore:
             return _batch(row, self._counts(session, [row])[row.id])
 
     def batches(self, tenant: str, limit: int, after: str | None) -> list[BatchRecord]:
+        """A page of the tenant's batches, newest first, after the one named (none after an id it does not
+        have), read a page at a time: batches are kept, so a tenant's list only grows."""
         with Session(self._engine, expire_on_commit=False) as session:
-            rows = session.scalars(
-                select(BatchRow)
-                .where(BatchRow.tenant == tenant)
-                .order_by(BatchRow.created_at.desc(), BatchRow.id)
+            query = select(BatchRow).where(BatchRow.tenant == tenant)
+            if after is not None:
+                anchor = session.get(BatchRow, after)
+                if anchor is None or anchor.tenant != tenant:
+                    return []
+                query = query.where(
+                    or_(
+                        BatchRow.created_at < anchor.created_at,
+                        and_(BatchRow.created_at == anchor.created_at, BatchRow.id > anchor.id),
+                    )
+                )
+            found = session.scalars(
+                query.order_by(BatchRow.created_at.desc(), BatchRow.id).limit(limit)
             ).all()
-            found = page(list(rows), limit, after)
             counts = self._counts(session, found)
             return [_batch(r, counts[r.id]) for r in found]
 

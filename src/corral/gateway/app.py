@@ -367,6 +367,9 @@ def _sign_in(parts: GatewayParts, admin: AdminViews, app: web.Application) -> No
     SignInViews(verifier, parts.sessions, key, admin.record).add_routes(app)
 
 
+_SHARED = ("outstanding", "pending_prefill_tokens", "served", "failures")  # a worker's counts, in order
+
+
 class _MetricsAccess:
     """Who may read /metrics (it names every tenant, key and model): anyone on an open gateway; on a closed
     one the scraper's `gateway.metrics_token` or the admin key."""
@@ -521,5 +524,7 @@ class _StatusViews:
         for row in replicas:
             found = counts.get(str(row["id"]))
             if found is not None:
-                row["outstanding"], row["pending_prefill_tokens"], row["served"], row["failures"] = found[:4]
+                # only what the row shows: a tenant's view has no prompts awaiting prefill (_INTERNAL)
+                shared = zip(_SHARED, found[:4], strict=True)
+                row.update((k, v) for k, v in shared if k in row)
                 row["capacity"] = found[4] or row["capacity"]

@@ -116,6 +116,8 @@ class BatchViews:
             if not isinstance(part, BodyPartReader):
                 continue
             if part.name == "file":
+                if spool.tell():  # (a second file part: its bytes would join the first's, unmeasured)
+                    raise InvalidRequest("The upload holds more than one file part; send one.", param="file")
                 form.filename = (part.filename or form.filename)[:256]
                 form.size = await self._spool(part, spool)
             elif part.name in _FIELDS:

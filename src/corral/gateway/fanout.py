@@ -89,7 +89,10 @@ class Fanout:
 
     async def answer(self, ctx: RequestContext, request: web.Request | None) -> web.StreamResponse:
         body, features = ctx.body, ctx.features
-        data = orjson.loads(ctx.upstream_body)
+        try:
+            data = orjson.loads(ctx.upstream_body)
+        except orjson.JSONDecodeError as exc:  # (pydantic took NaN or Infinity; JSON has neither)
+            raise InvalidRequest(f"The body is not strict JSON: {exc}.") from exc
         prompts: list[Any] = body.prompts if isinstance(body, CompletionRequest) else [None]
         gateway_echo = isinstance(body, CompletionRequest) and body.echo and not features.echo
         parts = [
@@ -116,6 +119,8 @@ class Fanout:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            # parts that reached an engine worked: the request is charged at its reservation (pipeline.py)
+            ctx.replica = next((part.replica for part in parts if part.replica is not None), None)
             raise
         answers = [_json(r) for r in responses]
         ctx.replica = parts[-1].replica

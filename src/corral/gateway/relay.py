@@ -309,6 +309,7 @@ class Relay:
         finally:  # (whatever ended the stream, the engine's usage so far is charged)
             if ctx.usage is None:
                 ctx.usage = sse.usage
+            ctx.relayed += sse.events
         return response
 
     async def _pump(

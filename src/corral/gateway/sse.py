@@ -21,13 +21,14 @@ _SEP = b"\n\n"
 class SSEFilter:
     """Feeds upstream bytes, returns bytes for the client; notes usage and whether the stream finished."""
 
-    __slots__ = ("_keep_usage", "_pending", "done", "usage")
+    __slots__ = ("_keep_usage", "_pending", "done", "events", "usage")
 
     def __init__(self, keep_usage: bool) -> None:
         self._keep_usage = keep_usage
         self._pending = b""
         self.done = False
         self.usage: dict[str, Any] | None = None
+        self.events = 0  # complete events fed through (what a stream without its usage is charged at least)
 
     def feed(self, data: bytes) -> bytes:
         """Bytes of the complete events in `pending + data`; a partial event waits for the next chunk."""
@@ -40,6 +41,7 @@ class SSEFilter:
                 self._pending = data
                 return b""
             data, self._pending = data[:end], data[end:]
+        self.events += data.count(_SEP)
         usage, done = data.find(_USAGE), data.find(_DONE)
         if usage < 0 and done < 0:
             return data
