@@ -521,8 +521,8 @@ def _adapter_principal(adapter: Adapter) -> Principal:
 
 def _reserved_usage(ctx: RequestContext) -> dict[str, int]:
     """The usage a request reserved at admission: its prompt's estimate and the most output it asked for
-    (without max_tokens, the gateway's estimate), or the events its stream relayed where more (about a token
-    each: an open-ended stream the client leaves is charged for what it read)."""
+    (without max_tokens, the gateway's estimate), or the reads of events its stream relayed where more
+    (about a token each: an open-ended stream the client leaves is charged for what it read)."""
     prompt = ctx.route.prompt_tokens
     completion = max(ctx.route.tokens - prompt, ctx.relayed)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}

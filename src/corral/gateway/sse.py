@@ -28,7 +28,7 @@ class SSEFilter:
         self._pending = b""
         self.done = False
         self.usage: dict[str, Any] | None = None
-        self.events = 0  # complete events fed through (what a stream without its usage is charged at least)
+        self.events = 0  # reads of complete events fed through: what a stream without its usage pays at least
 
     def feed(self, data: bytes) -> bytes:
         """Bytes of the complete events in `pending + data`; a partial event waits for the next chunk."""
@@ -41,7 +41,7 @@ class SSEFilter:
                 self._pending = data
                 return b""
             data, self._pending = data[:end], data[end:]
-        self.events += data.count(_SEP)
+        self.events += 1  # (one event a read as engines stream; a read of several counts once: never over)
         usage, done = data.find(_USAGE), data.find(_DONE)
         if usage < 0 and done < 0:
             return data
