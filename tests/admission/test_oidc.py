@@ -123,6 +123,30 @@ async def test_a_providers_token_is_accepted_like_a_key_with_its_tenants_limits(
     assert {(r["key"], r["requests"]) for r in rows} == {("oidc:acme", 4)}
 
 
+async def test_a_signed_in_persons_batch_runs_as_its_tenant(url: str, provider: Provider) -> None:
+    """A batch made with a provider's token runs as its tenant's people do (it failed as "revoked": the
+    runner looked the person's key id, oidc:<tenant>, up among the stored keys)."""
+    alice = await asyncio.to_thread(provider.token, "alice")
+    line = {"custom_id": "one", "method": "POST", "url": "/v1/chat/completions", "body": BODY}
+    form = aiohttp.FormData()
+    form.add_field("purpose", "batch")
+    form.add_field("file", json.dumps(line).encode() + b"\n", filename="in.jsonl")
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(url + "/v1/files", data=form, headers={"Authorization": f"Bearer {alice}"}) as sent,
+    ):
+        uploaded = await sent.json()
+        assert sent.status == 200, uploaded
+    asked = {"input_file_id": uploaded["id"], "endpoint": "/v1/chat/completions", "completion_window": "24h"}
+    status, batch = await call(url, "POST", "/v1/batches", alice, asked)
+    assert status == 200, batch
+    deadline = asyncio.get_running_loop().time() + 30
+    while batch["status"] not in ("completed", "failed") and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.2)
+        status, batch = await call(url, "GET", f"/v1/batches/{batch['id']}", alice)
+    assert batch["status"] == "completed" and batch["request_counts"]["completed"] == 1, batch
+
+
 async def test_tampered_expired_and_wrong_audience_tokens_are_refused(
     url: str, provider: Provider, short_lived: Provider, tmp_path: Path, upstream: ScriptedUpstream
 ) -> None:

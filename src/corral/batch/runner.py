@@ -33,7 +33,7 @@ import uuid
 from collections import deque
 from collections.abc import Callable
 from functools import partial
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import orjson
 
@@ -43,6 +43,9 @@ from corral.batch.jobs import BatchRecord, BatchStore
 from corral.batch.queue import BatchLine, LineResult
 from corral.config import BatchSettings
 from corral.protocol import PermissionDenied
+
+if TYPE_CHECKING:
+    from corral.admission.oidc import OIDCVerifier
 from corral.routing import ReplicaSet
 from corral.routing.adapters import AdapterCatalogue
 from corral.store import KeyStore
@@ -103,6 +106,7 @@ class BatchRunner:
         settings: BatchSettings,
         adapters: AdapterCatalogue | None = None,
         manages: bool = True,
+        oidc: OIDCVerifier | None = None,
     ) -> None:
         """`manages`: this runner also checks new batches and keeps the queue (finishes, expires, tidies);
         one runner a machine does (the first gateway worker), every worker's runs lines on its own share of
@@ -112,6 +116,7 @@ class BatchRunner:
         self._adapters = adapters or AdapterCatalogue()  # an adapter's lines run on its base's replicas
         self._executor = executor
         self._keys = keys
+        self._oidc = oidc  # (batches made by people signed in with the identity provider run as their tenant)
         self._replicas = replicas
         self._waiting = waiting
         self._settings = settings
@@ -281,13 +286,22 @@ class BatchRunner:
             self._wake.set()
 
     async def _principal(self, tenant: str, key_id: str | None) -> Principal | None:
-        """Who a batch runs as (at the lowest priority); None once its key is revoked."""
+        """Who a batch runs as (at the lowest priority); None once its key is revoked. A batch a person
+        signed in with the identity provider made runs as its tenant's people do, while the spec lists the
+        tenant (auth.oidc.tenants, where it lists any)."""
         if key_id is None:
             return Principal(key_id=None, tenant=tenant, priority=_BATCH_PRIORITY)
-        record = await asyncio.to_thread(self._keys.get, key_id)
-        if record is None or not record.active:
+        oidc = self._oidc
+        if key_id.startswith(_SIGNED_IN):
+            listed = oidc is not None and (not oidc.settings.tenants or tenant in oidc.settings.tenants)
+            principal = (
+                oidc.principal_of("batch", tenant, "user", None) if oidc is not None and listed else None
+            )
+        else:
+            record = await asyncio.to_thread(self._keys.get, key_id)
+            principal = Principal.of(record) if record is not None and record.active else None
+        if principal is None:
             return None
-        principal = Principal.of(record)
         return Principal(
             principal.key_id,
             principal.tenant,
@@ -327,6 +341,7 @@ class BatchRunner:
 
 
 _BATCH_PRIORITY = 3  # below every key's priority class (high 0, normal 1, low 2)
+_SIGNED_IN = "oidc:"  # a batch made by a person signed in (admission/oidc.py names them so), not a key
 
 
 def _retry(status: int, body: bytes) -> bool:

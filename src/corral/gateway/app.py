@@ -252,6 +252,7 @@ def _batch_runner(
         parts.batch,
         parts.adapters,
         manages=worker in (None, 0),
+        oidc=parts.auth.oidc,
     )
 
 

@@ -189,7 +189,8 @@ class BatchViews:
             raise InvalidRequest(
                 f"File {file_id} is not a batch input (purpose {found.purpose}).", param="input_file_id"
             )
-        new = NewBatch(principal.tenant, principal.key_id, endpoint, file_id, window, window_text, meta)
+        key_id = principal.key_id[:32] if principal.key_id else None  # (a signed-in person's oidc:<tenant>)
+        new = NewBatch(principal.tenant, key_id, endpoint, file_id, window, window_text, meta)
         try:  # (validated by the runner)
             record = await asyncio.to_thread(self._store.create_batch, new, self._settings.tenant_max_active)
         except TooManyBatches as exc:
