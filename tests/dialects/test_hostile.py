@@ -36,9 +36,6 @@ async def _post(gateway: Gateway, path: str, body: object, key: str) -> tuple[in
         {"model": "m", "input": "hi", "tools": [{"type": "function", "name": 5}]},
         {"model": "m", "input": "hi", "tools": [{"type": "namespace", "tools": [{"type": "function"}]}]},
         {"model": "m", "input": [{"type": None, "role": "user", "content": 7}]},
-        {"model": "m", "input": [{"type": "function_call", "call_id": "c", "arguments": "{}"}]},
-        {"model": "m", "input": [{"type": "function_call", "name": "f", "call_id": "c", "arguments": {}}]},
-        {"model": "m", "input": [{"type": "function_call_output", "output": "sunny"}]},
     ],
 )
 async def test_malformed_responses_requests_are_400s(cluster: Cluster, body: dict) -> None:

@@ -429,18 +429,10 @@ def _messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
             role = "system" if role == "developer" else role
             messages.append({"role": role, "content": _content(item.get("content"), i)})
         elif kind == "function_call":
-            call_id = item.get("call_id") or item.get("id")  # (the engine's chat template reads both)
-            for field, value in (("name", item.get("name")), ("call_id", call_id)):
-                if not isinstance(value, str):
-                    raise InvalidRequest(f"input[{i}].{field} must be a string.", param=f"input[{i}].{field}")
-            if not isinstance(item.get("arguments", ""), str):
-                raise InvalidRequest(
-                    f"input[{i}].arguments must be a string (JSON).", param=f"input[{i}].arguments"
-                )
             call = {
-                "id": call_id,
+                "id": item.get("call_id") or item.get("id"),
                 "type": "function",
-                "function": {"name": item["name"], "arguments": item.get("arguments") or "{}"},
+                "function": {"name": item.get("name"), "arguments": item.get("arguments") or "{}"},
             }
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant" and "tool_calls" in last:
@@ -448,8 +440,6 @@ def _messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":
-            if not isinstance(item.get("call_id"), str):
-                raise InvalidRequest(f"input[{i}].call_id must be a string.", param=f"input[{i}].call_id")
             output = item.get("output")
             if not isinstance(output, str):
                 output = encode(output).decode()
