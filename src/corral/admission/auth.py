@@ -31,10 +31,11 @@ from corral.store import PRIORITIES, KeyRecord, KeyStore, hash_key, store_is_dow
 if TYPE_CHECKING:
     from corral.admission.oidc import OIDCVerifier
 
-__all__ = ["ANONYMOUS", "Authenticator", "Principal", "looks_like_jwt", "token_digest"]
+__all__ = ["ANONYMOUS", "SIGNED_IN", "Authenticator", "Principal", "looks_like_jwt", "token_digest"]
 
 logger = logging.getLogger(__name__)
 
+SIGNED_IN = "oidc:"  # the key id of a tenant's people signed in with the identity provider: oidc:<tenant>
 _MAX_CACHED = 100_000
 _STORE_RETRY_S = 5.0  # Retry-After of a key refused because the store did not answer
 

@@ -29,7 +29,7 @@ from joserfc import jwt
 from joserfc.errors import ExpiredTokenError, InvalidClaimError, JoseError, MissingClaimError
 from joserfc.jwk import KeySet
 
-from corral.admission.auth import Principal, looks_like_jwt, token_digest
+from corral.admission.auth import SIGNED_IN, Principal, looks_like_jwt, token_digest
 from corral.config import OIDCSettings
 from corral.protocol import Unauthorized
 from corral.store import PRIORITIES
@@ -152,7 +152,7 @@ class OIDCVerifier:
         session's)."""
         limits = self.settings.tenants.get(tenant)
         return Principal(
-            key_id=f"oidc:{tenant}",
+            key_id=SIGNED_IN + tenant,
             tenant=tenant,
             models=frozenset(limits.models) if limits is not None else frozenset(),
             rpm=limits.rpm if limits is not None else None,

@@ -38,17 +38,18 @@ from typing import TYPE_CHECKING, Any, Protocol
 import orjson
 
 from corral.admission import Principal
+from corral.admission.auth import SIGNED_IN
 from corral.batch.files import read_batch_input
 from corral.batch.jobs import BatchRecord, BatchStore
 from corral.batch.queue import BatchLine, LineResult
 from corral.config import BatchSettings
 from corral.protocol import PermissionDenied
-
-if TYPE_CHECKING:
-    from corral.admission.oidc import OIDCVerifier
 from corral.routing import ReplicaSet
 from corral.routing.adapters import AdapterCatalogue
 from corral.store import KeyStore
+
+if TYPE_CHECKING:
+    from corral.admission.oidc import OIDCVerifier
 
 __all__ = ["BatchRunner", "LineExecutor"]
 
@@ -292,7 +293,7 @@ class BatchRunner:
         if key_id is None:
             return Principal(key_id=None, tenant=tenant, priority=_BATCH_PRIORITY)
         oidc = self._oidc
-        if key_id.startswith(_SIGNED_IN):
+        if key_id.startswith(SIGNED_IN):
             listed = oidc is not None and (not oidc.settings.tenants or tenant in oidc.settings.tenants)
             principal = (
                 oidc.principal_of("batch", tenant, "user", None) if oidc is not None and listed else None
@@ -341,7 +342,6 @@ class BatchRunner:
 
 
 _BATCH_PRIORITY = 3  # below every key's priority class (high 0, normal 1, low 2)
-_SIGNED_IN = "oidc:"  # a batch made by a person signed in (admission/oidc.py names them so), not a key
 
 
 def _retry(status: int, body: bytes) -> bool:
