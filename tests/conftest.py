@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import signal
+import shutil
 import ssl
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -26,6 +29,25 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 DATA = Path(__file__).parent / "data"
 CORRAL = [sys.executable, "-m", "corral.cli"]
+
+
+def _own_home() -> None:
+    """This test process's corral home: the prepared models and engines of the real one, its own store.
+    A spec without `store.url` keeps keys, usage and batches in its home's SQLite file, and any gateway
+    on that store checks and runs any batch in it: the two xdist workers' clusters, serving different
+    models, sharing one file failed each other's batches ("the model 'marker' does not exist")."""
+    from corral.config.env import Paths
+
+    cache = Paths.from_env()
+    home = Path(tempfile.mkdtemp(prefix="corral-home-"))
+    for shared in (cache.models, cache.engines):
+        shared.mkdir(parents=True, exist_ok=True)
+        (home / shared.name).symlink_to(shared)
+    os.environ["CORRAL_HOME"] = str(home)
+    atexit.register(shutil.rmtree, home, ignore_errors=True)
+
+
+_own_home()
 
 
 @dataclass
