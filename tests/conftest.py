@@ -42,7 +42,7 @@ def _own_home() -> None:
     home = Path(tempfile.mkdtemp(prefix="corral-home-"))
     for shared in (cache.models, cache.engines):
         shared.mkdir(parents=True, exist_ok=True)
-        (home / shared.name).symlink_to(shared)
+        (home / shared.name).symlink_to(shared.resolve())
     os.environ["CORRAL_HOME"] = str(home)
     atexit.register(shutil.rmtree, home, ignore_errors=True)
 
