@@ -296,6 +296,7 @@ async def test_a_rotated_signing_key_is_fetched_and_clock_skew_is_tolerated() ->
 
     keys = {"current": RSAKey.generate_key(2048, parameters={"kid": "one"})}
     fetched = []
+    slow, broken = [0.0], [False]  # the provider's key endpoint: how long it takes, whether it fails
 
     async def discovery(request: web.Request) -> web.Response:
         base = f"http://localhost:{request.url.port}"
@@ -310,6 +311,9 @@ async def test_a_rotated_signing_key_is_fetched_and_clock_skew_is_tolerated() ->
 
     async def jwks(request: web.Request) -> web.Response:
         fetched.append(keys["current"].kid)
+        await asyncio.sleep(slow[0])
+        if broken[0]:
+            return web.Response(status=500)
         return web.json_response(KeySet([keys["current"]]).as_dict(private=False))
 
     app = web.Application()
@@ -339,5 +343,87 @@ async def test_a_rotated_signing_key_is_fetched_and_clock_skew_is_tolerated() ->
         assert (await verifier.claims(token(keys["current"], skew=20)))["sub"] == "s"  # within the skew
         with pytest.raises(Unauthorized):
             await verifier.claims(token(keys["current"], skew=120))  # issued two minutes from now
+        # anyone's malformed token is a 401, whatever the library raises on it (a `crit` that is no list)
+        crit = _b64({"alg": "ES256", "kid": "two", "crit": 5}) + "." + _b64({}) + ".AAAA"
+        with pytest.raises(Unauthorized) as refused:
+            await verifier.claims(crit)
+        assert refused.value.code == "invalid_token"
+        # key ids it does not hold, sent at once: one fetch at most, no token waits on another's
+        await asyncio.sleep(1.1)
+        before = len(fetched)
+        for outcome in await asyncio.gather(
+            *(
+                verifier.claims(token(RSAKey.generate_key(2048, parameters={"kid": f"x{i}"})))
+                for i in range(8)
+            ),
+            return_exceptions=True,
+        ):
+            assert isinstance(outcome, Unauthorized)
+        assert len(fetched) - before == 1
+        assert (await verifier.claims(token(keys["current"])))["sub"] == "s"  # a known key: no fetch
+        assert len(fetched) - before == 1
+        # a slow provider: a token under a known key does not wait for another token's fetch
+        await asyncio.sleep(1.1)
+        slow[0] = 2.0
+        unknown = asyncio.ensure_future(verifier.claims(token(RSAKey.generate_key(2048, {"kid": "y"}))))
+        await asyncio.sleep(0.1)
+        started = clock.monotonic()
+        assert (await verifier.claims(token(keys["current"])))["sub"] == "s"
+        assert clock.monotonic() - started < 1.0
+        with pytest.raises(Unauthorized):
+            await unknown
+        # a failing provider is asked again after a second at the soonest, whatever comes meanwhile
+        slow[0], broken[0] = 0.0, True
+        await asyncio.sleep(1.1)
+        before = len(fetched)
+        for i in range(5):
+            with pytest.raises(Unauthorized):
+                await verifier.claims(token(RSAKey.generate_key(2048, parameters={"kid": f"z{i}"})))
+        assert len(fetched) - before == 1
     finally:
         await runner.cleanup()
+
+
+def _b64(value: object) -> str:
+    import base64
+
+    return base64.urlsafe_b64encode(json.dumps(value).encode()).rstrip(b"=").decode()
+
+
+def test_a_groups_role_holds_in_its_own_tenant_only() -> None:
+    """A person in one tenant's group and another tenant's admin group is not that other tenant's admin
+    in their own tenant; groups naming two tenants, with no tenant claim to say which, are refused; a group
+    naming a role and no tenant gives it in any tenant; a tenant taken out of the list ends its sessions."""
+    from corral.admission.oidc import OIDCVerifier
+
+    verifier = OIDCVerifier(
+        OIDCSettings.model_validate(
+            {
+                "issuer": "https://login.example.com",
+                "client_id": "corral",
+                "groups": {
+                    "acme-users": {"tenant": "acme"},
+                    "globex-admins": {"tenant": "globex", "role": "tenant-admin"},
+                    "auditors": {"role": "viewer"},
+                },
+                "tenants": {"acme": {"rpm": 5}, "globex": {}},
+            }
+        )
+    )
+
+    def who(**claims: object) -> tuple[str, str | None]:
+        principal = verifier.principal({"sub": "p", "exp": 2**31, **claims})
+        return principal.tenant, principal.role
+
+    assert who(groups=["globex-admins"]) == ("globex", "tenant-admin")
+    assert who(tenant="globex", groups=["globex-admins"]) == ("globex", "tenant-admin")
+    assert who(tenant="acme", groups=["globex-admins"]) == ("acme", "user")  # not acme's admin
+    assert who(groups=["acme-users", "auditors"]) == ("acme", "viewer")
+    with pytest.raises(Unauthorized, match="more than one tenant"):
+        who(groups=["acme-users", "globex-admins"])
+    assert who(tenant="acme", groups=["acme-users", "globex-admins"]) == ("acme", "user")
+    assert verifier.principal_of("p", "acme", "user", None).rpm == 5
+    with pytest.raises(Unauthorized, match="not one of auth"):
+        verifier.principal_of(
+            "p", "initech", "tenant-admin", None
+        )  # (a session from before it was taken out)

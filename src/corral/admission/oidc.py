@@ -58,7 +58,8 @@ class OIDCVerifier:
         self.settings = settings
         self._metadata: ProviderMetadata | None = None
         self._keys: KeySet | None = None
-        self._fetched_at = 0.0
+        self._fetched_at = -_REFETCH_S
+        self._failure: str | None = None  # why the last fetch failed (None: it did not)
         self._lock = asyncio.Lock()
         self._claims = self._registry(settings.audience or settings.client_id)
         self._id_claims = self._registry(settings.client_id)  # an ID token names the client
@@ -89,36 +90,51 @@ class OIDCVerifier:
         return self._metadata
 
     async def _key_set(self, refresh: bool = False) -> KeySet:
+        """The provider's keys; `refresh`: a token named a key id they lack, so they are fetched again
+        unless they were (or a fetch was tried) within `_REFETCH_S`. Tokens under known keys never wait
+        on a fetch, and random key ids cannot queue fetches behind a slow provider."""
+        keys = self._keys
+        if keys is not None and (not refresh or time.monotonic() - self._fetched_at < _REFETCH_S):
+            return keys
         async with self._lock:
-            stale = refresh and time.monotonic() - self._fetched_at >= _REFETCH_S
-            if self._keys is None or stale:
+            keys, tried = self._keys, time.monotonic() - self._fetched_at < _REFETCH_S
+            if keys is not None and (not refresh or tried):
+                return keys
+            if keys is None and tried and self._failure is not None:
+                raise Unauthorized(self._failure)  # (the provider failed a moment ago: not asked again yet)
+            self._fetched_at = time.monotonic()  # (before asking: a failed fetch waits its turn too)
+            try:
                 metadata = await self.metadata()
                 self._keys = KeySet.import_key_set(await _get_json(metadata.jwks_uri))  # type: ignore[arg-type]
-                self._fetched_at = time.monotonic()
+            except (aiohttp.ClientError, TimeoutError, KeyError, ValueError, JoseError) as exc:
+                self._failure = f"The identity provider could not be asked ({type(exc).__name__})."
+                raise Unauthorized(self._failure) from None
+            self._failure = None
             return self._keys
 
     async def claims(self, token: str, id_token: bool = False) -> dict[str, Any]:
         """The token's claims once its signature and claims check out (`id_token`: a console sign-in's ID
         token, whose audience is the client id); Unauthorized (saying which check failed, never the
         token) otherwise."""
+        keys = await self._key_set()
+        kid = _key_id(token)
+        if kid is not None and not any(key.kid == kid for key in keys.keys):
+            keys = await self._key_set(refresh=True)  # a key id it does not know: the provider rotated
         try:
-            keys = await self._key_set()
-            kid = _key_id(token)
-            if kid is not None and not any(key.kid == kid for key in keys.keys):
-                keys = await self._key_set(refresh=True)  # a key id it does not know: the provider rotated
             decoded = jwt.decode(token, keys, algorithms=_ALGORITHMS)
+        except Exception:  # (anyone's bytes, read by the library: whatever it raises, the token is bad)
+            raise Unauthorized("The token's signature does not check out.", code="invalid_token") from None
+        try:
             (self._id_claims if id_token else self._claims).validate(decoded.claims)
-            audience, party = decoded.claims.get("aud"), decoded.claims.get("azp")
-            if isinstance(audience, list) and len(audience) > 1 and party != self.settings.client_id:
-                raise Unauthorized("The token was issued to another client (azp).")  # (OIDC Core 3.1.3.7)
         except ExpiredTokenError:
             raise Unauthorized("The token has expired.", code="expired_token") from None
         except (InvalidClaimError, MissingClaimError) as exc:
             raise Unauthorized(f"The token's claims do not check out: {exc.description}.") from None
-        except (JoseError, ValueError):
-            raise Unauthorized("The token's signature does not check out.", code="invalid_token") from None
-        except (aiohttp.ClientError, TimeoutError, KeyError) as exc:
-            raise Unauthorized(f"The identity provider could not be asked ({type(exc).__name__}).") from None
+        except Exception:  # (a claim of a type the registry cannot compare: a number as a list, ...)
+            raise Unauthorized("The token's claims do not check out.", code="invalid_token") from None
+        audience, party = decoded.claims.get("aud"), decoded.claims.get("azp")
+        if isinstance(audience, list) and len(audience) > 1 and party != self.settings.client_id:
+            raise Unauthorized("The token was issued to another client (azp).")  # (OIDC Core 3.1.3.7)
         return dict(decoded.claims)
 
     def principal(self, claims: dict[str, Any]) -> Principal:
@@ -130,11 +146,18 @@ class OIDCVerifier:
         if isinstance(tenant, list):
             tenant = next((t for t in tenant if isinstance(t, str) and t), None)
         groups = claims.get(settings.groups_claim) or []
-        for group in groups if isinstance(groups, list) else []:
-            mapped = settings.groups.get(str(group))
-            if mapped is not None:
-                tenant = tenant or mapped.tenant
-                role = role or mapped.role
+        listed = groups if isinstance(groups, list) else []
+        mapped = [settings.groups[str(g)] for g in listed if str(g) in settings.groups]
+        if not tenant:
+            named = {m.tenant for m in mapped if m.tenant}
+            if len(named) > 1:
+                raise Unauthorized(
+                    "The token's groups name more than one tenant (auth.oidc.groups); a tenant claim "
+                    f"('{settings.tenant_claim}') must say which."
+                )
+            tenant = next(iter(named), None)
+        if not role:  # a group's role holds in its own tenant only (or, naming none, in any)
+            role = next((m.role for m in mapped if m.role and m.tenant in (None, tenant)), None)
         if isinstance(tenant, str) and tenant and tenant not in settings.tenants:
             raise Unauthorized(f"The tenant '{tenant[:64]}' is not one of auth.oidc.tenants.")
         if not isinstance(tenant, str) or not tenant:
@@ -151,15 +174,17 @@ class OIDCVerifier:
         """A signed-in person of `tenant` with `role`, with the tenant's limits (a token's, or a console
         session's)."""
         limits = self.settings.tenants.get(tenant)
+        if limits is None:  # (a console session of a tenant taken out of the list since: it ends)
+            raise Unauthorized(f"The tenant '{tenant[:64]}' is not one of auth.oidc.tenants.")
         return Principal(
             key_id=SIGNED_IN + tenant,
             tenant=tenant,
-            models=frozenset(limits.models) if limits is not None else frozenset(),
-            rpm=limits.rpm if limits is not None else None,
-            tpm=limits.tpm if limits is not None else None,
-            max_concurrency=limits.max_concurrency if limits is not None else None,
+            models=frozenset(limits.models),
+            rpm=limits.rpm,
+            tpm=limits.tpm,
+            max_concurrency=limits.max_concurrency,
             priority=PRIORITIES["normal"],
-            monthly_token_budget=limits.monthly_token_budget if limits is not None else None,
+            monthly_token_budget=limits.monthly_token_budget,
             role=role,
             expires_at=expires_at,
             subject=subject,

@@ -157,7 +157,10 @@ class Access:
         if session is None:
             return None
         expires = session.expires_at.timestamp()
-        principal = verifier.principal_of(session.subject, session.tenant, session.role, expires)
+        try:
+            principal = verifier.principal_of(session.subject, session.tenant, session.role, expires)
+        except APIError:  # its tenant was taken out of auth.oidc.tenants: the session is over
+            return None
         return Actor(f"oidc:{session.subject}", session.role, session.tenant, principal, session.csrf)
 
     async def require(self, request: web.Request, permission: str) -> Actor:
