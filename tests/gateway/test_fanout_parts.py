@@ -16,8 +16,10 @@ def test_each_choice_of_n_is_routed_with_the_whole_prompt_and_its_share_of_the_o
     body = ChatCompletionRequest.model_validate(
         {"model": "m", "n": 4, "max_tokens": 50, "messages": [{"role": "user", "content": "hi"}]}
     )
-    part = _route(_context(body, RouteRequest("m", tokens=1000 + 4 * 50, prompt_tokens=1000, prompt="p")))
+    route = RouteRequest("m", tokens=1000 + 4 * 50, prompt_tokens=1000, prompt="p", tenant="acme")
+    part = _route(_context(body, route))
     assert (part.prompt_tokens, part.tokens, part.prompt) == (1000, 1050, "p")
+    assert part.tenant == "acme"  # (a 5xx to a part is its tenant's input's, as a whole request's would be)
 
 
 def test_each_prompt_of_a_list_is_routed_with_its_share_of_the_prompt_tokens() -> None:

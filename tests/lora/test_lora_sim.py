@@ -201,6 +201,26 @@ def test_an_adapter_the_engine_lost_is_loaded_again_and_the_request_served(tmp_p
         assert sum(loads.values()) == 2
 
 
+def test_an_adapter_the_engines_refuse_does_not_take_its_base_away(tmp_path: Path) -> None:
+    """An adapter whose files broke (here: its config deleted) is refused by every replica's engine: its
+    requests fail, and neither replica's circuit breaker opens on it, so the base and the other adapters
+    serve on (one tenant's broken adapter must not take a shared base away); a replica that refused it is
+    not asked to load it again for a few seconds."""
+    broken = tmp_path / "broken"
+    shutil.copytree(ADAPTER, broken)
+    with cluster_of(tmp_path, _spec({"broken": broken, "fine": ADAPTER})) as cluster:
+        client = openai.OpenAI(base_url=cluster.base_url, api_key="none", max_retries=0, timeout=60)
+        (broken / "adapter_config.json").unlink()
+        for _ in range(4):
+            with pytest.raises(openai.APIError):
+                _ask(client, "broken")
+        breakers = {r["id"]: r.get("circuit") for r in cluster.status()["replicas"]}
+        assert all(state in (None, "closed") for state in breakers.values()), breakers
+        assert _ask(client, "llama") and _ask(client, "fine")
+        refusals = [line for line in cluster.log.read_text().splitlines() if "refused to load" in line]
+        assert len(refusals) == 2  # once each replica: asked again only after a few seconds
+
+
 def test_adapter_changes_are_live_on_vllm_and_replace_llamacpp_replicas() -> None:
     from corral.cluster.reconcile import plan_changes
     from corral.config import parse_spec

@@ -83,3 +83,53 @@ async def test_a_closed_gateway_names_no_replica_unless_told_to(
 ) -> None:
     found, header = await probe(tmp_path, isolation, routing_headers=None)
     assert (found, header) == (0, "")
+
+
+async def test_a_base_prompt_cannot_pass_for_an_adapters(tmp_path: Path) -> None:
+    """With the prefix index shared (an open gateway), bob's chats with the adapter `bot` go to their
+    replicas; eve's completions to the base, whose prompts are bob's as routing writes them (`lora:bot`, a
+    newline, `user:` and the text), would follow them there if the base's prompts were not tagged too."""
+    from corral.routing.adapters import Adapter
+
+    upstreams = [ScriptedUpstream() for _ in range(4)]
+    for upstream in upstreams:
+        await upstream.start()
+    replicas = ReplicaSet(["m"])
+    for i, upstream in enumerate(upstreams):
+        replica = Replica(id=f"m-{i}", model="m", engine="llamacpp", url=upstream.url, adapters=("bot",))
+        replica.state = ReplicaState.READY
+        replicas.add(replica)
+    members = replicas.of("m")
+    parts = make_services(replicas, tmp_path / "c.db", auth=AuthSettings(open=True))
+    parts.adapters.replace("m", [Adapter("bot", "m", "bot@0", "")])
+    server = GatewayServer(GatewaySettings(port=0, routing_headers=True), Router(replicas), parts)
+    await server.start()
+    url = f"http://127.0.0.1:{server.port}"
+
+    async def send(session: aiohttp.ClientSession, path: str, body: dict) -> str:
+        async with session.post(url + path, json={"max_tokens": 4, **body}) as answer:
+            assert answer.status == 200, await answer.text()
+            return answer.headers.get("x-corral-replica", "")
+
+    try:
+        async with aiohttp.ClientSession() as session:
+            bobs = []
+            for i, document in enumerate(DOCUMENTS):
+                for replica in members:
+                    replica.state = (
+                        ReplicaState.READY if replica is members[i // 3] else ReplicaState.UNHEALTHY
+                    )
+                chat = {"model": "bot", "messages": [{"role": "user", "content": document}]}
+                bobs.append(await send(session, "/v1/chat/completions", chat))
+            for replica in members:
+                replica.state = ReplicaState.READY
+            eves = [
+                await send(session, "/v1/completions", {"model": "m", "prompt": f"lora:bot\nuser:{d}"})
+                for d in DOCUMENTS
+            ]
+    finally:
+        await server.stop()
+        for upstream in upstreams:
+            await upstream.stop()
+    assert len(set(bobs)) == 4
+    assert sum(b == e for b, e in zip(bobs, eves, strict=True)) < 8  # (12 when the prompts match)

@@ -26,17 +26,23 @@ from corral.gateway.bodies import with_member
 from corral.routing import Replica, Router, RouteRequest
 from corral.routing.adapters import Adapter, AdapterCatalogue, Residence
 
-__all__ = ["NO_ADAPTER", "AdapterLoadFailed", "AdapterLoader"]
+__all__ = ["NO_ADAPTER", "AdapterLoadFailed", "AdapterLoader", "AdapterRefused"]
 
 logger = logging.getLogger(__name__)
 
 NO_ADAPTER = b',"lora":[]'  # a base request on llama.cpp: no adapter applied, whatever the client sent
 _LOAD = "/v1/load_lora_adapter"
 _UNLOAD = "/v1/unload_lora_adapter"
+_REFUSED_S = 5.0  # a replica that refused an adapter's load is not asked again for it this long
 
 
 class AdapterLoadFailed(Exception):
     """The replica could not be reached to load the adapter (another replica may)."""
+
+
+class AdapterRefused(AdapterLoadFailed):
+    """The replica answered that it cannot load the adapter: the adapter's trouble (its files), not the
+    replica's, so its circuit breaker does not hear of it."""
 
 
 class AdapterLoader:
@@ -52,6 +58,7 @@ class AdapterLoader:
         self._catalogue = catalogue
         self.metrics = metrics  # the gateway's (GatewayMetrics): loads and unloads are counted
         self._loading: dict[tuple[str, str], asyncio.Task[None]] = {}
+        self._refused: dict[tuple[str, str], float] = {}  # (replica, revision) → when it refused the load
         self._tasks: set[asyncio.Task[None]] = set()
         router.on_unload = self.unload
         catalogue.on_change = self._catalogue_changed
@@ -65,6 +72,13 @@ class AdapterLoader:
         loading = self._loading.get(key)
         if loading is None and not route.load_adapter:
             return
+        if loading is None and self._refused:
+            refused = self._refused.get(key)
+            if refused is not None and asyncio.get_running_loop().time() - refused < _REFUSED_S:
+                if route.residence is not None:
+                    self._placement.failed_load(replica, route.residence)
+                raise AdapterRefused(f"replica {replica.id} refused adapter {adapter.name} a moment ago")
+            self._refused.pop(key, None)
         if loading is None:  # a task of its own: a client that leaves does not cancel others' wait
             route.load_adapter = False
             load = self._load(replica, adapter, route.residence)
@@ -98,7 +112,8 @@ class AdapterLoader:
                 upstream.status,
                 _message(answer),
             )
-            raise AdapterLoadFailed(f"replica {replica.id} could not load adapter {adapter.name}")
+            self._refused[(replica.id, adapter.engine_name)] = asyncio.get_running_loop().time()
+            raise AdapterRefused(f"replica {replica.id} could not load adapter {adapter.name}")
         except BaseException:
             self._placement.failed_load(replica, residence)
             raise

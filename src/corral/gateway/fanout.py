@@ -162,6 +162,7 @@ def _route(ctx: RequestContext) -> RouteRequest:
     return RouteRequest(
         route.model,
         tokens=prompt_tokens + output,
+        tenant=route.tenant,  # (a part the engine answers with a 5xx is told as its tenant's, to the breaker)
         session=route.session,
         prompt=route.prompt,
         prompt_tokens=prompt_tokens,

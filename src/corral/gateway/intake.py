@@ -215,6 +215,8 @@ class Intake:
             route.prompt = draft.prompt or prompt_text(body)
             if adapter is not None:  # engines share no KV blocks across adapters: neither does the index
                 route.prompt = f"lora:{adapter.name}\n{route.prompt}"
+            elif self._adapters.has_adapters(base):  # (a base prompt cannot pass for an adapter's)
+                route.prompt = "lora:\n" + route.prompt
         context = self._replicas.context_length(base)
         may_generate = max(0, context - input_tokens) if asked is None and context else None
         return RequestContext(

@@ -20,7 +20,13 @@ import orjson
 from aiohttp import web
 
 from corral.engines.client import EngineClient, EngineConnectionError, EngineResponse
-from corral.gateway.adapters import AdapterLoader, AdapterLoadFailed, body_for, unknown_adapter
+from corral.gateway.adapters import (
+    AdapterLoader,
+    AdapterLoadFailed,
+    AdapterRefused,
+    body_for,
+    unknown_adapter,
+)
 from corral.gateway.context import RequestContext
 from corral.gateway.failover import Continuation, Sent, StallWatch, Transcript, continuation_body
 from corral.gateway.sse import SSEFilter
@@ -66,6 +72,11 @@ class EventStream(web.StreamResponse):
 
 class _Retryable(Exception):
     """The replica failed before the client saw anything; another replica may serve the request."""
+
+
+class _Refused(_Retryable):
+    """The replica refused to load the request's adapter (its files): another replica may load it; the
+    replica is not at fault (one tenant's broken adapter must not open its base's breakers)."""
 
 
 class _Reload(_Retryable):
@@ -140,6 +151,9 @@ class Relay:
                 if not reloads:
                     tried.append(replica)
                 reloads = 0
+            except _Refused as exc:  # (not the replica's fault: its breaker does not hear of it)
+                outcome, failure = None, str(exc)
+                tried.append(replica)
             except _Retryable as exc:
                 outcome = False
                 failure = str(exc)
@@ -201,6 +215,8 @@ class Relay:
             upstream = await self._engines.post(replica.url, ctx.path, body, replica.api_key, ctx.to_engine)
         except TimeoutError as exc:
             raise UpstreamTimeout(f"Replica {replica.id} did not answer in time.") from exc
+        except AdapterRefused as exc:
+            raise _Refused(f"{type(exc).__name__}: {exc}") from exc
         except (EngineConnectionError, AdapterLoadFailed) as exc:
             raise _Retryable(f"{type(exc).__name__}: {exc}") from exc
         try:

@@ -77,6 +77,7 @@ class AdapterCatalogue:
 
     def __init__(self, adapters: Iterable[Adapter] = ()) -> None:
         self._by_name: dict[str, Adapter] = {a.name: a for a in adapters}
+        self._bases = {a.base for a in self._by_name.values()}
         self.on_change: Callable[[], None] = lambda: None  # told after `replace` (the gateway's loader)
 
     def get(self, name: str) -> Adapter | None:
@@ -92,8 +93,12 @@ class AdapterCatalogue:
             del self._by_name[name]
         new = {a.name: a for a in adapters}
         self._by_name.update(new)
+        self._bases = {a.base for a in self._by_name.values()}
         self.on_change()
         return [a for name, a in old.items() if new.get(name) != a]
+
+    def has_adapters(self, base: str) -> bool:
+        return base in self._bases
 
     def all(self) -> list[Adapter]:
         return list(self._by_name.values())
