@@ -5,8 +5,8 @@ from __future__ import annotations
 import atexit
 import json
 import os
-import signal
 import shutil
+import signal
 import ssl
 import subprocess
 import sys

@@ -317,11 +317,14 @@ async def test_closed_gateway_shows_models_and_replicas_only_to_keys(closed: Clu
     assert status == 200 and [r["id"] for r in seen["replicas"]] == ["m-0"]
     assert not {"url", "pid", "node"} & set(seen["replicas"][0])  # internals stay hidden from tenants
     # so do the token figures that would tell the sizes of other tenants' requests on a shared replica
-    assert not {"outstanding_tokens", "pending_prefill_tokens", "kv_cached_tokens"} & set(seen["replicas"][0])
+    hidden = {"outstanding_tokens", "pending_prefill_tokens", "kv_cached_tokens", "generated_tokens_total"}
+    assert not (hidden | {"kv_capacity_tokens", "prefix_cache_hit_rate"}) & set(seen["replicas"][0])
     assert {"outstanding", "capacity", "state"} <= set(seen["replicas"][0])
     assert (await get(closed.url + "/corral/status", other["key"]))[1]["replicas"] == []
     status, full = await get(closed.url + "/corral/status", ADMIN)
     assert status == 200 and full["replicas"][0]["url"].startswith("http://127.0.0.1:")
+    shown = {"generated_tokens_total", "kv_capacity_tokens", "prefix_cache_hit_rate"}
+    assert shown <= set(full["replicas"][0])
 
 
 async def test_model_refusal_is_recorded_in_usage_and_metrics(closed: Cluster) -> None:

@@ -244,3 +244,16 @@ async def test_a_tenant_admin_cannot_take_keys_above_itself(closed: Cluster) -> 
     trail = (await call(closed, "GET", "/admin/audit?action=key.create&limit=8", ADMIN))[1]["entries"]
     assert any(e["status"] == 403 and e["detail"]["asked"].get("priority") == "high" for e in trail)
     assert (await call(closed, "HEAD", "/admin/keys", boss["key"]))[0] == 200  # (HEAD: as GET, no 500)
+
+
+async def test_a_key_looping_on_a_refused_route_cannot_flood_the_audit_trail(closed: Cluster) -> None:
+    """Each refused admin call is a store write: an actor's first 30 refusals a minute are recorded, the
+    rest counted in the log; what others do is recorded as ever."""
+    user = await key(closed)
+    for _ in range(40):
+        assert (await call(closed, "POST", "/admin/keys", user["key"], {"tenant": "acme"}))[0] == 403
+    await key(closed, tenant="globex")
+    trail = (await call(closed, "GET", "/admin/audit?limit=1000", ADMIN))[1]["entries"]
+    refused = [e for e in trail if e["actor"] == f"key:{user['id']}"]
+    assert len(refused) == 30 and all(e["status"] == 403 for e in refused)
+    assert trail[0]["action"] == "key.create" and trail[0]["status"] == 201  # the admin's, after them

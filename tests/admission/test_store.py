@@ -59,6 +59,9 @@ def test_revoked_keys_leave_the_active_list(engine: Engine) -> None:
     assert record.id not in {k.id for k in keys.list()}
     assert record.id in {k.id for k in keys.list(include_revoked=True)}
     assert keys.revoke("no-such-id") is None
+    tenant = record.tenant
+    assert {k.tenant for k in keys.list(include_revoked=True, tenant=tenant)} == {tenant}
+    assert [k.id for k in keys.list(include_revoked=True, tenant=tenant)] == [record.id]
 
 
 def test_usage_is_reported_by_key_model_and_day(engine: Engine) -> None:
@@ -74,6 +77,8 @@ def test_usage_is_reported_by_key_model_and_day(engine: Engine) -> None:
     row = next(r for r in usage.report("key") if r["key"] == key)
     assert (row["requests"], row["input_tokens"], row["output_tokens"], row["errors"]) == (2, 15, 25, 1)
     assert usage.month_tokens(key) == 40
+    assert usage.month_tokens_by_key(keys=[key]) == {key: 40}  # (a tenant-admin's list: its keys only)
+    assert usage.month_tokens_by_key(keys=["no-such-key"]) == {}
     assert any(r["day"] == now.date().isoformat() for r in usage.report("day"))
     with pytest.raises(ValueError, match="group by one of"):
         usage.report("colour")

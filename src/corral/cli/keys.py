@@ -160,7 +160,7 @@ def list_keys(
 ) -> None:
     """List keys (never their secrets)."""
     keys, usage_store = _stores(file, store)
-    records = [r for r in keys.list(include_revoked) if tenant is None or r.tenant == tenant]
+    records = keys.list(include_revoked, tenant)
     used = usage_store.month_tokens_by_key()
     if as_json:
         print(json.dumps([{**r.to_dict(), "month_tokens": used.get(r.id, 0)} for r in records], indent=2))

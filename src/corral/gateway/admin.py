@@ -47,6 +47,7 @@ logger = logging.getLogger(__name__)
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _ACTOR = web.RequestKey("actor", Actor)  # who the request is, once its permission was checked
 _DETAIL = web.RequestKey("audit_detail", dict)  # what a handler tells the audit trail of its action
+_REFUSALS_KEPT = 30  # refused admin calls recorded per actor a minute (each one a store write)
 _TENANT_ROLES = ("user", "tenant-admin")  # the roles a tenant-admin may give its tenant's keys
 _LIMITS = ("rpm", "tpm", "max_concurrency", "monthly_token_budget")
 
@@ -83,6 +84,7 @@ class AdminViews:
         self._clients = clients or ClientAddresses([])  # no trusted proxies: any proxy header is remote
         self.access = Access(access, auth, self._clients, sessions)
         self._audit = audit
+        self._refusals: dict[str, list[float]] = {}  # actor → [its minute's start, refusals in it]
 
     def add_routes(self, app: web.Application) -> None:
         audited = self._audited
@@ -144,10 +146,30 @@ class AdminViews:
                 raise
             finally:
                 actor = request.get(_ACTOR) or await self.access.actor(request)
-                if actor is not None:
+                if actor is not None and (status not in (401, 403) or self._keeps_refusal(actor.who)):
                     await self._write_audit(request, actor, action, detail, status)
 
         return audited
+
+    def _keeps_refusal(self, who: str) -> bool:
+        """Whether a refused call by `who` goes on the trail: the first `_REFUSALS_KEPT` of each minute
+        (a key looping on a route its role lacks would write a row a request and push the real actions
+        out of the trail's pages); the rest are counted in the log."""
+        now = time.monotonic()
+        window = self._refusals.get(who)
+        if window is None or now - window[0] >= 60:
+            if window is not None and window[1] > _REFUSALS_KEPT:
+                logger.warning(
+                    "audit: %d refused admin calls by %s in a minute (%d recorded)",
+                    int(window[1]),
+                    who,
+                    _REFUSALS_KEPT,
+                )
+            if len(self._refusals) > 10_000:  # (actors are keys and people: a bound, kept generous)
+                self._refusals = {k: w for k, w in self._refusals.items() if now - w[0] < 60}
+            window = self._refusals[who] = [now, 0.0]
+        window[1] += 1
+        return window[1] <= _REFUSALS_KEPT
 
     async def record(
         self, request: web.Request, who: str, role: str, tenant: str | None, action: str, status: int
@@ -185,10 +207,13 @@ class AdminViews:
     async def list_keys(self, request: web.Request) -> web.Response:
         actor = await self.check(request)
         revoked = request.query.get("include_revoked") in {"1", "true"}
-        keys = await asyncio.to_thread(self._keys.list, revoked)
-        if actor.scoped:  # its tenant's keys of the roles it may give
-            keys = [k for k in keys if k.tenant == actor.tenant and k.role in _TENANT_ROLES]
-        used = await asyncio.to_thread(self._usage.month_tokens_by_key)  # (budget use, this month)
+        if actor.scoped:  # its tenant's keys (found in SQL: not every tenant's) of the roles it may give
+            keys = await asyncio.to_thread(self._keys.list, revoked, actor.tenant)
+            keys = [k for k in keys if k.role in _TENANT_ROLES]
+            ids: list[str] | None = [k.id for k in keys]
+        else:
+            keys, ids = await asyncio.to_thread(self._keys.list, revoked), None
+        used = await asyncio.to_thread(self._usage.month_tokens_by_key, None, ids)  # (budget use, this month)
         return web.json_response({"keys": [{**k.to_dict(), "month_tokens": used.get(k.id, 0)} for k in keys]})
 
     async def create_key(self, request: web.Request) -> web.Response:

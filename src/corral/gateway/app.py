@@ -404,6 +404,7 @@ class _StatusViews:
     _INTERNAL = frozenset(
         {"url", "pid", "node", "gpus", "log_tail", "last_error"}
         | {"outstanding_tokens", "pending_prefill_tokens", "kv_cached_tokens", "kv_evicted_tokens_total"}
+        | {"generated_tokens_total", "kv_capacity_tokens", "prefix_cache_hit_rate"}  # (others' output, hits)
     )
 
     def __init__(

@@ -8,6 +8,7 @@ import hashlib
 import secrets
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
+from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from sqlalchemy import Engine, or_, select
@@ -49,7 +50,9 @@ class NewKey(BaseModel):
 
     tenant: str = Field(min_length=1, max_length=128)
     name: str = Field(default="", max_length=256)
-    models: list[str] = Field(default_factory=list)
+    models: list[Annotated[str, Field(min_length=1, max_length=128)]] = Field(  # (a model's name: <= 128)
+        default_factory=list, max_length=1024
+    )
     rpm: int | None = Field(default=None, ge=1)
     tpm: int | None = Field(default=None, ge=1)
     max_concurrency: int | None = Field(default=None, ge=1)
@@ -267,11 +270,14 @@ class KeyStore:
             )
             return [_record(row) for row in rows]
 
-    def list(self, include_revoked: bool = False) -> list[KeyRecord]:
+    def list(self, include_revoked: bool = False, tenant: str | None = None) -> list[KeyRecord]:
+        """The keys (`tenant`: its keys only, found by the tenant's index)."""
         with Session(self._engine) as session:
             query = select(ApiKeyRow).order_by(ApiKeyRow.created_at)
             if not include_revoked:
                 query = query.where(ApiKeyRow.revoked_at.is_(None))
+            if tenant is not None:
+                query = query.where(ApiKeyRow.tenant == tenant)
             return [_record(row) for row in session.scalars(query)]
 
     def revoke(self, key_id: str) -> KeyRecord | None:

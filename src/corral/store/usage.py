@@ -167,8 +167,11 @@ class UsageStore:
         ).all()
         return {row.id: {"tenant": row.tenant, "name": row.name} for row in found}
 
-    def month_tokens_by_key(self, now: datetime | None = None) -> dict[str, int]:
-        """Input + output tokens each key used this calendar month (UTC)."""
+    def month_tokens_by_key(
+        self, now: datetime | None = None, keys: Sequence[str] | None = None
+    ) -> dict[str, int]:
+        """Input + output tokens each key (of `keys`, when given: found by the key's index) used this
+        calendar month (UTC)."""
         now = now or datetime.now(UTC)
         start = now.replace(day=1, hour=0, minute=0, second=0, microsecond=0)
         query = (
@@ -176,6 +179,8 @@ class UsageStore:
             .where(UsageRow.at >= start, UsageRow.key_id.is_not(None))
             .group_by(UsageRow.key_id)
         )
+        if keys is not None:
+            query = query.where(UsageRow.key_id.in_(keys))
         with Session(self._engine) as session:
             return {str(key): int(tokens or 0) for key, tokens in session.execute(query).all()}
 
