@@ -146,6 +146,7 @@ def test_a_store_made_before_request_ids_gains_the_column_and_its_index(tmp_path
     with sqlite3.connect(path) as db:  # as an earlier corral made it: no column, no index
         db.execute("DROP INDEX IF EXISTS ix_corral_usage_request_id")
         db.execute("DROP INDEX IF EXISTS ix_corral_audit_request_id")
+        db.execute("DROP INDEX IF EXISTS ix_corral_usage_tenant_at")
         db.execute("ALTER TABLE corral_usage DROP COLUMN request_id")
     engine = open_database(f"sqlite:///{path}")
     now = datetime.now(UTC)
@@ -157,3 +158,7 @@ def test_a_store_made_before_request_ids_gains_the_column_and_its_index(tmp_path
                 text(f"EXPLAIN QUERY PLAN SELECT * FROM {table} WHERE request_id = 'req_7'")
             ).all()
             assert f"USING INDEX ix_{table}_request_id" in str(plan), plan
+        plan = connection.execute(  # a tenant-admin's usage report: its tenant's rows, not every tenant's
+            text("EXPLAIN QUERY PLAN SELECT count(*) FROM corral_usage WHERE tenant = 't' GROUP BY date(at)")
+        ).all()
+        assert "ix_corral_usage_tenant_at" in str(plan), plan

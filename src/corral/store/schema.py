@@ -121,7 +121,10 @@ class SessionRow(Base):
 
 class UsageRow(Base):
     __tablename__ = "corral_usage"
-    __table_args__ = (Index("ix_corral_usage_key_at", "key_id", "at"),)
+    __table_args__ = (
+        Index("ix_corral_usage_key_at", "key_id", "at"),
+        Index("ix_corral_usage_tenant_at", "tenant", "at"),  # (a tenant-admin's usage: not every tenant's)
+    )
 
     id: Mapped[int] = mapped_column(
         BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True
