@@ -214,7 +214,8 @@ async def test_a_tenant_admin_manages_its_own_tenants_keys_within_its_own_limits
 
 
 async def test_a_tenant_admin_cannot_take_keys_above_itself(closed: Cluster) -> None:
-    """Its tenant's admin key is not its to rotate (which would hand it the secret) or revoke; a key beyond
+    """Its tenant's admin key, or a peer tenant-admin's, is not its to rotate (which would hand it the
+    secret), revoke or change; a key beyond
     its own limits is not its to rotate either; no priority, file quota or lifetime above its own (and no
     file quota at all where its own key has none: the spec's applies)."""
     boss = await key(closed, tenant="acme", role="tenant-admin", rpm=100, expires_in_s=3600)
@@ -230,6 +231,15 @@ async def test_a_tenant_admin_cannot_take_keys_above_itself(closed: Cluster) -> 
         k["id"] for k in (await call(closed, "GET", "/admin/keys", boss["key"]))[1]["keys"]
     }
     assert (await call(closed, "POST", f"/admin/keys/{fast['id']}/rotate", boss["key"]))[0] == 403
+    # a peer tenant-admin's key is seen, not changed: rotating it would hand over its secret
+    peer = await key(closed, tenant="acme", role="tenant-admin", rpm=50, expires_in_s=600)
+    for method, path, body in (
+        ("POST", f"/admin/keys/{peer['id']}/rotate?grace=0", None),
+        ("DELETE", f"/admin/keys/{peer['id']}", None),
+        ("PATCH", f"/admin/keys/{peer['id']}", {"rpm": 1}),
+    ):
+        assert (await call(closed, method, path, boss["key"], body))[0] == 403, (method, path)
+    assert (await call(closed, "GET", f"/admin/keys/{peer['id']}", boss["key"]))[0] == 200
     base = {"tenant": "acme", "rpm": 10, "expires_in_s": 600}
     for beyond in (
         {"priority": "high"},

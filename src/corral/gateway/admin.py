@@ -229,20 +229,27 @@ class AdminViews:
         )
         return web.json_response({"key": secret, **record.to_dict()}, status=201)
 
-    async def _own_key(self, request: web.Request, actor: Actor) -> KeyRecord:
+    async def _own_key(self, request: web.Request, actor: Actor, change: bool = True) -> KeyRecord:
         """The key the route names: 404 where there is none, or (a tenant-admin) another tenant's or one of
-        a role above those it may give (an admin's key in its tenant is not its to rotate or revoke)."""
+        a role above those it may give (an admin's key in its tenant is not its to rotate or revoke); to
+        `change` it, a tenant-admin's key is its own or an admin's to change (403: a peer's rotation would
+        hand its secret over, a peer's revocation take its access)."""
         key_id = request.match_info["key_id"]
         record = await asyncio.to_thread(self._keys.get, key_id)
         if record is None or (
             actor.scoped and (record.tenant != actor.tenant or record.role not in _TENANT_ROLES)
         ):
             raise NotFound(f"No key with id {key_id}.")
+        own = actor.principal is not None and actor.principal.key_id == record.id
+        if change and actor.scoped and record.role == "tenant-admin" and not own:
+            raise PermissionDenied(
+                f"Key {key_id} is a tenant-admin's: only an admin, or the key itself, may change it."
+            )
         return record
 
     async def show_key(self, request: web.Request) -> web.Response:
         actor = await self.check(request)
-        return web.json_response((await self._own_key(request, actor)).to_dict())
+        return web.json_response((await self._own_key(request, actor, change=False)).to_dict())
 
     async def revoke_key(self, request: web.Request) -> web.Response:
         actor = await self.check(request)
