@@ -189,3 +189,45 @@ async def test_scripts_redis_lost_are_loaded_again() -> None:
             await asyncio.gather(*(limiter.reserve(principal, 1) for _ in range(2)))
     finally:
         await limiter.close()
+
+
+async def test_a_long_log_is_walked_only_so_far_for_a_refusals_retry_after(
+    limiter: MemoryLimiter | RedisLimiter,
+) -> None:
+    """A refused request's Retry-After is found among the window's oldest 256 requests, else it is the
+    window: a key that filled its log with many small requests cannot make each refusal walk all of it."""
+    principal = key(tpm=1000)
+    for _ in range(300):
+        assert await limiter.reserve(principal, 1) is not None
+    await asyncio.sleep(0.01)  # (the oldest's reset is then below the window's by that much)
+    with pytest.raises(RateLimited) as found:
+        await limiter.reserve(principal, 720)  # frees 20 of the oldest: found among them
+    assert found.value.headers()["x-ratelimit-reset-tokens"] != "1.000s"
+    with pytest.raises(RateLimited) as beyond:
+        await limiter.reserve(principal, 990)  # needs 290 of them freed: past the walk, the window
+    assert beyond.value.headers()["x-ratelimit-reset-tokens"] == "1.000s"
+
+
+async def test_what_outlasts_the_window_still_counts_and_slots_never_go_below_none(
+    limiter: MemoryLimiter | RedisLimiter,
+) -> None:
+    """A request that ends after its reservation left the window (a long stream) counts what it used
+    beyond it from its end; a key whose counters expired meanwhile (Redis: 10 windows idle) does not gain
+    slots when its requests end."""
+    principal = key(tpm=1000, max_concurrency=2)
+    long = await limiter.reserve(principal, 300)
+    assert long is not None
+    await asyncio.sleep(1.1)
+    await limiter.settle(long, 1000)  # it generated far past its estimate: 700 more count from now
+    with pytest.raises(RateLimited, match="tokens per minute"):
+        await limiter.reserve(principal, 400)
+    await asyncio.sleep(1.1)
+    held = [await limiter.reserve(principal, 1) for _ in range(2)]
+    if isinstance(limiter, RedisLimiter):  # (its counters expired while the requests ran)
+        await limiter._redis.delete(*limiter._keys(principal.key_id or ""))
+    for reservation in held:
+        assert reservation is not None
+        await limiter.settle(reservation, 1)
+    assert [await limiter.reserve(principal, 1) for _ in range(2)]
+    with pytest.raises(RateLimited, match="concurrent"):
+        await limiter.reserve(principal, 1)

@@ -263,3 +263,24 @@ async def test_while_the_store_is_down_a_budget_uses_what_it_knew_or_refuses_wit
     with pytest.raises(NoCapacity) as refused:  # a key it knows nothing of cannot be checked
         await budget.reserve(principal_of("k-new", 200), 10)
     assert refused.value.status == 503 and refused.value.code == "budget_unavailable"
+
+
+async def test_the_shared_budget_takes_the_stores_use_where_redis_heard_less() -> None:
+    """Settlements lost while Redis did not answer are in the store: a gateway's next reservation brings
+    its figure of the month's use (the store's, where larger) into Redis, so the key cannot overspend by
+    what Redis never heard of for the rest of the month."""
+    import uuid
+
+    from corral.admission.budget import SharedBudgets
+
+    shared = SharedBudgets("redis://127.0.0.1:6379/0", prefix=f"corral-test:{uuid.uuid4().hex}")
+    try:
+        ok, used, _ = await shared.reserve("k", "2026-12", budget=5000, tokens=100, seed=0)
+        assert ok and used == 0
+        # its settlement never reached Redis; meanwhile the store recorded 4,500 tokens of use
+        ok, used, _ = await shared.reserve("k", "2026-12", budget=5000, tokens=600, seed=4500)
+        assert not ok and used >= 4500
+        ok, used, _ = await shared.reserve("k", "2026-12", budget=5000, tokens=100, seed=0)  # a lagging seed
+        assert used >= 4500  # (the larger figure holds)
+    finally:
+        await shared.close()

@@ -55,6 +55,9 @@ _RESERVE = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 redis.call('HSETNX', KEYS[1], 'used', ARGV[5])
+if tonumber(ARGV[5]) > tonumber(redis.call('HGET', KEYS[1], 'used')) then
+  redis.call('HSET', KEYS[1], 'used', ARGV[5])  -- (settles it never heard of, in the store: the larger holds)
+end
 redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
 local held = 0
 for _, member in ipairs(redis.call('ZRANGE', KEYS[2], 0, -1)) do
@@ -98,7 +101,8 @@ class SharedBudgets:
         self, key: str, month: str, budget: int, tokens: int, seed: int
     ) -> tuple[bool, int, str]:
         """(granted, tokens used or reserved before this request, the reservation's entry); `seed`: the
-        month's use as this gateway knows it, taken when Redis has none."""
+        month's use as this gateway knows it, taken when Redis has none or knows less (both count use
+        that happened: settlements lost while Redis was away are in the store)."""
         entry = f"{self._instance}.{next(self._ids)}"
         args: list[int | str] = [budget, tokens, entry, self._hold_ms, seed, _MONTH_S * 1000]
         ok, used = await self._reserve(keys=self._keys(key, month), args=args)

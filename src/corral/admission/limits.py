@@ -138,11 +138,13 @@ class MemoryLimiter:
         entries, live = w.entries, w.live
         count = len(entries)
         entry = str(next(self._ids))
-        entries.append((now, entry))
-        live[entry] = tokens
-        w.tokens += tokens
+        if principal.rpm or tokens:  # (a request of no tokens, without an rpm, has nothing to count)
+            entries.append((now, entry))
+            live[entry] = tokens
+            w.tokens += tokens
         w.in_flight += 1
-        headers = _granted(principal, count + 1, w.tokens, entries[0][0] + self._window - now)
+        reset = entries[0][0] + self._window - now if entries else self._window
+        headers = _granted(principal, count + 1, w.tokens, reset)
         return Reservation(principal.key_id, entry, tokens, headers)
 
     async def check(self, principal: Principal, tokens: int) -> None:
@@ -150,12 +152,16 @@ class MemoryLimiter:
         if w is not None:
             self._refuse(principal, w, tokens, time.monotonic())
 
-    def _refuse(self, principal: Principal, w: _Window, tokens: int, now: float) -> None:
-        """Drop what left the window; raise the refusal a request of `tokens` would get now."""
-        entries, live = w.entries, w.live
-        cutoff = now - self._window
+    def _drop(self, w: _Window, now: float) -> None:
+        """Drop what left the window."""
+        entries, live, cutoff = w.entries, w.live, now - self._window
         while entries and entries[0][0] <= cutoff:
             w.tokens -= live.pop(entries.popleft()[1])
+
+    def _refuse(self, principal: Principal, w: _Window, tokens: int, now: float) -> None:
+        """Drop what left the window; raise the refusal a request of `tokens` would get now."""
+        self._drop(w, now)
+        entries, live = w.entries, w.live
         count = len(entries)
         if principal.rpm and count + 1 > principal.rpm:
             raise _refusal(principal, "requests", entries[0][0] + self._window - now, count, w.tokens)
@@ -163,10 +169,11 @@ class MemoryLimiter:
             if tokens > principal.tpm:
                 raise _refusal(principal, "too_large", 0, count, w.tokens)
             need, freed = w.tokens + tokens - principal.tpm, 0
-            for at, entry_id in entries:
+            for at, entry_id in itertools.islice(entries, _WALKED):  # (the oldest: a bounded walk)
                 freed += live[entry_id]
                 if freed >= need:
                     raise _refusal(principal, "tokens", at + self._window - now, count, w.tokens)
+            raise _refusal(principal, "tokens", self._window, count, w.tokens)
         if principal.max_concurrency and w.in_flight + 1 > principal.max_concurrency:
             raise _refusal(principal, "concurrency", 1.0, count, w.tokens)
 
@@ -174,15 +181,23 @@ class MemoryLimiter:
         w = self._keys.get(reservation.key_id)
         if w is None:
             return
-        w.in_flight -= 1
+        w.in_flight = max(0, w.in_flight - 1)
+        self._drop(w, time.monotonic())  # (a reservation that left the window is counted no more)
         counted = w.live.get(reservation.entry)
         if counted is not None:  # still in the window: its tokens become what it used
             w.tokens += actual_tokens - counted
             w.live[reservation.entry] = actual_tokens
+        elif actual_tokens > reservation.tokens:  # it outlasted the window: the excess counts from now
+            entry = str(next(self._ids))
+            w.entries.append((time.monotonic(), entry))
+            w.live[entry] = actual_tokens - reservation.tokens
+            w.tokens += actual_tokens - reservation.tokens
 
     async def close(self) -> None:
         return None
 
+
+_WALKED = 256  # a refusal's Retry-After is found among the oldest this many of the window's requests
 
 _CHECKS = """
 local t = redis.call('TIME')
@@ -206,7 +221,7 @@ if rpm > 0 and count + 1 > rpm then
 end
 if tpm > 0 and sum + tokens > tpm then
   if tokens > tpm then return {0, 'too_large', 0, count, sum} end
-  local entries = redis.call('ZRANGE', KEYS[1], 0, -1, 'WITHSCORES')
+  local entries = redis.call('ZRANGE', KEYS[1], 0, 255, 'WITHSCORES')  -- (the oldest: a bounded walk)
   local need, acc = sum + tokens - tpm, 0
   for i = 1, #entries, 2 do
     acc = acc + tonumber(string.match(entries[i], ':(%-?%d+)$'))
@@ -226,24 +241,40 @@ return {1, 'ok', 0, count, sum}
 )  # (both keys' lives renewed together: a sum must not outlive the log it sums)
 _RESERVE = (
     _CHECKS
-    + """redis.call('ZADD', KEYS[1], now, id .. ':' .. tokens)
+    + """if rpm > 0 or tokens > 0 then redis.call('ZADD', KEYS[1], now, id .. ':' .. tokens) end
 redis.call('HINCRBY', KEYS[2], 'tokens', tokens)
 redis.call('HINCRBY', KEYS[2], 'inflight', 1)
 redis.call('PEXPIRE', KEYS[1], window * 10)
 redis.call('PEXPIRE', KEYS[2], window * 10)
 local first = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
-return {1, 'ok', tonumber(first[2]) + window - now, count + 1, sum + tokens}
+local reset = window
+if first[2] then reset = tonumber(first[2]) + window - now end
+return {1, 'ok', reset, count + 1, sum + tokens}
 """
 )
 
 _SETTLE = """
 local member = ARGV[1] .. ':' .. ARGV[2]
 local score = redis.call('ZSCORE', KEYS[1], member)
-redis.call('HINCRBY', KEYS[2], 'inflight', -1)
-if score then
+if tonumber(redis.call('HGET', KEYS[2], 'inflight') or '0') > 0 then
+  redis.call('HINCRBY', KEYS[2], 'inflight', -1)  -- (never below 0: the hash may have expired meanwhile)
+end
+local excess = tonumber(ARGV[3]) - tonumber(ARGV[2])
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+if score and tonumber(score) > now - tonumber(ARGV[4]) then  -- in the window: it counts what it used
   redis.call('ZREM', KEYS[1], member)
   redis.call('ZADD', KEYS[1], score, ARGV[1] .. ':' .. ARGV[3])
-  redis.call('HINCRBY', KEYS[2], 'tokens', tonumber(ARGV[3]) - tonumber(ARGV[2]))
+  redis.call('HINCRBY', KEYS[2], 'tokens', excess)
+else  -- it outlasted the window: its reservation leaves, what it used beyond it counts from now
+  if score then
+    redis.call('ZREM', KEYS[1], member)
+    redis.call('HINCRBY', KEYS[2], 'tokens', -tonumber(ARGV[2]))
+  end
+  if excess > 0 then
+    redis.call('ZADD', KEYS[1], now, ARGV[1] .. ':x:' .. excess)
+    redis.call('HINCRBY', KEYS[2], 'tokens', excess)
+  end
 end
 redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[4]) * 10)
 redis.call('PEXPIRE', KEYS[2], tonumber(ARGV[4]) * 10)
