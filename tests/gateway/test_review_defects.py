@@ -490,3 +490,38 @@ async def test_fan_out_is_bounded_and_an_empty_prompt_list_refused(
         assert sorted(upstream.request_ids[-4:]) == [f"{told}-{k}" for k in range(4)]
     finally:
         await server.stop()
+
+
+def test_a_client_cannot_pick_its_address_behind_a_proxy_that_adds_its_own_line() -> None:
+    """Some proxies (HAProxy's `option forwardfor`) add an X-Forwarded-For line of their own rather than
+    extend the client's: every line is read, so the client's own first line does not name it; a hop that
+    is no address ends the walk at the proxy; the access log writes the path as sent (a decoded newline in
+    it would forge a line of its own)."""
+    import logging
+
+    from multidict import CIMultiDict
+
+    from corral.gateway.clients import ClientAddresses, access_logger
+
+    addresses = ClientAddresses(["127.0.0.1"])
+    lines = CIMultiDict([("X-Forwarded-For", "6.6.6.6"), ("X-Forwarded-For", "203.0.113.9")])
+    proxied = make_mocked_request("GET", "/v1/models", headers=lines, transport=_Transport("127.0.0.1"))
+    assert addresses.of(proxied) == "203.0.113.9"
+    garbage = CIMultiDict([("X-Forwarded-For", "x<script>")])
+    told = make_mocked_request("GET", "/v1/models", headers=garbage, transport=_Transport("127.0.0.1"))
+    assert addresses.of(told) == "127.0.0.1"
+    forged = make_mocked_request(
+        "GET", "/v1/x%0a2026-12-05T10:00:00Z%20INFO%20corral.access", transport=_Transport("203.0.113.5")
+    )
+    written: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            written.append(record.getMessage())
+
+    log = logging.getLogger("test.access")
+    log.addHandler(Keep())
+    log.setLevel(logging.INFO)
+    response = aiohttp.web.Response(status=404)
+    access_logger(addresses)(log, "").log(forged, response, 0.001)
+    assert len(written) == 1 and "\n" not in written[0] and "%0a" in written[0]

@@ -51,8 +51,12 @@ class ClientAddresses:
         peer = request.remote or ""
         if not self.trusts(peer):
             return peer
-        hops = [h.strip() for h in request.headers.get("X-Forwarded-For", "").split(",") if h.strip()]
+        # every X-Forwarded-For line (a proxy may add a line of its own rather than extend the last one)
+        told = ",".join(request.headers.getall("X-Forwarded-For", ()))
+        hops = [h.strip() for h in told.split(",") if h.strip()]
         for hop in reversed(hops):
+            if not _address(hop):  # (not an address: nothing left of it can be believed)
+                return peer
             if not self.trusts(hop):
                 return hop
         return hops[0] if hops else peer
@@ -67,6 +71,14 @@ class ClientAddresses:
         if self.trusts(peer):
             return _loopback(self.of(request))
         return not any(h in request.headers for h in PROXY_HEADERS)
+
+
+def _address(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True
 
 
 class RequestIds:
@@ -119,7 +131,7 @@ def access_logger(addresses: ClientAddresses) -> type[AbstractAccessLogger]:
                 '%s "%s %s" %s %s %.3fs %s',
                 client,
                 request.method,
-                request.path,
+                request.raw_path,  # (as sent, percent-encoded: a decoded newline would forge a line)
                 response.status,
                 response.body_length,
                 time,
