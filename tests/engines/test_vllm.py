@@ -70,7 +70,8 @@ def test_vllm_command_follows_the_layout(tmp_path: Path) -> None:
     assert flags["--model"] == "meta-llama/Llama-3.1-70B-Instruct" and flags["--served-model-name"] == "llama"
     assert flags["--tensor-parallel-size"] == "2" and flags["--pipeline-parallel-size"] == "2"
     assert flags["--quantization"] == "fp8" and flags["--max-model-len"] == "8192"
-    assert flags["--api-key"] == "sekrit" and plans[0].api_key == "sekrit"
+    # its key reaches vLLM in its environment (VLLM_API_KEY), never in argv, which `ps` and its log show
+    assert "sekrit" not in argv and plans[0].env["VLLM_API_KEY"] == "sekrit" and plans[0].api_key == "sekrit"
     assert [p.env["CUDA_VISIBLE_DEVICES"] for p in plans] == ["4,5,6,7", "0,1,2,3"]
     assert "--enforce-eager" not in argv and flags["--gpu-memory-utilization"] == "0.9"
     # a Llama 3 model: vLLM parses its tool calls (llama3_json), the gateway passes them through

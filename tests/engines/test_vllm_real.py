@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import json
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import openai
+import psutil
 import pytest
 
 from corral.engines import parse_vllm_load
@@ -139,10 +141,18 @@ def test_vllms_cache_salt_keeps_prompts_apart(vllm_cluster: RunningCluster) -> N
     url = replica["url"]
     document = "A long confidential memo, paragraph after paragraph. " * 40
 
+    body = {"model": "smollm2-vllm", "max_tokens": 1, "prompt": "Hi"}
+    keyless = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode())
+    with pytest.raises(urllib.error.HTTPError) as refused:  # its key (engine_api_key) reached it
+        urllib.request.urlopen(keyless, timeout=30)
+    assert refused.value.code == 401
+    (process,) = [p for p in psutil.process_iter(["cmdline"]) if str(replica["pid"]) == str(p.pid)]
+    assert "vllm-test-key" not in " ".join(process.info["cmdline"] or [])  # (not where `ps` shows it)
+
     def cached_for(salt: str) -> float:
         queried, hits = _prefix_cache(url)
         body = {"model": "smollm2-vllm", "max_tokens": 1, "cache_salt": salt, "prompt": document}
-        headers = {"Content-Type": "application/json"}
+        headers = {"Content-Type": "application/json", "Authorization": "Bearer vllm-test-key"}
         request = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(), headers)
         with urllib.request.urlopen(request, timeout=120) as response:
             assert response.status == 200

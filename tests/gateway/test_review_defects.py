@@ -507,6 +507,12 @@ def test_a_client_cannot_pick_its_address_behind_a_proxy_that_adds_its_own_line(
     lines = CIMultiDict([("X-Forwarded-For", "6.6.6.6"), ("X-Forwarded-For", "203.0.113.9")])
     proxied = make_mocked_request("GET", "/v1/models", headers=lines, transport=_Transport("127.0.0.1"))
     assert addresses.of(proxied) == "203.0.113.9"
+    # the scheme: an edge that ends TLS says https (X-Forwarded-Proto), believed from it alone
+    https = CIMultiDict([("X-Forwarded-Proto", "https")])
+    edge = make_mocked_request("GET", "/console/signin", headers=https, transport=_Transport("127.0.0.1"))
+    assert addresses.scheme(edge) == "https"
+    other = make_mocked_request("GET", "/console/signin", headers=https, transport=_Transport("203.0.113.5"))
+    assert addresses.scheme(other) == "http"
     garbage = CIMultiDict([("X-Forwarded-For", "x<script>")])
     told = make_mocked_request("GET", "/v1/models", headers=garbage, transport=_Transport("127.0.0.1"))
     assert addresses.of(told) == "127.0.0.1"

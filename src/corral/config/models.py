@@ -215,7 +215,9 @@ class DeploymentSpec(Strict):
     dtype: str | None = Field(default=None, description="vllm --dtype (CPU default: float32)")
     kv_cache_gib: Annotated[float, Field(gt=0, description="vllm CPU build: KV cache size, GiB")] = 1.0
     vllm_package: str | None = Field(default=None, description="pip requirement for a managed vLLM env")
-    engine_api_key: str | None = Field(default=None, description="vllm --api-key; the gateway sends it")
+    engine_api_key: str | None = Field(
+        default=None, description="vLLM's API key (VLLM_API_KEY in its environment); the gateway sends it"
+    )
     ray_gpus: Annotated[int, Field(ge=0)] | None = Field(
         default=None, description="Ray: GPUs a replica reserves (default: vLLM's TP × PP, else 0)"
     )

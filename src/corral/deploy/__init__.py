@@ -3,6 +3,7 @@ development certificates. Tools: nothing here imports the gateway."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Literal
 
@@ -50,8 +51,12 @@ def write_rendered(files: dict[str, str], directory: Path) -> list[Path]:
     for relative, text in files.items():
         path = directory / relative
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text, encoding="utf-8")
-        if Path(relative).name in PRIVATE_FILES:
-            path.chmod(0o600)
+        if Path(relative).name in PRIVATE_FILES:  # made private, never readable by others for a moment
+            path.unlink(missing_ok=True)  # (someone else's file there would keep its owner and mode)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w", encoding="utf-8") as handle:
+                handle.write(text)
+        else:
+            path.write_text(text, encoding="utf-8")
         written.append(path)
     return written

@@ -145,7 +145,6 @@ class VllmEngine:
             "--dtype": dtype,
             "--max-model-len": str(deployment.max_model_len) if deployment.max_model_len else None,
             "--quantization": deployment.quantization,
-            "--api-key": deployment.engine_api_key,
         }
         argv += [item for flag, value in optional.items() if value is not None for item in (flag, value)]
         parser = tool_call_parser(model, deployment) if model.task != "embed" else None
@@ -160,7 +159,12 @@ class VllmEngine:
         return [
             LaunchPlan(
                 argv=tuple(argv),
-                env={**self._env(deployment, index), **(RUNTIME_LORA_ENV if model.adapters else {})},
+                env={
+                    **self._env(deployment, index),
+                    **(RUNTIME_LORA_ENV if model.adapters else {}),
+                    # (its key in the environment, not in argv: `ps` and the replica's log show argv)
+                    **({"VLLM_API_KEY": deployment.engine_api_key} if deployment.engine_api_key else {}),
+                },
                 adapter_slots=model.lora.slots if model.adapters else 0,
                 capacity=deployment.max_num_seqs,
                 context_length=deployment.max_model_len,

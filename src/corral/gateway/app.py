@@ -180,7 +180,7 @@ def build_app(
         )
         batch_views.add_routes(app)
     ConsoleViews(metrics, admin).add_routes(app)
-    _sign_in(parts, admin, app)
+    _sign_in(parts, admin, app, clients)
     if settings.cors_origins:
         _allow_browsers(app, settings.cors_origins)
 
@@ -350,7 +350,7 @@ def _error_response(exc: APIError, status: int | None = None) -> web.Response:
     )
 
 
-def _sign_in(parts: GatewayParts, admin: AdminViews, app: web.Application) -> None:
+def _sign_in(parts: GatewayParts, admin: AdminViews, app: web.Application, clients: ClientAddresses) -> None:
     """The console's sign-in through the identity provider, where the spec names one (signin.py)."""
     verifier = parts.auth.oidc
     if verifier is None or parts.sessions is None:
@@ -365,7 +365,7 @@ def _sign_in(parts: GatewayParts, admin: AdminViews, app: web.Application) -> No
     settings = verifier.settings
     material = "\0".join((parts.access.admin_key or "", verifier.client_secret or "", settings.client_id))
     key = hashlib.sha256(b"corral sign-in\0" + material.encode()).digest()
-    SignInViews(verifier, parts.sessions, key, admin.record).add_routes(app)
+    SignInViews(verifier, parts.sessions, key, admin.record, clients).add_routes(app)
 
 
 _SHARED = ("outstanding", "pending_prefill_tokens", "served", "failures")  # a worker's counts, in order

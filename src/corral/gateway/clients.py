@@ -61,6 +61,15 @@ class ClientAddresses:
                 return hop
         return hops[0] if hops else peer
 
+    def scheme(self, request: BaseRequest) -> str:
+        """The scheme the client used: the connection's, or (from a trusted proxy that ends TLS) its
+        X-Forwarded-Proto."""
+        if self.trusts(request.remote):
+            told = request.headers.get("X-Forwarded-Proto", "").split(",")[0].strip().lower()
+            if told in ("http", "https"):
+                return told
+        return request.scheme
+
     def is_local(self, request: BaseRequest) -> bool:
         """The client is on this machine: a loopback peer with no proxy in between, or a loopback client
         named by a trusted proxy that is itself on this machine (a proxy elsewhere saying 127.0.0.1 means

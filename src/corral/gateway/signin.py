@@ -31,6 +31,7 @@ import orjson
 from aiohttp import web
 
 from corral.admission.oidc import OIDCVerifier
+from corral.gateway.clients import ClientAddresses
 from corral.protocol import InvalidRequest, PermissionDenied, Unauthorized
 from corral.store import SessionStore
 
@@ -54,8 +55,14 @@ class SignInViews:
     """The console's sign-in routes (only with `auth.oidc`)."""
 
     def __init__(
-        self, verifier: OIDCVerifier, sessions: SessionStore, secret_key: bytes, audit: Audit
+        self,
+        verifier: OIDCVerifier,
+        sessions: SessionStore,
+        secret_key: bytes,
+        audit: Audit,
+        clients: ClientAddresses | None = None,
     ) -> None:
+        self._clients = clients or ClientAddresses([])  # (whose X-Forwarded-Proto to believe)
         self._verifier = verifier
         self._settings = verifier.settings
         self._sessions = sessions
@@ -69,7 +76,8 @@ class SignInViews:
         app.router.add_get("/console/me", self.me)
 
     def _redirect_uri(self, request: web.Request) -> str:
-        return self._settings.redirect_url or f"{request.scheme}://{request.host}/console/callback"
+        scheme = self._clients.scheme(request)  # (an edge that ends TLS says https)
+        return self._settings.redirect_url or f"{scheme}://{request.host}/console/callback"
 
     async def signin(self, request: web.Request) -> web.StreamResponse:
         metadata = await self._verifier.metadata()
@@ -191,7 +199,7 @@ class SignInViews:
     def _secure(self, request: web.Request) -> bool:
         """Cookies only over HTTPS: the gateway's own, or an edge's that terminates TLS (the callback the
         provider redirects to says which)."""
-        return request.secure or self._redirect_uri(request).startswith("https://")
+        return self._clients.scheme(request) == "https" or self._redirect_uri(request).startswith("https://")
 
     def _sign(self, data: dict[str, object]) -> str:
         payload = base64.urlsafe_b64encode(orjson.dumps(data)).decode()
