@@ -320,7 +320,16 @@ def test_kuberay_manifests_validate_against_the_crd(tmp_path: Path) -> None:
     out = rendered(tmp_path, "kuberay", KUBE_SPEC + "\n      - {engine: sim, replicas: 2, gpu: l4}\n")
     documents = list(yaml.safe_load_all((out / "kuberay" / "corral.yaml").read_text()))
     kinds = [d["kind"] for d in documents]
-    assert kinds == ["Namespace", "Secret", "RayCluster", "Deployment", "Service"]  # the spec holds keys
+    assert kinds == ["Namespace", "Secret", "RayCluster", "Deployment", "Service", "NetworkPolicy"]
+    # Ray's pods (its job API runs any code; its engines answer without corral's keys) take connections
+    # from each other and from corral's pod only
+    policy = documents[5]["spec"]
+    ray_pods = {"matchLabels": {"ray.io/cluster": documents[2]["metadata"]["name"]}}
+    assert policy["podSelector"] == ray_pods and policy["policyTypes"] == ["Ingress"]
+    gateway_labels = documents[3]["spec"]["template"]["metadata"]["labels"]
+    assert policy["ingress"] == [
+        {"from": [{"podSelector": ray_pods}, {"podSelector": {"matchLabels": gateway_labels}}]}
+    ]
     cluster = documents[2]
     validator = raycluster_validator()
     assert list(validator.iter_errors(cluster)) == []

@@ -53,6 +53,7 @@ def render_kuberay(spec: ClusterSpec, source: str) -> dict[str, str]:
         _ray_cluster(spec, namespace),
         _deployment(spec, namespace, hashlib.sha256(dump_yaml(inner).encode()).hexdigest()),
         _service(namespace),
+        _ray_network_policy(namespace),
     ]
     text = dump_yaml(documents, many=True)
     header = (
@@ -61,6 +62,24 @@ def render_kuberay(spec: ClusterSpec, source: str) -> dict[str, str]:
         "corral.yaml\n"
     )
     return {"kuberay/corral.yaml": header + text}
+
+
+def _ray_network_policy(namespace: str) -> dict[str, Any]:
+    """Ray's pods take connections only from each other and from corral's pod: Ray's job API (8265) and
+    client port run any code a caller sends, and the engines on its workers answer whoever reaches them,
+    past corral's keys and limits (KubeRay labels every pod of the cluster `ray.io/cluster`). Enforced
+    where the cluster's network plugin enforces NetworkPolicies."""
+    ray_pods = {"matchLabels": {"ray.io/cluster": _CLUSTER}}
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": {"name": f"{_CLUSTER}-ray", "namespace": namespace},
+        "spec": {
+            "podSelector": ray_pods,
+            "policyTypes": ["Ingress"],
+            "ingress": [{"from": [{"podSelector": ray_pods}, {"podSelector": {"matchLabels": _LABELS}}]}],
+        },
+    }
 
 
 def _refuse_this_host(spec: ClusterSpec) -> None:
