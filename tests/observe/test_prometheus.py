@@ -74,9 +74,10 @@ def watched(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RunningC
             timeout=60,
         )
         assert rendered.returncode == 0, rendered.stderr
-        # the gateway's /metrics with the scrape token render wrote; its replica list with the admin key
+        # the gateway's /metrics and its replica list with the scrape token render wrote: no admin key on
+        # the monitoring host (none is written here)
         assert (out / "prometheus" / "metrics.token").read_text() == "scrape-secret-for-the-test"
-        (out / "prometheus" / "admin.key").write_text(ADMIN)
+        assert "admin.key" not in (out / "prometheus" / "prometheus.yml").read_text()
         prometheus = shutil.which("prometheus")
         assert prometheus, "scripts/test-services.sh installs Debian's prometheus package"
         web = free_port()

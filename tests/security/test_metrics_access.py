@@ -63,6 +63,13 @@ async def test_a_closed_gateways_metrics_answer_the_scraper_and_the_admin_only(
     for key in (TOKEN, ADMIN):
         status, text = await get(url + "/metrics", key)
         assert status == 200 and 'tenant="bob-corp"' in text
+    # the replicas' addresses for Prometheus's discovery: the scraper's token too, so the admin key need
+    # not sit on the monitoring host
+    for key in (TOKEN, ADMIN):
+        status, text = await get(url + "/corral/sd", key)
+        assert status == 200 and '"replica": "m-0"' in text.replace('":"', '": "'), (key, text)
+    for key in (None, eve, "guess"):
+        assert (await get(url + "/corral/sd", key))[0] in (401, 403), key
 
 
 async def test_an_open_gateways_metrics_need_no_key(tmp_path: Path, upstream: ScriptedUpstream) -> None:

@@ -57,8 +57,8 @@ def render_command(
     source = str(file) if file is not None else "the embedded default spec"
     for path in write_rendered(render_observability(spec, source, output, scrape_interval), output):
         console.print(f"wrote {path}", markup=False, highlight=False, soft_wrap=True)
-    if not spec.auth.open or spec.auth.admin_key:
-        needs = "/corral/sd" if spec.gateway.metrics_token or spec.auth.open else "/corral/sd and /metrics"
+    if (not spec.auth.open or spec.auth.admin_key) and not spec.gateway.metrics_token:
+        needs = "/corral/sd" if spec.auth.open else "/corral/sd and /metrics"
         console.print(
             f"next: put the admin key in {output / 'prometheus' / 'admin.key'} (owner-readable only): "
             f"Prometheus reads it for the gateway's {needs}",

@@ -158,9 +158,14 @@ def build_app(
     app.router.add_get("/v1/models", status.models)
     app.router.add_get("/v1/models/{model:.+}", status.model)
     app.router.add_get("/corral/status", status.replica_status)
-    app.router.add_get("/corral/sd", status.service_discovery)
-
     scraper = _MetricsAccess(parts.access.open_access, settings.metrics_token, admin)
+
+    async def service_discovery(request: web.Request) -> web.Response:
+        if not scraper.token_given(request):  # (the scraper's token: Prometheus needs no admin key)
+            await admin.check(request)
+        return status.service_discovery()
+
+    app.router.add_get("/corral/sd", service_discovery)
 
     async def metrics_view(request: web.Request) -> web.Response:
         await scraper.check(request)
@@ -380,10 +385,13 @@ class _MetricsAccess:
         self._token = token.encode() if token else None
         self._admin = admin
 
+    def token_given(self, request: web.Request) -> bool:
+        return self._token is not None and bearer_is(request, self._token)
+
     async def check(self, request: web.Request) -> None:
         if self._open or self._admin.is_admin(request):
             return
-        if self._token is not None and bearer_is(request, self._token):
+        if self.token_given(request):
             return
         actor = await self._admin.access.actor(request)
         if actor is not None and actor.may("metrics:read"):
@@ -475,10 +483,10 @@ class _StatusViews:
             raise ModelNotFound(f"The model '{name}' does not exist on this server.", param="model")
         return web.json_response(entry)
 
-    async def service_discovery(self, request: web.Request) -> web.Response:
+    def service_discovery(self) -> web.Response:
         """Prometheus HTTP service discovery: each replica that exports engine metrics, with its model,
-        replica id and engine as labels (admin only: it names the replicas' addresses)."""
-        await self._admin.check(request)
+        replica id and engine as labels (the admin's or the scraper's only: it names the replicas'
+        addresses)."""
         targets = [
             {
                 "targets": [r.url.split("://", 1)[-1].split("/", 1)[0]],

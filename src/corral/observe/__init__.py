@@ -36,10 +36,12 @@ def prometheus_config(spec: ClusterSpec, rules: Path, scrape_interval: str = "15
     scheme = "https" if spec.gateway.tls is not None else "http"
     discovery: dict[str, Any] = {"url": f"{scheme}://{gateway}/corral/sd", "refresh_interval": "30s"}
     if not spec.auth.open or spec.auth.admin_key:
-        # The replica list is the admin's: put the admin key in admin.key beside prometheus.yml (also when
-        # CORRAL_ADMIN_KEY gives an open gateway one). The type is written out: Prometheus 2.42 (Debian
-        # 12) sends the bare key without it.
-        discovery["authorization"] = {"type": "Bearer", "credentials_file": "admin.key"}
+        # The replica list is the admin's or the scraper's: its token where the spec has one (the admin
+        # key never leaves for the monitoring host then), else the admin key in admin.key beside
+        # prometheus.yml (also when CORRAL_ADMIN_KEY gives an open gateway one). The type is written out:
+        # Prometheus 2.42 (Debian 12) sends the bare key without it.
+        credentials = METRICS_TOKEN_FILE if spec.gateway.metrics_token else "admin.key"
+        discovery["authorization"] = {"type": "Bearer", "credentials_file": credentials}
     gateway_job: dict[str, Any] = {
         "job_name": GATEWAY_JOB,
         "scheme": scheme,
