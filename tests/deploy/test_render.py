@@ -332,6 +332,12 @@ def test_kuberay_manifests_validate_against_the_crd(tmp_path: Path) -> None:
     ]
     cluster = documents[2]
     validator = raycluster_validator()
+    # no pod mounts a Kubernetes API token, no container gains privileges through setuid
+    pods = [documents[3]["spec"]["template"]["spec"], cluster["spec"]["headGroupSpec"]["template"]["spec"]]
+    pods += [g["template"]["spec"] for g in cluster["spec"]["workerGroupSpecs"]]
+    assert all(p["automountServiceAccountToken"] is False for p in pods)
+    containers = [c for p in pods for c in p["containers"]]
+    assert all(c["securityContext"]["allowPrivilegeEscalation"] is False for c in containers)
     assert list(validator.iter_errors(cluster)) == []
     groups = {g["groupName"]: g for g in cluster["spec"]["workerGroupSpecs"]}
     # 3 replicas × TP 2 = 6 GPUs on 4-GPU nodes: 2 nodes; the simulated replicas on a CPU group.

@@ -30,6 +30,7 @@ __all__ = ["render_kuberay"]
 _PORT = 8000
 _CLUSTER = "corral"
 _LABELS = {"app.kubernetes.io/name": "corral", "app.kubernetes.io/component": "gateway"}
+_NO_ESCALATION = {"allowPrivilegeEscalation": False}  # (no setuid gains in corral's and Ray's containers)
 _FALLBACK_RAY = "2.40.0"
 
 
@@ -127,10 +128,12 @@ def _ray_cluster(spec: ClusterSpec, namespace: str) -> dict[str, Any]:
         "rayStartParams": {"dashboard-host": "0.0.0.0", "num-gpus": "0"},
         "template": {
             "spec": {
+                "automountServiceAccountToken": False,
                 "containers": [
                     {
                         "name": "ray-head",
                         "image": image,
+                        "securityContext": _NO_ESCALATION,
                         "resources": _resources(cpu=2, memory_gib=8),
                         "ports": [
                             {"containerPort": 6379, "name": "gcs-server"},
@@ -138,7 +141,7 @@ def _ray_cluster(spec: ClusterSpec, namespace: str) -> dict[str, Any]:
                             {"containerPort": 10001, "name": "client"},
                         ],
                     }
-                ]
+                ],
             }
         },
     }
@@ -187,8 +190,10 @@ def _group(name: str, image: str, nodes: int, cpu: int, gpus: int) -> dict[str, 
         "image": image,
         "resources": _resources(cpu=cpu, memory_gib=max(8, 16 * gpus), gpus=gpus),
         "volumeMounts": [{"name": "shm", "mountPath": "/dev/shm"}],
+        "securityContext": _NO_ESCALATION,
     }
     pod: dict[str, Any] = {
+        "automountServiceAccountToken": False,  # (nothing in it talks to the Kubernetes API)
         "containers": [container],
         "volumes": [{"name": "shm", "emptyDir": {"medium": "Memory"}}],
     }
@@ -252,6 +257,7 @@ def _deployment(spec: ClusterSpec, namespace: str, spec_digest: str) -> dict[str
             {"name": "home", "mountPath": "/var/lib/corral"},
         ],
         "resources": _resources(cpu=2, memory_gib=4),
+        "securityContext": _NO_ESCALATION,
     }
     grace = stop_allowance_s(spec)
     return {
@@ -266,6 +272,7 @@ def _deployment(spec: ClusterSpec, namespace: str, spec_digest: str) -> dict[str
             "template": {
                 "metadata": {"labels": _LABELS, "annotations": {"corral.dev/spec-sha256": spec_digest}},
                 "spec": {
+                    "automountServiceAccountToken": False,  # (corral reaches Ray, never the Kubernetes API)
                     "terminationGracePeriodSeconds": grace,
                     "containers": [container],
                     "volumes": [
