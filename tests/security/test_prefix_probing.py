@@ -20,6 +20,12 @@ DOCUMENTS = [
 ]
 
 
+def _only(members: list[Replica], chosen: Replica | None) -> None:
+    """Only `chosen` takes requests (the others kept out of routing), or every one again (None)."""
+    for replica in members:
+        replica.state = ReplicaState.READY if chosen in (None, replica) else ReplicaState.UNHEALTHY
+
+
 async def ask(session: aiohttp.ClientSession, url: str, key: str, document: str) -> str:
     body = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": document}]}
     headers = {"Authorization": f"Bearer {key}"}
@@ -52,13 +58,9 @@ async def probe(tmp_path: Path, isolation: str | None, routing_headers: bool | N
         async with aiohttp.ClientSession() as session:
             bobs = []
             for i, document in enumerate(DOCUMENTS):
-                for replica in members:
-                    replica.state = (
-                        ReplicaState.READY if replica is members[i // 3] else ReplicaState.UNHEALTHY
-                    )
+                _only(members, members[i // 3])
                 bobs.append(await ask(session, url, bob, document))
-            for replica in members:
-                replica.state = ReplicaState.READY
+            _only(members, None)
             eves = [await ask(session, url, eve, d) for d in DOCUMENTS]
     finally:
         await server.stop()
@@ -115,14 +117,10 @@ async def test_a_base_prompt_cannot_pass_for_an_adapters(tmp_path: Path) -> None
         async with aiohttp.ClientSession() as session:
             bobs = []
             for i, document in enumerate(DOCUMENTS):
-                for replica in members:
-                    replica.state = (
-                        ReplicaState.READY if replica is members[i // 3] else ReplicaState.UNHEALTHY
-                    )
+                _only(members, members[i // 3])
                 chat = {"model": "bot", "messages": [{"role": "user", "content": document}]}
                 bobs.append(await send(session, "/v1/chat/completions", chat))
-            for replica in members:
-                replica.state = ReplicaState.READY
+            _only(members, None)
             eves = [
                 await send(session, "/v1/completions", {"model": "m", "prompt": f"lora:bot\nuser:{d}"})
                 for d in DOCUMENTS
