@@ -309,6 +309,11 @@ async def get(url: str, key: str | None = None) -> tuple[int, dict]:
 async def test_closed_gateway_shows_models_and_replicas_only_to_keys(closed: Cluster) -> None:
     assert (await get(closed.url + "/v1/models"))[0] == 401
     assert (await get(closed.url + "/corral/status"))[0] == 401
+    # readiness says ready to anyone (a load balancer's probe), the models to those who may see replicas
+    assert await get(closed.url + "/ready") == (200, {"ready": True})
+    assert await get(closed.url + "/ready", ADMIN) == (200, {"ready": True, "models": {"m": 1}})
+    schemas = (await get(closed.url + "/openapi.json"))[1]["components"]["schemas"]  # (anyone reads it)
+    assert '"m"' not in json.dumps(schemas["ChatCompletionRequest"])  # no served model named in it
     _, anyone = await closed.admin("POST", "/admin/keys", {"tenant": "acme"})
     _, other = await closed.admin("POST", "/admin/keys", {"tenant": "globex", "models": ["other"]})
     assert [m["id"] for m in (await get(closed.url + "/v1/models", anyone["key"]))[1]["data"]] == ["m"]

@@ -104,7 +104,14 @@ def build_app(
         sessions=parts.sessions,
     )
     status = _StatusViews(
-        router, parts.auth, admin, time.time(), worker, parts.adapters, parts.cluster_counts
+        router,
+        parts.auth,
+        admin,
+        time.time(),
+        worker,
+        parts.adapters,
+        parts.cluster_counts,
+        open_access=parts.access.open_access,
     )
     engines = EngineClient(settings.connect_timeout, settings.read_timeout, settings.max_upstream_connections)
     session = aiohttp.ClientSession(  # the relay's rare calls that are not its own (tokenizing)
@@ -172,7 +179,9 @@ def build_app(
         return web.Response(body=metrics.exposition(), content_type="text/plain", charset="utf-8")
 
     app.router.add_get("/metrics", metrics_view)
-    document = orjson.dumps(openapi_document(router.replicas.models(), NewKey.model_json_schema()))
+    # a closed gateway's document names no models: anyone may read it, and /v1/models answers keys only
+    served = router.replicas.models() if parts.access.open_access else None
+    document = orjson.dumps(openapi_document(served, NewKey.model_json_schema()))
 
     async def openapi_view(request: web.Request) -> web.Response:
         return web.Response(body=document, content_type="application/json")
@@ -424,6 +433,7 @@ class _StatusViews:
         worker: int | None = None,
         adapters: AdapterCatalogue | None = None,
         cluster_counts: Callable[[], Awaitable[dict[str, list[int]]]] | None = None,
+        open_access: bool = True,
     ) -> None:
         self._replicas = router.replicas
         self._cluster_counts = cluster_counts
@@ -433,6 +443,7 @@ class _StatusViews:
         self._admin = admin
         self._started_at = started_at
         self._worker = {"worker": {"index": worker, "pid": os.getpid()}} if worker is not None else {}
+        self._open = open_access  # (a closed gateway names its models only to those who may see them)
 
     async def health(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
@@ -442,7 +453,16 @@ class _StatusViews:
         counts = {m: len(replicas.ready(m)) for m in replicas.models()}
         # a model scaled to zero holds its requests while a replica starts: it is ready to take them
         ok = bool(counts) and all(n or m in replicas.on_demand for m, n in counts.items())
-        return web.json_response({"ready": ok, "models": counts}, status=200 if ok else 503)
+        body: dict[str, object] = {"ready": ok}
+        if self._open or await self._sees_replicas(request):
+            body["models"] = counts  # (on a closed gateway, model names are for those who may see them)
+        return web.json_response(body, status=200 if ok else 503)
+
+    async def _sees_replicas(self, request: web.Request) -> bool:
+        if "Authorization" not in request.headers:  # (a load balancer's probe: no key to look up)
+            return False
+        actor = await self._admin.access.actor(request)
+        return actor is not None and actor.may("status:read")
 
     async def models(self, request: web.Request) -> web.Response:
         principal = await self._auth.authenticate(request.headers.get("Authorization"))

@@ -160,7 +160,7 @@ class KeyList(_Open):
 
 class Ready(_Open):
     ready: bool
-    models: dict[str, int]
+    models: dict[str, int] | None = None  # (on a closed gateway: only to those who may see its replicas)
 
 
 class Anything(_Open):
