@@ -104,7 +104,7 @@ async def test_redis_keeps_a_keys_log_and_sums_alive_together(limiter: MemoryLim
         return
     principal = key(rpm=5, tpm=100)
     assert principal.key_id is not None
-    names = limiter._keys(principal.key_id)
+    names = limiter._keys(principal.key_id)[:2]  # (the third holds tokens used past the window: none here)
 
     async def lives() -> list[int]:  # milliseconds left to each key (-1: no expiry, -2: none)
         return [await limiter._redis.pttl(name) for name in names]
@@ -231,3 +231,32 @@ async def test_what_outlasts_the_window_still_counts_and_slots_never_go_below_no
     assert [await limiter.reserve(principal, 1) for _ in range(2)]
     with pytest.raises(RateLimited, match="concurrent"):
         await limiter.reserve(principal, 1)
+
+
+async def test_tokens_counted_past_the_window_are_no_request_and_empty_requests_leave_no_entry(
+    limiter: MemoryLimiter | RedisLimiter,
+) -> None:
+    """What a long request used beyond its reservation counts against TPM, not as one more request
+    against RPM; requests of no tokens (token counting) on a key without an RPM add nothing to its log."""
+    principal = key(rpm=1, tpm=1000)
+    long = await limiter.reserve(principal, 300)
+    assert long is not None
+    await asyncio.sleep(1.1)
+    await limiter.settle(long, 1000)  # 700 beyond its reservation, counted from now
+    assert await limiter.reserve(principal, 200) is not None  # its one request a minute: not refused
+    with pytest.raises(RateLimited, match="tokens per minute"):  # (700 + 200 + 200 > 1000)
+        await limiter.reserve(key_of(principal, rpm=None), 200)
+    counting = key(tpm=1000)
+    for _ in range(5):
+        assert await limiter.reserve(counting, 0) is not None
+    if isinstance(limiter, RedisLimiter):
+        assert await limiter._redis.zcard(limiter._keys(counting.key_id or "")[0]) == 0
+    else:
+        assert not limiter._keys[counting.key_id or ""].entries
+
+
+def key_of(principal: Principal, **limits: int | None) -> Principal:
+    """The same key with other limits."""
+    import dataclasses
+
+    return dataclasses.replace(principal, **limits)  # type: ignore[arg-type]

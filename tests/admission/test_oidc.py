@@ -372,6 +372,17 @@ async def test_a_rotated_signing_key_is_fetched_and_clock_skew_is_tolerated() ->
         assert clock.monotonic() - started < 1.0
         with pytest.raises(Unauthorized):
             await unknown
+        # tokens under new key ids that came while a slow fetch ran wait for it, not for fetches of their own
+        await asyncio.sleep(1.1)
+        before = len(fetched)
+        first = asyncio.ensure_future(verifier.claims(token(RSAKey.generate_key(2048, {"kid": "w"}))))
+        await asyncio.sleep(1.2)  # (past the fetch's first second: these wait on the lock)
+        late = [
+            asyncio.ensure_future(verifier.claims(token(RSAKey.generate_key(2048, {"kid": f"w{i}"}))))
+            for i in range(3)
+        ]
+        await asyncio.gather(first, *late, return_exceptions=True)
+        assert len(fetched) - before == 1
         # a failing provider is asked again after a second at the soonest, whatever comes meanwhile
         slow[0], broken[0] = 0.0, True
         await asyncio.sleep(1.1)
@@ -427,3 +438,22 @@ def test_a_groups_role_holds_in_its_own_tenant_only() -> None:
         verifier.principal_of(
             "p", "initech", "tenant-admin", None
         )  # (a session from before it was taken out)
+
+
+async def test_a_signed_in_batch_of_a_tenant_no_longer_listed_runs_as_revoked() -> None:
+    """A batch a person made runs as its tenant's people only while auth.oidc.tenants lists the tenant;
+    with the list emptied since, it is refused as revoked (it raised, and its lines were leased again)."""
+    from types import SimpleNamespace
+
+    from corral.admission.oidc import OIDCVerifier
+    from corral.batch.runner import BatchRunner
+
+    for tenants, runs in (({"acme": {}}, True), ({}, False), ({"globex": {}}, False)):
+        verifier = OIDCVerifier(
+            OIDCSettings.model_validate(
+                {"issuer": "https://login.example.com", "client_id": "corral", "tenants": tenants}
+            )
+        )
+        runner = SimpleNamespace(_oidc=verifier, _keys=None)
+        principal = await BatchRunner._principal(runner, "acme", "oidc:acme")  # type: ignore[arg-type]
+        assert (principal is not None) == runs, tenants

@@ -513,11 +513,17 @@ def test_a_client_cannot_pick_its_address_behind_a_proxy_that_adds_its_own_line(
     assert addresses.scheme(edge) == "https"
     other = make_mocked_request("GET", "/console/signin", headers=https, transport=_Transport("203.0.113.5"))
     assert addresses.scheme(other) == "http"
+    ported = CIMultiDict([("X-Forwarded-For", "203.0.113.9:52000")])  # (as some proxies write it)
+    with_port = make_mocked_request("GET", "/v1/models", headers=ported, transport=_Transport("127.0.0.1"))
+    assert addresses.of(with_port) == "203.0.113.9"
     garbage = CIMultiDict([("X-Forwarded-For", "x<script>")])
     told = make_mocked_request("GET", "/v1/models", headers=garbage, transport=_Transport("127.0.0.1"))
     assert addresses.of(told) == "127.0.0.1"
+    assert not addresses.is_local(told)  # (the proxy's own address, but not a client on this machine)
     forged = make_mocked_request(
-        "GET", "/v1/x%0a2026-12-05T10:00:00Z%20INFO%20corral.access", transport=_Transport("203.0.113.5")
+        "GET",
+        "/v1/x%0a2026-12-05T10:00:00Z%20INFO%20corral.access?code=signin-secret",
+        transport=_Transport("203.0.113.5"),
     )
     written: list[str] = []
 
@@ -530,4 +536,5 @@ def test_a_client_cannot_pick_its_address_behind_a_proxy_that_adds_its_own_line(
     log.setLevel(logging.INFO)
     response = aiohttp.web.Response(status=404)
     access_logger(addresses)(log, "").log(forged, response, 0.001)
-    assert len(written) == 1 and "\n" not in written[0] and "%0a" in written[0]
+    assert len(written) == 1 and "\n" not in written[0] and "%0a" in written[0].lower()
+    assert "signin-secret" not in written[0]  # (no query string: a sign-in's code is one)

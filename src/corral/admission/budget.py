@@ -55,8 +55,8 @@ _RESERVE = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 redis.call('HSETNX', KEYS[1], 'used', ARGV[5])
-if tonumber(ARGV[5]) > tonumber(redis.call('HGET', KEYS[1], 'used')) then
-  redis.call('HSET', KEYS[1], 'used', ARGV[5])  -- (settles it never heard of, in the store: the larger holds)
+if tonumber(ARGV[7]) > tonumber(redis.call('HGET', KEYS[1], 'used')) then
+  redis.call('HSET', KEYS[1], 'used', ARGV[7])  -- (settles it never heard of, in the store: the larger holds)
 end
 redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
 local held = 0
@@ -98,13 +98,14 @@ class SharedBudgets:
         return [f"{self._prefix}:{key}:{month}", f"{self._prefix}:{key}:{month}:held"]
 
     async def reserve(
-        self, key: str, month: str, budget: int, tokens: int, seed: int
+        self, key: str, month: str, budget: int, tokens: int, seed: int, stored: int = 0
     ) -> tuple[bool, int, str]:
         """(granted, tokens used or reserved before this request, the reservation's entry); `seed`: the
-        month's use as this gateway knows it, taken when Redis has none or knows less (both count use
-        that happened: settlements lost while Redis was away are in the store)."""
+        month's use as this gateway knows it, taken when Redis has none; `stored`: the part of it in the
+        store, taken where Redis knows less (settlements lost while Redis was away are in the store; what
+        this gateway settled but has not written yet may still be on its way to Redis)."""
         entry = f"{self._instance}.{next(self._ids)}"
-        args: list[int | str] = [budget, tokens, entry, self._hold_ms, seed, _MONTH_S * 1000]
+        args: list[int | str] = [budget, tokens, entry, self._hold_ms, seed, _MONTH_S * 1000, stored]
         ok, used = await self._reserve(keys=self._keys(key, month), args=args)
         return bool(ok), int(used), f"{entry}:{tokens}"
 
@@ -145,7 +146,8 @@ class BudgetTracker:
         known = await self._month_tokens(key)
         if self._shared is not None:
             try:
-                ok, used, entry = await self._shared.reserve(key, month, budget, tokens, known)
+                stored = known - self._unwritten.get(key, 0)
+                ok, used, entry = await self._shared.reserve(key, month, budget, tokens, known, stored)
             except self._shared.errors as exc:
                 self._redis_down(exc)
             else:

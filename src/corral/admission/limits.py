@@ -108,10 +108,13 @@ class _Window:
     finds its entry by id (not by walking the log: at concurrency c that walk was c steps a request), and
     the log's items are tuples of plain values, which Python's garbage collector stops tracking."""
 
-    __slots__ = ("entries", "in_flight", "live", "tokens")
+    __slots__ = ("entries", "extra", "in_flight", "live", "tokens")
 
     def __init__(self) -> None:
         self.entries: deque[tuple[float, str]] = deque()
+        # tokens requests used beyond reservations that had left the window when they ended: (when, tokens),
+        # counted against TPM, not as requests
+        self.extra: deque[tuple[float, int]] = deque()
         # entry id → its tokens (the reservation, or the real use once settled)
         self.live: dict[str, int] = {}
         self.tokens = 0
@@ -157,6 +160,9 @@ class MemoryLimiter:
         entries, live, cutoff = w.entries, w.live, now - self._window
         while entries and entries[0][0] <= cutoff:
             w.tokens -= live.pop(entries.popleft()[1])
+        extra = w.extra
+        while extra and extra[0][0] <= cutoff:
+            w.tokens -= extra.popleft()[1]
 
     def _refuse(self, principal: Principal, w: _Window, tokens: int, now: float) -> None:
         """Drop what left the window; raise the refusal a request of `tokens` would get now."""
@@ -188,9 +194,7 @@ class MemoryLimiter:
             w.tokens += actual_tokens - counted
             w.live[reservation.entry] = actual_tokens
         elif actual_tokens > reservation.tokens:  # it outlasted the window: the excess counts from now
-            entry = str(next(self._ids))
-            w.entries.append((time.monotonic(), entry))
-            w.live[entry] = actual_tokens - reservation.tokens
+            w.extra.append((time.monotonic(), actual_tokens - reservation.tokens))
             w.tokens += actual_tokens - reservation.tokens
 
     async def close(self) -> None:
@@ -210,6 +214,9 @@ local old = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', cutoff)
 local freed = 0
 for _, m in ipairs(old) do freed = freed + tonumber(string.match(m, ':(%-?%d+)$')) end
 if #old > 0 then redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', cutoff) end
+local oldx = redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', cutoff)  -- (tokens used past the window's end)
+for _, m in ipairs(oldx) do freed = freed + tonumber(string.match(m, ':(%-?%d+)$')) end
+if #oldx > 0 then redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', cutoff) end
 local sum = tonumber(redis.call('HGET', KEYS[2], 'tokens') or '0') - freed
 if sum < 0 then sum = 0 end
 redis.call('HSET', KEYS[2], 'tokens', sum)
@@ -236,6 +243,7 @@ _CHECK = (
     _CHECKS
     + """redis.call('PEXPIRE', KEYS[1], window * 10)
 redis.call('PEXPIRE', KEYS[2], window * 10)
+redis.call('PEXPIRE', KEYS[3], window * 10)
 return {1, 'ok', 0, count, sum}
 """
 )  # (both keys' lives renewed together: a sum must not outlive the log it sums)
@@ -246,6 +254,7 @@ redis.call('HINCRBY', KEYS[2], 'tokens', tokens)
 redis.call('HINCRBY', KEYS[2], 'inflight', 1)
 redis.call('PEXPIRE', KEYS[1], window * 10)
 redis.call('PEXPIRE', KEYS[2], window * 10)
+redis.call('PEXPIRE', KEYS[3], window * 10)
 local first = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
 local reset = window
 if first[2] then reset = tonumber(first[2]) + window - now end
@@ -271,13 +280,14 @@ else  -- it outlasted the window: its reservation leaves, what it used beyond it
     redis.call('ZREM', KEYS[1], member)
     redis.call('HINCRBY', KEYS[2], 'tokens', -tonumber(ARGV[2]))
   end
-  if excess > 0 then
-    redis.call('ZADD', KEYS[1], now, ARGV[1] .. ':x:' .. excess)
+  if excess > 0 then  -- (apart from the log: tokens, not another request)
+    redis.call('ZADD', KEYS[3], now, ARGV[1] .. ':x:' .. excess)
     redis.call('HINCRBY', KEYS[2], 'tokens', excess)
   end
 end
 redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[4]) * 10)
 redis.call('PEXPIRE', KEYS[2], tonumber(ARGV[4]) * 10)
+redis.call('PEXPIRE', KEYS[3], tonumber(ARGV[4]) * 10)
 return 1
 """
 
@@ -309,7 +319,11 @@ class RedisLimiter:
         self._closed = False
 
     def _keys(self, key_id: str) -> list[str]:
-        return [f"{self._prefix}:{key_id}:log", f"{self._prefix}:{key_id}:sums"]
+        return [
+            f"{self._prefix}:{key_id}:log",
+            f"{self._prefix}:{key_id}:sums",
+            f"{self._prefix}:{key_id}:extra",
+        ]
 
     async def reserve(self, principal: Principal, tokens: int) -> Reservation | None:
         if not _limited(principal):

@@ -109,6 +109,8 @@ class OIDCVerifier:
             except (aiohttp.ClientError, TimeoutError, KeyError, ValueError, JoseError) as exc:
                 self._failure = f"The identity provider could not be asked ({type(exc).__name__})."
                 raise Unauthorized(self._failure) from None
+            finally:  # (as it ends too: those that waited for it take its answer, not a fetch of their own)
+                self._fetched_at = time.monotonic()
             self._failure = None
             return self._keys
 

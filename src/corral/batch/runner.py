@@ -289,12 +289,12 @@ class BatchRunner:
     async def _principal(self, tenant: str, key_id: str | None) -> Principal | None:
         """Who a batch runs as (at the lowest priority); None once its key is revoked. A batch a person
         signed in with the identity provider made runs as its tenant's people do, while the spec lists the
-        tenant (auth.oidc.tenants, where it lists any)."""
+        tenant (auth.oidc.tenants: no one of an unlisted tenant signs in either)."""
         if key_id is None:
             return Principal(key_id=None, tenant=tenant, priority=_BATCH_PRIORITY)
         oidc = self._oidc
         if key_id.startswith(SIGNED_IN):
-            listed = oidc is not None and (not oidc.settings.tenants or tenant in oidc.settings.tenants)
+            listed = oidc is not None and tenant in oidc.settings.tenants
             principal = (
                 oidc.principal_of("batch", tenant, "user", None) if oidc is not None and listed else None
             )

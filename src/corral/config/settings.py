@@ -256,8 +256,8 @@ class OIDCSettings(Strict):
     groups_claim: str = Field(default="groups", description="the claim listing a person's groups")
     groups: dict[str, OIDCGroup] = Field(
         default_factory=dict,
-        description="group → tenant and role, where the claims do not say them (the first group that names "
-        "one wins)",
+        description="group → tenant and role, where the claims do not say them (the first group naming a "
+        "role in the person's tenant, or in none, gives it; groups naming two tenants need a tenant claim)",
     )
     default_role: Literal["viewer", "tenant-admin", "user"] = Field(
         default="user", description="the role of a person no claim or group gives one"

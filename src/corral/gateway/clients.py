@@ -47,16 +47,21 @@ class ClientAddresses:
         return any(ip in network for network in self._trusted)
 
     def of(self, request: BaseRequest) -> str:
-        """The peer, or, when the peer is a trusted proxy, the nearest untrusted X-Forwarded-For hop."""
+        """The peer, or, when the peer is a trusted proxy, the nearest untrusted X-Forwarded-For hop (the
+        proxy itself where the header names no address there)."""
+        return self._client(request) or request.remote or ""
+
+    def _client(self, request: BaseRequest) -> str | None:
+        """As `of`; None where a trusted proxy's X-Forwarded-For holds something that is no address."""
         peer = request.remote or ""
         if not self.trusts(peer):
             return peer
         # every X-Forwarded-For line (a proxy may add a line of its own rather than extend the last one)
         told = ",".join(request.headers.getall("X-Forwarded-For", ()))
-        hops = [h.strip() for h in told.split(",") if h.strip()]
+        hops = [_address(h.strip()) for h in told.split(",") if h.strip()]
         for hop in reversed(hops):
-            if not _address(hop):  # (not an address: nothing left of it can be believed)
-                return peer
+            if hop is None:  # (not an address: nothing left of it can be believed)
+                return None
             if not self.trusts(hop):
                 return hop
         return hops[0] if hops else peer
@@ -78,16 +83,20 @@ class ClientAddresses:
         if not _loopback(peer):
             return False
         if self.trusts(peer):
-            return _loopback(self.of(request))
+            client = self._client(request)
+            return client is not None and _loopback(client)
         return not any(h in request.headers for h in PROXY_HEADERS)
 
 
-def _address(text: str) -> bool:
-    try:
-        ipaddress.ip_address(text)
-    except ValueError:
-        return False
-    return True
+def _address(hop: str) -> str | None:
+    """A hop's address (without the port some proxies add: `203.0.113.9:52000`, `[2001:db8::1]:443`);
+    None where it is none."""
+    for text in (hop, hop.strip("[]"), hop.rsplit(":", 1)[0].strip("[]")):
+        try:
+            return str(ipaddress.ip_address(text))
+        except ValueError:
+            continue
+    return None
 
 
 class RequestIds:
@@ -140,7 +149,7 @@ def access_logger(addresses: ClientAddresses) -> type[AbstractAccessLogger]:
                 '%s "%s %s" %s %s %.3fs %s',
                 client,
                 request.method,
-                request.raw_path,  # (as sent, percent-encoded: a decoded newline would forge a line)
+                request.rel_url.raw_path,  # (as sent, encoded: a decoded newline would forge a line)
                 response.status,
                 response.body_length,
                 time,
