@@ -188,13 +188,14 @@ class MemoryLimiter:
         if w is None:
             return
         w.in_flight = max(0, w.in_flight - 1)
-        self._drop(w, time.monotonic())  # (a reservation that left the window is counted no more)
+        now = time.monotonic()
+        self._drop(w, now)  # (a reservation that left the window is counted no more)
         counted = w.live.get(reservation.entry)
         if counted is not None:  # still in the window: its tokens become what it used
             w.tokens += actual_tokens - counted
             w.live[reservation.entry] = actual_tokens
         elif actual_tokens > reservation.tokens:  # it outlasted the window: the excess counts from now
-            w.extra.append((time.monotonic(), actual_tokens - reservation.tokens))
+            w.extra.append((now, actual_tokens - reservation.tokens))
             w.tokens += actual_tokens - reservation.tokens
 
     async def close(self) -> None:

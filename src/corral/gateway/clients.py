@@ -62,9 +62,9 @@ class ClientAddresses:
         for hop in reversed(hops):
             if hop is None:  # (not an address: nothing left of it can be believed)
                 return None
-            if not self.trusts(hop):
-                return hop
-        return hops[0] if hops else peer
+            if not any(hop in network for network in self._trusted):
+                return str(hop)
+        return str(hops[0]) if hops else peer
 
     def scheme(self, request: BaseRequest) -> str:
         """The scheme the client used: the connection's, or (from a trusted proxy that ends TLS) its
@@ -88,12 +88,12 @@ class ClientAddresses:
         return not any(h in request.headers for h in PROXY_HEADERS)
 
 
-def _address(hop: str) -> str | None:
+def _address(hop: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
     """A hop's address (without the port some proxies add: `203.0.113.9:52000`, `[2001:db8::1]:443`);
     None where it is none."""
     for text in (hop, hop.strip("[]"), hop.rsplit(":", 1)[0].strip("[]")):
         try:
-            return str(ipaddress.ip_address(text))
+            return ipaddress.ip_address(text)
         except ValueError:
             continue
     return None
