@@ -112,7 +112,7 @@ def entry_from_stream(written: list[bytes], chat: bool, usage: dict[str, Any] | 
     kept: list[bytes] = []
     finished = False
     for event in events[:-1]:
-        if not event.startswith(b"data: {") or b"\n" in event:
+        if not event.startswith(b"data: {") or event.find(b"\n") >= 0:
             return None  # a comment or an event of several lines: not a plain answer
         data = orjson.loads(event[6:])
         if not isinstance(data, dict) or "error" in data or data.get("object") == "error":

@@ -67,23 +67,22 @@ class ChunkReader:
 
     def one(self, event: bytes) -> bytes | None:
         """The text of `event`, as the engine escaped it (the inside of a JSON string: checked, not decoded;
-        a dialect writes it as it came), if `event` is one whole event of the template around a text
-        without quotes (a token as an engine streams it: one event a read); else None (read it with
-        `read`)."""
+        a dialect writes it as it came), if `event` is one whole event of the template around a text (a
+        token as an engine streams it: one event a read); else None (read it with `read`)."""
         prefix = self._prefix
         if not prefix or len(event) < self._least or not event.startswith(prefix):
             return None
         suffix = self._suffix
         if not event.endswith(suffix):
             return None
-        inside = event[len(prefix) : len(event) - len(suffix)]
-        if b'"' in inside:
-            return None  # (a quote: escaped inside the text, or another event's; the general path reads it)
+        # the text with its quotes (the template's last and first bytes), read as one JSON string: escapes,
+        # UTF-8 and surrogates checked, and a quote not escaped (another event's) fails it
+        quoted = event[len(prefix) - 1 : len(event) - len(suffix) + 1]
         try:
-            orjson.loads(b'"' + inside + b'"')  # (a JSON string's inside, whole: escapes, UTF-8, surrogates)
+            orjson.loads(quoted)
         except orjson.JSONDecodeError:
             return None
-        return inside
+        return quoted[1:-1]
 
     def _run(self, events: bytes, at: int) -> tuple[list[str], int] | None:
         """The texts of the template's events from `at` on and where they end; None where they do not
@@ -149,6 +148,6 @@ def text_alone(chunk: dict[str, Any]) -> str | None:
 
 def _payload(event: bytes) -> bytes:
     """An event's data (the relay and the cache write `data: ...` alone on one line)."""
-    if event.startswith(b"data: ") and b"\n" not in event:
+    if event.startswith(b"data: ") and event.find(b"\n") < 0:  # (find: bytes' `in` costs twice as much)
         return event[6:]
     return b"".join(line[5:].lstrip() for line in event.split(b"\n") if line.startswith(b"data:")).strip()

@@ -60,7 +60,7 @@ class SSEFilter:
                 continue
             if event.startswith(_DONE):
                 self.done = True
-            elif _USAGE in event:
+            elif event.find(_USAGE) >= 0:
                 event = self._take_usage(event)
                 if not event:
                     continue
