@@ -15,12 +15,14 @@ from tempfile import SpooledTemporaryFile
 import orjson
 import pytest
 import redis
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from corral.batch import BatchStore, LineResult, NewBatch, jobs
+from corral.batch import BatchStore, LineResult, NewBatch, jobs, queue_sql
 from corral.batch.queue import ResultRow
 from corral.batch.queue_redis import RedisLines
 from corral.store import open_database
+from corral.store.batch_rows import BatchLineRow
 
 REDIS = "redis://127.0.0.1:6379/0"
 
@@ -275,6 +277,54 @@ def test_gateways_on_another_queue_leave_a_batch_alone_and_finished_batches_line
     assert store.tidy() == 1  # batch_gone's lines: its batch is not running
     assert not list(redis.Redis.from_url(REDIS).scan_iter(f"{prefix}b:*"))
     _forget(prefix)
+
+
+def _queued(store: BatchStore, batch_id: str) -> int:
+    """The lines the queue still holds for `batch_id` (rows in SQL, keys in Redis)."""
+    if isinstance(store.lines, RedisLines):
+        return len(list(redis.Redis.from_url(REDIS).scan_iter(store.lines._key(batch_id, "*"))))
+    with Session(store.lines._engine) as session:
+        return len(session.scalars(select(BatchLineRow.line).where(BatchLineRow.batch_id == batch_id)).all())
+
+
+def test_a_finished_batchs_lines_leave_the_queue_once_its_results_are_in_its_files(
+    store: BatchStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each line holds a request's body and its answer: kept after the batch ended, they outlived the
+    files a tenant deletes or that expire (in SQL the rows stayed for good)."""
+    monkeypatch.setattr(queue_sql, "_DROP_AT_ONCE", 2)  # (5 lines: dropped in three steps)
+    batch_id, other = _batch(store, 5), _batch(store, 1)
+    for line in store.lease("runner", "m", 5, lease_s=30):
+        if line.batch_id == batch_id:
+            store.commit("runner", line, _ok())
+    assert _queued(store, batch_id) > 0
+    assert store.housekeeping() == [batch_id]
+    batch = store.batch("acme", batch_id)
+    assert batch is not None and batch.output_file_id is not None
+    output = (store.files.file_content("acme", batch.output_file_id) or b"").splitlines()
+    assert sorted(orjson.loads(line)["custom_id"] for line in output) == [f"c{i}" for i in range(5)]
+    assert _queued(store, batch_id) == 0
+    assert _queued(store, other) > 0  # a batch still running keeps its lines
+
+
+def test_sql_tidying_drops_the_lines_of_finished_and_vanished_batches_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = BatchStore(open_database(f"sqlite:///{tmp_path / 'queue.db'}"))
+    finished, running = _batch(store, 3), _batch(store, 2)
+    for line in store.lease("runner", "m", 5, lease_s=30):
+        if line.batch_id == finished:
+            store.commit("runner", line, _ok())
+    monkeypatch.setattr(store.lines, "drop", lambda batch_id: None)  # the gateway died before dropping
+    assert store.housekeeping() == [finished]
+    monkeypatch.undo()
+    with Session(store.lines._engine) as session, session.begin():
+        store.lines.add(session, "batch_gone", "m", "acme", [("x", b"{}")])  # no batch row at all
+    assert _queued(store, finished) == 3 and _queued(store, "batch_gone") == 1
+    assert store.tidy() == 2
+    assert _queued(store, finished) == 0 and _queued(store, "batch_gone") == 0
+    assert _queued(store, running) == 2
+    assert store.tidy() == 0
 
 
 def test_a_batch_never_checked_within_its_window_expires(store: BatchStore) -> None:

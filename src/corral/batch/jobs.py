@@ -29,14 +29,12 @@ from sqlalchemy.orm import Session
 
 from corral.batch.queue import LOST, BatchLine, LineQueue, LineResult, ResultRow, Stop
 from corral.batch.queue_sql import SqlLines
-from corral.store.batch_rows import BatchRow, aware, changed
+from corral.store.batch_rows import FINISHED, BatchRow, aware, changed
 from corral.store.files import FileStore, NewFile, write_file
 
 __all__ = ["BatchRecord", "BatchStore", "NewBatch", "TooManyBatches"]
 
 logger = logging.getLogger(__name__)
-
-FINISHED = frozenset({"completed", "failed", "expired", "cancelled"})
 
 
 class TooManyBatches(Exception):

@@ -12,7 +12,9 @@ from sqlalchemy.orm import Mapped, mapped_column
 
 from corral.store.schema import Base
 
-__all__ = ["BatchLineRow", "BatchRow", "aware", "changed", "gave_up", "response_json"]
+__all__ = ["FINISHED", "BatchLineRow", "BatchRow", "aware", "changed", "gave_up", "response_json"]
+
+FINISHED = frozenset({"completed", "failed", "expired", "cancelled"})  # a batch's last statuses
 
 
 class BatchRow(Base):
