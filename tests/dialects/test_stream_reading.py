@@ -220,3 +220,37 @@ async def test_tokens_escaped_any_json_way_are_told_as_their_text_and_broken_one
     done = next(e.data for e in told if e.data["type"] == "response.output_text.done")
     final = told[-1].data["response"]["output"][0]["content"][0]["text"]
     assert done["text"] == final == "Café / ok 😀\n"
+
+
+_HEAD = {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "m"}
+MISSHAPEN = {
+    "delta a string": {"choices": [{"index": 0, "delta": "x"}]},
+    "tool_calls an object": {"choices": [{"index": 0, "delta": {"tool_calls": {"a": 1}}}]},
+    "a call's index a word": {
+        "choices": [{"index": 0, "delta": {"tool_calls": [{"index": "a", "function": {"name": "f"}}]}}]
+    },
+    "a call's function a string": {
+        "choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": "f"}]}}]
+    },
+}
+
+
+@pytest.mark.parametrize("bad", list(MISSHAPEN))
+@pytest.mark.parametrize("exchange", [_responses_exchange, _messages_exchange])
+async def test_an_engine_event_of_another_shape_ends_the_answer_with_the_dialects_error(
+    exchange: Any, bad: str, openai_spec: Spec, anthropic_spec: Spec
+) -> None:
+    """Reading it raised inside the stream's write: the client's stream broke off with no closing event
+    (through the gateway, aiohttp then wrote a 500's head into the open body). Now the text so far is told
+    and the answer ends with the dialect's error event."""
+    text = {"choices": [{"index": 0, "delta": {"content": "Hi"}, "finish_reason": None}]}
+    writes = [_event({**_HEAD, **text}), _event({**_HEAD, **MISSHAPEN[bad]}), b"data: [DONE]\n\n"]
+    told = await _told(exchange(), writes)
+    kinds = [e.data["type"] for e in told]
+    if isinstance(told[0].data.get("message"), dict):  # Messages
+        # (Anthropic's error event is documented apart from MessageStreamEvent's union)
+        assert not _validate_stream(anthropic_spec, told, unlisted=frozenset({"ping", "error"}))
+        assert kinds[-1] == "error" and "content_block_delta" in kinds, kinds
+        return
+    assert not _validate_stream(openai_spec, told)
+    assert kinds[-2:] == ["error", "response.failed"] and "response.output_text.delta" in kinds, kinds

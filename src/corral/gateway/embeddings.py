@@ -18,6 +18,7 @@ import numpy as np
 import orjson
 
 from corral.protocol import EmbeddingRequest, InvalidRequest, UpstreamError
+from corral.protocol.usage import engine_usage
 
 __all__ = ["EmbeddingShaper", "upstream_body"]
 
@@ -74,11 +75,8 @@ class EmbeddingShaper:
 
 def _usage(reported: Any) -> dict[str, int]:
     """The engine's usage, or zeros where it reported none that can be read."""
-    try:
-        prompt = int(reported.get("prompt_tokens") or 0)
-        return {"prompt_tokens": prompt, "total_tokens": int(reported.get("total_tokens") or prompt)}
-    except (AttributeError, TypeError, ValueError):
-        return {"prompt_tokens": 0, "total_tokens": 0}
+    usage = engine_usage(reported) or {"prompt_tokens": 0, "total_tokens": 0}
+    return {"prompt_tokens": usage["prompt_tokens"], "total_tokens": usage["total_tokens"]}
 
 
 def _check_dimensions(body: EmbeddingRequest, size: int, matryoshka: bool) -> None:

@@ -25,6 +25,7 @@ import orjson
 
 from corral.gateway.context import RequestContext
 from corral.protocol import ChatCompletionRequest, CompletionRequest
+from corral.protocol.usage import engine_usage
 
 __all__ = ["Continuation", "Sent", "StallWatch", "Transcript", "can_fail_over", "continuation_body"]
 
@@ -138,10 +139,10 @@ class Continuation:
         if chunk is None:
             return event
         chunk["id"] = self._sent.id or chunk.get("id")
-        usage = chunk.get("usage")
-        if isinstance(usage, dict):
-            self.usage = self._whole_usage(usage)
-            if not self._keep_usage:
+        if isinstance(chunk.get("usage"), dict):
+            usage = engine_usage(chunk["usage"])
+            self.usage = None if usage is None else self._whole_usage(usage)
+            if not self._keep_usage or self.usage is None:
                 if not chunk.get("choices"):
                     return b""
                 del chunk["usage"]

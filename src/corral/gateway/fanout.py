@@ -26,6 +26,7 @@ from aiohttp import web
 from corral.engines import EngineFeatures
 from corral.gateway.context import RequestContext
 from corral.protocol import ChatCompletionRequest, CompletionRequest, InvalidRequest
+from corral.protocol.usage import engine_usage
 from corral.routing import RouteRequest
 
 __all__ = ["Fanout", "check_features", "needs_fanout"]
@@ -134,7 +135,8 @@ class Fanout:
             for k, answer in enumerate(answers)
             for choice in answer.get("choices", [])[:1]
         ]
-        merged["usage"] = ctx.usage
+        if ctx.usage is not None:  # (else the request is charged at its reservation: pipeline.py)
+            merged["usage"] = ctx.usage
         served_by = ",".join(sorted({p.replica.id for p in parts if p.replica}))
         return web.Response(
             body=orjson.dumps(merged),
@@ -179,11 +181,17 @@ def _json(response: web.StreamResponse) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
-def _usage(answers: list[dict[str, Any]], n: int) -> dict[str, int]:
-    """Each prompt's tokens once (its first choice's count), every choice's completion tokens."""
-    counts = [a.get("usage") or {} for a in answers]
-    prompt = sum(int(c.get("prompt_tokens") or 0) for c in counts[::n])
-    completion = sum(int(c.get("completion_tokens") or 0) for c in counts)
+def _usage(answers: list[dict[str, Any]], n: int) -> dict[str, int] | None:
+    """Each prompt's tokens once (its first choice's count), every choice's completion tokens; None where
+    a part's usage is there and cannot be read (a part without one, an error, counts none)."""
+    counts: list[dict[str, Any]] = []
+    for answer in answers:
+        usage = engine_usage(answer["usage"]) if answer.get("usage") is not None else {}
+        if usage is None:
+            return None
+        counts.append(usage)
+    prompt = sum(c.get("prompt_tokens", 0) for c in counts[::n])
+    completion = sum(c.get("completion_tokens", 0) for c in counts)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 

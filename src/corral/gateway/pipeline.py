@@ -429,10 +429,11 @@ class Pipeline:
         """Correct the reservation to real usage; record usage and metrics. A cache hit costs its tokens or
         only the request, as the model's `cache.charge` says."""
         reached_engine = ctx.replica is not None
-        if ctx.usage is None and reached_engine and status in _WORKED_UNCOUNTED:
+        if ctx.usage is None and reached_engine and (status in _WORKED_UNCOUNTED or status < 400):
             # The engine worked and its usage never reached us (a stream cut before its usage chunk, an
-            # answer past read_timeout): charged, and recorded, at its reservation (its prompt's estimate
-            # and max_tokens).
+            # answer past read_timeout, an engine that reported none or none that reads as counts:
+            # protocol/usage.py): charged, and recorded, at its reservation (its prompt's estimate and
+            # max_tokens).
             ctx.usage = _reserved_usage(ctx)
         usage = ctx.usage or {}
         used = int(usage.get("total_tokens") or 0)

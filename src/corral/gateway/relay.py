@@ -31,6 +31,7 @@ from corral.gateway.context import RequestContext
 from corral.gateway.failover import Continuation, Sent, StallWatch, Transcript, continuation_body
 from corral.gateway.sse import SSEFilter
 from corral.protocol import ChatCompletionRequest, NoCapacity, UpstreamError, UpstreamTimeout, error_body
+from corral.protocol.usage import engine_usage
 from corral.routing import Replica, Router, RouteRequest
 from corral.routing.adapters import Adapter, AdapterCatalogue
 
@@ -569,9 +570,10 @@ def _without_timings(body: bytes) -> bytes:
 
 
 def _usage_of(body: bytes) -> dict[str, Any] | None:
-    """The `usage` object of a JSON answer (None if it has none or is not JSON). Engines write it as the
-    answer's last member: then only that slice is parsed (it parses, with the object's closing brace cut
-    off, only if it is the last member of the outer object); anything else parses the whole body."""
+    """The `usage` object of a JSON answer, checked (engine_usage; None if it has none or is not JSON).
+    Engines write it as the answer's last member: then only that slice is parsed (it parses, with the
+    object's closing brace cut off, only if it is the last member of the outer object); anything else
+    parses the whole body."""
     at = body.rfind(_USAGE_KEY)
     if at > 0 and body[at - 1] != _BACKSLASH:  # (within a string its quotes would be escaped)
         tail = body[at + len(_USAGE_KEY) :].lstrip()
@@ -583,10 +585,9 @@ def _usage_of(body: bytes) -> dict[str, Any] | None:
                 except orjson.JSONDecodeError:
                     usage = None
                 if isinstance(usage, dict):
-                    return usage
+                    return engine_usage(usage)
     try:
         data = orjson.loads(body)
     except orjson.JSONDecodeError:
         return None
-    usage = data.get("usage") if isinstance(data, dict) else None
-    return usage if isinstance(usage, dict) else None
+    return engine_usage(data.get("usage")) if isinstance(data, dict) else None

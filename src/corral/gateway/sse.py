@@ -11,6 +11,8 @@ from typing import Any
 
 import orjson
 
+from corral.protocol.usage import engine_usage
+
 __all__ = ["SSEFilter"]
 
 _USAGE = b'"usage"'
@@ -82,7 +84,7 @@ class SSEFilter:
         usage = chunk.get("usage") if isinstance(chunk, dict) else None
         if not isinstance(usage, dict):
             return event
-        self.usage = usage
+        self.usage = engine_usage(usage)  # (counted only as checked; the client is told what came)
         if self._keep_usage:
             return event
         if not chunk.get("choices"):
