@@ -19,7 +19,7 @@ from corral.routing import Replica, ReplicaSet, ReplicaState, Router
 @dataclass
 class ScriptedUpstream:
     """Answers like llama-server, or misbehaves as `mode` says: ok, cut, stall (goes silent mid-stream),
-    cutwhole, fail503, hang, drop, answer."""
+    dribble (a byte every 0.1 s mid-stream, never an event), cutwhole, fail503, hang, drop, answer."""
 
     mode: str = "ok"
     chunks: int = 4
@@ -127,6 +127,9 @@ class ScriptedUpstream:
                     return response
                 if self.mode == "stall" and i == 1 and not continued:
                     await asyncio.sleep(3600)
+                while self.mode == "dribble" and i == 1 and not continued:  # bytes, never an event's end
+                    await response.write(b" ")
+                    await asyncio.sleep(0.1)
                 await asyncio.sleep(self.gap)
             await response.write(_event(_chunk("", finish="stop")))
             if (body.get("stream_options") or {}).get("include_usage"):

@@ -129,6 +129,22 @@ async def test_a_stream_silent_for_the_stall_timeout_continues_elsewhere(
         await server.stop()
 
 
+async def test_a_replica_dribbling_bytes_that_make_no_event_is_silent_too(
+    tmp_path: Path, engines: tuple[ScriptedUpstream, ScriptedUpstream]
+) -> None:
+    """A byte every 0.1 s and never an event's end: each read moved the stall timer on (and read_timeout
+    counts any byte), so the stream hung as long as the replica dribbled. Only an event moves it on now."""
+    engines[0].mode = "dribble"
+    settings = GatewaySettings(port=0, stall_timeout=0.6)
+    server, client, _ = await _client(tmp_path, engines, "deterministic", settings)
+    try:
+        text, finishes, _ = await asyncio.wait_for(_read(client, 0.0), 10)
+        assert text == "tok0 tok1 tok2 tok3 tok4 tok5 " and finishes == ["stop"]
+        assert len(engines[1].bodies) == 1  # it went on elsewhere
+    finally:
+        await server.stop()
+
+
 def _event(chunk: dict) -> bytes:
     return b"data: " + orjson.dumps(chunk) + b"\n\n"
 

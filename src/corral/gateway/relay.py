@@ -379,7 +379,9 @@ class Relay:
                     transcript.add(out)
                 if written is not None:
                     written.append(out)
-            if watch is not None:
+            if watch is not None and (out or watch.waiting_since is None):
+                # waiting for the next event from now; bytes that end no event move nothing on (a replica
+                # dribbling a byte at a time is as silent as one that sends none)
                 watch.waiting_since = watch.loop.time()
 
     async def _fail_over(
