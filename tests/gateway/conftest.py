@@ -19,7 +19,8 @@ from corral.routing import Replica, ReplicaSet, ReplicaState, Router
 @dataclass
 class ScriptedUpstream:
     """Answers like llama-server, or misbehaves as `mode` says: ok, cut, stall (goes silent mid-stream),
-    dribble (a byte every 0.1 s mid-stream, never an event), cutwhole, fail503, hang, drop, answer."""
+    dribble (a byte every 0.1 s mid-stream, never an event), flood (the same, 64 KB at a time), cutwhole,
+    fail503, hang, drop, answer."""
 
     mode: str = "ok"
     chunks: int = 4
@@ -130,6 +131,9 @@ class ScriptedUpstream:
                 while self.mode == "dribble" and i == 1 and not continued:  # bytes, never an event's end
                     await response.write(b" ")
                     await asyncio.sleep(0.1)
+                while self.mode == "flood" and i == 1 and not continued:  # 64 KB writes, never an event's end
+                    await response.write(b"x" * 65536)
+                    await asyncio.sleep(0)
                 await asyncio.sleep(self.gap)
             await response.write(_event(_chunk("", finish="stop")))
             if (body.get("stream_options") or {}).get("include_usage"):

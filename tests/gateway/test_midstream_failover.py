@@ -13,7 +13,7 @@ import pytest
 
 from corral.config import GatewaySettings
 from corral.engines import EngineFeatures
-from corral.gateway import GatewayServer
+from corral.gateway import GatewayServer, sse
 from corral.gateway.failover import Continuation, Sent, Transcript
 from corral.routing import Replica, ReplicaSet, ReplicaState, Router
 
@@ -136,6 +136,24 @@ async def test_a_replica_dribbling_bytes_that_make_no_event_is_silent_too(
     counts any byte), so the stream hung as long as the replica dribbled. Only an event moves it on now."""
     engines[0].mode = "dribble"
     settings = GatewaySettings(port=0, stall_timeout=0.6)
+    server, client, _ = await _client(tmp_path, engines, "deterministic", settings)
+    try:
+        text, finishes, _ = await asyncio.wait_for(_read(client, 0.0), 10)
+        assert text == "tok0 tok1 tok2 tok3 tok4 tok5 " and finishes == ["stop"]
+        assert len(engines[1].bodies) == 1  # it went on elsewhere
+    finally:
+        await server.stop()
+
+
+async def test_a_replica_flooding_one_endless_event_is_left_before_it_fills_the_gateway(
+    tmp_path: Path, engines: tuple[ScriptedUpstream, ScriptedUpstream], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """64 KB writes that never end an event: the gateway kept all of it (and searched all of it again on
+    each read) for as long as the replica wrote. Past MAX_EVENT_BYTES (1 MB here) the stream goes on
+    elsewhere."""
+    monkeypatch.setattr(sse, "MAX_EVENT_BYTES", 1024 * 1024)
+    engines[0].mode = "flood"
+    settings = GatewaySettings(port=0, stall_timeout=120)  # (not the stall watch: bytes come all the time)
     server, client, _ = await _client(tmp_path, engines, "deterministic", settings)
     try:
         text, finishes, _ = await asyncio.wait_for(_read(client, 0.0), 10)

@@ -6,10 +6,12 @@ from __future__ import annotations
 import asyncio
 
 import orjson
+import pytest
 from aiohttp import web
 
+from corral.gateway import sse
 from corral.gateway.relay import SSE_HEADERS, EventStream
-from corral.gateway.sse import SSEFilter
+from corral.gateway.sse import EventBuffer, EventTooLarge, SSEFilter
 
 CONTENT = b'data: {"choices":[{"index":0,"delta":{"content":"hi \\"usage\\""}}]}\n\n'
 FINISH = b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\n'
@@ -114,3 +116,17 @@ async def test_event_stream_without_events_still_sends_its_headers() -> None:
     first = await _first_read(write_event=False)
     assert first.startswith(b"HTTP/1.1 200 OK\r\n")
     assert first.endswith(b"0\r\n\r\n")  # the chunked body's end
+
+
+def test_an_event_split_across_reads_is_handed_on_whole_and_an_endless_one_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    buffer = EventBuffer()
+    assert buffer.complete(b"data: {") == b""
+    assert buffer.complete(b'"a":1}\n') == b""
+    assert buffer.complete(b"\ndata: {") == b'data: {"a":1}\n\n'  # (the separator across two reads)
+    assert buffer.complete(b"}\n\n") == b"data: {}\n\n"
+    monkeypatch.setattr(sse, "MAX_EVENT_BYTES", 1000)
+    buffer.complete(b"data: " + b"x" * 900)
+    with pytest.raises(EventTooLarge):
+        buffer.complete(b"x" * 200)

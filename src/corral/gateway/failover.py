@@ -24,6 +24,7 @@ from typing import Any
 import orjson
 
 from corral.gateway.context import RequestContext
+from corral.gateway.sse import EventBuffer
 from corral.protocol import ChatCompletionRequest, CompletionRequest
 from corral.protocol.usage import engine_usage
 
@@ -117,17 +118,14 @@ class Continuation:
         self._sent = sent
         self._keep_usage = keep_usage
         self._echo = sent.text if echoed else ""  # llama.cpp sends a continued chat message back first
-        self._pending = b""
+        self._buffer = EventBuffer()
         self.done = False
         self.usage: dict[str, Any] | None = None
 
     def feed(self, data: bytes) -> bytes:
-        data = self._pending + data
-        end = data.rfind(_SEP)
-        if end < 0:
-            self._pending = data
+        complete = self._buffer.complete(data)
+        if not complete:
             return b""
-        complete, self._pending = data[: end + len(_SEP)], data[end + len(_SEP) :]
         out = [self._rewrite(event) for event in complete.split(_SEP) if event]
         return b"".join(event + _SEP for event in out if event)
 

@@ -29,7 +29,7 @@ from corral.gateway.adapters import (
 )
 from corral.gateway.context import RequestContext
 from corral.gateway.failover import Continuation, Sent, StallWatch, Transcript, continuation_body
-from corral.gateway.sse import SSEFilter
+from corral.gateway.sse import EventTooLarge, SSEFilter
 from corral.protocol import ChatCompletionRequest, NoCapacity, UpstreamError, UpstreamTimeout, error_body
 from corral.protocol.usage import engine_usage
 from corral.routing import Replica, Router, RouteRequest
@@ -279,7 +279,7 @@ class Relay:
                 first = events.feed(data)
         except TimeoutError as exc:
             raise UpstreamTimeout(f"Replica {replica.id} sent no first token in time.") from exc
-        except EngineConnectionError as exc:
+        except (EngineConnectionError, EventTooLarge) as exc:
             raise _Retryable(f"{type(exc).__name__}: {exc}") from exc
 
         self._router.prefilled(replica, ctx.route)  # the first token came: the prompt is in its cache
@@ -370,7 +370,10 @@ class Relay:
                 return f"the replica failed mid-stream ({type(exc).__name__})"
             if not data:
                 return None if events.done else "the replica closed the stream before it was complete"
-            out = events.feed(data)
+            try:
+                out = events.feed(data)
+            except EventTooLarge as exc:
+                return str(exc)
             if out:
                 if watch is not None:
                     watch.waiting_since = None  # writing to the client: a slow client is no stall

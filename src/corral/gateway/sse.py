@@ -13,36 +13,69 @@ import orjson
 
 from corral.protocol.usage import engine_usage
 
-__all__ = ["SSEFilter"]
+__all__ = ["MAX_EVENT_BYTES", "EventBuffer", "EventTooLarge", "SSEFilter"]
 
 _USAGE = b'"usage"'
 _DONE = b"data: [DONE]"
 _SEP = b"\n\n"
+MAX_EVENT_BYTES = 8 * 1024 * 1024  # an engine's event at most (a token's is ~200 bytes)
+
+
+class EventTooLarge(Exception):
+    """A replica sent more than MAX_EVENT_BYTES without ending an event: a broken engine, not a stream."""
+
+
+class EventBuffer:
+    """A stream's bytes handed on as whole events. An event's start waits for its end, each read searched
+    once (a replica sending a long event a few bytes a read costs a search of each read, not of all it has
+    sent so far), and no more than MAX_EVENT_BYTES of it is kept (EventTooLarge)."""
+
+    __slots__ = ("_parts", "_size")
+
+    def __init__(self) -> None:
+        self._parts: list[bytes] = []
+        self._size = 0
+
+    def complete(self, data: bytes) -> bytes:
+        """The whole events among what came before and `data`; b"" while none has ended."""
+        if self._parts:
+            if data.find(_SEP) < 0 and not (data[:1] == b"\n" and self._parts[-1][-1:] == b"\n"):
+                self._keep(data)  # the same event goes on
+                return b""
+            data = b"".join(self._parts) + data
+            self._parts.clear()
+            self._size = 0
+        if data.endswith(_SEP):
+            return data
+        end = data.rfind(_SEP) + len(_SEP)  # (rare: an event split across reads; its start kept for later)
+        self._keep(data[end:] if end >= len(_SEP) else data)
+        return data[:end] if end >= len(_SEP) else b""
+
+    def _keep(self, part: bytes) -> None:
+        self._parts.append(part)
+        self._size += len(part)
+        if self._size > MAX_EVENT_BYTES:
+            raise EventTooLarge(f"the replica sent {self._size:,} bytes without ending an event")
 
 
 class SSEFilter:
     """Feeds upstream bytes, returns bytes for the client; notes usage and whether the stream finished."""
 
-    __slots__ = ("_keep_usage", "_pending", "done", "events", "usage")
+    __slots__ = ("_buffer", "_keep_usage", "done", "events", "usage")
 
     def __init__(self, keep_usage: bool) -> None:
         self._keep_usage = keep_usage
-        self._pending = b""
+        self._buffer = EventBuffer()
         self.done = False
         self.usage: dict[str, Any] | None = None
         self.events = 0  # reads of complete events fed through: what a stream without its usage pays at least
 
     def feed(self, data: bytes) -> bytes:
-        """Bytes of the complete events in `pending + data`; a partial event waits for the next chunk."""
-        if self._pending:
-            data = self._pending + data
-            self._pending = b""
-        if not data.endswith(_SEP):  # rare: an event split across reads; keep its start for later
-            end = data.rfind(_SEP) + len(_SEP)
-            if end < len(_SEP):
-                self._pending = data
-                return b""
-            data, self._pending = data[:end], data[end:]
+        """Bytes of the complete events in what came before and `data`; a partial event waits for the next
+        chunk (EventTooLarge past MAX_EVENT_BYTES)."""
+        data = self._buffer.complete(data)
+        if not data:
+            return b""
         self.events += 1  # (one event a read as engines stream; a read of several counts once: never over)
         usage, done = data.find(_USAGE), data.find(_DONE)
         if usage < 0 and done < 0:
