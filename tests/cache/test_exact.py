@@ -332,10 +332,12 @@ async def test_a_tenant_past_its_cache_share_loses_its_own_oldest_answers_in_eit
         assert await store.get("bob/m/1") == b"b" * 30
         kept = [i for i in range(10) if await store.get(f"eve/m/{i}") is not None]
         assert kept == [7, 8, 9], store.stats()  # 90 of her 100 bytes: her three newest
-        await store.put("eve/m/big", b"e" * 101, ttl_s=60)  # over her whole share: not kept
+        # over her whole share: not kept, and said so (its question's vector is then not indexed: a refused
+        # entry's vector held index memory past every byte bound)
+        assert await store.put("eve/m/big", b"e" * 101, ttl_s=60) is False
         assert await store.get("eve/m/big") is None and await store.get("eve/m/9") is not None
         assert await store.purge("eve", None) == 3
-        await store.put("eve/m/new", b"e" * 100, ttl_s=60)  # the purge took her entries off the books
+        assert await store.put("eve/m/new", b"e" * 100, ttl_s=60)  # the purge took her entries off the books
         assert await store.get("eve/m/new") is not None
     client = aioredis.from_url("redis://127.0.0.1:6379/0")
     assert int(await client.hget(f"{prefix.rstrip(':')}-books:eve:sizes", "")) == 100

@@ -118,3 +118,20 @@ def test_a_question_of_sixteen_thousand_words_is_checked_in_linear_time() -> Non
         return min(times)
 
     assert best_of_three(16_000) < 64 * best_of_three(1_000)
+
+
+async def test_a_group_of_one_entry_holds_one_vector_not_sixteen() -> None:
+    """Each distinct context (a seed, a max_tokens) starts a group: its matrix began at 16 rows, so a tenant
+    sending one-entry contexts made the index hold 16 times the vectors' bytes, past the cache's byte
+    bounds (which count only entries). It starts at one row and doubles."""
+    rng = np.random.default_rng(2)
+    vectors = rng.standard_normal((2000, 384)).astype(np.float32)
+    index = SemanticIndex()
+    for i, vector in enumerate(vectors):
+        await index.add(f"context-{i}", f"k{i}", vector)
+    held = sum(group.matrix.nbytes for group in index._groups.values() if group.matrix is not None)
+    assert held == vectors.nbytes
+    for i, vector in enumerate(rng.standard_normal((40, 384)).astype(np.float32)):
+        await index.add("context-0", f"more{i}", vector)
+    assert index.nearest("context-0", vectors[0]).key == "k0"  # type: ignore[union-attr]
+    assert index._groups["context-0"].matrix.shape[0] == 64  # type: ignore[union-attr]  # 41 rows: doubled

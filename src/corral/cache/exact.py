@@ -258,8 +258,8 @@ class ExactCache:
         """Kept in the background: the answer is already on its way to the client."""
 
         async def put() -> None:
-            await self.store.put(lookup.key, entry.encode(), lookup.policy.ttl_s)
-            if entry.group is not None and lookup.vector is not None:
+            kept = await self.store.put(lookup.key, entry.encode(), lookup.policy.ttl_s)
+            if kept and entry.group is not None and lookup.vector is not None:  # (refused: not indexed)
                 await self.index.add(entry.group, lookup.key, lookup.vector)
 
         task = asyncio.create_task(put())

@@ -85,8 +85,8 @@ class _Group:
     async def add(self, key: str, vector: Vector) -> None:
         if key in self.ids:
             return
-        if self.matrix is None:
-            self.matrix = np.zeros((16, len(vector)), dtype=np.float32)
+        if self.matrix is None:  # (one row: most groups hold one entry; a tenant can make many groups)
+            self.matrix = np.zeros((1, len(vector)), dtype=np.float32)
         if len(vector) != self.matrix.shape[1]:
             return  # another embedding model's vector (the context's digest names the model; defensive)
         row = len(self.keys)

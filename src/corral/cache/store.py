@@ -86,7 +86,9 @@ def _quote(part: str) -> str:
 class CacheStore(Protocol):
     async def get(self, key: str) -> bytes | None: ...
 
-    async def put(self, key: str, value: bytes, ttl_s: float) -> None: ...
+    async def put(self, key: str, value: bytes, ttl_s: float) -> bool:
+        """Keep an entry; whether it was kept (not past a tenant's share, the store answering)."""
+        ...
 
     async def purge(self, tenant: str | None, model: str | None) -> int: ...
 
@@ -131,9 +133,9 @@ class MemoryStore:
         self._tenants[_owner(key)].move_to_end(key)
         return value
 
-    async def put(self, key: str, value: bytes, ttl_s: float) -> None:
+    async def put(self, key: str, value: bytes, ttl_s: float) -> bool:
         if len(value) > self._tenant_max:
-            return
+            return False
         self._drop(key)
         owner = _owner(key)
         self._entries[key] = (time.monotonic() + ttl_s, value)
@@ -145,6 +147,7 @@ class MemoryStore:
         while self._bytes > self._max:
             hog = max(self._held, key=self._held.__getitem__)
             self._drop(next(iter(self._tenants[hog])))
+        return key in self._entries
 
     async def purge(self, tenant: str | None, model: str | None) -> int:
         doomed = [k for k in self._entries if key_matches(k, tenant, model)]
@@ -227,14 +230,16 @@ class RedisStore:
         books = self._books + _owner(name)
         return [self._prefix + name, books + ":order", books + ":sizes"]
 
-    async def put(self, key: str, value: bytes, ttl_s: float) -> None:
+    async def put(self, key: str, value: bytes, ttl_s: float) -> bool:
         if time.monotonic() < self._down_until or len(value) > self._tenant_max:
-            return
+            return False
         ttl_ms, now_ms = max(1, round(ttl_s * 1000)), round(time.time() * 1000)
         try:
             await self._put(keys=self._keys(key), args=[value, ttl_ms, now_ms, self._tenant_max])
         except self._errors as exc:
             self._failed("put", exc)
+            return False
+        return True
 
     async def purge(self, tenant: str | None, model: str | None) -> int:
         """Remove matching entries; StoreUnavailable when Redis does not answer."""
