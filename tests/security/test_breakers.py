@@ -6,6 +6,7 @@ leaves routing."""
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
@@ -140,6 +141,55 @@ async def test_a_tenants_long_requests_past_the_read_timeout_leave_the_replica_t
             assert await ask(session, "bob", "hello") == 200
             assert await asyncio.gather(*(ask(session, "eve", "long") for _ in range(3))) == [504] * 3
             assert replica.breaker.state is CircuitState.OPEN  # no one served meanwhile: it looks hung
+    finally:
+        await server.stop()
+        await runner.cleanup()
+
+
+async def test_a_tenants_streams_the_engine_cuts_leave_the_replica_to_everyone(tmp_path: Path) -> None:
+    """Eve's prompts make the engine cut its streams (a token, then the connection closed): each cut
+    counted as the replica's own fault, so three of them opened its breaker and bob found no replica. A
+    replica that served bob while eve's streams ran is alive; with no one served in between, it opens."""
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        if "poison" not in str(body["messages"]):
+            return web.json_response(_OK)
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        chunk = {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "m"}
+        chunk["choices"] = [{"index": 0, "delta": {"content": "tok"}, "finish_reason": None}]
+        await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        await asyncio.sleep(0.3)
+        assert request.transport is not None
+        request.transport.close()
+        return response
+
+    runner = await _engine(chat)
+    settings = GatewaySettings(port=0, retries=0)
+    server, replicas, ask = await _gateway(tmp_path, [f"http://127.0.0.1:{runner.addresses[0][1]}"], settings)
+    (replica,) = replicas.of("m")
+
+    async def cut(session: aiohttp.ClientSession) -> bytes:
+        body = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "poison"}]}
+        async with session.post(
+            f"http://127.0.0.1:{server.port}/v1/chat/completions",
+            json=body,
+            headers={"Authorization": f"Bearer {eve}"},
+        ) as r:
+            return await r.read()
+
+    eve = server._parts.keys.create("eve")[0]  # (another key of eve's)
+    try:
+        async with aiohttp.ClientSession() as session:
+            streams = asyncio.gather(*(cut(session) for _ in range(3)))
+            await asyncio.sleep(0.1)
+            assert await ask(session, "bob", "hello") == 200  # served while eve's streams run
+            assert all(b"stream_truncated" in told for told in await streams)
+            assert replica.breaker.state is CircuitState.CLOSED
+            assert await ask(session, "bob", "hello") == 200
+            await asyncio.gather(*(cut(session) for _ in range(3)))
+            assert replica.breaker.state is CircuitState.OPEN  # no one served meanwhile: the replica's fault
     finally:
         await server.stop()
         await runner.cleanup()

@@ -144,8 +144,11 @@ class Relay:
                 if shared is not None:
                     ctx.held += await self._router.hold(shared)
                 response = await self._attempt(replica, ctx, request)
-                outcome = response.status < 500 and not ctx.replica_failed
-                answered = response.status >= 500 and not ctx.replica_failed  # the engine's 5xx answer
+                cut = ctx.replica_failed
+                outcome = response.status < 500 and not cut
+                # the engine's 5xx answer, or a stream cut while the replica served others meanwhile (it is
+                # alive: the request, its tenant's, is what failed): the breaker hears of it with the tenant
+                answered = (response.status >= 500 and not cut) or (cut and replica.succeeded != succeeded)
                 return response
             except _Reload as exc:
                 outcome, failure = None, str(exc)
