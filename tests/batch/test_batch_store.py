@@ -15,14 +15,14 @@ from tempfile import SpooledTemporaryFile
 import orjson
 import pytest
 import redis
-from sqlalchemy import select
+from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from corral.batch import BatchStore, LineResult, NewBatch, jobs, queue_sql
 from corral.batch.queue import ResultRow
 from corral.batch.queue_redis import RedisLines
 from corral.store import open_database
-from corral.store.batch_rows import BatchLineRow
+from corral.store.batch_rows import BatchLineRow, BatchRow
 
 REDIS = "redis://127.0.0.1:6379/0"
 
@@ -320,9 +320,13 @@ def test_sql_tidying_drops_the_lines_of_finished_and_vanished_batches_only(
     monkeypatch.undo()
     with Session(store.lines._engine) as session, session.begin():
         store.lines.add(session, "batch_gone", "m", "acme", [("x", b"{}")])  # no batch row at all
+        # a store from before the row kept its counts: they were counted from the lines
+        session.execute(update(BatchRow).where(BatchRow.id == finished).values(counts=None))
     assert _queued(store, finished) == 3 and _queued(store, "batch_gone") == 1
     assert store.tidy() == 2
     assert _queued(store, finished) == 0 and _queued(store, "batch_gone") == 0
+    found = store.batch("acme", finished)  # its counts were kept before its lines went
+    assert found is not None and found.counts == {"total": 3, "completed": 3, "failed": 0}
     assert _queued(store, running) == 2
     assert store.tidy() == 0
 

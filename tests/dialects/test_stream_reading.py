@@ -16,6 +16,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from corral.dialects.anthropic_messages import MessagesExchange, MessagesRequest
+from corral.dialects.chunks import ChunkReader
 from corral.dialects.openai_responses import ResponsesExchange, ResponsesRequest
 from corral.gateway.relay import SSE_HEADERS
 from corral.store import ResponseStore
@@ -235,22 +236,46 @@ MISSHAPEN = {
 }
 
 
+@pytest.mark.parametrize("together", [False, True], ids=["apart", "in-one-write"])
 @pytest.mark.parametrize("bad", list(MISSHAPEN))
 @pytest.mark.parametrize("exchange", [_responses_exchange, _messages_exchange])
 async def test_an_engine_event_of_another_shape_ends_the_answer_with_the_dialects_error(
-    exchange: Any, bad: str, openai_spec: Spec, anthropic_spec: Spec
+    exchange: Any, bad: str, together: bool, openai_spec: Spec, anthropic_spec: Spec
 ) -> None:
     """Reading it raised inside the stream's write: the client's stream broke off with no closing event
-    (through the gateway, aiohttp then wrote a 500's head into the open body). Now the text so far is told
-    and the answer ends with the dialect's error event."""
+    (through the gateway, aiohttp then wrote a 500's head into the open body). Now the text so far is told,
+    also when it came in the same write, and the answer ends with the dialect's error event."""
     text = {"choices": [{"index": 0, "delta": {"content": "Hi"}, "finish_reason": None}]}
-    writes = [_event({**_HEAD, **text}), _event({**_HEAD, **MISSHAPEN[bad]}), b"data: [DONE]\n\n"]
-    told = await _told(exchange(), writes)
+    events = [_event({**_HEAD, **text}), _event({**_HEAD, **MISSHAPEN[bad]})]
+    writes = [b"".join(events)] if together else events
+    told = await _told(exchange(), [*writes, b"data: [DONE]\n\n"])
     kinds = [e.data["type"] for e in told]
     if isinstance(told[0].data.get("message"), dict):  # Messages
         # (Anthropic's error event is documented apart from MessageStreamEvent's union)
         assert not _validate_stream(anthropic_spec, told, unlisted=frozenset({"ping", "error"}))
-        assert kinds[-1] == "error" and "content_block_delta" in kinds, kinds
+        assert kinds[-1] == "error", kinds
+        assert [e.data["delta"]["text"] for e in told if e.data["type"] == "content_block_delta"] == ["Hi"]
         return
     assert not _validate_stream(openai_spec, told)
-    assert kinds[-2:] == ["error", "response.failed"] and "response.output_text.delta" in kinds, kinds
+    assert kinds[-2:] == ["error", "response.failed"], kinds
+    assert [e.data["delta"] for e in told if e.data["type"] == "response.output_text.delta"] == ["Hi"]
+
+
+def test_a_token_read_the_short_way_is_its_escaped_text_and_nothing_else_is() -> None:
+    """`ChunkReader.one`: once a text delta taught the template, an event around any JSON string's inside
+    is read as that inside, escaped quotes and all (they took the long way before); an event whose text
+    does not parse as one string (two events in one write, a stray quote, a broken escape) is not."""
+    reader = ChunkReader()
+    text = {"choices": [{"index": 0, "delta": {"content": "Hi"}, "finish_reason": None}]}
+    reader.read(_event({**_HEAD, **text}))
+
+    def event(inside: bytes) -> bytes:
+        return _event({**_HEAD, **text}).replace(b'"Hi"', b'"' + inside + b'"')
+
+    assert reader.one(event(b'say \\"yes\\"')) == b'say \\"yes\\"'
+    assert reader.one(event(b"caf\\u00e9 \\\\")) == b"caf\\u00e9 \\\\"
+    assert reader.one(event(b"")) == b""
+    assert reader.one(event(b"a") + event(b"b")) is None  # two events: the general path reads them
+    assert reader.one(event(b'stray " quote')) is None
+    assert reader.one(event(b"broken \\x escape")) is None
+    assert reader.one(event(b"\\ud800 lone surrogate")) is None

@@ -15,13 +15,16 @@ from pathlib import Path
 import aiohttp
 import numpy as np
 import openai
+import orjson
 import pytest
 
 from corral.config import AuthSettings, GatewaySettings, LimitsSettings, QueueSettings, StoreSettings
 from corral.engines import EngineFeatures
 from corral.gateway import GatewayParts, GatewayServer
+from corral.gateway.embeddings import EmbeddingShaper
 from corral.perf import load_catalog
 from corral.perf.calibration import calibrated_efficiency
+from corral.protocol import EmbeddingRequest
 from corral.routing import Replica, ReplicaSet, ReplicaState, Router
 from corral.sim import SimFleet, SimOptions, build_server
 
@@ -176,3 +179,23 @@ async def test_endpoints_refuse_the_other_kind_of_model_and_bad_input(
             await client.embeddings.create(model="e", input="hi", encoding_format="hex")  # type: ignore[arg-type]
     finally:
         await server.stop()
+
+
+@pytest.mark.parametrize(
+    ("reported", "told"),
+    [
+        ({"prompt_tokens": 4, "total_tokens": 4}, 4),
+        (None, 7),  # none: the prompt's estimate (it was 0: an engine without usage served for free)
+        ({"prompt_tokens": "4", "total_tokens": 4}, 7),
+        ({"prompt_tokens": -5, "total_tokens": -5}, 7),
+    ],
+)
+def test_an_embedding_answer_without_usage_that_reads_is_told_and_charged_the_prompts_estimate(
+    reported: object, told: int
+) -> None:
+    engine: dict[str, object] = {"data": [{"index": i, "embedding": [0.6, 0.8]} for i in range(2)]}
+    if reported is not None:
+        engine["usage"] = reported
+    body = EmbeddingRequest.model_validate({"model": "e", "input": ["a", "b"]})
+    shaped, usage = EmbeddingShaper().shape(orjson.dumps(engine), body, False, estimate=7)
+    assert usage == {"prompt_tokens": told, "total_tokens": told} == orjson.loads(shaped)["usage"]

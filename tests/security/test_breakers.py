@@ -193,3 +193,44 @@ async def test_a_tenants_streams_the_engine_cuts_leave_the_replica_to_everyone(t
     finally:
         await server.stop()
         await runner.cleanup()
+
+
+async def test_streams_gone_silent_still_open_the_breaker_while_others_are_served(tmp_path: Path) -> None:
+    """A stream that goes silent is the replica's fault even if it served others meanwhile (a hung engine
+    holding streams while its HTTP server still answers): counted as its tenant's, a one-tenant cluster's
+    stalled streams never opened it, and new requests waited out read_timeout there."""
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        if "hang" not in str(body["messages"]):
+            return web.json_response(_OK)
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        chunk = {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "m"}
+        chunk["choices"] = [{"index": 0, "delta": {"content": "tok"}, "finish_reason": None}]
+        await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        await asyncio.sleep(3)  # (past read_timeout: silent)
+        return response
+
+    runner = await _engine(chat)
+    settings = GatewaySettings(port=0, retries=0, stall_timeout=0.5, read_timeout=0.5)
+    server, replicas, ask = await _gateway(tmp_path, [f"http://127.0.0.1:{runner.addresses[0][1]}"], settings)
+    (replica,) = replicas.of("m")
+    eve = server._parts.keys.create("eve")[0]  # (another key of eve's)
+
+    async def stalled(session: aiohttp.ClientSession) -> bytes:
+        body = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "hang"}]}
+        url = f"http://127.0.0.1:{server.port}/v1/chat/completions"
+        async with session.post(url, json=body, headers={"Authorization": f"Bearer {eve}"}) as r:
+            return await r.read()
+
+    try:
+        async with aiohttp.ClientSession() as session:
+            streams = asyncio.gather(*(stalled(session) for _ in range(3)))
+            await asyncio.sleep(0.1)
+            assert await ask(session, "bob", "hello") == 200  # served while eve's streams hang
+            assert all(b"stream_truncated" in told for told in await streams)
+            assert replica.breaker.state is CircuitState.OPEN
+    finally:
+        await server.stop()
+        await runner.cleanup()

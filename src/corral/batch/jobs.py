@@ -346,13 +346,21 @@ class BatchStore:
 
     def tidy(self) -> int:
         """What the queue holds for batches no longer running (a gateway died between finalising a batch
-        and dropping its lines); how many batches' lines were dropped."""
-        with Session(self._engine, expire_on_commit=False) as session:
+        and dropping its lines); how many batches' lines were dropped. A finished batch of a store from
+        before its row kept its counts has them counted from its lines first (they go)."""
+        with Session(self._engine, expire_on_commit=False) as session, session.begin():
             unfinished = set(
                 session.scalars(
                     select(BatchRow.id).where(BatchRow.status.not_in(FINISHED), self._mine())
                 ).all()
             )
+            finished = session.execute(
+                select(BatchRow.id, BatchRow.counts).where(BatchRow.status.in_(FINISHED), self._mine())
+            ).all()
+            uncounted = [batch_id for batch_id, counts in finished if counts is None]  # (SQL or JSON null)
+            counted = self.lines.counts(session, uncounted) if uncounted else {}
+            for batch_id, counts in counted.items():
+                session.execute(update(BatchRow).where(BatchRow.id == batch_id).values(counts=counts))
         return self.lines.tidy(unfinished)
 
     def _finish(self, batch_id: str) -> bool:

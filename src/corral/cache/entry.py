@@ -57,7 +57,7 @@ class Entry:
             raw["chat"],
             events,
             raw["body"].encode(),
-            raw["usage"],
+            engine_usage(raw["usage"]),  # (checked again: an entry an older gateway kept in a shared Redis)
             raw.get("group"),
             raw.get("vector"),
             raw.get("question"),

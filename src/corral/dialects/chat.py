@@ -202,20 +202,22 @@ class DialectStream(web.StreamResponse):
             buffered, self._rest = buffered[:end], buffered[end:]
         self._plain = False  # (until the events are read: a failure there leaves the short way shut)
         if buffered and not self.ended:
+            texts: list[str] = []
             try:
-                await self._read(buffered, out)
+                await self._read(buffered, out, texts)
             except _MISSHAPEN as exc:  # an engine's event of another shape (`delta: "x"`, `index: "a"`)
                 logger.warning("an engine's stream could not be read (%s: %s)", type(exc).__name__, exc)
+                out.append(self._told(texts))  # (the text read before it is told)
                 await self._cut(out, "The engine's stream could not be read; its answer ends here.")
         self._plain = not self._rest and not self.ended
         if out:
             await _write(self, b"".join(out))
 
-    async def _read(self, events: bytes, out: list[bytes]) -> None:
+    async def _read(self, events: bytes, out: list[bytes], texts: list[str]) -> None:
         """Tell whole events in the encoder's; text read in one write is told as one delta at its end
-        (tokens that came together, an engine ahead of its client, cost one event, not one each)."""
+        (tokens that came together, an engine ahead of its client, cost one event, not one each; `texts`
+        holds what is read and not yet told)."""
         chunks, done = self._reader.read(events)
-        texts: list[str] = []
         answer = self.encoder.answer
         for chunk in chunks:
             if chunk.__class__ is list:  # a run of text deltas (chunks.py)
@@ -235,7 +237,8 @@ class DialectStream(web.StreamResponse):
                 delta = choice.get("delta")
                 if delta:
                     if delta.get("reasoning_content") or delta.get("reasoning") or delta.get("tool_calls"):
-                        out.append(self._told(texts) + self._other(delta))
+                        out.append(self._told(texts))
+                        out.append(self._other(delta))
                     content = delta.get("content")
                     if content:
                         texts.append(str(content))

@@ -35,6 +35,7 @@ class RequestContext:
     fanout: bool = False  # the gateway answers it with several single-choice engine requests
     failover: bool = False  # a stream cut after its first byte may be continued on another replica
     replica_failed: bool = False  # its replica failed mid-answer (told to the circuit breaker)
+    replica_silent: bool = False  # ... by going silent (a stall or read timeout: never its tenant's doing)
     headers: dict[str, str] = field(default_factory=dict)  # extra response headers (x-corral-cache)
     written: list[bytes] | None = None  # a stream's events as written, kept for the cache when set
     whole: bytes | None = None  # a whole answer's body, kept for the cache when `written` is set

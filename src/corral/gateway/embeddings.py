@@ -47,9 +47,10 @@ class EmbeddingShaper:
             _check_dimensions(body, size, matryoshka)
 
     def shape(
-        self, engine_body: bytes, body: EmbeddingRequest, matryoshka: bool
+        self, engine_body: bytes, body: EmbeddingRequest, matryoshka: bool, estimate: int = 0
     ) -> tuple[bytes, dict[str, Any]]:
-        """The client's answer and its usage."""
+        """The client's answer and its usage (the prompt's `estimate` where the engine told none that
+        reads: what the request is then charged)."""
         try:
             answer = orjson.loads(engine_body)
             items = sorted(answer["data"], key=lambda item: int(item["index"]))
@@ -64,7 +65,7 @@ class EmbeddingShaper:
         if body.dimensions is not None and body.dimensions != vectors.shape[1]:
             _check_dimensions(body, vectors.shape[1], matryoshka)
             vectors = _shorten(vectors, body.dimensions)
-        usage = _usage(answer.get("usage"))
+        usage = _usage(answer.get("usage"), estimate)
         data = [
             {"object": "embedding", "index": i, "embedding": _encode(v, body.encoding_format)}
             for i, v in enumerate(vectors)
@@ -73,9 +74,11 @@ class EmbeddingShaper:
         return orjson.dumps(shaped, option=orjson.OPT_SERIALIZE_NUMPY), usage
 
 
-def _usage(reported: Any) -> dict[str, int]:
-    """The engine's usage, or zeros where it reported none that can be read."""
-    usage = engine_usage(reported) or {"prompt_tokens": 0, "total_tokens": 0}
+def _usage(reported: Any, estimate: int) -> dict[str, int]:
+    """The engine's usage, or the prompt's estimate where it reported none that can be read."""
+    usage = engine_usage(reported) if reported is not None else None
+    if usage is None:
+        return {"prompt_tokens": estimate, "total_tokens": estimate}
     return {"prompt_tokens": usage["prompt_tokens"], "total_tokens": usage["total_tokens"]}
 
 

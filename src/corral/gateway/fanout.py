@@ -125,7 +125,7 @@ class Fanout:
             raise
         answers = [_json(r) for r in responses]
         ctx.replica = parts[-1].replica
-        ctx.usage = _usage(answers, body.n)
+        ctx.usage = _usage(answers, body.n, [r.status for r in responses])
         failed = next((r for r in responses if r.status != 200), None)
         if failed is not None:
             return failed
@@ -135,8 +135,10 @@ class Fanout:
             for k, answer in enumerate(answers)
             for choice in answer.get("choices", [])[:1]
         ]
-        if ctx.usage is not None:  # (else the request is charged at its reservation: pipeline.py)
+        if ctx.usage is not None:
             merged["usage"] = ctx.usage
+        else:  # (the request is charged at its reservation: pipeline.py; no part's own counts are told)
+            merged.pop("usage", None)
         served_by = ",".join(sorted({p.replica.id for p in parts if p.replica}))
         return web.Response(
             body=orjson.dumps(merged),
@@ -181,12 +183,12 @@ def _json(response: web.StreamResponse) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
-def _usage(answers: list[dict[str, Any]], n: int) -> dict[str, int] | None:
+def _usage(answers: list[dict[str, Any]], n: int, statuses: list[int]) -> dict[str, int] | None:
     """Each prompt's tokens once (its first choice's count), every choice's completion tokens; None where
-    a part's usage is there and cannot be read (a part without one, an error, counts none)."""
+    a part the engine answered has no usage that reads (a part refused, an error, counts none)."""
     counts: list[dict[str, Any]] = []
-    for answer in answers:
-        usage = engine_usage(answer["usage"]) if answer.get("usage") is not None else {}
+    for answer, status in zip(answers, statuses, strict=True):
+        usage = engine_usage(answer.get("usage")) if status == 200 else {}
         if usage is None:
             return None
         counts.append(usage)

@@ -275,7 +275,7 @@ class Pipeline:
         answer = response.body if isinstance(response, web.Response) else None
         if response.status != 200 or not isinstance(answer, bytes):
             return response
-        shaped, ctx.usage = self._embeddings.shape(answer, body, matryoshka)
+        shaped, ctx.usage = self._embeddings.shape(answer, body, matryoshka, ctx.route.prompt_tokens)
         headers = {k: v for k, v in response.headers.items() if k.lower().startswith("x-corral-")}
         return web.Response(body=shaped, content_type="application/json", headers=headers)
 

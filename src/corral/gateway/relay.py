@@ -55,6 +55,7 @@ _CONTINUE_FAILURES = (
     ValueError,
     TypeError,
 )
+_SILENT = "the replica stopped sending tokens"  # a stream's problem: a stall or a read timeout
 SSE_HEADERS = {
     "Content-Type": "text/event-stream",
     "Cache-Control": "no-cache",
@@ -146,9 +147,11 @@ class Relay:
                 response = await self._attempt(replica, ctx, request)
                 cut = ctx.replica_failed
                 outcome = response.status < 500 and not cut
-                # the engine's 5xx answer, or a stream cut while the replica served others meanwhile (it is
-                # alive: the request, its tenant's, is what failed): the breaker hears of it with the tenant
-                answered = (response.status >= 500 and not cut) or (cut and replica.succeeded != succeeded)
+                # the engine's 5xx answer, or a stream the engine cut (not one gone silent: a hung engine's)
+                # while the replica served others meanwhile (it is alive: the request, its tenant's, is what
+                # failed): the breaker hears of it with the tenant
+                alive = replica.succeeded != succeeded and not ctx.replica_silent
+                answered = (response.status >= 500 and not cut) or (cut and alive)
                 return response
             except _Reload as exc:
                 outcome, failure = None, str(exc)
@@ -282,8 +285,10 @@ class Relay:
                 first = events.feed(data)
         except TimeoutError as exc:
             raise UpstreamTimeout(f"Replica {replica.id} sent no first token in time.") from exc
-        except (EngineConnectionError, EventTooLarge) as exc:
+        except EngineConnectionError as exc:
             raise _Retryable(f"{type(exc).__name__}: {exc}") from exc
+        except EventTooLarge as exc:  # (the request's answer, not the replica: not retried, not its fault)
+            raise UpstreamError(f"Replica {replica.id} sent an event too large to relay: {exc}.") from exc
 
         self._router.prefilled(replica, ctx.route)  # the first token came: the prompt is in its cache
         served_by = {"x-corral-replica": replica.id} if self.replica_header else {}
@@ -303,6 +308,7 @@ class Relay:
             ctx.complete = problem is None
             if problem is not None:
                 ctx.replica_failed = True  # the breaker hears of it, whatever happens to the stream
+                ctx.replica_silent = problem == _SILENT
                 ctx.written = None  # a stream continued elsewhere, or cut, is not kept
             if problem is not None and transcript is not None:
                 upstream.close()  # let go of the failed replica before asking another one
@@ -350,7 +356,7 @@ class Relay:
             return await self._copy(upstream, events, response, transcript, written, watch)
         except asyncio.CancelledError:
             if watch.expired and watch.task.uncancel() == 0:  # the watch's doing, and no one else's
-                return "the replica stopped sending tokens"
+                return _SILENT
             raise
         finally:
             watch.stop()
@@ -368,7 +374,7 @@ class Relay:
             try:
                 data = await upstream.chunk()
             except TimeoutError:  # the read timeout (the stall watch cancels the copy from outside)
-                return "the replica stopped sending tokens"
+                return _SILENT
             except EngineConnectionError as exc:
                 return f"the replica failed mid-stream ({type(exc).__name__})"
             if not data:

@@ -18,7 +18,9 @@ __all__ = ["MAX_EVENT_BYTES", "EventBuffer", "EventTooLarge", "SSEFilter"]
 _USAGE = b'"usage"'
 _DONE = b"data: [DONE]"
 _SEP = b"\n\n"
-MAX_EVENT_BYTES = 8 * 1024 * 1024  # an engine's event at most (a token's is ~200 bytes)
+# an engine's event at most, its separator beside (a token's is ~200 bytes; vLLM's first event of a 32k-token
+# prompt echoed with its logprobs ~11 MB)
+MAX_EVENT_BYTES = 32 * 1024 * 1024
 
 
 class EventTooLarge(Exception):
@@ -28,7 +30,7 @@ class EventTooLarge(Exception):
 class EventBuffer:
     """A stream's bytes handed on as whole events. An event's start waits for its end, each read searched
     once (a replica sending a long event a few bytes a read costs a search of each read, not of all it has
-    sent so far), and no more than MAX_EVENT_BYTES of it is kept (EventTooLarge)."""
+    sent so far), and no more than MAX_EVENT_BYTES of it (and its separator) is kept (EventTooLarge)."""
 
     __slots__ = ("_parts", "_size")
 
@@ -38,6 +40,8 @@ class EventBuffer:
 
     def complete(self, data: bytes) -> bytes:
         """The whole events among what came before and `data`; b"" while none has ended."""
+        if not data:
+            return b""
         if self._parts:
             if data.find(_SEP) < 0 and not (data[:1] == b"\n" and self._parts[-1][-1:] == b"\n"):
                 self._keep(data)  # the same event goes on
@@ -54,7 +58,7 @@ class EventBuffer:
     def _keep(self, part: bytes) -> None:
         self._parts.append(part)
         self._size += len(part)
-        if self._size > MAX_EVENT_BYTES:
+        if self._size > MAX_EVENT_BYTES + len(_SEP):
             raise EventTooLarge(f"the replica sent {self._size:,} bytes without ending an event")
 
 

@@ -2,10 +2,11 @@
 
 A breaker opens after `failures` consecutive failed requests (the replica leaves routing), lets one trial
 request through after `cooldown` seconds (half-open), and closes on its success or reopens, with the
-cool-down doubled, on its failure. A failure the engine answered (its 5xx to a request it read) may be the
-request's doing: a streak of only such failures opens the breaker only when they came from two tenants or
-more, so one tenant's poisoned inputs cannot take a replica away from everyone. The retry budget caps
-retries to a fraction of recent requests, so a sick fleet is not hit with a retry storm.
+cool-down doubled, on its failure. A failure the engine answered (its 5xx to a request it read, or a stream it
+cut while it served others) may be the request's doing: a streak of only such failures opens the breaker
+only when they came from two tenants or more, so one tenant's poisoned inputs cannot take a replica away
+from everyone. The retry budget caps retries to a fraction of recent requests, so a sick fleet is not hit
+with a retry storm.
 """
 
 from __future__ import annotations
@@ -30,9 +31,8 @@ class CircuitBreaker:
         self._cooldown = cooldown
         self.consecutive_failures = 0
         self._replica_faults = 0  # of the streak: failures that were the replica's beyond doubt
-        self._tenants: set[str] = (
-            set()
-        )  # of the streak: tenants whose requests the engine answered with a 5xx
+        # of the streak: tenants whose requests the engine failed (a 5xx answer, a cut stream)
+        self._tenants: set[str] = set()
         self._opened_at: float | None = None
         self._trial_out = False
 
@@ -66,8 +66,9 @@ class CircuitBreaker:
         self._cooldown = self._base_cooldown
 
     def on_failure(self, tenant: str | None = None) -> None:
-        """A failed request: the replica's (`tenant` None: no connection, a timeout, a cut stream), or one
-        the engine answered with a 5xx, which `tenant` sent."""
+        """A failed request: the replica's (`tenant` None: no connection, a timeout, a stream gone silent or
+        cut with no one served meanwhile), or one the engine answered with a 5xx or cut while serving
+        others, which `tenant` sent."""
         self.consecutive_failures += 1
         if tenant is None:
             self._replica_faults += 1

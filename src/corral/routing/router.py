@@ -211,7 +211,8 @@ class Router:
     ) -> None:
         """The request is done with `replica`: ok=True success, False failure, None not its fault;
         `usage`: the engine's answer's, when it gave one (the prefix index learns from it); `answered`: the
-        failure was the engine's 5xx answer to the request (perhaps its input's doing: see circuit.py)."""
+        failure was the engine's 5xx answer to the request, or a stream it cut while serving others
+        (perhaps the input's doing: see circuit.py)."""
         self.prefilled(replica, request)
         if request.adapter is not None:
             for residence in self.adapters.done(replica, request.adapter, request.residence):
