@@ -32,22 +32,22 @@ class EventBuffer:
     once (a replica sending a long event a few bytes a read costs a search of each read, not of all it has
     sent so far), and no more than MAX_EVENT_BYTES of it (and its separator) is kept (EventTooLarge)."""
 
-    __slots__ = ("_parts", "_size")
+    __slots__ = ("_size", "parts")
 
     def __init__(self) -> None:
-        self._parts: list[bytes] = []
+        self.parts: list[bytes] = []  # an event's start, read so far
         self._size = 0
 
     def complete(self, data: bytes) -> bytes:
         """The whole events among what came before and `data`; b"" while none has ended."""
         if not data:
             return b""
-        if self._parts:
-            if data.find(_SEP) < 0 and not (data[:1] == b"\n" and self._parts[-1][-1:] == b"\n"):
+        if self.parts:
+            if data.find(_SEP) < 0 and not (data[:1] == b"\n" and self.parts[-1][-1:] == b"\n"):
                 self._keep(data)  # the same event goes on
                 return b""
-            data = b"".join(self._parts) + data
-            self._parts.clear()
+            data = b"".join(self.parts) + data
+            self.parts.clear()
             self._size = 0
         if data.endswith(_SEP):
             return data
@@ -56,7 +56,7 @@ class EventBuffer:
         return data[:end] if end >= len(_SEP) else b""
 
     def _keep(self, part: bytes) -> None:
-        self._parts.append(part)
+        self.parts.append(part)
         self._size += len(part)
         if self._size > MAX_EVENT_BYTES + len(_SEP):
             raise EventTooLarge(f"the replica sent {self._size:,} bytes without ending an event")
@@ -77,9 +77,11 @@ class SSEFilter:
     def feed(self, data: bytes) -> bytes:
         """Bytes of the complete events in what came before and `data`; a partial event waits for the next
         chunk (EventTooLarge past MAX_EVENT_BYTES)."""
-        data = self._buffer.complete(data)
-        if not data:
-            return b""
+        buffer = self._buffer
+        if buffer.parts or not data.endswith(_SEP):  # (rare: an event split across reads)
+            data = buffer.complete(data)
+            if not data:
+                return b""
         self.events += 1  # (one event a read as engines stream; a read of several counts once: never over)
         usage, done = data.find(_USAGE), data.find(_DONE)
         if usage < 0 and done < 0:
