@@ -129,31 +129,25 @@ async def test_a_stream_silent_for_the_stall_timeout_continues_elsewhere(
         await server.stop()
 
 
-async def test_a_replica_dribbling_bytes_that_make_no_event_is_silent_too(
-    tmp_path: Path, engines: tuple[ScriptedUpstream, ScriptedUpstream]
+@pytest.mark.parametrize(
+    ("mode", "stall_timeout"),
+    [("dribble", 0.6), ("flood", 120.0)],  # (flood: not the stall watch, bytes come all the time)
+)
+async def test_a_replica_sending_bytes_that_end_no_event_is_left_for_another(
+    tmp_path: Path,
+    engines: tuple[ScriptedUpstream, ScriptedUpstream],
+    monkeypatch: pytest.MonkeyPatch,
+    mode: str,
+    stall_timeout: float,
 ) -> None:
-    """A byte every 0.1 s and never an event's end: each read moved the stall timer on (and read_timeout
-    counts any byte), so the stream hung as long as the replica dribbled. Only an event moves it on now."""
-    engines[0].mode = "dribble"
-    settings = GatewaySettings(port=0, stall_timeout=0.6)
-    server, client, _ = await _client(tmp_path, engines, "deterministic", settings)
-    try:
-        text, finishes, _ = await asyncio.wait_for(_read(client, 0.0), 10)
-        assert text == "tok0 tok1 tok2 tok3 tok4 tok5 " and finishes == ["stop"]
-        assert len(engines[1].bodies) == 1  # it went on elsewhere
-    finally:
-        await server.stop()
-
-
-async def test_a_replica_flooding_one_endless_event_is_left_before_it_fills_the_gateway(
-    tmp_path: Path, engines: tuple[ScriptedUpstream, ScriptedUpstream], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """64 KB writes that never end an event: the gateway kept all of it (and searched all of it again on
-    each read) for as long as the replica wrote. Past MAX_EVENT_BYTES (1 MB here) the stream goes on
-    elsewhere."""
+    """dribble: a byte every 0.1 s and never an event's end; each read moved the stall timer on (and
+    read_timeout counts any byte), so the stream hung as long as the replica dribbled: only an event moves
+    it on now. flood: 64 KB writes that never end an event; the gateway kept all of it (and searched all
+    of it again on each read) for as long as the replica wrote: past MAX_EVENT_BYTES (1 MB here) the
+    stream goes on elsewhere."""
     monkeypatch.setattr(sse, "MAX_EVENT_BYTES", 1024 * 1024)
-    engines[0].mode = "flood"
-    settings = GatewaySettings(port=0, stall_timeout=120)  # (not the stall watch: bytes come all the time)
+    engines[0].mode = mode
+    settings = GatewaySettings(port=0, stall_timeout=stall_timeout)
     server, client, _ = await _client(tmp_path, engines, "deterministic", settings)
     try:
         text, finishes, _ = await asyncio.wait_for(_read(client, 0.0), 10)

@@ -146,70 +146,29 @@ async def test_a_tenants_long_requests_past_the_read_timeout_leave_the_replica_t
         await runner.cleanup()
 
 
-async def test_a_tenants_streams_the_engine_cuts_leave_the_replica_to_everyone(tmp_path: Path) -> None:
-    """Eve's prompts make the engine cut its streams (a token, then the connection closed): each cut
+@pytest.mark.parametrize("ending", ["cut", "silent"])
+async def test_a_stream_the_engine_cuts_is_its_tenants_and_one_gone_silent_the_replicas(
+    tmp_path: Path, ending: str
+) -> None:
+    """cut: eve's prompts make the engine cut its streams (a token, then the connection closed); each cut
     counted as the replica's own fault, so three of them opened its breaker and bob found no replica. A
-    replica that served bob while eve's streams ran is alive; with no one served in between, it opens."""
+    replica that served bob while eve's streams ran is alive; with no one served in between, it opens.
+    silent: a stream that goes silent is the replica's fault even if it served others meanwhile (a hung
+    engine holding streams while its HTTP server still answers), or a one-tenant cluster's stalled streams
+    would never open it and new requests would wait out read_timeout there."""
 
     async def chat(request: web.Request) -> web.StreamResponse:
         body = await request.json()
-        if "poison" not in str(body["messages"]):
+        if "eve's" not in str(body["messages"]):
             return web.json_response(_OK)
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
         chunk = {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "m"}
         chunk["choices"] = [{"index": 0, "delta": {"content": "tok"}, "finish_reason": None}]
         await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
-        await asyncio.sleep(0.3)
+        await asyncio.sleep(0.3 if ending == "cut" else 3)  # (silent: past read_timeout)
         assert request.transport is not None
         request.transport.close()
-        return response
-
-    runner = await _engine(chat)
-    settings = GatewaySettings(port=0, retries=0)
-    server, replicas, ask = await _gateway(tmp_path, [f"http://127.0.0.1:{runner.addresses[0][1]}"], settings)
-    (replica,) = replicas.of("m")
-
-    async def cut(session: aiohttp.ClientSession) -> bytes:
-        body = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "poison"}]}
-        async with session.post(
-            f"http://127.0.0.1:{server.port}/v1/chat/completions",
-            json=body,
-            headers={"Authorization": f"Bearer {eve}"},
-        ) as r:
-            return await r.read()
-
-    eve = server._parts.keys.create("eve")[0]  # (another key of eve's)
-    try:
-        async with aiohttp.ClientSession() as session:
-            streams = asyncio.gather(*(cut(session) for _ in range(3)))
-            await asyncio.sleep(0.1)
-            assert await ask(session, "bob", "hello") == 200  # served while eve's streams run
-            assert all(b"stream_truncated" in told for told in await streams)
-            assert replica.breaker.state is CircuitState.CLOSED
-            assert await ask(session, "bob", "hello") == 200
-            await asyncio.gather(*(cut(session) for _ in range(3)))
-            assert replica.breaker.state is CircuitState.OPEN  # no one served meanwhile: the replica's fault
-    finally:
-        await server.stop()
-        await runner.cleanup()
-
-
-async def test_streams_gone_silent_still_open_the_breaker_while_others_are_served(tmp_path: Path) -> None:
-    """A stream that goes silent is the replica's fault even if it served others meanwhile (a hung engine
-    holding streams while its HTTP server still answers): counted as its tenant's, a one-tenant cluster's
-    stalled streams never opened it, and new requests waited out read_timeout there."""
-
-    async def chat(request: web.Request) -> web.StreamResponse:
-        body = await request.json()
-        if "hang" not in str(body["messages"]):
-            return web.json_response(_OK)
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await response.prepare(request)
-        chunk = {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "m"}
-        chunk["choices"] = [{"index": 0, "delta": {"content": "tok"}, "finish_reason": None}]
-        await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
-        await asyncio.sleep(3)  # (past read_timeout: silent)
         return response
 
     runner = await _engine(chat)
@@ -218,19 +177,25 @@ async def test_streams_gone_silent_still_open_the_breaker_while_others_are_serve
     (replica,) = replicas.of("m")
     eve = server._parts.keys.create("eve")[0]  # (another key of eve's)
 
-    async def stalled(session: aiohttp.ClientSession) -> bytes:
-        body = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "hang"}]}
+    async def streamed(session: aiohttp.ClientSession) -> bytes:
+        body = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "eve's"}]}
         url = f"http://127.0.0.1:{server.port}/v1/chat/completions"
         async with session.post(url, json=body, headers={"Authorization": f"Bearer {eve}"}) as r:
             return await r.read()
 
     try:
         async with aiohttp.ClientSession() as session:
-            streams = asyncio.gather(*(stalled(session) for _ in range(3)))
+            streams = asyncio.gather(*(streamed(session) for _ in range(3)))
             await asyncio.sleep(0.1)
-            assert await ask(session, "bob", "hello") == 200  # served while eve's streams hang
+            assert await ask(session, "bob", "hello") == 200  # served while eve's streams run
             assert all(b"stream_truncated" in told for told in await streams)
-            assert replica.breaker.state is CircuitState.OPEN
+            if ending == "silent":
+                assert replica.breaker.state is CircuitState.OPEN
+                return
+            assert replica.breaker.state is CircuitState.CLOSED
+            assert await ask(session, "bob", "hello") == 200
+            await asyncio.gather(*(streamed(session) for _ in range(3)))
+            assert replica.breaker.state is CircuitState.OPEN  # no one served meanwhile: the replica's fault
     finally:
         await server.stop()
         await runner.cleanup()
