@@ -10,8 +10,7 @@ import orjson
 import pytest
 
 from corral.cluster import free_port
-from corral.gateway.relay import _usage_of
-from corral.protocol.usage import engine_usage
+from corral.protocol.usage import engine_usage, usage_of_answer
 from corral.routing import ReplicaState
 
 from .conftest import Gateway, ScriptedUpstream
@@ -217,7 +216,7 @@ def test_usage_is_read_from_the_answer_s_last_member_as_from_the_whole_answer(bo
     except orjson.JSONDecodeError:
         data = None
     usage = data.get("usage") if isinstance(data, dict) else None
-    assert _usage_of(body) == engine_usage(usage)
+    assert usage_of_answer(body) == engine_usage(usage)
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,7 @@ import logging
 import re
 import time
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import aiohttp
 import orjson
@@ -31,7 +31,7 @@ from corral.gateway.context import RequestContext
 from corral.gateway.failover import Continuation, Sent, StallWatch, Transcript, continuation_body
 from corral.gateway.sse import EventTooLarge, SSEFilter
 from corral.protocol import ChatCompletionRequest, NoCapacity, UpstreamError, UpstreamTimeout, error_body
-from corral.protocol.usage import engine_usage
+from corral.protocol.usage import usage_of_answer
 from corral.routing import Replica, Router, RouteRequest
 from corral.routing.adapters import Adapter, AdapterCatalogue
 
@@ -43,8 +43,6 @@ _RETRYABLE_STATUS = frozenset({502, 503})
 _INPUT_TOO_LONG = re.compile(r"input (?:\((\d+) tokens\) )?is too large to process")
 _SEP = b"\n\n"
 _DONE_EVENT = b"data: [DONE]\n\n"
-_USAGE_KEY = b'"usage"'
-_BACKSLASH = ord("\\")
 # what can go wrong asking another replica to continue a stream (tokenizing, then the POST)
 _CONTINUE_FAILURES = (
     EngineConnectionError,
@@ -253,7 +251,7 @@ class Relay:
         if status == 200:
             if ctx.route.adapter is not None:
                 body = _Renamed.rename(body, ctx.route.adapter)
-            ctx.usage = _usage_of(body)
+            ctx.usage = usage_of_answer(body)
             if ctx.emulation is not None and ctx.emulation.active:  # the answer's JSON as tool calls
                 body = ctx.emulation.whole(body)
             if replica.engine == "llamacpp" and _TIMINGS in body and not _asks_timings(ctx):
@@ -581,27 +579,3 @@ def _without_timings(body: bytes) -> bytes:
     if not isinstance(data, dict) or data.pop("timings", None) is None:
         return body
     return orjson.dumps(data)
-
-
-def _usage_of(body: bytes) -> dict[str, Any] | None:
-    """The `usage` object of a JSON answer, checked (engine_usage; None if it has none or is not JSON).
-    Engines write it as the answer's last member: then only that slice is parsed (it parses, with the
-    object's closing brace cut off, only if it is the last member of the outer object); anything else
-    parses the whole body."""
-    at = body.rfind(_USAGE_KEY)
-    if at > 0 and body[at - 1] != _BACKSLASH:  # (within a string its quotes would be escaped)
-        tail = body[at + len(_USAGE_KEY) :].lstrip()
-        if tail.startswith(b":"):
-            value = tail[1:].rstrip()
-            if value.endswith(b"}"):
-                try:
-                    usage = orjson.loads(value[:-1])
-                except orjson.JSONDecodeError:
-                    usage = None
-                if isinstance(usage, dict):
-                    return engine_usage(usage)
-    try:
-        data = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        return None
-    return engine_usage(data.get("usage")) if isinstance(data, dict) else None

@@ -7,9 +7,13 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["MOST_TOKENS", "engine_usage"]
+import orjson
+
+__all__ = ["MOST_TOKENS", "engine_usage", "usage_of_answer"]
 
 MOST_TOKENS = 2**31 - 1  # a request's tokens at most: what a usage row's columns hold
+_USAGE_KEY = b'"usage"'
+_BACKSLASH = ord("\\")
 _DETAILS = (("prompt_tokens_details", "cached_tokens"), ("completion_tokens_details", "reasoning_tokens"))
 
 
@@ -46,3 +50,27 @@ def _count(value: Any) -> int | None:
     if value.__class__ is int and 0 <= value <= MOST_TOKENS:  # (not bool, a subclass of int)
         return int(value)
     return None
+
+
+def usage_of_answer(body: bytes) -> dict[str, Any] | None:
+    """The `usage` object of a JSON answer, checked (engine_usage; None if it has none or is not JSON).
+    Engines write it as the answer's last member: then only that slice is parsed (it parses, with the
+    object's closing brace cut off, only if it is the last member of the outer object); anything else
+    parses the whole body."""
+    at = body.rfind(_USAGE_KEY)
+    if at > 0 and body[at - 1] != _BACKSLASH:  # (within a string its quotes would be escaped)
+        tail = body[at + len(_USAGE_KEY) :].lstrip()
+        if tail.startswith(b":"):
+            value = tail[1:].rstrip()
+            if value.endswith(b"}"):
+                try:
+                    usage = orjson.loads(value[:-1])
+                except orjson.JSONDecodeError:
+                    usage = None
+                if isinstance(usage, dict):
+                    return engine_usage(usage)
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    return engine_usage(data.get("usage")) if isinstance(data, dict) else None
