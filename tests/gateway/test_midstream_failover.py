@@ -13,8 +13,9 @@ import pytest
 
 from corral.config import GatewaySettings
 from corral.engines import EngineFeatures
-from corral.gateway import GatewayServer, sse
+from corral.gateway import GatewayServer
 from corral.gateway.failover import Continuation, Sent, Transcript
+from corral.protocol import events
 from corral.routing import Replica, ReplicaSet, ReplicaState, Router
 
 from .conftest import ScriptedUpstream, make_services
@@ -145,7 +146,7 @@ async def test_a_replica_sending_bytes_that_end_no_event_is_left_for_another(
     it on now. flood: 64 KB writes that never end an event; the gateway kept all of it (and searched all
     of it again on each read) for as long as the replica wrote: past MAX_EVENT_BYTES (1 MB here) the
     stream goes on elsewhere."""
-    monkeypatch.setattr(sse, "MAX_EVENT_BYTES", 1024 * 1024)
+    monkeypatch.setattr(events, "MAX_EVENT_BYTES", 1024 * 1024)
     engines[0].mode = mode
     settings = GatewaySettings(port=0, stall_timeout=stall_timeout)
     server, client, _ = await _client(tmp_path, engines, "deterministic", settings)

@@ -9,9 +9,10 @@ import orjson
 import pytest
 from aiohttp import web
 
-from corral.gateway import sse
 from corral.gateway.relay import SSE_HEADERS, EventStream
-from corral.gateway.sse import EventBuffer, EventTooLarge, SSEFilter
+from corral.gateway.sse import SSEFilter
+from corral.protocol import events
+from corral.protocol.events import EventBuffer, EventTooLarge
 
 CONTENT = b'data: {"choices":[{"index":0,"delta":{"content":"hi \\"usage\\""}}]}\n\n'
 FINISH = b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\n'
@@ -126,7 +127,7 @@ def test_an_event_split_across_reads_is_handed_on_whole_and_an_endless_one_is_re
     assert buffer.complete(b'"a":1}\n') == b""
     assert buffer.complete(b"\ndata: {") == b'data: {"a":1}\n\n'  # (the separator across two reads)
     assert buffer.complete(b"}\n\n") == b"data: {}\n\n"
-    monkeypatch.setattr(sse, "MAX_EVENT_BYTES", 1000)
+    monkeypatch.setattr(events, "MAX_EVENT_BYTES", 1000)
     buffer.complete(b"data: " + b"x" * 900)
     with pytest.raises(EventTooLarge):
         buffer.complete(b"x" * 200)

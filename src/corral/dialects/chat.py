@@ -18,6 +18,7 @@ import orjson
 from aiohttp import web
 
 from corral.dialects.chunks import ChunkReader
+from corral.protocol.events import EventBuffer
 from corral.protocol.usage import engine_usage
 
 __all__ = [
@@ -176,7 +177,7 @@ class DialectStream(web.StreamResponse):
         super().__init__(headers=headers)
         self.encoder = encoder
         self._on_end = on_end
-        self._rest = b""
+        self._events = EventBuffer()  # an event's start is kept until its end comes
         self._started = False
         self._calls: dict[int, ToolCall] = {}
         self._reader = ChunkReader()
@@ -193,13 +194,7 @@ class DialectStream(web.StreamResponse):
         if not self._started:
             self._started = True
             out.append(self.encoder.start())
-        buffered = self._rest + data if self._rest else bytes(data)
-        if buffered.endswith(_SEP):
-            self._rest = b""
-        else:  # an event's start: kept until its end comes
-            end = buffered.rfind(_SEP) + len(_SEP)  # (0 if there is no whole event yet)
-            end = end if end >= len(_SEP) else 0
-            buffered, self._rest = buffered[:end], buffered[end:]
+        buffered = self._events.complete(bytes(data))
         self._plain = False  # (until the events are read: a failure there leaves the short way shut)
         if buffered and not self.ended:
             texts: list[str] = []
@@ -209,7 +204,7 @@ class DialectStream(web.StreamResponse):
                 logger.warning("an engine's stream could not be read (%s: %s)", type(exc).__name__, exc)
                 out.append(self._told(texts))  # (the text read before it is told)
                 await self._cut(out, "The engine's stream could not be read; its answer ends here.")
-        self._plain = not self._rest and not self.ended
+        self._plain = not self._events.parts and not self.ended
         if out:
             await _write(self, b"".join(out))
 

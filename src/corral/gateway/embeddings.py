@@ -76,7 +76,7 @@ class EmbeddingShaper:
 
 def _usage(reported: Any, estimate: int) -> dict[str, int]:
     """The engine's usage, or the prompt's estimate where it reported none that can be read."""
-    usage = engine_usage(reported) if reported is not None else None
+    usage = engine_usage(reported)
     if usage is None:
         return {"prompt_tokens": estimate, "total_tokens": estimate}
     return {"prompt_tokens": usage["prompt_tokens"], "total_tokens": usage["total_tokens"]}

@@ -24,8 +24,8 @@ from typing import Any
 import orjson
 
 from corral.gateway.context import RequestContext
-from corral.gateway.sse import EventBuffer
 from corral.protocol import ChatCompletionRequest, CompletionRequest
+from corral.protocol.events import EventBuffer
 from corral.protocol.usage import engine_usage
 
 __all__ = ["Continuation", "Sent", "StallWatch", "Transcript", "can_fail_over", "continuation_body"]

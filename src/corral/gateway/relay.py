@@ -29,8 +29,9 @@ from corral.gateway.adapters import (
 )
 from corral.gateway.context import RequestContext
 from corral.gateway.failover import Continuation, Sent, StallWatch, Transcript, continuation_body
-from corral.gateway.sse import EventTooLarge, SSEFilter
+from corral.gateway.sse import SSEFilter
 from corral.protocol import ChatCompletionRequest, NoCapacity, UpstreamError, UpstreamTimeout, error_body
+from corral.protocol.events import EventTooLarge
 from corral.protocol.usage import usage_of_answer
 from corral.routing import Replica, Router, RouteRequest
 from corral.routing.adapters import Adapter, AdapterCatalogue
