@@ -20,7 +20,7 @@ from corral.routing import Replica, ReplicaSet, ReplicaState, Router
 class ScriptedUpstream:
     """Answers like llama-server, or misbehaves as `mode` says: ok, cut, stall (goes silent mid-stream),
     dribble (a byte every 0.1 s mid-stream, never an event), flood (the same, 64 KB at a time), cutwhole,
-    fail503, hang, drop, answer."""
+    fail503 (vLLM starting), fail429 (TGI full), hang, drop, answer."""
 
     mode: str = "ok"
     chunks: int = 4
@@ -36,6 +36,7 @@ class ScriptedUpstream:
     echo_prefill: bool = False  # continuing a chat, send the continued text back first (as llama.cpp)
     linger: float = 0.0  # seconds a stream stays open after its `[DONE]` before it ends
     usage: object = None  # reported as the answers' usage, as is, where set (an engine's broken counts)
+    retry_after: str | None = None  # the Retry-After of fail503's and fail429's answers
     active: int = 0
     peak_concurrency: int = 0
     hung_probes: int = 0  # health probes left unanswered (mode "hang")
@@ -91,8 +92,11 @@ class ScriptedUpstream:
             assert request.transport is not None
             request.transport.close()
             return response
-        if self.mode == "fail503":
-            return web.json_response({"error": {"message": "loading", "type": "unavailable"}}, status=503)
+        if self.mode in ("fail503", "fail429"):
+            status = 503 if self.mode == "fail503" else 429
+            headers = {"Retry-After": self.retry_after} if self.retry_after is not None else None
+            error = {"message": "loading" if status == 503 else "Model is overloaded", "type": "unavailable"}
+            return web.json_response({"error": error}, status=status, headers=headers)
         if self.mode == "drop":
             assert request.transport is not None
             request.transport.close()

@@ -10,8 +10,10 @@ import orjson
 import pytest
 
 from corral.cluster import free_port
+from corral.engines.client import EngineClient
+from corral.gateway.relay import Relay, RelayTimeouts
 from corral.protocol.usage import engine_usage, usage_of_answer
-from corral.routing import ReplicaState
+from corral.routing import Replica, ReplicaSet, ReplicaState, RouteRequest, Router
 
 from .conftest import Gateway, ScriptedUpstream
 
@@ -62,7 +64,7 @@ async def test_connect_failure_is_retried_on_another_replica(
     assert dead.outstanding == 0
 
 
-@pytest.mark.parametrize("mode", ["fail503", "drop", "cutwhole"])
+@pytest.mark.parametrize("mode", ["fail503", "fail429", "drop", "cutwhole"])
 async def test_failure_before_first_byte_is_retried(
     gateway: Gateway, upstream: ScriptedUpstream, mode: str
 ) -> None:
@@ -89,16 +91,77 @@ async def test_failure_before_first_byte_is_retried(
 
 
 async def test_all_replicas_failing_gives_502(gateway: Gateway) -> None:
-    bad = ScriptedUpstream(mode="fail503")
-    await bad.start()
+    bad, busy = ScriptedUpstream(mode="drop"), ScriptedUpstream(mode="fail503")
+    for upstream in (bad, busy):
+        await upstream.start()
+        gateway.add_replica(upstream.url)
     try:
-        gateway.add_replica(bad.url)
-        with pytest.raises(openai.APIStatusError) as info:
+        with pytest.raises(openai.APIStatusError) as info:  # (one broken among the busy: broken)
             await client(gateway).chat.completions.create(model="m", messages=MESSAGES)
         assert info.value.status_code == 502
         assert "failed to answer" in info.value.message
+        assert bad.bodies and busy.bodies
     finally:
         await bad.stop()
+        await busy.stop()
+
+
+@pytest.mark.parametrize(
+    ("modes", "waits", "retry_after"),
+    [
+        (("fail429", "fail503"), ("7", None), "7"),  # the longest wait an engine asked
+        (("fail429", "fail429"), ("3600", "soon"), "60"),  # within 60 s; a wait that is no number: 1 s
+        (("fail503", "fail503"), (None, None), "1"),
+    ],
+)
+async def test_replicas_all_busy_give_503_with_retry_after(
+    gateway: Gateway, modes: tuple[str, str], waits: tuple[str | None, str | None], retry_after: str
+) -> None:
+    """Engines that say they are full (429: TGI at its max concurrent requests) or loading (503) are
+    passed by; when every replica says so the client hears it is busy (503 and when to come back), not
+    that the gateway broke (502), nor a 429 that would read as its own key's limit."""
+    busy = [ScriptedUpstream(mode=mode, retry_after=wait) for mode, wait in zip(modes, waits, strict=True)]
+    for upstream in busy:
+        await upstream.start()
+        gateway.add_replica(upstream.url)
+    try:
+        async with aiohttp.ClientSession() as session:
+            async with session.post(
+                gateway.base_url + "/chat/completions", json={"model": "m", "messages": MESSAGES}
+            ) as response:
+                body = await response.json()
+                assert response.status == 503, body
+                assert body["error"]["code"] == "replicas_busy"
+                assert response.headers["Retry-After"] == retry_after
+        assert all(upstream.bodies for upstream in busy), "each busy replica was tried"
+    finally:
+        for upstream in busy:
+            await upstream.stop()
+
+
+async def test_the_gateway_s_own_calls_pass_a_busy_replica_by(upstream: ScriptedUpstream) -> None:
+    """The semantic cache's embeddings (`Relay.call`) go to another replica when one says it is full (a
+    429 is the engine's state, not the input's fault)."""
+    busy = ScriptedUpstream(mode="fail429")
+    await busy.start()
+    replicas = ReplicaSet(["m"])
+    for i, url in enumerate((busy.url, upstream.url)):
+        replicas.add(Replica(id=f"m-{i}", model="m", engine="scripted", url=url, state=ReplicaState.READY))
+    engines = EngineClient(connect_timeout=1.0, read_timeout=1.0, limit=8)
+    try:
+        async with aiohttp.ClientSession() as session:
+            router = Router(replicas, default_policy="least_outstanding_requests")
+            relay = Relay(engines, session, router, 1, RelayTimeouts(connect=1.0, read=1.0))
+            body = orjson.dumps({"model": "m", "messages": MESSAGES})
+            for _ in range(50):  # until the busy replica has been asked
+                answer = await relay.call(RouteRequest(model="m", tokens=1), "/v1/chat/completions", body)
+                assert orjson.loads(answer)["choices"]
+                if busy.bodies:
+                    break
+        assert busy.bodies
+    finally:
+        engines.close()
+        await busy.stop()
 
 
 async def test_stream_cut_after_first_byte_ends_with_error_event(gateway: Gateway) -> None:

@@ -44,6 +44,7 @@ _PAUSE_AT = 256 * 1024  # bytes of answer buffered before the socket stops being
 _CONTENT_TYPE = b"content-type"
 _CONTENT_LENGTH = b"content-length"
 _TRANSFER_ENCODING = b"transfer-encoding"
+_RETRY_AFTER = b"retry-after"
 _NO_BODY = frozenset({204, 304})
 
 
@@ -101,6 +102,7 @@ class EngineResponse(asyncio.Protocol):
         self.idle_since = 0.0
         self.status = 0
         self.content_type = "application/octet-stream"
+        self.retry_after = b""  # the answer's Retry-After, as sent (a busy engine's 429 or 503)
         self.headers_done = False
         self.done = False
         self._framed = False  # the answer says where its body ends (a length, or chunks)
@@ -140,12 +142,14 @@ class EngineResponse(asyncio.Protocol):
             self._framed = True
         elif name == _TRANSFER_ENCODING:
             self._framed = value.rstrip().lower().endswith(b"chunked")
+        elif name == _RETRY_AFTER:
+            self.retry_after = value
 
     def on_headers_complete(self) -> None:
         status = self._parser.get_status_code()
         if status < 200:  # an interim answer: the real one follows on the same connection
             self._interim = True
-            self.content_type, self._framed = "application/octet-stream", False
+            self.content_type, self._framed, self.retry_after = "application/octet-stream", False, b""
             return
         self.status = status
         self._keep_alive = self._parser.should_keep_alive()
@@ -176,7 +180,7 @@ class EngineResponse(asyncio.Protocol):
         assert self._transport is not None
         self.status, self.headers_done, self.done, self._error = 0, False, False, None
         self._framed = self._keep_alive = self._interim = False
-        self.content_type = "application/octet-stream"
+        self.content_type, self.retry_after = "application/octet-stream", b""
         self.answered = False
         self._in_use = True
         self._last_read = self._loop.time()

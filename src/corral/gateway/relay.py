@@ -40,7 +40,7 @@ __all__ = ["SSE_HEADERS", "EventStream", "Relay"]
 
 logger = logging.getLogger(__name__)
 
-_RETRYABLE_STATUS = frozenset({502, 503})
+_BUSY_STATUS = frozenset({429, 503})  # the engine is full or loading (TGI's 429, vLLM's 503 while it starts)
 _INPUT_TOO_LONG = re.compile(r"input (?:\((\d+) tokens\) )?is too large to process")
 _SEP = b"\n\n"
 _DONE_EVENT = b"data: [DONE]\n\n"
@@ -53,6 +53,7 @@ _CONTINUE_FAILURES = (
     KeyError,
     ValueError,
     TypeError,
+    OverflowError,  # (a token id read as Infinity)
 )
 _SILENT = "the replica stopped sending tokens"  # a stream's problem: a stall or a read timeout
 SSE_HEADERS = {
@@ -73,6 +74,15 @@ class EventStream(web.StreamResponse):
 
 class _Retryable(Exception):
     """The replica failed before the client saw anything; another replica may serve the request."""
+
+
+class _Busy(_Retryable):
+    """The engine said it is busy (429, 503): another replica may take the request; when none does, the
+    client is told to come back (503 with the longest Retry-After an engine asked, 1 to 60 s)."""
+
+    def __init__(self, message: str, wait: float) -> None:
+        super().__init__(message)
+        self.wait = wait
 
 
 class _Refused(_Retryable):
@@ -122,6 +132,7 @@ class Relay:
         """The replica's answer (`request`: the client's, for a stream; None for a batch line)."""
         tried: list[Replica] = []
         failure = "no attempt"
+        busy = 0.0  # while every failure was a busy engine's: the longest wait one asked (-1: another failed)
         reloads = 1  # an engine that lost the request's adapter loads it again, once, before it is passed by
         self._router.retry_budget.on_request()
         for attempt in range(self._retries + 1 + reloads):
@@ -158,12 +169,13 @@ class Relay:
                     tried.append(replica)
                 reloads = 0
             except _Refused as exc:  # (not the replica's fault: its breaker does not hear of it)
-                outcome, failure = None, str(exc)
+                outcome, failure, busy = None, str(exc), -1.0
                 tried.append(replica)
             except _Retryable as exc:
                 outcome = False
                 failure = str(exc)
                 tried.append(replica)
+                busy = max(busy, exc.wait) if isinstance(exc, _Busy) and busy >= 0 else -1.0
                 logger.warning("replica %s failed before first byte (%s)", replica.id, exc)
             except UpstreamTimeout:
                 # a replica that served others meanwhile is alive: the request was long (a huge prompt, a
@@ -172,6 +184,12 @@ class Relay:
                 raise
             finally:  # (its usage: what the engine computed, for the prefix index)
                 self._router.release(replica, ctx.route, outcome, ctx.usage if outcome else None, answered)
+        if busy > 0:  # every replica tried was full or loading: not broken, and no fault of the client's
+            raise NoCapacity(
+                f"The model's replicas are busy ({failure}); try again shortly.",
+                code="replicas_busy",
+                retry_after=busy,
+            )
         raise UpstreamError(f"The model's replicas failed to answer: {failure}.")
 
     async def call(self, route: RouteRequest, path: str, body: bytes) -> bytes:
@@ -197,7 +215,7 @@ class Relay:
                     return answer
                 status, error = _engine_error(upstream.status, answer)
                 failure = f"engine answered {upstream.status}"
-                if status < 500:  # the input's fault (an over-long text, say): no retry, no blame
+                if status < 500 and status != 429:  # the input's fault (a text too long): no retry, no blame
                     raise UpstreamError(f"{route.model} refused the input: {error.decode()[:200]}")
                 ok = False
             except (EngineConnectionError, TimeoutError) as exc:
@@ -226,8 +244,10 @@ class Relay:
         except (EngineConnectionError, AdapterLoadFailed) as exc:
             raise _Retryable(f"{type(exc).__name__}: {exc}") from exc
         try:
-            if upstream.status in _RETRYABLE_STATUS:
-                raise _Retryable(f"engine answered {upstream.status}")
+            if upstream.status in _BUSY_STATUS:
+                raise _Busy(f"engine answered {upstream.status}", _wait_of(upstream.retry_after))
+            if upstream.status == 502:
+                raise _Retryable("engine answered 502")
             if upstream.status == 404 and route.adapter is not None:
                 answer = await upstream.read()
                 if unknown_adapter(route, upstream.status, answer):
@@ -518,6 +538,14 @@ class _Events(Protocol):
     def done(self) -> bool: ...
 
     def feed(self, data: bytes) -> bytes: ...
+
+
+def _wait_of(retry_after: bytes) -> float:
+    """A busy engine's Retry-After in seconds, within 1 to 60 (1 where it sent none, or a date)."""
+    try:
+        return float(min(max(int(retry_after), 1), 60))
+    except ValueError:
+        return 1.0
 
 
 def _engine_error(status: int, body: bytes) -> tuple[int, bytes]:

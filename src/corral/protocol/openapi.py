@@ -41,7 +41,8 @@ _REFUSALS = {
     "413": "Body larger than gateway.max_body_bytes (a file: batch.max_file_bytes)",
     "429": "Rate limit, monthly budget, queue share or file/batch quota reached (Retry-After, x-ratelimit-*)",
     "502": "The model's engine failed, or every replica failed before answering",
-    "503": "No ready replica, queue full or timed out, or rate limits unavailable (Retry-After)",
+    "503": "No ready replica, every replica busy, queue full or timed out, or rate limits unavailable "
+    "(Retry-After)",
     "504": "A replica stayed silent for gateway.read_timeout",
     "501": "This gateway runs without the part the route needs (a response cache, a supervisor)",
     "529": "Anthropic's overloaded: no ready replica, queue full or timed out (Retry-After)",
