@@ -332,3 +332,39 @@ def test_the_api_compared_with_is_of_the_models_class_and_all_gpus_sort_by_token
     everything = plan(PlanRequest(model="llama-3.1-8b", limit=20), CATALOG, EFFICIENCY)
     prices = [lay.cost.cost_per_million_tokens for lay in everything.layouts]
     assert len({lay.gpu for lay in everything.layouts}) > 1 and prices == sorted(prices)
+
+
+def test_layouts_split_attention_heads_evenly_over_tensor_parallel_ranks() -> None:
+    """vLLM refuses to start a model whose heads do not divide by its TP size (Qwen2.5-7B's 28 on 8)."""
+    qwen = plan(
+        PlanRequest(model="qwen2.5-7b", gpu="h100-sxm", gpus=8, concurrency=4, limit=100), CATALOG, EFFICIENCY
+    )
+    assert qwen.layouts and {layout.tp for layout in qwen.layouts} == {1, 2, 4}
+    small = plan(PlanRequest(model="smollm2-135m", gpu="h100-sxm", gpus=4, limit=100), CATALOG, EFFICIENCY)
+    assert {layout.tp for layout in small.layouts} == {1}  # 9 heads: on one rank each
+
+
+def test_an_uneven_layer_count_splits_over_pipeline_stages() -> None:
+    """DeepSeek-V3's 61 layers go on 2 stages as 31 and 30 (vLLM splits an uneven count): it fits on two
+    nodes of 8 H100s, each GPU holding the busier stage's share."""
+    result = plan(PlanRequest(model="deepseek-v3", gpu="h100-sxm", limit=100), CATALOG, EFFICIENCY)
+    assert (8, 2) in {(layout.tp, layout.pp) for layout in result.layouts}
+    model, gpu = CATALOG.models.get("deepseek-v3"), CATALOG.gpus.get("h100-sxm")
+    one, two = (memory_plan(model, gpu, result.quant, tp=8, pp=pp) for pp in (1, 2))
+    assert two.kv_bytes_per_token == pytest.approx(one.kv_bytes_per_token * 31 / 61)
+
+
+def test_clients_split_unevenly_over_replicas_count_as_they_are() -> None:
+    """16 clients on 5 replicas are 4 + 3 + 3 + 3 + 3, not 5 × 4: the throughput (and so the price of a
+    token) lies between 15 clients' and 20's."""
+    rates = [
+        plan(
+            PlanRequest(model="llama-3.1-8b", gpu="h100-sxm", gpus=5, concurrency=clients),
+            CATALOG,
+            EFFICIENCY,
+        )
+        .layouts[0]
+        .requests_per_s
+        for clients in (15, 16, 20)
+    ]
+    assert rates[0] < rates[1] < rates[2]

@@ -4,9 +4,11 @@ vLLM gives the KV cache what remains of `memory × gpu_memory_utilization` after
 activation memory of a profiling forward pass over `max_num_batched_tokens`, and non-torch memory (CUDA
 context, NCCL buffers, CUDA graphs). The cache is paged in blocks of `block_size` tokens. Formulas:
 
-    weights/GPU  = (body/pp + embeddings/(2 if pp>1 and untied else 1)) / tp   [+ replicated KV projections]
+    stage layers = ⌈layers/pp⌉  (the busiest stage: vLLM splits an uneven count, get_pp_indices)
+    weights/GPU  = (body · stage/layers + embeddings/(2 if pp>1 and untied else 1)) / tp  [+ replicated KV
+                   projections]
     KV bytes/token/layer = 2 · ceil(kv_heads/tp) · head_dim · kv_bytes  (MLA: (kv_rank + rope_dim) · bytes)
-    KV bytes/sequence(L) = full_layers · L · b + local_layers · min(L, window) · b    (per pipeline stage)
+    KV bytes/sequence(L) = (full_layers · L · b + local_layers · min(L, window) · b) · stage/layers
     kv_tokens    = ⌊kv_bytes / (block_size · bytes/token over all layers)⌋ · block_size
 """
 
@@ -23,6 +25,7 @@ __all__ = [
     "kv_bytes_per_token_layer",
     "memory_plan",
     "sequence_kv_bytes",
+    "stage_layers",
     "weight_bytes",
 ]
 
@@ -64,13 +67,20 @@ def weight_bytes(model: ModelArch, quant: Quantization) -> float:
     return body * quant.bytes_per_weight + embed_bytes
 
 
+def stage_layers(model: ModelArch, pp: int) -> int:
+    """The layers of the busiest pipeline stage: an uneven count (DeepSeek-V3's 61 on 2 stages) gives its
+    remainder to stages one each (vLLM's get_pp_indices), so one holds ⌈layers/pp⌉."""
+    return -(-model.layers // pp)
+
+
 def _weights_per_gpu(model: ModelArch, quant: Quantization, tp: int, pp: int) -> float:
     embed = model.embedding_params * (quant.bytes_per_weight if quant.quantize_embeddings else 2.0)
     body = weight_bytes(model, quant) - embed
     stage_embed = embed / 2 if pp > 1 and not model.tied_embeddings else embed
-    per_gpu = (body / pp + stage_embed) / tp
+    stage = stage_layers(model, pp)
+    per_gpu = (body * stage / model.layers + stage_embed) / tp
     if model.mla_kv_rank is None and tp > model.kv_heads:  # each rank keeps a whole KV head
-        kv_proj = 2 * model.hidden * model.head_dim * quant.bytes_per_weight * model.layers / pp
+        kv_proj = 2 * model.hidden * model.head_dim * quant.bytes_per_weight * stage
         per_gpu += kv_proj * (1 - model.kv_heads / tp)
     return per_gpu
 
@@ -99,7 +109,7 @@ def sequence_kv_bytes(model: ModelArch, context: int, tp: int, pp: int, kv_dtype
     full = model.layers - local
     blocks = math.ceil(context / BLOCK_SIZE) * BLOCK_SIZE
     local_tokens = min(blocks, math.ceil(window / BLOCK_SIZE) * BLOCK_SIZE + BLOCK_SIZE) if local else 0
-    return (full * blocks + local * local_tokens) * per_layer / pp
+    return (full * blocks + local * local_tokens) * per_layer * stage_layers(model, pp) / model.layers
 
 
 def memory_plan(
@@ -127,6 +137,6 @@ def memory_plan(
         kv_bytes = max(0.0, budget - weights - activation - overhead)
     else:
         kv_bytes = kv_cache_bytes
-    per_token = kv_bytes_per_token_layer(model, tp, kv_dtype_bytes) * model.layers / pp
+    per_token = kv_bytes_per_token_layer(model, tp, kv_dtype_bytes) * stage_layers(model, pp)
     kv_tokens = int(kv_bytes // (per_token * BLOCK_SIZE)) * BLOCK_SIZE if per_token > 0 else 0
     return MemoryPlan(weights, activation, overhead, budget, kv_bytes, kv_tokens, per_token)

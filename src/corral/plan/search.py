@@ -8,7 +8,6 @@ ITL targets, each replica's latency coming from the scheduler model in virtual t
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
@@ -140,7 +139,7 @@ def plan(request: PlanRequest, catalog: Catalog, efficiency: Efficiency) -> Plan
     layouts: list[Layout] = []
     misses: list[tuple[float, str]] = []
     for gpu in gpus:
-        for tp, pp in _parallel_shapes(gpu, request):
+        for tp, pp in _parallel_shapes(gpu, request, model):
             layout = _best_layout(request, catalog, efficiency, model, quant, context, gpu, tp, pp, misses)
             if layout is not None:
                 layouts.append(layout)
@@ -187,14 +186,23 @@ def _why_missed(request: PlanRequest, closest: Layout) -> str:
     )
 
 
-def _parallel_shapes(gpu: GPU, request: PlanRequest) -> Iterator[tuple[int, int]]:
+def _parallel_shapes(gpu: GPU, request: PlanRequest, model: ModelArch) -> Iterator[tuple[int, int]]:
     for pp in _PP_CHOICES:
         for tp in _TP_CHOICES:
-            if tp > gpu.gpus_per_node or tp * pp > request.max_gpus:
+            if tp > gpu.gpus_per_node or tp * pp > request.max_gpus or not tp_splits(model, tp):
                 continue
             if request.gpus is not None and request.gpus % (tp * pp):
                 continue
             yield tp, pp
+
+
+def tp_splits(model: ModelArch, tp: int) -> bool:
+    """Whether vLLM starts `model` on `tp` ranks: its attention heads split evenly over them (it refuses
+    otherwise: Qwen2.5-7B's 28 heads on 8), and its KV heads too, or, fewer than the ranks, each one
+    replicated on a whole number of them."""
+    if model.heads % tp:
+        return False
+    return model.kv_heads % tp == 0 if model.kv_heads >= tp else tp % model.kv_heads == 0
 
 
 def _best_layout(
@@ -209,8 +217,6 @@ def _best_layout(
     pp: int,
     misses: list[tuple[float, str]],
 ) -> Layout | None:
-    if model.layers % pp:
-        return None
     kv_bytes = 2.0
     memory = _memory(request, model, quant, gpu, tp, pp, request.gpu_memory_utilization, kv_bytes)
     max_seqs = memory.max_sequences(model, context, tp, pp, kv_bytes)
@@ -241,20 +247,32 @@ def _best_layout(
         enable_prefix_caching=False,
     )
     seen: dict[float, LoadResult] = {}
+
+    def run(share: float) -> LoadResult:
+        if share not in seen:
+            if request.request_rate is not None:
+                seen[share] = open_loop(perf, config, share, request.input_len, request.output_len)
+            else:
+                seen[share] = closed_loop(perf, config, int(share), request.input_len, request.output_len)
+        return seen[share]
+
     layout = None
     for replicas in replica_counts:
-        if request.request_rate is not None:
+        if request.request_rate is not None:  # (arrivals spread evenly)
             share: float = request.request_rate / replicas
-            if share not in seen:
-                seen[share] = open_loop(perf, config, share, request.input_len, request.output_len)
-        else:
-            share = math.ceil(request.concurrency / replicas)
-            if share not in seen:
-                seen[share] = closed_loop(perf, config, int(share), request.input_len, request.output_len)
-        load = seen[share]
+            load = run(share)
+            groups = [(replicas, load)]
+            per_replica = max(1, round(share * load.e2e_mean))  # (Little's law: the mean)
+        else:  # clients split as evenly as they go: some replicas hold one more than the rest
+            fewer, more = divmod(request.concurrency, replicas)
+            share = fewer + (more > 0)
+            load = run(share)  # the busiest replicas' latency is the layout's
+            groups = [(more or replicas, load)] + ([(replicas - more, run(fewer))] if more and fewer else [])
+            per_replica = int(share)
         meets = _meets(request, load)
-        per_replica = int(share) if request.request_rate is None else max(1, round(share * load.e2e_p50))
-        layout = _layout(request, catalog, gpu, tp, pp, replicas, memory, max_seqs, per_replica, load, meets)
+        layout = _layout(
+            request, catalog, gpu, tp, pp, replicas, memory, max_seqs, per_replica, load, groups, meets
+        )
         if meets or (request.request_rate is None and share == 1):
             break
     return layout
@@ -280,11 +298,14 @@ def _layout(
     max_seqs: int,
     per_replica: int,
     load: LoadResult,
+    groups: list[tuple[int, LoadResult]],
     meets: bool,
 ) -> Layout:
+    """`load`: the busiest replica's (its latency is the layout's); `groups`: how many replicas carry each
+    load (their throughputs add up)."""
     gpus = tp * pp * replicas
-    tokens_per_s = replicas * load.output_tokens_per_s
-    requests_per_s = replicas * load.requests_per_s
+    tokens_per_s = sum(count * part.output_tokens_per_s for count, part in groups)
+    requests_per_s = sum(count * part.requests_per_s for count, part in groups)
     cost = cost_report(
         gpu.price_per_hour * gpus,
         requests_per_s,
