@@ -21,7 +21,8 @@ TTFT, ITL, TOKENS, PROMPT_TOKENS = 0.100, 0.020, 20, 33
 
 
 class Injected:
-    """Streams TOKENS chunks after TTFT, ITL apart, then usage; prompts containing FAIL get a 500."""
+    """Streams TOKENS chunks after TTFT, ITL apart, then usage; prompts containing FAIL get a 500, those
+    containing GARBLE a stream whose second event is no JSON."""
 
     def __init__(self, ttft: float = TTFT, itl: float = ITL) -> None:
         self.ttft, self.itl = ttft, itl
@@ -41,6 +42,8 @@ class Injected:
         for i in range(TOKENS):
             if i:
                 await asyncio.sleep(self.itl)
+            if i == 1 and "GARBLE" in json.dumps(body):
+                await response.write(b"data: {bad\n\n")
             choice = {"index": 0, "text": f" t{i}", "finish_reason": None}
             await response.write(b"data: " + orjson.dumps({"choices": [choice]}) + b"\n\n")
             times.append(time.perf_counter())
@@ -103,10 +106,26 @@ async def test_poisson_arrivals_reach_the_requested_rate(injected: Injected) -> 
 
 
 async def test_errors_are_counted_by_kind(injected: Injected) -> None:
+    """A failed request counts by its kind, and as one that missed the SLOs; a server's stream that is
+    not JSON is one failed request, not the end of the run."""
     requests = random_requests(6, 10, TOKENS)
     requests[1] = type(requests[1])(prompt="FAIL please", output_len=TOKENS)
-    summary = summarise(await run_load(LoadPlan(base_url=injected.url, model="m"), requests))
-    assert summary["errors"] == {"http_500": 1} and summary["completed"] == 5
+    requests[4] = type(requests[4])(prompt="GARBLE please", output_len=TOKENS)
+    run = await run_load(LoadPlan(base_url=injected.url, model="m"), requests)
+    summary = summarise(run, Slo(ttft_ms=10_000))
+    assert summary["errors"] == {"http_500": 1, "bad_chunk": 1} and summary["completed"] == 4
+    assert summary["slo"]["met_share"] == pytest.approx(4 / 6, abs=1e-3)
+
+
+def test_a_goodput_search_is_not_capped_by_the_client() -> None:
+    search = ["--search-goodput", "--goodput", "ttft:150", "--max-concurrency", "1"]
+    done = subprocess.run(
+        [*CORRAL, "bench", "--base-url", "http://127.0.0.1:9", "--model", "m", *search],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2 and "--max-concurrency would hold them back" in done.stdout + done.stderr
 
 
 def test_shared_prefix_workload_shares_prefixes_and_grows_chats() -> None:

@@ -13,7 +13,7 @@ from corral.cluster import free_port
 from corral.engines.client import EngineClient
 from corral.gateway.relay import Relay, RelayTimeouts
 from corral.protocol.usage import engine_usage, usage_of_answer
-from corral.routing import Replica, ReplicaSet, ReplicaState, RouteRequest, Router
+from corral.routing import Replica, ReplicaSet, ReplicaState, Router, RouteRequest
 
 from .conftest import Gateway, ScriptedUpstream
 

@@ -368,3 +368,20 @@ def test_clients_split_unevenly_over_replicas_count_as_they_are() -> None:
         for clients in (15, 16, 20)
     ]
     assert rates[0] < rates[1] < rates[2]
+
+
+def test_a_break_even_beyond_what_the_layout_serves_is_called_never() -> None:
+    """8 L4s serving Qwen2.5-7B break even with the API at ~667k requests a day but serve ~470k: the table
+    says it never does, and the JSON says so too."""
+    from rich.console import Console
+
+    from corral.plan.render import plan_table
+
+    result = plan(PlanRequest(model="qwen2.5-7b", gpu="l4", gpus=8, concurrency=64), CATALOG, EFFICIENCY)
+    cost, served = result.layouts[0].cost, result.layouts[0].requests_per_s * 86400
+    assert cost.break_even_requests_per_day > served and not cost.reaches_break_even
+    console = Console(width=200, record=True)
+    console.print(plan_table(result))
+    assert "never" in console.export_text()
+    cheap = plan(PlanRequest(model="llama-3.1-8b", gpu="h100-sxm", concurrency=64), CATALOG, EFFICIENCY)
+    assert cheap.layouts[0].cost.reaches_break_even

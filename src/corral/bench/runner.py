@@ -154,15 +154,24 @@ async def _send(
                     if payload == b"[DONE]":
                         result.ok = True
                         continue
-                    chunk = orjson.loads(payload)
+                    try:
+                        chunk = orjson.loads(payload)
+                    except orjson.JSONDecodeError:
+                        chunk = None
+                    if not isinstance(chunk, dict):  # (the server's fault: counted, the run goes on)
+                        result.error = "bad_chunk"
+                        continue
                     if "error" in chunk:
                         result.error = "stream_error"
                         continue
                     usage = chunk.get("usage")
-                    if usage:
-                        result.output_tokens = int(usage.get("completion_tokens") or 0)
-                        result.input_tokens = int(usage.get("prompt_tokens") or 0)
-                        result.tokens_from_usage = True
+                    if isinstance(usage, dict) and usage:
+                        try:
+                            result.output_tokens = int(usage.get("completion_tokens") or 0)
+                            result.input_tokens = int(usage.get("prompt_tokens") or 0)
+                            result.tokens_from_usage = True
+                        except (TypeError, ValueError, OverflowError):
+                            result.error = "bad_chunk"
                     if _has_content(chunk):
                         chunks += 1
                         if result.ttft is None:

@@ -110,7 +110,7 @@ def summarise(run: RunResult, slo: Slo | None = None, detailed: bool = False) ->
             "ttft_ms": slo.ttft_ms,
             "tpot_ms": slo.tpot_ms,
             "e2e_ms": slo.e2e_ms,
-            "met_share": round(len(good) / len(done), 4) if done else 0.0,
+            "met_share": round(len(good) / len(measured), 4) if measured else 0.0,  # (a failure: missed)
         }
     if detailed:
         summary["requests"] = [

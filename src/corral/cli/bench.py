@@ -116,6 +116,14 @@ def bench(
     )
     if search_goodput and not slo.any:
         fail("--search-goodput needs --goodput SLOs", 2)
+    if search_goodput and max_concurrency is not None:
+        # a request's clock starts when it gets a slot: at a rate the server cannot keep up with, requests
+        # would wait in this client, unmeasured, and every rate would look met
+        fail(
+            "--search-goodput offers rising request rates; --max-concurrency would hold them back in the "
+            "client, where their wait is not measured, so leave it out",
+            2,
+        )
     detailed = save_detailed or bool(html or plots)
     try:
         preflight(base_url, model, str(endpoint), api_key)

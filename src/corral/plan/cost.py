@@ -3,7 +3,8 @@
 monthly cost          = GPU-hours price · GPUs · 730 h
 cost per 1M tokens    = hourly cost / (tokens per hour at the planned load) · 10^6   (input + output tokens)
 API cost per hour     = requests/s · 3600 · (input · input price + output · output price) / 10^6
-break-even            = the request rate at which the API bill equals the cluster's fixed cost
+break-even            = the request rate at which the API bill equals the cluster's fixed cost (a layout
+                        reaches it only if it serves that many: else the API is cheaper at any load it takes)
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ class CostReport:
     api_cost_per_million_tokens: float
     api_monthly_usd_at_this_load: float
     break_even_requests_per_day: float
+    reaches_break_even: bool  # the layout serves the break-even load (at the planned load's rate per replica)
     cheaper_than_api: bool
 
     def to_dict(self) -> dict[str, object]:
@@ -41,6 +43,7 @@ def cost_report(
     api_per_request = (input_len * api.input_per_m + output_len * api.output_per_m) / 1e6
     api_monthly = api_per_request * requests_per_s * 3600 * HOURS_PER_MONTH
     monthly = hourly_usd * HOURS_PER_MONTH
+    break_even = hourly_usd * 24 / api_per_request if api_per_request else float("inf")
     return CostReport(
         hourly_usd=hourly_usd,
         monthly_usd=monthly,
@@ -51,6 +54,7 @@ def cost_report(
         api=api.name,
         api_cost_per_million_tokens=api_per_request / (input_len + output_len) * 1e6,
         api_monthly_usd_at_this_load=api_monthly,
-        break_even_requests_per_day=hourly_usd * 24 / api_per_request if api_per_request else float("inf"),
+        break_even_requests_per_day=break_even,
+        reaches_break_even=break_even <= requests_per_s * 86400,
         cheaper_than_api=monthly < api_monthly,
     )

@@ -74,6 +74,11 @@ def plan_table(result: PlanResult) -> Table:
             f"{r.api}: ${best.api_cost_per_million_tokens:.3f}/1M tokens; at this load the first "
             f"layout is {verdict} than the API (${best.api_monthly_usd_at_this_load:,.0f}/month); "
             f"break-even {best.break_even_requests_per_day:,.0f} requests/day"
+            + (
+                ""
+                if best.reaches_break_even
+                else f", more than it serves ({result.layouts[0].requests_per_s * 86400:,.0f}): never"
+            )
         )
     return table
 
