@@ -352,3 +352,20 @@ def test_lines_are_dealt_fairly_between_tenants(store: BatchStore) -> None:
     more = store.lease("runner-b", "m", 3, lease_s=30)  # (another runner: the count is the store's)
     assert [line.batch_id for line in more] == [bobs, eves, eves]  # bob's last, then eve's again
     assert [line.line for line in first + more if line.batch_id == bobs] == [0, 1, 2]
+
+
+def test_finished_batches_are_deleted_once_their_files_have_expired(tmp_path: Path) -> None:
+    """A tenant making and cancelling batches in a loop does not grow the table for good: a finished batch
+    goes once its window's end plus the files' expiry has passed (its output and error files are gone)."""
+    store = BatchStore(open_database(f"sqlite:///{tmp_path / 'b.db'}"), file_expiry=timedelta(seconds=0.3))
+    done = store.create_batch(
+        NewBatch("acme", None, "/v1/chat/completions", "file-x", timedelta(milliseconds=10))
+    )
+    running = _batch(store, 1)
+    time.sleep(0.02)
+    assert store.housekeeping() == [done.id]  # (expired unchecked: finished)
+    assert store.batch("acme", done.id) is not None  # kept while its files may be
+    time.sleep(0.3)
+    store.housekeeping()
+    assert store.batch("acme", done.id) is None
+    assert store.batch("acme", running) is not None  # unfinished: kept

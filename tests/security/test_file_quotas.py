@@ -164,3 +164,57 @@ async def test_a_keys_own_file_caps_replace_the_specs(gateway: tuple[str, dict[s
             f"{url}/admin/keys", json={"tenant": "x", "max_files": 0}, headers=admin
         ) as answer:
             assert answer.status == 400
+
+
+async def test_a_tenant_at_its_quota_makes_no_batch_and_no_upload_of_hers_is_read(
+    gateway: tuple[str, dict[str, str]],
+) -> None:
+    """A batch's results are written as files even past the quota: a tenant that holds her quota makes
+    no batch (else making and cancelling batches in a loop, each writing an error file a line, fills the
+    store past any quota); and her uploads are refused before their bodies are read (spooled to disk and
+    parsed, they would cost the gateway whatever she sends)."""
+    url, keys = gateway
+    async with aiohttp.ClientSession() as session:
+        made = [(await upload(session, url, keys["eve"], LINE))[1]["id"] for _ in range(3)]
+        body = {"input_file_id": made[0], "endpoint": "/v1/chat/completions", "completion_window": "24h"}
+        async with session.post(
+            url + "/v1/batches", json=body, headers={"Authorization": f"Bearer {keys['eve']}"}
+        ) as answer:
+            refused = await answer.json()
+            assert (answer.status, refused["error"]["code"]) == (429, "files_quota_exceeded")
+        # not JSONL: read, it would be a 400 naming the line; refused first, it is the quota's 429
+        status, refused = await upload(session, url, keys["eve"], b"not json\n")
+        assert (status, refused["error"]["code"]) == (429, "files_quota_exceeded")
+        assert (await upload(session, url, keys["bob"], b"not json\n"))[0] == 400  # bob's is read
+
+
+@pytest.mark.parametrize("database", ["sqlite", "postgresql"])
+def test_concurrent_uploads_do_not_pass_the_quota_together(tmp_path: Path, database: str) -> None:
+    """Each upload counts the tenant's files and adds one in one transaction: on PostgreSQL (READ
+    COMMITTED) concurrent ones would each count the old total without the tenant's lock."""
+    import io
+    import uuid
+    from concurrent.futures import ThreadPoolExecutor
+
+    from corral.store import FileQuotaExceeded, NewFile
+
+    url = (
+        "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+        if database == "postgresql"
+        else f"sqlite:///{tmp_path / 'c.db'}"
+    )
+    files = FileStore(open_database(url))
+    tenant = f"eve-{uuid.uuid4().hex[:8]}"
+
+    def add(_: int) -> bool:
+        new = NewFile(tenant, "batch", "in.jsonl", io.BytesIO(LINE), len(LINE))
+        try:
+            files.add_file(new, (1, 10**9))
+        except FileQuotaExceeded:
+            return False
+        return True
+
+    with ThreadPoolExecutor(8) as pool:
+        assert sum(pool.map(add, range(16))) == 1
+    for found in files.files(tenant, None, 10, None):
+        files.delete_file(tenant, found.id)

@@ -23,14 +23,14 @@ from tempfile import SpooledTemporaryFile
 from typing import IO, Any
 
 import orjson
-from sqlalchemy import Engine, and_, func, or_, select, update
+from sqlalchemy import Engine, and_, delete, func, or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from corral.batch.queue import LOST, BatchLine, LineQueue, LineResult, ResultRow, Stop
 from corral.batch.queue_sql import SqlLines
 from corral.store.batch_rows import FINISHED, BatchRow, aware, changed
-from corral.store.files import FileStore, NewFile, write_file
+from corral.store.files import FileStore, NewFile, lock_tenant, write_file
 
 __all__ = ["BatchRecord", "BatchStore", "NewBatch", "TooManyBatches"]
 
@@ -141,6 +141,7 @@ class BatchStore:
         row = _row(new, self.lines.name)
         with Session(self._engine, expire_on_commit=False) as session, session.begin():
             if max_active is not None:
+                lock_tenant(session, new.tenant)
                 active = session.scalar(
                     select(func.count())
                     .select_from(BatchRow)
@@ -155,6 +156,20 @@ class BatchStore:
         found = self.batch(new.tenant, row.id)
         assert found is not None
         return found
+
+    def forget_finished(self, before: datetime, limit: int = 1000) -> int:
+        """Delete finished batches whose window ended before `before` (a window's end plus the files'
+        expiry: their output and error files are gone by then), at most `limit`; how many. A tenant making
+        and cancelling batches in a loop would otherwise grow the table for good."""
+        with Session(self._engine) as session, session.begin():
+            ids = session.scalars(
+                select(BatchRow.id)
+                .where(BatchRow.status.in_(FINISHED), BatchRow.expires_at <= before, self._mine())
+                .limit(limit)
+            ).all()
+            if ids:
+                session.execute(delete(BatchRow).where(BatchRow.id.in_(ids)))
+        return len(ids)
 
     def validating(self) -> list[BatchRecord]:
         with Session(self._engine, expire_on_commit=False) as session:
@@ -328,10 +343,12 @@ class BatchStore:
 
     def housekeeping(self) -> list[str]:
         """Expire batches past their window; finalise those with nothing left to run; delete files past
-        their expiry. The ids finished."""
+        their expiry, and finished batches whose files have expired. The ids finished."""
         now = datetime.now(UTC)
         if swept := self.files.sweep_expired(now):
             logger.info("files: deleted %d past their expiry", swept)
+        if self._file_expiry is not None and (forgotten := self.forget_finished(now - self._file_expiry)):
+            logger.info("batches: deleted %d finished ones whose files have expired", forgotten)
         with Session(self._engine, expire_on_commit=False) as session:
             open_ids = session.scalars(
                 select(BatchRow.id).where(BatchRow.status.in_(("in_progress", "cancelling")), self._mine())

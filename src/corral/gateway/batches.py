@@ -81,6 +81,8 @@ class BatchViews:
         principal = await self._principal(request)
         if not request.content_type.startswith("multipart/"):
             raise InvalidRequest("Upload the file as multipart/form-data with fields 'purpose' and 'file'.")
+        quota = self._quota(principal)
+        await self._room(principal, quota)  # (before its body is read: a full tenant's upload costs nothing)
         with tempfile.TemporaryFile(prefix="corral-upload-") as spool:
             try:
                 form = await self._form(request, spool)
@@ -98,15 +100,26 @@ class BatchViews:
             await asyncio.to_thread(check_upload, spool, self._settings.max_lines, self._max_line)
             spool.seek(0)
             new = NewFile(principal.tenant, form.purpose, form.filename, spool, form.size, expires_at, now)
-            quota = (  # the key's own caps where it has them, else the spec's for every tenant
-                principal.max_files or self._settings.tenant_max_files,
-                principal.max_file_bytes or self._settings.tenant_max_bytes,
-            )
             try:
                 record = await asyncio.to_thread(self._store.files.add_file, new, quota)
             except FileQuotaExceeded as exc:
                 raise RateLimited(str(exc), code="files_quota_exceeded") from exc
         return web.json_response(record.to_api())
+
+    def _quota(self, principal: Principal) -> tuple[int, int]:
+        """(files, bytes) `principal`'s tenant may hold: the key's own caps where it has them, else the
+        spec's for every tenant."""
+        return (
+            principal.max_files or self._settings.tenant_max_files,
+            principal.max_file_bytes or self._settings.tenant_max_bytes,
+        )
+
+    async def _room(self, principal: Principal, quota: tuple[int, int]) -> None:
+        """429 files_quota_exceeded where the tenant already holds its files' quota."""
+        try:
+            await asyncio.to_thread(self._store.files.check_room, principal.tenant, quota)
+        except FileQuotaExceeded as exc:
+            raise RateLimited(str(exc), code="files_quota_exceeded") from exc
 
     async def _form(self, request: web.Request, spool: IO[bytes]) -> _Upload:
         """The form's fields; the `file` part is written to `spool`."""
@@ -189,6 +202,7 @@ class BatchViews:
             raise InvalidRequest(
                 f"File {file_id} is not a batch input (purpose {found.purpose}).", param="input_file_id"
             )
+        await self._room(principal, self._quota(principal))  # (its results are files: room for them first)
         key_id = principal.key_id[:32] if principal.key_id else None  # (a signed-in person's oidc:<tenant>)
         new = NewBatch(principal.tenant, key_id, endpoint, file_id, window, window_text, meta)
         try:  # (validated by the runner)

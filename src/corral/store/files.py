@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import IO, Any
 
-from sqlalchemy import DateTime, Engine, Integer, LargeBinary, String, delete, func, insert, or_, select
+from sqlalchemy import DateTime, Engine, Integer, LargeBinary, String, delete, func, insert, or_, select, text
 from sqlalchemy.orm import Mapped, Session, mapped_column
 
 from corral.store.schema import Base
@@ -26,6 +26,7 @@ __all__ = [
     "FileRow",
     "FileStore",
     "NewFile",
+    "lock_tenant",
     "page",
     "write_file",
 ]
@@ -104,9 +105,24 @@ class FileStore:
         either (checked in the insert's transaction)."""
         with Session(self._engine, expire_on_commit=False) as session, session.begin():
             if quota is not None:
+                lock_tenant(session, new.tenant)
                 _check_quota(session, new.tenant, new.size, *quota)
             row = write_file(session, new)
         return _file(row)
+
+    def check_room(self, tenant: str, quota: tuple[int, int]) -> None:
+        """FileQuotaExceeded where `tenant` already holds its `quota` (files, bytes): checked before an
+        upload's body is read, and before a batch is made (its results are written as files, past the
+        quota: it is stopped here, before it starts)."""
+        with Session(self._engine) as session:
+            count, held = _held(session, tenant)
+        if count >= quota[0]:
+            raise FileQuotaExceeded(f"Tenant '{tenant}' holds {count} files, its limit; delete some first.")
+        if held >= quota[1]:
+            raise FileQuotaExceeded(
+                f"Tenant '{tenant}' holds {held:,} bytes of files, its limit of {quota[1]:,}; delete some "
+                "first."
+            )
 
     def files(self, tenant: str, purpose: str | None, limit: int, after: str | None) -> list[FileRecord]:
         """The tenant's files, newest first; `after` a file id (pagination)."""
@@ -216,10 +232,27 @@ class FileQuotaExceeded(Exception):
     """The tenant holds as many files, or bytes of them, as it may."""
 
 
-def _check_quota(session: Session, tenant: str, adding: int, max_files: int, max_bytes: int) -> None:
+def lock_tenant(session: Session, tenant: str) -> None:
+    """Take `tenant`'s lock for the rest of the transaction, where quotas are counted and then added to:
+    else concurrent transactions each count the old total (PostgreSQL's READ COMMITTED; SQLite's driver
+    begins a transaction at its first write, after the count)."""
+    dialect = session.get_bind().dialect.name
+    if dialect == "postgresql":
+        session.execute(text("SELECT pg_advisory_xact_lock(hashtext(:tenant))"), {"tenant": tenant})
+    elif dialect == "sqlite":  # a write that changes nothing takes the database's write lock now
+        session.execute(text("UPDATE corral_files SET tenant = tenant WHERE 0"))
+
+
+def _held(session: Session, tenant: str) -> tuple[int, int]:
+    """(files, bytes) `tenant` holds."""
     count, held = session.execute(
         select(func.count(), func.coalesce(func.sum(FileRow.size), 0)).where(FileRow.tenant == tenant)
     ).one()
+    return int(count), int(held)
+
+
+def _check_quota(session: Session, tenant: str, adding: int, max_files: int, max_bytes: int) -> None:
+    count, held = _held(session, tenant)
     if count + 1 > max_files:
         raise FileQuotaExceeded(f"Tenant '{tenant}' holds {count} files, its limit; delete some first.")
     if held + adding > max_bytes:
