@@ -148,6 +148,14 @@ def test_openai_client_through_the_edge_plain_and_streamed(
         chunks = list(stream)
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 8
+        # A batch input file past the 4 MiB a request body may be (gateway.max_body_bytes) passes the edge,
+        # up to batch.max_file_bytes
+        line = '{"custom_id": "r%d", "method": "POST", "url": "/v1/chat/completions", "body": {"model": '
+        line += '"llama-8b", "messages": [{"role": "user", "content": "' + "x" * 1000 + '"}]}}\n'
+        data = "".join(line % i for i in range(5000)).encode()
+        assert len(data) > 5 * 1024 * 1024
+        uploaded = client.files.create(file=("in.jsonl", data), purpose="batch")
+        assert uploaded.bytes == len(data)
     # Both gateways served, and each logged the client NGINX named (trusted proxy: 127.0.0.1).
     for cluster in gateways:
         log_has(cluster.log, '127.0.0.1 "POST /v1/chat/completions" 200')

@@ -9,6 +9,8 @@ from corral.deploy.templates import render_template
 
 __all__ = ["render_nginx"]
 
+_FORM_BYTES = 64 * 1024  # an upload's form around its file: boundaries, part headers, purpose, expiry
+
 
 def render_nginx(spec: ClusterSpec, source: str) -> dict[str, str]:
     """Files for the edge in front of the spec's gateway(s), keyed by their path under the output folder."""
@@ -30,6 +32,7 @@ def render_nginx(spec: ClusterSpec, source: str) -> dict[str, str]:
         "fail_timeout": _seconds(edge.fail_timeout),
         "cors_origins": gateway.cors_origins,  # the edge's own answers readable by the same pages
         "max_body_bytes": gateway.max_body_bytes,
+        "max_file_bytes": spec.batch.max_file_bytes + _FORM_BYTES,
         "body_timeout": _seconds(gateway.body_timeout),
         "send_timeout": _seconds(gateway.send_timeout),
         "connect_timeout": _seconds(gateway.connect_timeout),
