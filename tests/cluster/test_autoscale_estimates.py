@@ -109,3 +109,20 @@ def test_lengths_hold_while_a_backlog_drains_and_as_replicas_change(monkeypatch:
     for _ in range(200):
         drive.tick(5, 250.0, 320.0)
     assert drive.state.lengths == pytest.approx((50.0, 64.0), rel=0.05)
+
+
+def test_scaling_down_drains_a_replica_that_serves_nothing_before_the_only_ready_one() -> None:
+    """An unhealthy replica (a hung engine, its requests counted in flight until they time out) goes
+    before an idle ready one: draining the ready one would leave none for a whole engine start."""
+    supervisor = Supervisor(ReplicaSet(), runtime=None, settings=SupervisorSettings())  # type: ignore[arg-type]
+    scaler = Autoscaler(supervisor, lambda: {})
+    drained: list[str] = []
+    scaler._drain = drained.append  # type: ignore[method-assign]
+    state = _Group(parse_spec(SPEC, source="test").models[0], 0, SimEngineAdapter(), [LaunchPlan()])
+    ready = Replica(id="alpha-0", model="alpha", engine="sim", capacity=4, state=ReplicaState.READY)
+    hung = Replica(id="alpha-1", model="alpha", engine="sim", capacity=4, state=ReplicaState.UNHEALTHY)
+    hung.outstanding = 3
+    starting = Replica(id="alpha-2", model="alpha", engine="sim", capacity=4, state=ReplicaState.STARTING)
+    scaler._scale_down(state, [ready, hung], 1)
+    scaler._scale_down(state, [ready, hung, starting], 2)
+    assert drained == ["alpha-1", "alpha-2"]  # (a loading one first of all)

@@ -92,7 +92,8 @@ def test_with_kv_events_off_the_engine_publishes_none_and_the_index_keeps_its_ow
 
 async def test_a_data_parallel_engine_s_ranks_each_publish_to_their_own_port() -> None:
     """vLLM with `--data-parallel-size 2` runs two engines, rank r publishing to the endpoint's port + r:
-    the supervisor's feed binds both ports, and one view counts both engines' blocks."""
+    the supervisor's feed binds both ports, and one view counts both engines' blocks. A batch of another
+    shape (a map) is passed over, not the end of the feed."""
     import msgpack
     import zmq
     import zmq.asyncio
@@ -120,6 +121,7 @@ async def test_a_data_parallel_engine_s_ranks_each_publish_to_their_own_port() -
     deadline, seq = time.monotonic() + 10, 0
     while len(view.blocks) < 2 and time.monotonic() < deadline:  # (until both subscriptions are through)
         seq += 1
+        await publishers[0].send_multipart([b"", seq.to_bytes(8, "big"), msgpack.packb({"a": 1})])
         for rank, publisher in enumerate(publishers):
             batch = [time.time(), [{**stored, "block_hashes": [rank]}], rank]
             await publisher.send_multipart([b"", seq.to_bytes(8, "big"), msgpack.packb(batch)])

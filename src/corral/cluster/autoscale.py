@@ -239,8 +239,9 @@ class Autoscaler:
         self._replicas.record("scale", state.model.name, message)
 
     def _scale_down(self, state: _Group, members: list[Replica], want: int) -> None:
-        # a replica still loading goes first (it serves nothing yet), then the least busy
-        victim = min(members, key=lambda r: (r.state not in _LOADING, _busy(r), -members.index(r)))
+        # one that serves nothing goes first: still loading, then unhealthy (its in-flight count says
+        # nothing of load: a hung engine's requests wait out their timeouts); then the least busy
+        victim = min(members, key=lambda r: (r.ready, r.state not in _LOADING, _busy(r), -members.index(r)))
         message = f"scale down {len(members)} → {len(members) - 1} (wants {want}): drain {victim.id}"
         logger.info("autoscaler %s: %s", state.model.name, message)
         self._replicas.record("scale", state.model.name, message)

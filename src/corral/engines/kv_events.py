@@ -118,6 +118,10 @@ class KvCacheView:
             self.clear()
 
 
+# what a batch of another shape raises (a map where a list goes, a number where events go)
+_UNREADABLE = (ValueError, TypeError, IndexError, KeyError, AttributeError, msgpack.UnpackException)
+
+
 class KvEventFeed:
     """One replica incarnation's subscription to its engine's KV events, owned by the supervisor.
 
@@ -158,7 +162,7 @@ class KvEventFeed:
                 continue
             try:
                 view.apply(seq, frames[2])
-            except (ValueError, TypeError, IndexError, msgpack.UnpackException) as exc:
+            except _UNREADABLE as exc:
                 logger.warning("unreadable KV event batch: %s", exc)
                 continue
             changed()
