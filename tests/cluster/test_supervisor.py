@@ -128,3 +128,42 @@ async def test_a_new_replica_takes_a_plan_no_live_replica_of_its_deployment_hold
         assert supervisor.unused_plans("m", 0, gpus) == gpus  # a failed replica holds no GPU
     finally:
         await supervisor.stop()
+
+
+async def test_a_replica_given_up_on_is_drained_without_waiting_for_a_scrape(tmp_path: Path) -> None:
+    """A drain waits for a scrape newer than itself saying the engine is idle: a replica whose engine is
+    gone (it failed its starts) never gets one, and its drain ends at once, not after the whole grace."""
+    from corral.engines import EngineLoad
+
+    settings = FAST.model_copy(update={"max_start_failures": 1})
+    supervisor = Supervisor(ReplicaSet(), LocalProcessRuntime(tmp_path / "logs"), settings)
+    try:
+        (replica,) = supervisor.add("m", LlamaCppEngine(), [LaunchPlan(argv=("sh", "-c", "exit 3"))])
+        await supervisor.start()
+        await until(lambda: replica.state is ReplicaState.FAILED, within=10)
+        replica.load = EngineLoad(running=2, waiting=0, scraped_at=time.time() - 60)  # its last, long ago
+        began = time.monotonic()
+        await supervisor.drain(replica.id, 10.0)
+        assert time.monotonic() - began < 3
+    finally:
+        await supervisor.stop()
+
+
+async def test_a_stop_leaves_behind_a_process_that_outlives_sigkill(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An engine stuck in the kernel (a GPU driver's hang) is not reaped even by SIGKILL: the stop gives up
+    on it after a while, rather than holding the control plane (drains, applies, shutdown) for good."""
+    from corral.cluster import runtime
+
+    class Stuck:
+        returncode = None
+        pid = 2**22 + 12345  # (no such process: its signals go nowhere)
+
+        async def wait(self) -> int:
+            await asyncio.sleep(3600)
+            return -9
+
+    monkeypatch.setattr(runtime, "_KILLED_WAIT_S", 0.2)
+    process = runtime.LocalProcess(Stuck(), "http://127.0.0.1:9")  # type: ignore[arg-type]
+    began = time.monotonic()
+    await process.stop(grace=0.2)
+    assert time.monotonic() - began < 2

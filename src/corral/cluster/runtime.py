@@ -38,6 +38,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
+_KILLED_WAIT_S = 10.0  # how long a stop waits for a process it has killed before leaving it behind
 
 
 class RunningReplica(Protocol):
@@ -103,7 +104,16 @@ class LocalProcess:
             await asyncio.wait_for(self._process.wait(), grace)
         except TimeoutError:
             self._signal_group(signal.SIGKILL)
-            await self._process.wait()
+            try:  # a process in an uninterruptible sleep (a GPU driver's hang) outlives even SIGKILL
+                await asyncio.wait_for(self._process.wait(), _KILLED_WAIT_S)
+            except TimeoutError:
+                logger.error(
+                    "engine process %s did not exit %.0f s after SIGKILL (stuck in the kernel: a GPU "
+                    "driver hang?); left behind, its GPUs may still be held",
+                    self.pid,
+                    _KILLED_WAIT_S,
+                )
+                return
         self._signal_group(signal.SIGKILL)
 
     def _signal_group(self, sig: signal.Signals) -> None:

@@ -228,6 +228,11 @@ class Supervisor:
 
     async def _drain(self, slot: _Slot, grace_s: float) -> dict[str, object]:
         replica, replica_id = slot.replica, slot.replica.id
+        # a replica that was not serving (starting, restarting, given up) has no engine load to wait out:
+        # its last scrape may be from before it failed, and no newer one ever comes
+        serving = replica.state in (ReplicaState.READY, ReplicaState.UNHEALTHY) and (
+            slot.task is not None and not slot.task.done()
+        )
         slot.draining = True
         replica.state, replica.ready_eta = ReplicaState.DRAINING, None
         began, began_wall = time.monotonic(), time.time()
@@ -236,7 +241,8 @@ class Supervisor:
         while time.monotonic() - began < grace_s:
             load = replica.load
             engine_idle = (  # (an external server may serve other clients: this gateway's requests count)
-                slot.plan.metrics_path is None
+                not serving
+                or slot.plan.metrics_path is None
                 or slot.engine.name == "external"
                 or load is None
                 or (load.scraped_at > began_wall + 0.5 and load.running + load.waiting == 0)
