@@ -487,3 +487,24 @@ async def test_a_prompt_routed_right_after_another_finds_its_prefix_recorded() -
     assert second is first  # (no await between the two: the first's record was applied by the look-up)
     index = router.policy_for("m").index  # type: ignore[attr-defined]
     assert len(index) == len(RouteRequest("m", prompt=document + "two").hashes)
+
+
+def test_a_rolled_back_revision_serves_only_while_no_old_replica_can() -> None:
+    """A rollback keeps the new revision's replicas out of routing (share 0) while an old one is ready; in
+    the minutes the old replicas take to start again (no spare GPUs: they waited for the new ones' GPUs),
+    the new ones that are ready serve rather than leave the model with none."""
+    from corral.routing import TrafficSplit
+
+    replicas = ReplicaSet(["m"])
+    ready = ReplicaState.READY
+    new = [Replica(id=f"m-{i}", model="m", engine="sim", state=ready, revision=1) for i in (1, 2)]
+    for replica in new:
+        replicas.add(replica)
+    replicas.splits["m"] = TrafficSplit(1, 0.0)
+    router = Router(replicas)
+    assert router.acquire(RouteRequest("m")) in new
+    old = Replica(id="m-0", model="m", engine="sim", state=ReplicaState.STARTING, revision=0)
+    replicas.add(old)
+    assert router.acquire(RouteRequest("m")) in new  # (still starting)
+    old.state = ReplicaState.READY
+    assert {router.acquire(RouteRequest("m")).id for _ in range(8)} == {"m-0"}

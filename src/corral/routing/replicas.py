@@ -115,7 +115,9 @@ class Replica:
 @dataclass(frozen=True, slots=True)
 class TrafficSplit:
     """During a rollout: the share of a model's requests sent to replicas of `revision` (the rest go to the
-    others). A share of 0 keeps the new replicas out of routing (they are being checked)."""
+    others). A share of 0 keeps the new replicas out of routing (a rollback's: they failed a check) while
+    any other is routable: while the old replicas start again, the new ones that are ready serve rather
+    than none (a revision over its error ratio still answers most requests)."""
 
     revision: int
     share: float
@@ -125,7 +127,7 @@ class TrafficSplit:
         new = [r for r in candidates if r.revision == self.revision]
         old = [r for r in candidates if r.revision != self.revision]
         if self.share <= 0.0:
-            return old
+            return old or new
         if draw < self.share:
             return new or old
         return old or new
