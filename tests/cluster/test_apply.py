@@ -12,7 +12,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from corral.cluster.reconcile import plan_changes
+from corral.cluster.reconcile import plan_changes, scale_down_victims
 from corral.config import parse_spec
 from tests.conftest import CORRAL, RunningCluster, get_json, start_cluster
 
@@ -87,6 +87,21 @@ def test_plan_changes_tells_live_settings_from_rollouts() -> None:
 
 
 @pytest.mark.slow
+def test_a_lower_count_drains_the_replicas_that_serve_nothing_first() -> None:
+    """The newest replicas go, except that one serving nothing (its engine given up on after failed
+    starts, unhealthy, starting) goes before a ready one: lowering 2 to 1 beside a replica that failed
+    must not drain the only one that answers."""
+    from corral.routing import Replica, ReplicaState
+
+    def fleet(*states: ReplicaState) -> list[Replica]:
+        return [Replica(id=f"a-{i}", model="a", engine="sim", state=s) for i, s in enumerate(states)]
+
+    ready, failed, unhealthy = ReplicaState.READY, ReplicaState.FAILED, ReplicaState.UNHEALTHY
+    assert scale_down_victims(fleet(ready, ready, ready), 2) == ["a-2", "a-1"]
+    assert scale_down_victims(fleet(failed, ready), 1) == ["a-0"]
+    assert scale_down_victims(fleet(ready, unhealthy, ready, failed), 3) == ["a-3", "a-1", "a-2"]
+
+
 def test_apply_adds_removes_and_scales_without_failing_a_request(tmp_path: Path) -> None:
     cluster = start_cluster(tmp_path, spec(tmp_path, "start.yaml", alpha=2, beta=False))
     stop, failures, served = threading.Event(), [], [0]
@@ -208,3 +223,46 @@ def test_queue_bounds_and_the_default_routing_policy_change_live(tmp_path: Path)
         assert replicas(cluster) == {"alpha-0": "ready"}
     finally:
         cluster.stop()
+
+
+async def test_an_apply_whose_caller_goes_away_is_made_whole(tmp_path: Path) -> None:
+    """Ctrl-C, or a proxy's timeout while replicas drain, ends `corral apply`'s request, not the apply:
+    cut short, beta's replicas would run with no spec naming them (the next apply would start beta
+    again beside them, and a spec without beta could never remove it)."""
+    import asyncio
+
+    from corral.cluster import LocalProcessRuntime, Supervisor
+    from corral.cluster.reconcile import Reconciler
+    from corral.config import Paths, SupervisorSettings
+    from corral.engines import SimEngineAdapter, launch_plans
+    from corral.routing import ReplicaSet
+
+    first, second = (
+        parse_spec(spec(tmp_path, name, alpha=alpha, beta=beta).read_text(), source="test")
+        for name, alpha, beta in (("a.yaml", 2, False), ("b.yaml", 1, True))
+    )
+    engine = SimEngineAdapter()
+
+    def prepare(model, deployment):  # type: ignore[no-untyped-def]
+        return engine, launch_plans(engine, model, deployment, Paths.from_env(), lambda *_: None)
+
+    settings = SupervisorSettings(probe_interval=0.3, probe_timeout=0.5)
+    supervisor = Supervisor(ReplicaSet(), LocalProcessRuntime(tmp_path / "logs"), settings)
+    supervisor.add("alpha", engine, prepare(first.models[0], first.models[0].deployments[0])[1])
+    reconciler = Reconciler(supervisor, first, prepare, lambda model: None)
+    await supervisor.start()
+    try:
+        applying = asyncio.create_task(reconciler.apply(second, grace_s=5.0))
+        while not supervisor.replica_ids("beta"):  # noqa: ASYNC110 (beta started; alpha's second drains next)
+            await asyncio.sleep(0.05)
+        applying.cancel()
+        for _ in range(300):
+            if not reconciler._lock.locked():
+                break
+            await asyncio.sleep(0.1)
+        assert [m.name for m in reconciler.spec.models] == ["alpha", "beta"]
+        assert len(supervisor.replica_ids("alpha")) == 1
+        assert await reconciler.apply(second, grace_s=5.0) == []  # nothing left to do
+    finally:
+        await reconciler.stop()
+        await supervisor.stop()

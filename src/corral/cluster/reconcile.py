@@ -35,7 +35,7 @@ from corral.config import AdapterSpec, ClusterSpec, DeploymentSpec, ModelSpec, R
 from corral.engines import EngineAdapter, LaunchPlan
 from corral.routing import Replica
 
-__all__ = ["ApplyError", "Change", "Reconciler", "deployed_digest", "plan_changes"]
+__all__ = ["ApplyError", "Change", "Reconciler", "deployed_digest", "plan_changes", "scale_down_victims"]
 
 logger = logging.getLogger(__name__)
 
@@ -305,7 +305,16 @@ class Reconciler:
         """Make the changes; one apply at a time. Everything new is prepared (fetched, built) before the
         running cluster is touched, so a spec that cannot be prepared changes nothing; replicas to add
         start before any is drained; a rollout is started and runs on (`corral rollout status`). The
-        gateway's host and port stay those `corral up` listens on (its flags may override the file's)."""
+        gateway's host and port stay those `corral up` listens on (its flags may override the file's). A
+        caller that goes away (Ctrl-C, a proxy's timeout while replicas drain) does not cut it short: half
+        made, the replicas would run what the spec the next apply compares with does not say."""
+        task = asyncio.ensure_future(self._apply(wanted, grace_s))
+        self._tasks.add(task)
+        task.add_done_callback(_applied)
+        task.add_done_callback(self._tasks.discard)
+        return await asyncio.shield(task)
+
+    async def _apply(self, wanted: ClusterSpec, grace_s: float) -> list[dict[str, object]]:
         async with self._lock:
             listening = {"host": self.spec.gateway.host, "port": self.spec.gateway.port}
             wanted = wanted.model_copy(update={"gateway": wanted.gateway.model_copy(update=listening)})
@@ -321,10 +330,12 @@ class Reconciler:
             before = {m.name: m for m in self.spec.models}
             additions = [c for c in changes if c.action in ("add_model", "scale_up")]
             rollouts = [c for c in changes if c.action == "rollout"]
+            settings = [c for c in changes if c.action == "settings"]
             try:
-                added, units = await asyncio.gather(
+                added, units, scaled = await asyncio.gather(
                     asyncio.gather(*(asyncio.to_thread(self._plans, c, models[c.model]) for c in additions)),
                     asyncio.gather(*(asyncio.to_thread(self._units, models[c.model]) for c in rollouts)),
+                    asyncio.gather(*(asyncio.to_thread(self._scaled, models[c.model]) for c in settings)),
                 )
             except Exception as exc:  # a model that cannot be fetched or built: nothing changed
                 raise ApplyError(f"cannot prepare the new spec (nothing changed): {exc}") from exc
@@ -334,10 +345,9 @@ class Reconciler:
             if changes and changes[0].action == "cluster_settings":
                 self._on_cluster(wanted)  # queue bounds, rate limits, the default routing policy
             self._add(additions, added, models)
-            for change in changes:
-                if change.action == "settings":
-                    self._on_model(models[change.model])
-                    await self._rescale(models[change.model])
+            for change, groups in zip(settings, scaled, strict=True):
+                self._on_model(models[change.model])
+                self._rescale(models[change.model], groups)
             for change, prepared in zip(rollouts, units, strict=True):
                 self._start_rollout(before[change.model], models[change.model], prepared, grace_s)
             removals = [c for c in changes if c.action in ("remove_model", "scale_down")]
@@ -407,15 +417,22 @@ class Reconciler:
                     self.autoscaler.configure(model, group, engine, plans)
         self._supervisor.start_added()
 
-    async def _rescale(self, model: ModelSpec) -> None:
-        """Autoscale `model`'s deployments as its spec now says (new bounds, a finished rollout's plans);
-        one without `autoscale` is let go."""
-        for group, deployment in enumerate(model.deployments):
-            if deployment.autoscale is None:
+    def _scaled(self, model: ModelSpec) -> list[tuple[EngineAdapter, list[LaunchPlan]] | None]:
+        """`model`'s autoscaled deployments' engines and plans, prepared (blocking: in a thread); None for
+        a deployment without `autoscale`."""
+        return [
+            None if deployment.autoscale is None else self._prepare(model, _all_plans(deployment))
+            for deployment in model.deployments
+        ]
+
+    def _rescale(self, model: ModelSpec, groups: list[tuple[EngineAdapter, list[LaunchPlan]] | None]) -> None:
+        """Autoscale `model`'s deployments as its spec now says (new bounds, a finished rollout's plans;
+        `groups` from `_scaled`); one without `autoscale` is let go."""
+        for group, prepared in enumerate(groups):
+            if prepared is None:
                 self.autoscaler.forget(model.name, group)
-                continue
-            engine, plans = await asyncio.to_thread(self._prepare, model, _all_plans(deployment))
-            self.autoscaler.configure(model, group, engine, plans)
+            else:
+                self.autoscaler.configure(model, group, *prepared)
 
     def _running(self) -> ClusterSpec:
         """The spec as it runs now: replica counts as the supervisor has them (`corral drain` and the
@@ -441,7 +458,7 @@ class Reconciler:
             victims = self._supervisor.replica_ids(change.model)
             self.autoscaler.forget(change.model)
         else:
-            victims = self._supervisor.replica_ids(change.model, change.group)[-change.count :]
+            victims = scale_down_victims(self._supervisor.members(change.model, change.group), change.count)
         await asyncio.gather(*(self._supervisor.drain(v, grace_s) for v in victims))
         if change.action == "remove_model":
             self._supervisor.replicas.forget(change.model)
@@ -491,7 +508,7 @@ class Reconciler:
                     self.spec = self.spec.model_copy(
                         update={"models": [kept if m.name == new.name else m for m in self.spec.models]}
                     )
-                    await self._rescale(kept)
+                    self._rescale(kept, await asyncio.to_thread(self._scaled, kept))
         logger.info("rollout of %s: %s", new.name, outcome)
 
     async def rollout_action(self, model: str, action: str, grace_s: float = 60.0) -> dict[str, object]:
@@ -539,3 +556,17 @@ def _every_slice(deployment: DeploymentSpec) -> DeploymentSpec:
         return deployment
     slices = len(deployment.gpus) // deployment.gpus_per_replica
     return deployment.model_copy(update={"replicas": max(deployment.replicas, slices)})
+
+
+def scale_down_victims(members: list[Replica], count: int) -> list[str]:
+    """The `count` of a deployment's replicas (oldest first) a lower count drains: those serving nothing
+    first (given up on, unhealthy, starting: draining the ready ones would leave a model with a replica
+    that never serves), then the newest."""
+    ranked = sorted(range(len(members)), key=lambda k: (members[k].ready, -k))
+    return [members[k].id for k in ranked[:count]]
+
+
+def _applied(task: asyncio.Task[Any]) -> None:
+    """An apply's failure is its caller's answer; logged too, for one whose caller went away."""
+    if not task.cancelled() and task.exception() is not None:
+        logger.warning("apply ended without its changes: %s", task.exception())
