@@ -4,8 +4,10 @@ while a backlog drains, not lost when a replica leaves or restarts)."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -126,3 +128,46 @@ def test_scaling_down_drains_a_replica_that_serves_nothing_before_the_only_ready
     scaler._scale_down(state, [ready, hung], 1)
     scaler._scale_down(state, [ready, hung, starting], 2)
     assert drained == ["alpha-1", "alpha-2"]  # (a loading one first of all)
+
+
+async def test_a_deployment_whose_replicas_keep_failing_is_replaced_ever_more_slowly(tmp_path: Path) -> None:
+    """A replica the supervisor gave up on is replaced at once; while the replacements fail too (a missing
+    binary, a dead GPU) the next waits 30 s, then twice that: not a new replica, log and event every few
+    seconds for as long as the cluster runs."""
+    from corral.cluster import LocalProcessRuntime
+
+    settings = SupervisorSettings(max_start_failures=1, backoff_initial=0.1)
+    supervisor = Supervisor(ReplicaSet(), LocalProcessRuntime(tmp_path / "logs"), settings)
+    scaler = Autoscaler(supervisor, lambda: {})
+    model = parse_spec(SPEC.replace("mode: feed_forward", "interval_s: 0.1"), source="test").models[0]
+    broken = LaunchPlan(argv=("sh", "-c", "exit 3"))
+    scaler.configure(model, 0, SimEngineAdapter(), [broken] * 8)
+    await supervisor.start()
+    running = asyncio.create_task(scaler.run())
+    try:
+        await asyncio.sleep(4)
+        made = supervisor._next_index.get("alpha", 0)
+        assert made == 2, (made, list(supervisor.replicas.events))  # the first, and one replacement at once; the next waits 30 s
+        events = [e["message"] for e in supervisor.replicas.events if e["model"] == "alpha"]
+        assert any("replace alpha-1 in 30s" in m for m in events), events
+    finally:
+        running.cancel()
+        await asyncio.gather(running, return_exceptions=True)
+        await supervisor.stop()
+
+
+def test_only_the_latest_drained_replicas_logs_are_kept(tmp_path: Path) -> None:
+    """Each scale-up makes a replica id, and a log, of its own: the logs of drained replicas past the last
+    32 are deleted, rotated copies too; running replicas' logs are untouched."""
+    supervisor = Supervisor(ReplicaSet(), runtime=None, settings=SupervisorSettings())  # type: ignore[arg-type]
+    logs = [tmp_path / f"alpha-{i}.log" for i in range(40)]
+    for log in logs:
+        log.write_text("out")
+        log.with_name(log.name + ".1").write_text("older")
+    running = tmp_path / "alpha-1000.log"
+    running.write_text("live")
+    for log in logs:
+        supervisor._forget_logs(log)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [running.name] + [n for log in logs[8:] for n in (log.name, log.name + ".1")]
+    )

@@ -48,6 +48,9 @@ _RATE_QUICK_HALF_LIFE_S = 1.0
 _RATE_STEADY_HALF_LIFE_S = 5.0
 _RATE_FALL_HALF_LIFE_S = 15.0
 _RISE_SDS, _RISEN_SDS = 3.0, 1.0
+# A replica the supervisor gave up on (failed starts) is replaced at once the first time; while its
+# replacements fail too (a missing binary, a dead GPU) each next one waits twice as long, up to 10 minutes
+_REPLACE_WAIT_S, _REPLACE_WAIT_MAX_S = 30.0, 600.0
 # Mean request lengths: the engines' token rates over the arrival rate, each a slower symmetric mean, so
 # an interval whose completions are not its arrivals (a backlog draining after a burst) does not read as
 # long requests, which sized the fleet for work that was not coming.
@@ -75,6 +78,9 @@ class _Group:
     demand: float = 0.0  # requests/s smoothed as the token rates are, to divide them by
     lengths: tuple[float, float] | None = None  # mean prompt and output tokens per request, measured
     reason: str = ""
+    replace_wait: float = 0.0  # how long the next replacement of a failed replica waits
+    held_until: float = 0.0  # no scale-up before (the last replacement's wait)
+    replaced: set[str] = field(default_factory=set)  # failed replicas being drained to be replaced
 
     @property
     def spec(self) -> AutoscaleSpec:
@@ -156,6 +162,8 @@ class Autoscaler:
         while state.wanted[0][0] < now - cooldown:
             state.wanted.popleft()
         if want > count:
+            if now < state.held_until:  # replacing replicas that failed: backing off
+                return
             state.changed_at = now
             self._scale_up(state, want - count, members)
             return
@@ -168,9 +176,19 @@ class Autoscaler:
         """The deployment's replicas; one the supervisor gave up on (failed starts) is drained, so that it
         is replaced instead of counting as capacity."""
         members = self._supervisor.members(state.model.name, state.group)
-        for failed in [r for r in members if r.state is ReplicaState.FAILED]:
-            self._replicas.record("scale", state.model.name, f"replace {failed.id}: {failed.last_error}")
-            self._drain(failed.id)
+        state.replaced &= {r.id for r in members}  # (drained ones leave the members)
+        failed = [r for r in members if r.state is ReplicaState.FAILED and r.id not in state.replaced]
+        for replica in failed:
+            state.replaced.add(replica.id)
+            wait = f" in {state.replace_wait:.0f}s" if state.replace_wait else ""
+            message = f"replace {replica.id}{wait}: {replica.last_error}"
+            self._replicas.record("scale", state.model.name, message)
+            self._drain(replica.id)
+        if failed:  # its replacements back off while they fail too
+            state.held_until = time.monotonic() + state.replace_wait
+            state.replace_wait = min(max(2 * state.replace_wait, _REPLACE_WAIT_S), _REPLACE_WAIT_MAX_S)
+        elif any(r.ready for r in members):
+            state.replace_wait = 0.0
         return [r for r in members if r.state is not ReplicaState.FAILED]
 
     def _measure(self, state: _Group, members: list[Replica], pressure: dict[str, float]) -> None:

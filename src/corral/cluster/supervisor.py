@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import glob
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass
+from pathlib import Path
 
 import zmq
 import zmq.asyncio
@@ -31,6 +34,7 @@ logger = logging.getLogger(__name__)
 _STABLE_RUN_S = 60.0  # a replica that stayed up this long restarts with the initial backoff again
 _PROBES_AT_ONCE = 256  # connections the probes use at once (two per replica at most); more wait their turn
 _EXPECTED_START_S = 3.0  # used for Retry-After hints while a replica is (re)starting
+_ENDED_LOGS_KEPT = 32  # drained replicas whose logs are kept (ids are never reused: each scale-up makes one)
 
 
 @dataclass(slots=True)
@@ -44,6 +48,7 @@ class _Slot:
     draining: bool = False  # out of routing for good: probes no longer make it ready
     group: int = 0  # the deployment's index in its model's `deployments`
     kv: KvCacheView | None = None  # its engine's prefix cache, by the KV events it publishes
+    log_path: Path | None = None  # where its engine's output went (on this machine)
 
 
 class Supervisor:
@@ -58,6 +63,7 @@ class Supervisor:
         self._zmq: zmq.asyncio.Context | None = None  # engines' KV-event subscriptions
         self._stopping = False
         self._next_index: dict[str, int] = {}  # replica ids are never reused (a drained id stays gone)
+        self._ended_logs: deque[Path] = deque()  # drained replicas' logs, oldest first
         self._drains: dict[str, asyncio.Future[dict[str, object]]] = {}  # replica id → its drain
 
     def add(
@@ -257,9 +263,20 @@ class Supervisor:
         replica.state = ReplicaState.STOPPED
         self._slots.remove(slot)
         self.replicas.remove(replica)
+        if slot.log_path is not None:
+            await asyncio.to_thread(self._forget_logs, slot.log_path)
         waited = round(time.monotonic() - began, 2)
         logger.info("replica %s drained in %.1fs%s", replica_id, waited, "" if idle else " (timed out)")
         return {"replica": replica_id, "model": replica.model, "waited_s": waited, "idle": idle}
+
+    def _forget_logs(self, ended: Path) -> None:
+        """Keep the logs of the last _ENDED_LOGS_KEPT drained replicas (rotated copies too): an autoscaled
+        deployment makes a new replica id, and so a new log, at each scale-up, for as long as it runs."""
+        self._ended_logs.append(ended)
+        while len(self._ended_logs) > _ENDED_LOGS_KEPT:
+            oldest = self._ended_logs.popleft()
+            for path in (oldest, *oldest.parent.glob(glob.escape(oldest.name) + ".*")):
+                path.unlink(missing_ok=True)
 
     async def stop(self) -> None:
         """Stop all replicas (SIGTERM, then SIGKILL after the stop timeout) and end their tasks."""
@@ -292,6 +309,7 @@ class Supervisor:
             feed = self._kv_feed(slot)
             try:
                 running = await self._runtime.start(replica.id, feed.plan if feed else slot.plan)
+                slot.log_path = running.log_path or slot.log_path
             except Exception as exc:  # any runtime failure: log it, back off, try again
                 logger.exception("replica %s: the runtime could not start it", replica.id)
                 reason, was_ready = f"launch failed: {exc}", False
