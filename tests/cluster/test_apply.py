@@ -249,7 +249,11 @@ async def test_an_apply_whose_caller_goes_away_is_made_whole(tmp_path: Path) -> 
     settings = SupervisorSettings(probe_interval=0.3, probe_timeout=0.5)
     supervisor = Supervisor(ReplicaSet(), LocalProcessRuntime(tmp_path / "logs"), settings)
     supervisor.add("alpha", engine, prepare(first.models[0], first.models[0].deployments[0])[1])
-    reconciler = Reconciler(supervisor, first, prepare, lambda model: None)
+
+    async def told(model: object) -> None:
+        return None
+
+    reconciler = Reconciler(supervisor, first, prepare, told)
     await supervisor.start()
     try:
         applying = asyncio.create_task(reconciler.apply(second, grace_s=5.0))
@@ -266,3 +270,31 @@ async def test_an_apply_whose_caller_goes_away_is_made_whole(tmp_path: Path) -> 
     finally:
         await reconciler.stop()
         await supervisor.stop()
+
+
+async def test_a_models_settings_are_read_off_the_event_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Telling the gateway a changed model's settings reads its adapters' sources (a hub may be asked) in
+    a thread: requests on the event loop go on meanwhile."""
+    import asyncio
+
+    from corral.cli import up
+
+    def slow_settings(model: object, paths: object) -> dict[str, object]:
+        time.sleep(0.5)  # (a hub slow to answer)
+        return {"name": "alpha"}
+
+    told: list[dict[str, object]] = []
+    monkeypatch.setattr(up, "model_settings", slow_settings)
+    monkeypatch.setattr(up, "apply_model_settings", lambda router, parts, settings: told.append(settings))
+    loop, lags = asyncio.get_running_loop(), []
+
+    async def ticker() -> None:
+        while True:
+            before = loop.time()
+            await asyncio.sleep(0.01)
+            lags.append(loop.time() - before - 0.01)
+
+    ticking = asyncio.create_task(ticker())
+    await up._tell_gateway(None, None, None, object())  # type: ignore[arg-type]
+    ticking.cancel()
+    assert told == [{"name": "alpha"}] and len(lags) > 20 and max(lags) < 0.1

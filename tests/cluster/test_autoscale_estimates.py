@@ -147,7 +147,8 @@ async def test_a_deployment_whose_replicas_keep_failing_is_replaced_ever_more_sl
     try:
         await asyncio.sleep(4)
         made = supervisor._next_index.get("alpha", 0)
-        assert made == 2, (made, list(supervisor.replicas.events))  # the first, and one replacement at once; the next waits 30 s
+        # the first, and one replacement at once; the next waits 30 s
+        assert made == 2, (made, list(supervisor.replicas.events))
         events = [e["message"] for e in supervisor.replicas.events if e["model"] == "alpha"]
         assert any("replace alpha-1 in 30s" in m for m in events), events
     finally:

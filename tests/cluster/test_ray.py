@@ -358,9 +358,11 @@ async def test_autoscaler_places_replicas_on_a_joining_node_and_a_node_drains_wi
     assert plans[0].resources.gpus == 4  # the deployment's ray_gpus
     supervisor.add("alpha", engine, plans[:1])
     services = make_services(supervisor.replicas, tmp_path / "c.db")
-    reconciler = Reconciler(
-        supervisor, spec, lambda m, d: (engine, plans), lambda m: None, services.queue.pressure
-    )
+
+    async def told(model: object) -> None:
+        return None
+
+    reconciler = Reconciler(supervisor, spec, lambda m, d: (engine, plans), told, services.queue.pressure)
     parts = dataclasses.replace(services, control=reconciler)
     gateway = GatewayServer(GatewaySettings(port=0), Router(supervisor.replicas), parts)
     await gateway.start()

@@ -9,6 +9,7 @@ import gc
 import logging
 import signal
 import types
+from functools import partial
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -185,7 +186,7 @@ async def _serve(spec: ClusterSpec, paths: Paths, prepared: list[tuple[str, Any,
         spec,
         paths,
         supervisor,
-        lambda model: apply_model_settings(router, parts, model_settings(model, paths)),
+        partial(_tell_gateway, router, parts, paths),
         parts.queue.pressure,
         lambda wanted: apply_cluster_settings(router, parts, cluster_settings(wanted)),
     )
@@ -230,7 +231,7 @@ async def _serve_workers(
         spec,
         paths,
         supervisor,
-        lambda model: pool.announce_model(model_settings(model, paths)),
+        partial(_tell_workers, pool, paths),
         pool.pressure,
         lambda wanted: pool.announce_cluster(cluster_settings(wanted)),
         workers,
@@ -269,6 +270,17 @@ def _supervisor(spec: ClusterSpec, paths: Paths, prepared: list[tuple[str, Any, 
         group = groups[model_name] = groups.get(model_name, -1) + 1
         supervisor.add(model_name, engine, plans[: models[model_name].deployments[group].replicas], group)
     return supervisor
+
+
+async def _tell_gateway(router: Any, parts: Any, paths: Paths, model: Any) -> None:
+    """This process's gateway learns a model's settings (read in a thread: an adapter's source may be
+    asked of its hub, which would stall every request on the event loop)."""
+    apply_model_settings(router, parts, await asyncio.to_thread(model_settings, model, paths))
+
+
+async def _tell_workers(pool: Any, paths: Paths, model: Any) -> None:
+    """The gateway workers learn a model's settings (read in a thread, as `_tell_gateway`)."""
+    pool.announce_model(await asyncio.to_thread(model_settings, model, paths))
 
 
 def model_settings(model: Any, paths: Paths) -> dict[str, Any]:

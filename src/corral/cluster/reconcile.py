@@ -19,7 +19,7 @@ import asyncio
 import contextlib
 import hashlib
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -226,14 +226,15 @@ def _replicas(count: int) -> str:
 class Reconciler:
     """Applies specs to the supervisor it was given; `prepare` resolves a deployment's launch plans
     (blocking: fetches and builds), `on_model` tells the gateway(s) a model's settings (routing policy,
-    tokenizer, failover mode) before it serves; `pressure` reads the gateways' queues (the autoscaler)."""
+    tokenizer, failover mode) before it serves (awaited: what it reads, off the event loop); `pressure`
+    reads the gateways' queues (the autoscaler)."""
 
     def __init__(
         self,
         supervisor: Supervisor,
         spec: ClusterSpec,
         prepare: Prepare,
-        on_model: Callable[[ModelSpec], None],
+        on_model: Callable[[ModelSpec], Awaitable[None]],
         pressure: Pressure | None = None,
         on_cluster: Callable[[ClusterSpec], None] | None = None,
         adapter_path: Callable[[AdapterSpec], str] | None = None,
@@ -344,12 +345,12 @@ class Reconciler:
                     await self._check_adapters(before[change.model], models[change.model])
             if changes and changes[0].action == "cluster_settings":
                 self._on_cluster(wanted)  # queue bounds, rate limits, the default routing policy
-            self._add(additions, added, models)
+            await self._add(additions, added, models)
             for change, groups in zip(settings, scaled, strict=True):
-                self._on_model(models[change.model])
+                await self._on_model(models[change.model])
                 self._rescale(models[change.model], groups)
             for change, prepared in zip(rollouts, units, strict=True):
-                self._start_rollout(before[change.model], models[change.model], prepared, grace_s)
+                await self._start_rollout(before[change.model], models[change.model], prepared, grace_s)
             removals = [c for c in changes if c.action in ("remove_model", "scale_down")]
             await asyncio.gather(*(self._remove(c, grace_s) for c in removals))
             changed = {c.model for c in changes}
@@ -390,13 +391,13 @@ class Reconciler:
                 if problem is not None:
                     raise ApplyError(f"adapter {adapter.name}: {problem} (nothing changed)")
 
-    def _add(
+    async def _add(
         self, additions: list[Change], prepared: list[list[Group]], models: dict[str, ModelSpec]
     ) -> None:
         for change, groups in zip(additions, prepared, strict=True):
             model = models[change.model]
             if change.action == "add_model":
-                self._on_model(model)
+                await self._on_model(model)
             for group, engine, plans in groups:
                 scale = model.deployments[group].autoscale
                 if change.action == "scale_up":  # the plans no replica holds: free GPUs, unserved URLs
@@ -465,7 +466,7 @@ class Reconciler:
 
     # rollouts ----------------------------------------------------------------------------------------
 
-    def _start_rollout(self, old: ModelSpec, new: ModelSpec, units: Units, grace_s: float) -> None:
+    async def _start_rollout(self, old: ModelSpec, new: ModelSpec, units: Units, grace_s: float) -> None:
         members = self._supervisor.members(new.name)
         # a number never used before: a rolled-back attempt's revision is not the next one's
         revision = max((r.revision for r in members), default=0)
@@ -476,7 +477,7 @@ class Reconciler:
         self._rollouts[new.name] = rollout
         self._previous[new.name] = old
         self.autoscaler.frozen.add(new.name)
-        self._on_model(new)
+        await self._on_model(new)
         self._spawn(self._roll(rollout, old, new))
 
     def _units(self, model: ModelSpec) -> Units:
@@ -503,7 +504,7 @@ class Reconciler:
                 self.autoscaler.frozen.discard(new.name)
                 kept = new if rollout.outcome == "completed" else old
                 if kept is old:
-                    self._on_model(old)
+                    await self._on_model(old)
                 if any(m.name == new.name for m in self.spec.models):  # not removed meanwhile
                     self.spec = self.spec.model_copy(
                         update={"models": [kept if m.name == new.name else m for m in self.spec.models]}
@@ -537,7 +538,7 @@ class Reconciler:
                 units = await asyncio.to_thread(self._units, previous)
             except Exception as exc:
                 raise ValueError(f"cannot prepare the spec before the rollout: {exc}") from exc
-            self._start_rollout(current, previous, units, grace_s)
+            await self._start_rollout(current, previous, units, grace_s)
             return self._rollouts[model].state
 
 
