@@ -246,3 +246,38 @@ async def test_the_pool_relays_a_worker_s_placements_to_the_others_however_long_
     for _, writer in streams:
         writer.close()
     await pool.stop()
+
+
+async def test_a_worker_that_reads_nothing_of_its_control_connection_is_let_go(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A hung worker reads nothing of what the pool sends it (the replica set, other workers' placements,
+    megabytes a second under load): past a bound of unread bytes its connection is closed (its process
+    killed and started again), rather than the supervisor holding all of it until it runs out of memory."""
+    import orjson
+
+    from corral.cluster import workers
+    from corral.routing import ReplicaSet
+
+    monkeypatch.setattr(workers, "_MOST_UNREAD", 4 * 1024 * 1024)
+    pool = workers.WorkerPool(ReplicaSet(), {"gateway": {}}, count=2, logs="warning:auto", shutdown_grace=1)
+    await pool.serve_control()
+    streams = []
+    for index, limit in ((0, 1 << 24), (1, 1 << 16)):  # (worker 1's reader stops taking at 128 KiB)
+        reader, writer = await asyncio.open_unix_connection(str(pool.control_path), limit=limit)
+        writer.write(orjson.dumps({"worker": index}) + b"\n")
+        await reader.readline()
+        await reader.readline()
+        streams.append((reader, writer))
+    line = orjson.dumps({"placements": {"m": [["m-0", list(range(2**63, 2**63 + 4000)), None]]}}) + b"\n"
+    for _ in range(200):  # ~16 MB, to a worker that reads none of it
+        streams[0][1].write(line)
+        await streams[0][1].drain()
+        await asyncio.sleep(0)
+    await asyncio.sleep(0.5)
+    hung = pool._workers[1].writer
+    assert hung is not None and hung.is_closing()
+    assert hung.transport.get_write_buffer_size() < 8 * 1024 * 1024
+    for _, writer in streams:
+        writer.close()
+    await pool.stop()

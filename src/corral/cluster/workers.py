@@ -45,6 +45,7 @@ logger = logging.getLogger(__name__)
 # a worker's line: its placements of one event-loop turn (up to 256 hashes a request) can pass the default
 # 64 KB of asyncio's stream reader
 _LINE_LIMIT = 64 * 1024 * 1024
+_MOST_UNREAD = 2 * _LINE_LIMIT  # bytes a worker may leave unread on its control connection (_send)
 _PUBLISH_S = 0.2  # how often the replica set is compared with the last snapshot sent
 _START_TIMEOUT_S = 60.0
 _BACKOFF_MAX_S = 30.0
@@ -258,8 +259,8 @@ class WorkerPool:
 
     def _relay(self, sender: _Worker, line: bytes) -> None:
         for worker in self._workers:
-            if worker is not sender and worker.writer is not None and not worker.writer.is_closing():
-                worker.writer.write(line)
+            if worker is not sender:
+                _send(worker, line)
 
     def announce_cluster(self, settings: dict[str, Any]) -> None:
         """Tell every worker (and each that connects later) new live cluster settings."""
@@ -272,8 +273,7 @@ class WorkerPool:
     def _announce(self, line: bytes) -> None:
         self._announced.append(line)
         for worker in self._workers:
-            if worker.writer is not None and not worker.writer.is_closing():
-                worker.writer.write(line)
+            _send(worker, line)
 
     def pressure(self) -> dict[str, dict[str, float]]:
         """The workers' queues summed per model (the oldest wait is the longest of them)."""
@@ -354,5 +354,26 @@ class WorkerPool:
                 continue
             self._snapshot = snapshot
             for worker in self._workers:
-                if worker.writer is not None and not worker.writer.is_closing():
-                    worker.writer.write(snapshot + b"\n")
+                _send(worker, snapshot + b"\n")
+
+
+def _send(worker: _Worker, line: bytes) -> None:
+    """A line to a worker's control connection, unless the worker has stopped reading it: past
+    _MOST_UNREAD bytes waiting (placements relayed under load come at megabytes a second) it is taken for
+    hung: its connection is closed and its process killed (the pool starts it again), not fed until the
+    supervisor runs out of memory."""
+    writer = worker.writer
+    if writer is None or writer.is_closing():
+        return
+    waiting = writer.transport.get_write_buffer_size()
+    if waiting > _MOST_UNREAD:
+        logger.error(
+            "gateway worker %d reads nothing of its control connection (%d bytes wait): stopping it",
+            worker.index,
+            waiting,
+        )
+        writer.close()
+        if worker.process is not None and worker.process.returncode is None:
+            worker.process.kill()
+        return
+    writer.write(line)
