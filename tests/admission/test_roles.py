@@ -258,12 +258,18 @@ async def test_a_tenant_admin_cannot_take_keys_above_itself(closed: Cluster) -> 
 
 async def test_a_key_looping_on_a_refused_route_cannot_flood_the_audit_trail(closed: Cluster) -> None:
     """Each refused admin call is a store write: an actor's first 30 refusals a minute are recorded, the
-    rest counted in the log; what others do is recorded as ever."""
+    rest counted in the log; what others do is recorded as ever. A tenant-admin's calls on keys it does
+    not have (404, as another tenant's are) and bad bodies (400) are refusals too."""
     user = await key(closed)
     for _ in range(40):
         assert (await call(closed, "POST", "/admin/keys", user["key"], {"tenant": "acme"}))[0] == 403
+    manager = await key(closed, role="tenant-admin")
+    for _ in range(35):
+        assert (await call(closed, "DELETE", "/admin/keys/nope", manager["key"]))[0] == 404
     await key(closed, tenant="globex")
     trail = (await call(closed, "GET", "/admin/audit?limit=1000", ADMIN))[1]["entries"]
     refused = [e for e in trail if e["actor"] == f"key:{user['id']}"]
     assert len(refused) == 30 and all(e["status"] == 403 for e in refused)
+    missing = [e for e in trail if e["actor"] == f"key:{manager['id']}"]
+    assert len(missing) == 30 and all(e["status"] == 404 for e in missing)
     assert trail[0]["action"] == "key.create" and trail[0]["status"] == 201  # the admin's, after them

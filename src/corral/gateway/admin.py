@@ -146,7 +146,8 @@ class AdminViews:
                 raise
             finally:
                 actor = request.get(_ACTOR) or await self.access.actor(request)
-                if actor is not None and (status not in (401, 403) or self._keeps_refusal(actor.who)):
+                refused = 400 <= status < 500  # (a 404 too: another tenant's key is one, by design)
+                if actor is not None and (not refused or self._keeps_refusal(actor.who)):
                     await self._write_audit(request, actor, action, detail, status)
 
         return audited
