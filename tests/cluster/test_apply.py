@@ -285,7 +285,6 @@ async def test_a_models_settings_are_read_off_the_event_loop(monkeypatch: pytest
 
     told: list[dict[str, object]] = []
     monkeypatch.setattr(up, "model_settings", slow_settings)
-    monkeypatch.setattr(up, "apply_model_settings", lambda router, parts, settings: told.append(settings))
     loop, lags = asyncio.get_running_loop(), []
 
     async def ticker() -> None:
@@ -295,6 +294,6 @@ async def test_a_models_settings_are_read_off_the_event_loop(monkeypatch: pytest
             lags.append(loop.time() - before - 0.01)
 
     ticking = asyncio.create_task(ticker())
-    await up._tell_gateway(None, None, None, object())  # type: ignore[arg-type]
+    await up._tell(told.append, None, object())  # type: ignore[arg-type]
     ticking.cancel()
     assert told == [{"name": "alpha"}] and len(lags) > 20 and max(lags) < 0.1

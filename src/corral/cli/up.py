@@ -186,7 +186,7 @@ async def _serve(spec: ClusterSpec, paths: Paths, prepared: list[tuple[str, Any,
         spec,
         paths,
         supervisor,
-        partial(_tell_gateway, router, parts, paths),
+        partial(_tell, partial(apply_model_settings, router, parts), paths),
         parts.queue.pressure,
         lambda wanted: apply_cluster_settings(router, parts, cluster_settings(wanted)),
     )
@@ -231,7 +231,7 @@ async def _serve_workers(
         spec,
         paths,
         supervisor,
-        partial(_tell_workers, pool, paths),
+        partial(_tell, pool.announce_model, paths),
         pool.pressure,
         lambda wanted: pool.announce_cluster(cluster_settings(wanted)),
         workers,
@@ -272,15 +272,10 @@ def _supervisor(spec: ClusterSpec, paths: Paths, prepared: list[tuple[str, Any, 
     return supervisor
 
 
-async def _tell_gateway(router: Any, parts: Any, paths: Paths, model: Any) -> None:
-    """This process's gateway learns a model's settings (read in a thread: an adapter's source may be
-    asked of its hub, which would stall every request on the event loop)."""
-    apply_model_settings(router, parts, await asyncio.to_thread(model_settings, model, paths))
-
-
-async def _tell_workers(pool: Any, paths: Paths, model: Any) -> None:
-    """The gateway workers learn a model's settings (read in a thread, as `_tell_gateway`)."""
-    pool.announce_model(await asyncio.to_thread(model_settings, model, paths))
+async def _tell(tell: Any, paths: Paths, model: Any) -> None:
+    """The gateway(s) learn a model's settings (`tell`), read in a thread: an adapter's source may be
+    asked of its hub, which on the event loop would stall every request."""
+    tell(await asyncio.to_thread(model_settings, model, paths))
 
 
 def model_settings(model: Any, paths: Paths) -> dict[str, Any]:

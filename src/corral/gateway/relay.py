@@ -1,16 +1,15 @@
 """Relay one generation request to a replica and its answer back, with retry before the first byte.
 
-Failures before any byte reached the client (connect refused, connection dropped, a 502/503 from the
-engine) are retried on another replica. After the first byte a failure cannot be hidden: the stream ends
-with an SSE error event and no `[DONE]`, so the client knows the answer is truncated. A client that goes
-away closes the upstream connection, which makes the engine stop generating.
+Failures before any byte reached the client (connect refused, connection dropped, a 502 from the engine,
+an engine busy: 429/503) are retried on another replica. After the first byte a failure cannot be hidden:
+the stream ends with an SSE error event and no `[DONE]`, so the client knows the answer is truncated. A
+client that goes away closes the upstream connection, which makes the engine stop generating.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import time
 from dataclasses import dataclass
 from typing import Protocol
@@ -29,6 +28,7 @@ from corral.gateway.adapters import (
 )
 from corral.gateway.context import RequestContext
 from corral.gateway.failover import Continuation, Sent, StallWatch, Transcript, continuation_body
+from corral.gateway.refusals import busy_wait, engine_error
 from corral.gateway.sse import SSEFilter
 from corral.protocol import ChatCompletionRequest, NoCapacity, UpstreamError, UpstreamTimeout, error_body
 from corral.protocol.events import EventTooLarge
@@ -41,7 +41,6 @@ __all__ = ["SSE_HEADERS", "EventStream", "Relay"]
 logger = logging.getLogger(__name__)
 
 _BUSY_STATUS = frozenset({429, 503})  # the engine is full or loading (TGI's 429, vLLM's 503 while it starts)
-_INPUT_TOO_LONG = re.compile(r"input (?:\((\d+) tokens\) )?is too large to process")
 _SEP = b"\n\n"
 _DONE_EVENT = b"data: [DONE]\n\n"
 # what can go wrong asking another replica to continue a stream (tokenizing, then the POST)
@@ -213,7 +212,7 @@ class Relay:
                 if upstream.status == 200:
                     ok = True
                     return answer
-                status, error = _engine_error(upstream.status, answer)
+                status, error = engine_error(upstream.status, answer)
                 failure = f"engine answered {upstream.status}"
                 if status < 500 and status != 429:  # the input's fault (a text too long): no retry, no blame
                     raise UpstreamError(f"{route.model} refused the input: {error.decode()[:200]}")
@@ -245,7 +244,7 @@ class Relay:
             raise _Retryable(f"{type(exc).__name__}: {exc}") from exc
         try:
             if upstream.status in _BUSY_STATUS:
-                raise _Busy(f"engine answered {upstream.status}", _wait_of(upstream.retry_after))
+                raise _Busy(f"engine answered {upstream.status}", busy_wait(upstream.retry_after))
             if upstream.status == 502:
                 raise _Retryable("engine answered 502")
             if upstream.status == 404 and route.adapter is not None:
@@ -253,7 +252,7 @@ class Relay:
                 if unknown_adapter(route, upstream.status, answer):
                     self.loader.forget(replica, route)
                     raise _Reload(f"replica {replica.id} did not know adapter {route.adapter.name}")
-                status, error = _engine_error(upstream.status, answer)
+                status, error = engine_error(upstream.status, answer)
                 return web.Response(body=error, status=status, content_type="application/json")
             if not ctx.stream or upstream.status != 200 or request is None:
                 return await self._whole(replica, ctx, upstream)
@@ -280,7 +279,7 @@ class Relay:
             if ctx.written is not None:  # the cache keeps it
                 ctx.whole = body
         elif status >= 400:
-            status, body = _engine_error(status, body)
+            status, body = engine_error(status, body)
             content_type = "application/json"
         headers = {"x-corral-replica": replica.id} if self.replica_header else {}
         if ctx.headers:
@@ -538,56 +537,6 @@ class _Events(Protocol):
     def done(self) -> bool: ...
 
     def feed(self, data: bytes) -> bytes: ...
-
-
-def _wait_of(retry_after: bytes) -> float:
-    """A busy engine's Retry-After in seconds, within 1 to 60 (1 where it sent none, or a date)."""
-    try:
-        return float(min(max(int(retry_after), 1), 60))
-    except ValueError:
-        return 1.0
-
-
-def _engine_error(status: int, body: bytes) -> tuple[int, bytes]:
-    """An engine's refusal in OpenAI's shape, whatever shape the engine used (llama.cpp puts a number in
-    `code`, some servers answer plain text). A 4xx keeps its status: the request was at fault. The engine
-    refusing the gateway's own credentials (401/403: a wrong engine_api_key) and any engine failure become
-    502, so clients never mistake them for their own key or input being wrong."""
-    message, param, code = _error_fields(body)
-    message = message or f"the engine answered {status}"
-    too_long = _INPUT_TOO_LONG.search(message) if status >= 500 else None
-    if too_long is not None:  # llama.cpp answers an over-long embedding input with a 500: the input's fault
-        count = f": {too_long[1]} tokens" if too_long[1] else ""
-        refusal: dict[str, str | None] = {
-            "message": f"An input is too long for the model{count}, more than its replicas take per input. "
-            "Shorten or split it.",
-            "type": "invalid_request_error",
-            "param": "input",
-            "code": "context_length_exceeded",
-        }
-        return 400, orjson.dumps({"error": refusal})
-    if status in (401, 403) or status >= 500:
-        kind = "engine_auth_failed" if status in (401, 403) else "engine_error"
-        return 502, error_body(f"The model's engine failed: {message}", "upstream_error", kind)
-    refusal = {"message": message, "type": "invalid_request_error", "param": param, "code": code}
-    return status, orjson.dumps({"error": refusal})
-
-
-def _error_fields(body: bytes) -> tuple[str, str | None, str | None]:
-    """(message, param, code) from an error body in any of the shapes engines use."""
-    try:
-        data = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        return body.decode("utf-8", errors="replace").strip()[:1000], None, None
-    error = data.get("error", data) if isinstance(data, dict) else {}
-    if not isinstance(error, dict):
-        return str(error)[:1000], None, None
-    param, code = error.get("param"), error.get("code")
-    return (
-        str(error.get("message") or error.get("detail") or "")[:1000],
-        param if isinstance(param, str) else None,
-        code if isinstance(code, str) else None,
-    )
 
 
 _TIMINGS = b'"timings"'
