@@ -139,6 +139,37 @@ async def test_replicas_all_busy_give_503_with_retry_after(
             await upstream.stop()
 
 
+async def test_a_full_replica_is_passed_by_without_opening_its_breaker(
+    gateway: Gateway, upstream: ScriptedUpstream
+) -> None:
+    """A 429 says the engine is full, not broken: its breaker does not hear of it (under sustained load a
+    full replica would otherwise leave routing, and its rollout's error ratio count load as failures).
+    A 429 saying an upstream's quota is spent is no wait that passes: a failure, a 502."""
+    full = ScriptedUpstream(mode="fail429")
+    await full.start()
+    try:
+        replica = gateway.add_replica(full.url)
+        gateway.add_replica(upstream.url)
+        for _ in range(12):
+            reply = await client(gateway).chat.completions.create(model="m", messages=MESSAGES)
+            assert reply.choices[0].message.content
+        assert len(full.bodies) >= 3, "the full replica was tried"
+        assert replica.failures == 0 and replica.breaker.consecutive_failures == 0
+    finally:
+        await full.stop()
+    spent = ScriptedUpstream(mode="answer")
+    spent.answer = (429, "application/json", b'{"error": {"message": "quota", "code": "insufficient_quota"}}')
+    await spent.start()
+    try:
+        gateway.replicas.forget("m")
+        gateway.add_replica(spent.url)
+        with pytest.raises(openai.APIStatusError) as info:
+            await client(gateway).chat.completions.create(model="m", messages=MESSAGES)
+        assert info.value.status_code == 502
+    finally:
+        await spent.stop()
+
+
 async def test_the_gateway_s_own_calls_pass_a_busy_replica_by(upstream: ScriptedUpstream) -> None:
     """The semantic cache's embeddings (`Relay.call`) go to another replica when one says it is full (a
     429 is the engine's state, not the input's fault)."""

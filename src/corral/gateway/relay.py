@@ -76,11 +76,13 @@ class _Retryable(Exception):
 
 
 class _Busy(_Retryable):
-    """The engine said it is busy (429, 503): another replica may take the request; when none does, the
-    client is told to come back (503 with the longest Retry-After an engine asked, 1 to 60 s)."""
+    """The engine said it is busy (429: full, the replica's breaker does not hear of it; 503: loading, or
+    broken: it does): another replica may take the request; when none does, the client is told to come
+    back (503 with the longest Retry-After an engine asked, 1 to 60 s)."""
 
-    def __init__(self, message: str, wait: float) -> None:
-        super().__init__(message)
+    def __init__(self, status: int, wait: float) -> None:
+        super().__init__(f"engine answered {status}")
+        self.full = status == 429
         self.wait = wait
 
 
@@ -170,11 +172,14 @@ class Relay:
             except _Refused as exc:  # (not the replica's fault: its breaker does not hear of it)
                 outcome, failure, busy = None, str(exc), -1.0
                 tried.append(replica)
-            except _Retryable as exc:
-                outcome = False
-                failure = str(exc)
+            except _Busy as exc:  # full (429) is no failure of the replica's; loading or broken (503) is
+                outcome, failure = None if exc.full else False, str(exc)
                 tried.append(replica)
-                busy = max(busy, exc.wait) if isinstance(exc, _Busy) and busy >= 0 else -1.0
+                busy = max(busy, exc.wait) if busy >= 0 else -1.0
+                logger.log(logging.DEBUG if exc.full else logging.WARNING, "replica %s: %s", replica.id, exc)
+            except _Retryable as exc:
+                outcome, failure, busy = False, str(exc), -1.0
+                tried.append(replica)
                 logger.warning("replica %s failed before first byte (%s)", replica.id, exc)
             except UpstreamTimeout:
                 # a replica that served others meanwhile is alive: the request was long (a huge prompt, a
@@ -214,9 +219,12 @@ class Relay:
                     return answer
                 status, error = engine_error(upstream.status, answer)
                 failure = f"engine answered {upstream.status}"
-                if status < 500 and status != 429:  # the input's fault (a text too long): no retry, no blame
+                if upstream.status == 429:  # full: another replica may take it (no blame)
+                    ok = None
+                elif status < 500:  # the input's fault (a text too long): no retry, no blame
                     raise UpstreamError(f"{route.model} refused the input: {error.decode()[:200]}")
-                ok = False
+                else:
+                    ok = False
             except (EngineConnectionError, TimeoutError) as exc:
                 # (a timeout while the replica served others: a long input, not the replica's fault)
                 alive = isinstance(exc, TimeoutError) and replica.succeeded != succeeded
@@ -244,7 +252,9 @@ class Relay:
             raise _Retryable(f"{type(exc).__name__}: {exc}") from exc
         try:
             if upstream.status in _BUSY_STATUS:
-                raise _Busy(f"engine answered {upstream.status}", busy_wait(upstream.retry_after))
+                if upstream.status == 429 and (await _refusal(upstream)).find(b'"insufficient_quota"') >= 0:
+                    raise _Retryable("engine answered 429 insufficient_quota (its upstream's quota is spent)")
+                raise _Busy(upstream.status, busy_wait(upstream.retry_after))
             if upstream.status == 502:
                 raise _Retryable("engine answered 502")
             if upstream.status == 404 and route.adapter is not None:
@@ -500,6 +510,14 @@ class Relay:
             response.raise_for_status()
             text = (await response.json())["content"]
         return ids if text == sent.text else None
+
+
+async def _refusal(upstream: EngineResponse) -> bytes:
+    """A refusal's body (b"" where it did not come whole)."""
+    try:
+        return await upstream.read()
+    except (TimeoutError, EngineConnectionError):
+        return b""
 
 
 def _by_tokens(ctx: RequestContext) -> bool:
