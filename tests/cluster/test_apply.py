@@ -86,7 +86,6 @@ def test_plan_changes_tells_live_settings_from_rollouts() -> None:
     assert [c.action for c in plan_changes(running, scaled)] == ["settings"]
 
 
-@pytest.mark.slow
 def test_a_lower_count_drains_the_replicas_that_serve_nothing_first() -> None:
     """The newest replicas go, except that one serving nothing (its engine given up on after failed
     starts, unhealthy, starting) goes before a ready one: lowering 2 to 1 beside a replica that failed
@@ -102,6 +101,7 @@ def test_a_lower_count_drains_the_replicas_that_serve_nothing_first() -> None:
     assert scale_down_victims(fleet(ready, unhealthy, ready, failed), 3) == ["a-3", "a-1", "a-2"]
 
 
+@pytest.mark.slow
 def test_apply_adds_removes_and_scales_without_failing_a_request(tmp_path: Path) -> None:
     cluster = start_cluster(tmp_path, spec(tmp_path, "start.yaml", alpha=2, beta=False))
     stop, failures, served = threading.Event(), [], [0]
@@ -225,10 +225,12 @@ def test_queue_bounds_and_the_default_routing_policy_change_live(tmp_path: Path)
         cluster.stop()
 
 
+@pytest.mark.slow
 async def test_an_apply_whose_caller_goes_away_is_made_whole(tmp_path: Path) -> None:
     """Ctrl-C, or a proxy's timeout while replicas drain, ends `corral apply`'s request, not the apply:
     cut short, beta's replicas would run with no spec naming them (the next apply would start beta
-    again beside them, and a spec without beta could never remove it)."""
+    again beside them, and a spec without beta could never remove it). Gone while it still prepares, it
+    changes nothing."""
     import asyncio
 
     from corral.cluster import LocalProcessRuntime, Supervisor
@@ -242,8 +244,11 @@ async def test_an_apply_whose_caller_goes_away_is_made_whole(tmp_path: Path) -> 
         for name, alpha, beta in (("a.yaml", 2, False), ("b.yaml", 1, True))
     )
     engine = SimEngineAdapter()
+    slow = [True]
 
     def prepare(model, deployment):  # type: ignore[no-untyped-def]
+        if model.name == "beta" and slow[0]:
+            time.sleep(1.0)  # (a long fetch)
         return engine, launch_plans(engine, model, deployment, Paths.from_env(), lambda *_: None)
 
     settings = SupervisorSettings(probe_interval=0.3, probe_timeout=0.5)
@@ -256,6 +261,14 @@ async def test_an_apply_whose_caller_goes_away_is_made_whole(tmp_path: Path) -> 
     reconciler = Reconciler(supervisor, first, prepare, told)
     await supervisor.start()
     try:
+        # gone while it prepares (Ctrl-C during a long fetch): nothing changes
+        preparing = asyncio.create_task(reconciler.apply(second, grace_s=5.0))
+        await asyncio.sleep(0.3)
+        preparing.cancel()
+        await asyncio.sleep(1.2)
+        assert [m.name for m in reconciler.spec.models] == ["alpha"] and not reconciler._lock.locked()
+        assert not supervisor.replica_ids("beta") and len(supervisor.replica_ids("alpha")) == 2
+        slow[0] = False
         applying = asyncio.create_task(reconciler.apply(second, grace_s=5.0))
         while not supervisor.replica_ids("beta"):  # noqa: ASYNC110 (beta started; alpha's second drains next)
             await asyncio.sleep(0.05)

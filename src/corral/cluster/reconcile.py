@@ -1,8 +1,8 @@
 """Declarative apply: bring a running cluster to a new spec without restarting the gateway.
 
 What it changes live: models added (prepared, started, routable once ready), models removed (drained,
-then forgotten), each deployment's replica count (new replicas started; surplus ones drained, newest
-first; an autoscaled deployment's count is the autoscaler's, within the new bounds), a model's live
+then forgotten), each deployment's replica count (new replicas started; surplus ones drained: those
+serving nothing first, then the newest; an autoscaled deployment's count is the autoscaler's, within the new bounds), a model's live
 settings (routing policy, failover mode, tokenizer, SLO, rollout policy, autoscale bounds), and any other
 change of a running model (weights, engine, its arguments): a gated rollout (cluster/rollout.py), and the
 cluster settings every gateway takes live (`queue`, `limits`, `gateway.routing`). What it refuses, with the
@@ -22,7 +22,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import aiohttp
 import orjson
@@ -223,6 +223,18 @@ def _replicas(count: int) -> str:
     return "replica" if count == 1 else "replicas"
 
 
+class _Prepared(NamedTuple):
+    """An apply's changes, with what each needs fetched and built (`Reconciler._prepare_apply`)."""
+
+    wanted: ClusterSpec
+    changes: list[Change]
+    models: dict[str, ModelSpec]  # the wanted spec's, by name
+    before: dict[str, ModelSpec]  # the running spec's, by name
+    additions: list[tuple[Change, list[Group]]]
+    rollouts: list[tuple[Change, Units]]
+    settings: list[tuple[Change, list[tuple[EngineAdapter, list[LaunchPlan]] | None]]]
+
+
 class Reconciler:
     """Applies specs to the supervisor it was given; `prepare` resolves a deployment's launch plans
     (blocking: fetches and builds), `on_model` tells the gateway(s) a model's settings (routing policy,
@@ -307,50 +319,67 @@ class Reconciler:
         running cluster is touched, so a spec that cannot be prepared changes nothing; replicas to add
         start before any is drained; a rollout is started and runs on (`corral rollout status`). The
         gateway's host and port stay those `corral up` listens on (its flags may override the file's). A
-        caller that goes away (Ctrl-C, a proxy's timeout while replicas drain) does not cut it short: half
-        made, the replicas would run what the spec the next apply compares with does not say."""
-        task = asyncio.ensure_future(self._apply(wanted, grace_s))
+        caller that goes away while it prepares leaves nothing changed; once it changes the cluster it
+        runs to its end (Ctrl-C, a proxy's timeout while replicas drain): half made, the replicas would run
+        what the spec the next apply compares with does not say."""
+        await self._lock.acquire()
+        try:
+            prepared = await self._prepare_apply(wanted)
+        except BaseException:
+            self._lock.release()
+            raise
+        task = asyncio.ensure_future(self._make(prepared, grace_s))  # (it releases the lock)
         self._tasks.add(task)
         task.add_done_callback(_applied)
         task.add_done_callback(self._tasks.discard)
         return await asyncio.shield(task)
 
-    async def _apply(self, wanted: ClusterSpec, grace_s: float) -> list[dict[str, object]]:
-        async with self._lock:
-            listening = {"host": self.spec.gateway.host, "port": self.spec.gateway.port}
-            wanted = wanted.model_copy(update={"gateway": wanted.gateway.model_copy(update=listening)})
-            changes = plan_changes(self._running(), wanted, self._workers)
-            rolling = {m for m, r in self._rollouts.items() if not r.outcome}
-            busy = sorted({c.model for c in changes} & rolling)
-            if busy:
-                raise ApplyError(
-                    f"a rollout of {', '.join(busy)} is still running: wait for it, or "
-                    f"`corral rollout rollback {busy[0]}`"
-                )
-            models = {m.name: m for m in wanted.models}
-            before = {m.name: m for m in self.spec.models}
-            additions = [c for c in changes if c.action in ("add_model", "scale_up")]
-            rollouts = [c for c in changes if c.action == "rollout"]
-            settings = [c for c in changes if c.action == "settings"]
-            try:
-                added, units, scaled = await asyncio.gather(
-                    asyncio.gather(*(asyncio.to_thread(self._plans, c, models[c.model]) for c in additions)),
-                    asyncio.gather(*(asyncio.to_thread(self._units, models[c.model]) for c in rollouts)),
-                    asyncio.gather(*(asyncio.to_thread(self._scaled, models[c.model]) for c in settings)),
-                )
-            except Exception as exc:  # a model that cannot be fetched or built: nothing changed
-                raise ApplyError(f"cannot prepare the new spec (nothing changed): {exc}") from exc
-            for change in changes:  # new adapters fetched and checked; replaced ones pass the golden eval
-                if change.action == "settings" and "adapters" in change.detail:
-                    await self._check_adapters(before[change.model], models[change.model])
+    async def _prepare_apply(self, wanted: ClusterSpec) -> _Prepared:
+        """The changes `wanted` makes, with everything they need fetched, built and checked; ApplyError
+        (nothing changed) where they cannot be made."""
+        listening = {"host": self.spec.gateway.host, "port": self.spec.gateway.port}
+        wanted = wanted.model_copy(update={"gateway": wanted.gateway.model_copy(update=listening)})
+        changes = plan_changes(self._running(), wanted, self._workers)
+        rolling = {m for m, r in self._rollouts.items() if not r.outcome}
+        busy = sorted({c.model for c in changes} & rolling)
+        if busy:
+            raise ApplyError(
+                f"a rollout of {', '.join(busy)} is still running: wait for it, or "
+                f"`corral rollout rollback {busy[0]}`"
+            )
+        models = {m.name: m for m in wanted.models}
+        before = {m.name: m for m in self.spec.models}
+        additions = [c for c in changes if c.action in ("add_model", "scale_up")]
+        rollouts = [c for c in changes if c.action == "rollout"]
+        settings = [c for c in changes if c.action == "settings"]
+        try:
+            added, units, scaled = await asyncio.gather(
+                asyncio.gather(*(asyncio.to_thread(self._plans, c, models[c.model]) for c in additions)),
+                asyncio.gather(*(asyncio.to_thread(self._units, models[c.model]) for c in rollouts)),
+                asyncio.gather(*(asyncio.to_thread(self._scaled, models[c.model]) for c in settings)),
+            )
+        except Exception as exc:  # a model that cannot be fetched or built: nothing changed
+            raise ApplyError(f"cannot prepare the new spec (nothing changed): {exc}") from exc
+        for change in settings:  # new adapters fetched and checked; replaced ones pass the golden eval
+            if "adapters" in change.detail:
+                await self._check_adapters(before[change.model], models[change.model])
+        return _Prepared(
+            wanted, changes, models, before, list(zip(additions, added, strict=True)),
+            list(zip(rollouts, units, strict=True)), list(zip(settings, scaled, strict=True)),
+        )  # fmt: skip
+
+    async def _make(self, prepared: _Prepared, grace_s: float) -> list[dict[str, object]]:
+        """Make the prepared changes (holding the lock `apply` took, released here)."""
+        try:
+            wanted, changes, models, before = prepared[:4]
             if changes and changes[0].action == "cluster_settings":
                 self._on_cluster(wanted)  # queue bounds, rate limits, the default routing policy
-            await self._add(additions, added, models)
-            for change, groups in zip(settings, scaled, strict=True):
+            await self._add(prepared.additions, models)
+            for change, groups in prepared.settings:
                 await self._on_model(models[change.model])
                 self._rescale(models[change.model], groups)
-            for change, prepared in zip(rollouts, units, strict=True):
-                await self._start_rollout(before[change.model], models[change.model], prepared, grace_s)
+            for change, units in prepared.rollouts:
+                await self._start_rollout(before[change.model], models[change.model], units, grace_s)
             removals = [c for c in changes if c.action in ("remove_model", "scale_down")]
             await asyncio.gather(*(self._remove(c, grace_s) for c in removals))
             changed = {c.model for c in changes}
@@ -362,6 +391,8 @@ class Reconciler:
                 logger.info("apply: %s %s", change.model, message)
                 self._replicas.record("apply", change.model, message)
             return [c.as_dict() for c in changes]
+        finally:
+            self._lock.release()
 
     async def _check_adapters(self, old: ModelSpec, new: ModelSpec) -> None:
         """Fetch the model's adapters (as its engines would: a rank over the limit is refused), and have each
@@ -391,10 +422,8 @@ class Reconciler:
                 if problem is not None:
                     raise ApplyError(f"adapter {adapter.name}: {problem} (nothing changed)")
 
-    async def _add(
-        self, additions: list[Change], prepared: list[list[Group]], models: dict[str, ModelSpec]
-    ) -> None:
-        for change, groups in zip(additions, prepared, strict=True):
+    async def _add(self, additions: list[tuple[Change, list[Group]]], models: dict[str, ModelSpec]) -> None:
+        for change, groups in additions:
             model = models[change.model]
             if change.action == "add_model":
                 await self._on_model(model)
@@ -467,6 +496,9 @@ class Reconciler:
     # rollouts ----------------------------------------------------------------------------------------
 
     async def _start_rollout(self, old: ModelSpec, new: ModelSpec, units: Units, grace_s: float) -> None:
+        """Start `new`'s rollout (the gateways told its settings first: a caller gone meanwhile leaves no
+        rollout registered that never runs, its model frozen for the autoscaler and closed to applies)."""
+        await self._on_model(new)
         members = self._supervisor.members(new.name)
         # a number never used before: a rolled-back attempt's revision is not the next one's
         revision = max((r.revision for r in members), default=0)
@@ -477,7 +509,6 @@ class Reconciler:
         self._rollouts[new.name] = rollout
         self._previous[new.name] = old
         self.autoscaler.frozen.add(new.name)
-        await self._on_model(new)
         self._spawn(self._roll(rollout, old, new))
 
     def _units(self, model: ModelSpec) -> Units:
