@@ -166,22 +166,39 @@ async def test_a_keys_own_file_caps_replace_the_specs(gateway: tuple[str, dict[s
             assert answer.status == 400
 
 
-async def test_a_tenant_at_its_quota_makes_no_batch_and_no_upload_of_hers_is_read(
+async def test_a_tenant_past_its_quota_makes_no_batch_and_no_upload_of_hers_is_read(
     gateway: tuple[str, dict[str, str]],
 ) -> None:
-    """A batch's results are written as files even past the quota: a tenant that holds her quota makes
-    no batch (else making and cancelling batches in a loop, each writing an error file a line, fills the
-    store past any quota); and her uploads are refused before their bodies are read (spooled to disk and
-    parsed, they would cost the gateway whatever she sends)."""
+    """A batch's results are written as files even past the quota: a tenant at her quota may still make a
+    batch of her last upload (a key allowed one file can use it), but one past it makes none (else making
+    and cancelling batches in a loop, each writing an error file a line, fills the store past any quota);
+    and her uploads are refused before their bodies are read (spooled to disk and parsed, they would cost
+    the gateway whatever she sends)."""
     url, keys = gateway
-    async with aiohttp.ClientSession() as session:
-        made = [(await upload(session, url, keys["eve"], LINE))[1]["id"] for _ in range(3)]
-        body = {"input_file_id": made[0], "endpoint": "/v1/chat/completions", "completion_window": "24h"}
+    admin = {"Authorization": "Bearer admin"}
+
+    async def batch_of(key: str, file_id: str) -> tuple[int, dict]:
+        body = {"input_file_id": file_id, "endpoint": "/v1/chat/completions", "completion_window": "24h"}
         async with session.post(
-            url + "/v1/batches", json=body, headers={"Authorization": f"Bearer {keys['eve']}"}
+            url + "/v1/batches", json=body, headers={"Authorization": f"Bearer {key}"}
         ) as answer:
-            refused = await answer.json()
-            assert (answer.status, refused["error"]["code"]) == (429, "files_quota_exceeded")
+            return answer.status, await answer.json()
+
+    async with aiohttp.ClientSession() as session:
+        async with session.post(
+            f"{url}/admin/keys", json={"tenant": "yan", "max_files": 1}, headers=admin
+        ) as made:
+            one = (await made.json())["key"]
+        only = (await upload(session, url, one, LINE))[1]["id"]
+        assert (await batch_of(one, only))[0] == 200  # at her quota: her one file makes a batch
+        made = [(await upload(session, url, keys["eve"], LINE))[1]["id"] for _ in range(3)]
+        async with session.post(
+            f"{url}/admin/keys", json={"tenant": "eve", "max_files": 2}, headers=admin
+        ) as answer:
+            smaller = (await answer.json())["key"]  # eve's key allowed 2: she holds 3, past it
+        status, refused = await batch_of(smaller, made[0])
+        assert (status, refused["error"]["code"]) == (429, "files_quota_exceeded")
+        assert (await batch_of(keys["eve"], made[0]))[0] == 200  # at the spec's 3: not past it
         # not JSONL: read, it would be a 400 naming the line; refused first, it is the quota's 429
         status, refused = await upload(session, url, keys["eve"], b"not json\n")
         assert (status, refused["error"]["code"]) == (429, "files_quota_exceeded")

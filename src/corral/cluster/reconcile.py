@@ -1,13 +1,13 @@
 """Declarative apply: bring a running cluster to a new spec without restarting the gateway.
 
-What it changes live: models added (prepared, started, routable once ready), models removed (drained,
-then forgotten), each deployment's replica count (new replicas started; surplus ones drained: those
-serving nothing first, then the newest; an autoscaled deployment's count is the autoscaler's, within the new bounds), a model's live
-settings (routing policy, failover mode, tokenizer, SLO, rollout policy, autoscale bounds), and any other
-change of a running model (weights, engine, its arguments): a gated rollout (cluster/rollout.py), and the
-cluster settings every gateway takes live (`queue`, `limits`, `gateway.routing`). What it refuses, with the
-reason: any other change outside `models` (the rest of `gateway`, `auth`, `store`, `supervisor`, `ray`,
-`deploy`: those need a restart), and a change to a model whose rollout is still running.
+What it changes live: models added (prepared, started, routable once ready), models removed (drained, then
+forgotten), each deployment's replica count (new replicas started; surplus ones drained: those serving nothing
+first, then the newest; an autoscaled deployment's count is the autoscaler's, within the new bounds), a
+model's live settings (routing policy, failover mode, tokenizer, SLO, rollout policy, autoscale bounds), and
+any other change of a running model (weights, engine, its arguments): a gated rollout (cluster/rollout.py),
+and the cluster settings every gateway takes live (`queue`, `limits`, `gateway.routing`). What it refuses,
+with the reason: any other change outside `models` (the rest of `gateway`, `auth`, `store`, `supervisor`,
+`ray`, `deploy`: those need a restart), and a change to a model whose rollout is still running.
 
 The reconciler owns the control loops that change the running cluster: apply, rollouts, the autoscaler
 (cluster/autoscale.py) and drains; each change is an event in the replica set's log.

@@ -82,7 +82,7 @@ class BatchViews:
         if not request.content_type.startswith("multipart/"):
             raise InvalidRequest("Upload the file as multipart/form-data with fields 'purpose' and 'file'.")
         quota = self._quota(principal)
-        await self._room(principal, quota)  # (before its body is read: a full tenant's upload costs nothing)
+        await self._room(principal, quota, 1)  # (before its body is read: a full tenant's costs nothing)
         with tempfile.TemporaryFile(prefix="corral-upload-") as spool:
             try:
                 form = await self._form(request, spool)
@@ -114,10 +114,11 @@ class BatchViews:
             principal.max_file_bytes or self._settings.tenant_max_bytes,
         )
 
-    async def _room(self, principal: Principal, quota: tuple[int, int]) -> None:
-        """429 files_quota_exceeded where the tenant already holds its files' quota."""
+    async def _room(self, principal: Principal, quota: tuple[int, int], adding: int) -> None:
+        """429 files_quota_exceeded where the tenant's files' quota has no room for `adding` more (or is
+        passed: 0)."""
         try:
-            await asyncio.to_thread(self._store.files.check_room, principal.tenant, quota)
+            await asyncio.to_thread(self._store.files.check_room, principal.tenant, quota, adding)
         except FileQuotaExceeded as exc:
             raise RateLimited(str(exc), code="files_quota_exceeded") from exc
 
@@ -202,7 +203,7 @@ class BatchViews:
             raise InvalidRequest(
                 f"File {file_id} is not a batch input (purpose {found.purpose}).", param="input_file_id"
             )
-        await self._room(principal, self._quota(principal))  # (its results are files: room for them first)
+        await self._room(principal, self._quota(principal), 0)  # (its results are files: none past the quota)
         key_id = principal.key_id[:32] if principal.key_id else None  # (a signed-in person's oidc:<tenant>)
         new = NewBatch(principal.tenant, key_id, endpoint, file_id, window, window_text, meta)
         try:  # (validated by the runner)

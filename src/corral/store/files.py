@@ -110,15 +110,16 @@ class FileStore:
             row = write_file(session, new)
         return _file(row)
 
-    def check_room(self, tenant: str, quota: tuple[int, int]) -> None:
-        """FileQuotaExceeded where `tenant` already holds its `quota` (files, bytes): checked before an
-        upload's body is read, and before a batch is made (its results are written as files, past the
-        quota: it is stopped here, before it starts)."""
+    def check_room(self, tenant: str, quota: tuple[int, int], adding: int) -> None:
+        """FileQuotaExceeded where `tenant`'s `quota` (files, bytes) has no room for `adding` more files
+        (an upload, checked before its body is read: 1) or is passed already (a batch: 0; its results are
+        written as files even past the quota, so a tenant over it makes none, and no more than its
+        unfinished batches' results ever pass it)."""
         with Session(self._engine) as session:
             count, held = _held(session, tenant)
-        if count >= quota[0]:
+        if count + adding > quota[0]:
             raise FileQuotaExceeded(f"Tenant '{tenant}' holds {count} files, its limit; delete some first.")
-        if held >= quota[1]:
+        if held + adding > quota[1]:
             raise FileQuotaExceeded(
                 f"Tenant '{tenant}' holds {held:,} bytes of files, its limit of {quota[1]:,}; delete some "
                 "first."
