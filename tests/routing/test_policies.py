@@ -508,3 +508,5 @@ def test_a_rolled_back_revision_serves_only_while_no_old_replica_can() -> None:
     assert router.acquire(RouteRequest("m")) in new  # (still starting)
     old.state = ReplicaState.READY
     assert {router.acquire(RouteRequest("m")).id for _ in range(8)} == {"m-0"}
+    with pytest.raises(NoCapacity):  # a retry past the old replica (or its breaker open): not to the new
+        router.acquire(RouteRequest("m"), exclude=[old])

@@ -3,8 +3,8 @@
 monthly cost          = GPU-hours price · GPUs · 730 h
 cost per 1M tokens    = hourly cost / (tokens per hour at the planned load) · 10^6   (input + output tokens)
 API cost per hour     = requests/s · 3600 · (input · input price + output · output price) / 10^6
-break-even            = the request rate at which the API bill equals the cluster's fixed cost (a layout
-                        reaches it only if it serves that many: else the API is cheaper at any load it takes)
+break-even            = the request rate at which the API bill equals the cluster's fixed cost (said beside
+                        the planned load: below it, the API is cheaper at that load)
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ class CostReport:
     api_cost_per_million_tokens: float
     api_monthly_usd_at_this_load: float
     break_even_requests_per_day: float
-    reaches_break_even: bool  # the layout serves the break-even load (at the planned load's rate per replica)
+    reaches_break_even: bool  # the planned load is at least the break-even
     cheaper_than_api: bool
 
     def to_dict(self) -> dict[str, object]:

@@ -77,7 +77,7 @@ def plan_table(result: PlanResult) -> Table:
             + (
                 ""
                 if best.reaches_break_even
-                else f", more than it serves ({result.layouts[0].requests_per_s * 86400:,.0f}): never"
+                else f", more than this load ({result.layouts[0].requests_per_s * 86400:,.0f} a day)"
             )
         )
     return table

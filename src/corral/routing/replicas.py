@@ -116,18 +116,19 @@ class Replica:
 class TrafficSplit:
     """During a rollout: the share of a model's requests sent to replicas of `revision` (the rest go to the
     others). A share of 0 keeps the new replicas out of routing (a rollback's: they failed a check) while
-    any other is routable: while the old replicas start again, the new ones that are ready serve rather
-    than none (a revision over its error ratio still answers most requests)."""
+    any other is ready: while the old replicas start again, the new ones that are ready serve rather than
+    none (a revision over its error ratio still answers most requests)."""
 
     revision: int
     share: float
 
-    def choose(self, candidates: list[Replica], draw: float) -> list[Replica]:
-        """The replicas a request may go to, given a uniform `draw` in [0, 1)."""
+    def choose(self, candidates: list[Replica], draw: float, ready: list[Replica]) -> list[Replica]:
+        """The replicas a request may go to, given a uniform `draw` in [0, 1); `ready`: the model's ready
+        replicas (`candidates` are those of them a request may take now)."""
         new = [r for r in candidates if r.revision == self.revision]
         old = [r for r in candidates if r.revision != self.revision]
         if self.share <= 0.0:
-            return old or new
+            return old if old or any(r.revision != self.revision for r in ready) else new
         if draw < self.share:
             return new or old
         return old or new

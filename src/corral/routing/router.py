@@ -123,15 +123,14 @@ class Router:
 
     def acquire(self, request: RouteRequest, exclude: Collection[Replica] = ()) -> Replica:
         """A routable replica for the request, now counted as outstanding; else NoCapacity."""
-        candidates = [
-            r for r in self.replicas.ready(request.model) if r.breaker.allows() and r not in exclude
-        ]
+        ready = self.replicas.ready(request.model)
+        candidates = [r for r in ready if r.breaker.allows() and r not in exclude]
         adapter = request.adapter
         if adapter is not None and candidates:  # (first: a rollout's old replicas may lack a new adapter)
             candidates = self.adapters.candidates(adapter, candidates)
         split = self.replicas.splits.get(request.model)
         if split is not None:  # a rollout is shifting traffic to a new revision
-            candidates = split.choose(candidates, random.random())
+            candidates = split.choose(candidates, random.random(), ready)
         if not candidates:
             raise NoCapacity(
                 f"No ready replica of model '{request.model}' can take the request now.",
