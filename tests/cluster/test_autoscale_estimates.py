@@ -172,3 +172,28 @@ def test_only_the_latest_drained_replicas_logs_are_kept(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
         [running.name] + [n for log in logs[8:] for n in (log.name, log.name + ".1")]
     )
+
+
+def test_the_replacement_backoff_ends_when_a_replacement_serves() -> None:
+    """A dead GPU beside healthy replicas: the ready ones say nothing of it, so the wait before the next
+    replacement goes on growing until a replacement itself becomes ready."""
+    supervisor = Supervisor(ReplicaSet(), runtime=None, settings=SupervisorSettings())  # type: ignore[arg-type]
+    scaler = Autoscaler(supervisor, lambda: {})
+    scaler._drain = lambda replica_id: None  # type: ignore[method-assign]
+    state = _Group(parse_spec(SPEC, source="test").models[0], 0, SimEngineAdapter(), [LaunchPlan()])
+
+    def replica(name: str, state: ReplicaState) -> Replica:
+        return Replica(id=name, model="alpha", engine="sim", capacity=4, state=state)
+
+    healthy = replica("alpha-0", ReplicaState.READY)
+    members = [healthy, replica("alpha-1", ReplicaState.FAILED)]
+    supervisor.members = lambda model, group=None: members  # type: ignore[method-assign]
+    scaler._live(state)
+    assert state.replace_wait == 30.0
+    members = [healthy]  # the failed one drained; the healthy one serves on
+    scaler._live(state)
+    assert state.replace_wait == 30.0
+    state.replacements.add("alpha-2")  # (as `_scale_up` notes a replacement it starts)
+    members = [healthy, replica("alpha-2", ReplicaState.READY)]
+    scaler._live(state)
+    assert state.replace_wait == 0.0

@@ -81,6 +81,7 @@ class _Group:
     replace_wait: float = 0.0  # how long the next replacement of a failed replica waits
     held_until: float = 0.0  # no scale-up before (the last replacement's wait)
     replaced: set[str] = field(default_factory=set)  # failed replicas being drained to be replaced
+    replacements: set[str] = field(default_factory=set)  # replicas started since one failed
 
     @property
     def spec(self) -> AutoscaleSpec:
@@ -176,7 +177,9 @@ class Autoscaler:
         """The deployment's replicas; one the supervisor gave up on (failed starts) is drained, so that it
         is replaced instead of counting as capacity."""
         members = self._supervisor.members(state.model.name, state.group)
-        state.replaced &= {r.id for r in members}  # (drained ones leave the members)
+        present = {r.id for r in members}
+        state.replaced &= present  # (drained ones leave the members)
+        state.replacements &= present
         failed = [r for r in members if r.state is ReplicaState.FAILED and r.id not in state.replaced]
         for replica in failed:
             state.replaced.add(replica.id)
@@ -187,8 +190,9 @@ class Autoscaler:
         if failed:  # its replacements back off while they fail too
             state.held_until = time.monotonic() + state.replace_wait
             state.replace_wait = min(max(2 * state.replace_wait, _REPLACE_WAIT_S), _REPLACE_WAIT_MAX_S)
-        elif any(r.ready for r in members):
-            state.replace_wait = 0.0
+        elif any(r.ready and r.id in state.replacements for r in members):  # (a dead GPU's beside ready
+            state.replace_wait = 0.0  # ones: only a replacement that serves says the cause has passed)
+            state.replacements.clear()
         return [r for r in members if r.state is not ReplicaState.FAILED]
 
     def _measure(self, state: _Group, members: list[Replica], pressure: dict[str, float]) -> None:
@@ -251,6 +255,8 @@ class Autoscaler:
             return
         revision = max((r.revision for r in members), default=0)
         added = self._supervisor.add(state.model.name, state.engine, plans, state.group, revision)
+        if state.replace_wait:
+            state.replacements.update(r.id for r in added)
         self._supervisor.start_added()
         message = f"scale up {len(members)} → {len(members) + len(added)}: {state.reason}"
         logger.info("autoscaler %s: %s", state.model.name, message)
