@@ -369,3 +369,24 @@ def test_finished_batches_are_deleted_once_their_files_have_expired(tmp_path: Pa
     store.housekeeping()
     assert store.batch("acme", done.id) is None
     assert store.batch("acme", running) is not None  # unfinished: kept
+
+
+def test_a_batch_finished_late_keeps_its_row_while_its_files_live(tmp_path: Path) -> None:
+    """A batch finalised after its window's end (a line in hand till then, a runner that was down) writes
+    files that expire after the files' expiry from then: its row goes only once they are gone."""
+    store = BatchStore(open_database(f"sqlite:///{tmp_path / 'b.db'}"), file_expiry=timedelta(seconds=0.5))
+    body = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+    new = NewBatch("acme", None, "/v1/chat/completions", "file-x", timedelta(milliseconds=10))
+    batch = store.create_batch(new)
+    assert store.start(batch.id, "m", [("c0", body)])
+    (line,) = store.lease("runner", "m", 1, lease_s=30)
+    time.sleep(0.6)  # past its window and the files' expiry after it
+    assert store.commit("runner", line, _ok())
+    store.housekeeping()  # finalised now: its files last 0.5 s from now
+    store.housekeeping()  # (its window and the expiry after it have passed: its files have not)
+    found = store.batch("acme", batch.id)
+    assert found is not None and found.output_file_id
+    assert store.files.file("acme", found.output_file_id) is not None
+    time.sleep(0.6)
+    store.housekeeping()  # the files swept, then the row
+    assert store.batch("acme", batch.id) is None

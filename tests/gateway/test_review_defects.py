@@ -538,3 +538,31 @@ def test_a_client_cannot_pick_its_address_behind_a_proxy_that_adds_its_own_line(
     access_logger(addresses)(log, "").log(forged, response, 0.001)
     assert len(written) == 1 and "\n" not in written[0] and "%0a" in written[0].lower()
     assert "signin-secret" not in written[0]  # (no query string: a sign-in's code is one)
+
+
+async def test_an_audited_call_whose_caller_goes_away_is_recorded_as_gone(tmp_path: Path) -> None:
+    """An apply goes on when its caller leaves (cluster/reconcile.py): its audit record says the caller
+    left (499), not that the gateway failed (500), and is kept however many refusals its actor had."""
+    services = make_services(ReplicaSet(["m"]), tmp_path / "c.db", AuthSettings(open=False), admin_key="a")
+    audit = services.audit
+    assert audit is not None
+    views = AdminViews(
+        access=services.access, keys=services.keys, usage=services.usage_store,
+        router=Router(ReplicaSet(["m"])), queue_depths=services.queue.depths, audit=audit,
+    )  # fmt: skip
+    began = asyncio.Event()
+
+    async def applying(request: object) -> object:
+        began.set()
+        await asyncio.sleep(60)
+        raise AssertionError("not reached")
+
+    handler = views._audited("spec.apply", applying)  # type: ignore[arg-type]
+    request = make_mocked_request("POST", "/admin/apply", headers={"Authorization": "Bearer a"})
+    call = asyncio.create_task(handler(request))
+    await began.wait()
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    (entry,) = await asyncio.to_thread(audit.list, action="spec.apply")
+    assert entry["status"] == 499

@@ -23,14 +23,14 @@ from tempfile import SpooledTemporaryFile
 from typing import IO, Any
 
 import orjson
-from sqlalchemy import Engine, and_, delete, func, or_, select, update
+from sqlalchemy import Engine, and_, delete, exists, func, or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from corral.batch.queue import LOST, BatchLine, LineQueue, LineResult, ResultRow, Stop
 from corral.batch.queue_sql import SqlLines
 from corral.store.batch_rows import FINISHED, BatchRow, aware, changed
-from corral.store.files import FileStore, NewFile, lock_tenant, write_file
+from corral.store.files import FileRow, FileStore, NewFile, lock_tenant, write_file
 
 __all__ = ["BatchRecord", "BatchStore", "NewBatch", "TooManyBatches"]
 
@@ -159,12 +159,15 @@ class BatchStore:
 
     def forget_finished(self, before: datetime, limit: int = 1000) -> int:
         """Delete finished batches whose window ended before `before` (a window's end plus the files'
-        expiry: their output and error files are gone by then), at most `limit`; how many. A tenant making
-        and cancelling batches in a loop would otherwise grow the table for good."""
+        expiry) and whose output and error files are gone (a batch finished late keeps them longer), at
+        most `limit`; how many. A tenant making and cancelling batches in a loop would otherwise grow the
+        table for good."""
+        files = FileRow.id.in_([BatchRow.output_file_id, BatchRow.error_file_id])
         with Session(self._engine) as session, session.begin():
             ids = session.scalars(
                 select(BatchRow.id)
                 .where(BatchRow.status.in_(FINISHED), BatchRow.expires_at <= before, self._mine())
+                .where(~exists().where(files))
                 .limit(limit)
             ).all()
             if ids:

@@ -48,6 +48,7 @@ _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _ACTOR = web.RequestKey("actor", Actor)  # who the request is, once its permission was checked
 _DETAIL = web.RequestKey("audit_detail", dict)  # what a handler tells the audit trail of its action
 _REFUSALS_KEPT = 30  # refused admin calls recorded per actor a minute (each one a store write)
+_CLIENT_GONE = 499  # an audited call whose caller went away before its answer (NGINX's code for it)
 _TENANT_ROLES = ("user", "tenant-admin")  # the roles a tenant-admin may give its tenant's keys
 _LIMITS = ("rpm", "tpm", "max_concurrency", "monthly_token_budget")
 
@@ -144,9 +145,13 @@ class AdminViews:
             except Exception as exc:
                 status = 503 if store_is_down(exc) else 500  # (as the error boundary will answer it)
                 raise
+            except asyncio.CancelledError:  # the caller went away (an apply goes on: reconcile.py)
+                status = _CLIENT_GONE
+                raise
             finally:
                 actor = request.get(_ACTOR) or await self.access.actor(request)
-                refused = 400 <= status < 500  # (a 404 too: another tenant's key is one, by design)
+                # (a 404 too: another tenant's key is one, by design)
+                refused = 400 <= status < 500 and status != _CLIENT_GONE
                 if actor is not None and (not refused or self._keeps_refusal(actor.who)):
                     await self._write_audit(request, actor, action, detail, status)
 

@@ -45,7 +45,8 @@ _REFUSALS = {
     "(Retry-After)",
     "504": "A replica stayed silent for gateway.read_timeout",
     "501": "This gateway runs without the part the route needs (a response cache, a supervisor)",
-    "529": "Anthropic's overloaded: no ready replica, queue full or timed out (Retry-After)",
+    "529": "Anthropic's overloaded: no ready replica, every replica busy, queue full or timed out "
+    "(Retry-After)",
 }
 _TENANT = ("400", "401", "404", "408", "413", "429")
 _ADMIN = ("400", "401", "403", "404", "408", "413", "501", "503")
