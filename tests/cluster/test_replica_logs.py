@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from corral.cluster.runtime import rotate_log
+from corral.cluster.runtime import log_name, rotate_log
 from corral.config import Paths
 from tests.conftest import cluster_of
 
@@ -65,7 +65,7 @@ models:
 def test_the_supervisor_rotates_a_replicas_log_as_the_spec_says(tmp_path: Path) -> None:
     with cluster_of(tmp_path, SPEC) as cluster:
         (replica,) = cluster.status()["replicas"]
-        log = Paths.from_env().logs / f"{replica['id'].replace('/', '_')}.log"
+        log = Paths.from_env().logs / log_name(replica["id"])
         copy = log.with_name(log.name + ".1")
         copy.unlink(missing_ok=True)
         for round_no in range(2):
@@ -74,3 +74,10 @@ def test_the_supervisor_rotates_a_replicas_log_as_the_spec_says(tmp_path: Path) 
             wait_for(lambda: log.stat().st_size < 10_240)  # rotated within a probe or two
             assert f"round {round_no}\n" in copy.read_text()
         assert not log.with_name(log.name + ".2").exists()  # replica_log_keep: 1
+
+
+def test_no_two_replicas_ids_share_a_log() -> None:
+    """`org/model`'s replica and `org_model`'s once wrote one file (and keeping the last drained replicas'
+    logs could delete a running one's)."""
+    assert log_name("org/model-0") != log_name("org_model-0")
+    assert log_name("smollm2-0") == "smollm2-0.log"

@@ -503,15 +503,15 @@ async def _until_serving(
 
 
 def _cannot_start(models: list[str], replicas: Any, paths: Paths, attempts: int) -> str:
-    lines = []
+    from corral.cluster.runtime import log_name
+
+    lines: list[str] = []
     for model in models:
         replica = replicas.of(model)[0]
-        lines.append(
-            f"model {model!r} cannot start: {replica.id} failed {attempts} starts in a row "
-            f"({replica.last_error})"
-        )
+        why = f"{replica.id} failed {attempts} starts in a row ({replica.last_error})"
+        lines.append(f"model {model!r} cannot start: {why}")
         if replica.log_tail:
-            lines.append(f"  last lines of {paths.logs / (replica.id + '.log')}:")
+            lines.append(f"  last lines of {paths.logs / log_name(replica.id)}:")
             lines += [f"    {line}" for line in replica.log_tail]
     return "\n".join(lines)
 

@@ -35,7 +35,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from corral.cluster.runtime import AttachedReplica, RunningReplica, die_with_parent, rotate_log
+from corral.cluster.runtime import AttachedReplica, RunningReplica, die_with_parent, log_name, rotate_log
 from corral.engines import LaunchPlan, Resources
 
 __all__ = ["RayRuntime", "bundles", "strategy"]
@@ -235,7 +235,7 @@ class RayRuntime:
         if placement.engine_workers:
             env["CORRAL_RAY_PLACEMENT_GROUP"] = group.id.hex()
             env["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
-        log = str(self._logs / f"{replica_id.replace('/', '_')}.log")
+        log = str(self._logs / log_name(replica_id))
         try:
             host, port, node_id = await actor.start.remote(
                 list(plan.argv), env, log, int(plan.death_signal), self._log_limits

@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
+from urllib.parse import quote
 
 from corral.engines import LaunchPlan
 
@@ -31,6 +32,7 @@ __all__ = [
     "RunningReplica",
     "die_with_parent",
     "free_port",
+    "log_name",
     "log_tail",
     "rotate_log",
 ]
@@ -136,7 +138,7 @@ class LocalProcessRuntime:
         port = free_port(self._host)
         argv = [arg.format(host=self._host, port=port) for arg in plan.argv]
         self._logs.mkdir(parents=True, exist_ok=True)
-        log_path = self._logs / f"{replica_id.replace('/', '_')}.log"
+        log_path = self._logs / log_name(replica_id)
         with log_path.open("ab") as log:
             log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} starting: {' '.join(argv)}\n".encode())
             log.flush()
@@ -150,6 +152,12 @@ class LocalProcessRuntime:
                 preexec_fn=die_with_parent(plan.death_signal) if sys.platform == "linux" else None,
             )
         return LocalProcess(process, f"http://{self._host}:{port}", log_path)
+
+
+def log_name(replica_id: str) -> str:
+    """A replica's log's file name: its id, a `/` (a model named `org/model`) escaped as in a URL, so that
+    no two replicas' ids share a name (`a/b-0` and `a_b-0`)."""
+    return quote(replica_id, safe="") + ".log"
 
 
 def log_tail(path: Path | None, lines: int = 6, max_bytes: int = 16384) -> list[str]:
