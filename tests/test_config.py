@@ -214,6 +214,9 @@ def test_an_engine_api_key_with_a_line_break_is_refused() -> None:
     head = "models:\n  - name: m\n    source: {path: /m.gguf}\n    deployments:\n"
     with pytest.raises(SpecError, match="engine_api_key must be printable ASCII"):
         parse_spec(head + '      - {engine: vllm, engine_api_key: "sk-1\\n"}\n')
+    for engine in ("llamacpp", "sim"):  # (it went nowhere: their replicas take no key)
+        with pytest.raises(SpecError, match="engine_api_key is for vllm and external servers"):
+            parse_spec(head + f"      - {{engine: {engine}, engine_api_key: sk-1}}\n")
     assert (
         parse_spec(head + "      - {engine: vllm, engine_api_key: sk-1}\n")
         .models[0]

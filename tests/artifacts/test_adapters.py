@@ -224,6 +224,15 @@ def test_an_adapter_gguf_at_a_url_is_downloaded_once_and_checked(tmp_path: Path,
     assert adapter_rank(path) == 8 and _cache_entries(paths) == [path.name]
 
 
+def test_an_adapter_url_with_a_password_is_refused_and_never_shown() -> None:
+    """Python's HTTP client read `user:password@host` as a host and port: the download failed with the
+    password in its message, on the terminal or in an apply's answer. Refused in the spec instead."""
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="may not hold a user or password"):
+        UrlSource(url="https://me:s3cret@files.example.com/adapter.gguf")
+
+
 def test_a_zipped_peft_folder_at_a_url_unpacks_to_its_folder(tmp_path: Path, server: FileServer) -> None:
     source = server.serve("marker.zip", _zip(_peft_members("corral-marker/")))
     paths = Paths(tmp_path / "home")

@@ -18,6 +18,47 @@ def test_local_source_must_exist(tmp_path: Path) -> None:
     present = tmp_path / "m.gguf"
     present.write_bytes(b"GGUF")
     assert resolve_model(LocalSource(path=present), Paths(tmp_path)) == present
+    folder = tmp_path / "Qwen2.5-7B"  # a Hugging Face model folder, for vLLM (the spec's reference says so)
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    assert resolve_model(LocalSource(path=folder), Paths(tmp_path)) == folder
+
+
+def test_llama_cpp_refuses_a_model_folder_it_cannot_load(tmp_path: Path) -> None:
+    """A whole repository's safetensors (a spec copied from vLLM's page without `engine: vllm`): said at
+    prepare, not a replica that crash-loops."""
+    from corral.config import DeploymentSpec, ModelSpec
+    from corral.engines import engine_named
+
+    folder = tmp_path / "Qwen2.5-7B"
+    folder.mkdir()
+    (folder / "config.json").write_text('{"architectures": ["Qwen2ForCausalLM"]}')
+    binary = tmp_path / "llama-server"
+    binary.write_text("#!/bin/sh\n")
+    binary.chmod(0o755)
+    model = ModelSpec(name="q", source=LocalSource(path=folder), deployments=[DeploymentSpec()])
+    with pytest.raises(ArtifactError, match=r"llama\.cpp loads one GGUF file"):
+        engine_named("llamacpp").prepare(model, DeploymentSpec(binary=binary), Paths(tmp_path), print)
+
+
+def test_a_gguf_s_vllm_conversion_is_its_own_not_another_s_of_the_same_name(tmp_path: Path) -> None:
+    """Two GGUFs named alike (a repository's new revision, a package's new version, two quantisers'
+    `model-Q4_K_M.gguf`) are two conversions: the second was served as the first's weights."""
+    from corral.artifacts.hf_from_gguf import hf_folder_from_gguf
+
+    python = tmp_path / "python"  # (stands in for vLLM's interpreter running the converter)
+    python.write_text('#!/bin/sh\nmkdir -p "$3" && echo "$2" > "$3/converted-from"\n')
+    python.chmod(0o755)
+    targets = []
+    for folder in ("a", "b"):
+        gguf = tmp_path / folder / "model.gguf"
+        gguf.parent.mkdir()
+        gguf.write_bytes(b"GGUF" + folder.encode())
+        targets.append(hf_folder_from_gguf(gguf, python, Paths(tmp_path)))
+    assert targets[0] != targets[1]
+    assert [(t / "converted-from").read_text().strip() for t in targets] == [
+        str(tmp_path / f / "model.gguf") for f in ("a", "b")
+    ]
 
 
 def test_member_is_found_by_name_inside_a_wheel(tmp_path: Path) -> None:

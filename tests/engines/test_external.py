@@ -216,3 +216,16 @@ def _free_ports(n: int) -> int:
             return base
         except OSError:
             continue
+
+
+def test_an_external_server_s_key_goes_with_its_replicas() -> None:
+    """`engine_api_key` on an external deployment: the gateway sends it to those servers (a keyed vLLM
+    of its own, another team's), as it does to corral's vLLM replicas."""
+    from corral.config import DeploymentSpec, ModelSpec, Paths
+    from corral.engines import engine_named
+
+    urls = ["http://a:8000", "http://b:8000"]
+    deployment = DeploymentSpec(engine="external", urls=urls, engine_api_key="k1")
+    model = ModelSpec(name="m", deployments=[deployment])
+    plans = engine_named("external").prepare(model, deployment, Paths.from_env(), lambda _: None)
+    assert [p.api_key for p in plans] == ["k1", "k1"]

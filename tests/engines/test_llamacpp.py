@@ -60,3 +60,19 @@ def test_command_line_follows_the_deployment(tmp_path: Path) -> None:
     assert flags["--ctx-size"] == str(1024 * 8)  # llama.cpp splits the context across slots
     assert flags["--port"] == "{port}"
     assert "--metrics" in argv and argv[-2:] == ["--flash-attn", "on"]
+
+
+def test_an_engine_argument_s_braces_reach_llama_server_as_written(tmp_path: Path) -> None:
+    """The runtime fills {host} and {port} in with `str.format`: a JSON argument's braces (a chat
+    template's keyword arguments) raised KeyError at every start, or lost one of each pair."""
+    weights = tmp_path / "m.gguf"
+    weights.write_bytes(b"GGUF")
+    binary = tmp_path / "llama-server"
+    binary.write_text("#!/bin/sh\n")
+    binary.chmod(0o755)
+    model = ModelSpec(name="tiny", source=LocalSource(path=weights), deployments=[DeploymentSpec()])
+    kwargs = ["--chat-template-kwargs", '{"enable_thinking": false}', "--chat-template", "{{ messages }}"]
+    deployment = DeploymentSpec(binary=binary, engine_args=kwargs)
+    (plan,) = engine_named("llamacpp").prepare(model, deployment, Paths(tmp_path), lambda _: None)
+    argv = [arg.format(host="127.0.0.1", port=8080) for arg in plan.argv]
+    assert argv[-4:] == kwargs and "8080" in argv

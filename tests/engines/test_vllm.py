@@ -43,6 +43,24 @@ def test_vllm_metrics_become_the_common_load_shape() -> None:
     )
 
 
+def test_a_pinned_revision_of_a_whole_repository_reaches_vllm(tmp_path: Path) -> None:
+    """vLLM fetches a whole repository itself: the spec's pinned revision must go with it (weights and
+    tokenizer), or each replica and Ray node takes the branch's head of its own day."""
+    pinned = "0123456789abcdef0123456789abcdef01234567"
+    model = ModelSpec(
+        name="q",
+        source=HuggingFaceSource(hf="Qwen/Qwen2.5-7B-Instruct", revision=pinned),
+        deployments=[DeploymentSpec(engine="vllm")],
+    )
+    python = tmp_path / "python"
+    python.write_text("")
+    deployment = DeploymentSpec(engine="vllm", binary=python)
+    (plan,) = engine_named("vllm").prepare(model, deployment, Paths(tmp_path), lambda _: None)
+    argv = list(plan.argv)
+    assert argv[argv.index("--revision") + 1] == pinned
+    assert argv[argv.index("--tokenizer-revision") + 1] == pinned
+
+
 def test_vllm_command_follows_the_layout(tmp_path: Path) -> None:
     model = ModelSpec(
         name="llama",
@@ -70,6 +88,7 @@ def test_vllm_command_follows_the_layout(tmp_path: Path) -> None:
     assert flags["--model"] == "meta-llama/Llama-3.1-70B-Instruct" and flags["--served-model-name"] == "llama"
     assert flags["--tensor-parallel-size"] == "2" and flags["--pipeline-parallel-size"] == "2"
     assert flags["--quantization"] == "fp8" and flags["--max-model-len"] == "8192"
+    assert "--revision" not in argv  # (none pinned: vLLM takes the repository's default branch)
     # its key reaches vLLM in its environment (VLLM_API_KEY), never in argv, which `ps` and its log show
     assert "sekrit" not in argv and plans[0].env["VLLM_API_KEY"] == "sekrit" and plans[0].api_key == "sekrit"
     assert [p.env["CUDA_VISIBLE_DEVICES"] for p in plans] == ["4,5,6,7", "0,1,2,3"]

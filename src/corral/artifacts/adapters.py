@@ -15,6 +15,7 @@ from the base GGUF.
 from __future__ import annotations
 
 import hashlib
+import http.client
 import json
 import math
 import os
@@ -258,8 +259,9 @@ def _download(source: UrlSource, out: Path) -> None:
                         f"{shown_url(source.url)} is larger than {_MAX_DOWNLOAD_BYTES >> 30} GiB: "
                         "not an adapter"
                     )
-    except OSError as exc:  # urllib's URLError and HTTPError are OSErrors, as timeouts are
-        raise ArtifactError(f"cannot download the LoRA adapter {shown_url(source.url)}: {exc}") from exc
+    except (OSError, http.client.HTTPException) as exc:  # (URLError, HTTPError, timeouts; a cut chunk)
+        why = exc if isinstance(exc, OSError) else type(exc).__name__  # (http.client's may hold the URL)
+        raise ArtifactError(f"cannot download the LoRA adapter {shown_url(source.url)}: {why}") from exc
     if expected is not None and int(expected) != size:
         raise ArtifactError(f"the download of {shown_url(source.url)} broke off ({size} of {expected} bytes)")
     if source.sha256 is not None and digest.hexdigest() != source.sha256:

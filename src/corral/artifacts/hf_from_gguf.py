@@ -6,6 +6,7 @@ transformers dequantizes the GGUF weights, and the tokenizer and chat template c
 
 from __future__ import annotations
 
+import hashlib
 import shutil
 import subprocess
 from pathlib import Path
@@ -22,8 +23,13 @@ _SCRIPT = Path(__file__).with_name("gguf_to_hf.py")
 def hf_folder_from_gguf(
     gguf: Path, python: Path, paths: Paths, dtype: str = "float32", progress: Progress = lambda _: None
 ) -> Path:
-    """The converted folder for `gguf` (made once, with vLLM's interpreter `python`)."""
-    target = paths.models / "hf-from-gguf" / f"{gguf.stem}-{dtype}"
+    """The converted folder for `gguf` (made once, with vLLM's interpreter `python`): named for the file
+    as it is (its path, size and modification time), so a new revision or version of a file with the same
+    name (a re-quantised GGUF, a package bumped, a file replaced in place) is converted again, not served
+    as the old one's weights."""
+    found = gguf.resolve().stat()
+    seen = f"{gguf.resolve()}\0{found.st_size}\0{found.st_mtime_ns}".encode()
+    target = paths.models / "hf-from-gguf" / f"{gguf.stem}-{dtype}-{hashlib.sha256(seen).hexdigest()[:12]}"
 
     def convert() -> str:
         partial = target.with_name(target.name + ".part")

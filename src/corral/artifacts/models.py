@@ -37,9 +37,13 @@ def resolve_model(source: ModelSource, paths: Paths, progress: Progress = lambda
 
 
 def _local(source: LocalSource, paths: Paths, progress: Progress) -> Path:
+    """A model file, or a Hugging Face model folder (vLLM: a repository's snapshot, at the revision the
+    operator chose)."""
     path = Path(source.path).expanduser()
-    if not path.is_file():
-        raise ArtifactError(f"model file {path} does not exist")
+    if not path.exists():
+        raise ArtifactError(f"model file or folder {path} does not exist")
+    if not (path.is_file() or path.is_dir()):
+        raise ArtifactError(f"model path {path} is neither a file nor a folder")
     return path.resolve()
 
 

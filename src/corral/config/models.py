@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import urllib.parse
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -71,6 +72,15 @@ class UrlSource(Strict):
     sha256: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")] | None = Field(
         default=None, description="the file's SHA-256: a download that differs is refused"
     )
+
+    @field_validator("url")
+    @classmethod
+    def _no_credentials(cls, url: str) -> str:
+        """A user and password in the URL are not sent (Python's HTTP client reads them as a port) and
+        would be shown in errors: a presigned URL's query carries a secret instead, and is never shown."""
+        if "@" in urllib.parse.urlsplit(url).netloc:
+            raise ValueError("an adapter's url may not hold a user or password (use a presigned URL)")
+        return url
 
 
 AdapterSource = LocalSource | HuggingFaceSource | UrlSource
@@ -216,7 +226,9 @@ class DeploymentSpec(Strict):
     kv_cache_gib: Annotated[float, Field(gt=0, description="vllm CPU build: KV cache size, GiB")] = 1.0
     vllm_package: str | None = Field(default=None, description="pip requirement for a managed vLLM env")
     engine_api_key: str | None = Field(
-        default=None, description="vLLM's API key (VLLM_API_KEY in its environment); the gateway sends it"
+        default=None,
+        description="vllm: its API key (VLLM_API_KEY in its environment); external: its server's; the "
+        "gateway sends it",
     )
     ray_gpus: Annotated[int, Field(ge=0)] | None = Field(
         default=None, description="Ray: GPUs a replica reserves (default: vLLM's TP × PP, else 0)"
@@ -260,6 +272,11 @@ class DeploymentSpec(Strict):
         self._check_counts()
         if self.engine == "external" and not self.urls:
             raise ValueError("engine 'external' needs 'urls': the base URLs of running servers")
+        if self.engine_api_key is not None and self.engine in ("llamacpp", "sim"):
+            raise ValueError(
+                f"engine_api_key is for vllm and external servers: corral's {self.engine} replicas take no "
+                "key (they listen on this machine's loopback address)"
+            )
         seen = [url.rstrip("/") for url in self.urls]
         twice = sorted({url for url in seen if seen.count(url) > 1})
         if twice:

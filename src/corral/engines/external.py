@@ -30,7 +30,12 @@ class ExternalEngine:
         )
         events: list[str | None] = [*deployment.kv_events_urls] or [None] * len(deployment.urls)
         return [
-            LaunchPlan(url=url.rstrip("/"), features=features, kv_events_urls=(kv,) if kv else ())
+            LaunchPlan(
+                url=url.rstrip("/"),
+                features=features,
+                kv_events_urls=(kv,) if kv else (),
+                api_key=deployment.engine_api_key,  # (the gateway sends it: a server of its own keyed)
+            )
             for url, kv in zip(deployment.urls, events, strict=True)
         ]
 

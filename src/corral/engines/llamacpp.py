@@ -10,7 +10,14 @@ from __future__ import annotations
 import signal
 from pathlib import Path
 
-from corral.artifacts import Progress, gguf_from_bert, is_embedding_folder, llama_server, resolve_model
+from corral.artifacts import (
+    ArtifactError,
+    Progress,
+    gguf_from_bert,
+    is_embedding_folder,
+    llama_server,
+    resolve_model,
+)
 from corral.artifacts.bert_gguf import max_input_tokens
 from corral.artifacts.gguf_meta import gguf_string
 from corral.config import DeploymentSpec, ModelSpec, Paths
@@ -39,12 +46,17 @@ class LlamaCppEngine:
         if is_embedding_folder(weights):
             context = min(context, max_input_tokens(weights) or context)  # its trained input length
             weights = gguf_from_bert(weights, paths, progress)
+        elif weights.is_dir():  # (a whole repository's safetensors: vLLM's; llama-server would crash-loop)
+            raise ArtifactError(
+                f"model {model.name}: llama.cpp loads one GGUF file, and its source is a folder ({weights}): "
+                "name the repository's GGUF (`file:`), or serve the folder with `engine: vllm`"
+            )
         argv = (
-            str(binary),
+            _braced(str(binary)),
             "--model",
-            str(weights),
+            _braced(str(weights)),
             "--alias",
-            model.name,
+            _braced(model.name),
             "--host",
             "{host}",
             "--port",
@@ -60,9 +72,9 @@ class LlamaCppEngine:
             "--metrics",
             "--no-webui",
             *(_embedding_args(context) if model.task == "embed" else ()),
-            *llamacpp_lora_args(model, weights, paths, progress),
-            *deployment.engine_args,
-        )
+            *map(_braced, llamacpp_lora_args(model, weights, paths, progress)),
+            *map(_braced, deployment.engine_args),
+        )  # (the runtime fills in {host} and {port}: every other brace, a JSON argument's, stays as written)
         # Measured on llama-server (b1-0c1e570): n > 1 and prompt lists come back with one choice's usage,
         # echo is ignored, and an image part without a multimodal projector is a 500.
         features = EngineFeatures(
@@ -125,3 +137,8 @@ def _template_takes_tools(weights: Path, engine_args: list[str]) -> bool:
     if template is None:
         template = gguf_string(weights, "tokenizer.chat_template")
     return template is not None and "tools" in template
+
+
+def _braced(arg: str) -> str:
+    """`arg` as the runtime's `str.format` gives it back (its braces doubled)."""
+    return arg.replace("{", "{{").replace("}", "}}")

@@ -147,6 +147,7 @@ class VllmEngine:
             "--quantization": deployment.quantization,
         }
         argv += [item for flag, value in optional.items() if value is not None for item in (flag, value)]
+        argv += _revision(model)
         parser = tool_call_parser(model, deployment) if model.task != "embed" else None
         if parser is not None:
             argv += ["--enable-auto-tool-choice", "--tool-call-parser", parser]
@@ -191,7 +192,7 @@ class VllmEngine:
         if source is None:
             raise ArtifactError(f"model {model.name} has no source")
         if isinstance(source, HuggingFaceSource) and source.file is None:
-            return source.hf  # vLLM fetches and caches the repository itself
+            return source.hf  # vLLM fetches and caches the repository itself (at --revision: _revision)
         local = resolve_model(source, paths, progress)
         if local.suffix == ".gguf":
             return str(hf_folder_from_gguf(local, python, paths, dtype, progress))
@@ -238,3 +239,12 @@ def tool_call_parser(model: ModelSpec, deployment: DeploymentSpec) -> str | None
         if any(fragment in name.lower() for name in names):
             return parser
     return None
+
+
+def _revision(model: ModelSpec) -> list[str]:
+    """A whole Hugging Face repository vLLM fetches itself, at the spec's pinned revision (its weights and
+    its tokenizer): without it every replica, on every Ray node, took the branch's head of its own day."""
+    source = model.source
+    if isinstance(source, HuggingFaceSource) and source.file is None and source.revision:
+        return ["--revision", source.revision, "--tokenizer-revision", source.revision]
+    return []
