@@ -86,6 +86,12 @@ async def test_malformed_messages_are_anthropic_400s(cluster: Cluster, path: str
         ),
         ("/v1/responses", b'{"model": "m", "input": "hi", "seed_extra": ' + BIG + b"}"),
         ("/v1/responses", b'{"model": "m", "input": "hi", "reasoning": {"effort": ' + BIG + b"}}"),
+        (  # a field of an input item the engine never sees, but the stored conversation keeps
+            "/v1/responses",
+            b'{"model": "m", "input": [{"type": "message", "role": "user", "content": "hi", "n": '
+            + BIG
+            + b"}]}",
+        ),
         (
             "/v1/messages",
             b'{"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}, {"role": '
@@ -127,6 +133,14 @@ async def test_a_stored_conversation_is_bounded_by_everything_it_keeps(cluster: 
     small = {"model": "m", "input": "and now?", "previous_response_id": first["id"]}
     status, answer = await _post(gateway, "/v1/responses", small, key)
     assert status == 200, answer  # (a turn that fits goes on)
+    # counted in bytes, as the limit is: 1,400 emoji are 5,600 bytes (in characters a quarter of that)
+    wide = [{"type": "message", "role": "user", "content": "hi", "note": "\U0001f600" * 1400}]
+    utf8 = json.dumps({"model": "m", "input": wide}, ensure_ascii=False).encode()
+    status, first = await _post(gateway, "/v1/responses", utf8, key)
+    assert status == 200, first
+    small["previous_response_id"] = first["id"]
+    status, answer = await _post(gateway, "/v1/responses", small, key)
+    assert status == 413, answer
 
 
 async def test_emulated_tool_calls_come_back_as_tool_calls_and_bad_ones_are_400s(cluster: Cluster) -> None:

@@ -202,3 +202,14 @@ async def test_the_exact_cache_answers_both_apis_in_their_own_shape(cluster: Clu
     one, two = first.parse(), second.parse()
     assert one.output_text == two.output_text and one.id != two.id  # a new response each time
     assert (await responses.responses.retrieve(two.id)).output_text == one.output_text
+
+
+def test_usage_counts_the_cached_prompt_once() -> None:
+    """Anthropic's input_tokens leave out the tokens read from the cache (its clients add them up for the
+    prompt's count); the engine's prompt_tokens hold both."""
+    from corral.dialects.anthropic_messages import _usage
+
+    engine = {"prompt_tokens": 1000, "completion_tokens": 5, "prompt_tokens_details": {"cached_tokens": 768}}
+    told = _usage(engine)
+    assert told["input_tokens"] == 232 and told["cache_read_input_tokens"] == 768
+    assert told["input_tokens"] + told["cache_read_input_tokens"] == engine["prompt_tokens"]

@@ -181,6 +181,33 @@ async def test_a_key_over_its_tpm_gets_openais_429_on_responses(cluster: Cluster
     assert info.value.response.headers.get("retry-after")
 
 
+async def test_a_stored_conversation_is_read_under_the_keys_rpm(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Reading a stored conversation costs the gateway its parse (megabytes of small JSON values: most of a
+    second of a core, holding the event loop): retrieving a response, listing its items, deleting it and
+    continuing it are requests under the key's RPM, and a key over it is refused before the store is read
+    (a 150-byte request could otherwise have the gateway parse a 4 MB row, as often as it liked)."""
+    from corral.store.responses import ResponseStore
+
+    gateway = await cluster.gateway()
+    client = _client(gateway.url, await gateway.key("acme", rpm=3))
+    first = await client.responses.create(model="m", input="hi", max_output_tokens=4)
+    await client.responses.retrieve(first.id)
+    await client.responses.input_items.list(first.id)
+    read, get = [], ResponseStore.get
+    monkeypatch.setattr(ResponseStore, "get", lambda self, *args: read.append(args) or get(self, *args))
+    for call in (
+        client.responses.retrieve(first.id),
+        client.responses.input_items.list(first.id),
+        client.responses.create(model="m", input="and?", previous_response_id=first.id, max_output_tokens=4),
+        client.responses.delete(first.id),
+    ):
+        with pytest.raises(openai.RateLimitError):
+            await call
+    assert read == []
+
+
 async def test_a_batch_of_responses_lines(cluster: Cluster) -> None:
     """/v1/responses lines run by the batch runner: each answer is a response object, stored as its
     `store` says."""

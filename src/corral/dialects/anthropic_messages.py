@@ -21,6 +21,7 @@ from pydantic import Field, StrictBool
 
 from corral.dialects.chat import (
     Answer,
+    Checked,
     DialectStream,
     Encoder,
     ToolCall,
@@ -107,7 +108,10 @@ class Messages:
     def error_response(self, exc: APIError) -> web.Response:
         return anthropic_error(exc)
 
-    async def open(self, raw: bytes, tenant: str, key_id: str | None) -> MessagesExchange:
+    async def open(
+        self, raw: bytes, tenant: str, key_id: str | None, before_history: Checked | None = None
+    ) -> MessagesExchange:
+        """The request opened into an exchange (`before_history`: unused, a message carries its history)."""
         return MessagesExchange(parse_body(MessagesRequest, raw))
 
     def count_request(self, raw: bytes) -> bytes:
@@ -305,12 +309,15 @@ _THINKING_BLOCK = b'{"type":"thinking","thinking":""}'
 
 
 def _usage(usage: dict[str, Any] | None) -> dict[str, int]:
+    """Anthropic's usage: its `input_tokens` are those not read from the cache (its clients add the cache's
+    to them for the prompt's whole count), where OpenAI's prompt_tokens count the cached ones too."""
     usage = usage or {}
-    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    prompt = int(usage.get("prompt_tokens") or 0)
+    cached = min(prompt, int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0))
     return {
-        "input_tokens": int(usage.get("prompt_tokens") or 0),
+        "input_tokens": prompt - cached,
         "output_tokens": int(usage.get("completion_tokens") or 0),
-        "cache_read_input_tokens": int(cached),
+        "cache_read_input_tokens": cached,
         "cache_creation_input_tokens": 0,
     }
 

@@ -23,6 +23,7 @@ from corral.protocol.usage import engine_usage
 
 __all__ = [
     "Answer",
+    "Checked",
     "DialectStream",
     "Encoder",
     "Exchange",
@@ -38,6 +39,7 @@ _SEP = b"\n\n"
 # number); the answer is then cut with the dialect's error event, not left without its end
 _MISSHAPEN = (AttributeError, KeyError, TypeError, ValueError, OverflowError)
 _write = web.StreamResponse.write  # (the stream's own write, called without super() on the token path)
+Checked = Callable[[], Awaitable[None]]  # the key's limits checked (RateLimited), before costly reading
 
 
 @dataclass

@@ -26,6 +26,7 @@ from pydantic import Field, StrictBool
 
 from corral.dialects.chat import (
     Answer,
+    Checked,
     DialectStream,
     answer_of_completion,
     json_response,
@@ -116,7 +117,11 @@ class Responses:
             body=exc.to_json(), status=exc.status, content_type="application/json", headers=exc.headers()
         )
 
-    async def open(self, raw: bytes, tenant: str, key_id: str | None) -> ResponsesExchange:
+    async def open(
+        self, raw: bytes, tenant: str, key_id: str | None, before_history: Checked | None = None
+    ) -> ResponsesExchange:
+        """The request opened into an exchange, its earlier turns read from the store (`before_history`
+        first: a key that would be refused is refused before megabytes of conversation are parsed)."""
         body = parse_body(ResponsesRequest, raw)
         if body.background:
             raise InvalidRequest(
@@ -133,6 +138,8 @@ class Responses:
         history: list[dict[str, Any]] = []
         carried = 0  # the earlier turns' bytes, as stored
         if body.previous_response_id is not None:
+            if before_history is not None:
+                await before_history()
             previous = await asyncio.to_thread(self._store.get, tenant, body.previous_response_id)
             if previous is None:
                 raise InvalidRequest(
@@ -145,6 +152,8 @@ class Responses:
             carried = previous.size
         token = os.urandom(16).hex()  # the response's id, and its input items' (one random draw a request)
         items = _input_items(body.input, token)
+        if body.store:  # (stored as sent: what JSON cannot carry, an integer past 64 bits, is a 400 now)
+            encode(items)
         exchange = ResponsesExchange(body, history + items, tenant, key_id, self._store, token)
         # A conversation is bounded as a request is: the engine's request it makes, and what a response
         # stores of it (every field of every item kept, as the client sent them, to be listed and carried on)

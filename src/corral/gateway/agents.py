@@ -4,6 +4,9 @@ input items) and Anthropic's count_tokens. Each is its tenant's: another tenant'
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
+from functools import partial
+from typing import Any
 
 from aiohttp import web
 
@@ -45,25 +48,23 @@ class AgentViews:
         app.router.add_post("/v1/messages", self._pipeline.messages)
         app.router.add_post("/v1/messages/count_tokens", self.count_tokens)
 
-    async def _tenant(self, request: web.Request) -> str:
+    async def _stored(
+        self, request: web.Request, action: Callable[..., Awaitable[dict[str, Any]]], *args: Any
+    ) -> web.Response:
+        """`action(stored responses, the requester's tenant, the route's id, *args)`, answered, as a request
+        under the key's limits (a stored conversation of megabytes is most of a second of a core to read)."""
         principal = await self._auth.authenticate(request.headers.get("Authorization"))
-        return principal.tenant
-
-    @property
-    def _stored(self) -> Responses:
-        assert self._responses is not None
-        return self._responses
+        work = partial(action, self._responses, principal.tenant, request.match_info["id"], *args)
+        return json_response(await self._pipeline.metered(principal, work))
 
     async def retrieve(self, request: web.Request) -> web.Response:
-        found = await self._stored.retrieve(await self._tenant(request), request.match_info["id"])
-        return json_response(found)
+        return await self._stored(request, Responses.retrieve)
 
     async def delete(self, request: web.Request) -> web.Response:
-        done = await self._stored.delete(await self._tenant(request), request.match_info["id"])
-        return json_response(done)
+        return await self._stored(request, Responses.delete)
 
     async def cancel(self, request: web.Request) -> web.Response:
-        return json_response(await self._stored.cancel(await self._tenant(request), request.match_info["id"]))
+        return await self._stored(request, Responses.cancel)
 
     async def input_items(self, request: web.Request) -> web.Response:
         order = request.query.get("order", "desc")
@@ -75,8 +76,7 @@ class AgentViews:
             limit = 0
         if not 1 <= limit <= 100:
             raise InvalidRequest("limit must be an integer from 1 to 100.", param="limit")
-        tenant = await self._tenant(request)
-        return json_response(await self._stored.input_items(tenant, request.match_info["id"], order, limit))
+        return await self._stored(request, Responses.input_items, order, limit)
 
     async def count_tokens(self, request: web.Request) -> web.Response:
         """Anthropic's count_tokens: the prompt's tokens as admission counts them (the model's tokenizer

@@ -18,6 +18,7 @@ import time
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from functools import partial
+from typing import TypeVar
 
 from aiohttp import web
 
@@ -73,6 +74,7 @@ _APIS = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/
 _Parse = Callable[[web.Request, Principal], Awaitable[RequestContext]]
 _Answer = Callable[[RequestContext, Principal, web.Request], Awaitable[web.StreamResponse]]
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+_T = TypeVar("_T")
 Dialect = Responses | Messages
 
 
@@ -146,7 +148,9 @@ class Pipeline:
         try:
             principal = await self._auth.authenticate(dialect.credentials(request))
             raw = await self._read(request)
-            exchange = await dialect.open(raw, principal.tenant, principal.key_id)
+            exchange = await dialect.open(
+                raw, principal.tenant, principal.key_id, partial(self._may_ask, principal)
+            )
             ctx = await self._exchange_context(
                 exchange, request.headers.get("x-session-id"), principal, request
             )
@@ -343,6 +347,13 @@ class Pipeline:
             self._record(ctx, principal, refusal.status)
             raise
 
+    async def _may_ask(self, principal: Principal) -> None:
+        """A key's spent budget or rate limits refuse its request before a stored conversation is read for
+        it (megabytes parsed, for a request `admit` would refuse). Nothing is reserved: `admit` does."""
+        await self._budget.check(principal)
+        with contextlib.suppress(LimiterUnavailable):
+            await self._limits.limiter.check(principal, 1)
+
     async def parse_embeddings(self, request: web.Request, principal: Principal) -> RequestContext:
         """An embedding request: validated, for an embedding model, sized by its inputs' tokens."""
         raw = await self._read(request)
@@ -350,9 +361,13 @@ class Pipeline:
         return await self._intake.embedding(raw, request.path, principal.tenant, checked)
 
     async def count_prompt(self, chat_body: bytes, principal: Principal) -> int:
-        """What admission counts for a chat request's prompt (Anthropic's count_tokens). Counting is a
-        request under the key's limits (RPM, concurrency; no tokens): a long prompt costs the gateway
-        a second of a core to count."""
+        """What admission counts for a chat request's prompt (Anthropic's count_tokens), as a request
+        under the key's limits (`metered`): a long prompt costs the gateway a second of a core to count."""
+        return await self.metered(principal, partial(self._intake.count_prompt, chat_body, principal))
+
+    async def metered(self, principal: Principal, work: Callable[[], Awaitable[_T]]) -> _T:
+        """`work` done as a request under the key's limits (RPM, concurrency; no tokens): counting a
+        prompt, reading a stored response (a conversation of megabytes is a second of a core to parse)."""
         limiter = self._limits.limiter
         try:
             reservation = await limiter.reserve(principal, 0)
@@ -360,7 +375,7 @@ class Pipeline:
             self._without_limits(principal, exc)
             reservation = None
         try:
-            return await self._intake.count_prompt(chat_body, principal)
+            return await work()
         finally:
             if reservation is not None:
                 with contextlib.suppress(LimiterUnavailable):

@@ -127,7 +127,8 @@ class ResponseStore:
                 row.tenant,
                 orjson.loads(row.input_items),
                 orjson.loads(row.response),
-                len(row.input_items) + len(row.response),
+                # (bytes, as the size check that bounds a conversation counts: characters were 4x fewer)
+                row.size if row.size is not None else len(row.input_items.encode() + row.response.encode()),
             )
 
     def delete(self, tenant: str, response_id: str) -> bool:
