@@ -240,3 +240,16 @@ def test_an_embedding_model_is_routed_by_load_not_by_prefix() -> None:
         " deployments: [{engine: llamacpp}]}\n"
     )
     assert chosen.models[0].routing_policy == "round_robin"  # a stated policy stands
+
+
+@pytest.mark.parametrize("allowed", [False, True])
+def test_media_urls_reach_the_replicas_features(allowed: bool) -> None:
+    """`models[].media_urls` (off by default) is what the gateway reads to let a request name media by
+    URL for the engine to fetch (tests/gateway/test_hostile_input.py)."""
+    text = "models:\n  - name: m\n    arch: llama-3.1-8b\n    deployments: [{engine: sim, gpu: l4}]\n"
+    spec = parse_spec(text.replace("arch:", f"media_urls: {str(allowed).lower()}\n    arch:"), source="t")
+    model = spec.models[0]
+    from corral.engines import SimEngineAdapter
+
+    (plan,) = SimEngineAdapter().prepare(model, model.deployments[0], Paths.from_env(), lambda _: None)
+    assert plan.features.media_urls is allowed

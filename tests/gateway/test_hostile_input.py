@@ -22,6 +22,8 @@ MESSAGES = [{"role": "user", "content": "hi"}]
 
 
 class Target:
+    replicas: ReplicaSet
+
     def __init__(self, server: GatewayServer, upstream: ScriptedUpstream) -> None:
         self.server, self.upstream = server, upstream
         assert server.port is not None
@@ -51,7 +53,9 @@ async def target(tmp_path: Path, upstream: ScriptedUpstream) -> AsyncIterator[Ta
     settings = GatewaySettings(port=0, body_timeout=1.0)
     server = GatewayServer(settings, Router(replicas), make_services(replicas, tmp_path / "c.db"))
     await server.start()
-    yield Target(server, upstream)
+    made = Target(server, upstream)
+    made.replicas = replicas
+    yield made
     await server.stop()
 
 
@@ -155,3 +159,35 @@ async def test_compressed_bodies_are_read_and_bombs_refused(target: Target) -> N
     status, body = await target.post(bomb, {"Content-Encoding": "gzip"})
     assert status == 413 and _openai_error(body)["code"] == "request_too_large"
     assert await target.healthy()
+
+
+@pytest.mark.parametrize(
+    "part",
+    [
+        {"type": "image_url", "image_url": {"url": "http://169.254.169.254/latest/meta-data/"}},
+        {"type": "image_url", "image_url": {"url": "file:///etc/passwd"}},
+        {"type": "video_url", "video_url": {"url": "https://10.0.0.7:8265/api/jobs/"}},
+        {"type": "audio_url", "audio_url": {"url": "http://localhost:6379/"}},
+    ],
+)
+async def test_media_an_engine_would_fetch_from_inside_the_cluster_is_refused(
+    target: Target, part: dict
+) -> None:
+    """vLLM fetches an image, audio or video URL itself, from inside the cluster's network: a tenant could
+    have it reach the cloud's metadata service or a neighbour's port. Unless the model allows it
+    (`models[].media_urls`, which sets the replicas' `media_urls` feature), only data: URLs pass."""
+    from corral.engines import EngineFeatures
+
+    body = {"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}, part]}]}
+    status, answer = await target.post(orjson.dumps(body))
+    error = _openai_error(answer)
+    assert status == 400 and error["param"] == "messages[0].content[1]", answer
+    assert target.upstream.bodies == []  # never reached the engine
+    inline = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
+    body["messages"][0]["content"][1] = inline
+    assert (await target.post(orjson.dumps(body)))[0] == 200
+    (replica,) = target.replicas.of("m")
+    replica.features = EngineFeatures(media_urls=True)
+    target.replicas.changed("m")  # (the model's features are worked out again)
+    body["messages"][0]["content"][1] = part
+    assert (await target.post(orjson.dumps(body)))[0] == 200

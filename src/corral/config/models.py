@@ -395,6 +395,12 @@ class ModelSpec(Strict):
         description="embed: the model was trained so its vectors may be shortened: a request's `dimensions` "
         "keeps the first ones, renormalised (other models accept only their full size)",
     )
+    media_urls: bool = Field(
+        default=False,
+        description="requests may name images, audio and video by http(s) URL, which the model's engine then "
+        "fetches (from inside this network: a tenant could have it fetch this network's addresses); off: "
+        "data: URLs only, another is a 400",
+    )
     routing: RoutingPolicyName | None = Field(
         default=None,
         description="routing policy; unset: the gateway's default, or least_outstanding_requests for an "

@@ -26,7 +26,10 @@ class ExternalEngine:
     ) -> list[LaunchPlan]:
         # Whether an unknown server continues a trailing assistant message is not known: no failover.
         features = EngineFeatures(
-            continuation=False, embeddings=model.task == "embed", matryoshka=model.matryoshka
+            continuation=False,
+            embeddings=model.task == "embed",
+            matryoshka=model.matryoshka,
+            media_urls=model.media_urls,
         )
         events: list[str | None] = [*deployment.kv_events_urls] or [None] * len(deployment.urls)
         return [

@@ -28,6 +28,7 @@ class EngineFeatures:
     tools: bool = (
         True  # makes tool calls itself (else the gateway asks for them as JSON: gateway/toolcalls.py)
     )
+    media_urls: bool = False  # may be asked to fetch media by http(s) URL (models[].media_urls)
 
     def __and__(self, other: EngineFeatures) -> EngineFeatures:
         return EngineFeatures(
@@ -42,4 +43,5 @@ class EngineFeatures:
             self.matryoshka and other.matryoshka,
             self.cache_salt and other.cache_salt,
             self.tools and other.tools,
+            self.media_urls and other.media_urls,
         )

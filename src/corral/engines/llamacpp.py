@@ -86,6 +86,7 @@ class LlamaCppEngine:
             token_prompts=True,
             embeddings=model.task == "embed",
             matryoshka=model.matryoshka,
+            media_urls=model.media_urls,
             tools=model.task != "embed" and _template_takes_tools(weights, deployment.engine_args),
         )
         plan = LaunchPlan(

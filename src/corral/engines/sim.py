@@ -74,6 +74,7 @@ class SimEngineAdapter:
                 continuation=False,
                 embeddings=model.task == "embed",
                 matryoshka=model.matryoshka,
+                media_urls=model.media_urls,
                 cache_salt=model.task != "embed",
             ),
             kv_events_args=("--kv-events-endpoint", "{events}")

@@ -174,6 +174,7 @@ class VllmEngine:
                 features=EngineFeatures(
                     embeddings=model.task == "embed",
                     matryoshka=model.matryoshka,
+                    media_urls=model.media_urls,
                     cache_salt=model.task != "embed",
                     tools=parser is not None,
                 ),

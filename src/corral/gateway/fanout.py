@@ -32,6 +32,7 @@ from corral.routing import RouteRequest
 __all__ = ["Fanout", "check_features", "needs_fanout"]
 
 _IMAGE_PARTS = frozenset({"image_url", "input_image", "image"})
+_MEDIA_PARTS = frozenset({"image_url", "video_url", "audio_url"})  # (vLLM fetches their URLs)
 MAX_PARTS = 128  # single-choice requests one request may fan out to (n × prompts)
 _AT_ONCE = 16  # of them in flight at once
 
@@ -49,6 +50,8 @@ def check_features(body: ChatCompletionRequest | CompletionRequest, features: En
     if isinstance(body, ChatCompletionRequest):
         if not features.images:
             _refuse_images(body)
+        elif not features.media_urls:
+            _refuse_media_urls(body)
         if body.stream and body.n > 1 and not features.multiple_choices:
             raise _unavailable(body, "n", "streaming with n > 1", "send stream: false, or n: 1")
         return
@@ -216,6 +219,34 @@ def _refuse_images(body: ChatCompletionRequest) -> None:
                     param=f"messages[{i}].content[{j}]",
                     code="unsupported_content",
                 )
+
+
+def _refuse_media_urls(body: ChatCompletionRequest) -> None:
+    """A media part naming an http(s) URL (or any but a data: URL) is a 400 unless the model lets its
+    engine fetch them (models[].media_urls): the engine fetches from inside the cluster's network, where a
+    tenant could have it reach addresses no client can."""
+    for i, message in enumerate(body.messages):
+        if not isinstance(message.content, list):
+            continue
+        for j, part in enumerate(message.content):
+            url = _media_url(part) if isinstance(part, dict) else None
+            if url is not None and not url.startswith("data:"):
+                raise InvalidRequest(
+                    f"The model '{body.model}' takes media as data: URLs only (base64 in the request): its "
+                    "engine does not fetch URLs for clients here (models[].media_urls).",
+                    param=f"messages[{i}].content[{j}]",
+                    code="unsupported_content",
+                )
+
+
+def _media_url(part: dict[str, Any]) -> str | None:
+    """The URL a chat content part names for its engine to load (an image, audio or a video), if any."""
+    kind = part.get("type")
+    if kind not in _MEDIA_PARTS:
+        return None
+    field = part.get(kind)
+    url = field.get("url") if isinstance(field, dict) else field
+    return url if isinstance(url, str) else ""
 
 
 def _unavailable(
