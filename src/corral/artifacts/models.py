@@ -63,7 +63,7 @@ def _huggingface(source: HuggingFaceSource, paths: Paths, progress: Progress) ->
                 repo_id=source.hf, filename=source.file, revision=source.revision, cache_dir=cache
             )
         )
-    except (HfHubHTTPError, LocalEntryNotFoundError, OSError) as exc:
+    except (HfHubHTTPError, LocalEntryNotFoundError, OSError, ValueError) as exc:  # (ValueError: a bad id)
         raise ArtifactError(f"cannot fetch {what} from Hugging Face: {exc}") from exc
 
 

