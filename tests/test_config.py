@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from corral.cluster.reconcile import ApplyError, plan_changes
+from corral.cluster.changes import ApplyError, plan_changes
 from corral.config import ClusterSpec, Paths, PyPISource, SpecError, default_spec, load_spec, parse_spec
 
 ROOT = Path(__file__).parent.parent

@@ -12,7 +12,8 @@ from pathlib import Path
 import openai
 import pytest
 
-from corral.cluster.reconcile import plan_changes, scale_down_victims
+from corral.cluster.changes import plan_changes
+from corral.cluster.reconcile import scale_down_victims
 from corral.config import parse_spec
 from tests.conftest import CORRAL, RunningCluster, get_json, start_cluster
 

@@ -34,13 +34,19 @@ def test_metrics_become_the_common_load_shape() -> None:
     assert load.kv_usage is None  # this llama.cpp no longer reports it
 
 
-def test_command_line_follows_the_deployment(tmp_path: Path) -> None:
+def _tiny(tmp_path: Path) -> tuple[ModelSpec, Path, Path]:
+    """A model of a (fake) GGUF file, and a (fake) llama-server: (model, its weights, the binary)."""
     weights = tmp_path / "m.gguf"
     weights.write_bytes(b"GGUF")
     binary = tmp_path / "llama-server"
     binary.write_text("#!/bin/sh\n")
     binary.chmod(0o755)
     model = ModelSpec(name="tiny", source=LocalSource(path=weights), deployments=[DeploymentSpec()])
+    return model, weights, binary
+
+
+def test_command_line_follows_the_deployment(tmp_path: Path) -> None:
+    model, weights, binary = _tiny(tmp_path)
     deployment = DeploymentSpec(
         replicas=3,
         threads=2,
@@ -65,12 +71,7 @@ def test_command_line_follows_the_deployment(tmp_path: Path) -> None:
 def test_an_engine_argument_s_braces_reach_llama_server_as_written(tmp_path: Path) -> None:
     """The runtime fills {host} and {port} in with `str.format`: a JSON argument's braces (a chat
     template's keyword arguments) raised KeyError at every start, or lost one of each pair."""
-    weights = tmp_path / "m.gguf"
-    weights.write_bytes(b"GGUF")
-    binary = tmp_path / "llama-server"
-    binary.write_text("#!/bin/sh\n")
-    binary.chmod(0o755)
-    model = ModelSpec(name="tiny", source=LocalSource(path=weights), deployments=[DeploymentSpec()])
+    model, _, binary = _tiny(tmp_path)
     kwargs = ["--chat-template-kwargs", '{"enable_thinking": false}', "--chat-template", "{{ messages }}"]
     deployment = DeploymentSpec(binary=binary, engine_args=kwargs)
     (plan,) = engine_named("llamacpp").prepare(model, deployment, Paths(tmp_path), lambda _: None)

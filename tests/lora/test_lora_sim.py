@@ -222,7 +222,7 @@ def test_an_adapter_the_engines_refuse_does_not_take_its_base_away(tmp_path: Pat
 
 
 def test_adapter_changes_are_live_on_vllm_and_replace_llamacpp_replicas() -> None:
-    from corral.cluster.reconcile import plan_changes
+    from corral.cluster.changes import plan_changes
     from corral.config import parse_spec
 
     running = parse_spec(_spec({"first": ADAPTER}))

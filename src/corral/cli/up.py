@@ -280,7 +280,7 @@ async def _tell(tell: Any, paths: Paths, model: Any) -> None:
 
 def model_settings(model: Any, paths: Paths) -> dict[str, Any]:
     """What a gateway needs to know of a model added to (or changed in) a running cluster, as JSON."""
-    from corral.cluster.reconcile import deployed_digest
+    from corral.cluster.changes import deployed_digest
 
     tokenizer = str(model.tokenizer) if model.tokenizer is not None else None
     return {
@@ -299,7 +299,7 @@ def adapter_settings(model: Any, paths: Paths) -> list[dict[str, Any]]:
     """A model's LoRA adapters as a gateway serves them: each revision's engine name (`name@digest` of its
     source) and the folder its engines load (fetched when the deployment was prepared: found in the cache)."""
     from corral.artifacts import resolve_adapter
-    from corral.cluster.reconcile import adapter_digest
+    from corral.cluster.changes import adapter_digest
 
     loads = any(d.engine in ("vllm", "sim") for d in model.deployments)
     found = {a.name: str(resolve_adapter(a.source, paths)) if loads else "" for a in model.adapters}
@@ -435,7 +435,7 @@ def router_for(spec: ClusterSpec, replicas: Any) -> Any:
 def gateway_parts_for(spec: ClusterSpec, paths: Paths, replicas: Any) -> Any:
     """The gateway's parts for `spec` (also each gateway worker's)."""
     from corral.artifacts import ArtifactError
-    from corral.cluster.reconcile import deployed_digest
+    from corral.cluster.changes import deployed_digest
     from corral.gateway import GatewayParts
     from corral.store import StoreError
 
