@@ -605,3 +605,44 @@ async def test_one_tenants_long_prompts_are_counted_one_at_a_time(
     assert len(eves) == 4
     assert all(later[0] >= earlier[1] for earlier, later in itertools.pairwise(eves)), eves  # one at a time
     assert bob[0] < eves[-1][0], (bob, eves)  # bob's did not wait for eve's
+
+
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/responses"])
+async def test_a_key_over_its_limits_is_refused_before_its_large_body_is_parsed(
+    tmp_path: Path, upstream: ScriptedUpstream, route: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Parsing megabytes of small JSON values holds the gateway's event loop for most of a second, before
+    any limit was looked at: a key over its limits could have the gateway do that as often as it sent
+    bodies. A body over 256 KiB is parsed only once its key's limits allow a request."""
+    from corral.dialects import openai_responses
+    from corral.gateway import intake
+
+    parsed: list[int] = []
+    for module in (intake, openai_responses):
+
+        def spied(kind: type, raw: bytes, real: object = module.parse_body) -> object:
+            parsed.append(len(raw))
+            return real(kind, raw)  # type: ignore[operator]
+
+        monkeypatch.setattr(module, "parse_body", spied)
+    server, services, _ = _counting_gateway(tmp_path, upstream)
+    await server.start()
+    key, _ = services.keys.create("mallory", rpm=1)
+    padding = [[] for _ in range(120_000)]  # ~360 kB of empty lists: cheap to send, dear to parse
+    if route == "/v1/chat/completions":
+        small = {"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}
+    else:
+        small = {"model": "m", "max_output_tokens": 1, "input": "hi", "store": False}
+    large = {**small, "metadata_padding": padding}
+    headers = {"Authorization": f"Bearer {key}"}
+    url = f"http://127.0.0.1:{server.port}" + route
+    try:
+        async with aiohttp.ClientSession() as session:
+            async with session.post(url, json=small, headers=headers) as answer:
+                assert answer.status == 200
+            parsed.clear()
+            async with session.post(url, json=large, headers=headers) as answer:
+                assert answer.status == 429, await answer.text()
+            assert parsed == []
+    finally:
+        await server.stop()
