@@ -276,6 +276,23 @@ def test_breaker_opens_after_consecutive_failures_and_half_opens_after_cooldown(
     assert breaker.state is CircuitState.CLOSED and breaker.consecutive_failures == 0
 
 
+def test_a_trial_that_says_nothing_of_the_replica_lets_the_next_one_try() -> None:
+    """A half-open replica's trial request that ends with no outcome (its engine full: a 429; an adapter
+    it refused; the client gone) once left the trial out for good: the replica never routed again."""
+    replicas = ReplicaSet(["m"])
+    (replica,) = fleet(1)
+    replicas.add(replica)
+    replica.breaker = CircuitBreaker(failures=1, cooldown=0.01)
+    router = Router(replicas)
+    router.release(router.acquire(RouteRequest("m")), RouteRequest("m"), False)  # opens it
+    time.sleep(0.02)
+    trial = router.acquire(RouteRequest("m"))  # half-open: the one trial
+    with pytest.raises(NoCapacity):
+        router.acquire(RouteRequest("m"))
+    router.release(trial, RouteRequest("m"), None)  # full (429): no word on the replica
+    assert router.acquire(RouteRequest("m")) is replica  # the next request is the trial
+
+
 def test_router_skips_open_breakers_and_logs_decisions() -> None:
     replicas = ReplicaSet(["m"])
     members = fleet(2)

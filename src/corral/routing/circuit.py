@@ -55,6 +55,12 @@ class CircuitBreaker:
         if self._opened_at is not None and self.state is CircuitState.HALF_OPEN:
             self._trial_out = True
 
+    def on_release(self) -> None:
+        """A request ended with no word on the replica (a full engine's 429, an adapter it refused, a
+        client gone): a half-open trial it was lets the next request try instead of shutting the replica
+        out for good."""
+        self._trial_out = False
+
     def on_success(self) -> None:
         if self._opened_at is None and not self.consecutive_failures:
             return

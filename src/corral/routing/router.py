@@ -232,6 +232,8 @@ class Router:
         elif ok is False:
             replica.failures += 1
             replica.breaker.on_failure(request.tenant if answered and request.tenant else None)
+        else:
+            replica.breaker.on_release()
 
 
 _MIN_SHARED_BLOCKS = 8  # about 1,000 characters: shorter shared prefixes are cheap to compute twice
