@@ -168,6 +168,8 @@ async def test_compressed_bodies_are_read_and_bombs_refused(target: Target) -> N
         {"type": "image_url", "image_url": {"url": "file:///etc/passwd"}},
         {"type": "video_url", "video_url": {"url": "https://10.0.0.7:8265/api/jobs/"}},
         {"type": "audio_url", "audio_url": {"url": "http://localhost:6379/"}},
+        {"image_url": {"url": "http://169.254.169.254/"}},  # (no type: vLLM reads it by its key)
+        {"type": "input_image", "image_url": "http://10.0.0.1:6379/"},
     ],
 )
 async def test_media_an_engine_would_fetch_from_inside_the_cluster_is_refused(
@@ -183,7 +185,7 @@ async def test_media_an_engine_would_fetch_from_inside_the_cluster_is_refused(
     error = _openai_error(answer)
     assert status == 400 and error["param"] == "messages[0].content[1]", answer
     assert target.upstream.bodies == []  # never reached the engine
-    inline = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
+    inline = {"type": "image_url", "image_url": {"url": "DATA:image/png;base64,iVBORw0KGgo="}}
     body["messages"][0]["content"][1] = inline
     assert (await target.post(orjson.dumps(body)))[0] == 200
     (replica,) = target.replicas.of("m")

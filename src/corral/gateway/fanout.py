@@ -230,7 +230,7 @@ def _refuse_media_urls(body: ChatCompletionRequest) -> None:
             continue
         for j, part in enumerate(message.content):
             url = _media_url(part) if isinstance(part, dict) else None
-            if url is not None and not url.startswith("data:"):
+            if url is not None and not url[:5].lower() == "data:":
                 raise InvalidRequest(
                     f"The model '{body.model}' takes media as data: URLs only (base64 in the request): its "
                     "engine does not fetch URLs for clients here (models[].media_urls).",
@@ -240,13 +240,14 @@ def _refuse_media_urls(body: ChatCompletionRequest) -> None:
 
 
 def _media_url(part: dict[str, Any]) -> str | None:
-    """The URL a chat content part names for its engine to load (an image, audio or a video), if any."""
-    kind = part.get("type")
-    if kind not in _MEDIA_PARTS:
-        return None
-    field = part.get(kind)
-    url = field.get("url") if isinstance(field, dict) else field
-    return url if isinstance(url, str) else ""
+    """The URL a chat content part names for its engine to load (an image, audio or a video), if any:
+    whatever its `type` says, or without one (vLLM reads a part by the media key it holds)."""
+    for key in _MEDIA_PARTS:
+        if key in part:
+            field = part[key]
+            url = field.get("url") if isinstance(field, dict) else field
+            return url if isinstance(url, str) else ""
+    return None
 
 
 def _unavailable(
