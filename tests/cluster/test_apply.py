@@ -245,11 +245,11 @@ async def test_an_apply_whose_caller_goes_away_is_made_whole(tmp_path: Path) -> 
         for name, alpha, beta in (("a.yaml", 2, False), ("b.yaml", 1, True))
     )
     engine = SimEngineAdapter()
-    slow = [True]
+    slow = {"beta"}  # the models whose preparing takes a second (a long fetch)
 
     def prepare(model, deployment):  # type: ignore[no-untyped-def]
-        if model.name == "beta" and slow[0]:
-            time.sleep(1.0)  # (a long fetch)
+        if model.name in slow:
+            time.sleep(1.0)
         return engine, launch_plans(engine, model, deployment, Paths.from_env(), lambda *_: None)
 
     settings = SupervisorSettings(probe_interval=0.3, probe_timeout=0.5)
@@ -269,7 +269,7 @@ async def test_an_apply_whose_caller_goes_away_is_made_whole(tmp_path: Path) -> 
         await asyncio.sleep(1.2)
         assert [m.name for m in reconciler.spec.models] == ["alpha"] and not reconciler._lock.locked()
         assert not supervisor.replica_ids("beta") and len(supervisor.replica_ids("alpha")) == 2
-        slow[0] = False
+        slow.clear()
         applying = asyncio.create_task(reconciler.apply(second, grace_s=5.0))
         while not supervisor.replica_ids("beta"):  # noqa: ASYNC110 (beta started; alpha's second drains next)
             await asyncio.sleep(0.05)
@@ -281,6 +281,14 @@ async def test_an_apply_whose_caller_goes_away_is_made_whole(tmp_path: Path) -> 
         assert [m.name for m in reconciler.spec.models] == ["alpha", "beta"]
         assert len(supervisor.replica_ids("alpha")) == 1
         assert await reconciler.apply(second, grace_s=5.0) == []  # nothing left to do
+        # the gateway stopping while an apply prepares: the apply ends, nothing changed, the lock free
+        slow.add("alpha")
+        preparing = asyncio.create_task(reconciler.apply(first, grace_s=5.0))
+        await asyncio.sleep(0.3)
+        began = time.monotonic()
+        await reconciler.stop()
+        assert time.monotonic() - began < 0.5 and preparing.cancelled()
+        assert supervisor.replica_ids("beta") and not reconciler._lock.locked()
     finally:
         await reconciler.stop()
         await supervisor.stop()

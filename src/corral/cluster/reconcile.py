@@ -107,6 +107,8 @@ class Reconciler:
         self._previous: dict[str, ModelSpec] = {}  # each model's spec before its latest rollout
         self._revisions: dict[str, int] = {}  # each model's latest rollout's revision (rolled back or not)
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._preparing: set[asyncio.Task[Any]] = set()  # the callers of applies still preparing
+        self._stopping = False
 
     def start(self, prepared: list[tuple[str, EngineAdapter, list[LaunchPlan]]]) -> None:
         """Begin autoscaling the spec's autoscaled deployments; `prepared` holds each deployment's plans in
@@ -131,9 +133,11 @@ class Reconciler:
             logger.error("control loop %s ended: %r", task.get_name(), task.exception())
 
     async def stop(self) -> None:
-        for task in list(self._tasks):
+        self._stopping = True
+        tasks = [*self._preparing, *self._tasks]  # (an apply still preparing changes nothing)
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     # drains ------------------------------------------------------------------------------------------
 
@@ -160,16 +164,24 @@ class Reconciler:
         running cluster is touched, so a spec that cannot be prepared changes nothing; replicas to add
         start before any is drained; a rollout is started and runs on (`corral rollout status`). The
         gateway's host and port stay those `corral up` listens on (its flags may override the file's). A
-        caller that goes away while it prepares leaves nothing changed; once it changes the cluster it
-        runs to its end (Ctrl-C, a proxy's timeout while replicas drain): half made, the replicas would run
-        what the spec the next apply compares with does not say."""
+        caller that goes away while it prepares leaves nothing changed (as `stop` does); once it changes
+        the cluster it runs to its end (Ctrl-C, a proxy's timeout while replicas drain): half made, the
+        replicas would run what the spec the next apply compares with does not say."""
         await self._lock.acquire()
+        preparing = asyncio.current_task()
         try:
+            if preparing is not None:
+                self._preparing.add(preparing)
             prepared = await self._prepare_apply(wanted)
+            if self._stopping:
+                raise ApplyError("the gateway is stopping (nothing changed)")
         except BaseException:
             self._lock.release()
             raise
-        task = asyncio.ensure_future(self._make(prepared, grace_s))  # (it releases the lock)
+        finally:
+            self._preparing.discard(preparing)
+        task = asyncio.ensure_future(self._make(prepared, grace_s))
+        task.add_done_callback(lambda _: self._lock.release())  # (even cancelled before its first step)
         self._tasks.add(task)
         task.add_done_callback(_applied)
         task.add_done_callback(self._tasks.discard)
@@ -210,30 +222,27 @@ class Reconciler:
         )  # fmt: skip
 
     async def _make(self, prepared: _Prepared, grace_s: float) -> list[dict[str, object]]:
-        """Make the prepared changes (holding the lock `apply` took, released here)."""
-        try:
-            wanted, changes, models, before = prepared[:4]
-            if changes and changes[0].action == "cluster_settings":
-                self._on_cluster(wanted)  # queue bounds, rate limits, the default routing policy
-            await self._add(prepared.additions, models)
-            for change, groups in prepared.settings:
-                await self._on_model(models[change.model])
-                self._rescale(models[change.model], groups)
-            for change, units in prepared.rollouts:
-                await self._start_rollout(before[change.model], models[change.model], units, grace_s)
-            removals = [c for c in changes if c.action in ("remove_model", "scale_down")]
-            await asyncio.gather(*(self._remove(c, grace_s) for c in removals))
-            changed = {c.model for c in changes}
-            current = {m.name: m for m in self.spec.models}  # unchanged models keep their spec as it runs
-            kept = [m if m.name in changed else current.get(m.name, m) for m in wanted.models]
-            self.spec = wanted.model_copy(update={"models": kept})
-            for change in changes:
-                message = change.said()
-                logger.info("apply: %s %s", change.model, message)
-                self._replicas.record("apply", change.model, message)
-            return [c.as_dict() for c in changes]
-        finally:
-            self._lock.release()
+        """Make the prepared changes (holding the lock `apply` took, released as this task ends)."""
+        wanted, changes, models, before = prepared[:4]
+        if changes and changes[0].action == "cluster_settings":
+            self._on_cluster(wanted)  # queue bounds, rate limits, the default routing policy
+        await self._add(prepared.additions, models)
+        for change, groups in prepared.settings:
+            await self._on_model(models[change.model])
+            self._rescale(models[change.model], groups)
+        for change, units in prepared.rollouts:
+            await self._start_rollout(before[change.model], models[change.model], units, grace_s)
+        removals = [c for c in changes if c.action in ("remove_model", "scale_down")]
+        await asyncio.gather(*(self._remove(c, grace_s) for c in removals))
+        changed = {c.model for c in changes}
+        current = {m.name: m for m in self.spec.models}  # unchanged models keep their spec as it runs
+        kept = [m if m.name in changed else current.get(m.name, m) for m in wanted.models]
+        self.spec = wanted.model_copy(update={"models": kept})
+        for change in changes:
+            message = change.said()
+            logger.info("apply: %s %s", change.model, message)
+            self._replicas.record("apply", change.model, message)
+        return [c.as_dict() for c in changes]
 
     async def _check_adapters(self, old: ModelSpec, new: ModelSpec) -> None:
         """Fetch the model's adapters (as its engines would: a rank over the limit is refused), and have each
