@@ -59,6 +59,10 @@ def test_a_gguf_s_vllm_conversion_is_its_own_not_another_s_of_the_same_name(tmp_
     assert [(t / "converted-from").read_text().strip() for t in targets] == [
         str(tmp_path / f / "model.gguf") for f in ("a", "b")
     ]
+    copy = tmp_path / "c" / "model.gguf"  # the same bytes elsewhere (a copy, a touch): converted once
+    copy.parent.mkdir()
+    copy.write_bytes(b"GGUFa")
+    assert hf_folder_from_gguf(copy, python, Paths(tmp_path)) == targets[0]
 
 
 def test_member_is_found_by_name_inside_a_wheel(tmp_path: Path) -> None:

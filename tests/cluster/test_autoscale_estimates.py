@@ -197,3 +197,9 @@ def test_the_replacement_backoff_ends_when_a_replacement_serves() -> None:
     members = [healthy, replica("alpha-2", ReplicaState.READY)]
     scaler._live(state)
     assert state.replace_wait == 0.0
+    members = [healthy, replica("alpha-3", ReplicaState.FAILED)]
+    scaler._live(state)
+    assert state.replace_wait == 30.0
+    members, state.failed_at = [healthy], state.failed_at - 3600  # an hour with no failure, no replacement
+    scaler._live(state)
+    assert state.replace_wait == 0.0

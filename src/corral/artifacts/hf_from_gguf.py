@@ -23,13 +23,11 @@ _SCRIPT = Path(__file__).with_name("gguf_to_hf.py")
 def hf_folder_from_gguf(
     gguf: Path, python: Path, paths: Paths, dtype: str = "float32", progress: Progress = lambda _: None
 ) -> Path:
-    """The converted folder for `gguf` (made once, with vLLM's interpreter `python`): named for the file
-    as it is (its path, size and modification time), so a new revision or version of a file with the same
-    name (a re-quantised GGUF, a package bumped, a file replaced in place) is converted again, not served
-    as the old one's weights."""
-    found = gguf.resolve().stat()
-    seen = f"{gguf.resolve()}\0{found.st_size}\0{found.st_mtime_ns}".encode()
-    target = paths.models / "hf-from-gguf" / f"{gguf.stem}-{dtype}-{hashlib.sha256(seen).hexdigest()[:12]}"
+    """The converted folder for `gguf` (made once, with vLLM's interpreter `python`): named for the file's
+    content (its size, its first and last bytes: the header and the last tensors), so a new revision or
+    version of a file with the same name (a re-quantised GGUF, a package bumped, a file replaced in place)
+    is converted again, not served as the old one's weights, while a copy or a `touch` is not."""
+    target = paths.models / "hf-from-gguf" / f"{gguf.stem}-{dtype}-{_content_key(gguf)}"
 
     def convert() -> str:
         partial = target.with_name(target.name + ".part")
@@ -52,3 +50,16 @@ def hf_folder_from_gguf(
 
     build_once(target / ".complete", target.parent / f".{target.name}.lock", convert)
     return target
+
+
+def _content_key(gguf: Path, edge: int = 8 << 20) -> str:
+    """A short digest of a GGUF's size and its first and last `edge` bytes (reading a whole file of
+    gigabytes at every prepare would cost seconds each)."""
+    size = gguf.stat().st_size
+    digest = hashlib.sha256(str(size).encode())
+    with gguf.open("rb") as file:
+        digest.update(file.read(edge))
+        if size > 2 * edge:
+            file.seek(size - edge)
+            digest.update(file.read(edge))
+    return digest.hexdigest()[:12]

@@ -51,6 +51,7 @@ _RISE_SDS, _RISEN_SDS = 3.0, 1.0
 # A replica the supervisor gave up on (failed starts) is replaced at once the first time; while its
 # replacements fail too (a missing binary, a dead GPU) each next one waits twice as long, up to 10 minutes
 _REPLACE_WAIT_S, _REPLACE_WAIT_MAX_S = 30.0, 600.0
+_REPLACE_QUIET_S = 1800.0  # no failure this long: the next one is replaced at once again
 # Mean request lengths: the engines' token rates over the arrival rate, each a slower symmetric mean, so
 # an interval whose completions are not its arrivals (a backlog draining after a burst) does not read as
 # long requests, which sized the fleet for work that was not coming.
@@ -82,6 +83,7 @@ class _Group:
     held_until: float = 0.0  # no scale-up before (the last replacement's wait)
     replaced: set[str] = field(default_factory=set)  # failed replicas being drained to be replaced
     replacements: set[str] = field(default_factory=set)  # replicas started since one failed
+    failed_at: float = 0.0  # when a replica last failed (monotonic)
 
     @property
     def spec(self) -> AutoscaleSpec:
@@ -187,11 +189,14 @@ class Autoscaler:
             message = f"replace {replica.id}{wait}: {replica.last_error}"
             self._replicas.record("scale", state.model.name, message)
             self._drain(replica.id)
+        now = time.monotonic()
         if failed:  # its replacements back off while they fail too
-            state.held_until = time.monotonic() + state.replace_wait
+            state.held_until, state.failed_at = now + state.replace_wait, now
             state.replace_wait = min(max(2 * state.replace_wait, _REPLACE_WAIT_S), _REPLACE_WAIT_MAX_S)
-        elif any(r.ready and r.id in state.replacements for r in members):  # (a dead GPU's beside ready
-            state.replace_wait = 0.0  # ones: only a replacement that serves says the cause has passed)
+        elif any(r.ready and r.id in state.replacements for r in members) or (
+            now - state.failed_at > _REPLACE_QUIET_S
+        ):  # (a dead GPU's beside ready ones: only a replacement that serves, or quiet, says it passed)
+            state.replace_wait = 0.0
             state.replacements.clear()
         return [r for r in members if r.state is not ReplicaState.FAILED]
 

@@ -147,7 +147,7 @@ class VllmEngine:
             "--quantization": deployment.quantization,
         }
         argv += [item for flag, value in optional.items() if value is not None for item in (flag, value)]
-        argv += _revision(model)
+        argv += _revision(model, deployment)
         parser = tool_call_parser(model, deployment) if model.task != "embed" else None
         if parser is not None:
             argv += ["--enable-auto-tool-choice", "--tool-call-parser", parser]
@@ -242,10 +242,12 @@ def tool_call_parser(model: ModelSpec, deployment: DeploymentSpec) -> str | None
     return None
 
 
-def _revision(model: ModelSpec) -> list[str]:
+def _revision(model: ModelSpec, deployment: DeploymentSpec) -> list[str]:
     """A whole Hugging Face repository vLLM fetches itself, at the spec's pinned revision (its weights and
     its tokenizer): without it every replica, on every Ray node, took the branch's head of its own day."""
     source = model.source
-    if isinstance(source, HuggingFaceSource) and source.file is None and source.revision:
-        return ["--revision", source.revision, "--tokenizer-revision", source.revision]
-    return []
+    if not (isinstance(source, HuggingFaceSource) and source.file is None and source.revision):
+        return []
+    named = any(arg == "--tokenizer" or arg.startswith("--tokenizer=") for arg in deployment.engine_args)
+    # (a tokenizer of another repository, named in engine_args, has no such commit)
+    return ["--revision", source.revision] + ([] if named else ["--tokenizer-revision", source.revision])

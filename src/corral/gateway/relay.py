@@ -219,7 +219,7 @@ class Relay:
                     return answer
                 status, error = engine_error(upstream.status, answer)
                 failure = f"engine answered {upstream.status}"
-                if upstream.status == 429:  # full: another replica may take it (no blame)
+                if upstream.status == 429 and answer.find(b'"insufficient_quota"') < 0:  # full: no blame
                     ok = None
                 elif status < 500:  # the input's fault (a text too long): no retry, no blame
                     raise UpstreamError(f"{route.model} refused the input: {error.decode()[:200]}")
