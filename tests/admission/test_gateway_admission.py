@@ -607,18 +607,18 @@ async def test_one_tenants_long_prompts_are_counted_one_at_a_time(
     assert bob[0] < eves[-1][0], (bob, eves)  # bob's did not wait for eve's
 
 
-@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/responses"])
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/responses", "/v1/messages/count_tokens"])
 async def test_a_key_over_its_limits_is_refused_before_its_large_body_is_parsed(
     tmp_path: Path, upstream: ScriptedUpstream, route: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Parsing megabytes of small JSON values holds the gateway's event loop for most of a second, before
     any limit was looked at: a key over its limits could have the gateway do that as often as it sent
     bodies. A body over 256 KiB is parsed only once its key's limits allow a request."""
-    from corral.dialects import openai_responses
+    from corral.dialects import anthropic_messages, openai_responses
     from corral.gateway import intake
 
     parsed: list[int] = []
-    for module in (intake, openai_responses):
+    for module in (intake, openai_responses, anthropic_messages):
 
         def spied(kind: type, raw: bytes, real: object = module.parse_body) -> object:
             parsed.append(len(raw))
@@ -629,7 +629,7 @@ async def test_a_key_over_its_limits_is_refused_before_its_large_body_is_parsed(
     await server.start()
     key, _ = services.keys.create("mallory", rpm=1)
     padding = [[] for _ in range(120_000)]  # ~360 kB of empty lists: cheap to send, dear to parse
-    if route == "/v1/chat/completions":
+    if route != "/v1/responses":
         small = {"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}
     else:
         small = {"model": "m", "max_output_tokens": 1, "input": "hi", "store": False}

@@ -170,6 +170,7 @@ async def test_compressed_bodies_are_read_and_bombs_refused(target: Target) -> N
         {"type": "audio_url", "audio_url": {"url": "http://localhost:6379/"}},
         {"image_url": {"url": "http://169.254.169.254/"}},  # (no type: vLLM reads it by its key)
         {"type": "input_image", "image_url": "http://10.0.0.1:6379/"},
+        {"type": "video_url", "image_url": {"url": "data:x"}, "video_url": {"url": "http://10.0.0.7/"}},
     ],
 )
 async def test_media_an_engine_would_fetch_from_inside_the_cluster_is_refused(

@@ -170,10 +170,17 @@ async def test_a_full_replica_is_passed_by_without_opening_its_breaker(
         await spent.stop()
 
 
-async def test_the_gateway_s_own_calls_pass_a_busy_replica_by(upstream: ScriptedUpstream) -> None:
+@pytest.mark.parametrize("quota_spent", [False, True])
+async def test_the_gateway_s_own_calls_pass_a_busy_replica_by(
+    upstream: ScriptedUpstream, quota_spent: bool
+) -> None:
     """The semantic cache's embeddings (`Relay.call`) go to another replica when one says it is full (a
-    429 is the engine's state, not the input's fault)."""
+    429 is the engine's state, not the input's fault), or that its upstream's quota is spent (a failure of
+    the replica's, which its breaker hears of)."""
     busy = ScriptedUpstream(mode="fail429")
+    if quota_spent:
+        busy.mode = "answer"
+        busy.answer = (429, "application/json", b'{"error": {"message": "q", "code": "insufficient_quota"}}')
     await busy.start()
     replicas = ReplicaSet(["m"])
     for i, url in enumerate((busy.url, upstream.url)):
@@ -190,6 +197,8 @@ async def test_the_gateway_s_own_calls_pass_a_busy_replica_by(upstream: Scripted
                 if busy.bodies:
                     break
         assert busy.bodies
+        (refusing,) = [r for r in replicas.of("m") if r.url == busy.url]
+        assert refusing.failures == (1 if quota_spent else 0)
     finally:
         engines.close()
         await busy.stop()

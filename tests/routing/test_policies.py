@@ -284,12 +284,18 @@ def test_a_trial_that_says_nothing_of_the_replica_lets_the_next_one_try() -> Non
     replicas.add(replica)
     replica.breaker = CircuitBreaker(failures=1, cooldown=0.01)
     router = Router(replicas)
-    router.release(router.acquire(RouteRequest("m")), RouteRequest("m"), False)  # opens it
+    older, first = RouteRequest("m"), RouteRequest("m")
+    router.acquire(older)  # in flight before the breaker opened
+    router.release(router.acquire(first), first, False)  # opens it
     time.sleep(0.02)
-    trial = router.acquire(RouteRequest("m"))  # half-open: the one trial
+    trial = RouteRequest("m")
+    router.acquire(trial)  # half-open: the one trial
     with pytest.raises(NoCapacity):
         router.acquire(RouteRequest("m"))
-    router.release(trial, RouteRequest("m"), None)  # full (429): no word on the replica
+    router.release(replica, older, None)  # an older request's end says nothing of the trial
+    with pytest.raises(NoCapacity):
+        router.acquire(RouteRequest("m"))
+    router.release(replica, trial, None)  # the trial's engine was full (429): no word on the replica
     assert router.acquire(RouteRequest("m")) is replica  # the next request is the trial
 
 

@@ -24,9 +24,9 @@ def hf_folder_from_gguf(
     gguf: Path, python: Path, paths: Paths, dtype: str = "float32", progress: Progress = lambda _: None
 ) -> Path:
     """The converted folder for `gguf` (made once, with vLLM's interpreter `python`): named for the file's
-    content (its size, its first and last bytes: the header and the last tensors), so a new revision or
-    version of a file with the same name (a re-quantised GGUF, a package bumped, a file replaced in place)
-    is converted again, not served as the old one's weights, while a copy or a `touch` is not."""
+    content (its size and samples of its bytes: `_content_key`), so a new revision or version of a file
+    with the same name (a re-quantised GGUF, a package bumped, a file replaced in place) is converted
+    again, not served as the old one's weights, while a copy or a `touch` is not."""
     target = paths.models / "hf-from-gguf" / f"{gguf.stem}-{dtype}-{_content_key(gguf)}"
 
     def convert() -> str:
@@ -52,14 +52,17 @@ def hf_folder_from_gguf(
     return target
 
 
-def _content_key(gguf: Path, edge: int = 8 << 20) -> str:
-    """A short digest of a GGUF's size and its first and last `edge` bytes (reading a whole file of
-    gigabytes at every prepare would cost seconds each)."""
+def _content_key(gguf: Path, edge: int = 8 << 20, stripes: int = 64, stripe: int = 64 << 10) -> str:
+    """A short digest of a GGUF's size, its first and last `edge` bytes (the header, which a large
+    vocabulary may fill, and the last tensors) and `stripes` samples spread through the rest (the middle
+    layers: a merged adapter changes them): about 20 MiB read, where the whole file of gigabytes would cost
+    seconds at every prepare."""
     size = gguf.stat().st_size
     digest = hashlib.sha256(str(size).encode())
     with gguf.open("rb") as file:
         digest.update(file.read(edge))
-        if size > 2 * edge:
-            file.seek(size - edge)
-            digest.update(file.read(edge))
+        for at in [edge + k * max(0, size - 2 * edge) // stripes for k in range(stripes)] + [size - edge]:
+            if at >= edge:
+                file.seek(at)
+                digest.update(file.read(stripe if at < size - edge else edge))
     return digest.hexdigest()[:12]

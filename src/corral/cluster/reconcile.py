@@ -170,6 +170,8 @@ class Reconciler:
         await self._lock.acquire()
         preparing = asyncio.current_task()
         try:
+            if self._stopping:  # (an apply that waited for the lock while the gateway began to stop)
+                raise ApplyError("the gateway is stopping (nothing changed)")
             if preparing is not None:
                 self._preparing.add(preparing)
             prepared = await self._prepare_apply(wanted)

@@ -13,7 +13,6 @@ from aiohttp import web
 from corral.admission import Authenticator
 from corral.dialects import Messages, Responses, anthropic_error
 from corral.dialects.chat import json_response
-from corral.gateway.bodies import read_body
 from corral.gateway.pipeline import Pipeline
 from corral.protocol import APIError, InvalidRequest
 
@@ -23,20 +22,11 @@ logger = logging.getLogger(__name__)
 
 
 class AgentViews:
-    def __init__(
-        self,
-        auth: Authenticator,
-        pipeline: Pipeline,
-        responses: Responses | None,
-        body_timeout: float,
-        max_body_bytes: int,
-    ) -> None:
+    def __init__(self, auth: Authenticator, pipeline: Pipeline, responses: Responses | None) -> None:
         self._auth = auth
-        self._pipeline = pipeline
+        self._pipeline = pipeline  # (bodies are read by it: its bounds, a large one's key checked first)
         self._responses = responses
         self._messages = Messages()
-        self._body_timeout = body_timeout
-        self._max_body = max_body_bytes
 
     def add_routes(self, app: web.Application) -> None:
         if self._responses is not None and self._pipeline.responses is not None:
@@ -83,7 +73,7 @@ class AgentViews:
         where the spec names one, else the gateway's estimate)."""
         try:
             principal = await self._auth.authenticate(self._messages.credentials(request))
-            raw = await read_body(request, self._body_timeout, self._max_body)
+            raw = await self._pipeline.read(request, principal)  # (a large one checked before parsing)
             chat = self._messages.count_request(raw)
             tokens = await self._pipeline.count_prompt(chat, principal)  # (a long prompt: in a thread)
         except APIError as exc:

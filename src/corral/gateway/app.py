@@ -157,9 +157,7 @@ def build_app(
     app.router.add_post("/v1/chat/completions", pipeline.chat_completions)
     app.router.add_post("/v1/completions", pipeline.completions)
     app.router.add_post("/v1/embeddings", pipeline.embeddings)
-    AgentViews(parts.auth, pipeline, responses, settings.body_timeout, settings.max_body_bytes).add_routes(
-        app
-    )
+    AgentViews(parts.auth, pipeline, responses).add_routes(app)
     app.router.add_get("/health", status.health)
     app.router.add_get("/ready", status.ready)
     app.router.add_get("/v1/models", status.models)

@@ -229,8 +229,8 @@ def _refuse_media_urls(body: ChatCompletionRequest) -> None:
         if not isinstance(message.content, list):
             continue
         for j, part in enumerate(message.content):
-            url = _media_url(part) if isinstance(part, dict) else None
-            if url is not None and not url[:5].lower() == "data:":
+            urls = _media_urls(part) if isinstance(part, dict) else ()
+            if any(url[:5].lower() != "data:" for url in urls):
                 raise InvalidRequest(
                     f"The model '{body.model}' takes media as data: URLs only (base64 in the request): its "
                     "engine does not fetch URLs for clients here (models[].media_urls).",
@@ -239,15 +239,17 @@ def _refuse_media_urls(body: ChatCompletionRequest) -> None:
                 )
 
 
-def _media_url(part: dict[str, Any]) -> str | None:
-    """The URL a chat content part names for its engine to load (an image, audio or a video), if any:
-    whatever its `type` says, or without one (vLLM reads a part by the media key it holds)."""
+def _media_urls(part: dict[str, Any]) -> list[str]:
+    """The URLs a chat content part names for its engine to load (an image, audio or a video): under every
+    media key it holds, whatever its `type` says or without one (vLLM reads a part by a media key it
+    holds); one that is no string reads as ""."""
+    urls = []
     for key in _MEDIA_PARTS:
         if key in part:
             field = part[key]
             url = field.get("url") if isinstance(field, dict) else field
-            return url if isinstance(url, str) else ""
-    return None
+            urls.append(url if isinstance(url, str) else "")
+    return urls
 
 
 def _unavailable(

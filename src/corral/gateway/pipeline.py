@@ -75,7 +75,7 @@ _Parse = Callable[[web.Request, Principal], Awaitable[RequestContext]]
 _Answer = Callable[[RequestContext, Principal, web.Request], Awaitable[web.StreamResponse]]
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _T = TypeVar("_T")
-_CHECKED_BEFORE_PARSING = 256 * 1024  # a body this large: its key's limits first (`_read`)
+_CHECKED_BEFORE_PARSING = 256 * 1024  # a body this large: its key's limits first (`read`)
 Dialect = Responses | Messages
 
 
@@ -148,7 +148,7 @@ class Pipeline:
         errors are in the dialect's shape."""
         try:
             principal = await self._auth.authenticate(dialect.credentials(request))
-            raw = await self._read(request, principal)
+            raw = await self.read(request, principal)
             exchange = await dialect.open(
                 raw, principal.tenant, principal.key_id, partial(self._may_ask, principal)
             )
@@ -316,7 +316,7 @@ class Pipeline:
         kind: type[ChatCompletionRequest] | type[CompletionRequest],
     ) -> RequestContext:
         """Read and validate the body; check the model exists; prepare the upstream body and routing info."""
-        raw = await self._read(request, principal)
+        raw = await self.read(request, principal)
         session = request.headers.get("x-session-id")
         checked = partial(self._within_limits, principal, request, None)
         return await self._intake.generation(raw, request.path, kind, session, principal.tenant, checked)
@@ -357,7 +357,7 @@ class Pipeline:
 
     async def parse_embeddings(self, request: web.Request, principal: Principal) -> RequestContext:
         """An embedding request: validated, for an embedding model, sized by its inputs' tokens."""
-        raw = await self._read(request, principal)
+        raw = await self.read(request, principal)
         checked = partial(self._within_limits, principal, request, None)
         return await self._intake.embedding(raw, request.path, principal.tenant, checked)
 
@@ -382,10 +382,11 @@ class Pipeline:
                 with contextlib.suppress(LimiterUnavailable):
                     await limiter.settle(reservation, 0)
 
-    async def _read(self, request: web.Request, principal: Principal) -> bytes:
+    async def read(self, request: web.Request, principal: Principal) -> bytes:
         """The request's body; a large one's key checked first (`_may_ask`) before it is parsed: parsing
         megabytes of small JSON values holds the event loop for most of a second, which a key over its
-        limits must not be able to have the gateway do as often as it sends."""
+        limits must not be able to have the gateway do as often as it sends (any route's body: count_tokens'
+        too)."""
         raw = await read_body(request, self._body_timeout, self._max_body)
         if len(raw) > _CHECKED_BEFORE_PARSING:
             await self._may_ask(principal)

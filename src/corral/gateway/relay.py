@@ -219,8 +219,8 @@ class Relay:
                     return answer
                 status, error = engine_error(upstream.status, answer)
                 failure = f"engine answered {upstream.status}"
-                if upstream.status == 429 and answer.find(b'"insufficient_quota"') < 0:  # full: no blame
-                    ok = None
+                if upstream.status == 429:  # full (no blame), or its upstream's quota spent (its failure)
+                    ok = None if answer.find(b'"insufficient_quota"') < 0 else False
                 elif status < 500:  # the input's fault (a text too long): no retry, no blame
                     raise UpstreamError(f"{route.model} refused the input: {error.decode()[:200]}")
                 else:

@@ -51,14 +51,17 @@ class CircuitBreaker:
         state = self.state
         return state is CircuitState.CLOSED or (state is CircuitState.HALF_OPEN and not self._trial_out)
 
-    def on_dispatch(self) -> None:
+    def on_dispatch(self) -> bool:
+        """A request goes to the replica; whether it is the half-open breaker's one trial."""
         if self._opened_at is not None and self.state is CircuitState.HALF_OPEN:
             self._trial_out = True
+            return True
+        return False
 
     def on_release(self) -> None:
-        """A request ended with no word on the replica (a full engine's 429, an adapter it refused, a
-        client gone): a half-open trial it was lets the next request try instead of shutting the replica
-        out for good."""
+        """The half-open trial ended with no word on the replica (a full engine's 429, an adapter it
+        refused, a client gone): the next request tries instead, rather than the replica shut out for
+        good."""
         self._trial_out = False
 
     def on_success(self) -> None:

@@ -152,6 +152,7 @@ class RouteRequest:
     adapter: Adapter | None = None  # the LoRA adapter that answers it (`model` is then its base)
     load_adapter: bool = False  # the chosen replica must load the adapter first (set by the router)
     residence: Residence | None = None  # the adapter on the chosen replica, counted in flight (router)
+    trial: bool = False  # it is its replica's half-open breaker's one trial (router)
     _hashes: tuple[int, ...] | None = field(default=None, repr=False)
 
     @property

@@ -150,7 +150,7 @@ class Router:
             request.residence, request.load_adapter, unload = self.adapters.use(replica, adapter)
             for residence in unload:
                 self.on_unload(replica, residence)
-        replica.breaker.on_dispatch()
+        request.trial = replica.breaker.on_dispatch()
         capacity = replica.capacity
         request.held = min(request.sequences, capacity) if capacity else request.sequences
         replica.outstanding += request.held
@@ -232,8 +232,9 @@ class Router:
         elif ok is False:
             replica.failures += 1
             replica.breaker.on_failure(request.tenant if answered and request.tenant else None)
-        else:
+        elif request.trial:  # (only its own: an older request's end says nothing of the trial's)
             replica.breaker.on_release()
+        request.trial = False
 
 
 _MIN_SHARED_BLOCKS = 8  # about 1,000 characters: shorter shared prefixes are cheap to compute twice
