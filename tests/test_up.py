@@ -234,6 +234,10 @@ def test_what_cannot_be_made_up_for_is_a_400_naming_the_field(client: openai.Ope
             {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}, image]}]},
             "messages[0].content[1]",
         ),
+        (  # a part with no type, read by its key (as vLLM reads one)
+            {"messages": [{"role": "user", "content": [{"image_url": image["image_url"]}]}]},
+            "messages[0].content[0]",
+        ),
         ({"messages": MESSAGES, "n": 2, "stream": True}, "n"),
     ]
     for body, param in cases:

@@ -212,8 +212,8 @@ def _refuse_images(body: ChatCompletionRequest) -> None:
         if not isinstance(message.content, list):
             continue
         for j, part in enumerate(message.content):
-            if isinstance(part, dict) and part.get("type") in _IMAGE_PARTS:
-                raise InvalidRequest(
+            if isinstance(part, dict) and (part.get("type") in _IMAGE_PARTS or "image_url" in part):
+                raise InvalidRequest(  # (a part with no type is read by its key, as vLLM does)
                     f"The model '{body.model}' does not accept images: its engine runs without a vision "
                     "projector. Send text only, or use a model served with one.",
                     param=f"messages[{i}].content[{j}]",
