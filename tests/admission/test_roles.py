@@ -250,10 +250,49 @@ async def test_a_tenant_admin_cannot_take_keys_above_itself(closed: Cluster) -> 
     ):
         status, _ = await call(closed, "POST", "/admin/keys", boss["key"], {**base, **beyond})
         assert status == 403, beyond
-    assert (await call(closed, "POST", "/admin/keys", boss["key"], base))[0] == 201
+    child = await call(closed, "POST", "/admin/keys", boss["key"], base)
+    assert child[0] == 201
+    # a key that ends with its tenant-admin's own (or before it) is its to change and rotate, itself too
+    assert (await call(closed, "POST", f"/admin/keys/{child[1]['id']}/rotate", boss["key"]))[0] == 200
+    assert (await call(closed, "PATCH", f"/admin/keys/{boss['id']}", boss["key"], {"rpm": 90}))[0] == 200
+    rotated = await call(closed, "POST", f"/admin/keys/{boss['id']}/rotate?grace=60", boss["key"])
+    assert rotated[0] == 200 and rotated[1]["expires_at"] == boss["expires_at"]
     trail = (await call(closed, "GET", "/admin/audit?action=key.create&limit=8", ADMIN))[1]["entries"]
     assert any(e["status"] == 403 and e["detail"]["asked"].get("priority") == "high" for e in trail)
     assert (await call(closed, "HEAD", "/admin/keys", boss["key"]))[0] == 200  # (HEAD: as GET, no 500)
+
+
+async def test_a_revoked_tenant_admin_makes_no_key_while_gateways_still_cache_it(closed: Cluster) -> None:
+    """A tenant-admin's key changes are checked against its key as stored now: revoked a moment ago (its
+    lookup still cached, `auth.cache_ttl`), it makes no key that would outlive the revocation; cut back,
+    it makes none with what it had."""
+    boss = await key(closed, role="tenant-admin", rpm=100)
+    base = {"tenant": "acme", "rpm": 50}
+    assert (await call(closed, "POST", "/admin/keys", boss["key"], base))[0] == 201  # (its lookup cached)
+    assert (await closed.admin("PATCH", f"/admin/keys/{boss['id']}", {"rpm": 10}))[0] == 200
+    assert (await call(closed, "POST", "/admin/keys", boss["key"], base))[0] == 403
+    assert (await closed.admin("DELETE", f"/admin/keys/{boss['id']}"))[0] == 200
+    assert (await call(closed, "POST", "/admin/keys", boss["key"], {**base, "rpm": 5}))[0] == 401
+    assert (await call(closed, "POST", "/admin/keys", ADMIN, {**base, "name": "x" * 129}))[0] == 400
+
+
+async def test_a_tenant_admin_sees_the_usage_of_keys_above_it_as_one_row(closed: Cluster) -> None:
+    """Usage by key: a key above the tenant-admin in its tenant (an operator's) is not named (its key
+    is a 404 to it), its counts are in one row with no key; its own tenant's user keys by name."""
+    boss = await key(closed, role="tenant-admin")
+    user = await key(closed, name="worker")
+    chief = await key(closed, role="operator", name="ops-bot")
+    await asked(closed, user["key"])
+    await asked(closed, chief["key"])
+    await asked(closed, chief["key"])
+    await asyncio.sleep(1.2)  # (usage is written every flush interval)
+    rows = (await call(closed, "GET", "/admin/usage?by=key", boss["key"]))[1]["rows"]
+    assert chief["id"] not in json.dumps(rows) and "ops-bot" not in json.dumps(rows)
+    named = {r["key"]: r for r in rows}
+    assert named[user["id"]]["name"] == "worker" and named[user["id"]]["requests"] == 1
+    assert named[None]["requests"] == 2 and named[None]["name"] is None
+    everyone = (await call(closed, "GET", "/admin/usage?by=key", ADMIN))[1]["rows"]
+    assert any(r["key"] == chief["id"] and r["requests"] == 2 for r in everyone)
 
 
 async def test_a_key_looping_on_a_refused_route_cannot_flood_the_audit_trail(closed: Cluster) -> None:

@@ -9,7 +9,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
-from sqlalchemy import Engine, event, text
+from sqlalchemy import Engine, create_engine, event, text
+from sqlalchemy.exc import DBAPIError
 
 from corral.store import KeyStore, UsageRecord, UsageStore, hash_key, open_database
 
@@ -82,6 +83,27 @@ def test_usage_is_reported_by_key_model_and_day(engine: Engine) -> None:
     assert any(r["day"] == now.date().isoformat() for r in usage.report("day"))
     with pytest.raises(ValueError, match="group by one of"):
         usage.report("colour")
+
+
+def test_usage_by_day_is_the_utc_day_whatever_zone_the_server_counts_in() -> None:
+    """A request at 23:30 UTC on 30 November is November's, as budgets count months, on a PostgreSQL
+    database whose sessions count in Tokyo's time by default (as a server set up in its host's zone)."""
+    admin = create_engine(POSTGRES, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        if conn.execute(text("SELECT 1 FROM pg_database WHERE datname = 'corral_tokyo'")).first() is None:
+            try:
+                conn.execute(text("CREATE DATABASE corral_tokyo"))
+            except DBAPIError:  # (made meanwhile by another test worker)
+                pass
+        conn.execute(text("ALTER DATABASE corral_tokyo SET timezone = 'Asia/Tokyo'"))
+    admin.dispose()
+    db = open_database(POSTGRES.rsplit("/", 1)[0] + "/corral_tokyo")
+    usage = UsageStore(db)
+    tenant = f"tz-{uuid.uuid4().hex[:8]}"
+    late = datetime(2026, 11, 30, 23, 30, tzinfo=UTC)
+    usage.write([UsageRecord(late, "k", tenant, "m", 1, 1, None, 1.0, 200, "r")])
+    assert [r["day"] for r in usage.report("day", tenant=tenant)] == ["2026-11-30"]
+    db.dispose()
 
 
 def test_a_large_batch_reads_back_row_for_row(engine: Engine) -> None:

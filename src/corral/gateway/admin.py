@@ -12,20 +12,29 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from datetime import datetime
 from typing import Any
 
 from aiohttp import web
 from pydantic import ValidationError
 
-from corral.admission import Authenticator
+from corral.admission import Authenticator, Principal
 from corral.cache import ExactCache, StoreUnavailable
 from corral.config import parse_spec
 from corral.gateway.access import ROUTES, Access, Actor, bearer_is
 from corral.gateway.bodies import read_body
 from corral.gateway.clients import REQUEST_ID, ClientAddresses
 from corral.gateway.parts import AdminAccess, ReplicaControl
-from corral.protocol import APIError, InvalidRequest, NoCapacity, NotFound, NotSupported, PermissionDenied
+from corral.protocol import (
+    APIError,
+    InvalidRequest,
+    NoCapacity,
+    NotFound,
+    NotSupported,
+    PermissionDenied,
+    Unauthorized,
+)
 from corral.routing import PrefixAffinity, Router
 from corral.store import (
     PRIORITIES,
@@ -121,8 +130,22 @@ class AdminViews:
                 (method, resource.canonical if resource is not None else ""), "admin:only"
             )
         actor = await self.access.require(request, permission)
+        if permission == "keys:write" and actor.scoped:
+            actor = await self._as_stored(actor)
         request[_ACTOR] = actor
         return actor
+
+    async def _as_stored(self, actor: Actor) -> Actor:
+        """A tenant-admin's key as the store holds it now, not as this gateway cached it (`auth.cache_ttl`):
+        a key revoked or cut back a moment ago makes, rotates and raises no key with what it had (a key it
+        made would outlive its revocation). A signed-in tenant-admin's token is its own record."""
+        principal = actor.principal
+        if principal is None or principal.subject is not None or principal.key_id is None:
+            return actor
+        record = await asyncio.to_thread(self._keys.get, principal.key_id)
+        if record is None or not record.active:
+            raise Unauthorized("Incorrect or revoked API key.")
+        return replace(actor, principal=Principal.of(record))
 
     def _audited(self, action: str, handler: _Handler) -> _Handler:
         """`handler`, with one audit record per request that named someone: what it did, to what, and
@@ -316,6 +339,9 @@ class AdminViews:
             rows = await asyncio.to_thread(self._usage.report, by, None, None, scope)
         except ValueError as exc:
             raise InvalidRequest(str(exc), param="by") from exc
+        if scope is not None and by == "key":  # the keys above a tenant-admin are not its to see (404)
+            seen = await asyncio.to_thread(self._keys.list, True, scope)
+            rows = _others_merged(rows, {k.id for k in seen if k.role in _TENANT_ROLES})
         return web.json_response({"by": by, "rows": rows})
 
     async def audit_trail(self, request: web.Request) -> web.Response:
@@ -513,20 +539,35 @@ def _validated(model: type[NewKey] | type[KeyUpdate], body: bytes) -> NewKey | K
         raise InvalidRequest(f"Invalid value for '{param}': {err['msg']}.", param=param) from exc
 
 
+def _others_merged(rows: list[dict[str, Any]], seen: set[str]) -> list[dict[str, Any]]:
+    """Usage by key with the rows of keys not in `seen` told as one row with no key or name (the
+    tenant's totals stay whole; which keys they were, and how many, is not said)."""
+    kept = [row for row in rows if row["key"] in seen]
+    others = [row for row in rows if row["key"] not in seen]
+    if not others:
+        return kept
+    requests = sum(row["requests"] for row in others)
+    merged: dict[str, Any] = {"key": None, "tenant": others[0]["tenant"], "name": None}
+    for name in ("requests", "input_tokens", "output_tokens", "errors", "refused"):
+        merged[name] = sum(row[name] for row in others)
+    latency = sum(row["mean_latency_ms"] * row["requests"] for row in others)
+    merged["mean_latency_ms"] = round(latency / requests, 1) if requests else 0.0
+    return [*kept, merged]
+
+
 def _limits_of(record: KeyRecord) -> dict[str, Any]:
     return {name: getattr(record, name) for name in _LIMITS}
 
 
 def _fields_of(record: KeyRecord) -> dict[str, Any]:
     """A key's settings as a new key would state them (for `_within_own`)."""
-    expires = record.expires_at.timestamp() - time.time() if record.expires_at is not None else None
     return {
         **_limits_of(record),
         "models": list(record.models),
         "priority": record.priority,
         "max_files": record.max_files,
         "max_file_bytes": record.max_file_bytes,
-        "expires_in_s": expires,
+        "expires_at": record.expires_at.timestamp() if record.expires_at is not None else None,
     }
 
 
@@ -560,9 +601,24 @@ def _within_own(actor: Actor, tenant: str, role: str, wanted: dict[str, Any]) ->
                 param=name,
             )
     if own.expires_at is not None and own.subject is None:  # (no key outlives the tenant-admin's own key)
-        limits["expires_in_s"] = max(0, int(own.expires_at - time.time()))
+        _expires_by(own.expires_at, wanted)
     for name, cap in limits.items():
         if cap is not None and (wanted.get(name) is None or wanted[name] > cap):
             raise PermissionDenied(
                 f"'{name}' must be set, at most {cap}: the tenant-admin's own limit.", param=name
             )
+
+
+def _expires_by(cap: float, wanted: dict[str, Any]) -> None:
+    """The key `wanted` describes (an existing key's `expires_at`, a new key's `expires_in_s` from now)
+    ends no later than `cap` (epoch seconds), compared as times: a key that ends with its tenant-admin's
+    own passes however long ago its lifetime was counted."""
+    ends = wanted.get("expires_at")
+    if ends is None and wanted.get("expires_in_s") is not None:
+        ends = time.time() + wanted["expires_in_s"]
+    if ends is None or ends > cap + 1:  # (a second for the clock read between this check and the write)
+        left = max(0, int(cap - time.time()))
+        raise PermissionDenied(
+            f"'expires_in_s' must be set, at most {left}: no key outlives the tenant-admin's own.",
+            param="expires_in_s",
+        )

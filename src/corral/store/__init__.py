@@ -113,8 +113,12 @@ def _engine(url: str) -> Engine:
 
 
 def _connect_args(url: str) -> dict[str, object]:
-    """A store that does not answer is reported within seconds, not after the OS's TCP timeout."""
-    return {"connect_timeout": 5} if url.startswith(_POSTGRES) else {}
+    """A store that does not answer is reported within seconds, not after the OS's TCP timeout; its
+    sessions count time in UTC (usage by day and month is grouped by the UTC date, as budgets count
+    months, whatever zone the server runs in), unless the URL sets its own `options`."""
+    if not url.startswith(_POSTGRES):
+        return {}
+    return {"connect_timeout": 5} | ({} if "options=" in url else {"options": "-c timezone=UTC"})
 
 
 def _without_password(url: str) -> str:

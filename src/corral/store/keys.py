@@ -49,7 +49,7 @@ class NewKey(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     tenant: str = Field(min_length=1, max_length=128)
-    name: str = Field(default="", max_length=256)
+    name: str = Field(default="", max_length=128)  # (the column's width)
     models: list[Annotated[str, Field(min_length=1, max_length=128)]] = Field(  # (a model's name: <= 128)
         default_factory=list, max_length=1024
     )
@@ -222,8 +222,8 @@ class KeyStore:
         """A new secret for the key (shown only now); its former one is still accepted for `grace_s`
         seconds. None: no such key (or revoked)."""
         secret = new_secret()
-        with Session(self._engine) as session, session.begin():
-            row = session.get(ApiKeyRow, key_id)
+        with Session(self._engine) as session, session.begin():  # (locked: two rotations do not both win)
+            row = session.get(ApiKeyRow, key_id, with_for_update=True)
             if row is None or row.revoked_at is not None:
                 return None
             row.previous_hash, row.key_hash = row.key_hash, hash_key(secret)
@@ -235,7 +235,7 @@ class KeyStore:
         """Change a key's limits or budget: (its record, what it was before, by field). None: no such key."""
         wanted = changes.model_dump(exclude_unset=True)
         with Session(self._engine) as session, session.begin():
-            row = session.get(ApiKeyRow, key_id)
+            row = session.get(ApiKeyRow, key_id, with_for_update=True)
             if row is None:
                 return None
             before = {name: getattr(row, name) for name in wanted}
