@@ -646,3 +646,60 @@ async def test_a_key_over_its_limits_is_refused_before_its_large_body_is_parsed(
             assert parsed == []
     finally:
         await server.stop()
+
+
+async def test_a_list_of_prompts_is_charged_its_prompts_once(
+    closed: Cluster, upstream: ScriptedUpstream
+) -> None:
+    """A completion of ten prompts whose engine reports no usage is charged at its reservation: the ten
+    prompts' estimate once (the count is of all of them), not ten times."""
+    upstream.usage = "no counts"
+    _, made = await closed.admin("POST", "/admin/keys", {"tenant": "acme"})
+    body = {"model": "m", "prompt": [f"prompt {i} " + "word " * 80 for i in range(10)], "max_tokens": 4}
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(
+            closed.url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {made['key']}"}
+        ) as response,
+    ):
+        assert response.status == 200, await response.text()
+    await asyncio.sleep(0.4)  # store.flush_interval is 0.1 s in tests
+    _, report = await closed.admin("GET", "/admin/usage?by=key")
+    row = next(r for r in report["rows"] if r["key"] == made["id"])
+    size = len(json.dumps(body))
+    assert 0 < row["input_tokens"] <= size // 2, (row, size)  # (an estimate: well under a token a byte)
+
+
+async def test_a_client_gone_during_admission_holds_none_of_its_budget(closed: Cluster) -> None:
+    """A client that leaves while its rate limits are being reserved (a slow Redis round trip) after its
+    budget hold was taken leaves no hold behind: the key's next request may use all of its budget."""
+    _, made = await closed.admin(
+        "POST", "/admin/keys", {"tenant": "acme", "rpm": 1000, "monthly_token_budget": 2_000}
+    )
+    limits = closed.services.limits
+    real = limits.limiter
+
+    class Slow:
+        async def reserve(self, principal: object, tokens: int) -> None:
+            await asyncio.sleep(30)
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(real, name)
+
+    limits.limiter = Slow()  # type: ignore[assignment]
+    body = {"model": "m", "messages": MESSAGES, "max_tokens": 1_500}
+    async with aiohttp.ClientSession() as session:
+        with pytest.raises(TimeoutError):
+            async with session.post(
+                closed.url + "/v1/chat/completions",
+                json=body,
+                headers={"Authorization": f"Bearer {made['key']}"},
+                timeout=aiohttp.ClientTimeout(total=0.5),
+            ):
+                pass
+    await asyncio.sleep(0.3)  # (the gateway hears of it and cancels the handler)
+    limits.limiter = real
+    reply = await closed.client(made["key"]).chat.completions.create(
+        model="m", messages=MESSAGES, max_tokens=1_500
+    )
+    assert reply.choices[0].message.content

@@ -260,3 +260,59 @@ def key_of(principal: Principal, **limits: int | None) -> Principal:
     import dataclasses
 
     return dataclasses.replace(principal, **limits)  # type: ignore[arg-type]
+
+
+async def test_what_a_request_uses_beyond_its_reservation_counts_from_its_end(
+    limiter: MemoryLimiter | RedisLimiter,
+) -> None:
+    """A request without max_tokens reserves an estimate; what it used beyond it counts from when it
+    ended, not from its admission: a burst of under-estimated requests does not leave the window together
+    with their admissions and let the next burst in."""
+    principal = key(tpm=1000)
+    short = await limiter.reserve(principal, 300)
+    assert short is not None
+    await asyncio.sleep(0.6)
+    await limiter.settle(short, 1000)  # 700 beyond its estimate, used by now
+    await asyncio.sleep(0.5)  # its admission has left the window; what it used has not
+    with pytest.raises(RateLimited, match="tokens per minute"):
+        await limiter.reserve(principal, 400)
+    await asyncio.sleep(0.6)
+    assert await limiter.reserve(principal, 400) is not None
+
+
+async def test_a_request_of_huge_counts_breaks_no_limit_of_its_key(
+    limiter: MemoryLimiter | RedisLimiter,
+) -> None:
+    """A request whose count reads as 1e+14 in Redis's Lua (n and max_tokens at their most) left a log
+    member no script could parse: every later call of its key failed (served without limits, failing
+    open). Counts are kept whole (beyond 2**40 counted as that)."""
+    principal = key(rpm=5)
+    held = await limiter.reserve(principal, 10**14)
+    assert held is not None
+    await limiter.settle(held, 10**15)
+    await asyncio.sleep(1.1)  # (its entry leaves the window: read by the next call)
+    assert await limiter.reserve(principal, 1) is not None
+    await limiter.check(principal, 10**14)
+
+
+async def test_a_gateway_that_dies_frees_its_requests_slots_within_a_lease() -> None:
+    """Each request's concurrency slot is a lease its gateway renews while it runs: a request longer than
+    the lease keeps its slot; a gateway killed mid-request (no settle) frees it within the lease, where a
+    count in Redis stayed taken for good."""
+    prefix = f"corral-test:{uuid.uuid4().hex}"
+    dying = RedisLimiter(REDIS, window_s=60.0, prefix=prefix, lease_s=0.6)
+    other = RedisLimiter(REDIS, window_s=60.0, prefix=prefix, lease_s=0.6)
+    principal = key(max_concurrency=1)
+    try:
+        assert await dying.reserve(principal, 1) is not None
+        await asyncio.sleep(1.5)  # past two leases: renewed
+        with pytest.raises(RateLimited, match="concurrent"):
+            await other.reserve(principal, 1)
+        await dying.close()  # (killed: nothing settled)
+        await asyncio.sleep(0.7)
+        held = await other.reserve(principal, 1)
+        assert held is not None
+        await other.settle(held, 1)
+    finally:
+        await dying.close()
+        await other.close()

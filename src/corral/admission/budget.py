@@ -23,6 +23,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from functools import partial
 
 from corral.admission.auth import Principal
 from corral.protocol import NoCapacity, RateLimited
@@ -145,9 +146,13 @@ class BudgetTracker:
         self._budgets[key] = (principal.tenant, budget, month, time.monotonic())
         known = await self._month_tokens(key)
         if self._shared is not None:
+            stored = known - self._unwritten.get(key, 0)
+            sent = asyncio.ensure_future(self._shared.reserve(key, month, budget, tokens, known, stored))
             try:
-                stored = known - self._unwritten.get(key, 0)
-                ok, used, entry = await self._shared.reserve(key, month, budget, tokens, known, stored)
+                ok, used, entry = await asyncio.shield(sent)
+            except asyncio.CancelledError:  # the caller left; Redis may still grant the hold: then release it
+                sent.add_done_callback(partial(self._release_orphan, key, month))
+                raise
             except self._shared.errors as exc:
                 self._redis_down(exc)
             else:
@@ -190,6 +195,14 @@ class BudgetTracker:
             self._reserved[key] = left
         else:
             self._reserved.pop(key, None)
+
+    def _release_orphan(self, key: str, month: str, sent: asyncio.Future[tuple[bool, int, str]]) -> None:
+        if sent.cancelled() or sent.exception() is not None or not sent.result()[0]:
+            return
+        hold = BudgetHold(0, sent.result()[2], month)
+        task = asyncio.get_running_loop().create_task(self._settle_shared(key, hold, 0))
+        self._settling.add(task)
+        task.add_done_callback(self._settling.discard)
 
     async def _settle_shared(self, key: str, hold: BudgetHold, tokens: int) -> None:
         assert self._shared is not None and hold.entry is not None

@@ -191,10 +191,12 @@ class MemoryLimiter:
         now = time.monotonic()
         self._drop(w, now)  # (a reservation that left the window is counted no more)
         counted = w.live.get(reservation.entry)
-        if counted is not None:  # still in the window: its tokens become what it used
+        if (
+            counted is not None and actual_tokens < counted
+        ):  # in the window: what it did not use is given back
             w.tokens += actual_tokens - counted
             w.live[reservation.entry] = actual_tokens
-        elif actual_tokens > reservation.tokens:  # it outlasted the window: the excess counts from now
+        elif actual_tokens > reservation.tokens:  # what it used beyond its reservation counts from now
             w.extra.append((now, actual_tokens - reservation.tokens))
             w.tokens += actual_tokens - reservation.tokens
 
@@ -211,18 +213,21 @@ local window = tonumber(ARGV[1])
 local rpm, tpm, maxc = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
 local tokens, id = tonumber(ARGV[5]), ARGV[6]
 local cutoff = now - window
+local function counted(m) return tonumber(string.match(m, ':(%-?%d+)$')) or 0 end
 local old = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', cutoff)
 local freed = 0
-for _, m in ipairs(old) do freed = freed + tonumber(string.match(m, ':(%-?%d+)$')) end
+for _, m in ipairs(old) do freed = freed + counted(m) end
 if #old > 0 then redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', cutoff) end
-local oldx = redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', cutoff)  -- (tokens used past the window's end)
-for _, m in ipairs(oldx) do freed = freed + tonumber(string.match(m, ':(%-?%d+)$')) end
+local oldx = redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', cutoff)  -- (tokens used beyond reservations)
+for _, m in ipairs(oldx) do freed = freed + counted(m) end
 if #oldx > 0 then redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', cutoff) end
 local sum = tonumber(redis.call('HGET', KEYS[2], 'tokens') or '0') - freed
 if sum < 0 then sum = 0 end
-redis.call('HSET', KEYS[2], 'tokens', sum)
+redis.call('HSET', KEYS[2], 'tokens', string.format('%.0f', sum))
 local count = redis.call('ZCARD', KEYS[1])
-local inflight = tonumber(redis.call('HGET', KEYS[2], 'inflight') or '0')
+-- requests in flight: each a lease its gateway renews while it runs (one that died frees its slots)
+redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now)
+local inflight = redis.call('ZCARD', KEYS[4])
 if rpm > 0 and count + 1 > rpm then
   local first = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
   return {0, 'requests', tonumber(first[2]) + window - now, count, sum}
@@ -232,7 +237,7 @@ if tpm > 0 and sum + tokens > tpm then
   local entries = redis.call('ZRANGE', KEYS[1], 0, 255, 'WITHSCORES')  -- (the oldest: a bounded walk)
   local need, acc = sum + tokens - tpm, 0
   for i = 1, #entries, 2 do
-    acc = acc + tonumber(string.match(entries[i], ':(%-?%d+)$'))
+    acc = acc + counted(entries[i])
     if acc >= need then return {0, 'tokens', tonumber(entries[i + 1]) + window - now, count, sum} end
   end
   return {0, 'tokens', window, count, sum}
@@ -250,9 +255,11 @@ return {1, 'ok', 0, count, sum}
 )  # (both keys' lives renewed together: a sum must not outlive the log it sums)
 _RESERVE = (
     _CHECKS
-    + """if rpm > 0 or tokens > 0 then redis.call('ZADD', KEYS[1], now, id .. ':' .. tokens) end
-redis.call('HINCRBY', KEYS[2], 'tokens', tokens)
-redis.call('HINCRBY', KEYS[2], 'inflight', 1)
+    + """if rpm > 0 or tokens > 0 then redis.call('ZADD', KEYS[1], now, id .. ':' .. ARGV[5]) end
+redis.call('HINCRBY', KEYS[2], 'tokens', ARGV[5])
+local lease = tonumber(ARGV[7])
+redis.call('ZADD', KEYS[4], now + lease, id)
+redis.call('PEXPIRE', KEYS[4], lease * 2)
 redis.call('PEXPIRE', KEYS[1], window * 10)
 redis.call('PEXPIRE', KEYS[2], window * 10)
 redis.call('PEXPIRE', KEYS[3], window * 10)
@@ -265,32 +272,44 @@ return {1, 'ok', reset, count + 1, sum + tokens}
 
 _SETTLE = """
 local member = ARGV[1] .. ':' .. ARGV[2]
-local score = redis.call('ZSCORE', KEYS[1], member)
-if tonumber(redis.call('HGET', KEYS[2], 'inflight') or '0') > 0 then
-  redis.call('HINCRBY', KEYS[2], 'inflight', -1)  -- (never below 0: the hash may have expired meanwhile)
-end
-local excess = tonumber(ARGV[3]) - tonumber(ARGV[2])
+redis.call('ZREM', KEYS[4], ARGV[1])  -- (its slot: the lease ends)
+local reserved, window = tonumber(ARGV[2]), tonumber(ARGV[4])
+local excess = tonumber(ARGV[3]) - reserved
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-if score and tonumber(score) > now - tonumber(ARGV[4]) then  -- in the window: it counts what it used
-  redis.call('ZREM', KEYS[1], member)
-  redis.call('ZADD', KEYS[1], score, ARGV[1] .. ':' .. ARGV[3])
-  redis.call('HINCRBY', KEYS[2], 'tokens', excess)
-else  -- it outlasted the window: its reservation leaves, what it used beyond it counts from now
-  if score then
+local score = redis.call('ZSCORE', KEYS[1], member)
+if score and tonumber(score) > now - window then
+  if excess < 0 then  -- in the window: what it did not use is given back
     redis.call('ZREM', KEYS[1], member)
-    redis.call('HINCRBY', KEYS[2], 'tokens', -tonumber(ARGV[2]))
+    redis.call('ZADD', KEYS[1], score, ARGV[1] .. ':' .. ARGV[3])
+    redis.call('HINCRBY', KEYS[2], 'tokens', ARGV[5])
   end
-  if excess > 0 then  -- (apart from the log: tokens, not another request)
-    redis.call('ZADD', KEYS[3], now, ARGV[1] .. ':x:' .. excess)
-    redis.call('HINCRBY', KEYS[2], 'tokens', excess)
-  end
+elseif score then  -- it outlasted the window: its reservation leaves
+  redis.call('ZREM', KEYS[1], member)
+  redis.call('HINCRBY', KEYS[2], 'tokens', -reserved)
 end
-redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[4]) * 10)
-redis.call('PEXPIRE', KEYS[2], tonumber(ARGV[4]) * 10)
-redis.call('PEXPIRE', KEYS[3], tonumber(ARGV[4]) * 10)
+if excess > 0 then  -- what it used beyond its reservation counts from now (tokens, not another request)
+  redis.call('ZADD', KEYS[3], now, ARGV[1] .. ':x:' .. ARGV[5])
+  redis.call('HINCRBY', KEYS[2], 'tokens', ARGV[5])
+end
+redis.call('PEXPIRE', KEYS[1], window * 10)
+redis.call('PEXPIRE', KEYS[2], window * 10)
+redis.call('PEXPIRE', KEYS[3], window * 10)
 return 1
 """
+
+_RENEW = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local lease = tonumber(ARGV[1])
+for i = 2, #ARGV do redis.call('ZADD', KEYS[1], now + lease, ARGV[i]) end
+redis.call('PEXPIRE', KEYS[1], lease * 2)
+return 1
+"""
+# A request's concurrency slot is a lease in Redis that its gateway renews every third of it while the
+# request runs: a gateway that dies (or loses Redis for longer) frees its requests' slots within a lease.
+_LEASE_S = 60.0
+_MAX_TOKENS = 2**40  # counts beyond any window's (a crafted request's 10**14 is counted as this)
 
 
 class RedisLimiter:
@@ -302,7 +321,12 @@ class RedisLimiter:
     per command, not Redis, was what a keyed request spent most on."""
 
     def __init__(
-        self, url: str, window_s: float = 60.0, prefix: str = "corral:rl", timeout: float = 0.5
+        self,
+        url: str,
+        window_s: float = 60.0,
+        prefix: str = "corral:rl",
+        timeout: float = 0.5,
+        lease_s: float = _LEASE_S,
     ) -> None:
         import redis.asyncio as aioredis  # optional dependency, only with the redis backend
         from redis.exceptions import NoScriptError, RedisError
@@ -312,11 +336,14 @@ class RedisLimiter:
         self._redis = aioredis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
         self._scripts = {name: self._redis.register_script(body) for name, body in _SCRIPTS.items()}
         self._window_ms = math.ceil(window_s * 1000)
+        self._lease_ms = math.ceil(lease_s * 1000)
         self._prefix = prefix
         self._ids = itertools.count()
         self._instance = f"{os.getpid():x}.{time.time_ns():x}"  # one per gateway process
         self._waiting: list[_Call] = []
         self._sender: asyncio.Task[None] | None = None
+        self._live: dict[str, set[str]] = {}  # key id → its requests in flight here (their leases renewed)
+        self._renewer: asyncio.Task[None] | None = None
         self._closed = False
 
     def _keys(self, key_id: str) -> list[str]:
@@ -324,6 +351,7 @@ class RedisLimiter:
             f"{self._prefix}:{key_id}:log",
             f"{self._prefix}:{key_id}:sums",
             f"{self._prefix}:{key_id}:extra",
+            f"{self._prefix}:{key_id}:inflight",
         ]
 
     async def reserve(self, principal: Principal, tokens: int) -> Reservation | None:
@@ -331,6 +359,7 @@ class RedisLimiter:
             return None
         assert principal.key_id is not None
         entry = f"{self._instance}.{next(self._ids)}"
+        tokens = min(tokens, _MAX_TOKENS)
         args: list[int | str] = [
             self._window_ms,
             principal.rpm or 0,
@@ -338,6 +367,7 @@ class RedisLimiter:
             principal.max_concurrency or 0,
             tokens,
             entry,
+            self._lease_ms,
         ]
         reservation = Reservation(principal.key_id, entry, tokens)
         sent = self._send("reserve", self._keys(principal.key_id), args)
@@ -349,6 +379,9 @@ class RedisLimiter:
         if not ok:
             what = what.decode() if isinstance(what, bytes) else what
             raise _refusal(principal, what, int(retry_ms) / 1000, int(count), int(held))
+        self._live.setdefault(principal.key_id, set()).add(entry)
+        if self._renewer is None and not self._closed:
+            self._renewer = asyncio.create_task(self._renew(), name="redis-limits-leases")
         reservation.headers.update(_granted(principal, int(count), int(held), int(retry_ms) / 1000))
         return reservation
 
@@ -357,22 +390,40 @@ class RedisLimiter:
             return
         assert principal.key_id is not None
         limits = [principal.rpm or 0, principal.tpm or 0, principal.max_concurrency or 0]
-        args: list[int | str] = [self._window_ms, *limits, tokens, ""]
+        args: list[int | str] = [self._window_ms, *limits, min(tokens, _MAX_TOKENS), ""]
         ok, what, retry_ms, count, held = await self._send("check", self._keys(principal.key_id), args)
         if not ok:
             what = what.decode() if isinstance(what, bytes) else what
             raise _refusal(principal, what, int(retry_ms) / 1000, int(count), int(held))
 
     async def settle(self, reservation: Reservation, actual_tokens: int) -> None:
-        args: list[int | str] = [reservation.entry, reservation.tokens, actual_tokens, self._window_ms]
-        await self._send("settle", self._keys(reservation.key_id), args)
+        live = self._live.get(reservation.key_id)
+        if live is not None:
+            live.discard(reservation.entry)
+            if not live:
+                del self._live[reservation.key_id]
+        await self._send(
+            "settle", self._keys(reservation.key_id), _settling(reservation, actual_tokens, self._window_ms)
+        )
+
+    async def _renew(self) -> None:
+        """Renew the leases of the requests in flight here, every third of a lease, while any are."""
+        while self._live and not self._closed:
+            await asyncio.sleep(self._lease_ms / 3000)
+            renewals = [
+                self._send("renew", [self._keys(key_id)[3]], [self._lease_ms, *entries])
+                for key_id, entries in self._live.items()
+            ]
+            await asyncio.gather(*renewals, return_exceptions=True)  # (Redis away: renewed next time)
+        self._renewer = None
 
     def _release_orphan(self, reservation: Reservation, sent: asyncio.Future[Any]) -> None:
         if self._closed:
             return
         if not sent.cancelled() and sent.exception() is None and sent.result()[0]:
-            args: list[int | str] = [reservation.entry, reservation.tokens, 0, self._window_ms]
-            released = self._send("settle", self._keys(reservation.key_id), args)
+            released = self._send(
+                "settle", self._keys(reservation.key_id), _settling(reservation, 0, self._window_ms)
+            )
             released.add_done_callback(lambda done: done.cancelled() or done.exception())
 
     def _send(self, script: str, keys: list[str], args: list[int | str]) -> asyncio.Future[Any]:
@@ -437,13 +488,21 @@ class RedisLimiter:
 
     async def close(self) -> None:
         self._closed = True
+        if self._renewer is not None:
+            self._renewer.cancel()
         if self._sender is not None:
             await asyncio.wait([self._sender])  # (not cancelled with close: its callers are answered)
         await self._redis.aclose()
 
 
-_SCRIPTS = {"check": _CHECK, "reserve": _RESERVE, "settle": _SETTLE}
+_SCRIPTS = {"check": _CHECK, "reserve": _RESERVE, "settle": _SETTLE, "renew": _RENEW}
 _Call = tuple[str, list[str], list[int | str], "asyncio.Future[Any]"]
+
+
+def _settling(reservation: Reservation, actual_tokens: int, window_ms: int) -> list[int | str]:
+    """The settle script's arguments: the entry, its reserved and used tokens, the window, the difference."""
+    used = min(actual_tokens, _MAX_TOKENS)
+    return [reservation.entry, reservation.tokens, used, window_ms, used - reservation.tokens]
 
 
 def _unavailable(exc: BaseException) -> LimiterUnavailable:

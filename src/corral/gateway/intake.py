@@ -201,13 +201,14 @@ class Intake:
             body.max_completion_tokens if isinstance(body, ChatCompletionRequest) else None
         ) or body.max_tokens
         max_tokens = asked or _DEFAULT_OUTPUT_ESTIMATE
-        self._check_context(body, base, asked, input_tokens if draft.counter is not None else None)
         prompts = len(body.prompts) if isinstance(body, CompletionRequest) else 1
+        each = -(-input_tokens // prompts)  # a prompt's share (`input_tokens` counts the whole list)
+        self._check_context(body, base, asked, each if draft.counter is not None else None)
         route = RouteRequest(
             model=base,
             tokens=input_tokens + max_tokens * body.n * prompts,
             session=draft.session or body.user,
-            prompt_tokens=input_tokens * prompts,
+            prompt_tokens=input_tokens,
             sequences=body.n * prompts,
             adapter=adapter,
         )
@@ -218,7 +219,7 @@ class Intake:
             elif self._adapters.has_adapters(base):  # (a base prompt cannot pass for an adapter's)
                 route.prompt = "lora:\n" + route.prompt
         context = self._replicas.context_length(base)
-        may_generate = max(0, context - input_tokens) if asked is None and context else None
+        may_generate = max(0, context - each) if asked is None and context else None
         return RequestContext(
             path=draft.path,
             body=body,

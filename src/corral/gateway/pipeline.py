@@ -418,14 +418,14 @@ class Pipeline:
                             raise _adapters_refusal(exc, adapter) from None
                         raise
                 return reservation
-            except APIError:
-                self._budget.settle(principal, 0, ctx.budgeted)  # refused: nothing ran
-                raise
             except LimiterUnavailable as exc:
                 if not self._limits.fail_open:
                     self._budget.settle(principal, 0, ctx.budgeted)
                 self._without_limits(principal, exc)
                 return None
+            except BaseException:  # refused, or the client gone (cancelled) meanwhile: nothing ran
+                self._budget.settle(principal, 0, ctx.budgeted)
+                raise
         except APIError as exc:
             self._metrics.of(ctx.model).rejected(exc.code or "rate_limited")
             self._record(ctx, principal, exc.status)
