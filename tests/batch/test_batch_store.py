@@ -376,11 +376,11 @@ def test_a_batch_finished_late_keeps_its_row_while_its_files_live(tmp_path: Path
     files that expire after the files' expiry from then: its row goes only once they are gone."""
     store = BatchStore(open_database(f"sqlite:///{tmp_path / 'b.db'}"), file_expiry=timedelta(seconds=0.5))
     body = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]})
-    new = NewBatch("acme", None, "/v1/chat/completions", "file-x", timedelta(milliseconds=10))
+    new = NewBatch("acme", None, "/v1/chat/completions", "file-x", timedelta(milliseconds=400))
     batch = store.create_batch(new)
     assert store.start(batch.id, "m", [("c0", body)])
-    (line,) = store.lease("runner", "m", 1, lease_s=30)
-    time.sleep(0.6)  # past its window and the files' expiry after it
+    (line,) = store.lease("runner", "m", 1, lease_s=30)  # (within its window: none is leased past it)
+    time.sleep(1.0)  # past its window and the files' expiry after it
     assert store.commit("runner", line, _ok())
     store.housekeeping()  # finalised now: its files last 0.5 s from now
     store.housekeeping()  # (its window and the expiry after it have passed: its files have not)

@@ -309,10 +309,11 @@ class BatchStore:
         with Session(self._engine, expire_on_commit=False) as session:
             ids = {line.batch_id for line in found}
             rows = {r.id: r for r in session.scalars(select(BatchRow).where(BatchRow.id.in_(ids))).all()}
-        leased = []
+        leased, now = [], time.time()
         for line in found:
             row = rows.get(line.batch_id)
-            if row is None or row.status != "in_progress":  # settled by housekeeping, or queued again
+            # settled by housekeeping, queued again, or past its window (housekeeping expires the line)
+            if row is None or row.status != "in_progress" or aware(row.expires_at).timestamp() <= now:
                 self.lines.release(owner, line, _NOT_YET_S, undo_attempt=True)
                 continue
             leased.append(replace(line, endpoint=row.endpoint, tenant=row.tenant, key_id=row.key_id))
@@ -369,11 +370,6 @@ class BatchStore:
         and dropping its lines); how many batches' lines were dropped. A finished batch of a store from
         before its row kept its counts has them counted from its lines first (they go)."""
         with Session(self._engine, expire_on_commit=False) as session, session.begin():
-            unfinished = set(
-                session.scalars(
-                    select(BatchRow.id).where(BatchRow.status.not_in(FINISHED), self._mine())
-                ).all()
-            )
             finished = session.execute(
                 select(BatchRow.id, BatchRow.counts).where(BatchRow.status.in_(FINISHED), self._mine())
             ).all()
@@ -381,7 +377,16 @@ class BatchStore:
             counted = self.lines.counts(session, uncounted) if uncounted else {}
             for batch_id, counts in counted.items():
                 session.execute(update(BatchRow).where(BatchRow.id == batch_id).values(counts=counts))
-        return self.lines.tidy(unfinished)
+        return self.lines.tidy(self._unfinished)
+
+    def _unfinished(self, batch_ids: list[str]) -> set[str]:
+        """Which of these batches are unfinished now (the queue keeps their lines)."""
+        with Session(self._engine) as session:
+            return set(
+                session.scalars(
+                    select(BatchRow.id).where(BatchRow.id.in_(batch_ids), BatchRow.status.not_in(FINISHED))
+                ).all()
+            )
 
     def _finish(self, batch_id: str) -> bool:
         """Finalise the batch if nothing is left to run: its files, counts and status in one transaction,

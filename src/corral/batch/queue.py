@@ -3,7 +3,7 @@ queue_sql.py, the default; Redis Streams in queue_redis.py with `batch.queue: re
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
@@ -75,4 +75,8 @@ class LineQueue(Protocol):
 
     def drop(self, batch_id: str) -> None: ...
 
-    def tidy(self, unfinished: set[str]) -> int: ...
+    def tidy(self, unfinished: Callable[[list[str]], set[str]]) -> int:
+        """Drop what the queue holds for batches finished or gone; how many batches. `unfinished(ids)`:
+        which of those batches are unfinished, read now (a snapshot read before the queue is scanned misses
+        the batches created since, whose lines are being queued)."""
+        ...

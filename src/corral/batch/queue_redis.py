@@ -10,8 +10,8 @@ that dies leaves its entries pending, and another claims them (XCLAIM) once thei
 renewing moves the deadline. A result is kept only if its runner still holds the entry (XPENDING names the
 consumer) and the line is still leased, in one Lua script with the state change and the count, so a line
 has exactly one result as in SQL. Lines retried after a backoff wait in a sorted set and go back into
-their stream when due. Per batch, hashes hold each line's state, request, result, attempts and lease
-deadline, and counts.
+their stream when due. Per batch, hashes hold each line's state, request, result, attempts, lease deadline
+and stream entry, and counts; a finalised batch's entries leave its tenant's stream with them.
 
 Durable as Redis is: run it with `appendonly yes`. A batch whose lines Redis lost (a restart without
 persistence, a flush) is noticed by the store, set back to `validating` and queued again from its input
@@ -22,9 +22,10 @@ one Redis (or a primary), not Redis Cluster.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import time
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import orjson
@@ -32,7 +33,7 @@ import redis
 from sqlalchemy.orm import Session
 
 from corral.batch.queue import LOST, RESULTS_AT_ONCE, BatchLine, LineResult, ResultRow, Stop
-from corral.store.batch_rows import gave_up, response_json
+from corral.store.batch_rows import gave_up, stored_result
 
 __all__ = ["RedisLines"]
 _GROUP = "runners"
@@ -42,7 +43,7 @@ _STOPS = {"cancel": "c", "expire": "x"}
 
 # Per-batch keys: {prefix}b:{batch}:s state, :r request ([custom_id, body]), :o result, :a attempts,
 # :u lease deadline, :n counts (completed, failed), :x the stop mark (c cancelled, x expired), :t tenant,
-# :m model (what `tidy` finds a batch by).
+# :m model (what `tidy` finds a batch by), :e each line's latest stream entry (what `drop` deletes).
 _HELPERS = """
 local p = ARGV[1]
 local function key(b, suffix) return p .. 'b:' .. b .. ':' .. suffix end
@@ -70,7 +71,7 @@ local function push(b, l)  -- a line (back) into its tenant's stream
     redis.call('XGROUP', 'CREATE', stream(t), group, '0', 'MKSTREAM')
     redis.call('SADD', tenants, t)
   end
-  redis.call('XADD', stream(t), '*', 'b', b, 'l', l)
+  redis.call('HSET', key(b, 'e'), l, redis.call('XADD', stream(t), '*', 'b', b, 'l', l))
 end
 local function drop(t, id)
   redis.call('XACK', stream(t), group, id)
@@ -150,7 +151,10 @@ while #out < limit and scanned < 2000 do
   if type(new) == 'table' and not new.err and new[1] then
     local e = new[1][2][1]
     scanned = scanned + 1
-    if take(pick, e[1], e[2][2], e[2][4]) then running[pick] = running[pick] + 1 end
+    take(pick, e[1], e[2][2], e[2][4])
+    -- an entry of a finished batch (dropped) counts as a line too: a tenant with a run of them does not
+    -- take every read of the call while the others wait
+    running[pick] = running[pick] + 1
   else
     open[pick] = false
     if redis.call('XLEN', stream(pick)) == 0 then  -- nothing queued nor held: the tenant leaves
@@ -258,7 +262,7 @@ if stop ~= '' then
   for i = 1, #states, 2 do
     local state, deadline = states[i + 1], nil
     if state == 'l' then deadline = tonumber(redis.call('HGET', key(b, 'u'), states[i]) or '0') end
-    if state == 'p' or (state == 'l' and (stop == 'x' or deadline < now)) then
+    if state == 'p' or (state == 'l' and deadline < now) then  -- lines running finish
       finish(b, states[i], stop, nil)
     end
   end
@@ -327,8 +331,8 @@ class RedisLines:
     def commit_many(self, owner: str, results: list[tuple[BatchLine, LineResult]]) -> int:
         by_model: dict[str, list[Any]] = defaultdict(list)
         for line, result in results:
-            state = "d" if 200 <= result.status_code < 300 else "f"
-            stored = response_json(result.status_code, result.body, result.request_id)
+            status, stored = stored_result(result.status_code, result.body, result.request_id)
+            state = "d" if 200 <= status < 300 else "f"
             by_model[line.model] += [line.token, line.tenant, line.batch_id, line.line, state, stored]
         return sum(int(self._call(self._commit, model, [owner, *args])) for model, args in by_model.items())
 
@@ -389,18 +393,44 @@ class RedisLines:
         return counts
 
     def drop(self, batch_id: str) -> None:
-        """A finalised batch's lines (its results are in its files, its counts in its row)."""
-        self._redis.delete(*(self._key(batch_id, suffix) for suffix in "sroaunxmt"))
+        """A finalised batch's lines (its results are in its files, its counts in its row), and what its
+        tenant's stream, lease set and backoff set still hold of them (a cancelled or expired batch's pending
+        lines: left there, each was read and skipped ahead of the tenant's other lines, and kept in Redis
+        while no batch of the model ran)."""
+        model, tenant = self._redis.mget(self._key(batch_id, "m"), self._key(batch_id, "t"))
+        if isinstance(model, bytes) and isinstance(tenant, bytes):
+            self._drop_entries(batch_id, model.decode(), tenant.decode())
+        self._redis.delete(*(self._key(batch_id, suffix) for suffix in "sroaunxmte"))
 
-    def tidy(self, unfinished: set[str], idle_ms: int = 3_600_000) -> int:
-        """Drop the keys of batches that are finished (a gateway died between finalising and dropping)
-        and the consumers of runners gone for an hour with nothing pending. How many batches."""
+    def _drop_entries(self, batch_id: str, model: str, tenant: str) -> None:
+        stream = f"{self._prefix}q:{model}:{tenant}"
+        leases, delayed = f"{self._prefix}leases:{model}:{tenant}", f"{self._prefix}d:{model}"
+        entries = self._redis.hscan_iter(self._key(batch_id, "e"), count=_CHUNK)
+        while chunk := list(itertools.islice(entries, _CHUNK)):
+            ids = [entry for _, entry in chunk]
+            with self._redis.pipeline(transaction=False) as pipe:
+                pipe.xack(stream, _GROUP, *ids)
+                pipe.xdel(stream, *ids)
+                pipe.zrem(leases, *ids)
+                pipe.zrem(delayed, *(f"{batch_id}|{int(line)}" for line, _ in chunk))
+                pipe.execute(raise_on_error=False)  # (the stream may be gone: its tenant left the queue)
+
+    def tidy(self, unfinished: Callable[[list[str]], set[str]], idle_ms: int = 3_600_000) -> int:
+        """Drop the keys of batches that are finished or gone (a gateway died between finalising and
+        dropping), each batch's status read after its keys were found (a batch whose lines are being
+        queued has its row already: it is kept), and the consumers of runners gone for an hour with
+        nothing pending. How many batches."""
         dropped = 0
-        for key in self._redis.scan_iter(self._key("*", "m"), count=500):
-            batch_id = key.decode().removeprefix(f"{self._prefix}b:").removesuffix(":m")
-            if batch_id not in unfinished:
-                self.drop(batch_id)
-                dropped += 1
+        found = (
+            key.decode().removeprefix(f"{self._prefix}b:").removesuffix(":m")
+            for key in self._redis.scan_iter(self._key("*", "m"), count=500)
+        )
+        while some := list(itertools.islice(found, 500)):
+            running = unfinished(some)
+            for batch_id in some:
+                if batch_id not in running:
+                    self.drop(batch_id)
+                    dropped += 1
         for stream in self._redis.scan_iter(f"{self._prefix}q:*", count=500):
             with contextlib.suppress(redis.ResponseError):  # no group yet
                 for consumer in self._redis.xinfo_consumers(stream, _GROUP):

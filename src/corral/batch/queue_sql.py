@@ -12,14 +12,14 @@ are derived from the lines' states, never kept apart, so they cannot drift. The 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from sqlalchemy import Engine, delete, func, select, update
 from sqlalchemy.orm import Session
 
 from corral.batch.queue import RESULTS_AT_ONCE, BatchLine, LineResult, ResultRow, Stop
-from corral.store.batch_rows import FINISHED, BatchLineRow, BatchRow, changed, gave_up, response_json
+from corral.store.batch_rows import FINISHED, BatchLineRow, BatchRow, changed, gave_up, stored_result
 
 __all__ = ["SqlLines"]
 
@@ -151,12 +151,10 @@ class SqlLines:
         with Session(self._engine, expire_on_commit=False) as session, session.begin():
             connection = session.connection()
             for line, result in results:
-                ok = 200 <= result.status_code < 300
+                status, stored = stored_result(result.status_code, result.body, result.request_id)
                 done = connection.execute(
                     _held(owner, line).values(
-                        state="done" if ok else "failed",
-                        status_code=result.status_code,
-                        response=response_json(result.status_code, result.body, result.request_id),
+                        state="done" if 200 <= status < 300 else "failed", status_code=status, response=stored
                     )
                 )
                 kept += changed(done)
@@ -189,15 +187,15 @@ class SqlLines:
             )
 
     def settle(self, session: Session, batch_id: str, model: str, stop: Stop | None, now: float) -> int:
-        lines = update(BatchLineRow).where(BatchLineRow.batch_id == batch_id)
-        if stop == "expire":
-            session.execute(lines.where(BatchLineRow.state.in_(BUSY)).values(state="expired"))
-        elif stop == "cancel":  # lines given back or whose runner died are cancelled too
+        if stop is not None:  # lines given back or whose runner died stop too; those running finish
             session.execute(
-                lines.where(
+                update(BatchLineRow)
+                .where(
+                    BatchLineRow.batch_id == batch_id,
                     (BatchLineRow.state == "pending")
-                    | ((BatchLineRow.state == "leased") & (BatchLineRow.lease_until < now))
-                ).values(state="cancelled")
+                    | ((BatchLineRow.state == "leased") & (BatchLineRow.lease_until < now)),
+                )
+                .values(state="expired" if stop == "expire" else "cancelled")
             )
         return (
             session.scalar(
@@ -254,11 +252,10 @@ class SqlLines:
                     )
                 )
 
-    def tidy(self, unfinished: set[str]) -> int:
+    def tidy(self, unfinished: Callable[[list[str]], set[str]]) -> int:
         """Drop the lines of batches finished or gone (a gateway died between finalising a batch and
         dropping its lines, or they were kept before 2026-12-07). Which batches still run is read in the
-        same statement as the lines, not taken from `unfinished` (read before it: a batch created since
-        would have lines and no place there)."""
+        same statement as the lines (`unfinished`, the store's answer, is not needed)."""
         running = select(BatchRow.id).where(BatchRow.status.not_in(FINISHED))
         with self._engine.connect() as connection:
             done = connection.scalars(

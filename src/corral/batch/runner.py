@@ -16,8 +16,10 @@ relay, settle: usage is recorded per line) and its result is committed under its
 with the other results of its tick in one transaction (ticks are at least 50 ms apart). A line the
 cluster could not take now (429, 502, 503) goes back to pending and is tried again after a backoff (2 s,
 doubling), up to `batch.max_attempts`; a line the engine refused (its 4xx), timed out on (504) or that
-the tenant's budget no longer covers is an error line. Leases are renewed while lines run; stopping
-hands the lines in hand back at once (their results, when they have one, are committed first).
+the tenant's budget no longer covers is an error line, as is an answer that is not JSON (stored as a 502).
+A commit the store refuses keeps its results for the next tick, and the pass goes on. Leases are renewed
+while lines run; stopping hands the lines in hand back at once (their results, when they have one, are
+committed first), with those a lease call under way took.
 """
 
 from __future__ import annotations
@@ -129,6 +131,7 @@ class BatchRunner:
         self._wake = asyncio.Event()
         self._seen: dict[str, deque[tuple[float, int]]] = {}  # per model: (when, interactive in flight)
         self._done: list[tuple[BatchLine, LineResult]] = []  # results not committed yet
+        self._leasing_now: asyncio.Future[list[BatchLine]] | None = None  # a lease call under way
 
     def spare(self, model: str) -> int:
         """Lines this runner may start now for `model`: the ready replicas' free slots, less the most
@@ -174,8 +177,8 @@ class BatchRunner:
             logger.exception("batch queue: tidying failed")
         try:
             while True:
+                await self._flush()  # (a store that fails keeps them: the rest of the pass goes on)
                 try:
-                    await self._flush()
                     if self._manages and loop.time() >= next_housekeeping:
                         next_housekeeping = loop.time() + _HOUSEKEEPING_S
                         for batch_id in await asyncio.to_thread(self._store.housekeeping):
@@ -247,10 +250,7 @@ class BatchRunner:
         spare = self.spare(model) if self._leasing else 0
         if not spare:
             return
-        lines = await asyncio.to_thread(
-            self._store.lease, self.owner, model, spare, self._settings.lease_s, self._settings.max_attempts
-        )
-        for line in lines:
+        for line in await self._lease(model, spare):
             if (line.batch_id, line.line) in self._leased:
                 continue  # still running here (its lease had lapsed): not a second time
             self._leased[(line.batch_id, line.line)] = line
@@ -258,6 +258,17 @@ class BatchRunner:
             running = self._running.setdefault(model, {})
             running[task] = _sequences(line.endpoint, line.body)
             task.add_done_callback(partial(_forget, running))
+
+    async def _lease(self, model: str, spare: int) -> list[BatchLine]:
+        """Lease lines in a thread, shielded: cancelled meanwhile (the gateway stopping), the thread leases
+        all the same, and `_stop` hands back what it took (else those lines would sit out their lease and
+        lose an attempt)."""
+        settings = self._settings
+        lease = partial(self._store.lease, self.owner, model, spare, settings.lease_s, settings.max_attempts)
+        self._leasing_now = asyncio.ensure_future(asyncio.to_thread(lease))
+        lines = await asyncio.shield(self._leasing_now)  # (cancelled: left in `_leasing_now` for `_stop`)
+        self._leasing_now = None
+        return lines
 
     async def _run(self, line: BatchLine) -> None:
         key = (line.batch_id, line.line)
@@ -313,15 +324,22 @@ class BatchRunner:
         )
 
     async def _flush(self) -> None:
-        """Commit the results gathered since the last tick; their lines leave this runner's hands."""
+        """Commit the results gathered since the last tick; their lines leave this runner's hands. A store
+        that fails is logged and the results kept for the next tick (their leases are renewed meanwhile);
+        a result that cannot be stored is stored as the line's error (store/batch_rows.py `stored_result`),
+        so no one line holds the others back."""
         done, self._done = self._done, []
         if not done:
             return
         try:
             await asyncio.to_thread(self._store.commit_many, self.owner, done)
-        except BaseException:
-            self._done = done + self._done  # kept for the next try (their leases still hold)
+        except asyncio.CancelledError:
+            self._done = done + self._done  # `_stop` commits them
             raise
+        except Exception:
+            self._done = done + self._done
+            logger.exception("batch runner: committing %d results failed; kept for the next tick", len(done))
+            return
         for line, _ in done:
             self._leased.pop((line.batch_id, line.line), None)
 
@@ -330,8 +348,11 @@ class BatchRunner:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        with contextlib.suppress(Exception):
-            await self._flush()  # results in hand are kept, not thrown away with their leases
+        if (leasing := self._leasing_now) is not None:  # cancelled while leasing: what it took goes back
+            with contextlib.suppress(Exception):
+                for line in await leasing:
+                    self._leased.setdefault((line.batch_id, line.line), line)
+        await self._flush()  # results in hand are kept, not thrown away with their leases
         for line in list(self._leased.values()):
             try:
                 # (a shutdown is not the line's failure: the attempt its lease counted is undone)

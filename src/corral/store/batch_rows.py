@@ -12,7 +12,7 @@ from sqlalchemy.orm import Mapped, mapped_column
 
 from corral.store.schema import Base
 
-__all__ = ["FINISHED", "BatchLineRow", "BatchRow", "aware", "changed", "gave_up", "response_json"]
+__all__ = ["FINISHED", "BatchLineRow", "BatchRow", "aware", "changed", "gave_up", "stored_result"]
 
 FINISHED = frozenset({"completed", "failed", "expired", "cancelled"})  # a batch's last statuses
 
@@ -71,19 +71,38 @@ def aware(at: datetime) -> datetime:
     return at if at.tzinfo else at.replace(tzinfo=UTC)
 
 
-def response_json(status_code: int, body: bytes, request_id: str | None = None) -> str:
-    """A line's stored result: its status, request id and answer (or OpenAI error body)."""
-    return orjson.dumps(
-        {
-            "status_code": status_code,
-            "request_id": request_id or f"req_{uuid.uuid4().hex[:24]}",
-            "body": orjson.loads(body or b"null"),
-        }
-    ).decode()
+def stored_result(status_code: int, body: bytes, request_id: str | None = None) -> tuple[int, str]:
+    """A line's result as the queue stores it: its status, and the status, request id and answer (or OpenAI
+    error body) as JSON. Never raises, so one line cannot roll back its tick's other results: an answer that
+    is not JSON (a proxy's HTML page, NaN, a byte-order mark) is stored as a 502 `upstream_error`, and a
+    result that cannot be written at all as a 500."""
+    try:
+        answer = orjson.loads(body or b"null")
+    except orjson.JSONDecodeError:
+        message = f"The engine answered {status_code} with a body that is not JSON ({len(body)} bytes)."
+        status_code, answer = 502, _error(message, "upstream_error", "invalid_upstream_body")
+    try:
+        return status_code, _result(status_code, answer, request_id)
+    except TypeError:  # (orjson.JSONEncodeError) a request id orjson cannot write: a lone surrogate
+        message = "The request's result could not be stored."
+        return 500, _result(500, _error(message, "server_error", "result_not_stored"), None)
 
 
 def gave_up(attempts: int | str) -> str:
     """The result of a line whose runner kept dying on it."""
     message = f"The request was started {attempts} times and never finished (its gateway stopped each time)."
-    body = {"error": {"message": message, "type": "server_error", "param": None, "code": "line_failed"}}
-    return response_json(500, orjson.dumps(body))
+    return _result(500, _error(message, "server_error", "line_failed"), None)
+
+
+def _result(status_code: int, answer: Any, request_id: str | None) -> str:
+    return orjson.dumps(
+        {
+            "status_code": status_code,
+            "request_id": request_id or f"req_{uuid.uuid4().hex[:24]}",
+            "body": answer,
+        }
+    ).decode()
+
+
+def _error(message: str, type_: str, code: str) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_, "param": None, "code": code}}
