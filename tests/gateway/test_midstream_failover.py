@@ -13,6 +13,7 @@ import pytest
 
 from corral.config import GatewaySettings
 from corral.engines import EngineFeatures
+from corral.engines.load import EngineLoad
 from corral.gateway import GatewayServer
 from corral.gateway.failover import Continuation, Sent, Transcript
 from corral.protocol import events
@@ -211,3 +212,42 @@ def test_streams_with_tools_or_echo_are_not_failed_over() -> None:
     plain = CompletionRequest(model="m", prompt="p", stream=True, temperature=0)
     assert not can_fail_over(chat, "always", True) and not can_fail_over(echo, "always", True)
     assert can_fail_over(plain, "deterministic", True)
+
+
+async def test_a_failed_over_stream_leaves_no_mark_on_the_replica_that_cut_it(
+    tmp_path: Path, engines: tuple[ScriptedUpstream, ScriptedUpstream]
+) -> None:
+    """The continuation is routed on a record of its own: the cut replica's (its prefix blocks marked in
+    use, its slots, an adapter's residence) is released as it was taken, where the continuation's
+    overwrote it and left the first replica's blocks marked in use for good."""
+    replicas = ReplicaSet(["m"])
+    for i, engine in enumerate(engines):
+        replica = Replica(f"m-{i}", "m", "x", url=engine.url, state=ReplicaState.READY, features=LLAMA)
+        replica.load = EngineLoad(0, 0, kv_cached_tokens=0)  # (its KV events followed: ends are marked)
+        replicas.add(replica)
+    services = make_services(replicas, tmp_path / "c.db", failover_modes={"m": "deterministic"})
+    router = Router(replicas, default_policy="prefix_affinity")
+    server = GatewayServer(GatewaySettings(port=0), router, services)
+    await server.start()
+    client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="x", max_retries=0)
+    long = [{"role": "user", "content": "tell me about the sea " * 200}]
+    try:
+        for engine in engines:  # the stream starts where its prompt is cached: on the cutting engine
+            engine.mode = "ok"
+        stream = await client.chat.completions.create(model="m", messages=long, stream=True)
+        async for _ in stream:
+            pass
+        first = next(r for r in replicas if engines[0].bodies and r.url == engines[0].url)
+        engines[0].mode = "cut"
+        engines[1].mode = "ok"
+        stream = await client.chat.completions.create(model="m", messages=long, temperature=0, stream=True)
+        text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+        assert text == "tok0 tok1 tok2 tok3 tok4 tok5 "
+        assert len(engines[0].bodies) == 2 and len(engines[1].bodies) == 1  # (cut there, continued here)
+        index = router.policy_for("m").index  # type: ignore[attr-defined]
+        index.held()  # (what is pending applied)
+        held = index._held[first.id]
+        assert held and all(mark >= 0 for mark in held.values())  # ended: none still marked in use
+        assert all(r.outstanding == 0 for r in replicas)
+    finally:
+        await server.stop()

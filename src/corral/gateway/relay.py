@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import aiohttp
@@ -439,8 +439,20 @@ class Relay:
             if sent.finished:  # the answer was whole; only its end was lost
                 await response.write(_DONE_EVENT)
                 return None
+            # each attempt routed on its own record: the cut replica's is still held (`forward` releases
+            # it with its own adapter residence, prefix marks and slots)
+            route = replace(
+                ctx.route,
+                held=1,
+                prefill=0,
+                inflight=None,
+                use=0.0,
+                residence=None,
+                load_adapter=False,
+                trial=False,
+            )
             try:
-                replica = self._router.acquire(ctx.route, exclude=tried)
+                replica = self._router.acquire(route, exclude=tried)
             except NoCapacity:
                 return problem
             logger.warning(
@@ -453,10 +465,10 @@ class Relay:
             tried.append(replica)
             outcome = False
             try:
-                problem_or_none = await self._continue(ctx, replica, sent, transcript, response)
+                problem_or_none = await self._continue(ctx, replica, route, sent, transcript, response)
                 outcome = problem_or_none is None
             finally:
-                self._router.release(replica, ctx.route, outcome)
+                self._router.release(replica, route, outcome)
             if problem_or_none is None:
                 return None
             problem = problem_or_none
@@ -466,6 +478,7 @@ class Relay:
         self,
         ctx: RequestContext,
         replica: Replica,
+        route: RouteRequest,
         sent: Sent,
         transcript: Transcript,
         response: web.StreamResponse,
@@ -473,7 +486,6 @@ class Relay:
         try:
             token_ids = await self._token_ids(replica, sent) if _by_tokens(ctx) else None
             body = continuation_body(ctx, sent, token_ids)
-            route = ctx.route
             if route.adapter is not None or replica.adapters:
                 await self.loader.ready(replica, route)
                 body = body_for(replica, route, body)
