@@ -4,7 +4,6 @@ systemd-analyze verify, docker-compose config, the KubeRay CRD schema) and carry
 from __future__ import annotations
 
 import copy
-import hashlib
 import subprocess
 from pathlib import Path
 
@@ -13,6 +12,8 @@ import pytest
 import yaml
 
 from corral.config import SpecError, parse_spec
+from corral.deploy import RenderError, write_rendered
+from corral.deploy import render as render_files
 from tests.conftest import CORRAL, DATA
 
 GPU_SPEC = """
@@ -144,6 +145,13 @@ def test_nginx_t_fails_on_a_broken_certificate_path(tmp_path: Path) -> None:
     assert result.returncode != 0 and "/nonexistent/server.crt" in result.stderr
 
 
+def test_nginx_refuses_gateways_that_serve_tls_themselves() -> None:
+    """The edge proxied plain HTTP (proxy_pass http://) to gateways that spoke only TLS."""
+    spec = CPU_SPEC + "gateway: {tls: {cert: /etc/corral/tls/server.crt, key: /etc/corral/tls/server.key}}\n"
+    with pytest.raises(RenderError, match=r"nginx: gateway.tls is set, but the edge .* plain HTTP"):
+        render_files(parse_spec(spec), "nginx", "spec.yaml", spec, Path("/usr/bin/true"))
+
+
 def systemd_verify(unit: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         ["systemd-analyze", "verify", "--man=no", str(unit)], capture_output=True, text=True, timeout=60
@@ -232,6 +240,46 @@ def test_systemd_refuses_paths_the_service_cannot_see(
     result = render(tmp_path, "systemd", CPU_SPEC + extra, "--corral-bin", corral_bin)
     assert result.returncode == 2, result.stderr
     assert says in " ".join(result.stderr.split()) and "Traceback" not in result.stderr
+
+
+def with_model_setting(setting: str) -> str:
+    """CPU_SPEC with `setting` (a `key: value` line) in its model, or in its deployment for `binary`."""
+    if setting.startswith("binary:"):
+        return CPU_SPEC.replace("threads: 1}", f"threads: 1, {setting}}}")
+    return CPU_SPEC.replace("    deployments:", f"    {setting}\n    deployments:")
+
+
+@pytest.mark.parametrize(
+    ("model", "top", "setting", "value"),
+    [
+        ("binary: /home/ops/llama.cpp/build/bin/llama-server", "", "ProtectHome", "read-only"),
+        ("tokenizer: /root/tokenizer.json", "", "ProtectHome", "read-only"),
+        ("adapters: [{name: m-legal, source: {path: /home/ops/legal}}]", "", "ProtectHome", "read-only"),
+        ("tokenizer: /srv/tokenizer.json", "cache: {backend: redis}", "After", "redis-server.service"),
+        ("tokenizer: /srv/tokenizer.json", "batch: {queue: redis}", "After", "redis-server.service"),
+    ],
+    ids=["binary-in-home", "tokenizer-in-root", "adapter-in-home", "cache-redis", "batch-redis"],
+)
+def test_systemd_sees_the_engines_files_and_orders_after_every_local_redis(
+    tmp_path: Path, model: str, top: str, setting: str, value: str
+) -> None:
+    """A deployment's binary under /home rendered ProtectHome=yes (the engine hidden from the service), and
+    only limits' Redis ordered the unit after redis-server."""
+    spec = with_model_setting(model) + top + "\n"
+    files = render_files(parse_spec(spec), "systemd", "spec.yaml", spec, Path("/usr/bin/true"))
+    write_rendered(files, tmp_path)
+    assert value in unit_settings(tmp_path / "systemd" / "corral.service")[setting][0].split()
+
+
+@pytest.mark.parametrize(
+    "model",
+    ["tokenizer: /tmp/tokenizer.json", "adapters: [{name: m-legal, source: {path: /var/tmp/legal}}]"],
+    ids=["tokenizer-in-tmp", "adapter-in-tmp"],
+)
+def test_systemd_refuses_engine_files_in_a_temporary_folder(model: str) -> None:
+    spec = with_model_setting(model)
+    with pytest.raises(RenderError, match=r"is in a temporary folder, which the service sees empty"):
+        render_files(parse_spec(spec), "systemd", "spec.yaml", spec, Path("/usr/bin/true"))
 
 
 def test_systemd_verify_catches_a_broken_unit(tmp_path: Path) -> None:
@@ -362,11 +410,8 @@ def test_kuberay_manifests_validate_against_the_crd(tmp_path: Path) -> None:
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 3600  # models are fetched first
     inner = parse_spec(documents[1]["stringData"]["cluster.yaml"])
     # the pod names the spec it runs: a render of a changed spec changes the pod, so applying it replaces it
+    # (its secrets left out: test_kuberay.py)
     digest = documents[3]["spec"]["template"]["metadata"]["annotations"]["corral.dev/spec-sha256"]
-    body = "".join(
-        line + "\n" for line in documents[1]["stringData"]["cluster.yaml"].splitlines() if line[:1] != "#"
-    )
-    assert digest == hashlib.sha256(body.encode()).hexdigest()  # the spec, not the comment naming its file
     changed = rendered(tmp_path / "changed", "kuberay", KUBE_SPEC.replace("replicas: 3", "replicas: 2"))
     again = list(yaml.safe_load_all((changed / "kuberay" / "corral.yaml").read_text()))[3]
     assert again["spec"]["template"]["metadata"]["annotations"]["corral.dev/spec-sha256"] != digest

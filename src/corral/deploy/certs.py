@@ -12,6 +12,8 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import os
+import re
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,10 +36,13 @@ class DevCertificates:
 
 
 _CA_DAYS = 3650
+_COMMON_NAME_MAX = 64  # X.509's upper bound on a common name (a DNS name may be longer: SAN only)
+_DNS_LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
 
 
 class CertificateError(ValueError):
-    """The folder's CA cannot be reused as it is; the message says why and what to do."""
+    """The certificate cannot be made as asked (a name that is no host name or address), or the folder's
+    CA cannot be reused as it is; the message says why and what to do."""
 
 
 def write_dev_certificates(
@@ -48,7 +53,8 @@ def write_dev_certificates(
     there is none or `new_ca` says so. Keys are ECDSA P-256, written with mode 0600; the server certificate
     is valid for `days`. (files, whether the CA is new); CertificateError for a CA that cannot be reused."""
     if not names:
-        raise ValueError("name at least one host name or address for the certificate")
+        raise CertificateError("name at least one host name or address for the certificate")
+    alt_names = [_general_name(n) for n in names]
     directory.mkdir(parents=True, exist_ok=True)
     files = DevCertificates(
         directory / "ca.crt", directory / "ca.key", directory / "server.crt", directory / "server.key"
@@ -60,10 +66,12 @@ def write_dev_certificates(
     else:
         ca_key, ca_cert = _existing_ca(files, now + datetime.timedelta(days=days))
     key = ec.generate_private_key(ec.SECP256R1())
-    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, names[0])])
+    # Clients check the names in subjectAltName; the common name only labels the certificate.
+    label = next((n for n in names if len(n) <= _COMMON_NAME_MAX), "corral server")
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, label)])
     cert = (
         _builder(subject, ca_cert.subject, key.public_key(), now, days)
-        .add_extension(x509.SubjectAlternativeName([_general_name(n) for n in names]), critical=False)
+        .add_extension(x509.SubjectAlternativeName(alt_names), critical=False)
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .add_extension(_usage(cert_sign=False), critical=True)
         .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
@@ -150,17 +158,33 @@ def _usage(cert_sign: bool) -> x509.KeyUsage:
 
 
 def _general_name(name: str) -> x509.GeneralName:
+    """An IP address, or a DNS name (letters, digits and hyphens in dot-separated labels, a `*.` wildcard
+    first); CertificateError for anything else."""
     try:
         return x509.IPAddress(ipaddress.ip_address(name))
     except ValueError:
-        return x509.DNSName(name)
+        pass
+    labels = name.removeprefix("*.").removesuffix(".").split(".")
+    if len(name) > 253 or not all(_DNS_LABEL.fullmatch(label) for label in labels):
+        raise CertificateError(
+            f"{name!r} is neither an IP address nor a host name: a host name is labels of letters, digits "
+            "and hyphens (at most 63 each, 253 in all) separated by dots, e.g. llm.example.com (an "
+            "internationalised name in its xn-- form)"
+        )
+    return x509.DNSName(name)
 
 
 def _write_private(path: Path, key: ec.EllipticCurvePrivateKey) -> None:
+    """Write the key into a new file of mode 0600 beside `path`, then rename it over `path`: the key is
+    never in a file others may read, even for a moment (an existing file's mode, and any reader that
+    opened it, would be kept by writing into it)."""
     data = key.private_bytes(
         serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
     )
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as handle:
-        handle.write(data)
-    path.chmod(0o600)
+    fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")  # (mkstemp: mode 0600)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+        os.replace(temporary, path)
+    finally:
+        Path(temporary).unlink(missing_ok=True)  # (only left where writing or renaming failed)

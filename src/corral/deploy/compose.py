@@ -2,8 +2,9 @@
 
 corral's supervisor runs the engines inside the corral container, as it does on a host: one service owns
 the replicas' lifecycle, probes and restarts, and the engines' metrics reach the router. A spec with vLLM
-runs in `deploy.vllm_image` (vLLM preinstalled) with the GPUs reserved for that service. Redis and
-PostgreSQL on this host become services of the project; Prometheus comes with the `watch` profile.
+runs in `deploy.vllm_image` (vLLM preinstalled) with the GPUs reserved for that service (the spec's GPU ids
+renumbered as the container sees them: 0, 1, …). Redis and PostgreSQL on this host become services of the
+project; Prometheus comes with the `watch` profile. TLS is the NGINX edge's (`gateway.tls` is refused).
 """
 
 from __future__ import annotations
@@ -13,11 +14,14 @@ from urllib.parse import urlsplit
 
 import yaml
 
-from corral.config import ClusterSpec
+from corral.config import ClusterSpec, DeploymentSpec, is_loopback
 from corral.deploy.spec_rewrite import (
+    SERVICE_PORTS,
+    RenderError,
     container_spec,
     gpu_total,
-    local_model_paths,
+    local_files,
+    local_redis_urls,
     local_services,
     spec_yaml,
     stop_allowance_s,
@@ -31,10 +35,13 @@ _HOME = "/var/lib/corral"
 
 
 def render_compose(spec: ClusterSpec, source: str) -> dict[str, str]:
+    _refuse(spec)
     services: dict[str, Any] = {}
     here = local_services(spec)
+    # The batch queue's lines live in its Redis: that one keeps them on disk (append-only file).
+    durable_redis = "batch.redis_url" in local_redis_urls(spec)
     if "redis" in here:
-        services["redis"] = _redis()
+        services["redis"] = _redis(durable_redis)
     if "postgres" in here and spec.store.url:
         services["postgres"] = _postgres(spec.store.url)
     dependencies = {name: {"condition": "service_healthy"} for name in services}
@@ -44,16 +51,65 @@ def render_compose(spec: ClusterSpec, source: str) -> dict[str, str]:
     volumes: dict[str, Any] = {"corral-home": {}, "huggingface": {}}
     if "postgres" in services:
         volumes["postgres-data"] = {}
+    if "redis" in services and durable_redis:
+        volumes["redis-data"] = {}
     document = {"services": services, "volumes": volumes}
     header = f"Rendered by `corral deploy render --target compose` from {source}."
+    inner = _gpus_as_seen_inside(spec, container_spec(spec, port=_PORT, services=names))
     return {
         "compose/compose.yaml": spec_yaml(document, header + "\nStart: docker compose -p corral up -d"),
         "compose/cluster.yaml": spec_yaml(
-            _store_on_volume(spec, container_spec(spec, port=_PORT, services=names)),
+            _store_on_volume(spec, inner),
             header + "\nThe spec corral runs inside its container (services by their Compose names).",
         ),
         "compose/prometheus.yml": yaml.safe_dump(_prometheus_config(), sort_keys=False),
     }
+
+
+def _refuse(spec: ClusterSpec) -> None:
+    """What the container could not run as the spec says."""
+    if spec.gateway.tls is not None:
+        raise RenderError(
+            "compose: gateway.tls is set, but the container would serve plain HTTP (the certificate and key "
+            "are files of this host, and a renewal would never reach the container): remove gateway.tls, "
+            "keep gateway.host: 127.0.0.1 (Compose then publishes the gateway's port on 127.0.0.1 only) and "
+            "terminate TLS at the NGINX edge on this host (`corral deploy render -t nginx`, deploy.edge)"
+        )
+    for field, path in local_files(spec):
+        if not path.is_absolute():
+            raise RenderError(
+                f"compose: {field} {path} is not an absolute path: it is mounted into the container at "
+                "the same path, and Compose would read a relative one as a volume's name; give it in full"
+            )
+    ports = {urlsplit(url).port or SERVICE_PORTS["redis"] for url in local_redis_urls(spec).values()}
+    if len(ports) > 1:
+        fields = ", ".join(local_redis_urls(spec))
+        raise RenderError(
+            f"compose: {fields} name Redis servers on this host at different ports "
+            f"({', '.join(map(str, sorted(ports)))}); the project runs one Redis for them: name one port "
+            "(their databases, /0, /1, …, may differ)"
+        )
+
+
+def _gpu_ids(spec: ClusterSpec) -> list[int]:
+    """The host's GPU ids the spec's vLLM deployments name, in the order they are reserved."""
+    return sorted({g for m in spec.models for d in m.deployments if _pinned(d) for g in d.gpus or []})
+
+
+def _pinned(deployment: DeploymentSpec) -> bool:
+    """vLLM on GPUs the deployment names (`gpus`)."""
+    return deployment.engine == "vllm" and deployment.device == "gpu" and bool(deployment.gpus)
+
+
+def _gpus_as_seen_inside(spec: ClusterSpec, data: dict[str, Any]) -> dict[str, Any]:
+    """The container sees its reserved GPUs as 0, 1, … in the order of `device_ids`: the spec's ids are
+    renumbered so (a deployment on the host's GPUs 2 and 3 runs on the container's 0 and 1)."""
+    inside = {host: index for index, host in enumerate(_gpu_ids(spec))}
+    for model, dumped_model in zip(spec.models, data["models"], strict=True):
+        for deployment, dumped in zip(model.deployments, dumped_model["deployments"], strict=True):
+            if _pinned(deployment):
+                dumped["gpus"] = [inside[g] for g in deployment.gpus or []]
+    return data
 
 
 def _store_on_volume(spec: ClusterSpec, data: dict[str, Any]) -> dict[str, Any]:
@@ -69,13 +125,14 @@ def _store_on_volume(spec: ClusterSpec, data: dict[str, Any]) -> dict[str, Any]:
 
 def _corral(spec: ClusterSpec, dependencies: dict[str, Any]) -> dict[str, Any]:
     vllm = uses_vllm(spec)
-    # An open gateway is reachable from this host only; a closed one (API keys) from the network.
-    bind = "127.0.0.1:" if spec.auth.open else ""
+    # As on the host: an open gateway, or one whose gateway.host is loopback (the default), is reachable
+    # from this host only (an NGINX edge here is the way in); a closed one on 0.0.0.0 from the network.
+    bind = "127.0.0.1:" if spec.auth.open or is_loopback(spec.gateway.host) else ""
     volumes = [
         "./cluster.yaml:/etc/corral/cluster.yaml:ro",
         f"corral-home:{_HOME}",
         "huggingface:/root/.cache/huggingface",
-        *(f"{path}:{path}:ro" for path in local_model_paths(spec)),
+        *(f"{path}:{path}:ro" for path in sorted({path for _, path in local_files(spec)})),
     ]
     service: dict[str, Any] = {
         "image": spec.deploy.vllm_image if vllm else spec.deploy.image,
@@ -108,9 +165,7 @@ def _corral(spec: ClusterSpec, dependencies: dict[str, Any]) -> dict[str, Any]:
 
 
 def _gpu_reservation(spec: ClusterSpec, count: int) -> dict[str, Any]:
-    ids = sorted(
-        {g for m in spec.models for d in m.deployments if d.engine == "vllm" and d.gpus for g in d.gpus}
-    )
+    ids = _gpu_ids(spec)
     device: dict[str, Any] = {"driver": "nvidia", "capabilities": ["gpu"]}
     if len(ids) >= count:
         device["device_ids"] = [str(g) for g in ids]
@@ -123,10 +178,12 @@ def _probe(url: str) -> str:
     return f"import urllib.request; urllib.request.urlopen('{url}', timeout=4)"
 
 
-def _redis() -> dict[str, Any]:
-    return {
+def _redis(durable: bool) -> dict[str, Any]:
+    """The project's Redis; `durable`: the batch queue's lines live in it, so it writes an append-only
+    file on its volume (as batch.redis_url asks), else it keeps nothing on disk."""
+    service: dict[str, Any] = {
         "image": "redis:7",
-        "command": ["redis-server", "--save", "", "--appendonly", "no"],
+        "command": ["redis-server", "--save", "", "--appendonly", "yes" if durable else "no"],
         "healthcheck": {
             "test": ["CMD", "redis-cli", "ping"],
             "interval": "5s",
@@ -135,6 +192,9 @@ def _redis() -> dict[str, Any]:
         },
         "restart": "unless-stopped",
     }
+    if durable:
+        service["volumes"] = ["redis-data:/data"]
+    return service
 
 
 def _postgres(url: str) -> dict[str, Any]:

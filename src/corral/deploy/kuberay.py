@@ -11,7 +11,9 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import math
+import re
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 from pydantic import ValidationError
 
@@ -20,6 +22,7 @@ from corral.deploy.spec_rewrite import (
     RenderError,
     container_spec,
     dump_yaml,
+    local_redis_urls,
     local_services,
     spec_yaml,
     stop_allowance_s,
@@ -32,6 +35,9 @@ _CLUSTER = "corral"
 _LABELS = {"app.kubernetes.io/name": "corral", "app.kubernetes.io/component": "gateway"}
 _NO_ESCALATION = {"allowPrivilegeEscalation": False}  # (no setuid gains in corral's and Ray's containers)
 _FALLBACK_RAY = "2.40.0"
+_SECRET_FIELD = re.compile(r"(?:_key|_token|_secret|password)$")  # admin_key, engine_api_key, metrics_token…
+_SECRET_FLAG = re.compile(r"^--?[\w-]*(?:key|token|secret|password)$")  # an engine flag such as --api-key
+_HIDDEN = "(secret)"
 
 
 def render_kuberay(spec: ClusterSpec, source: str) -> dict[str, str]:
@@ -52,7 +58,7 @@ def render_kuberay(spec: ClusterSpec, source: str) -> dict[str, str]:
             "stringData": {"cluster.yaml": running},
         },
         _ray_cluster(spec, namespace),
-        _deployment(spec, namespace, hashlib.sha256(dump_yaml(inner).encode()).hexdigest()),
+        _deployment(spec, namespace, hashlib.sha256(dump_yaml(_without_secrets(inner)).encode()).hexdigest()),
         _service(namespace),
         _ray_network_policy(namespace),
     ]
@@ -63,6 +69,38 @@ def render_kuberay(spec: ClusterSpec, source: str) -> dict[str, str]:
         "corral.yaml\n"
     )
     return {"kuberay/corral.yaml": header + text}
+
+
+def _without_secrets(value: Any, field: str = "") -> Any:
+    """The dumped spec with its secret values hidden: keys, tokens and secrets by their field's name, the
+    password of a URL, and the value of an engine flag such as `--api-key` (the pod's annotation is read
+    by anyone with the `view` role, who may not read the Secret)."""
+    if isinstance(value, dict):
+        return {name: _without_secrets(item, name) for name, item in value.items()}
+    if isinstance(value, list):
+        return _args_without_secrets([_without_secrets(item, field) for item in value])
+    if isinstance(value, str) and _SECRET_FIELD.search(field):
+        return _HIDDEN
+    if isinstance(value, str) and "://" in value:
+        parts = urlsplit(value)
+        if parts.password is not None:
+            host = parts.netloc.rsplit("@", 1)[1]
+            return urlunsplit(parts._replace(netloc=f"{parts.username}:{_HIDDEN}@{host}"))
+    return value
+
+
+def _args_without_secrets(items: list[Any]) -> list[Any]:
+    hidden = list(items)
+    for index, item in enumerate(items):
+        if not isinstance(item, str):
+            continue
+        flag, given, _ = item.partition("=")
+        if _SECRET_FLAG.match(flag):
+            if given:
+                hidden[index] = f"{flag}={_HIDDEN}"
+            elif index + 1 < len(hidden):
+                hidden[index + 1] = _HIDDEN
+    return hidden
 
 
 def _ray_network_policy(namespace: str) -> dict[str, Any]:
@@ -86,10 +124,12 @@ def _ray_network_policy(namespace: str) -> dict[str, Any]:
 def _refuse_this_host(spec: ClusterSpec) -> None:
     """In a pod, 127.0.0.1 is the pod itself: services the spec finds on this host must be named anew."""
     here = local_services(spec)
-    if "redis" in here:
+    local_redis = local_redis_urls(spec)
+    if local_redis:
+        field, url = next(iter(local_redis.items()))
         raise RenderError(
-            f"kuberay: limits.redis_url {spec.limits.redis_url} is this host; in Kubernetes give the Redis "
-            "service's address, e.g. redis://redis.corral.svc.cluster.local:6379/0"
+            f"kuberay: {field} {url} is this host; in Kubernetes give the Redis service's address, e.g. "
+            "redis://redis.corral.svc.cluster.local:6379/0"
         )
     if spec.auth.open:
         raise RenderError(
@@ -158,26 +198,44 @@ def _ray_cluster(spec: ClusterSpec, namespace: str) -> dict[str, Any]:
 
 
 def _worker_groups(spec: ClusterSpec, image: str) -> list[dict[str, Any]]:
-    """One GPU group per node size (gpus_per_node) with enough nodes for every replica's TP×PP GPUs, and a
-    CPU group for engines without GPUs."""
-    gpu_need: dict[int, int] = {}
+    """One GPU group per node size (gpus_per_node), with the nodes each deployment's replicas need
+    (`_gpu_nodes`: a node holds whole replicas), and a CPU group for engines without GPUs."""
+    gpu_nodes: dict[int, int] = {}
     cpu_need = 0
-    for deployment in (d for m in spec.models for d in m.deployments):
-        if deployment.engine == "external":
-            continue
-        if _on_gpu(deployment):
-            per_node = deployment.gpus_per_node
-            need = deployment.gpus_per_replica * deployment.most_replicas
-            gpu_need[per_node] = gpu_need.get(per_node, 0) + need
-        else:
-            cpu_need += (deployment.threads or 1) * deployment.most_replicas
+    for model in spec.models:
+        for deployment in model.deployments:
+            if deployment.engine == "external":
+                continue
+            if _on_gpu(deployment):
+                per_node = deployment.gpus_per_node
+                gpu_nodes[per_node] = gpu_nodes.get(per_node, 0) + _gpu_nodes(model.name, deployment)
+            else:
+                cpu_need += (deployment.threads or 1) * deployment.most_replicas
     groups = [
-        _group(f"gpu-{per_node}", image, math.ceil(total / per_node), cpu=4 * per_node, gpus=per_node)
-        for per_node, total in sorted(gpu_need.items())
+        _group(f"gpu-{per_node}", image, nodes, cpu=4 * per_node, gpus=per_node)
+        for per_node, nodes in sorted(gpu_nodes.items())
     ]
     if cpu_need:
         groups.append(_group("cpu", image, 1, cpu=cpu_need + 1, gpus=0))
     return groups
+
+
+def _gpu_nodes(model: str, deployment: DeploymentSpec) -> int:
+    """Nodes of `gpus_per_node` GPUs that hold every replica of the deployment. A replica's GPUs are one
+    placement group packed onto one node (STRICT_PACK), so a node holds whole replicas only (two 6-GPU
+    replicas need two 8-GPU nodes, not 12/8); with `span_nodes` its per-GPU bundles may spread (PACK)."""
+    per_replica, per_node = deployment.gpus_per_replica, deployment.gpus_per_node
+    if deployment.span_nodes:
+        return math.ceil(per_replica * deployment.most_replicas / per_node)
+    if per_replica > per_node:
+        raise RenderError(
+            f"kuberay: model {model!r} needs {per_replica} GPUs per replica (tensor_parallel "
+            f"{deployment.tensor_parallel} × pipeline_parallel {deployment.pipeline_parallel}), more than "
+            f"one node has (gpus_per_node: {per_node}), and a replica's GPUs are placed on one node: lower "
+            "pipeline_parallel, set gpus_per_node to a larger node, or let the pipeline stages span nodes "
+            "(span_nodes: true, with engine_args [--distributed-executor-backend, ray])"
+        )
+    return math.ceil(deployment.most_replicas / (per_node // per_replica))
 
 
 def _on_gpu(deployment: DeploymentSpec) -> bool:
@@ -228,10 +286,12 @@ def _resources(cpu: int, memory_gib: int, gpus: int = 0) -> dict[str, Any]:
 
 
 def _deployment(spec: ClusterSpec, namespace: str, spec_digest: str) -> dict[str, Any]:
-    """The gateway's Deployment; `spec_digest` (the running spec's SHA-256, not its comment naming the
-    file it came from) annotates its pod, so applying a render of a changed spec replaces the pod (a
-    Secret's new content alone restarts nothing, and would be picked up by whatever next restarted it).
-    A digest of a whole spec tells nothing of a password in it that could not be guessed whole."""
+    """The gateway's Deployment; `spec_digest` (the SHA-256 of the running spec with its secret values
+    hidden, not of its comment naming the file it came from) annotates its pod, so applying a render of a
+    changed spec replaces the pod (a Secret's new content alone restarts nothing, and would be picked up by
+    whatever next restarted it). Secrets are left out because the annotation is readable where the Secret
+    is not, and a digest lets a short password be guessed offline: a change of a secret value alone keeps
+    the pod (`kubectl rollout restart deployment/corral` takes it up)."""
     # One gateway pod: taking it out of the Service because one model has no ready replica would refuse
     # every model's requests. Readiness is the gateway answering (a model without a replica answers 503
     # with Retry-After itself); start-up allows an hour, as `corral up` fetches the models before it

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 from corral.config import ClusterSpec
+from corral.deploy.spec_rewrite import RenderError
 from corral.deploy.templates import render_template
 
 __all__ = ["render_nginx"]
@@ -13,9 +14,17 @@ _FORM_BYTES = 64 * 1024  # an upload's form around its file: boundaries, part he
 
 
 def render_nginx(spec: ClusterSpec, source: str) -> dict[str, str]:
-    """Files for the edge in front of the spec's gateway(s), keyed by their path under the output folder."""
+    """Files for the edge in front of the spec's gateway(s), keyed by their path under the output folder.
+    RenderError for gateways that serve TLS themselves: the edge terminates TLS and proxies plain HTTP."""
     edge = spec.deploy.edge
     gateway = spec.gateway
+    if gateway.tls is not None:
+        raise RenderError(
+            "nginx: gateway.tls is set, but the edge terminates TLS itself and talks plain HTTP to the "
+            "gateways behind it (no CA in the spec to verify theirs): remove gateway.tls from the spec the "
+            "gateways run, keep them on 127.0.0.1 or a private network (gateway.host), and give the edge "
+            "the certificate (deploy.edge.cert and key)"
+        )
     context = {
         "source": source,
         "gateways": edge.gateways or [gateway.address_from_here()],

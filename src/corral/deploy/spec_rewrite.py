@@ -12,17 +12,21 @@ import yaml
 from corral.config import ClusterSpec, LocalSource
 
 __all__ = [
+    "SERVICE_PORTS",
     "RenderError",
     "container_spec",
     "dump_yaml",
     "gpu_total",
     "is_local_url",
-    "local_model_paths",
+    "local_files",
+    "local_redis_urls",
     "local_services",
     "spec_yaml",
     "stop_allowance_s",
     "uses_vllm",
 ]
+
+SERVICE_PORTS = {"redis": 6379, "postgres": 5432}  # where the project's (or the cluster's) services listen
 
 
 def stop_allowance_s(spec: ClusterSpec) -> int:
@@ -60,19 +64,37 @@ def is_local_url(url: str) -> bool:
     return (urlsplit(url).hostname or "") in {"localhost", "127.0.0.1", "::1"}
 
 
-def _with_host(url: str, host: str) -> str:
+def _with_host(url: str, host: str, port: int) -> str:
+    """`url` at `host:port` (its credentials, path and query kept)."""
     parts = urlsplit(url)
     netloc = parts.netloc.rsplit("@", 1)
     credentials = netloc[0] + "@" if len(netloc) == 2 else ""
-    port = f":{parts.port}" if parts.port else ""
-    return urlunsplit(parts._replace(netloc=f"{credentials}{host}{port}"))
+    return urlunsplit(parts._replace(netloc=f"{credentials}{host}:{port}"))
+
+
+def redis_urls(spec: ClusterSpec) -> dict[str, str]:
+    """The Redis URLs the spec uses, by the field naming each: the rate limits, the answer cache and the
+    batch queue."""
+    used = {}
+    if spec.limits.backend == "redis":
+        used["limits.redis_url"] = spec.limits.redis_url
+    if spec.cache.backend == "redis":
+        used["cache.redis_url"] = spec.cache.redis_url
+    if spec.batch.enabled and spec.batch.queue == "redis":
+        used["batch.redis_url"] = spec.batch.redis_url
+    return used
+
+
+def local_redis_urls(spec: ClusterSpec) -> dict[str, str]:
+    """Those of `redis_urls` on this host (which a container or a pod reaches at another name)."""
+    return {field: url for field, url in redis_urls(spec).items() if is_local_url(url)}
 
 
 def local_services(spec: ClusterSpec) -> set[str]:
-    """Which of the spec's shared services run on this host: "redis" (limits), "postgres" (the store; a
-    SQLite URL names no host)."""
+    """Which of the spec's shared services run on this host: "redis" (limits, cache, batch queue),
+    "postgres" (the store; a SQLite URL names no host)."""
     found = set()
-    if spec.limits.backend == "redis" and is_local_url(spec.limits.redis_url):
+    if local_redis_urls(spec):
         found.add("redis")
     if spec.store.url and is_local_url(spec.store.url):
         found.add("postgres")
@@ -92,8 +114,19 @@ def gpu_total(spec: ClusterSpec) -> int:
     )
 
 
-def local_model_paths(spec: ClusterSpec) -> list[Path]:
-    return sorted({m.source.path for m in spec.models if isinstance(m.source, LocalSource)})
+def local_files(spec: ClusterSpec) -> list[tuple[str, Path]]:
+    """The files of this host the spec names for its models, each with the field that names it: model
+    weights, tokenizers and LoRA adapters (engine binaries aside)."""
+    found = []
+    for model in spec.models:
+        if isinstance(model.source, LocalSource):
+            found.append((f"model {model.name!r}'s source.path", model.source.path))
+        if model.tokenizer is not None:
+            found.append((f"model {model.name!r}'s tokenizer", model.tokenizer))
+        for adapter in model.adapters:
+            if isinstance(adapter.source, LocalSource):
+                found.append((f"adapter {adapter.name!r}'s source.path", adapter.source.path))
+    return found
 
 
 def container_spec(
@@ -109,10 +142,14 @@ def container_spec(
     if spec.auth.open:
         data.setdefault("auth", {}).update(open=True, open_to_network=True)
     here = local_services(spec)
-    if "redis" in services and "redis" in here:
-        data.setdefault("limits", {})["redis_url"] = _with_host(spec.limits.redis_url, services["redis"])
+    if "redis" in services:  # every Redis URL of this host's: limits, cache, batch queue alike
+        for field, url in local_redis_urls(spec).items():
+            section, name = field.split(".")
+            data.setdefault(section, {})[name] = _with_host(url, services["redis"], SERVICE_PORTS["redis"])
     if "postgres" in services and "postgres" in here and spec.store.url:
-        data.setdefault("store", {})["url"] = _with_host(spec.store.url, services["postgres"])
+        data.setdefault("store", {})["url"] = _with_host(
+            spec.store.url, services["postgres"], SERVICE_PORTS["postgres"]
+        )
     for model, dumped_model in zip(spec.models, data["models"], strict=True):
         for deployment, dumped in zip(model.deployments, dumped_model["deployments"], strict=True):
             if deployment.engine == "vllm":

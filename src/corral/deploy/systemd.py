@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from corral.config import ClusterSpec, LocalSource
-from corral.deploy.spec_rewrite import RenderError, local_services, stop_allowance_s
+from corral.config import ClusterSpec
+from corral.deploy.spec_rewrite import RenderError, local_files, local_services, stop_allowance_s
 from corral.deploy.templates import render_template
 
 __all__ = ["CONFIG_DIR", "STATE_DIR", "render_systemd"]
@@ -52,7 +52,8 @@ def render_systemd(spec: ClusterSpec, source: str, spec_text: str, corral_bin: P
 
 
 def _after(spec: ClusterSpec) -> list[str]:
-    """Order after the local Redis/PostgreSQL the spec uses, when they run on this host."""
+    """Order after the local Redis (limits, cache, batch queue) and PostgreSQL the spec uses, when they run
+    on this host."""
     unit = {"redis": "redis-server.service", "postgres": "postgresql.service"}
     return [unit[name] for name in sorted(local_services(spec), reverse=True)]
 
@@ -72,10 +73,23 @@ _PRIVATE_TMP = (Path("/tmp"), Path("/var/tmp"))
 _HOMES = (Path("/home"), Path("/root"), Path("/run/user"))
 
 
+def _read_files(spec: ClusterSpec) -> list[tuple[str, Path]]:
+    """What the service reads from this host's files for its engines: model weights, tokenizers, LoRA
+    adapters and engine programs (`binary`), each with the field naming it. (A relative path is relative
+    to the unit's working directory, the state directory, which the service sees.)"""
+    binaries = [
+        (f"model {model.name!r}'s {deployment.engine} binary", deployment.binary)
+        for model in spec.models
+        for deployment in model.deployments
+        if deployment.binary is not None
+    ]
+    return local_files(spec) + binaries
+
+
 def _check_visible(spec: ClusterSpec, corral_bin: Path) -> None:
     """The unit's PrivateTmp=yes gives the service its own empty /tmp and /var/tmp, and ProtectHome hides
-    the home folders unless a model file lives there (then read-only): the program, a SQLite store and
-    model files in those places would not be what the host sees."""
+    the home folders unless a file the engines read lives there (then read-only): the program, a SQLite
+    store and the engines' files in those places would not be what the host sees."""
     if _under(corral_bin, _PRIVATE_TMP + _HOMES):
         raise RenderError(
             f"the unit would run {corral_bin}, which the service cannot see (PrivateTmp=yes gives it its own "
@@ -92,11 +106,11 @@ def _check_visible(spec: ClusterSpec, corral_bin: Path) -> None:
             "written there is lost on restart. Leave store.url unset (the state directory "
             f"{STATE_DIR}) or name a path under it"
         )
-    for model in spec.models:
-        if isinstance(model.source, LocalSource) and _under(model.source.path, _PRIVATE_TMP):
+    for field, path in _read_files(spec):
+        if _under(path, _PRIVATE_TMP):
             raise RenderError(
-                f"model {model.name}'s file {model.source.path} is in a temporary folder, which the service "
-                "sees empty (PrivateTmp=yes): move it (e.g. under /var/lib/corral/models) and render again"
+                f"{field} {path} is in a temporary folder, which the service sees empty (PrivateTmp=yes): "
+                "move it (e.g. under /var/lib/corral/models) and render again"
             )
 
 
@@ -105,6 +119,6 @@ def _under(path: Path, folders: tuple[Path, ...]) -> bool:
 
 
 def _protect_home(spec: ClusterSpec) -> str:
-    """`yes` hides /home, /root and /run/user; model files there need them readable."""
-    local = [m.source.path for m in spec.models if isinstance(m.source, LocalSource)]
-    return "read-only" if any(_under(p, _HOMES) for p in local) else "yes"
+    """`yes` hides /home, /root and /run/user; the engines' files (weights, tokenizers, adapters,
+    programs) there need them readable."""
+    return "read-only" if any(_under(path, _HOMES) for _, path in _read_files(spec)) else "yes"

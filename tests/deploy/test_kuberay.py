@@ -1,0 +1,137 @@
+"""The KubeRay render: worker pods on which every replica's placement group can be placed, Redis of this
+host refused whatever uses it, and a pod annotation that tells nothing of the spec's secrets."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import yaml
+
+from corral.config import parse_spec
+from corral.deploy import RenderError, render
+from tests.conftest import DATA
+
+SPEC = """
+store: {{url: "postgresql://corral@pg.corral.svc.cluster.local:5432/corral"}}
+models:
+  - name: big
+    source: {{hf: meta-llama/Llama-3.1-70B-Instruct}}
+    deployments:
+      - {{{deployment}}}
+"""
+
+
+def documents(text: str, source: str = "spec.yaml") -> list[dict[str, Any]]:
+    files = render(parse_spec(text), "kuberay", source, text, Path("/usr/bin/true"))
+    return list(yaml.safe_load_all(files["kuberay/corral.yaml"]))
+
+
+@functools.cache
+def raycluster_schema() -> jsonschema.Draft7Validator:
+    crd = yaml.safe_load((DATA / "kuberay" / "ray.io_rayclusters.yaml").read_text())
+    schema = next(v for v in crd["spec"]["versions"] if v["name"] == "v1")["schema"]["openAPIV3Schema"]
+    return jsonschema.Draft7Validator(schema)
+
+
+def ray_cluster(text: str) -> dict[str, Any]:
+    """The rendered RayCluster, valid under KubeRay's CRD schema."""
+    cluster = documents(text)[2]
+    assert list(raycluster_schema().iter_errors(cluster)) == []
+    return cluster
+
+
+def gpu_pods(cluster: dict[str, Any]) -> list[int]:
+    """The GPUs of each worker pod the RayCluster asks for."""
+    pods = []
+    for group in cluster["spec"]["workerGroupSpecs"]:
+        gpus = int(group["template"]["spec"]["containers"][0]["resources"]["limits"].get("nvidia.com/gpu", 0))
+        pods += [gpus] * group["replicas"] if gpus else []
+    return pods
+
+
+def all_placed(pods: list[int], bundles: list[int]) -> bool:
+    """Whether each replica's STRICT_PACK bundle (all its GPUs on one node, as Ray places it) finds a pod
+    with that many GPUs free (first fit, largest first)."""
+    free = list(pods)
+    for need in sorted(bundles, reverse=True):
+        fits = next((i for i, left in enumerate(free) if left >= need), None)
+        if fits is None:
+            return False
+        free[fits] -= need
+    return True
+
+
+@pytest.mark.parametrize(
+    ("deployment", "bundles", "nodes"),
+    [
+        # 4 replicas of 6 GPUs: 24 GPUs are 3 nodes' worth, but one node holds one replica (was 3 pods)
+        ("engine: vllm, replicas: 4, tensor_parallel: 2, pipeline_parallel: 3", [6] * 4, 4),
+        ("engine: vllm, replicas: 5, tensor_parallel: 4, gpus_per_node: 8", [4] * 5, 3),
+        ("engine: vllm, replicas: 3, tensor_parallel: 2, gpus_per_node: 4", [2] * 3, 2),
+    ],
+    ids=["tp2-pp3-x4-on-8", "tp4-x5-on-8", "tp2-x3-on-4"],
+)
+def test_every_replica_finds_a_node_for_its_placement_group(
+    deployment: str, bundles: list[int], nodes: int
+) -> None:
+    pods = gpu_pods(ray_cluster(SPEC.format(deployment=deployment)))
+    assert all_placed(pods, bundles), pods
+    assert len(pods) == nodes
+    assert not all_placed(pods[:-1], bundles)  # and no pod more than the replicas need
+
+
+def test_a_replica_larger_than_a_node_is_refused_unless_its_stages_span_nodes() -> None:
+    """TP4×PP2 on 4-GPU nodes rendered a {GPU: 8} STRICT_PACK bundle that no 4-GPU pod could hold."""
+    layout = "engine: vllm, replicas: 1, tensor_parallel: 4, pipeline_parallel: 2, gpus_per_node: 4"
+    with pytest.raises(RenderError, match=r"8 GPUs per replica .*gpus_per_node: 4.*span_nodes: true"):
+        documents(SPEC.format(deployment=layout))
+    spanning = layout + ", span_nodes: true, engine_args: [--distributed-executor-backend, ray]"
+    pods = gpu_pods(ray_cluster(SPEC.format(deployment=spanning)))
+    assert pods == [4, 4]  # one bundle per GPU (PACK): the replica's 8 GPUs over two nodes
+
+
+@pytest.mark.parametrize(
+    "setting",
+    [
+        "cache: {backend: redis}",
+        "batch: {queue: redis, redis_url: 'redis://localhost:6379/3'}",
+    ],
+    ids=["cache", "batch-queue"],
+)
+def test_kuberay_refuses_any_redis_of_this_host(setting: str) -> None:
+    """Only limits.redis_url was refused: the cache and the batch queue kept the pod's own loopback."""
+    field = setting.split(":")[0] + ".redis_url"
+    with pytest.raises(RenderError, match=rf"kuberay: {field} redis://.* is this host"):
+        documents(SPEC.format(deployment="engine: vllm, replicas: 1") + setting + "\n")
+
+
+def spec_digest(text: str, source: str = "spec.yaml") -> str:
+    deployment = documents(text, source)[3]
+    digest: str = deployment["spec"]["template"]["metadata"]["annotations"]["corral.dev/spec-sha256"]
+    return digest
+
+
+def secret_spec(secret: str) -> str:
+    deployment = (
+        f"engine: vllm, replicas: 1, engine_api_key: engine-{secret}, engine_args: [--api-key, arg-{secret}]"
+    )
+    return (
+        SPEC.format(deployment=deployment).replace("corral@pg", f"corral:pw-{secret}@pg")
+        + f"auth: {{admin_key: admin-{secret}}}\ngateway: {{metrics_token: scrape-{secret}}}\n"
+    )
+
+
+def test_the_pod_annotation_tells_nothing_of_the_specs_secrets() -> None:
+    """The annotation (readable with the `view` role, which may not read the Secret) was the SHA-256 of the
+    whole spec, secrets included: a short password could be guessed offline against it."""
+    first = spec_digest(secret_spec("a1"))
+    assert "pw-a1" in documents(secret_spec("a1"))[1]["stringData"]["cluster.yaml"]  # the Secret has them
+    assert spec_digest(secret_spec("other-values")) == first  # the same whatever the secret values
+    assert spec_digest(secret_spec("a1"), source="elsewhere/spec.yaml") == first  # not the comment either
+    # a changed spec still changes the pod, so applying the render replaces it
+    assert spec_digest(secret_spec("a1").replace("replicas: 1", "replicas: 2")) != first
+    assert spec_digest(secret_spec("a1").replace("--api-key", "--api-key-file")) != first
