@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from corral.perf import GIB, Catalog, Efficiency
+from corral.perf import GIB, Catalog, Efficiency, PerfModel
 from corral.perf.memory import kv_bytes_per_token_layer
 from corral.perf.replica import ReplicaLayout, ReplicaModel, replica_model
 from corral.sim.engine import SimEngine, SimRequest
@@ -57,7 +57,9 @@ class SimOptions:
 
 def build_server(options: SimOptions, catalog: Catalog, efficiency: Efficiency) -> SimServer:
     """A simulated replica whose KV capacity and step times are the planner's for the same layout;
-    ValueError where it cannot start (vLLM's message for an adapter of --lora-modules it cannot load)."""
+    ValueError where it cannot start, in vLLM's words (a max_model_len the KV cache cannot hold, an adapter
+    of --lora-modules it cannot load). Without max_model_len it is the model's context, or the KV cache's
+    size where that is smaller."""
     if options.lora is not None and options.embed_dim is not None:
         raise ValueError("the simulator serves LoRA adapters on generation models, not embedding models")
     layout = ReplicaLayout(
@@ -87,7 +89,17 @@ def build_server(options: SimOptions, catalog: Catalog, efficiency: Efficiency) 
         engine.kv_events = KvEventPublisher(options.kv_events_endpoint, engine.scheduler)
     for module in options.lora.modules if options.lora is not None else ():
         load_static(engine, module)
-    max_len = options.max_model_len or min(replica.max_context, replica.kv_tokens)
+    capacity = replica.config.num_blocks * replica.config.block_size
+    max_len = options.max_model_len or min(replica.max_context, capacity)
+    if max_len > capacity:  # vLLM does not start: one sequence of max_model_len must fit the KV cache
+        per_token = _kv_bytes_per_token(replica.perf)
+        raise ValueError(
+            f"To serve at least one request with the models's max seq len ({max_len}), "
+            f"({max_len * per_token / GIB:.2f} GiB KV cache is needed, which is larger than the available KV "
+            f"cache memory ({capacity * per_token / GIB:.2f} GiB). Based on the available memory, the "
+            f"estimated maximum model length is {capacity}. Try increasing `gpu_memory_utilization` or "
+            "decreasing `max_model_len` when initializing the engine."
+        )
     return SimServer(
         engine,
         max_model_len=max_len,
@@ -103,9 +115,10 @@ def _with_lora_slots(
     replica: ReplicaModel, layout: ReplicaLayout, slot_bytes: float, catalog: Catalog, efficiency: Efficiency
 ) -> ReplicaModel:
     """The replica with its KV cache smaller by the GPU memory vLLM reserves for its LoRA slots."""
-    perf = replica.perf
-    per_token = (
-        kv_bytes_per_token_layer(perf.model, perf.tp, perf.kv_dtype_bytes) * perf.model.layers / perf.pp
-    )
-    kv_bytes = max(0.0, replica.kv_tokens * per_token - slot_bytes)
+    kv_bytes = max(0.0, replica.kv_tokens * _kv_bytes_per_token(replica.perf) - slot_bytes)
     return replica_model(dataclasses.replace(layout, kv_cache_gib=kv_bytes / GIB), catalog, efficiency)
+
+
+def _kv_bytes_per_token(perf: PerfModel) -> float:
+    """The KV cache one token takes on each GPU."""
+    return kv_bytes_per_token_layer(perf.model, perf.tp, perf.kv_dtype_bytes) * perf.model.layers / perf.pp

@@ -19,8 +19,8 @@ import orjson
 from aiohttp import web
 
 from corral.protocol import EmbeddingRequest, InvalidRequest, parse_body
-from corral.sim.engine import SimEngine
-from corral.sim.errors import model_not_found
+from corral.sim.engine import SimEngine, SimRequest
+from corral.sim.errors import bad_request, model_not_found
 from corral.sim.text import tokenize
 
 __all__ = ["SimEmbedder", "embed_text"]
@@ -81,9 +81,15 @@ class SimEmbedder:
         return web.Response(body=orjson.dumps(answer), content_type="application/json")
 
     async def _prefill(self, prompts: list[list[int]]) -> None:
-        requests = [self.engine.submit(tokens, 1) for tokens in prompts]
+        """Each input's prefill; it ends there (vLLM's pooling runner stops a request at its pooled
+        output), so an input as long as the context fits."""
+        requests: list[SimRequest] = []
         try:
+            for tokens in prompts:
+                requests.append(self.engine.submit(tokens, 1, finished_reason="stop"))
             await asyncio.gather(*(r.tokens.get() for r in requests))
+        except ValueError as exc:  # more KV than the engine has: the input's fault, as every other refusal
+            raise bad_request(str(exc), param="input") from exc
         finally:
             for r in requests:
                 self.engine.abort(r)

@@ -9,6 +9,11 @@ within a step.
 With LoRA (`lora`: sim/lora.py), requests name an adapter, the scheduler and step pipeline are
 sim/lora_engine.py's, and the metrics add vLLM's `vllm:lora_requests_info` and the simulator's own
 `sim:lora_loads_total` and `sim:lora_activations_total`.
+
+Counters follow vLLM V1: `vllm:prompt_tokens` counts each request's whole prompt once, at its first token
+(prefix-cache hits and recomputation after a preemption do not change it), and `vllm:request_success` labels
+each finished request with its reason: `length` at `max_tokens`, `stop` where it ended on its own (an end of
+sequence, a tool call said, a stop string the server found: `finish`).
 """
 
 from __future__ import annotations
@@ -59,12 +64,18 @@ _LATENCY_BUCKETS = (
     80.0,
 )
 
+_FINISHED_REASONS = ("stop", "length", "abort", "error", "repetition")  # vLLM's FinishReason
+
 
 @dataclass(eq=False)
 class SimRequest:
-    """One sequence in the engine and the queue its tokens arrive on (None once it has finished)."""
+    """One sequence in the engine and the queue its tokens arrive on (None once it has finished).
+
+    `finished_reason` is vLLM's for its last token: `length` where `max_tokens` cut it, `stop` where the
+    answer ends there on its own (its end of sequence)."""
 
     seq: EngineSequence
+    finished_reason: str = "length"
     tokens: asyncio.Queue[int | None] = field(default_factory=asyncio.Queue)
     last_token_at: float | None = None
 
@@ -74,6 +85,7 @@ class _Metrics:
 
     def __init__(self, model: str, config: SchedulerConfig, lora: LoraManager | None) -> None:
         self.registry = CollectorRegistry()
+        self.values = (model, "0")
         labels = ["model_name", "engine"]
         r = self.registry
 
@@ -105,6 +117,8 @@ class _Metrics:
             [*labels, "finished_reason"],
             registry=r,
         )
+        for reason in _FINISHED_REASONS:  # vLLM exports every reason from the start, at 0
+            self.success.labels(*self.values, reason)
         self.ttft = Histogram(
             "vllm:time_to_first_token_seconds",
             "Time to first token in seconds.",
@@ -133,7 +147,6 @@ class _Metrics:
             registry=r,
         )
         info.labels(str(config.block_size), str(config.num_blocks), str(config.enable_prefix_caching)).set(1)
-        self.values = (model, "0")
         self.lora = LoraMetrics(r, self.values, lora) if lora is not None else None
 
 
@@ -194,8 +207,14 @@ class SimEngine:
         max_tokens: int,
         cache_salt: str | None = None,
         adapter: Adapter | None = None,
+        finished_reason: str = "length",
     ) -> SimRequest:
-        if len(prompt) + max_tokens > self.config.num_blocks * self.config.block_size:
+        """A sequence of `max_tokens` output tokens; ValueError where it needs more KV than the cache has.
+
+        The last token's KV is never computed, so a sequence needs KV for `prompt + max_tokens - 1`
+        tokens (all of them with `reserve_whole`, which reserves that much)."""
+        needed = len(prompt) + max_tokens - (0 if self.config.reserve_whole else 1)
+        if needed > self.config.num_blocks * self.config.block_size:
             raise ValueError("the request needs more KV cache than the engine has")
         if adapter is not None:  # vLLM hashes the adapter's name into every block: no sharing across them
             cache_salt = f"lora:{adapter.name}\x00{cache_salt or ''}"
@@ -211,7 +230,7 @@ class SimEngine:
             ),
             tokens=prompt if self.kv_events is not None else (),
         )
-        request = SimRequest(seq)
+        request = SimRequest(seq, finished_reason)
         self._requests[seq.id] = request
         if self._lora_scheduler is not None:
             self._lora_scheduler.add_with(seq, adapter)
@@ -221,8 +240,20 @@ class SimEngine:
         return request
 
     def abort(self, request: SimRequest) -> None:
+        """Drop a request (its client went away); not counted as finished."""
         if self._requests.pop(request.seq.id, None) is not None and request.seq.finished_at is None:
             self.scheduler.abort(request.seq)
+
+    def finish(self, request: SimRequest, reason: str = "stop") -> None:
+        """End a request at the token it has reached, as vLLM's output processor ends one whose text hit a
+        stop string: its KV is freed, it counts as finished with `reason`, its queue gets None."""
+        seq = request.seq
+        if self._requests.pop(seq.id, None) is None or seq.finished_at is not None:
+            return
+        self.scheduler.abort(seq)
+        seq.finished_at = seq.last_token_at if seq.last_token_at is not None else self.now()
+        self._count_finished(seq, reason)
+        request.tokens.put_nowait(None)
 
     async def load_adapter(self, adapter: Adapter, reload: bool = False) -> None:
         """vLLM's `add_lora`: between two steps the engine reads the adapter and gives it a GPU slot, no
@@ -269,23 +300,27 @@ class SimEngine:
     def _deliver(self, seq: EngineSequence) -> None:
         m, values = self.metrics, self.metrics.values
         request = self._requests.get(seq.id)
-        if seq.generated == 1:
+        if seq.generated == 1:  # its prefill is done: vLLM counts the whole prompt here, once
             m.ttft.labels(*values).observe(seq.first_token_at - seq.arrival)  # type: ignore[operator]
+            m.prompt_tokens.labels(*values).inc(seq.prompt_len)
         if request is not None:
             if request.last_token_at is not None:
                 m.itl.labels(*values).observe(seq.last_token_at - request.last_token_at)  # type: ignore[operator]
             request.last_token_at = seq.last_token_at
             request.tokens.put_nowait(seq.generated)
         if seq.finished:
-            m.e2e.labels(*values).observe(seq.finished_at - seq.arrival)  # type: ignore[operator]
-            m.success.labels(*values, "length").inc()
+            self._count_finished(seq, request.finished_reason if request is not None else "length")
             if request is not None:
                 request.tokens.put_nowait(None)
                 self._requests.pop(seq.id, None)
 
+    def _count_finished(self, seq: EngineSequence, reason: str) -> None:
+        m, values = self.metrics, self.metrics.values
+        m.e2e.labels(*values).observe(seq.finished_at - seq.arrival)  # type: ignore[operator]
+        m.success.labels(*values, reason).inc()
+
     def _count_batch(self, batch: Batch) -> None:
         m, values = self.metrics, self.metrics.values
-        m.prompt_tokens.labels(*values).inc(batch.prefill_tokens)
         m.generation_tokens.labels(*values).inc(batch.decode_tokens)
 
     def _publish_gauges(self) -> None:

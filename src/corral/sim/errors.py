@@ -12,7 +12,7 @@ import re
 
 import orjson
 
-__all__ = ["VllmError", "model_not_found", "sanitize"]
+__all__ = ["VllmError", "bad_request", "model_not_found", "sanitize"]
 
 _SANITIZERS = (
     (re.compile(r" at 0x[0-9a-fA-F]+>"), ">"),
@@ -49,3 +49,8 @@ def model_not_found(model: str, served: str) -> VllmError:
     return VllmError(
         f"The model `{model}` does not exist. Valid aliases: {served}.", "NotFoundError", 404, param="model"
     )
+
+
+def bad_request(message: str, param: str | None = None) -> VllmError:
+    """vLLM's answer to a request its validation refuses (a `VLLMValidationError`, naming the parameter)."""
+    return VllmError(message, "BadRequestError", 400, param=param)

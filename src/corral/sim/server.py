@@ -1,18 +1,21 @@
 """A simulated replica's HTTP face: vLLM's OpenAI-compatible API, `/health`, `/v1/models` and `/metrics`.
 
 With `embed_dim` it is an embedding model instead (sim/embed.py). Without `max_tokens` a request stops at
-a simulated end-of-sequence after 16–256 tokens (drawn from its seed); with it, it generates exactly
-`max_tokens` (like vLLM with `ignore_eos`), unless it runs with `eos` (`corral sim --eos`: it ends at the
-drawn end of sequence when that comes first; a request's own `ignore_eos` decides for it). `stop` strings
-end the text early. With `tools` or `response_format` a chat choice says a tool call or JSON instead
-(sim/tools.py): it ends when that is said, or at `max_tokens` (cut). Many replicas can share one process
-and event loop (sim/fleet.py).
+a simulated end-of-sequence after 16–256 tokens (drawn from its seed), or where the context ends
+(`max_model_len`, finishing with `length`, as vLLM's); with it, it generates exactly `max_tokens` (like vLLM
+with `ignore_eos`), unless it runs with `eos` (`corral sim --eos`: it ends at the drawn end of sequence when
+that comes first; a request's own `ignore_eos` decides for it). As vLLM, it refuses a prompt that fills the
+context and a `max_tokens` beyond what the context leaves. `stop` strings end the text early, and the
+choice's sequence with it (each choice is read as its tokens come). With `tools` or `response_format` a chat
+choice says a tool call or JSON instead (sim/tools.py): it ends when that is said, or at `max_tokens` (cut).
+Many replicas can share one process and event loop (sim/fleet.py).
 
 With LoRA (sim/lora.py) a request may name an adapter as its `model`: the adapter answers (its words drawn
 apart from the base model's, so a client can tell who answered), and `/v1/models` lists the adapters after
 the base, each with its `parent`. The runtime endpoints `POST /v1/load_lora_adapter` and
 `/v1/unload_lora_adapter` exist only with `runtime_lora_updating` (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING).
-Errors are vLLM's (sim/errors.py) where the simulator knows them: an unknown model, the LoRA endpoints.
+Errors are vLLM's (sim/errors.py) where the simulator knows them: an unknown model, the context length,
+an empty stop string, the LoRA endpoints.
 """
 
 from __future__ import annotations
@@ -34,12 +37,11 @@ from corral.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
-    InvalidRequest,
     parse_body,
 )
 from corral.sim.embed import SimEmbedder
 from corral.sim.engine import SimEngine, SimRequest
-from corral.sim.errors import VllmError, model_not_found
+from corral.sim.errors import VllmError, bad_request, model_not_found
 from corral.sim.lora import Adapter
 from corral.sim.lora_api import LoraEndpoints
 from corral.sim.text import TextGenerator, chat_prompt, tokenize
@@ -147,38 +149,32 @@ class SimServer:
         chat: bool,
     ) -> web.StreamResponse:
         adapter = self._adapter(body.model)
+        stops = _stops(body.stop)
         tokens = tokenize(prompt, self.vocab)
+        self._check_context(len(tokens), limit)
         seed = body.seed if body.seed is not None else self._seeds.getrandbits(32)
         rng = random.Random(seed)
         scripts = self._scripts(body, seed, chat)
         ignore_eos = (body.model_extra or {}).get("ignore_eos")
         at_eos = not ignore_eos if isinstance(ignore_eos, bool) else self.eos
         drawn = [rng.randint(16, 256) for _ in scripts]
-        lengths = [
-            min(limit or len(script.pieces), len(script.pieces))
-            if script
-            else min(limit, end)
-            if limit and at_eos
-            else limit or end
+        # Without max_tokens vLLM lets an answer run to the end of the context; with it, to max_tokens.
+        cap = limit if limit is not None else self.max_model_len - len(tokens)
+        ends = [
+            len(script.pieces) if script else end if limit is None or at_eos else None
             for script, end in zip(scripts, drawn, strict=True)
         ]
-        if len(tokens) + max(lengths) > self.max_model_len:
-            raise InvalidRequest(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
-                f"{len(tokens) + max(lengths)} tokens ({len(tokens)} in the messages, {max(lengths)} in the "
-                "completion).",
-                param="max_tokens",
-            )
+        lengths = [min(cap, end) if end is not None else cap for end in ends]
+        natural = [end is not None and end <= cap for end in ends]  # it ends on its own, not cut
         words = seed ^ zlib.crc32(adapter.name.encode()) if adapter is not None else seed
         choices = [
-            _Choice(
-                i, TextGenerator(words + i), _stops(body.stop), "length" if limit == n else "stop", script
-            )
-            for i, (script, n) in enumerate(zip(scripts, lengths, strict=True))
+            _Choice(i, TextGenerator(words + i), stops, "stop" if own else "length", script)
+            for i, (script, own) in enumerate(zip(scripts, natural, strict=True))
         ]
         salt = (body.model_extra or {}).get("cache_salt")  # vLLM's: cached blocks shared within a salt only
         salt = salt if isinstance(salt, str) else None
-        requests = [self.engine.submit(tokens, n, salt, adapter) for n in lengths]
+        ends_with = ["stop" if own else "length" for own in natural]
+        requests = self._submit(tokens, lengths, ends_with, salt, adapter)
         meta = _Meta(chat, body.model, len(tokens), request.headers.get("X-Request-Id"))
         try:
             if body.stream:
@@ -187,6 +183,42 @@ class SimServer:
         finally:
             for sim_request in requests:
                 self.engine.abort(sim_request)
+
+    def _check_context(self, prompt_tokens: int, max_tokens: int | None) -> None:
+        """vLLM's checks of a generation request against the context: the prompt must leave room for a
+        token, and prompt and `max_tokens` (where the client sent one) must fit."""
+        if prompt_tokens >= self.max_model_len:
+            raise bad_request(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, your request "
+                f"has {prompt_tokens} input tokens. Please reduce the length of the input messages.",
+                param="input_tokens",
+            )
+        if max_tokens is not None and prompt_tokens + max_tokens > self.max_model_len:
+            raise bad_request(
+                f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's maximum "
+                f"context length is {self.max_model_len} tokens and your request has {prompt_tokens} input "
+                f"tokens ({max_tokens} > {self.max_model_len} - {prompt_tokens}).",
+                param="max_tokens",
+            )
+
+    def _submit(
+        self,
+        tokens: list[int],
+        lengths: list[int],
+        ends_with: list[str],
+        salt: str | None,
+        adapter: Adapter | None,
+    ) -> list[SimRequest]:
+        """Every choice's sequence, or none: one the engine refuses withdraws those before it (a 400)."""
+        requests: list[SimRequest] = []
+        try:
+            for n, reason in zip(lengths, ends_with, strict=True):
+                requests.append(self.engine.submit(tokens, n, salt, adapter, reason))
+        except ValueError as exc:
+            for sim_request in requests:
+                self.engine.abort(sim_request)
+            raise bad_request(str(exc)) from exc
+        return requests
 
     def _adapter(self, model: str) -> Adapter | None:
         """The adapter a request's `model` names; None for the base model."""
@@ -198,10 +230,23 @@ class SimServer:
         return adapter
 
     async def _whole(self, requests: list[SimRequest], choices: list[_Choice], meta: _Meta) -> web.Response:
-        for sim_request, choice in zip(requests, choices, strict=True):
-            while not choice.done and await sim_request.tokens.get() is not None:
-                choice.add_token()
+        # The choices are read side by side as their tokens come, so each ends when it stops (vLLM's
+        # output processor checks every output as it arrives), not when the one before it has ended.
+        await asyncio.gather(*(self._read(r, c) for r, c in zip(requests, choices, strict=True)))
         return web.json_response(meta.completion(choices), dumps=lambda d: orjson.dumps(d).decode())
+
+    async def _read(self, sim_request: SimRequest, choice: _Choice) -> None:
+        while await sim_request.tokens.get() is not None:
+            self._advance(sim_request, choice)
+            if choice.done:
+                return
+
+    def _advance(self, sim_request: SimRequest, choice: _Choice) -> str:
+        """The choice's next piece; a choice that has stopped ends its sequence there."""
+        piece = choice.add_token()
+        if choice.done:
+            self.engine.finish(sim_request)
+        return piece
 
     async def _stream(
         self,
@@ -227,11 +272,12 @@ class SimServer:
                 if choice in unannounced:
                     unannounced.discard(choice)
                     await response.write(meta.event(choice, choice.announcement()))
+                if future.result() is not None:
+                    piece = self._advance(sim_request, choice)
+                    await response.write(meta.event(choice, choice.delta(piece) if meta.chat else piece))
                 if future.result() is None or choice.done:
                     await response.write(meta.event(choice, {}, finish=choice.finish_reason))
                     continue
-                piece = choice.add_token()
-                await response.write(meta.event(choice, choice.delta(piece) if meta.chat else piece))
                 pending[asyncio.ensure_future(sim_request.tokens.get())] = (sim_request, choice)
         if include_usage:
             await response.write(b"data: " + orjson.dumps(meta.usage_chunk(choices)) + b"\n\n")
@@ -385,9 +431,10 @@ class _Meta:
 
 
 def _stops(stop: str | list[str] | None) -> list[str]:
-    if stop is None:
-        return []
-    return [stop] if isinstance(stop, str) else [s for s in stop if s]
+    stops = [] if stop is None else [stop] if isinstance(stop, str) else stop
+    if "" in stops:  # vLLM's SamplingParams refuses it (it would end every answer at once)
+        raise bad_request("stop cannot contain an empty string.", param="stop")
+    return stops
 
 
 @web.middleware
