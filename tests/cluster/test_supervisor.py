@@ -167,3 +167,45 @@ async def test_a_stop_leaves_behind_a_process_that_outlives_sigkill(monkeypatch:
     began = time.monotonic()
     await process.stop(grace=0.2)
     assert time.monotonic() - began < 2
+
+
+async def test_a_replica_the_cluster_has_no_room_for_waits_and_is_never_given_up(tmp_path: Path) -> None:
+    """A runtime with no room for the replica (a Ray node rebooting) is no failure of the replica's: it is
+    tried again, past `max_start_failures`, as no restart, and starts once there is room; a runtime whose
+    watch raises (Ray's connection lost) has the replica started anew, not its lifecycle ended."""
+    from corral.cluster.runtime import NoRoom
+
+    class Crowded:
+        assigns_gpus = False
+
+        def __init__(self) -> None:
+            self.tries = 0
+            self.local = LocalProcessRuntime(tmp_path / "logs")
+
+        async def start(self, replica_id: str, plan: LaunchPlan):  # type: ignore[no-untyped-def]
+            self.tries += 1
+            if self.tries <= 4:
+                raise NoRoom("no Ray node has room for [{'GPU': 1.0}] (STRICT_PACK) within 0s")
+            running = await self.local.start(replica_id, plan)
+            if self.tries == 5:  # its watch fails once, as a Ray client's that lost the cluster
+                real = running.wait
+
+                async def lost() -> int:
+                    await asyncio.sleep(0.3)
+                    raise ConnectionError("Ray client disconnected")
+
+                running.wait = lost  # type: ignore[method-assign]
+                self.real_wait = real
+            return running
+
+    runtime = Crowded()
+    settings = FAST.model_copy(update={"max_start_failures": 2, "backoff_max": 0.2})
+    supervisor = Supervisor(ReplicaSet(), runtime, settings)  # type: ignore[arg-type]
+    sleeper = LaunchPlan(argv=("sh", "-c", "sleep 30"), url="http://127.0.0.1:9")
+    (replica,) = supervisor.add("m", LlamaCppEngine(), [sleeper])
+    try:
+        await supervisor.start()
+        await until(lambda: runtime.tries >= 6, within=15)
+        assert replica.state is not ReplicaState.FAILED
+    finally:
+        await supervisor.stop()

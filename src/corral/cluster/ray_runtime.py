@@ -35,7 +35,14 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from corral.cluster.runtime import AttachedReplica, RunningReplica, die_with_parent, log_name, rotate_log
+from corral.cluster.runtime import (
+    AttachedReplica,
+    NoRoom,
+    RunningReplica,
+    die_with_parent,
+    log_name,
+    rotate_log,
+)
 from corral.engines import LaunchPlan, Resources
 
 __all__ = ["RayRuntime", "bundles", "strategy"]
@@ -139,7 +146,7 @@ class RayReplica:
 
         try:
             return int(await asyncio.wrap_future(self._exit))
-        except ray.exceptions.RayError as exc:  # the actor or its node died
+        except (ray.exceptions.RayError, ConnectionError) as exc:  # the actor or its node died, or Ray left
             logger.warning("replica actor at %s is gone: %s", self.url, type(exc).__name__)
             return -1
 
@@ -148,15 +155,15 @@ class RayReplica:
 
         try:
             await asyncio.wait_for(self._actor.stop.remote(grace), grace + 5)
-        except (ray.exceptions.RayError, TimeoutError) as exc:
+        except (ray.exceptions.RayError, TimeoutError, ConnectionError) as exc:
             logger.info("replica actor at %s did not stop cleanly: %s", self.url, type(exc).__name__)
         else:  # the engine has exited: let its exit status leave the actor before the actor is killed
             status = asyncio.wrap_future(self._exit)
             status.add_done_callback(_seen)  # (`wait` reports it; a status that never came is no error here)
             await asyncio.wait([status], timeout=5)
-        with contextlib.suppress(ray.exceptions.RayError, ValueError):  # already gone
+        with contextlib.suppress(ray.exceptions.RayError, ValueError, ConnectionError):  # already gone
             ray.kill(self._actor)
-        with contextlib.suppress(ray.exceptions.RayError, ValueError):
+        with contextlib.suppress(ray.exceptions.RayError, ValueError, ConnectionError):
             ray.util.remove_placement_group(self._group)  # frees the GPUs for the next placement
 
 
@@ -175,12 +182,19 @@ class RayRuntime:
         """`log_limits`: a replica log's largest size in bytes and the rotated copies kept (rotate_log)."""
         import ray
 
-        if not ray.is_initialized():
-            ray.init(address=address, log_to_driver=False, include_dashboard=False)
+        self._address = address
+        self._connect()
         self._logs = logs
         self._log_limits = log_limits
         self._timeout = placement_timeout
         self._host_class = ray.remote(num_cpus=0)(_EngineHost)
+
+    def _connect(self) -> None:
+        """Join the Ray cluster, or join it again where the connection was lost (a head that restarted)."""
+        import ray
+
+        if not ray.is_initialized():
+            ray.init(address=self._address, log_to_driver=False, include_dashboard=False)
 
     def cordon(self, node_id: str) -> None:
         """Ask Ray to place nothing new on a node (its running work goes on): GCS's drain-node request
@@ -211,6 +225,7 @@ class RayRuntime:
 
         if plan.url is not None:
             return AttachedReplica(plan.url)
+        self._connect()
         placement = plan.resources  # its deployment's (engines.Resources), as prepared with its plan
         wanted, packing = bundles(placement), strategy(placement)
         group = placement_group(wanted, strategy=packing)
@@ -218,7 +233,7 @@ class RayRuntime:
             await asyncio.wait_for(group.ready(), self._timeout)
         except TimeoutError as exc:
             ray.util.remove_placement_group(group)
-            raise OSError(f"no Ray node has room for {wanted} ({packing}) within {self._timeout:g}s") from exc
+            raise NoRoom(f"no Ray node has room for {wanted} ({packing}) within {self._timeout:g}s") from exc
         except asyncio.CancelledError:  # drained (or stopped) while waiting for room: reserve nothing
             ray.util.remove_placement_group(group)
             raise

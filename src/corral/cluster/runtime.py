@@ -28,6 +28,7 @@ from corral.engines import LaunchPlan
 __all__ = [
     "AttachedReplica",
     "LocalProcessRuntime",
+    "NoRoom",
     "ReplicaRuntime",
     "RunningReplica",
     "die_with_parent",
@@ -41,6 +42,12 @@ logger = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
 _KILLED_WAIT_S = 10.0  # how long a stop waits for a process it has killed before leaving it behind
+
+
+class NoRoom(OSError):
+    """The cluster has no room for the replica now (no Ray node with the GPUs it reserves free: a node
+    rebooting, a pod's image still pulling). Not the replica's failure: it waits and is tried again, never
+    given up on for it."""
 
 
 class RunningReplica(Protocol):

@@ -20,7 +20,7 @@ from pathlib import Path
 import zmq
 import zmq.asyncio
 
-from corral.cluster.runtime import ReplicaRuntime, RunningReplica, log_tail, rotate_log
+from corral.cluster.runtime import NoRoom, ReplicaRuntime, RunningReplica, log_tail, rotate_log
 from corral.config import SupervisorSettings
 from corral.engines import EngineAdapter, LaunchPlan
 from corral.engines.client import EngineClient, EngineConnectionError
@@ -307,20 +307,28 @@ class Supervisor:
             replica.ready_eta = time.time() + _EXPECTED_START_S
             launched = time.monotonic()
             feed = self._kv_feed(slot)
+            waiting = False  # for room in the cluster: no failure of the replica's
             try:
                 running = await self._runtime.start(replica.id, feed.plan if feed else slot.plan)
                 slot.log_path = running.log_path or slot.log_path
+            except NoRoom as exc:
+                reason, was_ready, waiting = f"waiting for room: {exc}", False, True
             except Exception as exc:  # any runtime failure: log it, back off, try again
                 logger.exception("replica %s: the runtime could not start it", replica.id)
                 reason, was_ready = f"launch failed: {exc}", False
             else:
-                reason, was_ready = await self._run(slot, running, feed)
+                try:
+                    reason, was_ready = await self._run(slot, running, feed)
+                except Exception as exc:  # watching it failed (a runtime that lost its cluster): start anew
+                    logger.exception("replica %s: watching it failed", replica.id)
+                    reason, was_ready = f"watching it failed: {exc}", slot.became_ready
             finally:
                 if feed is not None:
                     feed.close()
             if time.monotonic() - launched > _STABLE_RUN_S:
                 backoff = settings.backoff_initial
-            start_failures = 0 if was_ready else start_failures + 1
+            if not waiting:
+                start_failures = 0 if was_ready else start_failures + 1
             replica.last_error = reason
             if start_failures >= settings.max_start_failures:
                 replica.state, replica.ready_eta = ReplicaState.FAILED, None
@@ -331,10 +339,14 @@ class Supervisor:
                     reason,
                 )
                 return
-            replica.restarts += 1
-            replica.state = ReplicaState.RESTARTING
             replica.ready_eta = time.time() + backoff + _EXPECTED_START_S
-            logger.warning("replica %s: %s; restarting in %.1fs", replica.id, reason, backoff)
+            if waiting:  # (never started: no restart, and never given up on for it)
+                replica.state = ReplicaState.STARTING
+                logger.warning("replica %s: %s; trying again in %.1fs", replica.id, reason, backoff)
+            else:
+                replica.restarts += 1
+                replica.state = ReplicaState.RESTARTING
+                logger.warning("replica %s: %s; restarting in %.1fs", replica.id, reason, backoff)
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, settings.backoff_max)
 
