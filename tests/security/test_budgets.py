@@ -14,7 +14,7 @@ import aiohttp
 import pytest
 
 from corral.admission import BudgetTracker, Principal
-from corral.config import AuthSettings, GatewaySettings, LimitsSettings
+from corral.config import AuthSettings, GatewaySettings, LimitsSettings, QueueSettings
 from corral.gateway import GatewayServer
 from corral.protocol import NoCapacity, RateLimited
 from corral.routing import Replica, ReplicaSet, ReplicaState, Router
@@ -374,3 +374,26 @@ async def test_the_shared_budget_takes_the_stores_use_where_redis_heard_less() -
         assert ok and used == 100  # (only its hold: the unwritten 3,000 would be counted twice)
     finally:
         await shared.close()
+
+
+async def test_a_live_change_of_the_limits_redis_moves_budgets_with_it(tmp_path: Path) -> None:
+    """`corral apply` switching `limits.backend` to Redis moves the monthly budgets there too (they stayed
+    each gateway's own: several gateways could spend a budget once each); a hold made before settles where
+    it was made."""
+    replicas = ReplicaSet(["m"])
+    parts = make_services(replicas, tmp_path / "c.db", auth=AuthSettings(open=False))
+    other = make_services(replicas, tmp_path / "c.db", auth=AuthSettings(open=False))
+    shared = LimitsSettings(backend="redis", redis_url="redis://127.0.0.1:6379/0")
+    try:
+        _, record = parts.keys.create("eve", monthly_token_budget=BUDGET)
+        principal = Principal.of(record)
+        before = await parts.budget.reserve(principal, 50)  # (held in this gateway alone)
+        parts.reconfigure(QueueSettings(), shared)
+        other.reconfigure(QueueSettings(), shared)
+        assert await parts.budget.reserve(principal, 120) is not None
+        with pytest.raises(RateLimited, match="insufficient|used or reserved"):
+            await other.budget.reserve(principal, 120)  # the other gateway sees the first's hold in Redis
+        parts.budget.settle(principal, 10, before)
+    finally:
+        await parts.budget.close()
+        await other.budget.close()

@@ -21,7 +21,7 @@ import logging
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from functools import partial
 
@@ -50,6 +50,7 @@ class BudgetHold:
     tokens: int
     entry: str | None = None
     month: str = ""
+    shared: SharedBudgets | None = field(default=None, repr=False, compare=False)  # where `entry` is
 
 
 _RESERVE = """
@@ -131,6 +132,7 @@ class BudgetTracker:
         # key id → (tenant, monthly budget, month "YYYY-MM", last checked (monotonic s))
         self._budgets: dict[str, tuple[str, int, str, float]] = {}
         self._settling: set[asyncio.Task[None]] = set()
+        self._retired: list[SharedBudgets] = []  # replaced by `share`: closed with this
         self._redis_down_logged = 0.0
 
     async def reserve(
@@ -145,20 +147,21 @@ class BudgetTracker:
         month = _month()
         self._budgets[key] = (principal.tenant, budget, month, time.monotonic())
         known = await self._month_tokens(key)
-        if self._shared is not None:
+        shared = self._shared
+        if shared is not None:
             stored = known - self._unwritten.get(key, 0)
-            sent = asyncio.ensure_future(self._shared.reserve(key, month, budget, tokens, known, stored))
+            sent = asyncio.ensure_future(shared.reserve(key, month, budget, tokens, known, stored))
             try:
                 ok, used, entry = await asyncio.shield(sent)
             except asyncio.CancelledError:  # the caller left; Redis may still grant the hold: then release it
-                sent.add_done_callback(partial(self._release_orphan, key, month))
+                sent.add_done_callback(partial(self._release_orphan, key, month, shared))
                 raise
-            except self._shared.errors as exc:
+            except shared.errors as exc:
                 self._redis_down(exc)
             else:
                 if not ok:
                     raise _refusal(used, budget, tokens, prompt, open_ended)
-                return BudgetHold(tokens, entry, month)
+                return BudgetHold(tokens, entry, month, shared)
         used = known + self._reserved.get(key, 0)  # (no await after this read)
         if used + tokens > budget:
             raise _refusal(used, budget, tokens, prompt, open_ended)
@@ -185,7 +188,7 @@ class BudgetTracker:
         self._unwritten[key] = self._unwritten.get(key, 0) + tokens
         if hold is None:
             return
-        if hold.entry is not None and self._shared is not None:
+        if hold.entry is not None and hold.shared is not None:
             task = asyncio.get_running_loop().create_task(self._settle_shared(key, hold, tokens))
             self._settling.add(task)
             task.add_done_callback(self._settling.discard)
@@ -196,19 +199,22 @@ class BudgetTracker:
         else:
             self._reserved.pop(key, None)
 
-    def _release_orphan(self, key: str, month: str, sent: asyncio.Future[tuple[bool, int, str]]) -> None:
+    def _release_orphan(
+        self, key: str, month: str, shared: SharedBudgets, sent: asyncio.Future[tuple[bool, int, str]]
+    ) -> None:
         if sent.cancelled() or sent.exception() is not None or not sent.result()[0]:
             return
-        hold = BudgetHold(0, sent.result()[2], month)
+        hold = BudgetHold(0, sent.result()[2], month, shared)
         task = asyncio.get_running_loop().create_task(self._settle_shared(key, hold, 0))
         self._settling.add(task)
         task.add_done_callback(self._settling.discard)
 
     async def _settle_shared(self, key: str, hold: BudgetHold, tokens: int) -> None:
-        assert self._shared is not None and hold.entry is not None
+        shared = hold.shared
+        assert shared is not None and hold.entry is not None
         try:
-            await self._shared.settle(key, hold.month, hold.entry, tokens)
-        except self._shared.errors as exc:  # its reservation expires in Redis; its use is in the store
+            await shared.settle(key, hold.month, hold.entry, tokens)
+        except shared.errors as exc:  # its reservation expires in Redis; its use is in the store
             self._redis_down(exc)
 
     def written(self, records: Sequence[UsageRecord]) -> None:
@@ -231,12 +237,20 @@ class BudgetTracker:
             (tenant, key, self._known(key) / budget) for key, (tenant, budget, _, _) in self._budgets.items()
         ]
 
+    def share(self, shared: SharedBudgets | None) -> None:
+        """Count budgets across gateways in `shared` from now on (a live `corral apply` moved the limits'
+        Redis, or to or from one); holds made in the one before settle there."""
+        if self._shared is not None:
+            self._retired.append(self._shared)
+        self._shared = shared
+
     async def close(self) -> None:
         if self._settling:
             await asyncio.gather(*self._settling, return_exceptions=True)
-        if self._shared is not None:
-            with contextlib.suppress(*self._shared.errors):
-                await self._shared.close()
+        for shared in (*self._retired, self._shared):
+            if shared is not None:
+                with contextlib.suppress(*shared.errors):
+                    await shared.close()
 
     def _known(self, key: str) -> int:
         cached = self._used.get(key)

@@ -106,7 +106,10 @@ class GatewayParts:
         keep their place; a changed limits section gets a new limiter)."""
         self.queue.configure(queue.max_queued, queue.timeout)
         self.sizing.tokens_per_byte = limits.tokens_per_char
+        before = self.limits.settings
         self.limits.reconfigure(limits)
+        if _budgets_where(before) != _budgets_where(limits):  # (budgets count where the limits do)
+            self.budget.share(_shared_budgets(limits))
 
     @classmethod
     def build(
@@ -169,6 +172,10 @@ def _oidc(auth: AuthSettings) -> OIDCVerifier | None:
     from corral.admission.oidc import OIDCVerifier  # (joserfc imported only when used)
 
     return OIDCVerifier(auth.oidc)
+
+
+def _budgets_where(limits: LimitsSettings) -> tuple[object, ...]:
+    return (limits.backend, limits.redis_url, limits.redis_timeout) if limits.backend == "redis" else ()
 
 
 def _shared_budgets(limits: LimitsSettings) -> SharedBudgets | None:
