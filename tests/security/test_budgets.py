@@ -397,3 +397,21 @@ async def test_a_live_change_of_the_limits_redis_moves_budgets_with_it(tmp_path:
     finally:
         await parts.budget.close()
         await other.budget.close()
+
+
+async def test_a_refusal_that_requests_in_flight_alone_cause_says_to_retry_soon(tmp_path: Path) -> None:
+    """Where what the key's requests in flight hold is all that keeps a request out, its refusal says so
+    and to retry in seconds (they settle and give back what they did not use), not at next month's start
+    (the OpenAI SDK gives up on a wait of weeks)."""
+    usage = UsageStore(open_database(f"sqlite:///{tmp_path / 'c.db'}"))
+    budget = BudgetTracker(usage)
+    eve = principal_of("k-eve", 200)
+    hold = await budget.reserve(eve, 150)
+    with pytest.raises(RateLimited) as held:
+        await budget.reserve(eve, 100)
+    assert held.value.retry_after is not None and held.value.retry_after <= 5
+    assert "in flight" in str(held.value)
+    budget.settle(eve, 150, hold)  # it used all it held: now only next month has room
+    with pytest.raises(RateLimited) as spent:
+        await budget.reserve(eve, 100)
+    assert spent.value.retry_after is not None and spent.value.retry_after > 3600

@@ -162,9 +162,10 @@ class BudgetTracker:
                 if not ok:
                     raise _refusal(used, budget, tokens, prompt, open_ended)
                 return BudgetHold(tokens, entry, month, shared)
-        used = known + self._reserved.get(key, 0)  # (no await after this read)
+        held = self._reserved.get(key, 0)
+        used = known + held  # (no await after this read)
         if used + tokens > budget:
-            raise _refusal(used, budget, tokens, prompt, open_ended)
+            raise _refusal(used, budget, tokens, prompt, open_ended, held)
         self._reserved[key] = self._reserved.get(key, 0) + tokens
         return BudgetHold(tokens)
 
@@ -288,7 +289,19 @@ class BudgetTracker:
             )
 
 
-def _refusal(used: int, budget: int, tokens: int, prompt: int, open_ended: bool) -> RateLimited:
+_HELD_RETRY_S = 5.0  # a refusal that in-flight holds alone cause: they settle within a request's time
+
+
+def _refusal(
+    used: int, budget: int, tokens: int, prompt: int, open_ended: bool, held: int = 0
+) -> RateLimited:
+    if held and used - held + tokens <= budget:  # it fits once the key's requests in flight settle
+        return RateLimited(
+            f"This key's requests in flight hold {held:,} of its {budget:,} tokens this month; this request "
+            f"may need {tokens:,}, which fits once they end and give back what they did not use.",
+            code="insufficient_quota",
+            retry_after=_HELD_RETRY_S,
+        )
     now = datetime.now(UTC)
     next_month = (now.replace(day=28) + (now.replace(day=28) - now.replace(day=1))).replace(
         day=1, hour=0, minute=0, second=0, microsecond=0
