@@ -281,3 +281,47 @@ async def test_a_worker_that_reads_nothing_of_its_control_connection_is_let_go(
     for _, writer in streams:
         writer.close()
     await pool.stop()
+
+
+async def test_a_worker_that_cannot_be_started_or_hangs_before_listening_is_started_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A restart whose process cannot be made (fork's EAGAIN) is tried again, not the worker given up for
+    good; a restarted worker that hangs before it listens is killed and started again, not waited on
+    forever; stopping waits for all workers side by side."""
+    from corral.cluster import workers
+    from corral.routing import ReplicaSet
+
+    monkeypatch.setattr(workers, "_START_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(workers, "_BACKOFF_MAX_S", 0.1)
+    pool = workers.WorkerPool(ReplicaSet(), {"gateway": {}}, count=1, logs="warning:auto", shutdown_grace=1)
+    worker = pool._workers[0]
+    worker.process = await asyncio.create_subprocess_exec("true")  # (it exited: restarted)
+    spawned: list[asyncio.subprocess.Process] = []
+
+    async def spawn(one: workers._Worker) -> None:
+        if not spawned and not getattr(spawn, "failed", False):
+            spawn.failed = True  # type: ignore[attr-defined]
+            raise OSError(11, "Resource temporarily unavailable")
+        one.listening.clear()
+        one.process = await asyncio.create_subprocess_exec("sleep", "30")
+        spawned.append(one.process)
+        if len(spawned) == 2:
+            one.listening.set()  # the second one listens
+
+    monkeypatch.setattr(pool, "_spawn", spawn)
+    keeping = asyncio.create_task(pool._keep(worker))
+    try:
+        deadline = time.monotonic() + 10
+        while len(spawned) < 2 or worker.restarts:
+            assert time.monotonic() < deadline, (len(spawned), worker.restarts)
+            await asyncio.sleep(0.05)
+        assert spawned[0].returncode is not None  # the hung one was killed
+        assert spawned[1].returncode is None
+    finally:
+        pool._stopping = True
+        keeping.cancel()
+        for process in spawned:
+            if process.returncode is None:
+                process.kill()
+                await process.wait()

@@ -151,13 +151,7 @@ class WorkerPool:
         for process in running:
             with contextlib.suppress(ProcessLookupError):
                 process.send_signal(signal.SIGTERM)
-        for process in running:
-            try:
-                await asyncio.wait_for(process.wait(), self._grace + 5)
-            except TimeoutError:
-                with contextlib.suppress(ProcessLookupError):
-                    process.kill()
-                await process.wait()
+        await asyncio.gather(*(self._ended(process) for process in running))  # (side by side: one grace)
         if self._server is not None:
             self._server.close()
         if self._reserved is not None:
@@ -165,6 +159,15 @@ class WorkerPool:
         for path in sorted(self._dir.rglob("*"), reverse=True):
             path.rmdir() if path.is_dir() else path.unlink()
         self._dir.rmdir()
+
+    async def _ended(self, process: asyncio.subprocess.Process) -> None:
+        """The worker drained and exited within the grace period, else killed."""
+        try:
+            await asyncio.wait_for(process.wait(), self._grace + 5)
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                process.kill()
+            await process.wait()
 
     async def _spawn(self, worker: _Worker) -> None:
         worker.listening.clear()
@@ -213,10 +216,18 @@ class WorkerPool:
             delay = min(_BACKOFF_MAX_S, 0.5 * 2 ** min(worker.restarts - 1, 6))
             logger.warning("gateway worker %d exited (%s); restarting in %.1fs", worker.index, code, delay)
             await asyncio.sleep(delay)
-            await self._spawn(worker)
-            with contextlib.suppress(WorkerError):
+            try:
+                await self._spawn(worker)  # (its exited process stays until a spawn succeeds: tried again)
+            except OSError as exc:  # (no process could be made: fork's EAGAIN, out of memory)
+                logger.error("gateway worker %d could not be started: %s", worker.index, exc)
+                continue
+            try:
                 await self._until_listening(worker)
                 worker.restarts = 0
+            except WorkerError as exc:  # hung before listening: killed, and started again
+                logger.warning("%s; killing it", exc)
+                with contextlib.suppress(ProcessLookupError):
+                    worker.process.kill()
 
     def _forget_metrics(self, pid: int) -> None:
         """A dead worker's live gauges leave the sum; its counters stay (they count what it served)."""
