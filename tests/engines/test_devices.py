@@ -78,3 +78,26 @@ def test_a_process_pinned_to_one_core_counts_that_core_and_binds_vllm_cpu_to_it(
     )
     assert done.stdout.split(" {")[0] == f"[{last}]", done.stdout
     assert f"'VLLM_CPU_OMP_THREADS_BIND': '{last}'" in done.stdout  # a core it may run on, not core 0
+
+
+def test_deployments_that_share_a_gpu_must_leave_each_other_room() -> None:
+    """Deployments that list no `gpus` all start at GPU 0: two vLLM models at the default 0.9 on one GPU
+    (the second would run out of memory at every start) are refused at `corral up`, naming the GPU and
+    the deployments; separate GPUs, or shares that add up to at most 1, pass."""
+    from corral.config import parse_spec
+    from corral.engines.devices import DeviceError, check_local_gpus
+
+    def spec(first: str, second: str) -> object:
+        return parse_spec(
+            "models:\n"
+            f"  - {{name: a, source: {{hf: a/b}}, deployments: [{{engine: vllm, {first}}}]}}\n"
+            f"  - {{name: e, source: {{hf: a/c}}, deployments: [{{engine: vllm, {second}}}]}}\n"
+        )
+
+    with pytest.raises(DeviceError, match=r"GPU 0 is given to models\[a\].deployments\[0\], models\[e\]"):
+        check_local_gpus(spec("replicas: 1", "replicas: 1"), available=2)  # type: ignore[arg-type]
+    with pytest.raises(DeviceError, match="GPU 1"):
+        check_local_gpus(spec("replicas: 2", "gpus: [1]"), available=2)  # type: ignore[arg-type]
+    check_local_gpus(spec("replicas: 1", "gpus: [1]"), available=2)  # type: ignore[arg-type]
+    shared = "gpu_memory_utilization: 0.45"
+    check_local_gpus(spec(shared, shared), available=1)  # type: ignore[arg-type]

@@ -11,6 +11,7 @@ import subprocess
 from pathlib import Path
 
 from corral.config import ClusterSpec
+from corral.engines.base import visible_gpus
 
 __all__ = ["DeviceError", "check_local_gpus", "local_gpu_count", "usable_cpus"]
 
@@ -90,7 +91,11 @@ def local_gpu_count(dev: Path = Path("/dev")) -> int:
 
 
 def check_local_gpus(spec: ClusterSpec, available: int) -> None:
-    """Refuse a spec whose local vLLM GPU deployments need more GPUs than `available`."""
+    """Refuse a spec whose local vLLM GPU deployments need more GPUs than `available`, or put more on one
+    GPU than it holds: deployments that list no `gpus` all start at GPU 0, and two that share a GPU must
+    leave each other room (`gpu_memory_utilization` adding up to at most 1), else the second runs out of
+    memory at every start."""
+    _check_shared_gpus(spec)
     for model in spec.models:
         for deployment in model.deployments:
             if deployment.engine != "vllm" or deployment.device != "gpu":
@@ -107,3 +112,24 @@ def check_local_gpus(spec: ClusterSpec, available: int) -> None:
                     f"{found} can be seen (nvidia-smi, /dev/nvidia*); run it on a GPU server, across "
                     "machines with --ray, or on the CPU with `device: cpu`"
                 )
+
+
+def _check_shared_gpus(spec: ClusterSpec) -> None:
+    shares: dict[int, list[tuple[str, float]]] = {}
+    for model in spec.models:
+        for number, deployment in enumerate(model.deployments):
+            if deployment.engine != "vllm" or deployment.device != "gpu":
+                continue
+            where = f"models[{model.name}].deployments[{number}]"
+            for index in range(deployment.most_replicas):
+                for device in visible_gpus(deployment, index).split(","):
+                    shares.setdefault(int(device), []).append((where, deployment.gpu_memory_utilization))
+    for gpu, users in sorted(shares.items()):
+        if sum(share for _, share in users) > 1.0 + 1e-9:
+            named = ", ".join(sorted({where for where, _ in users}))
+            raise DeviceError(
+                f"GPU {gpu} is given to {named} (replicas of one deployment count once each), whose "
+                f"gpu_memory_utilization adds up to {sum(share for _, share in users):.2f}, more than the "
+                "GPU holds: give each deployment GPUs of its own with `gpus: [...]` (a deployment that "
+                "lists none starts at GPU 0), or lower their gpu_memory_utilization to share one"
+            )
