@@ -190,3 +190,49 @@ async def test_a_runner_stopped_while_leasing_hands_back_what_the_lease_took(
     with Session(open_database(f"sqlite:///{tmp_path / 'batch.db'}")) as session:
         row = session.get(BatchLineRow, (batch_id, 0))
         assert row is not None and (row.state, row.lease_owner, row.attempts) == ("pending", None, 0)
+
+
+class SlowPass(BatchStore):
+    """A store whose look for pending work takes as long as the test says (a pass checking big input
+    files, a slow database)."""
+
+    slow = 0.0
+
+    def pending(self) -> Any:
+        time.sleep(self.slow)
+        return super().pending()
+
+
+class Endless(Executor):
+    """A line that runs until the test ends it (a long generation)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = asyncio.Event()
+
+    async def run_line(
+        self, principal: Principal, path: str, body: bytes, request_id: str | None = None
+    ) -> tuple[int, bytes]:
+        self.answered += 1
+        await self.release.wait()
+        return 200, b"{}"
+
+
+async def test_leases_are_renewed_while_a_pass_takes_longer_than_a_lease(
+    tmp_path: Path, prefixes: list[str]
+) -> None:
+    """Renewal waited for its turn in the pass, behind checking input files: a pass longer than a lease
+    (forty 100 MB batches to check) let the lines running lapse, and another gateway ran them again."""
+    store = _store("sql", tmp_path, prefixes, SlowPass)
+    assert isinstance(store, SlowPass)
+    _batch(store, ["a"])
+    executor, lease_s = Endless(), 0.6
+    async with _running(_runner(store, executor, tmp_path, lease_s=lease_s)):
+        await _until(lambda: executor.answered == 1)
+        store.slow = 3 * lease_s  # the next pass takes three leases
+        held_until = time.monotonic() + 3 * lease_s
+        while time.monotonic() < held_until:
+            assert store.lease("other-gateway", "m", 5, lease_s=30) == []  # still held, never lapsed
+            await asyncio.sleep(0.05)
+        store.slow = 0.0
+        executor.release.set()

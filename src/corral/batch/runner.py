@@ -169,12 +169,13 @@ class BatchRunner:
         """Until cancelled; then the lines in hand are given back. A store that fails is logged and tried
         again next tick (a supervisor loop)."""
         loop = asyncio.get_running_loop()
-        next_housekeeping = next_renewal = loop.time()
+        next_housekeeping = loop.time()
         try:
             if self._manages and (dropped := await asyncio.to_thread(self._store.tidy)):
                 logger.info("batch queue: dropped the lines of %d finished batches", dropped)
         except Exception:
             logger.exception("batch queue: tidying failed")
+        renewing = asyncio.create_task(self._renew(), name="batch-leases")
         try:
             while True:
                 await self._flush()  # (a store that fails keeps them: the rest of the pass goes on)
@@ -183,11 +184,6 @@ class BatchRunner:
                         next_housekeeping = loop.time() + _HOUSEKEEPING_S
                         for batch_id in await asyncio.to_thread(self._store.housekeeping):
                             logger.info("batch %s finished", batch_id)
-                    if self._leased and loop.time() >= next_renewal:
-                        next_renewal = loop.time() + self._settings.lease_s / 3
-                        await asyncio.to_thread(
-                            self._store.renew, self.owner, list(self._leased.values()), self._settings.lease_s
-                        )
                     checking, models = await asyncio.to_thread(self._store.pending)
                     checking = checking and self._manages
                     for record in await asyncio.to_thread(self._store.validating) if checking else []:
@@ -205,7 +201,23 @@ class BatchRunner:
                     async with asyncio.timeout(self._settings.poll_s):
                         await self._wake.wait()
         finally:
+            renewing.cancel()
+            await asyncio.gather(renewing, return_exceptions=True)
             await self._stop()
+
+    async def _renew(self) -> None:
+        """Renew the leases of the lines in hand every third of a lease, on a timer of its own: a pass
+        that takes long (checking big input files, a slow store) does not let them lapse and run twice."""
+        while True:
+            await asyncio.sleep(self._settings.lease_s / 3)
+            if not self._leased:
+                continue
+            try:
+                await asyncio.to_thread(
+                    self._store.renew, self.owner, list(self._leased.values()), self._settings.lease_s
+                )
+            except Exception:  # the store is down: tried again at the next third
+                logger.exception("batch runner: renewing leases failed")
 
     async def _validate(self, batch: BatchRecord) -> None:
         """Queue the batch's lines, or fail it with what is wrong (each bad line named)."""
