@@ -71,6 +71,7 @@ def main() -> None:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     report: dict[str, Any] = {
         "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        "api_key": os.environ.get("VLLM_API_KEY"),  # (vLLM guards its /v1 routes with it)
         "pid": os.getpid(),
     }
     if os.environ.get("CORRAL_RAY_PLACEMENT_GROUP"):

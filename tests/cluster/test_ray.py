@@ -169,7 +169,9 @@ def vllm_ray_plan() -> LaunchPlan:
     assert Path(plan.argv[1]).name == "vllm_ray_entry.py"
     assert plan.argv[2] == "vllm.entrypoints.openai.api_server"
     server = (*plan.argv[:2], str(PROBE), *plan.argv[3:])
-    return LaunchPlan(argv=server, env=plan.env, health_path="/health", resources=plan.resources)
+    return LaunchPlan(
+        argv=server, env=plan.env, health_path="/health", resources=plan.resources, key_env=plan.key_env
+    )
 
 
 async def placement_of(url: str) -> dict[str, Any]:
@@ -212,6 +214,8 @@ async def test_vllm_ray_workers_use_the_replicas_placement_group(
         vllm_python = vllm_ray_plan.argv[0]
         assert all(w["executable"] == vllm_python and w["vllm"] for w in workers)  # vLLM's interpreter
         assert report["cuda_visible_devices"] is None  # the engine's own GPUs are its workers'
+        # on the node's address, with no engine_api_key in the spec: a key of its own for this run
+        assert replica.api_key and report["api_key"] == replica.api_key
     finally:
         await replica.stop(5)
     assert ray.util.placement_group_table()[report["group"]]["state"] == "REMOVED"

@@ -29,6 +29,7 @@ import concurrent.futures
 import contextlib
 import logging
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -132,10 +133,11 @@ def _seen(future: asyncio.Future[Any]) -> None:
 class RayReplica:
     """A replica running as an actor in a placement group."""
 
-    def __init__(self, actor: Any, group: Any, url: str, node_id: str) -> None:
+    def __init__(self, actor: Any, group: Any, url: str, node_id: str, api_key: str | None = None) -> None:
         self._actor = actor
         self._group = group
         self.url = url
+        self.api_key = api_key  # the engine's key for this run (the runtime's own where the plan has none)
         self.pid: int | None = None
         self.node_id = node_id
         self.log_path: Path | None = None  # on the actor's node, which may be another machine
@@ -247,6 +249,11 @@ class RayRuntime:
             ),
         ).remote()
         env = {key: value for key, value in plan.env.items() if key != "CUDA_VISIBLE_DEVICES"}
+        # An engine on a Ray node listens on the node's network address: one with no key of the spec's
+        # (`engine_api_key`) gets one for this run, so only the gateway is served past corral's keys
+        api_key = plan.api_key
+        if api_key is None and plan.key_env is not None:
+            api_key = env[plan.key_env] = secrets.token_urlsafe(32)
         if placement.engine_workers:
             env["CORRAL_RAY_PLACEMENT_GROUP"] = group.id.hex()
             env["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
@@ -263,4 +270,4 @@ class RayRuntime:
                 ray.kill(actor)
             ray.util.remove_placement_group(group)
             raise
-        return RayReplica(actor, group, f"http://{host}:{port}", node_id)
+        return RayReplica(actor, group, f"http://{host}:{port}", node_id, api_key)

@@ -375,6 +375,7 @@ class Supervisor:
         the process."""
         replica = slot.replica
         replica.url, replica.pid, replica.started_at = running.url, running.pid, time.time()
+        replica.api_key = getattr(running, "api_key", None) or slot.plan.api_key  # (a run's own: Ray's)
         replica.node = getattr(running, "node_id", None)
         slot.running = running
         slot.became_ready = False

@@ -56,6 +56,9 @@ class LaunchPlan:
     context_length: int | None = None  # tokens per sequence (prompt + output); the gateway refuses more
     features: EngineFeatures = field(default_factory=EngineFeatures)  # what the gateway must make up for
     api_key: str | None = None  # the engine's own API key, which the gateway sends upstream
+    # where the engine reads an API key from (its environment), guarding its routes with it while probes and
+    # metrics still answer without: a runtime that puts it on a network (Ray) gives it one of its own
+    key_env: str | None = None
     startup_s: float | None = None  # how long the engine may take to become ready (default: the supervisor's)
     # the engine's KV-cache events (engines/kv_events.py): the flags that make it publish to `{events}` (an
     # endpoint the supervisor binds, one port per data-parallel rank), or a running server's publishers

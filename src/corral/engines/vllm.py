@@ -170,6 +170,7 @@ class VllmEngine:
                 capacity=deployment.max_num_seqs,
                 context_length=deployment.max_model_len,
                 api_key=deployment.engine_api_key,
+                key_env="VLLM_API_KEY",  # (its /v1 routes; /health, /metrics and /tokenize stay open)
                 startup_s=120.0 if cpu else 600.0,
                 features=EngineFeatures(
                     embeddings=model.task == "embed",
