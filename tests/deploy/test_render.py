@@ -97,7 +97,7 @@ def test_nginx_config_passes_nginx_t_and_carries_the_spec(tmp_path: Path) -> Non
         f"client_max_body_size {100 * 1024 * 1024 + 64 * 1024};",  # /v1/files: max_file_bytes + the form
         "client_body_timeout 12s;",
         "send_timeout 45s;",
-        "proxy_read_timeout 128s;",  # the queue's 30 s, a retry's connect 3 s, read_timeout 90 s, 5 more
+        "proxy_read_timeout 218s;",  # the queue's 30 s, a retry's connect 3 s, 2 tries' read_timeout 90, 5
         "proxy_buffering off;",
         "proxy_next_upstream error timeout;",
         "ssl_protocols TLSv1.2 TLSv1.3;",
@@ -123,19 +123,20 @@ def test_nginx_without_hsts_and_with_a_slow_rate(tmp_path: Path) -> None:
 def test_the_edge_outwaits_the_queue_a_scale_from_zero_hold_and_the_engine(tmp_path: Path) -> None:
     """The edge times a request until its first byte: the gateway may first hold it in the queue
     (`queue.timeout`; scaled to zero, `autoscale.hold_s`), then wait out a silent engine
-    (`gateway.read_timeout`); the gateway's own 503/504 must reach the client, not the edge's."""
+    (`gateway.read_timeout`), on each try where one failed late; the gateway's own 503/504 must reach the
+    client, not the edge's."""
     spec = CPU_SPEC.replace(
         "auth: {open: true}", "auth: {open: true}\ngateway: {read_timeout: 40}\nqueue: {timeout: 50}"
     )
     conf = (rendered(tmp_path / "queue", "nginx", spec) / "nginx" / "corral.conf").read_text()
-    assert "proxy_read_timeout 98s;" in conf
+    assert "proxy_read_timeout 138s;" in conf
     scaled = spec.replace(
         "{engine: llamacpp, replicas: 2, threads: 1}",
         "{engine: llamacpp, replicas: 0, threads: 1, "
         "autoscale: {min_replicas: 0, max_replicas: 2, hold_s: 200}}",
     )
     conf = (rendered(tmp_path / "zero", "nginx", scaled) / "nginx" / "corral.conf").read_text()
-    assert "proxy_read_timeout 248s;" in conf
+    assert "proxy_read_timeout 288s;" in conf
 
 
 def test_nginx_t_fails_on_a_broken_certificate_path(tmp_path: Path) -> None:

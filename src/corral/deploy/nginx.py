@@ -57,7 +57,9 @@ def _first_byte_s(spec: ClusterSpec) -> float:
     """The longest the gateway may take before an answer's first byte: a request waits for a replica slot
     (`queue.timeout`; a model scaled to zero, for its first replica: its `autoscale.hold_s` where longer),
     a replica that could not be connected to may be retried on another (`retries` × `connect_timeout`),
-    then the engine may stay silent for `gateway.read_timeout` before the gateway answers 504 itself. The edge
+    and each try's engine may stay silent for `gateway.read_timeout` (one that fails late, a long prompt's
+    prefill cut by a crash, is retried on another: `retries` + 1 of them) before the gateway answers 504
+    itself. The edge
     waits a little longer, so that the gateway's own answer (a 503 queue_timeout, a 504) reaches the client
     rather than the edge's 504 turned into its 'no gateway reachable' page."""
     holds = [
@@ -66,11 +68,12 @@ def _first_byte_s(spec: ClusterSpec) -> float:
         for deployment in model.deployments
         if deployment.autoscale is not None and deployment.autoscale.min_replicas == 0
     ]
-    gateway = (
-        spec.gateway
-    )  # (a retry on another replica follows a failed connection, at most connect_timeout)
+    gateway = spec.gateway
+    tries = gateway.retries + 1
     return (
-        max([spec.queue.timeout, *holds]) + gateway.retries * gateway.connect_timeout + gateway.read_timeout
+        max([spec.queue.timeout, *holds])
+        + gateway.retries * gateway.connect_timeout
+        + (tries * gateway.read_timeout)
     )
 
 
