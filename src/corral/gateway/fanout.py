@@ -99,11 +99,12 @@ class Fanout:
             raise InvalidRequest(f"The body is not strict JSON: {exc}.") from exc
         prompts: list[Any] = body.prompts if isinstance(body, CompletionRequest) else [None]
         gateway_echo = isinstance(body, CompletionRequest) and body.echo and not features.echo
+        routed = _routing_prompts(ctx, prompts)
         parts = [
             replace(
                 ctx,
                 upstream_body=orjson.dumps(_single(data, prompt, j, gateway_echo)),
-                route=_route(ctx),
+                route=_route(ctx, routed[i]),
                 # each its own engine request id (an engine may refuse one already running)
                 request_id=f"{ctx.request_id}-{i * body.n + j}" if ctx.request_id else None,
             )
@@ -161,7 +162,24 @@ def _single(data: dict[str, Any], prompt: Any, choice: int, gateway_echo: bool) 
     return part
 
 
-def _route(ctx: RequestContext) -> RouteRequest:
+def _routing_prompts(ctx: RequestContext, prompts: list[Any]) -> list[str]:
+    """What routing reads of each prompt of a list: the request's routing prompt with the list's text (as
+    intake writes it: the list's `str`) replaced by the prompt's own, after the same lines before it (the
+    tenant's routing tag, the adapter's `lora:` line): as it reads a request of that prompt alone, so a part
+    goes where that prompt's prefix is cached. Any other request's parts are routed by its whole prompt."""
+    whole = ctx.route.prompt
+    listed = ctx.body.prompt if isinstance(ctx.body, CompletionRequest) else None
+    if not whole or not isinstance(listed, list) or isinstance(listed[0], int):  # not a list of prompts
+        return [whole] * len(prompts)
+    text = str(listed)
+    if not whole.endswith(text):  # (not as intake writes it)
+        return [whole] * len(prompts)
+    head = whole[: len(whole) - len(text)]
+    return [head + (prompt if isinstance(prompt, str) else str(prompt)) for prompt in prompts]
+
+
+def _route(ctx: RequestContext, prompt: str | None = None) -> RouteRequest:
+    """One part's routing request: `prompt` (None: the request's routing prompt), its share of the tokens."""
     prompts = len(ctx.body.prompts) if isinstance(ctx.body, CompletionRequest) else 1
     route = ctx.route
     prompt_tokens = route.prompt_tokens // prompts  # each part sends one prompt and asks one choice
@@ -171,7 +189,7 @@ def _route(ctx: RequestContext) -> RouteRequest:
         tokens=prompt_tokens + output,
         tenant=route.tenant,  # (a part the engine answers with a 5xx is told as its tenant's, to the breaker)
         session=route.session,
-        prompt=route.prompt,
+        prompt=route.prompt if prompt is None else prompt,
         prompt_tokens=prompt_tokens,
         adapter=route.adapter,
     )

@@ -141,7 +141,7 @@ class Relay:
                 failure += " (retry budget exhausted)"
                 break
             try:
-                replica = self._router.acquire(ctx.route, exclude=tried)
+                replica = await self._acquire(ctx, tried)
             except NoCapacity:
                 if not tried:
                     raise
@@ -151,10 +151,6 @@ class Relay:
             outcome: bool | None = None
             answered = False
             try:
-                # prefill coalescing: its long prefix is being computed there now; wait, then hit the cache
-                shared = self._router.shared_prefill(replica, ctx.route)
-                if shared is not None:
-                    ctx.held += await self._router.hold(shared)
                 response = await self._attempt(replica, ctx, request)
                 cut = ctx.replica_failed
                 outcome = response.status < 500 and not cut
@@ -195,6 +191,28 @@ class Relay:
                 retry_after=busy,
             )
         raise UpstreamError(f"The model's replicas failed to answer: {failure}.")
+
+    async def _acquire(self, ctx: RequestContext, tried: list[Replica]) -> Replica:
+        """A replica for the request, counted as outstanding (NoCapacity: none). With prefill coalescing a
+        request whose long prefix that replica is computing now waits for it (then finds it cached); one
+        that may no longer serve when the wait ends (drained, removed, its breaker opened meanwhile) is
+        released and passed by."""
+        passed: list[Replica] = []
+        while True:
+            replica = self._router.acquire(ctx.route, exclude=[*tried, *passed] if passed else tried)
+            shared = self._router.shared_prefill(replica, ctx.route)
+            if shared is None:
+                return replica
+            serves = False
+            try:
+                ctx.held += await self._router.hold(shared)
+                serves = self._router.may_serve(replica, ctx.route)
+            finally:  # (cancelled while held, or passed by: released as a request that never went out)
+                if not serves:
+                    self._router.release(replica, ctx.route, None)
+            if serves:
+                return replica
+            passed.append(replica)
 
     async def call(self, route: RouteRequest, path: str, body: bytes) -> bytes:
         """A request of the gateway's own (the semantic cache's embeddings): a replica's whole 200 answer,

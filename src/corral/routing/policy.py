@@ -4,7 +4,8 @@
 - least_outstanding_requests: the fewest requests in flight from this gateway.
 - least_outstanding_tokens: the fewest estimated tokens (prompt + max output) in flight.
 - power_of_two: the less loaded of two random replicas.
-- session_affinity: the same replica for the same `user` / `x-session-id` (rendezvous hashing).
+- session_affinity: the same replica for the same `user` / `x-session-id` (rendezvous hashing), among
+  replicas within a load bound.
 - prefix_affinity (the default): the replica where the request costs least by predicted work: the prompt
   tokens it would have to compute (the part not likely in that replica's prefix cache), which also stall
   the requests running there, the prefill already waiting there, and the decode it shares with the
@@ -19,6 +20,7 @@ import hashlib
 import itertools
 import random
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -120,19 +122,32 @@ class PowerOfTwo:
 
 
 class SessionAffinity:
-    """Rendezvous hashing: a session keeps its replica while it is ready, and moves minimally otherwise."""
+    """Rendezvous hashing with bounded load: a session keeps its replica while it is ready and within the
+    load bound (`(1 + slack) × mean load + spill`, as prefix_affinity's), and moves minimally otherwise: one
+    busy session (a client that sends one `user` for all its traffic) spills to its next replicas instead of
+    queueing everything on one."""
 
     name = "session_affinity"
 
-    def __init__(self) -> None:
+    def __init__(self, slack: float = 0.5, spill: float = 16) -> None:
         self._fallback = LeastOutstandingRequests()
+        self._slack = slack
+        self._spill = spill
 
     def pick(self, candidates: Sequence[Replica], request: RouteRequest) -> Decision:
         if not request.session:
             return self._fallback.pick(candidates, request)
         key = request.session.encode()
-        best = max(candidates, key=lambda r: hashlib.blake2b(key + r.id.encode(), digest_size=8).digest())
-        return Decision(best, "session affinity")
+
+        def rank(replica: Replica) -> bytes:
+            return hashlib.blake2b(key + replica.id.encode(), digest_size=8).digest()
+
+        best = max(candidates, key=rank)
+        bound = (1 + self._slack) * (sum(map(load_score, candidates)) / len(candidates)) + self._spill
+        if load_score(best) <= bound:
+            return Decision(best, "session affinity")
+        best = max((r for r in candidates if load_score(r) <= bound), key=rank)  # (the least loaded is one)
+        return Decision(best, "session affinity; its replica past the load bound")
 
 
 class PrefixAffinity:
@@ -182,9 +197,11 @@ class PrefixAffinity:
         self._kv_pressure = kv_pressure
         self.index = PrefixIndex(max_blocks)
         self.hasher = PrefixHasher()
-        # engine tokens per index block, from the answers' usage (prompt tokens per prompt block)
+        # engine tokens per index block, from the answers' usage (prompt tokens per prompt block): the mean
+        # of the latest tenants' own estimates (tenant → [its running mean, its answers]), and their sum
         self.block_tokens = _BLOCK_TOKENS
-        self._answers = 0
+        self._tenants_learnt: OrderedDict[str, list[float]] = OrderedDict()
+        self._learnt_sum = 0.0
         # per replica whose KV events are followed: [its cache's clears, its eviction frontier] last seen
         self._followed: dict[str, list[float]] = {}
         self.clock = time.time  # when requests end, on the clock of the engines' KV events
@@ -278,16 +295,41 @@ class PrefixAffinity:
 
     def observe(self, request: RouteRequest, prompt_tokens: int) -> None:
         """A request ended with the engine's count of its prompt tokens: the engine's tokens per prompt
-        block, which turns a replica's KV cache (in tokens) into the index's blocks, are learnt from it."""
+        block, which turns a replica's KV cache (in tokens) into the index's blocks, are learnt from it.
+
+        Only from prompts of text as the engine reads it: not one whose tokens per byte no text gives (1 per
+        32 bytes to 1 per 2), nor a chat with content parts (routing reads them as their Python text: an
+        image's base64 is many characters and few tokens). Looking for those is a scan of the prompt (about
+        1 µs a KB), made only for an answer far from its tenant's estimate: one near it moves little. Each
+        tenant's answers make its own estimate, and the policy's is the mean of the latest tenants': one
+        tenant's prompts (emoji, images) move it for the others by their share at most."""
         prompt = request.prompt
         blocks = (len(prompt) if prompt.isascii() else len(prompt.encode())) / PREFIX_BLOCK_CHARS
-        if blocks >= _LEARN_BLOCKS and prompt_tokens > 0:  # (a short prompt's template tokens would skew it)
-            self._answers += 1
-            weight = max(_LEARNING, 1 / self._answers)  # the plain mean of the first answers
-            # within what text gives (1 token per 32 bytes to 1 per 2): an image's base64 or a prompt of
-            # token ids, say, would pull it out of range
-            per_block = min(max(prompt_tokens / blocks, _BLOCK_TOKENS_RANGE[0]), _BLOCK_TOKENS_RANGE[1])
-            self.block_tokens += weight * (per_block - self.block_tokens)
+        if blocks < _LEARN_BLOCKS or prompt_tokens <= 0:  # (a short prompt's template tokens would skew it)
+            return
+        per_block = prompt_tokens / blocks
+        if not _BLOCK_TOKENS_RANGE[0] <= per_block <= _BLOCK_TOKENS_RANGE[1]:
+            return
+        mine = self._tenants_learnt.get(request.tenant)
+        expected = mine[0] if mine is not None else self.block_tokens
+        if abs(per_block - expected) > _NEAR * expected and _CONTENT_PARTS in prompt:
+            return
+        self._learn(request.tenant, per_block, mine)
+
+    def _learn(self, tenant: str, per_block: float, mine: list[float] | None) -> None:
+        learnt = self._tenants_learnt
+        if mine is None:
+            learnt[tenant] = [per_block, 1.0]
+            self._learnt_sum += per_block
+            if len(learnt) > _TENANTS_LEARNT:
+                self._learnt_sum -= learnt.popitem(last=False)[1][0]
+        else:
+            learnt.move_to_end(tenant)
+            mine[1] += 1
+            step = max(_LEARNING, 1 / mine[1]) * (per_block - mine[0])  # the plain mean of its first answers
+            mine[0] += step
+            self._learnt_sum += step
+        self.block_tokens = self._learnt_sum / len(learnt)
 
     def keep(self, replica_ids: set[str]) -> None:
         """Forget the replicas not among these (they left the cluster)."""
@@ -356,9 +398,12 @@ def _followed(replica: Replica) -> bool:
 _LEARNT_KEPT = 65_536  # other workers' requests in flight whose blocks are kept for their ends
 _PRICED_OUTPUT = 256  # output tokens a request's decode is priced for at most (the default estimate)
 _BLOCK_TOKENS = 32.0  # engine tokens per index block until answers say: about 4 bytes a token
-_LEARNING = 0.05  # each answer's weight in the running mean of tokens per block, after the first 20
+_LEARNING = 0.05  # each answer's weight in a tenant's running mean of tokens per block, after its first 20
 _LEARN_BLOCKS = 8  # prompts this long (about 1 KB) tell the tokens per block
-_BLOCK_TOKENS_RANGE = (4.0, 64.0)
+_BLOCK_TOKENS_RANGE = (4.0, 64.0)  # what text gives: 1 token per 32 bytes to 1 per 2
+_TENANTS_LEARNT = 64  # the latest tenants whose estimates of tokens per block are averaged
+_NEAR = 0.25  # an answer this close to its tenant's estimate of tokens per block is learnt unexamined
+_CONTENT_PARTS = "[{'"  # how a chat's list of content parts starts in routing's text (intake.prompt_text)
 _MAX_CACHE_BLOCKS = 100_000  # a replica's bound at most (about 14 MB): 400 prompts' 32 KB the index reads
 
 DEFAULT_POLICY = PrefixAffinity.name

@@ -28,10 +28,12 @@ class PrefixIndex:
     An engine's cache holds what its own requests left there and evicts the least recently used blocks when
     it needs room: a replica's blocks here are bounded by the blocks of its cache (`record`'s `capacity`),
     so that a document the replica must have evicted stops counting as cached there. Only the latest
-    `max_replicas` replicas recorded are kept (replica ids are never reused: rollouts and restarts make new
-    ones). Blocks are plain ints in one ordered dict per replica: nothing for the garbage collector to walk
-    (a set per block made a full index 200,000 more objects, about 90 ms more pause on this project's test
-    machine, during which the gateway relays nothing).
+    replicas recorded are kept: `max_replicas`, or twice the replicas `keep` was last told of where that is
+    more, so a fleet of any size keeps every live replica's blocks while ids that left unannounced stay
+    bounded (replica ids are never reused: rollouts and restarts make new ones). Blocks are plain ints in
+    one ordered dict per replica: nothing for the garbage collector to walk (a set per block made a full
+    index 200,000 more objects, about 90 ms more pause on this project's test machine, during which the
+    gateway relays nothing).
     """
 
     def __init__(self, max_blocks: int = 25_000, max_replicas: int = 64) -> None:
@@ -41,7 +43,8 @@ class PrefixIndex:
         # blocks per replica whose cache size is not known: about 800,000 tokens at 4 bytes a token, more
         # than most engines' caches; at about 140 bytes a block, 3.5 MB per replica
         self._max = max_blocks
-        self._max_replicas = max_replicas
+        self._least_replicas = max_replicas
+        self._max_replicas = max_replicas  # at least twice the live replicas (`keep`)
         # per replica, requests' ends in the order they ended: (when, its prompt's blocks)
         self._ends: dict[str, deque[tuple[float, Sequence[int]]]] = {}
         # not yet applied: records (True, hashes, replica, capacity, use: see `record`) and requests' ends
@@ -54,8 +57,9 @@ class PrefixIndex:
         return sum(len(held) for held in self._held.values())
 
     def keep(self, replica_ids: set[str]) -> None:
-        """Forget the replicas not among these (they left the cluster)."""
+        """Forget the replicas not among these (they left the cluster); keep room for twice as many."""
         self._apply()
+        self._max_replicas = max(self._least_replicas, 2 * len(replica_ids))
         for rid in [rid for rid in self._held if rid not in replica_ids]:
             del self._held[rid]
             self._ends.pop(rid, None)
@@ -165,7 +169,7 @@ class PrefixIndex:
         held = replicas.pop(rid, None)
         if held is None:
             held = OrderedDict()
-            if len(replicas) >= self._max_replicas:  # rare: `max_replicas` new ids since that one's last
+            if len(replicas) >= self._max_replicas:  # rare: a replica that left before `keep` was told
                 del replicas[next(iter(replicas))]
         replicas[rid] = held  # now the most recently recorded
         touch = held.move_to_end  # bound once: 200 blocks a prompt

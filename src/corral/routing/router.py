@@ -182,6 +182,16 @@ class Router:
         prefill, depth = self._prefills.covering(request.hashes, replica.id, request.inflight)
         return prefill.done if prefill is not None and depth >= _MIN_SHARED_BLOCKS else None
 
+    def may_serve(self, replica: Replica, request: RouteRequest) -> bool:
+        """Whether `replica`, acquired for `request` a while ago (before a hold), may still serve it: it is
+        ready (not draining, unhealthy or stopped), still in the replica set, and its breaker lets the
+        request through (or the request is its trial)."""
+        return (
+            replica.ready
+            and (request.trial or replica.breaker.allows())
+            and replica in self.replicas.of(request.model)  # (by identity: replicas compare so)
+        )
+
     @staticmethod
     async def hold(done: asyncio.Event) -> float:
         """Wait for a shared prefill to end, `_MAX_HOLD_S` at most; seconds waited."""
