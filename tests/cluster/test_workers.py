@@ -325,3 +325,34 @@ async def test_a_worker_that_cannot_be_started_or_hangs_before_listening_is_star
             if process.returncode is None:
                 process.kill()
                 await process.wait()
+
+
+_SNAPSHOT = ("corral_replica_ready", "corral_replica_state", "corral_replica_restarts", "corral_engine_")
+
+
+def test_a_drained_replica_leaves_either_worker_s_metrics(workers_cluster: RunningCluster) -> None:
+    """A replica drained (or a model removed) leaves /metrics on every worker: published as a multiprocess
+    gauge, it stayed at 0, "not ready", for good, and CorralReplicaDown paged for it. (Last in this module:
+    it takes a replica away.)"""
+    import urllib.request
+
+    url = workers_cluster.url
+    drain = urllib.request.Request(url + "/admin/replicas/llama-8b-1/drain", method="POST")
+    with urllib.request.urlopen(drain, timeout=30) as answer:
+        assert answer.status in (200, 202)
+    deadline = time.monotonic() + 60
+    while True:
+        _, status = get_json(url + "/corral/status")
+        ids = {r["id"] for r in status["replicas"]}
+        if "llama-8b-1" not in ids:
+            break
+        assert time.monotonic() < deadline, ids
+        time.sleep(0.5)
+    time.sleep(2.5)  # (workers publish their own figures once a second)
+    for _ in range(8):  # fresh connections: either worker answers
+        with urllib.request.urlopen(url + "/metrics", timeout=5) as response:
+            text = response.read().decode()
+        assert 'replica="llama-8b-0"' in text
+        listed = [line for line in text.splitlines() if 'replica="llama-8b-1"' in line]
+        # (its in-flight and circuit gauges, each worker's own, stay at a harmless 0)
+        assert not [line for line in listed if line.startswith(_SNAPSHOT)], listed

@@ -299,7 +299,9 @@ def metrics_reference() -> str:
         "`gateway.metrics_token` or the admin key). A histogram is exposed as `NAME_bucket` (label "
         "`le`), `NAME_sum` and `NAME_count`; each counter and histogram series also has a `NAME_created` "
         "timestamp. With several gateway workers (`gateway.workers`), any worker's `/metrics` sums every "
-        "worker's figures. The engines' own metrics (vLLM's `vllm:*`, llama.cpp's `llamacpp:*`) are "
+        "worker's figures; the replicas' readiness, states, restarts and engine load are the supervisor's, "
+        "written by the worker that answers (a replica that left leaves them). The engines' own metrics "
+        "(vLLM's `vllm:*`, llama.cpp's `llamacpp:*`) are "
         "scraped from the engines directly (`corral observe render` writes that scrape job); their load "
         "is also here, in one shape for every engine, as `corral_engine_*`.\n",
     ]

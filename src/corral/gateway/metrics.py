@@ -18,7 +18,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
 
-from corral.gateway.state_metrics import BudgetsSpent, PublishedState, StateSeries
+from corral.gateway.state_metrics import WORKERS_OWN, BudgetsSpent, PublishedState, StateSeries
 from corral.routing import Router
 
 __all__ = ["GatewayMetrics", "ModelMetrics", "TenantMetrics", "UsageMetrics"]
@@ -200,7 +200,7 @@ class GatewayMetrics:
         """The text Prometheus scrapes: this process's figures, or all workers' summed."""
         if self._shared_dir is None:
             return generate_latest(self.registry) + self._state.text()
-        return generate_latest(self._collected())
+        return generate_latest(self._collected()) + self._state.text(leaving=WORKERS_OWN)
 
     def _collected(self) -> CollectorRegistry:
         """This process's registry, or one that sums every worker's multiprocess files."""

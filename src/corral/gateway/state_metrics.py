@@ -17,11 +17,24 @@ from prometheus_client import CollectorRegistry, Gauge
 
 from corral.routing import CircuitState, Router
 
-__all__ = ["BudgetsSpent", "Family", "PublishedState", "StateSeries"]
+__all__ = ["WORKERS_OWN", "BudgetsSpent", "Family", "PublishedState", "StateSeries"]
 
 BudgetsSpent = Callable[[], list[tuple[str, str, float]]]  # (tenant, key id, share of the monthly budget)
 
 _CIRCUIT = {CircuitState.CLOSED: 0, CircuitState.HALF_OPEN: 1, CircuitState.OPEN: 2}
+# With several gateway workers, the families each worker knows its own part of (its requests in flight and
+# queued, its breakers, the budgets of the keys that asked it): published as multiprocess gauges, summed or
+# the highest. Every other family is the supervisor's snapshot, the same in every worker: the worker that
+# answers the scrape writes it itself, so a replica that left leaves the output (a multiprocess gauge
+# cannot be removed: it stayed at 0, "not ready", paging for a replica drained long ago).
+WORKERS_OWN = frozenset(
+    {
+        "corral_replica_outstanding",
+        "corral_queue_depth",
+        "corral_circuit_state",
+        "corral_key_budget_used_ratio",
+    }
+)
 _PER_REPLICA = ("model", "replica")
 _ENGINE_GAUGES = (
     ("running", "Sequences the engine is running (its own figure).", "running"),
@@ -78,10 +91,12 @@ class StateSeries:
         self._budgets = budgets
         self._quoted: dict[str, str] = {}  # label values repeat every scrape: quote each once
 
-    def text(self) -> bytes:
+    def text(self, leaving: frozenset[str] = frozenset()) -> bytes:
+        """The families in Prometheus's text format (those named in `leaving` left out)."""
         if len(self._quoted) > 65536:  # replicas and keys come and go: start over rather than grow
             self._quoted.clear()
-        return "".join(family.text(self._quote) for family in self.families()).encode()
+        families = self.families()
+        return "".join(f.text(self._quote) for f in families if f.name not in leaving).encode()
 
     def _quote(self, value: str) -> str:
         found = self._quoted.get(value)
@@ -164,8 +179,8 @@ class PublishedState:
     _MODES: ClassVar[dict[str, str]] = {
         "corral_replica_outstanding": "livesum",
         "corral_queue_depth": "livesum",
-    }  # every other family is the same snapshot in every worker: the highest of the live workers (a dead
-    # worker's last values leave with it; plain "max" kept them forever)
+    }  # the circuits and budgets: the highest of the live workers (a dead worker's last values leave with
+    # it; plain "max" kept them forever)
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self._gauges: dict[str, Gauge] = {}
@@ -174,6 +189,8 @@ class PublishedState:
 
     def update(self, families: list[Family]) -> None:
         for family in families:
+            if family.name not in WORKERS_OWN:  # (the snapshot's: written by the worker answering)
+                continue
             gauge = self._gauges.get(family.name)
             if gauge is None:
                 if not family.samples:
