@@ -566,3 +566,44 @@ async def test_an_audited_call_whose_caller_goes_away_is_recorded_as_gone(tmp_pa
         await call
     (entry,) = await asyncio.to_thread(audit.list, action="spec.apply")
     assert entry["status"] == 499
+
+
+async def test_no_web_page_of_another_site_acts_as_a_laptop_s_local_admin(tmp_path: Path) -> None:
+    """An open gateway without an admin key answers its admin API to clients on this machine: a page of
+    another site in this machine's browser is one (it reaches 127.0.0.1), sending a form's POST (no
+    preflight) or rebinding its own name to 127.0.0.1. Neither makes a key; the CLI, curl and the
+    gateway's own console (same origin) still do."""
+    import aiohttp
+
+    replicas = ReplicaSet(["m"])
+    server = GatewayServer(
+        GatewaySettings(port=0), Router(replicas), make_services(replicas, tmp_path / "c.db")
+    )
+    await server.start()
+    url = f"http://127.0.0.1:{server.port}/admin/keys"
+    body = '{"tenant": "evil", "role": "admin"}'
+    try:
+        async with aiohttp.ClientSession() as session:
+
+            async def made(headers: dict[str, str]) -> int:
+                async with session.post(url, data=body, headers=headers) as answer:
+                    return answer.status
+
+            form = {
+                "Content-Type": "text/plain",
+                "Origin": "http://attacker.example",
+                "Sec-Fetch-Site": "cross-site",
+            }
+            assert await made(form) == 403
+            assert await made({"Origin": "http://attacker.example"}) == 403  # (an older browser)
+            rebound = f"attacker.example:{server.port}"  # its name now 127.0.0.1: the page's own origin
+            assert (
+                await made({"Host": rebound, "Origin": f"http://{rebound}", "Sec-Fetch-Site": "same-origin"})
+                == 403
+            )
+            console = {"Origin": f"http://127.0.0.1:{server.port}", "Sec-Fetch-Site": "same-origin"}
+            assert await made(console) == 201
+            assert await made({"Host": f"localhost:{server.port}"}) == 201
+            assert await made({}) == 201  # the CLI, curl
+    finally:
+        await server.stop()

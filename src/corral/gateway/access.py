@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from corral.admission import Authenticator, Principal
-from corral.gateway.clients import ClientAddresses
+from corral.gateway.clients import ClientAddresses, from_this_machine_s_pages
 from corral.gateway.parts import AdminAccess
 from corral.protocol import APIError, PermissionDenied, Unauthorized
 from corral.store import SessionStore
@@ -124,7 +124,13 @@ class Access:
         outlive the gateway being closed."""
         expected = self._admin.admin_key
         if expected is None:  # behind a proxy, the client it names must be local (clients.py)
-            return self._admin.open_access and self._clients.is_local(request)
+            # (and no web page of another site: a browser on this machine reaches 127.0.0.1 for any page
+            # it shows, which may send a form's POST, or rebind its own name to 127.0.0.1)
+            return (
+                self._admin.open_access
+                and self._clients.is_local(request)
+                and from_this_machine_s_pages(request)
+            )
         return bearer_is(request, expected.encode())
 
     async def actor(self, request: web.Request) -> Actor | None:
@@ -170,8 +176,8 @@ class Access:
             if self._admin.admin_key is None:
                 raise PermissionDenied(
                     "The admin API needs an admin key (CORRAL_ADMIN_KEY or auth.admin_key), or a key whose "
-                    "role allows it; without an admin key it answers only clients on this machine, and only "
-                    "while the gateway is open."
+                    "role allows it; without an admin key it answers only clients on this machine (no web "
+                    "page of another site), and only while the gateway is open."
                 )
             raise Unauthorized(
                 "The admin API needs 'Authorization: Bearer <admin key, or a key with a role>'."

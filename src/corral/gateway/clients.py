@@ -13,9 +13,12 @@ show it as `_request_id`) and written in the access log and beside any error log
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import os
 import re
+import socket
+from urllib.parse import urlsplit
 
 from aiohttp import web
 from aiohttp.abc import AbstractAccessLogger
@@ -130,6 +133,30 @@ def trace_context(request: BaseRequest) -> bytes:
     if state is not None and _TRACESTATE.fullmatch(state):
         lines += b"tracestate: " + state.encode() + b"\r\n"
     return lines
+
+
+def from_this_machine_s_pages(request: BaseRequest) -> bool:
+    """The request is no other site's: not a page on another origin (a browser's `Sec-Fetch-Site`, an
+    `Origin` other than the request's own), and addressed to this machine by name (its `Host` a loopback
+    address, `localhost` or the machine's own name; a page on a name that rebinds to 127.0.0.1 sends its
+    own). A request a program sends (curl, the CLI, an SDK) names no site and passes."""
+    site = request.headers.get("Sec-Fetch-Site")
+    if site is not None and site not in ("none", "same-origin"):
+        return False
+    host = request.headers.get("Host") or ""
+    origin = request.headers.get("Origin")
+    if origin is not None and urlsplit(origin).netloc.lower() != host.lower():
+        return False
+    if not host:  # (HTTP/1.0 sends none; no browser does)
+        return True
+    name = (urlsplit("//" + host).hostname or "").lower()
+    return _loopback(name) or name in _local_names()
+
+
+@functools.cache
+def _local_names() -> frozenset[str]:
+    names = {"localhost", socket.gethostname().lower(), socket.getfqdn().lower()}
+    return frozenset(names | {f"{n}." for n in names})
 
 
 def _loopback(address: str) -> bool:
