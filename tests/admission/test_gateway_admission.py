@@ -703,3 +703,23 @@ async def test_a_client_gone_during_admission_holds_none_of_its_budget(closed: C
         model="m", messages=MESSAGES, max_tokens=1_500
     )
     assert reply.choices[0].message.content
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/embeddings", "/v1/responses"])
+async def test_large_bodies_the_gateway_refuses_count_against_the_keys_rpm(
+    closed: Cluster, path: str
+) -> None:
+    """A large body's parse holds the event loop as long whether it validates or not: one refused (400)
+    is one of its key's requests, so a key cannot have the gateway parse megabytes as often as it sends."""
+    _, made = await closed.admin("POST", "/admin/keys", {"tenant": "acme", "rpm": 2})
+    junk = json.dumps({"model": "m", "x": [[]] * 100_000, "messages": 5, "input": 5})  # (~400 KB)
+    statuses = []
+    async with aiohttp.ClientSession() as session:
+        for _ in range(4):
+            async with session.post(
+                closed.url + path,
+                data=junk,
+                headers={"Authorization": f"Bearer {made['key']}", "Content-Type": "application/json"},
+            ) as answer:
+                statuses.append(answer.status)
+    assert statuses[:2] == [400, 400] and statuses[2:] == [429, 429], statuses

@@ -149,20 +149,41 @@ class Pipeline:
         try:
             principal = await self._auth.authenticate(dialect.credentials(request))
             raw = await self.read(request, principal)
-            exchange = await dialect.open(
-                raw, principal.tenant, principal.key_id, partial(self._may_ask, principal)
-            )
-            ctx = await self._exchange_context(
-                exchange, request.headers.get("x-session-id"), principal, request
-            )
+            ctx = await self._spent_if_refused(principal, raw, self._opened(dialect, raw, principal, request))
             response = await self._serve(ctx, principal, request, self._answer)
             if not isinstance(response, DialectStream):
-                response = await exchange.whole(response)
+                assert ctx.exchange is not None  # (set by `_exchange_context`)
+                response = await ctx.exchange.whole(response)
             return response
         except APIError as exc:
             return dialect.error_response(exc)
         except Exception as exc:  # in the dialect's shape too (the app's boundary would answer in OpenAI's)
             return dialect.error_response(unexpected(request, exc, self._metrics.store_unanswered))
+
+    async def _opened(
+        self, dialect: Dialect, raw: bytes, principal: Principal, request: web.Request
+    ) -> RequestContext:
+        exchange = await dialect.open(
+            raw, principal.tenant, principal.key_id, partial(self._may_ask, principal)
+        )
+        return await self._exchange_context(exchange, request.headers.get("x-session-id"), principal, request)
+
+    async def _spent_if_refused(
+        self, principal: Principal, raw: bytes, parsing: Awaitable[RequestContext]
+    ) -> RequestContext:
+        """`parsing`'s context; a large body it refuses (400, 404) is one of the key's requests all the same:
+        its parse took the event loop as long as a valid one's, and a key's RPM bounds how often (a body
+        that fails validation never reached `admit`, which counts requests)."""
+        try:
+            return await parsing
+        except APIError:
+            if len(raw) > _CHECKED_BEFORE_PARSING:
+                limiter = self._limits.limiter
+                with contextlib.suppress(APIError, LimiterUnavailable):
+                    held = await limiter.reserve(principal, 0)
+                    if held is not None:
+                        await limiter.settle(held, 0)
+            raise
 
     async def _exchange_context(
         self,
@@ -319,7 +340,8 @@ class Pipeline:
         raw = await self.read(request, principal)
         session = request.headers.get("x-session-id")
         checked = partial(self._within_limits, principal, request, None)
-        return await self._intake.generation(raw, request.path, kind, session, principal.tenant, checked)
+        generation = self._intake.generation(raw, request.path, kind, session, principal.tenant, checked)
+        return await self._spent_if_refused(principal, raw, generation)
 
     async def _within_limits(
         self, principal: Principal, request: web.Request, exchange: Exchange | None, ctx: RequestContext
@@ -359,7 +381,8 @@ class Pipeline:
         """An embedding request: validated, for an embedding model, sized by its inputs' tokens."""
         raw = await self.read(request, principal)
         checked = partial(self._within_limits, principal, request, None)
-        return await self._intake.embedding(raw, request.path, principal.tenant, checked)
+        embedding = self._intake.embedding(raw, request.path, principal.tenant, checked)
+        return await self._spent_if_refused(principal, raw, embedding)
 
     async def count_prompt(self, chat_body: bytes, principal: Principal) -> int:
         """What admission counts for a chat request's prompt (Anthropic's count_tokens), as a request
