@@ -194,3 +194,26 @@ async def test_media_an_engine_would_fetch_from_inside_the_cluster_is_refused(
     target.replicas.changed("m")  # (the model's features are worked out again)
     body["messages"][0]["content"][1] = part
     assert (await target.post(orjson.dumps(body)))[0] == 200
+
+
+async def test_engine_names_for_lengths_and_odd_session_ids_are_400s(target: Target) -> None:
+    """llama.cpp reads `n_predict` before `max_tokens`: passed through, `n_predict: -1` beside
+    `max_tokens: 1` generated to the context while the gateway reserved and checked one token. A session
+    id that is no printable ASCII (sent as raw bytes) is a 400 too, not a 500 in the routing policy."""
+    for name, value in (("n_predict", -1), ("n_cmpl", 8)):
+        body = {"model": "m", "messages": MESSAGES, "max_tokens": 1, name: value}
+        status, answer = await target.post(orjson.dumps(body))
+        assert status == 400 and answer["error"]["param"] == name, answer
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(
+            target.url + "/v1/chat/completions",
+            data=orjson.dumps({"model": "m", "messages": MESSAGES}),
+            headers={
+                "Content-Type": "application/json",
+                "x-session-id": "\udcff\udcfe".encode("utf-8", "surrogateescape").decode("latin-1"),
+            },
+        ) as answer,
+    ):
+        assert answer.status == 400, await answer.text()
+    assert await target.healthy()

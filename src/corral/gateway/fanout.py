@@ -158,7 +158,8 @@ def _single(data: dict[str, Any], prompt: Any, choice: int, gateway_echo: bool) 
     if gateway_echo:
         part.pop("echo", None)
     if choice and isinstance(data.get("seed"), int):
-        part["seed"] = data["seed"] + choice
+        seed = data["seed"] + choice  # (past 2**64 - 1 it wraps: JSON's engines hold 64 bits)
+        part["seed"] = seed - 2**64 if seed >= 2**64 else seed
     return part
 
 

@@ -169,6 +169,7 @@ class Intake:
         tenants does not exist for `tenant` (before any other check, which would tell it apart from a name
         that does not exist)."""
         body = parse_body(kind, raw)
+        _refuse_engine_names(body, session)
         adapter, base = self._resolve(body.model, tenant)
         features = self.features_of(base)
         if features.embeddings:
@@ -338,6 +339,28 @@ def _input_tokens(inputs: list[str | list[int]], counter: TokenCounter | None, p
         else max(1, int(len(item.encode()) * per_byte))
         for item in inputs
     )
+
+
+# llama.cpp's own names for what OpenAI's fields say, which its server reads before them: passed through,
+# `n_predict: -1` beside `max_tokens: 1` generated to the context while the gateway reserved one token
+_ENGINE_NAMES = {"n_predict": "max_tokens", "n_cmpl": "n"}
+
+
+def _refuse_engine_names(body: ChatCompletionRequest | CompletionRequest, session: str | None) -> None:
+    extra = body.model_extra
+    if extra:
+        for name, instead in _ENGINE_NAMES.items():
+            if name in extra:
+                raise InvalidRequest(
+                    f"'{name}' is llama.cpp's own name for what '{instead}' says: send '{instead}' (the "
+                    "gateway reserves, checks and routes by it).",
+                    param=name,
+                    code="unsupported_parameter",
+                )
+    if session is not None and (len(session) > 256 or not session.isascii() or not session.isprintable()):
+        raise InvalidRequest(
+            "x-session-id must be at most 256 printable ASCII characters.", param="x-session-id"
+        )
 
 
 def prompt_text(body: ChatCompletionRequest | CompletionRequest) -> str:
