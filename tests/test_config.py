@@ -231,7 +231,7 @@ def test_an_engine_api_key_with_a_line_break_is_refused() -> None:
 
 def test_an_embedding_model_is_routed_by_load_not_by_prefix() -> None:
     """Its requests share no prefix cache worth routing by (it showed prefix_affinity and a hit rate)."""
-    from corral.cli.up import router_for
+    from corral.cli.gateway_spec import router_for
     from corral.config import DEFAULT_EMBEDDING_MODEL_NAME, DEFAULT_MODEL_NAME
     from corral.routing import ReplicaSet
 

@@ -12,6 +12,7 @@ import logging
 import ssl
 import sys
 import time
+import urllib.parse
 from collections.abc import Coroutine
 from enum import StrEnum
 from pathlib import Path
@@ -184,11 +185,12 @@ def gateway_url(given: str | None, spec_file: Path | None = None) -> str:
     from corral.config import DEFAULT_GATEWAY_URL, gateway_url_from_env
 
     if given:
-        return given.rstrip("/")
+        return _checked_url(given, "--url").rstrip("/")
     if spec_file is not None and (from_spec := _spec_url(spec_file)) is not None:
         url, source = from_spec, f"the gateway section of {spec_file}"
     elif (found := gateway_url_from_env()) is not None:
         url, source = found
+        _checked_url(url, source)
     else:
         others = "--url, -f or $CORRAL_URL" if spec_file is not None else "--url or $CORRAL_URL"
         url, source = DEFAULT_GATEWAY_URL, f"the default; {others} name another"
@@ -196,6 +198,18 @@ def gateway_url(given: str | None, spec_file: Path | None = None) -> str:
         f"gateway: {url} (from {source})", style="dim", markup=False, highlight=False, soft_wrap=True
     )
     return url.rstrip("/")
+
+
+def _checked_url(url: str, source: str) -> str:
+    """`url` when it is a gateway's base URL (http or https, a host); else the command ends, exit 2."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+        parts.port  # noqa: B018 (a port that is not a number raises here)
+    except ValueError as exc:
+        fail(f"{source} {url!r} is not a URL: {exc}", 2)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        fail(f"{source} {url!r} is not a gateway's URL: give http://HOST:PORT or https://HOST:PORT", 2)
+    return url
 
 
 def _spec_url(spec_file: Path) -> str | None:
@@ -312,4 +326,5 @@ def main(argv: list[str] | None = None) -> NoReturn:
 
 
 def _error(message: str) -> None:
-    console.print(f"[red]error:[/red] {escape(message)}", soft_wrap=True, highlight=False)
+    # (no emoji: a message's `host:-1:` or `:smile:` stays as written)
+    console.print(f"[red]error:[/red] {escape(message)}", soft_wrap=True, highlight=False, emoji=False)

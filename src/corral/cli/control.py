@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import http.client
 import json
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
 from typing import Annotated, Any
@@ -45,12 +47,21 @@ def _call(
     content_type: str = "application/json",
 ) -> Any:
     """The gateway's JSON answer to GET (or POST with `body`) `path`; a refusal or no answer is one line."""
-    request = urllib.request.Request(
-        url.rstrip("/") + path, data=body, method="GET" if body is None else "POST"
-    )
+    try:
+        request = urllib.request.Request(
+            url.rstrip("/") + path, data=body, method="GET" if body is None else "POST"
+        )
+    except ValueError as exc:  # (gateway_url checked it: this is a last word, not a traceback)
+        fail(f"{url} is not a gateway's URL: {exc}", 2)
     if body is not None:
         request.add_header("Content-Type", content_type)
     key = key or admin_key_from_env(None)
+    if key and not all("!" <= c <= "~" for c in key):
+        fail(
+            "the key (--admin-key, else from the environment) must be printable ASCII without spaces or "
+            "line breaks (a key read from a file may carry a trailing newline)",
+            2,
+        )
     if key:
         request.add_header("Authorization", f"Bearer {key}")
     try:
@@ -64,8 +75,12 @@ def _call(
                 f"a closed gateway needs its admin key ({given}): pass --admin-key or set $CORRAL_ADMIN_KEY"
             )
         fail(f"{url} answered {exc.code}: {message}")
-    except (urllib.error.URLError, OSError) as exc:
+    except json.JSONDecodeError:
+        fail(f"{url} did not answer with JSON: is it a corral gateway?")
+    except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:  # (not HTTP: BadStatusLine)
         fail(f"no corral gateway answers at {url}: {getattr(exc, 'reason', exc)}")
+    except ValueError as exc:  # (a URL urllib cannot send: a space in its path)
+        fail(f"cannot ask {url}: {exc}", 2)
 
 
 @app.command(cls=FlagsCommand)
@@ -159,7 +174,8 @@ def drain(
     """Take a replica (or every replica on a node) out of routing, let its requests and streams finish,
     then stop it. A model's last ready replica is drained only with --force."""
     url = gateway_url(url)
-    path = f"/admin/nodes/{target}/drain" if node else f"/admin/replicas/{target}/drain"
+    named = urllib.parse.quote(target, safe="")  # (a model's name may hold a slash: org/model)
+    path = f"/admin/nodes/{named}/drain" if node else f"/admin/replicas/{named}/drain"
     query = f"?grace={grace}" + ("&force=true" if force else "")
     result = _call(url, path + query, admin_key, ca_cert, b"", grace + 30)
     for drained in result["replicas"] if node else [result]:
@@ -233,7 +249,8 @@ def _follow_rollout(url: str, model: str, admin_key: str | None, ca_cert: Path |
 
 
 def _rollout_action(action: str, model: str, url: str, admin_key: str | None, ca_cert: Path | None) -> None:
-    state = _call(url, f"/admin/rollouts/{model}/{action}", admin_key, ca_cert, b"", 3600)
+    named = urllib.parse.quote(model, safe="")  # (a model's name may hold a slash: org/model)
+    state = _call(url, f"/admin/rollouts/{named}/{action}", admin_key, ca_cert, b"", 3600)
     console.print(_rollout_line(state), markup=False, highlight=False, soft_wrap=True)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Annotated
 
@@ -24,19 +25,23 @@ def plan_command(
     gpu: Annotated[
         str, typer.Option(help="GPU type from the catalog, or 'all' to search every GPU class")
     ] = "all",
-    gpus: Annotated[int | None, typer.Option(help="use exactly this many GPUs")] = None,
+    gpus: Annotated[
+        int | None, typer.Option(help="use exactly this many GPUs", min=1, metavar="<int>")
+    ] = None,
     quant: Annotated[
         str | None, typer.Option(help="bf16, fp8, int8, awq, gptq, mxfp4, gguf-q4, gguf-q8")
     ] = None,
-    context: Annotated[int | None, typer.Option(help="max context length per sequence (tokens)")] = None,
+    context: Annotated[
+        int | None, typer.Option(help="max context length per sequence (tokens)", min=1, metavar="<int>")
+    ] = None,
     concurrency: Annotated[
         int | None, typer.Option(help="concurrent requests to serve (default: 16)", min=1, metavar="<int>")
     ] = None,
     request_rate: Annotated[
         float | None, typer.Option(help="requests/s arriving at random (Poisson); instead of --concurrency")
     ] = None,
-    input_len: Annotated[int, typer.Option(help="prompt tokens per request")] = 1024,
-    output_len: Annotated[int, typer.Option(help="output tokens per request")] = 256,
+    input_len: Annotated[int, typer.Option(help="prompt tokens per request", min=1, metavar="<int>")] = 1024,
+    output_len: Annotated[int, typer.Option(help="output tokens per request", min=1, metavar="<int>")] = 256,
     ttft_p95_ms: Annotated[float | None, typer.Option(help="SLO: time to first token, p95 (ms)")] = None,
     itl_ms: Annotated[float | None, typer.Option(help="SLO: mean inter-token latency (ms)")] = None,
     api: Annotated[
@@ -45,8 +50,8 @@ def plan_command(
             help="hosted API to compare costs with (default: one serving models of the model's size)"
         ),
     ] = None,
-    max_gpus: Annotated[int, typer.Option(help="largest cluster to consider")] = 64,
-    limit: Annotated[int, typer.Option(help="how many layouts to show")] = 5,
+    max_gpus: Annotated[int, typer.Option(help="largest cluster to consider", min=1, metavar="<int>")] = 64,
+    limit: Annotated[int, typer.Option(help="how many layouts to show", min=1, metavar="<int>")] = 5,
     as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
     yaml_out: Annotated[
         Path | None, typer.Option("--yaml", help="write a cluster.yaml for the best layout")
@@ -80,6 +85,13 @@ def plan_command(
 
     if concurrency is not None and request_rate is not None:
         fail("--concurrency and --request-rate are two ways to state the load: give one", 2)
+    for flag, value in (
+        ("--request-rate", request_rate),
+        ("--ttft-p95-ms", ttft_p95_ms),
+        ("--itl-ms", itl_ms),
+    ):
+        if value is not None and not (0 < value < math.inf):  # (nan compares false too)
+            fail(f"{flag} {value:g}: give a number above 0", 2)
     if validate and calibrate:
         fail("--validate reports the fit's error, --calibrate prints the fit: give one", 2)
     if validate or calibrate:
@@ -125,7 +137,10 @@ def plan_command(
     elif result.reason:  # layouts, none meeting the objective: the closest is listed first
         console.print(f"[red]misses the objective:[/red] {escape(result.reason)}", soft_wrap=True)
     if yaml_out is not None and result.fits:
-        yaml_out.write_text(plan_yaml(result))
+        try:
+            yaml_out.write_text(plan_yaml(result))
+        except OSError as exc:
+            fail(f"--yaml {yaml_out}: cannot write: {exc.strerror or exc}")
         console.print(f"wrote {yaml_out}")
     if not result.fits or result.reason:
         raise typer.Exit(1)

@@ -49,7 +49,7 @@ def check(
     access = "open (no key needed)" if spec.auth.open else "closed (API keys required)"
     Console().print(  # the answer, on stdout (errors go to stderr)
         f"{file}: valid: {len(spec.models)} model(s), {replicas} replica(s), gateway "
-        f"{spec.gateway.host}:{spec.gateway.port}, {access}",
+        f"{spec.gateway.listen_address}, {access}",
         markup=False,
         highlight=False,
         soft_wrap=True,

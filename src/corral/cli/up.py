@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from pydantic import ValidationError
 
 from corral import __version__
 from corral.artifacts import ArtifactError
@@ -31,14 +32,19 @@ from corral.cli.app import (
     setup_logging,
 )
 from corral.cli.control import status_table
+from corral.cli.gateway_spec import (
+    apply_cluster_settings,
+    apply_model_settings,
+    cluster_settings,
+    gateway_parts_for,
+    model_settings,
+    router_for,
+)
 from corral.config import (
     ClusterSpec,
     Paths,
-    RaySettings,
     SpecError,
-    admin_key_from_env,
     default_spec,
-    exposure_problem,
     load_spec,
 )
 
@@ -74,13 +80,8 @@ def up(
 ) -> None:
     """Fetch and build what the cluster needs, start its replicas and the gateway; Ctrl-C stops all."""
     setup_logging(log_level, log_format)
-    spec = _spec(file, host=host, port=port)
-    if ray is not None:
-        address = None if ray == "local" else ray
-        settings = (
-            spec.ray.model_copy(update={"address": address}) if spec.ray else RaySettings(address=address)
-        )
-        spec = spec.model_copy(update={"ray": settings})
+    overrides = Overrides(host=host, port=port, ray=ray)
+    spec = _spec(file, overrides)
     _check_tls(spec)
     paths = Paths.from_env()
     prepared = _prepare_or_fail(spec, paths)  # in the foreground: Ctrl-C ends an install at once
@@ -88,9 +89,9 @@ def up(
 
     workers = spec.gateway_workers(len(usable_cpus()))  # (a container's CPU limit, not the node's cores)
     if workers > 1:
-        run_async(_serve_workers(spec, paths, prepared, workers, f"{log_level}:{log_format}"))
+        run_async(_serve_workers(spec, paths, prepared, workers, f"{log_level}:{log_format}", overrides))
     else:
-        run_async(_serve(spec, paths, prepared))
+        run_async(_serve(spec, paths, prepared, overrides))
 
 
 @app.command(cls=FlagsCommand)
@@ -101,18 +102,49 @@ def prepare(file: SpecOption = None) -> None:
     console.print("[green]ready:[/green] every model and engine is in the cache")
 
 
-def _spec(file: Path | None, host: str | None = None, port: int | None = None) -> ClusterSpec:
+def _spec(file: Path | None, overrides: Overrides | None = None) -> ClusterSpec:
     try:
         spec = load_spec(file) if file is not None else default_spec()
-    except SpecError as exc:
+        return overrides(spec) if overrides is not None else spec
+    except (SpecError, ValueError) as exc:
         fail(str(exc), 2)
-    overrides = {k: v for k, v in {"host": host, "port": port}.items() if v is not None}
-    if overrides:
-        spec = spec.model_copy(update={"gateway": spec.gateway.model_copy(update=overrides)})
-    problem = exposure_problem(spec)
-    if problem:
-        fail(problem, 2)
-    return spec
+
+
+_FLAG_OF: dict[tuple[int | str, ...], str] = {
+    ("gateway", "host"): "--host",
+    ("gateway", "port"): "--port",
+    ("ray", "address"): "--ray",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Overrides:
+    """What `corral up`'s flags change in the spec of its file: in the spec it starts with, and in each one
+    a live `corral apply` sends later (whose file does not say them either)."""
+
+    host: str | None = None
+    port: int | None = None
+    ray: str | None = None  # a Ray cluster's address, 'auto', or 'local' (start one)
+
+    def __call__(self, spec: ClusterSpec) -> ClusterSpec:
+        """`spec` with the flags' values, checked as a file's are; ValueError naming the flag otherwise."""
+        gateway = {k: v for k, v in (("host", self.host), ("port", self.port)) if v is not None}
+        if not gateway and self.ray is None:
+            return spec
+        data = spec.model_dump()
+        data["gateway"].update(gateway)
+        if self.ray is not None:
+            data["ray"] = {**(data["ray"] or {}), "address": None if self.ray == "local" else self.ray}
+        try:
+            return ClusterSpec.model_validate(data)
+        except ValidationError as exc:
+            given = {"--host": self.host, "--port": self.port, "--ray": self.ray}
+            problems = []
+            for error in exc.errors():
+                flag = _FLAG_OF.get(tuple(error["loc"]))
+                message = error["msg"].removeprefix("Value error, ")
+                problems.append(f"{flag} {given[flag]}: {message}" if flag else message)
+            raise ValueError("; ".join(problems)) from None
 
 
 def _check_tls(spec: ClusterSpec) -> None:
@@ -127,9 +159,14 @@ def _check_tls(spec: ClusterSpec) -> None:
 
 
 def _prepare_or_fail(spec: ClusterSpec, paths: Paths) -> list[tuple[str, Any, list[Any]]]:
-    """Check the devices the spec needs on this machine, then prepare; a problem is one error line."""
+    """Check the tokenizers and the devices the spec needs on this machine, then prepare; a problem is one
+    error line."""
+    from corral.cluster.changes import tokenizer_problem
     from corral.engines.devices import DeviceError, check_local_gpus, local_gpu_count
 
+    problem = tokenizer_problem(spec)  # (before any model is fetched)
+    if problem:
+        fail(problem, 2)
     try:
         if spec.ray is None:
             check_local_gpus(spec, local_gpu_count())
@@ -175,7 +212,9 @@ class _ProgressReport:
             self._last = line
 
 
-async def _serve(spec: ClusterSpec, paths: Paths, prepared: list[tuple[str, Any, list[Any]]]) -> None:
+async def _serve(
+    spec: ClusterSpec, paths: Paths, prepared: list[tuple[str, Any, list[Any]]], overrides: Overrides
+) -> None:
     from corral.gateway import GatewayServer
 
     supervisor = _supervisor(spec, paths, prepared)
@@ -189,6 +228,7 @@ async def _serve(spec: ClusterSpec, paths: Paths, prepared: list[tuple[str, Any,
         partial(_tell, partial(apply_model_settings, router, parts), paths),
         parts.queue.pressure,
         lambda wanted: apply_cluster_settings(router, parts, cluster_settings(wanted)),
+        overrides=overrides,
     )
     # The admin API's drain, apply and rollouts reach the reconciler in this process.
     gateway = GatewayServer(spec.gateway, router, dataclasses.replace(parts, control=reconciler))
@@ -214,7 +254,12 @@ async def _serve(spec: ClusterSpec, paths: Paths, prepared: list[tuple[str, Any,
 
 
 async def _serve_workers(
-    spec: ClusterSpec, paths: Paths, prepared: list[tuple[str, Any, list[Any]]], workers: int, logs: str
+    spec: ClusterSpec,
+    paths: Paths,
+    prepared: list[tuple[str, Any, list[Any]]],
+    workers: int,
+    logs: str,
+    overrides: Overrides,
 ) -> None:
     """The supervisor in this process, the gateway in `workers` processes on one port (cluster/workers.py)."""
     from corral.cluster import WorkerError, WorkerPool
@@ -235,6 +280,7 @@ async def _serve_workers(
         pool.pressure,
         lambda wanted: pool.announce_cluster(cluster_settings(wanted)),
         workers,
+        overrides=overrides,
     )
     try:
         port = pool.reserve(spec.gateway.host, spec.gateway.port)
@@ -278,103 +324,6 @@ async def _tell(tell: Any, paths: Paths, model: Any) -> None:
     tell(await asyncio.to_thread(model_settings, model, paths))
 
 
-def model_settings(model: Any, paths: Paths) -> dict[str, Any]:
-    """What a gateway needs to know of a model added to (or changed in) a running cluster, as JSON."""
-    from corral.cluster.changes import deployed_digest
-
-    tokenizer = str(model.tokenizer) if model.tokenizer is not None else None
-    return {
-        "name": model.name,
-        "routing": model.routing_policy,
-        "failover": model.mid_stream_failover,
-        "isolation": model.prefix_isolation,
-        "tokenizer": tokenizer,
-        "cache": model.cache.model_dump(mode="json"),
-        "version": deployed_digest(model),
-        "adapters": adapter_settings(model, paths),
-    }
-
-
-def adapter_settings(model: Any, paths: Paths) -> list[dict[str, Any]]:
-    """A model's LoRA adapters as a gateway serves them: each revision's engine name (`name@digest` of its
-    source) and the folder its engines load (fetched when the deployment was prepared: found in the cache)."""
-    from corral.artifacts import resolve_adapter
-    from corral.cluster.changes import adapter_digest
-
-    loads = any(d.engine in ("vllm", "sim") for d in model.deployments)
-    found = {a.name: str(resolve_adapter(a.source, paths)) if loads else "" for a in model.adapters}
-    return [
-        {
-            "name": adapter.name,
-            "base": model.name,
-            "engine_name": f"{adapter.name}@{adapter_digest(adapter, found[adapter.name])}",
-            "path": found[adapter.name],
-            "tenants": adapter.tenants,
-            "rpm": adapter.rpm,
-            "tpm": adapter.tpm,
-            "placement": model.lora.placement,
-        }
-        for adapter in model.adapters
-    ]
-
-
-def cluster_settings(spec: ClusterSpec) -> dict[str, Any]:
-    """What every gateway takes live from a new spec: queue bounds, rate limits, routing policies."""
-    return {
-        "queue": spec.queue.model_dump(mode="json"),
-        "limits": spec.limits.model_dump(mode="json"),
-        "routing": spec.gateway.routing,
-        "models": {m.name: m.routing_policy for m in spec.models},
-    }
-
-
-def apply_cluster_settings(router: Any, parts: Any, settings: dict[str, Any]) -> None:
-    """Take a new spec's live cluster settings in a gateway (this process's, or a worker's)."""
-    from corral.config import LimitsSettings, QueueSettings
-
-    queue = QueueSettings.model_validate(settings["queue"])
-    parts.reconfigure(queue, LimitsSettings.model_validate(settings["limits"]))
-    router.set_default(settings["routing"])
-    for name, policy in settings["models"].items():
-        router.set_policy(name, policy)
-
-
-def apply_model_settings(router: Any, parts: Any, settings: dict[str, Any]) -> None:
-    """Tell a gateway (this process's, or a worker's) a new model's routing policy, failover mode and
-    tokenizer before it is served."""
-    from corral.admission import TokenCounter
-    from corral.config import ModelCacheSpec
-
-    name = settings["name"]
-    router.set_policy(name, settings["routing"])
-    from corral.gateway.parts import isolates
-
-    parts.failover_modes[name] = settings["failover"]
-    if isolates(settings["isolation"], parts.access.open_access):
-        parts.isolated.add(name)
-    else:
-        parts.isolated.discard(name)
-    if parts.cache is not None:
-        parts.cache.policies[name] = ModelCacheSpec.model_validate(settings["cache"])
-        parts.cache.versions[name] = settings["version"]
-    if settings["tokenizer"] is not None:
-        parts.sizing.counters[name] = TokenCounter(Path(settings["tokenizer"]))
-    install_adapters(parts, settings)
-
-
-def install_adapters(parts: Any, settings: dict[str, Any]) -> None:
-    """A model's adapters, served from now on (an adapter's answers are cached apart from its base's and
-    each other's, under its revision); replaced or removed revisions leave the engines once idle."""
-    from corral.routing.adapters import Adapter
-
-    adapters = [Adapter(**{**a, "tenants": frozenset(a["tenants"])}) for a in settings["adapters"]]
-    parts.adapters.replace(settings["name"], adapters)
-    if parts.cache is not None:
-        for adapter in adapters:
-            parts.cache.policies[adapter.name] = parts.cache.policies[settings["name"]]
-            parts.cache.versions[adapter.name] = f"{settings['version']}:{adapter.engine_name}"
-
-
 def _reconciler(
     spec: ClusterSpec,
     paths: Paths,
@@ -383,6 +332,8 @@ def _reconciler(
     pressure: Any,
     on_cluster: Any,
     workers: int = 1,
+    *,
+    overrides: Overrides | None = None,
 ) -> Any:
     """What `corral apply` and `rollout` talk to, and the autoscaler's owner: prepares new deployments
     (blocking, in a thread), has the gateway(s) learn a model's settings (`on_model`) before it is served,
@@ -402,7 +353,9 @@ def _reconciler(
 
         return str(resolve_adapter(adapter.source, paths))
 
-    return Reconciler(supervisor, spec, prepare, on_model, pressure, on_cluster, adapter_path, workers)
+    return Reconciler(
+        supervisor, spec, prepare, on_model, pressure, on_cluster, adapter_path, workers, overrides=overrides
+    )
 
 
 def _stop_on_signals() -> asyncio.Event:
@@ -415,60 +368,8 @@ def _stop_on_signals() -> asyncio.Event:
 
 
 def _cannot_listen(spec: ClusterSpec, exc: OSError) -> CliError:
-    where = f"{spec.gateway.host}:{spec.gateway.port}"
+    where = spec.gateway.listen_address
     return CliError(f"cannot listen on {where}: {exc.strerror or exc} (choose another with --port)")
-
-
-def router_for(spec: ClusterSpec, replicas: Any) -> Any:
-    """The router over `replicas` with the spec's policies (also each gateway worker's)."""
-    from corral.routing import Router
-
-    policies = {m.name: m.routing_policy for m in spec.models if m.routing_policy is not None}
-    return Router(
-        replicas,
-        policies,
-        default_policy=spec.gateway.routing,
-        coalesce_prefills=spec.gateway.prefill_coalescing,
-    )
-
-
-def gateway_parts_for(spec: ClusterSpec, paths: Paths, replicas: Any) -> Any:
-    """The gateway's parts for `spec` (also each gateway worker's)."""
-    from corral.artifacts import ArtifactError
-    from corral.cluster.changes import deployed_digest
-    from corral.gateway import GatewayParts
-    from corral.store import StoreError
-
-    try:
-        parts = GatewayParts.build(
-            replicas,
-            paths.database_url,
-            spec.auth,
-            spec.store,
-            spec.limits,
-            spec.queue,
-            admin_key_from_env(spec.auth.admin_key),
-            {m.name: m.tokenizer for m in spec.models if m.tokenizer is not None},
-            {m.name: m.mid_stream_failover for m in spec.models},
-            {m.name: m.prefix_isolation for m in spec.models},
-            spec.cache,
-            {m.name: m.cache for m in spec.models},
-            {m.name: deployed_digest(m) for m in spec.models},
-            spec.batch,
-        )
-    except StoreError as exc:
-        raise CliError(str(exc)) from None
-    for model in spec.models:
-        if not model.adapters:
-            continue
-        try:
-            adapters = adapter_settings(model, paths)
-        except ArtifactError as exc:  # (a worker restarted after a live apply: the announcements follow)
-            logger.warning("%s: its adapters are not served until they can be had: %s", model.name, exc)
-            continue
-        settings = {"name": model.name, "version": deployed_digest(model)}
-        install_adapters(parts, {**settings, "adapters": adapters})
-    return parts
 
 
 async def _until_serving(
@@ -556,7 +457,9 @@ def _say(line: str) -> None:
 
 def _announce(spec: ClusterSpec, port: int | None, replicas: Any, paths: Paths) -> None:
     scheme = "https" if spec.gateway.tls is not None else "http"
-    base = f"{scheme}://{spec.gateway.host}:{port}/v1"
+    # (the port it listens on, chosen when the spec said 0; an IPv6 host in brackets, a wildcard as loopback)
+    address = spec.gateway.model_copy(update={"port": port}).address_from_here()
+    base = f"{scheme}://{address}/v1"
     if logs_are_json():
         models = replicas.models()
         logger.info(
@@ -589,7 +492,7 @@ def _announce(spec: ClusterSpec, port: int | None, replicas: Any, paths: Paths) 
             markup=False,
         )
     console.print(
-        f"  replica logs: {paths.logs}\n  status: corral status --url {scheme}://{spec.gateway.host}:{port}"
+        f"  replica logs: {paths.logs}\n  status: corral status --url {scheme}://{address}"
         f"{'' if spec.auth.open else ' --admin-key KEY (or $CORRAL_ADMIN_KEY)'}\n"
         "  Ctrl-C stops everything.",
         soft_wrap=True,

@@ -104,7 +104,12 @@ async def _report(writer: asyncio.StreamWriter, queue: Any, replicas: Any) -> No
 
 
 async def _work(control: Path, index: int) -> None:
-    from corral.cli.up import apply_cluster_settings, apply_model_settings, gateway_parts_for, router_for
+    from corral.cli.gateway_spec import (
+        apply_cluster_settings,
+        apply_model_settings,
+        gateway_parts_for,
+        router_for,
+    )
     from corral.gateway import GatewayServer
     from corral.routing import ReplicaSet
     from corral.routing.sync import apply_snapshot

@@ -12,7 +12,7 @@ import functools
 import math
 
 from corral.config import DeploymentSpec, ModelSpec
-from corral.perf import closed_loop, load_catalog, open_loop
+from corral.perf import CatalogError, closed_loop, load_catalog, open_loop
 from corral.perf.calibration import calibrated_efficiency
 from corral.perf.replica import ReplicaLayout, replica_model
 
@@ -27,10 +27,11 @@ def replica_request_rate(
 ) -> float | None:
     """Requests/s (wall clock: a simulator's `time_scale` included) one replica sustains; None when the
     deployment has no performance model (no GPU type, or a model the catalog lacks)."""
-    if deployment.gpu is None:
+    arch = _catalog_model(model.catalog_names)
+    if deployment.gpu is None or arch is None:
         return None
     layout = ReplicaLayout(
-        model=model.arch or model.name,
+        model=arch,
         gpu=deployment.gpu,
         quant=deployment.quantization,
         tp=deployment.tensor_parallel,
@@ -46,6 +47,19 @@ def replica_request_rate(
     except (ValueError, KeyError, RuntimeError):
         return None
     return rate * scale
+
+
+@functools.lru_cache(maxsize=64)
+def _catalog_model(names: tuple[str, ...]) -> str | None:
+    """The catalog's name of the first of `names` it knows (arch, the source's Hugging Face id, the model's
+    name: `ModelSpec.catalog_names`), or None."""
+    models = load_catalog().models
+    for name in names:
+        try:
+            return models.get(name).name
+        except CatalogError:
+            continue
+    return None
 
 
 def _bucket(tokens: float) -> int:

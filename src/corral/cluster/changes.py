@@ -6,6 +6,7 @@ it) and of an adapter's revision (`adapter_digest`). The reconciler (reconcile.p
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -14,9 +15,17 @@ import orjson
 
 from corral.config import AdapterSpec, ClusterSpec, ModelSpec
 
-__all__ = ["ApplyError", "Change", "adapter_digest", "deployed_digest", "plan_changes"]
+__all__ = ["ApplyError", "Change", "adapter_digest", "deployed_digest", "plan_changes", "tokenizer_problem"]
 
-_LIVE_MODEL_FIELDS = ("routing", "tokenizer", "slo", "mid_stream_failover", "rollout", "cache")
+_LIVE_MODEL_FIELDS = (
+    "routing",
+    "tokenizer",
+    "slo",
+    "mid_stream_failover",
+    "prefix_isolation",  # (the gateway's prefix index: no replica knows of it)
+    "rollout",
+    "cache",
+)
 _LIVE_SECTIONS = ("queue", "limits")  # and gateway.routing: cluster settings every gateway takes live
 
 
@@ -88,6 +97,27 @@ def plan_changes(running: ClusterSpec, wanted: ClusterSpec, workers: int = 1) ->
                 changes.append(Change("settings", name, detail=", ".join(changed)))
             changes += _count_changes(old, model)
     return changes
+
+
+def tokenizer_problem(spec: ClusterSpec, names: Collection[str] | None = None) -> str | None:
+    """Why a tokenizer of the spec's models (of those in `names`, else of all) cannot be used, naming its
+    field and file, or None: each is loaded as the gateway loads it, before anything is fetched or changed
+    (found missing only then, it would end `corral up` after every model was fetched, and leave a live
+    apply half made)."""
+    from corral.admission import TokenCounter
+
+    for index, model in enumerate(spec.models):
+        path = model.tokenizer
+        if path is None or (names is not None and model.name not in names):
+            continue
+        where = f"models[{index}].tokenizer: {path}"
+        if not path.is_file():
+            return f"{where}: no such file (a Hugging Face tokenizer.json on the machine corral up runs on)"
+        try:
+            TokenCounter(path)
+        except Exception as exc:  # (the tokenizers library raises Exception itself, whatever is wrong)
+            return f"{where}: not a tokenizer.json the tokenizers library can read: {exc}"
+    return None
 
 
 def _count_changes(old: ModelSpec, new: ModelSpec) -> list[Change]:

@@ -3,11 +3,12 @@
 What it changes live: models added (prepared, started, routable once ready), models removed (drained, then
 forgotten), each deployment's replica count (new replicas started; surplus ones drained: those serving nothing
 first, then the newest; an autoscaled deployment's count is the autoscaler's, within the new bounds), a
-model's live settings (routing policy, failover mode, tokenizer, SLO, rollout policy, autoscale bounds), and
-any other change of a running model (weights, engine, its arguments): a gated rollout (cluster/rollout.py),
-and the cluster settings every gateway takes live (`queue`, `limits`, `gateway.routing`). What it refuses,
-with the reason: any other change outside `models` (the rest of `gateway`, `auth`, `store`, `supervisor`,
-`ray`, `deploy`: those need a restart), and a change to a model whose rollout is still running.
+model's live settings (routing policy, failover mode, prefix isolation, tokenizer, SLO, rollout policy,
+autoscale bounds), and any other change of a running model (weights, engine, its arguments): a gated
+rollout (cluster/rollout.py), and the cluster settings every gateway takes live (`queue`, `limits`,
+`gateway.routing`). What it refuses, with the reason: any other change outside `models` (the rest of
+`gateway`, `auth`, `store`, `supervisor`, `ray`, `deploy`: those need a restart), and a change to a model
+whose rollout is still running.
 
 The reconciler owns the control loops that change the running cluster: apply, rollouts, the autoscaler
 (cluster/autoscale.py) and drains; each change is an event in the replica set's log.
@@ -24,7 +25,7 @@ from typing import Any, NamedTuple
 import aiohttp
 
 from corral.cluster.autoscale import Autoscaler, Pressure
-from corral.cluster.changes import ApplyError, Change, adapter_digest, plan_changes
+from corral.cluster.changes import ApplyError, Change, adapter_digest, plan_changes, tokenizer_problem
 from corral.cluster.evalgate import run_gate
 from corral.cluster.rollout import Rollout, Unit
 from corral.cluster.supervisor import Supervisor
@@ -80,7 +81,8 @@ class Reconciler:
     """Applies specs to the supervisor it was given; `prepare` resolves a deployment's launch plans
     (blocking: fetches and builds), `on_model` tells the gateway(s) a model's settings (routing policy,
     tokenizer, failover mode) before it serves (awaited: what it reads, off the event loop); `pressure`
-    reads the gateways' queues (the autoscaler)."""
+    reads the gateways' queues (the autoscaler); `overrides` gives an applied spec what `corral up`'s flags
+    changed in the one it started with (--ray: the file does not say it), ValueError where it cannot."""
 
     def __init__(
         self,
@@ -92,8 +94,11 @@ class Reconciler:
         on_cluster: Callable[[ClusterSpec], None] | None = None,
         adapter_path: Callable[[AdapterSpec], str] | None = None,
         workers: int = 1,
+        *,
+        overrides: Callable[[ClusterSpec], ClusterSpec] | None = None,
     ) -> None:
         self._supervisor = supervisor
+        self._overrides = overrides or (lambda spec: spec)
         self._workers = workers  # the gateway processes sharing the replicas' slots
         self._adapter_path = adapter_path or (lambda adapter: "")
         self._replicas = supervisor.replicas
@@ -163,10 +168,11 @@ class Reconciler:
         """Make the changes; one apply at a time. Everything new is prepared (fetched, built) before the
         running cluster is touched, so a spec that cannot be prepared changes nothing; replicas to add
         start before any is drained; a rollout is started and runs on (`corral rollout status`). The
-        gateway's host and port stay those `corral up` listens on (its flags may override the file's). A
-        caller that goes away while it prepares leaves nothing changed (as `stop` does); once it changes
-        the cluster it runs to its end (Ctrl-C, a proxy's timeout while replicas drain): half made, the
-        replicas would run what the spec the next apply compares with does not say."""
+        gateway's host and port stay those `corral up` listens on, and --ray's cluster the one it runs on
+        (its flags may override the file's). A caller that goes away while it prepares leaves nothing
+        changed (as `stop` does); once it changes the cluster it runs to its end (Ctrl-C, a proxy's timeout
+        while replicas drain): half made, the replicas would run what the spec the next apply compares with
+        does not say."""
         await self._lock.acquire()
         preparing = asyncio.current_task()
         try:
@@ -192,6 +198,10 @@ class Reconciler:
     async def _prepare_apply(self, wanted: ClusterSpec) -> _Prepared:
         """The changes `wanted` makes, with everything they need fetched, built and checked; ApplyError
         (nothing changed) where they cannot be made."""
+        try:
+            wanted = self._overrides(wanted)
+        except ValueError as exc:
+            raise ApplyError(f"{exc} (nothing changed)") from exc
         listening = {"host": self.spec.gateway.host, "port": self.spec.gateway.port}
         wanted = wanted.model_copy(update={"gateway": wanted.gateway.model_copy(update=listening)})
         changes = plan_changes(self._running(), wanted, self._workers)
@@ -202,6 +212,10 @@ class Reconciler:
                 f"a rollout of {', '.join(busy)} is still running: wait for it, or "
                 f"`corral rollout rollback {busy[0]}`"
             )
+        told = {c.model for c in changes if c.action in ("add_model", "settings", "rollout")}
+        problem = await asyncio.to_thread(tokenizer_problem, wanted, told)  # (what the gateways will load)
+        if problem:
+            raise ApplyError(f"{problem} (nothing changed)")
         models = {m.name: m for m in wanted.models}
         before = {m.name: m for m in self.spec.models}
         additions = [c for c in changes if c.action in ("add_model", "scale_up")]

@@ -1,4 +1,5 @@
-"""The base of every spec model: unknown fields are errors."""
+"""The base of every spec model: unknown fields are errors, and so are `.inf` and `.nan` (no setting means
+"never" by infinity; a NaN passes every bound, as no comparison holds)."""
 
 from __future__ import annotations
 
@@ -6,4 +7,4 @@ from pydantic import BaseModel, ConfigDict
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)

@@ -100,7 +100,9 @@ class AutoscaleSpec(Strict):
     ] = 1
     max_replicas: Annotated[int, Field(ge=1, le=256, description="never more")]
     mode: Literal["reactive", "feed_forward"] = Field(
-        default="reactive", description="reactive, or feed_forward (sizes for the arrival rate too)"
+        default="reactive",
+        description="reactive, or feed_forward (sizes for the arrival rate too, with the perf catalog's "
+        "model: the model's arch must name one)",
     )
     target_utilization: Annotated[
         float, Field(gt=0, le=1, description="share of the replicas' slots busy that it aims for")

@@ -176,7 +176,10 @@ class DeploymentSpec(Strict):
     ] = 8192
     engine_args: list[str] = Field(default_factory=list, description="extra engine flags, passed through")
     binary: Path | None = Field(default=None, description="engine executable; found or built when unset")
-    urls: list[str] = Field(default_factory=list, description="for engine=external: running servers")
+    urls: list[str] = Field(
+        default_factory=list,
+        description="for engine=external: running servers' base URLs, http(s)://host:port (without /v1)",
+    )
     kv_events: bool = Field(
         default=True,
         description="vllm, sim: the engine publishes its KV-cache events, which the prefix router follows",
@@ -251,6 +254,26 @@ class DeploymentSpec(Strict):
                 "(a key read from a file may carry a trailing newline)"
             )
         return key
+
+    @field_validator("urls")
+    @classmethod
+    def _base_urls(cls, urls: list[str]) -> list[str]:
+        """Each an engine's base URL, to which the gateway adds the API's paths (`/v1/chat/completions`)."""
+        for url in urls:
+            try:
+                parts = urllib.parse.urlsplit(url)
+                parts.port  # noqa: B018 (a port that is not a number raises here)
+            except ValueError as exc:
+                raise ValueError(f"{url!r} is not a URL ({exc})") from None
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise ValueError(f"{url!r} is not an http:// or https:// URL of a server")
+            if parts.path.rstrip("/").endswith("/v1"):
+                base = url.rstrip("/").removesuffix("/v1")
+                raise ValueError(
+                    f"give the server's base URL, without /v1 (the gateway adds /v1/...): {base!r}, "
+                    f"not {url!r}"
+                )
+        return urls
 
     @model_validator(mode="before")
     @classmethod
@@ -388,7 +411,11 @@ class ModelSpec(Strict):
             description="the name clients send as `model`",
         ),
     ]
-    arch: str | None = Field(default=None, description="perf catalog model (sim, plan); defaults to name")
+    arch: str | None = Field(
+        default=None,
+        description="perf catalog model (sim, plan, feed_forward autoscaling); unset: the name (feed_forward "
+        "tries the source's Hugging Face repository before it)",
+    )
     task: Literal["generate", "embed"] = Field(
         default="generate",
         description="generate: chat and completions; embed: an embedding model served at /v1/embeddings",
@@ -453,6 +480,34 @@ class ModelSpec(Strict):
             return self.routing
         return "least_outstanding_requests" if self.task == "embed" else None
 
+    @property
+    def catalog_names(self) -> tuple[str, ...]:
+        """The names the perf catalog may know the model by, in the order they are tried: `arch`, the Hugging
+        Face repository of its source, its name."""
+        hf = self.source.hf if isinstance(self.source, HuggingFaceSource) else None
+        return tuple(dict.fromkeys(name for name in (self.arch, hf, self.name) if name))
+
+    def _check_feed_forward(self) -> None:
+        """Feed-forward autoscaling sizes replicas with the perf catalog's model: one it does not know would
+        leave it reactive without a word."""
+        if not any(d.autoscale and d.autoscale.mode == "feed_forward" for d in self.deployments):
+            return
+        from corral.perf import CatalogError, load_catalog  # (the built-in catalog, as the autoscaler's)
+
+        models = load_catalog().models
+        for name in self.catalog_names:
+            try:
+                models.get(name)
+                return
+            except CatalogError:
+                continue
+        tried = ", ".join(repr(name) for name in self.catalog_names)
+        raise ValueError(
+            f"arch: autoscale mode feed_forward sizes replicas with the perf catalog's model, and the "
+            f"catalog knows none of {tried} (arch, the source's Hugging Face repository, name): set arch "
+            "to a catalog model (e.g. llama-3.1-8b), or use mode: reactive"
+        )
+
     @model_validator(mode="after")
     def _engines_have_sources(self) -> ModelSpec:
         needs_file = any(d.engine in ("llamacpp", "vllm") for d in self.deployments)
@@ -465,6 +520,7 @@ class ModelSpec(Strict):
         if self.matryoshka and self.task != "embed":
             raise ValueError(f"model {self.name!r}: matryoshka is for embedding models (task: embed)")
         self._check_adapters()
+        self._check_feed_forward()
         return self
 
     def _check_adapters(self) -> None:

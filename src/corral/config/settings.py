@@ -147,6 +147,11 @@ class GatewaySettings(Strict):
         host = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(self.host, self.host)
         return f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
 
+    @property
+    def listen_address(self) -> str:
+        """host:port the gateway listens on, an IPv6 host in brackets (`[::]:8000`, not `:::8000`)."""
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
     @field_validator("cors_origins")
     @classmethod
     def _origins(cls, value: list[str]) -> list[str]:

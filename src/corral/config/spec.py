@@ -225,6 +225,11 @@ def load_spec(path: Path) -> ClusterSpec:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise SpecError(f"{path}: cannot read: {exc.strerror or exc}") from exc
+    except UnicodeDecodeError as exc:
+        line = exc.object[: exc.start].count(b"\n") + 1
+        raise SpecError(
+            f"{path}:{line}: not UTF-8 text (byte 0x{exc.object[exc.start]:02x}): save the spec as UTF-8"
+        ) from exc
     return parse_spec(text, source=str(path))
 
 
@@ -239,6 +244,9 @@ def parse_spec(text: str, source: str = "<spec>") -> ClusterSpec:
         raise SpecError(f"{where}: not valid YAML: {getattr(exc, 'problem', exc)}") from exc
     if not isinstance(data, dict):
         raise SpecError(f"{source}: the spec must be a mapping with a 'models' list")
+    repeated = _repeated_key(node, ())
+    if repeated:
+        raise SpecError(f"{source}:{repeated}")
     try:
         return ClusterSpec.model_validate(data)
     except ValidationError as exc:
@@ -248,6 +256,37 @@ def parse_spec(text: str, source: str = "<spec>") -> ClusterSpec:
             field = ".".join(str(p) for p in loc) or "(top level)"
             lines.append(f"{source}:{_line_of(node, loc)}: {field}: {err['msg']}")
         raise SpecError("invalid cluster spec\n" + "\n".join(lines)) from exc
+
+
+def _repeated_key(
+    node: yaml.Node | None, path: tuple[str, ...], walked: set[int] | None = None
+) -> str | None:
+    """`line: field: ...` of the first key a mapping repeats (YAML loaders keep the last value without a
+    word, so a setting written twice would be half ignored), or None."""
+    walked = set() if walked is None else walked
+    if node is None or id(node) in walked:  # (an alias's node is walked once, where its anchor is)
+        return None
+    walked.add(id(node))
+    if isinstance(node, yaml.SequenceNode):
+        for index, item in enumerate(node.value):
+            found = _repeated_key(item, (*path, str(index)), walked)
+            if found:
+                return found
+    if not isinstance(node, yaml.MappingNode):
+        return None
+    seen: dict[Any, int] = {}
+    for key, value in node.value:
+        name = key.value if isinstance(key, yaml.ScalarNode) else None
+        if name is not None and key.tag != "tag:yaml.org,2002:merge":  # (`<<: *defaults` is overridden)
+            line = key.start_mark.line + 1
+            if name in seen:
+                field = ".".join((*path, str(name)))
+                return f"{line}: {field}: repeated (first on line {seen[name]}); give each key once"
+            seen[name] = line
+        found = _repeated_key(value, (*path, str(name)), walked)
+        if found:
+            return found
+    return None
 
 
 def _line_of(node: yaml.Node | None, loc: tuple[Any, ...]) -> int:
