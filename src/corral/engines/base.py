@@ -146,6 +146,20 @@ def read_gauges(metrics_text: str, names: Iterable[str] | None = None) -> dict[s
     return values
 
 
+def mean_gauge(metrics_text: str, name: str) -> float | None:
+    """A gauge's samples averaged over their labels (a share each engine of a replica has, vLLM's data
+    parallel engines: summed, two half-full caches read as one full one); None where there is none."""
+    numbers = []
+    for _, value in _samples_of(frozenset({name})).findall("\n" + metrics_text):
+        try:
+            number = float(value)
+        except ValueError:
+            raise ValueError(f"{name}: not a number: {value[:40]!r}") from None
+        if math.isfinite(number):
+            numbers.append(number)
+    return sum(numbers) / len(numbers) if numbers else None
+
+
 @functools.cache
 def _samples_of(names: frozenset[str]) -> re.Pattern[str]:
     """(name, value) of each sample line of `names` in a text that starts with a newline: after a newline,

@@ -11,7 +11,7 @@ from corral.artifacts import ArtifactError, Progress, resolve_model
 from corral.artifacts.hf_from_gguf import hf_folder_from_gguf
 from corral.artifacts.vllm_env import vllm_python
 from corral.config import DeploymentSpec, HuggingFaceSource, ModelSpec, Paths
-from corral.engines.base import LaunchPlan, read_gauges, visible_gpus
+from corral.engines.base import LaunchPlan, mean_gauge, read_gauges, visible_gpus
 from corral.engines.devices import usable_cpus
 from corral.engines.features import EngineFeatures
 from corral.engines.kv_events import data_parallel_size, kv_events_config
@@ -46,12 +46,13 @@ _LOAD_SAMPLES = frozenset(
 
 
 def parse_vllm_load(metrics_text: str) -> EngineLoad:
-    """vLLM's /metrics (`vllm:` names, summed over engines) as the common load shape."""
+    """vLLM's /metrics (`vllm:` names, summed over its data-parallel engines, the KV cache's share
+    averaged) as the common load shape."""
     values = read_gauges(metrics_text, _LOAD_SAMPLES)
     return EngineLoad(
         running=int(values.get(_RUNNING, 0)),
         waiting=int(values.get(_WAITING, 0)),
-        kv_usage=values.get(_KV),
+        kv_usage=mean_gauge(metrics_text, _KV),  # (a share: each data-parallel engine's, averaged)
         prompt_tokens_total=values.get(_COUNTERS["prompt_tokens_total"], 0.0),
         generated_tokens_total=values.get(_COUNTERS["generated_tokens_total"], 0.0),
         prefix_cache_queries_total=values.get(_COUNTERS["prefix_cache_queries_total"], 0.0),
