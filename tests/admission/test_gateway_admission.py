@@ -723,3 +723,30 @@ async def test_large_bodies_the_gateway_refuses_count_against_the_keys_rpm(
             ) as answer:
                 statuses.append(answer.status)
     assert statuses[:2] == [400, 400] and statuses[2:] == [429, 429], statuses
+
+
+async def test_a_large_body_refused_before_parsing_is_counted_in_the_metrics(closed: Cluster) -> None:
+    """A body over 256 KiB whose key is over its limits is refused before it is parsed (nothing names its
+    model yet): the refusal still counts, by tenant and API, where the heaviest tenants' 429s went
+    uncounted and their dashboards showed none."""
+    _, made = await closed.admin("POST", "/admin/keys", {"tenant": "bulk", "rpm": 1})
+    headers = {"Authorization": f"Bearer {made['key']}"}
+    big = {"model": "m", "messages": [{"role": "user", "content": "word " * 70_000}], "max_tokens": 1}
+    async with aiohttp.ClientSession() as session:
+        async with session.post(closed.url + "/v1/chat/completions", json=big, headers=headers) as first:
+            assert first.status == 200
+        async with session.post(closed.url + "/v1/chat/completions", json=big, headers=headers) as refused:
+            assert refused.status == 429
+        async with session.get(closed.url + "/metrics", headers={"Authorization": f"Bearer {ADMIN}"}) as page:
+            text = await page.text()
+    lines = text.splitlines()
+    assert any(
+        line.startswith("corral_tenant_requests_total{")
+        and 'tenant="bulk"' in line
+        and 'status="429"' in line
+        for line in lines
+    ), [line for line in lines if "bulk" in line]
+    assert any(
+        line.startswith("corral_api_requests_total{") and 'api="chat"' in line and 'status="429"' in line
+        for line in text.splitlines()
+    )

@@ -38,7 +38,8 @@ from corral.gateway.embedder import ReplicaEmbedder
 from corral.gateway.isolation import TenantIsolation
 from corral.gateway.metrics import GatewayMetrics
 from corral.gateway.parts import GatewayParts
-from corral.gateway.pipeline import Pipeline, unexpected
+from corral.gateway.pipeline import Pipeline
+from corral.gateway.refusals import unexpected
 from corral.gateway.relay import Relay, RelayTimeouts
 from corral.gateway.usage import UsageRecorder
 from corral.protocol import (

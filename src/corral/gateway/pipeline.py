@@ -44,6 +44,7 @@ from corral.gateway.fanout import Fanout, in_flight
 from corral.gateway.intake import Intake
 from corral.gateway.isolation import TenantIsolation
 from corral.gateway.metrics import GatewayMetrics
+from corral.gateway.refusals import unexpected
 from corral.gateway.relay import Relay
 from corral.gateway.usage import UsageRecorder
 from corral.protocol import (
@@ -53,11 +54,10 @@ from corral.protocol import (
     EmbeddingRequest,
     NoCapacity,
     RateLimited,
-    StoreUnavailable,
 )
 from corral.routing import Router
 from corral.routing.adapters import Adapter
-from corral.store import UsageRecord, store_is_down
+from corral.store import UsageRecord
 
 __all__ = ["Pipeline", "unexpected"]
 
@@ -412,7 +412,12 @@ class Pipeline:
         too)."""
         raw = await read_body(request, self._body_timeout, self._max_body)
         if len(raw) > _CHECKED_BEFORE_PARSING:
-            await self._may_ask(principal)
+            try:
+                await self._may_ask(principal)
+            except APIError as exc:  # (counted by tenant and API: no model is named before the parse)
+                self._metrics.tenant(principal.tenant).finished(exc.status, 0, 0)
+                self._metrics.api_finished(_APIS.get(request.path) or request.path.split("/")[2], exc.status)
+                raise
         return raw
 
     async def admit(self, ctx: RequestContext, principal: Principal) -> Reservation | None:
@@ -573,26 +578,3 @@ def _reserved_usage(ctx: RequestContext) -> dict[str, int]:
     prompt = ctx.route.prompt_tokens
     completion = max(ctx.route.tokens - prompt, ctx.relayed)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-
-
-def unexpected(request: web.Request, exc: Exception, store_unanswered: Callable[[], None]) -> APIError:
-    """What a client is told of an exception no stage turned into an answer: the store not answering is a
-    503 to retry (one log line, counted by `store_unanswered`); anything else a 500, logged with its trace."""
-    if store_is_down(exc):
-        store_unanswered()
-        logger.error(
-            "the store did not answer %s %s (request %s): %s",
-            request.method,
-            request.path,
-            request.get(REQUEST_ID),
-            exc,
-        )
-        return StoreUnavailable("corral's store is not answering; try again shortly.", retry_after=5)
-    logger.error(
-        "unhandled error on %s %s (request %s)",
-        request.method,
-        request.path,
-        request.get(REQUEST_ID),
-        exc_info=exc,
-    )
-    return APIError("The gateway hit an internal error; it has been logged.")

@@ -1,16 +1,24 @@
 """An engine's refusals as a client reads them: in OpenAI's shape, with a status that says whose fault
 it was (the request's 4xx kept; the engine's own failures, and its refusing the gateway's credentials,
-502), and how long a busy engine asked to be left alone."""
+502), and how long a busy engine asked to be left alone; and what a client is told of an exception no stage
+turned into an answer (`unexpected`)."""
 
 from __future__ import annotations
 
+import logging
 import re
+from collections.abc import Callable
 
 import orjson
+from aiohttp import web
 
-from corral.protocol import error_body
+from corral.gateway.clients import REQUEST_ID
+from corral.protocol import APIError, StoreUnavailable, error_body
+from corral.store import store_is_down
 
-__all__ = ["busy_wait", "engine_error", "error_fields"]
+__all__ = ["busy_wait", "engine_error", "error_fields", "unexpected"]
+
+logger = logging.getLogger(__name__)
 
 _INPUT_TOO_LONG = re.compile(r"input (?:\((\d+) tokens\) )?is too large to process")
 
@@ -63,3 +71,26 @@ def error_fields(body: bytes) -> tuple[str, str | None, str | None]:
         param if isinstance(param, str) else None,
         code if isinstance(code, str) else None,
     )
+
+
+def unexpected(request: web.Request, exc: Exception, store_unanswered: Callable[[], None]) -> APIError:
+    """What a client is told of an exception no stage turned into an answer: the store not answering is a
+    503 to retry (one log line, counted by `store_unanswered`); anything else a 500, logged with its trace."""
+    if store_is_down(exc):
+        store_unanswered()
+        logger.error(
+            "the store did not answer %s %s (request %s): %s",
+            request.method,
+            request.path,
+            request.get(REQUEST_ID),
+            exc,
+        )
+        return StoreUnavailable("corral's store is not answering; try again shortly.", retry_after=5)
+    logger.error(
+        "unhandled error on %s %s (request %s)",
+        request.method,
+        request.path,
+        request.get(REQUEST_ID),
+        exc_info=exc,
+    )
+    return APIError("The gateway hit an internal error; it has been logged.")
