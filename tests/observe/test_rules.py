@@ -57,12 +57,12 @@ FIRING = [
     Case(
         "CorralModelUnavailable",
         {
-            'corral_replica_ready{model="m", replica="r0"}': "0x10",
-            'corral_replica_ready{model="m", replica="r1"}': "0x10",
+            'corral_replica_ready{instance="gw:8000", model="m", replica="r0"}': "0x10",
+            'corral_replica_ready{instance="gw:8000", model="m", replica="r1"}': "0x10",
         },
         "5m",
-        {"model": "m", "severity": "critical"},
-        "Model m has no ready replica: its requests are refused with 503.",
+        {"instance": "gw:8000", "model": "m", "severity": "critical"},
+        "Model m has no ready replica on the gateway gw:8000: its requests there are refused with 503.",
     ),
     Case(
         "CorralReplicaDown",
@@ -123,10 +123,10 @@ FIRING = [
     Case(
         "CorralStoreUnreachable",
         {
-            'corral_store_errors_total{instance="gw:8000", use="key_lookup"}': "0x5 1+5x10",
-            'corral_store_errors_total{instance="gw:8000", use="usage_write"}': "0x5 0+5x10",
+            'corral_store_errors_total{instance="gw:8000", use="key_lookup"}': "0x5 1+5x15",
+            'corral_store_errors_total{instance="gw:8000", use="usage_write"}': "0x5 0+5x15",
         },
-        "12m",
+        "14m",
         {"instance": "gw:8000", "severity": "critical"},
         "The gateway gw:8000 gets no answer from corral's store: keys it has not looked up yet, stored "
         "responses and the admin API are refused with 503, usage waits in memory.",
@@ -138,6 +138,14 @@ FIRING = [
         {"instance": "gw:8000", "severity": "critical"},
         "The gateway gw:8000 dropped usage records (the store was unreachable past store.max_pending): "
         "usage reports and monthly budgets undercount.",
+    ),
+    Case(
+        "CorralRateLimiterUnreachable",
+        {'corral_limiter_errors_total{instance="gw:8000"}': "0x5 0+20x15"},
+        "14m",
+        {"instance": "gw:8000", "severity": "warning"},
+        "The gateway gw:8000 cannot check rate limits in Redis: its requests are served without their rate "
+        "limits (limits.on_redis_error: open).",
     ),
     Case(
         "CorralTenantBudgetNearlySpent",
@@ -254,6 +262,7 @@ QUIET = [
         "15m",
     ),
     Case("CorralUsageRecordsDropped", {'corral_usage_dropped_total{instance="gw:8000"}': "0x20"}, "12m"),
+    Case("CorralRateLimiterUnreachable", {'corral_limiter_errors_total{instance="gw:8000"}': "0x20"}, "12m"),
     Case("CorralUsageRecordsDropped", {'corral_usage_dropped_total{instance="gw:8000"}': "0 40x30"}, "25m"),
     Case(
         "CorralTenantBudgetNearlySpent",

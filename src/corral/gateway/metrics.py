@@ -25,6 +25,9 @@ __all__ = ["GatewayMetrics", "ModelMetrics", "TenantMetrics", "UsageMetrics"]
 
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+# A whole answer may take far longer than its first token (reasoning, long generations, batch lines):
+# past the top finite bucket histogram_quantile reports that bucket's bound, whatever the true figure.
+_DURATION = (*_LATENCY, 300.0, 600.0, 1800.0)
 _TOKEN_LATENCY = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1.0)
 
 
@@ -57,9 +60,10 @@ class GatewayMetrics:
         self._by_api: dict[tuple[str, int], Counter] = {}
         self.e2e = Histogram(
             "corral_request_duration_seconds",
-            "End-to-end request latency.",
+            "End-to-end latency of answered requests (status below 400; refusals and errors are counted "
+            "in corral_requests_total only).",
             ["model"],
-            buckets=_LATENCY,
+            buckets=_DURATION,
             registry=r,
         )
         self.ttft = Histogram(
@@ -309,7 +313,8 @@ class ModelMetrics:
         if counter is None:
             counter = self._by_status[status] = self._requests.labels(self.model, str(status))
         counter.inc()
-        self.e2e.observe(seconds)
+        if status < 400:  # a refusal takes milliseconds: a 429 storm would pull the percentiles down
+            self.e2e.observe(seconds)
 
     def decided(self, policy: str) -> None:
         counter = self._by_policy.get(policy)

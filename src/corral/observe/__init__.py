@@ -10,6 +10,7 @@ import yaml
 
 from corral.config import ClusterSpec
 from corral.observe.dashboards import DASHBOARDS, PanelQuery, dashboard_json, panel_queries
+from corral.observe.dcgm import COUNTERS_FILE, counters_csv
 from corral.observe.rules import RUNBOOK, AlertRule, alert_rules, rules_yaml
 
 __all__ = [
@@ -27,6 +28,10 @@ GATEWAY_JOB = "corral-gateway"
 RULES_FILE = "prometheus/rules/corral.rules.yml"
 RUNBOOK_FILE = "prometheus/runbook.md"  # the alerts' runbook, linked from each rule unless deploy.runbook_url
 METRICS_TOKEN_FILE = "metrics.token"  # beside prometheus.yml: the gateway's `metrics_token`
+
+
+def _on_gpus(spec: ClusterSpec) -> bool:
+    return any(d.engine == "vllm" and d.device == "gpu" for m in spec.models for d in m.deployments)
 
 
 def prometheus_config(spec: ClusterSpec, rules: Path, scrape_interval: str = "15s") -> dict[str, Any]:
@@ -57,9 +62,9 @@ def prometheus_config(spec: ClusterSpec, rules: Path, scrape_interval: str = "15
         gateway_job["tls_config"] = {"ca_file": "ca.crt"}
         discovery["tls_config"] = {"ca_file": "ca.crt"}
     jobs: list[dict[str, Any]] = [gateway_job, {"job_name": "corral-engines", "http_sd_configs": [discovery]}]
-    gpus = any(d.engine == "vllm" and d.device == "gpu" for m in spec.models for d in m.deployments)
-    if gpus:
-        # dcgm-exporter on each GPU node (default port 9400); list every node's address here.
+    if _on_gpus(spec):
+        # dcgm-exporter on each GPU node (default port 9400, run with `-f` COUNTERS_FILE); list every
+        # node's address here.
         jobs.append({"job_name": "dcgm", "static_configs": [{"targets": ["127.0.0.1:9400"]}]})
     return {
         "global": {"scrape_interval": scrape_interval, "evaluation_interval": scrape_interval},
@@ -71,7 +76,8 @@ def prometheus_config(spec: ClusterSpec, rules: Path, scrape_interval: str = "15
 def render_observability(
     spec: ClusterSpec, source: str, output: Path, scrape_interval: str = "15s"
 ) -> dict[str, str]:
-    """Dashboards, rules, Prometheus configuration and Grafana provisioning, keyed by path under `output`."""
+    """Dashboards, rules, Prometheus configuration, Grafana provisioning and, on GPU specs, dcgm-exporter's
+    counters file, keyed by path under `output`."""
     header = f"# Rendered by `corral observe render` from {source}; render again after editing the spec.\n"
     files = {
         RULES_FILE: header
@@ -116,6 +122,8 @@ def render_observability(
             sort_keys=False,
         ),
     }
+    if _on_gpus(spec):
+        files[COUNTERS_FILE] = counters_csv()  # dcgm-exporter's stock fields lack the ECC and throttling ones
     if spec.gateway.metrics_token and not spec.auth.open:
         files[f"prometheus/{METRICS_TOKEN_FILE}"] = spec.gateway.metrics_token
     for board in DASHBOARDS:

@@ -1,9 +1,10 @@
 """Grafana dashboards for a corral cluster, built with Grafana's typed builders (grafana-foundation-sdk).
 
 Three dashboards: *Cluster* (traffic, latency, admission, replicas and engines), *Tenants* and *GPU*
-(NVIDIA DCGM exporter fields). Every query reads corral's own series (the gateway exports each replica's
-engine load as `corral_engine_*`, whatever the engine), every mean is a ratio of rates, and every query is
-written to return a series before the first error or refusal ever happens (`or … * 0`).
+(NVIDIA DCGM exporter fields; the ECC and throttling ones need the counters file of dcgm.py). Every query
+reads corral's own series (the gateway exports each replica's engine load as `corral_engine_*`, whatever
+the engine), every mean is a ratio of rates, and every query is written to return a series before the
+first error or refusal ever happens (`or … * 0`).
 """
 
 from __future__ import annotations
@@ -315,7 +316,7 @@ _GPU = _Dashboard(
                 ),
                 _Panel(
                     "Memory used",
-                    "decmbytes",
+                    "mbytes",  # DCGM reports MiB: Grafana's binary unit, not decmbytes (SI)
                     [(f"DCGM_FI_DEV_FB_USED{{{_GPU_LABELS}}}", "{{Hostname}} {{gpu}}")],
                 ),
                 _Panel(
@@ -334,14 +335,20 @@ _GPU = _Dashboard(
                     "hardware or driver faults; 13, 31, 43, 45: usually the application.",
                 ),
                 _Panel(
-                    "ECC double-bit errors (last hour)",
+                    "Uncorrectable ECC errors (last hour)",
                     "short",
                     [
                         (
                             f"increase(DCGM_FI_DEV_ECC_DBE_VOL_TOTAL{{{_GPU_LABELS}}}[1h])",
-                            "{{Hostname}} {{gpu}}",
-                        )
+                            "double-bit {{Hostname}} {{gpu}}",
+                        ),
+                        (
+                            f"increase(DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS{{{_GPU_LABELS}}}[1h])",
+                            "rows remapped {{Hostname}} {{gpu}}",
+                        ),
                     ],
+                    "Double-bit errors need corral's counters file (dcgm-exporter -f "
+                    "dcgm/corral-counters.csv); rows remapped for them (Ampere and later) are stock fields.",
                 ),
                 _Panel(
                     "Row remapping failures",
@@ -361,7 +368,9 @@ _GPU = _Dashboard(
                             "thermal {{Hostname}} {{gpu}}",
                         ),
                     ],
-                    "Share of time the clocks were held down (the violation counters count microseconds).",
+                    "Share of time the clocks were held down (the violation counters count microseconds). "
+                    "dcgm-exporter exports them only with corral's counters file (-f "
+                    "dcgm/corral-counters.csv).",
                 ),
             ],
         )

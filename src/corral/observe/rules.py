@@ -5,10 +5,18 @@ queue timeout for queue waits. Every expression evaluates before the first error
 (`or … * 0` where a series appears only with its first event), so no rule is silently empty. Each alert has
 a severity, a summary and a runbook section in runbook.md (docs/reference/alerts.md), linked by an absolute
 `runbook_url` (Alertmanager and Grafana cannot follow a relative one): `deploy.runbook_url#section`.
+
+Gateway-side rules group by `instance`: each host runs its own gateway and replicas and the edge does not
+retry across hosts, so one host without a ready replica refuses its share though another has one. The GPU
+rules read dcgm-exporter; its stock field list leaves out the ECC and throttling counters, so
+`corral observe render` writes a counters file to give it (dcgm.py), and the ECC rule also reads the row
+remapping that the stock list keeps.
 """
 
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,6 +59,55 @@ def _xid_match(codes: tuple[int, ...]) -> str:
     return f"({matches}) and changes(DCGM_FI_DEV_XID_ERRORS[10m]) > 0"
 
 
+def _any_of(names: list[str]) -> str:
+    """A PromQL string's text for a regex matching exactly `names` (a model id may hold a dot)."""
+    return "|".join(re.escape(name) for name in names).replace("\\", "\\\\")
+
+
+def _on_demand(spec: ClusterSpec) -> dict[str, float]:
+    """The models that may scale to zero, each with the longest `hold_s` its requests wait for a replica."""
+    holds: dict[str, float] = {}
+    for model in spec.models:
+        for deployment in model.deployments:
+            scale = deployment.autoscale
+            if scale is not None and scale.min_replicas == 0:
+                holds[model.name] = max(holds.get(model.name, 0.0), scale.hold_s)
+    return holds
+
+
+def _availability_rules(spec: ClusterSpec) -> list[AlertRule]:
+    """No ready replica of a model on one gateway. A model scaled to zero holds its requests `hold_s` while
+    its first replica starts (a vLLM start takes minutes): it alerts only when held requests are refused."""
+    ready = "max by (instance, model) (corral_replica_ready{selector}) == 0"
+    on_demand = _on_demand(spec)
+    rules = [
+        AlertRule(
+            "CorralModelUnavailable",
+            ready.replace("{selector}", f'{{model!~"{_any_of(list(on_demand))}"}}' if on_demand else ""),
+            "1m",
+            "critical",
+            "Model {{ $labels.model }} has no ready replica on the gateway {{ $labels.instance }}: its "
+            "requests there are refused with 503.",
+        )
+    ]
+    by_hold: dict[float, list[str]] = {}
+    for model, hold in on_demand.items():
+        by_hold.setdefault(hold, []).append(model)
+    for hold, models in sorted(by_hold.items()):
+        rules.append(
+            AlertRule(
+                "CorralModelUnavailable",
+                ready.replace("{selector}", f'{{model=~"{_any_of(models)}"}}'),
+                f"{math.ceil(hold) + 60}s",  # its hold, and a minute for held requests to be refused
+                "critical",
+                "Model {{ $labels.model }} (scaled to zero) has no ready replica on the gateway "
+                f"{{{{ $labels.instance }}}} past its hold_s of {hold:g} s: requests held for it are refused "
+                "with 503.",
+            )
+        )
+    return rules
+
+
 def alert_rules(spec: ClusterSpec) -> list[AlertRule]:
     queue_wait = spec.queue.timeout / 2
     rules = [
@@ -61,13 +118,7 @@ def alert_rules(spec: ClusterSpec) -> list[AlertRule]:
             "critical",
             "The corral gateway {{ $labels.instance }} does not answer Prometheus's scrapes.",
         ),
-        AlertRule(
-            "CorralModelUnavailable",
-            "max by (model) (corral_replica_ready) == 0",
-            "1m",
-            "critical",
-            "Model {{ $labels.model }} has no ready replica: its requests are refused with 503.",
-        ),
+        *_availability_rules(spec),
         AlertRule(
             "CorralReplicaDown",
             "corral_replica_ready == 0",
@@ -129,9 +180,11 @@ def alert_rules(spec: ClusterSpec) -> list[AlertRule]:
             "limits or budgets.",
         ),
         AlertRule(
+            # Sustained: one failed call (a connection reset, a busy SQLite lock) is harmless, as the key
+            # cache and the usage writer's retries ride it out; an outage fails every flush_interval.
             "CorralStoreUnreachable",
-            "sum by (instance) (rate(corral_store_errors_total[5m])) > 0",
-            "2m",
+            "sum by (instance) (increase(corral_store_errors_total[5m])) >= 5",
+            "5m",
             "critical",
             "The gateway {{ $labels.instance }} gets no answer from corral's store: keys it has not "
             "looked up yet, stored responses and the admin API are refused with 503, usage waits in memory.",
@@ -144,6 +197,7 @@ def alert_rules(spec: ClusterSpec) -> list[AlertRule]:
             "The gateway {{ $labels.instance }} dropped usage records (the store was unreachable past "
             "store.max_pending): usage reports and monthly budgets undercount.",
         ),
+        _limiter_rule(spec),
         AlertRule(
             "CorralTenantBudgetNearlySpent",
             "corral_key_budget_used_ratio >= 0.9",
@@ -156,6 +210,21 @@ def alert_rules(spec: ClusterSpec) -> list[AlertRule]:
     rules += _slo_rules(spec)
     rules += _gpu_rules()
     return rules
+
+
+def _limiter_rule(spec: ClusterSpec) -> AlertRule:
+    """Redis, which holds the rate limits shared by gateways, does not answer (sustained, not one blip)."""
+    if spec.limits.on_redis_error == "open":
+        effect = "its requests are served without their rate limits (limits.on_redis_error: open)"
+    else:
+        effect = "its requests are refused with 503 limits_unavailable (limits.on_redis_error: closed)"
+    return AlertRule(
+        "CorralRateLimiterUnreachable",
+        "increase(corral_limiter_errors_total[5m]) > 0",
+        "5m",
+        "warning",
+        f"The gateway {{{{ $labels.instance }}}} cannot check rate limits in Redis: {effect}.",
+    )
 
 
 def _slo_rules(spec: ClusterSpec) -> list[AlertRule]:
@@ -204,8 +273,11 @@ def _gpu_rules() -> list[AlertRule]:
             "corral-gpu",
         ),
         AlertRule(
+            # DBE_VOL_TOTAL needs corral's counters file (dcgm.py); the stock exporter keeps the rows an
+            # uncorrectable error had remapped (Ampere and later)
             "CorralGPUECCDoubleBit",
-            "increase(DCGM_FI_DEV_ECC_DBE_VOL_TOTAL[10m]) > 0",
+            "increase(DCGM_FI_DEV_ECC_DBE_VOL_TOTAL[10m]) > 0 "
+            "or increase(DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS[10m]) > 0",
             "0m",
             "critical",
             "GPU {{ $labels.gpu }} on {{ $labels.Hostname }} had uncorrectable (double-bit) ECC errors.",
@@ -219,6 +291,7 @@ def _gpu_rules() -> list[AlertRule]:
             "GPU {{ $labels.gpu }} on {{ $labels.Hostname }} failed to remap a memory row: replace it.",
             "corral-gpu",
         ),
+        # The violation counters (microseconds held down) need corral's counters file (dcgm.py).
         AlertRule(
             "CorralGPUThermalThrottling",
             "rate(DCGM_FI_DEV_THERMAL_VIOLATION[5m]) / 1e6 > 0.1",

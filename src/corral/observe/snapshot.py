@@ -5,31 +5,58 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import time
 import urllib.parse
 import urllib.request
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from corral.observe.dashboards import DASHBOARDS, concrete_query
 
-__all__ = ["SnapshotError", "dashboard_png", "title"]
+__all__ = ["SnapshotError", "dashboard_png", "rate_interval", "scrape_interval", "title"]
 
 
 class SnapshotError(RuntimeError):
     """Prometheus could not be asked, or the dashboard is unknown."""
 
 
-def _query_range(prometheus: str, expr: str, start: float, end: float, step: float) -> list[dict[str, Any]]:
-    params = urllib.parse.urlencode({"query": expr, "start": start, "end": end, "step": step})
+_UNIT_S = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800, "y": 31536000}
+
+
+def _get(prometheus: str, path: str, what: str, params: dict[str, object] | None = None) -> Any:
+    query = f"?{urllib.parse.urlencode(params)}" if params else ""
     try:
-        with urllib.request.urlopen(f"{prometheus.rstrip('/')}/api/v1/query_range?{params}", timeout=30) as r:
+        with urllib.request.urlopen(f"{prometheus.rstrip('/')}{path}{query}", timeout=30) as r:
             body = json.load(r)
     except OSError as exc:
         raise SnapshotError(f"cannot query Prometheus at {prometheus}: {exc}") from None
     if body.get("status") != "success":
-        raise SnapshotError(f"Prometheus refused {expr!r}: {body.get('error')}")
-    return list(body["data"]["result"])
+        raise SnapshotError(f"Prometheus refused {what}: {body.get('error')}")
+    return body["data"]
+
+
+def _query_range(prometheus: str, expr: str, start: float, end: float, step: float) -> list[dict[str, Any]]:
+    params = {"query": expr, "start": start, "end": end, "step": step}
+    return list(_get(prometheus, "/api/v1/query_range", repr(expr), params)["result"])
+
+
+def scrape_interval(prometheus: str) -> float:
+    """Prometheus's global scrape interval in seconds, from its loaded configuration."""
+    config = yaml.safe_load(_get(prometheus, "/api/v1/status/config", "its configuration")["yaml"])
+    said = str((config.get("global") or {}).get("scrape_interval", "1m"))  # Prometheus's own default
+    parts = re.findall(r"(\d+)(ms|s|m|h|d|w|y)", said)
+    if not parts or "".join(n + u for n, u in parts) != said:
+        raise SnapshotError(f"Prometheus's scrape interval {said!r} is no duration")
+    return sum(int(number) * _UNIT_S[unit] for number, unit in parts)
+
+
+def rate_interval(step: float, scrape: float) -> str:
+    """The window of the panels' rates, as Grafana's $__rate_interval: at least four scrapes (so it always
+    holds two samples, one scrape missed), and a step and a scrape."""
+    return f"{math.ceil(max(step + scrape, 4 * scrape))}s"
 
 
 def _legend(template: str, labels: dict[str, str]) -> str:
@@ -49,6 +76,7 @@ def dashboard_png(prometheus: str, uid: str, output: Path, minutes: float = 15, 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    rate = rate_interval(step, scrape_interval(prometheus))
     panels = [panel for _, row in board.rows for panel in row]
     end = time.time()
     start = end - 60 * minutes
@@ -56,7 +84,6 @@ def dashboard_png(prometheus: str, uid: str, output: Path, minutes: float = 15, 
     rows = math.ceil(len(panels) / columns)
     figure, axes = plt.subplots(rows, columns, figsize=(6 * columns, 3.2 * rows), squeeze=False)
     with_data = 0
-    rate = f"{max(int(4 * step), 15)}s"
     for axis, panel in zip(axes.flat, panels, strict=False):
         drawn = False
         for expr, legend in panel.queries:
@@ -100,7 +127,7 @@ _UNITS = {
     "ops": "per second",
     "short": "",
     "none": "",
-    "decmbytes": "MB",
+    "mbytes": "MiB",
     "celsius": "°C",
     "watt": "W",
 }
