@@ -135,3 +135,22 @@ def test_the_pod_annotation_tells_nothing_of_the_specs_secrets() -> None:
     # a changed spec still changes the pod, so applying the render replaces it
     assert spec_digest(secret_spec("a1").replace("replicas: 1", "replicas: 2")) != first
     assert spec_digest(secret_spec("a1").replace("--api-key", "--api-key-file")) != first
+
+
+def test_every_pod_that_fetches_weights_reads_the_hugging_face_token_secret() -> None:
+    """A gated model (Llama's) needs a Hugging Face token where weights are fetched: corral's pod (what it
+    prepares) and every Ray pod (vLLM reads the repository there); from the optional Secret `corral-hf`."""
+    text = SPEC.format(deployment="engine: vllm, replicas: 2, tensor_parallel: 4")
+    docs = documents(text)
+    cluster = ray_cluster(text)
+    pods = [cluster["spec"]["headGroupSpec"]["template"]["spec"]]
+    pods += [group["template"]["spec"] for group in cluster["spec"]["workerGroupSpecs"]]
+    pods += [d["spec"]["template"]["spec"] for d in docs if d.get("kind") == "Deployment"]
+    assert len(pods) >= 3
+    for pod in pods:
+        env = {e["name"]: e for e in pod["containers"][0].get("env", [])}
+        assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {
+            "name": "corral-hf",
+            "key": "token",
+            "optional": True,
+        }

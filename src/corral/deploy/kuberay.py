@@ -34,6 +34,12 @@ _PORT = 8000
 _CLUSTER = "corral"
 _LABELS = {"app.kubernetes.io/name": "corral", "app.kubernetes.io/component": "gateway"}
 _NO_ESCALATION = {"allowPrivilegeEscalation": False}  # (no setuid gains in corral's and Ray's containers)
+# A Hugging Face token for gated models (Llama's), from the Secret `corral-hf` where there is one: corral's
+# pod fetches the weights it prepares, and vLLM on a Ray worker pod reads a repository itself
+_HF_TOKEN = {
+    "name": "HF_TOKEN",
+    "valueFrom": {"secretKeyRef": {"name": "corral-hf", "key": "token", "optional": True}},
+}
 _FALLBACK_RAY = "2.40.0"
 _SECRET_FIELD = re.compile(r"(?:_key|_token|_secret|password)$")  # admin_key, engine_api_key, metrics_token…
 _SECRET_FLAG = re.compile(r"^--?[\w-]*(?:key|token|secret|password)$")  # an engine flag such as --api-key
@@ -173,6 +179,7 @@ def _ray_cluster(spec: ClusterSpec, namespace: str) -> dict[str, Any]:
                     {
                         "name": "ray-head",
                         "image": image,
+                        "env": [_HF_TOKEN],
                         "securityContext": _NO_ESCALATION,
                         "resources": _resources(cpu=2, memory_gib=8),
                         "ports": [
@@ -246,6 +253,7 @@ def _group(name: str, image: str, nodes: int, cpu: int, gpus: int) -> dict[str, 
     container: dict[str, Any] = {
         "name": "ray-worker",
         "image": image,
+        "env": [_HF_TOKEN],
         "resources": _resources(cpu=cpu, memory_gib=max(8, 16 * gpus), gpus=gpus),
         "volumeMounts": [{"name": "shm", "mountPath": "/dev/shm"}],
         "securityContext": _NO_ESCALATION,
@@ -308,6 +316,7 @@ def _deployment(spec: ClusterSpec, namespace: str, spec_digest: str) -> dict[str
                 "name": "CORRAL_ADMIN_KEY",
                 "valueFrom": {"secretKeyRef": {"name": "corral-admin", "key": "key", "optional": True}},
             },
+            _HF_TOKEN,
         ],
         "readinessProbe": probe,
         "startupProbe": {**probe, "failureThreshold": 360},
