@@ -632,3 +632,44 @@ async def test_a_seed_at_its_most_fanned_out_wraps_and_is_no_500(
         assert sorted(b.get("seed") for b in upstream.bodies[-2:]) == [0, 2**64 - 1]
     finally:
         await server.stop()
+
+
+async def test_inter_token_latency_is_per_choice(tmp_path: Path, upstream: ScriptedUpstream) -> None:
+    """A stream of n choices generates them side by side: its inter-token latency is its time after the
+    first token over each choice's tokens, not over all n choices' (which read n times faster)."""
+    import aiohttp
+
+    replicas = ReplicaSet(["m"])
+    replicas.add(Replica("m-0", "m", "x", url=upstream.url, state=ReplicaState.READY))
+    server = GatewayServer(
+        GatewaySettings(port=0), Router(replicas), make_services(replicas, tmp_path / "c.db")
+    )
+    await server.start()
+    upstream.chunks, upstream.gap = 6, 0.05
+    url = f"http://127.0.0.1:{server.port}"
+
+    async def itl_after(n: int) -> float:
+        upstream.usage = {"prompt_tokens": 3, "completion_tokens": 6 * n, "total_tokens": 3 + 6 * n}
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "n": n, "stream": True}
+        async with aiohttp.ClientSession() as session:
+            async with session.post(url + "/v1/chat/completions", json=body) as answer:
+                assert answer.status == 200
+                await answer.read()
+            async with session.get(url + "/metrics") as page:
+                text = await page.text()
+        values = {
+            line.split("{")[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith(
+                ("corral_inter_token_latency_seconds_sum{", "corral_inter_token_latency_seconds_count{")
+            )
+            and 'model="m"' in line
+        }
+        return values["corral_inter_token_latency_seconds_sum"]
+
+    try:
+        one = await itl_after(1)
+        both = await itl_after(2) - one
+        assert both > 0.6 * one, (one, both)  # (without: about 5/11 of it)
+    finally:
+        await server.stop()

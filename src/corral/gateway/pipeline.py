@@ -536,8 +536,9 @@ class Pipeline:
             m.prefill_hold_seconds.inc(ctx.held)
         if ttft is not None:
             m.ttft.observe(ttft)
-            if output_tokens > 1:
-                m.itl.observe((latency - ttft) / (output_tokens - 1))
+            each = output_tokens / max(1, ctx.route.sequences)  # (n choices generated side by side)
+            if each > 1:
+                m.itl.observe((latency - ttft) / (each - 1))
         self._usage.record(
             UsageRecord(
                 at=datetime.now(UTC),
