@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 
@@ -26,7 +26,7 @@ from corral.gateway.bodies import with_member
 from corral.routing import Replica, Router, RouteRequest
 from corral.routing.adapters import Adapter, AdapterCatalogue, Residence
 
-__all__ = ["NO_ADAPTER", "AdapterLoadFailed", "AdapterLoader", "AdapterRefused"]
+__all__ = ["NO_ADAPTER", "AdapterLoadFailed", "AdapterLoader", "AdapterRefused", "Events", "Renamed"]
 
 logger = logging.getLogger(__name__)
 
@@ -197,3 +197,36 @@ def _message(answer: bytes) -> str:
         return str(error["message"])[:300]
     message = data.get("message") if isinstance(data, dict) else None
     return str(message)[:300] if message else answer.decode(errors="replace")[:200]
+
+
+class Renamed:
+    """An adapter's answer names the model as the client asked it: the engine names the base (llama.cpp) or
+    the adapter's revision (vLLM: `name@digest`)."""
+
+    def __init__(self, events: Events, adapter: Adapter) -> None:
+        self._events = events
+        self._adapter = adapter
+
+    @property
+    def done(self) -> bool:
+        return self._events.done
+
+    def feed(self, data: bytes) -> bytes:
+        return self.rename(self._events.feed(data), self._adapter)
+
+    @staticmethod
+    def rename(data: bytes, adapter: Adapter) -> bytes:
+        asked = b'"model":"' + adapter.name.encode() + b'"'
+        for named in (adapter.engine_name, adapter.base):
+            data = data.replace(b'"model":"' + named.encode() + b'"', asked)
+        return data
+
+
+class Events(Protocol):
+    """Turns upstream bytes into the client's events (SSEFilter, a failover Continuation, or the held
+    stream of emulated tool calls)."""
+
+    @property
+    def done(self) -> bool: ...
+
+    def feed(self, data: bytes) -> bytes: ...

@@ -25,6 +25,7 @@ from corral.config import parse_spec
 from corral.gateway.access import ROUTES, Access, Actor, bearer_is
 from corral.gateway.bodies import read_body
 from corral.gateway.clients import REQUEST_ID, ClientAddresses
+from corral.gateway.key_scope import TENANT_ROLES, fields_of, limits_of, others_merged, within_own
 from corral.gateway.parts import AdminAccess, ReplicaControl
 from corral.protocol import (
     APIError,
@@ -37,7 +38,6 @@ from corral.protocol import (
 )
 from corral.routing import PrefixAffinity, Router
 from corral.store import (
-    PRIORITIES,
     AuditEntry,
     AuditLog,
     KeyRecord,
@@ -58,8 +58,6 @@ _ACTOR = web.RequestKey("actor", Actor)  # who the request is, once its permissi
 _DETAIL = web.RequestKey("audit_detail", dict)  # what a handler tells the audit trail of its action
 _REFUSALS_KEPT = 30  # refused admin calls recorded per actor a minute (each one a store write)
 _CLIENT_GONE = 499  # an audited call whose caller went away before its answer (NGINX's code for it)
-_TENANT_ROLES = ("user", "tenant-admin")  # the roles a tenant-admin may give its tenant's keys
-_LIMITS = ("rpm", "tpm", "max_concurrency", "monthly_token_budget")
 
 
 class AdminViews:
@@ -238,7 +236,7 @@ class AdminViews:
         revoked = request.query.get("include_revoked") in {"1", "true"}
         if actor.scoped:  # its tenant's keys (found in SQL: not every tenant's) of the roles it may give
             keys = await asyncio.to_thread(self._keys.list, revoked, actor.tenant)
-            keys = [k for k in keys if k.role in _TENANT_ROLES]
+            keys = [k for k in keys if k.role in TENANT_ROLES]
             ids: list[str] | None = [k.id for k in keys]
         else:
             keys, ids = await asyncio.to_thread(self._keys.list, revoked), None
@@ -251,11 +249,9 @@ class AdminViews:
         assert isinstance(spec, NewKey)
         request[_DETAIL].update(asked=spec.model_dump(exclude_defaults=True))  # (refused ones too)
         if actor.scoped:
-            _within_own(actor, spec.tenant, spec.role, spec.model_dump())
+            within_own(actor, spec.tenant, spec.role, spec.model_dump())
         secret, record = await asyncio.to_thread(lambda: self._keys.create(**spec.model_dump()))
-        request[_DETAIL].update(
-            target=record.id, tenant=record.tenant, role=record.role, **_limits_of(record)
-        )
+        request[_DETAIL].update(target=record.id, tenant=record.tenant, role=record.role, **limits_of(record))
         return web.json_response({"key": secret, **record.to_dict()}, status=201)
 
     async def _own_key(self, request: web.Request, actor: Actor, change: bool = True) -> KeyRecord:
@@ -266,7 +262,7 @@ class AdminViews:
         key_id = request.match_info["key_id"]
         record = await asyncio.to_thread(self._keys.get, key_id)
         if record is None or (
-            actor.scoped and (record.tenant != actor.tenant or record.role not in _TENANT_ROLES)
+            actor.scoped and (record.tenant != actor.tenant or record.role not in TENANT_ROLES)
         ):
             raise NotFound(f"No key with id {key_id}.")
         own = actor.principal is not None and actor.principal.key_id == record.id
@@ -295,7 +291,7 @@ class AdminViews:
         actor = await self.check(request)
         current = await self._own_key(request, actor)
         if actor.scoped:  # (a new secret for a key beyond its own limits would be such a key)
-            _within_own(actor, current.tenant, current.role, _fields_of(current))
+            within_own(actor, current.tenant, current.role, fields_of(current))
         try:
             grace = float(request.query.get("grace", "3600"))
         except ValueError:
@@ -318,7 +314,7 @@ class AdminViews:
         wanted = changes.model_dump(exclude_unset=True)
         request[_DETAIL].update(asked=wanted)
         if actor.scoped:
-            _within_own(actor, current.tenant, current.role, {**_fields_of(current), **wanted})
+            within_own(actor, current.tenant, current.role, {**fields_of(current), **wanted})
         updated = await asyncio.to_thread(self._keys.update, current.id, changes)
         if updated is None:
             raise NotFound(f"No key with id {current.id}.")
@@ -341,7 +337,7 @@ class AdminViews:
             raise InvalidRequest(str(exc), param="by") from exc
         if scope is not None and by == "key":  # the keys above a tenant-admin are not its to see (404)
             seen = await asyncio.to_thread(self._keys.list, True, scope)
-            rows = _others_merged(rows, {k.id for k in seen if k.role in _TENANT_ROLES})
+            rows = others_merged(rows, {k.id for k in seen if k.role in TENANT_ROLES})
         return web.json_response({"by": by, "rows": rows})
 
     async def audit_trail(self, request: web.Request) -> web.Response:
@@ -537,88 +533,3 @@ def _validated(model: type[NewKey] | type[KeyUpdate], body: bytes) -> NewKey | K
         err = exc.errors(include_url=False)[0]
         param = ".".join(str(p) for p in err["loc"]) or None
         raise InvalidRequest(f"Invalid value for '{param}': {err['msg']}.", param=param) from exc
-
-
-def _others_merged(rows: list[dict[str, Any]], seen: set[str]) -> list[dict[str, Any]]:
-    """Usage by key with the rows of keys not in `seen` told as one row with no key or name (the
-    tenant's totals stay whole; which keys they were, and how many, is not said)."""
-    kept = [row for row in rows if row["key"] in seen]
-    others = [row for row in rows if row["key"] not in seen]
-    if not others:
-        return kept
-    requests = sum(row["requests"] for row in others)
-    merged: dict[str, Any] = {"key": None, "tenant": others[0]["tenant"], "name": None}
-    for name in ("requests", "input_tokens", "output_tokens", "errors", "refused"):
-        merged[name] = sum(row[name] for row in others)
-    latency = sum(row["mean_latency_ms"] * row["requests"] for row in others)
-    merged["mean_latency_ms"] = round(latency / requests, 1) if requests else 0.0
-    return [*kept, merged]
-
-
-def _limits_of(record: KeyRecord) -> dict[str, Any]:
-    return {name: getattr(record, name) for name in _LIMITS}
-
-
-def _fields_of(record: KeyRecord) -> dict[str, Any]:
-    """A key's settings as a new key would state them (for `_within_own`)."""
-    return {
-        **_limits_of(record),
-        "models": list(record.models),
-        "priority": record.priority,
-        "max_files": record.max_files,
-        "max_file_bytes": record.max_file_bytes,
-        "expires_at": record.expires_at.timestamp() if record.expires_at is not None else None,
-    }
-
-
-def _within_own(actor: Actor, tenant: str, role: str, wanted: dict[str, Any]) -> None:
-    """A tenant-admin's key for its own tenant, with a role it may give, no model it may not use, and
-    limits and budget no larger than its own (each one it has must be set, at most as large)."""
-    own = actor.principal
-    assert own is not None  # (a tenant-admin came with its key or token)
-    if tenant != actor.tenant:
-        raise PermissionDenied(
-            f"A tenant-admin manages the keys of its own tenant ('{actor.tenant}') only.", param="tenant"
-        )
-    if role not in _TENANT_ROLES:
-        raise PermissionDenied(f"A tenant-admin may give the roles {', '.join(_TENANT_ROLES)}.", param="role")
-    models = wanted.get("models")
-    if own.models and (not models or not set(models) <= own.models):
-        raise PermissionDenied(
-            f"The key may use only models this tenant-admin may: {', '.join(sorted(own.models))}.",
-            param="models",
-        )
-    if PRIORITIES.get(str(wanted.get("priority", "normal")), 1) < own.priority:
-        raise PermissionDenied("A tenant-admin may not give a priority above its own.", param="priority")
-    limits = {"rpm": own.rpm, "tpm": own.tpm, "max_concurrency": own.max_concurrency}
-    limits["monthly_token_budget"] = own.monthly_token_budget
-    limits.update(max_files=own.max_files, max_file_bytes=own.max_file_bytes)
-    for name in ("max_files", "max_file_bytes"):  # a key's file quota replaces the spec's tenant_max_*
-        if limits[name] is None and wanted.get(name) is not None:
-            raise PermissionDenied(
-                f"'{name}' is the tenant's file quota: the spec's batch.tenant_* applies unless an admin "
-                "gives the tenant-admin's own key one.",
-                param=name,
-            )
-    if own.expires_at is not None and own.subject is None:  # (no key outlives the tenant-admin's own key)
-        _expires_by(own.expires_at, wanted)
-    for name, cap in limits.items():
-        if cap is not None and (wanted.get(name) is None or wanted[name] > cap):
-            raise PermissionDenied(
-                f"'{name}' must be set, at most {cap}: the tenant-admin's own limit.", param=name
-            )
-
-
-def _expires_by(cap: float, wanted: dict[str, Any]) -> None:
-    """The key `wanted` describes (an existing key's `expires_at`, a new key's `expires_in_s` from now)
-    ends no later than `cap` (epoch seconds), compared as times: a key that ends with its tenant-admin's
-    own passes however long ago its lifetime was counted."""
-    ends = wanted.get("expires_at")
-    if ends is None and wanted.get("expires_in_s") is not None:
-        ends = time.time() + wanted["expires_in_s"]
-    if ends is None or ends > cap + 1:  # (a second for the clock read between this check and the write)
-        left = max(0, int(cap - time.time()))
-        raise PermissionDenied(
-            f"'expires_in_s' must be set, at most {left}: no key outlives the tenant-admin's own.",
-            param="expires_in_s",
-        )

@@ -12,7 +12,6 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, replace
-from typing import Protocol
 
 import aiohttp
 import orjson
@@ -23,6 +22,8 @@ from corral.gateway.adapters import (
     AdapterLoader,
     AdapterLoadFailed,
     AdapterRefused,
+    Events,
+    Renamed,
     body_for,
     unknown_adapter,
 )
@@ -34,7 +35,7 @@ from corral.protocol import ChatCompletionRequest, NoCapacity, UpstreamError, Up
 from corral.protocol.events import EventTooLarge
 from corral.protocol.usage import usage_of_answer
 from corral.routing import Replica, Router, RouteRequest
-from corral.routing.adapters import Adapter, AdapterCatalogue
+from corral.routing.adapters import AdapterCatalogue
 
 __all__ = ["SSE_HEADERS", "EventStream", "Relay"]
 
@@ -298,7 +299,7 @@ class Relay:
         status, content_type = upstream.status, upstream.content_type
         if status == 200:
             if ctx.route.adapter is not None:
-                body = _Renamed.rename(body, ctx.route.adapter)
+                body = Renamed.rename(body, ctx.route.adapter)
             ctx.usage = usage_of_answer(body)
             if ctx.emulation is not None and ctx.emulation.active:  # the answer's JSON as tool calls
                 body = ctx.emulation.whole(body)
@@ -319,9 +320,9 @@ class Relay:
     ) -> web.StreamResponse:
         sse = SSEFilter(keep_usage=ctx.client_wants_usage)
         emulation = ctx.emulation
-        events: _Events = emulation.stream(sse) if emulation is not None and emulation.active else sse
+        events: Events = emulation.stream(sse) if emulation is not None and emulation.active else sse
         if ctx.route.adapter is not None:  # the engine names the base, or the adapter's revision
-            events = _Renamed(events, ctx.route.adapter)
+            events = Renamed(events, ctx.route.adapter)
         first = b""
         try:
             while not first:  # hold the response until the first whole event: a failure here can retry
@@ -387,7 +388,7 @@ class Relay:
     async def _pump(
         self,
         upstream: EngineResponse,
-        events: _Events,
+        events: Events,
         response: web.StreamResponse,
         transcript: Transcript | None,
         written: list[bytes] | None = None,
@@ -410,7 +411,7 @@ class Relay:
     async def _copy(
         self,
         upstream: EngineResponse,
-        events: _Events,
+        events: Events,
         response: web.StreamResponse,
         transcript: Transcript | None,
         written: list[bytes] | None,
@@ -552,39 +553,6 @@ async def _refusal(upstream: EngineResponse) -> bytes:
 
 def _by_tokens(ctx: RequestContext) -> bool:
     return ctx.features.token_prompts and not isinstance(ctx.body, ChatCompletionRequest)
-
-
-class _Renamed:
-    """An adapter's answer names the model as the client asked it: the engine names the base (llama.cpp) or
-    the adapter's revision (vLLM: `name@digest`)."""
-
-    def __init__(self, events: _Events, adapter: Adapter) -> None:
-        self._events = events
-        self._adapter = adapter
-
-    @property
-    def done(self) -> bool:
-        return self._events.done
-
-    def feed(self, data: bytes) -> bytes:
-        return self.rename(self._events.feed(data), self._adapter)
-
-    @staticmethod
-    def rename(data: bytes, adapter: Adapter) -> bytes:
-        asked = b'"model":"' + adapter.name.encode() + b'"'
-        for named in (adapter.engine_name, adapter.base):
-            data = data.replace(b'"model":"' + named.encode() + b'"', asked)
-        return data
-
-
-class _Events(Protocol):
-    """Turns upstream bytes into the client's events (SSEFilter, a failover Continuation, or the held
-    stream of emulated tool calls)."""
-
-    @property
-    def done(self) -> bool: ...
-
-    def feed(self, data: bytes) -> bytes: ...
 
 
 _TIMINGS = b'"timings"'

@@ -1,0 +1,101 @@
+"""What a tenant-admin may do with its tenant's keys: no key beyond its own key's limits, budget, priority,
+file quotas, models or lifetime; and what it is shown of the usage of keys above it."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from corral.gateway.access import Actor
+from corral.protocol import PermissionDenied
+from corral.store import PRIORITIES, KeyRecord
+
+__all__ = ["LIMITS", "TENANT_ROLES", "fields_of", "limits_of", "others_merged", "within_own"]
+
+TENANT_ROLES = ("user", "tenant-admin")  # the roles a tenant-admin may give its tenant's keys
+LIMITS = ("rpm", "tpm", "max_concurrency", "monthly_token_budget")
+
+
+def others_merged(rows: list[dict[str, Any]], seen: set[str]) -> list[dict[str, Any]]:
+    """Usage by key with the rows of keys not in `seen` told as one row with no key or name (the
+    tenant's totals stay whole; which keys they were, and how many, is not said)."""
+    kept = [row for row in rows if row["key"] in seen]
+    others = [row for row in rows if row["key"] not in seen]
+    if not others:
+        return kept
+    requests = sum(row["requests"] for row in others)
+    merged: dict[str, Any] = {"key": None, "tenant": others[0]["tenant"], "name": None}
+    for name in ("requests", "input_tokens", "output_tokens", "errors", "refused"):
+        merged[name] = sum(row[name] for row in others)
+    latency = sum(row["mean_latency_ms"] * row["requests"] for row in others)
+    merged["mean_latency_ms"] = round(latency / requests, 1) if requests else 0.0
+    return [*kept, merged]
+
+
+def limits_of(record: KeyRecord) -> dict[str, Any]:
+    return {name: getattr(record, name) for name in LIMITS}
+
+
+def fields_of(record: KeyRecord) -> dict[str, Any]:
+    """A key's settings as a new key would state them (for `_within_own`)."""
+    return {
+        **limits_of(record),
+        "models": list(record.models),
+        "priority": record.priority,
+        "max_files": record.max_files,
+        "max_file_bytes": record.max_file_bytes,
+        "expires_at": record.expires_at.timestamp() if record.expires_at is not None else None,
+    }
+
+
+def within_own(actor: Actor, tenant: str, role: str, wanted: dict[str, Any]) -> None:
+    """A tenant-admin's key for its own tenant, with a role it may give, no model it may not use, and
+    limits and budget no larger than its own (each one it has must be set, at most as large)."""
+    own = actor.principal
+    assert own is not None  # (a tenant-admin came with its key or token)
+    if tenant != actor.tenant:
+        raise PermissionDenied(
+            f"A tenant-admin manages the keys of its own tenant ('{actor.tenant}') only.", param="tenant"
+        )
+    if role not in TENANT_ROLES:
+        raise PermissionDenied(f"A tenant-admin may give the roles {', '.join(TENANT_ROLES)}.", param="role")
+    models = wanted.get("models")
+    if own.models and (not models or not set(models) <= own.models):
+        raise PermissionDenied(
+            f"The key may use only models this tenant-admin may: {', '.join(sorted(own.models))}.",
+            param="models",
+        )
+    if PRIORITIES.get(str(wanted.get("priority", "normal")), 1) < own.priority:
+        raise PermissionDenied("A tenant-admin may not give a priority above its own.", param="priority")
+    limits = {"rpm": own.rpm, "tpm": own.tpm, "max_concurrency": own.max_concurrency}
+    limits["monthly_token_budget"] = own.monthly_token_budget
+    limits.update(max_files=own.max_files, max_file_bytes=own.max_file_bytes)
+    for name in ("max_files", "max_file_bytes"):  # a key's file quota replaces the spec's tenant_max_*
+        if limits[name] is None and wanted.get(name) is not None:
+            raise PermissionDenied(
+                f"'{name}' is the tenant's file quota: the spec's batch.tenant_* applies unless an admin "
+                "gives the tenant-admin's own key one.",
+                param=name,
+            )
+    if own.expires_at is not None and own.subject is None:  # (no key outlives the tenant-admin's own key)
+        expires_by(own.expires_at, wanted)
+    for name, cap in limits.items():
+        if cap is not None and (wanted.get(name) is None or wanted[name] > cap):
+            raise PermissionDenied(
+                f"'{name}' must be set, at most {cap}: the tenant-admin's own limit.", param=name
+            )
+
+
+def expires_by(cap: float, wanted: dict[str, Any]) -> None:
+    """The key `wanted` describes (an existing key's `expires_at`, a new key's `expires_in_s` from now)
+    ends no later than `cap` (epoch seconds), compared as times: a key that ends with its tenant-admin's
+    own passes however long ago its lifetime was counted."""
+    ends = wanted.get("expires_at")
+    if ends is None and wanted.get("expires_in_s") is not None:
+        ends = time.time() + wanted["expires_in_s"]
+    if ends is None or ends > cap + 1:  # (a second for the clock read between this check and the write)
+        left = max(0, int(cap - time.time()))
+        raise PermissionDenied(
+            f"'expires_in_s' must be set, at most {left}: no key outlives the tenant-admin's own.",
+            param="expires_in_s",
+        )
