@@ -11,17 +11,13 @@ from corral.gateway.intake import prompt_text
 from corral.protocol import ChatCompletionRequest
 from corral.routing import (
     PrefixAffinity,
-    Replica,
     ReplicaSet,
-    ReplicaState,
     Router,
     RouteRequest,
     SessionAffinity,
 )
 
-
-def fleet(n: int) -> list[Replica]:
-    return [Replica(id=f"r{i}", model="m", engine="sim", state=ReplicaState.READY) for i in range(n)]
+from .test_policies import fleet
 
 
 def test_a_fleet_of_more_than_64_replicas_keeps_every_replica_s_prefixes() -> None:
