@@ -66,11 +66,11 @@ for _, member in ipairs(redis.call('ZRANGE', KEYS[2], 0, -1)) do
   held = held + tonumber(string.match(member, ':(%d+)$'))
 end
 local used = tonumber(redis.call('HGET', KEYS[1], 'used')) + held
-if used + tonumber(ARGV[2]) > tonumber(ARGV[1]) then return {0, used} end
+if used + tonumber(ARGV[2]) > tonumber(ARGV[1]) then return {0, used, held} end
 redis.call('ZADD', KEYS[2], now + tonumber(ARGV[4]), ARGV[3] .. ':' .. ARGV[2])
 redis.call('PEXPIRE', KEYS[1], ARGV[6])
 redis.call('PEXPIRE', KEYS[2], ARGV[4])
-return {1, used}
+return {1, used, held}
 """
 _SETTLE = """
 redis.call('ZREM', KEYS[2], ARGV[1])
@@ -101,15 +101,16 @@ class SharedBudgets:
 
     async def reserve(
         self, key: str, month: str, budget: int, tokens: int, seed: int, stored: int = 0
-    ) -> tuple[bool, int, str]:
-        """(granted, tokens used or reserved before this request, the reservation's entry); `seed`: the
+    ) -> tuple[bool, int, str, int]:
+        """(granted, tokens used or reserved before this request, the reservation's entry, the part of them
+        requests in flight hold); `seed`: the
         month's use as this gateway knows it, taken when Redis has none; `stored`: the part of it in the
         store, taken where Redis knows less (settlements lost while Redis was away are in the store; what
         this gateway settled but has not written yet may still be on its way to Redis)."""
         entry = f"{self._instance}.{next(self._ids)}"
         args: list[int | str] = [budget, tokens, entry, self._hold_ms, seed, _MONTH_S * 1000, stored]
-        ok, used = await self._reserve(keys=self._keys(key, month), args=args)
-        return bool(ok), int(used), f"{entry}:{tokens}"
+        ok, used, held = await self._reserve(keys=self._keys(key, month), args=args)
+        return bool(ok), int(used), f"{entry}:{tokens}", int(held)
 
     async def settle(self, key: str, month: str, entry: str, used: int) -> None:
         await self._settle(keys=self._keys(key, month), args=[entry, used])
@@ -152,7 +153,7 @@ class BudgetTracker:
             stored = known - self._unwritten.get(key, 0)
             sent = asyncio.ensure_future(shared.reserve(key, month, budget, tokens, known, stored))
             try:
-                ok, used, entry = await asyncio.shield(sent)
+                ok, used, entry, held = await asyncio.shield(sent)
             except asyncio.CancelledError:  # the caller left; Redis may still grant the hold: then release it
                 sent.add_done_callback(partial(self._release_orphan, key, month, shared))
                 raise
@@ -160,7 +161,7 @@ class BudgetTracker:
                 self._redis_down(exc)
             else:
                 if not ok:
-                    raise _refusal(used, budget, tokens, prompt, open_ended)
+                    raise _refusal(used, budget, tokens, prompt, open_ended, held)
                 return BudgetHold(tokens, entry, month, shared)
         held = self._reserved.get(key, 0)
         used = known + held  # (no await after this read)
@@ -177,9 +178,10 @@ class BudgetTracker:
         budget, key = principal.monthly_token_budget, principal.key_id
         if budget is None or key is None:
             return
-        used = await self._month_tokens(key) + self._reserved.get(key, 0)
+        held = self._reserved.get(key, 0)
+        used = await self._month_tokens(key) + held
         if used >= budget:
-            raise _refusal(used, budget, 1, 0, False)
+            raise _refusal(used, budget, 1, 0, False, held)
 
     def settle(self, principal: Principal, tokens: int, hold: BudgetHold | None = None) -> None:
         """A request ended having used `tokens`: its reservation (`hold`) is released."""
@@ -201,7 +203,7 @@ class BudgetTracker:
             self._reserved.pop(key, None)
 
     def _release_orphan(
-        self, key: str, month: str, shared: SharedBudgets, sent: asyncio.Future[tuple[bool, int, str]]
+        self, key: str, month: str, shared: SharedBudgets, sent: asyncio.Future[tuple[bool, int, str, int]]
     ) -> None:
         if sent.cancelled() or sent.exception() is not None or not sent.result()[0]:
             return
