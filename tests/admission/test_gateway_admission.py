@@ -750,3 +750,42 @@ async def test_a_large_body_refused_before_parsing_is_counted_in_the_metrics(clo
         line.startswith("corral_api_requests_total{") and 'api="chat"' in line and 'status="429"' in line
         for line in text.splitlines()
     )
+
+
+async def test_a_client_that_leaves_once_its_answer_is_whole_is_still_settled_and_recorded(
+    closed: Cluster,
+) -> None:
+    """The answer's last byte leaves before its settlement (a Redis round trip for the rate limits); a
+    client that closes then (curl exits) has the handler cancelled: its reservation, budget hold and usage
+    row were skipped. Settling is finished whatever the client does."""
+    _, made = await closed.admin("POST", "/admin/keys", {"tenant": "acme", "rpm": 100})
+    limits = closed.services.limits
+    real = limits.limiter
+    settled: list[int] = []
+
+    class SlowSettle:
+        async def settle(self, reservation: object, tokens: int) -> None:
+            await asyncio.sleep(0.5)  # (a round trip to a slow Redis)
+            settled.append(tokens)
+            await real.settle(reservation, tokens)  # type: ignore[arg-type]
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(real, name)
+
+    limits.limiter = SlowSettle()  # type: ignore[assignment]
+    try:
+        async with aiohttp.ClientSession() as session:
+            async with session.post(
+                closed.url + "/v1/chat/completions",
+                json={"model": "m", "messages": MESSAGES, "stream": True},
+                headers={"Authorization": f"Bearer {made['key']}"},
+            ) as answer:
+                assert answer.status == 200
+                assert (await answer.read()).rstrip().endswith(b"[DONE]")
+        # (the session closed: its connection with it, while the gateway settles)
+        await asyncio.sleep(1.2)
+    finally:
+        limits.limiter = real
+    assert settled, "the reservation was never settled"
+    _, report = await closed.admin("GET", "/admin/usage?by=key")
+    assert any(r["key"] == made["id"] and r["requests"] == 1 for r in report["rows"]), report

@@ -228,7 +228,9 @@ class Pipeline:
             status = 200 if ctx.delivered else _CLIENT_GONE  # (after its whole stream: not gone)
             raise
         finally:
-            await self.settle(ctx, principal, reservation, status)
+            # (shielded: a client that leaves once its answer is whole cancels the handler, and the
+            # reservation, budget hold and usage row must still be settled and written)
+            await asyncio.shield(self.settle(ctx, principal, reservation, status))
 
     async def run_line(
         self, principal: Principal, path: str, raw: bytes, request_id: str | None = None
