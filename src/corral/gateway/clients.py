@@ -155,7 +155,7 @@ def from_this_machine_s_pages(request: BaseRequest) -> bool:
 
 @functools.cache
 def _local_names() -> frozenset[str]:
-    names = {"localhost", socket.gethostname().lower(), socket.getfqdn().lower()}
+    names = {"localhost", socket.gethostname().lower()}  # (no getfqdn: a DNS lookup, on the event loop)
     return frozenset(names | {f"{n}." for n in names})
 
 
