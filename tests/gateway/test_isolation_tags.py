@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 import struct
+from pathlib import Path
 
 from corral.gateway.context import RequestContext
 from corral.gateway.isolation import TenantIsolation
@@ -78,3 +79,20 @@ def test_a_tenant_who_knows_another_s_name_cannot_forge_a_prompt_that_finds_its_
     # while bob's own next request still finds his whole document there
     blocks = len(_routed(isolation, "bob", victim))
     assert policy.index.depths(_routed(isolation, "bob", victim + " And annex C?"), [bobs]) == {"r0": blocks}
+
+
+def test_without_an_admin_key_the_tags_come_from_the_store_s_own_secret(tmp_path: Path) -> None:
+    """A gateway without an admin key derived its tenants' tags from an empty secret anyone could
+    compute: it takes a random one its store keeps, the same for every gateway and worker on that store."""
+    from corral.config import AuthSettings
+    from corral.routing import ReplicaSet
+
+    from .conftest import make_services
+
+    one = make_services(ReplicaSet(["m"]), tmp_path / "a.db", auth=AuthSettings(open=False))
+    same = make_services(ReplicaSet(["m"]), tmp_path / "a.db", auth=AuthSettings(open=False))
+    other = make_services(ReplicaSet(["m"]), tmp_path / "b.db", auth=AuthSettings(open=False))
+    assert len(one.isolation_secret) == 64 and one.isolation_secret == same.isolation_secret
+    assert other.isolation_secret != one.isolation_secret
+    keyed = make_services(ReplicaSet(["m"]), tmp_path / "a.db", auth=AuthSettings(open=False), admin_key="k")
+    assert keyed.isolation_secret == "k"  # (as before: the tags of a gateway with an admin key stay)

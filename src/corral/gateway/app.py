@@ -148,7 +148,7 @@ def build_app(
         usage=usage,
         metrics=metrics,
         failover_modes=parts.failover_modes,
-        isolation=TenantIsolation.of(parts.isolated, parts.access.admin_key, open_access),
+        isolation=TenantIsolation.of(parts.isolated, parts.isolation_secret, open_access),
         max_body_bytes=settings.max_body_bytes,
         body_timeout=settings.body_timeout,
         responses=responses,

@@ -36,8 +36,9 @@ class TenantIsolation:
     _derived: dict[str, tuple[str, str, bytes]] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
-    def of(cls, isolated: set[str], admin_key: str | None, open_access: bool) -> TenantIsolation:
-        key = hashlib.sha256(b"corral cache_salt\0" + (admin_key or "").encode()).digest()
+    def of(cls, isolated: set[str], secret: str, open_access: bool) -> TenantIsolation:
+        """`secret`: the admin key, else the store's own (GatewayParts.isolation_secret)."""
+        key = hashlib.sha256(b"corral cache_salt\0" + secret.encode()).digest()
         return cls(isolated, key, not open_access)
 
     def apply(self, ctx: RequestContext, tenant: str) -> None:

@@ -39,6 +39,7 @@ from corral.store import (
     SessionStore,
     UsageStore,
     open_database,
+    server_secret,
 )
 
 if TYPE_CHECKING:
@@ -88,6 +89,9 @@ class GatewayParts:
     max_pending_usage: int = 100_000
     failover_modes: dict[str, str] = field(default_factory=dict)  # model → mid_stream_failover
     isolated: set[str] = field(default_factory=set)  # models whose prefix index keeps tenants apart
+    # what the tenants' routing tags and cache salts are derived from: the admin key, else the store's own
+    # secret (an empty one would let a tenant compute another's tag: gateway/isolation.py)
+    isolation_secret: str = ""
     control: ReplicaControl | None = None  # the supervisor (or, in a worker, a proxy to it)
     cache: ExactCache | None = None  # answers repeated requests (models with cache.exact)
     batches: BatchStore | None = None  # files and batch jobs (batch.enabled)
@@ -146,6 +150,7 @@ class GatewayParts:
             max_pending_usage=store.max_pending,
             failover_modes=failover_modes or {},
             isolated={m for m, value in (isolation or {}).items() if isolates(value, auth.open)},
+            isolation_secret=admin_key or server_secret(engine, "isolation"),
             cache=_cache(cache or CacheSettings(), cache_policies or {}, cache_versions or {}),
             batches=_batches(engine, batch),
             batch=batch,

@@ -15,6 +15,7 @@ from corral.store.keys import PRIORITIES, ROLES, InvalidKey, KeyRecord, KeyStore
 from corral.store.responses import ResponseStore, StoredResponse
 from corral.store.retention import Retention
 from corral.store.schema import Base, StoreError, add_missing_columns, store_is_down
+from corral.store.secrets import server_secret
 from corral.store.sessions import ConsoleSession, SessionStore
 from corral.store.usage import UsageRecord, UsageStore
 
@@ -42,6 +43,7 @@ __all__ = [
     "hash_key",
     "normalise_url",
     "open_database",
+    "server_secret",
     "store_is_down",
 ]
 

@@ -104,6 +104,15 @@ class AuditRow(Base):
     request_id: Mapped[str | None] = mapped_column(String(128), nullable=True, index=True)  # x-request-id
 
 
+class SecretRow(Base):
+    """A server secret made once per store, at random, and read by every gateway and worker on it."""
+
+    __tablename__ = "corral_secrets"
+
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    value: Mapped[str] = mapped_column(String(128))
+
+
 class SessionRow(Base):
     """A person signed in to the console through the identity provider: the cookie holds a random
     secret, the row its hash, who they are and the token the console sends with every change (CSRF)."""
