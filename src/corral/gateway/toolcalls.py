@@ -113,12 +113,18 @@ class ToolEmulation:
                     "arguments": self._tools[name].get("parameters") or {"type": "object"},
                 },
                 "required": ["name", "arguments"],
+                "additionalProperties": False,
             }
             for name in names
         ]
-        if choice == "auto":
+        if choice == "auto":  # (no other key beside the text: a call's name there would skip its schema)
             calls.append(
-                {"type": "object", "properties": {"content": {"type": "string"}}, "required": ["content"]}
+                {
+                    "type": "object",
+                    "properties": {"content": {"type": "string"}},
+                    "required": ["content"],
+                    "additionalProperties": False,
+                }
             )
         return calls[0] if len(calls) == 1 else {"anyOf": calls}
 
