@@ -42,6 +42,7 @@ KeyOption = Annotated[
 ]
 BatchArgument = Annotated[str, typer.Argument(help="the batch's id (batch_…)")]
 _FINISHED = {"completed", "failed", "expired", "cancelled"}
+_PATIENT_S = 120.0  # a followed batch's gateway may be away this long (a restart) before the command ends
 
 
 class _Gateway:
@@ -55,24 +56,35 @@ class _Gateway:
         self._headers = {"Authorization": f"Bearer {key}"} if key else {}
         self._ssl = client_tls(ca_cert)
 
-    async def call(self, method: str, path: str, **kwargs: Any) -> Any:
-        try:
-            async with aiohttp.ClientSession(headers=self._headers) as session:
-                async with session.request(
-                    method, self._url + path, ssl=self._ssl or True, **kwargs
-                ) as response:
-                    data = await response.read()
-                    if response.status == 401:  # the API says which header; the CLI says which flag
-                        given = "the key given was refused" if self._headers else "no key was given"
-                        fail(
-                            f"{self._url} answered 401: a closed gateway needs a tenant's API key ({given}): "
-                            "pass --api-key or set $CORRAL_API_KEY or $OPENAI_API_KEY"
-                        )
-                    if response.status >= 400:
-                        fail(f"{self._url} answered {response.status}: {_message(data)}")
-                    return data if response.content_type != "application/json" else json.loads(data)
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            fail(f"no corral gateway answers at {self._url}: {_why(exc)}")
+    async def call(self, method: str, path: str, patient: float = 0.0, **kwargs: Any) -> Any:
+        """The answer's JSON (or bytes); a gateway that does not answer is tried again for `patient`
+        seconds (a restart while a batch is followed), then the command ends with exit code 3."""
+        waited = 0.0
+        while True:
+            try:
+                return await self._call(method, path, **kwargs)
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                if waited >= patient:
+                    why = f"no corral gateway answers at {self._url}: {_why(exc)}"
+                    if patient:  # (following a batch: the batch goes on without us)
+                        fail(f"{why} (for {patient:g} s; the batch goes on: `corral batch get`)", 3)
+                    fail(why)
+                await asyncio.sleep(2.0)
+                waited += 2.0
+
+    async def _call(self, method: str, path: str, **kwargs: Any) -> Any:
+        async with aiohttp.ClientSession(headers=self._headers) as session:
+            async with session.request(method, self._url + path, ssl=self._ssl or True, **kwargs) as response:
+                data = await response.read()
+                if response.status == 401:  # the API says which header; the CLI says which flag
+                    given = "the key given was refused" if self._headers else "no key was given"
+                    fail(
+                        f"{self._url} answered 401: a closed gateway needs a tenant's API key ({given}): "
+                        "pass --api-key or set $CORRAL_API_KEY or $OPENAI_API_KEY"
+                    )
+                if response.status >= 400:
+                    fail(f"{self._url} answered {response.status}: {_message(data)}")
+                return data if response.content_type != "application/json" else json.loads(data)
 
 
 def _why(exc: BaseException) -> str:
@@ -239,7 +251,7 @@ async def _follow(gateway: _Gateway, batch: dict[str, Any]) -> dict[str, Any]:
         task = progress.add_task(batch["id"], total=_total(batch) or None)
         while batch["status"] not in _FINISHED:
             await asyncio.sleep(1.0)
-            batch = await gateway.call("GET", f"/v1/batches/{batch['id']}")
+            batch = await gateway.call("GET", f"/v1/batches/{batch['id']}", patient=_PATIENT_S)
             counts = batch.get("request_counts") or {}
             progress.update(
                 task,
