@@ -228,9 +228,7 @@ class Pipeline:
             status = 200 if ctx.delivered else _CLIENT_GONE  # (after its whole stream: not gone)
             raise
         finally:
-            # (shielded: a client that leaves once its answer is whole cancels the handler, and the
-            # reservation, budget hold and usage row must still be settled and written)
-            await asyncio.shield(self.settle(ctx, principal, reservation, status))
+            await self.settle(ctx, principal, reservation, status)
 
     async def run_line(
         self, principal: Principal, path: str, raw: bytes, request_id: str | None = None
@@ -480,7 +478,9 @@ class Pipeline:
         status: int,
     ) -> None:
         """Correct the reservation to real usage; record usage and metrics. A cache hit costs its tokens or
-        only the request, as the model's `cache.charge` says."""
+        only the request, as the model's `cache.charge` says. All of it happens even if the handler is
+        cancelled meanwhile (a client that closes once its answer is whole): the cancellation is raised
+        after the budget and the usage row."""
         reached_engine = ctx.replica is not None
         if ctx.usage is None and reached_engine and (status in _WORKED_UNCOUNTED or status < 400):
             # The engine worked and its usage never reached us (a stream cut before its usage chunk, an
@@ -493,6 +493,7 @@ class Pipeline:
         lookup = ctx.lookup
         if ctx.cached and lookup is not None and lookup.policy.charge == "request":
             used, ctx.charged = 0, False
+        cancelled = False
         for held in (reservation, ctx.adapter_reserved):
             if held is None:
                 continue
@@ -505,8 +506,12 @@ class Pipeline:
             except LimiterUnavailable as exc:  # a Redis hiccup must not turn a served answer into an error
                 self._metrics.limiter_errors.inc()
                 logger.warning("settling the rate-limit reservation of key %s failed: %s", held.key_id, exc)
+            except asyncio.CancelledError:  # (its settlement was sent: the limiter queues it before waiting)
+                cancelled = True
         self._budget.settle(principal, used, ctx.budgeted)
         self._record(ctx, principal, status)
+        if cancelled:
+            raise asyncio.CancelledError
 
     def _record(self, ctx: RequestContext, principal: Principal, status: int) -> None:
         usage = ctx.usage or {}
