@@ -393,7 +393,7 @@ async def test_a_live_change_of_the_limits_redis_moves_budgets_with_it(tmp_path:
         parts.reconfigure(QueueSettings(), shared)
         other.reconfigure(QueueSettings(), shared)
         assert await parts.budget.reserve(principal, 120) is not None
-        with pytest.raises(RateLimited, match="used or reserved"):
+        with pytest.raises(RateLimited, match="in flight hold 120 of its 200"):
             await other.budget.reserve(principal, 120)  # the other gateway sees the first's hold in Redis
         parts.budget.settle(principal, 10, before)
     finally:
