@@ -417,6 +417,10 @@ async def test_the_cli_submits_follows_and_fetches_a_batch(gateway: Gateway, tmp
     code, out, _ = await corral("results", batch_id[1])
     lines = [orjson.loads(line) for line in out.splitlines() if line.strip()]
     assert code == 0 and sorted(line["custom_id"] for line in lines) == sorted(f"req-{i}" for i in range(12))
+    saved = tmp_path / "answers.jsonl"  # (written as it comes, under its name once whole)
+    code, _, err = await corral("results", batch_id[1], "-o", str(saved))
+    assert code == 0 and saved.read_text().splitlines() == out.splitlines(), err
+    assert not (tmp_path / "answers.jsonl.part").exists()
     code, out, _ = await corral("status", batch_id[1], "--json")
     assert code == 0 and orjson.loads(out)["request_counts"]["completed"] == 12
     code, _, err = await corral("results", batch_id[1], "--errors")

@@ -7,7 +7,7 @@ import json
 import sys
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, BinaryIO
 
 import aiohttp
 import typer
@@ -76,15 +76,34 @@ class _Gateway:
         async with aiohttp.ClientSession(headers=self._headers) as session:
             async with session.request(method, self._url + path, ssl=self._ssl or True, **kwargs) as response:
                 data = await response.read()
-                if response.status == 401:  # the API says which header; the CLI says which flag
-                    given = "the key given was refused" if self._headers else "no key was given"
-                    fail(
-                        f"{self._url} answered 401: a closed gateway needs a tenant's API key ({given}): "
-                        "pass --api-key or set $CORRAL_API_KEY or $OPENAI_API_KEY"
-                    )
-                if response.status >= 400:
-                    fail(f"{self._url} answered {response.status}: {_message(data)}")
+                self._refused(response.status, data)
                 return data if response.content_type != "application/json" else json.loads(data)
+
+    async def download(self, path: str, sink: BinaryIO) -> int:
+        """GET `path`'s body into `sink` as it comes (an output file of gigabytes is never held whole);
+        the bytes written."""
+        written = 0
+        try:
+            async with aiohttp.ClientSession(headers=self._headers) as session:
+                async with session.get(self._url + path, ssl=self._ssl or True) as response:
+                    if response.status >= 400:
+                        self._refused(response.status, await response.read())
+                    async for chunk in response.content.iter_chunked(1 << 20):
+                        sink.write(chunk)
+                        written += len(chunk)
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            fail(f"no corral gateway answers at {self._url}: {_why(exc)}")
+        return written
+
+    def _refused(self, status: int, data: bytes) -> None:
+        if status == 401:  # the API says which header; the CLI says which flag
+            given = "the key given was refused" if self._headers else "no key was given"
+            fail(
+                f"{self._url} answered 401: a closed gateway needs a tenant's API key ({given}): "
+                "pass --api-key or set $CORRAL_API_KEY or $OPENAI_API_KEY"
+            )
+        if status >= 400:
+            fail(f"{self._url} answered {status}: {_message(data)}")
 
 
 def _why(exc: BaseException) -> str:
@@ -219,12 +238,18 @@ def results(
         file_id = batch["error_file_id" if errors else "output_file_id"]
         if file_id is None:
             fail(f"batch {batch_id} ({batch['status']}) has no {'error' if errors else 'output'} file")
-        data = await gateway.call("GET", f"/v1/files/{file_id}/content")
+        content = f"/v1/files/{file_id}/content"
         if output is None:
-            sys.stdout.buffer.write(data)
-        else:
-            output.write_bytes(data)
-            console.print(f"wrote {output} ({len(data)} bytes)", markup=False)
+            await gateway.download(content, sys.stdout.buffer)
+            return
+        part = output.with_name(output.name + ".part")  # (whole or not at all under its name)
+        try:
+            with part.open("wb") as sink:
+                size = await gateway.download(content, sink)
+            part.replace(output)
+        finally:
+            part.unlink(missing_ok=True)
+        console.print(f"wrote {output} ({size} bytes)", markup=False)
 
     run_async(run())
 
