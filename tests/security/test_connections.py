@@ -73,14 +73,16 @@ async def health(streams: Streams) -> bytes:
 
 
 async def test_a_thousand_idle_connections_are_all_closed_at_the_idle_timeout(serve) -> None:
-    server = await serve(idle_timeout=1.0, max_client_connections=2000)
-    opened = [await connect(server.port) for _ in range(1000)]
+    server = await serve(idle_timeout=3.0, max_client_connections=2000)
+    opened: list[Streams] = []
+    for _ in range(10):  # a hundred at a time (the listen backlog's size): on a busy machine one by one took
+        opened += await asyncio.gather(*(connect(server.port) for _ in range(100)))  # past the timeout
     await asyncio.sleep(0)  # (the gateway accepts them as they come)
     assert server.connections.holding("127.0.0.1") >= 900
     started = time.monotonic()
-    closed = await asyncio.gather(*(closed_by_gateway(s, within=10) for s in opened))
-    assert all(closed), f"{closed.count(False)} of 1000 still open after 10 s"
-    assert time.monotonic() - started < 8  # closed at the 1 s timeout, not at a client's pace
+    closed = await asyncio.gather(*(closed_by_gateway(s, within=12) for s in opened))
+    assert all(closed), f"{closed.count(False)} of 1000 still open after 12 s"
+    assert time.monotonic() - started < 9  # closed at the 3 s timeout, not at a client's pace
     await until(lambda: server.connections.holding("127.0.0.1") == 0, within=5)
 
 

@@ -192,9 +192,7 @@ class BudgetTracker:
         if hold is None:
             return
         if hold.entry is not None and hold.shared is not None:
-            task = asyncio.get_running_loop().create_task(self._settle_shared(key, hold, tokens))
-            self._settling.add(task)
-            task.add_done_callback(self._settling.discard)
+            self._settle_later(key, hold, tokens)
             return
         left = self._reserved.get(key, 0) - hold.tokens
         if left > 0:
@@ -207,8 +205,11 @@ class BudgetTracker:
     ) -> None:
         if sent.cancelled() or sent.exception() is not None or not sent.result()[0]:
             return
-        hold = BudgetHold(0, sent.result()[2], month, shared)
-        task = asyncio.get_running_loop().create_task(self._settle_shared(key, hold, 0))
+        self._settle_later(key, BudgetHold(0, sent.result()[2], month, shared), 0)
+
+    def _settle_later(self, key: str, hold: BudgetHold, tokens: int) -> None:
+        """Settles a shared hold in a task of its own, kept until it ends."""
+        task = asyncio.get_running_loop().create_task(self._settle_shared(key, hold, tokens))
         self._settling.add(task)
         task.add_done_callback(self._settling.discard)
 

@@ -118,11 +118,8 @@ def read_gauges(metrics_text: str, names: Iterable[str] | None = None) -> dict[s
         found: dict[str, float] = {}
         wanted = frozenset(names)
         for name, value in _samples_of(wanted).findall("\n" + metrics_text) if wanted else ():
-            try:
-                number = float(value)
-            except ValueError:
-                raise ValueError(f"{name}: not a number: {value[:40]!r}") from None
-            if math.isfinite(number):  # (+Inf or NaN: as if not there; int() of one raised past the scrape)
+            number = _finite(name, value)
+            if number is not None:
                 found[name] = found.get(name, 0.0) + number
         return found
     values: dict[str, float] = {}
@@ -151,13 +148,20 @@ def mean_gauge(metrics_text: str, name: str) -> float | None:
     parallel engines: summed, two half-full caches read as one full one); None where there is none."""
     numbers = []
     for _, value in _samples_of(frozenset({name})).findall("\n" + metrics_text):
-        try:
-            number = float(value)
-        except ValueError:
-            raise ValueError(f"{name}: not a number: {value[:40]!r}") from None
-        if math.isfinite(number):
+        number = _finite(name, value)
+        if number is not None:
             numbers.append(number)
     return sum(numbers) / len(numbers) if numbers else None
+
+
+def _finite(name: str, value: str) -> float | None:
+    """A sample's value; None for +Inf, -Inf and NaN (as if not there: int() of one raised past the scrape).
+    Raises ValueError where it is no number."""
+    try:
+        number = float(value)
+    except ValueError:
+        raise ValueError(f"{name}: not a number: {value[:40]!r}") from None
+    return number if math.isfinite(number) else None
 
 
 @functools.cache
