@@ -8,7 +8,9 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
+from urllib.parse import urlencode
 
 import aiohttp
 import pytest
@@ -158,6 +160,11 @@ async def test_every_administrative_action_leaves_one_audit_record(closed: Clust
     assert latest["target"] == viewer["id"] and latest["request_id"] == told and told.startswith("req_")
     (by_id,) = (await call(closed, "GET", f"/admin/audit?request_id={told}", ADMIN))[1]["entries"]
     assert by_id == latest
+    at = datetime.fromisoformat(latest["at"])  # `since` in another zone is the same moment
+    for zone, kept in ((2, True), (-5, True), (2, False)):
+        since = (at + timedelta(seconds=-60 if kept else 60)).astimezone(timezone(timedelta(hours=zone)))
+        path = "/admin/audit?action=key.update&" + urlencode({"since": since.isoformat()})
+        assert ((await call(closed, "GET", path, ADMIN))[1]["entries"][:1] == [latest]) is kept, since
     for method in ("POST", "PUT", "PATCH", "DELETE"):  # the trail cannot be edited through the API
         assert (await call(closed, method, "/admin/audit", ADMIN))[0] == 405
 

@@ -59,6 +59,28 @@ async def test_a_response_is_answered_stored_retrieved_listed_and_deleted(cluste
         await client.responses.retrieve(unstored.id)
 
 
+async def test_input_items_are_read_page_by_page(cluster: Cluster) -> None:
+    """The SDK's auto-pagination names the last item it has (`after`): each page goes on from there, to
+    the end (the first page every time looped for ever); `before` reads back; an unknown cursor is a 400."""
+    gateway = await cluster.gateway()
+    client = _client(gateway.url, await gateway.key("acme"))
+    said = [{"role": "user", "content": f"line {n}"} for n in range(25)]
+    response = await client.responses.create(model="m", input=said, max_output_tokens=2)  # type: ignore[arg-type]
+    seen = [item async for item in client.responses.input_items.list(response.id, limit=10, order="asc")]
+    assert [item.model_dump()["content"][0]["text"] for item in seen] == [f"line {n}" for n in range(25)]
+    newest = await client.responses.input_items.list(response.id, limit=10)  # desc: the last said first
+    assert newest.data[0].model_dump()["content"][0]["text"] == "line 24" and newest.has_more
+    page = await client.responses.input_items.list(
+        response.id,
+        limit=3,
+        order="asc",
+        extra_query={"before": seen[10].id},  # (older SDKs' cursor)
+    )
+    assert [item.id for item in page.data] == [item.id for item in seen[7:10]] and page.has_more
+    with pytest.raises(openai.BadRequestError, match="after"):
+        await client.responses.input_items.list(response.id, after="msg_unknown")
+
+
 async def test_the_sdk_reads_the_stream_in_openai_event_order(cluster: Cluster) -> None:
     gateway = await cluster.gateway()
     client = _client(gateway.url, await gateway.key("acme"))

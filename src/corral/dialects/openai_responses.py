@@ -107,7 +107,6 @@ class Responses:
     def __init__(self, store: ResponseStore, max_body_bytes: int = 4 * 1024 * 1024) -> None:
         self._store = store
         self._max_body = max_body_bytes
-        self._swept = 0.0
 
     def credentials(self, request: web.Request) -> str | None:
         return request.headers.get("Authorization")
@@ -164,15 +163,7 @@ class Responses:
                 f"{self._max_body:,} the gateway takes in one request (gateway.max_body_bytes).",
                 param="previous_response_id" if history else "input",
             )
-        await self._sweep()
         return exchange
-
-    async def _sweep(self) -> None:
-        """Expired responses are deleted a bounded batch at a time, at most once a minute per gateway."""
-        now = time.monotonic()
-        if now - self._swept > 60:
-            self._swept = now
-            await asyncio.to_thread(self._store.sweep_expired)
 
     async def retrieve(self, tenant: str, response_id: str) -> dict[str, Any]:
         found = await asyncio.to_thread(self._store.get, tenant, response_id)
@@ -180,18 +171,33 @@ class Responses:
             raise _not_found(response_id)
         return found.response
 
-    async def input_items(self, tenant: str, response_id: str, order: str, limit: int) -> dict[str, Any]:
+    async def input_items(
+        self,
+        tenant: str,
+        response_id: str,
+        order: str,
+        limit: int,
+        after: str | None = None,
+        before: str | None = None,
+    ) -> dict[str, Any]:
+        """A page of the response's input items in `order`: those after the item `after` (the SDK's next
+        page names the last item of the one before), or before the item `before`, `limit` of them."""
         found = await asyncio.to_thread(self._store.get, tenant, response_id)
         if found is None:
             raise _not_found(response_id)
         items = found.input_items if order == "asc" else found.input_items[::-1]
-        page = items[:limit]
+        start, end = 0, len(items)
+        if after is not None:
+            start = _position(items, after, "after") + 1
+        if before is not None:
+            end = _position(items, before, "before")
+        page = items[start:end][:limit] if before is None else items[start:end][-limit:]
         return {
             "object": "list",
             "data": page,
             "first_id": page[0]["id"] if page else None,
             "last_id": page[-1]["id"] if page else None,
-            "has_more": len(items) > limit,
+            "has_more": end - start > limit,  # (past the page, away from its cursor)
         }
 
     async def delete(self, tenant: str, response_id: str) -> dict[str, Any]:
@@ -213,6 +219,14 @@ def check_line(raw: bytes) -> None:
     batch is accepted; its previous_response_id is resolved when the line runs."""
     body = parse_body(ResponsesRequest, raw)
     ResponsesExchange(body, _input_items(body.input, "0"), "", None, cast(ResponseStore, None), "0")
+
+
+def _position(items: list[dict[str, Any]], item_id: str, param: str) -> int:
+    """Where the item `item_id` is in `items` (a page's cursor); a 400 naming `param` where it is not."""
+    for at, item in enumerate(items):
+        if item.get("id") == item_id:
+            return at
+    raise InvalidRequest(f"'{param}' names no input item of this response: '{item_id}'.", param=param)
 
 
 def _not_found(response_id: str) -> APIError:

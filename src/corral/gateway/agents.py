@@ -66,7 +66,8 @@ class AgentViews:
             limit = 0
         if not 1 <= limit <= 100:
             raise InvalidRequest("limit must be an integer from 1 to 100.", param="limit")
-        return await self._stored(request, Responses.input_items, order, limit)
+        after, before = request.query.get("after"), request.query.get("before")
+        return await self._stored(request, Responses.input_items, order, limit, after, before)
 
     async def count_tokens(self, request: web.Request) -> web.Response:
         """Anthropic's count_tokens: the prompt's tokens as admission counts them (the model's tokenizer

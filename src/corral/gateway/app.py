@@ -269,11 +269,12 @@ def _batch_runner(
     )
 
 
-_RETENTION_S = 3600.0  # how often old usage and audit rows are swept (and once at start)
+_RETENTION_S = 3600.0  # how often old usage and audit rows and expired responses are swept (and at start)
 
 
 def _retention(parts: GatewayParts, worker: int | None) -> asyncio.Task[None] | None:
-    """Sweep usage and audit rows past their retention (one gateway process of a machine's workers)."""
+    """Sweep usage and audit rows past their retention and expired stored responses (one gateway process
+    of a machine's workers)."""
     retention = parts.retention
     if retention is None or worker not in (None, 0):
         return None
@@ -281,9 +282,14 @@ def _retention(parts: GatewayParts, worker: int | None) -> asyncio.Task[None] | 
     async def sweep() -> None:
         while True:
             try:
-                usage, audit = await asyncio.to_thread(retention.sweep)
-                if usage or audit:
-                    logger.info("retention: deleted %d usage and %d audit records", usage, audit)
+                usage, audit, responses = await asyncio.to_thread(retention.sweep)
+                if usage or audit or responses:
+                    logger.info(
+                        "retention: deleted %d usage and %d audit records, %d expired responses",
+                        usage,
+                        audit,
+                        responses,
+                    )
             except Exception:  # a supervisor loop: logged, tried again next time
                 logger.exception("retention: the sweep failed")
             await asyncio.sleep(_RETENTION_S)

@@ -103,7 +103,7 @@ class GatewayParts:
     cluster_counts: Callable[[], Awaitable[dict[str, list[int]]]] | None = None
     audit: AuditLog | None = None  # every administrative action (store/audit.py)
     sessions: SessionStore | None = None  # console sign-ins through the identity provider (auth.oidc)
-    retention: Retention | None = None  # old usage and audit rows swept (store.*_retention_days)
+    retention: Retention | None = None  # old usage/audit rows, expired responses swept (store/retention.py)
 
     def reconfigure(self, queue: QueueSettings, limits: LimitsSettings) -> None:
         """New queue bounds and rate-limit settings from a live `corral apply` (requests already waiting
@@ -137,6 +137,7 @@ class GatewayParts:
         keys, usage = KeyStore(engine), UsageStore(engine)
         batch = batch or BatchSettings()
         counters = {model: TokenCounter(path) for model, path in (tokenizers or {}).items()}
+        responses = ResponseStore(engine, store.response_ttl_days * 86400, store.response_tenant_max_bytes)
         return cls(
             keys=keys,
             usage_store=usage,
@@ -154,14 +155,10 @@ class GatewayParts:
             cache=_cache(cache or CacheSettings(), cache_policies or {}, cache_versions or {}),
             batches=_batches(engine, batch),
             batch=batch,
-            responses=ResponseStore(engine, store.response_ttl_days * 86400, store.response_tenant_max_bytes),
+            responses=responses,
             audit=AuditLog(engine),
             sessions=SessionStore(engine) if auth.oidc is not None else None,
-            retention=(
-                Retention(engine, store.usage_retention_days, store.audit_retention_days)
-                if store.usage_retention_days is not None or store.audit_retention_days is not None
-                else None
-            ),
+            retention=Retention(engine, store.usage_retention_days, store.audit_retention_days, responses),
         )
 
 

@@ -68,7 +68,8 @@ class AuditLog:
             query = query.where(AuditRow.actor == actor)
         if tenant:
             query = query.where(AuditRow.tenant == tenant)
-        if since is not None:
+        if since is not None:  # (in UTC, as rows are written: SQLite compares the times as text)
+            since = since.astimezone(UTC) if since.tzinfo is not None else since.replace(tzinfo=UTC)
             query = query.where(AuditRow.at >= since)
         if request_id:
             query = query.where(AuditRow.request_id == request_id)

@@ -3,7 +3,8 @@
 A row holds the response object as it was answered and the whole input that produced it (the items of
 every earlier turn it continued, then its own), so a turn naming `previous_response_id` is resolved from
 here into its full conversation before it is routed: any replica, any gateway, and a restart continue it.
-Rows past `expires_at` are gone from reads at once and deleted by `sweep_expired`.
+Rows past `expires_at` are gone from reads at once and deleted by `sweep_expired` (the gateway's
+retention sweep, at start and hourly: store/retention.py).
 
 Each tenant keeps at most `tenant_max_bytes` of them (`store.response_tenant_max_bytes`): past it, its own
 oldest are deleted, never another tenant's (a conversation goes on from its latest response, which holds
@@ -142,12 +143,17 @@ class ResponseStore:
             )
             return bool(getattr(found, "rowcount", 0))
 
-    def sweep_expired(self, limit: int = 1000) -> int:
-        """Delete up to `limit` expired responses; how many."""
-        with Session(self._engine) as session, session.begin():
-            doomed = session.scalars(
-                select(ResponseRow.id).where(ResponseRow.expires_at < time.time()).limit(limit)
-            ).all()
-            if doomed:
-                session.execute(delete(ResponseRow).where(ResponseRow.id.in_(doomed)))
-            return len(doomed)
+    def sweep_expired(self, batch: int = 50) -> int:
+        """Delete every expired response, `batch` at a time, each batch its own transaction (a row may be
+        megabytes: a thousand in one held SQLite's write lock for seconds); how many. Blocking: off-loop."""
+        deleted, now = 0, time.time()
+        while True:
+            with self._engine.begin() as connection:
+                doomed = connection.scalars(
+                    select(ResponseRow.id).where(ResponseRow.expires_at < now).limit(batch)
+                ).all()
+                if doomed:
+                    connection.execute(delete(ResponseRow).where(ResponseRow.id.in_(doomed)))
+            deleted += len(doomed)
+            if len(doomed) < batch:
+                return deleted
