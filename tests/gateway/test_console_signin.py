@@ -102,6 +102,11 @@ def test_a_tenant_admin_signs_in_and_makes_a_key_a_viewer_is_refused_a_change(
 
         browser.find_element(By.ID, "signout").click()  # the session ends; so does the provider's
         wait.until(lambda b: b.current_url.startswith(provider + "/oauth2/end_session"))
+        asked = urllib.parse.parse_qs(urllib.parse.urlsplit(browser.current_url).query)
+        assert asked["client_id"] == ["corral"] and asked["id_token_hint"][0].count(".") == 2
+        assert "id_token_hint</code> not set" not in browser.page_source  # (the provider's own warning)
+        browser.find_element(By.CSS_SELECTOR, "form button[type=submit]").click()  # "End session"
+        wait.until(lambda b: b.current_url == cluster.url + "/console")  # post_logout_redirect_uri
         sign_in(browser, cluster, "carol")
         assert browser.find_element(By.ID, "who").text == "carol (viewer, ops)"
         change = """

@@ -2,12 +2,18 @@
 
 The provider is found by discovery (`issuer/.well-known/openid-configuration`); its signing keys come from
 its `jwks_uri` and are fetched again when a token names a key not among them (the provider rotated its
-keys), at most every `_REFETCH_S`. A token (a JWT: an ID token, or an access token the provider issues as
-one) is accepted when joserfc finds its signature good under one of those keys, with an asymmetric
-algorithm, and its claims good: `iss` the issuer, `aud` naming `auth.oidc.audience` (else the client id),
-`exp` not past and `nbf`/`iat` not ahead, each within `clock_skew_s`. Signature and claims checks are the
-library's; corral only maps claims to a tenant and role (`tenant_claim`, `role_claim`, else the first of
-the person's groups in `auth.oidc.groups` that names one, else `default_role`).
+keys), at most every `_REFETCH_S`. Both are held for their Cache-Control max-age (within five minutes and a
+day; an hour where none is given) and then read again, so a key the provider withdrew stops being trusted;
+a failed refresh keeps what is held and is tried again after `_STALE_RETRY_S`. A provider that cannot be
+asked while nothing is held is an UpstreamError (502, `identity_provider_failed`), remembered for `_RETRY_S`
+so that a failing provider is not asked again by every sign-in.
+
+A token (a JWT: an ID token, or an access token the provider issues as one) is accepted when joserfc finds
+its signature good under one of those keys, with an asymmetric algorithm, and its claims good: `iss` the
+issuer, `aud` naming `auth.oidc.audience` (else the client id), `exp` not past and `nbf`/`iat` not ahead,
+each within `clock_skew_s`. Signature and claims checks are the library's; corral only maps claims to a
+tenant and role (`tenant_claim`, `role_claim`, else the first of the person's groups in `auth.oidc.groups`
+that names one, else `default_role`).
 
 A signed-in person acts for their tenant: rate limits and budgets are the tenant's (`auth.oidc.tenants`),
 shared by its people as one key's would be (usage rows name `oidc:<tenant>` as the key), and the audit
@@ -18,10 +24,13 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import logging
+import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 import aiohttp
 import orjson
@@ -31,15 +40,21 @@ from joserfc.jwk import KeySet
 
 from corral.admission.auth import SIGNED_IN, Principal, looks_like_jwt, token_digest
 from corral.config import OIDCSettings
-from corral.protocol import Unauthorized
+from corral.protocol import APIError, Unauthorized, UpstreamError
 from corral.store import PRIORITIES
 
-__all__ = ["OIDCVerifier", "ProviderMetadata", "looks_like_jwt", "token_digest"]
+__all__ = ["PROVIDER_FAILED", "OIDCVerifier", "ProviderMetadata", "looks_like_jwt", "token_digest"]
+
+logger = logging.getLogger(__name__)
 
 _ALGORITHMS = ("RS256", "RS384", "RS512", "PS256", "PS384", "PS512", "ES256", "ES384", "ES512", "EdDSA")
 _ROLES = ("admin", "operator", "viewer", "tenant-admin", "user")
 _REFETCH_S = 1.0  # a token naming an unknown key id refetches the key set at most this often
+_RETRY_S = 2.0  # a provider that failed while nothing was held is not asked again for this long
+_STALE_RETRY_S = 60.0  # a failed refresh: what is held serves on, and the provider is asked again after this
+_HELD_S, _HELD_LEAST_S, _HELD_MOST_S = 3600.0, 300.0, 86400.0  # discovery and keys: without max-age, bounds
 _TIMEOUT = aiohttp.ClientTimeout(total=10)
+PROVIDER_FAILED = "identity_provider_failed"  # the error code of a provider that could not be asked
 
 
 @dataclass(frozen=True)
@@ -54,10 +69,15 @@ class ProviderMetadata:
 class OIDCVerifier:
     """Checks the provider's tokens; one per gateway process."""
 
-    def __init__(self, settings: OIDCSettings) -> None:
+    def __init__(self, settings: OIDCSettings, clock: Callable[[], float] = time.monotonic) -> None:
         self.settings = settings
+        self._clock = clock
         self._metadata: ProviderMetadata | None = None
+        self._metadata_due = -math.inf  # when discovery is read again (or, after a failure, may be)
+        self._metadata_failure = ""  # why the last reading of discovery failed
+        self._discovery_lock = asyncio.Lock()
         self._keys: KeySet | None = None
+        self._keys_due = -math.inf  # when the keys held are fetched again for their age
         self._fetched_at = -_REFETCH_S
         self._failure: str | None = None  # why the last fetch failed (None: it did not)
         self._lock = asyncio.Lock()
@@ -74,45 +94,101 @@ class OIDCVerifier:
         )
 
     async def metadata(self) -> ProviderMetadata:
-        """The provider's discovery document (read once)."""
-        if self._metadata is None:
-            url = self.settings.issuer.rstrip("/") + "/.well-known/openid-configuration"
-            document = await _get_json(url)
-            if str(document.get("issuer", "")).rstrip("/") != self.settings.issuer.rstrip("/"):
-                raise Unauthorized("The identity provider's discovery document names another issuer.")
-            self._metadata = ProviderMetadata(
-                issuer=document["issuer"],
-                jwks_uri=document["jwks_uri"],
-                authorization_endpoint=document["authorization_endpoint"],
-                token_endpoint=document["token_endpoint"],
-                end_session_endpoint=document.get("end_session_endpoint"),
+        """The provider's discovery document, held for its max-age. UpstreamError (502) when the provider
+        cannot be asked and no document is held: remembered for `_RETRY_S`, in which it is not asked again.
+        A refresh that fails keeps the document held; others meanwhile take the held one without waiting."""
+        held = self._metadata
+        if held is not None and (self._clock() < self._metadata_due or self._discovery_lock.locked()):
+            return held
+        async with self._discovery_lock:
+            held = self._metadata
+            if self._clock() < self._metadata_due:  # (read, or failed, while this one waited)
+                if held is None:
+                    raise self._provider_failed(self._metadata_failure)
+                return held
+            try:
+                found, held_for = await self._discover()
+            except UpstreamError as exc:
+                self._metadata_failure = exc.message
+                self._metadata_due = self._clock() + (_RETRY_S if held is None else _STALE_RETRY_S)
+                if held is None:
+                    raise
+                logger.warning("oidc: %s The document held serves on.", exc.message)
+                return held
+            self._metadata, self._metadata_due = found, self._clock() + held_for
+            return found
+
+    async def _discover(self) -> tuple[ProviderMetadata, float]:
+        """The discovery document read now, and how long to hold it."""
+        issuer = self.settings.issuer
+        url = issuer.rstrip("/") + "/.well-known/openid-configuration"
+        try:
+            document, held_for = await _get_json(url)
+            named, ending = document.get("issuer"), document.get("end_session_endpoint")
+            if not isinstance(named, str) or named.rstrip("/") != issuer.rstrip("/"):
+                raise self._provider_failed(
+                    f"The identity provider {issuer} names another issuer in its discovery document."
+                )
+            found = ProviderMetadata(
+                issuer=named,
+                jwks_uri=_url(document, "jwks_uri"),
+                authorization_endpoint=_url(document, "authorization_endpoint"),
+                token_endpoint=_url(document, "token_endpoint"),
+                end_session_endpoint=ending if _is_url(ending) else None,
             )
-        return self._metadata
+        except (aiohttp.ClientError, TimeoutError, KeyError, ValueError) as exc:
+            raise self._provider_failed(
+                f"The identity provider {issuer} could not be asked for its configuration "
+                f"({type(exc).__name__})."
+            ) from None
+        return found, held_for
+
+    def _provider_failed(self, message: str) -> UpstreamError:
+        return UpstreamError(message, code=PROVIDER_FAILED, retry_after=_RETRY_S)
 
     async def _key_set(self, refresh: bool = False) -> KeySet:
-        """The provider's keys; `refresh`: a token named a key id they lack, so they are fetched again
-        unless they were (or a fetch was tried) within `_REFETCH_S`. Tokens under known keys never wait
-        on a fetch, and random key ids cannot queue fetches behind a slow provider."""
+        """The provider's keys, held for their max-age; then the first token checked fetches them again while
+        others take the keys held, and a fetch that fails keeps them (tried again after `_STALE_RETRY_S`).
+        `refresh`: a token named a key id they lack, so they are fetched again unless they were (or a fetch
+        was tried) within `_REFETCH_S`. Tokens under known keys never wait on another token's fetch, and
+        random key ids cannot queue fetches behind a slow provider."""
         keys = self._keys
-        if keys is not None and (not refresh or time.monotonic() - self._fetched_at < _REFETCH_S):
+        if keys is not None and (self._held(refresh) or (not refresh and self._lock.locked())):
             return keys
         async with self._lock:
-            keys, tried = self._keys, time.monotonic() - self._fetched_at < _REFETCH_S
-            if keys is not None and (not refresh or tried):
+            keys, tried = self._keys, self._clock() - self._fetched_at < _REFETCH_S
+            if keys is not None and self._held(refresh):
                 return keys
             if keys is None and tried and self._failure is not None:
                 raise Unauthorized(self._failure)  # (the provider failed a moment ago: not asked again yet)
-            self._fetched_at = time.monotonic()  # (before asking: a failed fetch waits its turn too)
+            self._fetched_at = self._clock()  # (before asking: a failed fetch waits its turn too)
             try:
                 metadata = await self.metadata()
-                self._keys = KeySet.import_key_set(await _get_json(metadata.jwks_uri))  # type: ignore[arg-type]
-            except (aiohttp.ClientError, TimeoutError, KeyError, ValueError, JoseError) as exc:
-                self._failure = f"The identity provider could not be asked ({type(exc).__name__})."
+                document, held_for = await _get_json(metadata.jwks_uri)
+                self._keys = KeySet.import_key_set(document)  # type: ignore[arg-type]
+            except (APIError, aiohttp.ClientError, TimeoutError, KeyError, ValueError, JoseError) as exc:
+                self._failure = (
+                    exc.message
+                    if isinstance(exc, APIError)
+                    else f"The identity provider could not be asked ({type(exc).__name__})."
+                )
+                if keys is not None and not refresh:  # (fetched for their age: the keys held serve on)
+                    self._keys_due = self._clock() + _STALE_RETRY_S
+                    logger.warning("oidc: refreshing the provider's keys failed: %s", self._failure)
+                    return keys
                 raise Unauthorized(self._failure) from None
             finally:  # (as it ends too: those that waited for it take its answer, not a fetch of their own)
-                self._fetched_at = time.monotonic()
+                self._fetched_at = self._clock()
             self._failure = None
+            self._keys_due = self._clock() + held_for
             return self._keys
+
+    def _held(self, refresh: bool) -> bool:
+        """Whether the keys held serve as they are: for a token under an unknown key id, when they were
+        fetched (or a fetch was tried) within `_REFETCH_S`; for any other, until their age is up."""
+        if refresh:
+            return self._clock() - self._fetched_at < _REFETCH_S
+        return self._clock() < self._keys_due
 
     async def claims(self, token: str, id_token: bool = False) -> dict[str, Any]:
         """The token's claims once its signature and claims check out (`id_token`: a console sign-in's ID
@@ -208,10 +284,36 @@ def _key_id(token: str) -> str | None:
     return kid if isinstance(kid, str) else None
 
 
-async def _get_json(url: str) -> dict[str, Any]:
+def _url(document: dict[str, Any], name: str) -> str:
+    """A URL the discovery document must give."""
+    value = document.get(name)
+    if not _is_url(value):
+        raise KeyError(name)
+    return value
+
+
+def _is_url(value: object) -> TypeGuard[str]:
+    return isinstance(value, str) and value.startswith(("https://", "http://"))
+
+
+async def _get_json(url: str) -> tuple[dict[str, Any], float]:
+    """A JSON object from the provider, and how long to hold it (its Cache-Control max-age, within
+    five minutes and a day; an hour without one)."""
     async with aiohttp.ClientSession(timeout=_TIMEOUT) as session, session.get(url) as answer:
         answer.raise_for_status()
         document = await answer.json(content_type=None)
         if not isinstance(document, dict):
-            raise KeyError("not a JSON object")
-        return document
+            raise ValueError("not a JSON object")
+        return document, _held_for(answer.headers.get("Cache-Control", ""))
+
+
+def _held_for(cache_control: str) -> float:
+    """Seconds to hold a document the provider sent with `cache_control`."""
+    held = _HELD_S
+    for directive in cache_control.lower().split(","):
+        name, _, value = directive.strip().partition("=")
+        if name in ("no-cache", "no-store"):
+            return _HELD_LEAST_S
+        if name == "max-age" and value.strip().isdigit():
+            held = float(value.strip())
+    return min(max(held, _HELD_LEAST_S), _HELD_MOST_S)

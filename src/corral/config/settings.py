@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
+import urllib.parse
 from datetime import timedelta
 from pathlib import Path
 from typing import Annotated, Literal
@@ -284,8 +285,13 @@ class OIDCSettings(Strict):
 
     @model_validator(mode="after")
     def _https_or_local(self) -> OIDCSettings:
-        host = self.issuer.split("://", 1)[1].split("/", 1)[0].split(":", 1)[0]
-        if self.issuer.startswith("http://") and host not in ("localhost", "127.0.0.1", "::1"):
+        # (the host as a URL parser reads it: in http://localhost:1@idp.example.net "localhost" is a user)
+        issuer = urllib.parse.urlsplit(self.issuer)
+        if "@" in issuer.netloc:
+            raise ValueError("auth.oidc.issuer must not name a user or password (no '@' before the host)")
+        if not issuer.hostname or "?" in self.issuer or "#" in self.issuer:
+            raise ValueError("auth.oidc.issuer must name the provider's host, with no query or fragment")
+        if issuer.scheme == "http" and issuer.hostname not in ("localhost", "127.0.0.1", "::1"):
             raise ValueError("auth.oidc.issuer must be https (http only for a provider on localhost)")
         return self
 

@@ -153,9 +153,9 @@ class Access:
 
     async def _signed_in(self, request: web.Request) -> Actor | None:
         """The person signed in to the console whose session cookie the request carries."""
-        from corral.gateway.signin import SESSION_COOKIE  # (signin.py builds on the admission stages)
+        from corral.gateway.signin import session_secret  # (signin.py builds on the admission stages)
 
-        secret = request.cookies.get(SESSION_COOKIE)
+        secret = session_secret(request, self._clients.scheme(request) == "https")
         verifier = self._auth.oidc if self._auth is not None else None
         if not secret or self._sessions is None or verifier is None:
             return None

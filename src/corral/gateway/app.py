@@ -382,7 +382,10 @@ def _sign_in(parts: GatewayParts, admin: AdminViews, app: web.Application, clien
     from corral.gateway.signin import SignInViews
 
     settings = verifier.settings
-    material = "\0".join((parts.access.admin_key or "", verifier.client_secret or "", settings.client_id))
+    held = (parts.access.admin_key or "", verifier.client_secret or "")
+    if not any(held):  # (a public client without an admin key: the client id alone is public)
+        held = (parts.sessions.signing_secret(), "")
+    material = "\0".join((*held, settings.client_id))
     key = hashlib.sha256(b"corral sign-in\0" + material.encode()).digest()
     SignInViews(verifier, parts.sessions, key, admin.record, clients).add_routes(app)
 

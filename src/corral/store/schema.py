@@ -4,7 +4,20 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from sqlalchemy import JSON, BigInteger, DateTime, Engine, Float, Index, Integer, String, exc, inspect, text
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    DateTime,
+    Engine,
+    Float,
+    Index,
+    Integer,
+    String,
+    Text,
+    exc,
+    inspect,
+    text,
+)
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
@@ -115,7 +128,8 @@ class SecretRow(Base):
 
 class SessionRow(Base):
     """A person signed in to the console through the identity provider: the cookie holds a random
-    secret, the row its hash, who they are and the token the console sends with every change (CSRF)."""
+    secret, the row its hash, who they are, the token the console sends with every change (CSRF) and the
+    provider's ID token, sealed under the cookie's secret, for the provider's sign-out (id_token_hint)."""
 
     __tablename__ = "corral_sessions"
 
@@ -126,6 +140,7 @@ class SessionRow(Base):
     csrf: Mapped[str] = mapped_column(String(64))
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     expires_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), index=True)
+    id_token: Mapped[str | None] = mapped_column(Text, nullable=True)  # (None: a session from before it)
 
 
 class UsageRow(Base):
