@@ -379,13 +379,14 @@ class Reconciler:
 
     def _units(self, model: ModelSpec) -> Units:
         """The new spec's replicas: as many per deployment as run now (an autoscaled one keeps its count;
-        a deployment at zero starts none: the autoscaler will, with the new plans); and the deployments'
-        other plans, spare GPUs a new replica may start on beside the old ones."""
+        one at zero, idle or its replicas failed and drained, gets one: the rollout gates it, then leaves
+        it to the autoscaler, so that no replica of the new spec serves without having passed the gate);
+        and the deployments' other plans, spare GPUs a new replica may start on beside the old ones."""
         units: list[Unit] = []
         spares: list[Unit] = []
         for group, deployment in enumerate(model.deployments):
             running = self._supervisor.replica_ids(model.name, group)
-            count = len(running) if running or deployment.autoscale else deployment.replicas
+            count = len(running) or (1 if deployment.autoscale else deployment.replicas)
             engine, plans = self._prepare(model, _every_slice(deployment))
             if deployment.engine == "external":
                 count = len(plans)  # a replica per URL of the new spec, however many run now

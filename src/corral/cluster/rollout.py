@@ -7,7 +7,10 @@ failing a request:
 2. gate each: it must become ready without a failed start, answer a warm-up request and the golden eval;
 3. shift traffic in the policy's steps (weighted: a share of the model's requests goes to the new
    revision), watching each step: a new replica that stops being ready, an error ratio above
-   `max_error_ratio`, or engine TTFT above `max_ttft_ratio` × the old replicas' rolls back;
+   `max_error_ratio`, or engine TTFT above `max_ttft_ratio` × the old replicas' rolls back. A step in
+   which no request reached the new revision, or without TTFTs to compare (llama.cpp reports none), passes
+   unjudged: each step's event, and the rollout's state, say how many requests the new revision served
+   and failed, or that the step was not judged;
 4. replace the rest: rolling starts and gates one new replica per old one it drains; blue-green sends all
    traffic to the new revision and drains every old replica. Draining lets requests and streams finish.
 
@@ -22,6 +25,12 @@ step first drains an old replica, so the model runs one replica short while each
 gated (a model with a single replica has none for that time: its requests wait in the queue). Blue-green
 needs GPUs for the whole new revision at once: without them it is refused (rolled back before anything
 starts, saying so) rather than started on GPUs the old replicas hold, where vLLM runs out of memory.
+
+A model with no replica running (an autoscaled deployment idle at zero, or whose replicas all failed and
+were drained) still has its new revision gated: its units hold one replica for such a deployment, which
+starts, is gated and takes the steps like any; once the rollout completes it is the autoscaler's (which
+drains it after `down_cooldown_s` without traffic). A rollout with no unit at all rolls back: nothing
+would check the revision before its first replica served.
 
 Rolling back stops sending to the new revision at once, starts again any old replica already drained, then
 drains the new ones: the old replicas serve throughout. An old replica whose GPUs a new one holds is
@@ -85,6 +94,7 @@ class Rollout:
         self._resume.set()
         self._abort: str | None = None
         self._drained_old: list[tuple[Unit, int]] = []  # old replicas drained so far, and their revision
+        self._judged: list[tuple[int, int]] = []  # each traffic step's requests to the new revision, failed
         self.outcome: str | None = None  # completed | rolled_back, once done
         self._state: dict[str, Any] = {
             "model": model,
@@ -95,6 +105,8 @@ class Rollout:
             "paused": False,
             "started_at": round(time.time(), 3),
             "message": "",
+            "served": 0,  # requests the new revision served in the traffic steps
+            "failed": 0,
         }
 
     # control -------------------------------------------------------------------------------------
@@ -136,16 +148,17 @@ class Rollout:
                     await self._roll_back(f"unexpected failure: {type(exc).__name__}: {exc}", suspect=True)
                 else:
                     outcome = "completed"
-                    self._publish(phase="completed", share=1.0, message="every replica runs the new revision")
-                    self._event(f"revision {self.revision} completed")
+                    message = f"every replica runs the new revision; {self._judged_in_all()}"
+                    self._publish(phase="completed", share=1.0, message=message)
+                    self._event(f"revision {self.revision} completed; {self._judged_in_all()}")
         finally:
             self._replicas.splits.pop(self.model, None)
             self.outcome = outcome
         return outcome
 
     async def _forward(self, session: aiohttp.ClientSession, old: list[Replica]) -> None:
-        if not self._units:  # nothing runs now (scaled to zero): the autoscaler starts the new revision
-            return
+        if not self._units:  # nothing would be gated: its first replica would serve untested
+            raise _Abort(f"revision {self.revision} has no replica to start and gate before it serves")
         if self._policy.strategy == "blue_green":
             await self._blue_green(session, old)
         else:
@@ -180,7 +193,12 @@ class Rollout:
             steps = len(self._policy.steps)
             self._publish(phase="shifting", share=share, step=step, message=f"step {step} of {steps}")
             self._event(f"step {step}: {share:.0%} of traffic to revision {self.revision}")
-            await self._watch(new, old, self._policy.step_s)
+            served, failed = await self._watch(new, old, self._policy.step_s)
+            self._judged.append((served, failed))
+            judged = self._judged_in_step(served, failed, new, old)
+            totals = {"served": sum(s for s, _ in self._judged), "failed": sum(f for _, f in self._judged)}
+            self._publish(message=f"step {step} of {steps}: {judged}", **totals)
+            self._event(f"step {step}: {judged}")
 
     # GPUs ------------------------------------------------------------------------------------------
 
@@ -294,15 +312,16 @@ class Rollout:
                 raise _Abort(f"not ready within {self._policy.ready_timeout_s:g}s")
             await asyncio.sleep(_CHECK_S)
 
-    async def _watch(self, new: list[Replica], old: list[Replica], seconds: float) -> None:
-        """Hold a step for `seconds` (longer while paused), checking the new replicas' health throughout."""
-        served = {r.id: (r.served, r.failures) for r in new}
+    async def _watch(self, new: list[Replica], old: list[Replica], seconds: float) -> tuple[int, int]:
+        """Hold a step for `seconds` (longer while paused), checking the new replicas' health throughout;
+        the requests they served in it, and how many of those failed."""
+        base = {r.id: (r.served, r.failures) for r in new}
         deadline = time.monotonic() + seconds
         while True:
             self._check_abort()
-            self._check_health(new, old, served, final=time.monotonic() >= deadline)
+            judged = self._check_health(new, old, base, final=time.monotonic() >= deadline)
             if time.monotonic() >= deadline and self._resume.is_set():
-                return
+                return judged
             await asyncio.sleep(_CHECK_S)
 
     def _check_abort(self) -> None:
@@ -311,7 +330,9 @@ class Rollout:
 
     def _check_health(
         self, new: list[Replica], old: list[Replica], base: dict[str, tuple[int, int]], final: bool
-    ) -> None:
+    ) -> tuple[int, int]:
+        """_Abort when the new replicas fail a check; else the requests they served since `base`, and how
+        many of those failed."""
         for replica in new:
             if replica.state is not ReplicaState.READY:
                 why = replica.last_error or "no reason given"
@@ -330,6 +351,27 @@ class Rollout:
                 f"revision {self.revision}'s engine TTFT {new_ttft * 1000:.0f} ms is over {limit:g}× the old "
                 f"replicas' {old_ttft * 1000:.0f} ms"
             )
+        return served, failed
+
+    def _judged_in_step(self, served: int, failed: int, new: list[Replica], old: list[Replica]) -> str:
+        """What a step's checks judged, in words: a step with no request to the new revision, or with no
+        TTFT to compare, passes without a verdict, and says so."""
+        if not served:
+            return f"not judged: no traffic reached revision {self.revision}"
+        judged = f"revision {self.revision} served {served} requests, {failed} failed"
+        if self._policy.max_ttft_ratio:
+            new_ttft, old_ttft = _mean_ttft(new), _mean_ttft(old)
+            if new_ttft and old_ttft:
+                judged += f"; engine TTFT {new_ttft * 1000:.0f} ms against {old_ttft * 1000:.0f} ms"
+            else:
+                judged += "; TTFT not compared (not reported by both revisions' engines)"
+        return judged
+
+    def _judged_in_all(self) -> str:
+        served, failed = sum(s for s, _ in self._judged), sum(f for _, f in self._judged)
+        if not served:
+            return "its traffic steps were not judged: no traffic reached it"
+        return f"its traffic steps judged {served} requests, {failed} failed"
 
     async def _retire(self, replica: Replica) -> None:
         try:

@@ -5,9 +5,10 @@ Both are live settings: `corral apply` changes them without a rollout.
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from corral.config.base import Strict
 
@@ -16,7 +17,9 @@ class EvalCase(Strict):
     """One golden prompt a candidate replica must answer right before it gets traffic (temperature 0).
 
     Exactly one check: `exact` (the whole answer, whitespace trimmed), `contains`, `regex` (searched), or
-    `json_schema` (the answer parses as JSON and validates)."""
+    `json_schema` (the answer parses as JSON and validates; `{}`: any JSON). Each is checked here, at load:
+    a regex that does not compile or a schema that is not one would otherwise fail only during a rollout,
+    after its new replicas started; an empty `contains` or `regex` would pass every answer."""
 
     name: str | None = Field(default=None, description="shown when the check fails")
     prompt: str | None = Field(default=None, description="a user message (chat) to send")
@@ -26,6 +29,35 @@ class EvalCase(Strict):
     contains: str | None = Field(default=None, description="the answer must contain this")
     regex: str | None = Field(default=None, description="the answer must match this (re.search)")
     json_schema: dict[str, Any] | None = Field(default=None, description="the answer is JSON valid here")
+
+    @field_validator("contains", "regex")
+    @classmethod
+    def _not_empty(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value == "":
+            raise ValueError(f"an empty {info.field_name} passes every answer: say what the answer must hold")
+        return value
+
+    @field_validator("regex")
+    @classmethod
+    def _compiles(cls, value: str | None) -> str | None:
+        if value is not None:
+            try:
+                re.compile(value)
+            except re.error as exc:
+                raise ValueError(f"regex {value!r} is not a valid regular expression: {exc}") from exc
+        return value
+
+    @field_validator("json_schema")
+    @classmethod
+    def _is_a_schema(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None:
+            import jsonschema  # (only for specs that use it: it adds a tenth of a second to every CLI start)
+
+            try:
+                jsonschema.validators.validator_for(value).check_schema(value)
+            except jsonschema.SchemaError as exc:
+                raise ValueError(f"json_schema is not a valid JSON Schema: {exc.message}") from exc
+        return value
 
     @model_validator(mode="after")
     def _one_input_one_check(self) -> EvalCase:
@@ -84,6 +116,17 @@ class RolloutSpec(Strict):
         if not steps or steps != sorted(steps):
             raise ValueError("steps must be a rising list of traffic shares, e.g. [0.1, 0.5, 1.0]")
         return steps
+
+    def refusal(self, task: str) -> str | None:
+        """Why this policy cannot gate a model of `task` (its `task`: generate or embed), or None. The golden
+        cases check generated text; an embedding model answers with vectors, so its gate is the warm-up's
+        embedding alone."""
+        if task == "embed" and self.golden_eval:
+            return (
+                "rollout.golden_eval checks generated text, and an embedding model (task: embed) answers "
+                "with vectors: its new replicas are gated by an embedding warm-up; remove golden_eval"
+            )
+        return None
 
 
 class AutoscaleSpec(Strict):

@@ -519,6 +519,8 @@ class ModelSpec(Strict):
             )
         if self.matryoshka and self.task != "embed":
             raise ValueError(f"model {self.name!r}: matryoshka is for embedding models (task: embed)")
+        if why := self.rollout.refusal(self.task):
+            raise ValueError(f"model {self.name!r}: {why}")
         self._check_adapters()
         self._check_feed_forward()
         return self
