@@ -254,6 +254,7 @@ class FairQueue:
         self._timeout = timeout
         self._queues: dict[str, _ModelQueue] = {}
         self._ticker: asyncio.Task[None] | None = None
+        self._beside: list[Callable[[], dict[str, dict[str, float]]]] = []  # more of the autoscaler's view
 
     def configure(self, max_queued: int, timeout: float) -> None:
         """New bounds (a live `corral apply`): requests already waiting keep their place."""
@@ -276,11 +277,20 @@ class FairQueue:
         return {model: queue.size for model, queue in self._queues.items()}
 
     def pressure(self) -> dict[str, dict[str, float]]:
-        """Per model: requests queued, the oldest's wait (s), and arrivals so far (the autoscaler's view)."""
-        return {
+        """Per model: requests queued, the oldest's wait (s), and arrivals so far (the autoscaler's view),
+        with what the sources added by `report_beside` say (the batch runner's lines)."""
+        view = {
             model: {"queued": queue.size, "oldest_wait_s": queue.oldest_wait(), "arrived": queue.arrived}
             for model, queue in self._queues.items()
         }
+        for source in self._beside:
+            for model, figures in source().items():
+                view.setdefault(model, {}).update(figures)
+        return view
+
+    def report_beside(self, source: Callable[[], dict[str, dict[str, float]]]) -> None:
+        """Add `source`'s figures per model to `pressure` (keys of its own: the batch runner's)."""
+        self._beside.append(source)
 
     async def enter(
         self, model: str, principal: Principal, sequences: int = 1, spread: bool = False

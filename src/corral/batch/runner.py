@@ -11,6 +11,9 @@ have free slots, less the most slots interactive requests held (or waited for) a
 interactive traffic has recently left idle, and a burst like the recent ones finds free slots at once.
 With several gateway workers, every worker runs a runner over its own share of the slots; the first one
 alone checks new batches and keeps the queue (`manages`).
+The autoscaler sizes for interactive demand only (a new replica's slots would be filled by batch lines
+again): each runner tells it, per model, the slots its lines hold, the lines it sent and whether batches
+are in progress (`pressure`); a model with batch lines to run keeps one replica, or wakes one from zero.
 A line goes through the gateway's own pipeline (parse, authorize, queue at the lowest priority, route,
 relay, settle: usage is recorded per line) and its result is committed under its lease (batch/jobs.py),
 with the other results of its tick in one transaction (ticks are at least 50 ms apart). A line the
@@ -46,7 +49,7 @@ from corral.batch.jobs import BatchRecord, BatchStore
 from corral.batch.queue import BatchLine, LineResult
 from corral.config import BatchSettings
 from corral.protocol import PermissionDenied
-from corral.routing import ReplicaSet
+from corral.routing import Replica, ReplicaSet
 from corral.routing.adapters import AdapterCatalogue
 from corral.store import KeyStore
 
@@ -130,6 +133,8 @@ class BatchRunner:
         self._leasing = True  # until the gateway shuts down (`stop_leasing`)
         self._wake = asyncio.Event()
         self._seen: dict[str, deque[tuple[float, int]]] = {}  # per model: (when, interactive in flight)
+        self._sent: dict[str, int] = {}  # per model: lines sent through the pipeline so far (tries each)
+        self._in_progress: set[str] = set()  # models with batches in progress, at the last pass
         self._done: list[tuple[BatchLine, LineResult]] = []  # results not committed yet
         self._leasing_now: asyncio.Future[list[BatchLine]] | None = None  # a lease call under way
 
@@ -139,22 +144,49 @@ class BatchRunner:
         recent ones finds room at once) and `batch.headroom`, and never more than `batch.max_share` of
         the slots. With nothing else in flight or waiting,
         one line may always run (a model with one slot)."""
-        adapter = self._adapters.get(model)
-        base = adapter.base if adapter is not None else model
+        base = self._base(model)
         ready = [r for r in self._replicas.ready(base) if r.breaker.allows()]
         if not ready:
             return 0
         slots = sum(r.capacity or 1 for r in ready)
         busy = sum(r.outstanding for r in ready)
         waiting = self._waiting().get(base, 0)
-        most = max(r.capacity or 1 for r in ready)  # (a replica counts a line's sequences up to its slots)
-        mine = sum(min(sequences, most) for sequences in self._running.get(model, {}).values())
+        mine = self._held(model, ready)
         peak = self._interactive_peak(model, max(0, busy + waiting - mine))
         share = int(slots * self._settings.max_share)  # requests pin to replicas (prefix affinity): spread
         spare = max(0, min(share, slots - self._settings.headroom - peak) - mine)
         if not spare and not mine and not busy and not waiting:
             return 1
         return spare
+
+    def pressure(self) -> dict[str, dict[str, float]]:
+        """Per served model (an adapter's lines count for its base), what the autoscaler leaves out of
+        demand and what wakes a replica: `batch_in_flight`, the slots this runner's lines hold (queued or
+        running); `batch_arrived`, the lines it sent so far (the gateway's queue counts them as arrivals);
+        `batch_pending`, 1 while batches of the model are in progress (lines wait to run, even where no
+        replica is ready to take them)."""
+        figures: dict[str, dict[str, float]] = {}
+        for model in self._running.keys() | self._sent.keys() | self._in_progress:
+            into = figures.setdefault(
+                self._base(model), {"batch_in_flight": 0.0, "batch_arrived": 0.0, "batch_pending": 0.0}
+            )
+            into["batch_in_flight"] += self._held(model, self._replicas.ready(self._base(model)))
+            into["batch_arrived"] += self._sent.get(model, 0)
+            if model in self._in_progress:
+                into["batch_pending"] = 1.0
+        return figures
+
+    def _base(self, model: str) -> str:
+        """The model whose replicas run `model`'s lines (an adapter's base)."""
+        adapter = self._adapters.get(model)
+        return adapter.base if adapter is not None else model
+
+    def _held(self, model: str, ready: list[Replica]) -> int:
+        """The slots this runner's lines of `model` hold: their sequences, as the `ready` replicas count
+        them (up to one's slots)."""
+        most = max((r.capacity or 1 for r in ready), default=None)
+        running = self._running.get(model, {}).values()
+        return sum(min(sequences, most) if most else sequences for sequences in running)
 
     def _interactive_peak(self, model: str, now_in_flight: int) -> int:
         """The most interactive requests in flight or waiting seen over the reserve window."""
@@ -185,6 +217,7 @@ class BatchRunner:
                         for batch_id in await asyncio.to_thread(self._store.housekeeping):
                             logger.info("batch %s finished", batch_id)
                     checking, models = await asyncio.to_thread(self._store.pending)
+                    self._in_progress = set(models)
                     checking = checking and self._manages
                     for record in await asyncio.to_thread(self._store.validating) if checking else []:
                         try:
@@ -266,7 +299,7 @@ class BatchRunner:
             if (line.batch_id, line.line) in self._leased:
                 continue  # still running here (its lease had lapsed): not a second time
             self._leased[(line.batch_id, line.line)] = line
-            task = asyncio.create_task(self._run(line), name=f"batch-line:{line.batch_id}:{line.line}")
+            task = asyncio.create_task(self._run(line, model), name=f"batch-line:{line.batch_id}:{line.line}")
             running = self._running.setdefault(model, {})
             running[task] = _sequences(line.endpoint, line.body)
             task.add_done_callback(partial(_forget, running))
@@ -282,7 +315,7 @@ class BatchRunner:
         self._leasing_now = None
         return lines
 
-    async def _run(self, line: BatchLine) -> None:
+    async def _run(self, line: BatchLine, model: str) -> None:
         key = (line.batch_id, line.line)
         try:
             principal = await self._principal(line.tenant, line.key_id)
@@ -291,6 +324,7 @@ class BatchRunner:
                 status = 401
                 body = _error("The API key that submitted this batch has been revoked.", "invalid_api_key")
             else:
+                self._sent[model] = self._sent.get(model, 0) + 1
                 status, body = await self._executor.run_line(principal, line.endpoint, line.body, request_id)
             if _retry(status, body) and line.attempts < self._settings.max_attempts:
                 backoff = min(_BACKOFF_MAX_S, _BACKOFF_S * 2 ** (line.attempts - 1))

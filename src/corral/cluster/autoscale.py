@@ -9,17 +9,28 @@ performance model's view: the measured arrival rate divided by the request rate 
 within the model's TTFT objective (the planner's scheduler model, for the mean prompt and output lengths
 the engines report), so a step in load is met in one move instead of one replica per interval. Both are
 read through a Poisson stream's noise (see `_follow_rate`), since the fleet is sized for what they say.
+An engine's load read longer ago than a few probe rounds (its scrapes fail) says nothing of now and is
+left out (`Supervisor.fresh_load`).
 
-Scaling up starts replicas at once. Scaling down follows the highest count wanted over the last
-`down_cooldown_s` (a stabilisation window, as Kubernetes' HPA does: a moment's lull does not shrink the
-fleet) and drains one replica per cooldown, the least-loaded (its requests and streams finish). With
-`min_replicas: 0` the model is held on demand: the gateways queue its requests while the first replica
-starts (`FairQueue`).
+Only interactive demand is sized for. Batch lines run on spare capacity (batch/runner.py): each new
+replica's slots would be filled by them again, so the slots they hold, their arrivals and their share of
+KV cache and prefill are left out of every signal, as the batch runners report them (`batch_in_flight`,
+`batch_arrived` in the pressure). A model with batch lines to run (`batch_pending`) or running keeps one
+replica, or wakes one from zero, and no more for them.
+
+Each deployment is decided every `interval_s` of its own; one configured meanwhile (a live apply, a
+finished rollout) at once. Scaling up starts replicas at once. Scaling down follows the highest count
+wanted over the last `down_cooldown_s` (a stabilisation window, as Kubernetes' HPA does: a moment's lull
+does not shrink the fleet) and drains one replica per cooldown, the least-loaded (its requests and streams
+finish); replicas over a lowered `max_replicas` are drained at once. With `min_replicas: 0` (every
+deployment of the model able to be at zero) the model is held on demand: the gateways queue its requests
+while the first replica starts (`FairQueue`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import time
@@ -30,14 +41,17 @@ from dataclasses import dataclass, field
 from corral.cluster.capacity import replica_request_rate
 from corral.cluster.supervisor import Supervisor
 from corral.config import AutoscaleSpec, ModelSpec
-from corral.engines import EngineAdapter, LaunchPlan
+from corral.engines import EngineAdapter, EngineLoad, LaunchPlan
 from corral.routing import Replica, ReplicaState
 
 __all__ = ["Autoscaler", "Pressure"]
 
 logger = logging.getLogger(__name__)
 
-Pressure = Callable[[], dict[str, dict[str, float]]]  # model → queued, oldest_wait_s, arrived
+# model → the gateways' queued, oldest_wait_s, arrived (requests so far); the batch runners' batch_in_flight
+# (slots their lines hold, queued or running), batch_arrived (lines sent so far), batch_pending (> 0: lines
+# of the model's batches wait to run)
+Pressure = Callable[[], dict[str, dict[str, float]]]
 _LOADING = (ReplicaState.STARTING, ReplicaState.RESTARTING)
 # The arrival rate: a steady mean of each interval's arrivals (5 s half-life), unless a quick mean (1 s)
 # stands more than three of its standard deviations (a Poisson stream's noise) above it: then the quick
@@ -68,7 +82,9 @@ class _Group:
     plans: list[LaunchPlan]  # one per possible replica (max_replicas): vLLM's differ by GPU
     wanted: deque[tuple[float, int]] = field(default_factory=deque)  # (when, count) over the cooldown
     changed_at: float = field(default_factory=time.monotonic)  # the last scaling action
+    due_at: float = 0.0  # the next decision (monotonic); 0: at once
     arrived: float | None = None
+    batch_arrived: float = 0.0  # of `arrived`, the batch runners' lines
     seen_at: float = field(default_factory=time.monotonic)
     rate: float = 0.0  # requests/s, as read: the quick mean in a rise, else the steady one
     quick: float = 0.0
@@ -103,6 +119,7 @@ class Autoscaler:
         self._groups: dict[tuple[str, int], _Group] = {}
         self.frozen: set[str] = set()  # models in a rollout: their counts are the rollout's
         self._drains: set[asyncio.Task[object]] = set()
+        self._wake = asyncio.Event()  # a deployment was configured: decide for it now
 
     def configure(self, model: ModelSpec, group: int, engine: EngineAdapter, plans: list[LaunchPlan]) -> None:
         """Autoscale deployment `group` of `model` with `plans` (one per possible replica), again with new
@@ -112,37 +129,56 @@ class Autoscaler:
             return
         old = self._groups.get((model.name, group))
         state = _Group(model, group, engine, plans)
-        if old is not None:
+        if old is not None:  # (its stabilisation window and cooldown go on: new bounds are no scaling action)
             state.rate, state.arrived, state.seen_at = old.rate, old.arrived, old.seen_at
             state.quick, state.steady, state.rising = old.quick, old.steady, old.rising
             state.counters, state.token_rates, state.demand = old.counters, old.token_rates, old.demand
-            state.lengths = old.lengths
+            state.lengths, state.batch_arrived = old.lengths, old.batch_arrived
+            state.wanted, state.changed_at = old.wanted, old.changed_at
         self._groups[(model.name, group)] = state
-        if state.spec.min_replicas == 0:
-            self._replicas.on_demand[model.name] = state.spec.hold_s
-        else:
-            self._replicas.on_demand.pop(model.name, None)
+        self._hold_on_demand(model)
         self._replicas.declared[model.name] = (plans[0].features, plans[0].context_length)
         self._replicas.changed(model.name)
+        self._wake.set()
+
+    def _hold_on_demand(self, model: ModelSpec) -> None:
+        """Hold `model`'s requests while a first replica starts when every deployment of it may be at zero
+        (autoscaled from zero, or none declared), for the longest `hold_s` of them."""
+        deployments = model.deployments
+        at_zero = all(d.autoscale.min_replicas == 0 if d.autoscale else d.replicas == 0 for d in deployments)
+        holds = [d.autoscale.hold_s for d in deployments if d.autoscale is not None]
+        if at_zero and holds:
+            self._replicas.on_demand[model.name] = max(holds)
+        else:
+            self._replicas.on_demand.pop(model.name, None)
 
     def forget(self, model: str, group: int | None = None) -> None:
         """Stop autoscaling `model` (one deployment of it when `group` is given)."""
         for key in [k for k in self._groups if k[0] == model and group in (None, k[1])]:
             del self._groups[key]
-        if not any(k[0] == model for k in self._groups):
+        left = [g for k, g in self._groups.items() if k[0] == model]
+        if left:
+            self._hold_on_demand(left[-1].model)
+        else:
             self._replicas.on_demand.pop(model, None)
             self._replicas.declared.pop(model, None)
 
     async def run(self) -> None:
-        """Decide for every group each `interval_s` (the smallest of them)."""
+        """Decide for each group every `interval_s` of its own; a group configured meanwhile at once."""
         while True:
-            interval = min((g.spec.interval_s for g in self._groups.values()), default=1.0)
-            await asyncio.sleep(interval)
             for state in list(self._groups.values()):
+                if state.due_at > time.monotonic():
+                    continue
+                state.due_at = time.monotonic() + state.spec.interval_s
                 try:
                     await self._step(state)
                 except Exception:  # one deployment's failure must not stop the others' scaling
                     logger.exception("autoscaler: %s deployment %d", state.model.name, state.group)
+            self._wake.clear()  # (a group configured during the steps above is due already: seen below)
+            due = min((g.due_at for g in self._groups.values()), default=None)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(None if due is None else max(0.0, due - time.monotonic())):
+                    await self._wake.wait()
 
     def _current(self, state: _Group) -> bool:
         """Still this deployment's autoscaling, and no rollout owns the model's replicas now."""
@@ -169,6 +205,10 @@ class Autoscaler:
                 return
             state.changed_at = now
             self._scale_up(state, want - count, members)
+            return
+        if count > state.spec.max_replicas:  # a lowered bound: what runs over it is drained at once
+            state.changed_at = now
+            self._scale_down(state, members, state.spec.max_replicas, count - state.spec.max_replicas)
             return
         highest = max(w for _, w in state.wanted)
         if highest < count and now - state.changed_at >= cooldown:
@@ -201,13 +241,16 @@ class Autoscaler:
         return [r for r in members if r.state is not ReplicaState.FAILED]
 
     def _measure(self, state: _Group, members: list[Replica], pressure: dict[str, float]) -> None:
-        """Update the smoothed arrival rate and the mean request lengths from the latest counters."""
+        """Update the smoothed arrival rate (of interactive requests: batch lines are sized for by no one)
+        and the mean request lengths (of all requests: the engines' token counts are) from the latest
+        counters."""
         now = time.monotonic()
-        arrived = pressure.get("arrived", 0.0)
+        arrived, batch = pressure.get("arrived", 0.0), pressure.get("batch_arrived", 0.0)
         if state.arrived is not None and now > state.seen_at:
             elapsed = now - state.seen_at
             count = max(0.0, arrived - state.arrived)
-            _follow_rate(state, count / elapsed, elapsed)
+            interactive = max(0.0, count - max(0.0, batch - state.batch_arrived))
+            _follow_rate(state, interactive / elapsed, elapsed)
             added = _token_deltas(state.counters, members)
             state.token_rates = (
                 _smoothed(state.token_rates[0], added[0] / elapsed, elapsed, _LENGTHS_HALF_LIFE_S),
@@ -218,19 +261,25 @@ class Autoscaler:
                 state.lengths = (state.token_rates[0] / state.demand, state.token_rates[1] / state.demand)
         else:
             _token_deltas(state.counters, members)  # the counters' starting point
-        state.arrived, state.seen_at = arrived, now
+        state.arrived, state.batch_arrived, state.seen_at = arrived, batch, now
 
     async def desired(self, state: _Group, members: list[Replica], pressure: dict[str, float]) -> int:
         """How many replicas the deployment should have now, within its bounds; `state.reason` says why."""
         scale, count = state.spec, len(members)
         ready = [r for r in members if r.ready]
         slots = state.plans[0].capacity or 1
-        busy = sum(_busy(r) for r in ready)
         queued = pressure.get("queued", 0.0)
-        want = math.ceil((busy + queued) / (slots * scale.target_utilization))
-        reason = f"{busy + queued:.0f} requests for {slots} slots each"
+        held = sum(_busy(r) for r in ready) + queued
+        batch = min(held, self._batch_part(state, ready, pressure))  # (in flight or queued: in `held`)
+        demand = held - batch
+        want = math.ceil(demand / (slots * scale.target_utilization))
+        reason = f"{demand:.0f} requests for {slots} slots each" + (
+            f" ({batch:.0f} batch lines beside)" if batch else ""
+        )
         loading = any(r.state in _LOADING for r in members)
-        pushes = "" if loading else _pressures(scale, ready, pressure)  # capacity is on its way
+        loads = [load for r in ready if (load := self._supervisor.fresh_load(r)) is not None]
+        share = demand / held if held else 1.0  # interactive requests' part of the KV cache and prefill
+        pushes = "" if loading else _pressures(scale, ready, loads, share, pressure)  # (else: on its way)
         if pushes and want <= count:
             want, reason = count + 1, pushes
         if scale.mode == "feed_forward" and state.rate > 0:
@@ -242,8 +291,27 @@ class Autoscaler:
                     reason = f"{state.rate:.2f} req/s arriving, {per_replica:.2f} req/s per replica"
         if count == 0 and queued:
             want, reason = max(want, 1), "requests wait for a first replica"
+        if want < 1 and self._runs_batches(state, pressure):  # one to run them on, not more
+            want, reason = 1, "batch lines wait for a replica" if count == 0 else "batch lines run"
         state.reason = reason
         return max(scale.min_replicas, min(scale.max_replicas, want))
+
+    def _batch_part(self, state: _Group, ready: list[Replica], pressure: dict[str, float]) -> float:
+        """The slots the model's batch lines hold on this deployment's replicas: its part of the model's
+        ready slots (the runners report per model; lines are routed over all of its replicas)."""
+        batch = pressure.get("batch_in_flight", 0.0)
+        everyone = sum(r.capacity or 1 for r in self._replicas.ready(state.model.name))
+        return batch * sum(r.capacity or 1 for r in ready) / everyone if everyone else batch
+
+    def _runs_batches(self, state: _Group, pressure: dict[str, float]) -> bool:
+        """This deployment keeps (or wakes) a replica for the model's batch lines: some run or wait, and no
+        other deployment of the model has a replica to run them (the first autoscaled one wakes)."""
+        if not (pressure.get("batch_in_flight") or pressure.get("batch_pending")):
+            return False
+        name = state.model.name
+        first = min((group for model, group in self._groups if model == name), default=state.group)
+        own = {r.id for r in self._supervisor.members(name, state.group)}
+        return state.group == first and all(r.id in own for r in self._supervisor.members(name))
 
     async def _replica_rate(self, state: _Group) -> float | None:
         deployment = state.model.deployments[state.group]
@@ -267,14 +335,18 @@ class Autoscaler:
         logger.info("autoscaler %s: %s", state.model.name, message)
         self._replicas.record("scale", state.model.name, message)
 
-    def _scale_down(self, state: _Group, members: list[Replica], want: int) -> None:
-        # one that serves nothing goes first: still loading, then unhealthy (its in-flight count says
+    def _scale_down(self, state: _Group, members: list[Replica], want: int, fewer: int = 1) -> None:
+        """Drain `fewer` of `members` at once (`want`: the count wanted, for the record)."""
+        # those that serve nothing go first: still loading, then unhealthy (its in-flight count says
         # nothing of load: a hung engine's requests wait out their timeouts); then the least busy
-        victim = min(members, key=lambda r: (r.ready, r.state not in _LOADING, _busy(r), -members.index(r)))
-        message = f"scale down {len(members)} → {len(members) - 1} (wants {want}): drain {victim.id}"
+        order = sorted(members, key=lambda r: (r.ready, r.state not in _LOADING, _busy(r), -members.index(r)))
+        victims = [r.id for r in order[:fewer]]
+        drained = ", ".join(victims)
+        message = f"scale down {len(members)} → {len(members) - len(victims)} (wants {want}): drain {drained}"
         logger.info("autoscaler %s: %s", state.model.name, message)
         self._replicas.record("scale", state.model.name, message)
-        self._drain(victim.id)
+        for victim in victims:
+            self._drain(victim)
 
     def _drain(self, replica_id: str) -> None:
         task = asyncio.create_task(self._supervisor.drain(replica_id, self._grace))
@@ -333,15 +405,23 @@ def _busy(replica: Replica) -> int:
     return replica.outstanding
 
 
-def _pressures(scale: AutoscaleSpec, ready: list[Replica], pressure: dict[str, float]) -> str:
-    """Why one more replica is wanted regardless of slot counts, or '' when nothing presses."""
+def _pressures(
+    scale: AutoscaleSpec,
+    ready: list[Replica],
+    loads: list[EngineLoad],
+    share: float,
+    pressure: dict[str, float],
+) -> str:
+    """Why one more replica is wanted regardless of slot counts, or '' when nothing presses. `loads`: the
+    ready replicas' engine loads read lately; `share`: interactive requests' part of what the replicas
+    hold (KV cache and prefill that batch lines take would be taken again on a new replica)."""
     if pressure.get("oldest_wait_s", 0.0) >= scale.queue_wait_s:
         return f"a request waited {pressure['oldest_wait_s']:.1f}s in the queue"
-    kv = [r.load.kv_usage for r in ready if r.load is not None and r.load.kv_usage is not None]
-    if kv and sum(kv) / len(kv) >= scale.kv_usage_high:
-        return f"KV cache {sum(kv) / len(kv):.0%} used"
+    kv = [load.kv_usage for load in loads if load.kv_usage is not None]
+    if kv and (used := share * sum(kv) / len(kv)) >= scale.kv_usage_high:
+        return f"KV cache {used:.0%} used" + (" by interactive requests" if share < 1 else "")
     if ready and scale.prefill_tokens_high is not None:
-        pending = sum(r.pending_prefill for r in ready) / len(ready)
+        pending = share * sum(r.pending_prefill for r in ready) / len(ready)
         if pending >= scale.prefill_tokens_high:
             return f"{pending:.0f} prompt tokens per replica await prefill"
     return ""

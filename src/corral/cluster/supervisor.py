@@ -22,7 +22,7 @@ import zmq.asyncio
 
 from corral.cluster.runtime import NoRoom, ReplicaRuntime, RunningReplica, log_tail, rotate_log
 from corral.config import SupervisorSettings
-from corral.engines import EngineAdapter, LaunchPlan
+from corral.engines import EngineAdapter, EngineLoad, LaunchPlan
 from corral.engines.client import EngineClient, EngineConnectionError
 from corral.engines.kv_events import KvCacheView, KvEventFeed
 from corral.routing import Replica, ReplicaSet, ReplicaState
@@ -35,6 +35,7 @@ _STABLE_RUN_S = 60.0  # a replica that stayed up this long restarts with the ini
 _PROBES_AT_ONCE = 256  # connections the probes use at once (two per replica at most); more wait their turn
 _EXPECTED_START_S = 3.0  # used for Retry-After hints while a replica is (re)starting
 _ENDED_LOGS_KEPT = 32  # drained replicas whose logs are kept (ids are never reused: each scale-up makes one)
+_FRESH_LOAD_ROUNDS = 3  # probe rounds (an interval and a probe's timeout) a scraped load stands for now
 
 
 @dataclass(slots=True)
@@ -128,6 +129,16 @@ class Supervisor:
             for s in self._slots
             if s.replica.model == model and (group is None or s.group == group) and not s.draining
         ]
+
+    def fresh_load(self, replica: Replica) -> EngineLoad | None:
+        """The replica's engine load, unless its last scrape is older than a few probe rounds: a scrape that
+        keeps failing leaves the last reading in place (the drain and the token counters want it), but a
+        KV-cache use read minutes ago must not pass for now."""
+        load = replica.load
+        rounds = _FRESH_LOAD_ROUNDS * (self._settings.probe_interval + self._settings.probe_timeout)
+        if load is None or time.time() - load.scraped_at > rounds:
+            return None
+        return load
 
     def unused_plans(self, model: str, group: int, plans: list[LaunchPlan]) -> list[LaunchPlan]:
         """Those of `plans` (deployment `group`'s) that none of its replicas holds, so a new replica never
@@ -466,7 +477,8 @@ class Supervisor:
             return 0, b""
 
     async def _scrape(self, slot: _Slot, running: RunningReplica) -> None:
-        """Read the engine's load from its metrics endpoint; a failed scrape keeps the last value."""
+        """Read the engine's load from its metrics endpoint; a failed scrape keeps the last value (which
+        `fresh_load` stops giving once it is a few rounds old)."""
         if slot.plan.metrics_path is None:
             return
         status, body = await self._get(running.url, slot.plan.metrics_path)

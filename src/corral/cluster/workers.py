@@ -28,6 +28,8 @@ import signal
 import socket
 import sys
 import tempfile
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,6 +53,11 @@ _START_TIMEOUT_S = 60.0
 _BACKOFF_MAX_S = 30.0
 _PLACEMENTS = b'{"placements":'  # a worker's routing placements (routing/router.py), relayed to the others
 _CALLS = ("apply", "drain", "drain_node", "rollout_action")  # what a worker may ask the reconciler
+# A worker reports twice a second (cli/worker.py); one silent this long is hung (its event loop blocked,
+# its process alive): its last queues and requests in flight no longer count
+_REPORT_STALE_S = 2.0
+_COUNTERS = ("arrived", "batch_arrived")  # a worker's figures that count up (a hung worker's still count)
+_LIVE = ("batch_in_flight", "batch_pending")  # its batch runner's figures of now
 
 
 class WorkerError(RuntimeError):
@@ -76,6 +83,7 @@ class WorkerPool:
         count: int,
         logs: str,
         shutdown_grace: float,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._replicas = replicas
         self._spec = spec
@@ -96,6 +104,8 @@ class WorkerPool:
         self.port: int | None = None
         self.control: Any = None  # answers the workers' control calls (cluster.reconcile.Reconciler)
         self._reports: dict[int, dict[str, Any]] = {}  # each worker's latest queues and replica counts
+        self._reported_at: dict[int, float] = {}  # when each came (`clock`)
+        self._clock = clock
         self._totals: dict[str, list[int]] = {}  # replica id → [served, failed] over every worker, ever
 
     @property
@@ -209,6 +219,7 @@ class WorkerPool:
             code = await worker.process.wait()
             self._forget_metrics(worker.process.pid)
             self._reports.pop(worker.index, None)  # its queue and requests in flight died with it
+            self._reported_at.pop(worker.index, None)
             self._count_requests()
             if self._stopping:
                 return
@@ -287,14 +298,23 @@ class WorkerPool:
             _send(worker, line)
 
     def pressure(self) -> dict[str, dict[str, float]]:
-        """The workers' queues summed per model (the oldest wait is the longest of them)."""
+        """The workers' queues summed per model (the oldest wait is the longest of them), of the workers
+        that reported lately (a hung one's arrivals so far still count: they are a counter, not now); the
+        replicas' counts in flight are taken again without a hung one's."""
+        fresh = self._fresh()
+        if len(fresh) < len(self._reports):
+            self._count_requests()
         total: dict[str, dict[str, float]] = {}
-        for report in self._reports.values():
+        for worker, report in self._reports.items():
             for model, queue in report["queues"].items():
                 into = total.setdefault(model, {"queued": 0, "oldest_wait_s": 0.0, "arrived": 0})
-                into["queued"] += queue["queued"]
-                into["arrived"] += queue["arrived"]
-                into["oldest_wait_s"] = max(into["oldest_wait_s"], queue["oldest_wait_s"])
+                for key in _COUNTERS:  # (a batch runner's figures too, in a worker that runs one)
+                    into[key] = into.get(key, 0) + queue.get(key, 0)
+                if worker in fresh:
+                    into["queued"] += queue.get("queued", 0)
+                    into["oldest_wait_s"] = max(into["oldest_wait_s"], queue.get("oldest_wait_s", 0.0))
+                    for key in _LIVE:
+                        into[key] = into.get(key, 0) + queue.get(key, 0)
         return total
 
     def _take_report(self, worker: int, report: dict[str, Any]) -> None:
@@ -307,13 +327,21 @@ class WorkerPool:
             total[0] += served - was[1] if served >= was[1] else served
             total[1] += failed - was[2] if failed >= was[2] else failed
         self._reports[worker] = report
+        self._reported_at[worker] = self._clock()
         self._count_requests()
+
+    def _fresh(self) -> set[int]:
+        """The workers that reported within _REPORT_STALE_S. (A hung one's report is kept, not counted as
+        now: its served and failed requests add up from it when it reports again.)"""
+        now = self._clock()
+        return {w for w in self._reports if now - self._reported_at.get(w, now) <= _REPORT_STALE_S}
 
     def _count_requests(self) -> None:
         """Each replica's counts over the workers, into the supervisor's replica set (the autoscaler and
-        rollout health checks read them there)."""
+        rollout health checks read them there); in flight, of the workers that reported lately."""
         live: dict[str, list[int]] = {}
-        for report in self._reports.values():
+        fresh = self._fresh()
+        for report in (r for w, r in self._reports.items() if w in fresh):
             for rid, (outstanding, _, _, pending) in report["replicas"].items():
                 into = live.setdefault(rid, [0, 0])
                 into[0] += outstanding

@@ -135,8 +135,10 @@ class AutoscaleSpec(Strict):
     Scale up when the oldest queued request waited `queue_wait_s`, or the replicas' busy slots exceed
     `target_utilization`, or KV-cache use passes `kv_usage_high`, or prompt tokens waiting for prefill pass
     `prefill_tokens_high` per replica; replicas still loading count as capacity already on the way. Scale
-    down, one drained replica at a time, after `down_cooldown_s` of wanting fewer. `feed_forward` also sizes
-    for the measured arrival rate with the performance model (engines with a GPU type: sim, vllm)."""
+    down, one drained replica at a time, after `down_cooldown_s` of wanting fewer (those over a lowered
+    `max_replicas` at once). Batch lines, which run on spare capacity, are not sized for: a model with lines
+    to run keeps (or wakes) one replica. `feed_forward` also sizes for the measured arrival rate with the
+    performance model (engines with a GPU type: sim, vllm)."""
 
     min_replicas: Annotated[
         int, Field(ge=0, le=256, description="never fewer (0: scale to zero when idle)")

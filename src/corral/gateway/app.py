@@ -200,6 +200,7 @@ def build_app(
     runner = _batch_runner(parts, router, pipeline, worker)
     if runner is not None:  # a shutdown stops leasing lines at once (those running are handed back)
         app.on_shutdown.append(runner.stop_leasing)
+        parts.queue.report_beside(runner.pressure)  # the autoscaler sizes for interactive demand only
 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
         rebuild = _semantic_cache(parts.cache, relay)
