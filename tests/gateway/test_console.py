@@ -1,9 +1,12 @@
 """The web console in a real headless Chromium (Debian's chromium and chromium-driver, via Selenium): it
-loads without console errors, its numbers move while load runs, a closed gateway's console asks for the
-admin key, and a screenshot is kept as a test artifact (`$CORRAL_TEST_ARTIFACTS`, else the test's tmp)."""
+loads without console errors (its content security policy refusing nothing it uses), its numbers move
+while load runs, no other page may frame it, a closed gateway's console asks for the admin key, and a
+screenshot is kept as a test artifact (`$CORRAL_TEST_ARTIFACTS`, else the test's tmp)."""
 
 from __future__ import annotations
 
+import functools
+import http.server
 import json
 import os
 import re
@@ -96,7 +99,20 @@ def errors(browser: webdriver.Chrome) -> list[str]:
     return [e["message"] for e in browser.get_log("browser") if e["level"] == "SEVERE"]
 
 
+def watch_policy_violations(browser: webdriver.Chrome) -> None:
+    """Every page the browser opens from now on lists what its content security policy refused (a script,
+    style, image or request the console needs but its policy forbids) in `window.refusedByPolicy`."""
+    browser.execute_cdp_cmd(
+        "Page.addScriptToEvaluateOnNewDocument",
+        {
+            "source": "window.refusedByPolicy = []; document.addEventListener('securitypolicyviolation',"
+            " (e) => window.refusedByPolicy.push(e.effectiveDirective + ' ' + e.blockedURI));"
+        },
+    )
+
+
 def test_console_shows_live_numbers_without_errors(tmp_path: Path, browser: webdriver.Chrome) -> None:
+    watch_policy_violations(browser)
     with cluster_of(tmp_path, SPEC.format(auth="{open: true}")) as cluster:
         browser.get(cluster.url + "/console")
         wait = WebDriverWait(browser, 30, poll_frequency=0.2)
@@ -127,6 +143,37 @@ def test_console_shows_live_numbers_without_errors(tmp_path: Path, browser: webd
         wait.until(listed)
         assert browser.find_element(By.ID, "rollouts").text == "no rollout has run"
         assert errors(browser) == []
+        assert browser.execute_script("return window.refusedByPolicy") == []  # all it uses, its policy allows
+
+
+def test_no_other_page_may_frame_the_console(tmp_path: Path, browser: webdriver.Chrome) -> None:
+    """On an open gateway a page of another origin that framed the console would act as a local admin (one
+    click on "revoke" acts): the page and its files say no page may frame them, and Chromium obeys."""
+    with cluster_of(tmp_path, SPEC.format(auth="{open: true}")) as cluster:
+        for name in ("", "/console.js", "/console.css", "/vendor/uPlot.iife.min.js", "/vendor/uPlot.min.css"):
+            with urllib.request.urlopen(cluster.url + "/console" + name, timeout=10) as answer:
+                assert answer.headers["X-Frame-Options"] == "DENY", name
+                policy = answer.headers["Content-Security-Policy"]
+                assert "default-src 'self'" in policy and "frame-ancestors 'none'" in policy, name
+        page = f'<link rel="icon" href="data:,"><iframe id="framed" src="{cluster.url}/console"></iframe>'
+        (tmp_path / "framing.html").write_text(page)
+        files = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path))
+        other = http.server.ThreadingHTTPServer(("127.0.0.1", 0), files)  # another origin: localhost:PORT
+        serving = threading.Thread(target=other.serve_forever)
+        serving.start()
+        try:
+            browser.get(f"http://localhost:{other.server_port}/framing.html")
+            browser.switch_to.frame(browser.find_element(By.ID, "framed"))
+            WebDriverWait(browser, 30, poll_frequency=0.2).until(
+                lambda b: b.execute_script("return location.href") != "about:blank"
+            )
+            assert browser.find_elements(By.ID, "status") == []  # Chromium showed its error page instead
+        finally:
+            browser.switch_to.default_content()
+            other.shutdown()
+            serving.join(timeout=10)
+            other.server_close()
+        assert any("frame-ancestors 'none'" in e for e in errors(browser))
 
 
 def test_closed_gateway_console_asks_for_the_admin_key(tmp_path: Path, browser: webdriver.Chrome) -> None:

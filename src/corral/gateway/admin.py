@@ -329,6 +329,10 @@ class AdminViews:
         if request_id is not None:  # one request's records, by the x-request-id its client was given
             async with self._lookups:  # (one at a time: each reads the table, keys need the store's threads)
                 found = await asyncio.to_thread(self._usage.of_request, request_id, scope)
+                if scope is not None and found:  # the keys above a tenant-admin go unnamed, as in by=key
+                    seen = await asyncio.to_thread(self._keys.list, True, scope)
+                    named = {k.id for k in seen if k.role in TENANT_ROLES}
+                    found = [row if row["key_id"] in named else {**row, "key_id": None} for row in found]
             return web.json_response({"request_id": request_id, "rows": found})
         by = request.query.get("by", "key")
         try:

@@ -1,7 +1,9 @@
 """The web console at /console: a static page (vendored uPlot, no build step) that polls the admin API.
 
 The page itself holds nothing secret and is served to anyone; everything it shows comes from admin-only
-endpoints (the admin key, or an open gateway's local clients), which it asks for when refused.
+endpoints (the admin key, a signed-in person's session, or an open gateway's local clients), which it asks
+for when refused. The page and its files are sent with a content security policy that allows only the
+gateway's own scripts, styles and requests, and that no other page may frame.
 """
 
 from __future__ import annotations
@@ -19,6 +21,22 @@ __all__ = ["ConsoleViews"]
 _HERE = Path(__file__).parent
 _TYPES = {".html": "text/html", ".js": "application/javascript", ".css": "text/css"}
 _FILES = ("index.html", "console.js", "console.css", "vendor/uPlot.iife.min.js", "vendor/uPlot.min.css")
+# No other site may frame the console: one click on "revoke" acts, and on a keyless local gateway a framing
+# page would be a local admin. The page loads only its own files; its icon is a data: URL (no request).
+_SECURITY = {
+    "Cache-Control": "no-cache",
+    "X-Content-Type-Options": "nosniff",
+    "X-Frame-Options": "DENY",
+    "Content-Security-Policy": "; ".join(
+        (
+            "default-src 'self'",
+            "img-src 'self' data:",
+            "base-uri 'none'",
+            "form-action 'self'",
+            "frame-ancestors 'none'",
+        )
+    ),
+}
 
 
 class ConsoleViews:
@@ -46,7 +64,7 @@ class ConsoleViews:
             body=self._files[name],
             content_type=_TYPES[Path(name).suffix],
             charset="utf-8",
-            headers={"Cache-Control": "no-cache", "X-Content-Type-Options": "nosniff"},
+            headers=_SECURITY,
         )
 
     async def data(self, request: web.Request) -> web.Response:

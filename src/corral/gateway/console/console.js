@@ -4,7 +4,9 @@
 // Rates and percentiles come from the difference of two polls, as Prometheus's rate() does.
 // Who sees what is the gateway's to decide (the admin key, or a person signed in through the identity
 // provider, whose session cookie goes with every request and whose changes send its CSRF token); the
-// console only hides the panels a role cannot read (the permissions of gateway/access.py).
+// console only hides the panels a role cannot read (the permissions of gateway/access.py). A panel the
+// gateway refuses all the same (403: an admin key box given a viewer's key) is left out, and the others go
+// on; a 401 means no one (or a session that ended), and asks for the key or a new sign-in.
 "use strict";
 
 const READ = ["status:read", "routing:read", "metrics:read", "usage:read", "rollouts:read", "cache:read"];
@@ -26,11 +28,35 @@ const state = {
   charts: {},
   series: {},
   polls: 0,
+  keys: null, // the latest /admin/keys answer (the Tenants table counts their keys and limits)
+  refused: new Set(), // panels the gateway refused (403): not asked again until another key is given
 };
 
+// What each panel of poll() shows, and what the page calls it when the gateway refuses it.
+const PANELS = {
+  traffic: {
+    name: "traffic and replicas",
+    sections: ["traffic-section", "charts-section", "replicas-section", "routing-section", "changes-section"],
+  },
+  keys: { name: "API keys", sections: ["keys-section"] },
+  usage: { name: "usage", sections: ["my-usage"] }, // a tenant-admin's own tenant's
+  tenants: { name: "tenants", sections: ["tenants-section"] },
+  audit: { name: "audit trail", sections: ["audit-section"] },
+};
+
+function signedIn() {
+  return Boolean(state.me && state.me.signed_in && !state.key);
+}
+
 function may(permission) {
-  if (state.me && state.me.signed_in && !state.key) return ROLES[state.me.role].includes(permission);
+  if (signedIn()) return ROLES[state.me.role].includes(permission);
   return true; // the admin key (or a laptop's open gateway): the gateway says otherwise if not
+}
+
+function failure(status, message) {
+  const error = new Error(message);
+  error.status = status;
+  return error;
 }
 
 async function send(method, path, body) {
@@ -41,7 +67,9 @@ async function send(method, path, body) {
     body: body === undefined ? undefined : JSON.stringify(body),
   });
   const answer = await response.json().catch(() => ({}));
-  if (!response.ok) throw new Error((answer.error && answer.error.message) || method + " " + path + ": " + response.status);
+  if (!response.ok) {
+    throw failure(response.status, (answer.error && answer.error.message) || method + " " + path + ": " + response.status);
+  }
   return answer;
 }
 
@@ -51,12 +79,8 @@ function headers() {
 
 async function getJSON(path) {
   const response = await fetch(path, { headers: headers(), cache: "no-store" });
-  if (response.status === 401 || response.status === 403) {
-    const error = new Error("the console needs the admin key");
-    error.auth = true;
-    throw error;
-  }
-  if (!response.ok) throw new Error(path + " answered " + response.status);
+  if (response.status === 401) throw failure(401, "the console needs the admin key");
+  if (!response.ok) throw failure(response.status, path + " answered " + response.status);
   return response.json();
 }
 
@@ -221,9 +245,10 @@ function drawChanges(routing) {
   );
 }
 
+// keys: null where the role may not read them (a viewer, an operator): the tenants' usage alone.
 function drawTenants(keys, usage) {
   const tenants = {};
-  for (const key of keys.keys) {
+  for (const key of keys ? keys.keys : []) {
     const t = (tenants[key.tenant] = tenants[key.tenant] || { keys: 0, rpm: [], tpm: [], budget: [] });
     t.keys += 1;
     if (key.rpm) t.rpm.push(key.rpm);
@@ -239,7 +264,7 @@ function drawTenants(keys, usage) {
   fill(
     "tenants",
     names.map((name) => {
-      const t = tenants[name] || { keys: 0, rpm: [], tpm: [], budget: [] };
+      const t = tenants[name] || { keys: keys ? 0 : null, rpm: [], tpm: [], budget: [] };
       const u = used[name] || {};
       const list = (values) => (values.length ? values.join(", ") : "–");
       return [name, t.keys, list(t.rpm), list(t.tpm), list(t.budget), u.requests, u.input_tokens, u.output_tokens, u.refused, u.errors];
@@ -263,7 +288,7 @@ function drawKeys(keys) {
           await send("DELETE", "/admin/keys/" + k.id);
           drawKeys(await getJSON("/admin/keys"));
         } catch (error) {
-          document.getElementById("keys-error").textContent = error.message;
+          changeFailed(error);
         }
       });
       const td = document.createElement("td");
@@ -281,40 +306,91 @@ function drawAudit(trail) {
   );
 }
 
+function drawMyUsage(usage) {
+  document.getElementById("my-usage").textContent = usage.rows
+    .map((r) => r.tenant + ": " + r.requests + " requests, " + r.input_tokens + " tokens in, " + r.output_tokens + " out, " + r.refused + " refused")
+    .join("; ");
+}
+
+// Shows the panels the role may read and the gateway has not refused, and names those it refused.
+function layout() {
+  const traffic = may("status:read");
+  const allowed = {
+    traffic,
+    keys: may("keys:read"),
+    usage: may("usage:read") && !traffic,
+    tenants: may("usage:read") && traffic,
+    audit: may("audit:read"),
+  };
+  for (const [panel, { sections }] of Object.entries(PANELS)) {
+    for (const id of sections) document.getElementById(id).hidden = !allowed[panel] || state.refused.has(panel);
+  }
+  const refused = [...state.refused].map((panel) => PANELS[panel].name);
+  const note = document.getElementById("not-for-role");
+  note.textContent = "not for this role (the gateway refused): " + refused.join(", ");
+  note.hidden = !refused.length;
+  return allowed;
+}
+
+// One panel's figures: "read", or "refused" where the gateway answers 403 (that panel is left out, the
+// others go on), or "skipped" once refused. Any other failure ends this poll; a 401 ends the polling.
+async function read(panel, load) {
+  if (state.refused.has(panel)) return "skipped";
+  try {
+    await load();
+    document.getElementById("login").hidden = true; // the key (or session) reads it: no other is asked
+    return "read";
+  } catch (error) {
+    if (error.status !== 403) throw error;
+    state.refused.add(panel);
+    return "refused";
+  }
+}
+
+// The panels refreshed every TENANTS_EVERY polls, in this order (Tenants counts the keys just read).
+async function readSlowPanels(allowed) {
+  const keys = () => (allowed.keys && !state.refused.has("keys") ? state.keys : null); // else usage alone
+  const loads = {
+    keys: async () => drawKeys((state.keys = await getJSON("/admin/keys"))),
+    usage: async () => drawMyUsage(await getJSON("/admin/usage?by=tenant")),
+    tenants: async () => drawTenants(keys(), await getJSON("/admin/usage?by=tenant")),
+    audit: async () => drawAudit(await getJSON("/admin/audit?limit=50")),
+  };
+  const outcomes = [];
+  for (const [panel, load] of Object.entries(loads)) {
+    if (allowed[panel]) outcomes.push(await read(panel, load));
+  }
+  return outcomes;
+}
+
 async function poll() {
   try {
-    const admin = may("status:read");
-    document.querySelectorAll(".admin-only").forEach((section) => (section.hidden = !admin));
-    document.getElementById("traffic-section").hidden = !admin;
-    document.getElementById("keys-section").hidden = !may("keys:read");
-    document.getElementById("audit-section").hidden = !may("audit:read");
-    if (admin) {
-      const [data, routing] = await Promise.all([getJSON("/corral/console/data"), getJSON("/admin/routing")]);
-      drawTraffic(data, routing);
-      drawReplicas(routing);
-      drawChanges(routing);
+    const allowed = layout();
+    const outcomes = [];
+    if (allowed.traffic) {
+      outcomes.push(
+        await read("traffic", async () => {
+          const [data, routing] = await Promise.all([getJSON("/corral/console/data"), getJSON("/admin/routing")]);
+          drawTraffic(data, routing);
+          drawReplicas(routing);
+          drawChanges(routing);
+        }),
+      );
     }
-    document.getElementById("login").hidden = true;
-    if (state.polls % TENANTS_EVERY === 0) {
-      if (may("keys:read")) drawKeys(await getJSON("/admin/keys"));
-      if (may("usage:read") && !admin) {
-        // a tenant-admin: its tenant's use (the gateway answers with its own tenant's rows only)
-        const rows = (await getJSON("/admin/usage?by=tenant")).rows;
-        document.getElementById("my-usage").textContent = rows
-          .map((r) => r.tenant + ": " + r.requests + " requests, " + r.input_tokens + " tokens in, " + r.output_tokens + " out, " + r.refused + " refused")
-          .join("; ");
-      }
-      if (admin) {
-        const [keys, usage] = await Promise.all([getJSON("/admin/keys"), getJSON("/admin/usage?by=tenant")]);
-        drawTenants(keys, usage);
-      }
-      if (may("audit:read")) drawAudit(await getJSON("/admin/audit?limit=50"));
+    if (state.polls % TENANTS_EVERY === 0) outcomes.push(...(await readSlowPanels(allowed)));
+    layout();
+    if (state.key && outcomes.includes("refused") && !outcomes.includes("read")) {
+      throw failure(403, "this key may read nothing the console shows");
     }
     state.polls += 1;
     document.getElementById("status").textContent = "live · " + new Date().toLocaleTimeString();
   } catch (error) {
     document.getElementById("status").textContent = error.message;
-    if (error.auth) {
+    if (error.status === 401 && signedIn()) {
+      sessionEnded();
+      return;
+    }
+    if (error.status === 401 || error.status === 403) {
       document.getElementById("login").hidden = false;
       return; // wait for the key
     }
@@ -322,10 +398,27 @@ async function poll() {
   setTimeout(poll, POLL_MS);
 }
 
+// A session ends with the person's ID token (minutes, with some identity providers): the page says so and
+// offers the sign-in again, not the admin key, and shows no figures of that session's any more.
+function sessionEnded() {
+  state.me = null;
+  document.querySelectorAll("main > section, #not-for-role").forEach((element) => (element.hidden = true));
+  start("your session ended: sign in again");
+}
+
+// A change the gateway refused: a session that ended asks for a new sign-in, anything else is said.
+function changeFailed(error) {
+  if (error.status === 401 && signedIn()) sessionEnded();
+  else document.getElementById("keys-error").textContent = error.message;
+}
+
 document.getElementById("login").addEventListener("submit", (event) => {
   event.preventDefault();
   state.key = document.getElementById("key").value.trim();
   sessionStorage.setItem("corral-admin-key", state.key);
+  state.refused.clear(); // another key: another role
+  state.keys = null;
+  state.polls = 0;
   poll();
 });
 
@@ -343,25 +436,36 @@ document.getElementById("new-key").addEventListener("submit", async (event) => {
     document.getElementById("keys-error").textContent = "";
     drawKeys(await getJSON("/admin/keys"));
   } catch (error) {
-    document.getElementById("keys-error").textContent = error.message;
+    changeFailed(error);
   }
 });
 
 document.getElementById("signout").addEventListener("click", async () => {
-  const answer = await send("POST", "/console/signout");
-  state.me = null;
-  window.location.href = answer.end_session || "/console";
+  try {
+    const answer = await send("POST", "/console/signout");
+    state.me = null;
+    window.location.href = answer.end_session || "/console";
+  } catch (error) {
+    if (error.status === 401) window.location.href = "/console"; // the session had ended already
+    else document.getElementById("status").textContent = error.message;
+  }
 });
 
-async function start() {
+// ended: why a session that was open is no more (the page offers the sign-in again, not the admin key).
+async function start(ended) {
   const response = await fetch("/console/me", { cache: "no-store" });
   state.me = response.ok ? await response.json() : null;
-  const signedIn = Boolean(state.me && state.me.signed_in);
-  document.getElementById("signin").hidden = !(state.me && state.me.oidc) || signedIn;
-  document.getElementById("signout").hidden = !signedIn;
-  if (signedIn) {
+  const someone = Boolean(state.me && state.me.signed_in);
+  document.getElementById("signin").hidden = !(state.me && state.me.oidc) || someone;
+  document.getElementById("signout").hidden = !someone;
+  if (someone) {
     document.getElementById("who").textContent = state.me.who + " (" + state.me.role + ", " + state.me.tenant + ")";
     document.getElementById("new-key-tenant").value = state.me.tenant;
+  } else if (ended) {
+    document.getElementById("who").textContent = "";
+    document.getElementById("status").textContent = ended;
+    document.getElementById("login").hidden = Boolean(state.me && state.me.oidc); // (no sign-in: the key)
+    return;
   } else if (state.me && state.me.oidc && !state.key) {
     // no one yet: sign in through the identity provider, or give the admin key (break-glass)
     document.getElementById("status").textContent = "sign in, or give the admin key";
