@@ -21,6 +21,7 @@ __all__ = ["Entry", "entry_from_stream", "entry_from_whole"]
 
 _SEP = b"\n\n"
 _DONE = b"data: [DONE]"
+_EMPTY: tuple[Any, ...] = (None, [], {}, "")  # a member with one of these values says nothing
 
 
 @dataclass(frozen=True)
@@ -189,5 +190,6 @@ def _joined(events: tuple[bytes, ...], chat: bool, usage: dict[str, Any] | None)
 
 def _extra(part: dict[str, Any], known: set[str]) -> bool:
     """`part` says something besides `known` (logprobs, tool calls, reasoning…) that a conversion would
-    lose."""
-    return any(value is not None and key not in known for key, value in part.items())
+    lose. An empty value says nothing: vLLM's older versions write `"tool_calls": []` into every message,
+    and engines write `"refusal": null` or `""` into answers that have none."""
+    return any(key not in known and value not in _EMPTY for key, value in part.items())

@@ -7,9 +7,12 @@ sorted. So two tenants never share an entry, and two conversations that end in t
 differ before it never hit each other (the whole `messages` list is in the key). By default only deterministic
 requests are cached (temperature 0, or a seed). `Cache-Control: no-cache` skips the lookup,
 `no-store` the keeping. Only an answer that ended well is kept: status 200, a stream that ended with
-`[DONE]` on its first replica (no error event, no mid-stream failover, the client still there), and not
-while the model is being rolled out (either revision may answer). The cache never fails a request: an
-entry it cannot read or keep is a miss, logged.
+`[DONE]` on its first replica (no error event, no mid-stream failover, the client still there), not
+while the model is being rolled out (either revision may answer), and not when what serves the model
+changed between the lookup and the answer (`versions`: a rollout, an adapter replaced; the key names the
+revision the lookup saw, the answer may be the other's). Likewise a question's vector is kept only if
+the embedding model's revision is still the lookup's. The cache never fails a request: an entry it cannot
+read or keep is a miss, logged.
 """
 
 from __future__ import annotations
@@ -19,12 +22,15 @@ import base64
 import dataclasses
 import hashlib
 import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import orjson
 
+from corral.cache.embedding import MAX_EMBEDDINGS, EmbeddingCalls
 from corral.cache.entry import Entry, entry_from_stream, entry_from_whole
 from corral.cache.guard import may_share_answer
 from corral.cache.semantic import Embedder, Neighbour, SemanticIndex, ThresholdLearner, Vector
@@ -46,6 +52,8 @@ class CacheLookup:
     read: bool
     keep: bool
     policy: ModelCacheSpec
+    model: str = ""
+    version: str = ""  # the digest of what served the model at the lookup (`ExactCache.versions`)
     hit: Entry | None = None
     group: str | None = None  # semantic: the digest of everything but the last user turn
     vector: Vector | None = None  # semantic: the last user turn's embedding
@@ -53,6 +61,8 @@ class CacheLookup:
     check: Entry | None = None  # learned thresholds: the neighbour's answer, compared with the engine's
     question: str | None = None  # semantic: the last user turn's text
     vetoed: bool = False  # semantic: the lexical guard refused the nearest neighbour
+    embedder_version: str = ""  # semantic: the embedding model's digest at the lookup
+    embedding_failure: str | None = None  # semantic: why the question got no vector (EmbeddingCalls)
 
     @property
     def state(self) -> str:
@@ -72,7 +82,10 @@ class ExactCache:
         embedder: Embedder | None = None,
         embed_timeout: float = 2.0,
         learner: ThresholdLearner | None = None,
+        max_embeddings: int = MAX_EMBEDDINGS,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """`max_embeddings`: the embedding calls for questions made at once (EmbeddingCalls)."""
         self.store = store
         self.policies = policies
         self.versions = versions if versions is not None else {}  # model → digest of its deployed spec
@@ -80,7 +93,7 @@ class ExactCache:
         self.index = SemanticIndex()
         self.learner = learner or ThresholdLearner()
         self.checks = {"correct": 0, "wrong": 0}  # learned thresholds: explored neighbours, judged
-        self._embed_timeout = embed_timeout
+        self._embedding = EmbeddingCalls(embed_timeout, max_embeddings, clock)
         self._writes: set[asyncio.Task[None]] = set()
 
     def enabled(self, model: str) -> bool:
@@ -105,7 +118,9 @@ class ExactCache:
         version = self.versions.get(model, "")
         canonical = orjson.dumps([version, path, shaping], option=orjson.OPT_SORT_KEYS)
         key = entry_key(tenant, model, hashlib.sha256(canonical).hexdigest())
-        found = CacheLookup(key, "no-cache" not in directives, "no-store" not in directives, policy)
+        found = CacheLookup(
+            key, "no-cache" not in directives, "no-store" not in directives, policy, model, version
+        )
         if found.read:
             found.hit = await self._get(found.key)
         if policy.semantic and self.embedder is not None and path.endswith("/chat/completions"):
@@ -116,7 +131,8 @@ class ExactCache:
                 # the context also names the embedding model and its revision: vectors of two models
                 # (or of a rolled-out one) are never compared
                 embedder = policy.embedding_model or ""
-                context = [tenant, model, version, path, rest, embedder, self.versions.get(embedder, "")]
+                found.embedder_version = self.versions.get(embedder, "")
+                context = [tenant, model, version, path, rest, embedder, found.embedder_version]
                 group = orjson.dumps(context, option=orjson.OPT_SORT_KEYS)
                 found.group = hashlib.sha256(group).hexdigest()
                 if found.hit is None:  # the vector is needed to find a neighbour, or to keep the answer
@@ -136,13 +152,11 @@ class ExactCache:
         that is close enough (fixed threshold) or trusted (learned thresholds)."""
         policy = found.policy
         assert self.embedder is not None and policy.embedding_model is not None and found.group is not None
-        try:
-            async with asyncio.timeout(self._embed_timeout):
-                found.vector = await self.embedder.embed(policy.embedding_model, text)
-        except Exception as exc:
-            logger.warning("semantic cache: embedding the question failed (a miss): %s", exc)
-            return
-        if found.hit is not None or not found.read:
+        calls = self._embedding
+        found.vector, found.embedding_failure = await calls.vector(
+            self.embedder, policy.embedding_model, text
+        )
+        if found.vector is None or found.hit is not None or not found.read:
             return
         try:
             await self._neighbour(found, text)
@@ -225,13 +239,20 @@ class ExactCache:
             self._keep(lookup, lambda: entry_from_stream(written, chat, usage))
 
     def _keep(self, lookup: CacheLookup, make: Any) -> None:
+        if self.versions.get(lookup.model, "") != lookup.version:
+            return  # redeployed since the lookup: the answer may be the old revision's, the key the new one's
         try:
             entry = make()
             if entry is not None:
                 # An answer that proved its neighbour right is kept for exact hits but not indexed: the
                 # neighbour already answers this question, and its evidence stays in one place.
                 confirmed = self._judge(lookup, entry)
-                if lookup.vector is not None and lookup.group is not None and not confirmed:
+                if (
+                    lookup.vector is not None
+                    and lookup.group is not None
+                    and not confirmed
+                    and self._same_embedder(lookup)
+                ):
                     vector = encode_vector(lookup.vector)
                     entry = dataclasses.replace(
                         entry, group=lookup.group, vector=vector, question=lookup.question
@@ -239,6 +260,11 @@ class ExactCache:
                 self._put(lookup, entry)
         except (ValueError, KeyError, TypeError, AttributeError) as exc:  # an answer of an odd shape
             logger.warning("response cache: not keeping an answer (%s: %s)", type(exc).__name__, exc)
+
+    def _same_embedder(self, lookup: CacheLookup) -> bool:
+        """The embedding model's revision is the lookup's: its vector is of the revision its group names
+        (one made while the embedding model was redeployed is not kept: the entry serves exact hits only)."""
+        return self.versions.get(lookup.policy.embedding_model or "", "") == lookup.embedder_version
 
     def _judge(self, lookup: CacheLookup, fresh: Entry) -> bool:
         """Learned thresholds: the engine answered a request whose neighbour was not yet trusted; equal

@@ -4,7 +4,8 @@ Either way each tenant holds at most `cache.tenant_max_bytes` of answers: past i
 Keys are `<tenant>/<model>/<digest>` (tenant and model percent-quoted), so a purge by tenant or model
 finds its entries in either store. A store that cannot answer (Redis down or slow) is a miss, never an
 error: caching must not fail a request; after a failure Redis is skipped for a few seconds, so a
-black-holed Redis costs one timeout, not one per request.
+black-holed Redis costs one timeout, not one per request. Each failure is told to the store's `on_error`
+with the operation that failed (the gateway counts them: `corral_cache_store_errors_total`).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import logging
 import time
 import urllib.parse
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
 __all__ = ["CacheStore", "MemoryStore", "RedisStore", "StoreUnavailable", "entry_key", "key_matches"]
@@ -84,6 +85,8 @@ def _quote(part: str) -> str:
 
 
 class CacheStore(Protocol):
+    on_error: Callable[[str], None]  # told the operation (get, put, scan, present, purge) that failed
+
     async def get(self, key: str) -> bytes | None: ...
 
     async def put(self, key: str, value: bytes, ttl_s: float) -> bool:
@@ -120,6 +123,7 @@ class MemoryStore:
         self._bytes = 0
         self._tenants: dict[str, OrderedDict[str, int]] = {}  # tenant → its keys (LRU order) → bytes
         self._held: dict[str, int] = {}  # tenant → bytes
+        self.on_error: Callable[[str], None] = _unheard  # (memory does not fail)
 
     async def get(self, key: str) -> bytes | None:
         found = self._entries.get(key)
@@ -186,6 +190,10 @@ class MemoryStore:
             del self._tenants[owner], self._held[owner]
 
 
+def _unheard(operation: str) -> None:
+    """An `on_error` nobody listens to."""
+
+
 def _owner(key: str) -> str:
     return key.split("/", 1)[0]
 
@@ -212,6 +220,7 @@ class RedisStore:
         self._tenant_max = tenant_max_bytes
         self._put = self._redis.register_script(_PUT)
         self._drop = self._redis.register_script(_DROP)
+        self.on_error: Callable[[str], None] = _unheard
         self._failures = 0
         self._down_until = 0.0  # after a failure the store is skipped a while: no wait on every request
 
@@ -256,6 +265,7 @@ class RedisStore:
                     found = []
             removed += await self._forget(found)
         except self._errors as exc:
+            self.on_error("purge")
             raise StoreUnavailable(f"the cache's Redis did not answer: {exc}") from exc
         return removed
 
@@ -312,6 +322,7 @@ class RedisStore:
 
     def _failed(self, what: str, exc: BaseException) -> None:
         self._failures += 1
+        self.on_error(what)
         self._down_until = time.monotonic() + _SKIP_AFTER_FAILURE_S
         logger.warning("response cache %s failed (served without the cache): %s", what, exc)
 

@@ -1,6 +1,7 @@
 """The exact (and semantic) cache as a stage of a generation's path (see ../cache): the request looked up,
 a hit told the way the request asks (a stored stream with its own chunking, or either kind made from the
-other; a dialect's stream told in its events), and an answer that ended well kept."""
+other; a dialect's stream told in its events), and an answer that ended well kept, where what answered it is
+what the key names."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from corral.gateway.metrics import GatewayMetrics
 from corral.gateway.relay import SSE_HEADERS, EventStream
 from corral.protocol import ChatCompletionRequest
 from corral.routing import ReplicaSet
+from corral.routing.adapters import AdapterCatalogue
 
 __all__ = ["CacheStage"]
 
@@ -20,10 +22,20 @@ __all__ = ["CacheStage"]
 class CacheStage:
     """The gateway's exact cache between admission and the queue (`Pipeline._answer`)."""
 
-    def __init__(self, cache: ExactCache, metrics: GatewayMetrics, replicas: ReplicaSet) -> None:
+    def __init__(
+        self,
+        cache: ExactCache,
+        metrics: GatewayMetrics,
+        replicas: ReplicaSet,
+        adapters: AdapterCatalogue | None = None,
+    ) -> None:
+        """`adapters`: the LoRA adapters served now (an answer of one replaced meanwhile is not kept)."""
         self._cache = cache
         self._metrics = metrics
         self._replicas = replicas
+        self._adapters = adapters or AdapterCatalogue()
+        store_errors = metrics.cache_store_errors
+        cache.store.on_error = lambda operation: store_errors.labels(operation).inc()
 
     async def look_up(
         self, ctx: RequestContext, principal: Principal, request: web.Request
@@ -38,6 +50,8 @@ class CacheStage:
         )
         if lookup is None:
             return None
+        if lookup.embedding_failure is not None:
+            self._metrics.cache_embed_errors.labels(lookup.embedding_failure).inc()
         ctx.headers["x-corral-cache"] = lookup.state
         if lookup.group is not None and lookup.vector is not None and lookup.read:
             result = "hit" if lookup.neighbour and lookup.hit else "explore" if lookup.check else "miss"
@@ -85,10 +99,21 @@ class CacheStage:
         return response
 
     def keep(self, ctx: RequestContext, lookup: CacheLookup) -> None:
-        """Keep an answer that ended well (never a truncated stream, an error, or a client that left)."""
+        """Keep an answer that ended well (never a truncated stream, an error, or a client that left), and
+        of what the key names: not during a rollout, nor from an adapter replaced since the request was
+        routed (ExactCache also checks the model's revision against the lookup's). A question's vector
+        made while the embedding model is rolled out is not kept (either revision may have made it)."""
         cache = self._cache
         if ctx.written is None or ctx.client_gone or self._rolling_out(ctx.route.model):
             return
+        adapter = ctx.route.adapter
+        if adapter is not None:
+            now = self._adapters.get(ctx.model)
+            if now is None or now.engine_name != adapter.engine_name:
+                return
+        embedder = lookup.policy.embedding_model
+        if lookup.vector is not None and embedder is not None and self._rolling_out(embedder):
+            lookup.vector = None
         chat = isinstance(ctx.body, ChatCompletionRequest)
         if ctx.stream and ctx.complete:
             cache.keep_stream(lookup, ctx.written, chat, ctx.usage)

@@ -194,6 +194,29 @@ class GatewayMetrics:
             ["model", "result"],
             registry=r,
         )
+        self.cache_store_errors = Counter(
+            "corral_cache_store_errors",
+            "Response-cache store calls that failed (Redis down, slow or refusing), by op: get (served as a "
+            "miss), put (the answer not kept), scan (the semantic index rebuilt from what was read), "
+            "present (the index sweep skipped), purge (answered 503). After a failure Redis is left alone "
+            "for 5 s: a dead cache shows here, not only as a falling hit rate.",
+            ["op"],
+            registry=r,
+        )
+        self.cache_embed_errors = Counter(
+            "corral_cache_embed_errors",
+            "Semantic-cache questions left without a vector (each a miss), by reason: timeout (none within "
+            "cache.embedding_timeout; the embedder is then not asked for 5 s), paused (asked in those 5 s), "
+            "busy (the gateway's own embedding calls at their cap), error (the embedder failed or refused "
+            "the text).",
+            ["reason"],
+            registry=r,
+        )
+        # (each label's series exists from the start: a rule on it evaluates before the first failure)
+        for op in ("get", "put", "scan", "present", "purge"):
+            self.cache_store_errors.labels(op)
+        for reason in ("timeout", "paused", "busy", "error"):
+            self.cache_embed_errors.labels(reason)
         budgets = budgets if budgets is not None and tenant_labels else (lambda: [])
         self._state = StateSeries(router, queue_depths, budgets)
         self._published = PublishedState(r) if shared_dir is not None else None

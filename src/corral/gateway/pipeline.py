@@ -39,7 +39,7 @@ from corral.gateway.bodies import read_body
 from corral.gateway.cached import CacheStage
 from corral.gateway.clients import REQUEST_ID, trace_context
 from corral.gateway.context import RequestContext
-from corral.gateway.embeddings import EmbeddingShaper
+from corral.gateway.embeddings import EmbeddingShaper, asks_base64, in_base64
 from corral.gateway.fanout import Fanout, in_flight
 from corral.gateway.intake import Intake
 from corral.gateway.isolation import TenantIsolation
@@ -105,7 +105,9 @@ class Pipeline:
         self._auth = auth
         self._budget = budget
         self._limits = limits
-        self._cached = CacheStage(cache, metrics, router.replicas) if cache is not None else None
+        self._cached = (
+            CacheStage(cache, metrics, router.replicas, relay.adapters) if cache is not None else None
+        )
         self._queue = queue
         self._router = router
         self._replicas = router.replicas
@@ -292,18 +294,26 @@ class Pipeline:
     async def _embed(
         self, ctx: RequestContext, principal: Principal, request: web.Request | None
     ) -> web.StreamResponse:
-        """Embeddings: a replica's float vectors, told the way the client asked (see embeddings.py)."""
+        """Embeddings: a replica's vectors (base64 where its engines send it), told the way the client asked
+        (see embeddings.py), with every header the relay gave the answer (x-ratelimit-*, x-corral-*)."""
         body = ctx.body
         assert isinstance(body, EmbeddingRequest)
-        matryoshka = ctx.features.matryoshka
-        self._embeddings.check(body, matryoshka)
+        matryoshka, shaper = ctx.features.matryoshka, self._embeddings
+        base = ctx.route.model
+        generation = self._replicas.generation.get(base, 0)  # (a redeployment may change the vectors' size)
+        shaper.check(body, matryoshka, generation)
+        if asks_base64(self._replicas.of(base)):
+            ctx.upstream_body = in_base64(ctx.upstream_body)
         response = await self._generate(ctx, principal, request)
-        answer = response.body if isinstance(response, web.Response) else None
-        if response.status != 200 or not isinstance(answer, bytes):
+        if not isinstance(response, web.Response) or response.status != 200:
             return response
-        shaped, ctx.usage = self._embeddings.shape(answer, body, matryoshka, ctx.route.prompt_tokens)
-        headers = {k: v for k, v in response.headers.items() if k.lower().startswith("x-corral-")}
-        return web.Response(body=shaped, content_type="application/json", headers=headers)
+        answer = response.body
+        if not isinstance(answer, bytes):
+            return response
+        estimate = ctx.route.prompt_tokens
+        response.body, ctx.usage = await shaper.answer(answer, body, matryoshka, estimate, generation)
+        response.content_type = "application/json"
+        return response
 
     async def _generate(
         self, ctx: RequestContext, principal: Principal, request: web.Request | None

@@ -108,11 +108,14 @@ class CompletionRequest(_Generation):
 
 GenerationRequest = ChatCompletionRequest | CompletionRequest
 
+_MAX_INPUTS = 2048  # inputs in one embedding request (OpenAI's limit)
 EmbeddingInput = (
     Annotated[str, Field(min_length=1)]
-    | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=2048)]
+    | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=_MAX_INPUTS)]
     | Annotated[list[TokenId], Field(min_length=1)]
-    | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1, max_length=2048)]
+    | Annotated[
+        list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1, max_length=_MAX_INPUTS)
+    ]
 )
 
 
@@ -137,9 +140,12 @@ class EmbeddingRequest(_Body):
         if isinstance(value, str) and value:
             return value
         if isinstance(value, list) and value:
-            if all(isinstance(v, str) and v for v in value) or all(type(v) is int for v in value):
+            if all(type(v) is int for v in value):  # one input's token ids, however many
                 return value
-            if all(isinstance(v, list) and v and all(type(t) is int for t in v) for v in value):
+            texts = all(isinstance(v, str) and v for v in value)
+            if texts or all(isinstance(v, list) and v and all(type(t) is int for t in v) for v in value):
+                if len(value) > _MAX_INPUTS:
+                    raise ValueError(f"input holds at most {_MAX_INPUTS} inputs; this one holds {len(value)}")
                 return value
         raise ValueError(
             "input must be a non-empty string, a list of non-empty strings, a list of token ids, or a list "
