@@ -16,7 +16,7 @@ once, and when one fails the others are cancelled.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -25,7 +25,7 @@ from aiohttp import web
 
 from corral.engines import EngineFeatures
 from corral.gateway.context import RequestContext
-from corral.protocol import ChatCompletionRequest, CompletionRequest, InvalidRequest
+from corral.protocol import ChatCompletionRequest, CompletionRequest, InvalidRequest, UpstreamTimeout
 from corral.protocol.usage import engine_usage
 from corral.routing import RouteRequest
 
@@ -120,12 +120,16 @@ class Fanout:
         tasks = [asyncio.ensure_future(forward(part)) for part in parts]
         try:
             responses = await asyncio.gather(*tasks)
-        except BaseException:  # one part failed (or the client left): the others stop too
+        except BaseException as exc:  # one part failed (or the client left): the others stop too
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-            # parts that reached an engine worked: the request is charged at its reservation (pipeline.py)
+            # parts that reached an engine worked: a timeout, or a client that left, is charged at its
+            # reservation (pipeline.py); any other failure (a 5xx, which keeps no reservation) at what the
+            # parts answered before it came cost
             ctx.replica = next((part.replica for part in parts if part.replica is not None), None)
+            if isinstance(exc, Exception) and not isinstance(exc, UpstreamTimeout):
+                ctx.usage = _answered_usage(tasks, body.n)
             raise
         answers = [_json(r) for r in responses]
         ctx.replica = parts[-1].replica
@@ -216,6 +220,26 @@ def _usage(answers: list[dict[str, Any]], n: int, statuses: list[int]) -> dict[s
         counts.append(usage)
     prompt = sum(c.get("prompt_tokens", 0) for c in counts[::n])
     completion = sum(c.get("completion_tokens", 0) for c in counts)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _answered_usage(tasks: Sequence[asyncio.Future[web.StreamResponse]], n: int) -> dict[str, int] | None:
+    """The usage of the parts an engine answered (200) before the request failed: each prompt's tokens once,
+    every answered choice's completion tokens; None where none was answered with counts."""
+    prompt = completion = 0
+    prompts: set[int] = set()
+    for k, task in enumerate(tasks):
+        if not task.done() or task.cancelled() or task.exception() is not None or task.result().status != 200:
+            continue
+        usage = engine_usage(_json(task.result()).get("usage"))
+        if not usage:
+            continue
+        if k // n not in prompts:  # (part k asks prompt k // n's choice k % n)
+            prompts.add(k // n)
+            prompt += usage.get("prompt_tokens", 0)
+        completion += usage.get("completion_tokens", 0)
+    if not prompts:
+        return None
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 

@@ -1,7 +1,8 @@
 """An engine's refusals as a client reads them: in OpenAI's shape, with a status that says whose fault
 it was (the request's 4xx kept; the engine's own failures, and its refusing the gateway's credentials,
-502), and how long a busy engine asked to be left alone; and what a client is told of an exception no stage
-turned into an answer (`unexpected`)."""
+502), and how long a busy engine asked to be left alone; what a client is told when no replica answered
+(`unanswered`: how many were tried and how, never a replica's id or address, which the log keeps); and
+what a client is told of an exception no stage turned into an answer (`unexpected`)."""
 
 from __future__ import annotations
 
@@ -12,14 +13,19 @@ from collections.abc import Callable
 import orjson
 from aiohttp import web
 
+from corral.engines.client import EngineConnectionError, EngineUnreachable
+from corral.gateway.adapters import AdapterLoadFailed
 from corral.gateway.clients import REQUEST_ID
-from corral.protocol import APIError, StoreUnavailable, error_body
+from corral.gateway.context import RequestContext
+from corral.protocol import APIError, NoCapacity, StoreUnavailable, UpstreamError, error_body
+from corral.routing import Replica
 from corral.store import store_is_down
 
-__all__ = ["busy_wait", "engine_error", "error_fields", "unexpected"]
+__all__ = ["busy_wait", "engine_error", "error_fields", "failed_how", "unanswered", "unexpected"]
 
 logger = logging.getLogger(__name__)
 
+_ADAPTER_RETRY_S = 5.0  # a replica that refused an adapter's load is not asked again this long (adapters.py)
 _INPUT_TOO_LONG = re.compile(r"input (?:\((\d+) tokens\) )?is too large to process")
 
 
@@ -71,6 +77,50 @@ def error_fields(body: bytes) -> tuple[str, str | None, str | None]:
         param if isinstance(param, str) else None,
         code if isinstance(code, str) else None,
     )
+
+
+def unanswered(
+    ctx: RequestContext, tried: list[Replica], failure: str, busy: float, refused: int
+) -> APIError:
+    """What the client is told when no replica answered: the model, how many replicas were tried and how the
+    last one failed, never a replica's id or address (a closed gateway hides them: the log has them)."""
+    if busy > 0:  # every replica tried was full or loading: not broken, and no fault of the client's
+        return NoCapacity(
+            f"The model's replicas are busy (the last {failure}); try again shortly.",
+            code="replicas_busy",
+            retry_after=busy,
+        )
+    adapter = ctx.route.adapter
+    if refused and refused == len(tried) and adapter is not None:  # its files, which no replica can load
+        logger.warning(
+            "request %s: adapter %s refused by every replica tried (%s)",
+            ctx.request_id,
+            adapter.name,
+            ", ".join(r.id for r in tried),
+        )
+        return NoCapacity(
+            f"The adapter '{adapter.name}' could not be loaded: the {_replicas(refused)} tried refused it. "
+            "Try again later; if it goes on, its operator must look at its files.",
+            param="model",
+            code="adapter_unavailable",
+            retry_after=_ADAPTER_RETRY_S,
+        )
+    return UpstreamError(
+        f"The model '{ctx.model}' failed to answer: {_replicas(len(tried))} tried, the last {failure}."
+    )
+
+
+def _replicas(count: int) -> str:
+    return "1 replica" if count <= 1 else f"{count} replicas"
+
+
+def failed_how(exc: EngineConnectionError | AdapterLoadFailed) -> str:
+    """How a replica failed, as a client is told (the exception's text names the engine's address)."""
+    if isinstance(exc, AdapterLoadFailed):
+        return "could not be reached to load the adapter"
+    if isinstance(exc, EngineUnreachable):
+        return "could not be reached"
+    return "dropped the connection"
 
 
 def unexpected(request: web.Request, exc: Exception, store_unanswered: Callable[[], None]) -> APIError:

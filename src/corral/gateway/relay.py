@@ -29,7 +29,7 @@ from corral.gateway.adapters import (
 )
 from corral.gateway.context import RequestContext
 from corral.gateway.failover import Continuation, Sent, StallWatch, Transcript, continuation_body
-from corral.gateway.refusals import busy_wait, engine_error
+from corral.gateway.refusals import busy_wait, engine_error, failed_how, unanswered
 from corral.gateway.sse import SSEFilter
 from corral.protocol import ChatCompletionRequest, NoCapacity, UpstreamError, UpstreamTimeout, error_body
 from corral.protocol.events import EventTooLarge
@@ -82,7 +82,7 @@ class _Busy(_Retryable):
     back (503 with the longest Retry-After an engine asked, 1 to 60 s)."""
 
     def __init__(self, status: int, wait: float) -> None:
-        super().__init__(f"engine answered {status}")
+        super().__init__(f"answered {status}")
         self.full = status == 429
         self.wait = wait
 
@@ -136,11 +136,14 @@ class Relay:
         failure = "no attempt"
         busy = 0.0  # while every failure was a busy engine's: the longest wait one asked (-1: another failed)
         reloads = 1  # an engine that lost the request's adapter loads it again, once, before it is passed by
+        refused = 0  # replicas that refused to load the request's adapter
+        free = False  # the next attempt spends no retry budget: the last replica refused the adapter's load
         self._router.retry_budget.on_request()
         for attempt in range(self._retries + 1 + reloads):
-            if attempt and not self._router.retry_budget.try_spend():
+            if attempt and not free and not self._router.retry_budget.try_spend():
                 failure += " (retry budget exhausted)"
                 break
+            free = False
             try:
                 replica = await self._acquire(ctx, tried)
             except NoCapacity:
@@ -166,32 +169,39 @@ class Relay:
                 if not reloads:
                     tried.append(replica)
                 reloads = 0
-            except _Refused as exc:  # (not the replica's fault: its breaker does not hear of it)
+            except _Refused as exc:
+                # the adapter's trouble (its files), not the replica's: its breaker does not hear of it, and
+                # trying the next replica spends no retry budget (one broken adapter would spend it all)
                 outcome, failure, busy = None, str(exc), -1.0
                 tried.append(replica)
+                refused += 1
+                free = True
             except _Busy as exc:  # full (429) is no failure of the replica's; loading or broken (503) is
                 outcome, failure = None if exc.full else False, str(exc)
                 tried.append(replica)
                 busy = max(busy, exc.wait) if busy >= 0 else -1.0
-                logger.log(logging.DEBUG if exc.full else logging.WARNING, "replica %s: %s", replica.id, exc)
+                level = logging.DEBUG if exc.full else logging.WARNING
+                logger.log(level, "request %s: replica %s %s", ctx.request_id, replica.id, exc)
             except _Retryable as exc:
                 outcome, failure, busy = False, str(exc), -1.0
                 tried.append(replica)
-                logger.warning("replica %s failed before first byte (%s)", replica.id, exc)
-            except UpstreamTimeout:
+                # (the engine's address and error, in the cause: the operator's to read, not the client's)
+                detail = exc.__cause__ or exc
+                logger.warning(
+                    "request %s: replica %s failed before its first byte: %s",
+                    ctx.request_id,
+                    replica.id,
+                    detail,
+                )
+            except UpstreamTimeout as exc:
                 # a replica that served others meanwhile is alive: the request was long (a huge prompt, a
                 # long answer not streamed), which a tenant can do on purpose to take replicas away
                 outcome = False if replica.succeeded == succeeded else None
+                logger.warning("request %s: replica %s: %s", ctx.request_id, replica.id, exc.message)
                 raise
             finally:  # (its usage: what the engine computed, for the prefix index)
                 self._router.release(replica, ctx.route, outcome, ctx.usage if outcome else None, answered)
-        if busy > 0:  # every replica tried was full or loading: not broken, and no fault of the client's
-            raise NoCapacity(
-                f"The model's replicas are busy ({failure}); try again shortly.",
-                code="replicas_busy",
-                retry_after=busy,
-            )
-        raise UpstreamError(f"The model's replicas failed to answer: {failure}.")
+        raise unanswered(ctx, tried, failure, busy, refused)
 
     async def _acquire(self, ctx: RequestContext, tried: list[Replica]) -> Replica:
         """A replica for the request, counted as outstanding (NoCapacity: none). With prefill coalescing a
@@ -264,23 +274,23 @@ class Relay:
                 body = body_for(replica, route, body)
             upstream = await self._engines.post(replica.url, ctx.path, body, replica.api_key, ctx.to_engine)
         except TimeoutError as exc:
-            raise UpstreamTimeout(f"Replica {replica.id} did not answer in time.") from exc
+            raise UpstreamTimeout("The model's replica did not answer in time.") from exc
         except AdapterRefused as exc:
-            raise _Refused(f"{type(exc).__name__}: {exc}") from exc
+            raise _Refused("refused to load the adapter") from exc
         except (EngineConnectionError, AdapterLoadFailed) as exc:
-            raise _Retryable(f"{type(exc).__name__}: {exc}") from exc
+            raise _Retryable(failed_how(exc)) from exc
         try:
             if upstream.status in _BUSY_STATUS:
                 if upstream.status == 429 and (await _refusal(upstream)).find(b'"insufficient_quota"') >= 0:
-                    raise _Retryable("engine answered 429 insufficient_quota (its upstream's quota is spent)")
+                    raise _Retryable("answered 429 insufficient_quota (its upstream's quota is spent)")
                 raise _Busy(upstream.status, busy_wait(upstream.retry_after))
             if upstream.status == 502:
-                raise _Retryable("engine answered 502")
+                raise _Retryable("answered 502")
             if upstream.status == 404 and route.adapter is not None:
                 answer = await upstream.read()
                 if unknown_adapter(route, upstream.status, answer):
                     self.loader.forget(replica, route)
-                    raise _Reload(f"replica {replica.id} did not know adapter {route.adapter.name}")
+                    raise _Reload("did not know the adapter")
                 status, error = engine_error(upstream.status, answer)
                 return web.Response(body=error, status=status, content_type="application/json")
             if not ctx.stream or upstream.status != 200 or request is None:
@@ -293,9 +303,9 @@ class Relay:
         try:
             body = await upstream.read()
         except TimeoutError as exc:
-            raise UpstreamTimeout(f"Replica {replica.id} did not finish its answer in time.") from exc
+            raise UpstreamTimeout("The model's replica did not finish its answer in time.") from exc
         except EngineConnectionError as exc:
-            raise _Retryable(f"{type(exc).__name__}: {exc}") from exc
+            raise _Retryable(failed_how(exc)) from exc
         status, content_type = upstream.status, upstream.content_type
         if status == 200:
             if ctx.route.adapter is not None:
@@ -328,14 +338,15 @@ class Relay:
             while not first:  # hold the response until the first whole event: a failure here can retry
                 data = await upstream.chunk()
                 if not data:
-                    raise _Retryable("stream ended before its first event")
+                    raise _Retryable("ended its stream before its first event")
                 first = events.feed(data)
         except TimeoutError as exc:
-            raise UpstreamTimeout(f"Replica {replica.id} sent no first token in time.") from exc
+            raise UpstreamTimeout("The model's replica sent no first token in time.") from exc
         except EngineConnectionError as exc:
-            raise _Retryable(f"{type(exc).__name__}: {exc}") from exc
+            raise _Retryable(failed_how(exc)) from exc
         except EventTooLarge as exc:  # (the request's answer, not the replica: not retried, not its fault)
-            raise UpstreamError(f"Replica {replica.id} sent an event too large to relay: {exc}.") from exc
+            logger.warning("request %s: replica %s: %s", ctx.request_id, replica.id, exc)
+            raise UpstreamError(f"The model's replica sent an event too large to relay: {exc}.") from exc
 
         self._router.prefilled(replica, ctx.route)  # the first token came: the prompt is in its cache
         served_by = {"x-corral-replica": replica.id} if self.replica_header else {}
@@ -509,11 +520,12 @@ class Relay:
                 await self.loader.ready(replica, route)
                 body = body_for(replica, route, body)
             upstream = await self._engines.post(replica.url, ctx.path, body, replica.api_key, ctx.to_engine)
-        except _CONTINUE_FAILURES as exc:
-            return f"continuing on {replica.id} failed ({type(exc).__name__})"
+        except _CONTINUE_FAILURES as exc:  # (the log names the replica: the client is told none)
+            logger.warning("request %s: continuing on %s failed: %r", ctx.request_id, replica.id, exc)
+            return f"continuing on another replica failed ({type(exc).__name__})"
         try:
             if upstream.status != 200:
-                return f"continuing on {replica.id} was refused with {upstream.status}"
+                return f"continuing on another replica was refused with {upstream.status}"
             echoed = replica.features.prefill_echo and isinstance(ctx.body, ChatCompletionRequest)
             continuation = Continuation(sent, keep_usage=ctx.client_wants_usage, echoed=echoed)
             problem = await self._pump(upstream, continuation, response, transcript)

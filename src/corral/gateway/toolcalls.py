@@ -7,10 +7,16 @@ the engine's constrained decoding holds the answer to: `{"name": <one of them>, 
 parameters>}`, or with `tool_choice: auto` also `{"content": <text>}`; a named `tool_choice` allows that
 function only, `none` answers in text. Earlier assistant tool calls and tool results in the conversation
 become text turns the model's template can take. The answer's JSON is read back: a call becomes one
-`tool_calls` entry (`finish_reason: tool_calls`), a `content` the message's text. A streamed answer is held
-until its JSON is whole, then sent as the chunks an engine would have sent (so its first token comes
-with its last). Requests that name both `tools` and their own `response_format` are refused (400): the
-engine holds one schema at a time.
+`tool_calls` entry (`finish_reason: tool_calls`), a `content` the message's text, choice by choice (n > 1).
+A streamed answer is held until its JSON is whole, then sent as the chunks an engine would have sent, each
+choice under its own index (so its first token comes with its last).
+
+Refused up front (400 naming the field), as OpenAI refuses them or as they cannot be answered right:
+`tool_choice: required` or a named function without the function in `tools`; `tools` with the request's own
+`response_format` (the engine holds one schema at a time; with `tool_choice: none` no schema is asked, so
+both may come); `stop` with `tool_choice: required` or a named function (the engine would apply it to the
+call's JSON and cut it). With `auto`, a stop string found in the JSON ends the answer there, and the cut
+JSON comes back as the text it was, as an answer cut by `max_tokens` does.
 """
 
 from __future__ import annotations
@@ -32,7 +38,8 @@ _DONE = b"data: [DONE]"
 def names_tools(body: ChatCompletionRequest) -> bool:
     """A chat request that offers tools or holds tool calls or results (for an engine without tools, the
     gateway's to emulate); read from the validated body, so other requests pay no second parse."""
-    if (body.model_extra or {}).get("tools"):
+    extra = body.model_extra or {}
+    if extra.get("tools") or extra.get("tool_choice") is not None:  # (a choice without tools: refused)
         return True
     return any(m.role == "tool" or (m.model_extra or {}).get("tool_calls") for m in body.messages)
 
@@ -46,18 +53,13 @@ class ToolEmulation:
             raise InvalidRequest(
                 "tools must be a list of {type: function, function: {name, ...}}.", param="tools"
             )
-        if tools and body.get("response_format") is not None:
-            raise InvalidRequest(
-                f"The model '{body.get('model')}' makes tool calls as structured output, one schema at a "
-                "time: send tools or response_format, not both.",
-                param="response_format",
-                code="unsupported_parameter",
-            )
         self._tools = {str(_name(t)): t["function"] for t in tools}
-        self._choice = body.get("tool_choice", "auto" if tools else "none")
-        self.call_id = "call_" + uuid.uuid4().hex[:24]
+        choice = body.get("tool_choice")
+        self._choice = choice if choice is not None else "auto" if tools else "none"
         self._answer_schema = self._schema()
         self.active = self._answer_schema is not None  # the answer is JSON to read back (a call may come)
+        if self.active:
+            _check_beside_schema(body, self._choice)
 
     def request(self, body: dict[str, Any]) -> bytes:
         """The chat body to send the engine instead."""
@@ -89,8 +91,13 @@ class ToolEmulation:
 
     def _schema(self) -> dict[str, Any] | None:
         choice = self._choice
-        if choice == "none" or not self._tools:
+        if choice == "none" or (choice == "auto" and not self._tools):
             return None
+        if choice == "required" and not self._tools:
+            raise InvalidRequest(
+                "tool_choice is required but tools names no function: send tools, or tool_choice none.",
+                param="tool_choice",
+            )
         if isinstance(choice, dict):
             function = choice.get("function")
             wanted = function.get("name") if isinstance(function, dict) else None
@@ -141,7 +148,7 @@ class ToolEmulation:
             return {"role": "assistant", "content": text}, None  # cut short (length): kept as it came
         if isinstance(data, dict) and isinstance(data.get("name"), str) and data["name"] in self._tools:
             call = {
-                "id": self.call_id,
+                "id": "call_" + uuid.uuid4().hex[:24],  # (each choice's call its own)
                 "type": "function",
                 "function": {
                     "name": data["name"],
@@ -172,15 +179,16 @@ class ToolEmulation:
 
 
 class HeldStream:
-    """The relay's event filter for an emulated stream: content is held until the stream's end, then told
-    as a tool call's (or text's) chunks; the usage chunk and [DONE] follow as they came."""
+    """The relay's event filter for an emulated stream: each choice's content is held until the stream's
+    end, then told as its tool call's (or text's) chunks, choice by choice under its own index; the usage
+    chunk and [DONE] follow as they came."""
 
     def __init__(self, emulation: ToolEmulation, inner: Any) -> None:
         self._emulation = emulation
         self._inner = inner  # the SSEFilter (usage, done)
-        self._text: list[str] = []
+        self._texts: dict[int, list[str]] = {}  # each choice's content, by its index
+        self._finishes: dict[int, str] = {}
         self._first: dict[str, Any] | None = None
-        self._finish: str | None = None
 
     @property
     def done(self) -> bool:
@@ -206,28 +214,57 @@ class HeldStream:
             if self._first is None:
                 self._first = chunk
             for choice in choices:
+                index = choice.get("index")
+                if not isinstance(index, int):  # (an engine that numbers no choice answers one)
+                    index = 0
+                text = self._texts.get(index)
+                if text is None:
+                    text = self._texts[index] = []
                 delta = choice.get("delta") or {}
                 if delta.get("content"):
-                    self._text.append(str(delta["content"]))
+                    text.append(str(delta["content"]))
                 if choice.get("finish_reason"):
-                    self._finish = choice["finish_reason"]
+                    self._finishes[index] = choice["finish_reason"]
         return bytes(out)
 
     def _told(self) -> bytes:
-        """The held answer's chunks (once)."""
+        """The held answer's chunks (once): each choice's, in the order of their indexes."""
         first, self._first = self._first, None
         if first is None:
             return b""
-        message, final = self._emulation.message("".join(self._text), self._finish)
         head = {k: v for k, v in first.items() if k not in ("choices", "usage")}
-        delta: dict[str, Any] = {"role": "assistant", "content": message.get("content")}
-        if "tool_calls" in message:
-            delta["tool_calls"] = [{"index": 0, **message["tool_calls"][0]}]
-        chunks = [
-            {**head, "choices": [{"index": 0, "delta": delta, "finish_reason": None}]},
-            {**head, "choices": [{"index": 0, "delta": {}, "finish_reason": final}]},
-        ]
-        return b"".join(b"data: " + orjson.dumps(c) + _SEP for c in chunks)
+        out = bytearray()
+        for index in sorted(self._texts):
+            message, final = self._emulation.message("".join(self._texts[index]), self._finishes.get(index))
+            delta: dict[str, Any] = {"role": "assistant", "content": message.get("content")}
+            if "tool_calls" in message:
+                delta["tool_calls"] = [{"index": 0, **message["tool_calls"][0]}]
+            for told in (
+                {"index": index, "delta": delta, "finish_reason": None},
+                {"index": index, "delta": {}, "finish_reason": final},
+            ):
+                out += b"data: " + orjson.dumps({**head, "choices": [told]}) + _SEP
+        return bytes(out)
+
+
+def _check_beside_schema(body: dict[str, Any], choice: Any) -> None:
+    """Refuse what cannot go with an answer asked for as JSON: the client's own `response_format` (the
+    engine holds one schema at a time) and, where a call must come (`required`, a named function), a
+    `stop` string: the engine would apply it to the call's JSON and cut the call short."""
+    if body.get("response_format") is not None:
+        raise InvalidRequest(
+            f"The model '{body.get('model')}' makes tool calls as structured output, one schema at a "
+            "time: send tools or response_format, not both (or tool_choice none).",
+            param="response_format",
+            code="unsupported_parameter",
+        )
+    if choice != "auto" and body.get("stop"):
+        raise InvalidRequest(
+            f"The model '{body.get('model')}' makes tool calls as JSON its engine writes, which a stop "
+            "string would cut short: with tool_choice required or a named function, send no stop.",
+            param="stop",
+            code="unsupported_parameter",
+        )
 
 
 def _name(tool: Any) -> str | None:
