@@ -310,7 +310,8 @@ class Relay:
         if status == 200:
             if ctx.route.adapter is not None:
                 body = Renamed.rename(body, ctx.route.adapter)
-            ctx.usage = usage_of_answer(body)
+            if ctx.path != "/v1/embeddings":  # (the embedding shaper reads its usage: llama.cpp writes it
+                ctx.usage = usage_of_answer(body)  # before megabytes of vectors, which this would parse)
             if ctx.emulation is not None and ctx.emulation.active:  # the answer's JSON as tool calls
                 body = ctx.emulation.whole(body)
             if replica.engine == "llamacpp" and _TIMINGS in body and not _asks_timings(ctx):
