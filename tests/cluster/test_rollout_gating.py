@@ -223,3 +223,28 @@ def test_golden_eval_on_an_embedding_model_is_a_spec_error() -> None:
     golden = ', golden_eval: [{prompt: "cat", contains: "0."}]'
     with pytest.raises(SpecError, match=r"model 'e': rollout.golden_eval checks generated text"):
         embedding(NEW, golden)
+
+
+async def test_a_rolled_back_build_gives_the_gateways_the_old_settings_without_waiting_on_an_apply(
+    builds: tuple[dict[int, str], list[int]], tmp_path: Path
+) -> None:
+    """The gateways hold the new spec's settings (the response cache's version among them) from the
+    rollout's start until told the old ones: a rollback tells them as the rollout ends, not once an apply
+    preparing meanwhile lets go of the lock (the old replicas' answers were kept as the new revision's)."""
+    urls, _ = builds
+    cluster = Cluster(at_zero(OLD), urls, tmp_path / "logs")
+    told: list[ModelSpec] = []
+
+    async def tell(model: ModelSpec) -> None:
+        told.append(model)
+
+    cluster.reconciler._on_model = tell
+    await cluster.start()
+    try:
+        await cluster.reconciler.apply(at_zero(BROKEN), grace_s=2.0)
+        assert told == [at_zero(BROKEN).models[0]]
+        async with cluster.reconciler._lock:  # (as an apply preparing a change of another model holds it)
+            await until(lambda: cluster.rollout("m").get("phase") == "rolled_back")
+            await until(lambda: told[-1] == at_zero(OLD).models[0], within=5)
+    finally:
+        await cluster.stop()

@@ -1,12 +1,13 @@
 """What `corral apply` changes: the running spec and the wanted one compared, change by change
 (`plan_changes`: models added or removed, replica counts, live settings, rollouts; what needs a restart is
 refused), and the digests of what a model's replicas run (`deployed_digest`: the response cache keys on
-it) and of an adapter's revision (`adapter_digest`). The reconciler (reconcile.py) makes the changes."""
+it) and of an adapter's revision (`adapter_digest`, each of a model's as the gateway names them:
+`adapter_revisions`). The reconciler (reconcile.py) makes the changes."""
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Collection
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,15 @@ import orjson
 
 from corral.config import AdapterSpec, ClusterSpec, ModelSpec
 
-__all__ = ["ApplyError", "Change", "adapter_digest", "deployed_digest", "plan_changes", "tokenizer_problem"]
+__all__ = [
+    "ApplyError",
+    "Change",
+    "adapter_digest",
+    "adapter_revisions",
+    "deployed_digest",
+    "plan_changes",
+    "tokenizer_problem",
+]
 
 _LIVE_MODEL_FIELDS = (
     "routing",
@@ -56,9 +65,15 @@ class Change:
         }
 
 
-def plan_changes(running: ClusterSpec, wanted: ClusterSpec, workers: int = 1) -> list[Change]:
-    """The changes that turn `running` into `wanted` (served by `workers` gateway processes); ApplyError
-    for what needs a restart."""
+def plan_changes(
+    running: ClusterSpec,
+    wanted: ClusterSpec,
+    workers: int = 1,
+    revised: Mapping[str, Collection[str]] | None = None,
+) -> list[Change]:
+    """The changes that turn `running` into `wanted` (served by `workers` gateway processes; `revised`:
+    each model's adapters whose files changed where they lie, a new revision each: `adapter_revisions`);
+    ApplyError for what needs a restart."""
     sections = [
         name
         for name in ClusterSpec.model_fields
@@ -93,7 +108,7 @@ def plan_changes(running: ClusterSpec, wanted: ClusterSpec, workers: int = 1) ->
         elif _deployed(old) != _deployed(model):
             changes.append(Change("rollout", name))
         else:
-            if changed := _live_changes(old, model):
+            if changed := _live_changes(old, model, (revised or {}).get(name, ())):
                 changes.append(Change("settings", name, detail=", ".join(changed)))
             changes += _count_changes(old, model)
     return changes
@@ -173,11 +188,21 @@ def adapter_digest(adapter: AdapterSpec, folder: str = "") -> str:
     return digest.hexdigest()[:10]
 
 
-def _adapter_changes(old: ModelSpec, new: ModelSpec) -> list[str]:
-    """The adapters added, replaced or removed (by name), or whose access or limits changed."""
+def adapter_revisions(model: ModelSpec, folder: Callable[[AdapterSpec], str]) -> dict[str, str]:
+    """Each of the model's adapters' revision digest (by name) as the gateway names it: of its source, and
+    of its files where the model's engines load adapters at run time (`folder`: where they lie, fetched
+    once). Blocking: a hub may be asked."""
+    loads = any(d.engine in ("vllm", "sim") for d in model.deployments)
+    return {a.name: adapter_digest(a, folder(a) if loads else "") for a in model.adapters}
+
+
+def _adapter_changes(old: ModelSpec, new: ModelSpec, revised: Collection[str] = ()) -> list[str]:
+    """The adapters added, replaced (their source, or their files where they lie: `revised`) or removed
+    (by name), or whose access or limits changed."""
     was = {a.name: a for a in old.adapters}
     now = {a.name: a for a in new.adapters}
-    return sorted(name for name in was.keys() | now.keys() if was.get(name) != now.get(name))
+    changed = {name for name in was.keys() | now.keys() if was.get(name) != now.get(name)}
+    return sorted(changed | (set(revised) & was.keys() & now.keys()))
 
 
 def deployed_digest(model: ModelSpec) -> str:
@@ -186,8 +211,9 @@ def deployed_digest(model: ModelSpec) -> str:
     return hashlib.sha256(orjson.dumps(_deployed(model), option=orjson.OPT_SORT_KEYS)).hexdigest()[:16]
 
 
-def _live_changes(old: ModelSpec, new: ModelSpec) -> list[str]:
-    """The live settings that differ (field names; `autoscale` for any deployment's)."""
+def _live_changes(old: ModelSpec, new: ModelSpec, revised: Collection[str] = ()) -> list[str]:
+    """The live settings that differ (field names; `autoscale` for any deployment's; the adapters changed,
+    `revised` included)."""
     was, now = (
         old.model_dump(include=set(_LIVE_MODEL_FIELDS)),
         new.model_dump(include=set(_LIVE_MODEL_FIELDS)),
@@ -195,7 +221,7 @@ def _live_changes(old: ModelSpec, new: ModelSpec) -> list[str]:
     changed = [name for name in sorted(_LIVE_MODEL_FIELDS) if was.get(name) != now.get(name)]
     if [d.autoscale for d in old.deployments] != [d.autoscale for d in new.deployments]:
         changed.append("autoscale")
-    if adapters := _adapter_changes(old, new):
+    if adapters := _adapter_changes(old, new, revised):
         changed.append(f"adapters {' '.join(adapters)}")
     return changed
 

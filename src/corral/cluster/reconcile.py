@@ -25,7 +25,14 @@ from typing import Any, NamedTuple
 import aiohttp
 
 from corral.cluster.autoscale import Autoscaler, Pressure
-from corral.cluster.changes import ApplyError, Change, adapter_digest, plan_changes, tokenizer_problem
+from corral.cluster.changes import (
+    ApplyError,
+    Change,
+    adapter_digest,
+    adapter_revisions,
+    plan_changes,
+    tokenizer_problem,
+)
 from corral.cluster.evalgate import run_gate
 from corral.cluster.rollout import Rollout, Unit
 from corral.cluster.supervisor import Supervisor
@@ -45,9 +52,10 @@ Units = tuple[list[Unit], list[Unit]]  # a rollout's new replicas, and the spare
 async def _gate_adapter(
     session: aiohttp.ClientSession, replica: Replica, adapter: AdapterSpec, path: str, rollout: RolloutSpec
 ) -> str | None:
-    """The golden eval of a replacing adapter, loaded on `replica` as `name@digest.check` and unloaded
-    after: None when it passes, else why not."""
-    name = f"{adapter.name}@{adapter_digest(adapter)}.check"
+    """The golden eval of a replacing adapter, loaded on `replica` as `name@digest.check` (the digest of the
+    files at `path` too: a revision changed in place is a name of its own) and unloaded after: None when it
+    passes, else why not."""
+    name = f"{adapter.name}@{adapter_digest(adapter, path)}.check"
     headers = {"Authorization": f"Bearer {replica.api_key}"} if replica.api_key else {}
     url = replica.url + "/v1/load_lora_adapter"
     try:
@@ -75,6 +83,7 @@ class _Prepared(NamedTuple):
     additions: list[tuple[Change, list[Group]]]
     rollouts: list[tuple[Change, Units]]
     settings: list[tuple[Change, list[tuple[EngineAdapter, list[LaunchPlan]] | None]]]
+    revisions: dict[str, dict[str, str]]  # the wanted spec's adapters' revisions, by model and name
 
 
 class Reconciler:
@@ -114,6 +123,9 @@ class Reconciler:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._preparing: set[asyncio.Task[Any]] = set()  # the callers of applies still preparing
         self._stopping = False
+        # the adapters' revisions the gateways serve, by model and name (`start` reads the spec's)
+        self._adapter_revisions: dict[str, dict[str, str]] = {}
+        self._reading: asyncio.Task[dict[str, dict[str, str]]] | None = None
 
     def start(self, prepared: list[tuple[str, EngineAdapter, list[LaunchPlan]]]) -> None:
         """Begin autoscaling the spec's autoscaled deployments; `prepared` holds each deployment's plans in
@@ -125,6 +137,9 @@ class Reconciler:
             if models[name].deployments[group].autoscale is not None:
                 self.autoscaler.configure(models[name], group, engine, plans)
         self._spawn(self.autoscaler.run())
+        # what the gateways named the adapters' revisions when they read the spec just now: an apply that
+        # finds other files where an adapter lies makes a new revision of it
+        self._reading = self._spawn(asyncio.to_thread(self._revisions_of, self.spec.models))
 
     def _spawn(self, work: Any) -> asyncio.Task[Any]:
         task: asyncio.Task[Any] = asyncio.ensure_future(work)
@@ -204,7 +219,8 @@ class Reconciler:
             raise ApplyError(f"{exc} (nothing changed)") from exc
         listening = {"host": self.spec.gateway.host, "port": self.spec.gateway.port}
         wanted = wanted.model_copy(update={"gateway": wanted.gateway.model_copy(update=listening)})
-        changes = plan_changes(self._running(), wanted, self._workers)
+        revisions, revised = await self._revised(wanted)
+        changes = plan_changes(self._running(), wanted, self._workers, revised)
         rolling = {m for m, r in self._rollouts.items() if not r.outcome}
         busy = sorted({c.model for c in changes} & rolling)
         if busy:
@@ -231,11 +247,44 @@ class Reconciler:
             raise ApplyError(f"cannot prepare the new spec (nothing changed): {exc}") from exc
         for change in settings:  # new adapters fetched and checked; replaced ones pass the golden eval
             if "adapters" in change.detail:
-                await self._check_adapters(before[change.model], models[change.model])
+                await self._check_adapters(
+                    before[change.model], models[change.model], revised.get(change.model, [])
+                )
         return _Prepared(
             wanted, changes, models, before, list(zip(additions, added, strict=True)),
-            list(zip(rollouts, units, strict=True)), list(zip(settings, scaled, strict=True)),
+            list(zip(rollouts, units, strict=True)), list(zip(settings, scaled, strict=True)), revisions,
         )  # fmt: skip
+
+    async def _revised(self, wanted: ClusterSpec) -> tuple[dict[str, dict[str, str]], dict[str, list[str]]]:
+        """The wanted spec's adapters' revisions (their files read in a thread), and by model those of its
+        running adapters whose revision the gateways do not serve (files changed where they lie)."""
+        if self._reading is not None:  # (the spec's, read as the cluster started)
+            with contextlib.suppress(Exception):  # (logged as the task ended: then none are known)
+                self._adapter_revisions = {**await asyncio.shield(self._reading), **self._adapter_revisions}
+            self._reading = None
+        revisions = await asyncio.to_thread(self._revisions_of, wanted.models)
+        revised = {
+            model: [
+                name
+                for name, digest in now.items()
+                if self._adapter_revisions.get(model, {}).get(name, digest) != digest
+            ]
+            for model, now in revisions.items()
+        }
+        return revisions, {model: names for model, names in revised.items() if names}
+
+    def _revisions_of(self, models: list[ModelSpec]) -> dict[str, dict[str, str]]:
+        """The models' adapters' revisions (blocking); a model whose adapters cannot be read now is left
+        out (what the gateways serve of it stands)."""
+        found = {}
+        for model in models:
+            if not model.adapters:
+                continue
+            try:
+                found[model.name] = adapter_revisions(model, self._adapter_path)
+            except Exception as exc:  # (a source's resolver raises what its library does)
+                logger.warning("apply: the adapters of %s cannot be read now: %s", model.name, exc)
+        return found
 
     async def _make(self, prepared: _Prepared, grace_s: float) -> list[dict[str, object]]:
         """Make the prepared changes (holding the lock `apply` took, released as this task ends)."""
@@ -249,21 +298,26 @@ class Reconciler:
         for change, units in prepared.rollouts:
             await self._start_rollout(before[change.model], models[change.model], units, grace_s)
         removals = [c for c in changes if c.action in ("remove_model", "scale_down")]
-        await asyncio.gather(*(self._remove(c, grace_s) for c in removals))
+        await asyncio.gather(*(self._remove(c, grace_s, before[c.model]) for c in removals))
         changed = {c.model for c in changes}
         current = {m.name: m for m in self.spec.models}  # unchanged models keep their spec as it runs
         kept = [m if m.name in changed else current.get(m.name, m) for m in wanted.models]
         self.spec = wanted.model_copy(update={"models": kept})
+        served = self._adapter_revisions
+        self._adapter_revisions = {
+            m.name: prepared.revisions.get(m.name, served.get(m.name, {})) for m in wanted.models
+        }
         for change in changes:
             message = change.said()
             logger.info("apply: %s %s", change.model, message)
             self._replicas.record("apply", change.model, message)
         return [c.as_dict() for c in changes]
 
-    async def _check_adapters(self, old: ModelSpec, new: ModelSpec) -> None:
+    async def _check_adapters(self, old: ModelSpec, new: ModelSpec, revised: list[str]) -> None:
         """Fetch the model's adapters (as its engines would: a rank over the limit is refused), and have each
-        replaced one answer the model's golden eval on a ready replica, loaded there under a name of its
-        own, before any request reaches it; ApplyError (nothing changed) otherwise."""
+        replaced one (its source, or its files where they lie: `revised`) answer the model's golden eval on
+        a ready replica, loaded there under a name of its own, before any request reaches it; ApplyError
+        (nothing changed) otherwise."""
         try:
             await asyncio.to_thread(self._prepare, new, new.deployments[0])
         except Exception as exc:
@@ -271,7 +325,9 @@ class Reconciler:
                 f"cannot prepare the new adapters of {new.name} (nothing changed): {exc}"
             ) from exc
         was = {a.name: a for a in old.adapters}
-        replaced = [a for a in new.adapters if a.name in was and was[a.name].source != a.source]
+        replaced = [
+            a for a in new.adapters if a.name in was and (was[a.name].source != a.source or a.name in revised)
+        ]
         cases = new.rollout.golden_eval
         if not replaced or not cases:
             return
@@ -349,7 +405,7 @@ class Reconciler:
             groups = [(change.group, model.deployments[change.group])]
         return [(group, *self._prepare(model, deployment)) for group, deployment in groups]
 
-    async def _remove(self, change: Change, grace_s: float) -> None:
+    async def _remove(self, change: Change, grace_s: float, model: ModelSpec) -> None:
         if change.action == "remove_model":
             victims = self._supervisor.replica_ids(change.model)
             self.autoscaler.forget(change.model)
@@ -358,6 +414,8 @@ class Reconciler:
         await asyncio.gather(*(self._supervisor.drain(v, grace_s) for v in victims))
         if change.action == "remove_model":
             self._supervisor.replicas.forget(change.model)
+            if model.adapters:  # its adapters leave the gateways with it (not listed, their names free)
+                await self._on_model(model.model_copy(update={"adapters": [], "tokenizer": None}))
 
     # rollouts ----------------------------------------------------------------------------------------
 
@@ -398,11 +456,11 @@ class Reconciler:
         try:
             outcome = await rollout.run()
         finally:
+            kept = new if rollout.outcome == "completed" else old
+            if kept is old:  # the gateways' settings (the cache's version) back at once, not after the lock:
+                await self._on_model(old)  # the old replicas' answers are kept as the new spec's meanwhile
             async with self._lock:
                 self.autoscaler.frozen.discard(new.name)
-                kept = new if rollout.outcome == "completed" else old
-                if kept is old:
-                    await self._on_model(old)
                 if any(m.name == new.name for m in self.spec.models):  # not removed meanwhile
                     self.spec = self.spec.model_copy(
                         update={"models": [kept if m.name == new.name else m for m in self.spec.models]}
