@@ -41,9 +41,9 @@ def test_a_batch_wakes_one_replica_of_a_model_at_zero_and_adds_none(tmp_path: Pa
     with cluster_of(tmp_path, SPEC.format(workers=workers, db=tmp_path / "store.db")) as cluster:
         assert cluster.status()["replicas"] == []
         client = openai.OpenAI(base_url=cluster.base_url, api_key="unused")
-        body = {"model": "m", "max_tokens": 100, "messages": [{"role": "user", "content": "hi"}]}
+        body = {"model": "m", "max_tokens": 25, "messages": [{"role": "user", "content": "hi"}]}
         line = {"method": "POST", "url": "/v1/chat/completions", "body": body}
-        lines = b"".join(orjson.dumps({"custom_id": f"b{i}", **line}) + b"\n" for i in range(60))
+        lines = b"".join(orjson.dumps({"custom_id": f"b{i}", **line}) + b"\n" for i in range(24))
         uploaded = client.files.create(file=("b.jsonl", io.BytesIO(lines)), purpose="batch")
         batch = client.batches.create(
             input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
@@ -54,5 +54,5 @@ def test_a_batch_wakes_one_replica_of_a_model_at_zero_and_adds_none(tmp_path: Pa
             most = max(most, len(cluster.status()["replicas"]))
             time.sleep(0.2)
         assert found.status == "completed" and found.request_counts is not None
-        assert found.request_counts.completed == 60
+        assert found.request_counts.completed == 24
         assert most == 1, [e["message"] for e in cluster.status()["events"] if e["kind"] == "scale"]
