@@ -10,6 +10,11 @@ which adapter to apply, after the replica has loaded it.
   its index (`"lora": [{"id": i, "scale": 1}]`). A request for the base itself selects none: the `lora`
   member a client sends never reaches the engine, so no key picks an adapter through its base.
 
+A request read before a live apply replaced its adapter (it waited in the admission queue) is served under
+the current revision; one whose adapter was removed, or taken from its tenant, meanwhile is a 404, as it
+would be if sent now. A refusal to load, and each load, are told to routing, which passes a refusing
+replica by as a loader for a while.
+
 Which replica holds which adapter, and which should load one, is routing's (routing/adapters.py).
 """
 
@@ -23,6 +28,7 @@ import orjson
 
 from corral.engines.client import EngineClient, EngineConnectionError
 from corral.gateway.bodies import with_member
+from corral.protocol import ModelNotFound
 from corral.routing import Replica, Router, RouteRequest
 from corral.routing.adapters import Adapter, AdapterCatalogue, Residence
 
@@ -62,11 +68,18 @@ class AdapterLoader:
         self._tasks: set[asyncio.Task[None]] = set()
         router.on_unload = self.unload
         catalogue.on_change = self._catalogue_changed
+        self._placement.catalogue = catalogue
 
     async def ready(self, replica: Replica, route: RouteRequest) -> None:
-        """Return once `replica` holds the request's adapter (loading it where routing said so)."""
+        """Return once `replica` holds the request's adapter (loading it where routing said so); its current
+        revision where a live apply replaced it since the request was read (ModelNotFound: removed)."""
         adapter = route.adapter
-        if adapter is None or adapter.name in replica.adapters:
+        if adapter is None:
+            return
+        current = self._catalogue.get(adapter.name)
+        if current is not adapter:
+            adapter = self._revise(replica, route, adapter, current)
+        if adapter.name in replica.adapters:
             return
         key = (replica.id, adapter.engine_name)
         loading = self._loading.get(key)
@@ -86,6 +99,30 @@ class AdapterLoader:
             loading.add_done_callback(lambda _: self._loading.pop(key, None))
         await asyncio.shield(loading)
 
+    def _revise(
+        self, replica: Replica, route: RouteRequest, old: Adapter, current: Adapter | None
+    ) -> Adapter:
+        """The request's adapter (`old`) is no longer served as it was read: its current revision
+        (`current`), which routing placed it under, else its residence on `replica` swapped for that one's;
+        ModelNotFound where the adapter was removed, moved to another base, or taken from the request's
+        tenant (where known: a closed gateway's)."""
+        tenant = route.tenant
+        if current is None or current.base != old.base or (tenant and not current.allows(tenant)):
+            current = None
+        residence = route.residence
+        if current is not None and (residence is None or residence.engine_name == current.engine_name):
+            route.adapter = current
+            return current
+        route.residence, route.load_adapter, unload = self._placement.revise(
+            replica, residence, route.load_adapter, current
+        )
+        for given_up in unload:
+            self.unload(replica, given_up)
+        if current is None:
+            raise ModelNotFound(f"The model '{old.name}' does not exist on this server.", param="model")
+        route.adapter = current
+        return current
+
     async def _load(self, replica: Replica, adapter: Adapter, residence: Residence | None) -> None:
         """Load the adapter; AdapterLoadFailed (another replica may serve the request) when the replica
         cannot: unreachable, or refusing (its answer is logged, not told to the client: it names the
@@ -101,6 +138,7 @@ class AdapterLoader:
             except (EngineConnectionError, TimeoutError) as exc:
                 raise AdapterLoadFailed(f"loading adapter {adapter.name} on {replica.id}: {exc}") from exc
             if upstream.status == 200 or (upstream.status == 400 and b"already been loaded" in answer):
+                self._placement.loaded(replica, adapter.engine_name, residence)
                 if self.metrics is not None:
                     self.metrics.adapter_loads.labels(adapter.base, adapter.name).inc()
                 logger.info("replica %s loaded adapter %s", replica.id, adapter.engine_name)
@@ -113,6 +151,7 @@ class AdapterLoader:
                 _message(answer),
             )
             self._refused[(replica.id, adapter.engine_name)] = asyncio.get_running_loop().time()
+            self._placement.refused(replica, adapter.engine_name)
             raise AdapterRefused(f"replica {replica.id} could not load adapter {adapter.name}")
         except BaseException:
             self._placement.failed_load(replica, residence)

@@ -15,7 +15,11 @@ time into `Replica.adapter_slots` slots, which the gateway fills and empties (`A
   busier than the least busy, the one whose least recently used adapter (idle, and loaded at least
   `min_resident_s` ago: it is unloaded) is the least wanted, by its recent requests per copy held. Where
   every slot is busy or young, the least busy replica takes one adapter past its slots and gives it back
-  when one goes idle: a request is never refused for want of a slot.
+  when one goes idle: a request is never refused for want of a slot;
+- a replica that refused to load a revision (its files missing or broken where it runs) is not chosen to
+  load that revision for `_REFUSED_S`; one that refused what another replica loaded (its node is the
+  trouble, not the adapter) is not chosen to load any adapter that long, unless no other replica can. (Each
+  failed load frees its slot: else the refusing replica looks the cheapest loader for every new adapter.)
 
 Why the least wanted, and why only the least recently used: the engine keeps the adapters it holds in an
 LRU cache of that many (vLLM's `max_cpu_loras`) whose unload endpoint only forgets the name (in the vLLM
@@ -28,6 +32,10 @@ throughput, not for its share of the requests alone (docs/benchmarks/lora_routin
 Loads per replica are thus bounded by its slots over `min_resident_s` (thrashing cannot outrun it), and
 counted (`corral_adapter_loads_total`). With `lora.placement: anywhere` the routing policy alone picks
 and the replica loads what it lacks (a fleet without adapter-aware routing; for comparison).
+
+A request placed after a live apply replaced its adapter (it waited in the admission queue meanwhile) is
+placed under the current revision (`catalogue`, the gateway's); the gateway's loader serves it so, or
+refuses it where the adapter is gone (gateway/adapters.py).
 
 Each gateway process keeps its own view; with several gateway workers two may load one adapter on
 different replicas, and an adapter one unloaded that another still routes to is loaded again when its
@@ -52,6 +60,7 @@ _WANTED_HALF_LIFE_S = 60.0  # an adapter's requests, decayed: how much its copy 
 _LOAD_HISTORY_S = 60.0  # loads are shown per minute
 _SHARE_HALF_LIFE_S = 7.0  # an adapter's share of the model's requests in flight, smoothed (τ ≈ 10 s)
 _SHARE_SLACK = 0.2  # replicas an adapter needs: ceil(smoothed share − slack), so 1.1 replicas' worth is 1
+_REFUSED_S = 30.0  # a replica that refused a load is passed by as a loader this long (see the module's text)
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +125,7 @@ class Residence:
     loaded_at: float
     last_used: float
     in_flight: int = 0
+    loaded: bool = False  # the engine said it loaded it (not only asked to)
 
 
 @dataclass(slots=True)
@@ -151,7 +161,14 @@ class AdapterPlacement:
         self._adapter_in_flight: dict[str, int] = {}
         self._retired: set[str] = set()  # revisions no longer served, unloaded once their requests end
         self._asked: dict[str, tuple[float, float]] = {}  # adapter → (when, its requests decayed to then)
+        # revision → {replica id: when it refused to load it}; replica id → when it refused what another
+        # replica loaded (see `refused`)
+        self._refusals: dict[str, dict[str, float]] = {}
+        self._troubled: dict[str, float] = {}
         self._clock = clock
+        # the adapters served now (set by the gateway's loader): a request's adapter replaced since it was
+        # read is placed under its current revision
+        self.catalogue: AdapterCatalogue | None = None
 
     # what a replica holds ----------------------------------------------------------------------------
 
@@ -193,6 +210,7 @@ class AdapterPlacement:
         """The replicas the routing policy may pick from for a request of `adapter`: its holders, one more
         where its demand calls for it, or (none holds it) the one that loads it at least cost. Empty when
         no replica can serve it."""
+        adapter = self._served(adapter)
         able = [r for r in replicas if self.can_serve(r, adapter)]
         if adapter.placement == "anywhere" or not able:
             return able
@@ -249,9 +267,12 @@ class AdapterPlacement:
     def _loader(self, adapter: Adapter, able: list[Replica]) -> Replica | None:
         """The replica that loads the adapter at least cost: a free slot; else, of those at most
         `_LOADER_SLACK` requests busier than the least busy, the one giving up the least wanted idle old
-        adapter; then the fewest requests in flight (None: no replica loads at run time)."""
+        adapter; then the fewest requests in flight (None: no replica loads at run time, or every one that
+        does refused this revision lately)."""
         now = self._clock()
         loaders = [r for r in able if r.adapter_slots > 0]
+        if self._refusals or self._troubled:
+            loaders = self._willing(adapter.engine_name, loaders, now)
         if not loaders:
             return None
         calmest = min(r.outstanding for r in loaders)
@@ -272,6 +293,24 @@ class AdapterPlacement:
             if best is None or key < best:
                 best, chosen = key, replica
         return chosen
+
+    def _willing(self, revision: str, loaders: list[Replica], now: float) -> list[Replica]:
+        """`loaders` less those that refused to load `revision` in the last `_REFUSED_S`, and (while others
+        remain) less those that refused what another replica loaded in that time."""
+        since = now - _REFUSED_S
+        refusers = self._refusals.get(revision, {})
+        willing = [r for r in loaders if refusers.get(r.id, since) <= since]
+        return [r for r in willing if self._troubled.get(r.id, since) <= since] or willing
+
+    def _forget_refusals(self, now: float) -> None:
+        """Forget refusals older than `_REFUSED_S` (so that `_loader` reads none once they are all old)."""
+        since = now - _REFUSED_S
+        self._refusals = {
+            revision: recent
+            for revision, by in self._refusals.items()
+            if (recent := {rid: t for rid, t in by.items() if t > since})
+        }
+        self._troubled = {rid: t for rid, t in self._troubled.items() if t > since}
 
     def _copies(self, replicas: list[Replica]) -> Counter[str]:
         """How many of `replicas` hold each adapter."""
@@ -295,12 +334,19 @@ class AdapterPlacement:
         """A request of `adapter` goes to `replica`: (its residence there, counted in flight until `done`
         (None: held from the replica's start); whether the replica must load it first; the adapters it
         must unload to make room)."""
+        adapter = self._served(adapter)
         self._in_flight[adapter.base] = self._in_flight.get(adapter.base, 0) + 1
         self._adapter_in_flight[adapter.name] = self._adapter_in_flight.get(adapter.name, 0) + 1
         if adapter.name in replica.adapters or replica.adapter_slots <= 0:
             return None, False, []
         now = self._clock()
         self._asked[adapter.name] = (now, self._wanted(adapter.name, now) + 1.0)
+        return self._reside(replica, adapter, now)
+
+    def _reside(
+        self, replica: Replica, adapter: Adapter, now: float
+    ) -> tuple[Residence, bool, list[Residence]]:
+        """The adapter's residence on `replica`, counted in flight (as `use`)."""
         holding = self._holding(replica)
         residence = holding.resident.get(adapter.engine_name)
         if residence is not None:
@@ -313,6 +359,36 @@ class AdapterPlacement:
         )
         holding.loads.append(now)
         return residence, True, unload
+
+    def _served(self, adapter: Adapter) -> Adapter:
+        """The adapter's revision served now: a request read before a live apply replaced it is placed
+        under the new one (on the same base; one removed, or moved, keeps its own: the loader refuses it)."""
+        current = self.catalogue.get(adapter.name) if self.catalogue is not None else None
+        if current is None or current is adapter or current.base != adapter.base:
+            return adapter
+        return current
+
+    def revise(
+        self, replica: Replica, residence: Residence | None, loading: bool, adapter: Adapter | None
+    ) -> tuple[Residence | None, bool, list[Residence]]:
+        """A request placed under a revision no longer served (a live apply replaced or removed its adapter
+        since) gives up its `residence` (`loading`: it was to load it, so the engine holds nothing) and, given
+        `adapter` (its current revision), takes that one's on `replica`: (the residence, whether the replica
+        must load it, what it must unload). Its counts in flight stay, for `done`."""
+        unload = []
+        holding = self._holdings.get(replica.id)
+        if residence is not None:
+            residence.in_flight = max(0, residence.in_flight - 1)
+            if holding is not None and holding.resident.get(residence.engine_name) is residence:
+                if loading:
+                    del holding.resident[residence.engine_name]
+                elif residence.in_flight == 0 and residence.engine_name in self._retired:
+                    del holding.resident[residence.engine_name]
+                    unload.append(residence)
+        if adapter is None or adapter.name in replica.adapters or replica.adapter_slots <= 0:
+            return None, False, unload
+        taken, load, room = self._reside(replica, adapter, self._clock())
+        return taken, load, [*unload, *room]
 
     def _make_room(self, holding: _Holdings, now: float, extra: int = 0) -> list[Residence]:
         """Unload idle adapters, least recently used first, while the replica holds more than its slots
@@ -349,6 +425,30 @@ class AdapterPlacement:
         if residence is not None and holding is not None:
             if holding.resident.get(residence.engine_name) is residence:
                 del holding.resident[residence.engine_name]
+
+    def loaded(self, replica: Replica, revision: str, residence: Residence | None) -> None:
+        """`replica` loaded `revision` (its `residence`): replicas that refused it lately are troubled."""
+        if residence is not None:
+            residence.loaded = True
+        if not self._refusals and not self._troubled:
+            return
+        now = self._clock()
+        self._forget_refusals(now)
+        for rid in self._refusals.get(revision, {}):
+            if rid != replica.id:
+                self._troubled[rid] = now
+
+    def refused(self, replica: Replica, revision: str) -> None:
+        """`replica` refused to load `revision`: it is not chosen to load it for `_REFUSED_S`, nor any
+        adapter where another replica holds that revision loaded (the replica's node is the trouble)."""
+        now = self._clock()
+        self._forget_refusals(now)
+        self._refusals.setdefault(revision, {})[replica.id] = now
+        for rid, holding in self._holdings.items():
+            elsewhere = holding.resident.get(revision) if rid != replica.id else None
+            if elsewhere is not None and elsewhere.loaded:
+                self._troubled[replica.id] = now
+                return
 
     def stale(self, current: set[str]) -> list[tuple[str, Residence]]:
         """Idle residences of revisions no longer served (a replaced or removed adapter), to unload; those
