@@ -78,3 +78,38 @@ async def test_the_runner_reports_waiting_batches_and_the_slots_and_lines_of_its
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+
+
+class RefusedAtIntake(HeldLines):
+    """A line whose body asks too much is refused at once (400), never queued; the others run."""
+
+    async def run_line(
+        self, principal: Principal, path: str, body: bytes, request_id: str | None = None
+    ) -> tuple[int, bytes]:
+        if b"too-much" in body:
+            return 400, orjson.dumps({"error": {"message": "max_tokens is past the context"}})
+        return await super().run_line(principal, path, body, request_id)
+
+
+async def test_lines_refused_before_the_queue_are_no_batch_arrivals(tmp_path: Path) -> None:
+    """A tenant's batch of lines refused at intake (no tokens, never queued) must not read as batch arrivals:
+    the autoscaler takes batch arrivals off the queue's, so they would hide interactive ones."""
+    replicas = ReplicaSet()
+    replica = Replica(id="m-0", model="m", engine="sim", state=ReplicaState.READY, capacity=8)
+    replicas.add(replica)
+    database = open_database(f"sqlite:///{tmp_path / 'batch.db'}")
+    store = BatchStore(database)
+    lines = RefusedAtIntake(replica)
+    lines.finish.set()
+    runner = BatchRunner(store, lines, KeyStore(database), replicas, dict, BatchSettings(poll_s=0.02))
+    batch = store.create_batch(NewBatch("acme", None, "/v1/chat/completions", "file-x", timedelta(hours=1)))
+    good = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+    bad = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "too-much"}]})
+    assert store.start(batch.id, "m", [(f"c{i}", bad if i % 2 else good) for i in range(10)])
+    task = asyncio.create_task(runner.run())
+    try:
+        await until(lambda: runner.pressure().get("m", {}).get("batch_pending") == 0.0, "the batch finished")
+        assert runner.pressure()["m"]["batch_arrived"] == 5.0
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)

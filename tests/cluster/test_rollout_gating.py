@@ -248,3 +248,52 @@ async def test_a_rolled_back_build_gives_the_gateways_the_old_settings_without_w
             await until(lambda: told[-1] == at_zero(OLD).models[0], within=5)
     finally:
         await cluster.stop()
+
+
+async def test_a_model_parked_at_zero_replicas_takes_a_new_build_without_a_rollout(
+    builds: tuple[dict[int, str], list[int]], tmp_path: Path
+) -> None:
+    """A deployment fixed at `replicas: 0` (parked, not autoscaled) has nothing to gate or replace: a new
+    build is taken as the spec, not rolled back for want of a replica to gate."""
+    urls, asked = builds
+    parked = at_zero(OLD).models[0]
+    fixed = parked.model_copy(
+        update={"deployments": [parked.deployments[0].model_copy(update={"autoscale": None, "replicas": 0})]}
+    )
+    spec = at_zero(OLD).model_copy(update={"models": [fixed]})
+    cluster = Cluster(spec, urls, tmp_path / "logs")
+    await cluster.start()
+    try:
+        wanted_model = fixed.model_copy(
+            update={"deployments": [fixed.deployments[0].model_copy(update={"max_num_seqs": BROKEN})]}
+        )
+        wanted = spec.model_copy(update={"models": [wanted_model]})
+        await cluster.reconciler.apply(wanted, grace_s=2.0)
+        await until(lambda: not cluster.reconciler._lock.locked())
+        assert cluster.reconciler.spec.models[0] == wanted_model
+        assert cluster.rollout("m").get("phase") != "rolled_back" and cluster.supervisor.members("m") == []
+        assert any("the new spec is taken" in m for m in cluster.events()) and not asked
+    finally:
+        await cluster.stop()
+
+
+async def test_a_rollback_whose_old_settings_cannot_be_told_still_frees_the_model(
+    builds: tuple[dict[int, str], list[int]], tmp_path: Path
+) -> None:
+    """Telling the gateways the old settings may fail (an adapter gone from its path): the rollback still
+    hands the model back to the autoscaler and keeps the old spec, rather than leaving it frozen."""
+    urls, _ = builds
+    cluster = Cluster(at_zero(OLD), urls, tmp_path / "logs")
+
+    async def tell(model: ModelSpec) -> None:
+        if model == at_zero(OLD).models[0]:
+            raise RuntimeError("the adapter's files are gone")
+
+    cluster.reconciler._on_model = tell
+    await cluster.start()
+    try:
+        state = await cluster.roll_out(at_zero(BROKEN), "m")
+        assert state["phase"] == "rolled_back"
+        assert "m" not in cluster.reconciler.autoscaler.frozen and cluster.reconciler.spec == at_zero(OLD)
+    finally:
+        await cluster.stop()

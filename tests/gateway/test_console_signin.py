@@ -34,6 +34,7 @@ auth:
     issuer: {issuer}
     client_id: corral
     client_secret: not-a-secret
+    audience: corral-api
     groups: {{ops-team: {{tenant: ops, role: viewer}}}}
     tenants: {{acme: {{rpm: 10}}, ops: {{}}}}
 models:

@@ -123,10 +123,17 @@ def provider() -> Iterator[Provider]:
 
 @asynccontextmanager
 async def gateway(
-    database: Path, issuer: str, admin_key: str | None = ADMIN, client_secret: str | None = SECRET
+    database: Path,
+    issuer: str,
+    admin_key: str | None = ADMIN,
+    client_secret: str | None = SECRET,
+    audience: str | None = None,
+    redirect_url: str | None = None,
 ) -> AsyncIterator[str]:
     oidc = OIDCSettings.model_validate(
         {"issuer": issuer, "client_id": "corral", "client_secret": client_secret, "tenants": {"acme": {}}}
+        | ({"audience": audience} if audience else {})
+        | ({"redirect_url": redirect_url} if redirect_url else {})
     )
     replicas = ReplicaSet(["m"])
     parts = make_services(replicas, database, auth=AuthSettings(open=False, oidc=oidc), admin_key=admin_key)
@@ -197,13 +204,16 @@ async def test_the_pkce_verifier_is_one_that_a_provider_checking_rfc_7636_accept
     assert done.cookies["corral_session"].value
 
 
+@pytest.mark.parametrize("audience", ["corral-api", None])
 async def test_signing_out_names_the_providers_end_session_with_the_id_token_as_hint(
-    tmp_path: Path, provider: Provider
+    tmp_path: Path, provider: Provider, audience: str | None
 ) -> None:
-    """The end-session URL carries id_token_hint (Okta needs it; Keycloak without it asks for confirmation
-    and never returns), client_id and post_logout_redirect_uri: the console. The store keeps the ID token
-    only sealed, so its rows give no one a token the API would accept."""
-    async with gateway(tmp_path / "c.db", provider.url) as url:
+    """The end-session URL carries client_id and post_logout_redirect_uri (the console), and id_token_hint
+    (Okta needs it; Keycloak without it asks for confirmation) where the API takes no ID token: with
+    `auth.oidc.audience` unset an ID token is a bearer credential on the API until it expires, and the URL
+    lands in the browser's history and the provider's logs. The store keeps the ID token only sealed, so
+    its rows give no one a token the API would accept."""
+    async with gateway(tmp_path / "c.db", provider.url, audience=audience) as url:
         _, done = await sign_in(url, "bob")
         session = {"corral_session": done.cookies["corral_session"].value}
         me = await ask("GET", url + "/console/me", session)
@@ -216,6 +226,9 @@ async def test_signing_out_names_the_providers_end_session_with_the_id_token_as_
         endpoint = (await asyncio.to_thread(provider.discovery))["end_session_endpoint"]
         assert urllib.parse.urlunsplit(ending._replace(query="")) == endpoint
         assert said["client_id"] == ["corral"] and said["post_logout_redirect_uri"] == [url + "/console"]
+        if audience is None:  # the ID token would be an API credential: not put in a URL
+            assert "id_token_hint" not in said and sealed
+            return
         hint = said["id_token_hint"][0]
         published = await asyncio.to_thread(lambda: httpx.get(provider.url + "/jwks").json())
         keys = KeySet.import_key_set(published)
@@ -386,3 +399,20 @@ async def test_over_https_the_pending_sign_in_is_a_host_only_cookie_read_under_t
             plain.cookies["corral_signin"]["path"] == "/console"
             and not plain.cookies["corral_signin"]["secure"]
         )
+
+
+async def test_behind_an_https_redirect_url_the_admin_api_reads_the_session_under_its_host_only_name_alone(
+    tmp_path: Path, provider: Provider
+) -> None:
+    """An edge that ends TLS without being a trusted proxy: the sign-in knows HTTPS from its https
+    `redirect_url` and writes `__Host-corral_session`; the admin API decides as the sign-in does, so a plain
+    `corral_session` a sibling site planted (holding a session of its own) is read by neither."""
+    https = "https://corral.example/console/callback"
+    async with gateway(tmp_path / "c.db", provider.url, redirect_url=https) as url:
+        _, done = await sign_in(url, "bob")
+        secret = done.cookies["__Host-corral_session"].value
+        assert secret and done.cookies["__Host-corral_session"]["secure"]
+        planted = await ask("GET", url + "/admin/keys", {"corral_session": secret})
+        assert planted.status == 401, planted.body
+        read = await ask("GET", url + "/admin/keys", {"__Host-corral_session": secret})
+        assert read.status != 401, read.body

@@ -200,3 +200,32 @@ async def test_stop_is_taken_where_the_answer_may_be_text(vllm_without_parser: E
             }
         )
         assert status == 200, answer
+
+
+@pytest.mark.parametrize(
+    ("tools", "can_fail_over"),
+    [({"tool_choice": "none"}, True), ({"tool_choice": "auto"}, True), ({"tools": [TOOL]}, False)],
+)
+async def test_a_stream_with_no_call_to_hold_keeps_its_mid_stream_failover(
+    tools: dict, can_fail_over: bool
+) -> None:
+    """A `tool_choice` with no tools asks the gateway for no call: nothing is held as JSON, and its stream may
+    be continued elsewhere if its replica fails mid-way; a call asked for is held, and is not (it lost it)."""
+    from corral.admission import TokenSizing
+    from corral.gateway.intake import Intake
+    from corral.protocol import ChatCompletionRequest
+    from corral.routing.adapters import AdapterCatalogue
+
+    replicas = ReplicaSet(["m"])
+    replica = Replica(id="m-0", model="m", engine="vllm", url="http://127.0.0.1:9", state=ReplicaState.READY)
+    replica.features = EngineFeatures(tools=False)
+    replicas.add(replica)
+    intake = Intake(Router(replicas), AdapterCatalogue(), TokenSizing(0.3), {"m": "always"})
+    body = {"model": "m", "messages": ASK, "stream": True, "max_tokens": 8, **tools}
+    try:
+        ctx = await intake.generation(
+            json.dumps(body).encode(), "/v1/chat/completions", ChatCompletionRequest, None, "t"
+        )
+        assert ctx.failover is can_fail_over
+    finally:
+        intake.close()

@@ -63,6 +63,7 @@ logger = logging.getLogger(__name__)
 _RETRY = frozenset({408, 429, 500, 502, 503})  # the cluster's state, not the line's fault
 _HOUSEKEEPING_S = 2.0
 _MIN_TICK_S = 0.05
+_REFUSED_AT_INTAKE = frozenset({400, 404, 413, 422})  # a line's own fault, found before it is queued
 _BACKOFF_S = 2.0  # a retried line waits this long, doubling with each try
 _BACKOFF_MAX_S = 60.0
 
@@ -326,6 +327,8 @@ class BatchRunner:
             else:
                 self._sent[model] = self._sent.get(model, 0) + 1
                 status, body = await self._executor.run_line(principal, line.endpoint, line.body, request_id)
+                if status in _REFUSED_AT_INTAKE:  # never queued: no arrival the autoscaler should take off
+                    self._sent[model] -= 1  # (lines refused at once would blind it to interactive arrivals)
             if _retry(status, body) and line.attempts < self._settings.max_attempts:
                 backoff = min(_BACKOFF_MAX_S, _BACKOFF_S * 2 ** (line.attempts - 1))
                 await asyncio.to_thread(self._store.release, self.owner, line, backoff)  # tried again later

@@ -423,6 +423,9 @@ class Reconciler:
         """Start `new`'s rollout (the gateways told its settings first: a caller gone meanwhile leaves no
         rollout registered that never runs, its model frozen for the autoscaler and closed to applies)."""
         await self._on_model(new)
+        if not units[0]:  # every deployment fixed at `replicas: 0`: nothing runs to gate or to replace
+            self._replicas.record("rollout", new.name, "no replica runs or is wanted: the new spec is taken")
+            return
         members = self._supervisor.members(new.name)
         # a number never used before: a rolled-back attempt's revision is not the next one's
         revision = max((r.revision for r in members), default=0)
@@ -458,7 +461,10 @@ class Reconciler:
         finally:
             kept = new if rollout.outcome == "completed" else old
             if kept is old:  # the gateways' settings (the cache's version) back at once, not after the lock:
-                await self._on_model(old)  # the old replicas' answers are kept as the new spec's meanwhile
+                try:  # the old replicas' answers are kept as the new spec's meanwhile
+                    await self._on_model(old)
+                except Exception:  # (an adapter gone from its path): the model is unfrozen, its spec kept
+                    logger.exception("rollout of %s: telling the gateways the old settings failed", new.name)
             async with self._lock:
                 self.autoscaler.frozen.discard(new.name)
                 if any(m.name == new.name for m in self.spec.models):  # not removed meanwhile

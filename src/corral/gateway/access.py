@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from aiohttp import web
@@ -117,6 +118,8 @@ class Access:
         self._auth = auth
         self._clients = clients
         self._sessions = sessions  # console sign-ins (auth.oidc)
+        # whether a request came over HTTPS as the sign-in decides it (its cookies' names follow)
+        self.https: Callable[[web.Request], bool] = lambda request: clients.scheme(request) == "https"
 
     def is_admin_key(self, request: web.Request) -> bool:
         """The request carries the admin key, or needs none: a client on this machine talking to an open
@@ -155,7 +158,7 @@ class Access:
         """The person signed in to the console whose session cookie the request carries."""
         from corral.gateway.signin import session_secret  # (signin.py builds on the admission stages)
 
-        secret = session_secret(request, self._clients.scheme(request) == "https")
+        secret = session_secret(request, self.https(request))
         verifier = self._auth.oidc if self._auth is not None else None
         if not secret or self._sessions is None or verifier is None:
             return None

@@ -388,7 +388,9 @@ def _sign_in(parts: GatewayParts, admin: AdminViews, app: web.Application, clien
         held = (parts.sessions.signing_secret(), "")
     material = "\0".join((*held, settings.client_id))
     key = hashlib.sha256(b"corral sign-in\0" + material.encode()).digest()
-    SignInViews(verifier, parts.sessions, key, admin.record, clients).add_routes(app)
+    views = SignInViews(verifier, parts.sessions, key, admin.record, clients)
+    views.add_routes(app)
+    admin.access.https = views.secure  # (the admin API reads the session cookie under the name sign-in wrote)
 
 
 _SHARED = ("outstanding", "pending_prefill_tokens", "served", "failures")  # a worker's counts, in order

@@ -230,7 +230,7 @@ class Intake:
             budget_tokens=input_tokens + may_generate * body.n * prompts if may_generate else None,
             features=draft.features,
             fanout=not body.stream and needs_fanout(body, draft.features),
-            failover=draft.emulation is None
+            failover=(draft.emulation is None or not draft.emulation.active)  # (held JSON: not continued)
             and can_fail_over(
                 body, self._failover_modes.get(base, "deterministic"), draft.features.continuation
             ),

@@ -31,7 +31,14 @@ from corral.gateway.context import RequestContext
 from corral.gateway.failover import Continuation, Sent, StallWatch, Transcript, continuation_body
 from corral.gateway.refusals import busy_wait, engine_error, failed_how, unanswered
 from corral.gateway.sse import SSEFilter
-from corral.protocol import ChatCompletionRequest, NoCapacity, UpstreamError, UpstreamTimeout, error_body
+from corral.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    NoCapacity,
+    UpstreamError,
+    UpstreamTimeout,
+    error_body,
+)
 from corral.protocol.events import EventTooLarge
 from corral.protocol.usage import usage_of_answer
 from corral.routing import Replica, Router, RouteRequest
@@ -54,6 +61,7 @@ _CONTINUE_FAILURES = (
     ValueError,
     TypeError,
     OverflowError,  # (a token id read as Infinity)
+    APIError,  # (its adapter removed by an apply meanwhile: ModelNotFound)
 )
 _SILENT = "the replica stopped sending tokens"  # a stream's problem: a stall or a read timeout
 SSE_HEADERS = {

@@ -154,7 +154,7 @@ class SignInViews:
             path=path,
             httponly=True,
             samesite="Lax",
-            secure=self._secure(request),
+            secure=self.secure(request),
         )
         return response
 
@@ -183,7 +183,7 @@ class SignInViews:
         )
         await self._audit(request, f"oidc:{session.subject}", session.role, session.tenant, "signin", 303)
         response = web.HTTPSeeOther("/console")
-        secure = self._secure(request)
+        secure = self.secure(request)
         response.set_cookie(
             _HOST_ONLY + SESSION_COOKIE if secure else SESSION_COOKIE,
             secret,
@@ -223,7 +223,7 @@ class SignInViews:
         return body
 
     async def signout(self, request: web.Request) -> web.StreamResponse:
-        secret = session_secret(request, self._secure(request))
+        secret = session_secret(request, self.secure(request))
         session = await asyncio.to_thread(self._sessions.get, secret) if secret else None
         if session is None:
             raise Unauthorized("No one is signed in.")
@@ -233,7 +233,7 @@ class SignInViews:
         await self._audit(request, f"oidc:{session.subject}", session.role, session.tenant, "signout", 200)
         ending = await self._end_session(request, id_token)
         response = web.json_response({"signed_out": True, "end_session": ending})
-        secure = self._secure(request)
+        secure = self.secure(request)
         name = _HOST_ONLY + SESSION_COOKIE if secure else SESSION_COOKIE
         response.del_cookie(name, path="/", secure=secure)
         return response
@@ -255,12 +255,16 @@ class SignInViews:
             "client_id": self._settings.client_id,
             "post_logout_redirect_uri": self._console_url(request),
         }
-        if id_token:
+        audience = self._settings.audience
+        if id_token and audience is not None and audience != self._settings.client_id:
+            # (only where the API does not take ID tokens: the hint travels in a URL, into the browser's
+            # history and the provider's logs, and an ID token of the client id's audience is a bearer
+            # credential on the API until it expires)
             query["id_token_hint"] = id_token
         return endpoint + ("&" if "?" in endpoint else "?") + urllib.parse.urlencode(query)
 
     async def me(self, request: web.Request) -> web.Response:
-        secret = session_secret(request, self._secure(request))
+        secret = session_secret(request, self.secure(request))
         session = await asyncio.to_thread(self._sessions.get, secret) if secret else None
         if session is None:
             return web.json_response({"signed_in": False, "oidc": True})
@@ -286,11 +290,11 @@ class SignInViews:
         """The pending sign-in cookie's name and path: over HTTPS a `__Host-` cookie on `/` (a sibling
         host can neither set nor shadow it), else (browsers refuse `__Host-` without Secure) a plain one on
         the console's paths. It is read only under the name the request's scheme gives."""
-        if self._secure(request):
+        if self.secure(request):
             return _HOST_ONLY + _PENDING_COOKIE, "/"
         return _PENDING_COOKIE, "/console"
 
-    def _secure(self, request: web.Request) -> bool:
+    def secure(self, request: web.Request) -> bool:
         """Cookies only over HTTPS: the gateway's own, or an edge's that terminates TLS (the callback the
         provider redirects to says which)."""
         return self._clients.scheme(request) == "https" or self._redirect_uri(request).startswith("https://")
