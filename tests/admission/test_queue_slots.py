@@ -123,3 +123,31 @@ async def test_a_queue_deadline_still_holds_for_a_heavy_request() -> None:
     await running.start("bob")
     with pytest.raises(NoCapacity):
         await running.start("eve", 2)
+
+
+async def test_a_batch_lines_wait_is_no_interactive_wait_in_the_autoscalers_view() -> None:
+    """The autoscaler adds a replica when a request waits `queue_wait_s`: a batch line waiting its turn
+    (lowest class, on spare capacity only) is not such a request; an interactive one is."""
+    from corral.store import BATCH_PRIORITY
+
+    replicas = _replicas(1)
+    queue = FairQueue(replicas, max_queued=8, timeout=5.0)
+    queue.start()
+    running = Running(replicas, queue)
+    try:
+        held = await running.start("bob")  # the one slot taken
+        line = asyncio.create_task(
+            queue.enter("m", Principal(key_id=None, tenant="acme", priority=BATCH_PRIORITY))
+        )
+        await asyncio.sleep(0.3)
+        assert queue.pressure()["m"]["queued"] == 1 and queue.pressure()["m"]["oldest_wait_s"] == 0.0
+        asked = asyncio.create_task(queue.enter("m", Principal(key_id="k", tenant="carol")))
+        await asyncio.sleep(0.3)
+        assert queue.pressure()["m"]["oldest_wait_s"] >= 0.25
+        running.end("bob", held)
+        for task, tenant in ((asked, "carol"), (line, "acme")):  # (carol's first: her class is above)
+            _, slots = await asyncio.wait_for(task, 2)
+            replicas.of("m")[0].outstanding += slots
+            running.end(tenant, slots)
+    finally:
+        await queue.stop()

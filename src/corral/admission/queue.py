@@ -41,6 +41,7 @@ from typing import Protocol
 
 from corral.admission.auth import Principal
 from corral.protocol import NoCapacity, RateLimited
+from corral.store import BATCH_PRIORITY
 
 __all__ = ["Capacity", "FairQueue"]
 
@@ -205,9 +206,16 @@ class _ModelQueue:
                 return waiter
         raise KeyError(tenant)
 
-    def oldest_wait(self) -> float:
-        """Seconds the longest-waiting request has waited (0 with none waiting)."""
-        heads = [w[0].since for tenants in self.classes.values() for w in tenants.values() if w]
+    def oldest_wait(self, below: int | None = None) -> float:
+        """Seconds the longest-waiting request has waited (0 with none waiting); of the priority classes
+        above `below` only, where given."""
+        heads = [
+            w[0].since
+            for priority, tenants in self.classes.items()
+            if below is None or priority < below
+            for w in tenants.values()
+            if w
+        ]
         return time.monotonic() - min(heads) if heads else 0.0
 
     def drain_rate(self) -> float:
@@ -279,8 +287,12 @@ class FairQueue:
     def pressure(self) -> dict[str, dict[str, float]]:
         """Per model: requests queued, the oldest's wait (s), and arrivals so far (the autoscaler's view),
         with what the sources added by `report_beside` say (the batch runner's lines)."""
-        view = {
-            model: {"queued": queue.size, "oldest_wait_s": queue.oldest_wait(), "arrived": queue.arrived}
+        view = {  # (a batch line's wait is no interactive demand's: the autoscaler does not size for them)
+            model: {
+                "queued": queue.size,
+                "oldest_wait_s": queue.oldest_wait(below=BATCH_PRIORITY),
+                "arrived": queue.arrived,
+            }
             for model, queue in self._queues.items()
         }
         for source in self._beside:

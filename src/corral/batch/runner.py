@@ -51,7 +51,7 @@ from corral.config import BatchSettings
 from corral.protocol import PermissionDenied
 from corral.routing import Replica, ReplicaSet
 from corral.routing.adapters import AdapterCatalogue
-from corral.store import KeyStore
+from corral.store import BATCH_PRIORITY, KeyStore
 
 if TYPE_CHECKING:
     from corral.admission.oidc import OIDCVerifier
@@ -351,7 +351,7 @@ class BatchRunner:
         signed in with the identity provider made runs as its tenant's people do, while the spec lists the
         tenant (auth.oidc.tenants: no one of an unlisted tenant signs in either)."""
         if key_id is None:
-            return Principal(key_id=None, tenant=tenant, priority=_BATCH_PRIORITY)
+            return Principal(key_id=None, tenant=tenant, priority=BATCH_PRIORITY)
         oidc = self._oidc
         if key_id.startswith(SIGNED_IN):
             listed = oidc is not None and tenant in oidc.settings.tenants
@@ -368,7 +368,7 @@ class BatchRunner:
             principal.tenant,
             principal.models,
             max_concurrency=None,
-            priority=_BATCH_PRIORITY,
+            priority=BATCH_PRIORITY,
             monthly_token_budget=principal.monthly_token_budget,
         )
 
@@ -409,9 +409,6 @@ class BatchRunner:
             except Exception:  # the store is gone too: the lease runs out instead
                 logger.exception("could not hand back batch line %s:%d", line.batch_id, line.line)
         self._leased.clear()
-
-
-_BATCH_PRIORITY = 3  # below every key's priority class (high 0, normal 1, low 2)
 
 
 def _retry(status: int, body: bytes) -> bool:

@@ -11,7 +11,17 @@ from sqlalchemy.exc import ArgumentError, NoSuchModuleError, SQLAlchemyError
 from corral.store import batch_rows as _batch_rows  # noqa: F401  (its tables are created with the rest)
 from corral.store.audit import AuditEntry, AuditLog
 from corral.store.files import FileQuotaExceeded, FileStore, NewFile
-from corral.store.keys import PRIORITIES, ROLES, InvalidKey, KeyRecord, KeyStore, KeyUpdate, NewKey, hash_key
+from corral.store.keys import (
+    BATCH_PRIORITY,
+    PRIORITIES,
+    ROLES,
+    InvalidKey,
+    KeyRecord,
+    KeyStore,
+    KeyUpdate,
+    NewKey,
+    hash_key,
+)
 from corral.store.responses import ResponseStore, StoredResponse
 from corral.store.retention import Retention
 from corral.store.schema import Base, StoreError, add_missing_columns, store_is_down
@@ -20,6 +30,7 @@ from corral.store.sessions import ConsoleSession, SessionStore
 from corral.store.usage import UsageRecord, UsageStore
 
 __all__ = [
+    "BATCH_PRIORITY",
     "PRIORITIES",
     "ROLES",
     "AuditEntry",

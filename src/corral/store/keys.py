@@ -17,6 +17,7 @@ from sqlalchemy.orm import Session
 from corral.store.schema import ApiKeyRow
 
 __all__ = [
+    "BATCH_PRIORITY",
     "PRIORITIES",
     "ROLES",
     "InvalidKey",
@@ -29,6 +30,7 @@ __all__ = [
 ]
 
 PRIORITIES = {"high": 0, "normal": 1, "low": 2}
+BATCH_PRIORITY = 3  # below every key's class: the batch runner's lines (batch/runner.py)
 ROLES = ("admin", "operator", "viewer", "tenant-admin", "user")
 _SECRET_PREFIX = "sk-corral-"
 
