@@ -329,3 +329,32 @@ async def test_a_model_redeployed_with_another_vector_size_is_learnt_anew(
             await client.embeddings.create(model="e", input="x", dimensions=64)
     finally:
         await gw.server.stop()
+
+
+class _Slow(EmbeddingShaper):
+    """A shaper whose every shaping takes until `go` is set (a tenant's answers of gigabytes)."""
+
+    def __init__(self) -> None:
+        super().__init__(in_thread_bytes=0)
+        self.go = threading.Event()
+
+    def shape(self, *args: Any, **kwargs: Any) -> tuple[bytes, dict[str, Any]]:
+        self.go.wait(10)
+        return super().shape(*args, **kwargs)
+
+
+async def test_many_large_answers_leave_the_default_threads_to_key_lookups_and_usage_writes() -> None:
+    """Eight large answers shaping at once take their own thread, not the default pool's (six threads on
+    two cores), which every tenant's key lookups and usage writes wait for."""
+    vectors = np.random.default_rng(5).standard_normal((1, 8)).astype(np.float32)
+    answer = _floats_answer(vectors)
+    body = EmbeddingRequest.model_validate({"model": "e", "input": "x"})
+    shaper = _Slow()
+    shaping = [asyncio.create_task(shaper.answer(answer, body, False)) for _ in range(8)]
+    try:
+        await asyncio.sleep(0.05)
+        assert await asyncio.wait_for(asyncio.to_thread(lambda: "a key looked up"), 1) == "a key looked up"
+    finally:
+        shaper.go.set()
+        await asyncio.gather(*shaping)
+        shaper.close()

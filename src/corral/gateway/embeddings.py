@@ -24,6 +24,8 @@ import asyncio
 import base64
 import re
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -71,6 +73,13 @@ class EmbeddingShaper:
         # model → the size of its vectors, and the generation of its replicas that made them
         self._sizes: dict[str, tuple[int, int]] = {}
         self._in_thread_bytes = in_thread_bytes
+        # large answers are shaped on a thread of their own, one at a time: in the default pool a tenant's
+        # many large answers took every thread the key lookups and usage writes of all tenants wait for
+        # (and shaping holds the GIL most of its time: more threads would not shape faster)
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="corral-embeddings")
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
     def check(self, body: EmbeddingRequest, matryoshka: bool, generation: int = 0) -> None:
         """Refuse a `dimensions` the model cannot give, by the size its replicas answered since they last
@@ -91,7 +100,8 @@ class EmbeddingShaper:
         """`shape`, in a worker thread where the engine's answer is large."""
         if len(engine_body) < self._in_thread_bytes:
             return self.shape(engine_body, body, matryoshka, estimate, generation)
-        return await asyncio.to_thread(self.shape, engine_body, body, matryoshka, estimate, generation)
+        shaping = partial(self.shape, engine_body, body, matryoshka, estimate, generation)
+        return await asyncio.get_running_loop().run_in_executor(self._pool, shaping)
 
     def shape(
         self,

@@ -136,8 +136,9 @@ class Pipeline:
         )
 
     def close(self) -> None:
-        """The gateway is stopping: no more prompts are counted (those under way end)."""
+        """The gateway is stopping: no more prompts are counted or answers shaped (those under way end)."""
         self._intake.close()
+        self._embeddings.close()
 
     async def _handle(self, request: web.Request, parse: _Parse, answer: _Answer) -> web.StreamResponse:
         principal = await self._auth.authenticate(request.headers.get("Authorization"))
