@@ -8,10 +8,11 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 import orjson
+import pytest
 
 from corral.gateway.context import RequestContext
 from corral.gateway.relay import Relay, RelayTimeouts
-from corral.protocol import ChatCompletionRequest, parse_body
+from corral.protocol import ChatCompletionRequest, NoCapacity, parse_body
 from corral.routing import Replica, ReplicaSet, ReplicaState, Router, RouteRequest
 from corral.routing.adapters import Adapter, AdapterCatalogue, AdapterPlacement
 
@@ -83,11 +84,15 @@ def _replicas(count: int, slots: int = 8) -> list[Replica]:
     return replicas
 
 
-def _relay(replicas: list[Replica], engines: _Engines, catalogue: AdapterCatalogue) -> Relay:
+def _relay(
+    replicas: list[Replica], engines: _Engines, catalogue: AdapterCatalogue, clock: _Clock | None = None
+) -> Relay:
     replica_set = ReplicaSet(["m"])
     for replica in replicas:
         replica_set.add(replica)
     router = Router(replica_set, default_policy="least_outstanding_requests")
+    if clock is not None:
+        router.adapters = AdapterPlacement(clock=clock)
     timeouts = RelayTimeouts(connect=1.0, read=1.0)
     # (the session only tokenizes a failed-over stream's text: none here)
     return Relay(cast(Any, engines), cast(Any, None), router, 1, timeouts, adapters=catalogue)
@@ -120,6 +125,23 @@ async def test_a_replica_that_refuses_every_load_is_not_every_new_adapters_first
     assert 1 <= len(asked_bad) <= 2, engines.loads
     assert len(engines.loads) - len(asked_bad) == 8  # each adapter loaded once, on a good replica
     assert bad.breaker.consecutive_failures == 0  # (the adapter's trouble to the breaker, as before)
+
+
+async def test_an_adapter_every_replica_refused_is_not_asked_again_until_its_retry_after() -> None:
+    """Both replicas refuse an adapter (its files are broken): the request asks each once and is a 503
+    `adapter_unavailable` saying to come back in 5 s; another request within those 5 s asks no replica again
+    (placement's memory of the refusals, which the loader reads: one memory); after them, both are asked."""
+    clock = _Clock()
+    replicas = _replicas(2)
+    engines = _Engines(refusing={r.url for r in replicas})
+    a = _adapter("a")
+    relay = _relay(replicas, engines, AdapterCatalogue([a]), clock)
+    for after, loads in ((0.0, 2), (4.9, 2), (5.1, 4)):  # (the seconds since the refusals, the loads asked)
+        clock.now = 1000.0 + after
+        with pytest.raises(NoCapacity) as refused:
+            await _ask(relay, a)
+        assert refused.value.code == "adapter_unavailable" and refused.value.retry_after == 5.0
+        assert len(engines.loads) == loads, (after, engines.loads)
 
 
 def test_a_replica_that_refused_a_revision_is_passed_by_for_it_for_30_seconds() -> None:

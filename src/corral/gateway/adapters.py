@@ -13,7 +13,7 @@ which adapter to apply, after the replica has loaded it.
 A request read before a live apply replaced its adapter (it waited in the admission queue) is served under
 the current revision; one whose adapter was removed, or taken from its tenant, meanwhile is a 404, as it
 would be if sent now. A refusal to load, and each load, are told to routing, which passes a refusing
-replica by as a loader for a while.
+replica by as a loader for a while, and says when it refused lately (it is not asked again so soon).
 
 Which replica holds which adapter, and which should load one, is routing's (routing/adapters.py).
 """
@@ -39,7 +39,6 @@ logger = logging.getLogger(__name__)
 NO_ADAPTER = b',"lora":[]'  # a base request on llama.cpp: no adapter applied, whatever the client sent
 _LOAD = "/v1/load_lora_adapter"
 _UNLOAD = "/v1/unload_lora_adapter"
-_REFUSED_S = 5.0  # a replica that refused an adapter's load is not asked again for it this long
 
 
 class AdapterLoadFailed(Exception):
@@ -64,7 +63,6 @@ class AdapterLoader:
         self._catalogue = catalogue
         self.metrics = metrics  # the gateway's (GatewayMetrics): loads and unloads are counted
         self._loading: dict[tuple[str, str], asyncio.Task[None]] = {}
-        self._refused: dict[tuple[str, str], float] = {}  # (replica, revision) → when it refused the load
         self._tasks: set[asyncio.Task[None]] = set()
         router.on_unload = self.unload
         catalogue.on_change = self._catalogue_changed
@@ -85,13 +83,9 @@ class AdapterLoader:
         loading = self._loading.get(key)
         if loading is None and not route.load_adapter:
             return
-        if loading is None and self._refused:
-            refused = self._refused.get(key)
-            if refused is not None and asyncio.get_running_loop().time() - refused < _REFUSED_S:
-                if route.residence is not None:
-                    self._placement.failed_load(replica, route.residence)
-                raise AdapterRefused(f"replica {replica.id} refused adapter {adapter.name} a moment ago")
-            self._refused.pop(key, None)
+        if loading is None and self._placement.refused_lately(replica, adapter.engine_name):
+            self._placement.failed_load(replica, route.residence)
+            raise AdapterRefused(f"replica {replica.id} refused adapter {adapter.name} a moment ago")
         if loading is None:  # a task of its own: a client that leaves does not cancel others' wait
             route.load_adapter = False
             load = self._load(replica, adapter, route.residence)
@@ -150,7 +144,6 @@ class AdapterLoader:
                 upstream.status,
                 _message(answer),
             )
-            self._refused[(replica.id, adapter.engine_name)] = asyncio.get_running_loop().time()
             self._placement.refused(replica, adapter.engine_name)
             raise AdapterRefused(f"replica {replica.id} could not load adapter {adapter.name}")
         except BaseException:

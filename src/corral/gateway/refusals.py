@@ -19,13 +19,13 @@ from corral.gateway.clients import REQUEST_ID
 from corral.gateway.context import RequestContext
 from corral.protocol import APIError, NoCapacity, StoreUnavailable, UpstreamError, error_body
 from corral.routing import Replica
+from corral.routing.adapters import ASK_AGAIN_S
 from corral.store import store_is_down
 
 __all__ = ["busy_wait", "engine_error", "error_fields", "failed_how", "unanswered", "unexpected"]
 
 logger = logging.getLogger(__name__)
 
-_ADAPTER_RETRY_S = 5.0  # a replica that refused an adapter's load is not asked again this long (adapters.py)
 _INPUT_TOO_LONG = re.compile(r"input (?:\((\d+) tokens\) )?is too large to process")
 
 
@@ -37,11 +37,12 @@ def busy_wait(retry_after: bytes) -> float:
         return 1.0
 
 
-def engine_error(status: int, body: bytes) -> tuple[int, bytes]:
+def engine_error(status: int, body: bytes, request_id: str | None = None) -> tuple[int, bytes]:
     """An engine's refusal in OpenAI's shape, whatever shape the engine used (llama.cpp puts a number in
-    `code`, some servers answer plain text). A 4xx keeps its status: the request was at fault. The engine
-    refusing the gateway's own credentials (401/403: a wrong engine_api_key) and any engine failure become
-    502, so clients never mistake them for their own key or input being wrong."""
+    `code`, some servers answer plain text). A 4xx keeps its status and message: the request was at fault.
+    The engine refusing the gateway's own credentials (401/403: a wrong engine_api_key) and any engine
+    failure become 502, so clients never mistake them for their own key or input being wrong; their message
+    (a server's paths, its internals) goes to the log under the request's id, not to the client."""
     message, param, code = error_fields(body)
     message = message or f"the engine answered {status}"
     too_long = _INPUT_TOO_LONG.search(message) if status >= 500 else None
@@ -56,8 +57,12 @@ def engine_error(status: int, body: bytes) -> tuple[int, bytes]:
         }
         return 400, orjson.dumps({"error": refusal})
     if status in (401, 403) or status >= 500:
-        kind = "engine_auth_failed" if status in (401, 403) else "engine_error"
-        return 502, error_body(f"The model's engine failed: {message}", "upstream_error", kind)
+        logger.warning("request %s: the engine answered %d: %s", request_id or "-", status, message[:300])
+        if status in (401, 403):
+            said = f"The model's engine refused the gateway's credentials (it answered {status})."
+            return 502, error_body(said, "upstream_error", "engine_auth_failed")
+        said = f"The model's engine failed (it answered {status}); the gateway's log has its message."
+        return 502, error_body(said, "upstream_error", "engine_error")
     refusal = {"message": message, "type": "invalid_request_error", "param": param, "code": code}
     return status, orjson.dumps({"error": refusal})
 
@@ -103,7 +108,7 @@ def unanswered(
             "Try again later; if it goes on, its operator must look at its files.",
             param="model",
             code="adapter_unavailable",
-            retry_after=_ADAPTER_RETRY_S,
+            retry_after=ASK_AGAIN_S,
         )
     return UpstreamError(
         f"The model '{ctx.model}' failed to answer: {_replicas(len(tried))} tried, the last {failure}."

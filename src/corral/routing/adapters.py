@@ -20,6 +20,9 @@ time into `Replica.adapter_slots` slots, which the gateway fills and empties (`A
   load that revision for `_REFUSED_S`; one that refused what another replica loaded (its node is the
   trouble, not the adapter) is not chosen to load any adapter that long, unless no other replica can. (Each
   failed load frees its slot: else the refusing replica looks the cheapest loader for every new adapter.)
+  Where every replica refused, a request is still placed, but a replica that refused in the last
+  `ASK_AGAIN_S` is not asked again (the gateway's loader asks `refused_lately`): the request fails over at
+  once, and the client's 503 says to come back then. This is the one memory of refusals.
 
 Why the least wanted, and why only the least recently used: the engine keeps the adapters it holds in an
 LRU cache of that many (vLLM's `max_cpu_loras`) whose unload endpoint only forgets the name (in the vLLM
@@ -61,6 +64,9 @@ _LOAD_HISTORY_S = 60.0  # loads are shown per minute
 _SHARE_HALF_LIFE_S = 7.0  # an adapter's share of the model's requests in flight, smoothed (τ ≈ 10 s)
 _SHARE_SLACK = 0.2  # replicas an adapter needs: ceil(smoothed share − slack), so 1.1 replicas' worth is 1
 _REFUSED_S = 30.0  # a replica that refused a load is passed by as a loader this long (see the module's text)
+# ...and is not asked to load that revision again at all this long (a request placed there anyway, every
+# replica having refused, fails over at once: the client's 503 says to come back then)
+ASK_AGAIN_S = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -437,6 +443,11 @@ class AdapterPlacement:
         for rid in self._refusals.get(revision, {}):
             if rid != replica.id:
                 self._troubled[rid] = now
+
+    def refused_lately(self, replica: Replica, revision: str) -> bool:
+        """Whether `replica` refused to load `revision` in the last `ASK_AGAIN_S`."""
+        at = self._refusals.get(revision, {}).get(replica.id)
+        return at is not None and self._clock() - at < ASK_AGAIN_S
 
     def refused(self, replica: Replica, revision: str) -> None:
         """`replica` refused to load `revision`: it is not chosen to load it for `_REFUSED_S`, nor any
