@@ -299,7 +299,7 @@ class Relay:
                 if unknown_adapter(route, upstream.status, answer):
                     self.loader.forget(replica, route)
                     raise _Reload("did not know the adapter")
-                status, error = engine_error(upstream.status, answer)
+                status, error = engine_error(upstream.status, answer, ctx.request_id)
                 return web.Response(body=error, status=status, content_type="application/json")
             if not ctx.stream or upstream.status != 200 or request is None:
                 return await self._whole(replica, ctx, upstream)
@@ -327,7 +327,7 @@ class Relay:
             if ctx.written is not None:  # the cache keeps it
                 ctx.whole = body
         elif status >= 400:
-            status, body = engine_error(status, body)
+            status, body = engine_error(status, body, ctx.request_id)
             content_type = "application/json"
         headers = {"x-corral-replica": replica.id} if self.replica_header else {}
         if ctx.headers:
