@@ -211,8 +211,8 @@ async def test_signing_out_names_the_providers_end_session_with_the_id_token_as_
     """The end-session URL carries client_id and post_logout_redirect_uri (the console), and id_token_hint
     (Okta needs it; Keycloak without it asks for confirmation) where the API takes no ID token: with
     `auth.oidc.audience` unset an ID token is a bearer credential on the API until it expires, and the URL
-    lands in the browser's history and the provider's logs. The store keeps the ID token only sealed, so
-    its rows give no one a token the API would accept."""
+    lands in the browser's history and the provider's logs (and the store keeps none). The store keeps the
+    ID token only sealed, so its rows give no one a token the API would accept."""
     async with gateway(tmp_path / "c.db", provider.url, audience=audience) as url:
         _, done = await sign_in(url, "bob")
         session = {"corral_session": done.cookies["corral_session"].value}
@@ -226,8 +226,8 @@ async def test_signing_out_names_the_providers_end_session_with_the_id_token_as_
         endpoint = (await asyncio.to_thread(provider.discovery))["end_session_endpoint"]
         assert urllib.parse.urlunsplit(ending._replace(query="")) == endpoint
         assert said["client_id"] == ["corral"] and said["post_logout_redirect_uri"] == [url + "/console"]
-        if audience is None:  # the ID token would be an API credential: not put in a URL
-            assert "id_token_hint" not in said and sealed
+        if audience is None:  # the ID token would be an API credential: not put in a URL, nor kept
+            assert "id_token_hint" not in said and sealed is None
             return
         hint = said["id_token_hint"][0]
         published = await asyncio.to_thread(lambda: httpx.get(provider.url + "/jwks").json())

@@ -11,7 +11,7 @@ authorization-code flow with PKCE.
   issuer, audience, expiry), and its nonce; then starts a session in the store: the `corral_session` cookie
   (HttpOnly, SameSite=Lax, Secure over HTTPS) carries a random secret, the store its hash, the person's
   tenant and role, a CSRF token that every change the console makes must send back (`X-CSRF-Token`), and
-  the ID token sealed under the cookie's secret. The sign-in is on the audit trail.
+  the ID token sealed under the cookie's secret (where sign-out will name it). The sign-in is audited.
 - `POST /console/signout` ends the session (CSRF-checked; audited) and clears its cookie, and names the
   provider's end-session URL (with `id_token_hint`, `client_id` and `post_logout_redirect_uri`, the console)
   for the browser to end the provider's session too; null where the provider has none or cannot be asked.
@@ -178,8 +178,9 @@ class SignInViews:
         # a session lasts session_ttl_s, and no longer than the ID token (a role taken away at the
         # provider then ends at the next sign-in)
         lasts = min(self._settings.session_ttl_s, max(60.0, float(claims["exp"]) - time.time()))
+        hint = id_token if self._hints() else None  # (kept only where sign-out will send it)
         secret, session = await asyncio.to_thread(
-            self._sessions.create, str(claims["sub"]), principal.tenant, principal.role, lasts, id_token
+            self._sessions.create, str(claims["sub"]), principal.tenant, principal.role, lasts, hint
         )
         await self._audit(request, f"oidc:{session.subject}", session.role, session.tenant, "signin", 303)
         response = web.HTTPSeeOther("/console")
@@ -255,13 +256,16 @@ class SignInViews:
             "client_id": self._settings.client_id,
             "post_logout_redirect_uri": self._console_url(request),
         }
-        audience = self._settings.audience
-        if id_token and audience is not None and audience != self._settings.client_id:
-            # (only where the API does not take ID tokens: the hint travels in a URL, into the browser's
-            # history and the provider's logs, and an ID token of the client id's audience is a bearer
-            # credential on the API until it expires)
+        if id_token and self._hints():
             query["id_token_hint"] = id_token
         return endpoint + ("&" if "?" in endpoint else "?") + urllib.parse.urlencode(query)
+
+    def _hints(self) -> bool:
+        """Whether sign-out names the ID token as hint: only where the API does not take ID tokens (the
+        hint travels in a URL, into the browser's history and the provider's logs, and an ID token of the
+        client id's audience is a bearer credential on the API until it expires)."""
+        audience = self._settings.audience
+        return audience is not None and audience != self._settings.client_id
 
     async def me(self, request: web.Request) -> web.Response:
         secret = session_secret(request, self.secure(request))
