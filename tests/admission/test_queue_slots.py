@@ -151,3 +151,20 @@ async def test_a_batch_lines_wait_is_no_interactive_wait_in_the_autoscalers_view
             running.end(tenant, slots)
     finally:
         await queue.stop()
+
+
+async def test_the_autoscaler_reads_queued_requests_as_the_slots_they_would_take() -> None:
+    """Four slots, all running: an `n: 3` request and a single one wait. The queue's pressure says 4 slots
+    queued (as the replicas and the batch runner count sequences), not 2 requests: a waiting batch line of
+    n: 3 (counted 3 in `batch_in_flight`) took more than its share off the autoscaler's demand."""
+    replicas = _replicas(4)
+    queue = FairQueue(replicas, max_queued=8, timeout=5.0)
+    running = Running(replicas, queue)
+    held = await running.start("bob", 4)
+    eve = asyncio.create_task(running.start("eve", 3))
+    carol = asyncio.create_task(running.start("carol"))
+    await asyncio.sleep(0.05)
+    assert queue.pressure()["m"]["queued"] == 4
+    running.end("bob", held)
+    assert await asyncio.wait_for(eve, 1) == 3 and await asyncio.wait_for(carol, 1) == 1
+    assert queue.pressure()["m"]["queued"] == 0

@@ -124,6 +124,10 @@ class _ModelQueue:
             return waiter
         return None
 
+    def waiting_slots(self) -> int:
+        """The slots the waiters would take (each its weight as last worked out)."""
+        return sum(w.weight for tenants in self.classes.values() for line in tenants.values() for w in line)
+
     def load(self, tenant: str) -> float:
         """Slots running per unit of weight."""
         return self.running.get(tenant, 0) / self.seen.get(tenant, (0.0, 1))[1]
@@ -285,11 +289,12 @@ class FairQueue:
         return {model: queue.size for model, queue in self._queues.items()}
 
     def pressure(self) -> dict[str, dict[str, float]]:
-        """Per model: requests queued, the oldest's wait (s), and arrivals so far (the autoscaler's view),
+        """Per model: the slots the queued requests would take (their sequences, as the replicas and the
+        batch runner count theirs), the oldest's wait (s), and arrivals so far (the autoscaler's view),
         with what the sources added by `report_beside` say (the batch runner's lines)."""
         view = {  # (a batch line's wait is no interactive demand's: the autoscaler does not size for them)
             model: {
-                "queued": queue.size,
+                "queued": queue.waiting_slots(),
                 "oldest_wait_s": queue.oldest_wait(below=BATCH_PRIORITY),
                 "arrived": queue.arrived,
             }

@@ -48,7 +48,8 @@ __all__ = ["Autoscaler", "Pressure"]
 
 logger = logging.getLogger(__name__)
 
-# model → the gateways' queued, oldest_wait_s, arrived (requests so far); the batch runners' batch_in_flight
+# model → the gateways' queued (slots their waiting requests would take), oldest_wait_s, arrived (requests so
+# far); the batch runners' batch_in_flight
 # (slots their lines hold, queued or running), batch_arrived (lines sent so far), batch_pending (> 0: lines
 # of the model's batches wait to run)
 Pressure = Callable[[], dict[str, dict[str, float]]]
