@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import sqlite3
 import threading
 import uuid
 import zlib
@@ -50,6 +51,7 @@ class Engine:
 
     size: int = 16
     base64: bool = True
+    broken: bool = False  # its vectors differ in size (an answer no client could read)
     asked: list[dict[str, Any]] = field(default_factory=list)
     url: str = ""
 
@@ -58,6 +60,8 @@ class Engine:
         self.asked.append(body)
         texts = [body["input"]] if isinstance(body["input"], str) else body["input"]
         vectors = vectors_of([str(t) for t in texts], self.size)
+        if self.broken:
+            vectors = [v[: self.size - i] for i, v in enumerate(vectors)]
         in_base64 = self.base64 and body.get("encoding_format") == "base64"
         data = [
             {
@@ -329,6 +333,32 @@ async def test_a_model_redeployed_with_another_vector_size_is_learnt_anew(
             await client.embeddings.create(model="e", input="x", dimensions=64)
     finally:
         await gw.server.stop()
+
+
+async def test_an_answer_that_cannot_be_read_is_a_502_charged_the_prompts_estimate(
+    engine: Engine, tmp_path: Path
+) -> None:
+    """The engine answers vectors of different sizes: the client gets a 502, and the request is charged
+    (and recorded) at its prompt's estimate, as the engine worked on every input (it was charged nothing)."""
+    engine.broken = True
+    gw = await gateway(engine, "vllm", tmp_path)
+    try:
+        client = gw.client(await _key(gw.url, "acme"))
+        with pytest.raises(openai.APIStatusError) as failed:
+            await client.embeddings.create(model="e", input=TEXTS)
+        assert failed.value.status_code == 502 and "could not be read" in failed.value.message
+    finally:
+        await gw.server.stop()
+    rows = await asyncio.to_thread(_recorded, tmp_path, "acme")
+    assert [status for status, _ in rows] == [502] and rows[0][1] > 0, rows
+
+
+def _recorded(folder: Path, tenant: str) -> list[tuple[int, int]]:
+    """(status, input tokens) of the tenant's usage rows in the one store in `folder`."""
+    (store,) = folder.glob("*.db")
+    with sqlite3.connect(store) as db:
+        query = "SELECT status, input_tokens FROM corral_usage WHERE tenant = ?"
+        return [(int(s), int(t)) for s, t in db.execute(query, (tenant,)).fetchall()]
 
 
 class _Slow(EmbeddingShaper):

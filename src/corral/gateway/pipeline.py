@@ -54,6 +54,7 @@ from corral.protocol import (
     EmbeddingRequest,
     NoCapacity,
     RateLimited,
+    UpstreamError,
 )
 from corral.routing import Router
 from corral.routing.adapters import Adapter
@@ -312,7 +313,11 @@ class Pipeline:
         if not isinstance(answer, bytes):
             return response
         estimate = ctx.route.prompt_tokens
-        response.body, ctx.usage = await shaper.answer(answer, body, matryoshka, estimate, generation)
+        try:
+            response.body, ctx.usage = await shaper.answer(answer, body, matryoshka, estimate, generation)
+        except UpstreamError:  # (a 502) the engine worked on every input: charged the prompt's estimate
+            ctx.usage = {"prompt_tokens": estimate, "total_tokens": estimate}
+            raise
         response.content_type = "application/json"
         return response
 
