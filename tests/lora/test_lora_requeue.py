@@ -6,36 +6,22 @@ old revision loaded or holding a slot. Through the real router, placement, loade
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from typing import Any, cast
+from dataclasses import replace
+from typing import cast
 
 import orjson
 import pytest
 
 from corral.gateway.context import RequestContext
-from corral.gateway.relay import Relay, RelayTimeouts
+from corral.gateway.relay import Relay
 from corral.protocol import ChatCompletionRequest, ModelNotFound, parse_body
-from corral.routing import Replica, ReplicaSet, ReplicaState, Router, RouteRequest
+from corral.routing import Replica, ReplicaState, Router, RouteRequest
 from corral.routing.adapters import Adapter, AdapterCatalogue
+
+from ..adapter_relay import EngineAnswer, relay_over
 
 OLD = Adapter("support", "m", "support@1", "/adapters/support-1", tenants=frozenset({"acme"}))
 NEW = Adapter("support", "m", "support@2", "/adapters/support-2", tenants=frozenset({"acme"}))
-
-
-@dataclass
-class _Answer:
-    """An engine's answer, as the relay reads one (EngineResponse's part it uses)."""
-
-    status: int
-    body: bytes
-    content_type: str = "application/json"
-    retry_after: bytes = b""
-
-    async def read(self) -> bytes:
-        return self.body
-
-    def release(self) -> None:
-        pass
 
 
 class _Engines:
@@ -47,31 +33,28 @@ class _Engines:
 
     async def post(
         self, url: str, path: str, body: bytes, authorization: str | None, extra: bytes = b""
-    ) -> _Answer:
+    ) -> EngineAnswer:
         data = orjson.loads(body)
         if path == "/v1/load_lora_adapter":
             self.loads.append(data["lora_name"])
         if path.endswith("_lora_adapter"):
-            return _Answer(200, b"Success")
+            return EngineAnswer(200, b"Success")
         self.asked.append(data["model"])
         choice = {"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}
-        return _Answer(
+        return EngineAnswer(
             200, orjson.dumps({"object": "chat.completion", "model": data["model"], "choices": [choice]})
         )
 
 
 def _served(engines: _Engines) -> tuple[Router, Relay, list[Replica]]:
     """Two vLLM replicas of m (4 slots each) serving adapter `support` at its first revision."""
-    replicas = ReplicaSet(["m"])
+    replicas = []
     for i in range(2):
         replica = Replica(f"m-{i}", "m", "vllm", url=f"http://10.0.0.{i}:8000", state=ReplicaState.READY)
         replica.adapter_slots, replica.started_at = 4, 1.0
-        replicas.add(replica)
-    router = Router(replicas, default_policy="least_outstanding_requests")
-    timeouts = RelayTimeouts(connect=1.0, read=1.0)
-    # (the session only tokenizes a failed-over stream's text: none here)
-    relay = Relay(cast(Any, engines), cast(Any, None), router, 1, timeouts, adapters=AdapterCatalogue([OLD]))
-    return router, relay, replicas.of("m")
+        replicas.append(replica)
+    router, relay = relay_over(replicas, engines, AdapterCatalogue([OLD]))
+    return router, relay, replicas
 
 
 def _request(tenant: str = "acme") -> RequestContext:

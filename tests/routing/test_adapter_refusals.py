@@ -4,35 +4,18 @@ placement and loader to engines faked here; placement on its own, with a clock t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, cast
-
 import orjson
 import pytest
 
 from corral.gateway.context import RequestContext
-from corral.gateway.relay import Relay, RelayTimeouts
+from corral.gateway.relay import Relay
 from corral.protocol import ChatCompletionRequest, NoCapacity, parse_body
-from corral.routing import Replica, ReplicaSet, ReplicaState, Router, RouteRequest
+from corral.routing import Replica, ReplicaState, RouteRequest
 from corral.routing.adapters import Adapter, AdapterCatalogue, AdapterPlacement
 
+from ..adapter_relay import EngineAnswer, relay_over
+
 _LOAD = "/v1/load_lora_adapter"
-
-
-@dataclass
-class _Answer:
-    """An engine's answer, as the relay reads one (EngineResponse's part it uses)."""
-
-    status: int
-    body: bytes
-    content_type: str = "application/json"
-    retry_after: bytes = b""
-
-    async def read(self) -> bytes:
-        return self.body
-
-    def release(self) -> None:
-        pass
 
 
 class _Engines:
@@ -45,18 +28,18 @@ class _Engines:
 
     async def post(
         self, url: str, path: str, body: bytes, authorization: str | None, extra: bytes = b""
-    ) -> _Answer:
+    ) -> EngineAnswer:
         data = orjson.loads(body)
         if path == _LOAD:
             self.loads.append((url, data["lora_name"]))
             if url in self.refusing:
-                return _Answer(400, b'{"error": {"message": "No adapter found at /adapters"}}')
+                return EngineAnswer(400, b'{"error": {"message": "No adapter found at /adapters"}}')
         if path.endswith("_lora_adapter"):
-            return _Answer(200, b"Success: LoRA adapter loaded.")
+            return EngineAnswer(200, b"Success: LoRA adapter loaded.")
         choice = {"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}
         usage = {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}
         answer = {"id": "c", "object": "chat.completion", "model": data["model"], "choices": [choice]}
-        return _Answer(200, orjson.dumps({**answer, "usage": usage}))
+        return EngineAnswer(200, orjson.dumps({**answer, "usage": usage}))
 
 
 class _Clock:
@@ -84,20 +67,6 @@ def _replicas(count: int, slots: int = 8) -> list[Replica]:
     return replicas
 
 
-def _relay(
-    replicas: list[Replica], engines: _Engines, catalogue: AdapterCatalogue, clock: _Clock | None = None
-) -> Relay:
-    replica_set = ReplicaSet(["m"])
-    for replica in replicas:
-        replica_set.add(replica)
-    router = Router(replica_set, default_policy="least_outstanding_requests")
-    if clock is not None:
-        router.adapters = AdapterPlacement(clock=clock)
-    timeouts = RelayTimeouts(connect=1.0, read=1.0)
-    # (the session only tokenizes a failed-over stream's text: none here)
-    return Relay(cast(Any, engines), cast(Any, None), router, 1, timeouts, adapters=catalogue)
-
-
 async def _ask(relay: Relay, adapter: Adapter) -> int:
     """One chat request for `adapter` through the relay, as the gateway sends it: its answer's status."""
     raw = orjson.dumps({"model": adapter.name, "messages": [{"role": "user", "content": "hi"}]})
@@ -118,7 +87,7 @@ async def test_a_replica_that_refuses_every_load_is_not_every_new_adapters_first
     bad = replicas[0]
     engines = _Engines(refusing={bad.url})
     adapters = [_adapter(f"a{i}") for i in range(8)]
-    relay = _relay(replicas, engines, AdapterCatalogue(adapters))
+    _, relay = relay_over(replicas, engines, AdapterCatalogue(adapters))
     for adapter in adapters:
         assert await _ask(relay, adapter) == 200
     asked_bad = [revision for url, revision in engines.loads if url == bad.url]
@@ -135,7 +104,7 @@ async def test_an_adapter_every_replica_refused_is_not_asked_again_until_its_ret
     replicas = _replicas(2)
     engines = _Engines(refusing={r.url for r in replicas})
     a = _adapter("a")
-    relay = _relay(replicas, engines, AdapterCatalogue([a]), clock)
+    _, relay = relay_over(replicas, engines, AdapterCatalogue([a]), clock)
     for after, loads in ((0.0, 2), (4.9, 2), (5.1, 4)):  # (the seconds since the refusals, the loads asked)
         clock.now = 1000.0 + after
         with pytest.raises(NoCapacity) as refused:
