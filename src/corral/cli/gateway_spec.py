@@ -138,9 +138,13 @@ def gateway_parts_for(spec: ClusterSpec, paths: Paths, replicas: Any) -> Any:
     """The gateway's parts for `spec` (also each gateway worker's)."""
     from corral.artifacts import ArtifactError
     from corral.cluster.changes import deployed_digest
+    from corral.config.settings import sendable_token
     from corral.gateway import GatewayParts
     from corral.store import StoreError
 
+    admin_key = admin_key_from_env(spec.auth.admin_key)
+    if admin_key is not None and not sendable_token(admin_key):  # (the spec's is checked when read)
+        raise CliError("CORRAL_ADMIN_KEY must be printable characters without spaces.")
     try:
         parts = GatewayParts.build(
             replicas,
@@ -149,7 +153,7 @@ def gateway_parts_for(spec: ClusterSpec, paths: Paths, replicas: Any) -> Any:
             spec.store,
             spec.limits,
             spec.queue,
-            admin_key_from_env(spec.auth.admin_key),
+            admin_key,
             {m.name: m.tokenizer for m in spec.models if m.tokenizer is not None},
             {m.name: m.mid_stream_failover for m in spec.models},
             {m.name: m.prefix_isolation for m in spec.models},

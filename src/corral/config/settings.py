@@ -296,6 +296,14 @@ class OIDCSettings(Strict):
         return self
 
 
+_BEARER_TOKEN = re.compile(r"[\x21-\x7e]+")  # visible ASCII, at least one: what a bearer token can carry
+
+
+def sendable_token(key: str) -> bool:
+    """`key` can be sent as a bearer token: visible ASCII, at least one character."""
+    return _BEARER_TOKEN.fullmatch(key) is not None
+
+
 class AuthSettings(Strict):
     """API keys. With `open: true` requests without a key are served (keys, when sent, still apply)."""
 
@@ -310,6 +318,18 @@ class AuthSettings(Strict):
     oidc: OIDCSettings | None = Field(
         default=None, description="sign-in and API tokens from an OpenID Connect provider"
     )
+
+    @field_validator("admin_key")
+    @classmethod
+    def _sendable(cls, key: str | None) -> str | None:
+        """An admin key a client can send as a bearer token: an empty one (a template's unset variable)
+        was met by any `Authorization: Bearer` with no token."""
+        if key is not None and not sendable_token(key):
+            raise ValueError(
+                "auth.admin_key must be printable characters without spaces (an empty key is refused: "
+                "leave the setting out for no admin key)"
+            )
+        return key
 
 
 class StoreSettings(Strict):

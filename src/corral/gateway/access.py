@@ -134,7 +134,7 @@ class Access:
                 and self._clients.is_local(request)
                 and from_this_machine_s_pages(request)
             )
-        return bearer_is(request, expected.encode())
+        return bool(expected) and bearer_is(request, expected.encode())
 
     async def actor(self, request: web.Request) -> Actor | None:
         """Who the request comes from; None: no credentials, or ones that name no one."""
