@@ -168,3 +168,37 @@ async def test_the_autoscaler_reads_queued_requests_as_the_slots_they_would_take
     running.end("bob", held)
     assert await asyncio.wait_for(eve, 1) == 3 and await asyncio.wait_for(carol, 1) == 1
     assert queue.pressure()["m"]["queued"] == 0
+
+
+async def test_a_tenant_asking_now_and_then_keeps_no_more_slots_idle_than_it_ran() -> None:
+    """Eight slots. Eve (a high key, weight 4 against bob's 2) ran one small request a moment ago, and no
+    more: she is still active for 10 s, but keeps one slot for her next request, not her share of 5.3.
+    Bob's eight long requests take the other seven at once (before: three, five slots idle for as long as
+    eve asked one request every 9 s); eve's next request starts at once in the slot kept."""
+    replicas = _replicas(8)
+    queue = FairQueue(replicas, max_queued=16, timeout=5.0)
+    queue.start()
+    eve, bob = Principal(key_id="eve", tenant="eve", priority=0), Principal(key_id="bob", tenant="bob")
+    replica = replicas.of("m")[0]
+
+    async def run(principal: Principal, seconds: float) -> None:
+        _, slots = await queue.enter("m", principal)
+        replica.outstanding += slots
+        try:
+            await asyncio.sleep(seconds)
+        finally:
+            replica.outstanding -= slots
+            queue.done("m", principal.tenant, slots)
+
+    try:
+        await run(eve, 0)
+        bobs = [asyncio.create_task(run(bob, 5)) for _ in range(8)]
+        await asyncio.sleep(0.3)  # (past a tick of the queue)
+        assert replica.outstanding == 7 and queue.depth("m") == 1
+        await asyncio.wait_for(run(eve, 0), 0.2)  # the slot kept for her
+        for task in bobs:
+            task.cancel()
+        await asyncio.gather(*bobs, return_exceptions=True)
+    finally:
+        await queue.stop()
+

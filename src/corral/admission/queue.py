@@ -49,7 +49,10 @@ _TICK_S = 0.25  # re-check capacity this often (replicas come and go)
 _RATE_WINDOW_S = 30.0
 _RATE_SAMPLES = 4096  # completions the drain rate is measured over, at most
 _WEIGHTS = (4, 2, 1)  # a tenant's weight in sharing places and slots, by priority (high, normal, low)
-_ACTIVE_S = 10.0  # a tenant that asked within this long keeps its share of a model's slots reserved
+# a tenant that asked within this long keeps its share of a model's slots reserved: all of it while it runs
+# or waits, else as many as it ran at once lately (a tenant asking one small request now and then kept
+# its whole share idle, which a busy tenant could not use)
+_ACTIVE_S = 10.0
 
 
 def _weight(priority: int) -> int:
@@ -84,6 +87,7 @@ class _ModelQueue:
         # tenant → (when it last asked, its weight), oldest first: kept to the tenants active now, so the
         # share check on each request walks those, not every tenant ever seen
         self.seen: OrderedDict[str, tuple[float, int]] = OrderedDict()
+        self.peaks: dict[str, tuple[float, int]] = {}  # tenant → (when it last started, most run at once)
 
     def push(self, waiter: _Waiter) -> None:
         tenants = self.classes.setdefault(waiter.priority, {})
@@ -138,6 +142,10 @@ class _ModelQueue:
             self.running[tenant] = left
         else:
             self.running.pop(tenant, None)
+        if delta > 0:  # its most at once while it keeps asking (a quiet _ACTIVE_S starts it afresh)
+            now = time.monotonic()
+            at, peak = self.peaks.get(tenant, (now, 0))
+            self.peaks[tenant] = (now, max(left, peak) if now - at < _ACTIVE_S else left)
 
     def arrive(self, tenant: str, priority: int) -> None:
         now = time.monotonic()
@@ -151,12 +159,13 @@ class _ModelQueue:
                 self.seen.move_to_end(oldest)  # still active: kept, its time as it was
             else:
                 del self.seen[oldest]
+                self.peaks.pop(oldest, None)
 
     def may_start(self, tenant: str, weight: int, free: int, total: int | None) -> bool:
         """`tenant` may take `weight` of `free` slots (of `total`): while under its weighted share of the
         slots among the tenants active on the model (running, waiting or asking within _ACTIVE_S), as soon
         as they are free (see `pop`), however many; over it, only from slots no other active tenant is
-        entitled to and not using."""
+        entitled to and not using (one only asking lately: to as many as it ran at once lately)."""
         if free <= 0:
             return False
         if total is None:  # replicas that do not say their slots: nothing to share
@@ -171,8 +180,20 @@ class _ModelQueue:
         share = {t: total * w / whole for t, w in weights.items()}
         if self.running.get(tenant, 0) < share.get(tenant, total):
             return True
-        kept = sum(max(0.0, share[t] - self.running.get(t, 0)) for t in weights if t != tenant)
+        kept = sum(
+            max(0.0, self._entitled(t, share[t], now) - self.running.get(t, 0))
+            for t in weights
+            if t != tenant
+        )
         return free - kept >= weight
+
+    def _entitled(self, tenant: str, share: float, now: float) -> float:
+        """The slots kept for `tenant`: its share while it runs or waits; one only asking lately, no more
+        than it ran at once lately."""
+        if self.running.get(tenant) or tenant in self.held:
+            return share
+        at, peak = self.peaks.get(tenant, (0.0, 0))
+        return min(share, peak) if now - at < _ACTIVE_S else 0.0
 
     def served(self, tenant: str) -> None:
         self.turns += 1
