@@ -2,17 +2,25 @@
 
 from __future__ import annotations
 
+import logging
+import multiprocessing
+import os
 import sqlite3
+import stat
 import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import pytest
 from sqlalchemy import Engine, create_engine, event, text
 from sqlalchemy.exc import DBAPIError
 
-from corral.store import KeyStore, UsageRecord, UsageStore, hash_key, open_database
+from corral.store import InvalidKey, KeyStore, KeyUpdate, UsageRecord, UsageStore, hash_key, open_database
+
+from ..gateway.conftest import ScriptedUpstream
+from .test_gateway_admission import start
 
 POSTGRES = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 
@@ -184,3 +192,124 @@ def test_a_store_made_before_request_ids_gains_the_column_and_its_index(tmp_path
             text("EXPLAIN QUERY PLAN SELECT count(*) FROM corral_usage WHERE tenant = 't' GROUP BY date(at)")
         ).all()
         assert "ix_corral_usage_tenant_at" in str(plan), plan
+
+
+@pytest.fixture
+def fresh_postgres() -> Iterator[str]:
+    """A database of this test's own on the PostgreSQL server, dropped after it."""
+    name = f"corral_fresh_{uuid.uuid4().hex[:12]}"
+    admin = create_engine(POSTGRES, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f"CREATE DATABASE {name}"))
+    yield POSTGRES.rsplit("/", 1)[0] + "/" + name
+    with admin.connect() as conn:
+        conn.execute(text(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
+    admin.dispose()
+
+
+def _open_at_once(url: str, barrier: Any, said: Any) -> None:
+    """One gateway starting: open the store the moment the others do; what it met goes to `said`."""
+    barrier.wait(timeout=60)
+    try:
+        open_database(url).dispose()
+    except Exception as exc:  # (told to the test, which names it)
+        said.put(f"{type(exc).__name__}: {exc}")
+    else:
+        said.put("ok")
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgresql"])
+def test_gateways_starting_at_once_on_a_new_store_all_open_it(
+    kind: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    """Four processes opening one new store at the same moment all get its tables: schema changes wait for
+    one another (concurrent CREATE TABLEs failed: on PostgreSQL's catalogue, pg_type's unique index; on
+    SQLite, "table already exists")."""
+    url = (
+        f"sqlite:///{tmp_path / 'corral.db'}"
+        if kind == "sqlite"
+        else request.getfixturevalue("fresh_postgres")
+    )
+    context = multiprocessing.get_context("spawn")
+    barrier, said = context.Barrier(4), context.Queue()
+    openers = [context.Process(target=_open_at_once, args=(url, barrier, said)) for _ in range(4)]
+    for opener in openers:
+        opener.start()
+    outcomes = [said.get(timeout=120) for _ in openers]
+    for opener in openers:
+        opener.join(timeout=60)
+    assert outcomes == ["ok"] * 4, outcomes
+    engine = open_database(url)
+    _, record = KeyStore(engine).create("after-the-race")
+    assert record.id in {k.id for k in KeyStore(engine).list()}
+    engine.dispose()
+
+
+@pytest.fixture
+def umask_022() -> Iterator[None]:
+    """The umask of a login shell outside systemd: files rw-r--r--, folders rwxr-xr-x by default."""
+    before = os.umask(0o022)
+    yield
+    os.umask(before)
+
+
+def test_a_sqlite_store_is_made_readable_by_its_owner_only(tmp_path: Path, umask_022: None) -> None:
+    """Stored responses, files, the audit trail, secrets and session tokens are nobody else's to read:
+    the folder corral makes for the store is 0700, the database and its WAL and shared-memory files 0600."""
+    path = tmp_path / "state" / "corral.db"
+    engine = open_database(f"sqlite:///{path}")
+    KeyStore(engine).create("acme")  # (a write: the -wal and -shm files exist while it is open)
+    made = [path, path.with_name("corral.db-wal"), path.with_name("corral.db-shm")]
+    assert all(p.exists() for p in made), list(path.parent.iterdir())
+    assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+    assert {p.name: stat.S_IMODE(p.stat().st_mode) for p in made} == {p.name: 0o600 for p in made}
+    engine.dispose()
+
+
+def test_a_store_file_others_can_read_is_warned_of(
+    tmp_path: Path, umask_022: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "corral.db"
+    open_database(f"sqlite:///{path}").dispose()
+    caplog.set_level(logging.WARNING, logger="corral.store")
+    open_database(f"sqlite:///{path}").dispose()
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]  # (0600: nothing to say)
+    path.chmod(0o644)  # as a store made by an earlier corral under umask 022
+    open_database(f"sqlite:///{path}").dispose()
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1 and str(path) in warned[0] and "chmod" in warned[0], warned
+
+
+@pytest.mark.parametrize(
+    "field", ["rpm", "tpm", "max_concurrency", "max_files", "monthly_token_budget", "max_file_bytes"]
+)
+def test_a_limit_beyond_its_column_is_refused_naming_it(engine: Engine, field: str) -> None:
+    """rpm, tpm, concurrency and file counts are 32-bit columns, budgets and byte caps 64-bit: a value
+    beyond one is refused, naming the field (PostgreSQL's DataError was an unexpected error, SQLite stored
+    a 32-bit column's and failed on a 64-bit one's)."""
+    too_big = 2**31 if field in ("rpm", "tpm", "max_concurrency", "max_files") else 2**63
+    with pytest.raises(InvalidKey, match=f"less than or equal to {too_big - 1}") as refused:
+        KeyStore(engine).create(f"big-{uuid.uuid4().hex[:8]}", **{field: too_big})
+    assert refused.value.param == field
+    _, record = KeyStore(engine).create(f"big-{uuid.uuid4().hex[:8]}", **{field: too_big - 1})
+    assert getattr(KeyStore(engine).get(record.id), field) == too_big - 1
+    if field in KeyUpdate.model_fields:
+        with pytest.raises(ValueError, match="less than or equal to"):
+            KeyUpdate.model_validate({field: too_big})
+
+
+async def test_the_admin_api_refuses_a_limit_beyond_its_column_with_400(
+    tmp_path: Path, upstream: ScriptedUpstream
+) -> None:
+    server, cluster = await start(tmp_path, upstream)
+    try:
+        status, refused = await cluster.admin("POST", "/admin/keys", {"tenant": "t", "tpm": 3_000_000_000})
+        assert status == 400 and refused["error"]["param"] == "tpm", refused
+        status, refused = await cluster.admin("POST", "/admin/keys", {"tenant": "t", "max_files": 2**31})
+        assert status == 400 and refused["error"]["param"] == "max_files", refused
+        status, made = await cluster.admin("POST", "/admin/keys", {"tenant": "t", "tpm": 2**31 - 1})
+        assert status == 201, made
+        status, refused = await cluster.admin("PATCH", f"/admin/keys/{made['id']}", {"rpm": 2**31})
+        assert status == 400 and refused["error"]["param"] == "rpm", refused
+    finally:
+        await server.stop()

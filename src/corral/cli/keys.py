@@ -6,7 +6,7 @@ import json
 from datetime import UTC, datetime
 from enum import StrEnum
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, NoReturn
 
 import typer
 from rich import box
@@ -16,7 +16,7 @@ from rich.table import Table
 from corral.cli.app import FlagsCommand, FlagsGroup, app, console, fail
 
 if TYPE_CHECKING:  # the store imports SQLAlchemy: only when a command needs it
-    from corral.store import KeyRecord, KeyStore, UsageStore
+    from corral.store import InvalidKey, KeyRecord, KeyStore, UsageStore
 
 _WHEN = ["%Y-%m-%d", "%Y-%m-%dT%H:%M", "%Y-%m-%dT%H:%M:%S", "%Y-%m-%d %H:%M"]  # --since/--until
 
@@ -62,11 +62,18 @@ class UsageBy(StrEnum):
     day = "day"
 
 
-def _stores(file: Path | None, store: str | None, create: bool = False) -> tuple[KeyStore, UsageStore]:
-    """The key and usage stores of `--store`, the spec's `store.url`, or corral's SQLite file. Read-only
-    commands (`create` false) never create a store: a missing one is an error."""
+def _stores(
+    file: Path | None, store: str | None, create: bool = False, announce: bool = False
+) -> tuple[KeyStore, UsageStore]:
+    """The key and usage stores of `--store`, the spec's `store.url`, or corral's SQLite file, brought up
+    to this corral's schema as a gateway brings it (an older corral's store gains what it lacks). Only
+    `create` (`keys create`) makes a store that is not there: for the others that is an error. `announce`
+    (the keys commands) names the store on stderr, and a new one is always said to be new: a key made in
+    a store no gateway reads is never accepted."""
+    from rich.markup import escape
+
     from corral.config import Paths, SpecError, load_spec
-    from corral.store import KeyStore, StoreError, UsageStore, open_database
+    from corral.store import KeyStore, StoreError, UsageStore, open_store
 
     url = store
     if url is None and file is not None:
@@ -75,10 +82,19 @@ def _stores(file: Path | None, store: str | None, create: bool = False) -> tuple
         except SpecError as exc:
             fail(str(exc), 2)
     try:
-        engine = open_database(url or Paths.from_env().database_url, create=create)
+        opened = open_store(url or Paths.from_env().database_url, create=create)
     except StoreError as exc:
         fail(str(exc))
-    return KeyStore(engine), UsageStore(engine)
+    if announce:
+        console.print(f"store: {escape(opened.shown)}", soft_wrap=True, highlight=False)
+    if opened.new:
+        console.print(
+            f"[yellow]note:[/yellow] created a new, empty store at {escape(opened.shown)}: is this the "
+            "store your gateway uses? (its spec's store.url, else corral.db in its CORRAL_HOME)",
+            soft_wrap=True,
+            highlight=False,
+        )
+    return KeyStore(opened.engine), UsageStore(opened.engine)
 
 
 @keys_app.command("create", cls=FlagsCommand)
@@ -119,12 +135,13 @@ def create(
     as_json: JsonOption = False,
 ) -> None:
     """Create a key; its secret is printed once and stored only as a hash."""
-    from corral.store import InvalidKey
+    from pydantic import ValidationError
 
-    keys, _ = _stores(file, store, create=True)
-    try:
-        secret, record = keys.create(
-            tenant,
+    from corral.store import InvalidKey, NewKey
+
+    try:  # (before the store is opened: a refused key makes no store)
+        spec = NewKey(
+            tenant=tenant,
             name=name,
             models=[m for m in models.split(",") if m],
             rpm=rpm,
@@ -137,12 +154,11 @@ def create(
             role=str(role),
             expires_in_s=expires_in_days * 86400 if expires_in_days is not None else None,
         )
-    except InvalidKey as exc:
-        option = {"monthly_token_budget": "monthly-tokens", "expires_in_s": "expires-in-days"}.get(
-            exc.param or "", exc.param or ""
-        )
-        fail(f"--{option.replace('_', '-')}: {exc}" if option else str(exc), 2)
-    _audit(file, store, "key.create", record.id, {"tenant": tenant, "role": record.role})
+    except ValidationError as exc:
+        _refuse(InvalidKey.from_validation(exc), expires_in_days)
+    keys, _ = _stores(file, store, create=True, announce=True)
+    secret, record = keys.create(**spec.model_dump())
+    _audit(keys, "key.create", record.id, {"tenant": tenant, "role": record.role})
     if as_json:
         print(json.dumps({"key": secret, **record.to_dict()}, indent=2))
         return
@@ -159,7 +175,7 @@ def list_keys(
     as_json: JsonOption = False,
 ) -> None:
     """List keys (never their secrets)."""
-    keys, usage_store = _stores(file, store)
+    keys, usage_store = _stores(file, store, announce=True)
     records = keys.list(include_revoked, tenant)
     used = usage_store.month_tokens_by_key()
     if as_json:
@@ -179,7 +195,7 @@ def list_keys(
             _n(r.max_concurrency),
             r.priority,
             _budget(r.monthly_token_budget, used.get(r.id, 0)),
-            "revoked" if r.revoked_at else "active",
+            "revoked" if r.revoked_at else "active" if r.active else "expired",
         )
     Console().print(table)
 
@@ -198,7 +214,7 @@ def show(
     as_json: JsonOption = False,
 ) -> None:
     """Show one key, with what it used of its monthly budget."""
-    keys, usage_store = _stores(file, store)
+    keys, usage_store = _stores(file, store, announce=True)
     record = _one_key(keys, key_id)
     used = usage_store.month_tokens(record.id)
     if as_json:
@@ -217,13 +233,13 @@ def revoke(
     as_json: JsonOption = False,
 ) -> None:
     """Revoke a key: gateways refuse it within their key-cache TTL (auth.cache_ttl)."""
-    keys, _ = _stores(file, store)
+    keys, _ = _stores(file, store, announce=True)
     before = _one_key(keys, key_id)
     key_id = before.id
     record = keys.revoke(key_id) if before.revoked_at is None else before
     assert record is not None and record.revoked_at is not None
     if before.revoked_at is None:
-        _audit(file, store, "key.revoke", key_id, {"tenant": record.tenant})
+        _audit(keys, "key.revoke", key_id, {"tenant": record.tenant})
     if as_json:
         print(json.dumps({**record.to_dict(), "already_revoked": before.revoked_at is not None}, indent=2))
     elif before.revoked_at is not None:
@@ -246,13 +262,13 @@ def rotate(
     as_json: JsonOption = False,
 ) -> None:
     """Give a key a new secret (printed once); the old one keeps working for --grace seconds."""
-    keys, _ = _stores(file, store)
+    keys, _ = _stores(file, store, announce=True)
     record = _one_key(keys, key_id)
     rotated = keys.rotate(record.id, grace)
     if rotated is None:
         fail(f"{record.id} is revoked: create a new key instead")
     secret, record = rotated
-    _audit(file, store, "key.rotate", record.id, {"tenant": record.tenant, "grace_s": grace})
+    _audit(keys, "key.rotate", record.id, {"tenant": record.tenant, "grace_s": grace})
     if as_json:
         print(json.dumps({"key": secret, **record.to_dict()}, indent=2))
         return
@@ -262,14 +278,27 @@ def rotate(
     print(secret)
 
 
-def _audit(file: Path | None, store: str | None, action: str, target: str, detail: dict[str, object]) -> None:
+def _refuse(invalid: InvalidKey, expires_in_days: float | None) -> NoReturn:
+    """A new key's setting out of range, named as its option; a lifetime in days, as it was given."""
+    from corral.store.keys import MAX_LIFETIME_S
+
+    if invalid.param == "expires_in_s":
+        fail(
+            f"--expires-in-days: must be more than 0 and at most {MAX_LIFETIME_S // 86400} days "
+            f"(got {expires_in_days})",
+            2,
+        )
+    option = {"monthly_token_budget": "monthly-tokens"}.get(invalid.param or "", invalid.param or "")
+    fail(f"--{option.replace('_', '-')}: {invalid}" if option else str(invalid), 2)
+
+
+def _audit(keys: KeyStore, action: str, target: str, detail: dict[str, object]) -> None:
     """The command's action in the audit trail: run on this machine against the store itself, by whoever
     holds its credentials (the break-glass path beside the admin key), named by their login."""
     import getpass
 
     from corral.store import AuditEntry, AuditLog
 
-    keys, _ = _stores(file, store)
     log = AuditLog(keys.engine)
     log.record(
         AuditEntry(

@@ -3,6 +3,10 @@ files, stored responses, and the batch tables (their queue's logic is in batch/)
 
 from __future__ import annotations
 
+import logging
+import os
+import stat
+from dataclasses import dataclass
 from pathlib import Path
 
 from sqlalchemy import Engine, create_engine, event, inspect
@@ -24,7 +28,7 @@ from corral.store.keys import (
 )
 from corral.store.responses import ResponseStore, StoredResponse
 from corral.store.retention import Retention
-from corral.store.schema import Base, StoreError, add_missing_columns, store_is_down
+from corral.store.schema import CORE_TABLES, StoreError, bring_forward, store_is_down
 from corral.store.secrets import server_secret
 from corral.store.sessions import ConsoleSession, SessionStore
 from corral.store.usage import UsageRecord, UsageStore
@@ -44,6 +48,7 @@ __all__ = [
     "KeyUpdate",
     "NewFile",
     "NewKey",
+    "OpenedStore",
     "ResponseStore",
     "Retention",
     "SessionStore",
@@ -54,9 +59,12 @@ __all__ = [
     "hash_key",
     "normalise_url",
     "open_database",
+    "open_store",
     "server_secret",
     "store_is_down",
 ]
+
+logger = logging.getLogger(__name__)
 
 # The spellings people copy from PostgreSQL's docs, Heroku or psql, and the driver corral ships (psycopg 3).
 _POSTGRES_PREFIXES = ("postgres://", "postgresql://", "postgresql+psycopg2://", "postgres+psycopg://")
@@ -71,28 +79,37 @@ def normalise_url(url: str) -> str:
     return url
 
 
+@dataclass(frozen=True)
+class OpenedStore:
+    """A store opened: its engine, its URL as shown (any password masked), and whether it was new (corral
+    made its tables now: nothing was recorded there before)."""
+
+    engine: Engine
+    shown: str
+    new: bool
+
+
 def open_database(url: str, create: bool = True) -> Engine:
-    """An engine for `url` with corral's tables. With `create` (a gateway, `keys create`) SQLite folders and
-    the tables are made as needed; without it (read-only commands) a store that is not there is an error.
-    Raises StoreError with one line saying what is wrong."""
+    """An engine for `url` with corral's tables (open_store's)."""
+    return open_store(url, create).engine
+
+
+def open_store(url: str, create: bool = True) -> OpenedStore:
+    """The store at `url`, brought up to this corral's schema: the tables, columns and indexes an earlier
+    corral's store lacks are added (bring_forward: safe beside that corral's gateways still running). With
+    `create` (a gateway, `keys create`) a store that is not there is made, SQLite's file readable by its
+    owner only; without it (the commands that only read) that is an error. Raises StoreError with one line
+    saying what is wrong."""
     url = normalise_url(url)
     shown = _without_password(url)
-    if url.startswith("sqlite:///"):
-        path = Path(url.removeprefix("sqlite:///")).expanduser()
-        if not create and not path.exists():
-            raise StoreError(f"no corral store at {path} (nothing has been recorded there yet)")
-        if create:
-            try:
-                path.parent.mkdir(parents=True, exist_ok=True)
-            except OSError as exc:
-                raise StoreError(f"cannot create the store's folder {path.parent}: {exc.strerror}") from exc
+    database = url.removeprefix("sqlite:///").split("?", 1)[0]  # (its file, without the URL's options)
+    if url.startswith("sqlite:///") and database not in ("", ":memory:"):
+        _sqlite_file(Path(database).expanduser(), create)
     try:
         engine = _engine(url)
-        if create:
-            Base.metadata.create_all(engine)
-            add_missing_columns(engine)
-        elif not _CORE_TABLES <= set(inspect(engine).get_table_names()):  # (a store from before batches)
+        if not create and not CORE_TABLES <= set(inspect(engine).get_table_names()):
             raise StoreError(f"{shown} holds no corral store (its tables are missing)")
+        new = bring_forward(engine)
     except NoSuchModuleError as exc:
         raise StoreError(
             f"unsupported store URL {shown}: use sqlite:///PATH or postgresql://USER@HOST/DB"
@@ -104,10 +121,42 @@ def open_database(url: str, create: bool = True) -> Engine:
     except SQLAlchemyError as exc:
         cause = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]
         raise StoreError(f"cannot open the store at {shown}: {cause}") from exc
-    return engine
+    return OpenedStore(engine, shown, new)
 
 
-_CORE_TABLES = {"corral_api_keys", "corral_usage"}
+def _sqlite_file(path: Path, create: bool) -> None:
+    """The store's file: made (with `create`) before SQLite opens it, readable and writable by its owner
+    only, in a folder only its owner may enter where corral makes that too (SQLite gives the -wal and -shm
+    files beside it the file's own mode); one that others may read is warned of."""
+    if path.exists():
+        _warn_if_shared(path)
+        return
+    if not create:
+        raise StoreError(f"no corral store at {path} (nothing has been recorded there yet)")
+    try:
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as exc:
+        raise StoreError(f"cannot create the store's folder {path.parent}: {exc.strerror}") from exc
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600))
+    except OSError as exc:
+        raise StoreError(f"cannot create the store {path}: {exc.strerror}") from exc
+
+
+def _warn_if_shared(path: Path) -> None:
+    shared = [
+        f"{p.name} ({stat.filemode(p.stat().st_mode)})"
+        for p in (path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm"))
+        if p.exists() and p.stat().st_mode & (stat.S_IRWXG | stat.S_IRWXO)
+    ]
+    if shared:
+        logger.warning(
+            "the store %s can be read by others than its owner: %s. It holds stored responses, files, the "
+            "audit trail, secrets and console sessions: make it its owner's alone (chmod 600 %s*)",
+            path,
+            ", ".join(shared),
+            path,
+        )
 
 
 def _engine(url: str) -> Engine:

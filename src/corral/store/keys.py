@@ -18,6 +18,7 @@ from corral.store.schema import ApiKeyRow
 
 __all__ = [
     "BATCH_PRIORITY",
+    "MAX_LIFETIME_S",
     "PRIORITIES",
     "ROLES",
     "InvalidKey",
@@ -33,6 +34,9 @@ PRIORITIES = {"high": 0, "normal": 1, "low": 2}
 BATCH_PRIORITY = 3  # below every key's class: the batch runner's lines (batch/runner.py)
 ROLES = ("admin", "operator", "viewer", "tenant-admin", "user")
 _SECRET_PREFIX = "sk-corral-"
+_INT32_MAX = 2**31 - 1  # the most a limit in an Integer column holds (PostgreSQL's integer)
+_INT64_MAX = 2**63 - 1  # and in a BigInteger one
+MAX_LIFETIME_S = 10 * 365 * 86400  # a key that expires: within ten years
 
 
 def new_secret() -> str:
@@ -55,15 +59,16 @@ class NewKey(BaseModel):
     models: list[Annotated[str, Field(min_length=1, max_length=128)]] = Field(  # (a model's name: <= 128)
         default_factory=list, max_length=1024
     )
-    rpm: int | None = Field(default=None, ge=1)
-    tpm: int | None = Field(default=None, ge=1)
-    max_concurrency: int | None = Field(default=None, ge=1)
+    rpm: int | None = Field(default=None, ge=1, le=_INT32_MAX)
+    tpm: int | None = Field(default=None, ge=1, le=_INT32_MAX)
+    max_concurrency: int | None = Field(default=None, ge=1, le=_INT32_MAX)
     priority: str = Field(default="normal", pattern="^(high|normal|low)$")
-    monthly_token_budget: int | None = Field(default=None, ge=1)
-    max_files: int | None = Field(default=None, ge=1)  # uploads made with the key: its tenant's file cap
-    max_file_bytes: int | None = Field(default=None, ge=1)
+    monthly_token_budget: int | None = Field(default=None, ge=1, le=_INT64_MAX)
+    # uploads made with the key: its tenant's file cap
+    max_files: int | None = Field(default=None, ge=1, le=_INT32_MAX)
+    max_file_bytes: int | None = Field(default=None, ge=1, le=_INT64_MAX)
     role: str = Field(default="user", pattern="^(admin|operator|viewer|tenant-admin|user)$")
-    expires_in_s: float | None = Field(default=None, gt=0, le=10 * 365 * 86400)  # None: never expires
+    expires_in_s: float | None = Field(default=None, gt=0, le=MAX_LIFETIME_S)  # None: never expires
 
 
 class KeyUpdate(BaseModel):
@@ -71,10 +76,10 @@ class KeyUpdate(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    rpm: int | None = Field(default=None, ge=1)
-    tpm: int | None = Field(default=None, ge=1)
-    max_concurrency: int | None = Field(default=None, ge=1)
-    monthly_token_budget: int | None = Field(default=None, ge=1)
+    rpm: int | None = Field(default=None, ge=1, le=_INT32_MAX)
+    tpm: int | None = Field(default=None, ge=1, le=_INT32_MAX)
+    max_concurrency: int | None = Field(default=None, ge=1, le=_INT32_MAX)
+    monthly_token_budget: int | None = Field(default=None, ge=1, le=_INT64_MAX)
 
 
 class InvalidKey(ValueError):

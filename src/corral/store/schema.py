@@ -1,7 +1,10 @@
-"""Tables: API keys (stored hashed), usage records and the audit trail."""
+"""Tables: API keys (stored hashed), usage records and the audit trail; and bringing a store an earlier
+corral made up to them."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import datetime
 
 from sqlalchemy import (
@@ -18,7 +21,7 @@ from sqlalchemy import (
     inspect,
     text,
 )
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.engine import Connection
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 __all__ = [
@@ -29,8 +32,13 @@ __all__ = [
     "StoreError",
     "UsageRow",
     "add_missing_columns",
+    "bring_forward",
     "store_is_down",
 ]
+
+CORE_TABLES = frozenset({"corral_api_keys", "corral_usage"})  # a store holds these whatever its age
+_SCHEMA_LOCK = int.from_bytes(b"corral", "big")  # PostgreSQL's advisory lock held while the schema changes
+_SCHEMA_WAIT_MS = 120_000  # SQLite: how long one waits while another makes its changes (an index build)
 
 
 class Base(DeclarativeBase):
@@ -168,10 +176,61 @@ class UsageRow(Base):
     request_id: Mapped[str | None] = mapped_column(String(128), nullable=True, index=True)
 
 
-def add_missing_columns(engine: Engine) -> None:
-    """Nullable columns added to a table after a store made it are added in place, so a store made by an
-    earlier corral keeps working (corral's schema only ever grows by nullable columns)."""
+def bring_forward(engine: Engine) -> bool:
+    """Make what corral's schema has and the store lacks: its tables, and the nullable columns and indexes
+    added to them since an earlier corral made the store (the schema only ever grows by these, so gateways
+    of that earlier version keep working beside it). Returns whether the store was new (none of corral's
+    tables were there). The changes are made by one process at a time, under PostgreSQL's advisory lock or
+    SQLite's write lock, in one transaction: gateways and commands opening one store at once each find what
+    the one before made. A store with nothing to change is only read (no lock taken)."""
+    if not _behind(engine):
+        return False
+    with engine.connect() as connection, _schema_lock(connection):
+        new = not CORE_TABLES <= set(inspect(connection).get_table_names())
+        Base.metadata.create_all(connection)
+        add_missing_columns(connection)
+    return new
+
+
+def _behind(engine: Engine) -> bool:
+    """Whether the store lacks a table, a nullable column or an index corral's schema has."""
     inspector = inspect(engine)
+    tables = set(inspector.get_table_names())
+    for table in Base.metadata.sorted_tables:
+        if table.name not in tables:
+            return True
+        columns = {column["name"] for column in inspector.get_columns(table.name)}
+        indexes = {index["name"] for index in inspector.get_indexes(table.name)}
+        if any(c.nullable and c.name not in columns for c in table.columns):
+            return True
+        if any(index.name not in indexes for index in table.indexes):
+            return True
+    return False
+
+
+@contextmanager
+def _schema_lock(connection: Connection) -> Iterator[None]:
+    """A transaction on `connection` beside which no other process changes the schema: committed when the
+    block ends (the lock let go with it); where the block raises, the connection's close rolls it back."""
+    waited = None
+    if connection.dialect.name == "postgresql":
+        connection.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": _SCHEMA_LOCK})
+    elif connection.dialect.name == "sqlite":  # its write lock now, not at the first change (checked first)
+        waited = connection.exec_driver_sql("PRAGMA busy_timeout").scalar()
+        connection.exec_driver_sql(f"PRAGMA busy_timeout={_SCHEMA_WAIT_MS}")
+        connection.exec_driver_sql("BEGIN IMMEDIATE")
+    yield
+    connection.commit()
+    if waited is not None:  # (the connection goes back to the pool as it came)
+        connection.exec_driver_sql(f"PRAGMA busy_timeout={int(waited)}")
+        connection.commit()
+
+
+def add_missing_columns(connection: Connection) -> None:
+    """Nullable columns added to a table after a store made it are added in place, and the indexes it
+    lacks made, so a store made by an earlier corral keeps working (corral's schema only ever grows by
+    nullable columns). Inside bring_forward's lock: another process's changes are already there."""
+    inspector = inspect(connection)
     for table in Base.metadata.sorted_tables:
         if not inspector.has_table(table.name):
             continue
@@ -179,15 +238,7 @@ def add_missing_columns(engine: Engine) -> None:
         for column in table.columns:
             if column.name in have or not column.nullable:
                 continue
-            kind = column.type.compile(engine.dialect)
-            try:
-                with engine.begin() as connection:
-                    connection.execute(text(f"ALTER TABLE {table.name} ADD COLUMN {column.name} {kind}"))
-            except SQLAlchemyError:  # another process added it first
-                if column.name not in {c["name"] for c in inspect(engine).get_columns(table.name)}:
-                    raise
+            kind = column.type.compile(connection.dialect)
+            connection.execute(text(f"ALTER TABLE {table.name} ADD COLUMN {column.name} {kind}"))
         for index in table.indexes:  # (an added column's index: a lookup by it must not scan the table)
-            try:
-                index.create(bind=engine, checkfirst=True)
-            except SQLAlchemyError:  # another process made it first
-                pass
+            index.create(bind=connection, checkfirst=True)
