@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
+import aiohttp
 import orjson
 import pytest
 from aiohttp import web
@@ -13,6 +14,8 @@ from corral.gateway.relay import SSE_HEADERS, EventStream
 from corral.gateway.sse import SSEFilter
 from corral.protocol import events
 from corral.protocol.events import EventBuffer, EventTooLarge
+
+from .conftest import Gateway
 
 CONTENT = b'data: {"choices":[{"index":0,"delta":{"content":"hi \\"usage\\""}}]}\n\n'
 FINISH = b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\n'
@@ -131,3 +134,71 @@ def test_an_event_split_across_reads_is_handed_on_whole_and_an_endless_one_is_re
     buffer.complete(b"data: " + b"x" * 900)
     with pytest.raises(EventTooLarge):
         buffer.complete(b"x" * 200)
+
+
+def test_an_engine_that_ends_its_lines_with_crlf_or_cr_is_read_and_relayed_with_lf() -> None:
+    """SSE lets a line end with CRLF or CR (sse-starlette's default is CRLF: llama-cpp-python's server).
+    Events split only at LF LF never ended: every stream from such an engine was a 502, and its breaker
+    opened. Its events are read whole however the reads fall (a CRLF across two of them too), its usage
+    and `[DONE]` seen, and the client is sent them with LF ends."""
+    for ending in (b"\r\n", b"\r"):
+        stream = STREAM.replace(b"\n", ending)
+        for size in (1, 2, 3, 7, 64, len(stream)):
+            sse = SSEFilter(keep_usage=False)
+            assert feed_in_pieces(sse, stream, size) == CONTENT + FINISH + DONE, (ending, size)
+            assert sse.done and sse.usage == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+
+
+def test_an_lf_stream_is_handed_on_as_it_came_once_its_first_line_ended() -> None:
+    """The stream's first line ending decides how it is read, once: an LF engine's reads are not searched
+    for CRs after that (nor is a CR among them taken for a line's end)."""
+    buffer = EventBuffer()
+    assert buffer.complete(b"data: {") == b""  # (no line ended yet)
+    assert buffer.complete(b"}\n\ndata: a\r") == b"data: {}\n\n"
+    assert buffer.complete(b"b\n\n") == b"data: a\rb\n\n"
+
+
+async def _crlf_engine(request: web.Request) -> web.StreamResponse:
+    """An OpenAI-compatible engine that ends its SSE lines with CRLF, as sse-starlette does; one CRLF is
+    split between two writes."""
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await response.prepare(request)
+    for i in range(3):
+        chunk = {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "m"}
+        chunk["choices"] = [{"index": 0, "delta": {"content": f"tok{i} "}, "finish_reason": None}]
+        event = b"data: " + orjson.dumps(chunk) + b"\r\n\r\n"
+        await response.write(event[:-1])
+        await asyncio.sleep(0.01)
+        await response.write(event[-1:])
+    usage = {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
+    last = {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "m", "choices": []}
+    await response.write(b"data: " + orjson.dumps({**last, "usage": usage}) + b"\r\n\r\n")
+    await response.write(b"data: [DONE]\r\n\r\n")
+    return response
+
+
+async def test_a_stream_from_an_engine_that_ends_its_lines_with_crlf_reaches_the_client(
+    gateway: Gateway,
+) -> None:
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", _crlf_engine)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    replica = gateway.add_replica(f"http://127.0.0.1:{runner.addresses[0][1]}")
+    body = {"model": "m", "messages": [{"role": "user", "content": "q"}], "stream": True}
+    try:
+        async with aiohttp.ClientSession() as session:
+            for options in (None, {"include_usage": True}):
+                ask = {**body, "stream_options": options} if options else body
+                async with session.post(gateway.base_url + "/chat/completions", json=ask) as answer:
+                    assert answer.status == 200
+                    raw = await answer.read()
+                assert b"\r" not in raw and raw.endswith(b"data: [DONE]\n\n")
+                events = [orjson.loads(e[len(b"data: ") :]) for e in raw.split(b"\n\n")[:-2]]
+                text = "".join(c["choices"][0]["delta"]["content"] for c in events if c["choices"])
+                assert text == "tok0 tok1 tok2 "
+                assert (events[-1].get("usage") is not None) == (options is not None)
+    finally:
+        await runner.cleanup()
+    assert replica.failures == 0

@@ -7,6 +7,7 @@ import base64
 
 import pytest
 
+from corral.engines import EngineLoad, parse_vllm_load
 from corral.gateway.intake import prompt_text
 from corral.protocol import ChatCompletionRequest
 from corral.routing import (
@@ -101,3 +102,23 @@ def test_one_busy_session_spills_from_its_replica_past_the_load_bound() -> None:
     assert policy.pick(others, RouteRequest("m", session="one-user-for-everything")).replica is spilled
     home.outstanding = 0  # its home is back within the bound: the session returns
     assert policy.pick(replicas, RouteRequest("m", session="one-user-for-everything")).replica is home
+
+
+def test_an_engine_that_reports_a_negative_queue_draws_no_more_than_its_share() -> None:
+    """An engine's `vllm:num_requests_waiting -1000000` made its replica's load negative, always within the
+    load bound and the cheapest: every request went to it (an `external` engine drawing every tenant's
+    prompts). Its queue is read as empty: it takes its turn as an idle replica does."""
+    replicas = ReplicaSet(["m"])
+    for replica in fleet(4):
+        replica.capacity = 8
+        replica.load = EngineLoad(running=0, waiting=0)
+        replicas.add(replica)
+    liar = replicas.of("m")[0]
+    liar.load = parse_vllm_load("vllm:num_requests_waiting -1000000\nvllm:num_requests_running -3\n")
+    router = Router(replicas)
+    taken = {r.id: 0 for r in replicas}
+    for i in range(200):  # all in flight at once (none released)
+        request = RouteRequest(model="m", tokens=300, prompt=f"tenant doc {i} " * 40, prompt_tokens=200)
+        taken[router.acquire(request).id] += 1
+    assert max(taken.values()) <= 60, taken
+    assert (liar.load.waiting, liar.load.running) == (0, 0)

@@ -1,11 +1,12 @@
 """Eve holds connections open without sending a request: each is closed at `gateway.idle_timeout`, and
-past `gateway.max_client_connections` from her address a new one is closed at once, while other
-addresses (bob's) and the trusted edge are served."""
+past `gateway.max_client_connections` from her address a new one is closed at once (with native TLS, before
+its handshake), while other addresses (bob's) and the trusted edge are served."""
 
 from __future__ import annotations
 
 import asyncio
 import socket
+import ssl
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -13,11 +14,13 @@ from pathlib import Path
 import aiohttp
 import orjson
 import pytest
+import uvloop
 from sqlalchemy import create_engine, select
 from sqlalchemy.orm import Session
 
-from corral.config import AuthSettings, GatewaySettings
-from corral.gateway import GatewayServer
+from corral.config import AuthSettings, GatewaySettings, TLSSettings
+from corral.deploy import write_dev_certificates
+from corral.gateway import GatewayServer, connections
 from corral.routing import Replica, ReplicaSet, ReplicaState, Router
 from corral.store.schema import UsageRow
 
@@ -215,3 +218,48 @@ async def test_a_client_reading_a_large_answer_slowly_is_not_cut(tmp_path: Path)
     finally:
         await server.stop()
         await engine.stop()
+
+
+async def _tls_health(port: int, source: str) -> bytes:
+    context = ssl.create_default_context()
+    context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
+    streams = await asyncio.open_connection("127.0.0.1", port, ssl=context, local_addr=(source, 0))
+    return await health(streams)
+
+
+async def _tls_connections_are_capped_from_their_accept(tmp_path: Path) -> None:
+    files, _ = write_dev_certificates(tmp_path / "certs", ["127.0.0.1"])
+    replicas = ReplicaSet(["m"])
+    parts = make_services(replicas, tmp_path / "c.db", auth=AuthSettings(open=False))
+    tls = TLSSettings(cert=files.cert, key=files.key)
+    server = GatewayServer(
+        GatewaySettings(port=0, max_client_connections=4, tls=tls), Router(replicas), parts
+    )
+    await server.start()
+    assert server.port is not None
+    try:
+        idle = [await connect(server.port) for _ in range(4)]  # not one byte sent: no ClientHello
+        await until(lambda: server.connections.holding("127.0.0.1") == 4, within=5)
+        assert await closed_by_gateway(await connect(server.port), within=2)  # the fifth: closed at once
+        assert server.connections.closed["address_cap"] == 1
+        assert await _tls_health(server.port, "127.0.0.2") == b"HTTP/1.1 200 OK"  # bob, over TLS
+        # the idle four are let go at the handshake timeout, and their address is served again
+        assert all([await closed_by_gateway(streams, within=5) for streams in idle])
+        await until(lambda: server.connections.holding("127.0.0.1") == 0, within=5)
+        assert await _tls_health(server.port, "127.0.0.1") == b"HTTP/1.1 200 OK"
+        await until(lambda: server.connections.holding("127.0.0.1") == 0, within=5)  # (and released)
+    finally:
+        await server.stop()
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_tls_connections_count_against_the_cap_before_their_handshake(
+    loop: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """asyncio tells the application of a TLS connection only once its handshake is done: connections that
+    never sent a ClientHello were never counted, each held for asyncio's 60 s handshake timeout (200 from
+    one address under a cap of 4: 200 held). They count from TCP's accept, past the cap are closed at once,
+    and are let go at the handshake timeout; on either event loop (the gateway runs on uvloop)."""
+    monkeypatch.setattr(connections, "_HANDSHAKE_TIMEOUT_S", 1.0)
+    run = uvloop.run if loop == "uvloop" else asyncio.run
+    run(_tls_connections_are_capped_from_their_accept(tmp_path))

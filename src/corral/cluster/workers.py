@@ -386,14 +386,30 @@ class WorkerPool:
             writer.write(orjson.dumps(reply) + b"\n")
 
     async def _publish(self) -> None:
+        """Send the replica set to every worker when it changed. A round that fails is logged (once while
+        it keeps failing the same way) and the next goes on: the workers keep the last snapshot and are
+        sent the next one that can be made, rather than never one again."""
+        failing = ""
         while True:
             await asyncio.sleep(_PUBLISH_S)
-            snapshot = replica_snapshot(self._replicas)
-            if snapshot == self._snapshot:
+            try:
+                self._publish_changes()
+            except Exception as exc:  # (a supervisor loop: it must go on)
+                if repr(exc) != failing:
+                    failing = repr(exc)
+                    logger.exception("the replica set could not be sent to the gateway workers")
                 continue
-            self._snapshot = snapshot
-            for worker in self._workers:
-                _send(worker, snapshot + b"\n")
+            if failing:
+                failing = ""
+                logger.info("the replica set is sent to the gateway workers again")
+
+    def _publish_changes(self) -> None:
+        snapshot = replica_snapshot(self._replicas)
+        if snapshot == self._snapshot:
+            return
+        self._snapshot = snapshot
+        for worker in self._workers:
+            _send(worker, snapshot + b"\n")
 
 
 def _send(worker: _Worker, line: bytes) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -59,9 +60,12 @@ class KvCacheView:
         self._last_seq: dict[int, int] = {}  # per data-parallel rank
 
     def apply(self, seq: int, payload: bytes) -> None:
-        """One published message: its sequence number and msgpack batch."""
+        """One published message: its sequence number and msgpack batch (ValueError, and the view as it
+        was, for a batch whose time is no finite number)."""
         batch = msgpack.unpackb(payload, raw=False, strict_map_key=False, use_list=False)  # (tuples: faster)
         at, events = float(batch[0]), batch[1]
+        if not math.isfinite(at):  # (a block cached at +inf, once evicted, would be every block's frontier)
+            raise ValueError(f"a batch stamped {at}")
         rank = batch[2] if len(batch) > 2 and isinstance(batch[2], int) else 0
         last = self._last_seq.get(rank)
         if last is not None and seq <= last:  # the publisher started over: the engine restarted, empty

@@ -3,6 +3,8 @@
 The relay asks every engine for usage (`stream_options.include_usage`), so it can account for tokens even
 when the client did not ask. This filter passes complete events through as the same bytes, and looks
 inside only the few events that can hold usage or the `[DONE]` marker (a fast substring test per chunk).
+An engine that ends its lines with CRLF (or CR) is read, and relayed, with LF ends (protocol/events.py):
+its reads never end with LF LF, so they take the buffer's way, which the reads of an LF engine skip.
 """
 
 from __future__ import annotations
