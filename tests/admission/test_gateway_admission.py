@@ -7,14 +7,17 @@ import itertools
 import json
 import statistics
 import subprocess
+import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import aiohttp
 import openai
 import pytest
 
+from corral.admission import TokenCounter
+from corral.admission.tokens import LONG_TEXT_CHARS
 from corral.config import AuthSettings, GatewaySettings, LimitsSettings, Paths, QueueSettings
 from corral.gateway import GatewayParts, GatewayServer
 from corral.routing import Replica, ReplicaSet, ReplicaState, Router
@@ -513,6 +516,174 @@ async def test_a_key_over_its_limits_is_refused_before_its_long_prompt_is_counte
     assert row["api"] == ("chat" if route == "/v1/chat/completions" else "responses")
 
 
+class _HeldCounter(TokenCounter):
+    """Counts a token per four characters; a long text's count waits for `go` (`began` set when one
+    begins), each long text's length noted in `counted`. Stands in for a tokenizer over a few MB."""
+
+    def __init__(self) -> None:  # (no tokenizer file)
+        self.go, self.began = threading.Event(), threading.Event()
+        self.counted: list[int] = []
+
+    def count(self, text: str) -> int:
+        if len(text) >= LONG_TEXT_CHARS:
+            self.began.set()
+            assert self.go.wait(30)
+            self.counted.append(len(text))
+        return len(text) // 4
+
+
+class _Checks:
+    """The limiter as it is, its `check` calls counted (one for each long prompt's check of its key)."""
+
+    def __init__(self, real: object) -> None:
+        self.real, self.checks = real, 0
+
+    async def check(self, principal: object, tokens: int) -> None:
+        self.checks += 1
+        await self.real.check(principal, tokens)  # type: ignore[attr-defined]
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.real, name)
+
+
+def _held_gateway(
+    tmp_path: Path, upstream: ScriptedUpstream, context: int | None = None
+) -> tuple[GatewayServer, GatewayParts, _HeldCounter, _Checks]:
+    """A closed gateway (not started) whose model "m" (`context` tokens a sequence) counts prompts with a
+    `_HeldCounter`, its limiter's checks counted."""
+    replicas = ReplicaSet(["m"])
+    replicas.add(
+        Replica(
+            id="m-0",
+            model="m",
+            engine="x",
+            url=upstream.url,
+            state=ReplicaState.READY,
+            context_length=context,
+        )
+    )
+    services = make_services(replicas, tmp_path / "c.db", auth=AuthSettings(open=False), admin_key=ADMIN)
+    counter = services.sizing.counters["m"] = _HeldCounter()
+    checks = _Checks(services.limits.limiter)
+    services.limits.limiter = checks  # type: ignore[assignment]
+    return GatewayServer(GatewaySettings(port=0), Router(replicas), services), services, counter, checks
+
+
+async def _until(condition: Callable[[], bool], within: float = 10.0) -> None:
+    deadline = time.monotonic() + within
+    while not condition():
+        assert time.monotonic() < deadline, "the condition did not come within the deadline"
+        await asyncio.sleep(0.01)
+
+
+async def test_long_prompts_waiting_for_their_count_are_checked_again_when_their_turn_comes(
+    tmp_path: Path, upstream: ScriptedUpstream
+) -> None:
+    """Mallory's key allows one request a minute. Seven more long prompts of hers come while her first is
+    being counted: each passes the check made as it comes (nothing is reserved before a count) and waits
+    for her counting turn. By their turn her first has taken her minute's request: they are refused then,
+    uncounted (but for the one whose turn came as her first was being admitted), where all seven were
+    counted (seconds of a counting thread each for a few MB) only to be refused after."""
+    server, services, counter, checks = _held_gateway(tmp_path, upstream)
+    await server.start()
+    key, _ = services.keys.create("mallory", rpm=1)
+    url = f"http://127.0.0.1:{server.port}/v1/chat/completions"
+    text = "word and more " * 15_000  # about 210 kB: counted in a thread, not checked before its parse
+
+    async def ask(i: int) -> tuple[int, dict]:
+        body = {"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": f"{text} {i}"}]}
+        async with session.post(url, json=body, headers={"Authorization": f"Bearer {key}"}) as answer:
+            return answer.status, await answer.json()
+
+    try:
+        async with aiohttp.ClientSession() as session:
+            first = asyncio.create_task(ask(0))
+            await _until(counter.began.is_set)
+            before = checks.checks
+            rest = [asyncio.create_task(ask(i)) for i in range(1, 8)]
+            await _until(lambda: checks.checks - before >= 7)  # each checked as it came: all waiting
+            counter.go.set()
+            answers = await asyncio.gather(first, *rest)
+    finally:
+        counter.go.set()
+        await server.stop()
+    assert answers[0][0] == 200
+    assert [status for status, _ in answers[1:]] == [429] * 7
+    assert {error["error"]["code"] for _, error in answers[1:]} == {"rate_limit_exceeded"}
+    assert len(counter.counted) <= 2, counter.counted
+
+
+async def test_a_tenants_long_prompts_waiting_to_be_counted_are_bounded(
+    tmp_path: Path, upstream: ScriptedUpstream
+) -> None:
+    """Each long prompt waiting for its tenant's counting turn holds its body in memory: ten of a million
+    characters at once (a key without limits) park eight (8 Mi characters at most wait), and the other two
+    are refused at once, 429 `too_many_long_prompts` with a Retry-After, where all ten waited. The eight
+    are counted and served one after another."""
+    server, services, counter, _ = _held_gateway(tmp_path, upstream)
+    await server.start()
+    key, _ = services.keys.create("mallory")
+    url = f"http://127.0.0.1:{server.port}/v1/chat/completions"
+    text = "x " * 500_000
+
+    async def ask(i: int) -> tuple[int, dict, dict[str, str]]:
+        body = {"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": f"{text}{i:02d}"}]}
+        async with session.post(url, json=body, headers={"Authorization": f"Bearer {key}"}) as answer:
+            return answer.status, await answer.json(), dict(answer.headers)
+
+    try:
+        async with aiohttp.ClientSession() as session:
+            asked = [asyncio.create_task(ask(i)) for i in range(10)]
+            await _until(lambda: sum(task.done() for task in asked) >= 2)  # (the first held in its count)
+            refused = [task.result() for task in asked if task.done()]
+            counter.go.set()
+            answers = await asyncio.gather(*asked)
+    finally:
+        counter.go.set()
+        await server.stop()
+    assert [status for status, _, _ in refused] == [429, 429]
+    for _, error, headers in refused:
+        assert (
+            error["error"]["code"] == "too_many_long_prompts" and error["error"]["type"] == "rate_limit_error"
+        )
+        assert int(headers["Retry-After"]) >= 1
+    assert sorted(status for status, _, _ in answers) == [200] * 8 + [429] * 2
+    assert len(counter.counted) == 8
+
+
+@pytest.mark.parametrize("refusal", ["too large for its TPM", "past the model's context"])
+async def test_a_long_prompt_refused_once_counted_spends_one_of_its_keys_requests(
+    tmp_path: Path, upstream: ScriptedUpstream, refusal: str
+) -> None:
+    """A long prompt refused only once counted (more tokens than the key's whole TPM, or than the model's
+    context) is one of its key's requests all the same: a key allowed two a minute has two such prompts
+    counted, and the next are refused before their count, where each was counted (a counting thread's
+    seconds for a few MB, for nothing) as often as it was sent."""
+    context = 8_192 if refusal == "past the model's context" else None
+    server, services, counter, _ = _held_gateway(tmp_path, upstream, context=context)
+    counter.go.set()
+    await server.start()
+    key, _ = services.keys.create("mallory", rpm=2, tpm=1_000 if context is None else None)
+    body = {
+        "model": "m",
+        "max_tokens": 1,
+        "messages": [{"role": "user", "content": "word and more " * 15_000}],
+    }
+    url = f"http://127.0.0.1:{server.port}/v1/chat/completions"
+    answers = []
+    try:
+        async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {key}"}) as session:
+            for _ in range(4):  # one after another: never two at once
+                async with session.post(url, json=body) as answer:
+                    answers.append((answer.status, (await answer.json())["error"]))
+    finally:
+        await server.stop()
+    spent = 429 if context is None else 400
+    assert [status for status, _ in answers] == [spent, spent, 429, 429], answers
+    assert all("2 requests per minute" in error["message"] for _, error in answers[2:]), answers
+    assert len(counter.counted) == 2
+
+
 async def test_long_embedding_inputs_over_the_limits_are_refused_before_they_are_counted(
     tmp_path: Path, upstream: ScriptedUpstream
 ) -> None:
@@ -791,3 +962,41 @@ async def test_a_client_that_leaves_once_its_answer_is_whole_is_still_settled_an
     assert settled
     _, report = await closed.admin("GET", "/admin/usage?by=key")
     assert any(r["key"] == made["id"] and r["requests"] == 1 for r in report["rows"]), report
+
+
+async def test_a_whole_answer_without_max_tokens_left_before_it_came_pays_all_it_may_generate(
+    tmp_path: Path, upstream: ScriptedUpstream
+) -> None:
+    """Without max_tokens a request reserves the gateway's estimate of its answer (256 tokens) against TPM,
+    and all the model may generate (its context less the prompt) against the monthly budget. A client
+    that leaves before its whole answer (not streamed: nothing of it was read, and the engine worked on it
+    all that while) is charged what its budget reserved, as one with max_tokens is charged those, where
+    it paid the 256-token estimate: leaving just before the answer had the engine generate its whole
+    context for 256 tokens of the key's TPM and budget."""
+    upstream.delay = 30.0  # (cancelled with the request: the relay cancels the engine's)
+    server, services, _, _ = _held_gateway(tmp_path, upstream, context=8_192)
+    await server.start()
+    key, record = services.keys.create("mallory", tpm=100_000, monthly_token_budget=1_000_000)
+    url = f"http://127.0.0.1:{server.port}"
+    try:
+        async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {key}"}) as session:
+            body = {"model": "m", "messages": MESSAGES}
+            asking = asyncio.create_task(session.post(url + "/v1/chat/completions", json=body))
+            await _until(lambda: upstream.active == 1)  # at the engine: then its client leaves
+            asking.cancel()
+            rows: list[dict] = []
+            while not rows:
+                await asyncio.sleep(0.1)  # store.flush_interval is 0.1 s in tests
+                async with session.get(url + "/admin/usage?by=key", headers=AS_ADMIN) as found:
+                    rows = (await found.json())["rows"]
+            upstream.delay = 0.0
+            again = {**body, "max_tokens": 1}
+            async with session.post(url + "/v1/chat/completions", json=again) as answer:
+                remaining = int(answer.headers["x-ratelimit-remaining-tokens"])
+    finally:
+        await server.stop()
+    (row,) = rows
+    assert row["key"] == record.id and row["errors"] == 1
+    prompt = row["input_tokens"]
+    assert row["output_tokens"] == 8_192 - prompt  # (where it was 256)
+    assert remaining == 100_000 - 8_192 - (prompt + 1)  # its TPM as its budget: this one's reservation too

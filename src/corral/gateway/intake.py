@@ -24,11 +24,13 @@ from corral.gateway.failover import can_fail_over
 from corral.gateway.fanout import check_features, needs_fanout
 from corral.gateway.toolcalls import ToolEmulation, names_tools
 from corral.protocol import (
+    APIError,
     ChatCompletionRequest,
     CompletionRequest,
     EmbeddingRequest,
     InvalidRequest,
     ModelNotFound,
+    RateLimited,
     parse_body,
 )
 from corral.routing import Router, RouteRequest
@@ -40,8 +42,9 @@ _Kind = type[ChatCompletionRequest] | type[CompletionRequest]
 _DEFAULT_OUTPUT_ESTIMATE = 256  # tokens, when a request sets no max_tokens
 
 
-# a check of a request before its long prompt is counted (its context, the prompt not counted)
-BeforeCounting = Callable[[RequestContext], Awaitable[None]]
+# a check of a request before its long prompt is counted (its context, the prompt not counted): when it
+# comes (None) and at its counting turn (`AtTurn`)
+BeforeCounting = Callable[[RequestContext, APIError | None], Awaitable[None]]
 
 
 @dataclass(slots=True)
@@ -75,52 +78,98 @@ class Draft:
         return self.counter.count(self.prompt)
 
 
+_ROOM_CHARS = 8 * 1024 * 1024  # a tenant's prompts at or waiting for its counting turn: their text, at most
+_PACE = 1_000_000.0  # characters counted a second before any count was timed (tokens.py: 4 MB in 3.8 s)
+
+# A long prompt's check (its key's limits) at its tenant's counting turn, the count following if it passes;
+# given the refusal of it that `Counting` makes (too many of its tenant's prompts waiting), it records
+# that and raises it.
+AtTurn = Callable[[APIError | None], Awaitable[None]]
+
+
+@dataclass(slots=True)
+class _Turn:
+    """A tenant's counting turn, and its prompts at or waiting for it (how many, their characters)."""
+
+    lock: asyncio.Lock
+    holders: int = 0
+    chars: int = 0
+
+
 class Counting:
     """Where long prompts are counted: two threads of their own (not the default pool, which key lookups
     and usage writes use), and one count at a time per tenant, so a tenant sending long prompts takes one
     core at most and never another tenant's turn. A count whose client left runs to its end and keeps its
-    tenant's turn till then (a thread cannot be stopped)."""
+    tenant's turn till then (a thread cannot be stopped).
 
-    def __init__(self, threads: int = 2) -> None:
+    A tenant's prompts at or waiting for its turn hold at most `room` characters (or one prompt, however
+    long): each waiting one holds its body in memory, so past that a prompt is refused (429
+    `too_many_long_prompts`), its Retry-After the time the prompts before it take to count at the pace
+    counts have gone (one that is refused at its turn takes less)."""
+
+    def __init__(self, threads: int = 2, room: int = _ROOM_CHARS) -> None:
         self._threads = ThreadPoolExecutor(threads, thread_name_prefix="corral-count")
-        self._turns: dict[str, asyncio.Lock] = {}
-        self._holders: dict[str, int] = {}
+        self._turns: dict[str, _Turn] = {}
+        self._room = room
+        self._pace = _PACE  # characters counted a second, as the latest counts went
 
-    async def run(self, tenant: str, count: Callable[[], int]) -> int:
+    async def run(
+        self, tenant: str, count: Callable[[], int], chars: int, at_turn: AtTurn | None = None
+    ) -> int:
+        """`count()` (of a text `chars` long) in `tenant`'s turn, `at_turn` checked when the turn comes."""
         turn = self._turns.get(tenant)
         if turn is None:
-            turn = self._turns[tenant] = asyncio.Lock()
-        self._holders[tenant] = self._holders.get(tenant, 0) + 1
+            turn = self._turns[tenant] = _Turn(asyncio.Lock())
+        if turn.chars and turn.chars + chars > self._room:
+            refusal = self._crowded(turn.chars, turn.chars + chars - self._room)
+            if at_turn is not None:
+                await at_turn(refusal)  # (recorded, and raised)
+            raise refusal
+        turn.holders += 1
+        turn.chars += chars
         try:
-            await turn.acquire()
+            await turn.lock.acquire()
         except BaseException:
-            self._let_go(tenant, turn, acquired=False)
+            self._let_go(tenant, turn, chars, acquired=False)
             raise
         try:
+            if at_turn is not None:
+                await at_turn(None)
             counted = asyncio.get_running_loop().run_in_executor(self._threads, count)
-        except BaseException:  # (the pool shut down: the gateway is stopping)
-            self._let_go(tenant, turn, acquired=True)
+        except BaseException:  # refused at its turn, the client gone, or the pool shut down (stopping)
+            self._let_go(tenant, turn, chars, acquired=True)
             raise
-        counted.add_done_callback(partial(self._counted, tenant, turn))
+        counted.add_done_callback(partial(self._counted, tenant, turn, chars, time.monotonic()))
         return await asyncio.shield(counted)
 
     def close(self) -> None:
         """Counts under way run to their end; none starts."""
         self._threads.shutdown(wait=False, cancel_futures=True)
 
-    def _counted(self, tenant: str, turn: asyncio.Lock, counted: asyncio.Future[int]) -> None:
-        if not counted.cancelled():
-            counted.exception()  # (read here: its caller may have left, and it must not be logged as lost)
-        self._let_go(tenant, turn, acquired=True)
+    def _crowded(self, waiting: int, over: int) -> RateLimited:
+        return RateLimited(
+            f"Too many long prompts of yours wait to be counted: {waiting:,} characters of them, and at most "
+            f"{self._room:,} may wait at once. Send fewer at once, or retry after Retry-After.",
+            code="too_many_long_prompts",
+            retry_after=over / self._pace,
+        )
 
-    def _let_go(self, tenant: str, turn: asyncio.Lock, acquired: bool) -> None:
+    def _counted(
+        self, tenant: str, turn: _Turn, chars: int, started: float, counted: asyncio.Future[int]
+    ) -> None:
+        if not counted.cancelled() and counted.exception() is None:  # (read: its caller may have left)
+            took = time.monotonic() - started
+            if took > 0:
+                self._pace = 0.8 * self._pace + 0.2 * chars / took
+        self._let_go(tenant, turn, chars, acquired=True)
+
+    def _let_go(self, tenant: str, turn: _Turn, chars: int, acquired: bool) -> None:
         if acquired:
-            turn.release()
-        holders = self._holders[tenant] - 1
-        if holders:
-            self._holders[tenant] = holders
-        else:
-            del self._holders[tenant], self._turns[tenant]
+            turn.lock.release()
+        turn.holders -= 1
+        turn.chars -= chars
+        if not turn.holders:
+            del self._turns[tenant]
 
 
 class Intake:
@@ -154,13 +203,16 @@ class Intake:
     ) -> RequestContext:
         """`tenant`'s request read, checked, counted (a long prompt by the model's tokenizer in a thread: a
         4 MB one takes seconds, which would stall every request on the event loop). `before_counting`
-        may refuse a long prompt before its count (the key's model list, budget and limits: pipeline.py)."""
+        may refuse a long prompt before its count, when it comes and again at its tenant's counting turn
+        (the key's model list, budget and limits: pipeline.py)."""
         draft = self._draft(raw, kind, tenant, path, session)
         if not draft.long:
             return self._sized(draft, draft.count())
-        if before_counting is not None:
-            await before_counting(self._sized(draft, 0))
-        return self._sized(draft, await self._counting.run(tenant or "", draft.count))
+        check = None if before_counting is None else partial(before_counting, self._sized(draft, 0))
+        if check is not None:
+            await check(None)
+        tokens = await self._counting.run(tenant or "", draft.count, len(draft.prompt), check)
+        return self._sized(draft, tokens)
 
     def _draft(
         self, raw: bytes, kind: _Kind, tenant: str | None, path: str = "", session: str | None = None
@@ -241,7 +293,9 @@ class Intake:
         """What admission counts for a chat request's prompt (Anthropic's count_tokens)."""
         draft = self._draft(chat_body, ChatCompletionRequest, principal.tenant)
         principal.check_model(draft.body.model)
-        return await self._counting.run(principal.tenant, draft.count) if draft.long else draft.count()
+        if not draft.long:
+            return draft.count()
+        return await self._counting.run(principal.tenant, draft.count, len(draft.prompt))
 
     def _resolve(self, model: str, tenant: str | None) -> tuple[Adapter | None, str]:
         """(the LoRA adapter `model` names, if any; the model whose replicas serve it). An adapter kept for
@@ -269,12 +323,14 @@ class Intake:
             )
         counter = self._sizing.counters.get(body.model)
         count = partial(_input_tokens, body.inputs, counter, self._sizing.tokens_per_byte)
-        long = (
-            counter is not None and sum(len(i) for i in body.inputs if isinstance(i, str)) >= LONG_TEXT_CHARS
-        )
-        if long and before_counting is not None:
-            await before_counting(_embedding_context(path, body, raw, features, 0))
-        tokens = await self._counting.run(tenant or "", count) if long else count()
+        chars = sum(len(i) for i in body.inputs if isinstance(i, str))
+        if counter is None or chars < LONG_TEXT_CHARS:
+            return _embedding_context(path, body, raw, features, count())
+        check = None
+        if before_counting is not None:
+            check = partial(before_counting, _embedding_context(path, body, raw, features, 0))
+            await check(None)
+        tokens = await self._counting.run(tenant or "", count, chars, check)
         return _embedding_context(path, body, raw, features, tokens)
 
     def features_of(self, model: str) -> EngineFeatures:

@@ -77,6 +77,8 @@ _Answer = Callable[[RequestContext, Principal, web.Request], Awaitable[web.Strea
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _T = TypeVar("_T")
 _CHECKED_BEFORE_PARSING = 256 * 1024  # a body this large: its key's limits first (`read`)
+# its long prompt counted, its key's check passed at its counting turn: a refusal after is one of its requests
+_COUNTED = web.RequestKey("long_prompt_counted", bool)
 Dialect = Responses | Messages
 
 
@@ -153,7 +155,8 @@ class Pipeline:
         try:
             principal = await self._auth.authenticate(dialect.credentials(request))
             raw = await self.read(request, principal)
-            ctx = await self._spent_if_refused(principal, raw, self._opened(dialect, raw, principal, request))
+            opened = self._opened(dialect, raw, principal, request)
+            ctx = await self._spent_if_refused(principal, raw, request, opened)
             response = await self._serve(ctx, principal, request, self._answer)
             if not isinstance(response, DialectStream):
                 assert ctx.exchange is not None  # (set by `_exchange_context`)
@@ -173,21 +176,26 @@ class Pipeline:
         return await self._exchange_context(exchange, request.headers.get("x-session-id"), principal, request)
 
     async def _spent_if_refused(
-        self, principal: Principal, raw: bytes, parsing: Awaitable[RequestContext]
+        self, principal: Principal, raw: bytes, request: web.Request, parsing: Awaitable[RequestContext]
     ) -> RequestContext:
-        """`parsing`'s context; a large body it refuses (400, 404) is one of the key's requests all the same:
-        its parse took the event loop as long as a valid one's, and a key's RPM bounds how often (a body
-        that fails validation never reached `admit`, which counts requests)."""
+        """`parsing`'s context; a large body it refuses (400, 404), or a long prompt it refuses once counted
+        (400: past the model's context), is one of the key's requests all the same: its parse (its count)
+        took the event loop (a counting thread) as long as a valid one's, and a key's RPM bounds how often
+        (a body that fails validation never reached `admit`, which counts requests)."""
         try:
             return await parsing
         except APIError:
-            if len(raw) > _CHECKED_BEFORE_PARSING:
-                limiter = self._limits.limiter
-                with contextlib.suppress(APIError, LimiterUnavailable):
-                    held = await limiter.reserve(principal, 0)
-                    if held is not None:
-                        await limiter.settle(held, 0)
+            if len(raw) > _CHECKED_BEFORE_PARSING or request.get(_COUNTED, False):
+                await self._spend_request(principal)
             raise
+
+    async def _spend_request(self, principal: Principal) -> None:
+        """One of the key's requests spent, no tokens (against its RPM; nothing where it has no room)."""
+        limiter = self._limits.limiter
+        with contextlib.suppress(APIError, LimiterUnavailable):
+            held = await limiter.reserve(principal, 0)
+            if held is not None:
+                await limiter.settle(held, 0)
 
     async def _exchange_context(
         self,
@@ -217,7 +225,7 @@ class Pipeline:
             self._metrics.of(ctx.model).rejected(exc.code or "forbidden")
             self._record(ctx, principal, exc.status)
             raise
-        reservation = await self.admit(ctx, principal)
+        reservation = await self.admit(ctx, principal, request.get(_COUNTED, False))
         if reservation is not None and reservation.headers:
             ctx.headers.update(reservation.headers)
         status = 500
@@ -357,34 +365,46 @@ class Pipeline:
         session = request.headers.get("x-session-id")
         checked = partial(self._within_limits, principal, request, None)
         generation = self._intake.generation(raw, request.path, kind, session, principal.tenant, checked)
-        return await self._spent_if_refused(principal, raw, generation)
+        return await self._spent_if_refused(principal, raw, request, generation)
 
     async def _within_limits(
-        self, principal: Principal, request: web.Request, exchange: Exchange | None, ctx: RequestContext
+        self,
+        principal: Principal,
+        request: web.Request,
+        exchange: Exchange | None,
+        ctx: RequestContext,
+        refused: APIError | None,
     ) -> None:
         """A long prompt's key checked before the prompt is counted (seconds of a tokenizer's time for a
-        few MB; `ctx`: its context, the prompt not counted): a model it may not use (403), its spent
-        monthly budget, its rate limits or its adapter's (429) refuse it, recorded as `_serve` and
-        `admit` record a refusal, without the gateway counting for nothing. Nothing is reserved: `admit`
-        reserves once the prompt is counted. A limiter that does not answer is left to `admit`."""
+        few MB; `ctx`: its context, the prompt not counted), when it comes and again at its tenant's
+        counting turn (others may have taken the room meanwhile): a model it may not use (403), its spent
+        monthly budget, its rate limits or its adapter's (429) refuse it, as does `refused` (the intake's
+        own refusal), recorded as `_serve` and `admit` record a refusal, without the gateway counting for
+        nothing. Nothing is reserved: `admit` reserves once the prompt is counted, and a refusal after a
+        check passed at the turn spends one of the key's requests (`_COUNTED`: a key cannot have its
+        prompts counted for nothing as often as it likes). A limiter that does not answer is left to
+        `admit`."""
         adapter = ctx.route.adapter
+        request[_COUNTED] = False
         try:
+            if refused is not None:
+                raise refused
             principal.check_model(ctx.model)
             await self._budget.check(principal)  # (in admit's order: the budget, then the limits)
             limiter = self._limits.limiter
-            await limiter.check(principal, 1)
-            if adapter is not None and (adapter.rpm or adapter.tpm):
-                try:
-                    await limiter.check(_adapter_principal(adapter), 1)
-                except RateLimited as exc:
-                    raise _adapters_refusal(exc, adapter) from None
-        except LimiterUnavailable:
-            return
+            with contextlib.suppress(LimiterUnavailable):
+                await limiter.check(principal, 1)
+                if adapter is not None and (adapter.rpm or adapter.tpm):
+                    try:
+                        await limiter.check(_adapter_principal(adapter), 1)
+                    except RateLimited as exc:
+                        raise _adapters_refusal(exc, adapter) from None
         except APIError as refusal:
             ctx.exchange, ctx.request_id = exchange, request.get(REQUEST_ID)
             self._metrics.of(ctx.model).rejected(refusal.code or "rate_limited")
             self._record(ctx, principal, refusal.status)
             raise
+        request[_COUNTED] = True  # (counted next, where this was its turn's check)
 
     async def _may_ask(self, principal: Principal) -> None:
         """A key's spent budget or rate limits refuse its request before a stored conversation is read for
@@ -398,7 +418,7 @@ class Pipeline:
         raw = await self.read(request, principal)
         checked = partial(self._within_limits, principal, request, None)
         embedding = self._intake.embedding(raw, request.path, principal.tenant, checked)
-        return await self._spent_if_refused(principal, raw, embedding)
+        return await self._spent_if_refused(principal, raw, request, embedding)
 
     async def count_prompt(self, chat_body: bytes, principal: Principal) -> int:
         """What admission counts for a chat request's prompt (Anthropic's count_tokens), as a request
@@ -436,8 +456,13 @@ class Pipeline:
                 raise
         return raw
 
-    async def admit(self, ctx: RequestContext, principal: Principal) -> Reservation | None:
-        """Reserve the request and its tokens (input estimate + max output) before any work starts."""
+    async def admit(
+        self, ctx: RequestContext, principal: Principal, counted: bool = False
+    ) -> Reservation | None:
+        """Reserve the request and its tokens (input estimate + max output) before any work starts.
+        `counted`: its long prompt was counted, so a refusal (too large for its TPM, over its TPM or its
+        budget) is one of the key's requests all the same."""
+        reservation = None
         try:
             ctx.budgeted = await self._budget.reserve(
                 principal,
@@ -471,6 +496,8 @@ class Pipeline:
                 self._budget.settle(principal, 0, ctx.budgeted)
                 raise
         except APIError as exc:
+            if counted and reservation is None:  # (a reservation made, and settled, was one)
+                await self._spend_request(principal)
             self._metrics.of(ctx.model).rejected(exc.code or "rate_limited")
             self._record(ctx, principal, exc.status)
             raise
@@ -503,7 +530,7 @@ class Pipeline:
             # answer past read_timeout, an engine that reported none or none that reads as counts:
             # protocol/usage.py): charged, and recorded, at its reservation (its prompt's estimate and
             # max_tokens).
-            ctx.usage = _reserved_usage(ctx)
+            ctx.usage = _reserved_usage(ctx, status in _WORKED_UNCOUNTED)
         usage = ctx.usage or {}
         used = int(usage.get("total_tokens") or 0)
         lookup = ctx.lookup
@@ -595,10 +622,15 @@ def _adapter_principal(adapter: Adapter) -> Principal:
     return Principal(key_id=f"adapter:{adapter.name}", tenant="", rpm=adapter.rpm, tpm=adapter.tpm)
 
 
-def _reserved_usage(ctx: RequestContext) -> dict[str, int]:
+def _reserved_usage(ctx: RequestContext, cut: bool) -> dict[str, int]:
     """The usage a request reserved at admission: its prompt's estimate and the most output it asked for
     (without max_tokens, the gateway's estimate), or the reads of events its stream relayed where more
-    (about a token each: an open-ended stream the client leaves is charged for what it read)."""
+    (about a token each: an open-ended stream the client leaves is charged for what it read). A whole
+    answer without max_tokens `cut` before it came (its client left, or it outlasted read_timeout) is
+    charged all the model may generate, as its budget reserved: the engine worked on it all the while,
+    none of it was told, and one that asked for max_tokens is charged those (else leaving just before
+    the answer had the engine generate its context for the 256-token estimate)."""
     prompt = ctx.route.prompt_tokens
-    completion = max(ctx.route.tokens - prompt, ctx.relayed)
+    reserved = ctx.budget_tokens if cut and not ctx.stream and ctx.budget_tokens else ctx.route.tokens
+    completion = max(reserved - prompt, ctx.relayed)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
