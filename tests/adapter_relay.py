@@ -21,7 +21,7 @@ class EngineAnswer:
     content_type: str = "application/json"
     retry_after: bytes = b""
 
-    async def read(self) -> bytes:
+    async def read(self, limit: int | None = None) -> bytes:
         return self.body
 
     def release(self) -> None:

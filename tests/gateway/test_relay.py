@@ -3,19 +3,25 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import aiohttp
 import openai
 import orjson
 import pytest
+from aiohttp import web
 
 from corral.cluster import free_port
+from corral.config import GatewaySettings
+from corral.engines import EngineFeatures
 from corral.engines.client import EngineClient
+from corral.gateway import GatewayServer
+from corral.gateway import relay as relay_module
 from corral.gateway.relay import Relay, RelayTimeouts
 from corral.protocol.usage import engine_usage, usage_of_answer
 from corral.routing import Replica, ReplicaSet, ReplicaState, Router, RouteRequest
 
-from .conftest import Gateway, ScriptedUpstream
+from .conftest import Gateway, ScriptedUpstream, make_services
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 
@@ -337,3 +343,63 @@ def test_the_engine_is_asked_for_usage_whatever_the_body_says_of_it(body: dict) 
     raw = orjson.dumps(body) + b" \n"
     asked = orjson.loads(_with_usage(raw))
     assert asked == {**body, "stream_options": {"include_usage": True}}
+
+
+async def test_a_whole_answer_past_the_bound_is_a_502_and_no_fault_of_the_replica(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A non-streamed answer was read whole with no bound: a tenant's n=128 request with logprobs could make
+    the gateway hold hundreds of megabytes (several times over). Past MAX_ANSWER_BYTES (1 MiB here) it is a
+    502 `answer_too_large`, not retried and not counted against the replica (the request asked for it). An
+    embedding answer, bounded by its request's inputs, is read whole whatever its size."""
+    monkeypatch.setattr(relay_module, "MAX_ANSWER_BYTES", 1024 * 1024)
+    vector = [0.0123456789] * 1024
+    big = "x" * (2 * 1024 * 1024)
+
+    async def chat(request: web.Request) -> web.Response:
+        message = {"role": "assistant", "content": big}
+        choice = {"index": 0, "message": message, "finish_reason": "stop"}
+        usage = {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}
+        return web.json_response(
+            {"id": "c", "object": "chat.completion", "choices": [choice], "usage": usage}
+        )
+
+    async def embeddings(request: web.Request) -> web.Response:
+        inputs = (await request.json())["input"]
+        data = [{"object": "embedding", "index": i, "embedding": vector} for i in range(len(inputs))]
+        usage = {"prompt_tokens": len(inputs), "total_tokens": len(inputs)}
+        return web.json_response({"object": "list", "data": data, "model": "e", "usage": usage})
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_post("/v1/embeddings", embeddings)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    replicas = ReplicaSet(["m", "e"])
+    m = Replica("m-0", "m", "x", url=url, state=ReplicaState.READY)
+    replicas.add(m)
+    replicas.add(
+        Replica("e-0", "e", "x", url=url, state=ReplicaState.READY, features=EngineFeatures(embeddings=True))
+    )
+    server = GatewayServer(
+        GatewaySettings(port=0), Router(replicas), make_services(replicas, tmp_path / "c.db")
+    )
+    await server.start()
+    base = f"http://127.0.0.1:{server.port}/v1"
+    try:
+        async with aiohttp.ClientSession() as session:
+            async with session.post(
+                base + "/chat/completions", json={"model": "m", "messages": MESSAGES}
+            ) as r:
+                assert r.status == 502
+                assert (await r.json())["error"]["code"] == "answer_too_large"
+            texts = [f"text {i}" for i in range(128)]  # 128 vectors of 1,024 floats: 1.7 MB of JSON
+            async with session.post(base + "/embeddings", json={"model": "e", "input": texts}) as r:
+                assert r.status == 200
+                assert len((await r.json())["data"]) == 128
+    finally:
+        await server.stop()
+        await runner.cleanup()
+    assert (m.failures, m.breaker.consecutive_failures, m.served) == (0, 0, 1)

@@ -33,6 +33,7 @@ from urllib.parse import urlsplit
 import httptools
 
 __all__ = [
+    "AnswerTooLarge",
     "EngineClient",
     "EngineConnectionError",
     "EngineDisconnected",
@@ -50,6 +51,10 @@ _NO_BODY = frozenset({204, 304})
 
 class EngineConnectionError(Exception):
     """The exchange with an engine failed below HTTP."""
+
+
+class AnswerTooLarge(Exception):
+    """An answer read whole is larger than its reader takes (`EngineResponse.read`'s limit)."""
 
 
 class EngineUnreachable(EngineConnectionError):
@@ -213,17 +218,23 @@ class EngineResponse(asyncio.Protocol):
             await self._wait()
         return self.take()
 
-    async def read(self) -> bytes:
-        """The whole (rest of the) answer's body."""
-        if self.done:
-            return self.take()
+    async def read(self, limit: int | None = None) -> bytes:
+        """The whole (rest of the) answer's body; AnswerTooLarge once it passes `limit` bytes (what came is
+        dropped then: `release()` closes the connection)."""
         parts = []
-        while not self.done:
-            if self._buffered > _PAUSE_AT // 2:  # a large answer: take it on the way (reading may be paused)
-                parts.append(self.take())
+        size = 0
+        while True:
+            # (a large answer is taken on the way: reading may be paused meanwhile)
+            if self.done or self._buffered > _PAUSE_AT // 2:
+                part = self.take()
+                parts.append(part)
+                size += len(part)
+            if limit is not None and size + self._buffered > limit:
+                parts.clear()
+                raise AnswerTooLarge(f"the engine's answer is larger than {limit:,} bytes")
+            if self.done:
+                return parts[0] if len(parts) == 1 else b"".join(parts)
             await self._wait()
-        parts.append(self.take())
-        return b"".join(parts)
 
     def release(self) -> None:
         """Done with the answer: the connection goes back to the pool if the answer was read to the end,

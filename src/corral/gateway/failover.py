@@ -7,7 +7,12 @@ far; a chat gets the text so far as a final assistant message to continue (vLLM'
 llama.cpp continues a trailing assistant message and sends it back first, which is stripped), with
 `max_tokens` reduced by the tokens already sent. `Continuation` rewrites the new replica's events into the
 original stream: its id, no second role chunk, no echoed prefix, and usage for the whole answer (prompt = the
-continuation's prompt less the tokens sent; completion = the tokens sent plus the continuation's).
+continuation's prompt less the text tokens sent; completion = the tokens sent plus the continuation's). A chat
+the client ended with an assistant message of its own (a prefill the answer continued) has that message
+extended rather than a second one added. A reasoning model's reasoning events count as tokens sent (charged,
+and taken off `max_tokens`), but are not asked to be continued: a stream cut while still in its reasoning
+ends with `stream_truncated`; one cut after it continues its content (what the new replica sends as
+reasoning is passed on, not dropped).
 
 It serves n = 1 streams whose answer is reproducible (temperature 0, or any request when the model's spec
 says `mid_stream_failover: always`) on engines that can continue (llama.cpp, vLLM), without tools or echo.
@@ -56,6 +61,8 @@ class Sent:
     id: str | None
     pieces: tuple[str, ...]  # the content of each event: one token each, as llama.cpp and vLLM stream them
     finished: bool  # a finish_reason went out: the answer is whole
+    reasoning: int = 0  # events of reasoning (a reasoning model's, parsed by the engine): a token each
+    thinking: bool = False  # the last of them was reasoning: the stream was cut in its reasoning
 
     @property
     def text(self) -> str:
@@ -63,7 +70,8 @@ class Sent:
 
     @property
     def tokens(self) -> int:
-        return len(self.pieces)
+        """Tokens generated so far: what the client is charged for, and what max_tokens has spent."""
+        return len(self.pieces) + self.reasoning
 
 
 class Transcript:
@@ -79,7 +87,7 @@ class Transcript:
             self._sent.append(data)
 
     def summary(self) -> Sent:
-        stream_id, pieces, finished = None, [], False
+        stream_id, pieces, finished, reasoning, thinking = None, [], False, 0, False
         for event in b"".join(self._sent).split(_SEP):
             chunk = _chunk(event)
             if chunk is None:
@@ -89,35 +97,76 @@ class Transcript:
                 piece = _content(choice)
                 if piece:
                     pieces.append(piece)
+                    thinking = False
+                elif _reasoning(choice.get("delta")):
+                    reasoning += 1
+                    thinking = True
                 finished = finished or bool(choice.get("finish_reason"))
-        return Sent(stream_id, tuple(pieces), finished)
+        return Sent(stream_id, tuple(pieces), finished, reasoning, thinking)
 
 
-def continuation_body(ctx: RequestContext, sent: Sent, token_ids: list[int] | None = None) -> bytes:
-    """The request for the rest of the answer, after `sent`. A completion continues from the exact tokens
+def continuation_body(
+    ctx: RequestContext, sent: Sent, token_ids: list[int] | None = None, echoed: bool = False
+) -> tuple[bytes, str]:
+    """The request for the rest of the answer, after `sent`, and the text of the chat message it continues
+    (what llama.cpp sends back first; "" for a completion). A completion continues from the exact tokens
     generated when the engine takes `token_ids` in a prompt (llama.cpp): the text alone may tokenize
-    differently at the seams (":" + "\n" + "\n" comes back as ":" + "\n\n") and the answer change course."""
+    differently at the seams (":" + "\n" + "\n" comes back as ":" + "\n\n") and the answer change course.
+    `echoed`: the stream's first replica sent a continued message back first (llama.cpp), so a chat the
+    client ended with its own assistant message (a prefill) has that message in the text sent already."""
     data = orjson.loads(ctx.upstream_body)
     for limit in ("max_tokens", "max_completion_tokens"):
         if isinstance(data.get(limit), int):
             data[limit] = max(1, data[limit] - sent.tokens)
+    continued = ""
     if isinstance(ctx.body, ChatCompletionRequest):
-        data["messages"] = [*data["messages"], {"role": "assistant", "content": sent.text}]
+        data["messages"], continued = _continued(data, sent.text, echoed)
         data["continue_final_message"] = True  # vLLM; llama.cpp continues a trailing assistant message itself
         data["add_generation_prompt"] = False
     else:
         prompt = data["prompt"] if isinstance(data["prompt"], str) else data["prompt"][0]
         data["prompt"] = [prompt, *token_ids] if token_ids else prompt + sent.text
-    return orjson.dumps(data)
+    return orjson.dumps(data), continued
+
+
+def _continued(data: dict[str, Any], text: str, echoed: bool) -> tuple[list[Any], str]:
+    """The chat's messages ending with the answer so far, and that final message's text. An answer that
+    continued the client's own final assistant message (llama.cpp continues one always, vLLM when asked
+    to) extends that message: a second one would read as two turns (the prefill closed as one of its own),
+    or be refused (llama.cpp, where it takes the last as a prefill: 400)."""
+    messages = list(data["messages"])
+    last: dict[str, Any] = messages[-1] if messages and isinstance(messages[-1], dict) else {}
+    prefill = _text(last.get("content")) if last.get("role") == "assistant" else None
+    if echoed and prefill is not None and text.startswith(prefill):
+        messages[-1] = {**last, "content": text}  # (the engine sent it back first: the text sent has it)
+    elif not echoed and prefill is not None and data.get("continue_final_message"):
+        content = last.get("content")
+        extended = [*content, {"type": "text", "text": text}] if isinstance(content, list) else prefill + text
+        messages[-1] = {**last, "content": extended}
+        text = prefill + text
+    else:
+        messages.append({"role": "assistant", "content": text})
+    return messages, text
+
+
+def _text(content: Any) -> str:
+    """A message's text: its content, or its text parts'."""
+    if isinstance(content, list):
+        return "".join(str(p.get("text") or "") for p in content if isinstance(p, dict))
+    return str(content or "")
 
 
 class Continuation:
-    """Rewrites a continuation's SSE bytes into events of the original stream."""
+    """Rewrites a continuation's SSE bytes into events of the original stream (a reasoning model's
+    reasoning in it included: the stream continued after its reasoning, and the engine may read what it
+    generates after the continued message as reasoning again)."""
 
-    def __init__(self, sent: Sent, keep_usage: bool, echoed: bool) -> None:
+    def __init__(self, sent: Sent, keep_usage: bool, echoed: bool, continued: str | None = None) -> None:
+        """`echoed`: the engine sends the continued chat message (`continued`; the text sent where None)
+        back first (llama.cpp), which the client has already."""
         self._sent = sent
         self._keep_usage = keep_usage
-        self._echo = sent.text if echoed else ""  # llama.cpp sends a continued chat message back first
+        self._echo = (sent.text if continued is None else continued) if echoed else ""
         self._buffer = EventBuffer()
         self.done = False
         self.usage: dict[str, Any] | None = None
@@ -159,8 +208,8 @@ class Continuation:
             delta.pop("role", None)
             if delta.get("content"):
                 delta["content"] = self._strip_echo(delta["content"])
-            if not delta.get("content") and not choice.get("finish_reason") and not delta.get("tool_calls"):
-                return None
+            if not (delta.get("content") or choice.get("finish_reason") or delta.get("tool_calls")):
+                return choice if _reasoning(delta) else None
         elif choice.get("text"):
             choice["text"] = self._strip_echo(choice["text"])
             if not choice["text"] and not choice.get("finish_reason"):
@@ -181,9 +230,9 @@ class Continuation:
         return piece
 
     def _whole_usage(self, usage: dict[str, Any]) -> dict[str, int]:
-        tokens = self._sent.tokens
-        prompt = max(0, int(usage.get("prompt_tokens") or 0) - tokens)
-        completion = tokens + int(usage.get("completion_tokens") or 0)
+        sent = self._sent  # (its reasoning was generated, but is not in the continuation's prompt)
+        prompt = max(0, int(usage.get("prompt_tokens") or 0) - len(sent.pieces))
+        completion = sent.tokens + int(usage.get("completion_tokens") or 0)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
@@ -196,6 +245,11 @@ def _chunk(event: bytes) -> dict[str, Any] | None:
     except orjson.JSONDecodeError:
         return None
     return chunk if isinstance(chunk, dict) else None
+
+
+def _reasoning(delta: Any) -> bool:
+    """A delta carrying reasoning (vLLM's reasoning parsers: `reasoning_content`, or newer `reasoning`)."""
+    return isinstance(delta, dict) and bool(delta.get("reasoning_content") or delta.get("reasoning"))
 
 
 def _content(choice: dict[str, Any]) -> str:

@@ -17,7 +17,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from corral.engines.client import EngineClient, EngineConnectionError, EngineResponse
+from corral.engines.client import AnswerTooLarge, EngineClient, EngineConnectionError, EngineResponse
 from corral.gateway.adapters import (
     AdapterLoader,
     AdapterLoadFailed,
@@ -44,7 +44,7 @@ from corral.protocol.usage import usage_of_answer
 from corral.routing import Replica, Router, RouteRequest
 from corral.routing.adapters import AdapterCatalogue
 
-__all__ = ["SSE_HEADERS", "EventStream", "Relay"]
+__all__ = ["MAX_ANSWER_BYTES", "SSE_HEADERS", "EventStream", "Relay"]
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +63,11 @@ _CONTINUE_FAILURES = (
     OverflowError,  # (a token id read as Infinity)
     APIError,  # (its adapter removed by an apply meanwhile: ModelNotFound)
 )
+# A whole (not streamed) answer's bytes at most: held in memory, it may be copied several times over (a cache,
+# tool-call emulation). Generous for real answers (a 4,096-token answer with top-20 logprobs is ~6 MB); n up
+# to 128 with logprobs can ask for gigabytes, which a stream relays and this refuses. An embedding answer
+# is bounded by its request instead (2,048 inputs; 160 MB as floats at 4,096 dimensions): not counted.
+MAX_ANSWER_BYTES = 64 * 1024 * 1024
 _SILENT = "the replica stopped sending tokens"  # a stream's problem: a stall or a read timeout
 SSE_HEADERS = {
     "Content-Type": "text/event-stream",
@@ -165,7 +170,9 @@ class Relay:
             try:
                 response = await self._attempt(replica, ctx, request)
                 cut = ctx.replica_failed
-                outcome = response.status < 500 and not cut
+                # (a 4xx is the request's refusal: no word on the replica, and no sign it is alive either, or
+                # a tenant's cheap invalid requests would keep a replica that fails everyone in routing)
+                outcome = None if 400 <= response.status < 500 else response.status < 500 and not cut
                 # the engine's 5xx answer, or a stream the engine cut (not one gone silent: a hung engine's)
                 # while the replica served others meanwhile (it is alive: the request, its tenant's, is what
                 # failed): the breaker hears of it with the tenant
@@ -308,8 +315,16 @@ class Relay:
             upstream.release()
 
     async def _whole(self, replica: Replica, ctx: RequestContext, upstream: EngineResponse) -> web.Response:
+        limit = None if ctx.path == "/v1/embeddings" else MAX_ANSWER_BYTES
         try:
-            body = await upstream.read()
+            body = await upstream.read(limit)
+        except AnswerTooLarge as exc:  # (the request's asking, not the replica's fault: not retried)
+            logger.warning("request %s: replica %s: %s", ctx.request_id, replica.id, exc)
+            raise UpstreamError(
+                f"The model's answer is larger than the {limit:,} bytes the gateway relays whole: ask for it "
+                "streamed, or for less of it (n, max_tokens, logprobs).",
+                code="answer_too_large",
+            ) from exc
         except TimeoutError as exc:
             raise UpstreamTimeout("The model's replica did not finish its answer in time.") from exc
         except EngineConnectionError as exc:
@@ -471,13 +486,20 @@ class Relay:
         transcript: Transcript,
         response: web.StreamResponse,
     ) -> str | None:
-        """Continue a cut stream on other replicas (see failover.py); the last problem if none could."""
+        """Continue a cut stream on other replicas (see failover.py); the last problem if none could. Each
+        continuation is a retry (it spends the retry budget) and its replica's breaker hears of it as
+        `forward`'s do: a stream it cut counts as its tenant's when it served others meanwhile, a refusal
+        (4xx) not at all."""
         tried = [failed]
         for _ in range(max(1, self._retries)):
             sent = transcript.summary()
             if sent.finished:  # the answer was whole; only its end was lost
                 await response.write(_DONE_EVENT)
                 return None
+            if sent.thinking:  # cut in its reasoning, which no engine is asked to continue (failover.py)
+                return problem
+            if not self._router.retry_budget.try_spend():
+                return f"{problem} (retry budget exhausted)"
             # each attempt routed on its own record: the cut replica's is still held (`forward` releases
             # it with its own adapter residence, prefix marks and slots)
             route = replace(
@@ -502,15 +524,14 @@ class Relay:
                 sent.tokens,
             )
             tried.append(replica)
-            outcome = False
+            ended = _Ended(None, None, False)  # (cancelled: the client left, no word on the replica)
             try:
-                problem_or_none = await self._continue(ctx, replica, route, sent, transcript, response)
-                outcome = problem_or_none is None
+                ended = await self._continue(ctx, replica, route, sent, transcript, response, failed)
             finally:
-                self._router.release(replica, route, outcome)
-            if problem_or_none is None:
+                self._router.release(replica, route, ended.outcome, None, ended.answered)
+            if ended.problem is None:
                 return None
-            problem = problem_or_none
+            problem = ended.problem
         return problem
 
     async def _continue(
@@ -521,39 +542,53 @@ class Relay:
         sent: Sent,
         transcript: Transcript,
         response: web.StreamResponse,
-    ) -> str | None:
+        first: Replica,
+    ) -> _Ended:
+        succeeded = replica.succeeded
         try:
             token_ids = await self._token_ids(replica, sent) if _by_tokens(ctx) else None
-            body = continuation_body(ctx, sent, token_ids)
+            body, continued = continuation_body(ctx, sent, token_ids, first.features.prefill_echo)
             if route.adapter is not None or replica.adapters:
                 await self.loader.ready(replica, route)
                 body = body_for(replica, route, body)
             upstream = await self._engines.post(replica.url, ctx.path, body, replica.api_key, ctx.to_engine)
         except _CONTINUE_FAILURES as exc:  # (the log names the replica: the client is told none)
             logger.warning("request %s: continuing on %s failed: %r", ctx.request_id, replica.id, exc)
-            return f"continuing on another replica failed ({type(exc).__name__})"
+            failure = f"continuing on another replica failed ({type(exc).__name__})"
+            # an adapter it refused, or one removed meanwhile, is no fault of the replica's; nor a timeout
+            # while it served others (a long prompt)
+            blameless = isinstance(exc, AdapterRefused | APIError) or (
+                isinstance(exc, TimeoutError) and replica.succeeded != succeeded
+            )
+            return _Ended(failure, None if blameless else False, False)
         try:
             if upstream.status != 200:
-                return f"continuing on another replica was refused with {upstream.status}"
+                return _refused(upstream.status)
             echoed = replica.features.prefill_echo and isinstance(ctx.body, ChatCompletionRequest)
-            continuation = Continuation(sent, keep_usage=ctx.client_wants_usage, echoed=echoed)
-            problem = await self._pump(upstream, continuation, response, transcript)
+            continuation = Continuation(sent, ctx.client_wants_usage, echoed, continued)
+            events: Events = continuation
+            if ctx.route.adapter is not None:  # as the first replica's events: the model the client asked
+                events = Renamed(continuation, ctx.route.adapter)
+            problem = await self._pump(upstream, events, response, transcript)
             if continuation.usage is not None:
                 ctx.usage = continuation.usage
-            return problem
+            if problem is None:
+                return _Ended(None, True, False)
+            # cut (not gone silent) while the replica served others: alive, so the request failed (its
+            # tenant's, for the breaker), as in `forward`
+            alive = replica.succeeded != succeeded and problem != _SILENT
+            return _Ended(problem, False, alive)
         finally:
             upstream.release()
 
     async def _token_ids(self, replica: Replica, sent: Sent) -> list[int] | None:
-        """The token ids of the pieces sent, from the engine's own tokenizer: one request per piece, in turn
-        (only when a stream fails over; a loopback round trip each)."""
-        ids: list[int] = []
-        for piece in sent.pieces:
-            async with self._session.post(
-                replica.url + "/tokenize", json={"content": piece}, timeout=self._timeout
-            ) as response:
-                response.raise_for_status()
-                ids += [int(t) for t in (await response.json())["tokens"]]
+        """The token ids of the pieces sent, from the engine's own tokenizer, in one request: llama.cpp
+        tokenizes each string of a `content` list on its own (only when a stream fails over)."""
+        async with self._session.post(
+            replica.url + "/tokenize", json={"content": list(sent.pieces)}, timeout=self._timeout
+        ) as response:
+            response.raise_for_status()
+            ids = [int(t) for t in (await response.json())["tokens"]]
         # Tokenized one by one, pieces may gain a space prefix (SentencePiece models): use the ids only if
         # they read back as exactly the text sent.
         async with self._session.post(
@@ -562,6 +597,25 @@ class Relay:
             response.raise_for_status()
             text = (await response.json())["content"]
         return ids if text == sent.text else None
+
+
+@dataclass(frozen=True, slots=True)
+class _Ended:
+    """How a continuation ended: its problem (None: the stream is whole), and what its replica's breaker
+    hears (`outcome` as `Router.release` takes it; `answered`: a failure perhaps the request's doing)."""
+
+    problem: str | None
+    outcome: bool | None
+    answered: bool
+
+
+def _refused(status: int) -> _Ended:
+    """A continuation the engine did not take, as `forward` counts the same answer: a 4xx is the request's
+    (429: full); a 502 or 503 the replica's; another 5xx the engine's answer to a request it read."""
+    problem = f"continuing on another replica was refused with {status}"
+    if status < 500:
+        return _Ended(problem, None, False)
+    return _Ended(problem, False, status not in (502, 503))
 
 
 async def _refusal(upstream: EngineResponse) -> bytes:

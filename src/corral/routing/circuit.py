@@ -5,8 +5,10 @@ request through after `cooldown` seconds (half-open), and closes on its success 
 cool-down doubled, on its failure. A failure the engine answered (its 5xx to a request it read, or a stream it
 cut while it served others) may be the request's doing: a streak of only such failures opens the breaker
 only when they came from two tenants or more, so one tenant's poisoned inputs cannot take a replica away
-from everyone. The retry budget caps retries to a fraction of recent requests, so a sick fleet is not hit
-with a retry storm.
+from everyone. Nor can they keep an open breaker shut: a trial failing so, when its tenant is the only one
+whose requests the streak failed, lets the next request try instead of reopening it (another tenant's
+failure, or one not answered, reopens it as before). The retry budget caps retries to a fraction of recent
+requests, so a sick fleet is not hit with a retry storm.
 """
 
 from __future__ import annotations
@@ -84,6 +86,11 @@ class CircuitBreaker:
         elif len(self._tenants) < 2:
             self._tenants.add(tenant)
         if self.state is CircuitState.HALF_OPEN:
+            if tenant is not None and self._tenants == {tenant}:
+                # the trial's input may be what failed, as it may while closed: one tenant alone cannot
+                # keep the replica shut out (the next request tries; a second tenant's failure reopens it)
+                self._trial_out = False
+                return
             self._cooldown = min(self._cooldown * 2, self._max_cooldown)
             self._opened_at = time.monotonic()
         elif (

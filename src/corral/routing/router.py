@@ -218,7 +218,8 @@ class Router:
         usage: Mapping[str, Any] | None = None,
         answered: bool = False,
     ) -> None:
-        """The request is done with `replica`: ok=True success, False failure, None not its fault;
+        """The request is done with `replica`: ok=True success, False failure, None no word on it (not its
+        fault, nor a sign of its health: a 4xx refusal, a client gone);
         `usage`: the engine's answer's, when it gave one (the prefix index learns from it); `answered`: the
         failure was the engine's 5xx answer to the request, or a stream it cut while serving others
         (perhaps the input's doing: see circuit.py)."""
