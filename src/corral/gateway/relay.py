@@ -371,6 +371,9 @@ class Relay:
         except EventTooLarge as exc:  # (the request's answer, not the replica: not retried, not its fault)
             logger.warning("request %s: replica %s: %s", ctx.request_id, replica.id, exc)
             raise UpstreamError(f"The model's replica sent an event too large to relay: {exc}.") from exc
+        finally:  # (left or failed before a first event: an emulated call's events so far, read here)
+            if not first:
+                ctx.relayed += sse.events
 
         self._router.prefilled(replica, ctx.route)  # the first token came: the prompt is in its cache
         served_by = {"x-corral-replica": replica.id} if self.replica_header else {}
