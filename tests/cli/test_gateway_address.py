@@ -45,7 +45,8 @@ def test_each_source_of_the_address_in_its_order(tmp_path: Path) -> None:
         )
         code, said = run("apply", "-f", str(spec), CORRAL_URL="http://127.0.0.1:9")
         assert code == 0 and f"gateway: http://127.0.0.1:{port} (from the gateway section of {spec})" in said
-        assert "nothing to change" in said, said
+        assert "gateway.host: taken at the next restart of corral up" in said, said  # (0.0.0.0: not now)
+        assert "nothing else to change" in said, said
 
 
 def test_batch_submit_reads_openai_base_url_and_says_why_it_cannot_connect(tmp_path: Path) -> None:

@@ -6,9 +6,12 @@ alone: no replica is replaced for it)."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
 from tokenizers import Tokenizer, models
 
 from corral.cli.up import Overrides
@@ -16,9 +19,10 @@ from corral.cluster import LocalProcessRuntime, Supervisor
 from corral.cluster.capacity import replica_request_rate
 from corral.cluster.changes import ApplyError, plan_changes
 from corral.cluster.reconcile import Reconciler
-from corral.config import ClusterSpec, DeploymentSpec, ModelSpec, SupervisorSettings, parse_spec
+from corral.config import ClusterSpec, DeploymentSpec, ModelSpec, SpecError, SupervisorSettings, parse_spec
 from corral.engines import EngineAdapter, LaunchPlan, SimEngineAdapter
 from corral.routing import ReplicaSet
+from tests.cli.test_errors import corral
 
 ALPHA = """
 queue: {{max_queued: {queued}}}
@@ -135,3 +139,78 @@ def test_feed_forward_sizes_a_model_the_catalog_knows_by_its_hugging_face_reposi
     assert rate is not None and rate == replica_request_rate(
         named, named.deployments[0], (512.0, 128.0), None
     )
+
+
+async def test_a_new_gateway_address_or_deploy_section_is_told_as_changing_nothing_now(
+    tmp_path: Path,
+) -> None:
+    """`corral apply` with another gateway.port printed "nothing to change: the cluster already runs this
+    spec", and a changed `deploy` section (which only `corral deploy render` reads) was refused as needing a
+    restart. Through the CLI, against an admin endpoint whose reconciler is this one."""
+    running = parse_spec(ALPHA.format(queued=100), source="running")
+    cluster = Cluster(running, tmp_path)
+    applied: list[list[dict[str, object]]] = []
+
+    async def admin_spec(request: web.Request) -> web.Response:  # (the gateway's POST /admin/spec)
+        wanted = parse_spec(await request.text(), source="spec")
+        applied.append(await cluster.reconciler.apply(wanted, grace_s=1.0))
+        return web.json_response({"changes": applied[-1]})
+
+    app = web.Application()
+    app.router.add_post("/admin/spec", admin_spec)
+    moved = tmp_path / "moved.yaml"
+    moved.write_text("gateway: {host: 127.0.0.2, port: 8001}\n" + ALPHA.format(queued=100))
+    rendered = tmp_path / "rendered.yaml"
+    rendered.write_text(
+        "deploy: {user: svc}\n" + ALPHA.format(queued=100).replace("replicas: 1", "replicas: 2")
+    )
+    async with TestServer(app, host="127.0.0.1") as server:
+        url = str(server.make_url("")).rstrip("/")
+        said = [
+            await asyncio.to_thread(corral, "apply", "-f", str(f), "--url", url) for f in (moved, rendered)
+        ]
+    assert said[0].returncode == 0, said[0].stderr
+    assert (
+        "gateway.host, gateway.port: taken at the next restart of corral up (the gateway listens where it "
+        "did); nothing else to change"
+    ) in said[0].stderr
+    assert "nothing to change: the cluster already runs" not in said[0].stderr
+    assert [c["action"] for c in applied[0]] == ["at_restart"]
+    assert (cluster.reconciler.spec.gateway.host, cluster.reconciler.spec.gateway.port) == ("127.0.0.1", 8000)
+    assert said[1].returncode == 0, said[1].stderr
+    assert "scale_up: alpha (deployment 0: 1 replica added, 2 now)" in said[1].stderr
+    assert "deploy: read by `corral deploy render` alone, nothing running uses it\n" in said[1].stderr
+    assert [(c["action"], c["detail"]) for c in applied[1]][-1] == ("render_only", "deploy")
+    assert cluster.reconciler.spec.deploy.user == "svc"
+    with pytest.raises(ApplyError, match=r"changing gateway\.read_timeout needs a restart"):  # (still)
+        await cluster.reconciler.apply(
+            parse_spec("gateway: {read_timeout: 5}\n" + ALPHA.format(queued=100)), 1
+        )
+
+
+async def test_a_live_apply_of_a_model_whose_files_are_missing_changes_nothing(tmp_path: Path) -> None:
+    """Every missing file of the models it would prepare, named at once, before any is prepared."""
+    running = parse_spec(ALPHA.format(queued=100), source="running")
+    cluster = Cluster(running, tmp_path)
+    gone = tmp_path / "gone"
+    local = (
+        f"  - name: local\n    source: {{path: {gone}/model.gguf}}\n    tokenizer: {gone}/tokenizer.json\n"
+        f"    deployments: [{{engine: llamacpp, binary: {gone}/llama-server}}]\n"
+    )
+    with pytest.raises(ApplyError) as refused:
+        await cluster.reconciler.apply(parse_spec(ALPHA.format(queued=50) + local), grace_s=1.0)
+    said = str(refused.value)
+    for field in ("models[1].source.path", "models[1].deployments[0].binary", "models[1].tokenizer"):
+        assert field in said, said
+    assert said.endswith("(nothing changed)") and cluster.prepared == [] and cluster.cluster_settings == []
+
+
+def test_a_live_apply_of_an_unknown_simulated_gpu_is_refused_before_it_is_sent(tmp_path: Path) -> None:
+    """It was reported applied, and the replica then failed five starts with `unknown GPU 'h100x'`."""
+    spec = tmp_path / "cluster.yaml"
+    spec.write_text(ALPHA.format(queued=100).replace("gpu: l4", "gpu: h100x"))
+    done = corral("apply", "-f", str(spec), "--url", "http://127.0.0.1:9")  # (nothing listens there)
+    assert done.returncode == 2, done.stderr
+    assert f"{spec}:6: models.0.deployments.0: gpu: unknown GPU 'h100x'; did you mean h100-sxm" in done.stderr
+    with pytest.raises(SpecError, match="unknown GPU 'h100x'"):  # (and the gateway's reading of the body)
+        parse_spec(spec.read_text(), source="spec")

@@ -26,14 +26,14 @@ models:
     [
         (
             'regex: "([0-9]"',
-            "regex: Value error, regex '([0-9]' is not a valid regular expression: missing )",
+            "regex: regex '([0-9]' is not a valid regular expression: missing )",
         ),
         (
             "json_schema: {type: nope}",
-            "json_schema: Value error, json_schema is not a valid JSON Schema: 'nope'",
+            "json_schema: json_schema is not a valid JSON Schema: 'nope'",
         ),
-        ('contains: ""', "contains: Value error, an empty contains passes every answer"),
-        ('regex: ""', "regex: Value error, an empty regex passes every answer"),
+        ('contains: ""', "contains: an empty contains passes every answer"),
+        ('regex: ""', "regex: an empty regex passes every answer"),
     ],
 )
 def test_a_golden_check_that_cannot_judge_an_answer_is_a_spec_error(check: str, refused: str) -> None:

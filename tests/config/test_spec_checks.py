@@ -1,8 +1,9 @@
 """Spec files a reader might get wrong, each refused with the file, line and field: a key written twice
 (YAML keeps the last without a word), a file that is not UTF-8 (an "unexpected error" before), `.inf` or
 `.nan` for a number (NaN passes every bound), an external server's URL without http(s) or with the /v1 the
-gateway adds itself, and feed-forward autoscaling of a model the perf catalog does not know (it scaled
-reactively, without a word)."""
+gateway adds itself, feed-forward autoscaling of a model the perf catalog does not know (it scaled
+reactively, without a word), and a simulated model or GPU it does not know (each replica failed its starts).
+A rule across the spec is told without a line or pydantic's words."""
 
 from __future__ import annotations
 
@@ -64,22 +65,100 @@ def test_an_external_servers_url_is_a_base_url(url: str, words: str) -> None:
 FEED_FORWARD = """models:
   - name: {name}
 {more}    deployments:
-      - {{engine: sim, gpu: l4, autoscale: {{min_replicas: 1, max_replicas: 4, mode: feed_forward}}}}
+      - {{engine: vllm, gpu: l4, autoscale: {{min_replicas: 1, max_replicas: 4, mode: feed_forward}}}}
 """
+LOCAL = "    source: {path: /models/m}\n"
 
 
 def test_feed_forward_needs_a_model_the_perf_catalog_knows() -> None:
-    unknown = FEED_FORWARD.format(name="org/my-model", more="    arch: my-modle\n")
-    with pytest.raises(
-        SpecError, match=r"s\.yaml:2: models\.0: Value error, arch: .*'my-modle', 'org/my-model'"
-    ):
+    unknown = FEED_FORWARD.format(name="org/my-model", more="    arch: my-modle\n" + LOCAL)
+    with pytest.raises(SpecError, match=r"s\.yaml:2: models\.0: arch: .*'my-modle', 'org/my-model'"):
         parse_spec(unknown, source="s.yaml")
     hf = "    source: {hf: meta-llama/Llama-3.1-8B-Instruct}\n"
     known = [
-        FEED_FORWARD.format(name="org/my-model", more="    arch: llama-3.1-8b\n"),
+        FEED_FORWARD.format(name="org/my-model", more="    arch: llama-3.1-8b\n" + LOCAL),
         FEED_FORWARD.format(name="org/my-model", more=hf),
-        FEED_FORWARD.format(name="llama-3.1-8b", more=""),
+        FEED_FORWARD.format(name="llama-3.1-8b", more=LOCAL),
     ]
     for text in known:
         assert parse_spec(text).models[0].deployments[0].autoscale is not None
     assert parse_spec(unknown.replace("mode: feed_forward", "mode: reactive"))
+
+
+SIM = """models:
+  - name: {name}
+{lines}    deployments: [{{engine: {engine}, gpu: {gpu}{more}}}]
+"""
+
+
+@pytest.mark.parametrize(
+    ("fields", "line", "words"),
+    [
+        (
+            {"gpu": "h100x"},
+            r"s\.yaml:4: models\.0\.deployments\.0: gpu: unknown GPU 'h100x'; did you mean h100-sxm",
+            "the perf catalog's GPU types",
+        ),
+        (
+            {"lines": "    arch: llama-3.1-8x\n"},
+            r"s\.yaml:2: models\.0: arch: engine 'sim' simulates the perf catalog's model named by arch: "
+            r"unknown model 'llama-3\.1-8x'; did you mean llama-3\.1-8b",
+            "set arch to a catalog model",
+        ),
+        (
+            {"lines": "", "name": "my-model"},
+            r"s\.yaml:2: models\.0: arch: .*of the model's name \(arch is unset\): unknown model 'my-model'",
+            "known: llama-3.1-8b, ",  # no close name: every name the catalog has
+        ),
+        (
+            {"more": ", quantization: q4"},
+            r"s\.yaml:4: models\.0\.deployments\.0: quantization: unknown quantization 'q4'",
+            "known: bf16, fp32",
+        ),
+        (
+            {"engine": "vllm", "lines": "    source: {hf: org/m}\n", "gpu": "l4x"},
+            r"s\.yaml:4: models\.0\.deployments\.0: gpu: unknown GPU 'l4x'; did you mean l4",
+            "(the perf catalog's GPU types)",
+        ),
+    ],
+)
+def test_a_simulated_model_and_gpu_must_be_in_the_perf_catalog(
+    fields: dict[str, str], line: str, words: str
+) -> None:
+    """The simulator runs the catalog's model named by arch (else the model's name) on its GPU type: a name
+    the catalog lacks passed, and each replica then failed its five starts (`unknown GPU 'h100x'`)."""
+    values = {"name": "m", "lines": "    arch: llama-3.1-8b\n", "engine": "sim", "gpu": "h100-sxm"}
+    values["more"] = ""
+    with pytest.raises(SpecError, match=line) as refused:
+        parse_spec(SIM.format(**(values | fields)), source="s.yaml")
+    assert words in str(refused.value)
+    assert "Value error" not in str(refused.value)
+    aliases = {"gpu": "h100", "lines": "    arch: meta-llama/Llama-3.1-8B-Instruct\n"}
+    aliases["more"] = ", quantization: fp8"  # (each an alias the catalog knows)
+    assert parse_spec(SIM.format(**(values | aliases))).models[0].deployments[0].gpu == "h100"
+    assert parse_spec(SIM.format(**(values | {"lines": "", "name": "smollm2-135m"})))
+
+
+@pytest.mark.parametrize(
+    ("text", "said"),
+    [
+        (
+            EXTERNAL + EXTERNAL.removeprefix("models:\n"),
+            "model and adapter names must be unique; repeated: m",
+        ),
+        ("gateway: {host: 0.0.0.0}\nauth: {open: true}\n" + EXTERNAL, "an open gateway (auth.open: true) on"),
+        ("gateway: {workers: 2}\n" + EXTERNAL, "gateway.workers: 2 needs limits.backend: redis"),
+    ],
+)
+def test_a_rule_across_the_spec_is_told_without_a_line_or_pydantics_prefix(
+    tmp_path: Path, text: str, said: str
+) -> None:
+    """They were told as `s.yaml:1: (top level): Value error, …`: line 1 is no place of theirs."""
+    with pytest.raises(SpecError) as refused:
+        parse_spec(text, source="s.yaml")
+    assert str(refused.value).startswith(f"invalid cluster spec\ns.yaml: {said}"), str(refused.value)
+    spec = tmp_path / "s.yaml"
+    spec.write_text(text)
+    checked = CliRunner().invoke(app, ["spec", "check", "-f", str(spec)])
+    assert checked.exit_code == 2 and f"\n{spec}: {said}" in checked.output, checked.output
+    assert "Value error" not in checked.output and "top level" not in checked.output

@@ -23,7 +23,8 @@ ROOT = Path(__file__).parents[2]
 REFERENCE = ROOT / "docs" / "reference"
 # A model with SLOs: its alert rules use the latency histograms too.
 SLO_SPEC = parse_spec(
-    "models:\n  - {name: m, slo: {ttft_p95: 0.5, itl_p95: 0.05}, deployments: [{engine: sim, gpu: l4}]}\n"
+    "models:\n  - {name: m, arch: llama-3.1-8b, slo: {ttft_p95: 0.5, itl_p95: 0.05},"
+    " deployments: [{engine: sim, gpu: l4}]}\n"
 )
 
 

@@ -53,7 +53,7 @@ def test_every_dcgm_field_the_alerts_and_dashboard_read_is_in_the_rendered_count
 
 
 def test_the_counters_file_is_rendered_only_for_gpu_specs(tmp_path: Path) -> None:
-    cpu = parse_spec("models:\n  - {name: m, deployments: [{engine: sim, gpu: l4}]}\n")
+    cpu = parse_spec("models:\n  - {name: m, arch: llama-3.1-8b, deployments: [{engine: sim, gpu: l4}]}\n")
     assert "dcgm/corral-counters.csv" not in render_observability(cpu, "spec.yaml", tmp_path)
 
 

@@ -17,11 +17,12 @@ from tests.observe.test_rules import GPU, GPU_LABELS, Case, promtool, unit_test
 ON_DEMAND = parse_spec(
     """
 models:
-  - {name: m, deployments: [{engine: sim, gpu: l4}]}
+  - {name: m, arch: llama-3.1-8b, deployments: [{engine: sim, gpu: l4}]}
   - name: od.m
+    arch: llama-3.1-8b
     deployments:
       - {engine: sim, gpu: l4, replicas: 0, autoscale: {min_replicas: 0, max_replicas: 2, hold_s: 90}}
-  - {name: odxm, deployments: [{engine: sim, gpu: l4}]}
+  - {name: odxm, arch: llama-3.1-8b, deployments: [{engine: sim, gpu: l4}]}
 """
 )
 

@@ -117,6 +117,13 @@ def status(
         out.print(line, markup=False, highlight=False, soft_wrap=True)
 
 
+# What an apply answers that changes nothing now, in words
+_UNAPPLIED = {
+    "at_restart": "{fields}: taken at the next restart of corral up (the gateway listens where it did)",
+    "render_only": "{fields}: read by `corral deploy render` alone, nothing running uses it",
+}
+
+
 @app.command(cls=FlagsCommand)
 def apply(
     file: Annotated[Path, typer.Option("--file", "-f", help="the new cluster spec YAML")],
@@ -137,8 +144,9 @@ def apply(
     answer = _call(
         url, f"/admin/spec?grace={grace}", admin_key, ca_cert, file.read_bytes(), 3600, "application/yaml"
     )
-    changes = answer["changes"]
-    if not changes:
+    notes = [c for c in answer["changes"] if c["action"] in _UNAPPLIED]  # (what changes nothing now)
+    changes = [c for c in answer["changes"] if c["action"] not in _UNAPPLIED]
+    if not changes and not notes:
         console.print("nothing to change: the cluster already runs this spec", markup=False)
     for change in changes:
         detail = change.get("detail") or ""
@@ -153,6 +161,11 @@ def apply(
                 highlight=False,
                 soft_wrap=True,
             )
+    for number, note in enumerate(notes, 1):
+        said = _UNAPPLIED[note["action"]].format(fields=note["detail"])
+        if number == len(notes) and not changes:
+            said += "; nothing else to change"
+        console.print(said, markup=False, highlight=False, soft_wrap=True)
 
 
 @app.command(cls=FlagsCommand)

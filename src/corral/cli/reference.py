@@ -322,6 +322,7 @@ def metrics_reference() -> str:
 _ALERTS_SPEC = """\
 models:
   - name: MODEL
+    arch: llama-3.1-8b
     slo: {ttft_p95: 0.5, itl_p95: 0.05}
     deployments: [{engine: sim, gpu: l4}]
 """

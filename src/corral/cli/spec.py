@@ -9,6 +9,7 @@ import typer
 from rich.console import Console
 
 from corral.cli.app import FlagsCommand, FlagsGroup, app, console, fail
+from corral.config import ClusterSpec
 
 __all__ = ["spec_app"]
 
@@ -37,20 +38,52 @@ def explain(
 @spec_app.command("check", cls=FlagsCommand)
 def check(
     file: Annotated[Path, typer.Option("--file", "-f", help="the cluster spec YAML to validate")],
+    here: Annotated[
+        bool,
+        typer.Option(
+            "--here",
+            help="also check this machine as `corral up` would before it fetches anything: the files the "
+            "spec names (local models and adapters, engine binaries, tokenizers, TLS certificate and key) "
+            "exist, and the store answers",
+        ),
+    ] = False,
 ) -> None:
-    """Validate a spec file; exit 2 with each problem's file, line and field."""
-    from corral.config import SpecError, load_spec
+    """Validate a spec file: fields, rules across them and how its URLs are written; exit 2 naming each
+    problem's file, line and field. Files and the store are checked where the spec will run: --here."""
+    from corral.cli.up import preflight_or_fail
+    from corral.config import Paths, SpecError, load_spec
 
     try:
         spec = load_spec(file)
     except SpecError as exc:
         fail(str(exc), 2)
+    if here:
+        preflight_or_fail(spec, file, gateway=True, store_url=spec.store.url or Paths.from_env().database_url)
+    else:
+        preflight_or_fail(spec, file, models=())  # (what needs no machine: how the URLs are written)
     replicas = sum(d.replicas for m in spec.models for d in m.deployments)
     access = "open (no key needed)" if spec.auth.open else "closed (API keys required)"
+    checked = "; checked here: its files and store" if here else _unchecked(spec)
     Console().print(  # the answer, on stdout (errors go to stderr)
         f"{file}: valid: {len(spec.models)} model(s), {replicas} replica(s), gateway "
-        f"{spec.gateway.listen_address}, {access}",
+        f"{spec.gateway.listen_address}, {access}{checked}",
         markup=False,
         highlight=False,
         soft_wrap=True,
     )
+
+
+def _unchecked(spec: ClusterSpec) -> str:
+    """A reminder of what only `--here` checks, where the spec names any of it."""
+    from corral.config import LocalSource
+
+    sources = [s for m in spec.models for s in (m.source, *(a.source for a in m.adapters))]
+    files = (
+        any(isinstance(source, LocalSource) for source in sources)
+        or any(m.tokenizer is not None or any(d.binary for d in m.deployments) for m in spec.models)
+        or spec.gateway.tls is not None
+    )
+    named = [what for what, named in (("files", files), ("store", spec.store.url is not None)) if named]
+    if not named:
+        return ""
+    return f" (its {' and '.join(named)} are checked where it runs: --here)"

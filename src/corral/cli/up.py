@@ -9,6 +9,7 @@ import gc
 import logging
 import signal
 import types
+from collections.abc import Collection
 from functools import partial
 from pathlib import Path
 from typing import Annotated, Any
@@ -46,6 +47,7 @@ from corral.config import (
     SpecError,
     default_spec,
     load_spec,
+    validation_message,
 )
 
 logger = logging.getLogger(__name__)
@@ -82,8 +84,10 @@ def up(
     setup_logging(log_level, log_format)
     overrides = Overrides(host=host, port=port, ray=ray)
     spec = _spec(file, overrides)
-    _check_tls(spec)
     paths = Paths.from_env()
+    # (before any model is fetched or engine built: each of these was found only after)
+    preflight_or_fail(spec, file, gateway=True, store_url=spec.store.url or paths.database_url)
+    _check_tls(spec)
     prepared = _prepare_or_fail(spec, paths)  # in the foreground: Ctrl-C ends an install at once
     from corral.engines.devices import usable_cpus
 
@@ -98,7 +102,9 @@ def up(
 def prepare(file: SpecOption = None) -> None:
     """Fetch models and build engines for a spec without starting anything."""
     setup_logging("warning")
-    _prepare_or_fail(_spec(file), Paths.from_env())
+    spec = _spec(file)
+    preflight_or_fail(spec, file)  # the models' files (what serving needs besides, `corral up` checks)
+    _prepare_or_fail(spec, Paths.from_env())
     console.print("[green]ready:[/green] every model and engine is in the cache")
 
 
@@ -142,9 +148,29 @@ class Overrides:
             problems = []
             for error in exc.errors():
                 flag = _FLAG_OF.get(tuple(error["loc"]))
-                message = error["msg"].removeprefix("Value error, ")
+                message = validation_message(error)
                 problems.append(f"{flag} {given[flag]}: {message}" if flag else message)
             raise ValueError("; ".join(problems)) from None
+
+
+def preflight_or_fail(
+    spec: ClusterSpec,
+    file: Path | None,
+    *,
+    models: Collection[str] | None = None,
+    gateway: bool = False,
+    store_url: str | None = None,
+) -> None:
+    """End the command (exit 2) naming every problem `preflight` finds with the spec (read from `file`)."""
+    from corral.cluster.preflight import preflight
+
+    problems = preflight(spec, models=models, gateway=gateway, store_url=store_url)
+    if not problems:
+        return
+    where = f"{file}: " if file is not None else ""
+    if len(problems) == 1:
+        fail(where + problems[0], 2)
+    fail(f"{where}{len(problems)} problems:\n" + "\n".join(f"  {problem}" for problem in problems), 2)
 
 
 def _check_tls(spec: ClusterSpec) -> None:
@@ -159,14 +185,9 @@ def _check_tls(spec: ClusterSpec) -> None:
 
 
 def _prepare_or_fail(spec: ClusterSpec, paths: Paths) -> list[tuple[str, Any, list[Any]]]:
-    """Check the tokenizers and the devices the spec needs on this machine, then prepare; a problem is one
-    error line."""
-    from corral.cluster.changes import tokenizer_problem
+    """Check the devices the spec needs on this machine, then prepare; a problem is one error line."""
     from corral.engines.devices import DeviceError, check_local_gpus, local_gpu_count
 
-    problem = tokenizer_problem(spec)  # (before any model is fetched)
-    if problem:
-        fail(problem, 2)
     try:
         if spec.ray is None:
             check_local_gpus(spec, local_gpu_count())

@@ -1,8 +1,9 @@
 """What `corral apply` changes: the running spec and the wanted one compared, change by change
 (`plan_changes`: models added or removed, replica counts, live settings, rollouts; what needs a restart is
-refused), and the digests of what a model's replicas run (`deployed_digest`: the response cache keys on
-it) and of an adapter's revision (`adapter_digest`, each of a model's as the gateway names them:
-`adapter_revisions`). The reconciler (reconcile.py) makes the changes."""
+refused; a new gateway address or `deploy` section is told apart, changing nothing now), and the digests
+of what a model's replicas run (`deployed_digest`: the response cache keys on it) and of an adapter's
+revision (`adapter_digest`, each of a model's as the gateway names them: `adapter_revisions`). The
+reconciler (reconcile.py) makes the changes."""
 
 from __future__ import annotations
 
@@ -23,7 +24,6 @@ __all__ = [
     "adapter_revisions",
     "deployed_digest",
     "plan_changes",
-    "tokenizer_problem",
 ]
 
 _LIVE_MODEL_FIELDS = (
@@ -36,6 +36,8 @@ _LIVE_MODEL_FIELDS = (
     "cache",
 )
 _LIVE_SECTIONS = ("queue", "limits")  # and gateway.routing: cluster settings every gateway takes live
+_AT_RESTART = ("host", "port")  # gateway: where corral up listens, kept until it starts again
+_RENDERED = ("deploy",)  # read by `corral deploy render` alone: nothing running has anything to change
 
 
 class ApplyError(ValueError):
@@ -44,7 +46,9 @@ class ApplyError(ValueError):
 
 @dataclass(frozen=True)
 class Change:
-    action: str  # cluster_settings | add_model | remove_model | scale_up | scale_down | settings | rollout
+    # cluster_settings | add_model | remove_model | scale_up | scale_down | settings | rollout; and what
+    # changes nothing now: at_restart (gateway.host, gateway.port), render_only (deploy)
+    action: str
     model: str
     group: int = 0  # the deployment's index in the model's `deployments`
     count: int = 0  # replicas added or removed
@@ -72,18 +76,20 @@ def plan_changes(
     revised: Mapping[str, Collection[str]] | None = None,
 ) -> list[Change]:
     """The changes that turn `running` into `wanted` (served by `workers` gateway processes; `revised`:
-    each model's adapters whose files changed where they lie, a new revision each: `adapter_revisions`);
-    ApplyError for what needs a restart."""
+    each model's adapters whose files changed where they lie, a new revision each: `adapter_revisions`),
+    ending with what changes nothing now (`at_restart`, `render_only`); ApplyError for what needs a
+    restart."""
     sections = [
         name
         for name in ClusterSpec.model_fields
-        if name not in ("models", "gateway", *_LIVE_SECTIONS)
+        if name not in ("models", "gateway", *_LIVE_SECTIONS, *_RENDERED)
         and getattr(running, name) != getattr(wanted, name)
     ]
     sections += [
         f"gateway.{name}"
         for name in type(running.gateway).model_fields
-        if name != "routing" and getattr(running.gateway, name) != getattr(wanted.gateway, name)
+        if name not in ("routing", *_AT_RESTART)
+        and getattr(running.gateway, name) != getattr(wanted.gateway, name)
     ]
     if sections:
         raise ApplyError(
@@ -96,7 +102,8 @@ def plan_changes(
             f"the new spec cannot be served by the {workers} gateway workers running: workers: {workers} "
             f"{problem} (or restart corral up with fewer workers)"
         )
-    live = [name for name in (*_LIVE_SECTIONS, "gateway") if getattr(running, name) != getattr(wanted, name)]
+    live = [name for name in _LIVE_SECTIONS if getattr(running, name) != getattr(wanted, name)]
+    live += ["gateway"] if running.gateway.routing != wanted.gateway.routing else []
     before = {m.name: m for m in running.models}
     after = {m.name: m for m in wanted.models}
     changes = [Change("cluster_settings", ",".join(live))] if live else []
@@ -111,28 +118,24 @@ def plan_changes(
             if changed := _live_changes(old, model, (revised or {}).get(name, ())):
                 changes.append(Change("settings", name, detail=", ".join(changed)))
             changes += _count_changes(old, model)
-    return changes
+    return changes + _unapplied(running, wanted)
 
 
-def tokenizer_problem(spec: ClusterSpec, names: Collection[str] | None = None) -> str | None:
-    """Why a tokenizer of the spec's models (of those in `names`, else of all) cannot be used, naming its
-    field and file, or None: each is loaded as the gateway loads it, before anything is fetched or changed
-    (found missing only then, it would end `corral up` after every model was fetched, and leave a live
-    apply half made)."""
-    from corral.admission import TokenCounter
-
-    for index, model in enumerate(spec.models):
-        path = model.tokenizer
-        if path is None or (names is not None and model.name not in names):
-            continue
-        where = f"models[{index}].tokenizer: {path}"
-        if not path.is_file():
-            return f"{where}: no such file (a Hugging Face tokenizer.json on the machine corral up runs on)"
-        try:
-            TokenCounter(path)
-        except Exception as exc:  # (the tokenizers library raises Exception itself, whatever is wrong)
-            return f"{where}: not a tokenizer.json the tokenizers library can read: {exc}"
-    return None
+def _unapplied(running: ClusterSpec, wanted: ClusterSpec) -> list[Change]:
+    """What differs but changes nothing running: the gateway's address (the next start of corral up takes
+    it) and the sections only `corral deploy render` reads."""
+    notes = []
+    moved = [
+        f"gateway.{name}"
+        for name in _AT_RESTART
+        if getattr(running.gateway, name) != getattr(wanted.gateway, name)
+    ]
+    if moved:
+        notes.append(Change("at_restart", "", detail=", ".join(moved)))
+    rendered = [name for name in _RENDERED if getattr(running, name) != getattr(wanted, name)]
+    if rendered:
+        notes.append(Change("render_only", "", detail=", ".join(rendered)))
+    return notes
 
 
 def _count_changes(old: ModelSpec, new: ModelSpec) -> list[Change]:

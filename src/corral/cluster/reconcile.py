@@ -6,8 +6,10 @@ first, then the newest; an autoscaled deployment's count is the autoscaler's, wi
 model's live settings (routing policy, failover mode, prefix isolation, tokenizer, SLO, rollout policy,
 autoscale bounds), and any other change of a running model (weights, engine, its arguments): a gated
 rollout (cluster/rollout.py), and the cluster settings every gateway takes live (`queue`, `limits`,
-`gateway.routing`). What it refuses, with the reason: any other change outside `models` (the rest of
-`gateway`, `auth`, `store`, `supervisor`, `ray`, `deploy`: those need a restart), and a change to a model
+`gateway.routing`). What it tells apart, changing nothing: `gateway.host` and `gateway.port` (the gateway
+keeps listening where `corral up` started it; its next start takes them) and the `deploy` section (read by
+`corral deploy render` alone). What it refuses, with the reason: any other change outside `models` (the
+rest of `gateway`, `auth`, `store`, `supervisor`, `ray`: those need a restart), and a change to a model
 whose rollout is still running.
 
 The reconciler owns the control loops that change the running cluster: apply, rollouts, the autoscaler
@@ -31,9 +33,9 @@ from corral.cluster.changes import (
     adapter_digest,
     adapter_revisions,
     plan_changes,
-    tokenizer_problem,
 )
 from corral.cluster.evalgate import run_gate
+from corral.cluster.preflight import preflight
 from corral.cluster.rollout import Rollout, Unit
 from corral.cluster.supervisor import Supervisor
 from corral.config import AdapterSpec, ClusterSpec, DeploymentSpec, ModelSpec, RolloutSpec
@@ -217,10 +219,11 @@ class Reconciler:
             wanted = self._overrides(wanted)
         except ValueError as exc:
             raise ApplyError(f"{exc} (nothing changed)") from exc
-        listening = {"host": self.spec.gateway.host, "port": self.spec.gateway.port}
-        wanted = wanted.model_copy(update={"gateway": wanted.gateway.model_copy(update=listening)})
         revisions, revised = await self._revised(wanted)
         changes = plan_changes(self._running(), wanted, self._workers, revised)
+        # (another address is told as taken at the next start: the gateway keeps listening where it does)
+        listening = {"host": self.spec.gateway.host, "port": self.spec.gateway.port}
+        wanted = wanted.model_copy(update={"gateway": wanted.gateway.model_copy(update=listening)})
         rolling = {m for m, r in self._rollouts.items() if not r.outcome}
         busy = sorted({c.model for c in changes} & rolling)
         if busy:
@@ -228,10 +231,11 @@ class Reconciler:
                 f"a rollout of {', '.join(busy)} is still running: wait for it, or "
                 f"`corral rollout rollback {busy[0]}`"
             )
-        told = {c.model for c in changes if c.action in ("add_model", "settings", "rollout")}
-        problem = await asyncio.to_thread(tokenizer_problem, wanted, told)  # (what the gateways will load)
-        if problem:
-            raise ApplyError(f"{problem} (nothing changed)")
+        # (the files of the models to be prepared or told to the gateways, before any is fetched or built)
+        touched = {c.model for c in changes if c.action in ("add_model", "settings", "rollout", "scale_up")}
+        problems = await asyncio.to_thread(preflight, wanted, models=touched)
+        if problems:
+            raise ApplyError(f"{'; '.join(problems)} (nothing changed)")
         models = {m.name: m for m in wanted.models}
         before = {m.name: m for m in self.spec.models}
         additions = [c for c in changes if c.action in ("add_model", "scale_up")]
@@ -309,8 +313,9 @@ class Reconciler:
         }
         for change in changes:
             message = change.said()
-            logger.info("apply: %s %s", change.model, message)
-            self._replicas.record("apply", change.model, message)
+            logger.info("apply: %s %s", change.model or "cluster", message)
+            if change.model:  # (not what changes nothing now: a new gateway address, a deploy section)
+                self._replicas.record("apply", change.model, message)
         return [c.as_dict() for c in changes]
 
     async def _check_adapters(self, old: ModelSpec, new: ModelSpec, revised: list[str]) -> None:

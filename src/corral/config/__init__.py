@@ -68,6 +68,7 @@ from corral.config.spec import (
     is_loopback,
     load_spec,
     parse_spec,
+    validation_message,
 )
 
 __all__ = [
@@ -116,4 +117,5 @@ __all__ = [
     "is_loopback",
     "load_spec",
     "parse_spec",
+    "validation_message",
 ]

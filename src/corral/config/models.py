@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import functools
 import urllib.parse
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from corral.config.base import Strict
 from corral.config.change import AutoscaleSpec, ModelCacheSpec, RolloutSpec
+
+if TYPE_CHECKING:
+    from corral.perf import Catalog
 
 DEFAULT_MODEL_NAME = "smollm2"
 DEFAULT_EMBEDDING_MODEL_NAME = "minilm"
@@ -25,8 +29,25 @@ RoutingPolicyName = Literal[
 ]
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+@functools.lru_cache(maxsize=1)
+def _perf_catalog() -> Catalog:
+    """The built-in perf catalog, as the simulator and the autoscaler read it (read once: a spec asks it for
+    each deployment)."""
+    from corral.perf import load_catalog
+
+    return load_catalog()
+
+
+def _catalog_problem(table: Literal["gpus", "models", "quantizations"], name: str) -> str | None:
+    """Why the perf catalog's `table` has no `name`, in its words (the close names, else every one), or
+    None."""
+    from corral.perf import CatalogError
+
+    try:
+        getattr(_perf_catalog(), table).get(name)
+    except CatalogError as exc:
+        return str(exc)
+    return None
 
 
 class LocalSource(Strict):
@@ -320,6 +341,7 @@ class DeploymentSpec(Strict):
             raise ValueError("kv_events_urls take tcp://host:port, as vLLM's --kv-events-config endpoint")
         if self.engine == "sim" and self.gpu is None:
             raise ValueError("engine 'sim' needs 'gpu': the GPU type whose timing it simulates")
+        self._check_catalog()
         if (self.engine == "vllm" and self.device == "gpu") or (self.engine == "sim" and self.gpus):
             self._check_gpu_layout()
         if self.span_nodes and not self.ray_workers:
@@ -329,6 +351,17 @@ class DeploymentSpec(Strict):
                 "[--distributed-executor-backend, ray])"
             )
         return self
+
+    def _check_catalog(self) -> None:
+        """The names the perf catalog must know: a simulator's `gpu` and weight format (each of its replicas
+        would fail to start), and vLLM's `gpu` (feed-forward autoscaling sizes with it)."""
+        if self.engine not in ("sim", "vllm") or self.gpu is None:
+            return
+        if problem := _catalog_problem("gpus", self.gpu):
+            raise ValueError(f"gpu: {problem} (the perf catalog's GPU types)")
+        if self.engine == "sim" and self.quantization is not None:
+            if problem := _catalog_problem("quantizations", self.quantization):
+                raise ValueError(f"quantization: {problem} (the simulator's weight formats)")
 
     def _check_counts(self) -> None:
         scale = self.autoscale
@@ -492,15 +525,8 @@ class ModelSpec(Strict):
         leave it reactive without a word."""
         if not any(d.autoscale and d.autoscale.mode == "feed_forward" for d in self.deployments):
             return
-        from corral.perf import CatalogError, load_catalog  # (the built-in catalog, as the autoscaler's)
-
-        models = load_catalog().models
-        for name in self.catalog_names:
-            try:
-                models.get(name)
-                return
-            except CatalogError:
-                continue
+        if any(_catalog_problem("models", name) is None for name in self.catalog_names):
+            return
         tried = ", ".join(repr(name) for name in self.catalog_names)
         raise ValueError(
             f"arch: autoscale mode feed_forward sizes replicas with the perf catalog's model, and the "
@@ -522,8 +548,22 @@ class ModelSpec(Strict):
         if why := self.rollout.refusal(self.task):
             raise ValueError(f"model {self.name!r}: {why}")
         self._check_adapters()
+        self._check_simulated_model()
         self._check_feed_forward()
         return self
+
+    def _check_simulated_model(self) -> None:
+        """The simulator runs the perf catalog's model named by `arch`, else by the model's name (as
+        engines/sim.py starts it): one the catalog lacks would fail each of its replicas' starts."""
+        if not any(d.engine == "sim" for d in self.deployments):
+            return
+        problem = _catalog_problem("models", self.arch or self.name)
+        if problem:
+            named = "named by arch" if self.arch else "of the model's name (arch is unset)"
+            raise ValueError(
+                f"arch: engine 'sim' simulates the perf catalog's model {named}: {problem} (set arch to a "
+                "catalog model, e.g. llama-3.1-8b)"
+            )
 
     def _check_adapters(self) -> None:
         if not self.adapters:

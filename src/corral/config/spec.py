@@ -8,6 +8,7 @@ from typing import Annotated, Any
 
 import yaml
 from pydantic import Field, ValidationError, model_validator
+from pydantic_core import ErrorDetails
 
 from corral.config.base import Strict
 from corral.config.models import (
@@ -253,9 +254,18 @@ def parse_spec(text: str, source: str = "<spec>") -> ClusterSpec:
         lines = []
         for err in exc.errors():
             loc = tuple(err["loc"])
-            field = ".".join(str(p) for p in loc) or "(top level)"
-            lines.append(f"{source}:{_line_of(node, loc)}: {field}: {err['msg']}")
+            if not loc:  # a rule across sections (names, workers, exposure): the message names the fields
+                lines.append(f"{source}: {validation_message(err)}")
+                continue
+            field = ".".join(str(p) for p in loc)
+            lines.append(f"{source}:{_line_of(node, loc)}: {field}: {validation_message(err)}")
         raise SpecError("invalid cluster spec\n" + "\n".join(lines)) from exc
+
+
+def validation_message(error: ErrorDetails) -> str:
+    """A pydantic error's message in the validator's own words (without the `Value error, ` pydantic puts
+    before a ValueError's)."""
+    return error["msg"].removeprefix("Value error, ")
 
 
 def _repeated_key(

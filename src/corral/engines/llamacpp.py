@@ -40,8 +40,9 @@ class LlamaCppEngine:
         self, model: ModelSpec, deployment: DeploymentSpec, paths: Paths, progress: Progress
     ) -> list[LaunchPlan]:
         assert model.source is not None  # the spec guarantees it for engines that load a file
-        binary = llama_server(paths, deployment.binary, progress)
+        # (the model first: a source that cannot be fetched is told in seconds, not after a build of minutes)
         weights = resolve_model(model.source, paths, progress)
+        binary = llama_server(paths, deployment.binary, progress)
         context = deployment.context_length
         if is_embedding_folder(weights):
             context = min(context, max_input_tokens(weights) or context)  # its trained input length

@@ -102,8 +102,11 @@ def server_tls_context(tls: TLSSettings) -> ssl.SSLContext:
     context.minimum_version = ssl.TLSVersion.TLSv1_2
     try:
         context.load_cert_chain(tls.cert, tls.key)
-    except FileNotFoundError as exc:
-        raise TLSError(f"gateway.tls: {exc.filename} does not exist") from exc
+    except FileNotFoundError as exc:  # (ssl names no file: say which of the two is missing)
+        pair = (("cert", tls.cert), ("key", tls.key))
+        said = "; ".join(f"gateway.tls.{name}: {path}" for name, path in pair if not path.is_file())
+        said = said or f"gateway.tls: {tls.cert} or {tls.key}"
+        raise TLSError(f"{said}: no such file") from exc
     except (ssl.SSLError, OSError) as exc:
         raise TLSError(f"gateway.tls: cannot use {tls.cert} with {tls.key}: {exc}") from exc
     context.set_alpn_protocols(["http/1.1"])
