@@ -4,6 +4,7 @@ mounted at absolute paths."""
 
 from __future__ import annotations
 
+import ipaddress
 from pathlib import Path
 from typing import Any
 
@@ -118,3 +119,24 @@ def test_local_files_are_mounted_and_a_relative_path_is_refused(tmp_path: Path) 
     relative = local.replace("/srv/models/m.gguf", "models/m.gguf")
     with pytest.raises(RenderError, match=r"model 'smollm2''s source.path models/m.gguf is not an absolute"):
         render(parse_spec(relative), "compose", "spec.yaml", relative, Path("/usr/bin/true"))
+
+
+def test_the_edge_on_this_host_is_trusted_as_the_container_sees_it(tmp_path: Path) -> None:
+    """`trusted_proxies: [127.0.0.1]` was copied as it was, but the NGINX edge on this host reaches the
+    container through the published port, from the project network's gateway address: the gateway ignored
+    its X-Forwarded-For and X-Request-Id and counted every client as one address (past
+    max_client_connections, the edge answered 503)."""
+    project, inner = compose(tmp_path, CPU + "gateway: {trusted_proxies: [127.0.0.1]}\n")
+    [network] = project["networks"]["default"]["ipam"]["config"]
+    subnet = ipaddress.ip_network(network["subnet"])
+    host_side = ipaddress.ip_address(network["gateway"])
+    assert host_side in subnet
+    trusted = [ipaddress.ip_network(entry) for entry in inner.gateway.trusted_proxies]
+    assert any(host_side in n for n in trusted) and ipaddress.ip_network("127.0.0.1/32") in trusted
+    # the project's other containers (Redis, PostgreSQL, Prometheus) are not proxies to believe
+    assert not any(n.num_addresses > 1 for n in trusted)
+    # a spec that trusts no proxy on this host trusts none in the container either
+    _, untrusting = compose(tmp_path / "none", CPU)
+    assert untrusting.gateway.trusted_proxies == []
+    _, elsewhere = compose(tmp_path / "other", CPU + "gateway: {trusted_proxies: [10.0.0.0/8]}\n")
+    assert elsewhere.gateway.trusted_proxies == ["10.0.0.0/8"]

@@ -154,3 +154,39 @@ def test_every_pod_that_fetches_weights_reads_the_hugging_face_token_secret() ->
             "key": "token",
             "optional": True,
         }
+
+
+def test_replicas_of_different_models_share_a_pod_sized_to_what_they_need() -> None:
+    """Each deployment got pods of gpus_per_node (8) GPUs of its own: two models of one 1-GPU replica each
+    asked for 2 pods × 8 GPUs (16 GPUs, 64 CPUs, 256 GiB) for 2 GPUs of work."""
+    text = SPEC.format(deployment="engine: vllm, replicas: 1") + (
+        "  - name: small\n"
+        "    source: {hf: Qwen/Qwen2.5-7B-Instruct}\n"
+        "    deployments: [{engine: vllm, replicas: 1}]\n"
+    )
+    [group] = ray_cluster(text)["spec"]["workerGroupSpecs"]
+    assert group["replicas"] == group["minReplicas"] == group["maxReplicas"] == 1
+    assert group["rayStartParams"]["num-gpus"] == "2"
+    resources = group["template"]["spec"]["containers"][0]["resources"]
+    assert (
+        resources["limits"] == resources["requests"] == {"cpu": "8", "memory": "32Gi", "nvidia.com/gpu": "2"}
+    )
+    # replicas of several sizes: largest first, each on the first pod with room, no pod beyond gpus_per_node
+    mixed = SPEC.format(deployment="engine: vllm, replicas: 3, tensor_parallel: 4") + (
+        "  - name: small\n"
+        "    source: {hf: Qwen/Qwen2.5-7B-Instruct}\n"
+        "    deployments: [{engine: vllm, replicas: 5, tensor_parallel: 2}]\n"
+    )
+    pods = gpu_pods(ray_cluster(mixed))
+    assert sorted(pods) == [6, 8, 8] and all_placed(pods, [4] * 3 + [2] * 5)
+
+
+def test_the_liveness_probe_gives_a_busy_gateway_time_before_restarting_every_model() -> None:
+    """Liveness was the readiness probe: 1 s to answer (Kubernetes' default), 3 misses. The pod is the Ray
+    driver and every replica its actor: a restart reloads every model, an outage of all of them."""
+    pod = documents(SPEC.format(deployment="engine: vllm, replicas: 1"))[3]["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    liveness, readiness = container["livenessProbe"], container["readinessProbe"]
+    assert liveness["timeoutSeconds"] >= 5 and readiness["timeoutSeconds"] >= 5
+    patience = liveness["periodSeconds"] * liveness["failureThreshold"]
+    assert patience >= 60 and patience > readiness["periodSeconds"] * readiness["failureThreshold"]

@@ -18,7 +18,8 @@ from tests.conftest import CORRAL, DATA
 
 GPU_SPEC = """
 gateway:
-  {host: 127.0.0.1, port: 8000, max_body_bytes: 2097152, body_timeout: 12, send_timeout: 45, read_timeout: 90}
+  {host: 127.0.0.1, port: 8000, max_body_bytes: 2097152, body_timeout: 12, send_timeout: 45, read_timeout: 90,
+   trusted_proxies: [127.0.0.1]}
 limits: {backend: redis}
 store: {url: "postgresql://postgres@127.0.0.1:5432/test"}
 deploy:
@@ -43,6 +44,8 @@ models:
     deployments:
       - {engine: llamacpp, replicas: 2, threads: 1}
 """
+
+TRUSTS_THE_EDGE = "gateway: {trusted_proxies: [127.0.0.1]}\n"  # the NGINX edge on this host
 
 
 def render(tmp: Path, target: str, spec_text: str, *extra: str) -> subprocess.CompletedProcess[str]:
@@ -113,7 +116,7 @@ def test_nginx_config_passes_nginx_t_and_carries_the_spec(tmp_path: Path) -> Non
 
 
 def test_nginx_without_hsts_and_with_a_slow_rate(tmp_path: Path) -> None:
-    spec = CPU_SPEC + "deploy: {edge: {hsts_max_age: 0, requests_per_second: 0.5}}\n"
+    spec = CPU_SPEC + "deploy: {edge: {hsts_max_age: 0, requests_per_second: 0.5}}\n" + TRUSTS_THE_EDGE
     conf = (rendered(tmp_path, "nginx", spec) / "nginx" / "corral.conf").read_text()
     assert "Strict-Transport-Security" not in conf
     assert "rate=30r/m;" in conf and "add_header Retry-After 2 always;" in conf
@@ -126,7 +129,8 @@ def test_the_edge_outwaits_the_queue_a_scale_from_zero_hold_and_the_engine(tmp_p
     (`gateway.read_timeout`), on each try where one failed late; the gateway's own 503/504 must reach the
     client, not the edge's."""
     spec = CPU_SPEC.replace(
-        "auth: {open: true}", "auth: {open: true}\ngateway: {read_timeout: 40}\nqueue: {timeout: 50}"
+        "auth: {open: true}",
+        "auth: {open: true}\ngateway: {read_timeout: 40, trusted_proxies: [127.0.0.1]}\nqueue: {timeout: 50}",
     )
     conf = (rendered(tmp_path / "queue", "nginx", spec) / "nginx" / "corral.conf").read_text()
     assert "proxy_read_timeout 138s;" in conf
@@ -151,6 +155,34 @@ def test_nginx_refuses_gateways_that_serve_tls_themselves() -> None:
     spec = CPU_SPEC + "gateway: {tls: {cert: /etc/corral/tls/server.crt, key: /etc/corral/tls/server.key}}\n"
     with pytest.raises(RenderError, match=r"nginx: gateway.tls is set, but the edge .* plain HTTP"):
         render_files(parse_spec(spec), "nginx", "spec.yaml", spec, Path("/usr/bin/true"))
+
+
+@pytest.mark.parametrize(
+    ("gateway", "edge"),
+    [
+        ("", ""),
+        ("", "deploy: {edge: {gateways: ['localhost:8001', '10.0.0.7:8000']}}"),
+        ("host: '::1', trusted_proxies: [127.0.0.1]", ""),
+        ("trusted_proxies: [10.0.0.0/8]", "deploy: {edge: {gateways: ['127.0.0.2:8000']}}"),
+    ],
+    ids=["default-gateway", "listed-localhost", "ipv6-loopback", "other-network-trusted"],
+)
+def test_nginx_refuses_an_edge_its_local_gateway_does_not_trust(gateway: str, edge: str) -> None:
+    """Rendered, such an edge made the gateway take every client for one: their X-Forwarded-For and the
+    edge's X-Request-Id ignored, and gateway.max_client_connections (256 per gateway process) shared by all,
+    past which the edge answered its own 503 "No corral gateway is reachable"."""
+    spec = CPU_SPEC + (f"gateway: {{{gateway}}}\n" if gateway else "") + (edge + "\n" if edge else "")
+    with pytest.raises(
+        RenderError,
+        match=r"nginx: the edge proxies to the gateway at \S+ on this host.*trusted_proxies does not",
+    ):
+        render_files(parse_spec(spec), "nginx", "spec.yaml", spec, Path("/usr/bin/true"))
+    # the edge's address covered, or gateways on other hosts only (their view of the edge is theirs)
+    for fine in (
+        CPU_SPEC + "gateway: {trusted_proxies: ['127.0.0.0/8', '::1']}\n" + (edge + "\n" if edge else ""),
+        CPU_SPEC + "deploy: {edge: {gateways: ['10.0.0.7:8000', 'gw.internal:8000']}}\n",
+    ):
+        render_files(parse_spec(fine), "nginx", "spec.yaml", fine, Path("/usr/bin/true"))
 
 
 def systemd_verify(unit: Path) -> subprocess.CompletedProcess[str]:
@@ -203,6 +235,14 @@ def test_systemd_units_verify_and_are_hardened(tmp_path: Path) -> None:
     chain = spec.gateway.shutdown_grace + spec.supervisor.stop_timeout + 15
     assert int(gpu_unit["TimeoutStopSec"][0].removesuffix("s")) > chain, gpu_unit["TimeoutStopSec"]
     assert "char-nvidia-frontend rw" in gpu_unit["DeviceAllow"]
+    # CUDA loads nvidia-uvm at first use through the setuid nvidia-modprobe, which the hardening forbids:
+    # the unit does it as root before it starts (a host without the program starts all the same)
+    assert (
+        gpu_unit["ExecStartPre"] == ["+-/usr/bin/nvidia-modprobe -u -c=0"] and "ExecStartPre" not in cpu_unit
+    )
+    assert "nvidia-persistenced.service" in gpu_unit["After"][0].split()
+    assert "nvidia-persistenced.service" not in cpu_unit["After"][0]
+    assert "docs/operations/production.md" in (gpu / "corral.service").read_text().split("[Unit]")[0]
     assert "redis-server.service" in gpu_unit["After"][0] and "postgresql.service" in gpu_unit["After"][0]
     assert (gpu / "sysusers.d" / "corral.conf").read_text().startswith("u llm - ")
     assert (cpu / "cluster.yaml").stat().st_mode & 0o777 == 0o600
@@ -367,7 +407,8 @@ KUBE_SPEC = GPU_SPEC.replace("limits: {backend: redis}", "limits: {backend: memo
 
 
 def test_kuberay_manifests_validate_against_the_crd(tmp_path: Path) -> None:
-    out = rendered(tmp_path, "kuberay", KUBE_SPEC + "\n      - {engine: sim, replicas: 2, gpu: l4}\n")
+    simulated = KUBE_SPEC.replace("  - name: llama\n", "  - name: llama\n    arch: llama-3.1-8b\n")
+    out = rendered(tmp_path, "kuberay", simulated + "\n      - {engine: sim, replicas: 2, gpu: l4}\n")
     documents = list(yaml.safe_load_all((out / "kuberay" / "corral.yaml").read_text()))
     kinds = [d["kind"] for d in documents]
     assert kinds == ["Namespace", "Secret", "RayCluster", "Deployment", "Service", "NetworkPolicy"]
@@ -390,12 +431,13 @@ def test_kuberay_manifests_validate_against_the_crd(tmp_path: Path) -> None:
     assert all(c["securityContext"]["allowPrivilegeEscalation"] is False for c in containers)
     assert list(validator.iter_errors(cluster)) == []
     groups = {g["groupName"]: g for g in cluster["spec"]["workerGroupSpecs"]}
-    # 3 replicas × TP 2 = 6 GPUs on 4-GPU nodes: 2 nodes; the simulated replicas on a CPU group.
-    assert groups["gpu-4"]["replicas"] == 2
+    # 3 replicas × TP 2 = 6 GPUs on 4-GPU nodes: a pod of 4 GPUs and one of 2 (no GPU asked for and left
+    # idle); the simulated replicas on a CPU group.
+    assert {name: g["replicas"] for name, g in groups.items()} == {"gpu-2": 1, "gpu-4": 1, "cpu": 1}
     limits = {
         name: g["template"]["spec"]["containers"][0]["resources"]["limits"] for name, g in groups.items()
     }
-    assert limits["gpu-4"]["nvidia.com/gpu"] == "4"
+    assert limits["gpu-4"]["nvidia.com/gpu"] == "4" and limits["gpu-2"]["nvidia.com/gpu"] == "2"
     assert limits["cpu"]["cpu"] == "3"  # a core a simulated replica, and one spare
     images = {c["image"] for g in groups.values() for c in g["template"]["spec"]["containers"]}
     assert images == {"registry.example/corral-vllm:1"}  # vLLM preinstalled: no pip at start-up

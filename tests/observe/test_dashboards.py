@@ -12,7 +12,9 @@ import pytest
 import yaml
 from grafana_foundation_sdk.models.dashboard import Dashboard
 
-from corral.observe import DASHBOARDS, dashboard_json, panel_queries
+from corral.config import parse_spec
+from corral.deploy import write_rendered
+from corral.observe import DASHBOARDS, dashboard_json, panel_queries, render_observability
 from tests.conftest import CORRAL
 
 SPEC = """
@@ -65,13 +67,24 @@ def test_observe_render_writes_dashboards_rules_and_provisioning(tmp_path: Path)
     spec = tmp_path / "spec.yaml"
     spec.write_text(SPEC)
     out = tmp_path / "observe"
+    earlier = out / "grafana" / "provisioning" / "datasources" / "corral.yaml"
+    earlier.parent.mkdir(parents=True)
+    earlier.write_text("as an earlier render left it")
+    earlier.chmod(0o600)
     result = subprocess.run(
         [*CORRAL, "observe", "render", "-f", str(spec), "-o", str(out)],
         capture_output=True,
         text=True,
         timeout=60,
+        umask=0o022,
     )
     assert result.returncode == 0, result.stderr
+    # Grafana (another user) reads its provisioning files: they were made private, named like
+    # kuberay/corral.yaml, which carries the spec and stays so (and a render again left them private)
+    for kind in ("datasources", "dashboards"):
+        assert (out / "grafana" / "provisioning" / kind / "corral.yaml").stat().st_mode & 0o777 == 0o644
+    write_rendered({"kuberay/corral.yaml": "the spec"}, tmp_path / "deploy")
+    assert (tmp_path / "deploy" / "kuberay" / "corral.yaml").stat().st_mode & 0o777 == 0o600
     for name in ("corral-cluster", "corral-tenants", "corral-gpu"):
         json.loads((out / "grafana" / "dashboards" / f"{name}.json").read_text())
     rules = (out / "prometheus" / "rules" / "corral.rules.yml").read_text()
@@ -91,6 +104,33 @@ def test_observe_render_writes_dashboards_rules_and_provisioning(tmp_path: Path)
         text=True,
     )
     assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        "auth: {open: true, admin_key: adm-123}\ngateway: {metrics_token: tok-abc}",
+        "auth: {open: true, admin_key: adm-123}",
+        "gateway: {metrics_token: tok-abc}",
+        "gateway: {}",
+        "auth: {open: true}",
+    ],
+    ids=["open-admin-token", "open-admin", "closed-token", "closed", "open"],
+)
+def test_every_credentials_file_prometheus_reads_is_written(tmp_path: Path, settings: str) -> None:
+    """An open gateway with an admin key and a metrics_token got a corral-engines job reading
+    metrics.token, which was written for closed gateways only: Prometheus could not discover the engines.
+    The admin key alone is never written (the operator puts it in admin.key: the CLI says so)."""
+    spec = parse_spec(SPEC + settings + "\n")
+    files = render_observability(spec, "spec.yaml", tmp_path)
+    config = yaml.safe_load(files["prometheus/prometheus.yml"])
+    sections = [s for job in config["scrape_configs"] for s in (job, *job.get("http_sd_configs", []))]
+    read = {s["authorization"]["credentials_file"] for s in sections if "authorization" in s}
+    for name in read:
+        assert f"prometheus/{name}" in files or (name == "admin.key" and not spec.gateway.metrics_token)
+    if spec.gateway.metrics_token in files.values():
+        write_rendered(files, tmp_path)
+        assert (tmp_path / "prometheus" / "metrics.token").stat().st_mode & 0o777 == 0o600
 
 
 def test_snapshot_titles_say_units_in_words() -> None:

@@ -3,6 +3,7 @@ case per alert that fires on synthetic series (exact labels and summary) and one
 
 from __future__ import annotations
 
+import logging
 import shutil
 import subprocess
 from dataclasses import dataclass, field
@@ -10,13 +11,17 @@ from pathlib import Path
 
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from corral.config import DeploySettings, parse_spec
+from corral.gateway.metrics import GatewayMetrics
 from corral.observe import alert_rules, render_observability
-from corral.observe.rules import RUNBOOK, rules_yaml
+from corral.observe.rules import RUNBOOK, TOP_BUCKET_S, rules_yaml
+from corral.routing import ReplicaSet, Router
 
 SPEC = parse_spec(
-    "models:\n  - {name: m, slo: {ttft_p95: 0.5, itl_p95: 0.05}, deployments: [{engine: sim, gpu: l4}]}\n"
+    "models:\n  - {name: m, arch: llama-3.1-8b, slo: {ttft_p95: 0.5, itl_p95: 0.05},"
+    " deployments: [{engine: sim, gpu: l4}]}\n"
 )
 GPU = 'Hostname="h1", gpu="0", UUID="GPU-1"'
 GPU_LABELS = {"Hostname": "h1", "gpu": "0", "UUID": "GPU-1"}
@@ -72,7 +77,18 @@ FIRING = [
         },
         "8m",
         {"model": "m", "replica": "r0", "severity": "warning"},
-        "Replica r0 of m has not been ready for 5 minutes.",
+        "Replica r0 of m has been out of service (not starting) for 5 minutes.",
+    ),
+    Case(  # starting since long past what a start may take: waiting for room on the Ray cluster
+        "CorralReplicaStartSlow",
+        {
+            'corral_replica_ready{model="m", replica="r0"}': "0x15",
+            'corral_replica_state{model="m", replica="r0", state="starting"}': "1x15",
+        },
+        "10m",
+        {"model": "m", "replica": "r0", "state": "starting", "severity": "warning"},
+        "Replica r0 of m has been starting for longer than a start may take (180 s): it waits for room on "
+        "the Ray cluster, or its starts keep failing; see its last_error in /corral/status, and its log.",
     ),
     Case(
         "CorralReplicaRestartLoop",
@@ -233,6 +249,20 @@ QUIET = [
         "5m",
     ),
     Case("CorralReplicaDown", {'corral_replica_ready{model="m", replica="r0"}': "0 0 0 1 1 1 1 1 1 1"}, "8m"),
+    # a vLLM start takes minutes: not ready, but starting (it paged on every slow start)
+    Case(
+        "CorralReplicaDown",
+        {
+            'corral_replica_ready{model="m", replica="r0"}': "0x10",
+            'corral_replica_state{model="m", replica="r0", state="starting"}': "1x10",
+        },
+        "8m",
+    ),
+    Case(
+        "CorralReplicaStartSlow",
+        {'corral_replica_state{model="m", replica="r0", state="starting"}': "1x7 stale"},
+        "10m",
+    ),
     Case(
         "CorralReplicaRestartLoop",
         {'corral_replica_restarts_total{model="m", replica="r0"}': "0 0 1 1 1 1"},
@@ -413,3 +443,93 @@ def test_every_alert_has_a_runbook_section() -> None:
     runbook = (Path(__file__).parents[2] / "docs" / "reference" / "alerts.md").read_text()
     for rule in alert_rules(SPEC):
         assert f"## {rule.name.lower()}\n**{rule.name}** ({rule.severity})" in runbook, rule.name
+
+
+def gateway_buckets(metric: str, seconds: float) -> dict[str, str]:
+    """promtool series of `metric` as a gateway's /metrics has it (its own buckets) when each minute ten
+    requests take `seconds`."""
+    metrics = GatewayMetrics(Router(ReplicaSet()), dict)
+    observed = {
+        "corral_time_to_first_token_seconds": metrics.ttft,
+        "corral_inter_token_latency_seconds": metrics.itl,
+        "corral_queue_wait_seconds": metrics.queue_wait,
+    }[metric]
+    for _ in range(10):
+        observed.labels("m").observe(seconds)
+    family = next(
+        f for f in text_string_to_metric_families(metrics.exposition().decode()) if f.name == metric
+    )
+    counts = {s.labels["le"]: int(s.value) for s in family.samples if s.name == f"{metric}_bucket"}
+    return histogram(metric, {le: f"0+{n}x20" if n else "0x20" for le, n in counts.items()})
+
+
+@pytest.mark.parametrize(
+    ("settings", "alert", "metric", "seconds", "clamped"),
+    [
+        ("queue: {timeout: 600}", "CorralQueueWaitHigh", "corral_queue_wait_seconds", 450.0, False),
+        ("slo: {ttft_p95: 180}", "CorralTTFTSLOBreached", "corral_time_to_first_token_seconds", 250.0, False),
+        ("slo: {itl_p95: 1.5}", "CorralITLSLOBreached", "corral_inter_token_latency_seconds", 3.0, False),
+        ("queue: {timeout: 2000}", "CorralQueueWaitHigh", "corral_queue_wait_seconds", 1500.0, True),
+        ("slo: {ttft_p95: 900}", "CorralTTFTSLOBreached", "corral_time_to_first_token_seconds", 1000.0, True),
+        ("slo: {itl_p95: 8}", "CorralITLSLOBreached", "corral_inter_token_latency_seconds", 10.0, True),
+    ],
+    ids=["queue-600", "ttft-180", "itl-1.5", "queue-2000-clamped", "ttft-900-clamped", "itl-8-clamped"],
+)
+def test_latency_alerts_fire_on_what_the_gateways_histograms_can_tell(
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    settings: str,
+    alert: str,
+    metric: str,
+    seconds: float,
+    clamped: bool,
+) -> None:
+    """With the top buckets at 120 s (TTFT, queue wait) and 1 s (ITL), histogram_quantile never read more:
+    queue.timeout 600, ttft_p95 180 and itl_p95 1.5 made alerts that could never fire. A threshold at or
+    past the top bucket fires once the p95 is past it, and the render says so."""
+    model_settings = settings if settings.startswith("slo") else ""
+    spec = parse_spec(
+        f"models:\n  - {{name: m, arch: llama-3.1-8b, {model_settings + ', ' if model_settings else ''}"
+        "deployments: [{engine: sim, gpu: l4}]}\n" + ("" if model_settings else settings + "\n")
+    )
+    with caplog.at_level(logging.WARNING, logger="corral.observe.rules"):
+        rules = rules_yaml(spec)
+    assert ("past which the p95 cannot be told" in caplog.text) is clamped
+    rules_file = tmp_path / "rules.yml"
+    rules_file.write_text(yaml.safe_dump(rules, sort_keys=False))
+    firing = f'{{__name__="ALERTS", alertname="{alert}", alertstate="firing", model="m", severity="warning"}}'
+    tests = tmp_path / "tests.yml"
+    tests.write_text(
+        yaml.safe_dump(
+            {
+                "rule_files": [str(rules_file)],
+                "evaluation_interval": "1m",
+                "tests": [
+                    {
+                        "interval": "1m",
+                        "input_series": [
+                            {"series": s, "values": v} for s, v in gateway_buckets(metric, seconds).items()
+                        ],
+                        "promql_expr_test": [
+                            {
+                                "expr": f'ALERTS{{alertname="{alert}"}}',
+                                "eval_time": "12m",
+                                "exp_samples": [{"labels": firing, "value": 1}],
+                            }
+                        ],
+                    }
+                ],
+            },
+            sort_keys=False,
+        )
+    )
+    result = subprocess.run([promtool(), "test", "rules", str(tests)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_rules_know_the_gateways_top_buckets() -> None:
+    """rules.py keeps its own copy of the top finite buckets (observe imports nothing of the gateway)."""
+    for metric, top in TOP_BUCKET_S.items():
+        buckets = gateway_buckets(metric, 0.001)
+        finite = [float(s.split('le="')[1].split('"')[0]) for s in buckets if 'le="+Inf"' not in s]
+        assert max(finite) == top, metric

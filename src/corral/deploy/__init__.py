@@ -4,7 +4,8 @@ development certificates. Tools: nothing here imports the gateway."""
 from __future__ import annotations
 
 import os
-from pathlib import Path
+from fnmatch import fnmatchcase
+from pathlib import Path, PurePosixPath
 from typing import Literal
 
 from corral.config import ClusterSpec
@@ -27,7 +28,10 @@ __all__ = [
 ]
 
 Target = Literal["nginx", "systemd", "compose", "kuberay"]
-PRIVATE_FILES = frozenset({"cluster.yaml", "corral.yaml", "metrics.token"})  # spec copies, scrape token
+# Copies of the spec (systemd/, compose/), the KubeRay manifest carrying it, Prometheus's scrape token: by
+# their path under the output folder (by name alone, Grafana's provisioning files named corral.yaml were
+# made private too, and Grafana, another user, could not read them).
+PRIVATE_FILES = ("*/cluster.yaml", "kuberay/corral.yaml", "prometheus/metrics.token")
 TARGETS: tuple[Target, ...] = ("nginx", "systemd", "compose", "kuberay")
 
 
@@ -51,8 +55,10 @@ def write_rendered(files: dict[str, str], directory: Path) -> list[Path]:
     for relative, text in files.items():
         path = directory / relative
         path.parent.mkdir(parents=True, exist_ok=True)
-        if Path(relative).name in PRIVATE_FILES:  # made private, never readable by others for a moment
-            path.unlink(missing_ok=True)  # (someone else's file there would keep its owner and mode)
+        # A new file: someone else's file there would keep its owner and mode, and one an earlier render
+        # made private by mistake (Grafana's provisioning files) would stay unreadable to its reader.
+        path.unlink(missing_ok=True)
+        if _private(relative):  # made private, never readable by others for a moment
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             with os.fdopen(fd, "w", encoding="utf-8") as handle:
                 handle.write(text)
@@ -60,3 +66,8 @@ def write_rendered(files: dict[str, str], directory: Path) -> list[Path]:
             path.write_text(text, encoding="utf-8")
         written.append(path)
     return written
+
+
+def _private(relative: str) -> bool:
+    path = PurePosixPath(relative).as_posix()
+    return any(fnmatchcase(path, pattern) for pattern in PRIVATE_FILES)

@@ -5,10 +5,16 @@ the replicas' lifecycle, probes and restarts, and the engines' metrics reach the
 runs in `deploy.vllm_image` (vLLM preinstalled) with the GPUs reserved for that service (the spec's GPU ids
 renumbered as the container sees them: 0, 1, …). Redis and PostgreSQL on this host become services of the
 project; Prometheus comes with the `watch` profile. TLS is the NGINX edge's (`gateway.tls` is refused).
+
+The project's network has a fixed subnet: the NGINX edge on this host reaches the gateway through the
+published port, so inside the container its connections come from the network's gateway address, not from
+127.0.0.1. A spec that trusts the edge on this host (`gateway.trusted_proxies` covering loopback) trusts
+that address in the container too; else the gateway would take the whole edge for one client.
 """
 
 from __future__ import annotations
 
+import ipaddress
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -32,6 +38,11 @@ __all__ = ["render_compose"]
 
 _PORT = 8000
 _HOME = "/var/lib/corral"
+# Outside Docker's default address pools (172.17-31.0.0/16, 192.168.0.0/16), so that the networks Docker
+# numbers itself do not take it first. A clash with a network of this host makes `docker compose up` fail,
+# naming the pool: then change the subnet in compose.yaml and the address in cluster.yaml's trusted_proxies.
+_SUBNET = "172.16.240.0/24"
+_HOST_SIDE = "172.16.240.1"  # this host on the project's network: what the container sees the edge as
 
 
 def render_compose(spec: ClusterSpec, source: str) -> dict[str, str]:
@@ -53,15 +64,19 @@ def render_compose(spec: ClusterSpec, source: str) -> dict[str, str]:
         volumes["postgres-data"] = {}
     if "redis" in services and durable_redis:
         volumes["redis-data"] = {}
-    document = {"services": services, "volumes": volumes}
+    network = {"ipam": {"config": [{"subnet": _SUBNET, "gateway": _HOST_SIDE}]}}
+    document = {"services": services, "volumes": volumes, "networks": {"default": network}}
     header = f"Rendered by `corral deploy render --target compose` from {source}."
+    running = header + "\nThe spec corral runs inside its container (services by their Compose names)."
     inner = _gpus_as_seen_inside(spec, container_spec(spec, port=_PORT, services=names))
+    if _edge_needs_trust_inside(spec):
+        inner.setdefault("gateway", {})["trusted_proxies"] = [*spec.gateway.trusted_proxies, _HOST_SIDE]
+        running += (
+            f"\n{_HOST_SIDE} in trusted_proxies: the NGINX edge on this host, as the container sees it."
+        )
     return {
         "compose/compose.yaml": spec_yaml(document, header + "\nStart: docker compose -p corral up -d"),
-        "compose/cluster.yaml": spec_yaml(
-            _store_on_volume(spec, inner),
-            header + "\nThe spec corral runs inside its container (services by their Compose names).",
-        ),
+        "compose/cluster.yaml": spec_yaml(_store_on_volume(spec, inner), running),
         "compose/prometheus.yml": yaml.safe_dump(_prometheus_config(), sort_keys=False),
     }
 
@@ -110,6 +125,17 @@ def _gpus_as_seen_inside(spec: ClusterSpec, data: dict[str, Any]) -> dict[str, A
             if _pinned(deployment):
                 dumped["gpus"] = [inside[g] for g in deployment.gpus or []]
     return data
+
+
+def _edge_needs_trust_inside(spec: ClusterSpec) -> bool:
+    """Whether the spec trusts a proxy on this host's loopback (the NGINX edge) but not this host's address
+    on the project's network, where the edge's connections to the published port arrive from. Copied as
+    it was, the gateway ignored the edge's X-Forwarded-For and X-Request-Id and counted every client as one
+    address against `gateway.max_client_connections` (past it, the edge answered 503 "No corral gateway")."""
+    trusted = [ipaddress.ip_network(entry, strict=False) for entry in spec.gateway.trusted_proxies]
+    loopback = (ipaddress.ip_address("127.0.0.1"), ipaddress.ip_address("::1"))
+    host_side = ipaddress.ip_address(_HOST_SIDE)
+    return any(a in n for n in trusted for a in loopback) and not any(host_side in n for n in trusted)
 
 
 def _store_on_volume(spec: ClusterSpec, data: dict[str, Any]) -> dict[str, Any]:

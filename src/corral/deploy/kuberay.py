@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
-import math
 import re
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -205,35 +204,39 @@ def _ray_cluster(spec: ClusterSpec, namespace: str) -> dict[str, Any]:
 
 
 def _worker_groups(spec: ClusterSpec, image: str) -> list[dict[str, Any]]:
-    """One GPU group per node size (gpus_per_node), with the nodes each deployment's replicas need
-    (`_gpu_nodes`: a node holds whole replicas), and a CPU group for engines without GPUs."""
-    gpu_nodes: dict[int, int] = {}
+    """GPU worker pods, the replicas of every deployment packed onto them per node size (`gpus_per_node`),
+    each pod asking for the GPUs its replicas fill (`_gpu_pods`); one group per pod size; and a CPU group
+    for engines without GPUs."""
+    placements: dict[int, list[int]] = {}  # node size → GPUs each placement group needs on one node
     cpu_need = 0
     for model in spec.models:
         for deployment in model.deployments:
             if deployment.engine == "external":
                 continue
             if _on_gpu(deployment):
-                per_node = deployment.gpus_per_node
-                gpu_nodes[per_node] = gpu_nodes.get(per_node, 0) + _gpu_nodes(model.name, deployment)
+                needs = placements.setdefault(deployment.gpus_per_node, [])
+                needs += _placements(model.name, deployment)
             else:
                 cpu_need += (deployment.threads or 1) * deployment.most_replicas
+    pods: dict[int, int] = {}  # GPUs of a pod → pods of that size
+    for per_node, needs in placements.items():
+        for gpus in _gpu_pods(needs, per_node):
+            pods[gpus] = pods.get(gpus, 0) + 1
     groups = [
-        _group(f"gpu-{per_node}", image, nodes, cpu=4 * per_node, gpus=per_node)
-        for per_node, nodes in sorted(gpu_nodes.items())
+        _group(f"gpu-{gpus}", image, count, cpu=4 * gpus, gpus=gpus) for gpus, count in sorted(pods.items())
     ]
     if cpu_need:
         groups.append(_group("cpu", image, 1, cpu=cpu_need + 1, gpus=0))
     return groups
 
 
-def _gpu_nodes(model: str, deployment: DeploymentSpec) -> int:
-    """Nodes of `gpus_per_node` GPUs that hold every replica of the deployment. A replica's GPUs are one
+def _placements(model: str, deployment: DeploymentSpec) -> list[int]:
+    """The GPUs each of the deployment's placement groups needs on one node. A replica's GPUs are one
     placement group packed onto one node (STRICT_PACK), so a node holds whole replicas only (two 6-GPU
     replicas need two 8-GPU nodes, not 12/8); with `span_nodes` its per-GPU bundles may spread (PACK)."""
     per_replica, per_node = deployment.gpus_per_replica, deployment.gpus_per_node
     if deployment.span_nodes:
-        return math.ceil(per_replica * deployment.most_replicas / per_node)
+        return [1] * (per_replica * deployment.most_replicas)
     if per_replica > per_node:
         raise RenderError(
             f"kuberay: model {model!r} needs {per_replica} GPUs per replica (tensor_parallel "
@@ -242,7 +245,24 @@ def _gpu_nodes(model: str, deployment: DeploymentSpec) -> int:
             "pipeline_parallel, set gpus_per_node to a larger node, or let the pipeline stages span nodes "
             "(span_nodes: true, with engine_args [--distributed-executor-backend, ray])"
         )
-    return math.ceil(deployment.most_replicas / (per_node // per_replica))
+    return [per_replica] * deployment.most_replicas
+
+
+def _gpu_pods(needs: list[int], per_node: int) -> list[int]:
+    """The GPUs of each pod that holds the placement groups `needs` on nodes of `per_node` GPUs: first fit,
+    largest first, whatever deployment each belongs to (two models of one 1-GPU replica share one 2-GPU
+    pod, where pods of `per_node` GPUs per deployment asked for 16 GPUs for 2 GPUs of work). Ray places
+    the groups in the order the supervisor starts the replicas: where their sizes do not divide each other
+    (3 and 5 GPUs), an order that splits a pod's room otherwise than this packing can leave a replica
+    waiting for room."""
+    pods: list[int] = []
+    for need in sorted(needs, reverse=True):
+        fits = next((i for i, used in enumerate(pods) if used + need <= per_node), None)
+        if fits is None:
+            pods.append(need)
+        else:
+            pods[fits] += need
+    return pods
 
 
 def _on_gpu(deployment: DeploymentSpec) -> bool:
@@ -303,8 +323,11 @@ def _deployment(spec: ClusterSpec, namespace: str, spec_digest: str) -> dict[str
     # One gateway pod: taking it out of the Service because one model has no ready replica would refuse
     # every model's requests. Readiness is the gateway answering (a model without a replica answers 503
     # with Retry-After itself); start-up allows an hour, as `corral up` fetches the models before it
-    # listens (a kill would start the download again).
-    probe = {"httpGet": {"path": "/health", "port": _PORT}, "periodSeconds": 10, "failureThreshold": 3}
+    # listens (a kill would start the download again). Liveness is slower to give up than readiness: the
+    # pod is the Ray driver and every replica its actor, so a restart is an outage of every model until
+    # each has loaded again; a gateway busy for a few seconds (Kubernetes' default probe timeout is 1 s)
+    # is not a dead one.
+    probe = {"httpGet": {"path": "/health", "port": _PORT}, "periodSeconds": 10, "timeoutSeconds": 5}
     container = {
         "name": "corral",
         "image": spec.deploy.vllm_image,
@@ -318,9 +341,9 @@ def _deployment(spec: ClusterSpec, namespace: str, spec_digest: str) -> dict[str
             },
             _HF_TOKEN,
         ],
-        "readinessProbe": probe,
+        "readinessProbe": {**probe, "failureThreshold": 3},
         "startupProbe": {**probe, "failureThreshold": 360},
-        "livenessProbe": probe,
+        "livenessProbe": {**probe, "failureThreshold": 6},
         "volumeMounts": [
             {"name": "spec", "mountPath": "/etc/corral"},
             {"name": "home", "mountPath": "/var/lib/corral"},

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ipaddress
 import math
+from urllib.parse import urlsplit
 
 from corral.config import ClusterSpec
 from corral.deploy.spec_rewrite import RenderError
@@ -25,9 +27,11 @@ def render_nginx(spec: ClusterSpec, source: str) -> dict[str, str]:
             "gateways run, keep them on 127.0.0.1 or a private network (gateway.host), and give the edge "
             "the certificate (deploy.edge.cert and key)"
         )
+    gateways = edge.gateways or [gateway.address_from_here()]
+    _refuse_untrusted_edge(spec, gateways)
     context = {
         "source": source,
-        "gateways": edge.gateways or [gateway.address_from_here()],
+        "gateways": gateways,
         "port": edge.port,
         "server_name": edge.server_name,
         "cert": edge.cert,
@@ -51,6 +55,41 @@ def render_nginx(spec: ClusterSpec, source: str) -> dict[str, str]:
         "nginx/corral.conf": render_template("corral.conf.j2", context),
         "nginx/nginx.conf": render_template("nginx.conf.j2", context),
     }
+
+
+def _refuse_untrusted_edge(spec: ClusterSpec, gateways: list[str]) -> None:
+    """A gateway on this host sees the edge's connections come from loopback: unless trusted_proxies covers
+    that address, the gateway ignores the edge's X-Forwarded-For and X-Request-Id, and counts every client
+    as one address against `gateway.max_client_connections` (past it, it resets the edge's connections and
+    the edge answers its own 503 "No corral gateway is reachable"). Gateways on other hosts see the edge
+    at an address this host cannot tell."""
+    trusted = [ipaddress.ip_network(entry, strict=False) for entry in spec.gateway.trusted_proxies]
+    for address in gateways:
+        peer = _loopback_peer(address)
+        if peer is not None and not any(peer in network for network in trusted):
+            raise RenderError(
+                f"nginx: the edge proxies to the gateway at {address} on this host, which sees every "
+                f"connection of the edge come from {peer}, but gateway.trusted_proxies does not cover "
+                f"{peer}: the gateway would take all clients for one (their X-Forwarded-For and the edge's "
+                "X-Request-Id ignored, gateway.max_client_connections shared by all, then the edge's 503 "
+                f'"No corral gateway is reachable"). Add {peer} to gateway.trusted_proxies, in this spec and '
+                "in the spec each gateway runs"
+            )
+
+
+def _loopback_peer(address: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """The address a gateway at `address` (host:port) sees the edge's connections come from, where it is
+    on this host's loopback (Linux answers a connection to any of 127.0.0.0/8 from 127.0.0.1)."""
+    host = urlsplit(f"//{address}").hostname or ""
+    if host == "localhost":
+        return ipaddress.ip_address("127.0.0.1")
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return None
+    if not ip.is_loopback:
+        return None
+    return ipaddress.ip_address("127.0.0.1") if ip.version == 4 else ip
 
 
 def _first_byte_s(spec: ClusterSpec) -> float:

@@ -24,11 +24,15 @@ from corral.routing import Router
 __all__ = ["GatewayMetrics", "ModelMetrics", "TenantMetrics", "UsageMetrics"]
 
 
-_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
-# A whole answer may take far longer than its first token (reasoning, long generations, batch lines):
-# past the top finite bucket histogram_quantile reports that bucket's bound, whatever the true figure.
-_DURATION = (*_LATENCY, 300.0, 600.0, 1800.0)
-_TOKEN_LATENCY = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1.0)
+# Past the top finite bucket histogram_quantile reports that bucket's bound, whatever the true figure: an
+# alert threshold at or above it would never fire (observe/rules.py clamps one to it, with a warning, and
+# keeps a copy of these tops). Time to first token and queue waits reach the queue timeout and a
+# scaled-to-zero model's hold_s (minutes).
+_SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_LATENCY = (*_SECONDS, 180.0, 300.0, 600.0)
+# A whole answer may take far longer than its first token (reasoning, long generations, batch lines).
+_DURATION = (*_SECONDS, 300.0, 600.0, 1800.0)
+_TOKEN_LATENCY = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1.0, 2.0, 5.0)
 
 
 _STATE_INTERVAL_S = 1.0  # how often a worker publishes its replica and queue gauges

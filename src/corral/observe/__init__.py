@@ -73,22 +73,30 @@ def prometheus_config(spec: ClusterSpec, rules: Path, scrape_interval: str = "15
     }
 
 
+def _credentials_files(config: dict[str, Any]) -> set[str]:
+    """The files the scrape jobs of a Prometheus configuration read their bearer credentials from."""
+    found = set()
+    for job in config["scrape_configs"]:
+        for section in (job, *job.get("http_sd_configs", [])):
+            if "authorization" in section:
+                found.add(section["authorization"]["credentials_file"])
+    return found
+
+
 def render_observability(
     spec: ClusterSpec, source: str, output: Path, scrape_interval: str = "15s"
 ) -> dict[str, str]:
     """Dashboards, rules, Prometheus configuration, Grafana provisioning and, on GPU specs, dcgm-exporter's
     counters file, keyed by path under `output`."""
     header = f"# Rendered by `corral observe render` from {source}; render again after editing the spec.\n"
+    prometheus = prometheus_config(spec, (output / RULES_FILE).resolve(), scrape_interval)
     files = {
         RULES_FILE: header
         + yaml.safe_dump(
             rules_yaml(spec, (output / RUNBOOK_FILE).resolve().as_uri()), sort_keys=False, width=200
         ),
         RUNBOOK_FILE: RUNBOOK.read_text(),
-        "prometheus/prometheus.yml": header
-        + yaml.safe_dump(
-            prometheus_config(spec, (output / RULES_FILE).resolve(), scrape_interval), sort_keys=False
-        ),
+        "prometheus/prometheus.yml": header + yaml.safe_dump(prometheus, sort_keys=False),
         "grafana/provisioning/datasources/corral.yaml": header
         + yaml.safe_dump(
             {
@@ -124,7 +132,8 @@ def render_observability(
     }
     if _on_gpus(spec):
         files[COUNTERS_FILE] = counters_csv()  # dcgm-exporter's stock fields lack the ECC and throttling ones
-    if spec.gateway.metrics_token and not spec.auth.open:
+    if spec.gateway.metrics_token and METRICS_TOKEN_FILE in _credentials_files(prometheus):
+        # (also for an open gateway with an admin key: its replica list, /corral/sd, asks for the token)
         files[f"prometheus/{METRICS_TOKEN_FILE}"] = spec.gateway.metrics_token
     for board in DASHBOARDS:
         files[f"grafana/dashboards/{board.uid}.json"] = dashboard_json(board)

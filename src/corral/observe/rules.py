@@ -15,20 +15,31 @@ remapping that the stock list keeps.
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from corral.config import ClusterSpec
+from corral.config import ClusterSpec, ModelSpec
 
-__all__ = ["FATAL_XIDS", "RUNBOOK", "AlertRule", "alert_rules", "rules_yaml"]
+__all__ = ["FATAL_XIDS", "RUNBOOK", "TOP_BUCKET_S", "AlertRule", "alert_rules", "rules_yaml"]
+
+logger = logging.getLogger(__name__)
 
 RUNBOOK = Path(__file__).with_name("runbook.md")  # one section per alert (docs/reference/alerts.md shows it)
 # XIDs that mean the GPU or its driver failed (DBE ECC, row remapping, NVLink, fell off the bus, contained/
 # uncontained ECC, GSP); 13, 31, 43 and 45 are mostly the application's own faults.
 FATAL_XIDS = (48, 61, 62, 63, 64, 74, 79, 92, 94, 95, 119, 120)
 APPLICATION_XIDS = (13, 31, 43, 45)
+# The top finite bucket of the gateway's latency histograms (gateway/metrics.py): histogram_quantile never
+# reports more, so a rule asking for more could never fire.
+TOP_BUCKET_S = {
+    "corral_time_to_first_token_seconds": 600.0,
+    "corral_queue_wait_seconds": 600.0,
+    "corral_inter_token_latency_seconds": 5.0,
+}
+_VLLM_START_S = 600.0  # the longest vLLM may take to become ready (engines/vllm.py; not ready_timeout)
 
 
 @dataclass(frozen=True)
@@ -108,8 +119,70 @@ def _availability_rules(spec: ClusterSpec) -> list[AlertRule]:
     return rules
 
 
+def _p95_over(metric: str, bound: float, what: str, selector: str = "") -> tuple[str, str]:
+    """The PromQL of `metric`'s p95 over `bound`, and what a summary adds to the bound. A bound at or above
+    the histogram's top finite bucket is clamped to it, with a warning: the p95 never reads more, so the
+    rule would never fire; at the top bucket it fires once the p95 is past it, before `bound`."""
+    quantile = f"histogram_quantile(0.95, sum by (model, le) (rate({metric}_bucket{selector}[5m])))"
+    top = TOP_BUCKET_S[metric]
+    if bound < top:
+        return f"{quantile} > {bound:g}", ""
+    logger.warning(
+        "alert rules: %s of %g s is not below %g s, the top bucket of %s, past which the p95 cannot be "
+        "told: the alert fires once the p95 is past %g s instead",
+        what,
+        bound,
+        top,
+        metric,
+        top,
+    )
+    return f"{quantile} >= {top:g}", f"; alerting past {top:g} s, the most the histogram tells"
+
+
+def _replica_rules(spec: ClusterSpec) -> list[AlertRule]:
+    """A replica out of service that is not starting (a vLLM start takes minutes), and one starting for
+    longer than a start may take: waiting for room on a Ray cluster (never given up), or starts that keep
+    failing late (each a restart, too far apart for CorralReplicaRestartLoop)."""
+    rules = [
+        AlertRule(
+            "CorralReplicaDown",
+            'corral_replica_ready == 0 unless ignoring(state) corral_replica_state{state="starting"} == 1',
+            "5m",
+            "warning",
+            "Replica {{ $labels.replica }} of {{ $labels.model }} has been out of service (not starting) "
+            "for 5 minutes.",
+        )
+    ]
+    by_allowance: dict[float, list[str]] = {}
+    for model in spec.models:
+        by_allowance.setdefault(_start_allowance(spec, model), []).append(model.name)
+    for allowance, models in sorted(by_allowance.items()):
+        selector = f'state="starting", model=~"{_any_of(models)}"'
+        rules.append(
+            AlertRule(
+                "CorralReplicaStartSlow",
+                f"corral_replica_state{{{selector}}} == 1",
+                f"{math.ceil(allowance) + 300}s",  # the longest start, and 5 minutes
+                "warning",
+                "Replica {{ $labels.replica }} of {{ $labels.model }} has been starting for longer than a "
+                f"start may take ({allowance:g} s): it waits for room on the Ray cluster, or its starts "
+                "keep failing; see its last_error in /corral/status, and its log.",
+            )
+        )
+    return rules
+
+
+def _start_allowance(spec: ClusterSpec, model: ModelSpec) -> float:
+    """The longest one start of the model's replicas may take before the supervisor gives it up."""
+    vllm = any(deployment.engine == "vllm" for deployment in model.deployments)
+    return max(spec.supervisor.ready_timeout, _VLLM_START_S if vllm else 0.0)
+
+
 def alert_rules(spec: ClusterSpec) -> list[AlertRule]:
     queue_wait = spec.queue.timeout / 2
+    queue_expr, clamped = _p95_over(
+        "corral_queue_wait_seconds", queue_wait, "half the queue timeout (queue.timeout / 2)"
+    )
     rules = [
         AlertRule(
             "CorralGatewayDown",
@@ -119,13 +192,7 @@ def alert_rules(spec: ClusterSpec) -> list[AlertRule]:
             "The corral gateway {{ $labels.instance }} does not answer Prometheus's scrapes.",
         ),
         *_availability_rules(spec),
-        AlertRule(
-            "CorralReplicaDown",
-            "corral_replica_ready == 0",
-            "5m",
-            "warning",
-            "Replica {{ $labels.replica }} of {{ $labels.model }} has not been ready for 5 minutes.",
-        ),
+        *_replica_rules(spec),
         AlertRule(
             "CorralReplicaRestartLoop",
             "increase(corral_replica_restarts_total[15m]) >= 3",
@@ -145,12 +212,11 @@ def alert_rules(spec: ClusterSpec) -> list[AlertRule]:
         ),
         AlertRule(
             "CorralQueueWaitHigh",
-            "histogram_quantile(0.95, sum by (model, le) (rate(corral_queue_wait_seconds_bucket[5m]))) "
-            f"> {queue_wait:g}",
+            queue_expr,
             "5m",
             "warning",
             f"{{{{ $labels.model }}}}: p95 queue wait {{{{ $value | humanizeDuration }}}} "
-            f"(over {queue_wait:g} s, half the queue timeout): add replicas.",
+            f"(over {queue_wait:g} s, half the queue timeout{clamped}): add replicas.",
         ),
         AlertRule(
             "CorralKVCacheFull",
@@ -238,15 +304,17 @@ def _slo_rules(spec: ClusterSpec) -> list[AlertRule]:
         ):
             if bound is None:
                 continue
+            expr, clamped = _p95_over(
+                metric, bound, f"model {model.name!r}'s slo.{kind.lower()}_p95", f'{{model="{model.name}"}}'
+            )
             rules.append(
                 AlertRule(
                     f"Corral{kind}SLOBreached",
-                    "histogram_quantile(0.95, sum by (model, le) "
-                    f'(rate({metric}_bucket{{model="{model.name}"}}[5m]))) > {bound:g}',
+                    expr,
                     "5m",
                     "warning",
                     f"{model.name}: {kind} p95 {{{{ $value | humanizeDuration }}}} is over its SLO of "
-                    f"{bound:g} s.",
+                    f"{bound:g} s{clamped}.",
                 )
             )
     return rules
