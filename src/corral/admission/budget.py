@@ -7,9 +7,15 @@ reserved; so concurrent requests cannot all pass a check that only one of them f
 
 Across gateways (`limits.backend: redis`) the month's use and every gateway's reservations live in Redis:
 a hash `{prefix}:{key}:{month}` whose `used` is seeded from the store when missing and grows as requests
-settle, and a sorted set of reservations, each expiring after `hold_s` (a gateway that dies does not hold
-budget for long). One script checks and reserves, so gateways cannot together run a budget over. While
-Redis is unreachable each gateway falls back to its own accounting (logged).
+settle, and a sorted set of reservations, each a lease of `hold_s` that its gateway renews while the
+request runs (a gateway that dies does not hold budget for long). One script checks and reserves, so
+gateways cannot together run a budget over. While Redis is unreachable each gateway falls back to its own
+accounting (logged). A reservation or settlement whose reply did not come (Redis away, or answering past
+`limits.redis_timeout`) may have been made all the same: its settlement (none used, for a reservation) is
+sent again once Redis answers, and Redis takes a hold's settlement once.
+
+A key's figures are of one calendar month (UTC): when the month turns, what was read and settled in the
+last one is forgotten, and the new month's use is read from the store.
 """
 
 from __future__ import annotations
@@ -18,9 +24,10 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import math
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from functools import partial
@@ -36,6 +43,12 @@ logger = logging.getLogger(__name__)
 _QUIET_S = 86400.0  # a budgeted key not seen for a day leaves the budget metric
 _MONTH_S = 40 * 86400  # a month's Redis hash outlives the month
 _STORE_RETRY_S = 5.0
+# A hold in Redis is a lease its gateway renews every third of it while the request runs: one whose reply
+# never came, or whose gateway died, frees the budget within it.
+_HOLD_S = 60.0
+_OWED_RETRY_S = 1.0  # settlements Redis may have missed are sent again this often until it answers
+_OWED_MAX = 10_000  # at most this many kept (the oldest dropped: their holds expire by themselves)
+_OWED_SENT = 256  # at most this many of a key's sent in one round trip
 
 
 def _month() -> str:
@@ -69,12 +82,23 @@ local used = tonumber(redis.call('HGET', KEYS[1], 'used')) + held
 if used + tonumber(ARGV[2]) > tonumber(ARGV[1]) then return {0, used, held} end
 redis.call('ZADD', KEYS[2], now + tonumber(ARGV[4]), ARGV[3] .. ':' .. ARGV[2])
 redis.call('PEXPIRE', KEYS[1], ARGV[6])
-redis.call('PEXPIRE', KEYS[2], ARGV[4])
+-- (the set outlives its holds; never shortened: an older gateway's hold lasts an hour)
+if redis.call('PTTL', KEYS[2]) < tonumber(ARGV[4]) then redis.call('PEXPIRE', KEYS[2], ARGV[4]) end
 return {1, used, held}
 """
+# (only a hold still held is counted: a settlement sent again, its first reply lost, counts once)
 _SETTLE = """
-redis.call('ZREM', KEYS[2], ARGV[1])
-if redis.call('EXISTS', KEYS[1]) == 1 then redis.call('HINCRBY', KEYS[1], 'used', ARGV[2]) end
+if redis.call('ZREM', KEYS[2], ARGV[1]) == 1 and redis.call('EXISTS', KEYS[1]) == 1 then
+  redis.call('HINCRBY', KEYS[1], 'used', ARGV[2])
+end
+return 1
+"""
+_RENEW = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local hold = tonumber(ARGV[1])
+for i = 2, #ARGV do redis.call('ZADD', KEYS[1], 'XX', now + hold, ARGV[i]) end  -- (a settled hold stays gone)
+if redis.call('PTTL', KEYS[1]) < hold then redis.call('PEXPIRE', KEYS[1], hold) end
 return 1
 """
 
@@ -83,7 +107,7 @@ class SharedBudgets:
     """Budgets held in Redis for every gateway that uses it."""
 
     def __init__(
-        self, url: str, prefix: str = "corral:budget", timeout: float = 0.5, hold_s: float = 3600.0
+        self, url: str, prefix: str = "corral:budget", timeout: float = 0.5, hold_s: float = _HOLD_S
     ) -> None:
         import redis.asyncio as aioredis  # optional dependency, only with the redis backend
         from redis.exceptions import RedisError
@@ -92,9 +116,17 @@ class SharedBudgets:
         self._redis = aioredis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
         self._reserve = self._redis.register_script(_RESERVE)
         self._settle = self._redis.register_script(_SETTLE)
-        self._prefix, self._hold_ms = prefix, int(hold_s * 1000)
+        self._renew = self._redis.register_script(_RENEW)
+        self._prefix, self._hold_ms = prefix, math.ceil(hold_s * 1000)
         self._ids = itertools.count()
         self._instance = f"{os.getpid():x}.{time.time_ns():x}"
+        self._live: dict[tuple[str, str], set[str]] = {}  # (key, month) → its holds in flight here
+        self._renewer: asyncio.Task[None] | None = None
+        # (key, month) → hold → (tokens used, when): settlements Redis may not have had, to send again
+        self._owed: dict[tuple[str, str], dict[str, tuple[int, float]]] = {}
+        self._owing = 0  # settlements in `_owed`
+        self._payer: asyncio.Task[None] | None = None
+        self._closed = False
 
     def _keys(self, key: str, month: str) -> list[str]:
         return [f"{self._prefix}:{key}:{month}", f"{self._prefix}:{key}:{month}:held"]
@@ -106,26 +138,123 @@ class SharedBudgets:
         requests in flight hold); `seed`: the
         month's use as this gateway knows it, taken when Redis has none; `stored`: the part of it in the
         store, taken where Redis knows less (settlements lost while Redis was away are in the store; what
-        this gateway settled but has not written yet may still be on its way to Redis)."""
+        this gateway settled but has not written yet may still be on its way to Redis). A granted hold is
+        renewed until it is settled; one whose reply did not come is released once Redis answers."""
         entry = f"{self._instance}.{next(self._ids)}"
+        hold = f"{entry}:{tokens}"
         args: list[int | str] = [budget, tokens, entry, self._hold_ms, seed, _MONTH_S * 1000, stored]
-        ok, used, held = await self._reserve(keys=self._keys(key, month), args=args)
-        return bool(ok), int(used), f"{entry}:{tokens}", int(held)
+        try:
+            if (key, month) in self._owed:  # (holds of the key's whose replies did not come: gone first)
+                await self._pay((key, month))
+            ok, used, held = await self._reserve(keys=self._keys(key, month), args=args)
+        except self.errors:  # (a reply past the timeout: Redis may have made the hold all the same)
+            self._owe(key, month, hold, 0)
+            raise
+        if ok:
+            self._live.setdefault((key, month), set()).add(hold)
+            if self._renewer is None and not self._closed:
+                self._renewer = asyncio.create_task(self._renew_holds(), name="redis-budget-holds")
+        return bool(ok), int(used), hold, int(held)
 
     async def settle(self, key: str, month: str, entry: str, used: int) -> None:
-        await self._settle(keys=self._keys(key, month), args=[entry, used])
+        live = self._live.get((key, month))
+        if live is not None:
+            live.discard(entry)
+            if not live:
+                del self._live[(key, month)]
+        try:
+            await self._settle(keys=self._keys(key, month), args=[entry, used])
+        except self.errors:  # (Redis may have settled it all the same: it counts a hold once)
+            self._owe(key, month, entry, used)
+            raise
+
+    async def _renew_holds(self) -> None:
+        """Renew the holds of the requests in flight here, every third of a hold, while any are."""
+        try:
+            while self._live and not self._closed:
+                await asyncio.sleep(self._hold_ms / 3000)
+                pipe = self._redis.pipeline(transaction=False)
+                for (key, month), holds in list(self._live.items()):
+                    args: list[int | str] = [self._hold_ms, *holds]
+                    await self._renew(keys=self._keys(key, month)[1:], args=args, client=pipe)
+                with contextlib.suppress(*self.errors):  # (Redis away: renewed next time)
+                    await pipe.execute()
+        finally:
+            self._renewer = None
+
+    def _owe(self, key: str, month: str, hold: str, used: int) -> None:
+        if self._closed:
+            return
+        owed = self._owed.setdefault((key, month), {})
+        if hold not in owed:
+            self._owing += 1
+        owed[hold] = (used, time.monotonic())
+        if self._owing > _OWED_MAX:  # (the first key's first: its hold has expired by itself, or will)
+            first = next(iter(self._owed))
+            oldest = self._owed[first]
+            del oldest[next(iter(oldest))]
+            self._owing -= 1
+            if not oldest:
+                del self._owed[first]
+        if self._payer is None:
+            self._payer = asyncio.get_running_loop().create_task(self._pay_owed(), name="redis-budget-owed")
+
+    async def _pay_owed(self) -> None:
+        """Send what Redis may have missed every `_OWED_RETRY_S` until it has it all."""
+        try:
+            while self._owed and not self._closed:
+                await asyncio.sleep(_OWED_RETRY_S)
+                for key_month in list(self._owed):
+                    try:
+                        await self._pay(key_month)
+                    except self.errors:
+                        break  # (still away: again next time)
+        finally:
+            self._payer = None
+
+    async def _pay(self, key_month: tuple[str, str]) -> None:
+        """Send (the oldest `_OWED_SENT` of) the settlements of `key_month`'s holds Redis may have missed:
+        it counts a hold's once, and one it never made is nothing to it; one older than a hold has expired
+        in Redis by itself."""
+        owed = self._owed.get(key_month, {})
+        expired = time.monotonic() - self._hold_ms / 1000
+        due = list(itertools.islice(owed.items(), _OWED_SENT))
+        pipe = self._redis.pipeline(transaction=False)
+        for hold, (used, at) in due:
+            if at > expired:
+                await self._settle(keys=self._keys(*key_month), args=[hold, used], client=pipe)
+        results = iter(await pipe.execute(raise_on_error=False) if len(pipe) else [])
+        for hold, (_, at) in due:
+            if at > expired and isinstance(next(results), BaseException):
+                continue  # (sent again next time)
+            if owed.pop(hold, None) is not None:
+                self._owing -= 1
+        if not owed:
+            self._owed.pop(key_month, None)
 
     async def close(self) -> None:
+        self._closed = True
+        for task in (self._renewer, self._payer):
+            if task is not None:
+                task.cancel()
         await self._redis.aclose()
 
 
 class BudgetTracker:
+    """Each budgeted key's use this calendar month (`month`: now's, `YYYY-MM`), checked and reserved."""
+
     def __init__(
-        self, usage: UsageStore, refresh_s: float = 30.0, shared: SharedBudgets | None = None
+        self,
+        usage: UsageStore,
+        refresh_s: float = 30.0,
+        shared: SharedBudgets | None = None,
+        month: Callable[[], str] | None = None,
     ) -> None:
         self._usage = usage
         self._refresh = refresh_s
         self._shared = shared
+        self._month = month or _month
+        self._month_of: dict[str, str] = {}  # key id → the month its figures below are of
         self._used: dict[str, tuple[int, float]] = {}  # key id → (tokens this month in the store, read at)
         self._unwritten: dict[str, int] = {}  # settled here, not written to the store yet
         self._written_since_read: dict[str, int] = {}  # written since the store was last read
@@ -145,9 +274,8 @@ class BudgetTracker:
         budget, key = principal.monthly_token_budget, principal.key_id
         if budget is None or key is None:
             return None
-        month = _month()
+        month, known = await self._month_tokens(key)
         self._budgets[key] = (principal.tenant, budget, month, time.monotonic())
-        known = await self._month_tokens(key)
         shared = self._shared
         if shared is not None:
             stored = known - self._unwritten.get(key, 0)
@@ -178,8 +306,9 @@ class BudgetTracker:
         budget, key = principal.monthly_token_budget, principal.key_id
         if budget is None or key is None:
             return
+        _, known = await self._month_tokens(key)
         held = self._reserved.get(key, 0)
-        used = await self._month_tokens(key) + held
+        used = known + held
         if used >= budget:
             raise _refusal(used, budget, 1, 0, False, held)
 
@@ -188,6 +317,7 @@ class BudgetTracker:
         key = principal.key_id
         if principal.monthly_token_budget is None or key is None:
             return
+        self._in_month(key, self._month())  # (its usage record is of now's month)
         self._unwritten[key] = self._unwritten.get(key, 0) + tokens
         if hold is None:
             return
@@ -204,7 +334,7 @@ class BudgetTracker:
         self, key: str, month: str, shared: SharedBudgets, sent: asyncio.Future[tuple[bool, int, str, int]]
     ) -> None:
         if sent.cancelled() or sent.exception() is not None or not sent.result()[0]:
-            return
+            return  # (a reservation that failed is released by `shared` once Redis answers)
         self._settle_later(key, BudgetHold(0, sent.result()[2], month, shared), 0)
 
     def _settle_later(self, key: str, hold: BudgetHold, tokens: int) -> None:
@@ -218,15 +348,15 @@ class BudgetTracker:
         assert shared is not None and hold.entry is not None
         try:
             await shared.settle(key, hold.month, hold.entry, tokens)
-        except shared.errors as exc:  # its reservation expires in Redis; its use is in the store
+        except shared.errors as exc:  # sent again by `shared` while its hold lasts; its use is in the store
             self._redis_down(exc)
 
     def written(self, records: Sequence[UsageRecord]) -> None:
         """The usage recorder wrote these records to the store."""
         for record in records:
             key = record.key_id
-            if key is None or key not in self._unwritten:
-                continue
+            if key is None or key not in self._unwritten or self._month_of.get(key) != _month_at(record.at):
+                continue  # (a record of a month past: what this gateway settled then is forgotten)
             tokens = record.input_tokens + record.output_tokens
             self._unwritten[key] = max(0, self._unwritten[key] - tokens)
             self._written_since_read[key] = self._written_since_read.get(key, 0) + tokens
@@ -234,7 +364,7 @@ class BudgetTracker:
     def spent(self) -> list[tuple[str, str, float]]:
         """(tenant, key id, share of the monthly budget used) for each budgeted key that asked this
         gateway this month within the last day; keys of a past month or gone quiet (revoked) drop out."""
-        month, now = _month(), time.monotonic()
+        month, now = self._month(), time.monotonic()
         for key in [k for k, (_, _, m, seen) in self._budgets.items() if m != month or now - seen > _QUIET_S]:
             del self._budgets[key]
         return [
@@ -262,7 +392,21 @@ class BudgetTracker:
             (cached[0] if cached else 0) + self._unwritten.get(key, 0) + self._written_since_read.get(key, 0)
         )
 
-    async def _month_tokens(self, key: str) -> int:
+    def _in_month(self, key: str, month: str) -> None:
+        """Forget the key's figures of another month than `month`: a new month's use starts from none and
+        is read from the store at once (if the store does not answer, none is what is known of it)."""
+        if self._month_of.get(key) == month:
+            return
+        self._month_of[key] = month
+        self._unwritten.pop(key, None)
+        self._written_since_read.pop(key, None)
+        if key in self._used:
+            self._used[key] = (0, -math.inf)
+
+    async def _month_tokens(self, key: str) -> tuple[str, int]:
+        """(this month, the key's use in it as this gateway knows it)."""
+        month = self._month()
+        self._in_month(key, month)
         cached = self._used.get(key)
         now = time.monotonic()
         if cached is None or now - cached[1] > self._refresh:
@@ -270,6 +414,8 @@ class BudgetTracker:
             try:
                 stored = await asyncio.to_thread(self._usage.month_tokens, key)
             except StoreError as exc:
+                if self._month() != month:  # (the month turned meanwhile)
+                    return await self._month_tokens(key)
                 self._written_since_read[key] = self._written_since_read.get(key, 0) + before
                 if cached is None:  # nothing known of this key's month: it cannot be checked
                     raise NoCapacity(
@@ -279,9 +425,11 @@ class BudgetTracker:
                     ) from exc
                 logger.warning("budgets: the store did not answer (%s); using what it said last", exc)
                 self._used[key] = (cached[0], now)  # asked again after refresh_s, not on every request
-                return self._known(key)
+                return month, self._known(key)
+            if self._month() != month:  # the month turned during the read: which one it counted is unknown
+                return await self._month_tokens(key)
             self._used[key] = (stored, now)
-        return self._known(key)
+        return month, self._known(key)
 
     def _redis_down(self, exc: BaseException) -> None:
         now = time.monotonic()
@@ -290,6 +438,10 @@ class BudgetTracker:
             logger.warning(
                 "budgets: Redis unreachable (%s); each gateway counts its own until it is back", exc
             )
+
+
+def _month_at(at: datetime) -> str:
+    return at.astimezone(UTC).strftime("%Y-%m") if at.tzinfo is not None else at.strftime("%Y-%m")
 
 
 _HELD_RETRY_S = 5.0  # a refusal that in-flight holds alone cause: they settle within a request's time

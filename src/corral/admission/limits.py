@@ -5,11 +5,16 @@ ends, the reservation is corrected to the real usage. Limits are sliding windows
 (exact: the tokens admitted in any window never exceed the limit), kept in this process (`MemoryLimiter`)
 or in Redis by atomic Lua scripts (`RedisLimiter`), so they hold across gateway replicas. A refusal carries
 the time until enough of the window expires (Retry-After) and OpenAI-style `x-ratelimit-*` headers.
+
+A Redis reply that does not come within `limits.redis_timeout` fails its call, yet Redis may have run the
+script: a reservation or settlement that failed is settled again (a reservation as having used nothing)
+once Redis answers, and a settlement Redis runs twice counts once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import math
 import os
@@ -242,7 +247,10 @@ if tpm > 0 and sum + tokens > tpm then
   end
   return {0, 'tokens', window, count, sum}
 end
-if maxc > 0 and inflight + 1 > maxc then return {0, 'concurrency', 1000, count, sum} end
+if maxc > 0 and inflight + 1 > maxc then  -- (a slot frees when a request ends, or its lease does)
+  local first = redis.call('ZRANGE', KEYS[4], 0, 0, 'WITHSCORES')
+  return {0, 'concurrency', math.min(1000, tonumber(first[2]) - now), count, sum}
+end
 """
 # (a request's check is the reservation's first part: the same refusals, nothing reserved)
 _CHECK = (
@@ -288,8 +296,9 @@ elseif score then  -- it outlasted the window: its reservation leaves
   redis.call('ZREM', KEYS[1], member)
   redis.call('HINCRBY', KEYS[2], 'tokens', -reserved)
 end
-if excess > 0 then  -- what it used beyond its reservation counts from now (tokens, not another request)
-  redis.call('ZADD', KEYS[3], now, ARGV[1] .. ':x:' .. ARGV[5])
+-- what it used beyond its reservation counts from now (tokens, not another request), once: a settlement
+-- sent again, its first reply lost, finds its entries changed already
+if excess > 0 and redis.call('ZADD', KEYS[3], 'NX', now, ARGV[1] .. ':x:' .. ARGV[5]) == 1 then
   redis.call('HINCRBY', KEYS[2], 'tokens', ARGV[5])
 end
 redis.call('PEXPIRE', KEYS[1], window * 10)
@@ -309,6 +318,9 @@ return 1
 # A request's concurrency slot is a lease in Redis that its gateway renews every third of it while the
 # request runs: a gateway that dies (or loses Redis for longer) frees its requests' slots within a lease.
 _LEASE_S = 60.0
+_OWED_RETRY_S = 1.0  # settlements Redis may have missed are sent again this often until it answers
+_OWED_MAX = 10_000  # at most this many kept (the oldest dropped: their leases and windows end by themselves)
+_OWED_SENT = 256  # at most this many sent in one round trip (each with its script's text)
 _MAX_TOKENS = 2**40  # counts beyond any window's (a crafted request's 10**14 is counted as this)
 
 
@@ -344,6 +356,11 @@ class RedisLimiter:
         self._sender: asyncio.Task[None] | None = None
         self._live: dict[str, set[str]] = {}  # key id → its requests in flight here (their leases renewed)
         self._renewer: asyncio.Task[None] | None = None
+        # a key's log → entry → (its keys, the settle script's arguments, when): settlements (a failed
+        # reservation's: none used) that Redis may not have had, sent again
+        self._owed: dict[str, dict[str, tuple[list[str], list[int | str], float]]] = {}
+        self._owing = 0  # settlements in `_owed`
+        self._payer: asyncio.Task[None] | None = None
         self._closed = False
 
     def _keys(self, key_id: str) -> list[str]:
@@ -420,6 +437,7 @@ class RedisLimiter:
     def _release_orphan(self, reservation: Reservation, sent: asyncio.Future[Any]) -> None:
         if self._closed:
             return
+        # (one that failed is settled again by `_owe_failed`)
         if not sent.cancelled() and sent.exception() is None and sent.result()[0]:
             released = self._send(
                 "settle", self._keys(reservation.key_id), _settling(reservation, 0, self._window_ms)
@@ -438,23 +456,33 @@ class RedisLimiter:
         try:
             while self._waiting:
                 batch, self._waiting = self._waiting, []
+                calls = [(s, k, a) for s, k, a, _ in batch]
+                # what the batch's keys owe goes first (a lease Redis granted past its reply's timeout is
+                # released before the key's next reservation is decided)
+                owed = self._owed_calls({k[0] for _, k, _ in calls}) if self._owed else []
                 try:
-                    replies = await self._round_trip([(s, k, a) for s, k, a, _ in batch])
+                    replies = await self._round_trip(owed + calls, whole=len(owed))
                 except BaseException as exc:  # every caller hears of it, whatever it was
+                    self._owe_failed(calls, [exc] * len(calls))
                     _answer(batch, [_unavailable(exc) for _ in batch])
                     if not isinstance(exc, self._errors):
                         raise
                     continue
-                _answer(batch, replies)
+                self._paid(owed, replies[: len(owed)])
+                self._owe_failed(calls, replies[len(owed) :])
+                _answer(batch, replies[len(owed) :])
         finally:
             self._sender = None
             waiting, self._waiting = self._waiting, []  # cancelled (shutdown) with calls still waiting
             _answer(waiting, [LimiterUnavailable("the gateway is shutting down") for _ in waiting])
 
-    async def _round_trip(self, calls: list[tuple[str, list[str], list[int | str]]]) -> list[Any]:
+    async def _round_trip(
+        self, calls: list[tuple[str, list[str], list[int | str]]], whole: int = 0
+    ) -> list[Any]:
         """Each call's reply (or its error) from one pipeline; scripts Redis lacks (restarted, flushed)
         are loaded and their calls sent again. A failure on that second try fails only those calls (the
-        others' replies stand: a granted reservation must reach its caller, to be settled)."""
+        others' replies stand: a granted reservation must reach its caller, to be settled). The first
+        `whole` calls are sent with their script's text: never sent again, they run before the others."""
         replies: list[Any] = [None] * len(calls)
         todo = list(range(len(calls)))
         for attempt in range(2):
@@ -465,7 +493,10 @@ class RedisLimiter:
                 pipe = self._redis.pipeline(transaction=False)
                 for i in todo:
                     script, keys, args = calls[i]
-                    pipe.evalsha(self._scripts[script].sha, len(keys), *keys, *args)
+                    if i < whole:
+                        pipe.eval(_SCRIPTS[script], len(keys), *keys, *args)
+                    else:
+                        pipe.evalsha(self._scripts[script].sha, len(keys), *keys, *args)
                 results = await pipe.execute(raise_on_error=False)
             except self._errors as exc:
                 if not attempt:
@@ -486,10 +517,78 @@ class RedisLimiter:
             todo = missing
         return replies
 
+    def _owe_failed(self, calls: list[tuple[str, list[str], list[int | str]]], replies: list[Any]) -> None:
+        """Keep for sending again the settlements among `calls` whose reply is an error, and a settlement
+        of none used for each such reservation: Redis may have run them all the same."""
+        for (script, keys, args), reply in zip(calls, replies, strict=True):
+            if not isinstance(reply, BaseException) or self._closed:
+                continue
+            if script == "reserve":  # (its entry, its tokens: none used)
+                args = [args[5], args[4], 0, self._window_ms, -int(args[4])]
+            elif script != "settle":
+                continue
+            owed = self._owed.setdefault(keys[0], {})
+            if args[0] not in owed:  # (one sent again keeps its first time: it is dropped in time)
+                owed[str(args[0])] = (keys, args, time.monotonic())
+                self._owing += 1
+            if self._owing > _OWED_MAX:  # (the first key's first: its lease and window end by themselves)
+                first = next(iter(self._owed))
+                oldest = self._owed[first]
+                del oldest[next(iter(oldest))]
+                self._owing -= 1
+                if not oldest:
+                    del self._owed[first]
+            if self._payer is None:
+                self._payer = asyncio.create_task(self._pay_owed(), name="redis-limits-owed")
+
+    def _owed_calls(self, logs: set[str] | None) -> list[tuple[str, list[str], list[int | str]]]:
+        """Up to `_OWED_SENT` of the settlements the keys of `logs` (all, for None) owe, the oldest
+        first; those whose leases and window ended, which they can no longer change, are dropped."""
+        expired = time.monotonic() - max(self._window_ms, self._lease_ms) / 1000
+        calls: list[tuple[str, list[str], list[int | str]]] = []
+        for log in list(self._owed) if logs is None else logs & self._owed.keys():
+            owed = self._owed[log]
+            for entry, (keys, args, at) in list(owed.items()):
+                if len(calls) == _OWED_SENT:
+                    return calls
+                if at > expired:
+                    calls.append(("settle", keys, args))
+                else:
+                    del owed[entry]
+                    self._owing -= 1
+            if not owed:
+                del self._owed[log]
+        return calls
+
+    def _paid(self, calls: list[tuple[str, list[str], list[int | str]]], replies: list[Any]) -> None:
+        for (_, keys, args), reply in zip(calls, replies, strict=True):
+            owed = self._owed.get(keys[0])
+            if isinstance(reply, BaseException) or owed is None or owed.pop(str(args[0]), None) is None:
+                continue
+            self._owing -= 1
+            if not owed:
+                del self._owed[keys[0]]
+
+    async def _pay_owed(self) -> None:
+        """Send what Redis may have missed every `_OWED_RETRY_S` until it has it all (a key's next call
+        takes its own along sooner)."""
+        try:
+            while self._owed and not self._closed:
+                await asyncio.sleep(_OWED_RETRY_S)
+                with contextlib.suppress(*self._errors):  # (still away: again next time)
+                    while owed := self._owed_calls(None):
+                        replies = await self._round_trip(owed, whole=len(owed))
+                        self._paid(owed, replies)
+                        if any(isinstance(reply, BaseException) for reply in replies):
+                            break
+        finally:
+            self._payer = None
+
     async def close(self) -> None:
         self._closed = True
-        if self._renewer is not None:
-            self._renewer.cancel()
+        for task in (self._renewer, self._payer):
+            if task is not None:
+                task.cancel()
         if self._sender is not None:
             await asyncio.wait([self._sender])  # (not cancelled with close: its callers are answered)
         await self._redis.aclose()
