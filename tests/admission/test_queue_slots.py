@@ -201,4 +201,3 @@ async def test_a_tenant_asking_now_and_then_keeps_no_more_slots_idle_than_it_ran
         await asyncio.gather(*bobs, return_exceptions=True)
     finally:
         await queue.stop()
-
