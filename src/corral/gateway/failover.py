@@ -33,7 +33,7 @@ from corral.protocol import ChatCompletionRequest, CompletionRequest
 from corral.protocol.events import EventBuffer
 from corral.protocol.usage import engine_usage
 
-__all__ = ["Continuation", "Sent", "StallWatch", "Transcript", "can_fail_over", "continuation_body"]
+__all__ = ["SILENT", "Continuation", "Sent", "StallWatch", "Transcript", "can_fail_over", "continuation_body"]
 
 _SEP = b"\n\n"
 _DONE = b"data: [DONE]"
@@ -257,6 +257,9 @@ def _content(choice: dict[str, Any]) -> str:
     if isinstance(delta, dict):
         return str(delta.get("content") or "")
     return str(choice.get("text") or "")
+
+
+SILENT = "the replica stopped sending tokens"  # a stream's problem: a stall or a read timeout
 
 
 class StallWatch:

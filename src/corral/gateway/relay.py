@@ -1,9 +1,10 @@
 """Relay one generation request to a replica and its answer back, with retry before the first byte.
 
 Failures before any byte reached the client (connect refused, connection dropped, a 502 from the engine,
-an engine busy: 429/503) are retried on another replica. After the first byte a failure cannot be hidden:
-the stream ends with an SSE error event and no `[DONE]`, so the client knows the answer is truncated. A
-client that goes away closes the upstream connection, which makes the engine stop generating.
+an engine busy: 429/503) are retried on another replica. After the first byte a stream that may fail over
+is continued on another replica (continuing.py); else, or when that fails too, the failure cannot be
+hidden: the stream ends with an SSE error event and no `[DONE]`, so the client knows the answer is
+truncated. A client that goes away closes the upstream connection, which makes the engine stop generating.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import aiohttp
 import orjson
@@ -28,12 +29,11 @@ from corral.gateway.adapters import (
     unknown_adapter,
 )
 from corral.gateway.context import RequestContext
-from corral.gateway.failover import Continuation, Sent, StallWatch, Transcript, continuation_body
+from corral.gateway.continuing import Continuer
+from corral.gateway.failover import SILENT, StallWatch, Transcript
 from corral.gateway.refusals import busy_wait, engine_error, failed_how, unanswered
 from corral.gateway.sse import SSEFilter
 from corral.protocol import (
-    APIError,
-    ChatCompletionRequest,
     NoCapacity,
     UpstreamError,
     UpstreamTimeout,
@@ -50,25 +50,11 @@ logger = logging.getLogger(__name__)
 
 _BUSY_STATUS = frozenset({429, 503})  # the engine is full or loading (TGI's 429, vLLM's 503 while it starts)
 _SEP = b"\n\n"
-_DONE_EVENT = b"data: [DONE]\n\n"
-# what can go wrong asking another replica to continue a stream (tokenizing, then the POST)
-_CONTINUE_FAILURES = (
-    EngineConnectionError,
-    AdapterLoadFailed,
-    aiohttp.ClientError,
-    TimeoutError,
-    KeyError,
-    ValueError,
-    TypeError,
-    OverflowError,  # (a token id read as Infinity)
-    APIError,  # (its adapter removed by an apply meanwhile: ModelNotFound)
-)
 # A whole (not streamed) answer's bytes at most: held in memory, it may be copied several times over (a cache,
 # tool-call emulation). Generous for real answers (a 4,096-token answer with top-20 logprobs is ~6 MB); n up
 # to 128 with logprobs can ask for gigabytes, which a stream relays and this refuses. An embedding answer
 # is bounded by its request instead (2,048 inputs; 160 MB as floats at 4,096 dimensions): not counted.
 MAX_ANSWER_BYTES = 64 * 1024 * 1024
-_SILENT = "the replica stopped sending tokens"  # a stream's problem: a stall or a read timeout
 SSE_HEADERS = {
     "Content-Type": "text/event-stream",
     "Cache-Control": "no-cache",
@@ -140,8 +126,9 @@ class Relay:
         self._session = session
         self._router = router
         self._retries = retries
-        self._timeout = aiohttp.ClientTimeout(total=None, connect=timeouts.connect, sock_read=timeouts.read)
+        timeout = aiohttp.ClientTimeout(total=None, connect=timeouts.connect, sock_read=timeouts.read)
         self._stall = timeouts.stall
+        self._continuer = Continuer(router, engines, self.loader, session, timeout, retries, self._pump)
 
     async def forward(self, ctx: RequestContext, request: web.Request | None) -> web.StreamResponse:
         """The replica's answer (`request`: the client's, for a stream; None for a batch line)."""
@@ -393,11 +380,11 @@ class Relay:
             ctx.complete = problem is None
             if problem is not None:
                 ctx.replica_failed = True  # the breaker hears of it, whatever happens to the stream
-                ctx.replica_silent = problem == _SILENT
+                ctx.replica_silent = problem == SILENT
                 ctx.written = None  # a stream continued elsewhere, or cut, is not kept
             if problem is not None and transcript is not None:
                 upstream.close()  # let go of the failed replica before asking another one
-                problem = await self._fail_over(ctx, replica, problem, transcript, response)
+                problem = await self._continuer.fail_over(ctx, replica, problem, transcript, response)
             if problem is not None:
                 logger.warning("stream from replica %s cut: %s", replica.id, problem)
                 message = f"The response was cut short: {problem}."
@@ -441,7 +428,7 @@ class Relay:
             return await self._copy(upstream, events, response, transcript, written, watch)
         except asyncio.CancelledError:
             if watch.expired and watch.task.uncancel() == 0:  # the watch's doing, and no one else's
-                return _SILENT
+                return SILENT
             raise
         finally:
             watch.stop()
@@ -459,7 +446,7 @@ class Relay:
             try:
                 data = await upstream.chunk()
             except TimeoutError:  # the read timeout (the stall watch cancels the copy from outside)
-                return _SILENT
+                return SILENT
             except EngineConnectionError as exc:
                 return f"the replica failed mid-stream ({type(exc).__name__})"
             if not data:
@@ -481,145 +468,6 @@ class Relay:
                 # dribbling a byte at a time is as silent as one that sends none)
                 watch.waiting_since = watch.loop.time()
 
-    async def _fail_over(
-        self,
-        ctx: RequestContext,
-        failed: Replica,
-        problem: str,
-        transcript: Transcript,
-        response: web.StreamResponse,
-    ) -> str | None:
-        """Continue a cut stream on other replicas (see failover.py); the last problem if none could. Each
-        continuation is a retry (it spends the retry budget) and its replica's breaker hears of it as
-        `forward`'s do: a stream it cut counts as its tenant's when it served others meanwhile, a refusal
-        (4xx) not at all."""
-        tried = [failed]
-        for _ in range(max(1, self._retries)):
-            sent = transcript.summary()
-            if sent.finished:  # the answer was whole; only its end was lost
-                await response.write(_DONE_EVENT)
-                return None
-            if sent.thinking:  # cut in its reasoning, which no engine is asked to continue (failover.py)
-                return problem
-            if not self._router.retry_budget.try_spend():
-                return f"{problem} (retry budget exhausted)"
-            # each attempt routed on its own record: the cut replica's is still held (`forward` releases
-            # it with its own adapter residence, prefix marks and slots)
-            route = replace(
-                ctx.route,
-                held=1,
-                prefill=0,
-                inflight=None,
-                use=0.0,
-                residence=None,
-                load_adapter=False,
-                trial=False,
-            )
-            try:
-                replica = self._router.acquire(route, exclude=tried)
-            except NoCapacity:
-                return problem
-            logger.warning(
-                "stream from %s cut (%s): continuing on %s after %d tokens",
-                tried[-1].id,
-                problem,
-                replica.id,
-                sent.tokens,
-            )
-            tried.append(replica)
-            ended = _Ended(None, None, False)  # (cancelled: the client left, no word on the replica)
-            try:
-                ended = await self._continue(ctx, replica, route, sent, transcript, response, failed)
-            finally:
-                self._router.release(replica, route, ended.outcome, None, ended.answered)
-            if ended.problem is None:
-                return None
-            problem = ended.problem
-        return problem
-
-    async def _continue(
-        self,
-        ctx: RequestContext,
-        replica: Replica,
-        route: RouteRequest,
-        sent: Sent,
-        transcript: Transcript,
-        response: web.StreamResponse,
-        first: Replica,
-    ) -> _Ended:
-        succeeded = replica.succeeded
-        try:
-            token_ids = await self._token_ids(replica, sent) if _by_tokens(ctx) else None
-            body, continued = continuation_body(ctx, sent, token_ids, first.features.prefill_echo)
-            if route.adapter is not None or replica.adapters:
-                await self.loader.ready(replica, route)
-                body = body_for(replica, route, body)
-            upstream = await self._engines.post(replica.url, ctx.path, body, replica.api_key, ctx.to_engine)
-        except _CONTINUE_FAILURES as exc:  # (the log names the replica: the client is told none)
-            logger.warning("request %s: continuing on %s failed: %r", ctx.request_id, replica.id, exc)
-            failure = f"continuing on another replica failed ({type(exc).__name__})"
-            # an adapter it refused, or one removed meanwhile, is no fault of the replica's; nor a timeout
-            # while it served others (a long prompt)
-            blameless = isinstance(exc, AdapterRefused | APIError) or (
-                isinstance(exc, TimeoutError) and replica.succeeded != succeeded
-            )
-            return _Ended(failure, None if blameless else False, False)
-        try:
-            if upstream.status != 200:
-                return _refused(upstream.status)
-            echoed = replica.features.prefill_echo and isinstance(ctx.body, ChatCompletionRequest)
-            continuation = Continuation(sent, ctx.client_wants_usage, echoed, continued)
-            events: Events = continuation
-            if ctx.route.adapter is not None:  # as the first replica's events: the model the client asked
-                events = Renamed(continuation, ctx.route.adapter)
-            problem = await self._pump(upstream, events, response, transcript)
-            if continuation.usage is not None:
-                ctx.usage = continuation.usage
-            if problem is None:
-                return _Ended(None, True, False)
-            # cut (not gone silent) while the replica served others: alive, so the request failed (its
-            # tenant's, for the breaker), as in `forward`
-            alive = replica.succeeded != succeeded and problem != _SILENT
-            return _Ended(problem, False, alive)
-        finally:
-            upstream.release()
-
-    async def _token_ids(self, replica: Replica, sent: Sent) -> list[int] | None:
-        """The token ids of the pieces sent, from the engine's own tokenizer, in one request: llama.cpp
-        tokenizes each string of a `content` list on its own (only when a stream fails over)."""
-        async with self._session.post(
-            replica.url + "/tokenize", json={"content": list(sent.pieces)}, timeout=self._timeout
-        ) as response:
-            response.raise_for_status()
-            ids = [int(t) for t in (await response.json())["tokens"]]
-        # Tokenized one by one, pieces may gain a space prefix (SentencePiece models): use the ids only if
-        # they read back as exactly the text sent.
-        async with self._session.post(
-            replica.url + "/detokenize", json={"tokens": ids}, timeout=self._timeout
-        ) as response:
-            response.raise_for_status()
-            text = (await response.json())["content"]
-        return ids if text == sent.text else None
-
-
-@dataclass(frozen=True, slots=True)
-class _Ended:
-    """How a continuation ended: its problem (None: the stream is whole), and what its replica's breaker
-    hears (`outcome` as `Router.release` takes it; `answered`: a failure perhaps the request's doing)."""
-
-    problem: str | None
-    outcome: bool | None
-    answered: bool
-
-
-def _refused(status: int) -> _Ended:
-    """A continuation the engine did not take, as `forward` counts the same answer: a 4xx is the request's
-    (429: full); a 502 or 503 the replica's; another 5xx the engine's answer to a request it read."""
-    problem = f"continuing on another replica was refused with {status}"
-    if status < 500:
-        return _Ended(problem, None, False)
-    return _Ended(problem, False, status not in (502, 503))
-
 
 async def _refusal(upstream: EngineResponse) -> bytes:
     """A refusal's body (b"" where it did not come whole)."""
@@ -627,10 +475,6 @@ async def _refusal(upstream: EngineResponse) -> bytes:
         return await upstream.read()
     except (TimeoutError, EngineConnectionError):
         return b""
-
-
-def _by_tokens(ctx: RequestContext) -> bool:
-    return ctx.features.token_prompts and not isinstance(ctx.body, ChatCompletionRequest)
 
 
 _TIMINGS = b'"timings"'
