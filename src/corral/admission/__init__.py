@@ -2,14 +2,8 @@
 
 from corral.admission.auth import ANONYMOUS, Authenticator, Principal
 from corral.admission.budget import BudgetHold, BudgetTracker, SharedBudgets
-from corral.admission.limits import (
-    Limiter,
-    LimiterUnavailable,
-    MemoryLimiter,
-    RateLimits,
-    RedisLimiter,
-    Reservation,
-)
+from corral.admission.limits import Limiter, LimiterUnavailable, MemoryLimiter, RateLimits, Reservation
+from corral.admission.limits_redis import RedisLimiter
 from corral.admission.queue import Capacity, FairQueue
 from corral.admission.tokens import TokenCounter, TokenSizing
 
