@@ -14,9 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections.abc import Awaitable, Callable
-from datetime import UTC, datetime
 from functools import partial
 from typing import TypeVar
 
@@ -35,6 +33,7 @@ from corral.admission import (
 from corral.cache import ExactCache
 from corral.dialects import DialectStream, Messages, Responses
 from corral.dialects.chat import Exchange
+from corral.gateway.accounting import APIS, Accounting, reserved_usage
 from corral.gateway.bodies import read_body
 from corral.gateway.cached import CacheStage
 from corral.gateway.clients import REQUEST_ID, trace_context
@@ -58,7 +57,6 @@ from corral.protocol import (
 )
 from corral.routing import Router
 from corral.routing.adapters import Adapter
-from corral.store import UsageRecord
 
 __all__ = ["Pipeline", "unexpected"]
 
@@ -70,7 +68,6 @@ _CLIENT_GONE = 499  # recorded for a client that went away before its answer end
 # (a long answer not streamed). Charged at the reservation: neither is a way around a limit or a budget.
 _WORKED_UNCOUNTED = frozenset({_CLIENT_GONE, 504})
 _CHAT = "/v1/chat/completions"  # where every dialect's requests go upstream
-_APIS = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/embeddings": "embeddings"}
 
 _Parse = Callable[[web.Request, Principal], Awaitable[RequestContext]]
 _Answer = Callable[[RequestContext, Principal, web.Request], Awaitable[web.StreamResponse]]
@@ -117,8 +114,8 @@ class Pipeline:
         self._relay = relay
         self._adapters = relay.adapters  # LoRA adapters: model ids served by their base's replicas
         self._fanout = Fanout(relay.forward, relay.replica_header)
-        self._usage = usage
         self._metrics = metrics
+        self._record = Accounting(metrics, usage).record  # a finished request's usage row and metrics
         self._isolation = isolation
         self._max_body = max_body_bytes
         self._body_timeout = body_timeout
@@ -452,7 +449,7 @@ class Pipeline:
                 await self._may_ask(principal)
             except APIError as exc:  # (counted by tenant and API: no model is named before the parse)
                 self._metrics.tenant(principal.tenant).finished(exc.status, 0, 0)
-                self._metrics.api_finished(_APIS.get(request.path) or request.path.split("/")[2], exc.status)
+                self._metrics.api_finished(APIS.get(request.path) or request.path.split("/")[2], exc.status)
                 raise
         return raw
 
@@ -530,7 +527,7 @@ class Pipeline:
             # answer past read_timeout, an engine that reported none or none that reads as counts:
             # protocol/usage.py): charged, and recorded, at its reservation (its prompt's estimate and
             # max_tokens).
-            ctx.usage = _reserved_usage(ctx, status in _WORKED_UNCOUNTED)
+            ctx.usage = reserved_usage(ctx, status in _WORKED_UNCOUNTED)
         usage = ctx.usage or {}
         used = int(usage.get("total_tokens") or 0)
         lookup = ctx.lookup
@@ -556,56 +553,6 @@ class Pipeline:
         if cancelled:
             raise asyncio.CancelledError
 
-    def _record(self, ctx: RequestContext, principal: Principal, status: int) -> None:
-        usage = ctx.usage or {}
-        now = time.monotonic()
-        latency = now - ctx.received_at
-        ttft = ctx.first_byte_at - ctx.received_at if ctx.first_byte_at is not None else None
-        input_tokens = int(usage.get("prompt_tokens") or 0)
-        output_tokens = int(usage.get("completion_tokens") or 0)
-        model = ctx.model
-        m = self._metrics.of(model)
-        m.finished(status, latency)
-        state = ctx.headers.get("x-corral-cache")
-        if state is not None:
-            self._metrics.cache_lookups.labels(
-                model, self._metrics.tenant_label(principal.tenant), state
-            ).inc()
-        if ctx.cached:  # no engine tokens; usage keeps what the hit was charged, under replica "cache"
-            charged = ctx.charged
-            input_tokens, output_tokens = (input_tokens, output_tokens) if charged else (0, 0)
-            ttft = None  # a hit's sub-millisecond answer says nothing of the engines (SLO alerts)
-        self._metrics.tenant(principal.tenant).finished(status, input_tokens, output_tokens)
-        api = ctx.exchange.api if ctx.exchange is not None else _APIS.get(ctx.path, "chat")
-        self._metrics.api_finished(api, status)
-        if status < 400 and not ctx.cached:
-            m.input_tokens.inc(input_tokens)
-            m.output_tokens.inc(output_tokens)
-        if ctx.held:
-            m.prefill_holds.inc()
-            m.prefill_hold_seconds.inc(ctx.held)
-        if ttft is not None:
-            m.ttft.observe(ttft)
-            each = output_tokens / max(1, ctx.route.sequences)  # (n choices generated side by side)
-            if each > 1:
-                m.itl.observe((latency - ttft) / (each - 1))
-        self._usage.record(
-            UsageRecord(
-                at=datetime.now(UTC),
-                key_id=principal.key_id,
-                tenant=principal.tenant,
-                model=model,
-                input_tokens=input_tokens,
-                output_tokens=output_tokens,
-                ttft_ms=round(ttft * 1000, 2) if ttft is not None else None,
-                latency_ms=round(latency * 1000, 2),
-                status=status,
-                replica="cache" if ctx.cached else (ctx.replica.id if ctx.replica else None),
-                api=api,
-                request_id=ctx.request_id,
-            )
-        )
-
 
 def _adapters_refusal(exc: RateLimited, adapter: Adapter) -> RateLimited:
     """An adapter's limit's refusal, naming the adapter (without the counts: others' use of it)."""
@@ -620,17 +567,3 @@ def _adapters_refusal(exc: RateLimited, adapter: Adapter) -> RateLimited:
 def _adapter_principal(adapter: Adapter) -> Principal:
     """The limits an adapter has over all keys, as the limiter keeps a key's (its own window)."""
     return Principal(key_id=f"adapter:{adapter.name}", tenant="", rpm=adapter.rpm, tpm=adapter.tpm)
-
-
-def _reserved_usage(ctx: RequestContext, cut: bool) -> dict[str, int]:
-    """The usage a request reserved at admission: its prompt's estimate and the most output it asked for
-    (without max_tokens, the gateway's estimate), or the reads of events its stream relayed where more
-    (about a token each: an open-ended stream the client leaves is charged for what it read). A whole
-    answer without max_tokens `cut` before it came (its client left, or it outlasted read_timeout) is
-    charged all the model may generate, as its budget reserved: the engine worked on it all the while,
-    none of it was told, and one that asked for max_tokens is charged those (else leaving just before
-    the answer had the engine generate its context for the 256-token estimate)."""
-    prompt = ctx.route.prompt_tokens
-    reserved = ctx.budget_tokens if cut and not ctx.stream and ctx.budget_tokens else ctx.route.tokens
-    completion = max(reserved - prompt, ctx.relayed)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
