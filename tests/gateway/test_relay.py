@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 from pathlib import Path
 
 import aiohttp
@@ -403,3 +404,57 @@ async def test_a_whole_answer_past_the_bound_is_a_502_and_no_fault_of_the_replic
         await server.stop()
         await runner.cleanup()
     assert (m.failures, m.breaker.consecutive_failures, m.served) == (0, 0, 1)
+    # the engine made all of the answer: charged its reservation (the 256-token estimate here), not refunded
+    rows = await asyncio.to_thread(_usage_rows, tmp_path / "c.db", "m")
+    assert [(status, output) for status, _, output in rows] == [(502, 256)], rows
+
+
+def _usage_rows(store: Path, model: str) -> list[tuple[int, int, int]]:
+    """(status, input tokens, output tokens) of `model`'s usage rows in the SQLite store."""
+    with sqlite3.connect(store) as db:
+        query = "SELECT status, input_tokens, output_tokens FROM corral_usage WHERE model = ? ORDER BY id"
+        return [(int(a), int(b), int(c)) for a, b, c in db.execute(query, (model,)).fetchall()]
+
+
+async def test_a_fanned_out_requests_parts_share_one_bound(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An engine without native choices: `n: 16` is sixteen one-choice requests, each answer held whole
+    until all are merged. Each part takes its share of MAX_ANSWER_BYTES (1 MiB here), not the whole of it
+    (sixteen parts of 900 KB were all held: 14 MB past a 1 MiB bound); the parts' answers are charged."""
+    monkeypatch.setattr(relay_module, "MAX_ANSWER_BYTES", 1024 * 1024)
+    part = "x" * (100 * 1024)
+
+    async def chat(request: web.Request) -> web.Response:
+        choice = {"index": 0, "message": {"role": "assistant", "content": part}, "finish_reason": "stop"}
+        usage = {"prompt_tokens": 1, "completion_tokens": 5, "total_tokens": 6}
+        return web.json_response(
+            {"id": "c", "object": "chat.completion", "choices": [choice], "usage": usage}
+        )
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    replicas = ReplicaSet(["m"])
+    one_choice = EngineFeatures(multiple_choices=False)
+    replicas.add(Replica("m-0", "m", "x", url=url, state=ReplicaState.READY, features=one_choice))
+    server = GatewayServer(
+        GatewaySettings(port=0), Router(replicas), make_services(replicas, tmp_path / "c.db")
+    )
+    await server.start()
+    try:
+        async with aiohttp.ClientSession() as session:
+            for n, status in ((8, 200), (16, 502)):  # (8 × 100 KB within 1 MiB; 16 parts: 64 KiB each)
+                body = {"model": "m", "n": n, "messages": MESSAGES}
+                async with session.post(
+                    f"http://127.0.0.1:{server.port}/v1/chat/completions", json=body
+                ) as r:
+                    assert r.status == status, await r.text()
+    finally:
+        await server.stop()
+        await runner.cleanup()
+    rows = await asyncio.to_thread(_usage_rows, tmp_path / "c.db", "m")
+    assert [status for status, _, _ in rows] == [200, 502] and all(output > 0 for _, _, output in rows), rows

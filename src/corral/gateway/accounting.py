@@ -76,15 +76,14 @@ class Accounting:
         )
 
 
-def reserved_usage(ctx: RequestContext, cut: bool) -> dict[str, int]:
-    """The usage a request reserved at admission: its prompt's estimate and the most output it asked for
-    (without max_tokens, the gateway's estimate), or the reads of events its stream relayed where more
-    (about a token each: an open-ended stream the client leaves is charged for what it read). A whole
-    answer without max_tokens `cut` before it came (its client left, or it outlasted read_timeout) is
-    charged all the model may generate, as its budget reserved: the engine worked on it all the while,
-    none of it was told, and one that asked for max_tokens is charged those (else leaving just before
-    the answer had the engine generate its context for the 256-token estimate)."""
+def reserved_usage(ctx: RequestContext, whole: bool = False) -> dict[str, int]:
+    """The usage a request is charged where its engine told none: its reservation at admission, its
+    prompt's estimate and the most output it asked for (without max_tokens, the gateway's estimate), or
+    the reads of events its stream relayed where more (about a token each: an open-ended stream the client
+    leaves is charged for what it read). `whole`: the engine generated all of the answer, which the gateway
+    did not take (larger than it relays whole): charged all its monthly budget reserved, without
+    max_tokens all the model may generate."""
     prompt = ctx.route.prompt_tokens
-    reserved = ctx.budget_tokens if cut and not ctx.stream and ctx.budget_tokens else ctx.route.tokens
+    reserved = ctx.budget_tokens if whole and ctx.budget_tokens else ctx.route.tokens
     completion = max(reserved - prompt, ctx.relayed)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}

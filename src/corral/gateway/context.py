@@ -29,6 +29,7 @@ class RequestContext:
     held: float = 0.0  # seconds held for another request's prefill of the same prefix (prefill coalescing)
     usage: dict[str, Any] | None = None
     relayed: int = 0  # a stream's reads of events sent on (about a token each): charged if usage never came
+    shares: int = 1  # the whole answers its answer is made of (a fan-out's parts), which share one bound
     client_gone: bool = False  # the client disconnected before the whole answer was written
     delivered: bool = False  # a stream's every event is written (only its closing chunk may be left)
     features: EngineFeatures = field(default_factory=EngineFeatures)  # what the model's engine does right

@@ -105,6 +105,7 @@ class Fanout:
                 ctx,
                 upstream_body=orjson.dumps(_single(data, prompt, j, gateway_echo)),
                 route=_route(ctx, routed[i]),
+                shares=len(prompts) * body.n,  # (one bound on the whole answers the request holds)
                 # each its own engine request id (an engine may refuse one already running)
                 request_id=f"{ctx.request_id}-{i * body.n + j}" if ctx.request_id else None,
             )
@@ -129,7 +130,7 @@ class Fanout:
             # parts answered before it came cost
             ctx.replica = next((part.replica for part in parts if part.replica is not None), None)
             if isinstance(exc, Exception) and not isinstance(exc, UpstreamTimeout):
-                ctx.usage = _answered_usage(tasks, body.n)
+                ctx.usage = _answered_usage(tasks, body.n, parts)
             raise
         answers = [_json(r) for r in responses]
         ctx.replica = parts[-1].replica
@@ -223,15 +224,21 @@ def _usage(answers: list[dict[str, Any]], n: int, statuses: list[int]) -> dict[s
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def _answered_usage(tasks: Sequence[asyncio.Future[web.StreamResponse]], n: int) -> dict[str, int] | None:
-    """The usage of the parts an engine answered (200) before the request failed: each prompt's tokens once,
-    every answered choice's completion tokens; None where none was answered with counts."""
+def _answered_usage(
+    tasks: Sequence[asyncio.Future[web.StreamResponse]], n: int, parts: Sequence[RequestContext]
+) -> dict[str, int] | None:
+    """The usage of the parts an engine answered (200) before the request failed, and of those that failed
+    charged all the same (an answer too large to take: the relay sets its usage): each prompt's tokens
+    once, every such choice's completion tokens; None where there is none."""
     prompt = completion = 0
     prompts: set[int] = set()
     for k, task in enumerate(tasks):
-        if not task.done() or task.cancelled() or task.exception() is not None or task.result().status != 200:
+        if not task.done() or task.cancelled():
             continue
-        usage = engine_usage(_json(task.result()).get("usage"))
+        if task.exception() is not None or task.result().status != 200:
+            usage = parts[k].usage
+        else:
+            usage = engine_usage(_json(task.result()).get("usage"))
         if not usage:
             continue
         if k // n not in prompts:  # (part k asks prompt k // n's choice k % n)

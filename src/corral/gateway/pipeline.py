@@ -527,7 +527,7 @@ class Pipeline:
             # answer past read_timeout, an engine that reported none or none that reads as counts:
             # protocol/usage.py): charged, and recorded, at its reservation (its prompt's estimate and
             # max_tokens).
-            ctx.usage = reserved_usage(ctx, status in _WORKED_UNCOUNTED)
+            ctx.usage = reserved_usage(ctx)
         usage = ctx.usage or {}
         used = int(usage.get("total_tokens") or 0)
         lookup = ctx.lookup

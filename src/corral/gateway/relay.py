@@ -19,6 +19,7 @@ import orjson
 from aiohttp import web
 
 from corral.engines.client import AnswerTooLarge, EngineClient, EngineConnectionError, EngineResponse
+from corral.gateway.accounting import reserved_usage
 from corral.gateway.adapters import (
     AdapterLoader,
     AdapterLoadFailed,
@@ -52,8 +53,9 @@ _BUSY_STATUS = frozenset({429, 503})  # the engine is full or loading (TGI's 429
 _SEP = b"\n\n"
 # A whole (not streamed) answer's bytes at most: held in memory, it may be copied several times over (a cache,
 # tool-call emulation). Generous for real answers (a 4,096-token answer with top-20 logprobs is ~6 MB); n up
-# to 128 with logprobs can ask for gigabytes, which a stream relays and this refuses. An embedding answer
-# is bounded by its request instead (2,048 inputs; 160 MB as floats at 4,096 dimensions): not counted.
+# to 128 with logprobs can ask for gigabytes, which a stream relays and this refuses (a fan-out's parts share
+# it). An embedding answer is bounded by its request instead (2,048 inputs; 160 MB as floats at 4,096
+# dimensions): not counted.
 MAX_ANSWER_BYTES = 64 * 1024 * 1024
 SSE_HEADERS = {
     "Content-Type": "text/event-stream",
@@ -302,11 +304,12 @@ class Relay:
             upstream.release()
 
     async def _whole(self, replica: Replica, ctx: RequestContext, upstream: EngineResponse) -> web.Response:
-        limit = None if ctx.path == "/v1/embeddings" else MAX_ANSWER_BYTES
+        limit = None if ctx.path == "/v1/embeddings" else MAX_ANSWER_BYTES // max(1, ctx.shares)
         try:
             body = await upstream.read(limit)
         except AnswerTooLarge as exc:  # (the request's asking, not the replica's fault: not retried)
             logger.warning("request %s: replica %s: %s", ctx.request_id, replica.id, exc)
+            ctx.usage = reserved_usage(ctx, whole=True)  # (the engine made it all: charged, not refunded)
             raise UpstreamError(
                 f"The model's answer is larger than the {limit:,} bytes the gateway relays whole: ask for it "
                 "streamed, or for less of it (n, max_tokens, logprobs).",
