@@ -201,3 +201,39 @@ async def test_a_tenant_asking_now_and_then_keeps_no_more_slots_idle_than_it_ran
         await asyncio.gather(*bobs, return_exceptions=True)
     finally:
         await queue.stop()
+
+
+async def test_a_burst_long_past_leaves_a_trickling_tenant_only_what_it_runs_now() -> None:
+    """Eight slots, tenants active for 1 s (here). Eve ran four at once, then trickles one small request
+    every 0.4 s (active all the while): once her burst is more than 1 s old she keeps one slot free for her,
+    not four (her most at once ever kept half the model idle while she trickled)."""
+    replicas = _replicas(8)
+    queue = FairQueue(replicas, max_queued=16, timeout=5.0, active_s=1.0)
+    queue.start()
+    eve, bob = Principal(key_id="eve", tenant="eve"), Principal(key_id="bob", tenant="bob")
+    replica = replicas.of("m")[0]
+
+    async def start(principal: Principal) -> int:
+        _, slots = await queue.enter("m", principal)
+        replica.outstanding += slots
+        return slots
+
+    def end(principal: Principal, slots: int) -> None:
+        replica.outstanding -= slots
+        queue.done("m", principal.tenant, slots)
+
+    try:
+        burst = [await start(eve) for _ in range(4)]
+        for slots in burst:
+            end(eve, slots)
+        for _ in range(4):  # 1.6 s of trickle
+            await asyncio.sleep(0.4)
+            end(eve, await start(eve))
+        bobs = [asyncio.create_task(start(bob)) for _ in range(8)]
+        await asyncio.sleep(0.3)  # (past a tick of the queue)
+        assert replica.outstanding == 7, replica.outstanding  # (her burst kept: 4)
+        for task in bobs:
+            task.cancel()
+        await asyncio.gather(*bobs, return_exceptions=True)
+    finally:
+        await queue.stop()

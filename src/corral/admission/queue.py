@@ -71,7 +71,8 @@ class _Waiter:
 
 
 class _ModelQueue:
-    def __init__(self) -> None:
+    def __init__(self, active_s: float = _ACTIVE_S) -> None:
+        self.active_s = active_s  # a tenant that asked within this long is active (see _ACTIVE_S)
         self.classes: dict[int, dict[str, deque[_Waiter]]] = {}
         self.last_served: dict[str, int] = {}
         self.turns = 0
@@ -87,7 +88,9 @@ class _ModelQueue:
         # tenant → (when it last asked, its weight), oldest first: kept to the tenants active now, so the
         # share check on each request walks those, not every tenant ever seen
         self.seen: OrderedDict[str, tuple[float, int]] = OrderedDict()
-        self.peaks: dict[str, tuple[float, int]] = {}  # tenant → (when it last started, most run at once)
+        # tenant → (when, how many it ran at once), each entry more than every later one: its most at once
+        # over the last _ACTIVE_S is the first entry of that time (a sliding window's maximum)
+        self.peaks: dict[str, deque[tuple[float, int]]] = {}
 
     def push(self, waiter: _Waiter) -> None:
         tenants = self.classes.setdefault(waiter.priority, {})
@@ -142,10 +145,13 @@ class _ModelQueue:
             self.running[tenant] = left
         else:
             self.running.pop(tenant, None)
-        if delta > 0:  # its most at once while it keeps asking (a quiet _ACTIVE_S starts it afresh)
-            now = time.monotonic()
-            at, peak = self.peaks.get(tenant, (now, 0))
-            self.peaks[tenant] = (now, max(left, peak) if now - at < _ACTIVE_S else left)
+        if delta > 0:
+            peaks = self.peaks.get(tenant)
+            if peaks is None:
+                peaks = self.peaks[tenant] = deque()
+            while peaks and peaks[-1][1] <= left:
+                peaks.pop()
+            peaks.append((time.monotonic(), left))
 
     def arrive(self, tenant: str, priority: int) -> None:
         now = time.monotonic()
@@ -153,7 +159,7 @@ class _ModelQueue:
         self.seen.move_to_end(tenant)
         for _ in range(len(self.seen)):  # forget the tenants gone quiet (each looked at once at most)
             oldest, (at, _weight_of) = next(iter(self.seen.items()))
-            if now - at < _ACTIVE_S:
+            if now - at < self.active_s:
                 break
             if oldest in self.running or oldest in self.held:
                 self.seen.move_to_end(oldest)  # still active: kept, its time as it was
@@ -174,7 +180,7 @@ class _ModelQueue:
         weights = {
             t: w
             for t, (at, w) in self.seen.items()
-            if t == tenant or self.running.get(t) or t in self.held or now - at < _ACTIVE_S
+            if t == tenant or self.running.get(t) or t in self.held or now - at < self.active_s
         }
         whole = sum(weights.values()) or 1
         share = {t: total * w / whole for t, w in weights.items()}
@@ -189,11 +195,13 @@ class _ModelQueue:
 
     def _entitled(self, tenant: str, share: float, now: float) -> float:
         """The slots kept for `tenant`: its share while it runs or waits; one only asking lately, no more
-        than it ran at once lately."""
+        than it ran at once in the last `active_s`."""
         if self.running.get(tenant) or tenant in self.held:
             return share
-        at, peak = self.peaks.get(tenant, (0.0, 0))
-        return min(share, peak) if now - at < _ACTIVE_S else 0.0
+        peaks = self.peaks.get(tenant)
+        while peaks and now - peaks[0][0] >= self.active_s:
+            peaks.popleft()
+        return min(share, peaks[0][1]) if peaks else 0.0
 
     def served(self, tenant: str) -> None:
         self.turns += 1
@@ -281,8 +289,11 @@ class Capacity(Protocol):
 class FairQueue:
     """Admits requests into replicas' free slots; one instance per gateway."""
 
-    def __init__(self, capacity: Capacity, max_queued: int, timeout: float) -> None:
+    def __init__(
+        self, capacity: Capacity, max_queued: int, timeout: float, active_s: float = _ACTIVE_S
+    ) -> None:
         self._capacity = capacity
+        self._active_s = active_s
         self._max = max_queued
         self._timeout = timeout
         self._queues: dict[str, _ModelQueue] = {}
@@ -338,7 +349,7 @@ class FairQueue:
         NoCapacity when full or too late."""
         queue = self._queues.get(model)
         if queue is None:
-            queue = self._queues[model] = _ModelQueue()
+            queue = self._queues[model] = _ModelQueue(self._active_s)
         queue.arrived += 1
         queue.arrive(principal.tenant, principal.priority)
         free = self._capacity.free_slots(model)
