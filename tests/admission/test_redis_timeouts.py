@@ -267,3 +267,39 @@ async def test_a_long_requests_budget_hold_is_renewed_past_its_lease() -> None:
     finally:
         await running.close()
         await other.close()
+
+
+async def test_settlements_owed_meanwhile_are_kept_when_two_sendings_overlap() -> None:
+    """Two sendings of a key's owed settlements overlap (the key's next call and the background resender);
+    a settlement owed while the later one waits for Redis is kept for the next sending (the later one
+    took away the key's new list of them, and its count of owed ones drifted)."""
+    budgets = SharedBudgets(f"redis://127.0.0.1:{REDIS_PORT}/0", prefix=f"corral-test:{uuid.uuid4().hex}")
+    month = ("k", "2026-12")
+    budgets._owe(*month, "h1:10", 0)
+    late, sent = asyncio.Event(), [0]
+    pipeline = budgets._redis.pipeline
+
+    def held_pipeline(*args: object, **kwargs: object) -> object:  # (the second sending's reply waits)
+        made = pipeline(*args, **kwargs)  # type: ignore[arg-type]
+        execute, sent[0] = made.execute, sent[0] + 1
+        second = sent[0] == 2
+
+        async def answered(*a: object, **k: object) -> object:
+            replies = await execute(*a, **k)  # type: ignore[arg-type]
+            if second:
+                await late.wait()
+            return replies
+
+        made.execute = answered  # type: ignore[method-assign]
+        return made
+
+    budgets._redis.pipeline = held_pipeline  # type: ignore[method-assign]
+    try:
+        first, second = asyncio.create_task(budgets._pay(month)), asyncio.create_task(budgets._pay(month))
+        await first
+        budgets._owe(*month, "h3:10", 0)  # a settlement owed meanwhile
+        late.set()
+        await second
+        assert list(budgets._owed.get(month, {})) == ["h3:10"] and budgets._owing == 1
+    finally:
+        await budgets.close()

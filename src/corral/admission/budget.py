@@ -216,7 +216,9 @@ class SharedBudgets:
         """Send (the oldest `_OWED_SENT` of) the settlements of `key_month`'s holds Redis may have missed:
         it counts a hold's once, and one it never made is nothing to it; one older than a hold has expired
         in Redis by itself."""
-        owed = self._owed.get(key_month, {})
+        owed = self._owed.get(key_month)
+        if owed is None:
+            return
         expired = time.monotonic() - self._hold_ms / 1000
         due = list(itertools.islice(owed.items(), _OWED_SENT))
         pipe = self._redis.pipeline(transaction=False)
@@ -229,8 +231,8 @@ class SharedBudgets:
                 continue  # (sent again next time)
             if owed.pop(hold, None) is not None:
                 self._owing -= 1
-        if not owed:
-            self._owed.pop(key_month, None)
+        if not owed and self._owed.get(key_month) is owed:  # (not one made while this one was sent)
+            del self._owed[key_month]
 
     async def close(self) -> None:
         self._closed = True
