@@ -103,9 +103,10 @@ class Counting:
     tenant's turn till then (a thread cannot be stopped).
 
     A tenant's prompts at or waiting for its turn hold at most `room` characters (or one prompt, however
-    long): each waiting one holds its body in memory, so past that a prompt is refused (429
-    `too_many_long_prompts`), its Retry-After the time the prompts before it take to count at the pace
-    counts have gone (one that is refused at its turn takes less)."""
+    long), each counted as its body's bytes or its text's characters, whichever is more: each waiting
+    one holds its body in memory, so past that a prompt is refused (429 `too_many_long_prompts`), its
+    Retry-After the time the prompts before it take to count at the pace counts have gone (one that is
+    refused at its turn takes less)."""
 
     def __init__(self, threads: int = 2, room: int = _ROOM_CHARS) -> None:
         self._threads = ThreadPoolExecutor(threads, thread_name_prefix="corral-count")
@@ -116,7 +117,8 @@ class Counting:
     async def run(
         self, tenant: str, count: Callable[[], int], chars: int, at_turn: AtTurn | None = None
     ) -> int:
-        """`count()` (of a text `chars` long) in `tenant`'s turn, `at_turn` checked when the turn comes."""
+        """`count()` (of a request holding `chars`: see above) in `tenant`'s turn, `at_turn` checked when the
+        turn comes."""
         turn = self._turns.get(tenant)
         if turn is None:
             turn = self._turns[tenant] = _Turn(asyncio.Lock())
@@ -211,7 +213,8 @@ class Intake:
         check = None if before_counting is None else partial(before_counting, self._sized(draft, 0))
         if check is not None:
             await check(None)
-        tokens = await self._counting.run(tenant or "", draft.count, len(draft.prompt), check)
+        held = max(len(raw), len(draft.prompt))  # (what waiting holds: its body, or its text where longer)
+        tokens = await self._counting.run(tenant or "", draft.count, held, check)
         return self._sized(draft, tokens)
 
     def _draft(
@@ -295,7 +298,8 @@ class Intake:
         principal.check_model(draft.body.model)
         if not draft.long:
             return draft.count()
-        return await self._counting.run(principal.tenant, draft.count, len(draft.prompt))
+        held = max(len(chat_body), len(draft.prompt))
+        return await self._counting.run(principal.tenant, draft.count, held)
 
     def _resolve(self, model: str, tenant: str | None) -> tuple[Adapter | None, str]:
         """(the LoRA adapter `model` names, if any; the model whose replicas serve it). An adapter kept for
@@ -330,7 +334,7 @@ class Intake:
         if before_counting is not None:
             check = partial(before_counting, _embedding_context(path, body, raw, features, 0))
             await check(None)
-        tokens = await self._counting.run(tenant or "", count, chars, check)
+        tokens = await self._counting.run(tenant or "", count, max(len(raw), chars), check)
         return _embedding_context(path, body, raw, features, tokens)
 
     def features_of(self, model: str) -> EngineFeatures:
