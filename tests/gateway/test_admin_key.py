@@ -11,7 +11,8 @@ from aiohttp.test_utils import make_mocked_request
 
 from corral.cli.app import CliError
 from corral.cli.gateway_spec import gateway_parts_for
-from corral.config import AuthSettings, Paths, SpecError, parse_spec
+from corral.cluster.preflight import preflight
+from corral.config import AuthSettings, Paths, SpecError, admin_key_from_env, parse_spec
 from corral.gateway.admin import AdminViews
 from corral.routing import ReplicaSet, Router
 
@@ -22,7 +23,9 @@ SPEC = "auth:\n  admin_key: {key}\nmodels:\n  - name: m\n    deployments: [{{eng
 
 @pytest.mark.parametrize("key", ['""', '" "', '"two words"', '"naïve"'])
 def test_an_admin_key_no_client_can_send_is_refused_naming_the_setting(key: str) -> None:
-    with pytest.raises(SpecError, match=r"c.yaml:2: auth.admin_key: .*printable characters without spaces"):
+    with pytest.raises(
+        SpecError, match=r"c.yaml:2: auth.admin_key: .*visible ASCII characters, without spaces"
+    ):
         parse_spec(SPEC.format(key=key), source="c.yaml")
     assert parse_spec(SPEC.format(key="k"), source="c.yaml").auth.admin_key == "k"
 
@@ -32,8 +35,20 @@ def test_an_admin_key_from_the_environment_that_no_client_can_send_is_refused(
 ) -> None:
     spec = parse_spec(SPEC.format(key="from-the-spec"))
     monkeypatch.setenv("CORRAL_ADMIN_KEY", "has a space")
-    with pytest.raises(CliError, match="CORRAL_ADMIN_KEY must be printable"):
+    with pytest.raises(CliError, match="CORRAL_ADMIN_KEY must be visible ASCII"):
         gateway_parts_for(spec, Paths(home=tmp_path), ReplicaSet(["m"]))
+    # (found before anything is fetched, with every other problem of the spec)
+    assert "CORRAL_ADMIN_KEY: must be visible ASCII characters, without spaces" in preflight(
+        spec, gateway=True
+    )
+
+
+def test_an_admin_key_from_a_file_keeps_no_line_break(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Kubernetes Secret made from `openssl rand -hex 24 > admin.key` gives the variable the file's last
+    line break: the key is the line, as a client sends it."""
+    monkeypatch.setenv("CORRAL_ADMIN_KEY", "0123abcd\n")
+    assert admin_key_from_env("from-the-spec") == "0123abcd"
+    assert preflight(parse_spec(SPEC.format(key="k")), gateway=True) == []
 
 
 @pytest.mark.parametrize("header", ["Bearer", "Bearer ", "bearer  "])

@@ -144,7 +144,7 @@ def gateway_parts_for(spec: ClusterSpec, paths: Paths, replicas: Any) -> Any:
 
     admin_key = admin_key_from_env(spec.auth.admin_key)
     if admin_key is not None and not sendable_token(admin_key):  # (the spec's is checked when read)
-        raise CliError("CORRAL_ADMIN_KEY must be printable characters without spaces.")
+        raise CliError("CORRAL_ADMIN_KEY must be visible ASCII characters, without spaces.")
     try:
         parts = GatewayParts.build(
             replicas,

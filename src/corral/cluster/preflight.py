@@ -15,7 +15,8 @@ import re
 from collections.abc import Collection, Iterator
 from pathlib import Path
 
-from corral.config import ClusterSpec, LocalSource, ModelSpec
+from corral.config import ClusterSpec, LocalSource, ModelSpec, admin_key_from_env
+from corral.config.settings import sendable_token
 
 __all__ = ["preflight"]
 
@@ -37,6 +38,8 @@ def preflight(
     for index, model in enumerate(spec.models):
         if models is None or model.name in models:
             problems += _model_problems(spec, index, model)
+    if gateway and (key := admin_key_from_env(spec.auth.admin_key)) is not None and not sendable_token(key):
+        problems.append("CORRAL_ADMIN_KEY: must be visible ASCII characters, without spaces")
     if gateway and spec.gateway.tls is not None:
         tls = spec.gateway.tls
         problems += [

@@ -46,8 +46,9 @@ def api_key_from_env(given: str | None) -> str | None:
 
 
 def admin_key_from_env(configured: str | None) -> str | None:
-    """The admin key: `CORRAL_ADMIN_KEY` if set, else the spec's."""
-    return os.environ.get("CORRAL_ADMIN_KEY") or configured
+    """The admin key: `CORRAL_ADMIN_KEY` if set (without the whitespace around it: a Kubernetes Secret
+    made from a file keeps the file's last line break), else the spec's."""
+    return (os.environ.get("CORRAL_ADMIN_KEY") or "").strip() or configured
 
 
 DEFAULT_GATEWAY_URL = "http://127.0.0.1:8000"

@@ -326,7 +326,7 @@ class AuthSettings(Strict):
         was met by any `Authorization: Bearer` with no token."""
         if key is not None and not sendable_token(key):
             raise ValueError(
-                "auth.admin_key must be printable characters without spaces (an empty key is refused: "
+                "auth.admin_key must be visible ASCII characters, without spaces (an empty key is refused: "
                 "leave the setting out for no admin key)"
             )
         return key
