@@ -115,8 +115,13 @@ SIM = """models:
             r"s\.yaml:4: models\.0\.deployments\.0: quantization: unknown quantization 'q4'",
             "known: bf16, fp32",
         ),
-        (
-            {"engine": "vllm", "lines": "    source: {hf: org/m}\n", "gpu": "l4x"},
+        (  # (vLLM's gpu where feed-forward autoscaling sizes replicas with it)
+            {
+                "engine": "vllm",
+                "lines": "    source: {hf: org/m}\n",
+                "gpu": "l4x",
+                "more": ", autoscale: {min_replicas: 1, max_replicas: 2, mode: feed_forward}",
+            },
             r"s\.yaml:4: models\.0\.deployments\.0: gpu: unknown GPU 'l4x'; did you mean l4",
             "(the perf catalog's GPU types)",
         ),
@@ -137,6 +142,9 @@ def test_a_simulated_model_and_gpu_must_be_in_the_perf_catalog(
     aliases["more"] = ", quantization: fp8"  # (each an alias the catalog knows)
     assert parse_spec(SIM.format(**(values | aliases))).models[0].deployments[0].gpu == "h100"
     assert parse_spec(SIM.format(**(values | {"lines": "", "name": "smollm2-135m"})))
+    # vLLM's gpu is only a name where nothing sizes with it (`corral plan --catalog` writes its own GPUs)
+    vllm = {"engine": "vllm", "lines": "    source: {hf: org/m}\n", "gpu": "a10g"}
+    assert parse_spec(SIM.format(**(values | vllm))).models[0].deployments[0].gpu == "a10g"
 
 
 @pytest.mark.parametrize(

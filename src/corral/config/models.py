@@ -354,8 +354,10 @@ class DeploymentSpec(Strict):
 
     def _check_catalog(self) -> None:
         """The names the perf catalog must know: a simulator's `gpu` and weight format (each of its replicas
-        would fail to start), and vLLM's `gpu` (feed-forward autoscaling sizes with it)."""
-        if self.engine not in ("sim", "vllm") or self.gpu is None:
+        would fail to start), and vLLM's `gpu` where feed-forward autoscaling sizes with it (else it is
+        only a name: `corral plan` writes the GPUs of the catalog it was given)."""
+        feed_forward = self.autoscale is not None and self.autoscale.mode == "feed_forward"
+        if self.gpu is None or not (self.engine == "sim" or (self.engine == "vllm" and feed_forward)):
             return
         if problem := _catalog_problem("gpus", self.gpu):
             raise ValueError(f"gpu: {problem} (the perf catalog's GPU types)")
