@@ -174,9 +174,15 @@ def test_nginx_refuses_an_edge_its_local_gateway_does_not_trust(gateway: str, ed
     spec = CPU_SPEC + (f"gateway: {{{gateway}}}\n" if gateway else "") + (edge + "\n" if edge else "")
     with pytest.raises(
         RenderError,
-        match=r"nginx: the edge proxies to the gateway at \S+ on this host.*trusted_proxies does not",
+        match=r"nginx: the edge proxies to the gateway at \S+ on this host.*trusted_proxies in spec.yaml",
     ):
         render_files(parse_spec(spec), "nginx", "spec.yaml", spec, Path("/usr/bin/true"))
+    # localhost: NGINX connects from either loopback address, so both must be trusted
+    localhost = (
+        CPU_SPEC + "gateway: {trusted_proxies: [127.0.0.1]}\ndeploy: {edge: {gateways: ['localhost:8001']}}\n"
+    )
+    with pytest.raises(RenderError, match=r"come from ::1, but"):
+        render_files(parse_spec(localhost), "nginx", "spec.yaml", localhost, Path("/usr/bin/true"))
     # the edge's address covered, or gateways on other hosts only (their view of the edge is theirs)
     for fine in (
         CPU_SPEC + "gateway: {trusted_proxies: ['127.0.0.0/8', '::1']}\n" + (edge + "\n" if edge else ""),
@@ -234,7 +240,8 @@ def test_systemd_units_verify_and_are_hardened(tmp_path: Path) -> None:
     spec = parse_spec(GPU_SPEC)  # SIGKILL only after the drain and each replica's stop, with a margin
     chain = spec.gateway.shutdown_grace + spec.supervisor.stop_timeout + 15
     assert int(gpu_unit["TimeoutStopSec"][0].removesuffix("s")) > chain, gpu_unit["TimeoutStopSec"]
-    assert "char-nvidia-frontend rw" in gpu_unit["DeviceAllow"]
+    # (with mknod: the device policy binds the "+" nvidia-modprobe below too, which makes their files)
+    assert {"char-nvidia-frontend rwm", "char-nvidia-uvm rwm"} <= set(gpu_unit["DeviceAllow"])
     # CUDA loads nvidia-uvm at first use through the setuid nvidia-modprobe, which the hardening forbids:
     # the unit does it as root before it starts (a host without the program starts all the same)
     assert (

@@ -86,4 +86,5 @@ def _unchecked(spec: ClusterSpec) -> str:
     named = [what for what, named in (("files", files), ("store", spec.store.url is not None)) if named]
     if not named:
         return ""
-    return f" (its {' and '.join(named)} are checked where it runs: --here)"
+    verb = "are" if named == ["files"] or len(named) > 1 else "is"
+    return f" (its {' and '.join(named)} {verb} checked where it runs: --here)"

@@ -28,7 +28,7 @@ def render_nginx(spec: ClusterSpec, source: str) -> dict[str, str]:
             "the certificate (deploy.edge.cert and key)"
         )
     gateways = edge.gateways or [gateway.address_from_here()]
-    _refuse_untrusted_edge(spec, gateways)
+    _refuse_untrusted_edge(spec, gateways, source)
     context = {
         "source": source,
         "gateways": gateways,
@@ -57,39 +57,42 @@ def render_nginx(spec: ClusterSpec, source: str) -> dict[str, str]:
     }
 
 
-def _refuse_untrusted_edge(spec: ClusterSpec, gateways: list[str]) -> None:
+def _refuse_untrusted_edge(spec: ClusterSpec, gateways: list[str], source: str) -> None:
     """A gateway on this host sees the edge's connections come from loopback: unless trusted_proxies covers
     that address, the gateway ignores the edge's X-Forwarded-For and X-Request-Id, and counts every client
     as one address against `gateway.max_client_connections` (past it, it resets the edge's connections and
     the edge answers its own 503 "No corral gateway is reachable"). Gateways on other hosts see the edge
-    at an address this host cannot tell."""
+    at an address this host cannot tell. (`source`: where the spec came from, its file or the embedded
+    default.)"""
     trusted = [ipaddress.ip_network(entry, strict=False) for entry in spec.gateway.trusted_proxies]
     for address in gateways:
-        peer = _loopback_peer(address)
-        if peer is not None and not any(peer in network for network in trusted):
+        untrusted = [p for p in _loopback_peers(address) if not any(p in network for network in trusted)]
+        if untrusted:
+            peers = " and ".join(str(peer) for peer in untrusted)
             raise RenderError(
                 f"nginx: the edge proxies to the gateway at {address} on this host, which sees every "
-                f"connection of the edge come from {peer}, but gateway.trusted_proxies does not cover "
-                f"{peer}: the gateway would take all clients for one (their X-Forwarded-For and the edge's "
-                "X-Request-Id ignored, gateway.max_client_connections shared by all, then the edge's 503 "
-                f'"No corral gateway is reachable"). Add {peer} to gateway.trusted_proxies, in this spec and '
-                "in the spec each gateway runs"
+                f"connection of the edge come from {peers}, but gateway.trusted_proxies in {source} does "
+                f"not cover it: the gateway would take all clients for one (their X-Forwarded-For and the "
+                "edge's X-Request-Id ignored, gateway.max_client_connections shared by all, then the edge's "
+                f'503 "No corral gateway is reachable"). Add {peers} to gateway.trusted_proxies in a spec '
+                "file (-f), the one each gateway behind the edge runs"
             )
 
 
-def _loopback_peer(address: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
-    """The address a gateway at `address` (host:port) sees the edge's connections come from, where it is
-    on this host's loopback (Linux answers a connection to any of 127.0.0.0/8 from 127.0.0.1)."""
+def _loopback_peers(address: str) -> list[ipaddress.IPv4Address | ipaddress.IPv6Address]:
+    """The addresses a gateway at `address` (host:port) sees the edge's connections come from, where it is
+    on this host's loopback (Linux answers a connection to any of 127.0.0.0/8 from 127.0.0.1; NGINX
+    resolves `localhost` to both 127.0.0.1 and ::1 and uses either)."""
     host = urlsplit(f"//{address}").hostname or ""
     if host == "localhost":
-        return ipaddress.ip_address("127.0.0.1")
+        return [ipaddress.ip_address("127.0.0.1"), ipaddress.ip_address("::1")]
     try:
         ip = ipaddress.ip_address(host)
     except ValueError:
-        return None
+        return []
     if not ip.is_loopback:
-        return None
-    return ipaddress.ip_address("127.0.0.1") if ip.version == 4 else ip
+        return []
+    return [ipaddress.ip_address("127.0.0.1") if ip.version == 4 else ip]
 
 
 def _first_byte_s(spec: ClusterSpec) -> float:
