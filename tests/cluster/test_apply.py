@@ -318,4 +318,5 @@ async def test_a_models_settings_are_read_off_the_event_loop(monkeypatch: pytest
     ticking = asyncio.create_task(ticker())
     await up._tell(told.append, None, object())  # type: ignore[arg-type]
     ticking.cancel()
-    assert told == [{"name": "alpha"}] and len(lags) > 20 and max(lags) < 0.1
+    # (read on the loop, one tick would wait the whole 0.5 s; a busy machine's ticks wait up to ~0.2 s)
+    assert told == [{"name": "alpha"}] and len(lags) > 20 and max(lags) < 0.4
