@@ -300,6 +300,6 @@ async def test_settlements_owed_meanwhile_are_kept_when_two_sendings_overlap() -
         budgets._owe(*month, "h3:10", 0)  # a settlement owed meanwhile
         late.set()
         await second
-        assert list(budgets._owed.get(month, {})) == ["h3:10"] and budgets._owing == 1
+        assert [entry for entry, _ in budgets._owed.of(month)] == ["h3:10"] and budgets._owed.count == 1
     finally:
         await budgets.close()

@@ -33,6 +33,7 @@ from datetime import UTC, datetime
 from functools import partial
 
 from corral.admission.auth import Principal
+from corral.admission.owed import Owed
 from corral.protocol import NoCapacity, RateLimited
 from corral.store import StoreError, UsageRecord, UsageStore
 
@@ -123,8 +124,7 @@ class SharedBudgets:
         self._live: dict[tuple[str, str], set[str]] = {}  # (key, month) → its holds in flight here
         self._renewer: asyncio.Task[None] | None = None
         # (key, month) → hold → (tokens used, when): settlements Redis may not have had, to send again
-        self._owed: dict[tuple[str, str], dict[str, tuple[int, float]]] = {}
-        self._owing = 0  # settlements in `_owed`
+        self._owed: Owed[tuple[str, str], tuple[int, float]] = Owed(_OWED_MAX)
         self._payer: asyncio.Task[None] | None = None
         self._closed = False
 
@@ -185,17 +185,7 @@ class SharedBudgets:
     def _owe(self, key: str, month: str, hold: str, used: int) -> None:
         if self._closed:
             return
-        owed = self._owed.setdefault((key, month), {})
-        if hold not in owed:
-            self._owing += 1
-        owed[hold] = (used, time.monotonic())
-        if self._owing > _OWED_MAX:  # (the first key's first: its hold has expired by itself, or will)
-            first = next(iter(self._owed))
-            oldest = self._owed[first]
-            del oldest[next(iter(oldest))]
-            self._owing -= 1
-            if not oldest:
-                del self._owed[first]
+        self._owed.add((key, month), hold, (used, time.monotonic()))
         if self._payer is None:
             self._payer = asyncio.get_running_loop().create_task(self._pay_owed(), name="redis-budget-owed")
 
@@ -204,7 +194,7 @@ class SharedBudgets:
         try:
             while self._owed and not self._closed:
                 await asyncio.sleep(_OWED_RETRY_S)
-                for key_month in list(self._owed):
+                for key_month in self._owed.keys():
                     try:
                         await self._pay(key_month)
                     except self.errors:
@@ -216,11 +206,8 @@ class SharedBudgets:
         """Send (the oldest `_OWED_SENT` of) the settlements of `key_month`'s holds Redis may have missed:
         it counts a hold's once, and one it never made is nothing to it; one older than a hold has expired
         in Redis by itself."""
-        owed = self._owed.get(key_month)
-        if owed is None:
-            return
         expired = time.monotonic() - self._hold_ms / 1000
-        due = list(itertools.islice(owed.items(), _OWED_SENT))
+        due = list(itertools.islice(self._owed.of(key_month), _OWED_SENT))
         pipe = self._redis.pipeline(transaction=False)
         for hold, (used, at) in due:
             if at > expired:
@@ -229,10 +216,7 @@ class SharedBudgets:
         for hold, (_, at) in due:
             if at > expired and isinstance(next(results), BaseException):
                 continue  # (sent again next time)
-            if owed.pop(hold, None) is not None:
-                self._owing -= 1
-        if not owed and self._owed.get(key_month) is owed:  # (not one made while this one was sent)
-            del self._owed[key_month]
+            self._owed.discard(key_month, hold)
 
     async def close(self) -> None:
         self._closed = True

@@ -20,6 +20,7 @@ from typing import Any
 
 from corral.admission.auth import Principal
 from corral.admission.limits import LimiterUnavailable, Reservation, granted_headers, is_limited, rate_refusal
+from corral.admission.owed import Owed
 
 __all__ = ["RedisLimiter"]
 
@@ -171,8 +172,7 @@ class RedisLimiter:
         self._renewer: asyncio.Task[None] | None = None
         # a key's log → entry → (its keys, the settle script's arguments, when): settlements (a failed
         # reservation's: none used) that Redis may not have had, sent again
-        self._owed: dict[str, dict[str, tuple[list[str], list[int | str], float]]] = {}
-        self._owing = 0  # settlements in `_owed`
+        self._owed: Owed[str, tuple[list[str], list[int | str], float]] = Owed(_OWED_MAX)
         self._payer: asyncio.Task[None] | None = None
         self._closed = False
 
@@ -340,17 +340,8 @@ class RedisLimiter:
                 args = [args[5], args[4], 0, self._window_ms, -int(args[4])]
             elif script != "settle":
                 continue
-            owed = self._owed.setdefault(keys[0], {})
-            if args[0] not in owed:  # (one sent again keeps its first time: it is dropped in time)
-                owed[str(args[0])] = (keys, args, time.monotonic())
-                self._owing += 1
-            if self._owing > _OWED_MAX:  # (the first key's first: its lease and window end by themselves)
-                first = next(iter(self._owed))
-                oldest = self._owed[first]
-                del oldest[next(iter(oldest))]
-                self._owing -= 1
-                if not oldest:
-                    del self._owed[first]
+            # (one sent again keeps its first time: it is dropped in time)
+            self._owed.add(keys[0], str(args[0]), (keys, args, time.monotonic()), keep_first=True)
             if self._payer is None:
                 self._payer = asyncio.create_task(self._pay_owed(), name="redis-limits-owed")
 
@@ -359,28 +350,20 @@ class RedisLimiter:
         first; those whose leases and window ended, which they can no longer change, are dropped."""
         expired = time.monotonic() - max(self._window_ms, self._lease_ms) / 1000
         calls: list[tuple[str, list[str], list[int | str]]] = []
-        for log in list(self._owed) if logs is None else logs & self._owed.keys():
-            owed = self._owed[log]
-            for entry, (keys, args, at) in list(owed.items()):
+        for log in self._owed.keys() if logs is None else [log for log in logs if log in self._owed]:
+            for entry, (keys, args, at) in self._owed.of(log):
                 if len(calls) == _OWED_SENT:
                     return calls
                 if at > expired:
                     calls.append(("settle", keys, args))
                 else:
-                    del owed[entry]
-                    self._owing -= 1
-            if not owed:
-                del self._owed[log]
+                    self._owed.discard(log, entry)
         return calls
 
     def _paid(self, calls: list[tuple[str, list[str], list[int | str]]], replies: list[Any]) -> None:
         for (_, keys, args), reply in zip(calls, replies, strict=True):
-            owed = self._owed.get(keys[0])
-            if isinstance(reply, BaseException) or owed is None or owed.pop(str(args[0]), None) is None:
-                continue
-            self._owing -= 1
-            if not owed:
-                del self._owed[keys[0]]
+            if not isinstance(reply, BaseException):
+                self._owed.discard(keys[0], str(args[0]))
 
     async def _pay_owed(self) -> None:
         """Send what Redis may have missed every `_OWED_RETRY_S` until it has it all (a key's next call
