@@ -594,3 +594,68 @@ async def test_a_completion_continues_from_its_token_ids_asked_in_one_request(tm
     assert text == "tok0 tok1 tok2 tok3 tok4 tok5 "
     assert engines[1].tokenized == [["tok0 ", "tok1 ", "tok2 "]]
     assert engines[1].prompts == [["Count:", 0, 1, 2]]
+
+
+class _Counter:
+    """An engine streaming "tok{i} " tokens (600 in all; a continuation goes on from the tokens in the
+    continued message), a token every 5 ms, cutting each stream after `cut_after` of them."""
+
+    def __init__(self, cut_after: int) -> None:
+        self.cut_after = cut_after
+        self.url = ""
+        self._runner: web.AppRunner | None = None
+
+    async def start(self) -> None:
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", self.chat)
+        self._runner = web.AppRunner(app)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, "127.0.0.1", 0).start()
+        self.url = f"http://127.0.0.1:{self._runner.addresses[0][1]}"
+
+    async def stop(self) -> None:
+        assert self._runner is not None
+        await self._runner.cleanup()
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        messages = (await request.json())["messages"]
+        start = messages[-1]["content"].count("tok") if messages[-1]["role"] == "assistant" else 0
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for i in range(start, 600):
+            if i - start == self.cut_after:
+                assert request.transport is not None
+                request.transport.close()
+                return response
+            await response.write(_event(_thought({"content": f"tok{i} "})))
+            await asyncio.sleep(0.005)
+        await response.write(b"data: [DONE]\n\n")
+        return response
+
+
+async def test_a_continuation_cut_too_is_charged_the_events_it_sent(tmp_path: Path) -> None:
+    """A stream cut after 200 tokens, continued on another replica that cuts it after 200 more, and no
+    usage ever comes: it is charged the reads of both replicas' events (about 400), where it was charged
+    the first replica's alone (200: then the 256-token estimate), what the continuation sent uncounted."""
+    engines = [_Counter(cut_after=200), _Counter(cut_after=200)]
+    for engine in engines:
+        await engine.start()
+    server, url = await _thinking_gateway(tmp_path, engines, EngineFeatures())  # type: ignore[arg-type]
+    try:
+        body = {"model": "m", "messages": MESSAGES, "stream": True, "temperature": 0}
+        _, content, usage, raw = await _read_raw(url, body)
+    finally:
+        await server.stop()
+        for engine in engines:
+            await engine.stop()
+    assert content.count("tok") == 400 and usage is None and b"stream_truncated" in raw
+    rows = await asyncio.to_thread(_usage_rows, tmp_path / "c.db")
+    assert len(rows) == 1 and rows[0] > 300, rows  # (reads of events: a few may come two to a read)
+
+
+def _usage_rows(store: Path) -> list[int]:
+    """The output tokens of each usage row in the SQLite store."""
+    import sqlite3
+
+    with sqlite3.connect(store) as db:
+        return [int(n) for (n,) in db.execute("SELECT output_tokens FROM corral_usage").fetchall()]

@@ -156,7 +156,10 @@ class Continuer:
             events: Events = continuation
             if ctx.route.adapter is not None:  # as the first replica's events: the model the client asked
                 events = Renamed(continuation, ctx.route.adapter)
-            problem = await self._pump(upstream, events, response, transcript)
+            try:
+                problem = await self._pump(upstream, events, response, transcript)
+            finally:  # (its events charged with the first replica's where no usage comes)
+                ctx.relayed += continuation.events
             if continuation.usage is not None:
                 ctx.usage = continuation.usage
             if problem is None:

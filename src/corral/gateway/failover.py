@@ -170,11 +170,13 @@ class Continuation:
         self._buffer = EventBuffer()
         self.done = False
         self.usage: dict[str, Any] | None = None
+        self.events = 0  # reads of complete events fed (as SSEFilter's: what a stream without usage pays)
 
     def feed(self, data: bytes) -> bytes:
         complete = self._buffer.complete(data)
         if not complete:
             return b""
+        self.events += 1
         out = [self._rewrite(event) for event in complete.split(_SEP) if event]
         return b"".join(event + _SEP for event in out if event)
 
