@@ -42,6 +42,7 @@ class UsageRecorder:
         self._max = max_pending
         self._pending: deque[UsageRecord] = deque()
         self._task: asyncio.Task[None] | None = None
+        self._stopping = asyncio.Event()
         self._metrics = metrics
         self._failing = False
         self.dropped = 0
@@ -74,10 +75,9 @@ class UsageRecorder:
     async def stop(self) -> None:
         """Write what is left (shutdown drains usage too). A store that is down by then cannot be waited for:
         what it could not take is counted in `dropped` and logged, and shutdown goes on."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        if self._task is not None:  # (not cancelled: a write under way would end in its thread after this)
+            self._stopping.set()
+            await self._task
         try:
             while self._pending:
                 await self.flush()
@@ -132,12 +132,18 @@ class UsageRecorder:
         return written
 
     async def _run(self) -> None:
-        while True:
-            await asyncio.sleep(self._interval)
+        while not await self._stopped_within(self._interval):
             try:
                 while self._pending:
                     await self.flush()
             except Exception:  # logged in flush; keep the writer alive
-                await asyncio.sleep(self._interval)
+                if await self._stopped_within(self._interval):
+                    return
             if self._metrics is not None:
                 self._metrics.pending.set(len(self._pending))
+
+    async def _stopped_within(self, seconds: float) -> bool:
+        """Wait `seconds`, or less where `stop` is called meanwhile: whether it was."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stopping.wait(), seconds)
+        return self._stopping.is_set()
