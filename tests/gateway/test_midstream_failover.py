@@ -24,6 +24,7 @@ from corral.routing import Replica, ReplicaSet, ReplicaState, RetryBudget, Route
 from corral.routing.adapters import Adapter, AdapterCatalogue
 
 from .conftest import ScriptedUpstream, make_services
+from .test_relay import usage_rows
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 LLAMA = EngineFeatures(multiple_choices=False, prompt_lists=False, echo=False, prefill_echo=True)
@@ -260,7 +261,29 @@ async def test_a_failed_over_stream_leaves_no_mark_on_the_replica_that_cut_it(
         await server.stop()
 
 
-class _Thinker:
+class _ChatEngine:
+    """An engine on 127.0.0.1 answering chat completions with its `chat`."""
+
+    url = ""
+    _runner: web.AppRunner | None = None
+
+    async def start(self) -> None:
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", self.chat)
+        self._runner = web.AppRunner(app)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, "127.0.0.1", 0).start()
+        self.url = f"http://127.0.0.1:{self._runner.addresses[0][1]}"
+
+    async def stop(self) -> None:
+        assert self._runner is not None
+        await self._runner.cleanup()
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        raise NotImplementedError
+
+
+class _Thinker(_ChatEngine):
     """An engine of a reasoning model (vLLM's reasoning parser: `reasoning_content` deltas, then `content`)
     that continues a chat's final assistant message (`continue_final_message`, or always as llama.cpp does,
     sending it back first when `echo`): 4 deltas of reasoning "think{i} ", then 4 of content "ans{j} "; a
@@ -274,20 +297,6 @@ class _Thinker:
         self.echo = echo
         self.aside = aside
         self.bodies: list[dict] = []
-        self.url = ""
-        self._runner: web.AppRunner | None = None
-
-    async def start(self) -> None:
-        app = web.Application()
-        app.router.add_post("/v1/chat/completions", self.chat)
-        self._runner = web.AppRunner(app)
-        await self._runner.setup()
-        await web.TCPSite(self._runner, "127.0.0.1", 0).start()
-        self.url = f"http://127.0.0.1:{self._runner.addresses[0][1]}"
-
-    async def stop(self) -> None:
-        assert self._runner is not None
-        await self._runner.cleanup()
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
@@ -596,26 +605,12 @@ async def test_a_completion_continues_from_its_token_ids_asked_in_one_request(tm
     assert engines[1].prompts == [["Count:", 0, 1, 2]]
 
 
-class _Counter:
+class _Counter(_ChatEngine):
     """An engine streaming "tok{i} " tokens (600 in all; a continuation goes on from the tokens in the
     continued message), a token every 5 ms, cutting each stream after `cut_after` of them."""
 
     def __init__(self, cut_after: int) -> None:
         self.cut_after = cut_after
-        self.url = ""
-        self._runner: web.AppRunner | None = None
-
-    async def start(self) -> None:
-        app = web.Application()
-        app.router.add_post("/v1/chat/completions", self.chat)
-        self._runner = web.AppRunner(app)
-        await self._runner.setup()
-        await web.TCPSite(self._runner, "127.0.0.1", 0).start()
-        self.url = f"http://127.0.0.1:{self._runner.addresses[0][1]}"
-
-    async def stop(self) -> None:
-        assert self._runner is not None
-        await self._runner.cleanup()
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         messages = (await request.json())["messages"]
@@ -649,13 +644,5 @@ async def test_a_continuation_cut_too_is_charged_the_events_it_sent(tmp_path: Pa
         for engine in engines:
             await engine.stop()
     assert content.count("tok") == 400 and usage is None and b"stream_truncated" in raw
-    rows = await asyncio.to_thread(_usage_rows, tmp_path / "c.db")
-    assert len(rows) == 1 and rows[0] > 300, rows  # (reads of events: a few may come two to a read)
-
-
-def _usage_rows(store: Path) -> list[int]:
-    """The output tokens of each usage row in the SQLite store."""
-    import sqlite3
-
-    with sqlite3.connect(store) as db:
-        return [int(n) for (n,) in db.execute("SELECT output_tokens FROM corral_usage").fetchall()]
+    rows = await asyncio.to_thread(usage_rows, tmp_path / "c.db", "m")
+    assert len(rows) == 1 and rows[0][2] > 300, rows  # (reads of events: a few may come two to a read)

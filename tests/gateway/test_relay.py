@@ -405,11 +405,11 @@ async def test_a_whole_answer_past_the_bound_is_a_502_and_no_fault_of_the_replic
         await runner.cleanup()
     assert (m.failures, m.breaker.consecutive_failures, m.served) == (0, 0, 1)
     # the engine made all of the answer: charged its reservation (the 256-token estimate here), not refunded
-    rows = await asyncio.to_thread(_usage_rows, tmp_path / "c.db", "m")
+    rows = await asyncio.to_thread(usage_rows, tmp_path / "c.db", "m")
     assert [(status, output) for status, _, output in rows] == [(502, 256)], rows
 
 
-def _usage_rows(store: Path, model: str) -> list[tuple[int, int, int]]:
+def usage_rows(store: Path, model: str) -> list[tuple[int, int, int]]:
     """(status, input tokens, output tokens) of `model`'s usage rows in the SQLite store."""
     with sqlite3.connect(store) as db:
         query = "SELECT status, input_tokens, output_tokens FROM corral_usage WHERE model = ? ORDER BY id"
@@ -456,5 +456,5 @@ async def test_a_fanned_out_requests_parts_share_one_bound(
     finally:
         await server.stop()
         await runner.cleanup()
-    rows = await asyncio.to_thread(_usage_rows, tmp_path / "c.db", "m")
+    rows = await asyncio.to_thread(usage_rows, tmp_path / "c.db", "m")
     assert [status for status, _, _ in rows] == [200, 502] and all(output > 0 for _, _, output in rows), rows
