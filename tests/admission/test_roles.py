@@ -319,3 +319,25 @@ async def test_a_key_looping_on_a_refused_route_cannot_flood_the_audit_trail(clo
     missing = [e for e in trail if e["actor"] == f"key:{manager['id']}"]
     assert len(missing) == 30 and all(e["status"] == 404 for e in missing)
     assert trail[0]["action"] == "key.create" and trail[0]["status"] == 201  # the admin's, after them
+
+
+async def test_the_audit_trails_filters_and_a_key_body_not_an_object_are_400s_naming_what_is_wrong(
+    closed: Cluster,
+) -> None:
+    """A `since` by the ends of the calendar overflowed in UTC, in the store's thread after the handler's
+    checks (a 500); `?limit=abc` was refused naming `since`; a key body that is a JSON array was told
+    "Invalid value for 'None'"."""
+    for since in ("0001-01-01T00:00:00+01:00", "9999-12-31T23:59:59-01:00", "yesterday"):
+        status, answer = await call(closed, "GET", "/admin/audit?" + urlencode({"since": since}), ADMIN)
+        assert (status, answer["error"]["param"]) == (400, "since"), (since, answer)
+    for since in ("0001-01-01T01:00:00+01:00", "9999-12-31T23:59:59+00:00", "0001-01-01T00:00:00"):
+        status, _ = await call(closed, "GET", "/admin/audit?" + urlencode({"since": since}), ADMIN)
+        assert status == 200, since  # (within the calendar in UTC)
+    status, answer = await call(closed, "GET", "/admin/audit?limit=abc", ADMIN)
+    assert (status, answer["error"]["param"]) == (400, "limit"), answer
+    made = await key(closed)
+    for method, path in (("POST", "/admin/keys"), ("PATCH", f"/admin/keys/{made['id']}")):
+        status, answer = await call(closed, method, path, ADMIN, "[]")
+        assert status == 400 and answer["error"]["param"] is None, answer
+        assert answer["error"]["message"].startswith("The body must be a JSON object"), answer
+        assert "None" not in answer["error"]["message"], answer

@@ -37,6 +37,18 @@ def test_a_file_that_is_not_utf8_is_a_spec_error_naming_it(tmp_path: Path) -> No
     assert checked.exit_code == 2 and "not UTF-8" in checked.output and "unexpected" not in checked.output
 
 
+@pytest.mark.parametrize("text", ["[" * 5000, "models: " + "[" * 2000 + "]" * 2000, "a: " + "{a: " * 3000])
+def test_a_spec_nested_too_deeply_is_a_spec_error(tmp_path: Path, text: str) -> None:
+    """PyYAML recurses once a level: a deep spec was a RecursionError (a 500 from POST /admin/spec, a
+    traceback from the CLI)."""
+    with pytest.raises(SpecError, match=r"^s\.yaml: nested too deeply$"):
+        parse_spec(text, source="s.yaml")
+    spec = tmp_path / "deep.yaml"
+    spec.write_text(text)
+    checked = CliRunner().invoke(app, ["spec", "check", "-f", str(spec)])
+    assert checked.exit_code == 2 and "deep.yaml: nested too deeply" in checked.output, checked.output
+
+
 @pytest.mark.parametrize("value", [".inf", ".nan", "-.inf"])
 def test_infinite_or_nan_numbers_are_refused(value: str) -> None:
     with pytest.raises(SpecError, match=r"s\.yaml:1: gateway\.read_timeout: Input should be a finite number"):

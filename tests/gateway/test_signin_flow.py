@@ -416,3 +416,38 @@ async def test_behind_an_https_redirect_url_the_admin_api_reads_the_session_unde
         assert planted.status == 401, planted.body
         read = await ask("GET", url + "/admin/keys", {"__Host-corral_session": secret})
         assert read.status != 401, read.body
+
+
+async def test_refused_sign_ins_and_sign_outs_are_on_the_audit_trail(
+    tmp_path: Path, provider: Provider
+) -> None:
+    """An ID token the provider signed that corral refuses (its tenant not in auth.oidc.tenants, another
+    sign-in's nonce) and a sign-out without the console's CSRF token left no record, where the admin API's
+    refusals leave one."""
+    put = f"{provider.url}/users/mallory"
+    await asyncio.to_thread(lambda: httpx.put(put, json={"tenant": "globex"}).raise_for_status())
+    async with gateway(tmp_path / "c.db", provider.url) as url:
+        _, outsider = await sign_in(url, "mallory")
+        assert outsider.status == 401 and "globex" in outsider.body["error"]["message"], outsider.body
+        started = await ask("GET", url + "/console/signin")
+        back = await asyncio.to_thread(
+            lambda: httpx.post(started.headers["Location"], data={"sub": "bob"}).headers["location"]
+        )
+        payload = started.cookies["corral_signin"].value.rpartition(".")[0]
+        pending = json.loads(base64.urlsafe_b64decode(payload)) | {"nonce": "another sign-in's"}
+        forged = {"corral_signin": signed(signing_key(ADMIN, SECRET, "corral"), pending)}
+        query = urllib.parse.urlsplit(back).query
+        replayed = await ask("GET", f"{url}/console/callback?{query}", forged)
+        assert replayed.status == 401 and "nonce" in replayed.body["error"]["message"], replayed.body
+        _, done = await sign_in(url, "bob")
+        session = {"corral_session": done.cookies["corral_session"].value}
+        out = await ask("POST", url + "/console/signout", session, {"X-CSRF-Token": "not-it"})
+        assert (out.status, out.body["error"]["code"]) == (403, "csrf_failed"), out.body
+        trail = await ask("GET", url + "/admin/audit", headers={"Authorization": f"Bearer {ADMIN}"})
+    entries = [(e["action"], e["actor"], e["role"], e["status"]) for e in reversed(trail.body["entries"])]
+    assert entries == [
+        ("signin", "oidc:mallory", "none", 401),
+        ("signin", "oidc:bob", "none", 401),
+        ("signin", "oidc:bob", "tenant-admin", 303),
+        ("signout", "oidc:bob", "tenant-admin", 403),
+    ], entries

@@ -5,13 +5,18 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+import uuid
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import aiohttp
 import pytest
+from sqlalchemy import create_engine, text
+from typer.testing import CliRunner
+from yarl import URL
 
 from corral.admission import Authenticator
+from corral.cli import app
 from corral.config import (
     AuthSettings,
     BatchSettings,
@@ -23,7 +28,7 @@ from corral.config import (
 from corral.gateway import GatewayParts, GatewayServer
 from corral.protocol import Unauthorized
 from corral.routing import Replica, ReplicaSet, ReplicaState, Router
-from corral.store import KeyStore, open_database
+from corral.store import AuditLog, KeyStore, open_database
 
 from ..admission.test_gateway_admission import Cluster, start
 from ..gateway.conftest import ScriptedUpstream, make_services
@@ -295,3 +300,131 @@ async def test_an_integer_past_64_bits_reaches_the_engine_as_sent_when_the_body_
         await answer.read()
     assert upstream.bodies[-1]["vendor_seed"] == 18446744073709551617
     assert upstream.bodies[-1]["stream_options"] == {"include_usage": True}
+
+
+POSTGRES = "postgresql+psycopg://postgres@127.0.0.1:5432"
+
+
+@pytest.fixture
+def postgres() -> Iterator[str]:
+    """A fresh PostgreSQL database of this test's own (the server on 127.0.0.1:5432), dropped after it."""
+    name = f"corral_hostile_{uuid.uuid4().hex[:12]}"
+    server = create_engine(POSTGRES + "/test", isolation_level="AUTOCOMMIT")
+    with server.connect() as connection:
+        connection.execute(text(f"CREATE DATABASE {name}"))
+    try:
+        yield f"{POSTGRES}/{name}"
+    finally:
+        with server.connect() as connection:
+            connection.execute(text(f"DROP DATABASE {name} WITH (FORCE)"))
+        server.dispose()
+
+
+@pytest.fixture
+async def on_postgres(postgres: str, upstream: ScriptedUpstream) -> AsyncIterator[tuple[str, GatewayParts]]:
+    """A closed gateway with the Files and Batch API on PostgreSQL: (its url, its parts)."""
+    replicas = ReplicaSet(["m"])
+    replicas.add(Replica(id="m-0", model="m", engine="x", url=upstream.url, state=ReplicaState.READY))
+    parts = GatewayParts.build(
+        replicas,
+        postgres,
+        AuthSettings(open=False),
+        StoreSettings(flush_interval=0.1),
+        LimitsSettings(),
+        QueueSettings(),
+        admin_key="admin",
+        batch=BatchSettings(),
+    )
+    server = GatewayServer(GatewaySettings(port=0), Router(replicas), parts)
+    await server.start()
+    try:
+        yield f"http://127.0.0.1:{server.port}", parts
+    finally:
+        await server.stop()
+        parts.keys.engine.dispose()
+
+
+async def send(url: str, method: str, key: str, body: object = None) -> tuple[int, dict, str]:
+    """(status, JSON answer, x-request-id) of one request, its URL sent as it is (no re-quoting)."""
+    headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
+    data = json.dumps(body) if body is not None else None
+    async with (
+        aiohttp.ClientSession() as session,
+        session.request(method, URL(url, encoded=True), data=data, headers=headers) as r,
+    ):
+        return r.status, await r.json(content_type=None), r.headers.get("x-request-id", "")
+
+
+NUL_ROUTES = [
+    ("GET", "/admin/keys/%00"),
+    ("PATCH", "/admin/keys/%00"),
+    ("DELETE", "/admin/keys/%00"),
+    ("POST", "/admin/keys/%00/rotate"),
+    ("GET", "/admin/usage?request_id=%00"),
+    *(("GET", f"/admin/audit?{name}=%00") for name in ("actor", "action", "tenant", "request_id")),
+    ("GET", "/v1/files/%00"),
+    ("GET", "/v1/batches/a%00b"),
+    ("GET", "/v1/responses/resp_%00"),
+    ("DELETE", "/admin/cache?tenant=%00"),
+]
+
+
+async def test_a_nul_in_a_path_or_query_is_a_400_on_postgresql_and_a_refused_change_is_audited(
+    on_postgres: tuple[str, GatewayParts],
+) -> None:
+    """PostgreSQL's text holds no NUL: `%00` in an id or a filter reached it and was a 500 with a traceback
+    (psycopg's DataError), and DELETE /admin/keys/%00 lost its audit record. Refused before any route now,
+    with the request's id, and a refused change is on the trail as the route's other refusals are."""
+    url, parts = on_postgres
+    manager, _ = await asyncio.to_thread(lambda: parts.keys.create("acme", role="tenant-admin"))
+    for method, path in NUL_ROUTES:
+        key = manager if path.startswith("/admin/keys") else "admin"
+        body = {"rpm": 5} if method == "PATCH" else None
+        status, answer, told = await send(url + path, method, key, body)
+        assert (status, answer["error"]["type"]) == (400, "invalid_request_error"), (path, answer)
+        assert "NUL" in answer["error"]["message"] and told.startswith("req_"), (path, answer, told)
+    trail = await asyncio.to_thread(AuditLog(parts.keys.engine).list, limit=100)
+    changes = [(e["action"], e["status"], e["target"]) for e in reversed(trail)]
+    assert changes == [
+        ("key.update", 400, "\\x00"),
+        ("key.revoke", 400, "\\x00"),
+        ("key.rotate", 400, "\\x00"),
+        ("cache.purge", 400, None),
+    ], changes
+    revoke = next(e for e in trail if e["action"] == "key.revoke")
+    assert revoke["actor"].startswith("key:") and revoke["request_id"].startswith("req_")
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"tenant": "ac\u0000me"}, "tenant"),
+        ({"tenant": "acme", "name": "x\u0000y"}, "name"),
+        ({"tenant": "acme", "name": "line\nbreak"}, "name"),
+        ({"tenant": "acme", "models": ["m", "m\u001b[31m"]}, "models.1"),
+    ],
+)
+async def test_a_new_keys_text_with_a_control_character_is_a_400_naming_its_field(
+    on_postgres: tuple[str, GatewayParts], body: dict, param: str
+) -> None:
+    """A key's name or tenant holding a NUL reached PostgreSQL (a 500); a line break or an escape sequence
+    would forge lines where keys are listed. Refused by the key's own validation, for the API and the CLI."""
+    url, parts = on_postgres
+    status, answer, _ = await send(url + "/admin/keys", "POST", "admin", body)
+    assert (status, answer["error"]["param"]) == (400, param), answer
+    assert "control characters" in answer["error"]["message"], answer
+    assert await asyncio.to_thread(parts.keys.list) == []
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [("--tenant", "ac\tme"), ("--name", "a\nb"), ("--models", "m,m\x1b[31m")],
+)
+def test_the_cli_refuses_a_new_keys_text_with_a_control_character_naming_its_option(
+    tmp_path: Path, option: str, value: str
+) -> None:
+    args = ["keys", "create", "--tenant", "acme", option, value, "--store", f"sqlite:///{tmp_path / 'c.db'}"]
+    refused = CliRunner().invoke(app, args, env={"COLUMNS": "160"})
+    assert refused.exit_code == 2, refused.output
+    assert f"error: {option}: must not hold control characters" in refused.stderr, refused.stderr
+    assert not (tmp_path / "c.db").exists()

@@ -288,7 +288,8 @@ def _refuse(invalid: InvalidKey, expires_in_days: float | None) -> NoReturn:
             f"(got {expires_in_days})",
             2,
         )
-    option = {"monthly_token_budget": "monthly-tokens"}.get(invalid.param or "", invalid.param or "")
+    field = (invalid.param or "").split(".")[0]  # (a model's name: models.2, of --models)
+    option = {"monthly_token_budget": "monthly-tokens"}.get(field, field)
     fail(f"--{option.replace('_', '-')}: {invalid}" if option else str(invalid), 2)
 
 

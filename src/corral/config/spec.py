@@ -243,9 +243,14 @@ def parse_spec(text: str, source: str = "<spec>") -> ClusterSpec:
         mark = getattr(exc, "problem_mark", None)
         where = f"{source}:{mark.line + 1}" if mark is not None else source
         raise SpecError(f"{where}: not valid YAML: {getattr(exc, 'problem', exc)}") from exc
+    except RecursionError:  # (PyYAML's parser recurses once a level: `[[[[...`)
+        raise SpecError(f"{source}: nested too deeply") from None
     if not isinstance(data, dict):
         raise SpecError(f"{source}: the spec must be a mapping with a 'models' list")
-    repeated = _repeated_key(node, ())
+    try:
+        repeated = _repeated_key(node, ())
+    except RecursionError:
+        raise SpecError(f"{source}: nested too deeply") from None
     if repeated:
         raise SpecError(f"{source}:{repeated}")
     try:

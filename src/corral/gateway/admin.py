@@ -13,7 +13,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 from aiohttp import web
@@ -48,6 +48,7 @@ from corral.store import (
     UsageStore,
     store_is_down,
 )
+from corral.store.keys import holds_control_characters
 
 __all__ = ["AdminViews", "bearer_is"]
 
@@ -93,6 +94,7 @@ class AdminViews:
         self.access = Access(access, auth, self._clients, sessions)
         self._audit = audit
         self._refusals: dict[str, list[float]] = {}  # actor → [its minute's start, refusals in it]
+        self._actions: dict[_Handler, str] = {}  # each audited route's handler → its action
 
     def add_routes(self, app: web.Application) -> None:
         audited = self._audited
@@ -176,7 +178,22 @@ class AdminViews:
                 if actor is not None and (not refused or self._keeps_refusal(actor.who)):
                     await self._write_audit(request, actor, action, detail, status)
 
+        self._actions[audited] = action
         return audited
+
+    async def refused(self, request: web.Request, status: int) -> None:
+        """A request the error boundary refused before its route's handler ran (app.py: a NUL in its path
+        or query), on the audit trail as the route's own refusals are: an action's, by someone named."""
+        action = self._actions.get(request.match_info.handler)
+        if action is None:
+            return
+        try:
+            actor = await self.access.actor(request)
+        except Exception:  # (the refusal stands: its record is lost, as a failed write's is, loudly)
+            logger.exception("the audit trail could not name who was refused %s", action)
+            return
+        if actor is not None and self._keeps_refusal(actor.who):
+            await self._write_audit(request, actor, action, {}, status)
 
     def _keeps_refusal(self, who: str) -> bool:
         """Whether a refused call by `who` goes on the trail: the first `_REFUSALS_KEPT` of each minute
@@ -201,7 +218,10 @@ class AdminViews:
     async def record(
         self, request: web.Request, who: str, role: str, tenant: str | None, action: str, status: int
     ) -> None:
-        """An action outside the admin routes (a console sign-in or sign-out) on the audit trail."""
+        """An action outside the admin routes (a console sign-in or sign-out) on the audit trail; a refused
+        one (4xx) as the admin routes' refusals are, up to `_REFUSALS_KEPT` a minute an actor."""
+        if 400 <= status < 500 and not self._keeps_refusal(who):
+            return
         await self._write_audit(request, Actor(who, role, tenant), action, {"target": who}, status)
 
     async def _write_audit(
@@ -210,6 +230,8 @@ class AdminViews:
         if self._audit is None:
             return
         target = detail.pop("target", None) or "/".join(request.match_info.values()) or None
+        if target is not None:  # (PostgreSQL's text holds no NUL: the record would be lost)
+            target = str(target).replace("\x00", "\\x00")
         entry = AuditEntry(  # (cut to the columns' widths: a long name must not lose the record)
             actor=actor.who[:256],
             role=actor.role[:16],
@@ -351,11 +373,13 @@ class AdminViews:
         if self._audit is None:
             raise NotSupported("This gateway keeps no audit trail.")
         query = request.query
+        since = _since(query.get("since"))
         try:
-            since = datetime.fromisoformat(query["since"]) if "since" in query else None
             limit = int(query.get("limit", "100"))
         except ValueError:
-            raise InvalidRequest("'since' is an ISO 8601 time and 'limit' a number.", param="since") from None
+            raise InvalidRequest(
+                "'limit' must be a whole number of entries (at most 1000 are given).", param="limit"
+            ) from None
         rows = await asyncio.to_thread(
             lambda: self._audit.list(  # type: ignore[union-attr]
                 action=query.get("action"),
@@ -530,10 +554,33 @@ def _grace(request: web.Request) -> float:
     return grace
 
 
+def _since(value: str | None) -> datetime | None:
+    """`?since=` of the audit trail as a time in UTC (as rows are written; one without a zone is UTC)."""
+    if value is None:
+        return None
+    try:  # (converted here, not in the store's thread: a time by the ends of the calendar overflows in UTC)
+        since = datetime.fromisoformat(value)
+        return since.astimezone(UTC) if since.tzinfo is not None else since.replace(tzinfo=UTC)
+    except (ValueError, OverflowError):
+        raise InvalidRequest(
+            "'since' must be an ISO 8601 time (2025-01-31T09:00:00+00:00) from year 1 to 9999 in UTC.",
+            param="since",
+        ) from None
+
+
 def _validated(model: type[NewKey] | type[KeyUpdate], body: bytes) -> NewKey | KeyUpdate:
     try:
         return model.model_validate_json(body, strict=True)
     except ValidationError as exc:
         err = exc.errors(include_url=False)[0]
         param = ".".join(str(p) for p in err["loc"]) or None
+        if param is None:  # (not JSON, or JSON but not an object: `[]`)
+            raise InvalidRequest(
+                f"The body must be a JSON object of the key's fields: {err['msg']}."
+            ) from exc
+        if holds_control_characters(err):
+            raise InvalidRequest(
+                f"Invalid value for '{param}': it must not hold control characters (such as NUL).",
+                param=param,
+            ) from exc
         raise InvalidRequest(f"Invalid value for '{param}': {err['msg']}.", param=param) from exc

@@ -44,6 +44,7 @@ from corral.gateway.relay import Relay, RelayTimeouts
 from corral.gateway.usage import UsageRecorder
 from corral.protocol import (
     APIError,
+    InvalidRequest,
     MethodNotAllowed,
     ModelNotFound,
     NotFound,
@@ -84,10 +85,6 @@ def build_app(
     parts.auth.on_store_error = metrics.store_errors_keys.inc
     if connections is not None:
         connections.on_close = lambda reason: metrics.connections_closed.labels(reason).inc()
-    app = web.Application(
-        middlewares=[_error_boundary(ids, metrics.store_unanswered)], client_max_size=settings.max_body_bytes
-    )
-    app.on_response_prepare.append(_tell_request_id)
     admin = AdminViews(
         access=parts.access,
         keys=parts.keys,
@@ -104,6 +101,11 @@ def build_app(
         audit=parts.audit,
         sessions=parts.sessions,
     )
+    app = web.Application(
+        middlewares=[_error_boundary(ids, metrics.store_unanswered, admin.refused)],
+        client_max_size=settings.max_body_bytes,
+    )
+    app.on_response_prepare.append(_tell_request_id)
     status = _StatusViews(
         router,
         parts.auth,
@@ -321,19 +323,37 @@ def _semantic_cache(cache: ExactCache | None, relay: Relay) -> asyncio.Task[None
     return asyncio.create_task(upkeep(), name="semantic-cache-upkeep")
 
 
-def _error_boundary(ids: RequestIds, store_unanswered: Callable[[], None]) -> Middleware:
+def _error_boundary(
+    ids: RequestIds,
+    store_unanswered: Callable[[], None],
+    refused: Callable[[web.Request, int], Awaitable[None]] | None = None,
+) -> Middleware:
     """The one place errors become OpenAI-shaped JSON responses; each request is given its id first.
-    (No await layer of its own beyond the handler's: each one costs every suspension of a stream.)"""
+    (No await layer of its own beyond the handler's: each one costs every suspension of a stream.)
+    A NUL in the path or query (`%00`) is refused before any handler reads it: no name or id holds one,
+    and PostgreSQL's text refuses it (a 500 where a store lookup met it). `refused` puts such a refusal on
+    the audit trail where the route's own refusals go (admin.py)."""
 
     @web.middleware
     async def boundary(request: web.Request, handler: Handler) -> web.StreamResponse:
         ids.assign(request)
+        if "%00" in request.raw_path:  # (path and query; a raw NUL cannot arrive in a request line)
+            return await _refuse_nul(request, refused)
         try:
             return await handler(request)
         except Exception as exc:
             return _error_answer(request, exc, store_unanswered)
 
     return boundary
+
+
+async def _refuse_nul(
+    request: web.Request, refused: Callable[[web.Request, int], Awaitable[None]] | None
+) -> web.Response:
+    refusal = InvalidRequest("The request's path or query holds a NUL character (%00), which no name holds.")
+    if refused is not None:
+        await refused(request, refusal.status)
+    return _error_response(refusal)
 
 
 async def _tell_request_id(request: web.Request, response: web.StreamResponse) -> None:

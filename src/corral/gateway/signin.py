@@ -39,9 +39,10 @@ import aiohttp
 import orjson
 from aiohttp import web
 
+from corral.admission import Principal
 from corral.admission.oidc import PROVIDER_FAILED, OIDCVerifier
 from corral.gateway.clients import ClientAddresses
-from corral.protocol import InvalidRequest, PermissionDenied, Unauthorized, UpstreamError
+from corral.protocol import APIError, InvalidRequest, PermissionDenied, Unauthorized, UpstreamError
 from corral.store import SessionStore
 
 __all__ = ["CSRF_HEADER", "SESSION_COOKIE", "SignInViews", "session_secret"]
@@ -55,7 +56,7 @@ _HOST_ONLY = "__Host-"  # a browser keeps such a cookie to this host (Secure, Pa
 _PENDING_S = 600  # a sign-in must come back from the provider within this long
 _TIMEOUT = aiohttp.ClientTimeout(total=15)
 
-Audit = Callable[[web.Request, str, str, str, str, int], Awaitable[None]]
+Audit = Callable[[web.Request, str, str, str | None, str, int], Awaitable[None]]  # admin.py's record
 
 
 def session_secret(request: web.Request, secure: bool) -> str | None:
@@ -172,9 +173,7 @@ class SignInViews:
         id_token = tokens.get("id_token")
         id_token = id_token if isinstance(id_token, str) else ""
         claims = await self._verifier.claims(id_token, id_token=True)
-        if not _same(str(claims.get("nonce", "")), pending.nonce):
-            raise Unauthorized("The ID token's nonce does not match this sign-in.")
-        principal = self._verifier.principal(claims)
+        principal = await self._principal(request, claims, pending.nonce)
         # a session lasts session_ttl_s, and no longer than the ID token (a role taken away at the
         # provider then ends at the next sign-in)
         lasts = min(self._settings.session_ttl_s, max(60.0, float(claims["exp"]) - time.time()))
@@ -196,6 +195,18 @@ class SignInViews:
         )
         response.del_cookie(name, path=path, secure=secure)  # (a browser drops a __Host- one only so)
         return response
+
+    async def _principal(self, request: web.Request, claims: dict[str, Any], nonce: str) -> Principal:
+        """Who the verified ID token names, signing in with this sign-in's `nonce`. A refusal of a token
+        the provider signed (another sign-in's nonce, a tenant not in auth.oidc.tenants, groups naming two
+        tenants) is on the audit trail, as the admin API's refusals are (no role was given: `none`)."""
+        try:
+            if not _same(str(claims.get("nonce", "")), nonce):
+                raise Unauthorized("The ID token's nonce does not match this sign-in.")
+            return self._verifier.principal(claims)
+        except APIError as exc:
+            await self._audit(request, f"oidc:{claims.get('sub', '')}", "none", None, "signin", exc.status)
+            raise
 
     async def _trade(self, code: str, redirect: str, verifier: str) -> dict[str, Any]:
         """The code and verifier for the provider's tokens (client_secret_basic when there is a secret,
@@ -229,7 +240,10 @@ class SignInViews:
         if session is None:
             raise Unauthorized("No one is signed in.")
         if not _same(request.headers.get(CSRF_HEADER, ""), session.csrf):
-            raise PermissionDenied("The request lacks the console's CSRF token.", code="csrf_failed")
+            refusal = PermissionDenied("The request lacks the console's CSRF token.", code="csrf_failed")
+            who = f"oidc:{session.subject}"
+            await self._audit(request, who, session.role, session.tenant, "signout", refusal.status)
+            raise refusal
         id_token = await asyncio.to_thread(self._sessions.end, secret or "")
         await self._audit(request, f"oidc:{session.subject}", session.role, session.tenant, "signout", 200)
         ending = await self._end_session(request, id_token)

@@ -11,6 +11,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic_core import ErrorDetails
 from sqlalchemy import Engine, or_, select
 from sqlalchemy.orm import Session
 
@@ -27,6 +28,7 @@ __all__ = [
     "KeyUpdate",
     "NewKey",
     "hash_key",
+    "holds_control_characters",
     "new_secret",
 ]
 
@@ -37,6 +39,9 @@ _SECRET_PREFIX = "sk-corral-"
 _INT32_MAX = 2**31 - 1  # the most a limit in an Integer column holds (PostgreSQL's integer)
 _INT64_MAX = 2**63 - 1  # and in a BigInteger one
 MAX_LIFETIME_S = 10 * 365 * 86400  # a key that expires: within ten years
+# no control characters in a key's tenant, name or model names: PostgreSQL refuses a NUL in a text column
+# (a 500 where a 400 belongs), and a line break or escape sequence would forge lines in logs and listings
+PLAIN_TEXT = r"^[^\x00-\x1f\x7f]*$"
 
 
 def new_secret() -> str:
@@ -54,10 +59,11 @@ class NewKey(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    tenant: str = Field(min_length=1, max_length=128)
-    name: str = Field(default="", max_length=128)  # (the column's width)
-    models: list[Annotated[str, Field(min_length=1, max_length=128)]] = Field(  # (a model's name: <= 128)
-        default_factory=list, max_length=1024
+    tenant: str = Field(min_length=1, max_length=128, pattern=PLAIN_TEXT)
+    name: str = Field(default="", max_length=128, pattern=PLAIN_TEXT)  # (the column's width)
+    models: list[Annotated[str, Field(min_length=1, max_length=128, pattern=PLAIN_TEXT)]] = Field(
+        default_factory=list,
+        max_length=1024,  # (a model's name: <= 128)
     )
     rpm: int | None = Field(default=None, ge=1, le=_INT32_MAX)
     tpm: int | None = Field(default=None, ge=1, le=_INT32_MAX)
@@ -95,7 +101,14 @@ class InvalidKey(ValueError):
         param = ".".join(str(p) for p in err["loc"]) or None
         if err["type"] == "string_pattern_mismatch" and param == "priority":
             return cls("priority must be one of high, normal, low", param)
+        if holds_control_characters(err):
+            return cls(f"must not hold control characters (got {err.get('input')!r})", param)
         return cls(f"{err['msg'].lower()} (got {err.get('input')!r})", param)
+
+
+def holds_control_characters(error: ErrorDetails) -> bool:
+    """Whether a validation error is a text field's refusal of control characters (PLAIN_TEXT)."""
+    return error["type"] == "string_pattern_mismatch" and error.get("ctx", {}).get("pattern") == PLAIN_TEXT
 
 
 def hash_key(secret: str) -> str:
