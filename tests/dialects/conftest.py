@@ -1,13 +1,16 @@
 """Gateways (closed, keys by the admin API) in front of simulated replicas that answer tool calls and
-structured output on a seeded schedule (sim/tools.py)."""
+structured output on a seeded schedule (sim/tools.py); and an open gateway in front of a scripted engine
+that answers what a test has it answer (`scripted`: the engine's whole answer or stream, as is)."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import aiohttp
+import orjson
 import pytest
 
 from corral.config import (
@@ -25,6 +28,8 @@ from corral.perf import load_catalog
 from corral.perf.calibration import calibrated_efficiency
 from corral.routing import Replica, ReplicaSet, ReplicaState, Router
 from corral.sim import SimFleet, SimOptions, build_server
+from tests.gateway.conftest import Gateway as ScriptedGateway
+from tests.gateway.conftest import ScriptedUpstream, make_services
 
 ADMIN = "dialects-admin"
 
@@ -100,3 +105,41 @@ async def cluster(tmp_path: Path) -> AsyncIterator[Cluster]:
     for gateway in running.gateways:
         await gateway.server.stop()
     await fleet.stop()
+
+
+@pytest.fixture
+async def scripted(tmp_path: Path) -> AsyncIterator[tuple[ScriptedGateway, ScriptedUpstream]]:
+    """An open gateway whose one replica of model m is a scripted engine (mode "answer": what a test sets)."""
+    upstream = ScriptedUpstream()
+    await upstream.start()
+    upstream.mode = "answer"
+    replicas = ReplicaSet(["m"])
+    server = GatewayServer(
+        GatewaySettings(port=0), Router(replicas), make_services(replicas, tmp_path / "c.db")
+    )
+    await server.start()
+    gateway = ScriptedGateway(f"http://127.0.0.1:{server.port}", replicas, server)
+    gateway.add_replica(upstream.url)
+    yield gateway, upstream
+    await server.stop()
+    await upstream.stop()
+
+
+_HEAD = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "m"}
+USAGE = {"prompt_tokens": 9, "completion_tokens": 7, "total_tokens": 16}
+
+
+def whole_answer(message: dict[str, Any], finish: str) -> tuple[int, str, bytes]:
+    """A scripted engine's whole chat completion (`upstream.answer`)."""
+    choice = {"index": 0, "message": message, "finish_reason": finish}
+    body = {**_HEAD, "object": "chat.completion", "choices": [choice], "usage": USAGE}
+    return 200, "application/json", orjson.dumps(body)
+
+
+def streamed_answer(deltas: list[dict[str, Any]], finish: str) -> tuple[int, str, bytes]:
+    """A scripted engine's chat completion stream (`upstream.answer`): a chunk a delta, the finish, usage."""
+    chunks = [{**_HEAD, "choices": [{"index": 0, "delta": d, "finish_reason": None}]} for d in deltas]
+    chunks.append({**_HEAD, "choices": [{"index": 0, "delta": {}, "finish_reason": finish}]})
+    chunks.append({**_HEAD, "choices": [], "usage": USAGE})
+    events = b"".join(b"data: " + orjson.dumps(c) + b"\n\n" for c in chunks) + b"data: [DONE]\n\n"
+    return 200, "text/event-stream", events

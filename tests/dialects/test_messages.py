@@ -6,14 +6,16 @@ from __future__ import annotations
 
 import asyncio
 import json
+from typing import Any
 
 import aiohttp
 import anthropic
 import openai
 import pytest
 
-from tests.dialects.conftest import Cluster
+from tests.dialects.conftest import Cluster, streamed_answer, whole_answer
 from tests.dialects.weather import MESSAGES_TOOL
+from tests.gateway.conftest import Gateway, ScriptedUpstream
 
 TOOL = MESSAGES_TOOL
 
@@ -213,3 +215,93 @@ def test_usage_counts_the_cached_prompt_once() -> None:
     told = _usage(engine)
     assert told["input_tokens"] == 232 and told["cache_read_input_tokens"] == 768
     assert told["input_tokens"] + told["cache_read_input_tokens"] == engine["prompt_tokens"]
+
+
+async def test_a_large_count_tokens_body_refused_by_its_parse_is_one_of_the_keys_requests(
+    cluster: Cluster,
+) -> None:
+    """A count_tokens body of megabytes is parsed on the event loop (a few hundred ms) before its count is
+    metered: refused by that parse (400) it counted against nothing, so a key could have the gateway parse
+    it as often as it sent. It is now one of the key's requests, as a /v1/messages body so refused is."""
+    gateway = await cluster.gateway()
+    key = await gateway.key("eve", rpm=2)
+    blocks: list[Any] = [{"type": "text", "text": ""}] * 12_000 + [{"type": "bogus"}]
+    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": blocks}]}).encode()
+    assert len(body) > 256 * 1024  # (a body past the size whose key is checked before it is parsed)
+    headers = {"x-api-key": key, "Content-Type": "application/json"}
+    async with aiohttp.ClientSession(headers=headers) as session:
+        for _ in range(2):
+            async with session.post(gateway.url + "/v1/messages/count_tokens", data=body) as answer:
+                assert answer.status == 400, await answer.text()
+    with pytest.raises(anthropic.RateLimitError):
+        await _client(gateway.url, key).messages.count_tokens(
+            model="m", messages=[{"role": "user", "content": "hi"}]
+        )
+
+
+_CALL = {"index": 0, "id": "c0", "type": "function", "function": {"name": "a", "arguments": '{"x": "ab'}}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_tool_use_cut_by_max_tokens_stops_for_max_tokens(
+    scripted: tuple[Gateway, ScriptedUpstream], stream: bool
+) -> None:
+    """An answer the engine ended at max_tokens inside a tool call is cut, not a finished tool use: Claude
+    Code would run the tool with a broken input."""
+    gateway, upstream = scripted
+    claude = anthropic.AsyncAnthropic(base_url=gateway.url, api_key="none", max_retries=0)
+    ask: dict[str, Any] = {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "go"}]}
+    if stream:
+        upstream.answer = streamed_answer([{"role": "assistant", "tool_calls": [_CALL]}], "length")
+        async with claude.messages.stream(**ask) as events:
+            message = await events.get_final_message()
+    else:
+        upstream.answer = whole_answer(
+            {"role": "assistant", "content": None, "tool_calls": [_CALL]}, "length"
+        )
+        message = await claude.messages.create(**ask)
+    assert message.stop_reason == "max_tokens"
+    assert [block.type for block in message.content] == ["tool_use"]
+
+
+async def test_a_prefill_is_continued_by_the_engine(scripted: tuple[Gateway, ScriptedUpstream]) -> None:
+    """A last turn of the assistant's is a prefill the answer goes on from: vLLM answers a new turn after it
+    unless asked to continue it (llama.cpp continues it by itself; asked so, the bundled build no longer
+    streams the prefill back before its continuation)."""
+    gateway, upstream = scripted
+    upstream.answer = whole_answer({"role": "assistant", "content": '"a": 1}'}, "stop")
+    claude = anthropic.AsyncAnthropic(base_url=gateway.url, api_key="none", max_retries=0)
+    asked: list[Any] = [{"role": "user", "content": "JSON please"}, {"role": "assistant", "content": "{"}]
+    answer = await claude.messages.create(model="m", max_tokens=20, messages=asked)
+    sent = upstream.bodies[-1]
+    assert sent["messages"][-1] == {"role": "assistant", "content": "{"}
+    assert sent["continue_final_message"] is True and sent["add_generation_prompt"] is False
+    assert answer.content[0].text == '"a": 1}'  # type: ignore[union-attr]
+    await claude.messages.create(model="m", max_tokens=20, messages=asked[:1])
+    assert not {"continue_final_message", "add_generation_prompt"} & set(upstream.bodies[-1])
+
+
+async def test_an_image_in_a_tool_result_is_a_400_naming_it(
+    scripted: tuple[Gateway, ScriptedUpstream],
+) -> None:
+    """A tool message carries text only: an image in a tool result was dropped without a word."""
+    gateway, upstream = scripted
+    upstream.answer = whole_answer({"role": "assistant", "content": "ok"}, "stop")
+    claude = anthropic.AsyncAnthropic(base_url=gateway.url, api_key="none", max_retries=0)
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}
+    result = {
+        "type": "tool_result",
+        "tool_use_id": "t1",
+        "content": [{"type": "text", "text": "here"}, image],
+    }
+    turns: list[Any] = [
+        {"role": "user", "content": "go"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "shot", "input": {}}]},
+        {"role": "user", "content": [result]},
+    ]
+    tools: list[Any] = [{"name": "shot", "input_schema": {"type": "object"}}]
+    with pytest.raises(anthropic.BadRequestError, match=r"messages\[2\]\.content\[0\]\.content\[1\]"):
+        await claude.messages.create(model="m", max_tokens=5, messages=turns, tools=tools)
+    result["content"] = [{"type": "text", "text": "here"}]
+    await claude.messages.create(model="m", max_tokens=5, messages=turns, tools=tools)
+    assert upstream.bodies[-1]["messages"][-1] == {"role": "tool", "tool_call_id": "t1", "content": "here"}

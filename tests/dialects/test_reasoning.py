@@ -5,8 +5,6 @@ scripted upstream that answers as a reasoning model does."""
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
-from pathlib import Path
 
 import aiohttp
 import anthropic
@@ -14,27 +12,7 @@ import openai
 import orjson
 import pytest
 
-from corral.config import GatewaySettings
-from corral.gateway import GatewayServer
-from corral.routing import ReplicaSet, Router
-from tests.gateway.conftest import Gateway, ScriptedUpstream, make_services
-
-
-@pytest.fixture
-async def scripted(tmp_path: Path) -> AsyncIterator[tuple[Gateway, ScriptedUpstream]]:
-    upstream = ScriptedUpstream()
-    await upstream.start()
-    replicas = ReplicaSet(["m"])
-    server = GatewayServer(
-        GatewaySettings(port=0), Router(replicas), make_services(replicas, tmp_path / "c.db")
-    )
-    await server.start()
-    gateway = Gateway(f"http://127.0.0.1:{server.port}", replicas, server)
-    gateway.add_replica(upstream.url)
-    yield gateway, upstream
-    await server.stop()
-    await upstream.stop()
-
+from tests.gateway.conftest import Gateway, ScriptedUpstream
 
 _BASE = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "m"}
 

@@ -6,15 +6,20 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
-from sqlalchemy import create_engine, text
+from sqlalchemy import create_engine, event, text
 
 from corral.config import StoreSettings
 from corral.routing import ReplicaState
-from tests.dialects.conftest import Cluster
+from corral.store import open_database
+from corral.store.responses import ResponseRow, ResponseStore
+from tests.dialects.conftest import Cluster, streamed_answer, whole_answer
 from tests.dialects.weather import RESPONSES_TOOL
+from tests.gateway.conftest import Gateway, ScriptedUpstream
 
 TOOL = RESPONSES_TOOL
 
@@ -301,3 +306,126 @@ async def test_stored_responses_expire_after_response_ttl_days(cluster: Cluster)
         await client.responses.retrieve(response.id)
     with pytest.raises(openai.BadRequestError):
         await client.responses.create(model="m", input="And?", previous_response_id=response.id)
+
+
+async def test_a_turn_refused_after_its_stored_conversation_is_read_is_one_of_the_keys_requests(
+    cluster: Cluster,
+) -> None:
+    """A turn of a hundred bytes naming a stored conversation of megabytes has the gateway parse it; refused
+    after that (a bad item of its own: 400; too large with it: 413; more tokens than the key's TPM: 429) it
+    counted against nothing, so a key could have the gateway parse megabytes as often as it sent. Each is
+    now one of the key's requests, as a long prompt refused once counted is."""
+    gateway = await cluster.gateway(max_body_bytes=6000)
+    client = _client(gateway.url, await gateway.key("eve", rpm=4, tpm=2000))
+    padded = [{"type": "message", "role": "user", "content": "hi", "note": "x" * 3500}]
+    first = await client.responses.create(model="m", input=padded, max_output_tokens=2)  # type: ignore[arg-type]
+    with pytest.raises(openai.BadRequestError):
+        await client.responses.create(model="m", input=[{"type": "bogus"}], previous_response_id=first.id)  # type: ignore[list-item]
+    with pytest.raises(openai.APIStatusError) as info:
+        await client.responses.create(model="m", input=padded, previous_response_id=first.id)  # type: ignore[arg-type]
+    assert info.value.status_code == 413
+    with pytest.raises(openai.RateLimitError, match="more tokens than"):
+        await client.responses.create(
+            model="m", input="and?", previous_response_id=first.id, max_output_tokens=3000
+        )
+    with pytest.raises(openai.RateLimitError, match="4 requests per minute"):
+        await client.responses.create(model="m", input="hi", max_output_tokens=2)
+
+
+def test_another_tenants_stored_response_is_never_read(tmp_path: Path) -> None:
+    """The store looks a response up by its id and its tenant together: another tenant's row (megabytes,
+    perhaps) is not loaded to be compared and dropped."""
+    store = ResponseStore(open_database(f"sqlite:///{tmp_path / 'r.db'}"), ttl_s=60)
+    store.put("acme", None, {"id": "resp_1", "model": "m"}, [{"type": "message", "content": "x" * 1000}])
+    loaded: list[str] = []
+
+    def on_load(row: ResponseRow, _context: Any) -> None:
+        loaded.append(row.id)
+
+    event.listen(ResponseRow, "load", on_load)
+    try:
+        assert store.get("eve", "resp_1") is None
+        assert loaded == []
+        found = store.get("acme", "resp_1")
+        assert found is not None and found.input_items[0]["content"] == "x" * 1000
+    finally:
+        event.remove(ResponseRow, "load", on_load)
+
+
+_TOOLS: list[Any] = [
+    {"type": "function", "name": name, "parameters": {"type": "object"}} for name in ("a", "b")
+]
+_CUT_CALL = {"index": 0, "id": "c0", "type": "function", "function": {"name": "a", "arguments": '{"x": "ab'}}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_call_cut_by_max_output_tokens_is_incomplete_and_not_carried_on(
+    scripted: tuple[Gateway, ScriptedUpstream], stream: bool
+) -> None:
+    """The engine ends at max_tokens inside a call's arguments: the response is incomplete, and so is the
+    call (as OpenAI tells an item cut short), whole and streamed; a next turn does not carry its broken
+    JSON on (vLLM parses every assistant tool call's arguments: the turn would fail there)."""
+    gateway, upstream = scripted
+    client = openai.AsyncOpenAI(base_url=gateway.base_url, api_key="none", max_retries=0)
+    message = {"role": "assistant", "content": None, "tool_calls": [_CUT_CALL]}
+    ask: dict[str, Any] = {"model": "m", "input": "go", "tools": _TOOLS, "max_output_tokens": 5}
+    if stream:
+        upstream.answer = streamed_answer([{"role": "assistant", "tool_calls": [_CUT_CALL]}], "length")
+        events = [event async for event in await client.responses.create(**ask, stream=True)]
+        done = [e.item for e in events if e.type == "response.output_item.done"]
+        assert [(item.type, item.status) for item in done] == [("function_call", "incomplete")]
+        assert events[-1].type == "response.incomplete"
+        response = events[-1].response
+    else:
+        upstream.answer = whole_answer(message, "length")
+        response = await client.responses.create(**ask)
+    assert response.status == "incomplete"
+    (call,) = response.output
+    assert call.type == "function_call" and call.status == "incomplete" and call.arguments == '{"x": "ab'
+    assert (await client.responses.retrieve(response.id)).output[0].status == "incomplete"
+    upstream.answer = whole_answer({"role": "assistant", "content": "ok"}, "stop")
+    await client.responses.create(model="m", input="go on", previous_response_id=response.id, tools=_TOOLS)
+    assert [m["role"] for m in upstream.bodies[-1]["messages"]] == ["user", "user"]
+
+
+async def test_allowed_tools_offer_the_model_only_the_functions_they_name(
+    scripted: tuple[Gateway, ScriptedUpstream],
+) -> None:
+    gateway, upstream = scripted
+    upstream.answer = whole_answer({"role": "assistant", "content": "ok"}, "stop")
+    client = openai.AsyncOpenAI(base_url=gateway.base_url, api_key="none", max_retries=0)
+    allowed = {"type": "allowed_tools", "mode": "required", "tools": [{"type": "function", "name": "b"}]}
+    await client.responses.create(model="m", input="go", tools=_TOOLS, tool_choice=allowed)  # type: ignore[arg-type]
+    sent = upstream.bodies[-1]
+    assert [tool["function"]["name"] for tool in sent["tools"]] == ["b"] and sent["tool_choice"] == "required"
+    allowed["tools"] = [{"type": "function", "name": "c"}]
+    with pytest.raises(openai.BadRequestError) as info:
+        await client.responses.create(model="m", input="go", tools=_TOOLS, tool_choice=allowed)  # type: ignore[arg-type]
+    assert info.value.body["param"] == "tool_choice" and "'c'" in info.value.body["message"]  # type: ignore[index]
+
+
+async def test_input_items_become_the_chat_turns_they_are(scripted: tuple[Gateway, ScriptedUpstream]) -> None:
+    """An assistant's text and the calls after it are one assistant turn (two turns in a row read as the
+    assistant speaking twice); a function's output given as parts is their text (it reached the model as
+    the parts' JSON), and a part a tool message cannot carry is a 400 naming the field; an item's id of
+    null or "" is one the gateway makes (it was kept: listed as null)."""
+    gateway, upstream = scripted
+    upstream.answer = whole_answer({"role": "assistant", "content": "done"}, "stop")
+    client = openai.AsyncOpenAI(base_url=gateway.base_url, api_key="none", max_retries=0)
+    said: list[Any] = [
+        {"type": "message", "role": "user", "content": "weather?", "id": None},
+        {"type": "message", "role": "assistant", "content": "Let me look.", "id": ""},
+        {"type": "function_call", "call_id": "c1", "name": "a", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": [{"type": "input_text", "text": "21C"}]},
+    ]
+    response = await client.responses.create(model="m", input=said, tools=_TOOLS)
+    user, assistant, tool = upstream.bodies[-1]["messages"]
+    assert user == {"role": "user", "content": "weather?"}
+    assert assistant["content"] == "Let me look." and [c["id"] for c in assistant["tool_calls"]] == ["c1"]
+    assert tool == {"role": "tool", "tool_call_id": "c1", "content": "21C"}
+    items = await client.responses.input_items.list(response.id, order="asc")
+    assert all(item.id for item in items.data) and items.data[0].id.startswith("msg_")  # type: ignore[union-attr]
+    said[3]["output"] = [{"type": "input_image", "image_url": "data:image/png;base64,iVBORw0KGgo="}]
+    with pytest.raises(openai.BadRequestError) as info:
+        await client.responses.create(model="m", input=said, tools=_TOOLS)
+    assert info.value.body["param"] == "input[3].output"  # type: ignore[index]

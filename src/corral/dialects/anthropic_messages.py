@@ -13,6 +13,7 @@ overloaded cluster is 529).
 from __future__ import annotations
 
 import os
+from collections import deque
 from typing import Annotated, Any, Literal
 
 import orjson
@@ -136,12 +137,17 @@ class MessagesExchange:
 
     def _chat(self) -> dict[str, Any]:
         body = self.body
+        messages = _chat_messages(body.system, body.messages)
         chat: dict[str, Any] = dict(  # (Anthropic's other fields, such as thinking, are not the engine's)
-            model=body.model,
-            messages=_chat_messages(body.system, body.messages),
-            max_tokens=body.max_tokens,
-            stream=body.stream,
+            model=body.model, messages=messages, max_tokens=body.max_tokens, stream=body.stream
         )
+        last = messages[-1] if messages else {}
+        if last.get("role") == "assistant" and "tool_calls" not in last:
+            # a prefill: the answer goes on from the assistant's text, as Anthropic's does (vLLM when asked
+            # so; llama.cpp continues a final assistant message by itself and ignores the two fields, as
+            # mid-stream failover's continuations rely on: gateway/failover.py)
+            chat["continue_final_message"] = True
+            chat["add_generation_prompt"] = False
         if body.stream:
             chat["stream_options"] = {"include_usage": True}
         if body.stop_sequences:
@@ -175,6 +181,8 @@ class MessagesExchange:
 
     def _stop(self, answer: Answer) -> tuple[str | None, str | None]:
         reason = answer.finish_reason
+        if reason == "length":  # (a call cut short too: its input is not whole)
+            return "max_tokens", None
         if answer.calls:
             return "tool_use", None
         if reason == "stop" and answer.stop_reason and answer.stop_reason in (self.body.stop_sequences or []):
@@ -215,6 +223,11 @@ class MessagesEncoder(Encoder):
         self._index = -1
         self._open: str | None = None  # the open block's kind: text, thinking, tool_use
         self._text_event = b""  # the open text block's delta event, its text to fill
+        self._call: ToolCall | None = None  # the call whose block is open
+        # calls begun while another's block was open (blocks cannot interleave; an engine's parallel calls'
+        # deltas may): each opens once the open call's arguments are whole JSON and another call's turn
+        # comes, or is told whole once the open block closes for good
+        self._held: deque[ToolCall] = deque()
 
     def start(self) -> bytes:
         exchange = self.exchange
@@ -231,13 +244,14 @@ class MessagesEncoder(Encoder):
         return sse("message_start", {"type": "message_start", "message": message}) + _PING
 
     def _block(self, kind: str, block: bytes) -> bytes:
-        """Open a content block (`block`: its JSON)."""
-        out = self._close()
+        """Open a content block (`block`: its JSON), the open one closed first."""
+        return self._close() + self._start(kind, block)
+
+    def _start(self, kind: str, block: bytes) -> bytes:
         self._index += 1
         self._open = kind
         return (
-            out
-            + b'event: content_block_start\ndata: {"type":"content_block_start","index":'
+            b'event: content_block_start\ndata: {"type":"content_block_start","index":'
             + str(self._index).encode()
             + b',"content_block":'
             + block
@@ -254,16 +268,41 @@ class MessagesEncoder(Encoder):
         )
 
     def _close(self) -> bytes:
+        """Close the open block for good: the calls held behind it follow, each told whole."""
+        out = self._end_block()
+        while self._held:
+            out += self._open_call(self._held.popleft()) + self._end_block()
+        return out
+
+    def _end_block(self) -> bytes:
         if self._open is None:
             return b""
         out = self._delta(b'{"type":"signature_delta","signature":""}') if self._open == "thinking" else b""
-        self._open = None
+        self._open = self._call = None
         return (
             out
             + b'event: content_block_stop\ndata: {"type":"content_block_stop","index":'
             + str(self._index).encode()
             + b"}\n\n"
         )
+
+    def _open_call(self, call: ToolCall) -> bytes:
+        """A call's block opened, with its arguments so far as one delta."""
+        block = {"type": "tool_use", "id": call.id, "name": call.name, "input": {}}
+        out = self._start("tool_use", orjson.dumps(block))
+        self._call = call
+        return out + (self._input(call.arguments) if call.arguments else b"")
+
+    def _input(self, delta: str) -> bytes:
+        return self._delta(b'{"type":"input_json_delta","partial_json":' + orjson.dumps(delta) + b"}")
+
+    def _turn(self) -> bytes:
+        """Another call's turn: while the open call's arguments are whole, it closes and the first held
+        call opens (a delta for it since is told in its block, live)."""
+        out = b""
+        while self._held and self._call is not None and _whole(self._call.arguments):
+            out += self._end_block() + self._open_call(self._held.popleft())
+        return out
 
     def text(self, delta: str) -> bytes:
         return self.text_escaped(orjson.dumps(delta)[1:-1])
@@ -280,11 +319,15 @@ class MessagesEncoder(Encoder):
         return out + self._delta(b'{"type":"thinking_delta","thinking":' + orjson.dumps(delta) + b"}")
 
     def tool_call(self, call: ToolCall) -> bytes:
-        block = {"type": "tool_use", "id": call.id, "name": call.name, "input": {}}
-        return self._block("tool_use", orjson.dumps(block))
+        if self._open != "tool_use":
+            return self._close() + self._open_call(call)
+        self._held.append(call)
+        return self._turn()
 
     def tool_arguments(self, call: ToolCall, delta: str) -> bytes:
-        return self._delta(b'{"type":"input_json_delta","partial_json":' + orjson.dumps(delta) + b"}")
+        if call is self._call:
+            return self._input(delta)
+        return self._turn()  # (a held call's arguments are told with it; a closed one's are not told)
 
     def finish(self) -> bytes:
         out = self._close()
@@ -320,6 +363,15 @@ def _usage(usage: dict[str, Any] | None) -> dict[str, int]:
         "cache_read_input_tokens": cached,
         "cache_creation_input_tokens": 0,
     }
+
+
+def _whole(arguments: str) -> bool:
+    """Whether a call's arguments so far are whole JSON (an object's closing brace came)."""
+    try:
+        orjson.loads(arguments)
+    except orjson.JSONDecodeError:
+        return False
+    return True
 
 
 def _tool_use(call: ToolCall) -> dict[str, Any]:
@@ -366,9 +418,8 @@ def _chat_messages(
                     }
                 )
             elif kind == "tool_result" and message.role == "user":
-                out.append(
-                    {"role": "tool", "tool_call_id": block.get("tool_use_id"), "content": _result(block)}
-                )
+                result = _result(block, where)
+                out.append({"role": "tool", "tool_call_id": block.get("tool_use_id"), "content": result})
             elif kind in ("thinking", "redacted_thinking"):
                 continue  # the model's own reasoning is not sent back to the engine
             else:
@@ -413,12 +464,23 @@ def _image_url(block: dict[str, Any], where: str) -> str:
     raise InvalidRequest(f"{where}.source must be a base64 image or a url.", param=f"{where}.source")
 
 
-def _result(block: dict[str, Any]) -> str:
+def _result(block: dict[str, Any], where: str) -> str:
+    """A tool result as a tool message's text (an engine's tool message carries text only)."""
     content = block.get("content")
     if isinstance(content, list):
-        content = "".join(str(b.get("text") or "") for b in content if isinstance(b, dict))
+        content = "".join(_result_text(part, f"{where}.content[{k}]") for k, part in enumerate(content))
     text = str(content or "")
     return f"Error: {text}" if block.get("is_error") else text
+
+
+def _result_text(part: Any, where: str) -> str:
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind != "text":
+        raise InvalidRequest(
+            f"{where} is a block of type '{kind}': a tool result reaches the model as text only here.",
+            param=where,
+        )
+    return _block_text(part, where)
 
 
 def _chat_tool(tool: dict[str, Any], i: int) -> dict[str, Any]:

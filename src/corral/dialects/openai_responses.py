@@ -279,12 +279,13 @@ class ResponsesExchange:
                 chat[name] = getattr(body, name)
         if body.max_output_tokens is not None:
             chat["max_tokens"] = body.max_output_tokens
-        if body.tools:
-            offered = _chat_tools(body.tools)
-            if offered:
-                chat["tools"] = offered
-        if body.tool_choice is not None and "tools" in chat:
-            chat["tool_choice"] = _chat_tool_choice(body.tool_choice)
+        offered = _chat_tools(body.tools or [])
+        if isinstance(body.tool_choice, dict) and body.tool_choice.get("type") == "allowed_tools":
+            offered = _allowed(offered, body.tool_choice)
+        if offered:
+            chat["tools"] = offered
+            if body.tool_choice is not None:
+                chat["tool_choice"] = _chat_tool_choice(body.tool_choice)
         if body.text and isinstance(body.text.get("format"), dict):
             response_format = _response_format(body.text["format"])
             if response_format is not None:
@@ -385,8 +386,10 @@ class ResponsesExchange:
             output.append(reasoning_item(self.item_id("rs"), answer.reasoning, "completed"))
         if answer.text or not answer.calls:
             output.append(message_item(self.item_id("msg"), answer.text, "completed"))
-        output += [call_item(self.item_id("fc"), call, "completed") for call in answer.calls]
-        final = self.finished(answer, output)
+        calls = [call_item(self.item_id("fc"), call, "completed") for call in answer.calls]
+        if calls and answer.finish_reason == "length":  # cut by max_output_tokens: its arguments too
+            calls[-1]["status"] = "incomplete"  # (not carried on: an engine reads them as JSON)
+        final = self.finished(answer, output + calls)
         await self.keep(final)
         return json_response(final, headers=headers)
 
@@ -421,7 +424,8 @@ def _input_items(value: str | list[dict[str, Any]], token: str) -> list[dict[str
                 param=f"input[{i}].type",
                 code="unsupported_input_item",
             )
-        normal = {"id": item.get("id") or f"{prefix}{token}i{i:x}", **item, "type": kind}
+        normal = {"id": "", **item}  # (an id first, as OpenAI lists items; null or "" is none: made here)
+        normal["id"], normal["type"] = item.get("id") or f"{prefix}{token}i{i:x}", kind
         if kind == "message" and isinstance(item.get("content"), str):  # listed as OpenAI lists it
             part = "output_text" if item.get("role") == "assistant" else "input_text"
             normal["content"] = [{"type": part, "text": item["content"]}]
@@ -458,25 +462,39 @@ def _messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "function": {"name": item.get("name"), "arguments": item.get("arguments") or "{}"},
             }
             last = messages[-1] if messages else None
-            if last is not None and last["role"] == "assistant" and "tool_calls" in last:
-                last["tool_calls"].append(call)
+            if last is not None and last["role"] == "assistant":  # (its text and its calls: one turn)
+                last.setdefault("tool_calls", []).append(call)
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":
-            output = item.get("output")
-            if not isinstance(output, str):
-                output = encode(output).decode()
+            output = _output(item.get("output"), i)
             messages.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": output})
     return messages
 
 
-def _content(content: Any, i: int) -> str | list[dict[str, Any]]:
+def _output(output: Any, i: int) -> str:
+    """A function call's output as a tool message's text: a string, its text parts joined, or (neither)
+    its JSON."""
+    if isinstance(output, str):
+        return output
+    if not isinstance(output, list):
+        return encode(output).decode()
+    text = _content(output, i, "output")
+    if not isinstance(text, str):
+        raise InvalidRequest(
+            f"input[{i}].output holds an image: a tool's output reaches the model as text only here.",
+            param=f"input[{i}].output",
+            code="unsupported_content",
+        )
+    return text
+
+
+def _content(content: Any, i: int, field: str = "content") -> str | list[dict[str, Any]]:
+    where = f"input[{i}].{field}"
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise InvalidRequest(
-            f"input[{i}].content must be a string or a list of parts.", param=f"input[{i}].content"
-        )
+        raise InvalidRequest(f"{where} must be a string or a list of parts.", param=where)
     parts: list[dict[str, Any]] = []
     for part in content:
         kind = part.get("type") if isinstance(part, dict) else None
@@ -486,14 +504,13 @@ def _content(content: Any, i: int) -> str | list[dict[str, Any]]:
             url = part.get("image_url")
             if not isinstance(url, str):
                 raise InvalidRequest(
-                    "input_image parts need an image_url (file_id is not served here).",
-                    param=f"input[{i}].content",
+                    "input_image parts need an image_url (file_id is not served here).", param=where
                 )
             parts.append({"type": "image_url", "image_url": {"url": url}})
         else:
             raise InvalidRequest(
-                f"input[{i}].content holds a part of type '{kind}', which this server does not take.",
-                param=f"input[{i}].content",
+                f"{where} holds a part of type '{kind}', which this server does not take.",
+                param=where,
                 code="unsupported_content",
             )
     if all(p["type"] == "text" for p in parts):
@@ -527,6 +544,21 @@ def _chat_tool(tool: dict[str, Any], where: str) -> dict[str, Any]:
     if parsed.strict is not None:
         function["strict"] = parsed.strict
     return {"type": "function", "function": function}
+
+
+def _allowed(offered: list[dict[str, Any]], choice: dict[str, Any]) -> list[dict[str, Any]]:
+    """The offered function tools an `allowed_tools` choice names (its hosted tools: none to run here)."""
+    listed = choice.get("tools")
+    if not isinstance(listed, list) or not all(isinstance(tool, dict) for tool in listed):
+        raise InvalidRequest("tool_choice.tools must be a list of tools.", param="tool_choice.tools")
+    names = {str(tool.get("name")) for tool in listed if tool.get("type") == "function"}
+    unknown = names - {tool["function"]["name"] for tool in offered}
+    if unknown:
+        raise InvalidRequest(
+            f"tool_choice allows the function '{sorted(unknown)[0]}', which is not among the tools.",
+            param="tool_choice",
+        )
+    return [tool for tool in offered if tool["function"]["name"] in names]
 
 
 def _chat_tool_choice(choice: str | dict[str, Any]) -> str | dict[str, Any]:

@@ -26,6 +26,7 @@ class ResponsesEncoder(Encoder):
         self.output: list[dict[str, Any]] = []
         self._open: dict[str, Any] | None = None  # the output item being written
         self._calls: dict[str, dict[str, Any]] = {}  # call id → its item
+        self._at: dict[str, int] = {}  # item id → its output index (calls by the thousand: no list search)
         self._failed: dict[str, Any] | None = None
         self._pieces: list[bytes] = []  # the open message's text so far, JSON-escaped
         self._text_event: bytes | None = None  # the open message's delta event, its number and text to fill
@@ -72,6 +73,7 @@ class ResponsesEncoder(Encoder):
 
     def _add(self, item: dict[str, Any]) -> bytes:
         out = self._close()
+        self._at[item["id"]] = len(self.output)
         self.output.append(item)
         self._open = item
         return out + self._event(
@@ -129,8 +131,7 @@ class ResponsesEncoder(Encoder):
     def tool_arguments(self, call: ToolCall, delta: str) -> bytes:
         item = self._calls[call.id]
         item["arguments"] += delta
-        index = self.output.index(item)
-        self._head = f',"item_id":"{item["id"]}","output_index":{index}'.encode()
+        self._head = f',"item_id":"{item["id"]}","output_index":{self._at[item["id"]]}'.encode()
         return self._delta(b"response.function_call_arguments.delta", delta)
 
     def _close(self) -> bytes:
@@ -139,8 +140,8 @@ class ResponsesEncoder(Encoder):
         self._text_event = None
         if item is None:
             return b""
-        index = self.output.index(item)
-        item["status"] = "completed"
+        index = self._at[item["id"]]
+        item["status"] = self._ended(item)
         out = b""
         if item["type"] == "message":
             part = item["content"][0]
@@ -200,8 +201,15 @@ class ResponsesEncoder(Encoder):
                 for item in self.output
             ]
             return self.exchange.response("failed", output, self.answer.usage, error=self._failed)
-        output = [dict(item, status="completed") for item in self.output]
+        output = [dict(item, status=self._ended(item)) for item in self.output]
         return self.exchange.finished(self.answer, output)
+
+    def _ended(self, item: dict[str, Any]) -> str:
+        """An item's status once the answer ends well: the call it ended on, cut by max_output_tokens, is
+        incomplete (its arguments are not whole JSON: a next turn does not carry it on), as a whole
+        answer's is."""
+        cut = self.answer.finish_reason == "length" and item is self.output[-1]
+        return "incomplete" if cut and item["type"] == "function_call" else "completed"
 
     def finish(self) -> bytes:
         out = self._close_all()

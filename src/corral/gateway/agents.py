@@ -75,7 +75,8 @@ class AgentViews:
         try:
             principal = await self._auth.authenticate(self._messages.credentials(request))
             raw = await self._pipeline.read(request, principal)  # (a large one checked before parsing)
-            chat = self._messages.count_request(raw)
+            # (a large body refused by its parse is one of the key's requests, as on /v1/messages)
+            chat = await self._pipeline.spent_if_refused(principal, raw, request, self._count_request(raw))
             tokens = await self._pipeline.count_prompt(chat, principal)  # (a long prompt: in a thread)
         except APIError as exc:
             return anthropic_error(exc)
@@ -83,3 +84,6 @@ class AgentViews:
             logger.exception("unhandled error on count_tokens")
             return anthropic_error(APIError("The gateway hit an internal error; it has been logged."))
         return json_response({"input_tokens": tokens})
+
+    async def _count_request(self, raw: bytes) -> bytes:
+        return self._messages.count_request(raw)

@@ -76,6 +76,8 @@ _T = TypeVar("_T")
 _CHECKED_BEFORE_PARSING = 256 * 1024  # a body this large: its key's limits first (`read`)
 # its long prompt counted, its key's check passed at its counting turn: a refusal after is one of its requests
 _COUNTED = web.RequestKey("long_prompt_counted", bool)
+# its key's check passed before its stored conversation was read: a refusal after is one of its requests
+_READ_HISTORY = web.RequestKey("stored_conversation_read", bool)
 Dialect = Responses | Messages
 
 
@@ -153,7 +155,7 @@ class Pipeline:
             principal = await self._auth.authenticate(dialect.credentials(request))
             raw = await self.read(request, principal)
             opened = self._opened(dialect, raw, principal, request)
-            ctx = await self._spent_if_refused(principal, raw, request, opened)
+            ctx = await self.spent_if_refused(principal, raw, request, opened)
             response = await self._serve(ctx, principal, request, self._answer)
             if not isinstance(response, DialectStream):
                 assert ctx.exchange is not None  # (set by `_exchange_context`)
@@ -168,21 +170,23 @@ class Pipeline:
         self, dialect: Dialect, raw: bytes, principal: Principal, request: web.Request
     ) -> RequestContext:
         exchange = await dialect.open(
-            raw, principal.tenant, principal.key_id, partial(self._may_ask, principal)
+            raw, principal.tenant, principal.key_id, partial(self._before_history, principal, request)
         )
         return await self._exchange_context(exchange, request.headers.get("x-session-id"), principal, request)
 
-    async def _spent_if_refused(
-        self, principal: Principal, raw: bytes, request: web.Request, parsing: Awaitable[RequestContext]
-    ) -> RequestContext:
-        """`parsing`'s context; a large body it refuses (400, 404), or a long prompt it refuses once counted
-        (400: past the model's context), is one of the key's requests all the same: its parse (its count)
-        took the event loop (a counting thread) as long as a valid one's, and a key's RPM bounds how often
-        (a body that fails validation never reached `admit`, which counts requests)."""
+    async def spent_if_refused(
+        self, principal: Principal, raw: bytes, request: web.Request, parsing: Awaitable[_T]
+    ) -> _T:
+        """`parsing`'s result (a context; count_tokens' chat request); a large body it refuses (400, 404), a
+        long prompt it refuses once counted (400: past the model's context), or a Responses turn it refuses
+        once its stored conversation was read (400 on its own input, 413: megabytes parsed for a request of
+        a hundred bytes), is one of the key's requests all the same: its parse (its count) took the event
+        loop (a counting thread) as long as a valid one's, and a key's RPM bounds how often (a body that
+        fails validation never reached `admit`, which counts requests)."""
         try:
             return await parsing
         except APIError:
-            if len(raw) > _CHECKED_BEFORE_PARSING or request.get(_COUNTED, False):
+            if len(raw) > _CHECKED_BEFORE_PARSING or _worked_on(request):
                 await self._spend_request(principal)
             raise
 
@@ -222,7 +226,7 @@ class Pipeline:
             self._metrics.of(ctx.model).rejected(exc.code or "forbidden")
             self._record(ctx, principal, exc.status)
             raise
-        reservation = await self.admit(ctx, principal, request.get(_COUNTED, False))
+        reservation = await self.admit(ctx, principal, _worked_on(request))
         if reservation is not None and reservation.headers:
             ctx.headers.update(reservation.headers)
         status = 500
@@ -362,7 +366,7 @@ class Pipeline:
         session = request.headers.get("x-session-id")
         checked = partial(self._within_limits, principal, request, None)
         generation = self._intake.generation(raw, request.path, kind, session, principal.tenant, checked)
-        return await self._spent_if_refused(principal, raw, request, generation)
+        return await self.spent_if_refused(principal, raw, request, generation)
 
     async def _within_limits(
         self,
@@ -403,6 +407,12 @@ class Pipeline:
             raise
         request[_COUNTED] = True  # (counted next, where this was its turn's check)
 
+    async def _before_history(self, principal: Principal, request: web.Request) -> None:
+        """`_may_ask` before a Responses turn's stored conversation is read: once it lets the store be read,
+        the turn is one of the key's requests even if it is refused after (`spent_if_refused`)."""
+        await self._may_ask(principal)
+        request[_READ_HISTORY] = True
+
     async def _may_ask(self, principal: Principal) -> None:
         """A key's spent budget or rate limits refuse its request before a stored conversation is read for
         it (megabytes parsed, for a request `admit` would refuse). Nothing is reserved: `admit` does."""
@@ -415,7 +425,7 @@ class Pipeline:
         raw = await self.read(request, principal)
         checked = partial(self._within_limits, principal, request, None)
         embedding = self._intake.embedding(raw, request.path, principal.tenant, checked)
-        return await self._spent_if_refused(principal, raw, request, embedding)
+        return await self.spent_if_refused(principal, raw, request, embedding)
 
     async def count_prompt(self, chat_body: bytes, principal: Principal) -> int:
         """What admission counts for a chat request's prompt (Anthropic's count_tokens), as a request
@@ -457,8 +467,8 @@ class Pipeline:
         self, ctx: RequestContext, principal: Principal, counted: bool = False
     ) -> Reservation | None:
         """Reserve the request and its tokens (input estimate + max output) before any work starts.
-        `counted`: its long prompt was counted, so a refusal (too large for its TPM, over its TPM or its
-        budget) is one of the key's requests all the same."""
+        `counted`: its long prompt was counted (or its stored conversation read), so a refusal (too large
+        for its TPM, over its TPM or its budget) is one of the key's requests all the same."""
         reservation = None
         try:
             ctx.budgeted = await self._budget.reserve(
@@ -552,6 +562,12 @@ class Pipeline:
         self._record(ctx, principal, status)
         if cancelled:
             raise asyncio.CancelledError
+
+
+def _worked_on(request: web.Request) -> bool:
+    """The gateway did a large request's work before admitting it (counted its long prompt, read its stored
+    conversation) after its key's check let it: a refusal from then on is one of the key's requests."""
+    return bool(request.get(_COUNTED, False) or request.get(_READ_HISTORY, False))
 
 
 def _adapters_refusal(exc: RateLimited, adapter: Adapter) -> RateLimited:
