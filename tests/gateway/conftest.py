@@ -33,7 +33,8 @@ class ScriptedUpstream:
     request_ids: list[str | None] = field(default_factory=list)  # each request's X-Request-Id
     traces: list[tuple[str | None, str | None]] = field(default_factory=list)  # (traceparent, tracestate)
     answer: tuple[int, str, bytes] | None = None  # mode "answer": (status, content type, body) as is
-    echo_prefill: bool = False  # continuing a chat, send the continued text back first (as llama.cpp)
+    # continuing a chat not asked `continue_final_message`, send the continued text back first (as llama.cpp)
+    echo_prefill: bool = False
     linger: float = 0.0  # seconds a stream stays open after its `[DONE]` before it ends
     usage: object = None  # reported as the answers' usage, as is, where set (an engine's broken counts)
     retry_after: str | None = None  # the Retry-After of fail503's and fail429's answers
@@ -121,7 +122,7 @@ class ScriptedUpstream:
         messages = body.get("messages") or [{}]
         continued = messages[-1].get("content", "") if messages[-1].get("role") == "assistant" else ""
         start = continued.count("tok")  # a continuation (mid-stream failover) goes on where the text ends
-        if continued and self.echo_prefill:
+        if continued and self.echo_prefill and body.get("continue_final_message") is not True:
             await response.write(_event(_chunk(continued)))
         try:
             for i in range(start, self.chunks):

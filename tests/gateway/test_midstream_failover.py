@@ -180,11 +180,10 @@ def test_continuation_events_read_as_the_original_stream() -> None:
     transcript.add(_event({"id": "orig", "choices": [{"index": 0, "delta": {"content": " wor"}}]}))
     sent = transcript.summary()
     assert sent == Sent("orig", ("Hello", " wor"), False)
-    rewrite = Continuation(sent, keep_usage=True, echoed=True)
+    rewrite = Continuation(sent, keep_usage=True)
     upstream = b"".join(
         [
             _event({"id": "new", "choices": [{"index": 0, "delta": {"role": "assistant", "content": None}}]}),
-            _event({"id": "new", "choices": [{"index": 0, "delta": {"content": "Hello wor"}}]}),
             _event({"id": "new", "choices": [{"index": 0, "delta": {"content": "ld"}}]}),
             _event({"id": "new", "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}),
             _event({"id": "new", "choices": [], "usage": {"prompt_tokens": 12, "completion_tokens": 1}}),
@@ -286,11 +285,11 @@ class _ChatEngine:
 class _Thinker(_ChatEngine):
     """An engine of a reasoning model (vLLM's reasoning parser: `reasoning_content` deltas, then `content`)
     that continues a chat's final assistant message (`continue_final_message`, or always as llama.cpp does,
-    sending it back first when `echo`): 4 deltas of reasoning "think{i} ", then 4 of content "ans{j} "; a
-    continuation goes on from the "ans" tokens in that message (and sends `aside` first as reasoning, where
-    set: a parser may read what follows a continued message as reasoning). It cuts every stream after
-    `cut_after` deltas, where set, and refuses two assistant messages at the end (400), as llama.cpp does
-    where it takes the last as a prefill."""
+    sending it back first when `echo` and not asked `continue_final_message`, as llama.cpp does): 4 deltas
+    of reasoning "think{i} ", then 4 of content "ans{j} "; a continuation goes on from the "ans" tokens in
+    that message (and sends `aside` first as reasoning, where set: a parser may read what follows a
+    continued message as reasoning). It cuts every stream after `cut_after` deltas, where set, and refuses
+    two assistant messages at the end (400), as llama.cpp does where it takes the last as a prefill."""
 
     def __init__(self, cut_after: int | None = None, echo: bool = False, aside: str = "") -> None:
         self.cut_after = cut_after
@@ -311,7 +310,8 @@ class _Thinker(_ChatEngine):
         deltas = [{"reasoning_content": f"think{i} "} for i in range(4 if not continues else 0)]
         deltas += [{"reasoning_content": self.aside}] if continues and self.aside else []
         deltas += [{"content": f"ans{j} "} for j in range(start, 4)]
-        if continues and self.echo:  # (llama.cpp sends the message back with its first token)
+        if continues and self.echo and body.get("continue_final_message") is not True:
+            # (llama.cpp sends the message back with its first token, unless asked to continue it)
             first = next(i for i, d in enumerate(deltas) if "content" in d)
             deltas[first] = {"content": continued + deltas[first]["content"]}
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -421,20 +421,26 @@ async def test_a_stream_cut_in_its_reasoning_ends_truncated(tmp_path: Path, thin
     assert thinkers[1].bodies == []
 
 
-@pytest.mark.parametrize("echo", [True, False], ids=["llamacpp", "vllm"])
+@pytest.mark.parametrize(
+    ("echo", "asked"),
+    [(True, False), (True, True), (False, True)],
+    ids=["llamacpp", "llamacpp-asked", "vllm"],
+)
 async def test_a_continued_prefill_is_extended_not_followed_by_a_second_assistant_message(
-    tmp_path: Path, echo: bool
+    tmp_path: Path, echo: bool, asked: bool
 ) -> None:
     """The client ends its chat with an assistant message of its own (a prefill), which the engine
-    continues: llama.cpp always (and sends it back first), vLLM when asked (`continue_final_message`). The
-    continuation added the text sent as a second assistant message, which engines read as two turns (the
-    prefill closed as one of its own) or refuse (llama.cpp taking the last as its prefill: 400, as this
-    engine does, and the stream was cut short). It now extends the client's message."""
+    continues: llama.cpp always (and sends it back first unless asked `continue_final_message`), vLLM when
+    asked. The continuation added the text sent as a second assistant message, which engines read as two
+    turns (the prefill closed as one of its own) or refuse (llama.cpp taking the last as its prefill: 400,
+    as this engine does, and the stream was cut short). It now extends the client's message. Asked, as the
+    Messages dialect asks for a prefill, llama.cpp sends nothing back: the text sent lacks the prefill (the
+    continuation appended a second message there, and llama.cpp refused it)."""
     engines = [_Thinker(cut_after=2, echo=echo), _Thinker(echo=echo)]
     for engine in engines:
         await engine.start()
     prefill = [*MESSAGES, {"role": "assistant", "content": "Sure: "}]
-    extra = {} if echo else {"continue_final_message": True, "add_generation_prompt": False}
+    extra = {"continue_final_message": True, "add_generation_prompt": False} if asked else {}
     features = LLAMA if echo else EngineFeatures()
     server, url = await _thinking_gateway(tmp_path, engines, features)
     try:
@@ -445,7 +451,7 @@ async def test_a_continued_prefill_is_extended_not_followed_by_a_second_assistan
             await engine.stop()
     assert b"stream_truncated" not in raw
     # (llama.cpp sends the prefill back, on the first replica as on any other: the client reads it there)
-    assert content == ("Sure: " if echo else "") + "ans0 ans1 ans2 ans3 "
+    assert content == ("Sure: " if echo and not asked else "") + "ans0 ans1 ans2 ans3 "
     (continuation,) = engines[1].bodies
     assert continuation["messages"] == [*MESSAGES, {"role": "assistant", "content": "Sure: ans0 ans1 "}]
 

@@ -144,8 +144,8 @@ class MessagesExchange:
         last = messages[-1] if messages else {}
         if last.get("role") == "assistant" and "tool_calls" not in last:
             # a prefill: the answer goes on from the assistant's text, as Anthropic's does (vLLM when asked
-            # so; llama.cpp continues a final assistant message by itself and ignores the two fields, as
-            # mid-stream failover's continuations rely on: gateway/failover.py)
+            # so; llama.cpp continues a final assistant message by itself, and asked so does not stream it
+            # back first, as Anthropic's does not; gateway/failover.py reads the text sent accordingly)
             chat["continue_final_message"] = True
             chat["add_generation_prompt"] = False
         if body.stream:

@@ -20,7 +20,9 @@ class EngineFeatures:
     echo: bool = True
     images: bool = True  # image parts in chat messages
     continuation: bool = True  # continues a trailing assistant message / prompt text (mid-stream failover)
-    prefill_echo: bool = False  # continuing a chat, it first sends the continued text back (llama.cpp)
+    # streaming a chat that ends with an assistant message, not asked `continue_final_message`, it sends that
+    # message back first (llama.cpp; asked, it sends only what follows)
+    prefill_echo: bool = False
     token_prompts: bool = False  # takes prompts mixing text and token ids, tokenizes at /tokenize (llama.cpp)
     embeddings: bool = False  # an embedding model: serves /v1/embeddings, not generation
     matryoshka: bool = False  # its vectors may be shortened (`dimensions`; models[].matryoshka)

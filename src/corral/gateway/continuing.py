@@ -134,7 +134,7 @@ class Continuer:
         succeeded = replica.succeeded
         try:
             token_ids = await self._token_ids(replica, sent) if _by_tokens(ctx) else None
-            body, continued = continuation_body(ctx, sent, token_ids, first.features.prefill_echo)
+            body = continuation_body(ctx, sent, token_ids, first.features.prefill_echo)
             if route.adapter is not None or replica.adapters:
                 await self.loader.ready(replica, route)
                 body = body_for(replica, route, body)
@@ -151,8 +151,7 @@ class Continuer:
         try:
             if upstream.status != 200:
                 return _refused(upstream.status)
-            echoed = replica.features.prefill_echo and isinstance(ctx.body, ChatCompletionRequest)
-            continuation = Continuation(sent, ctx.client_wants_usage, echoed, continued)
+            continuation = Continuation(sent, ctx.client_wants_usage)
             events: Events = continuation
             if ctx.route.adapter is not None:  # as the first replica's events: the model the client asked
                 events = Renamed(continuation, ctx.route.adapter)

@@ -3,10 +3,10 @@ replica, and the client sees one uninterrupted stream.
 
 The relay keeps the events it sent (`Transcript`: bytes, parsed only when a continuation needs them). On a
 cut it asks another replica for the rest (`continuation_body`): a completion gets its prompt plus the text so
-far; a chat gets the text so far as a final assistant message to continue (vLLM's `continue_final_message`;
-llama.cpp continues a trailing assistant message and sends it back first, which is stripped), with
-`max_tokens` reduced by the tokens already sent. `Continuation` rewrites the new replica's events into the
-original stream: its id, no second role chunk, no echoed prefix, and usage for the whole answer (prompt = the
+far; a chat gets the text so far as a final assistant message to continue (`continue_final_message`, which
+vLLM needs and which keeps llama.cpp from sending that message back first), with `max_tokens` reduced by the
+tokens already sent. `Continuation` rewrites the new replica's events into the original stream: its id, no
+second role chunk, and usage for the whole answer (prompt = the
 continuation's prompt less the text tokens sent; completion = the tokens sent plus the continuation's). A chat
 the client ended with an assistant message of its own (a prefill the answer continued) has that message
 extended rather than a second one added. A reasoning model's reasoning events count as tokens sent (charged,
@@ -106,31 +106,32 @@ class Transcript:
 
 
 def continuation_body(
-    ctx: RequestContext, sent: Sent, token_ids: list[int] | None = None, echoed: bool = False
-) -> tuple[bytes, str]:
-    """The request for the rest of the answer, after `sent`, and the text of the chat message it continues
-    (what llama.cpp sends back first; "" for a completion). A completion continues from the exact tokens
+    ctx: RequestContext, sent: Sent, token_ids: list[int] | None = None, prefill_echo: bool = False
+) -> bytes:
+    """The request for the rest of the answer, after `sent`. A completion continues from the exact tokens
     generated when the engine takes `token_ids` in a prompt (llama.cpp): the text alone may tokenize
     differently at the seams (":" + "\n" + "\n" comes back as ":" + "\n\n") and the answer change course.
-    `echoed`: the stream's first replica sent a continued message back first (llama.cpp), so a chat the
-    client ended with its own assistant message (a prefill) has that message in the text sent already."""
+    `prefill_echo`: the stream's first replica sends a chat's final assistant message back first where the
+    request does not ask `continue_final_message` (llama.cpp), so a chat the client ended with its own
+    assistant message (a prefill) and did not ask so has that message in the text sent already. The
+    continuation asks it: no engine sends the continued message back (what it sends is all new)."""
     data = orjson.loads(ctx.upstream_body)
     for limit in ("max_tokens", "max_completion_tokens"):
         if isinstance(data.get(limit), int):
             data[limit] = max(1, data[limit] - sent.tokens)
-    continued = ""
     if isinstance(ctx.body, ChatCompletionRequest):
-        data["messages"], continued = _continued(data, sent.text, echoed)
-        data["continue_final_message"] = True  # vLLM; llama.cpp continues a trailing assistant message itself
+        echoed = prefill_echo and data.get("continue_final_message") is not True
+        data["messages"] = _continued(data, sent.text, echoed)
+        data["continue_final_message"] = True  # (llama.cpp continues a final assistant message without it)
         data["add_generation_prompt"] = False
     else:
         prompt = data["prompt"] if isinstance(data["prompt"], str) else data["prompt"][0]
         data["prompt"] = [prompt, *token_ids] if token_ids else prompt + sent.text
-    return orjson.dumps(data), continued
+    return orjson.dumps(data)
 
 
-def _continued(data: dict[str, Any], text: str, echoed: bool) -> tuple[list[Any], str]:
-    """The chat's messages ending with the answer so far, and that final message's text. An answer that
+def _continued(data: dict[str, Any], text: str, echoed: bool) -> list[Any]:
+    """The chat's messages ending with the answer so far. An answer that
     continued the client's own final assistant message (llama.cpp continues one always, vLLM when asked
     to) extends that message: a second one would read as two turns (the prefill closed as one of its own),
     or be refused (llama.cpp, where it takes the last as a prefill: 400)."""
@@ -143,10 +144,9 @@ def _continued(data: dict[str, Any], text: str, echoed: bool) -> tuple[list[Any]
         content = last.get("content")
         extended = [*content, {"type": "text", "text": text}] if isinstance(content, list) else prefill + text
         messages[-1] = {**last, "content": extended}
-        text = prefill + text
     else:
         messages.append({"role": "assistant", "content": text})
-    return messages, text
+    return messages
 
 
 def _text(content: Any) -> str:
@@ -161,12 +161,9 @@ class Continuation:
     reasoning in it included: the stream continued after its reasoning, and the engine may read what it
     generates after the continued message as reasoning again)."""
 
-    def __init__(self, sent: Sent, keep_usage: bool, echoed: bool, continued: str | None = None) -> None:
-        """`echoed`: the engine sends the continued chat message (`continued`; the text sent where None)
-        back first (llama.cpp), which the client has already."""
+    def __init__(self, sent: Sent, keep_usage: bool) -> None:
         self._sent = sent
         self._keep_usage = keep_usage
-        self._echo = (sent.text if continued is None else continued) if echoed else ""
         self._buffer = EventBuffer()
         self.done = False
         self.usage: dict[str, Any] | None = None
@@ -208,28 +205,11 @@ class Continuation:
         delta = choice.get("delta")
         if isinstance(delta, dict):
             delta.pop("role", None)
-            if delta.get("content"):
-                delta["content"] = self._strip_echo(delta["content"])
             if not (delta.get("content") or choice.get("finish_reason") or delta.get("tool_calls")):
                 return choice if _reasoning(delta) else None
-        elif choice.get("text"):
-            choice["text"] = self._strip_echo(choice["text"])
-            if not choice["text"] and not choice.get("finish_reason"):
-                return None
-        elif "text" in choice and not choice.get("finish_reason"):
+        elif "text" in choice and not choice["text"] and not choice.get("finish_reason"):
             return None
         return choice
-
-    def _strip_echo(self, piece: str) -> str:
-        if not self._echo or not piece:
-            return piece
-        if piece.startswith(self._echo):
-            piece, self._echo = piece[len(self._echo) :], ""
-        elif self._echo.startswith(piece):
-            piece, self._echo = "", self._echo[len(piece) :]
-        else:
-            self._echo = ""  # the engine began its continuation without sending the text back after all
-        return piece
 
     def _whole_usage(self, usage: dict[str, Any]) -> dict[str, int]:
         sent = self._sent  # (its reasoning was generated, but is not in the continuation's prompt)
