@@ -7,6 +7,7 @@ alone: no replica is replaced for it)."""
 from __future__ import annotations
 
 import asyncio
+import re
 from pathlib import Path
 
 import pytest
@@ -214,3 +215,48 @@ def test_a_live_apply_of_an_unknown_simulated_gpu_is_refused_before_it_is_sent(t
     assert f"{spec}:6: models.0.deployments.0: gpu: unknown GPU 'h100x'; did you mean h100-sxm" in done.stderr
     with pytest.raises(SpecError, match="unknown GPU 'h100x'"):  # (and the gateway's reading of the body)
         parse_spec(spec.read_text(), source="spec")
+
+
+VLLM = """
+models:
+  - name: alpha
+    source: {hf: org/alpha}
+    deployments: [{engine: vllm, replicas: 1}]
+"""
+VLLM_BETA = """
+  - name: beta
+    source: {hf: org/beta}
+    deployments: [{engine: vllm, replicas: 1%s}]
+"""
+
+
+async def test_a_live_apply_makes_the_gpu_checks_corral_up_makes(tmp_path: Path) -> None:
+    """A second vLLM model with no `gpus:` lands on GPU 0 beside the first (0.9 + 0.9 of its memory), and
+    one that needs more GPUs than the machine has never starts: `corral up` refuses both; an apply reported
+    them applied, and their replicas then failed every start. Refused now, changing nothing."""
+    running = parse_spec(VLLM, source="running")
+    cluster = Cluster(running, tmp_path, gpu_count=lambda: 2)
+    for extra, why in (("", "GPU 0 is given to models[alpha]"), (", gpus: [2]", "needs 3 GPU(s)")):
+        wanted = parse_spec(VLLM + VLLM_BETA % extra, source="wanted")
+        with pytest.raises(ApplyError, match=re.escape(why)) as refused:
+            await cluster.reconciler.apply(wanted, grace_s=1.0)
+        assert str(refused.value).endswith("(nothing changed)")
+        assert cluster.prepared == [] and cluster.supervisor.replica_ids("beta") == []
+    placed = parse_spec(VLLM + VLLM_BETA % ", gpus: [1]", source="placed")
+    assert [c["action"] for c in await cluster.reconciler.apply(placed, grace_s=1.0)] == ["add_model"]
+    assert cluster.prepared == ["beta"]
+
+
+async def test_a_live_apply_on_a_machine_without_gpus_refuses_only_vllm_on_gpus(tmp_path: Path) -> None:
+    """Simulated and llama.cpp models need no GPU here (nor does vLLM on the CPU); vLLM on GPUs does."""
+    running = parse_spec(ALPHA.format(queued=100), source="running")
+    cluster = Cluster(running, tmp_path, gpu_count=lambda: 0)
+    simulated = parse_spec(ALPHA.format(queued=100).replace("replicas: 1", "replicas: 2"), source="sim")
+    assert [c["action"] for c in await cluster.reconciler.apply(simulated, grace_s=1.0)] == ["scale_up"]
+    on_gpus = parse_spec(ALPHA.format(queued=100).replace("replicas: 1", "replicas: 2") + VLLM_BETA % "")
+    with pytest.raises(ApplyError, match=r"model 'beta' runs vLLM on GPUs and needs 1 GPU\(s\).*none can"):
+        await cluster.reconciler.apply(on_gpus, grace_s=1.0)
+    on_cpu = parse_spec(
+        ALPHA.format(queued=100).replace("replicas: 1", "replicas: 2") + VLLM_BETA % ", device: cpu"
+    )
+    assert [c["action"] for c in await cluster.reconciler.apply(on_cpu, grace_s=1.0)] == ["add_model"]

@@ -280,3 +280,44 @@ async def test_a_cancelled_waiter_passes_its_turn_on_and_waiting_is_bounded(
     response.release()
     again = await client.post(server.url, "/x", b"{}", None)  # the timed-out waiter left no debt
     again.release()
+
+
+async def test_an_engine_address_unused_for_keepalive_s_is_forgotten(
+    serve: Callable[[Answer], Awaitable[RawServer]],
+) -> None:
+    """A replica that restarts listens on a new port: the client (the supervisor's probes, each gateway
+    worker's relay) kept every address it was ever asked, for good. One no request has used for
+    `keepalive_s` is forgotten now; an answer still under way for it closes its connection when done,
+    rather than leave it in a pool no request looks in."""
+    server = await serve(answer_json())
+    withheld = asyncio.Event()
+
+    async def later(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, head: bytes) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n")
+        await withheld.wait()
+        writer.write(b"{}")
+        await writer.drain()
+
+    slow = await serve(later)
+    client = EngineClient(connect_timeout=2, read_timeout=5, limit=8, keepalive_s=0.2)
+    for restart in range(50):  # (a path per address: each is an origin of its own, as a port is)
+        response = await client.post(f"{server.url}/incarnation{restart}", "/health", b"{}", None)
+        await response.read()
+        response.release()
+    under_way = await client.post(slow.url, "/x", b"{}", None)
+    assert len(client._origins) == 51
+    deadline = asyncio.get_running_loop().time() + 5
+    while len(client._origins) > 1:  # requests to one address go on: the others are forgotten
+        assert asyncio.get_running_loop().time() < deadline, len(client._origins)
+        response = await client.post(server.url, "/health", b"{}", None)
+        await response.read()
+        response.release()
+        await asyncio.sleep(0.05)
+    assert list(client._origins) == [server.url]
+    withheld.set()
+    assert await under_way.read() == b"{}"
+    under_way.release()
+    while slow.closed_by_client == 0:
+        assert asyncio.get_running_loop().time() < deadline, "the forgotten address's connection stayed open"
+        await asyncio.sleep(0.02)
+    client.close()

@@ -18,6 +18,9 @@ deployment, reserves what its spec says. Placement comes in two shapes:
 When a node dies, its actors die with it: the supervisor sees the replica exit, stops routing to it at once,
 and starts it again, on another node if the cluster has room.
 
+An actor draws a free port on its node; the runtime books it (runtime.PortBook, by node address) until the
+replica has stopped, and has the actor draw again where a live replica on that node holds it already.
+
 The supervisor talks to this class only through the `ReplicaRuntime` interface; the gateway sees the same
 replica set as with local processes.
 """
@@ -27,20 +30,23 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import logging
 import os
 import secrets
 import signal
-import socket
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from corral.cluster.runtime import (
     AttachedReplica,
     NoRoom,
+    PortBook,
     RunningReplica,
     die_with_parent,
+    free_port,
     log_name,
     rotate_log,
 )
@@ -51,6 +57,8 @@ __all__ = ["RayRuntime", "bundles", "strategy"]
 logger = logging.getLogger(__name__)
 
 _LOG_CHECK_S = 2.0  # how often a replica's actor looks at its engine's log's size
+_KILLED_WAIT_S = 10.0  # how long a stop waits for an engine it has killed before leaving it behind
+_PORT_DRAWS = 64  # ports an actor draws before giving up on one that no live replica on its node holds
 
 
 def bundles(resources: Resources) -> list[dict[str, float]]:
@@ -67,11 +75,19 @@ def strategy(resources: Resources) -> str:
 
 
 class _EngineHost:
-    """Runs inside the Ray actor, on the chosen node: starts the engine and reports where it listens."""
+    """Runs inside the Ray actor, on the chosen node: starts the engine where the runtime says (`place`
+    draws a port there) and watches and stops it."""
 
     def __init__(self) -> None:
         self._process: subprocess.Popen[bytes] | None = None
         self._log: tuple[Path, int, int] | None = None  # the engine's log, its largest size, copies kept
+
+    def place(self) -> tuple[str, int, str]:
+        """This node's address, a port nothing listens on there now (the runtime books it) and its Ray id."""
+        import ray
+
+        host: str = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
+        return host, free_port(host), ray.get_runtime_context().get_node_id()
 
     def start(
         self,
@@ -80,16 +96,15 @@ class _EngineHost:
         log_path: str,
         death_signal: int,
         log_limits: tuple[int, int],
-    ) -> tuple[str, int, str]:
-        import ray
-
-        host: str = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
-        with socket.socket() as sock:
-            sock.bind((host, 0))
-            port = int(sock.getsockname()[1])
+        address: tuple[str, int],
+    ) -> None:
+        """Start the engine listening on `address` (host, port), its output appended to its log (rotated
+        first where it is over the limit: an engine that crashes soon after each start)."""
+        host, port = address
         command = [arg.format(host=host, port=port) for arg in argv]
         Path(log_path).parent.mkdir(parents=True, exist_ok=True)
         self._log = (Path(log_path), *log_limits)
+        rotate_log(*self._log)
         with open(log_path, "ab") as log:
             self._process = subprocess.Popen(
                 command,
@@ -100,7 +115,6 @@ class _EngineHost:
                 start_new_session=True,
                 preexec_fn=die_with_parent(signal.Signals(death_signal)),  # as a local replica's (runtime.py)
             )
-        return host, port, ray.get_runtime_context().get_node_id()
 
     def wait(self) -> int:
         """The engine's exit status, when it ends; meanwhile its log is rotated as a local replica's is (the
@@ -113,16 +127,34 @@ class _EngineHost:
                 rotate_log(*self._log)
 
     def stop(self, grace: float) -> None:
-        if self._process is None or self._process.poll() is not None:
+        """As a local replica's stop (runtime.LocalProcess): SIGTERM to the engine's process group, SIGKILL
+        after `grace`, and SIGKILL to the group in the end, also where the engine had exited on its own, so
+        nothing it started (vLLM's engine core and workers, holding GPU memory) outlives it."""
+        process = self._process
+        if process is None:
             return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self._process.pid, signal.SIGTERM)
-        try:
-            self._process.wait(timeout=grace)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self._process.pid, signal.SIGKILL)
-            self._process.wait()
+        if process.poll() is None:
+            self._signal_group(signal.SIGTERM)
+            try:
+                process.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                self._signal_group(signal.SIGKILL)
+                try:  # a process in an uninterruptible sleep (a GPU driver's hang) outlives even SIGKILL
+                    process.wait(timeout=_KILLED_WAIT_S)
+                except subprocess.TimeoutExpired:
+                    logger.error(
+                        "engine process %s did not exit %.0f s after SIGKILL; left behind, its GPUs may "
+                        "still be held",
+                        process.pid,
+                        _KILLED_WAIT_S,
+                    )
+                    return
+        self._signal_group(signal.SIGKILL)  # what the engine left in its group
+
+    def _signal_group(self, sig: signal.Signals) -> None:
+        assert self._process is not None
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self._process.pid, sig)
 
 
 def _seen(future: asyncio.Future[Any]) -> None:
@@ -131,11 +163,21 @@ def _seen(future: asyncio.Future[Any]) -> None:
 
 
 class RayReplica:
-    """A replica running as an actor in a placement group."""
+    """A replica running as an actor in a placement group; `on_stopped` is called once, when a stop has
+    ended (its port may go to another replica on its node then)."""
 
-    def __init__(self, actor: Any, group: Any, url: str, node_id: str, api_key: str | None = None) -> None:
+    def __init__(
+        self,
+        actor: Any,
+        group: Any,
+        url: str,
+        node_id: str,
+        api_key: str | None = None,
+        on_stopped: Callable[[], None] | None = None,
+    ) -> None:
         self._actor = actor
         self._group = group
+        self._on_stopped = on_stopped
         self.url = url
         self.api_key = api_key  # the engine's key for this run (the runtime's own where the plan has none)
         self.pid: int | None = None
@@ -153,10 +195,18 @@ class RayReplica:
             return -1
 
     async def stop(self, grace: float) -> None:
+        try:
+            await self._stop(grace)
+        finally:
+            stopped, self._on_stopped = self._on_stopped, None
+            if stopped is not None:
+                stopped()
+
+    async def _stop(self, grace: float) -> None:
         import ray
 
         try:
-            await asyncio.wait_for(self._actor.stop.remote(grace), grace + 5)
+            await asyncio.wait_for(self._actor.stop.remote(grace), grace + _KILLED_WAIT_S + 5)
         except (ray.exceptions.RayError, TimeoutError, ConnectionError) as exc:
             logger.info("replica actor at %s did not stop cleanly: %s", self.url, type(exc).__name__)
         else:  # the engine has exited: let its exit status leave the actor before the actor is killed
@@ -190,6 +240,7 @@ class RayRuntime:
         self._log_limits = log_limits
         self._timeout = placement_timeout
         self._host_class = ray.remote(num_cpus=0)(_EngineHost)
+        self._ports = PortBook()  # by node address
 
     def _connect(self) -> None:
         """Join the Ray cluster, or join it again where the connection was lost (a head that restarted)."""
@@ -257,17 +308,38 @@ class RayRuntime:
         if placement.engine_workers:
             env["CORRAL_RAY_PLACEMENT_GROUP"] = group.id.hex()
             env["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
-        log = str(self._logs / log_name(replica_id))
+        host, port, node_id = await self._launch(actor, group, replica_id, plan, env)
+        release = functools.partial(self._ports.release, host, port)
+        return RayReplica(actor, group, f"http://{host}:{port}", node_id, api_key, on_stopped=release)
+
+    async def _launch(
+        self, actor: Any, group: Any, replica_id: str, plan: LaunchPlan, env: dict[str, str]
+    ) -> tuple[str, int, str]:
+        """Start the engine in its actor, on a port booked for it on the actor's node: (host, port, node
+        id). Where it does not start (or the start is cancelled: drained meanwhile), nothing is kept: the
+        port, the actor and its placement group are let go."""
+        import ray
+
+        booked: tuple[str, int] | None = None
         try:
-            host, port, node_id = await actor.start.remote(
-                list(plan.argv), env, log, int(plan.death_signal), self._log_limits
+            for _ in range(_PORT_DRAWS):
+                host, port, node_id = await actor.place.remote()
+                if self._ports.book(host, port):
+                    booked = (host, port)
+                    break
+            else:
+                raise OSError(f"no free port that no replica holds came in {_PORT_DRAWS} draws on {host}")
+            log = str(self._logs / log_name(replica_id))
+            await actor.start.remote(
+                list(plan.argv), env, log, int(plan.death_signal), self._log_limits, booked
             )
-        except ray.exceptions.RayError as exc:
-            ray.util.remove_placement_group(group)
-            raise OSError(f"the replica actor failed to start: {exc}") from exc
-        except asyncio.CancelledError:  # drained while its engine was starting
+        except BaseException as exc:
+            if booked is not None:
+                self._ports.release(*booked)
             with contextlib.suppress(ray.exceptions.RayError, ValueError):
                 ray.kill(actor)
             ray.util.remove_placement_group(group)
+            if isinstance(exc, ray.exceptions.RayError):
+                raise OSError(f"the replica actor failed to start: {exc}") from exc
             raise
-        return RayReplica(actor, group, f"http://{host}:{port}", node_id, api_key)
+        return host, port, node_id

@@ -40,6 +40,7 @@ from corral.cluster.rollout import Rollout, Unit
 from corral.cluster.supervisor import Supervisor
 from corral.config import AdapterSpec, ClusterSpec, DeploymentSpec, ModelSpec, RolloutSpec
 from corral.engines import EngineAdapter, LaunchPlan
+from corral.engines.devices import DeviceError, check_local_gpus, local_gpu_count
 from corral.routing import Replica
 
 __all__ = ["Reconciler", "scale_down_victims"]
@@ -93,7 +94,9 @@ class Reconciler:
     (blocking: fetches and builds), `on_model` tells the gateway(s) a model's settings (routing policy,
     tokenizer, failover mode) before it serves (awaited: what it reads, off the event loop); `pressure`
     reads the gateways' queues (the autoscaler); `overrides` gives an applied spec what `corral up`'s flags
-    changed in the one it started with (--ray: the file does not say it), ValueError where it cannot."""
+    changed in the one it started with (--ray: the file does not say it), ValueError where it cannot;
+    `gpu_count` counts this machine's GPUs (blocking), for the checks `corral up` makes of local vLLM
+    deployments."""
 
     def __init__(
         self,
@@ -107,8 +110,10 @@ class Reconciler:
         workers: int = 1,
         *,
         overrides: Callable[[ClusterSpec], ClusterSpec] | None = None,
+        gpu_count: Callable[[], int] = local_gpu_count,
     ) -> None:
         self._supervisor = supervisor
+        self._gpu_count = gpu_count
         self._overrides = overrides or (lambda spec: spec)
         self._workers = workers  # the gateway processes sharing the replicas' slots
         self._adapter_path = adapter_path or (lambda adapter: "")
@@ -236,6 +241,11 @@ class Reconciler:
         problems = await asyncio.to_thread(preflight, wanted, models=touched)
         if problems:
             raise ApplyError(f"{'; '.join(problems)} (nothing changed)")
+        if wanted.ray is None:  # `corral up`'s GPU checks (Ray places the GPUs itself): none shared past 1.0
+            try:
+                await asyncio.to_thread(lambda: check_local_gpus(wanted, self._gpu_count()))
+            except DeviceError as exc:
+                raise ApplyError(f"{exc} (nothing changed)") from exc
         models = {m.name: m for m in wanted.models}
         before = {m.name: m for m in self.spec.models}
         additions = [c for c in changes if c.action in ("add_model", "scale_up")]

@@ -3,7 +3,8 @@
 The supervisor talks only to `ReplicaRuntime`; the local runtime starts engines as child processes on this
 machine (a Ray runtime starts them as actors on a cluster's nodes). Each local replica runs in its own
 process group, so stopping it stops everything it spawned, and asks the kernel to end it if corral dies.
-A replica's output goes to `<logs>/<replica>.log`, rotated by size (`rotate_log`).
+A replica's output goes to `<logs>/<replica>.log`, rotated by size (`rotate_log`). Each replica listens on
+a port booked for it until it has stopped (`PortBook`), so no two live replicas are handed the same one.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ __all__ = [
     "AttachedReplica",
     "LocalProcessRuntime",
     "NoRoom",
+    "PortBook",
     "ReplicaRuntime",
     "RunningReplica",
     "die_with_parent",
@@ -92,19 +94,67 @@ class AttachedReplica:
         return None
 
 
-class LocalProcess:
-    """An engine running as a child process group on this machine."""
+class PortBook:
+    """The ports handed to live replicas, by host. A port nothing listens on is free only until something
+    binds it: two replicas started close together could each be drawn the same one (vLLM binds with
+    SO_REUSEPORT, so both would serve on it), so a port stays booked from its draw until its replica has
+    stopped, and a draw that clashes with a booked one is drawn again. `draw(host)`: a port nothing listens
+    on there now."""
 
-    def __init__(self, process: asyncio.subprocess.Process, url: str, log_path: Path | None = None) -> None:
+    def __init__(self, draw: Callable[[str], int] | None = None, tries: int = 64) -> None:
+        self._draw = draw or free_port
+        self._tries = tries
+        self._booked: set[tuple[str, int]] = set()
+
+    def book(self, host: str, port: int) -> bool:
+        """Book a port drawn elsewhere (on a Ray node); False where a live replica holds it."""
+        if (host, port) in self._booked:
+            return False
+        self._booked.add((host, port))
+        return True
+
+    def take(self, host: str) -> int:
+        """A port nothing listens on at `host` and no live replica holds, booked; OSError if none comes."""
+        for _ in range(self._tries):
+            port = self._draw(host)
+            if self.book(host, port):
+                return port
+        raise OSError(f"no free port on {host} that no replica holds came in {self._tries} draws")
+
+    def release(self, host: str, port: int) -> None:
+        """Its replica has stopped: the port may be handed out again."""
+        self._booked.discard((host, port))
+
+
+class LocalProcess:
+    """An engine running as a child process group on this machine; `on_stopped` is called once, when a stop
+    has ended (its port may go to another replica then)."""
+
+    def __init__(
+        self,
+        process: asyncio.subprocess.Process,
+        url: str,
+        log_path: Path | None = None,
+        on_stopped: Callable[[], None] | None = None,
+    ) -> None:
         self._process = process
         self.url = url
         self.pid: int | None = process.pid
         self.log_path = log_path
+        self._on_stopped = on_stopped
 
     async def wait(self) -> int:
         return await self._process.wait()
 
     async def stop(self, grace: float) -> None:
+        try:
+            await self._stop(grace)
+        finally:
+            stopped, self._on_stopped = self._on_stopped, None
+            if stopped is not None:
+                stopped()
+
+    async def _stop(self, grace: float) -> None:
         if self._process.returncode is not None:
             self._signal_group(signal.SIGKILL)  # reap anything the engine left in its group
             return
@@ -131,18 +181,31 @@ class LocalProcess:
 
 
 class LocalProcessRuntime:
-    """Runs each replica as a local process on a free port, logging to `<logs>/<replica>.log`."""
+    """Runs each replica as a local process on a free port (booked in `ports` until it has stopped),
+    logging to `<logs>/<replica>.log`."""
 
     assigns_gpus = False
 
-    def __init__(self, logs: Path, host: str = "127.0.0.1") -> None:
+    def __init__(self, logs: Path, host: str = "127.0.0.1", ports: PortBook | None = None) -> None:
         self._logs = logs
         self._host = host
+        self._ports = ports if ports is not None else PortBook()
 
     async def start(self, replica_id: str, plan: LaunchPlan) -> RunningReplica:
         if plan.url is not None:
             return AttachedReplica(plan.url)
-        port = free_port(self._host)
+        host, port = self._host, self._ports.take(self._host)
+        try:
+            process, log_path = await self._spawn(replica_id, plan, port)
+        except BaseException:
+            self._ports.release(host, port)
+            raise
+        url = f"http://{host}:{port}"
+        return LocalProcess(process, url, log_path, on_stopped=lambda: self._ports.release(host, port))
+
+    async def _spawn(
+        self, replica_id: str, plan: LaunchPlan, port: int
+    ) -> tuple[asyncio.subprocess.Process, Path]:
         argv = [arg.format(host=self._host, port=port) for arg in plan.argv]
         self._logs.mkdir(parents=True, exist_ok=True)
         log_path = self._logs / log_name(replica_id)
@@ -158,7 +221,7 @@ class LocalProcessRuntime:
                 start_new_session=True,
                 preexec_fn=die_with_parent(plan.death_signal) if sys.platform == "linux" else None,
             )
-        return LocalProcess(process, f"http://{self._host}:{port}", log_path)
+        return process, log_path
 
 
 def log_name(replica_id: str) -> str:

@@ -50,6 +50,7 @@ class _Slot:
     group: int = 0  # the deployment's index in its model's `deployments`
     kv: KvCacheView | None = None  # its engine's prefix cache, by the KV events it publishes
     log_path: Path | None = None  # where its engine's output went (on this machine)
+    stopping: asyncio.Future[None] | None = None  # its last incarnation's engine stop (it outlives a cancel)
 
 
 class Supervisor:
@@ -66,6 +67,7 @@ class Supervisor:
         self._next_index: dict[str, int] = {}  # replica ids are never reused (a drained id stays gone)
         self._ended_logs: deque[Path] = deque()  # drained replicas' logs, oldest first
         self._drains: dict[str, asyncio.Future[dict[str, object]]] = {}  # replica id → its drain
+        self._engine_stops: set[asyncio.Future[None]] = set()  # engine stops under way (drained ones too)
 
     def add(
         self,
@@ -171,9 +173,11 @@ class Supervisor:
 
     @staticmethod
     def _holding(slot: _Slot) -> bool:
-        """A replica holds its plan (its GPUs) while its lifecycle runs: draining included, since it keeps
-        its GPUs until it stops; a failed one, whose process is gone, holds nothing."""
-        return slot.task is None or not slot.task.done()
+        """A replica holds its plan (its GPUs) while its lifecycle runs and until its engine has stopped:
+        draining included, since it keeps its GPUs until it stops; a failed one, whose process is gone,
+        holds nothing."""
+        stopping = slot.stopping is not None and not slot.stopping.done()
+        return slot.task is None or not slot.task.done() or stopping
 
     def _visible_gpus(self, plan: LaunchPlan) -> str | None:
         """The GPUs a replica of `plan` is given (its CUDA_VISIBLE_DEVICES); None when it has none, or when
@@ -271,6 +275,8 @@ class Supervisor:
         if slot.task is not None:
             slot.task.cancel()
             await asyncio.gather(slot.task, return_exceptions=True)
+        if slot.stopping is not None:  # (it goes on past the cancel) drained once its engine has stopped
+            await asyncio.gather(slot.stopping, return_exceptions=True)
         replica.state = ReplicaState.STOPPED
         self._slots.remove(slot)
         self.replicas.remove(replica)
@@ -296,14 +302,14 @@ class Supervisor:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        # A cancelled task's shielded stop may still be running: finish every stop before returning.
-        still = [s for s in self._slots if s.running is not None]
-        await asyncio.gather(
-            *(s.running.stop(self._settings.stop_timeout) for s in still if s.running), return_exceptions=True
-        )
-        for slot in still:
-            slot.running = None
-            slot.replica.state = ReplicaState.STOPPED
+        # A cancelled task's engine stop goes on (as does a drained replica's, whose slot is gone): finish
+        # every one before returning, so that no engine outlives corral's stop
+        while self._engine_stops:
+            await asyncio.gather(*self._engine_stops, return_exceptions=True)
+        for slot in self._slots:
+            if slot.running is not None:
+                slot.running = None
+                slot.replica.state = ReplicaState.STOPPED
         if self._probes is not None:
             self._probes.close()
         if self._zmq is not None:
@@ -317,6 +323,7 @@ class Supervisor:
             replica.state = ReplicaState.STARTING
             replica.ready_eta = time.time() + _EXPECTED_START_S
             launched = time.monotonic()
+            await self._rotate_log(slot.log_path)  # (a replica that crashes soon after each start, too)
             feed = self._kv_feed(slot)
             waiting = False  # for room in the cluster: no failure of the replica's
             try:
@@ -414,40 +421,72 @@ class Supervisor:
             return reason, was_ready
         finally:
             exited.cancel()
-            if events is not None:
-                events.cancel()
-                await asyncio.gather(events, return_exceptions=True)
             if replica.state is ReplicaState.READY:
                 replica.state = ReplicaState.UNHEALTHY
             if self._stopping:
                 replica.state = ReplicaState.STOPPING
-            await asyncio.shield(running.stop(self._settings.stop_timeout))
+            stopping = self._stop_engine(slot, running)  # (begun before any await: a cancel cannot skip it)
+            if events is not None:
+                events.cancel()
+                await asyncio.gather(events, return_exceptions=True)
+            await asyncio.shield(stopping)
             slot.running = None
             if self._stopping:
                 replica.state = ReplicaState.STOPPED
 
-    async def _watch(self, slot: _Slot, running: RunningReplica, exited: asyncio.Future[int]) -> str:
-        replica, settings = slot.replica, self._settings
-        deadline = time.monotonic() + (slot.plan.startup_s or settings.ready_timeout)
+    def _stop_engine(self, slot: _Slot, running: RunningReplica) -> asyncio.Future[None]:
+        """Begin stopping an incarnation's engine; the stop goes on when whoever awaits it is cancelled (a
+        drain, `stop`: they wait for it)."""
+        stopping = slot.stopping = asyncio.ensure_future(running.stop(self._settings.stop_timeout))
+        self._engine_stops.add(stopping)
+        stopping.add_done_callback(self._engine_stops.discard)
+        return stopping
+
+    async def _rotate_log(self, path: Path | None) -> None:
+        """Rotate a replica's log past `replica_log_max_mb` (a Ray replica's is on its node: its actor
+        rotates it)."""
+        if path is not None:
+            limit = int(self._settings.replica_log_max_mb * 1024 * 1024)
+            await asyncio.to_thread(rotate_log, path, limit, self._settings.replica_log_keep)
+
+    async def _until_ready(
+        self, slot: _Slot, running: RunningReplica, exited: asyncio.Future[int]
+    ) -> str | None:
+        """Wait until the replica answers its health check: None then, else why it never will. It may take
+        its engine's own start-up allowance (vLLM's) or `ready_timeout`, whichever is longer."""
+        settings = self._settings
+        allowed = max(slot.plan.startup_s or 0.0, settings.ready_timeout)
+        began = rotated = time.monotonic()
         while not await self._healthy(running.url, slot.plan.health_path):
             if exited.done():
                 return f"exited with code {exited.result()} while starting"
-            if time.monotonic() > deadline:
-                return f"not ready within {settings.ready_timeout:.0f}s"
+            now = time.monotonic()
+            if now - began > allowed:
+                return f"not ready within {allowed:g}s"
+            if now - rotated >= settings.probe_interval:  # (a start that writes much: a compiling engine)
+                rotated = now
+                await self._rotate_log(running.log_path)
             await asyncio.wait([exited], timeout=0.2)
+        if exited.done():  # something answered on its port, but not the engine: it is gone
+            return f"exited with code {exited.result()} while starting"
+        return None
+
+    async def _watch(self, slot: _Slot, running: RunningReplica, exited: asyncio.Future[int]) -> str:
+        replica, settings = slot.replica, self._settings
+        not_ready = await self._until_ready(slot, running, exited)
+        if not_ready is not None:
+            return not_ready
         if not slot.draining:
             replica.state, replica.ready_eta = ReplicaState.READY, None
         slot.became_ready = True
         logger.info("replica %s ready at %s", replica.id, running.url)
         failures = 0
-        log_bytes = int(settings.replica_log_max_mb * 1024 * 1024)
         while True:
             await self._scrape(slot, running)
             await asyncio.wait([exited], timeout=settings.probe_interval)
             if exited.done():
                 return f"exited with code {exited.result()}"
-            if running.log_path is not None:  # (a Ray replica's log is on its node: its actor rotates it)
-                await asyncio.to_thread(rotate_log, running.log_path, log_bytes, settings.replica_log_keep)
+            await self._rotate_log(running.log_path)
             if await self._healthy(running.url, slot.plan.health_path):
                 failures = 0
                 if not slot.draining:

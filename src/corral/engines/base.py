@@ -59,7 +59,8 @@ class LaunchPlan:
     # where the engine reads an API key from (its environment), guarding its routes with it while probes and
     # metrics still answer without: a runtime that puts it on a network (Ray) gives it one of its own
     key_env: str | None = None
-    startup_s: float | None = None  # how long the engine may take to become ready (default: the supervisor's)
+    # how long the engine may take to become ready at least (the supervisor's ready_timeout where longer)
+    startup_s: float | None = None
     # the engine's KV-cache events (engines/kv_events.py): the flags that make it publish to `{events}` (an
     # endpoint the supervisor binds, one port per data-parallel rank), or a running server's publishers
     kv_events_args: tuple[str, ...] = ()

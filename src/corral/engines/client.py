@@ -19,7 +19,9 @@ Failures, as the relay tells them apart:
   slow client does not count).
 
 A `base_url` may carry a path (an engine behind a proxy at `https://proxy/llama1`): requests go to that
-path plus theirs. Idle connections are closed after `keepalive_s`, checked as requests come.
+path plus theirs. Idle connections are closed after `keepalive_s`, checked as requests come; so is what the
+client knows of an engine's address once nothing has used it for that long (a replica that restarted
+listens on another port: the old address is never asked again).
 """
 
 from __future__ import annotations
@@ -67,11 +69,15 @@ class EngineDisconnected(EngineConnectionError):
 
 class _Origin:
     """An engine's address, its path prefix, its Host header line and its idle connections (most recently
-    used last)."""
+    used last); when a request last used it, and whether the client has forgotten it (its connections
+    then close when their answer is done)."""
 
-    __slots__ = ("header", "host", "idle", "port", "prefix", "tls")
+    __slots__ = ("forgotten", "header", "host", "idle", "port", "prefix", "tls", "url", "used")
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, now: float) -> None:
+        self.url = url
+        self.used = now
+        self.forgotten = False
         parts = urlsplit(url)
         self.tls = parts.scheme == "https"
         self.host = parts.hostname or "127.0.0.1"
@@ -244,7 +250,13 @@ class EngineResponse(asyncio.Protocol):
             return
         self._in_use = False
         self._client.freed()
-        if self.done and not self.closed and not self._chunks and self._keep_alive:
+        if (
+            self.done
+            and not self.closed
+            and not self._chunks
+            and self._keep_alive
+            and not self._origin.forgotten
+        ):
             self.idle_since = self._loop.time()
             self._origin.idle.append(self)
         else:
@@ -420,7 +432,7 @@ class EngineClient:
         return response
 
     def _pooled(self, origin: _Origin) -> EngineResponse | None:
-        now = self.loop.time()
+        now = origin.used = self.loop.time()
         if now - self._swept > self._keepalive:
             self._sweep(now - self._keepalive)
         idle = origin.idle
@@ -432,16 +444,20 @@ class EngineClient:
         return None
 
     def _sweep(self, stale: float) -> None:
-        """Close the connections idle since before `stale` (oldest first in each pool), whichever engine."""
+        """Close the connections idle since before `stale` (oldest first in each pool), whichever engine;
+        forget the engines no request has used since then, with no idle connection left."""
         self._swept = self.loop.time()
-        for origin in self._origins.values():
+        for origin in list(self._origins.values()):
             idle = origin.idle
             while idle and (idle[0].closed or idle[0].idle_since <= stale):
                 idle.popleft().close()
+            if not idle and origin.used <= stale:
+                origin.forgotten = True
+                del self._origins[origin.url]
 
     def _add_origin(self, base_url: str) -> _Origin:
         try:
-            origin = _Origin(base_url)
+            origin = _Origin(base_url, self.loop.time())
         except (ValueError, UnicodeError) as exc:
             raise EngineUnreachable(f"{base_url!r} is not an address to connect to: {exc}") from exc
         self._origins[base_url] = origin

@@ -15,18 +15,21 @@ apart from the base model's, so a client can tell who answered), and `/v1/models
 the base, each with its `parent`. The runtime endpoints `POST /v1/load_lora_adapter` and
 `/v1/unload_lora_adapter` exist only with `runtime_lora_updating` (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING).
 Errors are vLLM's (sim/errors.py) where the simulator knows them: an unknown model, the context length,
-an empty stop string, the LoRA endpoints.
+an empty stop string, the LoRA endpoints; a body it cannot read or validate is a 400 in vLLM's shape, with
+its validation type (`Bad Request`) and corral's words. As vLLM, it reads bodies of any size (up to 64 MiB
+here), and `/health` answers 503 once its engine (the step loop) is dead.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import logging
 import random
 import time
 import uuid
 import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable
+from http import HTTPStatus
 from typing import Any
 
 import orjson
@@ -49,7 +52,11 @@ from corral.sim.tools import Script, script_for
 
 __all__ = ["SimServer"]
 
+logger = logging.getLogger(__name__)
+
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+_MAX_BODY = 64 * 1024 * 1024  # vLLM sets no limit of its own; aiohttp's default (1 MiB) refused what it takes
 
 
 class SimServer:
@@ -73,9 +80,10 @@ class SimServer:
         self.vocab = vocab
         self._seeds = random.Random()
         self._embedder = SimEmbedder(engine, embed_dim, max_model_len, vocab) if embed_dim else None
+        self._steps: asyncio.Task[None] | None = None  # the engine's step loop, while the app runs
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[_errors])
+        app = web.Application(middlewares=[_errors], client_max_size=_MAX_BODY)
         if self._embedder is not None:  # an embedding model, like vLLM's pooling runner: nothing else
             app.router.add_post("/v1/embeddings", self._embedder.embeddings)
         else:
@@ -89,19 +97,25 @@ class SimServer:
         app.router.add_get("/metrics", self.metrics)
 
         async def step_loop(app: web.Application) -> AsyncIterator[None]:
-            task = asyncio.create_task(self.engine.run(), name=f"sim:{self.engine.model}")
+            task = self._steps = asyncio.create_task(self.engine.run(), name=f"sim:{self.engine.model}")
+            task.add_done_callback(self._ended)
             yield
             task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await asyncio.wait([task])  # (one that died has been logged)
             if self.engine.kv_events is not None:
                 self.engine.kv_events.close()
 
         app.cleanup_ctx.append(step_loop)
         return app
 
+    def _ended(self, task: asyncio.Task[None]) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            logger.error("simulated engine %s: its step loop died: %r", self.engine.model, task.exception())
+
     async def health(self, request: web.Request) -> web.Response:
-        return web.Response(status=200)
+        """200 while the engine runs; 503 once its step loop has died (vLLM's, when its engine is dead)."""
+        dead = self._steps is not None and self._steps.done()
+        return web.Response(status=503 if dead else 200)
 
     async def models(self, request: web.Request) -> web.Response:
         model = {
@@ -265,20 +279,24 @@ class SimServer:
         pending = {
             asyncio.ensure_future(r.tokens.get()): (r, c) for r, c in zip(requests, choices, strict=True)
         }
-        while pending:
-            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            for future in done:
-                sim_request, choice = pending.pop(future)
-                if choice in unannounced:
-                    unannounced.discard(choice)
-                    await response.write(meta.event(choice, choice.announcement()))
-                if future.result() is not None:
-                    piece = self._advance(sim_request, choice)
-                    await response.write(meta.event(choice, choice.delta(piece) if meta.chat else piece))
-                if future.result() is None or choice.done:
-                    await response.write(meta.event(choice, {}, finish=choice.finish_reason))
-                    continue
-                pending[asyncio.ensure_future(sim_request.tokens.get())] = (sim_request, choice)
+        try:
+            while pending:
+                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for future in done:
+                    sim_request, choice = pending.pop(future)
+                    if choice in unannounced:
+                        unannounced.discard(choice)
+                        await response.write(meta.event(choice, choice.announcement()))
+                    if future.result() is not None:
+                        piece = self._advance(sim_request, choice)
+                        await response.write(meta.event(choice, choice.delta(piece) if meta.chat else piece))
+                    if future.result() is None or choice.done:
+                        await response.write(meta.event(choice, {}, finish=choice.finish_reason))
+                        continue
+                    pending[asyncio.ensure_future(sim_request.tokens.get())] = (sim_request, choice)
+        finally:  # (the client went away) the other choices' reads, which no token will end now
+            for future in pending:
+                future.cancel()
         if include_usage:
             await response.write(b"data: " + orjson.dumps(meta.usage_chunk(choices)) + b"\n\n")
         await response.write(b"data: [DONE]\n\n")
@@ -301,7 +319,11 @@ class _Choice:
         self.index = index
         self._words = words
         self._stops = stops
-        self.text = ""
+        # a stop string is looked for where it could have begun: in the new piece, or in the last
+        # characters before it (one fewer than the longest stop string's)
+        self._reach = max(map(len, stops), default=1) - 1
+        self._tail = ""
+        self._parts: list[str] = []
         self.tokens = 0
         self.done = False
         self.finish_reason = finish_reason
@@ -324,6 +346,10 @@ class _Choice:
             return {"tool_calls": [{"index": 0, "function": {"arguments": piece}}]}
         return {"content": piece}
 
+    @property
+    def text(self) -> str:
+        return "".join(self._parts)
+
     def message(self) -> dict[str, Any]:
         if self.script is not None and self.script.call_id is not None:
             call = {
@@ -338,19 +364,23 @@ class _Choice:
         if self.script is not None:
             piece = self.script.pieces[self.tokens] if self.tokens < len(self.script.pieces) else ""
             self.tokens += 1
-            self.text += piece
+            self._parts.append(piece)
             if self.tokens >= len(self.script.pieces):
                 self.done = True
                 self.finish_reason = "tool_calls" if self.script.call_id else "stop"
             return piece
-        piece = self._words.next_word(first=not self.text)
+        piece = self._words.next_word(first=not any(self._parts))
         self.tokens += 1
-        for stop in self._stops:
-            cut = (self.text + piece).find(stop)
-            if cut >= 0:
-                piece = (self.text + piece)[:cut][len(self.text) :]
+        if self._stops:
+            # (no earlier stop string was whole before this piece: one found now ends in it)
+            window = self._tail + piece
+            cuts = [cut for stop in self._stops if (cut := window.find(stop)) >= 0]
+            if cuts:
+                piece = window[: min(cuts)][len(self._tail) :]
                 self.done, self.finish_reason = True, "stop"
-        self.text += piece
+            seen = self._tail + piece
+            self._tail = seen[-self._reach :] if self._reach else ""
+        self._parts.append(piece)
         return piece
 
 
@@ -441,5 +471,8 @@ def _stops(stop: str | list[str] | None) -> list[str]:
 async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
         return await handler(request)
-    except (APIError, VllmError) as exc:
+    except APIError as exc:  # (corral's validation of the body) in vLLM's shape, as its validation's
+        refusal = VllmError(exc.message, HTTPStatus(exc.status).phrase, exc.status, param=exc.param)
+        return web.Response(body=refusal.to_json(), status=exc.status, content_type="application/json")
+    except VllmError as exc:
         return web.Response(body=exc.to_json(), status=exc.status, content_type="application/json")
