@@ -15,12 +15,14 @@ from tempfile import SpooledTemporaryFile
 import orjson
 import pytest
 import redis
-from sqlalchemy import select, update
+from sqlalchemy import Engine, select, update
 from sqlalchemy.orm import Session
 
-from corral.batch import BatchStore, LineResult, NewBatch, jobs, queue_sql
+from corral.batch import BatchStore, LineResult, NewBatch, queue_sql
+from corral.batch import results as result_files
 from corral.batch.queue import ResultRow
 from corral.batch.queue_redis import RedisLines
+from corral.batch.retries import Retries
 from corral.store import open_database
 from corral.store.batch_rows import BatchLineRow, BatchRow
 
@@ -128,7 +130,7 @@ def test_a_batchs_results_are_written_in_line_order_past_memory_sized_slices(
             self.was_on_disk = self._rolled  # type: ignore[attr-defined]
             super().__exit__(*exc)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(jobs, "SpooledTemporaryFile", Watched)
+    monkeypatch.setattr(result_files, "SpooledTemporaryFile", Watched)
     reads: list[int] = []
     results = store.lines.results
 
@@ -390,3 +392,44 @@ def test_a_batch_finished_late_keeps_its_row_while_its_files_live(tmp_path: Path
     time.sleep(0.6)
     store.housekeeping()  # the files swept, then the row
     assert store.batch("acme", batch.id) is None
+
+
+class ResultsRefused(queue_sql.SqlLines):
+    """A line queue whose results cannot be written into files for the batches named (a result file the
+    store refused: one of 2 GiB passed the 4-byte `bytes` column on PostgreSQL)."""
+
+    def __init__(self, engine: Engine) -> None:
+        super().__init__(engine)
+        self.refused: set[str] = set()
+        self.tries = 0
+
+    def results(self, session: Session, batch_id: str) -> Iterator[ResultRow]:
+        if batch_id in self.refused:
+            self.tries += 1
+            raise RuntimeError("the output file could not be stored")
+        return super().results(session, batch_id)
+
+
+def test_a_batch_that_cannot_be_finalised_holds_no_other_back_and_is_failed_after_its_tries(
+    tmp_path: Path,
+) -> None:
+    """One batch whose finalising raised aborted housekeeping: every batch after it was never finalised or
+    expired, and its 2 GB output was spooled and inserted again every 2 s, for good."""
+    engine = open_database(f"sqlite:///{tmp_path / 'queue.db'}")
+    queue, now = ResultsRefused(engine), [0.0]
+    store = BatchStore(engine, queue, retries=Retries(tries=3, first_s=10, clock=lambda: now[0]))
+    poisoned, other = _batch(store, 2), _batch(store, 1)
+    queue.refused.add(poisoned)
+    for line in store.lease("runner", "m", 5, lease_s=30):
+        assert store.commit("runner", line, _ok() if line.line == 0 else LineResult(500, b"{}", "req_2"))
+    assert store.housekeeping() == [other]
+    assert store.housekeeping() == [] and queue.tries == 1  # backed off: not tried again at once
+    now[0] += 10
+    assert store.housekeeping() == [] and queue.tries == 2
+    now[0] += 20  # (the backoff doubles)
+    assert store.housekeeping() == [poisoned] and queue.tries == 3
+    found = store.batch("acme", poisoned)
+    assert found is not None and found.status == "failed" and found.errors
+    assert found.errors[0]["code"] == "finalizing_failed"
+    assert found.counts == {"total": 2, "completed": 1, "failed": 1}  # as far as its lines got
+    assert _queued(store, poisoned) == 0

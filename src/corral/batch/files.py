@@ -119,6 +119,8 @@ def _shape_problem(raw: bytes) -> str | None:
         return "not a JSON object"
     if not isinstance(item.get("custom_id"), str) or not 0 < len(item["custom_id"]) <= 512:
         return "'custom_id' must be a non-empty string of at most 512 characters"
+    if "\x00" in item["custom_id"]:  # (PostgreSQL's text holds none: the batch could never be queued)
+        return "'custom_id' must not hold the control character U+0000"
     if item.get("method") != "POST":
         return "'method' must be \"POST\""
     if item.get("url") not in ENDPOINTS:

@@ -5,7 +5,10 @@ A batch is created `validating`; a runner checks its input file and queues its l
 fails it with an error per bad line. A batch with nothing left to run is finalised in one transaction
 (output and error files written, status set only if still unfinished, counts kept in its row), so two
 runners finalising at once produce one set of files. Each step is a conditional update from the status
-it expects, so a gateway that dies anywhere leaves a batch another one carries on from.
+it expects, so a gateway that dies anywhere leaves a batch another one carries on from. Housekeeping takes
+each batch on its own: one whose finalising raises is backed off while the others go on, and failed after
+a few tries (retries.py). A running batch's results are counted in its row as they are committed
+(`result_bytes`): its tenant's files quota counts them.
 
 No queue library fits both backends and these semantics (procrastinate and pgqueuer are PostgreSQL-only,
 saq and arq Redis-only, none gives exactly-one result per line over SQLite), so the SQL is kept small here.
@@ -16,21 +19,23 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
-from tempfile import SpooledTemporaryFile
-from typing import IO, Any
+from functools import partial
+from typing import Any
 
-import orjson
 from sqlalchemy import Engine, and_, delete, exists, func, or_, select, update
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import DBAPIError, IntegrityError, SQLAlchemyError
 from sqlalchemy.orm import Session
 
-from corral.batch.queue import LOST, BatchLine, LineQueue, LineResult, ResultRow, Stop
+from corral.batch.queue import LOST, BatchLine, LineQueue, LineResult, Stop
 from corral.batch.queue_sql import SqlLines
+from corral.batch.results import write_results
+from corral.batch.retries import Retries
+from corral.store import store_is_down
 from corral.store.batch_rows import FINISHED, BatchRow, aware, changed
-from corral.store.files import FileRow, FileStore, NewFile, lock_tenant, write_file
+from corral.store.files import FileRow, FileStore, lock_tenant
 
 __all__ = ["BatchRecord", "BatchStore", "NewBatch", "TooManyBatches"]
 
@@ -41,9 +46,9 @@ class TooManyBatches(Exception):
     """The tenant has as many unfinished batches as it may."""
 
 
-_SPOOL_BYTES = 8 * 1024 * 1024  # a result file larger than this is spooled to a temporary file
 _NONE_YET = {"total": 0, "completed": 0, "failed": 0}
 _NOT_YET_S = 2.0  # a line leased while its batch was not in progress goes back for this long
+_RESULT_WRAPPER = 128  # an output line's bytes around its answer: ids, status, request id
 
 
 @dataclass(frozen=True)
@@ -113,9 +118,16 @@ class BatchStore:
     """Blocking access to files, batches and their lines (the gateway calls it from threads)."""
 
     def __init__(
-        self, engine: Engine, lines: LineQueue | None = None, file_expiry: timedelta | None = None
+        self,
+        engine: Engine,
+        lines: LineQueue | None = None,
+        file_expiry: timedelta | None = None,
+        retries: Retries | None = None,
     ) -> None:
+        """`retries`: how a batch whose finalising (or expiry) raises is backed off and, after its tries,
+        failed (housekeeping runs in one process at a time: the first gateway worker)."""
         self._engine = engine
+        self._retries = retries or Retries()
         self._file_expiry = file_expiry  # of the output and error files it writes
         self._postgres = engine.dialect.name == "postgresql"
         self.files = FileStore(engine)  # inputs, and the output and error files it writes
@@ -196,7 +208,25 @@ class BatchStore:
                 self._move(session, row, "in_progress", model=model, total=len(lines))
         except (_Raced, IntegrityError):  # another runner queued them first
             return False
+        except DBAPIError as exc:  # a value the store cannot hold: it never will, so the batch fails
+            if store_is_down(exc):
+                raise
+            logger.error("batch %s: the store refused its lines; failing it", batch_id, exc_info=True)
+            self._not_queued(batch_id)
+            return False
         return True
+
+    def _not_queued(self, batch_id: str) -> None:
+        """Fail a batch whose lines the store refused (what the line queue holds of them goes)."""
+        message = (
+            "The batch's requests could not be queued: the store refused them (a value it cannot hold). "
+            "Check the input file, or ask the operator: the gateway's log names the error."
+        )
+        self.fail(batch_id, [{"code": "batch_not_queued", "message": message, "param": None, "line": None}])
+        try:
+            self.lines.drop(batch_id)
+        except Exception:  # (the queue down: `tidy` drops them when a runner starts)
+            logger.warning("batch %s: dropping its queued lines failed", batch_id, exc_info=True)
 
     def fail(self, batch_id: str, errors: list[dict[str, Any]]) -> bool:
         """A batch whose input did not pass fails at once, an error per bad line (OpenAI's behaviour)."""
@@ -324,8 +354,30 @@ class BatchStore:
         return bool(self.commit_many(owner, [(line, result)]))
 
     def commit_many(self, owner: str, results: list[tuple[BatchLine, LineResult]]) -> int:
-        """Several lines' results at once (the runner's per-tick flush); how many were kept."""
-        return self.lines.commit_many(owner, results) if results else 0
+        """Several lines' results at once (the runner's per-tick flush); how many were kept. Their size is
+        added to their batches' `result_bytes`: the tenant's files quota counts a running batch's results."""
+        kept = self.lines.commit_many(owner, results) if results else 0
+        if kept:
+            self._count_results(results)
+        return kept
+
+    def _count_results(self, results: list[tuple[BatchLine, LineResult]]) -> None:
+        """Add the results' size (about their output lines') to their batches' rows. A count that fails is
+        logged and left short: the results are kept all the same."""
+        sizes: dict[str, int] = {}
+        for line, result in results:
+            size = len(result.body) + len(line.custom_id.encode()) + _RESULT_WRAPPER
+            sizes[line.batch_id] = sizes.get(line.batch_id, 0) + size
+        try:
+            with Session(self._engine) as session, session.begin():
+                for batch_id in sorted(sizes):  # (rows locked in one order: two runners never deadlock)
+                    session.execute(
+                        update(BatchRow)
+                        .where(BatchRow.id == batch_id)
+                        .values(result_bytes=func.coalesce(BatchRow.result_bytes, 0) + sizes[batch_id])
+                    )
+        except SQLAlchemyError:
+            logger.warning("batches: counting %d results' bytes failed", len(results), exc_info=True)
 
     def release(self, owner: str, line: BatchLine, after_s: float = 0.0, undo_attempt: bool = False) -> None:
         """Give a leased line back: pending again, runnable `after_s` from now (a retry's backoff);
@@ -362,8 +414,58 @@ class BatchStore:
                     BatchRow.status == "validating", BatchRow.expires_at <= now, self._mine()
                 )
             ).all()
-        expired = [i for i in stale if self._unchecked_to(i, "expired")]
-        return expired + [i for i in open_ids if self._finish(i)]
+        self._retries.keep([*open_ids, *stale])
+        expired = [i for i in stale if self._guarded(i, partial(self._unchecked_to, i, "expired"))]
+        return expired + [i for i in open_ids if self._guarded(i, partial(self._finish, i))]
+
+    def _guarded(self, batch_id: str, step: Callable[[], bool]) -> bool:
+        """A batch's housekeeping `step` on its own: one that raises is logged and backed off (the other
+        batches go on), and a batch whose step keeps failing is failed with an error, not tried for good
+        (a result file the store refuses was written again every pass, 2 GB at a time)."""
+        if not self._retries.due(batch_id):
+            return False
+        try:
+            done = step()
+        except Exception as exc:  # (a housekeeping loop: logged, the batch tried again after a backoff)
+            if not self._retries.failed(batch_id, exc):
+                logger.warning("batch %s: finalising failed; tried again later", batch_id, exc_info=True)
+                return False
+            logger.error("batch %s: finalising failed again; failing it", batch_id, exc_info=True)
+            return self._give_up(batch_id)
+        self._retries.forget(batch_id)
+        return done
+
+    def _give_up(self, batch_id: str) -> bool:
+        """Fail a batch whose finalising (or expiry) kept failing, with an error saying so and the counts
+        its lines reached (their results are lost: the files could not be written); whether it was."""
+        message = (
+            "The batch's results could not be written to its output and error files, after several tries; "
+            "the gateway's log names the error."
+        )
+        errors = [{"code": "finalizing_failed", "message": message, "param": None, "line": None}]
+        try:
+            failed = self._unchecked_to(batch_id, "failed", errors=errors)  # (its expiry failed)
+            failed = failed or self._fail_open(batch_id, errors)
+            if failed:
+                self.lines.drop(batch_id)
+        except Exception:  # tried again once its backoff is over
+            logger.exception("batch %s: failing it failed too", batch_id)
+            return False
+        self._retries.forget(batch_id)
+        return failed
+
+    def _fail_open(self, batch_id: str, errors: list[dict[str, Any]]) -> bool:
+        """An in-progress or cancelling batch to `failed`, its counts kept from its lines."""
+        try:
+            with Session(self._engine, expire_on_commit=False) as session, session.begin():
+                row = session.get(BatchRow, batch_id, with_for_update=self._postgres)
+                if row is None or row.status not in ("in_progress", "cancelling"):
+                    return False
+                counts = self._counts(session, [row])[row.id]
+                self._move(session, row, "failed", finalizing=True, counts=counts, errors=errors)
+        except _Raced:
+            return False
+        return True
 
     def tidy(self) -> int:
         """What the queue holds for batches no longer running (a gateway died between finalising a batch
@@ -406,7 +508,7 @@ class BatchStore:
                 if busy > 0:
                     return False
                 results = self.lines.results(session, batch_id)
-                output_id, error_id, counts = _write_results(session, row, results, self._file_expiry)
+                output_id, error_id, counts = write_results(session, row, results, self._file_expiry)
                 final = {"expire": "expired", "cancel": "cancelled", None: "completed"}[stop]
                 self._move(
                     session,
@@ -427,29 +529,6 @@ def _stop(row: BatchRow, now: float) -> Stop | None:
     if row.status == "cancelling":
         return "cancel"
     return "expire" if aware(row.expires_at).timestamp() <= now else None
-
-
-def _write_results(
-    session: Session, row: BatchRow, results: Iterable[ResultRow], expiry: timedelta | None
-) -> tuple[str | None, str | None, dict[str, int]]:
-    """The batch's output and error files (their ids, None for one without lines) and its counts. The
-    results come a few at a time and the files are spooled to disk past `_SPOOL_BYTES`: a batch's results
-    (an embeddings batch's vectors) may be larger than a gateway's memory."""
-    now = datetime.now(UTC)
-    expires_at = now + expiry if expiry is not None else None
-    ids: list[str | None] = []
-    with SpooledTemporaryFile(_SPOOL_BYTES) as output, SpooledTemporaryFile(_SPOOL_BYTES) as errors:
-        counts = _result_files(results, output, errors)
-        for kind, spool in (("output", output), ("error", errors)):
-            size = spool.tell()
-            if not size:
-                ids.append(None)
-                continue
-            spool.seek(0)
-            name = f"{row.id}_{kind}.jsonl"
-            new = NewFile(row.tenant, "batch_output", name, spool, size, expires_at, now)
-            ids.append(write_file(session, new).id)
-    return ids[0], ids[1], counts
 
 
 def _empty(row: BatchRow) -> dict[str, int]:
@@ -475,34 +554,6 @@ def _batch(row: BatchRow, counts: dict[str, int]) -> BatchRecord:
         row.errors,
         counts,
     )
-
-
-def _result_files(lines: Iterable[ResultRow], output: IO[bytes], errors: IO[bytes]) -> dict[str, int]:
-    """Writes OpenAI's output file (a line per answered request: its status and body) and error file (a
-    line per request that failed, was cancelled or expired); the batch's counts."""
-    counts = {"total": 0, "completed": 0, "failed": 0}
-    for custom_id, state, status_code, response in lines:
-        counts["total"] += 1
-        if state == "done":
-            counts["completed"] += 1
-        elif state in ("failed", "expired", "cancelled"):
-            counts["failed"] += 1
-        item: dict[str, Any] = {"id": f"batch_req_{uuid.uuid4().hex[:24]}", "custom_id": custom_id}
-        if state in ("done", "failed") and response is not None:
-            result = orjson.loads(response)
-            item["response"] = {
-                "status_code": status_code,
-                "request_id": result["request_id"],
-                "body": result["body"],
-            }
-            item["error"] = None
-            (output if state == "done" else errors).write(orjson.dumps(item) + b"\n")
-        elif state in ("cancelled", "expired"):
-            why = "was cancelled" if state == "cancelled" else "expired"
-            item["response"] = None
-            item["error"] = {"code": f"batch_{state}", "message": f"The batch {why} before this request ran."}
-            errors.write(orjson.dumps(item) + b"\n")
-    return counts
 
 
 class _Raced(Exception):

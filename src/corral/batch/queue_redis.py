@@ -257,13 +257,18 @@ _SETTLE = (
 local b, stop, now = ARGV[2], ARGV[3], tonumber(ARGV[4])
 if redis.call('EXISTS', key(b, 's')) == 0 then return {0, 0, 0, 0} end  -- lost (or never queued)
 if stop ~= '' then
-  redis.call('SET', key(b, 'x'), stop, 'NX')  -- from now on no line of it becomes pending
-  local states = redis.call('HGETALL', key(b, 's'))
-  for i = 1, #states, 2 do
-    local state, deadline = states[i + 1], nil
-    if state == 'l' then deadline = tonumber(redis.call('HGET', key(b, 'u'), states[i]) or '0') end
-    if state == 'p' or (state == 'l' and deadline < now) then  -- lines running finish
-      finish(b, states[i], stop, nil)
+  if redis.call('SET', key(b, 'x'), stop, 'NX') then  -- from now on no line of it becomes pending
+    -- its pending lines finish once, as the mark is set: every line's state is walked this once
+    local states = redis.call('HGETALL', key(b, 's'))
+    for i = 1, #states, 2 do
+      if states[i + 1] == 'p' then finish(b, states[i], stop, nil) end
+    end
+  end
+  -- lines whose runner died finish (those running finish with their results): only the leased are walked
+  local leased = redis.call('HGETALL', key(b, 'u'))
+  for i = 1, #leased, 2 do
+    if tonumber(leased[i + 1]) < now and redis.call('HGET', key(b, 's'), leased[i]) == 'l' then
+      finish(b, leased[i], stop, nil)
     end
   end
 end

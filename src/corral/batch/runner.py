@@ -1,9 +1,12 @@
 """The batch runner: checks new batches, leases lines from the durable queue and runs them on spare
 capacity only.
 
-A batch is created `validating`; each tick the runner checks the input of those waiting (batch/jobs.py
-`start` or `fail`: its lines are queued, or it fails with an error per bad line, as OpenAI's does; a
-gateway that dies while checking leaves it `validating`, and the next tick checks it again).
+A batch is created `validating`; the runner checks the input of those waiting (batch/jobs.py `start` or
+`fail`: its lines are queued, or it fails with an error per bad line, as OpenAI's does; a gateway that dies
+while checking leaves it `validating`, and the next check takes it again). Checking runs in a task of its
+own, one batch at a time, the tenant checked longest ago first: a 100 MB input takes seconds to check, and
+the pass that commits results and leases lines does not wait for it. A batch whose check raises is tried
+again after a backoff and, after a few tries of its own fault (retries.py), failed.
 
 Each tick it looks at every model with batches in progress and takes as many lines as its ready replicas
 have free slots, less the most slots interactive requests held (or waited for) at once over the last
@@ -20,6 +23,8 @@ with the other results of its tick in one transaction (ticks are at least 50 ms 
 cluster could not take now (429, 502, 503) goes back to pending and is tried again after a backoff (2 s,
 doubling), up to `batch.max_attempts`; a line the engine refused (its 4xx), timed out on (504) or that
 the tenant's budget no longer covers is an error line, as is an answer that is not JSON (stored as a 502).
+A line whose tenant's files quota is full (its files and its running batches' results, counted as they
+are committed) is not run: it is an error line, `files_quota_exceeded`.
 A commit the store refuses keeps its results for the next tick, and the pass goes on. Leases are renewed
 while lines run; stopping hands the lines in hand back at once (their results, when they have one, are
 committed first), with those a lease call under way took.
@@ -31,6 +36,7 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+import math
 import os
 import socket
 import time
@@ -47,6 +53,7 @@ from corral.admission.auth import SIGNED_IN
 from corral.batch.files import read_batch_input
 from corral.batch.jobs import BatchRecord, BatchStore
 from corral.batch.queue import BatchLine, LineResult
+from corral.batch.retries import Retries
 from corral.config import BatchSettings
 from corral.protocol import PermissionDenied
 from corral.routing import Replica, ReplicaSet
@@ -66,6 +73,7 @@ _MIN_TICK_S = 0.05
 _REFUSED_AT_INTAKE = frozenset({400, 404, 413, 422})  # a line's own fault, found before it is queued
 _BACKOFF_S = 2.0  # a retried line waits this long, doubling with each try
 _BACKOFF_MAX_S = 60.0
+_SPENT = (b'"insufficient_quota"', b'"files_quota_exceeded"')  # a 429 that is not tried again
 
 
 class LineExecutor(Protocol):
@@ -114,11 +122,16 @@ class BatchRunner:
         adapters: AdapterCatalogue | None = None,
         manages: bool = True,
         oidc: OIDCVerifier | None = None,
+        check_retries: Retries | None = None,
     ) -> None:
         """`manages`: this runner also checks new batches and keeps the queue (finishes, expires, tidies);
         one runner a machine does (the first gateway worker), every worker's runs lines on its own share of
-        the slots."""
+        the slots. `check_retries`: how a batch whose check raises is backed off, and when it is failed."""
         self._manages = manages
+        self._check_retries = check_retries or Retries()
+        self._to_check = asyncio.Event()  # set by a pass that found batches waiting to be checked
+        self._checked: dict[str, float] = {}  # per tenant with batches waiting: when one was last checked
+        self._held_bytes: dict[str, int] = {}  # per tenant of lines just leased: its files and results
         self._store = store
         self._adapters = adapters or AdapterCatalogue()  # an adapter's lines run on its base's replicas
         self._executor = executor
@@ -208,7 +221,9 @@ class BatchRunner:
                 logger.info("batch queue: dropped the lines of %d finished batches", dropped)
         except Exception:
             logger.exception("batch queue: tidying failed")
-        renewing = asyncio.create_task(self._renew(), name="batch-leases")
+        helpers = [asyncio.create_task(self._renew(), name="batch-leases")]
+        if self._manages:
+            helpers.append(asyncio.create_task(self._check_batches(), name="batch-checks"))
         try:
             while True:
                 await self._flush()  # (a store that fails keeps them: the rest of the pass goes on)
@@ -219,12 +234,8 @@ class BatchRunner:
                             logger.info("batch %s finished", batch_id)
                     checking, models = await asyncio.to_thread(self._store.pending)
                     self._in_progress = set(models)
-                    checking = checking and self._manages
-                    for record in await asyncio.to_thread(self._store.validating) if checking else []:
-                        try:
-                            await self._validate(record)
-                        except Exception:  # one batch's trouble does not hold up the others
-                            logger.exception("batch %s: checking its input failed", record.id)
+                    if checking:
+                        self._to_check.set()  # (checked in a task of its own: this pass does not wait)
                     for model in models:
                         await self._start(model)
                 except Exception:  # the store is down or a query failed: logged, tried again next tick
@@ -235,8 +246,9 @@ class BatchRunner:
                     async with asyncio.timeout(self._settings.poll_s):
                         await self._wake.wait()
         finally:
-            renewing.cancel()
-            await asyncio.gather(renewing, return_exceptions=True)
+            for helper in helpers:
+                helper.cancel()
+            await asyncio.gather(*helpers, return_exceptions=True)
             await self._stop()
 
     async def _renew(self) -> None:
@@ -252,6 +264,60 @@ class BatchRunner:
                 )
             except Exception:  # the store is down: tried again at the next third
                 logger.exception("batch runner: renewing leases failed")
+
+    async def _check_batches(self) -> None:
+        """Check new batches, one at a time, in a task of its own: checking a 100 MB input takes seconds,
+        and the pass that commits results and leases lines goes on meanwhile. Each time, the tenant whose
+        batch was checked longest ago goes first (its oldest batch), so one tenant's many batches do not
+        hold another's; a batch whose check raises is tried again after a backoff, and after
+        `check_retries` tries of its own fault is failed (before, it was checked again every tick, for the
+        day of its window). A supervisor loop: a store that fails is logged and tried at the next pass."""
+        while True:
+            await self._to_check.wait()
+            self._to_check.clear()
+            tried: set[str] = set()
+            try:
+                while (record := await self._next_to_check(tried)) is not None:
+                    tried.add(record.id)
+                    await self._check(record)
+            except Exception:
+                logger.exception("batch runner: checking new batches failed")
+
+    async def _next_to_check(self, tried: set[str]) -> BatchRecord | None:
+        """The batch to check next (none tried this round, none backed off), read afresh: a batch made
+        meanwhile by a tenant not checked lately goes before another tenant's next."""
+        waiting = await asyncio.to_thread(self._store.validating)
+        self._check_retries.keep([record.id for record in waiting])
+        tenants = {record.tenant for record in waiting}
+        self._checked = {tenant: at for tenant, at in self._checked.items() if tenant in tenants}
+        due = [r for r in waiting if r.id not in tried and self._check_retries.due(r.id)]
+        return min(due, key=lambda r: (self._checked.get(r.tenant, -math.inf), r.created_at), default=None)
+
+    async def _check(self, record: BatchRecord) -> None:
+        """Check one batch; one whose check raises is backed off, or failed after its tries."""
+        try:
+            await self._validate(record)
+        except Exception as exc:  # (logged; the other batches go on)
+            if not self._check_retries.failed(record.id, exc):
+                logger.warning("batch %s: checking it failed; tried again later", record.id, exc_info=True)
+                return
+            logger.error("batch %s: checking it failed again; failing it", record.id, exc_info=True)
+            if not await self._give_up(record):
+                return
+        finally:
+            self._checked[record.tenant] = time.monotonic()
+        self._check_retries.forget(record.id)
+
+    async def _give_up(self, record: BatchRecord) -> bool:
+        """Fail a batch whose check kept raising; False where failing it failed too (tried again later)."""
+        message = "The batch's input could not be checked, after several tries; the gateway's log says why."
+        errors = [{"code": "validation_failed", "message": message, "param": None, "line": None}]
+        try:
+            await asyncio.to_thread(self._store.fail, record.id, errors)
+        except Exception:
+            logger.exception("batch %s: failing it failed too", record.id)
+            return False
+        return True
 
     async def _validate(self, batch: BatchRecord) -> None:
         """Queue the batch's lines, or fail it with what is wrong (each bad line named)."""
@@ -296,7 +362,9 @@ class BatchRunner:
         spare = self.spare(model) if self._leasing else 0
         if not spare:
             return
-        for line in await self._lease(model, spare):
+        leased = await self._lease(model, spare)
+        await self._count_held({line.tenant for line in leased})
+        for line in leased:
             if (line.batch_id, line.line) in self._leased:
                 continue  # still running here (its lease had lapsed): not a second time
             self._leased[(line.batch_id, line.line)] = line
@@ -304,6 +372,19 @@ class BatchRunner:
             running = self._running.setdefault(model, {})
             running[task] = _sequences(line.endpoint, line.body)
             task.add_done_callback(partial(_forget, running))
+
+    async def _count_held(self, tenants: set[str]) -> None:
+        """The bytes the tenants of lines just leased hold (their files and their running batches' results
+        so far), which each line's tenant is checked against as it starts. A store that fails keeps the
+        last count (logged): the lines leased run all the same."""
+        if not tenants:
+            return
+        running = {line.tenant for line in self._leased.values()} | tenants
+        self._held_bytes = {t: held for t, held in self._held_bytes.items() if t in running}
+        try:
+            self._held_bytes.update(await asyncio.to_thread(self._store.files.bytes_held, tenants))
+        except Exception:
+            logger.warning("batch runner: counting the bytes tenants hold failed", exc_info=True)
 
     async def _lease(self, model: str, spare: int) -> list[BatchLine]:
         """Lease lines in a thread, shielded: cancelled meanwhile (the gateway stopping), the thread leases
@@ -319,16 +400,8 @@ class BatchRunner:
     async def _run(self, line: BatchLine, model: str) -> None:
         key = (line.batch_id, line.line)
         try:
-            principal = await self._principal(line.tenant, line.key_id)
             request_id = _request_id(line)
-            if principal is None:
-                status = 401
-                body = _error("The API key that submitted this batch has been revoked.", "invalid_api_key")
-            else:
-                self._sent[model] = self._sent.get(model, 0) + 1
-                status, body = await self._executor.run_line(principal, line.endpoint, line.body, request_id)
-                if status in _REFUSED_AT_INTAKE:  # never queued: no arrival the autoscaler should take off
-                    self._sent[model] -= 1  # (lines refused at once would blind it to interactive arrivals)
+            status, body = await self._answer(line, model, request_id)
             if _retry(status, body) and line.attempts < self._settings.max_attempts:
                 backoff = min(_BACKOFF_MAX_S, _BACKOFF_S * 2 ** (line.attempts - 1))
                 await asyncio.to_thread(self._store.release, self.owner, line, backoff)  # tried again later
@@ -345,6 +418,25 @@ class BatchRunner:
                 await asyncio.to_thread(self._store.release, self.owner, line, _BACKOFF_MAX_S)
         finally:
             self._wake.set()
+
+    async def _answer(self, line: BatchLine, model: str, request_id: str) -> tuple[int, bytes]:
+        """The line's answer: the engine's, or why it does not run (its key was revoked; its tenant's files
+        quota is full with its files and its running batches' results, counted as the line was leased)."""
+        principal = await self._principal(line.tenant, line.key_id)
+        if principal is None:
+            return 401, _error("The API key that submitted this batch has been revoked.", "invalid_api_key")
+        quota = principal.max_file_bytes or self._settings.tenant_max_bytes
+        if self._held_bytes.get(line.tenant, 0) >= quota:
+            message = (
+                f"This request was not run: the tenant's files quota ({quota:,} bytes) is full with its "
+                "files and its running batches' results."
+            )
+            return 429, _error(message, "files_quota_exceeded", "rate_limit_error")
+        self._sent[model] = self._sent.get(model, 0) + 1
+        status, body = await self._executor.run_line(principal, line.endpoint, line.body, request_id)
+        if status in _REFUSED_AT_INTAKE:  # never queued: no arrival the autoscaler should take off
+            self._sent[model] -= 1  # (lines refused at once would blind it to interactive arrivals)
+        return status, body
 
     async def _principal(self, tenant: str, key_id: str | None) -> Principal | None:
         """Who a batch runs as (at the lowest priority); None once its key is revoked. A batch a person
@@ -370,6 +462,7 @@ class BatchRunner:
             max_concurrency=None,
             priority=BATCH_PRIORITY,
             monthly_token_budget=principal.monthly_token_budget,
+            max_file_bytes=principal.max_file_bytes,  # (its results count against its files quota)
         )
 
     async def _flush(self) -> None:
@@ -413,11 +506,9 @@ class BatchRunner:
 
 def _retry(status: int, body: bytes) -> bool:
     """The cluster could not take the line now (not a 504: the engine worked on it until the read
-    timeout; not a spent monthly budget: that stays spent)."""
-    return status in _RETRY and b'"insufficient_quota"' not in body
+    timeout; not a spent monthly budget nor a full files quota: those stay spent)."""
+    return status in _RETRY and not any(code in body for code in _SPENT)
 
 
-def _error(message: str, code: str) -> bytes:
-    return orjson.dumps(
-        {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}}
-    )
+def _error(message: str, code: str, kind: str = "invalid_request_error") -> bytes:
+    return orjson.dumps({"error": {"message": message, "type": kind, "param": None, "code": code}})

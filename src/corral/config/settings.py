@@ -451,8 +451,21 @@ class BatchSettings(Strict):
         int, Field(ge=1, description="files one tenant may hold at once (an upload past it: 429)")
     ] = 1000
     tenant_max_bytes: Annotated[
-        int, Field(ge=1, description="bytes of files (uploads and results) one tenant may hold at once")
+        int,
+        Field(
+            ge=1,
+            description="bytes of files (uploads and results, with its running batches' results so far) "
+            "one tenant may hold at once; past it, its batches' lines left fail with files_quota_exceeded",
+        ),
     ] = 10 * 1024 * 1024 * 1024
+    tenant_max_uploads: Annotated[
+        int,
+        Field(
+            ge=1,
+            description="uploads one tenant may send at once to a gateway worker (one more: 429 with "
+            "Retry-After); each is refused as it arrives once it would pass the tenant's tenant_max_bytes",
+        ),
+    ] = 2
     max_lines: Annotated[int, Field(ge=1, description="requests a batch file may hold")] = 50_000
     file_expiry_days: Annotated[
         int,

@@ -7,7 +7,7 @@ from datetime import UTC, datetime
 from typing import Any, cast
 
 import orjson
-from sqlalchemy import JSON, CursorResult, DateTime, Float, Index, Integer, String, Text
+from sqlalchemy import JSON, BigInteger, CursorResult, DateTime, Float, Index, Integer, String, Text
 from sqlalchemy.orm import Mapped, mapped_column
 
 from corral.store.schema import Base
@@ -38,6 +38,9 @@ class BatchRow(Base):
     total: Mapped[int] = mapped_column(Integer, default=0)
     counts: Mapped[dict[str, int] | None] = mapped_column(JSON, nullable=True)  # kept when finalised
     queue: Mapped[str | None] = mapped_column(String(8), nullable=True)  # its lines' queue (None: sql)
+    # the size of the results committed so far (about its output lines'): its tenant's files quota counts
+    # them while it runs (None: none yet, or a batch from before the column)
+    result_bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
 
 
 class BatchLineRow(Base):

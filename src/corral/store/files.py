@@ -9,14 +9,28 @@ expiry (`expires_at`): past it the file is gone from listings and reads, and `sw
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import IO, Any
 
-from sqlalchemy import DateTime, Engine, Integer, LargeBinary, String, delete, func, insert, or_, select, text
+from sqlalchemy import (
+    BigInteger,
+    DateTime,
+    Engine,
+    Integer,
+    LargeBinary,
+    String,
+    delete,
+    func,
+    insert,
+    or_,
+    select,
+    text,
+)
 from sqlalchemy.orm import Mapped, Session, mapped_column
 
+from corral.store.batch_rows import FINISHED, BatchRow
 from corral.store.schema import Base
 
 __all__ = [
@@ -41,7 +55,7 @@ class FileRow(Base):
     tenant: Mapped[str] = mapped_column(String(128), index=True)
     purpose: Mapped[str] = mapped_column(String(32))
     filename: Mapped[str] = mapped_column(String(256))
-    size: Mapped[int] = mapped_column("bytes", Integer)
+    size: Mapped[int] = mapped_column("bytes", BigInteger)  # (a result file passes 2 GiB: INTEGER's bound)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     content: Mapped[bytes] = mapped_column(LargeBinary)  # empty where the parts hold it
     expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True, index=True)
@@ -110,20 +124,39 @@ class FileStore:
             row = write_file(session, new)
         return _file(row)
 
-    def check_room(self, tenant: str, quota: tuple[int, int], adding: int) -> None:
+    def check_room(self, tenant: str, quota: tuple[int, int], adding: int) -> int:
         """FileQuotaExceeded where `tenant`'s `quota` (files, bytes) has no room for `adding` more files
-        (an upload, checked before its body is read: 1) or is passed already (a batch: 0; its results are
-        written as files even past the quota, so a tenant over it makes none, and no more than its
-        unfinished batches' results ever pass it)."""
+        (an upload, checked before its body is read: 1) or is passed already (a batch: 0; a running
+        batch's results count as they are committed, and its lines stop once they pass the quota); else
+        the bytes the tenant holds."""
         with Session(self._engine) as session:
             count, held = _held(session, tenant)
         if count + adding > quota[0]:
             raise FileQuotaExceeded(f"Tenant '{tenant}' holds {count} files, its limit; delete some first.")
         if held + adding > quota[1]:
             raise FileQuotaExceeded(
-                f"Tenant '{tenant}' holds {held:,} bytes of files, its limit of {quota[1]:,}; delete some "
-                "first."
+                f"Tenant '{tenant}' holds {held:,} bytes of files and running batches' results, its limit "
+                f"of {quota[1]:,}; delete some first."
             )
+        return held
+
+    def bytes_held(self, tenants: Collection[str]) -> dict[str, int]:
+        """The bytes each tenant holds: its files, and the results its unfinished batches have so far."""
+        with Session(self._engine) as session:
+            files = session.execute(
+                select(FileRow.tenant, func.sum(FileRow.size))
+                .where(FileRow.tenant.in_(tenants))
+                .group_by(FileRow.tenant)
+            ).all()
+            results = session.execute(
+                select(BatchRow.tenant, func.sum(BatchRow.result_bytes))
+                .where(BatchRow.tenant.in_(tenants), BatchRow.status.not_in(FINISHED))
+                .group_by(BatchRow.tenant)
+            ).all()
+        held = dict.fromkeys(tenants, 0)
+        for tenant, size in (*files, *results):
+            held[tenant] += int(size or 0)
+        return held
 
     def files(self, tenant: str, purpose: str | None, limit: int, after: str | None) -> list[FileRecord]:
         """The tenant's files, newest first; `after` a file id (pagination)."""
@@ -245,11 +278,16 @@ def lock_tenant(session: Session, tenant: str) -> None:
 
 
 def _held(session: Session, tenant: str) -> tuple[int, int]:
-    """(files, bytes) `tenant` holds."""
+    """(files, bytes) `tenant` holds: its files, and the results its unfinished batches have so far."""
     count, held = session.execute(
         select(func.count(), func.coalesce(func.sum(FileRow.size), 0)).where(FileRow.tenant == tenant)
     ).one()
-    return int(count), int(held)
+    running = session.scalar(
+        select(func.coalesce(func.sum(BatchRow.result_bytes), 0)).where(
+            BatchRow.tenant == tenant, BatchRow.status.not_in(FINISHED)
+        )
+    )
+    return int(count), int(held) + int(running or 0)
 
 
 def _check_quota(session: Session, tenant: str, adding: int, max_files: int, max_bytes: int) -> None:
@@ -258,8 +296,8 @@ def _check_quota(session: Session, tenant: str, adding: int, max_files: int, max
         raise FileQuotaExceeded(f"Tenant '{tenant}' holds {count} files, its limit; delete some first.")
     if held + adding > max_bytes:
         raise FileQuotaExceeded(
-            f"Tenant '{tenant}' holds {held:,} bytes of files; this one ({adding:,}) would pass its limit of "
-            f"{max_bytes:,}; delete some first."
+            f"Tenant '{tenant}' holds {held:,} bytes of files and running batches' results; this one "
+            f"({adding:,}) would pass its limit of {max_bytes:,}; delete some first."
         )
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import datetime
+from typing import Any
 
 from sqlalchemy import (
     JSON,
@@ -16,6 +17,7 @@ from sqlalchemy import (
     Index,
     Integer,
     String,
+    Table,
     Text,
     exc,
     inspect,
@@ -178,11 +180,12 @@ class UsageRow(Base):
 
 def bring_forward(engine: Engine) -> bool:
     """Make what corral's schema has and the store lacks: its tables, and the nullable columns and indexes
-    added to them since an earlier corral made the store (the schema only ever grows by these, so gateways
-    of that earlier version keep working beside it). Returns whether the store was new (none of corral's
-    tables were there). The changes are made by one process at a time, under PostgreSQL's advisory lock or
-    SQLite's write lock, in one transaction: gateways and commands opening one store at once each find what
-    the one before made. A store with nothing to change is only read (no lock taken)."""
+    added to them since an earlier corral made the store, and integer columns widened since (the schema
+    only ever grows by these, so gateways of that earlier version keep working beside it). Returns whether
+    the store was new (none of corral's tables were there). The changes are made by one process at a time,
+    under PostgreSQL's advisory lock or SQLite's write lock, in one transaction: gateways and commands
+    opening one store at once each find what the one before made. A store with nothing to change is only
+    read (no lock taken)."""
     if not _behind(engine):
         return False
     with engine.connect() as connection, _schema_lock(connection):
@@ -193,19 +196,37 @@ def bring_forward(engine: Engine) -> bool:
 
 
 def _behind(engine: Engine) -> bool:
-    """Whether the store lacks a table, a nullable column or an index corral's schema has."""
+    """Whether the store lacks a table, a nullable column or an index corral's schema has, or keeps a
+    column narrower than it (`_narrower`)."""
     inspector = inspect(engine)
     tables = set(inspector.get_table_names())
     for table in Base.metadata.sorted_tables:
         if table.name not in tables:
             return True
-        columns = {column["name"] for column in inspector.get_columns(table.name)}
+        columns = {column["name"]: column["type"] for column in inspector.get_columns(table.name)}
         indexes = {index["name"] for index in inspector.get_indexes(table.name)}
         if any(c.nullable and c.name not in columns for c in table.columns):
             return True
         if any(index.name not in indexes for index in table.indexes):
             return True
+        if _narrower(engine.dialect.name, table, columns):
+            return True
     return False
+
+
+def _narrower(dialect: str, table: Table, found: dict[str, Any]) -> list[str]:
+    """The columns corral's schema keeps as BIGINT that the store made as a narrower integer: on
+    PostgreSQL, INTEGER is 4 bytes (`corral_files.bytes` was, and a result file of 2 GiB passed it); SQLite's
+    INTEGER holds 8 bytes whatever a column was declared."""
+    if dialect != "postgresql":
+        return []
+    return [
+        column.name
+        for column in table.columns
+        if isinstance(column.type, BigInteger)
+        and isinstance(found.get(column.name), Integer)
+        and not isinstance(found[column.name], BigInteger)
+    ]
 
 
 @contextmanager
@@ -229,16 +250,19 @@ def _schema_lock(connection: Connection) -> Iterator[None]:
 def add_missing_columns(connection: Connection) -> None:
     """Nullable columns added to a table after a store made it are added in place, and the indexes it
     lacks made, so a store made by an earlier corral keeps working (corral's schema only ever grows by
-    nullable columns). Inside bring_forward's lock: another process's changes are already there."""
+    nullable columns, and integer columns widened to BIGINT, which an earlier corral reads and writes as
+    before). Inside bring_forward's lock: another process's changes are already there."""
     inspector = inspect(connection)
     for table in Base.metadata.sorted_tables:
         if not inspector.has_table(table.name):
             continue
-        have = {column["name"] for column in inspector.get_columns(table.name)}
+        have = {column["name"]: column["type"] for column in inspector.get_columns(table.name)}
         for column in table.columns:
             if column.name in have or not column.nullable:
                 continue
             kind = column.type.compile(connection.dialect)
             connection.execute(text(f"ALTER TABLE {table.name} ADD COLUMN {column.name} {kind}"))
+        for name in _narrower(connection.dialect.name, table, have):  # (rewrites the table: rows are small)
+            connection.execute(text(f"ALTER TABLE {table.name} ALTER COLUMN {name} TYPE BIGINT"))
         for index in table.indexes:  # (an added column's index: a lookup by it must not scan the table)
             index.create(bind=connection, checkfirst=True)
