@@ -18,10 +18,14 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from uuid import uuid4
 
 import pytest
+from sqlalchemy import create_engine, text
 
 from corral.cluster import free_port
+
+POSTGRES_SERVER = "postgresql+psycopg://postgres@127.0.0.1:5432"  # the suite's PostgreSQL (trust auth)
 
 # Ray in the tests runs on one machine, on loopback only (not its other addresses), reporting nothing.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
@@ -187,3 +191,19 @@ def log_has(log: Path, text: str, timeout: float = 10) -> None:
     while text not in log.read_text():
         assert time.monotonic() < deadline, f"{text!r} not in {log}"
         time.sleep(0.05)
+
+
+@pytest.fixture
+def fresh_postgres() -> Iterator[str]:
+    """The URL of a PostgreSQL database of this test's own on the suite's server (no tables), dropped
+    after it."""
+    name = f"corral_test_{uuid4().hex[:12]}"
+    server = create_engine(POSTGRES_SERVER + "/test", isolation_level="AUTOCOMMIT")
+    with server.connect() as connection:
+        connection.execute(text(f"CREATE DATABASE {name}"))
+    try:
+        yield f"{POSTGRES_SERVER}/{name}"
+    finally:
+        with server.connect() as connection:
+            connection.execute(text(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
+        server.dispose()

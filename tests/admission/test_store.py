@@ -194,19 +194,6 @@ def test_a_store_made_before_request_ids_gains_the_column_and_its_index(tmp_path
         assert "ix_corral_usage_tenant_at" in str(plan), plan
 
 
-@pytest.fixture
-def fresh_postgres() -> Iterator[str]:
-    """A database of this test's own on the PostgreSQL server, dropped after it."""
-    name = f"corral_fresh_{uuid.uuid4().hex[:12]}"
-    admin = create_engine(POSTGRES, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(text(f"CREATE DATABASE {name}"))
-    yield POSTGRES.rsplit("/", 1)[0] + "/" + name
-    with admin.connect() as conn:
-        conn.execute(text(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
-    admin.dispose()
-
-
 def _open_at_once(url: str, barrier: Any, said: Any) -> None:
     """One gateway starting: open the store the moment the others do; what it met goes to `said`."""
     barrier.wait(timeout=60)

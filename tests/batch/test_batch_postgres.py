@@ -7,14 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import io
-import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from datetime import timedelta
 
 import aiohttp
 import orjson
 import pytest
-from sqlalchemy import create_engine, text
 
 from corral.batch import BatchStore, NewBatch, check_upload, read_batch_input
 from corral.config import (
@@ -30,7 +28,6 @@ from corral.protocol import InvalidRequest
 from corral.routing import Replica, ReplicaSet, ReplicaState, Router
 from corral.store import open_database
 
-POSTGRES = "postgresql+psycopg://postgres@127.0.0.1:5432"
 ADMIN = "batch-admin"
 BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -41,28 +38,13 @@ def _line(custom_id: str) -> bytes:
 
 
 @pytest.fixture
-def postgres() -> Iterator[str]:
-    """A fresh PostgreSQL database of this test's own (the server on 127.0.0.1:5432), dropped after it."""
-    name = f"corral_batch_{uuid.uuid4().hex[:12]}"
-    server = create_engine(POSTGRES + "/test", isolation_level="AUTOCOMMIT")
-    with server.connect() as connection:
-        connection.execute(text(f"CREATE DATABASE {name}"))
-    try:
-        yield f"{POSTGRES}/{name}"
-    finally:
-        with server.connect() as connection:
-            connection.execute(text(f"DROP DATABASE {name} WITH (FORCE)"))
-        server.dispose()
-
-
-@pytest.fixture
-async def gateway(postgres: str) -> AsyncIterator[tuple[str, GatewayParts]]:
+async def gateway(fresh_postgres: str) -> AsyncIterator[tuple[str, GatewayParts]]:
     """A closed gateway with the Files and Batch API on PostgreSQL: (its url, its parts)."""
     replicas = ReplicaSet()
     replicas.add(Replica(id="m-0", model="m", engine="x", url="http://127.0.0.1:9", state=ReplicaState.READY))
     parts = GatewayParts.build(
         replicas,
-        postgres,
+        fresh_postgres,
         AuthSettings(open=False, admin_key=ADMIN),
         StoreSettings(flush_interval=0.1),
         LimitsSettings(),
@@ -88,10 +70,10 @@ def test_a_custom_id_holding_nul_is_refused_at_upload_and_fails_a_batch_naming_i
     assert parsed is None and [e["line"] for e in errors] == [2]
 
 
-def test_a_batch_whose_lines_the_store_refuses_is_failed_not_left_validating(postgres: str) -> None:
+def test_a_batch_whose_lines_the_store_refuses_is_failed_not_left_validating(fresh_postgres: str) -> None:
     """Before, psycopg's DataError went up to the runner, which logged it and left the batch `validating`:
     its whole input was read and checked again every tick, for 24 hours."""
-    store = BatchStore(open_database(postgres))
+    store = BatchStore(open_database(fresh_postgres))
     batch = store.create_batch(NewBatch("acme", None, "/v1/chat/completions", "file-x", timedelta(hours=1)))
     body = orjson.dumps(BODY)
     assert not store.start(batch.id, "m", [("fine", body), ("evil\u0000id", body)])

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import sqlite3
-import uuid
-from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -24,21 +22,6 @@ POSTGRES = "postgresql://postgres@127.0.0.1:5432/test"
 
 def run(*args: str, env: dict[str, str] | None = None) -> Result:
     return CliRunner().invoke(app, list(args), env={"COLUMNS": "160", **(env or {})})
-
-
-@pytest.fixture
-def fresh_postgres() -> Iterator[str]:
-    """A database of this test's own on the PostgreSQL server (no tables), dropped after it."""
-    name = f"corral_cli_{uuid.uuid4().hex[:12]}"
-    admin = create_engine(
-        POSTGRES.replace("postgresql://", "postgresql+psycopg://"), isolation_level="AUTOCOMMIT"
-    )
-    with admin.connect() as conn:
-        conn.execute(text(f"CREATE DATABASE {name}"))
-    yield POSTGRES.rsplit("/", 1)[0] + "/" + name
-    with admin.connect() as conn:
-        conn.execute(text(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
-    admin.dispose()
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
@@ -115,10 +98,11 @@ def test_keys_commands_name_their_store_and_say_when_it_is_new(tmp_path: Path, f
     assert again.exit_code == 0 and "store: sqlite:///" in again.stderr and "new" not in again.stderr
     listed = run("keys", "list", env={"CORRAL_HOME": str(home)})
     assert listed.exit_code == 0 and f"store: sqlite:///{home / 'corral.db'}" in listed.stderr
-    with_password = fresh_postgres.replace("postgres@", "postgres:hunter2@")  # (trust: not asked for)
+    plain = fresh_postgres.replace("postgresql+psycopg://", "postgresql://")  # (as psql's docs spell it)
+    with_password = plain.replace("postgres@", "postgres:hunter2@")  # (trust: not asked for)
     made = run("keys", "create", "--tenant", "acme", "--store", with_password)
     assert made.exit_code == 0, made.output
-    shown = fresh_postgres.replace("postgresql://postgres@", "postgresql+psycopg://postgres:***@")
+    shown = plain.replace("postgresql://postgres@", "postgresql+psycopg://postgres:***@")
     assert f"store: {shown}" in made.stderr and "hunter2" not in made.output, made.output
     assert f"created a new, empty store at {shown}" in made.stderr, made.stderr
     listed = run("keys", "list", "--store", with_password)

@@ -6,36 +6,22 @@ from __future__ import annotations
 
 import hashlib
 import secrets
-import uuid
-from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import Engine, create_engine, text
+from sqlalchemy import Engine, text
 
 from corral.store import SessionStore, open_database
 
-POSTGRES = "postgresql+psycopg://postgres@127.0.0.1:5432"
-
 
 @pytest.fixture(params=["sqlite", "postgresql"])
-def url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+def url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     """A store of its own: a fresh SQLite file, or a fresh PostgreSQL database (dropped after)."""
     if request.param == "sqlite":
-        yield f"sqlite:///{tmp_path / 'corral.db'}"
-        return
-    name = f"corral_signin_{uuid.uuid4().hex[:12]}"
-    server = create_engine(POSTGRES + "/test", isolation_level="AUTOCOMMIT")
-    with server.connect() as connection:
-        connection.execute(text(f"CREATE DATABASE {name}"))
-    try:
-        yield f"{POSTGRES}/{name}"
-    finally:
-        with server.connect() as connection:
-            connection.execute(text(f"DROP DATABASE {name} WITH (FORCE)"))
-        server.dispose()
+        return f"sqlite:///{tmp_path / 'corral.db'}"
+    return str(request.getfixturevalue("fresh_postgres"))
 
 
 def test_a_store_from_before_id_tokens_gains_the_column_and_keeps_its_sessions(url: str) -> None:

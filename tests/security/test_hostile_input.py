@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
 import pytest
-from sqlalchemy import create_engine, text
 from typer.testing import CliRunner
 from yarl import URL
 
@@ -302,32 +300,16 @@ async def test_an_integer_past_64_bits_reaches_the_engine_as_sent_when_the_body_
     assert upstream.bodies[-1]["stream_options"] == {"include_usage": True}
 
 
-POSTGRES = "postgresql+psycopg://postgres@127.0.0.1:5432"
-
-
 @pytest.fixture
-def postgres() -> Iterator[str]:
-    """A fresh PostgreSQL database of this test's own (the server on 127.0.0.1:5432), dropped after it."""
-    name = f"corral_hostile_{uuid.uuid4().hex[:12]}"
-    server = create_engine(POSTGRES + "/test", isolation_level="AUTOCOMMIT")
-    with server.connect() as connection:
-        connection.execute(text(f"CREATE DATABASE {name}"))
-    try:
-        yield f"{POSTGRES}/{name}"
-    finally:
-        with server.connect() as connection:
-            connection.execute(text(f"DROP DATABASE {name} WITH (FORCE)"))
-        server.dispose()
-
-
-@pytest.fixture
-async def on_postgres(postgres: str, upstream: ScriptedUpstream) -> AsyncIterator[tuple[str, GatewayParts]]:
+async def on_postgres(
+    fresh_postgres: str, upstream: ScriptedUpstream
+) -> AsyncIterator[tuple[str, GatewayParts]]:
     """A closed gateway with the Files and Batch API on PostgreSQL: (its url, its parts)."""
     replicas = ReplicaSet(["m"])
     replicas.add(Replica(id="m-0", model="m", engine="x", url=upstream.url, state=ReplicaState.READY))
     parts = GatewayParts.build(
         replicas,
-        postgres,
+        fresh_postgres,
         AuthSettings(open=False),
         StoreSettings(flush_interval=0.1),
         LimitsSettings(),
