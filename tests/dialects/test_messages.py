@@ -13,6 +13,7 @@ import anthropic
 import openai
 import pytest
 
+from corral.dialects.chat import not_shown
 from tests.dialects.conftest import Cluster, streamed_answer, whole_answer
 from tests.dialects.weather import MESSAGES_TOOL
 from tests.gateway.conftest import Gateway, ScriptedUpstream
@@ -281,10 +282,12 @@ async def test_a_prefill_is_continued_by_the_engine(scripted: tuple[Gateway, Scr
     assert not {"continue_final_message", "add_generation_prompt"} & set(upstream.bodies[-1])
 
 
-async def test_an_image_in_a_tool_result_is_a_400_naming_it(
+async def test_an_image_in_a_tool_result_is_told_as_not_shown(
     scripted: tuple[Gateway, ScriptedUpstream],
 ) -> None:
-    """A tool message carries text only: an image in a tool result was dropped without a word."""
+    """A tool message carries text only: an image in a tool result was dropped without a word, and then
+    a 400 (every later turn of an agent's conversation, which keeps the result, was refused). The model
+    reads that an image was there and is not shown; a block of no kind a result takes is a 400."""
     gateway, upstream = scripted
     upstream.answer = whole_answer({"role": "assistant", "content": "ok"}, "stop")
     claude = anthropic.AsyncAnthropic(base_url=gateway.url, api_key="none", max_retries=0)
@@ -300,8 +303,9 @@ async def test_an_image_in_a_tool_result_is_a_400_naming_it(
         {"role": "user", "content": [result]},
     ]
     tools: list[Any] = [{"name": "shot", "input_schema": {"type": "object"}}]
+    await claude.messages.create(model="m", max_tokens=5, messages=turns, tools=tools)
+    told = "here" + not_shown("an image")
+    assert upstream.bodies[-1]["messages"][-1] == {"role": "tool", "tool_call_id": "t1", "content": told}
+    result["content"] = [{"type": "text", "text": "here"}, {"type": "tool_use", "id": "x", "name": "y"}]
     with pytest.raises(anthropic.BadRequestError, match=r"messages\[2\]\.content\[0\]\.content\[1\]"):
         await claude.messages.create(model="m", max_tokens=5, messages=turns, tools=tools)
-    result["content"] = [{"type": "text", "text": "here"}]
-    await claude.messages.create(model="m", max_tokens=5, messages=turns, tools=tools)
-    assert upstream.bodies[-1]["messages"][-1] == {"role": "tool", "tool_call_id": "t1", "content": "here"}

@@ -14,6 +14,7 @@ import pytest
 from sqlalchemy import create_engine, event, text
 
 from corral.config import StoreSettings
+from corral.dialects.chat import not_shown
 from corral.routing import ReplicaState
 from corral.store import open_database
 from corral.store.responses import ResponseRow, ResponseStore
@@ -407,7 +408,8 @@ async def test_allowed_tools_offer_the_model_only_the_functions_they_name(
 async def test_input_items_become_the_chat_turns_they_are(scripted: tuple[Gateway, ScriptedUpstream]) -> None:
     """An assistant's text and the calls after it are one assistant turn (two turns in a row read as the
     assistant speaking twice); a function's output given as parts is their text (it reached the model as
-    the parts' JSON), and a part a tool message cannot carry is a 400 naming the field; an item's id of
+    the parts' JSON), an image or a file in it a note that it is not shown (a 400 made every later turn of
+    the conversation, which keeps it, a 400), a part of no kind known a 400 naming it; an item's id of
     null or "" is one the gateway makes (it was kept: listed as null)."""
     gateway, upstream = scripted
     upstream.answer = whole_answer({"role": "assistant", "content": "done"}, "stop")
@@ -425,7 +427,11 @@ async def test_input_items_become_the_chat_turns_they_are(scripted: tuple[Gatewa
     assert tool == {"role": "tool", "tool_call_id": "c1", "content": "21C"}
     items = await client.responses.input_items.list(response.id, order="asc")
     assert all(item.id for item in items.data) and items.data[0].id.startswith("msg_")  # type: ignore[union-attr]
-    said[3]["output"] = [{"type": "input_image", "image_url": "data:image/png;base64,iVBORw0KGgo="}]
+    image = {"type": "input_image", "image_url": "data:image/png;base64,iVBORw0KGgo="}
+    said[3]["output"] = [{"type": "input_text", "text": "see: "}, image]
+    await client.responses.create(model="m", input=said, tools=_TOOLS)
+    assert upstream.bodies[-1]["messages"][-1]["content"] == "see: " + not_shown("an image")
+    said[3]["output"] = [{"type": "output_audio"}]
     with pytest.raises(openai.BadRequestError) as info:
         await client.responses.create(model="m", input=said, tools=_TOOLS)
-    assert info.value.body["param"] == "input[3].output"  # type: ignore[index]
+    assert info.value.body["param"] == "input[3].output[0]"  # type: ignore[index]

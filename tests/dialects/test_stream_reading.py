@@ -16,7 +16,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from corral.dialects.anthropic_messages import MessagesExchange, MessagesRequest
+from corral.dialects.anthropic_messages import MessagesEncoder, MessagesExchange, MessagesRequest
 from corral.dialects.chat import ToolCall
 from corral.dialects.chunks import ChunkReader
 from corral.dialects.openai_responses import ResponsesExchange, ResponsesRequest
@@ -340,6 +340,57 @@ async def test_parallel_calls_are_each_their_own_messages_block(
     assert isinstance(answer, web.Response) and isinstance(answer.body, bytes)
     content = json.loads(answer.body)["content"]
     assert [(block["id"], block["input"]) for block in content] == calls
+
+
+@pytest.mark.parametrize("how", ["whole", "events", "bytes"])
+async def test_text_between_calls_arguments_is_told_after_the_calls(anthropic_spec: Spec, how: str) -> None:
+    """Text that came while calls' arguments were still coming closed their blocks for good:
+    the arguments after it were lost (streamed {"x": and {"y": where the whole answer had {"x": 1} and
+    {"y": 2}). It is told after the calls, in a block of its own."""
+    deltas = [_start(0), _start(1), _args(0, '{"x": '), _args(1, '{"y": '), {"content": "\n"}]
+    deltas += [{"content": "!"}, _args(0, "1}"), _args(1, "2}")]
+    told = await _told(_messages_exchange(), list(_cuts(_vllm(deltas, "tool_calls"), how)))
+    failures = _validate_stream(anthropic_spec, told, unlisted=frozenset({"ping"}))
+    failures += _order(_messages_order, told)
+    assert not failures, "\n".join(failures)
+    blocks: dict[int, dict[str, Any]] = {}
+    said: dict[int, str] = {}
+    for event in told:
+        data = event.data
+        if data["type"] == "content_block_start":
+            blocks[data["index"]] = data["content_block"]
+        elif data["type"] == "content_block_delta":
+            delta = data["delta"]
+            said[data["index"]] = said.get(data["index"], "") + str(
+                delta.get("partial_json") or delta.get("text") or ""
+            )
+    calls = [(block["id"], json.loads(said[i])) for i, block in blocks.items() if block["type"] == "tool_use"]
+    assert calls == [("c0", {"x": 1}), ("c1", {"y": 2})]
+    assert [(blocks[i]["type"], said.get(i, "")) for i in sorted(blocks)][2:] == [("text", "\n!")]
+
+
+def test_a_messages_call_held_behind_a_long_one_costs_each_delta_the_same() -> None:
+    """A held call's every delta read the open call's arguments whole, to see whether they were whole
+    JSON: two calls' 32,000 interleaved deltas (160 kB of arguments) took seconds of a core. They are read
+    only where they may be whole (ending with a closing bracket)."""
+    encoder = MessagesEncoder(_messages_exchange())
+    encoder.start()
+    first, second = ToolCall("c0", "f"), ToolCall("c1", "f")
+    encoder.tool_call(first)
+    encoder.tool_call(second)
+    started = time.process_time()
+    for i in range(32000):
+        for call, piece in ((first, '{"a": [' if i == 0 else f"{i}, "), (second, "{" if i == 0 else " ")):
+            call.arguments += piece
+            encoder.tool_arguments(call, piece)
+    assert time.process_time() - started < 1.0
+    told = b""
+    for call, piece in ((first, "0]}"), (second, "}")):
+        call.arguments += piece
+        told += encoder.tool_arguments(call, piece)
+    encoder.answer.finish_reason = "tool_calls"
+    told += encoder.finish()
+    assert told.count(b"event: content_block_start") == 1 and b'"id":"c1"' in told  # (the second call, whole)
 
 
 def test_a_responses_stream_of_thousands_of_calls_costs_each_call_the_same() -> None:

@@ -377,6 +377,20 @@ async def test_a_nul_in_a_path_or_query_is_a_400_on_postgresql_and_a_refused_cha
     assert revoke["actor"].startswith("key:") and revoke["request_id"].startswith("req_")
 
 
+async def test_a_response_id_holding_nul_in_a_body_is_no_stored_response_on_postgresql(
+    on_postgres: tuple[str, GatewayParts],
+) -> None:
+    """A previous_response_id is a body's string: a NUL in it reached PostgreSQL (a 500, and no request of
+    the key's spent). An id of no shape the gateway makes is none of its stored responses, without a
+    lookup."""
+    url, parts = on_postgres
+    key, _ = await asyncio.to_thread(lambda: parts.keys.create("acme"))
+    body = {"model": "m", "input": "hi", "previous_response_id": "resp_\u0000" + "a" * 4000}
+    status, answer, _ = await send(url + "/v1/responses", "POST", key, body)
+    assert (status, answer["error"]["code"]) == (400, "previous_response_not_found"), answer
+    assert len(answer["error"]["message"]) < 200, answer  # (the id named, cut short)
+
+
 @pytest.mark.parametrize(
     ("body", "param"),
     [
@@ -384,6 +398,7 @@ async def test_a_nul_in_a_path_or_query_is_a_400_on_postgresql_and_a_refused_cha
         ({"tenant": "acme", "name": "x\u0000y"}, "name"),
         ({"tenant": "acme", "name": "line\nbreak"}, "name"),
         ({"tenant": "acme", "models": ["m", "m\u001b[31m"]}, "models.1"),
+        ({"tenant": "ok\u009b31mRED"}, "tenant"),
     ],
 )
 async def test_a_new_keys_text_with_a_control_character_is_a_400_naming_its_field(

@@ -29,6 +29,7 @@ from corral.dialects.chat import (
     answer_of_completion,
     error_of_body,
     json_response,
+    not_shown,
     sse,
 )
 from corral.protocol import APIError, InvalidRequest, parse_body
@@ -228,6 +229,10 @@ class MessagesEncoder(Encoder):
         # deltas may): each opens once the open call's arguments are whole JSON and another call's turn
         # comes, or is told whole once the open block closes for good
         self._held: deque[ToolCall] = deque()
+        # text and thinking that came while a call's arguments were not whole or calls waited (a block
+        # closed is closed for good: the calls' later arguments would be lost), told after the calls
+        self._late: list[tuple[str, str]] = []
+        self._unwhole = ("", -1)  # (call id, arguments' length) last read as not whole JSON
 
     def start(self) -> bytes:
         exchange = self.exchange
@@ -300,9 +305,34 @@ class MessagesEncoder(Encoder):
         """Another call's turn: while the open call's arguments are whole, it closes and the first held
         call opens (a delta for it since is told in its block, live)."""
         out = b""
-        while self._held and self._call is not None and _whole(self._call.arguments):
+        while self._held and self._open_call_whole():
             out += self._end_block() + self._open_call(self._held.popleft())
         return out
+
+    def _open_call_whole(self) -> bool:
+        """Whether the open call's arguments are whole JSON (read only where they may be: ending with a
+        closing bracket, and grown since last read)."""
+        call = self._call
+        if call is None:
+            return False
+        arguments = call.arguments
+        if self._unwhole == (call.id, len(arguments)) or arguments.rstrip()[-1:] not in ("}", "]"):
+            return False
+        if _whole(arguments):
+            return True
+        self._unwhole = (call.id, len(arguments))
+        return False
+
+    def _later(self, kind: str, delta: str) -> bool:
+        """Keep a text or thinking delta to tell after the calls, where telling it now would close a call
+        whose arguments are still coming (or calls waiting behind it)."""
+        if not self._late and not (self._open == "tool_use" and (self._held or not self._open_call_whole())):
+            return False
+        if self._late and self._late[-1][0] == kind:
+            self._late[-1] = (kind, self._late[-1][1] + delta)
+        else:
+            self._late.append((kind, delta))
+        return True
 
     def text(self, delta: str) -> bytes:
         return self.text_escaped(orjson.dumps(delta)[1:-1])
@@ -310,13 +340,25 @@ class MessagesEncoder(Encoder):
     def text_escaped(self, escaped: bytes) -> bytes:
         if self._open == "text":
             return self._text_event % escaped
+        if self._open == "tool_use" and self._later("text", orjson.loads(b'"' + escaped + b'"')):
+            return b""
         out = self._block("text", _TEXT_BLOCK)
         self._text_event = self._delta(b'{"type":"text_delta","text":"%s"}')  # (the block's index: fixed)
         return out + self._text_event % escaped
 
     def reasoning(self, delta: str) -> bytes:
+        if self._open == "tool_use" and self._later("thinking", delta):
+            return b""
         out = b"" if self._open == "thinking" else self._block("thinking", _THINKING_BLOCK)
         return out + self._delta(b'{"type":"thinking_delta","thinking":' + orjson.dumps(delta) + b"}")
+
+    def _told_late(self) -> bytes:
+        """The text and thinking kept while calls came (`_later`), after them, each its own block."""
+        late, self._late = self._late, []
+        out = b""
+        for kind, delta in late:
+            out += self.text(delta) if kind == "text" else self.reasoning(delta)
+        return out + self._close()
 
     def tool_call(self, call: ToolCall) -> bytes:
         if self._open != "tool_use":
@@ -331,6 +373,8 @@ class MessagesEncoder(Encoder):
 
     def finish(self) -> bytes:
         out = self._close()
+        if self._late:
+            out += self._told_late()
         if self._index < 0:  # an empty answer still has its (empty) text block
             out += self._block("text", _TEXT_BLOCK) + self._close()
         stop_reason, stop_sequence = self.exchange._stop(self.answer)
@@ -474,11 +518,14 @@ def _result(block: dict[str, Any], where: str) -> str:
 
 
 def _result_text(part: Any, where: str) -> str:
+    """A tool result's block as text: an image or a document is told as a note that it is not shown (a
+    tool's message carries text only; refusing it would refuse every later turn, which keep it)."""
     kind = part.get("type") if isinstance(part, dict) else None
+    if kind in ("image", "document"):
+        return not_shown("an image" if kind == "image" else "a document")
     if kind != "text":
         raise InvalidRequest(
-            f"{where} is a block of type '{kind}': a tool result reaches the model as text only here.",
-            param=where,
+            f"{where} is a block of type '{kind}', which a tool result does not take here.", param=where
         )
     return _block_text(part, where)
 

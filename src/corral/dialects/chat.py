@@ -30,6 +30,7 @@ __all__ = [
     "ToolCall",
     "answer_of_completion",
     "error_of_body",
+    "not_shown",
 ]
 
 logger = logging.getLogger(__name__)
@@ -94,6 +95,12 @@ def _arguments(function: dict[str, Any]) -> str:
     if isinstance(arguments, str):
         return arguments
     return orjson.dumps(arguments or {}).decode()
+
+
+def not_shown(what: str) -> str:
+    """What a model reads in place of `what` a tool returned that its chat turn cannot carry (a tool's
+    message is text on every engine)."""
+    return f"[{what} the tool returned: not shown here, this model reads a tool's result as text only]"
 
 
 def error_of_body(body: bytes) -> tuple[str, str | None, str | None, str | None]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import time
 from typing import Annotated, Any, Literal, cast
 
@@ -31,6 +32,15 @@ from corral.dialects.chat import (
     answer_of_completion,
     json_response,
 )
+from corral.dialects.responses_input import (
+    allowed_tools,
+    chat_messages,
+    chat_tool_choice,
+    chat_tools,
+    continues,
+    input_items,
+    response_format,
+)
 from corral.dialects.responses_stream import (
     ResponsesEncoder,
     call_item,
@@ -39,11 +49,14 @@ from corral.dialects.responses_stream import (
     usage_of,
 )
 from corral.protocol import APIError, InvalidRequest, NotFound, PayloadTooLarge, parse_body
-from corral.protocol.types import Body, encode, parse_part
-from corral.store import ResponseStore
+from corral.protocol.types import Body, encode
+from corral.store import ResponseStore, StoredResponse
 
 __all__ = ["Responses", "ResponsesRequest", "check_line"]
 
+# a response's id as this gateway makes them ("resp_" and 128 random bits in hex): another is none of its
+# stored responses, answered so without a lookup (a NUL in one reached PostgreSQL: a 500)
+_RESPONSE_ID = re.compile(r"resp_[0-9a-f]{32}")
 # Responses fields with no chat-completions counterpart: read here, never sent to the engine.
 _OWN_FIELDS = {
     "input",
@@ -68,14 +81,6 @@ _OWN_FIELDS = {
     "safety_identifier",
     "top_logprobs",
 }
-
-
-class FunctionTool(Body):
-    type: Literal["function"]
-    name: Annotated[str, Field(min_length=1, max_length=128)]
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
 
 
 class ResponsesRequest(Body):
@@ -137,20 +142,18 @@ class Responses:
         history: list[dict[str, Any]] = []
         carried = 0  # the earlier turns' bytes, as stored
         if body.previous_response_id is not None:
+            if not _RESPONSE_ID.fullmatch(body.previous_response_id):
+                raise _previous_not_found(body.previous_response_id)
             if before_history is not None:
                 await before_history()
             previous = await asyncio.to_thread(self._store.get, tenant, body.previous_response_id)
             if previous is None:
-                raise InvalidRequest(
-                    f"Previous response with id '{body.previous_response_id}' not found.",
-                    param="previous_response_id",
-                    code="previous_response_not_found",
-                )
+                raise _previous_not_found(body.previous_response_id)
             output = previous.response.get("output") or []
-            history = previous.input_items + [item for item in output if _continues(item)]
+            history = previous.input_items + [item for item in output if continues(item)]
             carried = previous.size
         token = os.urandom(16).hex()  # the response's id, and its input items' (one random draw a request)
-        items = _input_items(body.input, token)
+        items = input_items(body.input, token)
         if body.store:  # (stored as sent: what JSON cannot carry, an integer past 64 bits, is a 400 now)
             encode(items)
         exchange = ResponsesExchange(body, history + items, tenant, key_id, self._store, token)
@@ -166,10 +169,16 @@ class Responses:
         return exchange
 
     async def retrieve(self, tenant: str, response_id: str) -> dict[str, Any]:
-        found = await asyncio.to_thread(self._store.get, tenant, response_id)
+        return (await self._found(tenant, response_id)).response
+
+    async def _found(self, tenant: str, response_id: str) -> StoredResponse:
+        """The tenant's stored response by that id (NotFound where it has none)."""
+        found = None
+        if _RESPONSE_ID.fullmatch(response_id):
+            found = await asyncio.to_thread(self._store.get, tenant, response_id)
         if found is None:
             raise _not_found(response_id)
-        return found.response
+        return found
 
     async def input_items(
         self,
@@ -182,9 +191,7 @@ class Responses:
     ) -> dict[str, Any]:
         """A page of the response's input items in `order`: those after the item `after` (the SDK's next
         page names the last item of the one before), or before the item `before`, `limit` of them."""
-        found = await asyncio.to_thread(self._store.get, tenant, response_id)
-        if found is None:
-            raise _not_found(response_id)
+        found = await self._found(tenant, response_id)
         items = found.input_items if order == "asc" else found.input_items[::-1]
         start, end = 0, len(items)
         if after is not None:
@@ -201,7 +208,9 @@ class Responses:
         }
 
     async def delete(self, tenant: str, response_id: str) -> dict[str, Any]:
-        if not await asyncio.to_thread(self._store.delete, tenant, response_id):
+        if not _RESPONSE_ID.fullmatch(response_id) or not await asyncio.to_thread(
+            self._store.delete, tenant, response_id
+        ):
             raise _not_found(response_id)
         return {"id": response_id, "object": "response.deleted", "deleted": True}
 
@@ -218,7 +227,7 @@ def check_line(raw: bytes) -> None:
     """A batch line's body checked as a request would be (InvalidRequest naming the field), before the
     batch is accepted; its previous_response_id is resolved when the line runs."""
     body = parse_body(ResponsesRequest, raw)
-    ResponsesExchange(body, _input_items(body.input, "0"), "", None, cast(ResponseStore, None), "0")
+    ResponsesExchange(body, input_items(body.input, "0"), "", None, cast(ResponseStore, None), "0")
 
 
 def _position(items: list[dict[str, Any]], item_id: str, param: str) -> int:
@@ -230,7 +239,15 @@ def _position(items: list[dict[str, Any]], item_id: str, param: str) -> int:
 
 
 def _not_found(response_id: str) -> APIError:
-    return NotFound(f"No response found with id '{response_id}'.", param="response_id")
+    return NotFound(f"No response found with id '{response_id[:64]}'.", param="response_id")
+
+
+def _previous_not_found(response_id: str) -> APIError:
+    return InvalidRequest(
+        f"Previous response with id '{response_id[:64]}' not found.",
+        param="previous_response_id",
+        code="previous_response_not_found",
+    )
 
 
 class ResponsesExchange:
@@ -264,7 +281,7 @@ class ResponsesExchange:
     def _chat(self) -> dict[str, Any]:
         body = self.body
         messages = ([{"role": "system", "content": body.instructions}] if body.instructions else []) + (
-            _messages(self.items)
+            chat_messages(self.items)
         )
         if not messages:
             raise InvalidRequest("input holds no message to answer.", param="input")
@@ -279,17 +296,17 @@ class ResponsesExchange:
                 chat[name] = getattr(body, name)
         if body.max_output_tokens is not None:
             chat["max_tokens"] = body.max_output_tokens
-        offered = _chat_tools(body.tools or [])
+        offered = chat_tools(body.tools or [])
         if isinstance(body.tool_choice, dict) and body.tool_choice.get("type") == "allowed_tools":
-            offered = _allowed(offered, body.tool_choice)
+            offered = allowed_tools(offered, body.tool_choice)
         if offered:
             chat["tools"] = offered
             if body.tool_choice is not None:
-                chat["tool_choice"] = _chat_tool_choice(body.tool_choice)
+                chat["tool_choice"] = chat_tool_choice(body.tool_choice)
         if body.text and isinstance(body.text.get("format"), dict):
-            response_format = _response_format(body.text["format"])
-            if response_format is not None:
-                chat["response_format"] = response_format
+            wanted = response_format(body.text["format"])
+            if wanted is not None:
+                chat["response_format"] = wanted
         return chat
 
     # the response object
@@ -399,202 +416,3 @@ def _echoed(tool: dict[str, Any]) -> dict[str, Any]:
     if tool.get("type") == "function":
         return {"strict": None, "parameters": None, **tool}
     return tool
-
-
-# the request's input
-
-
-def _input_items(value: str | list[dict[str, Any]], token: str) -> list[dict[str, Any]]:
-    """The request's input as items with ids (a string is one user message)."""
-    if isinstance(value, str):
-        value = [{"type": "message", "role": "user", "content": value}]
-    items = []
-    for i, item in enumerate(value):
-        if not isinstance(item, dict):
-            raise InvalidRequest(f"input[{i}] must be an object.", param=f"input[{i}]")
-        kind = item.get("type") or "message"
-        if kind == "message" or (kind is None and "role" in item):
-            prefix = "msg_"
-        elif kind in ("function_call", "function_call_output", "reasoning"):
-            prefix = {"function_call": "fc_", "function_call_output": "fco_", "reasoning": "rs_"}[kind]
-        else:
-            raise InvalidRequest(
-                f"input[{i}] is of type '{kind}', which this server does not take (it takes message, "
-                "function_call, function_call_output and reasoning items).",
-                param=f"input[{i}].type",
-                code="unsupported_input_item",
-            )
-        normal = {"id": "", **item}  # (an id first, as OpenAI lists items; null or "" is none: made here)
-        normal["id"], normal["type"] = item.get("id") or f"{prefix}{token}i{i:x}", kind
-        if kind == "message" and isinstance(item.get("content"), str):  # listed as OpenAI lists it
-            part = "output_text" if item.get("role") == "assistant" else "input_text"
-            normal["content"] = [{"type": part, "text": item["content"]}]
-        items.append(normal)
-    return items
-
-
-def _continues(item: dict[str, Any]) -> bool:
-    """An earlier output item the next turn's input holds (its message, its calls, its reasoning), unless
-    its stream was cut before it ended (a call's arguments would be broken JSON to the engine)."""
-    return (
-        item.get("type") in ("message", "function_call", "reasoning") and item.get("status") != "incomplete"
-    )
-
-
-def _messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Items as chat messages: consecutive function calls become one assistant turn's tool_calls."""
-    messages: list[dict[str, Any]] = []
-    for i, item in enumerate(items):
-        kind = item.get("type")
-        if kind == "message":
-            role = item.get("role")
-            if role not in ("user", "system", "developer", "assistant"):
-                raise InvalidRequest(
-                    f"input[{i}].role must be user, system, developer or assistant.", param=f"input[{i}].role"
-                )
-            # (a developer turn is a system turn to an engine's chat template)
-            role = "system" if role == "developer" else role
-            messages.append({"role": role, "content": _content(item.get("content"), i)})
-        elif kind == "function_call":
-            call = {
-                "id": item.get("call_id") or item.get("id"),
-                "type": "function",
-                "function": {"name": item.get("name"), "arguments": item.get("arguments") or "{}"},
-            }
-            last = messages[-1] if messages else None
-            if last is not None and last["role"] == "assistant":  # (its text and its calls: one turn)
-                last.setdefault("tool_calls", []).append(call)
-            else:
-                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
-        elif kind == "function_call_output":
-            output = _output(item.get("output"), i)
-            messages.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": output})
-    return messages
-
-
-def _output(output: Any, i: int) -> str:
-    """A function call's output as a tool message's text: a string, its text parts joined, or (neither)
-    its JSON."""
-    if isinstance(output, str):
-        return output
-    if not isinstance(output, list):
-        return encode(output).decode()
-    text = _content(output, i, "output")
-    if not isinstance(text, str):
-        raise InvalidRequest(
-            f"input[{i}].output holds an image: a tool's output reaches the model as text only here.",
-            param=f"input[{i}].output",
-            code="unsupported_content",
-        )
-    return text
-
-
-def _content(content: Any, i: int, field: str = "content") -> str | list[dict[str, Any]]:
-    where = f"input[{i}].{field}"
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise InvalidRequest(f"{where} must be a string or a list of parts.", param=where)
-    parts: list[dict[str, Any]] = []
-    for part in content:
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind in ("input_text", "output_text", "text", "refusal"):
-            parts.append({"type": "text", "text": str(part.get("text") or part.get("refusal") or "")})
-        elif kind == "input_image":
-            url = part.get("image_url")
-            if not isinstance(url, str):
-                raise InvalidRequest(
-                    "input_image parts need an image_url (file_id is not served here).", param=where
-                )
-            parts.append({"type": "image_url", "image_url": {"url": url}})
-        else:
-            raise InvalidRequest(
-                f"{where} holds a part of type '{kind}', which this server does not take.",
-                param=where,
-                code="unsupported_content",
-            )
-    if all(p["type"] == "text" for p in parts):
-        return "".join(p["text"] for p in parts)
-    return parts
-
-
-def _chat_tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The function tools the model is offered: each function, and those of a `namespace` (Codex groups
-    its sub-agent tools so). Hosted tools (web search, file search, code interpreter, ...) are OpenAI's to
-    run: the cluster has none, so they are not offered (Codex sends web_search with every request)."""
-    offered: list[dict[str, Any]] = []
-    for i, tool in enumerate(tools):
-        kind = tool.get("type") if isinstance(tool, dict) else None
-        if kind == "function":
-            offered.append(_chat_tool(tool, f"tools[{i}]"))
-        elif kind == "namespace" and isinstance(tool.get("tools"), list):
-            offered += [_chat_tool(t, f"tools[{i}].tools[{j}]") for j, t in enumerate(tool["tools"])]
-        elif not isinstance(kind, str):
-            raise InvalidRequest(f"tools[{i}] needs a type.", param=f"tools[{i}].type")
-    return offered
-
-
-def _chat_tool(tool: dict[str, Any], where: str) -> dict[str, Any]:
-    if not isinstance(tool, dict) or tool.get("type") != "function":
-        raise InvalidRequest(f"{where} must be a function tool.", param=f"{where}.type")
-    parsed = parse_part(FunctionTool, tool, where)
-    function: dict[str, Any] = {"name": parsed.name, "parameters": parsed.parameters or {"type": "object"}}
-    if parsed.description is not None:
-        function["description"] = parsed.description
-    if parsed.strict is not None:
-        function["strict"] = parsed.strict
-    return {"type": "function", "function": function}
-
-
-def _allowed(offered: list[dict[str, Any]], choice: dict[str, Any]) -> list[dict[str, Any]]:
-    """The offered function tools an `allowed_tools` choice names (its hosted tools: none to run here)."""
-    listed = choice.get("tools")
-    if not isinstance(listed, list) or not all(isinstance(tool, dict) for tool in listed):
-        raise InvalidRequest("tool_choice.tools must be a list of tools.", param="tool_choice.tools")
-    names = {str(tool.get("name")) for tool in listed if tool.get("type") == "function"}
-    unknown = names - {tool["function"]["name"] for tool in offered}
-    if unknown:
-        raise InvalidRequest(
-            f"tool_choice allows the function '{sorted(unknown)[0]}', which is not among the tools.",
-            param="tool_choice",
-        )
-    return [tool for tool in offered if tool["function"]["name"] in names]
-
-
-def _chat_tool_choice(choice: str | dict[str, Any]) -> str | dict[str, Any]:
-    if isinstance(choice, str):
-        if choice not in ("auto", "none", "required"):
-            raise InvalidRequest(
-                "tool_choice must be auto, none, required or a function.", param="tool_choice"
-            )
-        return choice
-    if choice.get("type") == "function" and isinstance(choice.get("name"), str):
-        return {"type": "function", "function": {"name": choice["name"]}}
-    if choice.get("type") == "allowed_tools" and choice.get("mode") in ("auto", "required"):
-        return str(choice["mode"])
-    raise InvalidRequest(
-        f"tool_choice of type '{choice.get('type')}' is not served here: use auto, none, required or "
-        "{type: function, name} (the hosted tools are OpenAI's to run).",
-        param="tool_choice",
-        code="unsupported_tool",
-    )
-
-
-def _response_format(fmt: dict[str, Any]) -> dict[str, Any] | None:
-    kind = fmt.get("type")
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        return {"type": "json_object"}
-    if kind == "json_schema":
-        if not isinstance(fmt.get("schema"), dict):
-            raise InvalidRequest(
-                "text.format.schema must be a JSON schema object.", param="text.format.schema"
-            )
-        schema = {"name": fmt.get("name") or "answer", "schema": fmt["schema"]}
-        if fmt.get("strict") is not None:
-            schema["strict"] = fmt["strict"]
-        return {"type": "json_schema", "json_schema": schema}
-    raise InvalidRequest(
-        "text.format.type must be text, json_object or json_schema.", param="text.format.type"
-    )

@@ -41,7 +41,7 @@ _INT64_MAX = 2**63 - 1  # and in a BigInteger one
 MAX_LIFETIME_S = 10 * 365 * 86400  # a key that expires: within ten years
 # no control characters in a key's tenant, name or model names: PostgreSQL refuses a NUL in a text column
 # (a 500 where a 400 belongs), and a line break or escape sequence would forge lines in logs and listings
-PLAIN_TEXT = r"^[^\x00-\x1f\x7f]*$"
+PLAIN_TEXT = r"^[^\x00-\x1f\x7f-\x9f]*$"  # (C0, DEL and C1: U+009B is a terminal's one-character CSI)
 
 
 def new_secret() -> str:
