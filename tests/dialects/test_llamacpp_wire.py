@@ -35,6 +35,7 @@ FUNCTION = {
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
 }
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+GREEDY = {"temperature": 0}
 
 
 def test_chat_completions_get_tool_calls_from_a_model_without_tools(cluster: RunningCluster) -> None:
@@ -122,3 +123,18 @@ async def test_the_agents_sdk_runs_a_tool_on_llamacpp(cluster: RunningCluster) -
     agent, cities = weather_agent("smollm2", client, first_tool_ends=True)
     result = await Runner.run(agent, "What is the weather in Paris?", max_turns=3)
     assert len(cities) == 1 and result.final_output == f"Sunny in {cities[0]}."
+
+
+def test_a_messages_prefill_is_continued_and_not_told_again_on_llamacpp(cluster: RunningCluster) -> None:
+    """A last assistant turn is a prefill the answer goes on from, and Anthropic's answer holds only what
+    follows it. llama.cpp, asked to continue it, streams only what follows; its whole answer began with the
+    prefill (the client read it twice). Both tell what follows, the same text (greedy)."""
+    claude = anthropic.Anthropic(base_url=cluster.url, api_key="none", max_retries=0)
+    prefill = '{"city": "'
+    turns: list = [*ASK, {"role": "assistant", "content": prefill}]
+    whole = claude.messages.create(model="smollm2", max_tokens=6, messages=turns, extra_body=GREEDY)
+    text = "".join(block.text for block in whole.content if block.type == "text")
+    with claude.messages.stream(model="smollm2", max_tokens=6, messages=turns, extra_body=GREEDY) as stream:
+        streamed = "".join(stream.text_stream)
+    assert text and not text.startswith(prefill), text
+    assert streamed == text

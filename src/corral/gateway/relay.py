@@ -35,6 +35,7 @@ from corral.gateway.failover import SILENT, StallWatch, Transcript
 from corral.gateway.refusals import busy_wait, engine_error, failed_how, unanswered
 from corral.gateway.sse import SSEFilter
 from corral.protocol import (
+    ChatCompletionRequest,
     NoCapacity,
     UpstreamError,
     UpstreamTimeout,
@@ -329,6 +330,8 @@ class Relay:
                 body = ctx.emulation.whole(body)
             if replica.engine == "llamacpp" and _TIMINGS in body and not _asks_timings(ctx):
                 body = _without_timings(body)
+            if replica.features.prefill_echo and (prefill := _continued_prefill(ctx)):
+                body = _without_prefill(body, prefill)
             if ctx.written is not None:  # the cache keeps it
                 ctx.whole = body
         elif status >= 400:
@@ -497,4 +500,37 @@ def _without_timings(body: bytes) -> bytes:
         return body
     if not isinstance(data, dict) or data.pop("timings", None) is None:
         return body
+    return orjson.dumps(data)
+
+
+def _continued_prefill(ctx: RequestContext) -> str:
+    """The text of the chat's final assistant message where the request asks it continued
+    (`continue_final_message`: the Messages dialect's prefill), else "". llama.cpp's whole answer begins
+    with it (its stream, so asked, does not; vLLM's answer holds only what follows)."""
+    body = ctx.body
+    if not isinstance(body, ChatCompletionRequest) or body.messages[-1].role != "assistant":
+        return ""
+    if (body.model_extra or {}).get("continue_final_message") is not True:
+        return ""
+    content = body.messages[-1].content
+    if isinstance(content, list):
+        return "".join(str(part.get("text") or "") for part in content if isinstance(part, dict))
+    return content or ""
+
+
+def _without_prefill(body: bytes, prefill: str) -> bytes:
+    """A whole chat answer whose messages begin with the continued `prefill`, without it (the answer is
+    what follows it, as on every engine and in the stream)."""
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return body
+    choices = data.get("choices") if isinstance(data, dict) else None
+    for choice in choices if isinstance(choices, list) else ():
+        message = choice.get("message") if isinstance(choice, dict) else None
+        if not isinstance(message, dict):
+            continue
+        content = message.get("content")
+        if isinstance(content, str) and content.startswith(prefill):
+            message["content"] = content[len(prefill) :]
     return orjson.dumps(data)
