@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+import redis
+from sqlalchemy.exc import DataError
 
 from corral.admission import Principal
 from corral.batch import BatchRunner, BatchStore, NewBatch
@@ -57,13 +59,15 @@ class SlowStarts(BatchStore):
 
 
 class BrokenStarts(BatchStore):
-    """A store whose queuing of a checked batch raises every time (a bug, a queue refusing it)."""
+    """A store whose queuing of a checked batch raises every time: `error` (a value the store refuses for
+    good, by default)."""
 
     tries = 0
+    error: BaseException = DataError("INSERT INTO corral_batch_lines ...", {}, ValueError("out of range"))
 
     def start(self, batch_id: str, model: str, lines: list[tuple[str, bytes]]) -> bool:
         self.tries += 1
-        raise RuntimeError("queuing failed")
+        raise self.error
 
 
 def _store(tmp_path: Path, kind: type[BatchStore] = BatchStore) -> BatchStore:
@@ -167,3 +171,16 @@ async def test_a_batch_whose_check_keeps_raising_is_backed_off_then_failed(tmp_p
     assert store.tries == 3 and took >= 0.1 + 0.2  # (backed off 0.1 s, then 0.2 s)
     found = store.batch("acme", broken)
     assert found is not None and found.errors and found.errors[0]["code"] == "validation_failed"
+
+
+async def test_a_batch_whose_check_meets_a_redis_failover_is_backed_off_not_failed(tmp_path: Path) -> None:
+    """A minute of READONLY while Redis failed over counted as the batch's own fault: it was failed
+    (`validation_failed`) though nothing was wrong with it."""
+    store = _store(tmp_path, BrokenStarts)
+    assert isinstance(store, BrokenStarts)
+    store.error = redis.exceptions.ReadOnlyError("READONLY You can't write against a read only replica.")
+    waiting = _submitted(store, "acme")
+    retries = Retries(tries=2, first_s=0.01, most_s=0.01)
+    async with _running(_runner(store, tmp_path, retries)):
+        await _until(lambda: store.tries >= 6 or _status(store, "acme", waiting) != "validating")
+    assert _status(store, "acme", waiting) == "validating"

@@ -6,9 +6,10 @@ fails it with an error per bad line. A batch with nothing left to run is finalis
 (output and error files written, status set only if still unfinished, counts kept in its row), so two
 runners finalising at once produce one set of files. Each step is a conditional update from the status
 it expects, so a gateway that dies anywhere leaves a batch another one carries on from. Housekeeping takes
-each batch on its own: one whose finalising raises is backed off while the others go on, and failed after
-a few tries (retries.py). A running batch's results are counted in its row as they are committed
-(`result_bytes`): its tenant's files quota counts them.
+each batch on its own: one whose finalising raises is backed off while the others go on, and failed only
+after a few permanent errors (retries.py), its results so far written or kept. A running batch's results
+are counted in its row as they are kept (`result_bytes`, from nothing at each start): its tenant's files
+quota counts them.
 
 No queue library fits both backends and these semantics (procrastinate and pgqueuer are PostgreSQL-only,
 saq and arq Redis-only, none gives exactly-one result per line over SQLite), so the SQL is kept small here.
@@ -18,9 +19,8 @@ from __future__ import annotations
 
 import logging
 import time
-import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from functools import partial
 from typing import Any
@@ -31,10 +31,11 @@ from sqlalchemy.orm import Session
 
 from corral.batch.queue import LOST, BatchLine, LineQueue, LineResult, Stop
 from corral.batch.queue_sql import SqlLines
+from corral.batch.records import BatchRecord, NewBatch, empty_counts, new_row, record
 from corral.batch.results import write_results
 from corral.batch.retries import Retries
 from corral.store import store_is_down
-from corral.store.batch_rows import FINISHED, BatchRow, aware, changed
+from corral.store.batch_rows import FINISHED, RESULTS_KEPT, BatchRow, aware, changed, keeps_lines
 from corral.store.files import FileRow, FileStore, lock_tenant
 
 __all__ = ["BatchRecord", "BatchStore", "NewBatch", "TooManyBatches"]
@@ -49,69 +50,6 @@ class TooManyBatches(Exception):
 _NONE_YET = {"total": 0, "completed": 0, "failed": 0}
 _NOT_YET_S = 2.0  # a line leased while its batch was not in progress goes back for this long
 _RESULT_WRAPPER = 128  # an output line's bytes around its answer: ids, status, request id
-
-
-@dataclass(frozen=True)
-class BatchRecord:
-    id: str
-    tenant: str
-    key_id: str | None
-    endpoint: str
-    model: str
-    input_file_id: str
-    output_file_id: str | None
-    error_file_id: str | None
-    completion_window: str
-    status: str
-    created_at: datetime
-    expires_at: datetime
-    times: dict[str, float]
-    meta: dict[str, str] | None
-    errors: list[dict[str, Any]] | None
-    counts: dict[str, int]
-
-    def to_api(self) -> dict[str, Any]:
-        when = {f"{status}_at": int(at) for status, at in self.times.items()}
-        return {
-            "id": self.id,
-            "object": "batch",
-            "endpoint": self.endpoint,
-            "errors": {"object": "list", "data": self.errors} if self.errors else None,
-            "input_file_id": self.input_file_id,
-            "completion_window": self.completion_window,
-            "status": self.status,
-            "output_file_id": self.output_file_id,
-            "error_file_id": self.error_file_id,
-            "created_at": int(self.created_at.timestamp()),
-            "expires_at": int(self.expires_at.timestamp()),
-            **{
-                key: when.get(key)
-                for key in (
-                    "in_progress_at",
-                    "finalizing_at",
-                    "completed_at",
-                    "failed_at",
-                    "expired_at",
-                    "cancelling_at",
-                    "cancelled_at",
-                )
-            },
-            "request_counts": self.counts,
-            "metadata": self.meta,
-        }
-
-
-@dataclass(frozen=True)
-class NewBatch:
-    """What a client asked for in `POST /v1/batches`, and who."""
-
-    tenant: str
-    key_id: str | None
-    endpoint: str
-    input_file_id: str
-    window: timedelta
-    window_text: str = "24h"  # as the client wrote it
-    meta: dict[str, str] | None = None
 
 
 class BatchStore:
@@ -150,7 +88,7 @@ class BatchStore:
     def create_batch(self, new: NewBatch, max_active: int | None = None) -> BatchRecord:
         """A batch whose input is still to be checked (`validating`): a runner starts or fails it.
         `max_active`: the unfinished batches its tenant may have with it (TooManyBatches past it)."""
-        row = _row(new, self.lines.name)
+        row = new_row(new, self.lines.name)
         with Session(self._engine, expire_on_commit=False) as session, session.begin():
             if max_active is not None:
                 lock_tenant(session, new.tenant)
@@ -193,7 +131,7 @@ class BatchStore:
                 .where(BatchRow.status == "validating", self._mine())
                 .order_by(BatchRow.created_at)
             ).all()
-            return [_batch(row, _empty(row)) for row in rows]
+            return [record(row, empty_counts(row)) for row in rows]
 
     def start(self, batch_id: str, model: str, lines: list[tuple[str, bytes]]) -> bool:
         """Queue a checked batch's lines and set it in progress; False if its status moved meanwhile (it
@@ -205,7 +143,9 @@ class BatchStore:
                     return False
                 self.lines.add(session, batch_id, model, row.tenant, lines)
                 session.flush()
-                self._move(session, row, "in_progress", model=model, total=len(lines))
+                # (result_bytes from nothing: a batch queued again after Redis lost its lines runs them all
+                # again, and its first run's count made each result count twice)
+                self._move(session, row, "in_progress", model=model, total=len(lines), result_bytes=0)
         except (_Raced, IntegrityError):  # another runner queued them first
             return False
         except DBAPIError as exc:  # a value the store cannot hold: it never will, so the batch fails
@@ -263,7 +203,7 @@ class BatchStore:
             row = session.get(BatchRow, batch_id)
             if row is None or (tenant is not None and row.tenant != tenant):
                 return None
-            return _batch(row, self._counts(session, [row])[row.id])
+            return record(row, self._counts(session, [row])[row.id])
 
     def batches(self, tenant: str, limit: int, after: str | None) -> list[BatchRecord]:
         """A page of the tenant's batches, newest first, after the one named (none after an id it does not
@@ -284,7 +224,7 @@ class BatchStore:
                 query.order_by(BatchRow.created_at.desc(), BatchRow.id).limit(limit)
             ).all()
             counts = self._counts(session, found)
-            return [_batch(r, counts[r.id]) for r in found]
+            return [record(r, counts[r.id]) for r in found]
 
     def _counts(self, session: Session, rows: Sequence[BatchRow]) -> dict[str, dict[str, int]]:
         """Kept in the row once finished; from the lines' states before, in the batch's queue (a queue
@@ -300,7 +240,7 @@ class BatchStore:
                 live.update(queue.counts(session, ids) if ids else {})
             except Exception:  # Redis is down: reading a batch still answers
                 logger.warning("batch counts from the %s queue failed", queue.name, exc_info=True)
-        return {r.id: r.counts or live.get(r.id) or _empty(r) for r in rows}
+        return {r.id: r.counts or live.get(r.id) or empty_counts(r) for r in rows}
 
     def cancel(self, tenant: str, batch_id: str) -> BatchRecord | None:
         """Cancelling: pending lines are cancelled; leased ones finish; finalised as cancelled after."""
@@ -354,30 +294,22 @@ class BatchStore:
         return bool(self.commit_many(owner, [(line, result)]))
 
     def commit_many(self, owner: str, results: list[tuple[BatchLine, LineResult]]) -> int:
-        """Several lines' results at once (the runner's per-tick flush); how many were kept. Their size is
-        added to their batches' `result_bytes`: the tenant's files quota counts a running batch's results."""
-        kept = self.lines.commit_many(owner, results) if results else 0
+        """Several lines' results at once (the runner's per-tick flush); how many were kept. The size of
+        those kept (a result whose lease lapsed is not: another runner's is) is added to their batches'
+        `result_bytes`, in the commit's transaction where the lines are in SQL: the tenant's files quota
+        counts a running batch's results."""
+        if not results:
+            return 0
+        if self.lines is self._sql:
+            return len(self._sql.commit_many(owner, results, count=_count_results))
+        kept = self.lines.commit_many(owner, results)
         if kept:
-            self._count_results(results)
-        return kept
-
-    def _count_results(self, results: list[tuple[BatchLine, LineResult]]) -> None:
-        """Add the results' size (about their output lines') to their batches' rows. A count that fails is
-        logged and left short: the results are kept all the same."""
-        sizes: dict[str, int] = {}
-        for line, result in results:
-            size = len(result.body) + len(line.custom_id.encode()) + _RESULT_WRAPPER
-            sizes[line.batch_id] = sizes.get(line.batch_id, 0) + size
-        try:
-            with Session(self._engine) as session, session.begin():
-                for batch_id in sorted(sizes):  # (rows locked in one order: two runners never deadlock)
-                    session.execute(
-                        update(BatchRow)
-                        .where(BatchRow.id == batch_id)
-                        .values(result_bytes=func.coalesce(BatchRow.result_bytes, 0) + sizes[batch_id])
-                    )
-        except SQLAlchemyError:
-            logger.warning("batches: counting %d results' bytes failed", len(results), exc_info=True)
+            try:
+                with Session(self._engine) as session, session.begin():
+                    _count_results(session, [results[i] for i in kept])
+            except SQLAlchemyError:  # logged and left short: the results are kept all the same
+                logger.warning("batches: counting %d results' bytes failed", len(kept), exc_info=True)
+        return len(kept)
 
     def release(self, owner: str, line: BatchLine, after_s: float = 0.0, undo_attempt: bool = False) -> None:
         """Give a leased line back: pending again, runnable `after_s` from now (a retry's backoff);
@@ -436,33 +368,55 @@ class BatchStore:
         return done
 
     def _give_up(self, batch_id: str) -> bool:
-        """Fail a batch whose finalising (or expiry) kept failing, with an error saying so and the counts
-        its lines reached (their results are lost: the files could not be written); whether it was."""
-        message = (
-            "The batch's results could not be written to its output and error files, after several tries; "
-            "the gateway's log names the error."
-        )
-        errors = [{"code": "finalizing_failed", "message": message, "param": None, "line": None}]
+        """Fail a batch whose finalising (or expiry) kept failing with a permanent error (retries.py), its
+        results so far kept (never dropped unwritten); whether it was failed."""
         try:
-            failed = self._unchecked_to(batch_id, "failed", errors=errors)  # (its expiry failed)
-            failed = failed or self._fail_open(batch_id, errors)
-            if failed:
-                self.lines.drop(batch_id)
+            failed = self._unchecked_to(batch_id, "failed", errors=[_error("")])  # (its expiry: no lines)
+            failed = failed or self._fail_keeping_results(batch_id)
         except Exception:  # tried again once its backoff is over
             logger.exception("batch %s: failing it failed too", batch_id)
             return False
         self._retries.forget(batch_id)
         return failed
 
-    def _fail_open(self, batch_id: str, errors: list[dict[str, Any]]) -> bool:
-        """An in-progress or cancelling batch to `failed`, its counts kept from its lines."""
+    def _fail_keeping_results(self, batch_id: str) -> bool:
+        """An open batch failed with its results so far written as its output and error files (its lines
+        then go), or, where they cannot be written, kept in the line queue for the operator (an error
+        says so: `tidy` keeps them until the batch is forgotten); whether it was failed."""
+        try:
+            written = self._fail_open(batch_id, [_error(" Its results so far are in its files.")], True)
+        except Exception:
+            logger.error(
+                "batch %s: its results could not be written; kept in its queue", batch_id, exc_info=True
+            )
+            kept = self._fail_open(batch_id, [_error(_KEPT_TOLD), _KEPT], write=False)
+            if kept:
+                try:
+                    self.lines.cancel(batch_id)  # (none left to run; those with results stay)
+                except Exception:
+                    logger.warning("batch %s: cancelling its queued lines failed", batch_id, exc_info=True)
+            return kept
+        if written:
+            try:
+                self.lines.drop(batch_id)
+            except Exception:  # (`tidy` drops them when a runner starts)
+                logger.warning("batch %s: dropping its lines failed", batch_id, exc_info=True)
+        return written
+
+    def _fail_open(self, batch_id: str, errors: list[dict[str, Any]], write: bool) -> bool:
+        """An in-progress or cancelling batch to `failed`: with its output and error files written from
+        the results so far (`write`), or with its counts alone, kept from its lines."""
         try:
             with Session(self._engine, expire_on_commit=False) as session, session.begin():
                 row = session.get(BatchRow, batch_id, with_for_update=self._postgres)
                 if row is None or row.status not in ("in_progress", "cancelling"):
                     return False
-                counts = self._counts(session, [row])[row.id]
-                self._move(session, row, "failed", finalizing=True, counts=counts, errors=errors)
+                values: dict[str, Any] = {"counts": self._counts(session, [row])[row.id]}
+                if write:
+                    results = self.lines.results(session, batch_id)
+                    output_id, error_id, counts = write_results(session, row, results, self._file_expiry)
+                    values = {"output_file_id": output_id, "error_file_id": error_id, "counts": counts}
+                self._move(session, row, "failed", finalizing=True, errors=errors, **values)
         except _Raced:
             return False
         return True
@@ -485,9 +439,7 @@ class BatchStore:
         """Which of these batches are unfinished now (the queue keeps their lines)."""
         with Session(self._engine) as session:
             return set(
-                session.scalars(
-                    select(BatchRow.id).where(BatchRow.id.in_(batch_ids), BatchRow.status.not_in(FINISHED))
-                ).all()
+                session.scalars(select(BatchRow.id).where(BatchRow.id.in_(batch_ids), keeps_lines())).all()
             )
 
     def _finish(self, batch_id: str) -> bool:
@@ -525,35 +477,37 @@ class BatchStore:
         return True
 
 
+def _count_results(session: Session, kept: list[tuple[BatchLine, LineResult]]) -> None:
+    """Add the kept results' size (about their output lines') to their batches' rows."""
+    sizes: dict[str, int] = {}
+    for line, result in kept:
+        size = len(result.body) + len(line.custom_id.encode()) + _RESULT_WRAPPER
+        sizes[line.batch_id] = sizes.get(line.batch_id, 0) + size
+    for batch_id in sorted(sizes):  # (rows locked in one order: two runners never deadlock)
+        session.execute(
+            update(BatchRow)
+            .where(BatchRow.id == batch_id)
+            .values(result_bytes=func.coalesce(BatchRow.result_bytes, 0) + sizes[batch_id])
+        )
+
+
+def _error(more: str) -> dict[str, Any]:
+    message = (
+        f"The batch could not be finalised, after several tries; the gateway's log names the error.{more}"
+    )
+    return {"code": "finalizing_failed", "message": message, "param": None, "line": None}
+
+
+# a failed batch whose results could not be written: its lines stay in the queue (`tidy` keeps them) until
+# the batch is forgotten, its window and its files' expiry past
+_KEPT_TOLD = " Its results could not be written to files: the gateway keeps them; ask the operator."
+_KEPT = {"code": RESULTS_KEPT, "message": _KEPT_TOLD.strip(), "param": None, "line": None}
+
+
 def _stop(row: BatchRow, now: float) -> Stop | None:
     if row.status == "cancelling":
         return "cancel"
     return "expire" if aware(row.expires_at).timestamp() <= now else None
-
-
-def _empty(row: BatchRow) -> dict[str, int]:
-    return {"total": row.total, "completed": 0, "failed": 0}
-
-
-def _batch(row: BatchRow, counts: dict[str, int]) -> BatchRecord:
-    return BatchRecord(
-        row.id,
-        row.tenant,
-        row.key_id,
-        row.endpoint,
-        row.model,
-        row.input_file_id,
-        row.output_file_id,
-        row.error_file_id,
-        row.completion_window,
-        row.status,
-        aware(row.created_at),
-        aware(row.expires_at),
-        dict(row.times or {}),
-        row.meta,
-        row.errors,
-        counts,
-    )
 
 
 class _Raced(Exception):
@@ -562,23 +516,3 @@ class _Raced(Exception):
 
 def _queue(row: BatchRow) -> str:
     return row.queue or "sql"
-
-
-def _row(new: NewBatch, queue: str) -> BatchRow:
-    now = datetime.now(UTC)
-    return BatchRow(
-        id=f"batch_{uuid.uuid4().hex[:24]}",
-        tenant=new.tenant,
-        key_id=new.key_id,
-        endpoint=new.endpoint,
-        model="",
-        input_file_id=new.input_file_id,
-        completion_window=new.window_text,
-        status="validating",
-        created_at=now,
-        expires_at=now + new.window,
-        times={"validating": now.timestamp()},
-        meta=new.meta,
-        total=0,
-        queue=queue,
-    )

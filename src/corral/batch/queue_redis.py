@@ -167,17 +167,17 @@ return out
 """
 )
 
-# COMMIT: ARGV owner, then (entry, tenant, batch, line, state, result) per line
+# COMMIT: ARGV owner, then (entry, tenant, batch, line, state, result) per line; the places (from 0) kept
 _COMMIT = (
     _QUEUE
     + """
-local owner, kept = ARGV[4], 0
+local owner, kept = ARGV[4], {}
 for i = 5, #ARGV, 6 do
   local id, t, b, l = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
   if holds(t, owner, id) then
     if redis.call('HGET', key(b, 's'), l) == 'l' then
       finish(b, l, ARGV[i + 4], ARGV[i + 5])
-      kept = kept + 1
+      kept[#kept + 1] = (i - 5) / 6
     end
     drop(t, id)
   end
@@ -333,13 +333,18 @@ class RedisLines:
             )
         return leased
 
-    def commit_many(self, owner: str, results: list[tuple[BatchLine, LineResult]]) -> int:
+    def commit_many(self, owner: str, results: list[tuple[BatchLine, LineResult]]) -> list[int]:
         by_model: dict[str, list[Any]] = defaultdict(list)
-        for line, result in results:
+        indices: dict[str, list[int]] = defaultdict(list)  # a model's results' places in `results`
+        for index, (line, result) in enumerate(results):
             status, stored = stored_result(result.status_code, result.body, result.request_id)
             state = "d" if 200 <= status < 300 else "f"
             by_model[line.model] += [line.token, line.tenant, line.batch_id, line.line, state, stored]
-        return sum(int(self._call(self._commit, model, [owner, *args])) for model, args in by_model.items())
+            indices[line.model].append(index)
+        kept: list[int] = []
+        for model, args in by_model.items():
+            kept += [indices[model][int(i)] for i in self._call(self._commit, model, [owner, *args])]
+        return sorted(kept)
 
     def release(self, owner: str, line: BatchLine, after_s: float, undo_attempt: bool = False) -> None:
         due = time.time() + after_s if after_s else 0

@@ -19,11 +19,12 @@ from sqlalchemy import Engine, delete, func, select, update
 from sqlalchemy.orm import Session
 
 from corral.batch.queue import RESULTS_AT_ONCE, BatchLine, LineResult, ResultRow, Stop
-from corral.store.batch_rows import FINISHED, BatchLineRow, BatchRow, changed, gave_up, stored_result
+from corral.store.batch_rows import BatchLineRow, BatchRow, changed, gave_up, keeps_lines, stored_result
 
 __all__ = ["SqlLines"]
 
 BUSY = ("pending", "leased")
+Counted = Callable[[Session, list[tuple[BatchLine, LineResult]]], None]
 
 
 class SqlLines:
@@ -146,18 +147,34 @@ class SqlLines:
             rows += [(r.batch_id, r.line, r.attempts) for r in session.connection().execute(query)]
         return sorted(rows, key=lambda row: row[1])[:limit]
 
-    def commit_many(self, owner: str, results: list[tuple[BatchLine, LineResult]]) -> int:
-        kept = 0
+    def commit_many(
+        self, owner: str, results: list[tuple[BatchLine, LineResult]], count: Counted | None = None
+    ) -> list[int]:
+        """`count(session, kept)`: run on the results kept, in the same transaction (the store adds their
+        size to their batches' rows). Their batch rows are locked first, as finalising locks them before
+        the lines: a commit and a finalise of one batch never wait on each other both ways."""
+        kept: list[int] = []
         with Session(self._engine, expire_on_commit=False) as session, session.begin():
+            if count is not None and self._postgres:
+                batch_ids = sorted({line.batch_id for line, _ in results})
+                session.execute(
+                    select(BatchRow.id)
+                    .where(BatchRow.id.in_(batch_ids))
+                    .order_by(BatchRow.id)
+                    .with_for_update(key_share=True)
+                ).all()
             connection = session.connection()
-            for line, result in results:
+            for index, (line, result) in enumerate(results):
                 status, stored = stored_result(result.status_code, result.body, result.request_id)
                 done = connection.execute(
                     _held(owner, line).values(
                         state="done" if 200 <= status < 300 else "failed", status_code=status, response=stored
                     )
                 )
-                kept += changed(done)
+                if changed(done):
+                    kept.append(index)
+            if count is not None and kept:
+                count(session, [results[i] for i in kept])
         return kept
 
     def release(self, owner: str, line: BatchLine, after_s: float, undo_attempt: bool = False) -> None:
@@ -256,7 +273,7 @@ class SqlLines:
         """Drop the lines of batches finished or gone (a gateway died between finalising a batch and
         dropping its lines, or they were kept before 2026-12-07). Which batches still run is read in the
         same statement as the lines (`unfinished`, the store's answer, is not needed)."""
-        running = select(BatchRow.id).where(BatchRow.status.not_in(FINISHED))
+        running = select(BatchRow.id).where(keeps_lines())
         with self._engine.connect() as connection:
             done = connection.scalars(
                 select(BatchLineRow.batch_id).where(BatchLineRow.batch_id.not_in(running)).distinct()

@@ -1,7 +1,9 @@
 """Per-batch tries of a step that raised (checking a new batch's input, finalising one): each batch's
-failures are backed off on their own, doubling, and after a few the batch is given up on (failed with an
-error) instead of being tried forever, while the other batches go on. A store or line queue that does not
-answer is waited out, not counted: that is not the batch's fault."""
+failures are backed off on their own, doubling up to a cap, while the other batches go on. Only an error
+known to be permanent counts toward giving up on the batch (failing it with an error): a value the store
+can never hold (SQLSTATE classes 22 and 54, a 2 GiB result in a 4-byte column). Anything else (the store or
+line queue down or failing over, a full temporary disk, memory short) is backed off and tried again for
+good: failing a batch on a passing outage threw away results already run and paid for."""
 
 from __future__ import annotations
 
@@ -10,22 +12,44 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 import redis
+from sqlalchemy import exc
 
 from corral.store import store_is_down
 
-__all__ = ["Retries", "unavailable"]
+__all__ = ["Retries", "permanent", "unavailable"]
+
+_REFUSED_FOR_GOOD = ("22", "54")  # SQLSTATE classes: data exception, program limit exceeded
 
 
 def unavailable(error: BaseException) -> bool:
-    """Whether `error` is the store or the line queue not answering (down, failing over, a timeout)."""
+    """Whether `error` is the store or the line queue not answering (down, failing over, a timeout, a
+    replica not yet promoted, a Redis out of memory)."""
     return store_is_down(error) or isinstance(
-        error, (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
+        error,
+        (
+            redis.exceptions.ConnectionError,
+            redis.exceptions.TimeoutError,
+            redis.exceptions.ReadOnlyError,
+            redis.exceptions.OutOfMemoryError,
+        ),
     )
+
+
+def permanent(error: BaseException) -> bool:
+    """Whether `error` will be raised again however long the step waits: the store refused a value it can
+    never hold (a DataError: SQLSTATE class 22, or a program limit, class 54). Nothing else is: an error
+    not known to be permanent is tried again."""
+    if unavailable(error) or not isinstance(error, exc.DBAPIError):
+        return False
+    state = getattr(error.orig, "sqlstate", None)
+    if isinstance(state, str):
+        return state[:2] in _REFUSED_FOR_GOOD
+    return isinstance(error, exc.DataError)
 
 
 @dataclass
 class _Failures:
-    counted: int  # failures that were the batch's (not an outage)
+    counted: int  # permanent failures: the batch's own
     seen: int  # every failure: the backoff doubles with each
     due: float
 
@@ -53,12 +77,13 @@ class Retries:
         return failures is None or failures.due <= self._clock()
 
     def failed(self, batch_id: str, error: BaseException) -> bool:
-        """Note a failure and back the batch off; True when it has failed `tries` times of its own (give
-        up on it: fail it)."""
+        """Note a failure and back the batch off; True when it has failed `tries` times with a permanent
+        error (give up on it: fail it). Any other error backs it off (at most `most_s`) and never gives up."""
         failures = self._failed.setdefault(batch_id, _Failures(0, 0, 0.0))
-        failures.counted += not unavailable(error)
+        failures.counted += permanent(error)
         failures.seen += 1
-        failures.due = self._clock() + min(self._most_s, self._first_s * 2 ** (failures.seen - 1))
+        doubled = self._first_s * 2 ** min(failures.seen - 1, 40)  # (tried for good: no float overflow)
+        failures.due = self._clock() + min(self._most_s, doubled)
         return failures.counted >= self.tries
 
     def forget(self, batch_id: str) -> None:

@@ -6,7 +6,7 @@ A batch is created `validating`; the runner checks the input of those waiting (b
 while checking leaves it `validating`, and the next check takes it again). Checking runs in a task of its
 own, one batch at a time, the tenant checked longest ago first: a 100 MB input takes seconds to check, and
 the pass that commits results and leases lines does not wait for it. A batch whose check raises is tried
-again after a backoff and, after a few tries of its own fault (retries.py), failed.
+again after a backoff and, after a few permanent failures (retries.py), failed.
 
 Each tick it looks at every model with batches in progress and takes as many lines as its ready replicas
 have free slots, less the most slots interactive requests held (or waited for) at once over the last
@@ -270,7 +270,7 @@ class BatchRunner:
         and the pass that commits results and leases lines goes on meanwhile. Each time, the tenant whose
         batch was checked longest ago goes first (its oldest batch), so one tenant's many batches do not
         hold another's; a batch whose check raises is tried again after a backoff, and after
-        `check_retries` tries of its own fault is failed (before, it was checked again every tick, for the
+        `check_retries` permanent failures is failed (before, it was checked again every tick, for the
         day of its window). A supervisor loop: a store that fails is logged and tried at the next pass."""
         while True:
             await self._to_check.wait()

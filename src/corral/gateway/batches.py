@@ -274,7 +274,7 @@ class BatchViews:
             raise InvalidRequest(
                 f"File {file_id} is not a batch input (purpose {found.purpose}).", param="input_file_id"
             )
-        await self._room(principal, self._quota(principal), 0)  # (its results are files: none past the quota)
+        await self._room(principal, self._quota(principal), 0)  # (its results are files: none at the quota)
         key_id = principal.key_id[:32] if principal.key_id else None  # (a signed-in person's oidc:<tenant>)
         new = NewBatch(principal.tenant, key_id, endpoint, file_id, window, window_text, meta)
         try:  # (validated by the runner)

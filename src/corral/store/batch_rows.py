@@ -8,13 +8,25 @@ from typing import Any, cast
 
 import orjson
 from sqlalchemy import JSON, BigInteger, CursorResult, DateTime, Float, Index, Integer, String, Text
+from sqlalchemy import cast as sql_cast
 from sqlalchemy.orm import Mapped, mapped_column
 
 from corral.store.schema import Base
 
-__all__ = ["FINISHED", "BatchLineRow", "BatchRow", "aware", "changed", "gave_up", "stored_result"]
+__all__ = [
+    "FINISHED",
+    "RESULTS_KEPT",
+    "BatchLineRow",
+    "BatchRow",
+    "aware",
+    "changed",
+    "gave_up",
+    "keeps_lines",
+    "stored_result",
+]
 
 FINISHED = frozenset({"completed", "failed", "expired", "cancelled"})  # a batch's last statuses
+RESULTS_KEPT = "results_kept"  # the error of a failed batch whose results could not be written to files
 
 
 class BatchRow(Base):
@@ -63,6 +75,13 @@ class BatchLineRow(Base):
     attempts: Mapped[int] = mapped_column(Integer, default=0)
     status_code: Mapped[int | None] = mapped_column(Integer, nullable=True)
     response: Mapped[str | None] = mapped_column(Text, nullable=True)
+
+
+def keeps_lines() -> Any:
+    """The batches whose lines the queue keeps: those unfinished, and those failed whose results could not
+    be written to files (RESULTS_KEPT among their errors: kept until the batch is forgotten)."""
+    kept = (BatchRow.status == "failed") & sql_cast(BatchRow.errors, Text).contains(RESULTS_KEPT)
+    return BatchRow.status.not_in(FINISHED) | kept
 
 
 def changed(result: Any) -> bool:

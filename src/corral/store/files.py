@@ -126,14 +126,16 @@ class FileStore:
 
     def check_room(self, tenant: str, quota: tuple[int, int], adding: int) -> int:
         """FileQuotaExceeded where `tenant`'s `quota` (files, bytes) has no room for `adding` more files
-        (an upload, checked before its body is read: 1) or is passed already (a batch: 0; a running
-        batch's results count as they are committed, and its lines stop once they pass the quota); else
-        the bytes the tenant holds."""
+        (an upload, checked before its body is read: 1) or is passed already (a batch: 0, so a tenant at
+        its file count may still make a batch of its last upload), or where its bytes have reached the
+        quota (an upload, or a batch: a running batch's results count as they are committed and its lines
+        stop once the tenant's bytes reach the quota, so a batch made at it would run none); else the
+        bytes the tenant holds."""
         with Session(self._engine) as session:
             count, held = _held(session, tenant)
         if count + adding > quota[0]:
             raise FileQuotaExceeded(f"Tenant '{tenant}' holds {count} files, its limit; delete some first.")
-        if held + adding > quota[1]:
+        if held >= quota[1]:
             raise FileQuotaExceeded(
                 f"Tenant '{tenant}' holds {held:,} bytes of files and running batches' results, its limit "
                 f"of {quota[1]:,}; delete some first."

@@ -3,6 +3,7 @@ corral made up to them."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import datetime
@@ -38,9 +39,13 @@ __all__ = [
     "store_is_down",
 ]
 
+logger = logging.getLogger(__name__)
+
 CORE_TABLES = frozenset({"corral_api_keys", "corral_usage"})  # a store holds these whatever its age
 _SCHEMA_LOCK = int.from_bytes(b"corral", "big")  # PostgreSQL's advisory lock held while the schema changes
 _SCHEMA_WAIT_MS = 120_000  # SQLite: how long one waits while another makes its changes (an index build)
+_WIDEN_WAIT_S = 5.0  # PostgreSQL: how long a column's widening waits for its table's lock
+_LOCK_NOT_AVAILABLE = "55P03"  # PostgreSQL's SQLSTATE for a lock_timeout that passed
 
 
 class Base(DeclarativeBase):
@@ -178,20 +183,21 @@ class UsageRow(Base):
     request_id: Mapped[str | None] = mapped_column(String(128), nullable=True, index=True)
 
 
-def bring_forward(engine: Engine) -> bool:
+def bring_forward(engine: Engine, widen_wait_s: float = _WIDEN_WAIT_S) -> bool:
     """Make what corral's schema has and the store lacks: its tables, and the nullable columns and indexes
     added to them since an earlier corral made the store, and integer columns widened since (the schema
     only ever grows by these, so gateways of that earlier version keep working beside it). Returns whether
     the store was new (none of corral's tables were there). The changes are made by one process at a time,
     under PostgreSQL's advisory lock or SQLite's write lock, in one transaction: gateways and commands
     opening one store at once each find what the one before made. A store with nothing to change is only
-    read (no lock taken)."""
+    read (no lock taken). `widen_wait_s`: how long a column's widening waits for its table's lock (beyond
+    it, skipped until the next start)."""
     if not _behind(engine):
         return False
     with engine.connect() as connection, _schema_lock(connection):
         new = not CORE_TABLES <= set(inspect(connection).get_table_names())
         Base.metadata.create_all(connection)
-        add_missing_columns(connection)
+        add_missing_columns(connection, widen_wait_s)
     return new
 
 
@@ -229,6 +235,33 @@ def _narrower(dialect: str, table: Table, found: dict[str, Any]) -> list[str]:
     ]
 
 
+def _widen(connection: Connection, table: str, column: str, wait_s: float) -> None:
+    """Widen a PostgreSQL integer column to BIGINT. It rewrites the table (a store's files from before
+    their parts keep their content in the row: copied too) under ACCESS EXCLUSIVE, which it queues for
+    behind any transaction that read the table (an earlier gateway's), and every query of the table queues
+    behind it: so it waits `wait_s` at most, and where the lock is not had by then it is skipped (logged)
+    and tried at the next start, the rest of the changes committed. In a savepoint: a statement that
+    failed would abort the whole transaction."""
+    waited = connection.execute(text("SHOW lock_timeout")).scalar()
+    try:
+        with connection.begin_nested():
+            connection.execute(
+                text("SELECT set_config('lock_timeout', :wait, true)"), {"wait": f"{int(wait_s * 1000)}ms"}
+            )
+            connection.execute(text(f"ALTER TABLE {table} ALTER COLUMN {column} TYPE BIGINT"))
+    except exc.DBAPIError as error:
+        if getattr(error.orig, "sqlstate", None) != _LOCK_NOT_AVAILABLE:
+            raise
+        logger.warning(
+            "store: widening %s.%s to BIGINT waited %.0f s for the table's lock (a transaction of another "
+            "process holds it); skipped, tried again at the next start",
+            table,
+            column,
+            wait_s,
+        )
+    connection.execute(text("SELECT set_config('lock_timeout', :wait, true)"), {"wait": waited})
+
+
 @contextmanager
 def _schema_lock(connection: Connection) -> Iterator[None]:
     """A transaction on `connection` beside which no other process changes the schema: committed when the
@@ -247,7 +280,7 @@ def _schema_lock(connection: Connection) -> Iterator[None]:
         connection.commit()
 
 
-def add_missing_columns(connection: Connection) -> None:
+def add_missing_columns(connection: Connection, widen_wait_s: float = _WIDEN_WAIT_S) -> None:
     """Nullable columns added to a table after a store made it are added in place, and the indexes it
     lacks made, so a store made by an earlier corral keeps working (corral's schema only ever grows by
     nullable columns, and integer columns widened to BIGINT, which an earlier corral reads and writes as
@@ -262,7 +295,7 @@ def add_missing_columns(connection: Connection) -> None:
                 continue
             kind = column.type.compile(connection.dialect)
             connection.execute(text(f"ALTER TABLE {table.name} ADD COLUMN {column.name} {kind}"))
-        for name in _narrower(connection.dialect.name, table, have):  # (rewrites the table: rows are small)
-            connection.execute(text(f"ALTER TABLE {table.name} ALTER COLUMN {name} TYPE BIGINT"))
+        for name in _narrower(connection.dialect.name, table, have):
+            _widen(connection, table.name, name, widen_wait_s)
         for index in table.indexes:  # (an added column's index: a lookup by it must not scan the table)
             index.create(bind=connection, checkfirst=True)
