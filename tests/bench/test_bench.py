@@ -3,17 +3,27 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import subprocess
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import orjson
 import pytest
 from aiohttp import web
 
-from corral.bench import LoadPlan, Slo, random_requests, run_load, shared_prefix_requests, summarise
+from corral.bench import (
+    LoadPlan,
+    PreflightError,
+    Slo,
+    preflight,
+    random_requests,
+    run_load,
+    shared_prefix_requests,
+    summarise,
+)
 
 from ..conftest import CORRAL, RunningCluster
 
@@ -292,3 +302,161 @@ def test_a_sharegpt_file_runs_on_either_endpoint(
     assert done.returncode == 0, done.stderr
     result = json.loads(out.read_text())
     assert result["completed"] == 3 and result["errors"] == {}
+
+
+@contextlib.asynccontextmanager
+async def serving(handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> AsyncIterator[str]:
+    """`handler` on both endpoints of a server on 127.0.0.1: its base URL."""
+    app = web.Application()
+    app.router.add_post("/v1/completions", handler)
+    app.router.add_post("/v1/chat/completions", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    try:
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
+    finally:
+        await runner.cleanup()
+
+
+def _usage() -> bytes:
+    usage = {
+        "prompt_tokens": PROMPT_TOKENS,
+        "completion_tokens": TOKENS,
+        "total_tokens": PROMPT_TOKENS + TOKENS,
+    }
+    return orjson.dumps({"choices": [], "usage": usage})
+
+
+@pytest.mark.parametrize(
+    "delta",
+    [
+        {"reasoning_content": " think"},  # vLLM's reasoning parsers
+        {"reasoning": " think"},  # vLLM's newer field (and OpenRouter's)
+        {"tool_calls": [{"index": 0, "function": {"arguments": "{"}}]},  # an answer that is a tool call
+    ],
+    ids=["reasoning_content", "reasoning", "tool_calls"],
+)
+async def test_reasoning_and_tool_call_tokens_are_output(delta: dict[str, object]) -> None:
+    """A reasoning model streams its thinking before any `content`: TTFT took in the whole reasoning
+    phase (and TPOT was spread over the last two tokens' gap); an answer made of a tool call had no
+    first token at all. Every delta but the last two here is reasoning or a tool call."""
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await asyncio.sleep(TTFT)
+        for i in range(TOKENS):
+            if i:
+                await asyncio.sleep(ITL)
+            piece = delta if i < TOKENS - 2 or "tool_calls" in delta else {"content": f" c{i}"}
+            chunk = {"choices": [{"index": 0, "delta": piece, "finish_reason": None}]}
+            await response.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
+        await response.write(b"data: " + _usage() + b"\n\ndata: [DONE]\n\n")
+        return response
+
+    async with serving(handle) as url:
+        plan = LoadPlan(base_url=url, model="m", endpoint="/v1/chat/completions")
+        summary = summarise(await run_load(plan, random_requests(3, 10, TOKENS, chat=True)))
+    assert summary["completed"] == 3
+    assert summary["ttft_ms"]["mean"] == pytest.approx(TTFT * 1000, abs=25)
+    assert summary["tpot_ms"]["mean"] == pytest.approx(ITL * 1000, abs=5)
+
+
+async def test_events_ended_by_crlf_with_no_space_after_data_are_read() -> None:
+    """The SSE standard ends lines with LF, CRLF or CR and makes the space after `data:` optional: a server
+    writing `data:{...}\\r\\n\\r\\n` had every request counted an incomplete stream. Here each CRLF of a
+    blank line is split over two writes a token apart: the event counts when its CR arrives."""
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await asyncio.sleep(TTFT)
+        lead = b""
+        for i in range(TOKENS):
+            if i:
+                await asyncio.sleep(ITL)
+            choice = {"index": 0, "text": f" t{i}", "finish_reason": None}
+            await response.write(lead + b"data:" + orjson.dumps({"choices": [choice]}) + b"\r\n\r")
+            lead = b"\n"
+        await response.write(b"\ndata:" + _usage() + b"\r\n\r\ndata:[DONE]\r\n\r\n")
+        return response
+
+    async with serving(handle) as url:
+        summary = summarise(await run_load(LoadPlan(base_url=url, model="m"), random_requests(3, 10, TOKENS)))
+    assert summary["completed"] == 3 and summary["errors"] == {}
+    assert summary["total_output_tokens"] == 3 * TOKENS
+    assert summary["ttft_ms"]["mean"] == pytest.approx(TTFT * 1000, abs=12)
+    assert summary["itl_ms"]["p50"] == pytest.approx(ITL * 1000, abs=5)
+
+
+async def test_warm_up_requests_finish_before_the_measured_ones_start(injected: Injected) -> None:
+    """`--warmup` said "sent first", but the warm-up requests went out beside the measured ones (all at
+    once here), so the measured ones met a server still warming up and shared it with them."""
+    run = await run_load(LoadPlan(base_url=injected.url, model="m", warmup=3), random_requests(7, 10, TOKENS))
+    warm = [r for r in run.results if r.warmup]
+    measured = [r for r in run.results if not r.warmup]
+    assert len(warm) == 3 and len(measured) == 4 and all(r.ok for r in run.results)
+    assert max(r.started + r.e2e for r in warm) <= min(r.started for r in measured)
+    assert run.duration_s < (TTFT + TOKENS * ITL) * 1.8  # (the clock started after the warm-up)
+
+
+def test_numbers_a_run_cannot_use_and_unwritable_outputs_are_refused_before_it(tmp_path: Path) -> None:
+    """Each was accepted: a rate of 0 or nan and a burstiness of 0 ended in ZeroDivisionError (and "Task
+    exception was never retrieved"), a concurrency cap of 0 meant none, 0 prompts for a duration was a
+    modulo by zero, a range ratio of 1 asked for empty prompts, and an --output that could not be written
+    failed after the run, its results lost. The server is not there: these fail before any request."""
+    (tmp_path / "file").write_text("")
+    cases = [
+        (["--request-rate", "0"], "--request-rate 0: give requests/s above 0"),
+        (["--request-rate", "nan"], "--request-rate nan: give requests/s above 0"),
+        (["--burstiness", "0"], "--burstiness 0: give a number above 0"),
+        (["--max-concurrency", "0"], "'--max-concurrency': Input should be greater than or equal to 1"),
+        (["--num-prompts", "0", "--duration", "1"], "'--num-prompts': Input should be greater than or equal"),
+        (["--duration", "-1"], "--duration -1: give a number of seconds above 0"),
+        (["--random-range-ratio", "1"], "--random-range-ratio 1: give a share of at least 0 and under 1"),
+        (["--goodput", "ttft:-5"], "bad --goodput 'ttft:-5': give milliseconds above 0"),
+        (["--output", str(tmp_path)], f"--output {tmp_path}: cannot write there"),
+        (["--plots", str(tmp_path / "file")], f"--plots {tmp_path / 'file'}: cannot write there"),
+    ]
+    base = [*CORRAL, "bench", "--base-url", "http://127.0.0.1:9", "--model", "m"]
+    runs = [
+        subprocess.Popen([*base, *flags], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for flags, _ in cases
+    ]
+    for (flags, message), process in zip(cases, runs, strict=True):
+        _, stderr = process.communicate(timeout=60)
+        assert process.returncode == 2 and message in " ".join(stderr.split()), (flags, stderr)
+        assert "Traceback" not in stderr
+
+
+async def test_a_broken_answer_to_the_check_before_a_run_is_a_clear_error() -> None:
+    """A server that cut its answer short raised http.client.IncompleteRead through the check (an
+    "unexpected error"), as it is neither a URLError nor an OSError."""
+
+    async def cut_short(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n40\r\ndata: {")
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(cut_short, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    async with server:
+        with pytest.raises(PreflightError, match="broke off its answer to a one-token test request"):
+            await asyncio.to_thread(preflight, url, "m", "/v1/completions", None, 10)
+
+
+def test_comparing_a_result_without_its_figures_is_a_clear_error(tmp_path: Path) -> None:
+    """A JSON file with `runs` but not the figures of one was a KeyError ("an unexpected error")."""
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"runs": [{"requests_per_s": 1.0}]}))
+    done = subprocess.run(
+        [*CORRAL, "bench", "compare", str(bad), str(bad)], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 1 and "unexpected error" not in done.stderr
+    assert "is not a whole corral bench result: its last run has no number output_tokens_per_s" in " ".join(
+        done.stderr.split()
+    )

@@ -83,3 +83,56 @@ def test_bad_user_file_is_a_clear_error(tmp_path: Path) -> None:
     extra.write_text("gpus:\n  - {name: x, memory_gb: 1, colour: red}\n")
     with pytest.raises(CatalogError, match="unknown fields colour"):
         load_catalog([extra])
+
+
+@pytest.mark.parametrize(
+    ("entry", "message"),
+    [
+        (
+            "models:\n  - {name: bad, params_b: 7, layers: 32, hidden: 4096, heads: 32, kv_heads: 0,\n"
+            "     head_dim: 128, ffn: 14336, vocab: 32000, max_context: 8192}\n",
+            "bad: kv_heads must be above 0, not 0",
+        ),
+        (
+            "gpus:\n  - {name: free, memory_gb: 80, bandwidth_gbs: 0, bf16_tflops: 900, fp8_tflops: null,\n"
+            "     interconnect_gbs: 100, gpus_per_node: 8, tdp_w: 700, price_per_hour: 2}\n",
+            "free: bandwidth_gbs must be above 0, not 0",
+        ),
+        (
+            "gpus:\n  - {name: owed, memory_gb: 80, bandwidth_gbs: 2000, bf16_tflops: .nan,\n"
+            "     fp8_tflops: null, interconnect_gbs: 100, gpus_per_node: 8, tdp_w: 0, price_per_hour: -1}\n",
+            "owed: bf16_tflops must be a finite number, not nan",
+        ),
+        (
+            "models:\n  - {name: half, params_b: 7, layers: 32.5, hidden: 4096, heads: 32, kv_heads: 8,\n"
+            "     head_dim: 128, ffn: 14336, vocab: 32000, max_context: 8192}\n",
+            "half: layers must be a whole number, not 32.5",
+        ),
+        (
+            "apis:\n  - {name: paid, input_per_m: -0.1, output_per_m: 1}\n",
+            "paid: input_per_m must be 0 or more",
+        ),
+    ],
+)
+def test_a_user_entry_with_a_figure_the_planner_cannot_use_is_a_clear_error(
+    tmp_path: Path, entry: str, message: str
+) -> None:
+    """A KV head count of 0 was a modulo by zero deep in the search, a bandwidth of 0 a division by zero:
+    the entry and the field are named as the catalog loads. A free card (price 0) is fine."""
+    extra = tmp_path / "mine.yaml"
+    extra.write_text(entry)
+    with pytest.raises(CatalogError, match=message):
+        load_catalog([extra])
+    extra.write_text(
+        "gpus:\n  - {name: owned, memory_gb: 80, bandwidth_gbs: 2000, bf16_tflops: 300, fp8_tflops: null,\n"
+        "     interconnect_gbs: 100, gpus_per_node: 8, tdp_w: 0, price_per_hour: 0}\n"
+    )
+    assert load_catalog([extra]).gpus.get("owned").price_per_hour == 0
+
+
+def test_q4_0_and_q4_1_gguf_weights_take_their_block_sizes() -> None:
+    """llama.cpp's blocks of 32 weights: Q4_0 is 16 bytes of nibbles and an fp16 scale (18 bytes, 4.5
+    bits a weight), Q4_1 adds an fp16 minimum (20 bytes, 5.0). `q4_0` was an alias of the Q4_1 entry."""
+    quantizations = load_catalog().quantizations
+    assert quantizations.get("q4_0").bits == 18 * 8 / 32
+    assert quantizations.get("q4_1").bits == quantizations.get("gguf-q4").bits == 20 * 8 / 32

@@ -6,6 +6,7 @@ and the run into a table of zeros.
 
 from __future__ import annotations
 
+import http.client
 import json
 import urllib.error
 import urllib.request
@@ -47,6 +48,11 @@ def preflight(base_url: str, model: str, endpoint: str, api_key: str | None, tim
     except (urllib.error.URLError, OSError) as exc:
         reason = getattr(exc, "reason", exc)
         raise PreflightError(f"cannot reach {url}: {reason}") from None
+    except http.client.HTTPException as exc:  # a broken answer: cut off, or not HTTP at all
+        raise PreflightError(
+            f"{url} broke off its answer to a one-token test request ({type(exc).__name__}: {exc}); "
+            "is it an OpenAI-compatible server?"
+        ) from None
 
 
 def _refusal(exc: urllib.error.HTTPError, url: str, base: str, model: str, api_key: str | None) -> str:
@@ -65,7 +71,7 @@ def _refusal(exc: urllib.error.HTTPError, url: str, base: str, model: str, api_k
 def _message(exc: urllib.error.HTTPError) -> str:
     try:
         text = exc.read(65536).decode("utf-8", errors="replace")
-    except OSError:
+    except (OSError, http.client.HTTPException):
         return str(exc.reason)
     try:
         error = json.loads(text).get("error")
@@ -87,5 +93,5 @@ def _served_models(base: str, api_key: str | None) -> list[str]:
     try:
         with urllib.request.urlopen(request, timeout=10) as response:
             return [str(m["id"]) for m in json.load(response).get("data", [])]
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+    except (OSError, http.client.HTTPException, ValueError, KeyError, TypeError, AttributeError):
         return []

@@ -101,8 +101,9 @@ td,th{{border:1px solid #ccc;padding:4px 10px;text-align:right}}img{{max-width:1
 
 
 def compare(a: dict[str, Any], b: dict[str, Any]) -> list[tuple[str, float, float, float | None]]:
-    """(metric, A, B, relative change B vs A) for the headline figures of two results' last runs."""
-    ra, rb = a.get("runs", [a])[-1], b.get("runs", [b])[-1]
+    """(metric, A, B, relative change B vs A) for the headline figures of two results' last runs
+    (ValueError where one lacks them: `last_run`)."""
+    ra, rb = last_run(a), last_run(b)
     rows: list[tuple[str, float, float, float | None]] = []
     for key in ("requests_per_s", "output_tokens_per_s"):
         rows.append((key, ra[key], rb[key], _change(ra[key], rb[key])))
@@ -112,6 +113,26 @@ def compare(a: dict[str, Any], b: dict[str, Any]) -> list[tuple[str, float, floa
             rows.append((f"{metric}.{stat}", va, vb, _change(va, vb)))
     rows.append(("errors", sum(ra["errors"].values()), sum(rb["errors"].values()), None))
     return rows
+
+
+def last_run(result: Any) -> dict[str, Any]:
+    """A result's last run, with the figures `compare` reads; ValueError saying which one is missing."""
+    runs = result.get("runs", [result]) if isinstance(result, dict) else None
+    if not isinstance(runs, list) or not runs or not isinstance(runs[-1], dict):
+        raise ValueError("it holds no runs")
+    run: dict[str, Any] = runs[-1]
+    wanted: list[tuple[str, str | None]] = [("requests_per_s", None), ("output_tokens_per_s", None)]
+    wanted += [(metric, stat) for metric in _METRICS for stat in ("mean", "p50", "p99")]
+    for key, stat in wanted:
+        value = run.get(key)
+        if stat is not None:
+            value = value.get(stat) if isinstance(value, dict) else None
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ValueError(f"its last run has no number {key}{'.' + stat if stat else ''}")
+    errors = run.get("errors")
+    if not isinstance(errors, dict) or not all(isinstance(n, int) for n in errors.values()):
+        raise ValueError("its last run has no errors counted by kind")
+    return run
 
 
 def _change(a: float, b: float) -> float | None:

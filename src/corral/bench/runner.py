@@ -1,5 +1,6 @@
-"""Sending the load: arrivals (all at once, Poisson or gamma), a concurrency cap, ramp-up, warm-up requests,
-and a measurement of the client's own event-loop lag (a lagging client inflates latencies it reports).
+"""Sending the load: arrivals (all at once, Poisson or gamma), a concurrency cap, ramp-up, a warm-up phase
+finished before the measured one starts, and a measurement of the client's own event-loop lag (a lagging
+client inflates latencies it reports).
 
 Every request is streamed with `stream_options.include_usage`, so TTFT and the gaps between chunks are seen
 as they happen and token counts come from the server's usage.
@@ -9,10 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import random
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import aiohttp
 import orjson
@@ -66,50 +69,75 @@ async def run_load(
     requests: Sequence[BenchRequest],
     progress: Callable[[int, int], None] = lambda done, total: None,
 ) -> RunResult:
-    """Send `requests` as `plan` says (cycling through them when a duration is set)."""
-    rng = random.Random(plan.seed)
-    limit = asyncio.Semaphore(plan.max_concurrency) if plan.max_concurrency else None
+    """Send `requests` as `plan` says: the first `plan.warmup` of them as a phase of their own, every one
+    finished before the clock starts, then the rest (cycling through them when a duration is set)."""
     url = plan.base_url.rstrip("/") + plan.endpoint
     headers = {"Content-Type": "application/json"}
     if plan.api_key:
         headers["Authorization"] = f"Bearer {plan.api_key}"
     results: list[RequestResult] = []
-    tasks: list[asyncio.Task[None]] = []
-    lag = _LagMonitor()
     total = len(requests) if plan.duration_s is None else 0
+    lag = _LagMonitor()
     timeout = aiohttp.ClientTimeout(total=plan.timeout_s)
     connector = aiohttp.TCPConnector(limit=0, force_close=False)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
-        lag.start()
-        started = time.perf_counter()
 
-        async def one(index: int, request: BenchRequest) -> None:
-            body = orjson.dumps(request.body(plan.model, plan.ignore_eos))
-            if limit is not None:
-                async with limit:
-                    result = await _send(session, url, headers, body)
-            else:
-                result = await _send(session, url, headers, body)
-            result.warmup = index < plan.warmup
+        def sent(result: RequestResult) -> None:
             results.append(result)
             progress(len(results), total)
 
-        index = 0
-        while True:
-            if plan.duration_s is None and index >= len(requests):
-                break
-            elapsed = time.perf_counter() - started
-            if plan.duration_s is not None and elapsed >= plan.duration_s:
-                break
-            tasks.append(asyncio.create_task(one(index, requests[index % len(requests)])))
-            index += 1
-            await _next_arrival(plan, rng, elapsed)
-            if limit is not None and plan.request_rate == float("inf"):
-                await _wait_for_slot(limit)
-        await asyncio.gather(*tasks)
+        send = _Sender(plan, session, url, headers, sent)
+        await send(requests[: plan.warmup], None, warmup=True)  # (at the rate, without the ramp)
+        lag.start()
+        started = time.perf_counter()
+        await send(requests[plan.warmup :], plan.duration_s, warmup=False)
         duration = time.perf_counter() - started
         await lag.stop()
     return RunResult(results, duration, lag.quantile(0.99) * 1000, lag.maximum() * 1000)
+
+
+class _Sender:
+    """Sends a phase's requests at the plan's arrivals and concurrency cap, and waits for them all."""
+
+    def __init__(
+        self,
+        plan: LoadPlan,
+        session: aiohttp.ClientSession,
+        url: str,
+        headers: dict[str, str],
+        sent: Callable[[RequestResult], None],
+    ) -> None:
+        self._plan, self._session, self._url, self._headers, self._sent = plan, session, url, headers, sent
+        self._rng = random.Random(plan.seed)
+        self._limit = asyncio.Semaphore(plan.max_concurrency) if plan.max_concurrency is not None else None
+
+    async def __call__(self, requests: Sequence[BenchRequest], duration: float | None, warmup: bool) -> None:
+        """All of `requests` (cycled through for `duration` seconds where given), each as it arrives."""
+        if not requests:
+            return
+        plan = replace(self._plan, ramp_up_s=0.0) if warmup else self._plan
+        started = time.perf_counter()
+        async with asyncio.TaskGroup() as group:
+            for index in itertools.count():
+                elapsed = time.perf_counter() - started
+                if (duration is None and index >= len(requests)) or (
+                    duration is not None and elapsed >= duration
+                ):
+                    break
+                group.create_task(self._one(requests[index % len(requests)], warmup))
+                await _next_arrival(plan, self._rng, elapsed)
+                if self._limit is not None and plan.request_rate == float("inf"):
+                    await _wait_for_slot(self._limit)
+
+    async def _one(self, request: BenchRequest, warmup: bool) -> None:
+        body = orjson.dumps(request.body(self._plan.model, self._plan.ignore_eos))
+        if self._limit is not None:
+            async with self._limit:
+                result = await _send(self._session, self._url, self._headers, body)
+        else:
+            result = await _send(self._session, self._url, self._headers, body)
+        result.warmup = warmup
+        self._sent(result)
 
 
 async def _next_arrival(plan: LoadPlan, rng: random.Random, elapsed: float) -> None:
@@ -134,7 +162,6 @@ async def _send(
     session: aiohttp.ClientSession, url: str, headers: dict[str, str], body: bytes
 ) -> RequestResult:
     result = RequestResult(started=time.perf_counter())
-    last: float | None = None
     chunks = 0
     try:
         async with session.post(url, data=body, headers=headers) as response:
@@ -142,50 +169,14 @@ async def _send(
                 result.error = f"http_{response.status}"
                 await response.read()
                 return result
-            buffer = b""
-            async for data in response.content.iter_any():
-                now = time.perf_counter()
-                buffer += data
-                while b"\n\n" in buffer:
-                    event, buffer = buffer.split(b"\n\n", 1)
-                    if not event.startswith(b"data: "):
-                        continue
-                    payload = event[6:]
-                    if payload == b"[DONE]":
-                        result.ok = True
-                        continue
-                    try:
-                        chunk = orjson.loads(payload)
-                    except orjson.JSONDecodeError:
-                        chunk = None
-                    if not isinstance(chunk, dict):  # (the server's fault: counted, the run goes on)
-                        result.error = "bad_chunk"
-                        continue
-                    if "error" in chunk:
-                        result.error = "stream_error"
-                        continue
-                    usage = chunk.get("usage")
-                    if isinstance(usage, dict) and usage:
-                        try:
-                            result.output_tokens = int(usage.get("completion_tokens") or 0)
-                            result.input_tokens = int(usage.get("prompt_tokens") or 0)
-                            result.tokens_from_usage = True
-                        except (TypeError, ValueError, OverflowError):
-                            result.error = "bad_chunk"
-                    if _has_content(chunk):
-                        chunks += 1
-                        if result.ttft is None:
-                            result.ttft = now - result.started
-                        elif last is not None:
-                            result.chunk_gaps.append(now - last)
-                        last = now
+            chunks = await _read_stream(response, result)
     except TimeoutError:
         result.error = "timeout"
     except aiohttp.ClientError as exc:
         result.error = type(exc).__name__
     result.e2e = time.perf_counter() - result.started
     if not result.tokens_from_usage:
-        result.output_tokens = chunks  # no usage from the server: one token per content chunk
+        result.output_tokens = chunks  # no usage from the server: one token per chunk of output
     if result.error is not None:
         result.ok = False
     elif not result.ok:
@@ -193,7 +184,78 @@ async def _send(
     return result
 
 
-def _has_content(chunk: dict[str, object]) -> bool:
+async def _read_stream(response: aiohttp.ClientResponse, result: RequestResult) -> int:
+    """Read a server-sent event stream into `result` as its events arrive; the chunks carrying output."""
+    events = _Events()
+    last: float | None = None
+    chunks = 0
+    async for data in response.content.iter_any():
+        now = time.perf_counter()
+        for payload in events.feed(data):
+            if payload == b"[DONE]":
+                result.ok = True
+            elif (chunk := _chunk(payload, result)) is not None and _has_output(chunk):
+                chunks += 1
+                if result.ttft is None:
+                    result.ttft = now - result.started
+                elif last is not None:
+                    result.chunk_gaps.append(now - last)
+                last = now
+    return chunks
+
+
+def _chunk(payload: bytes, result: RequestResult) -> dict[str, Any] | None:
+    """An event's JSON chunk, its usage noted in `result`; None (and the error noted) where it is not
+    one (the server's fault: counted, the run goes on)."""
+    try:
+        chunk = orjson.loads(payload)
+    except orjson.JSONDecodeError:
+        chunk = None
+    if not isinstance(chunk, dict):
+        result.error = "bad_chunk"
+        return None
+    if "error" in chunk:
+        result.error = "stream_error"
+        return None
+    usage = chunk.get("usage")
+    if isinstance(usage, dict) and usage:
+        try:
+            result.output_tokens = int(usage.get("completion_tokens") or 0)
+            result.input_tokens = int(usage.get("prompt_tokens") or 0)
+            result.tokens_from_usage = True
+        except (TypeError, ValueError, OverflowError):
+            result.error = "bad_chunk"
+    return chunk
+
+
+class _Events:
+    """Server-sent events from the bytes of a stream: each event's data (its `data:` lines joined), lines
+    ending in LF, CRLF or CR and the space after `data:` optional, as the SSE standard has them. A CR ends
+    its line at once (an event is seen as soon as it is whole); an LF right after it is then skipped."""
+
+    def __init__(self) -> None:
+        self._buffer = b""
+        self._after_cr = False
+
+    def feed(self, data: bytes) -> list[bytes]:
+        if self._after_cr and data.startswith(b"\n"):
+            data = data[1:]
+        if data:
+            self._after_cr = data.endswith(b"\r")
+        text = self._buffer + data.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+        *events, self._buffer = text.split(b"\n\n")
+        payloads = []
+        for event in events:
+            lines = [line[5:] for line in event.split(b"\n") if line.startswith(b"data:")]
+            if lines:
+                payloads.append(b"\n".join(line.removeprefix(b" ") for line in lines))
+        return payloads
+
+
+def _has_output(chunk: dict[str, Any]) -> bool:
+    """Whether a chunk carries generated output: text, or in a chat delta, content, reasoning (vLLM's
+    `reasoning_content`, or `reasoning`) or tool calls. A reasoning model's first token is its first
+    reasoning token, and a tool call's arguments are tokens too."""
     choices = chunk.get("choices")
     if not isinstance(choices, list) or not choices:
         return False
@@ -201,8 +263,9 @@ def _has_content(chunk: dict[str, object]) -> bool:
     if not isinstance(first, dict):
         return False
     delta = first.get("delta")
-    text = delta.get("content") if isinstance(delta, dict) else first.get("text")
-    return bool(text)
+    if not isinstance(delta, dict):
+        return bool(first.get("text"))
+    return any(delta.get(key) for key in ("content", "reasoning_content", "reasoning", "tool_calls"))
 
 
 class _LagMonitor:

@@ -1,7 +1,7 @@
 """Benchmark statistics, named and defined as in vLLM's benchmark where the names overlap.
 
-- TTFT: time from sending the request to the first chunk with content.
-- ITL: the gaps between consecutive content chunks (`itl_ms`), and the same gaps divided by the tokens each
+- TTFT: time from sending the request to the first chunk with output (text, content, reasoning, tool calls).
+- ITL: the gaps between consecutive output chunks (`itl_ms`), and the same gaps divided by the tokens each
   chunk carried on average (`itl_per_token_ms`: chunks × gap / output tokens), which differ when a server
   sends several tokens per chunk.
 - TPOT: per request, (E2E − TTFT) / (output tokens − 1), over requests with more than one output token.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import tempfile
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any
@@ -48,22 +49,29 @@ def bench(
         Dataset, typer.Option(help="random prompts, a ShareGPT file, or multi-tenant shared prefixes")
     ] = Dataset.random,
     dataset_path: Annotated[Path | None, typer.Option(help="ShareGPT JSON file")] = None,
-    num_prompts: Annotated[int, typer.Option(help="requests to send (measured ones, after warm-up)")] = 100,
-    max_concurrency: Annotated[int | None, typer.Option(help="requests in flight at most")] = None,
+    num_prompts: Annotated[
+        int, typer.Option(help="requests to send (measured ones, after warm-up)", min=1)
+    ] = 100,
+    max_concurrency: Annotated[int | None, typer.Option(help="requests in flight at most", min=1)] = None,
     request_rate: Annotated[float, typer.Option(help="requests/s (inf: all at once)")] = math.inf,
     burstiness: Annotated[float, typer.Option(help="gamma shape of arrivals: 1 Poisson, <1 burstier")] = 1.0,
     ramp_up_seconds: Annotated[float, typer.Option(help="grow the rate linearly over this long")] = 0.0,
     duration: Annotated[
         float | None, typer.Option(help="send for this many seconds instead of a count")
     ] = None,
-    warmup: Annotated[int, typer.Option(help="requests sent first and left out of the figures")] = 0,
-    random_input_len: Annotated[int, typer.Option(help="random dataset: prompt tokens")] = 1024,
-    random_output_len: Annotated[int, typer.Option(help="output tokens asked for (max_tokens)")] = 128,
-    random_range_ratio: Annotated[float, typer.Option(help="lengths vary ±this share")] = 0.0,
-    prefix_tenants: Annotated[int, typer.Option(help="prefix dataset: tenants")] = 8,
-    prefix_len: Annotated[int, typer.Option(help="prefix dataset: shared prompt words")] = 1000,
-    prefix_question_len: Annotated[int, typer.Option(help="prefix dataset: words per user turn")] = 50,
-    prefix_turns: Annotated[int, typer.Option(help="prefix dataset: turns per chat")] = 3,
+    warmup: Annotated[
+        int,
+        typer.Option(
+            help="requests sent first, all finished before the measured ones start; left out", min=0
+        ),
+    ] = 0,
+    random_input_len: Annotated[int, typer.Option(help="random dataset: prompt tokens", min=1)] = 1024,
+    random_output_len: Annotated[int, typer.Option(help="output tokens asked for (max_tokens)", min=1)] = 128,
+    random_range_ratio: Annotated[float, typer.Option(help="lengths vary ±this share (0 to under 1)")] = 0.0,
+    prefix_tenants: Annotated[int, typer.Option(help="prefix dataset: tenants", min=1)] = 8,
+    prefix_len: Annotated[int, typer.Option(help="prefix dataset: shared prompt words", min=0)] = 1000,
+    prefix_question_len: Annotated[int, typer.Option(help="prefix dataset: words per user turn", min=1)] = 50,
+    prefix_turns: Annotated[int, typer.Option(help="prefix dataset: turns per chat", min=1)] = 3,
     ignore_eos: Annotated[bool, typer.Option(help="ask the server to generate exactly max_tokens")] = False,
     seed: Annotated[int, typer.Option(help="seed for prompts and arrival times")] = 0,
     sweep_concurrency: Annotated[str | None, typer.Option(help="e.g. 1,4,16,64")] = None,
@@ -84,6 +92,14 @@ def bench(
         fail("--base-url and --model are required", 2)
     from corral.bench import LoadPlan, PreflightError, preflight
 
+    _check_ranges(request_rate, burstiness, ramp_up_seconds, duration, random_range_ratio)
+    for flag, path, folder in (
+        ("--output", output, False),
+        ("--html", html, False),
+        ("--plots", plots, True),
+    ):
+        if path is not None:
+            _check_writable(flag, path, folder)
     slo = _slo(goodput or [])
     plan = LoadPlan(
         base_url=base_url,
@@ -157,6 +173,37 @@ def bench(
         fail(f"no request succeeded ({_error_kinds(runs[-1]['errors'])})")
 
 
+def _check_ranges(
+    request_rate: float, burstiness: float, ramp_up: float, duration: float | None, range_ratio: float
+) -> None:
+    """Numbers a run cannot use, refused before it starts (nan fails every comparison, so every check)."""
+    checks = (
+        ("--request-rate", request_rate, request_rate > 0, "requests/s above 0 (inf: all at once)"),
+        ("--burstiness", burstiness, 0 < burstiness < math.inf, "a number above 0 (1: Poisson)"),
+        ("--ramp-up-seconds", ramp_up, 0 <= ramp_up < math.inf, "0 or more seconds"),
+        ("--duration", duration, duration is None or 0 < duration < math.inf, "a number of seconds above 0"),
+        ("--random-range-ratio", range_ratio, 0 <= range_ratio < 1, "a share of at least 0 and under 1"),
+    )
+    for flag, value, good, wanted in checks:
+        if not good:
+            fail(f"{flag} {value:g}: give {wanted}", 2)
+
+
+def _check_writable(flag: str, path: Path, folder: bool) -> None:
+    """Fail before the run, not after it, where its results could not be written to `path`."""
+    try:
+        if folder:
+            path.mkdir(parents=True, exist_ok=True)
+            tempfile.TemporaryFile(dir=path).close()
+        else:
+            existed = path.exists()
+            path.open("a").close()
+            if not existed:
+                path.unlink()
+    except OSError as exc:
+        fail(f"{flag} {path}: cannot write there: {exc.strerror or exc}", 2)
+
+
 def _sweep(concurrencies: str | None, rates: str | None, plan: Any) -> list[tuple[str, Any]]:
     """The loads to run: each concurrency or rate of a sweep, or the one plan."""
     if concurrencies:
@@ -174,7 +221,7 @@ def _numbers(text: str, flag: str, kind: type[int] | type[float]) -> list[Any]:
             value = kind(part.strip())
         except ValueError:
             fail(f"{flag}: {part.strip()!r} is not a number; give a comma-separated list such as 1,4,16", 2)
-        if value <= 0:
+        if not value > 0:  # (nan too)
             fail(f"{flag}: {value} must be greater than 0", 2)
         values.append(value)
     return values
@@ -210,6 +257,12 @@ def _result(path: Path) -> dict[str, Any]:
         fail(f"{path} is not JSON ({exc}); give files written by corral bench --output")
     if not isinstance(data, dict) or "runs" not in data:
         fail(f"{path} is not a corral bench result (written by corral bench --output)")
+    from corral.bench.report import last_run
+
+    try:
+        last_run(data)
+    except ValueError as exc:
+        fail(f"{path} is not a whole corral bench result: {exc} (written by corral bench --output?)")
     return data
 
 
@@ -268,6 +321,8 @@ def _slo(items: list[str]) -> Any:
                 values[names[name]] = float(value)
             except ValueError:
                 fail(f"bad --goodput {part!r}: {value!r} is not a number of milliseconds", 2)
+            if not 0 < values[names[name]] < math.inf:
+                fail(f"bad --goodput {part!r}: give milliseconds above 0", 2)
     return Slo(**values)
 
 

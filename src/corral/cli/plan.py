@@ -16,6 +16,8 @@ from corral.cli.app import FlagsCommand, app, console, fail
 
 __all__ = ["plan_command"]
 
+MAX_CONCURRENCY = 4096
+
 
 @app.command("plan", cls=FlagsCommand)
 def plan_command(
@@ -35,7 +37,14 @@ def plan_command(
         int | None, typer.Option(help="max context length per sequence (tokens)", min=1, metavar="<int>")
     ] = None,
     concurrency: Annotated[
-        int | None, typer.Option(help="concurrent requests to serve (default: 16)", min=1, metavar="<int>")
+        int | None,
+        typer.Option(
+            help=f"concurrent requests to serve (default: 16; at most {MAX_CONCURRENCY}: every client is "
+            "simulated, and past that a search takes minutes; state a larger load as --request-rate)",
+            min=1,
+            max=MAX_CONCURRENCY,
+            metavar="<int>",
+        ),
     ] = None,
     request_rate: Annotated[
         float | None, typer.Option(help="requests/s arriving at random (Poisson); instead of --concurrency")
@@ -50,7 +59,10 @@ def plan_command(
             help="hosted API to compare costs with (default: one serving models of the model's size)"
         ),
     ] = None,
-    max_gpus: Annotated[int, typer.Option(help="largest cluster to consider", min=1, metavar="<int>")] = 64,
+    max_gpus: Annotated[
+        int | None,
+        typer.Option(help="largest cluster to consider (default: 64, or --gpus)", min=1, metavar="<int>"),
+    ] = None,
     limit: Annotated[int, typer.Option(help="how many layouts to show", min=1, metavar="<int>")] = 5,
     as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
     yaml_out: Annotated[
@@ -83,6 +95,8 @@ def plan_command(
     from corral.plan.explain import explain as explain_step
     from corral.plan.explain import explain_table, ttft_table
 
+    if gpus is not None and max_gpus is not None and gpus > max_gpus:
+        fail(f"--gpus {gpus} is more than --max-gpus {max_gpus}: give one, or raise --max-gpus", 2)
     if concurrency is not None and request_rate is not None:
         fail("--concurrency and --request-rate are two ways to state the load: give one", 2)
     for flag, value in (
@@ -114,7 +128,7 @@ def plan_command(
             ttft_p95_ms=ttft_p95_ms,
             itl_ms=itl_ms,
             api=api,
-            max_gpus=max_gpus,
+            max_gpus=max_gpus or max(64, gpus or 0),
             limit=limit,
         )
         result = plan(request, entries, calibrated_efficiency())
@@ -139,6 +153,8 @@ def plan_command(
     if yaml_out is not None and result.fits:
         try:
             yaml_out.write_text(plan_yaml(result))
+        except ValueError as exc:  # a weight format vLLM cannot make from the catalog's checkpoint
+            fail(f"--yaml {yaml_out}: not written: {exc}")
         except OSError as exc:
             fail(f"--yaml {yaml_out}: cannot write: {exc.strerror or exc}")
         console.print(f"wrote {yaml_out}")

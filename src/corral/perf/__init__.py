@@ -5,7 +5,7 @@ from corral.perf.memory import BLOCK_SIZE, GIB, MemoryPlan, memory_plan, sequenc
 from corral.perf.scheduler import Batch, BlockPool, EngineSequence, Scheduler, SchedulerConfig, block_hashes
 from corral.perf.steps import StepPipeline
 from corral.perf.timing import Efficiency, PerfModel, StepBreakdown, StepParts
-from corral.perf.workload import LoadResult, closed_loop, open_loop
+from corral.perf.workload import LoadResult, closed_loop, open_loop, saturated_rate
 
 __all__ = [
     "BLOCK_SIZE",
@@ -33,6 +33,7 @@ __all__ = [
     "load_catalog",
     "memory_plan",
     "open_loop",
+    "saturated_rate",
     "sequence_kv_bytes",
     "weight_bytes",
 ]

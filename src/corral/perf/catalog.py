@@ -8,6 +8,7 @@ replaces the built-in one.
 from __future__ import annotations
 
 import difflib
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import MISSING, dataclass, field, fields
 from importlib import resources
@@ -40,6 +41,7 @@ class GPU:
     memory_mib: float | None = None  # what the driver reports (nvidia-smi "Total"), where known
     allreduce_gbs: float | None = None  # an all-reduce's measured bus bandwidth (None: interconnect_gbs)
     allreduce_latency_us: float = 15.0  # a small all-reduce's time (NVLink; PCIe cards set their own)
+    int8_tops: float | None = None  # dense INT8 tensor TOPS (W8A8 GEMMs); None: int8 runs as bf16
 
     @property
     def allreduce_bus_gbs(self) -> float:
@@ -204,11 +206,41 @@ def _entry(cls: type, raw: Any, origin: str) -> Any:
     if missing:
         raise CatalogError(f"{origin}: {raw['name']}: missing fields {', '.join(missing)}")
     for name, value in values.items():
-        if _numeric(known[name].type) and (isinstance(value, bool) or not isinstance(value, int | float)):
-            if value is None and "None" in str(known[name].type):
-                continue
-            raise CatalogError(f"{origin}: {raw['name']}: {name} must be a number, not {value!r}")
+        if _numeric(known[name].type) and not (value is None and "None" in str(known[name].type)):
+            if problem := _number_problem(name, value, str(known[name].type).startswith("int")):
+                raise CatalogError(f"{origin}: {raw['name']}: {name} {problem}")
     return cls(**values)
+
+
+# Figures that may be 0 (a card you own, a dense model's experts, a free API); every other one is a size,
+# a rate or a count the planner divides by or takes a remainder of, so must be above 0.
+_MAY_BE_ZERO = frozenset(
+    {
+        "tdp_w",
+        "price_per_hour",
+        "allreduce_latency_us",
+        "experts",
+        "active_experts",
+        "sliding_layers",
+        "chunked_layers",
+        "mla_rope_dim",
+        "input_per_m",
+        "output_per_m",
+    }
+)
+
+
+def _number_problem(name: str, value: Any, whole: bool) -> str | None:
+    """What is wrong with a catalog figure, or None."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return f"must be a number, not {value!r}"
+    if not math.isfinite(value):
+        return f"must be a finite number, not {value!r}"
+    if whole and value != int(value):
+        return f"must be a whole number, not {value!r}"
+    if value < 0 or (value == 0 and name not in _MAY_BE_ZERO):
+        return f"must be {'0 or more' if name in _MAY_BE_ZERO else 'above 0'}, not {value!r}"
+    return None
 
 
 def _numeric(annotation: Any) -> bool:

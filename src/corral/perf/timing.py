@@ -134,6 +134,8 @@ class PerfModel:
     def tflops(self) -> float:
         if self.quant.compute == "fp8" and self.gpu.fp8_tflops:
             return self.gpu.fp8_tflops
+        if self.quant.compute == "int8" and self.gpu.int8_tops:
+            return self.gpu.int8_tops
         return self.gpu.bf16_tflops
 
     @cached_property

@@ -4,6 +4,7 @@ the step-time model. The planner's predictions come from here; the simulator run
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 import statistics
@@ -15,7 +16,7 @@ from corral.perf.scheduler import EngineSequence, Scheduler, SchedulerConfig
 from corral.perf.steps import StepPipeline
 from corral.perf.timing import Efficiency, PerfModel
 
-__all__ = ["LoadResult", "closed_loop", "open_loop"]
+__all__ = ["LoadResult", "closed_loop", "open_loop", "saturated_rate"]
 
 
 @dataclass(frozen=True)
@@ -102,8 +103,14 @@ def closed_loop(
                 submit(now)
     assert window_start is not None
     sample = done[warmup:]
+    window = now - window_start
     result = _summarise(
-        concurrency, sample, tokens_in_window, now - window_start, scheduler.preemptions, perf.efficiency
+        concurrency,
+        sample,
+        tokens_in_window / window,
+        len(sample) / window,
+        scheduler.preemptions,
+        perf.efficiency,
     )
     return seen_by_arrivals(perf, config, result, input_len, output_len, stretches) if drift else result
 
@@ -168,6 +175,7 @@ def arrivals_view(
             requests=_SEEN_REQUESTS,
             stretches=stretches,
             others=concurrency - 1,
+            ceiling=math.inf,  # (only its times to first token are wanted)
         )
         if abs(seen.ttft_mean - ttft) < 0.05 * latency:
             break
@@ -188,10 +196,19 @@ def open_loop(
     seed: int = 0,
     stretches: bool = True,
     others: int | None = None,
+    ceiling: float | None = None,
 ) -> LoadResult:
     """Requests arriving as a Poisson process at `rate` per second; the first tenth is warm-up.
     `stretches`: as in `closed_loop`. Each request pays the API server's work (`stream_overhead_s`) for
-    the requests in flight at its arrival, or for `others` where given."""
+    the requests in flight at its arrival, or for `others` where given.
+
+    Overloaded: the rate is above `ceiling`, the requests/s the replica finishes saturated
+    (`saturated_rate`, worked out where not given; `math.inf` skips the check), or the run's later
+    requests waited far longer for their first token than its earlier ones. A replica that keeps up serves
+    what arrives, so its throughput is the rate; one that does not, its ceiling. (Measured in a run of a
+    few hundred requests, throughput is not that: before the batch fills and after the last arrival the
+    replica serves less than it could, and with outputs of thousands of tokens those stretches are a
+    large part of the run.)"""
     rng = random.Random(seed)
     arrivals, t = [], 0.0
     for _ in range(requests):
@@ -201,8 +218,7 @@ def open_loop(
     pipeline = StepPipeline(perf)
     warmup = requests // 10
     done: list[EngineSequence] = []
-    now, next_arrival, tokens_in_window = 0.0, 0, 0
-    window_opens = arrivals[warmup]
+    now, next_arrival = 0.0, 0
     while len(done) < requests:
         while next_arrival < requests and arrivals[next_arrival] <= now:
             scheduler.add(
@@ -218,10 +234,7 @@ def open_loop(
         if stretches and perf.pp > 1:
             until = arrivals[next_arrival] if next_arrival < requests else math.inf
             if (rounds := pipeline.decode_rounds(scheduler, now, until)) is not None:
-                now, made = rounds  # pipelined decode batches up to the next arrival: then stepped on
-                tokens_in_window += sum(
-                    count for group, count in made for seq in group if seq.arrival >= window_opens
-                )
+                now = rounds[0]  # pipelined decode batches up to the next arrival: then stepped on
         elif stretches and not pipeline.busy and (run := scheduler.decode_run(output_len)) is not None:
             ends = now + np.cumsum(perf.decode_seconds(run.sequences, run.context, run.steps))
             # Decode-only steps until the next finish, taken at once. While nothing waits, a step may
@@ -232,36 +245,47 @@ def open_loop(
                 steps = 1 + int(np.searchsorted(ends[:-1], arrivals[next_arrival], side="left"))
             scheduler.advance(run, steps)
             now = float(ends[steps - 1])
-            measured = sum(1 for seq in scheduler.running if seq.arrival >= window_opens)
-            tokens_in_window += steps * measured
             continue
         while pipeline.has_room and (batch := scheduler.schedule()) is not None:
             pipeline.launch(batch, now)
         if pipeline.busy and (next_arrival >= requests or pipeline.next_finish <= arrivals[next_arrival]):
             now, batch = pipeline.pop()
             produced = scheduler.complete(batch, now)
-            tokens_in_window += sum(1 for seq in produced if seq.arrival >= window_opens)
             done.extend(seq for seq in produced if seq.finished)
         elif next_arrival < requests:
             now = arrivals[next_arrival]
         else:
             raise RuntimeError("a request cannot fit in the KV cache at all")
     sample = [seq for seq in done if seq.id >= warmup]
-    window = max(s.finished_at or 0.0 for s in sample) - arrivals[warmup]
-    result = _summarise(0, sample, tokens_in_window, window, scheduler.preemptions, perf.efficiency)
-    offered = (requests - warmup) / (arrivals[-1] - arrivals[warmup])
-    # Overloaded: the backlog grew, so later requests waited far longer than earlier ones.
+    if ceiling is None:
+        ceiling = saturated_rate(perf, config, input_len, output_len, stretches)
+    served = min(rate, ceiling)
+    result = _summarise(0, sample, served * output_len, served, scheduler.preemptions, perf.efficiency)
+    # The backlog grew within the run: later requests waited far longer than earlier ones.
     ttfts = [s.first_token_at - s.arrival for s in sorted(sample, key=lambda s: s.id)]  # type: ignore[operator]
     half = len(ttfts) // 2
     growing = statistics.fmean(ttfts[half:]) > 2 * statistics.fmean(ttfts[:half]) + 1.0
-    return replace(result, overloaded=growing or result.requests_per_s < 0.9 * offered)
+    return replace(result, overloaded=growing or rate > ceiling)
+
+
+@functools.lru_cache(maxsize=128)
+def saturated_rate(
+    perf: PerfModel, config: SchedulerConfig, input_len: int, output_len: int, stretches: bool = True
+) -> float:
+    """Requests/s a replica finishes with as many requests as it admits (`max_num_seqs` clients, each
+    sending its next request as its last ends): the most it serves. Requests arriving faster than this
+    build a queue that grows without bound (identical requests: the batch is as full as it gets)."""
+    loop = closed_loop(
+        perf, config, config.max_num_seqs, input_len, output_len, drift=False, stretches=stretches
+    )
+    return loop.requests_per_s
 
 
 def _summarise(
     concurrency: int,
     sample: list[EngineSequence],
-    tokens: int,
-    window: float,
+    output_tokens_per_s: float,
+    requests_per_s: float,
     preemptions: int,
     efficiency: Efficiency,
 ) -> LoadResult:
@@ -287,8 +311,8 @@ def _summarise(
         itl_mean=statistics.fmean(tpots) if tpots else 0.0,
         e2e_p50=_quantile(e2e, 0.5),
         e2e_mean=statistics.fmean(e2e),
-        output_tokens_per_s=tokens / window,
-        requests_per_s=len(sample) / window,
+        output_tokens_per_s=output_tokens_per_s,
+        requests_per_s=requests_per_s,
         preemptions=preemptions,
         ttfts=tuple(ttfts),
         streams_s=streams,

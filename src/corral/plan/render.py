@@ -68,7 +68,10 @@ def plan_table(result: PlanResult) -> Table:
             _verdict(lay, r.has_slo),
         )
     best = result.layouts[0].cost if result.layouts else None
-    if best is not None:
+    if best is not None and result.layouts[0].overloaded:
+        # (what it costs at the rate it does serve is no answer to what the load would cost)
+        table.caption = f"the first layout does not keep up with this load: no comparison with {r.api}"
+    elif best is not None:
         verdict = "cheaper" if best.cheaper_than_api else "dearer"
         table.caption = (
             f"{r.api}: ${best.api_cost_per_million_tokens:.3f}/1M tokens; at this load the first "
@@ -108,8 +111,7 @@ def plan_yaml(result: PlanResult) -> str:
         "gpu_memory_utilization": result.request.gpu_memory_utilization,
         "max_num_seqs": result.request.max_num_seqs,
     }
-    if result.quant.name != "bf16" and result.quant.name != result.model.native_quant:
-        deployment["quantization"] = result.quant.name
+    deployment.update(_weight_settings(result, repo))
     spec = {
         "models": [
             {
@@ -126,6 +128,34 @@ def plan_yaml(result: PlanResult) -> str:
         f"{lay.output_tokens_per_s:.0f} output tokens/s\n"
     )
     return header + yaml.safe_dump(spec, sort_keys=False)
+
+
+# Weight formats that come from a checkpoint already in them: what an operator needs to find.
+_PREQUANTIZED = {
+    "awq": "an AWQ checkpoint",
+    "gptq": "a GPTQ checkpoint",
+    "int8": "a W8A8 INT8 checkpoint (compressed-tensors, as llm-compressor writes it)",
+    "mxfp4": "an MXFP4 checkpoint",
+}
+
+
+def _weight_settings(result: PlanResult, repo: str) -> dict[str, str]:
+    """The deployment's settings for the plan's weight format, with `repo` (a bf16 checkpoint, or one in
+    the model's native format) as the source. vLLM quantizes weights as it loads them only to fp8; any
+    other format needs a checkpoint in it, which the catalog does not name: refused (ValueError)."""
+    quant = result.quant.name
+    if quant in ("bf16", result.model.native_quant):
+        return {}
+    if quant == "fp32":
+        return {"dtype": "float32"}
+    if quant == "fp8":
+        return {"quantization": "fp8"}
+    needed = _PREQUANTIZED.get(quant, "a GGUF file (served by llama.cpp: engine llamacpp)")
+    raise ValueError(
+        f"vLLM quantizes {repo} only to fp8 as it loads it; {quant} needs {needed} of {result.model.name}, "
+        "which the catalog does not name: plan with --quant fp8 (or bf16) for a spec to start from, or "
+        "write one by hand with that checkpoint as source.hf"
+    )
 
 
 def validation_table(report: dict[str, Any]) -> Table:

@@ -8,6 +8,7 @@ ITL targets, each replica's latency coming from the scheduler model in virtual t
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
@@ -25,6 +26,7 @@ from corral.perf import (
     closed_loop,
     memory_plan,
     open_loop,
+    saturated_rate,
     sequence_kv_bytes,
 )
 from corral.plan.cost import CostReport, cost_report
@@ -111,25 +113,8 @@ def plan(request: PlanRequest, catalog: Catalog, efficiency: Efficiency) -> Plan
     request = replace(request, api=api_for(request, model))
     quant = catalog.quantizations.get(request.quant or model.native_quant or "bf16")
     context = request.context or min(model.max_context, 8192)
-    if context > model.max_context:
-        return PlanResult(
-            request,
-            model,
-            quant,
-            context,
-            reason=(f"{model.name} supports at most {model.max_context} tokens of context, not {context}"),
-        )
-    if request.input_len + request.output_len > context:
-        return PlanResult(
-            request,
-            model,
-            quant,
-            context,
-            reason=(
-                f"input ({request.input_len}) + output ({request.output_len}) tokens exceed "
-                f"the context ({context})"
-            ),
-        )
+    if (refusal := _unplannable(request, model, context)) is not None:
+        return PlanResult(request, model, quant, context, reason=refusal)
     # "all" means every GPU class; CPU entries (kept for calibrating the CPU engine) only when named.
     gpus = (
         [g for g in catalog.gpus if g.kind == "gpu"]
@@ -157,15 +142,31 @@ def plan(request: PlanRequest, catalog: Catalog, efficiency: Efficiency) -> Plan
     chosen = layouts[: request.limit]
     if request.has_slo and not chosen[0].meets_slo:
         return PlanResult(request, model, quant, context, chosen, reason=_why_missed(request, chosen[0]))
+    if chosen[0].overloaded:  # a rate to keep up with is an objective too, SLOs or not
+        closest = max(chosen, key=lambda lay: lay.requests_per_s)
+        return PlanResult(request, model, quant, context, chosen, reason=_why_overloaded(request, closest))
     return PlanResult(request, model, quant, context, chosen)
 
 
+def _unplannable(request: PlanRequest, model: ModelArch, context: int) -> str | None:
+    """Why the request cannot be planned at all, or None."""
+    if context > model.max_context:
+        return f"{model.name} supports at most {model.max_context} tokens of context, not {context}"
+    if request.gpus is not None and request.gpus > request.max_gpus:
+        return f"{request.gpus} GPUs asked for: more than the largest cluster ({request.max_gpus})"
+    if request.input_len + request.output_len > context:
+        tokens = f"input ({request.input_len}) + output ({request.output_len}) tokens"
+        return f"{tokens} exceed the context ({context})"
+    return None
+
+
 def api_for(request: PlanRequest, model: ModelArch) -> str:
-    """The hosted API to compare with: the one asked for, else one serving models of this one's class
-    (an 8B model against an 8B's price, a 70B against a 70B's; past that, a frontier API)."""
+    """The hosted API to compare with: the one asked for, else one serving models of this one's class by
+    total parameters (an 8B model against an 8B's price, a 70B against a 70B's; past that, a frontier
+    API): hosts price a mixture of experts by its size (gpt-oss-120b, 5B active, is not an 8B's)."""
     if request.api is not None:
         return request.api
-    size = model.active_params_b or model.params_b
+    size = model.params_b  # (a mixture of experts is priced as its size, not its active parameters)
     if size <= 20:
         return "together-llama-3.1-8b"
     return "together-llama-3.1-70b" if size <= 120 else "gpt-4o"
@@ -183,6 +184,21 @@ def _why_missed(request: PlanRequest, closest: Layout) -> str:
         f"({closest.tp}×{closest.pp}×{closest.replicas}): TTFT p95 {closest.ttft_p95_ms:,.0f} ms, ITL "
         f"{closest.itl_ms:.1f} ms; try more GPUs (--max-gpus, now {request.max_gpus}), another GPU class "
         "(--gpu all), a lower load, or shorter prompts"
+    )
+
+
+def _why_overloaded(request: PlanRequest, closest: Layout) -> str:
+    """No layout keeps up with the request rate: which comes closest, and what to try."""
+    within = (
+        f"on exactly {request.gpus} GPU(s)"
+        if request.gpus is not None
+        else f"within {request.max_gpus} GPU(s)"
+    )
+    return (
+        f"no layout {within} keeps up with {request.request_rate:g} requests/s; the closest is "
+        f"{closest.gpus}× {closest.gpu} ({closest.tp}×{closest.pp}×{closest.replicas}), which finishes "
+        f"{closest.requests_per_s:.3g} requests/s; try more GPUs (--max-gpus), another GPU class "
+        "(--gpu all), a lower rate, or shorter prompts and outputs"
     )
 
 
@@ -234,11 +250,6 @@ def _best_layout(
             )
         )
         return None
-    per_replica_gpus = tp * pp
-    if request.gpus is not None:
-        replica_counts: range | list[int] = [request.gpus // per_replica_gpus]
-    else:
-        replica_counts = range(1, request.max_gpus // per_replica_gpus + 1)
     perf = PerfModel(model, gpu, quant, tp=tp, pp=pp, kv_dtype_bytes=kv_bytes, efficiency=efficiency)
     config = SchedulerConfig(
         max_num_seqs=request.max_num_seqs,
@@ -246,18 +257,23 @@ def _best_layout(
         num_blocks=memory.kv_tokens // BLOCK_SIZE,
         enable_prefix_caching=False,
     )
+    ceiling = math.inf
+    if request.request_rate is not None:
+        ceiling = saturated_rate(perf, config, request.input_len, request.output_len)
     seen: dict[float, LoadResult] = {}
 
     def run(share: float) -> LoadResult:
         if share not in seen:
             if request.request_rate is not None:
-                seen[share] = open_loop(perf, config, share, request.input_len, request.output_len)
+                seen[share] = open_loop(
+                    perf, config, share, request.input_len, request.output_len, ceiling=ceiling
+                )
             else:
                 seen[share] = closed_loop(perf, config, int(share), request.input_len, request.output_len)
         return seen[share]
 
     layout = None
-    for replicas in replica_counts:
+    for replicas in _replica_counts(request, tp * pp, ceiling):
         if request.request_rate is not None:  # (arrivals spread evenly)
             share: float = request.request_rate / replicas
             load = run(share)
@@ -276,6 +292,16 @@ def _best_layout(
         if meets or (request.request_rate is None and share == 1):
             break
     return layout
+
+
+def _replica_counts(request: PlanRequest, per_replica_gpus: int, ceiling: float) -> range:
+    """The replica counts to try, fewest first: the one `--gpus` gives, else from the fewest whose share of
+    a request rate is within what a replica serves saturated (`ceiling`; fewer are overloaded for sure)."""
+    if request.gpus is not None:
+        return range(request.gpus // per_replica_gpus, request.gpus // per_replica_gpus + 1)
+    most = request.max_gpus // per_replica_gpus
+    fewest = 1 if request.request_rate is None else math.ceil(request.request_rate / ceiling)
+    return range(min(max(1, fewest), most), most + 1)
 
 
 def _meets(request: PlanRequest, load: LoadResult) -> bool:
