@@ -24,6 +24,7 @@ from corral.bench import (
     shared_prefix_requests,
     summarise,
 )
+from corral.bench.runner import _Events
 
 from ..conftest import CORRAL, RunningCluster
 
@@ -390,6 +391,14 @@ async def test_events_ended_by_crlf_with_no_space_after_data_are_read() -> None:
     assert summary["total_output_tokens"] == 3 * TOKENS
     assert summary["ttft_ms"]["mean"] == pytest.approx(TTFT * 1000, abs=12)
     assert summary["itl_ms"]["p50"] == pytest.approx(ITL * 1000, abs=5)
+
+
+def test_an_lf_read_alone_after_a_cr_ends_its_line_once() -> None:
+    """A CRLF split so that its LF came as a read of its own left the reader still after a CR: the next
+    read's LF (a blank line's: the event's end) was skipped, and two events were read as one."""
+    events = _Events()
+    reads = [b'data: {"a":1}\r', b"\n", b'\ndata: {"b":2}\r\n\r\n']
+    assert [payload for read in reads for payload in events.feed(read)] == [b'{"a":1}', b'{"b":2}']
 
 
 async def test_warm_up_requests_finish_before_the_measured_ones_start(injected: Injected) -> None:

@@ -150,3 +150,7 @@ def test_a_rate_above_the_saturated_throughput_is_overloaded_though_a_short_run_
     over, under = open_loop(perf, config, above, 1024, 256), open_loop(perf, config, below, 1024, 256)
     assert over.overloaded and over.requests_per_s == pytest.approx(ceiling)
     assert not under.overloaded and under.requests_per_s == pytest.approx(below)
+    # nearer the ceiling than KEEPS_UP, a longer run's queue grows: taken as not keeping up (a short run of
+    # it looked steady, and the autoscaler's and the planner's replicas were filled to 0.999 of the ceiling)
+    assert p95(0.99 * ceiling, 3000) > 1.5 * p95(0.99 * ceiling, 400)
+    assert open_loop(perf, config, 0.95 * ceiling, 1024, 256).overloaded

@@ -240,8 +240,7 @@ class _Events:
     def feed(self, data: bytes) -> list[bytes]:
         if self._after_cr and data.startswith(b"\n"):
             data = data[1:]
-        if data:
-            self._after_cr = data.endswith(b"\r")
+        self._after_cr = data.endswith(b"\r")  # (a read of that LF alone: the next one's LF is a line's)
         text = self._buffer + data.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
         *events, self._buffer = text.split(b"\n\n")
         payloads = []

@@ -5,12 +5,13 @@ from corral.perf.memory import BLOCK_SIZE, GIB, MemoryPlan, memory_plan, sequenc
 from corral.perf.scheduler import Batch, BlockPool, EngineSequence, Scheduler, SchedulerConfig, block_hashes
 from corral.perf.steps import StepPipeline
 from corral.perf.timing import Efficiency, PerfModel, StepBreakdown, StepParts
-from corral.perf.workload import LoadResult, closed_loop, open_loop, saturated_rate
+from corral.perf.workload import KEEPS_UP, LoadResult, closed_loop, open_loop, saturated_rate
 
 __all__ = [
     "BLOCK_SIZE",
     "GIB",
     "GPU",
+    "KEEPS_UP",
     "ApiPrice",
     "Batch",
     "BlockPool",

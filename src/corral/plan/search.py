@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 from corral.perf import (
     BLOCK_SIZE,
     GPU,
+    KEEPS_UP,
     Catalog,
     Efficiency,
     LoadResult,
@@ -296,11 +297,12 @@ def _best_layout(
 
 def _replica_counts(request: PlanRequest, per_replica_gpus: int, ceiling: float) -> range:
     """The replica counts to try, fewest first: the one `--gpus` gives, else from the fewest whose share of
-    a request rate is within what a replica serves saturated (`ceiling`; fewer are overloaded for sure)."""
+    a request rate is within what a replica keeps up with (`KEEPS_UP` of `ceiling`, its saturated rate;
+    fewer are overloaded for sure)."""
     if request.gpus is not None:
         return range(request.gpus // per_replica_gpus, request.gpus // per_replica_gpus + 1)
     most = request.max_gpus // per_replica_gpus
-    fewest = 1 if request.request_rate is None else math.ceil(request.request_rate / ceiling)
+    fewest = 1 if request.request_rate is None else math.ceil(request.request_rate / (KEEPS_UP * ceiling))
     return range(min(max(1, fewest), most), most + 1)
 
 
