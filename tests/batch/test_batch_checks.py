@@ -5,12 +5,9 @@ failed, not checked again every tick for its whole window."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import io
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -25,6 +22,7 @@ from corral.batch.retries import Retries
 from corral.config import BatchSettings
 from corral.routing import Replica, ReplicaSet, ReplicaState
 from corral.store import KeyStore, NewFile, open_database
+from tests.batch.running import running, until
 
 BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -109,39 +107,21 @@ def _status(store: BatchStore, tenant: str, batch_id: str) -> str | None:
     return found.status if found is not None else None
 
 
-async def _until(condition: Callable[[], bool], within: float = 10) -> None:
-    deadline = time.monotonic() + within
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.02)
-
-
-@contextlib.asynccontextmanager
-async def _running(runner: BatchRunner) -> AsyncIterator[None]:
-    task = asyncio.create_task(runner.run())
-    try:
-        yield
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-
-
 async def test_a_slow_check_does_not_hold_up_the_lines_of_batches_in_progress(tmp_path: Path) -> None:
     """Checking ran inside the pass that commits results and leases lines: one tenant's big (or broken)
     batches to check held another tenant's 5-line batch from 2.1 s to 56.8 s."""
     store = _store(tmp_path, SlowStarts)
     assert isinstance(store, SlowStarts)
-    running = _queued(store, "globex", 5)
+    queued = _queued(store, "globex", 5)
     checking = _submitted(store, "acme")
     store.proceed.clear()
     try:
-        async with _running(_runner(store, tmp_path)):
-            await _until(lambda: store.started[-1] == checking)  # its check is under way, and stays
-            await _until(lambda: _status(store, "globex", running) == "completed")
+        async with running(_runner(store, tmp_path)):
+            await until(lambda: store.started[-1] == checking)  # its check is under way, and stays
+            await until(lambda: _status(store, "globex", queued) == "completed")
             assert _status(store, "acme", checking) == "validating"
             store.proceed.set()
-            await _until(lambda: _status(store, "acme", checking) in ("in_progress", "completed"))
+            await until(lambda: _status(store, "acme", checking) in ("in_progress", "completed"))
     finally:
         store.proceed.set()
 
@@ -152,8 +132,8 @@ async def test_batches_are_checked_one_tenant_after_another(tmp_path: Path) -> N
     assert isinstance(store, SlowStarts)
     acme = [_submitted(store, "acme") for _ in range(3)]
     globex = _submitted(store, "globex")
-    async with _running(_runner(store, tmp_path)):
-        await _until(lambda: len(store.started) == 4)
+    async with running(_runner(store, tmp_path)):
+        await until(lambda: len(store.started) == 4)
     assert store.started == [acme[0], globex, acme[1], acme[2]]
 
 
@@ -164,9 +144,9 @@ async def test_a_batch_whose_check_keeps_raising_is_backed_off_then_failed(tmp_p
     assert isinstance(store, BrokenStarts)
     broken = _submitted(store, "acme")
     retries = Retries(tries=3, first_s=0.1)
-    async with _running(_runner(store, tmp_path, retries)):
+    async with running(_runner(store, tmp_path, retries)):
         began = time.monotonic()
-        await _until(lambda: _status(store, "acme", broken) == "failed")
+        await until(lambda: _status(store, "acme", broken) == "failed")
         took = time.monotonic() - began
     assert store.tries == 3 and took >= 0.1 + 0.2  # (backed off 0.1 s, then 0.2 s)
     found = store.batch("acme", broken)
@@ -181,6 +161,6 @@ async def test_a_batch_whose_check_meets_a_redis_failover_is_backed_off_not_fail
     store.error = redis.exceptions.ReadOnlyError("READONLY You can't write against a read only replica.")
     waiting = _submitted(store, "acme")
     retries = Retries(tries=2, first_s=0.01, most_s=0.01)
-    async with _running(_runner(store, tmp_path, retries)):
-        await _until(lambda: store.tries >= 6 or _status(store, "acme", waiting) != "validating")
+    async with running(_runner(store, tmp_path, retries)):
+        await until(lambda: store.tries >= 6 or _status(store, "acme", waiting) != "validating")
     assert _status(store, "acme", waiting) == "validating"

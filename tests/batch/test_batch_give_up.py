@@ -7,7 +7,6 @@ batch queued again starts its count from nothing."""
 from __future__ import annotations
 
 import errno
-import uuid
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -21,7 +20,6 @@ from sqlalchemy.orm import Session
 
 from corral.batch import BatchStore, LineResult, NewBatch, queue_sql
 from corral.batch.queue import ResultRow
-from corral.batch.queue_redis import RedisLines
 from corral.batch.retries import Retries
 from corral.store import open_database
 from corral.store.batch_rows import BatchLineRow, BatchRow
@@ -165,19 +163,6 @@ def _lines(store: BatchStore, batch_id: str) -> int:
     """The lines the (SQL) queue still holds for `batch_id`."""
     with Session(store.files._engine) as session:
         return len(session.scalars(select(BatchLineRow.line).where(BatchLineRow.batch_id == batch_id)).all())
-
-
-@pytest.fixture(params=["sql", "redis"])
-def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[BatchStore]:
-    engine = open_database(f"sqlite:///{tmp_path / 'queue.db'}")
-    if request.param == "sql":
-        yield BatchStore(engine)
-        return
-    prefix = f"test:{uuid.uuid4().hex[:8]}:"
-    yield BatchStore(engine, RedisLines(REDIS, prefix=prefix))
-    client = redis.Redis.from_url(REDIS)
-    for key in client.scan_iter(f"{prefix}*"):
-        client.delete(key)
 
 
 def _result_bytes(store: BatchStore, batch_id: str) -> int | None:

@@ -5,9 +5,7 @@ committed: past the quota, the lines left fail with `files_quota_exceeded` inste
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -29,6 +27,7 @@ from corral.config import (
 from corral.gateway import GatewayParts, GatewayServer
 from corral.routing import Replica, ReplicaSet, ReplicaState, Router
 from corral.store import FileQuotaExceeded, KeyStore, open_database
+from tests.batch.running import running, until
 
 ADMIN = "batch-admin"
 BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
@@ -37,13 +36,6 @@ PURPOSE = b'--B\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r
 FILE_PART = b'--B\r\nContent-Disposition: form-data; name="file"; filename="in.jsonl"\r\n\r\n'
 END = b"\r\n--B--\r\n"
 FORM = {"Content-Type": "multipart/form-data; boundary=B"}
-
-
-async def _until(condition: Callable[[], bool], within: float = 10) -> None:
-    deadline = time.monotonic() + within
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.02)
 
 
 @dataclass
@@ -145,17 +137,6 @@ def _status(store: BatchStore, batch_id: str) -> str | None:
     return found.status if found is not None else None
 
 
-@contextlib.asynccontextmanager
-async def _running(runner: BatchRunner) -> AsyncIterator[None]:
-    task = asyncio.create_task(runner.run())
-    try:
-        yield
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-
-
 async def test_a_batchs_results_stop_at_its_tenants_files_quota(tmp_path: Path) -> None:
     """Result files were written whatever their size: one batch of embedding lines could fill hundreds of GB
     of a tenant with a 10 GiB quota. Its results count against the quota as they are committed; once
@@ -169,12 +150,12 @@ async def test_a_batchs_results_stop_at_its_tenants_files_quota(tmp_path: Path) 
     runner = BatchRunner(store, answers, KeyStore(database), replicas, lambda: waiting, settings)
     batch = store.create_batch(NewBatch("acme", None, "/v1/chat/completions", "file-x", timedelta(hours=1)))
     assert store.start(batch.id, "m", [(f"c{i}", orjson.dumps(BODY)) for i in range(30)])
-    async with _running(runner):
-        await _until(lambda: answers.answered >= 3)  # (what counts: results committed)
-        await _until(lambda: store.files.bytes_held(["acme"])["acme"] > 3000)
+    async with running(runner):
+        await until(lambda: answers.answered >= 3)  # (what counts: results committed)
+        await until(lambda: store.files.bytes_held(["acme"])["acme"] > 3000)
         with pytest.raises(FileQuotaExceeded):  # an upload is refused meanwhile too
             store.files.check_room("acme", (1000, 3000), 1)
-        await _until(lambda: _status(store, batch.id) == "completed")
+        await until(lambda: _status(store, batch.id) == "completed")
     found = store.batch("acme", batch.id)
     assert found is not None and found.error_file_id is not None
     assert 3 <= answers.answered <= 8  # the lines running as the quota was reached: a lease or two

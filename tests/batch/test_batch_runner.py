@@ -10,7 +10,7 @@ import contextlib
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -27,6 +27,7 @@ from corral.config import BatchSettings
 from corral.routing import Replica, ReplicaSet, ReplicaState
 from corral.store import KeyStore, open_database
 from corral.store.batch_rows import BatchLineRow
+from tests.batch.running import running, until
 
 REDIS = "redis://127.0.0.1:6379/0"
 
@@ -86,24 +87,6 @@ def _batch(store: BatchStore, prompts: list[str]) -> str:
     return batch.id
 
 
-async def _until(condition: Callable[[], bool], within: float = 10) -> None:
-    deadline = time.monotonic() + within
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.02)
-
-
-@contextlib.asynccontextmanager
-async def _running(runner: BatchRunner) -> Any:
-    task = asyncio.create_task(runner.run())
-    try:
-        yield task
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-
-
 def _finished(store: BatchStore, batch_id: str) -> bool:
     found = store.batch("acme", batch_id)
     return found is not None and found.status == "completed"
@@ -117,10 +100,10 @@ async def test_an_answer_that_is_not_json_fails_its_line_and_the_runner_goes_on(
     same commit failed at every tick after, so the runner renewed, finished and leased nothing again."""
     store = _store(queue, tmp_path, prefixes)
     first = _batch(store, ["a", "html", "b", "c"])
-    async with _running(_runner(store, Executor(), tmp_path)):
-        await _until(lambda: _finished(store, first))
+    async with running(_runner(store, Executor(), tmp_path)):
+        await until(lambda: _finished(store, first))
         later = _batch(store, ["d", "e"])  # the runner still runs batches
-        await _until(lambda: _finished(store, later))
+        await until(lambda: _finished(store, later))
     batch = store.batch("acme", first)
     assert batch is not None and batch.counts == {"total": 4, "completed": 3, "failed": 1}
     assert batch.output_file_id and batch.error_file_id
@@ -148,8 +131,8 @@ async def test_a_failed_commit_keeps_the_results_and_the_pass_still_renews_their
     store = _store("sql", tmp_path, prefixes, CommitsRefused)
     _batch(store, ["a"])
     executor, lease_s = Executor(), 0.6
-    async with _running(_runner(store, executor, tmp_path, lease_s=lease_s)):
-        await _until(lambda: executor.answered == 1)
+    async with running(_runner(store, executor, tmp_path, lease_s=lease_s)):
+        await until(lambda: executor.answered == 1)
         held_until = time.monotonic() + 3 * lease_s  # (renewed every lease_s / 3 while held)
         while time.monotonic() < held_until:
             assert store.lease("other-gateway", "m", 5, lease_s=30) == []  # still held, never lapsed
@@ -181,7 +164,7 @@ async def test_a_runner_stopped_while_leasing_hands_back_what_the_lease_took(
     assert isinstance(store, HeldLease)
     batch_id = _batch(store, ["a"])
     task = asyncio.create_task(_runner(store, Executor(), tmp_path).run())
-    await _until(store.entered.is_set)
+    await until(store.entered.is_set)
     task.cancel()  # the gateway stops while the lease is under way
     store.proceed.set()
     with contextlib.suppress(asyncio.CancelledError):
@@ -227,8 +210,8 @@ async def test_leases_are_renewed_while_a_pass_takes_longer_than_a_lease(
     assert isinstance(store, SlowPass)
     _batch(store, ["a"])
     executor, lease_s = Endless(), 0.6
-    async with _running(_runner(store, executor, tmp_path, lease_s=lease_s)):
-        await _until(lambda: executor.answered == 1)
+    async with running(_runner(store, executor, tmp_path, lease_s=lease_s)):
+        await until(lambda: executor.answered == 1)
         store.slow = 3 * lease_s  # the next pass takes three leases
         held_until = time.monotonic() + 3 * lease_s
         while time.monotonic() < held_until:

@@ -30,19 +30,6 @@ from corral.store.batch_rows import BatchLineRow, BatchRow
 REDIS = "redis://127.0.0.1:6379/0"
 
 
-@pytest.fixture(params=["sql", "redis"])
-def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[BatchStore]:
-    engine = open_database(f"sqlite:///{tmp_path / 'queue.db'}")
-    if request.param == "sql":
-        yield BatchStore(engine)
-        return
-    prefix = f"test:{uuid.uuid4().hex[:8]}:"
-    yield BatchStore(engine, RedisLines(REDIS, prefix=prefix))
-    client = redis.Redis.from_url(REDIS)
-    for key in client.scan_iter(f"{prefix}*"):
-        client.delete(key)
-
-
 def _batch(store: BatchStore, lines: int, tenant: str = "acme") -> str:
     body = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]})
     new = NewBatch(tenant, None, "/v1/chat/completions", "file-x", timedelta(hours=1))
