@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import subprocess
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -446,7 +447,9 @@ async def test_a_broken_answer_to_the_check_before_a_run_is_a_clear_error() -> N
     "unexpected error"), as it is neither a URLError nor an OSError."""
 
     async def cut_short(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await reader.readuntil(b"\r\n\r\n")
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = re.search(rb"(?i)content-length: *(\d+)", head)
+        await reader.readexactly(int(length.group(1)) if length else 0)  # (unread, the close is a reset)
         writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n40\r\ndata: {")
         await writer.drain()
         writer.close()
