@@ -343,6 +343,31 @@ async def test_parallel_calls_are_each_their_own_messages_block(
 
 
 @pytest.mark.parametrize("how", ["whole", "events", "bytes"])
+@pytest.mark.parametrize("order", list(PARALLEL))
+async def test_parallel_calls_each_stream_between_their_own_responses_items_events(
+    openai_spec: Spec, order: str, how: str
+) -> None:
+    """A call's item was closed (its arguments done, "") as the next call was added, and its later
+    deltas came after its done event. A call stays open while its arguments are not whole, so side by side
+    calls each stream within their own item; calls in turn close as the next begins, as before."""
+    deltas = [*PARALLEL[order], {"content": "ok"}, _args(1, " ")]  # (text after them; then white space)
+    told = await _told(_responses_exchange(), list(_cuts(_vllm(deltas, "tool_calls"), how)))
+    failures = _validate_stream(openai_spec, told) + _order(_responses_order, told)
+    assert not failures, "\n".join(failures)
+    done = {e.data["item_id"]: e.data["arguments"] for e in told if e.data["type"].endswith("arguments.done")}
+    final = told[-1].data["response"]["output"]
+    assert [(item["type"], item.get("call_id")) for item in final] == [
+        ("function_call", "c0"), ("function_call", "c1"), ("message", None)
+    ]  # fmt: skip
+    assert [json.loads(done[item["id"]]) for item in final[:2]] == [{"x": 1}, {"y": 2}]
+    assert [json.loads(item["arguments"]) for item in final[:2]] == [{"x": 1}, {"y": 2}]
+    kinds = [e.data["type"] for e in told]
+    first_done = kinds.index("response.function_call_arguments.done")
+    if order == "in_turn":  # the first call is done before the second is added (OpenAI's own order)
+        assert first_done < [i for i, k in enumerate(kinds) if k == "response.output_item.added"][1]
+
+
+@pytest.mark.parametrize("how", ["whole", "events", "bytes"])
 async def test_text_between_calls_arguments_is_told_after_the_calls(anthropic_spec: Spec, how: str) -> None:
     """Text that came while calls' arguments were still coming closed their blocks for good:
     the arguments after it were lost (streamed {"x": and {"y": where the whole answer had {"x": 1} and

@@ -24,21 +24,23 @@ class ResponsesEncoder(Encoder):
         self.answer = Answer()
         self._seq = 0
         self.output: list[dict[str, Any]] = []
-        self._open: dict[str, Any] | None = None  # the output item being written
+        self._open: dict[str, Any] | None = None  # the message or reasoning item being written
         self._calls: dict[str, dict[str, Any]] = {}  # call id → its item
+        self._open_calls: dict[str, dict[str, Any]] = {}  # item id → a call whose arguments may still come
+        self._may_be_whole: dict[str, dict[str, Any]] = {}  # the open calls whose last delta closed a bracket
         self._at: dict[str, int] = {}  # item id → its output index (calls by the thousand: no list search)
         self._failed: dict[str, Any] | None = None
         self._pieces: list[bytes] = []  # the open message's text so far, JSON-escaped
         self._text_event: bytes | None = None  # the open message's delta event, its number and text to fill
-        self._head = b""  # the open item's fields in its delta events
+        self._head = b""  # the open reasoning item's fields in its delta events
 
     def _event(self, kind: bytes, fields: dict[str, Any]) -> bytes:
         """An event with its fields after its type and number (`fields`: never empty)."""
         return self._opening(kind) + b"," + orjson.dumps(fields)[1:] + b"\n\n"
 
-    def _delta(self, kind: bytes, delta: str, tail: bytes = b"}") -> bytes:
+    def _delta(self, kind: bytes, delta: str, head: bytes) -> bytes:
         """A delta event, written from bytes (one a token: the common case, kept cheap)."""
-        return self._opening(kind) + self._head + b',"delta":' + orjson.dumps(delta) + tail + b"\n\n"
+        return self._opening(kind) + head + b',"delta":' + orjson.dumps(delta) + b"}\n\n"
 
     def _opening(self, kind: bytes) -> bytes:
         """An event's first bytes, up to its sequence number (the next one)."""
@@ -72,10 +74,13 @@ class ResponsesEncoder(Encoder):
         return out
 
     def _add(self, item: dict[str, Any]) -> bytes:
-        out = self._close()
+        out = self._close_settled()
         self._at[item["id"]] = len(self.output)
         self.output.append(item)
-        self._open = item
+        if item["type"] == "function_call":
+            self._open_calls[item["id"]] = item
+        else:
+            self._open = item
         return out + self._event(
             b"response.output_item.added", {"output_index": len(self.output) - 1, "item": in_progress(item)}
         )
@@ -121,7 +126,7 @@ class ResponsesEncoder(Encoder):
             out += self._add(item)
             self._head = self._head_of(item, content=True)
         item["content"][0]["text"] += delta
-        return out + self._delta(b"response.reasoning_text.delta", delta)
+        return out + self._delta(b"response.reasoning_text.delta", delta, head=self._head)
 
     def tool_call(self, call: ToolCall) -> bytes:
         item = call_item(self.exchange.item_id("fc"), call, "in_progress")
@@ -130,16 +135,39 @@ class ResponsesEncoder(Encoder):
 
     def tool_arguments(self, call: ToolCall, delta: str) -> bytes:
         item = self._calls[call.id]
+        if item["status"] != "in_progress":  # closed whole: what follows (white space) would not parse
+            return b""
         item["arguments"] += delta
-        self._head = f',"item_id":"{item["id"]}","output_index":{self._at[item["id"]]}'.encode()
-        return self._delta(b"response.function_call_arguments.delta", delta)
+        if delta.rstrip().endswith(("}", "]")):
+            self._may_be_whole[item["id"]] = item
+        else:
+            self._may_be_whole.pop(item["id"], None)
+        head = f',"item_id":"{item["id"]}","output_index":{self._at[item["id"]]}'.encode()
+        return self._delta(b"response.function_call_arguments.delta", delta, head=head)
+
+    def _close_settled(self) -> bytes:
+        """Before a new item: the open message or reasoning item's closing events, and those of each open
+        call whose arguments are whole. An engine may stream parallel calls side by side (their deltas
+        interleaved; each event names its item): a call whose arguments are not whole yet stays open, its
+        later deltas still between its added and done events, and is closed at the end."""
+        out = self._close()
+        if self._may_be_whole:  # (only calls whose arguments changed are read: thousands stay linear)
+            for item in self._may_be_whole.values():
+                if _whole(item["arguments"]):
+                    del self._open_calls[item["id"]]
+                    out += self._close_item(item)
+            self._may_be_whole.clear()
+        return out
 
     def _close(self) -> bytes:
-        """The open item's closing events."""
+        """The open message or reasoning item's closing events."""
         item, self._open = self._open, None
         self._text_event = None
         if item is None:
             return b""
+        return self._close_item(item)
+
+    def _close_item(self, item: dict[str, Any]) -> bytes:
         index = self._at[item["id"]]
         item["status"] = self._ended(item)
         out = b""
@@ -183,11 +211,11 @@ class ResponsesEncoder(Encoder):
         return out + self._event(b"response.output_item.done", {"output_index": index, "item": item})
 
     def _close_all(self) -> bytes:
-        out = b""
-        for item in self.output:  # calls stream side by side: each still open is closed in turn
-            if item["status"] == "in_progress":
-                self._open = item
-                out += self._close()
+        out = self._close()
+        for item in self._open_calls.values():  # (in their order)
+            out += self._close_item(item)
+        self._open_calls.clear()
+        self._may_be_whole.clear()
         return out
 
     def closing_response(self) -> dict[str, Any]:
@@ -221,6 +249,15 @@ class ResponsesEncoder(Encoder):
         out = self._event(b"error", {"code": code or "server_error", "message": message, "param": None})
         self._failed = {"code": "server_error", "message": message}
         return out + self._event(b"response.failed", {"response": self.closing_response()})
+
+
+def _whole(arguments: str) -> bool:
+    """Whether a call's arguments so far are a whole JSON value (more would make them not one)."""
+    try:
+        orjson.loads(arguments)
+    except orjson.JSONDecodeError:
+        return False
+    return True
 
 
 def in_progress(item: dict[str, Any]) -> dict[str, Any]:
