@@ -11,6 +11,8 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import aiohttp
+import orjson
+import pytest
 
 from corral.perf import load_catalog
 from corral.perf.calibration import calibrated_efficiency
@@ -79,28 +81,48 @@ def test_many_stop_strings_on_a_long_answer_cost_time_in_proportion_to_it() -> N
     assert not choice.done and choice.tokens == 20_000
 
 
-async def test_health_fails_once_the_step_loop_has_died() -> None:
-    """A step that raises (here: publishing KV events on a socket that was closed) ends the engine: its
-    requests never finish, and /health says so (503, as vLLM's when its engine is dead), rather than
-    keeping the replica in routing. Stopping the server after it goes through."""
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_dead_step_loop_fails_its_requests_and_health(stream: bool) -> None:
+    """A step that raises (here: publishing KV events on a socket that was closed) ends the engine. Its
+    requests waited for tokens for good (a gateway's request hung until its own timeout): each is now
+    answered as vLLM answers when its engine is dead (a 500, in a stream an error event and [DONE]), so are
+    later ones, and /health says 503 rather than keeping the replica in routing."""
     server = sim(kv_events_endpoint="tcp://127.0.0.1:9")
     assert server.engine.kv_events is not None
     server.engine.kv_events.close()
     async with serving(server) as url, aiohttp.ClientSession() as session:
 
-        async def dead() -> bool:
+        async def health() -> int:
             async with session.get(url + "/health") as response:
-                assert response.status in (200, 503)
-                return response.status == 503
+                return response.status
 
-        assert not await dead()
+        assert await health() == 200
         body = {"model": MODEL, "prompt": " ".join(f"w{i}" for i in range(64)), "max_tokens": 4}
-        asking = asyncio.ensure_future(session.post(url + "/v1/completions", json=body))
-        try:
-            await until(dead)
-        finally:
-            asking.cancel()
-            await asyncio.gather(asking, return_exceptions=True)
+
+        async def ask(stream: bool) -> tuple[int, bytes]:
+            async with session.post(url + "/v1/completions", json={**body, "stream": stream}) as response:
+                return response.status, await response.read()
+
+        status, answer = await asyncio.wait_for(ask(stream), 5)  # (in the engine as its loop dies)
+        if stream:
+            assert status == 200
+            events = [line[6:] for line in answer.split(b"\n\n") if line.startswith(b"data: ")]
+            assert orjson.loads(events[-2])["error"]["code"] == 500 and events[-1] == b"[DONE]"
+        else:
+            assert status == 500 and orjson.loads(answer)["error"]["type"] == "InternalServerError"
+        assert await health() == 503
+        later = await asyncio.wait_for(ask(False), 5)
+        assert later[0] == 500 and b"EngineCore" in later[1]
+
+
+async def test_an_embedding_model_whose_step_loop_ended_refuses_as_vllm_does() -> None:
+    """An embedding input waited for its prefill for good once the step loop had ended."""
+    server = sim(embed_dim=16)
+    async with serving(server) as url, aiohttp.ClientSession() as session:
+        assert server._steps is not None
+        server._steps.cancel()  # (the loop ends: as any failure of a step ends it)
+        async with session.post(url + "/v1/embeddings", json={"model": MODEL, "input": "x"}) as response:
+            assert response.status == 500 and (await response.json())["error"]["code"] == 500
 
 
 async def test_a_stream_whose_client_went_away_leaves_no_read_pending() -> None:

@@ -19,7 +19,7 @@ import orjson
 from aiohttp import web
 
 from corral.protocol import EmbeddingRequest, InvalidRequest, parse_body
-from corral.sim.engine import SimEngine, SimRequest
+from corral.sim.engine import DEAD, EngineDeadError, SimEngine, SimRequest
 from corral.sim.errors import bad_request, model_not_found
 from corral.sim.text import tokenize
 
@@ -87,7 +87,8 @@ class SimEmbedder:
         try:
             for tokens in prompts:
                 requests.append(self.engine.submit(tokens, 1, finished_reason="stop"))
-            await asyncio.gather(*(r.tokens.get() for r in requests))
+            if DEAD in await asyncio.gather(*(r.tokens.get() for r in requests)):
+                raise EngineDeadError()
         except ValueError as exc:  # more KV than the engine has: the input's fault, as every other refusal
             raise bad_request(str(exc), param="input") from exc
         finally:

@@ -66,10 +66,20 @@ _LATENCY_BUCKETS = (
 
 _FINISHED_REASONS = ("stop", "length", "abort", "error", "repetition")  # vLLM's FinishReason
 
+DEAD = -1  # on a request's queue: the engine's step loop has ended; no more tokens will come
+
+
+class EngineDeadError(RuntimeError):
+    """The step loop has ended (vLLM's EngineDeadError): a request can be neither taken nor finished."""
+
+    def __init__(self) -> None:
+        super().__init__("EngineCore encountered an issue. See stack trace (above) for the root cause.")
+
 
 @dataclass(eq=False)
 class SimRequest:
-    """One sequence in the engine and the queue its tokens arrive on (None once it has finished).
+    """One sequence in the engine and the queue its tokens arrive on (None once it has finished; DEAD
+    where the engine's step loop ended first).
 
     `finished_reason` is vLLM's for its last token: `length` where `max_tokens` cut it, `stop` where the
     answer ends there on its own (its end of sequence)."""
@@ -193,6 +203,7 @@ class SimEngine:
         self._t0: float | None = None
         self._reported = (0, 0, 0)
         self.kv_events: KvEventPublisher | None = None  # set to publish the cache's changes
+        self.dead = False  # the step loop has ended (died or stopped): nothing more is taken or finished
 
     def now(self) -> float:
         """Simulated seconds since the engine started."""
@@ -213,6 +224,8 @@ class SimEngine:
 
         The last token's KV is never computed, so a sequence needs KV for `prompt + max_tokens - 1`
         tokens (all of them with `reserve_whole`, which reserves that much)."""
+        if self.dead:
+            raise EngineDeadError()
         needed = len(prompt) + max_tokens - (0 if self.config.reserve_whole else 1)
         if needed > self.config.num_blocks * self.config.block_size:
             raise ValueError("the request needs more KV cache than the engine has")
@@ -267,7 +280,17 @@ class SimEngine:
         await asyncio.sleep((lora.busy_until - now) / self.time_scale)
 
     async def run(self) -> None:
-        """The step loop; runs until cancelled."""
+        """The step loop; runs until cancelled. However it ends, the requests in the engine are told (DEAD
+        on their queues: they would wait for tokens for good) and no more are taken."""
+        try:
+            await self._steps()
+        finally:
+            self.dead = True
+            requests, self._requests = self._requests, {}
+            for request in requests.values():
+                request.tokens.put_nowait(DEAD)
+
+    async def _steps(self) -> None:
         pipeline = self._pipeline
         last_finish = 0.0
         while True:

@@ -43,7 +43,7 @@ from corral.protocol import (
     parse_body,
 )
 from corral.sim.embed import SimEmbedder
-from corral.sim.engine import SimEngine, SimRequest
+from corral.sim.engine import DEAD, EngineDeadError, SimEngine, SimRequest
 from corral.sim.errors import VllmError, bad_request, model_not_found
 from corral.sim.lora import Adapter
 from corral.sim.lora_api import LoraEndpoints
@@ -250,7 +250,9 @@ class SimServer:
         return web.json_response(meta.completion(choices), dumps=lambda d: orjson.dumps(d).decode())
 
     async def _read(self, sim_request: SimRequest, choice: _Choice) -> None:
-        while await sim_request.tokens.get() is not None:
+        while (token := await sim_request.tokens.get()) is not None:
+            if token == DEAD:
+                raise EngineDeadError()
             self._advance(sim_request, choice)
             if choice.done:
                 return
@@ -284,6 +286,13 @@ class SimServer:
                 done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 for future in done:
                     sim_request, choice = pending.pop(future)
+                    if future.result() == DEAD:  # vLLM's stream: its error as an event, then [DONE]
+                        for other in pending:
+                            other.cancel()
+                        pending.clear()
+                        include_usage = False
+                        await response.write(b"data: " + _engine_dead().to_json() + b"\n\n")
+                        break
                     if choice in unannounced:
                         unannounced.discard(choice)
                         await response.write(meta.event(choice, choice.announcement()))
@@ -467,6 +476,11 @@ def _stops(stop: str | list[str] | None) -> list[str]:
     return stops
 
 
+def _engine_dead() -> VllmError:
+    """vLLM's answer where its engine has died (EngineDeadError): a 500, its message as vLLM words it."""
+    return VllmError(str(EngineDeadError()), "InternalServerError", 500)
+
+
 @web.middleware
 async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
@@ -476,3 +490,5 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         return web.Response(body=refusal.to_json(), status=exc.status, content_type="application/json")
     except VllmError as exc:
         return web.Response(body=exc.to_json(), status=exc.status, content_type="application/json")
+    except EngineDeadError:
+        return web.Response(body=_engine_dead().to_json(), status=500, content_type="application/json")
