@@ -1,7 +1,7 @@
 """Adapter placement (routing/adapters.py) on replicas built here: holders first, slots kept by least
-recent use, nothing in flight or freshly loaded given up, a burst spread one replica at a time by demand
-(a busy adapter that one replica carries is not copied), a new adapter loaded where it gives up the least
-wanted one, and a restarted replica holding nothing."""
+recent use, nothing in flight or freshly loaded given up (one past the slots goes once idle), a burst
+spread one replica at a time by demand (a busy adapter that one replica carries is not copied), a new
+adapter loaded where it gives up the least wanted one, and a restarted replica holding nothing."""
 
 from __future__ import annotations
 
@@ -61,10 +61,15 @@ def test_slots_are_given_up_by_least_recent_use_never_in_flight_or_young() -> No
     assert [r.adapter for r in placement.done(replica, a, in_a)] == ["a"]
     assert sorted(placement.resident(replica)) == ["c", "d"]
 
-    young = AdapterPlacement(min_resident_s=3600)  # loaded within the hour: kept, whatever its slots
-    for adapter in (a, b, c):
+    young = AdapterPlacement(min_resident_s=3600)  # loaded within the hour: kept within its slots
+    for adapter in (a, b):
         assert young.done(replica, adapter, young.use(replica, adapter)[0]) == []
-    assert len(young.resident(replica)) == 3
+    assert young.candidates(c, [replica]) == [replica]  # no slot may go: c is loaded past them...
+    taken, load, unload = young.use(replica, c)
+    assert load and unload == [] and len(young.resident(replica)) == 3
+    # ...and the least recently used goes once c is idle (as the engine's LRU let it go to load c)
+    assert [r.adapter for r in young.done(replica, c, taken)] == ["a"]
+    assert sorted(young.resident(replica)) == ["b", "c"]
     assert young.loads_last_minute(replica) == 3
 
 

@@ -68,6 +68,7 @@ class LaunchPlan:
     kv_events_urls: tuple[str, ...] = ()
     adapters: tuple[str, ...] = ()  # LoRA adapters the engine starts with (model ids, in its order)
     adapter_slots: int = 0  # LoRA adapters it may load at run time (vLLM's --max-cpu-loras); 0: none
+    max_loras: int = 0  # distinct LoRA adapters it runs in one batch (vLLM's --max-loras); 0: unknown
     # the signal the kernel sends the engine if corral dies without stopping it: SIGTERM lets vLLM end the
     # workers it spawned; an engine that may hang shutting down (llama.cpp's server) is sent SIGKILL
     death_signal: signal.Signals = signal.SIGTERM

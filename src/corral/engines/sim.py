@@ -81,6 +81,7 @@ class SimEngineAdapter:
             if deployment.kv_events and model.task != "embed"
             else (),
             adapter_slots=model.lora.slots if model.adapters else 0,
+            max_loras=model.lora.max_loras if model.adapters else 0,
         )
         # GPUs as vLLM's replicas take them (the simulator uses none), so scaling picks them the same way
         return [

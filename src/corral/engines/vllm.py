@@ -168,6 +168,7 @@ class VllmEngine:
                     **({"VLLM_API_KEY": deployment.engine_api_key} if deployment.engine_api_key else {}),
                 },
                 adapter_slots=model.lora.slots if model.adapters else 0,
+                max_loras=model.lora.max_loras if model.adapters else 0,
                 capacity=deployment.max_num_seqs,
                 context_length=deployment.max_model_len,
                 api_key=deployment.engine_api_key,

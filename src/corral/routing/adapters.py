@@ -14,8 +14,16 @@ time into `Replica.adapter_slots` slots, which the gateway fills and empties (`A
 - the replica that loads it is the least costly: a free slot; else, among the replicas at most one request
   busier than the least busy, the one whose least recently used adapter (idle, and loaded at least
   `min_resident_s` ago: it is unloaded) is the least wanted, by its recent requests per copy held. Where
-  every slot is busy or young, the least busy replica takes one adapter past its slots and gives it back
-  when one goes idle: a request is never refused for want of a slot;
+  every slot is busy, the least busy replica takes one adapter past its slots, given back once idle;
+- it goes only to a replica that can start it now (`Replica.max_loras`, vLLM's `--max-loras`: distinct
+  adapters per batch): one running its adapter already, or fewer than `max_loras` distinct adapters (in
+  flight from this gateway). Where `max_loras` > 1 a tenant holds at most `max_loras` − 1 of a replica's
+  distinct adapters in flight (joining its adapter already running there is never held back), so one
+  tenant's long requests on many adapters never fill every batch and hold others' new adapters;
+- where no replica can start it, `candidates` raises `AdapterWait`: the request waits in the gateway
+  (`waiting`, around the router's acquire) until a request ends, `WAIT_S` at most, then is placed anyway.
+  A caller that does not wait (`may_wait` unset: a stream continuing elsewhere) is placed at once, into a
+  full batch (the engine queues it);
 - a replica that refused to load a revision (its files missing or broken where it runs) is not chosen to
   load that revision for `_REFUSED_S`; one that refused what another replica loaded (its node is the
   trouble, not the adapter) is not chosen to load any adapter that long, unless no other replica can. (Each
@@ -32,9 +40,15 @@ chooses is the replica: one whose LRU adapter is rarely asked for, so that rare 
 themselves and the steadily asked ones stay. Copies take slots too, so an adapter is spread for
 throughput, not for its share of the requests alone (docs/benchmarks/lora_routing.md: what each saves).
 
-Loads per replica are thus bounded by its slots over `min_resident_s` (thrashing cannot outrun it), and
-counted (`corral_adapter_loads_total`). With `lora.placement: anywhere` the routing policy alone picks
-and the replica loads what it lacks (a fleet without adapter-aware routing; for comparison).
+`min_resident_s` protects only the adapters within a replica's slots: past them, the least recently used
+idle one is given back as soon as it is idle, so the gateway's account holds no more than the slots but
+for requests in flight, as the engine's LRU does, and every load the engine makes is one the gateway
+counts (`corral_adapter_loads_total`). Loads into the slots are bounded by the slots per
+`min_resident_s`; a request for an adapter no replica holds, where every slot is busy or young, is loaded
+past the slots rather than made to wait (an adapter asked for more often than that is best given more
+slots: `lora.max_cpu_loras`). With `lora.placement: anywhere` the routing policy alone picks and the
+replica loads what it lacks; neither `max_loras` nor that bound holds (no adapter-aware routing; for
+comparison).
 
 A request placed after a live apply replaced its adapter (it waited in the admission queue meanwhile) is
 placed under the current revision (`catalogue`, the gateway's); the gateway's loader serves it so, or
@@ -42,20 +56,27 @@ refuses it where the adapter is gone (gateway/adapters.py).
 
 Each gateway process keeps its own view; with several gateway workers two may load one adapter on
 different replicas, and an adapter one unloaded that another still routes to is loaded again when its
-engine answers that it does not know it (gateway/adapters.py).
+engine answers that it does not know it (gateway/adapters.py); each counts only its own requests against
+`max_loras`.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import math
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
+from corral.protocol import NoCapacity
 from corral.routing.replicas import Replica
 
-__all__ = ["Adapter", "AdapterCatalogue", "AdapterPlacement", "Residence"]
+__all__ = ["Adapter", "AdapterCatalogue", "AdapterPlacement", "AdapterWait", "Residence"]
+
+_T = TypeVar("_T")
 
 _SPREAD_MARGIN = 4  # requests in flight a holder must carry beyond the least busy replica to spread
 _LOADER_SLACK = 1  # a replica that loads may carry this many requests more than the least busy
@@ -67,6 +88,14 @@ _REFUSED_S = 30.0  # a replica that refused a load is passed by as a loader this
 # ...and is not asked to load that revision again at all this long (a request placed there anyway, every
 # replica having refused, fails over at once: the client's 503 says to come back then)
 ASK_AGAIN_S = 5.0
+WAIT_S = 30.0  # a request no replica can start or load its adapter for waits this long at most (`waiting`)
+_WAIT_TICK_S = 0.25  # ...trying again when a request ends, or this often (an idle adapter ages)
+
+
+class AdapterWait(NoCapacity):
+    """No replica can start the request's adapter now (see the module's text): it waits (`waiting`)."""
+
+    default_code = "adapter_busy"
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +161,7 @@ class Residence:
     last_used: float
     in_flight: int = 0
     loaded: bool = False  # the engine said it loaded it (not only asked to)
+    tenants: dict[str, int] = field(default_factory=dict)  # its requests in flight by tenant
 
 
 @dataclass(slots=True)
@@ -172,6 +202,8 @@ class AdapterPlacement:
         self._refusals: dict[str, dict[str, float]] = {}
         self._troubled: dict[str, float] = {}
         self._clock = clock
+        self._room: asyncio.Event | None = None  # set (and replaced) when a place may have freed: `waiting`
+        self.may_wait = False  # the caller waits on AdapterWait (`waiting` sets it around its acquire)
         # the adapters served now (set by the gateway's loader): a request's adapter replaced since it was
         # read is placed under its current revision
         self.catalogue: AdapterCatalogue | None = None
@@ -212,29 +244,38 @@ class AdapterPlacement:
 
     # routing -----------------------------------------------------------------------------------------
 
-    def candidates(self, adapter: Adapter, replicas: Sequence[Replica]) -> list[Replica]:
-        """The replicas the routing policy may pick from for a request of `adapter`: its holders, one more
-        where its demand calls for it, or (none holds it) the one that loads it at least cost. Empty when
-        no replica can serve it."""
+    def candidates(self, adapter: Adapter, replicas: Sequence[Replica], tenant: str = "") -> list[Replica]:
+        """The replicas the routing policy may pick from for a request of `adapter` (by `tenant`): of those
+        that can start it now, its holders, one more where its demand calls for it, or (none holds it) the
+        one that loads it at least cost. Empty when no replica can serve it (AdapterWait: see the module)."""
         adapter = self._served(adapter)
         able = [r for r in replicas if self.can_serve(r, adapter)]
         if adapter.placement == "anywhere" or not able:
             return able
+        every, startable = len(able), [r for r in able if self._can_start(r, adapter, tenant)]
+        if startable or self.may_wait:
+            able = startable
+        if not able:
+            raise AdapterWait(f"No replica can start adapter '{adapter.name}' now.", retry_after=1)
         holders = [r for r in able if self.holds(r, adapter)]
         if not holders:
-            loader = self._loader(adapter, able)
+            loaders = self._willing(adapter.engine_name, [r for r in able if r.adapter_slots > 0])
+            if not loaders:  # every one refused it lately: placed anyway (the loader fails it over at once)
+                return able
+            loader = self._loader(adapter, loaders)
             return [loader] if loader is not None else able
         fixed = [r for r in holders if adapter.name in r.adapters]
         if fixed:  # llama.cpp's: every replica started with it is a holder; prefer the current revision
             return fixed
-        need = self._needed(adapter, len(able))
+        need = self._needed(adapter, every)
         if len(holders) > need:  # more copies than its demand: the youngest go idle, LRU takes them back
             holders.sort(key=lambda r: self._holding(r).resident[adapter.engine_name].loaded_at)
             kept = holders[:need]
             if all(r.capacity is None or r.outstanding < r.capacity for r in kept):
                 return kept
         if len(holders) < len(able) and self._wants_more(adapter, holders, able, need):
-            loader = self._loader(adapter, [r for r in able if r not in holders])
+            others = self._willing(adapter.engine_name, [r for r in able if r not in holders])
+            loader = self._loader(adapter, [r for r in others if r.adapter_slots > 0])
             if loader is not None:
                 self._spread_at[adapter.name] = self._clock()
                 return [*holders, loader]
@@ -270,17 +311,27 @@ class AdapterPlacement:
             return True
         return len(holders) < need
 
-    def _loader(self, adapter: Adapter, able: list[Replica]) -> Replica | None:
-        """The replica that loads the adapter at least cost: a free slot; else, of those at most
-        `_LOADER_SLACK` requests busier than the least busy, the one giving up the least wanted idle old
-        adapter; then the fewest requests in flight (None: no replica loads at run time, or every one that
-        does refused this revision lately)."""
+    def _can_start(self, replica: Replica, adapter: Adapter, tenant: str) -> bool:
+        """Whether `replica`'s engine can run a request of `adapter` (by `tenant`) now: it runs that adapter
+        already, or fewer than its `max_loras` distinct ones, of which (`max_loras` > 1) the tenant's are
+        fewer than `max_loras` − 1 (see the module's text). Unknown `max_loras` (0): always."""
+        limit = replica.max_loras
+        if limit <= 0 or replica.adapter_slots <= 0 or adapter.name in replica.adapters:
+            return True
+        holding = self._holding(replica)
+        own = holding.resident.get(adapter.engine_name)
+        if own is not None and own.in_flight > 0:
+            return True
+        running = [r for r in holding.resident.values() if r.in_flight > 0]
+        if len(running) >= limit:
+            return False
+        return not tenant or limit == 1 or sum(1 for r in running if r.tenants.get(tenant)) < limit - 1
+
+    def _loader(self, adapter: Adapter, loaders: list[Replica]) -> Replica | None:
+        """The replica of `loaders` (runtime-loading, willing) that loads the adapter at least cost: a free
+        slot; else, of those at most `_LOADER_SLACK` requests busier than the least busy, the one giving up
+        the least wanted idle old adapter; then the fewest requests in flight (one past its slots)."""
         now = self._clock()
-        loaders = [r for r in able if r.adapter_slots > 0]
-        if self._refusals or self._troubled:
-            loaders = self._willing(adapter.engine_name, loaders, now)
-        if not loaders:
-            return None
         calmest = min(r.outstanding for r in loaders)
         copies = self._copies(loaders)
         best: tuple[int, bool, float, int, int] | None = None
@@ -292,18 +343,22 @@ class AdapterPlacement:
                 rank = 0
             elif (victim := self._evictable(holding, now, self.min_resident_s)) is not None:
                 rank, wanted = 1, self._wanted(victim.adapter, now) / copies[victim.adapter]
+            elif all(r.in_flight > 0 for r in holding.resident.values()):
+                rank = 2  # every adapter in flight: it takes one past its slots
             else:
-                rank = 2  # it takes one past its slots
+                rank = 3  # its idle adapters are all young: past its slots too, given back once idle
             busy = replica.outstanding > calmest + _LOADER_SLACK
             key = (rank, busy, wanted, replica.outstanding, len(holding.resident))
             if best is None or key < best:
                 best, chosen = key, replica
         return chosen
 
-    def _willing(self, revision: str, loaders: list[Replica], now: float) -> list[Replica]:
+    def _willing(self, revision: str, loaders: list[Replica]) -> list[Replica]:
         """`loaders` less those that refused to load `revision` in the last `_REFUSED_S`, and (while others
         remain) less those that refused what another replica loaded in that time."""
-        since = now - _REFUSED_S
+        if not self._refusals and not self._troubled:
+            return loaders
+        since = self._clock() - _REFUSED_S
         refusers = self._refusals.get(revision, {})
         willing = [r for r in loaders if refusers.get(r.id, since) <= since]
         return [r for r in willing if self._troubled.get(r.id, since) <= since] or willing
@@ -336,10 +391,12 @@ class AdapterPlacement:
 
     # a request's life --------------------------------------------------------------------------------
 
-    def use(self, replica: Replica, adapter: Adapter) -> tuple[Residence | None, bool, list[Residence]]:
-        """A request of `adapter` goes to `replica`: (its residence there, counted in flight until `done`
-        (None: held from the replica's start); whether the replica must load it first; the adapters it
-        must unload to make room)."""
+    def use(
+        self, replica: Replica, adapter: Adapter, tenant: str = ""
+    ) -> tuple[Residence | None, bool, list[Residence]]:
+        """A request of `adapter` (by `tenant`) goes to `replica`: (its residence there, counted in flight
+        until `done` (None: held from the replica's start); whether the replica must load it first; the
+        adapters it must unload to make room)."""
         adapter = self._served(adapter)
         self._in_flight[adapter.base] = self._in_flight.get(adapter.base, 0) + 1
         self._adapter_in_flight[adapter.name] = self._adapter_in_flight.get(adapter.name, 0) + 1
@@ -347,24 +404,29 @@ class AdapterPlacement:
             return None, False, []
         now = self._clock()
         self._asked[adapter.name] = (now, self._wanted(adapter.name, now) + 1.0)
-        return self._reside(replica, adapter, now)
+        return self._reside(replica, adapter, now, tenant)
 
     def _reside(
-        self, replica: Replica, adapter: Adapter, now: float
+        self, replica: Replica, adapter: Adapter, now: float, tenant: str
     ) -> tuple[Residence, bool, list[Residence]]:
         """The adapter's residence on `replica`, counted in flight (as `use`)."""
         holding = self._holding(replica)
         residence = holding.resident.get(adapter.engine_name)
-        if residence is not None:
+        load = residence is None
+        unload = []
+        if residence is None:
+            unload = self._make_room(holding, now, extra=1)
+            residence = holding.resident[adapter.engine_name] = Residence(
+                adapter.engine_name, adapter.name, now, now
+            )
+            holding.loads.append(now)
+        else:
             holding.resident.move_to_end(adapter.engine_name)
-            residence.last_used, residence.in_flight = now, residence.in_flight + 1
-            return residence, False, []
-        unload = self._make_room(holding, now, extra=1)
-        residence = holding.resident[adapter.engine_name] = Residence(
-            adapter.engine_name, adapter.name, now, now, 1
-        )
-        holding.loads.append(now)
-        return residence, True, unload
+            residence.last_used = now
+        residence.in_flight += 1
+        if tenant:
+            residence.tenants[tenant] = residence.tenants.get(tenant, 0) + 1
+        return residence, load, unload
 
     def _served(self, adapter: Adapter) -> Adapter:
         """The adapter's revision served now: a request read before a live apply replaced it is placed
@@ -375,7 +437,12 @@ class AdapterPlacement:
         return current
 
     def revise(
-        self, replica: Replica, residence: Residence | None, loading: bool, adapter: Adapter | None
+        self,
+        replica: Replica,
+        residence: Residence | None,
+        loading: bool,
+        adapter: Adapter | None,
+        tenant: str = "",
     ) -> tuple[Residence | None, bool, list[Residence]]:
         """A request placed under a revision no longer served (a live apply replaced or removed its adapter
         since) gives up its `residence` (`loading`: it was to load it, so the engine holds nothing) and, given
@@ -384,7 +451,7 @@ class AdapterPlacement:
         unload = []
         holding = self._holdings.get(replica.id)
         if residence is not None:
-            residence.in_flight = max(0, residence.in_flight - 1)
+            self._leave(residence, tenant)
             if holding is not None and holding.resident.get(residence.engine_name) is residence:
                 if loading:
                     del holding.resident[residence.engine_name]
@@ -393,29 +460,40 @@ class AdapterPlacement:
                     unload.append(residence)
         if adapter is None or adapter.name in replica.adapters or replica.adapter_slots <= 0:
             return None, False, unload
-        taken, load, room = self._reside(replica, adapter, self._clock())
+        taken, load, room = self._reside(replica, adapter, self._clock(), tenant)
         return taken, load, [*unload, *room]
 
     def _make_room(self, holding: _Holdings, now: float, extra: int = 0) -> list[Residence]:
         """Unload idle adapters, least recently used first, while the replica holds more than its slots
-        (counting `extra` about to be loaded); those loaded less than `min_resident_s` ago stay."""
+        (counting `extra` about to be loaded). To make room for a load only those loaded at least
+        `min_resident_s` ago go; past the slots (`extra` 0), any idle one goes."""
         gone = []
         while len(holding.resident) + extra > holding.slots:
-            victim = self._evictable(holding, now, self.min_resident_s)
+            victim = self._evictable(holding, now, self.min_resident_s if extra else 0.0)
             if victim is None:
                 break
             del holding.resident[victim.engine_name]
             gone.append(victim)
         return gone
 
-    def done(self, replica: Replica, adapter: Adapter, residence: Residence | None) -> list[Residence]:
-        """The request ended (its residence from `use`): what the replica should now unload (a retired
-        revision gone idle, or more than its slots)."""
+    @staticmethod
+    def _leave(residence: Residence, tenant: str) -> None:  # one request of `tenant` ended (or moved)
+        residence.in_flight = max(0, residence.in_flight - 1)
+        left = residence.tenants.pop(tenant, 0) - 1
+        if left > 0:
+            residence.tenants[tenant] = left
+
+    def done(
+        self, replica: Replica, adapter: Adapter, residence: Residence | None, tenant: str = ""
+    ) -> list[Residence]:
+        """The request (by `tenant`) ended (its residence from `use`): what the replica should now unload (a
+        retired revision gone idle, or one past its slots gone idle)."""
         self._in_flight[adapter.base] = max(0, self._in_flight.get(adapter.base, 0) - 1)
         self._adapter_in_flight[adapter.name] = max(0, self._adapter_in_flight.get(adapter.name, 0) - 1)
         if residence is None:
             return []
-        residence.in_flight = max(0, residence.in_flight - 1)
+        self._leave(residence, tenant)
+        self._wake()
         holding = self._holdings.get(replica.id)
         if holding is None or holding.resident.get(residence.engine_name) is not residence:
             return []  # (forgotten since: a failed load, a lost adapter, a restart)
@@ -431,6 +509,33 @@ class AdapterPlacement:
         if residence is not None and holding is not None:
             if holding.resident.get(residence.engine_name) is residence:
                 del holding.resident[residence.engine_name]
+                self._wake()
+
+    def _wake(self) -> None:
+        """A place may have freed: the requests `waiting` try again."""
+        if self._room is not None:
+            self._room.set()
+            self._room = None
+
+    async def waiting(self, acquire: Callable[[], _T], limit_s: float = WAIT_S) -> _T:
+        """`acquire()` (the router's, with `may_wait` set), tried again while it raises AdapterWait when a
+        request ends, or after `_WAIT_TICK_S` (an idle adapter ages); after `limit_s`, once more without
+        `may_wait` (placed anyway)."""
+        deadline = time.monotonic() + limit_s
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                self.may_wait = True
+                with contextlib.suppress(AdapterWait):
+                    return acquire()
+            finally:
+                self.may_wait = False
+            if self._room is None:
+                self._room = asyncio.Event()
+            room = self._room
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(min(left, _WAIT_TICK_S)):
+                    await room.wait()
+        return acquire()  # waited long enough: placed anyway
 
     def loaded(self, replica: Replica, revision: str, residence: Residence | None) -> None:
         """`replica` loaded `revision` (its `residence`): replicas that refused it lately are troubled."""

@@ -63,6 +63,7 @@ class Replica:
     ready_eta: float | None = None  # when a starting/restarting replica is expected ready (epoch s)
     adapters: tuple[str, ...] = ()  # LoRA adapters it started with, in its engine's order (llama.cpp)
     adapter_slots: int = 0  # LoRA adapters it may hold loaded at run time (vLLM, sim); 0: none
+    max_loras: int = 0  # distinct LoRA adapters its engine runs in one batch (vLLM, sim); 0: unknown
 
     @property
     def ready(self) -> bool:

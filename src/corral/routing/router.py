@@ -127,7 +127,7 @@ class Router:
         candidates = [r for r in ready if r.breaker.allows() and r not in exclude]
         adapter = request.adapter
         if adapter is not None and candidates:  # (first: a rollout's old replicas may lack a new adapter)
-            candidates = self.adapters.candidates(adapter, candidates)
+            candidates = self.adapters.candidates(adapter, candidates, request.tenant)
         split = self.replicas.splits.get(request.model)
         if split is not None:  # a rollout is shifting traffic to a new revision
             candidates = split.choose(candidates, random.random(), ready)
@@ -147,7 +147,9 @@ class Router:
         decision = policy.pick(candidates, request)
         replica = decision.replica
         if adapter is not None:
-            request.residence, request.load_adapter, unload = self.adapters.use(replica, adapter)
+            request.residence, request.load_adapter, unload = self.adapters.use(
+                replica, adapter, request.tenant
+            )
             for residence in unload:
                 self.on_unload(replica, residence)
         request.trial = replica.breaker.on_dispatch()
@@ -225,7 +227,7 @@ class Router:
         (perhaps the input's doing: see circuit.py)."""
         self.prefilled(replica, request)
         if request.adapter is not None:
-            for residence in self.adapters.done(replica, request.adapter, request.residence):
+            for residence in self.adapters.done(replica, request.adapter, request.residence, request.tenant):
                 self.on_unload(replica, residence)
             request.residence = None
         policy = self._policies.get(request.model)

@@ -34,6 +34,7 @@ _SHARED = (
     "revision",
     "admitted",
     "adapter_slots",
+    "max_loras",
 )
 
 
