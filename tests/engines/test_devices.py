@@ -101,3 +101,44 @@ def test_deployments_that_share_a_gpu_must_leave_each_other_room() -> None:
     check_local_gpus(spec("replicas: 1", "gpus: [1]"), available=2)  # type: ignore[arg-type]
     shared = "gpu_memory_utilization: 0.45"
     check_local_gpus(spec(shared, shared), available=1)  # type: ignore[arg-type]
+
+
+def _fake_smi(tmp_path: Path, gpus: int) -> Path:
+    """A folder holding an `nvidia-smi` that lists `gpus` GPUs (`-L`), to put first on PATH."""
+    folder = tmp_path / "bin"
+    folder.mkdir()
+    smi = folder / "nvidia-smi"
+    lines = "".join(f"echo 'GPU {i}: NVIDIA H100 (UUID: GPU-{i:04d})'\n" for i in range(gpus))
+    smi.write_text("#!/bin/sh\n" + lines)
+    smi.chmod(0o755)
+    return folder
+
+
+@pytest.mark.parametrize(
+    ("given", "count", "replicas"),
+    [
+        (None, 4, ["0", "1"]),  # (no list: every GPU, numbered as nvidia-smi numbers them)
+        ("2,3", 2, ["2", "3"]),
+        ("GPU-0002, MIG-7a1b", 2, ["GPU-0002", "MIG-7a1b"]),
+        ("3,-1,0", 1, ["3", "1"]),  # (CUDA stops at the first entry naming no device)
+        ("", 0, ["0", "1"]),
+    ],
+)
+def test_the_operators_cuda_visible_devices_is_what_corral_counts_and_gives_out(
+    tmp_path: Path, given: str | None, count: int, replicas: list[str]
+) -> None:
+    """corral counted every GPU of the machine and gave its replicas GPUs 0, 1, … whatever it was given:
+    under CUDA_VISIBLE_DEVICES=2,3 on a shared 4-GPU host its replicas took GPUs 0 and 1, another service's.
+    It counts the GPUs it is given, and a deployment's GPU indexes are into that list (as CUDA numbers
+    them for corral itself); an index past it is refused by the GPU check."""
+    probe = (
+        "from corral.engines.devices import local_gpu_count; from corral.engines.vllm import VllmEngine; "
+        "from corral.config import DeploymentSpec; d = DeploymentSpec(engine='vllm', replicas=2); "
+        "print(local_gpu_count(), *(VllmEngine._env(d, i)['CUDA_VISIBLE_DEVICES'] for i in (0, 1)))"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    env["PATH"] = f"{_fake_smi(tmp_path, 4)}:{env['PATH']}"
+    if given is not None:
+        env["CUDA_VISIBLE_DEVICES"] = given
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, env=env)
+    assert done.stdout.split() == [str(count), *replicas]

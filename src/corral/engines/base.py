@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import re
 import signal
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
@@ -75,12 +76,31 @@ class LaunchPlan:
     resources: Resources = field(default_factory=Resources)  # what a runtime that places replicas reserves
 
 
-def visible_gpus(deployment: DeploymentSpec, index: int) -> str:
+def given_gpus(environ: Mapping[str, str] = os.environ) -> list[str] | None:
+    """The GPUs the operator gave corral, as its own CUDA_VISIBLE_DEVICES lists them (indexes, UUIDs, MIG
+    instances: `MIG-…`), or None where it sets none (every GPU). CUDA reads the list up to its first entry
+    that names no device: a negative index ends it (`-1` hides every GPU), as does an empty value."""
+    value = environ.get("CUDA_VISIBLE_DEVICES")
+    if value is None:
+        return None
+    given = []
+    for entry in (part.strip() for part in value.split(",")):
+        if not entry or entry.startswith("-"):
+            break
+        given.append(entry)
+    return given
+
+
+def visible_gpus(deployment: DeploymentSpec, index: int, given: Sequence[str] | None = None) -> str:
     """Replica `index`'s GPUs (CUDA_VISIBLE_DEVICES): the next TP × PP of the deployment's `gpus`, or of
-    0, 1, 2, … when it lists none."""
+    0, 1, 2, … when it lists none. Those are indexes into the GPUs the operator gave corral (`given`, by
+    default its own CUDA_VISIBLE_DEVICES: `gpus: [0]` under `CUDA_VISIBLE_DEVICES=2,3` is GPU 2, as CUDA
+    numbers them for corral itself); an index past them stays as it is (`check_local_gpus` refuses it)."""
+    given = given_gpus() if given is None else given
     per_replica = deployment.gpus_per_replica
     devices = deployment.gpus or list(range(per_replica * (index + 1)))
-    return ",".join(str(d) for d in devices[index * per_replica : (index + 1) * per_replica])
+    mine = devices[index * per_replica : (index + 1) * per_replica]
+    return ",".join(given[d] if given is not None and d < len(given) else str(d) for d in mine)
 
 
 def launch_plans(

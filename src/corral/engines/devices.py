@@ -11,7 +11,7 @@ import subprocess
 from pathlib import Path
 
 from corral.config import ClusterSpec
-from corral.engines.base import visible_gpus
+from corral.engines.base import given_gpus, visible_gpus
 
 __all__ = ["DeviceError", "check_local_gpus", "local_gpu_count", "usable_cpus"]
 
@@ -74,8 +74,17 @@ def _quota(folder: Path) -> float | None:
     return quota / period if quota > 0 and period > 0 else None
 
 
-def local_gpu_count(dev: Path = Path("/dev")) -> int:
-    """NVIDIA GPUs on this machine: `nvidia-smi -L` where it runs, else the /dev/nvidiaN device nodes."""
+def local_gpu_count(dev: Path = Path("/dev"), given: list[str] | None = None) -> int:
+    """NVIDIA GPUs corral may use on this machine: those its own CUDA_VISIBLE_DEVICES lists, where the
+    operator set it (`given`: engines/base.py's `given_gpus`), else all: `nvidia-smi -L` where it runs,
+    else the /dev/nvidiaN device nodes."""
+    given = given_gpus() if given is None else given
+    if given is not None:  # (a list naming GPUs on a machine with none: none)
+        return len(given) if _physical_gpus(dev) else 0
+    return _physical_gpus(dev)
+
+
+def _physical_gpus(dev: Path) -> int:
     smi = shutil.which("nvidia-smi")
     if smi is not None:
         try:
@@ -107,15 +116,18 @@ def check_local_gpus(spec: ClusterSpec, available: int) -> None:
             )
             if needed > available:
                 found = f"only {available}" if available else "none"
+                seen = "can be seen (nvidia-smi, /dev/nvidia*)"
+                if given_gpus() is not None:
+                    seen = "are given to corral (its CUDA_VISIBLE_DEVICES)"
                 raise DeviceError(
                     f"model {model.name!r} runs vLLM on GPUs and needs {needed} GPU(s) on this machine, but "
-                    f"{found} can be seen (nvidia-smi, /dev/nvidia*); run it on a GPU server, across "
+                    f"{found} {seen}; run it on a GPU server, across "
                     "machines with --ray, or on the CPU with `device: cpu`"
                 )
 
 
 def _check_shared_gpus(spec: ClusterSpec) -> None:
-    shares: dict[int, list[tuple[str, float]]] = {}
+    shares: dict[str, list[tuple[str, float]]] = {}
     for model in spec.models:
         for number, deployment in enumerate(model.deployments):
             if deployment.engine != "vllm" or deployment.device != "gpu":
@@ -123,7 +135,7 @@ def _check_shared_gpus(spec: ClusterSpec) -> None:
             where = f"models[{model.name}].deployments[{number}]"
             for index in range(deployment.most_replicas):
                 for device in visible_gpus(deployment, index).split(","):
-                    shares.setdefault(int(device), []).append((where, deployment.gpu_memory_utilization))
+                    shares.setdefault(device, []).append((where, deployment.gpu_memory_utilization))
     for gpu, users in sorted(shares.items()):
         if sum(share for _, share in users) > 1.0 + 1e-9:
             named = ", ".join(sorted({where for where, _ in users}))
