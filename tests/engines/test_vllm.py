@@ -154,3 +154,26 @@ def test_cpu_build_flags_and_environment(tmp_path: Path) -> None:
 def test_gpu_layout_is_checked_against_the_declared_devices(layout: str, message: str) -> None:
     with pytest.raises(SpecError, match=message):
         parse_spec(f"models:\n  - name: m\n    source: {{hf: a/b}}\n    deployments:\n      - {layout}\n")
+
+
+def test_braces_in_any_value_reach_vllm_as_written(tmp_path: Path) -> None:
+    """The runtime fills `{host}` and `{port}` into the command line with `str.format`: a value of the
+    spec's holding braces (a weights folder `my{v2}`, a dtype) raised KeyError at every replica start, and
+    the supervisor retried it for good. Only the engine's own flags were escaped."""
+    python = tmp_path / "python"
+    python.write_text("")
+    weights = tmp_path / "my{v2}"
+    weights.mkdir()
+    model = ModelSpec.model_validate(
+        {"name": "m", "source": {"path": str(weights)}, "deployments": [{"engine": "vllm"}]}
+    )
+    config = '{"max_cudagraph_capture_size": 8}'
+    deployment = DeploymentSpec(
+        engine="vllm", binary=python, dtype="x{y}", engine_args=["--compilation-config", config]
+    )
+    (plan,) = engine_named("vllm").prepare(model, deployment, Paths(tmp_path), lambda _: None)
+    argv = [arg.format(host="127.0.0.1", port=8001) for arg in plan.argv]  # (as the runtimes do)
+    flags = dict(zip(argv, [*argv[1:], ""], strict=True))
+    assert flags["--model"] == str(weights) and flags["--dtype"] == "x{y}"
+    assert flags["--compilation-config"] == config
+    assert flags["--host"] == "127.0.0.1" and flags["--port"] == "8001"

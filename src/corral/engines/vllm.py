@@ -95,6 +95,9 @@ def _mean(values: dict[str, float], histogram: str) -> float | None:
     return values.get(histogram + "_sum", 0.0) / count if count else None
 
 
+_PLACEHOLDERS = frozenset({"{host}", "{port}"})
+
+
 class VllmEngine:
     """Builds vLLM's OpenAI server command from a deployment: one process per replica, each on its own GPUs
     (or, with `device: cpu`, vLLM's CPU build with its KV cache size and one pinned core per replica).
@@ -155,8 +158,10 @@ class VllmEngine:
         argv += vllm_lora_args(model, paths, progress)
         if cpu and "--enforce-eager" not in deployment.engine_args:
             argv.append("--enforce-eager")  # start-up in ~40 s instead of 3-4 minutes of graph capture
-        # the runtime fills in {host} and {port}: braces of the engine's own flags (a JSON config) stay
-        argv += [arg.replace("{", "{{").replace("}", "}}") for arg in deployment.engine_args]
+        argv += deployment.engine_args
+        # the runtime fills in {host} and {port}: braces anywhere else stay (an engine flag's JSON config, a
+        # weights folder `my{v2}`, which the runtime's `str.format` failed on at every start)
+        argv = [arg if arg in _PLACEHOLDERS else arg.replace("{", "{{").replace("}", "}}") for arg in argv]
         events = deployment.kv_events and model.task != "embed"
         return [
             LaunchPlan(
