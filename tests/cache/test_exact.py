@@ -405,6 +405,8 @@ async def test_a_stream_cut_by_its_replica_is_not_kept(tmp_path: Path) -> None:
             return response
         end = {"index": 0, "delta": {}, "finish_reason": "stop"}
         await response.write(b"data: " + orjson.dumps({**head, "choices": [end]}) + b"\n\n")
+        usage = {"prompt_tokens": 8, "completion_tokens": 4}  # (an answer without usage is not kept)
+        await response.write(b"data: " + orjson.dumps({**head, "choices": [], "usage": usage}) + b"\n\n")
         await response.write(b"data: [DONE]\n\n")
         return response
 

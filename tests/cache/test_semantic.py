@@ -326,9 +326,9 @@ def test_no_semantic_hit_crosses_tenants_or_earlier_turns(
                             assert found.hit.body == owner  # its own context's answer, never another's
                             continue
                         assert round_ == 0  # in the second round everything was kept: it always hits
-                        body = orjson.dumps(
-                            {"choices": [{"message": {"content": "x"}, "finish_reason": "stop"}]}
-                        )
+                        choices = [{"message": {"content": "x"}, "finish_reason": "stop"}]
+                        usage = {"prompt_tokens": 1, "completion_tokens": 1}  # (none: not kept)
+                        body = orjson.dumps({"choices": choices, "usage": usage})
                         cache.keep_whole(found, body, chat=True)
                         await cache.flush()
                         # what was kept is the owner's marker (the answer's body, for the assertion above)

@@ -4,24 +4,60 @@ A streamed answer is kept as its events (the engine's own chunking, without the 
 plus its usage; a whole answer as its JSON body. A stream request served from a whole answer gets the
 answer as one role-and-content chunk and a finish chunk; a whole request served from a stream gets the
 stream's deltas joined. An answer with anything else (tool calls, logprobs, reasoning, a refusal, several
-choices) is only replayed the way it was stored. Only an answer that said it ended (a finish reason) and
-carries no error is kept.
+choices, a top-level member the other kind would not carry: vLLM's `prompt_logprobs`, llama.cpp's
+`timings`) is only replayed the way it was stored. Only an answer that said it ended (each of its choices
+with a finish reason of `_FINISHED`: not vLLM's `abort` or an `error`) and carries no error is kept, and
+only one within the cache's `max_entry_bytes` (`Collected`: a stream stops being collected past it).
+A hit is told under an id and a time of its own (`Entry.answering`): the stored ones name the request
+that first asked (vLLM's id carries its x-request-id).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+from collections.abc import Collection
+from dataclasses import dataclass, replace
 from typing import Any
 
 import orjson
 
 from corral.protocol.usage import engine_usage
 
-__all__ = ["Entry", "entry_from_stream", "entry_from_whole"]
+__all__ = ["Collected", "Entry", "entry_from_stream", "entry_from_whole"]
 
 _SEP = b"\n\n"
 _DONE = b"data: [DONE]"
 _EMPTY: tuple[Any, ...] = (None, [], {}, "")  # a member with one of these values says nothing
+# The finish reasons of an answer that ended as the model meant (vLLM's `abort`, an engine's `error` and
+# anything unknown are an answer cut short: never kept, so never replayed as the answer).
+_FINISHED = frozenset({"stop", "length", "tool_calls", "function_call", "content_filter"})
+# An answer's top-level members either kind carries (copied by a conversion); another one that says
+# something (vLLM's `prompt_logprobs`, `prompt_token_ids`; llama.cpp's `timings`) makes it not convertible.
+_HEAD = ("id", "created", "model", "system_fingerprint", "service_tier")
+_TOP = frozenset({*_HEAD, "object", "choices", "usage"})
+_KINDS = ("stream", "whole")
+
+
+class Collected(list[bytes]):
+    """A stream's events as written to the client, collected for the cache up to `limit` bytes: past it
+    what was collected is dropped and nothing more is (the answer is not kept: `entry_from_stream` finds no
+    `[DONE]`), so one tenant's huge answer is neither held whole in memory nor parsed to be kept."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__()
+        self.limit = limit
+        self.size = 0
+        self.over = False
+
+    def append(self, item: bytes) -> None:
+        if self.over:
+            return
+        self.size += len(item)
+        if self.size > self.limit:
+            self.over = True
+            self.clear()
+            return
+        super().append(item)
 
 
 @dataclass(frozen=True)
@@ -51,18 +87,57 @@ class Entry:
 
     @classmethod
     def decode(cls, data: bytes) -> Entry:
+        """The entry `encode` made; ValueError for anything else (another version's, or not an entry)."""
         raw = orjson.loads(data)
-        events = tuple(e.encode() for e in raw["events"])
+        if (
+            not isinstance(raw, dict)
+            or raw.get("kind") not in _KINDS
+            or not isinstance(raw.get("chat"), bool)
+        ):
+            raise ValueError("not a cache entry")
+        events, body = raw.get("events"), raw.get("body")
+        if not isinstance(events, list) or not all(isinstance(e, str) for e in events):
+            raise ValueError("an entry whose events are not text")
+        if not isinstance(body, str) or (raw["kind"] == "stream") != bool(events):
+            raise ValueError("an entry of neither kind")
+        extra = [raw.get(k) for k in ("group", "vector", "question")]
+        if not all(v is None or isinstance(v, str) for v in extra):
+            raise ValueError("an entry whose semantic members are not text")
         return cls(
             raw["kind"],
             raw["chat"],
-            events,
-            raw["body"].encode(),
-            engine_usage(raw["usage"]),  # (checked again: an entry an older gateway kept in a shared Redis)
-            raw.get("group"),
-            raw.get("vector"),
-            raw.get("question"),
+            tuple(e.encode() for e in events),
+            body.encode(),
+            engine_usage(raw.get("usage")),  # (checked again: an older gateway's, in a shared Redis)
+            *extra,
         )
+
+    def answering(self, request_id: str, created: int) -> Entry:
+        """The entry told as the answer to another request: its id that request's, in the engine's shape
+        (`chatcmpl-` or `cmpl-` and the request's id, as vLLM names answers), and `created` its time. Only
+        the members `"id"` and `"created"` holding the stored values are rewritten (bytes, not parsed)."""
+        first = self.events[0] if self.kind == "stream" else self.body
+        data = orjson.loads(first.removeprefix(b"data: "))
+        data = data if isinstance(data, dict) else {}
+        old_id, old_created = data.get("id"), data.get("created")
+        prefix = old_id.split("-", 1)[0] if isinstance(old_id, str) and "-" in old_id else ""
+        new_id = orjson.dumps(f"{prefix or ('chatcmpl' if self.chat else 'cmpl')}-{request_id}")
+        swaps: list[tuple[re.Pattern[bytes], bytes]] = []
+        if isinstance(old_id, str):
+            swaps.append((re.compile(rb'"id":\s*' + re.escape(orjson.dumps(old_id))), b'"id":' + new_id))
+        if isinstance(old_created, int) and not isinstance(old_created, bool):
+            swaps.append(
+                (re.compile(rb'"created":\s*%d(?![\d.eE])' % old_created), b'"created":%d' % created)
+            )
+
+        def renamed(part: bytes) -> bytes:
+            for pattern, value in swaps:
+                part = pattern.sub(value, part)
+            return part
+
+        if self.kind == "stream":
+            return replace(self, events=tuple(renamed(e) for e in self.events))
+        return replace(self, body=renamed(self.body))
 
     def text(self) -> str | None:
         """The answer's text (its first choice), for comparing two answers; None if it has none."""
@@ -102,8 +177,8 @@ def entry_from_whole(body: bytes, chat: bool) -> Entry | None:
     data = orjson.loads(body)
     if not isinstance(data, dict) or not data.get("choices"):
         return None
-    if not all(isinstance(c, dict) and c.get("finish_reason") for c in data["choices"]):
-        return None
+    if not all(isinstance(c, dict) and c.get("finish_reason") in _FINISHED for c in data["choices"]):
+        return None  # cut short (vLLM's `abort`, an `error`) or never said it ended
     return Entry("whole", chat, body=body, usage=engine_usage(data.get("usage")))
 
 
@@ -113,7 +188,8 @@ def entry_from_stream(written: list[bytes], chat: bool, usage: dict[str, Any] | 
     if not events or events[-1] != _DONE:
         return None
     kept: list[bytes] = []
-    finished = False
+    started: set[Any] = set()  # the choices' indexes seen, and those that ended well
+    finished: set[Any] = set()
     for event in events[:-1]:
         if not event.startswith(b"data: {") or event.find(b"\n") >= 0:
             return None  # a comment or an event of several lines: not a plain answer
@@ -126,22 +202,28 @@ def entry_from_stream(written: list[bytes], chat: bool, usage: dict[str, Any] | 
         if "usage" in data:  # usage on a content chunk (llama.cpp): kept apart, given only if asked
             data.pop("usage")
             event = b"data: " + orjson.dumps(data)
-        finished = finished or any(c.get("finish_reason") for c in choices or [])
         kept.append(event)
-    if not kept or not finished:
-        return None  # an answer that never said it ended is not kept
+        for choice in choices or []:
+            index, reason = choice.get("index", 0), choice.get("finish_reason")
+            started.add(index)
+            if reason and reason not in _FINISHED:
+                return None  # cut short: vLLM's `abort` (a drain, a shutdown), an `error`
+            if reason:
+                finished.add(index)
+    if not kept or not started or finished != started:
+        return None  # an answer (or one of its choices) that never said it ended is not kept
     return Entry("stream", chat, events=tuple(kept), usage=usage)
 
 
 def _chunks_of(body: bytes, chat: bool) -> list[bytes] | None:
     data = orjson.loads(body)
     choices = data.get("choices") or []
-    if len(choices) != 1:
+    if len(choices) != 1 or _extra(data, _TOP):
         return None
     choice = choices[0]
     if _extra(choice, {"index", "message", "text", "finish_reason"}):
         return None
-    head = {k: data.get(k) for k in ("id", "created", "model", "system_fingerprint") if k in data}
+    head = {k: data.get(k) for k in _HEAD if k in data}
     if chat:
         message = choice.get("message") or {}
         if _extra(message, {"role", "content"}):
@@ -167,7 +249,9 @@ def _joined(events: tuple[bytes, ...], chat: bool, usage: dict[str, Any] | None)
     head: dict[str, Any] = {}
     for event in events:
         data = orjson.loads(event[6:])
-        head = head or {k: data.get(k) for k in ("id", "created", "model", "system_fingerprint") if k in data}
+        if _extra(data, _TOP):
+            return None  # a member a whole answer would lose (vLLM's `prompt_token_ids`, llama.cpp's timings)
+        head = head or {k: data.get(k) for k in _HEAD if k in data}
         for choice in data.get("choices") or []:
             if choice.get("index", 0) != 0 or _extra(choice, {"index", "delta", "text", "finish_reason"}):
                 return None
@@ -188,7 +272,7 @@ def _joined(events: tuple[bytes, ...], chat: bool, usage: dict[str, Any] | None)
     return orjson.dumps(answer)
 
 
-def _extra(part: dict[str, Any], known: set[str]) -> bool:
+def _extra(part: dict[str, Any], known: Collection[str]) -> bool:
     """`part` says something besides `known` (logprobs, tool calls, reasoning…) that a conversion would
     lose. An empty value says nothing: vLLM's older versions write `"tool_calls": []` into every message,
     and engines write `"refusal": null` or `""` into answers that have none."""

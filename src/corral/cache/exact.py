@@ -11,8 +11,11 @@ requests are cached (temperature 0, or a seed). `Cache-Control: no-cache` skips 
 while the model is being rolled out (either revision may answer), and not when what serves the model
 changed between the lookup and the answer (`versions`: a rollout, an adapter replaced; the key names the
 revision the lookup saw, the answer may be the other's). Likewise a question's vector is kept only if
-the embedding model's revision is still the lookup's. The cache never fails a request: an entry it cannot
-read or keep is a miss, logged.
+the embedding model's revision is still the lookup's. An answer larger than `max_entry_bytes` is not kept
+(a stream stops being collected past it): one tenant's huge answer would otherwise be held, parsed and, on
+every hit, decoded and replayed on the event loop every tenant shares. Under `charge: tokens` an answer
+without usage (an engine that reported none) is not kept: its hits would cost nothing. The cache
+never fails a request: an entry it cannot read or keep is a miss, logged.
 """
 
 from __future__ import annotations
@@ -31,15 +34,18 @@ import numpy as np
 import orjson
 
 from corral.cache.embedding import MAX_EMBEDDINGS, EmbeddingCalls
-from corral.cache.entry import Entry, entry_from_stream, entry_from_whole
+from corral.cache.entry import Collected, Entry, entry_from_stream, entry_from_whole
 from corral.cache.guard import may_share_answer
 from corral.cache.semantic import Embedder, Neighbour, SemanticIndex, ThresholdLearner, Vector
 from corral.cache.store import CacheStore, entry_key, key_matches
 from corral.config import ModelCacheSpec
 
-__all__ = ["CacheLookup", "ExactCache"]
+__all__ = ["MAX_ENTRY_BYTES", "CacheLookup", "ExactCache"]
 
 logger = logging.getLogger(__name__)
+
+MAX_ENTRY_BYTES = 1024 * 1024  # `cache.max_entry_bytes`'s default: the most bytes of one answer kept
+_NO_VECTOR = b'"vector":null'  # (in an encoded entry: quotes inside its strings are escaped, so only its own)
 
 _NOT_SHAPING = frozenset({"stream", "stream_options", "user", "metadata"})
 
@@ -84,9 +90,15 @@ class ExactCache:
         learner: ThresholdLearner | None = None,
         max_embeddings: int = MAX_EMBEDDINGS,
         clock: Callable[[], float] = time.monotonic,
+        max_entry_bytes: int = MAX_ENTRY_BYTES,
     ) -> None:
-        """`max_embeddings`: the embedding calls for questions made at once (EmbeddingCalls)."""
+        """`max_embeddings`: the embedding calls for questions made at once (EmbeddingCalls);
+        `max_entry_bytes`: the most bytes of one answer kept (`cache.max_entry_bytes`)."""
         self.store = store
+        self.max_entry_bytes = max_entry_bytes
+        # a stored value larger than any entry this gateway keeps (its strings' quotes escaped at most
+        # double it): another gateway's, kept before the bound, is a miss without being decoded
+        self._max_value = 2 * max_entry_bytes + 64 * 1024
         self.policies = policies
         self.versions = versions if versions is not None else {}  # model → digest of its deployed spec
         self.embedder = embedder  # semantic lookups: set by the gateway, which can reach the embedders
@@ -136,25 +148,34 @@ class ExactCache:
                 group = orjson.dumps(context, option=orjson.OPT_SORT_KEYS)
                 found.group = hashlib.sha256(group).hexdigest()
                 if found.hit is None:  # the vector is needed to find a neighbour, or to keep the answer
-                    await self._semantic(found, model, text)
+                    await self._semantic(found, tenant, text)
         return found
 
     async def _get(self, key: str) -> Entry | None:
         value = await self.store.get(key)
+        if value is None:
+            return None
+        if len(value) > self._max_value:
+            logger.warning(
+                "response cache: entry %s of %d bytes, past max_entry_bytes: a miss", key, len(value)
+            )
+            return None
         try:
-            return Entry.decode(value) if value is not None else None
-        except (ValueError, KeyError, TypeError) as exc:  # another version's entry, or not ours
-            logger.warning("response cache: unreadable entry %s (%s): a miss", key, exc)
+            return Entry.decode(value)
+        except Exception as exc:  # another version's entry, or not ours: whatever it holds, a miss
+            logger.warning(
+                "response cache: unreadable entry %s (%s: %s): a miss", key, type(exc).__name__, exc
+            )
             return None
 
-    async def _semantic(self, found: CacheLookup, model: str, text: str) -> None:
+    async def _semantic(self, found: CacheLookup, tenant: str, text: str) -> None:
         """Embed the last user turn; on an exact miss, answer from its nearest neighbour in the group when
         that is close enough (fixed threshold) or trusted (learned thresholds)."""
         policy = found.policy
         assert self.embedder is not None and policy.embedding_model is not None and found.group is not None
         calls = self._embedding
         found.vector, found.embedding_failure = await calls.vector(
-            self.embedder, policy.embedding_model, text
+            self.embedder, policy.embedding_model, text, tenant
         )
         if found.vector is None or found.hit is not None or not found.read:
             return
@@ -192,13 +213,21 @@ class ExactCache:
         found.hit = entry
 
     async def rebuild(self) -> int:
-        """Index the vectors of stored entries (a gateway starting beside a shared Redis cache)."""
+        """Index the vectors of stored entries (a gateway starting beside a shared Redis cache). An entry
+        without a vector (exact only), or larger than any this gateway keeps, is passed by without being
+        decoded; the others are decoded one at a time, the event loop let go between them (a shared
+        Redis holds every gateway's entries: decoding them all at once held the loop for most of a
+        second); one that cannot be read is passed by, logged."""
         added = 0
         async for key, value in self.store.scan():
+            await asyncio.sleep(0)
+            if len(value) > self._max_value or value.find(_NO_VECTOR) >= 0:
+                continue
             try:
                 entry = Entry.decode(value)
                 vector = decode_vector(entry.vector) if entry.vector is not None else None
-            except (ValueError, KeyError, TypeError):
+            except Exception as exc:  # another version's entry, or not ours
+                logger.debug("semantic cache: unreadable entry %s not indexed (%s)", key, exc)
                 continue
             if entry.group is not None and vector is not None:
                 await self.index.add(entry.group, key, vector)
@@ -228,14 +257,21 @@ class ExactCache:
         self.learner.forget(doomed)
         return removed
 
+    def collector(self) -> Collected:
+        """What a stream's events are collected in for `keep_stream` (up to `max_entry_bytes`)."""
+        return Collected(self.max_entry_bytes)
+
     def keep_whole(self, lookup: CacheLookup, body: bytes, chat: bool) -> None:
-        if lookup.keep:
+        if lookup.keep and len(body) <= self.max_entry_bytes:  # (a larger one is not even parsed)
             self._keep(lookup, lambda: entry_from_whole(body, chat))
 
     def keep_stream(
         self, lookup: CacheLookup, written: list[bytes], chat: bool, usage: dict[str, Any] | None
     ) -> None:
-        if lookup.keep:
+        over = (
+            written.over if isinstance(written, Collected) else sum(map(len, written)) > self.max_entry_bytes
+        )
+        if lookup.keep and not over:
             self._keep(lookup, lambda: entry_from_stream(written, chat, usage))
 
     def _keep(self, lookup: CacheLookup, make: Any) -> None:
@@ -243,7 +279,7 @@ class ExactCache:
             return  # redeployed since the lookup: the answer may be the old revision's, the key the new one's
         try:
             entry = make()
-            if entry is not None:
+            if entry is not None and _chargeable(entry, lookup.policy):
                 # An answer that proved its neighbour right is kept for exact hits but not indexed: the
                 # neighbour already answers this question, and its evidence stays in one place.
                 confirmed = self._judge(lookup, entry)
@@ -295,6 +331,12 @@ class ExactCache:
     async def flush(self) -> None:
         """Wait for entries being kept (tests, shutdown)."""
         await asyncio.gather(*self._writes, return_exceptions=True)
+
+
+def _chargeable(entry: Entry, policy: ModelCacheSpec) -> bool:
+    """A hit on the entry can be charged as the policy says: under `charge: tokens` it needs its usage (an
+    engine that reported none: the miss was charged its reservation, but the hits would be free)."""
+    return entry.usage is not None or policy.charge != "tokens"
 
 
 def _last_user_turn(shaping: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:

@@ -1,5 +1,9 @@
 """Where cached answers live: an in-process LRU bounded in bytes, or Redis with TTLs (shared by gateways).
-Either way each tenant holds at most `cache.tenant_max_bytes` of answers: past it, its own oldest go.
+Either way each tenant holds at most `cache.tenant_max_bytes` of answers: past it, its own oldest go. When
+the whole memory store is full, the tenant putting an answer gives up its own oldest, unless it holds less
+than an equal share of the store (`max_bytes` over the tenants holding answers): then the tenant holding the
+most gives up its oldest (a new tenant is not starved by one that filled the store, and no tenant below its
+share loses answers to another's).
 
 Keys are `<tenant>/<model>/<digest>` (tenant and model percent-quoted), so a purge by tenant or model
 finds its entries in either store. A store that cannot answer (Redis down or slow) is a miss, never an
@@ -26,7 +30,8 @@ _SKIP_AFTER_FAILURE_S = 5.0
 # Redis: store an entry and keep its tenant's books. KEYS entry, the tenant's entries by expiry (a sorted
 # set), their sizes (a hash; the field '' holds the total). ARGV value, ttl ms, now ms, the tenant's cap.
 # Entries whose TTL passed leave the books; past the cap, the tenant's entries that expire first (its
-# oldest, for one TTL) are deleted, never another tenant's.
+# oldest, for one TTL) are deleted, never another tenant's. Returns 1 if the entry put is still there (one
+# with a shorter TTL than the tenant's others may be the first to go), else 0.
 _PUT = """
 local entry, order, sizes = KEYS[1], KEYS[2], KEYS[3]
 local ttl, now, cap = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
@@ -55,7 +60,7 @@ if last[2] then
   redis.call('PEXPIRE', order, keep)
   redis.call('PEXPIRE', sizes, keep)
 end
-return total
+return redis.call('EXISTS', entry)
 """
 
 # Redis: delete entries and take them off their tenants' books. KEYS (entry, order, sizes) per entry.
@@ -113,8 +118,12 @@ class CacheStore(Protocol):
 
 class MemoryStore:
     """An LRU of encoded entries, at most `max_bytes` of them and `tenant_max_bytes` of one tenant's, each
-    gone after its TTL. When full, the tenant holding the most bytes gives up its least recently used
-    entry: a tenant filling the cache with answers no one asks again evicts its own, not other tenants'."""
+    gone after its TTL. When full, the tenant putting an entry gives up its least recently used ones while
+    it holds its equal share or more (`max_bytes` over the tenants holding entries); below it, the tenant
+    holding the most does: a tenant filling the cache with answers no one asks again evicts its own, not
+    other tenants', and a tenant coming to a full cache still gets its share. (A tenant still sees when the
+    store as a whole is full, from its own evictions: a `tenant_max_bytes` of at most `max_bytes` over the
+    tenants partitions the store instead.)"""
 
     def __init__(self, max_bytes: int, tenant_max_bytes: int | None = None) -> None:
         self._max = max_bytes
@@ -149,8 +158,10 @@ class MemoryStore:
         while self._held[owner] > self._tenant_max:
             self._drop(next(iter(self._tenants[owner])))
         while self._bytes > self._max:
-            hog = max(self._held, key=self._held.__getitem__)
-            self._drop(next(iter(self._tenants[hog])))
+            mine = self._held.get(owner, 0)
+            below_share = mine * len(self._held) < self._max
+            victim = max(self._held, key=self._held.__getitem__) if below_share or not mine else owner
+            self._drop(next(iter(self._tenants[victim])))
         return key in self._entries
 
     async def purge(self, tenant: str | None, model: str | None) -> int:
@@ -244,11 +255,11 @@ class RedisStore:
             return False
         ttl_ms, now_ms = max(1, round(ttl_s * 1000)), round(time.time() * 1000)
         try:
-            await self._put(keys=self._keys(key), args=[value, ttl_ms, now_ms, self._tenant_max])
+            kept = await self._put(keys=self._keys(key), args=[value, ttl_ms, now_ms, self._tenant_max])
         except self._errors as exc:
             self._failed("put", exc)
             return False
-        return True
+        return bool(kept)  # (the tenant's cap may have taken the entry itself: its vector is not indexed)
 
     async def purge(self, tenant: str | None, model: str | None) -> int:
         """Remove matching entries; StoreUnavailable when Redis does not answer."""

@@ -415,6 +415,9 @@ class CacheSettings(Strict):
             "another tenant's); default: max_bytes. With redis, Redis's maxmemory bounds the whole",
         ),
     ] = None
+    max_entry_bytes: Annotated[
+        int, Field(ge=1, description="the most bytes of one answer kept (a larger one is served, not cached)")
+    ] = 1024 * 1024
     redis_url: str = Field(default="redis://127.0.0.1:6379/0", description="Redis for backend: redis")
     redis_timeout: Annotated[
         float, Field(gt=0, description="seconds for each Redis call; a slow cache is skipped, not waited on")

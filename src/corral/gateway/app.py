@@ -312,7 +312,10 @@ def _semantic_cache(cache: ExactCache | None, relay: Relay) -> asyncio.Task[None
 
     async def upkeep() -> None:
         if any(p.semantic for p in cache.policies.values()):
-            logger.info("semantic cache: %d stored vectors indexed", await cache.rebuild())
+            try:
+                logger.info("semantic cache: %d stored vectors indexed", await cache.rebuild())
+            except Exception:  # (the store's entries are another's to fix: the gateway serves, unindexed)
+                logger.exception("semantic cache: indexing the stored vectors failed")
         while True:
             await asyncio.sleep(_SWEEP_S)
             try:

@@ -1,9 +1,13 @@
 """The exact (and semantic) cache as a stage of a generation's path (see ../cache): the request looked up,
 a hit told the way the request asks (a stored stream with its own chunking, or either kind made from the
-other; a dialect's stream told in its events), and an answer that ended well kept, where what answered it is
-what the key names."""
+other; a dialect's stream told in its events) under an id and a time of its own, and an answer that ended
+well kept, where what answered it is what the key names."""
 
 from __future__ import annotations
+
+import logging
+import time
+import uuid
 
 from aiohttp import web
 
@@ -17,6 +21,8 @@ from corral.routing import ReplicaSet
 from corral.routing.adapters import AdapterCatalogue
 
 __all__ = ["CacheStage"]
+
+logger = logging.getLogger(__name__)
 
 
 class CacheStage:
@@ -60,24 +66,32 @@ class CacheStage:
             if lookup.neighbour is not None:
                 ctx.headers["x-corral-cache-similarity"] = f"{lookup.neighbour.similarity:.4f}"
         if lookup.hit is None and lookup.keep:
-            ctx.written = []
+            ctx.written = cache.collector()  # (up to cache.max_entry_bytes: past it, nothing is kept)
         return lookup
 
     async def replay(
         self, ctx: RequestContext, lookup: CacheLookup, request: web.Request
     ) -> web.StreamResponse | None:
         """Answer from the cache: a stored stream with its own chunking, or either kind made from the
-        other; None when the entry cannot be told the way this request asks (then the engine answers)."""
+        other, under this request's id (in the engine's shape) and time; None when the entry cannot be told
+        the way this request asks, or not at all (then the engine answers)."""
         entry = lookup.hit
         assert entry is not None
         chat = isinstance(ctx.body, ChatCompletionRequest)
         if entry.chat != chat:
             return None
-        data = entry.sse(ctx.client_wants_usage) if ctx.stream else entry.whole()
+        try:
+            entry = entry.answering(ctx.request_id or uuid.uuid4().hex, int(time.time()))
+            data = entry.sse(ctx.client_wants_usage) if ctx.stream else entry.whole()
+        except Exception as exc:  # an entry of a shape this gateway cannot tell (another version's): a miss
+            logger.warning(
+                "response cache: entry %s cannot be told (%s: %s)", lookup.key, type(exc).__name__, exc
+            )
+            data = None
         if data is None:  # stored the other way and cannot be told this way: the engine answers
             lookup.hit = None
             ctx.headers["x-corral-cache"] = "miss"
-            ctx.written = [] if lookup.keep else None
+            ctx.written = self._cache.collector() if lookup.keep else None
             return None
         headers = {**ctx.headers, "x-corral-cache": "hit"}
         ctx.usage, ctx.cached = entry.usage, True

@@ -209,4 +209,10 @@ def _cache(
         if settings.backend == "redis"
         else MemoryStore(settings.max_bytes, settings.tenant_max_bytes)
     )
-    return ExactCache(store, dict(policies), dict(versions), embed_timeout=settings.embedding_timeout)
+    return ExactCache(
+        store,
+        dict(policies),
+        dict(versions),
+        embed_timeout=settings.embedding_timeout,
+        max_entry_bytes=settings.max_entry_bytes,
+    )

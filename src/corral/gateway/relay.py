@@ -58,6 +58,10 @@ _SEP = b"\n\n"
 # it). An embedding answer is bounded by its request instead (2,048 inputs; 160 MB as floats at 4,096
 # dimensions): not counted.
 MAX_ANSWER_BYTES = 64 * 1024 * 1024
+# A refusal's or an error's body at most (what the gateway reads of it: a message to log, a code to find;
+# a validation error may echo a part of the input): an engine that sends more is failing (502), never read
+# whole into memory.
+MAX_ERROR_BYTES = 1024 * 1024
 SSE_HEADERS = {
     "Content-Type": "text/event-stream",
     "Cache-Control": "no-cache",
@@ -245,7 +249,9 @@ class Relay:
             try:
                 upstream = await self._engines.post(replica.url, path, body, replica.api_key)
                 try:
-                    answer = await upstream.read()
+                    answer = await upstream.read(
+                        MAX_ANSWER_BYTES if upstream.status == 200 else MAX_ERROR_BYTES
+                    )
                 finally:
                     upstream.release()
                 if upstream.status == 200:
@@ -259,8 +265,9 @@ class Relay:
                     raise UpstreamError(f"{route.model} refused the input: {error.decode()[:200]}")
                 else:
                     ok = False
-            except (EngineConnectionError, TimeoutError) as exc:
-                # (a timeout while the replica served others: a long input, not the replica's fault)
+            except (EngineConnectionError, TimeoutError, AnswerTooLarge) as exc:
+                # (a timeout while the replica served others: a long input, not the replica's fault; an
+                # answer past its bound: the engine's failure, another replica may answer)
                 alive = isinstance(exc, TimeoutError) and replica.succeeded != succeeded
                 ok, failure = None if alive else False, f"{type(exc).__name__}: {exc}"
             finally:
@@ -292,7 +299,7 @@ class Relay:
             if upstream.status == 502:
                 raise _Retryable("answered 502")
             if upstream.status == 404 and route.adapter is not None:
-                answer = await upstream.read()
+                answer = await _refusal(upstream, cut=None)
                 if unknown_adapter(route, upstream.status, answer):
                     self.loader.forget(replica, route)
                     raise _Reload("did not know the adapter")
@@ -475,12 +482,18 @@ class Relay:
                 watch.waiting_since = watch.loop.time()
 
 
-async def _refusal(upstream: EngineResponse) -> bytes:
-    """A refusal's body (b"" where it did not come whole)."""
+async def _refusal(upstream: EngineResponse, cut: bytes | None = b"") -> bytes:
+    """A refusal's body, read up to MAX_ERROR_BYTES: `cut` where it did not come whole (None: the
+    engine's failure, retried); a larger one is the engine's failure (retried on another replica, else
+    502), never read whole."""
     try:
-        return await upstream.read()
-    except (TimeoutError, EngineConnectionError):
-        return b""
+        return await upstream.read(MAX_ERROR_BYTES)
+    except AnswerTooLarge as exc:
+        raise _Retryable(f"answered {upstream.status} with a body past {MAX_ERROR_BYTES:,} bytes") from exc
+    except (TimeoutError, EngineConnectionError) as exc:
+        if cut is None:
+            raise _Retryable(f"answered {upstream.status}, then failed ({type(exc).__name__})") from exc
+        return cut
 
 
 _TIMINGS = b'"timings"'
