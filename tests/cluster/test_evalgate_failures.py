@@ -14,8 +14,8 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
+from corral.cluster.evalgate import gate_adapter as _gate_adapter
 from corral.cluster.evalgate import run_gate
-from corral.cluster.reconcile import _gate_adapter
 from corral.config import AdapterSpec, EvalCase, RolloutSpec
 from corral.engines import EngineFeatures
 from corral.routing import Replica, ReplicaState

@@ -14,6 +14,7 @@ import dataclasses
 import gc
 import logging
 import signal
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -48,6 +49,7 @@ class _RemoteControl:
         self._next = 0
         self._counts: tuple[float, dict[str, list[int]]] | None = None  # (when, the last counts)
         self._counting: asyncio.Future[Any] | None = None
+        self._ended: str | None = None  # why no reply comes any more
 
     async def drain(self, replica_id: str, grace_s: float) -> dict[str, object]:
         return dict(await self._call("drain", replica_id=replica_id, grace_s=grace_s))
@@ -75,6 +77,8 @@ class _RemoteControl:
         return counts
 
     async def _call(self, name: str, **args: Any) -> Any:
+        if self._ended is not None:
+            raise ValueError(f"this gateway worker cannot ask the supervisor now: {self._ended}")
         self._next += 1
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._pending[self._next] = future
@@ -86,12 +90,30 @@ class _RemoteControl:
         future = self._pending.pop(int(reply["reply"]), None)
         if future is None or future.done():
             return
-        if reply.get("error") == "not_found":
-            future.set_exception(KeyError(reply["message"]))
-        elif "error" in reply:  # the admin API answers it as a 400 with the message
-            future.set_exception(ValueError(reply["message"]))
-        else:
-            future.set_result(reply["result"])
+        try:
+            if reply.get("error") == "not_found":
+                future.set_exception(KeyError(reply["message"]))
+            elif "error" in reply:  # the admin API answers it as a 400 with the message
+                future.set_exception(ValueError(reply["message"]))
+            else:
+                future.set_result(reply["result"])
+        except Exception as exc:  # (its caller is answered; the follower logs it)
+            future.set_exception(ValueError(f"the control reply could not be read: {exc!r}"))
+            raise
+
+    def failed(self, call: object, why: str) -> None:
+        """The reply to call `call` could not be read: its caller is answered with the error (the admin
+        API's 400), not left waiting."""
+        future = self._pending.pop(call, None) if isinstance(call, int) else None
+        if future is not None and not future.done():
+            future.set_exception(ValueError(f"the control reply could not be read: {why}"))
+
+    def fail_all(self, why: str) -> None:
+        """No reply comes any more (the control connection is gone): every call waiting is answered, and
+        every later one at once."""
+        self._ended = why
+        for call in list(self._pending):
+            self.failed(call, why)
 
 
 async def _report(writer: asyncio.StreamWriter, queue: Any, replicas: Any) -> None:
@@ -101,6 +123,31 @@ async def _report(writer: asyncio.StreamWriter, queue: Any, replicas: Any) -> No
         await asyncio.sleep(_REPORT_S)
         counts = {r.id: [r.outstanding, r.served, r.failures, r.pending_prefill] for r in replicas}
         writer.write(orjson.dumps({"report": {"queues": queue.pressure(), "replicas": counts}}) + b"\n")
+
+
+async def _follow(
+    reader: asyncio.StreamReader, take: Callable[[bytes], None], remote: _RemoteControl, index: int
+) -> None:
+    """Take every line the pool sends (`take`: snapshots, settings, replies, placements), each on its own: one
+    that cannot be taken is logged (a reply's caller answered with the error) and the next is read. However
+    this ends (the socket closed, a line over the limit, a bug), it says so; its caller then stops the
+    worker, which is restarted, rather than serving on a replica set nothing updates any more."""
+    try:
+        while line := await reader.readline():
+            try:
+                take(line)
+            except Exception as exc:
+                logger.exception("gateway worker %d: a control message could not be taken", index)
+                with contextlib.suppress(Exception):  # (a line that is no JSON has no call to answer)
+                    remote.failed(orjson.loads(line).get("reply"), f"{type(exc).__name__}: {exc}")
+        logger.warning("gateway worker %d: the control socket closed; stopping", index)
+    except asyncio.CancelledError:
+        raise
+    except BaseException:
+        logger.exception("gateway worker %d: following the control socket failed; stopping", index)
+        raise
+    finally:
+        remote.fail_all("the control connection ended")
 
 
 async def _work(control: Path, index: int) -> None:
@@ -141,30 +188,34 @@ async def _work(control: Path, index: int) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
 
-    async def follow() -> None:
-        while line := await reader.readline():
-            message = orjson.loads(line)
-            if "placements" in message:
-                router.learn_placements(message)
-            elif "reply" in message:
-                remote.answered(message)
-            elif "model_settings" in message:
-                apply_model_settings(router, parts, message["model_settings"])
-            elif "cluster_settings" in message:
-                apply_cluster_settings(router, parts, message["cluster_settings"])
-            else:
-                apply_snapshot(replicas, line, index, workers)
-        logger.warning("gateway worker %d: the control socket closed; stopping", index)
+    def take(line: bytes) -> None:
+        message = orjson.loads(line)
+        if "placements" in message:
+            router.learn_placements(message)
+        elif "reply" in message:
+            remote.answered(message)
+        elif "model_settings" in message:
+            apply_model_settings(router, parts, message["model_settings"])
+        elif "cluster_settings" in message:
+            apply_cluster_settings(router, parts, message["cluster_settings"])
+        else:
+            apply_snapshot(replicas, line, index, workers)
+
+    def ended(task: asyncio.Task[None]) -> None:
+        """A task the worker lives by ended (it says why itself): the worker exits, the pool restarts it."""
+        if not task.cancelled() and task.exception() is not None and task.get_name() != "worker-follow":
+            logger.error("gateway worker %d: %s: %r; stopping", index, task.get_name(), task.exception())
         stop.set()
 
-    follower = asyncio.create_task(follow())
-    reporter = asyncio.create_task(_report(writer, parts.queue, replicas))
+    follower = asyncio.create_task(_follow(reader, take, remote, index), name="worker-follow")
+    reporter = asyncio.create_task(_report(writer, parts.queue, replicas), name="worker-report")
+    for task in (follower, reporter):
+        task.add_done_callback(ended)
     try:
         await stop.wait()
     finally:
         for task in (follower, reporter):
             task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, ConnectionError):
-                await task
+        await asyncio.gather(follower, reporter, return_exceptions=True)  # (each said why it ended)
         await gateway.stop()
         writer.close()

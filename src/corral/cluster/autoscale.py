@@ -37,6 +37,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from corral.cluster.capacity import replica_request_rate
 from corral.cluster.supervisor import Supervisor
@@ -44,7 +45,7 @@ from corral.config import AutoscaleSpec, ModelSpec
 from corral.engines import EngineAdapter, EngineLoad, LaunchPlan
 from corral.routing import Replica, ReplicaState
 
-__all__ = ["Autoscaler", "Pressure"]
+__all__ = ["DRAIN_GRACE_S", "Autoscaler", "Pressure"]
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +72,31 @@ _REPLACE_QUIET_S = 1800.0  # no failure this long: the next one is replaced at o
 # an interval whose completions are not its arrivals (a backlog draining after a burst) does not read as
 # long requests, which sized the fleet for work that was not coming.
 _LENGTHS_HALF_LIFE_S = 20.0
+# How long a replica the autoscaler drains may take to finish its requests and streams, at least (the
+# reconciler gives it the longer of this and `gateway.shutdown_grace`); those still running then are cut
+DRAIN_GRACE_S = 120.0
+
+
+class _Replacing(Protocol):
+    """What a deployment remembers of replacing the replicas the supervisor gave up on (`_newly_failed`)."""
+
+    replace_wait: float  # how long the next replacement of a failed replica waits
+    held_until: float  # no replacement starts before (the last one's wait)
+    replaced: set[str]  # failed replicas being drained to be replaced
+    replacements: set[str]  # replicas started since one failed
+    failed_at: float  # when a replica last failed (monotonic)
+
+
+@dataclass
+class _Fixed:
+    """A fixed-count deployment's replacement of failed replicas (`Autoscaler.replace_failed`)."""
+
+    replace_wait: float = 0.0
+    held_until: float = 0.0
+    replaced: set[str] = field(default_factory=set)
+    replacements: set[str] = field(default_factory=set)
+    failed_at: float = 0.0
+    owed: list[tuple[EngineAdapter, LaunchPlan]] = field(default_factory=list)  # drained, to start again
 
 
 @dataclass
@@ -112,7 +138,8 @@ class _Group:
 class Autoscaler:
     """Moves each autoscaled deployment's replica count; one task for all of them."""
 
-    def __init__(self, supervisor: Supervisor, pressure: Pressure, grace_s: float = 120.0) -> None:
+    def __init__(self, supervisor: Supervisor, pressure: Pressure, grace_s: float = DRAIN_GRACE_S) -> None:
+        """`grace_s`: how long a replica scaled down (or replaced) may take to finish its requests."""
         self._supervisor = supervisor
         self._replicas = supervisor.replicas
         self._pressure = pressure
@@ -121,6 +148,7 @@ class Autoscaler:
         self.frozen: set[str] = set()  # models in a rollout: their counts are the rollout's
         self._drains: set[asyncio.Task[object]] = set()
         self._wake = asyncio.Event()  # a deployment was configured: decide for it now
+        self._fixed: dict[tuple[str, int], _Fixed] = {}  # fixed-count deployments replacing failed replicas
 
     def configure(self, model: ModelSpec, group: int, engine: EngineAdapter, plans: list[LaunchPlan]) -> None:
         """Autoscale deployment `group` of `model` with `plans` (one per possible replica), again with new
@@ -136,6 +164,10 @@ class Autoscaler:
             state.counters, state.token_rates, state.demand = old.counters, old.token_rates, old.demand
             state.lengths, state.batch_arrived = old.lengths, old.batch_arrived
             state.wanted, state.changed_at = old.wanted, old.changed_at
+            # (and replacing failed replicas backs off as before: a live setting is no sign they start now)
+            state.replace_wait, state.held_until = old.replace_wait, old.held_until
+            state.failed_at, state.replaced = old.failed_at, old.replaced
+            state.replacements = old.replacements
         self._groups[(model.name, group)] = state
         self._hold_on_demand(model)
         self._replicas.declared[model.name] = (plans[0].features, plans[0].context_length)
@@ -220,26 +252,50 @@ class Autoscaler:
         """The deployment's replicas; one the supervisor gave up on (failed starts) is drained, so that it
         is replaced instead of counting as capacity."""
         members = self._supervisor.members(state.model.name, state.group)
-        present = {r.id for r in members}
-        state.replaced &= present  # (drained ones leave the members)
-        state.replacements &= present
-        failed = [r for r in members if r.state is ReplicaState.FAILED and r.id not in state.replaced]
-        for replica in failed:
-            state.replaced.add(replica.id)
-            wait = f" in {state.replace_wait:.0f}s" if state.replace_wait else ""
+        wait = f" in {state.replace_wait:.0f}s" if state.replace_wait else ""
+        for replica in _newly_failed(state, members):
             message = f"replace {replica.id}{wait}: {replica.last_error}"
             self._replicas.record("scale", state.model.name, message)
-            self._drain(replica.id)
-        now = time.monotonic()
-        if failed:  # its replacements back off while they fail too
-            state.held_until, state.failed_at = now + state.replace_wait, now
-            state.replace_wait = min(max(2 * state.replace_wait, _REPLACE_WAIT_S), _REPLACE_WAIT_MAX_S)
-        elif any(r.ready and r.id in state.replacements for r in members) or (
-            now - state.failed_at > _REPLACE_QUIET_S
-        ):  # (a dead GPU's beside ready ones: only a replacement that serves, or quiet, says it passed)
-            state.replace_wait = 0.0
-            state.replacements.clear()
+            self._drain(replica)
         return [r for r in members if r.state is not ReplicaState.FAILED]
+
+    def replace_failed(self, deployments: list[tuple[str, int]]) -> None:
+        """One round (the reconciler's, every probe interval) of replacing the replicas the supervisor gave
+        up on in fixed-count `deployments` (model, index): each is drained, and started again on its plan
+        with the backoff an autoscaled deployment's replacements have (see _REPLACE_WAIT_S)."""
+        for key in set(self._fixed) - set(deployments):
+            del self._fixed[key]
+        now = time.monotonic()
+        for model, group in deployments:
+            state = self._fixed.setdefault((model, group), _Fixed())
+            members = self._supervisor.members(model, group)
+            wait = f" in {state.replace_wait:.0f}s" if state.replace_wait else ""
+            for replica in _newly_failed(state, members):
+                state.owed.append(self._supervisor.unit(replica.id)[1:])
+                self._replicas.record("scale", model, f"replace {replica.id}{wait}: {replica.last_error}")
+                self._drain(replica)
+            if not state.owed or now < state.held_until:
+                continue
+            revision = max((r.revision for r in self._supervisor.members(model)), default=0)
+            added = [r for e, p in state.owed for r in self._supervisor.add(model, e, [p], group, revision)]
+            state.owed.clear()
+            if state.replace_wait:
+                state.replacements.update(r.id for r in added)
+            self._supervisor.start_added()
+            message = f"started {', '.join(r.id for r in added)} in place of failed replicas"
+            logger.info("%s deployment %d: %s", model, group, message)
+            self._replicas.record("scale", model, message)
+
+    def settle_fixed(self, model: str, group: int) -> list[str]:
+        """An apply sets fixed-count deployment `group` of `model` to its count (which left its failed
+        replicas out): those are drained, and replacements not started yet no longer owed; their ids."""
+        state = self._fixed.setdefault((model, group), _Fixed())
+        state.owed.clear()
+        failed = [r for r in self._supervisor.members(model, group) if r.state is ReplicaState.FAILED]
+        for replica in failed:
+            state.replaced.add(replica.id)
+            self._drain(replica)
+        return [r.id for r in failed]
 
     def _measure(self, state: _Group, members: list[Replica], pressure: dict[str, float]) -> None:
         """Update the smoothed arrival rate (of interactive requests: batch lines are sized for by no one)
@@ -269,7 +325,7 @@ class Autoscaler:
         scale, count = state.spec, len(members)
         ready = [r for r in members if r.ready]
         slots = state.plans[0].capacity or 1
-        queued = pressure.get("queued", 0.0)
+        queued = self._queue_share(state, members) * pressure.get("queued", 0.0)
         held = sum(_busy(r) for r in ready) + queued
         batch = min(held, self._batch_part(state, ready, pressure))  # (in flight or queued: in `held`)
         demand = held - batch
@@ -280,7 +336,8 @@ class Autoscaler:
         loading = any(r.state in _LOADING for r in members)
         loads = [load for r in ready if (load := self._supervisor.fresh_load(r)) is not None]
         share = demand / held if held else 1.0  # interactive requests' part of the KV cache and prefill
-        pushes = "" if loading else _pressures(scale, ready, loads, share, pressure)  # (else: on its way)
+        # (else: on its way; the queue's wait pushes one of the model's deployments, not each)
+        pushes = "" if loading else _pressures(scale, ready, loads, share, pressure, self._leads(state))
         if pushes and want <= count:
             want, reason = count + 1, pushes
         if scale.mode == "feed_forward" and state.rate > 0:
@@ -296,6 +353,27 @@ class Autoscaler:
             want, reason = 1, "batch lines wait for a replica" if count == 0 else "batch lines run"
         state.reason = reason
         return max(scale.min_replicas, min(scale.max_replicas, want))
+
+    def _queue_share(self, state: _Group, members: list[Replica]) -> float:
+        """This deployment's part of the model's queue (the gateways queue per model; the router spreads
+        requests over all of its replicas): its share of the model's slots, ready or on the way. With none
+        anywhere, the model's first deployment that may grow wakes for all of it (`_leads`), no other."""
+        live = [r for r in self._supervisor.members(state.model.name) if r.state is not ReplicaState.FAILED]
+        everyone = sum(r.capacity or 1 for r in live)
+        if everyone:
+            return sum(r.capacity or 1 for r in members) / everyone
+        return 1.0 if self._leads(state) else 0.0
+
+    def _leads(self, state: _Group) -> bool:
+        """This deployment is the one the model's queue as a whole (its oldest wait) pushes: the first of
+        the model's autoscaled deployments below its `max_replicas` (the first, when all are at theirs)."""
+        name = state.model.name
+        groups = sorted((g for (model, _), g in self._groups.items() if model == name), key=lambda g: g.group)
+        for group in groups:
+            live = self._supervisor.members(name, group.group)
+            if sum(r.state is not ReplicaState.FAILED for r in live) < group.spec.max_replicas:
+                return group is state
+        return not groups or groups[0] is state
 
     def _batch_part(self, state: _Group, ready: list[Replica], pressure: dict[str, float]) -> float:
         """The slots the model's batch lines hold on this deployment's replicas: its part of the model's
@@ -341,23 +419,60 @@ class Autoscaler:
         # those that serve nothing go first: still loading, then unhealthy (its in-flight count says
         # nothing of load: a hung engine's requests wait out their timeouts); then the least busy
         order = sorted(members, key=lambda r: (r.ready, r.state not in _LOADING, _busy(r), -members.index(r)))
-        victims = [r.id for r in order[:fewer]]
-        drained = ", ".join(victims)
+        victims = order[:fewer]
+        drained = ", ".join(r.id for r in victims)
         message = f"scale down {len(members)} → {len(members) - len(victims)} (wants {want}): drain {drained}"
         logger.info("autoscaler %s: %s", state.model.name, message)
         self._replicas.record("scale", state.model.name, message)
         for victim in victims:
             self._drain(victim)
 
-    def _drain(self, replica_id: str) -> None:
-        task = asyncio.create_task(self._supervisor.drain(replica_id, self._grace))
+    def _drain(self, replica: Replica) -> None:
+        task = asyncio.create_task(self._drained_within_grace(replica))
         self._drains.add(task)
         task.add_done_callback(self._drained)
+
+    async def _drained_within_grace(self, replica: Replica) -> dict[str, object]:
+        """Drain `replica`; when its grace runs out first, the requests it still had then were cut: how
+        many is logged and recorded in the scale event."""
+        drain = asyncio.ensure_future(self._supervisor.drain(replica.id, self._grace))
+        done, _ = await asyncio.wait({drain}, timeout=self._grace)
+        cut = replica.outstanding if not done else 0  # (in flight as its grace ran out: the drain stops it)
+        result = await drain
+        if not result.get("idle", True):
+            message = (
+                f"drain of {replica.id} timed out after its {self._grace:g}s grace: "
+                f"{cut} {'request' if cut == 1 else 'requests'} in flight cut"
+            )
+            logger.warning("autoscaler %s: %s", replica.model, message)
+            self._replicas.record("scale", replica.model, message)
+        return result
 
     def _drained(self, task: asyncio.Task[object]) -> None:
         self._drains.discard(task)
         if not task.cancelled() and task.exception() is not None:
             logger.error("autoscaler: a drain failed: %s", task.exception())
+
+
+def _newly_failed(state: _Replacing, members: list[Replica]) -> list[Replica]:
+    """Those of a deployment's `members` the supervisor gave up on (failed starts) that are not yet being
+    replaced, now noted as such; the replacements' backoff follows: it grows while they fail too, and is
+    reset once a replacement serves, or after _REPLACE_QUIET_S without a failure."""
+    present = {r.id for r in members}
+    state.replaced &= present  # (drained ones leave the members)
+    state.replacements &= present
+    failed = [r for r in members if r.state is ReplicaState.FAILED and r.id not in state.replaced]
+    state.replaced.update(r.id for r in failed)
+    now = time.monotonic()
+    if failed:  # its replacements back off while they fail too
+        state.held_until, state.failed_at = now + state.replace_wait, now
+        state.replace_wait = min(max(2 * state.replace_wait, _REPLACE_WAIT_S), _REPLACE_WAIT_MAX_S)
+    elif any(r.ready and r.id in state.replacements for r in members) or (
+        now - state.failed_at > _REPLACE_QUIET_S
+    ):  # (a dead GPU's beside ready ones: only a replacement that serves, or quiet, says it passed)
+        state.replace_wait = 0.0
+        state.replacements.clear()
+    return failed
 
 
 def _smoothed(mean: float, value: float, elapsed: float, half_life: float) -> float:
@@ -412,11 +527,13 @@ def _pressures(
     loads: list[EngineLoad],
     share: float,
     pressure: dict[str, float],
+    waits: bool = True,
 ) -> str:
     """Why one more replica is wanted regardless of slot counts, or '' when nothing presses. `loads`: the
     ready replicas' engine loads read lately; `share`: interactive requests' part of what the replicas
-    hold (KV cache and prefill that batch lines take would be taken again on a new replica)."""
-    if pressure.get("oldest_wait_s", 0.0) >= scale.queue_wait_s:
+    hold (KV cache and prefill that batch lines take would be taken again on a new replica); `waits`: the
+    model's queued requests' wait pushes this deployment (one of the model's)."""
+    if waits and pressure.get("oldest_wait_s", 0.0) >= scale.queue_wait_s:
         return f"a request waited {pressure['oldest_wait_s']:.1f}s in the queue"
     kv = [load.kv_usage for load in loads if load.kv_usage is not None]
     if kv and (used := share * sum(kv) / len(kv)) >= scale.kv_usage_high:

@@ -20,28 +20,28 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, NamedTuple
 
 import aiohttp
 
-from corral.cluster.autoscale import Autoscaler, Pressure
+from corral.cluster.autoscale import DRAIN_GRACE_S, Autoscaler, Pressure
 from corral.cluster.changes import (
     ApplyError,
     Change,
-    adapter_digest,
     adapter_revisions,
     plan_changes,
 )
-from corral.cluster.evalgate import run_gate
+from corral.cluster.evalgate import gate_adapter
 from corral.cluster.preflight import preflight
 from corral.cluster.rollout import Rollout, Unit
 from corral.cluster.supervisor import Supervisor
-from corral.config import AdapterSpec, ClusterSpec, DeploymentSpec, ModelSpec, RolloutSpec
+from corral.config import AdapterSpec, ClusterSpec, DeploymentSpec, ModelSpec
 from corral.engines import EngineAdapter, LaunchPlan
 from corral.engines.devices import DeviceError, check_local_gpus, local_gpu_count
-from corral.routing import Replica
+from corral.routing import Replica, ReplicaState
 
 __all__ = ["Reconciler", "scale_down_victims"]
 
@@ -50,30 +50,7 @@ logger = logging.getLogger(__name__)
 Prepare = Callable[[ModelSpec, DeploymentSpec], tuple[EngineAdapter, list[LaunchPlan]]]
 Group = tuple[int, EngineAdapter, list[LaunchPlan]]  # a deployment's index, engine and launch plans
 Units = tuple[list[Unit], list[Unit]]  # a rollout's new replicas, and the spare plans they may take instead
-
-
-async def _gate_adapter(
-    session: aiohttp.ClientSession, replica: Replica, adapter: AdapterSpec, path: str, rollout: RolloutSpec
-) -> str | None:
-    """The golden eval of a replacing adapter, loaded on `replica` as `name@digest.check` (the digest of the
-    files at `path` too: a revision changed in place is a name of its own) and unloaded after: None when it
-    passes, else why not."""
-    name = f"{adapter.name}@{adapter_digest(adapter, path)}.check"
-    headers = {"Authorization": f"Bearer {replica.api_key}"} if replica.api_key else {}
-    url = replica.url + "/v1/load_lora_adapter"
-    try:
-        async with session.post(url, json={"lora_name": name, "lora_path": path}, headers=headers) as answer:
-            if answer.status != 200:
-                return f"the replica could not load it ({answer.status}: {(await answer.text())[:200]})"
-    except aiohttp.ClientError as exc:
-        return f"the replica could not load it ({exc})"
-    try:
-        return await run_gate(session, replica, rollout.golden_eval, rollout.eval_latency_s, model=name)
-    finally:
-        with contextlib.suppress(aiohttp.ClientError, TimeoutError):
-            unload = replica.url + "/v1/unload_lora_adapter"
-            async with session.post(unload, json={"lora_name": name}, headers=headers):
-                pass
+_NOTES = ("at_restart", "render_only")  # an apply's changes that change nothing now (said last)
 
 
 class _Prepared(NamedTuple):
@@ -87,6 +64,7 @@ class _Prepared(NamedTuple):
     rollouts: list[tuple[Change, Units]]
     settings: list[tuple[Change, list[tuple[EngineAdapter, list[LaunchPlan]] | None]]]
     revisions: dict[str, dict[str, str]]  # the wanted spec's adapters' revisions, by model and name
+    failed: dict[tuple[str, int], list[str]]  # fixed-count deployments' failed replicas, the apply replaces
 
 
 class Reconciler:
@@ -123,7 +101,9 @@ class Reconciler:
         self._on_model = on_model
         self._on_cluster = on_cluster or (lambda spec: None)
         self._lock = asyncio.Lock()
-        self.autoscaler = Autoscaler(supervisor, pressure or (lambda: {}))
+        # (a replica scaled down may finish its requests for as long as the gateway's at its shutdown)
+        grace = max(DRAIN_GRACE_S, spec.gateway.shutdown_grace)
+        self.autoscaler = Autoscaler(supervisor, pressure or (lambda: {}), grace)
         self._rollouts: dict[str, Rollout] = {}
         self._previous: dict[str, ModelSpec] = {}  # each model's spec before its latest rollout
         self._revisions: dict[str, int] = {}  # each model's latest rollout's revision (rolled back or not)
@@ -144,9 +124,29 @@ class Reconciler:
             if models[name].deployments[group].autoscale is not None:
                 self.autoscaler.configure(models[name], group, engine, plans)
         self._spawn(self.autoscaler.run())
+        self._spawn(self._replace_failed())
         # what the gateways named the adapters' revisions when they read the spec just now: an apply that
         # finds other files where an adapter lies makes a new revision of it
         self._reading = self._spawn(asyncio.to_thread(self._revisions_of, self.spec.models))
+
+    async def _replace_failed(self) -> None:
+        """Every probe interval, the fixed-count deployments' replicas the supervisor gave up on are replaced
+        (with the autoscaler's backoff); not while an apply or a rollout changes the model's replicas."""
+        while True:
+            await asyncio.sleep(self.spec.supervisor.probe_interval)
+            if self._lock.locked():
+                continue
+            fixed = [
+                (m.name, g)
+                for m in self.spec.models
+                if m.name not in self.autoscaler.frozen
+                for g, d in enumerate(m.deployments)
+                if d.autoscale is None
+            ]
+            try:
+                self.autoscaler.replace_failed(fixed)
+            except Exception:  # (a loop of the cluster's: it goes on)
+                logger.exception("replacing failed replicas")
 
     def _spawn(self, work: Any) -> asyncio.Task[Any]:
         task: asyncio.Task[Any] = asyncio.ensure_future(work)
@@ -226,6 +226,8 @@ class Reconciler:
             raise ApplyError(f"{exc} (nothing changed)") from exc
         revisions, revised = await self._revised(wanted)
         changes = plan_changes(self._running(), wanted, self._workers, revised)
+        failed = self._failed_fixed(changes, wanted)
+        changes = _replacing(changes, failed, wanted)
         # (another address is told as taken at the next start: the gateway keeps listening where it does)
         listening = {"host": self.spec.gateway.host, "port": self.spec.gateway.port}
         wanted = wanted.model_copy(update={"gateway": wanted.gateway.model_copy(update=listening)})
@@ -267,6 +269,7 @@ class Reconciler:
         return _Prepared(
             wanted, changes, models, before, list(zip(additions, added, strict=True)),
             list(zip(rollouts, units, strict=True)), list(zip(settings, scaled, strict=True)), revisions,
+            failed,
         )  # fmt: skip
 
     async def _revised(self, wanted: ClusterSpec) -> tuple[dict[str, dict[str, str]], dict[str, list[str]]]:
@@ -311,6 +314,8 @@ class Reconciler:
             self._rescale(models[change.model], groups)
         for change, units in prepared.rollouts:
             await self._start_rollout(before[change.model], models[change.model], units, grace_s)
+        for model, group in prepared.failed:  # (in place of them: the scale-ups just started)
+            self.autoscaler.settle_fixed(model, group)
         removals = [c for c in changes if c.action in ("remove_model", "scale_down")]
         await asyncio.gather(*(self._remove(c, grace_s, before[c.model]) for c in removals))
         changed = {c.model for c in changes}
@@ -353,7 +358,7 @@ class Reconciler:
             )
         async with aiohttp.ClientSession() as session:
             for adapter in replaced:
-                problem = await _gate_adapter(
+                problem = await gate_adapter(
                     session, ready[0], adapter, self._adapter_path(adapter), new.rollout
                 )
                 if problem is not None:
@@ -379,7 +384,9 @@ class Reconciler:
                         )
                     plans = free[: change.count]
                 count = model.deployments[group].replicas if scale is not None else len(plans)
-                self._supervisor.add(change.model, engine, plans[:count], group)
+                # (the model's revision, as the autoscaler's scale-ups: a rollout's number, once one ran)
+                revision = max((r.revision for r in self._supervisor.members(change.model)), default=0)
+                self._supervisor.add(change.model, engine, plans[:count], group, revision)
                 if scale is not None:
                     self.autoscaler.configure(model, group, engine, plans)
         self._supervisor.start_added()
@@ -403,15 +410,30 @@ class Reconciler:
 
     def _running(self) -> ClusterSpec:
         """The spec as it runs now: replica counts as the supervisor has them (`corral drain` and the
-        autoscaler change them without a new spec)."""
+        autoscaler change them without a new spec), less those it gave up on (failed: they serve nothing)."""
         models = []
         for model in self.spec.models:
             deployments = [
-                d.model_copy(update={"replicas": len(self._supervisor.replica_ids(model.name, group))})
+                d.model_copy(update={"replicas": len(_serving(self._supervisor.members(model.name, group)))})
                 for group, d in enumerate(model.deployments)
             ]
             models.append(model.model_copy(update={"deployments": deployments}))
         return self.spec.model_copy(update={"models": models})
+
+    def _failed_fixed(self, changes: list[Change], wanted: ClusterSpec) -> dict[tuple[str, int], list[str]]:
+        """The replicas the supervisor gave up on in deployments that keep a fixed count, of the models
+        `wanted` keeps without a rollout (which replaces every replica): the apply replaces them."""
+        elsewhere = {c.model for c in changes if c.action in ("rollout", "remove_model", "add_model")}
+        failed = {}
+        for model in wanted.models:
+            if model.name in elsewhere or not self._replicas.has_model(model.name):
+                continue
+            for group, deployment in enumerate(model.deployments):
+                members = self._supervisor.members(model.name, group)
+                ids = [r.id for r in members if r.state is ReplicaState.FAILED]
+                if ids and deployment.autoscale is None:
+                    failed[(model.name, group)] = ids
+        return failed
 
     def _plans(self, change: Change, model: ModelSpec) -> list[Group]:
         if change.action == "add_model":
@@ -425,7 +447,8 @@ class Reconciler:
             victims = self._supervisor.replica_ids(change.model)
             self.autoscaler.forget(change.model)
         else:
-            victims = scale_down_victims(self._supervisor.members(change.model, change.group), change.count)
+            members = _serving(self._supervisor.members(change.model, change.group))  # (failed: apart)
+            victims = scale_down_victims(members, change.count)
         await asyncio.gather(*(self._supervisor.drain(v, grace_s) for v in victims))
         if change.action == "remove_model":
             self._supervisor.replicas.forget(change.model)
@@ -454,15 +477,16 @@ class Reconciler:
         self._spawn(self._roll(rollout, old, new))
 
     def _units(self, model: ModelSpec) -> Units:
-        """The new spec's replicas: as many per deployment as run now (an autoscaled one keeps its count;
-        one at zero, idle or its replicas failed and drained, gets one: the rollout gates it, then leaves
-        it to the autoscaler, so that no replica of the new spec serves without having passed the gate);
+        """The new spec's replicas: a fixed-count deployment's `replicas` (a count changed with the rollout
+        is taken with it); an autoscaled one as many as run now (one at zero, idle or its replicas failed
+        and drained, gets one: the rollout gates it, then leaves it to the autoscaler, so that no replica
+        of the new spec serves without having passed the gate);
         and the deployments' other plans, spare GPUs a new replica may start on beside the old ones."""
         units: list[Unit] = []
         spares: list[Unit] = []
         for group, deployment in enumerate(model.deployments):
             running = self._supervisor.replica_ids(model.name, group)
-            count = len(running) or (1 if deployment.autoscale else deployment.replicas)
+            count = (len(running) or 1) if deployment.autoscale else deployment.replicas
             engine, plans = self._prepare(model, _every_slice(deployment))
             if deployment.engine == "external":
                 count = len(plans)  # a replica per URL of the new spec, however many run now
@@ -542,6 +566,37 @@ def scale_down_victims(members: list[Replica], count: int) -> list[str]:
     that never serves), then the newest."""
     ranked = sorted(range(len(members)), key=lambda k: (members[k].ready, -k))
     return [members[k].id for k in ranked[:count]]
+
+
+def _serving(members: list[Replica]) -> list[Replica]:
+    """Those of a deployment's replicas the supervisor has not given up on (failed ones serve nothing)."""
+    return [r for r in members if r.state is not ReplicaState.FAILED]
+
+
+def _replacing(
+    changes: list[Change], failed: dict[tuple[str, int], list[str]], wanted: ClusterSpec
+) -> list[Change]:
+    """`changes`, saying which failed replicas an apply replaces: a scale-up of their deployment starts
+    replicas in their place; where none is wanted (as many serve as the spec says), they are drained."""
+    said = []
+    for change in changes:
+        ids = failed.get((change.model, change.group)) if change.action == "scale_up" else None
+        said.append(
+            change
+            if not ids
+            else dataclasses.replace(change, detail=f"{change.detail}, in place of failed {', '.join(ids)}")
+        )
+    scaled = {(c.model, c.group) for c in changes if c.action == "scale_up"}
+    counts = {m.name: m.deployments for m in wanted.models}
+    for (model, group), ids in failed.items():
+        if (model, group) not in scaled:
+            left = counts[model][group].replicas
+            detail = f"failed {', '.join(ids)} drained, {left} left"
+            said.insert(
+                len(said) - sum(c.action in _NOTES for c in said),
+                Change("drain_failed", model, group, len(ids), detail),
+            )
+    return said
 
 
 def _applied(task: asyncio.Task[Any]) -> None:

@@ -43,11 +43,12 @@ import asyncio
 import logging
 import time
 from collections import Counter
+from collections.abc import Coroutine
 from typing import Any
 
 import aiohttp
 
-from corral.cluster.evalgate import run_gate
+from corral.cluster.evalgate import gate_timeout, run_gate
 from corral.cluster.supervisor import Supervisor
 from corral.config import RolloutSpec
 from corral.engines import EngineAdapter, LaunchPlan
@@ -93,6 +94,7 @@ class Rollout:
         self._resume = asyncio.Event()
         self._resume.set()
         self._abort: str | None = None
+        self._aborted = asyncio.Event()  # set with `_abort`: what waits long (the gate) stops at once
         self._drained_old: list[tuple[Unit, int]] = []  # old replicas drained so far, and their revision
         self._judged: list[tuple[int, int]] = []  # each traffic step's requests to the new revision, failed
         self.outcome: str | None = None  # completed | rolled_back, once done
@@ -124,6 +126,7 @@ class Rollout:
     def abort(self, reason: str) -> None:
         self._abort = reason
         self._resume.set()
+        self._aborted.set()
 
     @property
     def state(self) -> dict[str, Any]:
@@ -292,14 +295,33 @@ class Rollout:
         self._publish(phase="starting", message=f"starting {ids}")
         await self._until_ready(started)
         self._publish(phase="gating", message=f"golden eval on {ids}")
+        seconds, limit = gate_timeout(self._policy)
         for replica in started:
-            problem = await run_gate(session, replica, self._policy.golden_eval, self._policy.eval_latency_s)
+            gate = run_gate(
+                session, replica, self._policy.golden_eval, self._policy.eval_latency_s, seconds,
+                timeout_name=limit,
+            )  # fmt: skip
+            problem = await self._unless_aborted(gate)
             if problem is not None:
                 raise _Abort(f"{replica.id} failed the gate: {problem}")
         for replica in started:
             replica.admitted = True  # routable from here on (within the traffic split)
         self._event(f"{ids} passed the gate ({len(self._policy.golden_eval)} golden prompts)")
         return started
+
+    async def _unless_aborted(self, work: Coroutine[Any, Any, str | None]) -> str | None:
+        """`work`'s result, unless the rollout is aborted first (a rollback asked for): then _Abort at once,
+        `work` cancelled."""
+        task = asyncio.ensure_future(work)
+        aborted = asyncio.ensure_future(self._aborted.wait())
+        try:
+            await asyncio.wait({task, aborted}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for waiting in (task, aborted):
+                waiting.cancel()
+            await asyncio.gather(task, aborted, return_exceptions=True)
+        self._check_abort()
+        return task.result()
 
     async def _until_ready(self, replicas: list[Replica]) -> None:
         deadline = time.monotonic() + self._policy.ready_timeout_s

@@ -100,7 +100,9 @@ class WorkerPool:
         self._snapshot = b""
         self._stopping = False
         self._calls: set[asyncio.Task[None]] = set()  # workers' apply/drain calls being answered
-        self._announced: list[bytes] = []  # settings of models added since start, for every (re)connect
+        # the latest announcement of the cluster settings ("") and of each model (its name), in the order
+        # they were last made: what every (re)connecting worker is told (`_replayed`)
+        self._announced: dict[str, bytes] = {}
         self.port: int | None = None
         self.control: Any = None  # answers the workers' control calls (cluster.reconcile.Reconciler)
         self._reports: dict[int, dict[str, Any]] = {}  # each worker's latest queues and replica counts
@@ -259,7 +261,7 @@ class WorkerPool:
                 "metrics_dir": str(self._metrics_dir),
             }
             worker.writer = writer  # from here on it gets every change (no await before the first write)
-            writer.write(orjson.dumps(config) + b"\n" + self._snapshot + b"\n" + b"".join(self._announced))
+            writer.write(orjson.dumps(config) + b"\n" + self._snapshot + b"\n" + self._replayed())
             await writer.drain()
             while line := await reader.readline():
                 if line.startswith(_PLACEMENTS):  # for the other workers' prefix indexes, as it is
@@ -286,16 +288,28 @@ class WorkerPool:
 
     def announce_cluster(self, settings: dict[str, Any]) -> None:
         """Tell every worker (and each that connects later) new live cluster settings."""
-        self._announce(orjson.dumps({"cluster_settings": settings}) + b"\n")
+        self._announce("", orjson.dumps({"cluster_settings": settings}) + b"\n")
 
     def announce_model(self, settings: dict[str, Any]) -> None:
         """Tell every worker (and each that connects later) a new model's gateway settings."""
-        self._announce(orjson.dumps({"model_settings": settings}) + b"\n")
+        self._announce(f"model:{settings['name']}", orjson.dumps({"model_settings": settings}) + b"\n")
 
-    def _announce(self, line: bytes) -> None:
-        self._announced.append(line)
+    def _announce(self, key: str, line: bytes) -> None:
+        self._announced.pop(key, None)  # (the latest goes last: replayed in the order they were made)
+        self._announced[key] = line
         for worker in self._workers:
             _send(worker, line)
+
+    def _replayed(self) -> bytes:
+        """The announcements a (re)connecting worker is told: the latest cluster settings and each model's
+        latest settings, in the order they were made; a model removed since is left out (the worker does
+        not serve it), unless the spec the workers start from has it: then its last settings (its adapters
+        and tokenizer let go) undo what that spec says of it."""
+        served = {f"model:{m}" for m in self._replicas.models()}
+        served |= {f"model:{m['name']}" for m in self._spec.get("models", ())}
+        for key in [k for k in self._announced if k and k not in served]:
+            del self._announced[key]
+        return b"".join(self._announced.values())
 
     def pressure(self) -> dict[str, dict[str, float]]:
         """The workers' queues summed per model (the oldest wait is the longest of them), of the workers

@@ -40,7 +40,11 @@ class EngineLoad:
     # it has evicted a block it cached at this time (wall clock): it has evicted every block freed before
     kv_evicted_through: float = 0.0
     kv_cleared_total: int = 0  # times its cache was emptied (a reset, a restart)
-    scraped_at: float = field(default_factory=time.time)
+    scraped_at: float = field(default_factory=time.time)  # (wall clock: when, as people read it)
+    # when it was read, on this host's monotonic clock: how old it is (`Supervisor.fresh_load`, a drain's
+    # wait for an idle engine) whatever the wall clock does meanwhile (NTP stepping it back an hour made a
+    # reading ten minutes old pass for fresh). Gateway workers run on the same host: the same clock.
+    scraped_monotonic: float = field(default_factory=time.monotonic, compare=False)
 
     def __post_init__(self) -> None:
         """Each figure finite, not negative and within what an engine can mean: a queue of -1,000,000 drew

@@ -1,0 +1,128 @@
+"""Fixed-count deployments and the replicas the supervisor gave up on (failed after max_start_failures): an
+apply does not count them as running (it replaces them, and says so), the reconciler's loop replaces them
+with the autoscaler's backoff; a rollout takes the new spec's count; replicas an apply adds run the model's
+revision. A real reconciler on a supervisor that is not started (its replicas are only declared)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+
+import pytest
+
+from corral.cluster import Supervisor
+from corral.cluster.reconcile import Reconciler
+from corral.config import ClusterSpec, DeploymentSpec, ModelSpec, Paths, parse_spec
+from corral.engines import EngineAdapter, LaunchPlan, SimEngineAdapter, launch_plans
+from corral.routing import ReplicaSet, ReplicaState
+
+SPEC = """
+auth: {{open: true}}
+supervisor: {{probe_interval: 0.1, max_start_failures: 1}}
+models:
+  - name: alpha
+    arch: llama-3.1-8b
+    deployments: [{{engine: sim, gpu: l4, replicas: {replicas}, time_scale: {time_scale}}}]
+"""
+
+
+def spec(replicas: int = 2, time_scale: int = 20) -> ClusterSpec:
+    return parse_spec(SPEC.format(replicas=replicas, time_scale=time_scale), source="test")
+
+
+def prepare(model: ModelSpec, deployment: DeploymentSpec) -> tuple[EngineAdapter, list[LaunchPlan]]:
+    engine = SimEngineAdapter()
+    return engine, launch_plans(engine, model, deployment, Paths.from_env(), lambda *_: None)
+
+
+class Runtime:
+    """Replicas in `failing` cannot be launched; any other never gets past its start (nothing runs)."""
+
+    assigns_gpus = False
+
+    def __init__(self, failing: set[str]) -> None:
+        self.failing = failing
+
+    async def start(self, replica_id: str, plan: LaunchPlan) -> object:
+        if replica_id in self.failing:
+            raise RuntimeError("no GPU")
+        await asyncio.Event().wait()
+        raise AssertionError
+
+
+async def told(model: ModelSpec) -> None:
+    return None
+
+
+@pytest.fixture
+async def cluster() -> AsyncIterator[Reconciler]:
+    """Two replicas of alpha started, alpha-0 starting (for ever), alpha-1 given up on."""
+    running = spec()
+    supervisor = Supervisor(ReplicaSet(), Runtime({"alpha-1", "alpha-2"}), running.supervisor)  # type: ignore[arg-type]
+    engine, plans = prepare(running.models[0], running.models[0].deployments[0])
+    failed = supervisor.add("alpha", engine, plans)[1]
+    await supervisor.start()
+    reconciler = Reconciler(supervisor, running, prepare, told, gpu_count=lambda: 8)
+    try:
+        await until(lambda: failed.state is ReplicaState.FAILED, "alpha-1 given up on")
+        yield reconciler
+    finally:
+        await reconciler.stop()
+        await asyncio.gather(*reconciler.autoscaler._drains, return_exceptions=True)
+        await supervisor.stop()
+
+
+def ids(reconciler: Reconciler) -> list[str]:
+    return [r.id for r in reconciler.autoscaler._supervisor.members("alpha")]
+
+
+async def until(condition: Callable[[], bool], what: str, within: float = 3.0) -> None:
+    deadline = time.monotonic() + within
+    while not condition():
+        assert time.monotonic() < deadline, what
+        await asyncio.sleep(0.02)
+
+
+async def test_an_apply_replaces_a_failed_replica_and_says_so(cluster: Reconciler) -> None:
+    """Before, the failed replica counted toward `replicas`: `nothing to change`, and it never ran again."""
+    changes = await cluster.apply(spec(), grace_s=1.0)
+    assert [(c["action"], c["replicas"]) for c in changes] == [("scale_up", 1)]
+    assert "in place of failed alpha-1" in str(changes[0]["detail"])
+    await until(lambda: ids(cluster) == ["alpha-0", "alpha-2"], "alpha-1 drained, alpha-2 in its place")
+
+
+async def test_a_lower_count_drains_the_failed_replica_not_a_serving_one(cluster: Reconciler) -> None:
+    changes = await cluster.apply(spec(replicas=1), grace_s=1.0)
+    assert [(c["action"], c["detail"]) for c in changes] == [
+        ("drain_failed", "failed alpha-1 drained, 1 left")
+    ]
+    await until(lambda: ids(cluster) == ["alpha-0"], "only the failed replica drained")
+
+
+async def test_the_reconcilers_loop_replaces_failed_replicas_with_backoff(cluster: Reconciler) -> None:
+    """Before, nothing ever started a fixed-count deployment's failed replica again."""
+    cluster.start([])
+    await until(lambda: "alpha-2" in ids(cluster), "replaced at once the first time")
+    # its replacement (alpha-2) fails too: drained, and the next one waits
+    await until(lambda: ids(cluster) == ["alpha-0"], "the failed replacement drained")
+    supervisor = cluster.autoscaler._supervisor
+    await asyncio.sleep(0.5)
+    assert ids(cluster) == ["alpha-0"]  # held back (30 s), not started again at once
+    events = [str(e["message"]) for e in supervisor.replicas.events]
+    assert any(m.startswith("replace alpha-2 in 30s") for m in events), events
+
+
+async def test_a_rollout_takes_the_new_specs_count_and_apply_adds_at_the_models_revision(
+    cluster: Reconciler,
+) -> None:
+    """Before, a rollout with a count change kept the count running now (the change dropped without a
+    word), and a scale-up's replicas ran revision 0 beside a rollout's."""
+    units, _ = cluster._units(spec(replicas=3, time_scale=25).models[0])
+    assert len(units) == 3
+    supervisor = cluster.autoscaler._supervisor
+    for replica in supervisor.members("alpha"):
+        replica.revision = 2
+    await cluster.apply(spec(replicas=3), grace_s=1.0)
+    added = [r for r in supervisor.members("alpha") if r.id not in ("alpha-0", "alpha-1")]
+    assert [r.revision for r in added] == [2, 2]
