@@ -29,9 +29,9 @@ async def _present(store: MemoryStore, tenant: str, count: int) -> int:
 
 async def test_a_full_memory_store_takes_the_putting_tenants_own_oldest_above_its_share() -> None:
     """max_bytes 100, tenant_max_bytes unset. B holds 10 or 45: A's flood never takes B's (it took them
-    all before, from whoever held most). B holds 80: A, below its equal share (50), takes B's oldest until
-    it holds that share (50 with the entry put), then its own."""
-    for b_holds, b_keeps in ((10, 10), (45, 45), (80, 51)):
+    all before, from whoever held most). B holds 80: the store takes B's oldest while B holds more than
+    its equal share (50), then A's own."""
+    for b_holds, b_keeps in ((10, 10), (45, 45), (80, 50)):
         store = MemoryStore(100)
         for i in range(b_holds):
             await store.put(entry_key("B", "m", str(i)), b"b", 3600)
@@ -87,8 +87,9 @@ async def test_one_tenants_embedding_calls_neither_fill_the_cap_nor_pause_the_ot
     await asyncio.sleep(0.05)
     b = await cache.lookup("B", "m", CHAT, _ask("a question"), None)
     assert b is not None and b.vector is not None  # (A's 8 took every call: B's lookup was "busy")
-    busy = [await task for task in held[2:]]
-    assert all(f is not None and f.embedding_failure == "busy" for f in busy)  # A's own past 2
+    busy = [await task for task in held[6:]]  # alone, A took all but 2 (capped at 2 it took 2 of 8)
+    assert all(f is not None and f.embedding_failure == "busy" for f in busy)  # A's own past 6
+    assert not any(task.done() for task in held[:6])  # (in flight: embedding)
     embedder.release.set()
     await asyncio.gather(*held)
 

@@ -58,12 +58,14 @@ def _replicas(url: str) -> ReplicaSet:
     return replicas
 
 
-@pytest.mark.parametrize(("status", "model"), [(429, "m"), (404, "tuned")])
+@pytest.mark.parametrize(("status", "model"), [(429, "m"), (404, "tuned"), (500, "m"), (400, "m")])
 async def test_a_refusal_past_its_bound_is_the_engines_failure(
     tmp_path: Path, status: int, model: str
 ) -> None:
     """A 429 whose body passes the bound was read whole (and read as a busy engine, a 503); an adapter's
-    404 likewise (and passed on as the client's 404)."""
+    404 likewise (and passed on as the client's 404); a 500's up to 64 MiB, then told as the client's
+    answer being too large (charged, not retried). A 400 past the bound is the input's: told by its
+    status."""
     async for url in _engine(status):
         replicas = _replicas(url)
         parts = GatewayParts.build(
@@ -85,9 +87,12 @@ async def test_a_refusal_past_its_bound_is_the_engines_failure(
                 url = f"http://127.0.0.1:{server.port}/v1/chat/completions"
                 async with session.post(url, json=body) as got:
                     answer = await got.json()
-                    assert got.status == 502, answer
-            assert answer["error"]["type"] == "upstream_error"
-            assert f"{MAX_ERROR_BYTES:,}" in answer["error"]["message"]  # (said how: past the bound)
+                    assert got.status == (400 if status == 400 else 502), answer
+            if status == 400:
+                assert answer["error"]["message"] == "The model's replica refused the request (400)."
+            else:
+                assert answer["error"]["type"] == "upstream_error"
+                assert f"{MAX_ERROR_BYTES:,}" in answer["error"]["message"]  # (said how: past the bound)
         finally:
             await server.stop()
 
@@ -102,5 +107,21 @@ async def test_the_gateways_own_call_does_not_read_a_huge_error_whole() -> None:
                 body = orjson.dumps({"model": "m", "input": "hi"})
                 with pytest.raises(UpstreamError, match="AnswerTooLarge"):
                     await relay.call(RouteRequest(model="m", tokens=1), "/v1/embeddings", body)
+        finally:
+            engines.close()
+
+
+async def test_the_gateways_own_call_takes_a_huge_refusal_as_the_inputs() -> None:
+    """A 400 past the bound is the input's refusal, as one within it: no retry, no blame on the replica."""
+    async for url in _engine(400):
+        engines = EngineClient(connect_timeout=1.0, read_timeout=2.0, limit=8)
+        try:
+            async with aiohttp.ClientSession() as session:
+                replicas = _replicas(url)
+                relay = Relay(engines, session, Router(replicas), 2, RelayTimeouts(connect=1.0, read=2.0))
+                body = orjson.dumps({"model": "m", "input": "hi"})
+                with pytest.raises(UpstreamError, match="refused the input"):
+                    await relay.call(RouteRequest(model="m", tokens=1), "/v1/embeddings", body)
+                assert replicas.of("m")[0].breaker.consecutive_failures == 0  # (no blame)
         finally:
             engines.close()

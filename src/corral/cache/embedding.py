@@ -2,16 +2,17 @@
 
 The embedding replicas are shared with tenants, and the cache's calls to them wait in no queue: a gateway
 that sent one for every exact miss would pile onto busy replicas, and every cacheable request would wait
-out `cache.embedding_timeout`. So a gateway process asks at most `max_in_flight` at once, and at most
-`_TENANT_IN_FLIGHT` for one tenant (past either a question is a miss at once, without a vector: one
-tenant's questions cannot take every call and make everyone's lookups `busy`). After a tenant's question
-got no vector in time, that tenant's questions are not embedded for `_PAUSE_S` (its texts may be what is
-slow: long ones); once questions of two tenants timed out within `_PAUSE_S`, the embedder itself is
-taken to be busy or hung and no one's are: it costs a timeout or two, not one per request, and one
-tenant's slow questions never pause another's. An embedder that fails at once is passed by its replicas'
-circuit breakers, and one that refuses a text (too long for it) is not failing: neither pauses the asking.
-Failures are logged at WARNING at most once every `_WARN_EVERY_S` (the rest at DEBUG); each is told by
-name (`corral_cache_embed_errors_total`).
+out `cache.embedding_timeout`. So a gateway process asks at most `max_in_flight` at once, and a tenant
+past `_TENANT_IN_FLIGHT` of them only while it leaves as many free as the other tenants have in flight,
+and `_TENANT_IN_FLIGHT` at least (past that a question is a miss at once, without a vector: one tenant's
+questions cannot take every call and make everyone's lookups `busy`; alone, it may use all but those).
+After a tenant's question got no vector in time, that tenant's questions are not embedded for `_PAUSE_S`
+(its texts may be what is slow: long ones); once questions of two tenants timed out within `_PAUSE_S`,
+the embedder itself is taken to be busy or hung and no one's are: it costs a timeout or two, not one per
+request, and one tenant's slow questions never pause another's. An embedder that fails at once is passed
+by its replicas' circuit breakers, and one that refuses a text (too long for it) is not failing: neither
+pauses the asking. Failures are logged at WARNING at most once every `_WARN_EVERY_S` (the rest at DEBUG);
+each is told by name (`corral_cache_embed_errors_total`).
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ class EmbeddingCalls:
         """The text's unit vector, or None and why there is none: `busy` (the calls at their cap, the
         process's or the tenant's), `paused` (after a timeout), `timeout` or `error`."""
         mine = self._tenants.get(tenant, 0)
-        if self._in_flight >= self._max_in_flight or mine >= self._tenant_max:
+        if self._in_flight >= self._max_in_flight or (mine >= self._tenant_max and self._crowded(mine)):
             return None, "busy"
         now = self._clock()
         if now < self._paused_until or now < self._paused.get(tenant, -math.inf):
@@ -81,6 +82,13 @@ class EmbeddingCalls:
             left = self._tenants.pop(tenant) - 1
             if left:
                 self._tenants[tenant] = left
+
+    def _crowded(self, mine: int) -> bool:
+        """Whether a tenant at its own cap (`mine` in flight) would take a call other tenants' questions
+        may need: it takes a free one while more stay free than the other tenants have in flight, and
+        than its own cap (alone, a tenant uses all calls but that many: kept for another's questions)."""
+        others = self._in_flight - mine
+        return self._max_in_flight - self._in_flight <= max(self._tenant_max, others)
 
     def _timed_out(self, tenant: str) -> None:
         """Pause the tenant's questions; everyone's when another tenant's timed out within the pause."""

@@ -320,7 +320,10 @@ class ExactCache:
         """Kept in the background: the answer is already on its way to the client."""
 
         async def put() -> None:
-            kept = await self.store.put(lookup.key, entry.encode(), lookup.policy.ttl_s)
+            value = entry.encode()
+            if len(value) > self._max_value:  # (a long question beside it: it would never be read back)
+                return
+            kept = await self.store.put(lookup.key, value, lookup.policy.ttl_s)
             if kept and entry.group is not None and lookup.vector is not None:  # (refused: not indexed)
                 await self.index.add(entry.group, lookup.key, lookup.vector)
 

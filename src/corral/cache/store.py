@@ -118,12 +118,12 @@ class CacheStore(Protocol):
 
 class MemoryStore:
     """An LRU of encoded entries, at most `max_bytes` of them and `tenant_max_bytes` of one tenant's, each
-    gone after its TTL. When full, the tenant putting an entry gives up its least recently used ones while
-    it holds its equal share or more (`max_bytes` over the tenants holding entries); below it, the tenant
-    holding the most does: a tenant filling the cache with answers no one asks again evicts its own, not
-    other tenants', and a tenant coming to a full cache still gets its share. (A tenant still sees when the
-    store as a whole is full, from its own evictions: a `tenant_max_bytes` of at most `max_bytes` over the
-    tenants partitions the store instead.)"""
+    gone after its TTL. When full, the tenant holding the most gives up its least recently used ones while
+    it holds more than an equal share (`max_bytes` over the tenants holding entries); otherwise the tenant
+    putting an entry gives up its own: a tenant filling the cache with answers no one asks again evicts its
+    own, not other tenants', and a tenant coming to a full cache still gets its share. (A tenant still sees
+    when the store as a whole is full, from its own evictions: a `tenant_max_bytes` of at most `max_bytes`
+    over the tenants partitions the store instead.)"""
 
     def __init__(self, max_bytes: int, tenant_max_bytes: int | None = None) -> None:
         self._max = max_bytes
@@ -158,9 +158,9 @@ class MemoryStore:
         while self._held[owner] > self._tenant_max:
             self._drop(next(iter(self._tenants[owner])))
         while self._bytes > self._max:
-            mine = self._held.get(owner, 0)
-            below_share = mine * len(self._held) < self._max
-            victim = max(self._held, key=self._held.__getitem__) if below_share or not mine else owner
+            largest = max(self._held, key=self._held.__getitem__)
+            above_share = self._held[largest] * len(self._held) > self._max
+            victim = largest if above_share or not self._held.get(owner) else owner
             self._drop(next(iter(self._tenants[victim])))
         return key in self._entries
 

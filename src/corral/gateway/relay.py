@@ -252,6 +252,10 @@ class Relay:
                     answer = await upstream.read(
                         MAX_ANSWER_BYTES if upstream.status == 200 else MAX_ERROR_BYTES
                     )
+                except AnswerTooLarge:
+                    if 400 <= upstream.status < 500 and upstream.status != 429:  # (the input's: no blame)
+                        raise UpstreamError(f"{route.model} refused the input ({upstream.status})") from None
+                    raise
                 finally:
                     upstream.release()
                 if upstream.status == 200:
@@ -313,6 +317,8 @@ class Relay:
 
     async def _whole(self, replica: Replica, ctx: RequestContext, upstream: EngineResponse) -> web.Response:
         limit = None if ctx.path == "/v1/embeddings" else MAX_ANSWER_BYTES // max(1, ctx.shares)
+        if upstream.status != 200:
+            return await self._error(replica, ctx, upstream)
         try:
             body = await upstream.read(limit)
         except AnswerTooLarge as exc:  # (the request's asking, not the replica's fault: not retried)
@@ -327,23 +333,45 @@ class Relay:
             raise UpstreamTimeout("The model's replica did not finish its answer in time.") from exc
         except EngineConnectionError as exc:
             raise _Retryable(failed_how(exc)) from exc
+        if ctx.route.adapter is not None:
+            body = Renamed.rename(body, ctx.route.adapter)
+        if ctx.path != "/v1/embeddings":  # (the embedding shaper reads its usage: llama.cpp writes it
+            ctx.usage = usage_of_answer(body)  # before megabytes of vectors, which this would parse)
+        if ctx.emulation is not None and ctx.emulation.active:  # the answer's JSON as tool calls
+            body = ctx.emulation.whole(body)
+        if replica.engine == "llamacpp" and _TIMINGS in body and not _asks_timings(ctx):
+            body = _without_timings(body)
+        if replica.features.prefill_echo and (prefill := _continued_prefill(ctx)):
+            body = _without_prefill(body, prefill)
+        if ctx.written is not None:  # the cache keeps it
+            ctx.whole = body
+        return self._answer(replica, ctx, 200, body, upstream.content_type)
+
+    async def _error(self, replica: Replica, ctx: RequestContext, upstream: EngineResponse) -> web.Response:
+        """An engine's answer other than 200, read up to MAX_ERROR_BYTES: a larger 5xx is the engine failing
+        (another replica is tried); a larger 4xx is told by its status alone (the input's fault: a
+        validation error may echo megabytes of it)."""
         status, content_type = upstream.status, upstream.content_type
-        if status == 200:
-            if ctx.route.adapter is not None:
-                body = Renamed.rename(body, ctx.route.adapter)
-            if ctx.path != "/v1/embeddings":  # (the embedding shaper reads its usage: llama.cpp writes it
-                ctx.usage = usage_of_answer(body)  # before megabytes of vectors, which this would parse)
-            if ctx.emulation is not None and ctx.emulation.active:  # the answer's JSON as tool calls
-                body = ctx.emulation.whole(body)
-            if replica.engine == "llamacpp" and _TIMINGS in body and not _asks_timings(ctx):
-                body = _without_timings(body)
-            if replica.features.prefill_echo and (prefill := _continued_prefill(ctx)):
-                body = _without_prefill(body, prefill)
-            if ctx.written is not None:  # the cache keeps it
-                ctx.whole = body
-        elif status >= 400:
+        try:
+            body = await upstream.read(MAX_ERROR_BYTES)
+        except AnswerTooLarge as exc:
+            if status >= 500 or status == 429:
+                raise _Retryable(f"answered {status} with a body past {MAX_ERROR_BYTES:,} bytes") from exc
+            logger.warning("request %s: replica %s: %s", ctx.request_id, replica.id, exc)
+            refused = f"The model's replica refused the request ({status})."
+            body = orjson.dumps({"error": {"message": refused}})
+        except TimeoutError as exc:
+            raise UpstreamTimeout("The model's replica did not finish its answer in time.") from exc
+        except EngineConnectionError as exc:
+            raise _Retryable(failed_how(exc)) from exc
+        if status >= 400:
             status, body = engine_error(status, body, ctx.request_id)
             content_type = "application/json"
+        return self._answer(replica, ctx, status, body, content_type)
+
+    def _answer(
+        self, replica: Replica, ctx: RequestContext, status: int, body: bytes, content_type: str | None
+    ) -> web.Response:
         headers = {"x-corral-replica": replica.id} if self.replica_header else {}
         if ctx.headers:
             headers.update(ctx.headers)
