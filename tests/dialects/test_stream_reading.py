@@ -435,3 +435,35 @@ def test_a_responses_stream_of_thousands_of_calls_costs_each_call_the_same() -> 
     spent = time.process_time() - started
     assert spent < 1.5, f"{spent:.2f} s of a core for 8,000 calls"
     assert [item["arguments"] for item in encoder.output[-2:]] == ['{"a": 1}'] * 2
+
+
+@pytest.mark.parametrize("how", ["whole", "events"])
+async def test_a_responses_call_cut_by_max_tokens_is_incomplete_only_if_its_arguments_are_cut(
+    openai_spec: Spec, how: str
+) -> None:
+    """Cut by max_output_tokens with calls side by side, only the last call was told incomplete: c0's
+    `{"x": ` went on as completed (a next turn would carry it to the engine) and c1's whole `{"y": 2}` as
+    incomplete. A call is incomplete where its arguments are not whole JSON, streamed or whole. And white
+    space after a whole call's arguments still lets it close as the next call begins."""
+    deltas = [_start(0), _start(1), _args(0, '{"x": '), _args(1, '{"y": 2}')]
+    told = await _told(_responses_exchange(), list(_cuts(_vllm(deltas, "length"), how)))
+    final = told[-1].data["response"]
+    assert told[-1].data["type"] == "response.incomplete"
+    statuses = [("c0", "incomplete"), ("c1", "completed")]
+    assert [(i["call_id"], i["status"]) for i in final["output"]] == statuses
+    whole = {"role": "assistant", "content": None, "tool_calls": [
+        {"id": f"c{i}", "type": "function", "function": {"name": "f", "arguments": arguments}}
+        for i, arguments in enumerate(['{"x": ', '{"y": 2}'])
+    ]}  # fmt: skip
+    completion = {"choices": [{"index": 0, "message": whole, "finish_reason": "length"}], "usage": USAGE}
+    answer = await _responses_exchange().whole(web.Response(body=orjson.dumps(completion)))
+    assert isinstance(answer, web.Response) and isinstance(answer.body, bytes)
+    output = json.loads(answer.body)["output"]
+    assert [(i["call_id"], i["status"]) for i in output] == statuses
+    in_turn = [_start(0), _args(0, '{"x": 1}'), _args(0, " \n"), _start(1), _args(1, '{"y": 2}')]
+    told = await _told(_responses_exchange(), list(_cuts(_vllm(in_turn, "tool_calls"), how)))
+    failures = _validate_stream(openai_spec, told) + _order(_responses_order, told)
+    assert not failures, "\n".join(failures)
+    kinds = [e.data["type"] for e in told]
+    second_added = [i for i, k in enumerate(kinds) if k == "response.output_item.added"][1]
+    assert kinds.index("response.function_call_arguments.done") < second_added

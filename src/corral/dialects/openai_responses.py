@@ -47,6 +47,7 @@ from corral.dialects.responses_stream import (
     message_item,
     reasoning_item,
     usage_of,
+    whole_json,
 )
 from corral.protocol import APIError, InvalidRequest, NotFound, PayloadTooLarge, parse_body
 from corral.protocol.types import Body, encode
@@ -404,8 +405,10 @@ class ResponsesExchange:
         if answer.text or not answer.calls:
             output.append(message_item(self.item_id("msg"), answer.text, "completed"))
         calls = [call_item(self.item_id("fc"), call, "completed") for call in answer.calls]
-        if calls and answer.finish_reason == "length":  # cut by max_output_tokens: its arguments too
-            calls[-1]["status"] = "incomplete"  # (not carried on: an engine reads them as JSON)
+        if answer.finish_reason == "length":  # cut by max_output_tokens: arguments not whole JSON are cut
+            for call in calls:
+                if not whole_json(call["arguments"]):
+                    call["status"] = "incomplete"  # (not carried on: an engine reads them as JSON)
         final = self.finished(answer, output + calls)
         await self.keep(final)
         return json_response(final, headers=headers)

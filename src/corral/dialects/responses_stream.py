@@ -13,7 +13,15 @@ from corral.dialects.chat import Answer, Encoder, ToolCall
 if TYPE_CHECKING:
     from corral.dialects.openai_responses import ResponsesExchange
 
-__all__ = ["ResponsesEncoder", "call_item", "in_progress", "message_item", "reasoning_item", "usage_of"]
+__all__ = [
+    "ResponsesEncoder",
+    "call_item",
+    "in_progress",
+    "message_item",
+    "reasoning_item",
+    "usage_of",
+    "whole_json",
+]
 
 
 class ResponsesEncoder(Encoder):
@@ -140,7 +148,7 @@ class ResponsesEncoder(Encoder):
         item["arguments"] += delta
         if delta.rstrip().endswith(("}", "]")):
             self._may_be_whole[item["id"]] = item
-        else:
+        elif delta.strip():  # (white space after a closing bracket leaves them as whole as they were)
             self._may_be_whole.pop(item["id"], None)
         head = f',"item_id":"{item["id"]}","output_index":{self._at[item["id"]]}'.encode()
         return self._delta(b"response.function_call_arguments.delta", delta, head=head)
@@ -153,7 +161,7 @@ class ResponsesEncoder(Encoder):
         out = self._close()
         if self._may_be_whole:  # (only calls whose arguments changed are read: thousands stay linear)
             for item in self._may_be_whole.values():
-                if _whole(item["arguments"]):
+                if whole_json(item["arguments"]):
                     del self._open_calls[item["id"]]
                     out += self._close_item(item)
             self._may_be_whole.clear()
@@ -233,11 +241,11 @@ class ResponsesEncoder(Encoder):
         return self.exchange.finished(self.answer, output)
 
     def _ended(self, item: dict[str, Any]) -> str:
-        """An item's status once the answer ends well: the call it ended on, cut by max_output_tokens, is
-        incomplete (its arguments are not whole JSON: a next turn does not carry it on), as a whole
-        answer's is."""
-        cut = self.answer.finish_reason == "length" and item is self.output[-1]
-        return "incomplete" if cut and item["type"] == "function_call" else "completed"
+        """An item's status once the answer ends well: a call cut by max_output_tokens (its arguments not
+        whole JSON: side by side calls may each be) is incomplete (a next turn does not carry it on), as a
+        whole answer's is."""
+        cut = self.answer.finish_reason == "length" and item["type"] == "function_call"
+        return "incomplete" if cut and not whole_json(item["arguments"]) else "completed"
 
     def finish(self) -> bytes:
         out = self._close_all()
@@ -251,7 +259,7 @@ class ResponsesEncoder(Encoder):
         return out + self._event(b"response.failed", {"response": self.closing_response()})
 
 
-def _whole(arguments: str) -> bool:
+def whole_json(arguments: str) -> bool:
     """Whether a call's arguments so far are a whole JSON value (more would make them not one)."""
     try:
         orjson.loads(arguments)

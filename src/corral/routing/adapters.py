@@ -15,15 +15,13 @@ time into `Replica.adapter_slots` slots, which the gateway fills and empties (`A
   busier than the least busy, the one whose least recently used adapter (idle, and loaded at least
   `min_resident_s` ago: it is unloaded) is the least wanted, by its recent requests per copy held. Where
   every slot is busy, the least busy replica takes one adapter past its slots, given back once idle;
-- it goes only to a replica that can start it now (`Replica.max_loras`, vLLM's `--max-loras`: distinct
-  adapters per batch): one running its adapter already, or fewer than `max_loras` distinct adapters (in
-  flight from this gateway). Where `max_loras` > 1 a tenant holds at most `max_loras` − 1 of a replica's
-  distinct adapters in flight (joining its adapter already running there is never held back), so one
-  tenant's long requests on many adapters never fill every batch and hold others' new adapters;
-- where no replica can start it, `candidates` raises `AdapterWait`: the request waits in the gateway
-  (`waiting`, around the router's acquire) until a request ends, `WAIT_S` at most, then is placed anyway.
-  A caller that does not wait (`may_wait` unset: a stream continuing elsewhere) is placed at once, into a
-  full batch (the engine queues it);
+- it goes to a replica that can start it now, where one can (`Replica.max_loras`, vLLM's `--max-loras`:
+  distinct adapters per batch): one running its adapter already, or fewer than `max_loras` distinct
+  adapters (in flight from this gateway), and (`max_loras` > 1) where its tenant runs fewer than
+  `max_loras` − 1 of them (joining its adapter already running there always can), so one tenant's long
+  requests on many adapters spread rather than fill a batch. Where none can, it is placed as before and
+  the engine queues it: a tenant holding every replica's batch places still delays others' new adapters
+  (the gateway does not hold requests back for a batch place);
 - a replica that refused to load a revision (its files missing or broken where it runs) is not chosen to
   load that revision for `_REFUSED_S`; one that refused what another replica loaded (its node is the
   trouble, not the adapter) is not chosen to load any adapter that long, unless no other replica can. (Each
@@ -62,21 +60,15 @@ engine answers that it does not know it (gateway/adapters.py); each counts only 
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import math
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
 
-from corral.protocol import NoCapacity
 from corral.routing.replicas import Replica
 
-__all__ = ["Adapter", "AdapterCatalogue", "AdapterPlacement", "AdapterWait", "Residence"]
-
-_T = TypeVar("_T")
+__all__ = ["Adapter", "AdapterCatalogue", "AdapterPlacement", "Residence"]
 
 _SPREAD_MARGIN = 4  # requests in flight a holder must carry beyond the least busy replica to spread
 _LOADER_SLACK = 1  # a replica that loads may carry this many requests more than the least busy
@@ -88,14 +80,6 @@ _REFUSED_S = 30.0  # a replica that refused a load is passed by as a loader this
 # ...and is not asked to load that revision again at all this long (a request placed there anyway, every
 # replica having refused, fails over at once: the client's 503 says to come back then)
 ASK_AGAIN_S = 5.0
-WAIT_S = 30.0  # a request no replica can start or load its adapter for waits this long at most (`waiting`)
-_WAIT_TICK_S = 0.25  # ...trying again when a request ends, or this often (an idle adapter ages)
-
-
-class AdapterWait(NoCapacity):
-    """No replica can start the request's adapter now (see the module's text): it waits (`waiting`)."""
-
-    default_code = "adapter_busy"
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,8 +186,6 @@ class AdapterPlacement:
         self._refusals: dict[str, dict[str, float]] = {}
         self._troubled: dict[str, float] = {}
         self._clock = clock
-        self._room: asyncio.Event | None = None  # set (and replaced) when a place may have freed: `waiting`
-        self.may_wait = False  # the caller waits on AdapterWait (`waiting` sets it around its acquire)
         # the adapters served now (set by the gateway's loader): a request's adapter replaced since it was
         # read is placed under its current revision
         self.catalogue: AdapterCatalogue | None = None
@@ -247,16 +229,14 @@ class AdapterPlacement:
     def candidates(self, adapter: Adapter, replicas: Sequence[Replica], tenant: str = "") -> list[Replica]:
         """The replicas the routing policy may pick from for a request of `adapter` (by `tenant`): of those
         that can start it now, its holders, one more where its demand calls for it, or (none holds it) the
-        one that loads it at least cost. Empty when no replica can serve it (AdapterWait: see the module)."""
+        one that loads it at least cost (of them all, where none can start it now). Empty when no replica can
+        serve it."""
         adapter = self._served(adapter)
         able = [r for r in replicas if self.can_serve(r, adapter)]
         if adapter.placement == "anywhere" or not able:
             return able
-        every, startable = len(able), [r for r in able if self._can_start(r, adapter, tenant)]
-        if startable or self.may_wait:
-            able = startable
-        if not able:
-            raise AdapterWait(f"No replica can start adapter '{adapter.name}' now.", retry_after=1)
+        every = len(able)
+        able = [r for r in able if self._can_start(r, adapter, tenant)] or able
         holders = [r for r in able if self.holds(r, adapter)]
         if not holders:
             loaders = self._willing(adapter.engine_name, [r for r in able if r.adapter_slots > 0])
@@ -330,7 +310,10 @@ class AdapterPlacement:
     def _loader(self, adapter: Adapter, loaders: list[Replica]) -> Replica | None:
         """The replica of `loaders` (runtime-loading, willing) that loads the adapter at least cost: a free
         slot; else, of those at most `_LOADER_SLACK` requests busier than the least busy, the one giving up
-        the least wanted idle old adapter; then the fewest requests in flight (one past its slots)."""
+        the least wanted idle old adapter; then the fewest requests in flight (one past its slots). None
+        where `loaders` is empty."""
+        if not loaders:
+            return None
         now = self._clock()
         calmest = min(r.outstanding for r in loaders)
         copies = self._copies(loaders)
@@ -493,7 +476,6 @@ class AdapterPlacement:
         if residence is None:
             return []
         self._leave(residence, tenant)
-        self._wake()
         holding = self._holdings.get(replica.id)
         if holding is None or holding.resident.get(residence.engine_name) is not residence:
             return []  # (forgotten since: a failed load, a lost adapter, a restart)
@@ -509,33 +491,6 @@ class AdapterPlacement:
         if residence is not None and holding is not None:
             if holding.resident.get(residence.engine_name) is residence:
                 del holding.resident[residence.engine_name]
-                self._wake()
-
-    def _wake(self) -> None:
-        """A place may have freed: the requests `waiting` try again."""
-        if self._room is not None:
-            self._room.set()
-            self._room = None
-
-    async def waiting(self, acquire: Callable[[], _T], limit_s: float = WAIT_S) -> _T:
-        """`acquire()` (the router's, with `may_wait` set), tried again while it raises AdapterWait when a
-        request ends, or after `_WAIT_TICK_S` (an idle adapter ages); after `limit_s`, once more without
-        `may_wait` (placed anyway)."""
-        deadline = time.monotonic() + limit_s
-        while (left := deadline - time.monotonic()) > 0:
-            try:
-                self.may_wait = True
-                with contextlib.suppress(AdapterWait):
-                    return acquire()
-            finally:
-                self.may_wait = False
-            if self._room is None:
-                self._room = asyncio.Event()
-            room = self._room
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(min(left, _WAIT_TICK_S)):
-                    await room.wait()
-        return acquire()  # waited long enough: placed anyway
 
     def loaded(self, replica: Replica, revision: str, residence: Residence | None) -> None:
         """`replica` loaded `revision` (its `residence`): replicas that refused it lately are troubled."""
