@@ -5,6 +5,8 @@ a Python error."""
 from __future__ import annotations
 
 import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import gguf
@@ -140,3 +142,45 @@ def test_a_file_that_is_no_gguf_or_not_there(tmp_path: Path) -> None:
         gguf_fields(tmp_path / "notes.txt", lambda _: True)
     with pytest.raises(OSError):
         gguf_fields(tmp_path / "missing.gguf", lambda _: True)
+
+
+@pytest.mark.parametrize("inner", [8, 9])
+def test_a_header_of_millions_of_empty_items_is_refused_without_walking_them(
+    tmp_path: Path, inner: int
+) -> None:
+    """Each empty string or array was a Python step: 8.4M empty strings took 4.8 s, 64 MiB of empty arrays
+    19 s (a few GiB: minutes, under the conversion lock). Past 4M items walked the header is refused."""
+    count = (1 << 22) + 1
+    item = struct.pack("<Q", 0) if inner == 8 else struct.pack("<IQ", 4, 0)
+    path = tmp_path / "many.gguf"
+    path.write_bytes(
+        _header(2) + _s(b"a") + struct.pack("<I", 9) + struct.pack("<IQ", inner, count) + item * count
+        + _s(TEMPLATE.encode()) + struct.pack("<I", 8) + _s(b"x")
+    )  # fmt: skip
+    with pytest.raises(GGUFError, match="items"):
+        gguf_fields(path, lambda name: name == TEMPLATE)
+    assert gguf_string(path, TEMPLATE) is None
+
+
+def test_a_file_cut_short_while_read_is_unreadable_not_the_processs_end(tmp_path: Path) -> None:
+    """A mapped file cut short under the walk (a model file copied over in place) killed the process
+    (SIGBUS): the supervisor and the gateway with it. Run in a child, as it would kill pytest."""
+    path = tmp_path / "cut.gguf"
+    path.write_bytes(
+        _header(3) + _s(b"a") + struct.pack("<I", 9) + struct.pack("<IQ", 8, 300_000)
+        + _s(b"xy") * 300_000 + _s(b"b") + struct.pack("<I", 4) + b"\0" * 4
+        + _s(TEMPLATE.encode()) + struct.pack("<I", 8) + _s(b"x")
+    )  # fmt: skip
+    probe = (
+        "import os, sys; from pathlib import Path; from corral.artifacts.gguf_meta import gguf_fields\n"
+        f"path = Path({str(path)!r})\n"
+        "def wanted(name):\n"
+        "    os.truncate(path, 4096)  # (after the first key: the rest of the walk reads past the end)\n"
+        "    return False\n"
+        "try:\n"
+        "    gguf_fields(path, wanted)\n"
+        "except ValueError as exc:\n"
+        "    print('refused:', exc)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.startswith("refused:"), (done.returncode, done.stderr)

@@ -142,3 +142,18 @@ def test_the_operators_cuda_visible_devices_is_what_corral_counts_and_gives_out(
         env["CUDA_VISIBLE_DEVICES"] = given
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, env=env)
     assert done.stdout.split() == [str(count), *replicas]
+
+
+def test_a_gpu_id_past_those_given_is_told_as_such_not_as_a_shared_gpu(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Under CUDA_VISIBLE_DEVICES=2,3, `gpus: [0, 2]`: the id past the list stayed `2`, which the sharing
+    check (run first) read as the first GPU's, reporting GPU 2 shared at 1.80 instead of too few GPUs."""
+    from corral.config import parse_spec
+    from corral.engines.devices import DeviceError, check_local_gpus
+
+    deployments = "[{engine: vllm, replicas: 2, gpus: [0, 2]}]"
+    spec = parse_spec(f"models:\n  - {{name: a, source: {{hf: a/b}}, deployments: {deployments}}}\n")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")  # (the operator's: corral's own environment)
+    with pytest.raises(DeviceError, match="needs 3 GPU"):
+        check_local_gpus(spec, available=2)

@@ -6,7 +6,6 @@ before it reads or skips them, and stops once it has what it was asked for."""
 
 from __future__ import annotations
 
-import mmap
 import os
 import struct
 from collections.abc import Callable, Iterator
@@ -36,6 +35,8 @@ _VERSIONS = (2, 3)  # GGUF v1 (32-bit lengths) is long gone; `gguf`'s reader tak
 _MAX_KEY = 65535  # the GGUF spec's longest key (and tensor name)
 _MAX_NESTING = 2  # an array of arrays at most (GGUF's writers nest one level; llama.cpp reads none)
 _MAX_DIMS = 4  # GGML_MAX_DIMS
+_MAX_ITEMS = 1 << 22  # array elements walked in a header at most (the largest vocabularies and merges: ~1M)
+_WINDOW = 1 << 20  # bytes read at once
 
 
 class GGUFError(ValueError):
@@ -84,19 +85,17 @@ def gguf_tensor_dims(path: Path, suffix: str) -> tuple[int, ...] | None:
 
 @contextmanager
 def _header(path: Path) -> Iterator[tuple[_Reader, int, int]]:
-    """The file's reader past the header's start, its tensor count and its key-value count (the file is
-    mapped, not read: a vocabulary's 100,000 strings are walked without a system call each)."""
+    """The file's reader past the header's start, its tensor count and its key-value count (read a window
+    at a time with `pread`: a file cut short while read is a GGUFError, where a mapped one killed the
+    process with SIGBUS)."""
     with path.open("rb") as file:
-        if os.fstat(file.fileno()).st_size < 4 + 4 + 8 + 8:
+        reader = _Reader(file.fileno(), os.fstat(file.fileno()).st_size)
+        if reader.take(4) != b"GGUF":
             raise GGUFError("not a GGUF file")
-        with mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as data:
-            reader = _Reader(data)
-            if reader.take(4) != b"GGUF":
-                raise GGUFError("not a GGUF file")
-            version, tensors, count = reader.ints("<IQQ")
-            if version not in _VERSIONS:
-                raise GGUFError(f"GGUF version {version}, not 2 or 3")
-            yield reader, tensors, count
+        version, tensors, count = reader.ints("<IQQ")
+        if version not in _VERSIONS:
+            raise GGUFError(f"GGUF version {version}, not 2 or 3")
+        yield reader, tensors, count
 
 
 def _pairs(reader: _Reader, count: int, wanted: Callable[[str], bool]) -> Iterator[tuple[str, Scalar | None]]:
@@ -112,27 +111,47 @@ def _pairs(reader: _Reader, count: int, wanted: Callable[[str], bool]) -> Iterat
 
 
 class _Reader:
-    """Reads a GGUF header, each length and count checked against the bytes left before it is used."""
+    """Reads a GGUF header, each length and count checked against the bytes left before it is used, and the
+    items it walks (array elements) counted: past `_MAX_ITEMS` the header is refused (a file of empty
+    strings or arrays would otherwise cost a Python step each: minutes for a few GiB)."""
 
-    def __init__(self, data: mmap.mmap) -> None:
-        self.data = data
+    def __init__(self, fd: int, size: int) -> None:
+        self.fd = fd
+        self.size = size
         self.at = 0
-        self.size = len(data)
+        self.walked = 0
+        self._buf = b""  # the file's bytes from `_base` on: a window read at once
+        self._base = 0
 
     def left(self) -> int:
         return self.size - self.at
 
-    def take(self, length: int) -> bytes:
+    def _window(self, length: int) -> tuple[bytes, int]:
+        """A buffer holding the `length` bytes at `at`, and where they start in it."""
         if length > self.size - self.at:
             raise GGUFError(f"a length of {length} bytes runs past the file's end")
-        data = self.data[self.at : self.at + length]
+        off = self.at - self._base
+        if off < 0 or off + length > len(self._buf):
+            self._buf, self._base, off = os.pread(self.fd, max(length, _WINDOW), self.at), self.at, 0
+            if len(self._buf) < length:  # (the file shrank while read)
+                raise GGUFError("the file ends early")
+        return self._buf, off
+
+    def take(self, length: int) -> bytes:
+        buf, off = self._window(length)
         self.at += length
-        return data
+        return buf[off : off + length]
 
     def skip(self, length: int) -> None:
         if length > self.size - self.at:
             raise GGUFError(f"a length of {length} bytes runs past the file's end")
         self.at += length
+
+    def walk(self, count: int) -> None:
+        """Count `count` items more walked one by one."""
+        self.walked += count
+        if self.walked > _MAX_ITEMS:
+            raise GGUFError(f"a header of more than {_MAX_ITEMS:,} items")
 
     def check_count(self, count: int, least: int) -> None:
         """Refuse `count` items of at least `least` bytes each that the bytes left cannot hold."""
@@ -141,9 +160,8 @@ class _Reader:
 
     def unpack(self, fmt: str) -> tuple[int | float | bool, ...]:
         size = struct.calcsize(fmt)
-        if size > self.size - self.at:
-            raise GGUFError("the file ends within a value")
-        values: tuple[int | float | bool, ...] = struct.unpack_from(fmt, self.data, self.at)
+        buf, off = self._window(size)
+        values: tuple[int | float | bool, ...] = struct.unpack_from(fmt, buf, off)
         self.at += size
         return values
 
@@ -183,6 +201,7 @@ class _Reader:
                 self.skip(count * size)
                 return
             self.check_count(count, 8 if inner == _STRING else 4 + 8)
+            self.walk(count)
             if inner == _STRING:  # (a vocabulary: the common long array, walked by its lengths alone)
                 self._skip_strings(count)
                 return
@@ -192,11 +211,15 @@ class _Reader:
             self.skip(struct.calcsize(_format(kind)))
 
     def _skip_strings(self, count: int) -> None:
-        data, at, size, length_at = self.data, self.at, self.size, _LENGTH.unpack_from
+        at, size, buf, base = self.at, self.size, self._buf, self._base
+        length_at = _LENGTH.unpack_from
         for _ in range(count):
-            if at + 8 > size:
-                raise GGUFError("the file ends within an array of strings")
-            at += 8 + length_at(data, at)[0]
+            off = at - base
+            if off < 0 or off + 8 > len(buf):  # (past the window: the next one read)
+                self.at = at
+                buf, off = self._window(8)
+                base = self._base
+            at += 8 + length_at(buf, off)[0]
             if at > size:
                 raise GGUFError("a string runs past the file's end")
         self.at = at

@@ -104,7 +104,6 @@ def check_local_gpus(spec: ClusterSpec, available: int) -> None:
     GPU than it holds: deployments that list no `gpus` all start at GPU 0, and two that share a GPU must
     leave each other room (`gpu_memory_utilization` adding up to at most 1), else the second runs out of
     memory at every start."""
-    _check_shared_gpus(spec)
     for model in spec.models:
         for deployment in model.deployments:
             if deployment.engine != "vllm" or deployment.device != "gpu":
@@ -124,6 +123,7 @@ def check_local_gpus(spec: ClusterSpec, available: int) -> None:
                     f"{found} {seen}; run it on a GPU server, across "
                     "machines with --ray, or on the CPU with `device: cpu`"
                 )
+    _check_shared_gpus(spec)  # (after: an id past the GPUs given would read as another GPU's)
 
 
 def _check_shared_gpus(spec: ClusterSpec) -> None:
