@@ -35,10 +35,10 @@ async def test_a_kv_cache_reading_a_failing_scrape_left_behind_adds_no_replica()
     state = _Group(parse_spec(SPEC, source="test").models[0], 0, SimEngineAdapter(), [LaunchPlan(capacity=8)])
     replica = Replica(id="m-0", model="m", engine="sim", capacity=8, state=ReplicaState.READY)
 
-    replica.load = EngineLoad(running=1, waiting=0, kv_usage=0.95, scraped_at=time.time() - 60)
+    replica.load = EngineLoad(running=1, waiting=0, kv_usage=0.95, scraped_monotonic=time.monotonic() - 60)
     assert await scaler.desired(state, [replica], {}) == 1  # its scrapes have failed for a minute
 
-    replica.load = EngineLoad(running=1, waiting=0, kv_usage=0.95, scraped_at=time.time() - 1)
+    replica.load = EngineLoad(running=1, waiting=0, kv_usage=0.95, scraped_monotonic=time.monotonic() - 1)
     assert await scaler.desired(state, [replica], {}) == 2  # read a second ago: it presses
     assert state.reason == "KV cache 95% used"
 

@@ -141,7 +141,7 @@ async def test_a_replica_given_up_on_is_drained_without_waiting_for_a_scrape(tmp
         (replica,) = supervisor.add("m", LlamaCppEngine(), [LaunchPlan(argv=("sh", "-c", "exit 3"))])
         await supervisor.start()
         await until(lambda: replica.state is ReplicaState.FAILED, within=10)
-        replica.load = EngineLoad(running=2, waiting=0, scraped_at=time.time() - 60)  # its last, long ago
+        replica.load = EngineLoad(running=2, waiting=0, scraped_monotonic=time.monotonic() - 60)  # long ago
         began = time.monotonic()
         await supervisor.drain(replica.id, 10.0)
         assert time.monotonic() - began < 3

@@ -90,16 +90,17 @@ def test_with_kv_events_off_the_engine_publishes_none_and_the_index_keeps_its_ow
         assert "--time-scale" in started and "--kv-events-endpoint" not in started
 
 
-async def test_a_data_parallel_engine_s_ranks_each_publish_to_their_own_port() -> None:
-    """vLLM with `--data-parallel-size 2` runs two engines, rank r publishing to the endpoint's port + r:
-    the supervisor's feed binds both ports, and one view counts both engines' blocks. A batch of another
-    shape (a map) is passed over, not the end of the feed."""
+async def test_a_data_parallel_engine_s_ranks_each_publish_to_their_own_endpoint() -> None:
+    """vLLM with `--data-parallel-size 2` runs two engines, rank r publishing to the endpoint + `_dp<r>`
+    (vLLM's rule for an endpoint naming "inproc"; for ranks past 0 it refuses an ipc:// one without): each
+    binds its own socket in the feed's private directory, the feed connects to both, and one view counts
+    both engines' blocks. A batch of another shape (a map) is passed over, not the end of the feed."""
     import msgpack
     import zmq
     import zmq.asyncio
 
     from corral.engines import LaunchPlan
-    from corral.engines.kv_events import KvCacheView, KvEventFeed, data_parallel_size, kv_events_config
+    from corral.engines.kv_events import KvEventFeed, data_parallel_size, kv_events_config
 
     assert data_parallel_size(["--data-parallel-size", "2"]) == data_parallel_size(["-dp=2", "-dp", "2"]) == 2
     assert data_parallel_size(["--data-parallel-size=3"]) == 3 and data_parallel_size(["-dp", "x"]) == 1
@@ -109,13 +110,14 @@ async def test_a_data_parallel_engine_s_ranks_each_publish_to_their_own_port() -
     )
     feed = KvEventFeed(context, plan, remote=False)
     config = json.loads(feed.plan.argv[-1].format())  # as the runtime fills the command line in
-    port = int(config["endpoint"].rsplit(":", 1)[1])
-    view = KvCacheView()
+    endpoint = config["endpoint"]
+    assert endpoint.startswith("ipc://") and "inproc" in endpoint
+    view = feed.view()
     follow = asyncio.create_task(feed.follow(view, lambda: None))
     publishers = []
     for rank in range(2):
         publisher = context.socket(zmq.PUB)
-        publisher.connect(f"tcp://127.0.0.1:{port + rank}")
+        publisher.bind(endpoint if rank == 0 else f"{endpoint}_dp{rank}")  # as vLLM's rank r
         publishers.append(publisher)
     stored = {"type": "BlockStored", "parent_block_hash": None, "token_ids": [], "block_size": 16}
     deadline, seq = time.monotonic() + 10, 0

@@ -121,16 +121,19 @@ def test_vllm_s_recorded_kv_events_tell_what_its_cache_holds_and_that_it_evicts_
     """Four of vLLM 0.32 CPU's KV-event messages (tests/data/vllm-0.32-kv-events.msgpack: [seq, payload] as
     its ZMQ publisher sent them, 128-token blocks): three documents of 7 blocks cached, then, 20 documents
     later, the first document's 7 blocks and 2 of the second's evicted and a new one's 9 cached. vLLM evicts
-    the least recently freed first: every block cached before the second document is gone."""
+    the least recently freed first: every block cached before the second document is gone. (The messages
+    between, not recorded, would leave a gap in the sequence, which the view takes for batches lost: here
+    the fourth follows the third.)"""
     import msgpack
 
     from corral.engines.kv_events import KvCacheView
 
     recorded = msgpack.unpackb((RECORDED.parent / "vllm-0.32-kv-events.msgpack").read_bytes())
+    assert [int.from_bytes(seq, "big") for seq, _ in recorded] == [1, 2, 3, 23]
     view = KvCacheView()
     stamps = []
-    for seq, payload in recorded:
-        view.apply(int.from_bytes(seq, "big"), payload)
+    for seq, (_, payload) in enumerate(recorded, start=1):
+        view.apply(seq, payload)
         stamps.append(msgpack.unpackb(payload)[0])
     load = view.stamp(EngineLoad(running=0, waiting=0))
     assert view.block_size == 128
@@ -139,4 +142,6 @@ def test_vllm_s_recorded_kv_events_tell_what_its_cache_holds_and_that_it_evicts_
     assert load.kv_evicted_through == stamps[1]  # the second document's: the first's were older
     assert load.kv_cleared_total == 0
     view.apply(1, recorded[0][1])  # a sequence number seen before: the engine restarted, its cache empty
-    assert view.stamp(load).kv_cleared_total == 1
+    assert view.stamp(load).kv_cleared_total == 1 and len(view.blocks) == 7
+    view.apply(3, recorded[2][1])  # one past the next: a batch was lost, what it said unknown
+    assert view.stamp(load).kv_cleared_total == 2 and len(view.blocks) == 7

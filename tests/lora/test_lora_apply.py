@@ -19,7 +19,7 @@ from corral.cli.gateway_spec import install_adapters, model_settings
 from corral.cluster.changes import ApplyError
 from corral.cluster.reconcile import Reconciler
 from corral.config import AdapterSpec, ClusterSpec, DeploymentSpec, ModelSpec, Paths, parse_spec
-from corral.routing import ReplicaSet
+from corral.routing import Replica, ReplicaSet
 from corral.routing.adapters import AdapterCatalogue
 from tests.conftest import DATA
 
@@ -52,6 +52,9 @@ class _Supervisor:
 
     def replica_ids(self, model: str, group: int | None = None) -> list[str]:
         return [f"{model}-0"] if self.replicas.has_model(model) else []
+
+    def members(self, model: str, group: int | None = None) -> list[Replica]:
+        return [Replica(f"{model}-0", model, "sim")] if self.replicas.has_model(model) else []
 
     async def drain(self, replica_id: str, grace_s: float) -> dict[str, object]:
         self.drained.append(replica_id)

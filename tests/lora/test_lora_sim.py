@@ -83,6 +83,7 @@ def test_twenty_adapters_over_two_replicas_of_four_slots_under_zipf_demand(tmp_p
             # the gateway's account is the engine's (its LRU holds 4): past its slots a replica holds an
             # adapter only while a request of it is in flight; all idle now, each holds its slots at most
             assert len(replica["adapters"]) <= 4 and replica["adapter_slots"] == 4, replica
+            assert replica["max_loras"] == 4  # (its batch places, from its plan through the supervisor)
         assert sum(r["adapter_loads_last_minute"] for r in replicas) == total
 
 

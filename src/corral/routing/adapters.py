@@ -543,5 +543,6 @@ class AdapterPlacement:
         return {
             "adapters": self.resident(replica),
             "adapter_slots": replica.adapter_slots or None,
+            "max_loras": replica.max_loras or None,
             "adapter_loads_last_minute": holding.loaded(self._clock()) if holding else 0,
         }

@@ -4,8 +4,8 @@ A ZMQ PUB socket sends, after each engine step that cached or evicted blocks, th
 big-endian sequence number and a msgpack batch `[ts, events]`, each event a map tagged by `type` as vLLM
 0.32's: `BlockRemoved` for the blocks evicted, then `BlockStored` (hashes, parent hash, token ids, block
 size; for an adapter's request its `lora_id` and `lora_name`) per run of one sequence's newly cached
-blocks. The simulator's block hashes are ints. As vLLM does, it binds an endpoint with a wildcard
-(`tcp://*:5557`) and connects to any other (a subscriber that binds, as corral's supervisor does).
+blocks. The simulator's block hashes are ints. As vLLM does, it binds an ipc:// endpoint (where corral's
+supervisor has it publish) or one with a wildcard (`tcp://*:5557`), and connects to any other.
 """
 
 from __future__ import annotations
@@ -90,9 +90,11 @@ def take_events(scheduler: Scheduler) -> list[dict[str, object]]:
 
 
 def offset_endpoint(endpoint: str, index: int) -> str:
-    """The endpoint of the `index`-th replica of one `corral sim` process: the port + index (as vLLM's
-    data-parallel ranks)."""
+    """The endpoint of the `index`-th replica of one `corral sim` process, as vLLM's data-parallel ranks':
+    a TCP endpoint's port + index, another's (ipc://) name + `_dp<index>`."""
     if index == 0:
         return endpoint
+    if not endpoint.startswith("tcp://"):
+        return f"{endpoint}_dp{index}"
     head, _, port = endpoint.rpartition(":")
     return f"{head}:{int(port) + index}"
