@@ -182,3 +182,27 @@ def test_a_rule_across_the_spec_is_told_without_a_line_or_pydantics_prefix(
     checked = CliRunner().invoke(app, ["spec", "check", "-f", str(spec)])
     assert checked.exit_code == 2 and f"\n{spec}: {said}" in checked.output, checked.output
     assert "Value error" not in checked.output and "top level" not in checked.output
+
+
+@pytest.mark.parametrize(
+    ("engine", "args", "named"),
+    [
+        ("vllm", "[--host, 0.0.0.0]", "--host"),  # (an engine without a key on every interface)
+        ("vllm", "[--max_num_seqs, '8']", "--max-num-seqs"),  # (vLLM reads `_` as `-`)
+        ("vllm", "[--api-key=k]", "--api-key"),  # (the gateway never learns it: every request a 401)
+        ("llamacpp", "[--ctx-size, '512']", "--ctx-size"),
+        ("llamacpp", "[-np, '1']", "-np"),
+    ],
+)
+def test_engine_args_may_not_set_what_corral_sets_from_the_deployment(
+    engine: str, args: str, named: str
+) -> None:
+    """Both engines take the later of a flag given twice: engine_args overrode corral's own flags
+    silently (the gateway planned 4 slots and 8,192 tokens of context where llama.cpp ran 1 and 512)."""
+    source = "{hf: a/b}" if engine == "vllm" else "{path: /m.gguf}"
+    deployment = f"{{engine: {engine}, engine_args: {args}}}"
+    spec = f"models:\n  - {{name: m, source: {source}, deployments: [{deployment}]}}\n"
+    with pytest.raises(SpecError, match=f"engine_args sets {named}, which corral sets from"):
+        parse_spec(spec)
+    fine = "[--flash-attn, 'on']" if engine == "llamacpp" else "[--enforce-eager, --max-logprobs, '-1']"
+    assert parse_spec(spec.replace(args, fine))

@@ -117,7 +117,7 @@ def spec_digest(text: str, source: str = "spec.yaml") -> str:
 
 def secret_spec(secret: str) -> str:
     deployment = (
-        f"engine: vllm, replicas: 1, engine_api_key: engine-{secret}, engine_args: [--api-key, arg-{secret}]"
+        f"engine: vllm, replicas: 1, engine_api_key: engine-{secret}, engine_args: [--hf-token, arg-{secret}]"
     )
     return (
         SPEC.format(deployment=deployment).replace("corral@pg", f"corral:pw-{secret}@pg")
@@ -134,7 +134,7 @@ def test_the_pod_annotation_tells_nothing_of_the_specs_secrets() -> None:
     assert spec_digest(secret_spec("a1"), source="elsewhere/spec.yaml") == first  # not the comment either
     # a changed spec still changes the pod, so applying the render replaces it
     assert spec_digest(secret_spec("a1").replace("replicas: 1", "replicas: 2")) != first
-    assert spec_digest(secret_spec("a1").replace("--api-key", "--api-key-file")) != first
+    assert spec_digest(secret_spec("a1").replace("--hf-token", "--hf-token-path")) != first
 
 
 def test_every_pod_that_fetches_weights_reads_the_hugging_face_token_secret() -> None:

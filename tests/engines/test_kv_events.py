@@ -104,6 +104,8 @@ async def test_a_data_parallel_engine_s_ranks_each_publish_to_their_own_endpoint
 
     assert data_parallel_size(["--data-parallel-size", "2"]) == data_parallel_size(["-dp=2", "-dp", "2"]) == 2
     assert data_parallel_size(["--data-parallel-size=3"]) == 3 and data_parallel_size(["-dp", "x"]) == 1
+    # (vLLM's parser reads `_` as `-`, and `-dp=2`: one publisher bound where the engine had two ranks)
+    assert data_parallel_size(["--data_parallel_size", "2"]) == data_parallel_size(["-dp=2"]) == 2
     context = zmq.asyncio.Context()
     plan = LaunchPlan(
         argv=("vllm",), kv_events_args=("--kv-events-config", kv_events_config("{events}")), kv_events_ranks=2

@@ -11,6 +11,7 @@ from pydantic import Field, field_validator, model_validator
 
 from corral.config.base import Strict
 from corral.config.change import AutoscaleSpec, ModelCacheSpec, RolloutSpec
+from corral.config.engine_flags import check_engine_args
 
 if TYPE_CHECKING:
     from corral.perf import Catalog
@@ -197,7 +198,11 @@ class DeploymentSpec(Strict):
     context_length: Annotated[
         int, Field(ge=128, description="llamacpp: tokens of context per sequence (prompt + output)")
     ] = 8192
-    engine_args: list[str] = Field(default_factory=list, description="extra engine flags, passed through")
+    engine_args: list[str] = Field(
+        default_factory=list,
+        description="extra engine flags, passed through (not one corral sets from a field: --host, --port, "
+        "--max-num-seqs, --ctx-size, --api-key, ... are refused)",
+    )
     binary: Path | None = Field(default=None, description="engine executable; found or built when unset")
     urls: list[str] = Field(
         default_factory=list,
@@ -328,6 +333,7 @@ class DeploymentSpec(Strict):
     @model_validator(mode="after")
     def _external_has_urls(self) -> DeploymentSpec:
         self._check_counts()
+        check_engine_args(self.engine, self.engine_args)
         if self.engine == "external" and not self.urls:
             raise ValueError("engine 'external' needs 'urls': the base URLs of running servers")
         if self.engine_api_key is not None and self.engine in ("llamacpp", "sim"):

@@ -40,6 +40,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from corral.config.engine_flags import flag_name
 from corral.engines.base import LaunchPlan
 from corral.engines.load import EngineLoad
 
@@ -335,9 +336,11 @@ def _private_dir() -> str:
 def data_parallel_size(engine_args: Sequence[str]) -> int:
     """vLLM's `--data-parallel-size` (or `-dp`) among `engine_args`; 1 when absent."""
     value = "1"
-    for i, arg in enumerate(engine_args):
-        if arg in ("--data-parallel-size", "-dp") and i + 1 < len(engine_args):
-            value = engine_args[i + 1]
-        elif arg.startswith("--data-parallel-size="):
+    for i, arg in enumerate(engine_args):  # (as vLLM's parser reads them: `_` as `-`, `--flag=value`)
+        if flag_name(arg) not in ("--data-parallel-size", "-dp"):
+            continue
+        if "=" in arg:
             value = arg.split("=", 1)[1]
+        elif i + 1 < len(engine_args):
+            value = engine_args[i + 1]
     return max(1, int(value)) if value.isdigit() else 1  # (vLLM itself refuses a value that is no number)
