@@ -113,3 +113,20 @@ def test_scale_downs_get_the_gateways_shutdown_grace_when_it_is_longer() -> None
             supervisor(), spec, lambda m, d: (SimEngineAdapter(), []), lambda m: asyncio.sleep(0)
         )
         assert reconciler.autoscaler._grace == expected
+
+
+async def test_a_deployment_may_give_its_scaled_down_replicas_a_grace_of_its_own() -> None:
+    """`autoscale.drain_grace_s`: long streams need more than the gateway's grace; a scale-down drains
+    within the deployment's own (0.3 s here, where the autoscaler's is 120 s)."""
+    made = supervisor()
+    own = TWO.replace("target_utilization: 1.0}", "drain_grace_s: 0.3}", 1)
+    model = parse_spec(own, source="t").models[0]
+    assert model.deployments[0].autoscale is not None and model.deployments[0].autoscale.drain_grace_s == 0.3
+    scaler = Autoscaler(made, lambda: {})
+    scaler.configure(model, 0, SimEngineAdapter(), [PLAN] * 8)
+    (replica,) = made.add("m", SimEngineAdapter(), [PLAN], 0)
+    replica.state, replica.outstanding = ReplicaState.READY, 1  # a stream that outlasts the grace
+    scaler._scale_down(scaler._groups[("m", 0)], [replica], 0)
+    await asyncio.wait_for(asyncio.gather(*scaler._drains), 5)
+    events = [str(e["message"]) for e in made.replicas.events]
+    assert events[-1] == "drain of m-0 timed out after its 0.3s grace: 1 request in flight cut"

@@ -424,24 +424,27 @@ class Autoscaler:
         message = f"scale down {len(members)} → {len(members) - len(victims)} (wants {want}): drain {drained}"
         logger.info("autoscaler %s: %s", state.model.name, message)
         self._replicas.record("scale", state.model.name, message)
+        scaling = state.model.deployments[state.group].autoscale
+        grace = scaling.drain_grace_s if scaling is not None else None
         for victim in victims:
-            self._drain(victim)
+            self._drain(victim, grace)
 
-    def _drain(self, replica: Replica) -> None:
-        task = asyncio.create_task(self._drained_within_grace(replica))
+    def _drain(self, replica: Replica, grace_s: float | None = None) -> None:
+        """Drain `replica` within `grace_s` (None: the autoscaler's own grace)."""
+        task = asyncio.create_task(self._drained_within_grace(replica, grace_s or self._grace))
         self._drains.add(task)
         task.add_done_callback(self._drained)
 
-    async def _drained_within_grace(self, replica: Replica) -> dict[str, object]:
+    async def _drained_within_grace(self, replica: Replica, grace: float) -> dict[str, object]:
         """Drain `replica`; when its grace runs out first, the requests it still had then were cut: how
         many is logged and recorded in the scale event."""
-        drain = asyncio.ensure_future(self._supervisor.drain(replica.id, self._grace))
-        done, _ = await asyncio.wait({drain}, timeout=self._grace)
+        drain = asyncio.ensure_future(self._supervisor.drain(replica.id, grace))
+        done, _ = await asyncio.wait({drain}, timeout=grace)
         cut = replica.outstanding if not done else 0  # (in flight as its grace ran out: the drain stops it)
         result = await drain
         if not result.get("idle", True):
             message = (
-                f"drain of {replica.id} timed out after its {self._grace:g}s grace: "
+                f"drain of {replica.id} timed out after its {grace:g}s grace: "
                 f"{cut} {'request' if cut == 1 else 'requests'} in flight cut"
             )
             logger.warning("autoscaler %s: %s", replica.model, message)

@@ -168,6 +168,11 @@ class AutoscaleSpec(Strict):
     hold_s: Annotated[
         float, Field(gt=0, description="scaled to zero: how long requests wait for the first replica")
     ] = 120.0
+    drain_grace_s: Annotated[float, Field(gt=0, le=86400)] | None = Field(
+        default=None,
+        description="how long a replica scaled down may finish its requests before those still running are "
+        "cut (unset: the longer of 120 s and gateway.shutdown_grace; long streams want more)",
+    )
 
     @model_validator(mode="after")
     def _bounds(self) -> AutoscaleSpec:
