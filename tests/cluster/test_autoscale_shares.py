@@ -130,3 +130,39 @@ async def test_a_deployment_may_give_its_scaled_down_replicas_a_grace_of_its_own
     await asyncio.wait_for(asyncio.gather(*scaler._drains), 5)
     events = [str(e["message"]) for e in made.replicas.events]
     assert events[-1] == "drain of m-0 timed out after its 0.3s grace: 1 request in flight cut"
+
+
+MAXED = """models:
+  - name: m
+    arch: llama-3.1-8b
+    deployments:
+      - {engine: sim, gpu: l4, replicas: 2,
+         autoscale: {min_replicas: 1, max_replicas: 2, target_utilization: 1.0}}
+      - {engine: sim, gpu: l4, replicas: 0,
+         autoscale: {min_replicas: 0, max_replicas: 8, target_utilization: 1.0}}
+"""
+FIXED = """models:
+  - name: m
+    arch: llama-3.1-8b
+    deployments:
+      - {engine: sim, gpu: l4, replicas: 1}
+      - {engine: sim, gpu: l4, replicas: 0,
+         autoscale: {min_replicas: 0, max_replicas: 8, target_utilization: 1.0}}
+"""
+
+
+async def test_a_deployment_at_zero_takes_the_queue_its_full_neighbours_cannot_grow_for() -> None:
+    """The queue was split by the model's live slots, so a burst deployment at zero beside a full fixed
+    one (or one at its max) got none of it and did not wake: 32 queued, it wanted 0 (8 before the split)."""
+    for text, first in ((MAXED, 2), (FIXED, 1)):
+        model = parse_spec(text, source="test").models[0]
+        made = supervisor()
+        for replica in made.add("m", SimEngineAdapter(), [PLAN] * first, 0):
+            replica.state, replica.outstanding = ReplicaState.READY, 4
+        pressure = {"m": {"queued": 32.0, "oldest_wait_s": 0.0, "arrived": 0.0}}
+        scaler = Autoscaler(made, lambda: pressure)  # noqa: B023 (called here, in this turn)
+        for group, deployment in enumerate(model.deployments):
+            if deployment.autoscale is not None:
+                scaler.configure(model, group, SimEngineAdapter(), [PLAN] * 8)
+        state = scaler._groups[("m", 1)]
+        assert await scaler.desired(state, made.members("m", 1), pressure["m"]) == 8

@@ -113,6 +113,26 @@ async def test_the_reconcilers_loop_replaces_failed_replicas_with_backoff(cluste
     assert any(m.startswith("replace alpha-2 in 30s") for m in events), events
 
 
+async def test_an_apply_while_a_replacement_backs_off_replaces_it_once(cluster: Reconciler) -> None:
+    """The failed replica drained, its replacement owed for 30 s: an apply then saw the deployment one
+    short and added a replica, and when the wait ended the loop started the owed one too, on the GPU the
+    apply's replica had taken (three replicas where the spec says two, two on one GPU)."""
+    cluster.start([])
+    await until(lambda: "alpha-2" in ids(cluster), "replaced at once the first time")
+    await until(lambda: ids(cluster) == ["alpha-0"], "the failed replacement drained")
+    changes = await cluster.apply(spec(), grace_s=1.0)  # (the same spec: any apply)
+    assert [(c["action"], c["detail"]) for c in changes] == [
+        ("scale_up", "1 replica added, 2 now, in place of failed alpha-2")
+    ]
+    fixed = cluster.autoscaler._fixed[("alpha", 0)]
+    fixed.held_until = time.monotonic()  # (the backoff ends)
+    await asyncio.sleep(0.5)
+    supervisor = cluster.autoscaler._supervisor
+    assert len(ids(cluster)) == 2, ids(cluster)
+    gpus = [supervisor.plan_gpus(supervisor.unit(r)[2]) for r in ids(cluster)]
+    assert len(set(gpus)) == 2, gpus
+
+
 async def test_a_rollout_takes_the_new_specs_count_and_apply_adds_at_the_models_revision(
     cluster: Reconciler,
 ) -> None:

@@ -8,14 +8,15 @@ import asyncio
 import socket
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import aiohttp
 import pytest
 
 from corral.cluster import Supervisor
-from corral.cluster.evalgate import run_gate
+from corral.cluster.evalgate import gate_adapter, run_gate
 from corral.cluster.rollout import Rollout, _Abort
-from corral.config import EvalCase, RolloutSpec, SupervisorSettings
+from corral.config import AdapterSpec, EvalCase, RolloutSpec, SupervisorSettings
 from corral.engines import EngineLoad
 from corral.routing import Replica, ReplicaSet
 
@@ -74,3 +75,18 @@ def test_a_loads_age_is_on_the_monotonic_clock() -> None:
     for fresh."""
     load = EngineLoad(running=0, waiting=0)
     assert abs(load.scraped_monotonic - time.monotonic()) < 1
+
+
+async def test_an_adapters_gate_on_a_replica_that_never_answers_ends_within_its_bound(
+    silent: str, tmp_path: Path
+) -> None:
+    """A replacing adapter's gate runs inside an apply, holding every other apply back: its load request
+    had no limit at all (a hung replica held the apply lock for good), and its requests waited the
+    rollout's ready_timeout_s (900 s by default). Each waits 120 s at most (`most_s`: 0.3 here)."""
+    replica = Replica(id="m-1", model="m", engine="vllm", url=silent)
+    adapter = AdapterSpec.model_validate({"name": "tuned", "source": {"path": str(tmp_path)}})
+    started = time.monotonic()
+    async with aiohttp.ClientSession() as session:
+        verdict = await gate_adapter(session, replica, adapter, str(tmp_path), RolloutSpec(), most_s=0.3)
+    assert time.monotonic() - started < 3
+    assert verdict is not None and "within 0.3s (an adapter's gate at most (0.3 s))" in verdict

@@ -289,3 +289,12 @@ def test_corral_sim_s_replicas_publish_where_a_data_parallel_engine_s_ranks_woul
             rank_endpoint(endpoint, i) for i in range(3)
         ]
     assert offset_endpoint("ipc:///tmp/kv", 2) == "ipc:///tmp/kv_dp2"
+
+
+def test_a_process_that_never_closed_its_feed_leaves_no_directory_behind() -> None:
+    """A supervisor that ended without stopping (a test's, a crash unwinding) left its 0700 directory and
+    socket in the temporary directory, a pair per replica (19 in one CI run)."""
+    probe = "from corral.engines.kv_events import _private_dir; print(_private_dir())"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    made = done.stdout.strip()
+    assert "corral-kv-" in made and not os.path.exists(made)

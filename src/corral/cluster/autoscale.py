@@ -87,6 +87,9 @@ class _Replacing(Protocol):
     failed_at: float  # when a replica last failed (monotonic)
 
 
+_FAILED = ReplicaState.FAILED
+
+
 @dataclass
 class _Fixed:
     """A fixed-count deployment's replacement of failed replicas (`Autoscaler.replace_failed`)."""
@@ -96,7 +99,8 @@ class _Fixed:
     replaced: set[str] = field(default_factory=set)
     replacements: set[str] = field(default_factory=set)
     failed_at: float = 0.0
-    owed: list[tuple[EngineAdapter, LaunchPlan]] = field(default_factory=list)  # drained, to start again
+    # (the failed replica's id, its engine and plan): drained, to start again after the backoff
+    owed: list[tuple[str, EngineAdapter, LaunchPlan]] = field(default_factory=list)
 
 
 @dataclass
@@ -271,20 +275,33 @@ class Autoscaler:
             members = self._supervisor.members(model, group)
             wait = f" in {state.replace_wait:.0f}s" if state.replace_wait else ""
             for replica in _newly_failed(state, members):
-                state.owed.append(self._supervisor.unit(replica.id)[1:])
+                state.owed.append((replica.id, *self._supervisor.unit(replica.id)[1:]))
                 self._replicas.record("scale", model, f"replace {replica.id}{wait}: {replica.last_error}")
                 self._drain(replica)
             if not state.owed or now < state.held_until:
                 continue
             revision = max((r.revision for r in self._supervisor.members(model)), default=0)
-            added = [r for e, p in state.owed for r in self._supervisor.add(model, e, [p], group, revision)]
-            state.owed.clear()
+            added, still = [], []
+            for failed, engine, plan in state.owed:  # (a plan another replica holds now, its GPU: owed)
+                if self._supervisor.unused_plans(model, group, [plan]):
+                    added += self._supervisor.add(model, engine, [plan], group, revision)
+                else:
+                    still.append((failed, engine, plan))
+            state.owed = still
+            if not added:
+                continue
             if state.replace_wait:
                 state.replacements.update(r.id for r in added)
             self._supervisor.start_added()
             message = f"started {', '.join(r.id for r in added)} in place of failed replicas"
             logger.info("%s deployment %d: %s", model, group, message)
             self._replicas.record("scale", model, message)
+
+    def owed(self, model: str, group: int) -> list[str]:
+        """The failed replicas of fixed-count deployment `group` of `model` drained and not replaced yet
+        (backing off): an apply replaces them (`settle_fixed`), as those still failed."""
+        state = self._fixed.get((model, group))
+        return [failed for failed, _, _ in state.owed] if state is not None else []
 
     def settle_fixed(self, model: str, group: int) -> list[str]:
         """An apply sets fixed-count deployment `group` of `model` to its count (which left its failed
@@ -358,10 +375,16 @@ class Autoscaler:
         """This deployment's part of the model's queue (the gateways queue per model; the router spreads
         requests over all of its replicas): its share of the model's slots, ready or on the way. With none
         anywhere, the model's first deployment that may grow wakes for all of it (`_leads`), no other."""
-        live = [r for r in self._supervisor.members(state.model.name) if r.state is not ReplicaState.FAILED]
-        everyone = sum(r.capacity or 1 for r in live)
-        if everyone:
-            return sum(r.capacity or 1 for r in members) / everyone
+        slots, mine = 0, False
+        for group, deployment in enumerate(state.model.deployments):
+            live = [r for r in self._supervisor.members(state.model.name, group) if r.state is not _FAILED]
+            if deployment.autoscale is not None and len(live) < deployment.autoscale.max_replicas:
+                slots += sum(r.capacity or 1 for r in live)
+                mine = mine or group == state.group
+        if not mine:  # (at its max: those that can grow take the queue)
+            return 0.0
+        if slots:  # (those that can grow share it by their slots; a fixed or maxed one's are full already)
+            return sum(r.capacity or 1 for r in members) / slots
         return 1.0 if self._leads(state) else 0.0
 
     def _leads(self, state: _Group) -> bool:

@@ -160,29 +160,42 @@ class _Asker:
         return answer
 
 
+_ADAPTER_GATE_S = 120.0  # a replacing adapter's gate request waits at most this (the apply waits for it)
+
+
 async def gate_adapter(
-    session: aiohttp.ClientSession, replica: Replica, adapter: AdapterSpec, path: str, rollout: RolloutSpec
+    session: aiohttp.ClientSession,
+    replica: Replica,
+    adapter: AdapterSpec,
+    path: str,
+    rollout: RolloutSpec,
+    most_s: float = _ADAPTER_GATE_S,
 ) -> str | None:
     """The golden eval of a replacing adapter, loaded on `replica` as `name@digest.check` (the digest of the
     files at `path` too: a revision changed in place is a name of its own) and unloaded after: None when it
-    passes, else why not."""
+    passes, else why not. Each request waits the rollout's limit, `most_s` at most: the apply waits for
+    the gate, holding every other apply back."""
     name = f"{adapter.name}@{adapter_digest(adapter, path)}.check"
     headers = {"Authorization": f"Bearer {replica.api_key}"} if replica.api_key else {}
+    seconds, limit = gate_timeout(rollout)
+    if seconds > most_s:
+        seconds, limit = most_s, f"an adapter's gate at most ({most_s:g} s)"
+    timeout = aiohttp.ClientTimeout(total=seconds)
     url = replica.url + "/v1/load_lora_adapter"
+    body = {"lora_name": name, "lora_path": path}
     try:
-        async with session.post(url, json={"lora_name": name, "lora_path": path}, headers=headers) as answer:
+        async with session.post(url, json=body, headers=headers, timeout=timeout) as answer:
             if answer.status != 200:
                 return f"the replica could not load it ({answer.status}: {(await answer.text())[:200]})"
-    except aiohttp.ClientError as exc:
-        return f"the replica could not load it ({exc})"
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        return f"the replica could not load it ({type(exc).__name__} within {seconds:g}s ({limit}): {exc})"
     try:
-        seconds, limit = gate_timeout(rollout)
         cases, latency = rollout.golden_eval, rollout.eval_latency_s
         return await run_gate(session, replica, cases, latency, seconds, model=name, timeout_name=limit)
     finally:
         with contextlib.suppress(aiohttp.ClientError, TimeoutError):
             unload = replica.url + "/v1/unload_lora_adapter"
-            async with session.post(unload, json={"lora_name": name}, headers=headers):
+            async with session.post(unload, json={"lora_name": name}, headers=headers, timeout=timeout):
                 pass
 
 

@@ -431,6 +431,7 @@ class Reconciler:
             for group, deployment in enumerate(model.deployments):
                 members = self._supervisor.members(model.name, group)
                 ids = [r.id for r in members if r.state is ReplicaState.FAILED]
+                ids += self.autoscaler.owed(model.name, group)  # (drained, their replacements owed)
                 if ids and deployment.autoscale is None:
                     failed[(model.name, group)] = ids
         return failed

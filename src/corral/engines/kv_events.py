@@ -24,6 +24,7 @@ of a replica's blocks when its cache was emptied.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import dataclasses
 import logging
@@ -309,6 +310,7 @@ class KvEventFeed:
             self._socket = None
         if self._private is not None:
             shutil.rmtree(self._private, ignore_errors=True)
+            _MADE.discard(self._private)
             self._private = None
 
     @staticmethod
@@ -321,6 +323,17 @@ class KvEventFeed:
         return socket
 
 
+_MADE: set[str] = set()  # the directories this process made and has not removed: removed at its exit
+
+
+@atexit.register
+def _remove_made() -> None:
+    """A feed never closed (a supervisor ended without stopping) leaves no directory behind at exit."""
+    for path in list(_MADE):
+        shutil.rmtree(path, ignore_errors=True)
+    _MADE.clear()
+
+
 def _private_dir() -> str:
     """A new directory only this user may enter (mode 0700), for an engine's ipc:// socket: in the temporary
     directory, else /tmp where that one's path is too long for a socket (or not plain)."""
@@ -328,6 +341,7 @@ def _private_dir() -> str:
         path = tempfile.mkdtemp(prefix="corral-kv-", dir=parent)
         if len(path) <= _MOST_DIR_CHARS and _PLAIN_PATH.fullmatch(path):
             os.chmod(path, 0o700)  # (mkdtemp's own mode; said again, as what the feed relies on)
+            _MADE.add(path)
             return path
         os.rmdir(path)
     raise OSError("no directory for the engine's KV-event socket with a path short enough")
