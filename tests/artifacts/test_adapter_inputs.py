@@ -23,21 +23,9 @@ import pytest
 
 from corral.artifacts import ArtifactError, BaseLayout, adapter_gguf, adapter_rank, resolve_adapter
 from corral.config import Paths, UrlSource
+from tests.artifacts.conftest import FIXTURE, PEFT_FILES
 
 from .test_gguf_meta import hostile_ggufs
-
-FIXTURE = Path(__file__).parents[1] / "data" / "lora" / "corral-marker"
-PEFT_FILES = ("adapter_config.json", "adapter_model.safetensors")
-
-
-@pytest.fixture
-def peft_folder(tmp_path: Path) -> Path:
-    """The committed adapter's PEFT files, without the GGUF made from them."""
-    folder = tmp_path / "corral-marker"
-    folder.mkdir()
-    for name in PEFT_FILES:
-        shutil.copy(FIXTURE / name, folder / name)
-    return folder
 
 
 def _write_gguf(path: Path, fields: dict[str, Any], arch: str = "llama") -> Path:

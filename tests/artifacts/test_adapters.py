@@ -6,7 +6,6 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-import shutil
 import tarfile
 import threading
 import zipfile
@@ -32,9 +31,7 @@ from corral.artifacts import (
     resolve_model,
 )
 from corral.config import LocalSource, Paths, UrlSource, default_spec
-
-FIXTURE = Path(__file__).parents[1] / "data" / "lora" / "corral-marker"
-PEFT_FILES = ("adapter_config.json", "adapter_model.safetensors")
+from tests.artifacts.conftest import FIXTURE, PEFT_FILES
 
 
 @pytest.fixture(scope="module")
@@ -43,16 +40,6 @@ def base_gguf() -> Path:
     source = default_spec().models[0].source
     assert source is not None
     return resolve_model(source, Paths.from_env())
-
-
-@pytest.fixture
-def peft_folder(tmp_path: Path) -> Path:
-    """The committed adapter's PEFT files, without the GGUF made from them."""
-    folder = tmp_path / "corral-marker"
-    folder.mkdir()
-    for name in PEFT_FILES:
-        shutil.copy(FIXTURE / name, folder / name)
-    return folder
 
 
 @dataclass
