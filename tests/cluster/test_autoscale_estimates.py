@@ -119,7 +119,7 @@ def test_scaling_down_drains_a_replica_that_serves_nothing_before_the_only_ready
     supervisor = Supervisor(ReplicaSet(), runtime=None, settings=SupervisorSettings())  # type: ignore[arg-type]
     scaler = Autoscaler(supervisor, lambda: {})
     drained: list[str] = []
-    scaler._drain = lambda replica: drained.append(replica.id)  # type: ignore[method-assign]
+    scaler._drain = lambda replica, grace=None: drained.append(replica.id)  # type: ignore[method-assign]
     state = _Group(parse_spec(SPEC, source="test").models[0], 0, SimEngineAdapter(), [LaunchPlan()])
     ready = Replica(id="alpha-0", model="alpha", engine="sim", capacity=4, state=ReplicaState.READY)
     hung = Replica(id="alpha-1", model="alpha", engine="sim", capacity=4, state=ReplicaState.UNHEALTHY)
@@ -179,7 +179,7 @@ def test_the_replacement_backoff_ends_when_a_replacement_serves() -> None:
     replacement goes on growing until a replacement itself becomes ready."""
     supervisor = Supervisor(ReplicaSet(), runtime=None, settings=SupervisorSettings())  # type: ignore[arg-type]
     scaler = Autoscaler(supervisor, lambda: {})
-    scaler._drain = lambda replica_id: None  # type: ignore[method-assign]
+    scaler._drain = lambda replica, grace=None: None  # type: ignore[method-assign]
     state = _Group(parse_spec(SPEC, source="test").models[0], 0, SimEngineAdapter(), [LaunchPlan()])
 
     def replica(name: str, state: ReplicaState) -> Replica:
