@@ -31,6 +31,7 @@ from corral.dialects.chat import (
     json_response,
     not_shown,
     sse,
+    whole_json,
 )
 from corral.protocol import APIError, InvalidRequest, parse_body
 from corral.protocol.types import Body, encode, parse_part
@@ -318,7 +319,7 @@ class MessagesEncoder(Encoder):
         arguments = call.arguments
         if self._unwhole == (call.id, len(arguments)) or arguments.rstrip()[-1:] not in ("}", "]"):
             return False
-        if _whole(arguments):
+        if whole_json(arguments):
             return True
         self._unwhole = (call.id, len(arguments))
         return False
@@ -407,15 +408,6 @@ def _usage(usage: dict[str, Any] | None) -> dict[str, int]:
         "cache_read_input_tokens": cached,
         "cache_creation_input_tokens": 0,
     }
-
-
-def _whole(arguments: str) -> bool:
-    """Whether a call's arguments so far are whole JSON (an object's closing brace came)."""
-    try:
-        orjson.loads(arguments)
-    except orjson.JSONDecodeError:
-        return False
-    return True
 
 
 def _tool_use(call: ToolCall) -> dict[str, Any]:

@@ -31,6 +31,7 @@ __all__ = [
     "answer_of_completion",
     "error_of_body",
     "not_shown",
+    "whole_json",
 ]
 
 logger = logging.getLogger(__name__)
@@ -306,6 +307,15 @@ class DialectStream(web.StreamResponse):
             call.arguments += str(arguments)
             out += self.encoder.tool_arguments(call, str(arguments))
         return out
+
+
+def whole_json(arguments: str) -> bool:
+    """Whether a call's arguments so far are a whole JSON value (more would make them not one)."""
+    try:
+        orjson.loads(arguments)
+    except orjson.JSONDecodeError:
+        return False
+    return True
 
 
 def sse(event: str, data: dict[str, Any]) -> bytes:

@@ -31,6 +31,7 @@ from corral.dialects.chat import (
     DialectStream,
     answer_of_completion,
     json_response,
+    whole_json,
 )
 from corral.dialects.responses_input import (
     allowed_tools,
@@ -47,7 +48,6 @@ from corral.dialects.responses_stream import (
     message_item,
     reasoning_item,
     usage_of,
-    whole_json,
 )
 from corral.protocol import APIError, InvalidRequest, NotFound, PayloadTooLarge, parse_body
 from corral.protocol.types import Body, encode

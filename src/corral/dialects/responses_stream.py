@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from corral.dialects.chat import Answer, Encoder, ToolCall
+from corral.dialects.chat import Answer, Encoder, ToolCall, whole_json
 
 if TYPE_CHECKING:
     from corral.dialects.openai_responses import ResponsesExchange
@@ -20,7 +20,6 @@ __all__ = [
     "message_item",
     "reasoning_item",
     "usage_of",
-    "whole_json",
 ]
 
 
@@ -257,15 +256,6 @@ class ResponsesEncoder(Encoder):
         out = self._event(b"error", {"code": code or "server_error", "message": message, "param": None})
         self._failed = {"code": "server_error", "message": message}
         return out + self._event(b"response.failed", {"response": self.closing_response()})
-
-
-def whole_json(arguments: str) -> bool:
-    """Whether a call's arguments so far are a whole JSON value (more would make them not one)."""
-    try:
-        orjson.loads(arguments)
-    except orjson.JSONDecodeError:
-        return False
-    return True
 
 
 def in_progress(item: dict[str, Any]) -> dict[str, Any]:
