@@ -138,7 +138,7 @@ def gateway_parts_for(spec: ClusterSpec, paths: Paths, replicas: Any) -> Any:
     """The gateway's parts for `spec` (also each gateway worker's)."""
     from corral.artifacts import ArtifactError
     from corral.cluster.changes import deployed_digest
-    from corral.config.settings import sendable_token
+    from corral.config.auth import sendable_token
     from corral.gateway import GatewayParts
     from corral.store import StoreError
 

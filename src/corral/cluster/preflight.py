@@ -16,7 +16,7 @@ from collections.abc import Collection, Iterator
 from pathlib import Path
 
 from corral.config import ClusterSpec, LocalSource, ModelSpec, admin_key_from_env
-from corral.config.settings import sendable_token
+from corral.config.auth import sendable_token
 
 __all__ = ["preflight"]
 

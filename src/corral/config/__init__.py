@@ -4,8 +4,9 @@ Embedded default: `auth.open` is true (a laptop needs no keys); a spec file must
 to serve requests without keys.
 
 This package is the only place that reads the environment (env.py). Components receive the typed
-sub-config they need. models.py: models and deployments; settings.py: the cluster-wide sections; spec.py:
-the whole spec, its cross-field rules and YAML loading.
+sub-config they need. models.py: models and deployments; sources.py: where model and adapter files come
+from; auth.py: keys and sign-in; settings.py: the other cluster-wide sections; spec.py: the whole spec, its
+cross-field rules and YAML loading.
 
 A spec file looks like::
 
@@ -19,6 +20,7 @@ A spec file looks like::
             threads: 1
 """
 
+from corral.config.auth import AuthSettings, OIDCGroup, OIDCSettings, OIDCTenant
 from corral.config.change import AutoscaleSpec, EvalCase, ModelCacheSpec, RolloutSpec
 from corral.config.env import (
     DEFAULT_GATEWAY_URL,
@@ -30,35 +32,33 @@ from corral.config.env import (
 from corral.config.models import (
     DEFAULT_EMBEDDING_MODEL_NAME,
     DEFAULT_MODEL_NAME,
-    AdapterSource,
     AdapterSpec,
     DeploymentSpec,
-    HuggingFaceSource,
-    LocalSource,
     LoraSettings,
     ModelSLO,
-    ModelSource,
     ModelSpec,
-    PyPISource,
     RoutingPolicyName,
-    UrlSource,
 )
 from corral.config.settings import (
-    AuthSettings,
     BatchSettings,
     CacheSettings,
     DeploySettings,
     EdgeSettings,
     GatewaySettings,
     LimitsSettings,
-    OIDCGroup,
-    OIDCSettings,
-    OIDCTenant,
     QueueSettings,
     RaySettings,
     StoreSettings,
     SupervisorSettings,
     TLSSettings,
+)
+from corral.config.sources import (
+    AdapterSource,
+    HuggingFaceSource,
+    LocalSource,
+    ModelSource,
+    PyPISource,
+    UrlSource,
 )
 from corral.config.spec import (
     ClusterSpec,

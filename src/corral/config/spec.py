@@ -10,17 +10,15 @@ import yaml
 from pydantic import Field, ValidationError, model_validator
 from pydantic_core import ErrorDetails
 
+from corral.config.auth import AuthSettings
 from corral.config.base import Strict
 from corral.config.models import (
     DEFAULT_EMBEDDING_MODEL_NAME,
     DEFAULT_MODEL_NAME,
     DeploymentSpec,
-    HuggingFaceSource,
     ModelSpec,
-    PyPISource,
 )
 from corral.config.settings import (
-    AuthSettings,
     BatchSettings,
     CacheSettings,
     DeploySettings,
@@ -31,6 +29,7 @@ from corral.config.settings import (
     StoreSettings,
     SupervisorSettings,
 )
+from corral.config.sources import HuggingFaceSource, PyPISource
 
 
 class ClusterSpec(Strict):
