@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from corral.config import DeploymentSpec, HuggingFaceSource, ModelSpec, Paths, SpecError, parse_spec
-from corral.engines import engine_named, parse_vllm_load
+from corral.engines import VllmEngine, engine_named, parse_vllm_load
 
 METRICS = """\
 # TYPE vllm:num_requests_running gauge
@@ -135,12 +135,49 @@ def test_cpu_build_flags_and_environment(tmp_path: Path) -> None:
         name="m", source=HuggingFaceSource(hf="org/m"), deployments=[DeploymentSpec(engine="vllm")]
     )
     deployment = DeploymentSpec(engine="vllm", device="cpu", replicas=2, binary=python, kv_cache_gib=1)
-    plans = engine_named("vllm").prepare(model, deployment, Paths(tmp_path), lambda _: None)
+    plans = VllmEngine(cores=[4, 5, 6, 7]).prepare(model, deployment, Paths(tmp_path), lambda _: None)
     argv = list(plans[0].argv)
     assert "--enforce-eager" in argv and argv[argv.index("--dtype") + 1] == "float32"
     assert "--gpu-memory-utilization" not in argv
-    assert plans[0].env == {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0"}
-    assert plans[1].env["VLLM_CPU_OMP_THREADS_BIND"] == "1"
+    assert plans[0].env == {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "4"}
+    assert plans[1].env["VLLM_CPU_OMP_THREADS_BIND"] == "5"
+
+
+@pytest.mark.parametrize(
+    ("layout", "binds"),
+    [
+        ({"threads": 3}, ["0-2", "3-5"]),  # (each replica its `threads` cores: it got one, the rest idle)
+        # one core list per rank, `|` between them: vLLM refuses another count (a single "0" for two
+        # tensor-parallel ranks failed its start); `threads` is the replica's, split among its ranks
+        ({"threads": 4, "tensor_parallel": 2}, ["0-1|2-3", "4-5|6-7"]),
+        ({"threads": 2, "engine_args": ["--data-parallel-size", "2"]}, ["0|1", "2|3"]),
+        ({"tensor_parallel": 2, "pipeline_parallel": 2}, ["0|1|2|3", "4|5|6|7"]),  # (a core each at least)
+    ],
+)
+def test_a_cpu_replica_is_bound_to_its_threads_cores_one_list_per_rank(
+    tmp_path: Path, layout: dict[str, object], binds: list[str]
+) -> None:
+    python = tmp_path / "python"
+    python.write_text("")
+    model = ModelSpec(
+        name="m", source=HuggingFaceSource(hf="org/m"), deployments=[DeploymentSpec(engine="vllm")]
+    )
+    deployment = DeploymentSpec.model_validate(
+        {"engine": "vllm", "device": "cpu", "replicas": 2, "binary": python, **layout}
+    )
+    plans = VllmEngine(cores=range(8)).prepare(model, deployment, Paths(tmp_path), lambda _: None)
+    assert [plan.env["VLLM_CPU_OMP_THREADS_BIND"] for plan in plans] == binds
+
+
+def test_cpu_replicas_past_the_cores_start_from_the_first_again(tmp_path: Path) -> None:
+    python = tmp_path / "python"
+    python.write_text("")
+    model = ModelSpec(
+        name="m", source=HuggingFaceSource(hf="org/m"), deployments=[DeploymentSpec(engine="vllm")]
+    )
+    deployment = DeploymentSpec(engine="vllm", device="cpu", replicas=3, threads=2, binary=python)
+    plans = VllmEngine(cores=[6, 7, 9]).prepare(model, deployment, Paths(tmp_path), lambda _: None)
+    assert [plan.env["VLLM_CPU_OMP_THREADS_BIND"] for plan in plans] == ["6-7", "6,9", "7,9"]
 
 
 @pytest.mark.parametrize(

@@ -4,7 +4,8 @@ The supervisor talks only to `ReplicaRuntime`; the local runtime starts engines 
 machine (a Ray runtime starts them as actors on a cluster's nodes). Each local replica runs in its own
 process group, so stopping it stops everything it spawned, and asks the kernel to end it if corral dies.
 A replica's output goes to `<logs>/<replica>.log`, rotated by size (`rotate_log`). Each replica listens on
-a port booked for it until it has stopped (`PortBook`), so no two live replicas are handed the same one.
+a port booked for it until it has stopped (`PortBook`), so no two live replicas are handed the same one;
+a vLLM CPU replica is bound to cores no other live replica holds while there are such (`CoreBook`).
 """
 
 from __future__ import annotations
@@ -20,10 +21,12 @@ import socket
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Protocol
 from urllib.parse import quote
 
+from corral.cluster.cores import CoreBook
 from corral.engines import LaunchPlan
 
 __all__ = [
@@ -181,27 +184,39 @@ class LocalProcess:
 
 
 class LocalProcessRuntime:
-    """Runs each replica as a local process on a free port (booked in `ports` until it has stopped),
-    logging to `<logs>/<replica>.log`."""
+    """Runs each replica as a local process on a free port (booked in `ports` until it has stopped), a vLLM
+    CPU replica on cores booked in `cores` the same way, logging to `<logs>/<replica>.log`."""
 
     assigns_gpus = False
 
-    def __init__(self, logs: Path, host: str = "127.0.0.1", ports: PortBook | None = None) -> None:
+    def __init__(
+        self,
+        logs: Path,
+        host: str = "127.0.0.1",
+        ports: PortBook | None = None,
+        cores: CoreBook | None = None,
+    ) -> None:
         self._logs = logs
         self._host = host
         self._ports = ports if ports is not None else PortBook()
+        self._cores = cores if cores is not None else CoreBook()
 
     async def start(self, replica_id: str, plan: LaunchPlan) -> RunningReplica:
         if plan.url is not None:
             return AttachedReplica(plan.url)
         host, port = self._host, self._ports.take(self._host)
-        try:
-            process, log_path = await self._spawn(replica_id, plan, port)
-        except BaseException:
+        env, cores = self._cores.take(plan.env)
+
+        def stopped() -> None:
             self._ports.release(host, port)
+            self._cores.release(cores)
+
+        try:
+            process, log_path = await self._spawn(replica_id, replace(plan, env=env), port)
+        except BaseException:
+            stopped()
             raise
-        url = f"http://{host}:{port}"
-        return LocalProcess(process, url, log_path, on_stopped=lambda: self._ports.release(host, port))
+        return LocalProcess(process, f"http://{host}:{port}", log_path, on_stopped=stopped)
 
     async def _spawn(
         self, replica_id: str, plan: LaunchPlan, port: int

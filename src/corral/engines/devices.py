@@ -1,5 +1,6 @@
 """This machine's devices: the GPUs a spec needs, checked before anything is installed or started, and the
-CPUs this process may use (a container's CPU limit, not the host's core count)."""
+CPUs this process may use (a container's CPU limit, not the host's core count), shared out among vLLM CPU
+replicas."""
 
 from __future__ import annotations
 
@@ -8,12 +9,25 @@ import os
 import re
 import shutil
 import subprocess
+from collections.abc import Sequence
 from pathlib import Path
 
-from corral.config import ClusterSpec
+from corral.config import ClusterSpec, DeploymentSpec
 from corral.engines.base import given_gpus, visible_gpus
+from corral.engines.kv_events import data_parallel_size
 
-__all__ = ["DeviceError", "check_local_gpus", "local_gpu_count", "usable_cpus"]
+__all__ = [
+    "CPU_BIND",
+    "DeviceError",
+    "check_local_gpus",
+    "cpu_list",
+    "local_gpu_count",
+    "parse_cpu_list",
+    "replica_cpus",
+    "usable_cpus",
+]
+
+CPU_BIND = "VLLM_CPU_OMP_THREADS_BIND"  # vLLM's CPU build: its OpenMP threads' cores, `|` between ranks
 
 
 class DeviceError(Exception):
@@ -145,3 +159,56 @@ def _check_shared_gpus(spec: ClusterSpec) -> None:
                 "GPU holds: give each deployment GPUs of its own with `gpus: [...]` (a deployment that "
                 "lists none starts at GPU 0), or lower their gpu_memory_utilization to share one"
             )
+
+
+def replica_cpus(deployment: DeploymentSpec, cores: Sequence[int]) -> list[str]:
+    """CPU_BIND for each of a vLLM CPU deployment's replicas: the next `threads` of `cores` for each, from
+    the first, split evenly among its ranks (data parallel × pipeline × tensor, at least one core each)
+    and joined with `|`, as vLLM's CPU build wants one core list per rank (it refuses another count).
+    Past the last core it starts from the first again. The local runtime moves a replica to cores no live
+    replica holds when it starts it (cluster/cores.py): these give the shape."""
+    ranks = _ranks(deployment)
+    per_rank = _cores_per_replica(deployment) // ranks
+    binds = []
+    for replica in range(deployment.replicas):
+        start = replica * ranks * per_rank
+        groups = [
+            [cores[(start + rank * per_rank + k) % len(cores)] for k in range(per_rank)]
+            for rank in range(ranks)
+        ]
+        binds.append("|".join(cpu_list(group) for group in groups))
+    return binds
+
+
+def _cores_per_replica(deployment: DeploymentSpec) -> int:
+    ranks = _ranks(deployment)
+    return ranks * max(1, deployment.threads // ranks)
+
+
+def _ranks(deployment: DeploymentSpec) -> int:
+    """A vLLM replica's processes that each run their own OpenMP threads."""
+    return data_parallel_size(deployment.engine_args) * deployment.gpus_per_replica
+
+
+def parse_cpu_list(text: str) -> list[int]:
+    """The cores a CPU list names (`0-3`, `2-3,8`), in order; ValueError if it is not one."""
+    cores: list[int] = []
+    for part in text.split(","):
+        low, dash, high = part.partition("-")
+        first, last = int(low), int(high) if dash else int(low)
+        if first < 0 or last < first:
+            raise ValueError(f"not a CPU list: {text!r}")
+        cores += range(first, last + 1)
+    return cores
+
+
+def cpu_list(cores: Sequence[int]) -> str:
+    """Cores as a CPU list: `0-3`, `0,2,4`, `1-2,6-7` (sorted, each once; vLLM and taskset read it)."""
+    ordered = sorted(set(cores))
+    runs: list[list[int]] = []
+    for core in ordered:
+        if runs and core == runs[-1][-1] + 1:
+            runs[-1].append(core)
+        else:
+            runs.append([core])
+    return ",".join(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}" for run in runs)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Sequence
 from pathlib import Path
 
 from corral.artifacts import ArtifactError, Progress, resolve_model
@@ -12,7 +13,7 @@ from corral.artifacts.hf_from_gguf import hf_folder_from_gguf
 from corral.artifacts.vllm_env import vllm_python
 from corral.config import DeploymentSpec, HuggingFaceSource, ModelSpec, Paths
 from corral.engines.base import LaunchPlan, mean_gauge, read_gauges, visible_gpus
-from corral.engines.devices import usable_cpus
+from corral.engines.devices import CPU_BIND, replica_cpus, usable_cpus
 from corral.engines.features import EngineFeatures
 from corral.engines.kv_events import data_parallel_size, kv_events_config
 from corral.engines.load import EngineLoad
@@ -100,7 +101,9 @@ _PLACEHOLDERS = frozenset({"{host}", "{port}"})
 
 class VllmEngine:
     """Builds vLLM's OpenAI server command from a deployment: one process per replica, each on its own GPUs
-    (or, with `device: cpu`, vLLM's CPU build with its KV cache size and one pinned core per replica).
+    (or, with `device: cpu`, vLLM's CPU build with its KV cache size, each replica bound to `threads` cores:
+    `devices.replica_cpus` over `cores`, by default those this process may use; the local runtime moves a
+    replica to cores no other live replica holds as it starts it).
 
     vLLM runs from its own environment (it pins torch and transformers): `binary` names that environment's
     interpreter, else corral provisions one from `vllm_package`. A GGUF model is converted once into a
@@ -112,6 +115,9 @@ class VllmEngine:
     """
 
     name = "vllm"
+
+    def __init__(self, cores: Sequence[int] | None = None) -> None:
+        self._cores = cores
 
     def prepare(
         self, model: ModelSpec, deployment: DeploymentSpec, paths: Paths, progress: Progress
@@ -163,11 +169,12 @@ class VllmEngine:
         # weights folder `my{v2}`, which the runtime's `str.format` failed on at every start)
         argv = [arg if arg in _PLACEHOLDERS else arg.replace("{", "{{").replace("}", "}}") for arg in argv]
         events = deployment.kv_events and model.task != "embed"
+        binds = replica_cpus(deployment, self._cores or usable_cpus()) if cpu else None
         return [
             LaunchPlan(
                 argv=tuple(argv),
                 env={
-                    **self._env(deployment, index),
+                    **self._env(deployment, index, binds),
                     **(RUNTIME_LORA_ENV if model.adapters else {}),
                     # (its key in the environment, not in argv: `ps` and the replica's log show argv)
                     **({"VLLM_API_KEY": deployment.engine_api_key} if deployment.engine_api_key else {}),
@@ -208,12 +215,14 @@ class VllmEngine:
         return str(local)
 
     @staticmethod
-    def _env(deployment: DeploymentSpec, index: int) -> dict[str, str]:
+    def _env(deployment: DeploymentSpec, index: int, binds: Sequence[str] | None = None) -> dict[str, str]:
+        """Replica `index`'s devices: its GPUs, or on the CPU its cores (of `binds`, else of those this
+        process may use: a cpuset need not start at 0)."""
         if deployment.device == "cpu":
-            cores = usable_cpus()  # (bound to a core this process may use: a cpuset need not start at 0)
+            binds = replica_cpus(deployment, usable_cpus()) if binds is None else binds
             return {
                 "VLLM_CPU_KVCACHE_SPACE": str(max(1, math.ceil(deployment.kv_cache_gib))),
-                "VLLM_CPU_OMP_THREADS_BIND": str(cores[index % len(cores)]),
+                CPU_BIND: binds[index],
             }
         return {"CUDA_VISIBLE_DEVICES": visible_gpus(deployment, index)}
 
