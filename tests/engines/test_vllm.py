@@ -59,9 +59,10 @@ def test_a_pinned_revision_of_a_whole_repository_reaches_vllm(tmp_path: Path) ->
     argv = list(plan.argv)
     assert argv[argv.index("--revision") + 1] == pinned
     assert argv[argv.index("--tokenizer-revision") + 1] == pinned
-    other = DeploymentSpec(engine="vllm", binary=python, engine_args=["--tokenizer", "other/tokenizer"])
-    (plan,) = engine_named("vllm").prepare(model, other, Paths(tmp_path), lambda _: None)
-    assert "--revision" in plan.argv and "--tokenizer-revision" not in plan.argv  # (its own repository's)
+    for named in (["--tokenizer", "other/tokenizer"], ["--tokenizer=other/tokenizer"]):
+        other = DeploymentSpec(engine="vllm", binary=python, engine_args=named)
+        (plan,) = engine_named("vllm").prepare(model, other, Paths(tmp_path), lambda _: None)
+        assert "--revision" in plan.argv and "--tokenizer-revision" not in plan.argv  # (its own repository's)
 
 
 def test_vllm_command_follows_the_layout(tmp_path: Path) -> None:

@@ -12,6 +12,7 @@ from corral.artifacts import ArtifactError, Progress, resolve_model
 from corral.artifacts.hf_from_gguf import hf_folder_from_gguf
 from corral.artifacts.vllm_env import vllm_python
 from corral.config import DeploymentSpec, HuggingFaceSource, ModelSpec, Paths
+from corral.config.engine_flags import flag_name
 from corral.engines.base import LaunchPlan, mean_gauge, read_gauges, visible_gpus
 from corral.engines.devices import CPU_BIND, replica_cpus, usable_cpus
 from corral.engines.features import EngineFeatures
@@ -265,6 +266,6 @@ def _revision(model: ModelSpec, deployment: DeploymentSpec) -> list[str]:
     source = model.source
     if not (isinstance(source, HuggingFaceSource) and source.file is None and source.revision):
         return []
-    named = any(arg == "--tokenizer" or arg.startswith("--tokenizer=") for arg in deployment.engine_args)
+    named = "--tokenizer" in map(flag_name, deployment.engine_args)  # (`--tokenizer=x`, vLLM's `_` too)
     # (a tokenizer of another repository, named in engine_args, has no such commit)
     return ["--revision", source.revision] + ([] if named else ["--tokenizer-revision", source.revision])
