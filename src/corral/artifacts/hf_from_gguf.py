@@ -1,23 +1,27 @@
 """vLLM cannot load llama.cpp's GGUF files as they are: convert one, once, into a cached Hugging Face folder.
 
 The conversion runs in vLLM's environment (`gguf_to_hf.py`, about 40 s for SmolLM2-135M on this CPU):
-transformers dequantizes the GGUF weights, and the tokenizer and chat template come from the GGUF too.
+transformers dequantizes the GGUF weights, and the tokenizer and chat template come from the GGUF too. A
+conversion that runs past `_CONVERT_LIMIT_S` (an hour: a 70B model's weights dequantized are some 140 GB
+to write) is stopped (`tools.run_tool`) and its lock freed.
 """
 
 from __future__ import annotations
 
 import hashlib
 import shutil
-import subprocess
 from pathlib import Path
 
+from corral.artifacts.errors import ArtifactError
 from corral.artifacts.locks import build_once
-from corral.artifacts.models import ArtifactError, Progress
+from corral.artifacts.models import Progress
+from corral.artifacts.tools import run_tool
 from corral.config import Paths
 
 __all__ = ["hf_folder_from_gguf"]
 
 _SCRIPT = Path(__file__).with_name("gguf_to_hf.py")
+_CONVERT_LIMIT_S = 3600.0
 
 
 def hf_folder_from_gguf(
@@ -33,17 +37,10 @@ def hf_folder_from_gguf(
         partial = target.with_name(target.name + ".part")
         shutil.rmtree(partial, ignore_errors=True)
         progress(f"converting {gguf.name} for vLLM (about a minute)")
-        done = subprocess.run(
-            [str(python), str(_SCRIPT), str(gguf), str(partial), dtype],
-            capture_output=True,
-            text=True,
-            check=False,
-            timeout=1800,
-        )
+        command = [str(python), str(_SCRIPT), str(gguf), str(partial), dtype]
+        done = run_tool(command, f"convert {gguf.name} for vLLM", _CONVERT_LIMIT_S)
         if done.returncode != 0:
-            raise ArtifactError(
-                f"converting {gguf.name} failed: {(done.stderr or done.stdout).strip()[-800:]}"
-            )
+            raise ArtifactError(f"converting {gguf.name} failed: {done.output.strip()[-800:]}")
         shutil.rmtree(target, ignore_errors=True)
         partial.rename(target)
         return gguf.name

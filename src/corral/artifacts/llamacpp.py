@@ -2,7 +2,9 @@
 
 The build takes llama.cpp's sources from the `llama-cpp-python` sdist on PyPI (which vendors them), and
 compiles only the `llama-server` target as a static binary tuned to this CPU, without the web UI (whose
-build would download it). On 2 cores this takes about 5 minutes, once per CPU kind.
+build would download it). On 2 cores this takes about 5 minutes, once per CPU kind. Each step has a time
+limit, with a wide margin for slow machines (the compile: an hour): a step that hangs is stopped with every
+process it started (`tools.run_tool`), and the build's lock is freed.
 
 A CPU may advertise AMX (Sapphire Rapids and later) in a virtual machine that does not enable it: measured
 on such a host, ggml's AMX kernels die with SIGILL at the first matrix product (`tilezero`). So when the CPU
@@ -18,13 +20,14 @@ import os
 import platform
 import re
 import shutil
-import subprocess
 import tarfile
 import tempfile
 from pathlib import Path
 
+from corral.artifacts.errors import ArtifactError
 from corral.artifacts.locks import file_lock
-from corral.artifacts.models import ArtifactError, Progress, pip_download
+from corral.artifacts.models import Progress, pip_download
+from corral.artifacts.tools import run_tool, tool_error
 from corral.config import Paths
 
 __all__ = ["LLAMA_CPP_SDIST", "build_llama_server", "find_llama_server", "llama_server"]
@@ -43,6 +46,9 @@ _CMAKE_FLAGS = [
 ]
 _PROGRESS_LINE = re.compile(rb"^\[\s*(\d+)%\]")
 _RECIPE = "2"  # bumped when the build's flags change, so older cached builds are not reused
+# seconds each step may take: the sdist download (about 60 MB), the AMX probe's compile and run, cmake's
+# configure (under a minute), and the compile (about 5 min on 2 cores; an hour leaves room for a slow core)
+_DOWNLOAD_LIMIT_S, _PROBE_LIMIT_S, _CONFIGURE_LIMIT_S, _COMPILE_LIMIT_S = 900.0, 120.0, 600.0, 3600.0
 _NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"  # explicit, so -march=native does not add them back
 _AMX_PROBE = r"""
 #include <immintrin.h>
@@ -89,10 +95,15 @@ def amx_runs(workdir: Path) -> bool:
         return False
     source, probe = workdir / "amx_probe.c", workdir / "amx_probe"
     source.write_text(_AMX_PROBE)
-    built = subprocess.run(["cc", "-O1", "-mamx-tile", str(source), "-o", str(probe)], capture_output=True)
-    if built.returncode != 0:
+    compile_probe = ["cc", "-O1", "-mamx-tile", str(source), "-o", str(probe)]
+    try:
+        built = run_tool(compile_probe, "compile the AMX probe", _PROBE_LIMIT_S)
+        return (
+            built.returncode == 0
+            and run_tool([str(probe)], "run the AMX probe", _PROBE_LIMIT_S).returncode == 0
+        )
+    except ArtifactError:  # (no compiler, or a probe that hangs: build without AMX, which runs everywhere)
         return False
-    return subprocess.run([str(probe)], capture_output=True).returncode == 0
 
 
 def find_llama_server(paths: Paths, explicit: Path | None = None) -> Path | None:
@@ -142,7 +153,7 @@ def build_llama_server(paths: Paths, progress: Progress = lambda _: None) -> Pat
 
 def _fetch_sources(tmp: Path, progress: Progress) -> Path:
     progress(f"downloading llama.cpp sources ({LLAMA_CPP_SDIST} sdist)")
-    archive = pip_download(LLAMA_CPP_SDIST, tmp, "--no-binary", ":all:")
+    archive = pip_download(LLAMA_CPP_SDIST, tmp, "--no-binary", ":all:", limit_s=_DOWNLOAD_LIMIT_S)
     progress("unpacking llama.cpp sources")
     with tarfile.open(archive) as tf:
         tf.extractall(tmp, filter="data")
@@ -152,23 +163,35 @@ def _fetch_sources(tmp: Path, progress: Progress) -> Path:
     return vendored
 
 
-def _run_build(source: Path, cmake_flags: list[str], log: Path, progress: Progress) -> None:
+def _run_build(
+    source: Path,
+    cmake_flags: list[str],
+    log: Path,
+    progress: Progress,
+    limits_s: tuple[float, float] = (_CONFIGURE_LIMIT_S, _COMPILE_LIMIT_S),
+) -> None:
+    """Configure, then compile llama-server in `source`/build, each within its limit in `limits_s`
+    (seconds), writing their output to `log`."""
     jobs = str(max(1, os.cpu_count() or 1))
     steps = [
-        ["cmake", "-B", "build", *cmake_flags],
-        ["cmake", "--build", "build", "--target", "llama-server", "-j", jobs],
+        ("configuring llama.cpp", "configure llama.cpp (cmake)", ["cmake", "-B", "build", *cmake_flags]),
+        (
+            "compiling llama-server (about 6 min on 2 cores)",
+            "compile llama-server (cmake --build)",
+            ["cmake", "--build", "build", "--target", "llama-server", "-j", jobs],
+        ),
     ]
+    hint = f"its output is in {log}; or put a llama-server binary on PATH"
     with log.open("wb") as out:
-        for step in steps:
-            progress(
-                "configuring llama.cpp" if "-B" in step else "compiling llama-server (about 6 min on 2 cores)"
-            )
-            proc = subprocess.Popen(step, cwd=source, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-            assert proc.stdout is not None
-            for line in proc.stdout:
-                out.write(line)
-                match = _PROGRESS_LINE.match(line)
-                if match:
-                    progress(f"compiling llama-server: {int(match.group(1))}%")
-            if proc.wait() != 0:
-                raise ArtifactError(f"building llama-server failed; see {log}")
+
+        def on_line(line: bytes) -> None:
+            out.write(line)
+            match = _PROGRESS_LINE.match(line)
+            if match:
+                progress(f"compiling llama-server: {int(match.group(1))}%")
+
+        for (told, what, command), limit_s in zip(steps, limits_s, strict=True):
+            progress(told)
+            done = run_tool(command, what, limit_s, cwd=source, on_line=on_line, hint=hint)
+            if done.returncode != 0:
+                raise ArtifactError(f"could not {what}: {tool_error(done.output)}; see {log}")

