@@ -21,20 +21,14 @@ import orjson
 import pytest
 from sqlalchemy import text
 
-from corral.config import (
-    AuthSettings,
-    BatchSettings,
-    GatewaySettings,
-    LimitsSettings,
-    QueueSettings,
-    StoreSettings,
-)
+from corral.config import BatchSettings, GatewaySettings
 from corral.engines import EngineFeatures
 from corral.gateway import GatewayParts, GatewayServer
 from corral.perf import load_catalog
 from corral.perf.calibration import calibrated_efficiency
-from corral.routing import Replica, ReplicaSet, ReplicaState, Router
+from corral.routing import Replica, ReplicaSet, ReplicaState
 from corral.sim import SimFleet, SimOptions, build_server
+from tests.gateway.conftest import start_closed_gateway
 
 ADMIN = "batch-admin"
 
@@ -110,20 +104,16 @@ async def gateway(
             features=embedder,
         )
     )
-    services = GatewayParts.build(
-        replicas,
-        f"sqlite:///{tmp_path / f'{uuid.uuid4().hex}.db'}",
-        AuthSettings(open=False, admin_key=ADMIN),
-        StoreSettings(flush_interval=0.1),
-        LimitsSettings(),
-        QueueSettings(),
-        admin_key=ADMIN,
-        batch=BatchSettings(poll_s=0.05, lease_s=30, queue=getattr(request, "param", "sql")),
+    gw = Gateway(
+        *await start_closed_gateway(
+            replicas,
+            f"sqlite:///{tmp_path / f'{uuid.uuid4().hex}.db'}",
+            ADMIN,
+            batch=BatchSettings(poll_s=0.05, lease_s=30, queue=getattr(request, "param", "sql")),
+        )
     )
-    server = GatewayServer(GatewaySettings(port=0), Router(replicas), services)
-    await server.start()
-    yield Gateway(f"http://127.0.0.1:{server.port}", server, services)
-    await server.stop()
+    yield gw
+    await gw.server.stop()
 
 
 async def key_for(gw: Gateway, tenant: str, models: list[str] | None = None) -> str:
@@ -463,19 +453,15 @@ async def test_a_shutdown_leases_no_more_and_hands_lines_back_without_spending_t
                 id="slow-0", model="slow", engine="sim", url=engines[1], state=ReplicaState.READY, capacity=2
             )
         )
-        services = GatewayParts.build(
-            replicas,
-            database,
-            AuthSettings(open=False, admin_key=ADMIN),
-            StoreSettings(flush_interval=0.1),
-            LimitsSettings(),
-            QueueSettings(),
-            admin_key=ADMIN,
-            batch=BatchSettings(poll_s=0.05, lease_s=30, max_attempts=1),
+        return Gateway(
+            *await start_closed_gateway(
+                replicas,
+                database,
+                ADMIN,
+                GatewaySettings(port=0, shutdown_grace=0.5),
+                batch=BatchSettings(poll_s=0.05, lease_s=30, max_attempts=1),
+            )
         )
-        server = GatewayServer(GatewaySettings(port=0, shutdown_grace=0.5), Router(replicas), services)
-        await server.start()
-        return Gateway(f"http://127.0.0.1:{server.port}", server, services)
 
     first = await start()
     c = client(first, await key_for(first, "acme"))

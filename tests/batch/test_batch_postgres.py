@@ -15,18 +15,12 @@ import orjson
 import pytest
 
 from corral.batch import BatchStore, NewBatch, check_upload, read_batch_input
-from corral.config import (
-    AuthSettings,
-    BatchSettings,
-    GatewaySettings,
-    LimitsSettings,
-    QueueSettings,
-    StoreSettings,
-)
-from corral.gateway import GatewayParts, GatewayServer
+from corral.config import BatchSettings
+from corral.gateway import GatewayParts
 from corral.protocol import InvalidRequest
-from corral.routing import Replica, ReplicaSet, ReplicaState, Router
+from corral.routing import Replica, ReplicaSet, ReplicaState
 from corral.store import open_database
+from tests.gateway.conftest import start_closed_gateway
 
 ADMIN = "batch-admin"
 BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
@@ -42,20 +36,11 @@ async def gateway(fresh_postgres: str) -> AsyncIterator[tuple[str, GatewayParts]
     """A closed gateway with the Files and Batch API on PostgreSQL: (its url, its parts)."""
     replicas = ReplicaSet()
     replicas.add(Replica(id="m-0", model="m", engine="x", url="http://127.0.0.1:9", state=ReplicaState.READY))
-    parts = GatewayParts.build(
-        replicas,
-        fresh_postgres,
-        AuthSettings(open=False, admin_key=ADMIN),
-        StoreSettings(flush_interval=0.1),
-        LimitsSettings(),
-        QueueSettings(),
-        admin_key=ADMIN,
-        batch=BatchSettings(poll_s=0.05),
+    url, server, parts = await start_closed_gateway(
+        replicas, fresh_postgres, ADMIN, batch=BatchSettings(poll_s=0.05)
     )
-    server = GatewayServer(GatewaySettings(port=0), Router(replicas), parts)
-    await server.start()
     try:
-        yield f"http://127.0.0.1:{server.port}", parts
+        yield url, parts
     finally:
         await server.stop()
         parts.keys.engine.dispose()

@@ -16,18 +16,12 @@ import pytest
 
 from corral.admission import Principal
 from corral.batch import BatchRunner, BatchStore, NewBatch
-from corral.config import (
-    AuthSettings,
-    BatchSettings,
-    GatewaySettings,
-    LimitsSettings,
-    QueueSettings,
-    StoreSettings,
-)
-from corral.gateway import GatewayParts, GatewayServer
-from corral.routing import Replica, ReplicaSet, ReplicaState, Router
+from corral.config import BatchSettings
+from corral.gateway import GatewayParts
+from corral.routing import Replica, ReplicaSet, ReplicaState
 from corral.store import FileQuotaExceeded, KeyStore, open_database
 from tests.batch.running import running, until
+from tests.gateway.conftest import start_closed_gateway
 
 ADMIN = "batch-admin"
 BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
@@ -53,20 +47,14 @@ async def gateway(tmp_path: Path) -> AsyncIterator[Gateway]:
     """A closed gateway whose tenants each send one upload at a time and hold at most 1 MB of files."""
     replicas = ReplicaSet()
     replicas.add(Replica(id="m-0", model="m", engine="x", url="http://127.0.0.1:9", state=ReplicaState.READY))
-    parts = GatewayParts.build(
+    url, server, parts = await start_closed_gateway(
         replicas,
         f"sqlite:///{tmp_path / 'gateway.db'}",
-        AuthSettings(open=False, admin_key=ADMIN),
-        StoreSettings(flush_interval=0.1),
-        LimitsSettings(),
-        QueueSettings(),
-        admin_key=ADMIN,
+        ADMIN,
         batch=BatchSettings(tenant_max_uploads=1, tenant_max_bytes=1_000_000),
     )
-    server = GatewayServer(GatewaySettings(port=0), Router(replicas), parts)
-    await server.start()
     try:
-        yield Gateway(f"http://127.0.0.1:{server.port}", parts)
+        yield Gateway(url, parts)
     finally:
         await server.stop()
 

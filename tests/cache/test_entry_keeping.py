@@ -23,17 +23,10 @@ from pydantic import ValidationError
 from corral.cache import ExactCache, MemoryStore
 from corral.cache.entry import Collected, Entry, entry_from_stream, entry_from_whole
 from corral.cache.exact import MAX_ENTRY_BYTES
-from corral.config import (
-    AuthSettings,
-    CacheSettings,
-    GatewaySettings,
-    LimitsSettings,
-    ModelCacheSpec,
-    QueueSettings,
-    StoreSettings,
-)
+from corral.config import CacheSettings, ModelCacheSpec
 from corral.gateway import GatewayParts, GatewayServer
-from corral.routing import Replica, ReplicaSet, ReplicaState, Router
+from corral.routing import Replica, ReplicaSet, ReplicaState
+from tests.gateway.conftest import start_closed_gateway
 
 ADMIN = "entry-admin"
 CHAT = "/v1/chat/completions"
@@ -233,20 +226,13 @@ async def engine() -> AsyncIterator[VllmLike]:
 async def _gateway(engine: VllmLike, tmp_path: Path) -> tuple[str, GatewayServer, GatewayParts]:
     replicas = ReplicaSet()
     replicas.add(Replica(id="m-0", model="m", engine="vllm", url=engine.url, state=ReplicaState.READY))
-    parts = GatewayParts.build(
+    return await start_closed_gateway(
         replicas,
         f"sqlite:///{tmp_path / f'{uuid.uuid4().hex}.db'}",
-        AuthSettings(open=False, admin_key=ADMIN),
-        StoreSettings(flush_interval=0.1),
-        LimitsSettings(),
-        QueueSettings(),
-        admin_key=ADMIN,
+        ADMIN,
         cache=CacheSettings(max_entry_bytes=64 * 1024),  # (the spec's setting: 1 MiB by default)
         cache_policies={"m": ModelCacheSpec(exact=True)},
     )
-    server = GatewayServer(GatewaySettings(port=0), Router(replicas), parts)
-    await server.start()
-    return f"http://127.0.0.1:{server.port}", server, parts
 
 
 async def _post(url: str, key: str, body: dict[str, Any]) -> tuple[str | None, bytes, str | None]:

@@ -26,12 +26,13 @@ from hypothesis import strategies as st
 from corral.cache import ExactCache, MemoryStore
 from corral.cache.entry import Entry, entry_from_stream, entry_from_whole
 from corral.cache.store import RedisStore
-from corral.config import AuthSettings, CacheSettings, GatewaySettings, ModelCacheSpec, StoreSettings
+from corral.config import CacheSettings, ModelCacheSpec
 from corral.gateway import GatewayParts, GatewayServer
 from corral.perf import load_catalog
 from corral.perf.calibration import calibrated_efficiency
-from corral.routing import Replica, ReplicaSet, ReplicaState, Router
+from corral.routing import Replica, ReplicaSet, ReplicaState
 from corral.sim import SimFleet, SimOptions, build_server
+from tests.gateway.conftest import start_closed_gateway
 
 ADMIN = "cache-admin"
 HI = [{"role": "user", "content": "What is the capital of France?"}]
@@ -58,25 +59,15 @@ async def gateway(
 ) -> Gateway:
     replicas = ReplicaSet()
     replicas.add(Replica(id="m-0", model="m", engine="sim", url=engine, state=ReplicaState.READY))
-    services = GatewayParts.build(
-        replicas,
-        f"sqlite:///{tmp_path / f'{uuid.uuid4().hex}.db'}",
-        AuthSettings(open=False, admin_key=ADMIN),
-        StoreSettings(flush_interval=0.1),
-        *_defaults(),
-        admin_key=ADMIN,
-        cache=cache,
-        cache_policies={"m": policy or ModelCacheSpec(exact=True)},
+    return Gateway(
+        *await start_closed_gateway(
+            replicas,
+            f"sqlite:///{tmp_path / f'{uuid.uuid4().hex}.db'}",
+            ADMIN,
+            cache=cache,
+            cache_policies={"m": policy or ModelCacheSpec(exact=True)},
+        )
     )
-    server = GatewayServer(GatewaySettings(port=0), Router(replicas), services)
-    await server.start()
-    return Gateway(f"http://127.0.0.1:{server.port}", server, services)
-
-
-def _defaults() -> tuple[object, object]:
-    from corral.config import LimitsSettings, QueueSettings
-
-    return LimitsSettings(), QueueSettings()
 
 
 async def key_for(gw: Gateway, tenant: str, **limits: int) -> str:

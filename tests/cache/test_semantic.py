@@ -22,22 +22,14 @@ from hypothesis import strategies as st
 
 from corral.cache import ExactCache, MemoryStore
 from corral.cache.semantic import ThresholdLearner
-from corral.config import (
-    AuthSettings,
-    CacheSettings,
-    GatewaySettings,
-    LimitsSettings,
-    ModelCacheSpec,
-    QueueSettings,
-    StoreSettings,
-)
+from corral.config import CacheSettings, ModelCacheSpec
 from corral.engines import EngineFeatures
-from corral.gateway import GatewayParts, GatewayServer
 from corral.perf import load_catalog
 from corral.perf.calibration import calibrated_efficiency
-from corral.routing import Replica, ReplicaSet, ReplicaState, Router
+from corral.routing import Replica, ReplicaSet, ReplicaState
 from corral.sim import SimFleet, SimOptions, build_server
 from corral.sim.embed import embed_text
+from tests.gateway.conftest import start_closed_gateway
 
 from .test_exact import ADMIN, Gateway, client, key_for
 
@@ -67,20 +59,15 @@ async def gateway(
     replicas.add(
         Replica(id="e-0", model="e", engine="sim", url=urls[1], state=ReplicaState.READY, features=embedder)
     )
-    services = GatewayParts.build(
-        replicas,
-        f"sqlite:///{tmp_path / f'{uuid.uuid4().hex}.db'}",
-        AuthSettings(open=False, admin_key=ADMIN),
-        StoreSettings(flush_interval=0.1),
-        LimitsSettings(),
-        QueueSettings(),
-        admin_key=ADMIN,
-        cache=cache or CacheSettings(),
-        cache_policies={"m": policy},
+    gw = Gateway(
+        *await start_closed_gateway(
+            replicas,
+            f"sqlite:///{tmp_path / f'{uuid.uuid4().hex}.db'}",
+            ADMIN,
+            cache=cache or CacheSettings(),
+            cache_policies={"m": policy},
+        )
     )
-    server = GatewayServer(GatewaySettings(port=0), Router(replicas), services)
-    await server.start()
-    gw = Gateway(f"http://127.0.0.1:{server.port}", server, services)
     gw.replicas = replicas  # type: ignore[attr-defined]
     return gw
 

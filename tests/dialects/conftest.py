@@ -13,23 +13,15 @@ import aiohttp
 import orjson
 import pytest
 
-from corral.config import (
-    AuthSettings,
-    CacheSettings,
-    GatewaySettings,
-    LimitsSettings,
-    ModelCacheSpec,
-    QueueSettings,
-    StoreSettings,
-)
+from corral.config import CacheSettings, GatewaySettings, ModelCacheSpec, StoreSettings
 from corral.engines import EngineFeatures
-from corral.gateway import GatewayParts, GatewayServer
+from corral.gateway import GatewayServer
 from corral.perf import load_catalog
 from corral.perf.calibration import calibrated_efficiency
 from corral.routing import Replica, ReplicaSet, ReplicaState, Router
 from corral.sim import SimFleet, SimOptions, build_server
 from tests.gateway.conftest import Gateway as ScriptedGateway
-from tests.gateway.conftest import ScriptedUpstream, make_services
+from tests.gateway.conftest import ScriptedUpstream, make_services, start_closed_gateway
 
 ADMIN = "dialects-admin"
 
@@ -75,21 +67,16 @@ class Cluster:
             replica = Replica(id=f"m-{i}", model="m", engine="sim", url=url, state=ReplicaState.READY)
             replica.features = features
             replicas.add(replica)
-        parts = GatewayParts.build(
+        gateway_url, server, _ = await start_closed_gateway(
             replicas,
             self.store,
-            AuthSettings(open=False, admin_key=ADMIN),
-            store or StoreSettings(flush_interval=0.1),
-            LimitsSettings(),
-            QueueSettings(),
-            admin_key=ADMIN,
+            ADMIN,
+            GatewaySettings(port=0, routing_headers=True, max_body_bytes=max_body_bytes),
+            store=store,
             cache=CacheSettings() if cache else None,
             cache_policies={"m": ModelCacheSpec(exact=True)} if cache else None,
         )
-        settings = GatewaySettings(port=0, routing_headers=True, max_body_bytes=max_body_bytes)
-        server = GatewayServer(settings, Router(replicas), parts)
-        await server.start()
-        gateway = Gateway(f"http://127.0.0.1:{server.port}", server, replicas)
+        gateway = Gateway(gateway_url, server, replicas)
         self.gateways.append(gateway)
         return gateway
 

@@ -12,6 +12,8 @@ import stat
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import msgpack
@@ -50,35 +52,44 @@ def _engine_publisher(context: zmq.asyncio.Context, endpoint: str) -> zmq.asynci
     return publisher
 
 
-async def test_a_foreign_publisher_on_this_host_does_not_reach_a_launched_engine_s_view() -> None:
-    context = zmq.asyncio.Context()
-    feed, endpoint = _launched_feed(context)
+@asynccontextmanager
+async def _following(feed: KvEventFeed) -> AsyncIterator[KvCacheView]:
+    """The view `feed` keeps while it follows its engine's publisher; the feed closed after."""
     view = feed.view()
     follow = asyncio.create_task(feed.follow(view, lambda: None))
-    engine = _engine_publisher(context, endpoint)
-    stranger = context.socket(zmq.PUB)  # another process on the host, connecting where the engine publishes
-    stranger.connect(endpoint)
     try:
-        began, seq = time.monotonic(), 0
-        while time.monotonic() - began < 4 and (len(view.blocks) < 10 or time.monotonic() - began < 0.5):
-            seq += 1
-            forged = [
-                time.time(),
-                [{"type": "BlockStored", "block_hashes": [b"forged"]}, ["AllBlocksCleared"]],
-            ]
-            await stranger.send_multipart(_frames(seq, msgpack.packb(forged)))
-            await engine.send_multipart(_frames(seq, _stored([b"engine%d" % seq])))
-            await asyncio.sleep(0.02)
-        assert b"forged" not in view.blocks and view.cleared == 0  # none of the stranger's batches arrive...
-        assert len(view.blocks) >= 10  # ...and the engine's do
-        assert _private(endpoint)  # in a directory only this user may enter
+        yield view
     finally:
         follow.cancel()
         await asyncio.gather(follow, return_exceptions=True)
         feed.close()
-        engine.close(linger=0)
-        stranger.close(linger=0)
-        context.destroy(linger=0)
+
+
+async def test_a_foreign_publisher_on_this_host_does_not_reach_a_launched_engine_s_view() -> None:
+    context = zmq.asyncio.Context()
+    feed, endpoint = _launched_feed(context)
+    try:
+        async with _following(feed) as view:
+            engine = _engine_publisher(context, endpoint)
+            # another process on the host, connecting where the engine publishes
+            stranger = context.socket(zmq.PUB)
+            stranger.connect(endpoint)
+            began, seq = time.monotonic(), 0
+            while time.monotonic() - began < 4 and (len(view.blocks) < 10 or time.monotonic() - began < 0.5):
+                seq += 1
+                forged = [
+                    time.time(),
+                    [{"type": "BlockStored", "block_hashes": [b"forged"]}, ["AllBlocksCleared"]],
+                ]
+                await stranger.send_multipart(_frames(seq, msgpack.packb(forged)))
+                await engine.send_multipart(_frames(seq, _stored([b"engine%d" % seq])))
+                await asyncio.sleep(0.02)
+            # none of the stranger's batches arrive, and the engine's do
+            assert b"forged" not in view.blocks and view.cleared == 0
+            assert len(view.blocks) >= 10
+            assert _private(endpoint)  # in a directory only this user may enter
+    finally:
+        context.destroy(linger=0)  # (the engine's and the stranger's sockets with it)
     assert not _private(endpoint)  # the feed's directory goes with it
 
 
@@ -186,27 +197,36 @@ def test_the_view_holds_no_more_blocks_than_the_engine_can() -> None:
             view.apply(4, _stored(bad))
 
 
-async def test_a_batch_past_the_size_bound_never_reaches_the_view_and_its_loss_empties_it() -> None:
+@asynccontextmanager
+async def _followed_publisher() -> AsyncIterator[tuple[zmq.asyncio.Socket, KvCacheView]]:
+    """A publisher on a free loopback port, as an engine's given `kv_events_urls`, and the view a feed
+    following it keeps: (publisher, view); the feed, the publisher and their context closed after."""
     context = zmq.asyncio.Context()
     publisher = context.socket(zmq.PUB)
     port = publisher.bind_to_random_port("tcp://127.0.0.1")
     plan = LaunchPlan(url="http://127.0.0.1:1", kv_events_urls=(f"tcp://127.0.0.1:{port}",))
-    feed = KvEventFeed(context, plan, remote=False)
-    view = feed.view()
-    follow = asyncio.create_task(feed.follow(view, lambda: None))
-    seq = 0
-
-    async def until_one_arrives() -> None:
-        nonlocal seq
-        deadline = time.monotonic() + 3
-        held = len(view.blocks)
-        while len(view.blocks) == held and time.monotonic() < deadline:
-            seq += 1
-            await publisher.send_multipart(_frames(seq, _stored([b"small%d" % seq])))
-            await asyncio.sleep(0.02)
-        assert len(view.blocks) > held
-
     try:
+        async with _following(KvEventFeed(context, plan, remote=False)) as view:
+            yield publisher, view
+    finally:
+        publisher.close(linger=0)
+        context.destroy(linger=0)
+
+
+async def test_a_batch_past_the_size_bound_never_reaches_the_view_and_its_loss_empties_it() -> None:
+    async with _followed_publisher() as (publisher, view):
+        seq = 0
+
+        async def until_one_arrives() -> None:
+            nonlocal seq
+            deadline = time.monotonic() + 3
+            held = len(view.blocks)
+            while len(view.blocks) == held and time.monotonic() < deadline:
+                seq += 1
+                await publisher.send_multipart(_frames(seq, _stored([b"small%d" % seq])))
+                await asyncio.sleep(0.02)
+            assert len(view.blocks) > held
+
         await until_one_arrives()  # (the subscription is through)
         assert view.cleared == 0
         seq += 1
@@ -215,52 +235,36 @@ async def test_a_batch_past_the_size_bound_never_reaches_the_view_and_its_loss_e
         await until_one_arrives()
         assert huge[0] not in view.blocks and len(view.blocks) < 1000
         assert view.cleared == 1  # the batch lost: the sequence has a gap
-    finally:
-        follow.cancel()
-        await asyncio.gather(follow, return_exceptions=True)
-        feed.close()
-        publisher.close(linger=0)
-        context.destroy(linger=0)
 
 
 async def test_a_large_batch_is_applied_in_pieces_the_event_loop_running_between_them() -> None:
-    context = zmq.asyncio.Context()
-    publisher = context.socket(zmq.PUB)
-    port = publisher.bind_to_random_port("tcp://127.0.0.1")
-    plan = LaunchPlan(url="http://127.0.0.1:1", kv_events_urls=(f"tcp://127.0.0.1:{port}",))
-    feed = KvEventFeed(context, plan, remote=False)
-    view = feed.view()
-    follow = asyncio.create_task(feed.follow(view, lambda: None))
-    seen: list[int] = []
+    async with _followed_publisher() as (publisher, view):
+        seen: list[int] = []
 
-    async def watch() -> None:  # another task on the loop: what it sees while the batch is applied
-        while True:
-            seen.append(len(view.blocks))
-            await asyncio.sleep(0)
+        async def watch() -> None:  # another task on the loop: what it sees while the batch is applied
+            while True:
+                seen.append(len(view.blocks))
+                await asyncio.sleep(0)
 
-    watcher = asyncio.create_task(watch())
-    try:
-        seq, deadline = 0, time.monotonic() + 3
-        while not view.blocks and time.monotonic() < deadline:
-            seq += 1
-            await publisher.send_multipart(_frames(seq, _stored([b"first"])))
-            await asyncio.sleep(0.02)
-        assert view.blocks
-        large = 200_000
-        await publisher.send_multipart(_frames(seq + 1, _stored(list(range(large)))))
-        while len(view.blocks) < large + 1:
-            if time.monotonic() > deadline + 5:
-                break
-            await asyncio.sleep(0.01)
-        assert len(view.blocks) == large + 1
-        assert any(1 < n < large + 1 for n in seen)  # the loop ran with the batch half applied
-    finally:
-        watcher.cancel()
-        follow.cancel()
-        await asyncio.gather(watcher, follow, return_exceptions=True)
-        feed.close()
-        publisher.close(linger=0)
-        context.destroy(linger=0)
+        watcher = asyncio.create_task(watch())
+        try:
+            seq, deadline = 0, time.monotonic() + 3
+            while not view.blocks and time.monotonic() < deadline:
+                seq += 1
+                await publisher.send_multipart(_frames(seq, _stored([b"first"])))
+                await asyncio.sleep(0.02)
+            assert view.blocks
+            large = 200_000
+            await publisher.send_multipart(_frames(seq + 1, _stored(list(range(large)))))
+            while len(view.blocks) < large + 1:
+                if time.monotonic() > deadline + 5:
+                    break
+                await asyncio.sleep(0.01)
+            assert len(view.blocks) == large + 1
+            assert any(1 < n < large + 1 for n in seen)  # the loop ran with the batch half applied
+        finally:
+            watcher.cancel()
+            await asyncio.gather(watcher, return_exceptions=True)
 
 
 def test_a_unix_socket_path_fits() -> None:

@@ -11,7 +11,16 @@ import orjson
 import pytest
 from aiohttp import web
 
-from corral.config import AuthSettings, GatewaySettings, LimitsSettings, QueueSettings, StoreSettings
+from corral.config import (
+    AuthSettings,
+    BatchSettings,
+    CacheSettings,
+    GatewaySettings,
+    LimitsSettings,
+    ModelCacheSpec,
+    QueueSettings,
+    StoreSettings,
+)
 from corral.gateway import GatewayParts, GatewayServer
 from corral.routing import Replica, ReplicaSet, ReplicaState, Router
 
@@ -252,6 +261,35 @@ def make_services(
         failover_modes,
         isolation,
     )
+
+
+async def start_closed_gateway(
+    replicas: ReplicaSet,
+    database_url: str,
+    admin_key: str,
+    settings: GatewaySettings | None = None,
+    store: StoreSettings | None = None,
+    cache: CacheSettings | None = None,
+    cache_policies: dict[str, ModelCacheSpec] | None = None,
+    batch: BatchSettings | None = None,
+) -> tuple[str, GatewayServer, GatewayParts]:
+    """A started gateway in front of `replicas` that admits keys only (made by the admin API under
+    `admin_key`), its store at `database_url`: (its url, the server, its parts)."""
+    parts = GatewayParts.build(
+        replicas,
+        database_url,
+        AuthSettings(open=False, admin_key=admin_key),
+        store or StoreSettings(flush_interval=0.1),
+        LimitsSettings(),
+        QueueSettings(),
+        admin_key=admin_key,
+        cache=cache,
+        cache_policies=cache_policies,
+        batch=batch,
+    )
+    server = GatewayServer(settings or GatewaySettings(port=0), Router(replicas), parts)
+    await server.start()
+    return f"http://127.0.0.1:{server.port}", server, parts
 
 
 @pytest.fixture

@@ -18,15 +18,17 @@ import openai
 import orjson
 import pytest
 
-from corral.config import AuthSettings, GatewaySettings, LimitsSettings, QueueSettings, StoreSettings
+from corral.config import GatewaySettings
 from corral.engines import EngineFeatures
 from corral.gateway import GatewayParts, GatewayServer
 from corral.gateway.embeddings import EmbeddingShaper
 from corral.perf import load_catalog
 from corral.perf.calibration import calibrated_efficiency
 from corral.protocol import EmbeddingRequest
-from corral.routing import Replica, ReplicaSet, ReplicaState, Router
+from corral.routing import Replica, ReplicaSet, ReplicaState
 from corral.sim import SimFleet, SimOptions, build_server
+
+from .conftest import start_closed_gateway
 
 ADMIN = "embed-admin"
 TEXTS = ["The cat sat on the mat.", "A cat is sitting on a mat.", "Quarterly revenue grew by four percent."]
@@ -60,18 +62,13 @@ async def _gateway(
         )
     )
     replicas.add(Replica(id="m-0", model="m", engine="sim", url=engines[1], state=ReplicaState.READY))
-    services = GatewayParts.build(
+    _, server, services = await start_closed_gateway(
         replicas,
         f"sqlite:///{tmp_path / f'{uuid.uuid4().hex}.db'}",
-        AuthSettings(open=False, admin_key=ADMIN),
-        StoreSettings(flush_interval=0.1),
-        LimitsSettings(),
-        QueueSettings(),
-        admin_key=ADMIN,
+        ADMIN,
+        # (routing headers on: the test checks which replica served; a closed gateway hides it by default)
+        GatewaySettings(port=0, routing_headers=True),
     )
-    # (routing headers on: the test checks which replica served; a closed gateway hides it by default)
-    server = GatewayServer(GatewaySettings(port=0, routing_headers=True), Router(replicas), services)
-    await server.start()
     return server, services
 
 

@@ -26,13 +26,14 @@ import orjson
 import pytest
 from aiohttp import web
 
-from corral.config import AuthSettings, GatewaySettings, LimitsSettings, QueueSettings, StoreSettings
+from corral.config import GatewaySettings
 from corral.engines import EngineFeatures
-from corral.gateway import GatewayParts, GatewayServer
+from corral.gateway import GatewayServer
 from corral.gateway.embeddings import EmbeddingShaper
 from corral.protocol import EmbeddingRequest, InvalidRequest, parse_body
-from corral.routing import Replica, ReplicaSet, ReplicaState, Router
+from corral.routing import Replica, ReplicaSet, ReplicaState
 
+from .conftest import start_closed_gateway
 from .test_embeddings import ADMIN, _key
 
 TEXTS = ["The cat sat on the mat.", "A cat is sitting on a mat.", "Quarterly revenue grew by four percent."]
@@ -111,18 +112,13 @@ def replica(engine: Engine, kind: str, name: str = "e-0") -> Replica:
 async def gateway(engine: Engine, kind: str, tmp_path: Path) -> Gateway:
     replicas = ReplicaSet()
     replicas.add(replica(engine, kind))
-    services = GatewayParts.build(
+    url, server, _ = await start_closed_gateway(
         replicas,
         f"sqlite:///{tmp_path / f'{uuid.uuid4().hex}.db'}",
-        AuthSettings(open=False, admin_key=ADMIN),
-        StoreSettings(flush_interval=0.1),
-        LimitsSettings(),
-        QueueSettings(),
-        admin_key=ADMIN,
+        ADMIN,
+        GatewaySettings(port=0, routing_headers=True),
     )
-    server = GatewayServer(GatewaySettings(port=0, routing_headers=True), Router(replicas), services)
-    await server.start()
-    return Gateway(f"http://127.0.0.1:{server.port}", server, replicas)
+    return Gateway(url, server, replicas)
 
 
 async def test_engines_that_send_base64_are_asked_for_it_and_every_answer_is_the_engines_vectors(
