@@ -1,17 +1,18 @@
 """The external tools that make artifacts (pip, cmake, a converter script), each run under a time limit.
 
-A tool runs in a process group of its own, stdin closed (pip cannot stop to ask for a password) and its
-stdout and stderr merged. Past its limit, or when the caller is interrupted (Ctrl-C), the whole group is
-killed: cmake's make and compilers, pip's build steps go with it, and the lock its caller holds (`locks`)
-comes free for the processes waiting on it. A hung tool (a dead package index, a stalled download) is then
-an ArtifactTimeout naming the step, its limit and its last output, not a `corral prepare` that never ends.
+A tool runs with stdin closed (pip cannot stop to ask for a password) and its stdout and stderr merged. Past
+its limit, or when the caller is interrupted, the tool and every process it started are killed (cmake's make
+and compilers, pip's build steps), and the lock its caller holds (`locks`) comes free for the processes
+waiting on it. A hung tool (a dead package index, a stalled download) is then an ArtifactTimeout naming the
+step, its limit and its last output, not a `corral prepare` that never ends.
 
-Being outside corral's process group, a tool does not get a terminal's Ctrl-C itself: corral kills its
-group on the KeyboardInterrupt.
+A tool stays in corral's process group, so a terminal's Ctrl-C or hang-up reaches it as it reaches corral:
+a tool run by a prepare in a worker thread (a `corral apply`) ends with `corral up`, not at its limit.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import selectors
 import signal
@@ -28,6 +29,8 @@ __all__ = ["ToolRun", "run_tool", "tool_error"]
 
 _TAIL_LINES = 40  # what a run keeps of its output, for its error messages
 _LINE_MAX = 64 << 10  # a longer stretch without a newline is passed on as a line of its own
+_DRAIN_S = 5.0  # how long output is read after the tool exits (a process it left may hold it open)
+_POLL_S = 0.5  # how often a tool with nothing to say is checked for having exited
 
 
 @dataclass(frozen=True)
@@ -58,7 +61,6 @@ def run_tool(
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
-            process_group=0,
         )
     except OSError as exc:
         raise ArtifactError(f"could not {what}: cannot run {command[0]}: {exc.strerror or exc}") from exc
@@ -66,12 +68,12 @@ def run_tool(
     assert proc.stdout is not None
     try:
         with proc.stdout:
-            finished = _read_until(proc.stdout.fileno(), deadline, lines) and _exited(proc, deadline)
+            finished = _read_until(proc, deadline, lines) and _exited(proc, deadline)
     except BaseException:
-        _kill_group(proc)
+        _kill_tree(proc)
         raise
     if not finished:
-        _kill_group(proc)
+        _kill_tree(proc)
         raise ArtifactTimeout(
             f"could not {what}: it did not finish within {_duration(limit_s)}, its limit, and was stopped "
             f"with the processes it started{f' ({hint})' if hint else ''}. "
@@ -116,18 +118,25 @@ class _Lines:
             self._on_line(line)
 
 
-def _read_until(fd: int, deadline: float, lines: _Lines) -> bool:
-    """Read `fd` into `lines` until its end (True) or `deadline` (False)."""
+def _read_until(proc: subprocess.Popen[bytes], deadline: float, lines: _Lines) -> bool:
+    """Read the tool's output into `lines` until its end (True) or `deadline` (False). Once the tool has
+    exited, a process it left holding its output is waited for `_DRAIN_S` at most (then its status says)."""
+    assert proc.stdout is not None
+    fd = proc.stdout.fileno()
     with selectors.DefaultSelector() as selector:
         selector.register(fd, selectors.EVENT_READ)
         while (left := deadline - time.monotonic()) > 0:
-            if selector.select(left):
+            if proc.poll() is not None:
+                left = min(left, _DRAIN_S)
+                deadline = time.monotonic() + left
+            if selector.select(min(left, _POLL_S)):
                 data = os.read(fd, 1 << 16)
                 if not data:
                     lines.close()
                     return True
                 lines.feed(data)
-    return False
+    lines.close()
+    return proc.poll() is not None
 
 
 def _exited(proc: subprocess.Popen[bytes], deadline: float) -> bool:
@@ -139,15 +148,32 @@ def _exited(proc: subprocess.Popen[bytes], deadline: float) -> bool:
     return True
 
 
-def _kill_group(proc: subprocess.Popen[bytes]) -> None:
-    """Kill the tool's whole process group, then reap the tool. The group is killed only while the tool is
-    unreaped: its id cannot have passed to another group then."""
-    if proc.returncode is None:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+def _kill_tree(proc: subprocess.Popen[bytes]) -> None:
+    """Kill the tool and every process it started, then reap it. Each is stopped first, from the tool
+    down, so none starts another (or is left to init by its parent's death) before all are killed."""
+    tree = [proc.pid, *_descendants(proc.pid)] if proc.returncode is None else []  # (a reaped pid: reused?)
+    for sig in (signal.SIGSTOP, signal.SIGKILL):
+        for pid in tree:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, sig)
     proc.wait()
+
+
+def _descendants(root: int) -> list[int]:
+    """The processes below `root`, parents before their children (from /proc: Linux)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # (it ended as the folder was read)
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, queue = [], list(children.get(root, []))
+    while queue:
+        pid = queue.pop(0)
+        found.append(pid)
+        queue += children.get(pid, [])
+    return found
 
 
 def _duration(seconds: float) -> str:
