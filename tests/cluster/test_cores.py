@@ -10,6 +10,7 @@ import pytest
 
 from corral.cluster import LocalProcessRuntime
 from corral.cluster.cores import CoreBook
+from corral.cluster.runtime import PortBook
 from corral.engines import LaunchPlan
 
 from .test_supervisor import until
@@ -66,3 +67,11 @@ def test_plans_that_bind_no_cores_are_left_alone() -> None:
     for env in ({"CUDA_VISIBLE_DEVICES": "0"}, {BIND: "auto"}, {BIND: "nobind"}):
         assert book.take(env) == (env, [])
     assert book.take({BIND: "0"}) == ({BIND: "0"}, [0])  # (nothing was booked by the others)
+
+
+async def test_a_start_whose_cores_cannot_be_given_keeps_no_port(tmp_path: Path) -> None:
+    ports = PortBook(draw=lambda host: 40123)
+    runtime = LocalProcessRuntime(tmp_path / "logs", ports=ports, cores=CoreBook([]))
+    with pytest.raises(ZeroDivisionError):
+        await runtime.start("a-0", _replica(tmp_path / "bind", "0"))
+    assert ports.book("127.0.0.1", 40123)  # (free again)

@@ -153,6 +153,8 @@ def test_cpu_build_flags_and_environment(tmp_path: Path) -> None:
         ({"threads": 4, "tensor_parallel": 2}, ["0-1|2-3", "4-5|6-7"]),
         ({"threads": 2, "engine_args": ["--data-parallel-size", "2"]}, ["0|1", "2|3"]),
         ({"tensor_parallel": 2, "pipeline_parallel": 2}, ["0|1|2|3", "4|5|6|7"]),  # (a core each at least)
+        # threads the ranks do not divide: all of them bound (Ray reserves `threads`), the first rank one more
+        ({"threads": 5, "tensor_parallel": 2}, ["0-2|3-4", "5-7|0-1"]),
     ],
 )
 def test_a_cpu_replica_is_bound_to_its_threads_cores_one_list_per_rank(

@@ -51,10 +51,13 @@ from corral.cluster.runtime import (
     rotate_log,
 )
 from corral.engines import LaunchPlan, Resources
+from corral.engines.devices import CPU_BIND
 
 __all__ = ["RayRuntime", "bundles", "strategy"]
 
 logger = logging.getLogger(__name__)
+
+_THIS_MACHINES = ("CUDA_VISIBLE_DEVICES", CPU_BIND)
 
 _LOG_CHECK_S = 2.0  # how often a replica's actor looks at its engine's log's size
 _KILLED_WAIT_S = 10.0  # how long a stop waits for an engine it has killed before leaving it behind
@@ -299,7 +302,8 @@ class RayRuntime:
                 placement_group=group, placement_group_bundle_index=0
             ),
         ).remote()
-        env = {key: value for key, value in plan.env.items() if key != "CUDA_VISIBLE_DEVICES"}
+        # (the devices this machine's plan names: a node's are its own; vLLM's CPU build binds its own cores)
+        env = {key: value for key, value in plan.env.items() if key not in _THIS_MACHINES}
         # An engine on a Ray node listens on the node's network address: one with no key of the spec's
         # (`engine_api_key`) gets one for this run, so only the gateway is served past corral's keys
         api_key = plan.api_key

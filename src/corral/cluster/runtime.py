@@ -205,13 +205,14 @@ class LocalProcessRuntime:
         if plan.url is not None:
             return AttachedReplica(plan.url)
         host, port = self._host, self._ports.take(self._host)
-        env, cores = self._cores.take(plan.env)
+        cores: list[int] = []
 
         def stopped() -> None:
             self._ports.release(host, port)
             self._cores.release(cores)
 
         try:
+            env, cores = self._cores.take(plan.env)
             process, log_path = await self._spawn(replica_id, replace(plan, env=env), port)
         except BaseException:
             stopped()

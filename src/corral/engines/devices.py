@@ -162,32 +162,23 @@ def _check_shared_gpus(spec: ClusterSpec) -> None:
 
 
 def replica_cpus(deployment: DeploymentSpec, cores: Sequence[int]) -> list[str]:
-    """CPU_BIND for each of a vLLM CPU deployment's replicas: the next `threads` of `cores` for each, from
-    the first, split evenly among its ranks (data parallel × pipeline × tensor, at least one core each)
-    and joined with `|`, as vLLM's CPU build wants one core list per rank (it refuses another count).
-    Past the last core it starts from the first again. The local runtime moves a replica to cores no live
-    replica holds when it starts it (cluster/cores.py): these give the shape."""
-    ranks = _ranks(deployment)
-    per_rank = _cores_per_replica(deployment) // ranks
+    """CPU_BIND for each of a vLLM CPU deployment's replicas: the next `threads` of `cores` for each (as
+    many as it has ranks, if more), from the first, shared among its ranks (data parallel × pipeline ×
+    tensor; at least one core each, the first ranks one more where they do not divide evenly) and joined
+    with `|`, as vLLM's CPU build wants one core list per rank (it refuses another count). Past the last
+    core it starts from the first again. The local runtime moves a replica to cores no live replica holds
+    when it starts it (cluster/cores.py): these give the shape."""
+    ranks = data_parallel_size(deployment.engine_args) * deployment.gpus_per_replica
+    per_replica = max(deployment.threads, ranks)
+    sizes = [per_replica // ranks + (rank < per_replica % ranks) for rank in range(ranks)]
     binds = []
     for replica in range(deployment.replicas):
-        start = replica * ranks * per_rank
-        groups = [
-            [cores[(start + rank * per_rank + k) % len(cores)] for k in range(per_rank)]
-            for rank in range(ranks)
-        ]
-        binds.append("|".join(cpu_list(group) for group in groups))
+        start, groups = replica * per_replica, []
+        for size in sizes:
+            groups.append(cpu_list([cores[(start + k) % len(cores)] for k in range(size)]))
+            start += size
+        binds.append("|".join(groups))
     return binds
-
-
-def _cores_per_replica(deployment: DeploymentSpec) -> int:
-    ranks = _ranks(deployment)
-    return ranks * max(1, deployment.threads // ranks)
-
-
-def _ranks(deployment: DeploymentSpec) -> int:
-    """A vLLM replica's processes that each run their own OpenMP threads."""
-    return data_parallel_size(deployment.engine_args) * deployment.gpus_per_replica
 
 
 def parse_cpu_list(text: str) -> list[int]:
