@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from corral.cluster.changes import plan_changes
-from corral.cluster.reconcile import scale_down_victims
+from corral.cluster.counts import scale_down_victims
 from corral.config import parse_spec
 from tests.conftest import CORRAL, RunningCluster, get_json, start_cluster
 

@@ -166,3 +166,27 @@ async def test_a_deployment_at_zero_takes_the_queue_its_full_neighbours_cannot_g
                 scaler.configure(model, group, SimEngineAdapter(), [PLAN] * 8)
         state = scaler._groups[("m", 1)]
         assert await scaler.desired(state, made.members("m", 1), pressure["m"]) == 8
+
+
+async def test_the_queues_wait_pushes_a_deployment_that_can_grow_not_one_backing_off() -> None:
+    """The oldest wait pushes one deployment of the model: the first below its max. When that one backed
+    off (its replacements of failed replicas failing too), the push still chose it, it could not grow,
+    and the other deployment got nothing however long requests waited."""
+    made = supervisor()
+    for group in (0, 1):
+        for replica in made.add("m", SimEngineAdapter(), [PLAN], group):
+            replica.state = ReplicaState.READY
+    pressure = {"m": {"queued": 0.0, "oldest_wait_s": 60.0, "arrived": 0.0}}
+    scaler = Autoscaler(made, lambda: pressure)
+    for group in (0, 1):
+        scaler.configure(two(), group, SimEngineAdapter(), [PLAN] * 8)
+    scaler._groups[("m", 0)].held_until = time.monotonic() + 240  # backing off: it cannot grow now
+    pushed = [
+        await scaler.desired(scaler._groups[("m", g)], made.members("m", g), pressure["m"]) for g in (0, 1)
+    ]
+    assert pushed == [1, 2]
+    scaler._groups[("m", 0)].held_until = time.monotonic()  # its backoff over, the first is pushed again
+    pushed = [
+        await scaler.desired(scaler._groups[("m", g)], made.members("m", g), pressure["m"]) for g in (0, 1)
+    ]
+    assert pushed == [2, 1]

@@ -146,3 +146,32 @@ async def test_a_rollout_takes_the_new_specs_count_and_apply_adds_at_the_models_
     await cluster.apply(spec(replicas=3), grace_s=1.0)
     added = [r for r in supervisor.members("alpha") if r.id not in ("alpha-0", "alpha-1")]
     assert [r.revision for r in added] == [2, 2]
+
+
+async def test_a_rolled_back_rollout_keeps_the_replacement_it_found_owed(cluster: Reconciler) -> None:
+    """A failed replica's replacement owed (backing off) when a rollout began: the reconciler's loop forgot
+    it as soon as the rollout froze the model, and after a rollback the deployment ran one replica short
+    for good (here alpha-0 alone, where the spec says two). An unrelated apply meanwhile must not settle
+    it either (the rollout, not the apply, owns the model's replicas)."""
+    cluster.start([])
+    await until(lambda: "alpha-2" in ids(cluster), "replaced at once the first time")
+    await until(lambda: ids(cluster) == ["alpha-0"], "the failed replacement drained, its own owed")
+    assert cluster.autoscaler.owed("alpha", 0) == ["alpha-2"]
+    changes = await cluster.apply(spec(time_scale=25), grace_s=1.0)
+    assert [c["action"] for c in changes] == ["rollout"]
+    await until(lambda: len(ids(cluster)) == 2, "the rollout's first new replica started")
+    assert await cluster.apply(spec(time_scale=25), grace_s=1.0) == []  # (the spec again: no change)
+    await cluster.rollout_action("alpha", "rollback")
+    supervisor = cluster.autoscaler._supervisor
+    await until(
+        lambda: (
+            supervisor.replicas.rollouts["alpha"]["phase"] == "rolled_back"
+            and "alpha" not in cluster.autoscaler.frozen
+        ),
+        "rolled back",
+    )
+    assert ids(cluster) == ["alpha-0"]
+    assert cluster.autoscaler.owed("alpha", 0) == ["alpha-2"]
+    cluster.autoscaler._fixed[("alpha", 0)].held_until = time.monotonic()  # (the backoff ends)
+    await until(lambda: len(ids(cluster)) == 2, "the owed replacement started")
+    assert [supervisor.unit(r)[0] for r in ids(cluster)] == [0, 0]

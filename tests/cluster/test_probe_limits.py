@@ -1,16 +1,18 @@
 """The supervisor's probes read an engine's answer up to a bound: a metrics page past it is a failed scrape
-(the last load kept), never read whole, and the probes go on."""
+(the last load kept), never read whole, and the probes go on; a large page parsed in a thread is stamped
+with when it was fetched, not when its parse ended."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 from corral.cluster import LocalProcessRuntime, Supervisor
 from corral.config import SupervisorSettings
-from corral.engines import LaunchPlan
+from corral.engines import EngineLoad, LaunchPlan
 from corral.engines.external import ExternalEngine
 from corral.routing import ReplicaSet, ReplicaState
 
@@ -70,5 +72,55 @@ async def test_a_metrics_page_past_the_bound_is_a_failed_scrape_and_the_probes_g
             await _until(lambda: replica.load is not None and replica.load.running == running)  # noqa: B023
             assert replica.load is not None and replica.load.running == running
     finally:
+        await supervisor.stop()
+        server.close()
+
+
+class SlowParse(ExternalEngine):
+    """Each metrics page's parse waits (in the supervisor's worker thread) for a permit of `go`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.began: list[float] = []
+        self.go = threading.Semaphore(0)
+
+    def parse_load(self, text: str) -> EngineLoad:
+        self.began.append(time.monotonic())
+        self.go.acquire()
+        return super().parse_load(text)
+
+
+async def test_a_page_parsed_in_a_thread_carries_its_fetch_time(tmp_path: Path) -> None:
+    """Before, the load carried the time its parse ended: a parse that took over half a second passed for
+    a reading taken after a drain began (an engine idle then, its requests started since), and a page
+    fetched long ago for a fresh one."""
+
+    async def engine(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                body = MEDIUM if head.split(b" ", 2)[1] == b"/metrics" else b""
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(engine, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    slow = SlowParse()
+    supervisor = Supervisor(ReplicaSet(), LocalProcessRuntime(tmp_path / "logs"), SETTINGS)
+    (replica,) = supervisor.add("m", slow, [LaunchPlan(url=f"http://127.0.0.1:{port}")])
+    try:
+        await supervisor.start()
+        await _until(lambda: bool(slow.began))
+        assert slow.began, "no metrics page was parsed"
+        slow.go.release()  # the first parse ends (the next ones wait)
+        await _until(lambda: replica.load is not None)
+        assert replica.load is not None and replica.load.running == 8
+        assert replica.load.scraped_monotonic < slow.began[0]  # fetched before its parse began
+    finally:
+        slow.go.release(1000)
         await supervisor.stop()
         server.close()

@@ -15,7 +15,7 @@ import pytest
 
 from corral.cli.worker import _follow, _RemoteControl
 from corral.cluster.workers import WorkerPool
-from corral.routing import ReplicaSet
+from corral.routing import Replica, ReplicaSet
 
 
 class Writer:
@@ -79,3 +79,31 @@ def test_a_restarted_worker_is_told_the_latest_settings_of_the_models_served() -
         ]
     finally:
         shutil.rmtree(pool._dir)
+
+
+async def test_a_connecting_worker_is_told_the_replica_set_of_now_and_how_many_lines_replay() -> None:
+    """A restarted worker listened on the spec it was started from and the last snapshot published (up to
+    0.2 s old) before its follower took the replay: requests in that window went by a model's old settings,
+    to replicas gone, and missed new ones. It is now sent the replica set as it is, and told how many of the
+    lines after it replay the announcements, to take them before it listens."""
+    replicas = ReplicaSet(["m"])
+    pool = WorkerPool(replicas, {"gateway": {}, "models": []}, 1, "info:text", 1.0)
+    await pool.serve_control()
+    pool.announce_model({"name": "m", "routing": "least_load", "adapters": []})
+    pool.announce_cluster({"models": {"m": "least_load"}})
+    replicas.add(Replica(id="m-7", model="m", engine="vllm", url="http://127.0.0.1:1"))  # (since published)
+    reader, writer = await asyncio.open_unix_connection(str(pool.control_path), limit=1 << 24)
+    try:
+        writer.write(orjson.dumps({"worker": 0}) + b"\n")
+        config = orjson.loads(await asyncio.wait_for(reader.readline(), 5))
+        snapshot = orjson.loads(await asyncio.wait_for(reader.readline(), 5))
+        assert [r["id"] for r in snapshot["replicas"]] == ["m-7"]
+        assert config["replayed"] == 2
+        replayed = [orjson.loads(await asyncio.wait_for(reader.readline(), 5)) for _ in range(2)]
+        assert replayed == [
+            {"model_settings": {"name": "m", "routing": "least_load", "adapters": []}},
+            {"cluster_settings": {"models": {"m": "least_load"}}},
+        ]
+    finally:
+        writer.close()
+        await pool.stop()

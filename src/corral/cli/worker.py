@@ -169,6 +169,9 @@ async def _work(control: Path, index: int) -> None:
     workers = int(config["workers"])
     replicas = ReplicaSet()
     apply_snapshot(replicas, await reader.readline(), index, workers)
+    # the latest announcements (`corral apply`'s model and cluster settings since the spec it starts from),
+    # taken before it listens: else its first requests went by the settings of that spec
+    replayed = [await reader.readline() for _ in range(int(config.get("replayed", 0)))]
     router = router_for(spec, replicas)
     if workers > 1:  # every worker's prefix index learns every worker's placements
         router.share_placements(writer.write)
@@ -176,17 +179,6 @@ async def _work(control: Path, index: int) -> None:
     parts = dataclasses.replace(
         gateway_parts_for(spec, Paths.from_env(), replicas), control=remote, cluster_counts=remote.counts
     )
-    metrics_dir = Path(config["metrics_dir"])
-    gateway = GatewayServer(spec.gateway, router, parts, worker=index, metrics_dir=metrics_dir)
-    await gateway.start()
-    gc.freeze()  # long-lived objects out of the collector's generations (see cli/up.py)
-    writer.write(orjson.dumps({"listening": gateway.port}) + b"\n")
-    await writer.drain()
-
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
 
     def take(line: bytes) -> None:
         message = orjson.loads(line)
@@ -200,6 +192,23 @@ async def _work(control: Path, index: int) -> None:
             apply_cluster_settings(router, parts, message["cluster_settings"])
         else:
             apply_snapshot(replicas, line, index, workers)
+
+    for line in replayed:  # (one that cannot be taken is logged, as the follower does, and the next taken)
+        try:
+            take(line)
+        except Exception:
+            logger.exception("gateway worker %d: a replayed control message could not be taken", index)
+    metrics_dir = Path(config["metrics_dir"])
+    gateway = GatewayServer(spec.gateway, router, parts, worker=index, metrics_dir=metrics_dir)
+    await gateway.start()
+    gc.freeze()  # long-lived objects out of the collector's generations (see cli/up.py)
+    writer.write(orjson.dumps({"listening": gateway.port}) + b"\n")
+    await writer.drain()
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
 
     def ended(task: asyncio.Task[None]) -> None:
         """A task the worker lives by ended (it says why itself): the worker exits, the pool restarts it."""

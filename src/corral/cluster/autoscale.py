@@ -266,9 +266,12 @@ class Autoscaler:
     def replace_failed(self, deployments: list[tuple[str, int]]) -> None:
         """One round (the reconciler's, every probe interval) of replacing the replicas the supervisor gave
         up on in fixed-count `deployments` (model, index): each is drained, and started again on its plan
-        with the backoff an autoscaled deployment's replacements have (see _REPLACE_WAIT_S)."""
+        with the backoff an autoscaled deployment's replacements have (see _REPLACE_WAIT_S). A deployment
+        left out is forgotten, unless its model is in a rollout (`frozen`): what it owes then waits for the
+        rollout's end (a rollback starts it; a completed rollout, `forget_owed`, does not)."""
         for key in set(self._fixed) - set(deployments):
-            del self._fixed[key]
+            if key[0] not in self.frozen:
+                del self._fixed[key]
         now = time.monotonic()
         for model, group in deployments:
             state = self._fixed.setdefault((model, group), _Fixed())
@@ -302,6 +305,13 @@ class Autoscaler:
         (backing off): an apply replaces them (`settle_fixed`), as those still failed."""
         state = self._fixed.get((model, group))
         return [failed for failed, _, _ in state.owed] if state is not None else []
+
+    def forget_owed(self, model: str) -> None:
+        """A completed rollout replaced `model`'s replicas with its new spec's count: the replacements its
+        old replicas were owed (their engines and plans the old spec's) are owed no more, and the backoff
+        starts again."""
+        for key in [k for k in self._fixed if k[0] == model]:
+            del self._fixed[key]
 
     def settle_fixed(self, model: str, group: int) -> list[str]:
         """An apply sets fixed-count deployment `group` of `model` to its count (which left its failed
@@ -389,14 +399,20 @@ class Autoscaler:
 
     def _leads(self, state: _Group) -> bool:
         """This deployment is the one the model's queue as a whole (its oldest wait) pushes: the first of
-        the model's autoscaled deployments below its `max_replicas` (the first, when all are at theirs)."""
+        the model's autoscaled deployments below its `max_replicas` that is not backing off (replacing
+        failed replicas: it cannot grow now); else the first below its max; else the first."""
         name = state.model.name
         groups = sorted((g for (model, _), g in self._groups.items() if model == name), key=lambda g: g.group)
-        for group in groups:
-            live = self._supervisor.members(name, group.group)
-            if sum(r.state is not ReplicaState.FAILED for r in live) < group.spec.max_replicas:
-                return group is state
-        return not groups or groups[0] is state
+        below = [
+            group
+            for group in groups
+            if sum(r.state is not _FAILED for r in self._supervisor.members(name, group.group))
+            < group.spec.max_replicas
+        ]
+        now = time.monotonic()
+        able = [group for group in below if group.held_until <= now]
+        chosen = able or below or groups
+        return not chosen or chosen[0] is state
 
     def _batch_part(self, state: _Group, ready: list[Replica], pressure: dict[str, float]) -> float:
         """The slots the model's batch lines hold on this deployment's replicas: its part of the model's

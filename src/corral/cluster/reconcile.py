@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, NamedTuple
@@ -34,6 +33,7 @@ from corral.cluster.changes import (
     adapter_revisions,
     plan_changes,
 )
+from corral.cluster.counts import failed_fixed, replacing, running_spec, scale_down_victims, serving
 from corral.cluster.evalgate import gate_adapter
 from corral.cluster.preflight import preflight
 from corral.cluster.rollout import Rollout, Unit
@@ -41,16 +41,14 @@ from corral.cluster.supervisor import Supervisor
 from corral.config import AdapterSpec, ClusterSpec, DeploymentSpec, ModelSpec
 from corral.engines import EngineAdapter, LaunchPlan
 from corral.engines.devices import DeviceError, check_local_gpus, local_gpu_count
-from corral.routing import Replica, ReplicaState
 
-__all__ = ["Reconciler", "scale_down_victims"]
+__all__ = ["Reconciler"]
 
 logger = logging.getLogger(__name__)
 
 Prepare = Callable[[ModelSpec, DeploymentSpec], tuple[EngineAdapter, list[LaunchPlan]]]
 Group = tuple[int, EngineAdapter, list[LaunchPlan]]  # a deployment's index, engine and launch plans
 Units = tuple[list[Unit], list[Unit]]  # a rollout's new replicas, and the spare plans they may take instead
-_NOTES = ("at_restart", "render_only")  # an apply's changes that change nothing now (said last)
 
 
 class _Prepared(NamedTuple):
@@ -225,9 +223,9 @@ class Reconciler:
         except ValueError as exc:
             raise ApplyError(f"{exc} (nothing changed)") from exc
         revisions, revised = await self._revised(wanted)
-        changes = plan_changes(self._running(), wanted, self._workers, revised)
-        failed = self._failed_fixed(changes, wanted)
-        changes = _replacing(changes, failed, wanted)
+        changes = plan_changes(running_spec(self.spec, self._supervisor), wanted, self._workers, revised)
+        failed = failed_fixed(self._supervisor, self.autoscaler, changes, wanted)
+        changes = replacing(changes, failed, wanted)
         # (another address is told as taken at the next start: the gateway keeps listening where it does)
         listening = {"host": self.spec.gateway.host, "port": self.spec.gateway.port}
         wanted = wanted.model_copy(update={"gateway": wanted.gateway.model_copy(update=listening)})
@@ -408,34 +406,6 @@ class Reconciler:
             else:
                 self.autoscaler.configure(model, group, *prepared)
 
-    def _running(self) -> ClusterSpec:
-        """The spec as it runs now: replica counts as the supervisor has them (`corral drain` and the
-        autoscaler change them without a new spec), less those it gave up on (failed: they serve nothing)."""
-        models = []
-        for model in self.spec.models:
-            deployments = [
-                d.model_copy(update={"replicas": len(_serving(self._supervisor.members(model.name, group)))})
-                for group, d in enumerate(model.deployments)
-            ]
-            models.append(model.model_copy(update={"deployments": deployments}))
-        return self.spec.model_copy(update={"models": models})
-
-    def _failed_fixed(self, changes: list[Change], wanted: ClusterSpec) -> dict[tuple[str, int], list[str]]:
-        """The replicas the supervisor gave up on in deployments that keep a fixed count, of the models
-        `wanted` keeps without a rollout (which replaces every replica): the apply replaces them."""
-        elsewhere = {c.model for c in changes if c.action in ("rollout", "remove_model", "add_model")}
-        failed = {}
-        for model in wanted.models:
-            if model.name in elsewhere or not self._replicas.has_model(model.name):
-                continue
-            for group, deployment in enumerate(model.deployments):
-                members = self._supervisor.members(model.name, group)
-                ids = [r.id for r in members if r.state is ReplicaState.FAILED]
-                ids += self.autoscaler.owed(model.name, group)  # (drained, their replacements owed)
-                if ids and deployment.autoscale is None:
-                    failed[(model.name, group)] = ids
-        return failed
-
     def _plans(self, change: Change, model: ModelSpec) -> list[Group]:
         if change.action == "add_model":
             groups = [(g, _all_plans(d)) for g, d in enumerate(model.deployments)]
@@ -448,7 +418,7 @@ class Reconciler:
             victims = self._supervisor.replica_ids(change.model)
             self.autoscaler.forget(change.model)
         else:
-            members = _serving(self._supervisor.members(change.model, change.group))  # (failed: apart)
+            members = serving(self._supervisor.members(change.model, change.group))  # (failed: apart)
             victims = scale_down_victims(members, change.count)
         await asyncio.gather(*(self._supervisor.drain(v, grace_s) for v in victims))
         if change.action == "remove_model":
@@ -507,6 +477,9 @@ class Reconciler:
                     logger.exception("rollout of %s: telling the gateways the old settings failed", new.name)
             async with self._lock:
                 self.autoscaler.frozen.discard(new.name)
+                # (completed: its replicas are the new spec's; rolled back, what was owed starts when due)
+                if kept is new:
+                    self.autoscaler.forget_owed(new.name)
                 if any(m.name == new.name for m in self.spec.models):  # not removed meanwhile
                     self.spec = self.spec.model_copy(
                         update={"models": [kept if m.name == new.name else m for m in self.spec.models]}
@@ -559,45 +532,6 @@ def _every_slice(deployment: DeploymentSpec) -> DeploymentSpec:
         return deployment
     slices = len(deployment.gpus) // deployment.gpus_per_replica
     return deployment.model_copy(update={"replicas": max(deployment.replicas, slices)})
-
-
-def scale_down_victims(members: list[Replica], count: int) -> list[str]:
-    """The `count` of a deployment's replicas (oldest first) a lower count drains: those serving nothing
-    first (given up on, unhealthy, starting: draining the ready ones would leave a model with a replica
-    that never serves), then the newest."""
-    ranked = sorted(range(len(members)), key=lambda k: (members[k].ready, -k))
-    return [members[k].id for k in ranked[:count]]
-
-
-def _serving(members: list[Replica]) -> list[Replica]:
-    """Those of a deployment's replicas the supervisor has not given up on (failed ones serve nothing)."""
-    return [r for r in members if r.state is not ReplicaState.FAILED]
-
-
-def _replacing(
-    changes: list[Change], failed: dict[tuple[str, int], list[str]], wanted: ClusterSpec
-) -> list[Change]:
-    """`changes`, saying which failed replicas an apply replaces: a scale-up of their deployment starts
-    replicas in their place; where none is wanted (as many serve as the spec says), they are drained."""
-    said = []
-    for change in changes:
-        ids = failed.get((change.model, change.group)) if change.action == "scale_up" else None
-        said.append(
-            change
-            if not ids
-            else dataclasses.replace(change, detail=f"{change.detail}, in place of failed {', '.join(ids)}")
-        )
-    scaled = {(c.model, c.group) for c in changes if c.action == "scale_up"}
-    counts = {m.name: m.deployments for m in wanted.models}
-    for (model, group), ids in failed.items():
-        if (model, group) not in scaled:
-            left = counts[model][group].replicas
-            detail = f"failed {', '.join(ids)} drained, {left} left"
-            said.insert(
-                len(said) - sum(c.action in _NOTES for c in said),
-                Change("drain_failed", model, group, len(ids), detail),
-            )
-    return said
 
 
 def _applied(task: asyncio.Task[Any]) -> None:

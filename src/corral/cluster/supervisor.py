@@ -527,9 +527,12 @@ class Supervisor:
 
     async def _scrape(self, slot: _Slot, running: RunningReplica) -> None:
         """Read the engine's load from its metrics endpoint; a failed scrape keeps the last value (which
-        `fresh_load` stops giving once it is a few rounds old)."""
+        `fresh_load` stops giving once it is a few rounds old). The load is stamped with when it was asked
+        for (the engine's figures are of a moment after), not when its page was parsed: a large one is
+        parsed in a thread, which can take longer than a drain's wait for an idle engine."""
         if slot.plan.metrics_path is None:
             return
+        asked, asked_at = time.monotonic(), time.time()
         status, body = await self._get(running.url, slot.plan.metrics_path)
         if status != 200:
             return
@@ -538,6 +541,7 @@ class Supervisor:
                 load = await asyncio.to_thread(_parse_load, slot.engine, body)
             else:
                 load = _parse_load(slot.engine, body)
+            load = dataclasses.replace(load, scraped_at=asked_at, scraped_monotonic=asked)
             slot.replica.load = slot.kv.stamp(load) if slot.kv is not None else load
         except ValueError:
             logger.warning("replica %s: unreadable metrics", slot.replica.id)

@@ -249,19 +249,27 @@ class WorkerPool:
         multiprocess.mark_process_dead(pid, str(self._metrics_dir))  # type: ignore[no-untyped-call]
 
     async def _connected(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """One worker's control connection: hello → config and the current snapshot → changes."""
+        """One worker's control connection: hello → config, the replica set as it is now and the replayed
+        announcements (`replayed` in the config: how many lines, for the worker to take before it listens)
+        → changes."""
         try:
             hello = orjson.loads(await reader.readline())
             worker = self._workers[int(hello["worker"])]
+            replay = self._replayed()
             config = {
                 "spec": self._spec,
                 "worker": worker.index,
                 "workers": self._count,
                 "logs": self._logs,
                 "metrics_dir": str(self._metrics_dir),
+                "replayed": replay.count(b"\n"),  # (one line each)
             }
+            try:  # the replica set as it is, not the last published: that is up to _PUBLISH_S old
+                self._publish_changes()
+            except Exception:  # (the last one published stands; the pool's loop goes on)
+                logger.exception("the replica set could not be made for gateway worker %d", worker.index)
             worker.writer = writer  # from here on it gets every change (no await before the first write)
-            writer.write(orjson.dumps(config) + b"\n" + self._snapshot + b"\n" + self._replayed())
+            writer.write(orjson.dumps(config) + b"\n" + self._snapshot + b"\n" + replay)
             await writer.drain()
             while line := await reader.readline():
                 if line.startswith(_PLACEMENTS):  # for the other workers' prefix indexes, as it is
