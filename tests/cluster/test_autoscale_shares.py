@@ -181,12 +181,15 @@ async def test_the_queues_wait_pushes_a_deployment_that_can_grow_not_one_backing
     for group in (0, 1):
         scaler.configure(two(), group, SimEngineAdapter(), [PLAN] * 8)
     scaler._groups[("m", 0)].held_until = time.monotonic() + 240  # backing off: it cannot grow now
-    pushed = [
-        await scaler.desired(scaler._groups[("m", g)], made.members("m", g), pressure["m"]) for g in (0, 1)
-    ]
-    assert pushed == [1, 2]
+
+    async def pushes() -> list[int]:
+        return [
+            await scaler.desired(scaler._groups[("m", g)], made.members("m", g), pressure["m"])
+            for g in (0, 1)
+        ]
+
+    assert await pushes() == [1, 2]
     scaler._groups[("m", 0)].held_until = time.monotonic()  # its backoff over, the first is pushed again
-    pushed = [
-        await scaler.desired(scaler._groups[("m", g)], made.members("m", g), pressure["m"]) for g in (0, 1)
-    ]
-    assert pushed == [2, 1]
+    assert await pushes() == [2, 1]
+    made.add("m", SimEngineAdapter(), [PLAN], 1)  # the second's new replica, on its way
+    assert await pushes() == [1, 1]  # (the first was pushed too: one wait, two replicas)

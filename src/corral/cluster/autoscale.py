@@ -400,9 +400,12 @@ class Autoscaler:
     def _leads(self, state: _Group) -> bool:
         """This deployment is the one the model's queue as a whole (its oldest wait) pushes: the first of
         the model's autoscaled deployments below its `max_replicas` that is not backing off (replacing
-        failed replicas: it cannot grow now); else the first below its max; else the first."""
+        failed replicas: it cannot grow now); else the first below its max; else the first. None while a
+        replica of any of them is on its way."""
         name = state.model.name
         groups = sorted((g for (model, _), g in self._groups.items() if model == name), key=lambda g: g.group)
+        if any(r.state in _LOADING for g in groups for r in self._supervisor.members(name, g.group)):
+            return False  # (a replica on its way, of any of its deployments, answers the wait: not another)
         below = [
             group
             for group in groups

@@ -229,7 +229,8 @@ class Reconciler:
         # (another address is told as taken at the next start: the gateway keeps listening where it does)
         listening = {"host": self.spec.gateway.host, "port": self.spec.gateway.port}
         wanted = wanted.model_copy(update={"gateway": wanted.gateway.model_copy(update=listening)})
-        rolling = {m for m, r in self._rollouts.items() if not r.outcome}
+        # (a rollout with its outcome is still running until `_roll` has put the model back: frozen)
+        rolling = {m for m, r in self._rollouts.items() if not r.outcome} | self.autoscaler.frozen
         busy = sorted({c.model for c in changes} & rolling)
         if busy:
             raise ApplyError(
