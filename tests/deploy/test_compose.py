@@ -5,6 +5,8 @@ mounted at absolute paths."""
 from __future__ import annotations
 
 import ipaddress
+import re
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +16,9 @@ import yaml
 from corral.config import ClusterSpec, parse_spec
 from corral.deploy import RenderError, render, write_rendered
 from corral.engines.devices import check_local_gpus
+from corral.observe import alert_rules
 from tests.deploy.test_render import compose_config
+from tests.observe.test_rules import promtool
 
 GPUS = """
 models:
@@ -140,3 +144,77 @@ def test_the_edge_on_this_host_is_trusted_as_the_container_sees_it(tmp_path: Pat
     assert untrusting.gateway.trusted_proxies == []
     _, elsewhere = compose(tmp_path / "other", CPU + "gateway: {trusted_proxies: [10.0.0.0/8]}\n")
     assert elsewhere.gateway.trusted_proxies == ["10.0.0.0/8"]
+
+
+def mounted(project: dict[str, Any], service: str, inside: str) -> Path:
+    """The file of this host that `service` sees at `inside` (docker-compose config's absolute paths)."""
+    for volume in project["services"][service]["volumes"]:
+        source, target, *_ = volume.split(":")
+        if target == inside:
+            return Path(source)
+    raise AssertionError(f"{service} has nothing mounted at {inside}")
+
+
+@pytest.mark.parametrize(
+    ("settings", "credentials"),
+    [
+        ("gateway: {metrics_token: scrape-secret}\nauth: {open: false}\n", "scrape-secret"),
+        ("auth: {open: false}\n", None),  # the admin key, in admin.key the operator writes
+        ("auth: {open: true}\n", None),
+    ],
+    ids=["metrics-token", "admin-key", "open"],
+)
+def test_the_watch_prometheus_scrapes_the_gateway_as_the_rules_expect(
+    tmp_path: Path, settings: str, credentials: str | None
+) -> None:
+    """The `watch` profile's Prometheus scraped a closed gateway with no credentials (401 on every scrape),
+    loaded no alert rules, and named its job `corral` where the rules ask for `corral-gateway`."""
+    text = CPU.replace("deployments:", "slo: {ttft_p95: 1.0}\n    deployments:") + settings
+    project, _ = compose(tmp_path, text)
+    home = "/etc/prometheus"
+    config_file = mounted(project, "prometheus", f"{home}/prometheus.yml")
+    config = yaml.safe_load(config_file.read_text())
+    spec = parse_spec(text)
+    if not spec.auth.open and credentials is None:  # (Prometheus reads it; promtool checks it is there)
+        (config_file.parent / "admin.key").write_text("the-admin-key")
+    # Debian's promtool, from another folder: the paths in it are read beside it, as in the container
+    checked = subprocess.run(
+        [promtool(), "check", "config", str(config_file)], capture_output=True, text=True, cwd=tmp_path
+    )
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert f"SUCCESS: {len(alert_rules(spec))} rules found" in checked.stdout
+    [rules] = config["rule_files"]
+    loaded = yaml.safe_load(mounted(project, "prometheus", f"{home}/{rules}").read_text())
+    expressions = [rule["expr"] for group in loaded["groups"] for rule in group["rules"]]
+    assert "CorralTTFTSLOBreached" in {r["alert"] for g in loaded["groups"] for r in g["rules"]}
+    # the job the rules' CorralGatewayDown names, at the corral service's port in its container
+    [wanted] = {job for e in expressions for job in re.findall(r'up\{job="([^"]+)"\}', e)}
+    [job] = [j for j in config["scrape_configs"] if j["job_name"] == wanted]
+    published = project["services"]["corral"]["ports"][0]  # ("127.0.0.1:8000:8000/tcp", or a mapping)
+    inner = published["target"] if isinstance(published, dict) else published.split(":")[-1].split("/")[0]
+    assert job["static_configs"] == [{"targets": [f"corral:{inner}"]}]
+    if spec.auth.open:
+        assert "authorization" not in job and "user" not in project["services"]["prometheus"]
+        return
+    sent = mounted(project, "prometheus", f"{home}/{job['authorization']['credentials_file']}")
+    assert sent.read_text() == (credentials or "the-admin-key")
+    assert project["services"]["prometheus"]["user"] == "0:0"  # (the operator's private file)
+
+
+def test_the_scrape_token_is_readable_by_its_owner_only(tmp_path: Path) -> None:
+    """compose/metrics.token holds gateway.metrics_token, which reads every tenant's and key's figures."""
+    text = CPU + "gateway: {metrics_token: scrape-secret}\nauth: {open: false}\n"
+    write_rendered(render(parse_spec(text), "compose", "spec.yaml", text, Path("/usr/bin/true")), tmp_path)
+    assert (tmp_path / "compose" / "metrics.token").stat().st_mode & 0o777 == 0o600
+
+
+def test_the_watch_prometheus_reaches_dcgm_exporter_on_this_host_and_no_engine(tmp_path: Path) -> None:
+    """In its container, 127.0.0.1 is Prometheus's own: dcgm-exporter runs on this host, which the
+    project's network reaches at its gateway address; the engines' addresses are the corral container's
+    loopback, so the render has no engines job."""
+    project, _ = compose(tmp_path, GPUS)
+    config = yaml.safe_load(mounted(project, "prometheus", "/etc/prometheus/prometheus.yml").read_text())
+    [network] = project["networks"]["default"]["ipam"]["config"]
+    jobs = {job["job_name"]: job for job in config["scrape_configs"]}
+    assert set(jobs) == {"corral-gateway", "dcgm"}
+    assert jobs["dcgm"]["static_configs"] == [{"targets": [f"{network['gateway']}:9400"]}]

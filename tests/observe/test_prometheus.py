@@ -140,6 +140,28 @@ def drive(cluster: RunningCluster, keys: dict[str, str], seconds: float) -> None
         thread.join(timeout=seconds + 60)
 
 
+def past_half_of_its_budget(cluster: RunningCluster, probe: str) -> None:
+    """A key of acme's that one request takes past half its monthly budget (not to 90%: no alert), so that
+    it has a series of its own (a key below half of its budget has none)."""
+
+    def ask(key: str) -> int:
+        client = openai.OpenAI(base_url=cluster.base_url, api_key=key, max_retries=0)
+        answer = client.chat.completions.create(
+            model="llama-8b", messages=[{"role": "user", "content": "hi"}], max_tokens=1
+        )
+        assert answer.usage is not None
+        return answer.usage.total_tokens
+
+    used = ask(probe)
+    budgeted = str(
+        admin_post(cluster, "/admin/keys", {"tenant": "acme", "monthly_token_budget": 10 * used})["key"]
+    )
+    for _ in range(
+        6
+    ):  # 60% of it (each request's reservation, its prompt as estimated, fits in what is left)
+        assert ask(budgeted) == used
+
+
 def test_every_panel_query_returns_data(watched: tuple[RunningCluster, str]) -> None:
     from corral.observe import panel_queries
 
@@ -150,6 +172,7 @@ def test_every_panel_query_returns_data(watched: tuple[RunningCluster, str]) -> 
         ),
         "tiny": str(admin_post(cluster, "/admin/keys", {"tenant": "tiny", "rpm": 2})["key"]),
     }
+    past_half_of_its_budget(cluster, keys["acme"])
     drive(cluster, keys, seconds=12)
     deadline = time.monotonic() + 30
     empty: list[str] = []

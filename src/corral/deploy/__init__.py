@@ -31,7 +31,7 @@ Target = Literal["nginx", "systemd", "compose", "kuberay"]
 # Copies of the spec (systemd/, compose/), the KubeRay manifest carrying it, Prometheus's scrape token: by
 # their path under the output folder (by name alone, Grafana's provisioning files named corral.yaml were
 # made private too, and Grafana, another user, could not read them).
-PRIVATE_FILES = ("*/cluster.yaml", "kuberay/corral.yaml", "prometheus/metrics.token")
+PRIVATE_FILES = ("*/cluster.yaml", "kuberay/corral.yaml", "prometheus/metrics.token", "compose/metrics.token")
 TARGETS: tuple[Target, ...] = ("nginx", "systemd", "compose", "kuberay")
 
 

@@ -15,6 +15,7 @@ that address in the container too; else the gateway would take the whole edge fo
 from __future__ import annotations
 
 import ipaddress
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -33,6 +34,8 @@ from corral.deploy.spec_rewrite import (
     stop_allowance_s,
     uses_vllm,
 )
+from corral.observe import METRICS_TOKEN_FILE, credentials_files, prometheus_config
+from corral.observe.rules import rules_yaml
 
 __all__ = ["render_compose"]
 
@@ -43,6 +46,8 @@ _HOME = "/var/lib/corral"
 # naming the pool: then change the subnet in compose.yaml and the address in cluster.yaml's trusted_proxies.
 _SUBNET = "172.16.240.0/24"
 _HOST_SIDE = "172.16.240.1"  # this host on the project's network: what the container sees the edge as
+_PROMETHEUS_HOME = "/etc/prometheus"  # where the Prometheus image reads prometheus.yml
+_RULES = "corral.rules.yml"
 
 
 def render_compose(spec: ClusterSpec, source: str) -> dict[str, str]:
@@ -58,7 +63,7 @@ def render_compose(spec: ClusterSpec, source: str) -> dict[str, str]:
     dependencies = {name: {"condition": "service_healthy"} for name in services}
     names = {name: name for name in services}  # each runs as the Compose service of its name
     services = {"corral": _corral(spec, dependencies), **services}
-    services["prometheus"] = _prometheus()
+    services["prometheus"] = _prometheus(_prometheus_config(spec))
     volumes: dict[str, Any] = {"corral-home": {}, "huggingface": {}}
     if "postgres" in services:
         volumes["postgres-data"] = {}
@@ -77,7 +82,7 @@ def render_compose(spec: ClusterSpec, source: str) -> dict[str, str]:
     return {
         "compose/compose.yaml": spec_yaml(document, header + "\nStart: docker compose -p corral up -d"),
         "compose/cluster.yaml": spec_yaml(_store_on_volume(spec, inner), running),
-        "compose/prometheus.yml": yaml.safe_dump(_prometheus_config(), sort_keys=False),
+        **_prometheus_files(spec, header),
     }
 
 
@@ -246,18 +251,41 @@ def _postgres(url: str) -> dict[str, Any]:
     }
 
 
-def _prometheus() -> dict[str, Any]:
-    return {
+def _prometheus(config: dict[str, Any]) -> dict[str, Any]:
+    """Prometheus (the `watch` profile) with its configuration, the rules and the credentials files it
+    names, each mounted beside prometheus.yml as in the compose/ folder (which promtool checks as is)."""
+    files = ["prometheus.yml", *config["rule_files"], *sorted(credentials_files(config))]
+    service: dict[str, Any] = {
         "image": "prom/prometheus:v2.53.0",
         "profiles": ["watch"],
-        "volumes": ["./prometheus.yml:/etc/prometheus/prometheus.yml:ro"],
+        "volumes": [f"./{name}:{_PROMETHEUS_HOME}/{name}:ro" for name in files],
         "ports": ["127.0.0.1:9090:9090"],
         "depends_on": ["corral"],
     }
+    if credentials_files(config):
+        # The credentials are the operator's files, readable by their owner only (as cluster.yaml, which
+        # corral's container reads as root); the image's user, nobody, could not read them.
+        service["user"] = "0:0"
+    return service
 
 
-def _prometheus_config() -> dict[str, Any]:
-    return {
-        "global": {"scrape_interval": "15s"},
-        "scrape_configs": [{"job_name": "corral", "static_configs": [{"targets": [f"corral:{_PORT}"]}]}],
+def _prometheus_config(spec: ClusterSpec) -> dict[str, Any]:
+    """`corral observe render`'s configuration as the container sees it: the gateway as the service
+    `corral` (the job its rules name, with the scraper's token or the admin key on a closed gateway), no
+    engines job (their addresses are the corral container's loopback) and dcgm-exporter on this host."""
+    return prometheus_config(
+        spec, Path(_RULES), gateway=f"corral:{_PORT}", engines=False, dcgm=f"{_HOST_SIDE}:9400"
+    )
+
+
+def _prometheus_files(spec: ClusterSpec, header: str) -> dict[str, str]:
+    """prometheus.yml, the alert rules and the scraper's token (where a job sends it), under compose/."""
+    config = _prometheus_config(spec)
+    comment = f"# {header}\n"
+    files = {
+        "compose/prometheus.yml": comment + yaml.safe_dump(config, sort_keys=False),
+        f"compose/{_RULES}": comment + yaml.safe_dump(rules_yaml(spec), sort_keys=False, width=200),
     }
+    if spec.gateway.metrics_token and METRICS_TOKEN_FILE in credentials_files(config):
+        files[f"compose/{METRICS_TOKEN_FILE}"] = spec.gateway.metrics_token
+    return files

@@ -177,7 +177,7 @@ def build_app(
 
     async def metrics_view(request: web.Request) -> web.Response:
         await scraper.check(request)
-        return web.Response(body=metrics.exposition(), content_type="text/plain", charset="utf-8")
+        return web.Response(body=await metrics.scrape(), content_type="text/plain", charset="utf-8")
 
     app.router.add_get("/metrics", metrics_view)
     # a closed gateway's document names no models: anyone may read it, and /v1/models answers keys only

@@ -2,27 +2,43 @@
 
 Per-request figures are counted as requests end; replica and queue state is read at scrape time. With
 several gateway workers (`gateway.workers`), every worker writes its figures to prometheus_client's
-multiprocess files and any worker's /metrics sums them; replica and queue gauges are then published by
-each worker once a second (in flight and queued summed over workers; ready and circuit state the highest).
+multiprocess files and any worker's /metrics sums them; each worker's own replica, queue and budget gauges
+are published once a second (state_metrics.PublishedState: in flight and queued summed over workers,
+circuit state and budgets the highest). Reading every worker's files takes long with many series (hundreds
+of milliseconds with thousands): /metrics and the console read them in a thread, one reading shared by
+concurrent callers and reused for a second (`scrape`, `models_summary`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable
+import logging
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics_core import Metric
 from prometheus_client.multiprocess import MultiProcessCollector
+from prometheus_client.registry import Collector
 
-from corral.gateway.state_metrics import WORKERS_OWN, BudgetsSpent, PublishedState, StateSeries
+from corral.gateway.state_metrics import BudgetsSpent, PublishedState, StateSeries
 from corral.routing import Router
 
-__all__ = ["GatewayMetrics", "ModelMetrics", "TenantMetrics", "UsageMetrics"]
+__all__ = [
+    "GatewayMetrics",
+    "ModelMetrics",
+    "SharedReading",
+    "TenantMetrics",
+    "UsageMetrics",
+    "WorkersReading",
+    "read_workers",
+]
 
+logger = logging.getLogger(__name__)
 
 # Past the top finite bucket histogram_quantile reports that bucket's bound, whatever the true figure: an
 # alert threshold at or above it would never fire (observe/rules.py clamps one to it, with a warning, and
@@ -36,6 +52,15 @@ _TOKEN_LATENCY = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0
 
 
 _STATE_INTERVAL_S = 1.0  # how often a worker publishes its replica and queue gauges
+_READING_REUSED_S = 1.0  # how long one reading of the workers' files serves /metrics and the console
+# The console's figures: sample name → (what, the label it is counted by)
+_SUMMARISED = {
+    "corral_requests_total": ("requests", "status"),
+    "corral_tokens_total": ("tokens", "kind"),
+    "corral_rejections_total": ("rejections", "reason"),
+    "corral_time_to_first_token_seconds_bucket": ("ttft", "le"),
+    "corral_inter_token_latency_seconds_bucket": ("itl", "le"),
+}
 
 
 class GatewayMetrics:
@@ -46,7 +71,10 @@ class GatewayMetrics:
         shared_dir: Path | None = None,
         budgets: BudgetsSpent | None = None,
         tenant_labels: bool = True,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """`shared_dir`: the workers' multiprocess folder (several gateway workers); `clock`: when a reading
+        of it was made (reused for a second)."""
         self._shared_dir = shared_dir
         self._tenant_labels = tenant_labels
         self._ticker: asyncio.Task[None] | None = None
@@ -223,53 +251,55 @@ class GatewayMetrics:
             self.cache_embed_errors.labels(reason)
         budgets = budgets if budgets is not None and tenant_labels else (lambda: [])
         self._state = StateSeries(router, queue_depths, budgets)
-        self._published = PublishedState(r) if shared_dir is not None else None
+        self._published = PublishedState(shared_dir) if shared_dir is not None else None
+        self._reading = SharedReading(shared_dir, clock) if shared_dir is not None else None
         self._models: dict[str, ModelMetrics] = {}
         self._tenants: dict[str, TenantMetrics] = {}
 
     def exposition(self) -> bytes:
-        """The text Prometheus scrapes: this process's figures, or all workers' summed."""
+        """The text Prometheus scrapes: this process's figures, or all workers' summed (read now, on the
+        caller's thread: the gateway's routes `await scrape()`)."""
         if self._shared_dir is None:
             return generate_latest(self.registry) + self._state.text()
-        return generate_latest(self._collected()) + self._state.text(leaving=WORKERS_OWN)
+        return read_workers(self._shared_dir).text + self._state_text()
 
-    def _collected(self) -> CollectorRegistry:
-        """This process's registry, or one that sums every worker's multiprocess files."""
-        if self._shared_dir is None:
-            return self.registry
-        registry = CollectorRegistry()
-        MultiProcessCollector(registry, str(self._shared_dir))  # type: ignore[no-untyped-call]
-        return registry
+    async def scrape(self) -> bytes:
+        """/metrics' body: with several workers, their files are read in a thread, once for concurrent
+        scrapes and console polls, and that reading serves for a second."""
+        if self._reading is None:
+            return self.exposition()
+        reading = await self._reading.get()
+        return reading.text + self._state_text()
+
+    def _state_text(self) -> bytes:
+        """The scrape-time families, this worker's own merged with the other workers' (several workers)."""
+        if self._published is None:
+            return self._state.text()
+        return self._state.text(self._published.merged(self._state.families()))
 
     def summary(self) -> dict[str, dict[str, Any]]:
         """Per model: requests by status, tokens by kind, refusals by reason and the TTFT/ITL histograms'
         cumulative bucket counts (the console turns two summaries into rates and percentiles)."""
-        registry = self._collected()
-        models: dict[str, dict[str, Any]] = {}
-        wanted = {
-            "corral_requests_total": ("requests", "status"),
-            "corral_tokens_total": ("tokens", "kind"),
-            "corral_rejections_total": ("rejections", "reason"),
-            "corral_time_to_first_token_seconds_bucket": ("ttft", "le"),
-            "corral_inter_token_latency_seconds_bucket": ("itl", "le"),
-        }
-        for family in registry.collect():
-            for sample in family.samples:
-                found = wanted.get(sample.name)
-                model = sample.labels.get("model")
-                if found is None or model is None:
-                    continue
-                kind, label = found
-                counts = models.setdefault(model, {}).setdefault(kind, {})
-                key = sample.labels[label]
-                counts[key] = counts.get(key, 0.0) + sample.value
-        return models
+        if self._shared_dir is None:
+            return summarise(self.registry.collect())
+        return read_workers(self._shared_dir).models
+
+    async def models_summary(self) -> tuple[float, dict[str, dict[str, Any]]]:
+        """`summary()` as the console asks for it, with when it was read (epoch seconds): with several
+        workers, from the shared reading (up to a second old, and the console's rates divide by the time
+        between two)."""
+        if self._reading is None:
+            return time.time(), self.summary()
+        reading = await self._reading.get()
+        return reading.at, reading.models
 
     def start(self) -> None:
         if self._published is not None:
             self._ticker = asyncio.create_task(self._publish_state(), name="metrics-state")
 
     async def stop(self) -> None:
+        if self._reading is not None:
+            await self._reading.stop()
         if self._ticker is not None:
             self._ticker.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -278,7 +308,10 @@ class GatewayMetrics:
     async def _publish_state(self) -> None:
         assert self._published is not None
         while True:
-            self._published.update(self._state.families())
+            try:
+                self._published.update(self._state.families())
+            except OSError as exc:  # (a full disk: the other workers' sums go without this one's, for now)
+                logger.warning("could not publish this worker's metrics: %s", exc)
             await asyncio.sleep(_STATE_INTERVAL_S)
 
     def api_finished(self, api: str, status: int) -> None:
@@ -305,6 +338,82 @@ class GatewayMetrics:
         if found is None:
             found = self._models[model] = ModelMetrics(self, model)
         return found
+
+
+def summarise(families: Iterable[Metric]) -> dict[str, dict[str, Any]]:
+    """Per model, the console's figures (`_SUMMARISED`) of `families`."""
+    models: dict[str, dict[str, Any]] = {}
+    for family in families:
+        for sample in family.samples:
+            found = _SUMMARISED.get(sample.name)
+            model = sample.labels.get("model")
+            if found is None or model is None:
+                continue
+            kind, label = found
+            counts = models.setdefault(model, {}).setdefault(kind, {})
+            key = sample.labels[label]
+            counts[key] = counts.get(key, 0.0) + sample.value
+    return models
+
+
+@dataclass(frozen=True)
+class WorkersReading:
+    """Every worker's multiprocess files, summed: the text /metrics serves and the console's summary, as
+    read at `at` (epoch seconds)."""
+
+    at: float
+    text: bytes
+    models: dict[str, dict[str, Any]]
+
+
+class _Read(Collector):
+    """Families already collected, for generate_latest."""
+
+    def __init__(self, families: list[Metric]) -> None:
+        self._families = families
+
+    def collect(self) -> Iterable[Metric]:
+        return self._families
+
+
+def read_workers(folder: Path) -> WorkersReading:
+    """Read and sum the workers' multiprocess files once (blocking: seconds of CPU with many series)."""
+    at = time.time()
+    collector = MultiProcessCollector(None, str(folder))  # type: ignore[no-untyped-call]
+    families = list(collector.collect())  # type: ignore[no-untyped-call]
+    return WorkersReading(at, generate_latest(_Read(families)), summarise(families))
+
+
+class SharedReading:
+    """The workers' files read in a thread: callers while a reading runs share it, and a reading serves
+    the callers of the next `reuse_s` seconds (per `clock`) after it ends."""
+
+    def __init__(self, folder: Path, clock: Callable[[], float], reuse_s: float = _READING_REUSED_S) -> None:
+        self._folder, self._clock, self._reuse_s = folder, clock, reuse_s
+        self._last: tuple[float, WorkersReading] | None = None
+        self._running: asyncio.Task[WorkersReading] | None = None
+
+    async def get(self) -> WorkersReading:
+        if self._last is not None and self._clock() - self._last[0] < self._reuse_s:
+            return self._last[1]
+        if self._running is None:
+            self._running = asyncio.create_task(self._read(), name="metrics-read")
+        # (a caller that leaves, such as a closed scrape, leaves the reading to the others)
+        return await asyncio.shield(self._running)
+
+    async def _read(self) -> WorkersReading:
+        try:
+            reading = await asyncio.to_thread(read_workers, self._folder)
+        finally:
+            self._running = None
+        self._last = (self._clock(), reading)
+        return reading
+
+    async def stop(self) -> None:
+        if self._running is not None:
+            self._running.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._running
 
 
 @dataclass(frozen=True)

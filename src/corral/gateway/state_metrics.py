@@ -3,38 +3,55 @@ load in one shape for every engine, queue depths and budget use.
 
 They are read from the live replica set when Prometheus scrapes and written straight to the text format
 (prometheus_client's generic renderer took ~50 ms for 8 models × 64 replicas, which the gateway's event
-loop would pay on every scrape; benchmarks/metrics_render.py). With several gateway workers they are published
-once a second as multiprocess gauges instead (`PublishedState`).
+loop would pay on every scrape; benchmarks/metrics_render.py). With several gateway workers, each worker's
+own part (`WORKERS_OWN`) is published once a second to a file of its own that the worker answering a scrape
+merges (`PublishedState`).
+
+Budgets: a tenant-admin may mint thousands of budgeted keys, and a series per key made that many series,
+dashboard lines and alerts. A key is exported on its own only from half its budget (the alert fires at
+0.9), and only the `BUDGET_KEYS_SHOWN` highest; every tenant's highest share is exported too.
 """
 
 from __future__ import annotations
 
+import heapq
+import operator
+import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import ClassVar
+from operator import itemgetter
+from pathlib import Path
 
-from prometheus_client import CollectorRegistry, Gauge
+import orjson
 
 from corral.routing import CircuitState, Router
 
-__all__ = ["WORKERS_OWN", "BudgetsSpent", "Family", "PublishedState", "StateSeries"]
+__all__ = [
+    "BUDGET_KEYS_SHOWN",
+    "BUDGET_SHOWN_FROM",
+    "WORKERS_OWN",
+    "BudgetsSpent",
+    "Family",
+    "PublishedState",
+    "StateSeries",
+]
 
 BudgetsSpent = Callable[[], list[tuple[str, str, float]]]  # (tenant, key id, share of the monthly budget)
+BUDGET_SHOWN_FROM = 0.5  # a key's own series from this share of its budget on (observe/rules.py: 0.9)
+BUDGET_KEYS_SHOWN = 50  # at most this many keys' own series: the highest shares
 
 _CIRCUIT = {CircuitState.CLOSED: 0, CircuitState.HALF_OPEN: 1, CircuitState.OPEN: 2}
+_KEY_BUDGET = "corral_key_budget_used_ratio"
+_TENANT_BUDGET = "corral_key_budget_used_max_ratio"
 # With several gateway workers, the families each worker knows its own part of (its requests in flight and
-# queued, its breakers, the budgets of the keys that asked it): published as multiprocess gauges, summed or
-# the highest. Every other family is the supervisor's snapshot, the same in every worker: the worker that
-# answers the scrape writes it itself, so a replica that left leaves the output (a multiprocess gauge
-# cannot be removed: it stayed at 0, "not ready", paging for a replica drained long ago).
+# queued, its breakers, the budgets of the keys that asked it), published by each worker and summed or the
+# highest. Every other family is the supervisor's snapshot, the same in every worker: the worker that
+# answers the scrape writes it itself, so a replica that left leaves the output.
 WORKERS_OWN = frozenset(
-    {
-        "corral_replica_outstanding",
-        "corral_queue_depth",
-        "corral_circuit_state",
-        "corral_key_budget_used_ratio",
-    }
+    {"corral_replica_outstanding", "corral_queue_depth", "corral_circuit_state", _KEY_BUDGET, _TENANT_BUDGET}
 )
+_SUMMED = frozenset({"corral_replica_outstanding", "corral_queue_depth"})  # the others: the highest
 _PER_REPLICA = ("model", "replica")
 _ENGINE_GAUGES = (
     ("running", "Sequences the engine is running (its own figure).", "running"),
@@ -91,12 +108,12 @@ class StateSeries:
         self._budgets = budgets
         self._quoted: dict[str, str] = {}  # label values repeat every scrape: quote each once
 
-    def text(self, leaving: frozenset[str] = frozenset()) -> bytes:
-        """The families in Prometheus's text format (those named in `leaving` left out)."""
+    def text(self, families: list[Family] | None = None) -> bytes:
+        """`families` (by default this gateway's, read now) in Prometheus's text format."""
         if len(self._quoted) > 65536:  # replicas and keys come and go: start over rather than grow
             self._quoted.clear()
-        families = self.families()
-        return "".join(f.text(self._quote) for f in families if f.name not in leaving).encode()
+        families = self.families() if families is None else families
+        return "".join(f.text(self._quote) for f in families).encode()
 
     def _quote(self, value: str) -> str:
         found = self._quoted.get(value)
@@ -108,14 +125,7 @@ class StateSeries:
         families = self._replica_families() + self._engine_families()
         depth = Family("corral_queue_depth", "gauge", "Requests waiting for a replica slot.", ("model",))
         depth.samples = [((model,), float(size)) for model, size in self._queue_depths().items()]
-        budget = Family(
-            "corral_key_budget_used_ratio",
-            "gauge",
-            "Share of a key's monthly token budget used (keys with a budget this gateway served).",
-            ("tenant", "key"),
-        )
-        budget.samples = [((tenant, key), ratio) for tenant, key, ratio in self._budgets()]
-        return [*families, depth, budget]
+        return [*families, depth, *budget_families(self._budgets())]
 
     def _replica_families(self) -> list[Family]:
         outstanding = Family(
@@ -171,41 +181,94 @@ class StateSeries:
         return [family for family, _ in fields]
 
 
+def budget_families(spent: list[tuple[str, str, float]]) -> list[Family]:
+    """The keys at `BUDGET_SHOWN_FROM` of their budget or more (the `BUDGET_KEYS_SHOWN` highest), and each
+    tenant's highest share."""
+    keys = Family(
+        _KEY_BUDGET,
+        "gauge",
+        f"Share of a key's monthly token budget used: keys with a budget this gateway served in the last "
+        f"day, from {BUDGET_SHOWN_FROM:g} of it on, the {BUDGET_KEYS_SHOWN} highest.",
+        ("tenant", "key"),
+    )
+    shown = (entry for entry in spent if entry[2] >= BUDGET_SHOWN_FROM)
+    keys.samples = [((t, k), r) for t, k, r in heapq.nlargest(BUDGET_KEYS_SHOWN, shown, key=itemgetter(2))]
+    tenants = Family(
+        _TENANT_BUDGET,
+        "gauge",
+        "The highest share of its monthly token budget any of the tenant's keys used (keys with a budget "
+        "this gateway served in the last day).",
+        ("tenant",),
+    )
+    highest: dict[str, float] = {}
+    for tenant, _, ratio in spent:
+        highest[tenant] = max(ratio, highest.get(tenant, ratio))
+    tenants.samples = [((tenant,), ratio) for tenant, ratio in highest.items()]
+    return [keys, tenants]
+
+
 class PublishedState:
-    """The scrape-time families as multiprocess gauges (several gateway workers), set once a second. A
-    counter is published as a gauge under its exposed name: it is the supervisor's count, the same in
-    every worker."""
+    """With several gateway workers: each worker's `WORKERS_OWN` families, shared through a file of its own
+    in the metrics folder (written once a second, replaced whole), merged by the worker answering a scrape.
+    A file not written for `FRESH_S` is a worker gone (or stuck): its figures leave the sum. (A
+    prometheus_client multiprocess gauge cannot remove a label set: a key, replica or queue that left stayed
+    at 0 for the worker's life.)"""
 
-    _MODES: ClassVar[dict[str, str]] = {
-        "corral_replica_outstanding": "livesum",
-        "corral_queue_depth": "livesum",
-    }  # the circuits and budgets: the highest of the live workers (a dead worker's last values leave with
-    # it; plain "max" kept them forever)
+    FRESH_S = 5.0
+    _GONE_S = 300.0  # a file this old is a dead worker's: removed
 
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self._gauges: dict[str, Gauge] = {}
-        self._registry = registry
-        self._set: dict[str, set[tuple[str, ...]]] = {}
+    def __init__(self, folder: Path, clock: Callable[[], float] = time.time) -> None:
+        self._folder = folder
+        self._clock = clock  # (epoch seconds: compared across the workers' processes)
+        self._file = folder / f"state_{os.getpid()}.json"
 
     def update(self, families: list[Family]) -> None:
+        """Publish this worker's part of `families`."""
+        own = {f.name: [[list(values), value] for values, value in f.samples] for f in families}
+        body = {name: samples for name, samples in own.items() if name in WORKERS_OWN}
+        partial = self._file.with_suffix(".part")
+        partial.write_bytes(orjson.dumps({"at": self._clock(), "families": body}))
+        os.replace(partial, self._file)  # (a reader sees the last whole file, never half of one)
+
+    def merged(self, families: list[Family]) -> list[Family]:
+        """`families`, this worker's as read now, with its `WORKERS_OWN` ones merged with every other live
+        worker's: summed (in flight, queued) or the highest (circuits, budgets). A replica's series are
+        those of the replicas this worker knows (the supervisor's snapshot)."""
+        others = self._others()
+        out = []
         for family in families:
-            if family.name not in WORKERS_OWN:  # (the snapshot's: written by the worker answering)
+            if family.name not in WORKERS_OWN:
+                out.append(family)
                 continue
-            gauge = self._gauges.get(family.name)
-            if gauge is None:
-                if not family.samples:
-                    continue
-                gauge = self._gauges[family.name] = Gauge(
-                    family.name,
-                    family.doc,
-                    list(family.labels),
-                    registry=self._registry,
-                    multiprocess_mode=self._MODES.get(family.name, "livemax"),  # type: ignore[arg-type]
-                )
-            now = set()
-            for values, value in family.samples:
-                gauge.labels(*values).set(value)
-                now.add(values)
-            for gone in self._set.get(family.name, set()) - now:  # a replica or queue that left: 0
-                gauge.labels(*gone).set(0)
-            self._set[family.name] = now
+            values = dict(family.samples)
+            combine = operator.add if family.name in _SUMMED else max
+            for published in others:
+                for labels, value in published.get(family.name, []):
+                    key = tuple(labels)
+                    values[key] = combine(values[key], value) if key in values else value
+            if family.labels[-1:] == ("replica",):
+                values = {key: values[key] for key, _ in family.samples}
+            merged = Family(family.name, family.kind, family.doc, family.labels, list(values.items()))
+            if family.name == _KEY_BUDGET:  # (the highest of all workers' highest)
+                spent = [(t, k, r) for (t, k), r in merged.samples]
+                merged.samples = budget_families(spent)[0].samples
+            out.append(merged)
+        return out
+
+    def _others(self) -> list[dict[str, list[tuple[list[str], float]]]]:
+        """The families every other worker published within `FRESH_S`."""
+        found = []
+        now = self._clock()
+        for path in self._folder.glob("state_*.json"):
+            if path == self._file:
+                continue
+            try:
+                published = orjson.loads(path.read_bytes())
+            except (OSError, orjson.JSONDecodeError):  # (removed meanwhile: a worker gone)
+                continue
+            age = now - float(published["at"])
+            if age <= self.FRESH_S:
+                found.append(published["families"])
+            elif age > self._GONE_S:
+                path.unlink(missing_ok=True)
+        return found

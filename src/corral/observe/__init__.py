@@ -15,9 +15,12 @@ from corral.observe.rules import RUNBOOK, AlertRule, alert_rules, rules_yaml
 
 __all__ = [
     "DASHBOARDS",
+    "GATEWAY_JOB",
+    "METRICS_TOKEN_FILE",
     "AlertRule",
     "PanelQuery",
     "alert_rules",
+    "credentials_files",
     "dashboard_json",
     "panel_queries",
     "prometheus_config",
@@ -34,10 +37,22 @@ def _on_gpus(spec: ClusterSpec) -> bool:
     return any(d.engine == "vllm" and d.device == "gpu" for m in spec.models for d in m.deployments)
 
 
-def prometheus_config(spec: ClusterSpec, rules: Path, scrape_interval: str = "15s") -> dict[str, Any]:
+def prometheus_config(
+    spec: ClusterSpec,
+    rules: Path,
+    scrape_interval: str = "15s",
+    *,
+    gateway: str | None = None,
+    engines: bool = True,
+    dcgm: str = "127.0.0.1:9400",
+) -> dict[str, Any]:
     """Scrape the gateway (its /metrics carries every replica's engine load as corral series), the engines
-    directly through the gateway's HTTP service discovery, and dcgm-exporter on GPU deployments."""
-    gateway = spec.gateway.address_from_here()
+    directly through the gateway's HTTP service discovery, and dcgm-exporter on GPU deployments.
+
+    `gateway`: its address as Prometheus reaches it (default: from this host); `engines`: False where the
+    replicas' addresses, loopback ones of the gateway's host, are out of Prometheus's reach (a container);
+    `dcgm`: dcgm-exporter's address. Credentials files are named relative to prometheus.yml."""
+    gateway = gateway or spec.gateway.address_from_here()
     scheme = "https" if spec.gateway.tls is not None else "http"
     discovery: dict[str, Any] = {"url": f"{scheme}://{gateway}/corral/sd", "refresh_interval": "30s"}
     if not spec.auth.open or spec.auth.admin_key:
@@ -61,11 +76,13 @@ def prometheus_config(spec: ClusterSpec, rules: Path, scrape_interval: str = "15
         # A private CA (`corral deploy certs`): its ca.crt beside prometheus.yml; a public one needs none.
         gateway_job["tls_config"] = {"ca_file": "ca.crt"}
         discovery["tls_config"] = {"ca_file": "ca.crt"}
-    jobs: list[dict[str, Any]] = [gateway_job, {"job_name": "corral-engines", "http_sd_configs": [discovery]}]
+    jobs: list[dict[str, Any]] = [gateway_job]
+    if engines:
+        jobs.append({"job_name": "corral-engines", "http_sd_configs": [discovery]})
     if _on_gpus(spec):
         # dcgm-exporter on each GPU node (default port 9400, run with `-f` COUNTERS_FILE); list every
         # node's address here.
-        jobs.append({"job_name": "dcgm", "static_configs": [{"targets": ["127.0.0.1:9400"]}]})
+        jobs.append({"job_name": "dcgm", "static_configs": [{"targets": [dcgm]}]})
     return {
         "global": {"scrape_interval": scrape_interval, "evaluation_interval": scrape_interval},
         "rule_files": [str(rules)],
@@ -73,7 +90,7 @@ def prometheus_config(spec: ClusterSpec, rules: Path, scrape_interval: str = "15
     }
 
 
-def _credentials_files(config: dict[str, Any]) -> set[str]:
+def credentials_files(config: dict[str, Any]) -> set[str]:
     """The files the scrape jobs of a Prometheus configuration read their bearer credentials from."""
     found = set()
     for job in config["scrape_configs"]:
@@ -132,7 +149,7 @@ def render_observability(
     }
     if _on_gpus(spec):
         files[COUNTERS_FILE] = counters_csv()  # dcgm-exporter's stock fields lack the ECC and throttling ones
-    if spec.gateway.metrics_token and METRICS_TOKEN_FILE in _credentials_files(prometheus):
+    if spec.gateway.metrics_token and METRICS_TOKEN_FILE in credentials_files(prometheus):
         # (also for an open gateway with an admin key: its replica list, /corral/sd, asks for the token)
         files[f"prometheus/{METRICS_TOKEN_FILE}"] = spec.gateway.metrics_token
     for board in DASHBOARDS:

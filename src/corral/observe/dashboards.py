@@ -289,10 +289,18 @@ _TENANTS = _Dashboard(
                     ],
                 ),
                 _Panel(
-                    "Monthly budget used per key",
+                    "Monthly budget used, highest key per tenant",
                     "percentunit",
-                    [(f"corral_key_budget_used_ratio{{{_T}}}", "{{tenant}} {{key}}")],
-                    "Keys with a monthly token budget that this gateway has served.",
+                    [(f"max by (tenant) (corral_key_budget_used_max_ratio{{{_T}}})", "{{tenant}}")],
+                    "The highest share of its monthly token budget any of the tenant's keys has used (keys "
+                    "with a budget the gateways served in the last day).",
+                ),
+                _Panel(
+                    "Keys past half their monthly budget",
+                    "percentunit",
+                    [(f"max by (tenant, key) (corral_key_budget_used_ratio{{{_T}}})", "{{tenant}} {{key}}")],
+                    "Each key from half its budget on, at most the 50 highest per gateway (a tenant may have "
+                    "thousands of keys); CorralTenantBudgetNearlySpent fires at 90%.",
                 ),
             ],
         )

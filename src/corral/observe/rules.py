@@ -50,6 +50,7 @@ class AlertRule:
     severity: str
     summary: str
     group: str = "corral"
+    labels: tuple[tuple[str, str], ...] = ()  # set on each alert, beside its severity
 
     def as_dict(self, runbook: str) -> dict[str, object]:
         """The rule for Prometheus; `runbook`: the runbook's absolute URL."""
@@ -58,7 +59,7 @@ class AlertRule:
             "alert": self.name,
             "expr": self.expr,
             "for": self.duration,
-            "labels": {"severity": self.severity},
+            "labels": {**dict(self.labels), "severity": self.severity},
             "annotations": {"summary": self.summary, "runbook_url": link},
         }
 
@@ -119,11 +120,14 @@ def _availability_rules(spec: ClusterSpec) -> list[AlertRule]:
     return rules
 
 
-def _p95_over(metric: str, bound: float, what: str, selector: str = "") -> tuple[str, str]:
-    """The PromQL of `metric`'s p95 over `bound`, and what a summary adds to the bound. A bound at or above
-    the histogram's top finite bucket is clamped to it, with a warning: the p95 never reads more, so the
-    rule would never fire; at the top bucket it fires once the p95 is past it, before `bound`."""
-    quantile = f"histogram_quantile(0.95, sum by (model, le) (rate({metric}_bucket{selector}[5m])))"
+def _p95_over(
+    metric: str, bound: float, what: str, selector: str = "", by: str = "model, le"
+) -> tuple[str, str]:
+    """The PromQL of `metric`'s p95 (of the series `selector` picks, summed `by`) over `bound`, and what a
+    summary adds to the bound. A bound at or above the histogram's top finite bucket is clamped to it, with
+    a warning: the p95 never reads more, so the rule would never fire; at the top bucket it fires once the
+    p95 is past it, before `bound`."""
+    quantile = f"histogram_quantile(0.95, sum by ({by}) (rate({metric}_bucket{selector}[5m])))"
     top = TOP_BUCKET_S[metric]
     if bound < top:
         return f"{quantile} > {bound:g}", ""
@@ -294,10 +298,14 @@ def _limiter_rule(spec: ClusterSpec) -> AlertRule:
 
 
 def _slo_rules(spec: ClusterSpec) -> list[AlertRule]:
+    """A model's TTFT/ITL p95 over its SLO. The gateway labels an adapter's requests with the adapter's
+    name; they run on the model's replicas, so they count towards its SLO (one p95 over all of them)."""
     rules = []
     for model in spec.models:
         if model.slo is None:
             continue
+        names = [model.name, *(adapter.name for adapter in model.adapters)]
+        selector = f'{{model="{model.name}"}}' if len(names) == 1 else f'{{model=~"{_any_of(names)}"}}'
         for kind, metric, bound in (
             ("TTFT", "corral_time_to_first_token_seconds", model.slo.ttft_p95),
             ("ITL", "corral_inter_token_latency_seconds", model.slo.itl_p95),
@@ -305,7 +313,7 @@ def _slo_rules(spec: ClusterSpec) -> list[AlertRule]:
             if bound is None:
                 continue
             expr, clamped = _p95_over(
-                metric, bound, f"model {model.name!r}'s slo.{kind.lower()}_p95", f'{{model="{model.name}"}}'
+                metric, bound, f"model {model.name!r}'s slo.{kind.lower()}_p95", selector, by="le"
             )
             rules.append(
                 AlertRule(
@@ -315,6 +323,7 @@ def _slo_rules(spec: ClusterSpec) -> list[AlertRule]:
                     "warning",
                     f"{model.name}: {kind} p95 {{{{ $value | humanizeDuration }}}} is over its SLO of "
                     f"{bound:g} s{clamped}.",
+                    labels=(("model", model.name),),
                 )
             )
     return rules

@@ -8,7 +8,6 @@ gateway's own scripts, styles and requests, and that no other page may frame.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 from aiohttp import web
@@ -70,4 +69,5 @@ class ConsoleViews:
     async def data(self, request: web.Request) -> web.Response:
         """Cumulative counters and histogram buckets per model (admin only)."""
         await self._admin.check(request)
-        return web.json_response({"time": time.time(), "models": self._metrics.summary()})
+        at, models = await self._metrics.models_summary()
+        return web.json_response({"time": at, "models": models})
