@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import Engine, create_engine, event, text
+from sqlalchemy import Engine, create_engine, event, inspect, text
 from sqlalchemy.exc import DBAPIError
 
 from corral.store import InvalidKey, KeyStore, KeyUpdate, UsageRecord, UsageStore, hash_key, open_database
@@ -300,3 +300,48 @@ async def test_the_admin_api_refuses_a_limit_beyond_its_column_with_400(
         assert status == 400 and refused["error"]["param"] == "rpm", refused
     finally:
         await server.stop()
+
+
+def test_a_keys_makers_and_the_use_of_the_keys_below_it_are_found(engine: Engine) -> None:
+    """Up a key's chain of makers (a revoked one too), and down it for a budget's month: the use of the
+    keys a key made and of theirs, not of its tenant's other keys; `oidc:<tenant>` heads a chain too."""
+    keys, usage = KeyStore(engine), UsageStore(engine)
+    tenant = f"t-{uuid.uuid4().hex[:8]}"
+    _, top = keys.create(tenant, role="tenant-admin")
+    _, middle = keys.create(tenant, role="tenant-admin", parent=top.id)
+    _, below = keys.create(tenant, parent=middle.id)
+    _, other = keys.create(tenant)
+    _, signed_in = keys.create(tenant, parent=f"oidc:{tenant}")
+    keys.revoke(top.id)
+    now = datetime.now(UTC)
+    used = {top.id: 1, middle.id: 10, below.id: 100, other.id: 1000, signed_in.id: 5, f"oidc:{tenant}": 7}
+    usage.write([UsageRecord(now, key, tenant, "m", 0, n, None, 1.0, 200, None) for key, n in used.items()])
+    assert [record.id for record in keys.ancestors(below.parent)] == [middle.id, top.id]
+    assert keys.ancestors(signed_in.parent) == [] and keys.get(below.id).parent == middle.id  # type: ignore[union-attr]
+    assert keys.family_month_tokens(top.id) == 111 and keys.family_month_tokens(middle.id) == 110
+    assert keys.family_month_tokens(f"oidc:{tenant}") == 12 and keys.family_month_tokens(other.id) == 1000
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgresql"])
+def test_a_store_made_before_parents_gains_the_column_and_its_index(
+    kind: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    old_db = f"sqlite:///{tmp_path / 'old.db'}"
+    url = old_db if kind == "sqlite" else request.getfixturevalue("fresh_postgres")
+    engine = open_database(url)
+    _, old = KeyStore(engine).create("acme", rpm=5)
+    with engine.begin() as connection:  # as an earlier corral made it: no column, no index
+        connection.execute(text("DROP INDEX IF EXISTS ix_corral_api_keys_parent"))
+        connection.execute(text("ALTER TABLE corral_api_keys DROP COLUMN parent"))
+    engine.dispose()
+    engine = open_database(url)
+    try:
+        keys = KeyStore(engine)
+        found = keys.get(old.id)
+        assert found is not None and (found.rpm, found.parent) == (5, None)  # (as an admin made it)
+        _, made = keys.create("acme", parent=old.id)
+        assert keys.get(made.id).parent == old.id  # type: ignore[union-attr]
+        indexes = {index["name"] for index in inspect(engine).get_indexes("corral_api_keys")}
+        assert "ix_corral_api_keys_parent" in indexes
+    finally:
+        engine.dispose()

@@ -13,6 +13,12 @@ with Retry-After (`store_unavailable`), never a 500. A key revoked during the ou
 only once the store answers again (the revocation itself needs the store); a key's expiry, and a
 rotated-out secret's grace period, still end on time. A query's own error (a bug) is not taken for an
 outage (`store_is_down`).
+
+A key a tenant-admin made is limited by its maker too: the keys above it (its `parent`, that key's parent,
+up to `MAX_GENERATIONS`; revoked or expired ones included: their limits, not their access) are looked up
+with it, in the same thread, and kept in the cache with it as its principal's `parents`; a key made by a
+signed-in tenant-admin has its tenant's signed-in people (`oidc:<tenant>`, `auth.oidc.tenants`) above it.
+The gateway counts each request against each of them as well (gateway/above.py, budget.py).
 """
 
 from __future__ import annotations
@@ -27,11 +33,21 @@ from typing import TYPE_CHECKING
 
 from corral.protocol import PermissionDenied, StoreUnavailable, Unauthorized
 from corral.store import PRIORITIES, KeyRecord, KeyStore, hash_key, store_is_down
+from corral.store.keys import MAX_GENERATIONS
 
 if TYPE_CHECKING:
     from corral.admission.oidc import OIDCVerifier
 
-__all__ = ["ANONYMOUS", "SIGNED_IN", "Authenticator", "Principal", "looks_like_jwt", "token_digest"]
+__all__ = [
+    "ANONYMOUS",
+    "SIGNED_IN",
+    "Authenticator",
+    "Principal",
+    "looks_like_jwt",
+    "parents_of",
+    "token_digest",
+    "whose",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +73,8 @@ class Principal:
     role: str = "user"  # what it may do beyond inference (gateway/access.py)
     expires_at: float | None = None  # epoch seconds; None: never
     subject: str | None = None  # who signed in (a token from the identity provider), for the audit trail
+    # the keys above it, nearest first (its maker, that one's maker, ...): their limits hold over it too
+    parents: tuple[Principal, ...] = ()
 
     def check_model(self, model: str) -> None:
         if self.models and model not in self.models:
@@ -65,7 +83,7 @@ class Principal:
             )
 
     @classmethod
-    def of(cls, record: KeyRecord) -> Principal:
+    def of(cls, record: KeyRecord, parents: tuple[Principal, ...] = ()) -> Principal:
         return cls(
             record.id,
             record.tenant,
@@ -79,6 +97,7 @@ class Principal:
             record.max_file_bytes,
             record.role,
             record.expires_at.timestamp() if record.expires_at is not None else None,
+            parents=parents,
         )
 
 
@@ -125,7 +144,7 @@ class Authenticator:
             principal = cached[0]
         else:
             try:
-                record = await asyncio.to_thread(self._keys.by_secret_hash, key_hash)
+                record, ancestors = await asyncio.to_thread(self._look_up, key_hash)
             except Exception as exc:
                 if not store_is_down(exc):
                     raise
@@ -137,7 +156,7 @@ class Authenticator:
                 if record is None:
                     principal = ANONYMOUS if self._open else None  # open access: any placeholder key will do
                 else:
-                    principal = Principal.of(record) if record.revoked_at is None else None
+                    principal = self._principal(record, ancestors) if record.revoked_at is None else None
                 found = record is not None and record.revoked_at is None
                 self._cache.pop(key_hash, None)
                 self._misses.pop(key_hash, None)
@@ -148,6 +167,18 @@ class Authenticator:
         if principal.expires_at is not None and principal.expires_at <= time.time():
             raise Unauthorized("This API key has expired.", code="expired_api_key")
         return principal
+
+    def _look_up(self, key_hash: str) -> tuple[KeyRecord | None, list[KeyRecord]]:
+        """The key whose secret this is, and the keys above it (blocking: run off the loop)."""
+        record = self._keys.by_secret_hash(key_hash)
+        if record is None or record.parent is None or record.revoked_at is not None:
+            return record, []
+        return record, self._keys.ancestors(record.parent)
+
+    def _principal(self, record: KeyRecord, ancestors: list[KeyRecord]) -> Principal:
+        if record.parent is None:
+            return Principal.of(record)
+        return Principal.of(record, parents_of(record, ancestors, self.oidc))
 
     def _as_last_found(
         self,
@@ -182,6 +213,32 @@ class Authenticator:
         principal = self.oidc.principal(await self.oidc.claims(token))
         _remember(self._cache, digest, (principal, time.monotonic() + self._ttl), self._max)
         return principal
+
+
+def parents_of(
+    record: KeyRecord, ancestors: list[KeyRecord], oidc: OIDCVerifier | None
+) -> tuple[Principal, ...]:
+    """The principals above a key (`ancestors`: `KeyStore.ancestors(record.parent)`): the keys that made
+    it, nearest first, and (where a signed-in tenant-admin made the topmost) its tenant's signed-in people."""
+    parents = [Principal.of(ancestor) for ancestor in ancestors]
+    top = ancestors[-1].parent if ancestors else record.parent
+    if top is not None and top.startswith(SIGNED_IN) and len(parents) < MAX_GENERATIONS:
+        signed_in = oidc.signed_in(top.removeprefix(SIGNED_IN)) if oidc is not None else None
+        if signed_in is not None:  # (a tenant taken out of auth.oidc.tenants since: its keys' own limits)
+            parents.append(signed_in)
+    return tuple(parents)
+
+
+def whose(principal: Principal, above: Principal) -> str:
+    """How a refusal names `above`, one of the principals above `principal` (never by its secret)."""
+    if above.key_id is not None and above.key_id.startswith(SIGNED_IN):
+        return f"the signed-in people of tenant '{above.tenant}' (shared with the keys they created)"
+    generation = next((i for i, parent in enumerate(principal.parents) if parent is above), 0)
+    if generation == 0:
+        return "the key that created this one (shared by all the keys it created)"
+    if generation == 1:
+        return "the key that created this key's creator (shared by all the keys below it)"
+    return f"a key {generation + 1} generations above this one (shared by all the keys below it)"
 
 
 def looks_like_jwt(token: str) -> bool:

@@ -16,6 +16,13 @@ sent again once Redis answers, and Redis takes a hold's settlement once.
 
 A key's figures are of one calendar month (UTC): when the month turns, what was read and settled in the
 last one is forgotten, and the new month's use is read from the store.
+
+A key a tenant-admin made spends its makers' budgets too (`Principal.parents`, admission/auth.py): each
+request is checked, reserved and settled against the budget of every key above it that has one, under that
+key's own figures, so the keys a tenant-admin makes together never spend more than its own budget. A
+tenant-admin's month (and a tenant's signed-in people's, `oidc:<tenant>`) is read from the store as the use
+of its keys and every key below it (`KeyStore.family_month_tokens`, where the tracker is given the key
+store).
 """
 
 from __future__ import annotations
@@ -28,14 +35,14 @@ import math
 import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from functools import partial
 
-from corral.admission.auth import Principal
+from corral.admission.auth import SIGNED_IN, Principal, whose
 from corral.admission.owed import Owed
 from corral.protocol import NoCapacity, RateLimited
-from corral.store import StoreError, UsageRecord, UsageStore
+from corral.store import KeyStore, StoreError, UsageRecord, UsageStore
 
 __all__ = ["BudgetHold", "BudgetTracker", "SharedBudgets"]
 
@@ -65,6 +72,8 @@ class BudgetHold:
     entry: str | None = None
     month: str = ""
     shared: SharedBudgets | None = field(default=None, repr=False, compare=False)  # where `entry` is
+    # the holds of the keys above the request's (their ids), settled with it
+    above: tuple[tuple[str, BudgetHold], ...] = field(default=(), repr=False, compare=False)
 
 
 _RESERVE = """
@@ -235,8 +244,10 @@ class BudgetTracker:
         refresh_s: float = 30.0,
         shared: SharedBudgets | None = None,
         month: Callable[[], str] | None = None,
+        keys: KeyStore | None = None,
     ) -> None:
         self._usage = usage
+        self._keys = keys  # a tenant-admin's month: its keys' and theirs (without it: its own key's)
         self._refresh = refresh_s
         self._shared = shared
         self._month = month or _month
@@ -247,20 +258,30 @@ class BudgetTracker:
         self._reserved: dict[str, int] = {}  # key id → tokens requests in flight here have reserved
         # key id → (tenant, monthly budget, month "YYYY-MM", last checked (monotonic s))
         self._budgets: dict[str, tuple[str, int, str, float]] = {}
+        self._parents_of: dict[str, tuple[str, ...]] = {}  # key id → the budgeted keys above it it settled to
         self._settling: set[asyncio.Task[None]] = set()
         self._retired: list[SharedBudgets] = []  # replaced by `share`: closed with this
         self._redis_down_logged = 0.0
 
     async def reserve(
-        self, principal: Principal, tokens: int, prompt: int = 0, open_ended: bool = False
+        self,
+        principal: Principal,
+        tokens: int,
+        prompt: int = 0,
+        open_ended: bool = False,
+        named: str | None = None,
     ) -> BudgetHold | None:
         """Reserve `tokens` of the key's monthly budget for a request (its `prompt`'s estimate and its
-        output: max_tokens, or all the model may generate when `open_ended`); the hold (None for a key
-        without a budget) is handed back to `settle`. Raises RateLimited, saying what would fit."""
+        output: max_tokens, or all the model may generate when `open_ended`), and of each budget above it;
+        the hold (None where none has a budget) is handed back to `settle`. Raises RateLimited, saying
+        whose budget (`named`: how it names this one, where it is a key above the request's) and what
+        would fit."""
+        if principal.parents:
+            return await self._reserve_above(principal, tokens, prompt, open_ended)
         budget, key = principal.monthly_token_budget, principal.key_id
         if budget is None or key is None:
             return None
-        month, known = await self._month_tokens(key)
+        month, known = await self._month_tokens(key, _has_family(principal))
         self._budgets[key] = (principal.tenant, budget, month, time.monotonic())
         shared = self._shared
         if shared is not None:
@@ -275,31 +296,71 @@ class BudgetTracker:
                 self._redis_down(exc)
             else:
                 if not ok:
-                    raise _refusal(used, budget, tokens, prompt, open_ended, held)
+                    raise _refusal(used, budget, tokens, prompt, open_ended, held, named)
                 return BudgetHold(tokens, entry, month, shared)
         held = self._reserved.get(key, 0)
         used = known + held  # (no await after this read)
         if used + tokens > budget:
-            raise _refusal(used, budget, tokens, prompt, open_ended, held)
+            raise _refusal(used, budget, tokens, prompt, open_ended, held, named)
         self._reserved[key] = self._reserved.get(key, 0) + tokens
         return BudgetHold(tokens)
 
-    async def check(self, principal: Principal) -> None:
+    async def _reserve_above(
+        self, principal: Principal, tokens: int, prompt: int, open_ended: bool
+    ) -> BudgetHold | None:
+        """`reserve` of the key's budget and of each key's above it; where one refuses (or the store is
+        down, or the client leaves), what was reserved before it is released."""
+        held: list[tuple[Principal, BudgetHold]] = []
+        own = await self.reserve(replace(principal, parents=()), tokens, prompt, open_ended)
+        try:
+            for parent in principal.parents:
+                hold = await self.reserve(parent, tokens, prompt, open_ended, whose(principal, parent))
+                if hold is not None:
+                    held.append((parent, hold))
+        except BaseException:  # (nothing runs)
+            for holder, hold in [(principal, own), *held]:
+                self._settle(holder, 0, hold)
+            raise
+        if not held:
+            return own
+        return replace(own or BudgetHold(0), above=tuple((str(p.key_id), hold) for p, hold in held))
+
+    async def check(self, principal: Principal, named: str | None = None) -> None:
         """Raise RateLimited where the key's budget is already spent as this gateway knows it (the store's
         month, re-read every `refresh_s`, with its own holds; other gateways' Redis holds are not seen, so
         it refuses less than `reserve`, never more), reserving nothing: a long prompt's key is refused
-        before the prompt is counted. `reserve` decides exactly."""
+        before the prompt is counted. `reserve` decides exactly. The budgets above it likewise (`named`:
+        how a refusal names this one, where it is a key above the request's)."""
+        if principal.parents:
+            await self.check(replace(principal, parents=()))
+            for parent in principal.parents:
+                await self.check(parent, whose(principal, parent))
+            return
         budget, key = principal.monthly_token_budget, principal.key_id
         if budget is None or key is None:
             return
-        _, known = await self._month_tokens(key)
+        _, known = await self._month_tokens(key, _has_family(principal))
         held = self._reserved.get(key, 0)
         used = known + held
         if used >= budget:
-            raise _refusal(used, budget, 1, 0, False, held)
+            raise _refusal(used, budget, 1, 0, False, held, named)
 
     def settle(self, principal: Principal, tokens: int, hold: BudgetHold | None = None) -> None:
-        """A request ended having used `tokens`: its reservation (`hold`) is released."""
+        """A request ended having used `tokens`: its reservation (`hold`) is released, and the tokens
+        counted against each budget above it too."""
+        self._settle(principal, tokens, hold)
+        if not principal.parents:
+            return
+        above = dict(hold.above) if hold is not None else {}
+        budgeted = []
+        for parent in principal.parents:
+            if parent.monthly_token_budget is not None and parent.key_id is not None:
+                self._settle(parent, tokens, above.get(parent.key_id))
+                budgeted.append(parent.key_id)
+        if principal.key_id is not None and budgeted:  # (its usage records, once written, are theirs too)
+            self._parents_of[principal.key_id] = tuple(budgeted)
+
+    def _settle(self, principal: Principal, tokens: int, hold: BudgetHold | None) -> None:
         key = principal.key_id
         if principal.monthly_token_budget is None or key is None:
             return
@@ -340,12 +401,14 @@ class BudgetTracker:
     def written(self, records: Sequence[UsageRecord]) -> None:
         """The usage recorder wrote these records to the store."""
         for record in records:
-            key = record.key_id
-            if key is None or key not in self._unwritten or self._month_of.get(key) != _month_at(record.at):
-                continue  # (a record of a month past: what this gateway settled then is forgotten)
+            if record.key_id is None:
+                continue
             tokens = record.input_tokens + record.output_tokens
-            self._unwritten[key] = max(0, self._unwritten[key] - tokens)
-            self._written_since_read[key] = self._written_since_read.get(key, 0) + tokens
+            for key in (record.key_id, *self._parents_of.get(record.key_id, ())):  # (its makers' too)
+                if key not in self._unwritten or self._month_of.get(key) != _month_at(record.at):
+                    continue  # (a record of a month past: what this gateway settled then is forgotten)
+                self._unwritten[key] = max(0, self._unwritten[key] - tokens)
+                self._written_since_read[key] = self._written_since_read.get(key, 0) + tokens
 
     def spent(self) -> list[tuple[str, str, float]]:
         """(tenant, key id, share of the monthly budget used) for each budgeted key that asked this
@@ -389,19 +452,20 @@ class BudgetTracker:
         if key in self._used:
             self._used[key] = (0, -math.inf)
 
-    async def _month_tokens(self, key: str) -> tuple[str, int]:
-        """(this month, the key's use in it as this gateway knows it)."""
+    async def _month_tokens(self, key: str, family: bool = False) -> tuple[str, int]:
+        """(this month, the key's use in it as this gateway knows it); `family`: with the keys below it."""
         month = self._month()
         self._in_month(key, month)
         cached = self._used.get(key)
         now = time.monotonic()
         if cached is None or now - cached[1] > self._refresh:
             before = self._written_since_read.pop(key, 0)  # written before the read began: it counts them
+            read = self._keys.family_month_tokens if family and self._keys else self._usage.month_tokens
             try:
-                stored = await asyncio.to_thread(self._usage.month_tokens, key)
+                stored = await asyncio.to_thread(read, key)
             except StoreError as exc:
                 if self._month() != month:  # (the month turned meanwhile)
-                    return await self._month_tokens(key)
+                    return await self._month_tokens(key, family)
                 self._written_since_read[key] = self._written_since_read.get(key, 0) + before
                 if cached is None:  # nothing known of this key's month: it cannot be checked
                     raise NoCapacity(
@@ -413,7 +477,7 @@ class BudgetTracker:
                 self._used[key] = (cached[0], now)  # asked again after refresh_s, not on every request
                 return month, self._known(key)
             if self._month() != month:  # the month turned during the read: which one it counted is unknown
-                return await self._month_tokens(key)
+                return await self._month_tokens(key, family)
             self._used[key] = (stored, now)
         return month, self._known(key)
 
@@ -426,6 +490,11 @@ class BudgetTracker:
             )
 
 
+def _has_family(principal: Principal) -> bool:
+    """Whether keys may be below it: a tenant-admin's key, a tenant's signed-in people (`oidc:<tenant>`)."""
+    return principal.role == "tenant-admin" or (principal.key_id or "").startswith(SIGNED_IN)
+
+
 def _month_at(at: datetime) -> str:
     return at.astimezone(UTC).strftime("%Y-%m") if at.tzinfo is not None else at.strftime("%Y-%m")
 
@@ -434,11 +503,20 @@ _HELD_RETRY_S = 5.0  # a refusal that in-flight holds alone cause: they settle w
 
 
 def _refusal(
-    used: int, budget: int, tokens: int, prompt: int, open_ended: bool, held: int = 0
+    used: int,
+    budget: int,
+    tokens: int,
+    prompt: int,
+    open_ended: bool,
+    held: int = 0,
+    whose: str | None = None,
 ) -> RateLimited:
+    """`whose`: the budget's, where it is not the request's key's (a key above it)."""
+    holder = "This key" if whose is None else whose[0].upper() + whose[1:]
     if held and used - held + tokens <= budget:  # it fits once the key's requests in flight settle
+        flight = "This key's requests in flight" if whose is None else f"The requests in flight under {whose}"
         return RateLimited(
-            f"This key's requests in flight hold {held:,} of its {budget:,} tokens this month; this request "
+            f"{flight} hold {held:,} of its {budget:,} tokens this month; this request "
             f"may need {tokens:,}, which fits once they end and give back what they did not use.",
             code="insufficient_quota",
             retry_after=_HELD_RETRY_S,
@@ -450,7 +528,7 @@ def _refusal(
     left = max(0, budget - used)
     if left == 0:  # (nothing fits, whatever the request)
         return RateLimited(
-            f"This key has used or reserved all {budget:,} of its tokens this month ({used:,}).",
+            f"{holder} has used or reserved all {budget:,} of its tokens this month ({used:,}).",
             code="insufficient_quota",
             retry_after=(next_month - now).total_seconds(),
         )
@@ -461,7 +539,7 @@ def _refusal(
         else "Its prompt alone needs more than is left."
     )
     return RateLimited(
-        f"This key has used or reserved {used:,} of its {budget:,} tokens this month ({left:,} left); this "
+        f"{holder} has used or reserved {used:,} of its {budget:,} tokens this month ({left:,} left); this "
         f"request may need {tokens:,}: its prompt (about {prompt:,}) and {output}. {advice}",
         code="insufficient_quota",
         retry_after=(next_month - now).total_seconds(),

@@ -16,8 +16,9 @@ tenant and role (`tenant_claim`, `role_claim`, else the first of the person's gr
 that names one, else `default_role`).
 
 A signed-in person acts for their tenant: rate limits and budgets are the tenant's (`auth.oidc.tenants`),
-shared by its people as one key's would be (usage rows name `oidc:<tenant>` as the key), and the audit
-trail names the person (`oidc:<subject>`).
+shared by its people as one key's would be (usage rows name `oidc:<tenant>` as the key), and by the keys its
+signed-in tenant-admins create (their `parent` is `oidc:<tenant>`: `signed_in`); the audit trail names the
+person (`oidc:<subject>`).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import math
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeGuard
 
 import aiohttp
@@ -251,9 +252,17 @@ class OIDCVerifier:
     def principal_of(self, subject: str, tenant: str, role: str, expires_at: float | None) -> Principal:
         """A signed-in person of `tenant` with `role`, with the tenant's limits (a token's, or a console
         session's)."""
-        limits = self.settings.tenants.get(tenant)
-        if limits is None:  # (a console session of a tenant taken out of the list since: it ends)
+        people = self.signed_in(tenant)
+        if people is None:  # (a console session of a tenant taken out of the list since: it ends)
             raise Unauthorized(f"The tenant '{tenant[:64]}' is not one of auth.oidc.tenants.")
+        return replace(people, role=role, expires_at=expires_at, subject=subject)
+
+    def signed_in(self, tenant: str) -> Principal | None:
+        """The limits `tenant`'s signed-in people share, as one key's (`oidc:<tenant>`); also those of the
+        keys its signed-in tenant-admins made. None: not one of `auth.oidc.tenants`."""
+        limits = self.settings.tenants.get(tenant)
+        if limits is None:
+            return None
         return Principal(
             key_id=SIGNED_IN + tenant,
             tenant=tenant,
@@ -263,9 +272,6 @@ class OIDCVerifier:
             max_concurrency=limits.max_concurrency,
             priority=PRIORITIES["normal"],
             monthly_token_budget=limits.monthly_token_budget,
-            role=role,
-            expires_at=expires_at,
-            subject=subject,
         )
 
     @property

@@ -25,7 +25,7 @@ from corral.config import parse_spec
 from corral.gateway.access import ROUTES, Access, Actor, bearer_is
 from corral.gateway.bodies import read_body
 from corral.gateway.clients import REQUEST_ID, ClientAddresses
-from corral.gateway.key_scope import TENANT_ROLES, fields_of, limits_of, others_merged, within_own
+from corral.gateway.key_scope import TENANT_ROLES, fields_of, limits_of, maker, others_merged, within_own
 from corral.gateway.parts import AdminAccess, ReplicaControl
 from corral.protocol import (
     APIError,
@@ -145,7 +145,7 @@ class AdminViews:
         record = await asyncio.to_thread(self._keys.get, principal.key_id)
         if record is None or not record.active:
             raise Unauthorized("Incorrect or revoked API key.")
-        return replace(actor, principal=Principal.of(record))
+        return replace(actor, principal=Principal.of(record, principal.parents))
 
     def _audited(self, action: str, handler: _Handler) -> _Handler:
         """`handler`, with one audit record per request that named someone: what it did, to what, and
@@ -272,7 +272,10 @@ class AdminViews:
         request[_DETAIL].update(asked=spec.model_dump(exclude_defaults=True))  # (refused ones too)
         if actor.scoped:
             within_own(actor, spec.tenant, spec.role, spec.model_dump())
-        secret, record = await asyncio.to_thread(lambda: self._keys.create(**spec.model_dump()))
+        parent = maker(actor)  # (its requests count against its maker's limits too)
+        secret, record = await asyncio.to_thread(
+            lambda: self._keys.create(**spec.model_dump(), parent=parent)
+        )
         request[_DETAIL].update(target=record.id, tenant=record.tenant, role=record.role, **limits_of(record))
         return web.json_response({"key": secret, **record.to_dict()}, status=201)
 

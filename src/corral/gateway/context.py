@@ -44,7 +44,7 @@ class RequestContext:
     cached: bool = False  # answered from the cache
     charged: bool = True  # a cache hit counts its tokens against limits, budgets and usage
     limiter: Any = None  # the limiter that reserved its budget (settled by the same one)
-    adapter_reserved: Any = None  # its reservation against its LoRA adapter's own rpm/tpm (a Reservation)
+    above_reserved: Any = None  # reservations against the limits above its key (its makers', its adapter's)
     budgeted: BudgetHold | None = None  # reserved of its key's monthly budget (released when it settles)
     # what a monthly budget reserves (None: route.tokens): without max_tokens, all the engine may generate
     budget_tokens: int | None = None

@@ -1,5 +1,7 @@
 """What a tenant-admin may do with its tenant's keys: no key beyond its own key's limits, budget, priority,
-file quotas, models or lifetime; and what it is shown of the usage of keys above it."""
+file quotas, models or lifetime; each key it makes names it as its maker (`parent`), so that all of them
+together stay within its own limits and budget too (gateway/above.py, admission/budget.py); and what it is
+shown of the usage of keys above it."""
 
 from __future__ import annotations
 
@@ -9,8 +11,9 @@ from typing import Any
 from corral.gateway.access import Actor
 from corral.protocol import PermissionDenied
 from corral.store import PRIORITIES, KeyRecord
+from corral.store.keys import MAX_GENERATIONS
 
-__all__ = ["LIMITS", "TENANT_ROLES", "fields_of", "limits_of", "others_merged", "within_own"]
+__all__ = ["LIMITS", "TENANT_ROLES", "fields_of", "limits_of", "maker", "others_merged", "within_own"]
 
 TENANT_ROLES = ("user", "tenant-admin")  # the roles a tenant-admin may give its tenant's keys
 LIMITS = ("rpm", "tpm", "max_concurrency", "monthly_token_budget")
@@ -84,6 +87,22 @@ def within_own(actor: Actor, tenant: str, role: str, wanted: dict[str, Any]) -> 
             raise PermissionDenied(
                 f"'{name}' must be set, at most {cap}: the tenant-admin's own limit.", param=name
             )
+
+
+def maker(actor: Actor) -> str | None:
+    """The `parent` of a key `actor` makes: a tenant-admin's key id, or a signed-in one's `oidc:<tenant>`
+    (the id its tenant's signed-in people share limits under); None for an admin's. A tenant-admin's key
+    `MAX_GENERATIONS` below an admin's makes none (the keys above a key are looked up that far)."""
+    own = actor.principal
+    if not actor.scoped or own is None:
+        return None
+    if len(own.parents) + 1 > MAX_GENERATIONS:
+        raise PermissionDenied(
+            f"This key was created {len(own.parents)} keys below an admin's, the deepest a key may be "
+            f"({MAX_GENERATIONS}): it may create no key.",
+            code="too_many_generations",
+        )
+    return own.key_id
 
 
 def expires_by(cap: float, wanted: dict[str, Any]) -> None:

@@ -143,7 +143,7 @@ class GatewayParts:
             usage_store=usage,
             auth=Authenticator(keys, open_access=auth.open, ttl=auth.cache_ttl, oidc=_oidc(auth)),
             limits=RateLimits(limits),
-            budget=BudgetTracker(usage, shared=_shared_budgets(limits)),
+            budget=BudgetTracker(usage, shared=_shared_budgets(limits), keys=keys),
             queue=FairQueue(replicas, queue.max_queued, queue.timeout),
             sizing=TokenSizing(limits.tokens_per_char, counters),
             access=AdminAccess(admin_key, auth.open),

@@ -33,6 +33,7 @@ from corral.admission import (
 from corral.cache import ExactCache
 from corral.dialects import DialectStream, Messages, Responses
 from corral.dialects.chat import Exchange
+from corral.gateway.above import above, check_above, reserve_above
 from corral.gateway.accounting import APIS, Accounting, reserved_usage
 from corral.gateway.bodies import read_body
 from corral.gateway.cached import CacheStage
@@ -52,11 +53,9 @@ from corral.protocol import (
     CompletionRequest,
     EmbeddingRequest,
     NoCapacity,
-    RateLimited,
     UpstreamError,
 )
 from corral.routing import Router
-from corral.routing.adapters import Adapter
 
 __all__ = ["Pipeline", "unexpected"]
 
@@ -191,12 +190,14 @@ class Pipeline:
             raise
 
     async def _spend_request(self, principal: Principal) -> None:
-        """One of the key's requests spent, no tokens (against its RPM; nothing where it has no room)."""
+        """One of the key's requests spent, no tokens (against its RPM and those of the keys above it;
+        nothing where one has no room)."""
         limiter = self._limits.limiter
-        with contextlib.suppress(APIError, LimiterUnavailable):
-            held = await limiter.reserve(principal, 0)
-            if held is not None:
-                await limiter.settle(held, 0)
+        for limited in (principal, *above(principal)):
+            with contextlib.suppress(APIError, LimiterUnavailable):
+                held = await limiter.reserve(limited, 0)
+                if held is not None:
+                    await limiter.settle(held, 0)
 
     async def _exchange_context(
         self,
@@ -379,13 +380,12 @@ class Pipeline:
         """A long prompt's key checked before the prompt is counted (seconds of a tokenizer's time for a
         few MB; `ctx`: its context, the prompt not counted), when it comes and again at its tenant's
         counting turn (others may have taken the room meanwhile): a model it may not use (403), its spent
-        monthly budget, its rate limits or its adapter's (429) refuse it, as does `refused` (the intake's
-        own refusal), recorded as `_serve` and `admit` record a refusal, without the gateway counting for
-        nothing. Nothing is reserved: `admit` reserves once the prompt is counted, and a refusal after a
-        check passed at the turn spends one of the key's requests (`_COUNTED`: a key cannot have its
-        prompts counted for nothing as often as it likes). A limiter that does not answer is left to
-        `admit`."""
-        adapter = ctx.route.adapter
+        monthly budget, its rate limits or those above it (its makers', its adapter's: 429) refuse it, as
+        does `refused` (the intake's own refusal), recorded as `_serve` and `admit` record a refusal,
+        without the gateway counting for nothing. Nothing is reserved: `admit` reserves once the prompt is
+        counted, and a refusal after a check passed at the turn spends one of the key's requests
+        (`_COUNTED`: a key cannot have its prompts counted for nothing as often as it likes). A limiter
+        that does not answer is left to `admit`."""
         request[_COUNTED] = False
         try:
             if refused is not None:
@@ -395,11 +395,9 @@ class Pipeline:
             limiter = self._limits.limiter
             with contextlib.suppress(LimiterUnavailable):
                 await limiter.check(principal, 1)
-                if adapter is not None and (adapter.rpm or adapter.tpm):
-                    try:
-                        await limiter.check(_adapter_principal(adapter), 1)
-                    except RateLimited as exc:
-                        raise _adapters_refusal(exc, adapter) from None
+                higher = above(principal, ctx.route.adapter)
+                if higher:
+                    await check_above(limiter, principal, higher)
         except APIError as refusal:
             ctx.exchange, ctx.request_id = exchange, request.get(REQUEST_ID)
             self._metrics.of(ctx.model).rejected(refusal.code or "rate_limited")
@@ -414,11 +412,15 @@ class Pipeline:
         request[_READ_HISTORY] = True
 
     async def _may_ask(self, principal: Principal) -> None:
-        """A key's spent budget or rate limits refuse its request before a stored conversation is read for
-        it (megabytes parsed, for a request `admit` would refuse). Nothing is reserved: `admit` does."""
+        """A key's spent budget or rate limits (or those above it) refuse its request before a stored
+        conversation is read for it (megabytes parsed, for a request `admit` would refuse). Nothing is
+        reserved: `admit` does."""
         await self._budget.check(principal)
+        limiter = self._limits.limiter
         with contextlib.suppress(LimiterUnavailable):
-            await self._limits.limiter.check(principal, 1)
+            await limiter.check(principal, 1)
+            if principal.parents:
+                await check_above(limiter, principal, above(principal))
 
     async def parse_embeddings(self, request: web.Request, principal: Principal) -> RequestContext:
         """An embedding request: validated, for an embedding model, sized by its inputs' tokens."""
@@ -433,20 +435,25 @@ class Pipeline:
         return await self.metered(principal, partial(self._intake.count_prompt, chat_body, principal))
 
     async def metered(self, principal: Principal, work: Callable[[], Awaitable[_T]]) -> _T:
-        """`work` done as a request under the key's limits (RPM, concurrency; no tokens): counting a
-        prompt, reading a stored response (a conversation of megabytes is a second of a core to parse)."""
+        """`work` done as a request under the key's limits and those above it (RPM, concurrency; no
+        tokens): counting a prompt, reading a stored response (a conversation of megabytes is a second of a
+        core to parse)."""
         limiter = self._limits.limiter
+        higher: tuple[Reservation, ...] = ()
         try:
             reservation = await limiter.reserve(principal, 0)
+            if principal.parents:
+                higher = await reserve_above(limiter, principal, above(principal), 0, reservation)
         except LimiterUnavailable as exc:
             self._without_limits(principal, exc)
             reservation = None
         try:
             return await work()
         finally:
-            if reservation is not None:
-                with contextlib.suppress(LimiterUnavailable):
-                    await limiter.settle(reservation, 0)
+            for held in (reservation, *higher):
+                if held is not None:
+                    with contextlib.suppress(LimiterUnavailable):
+                        await limiter.settle(held, 0)
 
     async def read(self, request: web.Request, principal: Principal) -> bytes:
         """The request's body; a large one's key checked first (`_may_ask`) before it is parsed: parsing
@@ -480,19 +487,11 @@ class Pipeline:
             limiter = ctx.limiter = self._limits.limiter  # settled by the same, even if replaced live
             try:
                 reservation = await limiter.reserve(principal, ctx.route.tokens)
-                adapter = ctx.route.adapter
-                if adapter is not None and (adapter.rpm or adapter.tpm):
-                    try:
-                        ctx.adapter_reserved = await limiter.reserve(
-                            _adapter_principal(adapter), ctx.route.tokens
-                        )
-                    except BaseException as exc:  # (refused, the limiter down, the client gone)
-                        if reservation is not None:
-                            with contextlib.suppress(LimiterUnavailable):
-                                await limiter.settle(reservation, 0)
-                        if isinstance(exc, RateLimited):
-                            raise _adapters_refusal(exc, adapter) from None
-                        raise
+                higher = above(principal, ctx.route.adapter)
+                if higher:  # (refused there: its own reservation released too)
+                    ctx.above_reserved = await reserve_above(
+                        limiter, principal, higher, ctx.route.tokens, reservation
+                    )
                 return reservation
             except LimiterUnavailable as exc:
                 if not self._limits.fail_open:
@@ -544,7 +543,7 @@ class Pipeline:
         if ctx.cached and lookup is not None and lookup.policy.charge == "request":
             used, ctx.charged = 0, False
         cancelled = False
-        for held in (reservation, ctx.adapter_reserved):
+        for held in (reservation, *(ctx.above_reserved or ())):  # (the key's, and those above it)
             if held is None:
                 continue
             # Tokens the engine reported; when it reported none but worked on the request, the
@@ -568,18 +567,3 @@ def _worked_on(request: web.Request) -> bool:
     """The gateway did a large request's work before admitting it (counted its long prompt, read its stored
     conversation) after its key's check let it: a refusal from then on is one of the key's requests."""
     return bool(request.get(_COUNTED, False) or request.get(_READ_HISTORY, False))
-
-
-def _adapters_refusal(exc: RateLimited, adapter: Adapter) -> RateLimited:
-    """An adapter's limit's refusal, naming the adapter (without the counts: others' use of it)."""
-    what = "the model's" if "too large" in exc.message else f"for '{adapter.name}'"
-    return RateLimited(
-        exc.message.replace("for this key", what).replace("the key's", what),
-        code=exc.code,
-        retry_after=exc.retry_after,
-    )
-
-
-def _adapter_principal(adapter: Adapter) -> Principal:
-    """The limits an adapter has over all keys, as the limiter keeps a key's (its own window)."""
-    return Principal(key_id=f"adapter:{adapter.name}", tenant="", rpm=adapter.rpm, tpm=adapter.tpm)

@@ -1,6 +1,8 @@
 """API keys: created with a secret shown once, stored as a SHA-256 hash, revoked by id; each with a role
 (`user`: inference only, the default; `tenant-admin`, `viewer`, `operator`, `admin`: see gateway/access.py),
-an optional expiry, and rotation (a new secret, the old one still accepted for a grace period)."""
+an optional expiry, and rotation (a new secret, the old one still accepted for a grace period). A key a
+tenant-admin made names its maker (`parent`): the key's requests count against the maker's limits too, and
+the maker's against its own maker's, up to `MAX_GENERATIONS` (admission/auth.py resolves them)."""
 
 from __future__ import annotations
 
@@ -12,13 +14,15 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic_core import ErrorDetails
-from sqlalchemy import Engine, or_, select
+from sqlalchemy import Engine, Integer, func, literal, or_, select
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
-from corral.store.schema import ApiKeyRow
+from corral.store.schema import ApiKeyRow, StoreError, UsageRow
 
 __all__ = [
     "BATCH_PRIORITY",
+    "MAX_GENERATIONS",
     "MAX_LIFETIME_S",
     "PRIORITIES",
     "ROLES",
@@ -39,6 +43,7 @@ _SECRET_PREFIX = "sk-corral-"
 _INT32_MAX = 2**31 - 1  # the most a limit in an Integer column holds (PostgreSQL's integer)
 _INT64_MAX = 2**63 - 1  # and in a BigInteger one
 MAX_LIFETIME_S = 10 * 365 * 86400  # a key that expires: within ten years
+MAX_GENERATIONS = 8  # the most makers above a key (a tenant-admin's key made by a tenant-admin's, ...)
 # no control characters in a key's tenant, name or model names: PostgreSQL refuses a NUL in a text column
 # (a 500 where a 400 belongs), and a line break or escape sequence would forge lines in logs and listings
 PLAIN_TEXT = r"^[^\x00-\x1f\x7f-\x9f]*$"  # (C0, DEL and C1: U+009B is a terminal's one-character CSI)
@@ -136,6 +141,7 @@ class KeyRecord:
     role: str = "user"
     expires_at: datetime | None = None
     previous_until: datetime | None = None  # a rotated key's former secret is accepted until then
+    parent: str | None = None  # the tenant-admin's key (or `oidc:<tenant>`) that made it; None: an admin
 
     @property
     def active(self) -> bool:
@@ -175,8 +181,10 @@ class KeyStore:
         max_file_bytes: int | None = None,
         role: str = "user",
         expires_in_s: float | None = None,
+        parent: str | None = None,
     ) -> tuple[str, KeyRecord]:
-        """A new key: (the secret, shown only now; its record). Raises InvalidKey."""
+        """A new key: (the secret, shown only now; its record); `parent`: the tenant-admin's key (its id, or
+        `oidc:<tenant>` for a signed-in one) that makes it. Raises InvalidKey."""
         try:
             NewKey(
                 tenant=tenant,
@@ -214,6 +222,7 @@ class KeyStore:
             revoked_at=None,
             role=None if role == "user" else role,
             expires_at=now + timedelta(seconds=expires_in_s) if expires_in_s else None,
+            parent=parent,
         )
         with Session(self._engine) as session, session.begin():
             session.add(row)
@@ -267,6 +276,41 @@ class KeyStore:
         with Session(self._engine) as session:
             row = session.get(ApiKeyRow, key_id)
             return _record(row) if row is not None else None
+
+    def ancestors(self, parent: str | None) -> list[KeyRecord]:
+        """The keys above a key whose `parent` this is, nearest first: its maker, that one's maker, and so
+        on, `MAX_GENERATIONS` at most; revoked and expired ones too (their limits still hold over the keys
+        they made). A parent that is no key (`oidc:<tenant>`) ends the list: it is the last one's parent."""
+        found: list[KeyRecord] = []
+        with Session(self._engine) as session:
+            while parent is not None and len(found) < MAX_GENERATIONS:
+                row = session.get(ApiKeyRow, parent)
+                if row is None or any(record.id == row.id for record in found):
+                    break
+                found.append(_record(row))
+                parent = row.parent
+        return found
+
+    def family_month_tokens(self, key_id: str, now: datetime | None = None) -> int:
+        """Input + output tokens the key (an id, or `oidc:<tenant>`) and the keys below it (those it made,
+        theirs, `MAX_GENERATIONS` down) used this calendar month (UTC): what its monthly budget counts."""
+        now = now or datetime.now(UTC)
+        start = now.replace(day=1, hour=0, minute=0, second=0, microsecond=0)
+        made = select(ApiKeyRow.id, literal(1, Integer).label("depth")).where(ApiKeyRow.parent == key_id)
+        below = made.cte("below", recursive=True)
+        below = below.union_all(
+            select(ApiKeyRow.id, below.c.depth + 1)
+            .join(below, ApiKeyRow.parent == below.c.id)
+            .where(below.c.depth < MAX_GENERATIONS)
+        )
+        query = select(func.sum(UsageRow.input_tokens + UsageRow.output_tokens)).where(
+            UsageRow.at >= start, or_(UsageRow.key_id == key_id, UsageRow.key_id.in_(select(below.c.id)))
+        )
+        try:
+            with Session(self._engine) as session:
+                return int(session.scalar(query) or 0)
+        except SQLAlchemyError as exc:
+            raise StoreError(f"the usage store did not answer: {exc}") from exc
 
     def find(self, ref: str) -> list[KeyRecord]:
         """The keys `ref` names: its id, else ids starting with it, else keys whose secret starts with it
@@ -329,6 +373,7 @@ def _record(row: ApiKeyRow) -> KeyRecord:
         role=row.role or "user",
         expires_at=_aware(row.expires_at),
         previous_until=_aware(row.previous_until),
+        parent=row.parent,
     )
 
 

@@ -107,6 +107,9 @@ class ApiKeyRow(Base):
     # a rotated key's former secret, valid until `previous_until` (the grace period)
     previous_hash: Mapped[str | None] = mapped_column(String(64), nullable=True, index=True)
     previous_until: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    # who made it, where a tenant-admin did: its key's id, or `oidc:<tenant>` (that tenant's signed-in
+    # people); its requests count against that one's limits too. None: made by an admin (or before parents)
+    parent: Mapped[str | None] = mapped_column(String(160), nullable=True, index=True)
 
 
 class AuditRow(Base):
