@@ -25,7 +25,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
-from corral.gateway.state_metrics import BudgetsSpent, PublishedState, StateSeries
+from corral.gateway.state_metrics import BudgetsSpent, Published, PublishedState, StateSeries
 from corral.routing import Router
 
 __all__ = [
@@ -252,7 +252,11 @@ class GatewayMetrics:
         budgets = budgets if budgets is not None and tenant_labels else (lambda: [])
         self._state = StateSeries(router, queue_depths, budgets)
         self._published = PublishedState(shared_dir) if shared_dir is not None else None
-        self._reading = SharedReading(shared_dir, clock) if shared_dir is not None else None
+        self._reading = (
+            SharedReading(shared_dir, clock, self._published.others)
+            if shared_dir is not None and self._published is not None
+            else None
+        )
         self._models: dict[str, ModelMetrics] = {}
         self._tenants: dict[str, TenantMetrics] = {}
 
@@ -261,7 +265,9 @@ class GatewayMetrics:
         caller's thread: the gateway's routes `await scrape()`)."""
         if self._shared_dir is None:
             return generate_latest(self.registry) + self._state.text()
-        return read_workers(self._shared_dir).text + self._state_text()
+        assert self._published is not None
+        reading = read_workers(self._shared_dir, self._published.others)
+        return reading.text + self._state_text(reading.others)
 
     async def scrape(self) -> bytes:
         """/metrics' body: with several workers, their files are read in a thread, once for concurrent
@@ -269,13 +275,14 @@ class GatewayMetrics:
         if self._reading is None:
             return self.exposition()
         reading = await self._reading.get()
-        return reading.text + self._state_text()
+        return reading.text + self._state_text(reading.others)
 
-    def _state_text(self) -> bytes:
-        """The scrape-time families, this worker's own merged with the other workers' (several workers)."""
+    def _state_text(self, others: list[Published] | None = None) -> bytes:
+        """The scrape-time families, this worker's own (read now) merged with `others`, the other workers'
+        as the reading found them (several workers)."""
         if self._published is None:
             return self._state.text()
-        return self._state.text(self._published.merged(self._state.families()))
+        return self._state.text(self._published.merged(self._state.families(), others or []))
 
     def summary(self) -> dict[str, dict[str, Any]]:
         """Per model: requests by status, tokens by kind, refusals by reason and the TTFT/ITL histograms'
@@ -304,6 +311,8 @@ class GatewayMetrics:
             self._ticker.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._ticker
+        if self._published is not None:
+            self._published.remove()
 
     async def _publish_state(self) -> None:
         assert self._published is not None
@@ -364,6 +373,7 @@ class WorkersReading:
     at: float
     text: bytes
     models: dict[str, dict[str, Any]]
+    others: list[Published]  # the other workers' published state (state_metrics.PublishedState)
 
 
 class _Read(Collector):
@@ -376,20 +386,28 @@ class _Read(Collector):
         return self._families
 
 
-def read_workers(folder: Path) -> WorkersReading:
-    """Read and sum the workers' multiprocess files once (blocking: seconds of CPU with many series)."""
+def read_workers(folder: Path, others: Callable[[], list[Published]] | None = None) -> WorkersReading:
+    """Read and sum the workers' multiprocess files once, and the other workers' published state (`others`)
+    (blocking: seconds of CPU with many series)."""
     at = time.time()
     collector = MultiProcessCollector(None, str(folder))  # type: ignore[no-untyped-call]
     families = list(collector.collect())  # type: ignore[no-untyped-call]
-    return WorkersReading(at, generate_latest(_Read(families)), summarise(families))
+    published = others() if others is not None else []
+    return WorkersReading(at, generate_latest(_Read(families)), summarise(families), published)
 
 
 class SharedReading:
     """The workers' files read in a thread: callers while a reading runs share it, and a reading serves
     the callers of the next `reuse_s` seconds (per `clock`) after it ends."""
 
-    def __init__(self, folder: Path, clock: Callable[[], float], reuse_s: float = _READING_REUSED_S) -> None:
-        self._folder, self._clock, self._reuse_s = folder, clock, reuse_s
+    def __init__(
+        self,
+        folder: Path,
+        clock: Callable[[], float],
+        others: Callable[[], list[Published]] | None = None,
+        reuse_s: float = _READING_REUSED_S,
+    ) -> None:
+        self._folder, self._clock, self._others, self._reuse_s = folder, clock, others, reuse_s
         self._last: tuple[float, WorkersReading] | None = None
         self._running: asyncio.Task[WorkersReading] | None = None
 
@@ -398,12 +416,13 @@ class SharedReading:
             return self._last[1]
         if self._running is None:
             self._running = asyncio.create_task(self._read(), name="metrics-read")
+            self._running.add_done_callback(_retrieved)  # (a failure no caller waited for is not "lost")
         # (a caller that leaves, such as a closed scrape, leaves the reading to the others)
         return await asyncio.shield(self._running)
 
     async def _read(self) -> WorkersReading:
         try:
-            reading = await asyncio.to_thread(read_workers, self._folder)
+            reading = await asyncio.to_thread(read_workers, self._folder, self._others)
         finally:
             self._running = None
         self._last = (self._clock(), reading)
@@ -414,6 +433,11 @@ class SharedReading:
             self._running.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._running
+
+
+def _retrieved(task: asyncio.Task[WorkersReading]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        logger.warning("reading the gateway workers' metrics failed: %s", task.exception())
 
 
 @dataclass(frozen=True)

@@ -33,11 +33,13 @@ __all__ = [
     "WORKERS_OWN",
     "BudgetsSpent",
     "Family",
+    "Published",
     "PublishedState",
     "StateSeries",
 ]
 
 BudgetsSpent = Callable[[], list[tuple[str, str, float]]]  # (tenant, key id, share of the monthly budget)
+Published = dict[str, list[tuple[list[str], float]]]  # a worker's families: name → [(label values, value)]
 BUDGET_SHOWN_FROM = 0.5  # a key's own series from this share of its budget on (observe/rules.py: 0.9)
 BUDGET_KEYS_SHOWN = 50  # at most this many keys' own series: the highest shares
 
@@ -182,17 +184,24 @@ class StateSeries:
 
 
 def budget_families(spent: list[tuple[str, str, float]]) -> list[Family]:
-    """The keys at `BUDGET_SHOWN_FROM` of their budget or more (the `BUDGET_KEYS_SHOWN` highest), and each
-    tenant's highest share."""
+    """The keys at `BUDGET_SHOWN_FROM` of their budget or more (each tenant's highest, and the
+    `BUDGET_KEYS_SHOWN` highest of all: one tenant's many spent keys cannot hide another's from the alert),
+    and each tenant's highest share."""
     keys = Family(
         _KEY_BUDGET,
         "gauge",
         f"Share of a key's monthly token budget used: keys with a budget this gateway served in the last "
-        f"day, from {BUDGET_SHOWN_FROM:g} of it on, the {BUDGET_KEYS_SHOWN} highest.",
+        f"day, from {BUDGET_SHOWN_FROM:g} of it on: each tenant's highest, and the {BUDGET_KEYS_SHOWN} "
+        "highest of all.",
         ("tenant", "key"),
     )
-    shown = (entry for entry in spent if entry[2] >= BUDGET_SHOWN_FROM)
-    keys.samples = [((t, k), r) for t, k, r in heapq.nlargest(BUDGET_KEYS_SHOWN, shown, key=itemgetter(2))]
+    shown = [entry for entry in spent if entry[2] >= BUDGET_SHOWN_FROM]
+    tops: dict[str, tuple[str, str, float]] = {}  # each tenant's highest key: its alert is never crowded out
+    for entry in shown:
+        if entry[0] not in tops or entry[2] > tops[entry[0]][2]:
+            tops[entry[0]] = entry
+    chosen = dict.fromkeys([*tops.values(), *heapq.nlargest(BUDGET_KEYS_SHOWN, shown, key=itemgetter(2))])
+    keys.samples = [((t, k), r) for t, k, r in chosen]
     tenants = Family(
         _TENANT_BUDGET,
         "gauge",
@@ -230,11 +239,10 @@ class PublishedState:
         partial.write_bytes(orjson.dumps({"at": self._clock(), "families": body}))
         os.replace(partial, self._file)  # (a reader sees the last whole file, never half of one)
 
-    def merged(self, families: list[Family]) -> list[Family]:
-        """`families`, this worker's as read now, with its `WORKERS_OWN` ones merged with every other live
-        worker's: summed (in flight, queued) or the highest (circuits, budgets). A replica's series are
-        those of the replicas this worker knows (the supervisor's snapshot)."""
-        others = self._others()
+    def merged(self, families: list[Family], others: list[Published]) -> list[Family]:
+        """`families`, this worker's as read now, with its `WORKERS_OWN` ones merged with `others` (the
+        other live workers', `others()`): summed (in flight, queued) or the highest (circuits, budgets). A
+        replica's series are those of the replicas this worker knows (the supervisor's snapshot)."""
         out = []
         for family in families:
             if family.name not in WORKERS_OWN:
@@ -255,12 +263,16 @@ class PublishedState:
             out.append(merged)
         return out
 
-    def _others(self) -> list[dict[str, list[tuple[list[str], float]]]]:
-        """The families every other worker published within `FRESH_S`."""
+    def others(self) -> list[Published]:
+        """The families every other live worker published within `FRESH_S` (blocking: files read). A dead
+        worker's file leaves at once (its in-flight and queue figures were counted up to `FRESH_S` more)."""
         found = []
         now = self._clock()
         for path in self._folder.glob("state_*.json"):
             if path == self._file:
+                continue
+            if not _alive(int(path.stem.removeprefix("state_"))):
+                path.unlink(missing_ok=True)
                 continue
             try:
                 published = orjson.loads(path.read_bytes())
@@ -272,3 +284,17 @@ class PublishedState:
             elif age > self._GONE_S:
                 path.unlink(missing_ok=True)
         return found
+
+    def remove(self) -> None:
+        """This worker stops: its figures leave the others' sums now."""
+        self._file.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # (another user's process under a reused pid: alive, not ours to judge)
+        return True
+    return True
