@@ -10,7 +10,8 @@ Retry-After. A key with neither (the common case) costs nothing here: `above` is
 
 from __future__ import annotations
 
-import contextlib
+import asyncio
+from collections.abc import Iterable
 
 from corral.admission import Limiter, LimiterUnavailable, Principal, Reservation
 from corral.admission.auth import whose
@@ -18,7 +19,7 @@ from corral.admission.limits import is_limited
 from corral.protocol import RateLimited
 from corral.routing.adapters import Adapter
 
-__all__ = ["above", "check_above", "refused_by", "reserve_above"]
+__all__ = ["above", "check_above", "refused_by", "release", "reserve_above"]
 
 _ADAPTER = "adapter:"  # the id an adapter's limits are kept under
 
@@ -59,14 +60,29 @@ async def reserve_above(
             if reservation is not None:
                 held.append(reservation)
     except BaseException as exc:
-        for reservation in (own, *held):
-            if reservation is not None:
-                with contextlib.suppress(LimiterUnavailable):
-                    await limiter.settle(reservation, 0)
+        if await release(limiter, (own, *held)):
+            raise asyncio.CancelledError from exc
         if isinstance(exc, RateLimited):
             raise refused_by(exc, principal, limited) from None
         raise
     return tuple(held)
+
+
+async def release(limiter: Limiter, held: Iterable[Reservation | None]) -> bool:
+    """Give every one of `held` back unused, even where the caller is cancelled meanwhile (a client gone:
+    one left held stays in a Redis limiter's renewed leases, a concurrency slot lost for good); whether it
+    was cancelled, for the caller to raise once all are given back."""
+    cancelled = False
+    for reservation in held:
+        if reservation is None:
+            continue
+        try:
+            await limiter.settle(reservation, 0)
+        except LimiterUnavailable:
+            pass
+        except asyncio.CancelledError:  # (its settlement was sent: the limiter queues it before waiting)
+            cancelled = True
+    return cancelled
 
 
 def refused_by(exc: RateLimited, principal: Principal, limited: Principal) -> RateLimited:

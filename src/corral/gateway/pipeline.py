@@ -33,7 +33,7 @@ from corral.admission import (
 from corral.cache import ExactCache
 from corral.dialects import DialectStream, Messages, Responses
 from corral.dialects.chat import Exchange
-from corral.gateway.above import above, check_above, reserve_above
+from corral.gateway.above import above, check_above, release, reserve_above
 from corral.gateway.accounting import APIS, Accounting, reserved_usage
 from corral.gateway.bodies import read_body
 from corral.gateway.cached import CacheStage
@@ -450,10 +450,8 @@ class Pipeline:
         try:
             return await work()
         finally:
-            for held in (reservation, *higher):
-                if held is not None:
-                    with contextlib.suppress(LimiterUnavailable):
-                        await limiter.settle(held, 0)
+            if await release(limiter, (reservation, *higher)):
+                raise asyncio.CancelledError
 
     async def read(self, request: web.Request, principal: Principal) -> bytes:
         """The request's body; a large one's key checked first (`_may_ask`) before it is parsed: parsing
