@@ -2,8 +2,9 @@
 
 With open access, requests without a key, or with a key corral does not know (clients insist on sending
 one), are served as the anonymous tenant; a revoked key is refused either way. Keys are looked up by their
-SHA-256 hash in the key store, off the event loop, and cached for `ttl`
-seconds (misses too), so the database is never on the hot path; a revoked key stops working within `ttl`.
+SHA-256 hash in the key store, off the event loop (on the store's lookup threads: no admin report or budget
+read holds them), and cached for `ttl` seconds (misses too), so the database is never on the hot path; a
+revoked key stops working within `ttl`.
 Known keys and misses are cached apart, each bounded and dropping its oldest entry when full: a flood of
 random keys churns the misses only and never pushes a working key out to the database.
 
@@ -23,7 +24,6 @@ The gateway counts each request against each of them as well (gateway/above.py, 
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import logging
 import time
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from corral.protocol import PermissionDenied, StoreUnavailable, Unauthorized
-from corral.store import PRIORITIES, KeyRecord, KeyStore, hash_key, store_is_down
+from corral.store import PRIORITIES, KeyRecord, KeyStore, StoreThreads, hash_key, store_is_down
 from corral.store.keys import MAX_GENERATIONS
 
 if TYPE_CHECKING:
@@ -115,8 +115,10 @@ class Authenticator:
         ttl: float,
         max_cached: int = _MAX_CACHED,
         oidc: OIDCVerifier | None = None,
+        threads: StoreThreads | None = None,
     ) -> None:
         self._keys = keys
+        self._threads = threads or StoreThreads.default_executor()
         self.oidc = oidc
         self._open = open_access
         self._ttl = ttl
@@ -144,7 +146,7 @@ class Authenticator:
             principal = cached[0]
         else:
             try:
-                record, ancestors = await asyncio.to_thread(self._look_up, key_hash)
+                record, ancestors = await self._threads.lookup(self._look_up, key_hash)
             except Exception as exc:
                 if not store_is_down(exc):
                     raise

@@ -42,7 +42,7 @@ from functools import partial
 from corral.admission.auth import SIGNED_IN, Principal, whose
 from corral.admission.owed import Owed
 from corral.protocol import NoCapacity, RateLimited
-from corral.store import KeyStore, StoreError, UsageRecord, UsageStore
+from corral.store import KeyStore, StoreError, StoreThreads, UsageRecord, UsageStore
 
 __all__ = ["BudgetHold", "BudgetTracker", "SharedBudgets"]
 
@@ -245,8 +245,10 @@ class BudgetTracker:
         shared: SharedBudgets | None = None,
         month: Callable[[], str] | None = None,
         keys: KeyStore | None = None,
+        threads: StoreThreads | None = None,
     ) -> None:
         self._usage = usage
+        self._threads = threads or StoreThreads.default_executor()  # (the store's reads: not the loop's)
         self._keys = keys  # a tenant-admin's month: its keys' and theirs (without it: its own key's)
         self._refresh = refresh_s
         self._shared = shared
@@ -462,7 +464,7 @@ class BudgetTracker:
             before = self._written_since_read.pop(key, 0)  # written before the read began: it counts them
             read = self._keys.family_month_tokens if family and self._keys else self._usage.month_tokens
             try:
-                stored = await asyncio.to_thread(read, key)
+                stored = await self._threads.call(read, key)
             except StoreError as exc:
                 if self._month() != month:  # (the month turned meanwhile)
                     return await self._month_tokens(key, family)

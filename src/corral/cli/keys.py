@@ -262,9 +262,14 @@ def rotate(
     as_json: JsonOption = False,
 ) -> None:
     """Give a key a new secret (printed once); the old one keeps working for --grace seconds."""
+    from corral.store.keys import RotationConflict
+
     keys, _ = _stores(file, store, announce=True)
     record = _one_key(keys, key_id)
-    rotated = keys.rotate(record.id, grace)
+    try:
+        rotated = keys.rotate(record.id, grace)
+    except RotationConflict as exc:
+        fail(str(exc))
     if rotated is None:
         fail(f"{record.id} is revoked: create a new key instead")
     secret, record = rotated

@@ -15,7 +15,6 @@ last event (or its body) leaves, so a client may name it at once.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import re
 import time
@@ -51,7 +50,7 @@ from corral.dialects.responses_stream import (
 )
 from corral.protocol import APIError, InvalidRequest, NotFound, PayloadTooLarge, parse_body
 from corral.protocol.types import Body, encode
-from corral.store import ResponseStore, StoredResponse
+from corral.store import ResponseStore, StoredResponse, StoreThreads
 
 __all__ = ["Responses", "ResponsesRequest", "check_line"]
 
@@ -110,9 +109,12 @@ class Responses:
 
     name = "responses"
 
-    def __init__(self, store: ResponseStore, max_body_bytes: int = 4 * 1024 * 1024) -> None:
+    def __init__(
+        self, store: ResponseStore, max_body_bytes: int = 4 * 1024 * 1024, threads: StoreThreads | None = None
+    ) -> None:
         self._store = store
         self._max_body = max_body_bytes
+        self._threads = threads or StoreThreads.default_executor()  # (the request path's own store threads)
 
     def credentials(self, request: web.Request) -> str | None:
         return request.headers.get("Authorization")
@@ -147,7 +149,7 @@ class Responses:
                 raise _previous_not_found(body.previous_response_id)
             if before_history is not None:
                 await before_history()
-            previous = await asyncio.to_thread(self._store.get, tenant, body.previous_response_id)
+            previous = await self._threads.call(self._store.get, tenant, body.previous_response_id)
             if previous is None:
                 raise _previous_not_found(body.previous_response_id)
             output = previous.response.get("output") or []
@@ -157,7 +159,7 @@ class Responses:
         items = input_items(body.input, token)
         if body.store:  # (stored as sent: what JSON cannot carry, an integer past 64 bits, is a 400 now)
             encode(items)
-        exchange = ResponsesExchange(body, history + items, tenant, key_id, self._store, token)
+        exchange = ResponsesExchange(body, history + items, tenant, key_id, self._store, token, self._threads)
         # A conversation is bounded as a request is: the engine's request it makes, and what a response
         # stores of it (every field of every item kept, as the client sent them, to be listed and carried on)
         size = max(len(exchange.chat_body), carried + len(raw) if body.store else 0)
@@ -176,7 +178,7 @@ class Responses:
         """The tenant's stored response by that id (NotFound where it has none)."""
         found = None
         if _RESPONSE_ID.fullmatch(response_id):
-            found = await asyncio.to_thread(self._store.get, tenant, response_id)
+            found = await self._threads.call(self._store.get, tenant, response_id)
         if found is None:
             raise _not_found(response_id)
         return found
@@ -209,7 +211,7 @@ class Responses:
         }
 
     async def delete(self, tenant: str, response_id: str) -> dict[str, Any]:
-        if not _RESPONSE_ID.fullmatch(response_id) or not await asyncio.to_thread(
+        if not _RESPONSE_ID.fullmatch(response_id) or not await self._threads.call(
             self._store.delete, tenant, response_id
         ):
             raise _not_found(response_id)
@@ -264,10 +266,12 @@ class ResponsesExchange:
         key_id: str | None,
         store: ResponseStore,
         token: str,
+        threads: StoreThreads | None = None,
     ) -> None:
         self.body = body
         self.items = items
         self._tenant, self._key_id, self._store = tenant, key_id, store
+        self._threads = threads or StoreThreads.default_executor()
         self.id = "resp_" + token
         self._items = 0  # its output items' ids: the response's own, numbered (one random draw a response)
         self.created_at = int(time.time())
@@ -375,7 +379,7 @@ class ResponsesExchange:
         """Store the response (with `store`), before the client can name it."""
         self.final = response
         if self.body.store:
-            await asyncio.to_thread(self._store.put, self._tenant, self._key_id, response, self.items)
+            await self._threads.call(self._store.put, self._tenant, self._key_id, response, self.items)
 
     # answers
 

@@ -20,7 +20,6 @@ a client on this machine of an open gateway is `admin` (a laptop). Every adminis
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,7 +30,7 @@ from corral.admission import Authenticator, Principal
 from corral.gateway.clients import ClientAddresses, from_this_machine_s_pages
 from corral.gateway.parts import AdminAccess
 from corral.protocol import APIError, PermissionDenied, Unauthorized
-from corral.store import SessionStore
+from corral.store import SessionStore, StoreThreads
 
 __all__ = ["PERMISSIONS", "ROLES", "ROUTES", "Access", "Actor", "bearer_is"]
 
@@ -113,11 +112,13 @@ class Access:
         auth: Authenticator | None,
         clients: ClientAddresses,
         sessions: SessionStore | None = None,
+        threads: StoreThreads | None = None,
     ) -> None:
         self._admin = admin
         self._auth = auth
         self._clients = clients
         self._sessions = sessions  # console sign-ins (auth.oidc)
+        self._threads = threads or StoreThreads.default_executor()  # (a session is looked up as a key is)
         # whether a request came over HTTPS as the sign-in decides it (its cookies' names follow)
         self.https: Callable[[web.Request], bool] = lambda request: clients.scheme(request) == "https"
 
@@ -162,7 +163,7 @@ class Access:
         verifier = self._auth.oidc if self._auth is not None else None
         if not secret or self._sessions is None or verifier is None:
             return None
-        session = await asyncio.to_thread(self._sessions.get, secret)
+        session = await self._threads.lookup(self._sessions.get, secret)
         if session is None:
             return None
         expires = session.expires_at.timestamp()

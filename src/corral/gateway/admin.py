@@ -13,7 +13,6 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
-from datetime import UTC, datetime
 from typing import Any
 
 from aiohttp import web
@@ -27,8 +26,10 @@ from corral.gateway.bodies import read_body
 from corral.gateway.clients import REQUEST_ID, ClientAddresses
 from corral.gateway.key_scope import TENANT_ROLES, fields_of, limits_of, maker, others_merged, within_own
 from corral.gateway.parts import AdminAccess, ReplicaControl
+from corral.gateway.reports import ReportTurns, month_start, when
 from corral.protocol import (
     APIError,
+    Conflict,
     InvalidRequest,
     NoCapacity,
     NotFound,
@@ -45,10 +46,11 @@ from corral.store import (
     KeyUpdate,
     NewKey,
     SessionStore,
+    StoreThreads,
     UsageStore,
     store_is_down,
 )
-from corral.store.keys import holds_control_characters
+from corral.store.keys import RotationConflict, holds_control_characters
 
 __all__ = ["AdminViews", "bearer_is"]
 
@@ -79,19 +81,20 @@ class AdminViews:
         auth: Authenticator | None = None,
         audit: AuditLog | None = None,
         sessions: SessionStore | None = None,
+        threads: StoreThreads | None = None,
     ) -> None:
         self._admin_access = access
         self._body = (body_timeout, max_body_bytes)
         self._keys = keys
         self._usage = usage
-        self._lookups = asyncio.Lock()  # request-id look-ups, one at a time (see usage)
+        self._reports = ReportTurns()  # (usage, keys, audit: a few read at once, see reports.py)
         self._router = router
         self._queue_depths = queue_depths
         self._response_cache = cache
         self._replica_control = control
         self._worker = worker  # this process's index among gateway workers (None: the only gateway)
         self._clients = clients or ClientAddresses([])  # no trusted proxies: any proxy header is remote
-        self.access = Access(access, auth, self._clients, sessions)
+        self.access = Access(access, auth, self._clients, sessions, threads)
         self._audit = audit
         self._refusals: dict[str, list[float]] = {}  # actor → [its minute's start, refusals in it]
         self._actions: dict[_Handler, str] = {}  # each audited route's handler → its action
@@ -256,13 +259,14 @@ class AdminViews:
     async def list_keys(self, request: web.Request) -> web.Response:
         actor = await self.check(request)
         revoked = request.query.get("include_revoked") in {"1", "true"}
-        if actor.scoped:  # its tenant's keys (found in SQL: not every tenant's) of the roles it may give
-            keys = await asyncio.to_thread(self._keys.list, revoked, actor.tenant)
-            keys = [k for k in keys if k.role in TENANT_ROLES]
-            ids: list[str] | None = [k.id for k in keys]
-        else:
-            keys, ids = await asyncio.to_thread(self._keys.list, revoked), None
-        used = await asyncio.to_thread(self._usage.month_tokens_by_key, None, ids)  # (budget use, this month)
+        async with self._reports.turn():
+            if actor.scoped:  # its tenant's keys (found in SQL: not every tenant's) of the roles it may give
+                keys = await asyncio.to_thread(self._keys.list, revoked, actor.tenant)
+                keys = [k for k in keys if k.role in TENANT_ROLES]
+                ids: list[str] | None = [k.id for k in keys]
+            else:
+                keys, ids = await asyncio.to_thread(self._keys.list, revoked), None
+            used = await asyncio.to_thread(self._usage.month_tokens_by_key, None, ids)  # (this month's)
         return web.json_response({"keys": [{**k.to_dict(), "month_tokens": used.get(k.id, 0)} for k in keys]})
 
     async def create_key(self, request: web.Request) -> web.Response:
@@ -323,7 +327,10 @@ class AdminViews:
             raise InvalidRequest("'grace' must be a number of seconds.", param="grace") from None
         if not 0 <= grace <= 30 * 86400:
             raise InvalidRequest("'grace' must be between 0 and 30 days, in seconds.", param="grace")
-        rotated = await asyncio.to_thread(self._keys.rotate, request.match_info["key_id"], grace)
+        try:
+            rotated = await asyncio.to_thread(self._keys.rotate, request.match_info["key_id"], grace)
+        except RotationConflict as exc:
+            raise Conflict(str(exc)) from exc
         if rotated is None:
             raise NotFound(f"No active key with id {request.match_info['key_id']}.")
         secret, record = rotated
@@ -348,11 +355,14 @@ class AdminViews:
         return web.json_response(record.to_dict())
 
     async def usage(self, request: web.Request) -> web.Response:
+        """Totals `?by=` key, tenant, model, api or day, of the records from `?since=` up to (not including)
+        `?until=` (ISO 8601 or epoch seconds, UTC; neither given: this calendar month, UTC); or one
+        request's records (`?request_id=`)."""
         actor = await self.check(request)
         scope = actor.tenant if actor.scoped else None
         request_id = request.query.get("request_id")
         if request_id is not None:  # one request's records, by the x-request-id its client was given
-            async with self._lookups:  # (one at a time: each reads the table, keys need the store's threads)
+            async with self._reports.turn():
                 found = await asyncio.to_thread(self._usage.of_request, request_id, scope)
                 if scope is not None and found:  # the keys above a tenant-admin go unnamed, as in by=key
                     seen = await asyncio.to_thread(self._keys.list, True, scope)
@@ -360,14 +370,19 @@ class AdminViews:
                     found = [row if row["key_id"] in named else {**row, "key_id": None} for row in found]
             return web.json_response({"request_id": request_id, "rows": found})
         by = request.query.get("by", "key")
-        try:
-            rows = await asyncio.to_thread(self._usage.report, by, None, None, scope)
-        except ValueError as exc:
-            raise InvalidRequest(str(exc), param="by") from exc
-        if scope is not None and by == "key":  # the keys above a tenant-admin are not its to see (404)
-            seen = await asyncio.to_thread(self._keys.list, True, scope)
-            rows = others_merged(rows, {k.id for k in seen if k.role in TENANT_ROLES})
-        return web.json_response({"by": by, "rows": rows})
+        since, until = when(request.query.get("since"), "since"), when(request.query.get("until"), "until")
+        if since is None and until is None:  # (all time is `since=0`: a report reads what it spans)
+            since = month_start()
+        async with self._reports.turn():
+            try:
+                rows = await asyncio.to_thread(self._usage.report, by, since, until, scope)
+            except ValueError as exc:
+                raise InvalidRequest(str(exc), param="by") from exc
+            if scope is not None and by == "key":  # the keys above a tenant-admin are not its to see (404)
+                seen = await asyncio.to_thread(self._keys.list, True, scope)
+                rows = others_merged(rows, {k.id for k in seen if k.role in TENANT_ROLES})
+        shown = {name: t.isoformat() if t else None for name, t in (("since", since), ("until", until))}
+        return web.json_response({"by": by, **shown, "rows": rows})
 
     async def audit_trail(self, request: web.Request) -> web.Response:
         """The audit trail, latest first: `?action=` (a trailing `*`: a prefix), `?actor=`, `?tenant=`,
@@ -376,23 +391,25 @@ class AdminViews:
         if self._audit is None:
             raise NotSupported("This gateway keeps no audit trail.")
         query = request.query
-        since = _since(query.get("since"))
+        since = when(query.get("since"), "since")
         try:
             limit = int(query.get("limit", "100"))
         except ValueError:
             raise InvalidRequest(
                 "'limit' must be a whole number of entries (at most 1000 are given).", param="limit"
             ) from None
-        rows = await asyncio.to_thread(
-            lambda: self._audit.list(  # type: ignore[union-attr]
-                action=query.get("action"),
-                actor=query.get("actor"),
-                tenant=query.get("tenant"),
-                since=since,
-                request_id=query.get("request_id"),
-                limit=limit,
+        audit = self._audit
+        async with self._reports.turn():
+            rows = await asyncio.to_thread(
+                lambda: audit.list(
+                    action=query.get("action"),
+                    actor=query.get("actor"),
+                    tenant=query.get("tenant"),
+                    since=since,
+                    request_id=query.get("request_id"),
+                    limit=limit,
+                )
             )
-        )
         return web.json_response({"entries": rows})
 
     async def drain(self, request: web.Request) -> web.Response:
@@ -555,20 +572,6 @@ def _grace(request: web.Request) -> float:
     if not 0 < grace <= 3600:
         raise InvalidRequest("'grace' must be between 0 and 3600 seconds.", param="grace")
     return grace
-
-
-def _since(value: str | None) -> datetime | None:
-    """`?since=` of the audit trail as a time in UTC (as rows are written; one without a zone is UTC)."""
-    if value is None:
-        return None
-    try:  # (converted here, not in the store's thread: a time by the ends of the calendar overflows in UTC)
-        since = datetime.fromisoformat(value)
-        return since.astimezone(UTC) if since.tzinfo is not None else since.replace(tzinfo=UTC)
-    except (ValueError, OverflowError):
-        raise InvalidRequest(
-            "'since' must be an ISO 8601 time (2025-01-31T09:00:00+00:00) from year 1 to 9999 in UTC.",
-            param="since",
-        ) from None
 
 
 def _validated(model: type[NewKey] | type[KeyUpdate], body: bytes) -> NewKey | KeyUpdate:

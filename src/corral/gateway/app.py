@@ -100,6 +100,7 @@ def build_app(
         auth=parts.auth,
         audit=parts.audit,
         sessions=parts.sessions,
+        threads=parts.threads,
     )
     app = web.Application(
         middlewares=[_error_boundary(ids, metrics.store_unanswered, admin.refused)],
@@ -137,7 +138,9 @@ def build_app(
         on_written=parts.budget.written,
         metrics=metrics.usage,
     )
-    responses = Responses(parts.responses, settings.max_body_bytes) if parts.responses is not None else None
+    responses = None
+    if parts.responses is not None:
+        responses = Responses(parts.responses, settings.max_body_bytes, parts.threads)
     pipeline = app[PIPELINE] = Pipeline(
         auth=parts.auth,
         sizing=parts.sizing,
@@ -231,6 +234,7 @@ def build_app(
             await session.close()
             await parts.limits.close()
             await parts.budget.close()
+            parts.threads.close()  # (after every stage that calls the store on them has stopped)
 
     app.cleanup_ctx.append(lifecycle)
     return app
@@ -411,7 +415,7 @@ def _sign_in(parts: GatewayParts, admin: AdminViews, app: web.Application, clien
         held = (parts.sessions.signing_secret(), "")
     material = "\0".join((*held, settings.client_id))
     key = hashlib.sha256(b"corral sign-in\0" + material.encode()).digest()
-    views = SignInViews(verifier, parts.sessions, key, admin.record, clients)
+    views = SignInViews(verifier, parts.sessions, key, admin.record, clients, parts.threads)
     views.add_routes(app)
     admin.access.https = views.secure  # (the admin API reads the session cookie under the name sign-in wrote)
 

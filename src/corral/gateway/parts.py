@@ -37,6 +37,8 @@ from corral.store import (
     ResponseStore,
     Retention,
     SessionStore,
+    StoreThreads,
+    StoreTimeouts,
     UsageStore,
     open_database,
     server_secret,
@@ -104,6 +106,9 @@ class GatewayParts:
     audit: AuditLog | None = None  # every administrative action (store/audit.py)
     sessions: SessionStore | None = None  # console sign-ins through the identity provider (auth.oidc)
     retention: Retention | None = None  # old usage/audit rows, expired responses swept (store/retention.py)
+    # the threads the requests' own store calls run on (key and session lookups, budgets, stored responses),
+    # apart from asyncio's default executor where the admin reports and the sweeps run; closed at shutdown
+    threads: StoreThreads = field(default_factory=StoreThreads.default_executor)
 
     def reconfigure(self, queue: QueueSettings, limits: LimitsSettings) -> None:
         """New queue bounds and rate-limit settings from a live `corral apply` (requests already waiting
@@ -133,17 +138,20 @@ class GatewayParts:
         cache_versions: dict[str, str] | None = None,
         batch: BatchSettings | None = None,
     ) -> GatewayParts:
-        engine = open_database(store.url or database_url)
+        engine = open_database(store.url or database_url, timeouts=StoreTimeouts())
         keys, usage = KeyStore(engine), UsageStore(engine)
+        threads = StoreThreads()
         batch = batch or BatchSettings()
         counters = {model: TokenCounter(path) for model, path in (tokenizers or {}).items()}
         responses = ResponseStore(engine, store.response_ttl_days * 86400, store.response_tenant_max_bytes)
         return cls(
             keys=keys,
             usage_store=usage,
-            auth=Authenticator(keys, open_access=auth.open, ttl=auth.cache_ttl, oidc=_oidc(auth)),
+            auth=Authenticator(
+                keys, open_access=auth.open, ttl=auth.cache_ttl, oidc=_oidc(auth), threads=threads
+            ),
             limits=RateLimits(limits),
-            budget=BudgetTracker(usage, shared=_shared_budgets(limits), keys=keys),
+            budget=BudgetTracker(usage, shared=_shared_budgets(limits), keys=keys, threads=threads),
             queue=FairQueue(replicas, queue.max_queued, queue.timeout),
             sizing=TokenSizing(limits.tokens_per_char, counters),
             access=AdminAccess(admin_key, auth.open),
@@ -159,6 +167,7 @@ class GatewayParts:
             audit=AuditLog(engine),
             sessions=SessionStore(engine) if auth.oidc is not None else None,
             retention=Retention(engine, store.usage_retention_days, store.audit_retention_days, responses),
+            threads=threads,
         )
 
 

@@ -23,7 +23,6 @@ A provider that cannot be asked (down, slow, a discovery document without its en
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import hashlib
 import hmac
@@ -43,7 +42,7 @@ from corral.admission import Principal
 from corral.admission.oidc import PROVIDER_FAILED, OIDCVerifier
 from corral.gateway.clients import ClientAddresses
 from corral.protocol import APIError, InvalidRequest, PermissionDenied, Unauthorized, UpstreamError
-from corral.store import SessionStore
+from corral.store import SessionStore, StoreThreads
 
 __all__ = ["CSRF_HEADER", "SESSION_COOKIE", "SignInViews", "session_secret"]
 
@@ -110,11 +109,13 @@ class SignInViews:
         secret_key: bytes,
         audit: Audit,
         clients: ClientAddresses | None = None,
+        threads: StoreThreads | None = None,
     ) -> None:
         self._clients = clients or ClientAddresses([])  # (whose X-Forwarded-Proto to believe)
         self._verifier = verifier
         self._settings = verifier.settings
         self._sessions = sessions
+        self._threads = threads or StoreThreads.default_executor()
         self._key = secret_key  # signs the pending sign-in cookie
         self._audit = audit
 
@@ -178,7 +179,7 @@ class SignInViews:
         # provider then ends at the next sign-in)
         lasts = min(self._settings.session_ttl_s, max(60.0, float(claims["exp"]) - time.time()))
         hint = id_token if self._hints() else None  # (kept only where sign-out will send it)
-        secret, session = await asyncio.to_thread(
+        secret, session = await self._threads.call(
             self._sessions.create, str(claims["sub"]), principal.tenant, principal.role, lasts, hint
         )
         await self._audit(request, f"oidc:{session.subject}", session.role, session.tenant, "signin", 303)
@@ -236,7 +237,7 @@ class SignInViews:
 
     async def signout(self, request: web.Request) -> web.StreamResponse:
         secret = session_secret(request, self.secure(request))
-        session = await asyncio.to_thread(self._sessions.get, secret) if secret else None
+        session = await self._threads.lookup(self._sessions.get, secret) if secret else None
         if session is None:
             raise Unauthorized("No one is signed in.")
         if not _same(request.headers.get(CSRF_HEADER, ""), session.csrf):
@@ -244,7 +245,7 @@ class SignInViews:
             who = f"oidc:{session.subject}"
             await self._audit(request, who, session.role, session.tenant, "signout", refusal.status)
             raise refusal
-        id_token = await asyncio.to_thread(self._sessions.end, secret or "")
+        id_token = await self._threads.call(self._sessions.end, secret or "")
         await self._audit(request, f"oidc:{session.subject}", session.role, session.tenant, "signout", 200)
         ending = await self._end_session(request, id_token)
         response = web.json_response({"signed_out": True, "end_session": ending})
@@ -283,7 +284,7 @@ class SignInViews:
 
     async def me(self, request: web.Request) -> web.Response:
         secret = session_secret(request, self.secure(request))
-        session = await asyncio.to_thread(self._sessions.get, secret) if secret else None
+        session = await self._threads.lookup(self._sessions.get, secret) if secret else None
         if session is None:
             return web.json_response({"signed_in": False, "oidc": True})
         return web.json_response(

@@ -2,6 +2,7 @@
 
 from corral.protocol.errors import (
     APIError,
+    Conflict,
     InvalidRequest,
     MethodNotAllowed,
     ModelNotFound,
@@ -31,6 +32,7 @@ __all__ = [
     "APIError",
     "ChatCompletionRequest",
     "CompletionRequest",
+    "Conflict",
     "EmbeddingRequest",
     "GenerationRequest",
     "InvalidRequest",

@@ -9,6 +9,7 @@ Tree (every error the gateway answers with is one of these)::
     ├── ModelNotFound             404  invalid_request_error   code=model_not_found
     ├── NotFound                  404  invalid_request_error   (unknown path)
     ├── MethodNotAllowed          405  invalid_request_error
+    ├── Conflict                  409  invalid_request_error   code=conflict (changed under the request)
     ├── RequestTimeout            408  invalid_request_error   code=request_timeout (body not sent in time)
     ├── PayloadTooLarge           413  invalid_request_error   code=request_too_large
     ├── RateLimited               429  rate_limit_error        code=rate_limit_exceeded | insufficient_quota
@@ -30,6 +31,7 @@ import orjson
 
 __all__ = [
     "APIError",
+    "Conflict",
     "InvalidRequest",
     "MethodNotAllowed",
     "ModelNotFound",
@@ -131,6 +133,14 @@ class MethodNotAllowed(APIError):
     status = 405
     type = "invalid_request_error"
     default_code = "method_not_allowed"
+
+
+class Conflict(APIError):
+    """What the request changes was changed by another at the same time (two rotations of one key)."""
+
+    status = 409
+    type = "invalid_request_error"
+    default_code = "conflict"
 
 
 class RequestTimeout(APIError):

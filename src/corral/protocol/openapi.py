@@ -315,10 +315,16 @@ def _admin(key_schema: dict[str, Any]) -> dict[str, Any]:
         },
         "/admin/usage": {
             "get": _read(
-                "Usage by key, tenant or model, or one request's records (`request_id`)",
+                "Usage by key, tenant, model, api or day from `since` up to `until` (ISO 8601 or epoch "
+                "seconds, UTC; neither: this calendar month), or one request's records (`request_id`)",
                 "Anything",
                 _ADMIN,
-                query={"by": {"type": "string"}, "request_id": {"type": "string"}},
+                query={
+                    "by": {"type": "string"},
+                    "request_id": {"type": "string"},
+                    "since": {"type": "string"},
+                    "until": {"type": "string"},
+                },
             )
         },
         "/admin/routing": {"get": _read("Routing state of every replica", "Anything", _ADMIN)},

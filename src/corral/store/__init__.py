@@ -1,15 +1,27 @@
 """SQL storage (SQLAlchemy): SQLite file by default, PostgreSQL by URL. Keys, usage records, the audit trail,
-files, stored responses, and the batch tables (their queue's logic is in batch/)."""
+files, stored responses, and the batch tables (their queue's logic is in batch/).
+
+The store is blocking: the gateway calls it from threads. A request's own calls (who its key is, its
+budget, its stored response) run on `StoreThreads`, apart from asyncio's default executor where the admin
+reports, the usage writer, the sweeps and the batch runner run. On PostgreSQL a gateway's store answers
+within `StoreTimeouts` (a statement, a wait for a lock, a wait for a pooled connection), and TCP
+keepalives end a connection whose network went silent: a locked table or a lost server is the store-down
+path (a key served as last found, a 503), not a thread held for minutes."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import stat
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
+from typing import ParamSpec, TypeVar
 
-from sqlalchemy import Engine, create_engine, event, inspect
+from sqlalchemy import Engine, create_engine, event, inspect, make_url
 from sqlalchemy.exc import ArgumentError, NoSuchModuleError, SQLAlchemyError
 
 from corral.store import batch_rows as _batch_rows  # noqa: F401  (its tables are created with the rest)
@@ -53,6 +65,8 @@ __all__ = [
     "Retention",
     "SessionStore",
     "StoreError",
+    "StoreThreads",
+    "StoreTimeouts",
     "StoredResponse",
     "UsageRecord",
     "UsageStore",
@@ -69,6 +83,92 @@ logger = logging.getLogger(__name__)
 # The spellings people copy from PostgreSQL's docs, Heroku or psql, and the driver corral ships (psycopg 3).
 _POSTGRES_PREFIXES = ("postgres://", "postgresql://", "postgresql+psycopg2://", "postgres+psycopg://")
 _POSTGRES = "postgresql+psycopg://"
+# A connection whose network went silent is ended by TCP: probes after 10 s idle, 5 s apart, 3 unanswered;
+# data sent and not acknowledged for 20 s (libpq's parameters; tcp_user_timeout needs libpq 12, which
+# psycopg[binary] bundles)
+_KEEPALIVES = {
+    "keepalives": 1,
+    "keepalives_idle": 10,
+    "keepalives_interval": 5,
+    "keepalives_count": 3,
+    "tcp_user_timeout": 20_000,
+}
+
+_P = ParamSpec("_P")
+_T = TypeVar("_T")
+
+
+@dataclass(frozen=True)
+class StoreTimeouts:
+    """How long a gateway's statement may run (`statement_s`) and wait for a lock (`lock_s`) on PostgreSQL,
+    and how long a call waits for one of the engine's pooled connections (`pool_s`). Past them the call
+    fails as a store that does not answer. The schema's changes when a store opens set them aside for
+    their own transactions (bring_forward: a wait for another gateway's changes, an index's build)."""
+
+    statement_s: float = 10.0
+    lock_s: float = 5.0
+    pool_s: float = 5.0
+
+
+class StoreThreads:
+    """The threads a request's own store calls run on, apart from asyncio's default executor (where the
+    admin reports, the usage writer, the sweeps and the batch runner run): slow work there cannot keep a
+    request waiting for a thread. Who a key or a console session is (`lookup`) has threads of its own
+    beside the requests' other calls (`call`: budget reads, stored responses), so a locked usage table
+    holds up budgets, not keys. A call is awaited `wait_s` at most, then StoreError (the store-down path):
+    a network gone silent holds a thread until TCP gives up, never the request. Calls beyond the threads
+    wait their turn, within `wait_s`. Built once with the gateway's parts; `close` at its shutdown (a call
+    after it starts the threads again)."""
+
+    def __init__(
+        self, lookups: int = 4, calls: int = 6, wait_s: float | None = 10.0, *, shared: bool = False
+    ) -> None:
+        self._sizes = {"lookup": lookups, "call": calls}
+        self._wait = wait_s
+        self._shared = shared  # (asyncio's default executor instead)
+        self._pools: dict[str, ThreadPoolExecutor] = {}
+
+    @classmethod
+    def default_executor(cls) -> StoreThreads:
+        """Every call on asyncio's default executor, awaited as long as it takes (what a part built
+        without threads of its own uses, as a test's)."""
+        return cls(wait_s=None, shared=True)
+
+    async def lookup(self, fn: Callable[_P, _T], *args: _P.args, **kwargs: _P.kwargs) -> _T:
+        """`fn(*args, **kwargs)` on a lookup thread: who a key or a session is."""
+        return await self._run("lookup", partial(fn, *args, **kwargs))
+
+    async def call(self, fn: Callable[_P, _T], *args: _P.args, **kwargs: _P.kwargs) -> _T:
+        """`fn(*args, **kwargs)` on one of the requests' other threads (budgets, stored responses)."""
+        return await self._run("call", partial(fn, *args, **kwargs))
+
+    def close(self) -> None:
+        """Stop the threads; calls not yet started are dropped (one running ends with its statement)."""
+        for pool in self._pools.values():
+            pool.shutdown(wait=False, cancel_futures=True)
+        self._pools.clear()
+
+    async def _run(self, lane: str, call: Callable[[], _T]) -> _T:
+        running = asyncio.get_running_loop().run_in_executor(self._pool(lane), call)
+        if self._wait is None:
+            return await running
+        within = asyncio.timeout(self._wait)
+        try:
+            async with within:
+                return await running
+        except TimeoutError:
+            if not within.expired():  # (the call's own error)
+                raise
+            raise StoreError(f"the store did not answer within {self._wait:g} s") from None
+
+    def _pool(self, lane: str) -> ThreadPoolExecutor | None:
+        if self._shared:
+            return None
+        pool = self._pools.get(lane)
+        if pool is None:
+            size = self._sizes[lane]
+            pool = self._pools[lane] = ThreadPoolExecutor(size, thread_name_prefix=f"corral-store-{lane}")
+        return pool
 
 
 def normalise_url(url: str) -> str:
@@ -89,27 +189,28 @@ class OpenedStore:
     new: bool
 
 
-def open_database(url: str, create: bool = True) -> Engine:
+def open_database(url: str, create: bool = True, timeouts: StoreTimeouts | None = None) -> Engine:
     """An engine for `url` with corral's tables (open_store's)."""
-    return open_store(url, create).engine
+    return open_store(url, create, timeouts).engine
 
 
-def open_store(url: str, create: bool = True) -> OpenedStore:
+def open_store(url: str, create: bool = True, timeouts: StoreTimeouts | None = None) -> OpenedStore:
     """The store at `url`, brought up to this corral's schema: the tables, columns and indexes an earlier
     corral's store lacks are added (bring_forward: safe beside that corral's gateways still running). With
     `create` (a gateway, `keys create`) a store that is not there is made, SQLite's file readable by its
-    owner only; without it (the commands that only read) that is an error. Raises StoreError with one line
-    saying what is wrong."""
+    owner only; without it (the commands that only read) that is an error. `timeouts`: how long the
+    engine's statements may take on PostgreSQL (a gateway's; None: as long as they take, a command's).
+    Raises StoreError with one line saying what is wrong."""
     url = normalise_url(url)
     shown = _without_password(url)
     database = url.removeprefix("sqlite:///").split("?", 1)[0]  # (its file, without the URL's options)
     if url.startswith("sqlite:///") and database not in ("", ":memory:"):
         _sqlite_file(Path(database).expanduser(), create)
     try:
-        engine = _engine(url)
+        engine = _engine(url, timeouts)
         if not create and not CORE_TABLES <= set(inspect(engine).get_table_names()):
             raise StoreError(f"{shown} holds no corral store (its tables are missing)")
-        new = bring_forward(engine)
+        new = bring_forward(engine)  # (its changes lift the timeouts for themselves: schema.py)
     except NoSuchModuleError as exc:
         raise StoreError(
             f"unsupported store URL {shown}: use sqlite:///PATH or postgresql://USER@HOST/DB"
@@ -159,9 +260,10 @@ def _warn_if_shared(path: Path) -> None:
         )
 
 
-def _engine(url: str) -> Engine:
+def _engine(url: str, timeouts: StoreTimeouts | None = None) -> Engine:
     if not url.startswith("sqlite:///"):
-        return create_engine(url, pool_pre_ping=True, connect_args=_connect_args(url))
+        pool = {"pool_timeout": timeouts.pool_s} if timeouts is not None else {}
+        return create_engine(url, pool_pre_ping=True, connect_args=_connect_args(url, timeouts), **pool)
     engine = create_engine(url)
 
     @event.listens_for(engine, "connect")
@@ -174,13 +276,25 @@ def _engine(url: str) -> Engine:
     return engine
 
 
-def _connect_args(url: str) -> dict[str, object]:
-    """A store that does not answer is reported within seconds, not after the OS's TCP timeout; its
-    sessions count time in UTC (usage by day and month is grouped by the UTC date, as budgets count
-    months, whatever zone the server runs in), unless the URL sets its own `options`."""
+def _connect_args(url: str, timeouts: StoreTimeouts | None) -> dict[str, object]:
+    """A store that does not answer is reported within seconds, not after the OS's TCP timeout (a new
+    connection's, and a silent one's: keepalives); its sessions count time in UTC (usage by day and month
+    is grouped by the UTC date, as budgets count months, whatever zone the server runs in), and bound a
+    statement and a lock's wait by `timeouts` (None: the server's own settings, unbounded by default).
+    The URL's own `options` come after these: a setting it names is its (`?options=-c timezone=...`)."""
     if not url.startswith(_POSTGRES):
         return {}
-    return {"connect_timeout": 5} | ({} if "options=" in url else {"options": "-c timezone=UTC"})
+    settings = {"timezone": "UTC"}
+    if timeouts is not None:
+        settings |= {
+            "statement_timeout": f"{round(timeouts.statement_s * 1000)}",
+            "lock_timeout": f"{round(timeouts.lock_s * 1000)}",
+        }
+    options = " ".join(f"-c {name}={value}" for name, value in settings.items())
+    given = make_url(url).query.get("options")
+    for part in [given] if isinstance(given, str) else given or ():
+        options += f" {part}"
+    return {"connect_timeout": 5, **_KEEPALIVES, "options": options}
 
 
 def _without_password(url: str) -> str:

@@ -143,9 +143,9 @@ class UsageStore:
 
     def of_request(self, request_id: str, tenant: str | None = None) -> list[dict[str, object]]:
         """The records of the request with this `x-request-id` (a batch line's: one per attempt), oldest
-        first; `tenant`: of that tenant only (a tenant-admin's view). The column has no index (an index
-        would cost every request's write for a look-up an operator makes by hand): a look-up reads the
-        table, which retention (`store.usage_retention_days`) keeps bounded."""
+        first; `tenant`: of that tenant only (a tenant-admin's view). Found by the column's index
+        (`ix_corral_usage_request_id`; a store an earlier corral made gains it when this one opens it), not
+        by reading the table."""
         query = select(UsageRow).where(UsageRow.request_id == request_id).order_by(UsageRow.id)
         if tenant is not None:
             query = query.where(UsageRow.tenant == tenant)

@@ -1,6 +1,6 @@
 // corral console: polls the gateway's admin endpoints and draws rates, latency and replica state.
 // Data: /corral/console/data (cumulative counters and histogram buckets per model), /admin/routing
-// (replicas, policies, queues, latest decisions), /admin/keys and /admin/usage?by=tenant (tenants).
+// (replicas, policies, queues, latest decisions), /admin/keys and /admin/usage?by=tenant (tenants, this month).
 // Rates and percentiles come from the difference of two polls, as Prometheus's rate() does.
 // Who sees what is the gateway's to decide (the admin key, or a person signed in through the identity
 // provider, whose session cookie goes with every request and whose changes send its CSRF token); the
@@ -307,9 +307,10 @@ function drawAudit(trail) {
 }
 
 function drawMyUsage(usage) {
-  document.getElementById("my-usage").textContent = usage.rows
-    .map((r) => r.tenant + ": " + r.requests + " requests, " + r.input_tokens + " tokens in, " + r.output_tokens + " out, " + r.refused + " refused")
-    .join("; ");
+  const rows = usage.rows.map(
+    (r) => r.tenant + ": " + r.requests + " requests, " + r.input_tokens + " tokens in, " + r.output_tokens + " out, " + r.refused + " refused",
+  );
+  document.getElementById("my-usage").textContent = rows.length ? "this month (UTC): " + rows.join("; ") : "";
 }
 
 // Shows the panels the role may read and the gateway has not refused, and names those it refused.
@@ -347,13 +348,20 @@ async function read(panel, load) {
   }
 }
 
+// The usage of this calendar month (UTC, as budgets count it): the report reads only the rows it spans.
+function monthUsage() {
+  const now = new Date();
+  const since = new Date(Date.UTC(now.getUTCFullYear(), now.getUTCMonth(), 1)).toISOString();
+  return "/admin/usage?by=tenant&since=" + encodeURIComponent(since);
+}
+
 // The panels refreshed every TENANTS_EVERY polls, in this order (Tenants counts the keys just read).
 async function readSlowPanels(allowed) {
   const keys = () => (allowed.keys && !state.refused.has("keys") ? state.keys : null); // else usage alone
   const loads = {
     keys: async () => drawKeys((state.keys = await getJSON("/admin/keys"))),
-    usage: async () => drawMyUsage(await getJSON("/admin/usage?by=tenant")),
-    tenants: async () => drawTenants(keys(), await getJSON("/admin/usage?by=tenant")),
+    usage: async () => drawMyUsage(await getJSON(monthUsage())),
+    tenants: async () => drawTenants(keys(), await getJSON(monthUsage())),
     audit: async () => drawAudit(await getJSON("/admin/audit?limit=50")),
   };
   const outcomes = [];

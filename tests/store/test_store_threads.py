@@ -1,0 +1,87 @@
+"""The threads a request's own store calls run on (StoreThreads): apart from asyncio's default executor, key
+lookups apart from the other calls, and each awaited within its bound."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+
+import pytest
+
+from corral.store import StoreError, StoreThreads, store_is_down
+
+
+def _held(release: threading.Event, started: threading.Semaphore) -> str:
+    started.release()
+    release.wait(10)
+    return "held"
+
+
+async def test_key_lookups_answer_while_the_default_executor_and_the_other_calls_are_held() -> None:
+    """Every thread of asyncio's default executor and every other request's call blocked (slow reports, a
+    locked usage table): a key lookup still runs at once."""
+    release, started = threading.Event(), threading.Semaphore(0)
+    threads = StoreThreads(lookups=2, calls=3, wait_s=5)
+    loop = asyncio.get_running_loop()
+    default = min(32, (os.cpu_count() or 1) + 4)  # asyncio's default executor's threads
+    blocking = [loop.run_in_executor(None, _held, release, started) for _ in range(default + 2)]
+    blocking += [asyncio.ensure_future(threads.call(_held, release, started)) for _ in range(5)]
+    try:
+        await _all_started(started, default + 3)  # every default thread and every call thread is held
+        began = time.monotonic()
+        assert await threads.lookup(lambda key: f"found {key}", "k1") == "found k1"
+        assert time.monotonic() - began < 1.0
+    finally:
+        release.set()
+        await asyncio.gather(*blocking)
+        threads.close()
+
+
+async def _all_started(started: threading.Semaphore, count: int) -> None:
+    deadline = time.monotonic() + 10
+    while count:
+        if started.acquire(blocking=False):
+            count -= 1
+            continue
+        assert time.monotonic() < deadline, f"{count} calls never started"
+        await asyncio.sleep(0.01)
+
+
+async def test_a_call_past_its_wait_is_the_store_not_answering() -> None:
+    """A call whose thread hangs (a network gone silent holds a pooled connection's query) is given up after
+    `wait_s`, as the store being down; the thread is left to end when TCP does."""
+    release = threading.Event()
+    threads = StoreThreads(lookups=1, calls=1, wait_s=0.3)
+    began = time.monotonic()
+    try:
+        with pytest.raises(StoreError, match=r"did not answer within 0\.3 s") as raised:
+            await threads.lookup(release.wait, 10)
+        assert time.monotonic() - began < 2.0
+        assert store_is_down(raised.value)
+    finally:
+        release.set()
+        threads.close()
+
+
+async def test_a_calls_own_timeout_error_is_its_own() -> None:
+    """A TimeoutError the call raises itself is not taken for the wait's."""
+    threads = StoreThreads(wait_s=5)
+
+    def fails() -> None:
+        raise TimeoutError("the call's own")
+
+    try:
+        with pytest.raises(TimeoutError, match="the call's own"):
+            await threads.call(fails)
+    finally:
+        threads.close()
+
+
+async def test_threads_closed_at_a_shutdown_start_again_for_a_gateway_started_again() -> None:
+    threads = StoreThreads()
+    assert await threads.call(lambda: threading.current_thread().name) == "corral-store-call_0"
+    threads.close()
+    assert (await threads.lookup(lambda: threading.current_thread().name)).startswith("corral-store-lookup")
+    threads.close()
