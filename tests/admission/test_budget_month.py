@@ -6,6 +6,7 @@ month's use."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import uuid
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
@@ -143,3 +144,31 @@ async def test_a_store_down_as_the_month_turns_leaves_the_new_month_at_what_was_
     budget.settle(key, 400_000, await budget.reserve(key, 400_000))
     with pytest.raises(RateLimited, match="used or reserved 400,000"):
         await budget.reserve(key, 700_000)
+
+
+class SlowUsage(MonthlyUsage):
+    """The store, each read taking a while and counted."""
+
+    def __init__(self, calendar: Calendar, used: dict[str, int]) -> None:
+        super().__init__(calendar, used)
+        self.reads = 0
+
+    def month_tokens(self, key_id: str) -> int:
+        self.reads += 1
+        threading.Event().wait(0.2)
+        return super().month_tokens(key_id)
+
+
+async def test_a_burst_of_requests_reads_a_keys_month_once() -> None:
+    """Fifty requests of one key (a tenant-admin's keys, as its cached figure expired) read its month
+    fifty times at once, each holding one of the store's threads (a family's read took seconds)."""
+    calendar = Calendar("2026-11")
+    usage = SlowUsage(calendar, {"2026-11": 10})
+    budget = BudgetTracker(usage, month=calendar)  # type: ignore[arg-type]
+    key = eve()
+    await asyncio.gather(*(budget.check(key) for _ in range(50)))
+    assert usage.reads == 1
+    usage.down = True  # (a failed read is every waiter's: none is known yet of this one's month)
+    other = eve()
+    refused = await asyncio.gather(*(budget.check(other) for _ in range(5)), return_exceptions=True)
+    assert usage.reads == 2 and all(type(r).__name__ == "NoCapacity" for r in refused), refused

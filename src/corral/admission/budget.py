@@ -257,6 +257,7 @@ class BudgetTracker:
         self._used: dict[str, tuple[int, float]] = {}  # key id → (tokens this month in the store, read at)
         self._unwritten: dict[str, int] = {}  # settled here, not written to the store yet
         self._written_since_read: dict[str, int] = {}  # written since the store was last read
+        self._reading: dict[str, asyncio.Future[tuple[str, int]]] = {}  # reads of the store under way
         self._reserved: dict[str, int] = {}  # key id → tokens requests in flight here have reserved
         # key id → (tenant, monthly budget, month "YYYY-MM", last checked (monotonic s))
         self._budgets: dict[str, tuple[str, int, str, float]] = {}
@@ -455,33 +456,56 @@ class BudgetTracker:
             self._used[key] = (0, -math.inf)
 
     async def _month_tokens(self, key: str, family: bool = False) -> tuple[str, int]:
-        """(this month, the key's use in it as this gateway knows it); `family`: with the keys below it."""
+        """(this month, the key's use in it as this gateway knows it); `family`: with the keys below it. A
+        read of the store already under way for the key serves every request waiting on it (a burst of a
+        tenant-admin's keys as its cached figure expires read its family's month once each)."""
         month = self._month()
         self._in_month(key, month)
         cached = self._used.get(key)
+        if cached is not None and time.monotonic() - cached[1] <= self._refresh:
+            return month, self._known(key)
+        reading = self._reading.get(key)
+        if reading is None:
+            reading = self._reading[key] = asyncio.ensure_future(self._read(key, month, family))
+            reading.add_done_callback(partial(self._read_done, key))
+        return await asyncio.shield(reading)
+
+    def _read_done(self, key: str, reading: asyncio.Future[tuple[str, int]]) -> None:
+        self._reading.pop(key, None)
+        if not reading.cancelled():
+            reading.exception()  # (retrieved: a failure every waiter left is not "never retrieved")
+
+    async def _read(self, key: str, month: str, family: bool) -> tuple[str, int]:
+        """The key's month read from the store (`_month_tokens`)."""
+        cached = self._used.get(key)
         now = time.monotonic()
-        if cached is None or now - cached[1] > self._refresh:
-            before = self._written_since_read.pop(key, 0)  # written before the read began: it counts them
-            read = self._keys.family_month_tokens if family and self._keys else self._usage.month_tokens
-            try:
-                stored = await self._threads.call(read, key)
-            except StoreError as exc:
-                if self._month() != month:  # (the month turned meanwhile)
-                    return await self._month_tokens(key, family)
-                self._written_since_read[key] = self._written_since_read.get(key, 0) + before
-                if cached is None:  # nothing known of this key's month: it cannot be checked
-                    raise NoCapacity(
-                        "This key's monthly budget cannot be checked right now; try again shortly.",
-                        code="budget_unavailable",
-                        retry_after=_STORE_RETRY_S,
-                    ) from exc
-                logger.warning("budgets: the store did not answer (%s); using what it said last", exc)
-                self._used[key] = (cached[0], now)  # asked again after refresh_s, not on every request
-                return month, self._known(key)
-            if self._month() != month:  # the month turned during the read: which one it counted is unknown
-                return await self._month_tokens(key, family)
-            self._used[key] = (stored, now)
+        before = self._written_since_read.pop(key, 0)  # written before the read began: it counts them
+        read = self._keys.family_month_tokens if family and self._keys else self._usage.month_tokens
+        try:
+            stored = await self._threads.call(read, key)
+        except StoreError as exc:
+            self._written_since_read[key] = self._written_since_read.get(key, 0) + before
+            if self._month() != month:  # (the month turned meanwhile)
+                return await self._turned(key, family)
+            if cached is None:  # nothing known of this key's month: it cannot be checked
+                raise NoCapacity(
+                    "This key's monthly budget cannot be checked right now; try again shortly.",
+                    code="budget_unavailable",
+                    retry_after=_STORE_RETRY_S,
+                ) from exc
+            logger.warning("budgets: the store did not answer (%s); using what it said last", exc)
+            self._used[key] = (cached[0], now)  # asked again after refresh_s, not on every request
+            return month, self._known(key)
+        if self._month() != month:  # the month turned during the read: which one it counted is unknown
+            return await self._turned(key, family)
+        self._used[key] = (stored, now)
         return month, self._known(key)
+
+    async def _turned(self, key: str, family: bool) -> tuple[str, int]:
+        """The month turned during a read of `key`'s: read the new one's."""
+        month = self._month()
+        self._in_month(key, month)
+        return await self._read(key, month, family)
 
     def _redis_down(self, exc: BaseException) -> None:
         now = time.monotonic()

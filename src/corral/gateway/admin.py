@@ -24,7 +24,15 @@ from corral.config import parse_spec
 from corral.gateway.access import ROUTES, Access, Actor, bearer_is
 from corral.gateway.bodies import read_body
 from corral.gateway.clients import REQUEST_ID, ClientAddresses
-from corral.gateway.key_scope import TENANT_ROLES, fields_of, limits_of, maker, others_merged, within_own
+from corral.gateway.key_scope import (
+    TENANT_ROLES,
+    fields_of,
+    limits_of,
+    maker,
+    managed,
+    others_merged,
+    within_own,
+)
 from corral.gateway.parts import AdminAccess, ReplicaControl
 from corral.gateway.reports import ReportTurns, month_start, when
 from corral.protocol import (
@@ -34,7 +42,6 @@ from corral.protocol import (
     NoCapacity,
     NotFound,
     NotSupported,
-    PermissionDenied,
     Unauthorized,
 )
 from corral.routing import PrefixAffinity, Router
@@ -284,22 +291,8 @@ class AdminViews:
         return web.json_response({"key": secret, **record.to_dict()}, status=201)
 
     async def _own_key(self, request: web.Request, actor: Actor, change: bool = True) -> KeyRecord:
-        """The key the route names: 404 where there is none, or (a tenant-admin) another tenant's or one of
-        a role above those it may give (an admin's key in its tenant is not its to rotate or revoke); to
-        `change` it, a tenant-admin's key is its own or an admin's to change (403: a peer's rotation would
-        hand its secret over, a peer's revocation take its access)."""
-        key_id = request.match_info["key_id"]
-        record = await asyncio.to_thread(self._keys.get, key_id)
-        if record is None or (
-            actor.scoped and (record.tenant != actor.tenant or record.role not in TENANT_ROLES)
-        ):
-            raise NotFound(f"No key with id {key_id}.")
-        own = actor.principal is not None and actor.principal.key_id == record.id
-        if change and actor.scoped and record.role == "tenant-admin" and not own:
-            raise PermissionDenied(
-                f"Key {key_id} is a tenant-admin's: only an admin, or the key itself, may change it."
-            )
-        return record
+        """The key the route names, as `key_scope.managed` lets `actor` see or `change` it."""
+        return await managed(self._keys, request.match_info["key_id"], actor, change)
 
     async def show_key(self, request: web.Request) -> web.Response:
         actor = await self.check(request)

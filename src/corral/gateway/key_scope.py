@@ -5,15 +5,25 @@ shown of the usage of keys above it."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
 from corral.gateway.access import Actor
-from corral.protocol import PermissionDenied
-from corral.store import PRIORITIES, KeyRecord
+from corral.protocol import NotFound, PermissionDenied
+from corral.store import PRIORITIES, KeyRecord, KeyStore
 from corral.store.keys import MAX_GENERATIONS
 
-__all__ = ["LIMITS", "TENANT_ROLES", "fields_of", "limits_of", "maker", "others_merged", "within_own"]
+__all__ = [
+    "LIMITS",
+    "TENANT_ROLES",
+    "fields_of",
+    "limits_of",
+    "maker",
+    "managed",
+    "others_merged",
+    "within_own",
+]
 
 TENANT_ROLES = ("user", "tenant-admin")  # the roles a tenant-admin may give its tenant's keys
 LIMITS = ("rpm", "tpm", "max_concurrency", "monthly_token_budget")
@@ -118,3 +128,35 @@ def expires_by(cap: float, wanted: dict[str, Any]) -> None:
             f"'expires_in_s' must be set, at most {left}: no key outlives the tenant-admin's own.",
             param="expires_in_s",
         )
+
+
+async def managed(keys: KeyStore, key_id: str, actor: Actor, change: bool = True) -> KeyRecord:
+    """The key `key_id` as `actor` may see it: NotFound where there is none, or (a tenant-admin) another
+    tenant's or one of a role above those it may give (an admin's key in its tenant is not its to rotate or
+    revoke). To `change` it, a tenant-admin's key is its own or an admin's to change (403: a peer's rotation
+    would hand its secret over, a peer's revocation take its access), and a tenant-admin changes the keys
+    below it (it made them, or keys it made did) and adopts a key no one made (an admin's, or one older
+    than makers), which counts against its limits from then on: a peer's key raised or rotated spent the
+    peer's allowance, a maker-less one none."""
+    record = await asyncio.to_thread(keys.get, key_id)
+    outside = record is not None and (record.tenant != actor.tenant or record.role not in TENANT_ROLES)
+    if record is None or (actor.scoped and outside):
+        raise NotFound(f"No key with id {key_id}.")
+    own = actor.principal is not None and actor.principal.key_id == record.id
+    if not change or not actor.scoped or own:
+        return record
+    if record.role == "tenant-admin":
+        raise PermissionDenied(
+            f"Key {key_id} is a tenant-admin's: only an admin, or the key itself, may change it."
+        )
+    mine = maker(actor)
+    if mine is None:
+        return record
+    if record.parent is None:
+        await asyncio.to_thread(keys.adopt, record.id, mine)
+    elif mine not in await asyncio.to_thread(keys.makers, record):
+        raise PermissionDenied(
+            f"Key {key_id} was made by another of the tenant's keys: only it (or one above it), or an admin, "
+            "may change it."
+        )
+    return record

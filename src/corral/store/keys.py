@@ -322,6 +322,21 @@ class KeyStore:
                 parent = row.parent
         return found
 
+    def makers(self, record: KeyRecord) -> list[str]:
+        """The ids above `record`, nearest first: its maker's, that one's maker's, ..., ending with a
+        signed-in tenant's `oidc:<tenant>` where one is at the top."""
+        above = self.ancestors(record.parent)
+        ids = [found.id for found in above]
+        top = above[-1].parent if above else record.parent
+        return [*ids, top] if top is not None and top not in ids else ids
+
+    def adopt(self, key_id: str, parent: str) -> bool:
+        """Give a key no one made (an admin's, or one made before keys recorded their maker) `parent` as its
+        maker; False where it has one already."""
+        query = update(ApiKeyRow).where(ApiKeyRow.id == key_id, ApiKeyRow.parent.is_(None))
+        with Session(self._engine) as session, session.begin():
+            return bool(session.execute(query.values(parent=parent)).rowcount)  # type: ignore[attr-defined]
+
     def family_month_tokens(self, key_id: str, now: datetime | None = None) -> int:
         """Input + output tokens the key (an id, or `oidc:<tenant>`) and the keys below it (those it made,
         theirs, `MAX_GENERATIONS` down) used this calendar month (UTC): what its monthly budget counts."""
