@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import orjson
 
 from corral.admission import Principal
-from corral.admission.auth import SIGNED_IN
+from corral.admission.auth import SIGNED_IN, parents_of
 from corral.batch.files import read_batch_input
 from corral.batch.jobs import BatchRecord, BatchStore
 from corral.batch.queue import BatchLine, LineResult
@@ -452,7 +452,10 @@ class BatchRunner:
             )
         else:
             record = await asyncio.to_thread(self._keys.get, key_id)
-            principal = Principal.of(record) if record is not None and record.active else None
+            principal = None
+            if record is not None and record.active:  # (its makers' budgets hold over its batches too)
+                above = await asyncio.to_thread(self._keys.ancestors, record.parent) if record.parent else []
+                principal = Principal.of(record, parents_of(record, above, oidc))
         if principal is None:
             return None
         return Principal(
@@ -463,6 +466,7 @@ class BatchRunner:
             priority=BATCH_PRIORITY,
             monthly_token_budget=principal.monthly_token_budget,
             max_file_bytes=principal.max_file_bytes,  # (its results count against its files quota)
+            parents=principal.parents,
         )
 
     async def _flush(self) -> None:
