@@ -48,3 +48,19 @@ async def test_a_key_no_one_made_is_adopted_by_the_tenant_admin_that_changes_it(
     assert (await ask(closed, orphan["key"]))[0] == 200
     status, refused, _ = await ask(closed, orphan["key"])  # (its own window has room: its maker's has none)
     assert status == 429 and f"2 requests per minute for {CREATOR}" in refused["error"]["message"]
+
+
+async def test_a_refused_change_adopts_nothing(closed: Cluster) -> None:
+    """A key no one made was adopted before the change was checked: a tenant-admin of rpm 1 tied an
+    operator's key of rpm 1000 to its own limits with refused requests (and took it down)."""
+    mine = await make(closed, role="tenant-admin", rpm=1)
+    orphan = await make(closed, rpm=1000)
+    for method, path, body, status in (
+        ("PATCH", f"/admin/keys/{orphan['id']}", {"rpm": 5000}, 403),
+        ("PATCH", f"/admin/keys/{orphan['id']}", {"rpm": "x"}, 400),
+        ("POST", f"/admin/keys/{orphan['id']}/rotate", {}, 403),
+        ("DELETE", f"/admin/keys/{orphan['id']}", None, 200),
+    ):
+        assert (await closed.admin(method, path, body, key=mine["key"]))[0] == status
+    _, shown = await closed.admin("GET", f"/admin/keys/{orphan['id']}")
+    assert shown["parent"] is None

@@ -42,11 +42,13 @@ async def test_a_batch_of_a_made_key_runs_under_its_makers_budget(tmp_path: Path
     answers = Recorded()
     settings = BatchSettings(poll_s=0.02, headroom=0, max_share=1.0)
     runner = BatchRunner(store, answers, keys, replicas, lambda: {}, settings)
-    asked = NewBatch("acme", made.id, "/v1/chat/completions", "file-x", timedelta(hours=1))
-    batch = store.create_batch(asked)
-    assert store.start(batch.id, "m", [("c0", orjson.dumps(BODY))])
+    for key in (made, maker):
+        asked = NewBatch("acme", key.id, "/v1/chat/completions", "file-x", timedelta(hours=1))
+        batch = store.create_batch(asked)
+        assert store.start(batch.id, "m", [("c0", orjson.dumps(BODY))])
     async with running(runner):
-        await until(lambda: bool(answers.principals))
-    (principal,) = answers.principals
-    assert principal.key_id == made.id
-    assert [(p.key_id, p.monthly_token_budget) for p in principal.parents] == [(maker.id, 1_000)]
+        await until(lambda: len(answers.principals) == 2)
+    lines = {principal.key_id: principal for principal in answers.principals}
+    assert [(p.key_id, p.monthly_token_budget) for p in lines[made.id].parents] == [(maker.id, 1_000)]
+    # the maker's own lines read its month as its keys' too (as a user's they read its own use alone)
+    assert lines[maker.id].role == "tenant-admin" and lines[maker.id].parents == ()

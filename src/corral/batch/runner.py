@@ -466,6 +466,7 @@ class BatchRunner:
             priority=BATCH_PRIORITY,
             monthly_token_budget=principal.monthly_token_budget,
             max_file_bytes=principal.max_file_bytes,  # (its results count against its files quota)
+            role=principal.role,  # (a tenant-admin's month is its keys' too)
             parents=principal.parents,
         )
 

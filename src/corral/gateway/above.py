@@ -97,4 +97,6 @@ def refused_by(exc: RateLimited, principal: Principal, limited: Principal) -> Ra
         message = f"Request too large: it needs more tokens than the {limited.tpm} per minute of {named}."
     else:
         message = exc.message.replace("for this key", f"for {named}")
-    return RateLimited(message, code=exc.code, retry_after=exc.retry_after, headers=exc.extra_headers)
+    # (when its window frees, not its counts: its other keys' use is not this key's to read)
+    resets = {name: v for name, v in exc.extra_headers.items() if name.startswith("x-ratelimit-reset")}
+    return RateLimited(message, code=exc.code, retry_after=exc.retry_after, headers=resets)

@@ -26,6 +26,7 @@ from corral.gateway.bodies import read_body
 from corral.gateway.clients import REQUEST_ID, ClientAddresses
 from corral.gateway.key_scope import (
     TENANT_ROLES,
+    adopt,
     fields_of,
     limits_of,
     maker,
@@ -314,6 +315,7 @@ class AdminViews:
         current = await self._own_key(request, actor)
         if actor.scoped:  # (a new secret for a key beyond its own limits would be such a key)
             within_own(actor, current.tenant, current.role, fields_of(current))
+            await adopt(self._keys, current, actor)
         try:
             grace = float(request.query.get("grace", "3600"))
         except ValueError:
@@ -340,6 +342,7 @@ class AdminViews:
         request[_DETAIL].update(asked=wanted)
         if actor.scoped:
             within_own(actor, current.tenant, current.role, {**fields_of(current), **wanted})
+            await adopt(self._keys, current, actor)
         updated = await asyncio.to_thread(self._keys.update, current.id, changes)
         if updated is None:
             raise NotFound(f"No key with id {current.id}.")

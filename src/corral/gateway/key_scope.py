@@ -17,6 +17,7 @@ from corral.store.keys import MAX_GENERATIONS
 __all__ = [
     "LIMITS",
     "TENANT_ROLES",
+    "adopt",
     "fields_of",
     "limits_of",
     "maker",
@@ -135,9 +136,8 @@ async def managed(keys: KeyStore, key_id: str, actor: Actor, change: bool = True
     tenant's or one of a role above those it may give (an admin's key in its tenant is not its to rotate or
     revoke). To `change` it, a tenant-admin's key is its own or an admin's to change (403: a peer's rotation
     would hand its secret over, a peer's revocation take its access), and a tenant-admin changes the keys
-    below it (it made them, or keys it made did) and adopts a key no one made (an admin's, or one older
-    than makers), which counts against its limits from then on: a peer's key raised or rotated spent the
-    peer's allowance, a maker-less one none."""
+    below it (it made them, or keys it made did) or a key no one made (`adopt` it once the change is
+    allowed): a peer's key raised or rotated spent the peer's allowance."""
     record = await asyncio.to_thread(keys.get, key_id)
     outside = record is not None and (record.tenant != actor.tenant or record.role not in TENANT_ROLES)
     if record is None or (actor.scoped and outside):
@@ -149,14 +149,26 @@ async def managed(keys: KeyStore, key_id: str, actor: Actor, change: bool = True
         raise PermissionDenied(
             f"Key {key_id} is a tenant-admin's: only an admin, or the key itself, may change it."
         )
-    mine = maker(actor)
-    if mine is None:
-        return record
-    if record.parent is None:
-        await asyncio.to_thread(keys.adopt, record.id, mine)
-    elif mine not in await asyncio.to_thread(keys.makers, record):
-        raise PermissionDenied(
-            f"Key {key_id} was made by another of the tenant's keys: only it (or one above it), or an admin, "
-            "may change it."
-        )
+    _below(record, actor, await asyncio.to_thread(keys.makers, record) if record.parent else [])
     return record
+
+
+async def adopt(keys: KeyStore, record: KeyRecord, actor: Actor) -> None:
+    """A tenant-admin's allowed change of a key no one made (an admin's, or one older than makers) makes the
+    key its own: it counts against its limits from then on (raised or rotated, it was outside every
+    tenant-admin's). Where another adopted it meanwhile, the change is that one's to make (403)."""
+    mine = maker(actor)
+    if mine is None or record.parent is not None or mine == record.id:
+        return
+    if not await asyncio.to_thread(keys.adopt, record.id, mine):
+        now = await asyncio.to_thread(keys.get, record.id)
+        _below(record, actor, await asyncio.to_thread(keys.makers, now) if now is not None else [])
+
+
+def _below(record: KeyRecord, actor: Actor, makers: list[str]) -> None:
+    mine = maker(actor)
+    if mine is not None and makers and mine not in makers:
+        raise PermissionDenied(
+            f"Key {record.id} was made by another of the tenant's keys: only it (or one above it), or an "
+            "admin, may change it."
+        )
