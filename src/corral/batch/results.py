@@ -1,48 +1,71 @@
 """A finished batch's output and error files, written from its lines' results as OpenAI's are: a line per
 answered request in the output file, a line per request that failed, was cancelled or expired in the error
-file."""
+file.
+
+They are written unlinked (store/files.py: no read finds them, a few parts a transaction, so SQLite's one
+write lock is never held for long), then linked in the transaction that moves the batch's status."""
 
 from __future__ import annotations
 
 import uuid
 from collections.abc import Iterable
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from tempfile import SpooledTemporaryFile
 from typing import IO, Any
 
 import orjson
-from sqlalchemy.orm import Session
 
 from corral.batch.queue import ResultRow
 from corral.store.batch_rows import BatchRow
-from corral.store.files import NewFile, write_file
+from corral.store.files import FileStore, NewFile
 
-__all__ = ["write_results"]
+__all__ = ["Results", "write_results"]
 
 _SPOOL_BYTES = 8 * 1024 * 1024  # a result file larger than this is spooled to a temporary file
 
 
+@dataclass(frozen=True)
+class Results:
+    """A batch's output and error files, written unlinked (None for one without lines), and its counts."""
+
+    output_id: str | None
+    error_id: str | None
+    counts: dict[str, int]
+    expires_at: datetime | None  # what `link` sets
+
+    @property
+    def file_ids(self) -> list[str]:
+        return [file_id for file_id in (self.output_id, self.error_id) if file_id is not None]
+
+
 def write_results(
-    session: Session, row: BatchRow, results: Iterable[ResultRow], expiry: timedelta | None
-) -> tuple[str | None, str | None, dict[str, int]]:
-    """The batch's output and error files (their ids, None for one without lines) and its counts. The
-    results come a few at a time and the files are spooled to disk past `_SPOOL_BYTES`: a batch's results
-    (an embeddings batch's vectors) may be larger than a gateway's memory."""
+    files: FileStore, row: BatchRow, results: Iterable[ResultRow], expiry: timedelta | None
+) -> Results:
+    """The batch's output and error files, written unlinked, and its counts. The results are read to the
+    end first (a few at a time) and the files are spooled to disk past `_SPOOL_BYTES`: a batch's results
+    (an embeddings batch's vectors) may be larger than a gateway's memory. A failure part-way discards
+    what was written."""
     now = datetime.now(UTC)
     expires_at = now + expiry if expiry is not None else None
     ids: list[str | None] = []
     with SpooledTemporaryFile(_SPOOL_BYTES) as output, SpooledTemporaryFile(_SPOOL_BYTES) as errors:
         counts = _result_files(results, output, errors)
-        for kind, spool in (("output", output), ("error", errors)):
-            size = spool.tell()
-            if not size:
-                ids.append(None)
-                continue
-            spool.seek(0)
-            name = f"{row.id}_{kind}.jsonl"
-            new = NewFile(row.tenant, "batch_output", name, spool, size, expires_at, now)
-            ids.append(write_file(session, new).id)
-    return ids[0], ids[1], counts
+        try:
+            for kind, spool in (("output", output), ("error", errors)):
+                size = spool.tell()
+                if not size:
+                    ids.append(None)
+                    continue
+                spool.seek(0)
+                name = f"{row.id}_{kind}.jsonl"
+                ids.append(
+                    files.write_unlinked(NewFile(row.tenant, "batch_output", name, spool, size, None, now))
+                )
+        except BaseException:
+            files.discard_quietly([file_id for file_id in ids if file_id is not None])
+            raise
+    return Results(ids[0], ids[1], counts, expires_at)
 
 
 def _result_files(lines: Iterable[ResultRow], output: IO[bytes], errors: IO[bytes]) -> dict[str, int]:

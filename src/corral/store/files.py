@@ -4,29 +4,42 @@ A file's content is stored as parts of at most `PART_BYTES` (rows of `corral_fil
 one part at a time, so neither an upload nor a download holds a whole file in memory; rows written by an
 earlier corral keep their content in `corral_files.content` and are read from there. A file may carry an
 expiry (`expires_at`): past it the file is gone from listings and reads, and `sweep_expired` deletes it.
+
+SQLite has one write lock, and a worker waiting for it fails after its busy timeout (5 s): files are
+deleted, and a batch's results written, `parts_at_once` parts a transaction with a gap between two (a
+hundred files of 40 MiB deleted in one transaction held it for 30 s). A file's row goes first, in one short
+transaction, then its parts; parts a gateway that died part-way left behind go in `drop_orphans`. A file
+written for a batch's finalising is unlinked (`write_unlinked`: its expiry `UNLINKED_AT`, so no read finds
+it) until the batch's status and its files are moved in one short transaction (`link`).
 """
 
 from __future__ import annotations
 
+import logging
+import time
 import uuid
 from collections.abc import Collection, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
-from typing import IO, Any
+from typing import IO, Any, cast
 
 from sqlalchemy import (
     BigInteger,
+    CursorResult,
     DateTime,
     Engine,
     Integer,
     LargeBinary,
     String,
+    and_,
     delete,
+    exists,
     func,
     insert,
     or_,
     select,
     text,
+    update,
 )
 from sqlalchemy.orm import Mapped, Session, mapped_column
 
@@ -34,7 +47,9 @@ from corral.store.batch_rows import FINISHED, BatchRow
 from corral.store.schema import Base
 
 __all__ = [
+    "PARTS_AT_ONCE",
     "PART_BYTES",
+    "UNLINKED_AT",
     "FileQuotaExceeded",
     "FileRecord",
     "FileRow",
@@ -45,7 +60,16 @@ __all__ = [
     "write_file",
 ]
 
+logger = logging.getLogger(__name__)
+
 PART_BYTES = 1 << 20
+PARTS_AT_ONCE = 32  # parts written or deleted a transaction (about 0.3 s of SQLite's write lock)
+# the expiry of a file written but not yet given to its tenant (a batch's output while it is finalised):
+# past, so no read finds it; quotas do not count it (its batch's results do) and the sweep leaves it
+UNLINKED_AT = datetime(1970, 1, 1, tzinfo=UTC)
+# SQLite: the gap between two of a run of transactions. A worker waiting for the write lock retries at
+# most 100 ms apart (SQLite's busy handler), and the lock has no queue: without a gap it never got in
+_SQLITE_GAP_S = 0.12
 
 
 class FileRow(Base):
@@ -111,8 +135,10 @@ class NewFile:
 class FileStore:
     """Blocking SQL access to files (the gateway calls it from threads)."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, parts_at_once: int = PARTS_AT_ONCE) -> None:
         self._engine = engine
+        self._parts_at_once = parts_at_once
+        self._gap_s = _SQLITE_GAP_S if engine.dialect.name == "sqlite" else 0.0
 
     def add_file(self, new: NewFile, quota: tuple[int, int] | None = None) -> FileRecord:
         """Store an upload. `quota`: (files, bytes) the tenant may hold with it; FileQuotaExceeded past
@@ -147,7 +173,7 @@ class FileStore:
         with Session(self._engine) as session:
             files = session.execute(
                 select(FileRow.tenant, func.sum(FileRow.size))
-                .where(FileRow.tenant.in_(tenants))
+                .where(FileRow.tenant.in_(tenants), _linked())
                 .group_by(FileRow.tenant)
             ).all()
             results = session.execute(
@@ -203,44 +229,144 @@ class FileStore:
             seq += 1
 
     def delete_file(self, tenant: str, file_id: str) -> bool:
-        with Session(self._engine, expire_on_commit=False) as session, session.begin():
-            row = session.get(FileRow, file_id)
-            if row is None or row.tenant != tenant:
-                return False
-            session.delete(row)
-            session.execute(delete(FilePartRow).where(FilePartRow.file_id == file_id))
+        """Delete a file: its row at once, then its parts a few a transaction."""
+        with self._engine.begin() as connection:
+            deleted = connection.execute(
+                delete(FileRow).where(FileRow.id == file_id, FileRow.tenant == tenant, _linked())
+            )
+        if not _count(deleted):
+            return False
+        self._drop_parts([file_id])
         return True
 
     def sweep_expired(self, now: datetime | None = None, limit: int = 100) -> int:
-        """Delete up to `limit` files past their expiry; the number deleted."""
+        """Delete up to `limit` files past their expiry (unlinked ones are the batch store's); the number
+        deleted. Their rows go in one short transaction, a row holding an earlier corral's whole content
+        in one of its own, then their parts a few a transaction."""
         stamp = now or datetime.now(UTC)
+        with self._engine.connect() as connection:  # (read apart: each write below takes the lock first)
+            found = connection.execute(
+                select(FileRow.id, func.length(FileRow.content))  # (the length, not the content, is read)
+                .where(FileRow.expires_at > UNLINKED_AT, FileRow.expires_at <= stamp)
+                .order_by(FileRow.expires_at)
+                .limit(limit)
+            ).all()
+        ids = [file_id for file_id, _ in found]
+        whole = [[file_id] for file_id, size in found if size]
+        deleted = self._delete_rows([file_id for file_id, size in found if not size])
+        for one in whole:
+            self._gap()
+            deleted += self._delete_rows(one)
+        self._drop_parts(ids)
+        return deleted
+
+    def write_unlinked(self, new: NewFile) -> str:
+        """Store a file no one sees yet (its expiry `UNLINKED_AT`; `new.expires_at` is set by `link`): its
+        row, then its parts `parts_at_once` a transaction; its id. A failure part-way discards it."""
+        file_id = _new_id()
         with Session(self._engine) as session, session.begin():
-            ids = list(
-                session.scalars(
-                    select(FileRow.id)
-                    .where(FileRow.expires_at <= stamp)
-                    .order_by(FileRow.expires_at)
-                    .limit(limit)
-                )
+            session.add(_row(file_id, replace(new, expires_at=UNLINKED_AT)))
+        try:
+            seq = 0
+            while True:
+                with self._engine.begin() as connection:
+                    wrote = 0
+                    while wrote < self._parts_at_once and (data := new.source.read(PART_BYTES)):
+                        part = insert(FilePartRow).values(file_id=file_id, seq=seq + wrote, data=data)
+                        connection.execute(part)
+                        wrote += 1
+                seq += wrote
+                if wrote < self._parts_at_once:
+                    return file_id
+                self._gap()
+        except BaseException:
+            self.discard_quietly([file_id])
+            raise
+
+    def link(self, session: Session, file_ids: Collection[str], expires_at: datetime | None) -> bool:
+        """Give unlinked files to their tenant, in the caller's transaction (their expiry set): whether
+        all of them were still unlinked (a pass that found their batch finished discards them)."""
+        if not file_ids:
+            return True
+        linked = session.execute(
+            update(FileRow)
+            .where(FileRow.id.in_(file_ids), FileRow.expires_at == UNLINKED_AT)
+            .values(expires_at=expires_at)
+            .execution_options(synchronize_session=False)
+        )
+        return _count(linked) == len(file_ids)
+
+    def unlinked(self) -> list[tuple[str, str]]:
+        """(id, name) of the files written but not linked: being written, or left by a gateway that died."""
+        with self._engine.connect() as connection:
+            rows = connection.execute(
+                select(FileRow.id, FileRow.filename).where(FileRow.expires_at == UNLINKED_AT)
+            ).all()
+        return [(file_id, name) for file_id, name in rows]
+
+    def discard_unlinked(self, file_ids: Collection[str]) -> int:
+        """Delete those of these files still unlinked (one linked meanwhile is kept), and the parts of
+        those whose row is gone; how many rows were deleted."""
+        if not file_ids:
+            return 0
+        with self._engine.begin() as connection:
+            deleted = connection.execute(
+                delete(FileRow).where(FileRow.id.in_(file_ids), FileRow.expires_at == UNLINKED_AT)
             )
-            if ids:
-                session.execute(delete(FilePartRow).where(FilePartRow.file_id.in_(ids)))
-                session.execute(delete(FileRow).where(FileRow.id.in_(ids)))
-        return len(ids)
+            kept = set(connection.scalars(select(FileRow.id).where(FileRow.id.in_(file_ids))))
+        self._drop_parts([file_id for file_id in file_ids if file_id not in kept])
+        return _count(deleted)
+
+    def discard_quietly(self, file_ids: Collection[str]) -> None:
+        """`discard_unlinked`, a failure logged (where a write failed already: the files stay unlinked)."""
+        try:
+            self.discard_unlinked(file_ids)
+        except Exception:
+            logger.warning("files %s: discarding them failed", list(file_ids), exc_info=True)
+
+    def drop_orphans(self, limit: int = 100) -> int:
+        """Delete the parts of up to `limit` files whose row is gone (a gateway died while deleting them,
+        or while writing a file discarded meanwhile); how many parts."""
+        orphan = ~exists().where(FileRow.id == FilePartRow.file_id)
+        with self._engine.connect() as connection:
+            ids = connection.scalars(select(FilePartRow.file_id).where(orphan).distinct().limit(limit)).all()
+        return self._drop_parts(ids)
+
+    def _delete_rows(self, file_ids: list[str]) -> int:
+        if not file_ids:
+            return 0
+        with self._engine.begin() as connection:
+            return _count(connection.execute(delete(FileRow).where(FileRow.id.in_(file_ids))))
+
+    def _drop_parts(self, file_ids: Sequence[str]) -> int:
+        """Delete these files' parts (their rows gone), `parts_at_once` a transaction; how many."""
+        dropped = 0
+        while file_ids:
+            with self._engine.connect() as connection:  # (read apart: the delete takes the lock first)
+                some = connection.execute(
+                    select(FilePartRow.file_id, FilePartRow.seq)
+                    .where(FilePartRow.file_id.in_(file_ids))
+                    .limit(self._parts_at_once)
+                ).all()
+            if not some:
+                break
+            if dropped:
+                self._gap()
+            parts = [and_(FilePartRow.file_id == file_id, FilePartRow.seq == seq) for file_id, seq in some]
+            with self._engine.begin() as connection:
+                connection.execute(delete(FilePartRow).where(or_(*parts)))
+            dropped += len(some)
+        return dropped
+
+    def _gap(self) -> None:
+        """Between two of a run of transactions: a worker waiting for SQLite's write lock gets it."""
+        if self._gap_s:
+            time.sleep(self._gap_s)
 
 
 def write_file(session: Session, new: NewFile) -> FileRow:
     """Add a file and its parts to `session` (written a part at a time: one part in memory)."""
-    row = FileRow(
-        id=f"file-{uuid.uuid4().hex[:24]}",
-        tenant=new.tenant,
-        purpose=new.purpose,
-        filename=new.filename,
-        size=new.size,
-        created_at=new.created_at,
-        content=b"",
-        expires_at=new.expires_at,
-    )
+    row = _row(_new_id(), new)
     session.add(row)
     seq = 0
     while data := new.source.read(PART_BYTES):  # a core insert: the part is not kept in the session
@@ -260,8 +386,34 @@ _FILE_COLUMNS = (
 )
 
 
+def _new_id() -> str:
+    return f"file-{uuid.uuid4().hex[:24]}"
+
+
+def _row(file_id: str, new: NewFile) -> FileRow:
+    return FileRow(
+        id=file_id,
+        tenant=new.tenant,
+        purpose=new.purpose,
+        filename=new.filename,
+        size=new.size,
+        created_at=new.created_at,
+        content=b"",
+        expires_at=new.expires_at,
+    )
+
+
 def _live() -> Any:
     return or_(FileRow.expires_at.is_(None), FileRow.expires_at > datetime.now(UTC))
+
+
+def _linked() -> Any:
+    """Files given to their tenant (quotas count them; an unlinked one is counted in its batch's row)."""
+    return or_(FileRow.expires_at.is_(None), FileRow.expires_at != UNLINKED_AT)
+
+
+def _count(result: Any) -> int:
+    return int(cast(CursorResult[Any], result).rowcount)
 
 
 class FileQuotaExceeded(Exception):
@@ -282,7 +434,9 @@ def lock_tenant(session: Session, tenant: str) -> None:
 def _held(session: Session, tenant: str) -> tuple[int, int]:
     """(files, bytes) `tenant` holds: its files, and the results its unfinished batches have so far."""
     count, held = session.execute(
-        select(func.count(), func.coalesce(func.sum(FileRow.size), 0)).where(FileRow.tenant == tenant)
+        select(func.count(), func.coalesce(func.sum(FileRow.size), 0)).where(
+            FileRow.tenant == tenant, _linked()
+        )
     ).one()
     running = session.scalar(
         select(func.coalesce(func.sum(BatchRow.result_bytes), 0)).where(
