@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Callable
 import pytest
 
 from corral.cluster import Supervisor
+from corral.cluster.changes import ApplyError
 from corral.cluster.reconcile import Reconciler
 from corral.config import ClusterSpec, DeploymentSpec, ModelSpec, Paths, parse_spec
 from corral.engines import EngineAdapter, LaunchPlan, SimEngineAdapter, launch_plans
@@ -175,3 +176,45 @@ async def test_a_rolled_back_rollout_keeps_the_replacement_it_found_owed(cluster
     cluster.autoscaler._fixed[("alpha", 0)].held_until = time.monotonic()  # (the backoff ends)
     await until(lambda: len(ids(cluster)) == 2, "the owed replacement started")
     assert [supervisor.unit(r)[0] for r in ids(cluster)] == [0, 0]
+
+
+async def test_an_apply_while_a_rollback_is_put_back_is_refused_and_the_count_holds() -> None:
+    """An apply that comes while a rolled-back rollout is being put back (its outcome set, the gateways
+    told the old settings, the model still frozen) is refused as during the rollout: it was taken, saw the
+    deployment one replica short (its failed replica drained, its replacement owed) and scaled it up, and
+    the owed replacement started too: three replicas for `replicas: 2`."""
+    running = spec()
+    supervisor = Supervisor(ReplicaSet(), Runtime({"alpha-1", "alpha-2"}), running.supervisor)  # type: ignore[arg-type]
+    engine, plans = prepare(running.models[0], running.models[0].deployments[0])
+    failed = supervisor.add("alpha", engine, plans)[1]
+    await supervisor.start()
+    window: dict[str, asyncio.Future[object]] = {}
+    told_models: list[ModelSpec] = []
+
+    async def told(model: ModelSpec) -> None:
+        """The gateways told a model's settings: the rollout's new ones as it starts, the old ones when it
+        has rolled back (the model still frozen): then an operator's apply comes."""
+        told_models.append(model)
+        if len(told_models) == 2 and "alpha" in reconciler.autoscaler.frozen:
+            window["apply"] = asyncio.ensure_future(reconciler.apply(spec(time_scale=25), grace_s=1.0))
+            await asyncio.sleep(0.1)  # (the apply asks for the lock while the rollback is put back)
+
+    reconciler = Reconciler(supervisor, running, prepare, told, gpu_count=lambda: 8)
+    ids = lambda: [r.id for r in supervisor.members("alpha")]  # noqa: E731
+    try:
+        await until(lambda: failed.state is ReplicaState.FAILED, "alpha-1 given up on")
+        reconciler.start([])
+        await until(lambda: reconciler.autoscaler.owed("alpha", 0) == ["alpha-2"], "alpha-2 owed")
+        await until(lambda: ids() == ["alpha-0"], "drained")
+        assert [c["action"] for c in await reconciler.apply(spec(time_scale=25), grace_s=1.0)] == ["rollout"]
+        await until(lambda: len(ids()) == 2, "the rollout's first new replica")
+        await reconciler.rollout_action("alpha", "rollback")
+        await until(lambda: "apply" in window, "an apply while the rollback is put back")
+        with pytest.raises(ApplyError, match="a rollout of alpha is still running"):
+            await window["apply"]
+        await until(lambda: "alpha" not in reconciler.autoscaler.frozen, "unfrozen")
+        assert reconciler.autoscaler.owed("alpha", 0) == ["alpha-2"]  # (still owed: it starts when due)
+        assert len(ids()) <= 2, ids()
+    finally:
+        await reconciler.stop()
+        await supervisor.stop()
