@@ -38,17 +38,16 @@ async def _until(check: Callable[[], bool], within: float = 5.0) -> None:
         await asyncio.sleep(0.02)
 
 
-async def test_a_metrics_page_past_the_bound_is_a_failed_scrape_and_the_probes_go_on(tmp_path: Path) -> None:
-    page = [LARGE]
-    scrapes = []
+async def _engine(page: list[bytes], scrapes: list[int]) -> tuple[asyncio.Server, int]:
+    """An engine answering `page[0]` on /metrics (each scrape's size in `scrapes`), nothing elsewhere."""
 
-    async def engine(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             while True:
                 head = await reader.readuntil(b"\r\n\r\n")
-                path = head.split(b" ", 2)[1]
-                body = page[0] if path == b"/metrics" else b""
-                if path == b"/metrics":
+                metrics = head.split(b" ", 2)[1] == b"/metrics"
+                body = page[0] if metrics else b""
+                if metrics:
                     scrapes.append(len(body))
                 writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
                 await writer.drain()
@@ -57,8 +56,14 @@ async def test_a_metrics_page_past_the_bound_is_a_failed_scrape_and_the_probes_g
         finally:
             writer.close()
 
-    server = await asyncio.start_server(engine, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
+    server = await asyncio.start_server(answer, "127.0.0.1", 0)
+    return server, server.sockets[0].getsockname()[1]
+
+
+async def test_a_metrics_page_past_the_bound_is_a_failed_scrape_and_the_probes_go_on(tmp_path: Path) -> None:
+    page = [LARGE]
+    scrapes: list[int] = []
+    server, port = await _engine(page, scrapes)
     supervisor = Supervisor(ReplicaSet(), LocalProcessRuntime(tmp_path / "logs"), SETTINGS)
     (replica,) = supervisor.add("m", ExternalEngine(), [LaunchPlan(url=f"http://127.0.0.1:{port}")])
     try:
@@ -94,21 +99,7 @@ async def test_a_page_parsed_in_a_thread_carries_its_fetch_time(tmp_path: Path) 
     """Before, the load carried the time its parse ended: a parse that took over half a second passed for
     a reading taken after a drain began (an engine idle then, its requests started since), and a page
     fetched long ago for a fresh one."""
-
-    async def engine(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            while True:
-                head = await reader.readuntil(b"\r\n\r\n")
-                body = MEDIUM if head.split(b" ", 2)[1] == b"/metrics" else b""
-                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
-                await writer.drain()
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass
-        finally:
-            writer.close()
-
-    server = await asyncio.start_server(engine, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
+    server, port = await _engine([MEDIUM], [])
     slow = SlowParse()
     supervisor = Supervisor(ReplicaSet(), LocalProcessRuntime(tmp_path / "logs"), SETTINGS)
     (replica,) = supervisor.add("m", slow, [LaunchPlan(url=f"http://127.0.0.1:{port}")])
