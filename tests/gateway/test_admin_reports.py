@@ -94,7 +94,8 @@ async def test_a_tenant_admin_polling_usage_from_many_loops_leaves_other_tenants
         stop.set()
         await asyncio.gather(*polling)
     assert len(took) > 20 and max(took) < 0.5, (len(took), sorted(took)[-5:])
-    assert set(answered) <= {200, 503} and answered[200] >= 8, answered  # (503: waited 10 s for a turn)
+    # (one of its reports at a time: the others refused at once, 429)
+    assert set(answered) <= {200, 429} and answered[200] >= 8 and answered[429], answered
 
 
 async def test_a_usage_report_spans_this_month_unless_asked_for_another_span(gateway: _Gateway) -> None:

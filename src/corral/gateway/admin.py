@@ -267,7 +267,7 @@ class AdminViews:
     async def list_keys(self, request: web.Request) -> web.Response:
         actor = await self.check(request)
         revoked = request.query.get("include_revoked") in {"1", "true"}
-        async with self._reports.turn():
+        async with self._reports.turn(_asker(actor)):
             if actor.scoped:  # its tenant's keys (found in SQL: not every tenant's) of the roles it may give
                 keys = await asyncio.to_thread(self._keys.list, revoked, actor.tenant)
                 keys = [k for k in keys if k.role in TENANT_ROLES]
@@ -358,7 +358,7 @@ class AdminViews:
         scope = actor.tenant if actor.scoped else None
         request_id = request.query.get("request_id")
         if request_id is not None:  # one request's records, by the x-request-id its client was given
-            async with self._reports.turn():
+            async with self._reports.turn(_asker(actor)):
                 found = await asyncio.to_thread(self._usage.of_request, request_id, scope)
                 if scope is not None and found:  # the keys above a tenant-admin go unnamed, as in by=key
                     seen = await asyncio.to_thread(self._keys.list, True, scope)
@@ -369,7 +369,7 @@ class AdminViews:
         since, until = when(request.query.get("since"), "since"), when(request.query.get("until"), "until")
         if since is None and until is None:  # (all time is `since=0`: a report reads what it spans)
             since = month_start()
-        async with self._reports.turn():
+        async with self._reports.turn(_asker(actor)):
             try:
                 rows = await asyncio.to_thread(self._usage.report, by, since, until, scope)
             except ValueError as exc:
@@ -383,7 +383,7 @@ class AdminViews:
     async def audit_trail(self, request: web.Request) -> web.Response:
         """The audit trail, latest first: `?action=` (a trailing `*`: a prefix), `?actor=`, `?tenant=`,
         `?since=` (ISO 8601), `?request_id=`, `?limit=` (at most 1000). Read only: no route changes it."""
-        await self.check(request)
+        actor = await self.check(request)
         if self._audit is None:
             raise NotSupported("This gateway keeps no audit trail.")
         query = request.query
@@ -395,7 +395,7 @@ class AdminViews:
                 "'limit' must be a whole number of entries (at most 1000 are given).", param="limit"
             ) from None
         audit = self._audit
-        async with self._reports.turn():
+        async with self._reports.turn(_asker(actor)):
             rows = await asyncio.to_thread(
                 lambda: audit.list(
                     action=query.get("action"),
@@ -586,3 +586,8 @@ def _validated(model: type[NewKey] | type[KeyUpdate], body: bytes) -> NewKey | K
                 param=param,
             ) from exc
         raise InvalidRequest(f"Invalid value for '{param}': {err['msg']}.", param=param) from exc
+
+
+def _asker(actor: Actor) -> str:
+    """Whose turn a report takes (`ReportTurns`): a tenant-admin's tenant, or the operators'."""
+    return f"tenant:{actor.tenant}" if actor.scoped else "operators"

@@ -20,7 +20,7 @@ from corral.gateway.context import RequestContext
 from corral.protocol import APIError, NoCapacity, StoreUnavailable, UpstreamError, error_body
 from corral.routing import Replica
 from corral.routing.adapters import ASK_AGAIN_S
-from corral.store import store_is_down
+from corral.store import store_is_busy, store_is_down
 
 __all__ = ["busy_wait", "engine_error", "error_fields", "failed_how", "unanswered", "unexpected"]
 
@@ -131,6 +131,20 @@ def failed_how(exc: EngineConnectionError | AdapterLoadFailed) -> str:
 def unexpected(request: web.Request, exc: Exception, store_unanswered: Callable[[], None]) -> APIError:
     """What a client is told of an exception no stage turned into an answer: the store not answering is a
     503 to retry (one log line, counted by `store_unanswered`); anything else a 500, logged with its trace."""
+    if store_is_busy(exc):  # (it answers: not counted as the store down, nor alerted on)
+        logger.warning(
+            "the store cut %s %s short (request %s): %s",
+            request.method,
+            request.path,
+            request.get(REQUEST_ID),
+            getattr(exc, "orig", exc),
+        )
+        return StoreUnavailable(
+            "corral's store took too long on this request (a report over a long span, or another upload of "
+            "the tenant's holding its lock): ask for less, or try again shortly.",
+            code="store_busy",
+            retry_after=5,
+        )
     if store_is_down(exc):
         store_unanswered()
         logger.error(

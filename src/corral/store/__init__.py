@@ -40,7 +40,7 @@ from corral.store.keys import (
 )
 from corral.store.responses import ResponseStore, StoredResponse
 from corral.store.retention import Retention
-from corral.store.schema import CORE_TABLES, StoreError, bring_forward, store_is_down
+from corral.store.schema import CORE_TABLES, StoreError, bring_forward, store_is_busy, store_is_down
 from corral.store.secrets import server_secret
 from corral.store.sessions import ConsoleSession, SessionStore
 from corral.store.usage import UsageRecord, UsageStore
@@ -75,6 +75,7 @@ __all__ = [
     "open_database",
     "open_store",
     "server_secret",
+    "store_is_busy",
     "store_is_down",
 ]
 

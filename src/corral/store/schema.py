@@ -40,6 +40,7 @@ __all__ = [
     "UsageRow",
     "add_missing_columns",
     "bring_forward",
+    "store_is_busy",
     "store_is_down",
 ]
 
@@ -50,6 +51,7 @@ _SCHEMA_LOCK = int.from_bytes(b"corral", "big")  # PostgreSQL's advisory lock he
 _SCHEMA_WAIT_MS = 120_000  # SQLite: how long one waits while another makes its changes (an index build)
 _WIDEN_WAIT_S = 5.0  # PostgreSQL: how long a column's widening waits for its table's lock
 _LOCK_NOT_AVAILABLE = "55P03"  # PostgreSQL's SQLSTATE for a lock_timeout that passed
+_QUERY_CANCELED = "57014"  # and for a statement_timeout
 
 
 class Base(DeclarativeBase):
@@ -67,6 +69,14 @@ _SQLITE_DOWN = ("database is locked", "unable to open", "disk i/o error", "datab
 # resources (53: too many connections, out of disk), operator intervention (57: shutdown, starting up); and
 # 25006, a read-only transaction: a connection still on the old primary after a failover
 _POSTGRES_DOWN = ("08", "53", "57")
+
+
+def store_is_busy(error: BaseException) -> bool:
+    """Whether `error` is a statement that ran past its time or waited past its lock (PostgreSQL's
+    `statement_timeout`, `lock_timeout`): the store answers, this request asked too much of it now (a
+    report over years of rows, an upload behind its tenant's other one). A 503 too, not an outage."""
+    state = getattr(getattr(error, "orig", None), "sqlstate", None)
+    return state in (_QUERY_CANCELED, _LOCK_NOT_AVAILABLE)
 
 
 def store_is_down(error: BaseException) -> bool:
