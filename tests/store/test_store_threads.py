@@ -85,3 +85,32 @@ async def test_threads_closed_at_a_shutdown_start_again_for_a_gateway_started_ag
     threads.close()
     assert (await threads.lookup(lambda: threading.current_thread().name)).startswith("corral-store-lookup")
     threads.close()
+
+
+async def test_calls_given_up_on_stay_counted_and_past_a_backlog_the_lane_refuses_at_once() -> None:
+    """A connection kept open by a proxy after its store went: every call given up on after its wait kept
+    its thread, the calls after it queued for good (50,000 of them, 3 KB each). Those not answered count
+    until they end; past four a thread the lane refuses at once, and takes calls again once they end."""
+    release, started = threading.Event(), threading.Semaphore(0)
+    threads = StoreThreads(lookups=1, calls=1, wait_s=0.2)
+    try:
+        for _ in range(4):  # (one running, three waiting for its thread: each given up on)
+            with pytest.raises(StoreError, match="did not answer within"):
+                await threads.lookup(_held, release, started)
+        began = time.monotonic()
+        with pytest.raises(StoreError, match="has not answered 4 calls"):
+            await threads.lookup(lambda: "never")
+        assert time.monotonic() - began < 0.1
+        assert await threads.call(lambda: "the other lane") == "the other lane"
+        release.set()
+        deadline = time.monotonic() + 5
+        while True:  # (the calls given up on end, one after another)
+            try:
+                assert await threads.lookup(lambda: "again") == "again"
+                break
+            except StoreError:
+                assert time.monotonic() < deadline, "the lane never took calls again"
+                await asyncio.sleep(0.05)
+    finally:
+        release.set()
+        threads.close()

@@ -14,6 +14,7 @@ import asyncio
 import logging
 import os
 import stat
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -99,6 +100,9 @@ _P = ParamSpec("_P")
 _T = TypeVar("_T")
 
 
+_BACKLOG = 4  # calls a thread of a lane may have running or waiting before the lane refuses at once
+
+
 @dataclass(frozen=True)
 class StoreTimeouts:
     """How long a gateway's statement may run (`statement_s`) and wait for a lock (`lock_s`) on PostgreSQL,
@@ -128,6 +132,8 @@ class StoreThreads:
         self._wait = wait_s
         self._shared = shared  # (asyncio's default executor instead)
         self._pools: dict[str, ThreadPoolExecutor] = {}
+        self._pending = {"lookup": 0, "call": 0}  # calls running or waiting for a thread, by lane
+        self._counting = threading.Lock()  # (a call's end is counted on its thread)
 
     @classmethod
     def default_executor(cls) -> StoreThreads:
@@ -150,17 +156,30 @@ class StoreThreads:
         self._pools.clear()
 
     async def _run(self, lane: str, call: Callable[[], _T]) -> _T:
-        running = asyncio.get_running_loop().run_in_executor(self._pool(lane), call)
-        if self._wait is None:
-            return await running
+        pool = self._pool(lane)
+        if pool is None or self._wait is None:
+            return await asyncio.get_running_loop().run_in_executor(pool, call)
+        # A call given up on is not cancelled (it may be running, its thread held until TCP gives up): it
+        # stays counted until it ends, and past `_BACKLOG` calls a thread a lane refuses at once (behind a
+        # proxy that keeps a dead connection open, its threads stayed held and its queue grew for good).
+        with self._counting:
+            if self._pending[lane] >= self._sizes[lane] * _BACKLOG:
+                raise StoreError(f"the store has not answered {self._pending[lane]} calls before this one")
+            self._pending[lane] += 1
+        submitted = pool.submit(call)
+        submitted.add_done_callback(partial(self._ended, lane))
         within = asyncio.timeout(self._wait)
         try:
             async with within:
-                return await running
+                return await asyncio.shield(asyncio.wrap_future(submitted))
         except TimeoutError:
             if not within.expired():  # (the call's own error)
                 raise
             raise StoreError(f"the store did not answer within {self._wait:g} s") from None
+
+    def _ended(self, lane: str, _: object) -> None:
+        with self._counting:
+            self._pending[lane] -= 1
 
     def _pool(self, lane: str) -> ThreadPoolExecutor | None:
         if self._shared:
