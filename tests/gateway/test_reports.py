@@ -30,7 +30,7 @@ async def test_reports_beyond_their_turns_wait_and_one_waiting_too_long_is_a_503
         async with turns.turn("tenant:2"):
             pytest.fail("a third report was read beside two")
     assert refused.value.code == "reports_busy" and refused.value.headers()["Retry-After"] == "1"
-    waiting = asyncio.create_task(report("tenant:3"))  # (waits its turn: one is given back before its wait ends)
+    waiting = asyncio.create_task(report("tenant:3"))  # (waits its turn: one is given back before it ends)
     await asyncio.sleep(0)
     release.set()
     await asyncio.wait_for(asyncio.gather(*held, waiting), 5)
