@@ -114,3 +114,19 @@ async def test_calls_given_up_on_stay_counted_and_past_a_backlog_the_lane_refuse
     finally:
         release.set()
         threads.close()
+
+
+async def test_a_burst_past_the_backlog_waits_its_turn() -> None:
+    """Only calls given up on count toward the backlog: 64 streams of a new key at once were refused 503
+    when every call waiting its turn counted."""
+    threads = StoreThreads(lookups=1, calls=1, wait_s=5)
+
+    def found(key: str) -> str:
+        time.sleep(0.005)
+        return key
+
+    try:
+        keys = [f"k{n}" for n in range(20)]
+        assert await asyncio.gather(*(threads.lookup(found, key) for key in keys)) == keys
+    finally:
+        threads.close()

@@ -16,11 +16,11 @@ import os
 import stat
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import ParamSpec, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 from sqlalchemy import Engine, create_engine, event, inspect, make_url
 from sqlalchemy.exc import ArgumentError, NoSuchModuleError, SQLAlchemyError
@@ -132,7 +132,8 @@ class StoreThreads:
         self._wait = wait_s
         self._shared = shared  # (asyncio's default executor instead)
         self._pools: dict[str, ThreadPoolExecutor] = {}
-        self._pending = {"lookup": 0, "call": 0}  # calls running or waiting for a thread, by lane
+        # calls given up on, running or waiting for a thread, by lane
+        self._abandoned: dict[str, set[Future[Any]]] = {"lookup": set(), "call": set()}
         self._counting = threading.Lock()  # (a call's end is counted on its thread)
 
     @classmethod
@@ -160,14 +161,12 @@ class StoreThreads:
         if pool is None or self._wait is None:
             return await asyncio.get_running_loop().run_in_executor(pool, call)
         # A call given up on is not cancelled (it may be running, its thread held until TCP gives up): it
-        # stays counted until it ends, and past `_BACKLOG` calls a thread a lane refuses at once (behind a
-        # proxy that keeps a dead connection open, its threads stayed held and its queue grew for good).
-        with self._counting:
-            if self._pending[lane] >= self._sizes[lane] * _BACKLOG:
-                raise StoreError(f"the store has not answered {self._pending[lane]} calls before this one")
-            self._pending[lane] += 1
+        # stays counted until it ends, and while `_BACKLOG` calls a thread are so a lane refuses at once
+        # (behind a proxy that keeps a dead connection open, its threads stayed held and its queue grew for
+        # good). Calls merely waiting their turn are not counted: a burst is served in turn.
+        if len(self._abandoned[lane]) >= self._sizes[lane] * _BACKLOG:
+            raise StoreError(f"the store has not answered {len(self._abandoned[lane])} calls given up on")
         submitted = pool.submit(call)
-        submitted.add_done_callback(partial(self._ended, lane))
         within = asyncio.timeout(self._wait)
         try:
             async with within:
@@ -175,11 +174,15 @@ class StoreThreads:
         except TimeoutError:
             if not within.expired():  # (the call's own error)
                 raise
+            with self._counting:
+                if not submitted.done():
+                    self._abandoned[lane].add(submitted)
+            submitted.add_done_callback(partial(self._ended, lane))
             raise StoreError(f"the store did not answer within {self._wait:g} s") from None
 
-    def _ended(self, lane: str, _: object) -> None:
+    def _ended(self, lane: str, call: Future[Any]) -> None:
         with self._counting:
-            self._pending[lane] -= 1
+            self._abandoned[lane].discard(call)
 
     def _pool(self, lane: str) -> ThreadPoolExecutor | None:
         if self._shared:
